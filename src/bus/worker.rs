@@ -1,0 +1,363 @@
+//! The partition worker: pull a partition's raw messages in batches, project them, publish with
+//! deterministic Msg-Ids, and acknowledge each input only after its outputs are stored.
+//!
+//! Two tasks per partition keep publishes pipelined without giving up order or durability:
+//! the *reader* processes messages strictly in stream order and issues their publishes; the
+//! *acker* awaits the publish acks in the same order, retries a failed publish in place (same
+//! Msg-Id, so a publish that did land collapses in the duplicate window), records the
+//! partition's progress mark, and only then acknowledges the inputs. A crash anywhere in between
+//! is repaired by redelivery: the progress mark and the Msg-Ids make reprocessing idempotent.
+
+use crate::config::{Names, Settings};
+use crate::ingest;
+use crate::pipeline::{self, OutKind, Outgoing, RawMessage};
+use crate::telemetry;
+use async_nats::jetstream::{self, consumer::PullConsumer, kv, message::PublishMessage, AckKind};
+use async_nats::HeaderMap;
+use futures::StreamExt;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, info, warn};
+
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("partition {partition}: {detail}")]
+    Setup { partition: u16, detail: String },
+}
+
+/// What the worker tells health checks and the demo.
+#[derive(Debug, Default)]
+pub struct WorkerState {
+    pub partitions_running: AtomicUsize,
+    pub inputs: AtomicU64,
+    pub projected: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    pub publish_retries: AtomicU64,
+}
+
+/// Everything the partition tasks share.
+pub struct Shared {
+    pub js: jetstream::Context,
+    pub settings: Settings,
+    pub names: Names,
+    pub ingest: ingest::Settings,
+    pub progress: kv::Store,
+    pub state: Arc<WorkerState>,
+    /// Test hook: fail every Nth publish attempt before it is sent (0 = never).
+    pub fail_publish_every: u64,
+    publish_attempts: AtomicU64,
+}
+
+impl Shared {
+    pub async fn new(js: jetstream::Context, settings: Settings) -> Result<Arc<Shared>, WorkerError> {
+        let names = settings.names();
+        let progress = js
+            .get_key_value(&names.progress_bucket)
+            .await
+            .map_err(|e| WorkerError::Setup {
+                partition: 0,
+                detail: format!("progress bucket {}: {e}", names.progress_bucket),
+            })?;
+        let ingest = ingest::Settings {
+            main_agents: crate::classify::MainAgents::new(&settings.roles.main_agents),
+            adapter_mode: settings.adapter.mode,
+            adapter_limits: settings.adapter_limits(),
+            max_payload_bytes: settings.limits.max_payload_bytes,
+        };
+        let fail_publish_every = std::env::var("COLLAB_TEST_FAIL_PUBLISH_EVERY")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        Ok(Arc::new(Shared {
+            js,
+            names,
+            ingest,
+            progress,
+            state: Arc::new(WorkerState::default()),
+            fail_publish_every,
+            publish_attempts: AtomicU64::new(0),
+            settings,
+        }))
+    }
+
+    /// Issue one publish; the returned future resolves with the server's ack.
+    async fn send(
+        &self,
+        out: &Outgoing,
+    ) -> Result<jetstream::context::PublishAckFuture, String> {
+        if self.fail_publish_every > 0 {
+            let n = self.publish_attempts.fetch_add(1, Ordering::Relaxed) + 1;
+            if n % self.fail_publish_every == 0 {
+                return Err("injected publish failure (COLLAB_TEST_FAIL_PUBLISH_EVERY)".into());
+            }
+        }
+        let mut headers = HeaderMap::new();
+        for (k, v) in &out.headers {
+            headers.insert(*k, v.as_str());
+        }
+        let publish = PublishMessage::build()
+            .payload(out.payload.clone())
+            .headers(headers)
+            .message_id(out.msg_id.as_str());
+        self.js
+            .send_publish(out.subject.clone(), publish)
+            .await
+            .map_err(|e| e.to_string())
+    }
+
+    /// Publish until the server acknowledges, backing off between attempts. Keeps `inputs`
+    /// alive meanwhile so the server does not redeliver them. Gives up only on cancellation.
+    async fn publish_in_place(
+        &self,
+        out: &Outgoing,
+        inputs: &[&jetstream::Message],
+        cancel: &CancellationToken,
+    ) -> bool {
+        let mut backoff = Duration::from_millis(50);
+        let mut since_progress = Duration::ZERO;
+        loop {
+            let result = match self.send(out).await {
+                Ok(fut) => fut.await.map(|_| ()).map_err(|e| e.to_string()),
+                Err(e) => Err(e),
+            };
+            match result {
+                Ok(()) => return true,
+                Err(e) => {
+                    self.state.publish_retries.fetch_add(1, Ordering::Relaxed);
+                    metrics::counter!(telemetry::PUBLISH_RETRIES).increment(1);
+                    warn!(subject = %out.subject, error = %e, "publish failed; retrying in place");
+                }
+            }
+            if cancel.is_cancelled() && since_progress > self.settings.consumer.ack_wait {
+                return false;
+            }
+            tokio::time::sleep(backoff).await;
+            since_progress += backoff;
+            if since_progress >= self.settings.consumer.ack_wait / 3 {
+                for m in inputs {
+                    let _ = m.ack_with(AckKind::Progress).await;
+                }
+                since_progress = Duration::ZERO;
+            }
+            backoff = (backoff * 2).min(Duration::from_secs(2));
+        }
+    }
+}
+
+struct Item {
+    msg: jetstream::Message,
+    seq: u64,
+    pending: Vec<(Outgoing, Option<jetstream::context::PublishAckFuture>)>,
+}
+
+fn mark_key(p: u16) -> String {
+    format!("p{p}")
+}
+
+async fn read_mark(shared: &Shared, p: u16) -> u64 {
+    match shared.progress.get(mark_key(p)).await {
+        Ok(Some(v)) => std::str::from_utf8(&v)
+            .ok()
+            .and_then(|s| s.parse().ok())
+            .unwrap_or(0),
+        _ => 0,
+    }
+}
+
+/// Run one partition until `cancel`: finish the batch in hand, acknowledge what was published,
+/// and return.
+pub async fn run_partition(
+    shared: Arc<Shared>,
+    p: u16,
+    cancel: CancellationToken,
+) -> Result<(), WorkerError> {
+    let setup = |detail: String| WorkerError::Setup { partition: p, detail };
+    let stream = shared
+        .js
+        .get_stream(&shared.names.raw_stream)
+        .await
+        .map_err(|e| setup(format!("stream {}: {e}", shared.names.raw_stream)))?;
+    let consumer: PullConsumer = stream
+        .get_consumer(&shared.names.consumer_name(p))
+        .await
+        .map_err(|e| setup(format!("consumer {}: {e}", shared.names.consumer_name(p))))?;
+    let mark = read_mark(&shared, p).await;
+    shared.state.partitions_running.fetch_add(1, Ordering::Relaxed);
+    debug!(partition = p, mark, "partition started");
+
+    let (tx, rx) = mpsc::channel::<Item>(512);
+    let acker = tokio::spawn(ack_stage(shared.clone(), p, rx, cancel.clone()));
+    let batch = shared.settings.consumer.batch;
+    let mut backoff = Duration::from_millis(100);
+    'pull: while !cancel.is_cancelled() {
+        let mut messages = match consumer
+            .batch()
+            .max_messages(batch)
+            .expires(Duration::from_secs(1))
+            .messages()
+            .await
+        {
+            Ok(m) => m,
+            Err(e) => {
+                warn!(partition = p, error = %e, "pull failed; retrying");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = cancel.cancelled() => break 'pull,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+                continue;
+            }
+        };
+        backoff = Duration::from_millis(100);
+        // The batch is bounded (size and expiry): finishing it on cancel is the drain.
+        while let Some(next) = messages.next().await {
+            let msg = match next {
+                Ok(m) => m,
+                Err(e) => {
+                    debug!(partition = p, error = %e, "batch ended with an error");
+                    break;
+                }
+            };
+            let item = process(&shared, &msg, mark, &cancel).await;
+            let Some(pending) = item else {
+                // Cancelled while a publish kept failing: leave the message for redelivery.
+                break 'pull;
+            };
+            let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
+            if tx.send(Item { msg, seq, pending }).await.is_err() {
+                break 'pull;
+            }
+        }
+    }
+    drop(tx);
+    let _ = acker.await;
+    shared.state.partitions_running.fetch_sub(1, Ordering::Relaxed);
+    debug!(partition = p, "partition stopped");
+    Ok(())
+}
+
+/// Project one message and issue its publishes. `None` if cancelled mid-retry.
+async fn process(
+    shared: &Shared,
+    msg: &jetstream::Message,
+    mark: u64,
+    cancel: &CancellationToken,
+) -> Option<Vec<(Outgoing, Option<jetstream::context::PublishAckFuture>)>> {
+    let Ok(info) = msg.info() else {
+        return Some(Vec::new());
+    };
+    shared.state.inputs.fetch_add(1, Ordering::Relaxed);
+    if info.stream_sequence <= mark {
+        // Published before a crash that came before its acknowledgement.
+        metrics::counter!(telemetry::INPUTS, "outcome" => "already_projected").increment(1);
+        return Some(Vec::new());
+    }
+    let raw = RawMessage {
+        bytes: &msg.payload,
+        stream: info.stream,
+        seq: info.stream_sequence,
+        stored_subject: msg.subject.as_str(),
+        stored_at: info.published,
+        delivered: info.delivered,
+    };
+    let outs = pipeline::project(
+        &raw,
+        &shared.names,
+        &shared.ingest,
+        shared.settings.consumer.max_deliver,
+    );
+    let mut pending = Vec::with_capacity(outs.len());
+    for out in outs {
+        count(shared, &out);
+        let fut = match shared.send(&out).await {
+            Ok(f) => Some(f),
+            Err(e) => {
+                warn!(subject = %out.subject, error = %e, "publish failed; retrying in place");
+                // Retry before anything later is published, so per-key order holds.
+                if !shared.publish_in_place(&out, &[msg], cancel).await {
+                    return None;
+                }
+                None
+            }
+        };
+        pending.push((out, fut));
+    }
+    Some(pending)
+}
+
+fn count(shared: &Shared, out: &Outgoing) {
+    match out.kind {
+        OutKind::Projection(role) => {
+            shared.state.projected.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!(telemetry::PROJECTED, "role" => role.as_str()).increment(1);
+        }
+        OutKind::DeadLetter(reason) => {
+            shared.state.dead_lettered.fetch_add(1, Ordering::Relaxed);
+            metrics::counter!(telemetry::DEAD_LETTERS, "reason" => reason.as_str()).increment(1);
+        }
+    }
+}
+
+async fn ack_stage(
+    shared: Arc<Shared>,
+    p: u16,
+    mut rx: mpsc::Receiver<Item>,
+    cancel: CancellationToken,
+) {
+    let key = mark_key(p);
+    while let Some(first) = rx.recv().await {
+        let mut items = vec![first];
+        while items.len() < 1024 {
+            match rx.try_recv() {
+                Ok(i) => items.push(i),
+                Err(_) => break,
+            }
+        }
+        let mut all_stored = true;
+        for idx in 0..items.len() {
+            let pending = std::mem::take(&mut items[idx].pending);
+            for (out, fut) in pending {
+                let Some(fut) = fut else { continue };
+                if fut.await.is_err() {
+                    let inputs: Vec<&jetstream::Message> = items.iter().map(|i| &i.msg).collect();
+                    if !shared.publish_in_place(&out, &inputs, &cancel).await {
+                        all_stored = false;
+                        break;
+                    }
+                }
+            }
+            if !all_stored {
+                break;
+            }
+        }
+        if !all_stored {
+            // Shutting down with a publish still failing: acknowledge nothing; redelivery repairs.
+            return;
+        }
+        let last = items.iter().map(|i| i.seq).max().unwrap_or(0);
+        let mut backoff = Duration::from_millis(50);
+        loop {
+            match shared.progress.put(&key, last.to_string().into()).await {
+                Ok(_) => break,
+                Err(e) => {
+                    if cancel.is_cancelled() && backoff >= Duration::from_secs(2) {
+                        warn!(partition = p, error = %e, "progress mark not written; inputs left for redelivery");
+                        return;
+                    }
+                    warn!(partition = p, error = %e, "progress mark failed; retrying");
+                    tokio::time::sleep(backoff).await;
+                    backoff = (backoff * 2).min(Duration::from_secs(2));
+                }
+            }
+        }
+        for item in items {
+            if let Err(e) = item.msg.ack().await {
+                debug!(partition = p, error = %e, "ack failed; the message will be redelivered and skipped by the progress mark");
+            }
+        }
+    }
+    info!(partition = p, "acker drained");
+}

@@ -1,0 +1,291 @@
+//! The mapping of collaboration events (seed 000) and runtime events (seed 003), and of the
+//! adapter's canonical payload, onto the envelope.
+
+use super::adapter;
+use super::{check_type, Normalized, RawInput, Settings};
+use crate::classify::{self, Fields};
+use crate::facets;
+use crate::model::{encode_id, id_text, DlqReason, Envelope, Rejection, Role};
+use chrono::{DateTime, SecondsFormat, TimeZone, Utc};
+use serde_json::{Map, Value};
+
+/// Top-level keys that have a slot in the envelope (or are consumed by the mapping).
+const SLOTS: &[&str] = &[
+    "type",
+    "eventRole",
+    "sequence",
+    "timestamp",
+    "ts",
+    "sessionId",
+    "threadId",
+    "runId",
+    "turnId",
+    "messageId",
+    "taskId",
+    "agentId",
+    "parentSessionId",
+    "parentThreadId",
+    "conversationId",
+    "workSessionId",
+    "owner",
+    "scope",
+    "phase",
+    "surface",
+    "persistence",
+    "topology",
+    "payload",
+    "refs",
+    "data",
+];
+
+/// The conversation key of CONTRACT section 4, in order of preference.
+pub const CONVERSATION_KEY_FIELDS: [&str; 4] =
+    ["conversationId", "sessionId", "contextId", "workSessionId"];
+
+/// Format a producer timestamp (epoch milliseconds or RFC 3339) as RFC 3339 UTC with millis.
+pub fn parse_timestamp(v: &Value) -> Option<String> {
+    let dt: DateTime<Utc> = match v {
+        Value::Number(n) => {
+            let ms = n.as_i64().or_else(|| n.as_f64().map(|f| f as i64))?;
+            Utc.timestamp_millis_opt(ms).single()?
+        }
+        Value::String(s) => DateTime::parse_from_rfc3339(s.trim()).ok()?.with_timezone(&Utc),
+        _ => return None,
+    };
+    Some(dt.to_rfc3339_opts(SecondsFormat::Millis, true))
+}
+
+/// Whether an event carries an upstream failure signal (for the phase facet).
+pub fn carries_failure(fields: &Fields<'_>, event_type: &str) -> bool {
+    if event_type == "a2a.error" {
+        return true;
+    }
+    let ws = fields.str("waitStatus");
+    let outcome = fields.str("outcome");
+    matches!(ws, Some("timeout" | "error" | "not_found"))
+        || matches!(outcome, Some("no_reply" | "blocked" | "failed"))
+        || fields.get("error").is_some()
+        || fields.get("notFound").and_then(Value::as_bool) == Some(true)
+}
+
+/// The conversation key of an event, if it has one.
+pub fn conversation_key(fields: &Fields<'_>) -> Option<String> {
+    CONVERSATION_KEY_FIELDS
+        .iter()
+        .find_map(|k| fields.get(k).and_then(id_text))
+}
+
+/// Map a collaboration or runtime event.
+pub fn from_event(
+    obj: &Map<String, Value>,
+    input: &RawInput<'_>,
+    settings: &Settings,
+) -> Result<Normalized, Rejection> {
+    let fields = Fields::new(obj);
+    let event_type = obj
+        .get("type")
+        .and_then(Value::as_str)
+        .unwrap_or_default()
+        .to_string();
+    check_type(&event_type)?;
+    let role = classify::classify(&event_type, &fields, &settings.main_agents)?;
+
+    // Key: for a2a.* it must be the conversation key; otherwise the producer's choice.
+    let mut conversation_id = None;
+    let key = if event_type.starts_with("a2a.") {
+        let Some(conv) = conversation_key(&fields) else {
+            return Err(Rejection::new(
+                DlqReason::BadKey,
+                format!(
+                    "{event_type} has no conversation key: set conversationId (or sessionId, contextId, workSessionId) at the top level or under data"
+                ),
+            ));
+        };
+        let expected = encode_id(&conv);
+        if let Some(subject) = &input.subject {
+            if subject.key != expected {
+                return Err(Rejection::new(
+                    DlqReason::BadKey,
+                    format!(
+                        "{event_type} for conversation {conv:?} was published under key `{}`; publish it on collab.raw.{expected}.{event_type} so every event of the conversation stays in one partition",
+                        subject.key
+                    ),
+                ));
+            }
+        }
+        conversation_id = Some(conv);
+        expected
+    } else if let Some(subject) = &input.subject {
+        subject.key.clone()
+    } else {
+        ["sessionId", "taskId", "agentId", "conversationId", "workSessionId"]
+            .iter()
+            .find_map(|k| fields.get(k).and_then(id_text))
+            .map(|id| encode_id(&id))
+            .unwrap_or_else(|| "_".to_string())
+    };
+
+    let id = |name: &str| fields.get(name).cloned();
+    let str_slot = |name: &str| obj.get(name).and_then(Value::as_str).map(str::to_string);
+    let timestamp_src = fields.get("timestamp").or_else(|| fields.get("ts"));
+    let mut envelope = Envelope {
+        event_type: event_type.clone(),
+        event_role: Some(role),
+        sequence: obj.get("sequence").filter(|v| !v.is_null()).cloned(),
+        timestamp: timestamp_src.and_then(parse_timestamp),
+        session_id: id("sessionId"),
+        thread_id: id("threadId"),
+        run_id: id("runId"),
+        turn_id: id("turnId"),
+        message_id: id("messageId"),
+        task_id: id("taskId"),
+        agent_id: id("agentId"),
+        parent_session_id: id("parentSessionId"),
+        parent_thread_id: id("parentThreadId"),
+        conversation_id: id("conversationId"),
+        work_session_id: id("workSessionId"),
+        owner: str_slot("owner"),
+        scope: str_slot("scope"),
+        phase: str_slot("phase"),
+        surface: str_slot("surface"),
+        persistence: str_slot("persistence"),
+        topology: str_slot("topology"),
+        payload: None,
+        refs: obj.get("refs").filter(|v| !v.is_null()).cloned(),
+        raw_event_ref: input.raw_ref.clone(),
+    };
+
+    // Payload: the producer's body, nothing dropped.
+    let payload = match (obj.get("data"), obj.get("payload")) {
+        (Some(data), None) => Some(data.clone()),
+        (None, Some(p)) => Some(p.clone()),
+        (Some(data), Some(p)) => {
+            let mut m = Map::new();
+            m.insert("data".into(), data.clone());
+            m.insert("payload".into(), p.clone());
+            Some(Value::Object(m))
+        }
+        (None, None) => None,
+    };
+    envelope.payload = payload;
+    let unknown: Vec<(&String, &Value)> = obj
+        .iter()
+        .filter(|(k, _)| !SLOTS.contains(&k.as_str()))
+        .collect();
+    // A timestamp we could not read is kept as given rather than lost.
+    let unread_ts: Vec<(&str, &Value)> = ["timestamp", "ts"]
+        .iter()
+        .filter_map(|k| obj.get_key_value(*k))
+        .filter(|(_, v)| parse_timestamp(v).is_none() && !v.is_null())
+        .map(|(k, v)| (k.as_str(), v))
+        .collect();
+    if !unknown.is_empty() || !unread_ts.is_empty() {
+        let map = envelope.payload_object();
+        let extra = unknown
+            .into_iter()
+            .map(|(k, v)| (k.as_str(), v))
+            .chain(unread_ts);
+        for (k, v) in extra {
+            if map.contains_key(k) {
+                let input_map = map
+                    .entry("_input")
+                    .or_insert_with(|| Value::Object(Map::new()));
+                if let Value::Object(m) = input_map {
+                    m.insert(k.to_string(), v.clone());
+                }
+            } else {
+                map.insert(k.to_string(), v.clone());
+            }
+        }
+    }
+
+    let status = fields.str("status");
+    let failed = carries_failure(&fields, &event_type);
+    facets::apply(&mut envelope, &facets::derive(&event_type, status, failed));
+
+    Ok(Normalized {
+        envelope,
+        key,
+        conversation_id,
+    })
+}
+
+/// Map an A2A adapter packet through the K1-A adapter.
+pub fn from_adapter_packet(
+    value: &Value,
+    input: &RawInput<'_>,
+    settings: &Settings,
+) -> Result<Normalized, Rejection> {
+    let canonical = adapter::convert(
+        value,
+        input.bytes.len(),
+        settings.adapter_mode,
+        &settings.adapter_limits,
+    )
+    .map_err(|e| Rejection::new(DlqReason::AdapterRejected, e.to_string()))?;
+    check_type(&canonical.event_type)?;
+    let upstream = value
+        .get("event_type")
+        .and_then(Value::as_str)
+        .unwrap_or_default();
+    let role = if canonical.handoff_visible {
+        Role::DelegationSubagent
+    } else if canonical.event_type.starts_with("assay.adapter.a2a.task.")
+        || canonical.event_type.starts_with("assay.adapter.a2a.artifact.")
+    {
+        Role::OrchestrationTask
+    } else {
+        Role::SystemObservability
+    };
+    let typed_id = |obj: &str| {
+        value
+            .get(obj)
+            .and_then(|o| o.get("id"))
+            .filter(|v| v.is_string())
+            .cloned()
+    };
+    let key = match &input.subject {
+        Some(s) => s.key.clone(),
+        None => typed_id("task")
+            .or_else(|| typed_id("agent"))
+            .and_then(|v| id_text(&v))
+            .map(|id| encode_id(&id))
+            .unwrap_or_else(|| "_".to_string()),
+    };
+    let mut refs = Map::new();
+    refs.insert(
+        "handoffDigest".into(),
+        Value::String(canonical.handoff_digest.clone()),
+    );
+    refs.insert(
+        "discoveryDigest".into(),
+        Value::String(canonical.discovery_digest.clone()),
+    );
+    let mut envelope = Envelope {
+        event_type: canonical.event_type.clone(),
+        event_role: Some(role),
+        timestamp: value.get("timestamp").and_then(parse_timestamp),
+        agent_id: typed_id("agent"),
+        task_id: typed_id("task"),
+        message_id: typed_id("message"),
+        payload: Some(canonical.payload),
+        refs: Some(Value::Object(refs)),
+        raw_event_ref: input.raw_ref.clone(),
+        ..Default::default()
+    };
+    if canonical.event_type != "assay.adapter.a2a.message" {
+        let status = value
+            .get("task")
+            .and_then(|t| t.get("status"))
+            .and_then(Value::as_str);
+        facets::apply(&mut envelope, &facets::derive(upstream, status, false));
+    }
+    if canonical.handoff_visible {
+        envelope.surface = Some("delegation_graph".into());
+    }
+    Ok(Normalized {
+        envelope,
+        key,
+        conversation_id: None,
+    })
+}

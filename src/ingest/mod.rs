@@ -1,0 +1,186 @@
+//! Normalisation: one raw message in, projected envelopes (or a dead-letter reason) out.
+//!
+//! Pure functions of the bytes, the subject and configuration: no I/O, no clock. The format is
+//! recognised from the body (CONTRACT section 2):
+//! 1. A2A adapter packets (`protocol == "a2a"` with `event_type`) go through the K1-A adapter;
+//! 2. collaboration events (seed 000: `type` + fields at the top level or under `data`) and
+//! 3. runtime events (seed 003 envelope) share one mapping in [`event`];
+//! 4. A2A JSON-RPC traffic and 5. AG-UI events are recognised and reported as not supported
+//!    yet, so they are dead-lettered with a precise reason instead of being mis-projected.
+
+pub mod adapter;
+pub mod event;
+
+use crate::classify::MainAgents;
+use crate::model::{DlqReason, Envelope, RawEventRef, Rejection, Role};
+use adapter::{AdapterLimits, AdapterMode};
+use serde_json::Value;
+
+/// What normalisation needs from configuration.
+#[derive(Debug, Clone, Default)]
+pub struct Settings {
+    pub main_agents: MainAgents,
+    pub adapter_mode: AdapterMode,
+    pub adapter_limits: AdapterLimits,
+    /// Largest raw message accepted, in bytes (`too_large` beyond it).
+    pub max_payload_bytes: usize,
+}
+
+/// The raw subject's facts: `collab.raw.<key>.<type...>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SubjectInfo {
+    /// The ordering key token.
+    pub key: String,
+    /// The producer's type tokens after the key (informational; the body's type wins).
+    pub type_suffix: String,
+}
+
+impl SubjectInfo {
+    /// Parse the producer's subject `<prefix>.raw.<key>.<type...>`.
+    pub fn parse_raw(prefix: &str, subject: &str) -> Option<SubjectInfo> {
+        let rest = subject.strip_prefix(prefix)?.strip_prefix(".raw.")?;
+        let (key, type_suffix) = rest.split_once('.')?;
+        Some(SubjectInfo {
+            key: key.to_string(),
+            type_suffix: type_suffix.to_string(),
+        })
+    }
+}
+
+/// One raw message to normalise.
+#[derive(Debug, Clone)]
+pub struct RawInput<'a> {
+    pub bytes: &'a [u8],
+    /// Absent when normalising offline (`collab-projector normalize`).
+    pub subject: Option<SubjectInfo>,
+    pub raw_ref: Option<RawEventRef>,
+}
+
+/// A normalised event ready to project.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Normalized {
+    pub envelope: Envelope,
+    /// The subject key token it is projected under.
+    pub key: String,
+    /// For `a2a.*` events: the conversation key (original id) the turn contract uses.
+    pub conversation_id: Option<String>,
+}
+
+impl Normalized {
+    pub fn role(&self) -> Role {
+        self.envelope
+            .event_role
+            .unwrap_or(Role::SystemObservability)
+    }
+}
+
+/// Normalise one raw message.
+pub fn normalize(input: &RawInput<'_>, settings: &Settings) -> Result<Vec<Normalized>, Rejection> {
+    if settings.max_payload_bytes > 0 && input.bytes.len() > settings.max_payload_bytes {
+        return Err(Rejection::new(
+            DlqReason::TooLarge,
+            format!(
+                "message is {} bytes, over max_payload_bytes ({}); split it, or offload large fields and publish a reference",
+                input.bytes.len(),
+                settings.max_payload_bytes
+            ),
+        ));
+    }
+    let value: Value = serde_json::from_slice(input.bytes).map_err(|e| {
+        Rejection::new(
+            DlqReason::BadJson,
+            format!("body is not valid UTF-8 JSON ({e}); publish one JSON object per message"),
+        )
+    })?;
+    let Value::Object(obj) = &value else {
+        return Err(Rejection::new(
+            DlqReason::Unrecognized,
+            format!(
+                "body is a JSON {}, not an object; publish one JSON object per message",
+                json_kind(&value)
+            ),
+        ));
+    };
+
+    if adapter::looks_like_adapter_packet(&value) {
+        return event::from_adapter_packet(&value, input, settings).map(|n| vec![n]);
+    }
+    if obj.contains_key("jsonrpc") {
+        return Err(Rejection::new(
+            DlqReason::Unrecognized,
+            "A2A JSON-RPC traffic is not projected by this version; publish collaboration events (type a2a.send/a2a.response/a2a.complete) for the turn, or replay this dead letter after upgrading",
+        ));
+    }
+    match obj.get("type") {
+        Some(Value::String(t)) if is_agui_type(t) => Err(Rejection::new(
+            DlqReason::Unrecognized,
+            format!("AG-UI event `{t}` is not projected by this version; replay this dead letter after upgrading"),
+        )),
+        Some(Value::String(_)) => event::from_event(obj, input, settings).map(|n| vec![n]),
+        Some(other) => Err(Rejection::new(
+            DlqReason::BadType,
+            format!("`type` must be a string such as \"a2a.send\", got {}", json_kind(other)),
+        )),
+        None => Err(Rejection::new(
+            DlqReason::Unrecognized,
+            "object has no `type` and is not an A2A adapter packet (`protocol: \"a2a\"` with `event_type`); add a `type` such as \"a2a.send\" or \"task.updated\"",
+        )),
+    }
+}
+
+/// AG-UI event types are SCREAMING_SNAKE_CASE (`RUN_STARTED`, `TEXT_MESSAGE_CONTENT`).
+fn is_agui_type(t: &str) -> bool {
+    !t.is_empty()
+        && t.bytes()
+            .all(|b| b.is_ascii_uppercase() || b == b'_' || b.is_ascii_digit())
+        && t.bytes().any(|b| b.is_ascii_uppercase())
+}
+
+pub(crate) fn json_kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "boolean",
+        Value::Number(_) => "number",
+        Value::String(_) => "string",
+        Value::Array(_) => "array",
+        Value::Object(_) => "object",
+    }
+}
+
+/// Check that an event type can become subject tokens.
+pub fn check_type(t: &str) -> Result<(), Rejection> {
+    let bad = t.is_empty()
+        || t.len() > 256
+        || t.split('.').any(str::is_empty)
+        || t.chars()
+            .any(|c| c.is_whitespace() || c.is_control() || c == '*' || c == '>');
+    if bad {
+        return Err(Rejection::new(
+            DlqReason::BadType,
+            format!(
+                "type {t:?} cannot become subject tokens: use dot-separated tokens without spaces, `*` or `>` (e.g. \"task.updated\")"
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// The `normalize` command's answer for one input line: the envelope, `{"events":[...]}` when
+/// the line yields several, or `{"error":{"reason","detail"}}`.
+pub fn normalize_line(line: &[u8], settings: &Settings) -> String {
+    let input = RawInput {
+        bytes: line,
+        subject: None,
+        raw_ref: None,
+    };
+    let value = match normalize(&input, settings) {
+        Ok(mut events) if events.len() == 1 => {
+            serde_json::to_value(events.remove(0).envelope).unwrap_or(Value::Null)
+        }
+        Ok(events) => serde_json::json!({
+            "events": events.into_iter().map(|n| n.envelope).collect::<Vec<_>>()
+        }),
+        Err(r) => serde_json::json!({"error": {"reason": r.reason.as_str(), "detail": r.detail}}),
+    };
+    value.to_string()
+}

