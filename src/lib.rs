@@ -17,6 +17,7 @@
 //! - [`localnats`]: start a local nats-server for `demo`, `bench` and tests.
 //! - [`sim`]: the traffic generator of `demo` and `bench`.
 //! - [`demo`]: the `demo` command.
+//! - [`turns`]: the turn contract: the pure state machine, the deadline set, blocked outcomes.
 //! - [`telemetry`]: logging and metric names.
 
 pub mod app;
@@ -32,3 +33,4 @@ pub mod model;
 pub mod pipeline;
 pub mod sim;
 pub mod telemetry;
+pub mod turns;

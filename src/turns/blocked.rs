@@ -1,0 +1,287 @@
+//! The messages the turn contract publishes: the turn's one `a2a.response` (a real reply, an
+//! upstream failure normalised into a blocked outcome, or a synthesised blocked outcome) and the
+//! `a2a.response.suppressed` record of any further response.
+
+use super::{Reason, SuppressReason, TurnRecord, Winner};
+use crate::facets;
+use crate::model::{Envelope, RawEventRef, Role};
+use chrono::{SecondsFormat, TimeZone, Utc};
+use serde_json::{json, Map, Value};
+
+const SECTIONS: [&str; 4] = ["goal", "outcome", "evidence", "next_action"];
+
+fn rfc3339(ms: i64) -> String {
+    Utc.timestamp_millis_opt(ms)
+        .single()
+        .map(|t| t.to_rfc3339_opts(SecondsFormat::Millis, true))
+        .unwrap_or_default()
+}
+
+/// Read the seed's handoff sections (`goal:`, `outcome:`, `evidence:`, `next_action:`) from a
+/// message text. All four must be present; a section runs until the next one.
+pub fn parse_sections(text: &str) -> Option<Map<String, Value>> {
+    let mut found: Map<String, Value> = Map::new();
+    let mut current: Option<&str> = None;
+    let mut buf = String::new();
+    let flush = |found: &mut Map<String, Value>, current: Option<&str>, buf: &mut String| {
+        if let Some(name) = current {
+            found.insert(name.to_string(), Value::String(buf.trim().to_string()));
+        }
+        buf.clear();
+    };
+    for line in text.lines() {
+        let trimmed = line
+            .trim_start()
+            .trim_start_matches(|c: char| c == '-' || c == '*' || c == '#' || c.is_ascii_digit() || c == '.' || c == ' ');
+        let lower = trimmed.to_ascii_lowercase();
+        let hit = SECTIONS.iter().find(|s| {
+            lower.starts_with(*s)
+                && lower[s.len()..].trim_start().starts_with([':', '='])
+        });
+        if let Some(name) = hit {
+            flush(&mut found, current, &mut buf);
+            current = Some(name);
+            let rest = trimmed[name.len()..].trim_start();
+            buf.push_str(rest[1..].trim());
+        } else if current.is_some() {
+            buf.push('\n');
+            buf.push_str(line);
+        }
+    }
+    flush(&mut found, current, &mut buf);
+    SECTIONS
+        .iter()
+        .all(|s| found.contains_key(*s))
+        .then_some(found)
+}
+
+/// The next action for a blocked turn: whom to retry, with what, what to check.
+pub fn next_action(rec: &TurnRecord, reason: Reason, detail: Option<&str>) -> String {
+    let send = rec.send.as_ref();
+    let to = send
+        .and_then(|s| s.to_agent.as_deref())
+        .unwrap_or("the target agent");
+    let from = send
+        .and_then(|s| s.from_agent.as_deref())
+        .unwrap_or("the sender");
+    let turn = &rec.turn;
+    let conv = &rec.conversation_id;
+    match reason {
+        Reason::Timeout => {
+            let waited = send.map(|s| s.timeout_ms).unwrap_or(0);
+            format!(
+                "{to} did not answer turn {turn} of conversation {conv} within {}s. Check that {to} is running and consuming its inbox{}; then {from} should resend the goal to {to} with timeoutMs {} or hand it to another main agent.",
+                waited / 1000,
+                send.and_then(|s| s.run_id.as_deref())
+                    .map(|r| format!(" (run {r})"))
+                    .unwrap_or_default(),
+                (waited * 2).max(60_000)
+            )
+        }
+        Reason::NotFound => format!(
+            "{to}'s session for turn {turn} of conversation {conv} was not found{}. Verify that agent {to} exists and its main session is started, then {from} should resend turn {turn}.",
+            send.and_then(|s| s.target_session_key.as_deref())
+                .map(|k| format!(" (target session {k})"))
+                .unwrap_or_default()
+        ),
+        Reason::Error => format!(
+            "{to} failed turn {turn} of conversation {conv}{}. Inspect {to}'s logs{}, fix the cause, then {from} should resend turn {turn} to {to}.",
+            detail.map(|d| format!(": {d}")).unwrap_or_default(),
+            send.and_then(|s| s.run_id.as_deref())
+                .map(|r| format!(" for run {r}"))
+                .unwrap_or_default()
+        ),
+    }
+}
+
+fn evidence(rec: &TurnRecord, winner: &Winner, signal: Option<&RawEventRef>) -> Value {
+    let mut items = Vec::new();
+    if let Some(s) = &rec.send {
+        items.push(json!({"kind": "send", "rawSeq": s.seq, "subject": s.subject, "storedAt": rfc3339(s.stored_ms)}));
+    }
+    if let Some(sig) = signal {
+        items.push(json!({"kind": winner.by, "rawSeq": sig.seq, "subject": sig.subject, "storedAt": sig.stored_at}));
+    }
+    if let Some(s) = &rec.send {
+        let deadline = s.stored_ms.saturating_add(i64::try_from(s.timeout_ms).unwrap_or(0));
+        items.push(json!({"kind": "deadline", "at": rfc3339(deadline), "timeoutMs": s.timeout_ms}));
+    }
+    Value::Array(items)
+}
+
+fn render_evidence(ev: &Value) -> String {
+    ev.as_array()
+        .map(|items| {
+            items
+                .iter()
+                .map(|i| match (i["kind"].as_str(), i["rawSeq"].as_u64()) {
+                    (Some("deadline"), _) => format!("deadline {}", i["at"].as_str().unwrap_or("?")),
+                    (Some(k), Some(seq)) => format!("{k} raw#{seq}"),
+                    (Some(k), None) => k.to_string(),
+                    _ => String::new(),
+                })
+                .collect::<Vec<_>>()
+                .join(", ")
+        })
+        .unwrap_or_default()
+}
+
+/// Build the turn's one `a2a.response`.
+///
+/// `decider` is the normalised event that decided the turn (the reply, or the failure signal),
+/// absent for a deadline.
+pub fn winner_response(rec: &TurnRecord, decider: Option<&Envelope>) -> Envelope {
+    let Some(winner) = rec.winner.as_ref() else {
+        return decider.cloned().unwrap_or_default();
+    };
+    let send = rec.send.as_ref();
+    match (winner.blocked, decider) {
+        // A real reply: its content as it is, with the handoff sections exposed when present.
+        (None, Some(env)) => {
+            let mut env = env.clone();
+            env.event_type = "a2a.response".into();
+            env.event_role = Some(Role::ConversationMain);
+            let text = env
+                .payload
+                .as_ref()
+                .and_then(|p| p.get("message"))
+                .and_then(Value::as_str)
+                .map(str::to_string);
+            if let Some(sections) = text.as_deref().and_then(parse_sections) {
+                let p = env.payload_object();
+                for (k, v) in sections {
+                    p.entry(k).or_insert(v);
+                }
+            }
+            env
+        }
+        (blocked, decider) => {
+            let reason = blocked.unwrap_or(Reason::Error);
+            let signal_ref = decider.and_then(|d| d.raw_event_ref.clone());
+            let ev = evidence(rec, winner, signal_ref.as_ref());
+            let goal = send
+                .and_then(|s| s.goal.clone())
+                .unwrap_or_else(|| format!("turn {} of conversation {}", rec.turn, rec.conversation_id));
+            let next = next_action(rec, reason, winner.detail.as_deref());
+            let outcome_line = format!(
+                "blocked ({reason}){}",
+                winner
+                    .detail
+                    .as_deref()
+                    .map(|d| format!(": {d}"))
+                    .unwrap_or_default()
+            );
+            let message = format!(
+                "goal: {goal}\noutcome: {outcome_line}\nevidence: {}\nnext_action: {next}",
+                render_evidence(&ev)
+            );
+            // Start from the upstream response when there is one, so nothing it said is lost.
+            let mut env = match (decider, winner.synthesized) {
+                (Some(d), false) => d.clone(),
+                _ => Envelope::default(),
+            };
+            let upstream_message = env
+                .payload
+                .as_ref()
+                .and_then(|p| p.get("message"))
+                .cloned();
+            env.event_type = "a2a.response".into();
+            env.event_role = Some(Role::ConversationMain);
+            env.phase = None;
+            if winner.synthesized {
+                env.timestamp = Some(rfc3339(winner.at_ms));
+                env.conversation_id = Some(Value::String(rec.conversation_id.clone()));
+                env.agent_id = send.and_then(|s| s.to_agent.clone()).map(Value::String);
+                env.raw_event_ref = signal_ref.clone().or_else(|| {
+                    send.map(|s| RawEventRef {
+                        stream: String::new(),
+                        seq: s.seq,
+                        subject: s.subject.clone(),
+                        stored_at: rfc3339(s.stored_ms),
+                    })
+                });
+                if let (Some(r), Some(d)) = (env.raw_event_ref.as_mut(), decider) {
+                    if let Some(dr) = &d.raw_event_ref {
+                        r.stream = dr.stream.clone();
+                    }
+                }
+            }
+            let p = env.payload_object();
+            if let Some(m) = upstream_message {
+                p.insert("upstreamMessage".into(), m);
+            }
+            p.insert("outcome".into(), json!("blocked"));
+            p.insert("reason".into(), json!(reason.as_str()));
+            p.insert("goal".into(), json!(goal));
+            p.insert("evidence".into(), ev);
+            p.insert("next_action".into(), json!(next));
+            p.insert("synthesized".into(), json!(winner.synthesized));
+            p.insert("message".into(), json!(message));
+            if winner.synthesized {
+                if let Some(s) = send {
+                    // The reply that did not come would have gone from the target to the sender.
+                    if let Some(to) = &s.to_agent {
+                        p.insert("fromAgent".into(), json!(to));
+                    }
+                    if let Some(from) = &s.from_agent {
+                        p.insert("toAgent".into(), json!(from));
+                    }
+                }
+                p.insert("conversationId".into(), json!(rec.conversation_id));
+                p.insert("turn".into(), json!(rec.turn));
+            }
+            if let Some(d) = &winner.detail {
+                p.entry("detail").or_insert(json!(d));
+            }
+            facets::apply(&mut env, &facets::derive("a2a.response", None, true));
+            env
+        }
+    }
+}
+
+/// The record of a further response that is not published as `a2a.response`.
+pub fn suppressed(env: &Envelope, rec: &TurnRecord, reason: SuppressReason) -> Envelope {
+    let mut out = env.clone();
+    out.event_type = "a2a.response.suppressed".into();
+    out.event_role = Some(Role::SystemObservability);
+    out.owner = None;
+    out.scope = None;
+    out.phase = None;
+    out.surface = None;
+    out.persistence = None;
+    let winner = rec.winner.as_ref();
+    let winner_ref = json!({
+        "msgId": rec.response_msg_id(),
+        "rawSeq": winner.and_then(|w| w.seq),
+        "outcome": if winner.is_some_and(|w| w.blocked.is_some()) { "blocked" } else { "response" },
+        "reason": winner.and_then(|w| w.blocked).map(|r| r.as_str()),
+        "conversationId": rec.conversation_id,
+        "turn": rec.turn,
+    });
+    let original = out.payload.take();
+    let mut p = Map::new();
+    p.insert("reason".into(), json!(reason.as_str()));
+    p.insert("winner".into(), winner_ref);
+    if let Some(o) = original {
+        p.insert("response".into(), o);
+    }
+    out.payload = Some(Value::Object(p));
+    facets::apply(&mut out, &facets::derive("a2a.response.suppressed", None, false));
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sections_are_parsed_only_when_all_four_are_present() {
+        let text = "goal: ship it\noutcome: success - merged\nevidence: PR #12\n  tests green\nnext_action: deploy";
+        let s = parse_sections(text).unwrap_or_default();
+        assert_eq!(s["goal"], "ship it");
+        assert_eq!(s["evidence"], "PR #12\n  tests green");
+        assert_eq!(s["next_action"], "deploy");
+        assert!(parse_sections("goal: x\noutcome: y").is_none());
+        assert!(parse_sections("1. Goal: a\n2. Outcome: b\n3. Evidence: c\n4. Next_action: d").is_some());
+    }
+}

@@ -1,0 +1,538 @@
+//! The turn contract (CONTRACT section 4): exactly one `a2a.response` per turn.
+//!
+//! This module is pure: it reads the facts of an `a2a.*` event ([`TurnFacts`]), looks at the
+//! turn's persisted [`TurnRecord`], and returns a [`Step`] saying what to write (with the
+//! compare-and-swap expectation), what to publish and what to project. The bus executes steps in
+//! a fixed order: fence the record in KV, publish and await the ack, mark published, acknowledge.
+//!
+//! Time is event time: the raw stream's store time. Deadlines fire only when the partition's
+//! watermark (every message stored before it has been processed) has passed them, so a reply
+//! stored before the deadline wins even when a crash delays its processing.
+
+pub mod blocked;
+pub mod book;
+
+use crate::classify::Fields;
+use crate::ingest::event::parse_timestamp;
+use crate::model::{encode_id, id_text};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::fmt;
+use std::time::Duration;
+
+/// Why a turn is blocked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Reason {
+    Timeout,
+    Error,
+    NotFound,
+}
+
+impl Reason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Reason::Timeout => "timeout",
+            Reason::Error => "error",
+            Reason::NotFound => "not_found",
+        }
+    }
+}
+
+impl fmt::Display for Reason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What an `a2a.*` event is to its turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TurnEventKind {
+    Send,
+    Response,
+    Complete,
+    Error,
+}
+
+impl TurnEventKind {
+    pub fn of(event_type: &str) -> Option<TurnEventKind> {
+        Some(match event_type {
+            "a2a.send" => TurnEventKind::Send,
+            "a2a.response" => TurnEventKind::Response,
+            "a2a.complete" => TurnEventKind::Complete,
+            "a2a.error" => TurnEventKind::Error,
+            _ => return None,
+        })
+    }
+}
+
+/// The facts of one `a2a.*` event that the turn contract needs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TurnFacts {
+    pub kind: TurnEventKind,
+    /// Conversation id as the producer wrote it.
+    pub conversation_id: String,
+    /// Its subject-key token.
+    pub key: String,
+    /// Turn id text: `turnId`, else `turn`, else `0`.
+    pub turn: String,
+    /// Raw stream sequence and store time (ms since the epoch).
+    pub seq: u64,
+    pub stored_ms: i64,
+    pub subject: String,
+    /// An upstream failure signal, by the contract's table (rows 1-3).
+    pub failure: Option<Reason>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failure_detail: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from_agent: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub to_agent: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub target_session_key: Option<String>,
+    /// Send only: what the turn attempted (`goal`, else the message text, shortened).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub goal: Option<String>,
+    /// Send only: its own timeout (`timeoutMs`, or `deadline` minus its timestamp).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub timeout_ms: Option<u64>,
+}
+
+impl TurnFacts {
+    /// The KV key of the turn: `p<partition>.<conversation key>.<turn token>`.
+    pub fn record_key(&self, partition: u16) -> String {
+        record_key(partition, &self.key, &self.turn)
+    }
+}
+
+pub fn record_key(partition: u16, key: &str, turn: &str) -> String {
+    format!("p{partition}.{key}.{}", encode_id(turn))
+}
+
+const GOAL_MAX_CHARS: usize = 200;
+
+/// Shorten text to `max` characters on a character boundary, marking the cut.
+pub fn shorten(text: &str, max: usize) -> String {
+    let t = text.trim();
+    if t.chars().count() <= max {
+        return t.to_string();
+    }
+    let mut s: String = t.chars().take(max.saturating_sub(1)).collect();
+    s.push('…');
+    s
+}
+
+/// The upstream failure signal of an event, first matching row of the contract's table.
+pub fn failure_signal(fields: &Fields<'_>, event_type: &str) -> Option<(Reason, Option<String>)> {
+    let detail = fields
+        .get("waitError")
+        .or_else(|| fields.get("error"))
+        .and_then(|v| match v {
+            Value::String(s) => Some(s.clone()),
+            Value::Null => None,
+            other => Some(other.to_string()),
+        });
+    match fields.str("waitStatus") {
+        Some("timeout") => return Some((Reason::Timeout, detail)),
+        Some("error") => return Some((Reason::Error, detail)),
+        Some("not_found") => return Some((Reason::NotFound, detail)),
+        _ => {}
+    }
+    let nf_code = |v: Option<&Value>| {
+        v.and_then(Value::as_str)
+            .is_some_and(|s| s.eq_ignore_ascii_case("not_found"))
+    };
+    let error_code = fields
+        .get("error")
+        .and_then(|e| e.get("code"))
+        .or_else(|| fields.get("errorCode"));
+    if fields.get("notFound").and_then(Value::as_bool) == Some(true)
+        || nf_code(error_code)
+        || nf_code(fields.get("status"))
+    {
+        return Some((Reason::NotFound, detail));
+    }
+    if matches!(fields.str("outcome"), Some("no_reply" | "blocked" | "failed"))
+        || fields.get("error").is_some()
+        || event_type == "a2a.error"
+    {
+        return Some((Reason::Error, detail));
+    }
+    None
+}
+
+/// Read the turn facts of a normalised `a2a.*` event. `None` for other types.
+pub fn facts(
+    obj: &serde_json::Map<String, Value>,
+    event_type: &str,
+    conversation_id: &str,
+    key: &str,
+    seq: u64,
+    stored_ms: i64,
+    subject: &str,
+) -> Option<TurnFacts> {
+    let kind = TurnEventKind::of(event_type)?;
+    let fields = Fields::new(obj);
+    let turn = fields
+        .get("turnId")
+        .and_then(id_text)
+        .or_else(|| fields.get("turn").and_then(id_text))
+        .unwrap_or_else(|| "0".to_string());
+    let text = |name: &str| fields.get(name).and_then(id_text);
+    let (failure, failure_detail) = match failure_signal(&fields, event_type) {
+        Some((r, d)) => (Some(r), d),
+        None => (None, None),
+    };
+    let mut goal = None;
+    let mut timeout_ms = None;
+    if kind == TurnEventKind::Send {
+        goal = fields
+            .str("goal")
+            .or_else(|| fields.str("message"))
+            .map(|g| shorten(g, GOAL_MAX_CHARS))
+            .filter(|g| !g.is_empty());
+        timeout_ms = fields
+            .get("timeoutMs")
+            .and_then(Value::as_u64)
+            .or_else(|| {
+                let deadline = fields.get("deadline").and_then(parse_timestamp)?;
+                let sent = fields
+                    .get("timestamp")
+                    .or_else(|| fields.get("ts"))
+                    .and_then(parse_timestamp)?;
+                let d = chrono::DateTime::parse_from_rfc3339(&deadline).ok()?;
+                let s = chrono::DateTime::parse_from_rfc3339(&sent).ok()?;
+                u64::try_from((d - s).num_milliseconds()).ok()
+            });
+    }
+    Some(TurnFacts {
+        kind,
+        conversation_id: conversation_id.to_string(),
+        key: key.to_string(),
+        turn,
+        seq,
+        stored_ms,
+        subject: subject.to_string(),
+        failure,
+        failure_detail,
+        from_agent: text("fromAgent"),
+        to_agent: text("toAgent"),
+        run_id: text("runId"),
+        target_session_key: text("targetSessionKey"),
+        goal,
+        timeout_ms,
+    })
+}
+
+/// Where a turn is in its life. Records go Open -> Decided -> Published, or straight to Decided
+/// when the first event decides the turn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum TurnState {
+    Open,
+    Decided,
+    Published,
+}
+
+/// The send that opened a turn, as much as a blocked outcome needs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SendRef {
+    pub seq: u64,
+    pub stored_ms: i64,
+    pub subject: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from_agent: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub to_agent: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub goal: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub run_id: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub target_session_key: Option<String>,
+    pub timeout_ms: u64,
+}
+
+/// Who won the turn.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Winner {
+    /// The raw message that decided the turn; `None` for a timeout synthesised at the deadline.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub seq: Option<u64>,
+    /// `None` for a real reply; the reason for a blocked outcome.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub blocked: Option<Reason>,
+    /// Whether the processor created the response (deadline, complete or error without a reply).
+    pub synthesized: bool,
+    /// The event type that decided it (`a2a.response`, `a2a.complete`, `a2a.error`, or
+    /// `deadline`).
+    pub by: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    /// Event time of the decision: the deciding message's store time, or the deadline.
+    pub at_ms: i64,
+}
+
+/// One turn's persisted record (the KV value).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TurnRecord {
+    pub conversation_id: String,
+    pub key: String,
+    pub turn: String,
+    pub state: TurnState,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub send: Option<SendRef>,
+    /// Store-time deadline (ms) of an open turn.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub deadline_ms: Option<i64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub winner: Option<Winner>,
+}
+
+impl TurnRecord {
+    /// The Msg-Id of the turn's one response: derived from the turn, so any republish collapses.
+    pub fn response_msg_id(&self) -> String {
+        format!("turn:{}:{}", self.key, encode_id(&self.turn))
+    }
+}
+
+/// Turn-contract settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TurnConfig {
+    pub default_timeout: Duration,
+    pub max_timeout: Duration,
+}
+
+impl TurnConfig {
+    fn timeout_ms(&self, requested: Option<u64>) -> u64 {
+        let max = u64::try_from(self.max_timeout.as_millis()).unwrap_or(u64::MAX);
+        match requested {
+            Some(ms) if ms > 0 => ms.min(max),
+            _ => u64::try_from(self.default_timeout.as_millis()).unwrap_or(max),
+        }
+    }
+}
+
+/// The compare-and-swap expectation of a write.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Expect {
+    /// The key must not exist.
+    Absent,
+    /// The key must still be at this revision.
+    Revision(u64),
+}
+
+/// Why a further response is not published as `a2a.response`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SuppressReason {
+    /// A real reply after a blocked outcome.
+    Late,
+    /// Any other further response.
+    Duplicate,
+}
+
+impl SuppressReason {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            SuppressReason::Late => "late",
+            SuppressReason::Duplicate => "duplicate",
+        }
+    }
+}
+
+/// What to do for one event (or deadline), in this order: write, publish the winner, mark it
+/// published, then project the event itself (or its suppression).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Step {
+    /// Record to write first, with its CAS expectation.
+    pub write: Option<(TurnRecord, Expect)>,
+    /// Publish the turn's response (after the write succeeded), then mark the record published.
+    pub publish_winner: bool,
+    /// Project the event itself on its role subject (after the winner when both).
+    pub project_self: bool,
+    /// Route the event to `a2a.response.suppressed` instead.
+    pub suppress: Option<SuppressReason>,
+}
+
+/// Decide what an event does to its turn. `current` is the persisted record with its revision.
+pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnConfig) -> Step {
+    match (current, ev.kind) {
+        // A send opens the turn, unless the turn exists already (a duplicate send, or a send that
+        // arrives after its response: it starts no timer).
+        (None, TurnEventKind::Send) => {
+            let timeout_ms = cfg.timeout_ms(ev.timeout_ms);
+            let record = TurnRecord {
+                conversation_id: ev.conversation_id.clone(),
+                key: ev.key.clone(),
+                turn: ev.turn.clone(),
+                state: TurnState::Open,
+                send: Some(send_ref(ev, timeout_ms)),
+                deadline_ms: Some(
+                    ev.stored_ms
+                        .saturating_add(i64::try_from(timeout_ms).unwrap_or(i64::MAX)),
+                ),
+                winner: None,
+            };
+            Step {
+                write: Some((record, Expect::Absent)),
+                project_self: true,
+                ..Step::default()
+            }
+        }
+        (Some(_), TurnEventKind::Send) => Step {
+            project_self: true,
+            ..Step::default()
+        },
+
+        // The first response, failure signal, complete or error decides an undecided turn.
+        (None, kind) | (Some((TurnRecord { state: TurnState::Open, .. }, _)), kind) => {
+            let (record, expect) = match current {
+                Some((r, rev)) => (r.clone(), Expect::Revision(rev)),
+                None => (
+                    TurnRecord {
+                        conversation_id: ev.conversation_id.clone(),
+                        key: ev.key.clone(),
+                        turn: ev.turn.clone(),
+                        state: TurnState::Open,
+                        send: None,
+                        deadline_ms: None,
+                        winner: None,
+                    },
+                    Expect::Absent,
+                ),
+            };
+            let winner = match kind {
+                TurnEventKind::Response => Winner {
+                    seq: Some(ev.seq),
+                    blocked: ev.failure,
+                    synthesized: false,
+                    by: "a2a.response".into(),
+                    detail: ev.failure_detail.clone(),
+                    at_ms: ev.stored_ms,
+                },
+                TurnEventKind::Complete | TurnEventKind::Error => Winner {
+                    seq: Some(ev.seq),
+                    blocked: Some(ev.failure.unwrap_or(Reason::Error)),
+                    synthesized: true,
+                    by: if kind == TurnEventKind::Complete {
+                        "a2a.complete".into()
+                    } else {
+                        "a2a.error".into()
+                    },
+                    detail: ev.failure_detail.clone().or_else(|| {
+                        (ev.failure.is_none() && kind == TurnEventKind::Complete)
+                            .then(|| "the exchange completed without a response".to_string())
+                    }),
+                    at_ms: ev.stored_ms,
+                },
+                TurnEventKind::Send => unreachable!("sends are matched above"),
+            };
+            let decided = TurnRecord {
+                state: TurnState::Decided,
+                deadline_ms: None,
+                winner: Some(winner),
+                ..record
+            };
+            Step {
+                write: Some((decided, expect)),
+                publish_winner: true,
+                // A response is itself the published winner; a complete or error is projected
+                // as what it is, after the response it caused.
+                project_self: kind != TurnEventKind::Response,
+                suppress: None,
+            }
+        }
+
+        // Decided already.
+        (Some((rec, _)), kind) => {
+            let unpublished = rec.state == TurnState::Decided;
+            let is_winner = rec.winner.as_ref().and_then(|w| w.seq) == Some(ev.seq);
+            match kind {
+                TurnEventKind::Response if is_winner => Step {
+                    // Redelivery of the winning reply: publish again if the mark is missing
+                    // (the Msg-Id collapses a republish in the duplicate window).
+                    publish_winner: unpublished,
+                    ..Step::default()
+                },
+                TurnEventKind::Response => {
+                    let winner_blocked = rec.winner.as_ref().is_some_and(|w| w.blocked.is_some());
+                    let reason = if winner_blocked && ev.failure.is_none() {
+                        SuppressReason::Late
+                    } else {
+                        SuppressReason::Duplicate
+                    };
+                    Step {
+                        publish_winner: unpublished,
+                        suppress: Some(reason),
+                        ..Step::default()
+                    }
+                }
+                _ => Step {
+                    publish_winner: unpublished,
+                    project_self: true,
+                    ..Step::default()
+                },
+            }
+        }
+    }
+}
+
+/// Decide a turn whose deadline the watermark has passed.
+pub fn on_deadline(current: (&TurnRecord, u64)) -> Option<Step> {
+    let (rec, rev) = current;
+    if rec.state != TurnState::Open {
+        return None;
+    }
+    let deadline = rec.deadline_ms?;
+    let decided = TurnRecord {
+        state: TurnState::Decided,
+        deadline_ms: None,
+        winner: Some(Winner {
+            seq: None,
+            blocked: Some(Reason::Timeout),
+            synthesized: true,
+            by: "deadline".into(),
+            detail: None,
+            at_ms: deadline,
+        }),
+        ..rec.clone()
+    };
+    Some(Step {
+        write: Some((decided, Expect::Revision(rev))),
+        publish_winner: true,
+        ..Step::default()
+    })
+}
+
+/// The record after its response is stored.
+pub fn published(rec: &TurnRecord) -> TurnRecord {
+    TurnRecord {
+        state: TurnState::Published,
+        ..rec.clone()
+    }
+}
+
+fn send_ref(ev: &TurnFacts, timeout_ms: u64) -> SendRef {
+    SendRef {
+        seq: ev.seq,
+        stored_ms: ev.stored_ms,
+        subject: ev.subject.clone(),
+        from_agent: ev.from_agent.clone(),
+        to_agent: ev.to_agent.clone(),
+        goal: ev.goal.clone(),
+        run_id: ev.run_id.clone(),
+        target_session_key: ev.target_session_key.clone(),
+        timeout_ms,
+    }
+}
+
+#[cfg(test)]
+mod tests;

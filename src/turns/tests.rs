@@ -1,0 +1,1 @@
+// Unit and property tests of the turn contract (pure, fake clock).
