@@ -151,6 +151,10 @@ pub struct TurnSettings {
     pub retention: Duration,
     /// Roles whose turns get exactly one response.
     pub enforce_roles: Vec<Role>,
+    /// How far the NATS server's clock may lag this worker's; an idle partition's watermark is
+    /// "now" minus this.
+    #[serde(with = "humantime_serde")]
+    pub clock_skew: Duration,
 }
 
 impl Default for TurnSettings {
@@ -160,6 +164,7 @@ impl Default for TurnSettings {
             max_timeout: Duration::from_secs(3600),
             retention: Duration::from_secs(7 * 24 * 3600),
             enforce_roles: vec![Role::ConversationMain],
+            clock_skew: Duration::from_millis(100),
         }
     }
 }

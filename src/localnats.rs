@@ -184,7 +184,8 @@ impl Store {
 
 /// A running (or stopped, between `stop` and `restart`) local nats-server.
 ///
-/// Dropping it kills the process and then removes a temporary store.
+/// Dropping it kills the process (SIGKILL: call [`LocalNats::stop`] first for a graceful exit that
+/// flushes a kept store) and then removes a temporary store.
 #[derive(Debug)]
 pub struct LocalNats {
     binary: PathBuf,

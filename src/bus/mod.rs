@@ -1,6 +1,7 @@
 //! Everything that talks to NATS: connecting, provisioning, the partition workers.
 
 pub mod provision;
+pub mod turns;
 pub mod worker;
 
 use std::time::Duration;

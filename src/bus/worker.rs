@@ -8,7 +8,9 @@
 //! partition's progress mark, and only then acknowledges the inputs. A crash anywhere in between
 //! is repaired by redelivery: the progress mark and the Msg-Ids make reprocessing idempotent.
 
+use super::turns::PartitionTurns;
 use crate::config::{Names, Settings};
+use crate::turns as turn_rules;
 use crate::ingest;
 use crate::pipeline::{self, OutKind, Outgoing, RawMessage};
 use crate::telemetry;
@@ -20,7 +22,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
@@ -110,7 +112,7 @@ impl Shared {
 
     /// Publish until the server acknowledges, backing off between attempts. Keeps `inputs`
     /// alive meanwhile so the server does not redeliver them. Gives up only on cancellation.
-    async fn publish_in_place(
+    pub(crate) async fn publish_in_place(
         &self,
         out: &Outgoing,
         inputs: &[&jetstream::Message],
@@ -147,6 +149,13 @@ impl Shared {
     }
 }
 
+impl Shared {
+    pub(crate) fn count_projection(&self, role: crate::model::Role) {
+        self.state.projected.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(telemetry::PROJECTED, "role" => role.as_str()).increment(1);
+    }
+}
+
 struct Item {
     msg: jetstream::Message,
     seq: u64,
@@ -180,19 +189,32 @@ pub async fn run_partition(
         .get_stream(&shared.names.raw_stream)
         .await
         .map_err(|e| setup(format!("stream {}: {e}", shared.names.raw_stream)))?;
-    let consumer: PullConsumer = stream
+    let mut consumer: PullConsumer = stream
         .get_consumer(&shared.names.consumer_name(p))
         .await
         .map_err(|e| setup(format!("consumer {}: {e}", shared.names.consumer_name(p))))?;
     let mark = read_mark(&shared, p).await;
+    let mut turns = PartitionTurns::new(&shared, p)
+        .await
+        .map_err(|e| setup(e.to_string()))?;
+    let loaded = turns
+        .reload(&shared, &cancel)
+        .await
+        .map_err(|e| setup(e.to_string()))?;
     shared.state.partitions_running.fetch_add(1, Ordering::Relaxed);
-    debug!(partition = p, mark, "partition started");
+    debug!(partition = p, mark, loaded, "partition started");
 
     let (tx, rx) = mpsc::channel::<Item>(512);
     let acker = tokio::spawn(ack_stage(shared.clone(), p, rx, cancel.clone()));
     let batch = shared.settings.consumer.batch;
+    let skew = i64::try_from(shared.settings.turns.clock_skew.as_millis()).unwrap_or(0);
+    let mut watermark = i64::MIN;
+    let mut last_seq = 0u64;
     let mut backoff = Duration::from_millis(100);
-    'pull: while !cancel.is_cancelled() {
+    let result = 'pull: loop {
+        if cancel.is_cancelled() {
+            break Ok(());
+        }
         let mut messages = match consumer
             .batch()
             .max_messages(batch)
@@ -205,7 +227,7 @@ pub async fn run_partition(
                 warn!(partition = p, error = %e, "pull failed; retrying");
                 tokio::select! {
                     _ = tokio::time::sleep(backoff) => {}
-                    _ = cancel.cancelled() => break 'pull,
+                    _ = cancel.cancelled() => break Ok(()),
                 }
                 backoff = (backoff * 2).min(Duration::from_secs(5));
                 continue;
@@ -213,7 +235,28 @@ pub async fn run_partition(
         };
         backoff = Duration::from_millis(100);
         // The batch is bounded (size and expiry): finishing it on cancel is the drain.
-        while let Some(next) = messages.next().await {
+        loop {
+            let timer = turns.book.next_deadline().map(|d| {
+                let wait_ms = d.saturating_add(skew).saturating_sub(now_ms()).max(0);
+                Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0))
+            });
+            let next = tokio::select! {
+                biased;
+                m = messages.next() => m,
+                _ = sleep_opt(timer) => {
+                    // Idle partition: when nothing stored is left unprocessed, the watermark is now.
+                    if let Ok(info) = consumer.info().await {
+                        if info.num_pending == 0 && info.delivered.stream_sequence <= last_seq {
+                            let wm = now_ms() - skew;
+                            if let Err(e) = turns.advance(&shared, wm, &cancel).await {
+                                break 'pull Err(setup(e.to_string()));
+                            }
+                        }
+                    }
+                    continue;
+                }
+            };
+            let Some(next) = next else { break };
             let msg = match next {
                 Ok(m) => m,
                 Err(e) => {
@@ -221,39 +264,65 @@ pub async fn run_partition(
                     break;
                 }
             };
-            let item = process(&shared, &msg, mark, &cancel).await;
-            let Some(pending) = item else {
+            let Ok(info) = msg.info() else { continue };
+            let seq = info.stream_sequence;
+            let stored_ms = info.published.timestamp_millis();
+            // Every message stored before this one has been processed: deadlines before its
+            // store time have passed in event time.
+            if stored_ms > watermark {
+                watermark = stored_ms;
+                if let Err(e) = turns.advance(&shared, watermark, &cancel).await {
+                    break 'pull Err(setup(e.to_string()));
+                }
+            }
+            last_seq = last_seq.max(seq);
+            let pending = match process(&shared, &mut turns, &msg, mark, &cancel).await {
+                Ok(Some(p)) => p,
                 // Cancelled while a publish kept failing: leave the message for redelivery.
-                break 'pull;
+                Ok(None) => break 'pull Ok(()),
+                Err(e) => break 'pull Err(setup(e.to_string())),
             };
-            let seq = msg.info().map(|i| i.stream_sequence).unwrap_or(0);
             if tx.send(Item { msg, seq, pending }).await.is_err() {
-                break 'pull;
+                break 'pull Ok(());
             }
         }
-    }
+    };
     drop(tx);
     let _ = acker.await;
     shared.state.partitions_running.fetch_sub(1, Ordering::Relaxed);
     debug!(partition = p, "partition stopped");
-    Ok(())
+    result
 }
 
-/// Project one message and issue its publishes. `None` if cancelled mid-retry.
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+async fn sleep_opt(d: Option<Duration>) {
+    match d {
+        Some(d) => tokio::time::sleep(d).await,
+        None => std::future::pending().await,
+    }
+}
+
+type Pending = Vec<(Outgoing, Option<jetstream::context::PublishAckFuture>)>;
+
+/// Project one message and issue its publishes. `Ok(None)` if cancelled mid-retry.
 async fn process(
     shared: &Shared,
+    turns: &mut PartitionTurns,
     msg: &jetstream::Message,
     mark: u64,
     cancel: &CancellationToken,
-) -> Option<Vec<(Outgoing, Option<jetstream::context::PublishAckFuture>)>> {
+) -> Result<Option<Pending>, super::turns::TurnIoError> {
     let Ok(info) = msg.info() else {
-        return Some(Vec::new());
+        return Ok(Some(Vec::new()));
     };
     shared.state.inputs.fetch_add(1, Ordering::Relaxed);
     if info.stream_sequence <= mark {
         // Published before a crash that came before its acknowledgement.
         metrics::counter!(telemetry::INPUTS, "outcome" => "already_projected").increment(1);
-        return Some(Vec::new());
+        return Ok(Some(Vec::new()));
     }
     let raw = RawMessage {
         bytes: &msg.payload,
@@ -263,12 +332,53 @@ async fn process(
         stored_at: info.published,
         delivered: info.delivered,
     };
-    let outs = pipeline::project(
+    let outs = match pipeline::normalize_raw(
         &raw,
         &shared.names,
         &shared.ingest,
         shared.settings.consumer.max_deliver,
-    );
+    ) {
+        Err(rejection) => {
+            metrics::counter!(telemetry::INPUTS, "outcome" => "dead_lettered").increment(1);
+            vec![pipeline::dead_letter(&shared.names, &raw, &rejection)]
+        }
+        Ok(events) => {
+            metrics::counter!(telemetry::INPUTS, "outcome" => "projected").increment(1);
+            let mut outs = Vec::with_capacity(events.len());
+            for (i, n) in events.iter().enumerate() {
+                let turn_facts = n.conversation_id.as_deref().and_then(|conv| {
+                    if !shared.settings.turns.enforce_roles.contains(&n.role()) {
+                        return None;
+                    }
+                    let obj = serde_json::from_slice::<serde_json::Value>(raw.bytes).ok()?;
+                    turn_rules::facts(
+                        obj.as_object()?,
+                        &n.envelope.event_type,
+                        conv,
+                        &n.key,
+                        raw.seq,
+                        raw.stored_at.timestamp_millis(),
+                        &pipeline::producer_subject(&shared.names.prefix, raw.stored_subject),
+                    )
+                });
+                match turn_facts {
+                    Some(f) => {
+                        // Publishes issued so far must reach the stream before the turn's
+                        // response: they are earlier in the partition.
+                        let turn_outs = turns.on_event(shared, n, &f, cancel).await?;
+                        outs.extend(turn_outs);
+                    }
+                    None => outs.push(pipeline::projection(
+                        &shared.names,
+                        n,
+                        raw.seq,
+                        format!("{}:{}:{i}", raw.stream, raw.seq),
+                    )),
+                }
+            }
+            outs
+        }
+    };
     let mut pending = Vec::with_capacity(outs.len());
     for out in outs {
         count(shared, &out);
@@ -278,14 +388,14 @@ async fn process(
                 warn!(subject = %out.subject, error = %e, "publish failed; retrying in place");
                 // Retry before anything later is published, so per-key order holds.
                 if !shared.publish_in_place(&out, &[msg], cancel).await {
-                    return None;
+                    return Ok(None);
                 }
                 None
             }
         };
         pending.push((out, fut));
     }
-    Some(pending)
+    Ok(Some(pending))
 }
 
 fn count(shared: &Shared, out: &Outgoing) {
@@ -353,11 +463,12 @@ async fn ack_stage(
                 }
             }
         }
+        super::turns::crash_point("before_ack");
         for item in items {
             if let Err(e) = item.msg.ack().await {
                 debug!(partition = p, error = %e, "ack failed; the message will be redelivered and skipped by the progress mark");
             }
         }
     }
-    info!(partition = p, "acker drained");
+    debug!(partition = p, "acker drained");
 }

@@ -1,1 +1,7 @@
-fn main(){}
+//! Integration tests: one binary, a real nats-server per test.
+
+mod support;
+
+mod adapter_bus;
+mod pipeline;
+mod turns;
