@@ -69,7 +69,10 @@ pub async fn start(
     info!(url = %settings.nats.url, server = %client.server_info().version, "connected");
     let report = provision::provision(&js, &settings).await?;
     if !report.created.is_empty() {
-        info!(created = report.created.len(), "provisioned missing resources");
+        info!(
+            created = report.created.len(),
+            "provisioned missing resources"
+        );
     }
     let tracker = TaskTracker::new();
     let partitions = settings.nats.partitions;

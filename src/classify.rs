@@ -138,7 +138,9 @@ pub fn explicit_role(fields: &Fields<'_>) -> Result<Option<Role>, Rejection> {
         Some(Value::String(s)) => s.parse::<Role>().map(Some).map_err(|e| {
             Rejection::new(
                 DlqReason::InvalidRole,
-                format!("eventRole: {e}; fix the producer or drop the field to let the rules decide"),
+                format!(
+                    "eventRole: {e}; fix the producer or drop the field to let the rules decide"
+                ),
             )
         }),
         Some(other) => Err(Rejection::new(
@@ -201,7 +203,11 @@ mod tests {
 
     fn role(v: Value, main: &[&str]) -> Result<Role, Rejection> {
         let obj = v.as_object().cloned().unwrap_or_default();
-        let t = obj.get("type").and_then(Value::as_str).unwrap_or("").to_string();
+        let t = obj
+            .get("type")
+            .and_then(Value::as_str)
+            .unwrap_or("")
+            .to_string();
         classify(&t, &Fields::new(&obj), &MainAgents::new(main.iter()))
     }
 
@@ -221,7 +227,10 @@ mod tests {
 
     #[test]
     fn explicit_role_typo_is_rejected() {
-        let r = role(json!({"type":"a2a.send","eventRole":"conversation.mian"}), &[]);
+        let r = role(
+            json!({"type":"a2a.send","eventRole":"conversation.mian"}),
+            &[],
+        );
         assert_eq!(r.map_err(|e| e.reason), Err(DlqReason::InvalidRole));
         let r = role(json!({"type":"a2a.send","data":{"eventRole":7}}), &[]);
         assert_eq!(r.map_err(|e| e.reason), Err(DlqReason::InvalidRole));
@@ -244,10 +253,17 @@ mod tests {
             "resume_reminder.sent",
             "backlog.added",
         ] {
-            assert_eq!(role(json!({ "type": t }), &[]), Ok(Role::OrchestrationTask), "{t}");
+            assert_eq!(
+                role(json!({ "type": t }), &[]),
+                Ok(Role::OrchestrationTask),
+                "{t}"
+            );
         }
         // Prefix rule beats the a2a rule only for its prefixes; "tasks." is not "task.".
-        assert_eq!(role(json!({"type":"tasks.x"}), &[]), Ok(Role::SystemObservability));
+        assert_eq!(
+            role(json!({"type":"tasks.x"}), &[]),
+            Ok(Role::SystemObservability)
+        );
     }
 
     #[test]
@@ -285,10 +301,16 @@ mod tests {
             );
         }
         assert_eq!(
-            role(json!({"type":"a2a.spawn","data":{"fromSessionType":"main","toSessionType":"main"}}), &[]),
+            role(
+                json!({"type":"a2a.spawn","data":{"fromSessionType":"main","toSessionType":"main"}}),
+                &[]
+            ),
             Ok(Role::DelegationSubagent)
         );
-        assert_eq!(role(json!({"type":"a2a.spawn_result"}), &[]), Ok(Role::DelegationSubagent));
+        assert_eq!(
+            role(json!({"type":"a2a.spawn_result"}), &[]),
+            Ok(Role::DelegationSubagent)
+        );
     }
 
     #[test]
@@ -317,22 +339,34 @@ mod tests {
     #[test]
     fn main_agent_list_is_the_last_resort_and_case_insensitive() {
         let ev = json!({"type":"a2a.send","data":{"fromAgent":" Ruda ","toAgent":"EDEN"}});
-        assert_eq!(role(ev.clone(), &["ruda", "eden"]), Ok(Role::ConversationMain));
+        assert_eq!(
+            role(ev.clone(), &["ruda", "eden"]),
+            Ok(Role::ConversationMain)
+        );
         assert_eq!(role(ev.clone(), &["ruda"]), Ok(Role::DelegationSubagent));
         assert_eq!(role(ev, &[]), Ok(Role::DelegationSubagent));
     }
 
     #[test]
     fn everything_else_is_observability() {
-        assert_eq!(role(json!({"type":"health.ping"}), &[]), Ok(Role::SystemObservability));
-        assert_eq!(role(json!({"type":"run.started"}), &[]), Ok(Role::SystemObservability));
+        assert_eq!(
+            role(json!({"type":"health.ping"}), &[]),
+            Ok(Role::SystemObservability)
+        );
+        assert_eq!(
+            role(json!({"type":"run.started"}), &[]),
+            Ok(Role::SystemObservability)
+        );
     }
 
     #[test]
     fn origin_fixture_sequences_classify_as_their_emitter_said() {
         let text = include_str!("../fixtures/collab-events/a2a-emitted-events-examples.json");
         let doc: Value = serde_json::from_str(text).expect("fixture parses");
-        let seq = doc["sequence_success"].as_array().cloned().unwrap_or_default();
+        let seq = doc["sequence_success"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
         assert_eq!(seq.len(), 4);
         for ev in seq {
             // With the explicit role removed, the session types must still give conversation.main.
@@ -342,10 +376,16 @@ mod tests {
             }
             assert_eq!(role(ev, &["ruda", "eden"]), Ok(Role::ConversationMain));
         }
-        let blocked = doc["sequence_blocked (concurrency limit)"].as_array().cloned().unwrap_or_default();
+        let blocked = doc["sequence_blocked (concurrency limit)"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default();
         for ev in blocked {
             // No session types, no explicit role: the main-agent list decides.
-            assert_eq!(role(ev.clone(), &["main", "ruda", "eden"]), Ok(Role::ConversationMain));
+            assert_eq!(
+                role(ev.clone(), &["main", "ruda", "eden"]),
+                Ok(Role::ConversationMain)
+            );
             assert_eq!(role(ev, &["main", "ruda"]), Ok(Role::DelegationSubagent));
         }
     }

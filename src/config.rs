@@ -219,8 +219,17 @@ impl Settings {
             }
             builder = builder.add_source(config::File::from(path).format(config::FileFormat::Toml));
         }
+        // Only COLLAB_<SECTION>__<KEY> variables are settings; others with the prefix
+        // (COLLAB_CONFIG, COLLAB_LOG_FORMAT, test hooks) belong to the command line or the tests.
+        let vars: config::Map<String, String> = std::env::vars()
+            .filter(|(k, _)| {
+                k.strip_prefix("COLLAB_")
+                    .is_some_and(|rest| rest.contains("__"))
+            })
+            .collect();
         builder = builder.add_source(
             config::Environment::with_prefix("COLLAB")
+                .source(Some(vars))
                 .prefix_separator("_")
                 .separator("__")
                 .try_parsing(true)
@@ -263,8 +272,12 @@ impl Settings {
         if self.consumer.publish_window == 0 || self.consumer.publish_window >= 5000 {
             return bad("consumer.publish_window must be between 1 and 4999 (the client caps unacknowledged publishes at 5000)".into());
         }
-        if self.turns.default_timeout.is_zero() || self.turns.max_timeout < self.turns.default_timeout {
-            return bad("turns.default_timeout must be positive and at most turns.max_timeout".into());
+        if self.turns.default_timeout.is_zero()
+            || self.turns.max_timeout < self.turns.default_timeout
+        {
+            return bad(
+                "turns.default_timeout must be positive and at most turns.max_timeout".into(),
+            );
         }
         Ok(())
     }

@@ -218,7 +218,11 @@ fn print_status(
     recent: &VecDeque<String>,
 ) {
     let mut out = std::io::stdout().lock();
-    let _ = writeln!(out, "--- {:>4}s ---------------------------------------------", elapsed.as_secs());
+    let _ = writeln!(
+        out,
+        "--- {:>4}s ---------------------------------------------",
+        elapsed.as_secs()
+    );
     let _ = writeln!(out, "projected per role:");
     for role in Role::ALL {
         let _ = writeln!(
@@ -231,7 +235,10 @@ fn print_status(
     let dl: u64 = by_reason.values().sum();
     let reasons: Vec<String> = by_reason.iter().map(|(k, v)| format!("{k}={v}")).collect();
     let _ = writeln!(out, "dead-lettered: {dl} ({})", reasons.join(", "));
-    let _ = writeln!(out, "recent conversation turns (collab.proj.conversation.main.*.a2a.response):");
+    let _ = writeln!(
+        out,
+        "recent conversation turns (collab.proj.conversation.main.*.a2a.response):"
+    );
     for line in recent {
         let _ = writeln!(out, "  {line}");
     }

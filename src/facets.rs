@@ -62,7 +62,13 @@ pub fn derive(event_type: &str, status: Option<&str>, failed: bool) -> Facets {
     let class = event_type;
     let first = class.split('.').next().unwrap_or("");
     match class {
-        "a2a.send" => f("agent", "turn", Some("submitted"), "conversation", Some("transcript")),
+        "a2a.send" => f(
+            "agent",
+            "turn",
+            Some("submitted"),
+            "conversation",
+            Some("transcript"),
+        ),
         "a2a.response" => f(
             "agent",
             "turn",
@@ -70,7 +76,13 @@ pub fn derive(event_type: &str, status: Option<&str>, failed: bool) -> Facets {
             "conversation",
             Some("transcript"),
         ),
-        "a2a.response.suppressed" => f("runtime", "turn", None, "diagnostics", Some("diagnostics_log")),
+        "a2a.response.suppressed" => f(
+            "runtime",
+            "turn",
+            None,
+            "diagnostics",
+            Some("diagnostics_log"),
+        ),
         "a2a.complete" => f(
             "runtime",
             "turn",
@@ -78,11 +90,27 @@ pub fn derive(event_type: &str, status: Option<&str>, failed: bool) -> Facets {
             "timeline_evidence",
             Some("archive"),
         ),
-        "a2a.error" => f("runtime", "turn", Some("failed"), "timeline_evidence", Some("archive")),
-        "a2a.spawn" | "a2a.spawn_result" => {
-            f("agent", "agent", Some("acting"), "delegation_graph", Some("snapshot"))
-        }
-        "agent.handoff" => f("agent", "agent", Some("acting"), "handoff_lane", Some("archive")),
+        "a2a.error" => f(
+            "runtime",
+            "turn",
+            Some("failed"),
+            "timeline_evidence",
+            Some("archive"),
+        ),
+        "a2a.spawn" | "a2a.spawn_result" => f(
+            "agent",
+            "agent",
+            Some("acting"),
+            "delegation_graph",
+            Some("snapshot"),
+        ),
+        "agent.handoff" => f(
+            "agent",
+            "agent",
+            Some("acting"),
+            "handoff_lane",
+            Some("archive"),
+        ),
         "agent.completed" => f(
             "agent",
             "agent",
@@ -90,7 +118,13 @@ pub fn derive(event_type: &str, status: Option<&str>, failed: bool) -> Facets {
             "team_roster",
             Some("snapshot"),
         ),
-        "run.started" => f("runtime", "run", Some("submitted"), "runtime_status", Some("ephemeral_live")),
+        "run.started" => f(
+            "runtime",
+            "run",
+            Some("submitted"),
+            "runtime_status",
+            Some("ephemeral_live"),
+        ),
         "run.status" => f(
             "runtime",
             "run",
@@ -98,27 +132,95 @@ pub fn derive(event_type: &str, status: Option<&str>, failed: bool) -> Facets {
             "runtime_status",
             Some("ephemeral_live"),
         ),
-        "run.finished" => f("runtime", "run", Some("completed"), "runtime_status", Some("archive")),
-        "run.failed" => f("runtime", "run", Some("failed"), "runtime_status", Some("archive")),
-        "tool.result" => f("tool", "tool_call", Some("completed"), "tool_ui", Some("archive")),
-        "tool.failed" => f("tool", "tool_call", Some("failed"), "tool_ui", Some("archive")),
-        "text.delta" | "text.final" => {
-            f("model", "message", Some("producing"), "conversation", Some("transcript"))
-        }
-        "reasoning.delta" | "reasoning.summary" => {
-            f("model", "message", Some("reasoning"), "inline_process", Some("archive"))
-        }
-        "queue.changed" => f("runtime", "session", Some("submitted"), "task_capsule", Some("snapshot")),
-        "worker.notification" => {
-            f("agent", "task", Some("archived"), "worker_notifications", Some("archive"))
-        }
-        "review.requested" => f("evidence", "evidence", Some("reviewing"), "review_lane", Some("evidence_pack")),
-        "review.completed" => f("evidence", "evidence", Some("completed"), "review_lane", Some("evidence_pack")),
-        "evidence.changed" => f("evidence", "evidence", None, "timeline_evidence", Some("evidence_pack")),
+        "run.finished" => f(
+            "runtime",
+            "run",
+            Some("completed"),
+            "runtime_status",
+            Some("archive"),
+        ),
+        "run.failed" => f(
+            "runtime",
+            "run",
+            Some("failed"),
+            "runtime_status",
+            Some("archive"),
+        ),
+        "tool.result" => f(
+            "tool",
+            "tool_call",
+            Some("completed"),
+            "tool_ui",
+            Some("archive"),
+        ),
+        "tool.failed" => f(
+            "tool",
+            "tool_call",
+            Some("failed"),
+            "tool_ui",
+            Some("archive"),
+        ),
+        "text.delta" | "text.final" => f(
+            "model",
+            "message",
+            Some("producing"),
+            "conversation",
+            Some("transcript"),
+        ),
+        "reasoning.delta" | "reasoning.summary" => f(
+            "model",
+            "message",
+            Some("reasoning"),
+            "inline_process",
+            Some("archive"),
+        ),
+        "queue.changed" => f(
+            "runtime",
+            "session",
+            Some("submitted"),
+            "task_capsule",
+            Some("snapshot"),
+        ),
+        "worker.notification" => f(
+            "agent",
+            "task",
+            Some("archived"),
+            "worker_notifications",
+            Some("archive"),
+        ),
+        "review.requested" => f(
+            "evidence",
+            "evidence",
+            Some("reviewing"),
+            "review_lane",
+            Some("evidence_pack"),
+        ),
+        "review.completed" => f(
+            "evidence",
+            "evidence",
+            Some("completed"),
+            "review_lane",
+            Some("evidence_pack"),
+        ),
+        "evidence.changed" => f(
+            "evidence",
+            "evidence",
+            None,
+            "timeline_evidence",
+            Some("evidence_pack"),
+        ),
         "team.changed" => f("agent", "team", None, "team_roster", Some("snapshot")),
         "permission.changed" => f("policy", "workspace", None, "hitl", Some("snapshot")),
-        "messages.snapshot" => f("session", "thread", Some("hydrating"), "conversation", Some("transcript")),
-        "state.snapshot" | "state.delta" => f("runtime", "session", None, "diagnostics", Some("snapshot")),
+        "messages.snapshot" => f(
+            "session",
+            "thread",
+            Some("hydrating"),
+            "conversation",
+            Some("transcript"),
+        ),
+        "state.snapshot" | "state.delta" => {
+            f("runtime", "session", None, "diagnostics", Some("snapshot"))
+        }
         "diagnostic.changed" | "metric.changed" => f(
             "diagnostics",
             "application",
@@ -130,11 +232,19 @@ pub fn derive(event_type: &str, status: Option<&str>, failed: bool) -> Facets {
             "task" => f(
                 "task",
                 "task",
-                status.and_then(task_phase).or_else(|| task_phase_from_type(class)),
+                status
+                    .and_then(task_phase)
+                    .or_else(|| task_phase_from_type(class)),
                 "task_capsule",
                 Some("snapshot"),
             ),
-            "agent" => f("agent", "agent", Some("acting"), "team_roster", Some("snapshot")),
+            "agent" => f(
+                "agent",
+                "agent",
+                Some("acting"),
+                "team_roster",
+                Some("snapshot"),
+            ),
             "tool" => f(
                 "tool",
                 "tool_call",
@@ -142,22 +252,42 @@ pub fn derive(event_type: &str, status: Option<&str>, failed: bool) -> Facets {
                 "tool_ui",
                 Some("archive"),
             ),
-            "plan" => f("model", "turn", Some("planning"), "inline_process", Some("archive")),
+            "plan" => f(
+                "model",
+                "turn",
+                Some("planning"),
+                "inline_process",
+                Some("archive"),
+            ),
             "action" => f(
                 "action",
                 "action_request",
-                Some(if class.ends_with("resolved") { "completed" } else { "waiting" }),
+                Some(if class.ends_with("resolved") {
+                    "completed"
+                } else {
+                    "waiting"
+                }),
                 "hitl",
                 Some("snapshot"),
             ),
             "artifact" => f(
                 "artifact",
                 "artifact",
-                Some(if class.ends_with("failed") { "failed" } else { "producing" }),
+                Some(if class.ends_with("failed") {
+                    "failed"
+                } else {
+                    "producing"
+                }),
                 "artifact_workspace",
                 Some("artifact_store"),
             ),
-            "context" => f("context", "session", Some("preparing"), "inline_process", Some("archive")),
+            "context" => f(
+                "context",
+                "session",
+                Some("preparing"),
+                "inline_process",
+                Some("archive"),
+            ),
             "session" => f("session", "session", None, "session_tabs", Some("snapshot")),
             "health" | "monitor" | "diagnostics" | "diagnostic" | "heartbeat" | "metric" => f(
                 "diagnostics",
@@ -194,7 +324,12 @@ mod tests {
         let send = derive("a2a.send", None, false);
         assert_eq!(
             (send.owner, send.scope, send.phase, send.surface),
-            (Some("agent"), Some("turn"), Some("submitted"), Some("conversation"))
+            (
+                Some("agent"),
+                Some("turn"),
+                Some("submitted"),
+                Some("conversation")
+            )
         );
         assert_eq!(derive("a2a.response", None, false).phase, Some("completed"));
         assert_eq!(derive("a2a.response", None, true).phase, Some("failed"));
@@ -203,21 +338,41 @@ mod tests {
             (complete.owner, complete.phase, complete.surface),
             (Some("runtime"), Some("failed"), Some("timeline_evidence"))
         );
-        assert_eq!(derive("a2a.spawn", None, false).surface, Some("delegation_graph"));
-        assert_eq!(derive("agent.spawned", None, false).surface, Some("team_roster"));
+        assert_eq!(
+            derive("a2a.spawn", None, false).surface,
+            Some("delegation_graph")
+        );
+        assert_eq!(
+            derive("agent.spawned", None, false).surface,
+            Some("team_roster")
+        );
         let task = derive("task.updated", Some("blocked"), false);
-        assert_eq!((task.owner, task.scope, task.phase), (Some("task"), Some("task"), Some("waiting")));
-        assert_eq!(derive("task.completed", None, false).phase, Some("completed"));
+        assert_eq!(
+            (task.owner, task.scope, task.phase),
+            (Some("task"), Some("task"), Some("waiting"))
+        );
+        assert_eq!(
+            derive("task.completed", None, false).phase,
+            Some("completed")
+        );
         assert_eq!(derive("task.changed", None, false).phase, None);
         assert_eq!(derive("run.failed", None, false).phase, Some("failed"));
-        assert_eq!(derive("run.started", None, false).surface, Some("runtime_status"));
+        assert_eq!(
+            derive("run.started", None, false).surface,
+            Some("runtime_status")
+        );
         assert_eq!(derive("tool.started", None, false).phase, Some("acting"));
         assert_eq!(derive("tool.result", None, false).phase, Some("completed"));
         assert_eq!(derive("tool.failed", None, false).phase, Some("failed"));
         let health = derive("health.ping", None, false);
         assert_eq!(
             (health.owner, health.scope, health.phase, health.surface),
-            (Some("diagnostics"), Some("application"), Some("unknown"), Some("diagnostics"))
+            (
+                Some("diagnostics"),
+                Some("application"),
+                Some("unknown"),
+                Some("diagnostics")
+            )
         );
     }
 

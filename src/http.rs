@@ -55,6 +55,9 @@ async fn readyz(State(s): State<HttpState>) -> impl IntoResponse {
 async fn metrics(State(s): State<HttpState>) -> impl IntoResponse {
     match s.metrics {
         Some(h) => (StatusCode::OK, h.render()),
-        None => (StatusCode::NOT_FOUND, "metrics are not enabled\n".to_string()),
+        None => (
+            StatusCode::NOT_FOUND,
+            "metrics are not enabled\n".to_string(),
+        ),
     }
 }

@@ -12,7 +12,11 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 #[derive(Parser)]
-#[command(name = "collab-projector", version, about = "Projects raw multi-agent collaboration events on NATS JetStream into role-partitioned, turn-checked streams")]
+#[command(
+    name = "collab-projector",
+    version,
+    about = "Projects raw multi-agent collaboration events on NATS JetStream into role-partitioned, turn-checked streams"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

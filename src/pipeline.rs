@@ -192,14 +192,22 @@ mod tests {
             producer_subject("collab", "collab.in.61.conv-1.a2a.send"),
             "collab.raw.conv-1.a2a.send"
         );
-        assert_eq!(partition_of("collab", "collab.in.61.conv-1.a2a.send"), Some(61));
+        assert_eq!(
+            partition_of("collab", "collab.in.61.conv-1.a2a.send"),
+            Some(61)
+        );
         assert_eq!(producer_subject("collab", "other.x"), "other.x");
     }
 
     #[test]
     fn main_main_send_projects_on_the_conversation_subject() {
         let body = br#"{"type":"a2a.send","agentId":"ruda","ts":1771329600000,"data":{"fromAgent":"ruda","toAgent":"eden","conversationId":"c1","message":"hi"}}"#;
-        let out = project(&raw(body, "collab.in.3.c1.a2a.send"), &Names::new("collab"), &settings(), 10);
+        let out = project(
+            &raw(body, "collab.in.3.c1.a2a.send"),
+            &Names::new("collab"),
+            &settings(),
+            10,
+        );
         assert_eq!(out.len(), 1);
         assert_eq!(out[0].subject, "collab.proj.conversation.main.c1.a2a.send");
         assert_eq!(out[0].msg_id, "COLLAB_RAW:7:0");
@@ -216,11 +224,23 @@ mod tests {
     #[test]
     fn wrong_key_is_dead_lettered_with_the_expected_key() {
         let body = br#"{"type":"a2a.send","data":{"conversationId":"agent:x","fromAgent":"ruda","toAgent":"eden"}}"#;
-        let out = project(&raw(body, "collab.in.3.wrong.a2a.send"), &Names::new("collab"), &settings(), 10);
+        let out = project(
+            &raw(body, "collab.in.3.wrong.a2a.send"),
+            &Names::new("collab"),
+            &settings(),
+            10,
+        );
         assert_eq!(out[0].subject, "collab.dlq.bad_key");
         assert_eq!(out[0].payload.as_ref(), body);
-        let detail = &out[0].headers.iter().find(|(k, _)| *k == H_DLQ_DETAIL).map(|h| h.1.clone());
-        assert!(detail.as_deref().unwrap_or("").contains("_bYWdlbnQ6eA"), "{detail:?}");
+        let detail = &out[0]
+            .headers
+            .iter()
+            .find(|(k, _)| *k == H_DLQ_DETAIL)
+            .map(|h| h.1.clone());
+        assert!(
+            detail.as_deref().unwrap_or("").contains("_bYWdlbnQ6eA"),
+            "{detail:?}"
+        );
         assert!(out[0]
             .headers
             .contains(&(H_SOURCE_SUBJECT, "collab.raw.wrong.a2a.send".to_string())));
@@ -235,11 +255,19 @@ mod tests {
             (br#"{"hello":"world"}"#, DlqReason::Unrecognized),
             (br#"{"type":"bad type"}"#, DlqReason::BadType),
             (br#"{"type":"a..b"}"#, DlqReason::BadType),
-            (br#"{"type":"a2a.send","eventRole":"nope","data":{"conversationId":"k"}}"#, DlqReason::InvalidRole),
+            (
+                br#"{"type":"a2a.send","eventRole":"nope","data":{"conversationId":"k"}}"#,
+                DlqReason::InvalidRole,
+            ),
         ];
         for (body, reason) in cases {
             let out = project(&raw(body, "collab.in.1.k.x"), &names, &settings(), 10);
-            assert_eq!(out[0].kind, OutKind::DeadLetter(reason), "{}", String::from_utf8_lossy(body));
+            assert_eq!(
+                out[0].kind,
+                OutKind::DeadLetter(reason),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
         }
         let big = vec![b' '; 2000];
         let out = project(&raw(&big, "collab.in.1.k.x"), &names, &settings(), 10);

@@ -151,11 +151,15 @@ impl Generator {
             return out; // no reply: the turn contract times it out
         }
         if roll < self.unanswered_percent + 8 {
-            out.push(self.ev(&conv, "a2a.response", json!({"type":"a2a.response","agentId":to,"ts":ts+900,"data":{
+            out.push(self.ev(
+                &conv,
+                "a2a.response",
+                json!({"type":"a2a.response","agentId":to,"ts":ts+900,"data":{
                 "fromAgent":to,"toAgent":from,"conversationId":conv,"workSessionId":ws,
                 "message":"[outcome] no_reply: the target run did not answer in time",
                 "outcome":"no_reply","waitStatus":"timeout",
-                "fromSessionType":"main","toSessionType":"main"}})));
+                "fromSessionType":"main","toSessionType":"main"}}),
+            ));
         } else {
             out.push(self.ev(&conv, "a2a.response", json!({"type":"a2a.response","agentId":to,"ts":ts+700,"data":{
                 "fromAgent":to,"toAgent":from,"conversationId":conv,"workSessionId":ws,
@@ -199,7 +203,11 @@ impl Generator {
             self.ev(&task, "task.created", json!({"type":"task.created","timestamp":ts,"taskId":task,"agentId":owner,"payload":{"title":"Nightly build triage","status":"queued"}})),
             self.ev(&task, "task.updated", json!({"type":"task.updated","timestamp":ts+50,"taskId":task,"agentId":owner,"payload":{"status":"running","progress":0.5}})),
         ];
-        let done = if self.rng.random_range(0..10) == 0 { "task.failed" } else { "task.completed" };
+        let done = if self.rng.random_range(0..10) == 0 {
+            "task.failed"
+        } else {
+            "task.completed"
+        };
         out.push(self.ev(&task, done, json!({"type":done,"timestamp":ts+90,"taskId":task,"agentId":owner,"payload":{"status": if done == "task.failed" {"failed"} else {"done"}}})));
         out
     }
@@ -226,7 +234,11 @@ impl Generator {
 
     fn adapter(&mut self) -> Vec<RawEvent> {
         let task = format!("a2a-task-{}", self.n);
-        let kind = if self.rng.random_range(0..2) == 0 { "delegation" } else { "review" };
+        let kind = if self.rng.random_range(0..2) == 0 {
+            "delegation"
+        } else {
+            "review"
+        };
         vec![self.ev(&task, "a2a.packet", json!({
             "protocol":"a2a","version":"0.2","event_type":"task.requested","timestamp":"2026-02-27T10:05:00Z",
             "agent":{"id":"agent://coordinator","role":"orchestrator"},
@@ -237,7 +249,10 @@ impl Generator {
     fn malformed(&mut self) -> Vec<RawEvent> {
         let key = format!("bad-{}", self.n);
         match self.rng.random_range(0..4) {
-            0 => vec![RawEvent { subject: self.subject(&key, "a2a.send"), body: b"{\"type\":\"a2a.send\",".to_vec() }],
+            0 => vec![RawEvent {
+                subject: self.subject(&key, "a2a.send"),
+                body: b"{\"type\":\"a2a.send\",".to_vec(),
+            }],
             1 => vec![self.ev(&key, "mystery", json!({"hello":"world"}))],
             2 => {
                 let conv = "agent:eden:main";

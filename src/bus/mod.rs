@@ -25,7 +25,11 @@ pub fn parse_version(v: &str) -> Option<(u64, u64, u64)> {
     let core = v.trim().trim_start_matches('v');
     let core = core.split(['-', '+']).next()?;
     let mut it = core.split('.').map(|p| p.parse::<u64>());
-    Some((it.next()?.ok()?, it.next()?.ok()?, it.next().unwrap_or(Ok(0)).ok()?))
+    Some((
+        it.next()?.ok()?,
+        it.next()?.ok()?,
+        it.next().unwrap_or(Ok(0)).ok()?,
+    ))
 }
 
 /// Connect, check the server version and JetStream, and return a client with a JetStream context
@@ -49,13 +53,10 @@ pub async fn connect(
                 detail: e.to_string(),
             })?;
     }
-    let client = opts
-        .connect(url)
-        .await
-        .map_err(|e| ConnectError::Connect {
-            url: url.to_string(),
-            detail: e.to_string(),
-        })?;
+    let client = opts.connect(url).await.map_err(|e| ConnectError::Connect {
+        url: url.to_string(),
+        detail: e.to_string(),
+    })?;
     check_server(&client, url).await?;
     let js = async_nats::jetstream::ContextBuilder::new()
         .max_ack_inflight(publish_window)

@@ -89,13 +89,22 @@ fn stream_differences(have: &stream::Config, want: &stream::Config) -> Vec<Strin
     if hs != ws {
         d.push(format!("subjects {hs:?} (wanted {ws:?})"));
     }
-    let ht = have.subject_transform.as_ref().map(|t| (&t.source, &t.destination));
-    let wt = want.subject_transform.as_ref().map(|t| (&t.source, &t.destination));
+    let ht = have
+        .subject_transform
+        .as_ref()
+        .map(|t| (&t.source, &t.destination));
+    let wt = want
+        .subject_transform
+        .as_ref()
+        .map(|t| (&t.source, &t.destination));
     if ht != wt {
         d.push(format!("subject_transform {ht:?} (wanted {wt:?})"));
     }
     if have.max_age != want.max_age {
-        d.push(format!("max_age {:?} (wanted {:?})", have.max_age, want.max_age));
+        d.push(format!(
+            "max_age {:?} (wanted {:?})",
+            have.max_age, want.max_age
+        ));
     }
     if have.duplicate_window != want.duplicate_window {
         d.push(format!(
@@ -104,13 +113,22 @@ fn stream_differences(have: &stream::Config, want: &stream::Config) -> Vec<Strin
         ));
     }
     if have.num_replicas != want.num_replicas {
-        d.push(format!("replicas {} (wanted {})", have.num_replicas, want.num_replicas));
+        d.push(format!(
+            "replicas {} (wanted {})",
+            have.num_replicas, want.num_replicas
+        ));
     }
     if have.storage != want.storage {
-        d.push(format!("storage {:?} (wanted {:?})", have.storage, want.storage));
+        d.push(format!(
+            "storage {:?} (wanted {:?})",
+            have.storage, want.storage
+        ));
     }
     if have.retention != want.retention {
-        d.push(format!("retention {:?} (wanted {:?})", have.retention, want.retention));
+        d.push(format!(
+            "retention {:?} (wanted {:?})",
+            have.retention, want.retention
+        ));
     }
     d
 }
@@ -140,10 +158,16 @@ fn consumer_differences(have: &consumer::Config, want: &consumer::pull::Config) 
         ));
     }
     if have.ack_wait != want.ack_wait {
-        d.push(format!("ack_wait {:?} (wanted {:?})", have.ack_wait, want.ack_wait));
+        d.push(format!(
+            "ack_wait {:?} (wanted {:?})",
+            have.ack_wait, want.ack_wait
+        ));
     }
     if have.max_deliver != want.max_deliver {
-        d.push(format!("max_deliver {} (wanted {})", have.max_deliver, want.max_deliver));
+        d.push(format!(
+            "max_deliver {} (wanted {})",
+            have.max_deliver, want.max_deliver
+        ));
     }
     if have.max_ack_pending != want.max_ack_pending {
         d.push(format!(
@@ -152,7 +176,10 @@ fn consumer_differences(have: &consumer::Config, want: &consumer::pull::Config) 
         ));
     }
     if have.ack_policy != want.ack_policy {
-        d.push(format!("ack_policy {:?} (wanted explicit)", have.ack_policy));
+        d.push(format!(
+            "ack_policy {:?} (wanted explicit)",
+            have.ack_policy
+        ));
     }
     d
 }
@@ -169,9 +196,21 @@ pub fn kv_configs(s: &Settings) -> Vec<kv::Config> {
         ..Default::default()
     };
     vec![
-        base(&n.turns_bucket, "collab-projector turn records", s.turns.retention),
-        base(&n.sessions_bucket, "collab-projector work sessions", s.projection.max_age),
-        base(&n.progress_bucket, "collab-projector partition progress marks", Duration::ZERO),
+        base(
+            &n.turns_bucket,
+            "collab-projector turn records",
+            s.turns.retention,
+        ),
+        base(
+            &n.sessions_bucket,
+            "collab-projector work sessions",
+            s.projection.max_age,
+        ),
+        base(
+            &n.progress_bucket,
+            "collab-projector partition progress marks",
+            Duration::ZERO,
+        ),
     ]
 }
 
@@ -220,7 +259,9 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
                 report.unchanged.push(label);
             }
             Err(_) => {
-                raw.create_consumer(want).await.map_err(|e| api(&label, e))?;
+                raw.create_consumer(want)
+                    .await
+                    .map_err(|e| api(&label, e))?;
                 report.created.push(label);
             }
         }
@@ -256,7 +297,9 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
                 report.unchanged.push(label);
             }
             Err(_) => {
-                js.create_key_value(want).await.map_err(|e| api(&label, e))?;
+                js.create_key_value(want)
+                    .await
+                    .map_err(|e| api(&label, e))?;
                 report.created.push(label);
             }
         }

@@ -7,7 +7,9 @@ use crate::ingest::Normalized;
 use crate::model::Role;
 use crate::pipeline::{self, OutKind, Outgoing, RawMessage};
 use crate::telemetry;
-use crate::turns::{self, blocked, book::DeadlineBook, Expect, TurnConfig, TurnFacts, TurnRecord, TurnState};
+use crate::turns::{
+    self, blocked, book::DeadlineBook, Expect, TurnConfig, TurnFacts, TurnRecord, TurnState,
+};
 use async_nats::jetstream::kv;
 use bytes::Bytes;
 use futures::StreamExt;
@@ -67,16 +69,20 @@ impl PartitionTurns {
 
     /// Load this partition's records: arm open deadlines, and publish any decided response whose
     /// publication a crash interrupted.
-    pub async fn reload(&mut self, shared: &Shared, cancel: &CancellationToken) -> Result<usize, TurnIoError> {
+    pub async fn reload(
+        &mut self,
+        shared: &Shared,
+        cancel: &CancellationToken,
+    ) -> Result<usize, TurnIoError> {
         let filter = format!("p{}.>", self.partition);
-        let mut watch = self
-            .store
-            .watch_with_history(&filter)
-            .await
-            .map_err(|e| TurnIoError::Kv {
-                key: filter.clone(),
-                detail: e.to_string(),
-            })?;
+        let mut watch =
+            self.store
+                .watch_with_history(&filter)
+                .await
+                .map_err(|e| TurnIoError::Kv {
+                    key: filter.clone(),
+                    detail: e.to_string(),
+                })?;
         let mut unpublished = Vec::new();
         let mut loaded = 0;
         loop {
@@ -102,7 +108,9 @@ impl PartitionTurns {
                             }
                             self.open.insert(entry.key.clone(), (rec, entry.revision));
                         }
-                        TurnState::Decided => unpublished.push((entry.key.clone(), rec, entry.revision)),
+                        TurnState::Decided => {
+                            unpublished.push((entry.key.clone(), rec, entry.revision))
+                        }
                         TurnState::Published => {}
                     }
                 }
@@ -112,7 +120,8 @@ impl PartitionTurns {
             }
         }
         for (key, rec, rev) in unpublished {
-            self.publish_winner(shared, &key, &rec, rev, None, cancel).await?;
+            self.publish_winner(shared, &key, &rec, rev, None, cancel)
+                .await?;
         }
         metrics::gauge!(telemetry::OPEN_TURNS).increment(self.open.len() as f64);
         Ok(loaded)
@@ -161,7 +170,11 @@ impl PartitionTurns {
             if let Some(d) = rec.deadline_ms {
                 self.book.arm(key, d);
             }
-            if self.open.insert(key.to_string(), (rec.clone(), rev)).is_none() {
+            if self
+                .open
+                .insert(key.to_string(), (rec.clone(), rev))
+                .is_none()
+            {
                 metrics::gauge!(telemetry::OPEN_TURNS).increment(1.0);
             }
         } else {
@@ -195,7 +208,10 @@ impl PartitionTurns {
                         self.open.remove(&key);
                         if let WriteError::Other(detail) = &e {
                             warn!(key = %key, error = %detail, "turn write failed; re-reading");
-                            tokio::time::sleep(Duration::from_millis(50 * u64::from(attempts.min(20)))).await;
+                            tokio::time::sleep(Duration::from_millis(
+                                50 * u64::from(attempts.min(20)),
+                            ))
+                            .await;
                         }
                         if cancel.is_cancelled() && attempts > 20 {
                             return Err(TurnIoError::Cancelled(key));
@@ -208,7 +224,8 @@ impl PartitionTurns {
             if let Some((rec, rev)) = &after {
                 self.remember(&key, rec, *rev);
                 if step.publish_winner || rec.state == TurnState::Decided {
-                    self.publish_winner(shared, &key, rec, *rev, Some((facts.seq, n)), cancel).await?;
+                    self.publish_winner(shared, &key, rec, *rev, Some((facts.seq, n)), cancel)
+                        .await?;
                 }
             }
             let mut outs = Vec::new();
@@ -254,20 +271,26 @@ impl PartitionTurns {
             let mut attempts = 0u32;
             loop {
                 attempts += 1;
-                let Some((rec, rev)) = self.read(&key).await? else { break };
+                let Some((rec, rev)) = self.read(&key).await? else {
+                    break;
+                };
                 let Some(step) = turns::on_deadline((&rec, rev)) else {
                     // Decided meanwhile (another owner); make sure its response is out.
                     self.remember(&key, &rec, rev);
                     if rec.state == TurnState::Decided {
-                        self.publish_winner(shared, &key, &rec, rev, None, cancel).await?;
+                        self.publish_winner(shared, &key, &rec, rev, None, cancel)
+                            .await?;
                     }
                     break;
                 };
-                let Some((new, expect)) = step.write else { break };
+                let Some((new, expect)) = step.write else {
+                    break;
+                };
                 match self.write(&key, &new, expect).await {
                     Ok(rev) => {
                         self.remember(&key, &new, rev);
-                        self.publish_winner(shared, &key, &new, rev, None, cancel).await?;
+                        self.publish_winner(shared, &key, &new, rev, None, cancel)
+                            .await?;
                         decided += 1;
                         break;
                     }
@@ -276,7 +299,8 @@ impl PartitionTurns {
                         if cancel.is_cancelled() && attempts > 20 {
                             return Err(TurnIoError::Cancelled(key));
                         }
-                        tokio::time::sleep(Duration::from_millis(20 * u64::from(attempts.min(20)))).await;
+                        tokio::time::sleep(Duration::from_millis(20 * u64::from(attempts.min(20))))
+                            .await;
                     }
                 }
             }
@@ -354,7 +378,9 @@ impl PartitionTurns {
                         debug!(key, error = %d, "published mark failed; re-reading");
                     }
                     match self.read(key).await? {
-                        Some((r, v)) if r.state == TurnState::Decided && r.winner == rec.winner => rev = v,
+                        Some((r, v)) if r.state == TurnState::Decided && r.winner == rec.winner => {
+                            rev = v
+                        }
                         Some((r, v)) => {
                             self.remember(key, &r, v);
                             return Ok(());

@@ -10,10 +10,10 @@
 
 use super::turns::PartitionTurns;
 use crate::config::{Names, Settings};
-use crate::turns as turn_rules;
 use crate::ingest;
 use crate::pipeline::{self, OutKind, Outgoing, RawMessage};
 use crate::telemetry;
+use crate::turns as turn_rules;
 use async_nats::jetstream::{self, consumer::PullConsumer, kv, message::PublishMessage, AckKind};
 use async_nats::HeaderMap;
 use futures::StreamExt;
@@ -54,7 +54,10 @@ pub struct Shared {
 }
 
 impl Shared {
-    pub async fn new(js: jetstream::Context, settings: Settings) -> Result<Arc<Shared>, WorkerError> {
+    pub async fn new(
+        js: jetstream::Context,
+        settings: Settings,
+    ) -> Result<Arc<Shared>, WorkerError> {
         let names = settings.names();
         let progress = js
             .get_key_value(&names.progress_bucket)
@@ -86,10 +89,7 @@ impl Shared {
     }
 
     /// Issue one publish; the returned future resolves with the server's ack.
-    async fn send(
-        &self,
-        out: &Outgoing,
-    ) -> Result<jetstream::context::PublishAckFuture, String> {
+    async fn send(&self, out: &Outgoing) -> Result<jetstream::context::PublishAckFuture, String> {
         if self.fail_publish_every > 0 {
             let n = self.publish_attempts.fetch_add(1, Ordering::Relaxed) + 1;
             if n % self.fail_publish_every == 0 {
@@ -183,7 +183,10 @@ pub async fn run_partition(
     p: u16,
     cancel: CancellationToken,
 ) -> Result<(), WorkerError> {
-    let setup = |detail: String| WorkerError::Setup { partition: p, detail };
+    let setup = |detail: String| WorkerError::Setup {
+        partition: p,
+        detail,
+    };
     let stream = shared
         .js
         .get_stream(&shared.names.raw_stream)
@@ -201,7 +204,10 @@ pub async fn run_partition(
         .reload(&shared, &cancel)
         .await
         .map_err(|e| setup(e.to_string()))?;
-    shared.state.partitions_running.fetch_add(1, Ordering::Relaxed);
+    shared
+        .state
+        .partitions_running
+        .fetch_add(1, Ordering::Relaxed);
     debug!(partition = p, mark, loaded, "partition started");
 
     let (tx, rx) = mpsc::channel::<Item>(512);
@@ -289,7 +295,10 @@ pub async fn run_partition(
     };
     drop(tx);
     let _ = acker.await;
-    shared.state.partitions_running.fetch_sub(1, Ordering::Relaxed);
+    shared
+        .state
+        .partitions_running
+        .fetch_sub(1, Ordering::Relaxed);
     debug!(partition = p, "partition stopped");
     result
 }

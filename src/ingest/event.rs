@@ -49,7 +49,9 @@ pub fn parse_timestamp(v: &Value) -> Option<String> {
             let ms = n.as_i64().or_else(|| n.as_f64().map(|f| f as i64))?;
             Utc.timestamp_millis_opt(ms).single()?
         }
-        Value::String(s) => DateTime::parse_from_rfc3339(s.trim()).ok()?.with_timezone(&Utc),
+        Value::String(s) => DateTime::parse_from_rfc3339(s.trim())
+            .ok()?
+            .with_timezone(&Utc),
         _ => return None,
     };
     Some(dt.to_rfc3339_opts(SecondsFormat::Millis, true))
@@ -118,11 +120,17 @@ pub fn from_event(
     } else if let Some(subject) = &input.subject {
         subject.key.clone()
     } else {
-        ["sessionId", "taskId", "agentId", "conversationId", "workSessionId"]
-            .iter()
-            .find_map(|k| fields.get(k).and_then(id_text))
-            .map(|id| encode_id(&id))
-            .unwrap_or_else(|| "_".to_string())
+        [
+            "sessionId",
+            "taskId",
+            "agentId",
+            "conversationId",
+            "workSessionId",
+        ]
+        .iter()
+        .find_map(|k| fields.get(k).and_then(id_text))
+        .map(|id| encode_id(&id))
+        .unwrap_or_else(|| "_".to_string())
     };
 
     let id = |name: &str| fields.get(name).cloned();
@@ -231,7 +239,9 @@ pub fn from_adapter_packet(
     let role = if canonical.handoff_visible {
         Role::DelegationSubagent
     } else if canonical.event_type.starts_with("assay.adapter.a2a.task.")
-        || canonical.event_type.starts_with("assay.adapter.a2a.artifact.")
+        || canonical
+            .event_type
+            .starts_with("assay.adapter.a2a.artifact.")
     {
         Role::OrchestrationTask
     } else {

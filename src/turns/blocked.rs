@@ -30,13 +30,12 @@ pub fn parse_sections(text: &str) -> Option<Map<String, Value>> {
         buf.clear();
     };
     for line in text.lines() {
-        let trimmed = line
-            .trim_start()
-            .trim_start_matches(|c: char| c == '-' || c == '*' || c == '#' || c.is_ascii_digit() || c == '.' || c == ' ');
+        let trimmed = line.trim_start().trim_start_matches(|c: char| {
+            c == '-' || c == '*' || c == '#' || c.is_ascii_digit() || c == '.' || c == ' '
+        });
         let lower = trimmed.to_ascii_lowercase();
         let hit = SECTIONS.iter().find(|s| {
-            lower.starts_with(*s)
-                && lower[s.len()..].trim_start().starts_with([':', '='])
+            lower.starts_with(*s) && lower[s.len()..].trim_start().starts_with([':', '='])
         });
         if let Some(name) = hit {
             flush(&mut found, current, &mut buf);
@@ -103,7 +102,9 @@ fn evidence(rec: &TurnRecord, winner: &Winner, signal: Option<&RawEventRef>) -> 
         items.push(json!({"kind": winner.by, "rawSeq": sig.seq, "subject": sig.subject, "storedAt": sig.stored_at}));
     }
     if let Some(s) = &rec.send {
-        let deadline = s.stored_ms.saturating_add(i64::try_from(s.timeout_ms).unwrap_or(0));
+        let deadline = s
+            .stored_ms
+            .saturating_add(i64::try_from(s.timeout_ms).unwrap_or(0));
         items.push(json!({"kind": "deadline", "at": rfc3339(deadline), "timeoutMs": s.timeout_ms}));
     }
     Value::Array(items)
@@ -115,7 +116,9 @@ fn render_evidence(ev: &Value) -> String {
             items
                 .iter()
                 .map(|i| match (i["kind"].as_str(), i["rawSeq"].as_u64()) {
-                    (Some("deadline"), _) => format!("deadline {}", i["at"].as_str().unwrap_or("?")),
+                    (Some("deadline"), _) => {
+                        format!("deadline {}", i["at"].as_str().unwrap_or("?"))
+                    }
                     (Some(k), Some(seq)) => format!("{k} raw#{seq}"),
                     (Some(k), None) => k.to_string(),
                     _ => String::new(),
@@ -159,9 +162,9 @@ pub fn winner_response(rec: &TurnRecord, decider: Option<&Envelope>) -> Envelope
             let reason = blocked.unwrap_or(Reason::Error);
             let signal_ref = decider.and_then(|d| d.raw_event_ref.clone());
             let ev = evidence(rec, winner, signal_ref.as_ref());
-            let goal = send
-                .and_then(|s| s.goal.clone())
-                .unwrap_or_else(|| format!("turn {} of conversation {}", rec.turn, rec.conversation_id));
+            let goal = send.and_then(|s| s.goal.clone()).unwrap_or_else(|| {
+                format!("turn {} of conversation {}", rec.turn, rec.conversation_id)
+            });
             let next = next_action(rec, reason, winner.detail.as_deref());
             let outcome_line = format!(
                 "blocked ({reason}){}",
@@ -180,11 +183,7 @@ pub fn winner_response(rec: &TurnRecord, decider: Option<&Envelope>) -> Envelope
                 (Some(d), false) => d.clone(),
                 _ => Envelope::default(),
             };
-            let upstream_message = env
-                .payload
-                .as_ref()
-                .and_then(|p| p.get("message"))
-                .cloned();
+            let upstream_message = env.payload.as_ref().and_then(|p| p.get("message")).cloned();
             env.event_type = "a2a.response".into();
             env.event_role = Some(Role::ConversationMain);
             env.phase = None;
@@ -266,7 +265,10 @@ pub fn suppressed(env: &Envelope, rec: &TurnRecord, reason: SuppressReason) -> E
         p.insert("response".into(), o);
     }
     out.payload = Some(Value::Object(p));
-    facets::apply(&mut out, &facets::derive("a2a.response.suppressed", None, false));
+    facets::apply(
+        &mut out,
+        &facets::derive("a2a.response.suppressed", None, false),
+    );
     out
 }
 
@@ -282,6 +284,9 @@ mod tests {
         assert_eq!(s["evidence"], "PR #12\n  tests green");
         assert_eq!(s["next_action"], "deploy");
         assert!(parse_sections("goal: x\noutcome: y").is_none());
-        assert!(parse_sections("1. Goal: a\n2. Outcome: b\n3. Evidence: c\n4. Next_action: d").is_some());
+        assert!(
+            parse_sections("1. Goal: a\n2. Outcome: b\n3. Evidence: c\n4. Next_action: d")
+                .is_some()
+        );
     }
 }

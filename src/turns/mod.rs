@@ -156,8 +156,10 @@ pub fn failure_signal(fields: &Fields<'_>, event_type: &str) -> Option<(Reason, 
     {
         return Some((Reason::NotFound, detail));
     }
-    if matches!(fields.str("outcome"), Some("no_reply" | "blocked" | "failed"))
-        || fields.get("error").is_some()
+    if matches!(
+        fields.str("outcome"),
+        Some("no_reply" | "blocked" | "failed")
+    ) || fields.get("error").is_some()
         || event_type == "a2a.error"
     {
         return Some((Reason::Error, detail));
@@ -195,19 +197,16 @@ pub fn facts(
             .or_else(|| fields.str("message"))
             .map(|g| shorten(g, GOAL_MAX_CHARS))
             .filter(|g| !g.is_empty());
-        timeout_ms = fields
-            .get("timeoutMs")
-            .and_then(Value::as_u64)
-            .or_else(|| {
-                let deadline = fields.get("deadline").and_then(parse_timestamp)?;
-                let sent = fields
-                    .get("timestamp")
-                    .or_else(|| fields.get("ts"))
-                    .and_then(parse_timestamp)?;
-                let d = chrono::DateTime::parse_from_rfc3339(&deadline).ok()?;
-                let s = chrono::DateTime::parse_from_rfc3339(&sent).ok()?;
-                u64::try_from((d - s).num_milliseconds()).ok()
-            });
+        timeout_ms = fields.get("timeoutMs").and_then(Value::as_u64).or_else(|| {
+            let deadline = fields.get("deadline").and_then(parse_timestamp)?;
+            let sent = fields
+                .get("timestamp")
+                .or_else(|| fields.get("ts"))
+                .and_then(parse_timestamp)?;
+            let d = chrono::DateTime::parse_from_rfc3339(&deadline).ok()?;
+            let s = chrono::DateTime::parse_from_rfc3339(&sent).ok()?;
+            u64::try_from((d - s).num_milliseconds()).ok()
+        });
     }
     Some(TurnFacts {
         kind,
@@ -393,7 +392,17 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
         },
 
         // The first response, failure signal, complete or error decides an undecided turn.
-        (None, kind) | (Some((TurnRecord { state: TurnState::Open, .. }, _)), kind) => {
+        (None, kind)
+        | (
+            Some((
+                TurnRecord {
+                    state: TurnState::Open,
+                    ..
+                },
+                _,
+            )),
+            kind,
+        ) => {
             let (record, expect) = match current {
                 Some((r, rev)) => (r.clone(), Expect::Revision(rev)),
                 None => (

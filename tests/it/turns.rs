@@ -1,1 +1,1006 @@
-//! (placeholder)
+//! The turn contract (CONTRACT section 4) end to end: collab events published on `collab.raw.*`,
+//! the real `collab-projector` binary, and every turn's one `a2a.response` read back from
+//! `COLLAB_PROJ`.
+//!
+//! Counting is done only after the system has settled: a barrier send on every conversation of
+//! the test is projected (so the partition's watermark has passed every earlier deadline) and
+//! every partition consumer has nothing pending or unacknowledged (so redeliveries after a crash
+//! are done). Timeouts only guard against hangs; the assertions are about what was published.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Command;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{self, consumer};
+use futures::StreamExt;
+use rand::{Rng, SeedableRng};
+use serde_json::{json, Value};
+
+use crate::support::{Projector, TestNats};
+
+const BIN: &str = env!("CARGO_BIN_EXE_collab-projector");
+const RUN_ARGS: [&str; 4] = ["--main-agents", "ruda,eden", "--turn-timeout", "2s"];
+/// Shared by every process of a test (provision and run must agree on the consumers). A short
+/// ack wait makes the redelivery of a killed worker's in-flight messages quick.
+const ENV: [(&str, &str); 2] = [
+    ("COLLAB_CONSUMER__ACK_WAIT", "5s"),
+    ("RUST_LOG", "info,collab_projector=debug"),
+];
+/// Guards against hangs only.
+const WAIT: Duration = Duration::from_secs(120);
+
+const RESPONSES: &str = "collab.proj.conversation.main.*.a2a.response";
+const SENDS: &str = "collab.proj.conversation.main.*.a2a.send";
+const SUPPRESSED: &str = "collab.proj.system.observability.*.a2a.response.suppressed";
+
+type TurnKey = (String, String);
+
+fn key(conv: &str, turn: &str) -> TurnKey {
+    (conv.to_string(), turn.to_string())
+}
+
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
+/// A projected message as a subscriber sees it.
+#[derive(Debug, Clone)]
+struct Proj {
+    subject: String,
+    seq: u64,
+    msg_id: Option<String>,
+    body: Value,
+}
+
+impl Proj {
+    fn payload(&self) -> &Value {
+        &self.body["payload"]
+    }
+
+    fn str(&self, field: &str) -> Option<&str> {
+        self.payload()[field].as_str()
+    }
+
+    /// (conversation, turn) of a response: `conversationId` and `turnId`, else `turn`, else 0,
+    /// from the payload or the envelope.
+    fn turn_key(&self) -> TurnKey {
+        let p = self.payload();
+        let b = &self.body;
+        let conv = text(&p["conversationId"])
+            .or_else(|| text(&b["conversationId"]))
+            .unwrap_or_default();
+        let turn = [&p["turnId"], &b["turnId"], &p["turn"], &b["turn"]]
+            .into_iter()
+            .find_map(text)
+            .unwrap_or_else(|| "0".to_string());
+        (conv, turn)
+    }
+
+    /// (conversation, turn) of a suppressed response: the turn of the response that won.
+    fn winner_key(&self) -> TurnKey {
+        let w = &self.payload()["winner"];
+        (
+            text(&w["conversationId"]).unwrap_or_default(),
+            text(&w["turn"]).unwrap_or_default(),
+        )
+    }
+
+    fn is_blocked(&self) -> bool {
+        self.str("outcome") == Some("blocked")
+    }
+}
+
+fn text(v: &Value) -> Option<String> {
+    match v {
+        Value::String(s) => Some(s.clone()),
+        Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+/// A collab event (seed 000 shape) from `from` to `to` with `extra` fields under `data`.
+fn event(kind: &str, from: &str, to: &str, conv: &str, extra: Value) -> Value {
+    let mut data = json!({"fromAgent": from, "toAgent": to, "conversationId": conv});
+    if let (Some(d), Value::Object(e)) = (data.as_object_mut(), extra) {
+        d.extend(e);
+    }
+    json!({"type": kind, "agentId": from, "ts": now_ms(), "data": data})
+}
+
+fn send(conv: &str, extra: Value) -> Value {
+    event("a2a.send", "ruda", "eden", conv, extra)
+}
+
+fn reply(conv: &str, extra: Value) -> Value {
+    event("a2a.response", "eden", "ruda", conv, extra)
+}
+
+/// One nats-server with the projector's resources provisioned, and a client on it.
+struct Bed {
+    nats: TestNats,
+    js: jetstream::Context,
+    barriers: AtomicU32,
+}
+
+impl Bed {
+    async fn start() -> Bed {
+        let nats = TestNats::start().await;
+        let out = Command::new(BIN)
+            .args(["provision", "--nats-url", &nats.url()])
+            .envs(ENV)
+            .output()
+            .expect("could not run collab-projector provision");
+        assert!(
+            out.status.success(),
+            "provision failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let js = nats.jetstream().await;
+        Bed {
+            nats,
+            js,
+            barriers: AtomicU32::new(0),
+        }
+    }
+
+    fn projector(&self, extra_env: &[(&str, &str)]) -> Projector {
+        let mut envs = ENV.to_vec();
+        envs.extend_from_slice(extra_env);
+        Projector::spawn(&self.nats.url(), &RUN_ARGS, &envs)
+    }
+
+    /// Publish a collab event on `collab.raw.<conversationId>.<type>`; its raw sequence.
+    async fn publish(&self, ev: &Value) -> u64 {
+        let conv = ev["data"]["conversationId"]
+            .as_str()
+            .expect("test events carry data.conversationId");
+        let kind = ev["type"].as_str().expect("test events carry a type");
+        let subject = format!("collab.raw.{conv}.{kind}");
+        let bytes = serde_json::to_vec(ev).expect("an event serialises");
+        self.js
+            .publish(subject, bytes.into())
+            .await
+            .expect("raw publish was not sent")
+            .await
+            .expect("raw publish was not acknowledged")
+            .sequence
+    }
+
+    /// The raw stream's store time of a message (the turn contract's event time), in ms.
+    async fn stored_ms(&self, seq: u64) -> i64 {
+        let stream = self
+            .js
+            .get_stream("COLLAB_RAW")
+            .await
+            .expect("the raw stream exists");
+        stream
+            .get_raw_message(seq)
+            .await
+            .unwrap_or_else(|e| panic!("raw message {seq}: {e}"))
+            .time
+            .timestamp_millis()
+    }
+
+    /// Every message of COLLAB_PROJ matching `filter`, in stream order.
+    async fn read(&self, filter: &str) -> Vec<Proj> {
+        let stream = self
+            .js
+            .get_stream("COLLAB_PROJ")
+            .await
+            .expect("the projection stream exists");
+        let mut reader = stream
+            .create_consumer(consumer::pull::Config {
+                filter_subject: filter.to_string(),
+                ack_policy: consumer::AckPolicy::None,
+                deliver_policy: consumer::DeliverPolicy::All,
+                inactive_threshold: Duration::from_secs(60),
+                ..Default::default()
+            })
+            .await
+            .expect("could not create a reader consumer");
+        let info = reader.info().await.expect("reader consumer info");
+        let total = usize::try_from(info.num_pending).expect("pending fits usize");
+        let name = info.name.clone();
+        let mut out: Vec<Proj> = Vec::with_capacity(total);
+        let deadline = Instant::now() + WAIT;
+        while out.len() < total {
+            assert!(Instant::now() < deadline, "reading {filter} hung");
+            let mut batch = reader
+                .fetch()
+                .max_messages(total - out.len())
+                .expires(Duration::from_secs(2))
+                .messages()
+                .await
+                .expect("fetch from the projection stream");
+            while let Some(m) = batch.next().await {
+                let m = m.expect("a projected message");
+                let seq = m.info().expect("a JetStream message").stream_sequence;
+                let msg_id = m
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get("Nats-Msg-Id"))
+                    .map(|v| v.as_str().to_string());
+                let body: Value = serde_json::from_slice(&m.payload)
+                    .unwrap_or_else(|e| panic!("projection on {} is not JSON: {e}", m.subject));
+                out.push(Proj {
+                    subject: m.subject.to_string(),
+                    seq,
+                    msg_id,
+                    body,
+                });
+            }
+        }
+        let _ = stream.delete_consumer(&name).await;
+        out
+    }
+
+    /// Read `filter` until `done` holds.
+    async fn wait_read(
+        &self,
+        filter: &str,
+        what: &str,
+        done: impl Fn(&[Proj]) -> bool,
+    ) -> Vec<Proj> {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let msgs = self.read(filter).await;
+            if done(&msgs) {
+                return msgs;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out after {WAIT:?} waiting until {what}; {filter} holds {msgs:#?}"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Wait until at least one response exists for each of `turns`.
+    async fn wait_responses(&self, turns: &[TurnKey]) -> Vec<Proj> {
+        let want: BTreeSet<TurnKey> = turns.iter().cloned().collect();
+        self.wait_read(RESPONSES, &format!("responses exist for {want:?}"), |m| {
+            let have: BTreeSet<TurnKey> = m.iter().map(Proj::turn_key).collect();
+            want.is_subset(&have)
+        })
+        .await
+    }
+
+    /// True when every partition consumer has delivered and had acknowledged everything.
+    async fn drained(&self) -> bool {
+        let Ok(stream) = self.js.get_stream("COLLAB_RAW").await else {
+            return false;
+        };
+        let mut consumers = stream.consumers();
+        let mut seen = 0;
+        while let Some(info) = consumers.next().await {
+            let Ok(info) = info else { return false };
+            if !info.name.starts_with("collab-proj-") {
+                continue;
+            }
+            seen += 1;
+            if info.num_pending > 0 || info.num_ack_pending > 0 {
+                return false;
+            }
+        }
+        seen > 0
+    }
+
+    /// Publish a barrier send on each conversation and wait until every barrier is projected and
+    /// every raw message is acknowledged: each deadline before the barriers has been decided and
+    /// published, and every redelivery is done. Barrier turns (`barrier-<n>`, 1 h timeout) never
+    /// get a response within a test.
+    async fn settle(&self, convs: &[&str]) {
+        let n = self.barriers.fetch_add(1, Ordering::Relaxed);
+        let turn = format!("barrier-{n}");
+        for conv in convs {
+            self.publish(&send(
+                conv,
+                json!({"turn": turn, "message": "barrier", "timeoutMs": 3_600_000}),
+            ))
+            .await;
+        }
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let sends = self.read(SENDS).await;
+            let projected: BTreeSet<TurnKey> = sends.iter().map(Proj::turn_key).collect();
+            let all_barriers = convs.iter().all(|c| projected.contains(&key(c, &turn)));
+            if all_barriers && self.drained().await {
+                return;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "timed out after {WAIT:?} settling {convs:?} (barriers projected: {all_barriers})"
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    async fn responses(&self) -> Vec<Proj> {
+        self.read(RESPONSES).await
+    }
+
+    async fn suppressed_of(&self, conv: &str) -> Vec<Proj> {
+        self.read(&format!(
+            "collab.proj.system.observability.{conv}.a2a.response.suppressed"
+        ))
+        .await
+    }
+}
+
+fn group(msgs: &[Proj], key_of: fn(&Proj) -> TurnKey) -> BTreeMap<TurnKey, Vec<Proj>> {
+    let mut map: BTreeMap<TurnKey, Vec<Proj>> = BTreeMap::new();
+    for m in msgs {
+        map.entry(key_of(m)).or_default().push(m.clone());
+    }
+    map
+}
+
+/// Exactly one response for each expected turn and none for any other; each published on its
+/// conversation's subject with the turn's Msg-Id. Returns the response of each turn.
+fn one_per_turn(responses: &[Proj], expected: &[TurnKey]) -> BTreeMap<TurnKey, Proj> {
+    let grouped = group(responses, Proj::turn_key);
+    let want: BTreeSet<&TurnKey> = expected.iter().collect();
+    let have: BTreeSet<&TurnKey> = grouped.keys().collect();
+    assert_eq!(
+        have, want,
+        "turns with a response differ from the turns opened"
+    );
+    let mut out = BTreeMap::new();
+    for (k, list) in grouped {
+        assert_eq!(
+            list.len(),
+            1,
+            "turn {k:?} has {} responses, not exactly one: {list:#?}",
+            list.len()
+        );
+        let r = list.into_iter().next().expect("one response");
+        let (conv, turn) = &k;
+        assert_eq!(
+            r.subject,
+            format!("collab.proj.conversation.main.{conv}.a2a.response")
+        );
+        assert_eq!(
+            r.msg_id.as_deref(),
+            Some(format!("turn:{conv}:{turn}").as_str())
+        );
+        assert_eq!(r.body["type"], "a2a.response");
+        assert_eq!(r.body["eventRole"], "conversation.main");
+        out.insert(k, r);
+    }
+    out
+}
+
+/// A blocked message renders the four handoff sections, in order, each on its own line.
+fn assert_four_sections(message: &str) {
+    let starts: Vec<&str> = message
+        .lines()
+        .filter_map(|l| {
+            ["goal:", "outcome:", "evidence:", "next_action:"]
+                .into_iter()
+                .find(|s| l.starts_with(s))
+        })
+        .collect();
+    assert_eq!(
+        starts,
+        ["goal:", "outcome:", "evidence:", "next_action:"],
+        "message does not render the four sections: {message:?}"
+    );
+}
+
+fn evidence_of<'a>(r: &'a Proj, kind: &str) -> &'a Value {
+    r.payload()["evidence"]
+        .as_array()
+        .and_then(|items| items.iter().find(|i| i["kind"] == kind))
+        .unwrap_or_else(|| panic!("no {kind} evidence in {:#}", r.body))
+}
+
+/// A synthesised blocked timeout of a ruda -> eden send.
+fn assert_synthesized_timeout(r: &Proj, send_seq: u64, timeout_ms: u64) {
+    assert!(r.is_blocked(), "not blocked: {:#}", r.body);
+    assert_eq!(r.str("reason"), Some("timeout"), "{:#}", r.body);
+    assert_eq!(r.payload()["synthesized"], true, "{:#}", r.body);
+    assert_eq!(r.str("fromAgent"), Some("eden"), "{:#}", r.body);
+    assert_eq!(r.str("toAgent"), Some("ruda"), "{:#}", r.body);
+    assert_eq!(evidence_of(r, "send")["rawSeq"], send_seq);
+    assert_eq!(evidence_of(r, "deadline")["timeoutMs"], timeout_ms);
+    let next = r.str("next_action").unwrap_or_default();
+    assert!(
+        next.contains("eden"),
+        "next_action names no target: {next:?}"
+    );
+    assert_four_sections(r.str("message").unwrap_or_default());
+}
+
+async fn expect_abort(p: &mut Projector, point: &str) {
+    let Some(status) = p.wait_exit(WAIT).await else {
+        panic!(
+            "the projector did not abort at {point}; log:\n{}",
+            p.log_text()
+        );
+    };
+    assert!(!status.success(), "the projector exited cleanly: {status}");
+    let log = p.log_text();
+    assert!(
+        log.contains(&format!("test hook: crashing at {point}")),
+        "the projector exited ({status}) without reaching {point}; log:\n{log}"
+    );
+}
+
+async fn sleep_until_ms(at_ms: i64) {
+    let wait = at_ms.saturating_sub(now_ms()).max(0);
+    tokio::time::sleep(Duration::from_millis(u64::try_from(wait).unwrap_or(0))).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scenarios.
+
+#[tokio::test]
+async fn a_reply_wins_and_keeps_its_message_with_sections_as_fields() {
+    let bed = Bed::start().await;
+    let _p = bed.projector(&[]);
+    let sectioned =
+        "goal: summarise the design\noutcome: done\nevidence: DESIGN.md read\nnext_action: none";
+    bed.publish(&send(
+        "c-sections",
+        json!({"message": "summarise the design", "timeoutMs": 60_000}),
+    ))
+    .await;
+    let reply_seq = bed
+        .publish(&reply("c-sections", json!({"message": sectioned})))
+        .await;
+    bed.publish(&send(
+        "c-plain",
+        json!({"message": "say hi", "timeoutMs": 60_000}),
+    ))
+    .await;
+    bed.publish(&reply("c-plain", json!({"message": "hi"})))
+        .await;
+    bed.wait_responses(&[key("c-sections", "0"), key("c-plain", "0")])
+        .await;
+    bed.settle(&["c-sections", "c-plain"]).await;
+
+    let one = one_per_turn(
+        &bed.responses().await,
+        &[key("c-sections", "0"), key("c-plain", "0")],
+    );
+    let r = &one[&key("c-sections", "0")];
+    assert_eq!(r.str("message"), Some(sectioned));
+    assert_eq!(r.str("goal"), Some("summarise the design"));
+    assert_eq!(r.str("outcome"), Some("done"));
+    assert_eq!(r.str("evidence"), Some("DESIGN.md read"));
+    assert_eq!(r.str("next_action"), Some("none"));
+    assert_eq!(r.str("fromAgent"), Some("eden"));
+    assert!(r.payload().get("synthesized").is_none(), "{:#}", r.body);
+    assert_eq!(r.body["rawEventRef"]["seq"], reply_seq);
+
+    let plain = &one[&key("c-plain", "0")];
+    assert_eq!(plain.str("message"), Some("hi"));
+    for field in ["goal", "outcome", "evidence", "next_action", "reason"] {
+        assert!(
+            plain.payload().get(field).is_none(),
+            "{field} in {:#}",
+            plain.body
+        );
+    }
+    assert!(bed.read(SUPPRESSED).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_failure_reply_gives_a_blocked_timeout_that_is_not_synthesized() {
+    let bed = Bed::start().await;
+    let _p = bed.projector(&[]);
+    bed.publish(&send(
+        "c-fail",
+        json!({"message": "check the build", "timeoutMs": 60_000}),
+    ))
+    .await;
+    let fail_seq = bed
+        .publish(&reply(
+            "c-fail",
+            json!({"outcome": "no_reply", "waitStatus": "timeout", "message": "no answer in time"}),
+        ))
+        .await;
+    bed.wait_responses(&[key("c-fail", "0")]).await;
+    bed.settle(&["c-fail"]).await;
+
+    let one = one_per_turn(&bed.responses().await, &[key("c-fail", "0")]);
+    let r = &one[&key("c-fail", "0")];
+    assert!(r.is_blocked(), "{:#}", r.body);
+    assert_eq!(r.str("reason"), Some("timeout"));
+    assert_eq!(r.payload()["synthesized"], false);
+    assert_eq!(r.str("goal"), Some("check the build"));
+    // The upstream response is kept, not replaced.
+    assert_eq!(r.str("waitStatus"), Some("timeout"));
+    assert_eq!(r.str("upstreamMessage"), Some("no answer in time"));
+    assert_eq!(evidence_of(r, "a2a.response")["rawSeq"], fail_seq);
+    assert!(!r.str("next_action").unwrap_or_default().is_empty());
+    assert_four_sections(r.str("message").unwrap_or_default());
+    assert!(bed.read(SUPPRESSED).await.is_empty());
+}
+
+#[tokio::test]
+async fn silence_past_the_send_timeout_gives_a_synthesized_blocked_timeout() {
+    let bed = Bed::start().await;
+    let _p = bed.projector(&[]);
+    let goal = "ask eden for the release checklist";
+    let send_seq = bed
+        .publish(&send(
+            "c-silent",
+            json!({"message": goal, "timeoutMs": 1500}),
+        ))
+        .await;
+    bed.wait_responses(&[key("c-silent", "0")]).await;
+    bed.settle(&["c-silent"]).await;
+
+    let one = one_per_turn(&bed.responses().await, &[key("c-silent", "0")]);
+    let r = &one[&key("c-silent", "0")];
+    assert_synthesized_timeout(r, send_seq, 1500);
+    assert_eq!(r.str("goal"), Some(goal));
+    assert_eq!(r.body["agentId"], "eden");
+    let message = r.str("message").unwrap_or_default();
+    assert!(message.contains(&format!("goal: {goal}")), "{message:?}");
+    assert!(
+        message.contains("outcome: blocked (timeout)"),
+        "{message:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_complete_without_a_response_gives_a_blocked_error_before_the_complete() {
+    let bed = Bed::start().await;
+    let _p = bed.projector(&[]);
+    bed.publish(&send(
+        "c-complete",
+        json!({"message": "tidy up", "timeoutMs": 60_000}),
+    ))
+    .await;
+    let complete_seq = bed
+        .publish(&event(
+            "a2a.complete",
+            "eden",
+            "ruda",
+            "c-complete",
+            json!({}),
+        ))
+        .await;
+    bed.wait_responses(&[key("c-complete", "0")]).await;
+    bed.settle(&["c-complete"]).await;
+
+    let one = one_per_turn(&bed.responses().await, &[key("c-complete", "0")]);
+    let r = &one[&key("c-complete", "0")];
+    assert!(r.is_blocked(), "{:#}", r.body);
+    assert_eq!(r.str("reason"), Some("error"));
+    assert_eq!(r.payload()["synthesized"], true);
+    assert_eq!(evidence_of(r, "a2a.complete")["rawSeq"], complete_seq);
+    assert_four_sections(r.str("message").unwrap_or_default());
+
+    let conversation = bed.read("collab.proj.conversation.main.c-complete.>").await;
+    let position = |t: &str| {
+        conversation
+            .iter()
+            .position(|m| m.body["type"] == t)
+            .unwrap_or_else(|| panic!("no {t} projected: {conversation:#?}"))
+    };
+    assert!(
+        position("a2a.response") < position("a2a.complete"),
+        "the complete is projected before its turn's response: {conversation:#?}"
+    );
+}
+
+#[tokio::test]
+async fn a_duplicate_reply_is_suppressed_with_a_ref_to_the_winner() {
+    let bed = Bed::start().await;
+    let _p = bed.projector(&[]);
+    bed.publish(&send(
+        "c-dup",
+        json!({"message": "status?", "timeoutMs": 60_000}),
+    ))
+    .await;
+    let first = bed
+        .publish(&reply("c-dup", json!({"message": "first answer"})))
+        .await;
+    bed.publish(&reply("c-dup", json!({"message": "second answer"})))
+        .await;
+    bed.wait_read(SUPPRESSED, "the duplicate is suppressed", |m| !m.is_empty())
+        .await;
+    bed.settle(&["c-dup"]).await;
+
+    let one = one_per_turn(&bed.responses().await, &[key("c-dup", "0")]);
+    assert_eq!(one[&key("c-dup", "0")].str("message"), Some("first answer"));
+    let suppressed = bed.suppressed_of("c-dup").await;
+    assert_eq!(suppressed.len(), 1, "{suppressed:#?}");
+    let s = &suppressed[0];
+    assert_eq!(s.body["type"], "a2a.response.suppressed");
+    assert_eq!(s.body["eventRole"], "system.observability");
+    assert_eq!(s.str("reason"), Some("duplicate"));
+    let winner = &s.payload()["winner"];
+    assert_eq!(winner["rawSeq"], first);
+    assert_eq!(winner["msgId"], "turn:c-dup:0");
+    assert_eq!(winner["outcome"], "response");
+    assert_eq!(s.payload()["response"]["message"], "second answer");
+}
+
+#[tokio::test]
+async fn a_reply_after_a_blocked_timeout_is_suppressed_as_late() {
+    let bed = Bed::start().await;
+    let _p = bed.projector(&[]);
+    let send_seq = bed
+        .publish(&send(
+            "c-late",
+            json!({"message": "anyone?", "timeoutMs": 1500}),
+        ))
+        .await;
+    bed.wait_responses(&[key("c-late", "0")]).await;
+    bed.publish(&reply("c-late", json!({"message": "sorry, late"})))
+        .await;
+    bed.wait_read(SUPPRESSED, "the late reply is suppressed", |m| {
+        !m.is_empty()
+    })
+    .await;
+    bed.settle(&["c-late"]).await;
+
+    let one = one_per_turn(&bed.responses().await, &[key("c-late", "0")]);
+    assert_synthesized_timeout(&one[&key("c-late", "0")], send_seq, 1500);
+    let suppressed = bed.suppressed_of("c-late").await;
+    assert_eq!(suppressed.len(), 1, "{suppressed:#?}");
+    let s = &suppressed[0];
+    assert_eq!(s.str("reason"), Some("late"));
+    assert_eq!(s.payload()["winner"]["outcome"], "blocked");
+    assert_eq!(s.payload()["winner"]["reason"], "timeout");
+    assert_eq!(s.payload()["winner"]["msgId"], "turn:c-late:0");
+    assert_eq!(s.payload()["response"]["message"], "sorry, late");
+}
+
+#[tokio::test]
+async fn a_response_without_a_send_is_the_response_and_a_later_send_starts_no_timer() {
+    let bed = Bed::start().await;
+    let _p = bed.projector(&[]);
+    bed.publish(&reply("c-nosend", json!({"message": "unprompted answer"})))
+        .await;
+    bed.wait_responses(&[key("c-nosend", "0")]).await;
+    let send_seq = bed
+        .publish(&send(
+            "c-nosend",
+            json!({"message": "too late to ask", "timeoutMs": 1000}),
+        ))
+        .await;
+    bed.wait_read(SENDS, "the send is projected", |m| {
+        m.iter().any(|s| s.body["rawEventRef"]["seq"] == send_seq)
+    })
+    .await;
+    // Past the send's own deadline: a timer, had it started, would fire before the barrier.
+    let deadline = bed.stored_ms(send_seq).await + 1000;
+    sleep_until_ms(deadline + 1000).await;
+    bed.settle(&["c-nosend"]).await;
+
+    let one = one_per_turn(&bed.responses().await, &[key("c-nosend", "0")]);
+    let r = &one[&key("c-nosend", "0")];
+    assert_eq!(r.str("message"), Some("unprompted answer"));
+    assert!(!r.is_blocked(), "{:#}", r.body);
+    assert!(bed.read(SUPPRESSED).await.is_empty());
+}
+
+#[tokio::test]
+async fn ping_pong_turns_get_one_response_each() {
+    let bed = Bed::start().await;
+    let _p = bed.projector(&[]);
+    let conv = "c-pingpong";
+    for n in 1..=4u32 {
+        let (a, b) = if n % 2 == 1 {
+            ("ruda", "eden")
+        } else {
+            ("eden", "ruda")
+        };
+        bed.publish(&event(
+            "a2a.send",
+            a,
+            b,
+            conv,
+            json!({"turn": n, "message": format!("ping {n}"), "timeoutMs": 60_000}),
+        ))
+        .await;
+        bed.publish(&event(
+            "a2a.response",
+            b,
+            a,
+            conv,
+            json!({"turn": n, "message": format!("pong {n}")}),
+        ))
+        .await;
+    }
+    let unanswered = bed
+        .publish(&send(
+            conv,
+            json!({"turn": 5, "message": "ping 5", "timeoutMs": 1500}),
+        ))
+        .await;
+    let turns: Vec<TurnKey> = (1..=5).map(|n| key(conv, &n.to_string())).collect();
+    bed.wait_responses(&turns).await;
+    bed.settle(&[conv]).await;
+
+    let one = one_per_turn(&bed.responses().await, &turns);
+    for n in 1..=4u32 {
+        let r = &one[&key(conv, &n.to_string())];
+        assert_eq!(r.str("message"), Some(format!("pong {n}").as_str()));
+        assert!(!r.is_blocked(), "{:#}", r.body);
+        let replier = if n % 2 == 1 { "eden" } else { "ruda" };
+        assert_eq!(r.str("fromAgent"), Some(replier));
+    }
+    assert_synthesized_timeout(&one[&key(conv, "5")], unanswered, 1500);
+    assert!(bed.read(SUPPRESSED).await.is_empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Crash safety at exact instants of the turn protocol.
+
+/// A send answered by a reply, processed by a projector that aborts at `point`; a normal
+/// projector then finishes the job.
+async fn crash_on_the_reply_path(point: &str) {
+    let bed = Bed::start().await;
+    let mut crashing = bed.projector(&[("COLLAB_TEST_CRASH_AT", point)]);
+    bed.publish(&send(
+        "c-crash",
+        json!({"message": "build it", "timeoutMs": 60_000}),
+    ))
+    .await;
+    bed.publish(&reply("c-crash", json!({"message": "built"})))
+        .await;
+    expect_abort(&mut crashing, point).await;
+
+    let _p = bed.projector(&[]);
+    bed.wait_responses(&[key("c-crash", "0")]).await;
+    bed.settle(&["c-crash"]).await;
+    let one = one_per_turn(&bed.responses().await, &[key("c-crash", "0")]);
+    let r = &one[&key("c-crash", "0")];
+    assert_eq!(r.str("message"), Some("built"), "{:#}", r.body);
+    assert!(!r.is_blocked(), "{:#}", r.body);
+    // The winning reply, redelivered after the crash, is not a duplicate of itself.
+    assert!(
+        bed.read(SUPPRESSED).await.is_empty(),
+        "{:#?}",
+        bed.read(SUPPRESSED).await
+    );
+}
+
+/// An unanswered send whose deadline a projector that aborts at `point` handles; a normal
+/// projector then finishes the job.
+async fn crash_on_the_timeout_path(point: &str) {
+    let bed = Bed::start().await;
+    let mut crashing = bed.projector(&[("COLLAB_TEST_CRASH_AT", point)]);
+    let send_seq = bed
+        .publish(&send(
+            "c-crash-t",
+            json!({"message": "build it", "timeoutMs": 1000}),
+        ))
+        .await;
+    expect_abort(&mut crashing, point).await;
+
+    let _p = bed.projector(&[]);
+    bed.wait_responses(&[key("c-crash-t", "0")]).await;
+    bed.settle(&["c-crash-t"]).await;
+    let one = one_per_turn(&bed.responses().await, &[key("c-crash-t", "0")]);
+    assert_synthesized_timeout(&one[&key("c-crash-t", "0")], send_seq, 1000);
+}
+
+#[tokio::test]
+async fn crash_after_decide_on_a_reply_still_publishes_it_once() {
+    crash_on_the_reply_path("after_decide").await;
+}
+
+#[tokio::test]
+async fn crash_after_publish_on_a_reply_still_publishes_it_once() {
+    crash_on_the_reply_path("after_publish").await;
+}
+
+#[tokio::test]
+async fn crash_before_ack_on_a_reply_still_publishes_it_once() {
+    crash_on_the_reply_path("before_ack").await;
+}
+
+#[tokio::test]
+async fn crash_after_decide_at_a_deadline_still_blocks_once() {
+    crash_on_the_timeout_path("after_decide").await;
+}
+
+#[tokio::test]
+async fn crash_after_publish_at_a_deadline_still_blocks_once() {
+    crash_on_the_timeout_path("after_publish").await;
+}
+
+#[tokio::test]
+async fn crash_before_ack_of_a_send_still_blocks_once() {
+    crash_on_the_timeout_path("before_ack").await;
+}
+
+#[tokio::test]
+async fn a_deadline_that_passes_while_the_worker_is_down_blocks_after_restart() {
+    let bed = Bed::start().await;
+    let mut first = bed.projector(&[]);
+    let timeout_ms = 4000;
+    let send_seq = bed
+        .publish(&send(
+            "c-down",
+            json!({"message": "are you there?", "timeoutMs": timeout_ms}),
+        ))
+        .await;
+    bed.wait_read(SENDS, "the send is projected (its turn is open)", |m| {
+        m.iter().any(|s| s.body["rawEventRef"]["seq"] == send_seq)
+    })
+    .await;
+    first.kill9();
+    first.wait_exit(WAIT).await;
+    let deadline = bed.stored_ms(send_seq).await + i64::from(timeout_ms);
+    sleep_until_ms(deadline + 1000).await;
+
+    let _second = bed.projector(&[]);
+    bed.wait_responses(&[key("c-down", "0")]).await;
+    bed.publish(&reply("c-down", json!({"message": "here now"})))
+        .await;
+    bed.wait_read(SUPPRESSED, "the late reply is suppressed", |m| {
+        !m.is_empty()
+    })
+    .await;
+    bed.settle(&["c-down"]).await;
+
+    let one = one_per_turn(&bed.responses().await, &[key("c-down", "0")]);
+    assert_synthesized_timeout(&one[&key("c-down", "0")], send_seq, u64::from(timeout_ms));
+    let suppressed = bed.suppressed_of("c-down").await;
+    assert_eq!(suppressed.len(), 1, "{suppressed:#?}");
+    assert_eq!(suppressed[0].str("reason"), Some("late"));
+    assert_eq!(suppressed[0].payload()["response"]["message"], "here now");
+}
+
+#[tokio::test]
+async fn a_nats_restart_between_decision_and_publish_keeps_exactly_one_response() {
+    let mut bed = Bed::start().await;
+    let mut crashing = bed.projector(&[("COLLAB_TEST_CRASH_AT", "after_decide")]);
+    bed.publish(&send(
+        "c-restart",
+        json!({"message": "deploy", "timeoutMs": 60_000}),
+    ))
+    .await;
+    bed.publish(&reply("c-restart", json!({"message": "deployed"})))
+        .await;
+    expect_abort(&mut crashing, "after_decide").await;
+
+    bed.nats.restart().await;
+    bed.js = bed.nats.jetstream().await;
+    let _p = bed.projector(&[]);
+    bed.wait_responses(&[key("c-restart", "0")]).await;
+    bed.settle(&["c-restart"]).await;
+    let one = one_per_turn(&bed.responses().await, &[key("c-restart", "0")]);
+    assert_eq!(one[&key("c-restart", "0")].str("message"), Some("deployed"));
+    assert!(bed.read(SUPPRESSED).await.is_empty());
+}
+
+#[tokio::test]
+async fn a_reply_stored_before_the_deadline_wins_when_processed_after_it() {
+    let bed = Bed::start().await;
+    // No projector yet: both are stored, nothing is processed.
+    let send_seq = bed
+        .publish(&send(
+            "c-event",
+            json!({"message": "quick one", "timeoutMs": 1000}),
+        ))
+        .await;
+    let reply_seq = bed
+        .publish(&reply("c-event", json!({"message": "in time"})))
+        .await;
+    let deadline = bed.stored_ms(send_seq).await + 1000;
+    let reply_stored = bed.stored_ms(reply_seq).await;
+    assert!(
+        reply_stored < deadline,
+        "precondition: the reply was stored {}ms after the send",
+        reply_stored - (deadline - 1000)
+    );
+    sleep_until_ms(deadline + 1000).await;
+
+    let _p = bed.projector(&[]);
+    bed.wait_responses(&[key("c-event", "0")]).await;
+    bed.settle(&["c-event"]).await;
+    let one = one_per_turn(&bed.responses().await, &[key("c-event", "0")]);
+    let r = &one[&key("c-event", "0")];
+    assert!(
+        !r.is_blocked(),
+        "the in-time reply lost to the deadline: {:#}",
+        r.body
+    );
+    assert_eq!(r.str("message"), Some("in time"));
+    assert!(bed.read(SUPPRESSED).await.is_empty());
+}
+
+// ---------------------------------------------------------------------------------------------
+// Many turns, with a worker killed in the middle.
+
+struct Planned {
+    send_seq: u64,
+    replies: Vec<(u64, String)>,
+}
+
+#[tokio::test]
+async fn many_turns_with_a_worker_killed_midway_get_exactly_one_response_each() {
+    const CONVS: usize = 20;
+    const TURNS: u32 = 10;
+    const TIMEOUT_MS: i64 = 5000;
+    let seed: u64 = std::env::var("TURNS_SEED")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(rand::random);
+    eprintln!("many_turns seed: {seed} (rerun with TURNS_SEED={seed})");
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+
+    let bed = Bed::start().await;
+    let convs: Vec<String> = (0..CONVS).map(|i| format!("c-many-{i:02}")).collect();
+    let mut plan: BTreeMap<TurnKey, Planned> = BTreeMap::new();
+    let mut first = bed.projector(&[]);
+    for t in 1..=TURNS {
+        for conv in &convs {
+            let send_seq = bed
+                .publish(&send(
+                    conv,
+                    json!({"turn": t, "message": format!("task {t}"), "timeoutMs": TIMEOUT_MS}),
+                ))
+                .await;
+            let mut replies = Vec::new();
+            if rng.random_bool(0.6) {
+                let copies = if rng.random_bool(0.3) { 2 } else { 1 };
+                for copy in 0..copies {
+                    let text = format!("answer {conv} {t} #{copy}");
+                    let seq = bed
+                        .publish(&reply(conv, json!({"turn": t, "message": text})))
+                        .await;
+                    replies.push((seq, text));
+                }
+            }
+            plan.insert(key(conv, &t.to_string()), Planned { send_seq, replies });
+        }
+        if t == TURNS / 2 {
+            // Kill the worker once it is busy, then publish the rest while it is down.
+            bed.wait_read(RESPONSES, "the first worker has published responses", |m| {
+                m.len() >= 20
+            })
+            .await;
+            first.kill9();
+            first.wait_exit(WAIT).await;
+        }
+    }
+    let _second = bed.projector(&[]);
+    let expected: Vec<TurnKey> = plan.keys().cloned().collect();
+    bed.wait_responses(&expected).await;
+    let conv_refs: Vec<&str> = convs.iter().map(String::as_str).collect();
+    bed.settle(&conv_refs).await;
+
+    let responses = bed.read(RESPONSES).await;
+    let one = one_per_turn(&responses, &expected);
+    let suppressed = group(&bed.read(SUPPRESSED).await, Proj::winner_key);
+    for (k, planned) in &plan {
+        let r = &one[k];
+        let deadline = bed.stored_ms(planned.send_seq).await + TIMEOUT_MS;
+        let first_reply = match planned.replies.first() {
+            Some((seq, text)) if bed.stored_ms(*seq).await < deadline => Some(text),
+            _ => None,
+        };
+        let got = suppressed.get(k).map(Vec::as_slice).unwrap_or_default();
+        let reasons: Vec<Option<&str>> = got.iter().map(|s| s.str("reason")).collect();
+        match first_reply {
+            Some(text) => {
+                assert_eq!(
+                    r.str("message"),
+                    Some(text.as_str()),
+                    "turn {k:?}: {:#}",
+                    r.body
+                );
+                assert!(!r.is_blocked(), "turn {k:?}: {:#}", r.body);
+                let want = vec![Some("duplicate"); planned.replies.len() - 1];
+                assert_eq!(reasons, want, "suppressed of answered turn {k:?}");
+            }
+            None => {
+                assert_synthesized_timeout(r, planned.send_seq, 5000);
+                let want = vec![Some("late"); planned.replies.len()];
+                assert_eq!(reasons, want, "suppressed of blocked turn {k:?}");
+            }
+        }
+    }
+}
