@@ -1,14 +1,23 @@
 //! The `run` command: connect, provision, start the partition workers and the HTTP endpoints,
 //! and drain on cancellation (SIGTERM / Ctrl-C).
 
-use crate::bus::{self, provision, worker};
+use crate::bus::{self, leases, provision, worker};
 use crate::config::Settings;
 use crate::http::{self, HttpState};
 use std::sync::Arc;
-use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tokio_util::task::TaskTracker;
 use tracing::{error, info, warn};
+
+/// `<host>-<pid>-<random>`: unique per process, readable in logs and in the leases bucket.
+fn default_worker_id() -> String {
+    let host = std::fs::read_to_string("/etc/hostname")
+        .map(|h| h.trim().to_string())
+        .ok()
+        .filter(|h| !h.is_empty() && crate::model::is_key_token(h))
+        .unwrap_or_else(|| "worker".to_string());
+    format!("{host}-{}-{:04x}", std::process::id(), rand::random::<u16>())
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum AppError {
@@ -78,29 +87,17 @@ pub async fn start(
     let partitions = settings.nats.partitions;
     let shared = if opts.workers {
         let shared = worker::Shared::new(js.clone(), settings.clone()).await?;
-        metrics::gauge!(crate::telemetry::PARTITIONS_OWNED).set(f64::from(partitions));
-        for p in 0..partitions {
-            let shared = shared.clone();
-            let cancel = cancel.clone();
-            tracker.spawn(async move {
-                // A partition that fails to start (e.g. during a server restart) is retried.
-                let mut backoff = Duration::from_millis(200);
-                while !cancel.is_cancelled() {
-                    match worker::run_partition(shared.clone(), p, cancel.clone()).await {
-                        Ok(()) => break,
-                        Err(e) => {
-                            error!(error = %e, "partition failed; restarting");
-                            tokio::select! {
-                                _ = tokio::time::sleep(backoff) => {}
-                                _ = cancel.cancelled() => break,
-                            }
-                            backoff = (backoff * 2).min(Duration::from_secs(5));
-                        }
-                    }
-                }
-            });
-        }
-        info!(partitions, "workers started");
+        let names = settings.names();
+        let store = js
+            .get_key_value(&names.leases_bucket)
+            .await
+            .map_err(|e| worker::WorkerError::Setup {
+                partition: 0,
+                detail: format!("leases bucket {}: {e}", names.leases_bucket),
+            })?;
+        let id = settings.workers.id.clone().unwrap_or_else(default_worker_id);
+        info!(worker = %id, partitions, "worker started; taking its share of the partitions");
+        tracker.spawn(leases::run(shared.clone(), store, id, cancel.clone()));
         Some(shared)
     } else {
         None
@@ -119,7 +116,6 @@ pub async fn start(
             worker: shared.as_ref().map(|s| s.state.clone()),
             client: Some(client.clone()),
             metrics: opts.metrics.clone(),
-            expected_partitions: usize::from(partitions),
         };
         let router = http::router(state);
         let cancel = cancel.clone();

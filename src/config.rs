@@ -31,6 +31,28 @@ pub struct Settings {
     pub turns: TurnSettings,
     pub projection: ProjectionSettings,
     pub http: HttpSettings,
+    pub workers: WorkerSettings,
+}
+
+/// Partition ownership among N workers.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct WorkerSettings {
+    /// This worker's id (default: host name, process id and a random suffix).
+    pub id: Option<String>,
+    /// A partition lease lapses this long after its owner's last renewal (renewed every third of
+    /// it). Failover after a crash takes about this long.
+    #[serde(with = "humantime_serde")]
+    pub lease_ttl: Duration,
+}
+
+impl Default for WorkerSettings {
+    fn default() -> Self {
+        WorkerSettings {
+            id: None,
+            lease_ttl: Duration::from_secs(6),
+        }
+    }
 }
 
 /// Connection and naming. Stream and bucket names derive from `prefix`.
@@ -192,9 +214,30 @@ impl Default for ProjectionSettings {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct HttpSettings {
-    /// Serve `/healthz`, `/readyz`, `/metrics` (and the API) on `addr`.
+    /// Serve HTTP on `addr`: `/healthz`, `/readyz`, `/metrics` and the projection API.
     pub enabled: bool,
     pub addr: String,
+    /// Serve the projection API (`/api/...`) too.
+    pub api: bool,
+    /// Bearer tokens and the roles each may read. Access control is on when any is configured;
+    /// the server refuses to bind a non-loopback address with it off.
+    pub tokens: Vec<TokenGrant>,
+    /// A work session with no event for this long is `QUIET`.
+    #[serde(with = "humantime_serde")]
+    pub quiet_after: Duration,
+    /// A work session with no event for this long is `ARCHIVED`.
+    #[serde(with = "humantime_serde")]
+    pub archive_after: Duration,
+}
+
+/// One bearer token and the roles it may read.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TokenGrant {
+    /// A name for logs and metrics (the token itself is never logged).
+    pub name: String,
+    pub token: String,
+    pub roles: Vec<Role>,
 }
 
 impl Default for HttpSettings {
@@ -202,6 +245,10 @@ impl Default for HttpSettings {
         HttpSettings {
             enabled: true,
             addr: "127.0.0.1:8080".into(),
+            api: true,
+            tokens: Vec::new(),
+            quiet_after: Duration::from_secs(15 * 60),
+            archive_after: Duration::from_secs(24 * 3600),
         }
     }
 }
@@ -271,6 +318,9 @@ impl Settings {
         }
         if self.consumer.publish_window == 0 || self.consumer.publish_window >= 5000 {
             return bad("consumer.publish_window must be between 1 and 4999 (the client caps unacknowledged publishes at 5000)".into());
+        }
+        if self.workers.lease_ttl < Duration::from_secs(1) {
+            return bad("workers.lease_ttl must be at least 1s".into());
         }
         if self.turns.default_timeout.is_zero()
             || self.turns.max_timeout < self.turns.default_timeout

@@ -16,7 +16,6 @@ pub struct HttpState {
     pub worker: Option<Arc<WorkerState>>,
     pub client: Option<async_nats::Client>,
     pub metrics: Option<PrometheusHandle>,
-    pub expected_partitions: usize,
 }
 
 pub fn router(state: HttpState) -> Router {
@@ -32,17 +31,23 @@ async fn readyz(State(s): State<HttpState>) -> impl IntoResponse {
         .client
         .as_ref()
         .is_some_and(|c| c.connection_state() == async_nats::connection::State::Connected);
-    let running = s
+    let (owned, running) = s
         .worker
         .as_ref()
-        .map(|w| w.partitions_running.load(Ordering::Relaxed))
-        .unwrap_or(0);
-    let ready = connected && (s.worker.is_none() || running >= s.expected_partitions);
+        .map(|w| {
+            (
+                w.partitions_owned.load(Ordering::Relaxed),
+                w.partitions_running.load(Ordering::Relaxed),
+            )
+        })
+        .unwrap_or((0, 0));
+    // A worker is ready once every partition it owns runs (owning none is fine: others do).
+    let ready = connected && running >= owned;
     let body = Json(serde_json::json!({
         "ready": ready,
         "natsConnected": connected,
         "partitionsRunning": running,
-        "partitionsExpected": s.expected_partitions,
+        "partitionsOwned": owned,
     }));
     let code = if ready {
         StatusCode::OK

@@ -121,7 +121,13 @@ fn main() -> anyhow::Result<()> {
     {
         return normalize(config.as_deref(), main_agents.clone(), *adapter_mode);
     }
-    telemetry::init_logging();
+    // The demo's own screen is the output; its logs stay quiet unless asked for.
+    let default_filter = if matches!(cli.command, Command::Demo { .. }) {
+        "warn"
+    } else {
+        "info"
+    };
+    telemetry::init_logging(default_filter);
     // Two cores is the common deployment; a current-thread runtime did as well as a
     // multi-thread one there, but workers and HTTP benefit from a second thread under load.
     let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -22,9 +22,11 @@ pub const OPEN_TURNS: &str = "collab_open_turns";
 /// Messages pending in the partition consumers this worker owns (lag).
 pub const CONSUMER_PENDING: &str = "collab_consumer_pending";
 
-/// Initialise logging: `RUST_LOG` filters (default `info`), `COLLAB_LOG_FORMAT=json` for JSON lines.
-pub fn init_logging() {
-    let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
+/// Initialise logging: `RUST_LOG` filters (default `default_filter`), `COLLAB_LOG_FORMAT=json`
+/// for JSON lines.
+pub fn init_logging(default_filter: &str) {
+    let filter =
+        EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let json = std::env::var("COLLAB_LOG_FORMAT").is_ok_and(|v| v == "json");
     let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
     let _ = if json {

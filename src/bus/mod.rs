@@ -1,5 +1,6 @@
 //! Everything that talks to NATS: connecting, provisioning, the partition workers.
 
+pub mod leases;
 pub mod provision;
 pub mod turns;
 pub mod worker;

@@ -211,6 +211,11 @@ pub fn kv_configs(s: &Settings) -> Vec<kv::Config> {
             "collab-projector partition progress marks",
             Duration::ZERO,
         ),
+        base(
+            &n.leases_bucket,
+            "collab-projector partition leases and worker heartbeats",
+            s.workers.lease_ttl,
+        ),
     ]
 }
 

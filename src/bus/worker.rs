@@ -14,6 +14,7 @@ use crate::ingest;
 use crate::pipeline::{self, OutKind, Outgoing, RawMessage};
 use crate::telemetry;
 use crate::turns as turn_rules;
+use crate::turns::book::Watermark;
 use async_nats::jetstream::{self, consumer::PullConsumer, kv, message::PublishMessage, AckKind};
 use async_nats::HeaderMap;
 use futures::StreamExt;
@@ -33,6 +34,7 @@ pub enum WorkerError {
 /// What the worker tells health checks and the demo.
 #[derive(Debug, Default)]
 pub struct WorkerState {
+    pub partitions_owned: AtomicUsize,
     pub partitions_running: AtomicUsize,
     pub inputs: AtomicU64,
     pub projected: AtomicU64,
@@ -214,7 +216,10 @@ pub async fn run_partition(
     let acker = tokio::spawn(ack_stage(shared.clone(), p, rx, cancel.clone()));
     let batch = shared.settings.consumer.batch;
     let skew = i64::try_from(shared.settings.turns.clock_skew.as_millis()).unwrap_or(0);
-    let mut watermark = i64::MIN;
+    let mut watermark = match consumer.info().await {
+        Ok(info) => Watermark::starting(info.num_ack_pending, info.delivered.stream_sequence),
+        Err(e) => return Err(setup(format!("consumer info: {e}"))),
+    };
     let mut last_seq = 0u64;
     let mut backoff = Duration::from_millis(100);
     let result = 'pull: loop {
@@ -242,18 +247,26 @@ pub async fn run_partition(
         backoff = Duration::from_millis(100);
         // The batch is bounded (size and expiry): finishing it on cancel is the drain.
         loop {
-            let timer = turns.book.next_deadline().map(|d| {
+            let mut timer = turns.book.next_deadline().map(|d| {
                 let wait_ms = d.saturating_add(skew).saturating_sub(now_ms()).max(0);
                 Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0))
             });
+            if watermark.recovering() {
+                // Poll the ack floor until a previous owner's in-flight messages are done.
+                timer =
+                    Some(timer.map_or(Duration::from_secs(1), |t| t.min(Duration::from_secs(1))));
+            }
             let next = tokio::select! {
                 biased;
                 m = messages.next() => m,
                 _ = sleep_opt(timer) => {
                     // Idle partition: when nothing stored is left unprocessed, the watermark is now.
                     if let Ok(info) = consumer.info().await {
+                        let mut moved = watermark.ack_floor(info.ack_floor.stream_sequence);
                         if info.num_pending == 0 && info.delivered.stream_sequence <= last_seq {
-                            let wm = now_ms() - skew;
+                            moved = watermark.idle(now_ms() - skew).or(moved);
+                        }
+                        if let Some(wm) = moved {
                             if let Err(e) = turns.advance(&shared, wm, &cancel).await {
                                 break 'pull Err(setup(e.to_string()));
                             }
@@ -275,9 +288,8 @@ pub async fn run_partition(
             let stored_ms = info.published.timestamp_millis();
             // Every message stored before this one has been processed: deadlines before its
             // store time have passed in event time.
-            if stored_ms > watermark {
-                watermark = stored_ms;
-                if let Err(e) = turns.advance(&shared, watermark, &cancel).await {
+            if let Some(wm) = watermark.observe(stored_ms) {
+                if let Err(e) = turns.advance(&shared, wm, &cancel).await {
                     break 'pull Err(setup(e.to_string()));
                 }
             }

@@ -150,11 +150,12 @@ impl Raw {
     }
 }
 
+/// Where a crash interrupts a step: right after the write, the publication or the mark.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum CrashPoint {
-    AfterWrite,
-    AfterPublish,
-    AfterMark,
+    Write,
+    Publish,
+    Mark,
 }
 
 #[derive(Debug)]
@@ -412,7 +413,7 @@ impl Sim {
         if let Some((rec, expect)) = step.write {
             let rev = self.cas(key, &rec, expect)?;
             after = Some((rec, rev));
-            self.crash_point(CrashPoint::AfterWrite)?;
+            self.crash_point(CrashPoint::Write)?;
         }
         if step.publish_winner {
             let (rec, rev) = after.clone().expect("publish_winner comes with a record");
@@ -459,9 +460,9 @@ impl Sim {
             self.responses.insert(id.clone(), env);
             self.effects.push(Effect::Published(id));
         }
-        self.crash_point(CrashPoint::AfterPublish)?;
+        self.crash_point(CrashPoint::Publish)?;
         self.cas(key, &published(rec), Expect::Revision(rev))?;
-        self.crash_point(CrashPoint::AfterMark)?;
+        self.crash_point(CrashPoint::Mark)?;
         Ok(())
     }
 
@@ -1511,11 +1512,7 @@ fn lost_ack_on_the_deadline_write_still_publishes() {
 
 #[test]
 fn crash_after_the_decision_is_published_on_recovery_exactly_once() {
-    for point in [
-        CrashPoint::AfterWrite,
-        CrashPoint::AfterPublish,
-        CrashPoint::AfterMark,
-    ] {
+    for point in [CrashPoint::Write, CrashPoint::Publish, CrashPoint::Mark] {
         let mut sim = Sim::new(contract_cfg());
         sim.run(1_000, send("c1", json!({})));
         sim.crash_next = Some(point);
@@ -1999,14 +1996,15 @@ fn signal() -> impl Strategy<Value = Signal> {
 fn timeout() -> impl Strategy<Value = Timeout> {
     prop_oneof![
         2 => Just(Timeout::Default),
-        3 => (1u64..5_000).prop_map(Timeout::Ms),
+        3 => (1u64..20).prop_map(|n| Timeout::Ms(n * 250)),
         1 => Just(Timeout::Huge),
-        1 => (1u64..8_000).prop_map(Timeout::Deadline),
+        1 => (1u64..32).prop_map(|n| Timeout::Deadline(n * 250)),
     ]
 }
 
 fn op() -> impl Strategy<Value = Op> {
-    let gap = 0i64..1_500;
+    // Coarse times (quarter seconds) so that messages land exactly on deadlines often.
+    let gap = (0i64..6).prop_map(|n| n * 250);
     prop_oneof![
         4 => (sel(), timeout(), gap.clone()).prop_map(|(s, t, g)| Op::Send(s, t, g)),
         5 => (sel(), signal(), gap.clone()).prop_map(|(s, x, g)| Op::Response(s, x, g)),
@@ -2015,13 +2013,13 @@ fn op() -> impl Strategy<Value = Op> {
         2 => (any::<prop::sample::Index>(), gap).prop_map(|(i, g)| Op::Copy(i, g)),
         2 => any::<prop::sample::Index>().prop_map(Op::Redeliver),
         5 => (1usize..4).prop_map(Op::Deliver),
-        2 => (0i64..8_000).prop_map(Op::Advance),
-        1 => Just(Op::LoseAck),
-        1 => Just(Op::Crash),
+        2 => (0i64..32).prop_map(|n| Op::Advance(n * 250)),
+        3 => Just(Op::LoseAck),
+        2 => Just(Op::Crash),
         1 => prop_oneof![
-            Just(CrashPoint::AfterWrite),
-            Just(CrashPoint::AfterPublish),
-            Just(CrashPoint::AfterMark),
+            Just(CrashPoint::Write),
+            Just(CrashPoint::Publish),
+            Just(CrashPoint::Mark),
         ]
         .prop_map(Op::CrashAt),
     ]
@@ -2029,7 +2027,7 @@ fn op() -> impl Strategy<Value = Op> {
 
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: 256,
+        cases: 512,
         failure_persistence: None,
         ..ProptestConfig::default()
     })]
@@ -2042,4 +2040,15 @@ proptest! {
     ) {
         check_case(convs, nturns, &ops)?;
     }
+}
+
+#[test]
+#[ignore = "bug: a blank `goal` on the send hides its message text (goal becomes None)"]
+fn blank_goal_falls_back_to_the_message() {
+    let f = facts_of(
+        &send("c", json!({"goal": "  ", "message": "do the thing"})),
+        1,
+        0,
+    );
+    assert_eq!(f.goal.as_deref(), Some("do the thing"));
 }

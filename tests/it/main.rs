@@ -3,5 +3,7 @@
 mod support;
 
 mod adapter_bus;
+mod api;
+mod chaos;
 mod pipeline;
 mod turns;

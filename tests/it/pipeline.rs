@@ -1,1 +1,1223 @@
-//! (placeholder)
+//! The foundation pipeline against a real server and the real binary: projections and their
+//! envelope, dead letters, exactly one outcome per raw sequence, per-key order, crashes and
+//! drains, provisioning, server refusal and the offline `normalize` command.
+//!
+//! The helpers at the top are shared with `adapter_bus`.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use async_nats::jetstream::{consumer, stream, Context};
+use bytes::Bytes;
+use collab_projector::model::encode_id;
+use futures::{StreamExt, TryStreamExt};
+use serde_json::{json, Value};
+use tokio::io::AsyncWriteExt;
+
+use crate::support::{wait_until, Projector, TestNats};
+
+/// Guards against hangs only; nothing is asserted about how long anything takes.
+pub(crate) const GUARD: Duration = Duration::from_secs(60);
+
+pub(crate) const RAW: &str = "COLLAB_RAW";
+pub(crate) const PROJ: &str = "COLLAB_PROJ";
+pub(crate) const DLQ: &str = "COLLAB_DLQ";
+
+/// The main agents every test runs with.
+pub(crate) const MAIN_AGENTS: [&str; 2] = ["--main-agents", "ruda,eden"];
+
+const BIN: &str = env!("CARGO_BIN_EXE_collab-projector");
+
+// ---------------------------------------------------------------------------------------------
+// Shared helpers
+// ---------------------------------------------------------------------------------------------
+
+/// One stored message, read back from a stream.
+#[derive(Debug, Clone)]
+pub(crate) struct Stored {
+    pub subject: String,
+    pub seq: u64,
+    pub headers: Option<async_nats::HeaderMap>,
+    pub payload: Bytes,
+}
+
+impl Stored {
+    pub fn header(&self, name: &str) -> Option<String> {
+        self.headers
+            .as_ref()
+            .and_then(|h| h.get(name))
+            .map(|v| v.as_str().to_string())
+    }
+
+    /// The header, or a panic naming the message.
+    pub fn must_header(&self, name: &str) -> String {
+        self.header(name).unwrap_or_else(|| {
+            panic!(
+                "message {} on {} has no {name} header: {:?}",
+                self.seq, self.subject, self.headers
+            )
+        })
+    }
+
+    pub fn json(&self) -> Value {
+        serde_json::from_slice(&self.payload).unwrap_or_else(|e| {
+            panic!(
+                "message {} on {} is not JSON ({e}): {}",
+                self.seq,
+                self.subject,
+                String::from_utf8_lossy(&self.payload)
+            )
+        })
+    }
+
+    /// `Collab-Source-Seq` as a number.
+    pub fn source_seq(&self) -> u64 {
+        let text = self.must_header("Collab-Source-Seq");
+        text.parse()
+            .unwrap_or_else(|e| panic!("Collab-Source-Seq {text:?} is not a number: {e}"))
+    }
+}
+
+/// Start the binary and wait until it has provisioned and listens (it prints `http listening on`).
+pub(crate) async fn start_projector(url: &str, args: &[&str], envs: &[(&str, &str)]) -> Projector {
+    let projector = Projector::spawn(url, args, envs);
+    wait_until(GUARD, "the projector reports `http listening on`", || {
+        let ready = projector.log_text().contains("http listening on");
+        async move { ready }
+    })
+    .await;
+    projector
+}
+
+/// Publish one message and wait for the stream's ack; returns the raw stream sequence.
+pub(crate) async fn publish(js: &Context, subject: &str, body: impl Into<Bytes>) -> u64 {
+    js.publish(subject.to_string(), body.into())
+        .await
+        .unwrap_or_else(|e| panic!("publish to {subject} was not sent: {e}"))
+        .await
+        .unwrap_or_else(|e| panic!("publish to {subject} was not acknowledged: {e}"))
+        .sequence
+}
+
+/// Publish many messages, pipelined in chunks; returns their sequences in input order.
+pub(crate) async fn publish_all(js: &Context, messages: &[(String, Vec<u8>)]) -> Vec<u64> {
+    let mut seqs = Vec::with_capacity(messages.len());
+    for chunk in messages.chunks(100) {
+        let mut acks = Vec::with_capacity(chunk.len());
+        for (subject, body) in chunk {
+            let ack = js
+                .publish(subject.clone(), Bytes::from(body.clone()))
+                .await
+                .unwrap_or_else(|e| panic!("publish to {subject} was not sent: {e}"));
+            acks.push(ack);
+        }
+        for ack in acks {
+            seqs.push(
+                ack.await
+                    .unwrap_or_else(|e| panic!("publish was not acknowledged: {e}"))
+                    .sequence,
+            );
+        }
+    }
+    seqs
+}
+
+/// The number of messages a stream holds (0 if it does not exist yet).
+pub(crate) async fn count(js: &Context, stream: &str) -> u64 {
+    match js.get_stream(stream).await {
+        Ok(mut s) => s.info().await.map(|i| i.state.messages).unwrap_or(0),
+        Err(_) => 0,
+    }
+}
+
+/// Every message of `stream` on `filter` stored so far, in stream order.
+pub(crate) async fn read_all(js: &Context, stream: &str, filter: &str) -> Vec<Stored> {
+    let s = js
+        .get_stream(stream)
+        .await
+        .unwrap_or_else(|e| panic!("stream {stream}: {e}"));
+    let mut reader = s
+        .create_consumer(consumer::pull::Config {
+            filter_subject: filter.to_string(),
+            ack_policy: consumer::AckPolicy::None,
+            deliver_policy: consumer::DeliverPolicy::All,
+            inactive_threshold: Duration::from_secs(60),
+            ..Default::default()
+        })
+        .await
+        .unwrap_or_else(|e| panic!("reader on {stream} ({filter}): {e}"));
+    let total = reader
+        .info()
+        .await
+        .unwrap_or_else(|e| panic!("reader info on {stream}: {e}"))
+        .num_pending;
+    let deadline = Instant::now() + GUARD;
+    let mut out: Vec<Stored> = Vec::new();
+    while (out.len() as u64) < total {
+        assert!(
+            Instant::now() < deadline,
+            "read only {} of {total} messages from {stream} ({filter})",
+            out.len()
+        );
+        let mut batch = reader
+            .fetch()
+            .max_messages(1000)
+            .expires(Duration::from_secs(2))
+            .messages()
+            .await
+            .unwrap_or_else(|e| panic!("fetch from {stream}: {e}"));
+        while let Some(m) = batch.next().await {
+            let m = m.unwrap_or_else(|e| panic!("fetch from {stream}: {e}"));
+            let seq = m
+                .info()
+                .unwrap_or_else(|e| panic!("message info from {stream}: {e}"))
+                .stream_sequence;
+            out.push(Stored {
+                subject: m.subject.to_string(),
+                seq,
+                headers: m.headers.clone(),
+                payload: m.payload.clone(),
+            });
+        }
+    }
+    out
+}
+
+/// Whether every partition consumer of the raw stream exists and has nothing left to deliver
+/// or to acknowledge: the projector has finished everything stored so far.
+pub(crate) async fn raw_drained(js: &Context, partitions: usize) -> bool {
+    let Ok(s) = js.get_stream(RAW).await else {
+        return false;
+    };
+    let Ok(infos) = s.consumers().try_collect::<Vec<consumer::Info>>().await else {
+        return false;
+    };
+    let ours: Vec<&consumer::Info> = infos
+        .iter()
+        .filter(|i| i.name.starts_with("collab-proj-"))
+        .collect();
+    ours.len() == partitions
+        && ours
+            .iter()
+            .all(|i| i.num_pending == 0 && i.num_ack_pending == 0)
+}
+
+/// Wait until the stream counts reach at least `proj` and `dlq` and the raw consumers are
+/// drained, so what is read afterwards is everything the projector will write for the input.
+pub(crate) async fn wait_settled(js: &Context, proj: u64, dlq: u64) {
+    wait_until(
+        GUARD,
+        &format!("COLLAB_PROJ holds {proj} and COLLAB_DLQ {dlq} messages"),
+        || {
+            let js = js.clone();
+            async move { count(&js, PROJ).await >= proj && count(&js, DLQ).await >= dlq }
+        },
+    )
+    .await;
+    wait_until(GUARD, "every raw partition consumer is drained", || {
+        let js = js.clone();
+        async move { raw_drained(&js, 64).await }
+    })
+    .await;
+}
+
+/// The single message stored on `subject` (waits for it, then asserts there is exactly one).
+pub(crate) async fn the_one(js: &Context, stream: &str, subject: &str) -> Stored {
+    wait_until(GUARD, &format!("a message on {subject}"), || {
+        let js = js.clone();
+        let subject = subject.to_string();
+        let stream = stream.to_string();
+        async move {
+            match js.get_stream(&stream).await {
+                Ok(s) => s.get_last_raw_message_by_subject(&subject).await.is_ok(),
+                Err(_) => false,
+            }
+        }
+    })
+    .await;
+    let mut all = read_all(js, stream, subject).await;
+    assert_eq!(
+        all.len(),
+        1,
+        "expected exactly one message on {subject}, got {:?}",
+        all.iter()
+            .map(|m| String::from_utf8_lossy(&m.payload).into_owned())
+            .collect::<Vec<_>>()
+    );
+    all.remove(0)
+}
+
+/// Check the dead letter for a raw message: subject, original bytes and the four headers.
+pub(crate) fn assert_dead_letter(
+    dl: &Stored,
+    reason: &str,
+    body: &[u8],
+    producer_subject: &str,
+    raw_seq: u64,
+) -> String {
+    assert_eq!(dl.subject, format!("collab.dlq.{reason}"));
+    assert_eq!(
+        dl.payload.as_ref(),
+        body,
+        "a dead letter keeps the original bytes"
+    );
+    assert_eq!(dl.must_header("Collab-Dlq-Reason"), reason);
+    assert_eq!(dl.must_header("Collab-Source-Subject"), producer_subject);
+    assert_eq!(dl.source_seq(), raw_seq);
+    let detail = dl.must_header("Collab-Dlq-Detail");
+    assert!(
+        detail.split_whitespace().count() >= 3,
+        "the detail should be a sentence a person can act on: {detail:?}"
+    );
+    detail
+}
+
+/// Run the binary with arguments and stdin; returns (status, stdout, stderr).
+pub(crate) async fn run_bin(
+    args: &[&str],
+    envs: &[(&str, &str)],
+    stdin: &[u8],
+) -> (bool, String, String) {
+    let mut child = tokio::process::Command::new(BIN)
+        .args(args)
+        .envs(envs.iter().copied())
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .kill_on_drop(true)
+        .spawn()
+        .unwrap_or_else(|e| panic!("could not run {BIN}: {e}"));
+    let mut input = child.stdin.take().expect("stdin is piped");
+    let bytes = stdin.to_vec();
+    let writer = tokio::spawn(async move {
+        let _ = input.write_all(&bytes).await;
+        // Dropping `input` closes stdin.
+    });
+    let output = tokio::time::timeout(GUARD, child.wait_with_output())
+        .await
+        .unwrap_or_else(|_| panic!("{BIN} {args:?} did not exit within {GUARD:?}"))
+        .unwrap_or_else(|e| panic!("waiting for {BIN}: {e}"));
+    let _ = writer.await;
+    (
+        output.status.success(),
+        String::from_utf8_lossy(&output.stdout).into_owned(),
+        String::from_utf8_lossy(&output.stderr).into_owned(),
+    )
+}
+
+fn seq_counts(messages: &[Stored]) -> BTreeMap<u64, usize> {
+    let mut counts = BTreeMap::new();
+    for m in messages {
+        *counts.entry(m.source_seq()).or_insert(0) += 1;
+    }
+    counts
+}
+
+/// Every projection's `rawEventRef.seq` agrees with its `Collab-Source-Seq` header.
+fn assert_refs_match_headers(projections: &[Stored]) {
+    for m in projections {
+        let env = m.json();
+        assert_eq!(
+            env["rawEventRef"]["seq"].as_u64(),
+            Some(m.source_seq()),
+            "rawEventRef.seq and Collab-Source-Seq differ on {}",
+            m.subject
+        );
+    }
+}
+
+/// Every sequence in `expected` appears exactly once across projections and dead letters, and
+/// nothing else appears.
+fn assert_exactly_once(expected: &BTreeSet<u64>, proj: &[Stored], dlq: &[Stored]) {
+    let mut counts = seq_counts(proj);
+    for (seq, n) in seq_counts(dlq) {
+        *counts.entry(seq).or_insert(0) += n;
+    }
+    let duplicated: Vec<(u64, usize)> = counts
+        .iter()
+        .filter(|(_, n)| **n > 1)
+        .map(|(s, n)| (*s, *n))
+        .collect();
+    assert!(
+        duplicated.is_empty(),
+        "raw sequences with more than one outcome (seq, count): {duplicated:?}"
+    );
+    let missing: Vec<u64> = expected
+        .iter()
+        .filter(|s| !counts.contains_key(s))
+        .copied()
+        .collect();
+    assert!(
+        missing.is_empty(),
+        "raw sequences with no outcome: {missing:?}"
+    );
+    let extra: Vec<u64> = counts
+        .keys()
+        .filter(|s| !expected.contains(s))
+        .copied()
+        .collect();
+    assert!(
+        extra.is_empty(),
+        "outcomes for raw sequences nobody published: {extra:?}"
+    );
+}
+
+fn task_update(key: &str, n: usize) -> (String, Vec<u8>) {
+    let body = json!({"type": "task.updated", "taskId": key, "payload": {"n": n}});
+    (
+        format!("collab.raw.{key}.task.updated"),
+        serde_json::to_vec(&body).expect("serialises"),
+    )
+}
+
+// ---------------------------------------------------------------------------------------------
+// 1. Projections and the envelope
+// ---------------------------------------------------------------------------------------------
+
+/// Check the parts of a projection every role shares; returns the envelope.
+fn check_projection(
+    m: &Stored,
+    role: &str,
+    event_type: &str,
+    producer_subject: &str,
+    raw_seq: u64,
+    raw_time_ms: i64,
+    facets: (&str, &str, &str, &str),
+) -> Value {
+    let env = m.json();
+    assert_eq!(env["type"], event_type, "{env}");
+    assert_eq!(env["eventRole"], role, "{env}");
+    let r = &env["rawEventRef"];
+    assert_eq!(r["stream"], RAW, "{env}");
+    assert_eq!(r["seq"].as_u64(), Some(raw_seq), "{env}");
+    assert_eq!(r["subject"], producer_subject, "{env}");
+    let stored_at = r["storedAt"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no storedAt: {env}"));
+    let stored_ms = chrono::DateTime::parse_from_rfc3339(stored_at)
+        .unwrap_or_else(|e| panic!("storedAt {stored_at:?} is not RFC 3339: {e}"))
+        .timestamp_millis();
+    assert!(
+        (stored_ms - raw_time_ms).abs() <= 1,
+        "storedAt {stored_at} is not the raw stream's store time ({raw_time_ms} ms)"
+    );
+    let (owner, scope, phase, surface) = facets;
+    assert_eq!(env["owner"], owner, "{env}");
+    assert_eq!(env["scope"], scope, "{env}");
+    assert_eq!(env["phase"], phase, "{env}");
+    assert_eq!(env["surface"], surface, "{env}");
+    assert_eq!(m.must_header("Collab-Event-Role"), role);
+    assert_eq!(m.must_header("Collab-Event-Type"), event_type);
+    assert_eq!(m.source_seq(), raw_seq);
+    assert_eq!(m.must_header("Nats-Msg-Id"), format!("{RAW}:{raw_seq}:0"));
+    env
+}
+
+async fn raw_time_ms(js: &Context, seq: u64) -> i64 {
+    js.get_stream(RAW)
+        .await
+        .expect("raw stream")
+        .get_raw_message(seq)
+        .await
+        .unwrap_or_else(|e| panic!("raw message {seq}: {e}"))
+        .time
+        .timestamp_millis()
+}
+
+#[tokio::test]
+async fn each_role_projects_on_its_subject_with_the_envelope() {
+    let nats = TestNats::start().await;
+    let _projector = start_projector(
+        &nats.url(),
+        &[MAIN_AGENTS[0], MAIN_AGENTS[1], "--turn-timeout", "2s"],
+        &[],
+    )
+    .await;
+    let js = nats.jetstream().await;
+
+    let main_send = json!({"type": "a2a.send", "agentId": "ruda", "ts": 1_771_329_600_000_i64,
+        "data": {"fromAgent": "ruda", "toAgent": "eden", "conversationId": "conv-main-1",
+                 "runId": "run-1", "workSessionId": "ws_1", "message": "hello eden", "topicId": "t-9"}});
+    let sub_send = json!({"type": "a2a.send", "agentId": "ruda", "ts": "2026-02-17T12:00:01Z",
+        "data": {"fromAgent": "ruda", "toAgent": "worker-7", "targetSessionKey": "agent:ruda:subagent:abc",
+                 "conversationId": "conv-sub-1", "message": "summarise the logs"}});
+    let task = json!({"type": "task.created", "taskId": "task-42", "agentId": "ruda",
+        "timestamp": "2026-02-17T12:00:02Z", "payload": {"title": "write docs", "priority": 2}});
+    let ping = json!({"type": "health.ping", "agentId": "monitor-1", "ts": 1_771_329_603_000_i64, "latencyMs": 12});
+    let run = json!({"type": "run.started", "sequence": 1, "timestamp": "2026-02-17T12:00:04.500Z",
+        "sessionId": "sess-9", "threadId": "thr-1", "runId": "run-9", "turnId": "turn-1",
+        "agentId": "eden", "parentSessionId": "sess-0", "payload": {"model": "m-1"}, "refs": {"traceId": "tr-1"}});
+
+    let cases = [
+        ("collab.raw.conv-main-1.a2a.send", &main_send),
+        ("collab.raw.conv-sub-1.a2a.send", &sub_send),
+        ("collab.raw.task-42.task.created", &task),
+        ("collab.raw.monitor-1.health.ping", &ping),
+        ("collab.raw.sess-9.run.started", &run),
+    ];
+    let mut seqs = Vec::new();
+    for (subject, body) in cases {
+        seqs.push(publish(&js, subject, serde_json::to_vec(body).expect("serialises")).await);
+    }
+
+    // a2a.send between two main agents: conversation.main, key = conversationId.
+    let m = the_one(
+        &js,
+        PROJ,
+        "collab.proj.conversation.main.conv-main-1.a2a.send",
+    )
+    .await;
+    let env = check_projection(
+        &m,
+        "conversation.main",
+        "a2a.send",
+        cases[0].0,
+        seqs[0],
+        raw_time_ms(&js, seqs[0]).await,
+        ("agent", "turn", "submitted", "conversation"),
+    );
+    assert_eq!(env["agentId"], "ruda");
+    assert_eq!(env["runId"], "run-1");
+    assert_eq!(env["conversationId"], "conv-main-1");
+    assert_eq!(env["workSessionId"], "ws_1");
+    assert_eq!(env["timestamp"], "2026-02-17T12:00:00.000Z");
+    assert_eq!(env["payload"]["message"], "hello eden");
+    assert_eq!(env["payload"]["fromAgent"], "ruda");
+    assert_eq!(env["payload"]["toAgent"], "eden");
+    assert_eq!(
+        env["payload"]["topicId"], "t-9",
+        "fields without a slot stay in the payload"
+    );
+
+    // a2a.send to a subagent: delegation.subagent.
+    let m = the_one(
+        &js,
+        PROJ,
+        "collab.proj.delegation.subagent.conv-sub-1.a2a.send",
+    )
+    .await;
+    let env = check_projection(
+        &m,
+        "delegation.subagent",
+        "a2a.send",
+        cases[1].0,
+        seqs[1],
+        raw_time_ms(&js, seqs[1]).await,
+        ("agent", "turn", "submitted", "conversation"),
+    );
+    assert_eq!(env["conversationId"], "conv-sub-1");
+    assert_eq!(env["timestamp"], "2026-02-17T12:00:01.000Z");
+    assert_eq!(
+        env["payload"]["targetSessionKey"],
+        "agent:ruda:subagent:abc"
+    );
+    assert_eq!(env["payload"]["message"], "summarise the logs");
+
+    // task.created: orchestration.task, the producer's key.
+    let m = the_one(
+        &js,
+        PROJ,
+        "collab.proj.orchestration.task.task-42.task.created",
+    )
+    .await;
+    let env = check_projection(
+        &m,
+        "orchestration.task",
+        "task.created",
+        cases[2].0,
+        seqs[2],
+        raw_time_ms(&js, seqs[2]).await,
+        ("task", "task", "submitted", "task_capsule"),
+    );
+    assert_eq!(env["taskId"], "task-42");
+    assert_eq!(env["agentId"], "ruda");
+    assert_eq!(
+        env["payload"],
+        json!({"title": "write docs", "priority": 2})
+    );
+
+    // health.ping: system.observability, the diagnostics row.
+    let m = the_one(
+        &js,
+        PROJ,
+        "collab.proj.system.observability.monitor-1.health.ping",
+    )
+    .await;
+    let env = check_projection(
+        &m,
+        "system.observability",
+        "health.ping",
+        cases[3].0,
+        seqs[3],
+        raw_time_ms(&js, seqs[3]).await,
+        ("diagnostics", "application", "unknown", "diagnostics"),
+    );
+    assert_eq!(env["agentId"], "monitor-1");
+    assert_eq!(env["payload"]["latencyMs"], 12, "nothing is dropped: {env}");
+
+    // A seed 003 runtime event: ids, sequence, refs and payload kept.
+    let m = the_one(
+        &js,
+        PROJ,
+        "collab.proj.system.observability.sess-9.run.started",
+    )
+    .await;
+    let env = check_projection(
+        &m,
+        "system.observability",
+        "run.started",
+        cases[4].0,
+        seqs[4],
+        raw_time_ms(&js, seqs[4]).await,
+        ("runtime", "run", "submitted", "runtime_status"),
+    );
+    for (field, value) in [
+        ("sessionId", "sess-9"),
+        ("threadId", "thr-1"),
+        ("runId", "run-9"),
+        ("turnId", "turn-1"),
+        ("agentId", "eden"),
+        ("parentSessionId", "sess-0"),
+    ] {
+        assert_eq!(env[field], value, "{field} in {env}");
+    }
+    assert_eq!(env["sequence"], 1);
+    assert_eq!(env["timestamp"], "2026-02-17T12:00:04.500Z");
+    assert_eq!(env["payload"], json!({"model": "m-1"}));
+    assert_eq!(env["refs"], json!({"traceId": "tr-1"}));
+
+    // Nothing was dead-lettered.
+    assert_eq!(count(&js, DLQ).await, 0);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 2. Dead letters
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn unprojectable_messages_are_dead_lettered_with_reason_and_source() {
+    let nats = TestNats::start().await;
+    let _projector = start_projector(&nats.url(), &MAIN_AGENTS, &[]).await;
+    let js = nats.jetstream().await;
+
+    let colon_id = "agent:eden:main";
+    let encoded = encode_id(colon_id);
+    assert_ne!(
+        encoded, colon_id,
+        "the id must need encoding for this test to mean anything"
+    );
+    let wrong_key = serde_json::to_vec(&json!({"type": "a2a.send",
+        "data": {"fromAgent": "ruda", "toAgent": "eden", "conversationId": colon_id, "message": "hi"}}))
+    .expect("serialises");
+    let cases: Vec<(&str, &str, Vec<u8>)> = vec![
+        (
+            "bad_json",
+            "collab.raw.k1.task.updated",
+            b"{\"type\": \"task.updated\", ".to_vec(),
+        ),
+        (
+            "unrecognized",
+            "collab.raw.k2.something",
+            br#"{"hello":"world"}"#.to_vec(),
+        ),
+        ("bad_key", "collab.raw.wrongkey.a2a.send", wrong_key.clone()),
+        (
+            "bad_type",
+            "collab.raw.k3.x",
+            br#"{"type":"bad type"}"#.to_vec(),
+        ),
+        (
+            "invalid_role",
+            "collab.raw.k4.task.updated",
+            br#"{"type":"task.updated","eventRole":"orchestration.tsak","taskId":"t1"}"#.to_vec(),
+        ),
+    ];
+    let mut seqs = Vec::new();
+    for (_, subject, body) in &cases {
+        seqs.push(publish(&js, subject, body.clone()).await);
+    }
+    // The same send under its encoded key projects, and keeps the original id.
+    let good_subject = format!("collab.raw.{encoded}.a2a.send");
+    let good_seq = publish(&js, &good_subject, wrong_key).await;
+
+    for ((reason, subject, body), seq) in cases.iter().zip(&seqs) {
+        let dl = the_one(&js, DLQ, &format!("collab.dlq.{reason}")).await;
+        let detail = assert_dead_letter(&dl, reason, body, subject, *seq);
+        if *reason == "bad_key" {
+            assert!(
+                detail.contains(&encoded),
+                "the bad_key detail must name the expected key {encoded}: {detail}"
+            );
+        }
+    }
+
+    let m = the_one(
+        &js,
+        PROJ,
+        &format!("collab.proj.conversation.main.{encoded}.a2a.send"),
+    )
+    .await;
+    let env = m.json();
+    assert_eq!(
+        env["conversationId"], colon_id,
+        "the envelope keeps the original id"
+    );
+    assert_eq!(env["rawEventRef"]["subject"], good_subject.as_str());
+    assert_eq!(m.source_seq(), good_seq);
+
+    // Exactly one outcome each: nothing dead-lettered also projected, nothing else anywhere.
+    wait_settled(&js, 1, cases.len() as u64).await;
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    let dlq = read_all(&js, DLQ, "collab.dlq.>").await;
+    let mut expected: BTreeSet<u64> = seqs.iter().copied().collect();
+    expected.insert(good_seq);
+    assert_exactly_once(&expected, &proj, &dlq);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 3. Exactly one outcome per raw sequence
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn every_raw_sequence_is_projected_or_dead_lettered_exactly_once() {
+    let nats = TestNats::start().await;
+    let _projector = start_projector(&nats.url(), &MAIN_AGENTS, &[]).await;
+    let js = nats.jetstream().await;
+
+    let mut messages = Vec::new();
+    let mut bad = Vec::new();
+    for i in 0..300usize {
+        let (subject, body, is_bad) = match (i % 10, i % 30, i % 4) {
+            (3, _, _) => (
+                format!("collab.raw.k{}.task.updated", i % 9),
+                b"{\"type\":\"task.up".to_vec(),
+                true,
+            ),
+            (7, _, _) => (
+                format!("collab.raw.k{}.thing", i % 9),
+                format!("{{\"n\":{i}}}").into_bytes(),
+                true,
+            ),
+            (_, 11, _) => (
+                format!("collab.raw.k{}.x", i % 9),
+                br#"{"type":"bad type"}"#.to_vec(),
+                true,
+            ),
+            (_, _, 0) => {
+                let (s, b) = task_update(&format!("t{}", i % 7), i);
+                (s, b, false)
+            }
+            (_, _, 1) => (
+                format!("collab.raw.mon-{}.health.ping", i % 3),
+                serde_json::to_vec(
+                    &json!({"type": "health.ping", "agentId": format!("mon-{}", i % 3), "n": i}),
+                )
+                .expect("json"),
+                false,
+            ),
+            (_, _, 2) => {
+                let conv = format!("conv-s{}", i % 5);
+                (
+                    format!("collab.raw.{conv}.a2a.send"),
+                    serde_json::to_vec(&json!({"type": "a2a.send", "data": {"fromAgent": "ruda",
+                        "toAgent": "helper", "toSessionType": "subagent", "conversationId": conv, "n": i}}))
+                    .expect("json"),
+                    false,
+                )
+            }
+            _ => (
+                format!("collab.raw.sess-{}.run.status", i % 4),
+                serde_json::to_vec(
+                    &json!({"type": "run.status", "sessionId": format!("sess-{}", i % 4),
+                    "status": "running", "sequence": i}),
+                )
+                .expect("json"),
+                false,
+            ),
+        };
+        bad.push(is_bad);
+        messages.push((subject, body));
+    }
+    let seqs = publish_all(&js, &messages).await;
+    let bad_seqs: BTreeSet<u64> = seqs
+        .iter()
+        .zip(&bad)
+        .filter(|(_, b)| **b)
+        .map(|(s, _)| *s)
+        .collect();
+    let good_seqs: BTreeSet<u64> = seqs
+        .iter()
+        .zip(&bad)
+        .filter(|(_, b)| !**b)
+        .map(|(s, _)| *s)
+        .collect();
+    assert!(!bad_seqs.is_empty() && !good_seqs.is_empty());
+
+    wait_settled(&js, good_seqs.len() as u64, bad_seqs.len() as u64).await;
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    let dlq = read_all(&js, DLQ, "collab.dlq.>").await;
+    assert_exactly_once(&seqs.iter().copied().collect(), &proj, &dlq);
+    assert_refs_match_headers(&proj);
+    let projected: BTreeSet<u64> = proj.iter().map(Stored::source_seq).collect();
+    let dead: BTreeSet<u64> = dlq.iter().map(Stored::source_seq).collect();
+    assert_eq!(
+        projected, good_seqs,
+        "the good events are the projected ones"
+    );
+    assert_eq!(dead, bad_seqs, "the bad events are the dead-lettered ones");
+}
+
+// ---------------------------------------------------------------------------------------------
+// 4. Per-key order
+// ---------------------------------------------------------------------------------------------
+
+async fn per_key_order(envs: &[(&str, &str)]) -> Projector {
+    let nats = TestNats::start().await;
+    let projector = start_projector(&nats.url(), &MAIN_AGENTS, envs).await;
+    let js = nats.jetstream().await;
+
+    let keys = ["order-a", "order-b", "order-c"];
+    let mut messages = Vec::new();
+    let mut which = Vec::new();
+    for n in 0..200 {
+        for key in keys {
+            messages.push(task_update(key, n));
+            which.push((key, n));
+        }
+    }
+    let seqs = publish_all(&js, &messages).await;
+    wait_settled(&js, messages.len() as u64, 0).await;
+
+    for key in keys {
+        // The raw stream's order for this key is the order the projections must follow.
+        let mut expected: Vec<(u64, usize)> = seqs
+            .iter()
+            .zip(&which)
+            .filter(|(_, (k, _))| *k == key)
+            .map(|(s, (_, n))| (*s, *n))
+            .collect();
+        expected.sort_unstable();
+        let expected_n: Vec<u64> = expected.iter().map(|(_, n)| *n as u64).collect();
+        let proj = read_all(
+            &js,
+            PROJ,
+            &format!("collab.proj.orchestration.task.{key}.>"),
+        )
+        .await;
+        let got_n: Vec<u64> = proj
+            .iter()
+            .map(|m| m.json()["payload"]["n"].as_u64().expect("payload.n"))
+            .collect();
+        assert_eq!(got_n.len(), 200, "{key}: complete, no duplicates");
+        assert_eq!(got_n, expected_n, "{key}: projections in raw-stream order");
+        let got_seqs: Vec<u64> = proj.iter().map(Stored::source_seq).collect();
+        let expected_seqs: Vec<u64> = expected.iter().map(|(s, _)| *s).collect();
+        assert_eq!(got_seqs, expected_seqs, "{key}: rawEventRef order");
+    }
+    assert_eq!(
+        count(&js, PROJ).await,
+        messages.len() as u64,
+        "no duplicates"
+    );
+    assert_eq!(count(&js, DLQ).await, 0);
+    projector
+}
+
+#[tokio::test]
+async fn events_of_one_key_are_projected_in_raw_order() {
+    per_key_order(&[]).await;
+}
+
+#[tokio::test]
+async fn per_key_order_survives_transient_publish_failures() {
+    let projector = per_key_order(&[("COLLAB_TEST_FAIL_PUBLISH_EVERY", "7")]).await;
+    assert!(
+        projector.log_text().contains("injected publish failure"),
+        "the failure hook must have fired for this test to mean anything"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// 5. SIGKILL mid-stream, and a crash right before the acknowledgement
+// ---------------------------------------------------------------------------------------------
+
+/// Short, so messages delivered to a killed worker come back soon; both processes use it.
+const ACK_WAIT: (&str, &str) = ("COLLAB_CONSUMER__ACK_WAIT", "5s");
+
+fn load(count: usize) -> Vec<(String, Vec<u8>)> {
+    (0..count)
+        .map(|i| task_update(&format!("load-{}", i % 40), i))
+        .collect()
+}
+
+/// Publish `messages` in small pipelined chunks, as a steady producer would.
+fn spawn_producer(
+    js: &Context,
+    messages: Vec<(String, Vec<u8>)>,
+) -> tokio::task::JoinHandle<Vec<u64>> {
+    let js = js.clone();
+    tokio::spawn(async move {
+        let mut seqs = Vec::with_capacity(messages.len());
+        for chunk in messages.chunks(20) {
+            seqs.extend(publish_all(&js, chunk).await);
+        }
+        seqs
+    })
+}
+
+async fn wait_proj_at_least(js: &Context, n: u64) {
+    wait_until(GUARD, &format!("COLLAB_PROJ holds {n} messages"), || {
+        let js = js.clone();
+        async move { count(&js, PROJ).await >= n }
+    })
+    .await;
+}
+
+/// After the producer and a fresh projector finish: every raw sequence projected exactly once.
+async fn finish_and_check(
+    nats: &TestNats,
+    js: &Context,
+    producer: tokio::task::JoinHandle<Vec<u64>>,
+) {
+    let seqs = tokio::time::timeout(GUARD, producer)
+        .await
+        .expect("the producer finished")
+        .expect("the producer did not panic");
+    let _second = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
+    wait_settled(js, seqs.len() as u64, 0).await;
+    let proj = read_all(js, PROJ, "collab.proj.>").await;
+    let dlq = read_all(js, DLQ, "collab.dlq.>").await;
+    assert!(
+        dlq.is_empty(),
+        "nothing should be dead-lettered: {:?}",
+        dlq.iter()
+            .map(|d| d.header("Collab-Dlq-Detail"))
+            .collect::<Vec<_>>()
+    );
+    assert_refs_match_headers(&proj);
+    assert_exactly_once(&seqs.iter().copied().collect(), &proj, &dlq);
+}
+
+#[tokio::test]
+async fn sigkill_mid_stream_loses_nothing_and_duplicates_nothing() {
+    let nats = TestNats::start().await;
+    let mut first = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
+    let js = nats.jetstream().await;
+    let producer = spawn_producer(&js, load(2000));
+    wait_proj_at_least(&js, 400).await;
+    first.kill9();
+    let status = first
+        .wait_exit(GUARD)
+        .await
+        .expect("SIGKILL ends the process");
+    assert!(!status.success());
+    eprintln!(
+        "killed with {} raw messages stored and {} projected",
+        count(&js, RAW).await,
+        count(&js, PROJ).await
+    );
+    finish_and_check(&nats, &js, producer).await;
+}
+
+#[tokio::test]
+async fn crash_before_ack_is_repaired_without_duplicates() {
+    let nats = TestNats::start().await;
+    let url = nats.url();
+    let (ok, out, err) = run_bin(&["provision", "--nats-url", &url], &[ACK_WAIT], b"").await;
+    assert!(ok, "provision failed: {out}{err}");
+    let js = nats.jetstream().await;
+    let messages = load(600);
+    let producer = tokio::spawn({
+        let js = js.clone();
+        async move { publish_all(&js, &messages).await }
+    });
+    let mut first = Projector::spawn(
+        &url,
+        &MAIN_AGENTS,
+        &[ACK_WAIT, ("COLLAB_TEST_CRASH_AT", "before_ack")],
+    );
+    let status = first
+        .wait_exit(GUARD)
+        .await
+        .expect("the crash hook aborts the process");
+    assert!(!status.success(), "an abort is not a clean exit");
+    assert!(
+        first.log_text().contains("crashing at before_ack"),
+        "the hook must have fired: {}",
+        first.log_text()
+    );
+    let written = count(&js, PROJ).await;
+    assert!(written > 0, "the first process published before it crashed");
+    eprintln!("crashed before its first ack after {written} projections");
+    finish_and_check(&nats, &js, producer).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 6. SIGTERM drains
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn sigterm_drains_and_everything_acknowledged_is_projected() {
+    let nats = TestNats::start().await;
+    let mut first = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
+    let js = nats.jetstream().await;
+    let producer = spawn_producer(&js, load(2000));
+    wait_proj_at_least(&js, 400).await;
+    first.sigterm();
+    let status = first
+        .wait_exit(GUARD)
+        .await
+        .expect("SIGTERM ends the process within the guard");
+    assert!(
+        status.success(),
+        "a drain exits 0, got {status}: {}",
+        first.log_text()
+    );
+
+    // What it acknowledged (every raw message of partition p up to p's ack floor) is stored.
+    let outputs: BTreeSet<u64> = read_all(&js, PROJ, "collab.proj.>")
+        .await
+        .iter()
+        .chain(read_all(&js, DLQ, "collab.dlq.>").await.iter())
+        .map(Stored::source_seq)
+        .collect();
+    let raw = js.get_stream(RAW).await.expect("raw stream");
+    let floors: BTreeMap<String, u64> = raw
+        .consumers()
+        .try_collect::<Vec<consumer::Info>>()
+        .await
+        .expect("consumer list")
+        .into_iter()
+        .filter(|i| i.name.starts_with("collab-proj-"))
+        .map(|i| {
+            (
+                i.config.filter_subject.trim_end_matches(".>").to_string(),
+                i.ack_floor.stream_sequence,
+            )
+        })
+        .collect();
+    assert_eq!(floors.len(), 64);
+    let mut acknowledged = 0;
+    for m in read_all(&js, RAW, "collab.in.>").await {
+        let partition_prefix = m
+            .subject
+            .splitn(4, '.')
+            .take(3)
+            .collect::<Vec<_>>()
+            .join(".");
+        let floor = floors
+            .get(&partition_prefix)
+            .unwrap_or_else(|| panic!("no consumer for {}", m.subject));
+        if m.seq <= *floor {
+            acknowledged += 1;
+            assert!(
+                outputs.contains(&m.seq),
+                "raw {} was acknowledged but has no projection or dead letter",
+                m.seq
+            );
+        }
+    }
+    assert!(
+        acknowledged > 0,
+        "the drained process acknowledged something"
+    );
+    eprintln!(
+        "drained after acknowledging {acknowledged} of {} raw messages stored",
+        count(&js, RAW).await
+    );
+    finish_and_check(&nats, &js, producer).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// 7. provision
+// ---------------------------------------------------------------------------------------------
+
+fn created_count(stdout: &str) -> usize {
+    let line = stdout
+        .lines()
+        .find(|l| l.contains(" created,"))
+        .unwrap_or_else(|| panic!("no summary line in {stdout:?}"));
+    line.split_whitespace()
+        .next()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("no count in {line:?}"))
+}
+
+#[tokio::test]
+async fn provision_is_idempotent() {
+    let nats = TestNats::start().await;
+    let url = nats.url();
+    let (ok, out, err) = run_bin(&["provision", "--nats-url", &url], &[], b"").await;
+    assert!(ok, "first provision failed: {out}{err}");
+    assert!(created_count(&out) > 0, "{out}");
+    let js = nats.jetstream().await;
+    for stream in [
+        RAW,
+        PROJ,
+        DLQ,
+        "KV_collab_turns",
+        "KV_collab_work_sessions",
+        "KV_collab_progress",
+    ] {
+        js.get_stream(stream)
+            .await
+            .unwrap_or_else(|e| panic!("provision should have created {stream}: {e}"));
+    }
+    let (ok, out, err) = run_bin(&["provision", "--nats-url", &url], &[], b"").await;
+    assert!(ok, "second provision failed: {out}{err}");
+    assert_eq!(created_count(&out), 0, "{out}");
+}
+
+#[tokio::test]
+async fn a_differing_existing_stream_is_reported_and_left_alone() {
+    let nats = TestNats::start().await;
+    let url = nats.url();
+    let js = nats.jetstream().await;
+    js.create_stream(stream::Config {
+        name: PROJ.to_string(),
+        subjects: vec!["collab.proj.>".to_string()],
+        max_age: Duration::from_secs(7 * 24 * 3600),
+        duplicate_window: Duration::from_secs(30),
+        ..Default::default()
+    })
+    .await
+    .expect("create COLLAB_PROJ");
+
+    let (ok, out, err) = run_bin(&["provision", "--nats-url", &url], &[], b"").await;
+    assert!(!ok, "provision must fail on a differing stream: {out}");
+    assert!(
+        err.contains(PROJ) && err.contains("duplicate_window"),
+        "stderr: {err}"
+    );
+
+    let mut run = Projector::spawn(&url, &MAIN_AGENTS, &[]);
+    let status = run
+        .wait_exit(GUARD)
+        .await
+        .expect("run stops on a differing stream");
+    assert!(!status.success());
+    let log = run.log_text();
+    assert!(
+        log.contains(PROJ) && log.contains("duplicate_window"),
+        "log: {log}"
+    );
+
+    let mut s = js.get_stream(PROJ).await.expect("COLLAB_PROJ still exists");
+    let info = s.info().await.expect("info");
+    assert_eq!(
+        info.config.duplicate_window,
+        Duration::from_secs(30),
+        "unchanged"
+    );
+    assert_eq!(info.config.subjects, vec!["collab.proj.>".to_string()]);
+}
+
+// ---------------------------------------------------------------------------------------------
+// 8. A server without JetStream is refused
+// ---------------------------------------------------------------------------------------------
+
+struct PlainServer(std::process::Child);
+
+impl Drop for PlainServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+#[tokio::test]
+async fn a_server_without_jetstream_is_refused() {
+    let binary = collab_projector::localnats::LocalNats::find_binary()
+        .expect("this test needs the nats-server binary");
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("free port")
+        .port();
+    let _server = PlainServer(
+        std::process::Command::new(binary)
+            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("start nats-server without JetStream"),
+    );
+    let url = format!("nats://127.0.0.1:{port}");
+    wait_until(GUARD, "the plain server answers", || {
+        let url = url.clone();
+        async move { async_nats::connect(url).await.is_ok() }
+    })
+    .await;
+
+    let mut run = Projector::spawn(&url, &MAIN_AGENTS, &[]);
+    let status = run
+        .wait_exit(GUARD)
+        .await
+        .expect("run refuses the server and exits");
+    assert!(!status.success());
+    let log = run.log_text();
+    assert!(
+        log.contains("JetStream"),
+        "the refusal should mention JetStream: {log}"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// 9. normalize (offline)
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn normalize_answers_one_line_per_line_in_order() {
+    let send = r#"{"type":"a2a.send","agentId":"ruda","ts":1771329600000,"data":{"fromAgent":"ruda","toAgent":"eden","conversationId":"c-1","message":"hi"}}"#;
+    let run = r#"{"type":"run.started","sequence":3,"timestamp":"2026-02-17T12:00:00Z","sessionId":"s-1","runId":"r-1","payload":{"x":1}}"#;
+    let input = format!("{send}\n\n{{not json\n{run}\n{{\"hello\":1}}\n");
+
+    let (ok, out, err) = run_bin(
+        &["normalize", "--main-agents", "ruda,eden"],
+        &[],
+        input.as_bytes(),
+    )
+    .await;
+    assert!(ok, "normalize failed: {err}");
+    let lines: Vec<Value> = out
+        .lines()
+        .map(|l| {
+            serde_json::from_str(l).unwrap_or_else(|e| panic!("output line {l:?} is not JSON: {e}"))
+        })
+        .collect();
+    assert_eq!(lines.len(), 5, "one line out per line in: {out}");
+    assert_eq!(lines[0]["type"], "a2a.send");
+    assert_eq!(lines[0]["eventRole"], "conversation.main");
+    assert_eq!(lines[0]["conversationId"], "c-1");
+    assert_eq!(lines[0]["payload"]["message"], "hi");
+    for (i, reason) in [(1, "bad_json"), (2, "bad_json"), (4, "unrecognized")] {
+        assert_eq!(
+            lines[i]["error"]["reason"], reason,
+            "line {i}: {}",
+            lines[i]
+        );
+        assert!(
+            lines[i]["error"]["detail"]
+                .as_str()
+                .is_some_and(|d| !d.is_empty()),
+            "line {i} needs a detail: {}",
+            lines[i]
+        );
+    }
+    assert_eq!(lines[3]["type"], "run.started");
+    assert_eq!(lines[3]["sessionId"], "s-1");
+    assert_eq!(lines[3]["sequence"], 3);
+    assert_eq!(lines[3]["payload"], json!({"x": 1}));
+
+    // With eden no longer a main agent, the same send is a delegation.
+    let (ok, out, err) = run_bin(
+        &["normalize", "--main-agents", "ruda"],
+        &[],
+        format!("{send}\n").as_bytes(),
+    )
+    .await;
+    assert!(ok, "normalize failed: {err}");
+    let line: Value = serde_json::from_str(out.trim_end()).expect("one JSON line");
+    assert_eq!(out.lines().count(), 1);
+    assert_eq!(line["eventRole"], "delegation.subagent");
+}

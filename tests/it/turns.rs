@@ -577,14 +577,16 @@ async fn a_complete_without_a_response_gives_a_blocked_error_before_the_complete
     assert_four_sections(r.str("message").unwrap_or_default());
 
     let conversation = bed.read("collab.proj.conversation.main.c-complete.>").await;
-    let position = |t: &str| {
+    // Stream order: the sequence in COLLAB_PROJ.
+    let stored_at = |t: &str| {
         conversation
             .iter()
-            .position(|m| m.body["type"] == t)
+            .find(|m| m.body["type"] == t)
+            .map(|m| m.seq)
             .unwrap_or_else(|| panic!("no {t} projected: {conversation:#?}"))
     };
     assert!(
-        position("a2a.response") < position("a2a.complete"),
+        stored_at("a2a.response") < stored_at("a2a.complete"),
         "the complete is projected before its turn's response: {conversation:#?}"
     );
 }
@@ -818,7 +820,7 @@ async fn crash_before_ack_of_a_send_still_blocks_once() {
 async fn a_deadline_that_passes_while_the_worker_is_down_blocks_after_restart() {
     let bed = Bed::start().await;
     let mut first = bed.projector(&[]);
-    let timeout_ms = 4000;
+    let timeout_ms: u32 = 4000;
     let send_seq = bed
         .publish(&send(
             "c-down",

@@ -1,0 +1,183 @@
+//! Partition ownership for N identical workers: one lease per partition in the KV bucket
+//! `<prefix>_leases` (entries expire after `workers.lease_ttl` unless renewed), worker
+//! heartbeats in the same bucket, and a balanced target of ceil(P / N) partitions per worker.
+//!
+//! A worker renews what it holds every third of the TTL, stops a partition at once when its
+//! renewal fails (another owner took it), releases its excess gracefully (drain, then delete the
+//! lease) when workers join, and takes free partitions up to its share. On shutdown it drains
+//! every partition and deletes its leases so the others take over without waiting for the TTL.
+//! Two owners may briefly overlap after a pause longer than the TTL; the KV fence of the turn
+//! contract and the Msg-Ids keep the output exactly-once then.
+
+use super::worker::{self, Shared};
+use async_nats::jetstream::kv;
+use futures::StreamExt;
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::task::JoinHandle;
+use tokio_util::sync::CancellationToken;
+use tracing::{error, info, warn};
+
+struct Held {
+    revision: u64,
+    cancel: CancellationToken,
+    task: JoinHandle<()>,
+}
+
+/// The target number of partitions for each of `workers` live workers.
+pub fn share(partitions: u16, workers: usize) -> usize {
+    let n = workers.max(1);
+    usize::from(partitions).div_ceil(n)
+}
+
+/// The order in which a worker tries free partitions: starting at a point derived from its id, so
+/// workers that start together do not all race for partition 0.
+pub fn probe_order(worker_id: &str, partitions: u16) -> Vec<u16> {
+    let start = worker_id
+        .bytes()
+        .fold(0u32, |h, b| h.wrapping_mul(31).wrapping_add(u32::from(b)))
+        % u32::from(partitions.max(1));
+    (0..partitions)
+        .map(|i| ((u32::from(i) + start) % u32::from(partitions)) as u16)
+        .collect()
+}
+
+fn lease_key(p: u16) -> String {
+    format!("l.{p}")
+}
+
+fn spawn_partition(shared: Arc<Shared>, p: u16, cancel: CancellationToken) -> JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut backoff = Duration::from_millis(200);
+        while !cancel.is_cancelled() {
+            match worker::run_partition(shared.clone(), p, cancel.clone()).await {
+                Ok(()) => break,
+                Err(e) => {
+                    error!(error = %e, "partition failed; restarting");
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = cancel.cancelled() => break,
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                }
+            }
+        }
+    })
+}
+
+async fn live_workers(store: &kv::Store) -> usize {
+    let Ok(mut keys) = store.keys().await else {
+        return 1;
+    };
+    let mut n = 0;
+    while let Some(k) = keys.next().await {
+        if k.is_ok_and(|k| k.starts_with("w.")) {
+            n += 1;
+        }
+    }
+    n.max(1)
+}
+
+/// Own a fair share of the partitions until `cancel`; then drain them and give them back.
+pub async fn run(shared: Arc<Shared>, store: kv::Store, worker_id: String, cancel: CancellationToken) {
+    let partitions = shared.settings.nats.partitions;
+    let ttl = shared.settings.workers.lease_ttl;
+    let every = ttl / 3;
+    let mut held: BTreeMap<u16, Held> = BTreeMap::new();
+    let order = probe_order(&worker_id, partitions);
+    let heartbeat = format!("w.{worker_id}");
+    loop {
+        if cancel.is_cancelled() {
+            break;
+        }
+        if let Err(e) = store.put(&heartbeat, worker_id.clone().into()).await {
+            warn!(error = %e, "worker heartbeat failed");
+        }
+        // Renew; a failed renewal means someone else owns it now: stop at once.
+        let mut lost = Vec::new();
+        for (p, h) in held.iter_mut() {
+            match store.update(lease_key(*p), worker_id.clone().into(), h.revision).await {
+                Ok(rev) => h.revision = rev,
+                Err(e) => {
+                    warn!(partition = p, error = %e, "lease lost; stopping the partition");
+                    lost.push(*p);
+                }
+            }
+        }
+        for p in lost {
+            if let Some(h) = held.remove(&p) {
+                h.cancel.cancel();
+                let _ = h.task.await;
+            }
+        }
+        let target = share(partitions, live_workers(&store).await);
+        // Release the excess gracefully: drain first, then free the lease.
+        while held.len() > target {
+            let Some((p, h)) = held.pop_last() else { break };
+            h.cancel.cancel();
+            let _ = h.task.await;
+            let _ = store.delete_expect_revision(lease_key(p), Some(h.revision)).await;
+            info!(partition = p, "partition released for balance");
+        }
+        // Take free partitions up to the share.
+        if held.len() < target {
+            for p in &order {
+                if held.len() >= target {
+                    break;
+                }
+                if held.contains_key(p) {
+                    continue;
+                }
+                if let Ok(rev) = store.create(lease_key(*p), worker_id.clone().into()).await {
+                    let c = cancel.child_token();
+                    let task = spawn_partition(shared.clone(), *p, c.clone());
+                    held.insert(*p, Held { revision: rev, cancel: c, task });
+                }
+            }
+        }
+        shared.state.partitions_owned.store(held.len(), Ordering::Relaxed);
+        metrics::gauge!(crate::telemetry::PARTITIONS_OWNED).set(held.len() as f64);
+        tokio::select! {
+            _ = tokio::time::sleep(every) => {}
+            _ = cancel.cancelled() => {}
+        }
+    }
+    // Shutdown: drain every partition, then hand the leases back at once.
+    for h in held.values() {
+        h.cancel.cancel();
+    }
+    for (p, h) in std::mem::take(&mut held) {
+        let _ = h.task.await;
+        let _ = store.delete_expect_revision(lease_key(p), Some(h.revision)).await;
+    }
+    let _ = store.delete(&heartbeat).await;
+    shared.state.partitions_owned.store(0, Ordering::Relaxed);
+    info!("leases released");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shares_cover_every_partition() {
+        assert_eq!(share(64, 1), 64);
+        assert_eq!(share(64, 2), 32);
+        assert_eq!(share(64, 3), 22);
+        assert_eq!(share(64, 4), 16);
+        assert_eq!(share(64, 0), 64);
+        for n in 1..10 {
+            assert!(share(64, n) * n >= 64);
+        }
+    }
+
+    #[test]
+    fn probe_order_is_a_permutation() {
+        let mut o = probe_order("worker-a", 64);
+        assert_eq!(o.len(), 64);
+        o.sort_unstable();
+        assert_eq!(o, (0..64).collect::<Vec<u16>>());
+    }
+}
