@@ -16,7 +16,11 @@ fn default_worker_id() -> String {
         .ok()
         .filter(|h| !h.is_empty() && crate::model::is_key_token(h))
         .unwrap_or_else(|| "worker".to_string());
-    format!("{host}-{}-{:04x}", std::process::id(), rand::random::<u16>())
+    format!(
+        "{host}-{}-{:04x}",
+        std::process::id(),
+        rand::random::<u16>()
+    )
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -88,14 +92,17 @@ pub async fn start(
     let shared = if opts.workers {
         let shared = worker::Shared::new(js.clone(), settings.clone()).await?;
         let names = settings.names();
-        let store = js
-            .get_key_value(&names.leases_bucket)
-            .await
-            .map_err(|e| worker::WorkerError::Setup {
+        let store = js.get_key_value(&names.leases_bucket).await.map_err(|e| {
+            worker::WorkerError::Setup {
                 partition: 0,
                 detail: format!("leases bucket {}: {e}", names.leases_bucket),
-            })?;
-        let id = settings.workers.id.clone().unwrap_or_else(default_worker_id);
+            }
+        })?;
+        let id = settings
+            .workers
+            .id
+            .clone()
+            .unwrap_or_else(default_worker_id);
         info!(worker = %id, partitions, "worker started; taking its share of the partitions");
         tracker.spawn(leases::run(shared.clone(), store, id, cancel.clone()));
         Some(shared)

@@ -81,7 +81,12 @@ async fn live_workers(store: &kv::Store) -> usize {
 }
 
 /// Own a fair share of the partitions until `cancel`; then drain them and give them back.
-pub async fn run(shared: Arc<Shared>, store: kv::Store, worker_id: String, cancel: CancellationToken) {
+pub async fn run(
+    shared: Arc<Shared>,
+    store: kv::Store,
+    worker_id: String,
+    cancel: CancellationToken,
+) {
     let partitions = shared.settings.nats.partitions;
     let ttl = shared.settings.workers.lease_ttl;
     let every = ttl / 3;
@@ -98,7 +103,10 @@ pub async fn run(shared: Arc<Shared>, store: kv::Store, worker_id: String, cance
         // Renew; a failed renewal means someone else owns it now: stop at once.
         let mut lost = Vec::new();
         for (p, h) in held.iter_mut() {
-            match store.update(lease_key(*p), worker_id.clone().into(), h.revision).await {
+            match store
+                .update(lease_key(*p), worker_id.clone().into(), h.revision)
+                .await
+            {
                 Ok(rev) => h.revision = rev,
                 Err(e) => {
                     warn!(partition = p, error = %e, "lease lost; stopping the partition");
@@ -118,7 +126,9 @@ pub async fn run(shared: Arc<Shared>, store: kv::Store, worker_id: String, cance
             let Some((p, h)) = held.pop_last() else { break };
             h.cancel.cancel();
             let _ = h.task.await;
-            let _ = store.delete_expect_revision(lease_key(p), Some(h.revision)).await;
+            let _ = store
+                .delete_expect_revision(lease_key(p), Some(h.revision))
+                .await;
             info!(partition = p, "partition released for balance");
         }
         // Take free partitions up to the share.
@@ -133,11 +143,21 @@ pub async fn run(shared: Arc<Shared>, store: kv::Store, worker_id: String, cance
                 if let Ok(rev) = store.create(lease_key(*p), worker_id.clone().into()).await {
                     let c = cancel.child_token();
                     let task = spawn_partition(shared.clone(), *p, c.clone());
-                    held.insert(*p, Held { revision: rev, cancel: c, task });
+                    held.insert(
+                        *p,
+                        Held {
+                            revision: rev,
+                            cancel: c,
+                            task,
+                        },
+                    );
                 }
             }
         }
-        shared.state.partitions_owned.store(held.len(), Ordering::Relaxed);
+        shared
+            .state
+            .partitions_owned
+            .store(held.len(), Ordering::Relaxed);
         metrics::gauge!(crate::telemetry::PARTITIONS_OWNED).set(held.len() as f64);
         tokio::select! {
             _ = tokio::time::sleep(every) => {}
@@ -150,7 +170,9 @@ pub async fn run(shared: Arc<Shared>, store: kv::Store, worker_id: String, cance
     }
     for (p, h) in std::mem::take(&mut held) {
         let _ = h.task.await;
-        let _ = store.delete_expect_revision(lease_key(p), Some(h.revision)).await;
+        let _ = store
+            .delete_expect_revision(lease_key(p), Some(h.revision))
+            .await;
     }
     let _ = store.delete(&heartbeat).await;
     shared.state.partitions_owned.store(0, Ordering::Relaxed);

@@ -334,6 +334,16 @@ impl PartitionTurns {
             }
             (None, _) => None,
         };
+        if decider.is_none() && rec.winner.as_ref().is_some_and(|w| w.blocked.is_none()) {
+            // A real reply must be published as it was written; never substitute a guess.
+            return Err(TurnIoError::Kv {
+                key: key.to_string(),
+                detail: format!(
+                    "the winning reply (raw sequence {}) could not be read back from the raw stream",
+                    winner_seq.unwrap_or(0)
+                ),
+            });
+        }
         crash_point("after_decide");
         let env = blocked::winner_response(rec, decider);
         let blocked_reason = rec.winner.as_ref().and_then(|w| w.blocked);

@@ -57,20 +57,20 @@ pub fn parse_sections(text: &str) -> Option<Map<String, Value>> {
 /// The next action for a blocked turn: whom to retry, with what, what to check.
 pub fn next_action(rec: &TurnRecord, reason: Reason, detail: Option<&str>) -> String {
     let send = rec.send.as_ref();
-    let to = send
-        .and_then(|s| s.to_agent.as_deref())
-        .unwrap_or("the target agent");
-    let from = send
-        .and_then(|s| s.from_agent.as_deref())
-        .unwrap_or("the sender");
+    let to = rec.target().unwrap_or("the target agent");
+    let from = rec.sender().unwrap_or("the sender");
     let turn = &rec.turn;
     let conv = &rec.conversation_id;
     match reason {
         Reason::Timeout => {
             let waited = send.map(|s| s.timeout_ms).unwrap_or(0);
+            let within = if waited >= 1000 && waited % 1000 == 0 {
+                format!("{}s", waited / 1000)
+            } else {
+                format!("{waited} ms")
+            };
             format!(
-                "{to} did not answer turn {turn} of conversation {conv} within {}s. Check that {to} is running and consuming its inbox{}; then {from} should resend the goal to {to} with timeoutMs {} or hand it to another main agent.",
-                waited / 1000,
+                "{to} did not answer turn {turn} of conversation {conv} within {within}. Check that {to} is running and consuming its inbox{}; then {from} should resend the goal to {to} with timeoutMs {} or hand it to another main agent.",
                 send.and_then(|s| s.run_id.as_deref())
                     .map(|r| format!(" (run {r})"))
                     .unwrap_or_default(),
@@ -190,7 +190,7 @@ pub fn winner_response(rec: &TurnRecord, decider: Option<&Envelope>) -> Envelope
             if winner.synthesized {
                 env.timestamp = Some(rfc3339(winner.at_ms));
                 env.conversation_id = Some(Value::String(rec.conversation_id.clone()));
-                env.agent_id = send.and_then(|s| s.to_agent.clone()).map(Value::String);
+                env.agent_id = rec.target().map(|t| Value::String(t.to_string()));
                 env.raw_event_ref = signal_ref.clone().or_else(|| {
                     send.map(|s| RawEventRef {
                         stream: String::new(),
@@ -217,14 +217,12 @@ pub fn winner_response(rec: &TurnRecord, decider: Option<&Envelope>) -> Envelope
             p.insert("synthesized".into(), json!(winner.synthesized));
             p.insert("message".into(), json!(message));
             if winner.synthesized {
-                if let Some(s) = send {
-                    // The reply that did not come would have gone from the target to the sender.
-                    if let Some(to) = &s.to_agent {
-                        p.insert("fromAgent".into(), json!(to));
-                    }
-                    if let Some(from) = &s.from_agent {
-                        p.insert("toAgent".into(), json!(from));
-                    }
+                // The reply that did not come would have gone from the target to the sender.
+                if let Some(to) = rec.target() {
+                    p.insert("fromAgent".into(), json!(to));
+                }
+                if let Some(from) = rec.sender() {
+                    p.insert("toAgent".into(), json!(from));
                 }
                 p.insert("conversationId".into(), json!(rec.conversation_id));
                 p.insert("turn".into(), json!(rec.turn));

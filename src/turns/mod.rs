@@ -194,6 +194,7 @@ pub fn facts(
     if kind == TurnEventKind::Send {
         goal = fields
             .str("goal")
+            .filter(|g| !g.trim().is_empty())
             .or_else(|| fields.str("message"))
             .map(|g| shorten(g, GOAL_MAX_CHARS))
             .filter(|g| !g.is_empty());
@@ -293,9 +294,30 @@ pub struct TurnRecord {
     pub deadline_ms: Option<i64>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub winner: Option<Winner>,
+    /// Who asked and who was asked, when no send opened the turn (read from the deciding event).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sender: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub target: Option<String>,
 }
 
 impl TurnRecord {
+    /// The agent the turn was addressed to.
+    pub fn target(&self) -> Option<&str> {
+        self.send
+            .as_ref()
+            .and_then(|s| s.to_agent.as_deref())
+            .or(self.target.as_deref())
+    }
+
+    /// The agent that opened the turn.
+    pub fn sender(&self) -> Option<&str> {
+        self.send
+            .as_ref()
+            .and_then(|s| s.from_agent.as_deref())
+            .or(self.sender.as_deref())
+    }
+
     /// The Msg-Id of the turn's one response: derived from the turn, so any republish collapses.
     pub fn response_msg_id(&self) -> String {
         format!("turn:{}:{}", self.key, encode_id(&self.turn))
@@ -379,6 +401,8 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
                         .saturating_add(i64::try_from(timeout_ms).unwrap_or(i64::MAX)),
                 ),
                 winner: None,
+                sender: None,
+                target: None,
             };
             Step {
                 write: Some((record, Expect::Absent)),
@@ -405,18 +429,29 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
         ) => {
             let (record, expect) = match current {
                 Some((r, rev)) => (r.clone(), Expect::Revision(rev)),
-                None => (
-                    TurnRecord {
-                        conversation_id: ev.conversation_id.clone(),
-                        key: ev.key.clone(),
-                        turn: ev.turn.clone(),
-                        state: TurnState::Open,
-                        send: None,
-                        deadline_ms: None,
-                        winner: None,
-                    },
-                    Expect::Absent,
-                ),
+                None => {
+                    // No send opened the turn: a reply comes from the target, a complete or
+                    // error from the sender's side.
+                    let (sender, target) = if kind == TurnEventKind::Response {
+                        (ev.to_agent.clone(), ev.from_agent.clone())
+                    } else {
+                        (ev.from_agent.clone(), ev.to_agent.clone())
+                    };
+                    (
+                        TurnRecord {
+                            conversation_id: ev.conversation_id.clone(),
+                            key: ev.key.clone(),
+                            turn: ev.turn.clone(),
+                            state: TurnState::Open,
+                            send: None,
+                            deadline_ms: None,
+                            winner: None,
+                            sender,
+                            target,
+                        },
+                        Expect::Absent,
+                    )
+                }
             };
             let winner = match kind {
                 TurnEventKind::Response => Winner {

@@ -1375,6 +1375,8 @@ fn next_action_names_the_target_and_differs_by_reason_and_turn() {
         }),
         deadline_ms: None,
         winner: None,
+        sender: None,
+        target: None,
     };
     let mut seen = Vec::new();
     for turn in ["0", "1"] {
@@ -1455,7 +1457,6 @@ fn normal_reply_with_the_four_sections_exposes_them() {
 }
 
 #[test]
-#[ignore = "bug: a turn opened by a complete/response (no send) loses the agents; next_action says 'the target agent'"]
 fn next_action_names_the_target_when_no_send_opened_the_turn() {
     let fx = fixture();
     let mut ev = fx["job_failure"].clone();
@@ -2043,7 +2044,6 @@ proptest! {
 }
 
 #[test]
-#[ignore = "bug: a blank `goal` on the send hides its message text (goal becomes None)"]
 fn blank_goal_falls_back_to_the_message() {
     let f = facts_of(
         &send("c", json!({"goal": "  ", "message": "do the thing"})),

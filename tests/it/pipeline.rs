@@ -859,8 +859,11 @@ fn spawn_producer(
     let js = js.clone();
     tokio::spawn(async move {
         let mut seqs = Vec::with_capacity(messages.len());
-        for chunk in messages.chunks(20) {
+        for chunk in messages.chunks(10) {
             seqs.extend(publish_all(&js, chunk).await);
+            // Paced, so the stop or crash lands while the producer is still publishing (the
+            // outcome checks hold either way).
+            tokio::time::sleep(Duration::from_millis(5)).await;
         }
         seqs
     })
@@ -905,16 +908,16 @@ async fn sigkill_mid_stream_loses_nothing_and_duplicates_nothing() {
     let mut first = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
     let js = nats.jetstream().await;
     let producer = spawn_producer(&js, load(2000));
-    wait_proj_at_least(&js, 400).await;
+    wait_proj_at_least(&js, 300).await;
     first.kill9();
+    let raw_at_kill = count(&js, RAW).await;
     let status = first
         .wait_exit(GUARD)
         .await
         .expect("SIGKILL ends the process");
     assert!(!status.success());
     eprintln!(
-        "killed with {} raw messages stored and {} projected",
-        count(&js, RAW).await,
+        "killed with {raw_at_kill} raw messages stored and {} projected",
         count(&js, PROJ).await
     );
     finish_and_check(&nats, &js, producer).await;
@@ -963,8 +966,9 @@ async fn sigterm_drains_and_everything_acknowledged_is_projected() {
     let mut first = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
     let js = nats.jetstream().await;
     let producer = spawn_producer(&js, load(2000));
-    wait_proj_at_least(&js, 400).await;
+    wait_proj_at_least(&js, 300).await;
     first.sigterm();
+    let raw_at_term = count(&js, RAW).await;
     let status = first
         .wait_exit(GUARD)
         .await
@@ -983,13 +987,26 @@ async fn sigterm_drains_and_everything_acknowledged_is_projected() {
         .map(Stored::source_seq)
         .collect();
     let raw = js.get_stream(RAW).await.expect("raw stream");
-    let floors: BTreeMap<String, u64> = raw
+    let infos: Vec<consumer::Info> = raw
         .consumers()
         .try_collect::<Vec<consumer::Info>>()
         .await
         .expect("consumer list")
         .into_iter()
         .filter(|i| i.name.starts_with("collab-proj-"))
+        .collect();
+    // Draining means finishing what was in flight: nothing is left delivered but unacknowledged.
+    let unacked: Vec<(&str, usize)> = infos
+        .iter()
+        .filter(|i| i.num_ack_pending > 0)
+        .map(|i| (i.name.as_str(), i.num_ack_pending))
+        .collect();
+    assert!(
+        unacked.is_empty(),
+        "messages left unacknowledged after the drain: {unacked:?}"
+    );
+    let floors: BTreeMap<String, u64> = infos
+        .iter()
         .map(|i| {
             (
                 i.config.filter_subject.trim_end_matches(".>").to_string(),
@@ -1023,8 +1040,7 @@ async fn sigterm_drains_and_everything_acknowledged_is_projected() {
         "the drained process acknowledged something"
     );
     eprintln!(
-        "drained after acknowledging {acknowledged} of {} raw messages stored",
-        count(&js, RAW).await
+        "drained after acknowledging {acknowledged}; {raw_at_term} raw messages stored at SIGTERM"
     );
     finish_and_check(&nats, &js, producer).await;
 }

@@ -1,0 +1,1 @@
+//! The projection HTTP API.

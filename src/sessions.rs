@@ -1,0 +1,1 @@
+//! Work-session aggregation (pure).
