@@ -13,6 +13,7 @@
 //! - [`pipeline`]: a raw message to the messages to publish (projections or a dead letter).
 //! - [`bus`]: NATS: connect, provision, the partition workers.
 //! - [`app`]: the `run` command: workers, HTTP, signals.
+//! - [`ops`]: operator commands: `audit`, `dlq replay`.
 //! - [`http`]: health, readiness and metrics endpoints.
 //! - [`localnats`]: start a local nats-server for `demo`, `bench` and tests.
 //! - [`sim`]: the traffic generator of `demo` and `bench`.
@@ -30,6 +31,7 @@ pub mod http;
 pub mod ingest;
 pub mod localnats;
 pub mod model;
+pub mod ops;
 pub mod pipeline;
 pub mod sim;
 pub mod telemetry;

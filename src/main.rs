@@ -109,6 +109,51 @@ enum Command {
         #[command(flatten)]
         common: Common,
     },
+    /// Prove that every raw sequence in a range is projected or dead-lettered, exactly one of them.
+    Audit {
+        #[command(flatten)]
+        common: Common,
+        /// First raw sequence (default 1).
+        #[arg(long, default_value_t = 1)]
+        from: u64,
+        /// Last raw sequence (default: the stream's last).
+        #[arg(long, default_value_t = 0)]
+        to: u64,
+    },
+    /// Dead-letter operations.
+    Dlq {
+        #[command(subcommand)]
+        command: DlqCommand,
+    },
+}
+
+#[derive(Subcommand)]
+enum DlqCommand {
+    /// Republish dead letters to the subject their producer used (after fixing the cause).
+    Replay {
+        #[command(flatten)]
+        common: Common,
+        /// Only dead letters of this reason (e.g. bad_key).
+        #[arg(long)]
+        reason: Option<String>,
+        /// Count what would be replayed, publish nothing.
+        #[arg(long)]
+        dry_run: bool,
+        /// Delete each replayed dead letter from the DLQ stream.
+        #[arg(long)]
+        purge: bool,
+    },
+}
+
+async fn connect_for(settings: &Settings, name: &str) -> anyhow::Result<async_nats::jetstream::Context> {
+    let (_client, js) = bus::connect(
+        &settings.nats.url,
+        settings.nats.creds_file.as_deref(),
+        settings.consumer.publish_window,
+        name,
+    )
+    .await?;
+    Ok(js)
 }
 
 fn main() -> anyhow::Result<()> {
@@ -243,6 +288,58 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
                 "{} created, {} already present and matching",
                 report.created.len(),
                 report.unchanged.len()
+            );
+            Ok(())
+        }
+        Command::Audit { common, from, to } => {
+            let settings = common.settings()?;
+            let js = connect_for(&settings, "collab-projector audit").await?;
+            let a = collab_projector::ops::audit(&js, &settings.names(), from, to).await?;
+            println!(
+                "raw sequences {}..={}: {} messages, {} projected, {} dead-lettered, {} both, {} neither",
+                a.from, a.to, a.raw, a.projected, a.dead_lettered, a.both.len(), a.neither.len()
+            );
+            for (reason, n) in &a.dlq_by_reason {
+                println!("  dead letters {reason}: {n}");
+            }
+            if !a.holds() {
+                let show = |v: &[u64]| v.iter().take(20).map(u64::to_string).collect::<Vec<_>>().join(", ");
+                if !a.both.is_empty() {
+                    println!("projected AND dead-lettered: {}", show(&a.both));
+                }
+                if !a.neither.is_empty() {
+                    println!("neither (lost, or not processed yet): {}", show(&a.neither));
+                }
+                anyhow::bail!("audit failed");
+            }
+            println!("audit holds: exactly one of projected / dead-lettered for every raw sequence");
+            Ok(())
+        }
+        Command::Dlq {
+            command:
+                DlqCommand::Replay {
+                    common,
+                    reason,
+                    dry_run,
+                    purge,
+                },
+        } => {
+            let settings = common.settings()?;
+            let js = connect_for(&settings, "collab-projector dlq replay").await?;
+            let r = collab_projector::ops::dlq_replay(
+                &js,
+                &settings.names(),
+                reason.as_deref(),
+                dry_run,
+                purge,
+            )
+            .await?;
+            println!(
+                "{} {} dead letters ({} without a source subject skipped, {} purged)",
+                if dry_run { "would replay" } else { "replayed" },
+                r.replayed,
+                r.skipped,
+                r.purged
             );
             Ok(())
         }

@@ -283,6 +283,12 @@ pub async fn run_partition(
                     break;
                 }
             };
+            if cancel.is_cancelled() {
+                // Stop taking work: hand the rest of the batch back at once (a NAK is redelivered
+                // before newer messages, so the next owner keeps the order).
+                let _ = msg.ack_with(AckKind::Nak(None)).await;
+                continue;
+            }
             let Ok(info) = msg.info() else { continue };
             let seq = info.stream_sequence;
             let stored_ms = info.published.timestamp_millis();

@@ -1,0 +1,197 @@
+//! Operator commands over the streams: `audit` (every raw sequence is projected or
+//! dead-lettered, never both, never neither) and `dlq replay` (republish dead letters to the
+//! subject their producer used, after a fix).
+
+use crate::config::Names;
+use crate::pipeline::{H_SOURCE_SEQ, H_SOURCE_SUBJECT};
+use async_nats::jetstream::{self, consumer, message::PublishMessage};
+use futures::StreamExt;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+#[derive(Debug, thiserror::Error)]
+pub enum OpsError {
+    #[error("stream {stream}: {detail}")]
+    Stream { stream: String, detail: String },
+    #[error("publishing to {subject}: {detail}")]
+    Publish { subject: String, detail: String },
+}
+
+fn stream_err(stream: &str, e: impl std::fmt::Display) -> OpsError {
+    OpsError::Stream {
+        stream: stream.to_string(),
+        detail: e.to_string(),
+    }
+}
+
+/// Every message of `stream` from `start` up to its last sequence at the time of the call.
+async fn read_stream(
+    js: &jetstream::Context,
+    stream: &str,
+    start: u64,
+    headers_only: bool,
+) -> Result<Vec<jetstream::Message>, OpsError> {
+    let mut s = js.get_stream(stream).await.map_err(|e| stream_err(stream, e))?;
+    let info = s.info().await.map_err(|e| stream_err(stream, e))?;
+    let last = info.state.last_sequence;
+    if info.state.messages == 0 || start > last {
+        return Ok(Vec::new());
+    }
+    let consumer = s
+        .create_consumer(consumer::pull::OrderedConfig {
+            deliver_policy: consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: start.max(1),
+            },
+            headers_only,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| stream_err(stream, e))?;
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(|e| stream_err(stream, e))?;
+    let mut out = Vec::new();
+    loop {
+        let next = tokio::time::timeout(Duration::from_secs(5), messages.next()).await;
+        let Ok(Some(Ok(m))) = next else { break };
+        let seq = m.info().map(|i| i.stream_sequence).unwrap_or(u64::MAX);
+        out.push(m);
+        if seq >= last {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+fn header_u64(m: &jetstream::Message, name: &str) -> Option<u64> {
+    m.headers.as_ref()?.get(name)?.as_str().parse().ok()
+}
+
+/// The result of an audit over a range of raw sequences.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Audit {
+    pub from: u64,
+    pub to: u64,
+    pub raw: usize,
+    pub projected: usize,
+    pub dead_lettered: usize,
+    /// Both projected and dead-lettered: a broken promise.
+    pub both: Vec<u64>,
+    /// Neither (yet): lost, or not processed yet.
+    pub neither: Vec<u64>,
+    pub dlq_by_reason: BTreeMap<String, usize>,
+}
+
+impl Audit {
+    pub fn holds(&self) -> bool {
+        self.both.is_empty() && self.neither.is_empty()
+    }
+}
+
+/// Check "exactly one of projected and dead-lettered" for raw sequences `from..=to` (`to` 0 = the
+/// last).
+pub async fn audit(js: &jetstream::Context, names: &Names, from: u64, to: u64) -> Result<Audit, OpsError> {
+    let raw = read_stream(js, &names.raw_stream, from, true).await?;
+    let raw_seqs: BTreeSet<u64> = raw
+        .iter()
+        .filter_map(|m| m.info().ok().map(|i| i.stream_sequence))
+        .filter(|s| to == 0 || *s <= to)
+        .collect();
+    let mut projected = BTreeSet::new();
+    for m in read_stream(js, &names.proj_stream, 1, true).await? {
+        if let Some(seq) = header_u64(&m, H_SOURCE_SEQ) {
+            projected.insert(seq);
+        }
+    }
+    let mut dead = BTreeSet::new();
+    let mut by_reason: BTreeMap<String, usize> = BTreeMap::new();
+    for m in read_stream(js, &names.dlq_stream, 1, true).await? {
+        if let Some(seq) = header_u64(&m, H_SOURCE_SEQ) {
+            if raw_seqs.contains(&seq) {
+                let reason = m.subject.as_str().rsplit('.').next().unwrap_or("?").to_string();
+                *by_reason.entry(reason).or_default() += 1;
+            }
+            dead.insert(seq);
+        }
+    }
+    let mut a = Audit {
+        from,
+        to: raw_seqs.last().copied().unwrap_or(to),
+        raw: raw_seqs.len(),
+        dlq_by_reason: by_reason,
+        ..Default::default()
+    };
+    for seq in &raw_seqs {
+        match (projected.contains(seq), dead.contains(seq)) {
+            (true, true) => a.both.push(*seq),
+            (false, false) => a.neither.push(*seq),
+            (true, false) => a.projected += 1,
+            (false, true) => a.dead_lettered += 1,
+        }
+    }
+    Ok(a)
+}
+
+/// What a replay did.
+#[derive(Debug, Default, Clone)]
+pub struct Replay {
+    pub replayed: usize,
+    pub skipped: usize,
+    pub purged: usize,
+}
+
+/// Republish dead letters (optionally of one reason) to their producer subject. With `purge`,
+/// each replayed dead letter is deleted from the DLQ stream after its republish is stored.
+pub async fn dlq_replay(
+    js: &jetstream::Context,
+    names: &Names,
+    reason: Option<&str>,
+    dry_run: bool,
+    purge: bool,
+) -> Result<Replay, OpsError> {
+    let mut report = Replay::default();
+    let dlq = js
+        .get_stream(&names.dlq_stream)
+        .await
+        .map_err(|e| stream_err(&names.dlq_stream, e))?;
+    for m in read_stream(js, &names.dlq_stream, 1, false).await? {
+        let this_reason = m.subject.as_str().rsplit('.').next().unwrap_or("");
+        if reason.is_some_and(|r| r != this_reason) {
+            continue;
+        }
+        let Some(subject) = m
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(H_SOURCE_SUBJECT))
+            .map(|v| v.as_str().to_string())
+        else {
+            report.skipped += 1;
+            continue;
+        };
+        let dlq_seq = m.info().map(|i| i.stream_sequence).unwrap_or(0);
+        if dry_run {
+            report.replayed += 1;
+            continue;
+        }
+        let publish = PublishMessage::build()
+            .payload(m.payload.clone())
+            .message_id(format!("replay:{}:{dlq_seq}", names.dlq_stream));
+        let ack = js
+            .send_publish(subject.clone(), publish)
+            .await
+            .map_err(|e| OpsError::Publish {
+                subject: subject.clone(),
+                detail: e.to_string(),
+            })?;
+        ack.await.map_err(|e| OpsError::Publish {
+            subject: subject.clone(),
+            detail: e.to_string(),
+        })?;
+        report.replayed += 1;
+        if purge && dlq.delete_message(dlq_seq).await.is_ok() {
+            report.purged += 1;
+        }
+    }
+    Ok(report)
+}
