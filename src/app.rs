@@ -48,6 +48,8 @@ pub struct RunOptions {
 
 /// A running instance, for callers (demo, tests) that need its pieces.
 pub struct Running {
+    /// Kept alive for `$SRV.PING` / `$SRV.INFO` / `$SRV.STATS` discovery.
+    _service: Option<async_nats::service::Service>,
     pub client: async_nats::Client,
     pub js: async_nats::jetstream::Context,
     pub worker: Option<Arc<worker::Shared>>,
@@ -137,11 +139,80 @@ pub async fn start(
             info!(addr = %a, "HTTP listening");
         }
     }
+    let service = start_service(
+        &client,
+        shared.as_ref().map(|s| s.state.clone()),
+        &tracker,
+        cancel.clone(),
+    )
+    .await;
     Ok(Running {
+        _service: service,
         client,
         js,
         worker: shared,
         http_addr,
         tracker,
     })
+}
+
+fn status_json(state: Option<&worker::WorkerState>) -> serde_json::Value {
+    use std::sync::atomic::Ordering::Relaxed;
+    match state {
+        Some(w) => serde_json::json!({
+            "partitionsOwned": w.partitions_owned.load(Relaxed),
+            "partitionsRunning": w.partitions_running.load(Relaxed),
+            "inputs": w.inputs.load(Relaxed),
+            "projected": w.projected.load(Relaxed),
+            "deadLettered": w.dead_lettered.load(Relaxed),
+            "publishRetries": w.publish_retries.load(Relaxed),
+        }),
+        None => serde_json::json!({"workers": false}),
+    }
+}
+
+/// Register with the NATS service API, so `nats micro ls` / `$SRV.PING` find every instance, and
+/// answer `collab-projector.status` requests with the worker's counters.
+async fn start_service(
+    client: &async_nats::Client,
+    state: Option<Arc<worker::WorkerState>>,
+    tracker: &TaskTracker,
+    cancel: CancellationToken,
+) -> Option<async_nats::service::Service> {
+    use async_nats::service::ServiceExt;
+    use futures::StreamExt;
+    let stats_state = state.clone();
+    let service = match client
+        .service_builder()
+        .description(
+            "collab-projector: role-partitioned, turn-checked projections of collaboration events",
+        )
+        .stats_handler(move |_, _| status_json(stats_state.as_deref()))
+        .start("collab-projector", env!("CARGO_PKG_VERSION"))
+        .await
+    {
+        Ok(s) => s,
+        Err(e) => {
+            warn!(error = %e, "NATS service API registration failed; discovery via $SRV is off");
+            return None;
+        }
+    };
+    match service.endpoint("collab-projector.status").await {
+        Ok(mut endpoint) => {
+            tracker.spawn(async move {
+                loop {
+                    tokio::select! {
+                        _ = cancel.cancelled() => break,
+                        req = endpoint.next() => {
+                            let Some(req) = req else { break };
+                            let body = status_json(state.as_deref()).to_string();
+                            let _ = req.respond(Ok(body.into())).await;
+                        }
+                    }
+                }
+            });
+        }
+        Err(e) => warn!(error = %e, "status endpoint registration failed"),
+    }
+    Some(service)
 }

@@ -139,13 +139,13 @@ enum DlqCommand {
         /// Count what would be replayed, publish nothing.
         #[arg(long)]
         dry_run: bool,
-        /// Delete each replayed dead letter from the DLQ stream.
-        #[arg(long)]
-        purge: bool,
     },
 }
 
-async fn connect_for(settings: &Settings, name: &str) -> anyhow::Result<async_nats::jetstream::Context> {
+async fn connect_for(
+    settings: &Settings,
+    name: &str,
+) -> anyhow::Result<async_nats::jetstream::Context> {
     let (_client, js) = bus::connect(
         &settings.nats.url,
         settings.nats.creds_file.as_deref(),
@@ -303,7 +303,13 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
                 println!("  dead letters {reason}: {n}");
             }
             if !a.holds() {
-                let show = |v: &[u64]| v.iter().take(20).map(u64::to_string).collect::<Vec<_>>().join(", ");
+                let show = |v: &[u64]| {
+                    v.iter()
+                        .take(20)
+                        .map(u64::to_string)
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                };
                 if !a.both.is_empty() {
                     println!("projected AND dead-lettered: {}", show(&a.both));
                 }
@@ -312,7 +318,9 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
                 }
                 anyhow::bail!("audit failed");
             }
-            println!("audit holds: exactly one of projected / dead-lettered for every raw sequence");
+            println!(
+                "audit holds: exactly one of projected / dead-lettered for every raw sequence"
+            );
             Ok(())
         }
         Command::Dlq {
@@ -321,7 +329,6 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
                     common,
                     reason,
                     dry_run,
-                    purge,
                 },
         } => {
             let settings = common.settings()?;
@@ -331,15 +338,13 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
                 &settings.names(),
                 reason.as_deref(),
                 dry_run,
-                purge,
             )
             .await?;
             println!(
-                "{} {} dead letters ({} without a source subject skipped, {} purged)",
+                "{} {} dead letters ({} without a source subject skipped)",
                 if dry_run { "would replay" } else { "replayed" },
                 r.replayed,
                 r.skipped,
-                r.purged
             );
             Ok(())
         }

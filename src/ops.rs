@@ -31,7 +31,10 @@ async fn read_stream(
     start: u64,
     headers_only: bool,
 ) -> Result<Vec<jetstream::Message>, OpsError> {
-    let mut s = js.get_stream(stream).await.map_err(|e| stream_err(stream, e))?;
+    let mut s = js
+        .get_stream(stream)
+        .await
+        .map_err(|e| stream_err(stream, e))?;
     let info = s.info().await.map_err(|e| stream_err(stream, e))?;
     let last = info.state.last_sequence;
     if info.state.messages == 0 || start > last {
@@ -91,7 +94,12 @@ impl Audit {
 
 /// Check "exactly one of projected and dead-lettered" for raw sequences `from..=to` (`to` 0 = the
 /// last).
-pub async fn audit(js: &jetstream::Context, names: &Names, from: u64, to: u64) -> Result<Audit, OpsError> {
+pub async fn audit(
+    js: &jetstream::Context,
+    names: &Names,
+    from: u64,
+    to: u64,
+) -> Result<Audit, OpsError> {
     let raw = read_stream(js, &names.raw_stream, from, true).await?;
     let raw_seqs: BTreeSet<u64> = raw
         .iter()
@@ -109,7 +117,13 @@ pub async fn audit(js: &jetstream::Context, names: &Names, from: u64, to: u64) -
     for m in read_stream(js, &names.dlq_stream, 1, true).await? {
         if let Some(seq) = header_u64(&m, H_SOURCE_SEQ) {
             if raw_seqs.contains(&seq) {
-                let reason = m.subject.as_str().rsplit('.').next().unwrap_or("?").to_string();
+                let reason = m
+                    .subject
+                    .as_str()
+                    .rsplit('.')
+                    .next()
+                    .unwrap_or("?")
+                    .to_string();
                 *by_reason.entry(reason).or_default() += 1;
             }
             dead.insert(seq);
@@ -138,23 +152,20 @@ pub async fn audit(js: &jetstream::Context, names: &Names, from: u64, to: u64) -
 pub struct Replay {
     pub replayed: usize,
     pub skipped: usize,
-    pub purged: usize,
 }
 
-/// Republish dead letters (optionally of one reason) to their producer subject. With `purge`,
-/// each replayed dead letter is deleted from the DLQ stream after its republish is stored.
+/// Republish dead letters (optionally of one reason) to their producer subject.
+///
+/// Dead letters stay in the DLQ stream (its retention removes them): they are the evidence
+/// `audit` needs for the original raw sequences. A replay republishes with a Msg-Id derived from
+/// the dead letter, so running it twice within the duplicate window publishes once.
 pub async fn dlq_replay(
     js: &jetstream::Context,
     names: &Names,
     reason: Option<&str>,
     dry_run: bool,
-    purge: bool,
 ) -> Result<Replay, OpsError> {
     let mut report = Replay::default();
-    let dlq = js
-        .get_stream(&names.dlq_stream)
-        .await
-        .map_err(|e| stream_err(&names.dlq_stream, e))?;
     for m in read_stream(js, &names.dlq_stream, 1, false).await? {
         let this_reason = m.subject.as_str().rsplit('.').next().unwrap_or("");
         if reason.is_some_and(|r| r != this_reason) {
@@ -189,9 +200,6 @@ pub async fn dlq_replay(
             detail: e.to_string(),
         })?;
         report.replayed += 1;
-        if purge && dlq.delete_message(dlq_seq).await.is_ok() {
-            report.purged += 1;
-        }
     }
     Ok(report)
 }

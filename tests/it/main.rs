@@ -5,5 +5,6 @@ mod support;
 mod adapter_bus;
 mod api;
 mod chaos;
+mod ops;
 mod pipeline;
 mod turns;
