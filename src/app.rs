@@ -62,6 +62,11 @@ impl Running {
     pub async fn wait(self) {
         self.tracker.close();
         self.tracker.wait().await;
+        // Acknowledgements are written asynchronously: make sure the last ones reach the server
+        // before the process exits, or their messages would be redelivered.
+        if let Err(e) = self.client.flush().await {
+            warn!(error = %e, "flushing the last acknowledgements failed");
+        }
     }
 }
 

@@ -18,10 +18,12 @@
 //! - [`localnats`]: start a local nats-server for `demo`, `bench` and tests.
 //! - [`sim`]: the traffic generator of `demo` and `bench`.
 //! - [`demo`]: the `demo` command.
+//! - [`bench`]: the `bench` command: throughput, latency and turn-book scale against nats-server.
 //! - [`turns`]: the turn contract: the pure state machine, the deadline set, blocked outcomes.
 //! - [`telemetry`]: logging and metric names.
 
 pub mod app;
+pub mod bench;
 pub mod bus;
 pub mod classify;
 pub mod config;

@@ -120,6 +120,40 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         to: u64,
     },
+    /// Measure throughput, latency and turn-book scale (starts nats-server per scenario unless
+    /// --nats-url is given). See docs/performance.md.
+    Bench {
+        /// Use this server (a fresh prefix per scenario) instead of starting one per scenario.
+        #[arg(long)]
+        nats_url: Option<String>,
+        /// Print the report as JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+        /// Messages preloaded for the throughput scenarios 1-3.
+        #[arg(long, default_value_t = 200_000)]
+        messages: usize,
+        /// Messages preloaded for the naive scenario 4 (one round trip each).
+        #[arg(long, default_value_t = 20_000)]
+        naive_messages: usize,
+        /// Publish rate of the latency runs (messages per second).
+        #[arg(long, default_value_t = 5_000)]
+        rate: u32,
+        /// How long each latency run publishes, e.g. 10s.
+        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+        latency_duration: Duration,
+        /// Open turns for the turn-book scale runs, comma-separated.
+        #[arg(long, value_delimiter = ',', default_value = "100000,1000000")]
+        open_turns: Vec<usize>,
+        /// Probe sends per timer-lateness run.
+        #[arg(long, default_value_t = 1_000)]
+        probes: usize,
+        /// Run only these parts: baseline, mixed, turns, naive, latency, turnbook.
+        #[arg(long, value_delimiter = ',')]
+        only: Vec<collab_projector::bench::Part>,
+        /// No progress bars.
+        #[arg(long)]
+        quiet: bool,
+    },
     /// Dead-letter operations.
     Dlq {
         #[command(subcommand)]
@@ -167,7 +201,7 @@ fn main() -> anyhow::Result<()> {
         return normalize(config.as_deref(), main_agents.clone(), *adapter_mode);
     }
     // The demo's own screen is the output; its logs stay quiet unless asked for.
-    let default_filter = if matches!(cli.command, Command::Demo { .. }) {
+    let default_filter = if matches!(cli.command, Command::Demo { .. } | Command::Bench { .. }) {
         "warn"
     } else {
         "info"
@@ -346,6 +380,44 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
                 r.replayed,
                 r.skipped,
             );
+            Ok(())
+        }
+        Command::Bench {
+            nats_url,
+            json,
+            messages,
+            naive_messages,
+            rate,
+            latency_duration,
+            open_turns,
+            probes,
+            only,
+            quiet,
+        } => {
+            use collab_projector::bench;
+            let opts = bench::BenchOptions {
+                nats_url,
+                messages,
+                naive_messages,
+                latency_rate: rate,
+                latency_duration,
+                open_turns,
+                lateness_probes: probes,
+                parts: if only.is_empty() {
+                    bench::Part::ALL.to_vec()
+                } else {
+                    only
+                },
+                progress: !quiet,
+                metrics: metrics_handle(),
+                ..Default::default()
+            };
+            let report = bench::run(opts).await?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print!("{}", bench::render(&report));
+            }
             Ok(())
         }
         Command::Normalize { .. } => Ok(()),

@@ -1,1 +1,1175 @@
-//! Work-session aggregation (pure).
+//! Work sessions: projected events grouped by work session, with threads, participants, counts,
+//! turns and the last message (the ConversationSummary fields of seed 004).
+//!
+//! Pure: [`apply`] folds one projected envelope into a session and says whether anything changed;
+//! the KV writer (`bus::sessions`) does the reading and compare-and-set writing, and the API turns
+//! a stored session into a [`SessionView`] for the roles a caller may see, with the status computed
+//! from the clock it is given.
+//!
+//! # Idempotency
+//!
+//! Counts must not grow when an event is applied twice (redelivery after a crash, a worker
+//! restart). Two identities cover every projected event:
+//! - an event projected from a raw message has a position in its partition (raw sequence, and the
+//!   index of the output among that message's outputs). A partition is processed in order except
+//!   while a new owner recovers a crashed owner's in-flight messages (they may come after later
+//!   ones). So the session keeps, per partition, a floor (everything at or below it was applied:
+//!   set by events processed in order) and the positions applied above it out of order; an event
+//!   at or below the floor, or among those positions, is a repeat;
+//! - a turn's one `a2a.response` (published by the turn contract, possibly at a deadline and so not
+//!   tied to a raw position) is identified by its turn: once a turn has an outcome, a response
+//!   for it changes nothing.
+
+use crate::model::{id_text, Envelope, Role};
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+use std::time::Duration;
+
+/// Longest last-message preview, in characters (the origin's `replyPreview`).
+pub const PREVIEW_CHARS: usize = 200;
+/// Longest title taken from a first message, in characters.
+const TITLE_CHARS: usize = 80;
+
+/// Where an event sits in its partition: raw sequence, then its index among that raw message's
+/// outputs. Serialised as `[seq, index]`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Position(pub u64, pub u32);
+
+/// How an applied event is identified, for idempotency.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Identity {
+    /// Projected from a raw message of `partition` at `position`. `in_order`: every earlier
+    /// message of the partition was processed (and observed) before it.
+    Raw {
+        partition: u16,
+        position: Position,
+        in_order: bool,
+    },
+    /// A turn's one response, identified by its conversation and turn.
+    TurnResponse,
+}
+
+/// Most out-of-order positions remembered per partition; beyond it the oldest are folded into
+/// the floor (a bound on the value's size; it only matters after a long recovery).
+pub const MAX_OUT_OF_ORDER: usize = 2048;
+
+/// What a session has applied from one partition.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Applied {
+    /// Every position at or below it was applied.
+    pub floor: Position,
+    /// Positions above the floor applied out of order.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub above: BTreeSet<Position>,
+}
+
+impl Applied {
+    pub fn seen(&self, p: Position) -> bool {
+        p <= self.floor || self.above.contains(&p)
+    }
+
+    /// Record `p`; an in-order position raises the floor.
+    pub fn record(&mut self, p: Position, in_order: bool) {
+        if in_order {
+            if p > self.floor {
+                self.floor = p;
+            }
+            let floor = self.floor;
+            self.above.retain(|x| *x > floor);
+        } else if p > self.floor {
+            self.above.insert(p);
+            while self.above.len() > MAX_OUT_OF_ORDER {
+                match self.above.pop_first() {
+                    Some(x) => self.floor = x,
+                    None => break,
+                }
+            }
+        }
+    }
+}
+
+/// A participant's kind (seed 002's `kind`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Kind {
+    #[default]
+    Agent,
+    Human,
+    System,
+    External,
+}
+
+impl Kind {
+    /// A kind named by the facts (`user` is a human); anything else is not a kind.
+    pub fn parse(s: &str) -> Option<Kind> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "agent" | "subagent" | "main" => Some(Kind::Agent),
+            "human" | "user" | "person" => Some(Kind::Human),
+            "system" => Some(Kind::System),
+            "external" => Some(Kind::External),
+            _ => None,
+        }
+    }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Kind::Agent => "agent",
+            Kind::Human => "human",
+            Kind::System => "system",
+            Kind::External => "external",
+        }
+    }
+}
+
+/// State of one `conversation.main` turn as far as the session knows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum TurnMark {
+    /// A send opened it; no response yet.
+    Open,
+    /// Its response was a real reply.
+    Answered,
+    /// Its response was a blocked outcome.
+    Blocked,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Participant {
+    pub id: String,
+    pub kind: Kind,
+    /// Whether `kind` came from the facts (an explicit kind is never overwritten by the default).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub kind_known: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub display_name: Option<String>,
+    /// The event roles it took part in.
+    #[serde(default)]
+    pub roles: BTreeSet<Role>,
+    /// It delegated work (a `delegation.subagent` send or spawn from it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub coordinator: bool,
+    /// It received delegated work.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub worker: bool,
+}
+
+/// One conversation of the session.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Thread {
+    pub conversation_id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_agent: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to_agent: Option<String>,
+    #[serde(default)]
+    pub counts: BTreeMap<Role, u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_time: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_time: Option<String>,
+    /// `conversation.main` turns by turn id.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub turns: BTreeMap<String, TurnMark>,
+}
+
+/// The last message seen in one role.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LastMessage {
+    pub preview: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timestamp: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from: Option<String>,
+}
+
+/// A work session as stored (one KV entry). Read it through [`WorkSession::view`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct WorkSession {
+    /// The work session id, else the conversation id the session was keyed by.
+    pub id: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub work_session_id: Option<String>,
+    /// A conversation name given by the producers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The first message's text, shortened: the title when there is no name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_message: Option<String>,
+    /// The goal of the first send that named one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub goal: Option<String>,
+    /// Event time of the earliest and latest event.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub created_at: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub updated_at: Option<String>,
+    /// Events by role, then by type.
+    #[serde(default)]
+    pub counts: BTreeMap<Role, BTreeMap<String, u64>>,
+    /// Threads by conversation id.
+    #[serde(default)]
+    pub threads: BTreeMap<String, Thread>,
+    /// Participants by id.
+    #[serde(default)]
+    pub participants: BTreeMap<String, Participant>,
+    /// The last message per role.
+    #[serde(default)]
+    pub last_message: BTreeMap<Role, LastMessage>,
+    /// What was applied, per partition.
+    #[serde(default)]
+    pub applied: BTreeMap<u16, Applied>,
+}
+
+/// The session and conversation an envelope belongs to.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SessionKeys {
+    pub work_session_id: Option<String>,
+    pub conversation_id: Option<String>,
+}
+
+impl SessionKeys {
+    /// The session id: the work session id, else the conversation id.
+    pub fn session_id(&self) -> Option<&str> {
+        self.work_session_id
+            .as_deref()
+            .or(self.conversation_id.as_deref())
+    }
+}
+
+fn field<'a>(env: &'a Envelope, name: &str) -> Option<&'a Value> {
+    env.payload
+        .as_ref()
+        .and_then(|p| p.get(name))
+        .filter(|v| !v.is_null())
+}
+
+fn field_str<'a>(env: &'a Envelope, name: &str) -> Option<&'a str> {
+    field(env, name)
+        .and_then(Value::as_str)
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+}
+
+fn field_id(env: &Envelope, name: &str) -> Option<String> {
+    field(env, name).and_then(id_text)
+}
+
+/// The work session and conversation of an envelope, from its envelope ids, else its payload.
+/// The conversation is the conversation key of CONTRACT section 4 without the work session.
+pub fn keys(env: &Envelope) -> SessionKeys {
+    let ws = env
+        .work_session_id
+        .as_ref()
+        .and_then(id_text)
+        .or_else(|| field_id(env, "workSessionId"));
+    let conv = env
+        .conversation_id
+        .as_ref()
+        .and_then(id_text)
+        .or_else(|| field_id(env, "conversationId"))
+        .or_else(|| {
+            env.event_type
+                .starts_with("a2a.")
+                .then(|| {
+                    env.session_id
+                        .as_ref()
+                        .and_then(id_text)
+                        .or_else(|| field_id(env, "sessionId"))
+                        .or_else(|| field_id(env, "contextId"))
+                })
+                .flatten()
+        });
+    SessionKeys {
+        work_session_id: ws,
+        conversation_id: conv,
+    }
+}
+
+/// The turn id of CONTRACT section 4: `turnId`, else `turn`, else `0`.
+pub fn turn_id(env: &Envelope) -> String {
+    env.turn_id
+        .as_ref()
+        .and_then(id_text)
+        .or_else(|| field_id(env, "turnId"))
+        .or_else(|| field_id(env, "turn"))
+        .unwrap_or_else(|| "0".to_string())
+}
+
+/// Event time: the producer's timestamp, else the raw stream's store time.
+fn event_time(env: &Envelope) -> Option<String> {
+    env.timestamp.clone().or_else(|| {
+        env.raw_event_ref
+            .as_ref()
+            .map(|r| r.stored_at.clone())
+            .filter(|s| !s.is_empty())
+    })
+}
+
+fn parse_time(s: &str) -> Option<DateTime<Utc>> {
+    DateTime::parse_from_rfc3339(s)
+        .ok()
+        .map(|d| d.with_timezone(&Utc))
+}
+
+/// `a` is later than `b` (unparseable times compare as text).
+fn later(a: &str, b: &str) -> bool {
+    match (parse_time(a), parse_time(b)) {
+        (Some(x), Some(y)) => x > y,
+        _ => a > b,
+    }
+}
+
+fn keep_min(slot: &mut Option<String>, t: &str) {
+    if slot.as_deref().is_none_or(|cur| later(cur, t)) {
+        *slot = Some(t.to_string());
+    }
+}
+
+fn keep_max(slot: &mut Option<String>, t: &str) {
+    if slot.as_deref().is_none_or(|cur| later(t, cur)) {
+        *slot = Some(t.to_string());
+    }
+}
+
+/// At most `n` characters, with an ellipsis when cut.
+pub fn shorten(s: &str, n: usize) -> String {
+    let s = s.trim();
+    if s.chars().count() <= n {
+        return s.to_string();
+    }
+    let mut out: String = s.chars().take(n.saturating_sub(1)).collect();
+    out.push('…');
+    out
+}
+
+fn message_text(env: &Envelope) -> Option<&str> {
+    field_str(env, "message")
+        .or_else(|| field_str(env, "replyPreview"))
+        .or_else(|| field_str(env, "text"))
+}
+
+fn is_blocked(env: &Envelope) -> bool {
+    field_str(env, "outcome") == Some("blocked")
+}
+
+/// Apply one projected event at a raw position (index 0 of its raw message), processed in
+/// partition order. `None` when nothing changed: the event was seen before, or it belongs to no
+/// session.
+pub fn apply(
+    current: Option<WorkSession>,
+    env: &Envelope,
+    partition: u16,
+    raw_seq: u64,
+) -> Option<WorkSession> {
+    apply_as(
+        current,
+        env,
+        Identity::Raw {
+            partition,
+            position: Position(raw_seq, 0),
+            in_order: true,
+        },
+    )
+}
+
+/// Apply one projected event with an explicit identity. `None` when nothing changed.
+pub fn apply_as(
+    current: Option<WorkSession>,
+    env: &Envelope,
+    identity: Identity,
+) -> Option<WorkSession> {
+    let keys = keys(env);
+    let id = keys.session_id()?.to_string();
+    let mut s = current.unwrap_or_else(|| WorkSession {
+        id,
+        ..WorkSession::default()
+    });
+    if apply_mut(&mut s, env, &keys, identity) {
+        Some(s)
+    } else {
+        None
+    }
+}
+
+/// Apply in place; `false` when nothing changed (a repeat).
+pub fn apply_mut(
+    s: &mut WorkSession,
+    env: &Envelope,
+    keys: &SessionKeys,
+    identity: Identity,
+) -> bool {
+    let role = env.event_role.unwrap_or(Role::SystemObservability);
+    let conv = keys.conversation_id.clone();
+    let is_turn_response = role == Role::ConversationMain && env.event_type == "a2a.response";
+    let turn = turn_id(env);
+    match identity {
+        Identity::Raw {
+            partition,
+            position,
+            in_order,
+        } => {
+            let applied = s.applied.entry(partition).or_default();
+            if applied.seen(position) {
+                return false;
+            }
+            applied.record(position, in_order);
+        }
+        Identity::TurnResponse => {
+            let decided = conv
+                .as_ref()
+                .and_then(|c| s.threads.get(c))
+                .and_then(|t| t.turns.get(&turn))
+                .is_some_and(|m| *m != TurnMark::Open);
+            if decided {
+                return false;
+            }
+        }
+    }
+
+    if s.work_session_id.is_none() {
+        s.work_session_id = keys.work_session_id.clone();
+    }
+    *s.counts
+        .entry(role)
+        .or_default()
+        .entry(env.event_type.clone())
+        .or_insert(0) += 1;
+    let at = event_time(env);
+    if let Some(t) = &at {
+        keep_min(&mut s.created_at, t);
+        keep_max(&mut s.updated_at, t);
+    }
+
+    let from = field_id(env, "fromAgent");
+    let to = field_id(env, "toAgent");
+    if s.name.is_none() {
+        s.name = ["conversationName", "conversationTitle"]
+            .iter()
+            .find_map(|k| field_str(env, k))
+            .map(|n| shorten(n, PREVIEW_CHARS));
+    }
+    let text = message_text(env);
+    if env.event_type.starts_with("a2a.") {
+        if s.first_message.is_none() {
+            s.first_message = text.map(|t| shorten(t, TITLE_CHARS));
+        }
+        if s.goal.is_none() && env.event_type == "a2a.send" {
+            s.goal = field_str(env, "goal").map(|g| shorten(g, PREVIEW_CHARS));
+        }
+    }
+    if let Some(t) = text {
+        let newer = match (s.last_message.get(&role), &at) {
+            (None, _) => true,
+            (Some(prev), Some(at)) => prev.timestamp.as_deref().is_none_or(|p| !later(p, at)),
+            (Some(_), None) => true,
+        };
+        if newer {
+            s.last_message.insert(
+                role,
+                LastMessage {
+                    preview: shorten(t, PREVIEW_CHARS),
+                    timestamp: at.clone(),
+                    from: from
+                        .clone()
+                        .or_else(|| env.agent_id.as_ref().and_then(id_text)),
+                },
+            );
+        }
+    }
+
+    // Participants: both sides of a message, the acting agent, and any listed participants.
+    if let Some(f) = &from {
+        note_participant(s, f, role, side_kind(env, "from"), side_name(env, "from"));
+    }
+    if let Some(t) = &to {
+        note_participant(s, t, role, side_kind(env, "to"), side_name(env, "to"));
+    }
+    if let Some(agent) = env.agent_id.as_ref().and_then(id_text) {
+        let kind = ["agentKind", "kind"]
+            .iter()
+            .find_map(|k| field_str(env, k).and_then(Kind::parse));
+        let name = ["agentName", "agentDisplayName", "displayName"]
+            .iter()
+            .find_map(|k| field_str(env, k));
+        note_participant(s, &agent, role, kind, name);
+    }
+    if let Some(Value::Array(list)) = field(env, "participants") {
+        for p in list {
+            let Some(pid) = p.get("id").and_then(id_text) else {
+                continue;
+            };
+            let kind = ["kind", "type"]
+                .iter()
+                .find_map(|k| p.get(*k).and_then(Value::as_str).and_then(Kind::parse));
+            let name = ["displayName", "display_name", "name"]
+                .iter()
+                .find_map(|k| p.get(*k).and_then(Value::as_str))
+                .map(str::trim)
+                .filter(|n| !n.is_empty());
+            note_participant(s, &pid, role, kind, name);
+        }
+    }
+    if role == Role::DelegationSubagent && matches!(env.event_type.as_str(), "a2a.send" | "a2a.spawn")
+    {
+        if let (Some(f), Some(t)) = (&from, &to) {
+            if let Some(p) = s.participants.get_mut(f) {
+                p.coordinator = true;
+            }
+            if let Some(p) = s.participants.get_mut(t) {
+                p.worker = true;
+            }
+        }
+    }
+
+    // The thread and its turns.
+    if let Some(c) = conv {
+        let th = s.threads.entry(c.clone()).or_insert_with(|| Thread {
+            conversation_id: c,
+            ..Thread::default()
+        });
+        if th.from_agent.is_none() && th.to_agent.is_none() {
+            th.from_agent = from.clone();
+            th.to_agent = to.clone();
+        }
+        *th.counts.entry(role).or_insert(0) += 1;
+        if let Some(t) = &at {
+            keep_min(&mut th.first_time, t);
+            keep_max(&mut th.last_time, t);
+        }
+        if role == Role::ConversationMain {
+            match env.event_type.as_str() {
+                "a2a.send" => {
+                    th.turns.entry(turn).or_insert(TurnMark::Open);
+                }
+                _ if is_turn_response => {
+                    let mark = if is_blocked(env) {
+                        TurnMark::Blocked
+                    } else {
+                        TurnMark::Answered
+                    };
+                    let slot = th.turns.entry(turn).or_insert(TurnMark::Open);
+                    if *slot == TurnMark::Open {
+                        *slot = mark;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    true
+}
+
+fn side_kind(env: &Envelope, side: &str) -> Option<Kind> {
+    ["Kind", "Type", "ParticipantKind"]
+        .iter()
+        .find_map(|suffix| field_str(env, &format!("{side}{suffix}")).and_then(Kind::parse))
+}
+
+fn side_name<'a>(env: &'a Envelope, side: &str) -> Option<&'a str> {
+    ["Name", "DisplayName"]
+        .iter()
+        .find_map(|suffix| field_str(env, &format!("{side}{suffix}")))
+}
+
+fn note_participant(
+    s: &mut WorkSession,
+    id: &str,
+    role: Role,
+    kind: Option<Kind>,
+    name: Option<&str>,
+) {
+    let p = s
+        .participants
+        .entry(id.to_string())
+        .or_insert_with(|| Participant {
+            id: id.to_string(),
+            ..Participant::default()
+        });
+    p.roles.insert(role);
+    if let Some(k) = kind {
+        if !p.kind_known {
+            p.kind = k;
+            p.kind_known = true;
+        }
+    }
+    if p.display_name.is_none() {
+        p.display_name = name.map(|n| shorten(n, PREVIEW_CHARS));
+    }
+}
+
+/// A session's status, from its last event time and the clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "UPPERCASE")]
+pub enum Status {
+    Active,
+    Quiet,
+    Archived,
+}
+
+impl Status {
+    pub const ALL: [Status; 3] = [Status::Active, Status::Quiet, Status::Archived];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Status::Active => "ACTIVE",
+            Status::Quiet => "QUIET",
+            Status::Archived => "ARCHIVED",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Status> {
+        Status::ALL
+            .into_iter()
+            .find(|x| x.as_str().eq_ignore_ascii_case(s.trim()))
+    }
+
+    /// `ARCHIVED` after `archive_after` without events, `QUIET` after `quiet_after`, else
+    /// `ACTIVE` (also when the last event time is unknown or in the future).
+    pub fn at(
+        updated_at: Option<&str>,
+        now: DateTime<Utc>,
+        quiet_after: Duration,
+        archive_after: Duration,
+    ) -> Status {
+        let Some(last) = updated_at.and_then(parse_time) else {
+            return Status::Active;
+        };
+        let idle = (now - last).to_std().unwrap_or(Duration::ZERO);
+        if idle >= archive_after {
+            Status::Archived
+        } else if idle >= quiet_after {
+            Status::Quiet
+        } else {
+            Status::Active
+        }
+    }
+}
+
+/// A participant as the API shows it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ParticipantView {
+    pub id: String,
+    pub kind: Kind,
+    /// Its first visible event role (in the order of [`Role::ALL`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub role: Option<Role>,
+    pub roles: Vec<Role>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub display_name: Option<String>,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub coordinator: bool,
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub worker: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ThreadView {
+    /// `conv:<conversationId>`, as the origin.
+    pub id: String,
+    pub conversation_id: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub from_agent: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub to_agent: Option<String>,
+    pub roles: Vec<Role>,
+    pub event_count: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub start_time: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_time: Option<String>,
+    pub open_turns: u64,
+    pub blocked_turns: u64,
+    pub answered_turns: u64,
+}
+
+/// A session as the API shows it to a caller who may see `roles`.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SessionView {
+    pub id: String,
+    pub work_session_id: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    pub title: String,
+    pub status: Status,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub created_at: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub updated_at: Option<String>,
+    pub event_count: u64,
+    pub thread_count: usize,
+    pub counts_by_role: BTreeMap<Role, u64>,
+    pub counts_by_type: BTreeMap<String, u64>,
+    pub open_turns: u64,
+    pub blocked_turns: u64,
+    pub answered_turns: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_message_preview: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_message_timestamp: Option<String>,
+    pub participants: Vec<ParticipantView>,
+    pub threads: Vec<ThreadView>,
+}
+
+/// What a view needs besides the session.
+#[derive(Debug, Clone, Copy)]
+pub struct ViewOptions<'a> {
+    /// Roles the caller may see (and asked for).
+    pub roles: &'a [Role],
+    pub now: DateTime<Utc>,
+    pub quiet_after: Duration,
+    pub archive_after: Duration,
+}
+
+impl WorkSession {
+    /// Whether it holds an event of one of `roles` (and, when `types` is not empty, of one of
+    /// those types in those roles).
+    pub fn matches(&self, roles: &[Role], types: &[String]) -> bool {
+        roles.iter().any(|r| {
+            self.counts.get(r).is_some_and(|by_type| {
+                if types.is_empty() {
+                    by_type.values().any(|n| *n > 0)
+                } else {
+                    types.iter().any(|t| by_type.get(t).is_some_and(|n| *n > 0))
+                }
+            })
+        })
+    }
+
+    /// The status at `now`.
+    pub fn status(&self, now: DateTime<Utc>, quiet_after: Duration, archive_after: Duration) -> Status {
+        Status::at(self.updated_at.as_deref(), now, quiet_after, archive_after)
+    }
+
+    /// A title: the conversation name, else the first message, else the session id.
+    pub fn title(&self) -> String {
+        self.name
+            .clone()
+            .or_else(|| self.first_message.clone())
+            .unwrap_or_else(|| format!("Work session {}", self.id))
+    }
+
+    /// The view of the session restricted to `opts.roles`; `None` when it holds nothing in them.
+    pub fn view(&self, opts: &ViewOptions<'_>) -> Option<SessionView> {
+        let visible = |r: &Role| opts.roles.contains(r);
+        if !self.matches(opts.roles, &[]) {
+            return None;
+        }
+        let mut counts_by_role = BTreeMap::new();
+        let mut counts_by_type: BTreeMap<String, u64> = BTreeMap::new();
+        for (role, by_type) in self.counts.iter().filter(|(r, _)| visible(r)) {
+            counts_by_role.insert(*role, by_type.values().sum());
+            for (t, n) in by_type {
+                *counts_by_type.entry(t.clone()).or_insert(0) += n;
+            }
+        }
+        let event_count = counts_by_role.values().sum();
+        let participants: Vec<ParticipantView> = self
+            .participants
+            .values()
+            .filter(|p| p.roles.iter().any(visible))
+            .map(|p| {
+                let roles: Vec<Role> = Role::ALL
+                    .into_iter()
+                    .filter(|r| p.roles.contains(r) && visible(r))
+                    .collect();
+                ParticipantView {
+                    id: p.id.clone(),
+                    kind: p.kind,
+                    role: roles.first().copied(),
+                    roles,
+                    display_name: p.display_name.clone(),
+                    coordinator: p.coordinator && visible(&Role::DelegationSubagent),
+                    worker: p.worker && visible(&Role::DelegationSubagent),
+                }
+            })
+            .collect();
+        let turns_visible = visible(&Role::ConversationMain);
+        let mut threads: Vec<ThreadView> = self
+            .threads
+            .values()
+            .filter(|t| t.counts.keys().any(visible))
+            .map(|t| {
+                let count = |m: TurnMark| {
+                    if turns_visible {
+                        t.turns.values().filter(|x| **x == m).count() as u64
+                    } else {
+                        0
+                    }
+                };
+                ThreadView {
+                    id: format!("conv:{}", t.conversation_id),
+                    conversation_id: t.conversation_id.clone(),
+                    from_agent: t.from_agent.clone(),
+                    to_agent: t.to_agent.clone(),
+                    roles: Role::ALL
+                        .into_iter()
+                        .filter(|r| t.counts.contains_key(r) && visible(r))
+                        .collect(),
+                    event_count: t
+                        .counts
+                        .iter()
+                        .filter(|(r, _)| visible(r))
+                        .map(|(_, n)| n)
+                        .sum(),
+                    start_time: t.first_time.clone(),
+                    last_time: t.last_time.clone(),
+                    open_turns: count(TurnMark::Open),
+                    blocked_turns: count(TurnMark::Blocked),
+                    answered_turns: count(TurnMark::Answered),
+                }
+            })
+            .collect();
+        threads.sort_by(|a, b| {
+            b.last_time
+                .cmp(&a.last_time)
+                .then_with(|| a.conversation_id.cmp(&b.conversation_id))
+        });
+        let last = self
+            .last_message
+            .iter()
+            .filter(|(r, _)| visible(r))
+            .map(|(_, m)| m)
+            .reduce(|a, b| match (&a.timestamp, &b.timestamp) {
+                (Some(x), Some(y)) if later(y, x) => b,
+                (None, Some(_)) => b,
+                _ => a,
+            });
+        Some(SessionView {
+            id: self.id.clone(),
+            work_session_id: self
+                .work_session_id
+                .clone()
+                .unwrap_or_else(|| self.id.clone()),
+            name: self.name.clone(),
+            title: self.title(),
+            status: self.status(opts.now, opts.quiet_after, opts.archive_after),
+            created_at: self.created_at.clone(),
+            updated_at: self.updated_at.clone(),
+            event_count,
+            thread_count: threads.len(),
+            counts_by_role,
+            counts_by_type,
+            open_turns: threads.iter().map(|t| t.open_turns).sum(),
+            blocked_turns: threads.iter().map(|t| t.blocked_turns).sum(),
+            answered_turns: threads.iter().map(|t| t.answered_turns).sum(),
+            last_message_preview: last.map(|m| m.preview.clone()),
+            last_message_timestamp: last.and_then(|m| m.timestamp.clone()),
+            participants,
+            threads,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::RawEventRef;
+    use serde_json::json;
+
+    fn env(role: Role, t: &str, ts: &str, payload: Value) -> Envelope {
+        Envelope {
+            event_type: t.into(),
+            event_role: Some(role),
+            timestamp: Some(ts.into()),
+            conversation_id: payload.get("conversationId").cloned(),
+            work_session_id: payload.get("workSessionId").cloned(),
+            agent_id: payload.get("fromAgent").cloned(),
+            payload: Some(payload),
+            ..Envelope::default()
+        }
+    }
+
+    fn send(turn: u64, ts: &str) -> Envelope {
+        env(
+            Role::ConversationMain,
+            "a2a.send",
+            ts,
+            json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "c1", "workSessionId": "ws_1", "turn": turn, "message": format!("please do {turn}")}),
+        )
+    }
+
+    fn response(turn: u64, ts: &str, extra: Value) -> Envelope {
+        let mut p = json!({"fromAgent": "eden", "toAgent": "ruda", "conversationId": "c1", "workSessionId": "ws_1", "turn": turn, "message": format!("done {turn}")});
+        if let (Some(m), Value::Object(e)) = (p.as_object_mut(), extra) {
+            m.extend(e);
+        }
+        env(Role::ConversationMain, "a2a.response", ts, p)
+    }
+
+    fn raw(p: u16, seq: u64) -> Identity {
+        Identity::Raw {
+            partition: p,
+            position: Position(seq, 0),
+            in_order: true,
+        }
+    }
+
+    fn recovering(p: u16, seq: u64) -> Identity {
+        Identity::Raw {
+            partition: p,
+            position: Position(seq, 0),
+            in_order: false,
+        }
+    }
+
+    fn fold(events: &[(Envelope, Identity)]) -> Option<WorkSession> {
+        let mut s = None;
+        for (e, id) in events {
+            if let Some(n) = apply_as(s.clone(), e, *id) {
+                s = Some(n);
+            }
+        }
+        s
+    }
+
+    fn opts(roles: &[Role]) -> ViewOptions<'_> {
+        ViewOptions {
+            roles,
+            now: parse_time("2026-02-17T12:05:00Z").unwrap_or_default(),
+            quiet_after: Duration::from_secs(900),
+            archive_after: Duration::from_secs(86400),
+        }
+    }
+
+    #[test]
+    fn turns_participants_counts_and_preview() {
+        let s = fold(&[
+            (send(0, "2026-02-17T12:00:00.000Z"), raw(3, 10)),
+            (response(0, "2026-02-17T12:00:05.000Z", json!({})), Identity::TurnResponse),
+            (send(1, "2026-02-17T12:01:00.000Z"), raw(3, 12)),
+            (send(2, "2026-02-17T12:02:00.000Z"), raw(3, 13)),
+            (
+                response(2, "2026-02-17T12:03:00.000Z", json!({"outcome": "blocked", "reason": "timeout"})),
+                Identity::TurnResponse,
+            ),
+        ])
+        .expect("a session");
+        assert_eq!(s.id, "ws_1");
+        let v = s.view(&opts(&Role::ALL)).expect("visible");
+        assert_eq!(v.event_count, 5);
+        assert_eq!(v.counts_by_type["a2a.send"], 3);
+        assert_eq!(v.counts_by_type["a2a.response"], 2);
+        assert_eq!(v.counts_by_role[&Role::ConversationMain], 5);
+        assert_eq!((v.open_turns, v.blocked_turns, v.answered_turns), (1, 1, 1));
+        assert_eq!(v.thread_count, 1);
+        assert_eq!(v.threads[0].from_agent.as_deref(), Some("ruda"));
+        assert_eq!(v.last_message_preview.as_deref(), Some("done 2"));
+        assert_eq!(v.last_message_timestamp.as_deref(), Some("2026-02-17T12:03:00.000Z"));
+        assert_eq!(v.created_at.as_deref(), Some("2026-02-17T12:00:00.000Z"));
+        assert_eq!(v.status, Status::Active);
+        let ids: Vec<_> = v.participants.iter().map(|p| p.id.as_str()).collect();
+        assert_eq!(ids, ["eden", "ruda"]);
+        assert!(v.participants.iter().all(|p| p.kind == Kind::Agent));
+        assert_eq!(v.participants[0].role, Some(Role::ConversationMain));
+        assert_eq!(v.title, "please do 0");
+    }
+
+    #[test]
+    fn redelivered_events_never_count_twice() {
+        let a = send(0, "2026-02-17T12:00:00.000Z");
+        let b = response(0, "2026-02-17T12:00:05.000Z", json!({}));
+        let once = fold(&[(a.clone(), raw(1, 5)), (b.clone(), Identity::TurnResponse)]);
+        let s = once.clone().expect("a session");
+        // The same raw position, any earlier one, and the same turn's response: no change.
+        assert_eq!(apply_as(Some(s.clone()), &a, raw(1, 5)), None);
+        assert_eq!(apply_as(Some(s.clone()), &a, raw(1, 4)), None);
+        assert_eq!(apply_as(Some(s.clone()), &b, Identity::TurnResponse), None);
+        assert_eq!(apply(Some(s.clone()), &a, 1, 5), None);
+        // A whole replay of the partition after a restart changes nothing.
+        let replay = fold(&[
+            (a.clone(), raw(1, 5)),
+            (b.clone(), Identity::TurnResponse),
+            (a.clone(), raw(1, 5)),
+            (b, Identity::TurnResponse),
+        ]);
+        assert_eq!(replay, once);
+        // Another partition has its own positions; a later position counts.
+        assert!(apply_as(Some(s.clone()), &a, raw(2, 5)).is_some());
+        let mut later_one = a.clone();
+        later_one.turn_id = Some(json!("7"));
+        let n = apply_as(Some(s), &later_one, raw(1, 6)).expect("new");
+        assert_eq!(n.counts[&Role::ConversationMain]["a2a.send"], 2);
+        // Outputs of one raw message are told apart by their index.
+        let second = Identity::Raw {
+            partition: 1,
+            position: Position(6, 1),
+            in_order: true,
+        };
+        assert!(apply_as(Some(n), &a, second).is_some());
+    }
+
+    #[test]
+    fn a_response_before_its_send_closes_the_turn() {
+        let s = fold(&[
+            (response(0, "2026-02-17T12:00:05.000Z", json!({})), Identity::TurnResponse),
+            (send(0, "2026-02-17T12:00:00.000Z"), raw(1, 3)),
+        ])
+        .expect("a session");
+        let v = s.view(&opts(&Role::ALL)).expect("visible");
+        assert_eq!((v.open_turns, v.answered_turns), (0, 1));
+        assert_eq!(v.created_at.as_deref(), Some("2026-02-17T12:00:00.000Z"));
+        assert_eq!(v.updated_at.as_deref(), Some("2026-02-17T12:00:05.000Z"));
+        // The newest message wins the preview whatever the order of application.
+        assert_eq!(v.last_message_preview.as_deref(), Some("done 0"));
+    }
+
+    #[test]
+    fn keyed_by_work_session_else_conversation_and_skips_others() {
+        let mut e = send(0, "2026-02-17T12:00:00.000Z");
+        e.work_session_id = None;
+        if let Some(p) = e.payload.as_mut().and_then(Value::as_object_mut) {
+            p.remove("workSessionId");
+        }
+        assert_eq!(apply(None, &e, 0, 1).map(|s| s.id), Some("c1".into()));
+        let health = Envelope {
+            event_type: "health.ping".into(),
+            event_role: Some(Role::SystemObservability),
+            ..Envelope::default()
+        };
+        assert_eq!(apply(None, &health, 0, 1), None);
+    }
+
+    #[test]
+    fn participants_kinds_names_and_delegation() {
+        let mut e = env(
+            Role::DelegationSubagent,
+            "a2a.send",
+            "2026-02-17T12:00:00.000Z",
+            json!({"fromAgent": "lead", "toAgent": "w1", "conversationId": "d1", "workSessionId": "ws_2",
+                   "fromKind": "human", "fromName": "Ada", "toDisplayName": "Worker One"}),
+        );
+        e.agent_id = None;
+        let s = apply(None, &e, 0, 1).expect("session");
+        let v = s.view(&opts(&Role::ALL)).expect("visible");
+        let lead = &v.participants[0];
+        assert_eq!((lead.id.as_str(), lead.kind), ("lead", Kind::Human));
+        assert_eq!(lead.display_name.as_deref(), Some("Ada"));
+        assert!(lead.coordinator);
+        assert_eq!(v.participants[1].display_name.as_deref(), Some("Worker One"));
+        assert!(v.participants[1].worker);
+        assert_eq!(v.participants[1].kind, Kind::Agent);
+        // A later default never overrides a known kind.
+        let mut again = e.clone();
+        if let Some(p) = again.payload.as_mut().and_then(Value::as_object_mut) {
+            p.remove("fromKind");
+        }
+        let s = apply(Some(s), &again, 0, 2).expect("new event");
+        assert_eq!(s.participants["lead"].kind, Kind::Human);
+    }
+
+    #[test]
+    fn views_are_confined_to_roles() {
+        let mut obs = env(
+            Role::SystemObservability,
+            "a2a.response.suppressed",
+            "2026-02-17T12:04:00.000Z",
+            json!({"fromAgent": "eden", "conversationId": "c1", "workSessionId": "ws_1", "message": "late secret"}),
+        );
+        obs.agent_id = None;
+        let s = fold(&[
+            (send(0, "2026-02-17T12:00:00.000Z"), raw(1, 1)),
+            (obs, raw(1, 2)),
+        ])
+        .expect("session");
+        let main_only = s.view(&opts(&[Role::ConversationMain])).expect("visible");
+        assert_eq!(main_only.event_count, 1);
+        assert_eq!(main_only.last_message_preview.as_deref(), Some("please do 0"));
+        assert!(!main_only.counts_by_type.contains_key("a2a.response.suppressed"));
+        let obs_only = s.view(&opts(&[Role::SystemObservability])).expect("visible");
+        assert_eq!(obs_only.open_turns, 0);
+        assert_eq!(obs_only.participants.len(), 1);
+        assert!(s.view(&opts(&[Role::OrchestrationTask])).is_none());
+        assert!(s.matches(&[Role::ConversationMain], &["a2a.send".into()]));
+        assert!(!s.matches(&[Role::ConversationMain], &["a2a.complete".into()]));
+    }
+
+    #[test]
+    fn events_recovered_out_of_order_count_once() {
+        // A crashed owner's in-flight message (seq 5) is redelivered after the new owner
+        // processed seq 8 while recovering, then the partition is in order again.
+        let e = |turn: u64| send(turn, "2026-02-17T12:00:00.000Z");
+        let s = fold(&[
+            (e(1), raw(2, 3)),
+            (e(2), recovering(2, 8)),
+            (e(3), recovering(2, 5)),
+            (e(3), recovering(2, 5)),
+            (e(2), recovering(2, 8)),
+            (e(4), raw(2, 9)),
+            (e(2), recovering(2, 8)),
+            (e(3), raw(2, 5)),
+        ])
+        .expect("session");
+        assert_eq!(s.counts[&Role::ConversationMain]["a2a.send"], 4);
+        let applied = &s.applied[&2];
+        assert_eq!(applied.floor, Position(9, 0));
+        assert!(applied.above.is_empty());
+        // The floor is bounded: out-of-order positions fold into it beyond the cap.
+        let mut a = Applied::default();
+        for i in 0..(MAX_OUT_OF_ORDER as u64 + 10) {
+            a.record(Position(100 + i, 0), false);
+        }
+        assert_eq!(a.above.len(), MAX_OUT_OF_ORDER);
+        assert!(a.seen(Position(105, 0)));
+        assert!(!a.seen(Position(100 + MAX_OUT_OF_ORDER as u64 + 10, 0)));
+    }
+
+    #[test]
+    fn status_from_last_event_time() {
+        let q = Duration::from_secs(900);
+        let a = Duration::from_secs(86400);
+        let now = parse_time("2026-02-18T12:00:00Z").unwrap_or_default();
+        let at = |s: &str| Status::at(Some(s), now, q, a);
+        assert_eq!(at("2026-02-18T11:59:00Z"), Status::Active);
+        assert_eq!(at("2026-02-18T11:40:00Z"), Status::Quiet);
+        assert_eq!(at("2026-02-17T11:00:00Z"), Status::Archived);
+        assert_eq!(at("2026-02-19T00:00:00Z"), Status::Active);
+        assert_eq!(Status::at(None, now, q, a), Status::Active);
+        assert_eq!(Status::parse("quiet"), Some(Status::Quiet));
+        assert_eq!(Status::parse("idle"), None);
+    }
+
+    #[test]
+    fn preview_is_at_most_200_characters() {
+        let long = "ü".repeat(500);
+        let e = env(
+            Role::ConversationMain,
+            "a2a.send",
+            "2026-02-17T12:00:00.000Z",
+            json!({"conversationId": "c9", "message": long}),
+        );
+        let s = apply(None, &e, 0, 1).expect("session");
+        let v = s.view(&opts(&Role::ALL)).expect("visible");
+        assert_eq!(
+            v.last_message_preview.map(|p| p.chars().count()),
+            Some(PREVIEW_CHARS)
+        );
+    }
+
+    #[test]
+    fn stored_form_round_trips() {
+        let mut e = send(0, "2026-02-17T12:00:00.000Z");
+        e.timestamp = None;
+        e.raw_event_ref = Some(RawEventRef {
+            stream: "COLLAB_RAW".into(),
+            seq: 1,
+            subject: "collab.raw.c1.a2a.send".into(),
+            stored_at: "2026-02-17T12:00:00.100Z".into(),
+        });
+        let s = apply(None, &e, 9, 1).expect("session");
+        assert_eq!(s.created_at.as_deref(), Some("2026-02-17T12:00:00.100Z"));
+        let text = serde_json::to_string(&s).unwrap_or_default();
+        assert!(text.contains("\"workSessionId\":\"ws_1\""), "{text}");
+        assert!(text.contains("\"applied\":{\"9\":{\"floor\":[1,0]}}"), "{text}");
+        let back: WorkSession = serde_json::from_str(&text).unwrap_or_default();
+        assert_eq!(back, s);
+    }
+}

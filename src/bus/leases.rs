@@ -13,7 +13,7 @@ use super::worker::{self, Shared};
 use async_nats::jetstream::kv;
 use futures::StreamExt;
 use std::collections::BTreeMap;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinHandle;
@@ -22,6 +22,9 @@ use tracing::{error, info, warn};
 
 struct Held {
     revision: u64,
+    /// Until when (ms since the epoch) the lease is known to hold: the start of its last
+    /// successful renewal plus two thirds of the TTL.
+    valid_until: Arc<AtomicI64>,
     cancel: CancellationToken,
     task: JoinHandle<()>,
 }
@@ -44,15 +47,26 @@ pub fn probe_order(worker_id: &str, partitions: u16) -> Vec<u16> {
         .collect()
 }
 
+fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
 fn lease_key(p: u16) -> String {
     format!("l.{p}")
 }
 
-fn spawn_partition(shared: Arc<Shared>, p: u16, cancel: CancellationToken) -> JoinHandle<()> {
+fn spawn_partition(
+    shared: Arc<Shared>,
+    p: u16,
+    cancel: CancellationToken,
+    valid_until: Arc<AtomicI64>,
+) -> JoinHandle<()> {
     tokio::spawn(async move {
         let mut backoff = Duration::from_millis(200);
         while !cancel.is_cancelled() {
-            match worker::run_partition(shared.clone(), p, cancel.clone()).await {
+            match worker::run_partition(shared.clone(), p, cancel.clone(), valid_until.clone())
+                .await
+            {
                 Ok(()) => break,
                 Err(e) => {
                     error!(error = %e, "partition failed; restarting");
@@ -93,6 +107,7 @@ pub async fn run(
     let mut held: BTreeMap<u16, Held> = BTreeMap::new();
     let order = probe_order(&worker_id, partitions);
     let heartbeat = format!("w.{worker_id}");
+    let validity_ms = i64::try_from((ttl * 2 / 3).as_millis()).unwrap_or(i64::MAX);
     loop {
         if cancel.is_cancelled() {
             break;
@@ -103,11 +118,16 @@ pub async fn run(
         // Renew; a failed renewal means someone else owns it now: stop at once.
         let mut lost = Vec::new();
         for (p, h) in held.iter_mut() {
+            let asked_at = now_ms();
             match store
                 .update(lease_key(*p), worker_id.clone().into(), h.revision)
                 .await
             {
-                Ok(rev) => h.revision = rev,
+                Ok(rev) => {
+                    h.revision = rev;
+                    h.valid_until
+                        .store(asked_at + validity_ms, Ordering::Relaxed);
+                }
                 Err(e) => {
                     warn!(partition = p, error = %e, "lease lost; stopping the partition");
                     lost.push(*p);
@@ -140,13 +160,16 @@ pub async fn run(
                 if held.contains_key(p) {
                     continue;
                 }
+                let asked_at = now_ms();
                 if let Ok(rev) = store.create(lease_key(*p), worker_id.clone().into()).await {
                     let c = cancel.child_token();
-                    let task = spawn_partition(shared.clone(), *p, c.clone());
+                    let valid_until = Arc::new(AtomicI64::new(asked_at + validity_ms));
+                    let task = spawn_partition(shared.clone(), *p, c.clone(), valid_until.clone());
                     held.insert(
                         *p,
                         Held {
                             revision: rev,
+                            valid_until,
                             cancel: c,
                             task,
                         },

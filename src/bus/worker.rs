@@ -18,7 +18,7 @@ use crate::turns::book::Watermark;
 use async_nats::jetstream::{self, consumer::PullConsumer, kv, message::PublishMessage, AckKind};
 use async_nats::HeaderMap;
 use futures::StreamExt;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
@@ -161,6 +161,9 @@ impl Shared {
 struct Item {
     msg: jetstream::Message,
     seq: u64,
+    /// Processed after every earlier message of the partition was (not during recovery from a
+    /// previous owner's in-flight messages): only then may the progress mark cover it.
+    contiguous: bool,
     pending: Vec<(Outgoing, Option<jetstream::context::PublishAckFuture>)>,
 }
 
@@ -180,10 +183,16 @@ async fn read_mark(shared: &Shared, p: u16) -> u64 {
 
 /// Run one partition until `cancel`: finish the batch in hand, acknowledge what was published,
 /// and return.
+///
+/// `lease_valid_until` (ms since the epoch, 0 = no lease) is how long this worker's lease on the
+/// partition is known to hold: past it (a paused process, a stalled renewal) the partition takes
+/// no work, so a worker that lost its lease without noticing yet does not process next to the
+/// new owner.
 pub async fn run_partition(
     shared: Arc<Shared>,
     p: u16,
     cancel: CancellationToken,
+    lease_valid_until: Arc<AtomicI64>,
 ) -> Result<(), WorkerError> {
     let setup = |detail: String| WorkerError::Setup {
         partition: p,
@@ -226,6 +235,14 @@ pub async fn run_partition(
         if cancel.is_cancelled() {
             break Ok(());
         }
+        if lease_lapsed(&lease_valid_until) {
+            // Pull nothing until the lease is renewed, or the lease loop stops the partition.
+            tokio::select! {
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                _ = cancel.cancelled() => {}
+            }
+            continue;
+        }
         let mut messages = match consumer
             .batch()
             .max_messages(batch)
@@ -263,7 +280,11 @@ pub async fn run_partition(
                     // Idle partition: when nothing stored is left unprocessed, the watermark is now.
                     if let Ok(info) = consumer.info().await {
                         let mut moved = watermark.ack_floor(info.ack_floor.stream_sequence);
-                        if info.num_pending == 0 && info.delivered.stream_sequence <= last_seq {
+                        // Everything delivered was processed: either acknowledged already
+                        // (by us or a previous owner) or processed by us and awaiting its ack.
+                        let all_processed = info.num_ack_pending == 0
+                            || info.delivered.stream_sequence <= last_seq;
+                        if info.num_pending == 0 && all_processed {
                             moved = watermark.idle(now_ms() - skew).or(moved);
                         }
                         if let Some(wm) = moved {
@@ -283,11 +304,10 @@ pub async fn run_partition(
                     break;
                 }
             };
-            if cancel.is_cancelled() {
-                // Stop taking work: hand the rest of the batch back at once (a NAK is redelivered
-                // before newer messages, so the next owner keeps the order).
-                let _ = msg.ack_with(AckKind::Nak(None)).await;
-                continue;
+            if lease_lapsed(&lease_valid_until) {
+                // The lease may have lapsed (e.g. this process was paused): take no more work
+                // from this batch; what is left of it is redelivered to the owner after AckWait.
+                break;
             }
             let Ok(info) = msg.info() else { continue };
             let seq = info.stream_sequence;
@@ -306,7 +326,17 @@ pub async fn run_partition(
                 Ok(None) => break 'pull Ok(()),
                 Err(e) => break 'pull Err(setup(e.to_string())),
             };
-            if tx.send(Item { msg, seq, pending }).await.is_err() {
+            let contiguous = !watermark.recovering();
+            if tx
+                .send(Item {
+                    msg,
+                    seq,
+                    contiguous,
+                    pending,
+                })
+                .await
+                .is_err()
+            {
                 break 'pull Ok(());
             }
         }
@@ -319,6 +349,11 @@ pub async fn run_partition(
         .fetch_sub(1, Ordering::Relaxed);
     debug!(partition = p, "partition stopped");
     result
+}
+
+fn lease_lapsed(valid_until: &AtomicI64) -> bool {
+    let v = valid_until.load(Ordering::Relaxed);
+    v > 0 && now_ms() > v
 }
 
 fn now_ms() -> i64 {
@@ -474,19 +509,23 @@ async fn ack_stage(
             // Shutting down with a publish still failing: acknowledge nothing; redelivery repairs.
             return;
         }
-        let last = items.iter().map(|i| i.seq).max().unwrap_or(0);
-        let mut backoff = Duration::from_millis(50);
-        loop {
-            match shared.progress.put(&key, last.to_string().into()).await {
-                Ok(_) => break,
-                Err(e) => {
-                    if cancel.is_cancelled() && backoff >= Duration::from_secs(2) {
-                        warn!(partition = p, error = %e, "progress mark not written; inputs left for redelivery");
-                        return;
+        // The mark says "every message of the partition up to here has its outputs stored"; a
+        // group processed while a previous owner's messages were outstanding cannot say that.
+        if items.iter().all(|i| i.contiguous) {
+            let last = items.iter().map(|i| i.seq).max().unwrap_or(0);
+            let mut backoff = Duration::from_millis(50);
+            loop {
+                match shared.progress.put(&key, last.to_string().into()).await {
+                    Ok(_) => break,
+                    Err(e) => {
+                        if cancel.is_cancelled() && backoff >= Duration::from_secs(2) {
+                            warn!(partition = p, error = %e, "progress mark not written; inputs left for redelivery");
+                            return;
+                        }
+                        warn!(partition = p, error = %e, "progress mark failed; retrying");
+                        tokio::time::sleep(backoff).await;
+                        backoff = (backoff * 2).min(Duration::from_secs(2));
                     }
-                    warn!(partition = p, error = %e, "progress mark failed; retrying");
-                    tokio::time::sleep(backoff).await;
-                    backoff = (backoff * 2).min(Duration::from_secs(2));
                 }
             }
         }

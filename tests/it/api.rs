@@ -1,1 +1,1008 @@
-//! (placeholder)
+//! The projection HTTP API against a real nats-server: every parameter and error in process
+//! (`tower::ServiceExt::oneshot`), the event stream and the worker over a socket.
+//!
+//! Projections are published straight onto `collab.proj.*` where a test is about reading them,
+//! and raw events through the in-process worker (`app::start`) where it is about what the
+//! worker writes. Tests assert behaviour; timeouts only guard against hangs.
+
+use std::collections::BTreeSet;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use async_nats::jetstream::Context;
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use axum::Router;
+use bytes::Bytes;
+use collab_projector::api::{self, ApiState, SseLimits};
+use collab_projector::app::{self, RunOptions};
+use collab_projector::bus::provision;
+use collab_projector::bus::sessions::SessionWriter;
+use collab_projector::config::{Settings, TokenGrant};
+use collab_projector::model::Role;
+use collab_projector::pipeline::{OutKind, Outgoing};
+use serde_json::{json, Value};
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::net::{TcpSocket, TcpStream};
+use tokio_util::sync::CancellationToken;
+use tower::ServiceExt;
+
+use crate::pipeline::{publish, raw_drained, GUARD};
+use crate::support::{wait_until, TestNats};
+
+const PARTITIONS: u16 = 4;
+
+// ---------------------------------------------------------------------------------------------
+// Helpers
+// ---------------------------------------------------------------------------------------------
+
+fn settings(url: &str) -> Settings {
+    let mut s = Settings::default();
+    s.nats.url = url.to_string();
+    s.nats.partitions = PARTITIONS;
+    s.roles.main_agents = vec!["ruda".into(), "eden".into()];
+    s.http.enabled = false;
+    s
+}
+
+/// A server with the streams and buckets provisioned, and the API over it.
+async fn setup() -> (TestNats, Context, Settings) {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let s = settings(&nats.url());
+    provision::provision(&js, &s)
+        .await
+        .expect("provisioning a fresh server");
+    (nats, js, s)
+}
+
+fn state(js: &Context, s: &Settings) -> ApiState {
+    ApiState::new(js.clone(), s.names(), &s.http)
+}
+
+async fn call(app: &Router, uri: &str, token: Option<&str>) -> (StatusCode, Value) {
+    let mut req = Request::builder().uri(uri);
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    let resp = app
+        .clone()
+        .oneshot(req.body(Body::empty()).expect("a request"))
+        .await
+        .expect("the router answers");
+    let status = resp.status();
+    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .expect("a body");
+    let body = serde_json::from_slice(&bytes).unwrap_or_else(|_| {
+        Value::String(String::from_utf8_lossy(&bytes).into_owned())
+    });
+    (status, body)
+}
+
+async fn ok(app: &Router, uri: &str) -> Value {
+    let (status, body) = call(app, uri, None).await;
+    assert_eq!(status, StatusCode::OK, "{uri}: {body}");
+    body
+}
+
+/// An error response: status and `error.code`, and the message for further checks.
+async fn err(app: &Router, uri: &str, token: Option<&str>, want: StatusCode, code: &str) -> Value {
+    let (status, body) = call(app, uri, token).await;
+    assert_eq!(status, want, "{uri}: {body}");
+    assert_eq!(body["error"]["code"], code, "{uri}: {body}");
+    assert!(
+        body["error"]["message"].as_str().is_some_and(|m| !m.is_empty()),
+        "{uri}: {body}"
+    );
+    body["error"].clone()
+}
+
+/// Publish a projection directly; returns its COLLAB_PROJ sequence.
+async fn project(js: &Context, role: &str, key: &str, t: &str, n: u64) -> u64 {
+    let body = json!({"type": t, "eventRole": role, "payload": {"n": n, "conversationId": key}});
+    publish(
+        js,
+        &format!("collab.proj.{role}.{key}.{t}"),
+        Bytes::from(body.to_string()),
+    )
+    .await
+}
+
+fn seqs(page: &Value) -> Vec<u64> {
+    page["events"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|e| e["seq"].as_u64()).collect())
+        .unwrap_or_default()
+}
+
+fn cursor(page: &Value, field: &str) -> Option<String> {
+    page[field].as_str().map(str::to_string)
+}
+
+/// A projection as the worker hands it to the session writer.
+fn out(role: Role, t: &str, msg_id: &str, env: Value) -> Outgoing {
+    Outgoing {
+        subject: format!("collab.proj.{}.k.{t}", role.as_str()),
+        payload: Bytes::from(env.to_string()),
+        msg_id: msg_id.to_string(),
+        headers: Vec::new(),
+        kind: OutKind::Projection(role),
+    }
+}
+
+fn now_iso(offset_s: i64) -> String {
+    (chrono::Utc::now() + chrono::Duration::seconds(offset_s))
+        .to_rfc3339_opts(chrono::SecondsFormat::Millis, true)
+}
+
+fn a2a(role: Role, t: &str, ts: &str, data: Value) -> Value {
+    let mut env = json!({"type": t, "eventRole": role.as_str(), "timestamp": ts, "payload": data});
+    for k in ["conversationId", "workSessionId", "turnId"] {
+        if let Some(v) = data.get(k) {
+            env[k] = v.clone();
+        }
+    }
+    if let Some(a) = data.get("fromAgent") {
+        env["agentId"] = a.clone();
+    }
+    env
+}
+
+/// Serve the API router on a loopback socket (with a small kernel send buffer when asked).
+async fn serve(state: ApiState, send_buffer: Option<u32>) -> (SocketAddr, CancellationToken) {
+    let socket = TcpSocket::new_v4().expect("a socket");
+    if let Some(size) = send_buffer {
+        socket.set_send_buffer_size(size).expect("send buffer size");
+    }
+    socket
+        .bind(([127, 0, 0, 1], 0).into())
+        .expect("bind 127.0.0.1:0");
+    let listener = socket.listen(64).expect("listen");
+    let addr = listener.local_addr().expect("local address");
+    let cancel = CancellationToken::new();
+    let app = api::router(state.with_shutdown(cancel.clone()));
+    let stop = cancel.clone();
+    tokio::spawn(async move {
+        let _ = axum::serve(listener, app)
+            .with_graceful_shutdown(async move { stop.cancelled().await })
+            .await;
+    });
+    (addr, cancel)
+}
+
+/// One Server-Sent Event.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Sse {
+    id: Option<String>,
+    event: Option<String>,
+    data: String,
+}
+
+/// A minimal HTTP/1.1 client for event streams: chunked decoding and SSE parsing, so a test
+/// controls exactly how fast it reads.
+struct SseClient {
+    reader: BufReader<TcpStream>,
+    text: String,
+    ended: bool,
+}
+
+impl SseClient {
+    async fn connect(addr: SocketAddr, path: &str, last_event_id: Option<&str>, recv_buffer: Option<u32>) -> SseClient {
+        let socket = TcpSocket::new_v4().expect("a socket");
+        if let Some(size) = recv_buffer {
+            socket.set_recv_buffer_size(size).expect("receive buffer size");
+        }
+        let mut stream = socket.connect(addr).await.expect("connect to the API");
+        let mut req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: text/event-stream\r\n");
+        if let Some(id) = last_event_id {
+            req.push_str(&format!("Last-Event-ID: {id}\r\n"));
+        }
+        req.push_str("\r\n");
+        stream.write_all(req.as_bytes()).await.expect("send the request");
+        let mut reader = BufReader::new(stream);
+        let mut status = String::new();
+        reader.read_line(&mut status).await.expect("a status line");
+        assert!(status.contains(" 200 "), "event stream answered {status:?}");
+        let mut chunked = false;
+        loop {
+            let mut line = String::new();
+            reader.read_line(&mut line).await.expect("a header line");
+            if line.trim().is_empty() {
+                break;
+            }
+            if line.to_ascii_lowercase().starts_with("transfer-encoding: chunked") {
+                chunked = true;
+            }
+        }
+        assert!(chunked, "an event stream is sent chunked");
+        SseClient {
+            reader,
+            text: String::new(),
+            ended: false,
+        }
+    }
+
+    /// Read one chunk into `text`; `false` at the end of the body.
+    async fn fill(&mut self) -> bool {
+        if self.ended {
+            return false;
+        }
+        let mut size_line = String::new();
+        match self.reader.read_line(&mut size_line).await {
+            Ok(0) | Err(_) => {
+                self.ended = true;
+                return false;
+            }
+            Ok(_) => {}
+        }
+        let size = usize::from_str_radix(size_line.trim(), 16).unwrap_or(0);
+        if size == 0 {
+            self.ended = true;
+            return false;
+        }
+        let mut buf = vec![0u8; size + 2];
+        if self.reader.read_exact(&mut buf).await.is_err() {
+            self.ended = true;
+            return false;
+        }
+        self.text.push_str(&String::from_utf8_lossy(&buf[..size]));
+        true
+    }
+
+    /// The next event (keep-alive comments skipped); `None` when the stream ended.
+    async fn next(&mut self) -> Option<Sse> {
+        loop {
+            while let Some(end) = self.text.find("\n\n") {
+                let block: String = self.text.drain(..end + 2).collect();
+                let mut ev = Sse::default();
+                let mut has_field = false;
+                for line in block.lines() {
+                    if let Some(v) = line.strip_prefix("id:") {
+                        ev.id = Some(v.trim_start().to_string());
+                        has_field = true;
+                    } else if let Some(v) = line.strip_prefix("event:") {
+                        ev.event = Some(v.trim_start().to_string());
+                        has_field = true;
+                    } else if let Some(v) = line.strip_prefix("data:") {
+                        if !ev.data.is_empty() {
+                            ev.data.push('\n');
+                        }
+                        ev.data.push_str(v.trim_start());
+                        has_field = true;
+                    }
+                }
+                if has_field {
+                    return Some(ev);
+                }
+            }
+            if !self.fill().await {
+                return None;
+            }
+        }
+    }
+
+    async fn next_guarded(&mut self) -> Option<Sse> {
+        tokio::time::timeout(GUARD, self.next())
+            .await
+            .expect("an event (or the end of the stream) within the guard")
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// /api/events
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn events_filter_by_role_type_key_and_presets() {
+    let (_nats, js, s) = setup().await;
+    let app = api::router(state(&js, &s));
+    let mut expect_conv = Vec::new();
+    let mut expect_debug = Vec::new();
+    for i in 0..5u64 {
+        let key = if i % 2 == 0 { "c1" } else { "c2" };
+        let send = project(&js, "conversation.main", key, "a2a.send", i).await;
+        let resp = project(&js, "conversation.main", key, "a2a.response", i).await;
+        let done = project(&js, "conversation.main", key, "a2a.complete", i).await;
+        project(&js, "system.observability", key, "a2a.response.suppressed", i).await;
+        project(&js, "orchestration.task", "t1", "task.updated", i).await;
+        let sub = project(&js, "delegation.subagent", "d1", "a2a.send", i).await;
+        expect_conv.push(resp);
+        expect_debug.extend([send, resp, done, sub]);
+    }
+    let enc = collab_projector::model::encode_id("agent:eden:main");
+    let agent = project(&js, "conversation.main", &enc, "a2a.response", 9).await;
+    expect_conv.push(agent);
+    expect_debug.push(agent);
+
+    // Everything, newest first cut, oldest first order.
+    let all = ok(&app, "/api/events").await;
+    assert_eq!(all["count"], 31);
+    let all_seqs = seqs(&all);
+    assert!(all_seqs.windows(2).all(|w| w[0] < w[1]), "{all_seqs:?}");
+    assert_eq!(all["prev"], Value::Null);
+    let item = &all["events"][0];
+    assert_eq!(item["role"], "conversation.main");
+    assert_eq!(item["type"], "a2a.send");
+    assert_eq!(item["key"], "c1");
+    assert_eq!(item["event"]["payload"]["n"], 0);
+    assert!(item["cursor"].is_string());
+
+    // Presets equal their expansion; csv and repeated forms agree.
+    let conv = seqs(&ok(&app, "/api/events?view=conversations").await);
+    assert_eq!(conv, expect_conv);
+    let expanded = seqs(&ok(&app, "/api/events?role=conversation.main&type=a2a.response").await);
+    assert_eq!(conv, expanded);
+    let debug = seqs(&ok(&app, "/api/events?view=debug").await);
+    assert_eq!(debug, expect_debug);
+    let csv = seqs(&ok(&app, "/api/events?type=a2a.send,a2a.response,a2a.complete").await);
+    let repeated =
+        seqs(&ok(&app, "/api/events?type=a2a.send&type=a2a.response&type=a2a.complete").await);
+    assert_eq!(debug, csv);
+    assert_eq!(csv, repeated);
+    let roles_csv =
+        seqs(&ok(&app, "/api/events?role=orchestration.task,delegation.subagent").await);
+    let roles_rep = seqs(
+        &ok(&app, "/api/events?role=orchestration.task&role=delegation.subagent").await,
+    );
+    assert_eq!(roles_csv.len(), 10);
+    assert_eq!(roles_csv, roles_rep);
+
+    // a2a.response does not match a2a.response.suppressed, and the other way round.
+    let sup = ok(&app, "/api/events?type=a2a.response.suppressed").await;
+    assert_eq!(sup["count"], 5);
+    assert!(sup["events"]
+        .as_array()
+        .is_some_and(|a| a.iter().all(|e| e["role"] == "system.observability")));
+
+    // Keys: plain tokens, and ids encoded by the id rule.
+    let c2 = ok(&app, "/api/events?key=c2&view=conversations").await;
+    assert_eq!(c2["count"], 2);
+    let by_id = ok(&app, "/api/events?key=agent%3Aeden%3Amain").await;
+    assert_eq!(seqs(&by_id), [agent]);
+    assert_eq!(by_id["events"][0]["key"], enc);
+
+    // Limit: the newest n.
+    let two = ok(&app, "/api/events?view=conversations&limit=2").await;
+    assert_eq!(seqs(&two), expect_conv[expect_conv.len() - 2..]);
+    assert!(two["prev"].is_string());
+}
+
+#[tokio::test]
+async fn events_page_forward_and_backward_covering_each_event_once() {
+    let (_nats, js, s) = setup().await;
+    let app = api::router(state(&js, &s));
+    // Matching events dense at the start, sparse later, none at the end: the newest-N search
+    // has to reach far back.
+    let mut matching = Vec::new();
+    for i in 0..420u64 {
+        let hit = i < 40 || (i % 50 == 0 && i < 300);
+        if hit {
+            matching.push(project(&js, "conversation.main", "p1", "a2a.response", i).await);
+        } else {
+            project(&js, "system.observability", "noise", "health.ping", i).await;
+        }
+    }
+    let filter = "role=conversation.main&type=a2a.response";
+
+    // Backward from the newest page.
+    let mut back = Vec::new();
+    let mut page = ok(&app, &format!("/api/events?{filter}&limit=7")).await;
+    let newest_next = cursor(&page, "next");
+    loop {
+        let mut s = seqs(&page);
+        assert!(s.len() <= 7);
+        s.extend(back);
+        back = s;
+        match cursor(&page, "prev") {
+            Some(prev) => page = ok(&app, &format!("/api/events?{filter}&limit=7&before={prev}")).await,
+            None => break,
+        }
+    }
+    assert_eq!(back, matching, "backward paging covers each event once, in order");
+
+    // Forward from the oldest retained.
+    let oldest = cursor(&page, "oldest").expect("an oldest cursor");
+    let mut fwd = Vec::new();
+    let mut after = oldest;
+    loop {
+        let page = ok(&app, &format!("/api/events?{filter}&limit=9&after={after}")).await;
+        let s = seqs(&page);
+        if s.is_empty() {
+            // An empty page moves the cursor to the end of what it scanned, never back.
+            let next = cursor(&page, "next").expect("a next cursor on an empty page");
+            let (n, a) = (api::query::decode_cursor(&next).ok(), api::query::decode_cursor(&after).ok());
+            assert!(n >= a, "{n:?} < {a:?}");
+            break;
+        }
+        fwd.extend(s);
+        after = cursor(&page, "next").expect("a next cursor");
+    }
+    assert_eq!(fwd, matching, "forward paging covers each event once, in order");
+
+    // Polling from the newest page's `next` returns only what came later.
+    let newest_next = newest_next.expect("next");
+    let later = project(&js, "conversation.main", "p1", "a2a.response", 999).await;
+    project(&js, "system.observability", "noise", "health.ping", 1000).await;
+    let polled = ok(&app, &format!("/api/events?{filter}&after={newest_next}")).await;
+    assert_eq!(seqs(&polled), [later]);
+    // A page in the middle: before a cursor, the newest ones below it.
+    let mid = ok(&app, &format!("/api/events?{filter}&limit=3&before={}", api::query::encode_cursor(matching[20]))).await;
+    assert_eq!(seqs(&mid), matching[17..20]);
+}
+
+#[tokio::test]
+async fn events_reject_bad_parameters_with_json_errors() {
+    let (_nats, js, s) = setup().await;
+    let app = api::router(state(&js, &s));
+    let e = err(&app, "/api/events?role=conversation.mian", None, StatusCode::BAD_REQUEST, "invalid_role").await;
+    assert_eq!(e["valid"].as_array().map(Vec::len), Some(4));
+    assert!(e["message"].as_str().is_some_and(|m| m.contains("conversation.main")));
+    for t in ["a%20b", "a.*", "a.%3E", "a..b"] {
+        let e = err(&app, &format!("/api/events?type={t}"), None, StatusCode::BAD_REQUEST, "invalid_type").await;
+        assert!(e["valid"]["examples"].is_array());
+    }
+    // Any well-formed type is fine, known or not.
+    ok(&app, "/api/events?type=custom.thing.v2").await;
+    for l in ["0", "1001", "x", "-3"] {
+        err(&app, &format!("/api/events?limit={l}"), None, StatusCode::BAD_REQUEST, "invalid_limit").await;
+    }
+    ok(&app, "/api/events?limit=1000").await;
+    err(&app, "/api/events?after=nonsense", None, StatusCode::BAD_REQUEST, "bad_cursor").await;
+    let c = api::query::encode_cursor(1);
+    err(&app, &format!("/api/events?after={c}&before={c}"), None, StatusCode::BAD_REQUEST, "bad_cursor").await;
+    err(&app, "/api/events?view=everything", None, StatusCode::BAD_REQUEST, "invalid_view").await;
+    let e = err(&app, "/api/events?roles=conversation.main", None, StatusCode::BAD_REQUEST, "unknown_parameter").await;
+    assert!(e["message"].as_str().is_some_and(|m| m.contains("role")));
+    err(&app, "/api/events?view=a&view=b", None, StatusCode::BAD_REQUEST, "bad_parameter").await;
+    err(&app, "/api/nothing-here", None, StatusCode::NOT_FOUND, "not_found").await;
+    err(&app, "/api/events/stream?limit=5", None, StatusCode::BAD_REQUEST, "unknown_parameter").await;
+    err(&app, "/api/work-sessions?status=IDLE", None, StatusCode::BAD_REQUEST, "invalid_status").await;
+    err(&app, "/api/work-sessions/x?format=xml", None, StatusCode::BAD_REQUEST, "invalid_format").await;
+    err(&app, "/api/work-sessions/nope", None, StatusCode::NOT_FOUND, "not_found").await;
+
+    // A cursor older than retention: 410 with the oldest valid cursor, which works.
+    for i in 0..10 {
+        project(&js, "conversation.main", "r1", "a2a.send", i).await;
+    }
+    let stream = js.get_stream("COLLAB_PROJ").await.expect("the projection stream");
+    stream.purge().sequence(6).await.expect("purge below 6");
+    let stale = api::query::encode_cursor(2);
+    let e = err(&app, &format!("/api/events?after={stale}"), None, StatusCode::GONE, "cursor_expired").await;
+    let oldest = e["oldestCursor"].as_str().expect("oldestCursor").to_string();
+    assert_eq!(api::query::decode_cursor(&oldest).ok(), Some(5));
+    let from_oldest = ok(&app, &format!("/api/events?after={oldest}")).await;
+    assert_eq!(seqs(&from_oldest), [6, 7, 8, 9, 10]);
+    err(&app, &format!("/api/events?before={stale}"), None, StatusCode::GONE, "cursor_expired").await;
+    err(&app, &format!("/api/events/stream?after={stale}"), None, StatusCode::GONE, "cursor_expired").await;
+
+    // The OpenAPI document describes every route and parameter.
+    let doc = ok(&app, "/api/openapi.json").await;
+    assert_eq!(doc["openapi"], "3.1.0");
+    assert!(doc["paths"]["/api/events/stream"]["get"].is_object());
+}
+
+#[tokio::test]
+async fn tokens_confine_roles() {
+    let (_nats, js, mut s) = setup().await;
+    s.http.tokens = vec![
+        TokenGrant {
+            name: "ui".into(),
+            token: "ui-token-1".into(),
+            roles: vec![Role::ConversationMain],
+        },
+        TokenGrant {
+            name: "ops".into(),
+            token: "ops-token-2".into(),
+            roles: vec![Role::SystemObservability, Role::OrchestrationTask],
+        },
+    ];
+    let app = api::router(state(&js, &s));
+    let conv = project(&js, "conversation.main", "c1", "a2a.response", 1).await;
+    let obs = project(&js, "system.observability", "c1", "health.ping", 2).await;
+    project(&js, "delegation.subagent", "d1", "a2a.send", 3).await;
+
+    err(&app, "/api/events", None, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    err(&app, "/api/events", Some("wrong"), StatusCode::UNAUTHORIZED, "unauthorized").await;
+    err(&app, "/api/work-sessions", None, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    err(&app, "/api/events/stream", None, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    // Naming no role: only the grant.
+    let (st, ui) = call(&app, "/api/events", Some("ui-token-1")).await;
+    assert_eq!(st, StatusCode::OK);
+    assert_eq!(seqs(&ui), [conv]);
+    let (_, ops) = call(&app, "/api/events", Some("ops-token-2")).await;
+    assert_eq!(seqs(&ops), [obs]);
+    // Naming a role outside the grant: 403, also through a preset.
+    err(&app, "/api/events?role=system.observability", Some("ui-token-1"), StatusCode::FORBIDDEN, "forbidden").await;
+    err(&app, "/api/events?role=conversation.main,delegation.subagent", Some("ui-token-1"), StatusCode::FORBIDDEN, "forbidden").await;
+    err(&app, "/api/events?view=conversations", Some("ops-token-2"), StatusCode::FORBIDDEN, "forbidden").await;
+    err(&app, "/api/work-sessions?role=delegation.subagent", Some("ops-token-2"), StatusCode::FORBIDDEN, "forbidden").await;
+    let (st, _) = call(&app, "/api/events?view=conversations", Some("ui-token-1")).await;
+    assert_eq!(st, StatusCode::OK);
+    // The OpenAPI document stays open.
+    let (st, _) = call(&app, "/api/openapi.json", None).await;
+    assert_eq!(st, StatusCode::OK);
+
+    // Work sessions are seen through the grant too.
+    let writer = SessionWriter::new(&js, &s.names()).await.expect("writer");
+    let ts = now_iso(0);
+    let send = out(
+        Role::ConversationMain,
+        "a2a.send",
+        "COLLAB_RAW:1:0",
+        a2a(Role::ConversationMain, "a2a.send", &ts, json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "c1", "workSessionId": "ws_t", "message": "hi"})),
+    );
+    let ping = out(
+        Role::SystemObservability,
+        "health.ping",
+        "COLLAB_RAW:2:0",
+        a2a(Role::SystemObservability, "health.ping", &ts, json!({"workSessionId": "ws_t", "message": "cpu 93%"})),
+    );
+    writer.observe(0, &[(1, &send), (2, &ping)], true).await.expect("observe");
+    let (_, ui) = call(&app, "/api/work-sessions/ws_t", Some("ui-token-1")).await;
+    assert_eq!(ui["session"]["eventCount"], 1);
+    assert_eq!(ui["session"]["lastMessagePreview"], "hi");
+    assert!(ui["session"]["countsByRole"].get("system.observability").is_none());
+    let (_, ops) = call(&app, "/api/work-sessions/ws_t", Some("ops-token-2")).await;
+    assert_eq!(ops["session"]["eventCount"], 1);
+    assert_eq!(ops["session"]["lastMessagePreview"], "cpu 93%");
+    let (_, listed) = call(&app, "/api/work-sessions", Some("ui-token-1")).await;
+    assert_eq!(listed["count"], 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// /api/events/stream
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn event_stream_delivers_live_and_resumes_without_loss_or_repeats() {
+    let (_nats, js, s) = setup().await;
+    let (addr, stop) = serve(state(&js, &s), None).await;
+    let filter = "/api/events/stream?view=conversations";
+    let before = project(&js, "conversation.main", "s1", "a2a.response", 0).await;
+
+    // Without a cursor the stream starts after what is stored.
+    let mut client = SseClient::connect(addr, filter, None, None).await;
+    let mut expected = Vec::new();
+    for i in 1..=6u64 {
+        expected.push(project(&js, "conversation.main", "s1", "a2a.response", i).await);
+        project(&js, "conversation.main", "s1", "a2a.send", i).await;
+    }
+    let mut got = Vec::new();
+    let mut last_id = None;
+    for _ in 0..3 {
+        let ev = client.next_guarded().await.expect("a live event");
+        let item: Value = serde_json::from_str(&ev.data).expect("JSON data");
+        assert_eq!(Some(item["cursor"].as_str().unwrap_or_default()), ev.id.as_deref());
+        assert_eq!(item["type"], "a2a.response");
+        got.push(item["seq"].as_u64().unwrap_or(0));
+        last_id = ev.id;
+    }
+    drop(client);
+    // Published while disconnected.
+    for i in 7..=9u64 {
+        expected.push(project(&js, "conversation.main", "s1", "a2a.response", i).await);
+    }
+    let mut client = SseClient::connect(addr, filter, last_id.as_deref(), None).await;
+    while got.len() < expected.len() {
+        let ev = client.next_guarded().await.expect("a resumed event");
+        let item: Value = serde_json::from_str(&ev.data).expect("JSON data");
+        got.push(item["seq"].as_u64().unwrap_or(0));
+    }
+    assert_eq!(got, expected, "no loss, no repeats");
+    assert!(!got.contains(&before));
+
+    // `after` resumes the same way as Last-Event-ID.
+    let mut from_after = SseClient::connect(
+        addr,
+        &format!("{filter}&after={}", api::query::encode_cursor(expected[4])),
+        None,
+        None,
+    )
+    .await;
+    let ev = from_after.next_guarded().await.expect("an event");
+    assert_eq!(ev.id, Some(api::query::encode_cursor(expected[5])));
+
+    // Shutting down ends open streams.
+    stop.cancel();
+    while client.next_guarded().await.is_some() {}
+}
+
+#[tokio::test]
+async fn a_slow_event_stream_client_gets_an_error_and_the_stream_closes() {
+    let (_nats, js, s) = setup().await;
+    let st = state(&js, &s).with_sse_limits(SseLimits {
+        buffer_events: 8,
+        buffer_bytes: 64 * 1024,
+        keep_alive: Duration::from_secs(15),
+    });
+    let stats_state = st.clone();
+    let (addr, _stop) = serve(st, Some(4096)).await;
+    let mut client = SseClient::connect(addr, "/api/events/stream", None, Some(4096)).await;
+    // Far more than the kernel buffers and the client's buffer hold, without reading.
+    let filler = "x".repeat(4000);
+    let mut published = 0u64;
+    while stats_state.stats().sse_overflows.load(Ordering::Relaxed) == 0 {
+        for _ in 0..50 {
+            let body = json!({"type": "health.ping", "payload": {"filler": filler}});
+            publish(&js, "collab.proj.system.observability.k.health.ping", Bytes::from(body.to_string())).await;
+            published += 1;
+        }
+        assert!(published < 20_000, "the server never gave up on a client that does not read");
+    }
+    // Now read: what was buffered, then a final error, then the end.
+    let mut events = 0u64;
+    let mut last = None;
+    while let Some(ev) = client.next_guarded().await {
+        if ev.event.is_none() {
+            events += 1;
+        }
+        last = Some(ev);
+    }
+    let last = last.expect("at least the error event");
+    assert_eq!(last.event.as_deref(), Some("error"));
+    let body: Value = serde_json::from_str(&last.data).expect("JSON error");
+    assert_eq!(body["error"]["code"], "slow_consumer");
+    assert!(events < published, "the stream was cut short");
+    wait_until(GUARD, "the stream's reader stops", || {
+        let n = stats_state.stats().sse_clients.load(Ordering::Relaxed);
+        async move { n == 0 }
+    })
+    .await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// /api/work-sessions
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn work_sessions_aggregate_idempotently_and_filter() {
+    let (_nats, js, s) = setup().await;
+    let app = api::router(state(&js, &s));
+    let writer = SessionWriter::new(&js, &s.names()).await.expect("writer");
+    let t0 = now_iso(-60);
+    let t1 = now_iso(-30);
+    let main = Role::ConversationMain;
+    let send0 = out(main, "a2a.send", "COLLAB_RAW:10:0", a2a(main, "a2a.send", &t0, json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "c1", "workSessionId": "ws_a", "message": "Review the deploy plan", "conversationName": "Deploy review"})));
+    let send1 = out(main, "a2a.send", "COLLAB_RAW:11:0", a2a(main, "a2a.send", &t0, json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "c1", "workSessionId": "ws_a", "turn": 1, "message": "and the rollback"})));
+    let send2 = out(main, "a2a.send", "COLLAB_RAW:12:0", a2a(main, "a2a.send", &t0, json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "c1", "workSessionId": "ws_a", "turn": 2, "message": "and the alerts"})));
+    let resp0 = out(main, "a2a.response", "turn:c1:0", a2a(main, "a2a.response", &t1, json!({"fromAgent": "eden", "toAgent": "ruda", "conversationId": "c1", "workSessionId": "ws_a", "message": "looks good"})));
+    // A synthesised blocked response names no work session: found through the conversation.
+    let blocked = out(main, "a2a.response", "turn:c1:2", a2a(main, "a2a.response", &t1, json!({"fromAgent": "eden", "toAgent": "ruda", "conversationId": "c1", "turn": 2, "outcome": "blocked", "reason": "timeout", "message": "goal: alerts\noutcome: blocked (timeout)"})));
+    let items: Vec<(u64, &Outgoing)> = vec![(10, &send0), (11, &send1), (12, &send2), (12, &resp0), (13, &blocked)];
+    writer.observe(1, &items, true).await.expect("observe");
+    // Redelivery, and a retried observe: nothing counts twice.
+    writer.observe(1, &items, true).await.expect("observe again");
+    writer.observe(1, &items[2..], true).await.expect("observe a tail again");
+
+    let one = ok(&app, "/api/work-sessions/ws_a").await;
+    let v = &one["session"];
+    assert_eq!(v["id"], "ws_a");
+    assert_eq!(v["eventCount"], 5, "{v}");
+    assert_eq!(v["countsByType"]["a2a.send"], 3);
+    assert_eq!(v["countsByType"]["a2a.response"], 2);
+    assert_eq!(v["countsByRole"]["conversation.main"], 5);
+    assert_eq!(v["openTurns"], 1);
+    assert_eq!(v["blockedTurns"], 1);
+    assert_eq!(v["answeredTurns"], 1);
+    assert_eq!(v["title"], "Deploy review");
+    assert_eq!(v["status"], "ACTIVE");
+    assert_eq!(v["threadCount"], 1);
+    assert_eq!(v["threads"][0]["id"], "conv:c1");
+    let ids: Vec<&str> = v["participants"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|p| p["id"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(ids, ["eden", "ruda"]);
+    assert_eq!(v["participants"][0]["kind"], "agent");
+    assert_eq!(v["participants"][0]["role"], "conversation.main");
+    assert!(v["lastMessagePreview"].as_str().is_some_and(|p| p.starts_with("goal: alerts")));
+
+    // Concurrent writers from different partitions on one session: every event counts once.
+    let other = |n: u64| {
+        out(main, "a2a.send", &format!("COLLAB_RAW:{n}:0"), a2a(main, "a2a.send", &t1, json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": format!("c{n}"), "workSessionId": "ws_a", "message": "more"})))
+    };
+    let outs: Vec<Outgoing> = (100..110).map(other).collect();
+    let mut tasks = Vec::new();
+    for (i, o) in outs.into_iter().enumerate() {
+        let w = SessionWriter::new(&js, &s.names()).await.expect("writer");
+        tasks.push(tokio::spawn(async move {
+            // One partition each: a partition is processed in order, partitions concurrently.
+            let p = 10 + u16::try_from(i).unwrap_or(0);
+            w.observe(p, &[(100 + i as u64, &o)], true).await
+        }));
+    }
+    for t in tasks {
+        t.await.expect("task").expect("observe");
+    }
+    let v = ok(&app, "/api/work-sessions/ws_a").await;
+    assert_eq!(v["session"]["eventCount"], 15);
+    assert_eq!(v["session"]["threadCount"], 11);
+
+    // Other sessions: an archived one, a quiet one, one with only tasks.
+    let old = now_iso(-3 * 24 * 3600);
+    let quiet = now_iso(-3600);
+    let e_old = out(main, "a2a.send", "COLLAB_RAW:200:0", a2a(main, "a2a.send", &old, json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "o1", "workSessionId": "ws_old"})));
+    let e_quiet = out(main, "a2a.send", "COLLAB_RAW:201:0", a2a(main, "a2a.send", &quiet, json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "q1", "workSessionId": "ws_quiet"})));
+    let e_task = out(Role::OrchestrationTask, "task.updated", "COLLAB_RAW:202:0", a2a(Role::OrchestrationTask, "task.updated", &t1, json!({"workSessionId": "ws_task", "status": "working"})));
+    writer.observe(2, &[(200, &e_old), (201, &e_quiet), (202, &e_task)], true).await.expect("observe");
+
+    let list = ok(&app, "/api/work-sessions").await;
+    assert_eq!(list["count"], 4);
+    let order: Vec<&str> = list["sessions"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|s| s["id"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(order, ["ws_a", "ws_task", "ws_quiet", "ws_old"], "most recently updated first");
+    let ids = |v: &Value| -> BTreeSet<String> {
+        v["sessions"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|s| s["id"].as_str().map(str::to_string)).collect())
+            .unwrap_or_default()
+    };
+    let archived = ok(&app, "/api/work-sessions?status=ARCHIVED").await;
+    assert_eq!(ids(&archived), BTreeSet::from(["ws_old".to_string()]));
+    let csv = ok(&app, "/api/work-sessions?status=QUIET,ARCHIVED").await;
+    let rep = ok(&app, "/api/work-sessions?status=QUIET&status=ARCHIVED").await;
+    assert_eq!(ids(&csv), ids(&rep));
+    assert_eq!(ids(&csv).len(), 2);
+    let tasks = ok(&app, "/api/work-sessions?role=orchestration.task").await;
+    assert_eq!(ids(&tasks), BTreeSet::from(["ws_task".to_string()]));
+    assert_eq!(tasks["sessions"][0]["eventCount"], 1);
+    let typed = ok(&app, "/api/work-sessions?type=a2a.response").await;
+    assert_eq!(ids(&typed), BTreeSet::from(["ws_a".to_string()]));
+    let limited = ok(&app, "/api/work-sessions?limit=1").await;
+    assert_eq!(limited["count"], 1);
+    assert_eq!(limited["totalMatched"], 4);
+    err(&app, "/api/work-sessions?role=bogus", None, StatusCode::BAD_REQUEST, "invalid_role").await;
+    err(&app, "/api/work-sessions?type=a%20b", None, StatusCode::BAD_REQUEST, "invalid_type").await;
+    err(&app, "/api/work-sessions?limit=0", None, StatusCode::BAD_REQUEST, "invalid_limit").await;
+    // A role the session has nothing in: not found through that role.
+    err(&app, "/api/work-sessions/ws_task?role=conversation.main", None, StatusCode::NOT_FOUND, "not_found").await;
+}
+
+/// The MPLP Collab schema, with the common schemas it references, offline.
+fn mplp_validator() -> jsonschema::Validator {
+    let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/mplp/schemas/v2");
+    let load = |p: &str| -> Value {
+        let text = std::fs::read_to_string(format!("{dir}/{p}"))
+            .unwrap_or_else(|e| panic!("reading {p}: {e}"));
+        serde_json::from_str(&text).unwrap_or_else(|e| panic!("parsing {p}: {e}"))
+    };
+    let mut opts = jsonschema::options().should_validate_formats(true);
+    for common in [
+        "metadata",
+        "identifiers",
+        "common-types",
+        "trace-base",
+        "events",
+    ] {
+        let schema = load(&format!("common/{common}.schema.json"));
+        let id = schema["$id"].as_str().expect("an $id").to_string();
+        let resource = jsonschema::Resource::from_contents(schema).expect("a schema resource");
+        opts = opts.with_resource(id, resource);
+    }
+    opts.build(&load("mplp-collab.schema.json"))
+        .expect("the collab schema compiles")
+}
+
+fn assert_valid(v: &jsonschema::Validator, doc: &Value) {
+    let errors: Vec<String> = v.iter_errors(doc).map(|e| format!("{} at {}", e, e.instance_path)).collect();
+    assert!(errors.is_empty(), "{doc}\n{errors:#?}");
+}
+
+#[tokio::test]
+async fn mplp_export_validates_against_the_schema() {
+    let (_nats, js, s) = setup().await;
+    let app = api::router(state(&js, &s));
+    let writer = SessionWriter::new(&js, &s.names()).await.expect("writer");
+    let validator = mplp_validator();
+    // The seed's own example does not validate (see seeds/INDEX.md); the schema is strict.
+    assert!(!validator.is_valid(&json!({"meta": {"protocolVersion": "1.0.0"}, "collab_id": "collab-1"})));
+
+    let ts = now_iso(0);
+    let main = Role::ConversationMain;
+    let sub = Role::DelegationSubagent;
+    // A pair of main agents, one of them human per the facts.
+    let pair = out(main, "a2a.send", "COLLAB_RAW:1:0", a2a(main, "a2a.send", &ts, json!({"fromAgent": "ruda", "toAgent": "eden", "fromKind": "human", "fromName": "Ruda Kim", "conversationId": "c1", "workSessionId": "ws_pair", "message": "Review the deploy plan please"})));
+    // A coordinator delegating to two workers.
+    let d1 = out(sub, "a2a.send", "COLLAB_RAW:2:0", a2a(sub, "a2a.send", &ts, json!({"fromAgent": "ruda", "toAgent": "worker-1", "conversationId": "d1", "workSessionId": "ws_orch", "message": "build"})));
+    let d2 = out(sub, "a2a.spawn", "COLLAB_RAW:3:0", a2a(sub, "a2a.spawn", &ts, json!({"fromAgent": "ruda", "toAgent": "worker-2", "conversationId": "d2", "workSessionId": "ws_orch"})));
+    // Three agents talking, nobody delegating.
+    let b1 = out(main, "a2a.send", "COLLAB_RAW:4:0", a2a(main, "a2a.send", &ts, json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "b1", "workSessionId": "ws_b"})));
+    let b2 = out(main, "a2a.send", "COLLAB_RAW:5:0", a2a(main, "a2a.send", &ts, json!({"fromAgent": "eden", "toAgent": "main", "conversationId": "b2", "workSessionId": "ws_b"})));
+    writer
+        .observe(0, &[(1, &pair), (2, &d1), (3, &d2), (4, &b1), (5, &b2)], true)
+        .await
+        .expect("observe");
+
+    let doc = ok(&app, "/api/work-sessions/ws_pair?format=mplp").await;
+    assert_valid(&validator, &doc);
+    assert_eq!(doc["mode"], "pair");
+    assert_eq!(doc["status"], "active");
+    assert_eq!(doc["title"], "Review the deploy plan please");
+    assert_eq!(doc["meta"]["protocol_version"], "1.0.0");
+    let ruda = doc["participants"]
+        .as_array()
+        .and_then(|a| a.iter().find(|p| p["participant_id"] == "ruda"))
+        .cloned()
+        .expect("ruda takes part");
+    assert_eq!(ruda["kind"], "human");
+    assert_eq!(ruda["display_name"], "Ruda Kim");
+    // Stable ids.
+    let again = ok(&app, "/api/work-sessions/ws_pair?format=mplp").await;
+    assert_eq!(again["collab_id"], doc["collab_id"]);
+    assert_ne!(doc["collab_id"], doc["context_id"]);
+
+    let orch = ok(&app, "/api/work-sessions/ws_orch?format=mplp").await;
+    assert_valid(&validator, &orch);
+    assert_eq!(orch["mode"], "orchestrated");
+    let roles: BTreeSet<String> = orch["participants"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|p| p["role_id"].as_str().map(str::to_string)).collect())
+        .unwrap_or_default();
+    assert_eq!(roles, BTreeSet::from(["orchestrator".to_string(), "worker".to_string()]));
+
+    let b = ok(&app, "/api/work-sessions/ws_b?format=mplp").await;
+    assert_valid(&validator, &b);
+    assert_eq!(b["mode"], "broadcast");
+    assert_eq!(b["participants"].as_array().map(Vec::len), Some(3));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Through the worker
+// ---------------------------------------------------------------------------------------------
+
+async fn start_worker(s: &Settings) -> (app::Running, CancellationToken) {
+    let cancel = CancellationToken::new();
+    let running = app::start(
+        s.clone(),
+        RunOptions {
+            workers: true,
+            http: false,
+            metrics: None,
+        },
+        cancel.clone(),
+    )
+    .await
+    .expect("the worker starts");
+    (running, cancel)
+}
+
+async fn drained(js: &Context) {
+    wait_until(GUARD, "every raw partition consumer is drained", || {
+        let js = js.clone();
+        async move { raw_drained(&js, usize::from(PARTITIONS)).await }
+    })
+    .await;
+}
+
+fn collab_event(t: &str, from: &str, to: &str, conv: &str, extra: Value) -> (String, Bytes) {
+    let mut data = json!({"fromAgent": from, "toAgent": to, "conversationId": conv, "workSessionId": "ws_live"});
+    if let (Some(d), Value::Object(e)) = (data.as_object_mut(), extra) {
+        d.extend(e);
+    }
+    let body = json!({"type": t, "agentId": from, "ts": chrono::Utc::now().timestamp_millis(), "data": data});
+    (format!("collab.raw.{conv}.{t}"), Bytes::from(body.to_string()))
+}
+
+#[tokio::test]
+async fn raw_events_come_back_through_the_api_and_sessions_survive_a_restart() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let s = settings(&nats.url());
+    let (running, cancel) = start_worker(&s).await;
+    let (addr, _stop) = serve(state(&js, &s), None).await;
+    let base = format!("http://{addr}");
+    let http = reqwest::Client::new();
+    let get = |path: String| {
+        let http = http.clone();
+        let url = format!("{base}{path}");
+        async move {
+            let resp = http.get(&url).send().await.expect("the API answers");
+            let status = resp.status();
+            let body: Value = resp.json().await.expect("JSON");
+            assert!(status.is_success(), "{url}: {status} {body}");
+            body
+        }
+    };
+
+    let raws = [
+        // Turn 0: answered.
+        collab_event("a2a.send", "ruda", "eden", "conv-1", json!({"message": "Review the deploy plan"})),
+        collab_event("a2a.response", "eden", "ruda", "conv-1", json!({"message": "goal: review\noutcome: success\nevidence: plan.md\nnext_action: deploy"})),
+        collab_event("a2a.complete", "ruda", "eden", "conv-1", json!({})),
+        // Turn 1: upstream failure, blocked.
+        collab_event("a2a.send", "ruda", "eden", "conv-1", json!({"turn": 1, "message": "and the rollback"})),
+        collab_event("a2a.response", "eden", "ruda", "conv-1", json!({"turn": 1, "outcome": "no_reply", "waitStatus": "error", "message": "[outcome] no_reply"})),
+        // Turn 2: still open.
+        collab_event("a2a.send", "ruda", "eden", "conv-1", json!({"turn": 2, "message": "and the alerts"})),
+        // Delegation to a subagent in another conversation of the same work session.
+        collab_event("a2a.send", "ruda", "coder", "conv-2", json!({"toSessionType": "subagent", "message": "write the script"})),
+    ];
+    for (subject, body) in &raws {
+        publish(&js, subject, body.clone()).await;
+    }
+    publish(&js, "collab.raw.task-7.task.updated", Bytes::from(json!({"type": "task.updated", "data": {"taskId": "task-7", "status": "working"}}).to_string())).await;
+    drained(&js).await;
+
+    // Filters over what the worker projected.
+    let conv = get("/api/events?view=conversations".into()).await;
+    assert_eq!(conv["count"], 2, "{conv}");
+    assert_eq!(conv["events"][1]["event"]["payload"]["outcome"], "blocked");
+    let expanded = get("/api/events?role=conversation.main&type=a2a.response".into()).await;
+    assert_eq!(seqs(&conv), seqs(&expanded));
+    let debug = get("/api/events?view=debug".into()).await;
+    let csv = get("/api/events?type=a2a.send,a2a.response,a2a.complete".into()).await;
+    let rep = get("/api/events?type=a2a.send&type=a2a.response&type=a2a.complete".into()).await;
+    assert_eq!(seqs(&debug), seqs(&csv));
+    assert_eq!(seqs(&csv), seqs(&rep));
+    assert_eq!(debug["count"], 7, "{debug}");
+    let tasks = get("/api/events?role=orchestration.task".into()).await;
+    assert_eq!(tasks["count"], 1);
+    let sub = get("/api/events?role=delegation.subagent&key=conv-2".into()).await;
+    assert_eq!(sub["count"], 1);
+
+    // The work session (needs the worker to call SessionWriter::observe).
+    let check = |v: &Value| {
+        let s = &v["session"];
+        assert_eq!(s["openTurns"], 1, "{s}");
+        assert_eq!(s["blockedTurns"], 1, "{s}");
+        assert_eq!(s["answeredTurns"], 1, "{s}");
+        assert_eq!(s["countsByType"]["a2a.send"], 4, "{s}");
+        assert_eq!(s["countsByType"]["a2a.response"], 2, "{s}");
+        assert_eq!(s["countsByType"]["a2a.complete"], 1, "{s}");
+        assert_eq!(s["countsByRole"]["delegation.subagent"], 1, "{s}");
+        assert_eq!(s["threadCount"], 2, "{s}");
+        let ids: BTreeSet<&str> = s["participants"]
+            .as_array()
+            .map(|a| a.iter().filter_map(|p| p["id"].as_str()).collect())
+            .unwrap_or_default();
+        assert_eq!(ids, BTreeSet::from(["coder", "eden", "ruda"]), "{s}");
+    };
+    let http2 = http.clone();
+    let url = format!("{base}/api/work-sessions/ws_live");
+    wait_until(GUARD, "the work session holds every event", || {
+        let http = http2.clone();
+        let url = url.clone();
+        async move {
+            match http.get(&url).send().await {
+                Ok(r) if r.status().is_success() => r
+                    .json::<Value>()
+                    .await
+                    .is_ok_and(|v| v["session"]["eventCount"] == 7),
+                _ => false,
+            }
+        }
+    })
+    .await;
+    let first = get("/api/work-sessions/ws_live".into()).await;
+    check(&first);
+
+    // Restart with everything redelivered: progress marks and partition consumers gone.
+    cancel.cancel();
+    running.wait().await;
+    let raw = js.get_stream("COLLAB_RAW").await.expect("raw stream");
+    for p in 0..PARTITIONS {
+        raw.delete_consumer(&format!("collab-proj-{p}"))
+            .await
+            .expect("delete a partition consumer");
+    }
+    let progress = js
+        .get_key_value(&s.names().progress_bucket)
+        .await
+        .expect("progress bucket");
+    for p in 0..PARTITIONS {
+        let _ = progress.purge(format!("p{p}")).await;
+    }
+    let (running, cancel) = start_worker(&s).await;
+    drained(&js).await;
+    let second = get("/api/work-sessions/ws_live".into()).await;
+    check(&second);
+    assert_eq!(second["session"]["eventCount"], first["session"]["eventCount"], "no double count after a restart");
+    let conv_again = get("/api/events?view=conversations".into()).await;
+    assert_eq!(conv_again["count"], 2, "still one response per turn");
+    cancel.cancel();
+    running.wait().await;
+}

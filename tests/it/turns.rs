@@ -817,7 +817,6 @@ async fn crash_before_ack_of_a_send_still_blocks_once() {
 }
 
 #[tokio::test]
-#[ignore = "bug: after a restart, an open turn whose send was already acknowledged never times out on an idle partition (idle watermark needs consumer delivered seq <= last_seq, and last_seq starts at 0)"]
 async fn a_deadline_that_passes_while_the_worker_is_down_blocks_after_restart() {
     let bed = Bed::start().await;
     let mut first = bed.projector(&[]);

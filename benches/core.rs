@@ -1,0 +1,2 @@
+// placeholder until the criterion benchmarks land
+fn main() {}

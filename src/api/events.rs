@@ -1,0 +1,143 @@
+//! `GET /api/events`: filtered projections, newest `limit` by default, with cursors.
+//!
+//! - no cursor: the newest `limit` matching events, oldest first;
+//! - `after=<cursor>`: the oldest `limit` matching events after it;
+//! - `before=<cursor>`: the newest `limit` matching events before it.
+//!
+//! `next` continues with newer events (`after=next`; it is returned even when the page is empty,
+//! for polling), `prev` with older ones (`before=prev`; `null` when there are none), `oldest`
+//! starts from the beginning of what the stream retains. A cursor older than retention is a 410
+//! carrying `oldestCursor`.
+
+use super::auth::Caller;
+use super::error::ApiError;
+use super::query::{self, decode_cursor, encode_cursor, Params, Selection};
+use super::store;
+use super::ApiState;
+use crate::model::Role;
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::{Extension, Json};
+use serde_json::{json, Value};
+
+pub const DEFAULT_LIMIT: usize = 100;
+pub const MAX_LIMIT: usize = 1000;
+
+const PARAMS: [&str; 7] = ["role", "type", "key", "view", "limit", "after", "before"];
+
+/// A selection resolved against the caller's grant.
+pub struct Resolved {
+    pub roles: Vec<Role>,
+    pub selection: Selection,
+    pub filters: Vec<String>,
+}
+
+/// Check the selection against the grant and build the subject filters.
+pub fn resolve(state: &ApiState, caller: &Caller, params: &Params) -> Result<Resolved, ApiError> {
+    let selection = query::selection(params)?;
+    let roles = caller.roles(selection.roles.as_deref())?;
+    let filters = query::subject_filters(
+        &state.names().prefix,
+        &roles,
+        &selection.keys,
+        &selection.types,
+    );
+    if filters.len() > query::MAX_FILTERS {
+        return Err(ApiError::bad_request(
+            "too_many_filters",
+            format!(
+                "roles x keys x types expand to {} subject filters; at most {} are allowed",
+                filters.len(),
+                query::MAX_FILTERS
+            ),
+        ));
+    }
+    Ok(Resolved {
+        roles,
+        selection,
+        filters,
+    })
+}
+
+/// 410 for a cursor whose events are no longer retained.
+pub fn expired(first: u64) -> ApiError {
+    ApiError::new(
+        StatusCode::GONE,
+        "cursor_expired",
+        "the cursor points before the oldest retained event: events after it were removed by retention; continue from oldestCursor",
+    )
+    .with("oldestCursor", json!(encode_cursor(first.saturating_sub(1))))
+}
+
+pub async fn list(
+    State(state): State<ApiState>,
+    Extension(caller): Extension<Caller>,
+    super::QueryPairs(pairs): super::QueryPairs,
+) -> Result<Json<Value>, ApiError> {
+    let params = Params::new(pairs, &PARAMS)?;
+    let limit = query::limit(&params, DEFAULT_LIMIT, MAX_LIMIT)?;
+    let after = params
+        .one("after")?
+        .filter(|c| !c.is_empty())
+        .map(|c| decode_cursor(&c))
+        .transpose()?;
+    let before = params
+        .one("before")?
+        .filter(|c| !c.is_empty())
+        .map(|c| decode_cursor(&c))
+        .transpose()?;
+    if after.is_some() && before.is_some() {
+        return Err(ApiError::bad_request(
+            "bad_cursor",
+            "give `after` or `before`, not both",
+        ));
+    }
+    let r = resolve(&state, &caller, &params)?;
+    let (stream, first, last) = store::bounds(state.js(), &state.names().proj_stream).await?;
+
+    let (events, next, prev) = match (after, before) {
+        (Some(a), _) => {
+            if a.saturating_add(1) < first {
+                return Err(expired(first));
+            }
+            let events = store::read_range(&stream, &r.filters, a + 1, last, limit).await?;
+            let next = if events.len() >= limit {
+                events.last().map_or(last, |e| e.seq)
+            } else {
+                last.max(a)
+            };
+            let prev = Some(events.first().map_or(a + 1, |e| e.seq));
+            (events, next, prev)
+        }
+        (None, Some(b)) => {
+            if b < first {
+                return Err(expired(first));
+            }
+            let hi = b.min(last.saturating_add(1));
+            let (events, more) = store::newest_before(&stream, &r.filters, hi, first, limit).await?;
+            let next = events.last().map_or(b.saturating_sub(1), |e| e.seq);
+            let prev = if more { events.first().map(|e| e.seq) } else { None };
+            (events, next, prev)
+        }
+        (None, None) => {
+            let (events, more) =
+                store::newest_before(&stream, &r.filters, last.saturating_add(1), first, limit)
+                    .await?;
+            let prev = if more { events.first().map(|e| e.seq) } else { None };
+            (events, last, prev)
+        }
+    };
+    let prefix = &state.names().prefix;
+    let items: Vec<Value> = events.iter().map(|e| e.item(prefix)).collect();
+    Ok(Json(json!({
+        "events": items,
+        "count": items.len(),
+        "next": encode_cursor(next),
+        "prev": prev.map(encode_cursor),
+        "oldest": encode_cursor(first.saturating_sub(1)),
+        "role": r.roles,
+        "type": r.selection.types,
+        "key": r.selection.keys,
+        "limit": limit,
+    })))
+}

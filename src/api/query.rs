@@ -1,0 +1,354 @@
+//! Query parameters shared by the endpoints: csv-or-repeated lists, roles and types, presets,
+//! limits, cursors, and the JetStream subject filters a selection maps to.
+
+use super::error::ApiError;
+use crate::model::{encode_id, is_key_token, Role};
+use base64::Engine;
+use serde_json::json;
+
+/// The raw query pairs, checked against the parameters an endpoint accepts.
+#[derive(Debug, Clone)]
+pub struct Params(Vec<(String, String)>);
+
+impl Params {
+    pub fn new(pairs: Vec<(String, String)>, accepted: &[&str]) -> Result<Params, ApiError> {
+        let unknown: Vec<&str> = pairs
+            .iter()
+            .map(|(k, _)| k.as_str())
+            .filter(|k| !accepted.contains(k))
+            .collect();
+        if let Some(first) = unknown.first() {
+            return Err(ApiError::bad_request(
+                "unknown_parameter",
+                format!(
+                    "unknown query parameter `{first}`; this endpoint accepts: {}",
+                    accepted.join(", ")
+                ),
+            )
+            .with("valid", json!(accepted)));
+        }
+        Ok(Params(pairs))
+    }
+
+    /// Every value of `name`: repeated parameters and comma-separated values alike, trimmed,
+    /// empty ones dropped, duplicates removed (first occurrence kept).
+    pub fn list(&self, name: &str) -> Vec<String> {
+        let mut out: Vec<String> = Vec::new();
+        for (_, v) in self.0.iter().filter(|(k, _)| k == name) {
+            for part in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+                if !out.iter().any(|o| o == part) {
+                    out.push(part.to_string());
+                }
+            }
+        }
+        out
+    }
+
+    /// Whether `name` was given at all (even empty).
+    pub fn has(&self, name: &str) -> bool {
+        self.0.iter().any(|(k, _)| k == name)
+    }
+
+    /// The single value of `name`; repeating it with different values is an error.
+    pub fn one(&self, name: &str) -> Result<Option<String>, ApiError> {
+        let mut values = self
+            .0
+            .iter()
+            .filter(|(k, _)| k == name)
+            .map(|(_, v)| v.trim().to_string());
+        let first = values.next();
+        if values.any(|v| Some(&v) != first.as_ref()) {
+            return Err(ApiError::bad_request(
+                "bad_parameter",
+                format!("`{name}` takes one value"),
+            ));
+        }
+        Ok(first)
+    }
+}
+
+/// The role names, for error messages.
+pub fn role_names() -> Vec<&'static str> {
+    Role::ALL.iter().map(|r| r.as_str()).collect()
+}
+
+/// Event types a UI commonly filters on (any dotted token string is valid).
+pub const KNOWN_TYPES: [&str; 9] = [
+    "a2a.send",
+    "a2a.response",
+    "a2a.complete",
+    "a2a.error",
+    "a2a.spawn",
+    "a2a.spawn_result",
+    "a2a.response.suppressed",
+    "task.updated",
+    "run.started",
+];
+
+/// `role` values; `None` when none is given.
+pub fn roles(params: &Params) -> Result<Option<Vec<Role>>, ApiError> {
+    let names = params.list("role");
+    if names.is_empty() {
+        return Ok(None);
+    }
+    let mut roles = Vec::new();
+    for n in names {
+        match n.parse::<Role>() {
+            Ok(r) => roles.push(r),
+            Err(_) => {
+                return Err(ApiError::bad_request(
+                    "invalid_role",
+                    format!(
+                        "unknown role `{n}`; valid roles are: {}",
+                        role_names().join(", ")
+                    ),
+                )
+                .with("valid", json!(role_names())))
+            }
+        }
+    }
+    Ok(Some(roles))
+}
+
+/// Whether `t` is an event type (dot-separated subject tokens, no wildcards or spaces).
+pub fn valid_type(t: &str) -> bool {
+    crate::ingest::check_type(t).is_ok()
+}
+
+/// `type` values (any well-formed dotted type is valid).
+pub fn types(params: &Params) -> Result<Vec<String>, ApiError> {
+    let types = params.list("type");
+    if let Some(bad) = types.iter().find(|t| !valid_type(t)) {
+        return Err(ApiError::bad_request(
+            "invalid_type",
+            format!(
+                "type `{bad}` is not valid: a type is dot-separated tokens without spaces, `*` or `>`, for example {}",
+                KNOWN_TYPES.join(", ")
+            ),
+        )
+        .with(
+            "valid",
+            json!({"pattern": "^[^.\\s*>]+(\\.[^.\\s*>]+)*$", "examples": KNOWN_TYPES}),
+        ));
+    }
+    Ok(types)
+}
+
+/// `key` values as subject tokens: a token is used as it is, any other id is encoded by the
+/// id rule (`model::encode_id`), so `agent:eden:main` finds `_bYWdlbnQ6ZWRlbjptYWlu`.
+pub fn keys(params: &Params) -> Vec<String> {
+    let mut out: Vec<String> = Vec::new();
+    for (_, v) in params.0.iter().filter(|(k, _)| k == "key") {
+        let v = v.trim();
+        if v.is_empty() {
+            continue;
+        }
+        let token = if is_key_token(v) {
+            v.to_string()
+        } else {
+            encode_id(v)
+        };
+        if !out.contains(&token) {
+            out.push(token);
+        }
+    }
+    out
+}
+
+/// What to read: roles (`None`: the caller's grant), types (empty: all), keys (empty: all).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Selection {
+    pub roles: Option<Vec<Role>>,
+    pub types: Vec<String>,
+    pub keys: Vec<String>,
+}
+
+/// The presets of seed 000.
+pub const VIEWS: [&str; 2] = ["conversations", "debug"];
+
+/// `role`, `type`, `key` and the `view` preset (an explicit `role` or `type` replaces the
+/// preset's value for that parameter).
+pub fn selection(params: &Params) -> Result<Selection, ApiError> {
+    let mut sel = Selection {
+        roles: roles(params)?,
+        types: types(params)?,
+        keys: keys(params),
+    };
+    if let Some(view) = params.one("view")?.filter(|v| !v.is_empty()) {
+        let (roles, types): (Option<Vec<Role>>, &[&str]) = match view.as_str() {
+            "conversations" => (Some(vec![Role::ConversationMain]), &["a2a.response"]),
+            "debug" => (None, &["a2a.send", "a2a.response", "a2a.complete"]),
+            other => {
+                return Err(ApiError::bad_request(
+                    "invalid_view",
+                    format!(
+                        "unknown view `{other}`; valid views are: conversations (role=conversation.main, type=a2a.response), debug (type=a2a.send,a2a.response,a2a.complete)"
+                    ),
+                )
+                .with("valid", json!(VIEWS)))
+            }
+        };
+        if sel.roles.is_none() {
+            sel.roles = roles;
+        }
+        if sel.types.is_empty() {
+            sel.types = types.iter().map(|t| t.to_string()).collect();
+        }
+    }
+    Ok(sel)
+}
+
+/// `limit`: default `default`, between 1 and `max`.
+pub fn limit(params: &Params, default: usize, max: usize) -> Result<usize, ApiError> {
+    match params.one("limit")? {
+        None => Ok(default),
+        Some(v) => match v.parse::<usize>() {
+            Ok(n) if (1..=max).contains(&n) => Ok(n),
+            _ => Err(ApiError::bad_request(
+                "invalid_limit",
+                format!("`limit` must be a whole number from 1 to {max}, got `{v}`"),
+            )),
+        },
+    }
+}
+
+/// The subject filters of a selection on the projection stream:
+/// `<prefix>.proj.<role>.<key|*>.<type|>>`.
+pub fn subject_filters(prefix: &str, roles: &[Role], keys: &[String], types: &[String]) -> Vec<String> {
+    let any_key = ["*".to_string()];
+    let any_type = [">".to_string()];
+    let keys: &[String] = if keys.is_empty() { &any_key } else { keys };
+    let types: &[String] = if types.is_empty() { &any_type } else { types };
+    let mut out = Vec::with_capacity(roles.len() * keys.len() * types.len());
+    for r in roles {
+        for k in keys {
+            for t in types {
+                out.push(format!("{prefix}.proj.{}.{k}.{t}", r.as_str()));
+            }
+        }
+    }
+    out
+}
+
+/// Most subject filters one request may expand to.
+pub const MAX_FILTERS: usize = 256;
+
+const CURSOR_PREFIX: &str = "v1:";
+
+/// A cursor: an opaque string wrapping the projection stream's sequence.
+pub fn encode_cursor(seq: u64) -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("{CURSOR_PREFIX}{seq}"))
+}
+
+/// The sequence of a cursor.
+pub fn decode_cursor(cursor: &str) -> Result<u64, ApiError> {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD
+        .decode(cursor.trim())
+        .ok()
+        .and_then(|b| String::from_utf8(b).ok())
+        .and_then(|s| s.strip_prefix(CURSOR_PREFIX).and_then(|n| n.parse().ok()))
+        .ok_or_else(|| {
+            ApiError::bad_request(
+                "bad_cursor",
+                "the cursor is not one this server issued; use the `next`, `prev` or `oldest` value of a response, or an event's `cursor`",
+            )
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn p(pairs: &[(&str, &str)]) -> Params {
+        Params(
+            pairs
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+        )
+    }
+
+    #[test]
+    fn csv_and_repeated_agree() {
+        let a = p(&[("type", "a2a.send,a2a.response")]);
+        let b = p(&[("type", "a2a.send"), ("type", "a2a.response")]);
+        let c = p(&[("type", " a2a.send , ,a2a.response,a2a.send")]);
+        assert_eq!(a.list("type"), b.list("type"));
+        assert_eq!(a.list("type"), c.list("type"));
+    }
+
+    #[test]
+    fn roles_and_types_are_validated() {
+        assert_eq!(
+            roles(&p(&[("role", "conversation.main,system.observability")]))
+                .ok()
+                .flatten(),
+            Some(vec![Role::ConversationMain, Role::SystemObservability])
+        );
+        let e = roles(&p(&[("role", "conversation.mian")])).err();
+        assert!(e.is_some_and(|e| e.message.contains("conversation.main") && e.code == "invalid_role"));
+        assert!(types(&p(&[("type", "custom.thing.v2")])).is_ok());
+        for bad in ["a b", "a.*", "a.>", "a..b", ".a"] {
+            assert!(types(&p(&[("type", bad)])).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn presets_expand_and_explicit_values_win() {
+        let s = selection(&p(&[("view", "conversations")])).ok();
+        assert_eq!(
+            s,
+            Some(Selection {
+                roles: Some(vec![Role::ConversationMain]),
+                types: vec!["a2a.response".into()],
+                keys: vec![],
+            })
+        );
+        let d = selection(&p(&[("view", "debug")])).ok().map(|s| s.types);
+        assert_eq!(
+            d,
+            Some(vec!["a2a.send".into(), "a2a.response".into(), "a2a.complete".into()])
+        );
+        let e = selection(&p(&[("view", "conversations"), ("type", "a2a.send")]))
+            .ok()
+            .map(|s| s.types);
+        assert_eq!(e, Some(vec!["a2a.send".to_string()]));
+        assert!(selection(&p(&[("view", "nope")])).is_err());
+    }
+
+    #[test]
+    fn filters_map_onto_subjects() {
+        let f = subject_filters(
+            "collab",
+            &[Role::ConversationMain],
+            &["c1".into()],
+            &["a2a.response".into()],
+        );
+        assert_eq!(f, ["collab.proj.conversation.main.c1.a2a.response"]);
+        let all = subject_filters("collab", &Role::ALL, &[], &[]);
+        assert_eq!(all.len(), 4);
+        assert_eq!(all[0], "collab.proj.conversation.main.*.>");
+        assert_eq!(keys(&p(&[("key", "agent:eden:main")])), ["_bYWdlbnQ6ZWRlbjptYWlu"]);
+        assert_eq!(keys(&p(&[("key", "conv-1")])), ["conv-1"]);
+    }
+
+    #[test]
+    fn cursors_round_trip_and_reject_junk() {
+        for s in [0, 1, 42, u64::MAX] {
+            assert_eq!(decode_cursor(&encode_cursor(s)).ok(), Some(s));
+        }
+        for junk in ["", "42", "djE6", "!!", "djI6NA"] {
+            assert!(decode_cursor(junk).is_err(), "{junk}");
+        }
+    }
+
+    #[test]
+    fn limits_and_unknown_parameters() {
+        assert_eq!(limit(&p(&[]), 100, 1000).ok(), Some(100));
+        assert_eq!(limit(&p(&[("limit", "1000")]), 100, 1000).ok(), Some(1000));
+        for bad in ["0", "1001", "-1", "x"] {
+            assert!(limit(&p(&[("limit", bad)]), 100, 1000).is_err());
+        }
+        assert!(Params::new(vec![("roles".into(), "x".into())], &["role"]).is_err());
+    }
+}

@@ -1,0 +1,341 @@
+//! Reading the projection stream and the work-session bucket for the API: always from JetStream
+//! (ephemeral consumers with server-side subject filters), never from a worker's memory.
+//!
+//! "The newest N before a sequence" cannot be read backwards, so it is found by counting: an
+//! ephemeral consumer created at a start sequence reports how many filtered messages lie at or
+//! after it (`num_pending`). The start of the last N is found by galloping back and bisecting on
+//! that count, then the range is read forwards. Counts are estimates when the stream grows
+//! meanwhile; the read itself is exact, and the search continues further back whenever it found
+//! fewer than it needed.
+
+use super::error::ApiError;
+use super::query::encode_cursor;
+use async_nats::jetstream::{self, consumer, stream::Stream};
+use bytes::Bytes;
+use chrono::SecondsFormat;
+use futures::StreamExt;
+use serde_json::{json, Value};
+use std::time::Duration;
+
+/// One stored message.
+#[derive(Debug, Clone)]
+pub struct StoredEvent {
+    pub seq: u64,
+    pub subject: String,
+    pub payload: Bytes,
+    pub headers: Option<async_nats::HeaderMap>,
+    /// Store time, RFC 3339.
+    pub stored_at: String,
+}
+
+impl StoredEvent {
+    pub fn from_message(m: &jetstream::Message) -> Option<StoredEvent> {
+        let info = m.info().ok()?;
+        Some(StoredEvent {
+            seq: info.stream_sequence,
+            subject: m.subject.to_string(),
+            payload: m.payload.clone(),
+            headers: m.headers.clone(),
+            stored_at: info.published.to_rfc3339_opts(SecondsFormat::Millis, true),
+        })
+    }
+
+    /// The API's item: cursor, sequence, subject facts and the envelope.
+    pub fn item(&self, prefix: &str) -> Value {
+        let (role, key, event_type) = subject_parts(prefix, &self.subject);
+        let event: Value = serde_json::from_slice(&self.payload).unwrap_or(Value::Null);
+        json!({
+            "cursor": encode_cursor(self.seq),
+            "seq": self.seq,
+            "subject": self.subject,
+            "role": role,
+            "key": key,
+            "type": event_type,
+            "storedAt": self.stored_at,
+            "event": event,
+        })
+    }
+}
+
+/// `<prefix>.proj.<r1>.<r2>.<key>.<type...>` -> (role, key, type).
+pub fn subject_parts(prefix: &str, subject: &str) -> (Option<String>, Option<String>, Option<String>) {
+    let Some(rest) = subject
+        .strip_prefix(prefix)
+        .and_then(|r| r.strip_prefix(".proj."))
+    else {
+        return (None, None, None);
+    };
+    let mut it = rest.splitn(4, '.');
+    match (it.next(), it.next(), it.next(), it.next()) {
+        (Some(a), Some(b), Some(k), Some(t)) => {
+            (Some(format!("{a}.{b}")), Some(k.to_string()), Some(t.to_string()))
+        }
+        _ => (None, None, None),
+    }
+}
+
+/// The stream and its first and last sequence.
+pub async fn bounds(js: &jetstream::Context, name: &str) -> Result<(Stream, u64, u64), ApiError> {
+    let stream = js
+        .get_stream(name)
+        .await
+        .map_err(|e| ApiError::unavailable("projection stream", e))?;
+    let state = &stream.cached_info().state;
+    let (first, last) = (state.first_sequence.max(1), state.last_sequence);
+    Ok((stream, first, last))
+}
+
+fn consumer_config(filters: &[String], start: u64, policy: Option<consumer::DeliverPolicy>) -> consumer::pull::Config {
+    let (filter_subject, filter_subjects) = match filters {
+        [one] => (one.clone(), Vec::new()),
+        many => (String::new(), many.to_vec()),
+    };
+    consumer::pull::Config {
+        deliver_policy: policy.unwrap_or(consumer::DeliverPolicy::ByStartSequence {
+            start_sequence: start.max(1),
+        }),
+        ack_policy: consumer::AckPolicy::None,
+        filter_subject,
+        filter_subjects,
+        inactive_threshold: Duration::from_secs(10),
+        memory_storage: true,
+        num_replicas: 1,
+        max_batch: 0,
+        ..Default::default()
+    }
+}
+
+async fn create(
+    stream: &Stream,
+    config: consumer::pull::Config,
+) -> Result<consumer::Consumer<consumer::pull::Config>, ApiError> {
+    stream
+        .create_consumer(config)
+        .await
+        .map_err(|e| ApiError::unavailable("ephemeral consumer", e))
+}
+
+/// Delete an ephemeral consumer without waiting (it also expires by itself).
+fn discard(stream: &Stream, c: &consumer::Consumer<consumer::pull::Config>) {
+    let stream = stream.clone();
+    let name = c.cached_info().name.clone();
+    tokio::spawn(async move {
+        let _ = stream.delete_consumer(&name).await;
+    });
+}
+
+/// Filtered messages at or after `start` (through the current end of the stream).
+pub async fn count_from(stream: &Stream, filters: &[String], start: u64) -> Result<u64, ApiError> {
+    let c = create(stream, consumer_config(filters, start, None)).await?;
+    let n = c.cached_info().num_pending;
+    discard(stream, &c);
+    Ok(n)
+}
+
+/// Read every message a consumer delivers (at most `max`, and none after `until`).
+async fn drain(
+    stream: &Stream,
+    config: consumer::pull::Config,
+    until: u64,
+    max: usize,
+) -> Result<Vec<StoredEvent>, ApiError> {
+    let c = create(stream, config).await?;
+    let result = drain_consumer(&c, until, max).await;
+    discard(stream, &c);
+    result
+}
+
+async fn drain_consumer(
+    c: &consumer::Consumer<consumer::pull::Config>,
+    until: u64,
+    max: usize,
+) -> Result<Vec<StoredEvent>, ApiError> {
+    let mut out = Vec::new();
+    let mut pending = c.cached_info().num_pending;
+    while pending > 0 && out.len() < max {
+        let want = (max - out.len()).min(512).min(usize::try_from(pending).unwrap_or(512));
+        let mut batch = c
+            .fetch()
+            .max_messages(want)
+            .messages()
+            .await
+            .map_err(|e| ApiError::unavailable("fetch", e))?;
+        let mut got = 0usize;
+        while let Some(m) = batch.next().await {
+            let m = m.map_err(|e| ApiError::unavailable("fetch", e))?;
+            got += 1;
+            let Some(ev) = StoredEvent::from_message(&m) else {
+                continue;
+            };
+            pending = m.info().map(|i| i.pending).unwrap_or(0);
+            if ev.seq > until {
+                pending = 0;
+                break;
+            }
+            out.push(ev);
+            if out.len() >= max {
+                break;
+            }
+        }
+        if got == 0 {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// Filtered messages with `from <= seq <= to`, oldest first, at most `max`.
+pub async fn read_range(
+    stream: &Stream,
+    filters: &[String],
+    from: u64,
+    to: u64,
+    max: usize,
+) -> Result<Vec<StoredEvent>, ApiError> {
+    if from > to || max == 0 {
+        return Ok(Vec::new());
+    }
+    drain(stream, consumer_config(filters, from, None), to, max).await
+}
+
+/// The newest `limit` filtered messages with `first <= seq < before`, oldest first, and whether
+/// older ones exist.
+pub async fn newest_before(
+    stream: &Stream,
+    filters: &[String],
+    before: u64,
+    first: u64,
+    limit: usize,
+) -> Result<(Vec<StoredEvent>, bool), ApiError> {
+    let mut chunks: Vec<Vec<StoredEvent>> = Vec::new();
+    let mut have = 0usize;
+    let mut hi = before;
+    while have < limit && hi > first {
+        let need = limit - have;
+        let lo = start_of_last(stream, filters, first, hi, need).await?;
+        let mut got = read_range(stream, filters, lo, hi - 1, usize::MAX).await?;
+        let surplus = got.len().saturating_sub(need);
+        let older_in_window = surplus > 0;
+        got.drain(..surplus);
+        have += got.len();
+        chunks.push(got);
+        if older_in_window {
+            return Ok((flatten(chunks), true));
+        }
+        if lo <= first {
+            return Ok((flatten(chunks), false));
+        }
+        hi = lo;
+    }
+    // Full: there is more only if anything matches below the window read last.
+    let more = hi > first && count_below(stream, filters, first, hi).await? > 0;
+    Ok((flatten(chunks), more))
+}
+
+fn flatten(mut chunks: Vec<Vec<StoredEvent>>) -> Vec<StoredEvent> {
+    chunks.reverse();
+    chunks.into_iter().flatten().collect()
+}
+
+async fn count_below(stream: &Stream, filters: &[String], first: u64, hi: u64) -> Result<u64, ApiError> {
+    let all = count_from(stream, filters, first).await?;
+    let above = count_from(stream, filters, hi).await?;
+    Ok(all.saturating_sub(above))
+}
+
+/// A start sequence `lo` in `[first, hi)` with about `need` (at least `need`, unless `lo ==
+/// first`) filtered messages in `[lo, hi)`.
+async fn start_of_last(
+    stream: &Stream,
+    filters: &[String],
+    first: u64,
+    hi: u64,
+    need: usize,
+) -> Result<u64, ApiError> {
+    let need = need as u64;
+    // Small ranges are read whole.
+    if hi - first <= need * 4 + 64 {
+        return Ok(first);
+    }
+    let base = count_from(stream, filters, hi).await?;
+    let within = |c: u64| c.saturating_sub(base);
+    // Gallop back until the window holds enough.
+    let mut step = (need * 2).max(64);
+    let mut inner = hi; // holds fewer than `need`
+    let mut lo;
+    loop {
+        lo = hi.saturating_sub(step).max(first);
+        let c = within(count_from(stream, filters, lo).await?);
+        if c <= need * 2 + 16 && c >= need {
+            return Ok(lo);
+        }
+        if c >= need || lo == first {
+            if c < need {
+                return Ok(first);
+            }
+            break;
+        }
+        inner = lo;
+        step = step.saturating_mul(4);
+    }
+    // Bisect [lo, inner): count(lo) >= need, count(inner) < need.
+    let mut outer = lo;
+    while inner - outer > 1 {
+        let mid = outer + (inner - outer) / 2;
+        let c = within(count_from(stream, filters, mid).await?);
+        if c >= need {
+            outer = mid;
+            if c <= need * 2 + 16 {
+                break;
+            }
+        } else {
+            inner = mid;
+        }
+    }
+    Ok(outer)
+}
+
+/// The latest value of every session key (`$KV.<bucket>.*`; aliases have two tokens and are
+/// left out), skipping deleted ones.
+pub async fn all_sessions(js: &jetstream::Context, bucket: &str) -> Result<Vec<Bytes>, ApiError> {
+    let stream = js
+        .get_stream(format!("KV_{bucket}"))
+        .await
+        .map_err(|e| ApiError::unavailable("work-session bucket", e))?;
+    let config = consumer_config(
+        &[format!("$KV.{bucket}.*")],
+        1,
+        Some(consumer::DeliverPolicy::LastPerSubject),
+    );
+    let events = drain(&stream, config, u64::MAX, usize::MAX).await?;
+    Ok(events
+        .into_iter()
+        .filter(|e| {
+            let op = e
+                .headers
+                .as_ref()
+                .and_then(|h| h.get("KV-Operation"))
+                .map(|v| v.as_str().to_string());
+            !matches!(op.as_deref(), Some("DEL" | "PURGE"))
+        })
+        .map(|e| e.payload)
+        .collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn subjects_split_into_role_key_type() {
+        assert_eq!(
+            subject_parts("collab", "collab.proj.conversation.main.conv-1.a2a.response"),
+            (
+                Some("conversation.main".into()),
+                Some("conv-1".into()),
+                Some("a2a.response".into())
+            )
+        );
+        assert_eq!(subject_parts("collab", "other.proj.x"), (None, None, None));
+    }
+}

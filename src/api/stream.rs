@@ -1,0 +1,234 @@
+//! `GET /api/events/stream`: the same filters as Server-Sent Events.
+//!
+//! Each event's `id` is its cursor and its `data` the item `/api/events` returns. A client resumes
+//! with `Last-Event-ID` (or `after`): delivery restarts right after that sequence, so nothing is
+//! lost or repeated. Without either, the stream starts with the next event stored.
+//!
+//! One ordered consumer per client reads from JetStream into a bounded buffer (events and bytes).
+//! A client that reads more slowly than events arrive fills it; it then gets what was buffered, a
+//! final `event: error` (code `slow_consumer`, with the cursor to resume from), and the stream
+//! closes, so a slow client never makes the server hold unbounded memory.
+
+use super::auth::Caller;
+use super::error::ApiError;
+use super::events::{expired, resolve};
+use super::query::{decode_cursor, encode_cursor, Params};
+use super::store::{self, StoredEvent};
+use super::ApiState;
+use async_nats::jetstream::consumer;
+use axum::extract::State;
+use axum::http::HeaderMap;
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::Extension;
+use futures::StreamExt;
+use serde_json::json;
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::sync::mpsc;
+use tracing::{debug, warn};
+
+const PARAMS: [&str; 5] = ["role", "type", "key", "view", "after"];
+/// Consecutive consumer errors after which a stream gives up.
+const MAX_ERRORS: u32 = 10;
+
+/// Why a stream ended, told to the client in a final `event: error`.
+#[derive(Debug, Clone)]
+struct Termination {
+    code: &'static str,
+    message: String,
+}
+
+struct Item {
+    id: String,
+    data: String,
+}
+
+pub async fn stream(
+    State(state): State<ApiState>,
+    Extension(caller): Extension<Caller>,
+    headers: HeaderMap,
+    super::QueryPairs(pairs): super::QueryPairs,
+) -> Result<Response, ApiError> {
+    let params = Params::new(pairs, &PARAMS)?;
+    let r = resolve(&state, &caller, &params)?;
+    let header_cursor = headers
+        .get("last-event-id")
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+        .map(str::to_string);
+    let resume = match header_cursor.or(params.one("after")?.filter(|c| !c.is_empty())) {
+        Some(c) => Some(decode_cursor(&c)?),
+        None => None,
+    };
+    let (stream, first, last) = store::bounds(state.js(), &state.names().proj_stream).await?;
+    let start = match resume {
+        Some(c) if c.saturating_add(1) < first => return Err(expired(first)),
+        Some(c) => c.saturating_add(1),
+        None => last.saturating_add(1),
+    };
+    let (filter_subject, filter_subjects) = match r.filters.as_slice() {
+        [one] => (one.clone(), Vec::new()),
+        many => (String::new(), many.to_vec()),
+    };
+    let ordered = stream
+        .create_consumer(consumer::pull::OrderedConfig {
+            filter_subject,
+            filter_subjects,
+            deliver_policy: consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: start.max(1),
+            },
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| ApiError::unavailable("stream consumer", e))?;
+    let messages = ordered
+        .messages()
+        .await
+        .map_err(|e| ApiError::unavailable("stream consumer", e))?;
+
+    let limits = state.sse_limits();
+    let (tx, rx) = mpsc::channel::<Item>(limits.buffer_events.max(1));
+    let inflight = Arc::new(AtomicUsize::new(0));
+    let ending: Arc<Mutex<Option<Termination>>> = Arc::new(Mutex::new(None));
+    let prefix = state.names().prefix.clone();
+    state.stats().sse_clients.fetch_add(1, Ordering::Relaxed);
+    tokio::spawn(pump(
+        messages,
+        tx,
+        inflight.clone(),
+        ending.clone(),
+        state.clone(),
+        prefix,
+    ));
+
+    struct Body {
+        rx: mpsc::Receiver<Item>,
+        inflight: Arc<AtomicUsize>,
+        ending: Arc<Mutex<Option<Termination>>>,
+        last_id: Option<String>,
+        done: bool,
+    }
+    let body = Body {
+        rx,
+        inflight,
+        ending,
+        last_id: resume.map(encode_cursor),
+        done: false,
+    };
+    let events = futures::stream::unfold(body, |mut b| async move {
+        if b.done {
+            return None;
+        }
+        match b.rx.recv().await {
+            Some(item) => {
+                b.inflight.fetch_sub(item.data.len(), Ordering::Relaxed);
+                b.last_id = Some(item.id.clone());
+                let ev = Event::default().id(item.id).data(item.data);
+                Some((Ok::<Event, Infallible>(ev), b))
+            }
+            None => {
+                b.done = true;
+                let end = b.ending.lock().ok().and_then(|mut e| e.take());
+                let t = end?;
+                let data = json!({"error": {
+                    "code": t.code,
+                    "message": t.message,
+                    "resumeFrom": b.last_id,
+                }});
+                let ev = Event::default().event("error").data(data.to_string());
+                Some((Ok(ev), b))
+            }
+        }
+    });
+    // A comment first, so the client (and any proxy) sees the stream open at once.
+    let opening = futures::stream::once(async { Ok(Event::default().comment("stream open")) });
+    Ok(Sse::new(opening.chain(events))
+        .keep_alive(KeepAlive::new().interval(limits.keep_alive))
+        .into_response())
+}
+
+/// Read the consumer into the client's buffer until the client goes, falls behind, the server
+/// shuts down, or the store fails.
+async fn pump(
+    mut messages: consumer::pull::Ordered,
+    tx: mpsc::Sender<Item>,
+    inflight: Arc<AtomicUsize>,
+    ending: Arc<Mutex<Option<Termination>>>,
+    state: ApiState,
+    prefix: String,
+) {
+    let limits = state.sse_limits();
+    let shutdown = state.shutdown();
+    let mut errors = 0u32;
+    let end = loop {
+        let next = tokio::select! {
+            _ = tx.closed() => break None,
+            _ = shutdown.cancelled() => break None,
+            m = messages.next() => m,
+        };
+        let m = match next {
+            Some(Ok(m)) => {
+                errors = 0;
+                m
+            }
+            Some(Err(e)) => {
+                errors += 1;
+                debug!(error = %e, "event stream consumer error");
+                if errors >= MAX_ERRORS {
+                    warn!(error = %e, "event stream consumer keeps failing; closing the stream");
+                    break Some(Termination {
+                        code: "unavailable",
+                        message: "the event store stopped answering; reconnect with Last-Event-ID to resume".into(),
+                    });
+                }
+                continue;
+            }
+            None => {
+                break Some(Termination {
+                    code: "unavailable",
+                    message: "the event store closed the stream; reconnect with Last-Event-ID to resume".into(),
+                })
+            }
+        };
+        let Some(ev) = StoredEvent::from_message(&m) else {
+            continue;
+        };
+        let data = ev.item(&prefix).to_string();
+        let len = data.len();
+        let held = inflight.load(Ordering::Relaxed);
+        let over_bytes = held > 0 && held + len > limits.buffer_bytes;
+        let item = Item {
+            id: encode_cursor(ev.seq),
+            data,
+        };
+        if over_bytes {
+            break Some(slow());
+        }
+        inflight.fetch_add(len, Ordering::Relaxed);
+        match tx.try_send(item) {
+            Ok(()) => {}
+            Err(mpsc::error::TrySendError::Full(_)) => break Some(slow()),
+            Err(mpsc::error::TrySendError::Closed(_)) => break None,
+        }
+    };
+    if let Some(t) = end {
+        if t.code == "slow_consumer" {
+            state.stats().sse_overflows.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Ok(mut slot) = ending.lock() {
+            *slot = Some(t);
+        }
+    }
+    state.stats().sse_clients.fetch_sub(1, Ordering::Relaxed);
+    // Dropping `tx` ends the body after what is buffered; dropping `messages` stops the consumer.
+}
+
+fn slow() -> Termination {
+    Termination {
+        code: "slow_consumer",
+        message: "the client read events more slowly than they arrived and its buffer filled; reconnect with Last-Event-ID (resumeFrom) to continue without loss".into(),
+    }
+}

@@ -1,0 +1,2051 @@
+//! The `bench` command: throughput, latency and turn-book scale of the projector, measured in one
+//! run against a nats-server (one started per scenario when none is given), printed as a table
+//! or as JSON.
+//!
+//! Method (docs/performance.md says why):
+//! - **Throughput** (scenarios 1-4): N raw messages are preloaded into the raw stream while
+//!   nothing consumes it; then the pipeline under test starts and the clock runs from its first
+//!   input until every input is accounted for (acknowledged: its projections or dead letter are
+//!   stored), so the producer's speed never limits the figure. Each scenario gets a fresh server
+//!   (or, against a given server, a fresh prefix) so scenarios do not interfere.
+//!   1. *baseline passthrough*: the minimal safe copy raw -> proj in this binary (pull batches of
+//!      1000, up to 1024 publish acks in flight, republish with Msg-Id, ack after the publish ack);
+//!   2. the full pipeline on the demo's realistic mix; 3. turn-only traffic;
+//!   4. a *naive* pipeline that fetches one message per request (Redpanda Connect's input shape),
+//!      projects it, awaits its publish ack and acknowledges it.
+//! - **Latency** (1 and 2): messages are published at a fixed rate with the pipeline running;
+//!   a message's latency is the store time of its last output minus the store time of the raw
+//!   message (matched by `Collab-Source-Seq`), both stamped by the server's clock.
+//! - **CPU**: utime + stime from `/proc/<pid>/stat` of the nats-server and of this process over
+//!   the measured window (this process *is* the worker).
+//! - **Turn book**: memory per open turn (RSS growth while building the state a partition
+//!   keeps: the records map and the [`DeadlineBook`], built on a fresh thread before anything
+//!   else), the real recovery of N open turns written to the `turns` bucket (a worker's start
+//!   until every partition runs; and the reload alone), and the lateness of synthesised timeouts
+//!   with N turns open (probe sends with a short deadline: stored response minus deadline).
+
+use crate::app::{self, RunOptions};
+use crate::bus::{self, provision, turns::PartitionTurns, worker::Shared};
+use crate::classify::MainAgents;
+use crate::config::{Names, Settings};
+use crate::ingest;
+use crate::localnats::{LocalNats, LocalNatsError, LocalNatsOptions};
+use crate::pipeline::{self, RawMessage, H_SOURCE_SEQ};
+use crate::sim::{Generator, Mix, RawEvent, MAIN_AGENTS};
+use crate::turns::{self, book::DeadlineBook, TurnConfig, TurnEventKind, TurnFacts, TurnRecord};
+use async_nats::jetstream::{
+    self, consumer, consumer::PullConsumer, context::PublishAckFuture, message::PublishMessage,
+};
+use futures::StreamExt;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use std::collections::{HashMap, VecDeque};
+use std::fmt::Write as _;
+use std::str::FromStr;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+
+/// Why a benchmark could not run.
+#[derive(Debug, thiserror::Error)]
+pub enum BenchError {
+    #[error("starting a local nats-server: {0}")]
+    Local(#[from] LocalNatsError),
+    #[error(transparent)]
+    Connect(#[from] bus::ConnectError),
+    #[error(transparent)]
+    Provision(#[from] provision::ProvisionError),
+    #[error(transparent)]
+    App(#[from] app::AppError),
+    #[error("{what}: {detail}")]
+    Nats { what: String, detail: String },
+    #[error("{0}")]
+    Stalled(String),
+}
+
+fn nats_err(what: impl Into<String>) -> impl FnOnce(String) -> BenchError {
+    let what = what.into();
+    move |detail| BenchError::Nats { what, detail }
+}
+
+trait Ctx<T> {
+    fn ctx(self, what: &str) -> Result<T, BenchError>;
+}
+
+impl<T, E: std::fmt::Display> Ctx<T> for Result<T, E> {
+    fn ctx(self, what: &str) -> Result<T, BenchError> {
+        self.map_err(|e| nats_err(what)(e.to_string()))
+    }
+}
+
+/// A part of the benchmark, for `--only`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Part {
+    /// 1: the baseline passthrough.
+    Baseline,
+    /// 2: the full pipeline on realistic mixed traffic.
+    Mixed,
+    /// 3: the full pipeline on turn-only traffic.
+    Turns,
+    /// 4: the naive one-message-per-fetch pipeline.
+    Naive,
+    /// Latency at a fixed rate for 1 and 2.
+    Latency,
+    /// Turn-book scale: memory per open turn, recovery, timer lateness.
+    TurnBook,
+    /// Where the time goes: 2 and 3 again with the turn contract switched off
+    /// (`turns.enforce_roles = []`).
+    Breakdown,
+}
+
+impl Part {
+    pub const ALL: [Part; 7] = [
+        Part::Baseline,
+        Part::Mixed,
+        Part::Turns,
+        Part::Naive,
+        Part::Latency,
+        Part::TurnBook,
+        Part::Breakdown,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Part::Baseline => "baseline",
+            Part::Mixed => "mixed",
+            Part::Turns => "turns",
+            Part::Naive => "naive",
+            Part::Latency => "latency",
+            Part::TurnBook => "turnbook",
+            Part::Breakdown => "breakdown",
+        }
+    }
+}
+
+impl FromStr for Part {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Part, String> {
+        Part::ALL
+            .into_iter()
+            .find(|p| p.as_str().eq_ignore_ascii_case(s.trim()))
+            .ok_or_else(|| {
+                format!(
+                    "unknown part {s:?}; one of {}",
+                    Part::ALL.map(Part::as_str).join(", ")
+                )
+            })
+    }
+}
+
+/// What to measure and how much.
+#[derive(Debug, Clone)]
+pub struct BenchOptions {
+    /// A server to use (fresh prefix per scenario); `None` starts a nats-server per scenario.
+    pub nats_url: Option<String>,
+    /// Preloaded messages for scenarios 1-3.
+    pub messages: usize,
+    /// Preloaded messages for scenario 4 (one round trip each: keep it small).
+    pub naive_messages: usize,
+    /// Publish rate of the latency runs, messages per second.
+    pub latency_rate: u32,
+    /// How long each latency run publishes.
+    pub latency_duration: Duration,
+    /// Open-turn counts of the turn-book scale runs.
+    pub open_turns: Vec<usize>,
+    /// Probe sends per lateness run.
+    pub lateness_probes: usize,
+    /// The probes' own deadline (`timeoutMs`).
+    pub probe_timeout: Duration,
+    /// Partitions of the raw stream (the default configuration's 64).
+    pub partitions: u16,
+    /// Which parts to run.
+    pub parts: Vec<Part>,
+    /// Seed of the traffic generator.
+    pub seed: u64,
+    /// Draw progress bars on stderr (hidden anyway when stderr is not a terminal).
+    pub progress: bool,
+    /// A Prometheus recorder, as `run` installs one (metric updates are part of the hot path).
+    pub metrics: Option<metrics_exporter_prometheus::PrometheusHandle>,
+}
+
+impl Default for BenchOptions {
+    fn default() -> Self {
+        BenchOptions {
+            nats_url: None,
+            messages: 200_000,
+            naive_messages: 20_000,
+            latency_rate: 5_000,
+            latency_duration: Duration::from_secs(10),
+            open_turns: vec![100_000, 1_000_000],
+            lateness_probes: 1_000,
+            probe_timeout: Duration::from_secs(2),
+            partitions: Settings::default().nats.partitions,
+            parts: Part::ALL.to_vec(),
+            seed: 42,
+            progress: true,
+            metrics: None,
+        }
+    }
+}
+
+/// Everything one run measured.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct BenchReport {
+    pub machine: MachineInfo,
+    pub throughput: Vec<ThroughputResult>,
+    pub ratios: Ratios,
+    pub latency: Vec<LatencyResult>,
+    pub turn_book: Vec<TurnBookResult>,
+    pub core_costs: Option<CoreCosts>,
+    pub round_trips: Option<RoundTrips>,
+    pub targets: Vec<TargetResult>,
+    pub notes: Vec<String>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct MachineInfo {
+    pub cores: usize,
+    /// 1, 5 and 15 minute load averages when the run started and when it ended.
+    pub load_start: [f64; 3],
+    pub load_end: [f64; 3],
+    pub server_version: String,
+    pub server: String,
+    pub partitions: u16,
+    pub wall_seconds: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ThroughputResult {
+    pub id: u8,
+    pub scenario: String,
+    /// Raw messages processed.
+    pub inputs: u64,
+    /// Messages published (projections, turn responses, dead letters).
+    pub outputs: u64,
+    pub dead_lettered: u64,
+    pub avg_input_bytes: f64,
+    pub seconds: f64,
+    pub msg_per_s: f64,
+    /// Cores used over the window (CPU seconds / wall seconds); `None` for an external server.
+    pub server_cpu_cores: Option<f64>,
+    pub worker_cpu_cores: Option<f64>,
+    /// Time from starting the pipeline to its first input (not part of `seconds`).
+    pub startup_s: f64,
+    /// Writes to the turns bucket (every KV write is a JetStream publish).
+    pub kv_turn_writes: Option<u64>,
+    /// Progress marks written (one per acknowledged group per partition).
+    pub progress_writes: Option<u64>,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Ratios {
+    pub mixed_over_baseline: Option<f64>,
+    pub turns_over_baseline: Option<f64>,
+    pub baseline_over_naive: Option<f64>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct LatencyResult {
+    pub id: u8,
+    pub scenario: String,
+    pub target_rate: u32,
+    pub achieved_rate: f64,
+    pub sent: usize,
+    /// Inputs with at least one output found.
+    pub measured: usize,
+    pub p50_ms: f64,
+    pub p99_ms: f64,
+    pub p999_ms: f64,
+    pub max_ms: f64,
+}
+
+#[derive(Debug, Clone, Default, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TurnBookResult {
+    pub open_turns: usize,
+    /// RSS growth per turn of the partition state (records map + deadline book), built alone.
+    pub model_bytes_per_turn: Option<f64>,
+    /// Turns the real reload found open.
+    pub reloaded: Option<usize>,
+    /// Seconds to write the records (setup, not a figure of the projector).
+    pub setup_s: Option<f64>,
+    /// A worker's start (connect, check resources, leases, reload) until every partition runs.
+    pub worker_recovery_s: Option<f64>,
+    /// The reload alone (every partition concurrently).
+    pub reload_s: Option<f64>,
+    pub lateness_probes: usize,
+    pub lateness_answered: usize,
+    pub lateness_p50_ms: Option<f64>,
+    pub lateness_p99_ms: Option<f64>,
+    pub lateness_max_ms: Option<f64>,
+    pub note: Option<String>,
+}
+
+/// CPU cost of the pure core per input, measured in-process on the generator's traffic.
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CoreCosts {
+    /// Normalise + classify + serialise, realistic mix, microseconds per input.
+    pub mixed_us: f64,
+    /// The same plus the turn step (re-parse, facts, decision), turn-only traffic.
+    pub turns_us: f64,
+    /// Of which: the second JSON parse the worker does for every turn event.
+    pub turn_reparse_us: f64,
+}
+
+/// Serial round trips to the server, one at a time on a quiet server (microseconds each).
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct RoundTrips {
+    pub kv_get_us: f64,
+    pub kv_create_us: f64,
+    pub kv_update_us: f64,
+    pub publish_us: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TargetResult {
+    pub target: String,
+    pub measured: String,
+    /// `None`: not measured in this run.
+    pub met: Option<bool>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small helpers: /proc, percentiles, progress bars.
+
+/// utime + stime of a process, in seconds (USER_HZ is 100 on Linux).
+fn cpu_seconds(pid: Option<u32>) -> Option<f64> {
+    let path = match pid {
+        Some(p) => format!("/proc/{p}/stat"),
+        None => "/proc/self/stat".to_string(),
+    };
+    let text = std::fs::read_to_string(path).ok()?;
+    let rest = &text[text.rfind(')')? + 1..];
+    let fields: Vec<&str> = rest.split_whitespace().collect();
+    let utime: u64 = fields.get(11)?.parse().ok()?;
+    let stime: u64 = fields.get(12)?.parse().ok()?;
+    Some((utime + stime) as f64 / 100.0)
+}
+
+/// Resident set size of this process, bytes.
+fn rss_bytes() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = text.lines().find(|l| l.starts_with("VmRSS:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+fn loadavg() -> [f64; 3] {
+    let text = std::fs::read_to_string("/proc/loadavg").unwrap_or_default();
+    let mut it = text.split_whitespace().map(|v| v.parse().unwrap_or(0.0));
+    [
+        it.next().unwrap_or(0.0),
+        it.next().unwrap_or(0.0),
+        it.next().unwrap_or(0.0),
+    ]
+}
+
+/// The q-quantile (nearest rank) of sorted values.
+fn quantile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let rank = (q * sorted.len() as f64).ceil() as usize;
+    sorted[rank.clamp(1, sorted.len()) - 1]
+}
+
+#[derive(Clone, Copy)]
+struct CpuMark {
+    at: Instant,
+    server: Option<f64>,
+    worker: Option<f64>,
+}
+
+impl CpuMark {
+    fn now(server_pid: Option<u32>) -> CpuMark {
+        CpuMark {
+            at: Instant::now(),
+            server: server_pid.and_then(|p| cpu_seconds(Some(p))),
+            worker: cpu_seconds(None),
+        }
+    }
+
+    /// Cores used since `self`: (server, worker).
+    fn cores_until(&self, end: &CpuMark) -> (Option<f64>, Option<f64>) {
+        let wall = (end.at - self.at).as_secs_f64().max(1e-9);
+        let d = |a: Option<f64>, b: Option<f64>| Some((b? - a?) / wall);
+        (d(self.server, end.server), d(self.worker, end.worker))
+    }
+}
+
+fn bar(opts: &BenchOptions, len: u64, prefix: &str) -> ProgressBar {
+    if !opts.progress {
+        return ProgressBar::hidden();
+    }
+    let pb = ProgressBar::new(len);
+    let style = ProgressStyle::with_template(
+        "{prefix:<28} [{bar:32}] {human_pos:>9}/{human_len:<9} {per_sec:>14} {msg}",
+    )
+    .unwrap_or_else(|_| ProgressStyle::default_bar())
+    .progress_chars("=> ");
+    pb.set_style(style);
+    pb.set_prefix(prefix.to_string());
+    pb
+}
+
+fn say(opts: &BenchOptions, line: &str) {
+    if opts.progress {
+        eprintln!("{line}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// One scenario's server (or prefix on a given server).
+
+struct Env {
+    url: String,
+    prefix: String,
+    local: Option<LocalNats>,
+    js: jetstream::Context,
+    client: async_nats::Client,
+    partitions: u16,
+}
+
+impl Env {
+    async fn new(opts: &BenchOptions, tag: &str) -> Result<Env, BenchError> {
+        let (url, prefix, local) = match &opts.nats_url {
+            Some(url) => (
+                url.clone(),
+                format!("bench-{}-{tag}", std::process::id()),
+                None,
+            ),
+            None => {
+                let server = LocalNats::start(LocalNatsOptions::default()).await?;
+                (server.url(), "collab".to_string(), Some(server))
+            }
+        };
+        let (client, js) = bus::connect(&url, None, 1024, "collab-projector bench").await?;
+        Ok(Env {
+            url,
+            prefix,
+            local,
+            js,
+            client,
+            partitions: opts.partitions,
+        })
+    }
+
+    fn settings(&self) -> Settings {
+        let mut s = Settings::default();
+        s.nats.url = self.url.clone();
+        s.nats.prefix = self.prefix.clone();
+        s.nats.partitions = self.partitions;
+        s.http.enabled = false;
+        for agent in MAIN_AGENTS {
+            if !s.roles.main_agents.iter().any(|a| a == agent) {
+                s.roles.main_agents.push(agent.to_string());
+            }
+        }
+        s
+    }
+
+    fn names(&self) -> Names {
+        Names::new(&self.prefix)
+    }
+
+    fn server_pid(&self) -> Option<u32> {
+        self.local.as_ref().map(LocalNats::pid)
+    }
+
+    async fn provision(&self) -> Result<(), BenchError> {
+        provision::provision(&self.js, &self.settings()).await?;
+        Ok(())
+    }
+
+    /// Stop a server we started; on a given server, delete what this scenario created.
+    async fn close(mut self) {
+        if let Some(mut server) = self.local.take() {
+            server.stop().await;
+            return;
+        }
+        let n = self.names();
+        for s in [
+            n.raw_stream.clone(),
+            n.proj_stream.clone(),
+            n.dlq_stream.clone(),
+            format!("KV_{}", n.turns_bucket),
+            format!("KV_{}", n.sessions_bucket),
+            format!("KV_{}", n.progress_bucket),
+            format!("KV_{}", n.leases_bucket),
+            format!("OBJ_{}", n.blobs_store),
+        ] {
+            let _ = self.js.delete_stream(&s).await;
+        }
+        let _ = self.client.flush().await;
+    }
+
+    async fn stream_last_seq(&self, stream: &str) -> Option<u64> {
+        let mut s = self.js.get_stream(stream).await.ok()?;
+        Some(s.info().await.ok()?.state.last_sequence)
+    }
+
+    async fn stream_messages(&self, stream: &str) -> u64 {
+        match self.js.get_stream(stream).await {
+            Ok(mut s) => s.info().await.map(|i| i.state.messages).unwrap_or(0),
+            Err(_) => 0,
+        }
+    }
+
+    /// Every partition consumer has nothing pending and nothing unacknowledged.
+    async fn drained(&self) -> bool {
+        let names = self.names();
+        let Ok(stream) = self.js.get_stream(&names.raw_stream).await else {
+            return false;
+        };
+        let infos = futures::future::join_all(
+            (0..self.partitions).map(|p| stream.consumer_info(names.consumer_name(p))),
+        )
+        .await;
+        infos
+            .into_iter()
+            .all(|i| i.is_ok_and(|i| i.num_pending == 0 && i.num_ack_pending == 0))
+    }
+}
+
+/// Publish with a window of unawaited acks; the window stays below the context's cap.
+struct Publisher {
+    window: VecDeque<PublishAckFuture>,
+    limit: usize,
+    acked_seqs: Vec<u64>,
+    keep_seqs: bool,
+}
+
+impl Publisher {
+    fn new(limit: usize, keep_seqs: bool) -> Publisher {
+        Publisher {
+            window: VecDeque::with_capacity(limit),
+            limit,
+            acked_seqs: Vec::new(),
+            keep_seqs,
+        }
+    }
+
+    async fn publish(
+        &mut self,
+        js: &jetstream::Context,
+        subject: String,
+        body: bytes::Bytes,
+    ) -> Result<(), BenchError> {
+        if self.window.len() >= self.limit {
+            self.pop().await?;
+        }
+        let fut = js.publish(subject, body).await.ctx("publishing")?;
+        self.window.push_back(fut);
+        Ok(())
+    }
+
+    async fn pop(&mut self) -> Result<(), BenchError> {
+        if let Some(f) = self.window.pop_front() {
+            let ack = f.await.ctx("publish ack")?;
+            if self.keep_seqs {
+                self.acked_seqs.push(ack.sequence);
+            }
+        }
+        Ok(())
+    }
+
+    async fn flush(&mut self) -> Result<(), BenchError> {
+        while !self.window.is_empty() {
+            self.pop().await?;
+        }
+        Ok(())
+    }
+}
+
+/// Preload `n` raw messages of `mix`; returns the average body size.
+async fn preload(
+    env: &Env,
+    opts: &BenchOptions,
+    mix: Mix,
+    n: usize,
+    label: &str,
+) -> Result<f64, BenchError> {
+    let pb = bar(opts, n as u64, &format!("{label}: preload"));
+    let mut gen = Generator::new(&env.prefix, opts.seed, mix);
+    let mut publisher = Publisher::new(1000, false);
+    let mut sent = 0usize;
+    let mut bytes = 0usize;
+    'outer: loop {
+        for ev in gen.next_scenario() {
+            if sent >= n {
+                break 'outer;
+            }
+            bytes += ev.body.len();
+            publisher
+                .publish(&env.js, ev.subject, bytes::Bytes::from(ev.body))
+                .await?;
+            sent += 1;
+            if sent % 1000 == 0 {
+                pb.set_position(sent as u64);
+            }
+        }
+    }
+    publisher.flush().await?;
+    pb.finish_and_clear();
+    Ok(bytes as f64 / n.max(1) as f64)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scenario 1: the baseline passthrough.
+
+/// The minimal safe copy raw -> proj: pull batches of 1000, republish with a Msg-Id (up to 1024
+/// publish acks in flight), acknowledge each input after its publish ack. No other logic.
+struct Passthrough {
+    done: Arc<AtomicU64>,
+    first: Arc<OnceLock<Instant>>,
+    cancel: CancellationToken,
+    task: tokio::task::JoinHandle<Result<(), String>>,
+}
+
+async fn start_passthrough(env: &Env) -> Result<Passthrough, BenchError> {
+    let names = env.names();
+    let (_client, js) = bus::connect(&env.url, None, 1024, "bench passthrough").await?;
+    let stream = js
+        .get_stream(&names.raw_stream)
+        .await
+        .ctx("raw stream")?;
+    let consumer: PullConsumer = stream
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("bench-passthrough".into()),
+            filter_subject: format!("{}.in.>", names.prefix),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(30),
+            max_ack_pending: 20_000,
+            ..Default::default()
+        })
+        .await
+        .ctx("passthrough consumer")?;
+    let done = Arc::new(AtomicU64::new(0));
+    let first = Arc::new(OnceLock::new());
+    let cancel = CancellationToken::new();
+    let in_prefix = format!("{}.in.", names.prefix);
+    let out_prefix = format!("{}.proj.passthrough.", names.prefix);
+    let (d, f, c) = (done.clone(), first.clone(), cancel.clone());
+    let task = tokio::spawn(async move {
+        let mut messages = consumer
+            .stream()
+            .max_messages_per_batch(1000)
+            .messages()
+            .await
+            .map_err(|e| e.to_string())?;
+        let (tx, mut rx) = mpsc::channel::<(jetstream::Message, PublishAckFuture)>(1024);
+        let acker = tokio::spawn(async move {
+            while let Some((m, fut)) = rx.recv().await {
+                fut.await.map_err(|e| e.to_string())?;
+                m.ack().await.map_err(|e| e.to_string())?;
+                d.fetch_add(1, Ordering::Relaxed);
+            }
+            Ok::<(), String>(())
+        });
+        loop {
+            let next = tokio::select! {
+                _ = c.cancelled() => break,
+                m = messages.next() => m,
+            };
+            let Some(m) = next else { break };
+            let m = m.map_err(|e| e.to_string())?;
+            f.get_or_init(Instant::now);
+            let (stream, seq) = match m.info() {
+                Ok(i) => (i.stream.to_string(), i.stream_sequence),
+                Err(e) => return Err(e.to_string()),
+            };
+            let tail = m.subject.as_str().strip_prefix(&in_prefix).unwrap_or("x");
+            let publish = PublishMessage::build()
+                .payload(m.payload.clone())
+                .header(H_SOURCE_SEQ, seq.to_string().as_str())
+                .message_id(format!("{stream}:{seq}"));
+            let fut = js
+                .send_publish(format!("{out_prefix}{tail}"), publish)
+                .await
+                .map_err(|e| e.to_string())?;
+            if tx.send((m, fut)).await.is_err() {
+                break;
+            }
+        }
+        drop(tx);
+        acker.await.map_err(|e| e.to_string())?
+    });
+    Ok(Passthrough {
+        done,
+        first,
+        cancel,
+        task,
+    })
+}
+
+impl Passthrough {
+    async fn stop(self) -> Result<(), BenchError> {
+        self.cancel.cancel();
+        match self.task.await {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(e)) => Err(BenchError::Nats {
+                what: "passthrough".into(),
+                detail: e,
+            }),
+            Err(e) => Err(BenchError::Nats {
+                what: "passthrough".into(),
+                detail: e.to_string(),
+            }),
+        }
+    }
+}
+
+async fn throughput_baseline(env: &Env, opts: &BenchOptions) -> Result<ThroughputResult, BenchError> {
+    env.provision().await?;
+    let n = opts.messages;
+    let avg = preload(env, opts, Mix::REALISTIC, n, "1 baseline").await?;
+    let pb = bar(opts, n as u64, "1 baseline: run");
+    let started = Instant::now();
+    let copy = start_passthrough(env).await?;
+    let (t0, mark0) = wait_first(|| copy.first.get().copied(), env, Duration::from_secs(30)).await?;
+    let deadline = Instant::now() + stall_limit(n);
+    loop {
+        let done = copy.done.load(Ordering::Relaxed);
+        pb.set_position(done);
+        if done >= n as u64 {
+            break;
+        }
+        if Instant::now() > deadline {
+            return Err(BenchError::Stalled(format!(
+                "baseline: {done} of {n} copied before the time limit"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let mark1 = CpuMark::now(env.server_pid());
+    pb.finish_and_clear();
+    copy.stop().await?;
+    let seconds = (mark1.at - t0).as_secs_f64();
+    let (server, worker) = mark0.cores_until(&mark1);
+    Ok(ThroughputResult {
+        id: 1,
+        scenario: "baseline passthrough".into(),
+        inputs: n as u64,
+        outputs: n as u64,
+        dead_lettered: 0,
+        avg_input_bytes: avg,
+        seconds,
+        msg_per_s: n as f64 / seconds,
+        server_cpu_cores: server,
+        worker_cpu_cores: worker,
+        startup_s: (t0 - started).as_secs_f64(),
+        kv_turn_writes: None,
+        progress_writes: None,
+    })
+}
+
+/// Generous: only guards against a hang.
+fn stall_limit(n: usize) -> Duration {
+    Duration::from_secs(120) + Duration::from_millis(n as u64 * 2)
+}
+
+/// Wait for the first input; returns its instant and a CPU mark taken then.
+async fn wait_first(
+    first: impl Fn() -> Option<Instant>,
+    env: &Env,
+    limit: Duration,
+) -> Result<(Instant, CpuMark), BenchError> {
+    let deadline = Instant::now() + limit;
+    loop {
+        if let Some(t) = first() {
+            return Ok((t, CpuMark::now(env.server_pid())));
+        }
+        if Instant::now() > deadline {
+            return Err(BenchError::Stalled(
+                "the pipeline took no input within the time limit".into(),
+            ));
+        }
+        tokio::time::sleep(Duration::from_millis(1)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scenarios 2 and 3: the full pipeline.
+
+async fn start_app(
+    opts: &BenchOptions,
+    settings: Settings,
+) -> Result<(app::Running, Arc<Shared>, CancellationToken), BenchError> {
+    let cancel = CancellationToken::new();
+    let running = app::start(
+        settings,
+        RunOptions {
+            workers: true,
+            http: false,
+            metrics: opts.metrics.clone(),
+        },
+        cancel.clone(),
+    )
+    .await?;
+    let Some(shared) = running.worker.clone() else {
+        return Err(BenchError::Stalled("the app started no worker".into()));
+    };
+    Ok((running, shared, cancel))
+}
+
+async fn stop_app(running: app::Running, cancel: CancellationToken) {
+    cancel.cancel();
+    running.wait().await;
+}
+
+async fn throughput_pipeline(
+    env: &Env,
+    opts: &BenchOptions,
+    id: u8,
+    mix: Mix,
+    name: &str,
+    contract: bool,
+) -> Result<ThroughputResult, BenchError> {
+    env.provision().await?;
+    let n = opts.messages;
+    let label = format!("{id} {name}");
+    let avg = preload(env, opts, mix, n, &label).await?;
+    let names = env.names();
+    let kv0 = env
+        .stream_last_seq(&format!("KV_{}", names.turns_bucket))
+        .await;
+    let pr0 = env
+        .stream_last_seq(&format!("KV_{}", names.progress_bucket))
+        .await;
+    let pb = bar(opts, n as u64, &format!("{label}: run"));
+    let started = Instant::now();
+    let mut settings = env.settings();
+    if !contract {
+        settings.turns.enforce_roles.clear();
+    }
+    let (running, shared, cancel) = start_app(opts, settings).await?;
+    let state = shared.state.clone();
+    let first: OnceLock<Instant> = OnceLock::new();
+    let (t0, mark0) = wait_first(
+        || {
+            if state.inputs.load(Ordering::Relaxed) > 0 {
+                Some(*first.get_or_init(Instant::now))
+            } else {
+                None
+            }
+        },
+        env,
+        Duration::from_secs(60),
+    )
+    .await?;
+    let deadline = Instant::now() + stall_limit(n);
+    let mark1 = loop {
+        let inputs = state.inputs.load(Ordering::Relaxed);
+        pb.set_position(inputs.min(n as u64));
+        if inputs >= n as u64 && env.drained().await {
+            break CpuMark::now(env.server_pid());
+        }
+        if Instant::now() > deadline {
+            stop_app(running, cancel).await;
+            return Err(BenchError::Stalled(format!(
+                "{name}: {inputs} of {n} inputs processed before the time limit"
+            )));
+        }
+        tokio::time::sleep(Duration::from_millis(if inputs >= n as u64 { 2 } else { 5 })).await;
+    };
+    pb.finish_and_clear();
+    let outputs =
+        state.projected.load(Ordering::Relaxed) + state.dead_lettered.load(Ordering::Relaxed);
+    let dead = state.dead_lettered.load(Ordering::Relaxed);
+    stop_app(running, cancel).await;
+    let kv1 = env
+        .stream_last_seq(&format!("KV_{}", names.turns_bucket))
+        .await;
+    let pr1 = env
+        .stream_last_seq(&format!("KV_{}", names.progress_bucket))
+        .await;
+    let seconds = (mark1.at - t0).as_secs_f64();
+    let (server, worker) = mark0.cores_until(&mark1);
+    Ok(ThroughputResult {
+        id,
+        scenario: name.to_string(),
+        inputs: n as u64,
+        outputs,
+        dead_lettered: dead,
+        avg_input_bytes: avg,
+        seconds,
+        msg_per_s: n as f64 / seconds,
+        server_cpu_cores: server,
+        worker_cpu_cores: worker,
+        startup_s: (t0 - started).as_secs_f64(),
+        kv_turn_writes: kv0.zip(kv1).map(|(a, b)| b - a),
+        progress_writes: pr0.zip(pr1).map(|(a, b)| b - a),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Scenario 4: one message per fetch.
+
+fn ingest_settings(s: &Settings) -> ingest::Settings {
+    ingest::Settings {
+        main_agents: MainAgents::new(&s.roles.main_agents),
+        adapter_mode: s.adapter.mode,
+        adapter_limits: s.adapter_limits(),
+        max_payload_bytes: s.limits.max_payload_bytes,
+    }
+}
+
+async fn throughput_naive(env: &Env, opts: &BenchOptions) -> Result<ThroughputResult, BenchError> {
+    env.provision().await?;
+    let n = opts.naive_messages;
+    let avg = preload(env, opts, Mix::REALISTIC, n, "4 naive").await?;
+    let settings = env.settings();
+    let names = env.names();
+    let ing = ingest_settings(&settings);
+    let (_client, js) = bus::connect(&env.url, None, 1024, "bench naive").await?;
+    let stream = js.get_stream(&names.raw_stream).await.ctx("raw stream")?;
+    let consumer: PullConsumer = stream
+        .create_consumer(consumer::pull::Config {
+            durable_name: Some("bench-naive".into()),
+            filter_subject: format!("{}.in.>", names.prefix),
+            ack_policy: consumer::AckPolicy::Explicit,
+            ack_wait: Duration::from_secs(30),
+            ..Default::default()
+        })
+        .await
+        .ctx("naive consumer")?;
+    let pb = bar(opts, n as u64, "4 naive: run");
+    let mut done = 0u64;
+    let mut outputs = 0u64;
+    let mut dead = 0u64;
+    let mut t0 = None;
+    let mut mark0 = None;
+    let started = Instant::now();
+    let deadline = Instant::now() + stall_limit(n) * 5;
+    while done < n as u64 {
+        if Instant::now() > deadline {
+            return Err(BenchError::Stalled(format!(
+                "naive: {done} of {n} before the time limit"
+            )));
+        }
+        let mut batch = consumer
+            .fetch()
+            .max_messages(1)
+            .messages()
+            .await
+            .ctx("fetch")?;
+        let Some(m) = batch.next().await else {
+            continue;
+        };
+        let m = m.ctx("fetch")?;
+        if t0.is_none() {
+            t0 = Some(Instant::now());
+            mark0 = Some(CpuMark::now(env.server_pid()));
+        }
+        let info = m.info().ctx("message info")?;
+        let raw = RawMessage {
+            bytes: &m.payload,
+            stream: info.stream,
+            seq: info.stream_sequence,
+            stored_subject: m.subject.as_str(),
+            stored_at: info.published,
+            delivered: info.delivered,
+        };
+        for out in pipeline::project(&raw, &names, &ing, settings.consumer.max_deliver) {
+            let mut publish = PublishMessage::build()
+                .payload(out.payload.clone())
+                .message_id(out.msg_id.as_str());
+            for (k, v) in &out.headers {
+                publish = publish.header(*k, v.as_str());
+            }
+            js.send_publish(out.subject.clone(), publish)
+                .await
+                .ctx("publish")?
+                .await
+                .ctx("publish ack")?;
+            outputs += 1;
+            if matches!(out.kind, pipeline::OutKind::DeadLetter(_)) {
+                dead += 1;
+            }
+        }
+        m.ack().await.ctx("ack")?;
+        done += 1;
+        if done % 100 == 0 {
+            pb.set_position(done);
+        }
+    }
+    let mark1 = CpuMark::now(env.server_pid());
+    pb.finish_and_clear();
+    let t0 = t0.unwrap_or(started);
+    let mark0 = mark0.unwrap_or(mark1);
+    let seconds = (mark1.at - t0).as_secs_f64();
+    let (server, worker) = mark0.cores_until(&mark1);
+    Ok(ThroughputResult {
+        id: 4,
+        scenario: "naive: 1 message per fetch".into(),
+        inputs: done,
+        outputs,
+        dead_lettered: dead,
+        avg_input_bytes: avg,
+        seconds,
+        msg_per_s: done as f64 / seconds,
+        server_cpu_cores: server,
+        worker_cpu_cores: worker,
+        startup_s: (t0 - started).as_secs_f64(),
+        kv_turn_writes: None,
+        progress_writes: None,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Latency at a fixed rate.
+
+/// Every message of a stream (headers only) with its sequence, subject, store time (µs) and
+/// source-sequence header.
+async fn read_all(
+    js: &jetstream::Context,
+    stream: &str,
+    filter: Option<String>,
+) -> Result<Vec<(u64, String, i64, Option<u64>)>, BenchError> {
+    let mut s = js.get_stream(stream).await.ctx(stream)?;
+    let info = s.info().await.ctx(stream)?;
+    if info.state.messages == 0 {
+        return Ok(Vec::new());
+    }
+    let last = info.state.last_sequence;
+    let consumer = s
+        .create_consumer(consumer::pull::OrderedConfig {
+            headers_only: true,
+            filter_subject: filter.unwrap_or_default(),
+            ..Default::default()
+        })
+        .await
+        .ctx(stream)?;
+    let mut messages = consumer.messages().await.ctx(stream)?;
+    let mut out = Vec::new();
+    loop {
+        let next = tokio::time::timeout(Duration::from_secs(3), messages.next()).await;
+        let Ok(Some(Ok(m))) = next else { break };
+        let Ok(info) = m.info() else { continue };
+        let seq = info.stream_sequence;
+        let at = info.published.timestamp_micros();
+        let source = m
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(H_SOURCE_SEQ))
+            .and_then(|v| v.as_str().parse().ok());
+        out.push((seq, m.subject.to_string(), at, source));
+        if seq >= last || info.pending == 0 {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+enum UnderTest {
+    Baseline(Passthrough),
+    Pipeline(app::Running, Arc<Shared>, CancellationToken),
+}
+
+async fn latency_run(
+    env: &Env,
+    opts: &BenchOptions,
+    id: u8,
+) -> Result<LatencyResult, BenchError> {
+    env.provision().await?;
+    let name = if id == 1 {
+        "baseline passthrough"
+    } else {
+        "full pipeline, mixed"
+    };
+    let under = if id == 1 {
+        UnderTest::Baseline(start_passthrough(env).await?)
+    } else {
+        let (running, shared, cancel) = start_app(opts, env.settings()).await?;
+        let ready = Instant::now() + Duration::from_secs(60);
+        while shared.state.partitions_running.load(Ordering::Relaxed) < usize::from(env.partitions)
+        {
+            if Instant::now() > ready {
+                stop_app(running, cancel).await;
+                return Err(BenchError::Stalled("partitions did not start".into()));
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        UnderTest::Pipeline(running, shared, cancel)
+    };
+    let rate = f64::from(opts.latency_rate.max(1));
+    let total = (rate * opts.latency_duration.as_secs_f64()).round() as usize;
+    let pb = bar(opts, total as u64, &format!("{id} latency @{}/s", opts.latency_rate));
+    // Acks are awaited by another task so a slow ack never delays the schedule.
+    let (tx, mut rx) = mpsc::channel::<PublishAckFuture>(4096);
+    let acks = tokio::spawn(async move {
+        let mut failed = 0u64;
+        while let Some(f) = rx.recv().await {
+            if f.await.is_err() {
+                failed += 1;
+            }
+        }
+        failed
+    });
+    let mut gen = Generator::new(&env.prefix, opts.seed, Mix::REALISTIC);
+    let mut queue: VecDeque<RawEvent> = VecDeque::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);
+    let start = Instant::now();
+    let mut sent = 0usize;
+    while sent < total {
+        tick.tick().await;
+        let due = ((start.elapsed().as_secs_f64() * rate) as usize).min(total);
+        while sent < due {
+            if queue.is_empty() {
+                queue.extend(gen.next_scenario());
+            }
+            let Some(ev) = queue.pop_front() else { break };
+            let fut = env
+                .js
+                .publish(ev.subject, bytes::Bytes::from(ev.body))
+                .await
+                .ctx("publishing")?;
+            let _ = tx.send(fut).await;
+            sent += 1;
+        }
+        pb.set_position(sent as u64);
+    }
+    let publish_s = start.elapsed().as_secs_f64();
+    drop(tx);
+    let failed = acks.await.unwrap_or(0);
+    pb.finish_and_clear();
+    // Let the pipeline finish what was published.
+    let wait_until = Instant::now() + Duration::from_secs(60);
+    loop {
+        let finished = match &under {
+            UnderTest::Baseline(c) => c.done.load(Ordering::Relaxed) >= sent as u64,
+            UnderTest::Pipeline(_, shared, _) => {
+                shared.state.inputs.load(Ordering::Relaxed) >= sent as u64 && env.drained().await
+            }
+        };
+        if finished || Instant::now() > wait_until {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    match under {
+        UnderTest::Baseline(c) => c.stop().await?,
+        UnderTest::Pipeline(running, _, cancel) => stop_app(running, cancel).await,
+    }
+    let names = env.names();
+    let raw: HashMap<u64, i64> = read_all(&env.js, &names.raw_stream, None)
+        .await?
+        .into_iter()
+        .map(|(seq, _, at, _)| (seq, at))
+        .collect();
+    let mut last_out: HashMap<u64, i64> = HashMap::new();
+    for stream in [&names.proj_stream, &names.dlq_stream] {
+        for (_, _, at, source) in read_all(&env.js, stream, None).await? {
+            if let Some(src) = source.filter(|s| raw.contains_key(s)) {
+                let e = last_out.entry(src).or_insert(at);
+                *e = (*e).max(at);
+            }
+        }
+    }
+    let mut lat: Vec<f64> = last_out
+        .iter()
+        .filter_map(|(seq, out)| raw.get(seq).map(|r| (out - r) as f64 / 1000.0))
+        .collect();
+    lat.sort_by(f64::total_cmp);
+    if failed > 0 {
+        say(opts, &format!("  latency {id}: {failed} publishes failed"));
+    }
+    Ok(LatencyResult {
+        id,
+        scenario: name.into(),
+        target_rate: opts.latency_rate,
+        achieved_rate: sent as f64 / publish_s,
+        sent,
+        measured: lat.len(),
+        p50_ms: quantile(&lat, 0.50),
+        p99_ms: quantile(&lat, 0.99),
+        p999_ms: quantile(&lat, 0.999),
+        max_ms: lat.last().copied().unwrap_or(0.0),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Turn-book scale.
+
+/// The facts of a realistic main-main send, as the worker reads them.
+fn send_facts(i: usize, prefix: &str, stored_ms: i64, timeout_ms: u64) -> TurnFacts {
+    let key = format!("open-{i}");
+    let agents = ["ruda", "eden", "atlas", "main"];
+    TurnFacts {
+        kind: TurnEventKind::Send,
+        conversation_id: key.clone(),
+        subject: format!("{prefix}.raw.{key}.a2a.send"),
+        key,
+        turn: "0".into(),
+        seq: i as u64 + 1,
+        stored_ms,
+        failure: None,
+        failure_detail: None,
+        from_agent: Some(agents[i % 4].into()),
+        to_agent: Some(agents[(i + 1) % 4].into()),
+        run_id: Some(format!("run-{i}")),
+        target_session_key: None,
+        goal: Some("review the deploy plan".into()),
+        timeout_ms: Some(timeout_ms),
+    }
+}
+
+fn open_record(
+    i: usize,
+    prefix: &str,
+    partitions: u16,
+    stored_ms: i64,
+    timeout_ms: u64,
+) -> (String, TurnRecord) {
+    let cfg = TurnConfig {
+        default_timeout: Duration::from_secs(300),
+        max_timeout: Duration::from_secs(3600),
+    };
+    let facts = send_facts(i, prefix, stored_ms, timeout_ms);
+    let step = turns::on_event(None, &facts, &cfg);
+    let rec = step.write.map(|(r, _)| r).unwrap_or_else(|| TurnRecord {
+        conversation_id: facts.conversation_id.clone(),
+        key: facts.key.clone(),
+        turn: facts.turn.clone(),
+        state: turns::TurnState::Open,
+        send: None,
+        deadline_ms: None,
+        winner: None,
+        sender: None,
+        target: None,
+    });
+    let p = (i % usize::from(partitions.max(1))) as u16;
+    (facts.record_key(p), rec)
+}
+
+/// What a partition owner keeps per open turn, as in `PartitionTurns`.
+#[derive(Default)]
+struct ModelPartition {
+    open: HashMap<String, (TurnRecord, u64)>,
+    book: DeadlineBook,
+}
+
+/// RSS growth per open turn of the partition state, for each size in `sizes` (ascending),
+/// built incrementally on a fresh thread (its own allocator arena) before anything else ran.
+fn memory_model(sizes: &[usize], partitions: u16) -> Vec<(usize, Option<f64>)> {
+    let mut sorted: Vec<usize> = sizes.to_vec();
+    sorted.sort_unstable();
+    sorted.dedup();
+    let parts = usize::from(partitions.max(1));
+    let handle = std::thread::spawn(move || {
+        let now = chrono::Utc::now().timestamp_millis();
+        let mut model: Vec<ModelPartition> = (0..parts).map(|_| ModelPartition::default()).collect();
+        let base = rss_bytes();
+        let mut out = Vec::new();
+        let mut built = 0usize;
+        for n in sorted {
+            while built < n {
+                // As `PartitionTurns::reload` does: the record decoded from its KV value, its
+                // deadline armed, the record kept with its revision under its key.
+                let (key, rec) = open_record(built, "collab", partitions, now, 3_600_000);
+                let value = serde_json::to_vec(&rec).unwrap_or_default();
+                let Ok(rec) = serde_json::from_slice::<TurnRecord>(&value) else {
+                    break;
+                };
+                let p = &mut model[built % parts];
+                if let Some(d) = rec.deadline_ms {
+                    p.book.arm(&key, d);
+                }
+                p.open.insert(key.clone(), (rec, built as u64 + 1));
+                built += 1;
+            }
+            let per = base
+                .zip(rss_bytes())
+                .map(|(b, a)| a.saturating_sub(b) as f64 / n as f64);
+            out.push((n, per));
+        }
+        // Keep the model alive until the last measurement.
+        let held: usize = model.iter().map(|p| p.open.len() + p.book.len()).sum();
+        drop(model);
+        let _ = held;
+        out
+    });
+    handle.join().unwrap_or_default()
+}
+
+/// Write `n` open turn records straight into the turns bucket (pipelined KV puts).
+async fn write_open_turns(env: &Env, opts: &BenchOptions, n: usize) -> Result<(), BenchError> {
+    let names = env.names();
+    let pb = bar(opts, n as u64, &format!("turnbook {n}: write records"));
+    let now = chrono::Utc::now().timestamp_millis();
+    let mut publisher = Publisher::new(1000, false);
+    for i in 0..n {
+        let (key, rec) = open_record(i, &env.prefix, env.partitions, now, 3_600_000);
+        let body = serde_json::to_vec(&rec).unwrap_or_default();
+        publisher
+            .publish(
+                &env.js,
+                format!("$KV.{}.{key}", names.turns_bucket),
+                bytes::Bytes::from(body),
+            )
+            .await?;
+        if i % 1000 == 0 {
+            pb.set_position(i as u64);
+        }
+    }
+    publisher.flush().await?;
+    pb.finish_and_clear();
+    Ok(())
+}
+
+/// Reload every partition's open turns the way a starting worker does (all partitions
+/// concurrently), on a thread of its own. Returns (turns loaded, seconds).
+async fn direct_reload(env: &Env) -> Result<(usize, f64), BenchError> {
+    let js = env.js.clone();
+    let settings = env.settings();
+    let partitions = env.partitions;
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let result = (|| {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+                .map_err(|e| e.to_string())?;
+            rt.block_on(async move {
+                let shared = Shared::new(js, settings).await.map_err(|e| e.to_string())?;
+                let cancel = CancellationToken::new();
+                let t0 = Instant::now();
+                let loaded = futures::future::join_all((0..partitions).map(|p| {
+                    let shared = shared.clone();
+                    let cancel = cancel.clone();
+                    async move {
+                        let mut t = PartitionTurns::new(&shared, p)
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        t.reload(&shared, &cancel).await.map_err(|e| e.to_string())?;
+                        Ok::<PartitionTurns, String>(t)
+                    }
+                }))
+                .await;
+                let seconds = t0.elapsed().as_secs_f64();
+                let mut open = 0;
+                for t in &loaded {
+                    match t {
+                        Ok(t) => open += t.open_turns(),
+                        Err(e) => return Err(e.clone()),
+                    }
+                }
+                drop(loaded);
+                Ok((open, seconds))
+            })
+        })();
+        let _ = tx.send(result);
+    });
+    match rx.await {
+        Ok(Ok(r)) => Ok(r),
+        Ok(Err(e)) => Err(BenchError::Nats {
+            what: "reload".into(),
+            detail: e,
+        }),
+        Err(_) => Err(BenchError::Stalled("the reload thread died".into())),
+    }
+}
+
+async fn turn_book(
+    env: &Env,
+    opts: &BenchOptions,
+    n: usize,
+    model: Option<f64>,
+) -> Result<TurnBookResult, BenchError> {
+    let mut r = TurnBookResult {
+        open_turns: n,
+        model_bytes_per_turn: model,
+        lateness_probes: opts.lateness_probes,
+        ..Default::default()
+    };
+    env.provision().await?;
+    let t = Instant::now();
+    write_open_turns(env, opts, n).await?;
+    r.setup_s = Some(t.elapsed().as_secs_f64());
+
+    // A worker's recovery: start until every partition runs (reload included).
+    let pb = bar(opts, u64::from(env.partitions), &format!("turnbook {n}: recover"));
+    let t = Instant::now();
+    let (running, shared, cancel) = start_app(opts, env.settings()).await?;
+    let limit = Instant::now() + Duration::from_secs(600);
+    loop {
+        let up = shared.state.partitions_running.load(Ordering::Relaxed);
+        pb.set_position(up as u64);
+        if up >= usize::from(env.partitions) {
+            r.worker_recovery_s = Some(t.elapsed().as_secs_f64());
+            break;
+        }
+        if Instant::now() > limit {
+            r.note = Some("the worker did not start every partition within 600 s".into());
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    pb.finish_and_clear();
+
+    // Timer lateness with n turns open: probes with a short deadline, spread over ~5 s.
+    if r.worker_recovery_s.is_some() && opts.lateness_probes > 0 {
+        let probes = opts.lateness_probes;
+        let timeout_ms = u64::try_from(opts.probe_timeout.as_millis()).unwrap_or(2000);
+        let pb = bar(opts, probes as u64, &format!("turnbook {n}: probes"));
+        let spacing = Duration::from_secs_f64(5.0 / probes as f64);
+        let mut publisher = Publisher::new(500, true);
+        let start = Instant::now();
+        for i in 0..probes {
+            let due = start + spacing * i as u32;
+            tokio::time::sleep_until(due.into()).await;
+            let conv = format!("late-{i}");
+            let body = serde_json::json!({"type":"a2a.send","agentId":"ruda","ts":chrono::Utc::now().timestamp_millis(),"data":{
+                "fromAgent":"ruda","toAgent":"eden","conversationId":conv,"runId":format!("run-late-{i}"),
+                "message":"Please check the flaky integration test.","goal":"check the flaky integration test",
+                "timeoutMs": timeout_ms,"fromSessionType":"main","toSessionType":"main"}});
+            publisher
+                .publish(
+                    &env.js,
+                    format!("{}.raw.{conv}.a2a.send", env.prefix),
+                    bytes::Bytes::from(serde_json::to_vec(&body).unwrap_or_default()),
+                )
+                .await?;
+            pb.set_position(i as u64 + 1);
+        }
+        publisher.flush().await?;
+        pb.finish_and_clear();
+        // Each probe yields its send's projection and, after the deadline, its blocked response.
+        let names = env.names();
+        let wait_until = Instant::now() + opts.probe_timeout + Duration::from_secs(20);
+        while env.stream_messages(&names.proj_stream).await < 2 * probes as u64
+            && Instant::now() < wait_until
+        {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        let sends: HashMap<String, i64> = read_all(&env.js, &names.raw_stream, None)
+            .await?
+            .into_iter()
+            .filter_map(|(_, subject, at, _)| {
+                let key = subject.split('.').nth(3)?.to_string();
+                key.starts_with("late-").then_some((key, at))
+            })
+            .collect();
+        let responses = read_all(
+            &env.js,
+            &names.proj_stream,
+            Some(format!("{}.proj.conversation.main.*.a2a.response", env.prefix)),
+        )
+        .await?;
+        let mut late: Vec<f64> = responses
+            .into_iter()
+            .filter_map(|(_, subject, at, _)| {
+                let key = subject.split('.').nth(4)?;
+                let sent = sends.get(key)?;
+                let deadline_us = sent + i64::try_from(timeout_ms).unwrap_or(0) * 1000;
+                Some((at - deadline_us) as f64 / 1000.0)
+            })
+            .collect();
+        late.sort_by(f64::total_cmp);
+        r.lateness_answered = late.len();
+        if !late.is_empty() {
+            r.lateness_p50_ms = Some(quantile(&late, 0.5));
+            r.lateness_p99_ms = Some(quantile(&late, 0.99));
+            r.lateness_max_ms = late.last().copied();
+        }
+    }
+    stop_app(running, cancel).await;
+    drop(shared);
+
+    // The reload alone, and the memory it holds.
+    let (loaded, seconds) = direct_reload(env).await?;
+    r.reloaded = Some(loaded);
+    r.reload_s = Some(seconds);
+    if loaded < n {
+        let msg = format!("the reload found {loaded} of {n} open turns");
+        r.note = Some(match r.note.take() {
+            Some(prev) => format!("{prev}; {msg}"),
+            None => msg,
+        });
+    }
+    Ok(r)
+}
+
+// ---------------------------------------------------------------------------------------------
+// Where the time goes: the pure core per input, and serial round trips.
+
+fn core_costs(seed: u64) -> CoreCosts {
+    let settings = {
+        let mut s = Settings::default();
+        for agent in MAIN_AGENTS {
+            s.roles.main_agents.push(agent.to_string());
+        }
+        s
+    };
+    let names = settings.names();
+    let ing = ingest_settings(&settings);
+    let corpus = |mix: Mix| -> Vec<(String, Vec<u8>)> {
+        let mut gen = Generator::new("collab", seed, mix);
+        let mut out = Vec::new();
+        while out.len() < 20_000 {
+            for ev in gen.next_scenario() {
+                let stored = ev.subject.replacen(".raw.", ".in.0.", 1);
+                out.push((stored, ev.body));
+            }
+        }
+        out
+    };
+    let stored_at = chrono::Utc::now();
+    let mixed = corpus(Mix::REALISTIC);
+    let t = Instant::now();
+    for (i, (subject, body)) in mixed.iter().enumerate() {
+        let r = RawMessage {
+            bytes: body,
+            stream: "COLLAB_RAW",
+            seq: i as u64 + 1,
+            stored_subject: subject,
+            stored_at,
+            delivered: 1,
+        };
+        std::hint::black_box(pipeline::project(&r, &names, &ing, 10));
+    }
+    let mixed_us = t.elapsed().as_secs_f64() * 1e6 / mixed.len() as f64;
+
+    let turn_corpus = corpus(Mix::TURNS_ONLY);
+    let cfg = TurnConfig {
+        default_timeout: settings.turns.default_timeout,
+        max_timeout: settings.turns.max_timeout,
+    };
+    let mut reparse = Duration::ZERO;
+    let mut turn_events = 0usize;
+    let t = Instant::now();
+    for (i, (subject, body)) in turn_corpus.iter().enumerate() {
+        let r = RawMessage {
+            bytes: body,
+            stream: "COLLAB_RAW",
+            seq: i as u64 + 1,
+            stored_subject: subject,
+            stored_at,
+            delivered: 1,
+        };
+        let Ok(events) = pipeline::normalize_raw(&r, &names, &ing, 10) else {
+            continue;
+        };
+        for n in &events {
+            let Some(conv) = n.conversation_id.as_deref() else {
+                std::hint::black_box(pipeline::projection(&names, n, r.seq, String::new()));
+                continue;
+            };
+            let t1 = Instant::now();
+            let obj = serde_json::from_slice::<serde_json::Value>(body).ok();
+            reparse += t1.elapsed();
+            turn_events += 1;
+            let Some(obj) = obj else { continue };
+            let Some(map) = obj.as_object() else { continue };
+            let Some(f) = turns::facts(
+                map,
+                &n.envelope.event_type,
+                conv,
+                &n.key,
+                r.seq,
+                stored_at.timestamp_millis(),
+                &pipeline::producer_subject("collab", subject),
+            ) else {
+                continue;
+            };
+            let step = turns::on_event(None, &f, &cfg);
+            std::hint::black_box(step.write.map(|(rec, _)| serde_json::to_vec(&rec)));
+            std::hint::black_box(pipeline::projection(
+                &names,
+                n,
+                r.seq,
+                format!("COLLAB_RAW:{}:0", r.seq),
+            ));
+        }
+    }
+    let turns_us = t.elapsed().as_secs_f64() * 1e6 / turn_corpus.len() as f64;
+    CoreCosts {
+        mixed_us,
+        turns_us,
+        turn_reparse_us: reparse.as_secs_f64() * 1e6 / turn_events.max(1) as f64,
+    }
+}
+
+async fn round_trips(env: &Env) -> Result<RoundTrips, BenchError> {
+    env.provision().await?;
+    let names = env.names();
+    let kv = env
+        .js
+        .get_key_value(&names.turns_bucket)
+        .await
+        .ctx("turns bucket")?;
+    const N: usize = 500;
+    let mut revs = Vec::with_capacity(N);
+    let t = Instant::now();
+    for i in 0..N {
+        revs.push(
+            kv.create(format!("rt.{i}"), bytes::Bytes::from_static(b"{}"))
+                .await
+                .ctx("kv create")?,
+        );
+    }
+    let create = t.elapsed();
+    let t = Instant::now();
+    for (i, rev) in revs.iter().enumerate() {
+        kv.update(format!("rt.{i}"), bytes::Bytes::from_static(b"{\"a\":1}"), *rev)
+            .await
+            .ctx("kv update")?;
+    }
+    let update = t.elapsed();
+    let t = Instant::now();
+    for i in 0..N {
+        std::hint::black_box(kv.entry(format!("rt.{i}")).await.ctx("kv get")?);
+    }
+    let get = t.elapsed();
+    let t = Instant::now();
+    for i in 0..N {
+        env.js
+            .publish(
+                format!("{}.proj.rt.{i}", env.prefix),
+                bytes::Bytes::from_static(b"{}"),
+            )
+            .await
+            .ctx("publish")?
+            .await
+            .ctx("publish ack")?;
+    }
+    let publish = t.elapsed();
+    let us = |d: Duration| d.as_secs_f64() * 1e6 / N as f64;
+    Ok(RoundTrips {
+        kv_get_us: us(get),
+        kv_create_us: us(create),
+        kv_update_us: us(update),
+        publish_us: us(publish),
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// The run.
+
+/// Run the selected parts and return everything measured.
+pub async fn run(opts: BenchOptions) -> Result<BenchReport, BenchError> {
+    let wall = Instant::now();
+    let load_start = loadavg();
+    let want = |p: Part| opts.parts.contains(&p);
+    let mut report = BenchReport {
+        machine: MachineInfo {
+            cores: std::thread::available_parallelism().map_or(1, usize::from),
+            load_start,
+            load_end: [0.0; 3],
+            server_version: String::new(),
+            server: match &opts.nats_url {
+                Some(url) => format!("external {url} (a fresh prefix per scenario; no server CPU)"),
+                None => "nats-server started by bench, a fresh one per scenario".into(),
+            },
+            partitions: opts.partitions,
+            wall_seconds: 0.0,
+        },
+        throughput: Vec::new(),
+        ratios: Ratios::default(),
+        latency: Vec::new(),
+        turn_book: Vec::new(),
+        core_costs: None,
+        round_trips: None,
+        targets: Vec::new(),
+        notes: Vec::new(),
+    };
+
+    // Memory first: a fresh process has no freed memory that would hide the growth.
+    let mut model: HashMap<usize, Option<f64>> = HashMap::new();
+    if want(Part::TurnBook) && !opts.open_turns.is_empty() {
+        say(&opts, "turn book: measuring memory per open turn");
+        let sizes = opts.open_turns.clone();
+        let parts = opts.partitions;
+        let m = tokio::task::spawn_blocking(move || memory_model(&sizes, parts))
+            .await
+            .unwrap_or_default();
+        model.extend(m);
+    }
+    if want(Part::Mixed) || want(Part::Turns) {
+        let seed = opts.seed;
+        report.core_costs = tokio::task::spawn_blocking(move || core_costs(seed)).await.ok();
+    }
+
+    let mut version = None;
+    let mut note_version = |env: &Env| {
+        if version.is_none() {
+            version = Some(env.client.server_info().version);
+        }
+    };
+
+    if want(Part::Baseline) {
+        let env = Env::new(&opts, "base").await?;
+        note_version(&env);
+        let r = throughput_baseline(&env, &opts).await;
+        env.close().await;
+        let r = r?;
+        say(&opts, &format!("1 baseline passthrough: {:.0} msg/s", r.msg_per_s));
+        report.throughput.push(r);
+    }
+    if want(Part::Mixed) {
+        let env = Env::new(&opts, "mixed").await?;
+        note_version(&env);
+        let r = throughput_pipeline(&env, &opts, 2, Mix::REALISTIC, "full pipeline, mixed", true).await;
+        env.close().await;
+        let r = r?;
+        say(&opts, &format!("2 full pipeline, mixed: {:.0} msg/s", r.msg_per_s));
+        report.throughput.push(r);
+    }
+    if want(Part::Turns) {
+        let env = Env::new(&opts, "turns").await?;
+        note_version(&env);
+        let r = throughput_pipeline(&env, &opts, 3, Mix::TURNS_ONLY, "full pipeline, turns only", true)
+            .await;
+        let rt = match &r {
+            Ok(_) => Some(round_trips(&env).await),
+            Err(_) => None,
+        };
+        env.close().await;
+        let r = r?;
+        say(&opts, &format!("3 full pipeline, turns only: {:.0} msg/s", r.msg_per_s));
+        report.throughput.push(r);
+        report.round_trips = rt.transpose()?;
+    }
+    if want(Part::Naive) {
+        let env = Env::new(&opts, "naive").await?;
+        note_version(&env);
+        let r = throughput_naive(&env, &opts).await;
+        env.close().await;
+        let r = r?;
+        say(&opts, &format!("4 naive: {:.0} msg/s", r.msg_per_s));
+        report.throughput.push(r);
+    }
+    if want(Part::Latency) {
+        for id in [1u8, 2] {
+            let env = Env::new(&opts, &format!("lat{id}")).await?;
+            note_version(&env);
+            let r = latency_run(&env, &opts, id).await;
+            env.close().await;
+            let r = r?;
+            say(
+                &opts,
+                &format!(
+                    "{id} latency @{}/s: p50 {:.1} ms, p99 {:.1} ms",
+                    r.target_rate, r.p50_ms, r.p99_ms
+                ),
+            );
+            report.latency.push(r);
+        }
+    }
+    if want(Part::TurnBook) {
+        let mut sizes = opts.open_turns.clone();
+        sizes.sort_unstable();
+        sizes.dedup();
+        for n in sizes {
+            let env = Env::new(&opts, &format!("book{n}")).await?;
+            note_version(&env);
+            let r = turn_book(&env, &opts, n, model.get(&n).copied().flatten()).await;
+            env.close().await;
+            let r = r?;
+            say(
+                &opts,
+                &format!(
+                    "turn book {n}: recovery {:.2} s, lateness p99 {} ms",
+                    r.worker_recovery_s.unwrap_or(f64::NAN),
+                    r.lateness_p99_ms
+                        .map_or("-".to_string(), |v| format!("{v:.0}"))
+                ),
+            );
+            report.turn_book.push(r);
+        }
+    }
+
+    if want(Part::Breakdown) {
+        for (id, mix, name) in [
+            (5u8, Mix::REALISTIC, "2 without the turn contract"),
+            (6u8, Mix::TURNS_ONLY, "3 without the turn contract"),
+        ] {
+            let env = Env::new(&opts, &format!("nocontract{id}")).await?;
+            note_version(&env);
+            let r = throughput_pipeline(&env, &opts, id, mix, name, false).await;
+            env.close().await;
+            let r = r?;
+            say(&opts, &format!("{id} {name}: {:.0} msg/s", r.msg_per_s));
+            report.throughput.push(r);
+        }
+    }
+
+    report.machine.server_version = version.unwrap_or_default();
+    report.machine.load_end = loadavg();
+    report.machine.wall_seconds = wall.elapsed().as_secs_f64();
+    finish(&mut report);
+    Ok(report)
+}
+
+/// Ratios, targets and notes from the measurements.
+fn finish(report: &mut BenchReport) {
+    let rate = |id: u8| {
+        report
+            .throughput
+            .iter()
+            .find(|t| t.id == id)
+            .map(|t| t.msg_per_s)
+    };
+    let (base, mixed, turns_only, naive) = (rate(1), rate(2), rate(3), rate(4));
+    report.ratios = Ratios {
+        mixed_over_baseline: mixed.zip(base).map(|(a, b)| a / b),
+        turns_over_baseline: turns_only.zip(base).map(|(a, b)| a / b),
+        baseline_over_naive: base.zip(naive).map(|(a, b)| a / b),
+    };
+    let mut targets = Vec::new();
+    let mut ratio_target = |name: &str, v: Option<f64>, min: f64| {
+        targets.push(TargetResult {
+            target: format!("{name} >= {min}x"),
+            measured: v.map_or("not measured".into(), |v| format!("{v:.2}x")),
+            met: v.map(|v| v >= min),
+        });
+    };
+    ratio_target("mixed / baseline", report.ratios.mixed_over_baseline, 0.8);
+    ratio_target("turn-only / baseline", report.ratios.turns_over_baseline, 0.5);
+    ratio_target("baseline / naive", report.ratios.baseline_over_naive, 20.0);
+    let p99 = |id: u8| report.latency.iter().find(|l| l.id == id).map(|l| l.p99_ms);
+    let lat = p99(2).zip(p99(1));
+    targets.push(TargetResult {
+        target: "p99 latency, mixed <= 2x baseline's at the same rate".into(),
+        measured: lat.map_or("not measured".into(), |(m, b)| {
+            format!("{m:.1} ms vs {b:.1} ms ({:.2}x)", m / b.max(1e-9))
+        }),
+        met: lat.map(|(m, b)| m <= 2.0 * b),
+    });
+    let book = |n: usize| report.turn_book.iter().find(|t| t.open_turns == n);
+    let b100 = book(100_000);
+    let late = b100.and_then(|b| b.lateness_p99_ms);
+    targets.push(TargetResult {
+        target: "timer lateness p99 <= 250 ms with 100k open".into(),
+        measured: late.map_or("not measured".into(), |v| format!("{v:.0} ms")),
+        met: late.map(|v| v <= 250.0),
+    });
+    let mem = b100.and_then(|b| b.model_bytes_per_turn);
+    targets.push(TargetResult {
+        target: "<= 300 bytes per open turn (100k open)".into(),
+        measured: mem.map_or("not measured".into(), |v| format!("{v:.0} B")),
+        met: mem.map(|v| v <= 300.0),
+    });
+    let rec = b100.and_then(|b| b.worker_recovery_s);
+    targets.push(TargetResult {
+        target: "100k open turns recovered <= 3 s".into(),
+        measured: rec.map_or("not measured".into(), |v| format!("{v:.2} s")),
+        met: rec.map(|v| v <= 3.0),
+    });
+    report.targets = targets;
+    if report.machine.load_start[0] > 1.5 {
+        report.notes.push(format!(
+            "load average was {:.2} at the start: other work on the machine affects these figures",
+            report.machine.load_start[0]
+        ));
+    }
+    for t in &report.turn_book {
+        if let Some(n) = &t.note {
+            report.notes.push(format!("turn book {}: {n}", t.open_turns));
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Output.
+
+fn opt(v: Option<f64>, digits: usize) -> String {
+    v.map_or("-".into(), |v| format!("{v:.digits$}"))
+}
+
+/// The report as a plain-text table.
+pub fn render(report: &BenchReport) -> String {
+    let m = &report.machine;
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "collab-projector bench: {} cores, nats-server {}, {} partitions, load {:.2} at start ({:.2} at end), {:.0} s",
+        m.cores, m.server_version, m.partitions, m.load_start[0], m.load_end[0], m.wall_seconds
+    );
+    let _ = writeln!(s, "server: {}", m.server);
+    if !report.throughput.is_empty() {
+        let _ = writeln!(s, "\nThroughput (preloaded, clock from first input to all acknowledged)");
+        let _ = writeln!(
+            s,
+            "{:<3} {:<28} {:>8} {:>8} {:>7} {:>10} {:>8} {:>8} {:>9} {:>9}",
+            "#", "scenario", "inputs", "outputs", "secs", "msg/s", "srv cpu", "wkr cpu", "kv writes", "progress"
+        );
+        for t in &report.throughput {
+            let _ = writeln!(
+                s,
+                "{:<3} {:<28} {:>8} {:>8} {:>7.2} {:>10.0} {:>8} {:>8} {:>9} {:>9}",
+                t.id,
+                t.scenario,
+                t.inputs,
+                t.outputs,
+                t.seconds,
+                t.msg_per_s,
+                opt(t.server_cpu_cores, 2),
+                opt(t.worker_cpu_cores, 2),
+                t.kv_turn_writes.map_or("-".into(), |v| v.to_string()),
+                t.progress_writes.map_or("-".into(), |v| v.to_string()),
+            );
+        }
+        let r = &report.ratios;
+        let _ = writeln!(
+            s,
+            "ratios: 2/1 {}   3/1 {}   1/4 {}",
+            opt(r.mixed_over_baseline, 2),
+            opt(r.turns_over_baseline, 2),
+            opt(r.baseline_over_naive, 1)
+        );
+    }
+    if !report.latency.is_empty() {
+        let _ = writeln!(s, "\nEnd-to-end latency (raw store time -> last output store time)");
+        let _ = writeln!(
+            s,
+            "{:<3} {:<28} {:>7} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8}",
+            "#", "scenario", "rate", "achieved", "measured", "p50 ms", "p99 ms", "p999 ms", "max ms"
+        );
+        for l in &report.latency {
+            let _ = writeln!(
+                s,
+                "{:<3} {:<28} {:>7} {:>9.0} {:>8} {:>8.1} {:>8.1} {:>8.1} {:>8.1}",
+                l.id, l.scenario, l.target_rate, l.achieved_rate, l.measured, l.p50_ms, l.p99_ms, l.p999_ms, l.max_ms
+            );
+        }
+    }
+    if !report.turn_book.is_empty() {
+        let _ = writeln!(s, "\nTurn book scale");
+        let _ = writeln!(
+            s,
+            "{:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            "open", "bytes per", "worker", "reload", "reloaded", "late p50", "late p99", "late max"
+        );
+        let _ = writeln!(
+            s,
+            "{:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            "turns", "open turn", "recovery", "alone", "", "ms", "ms", "ms"
+        );
+        for t in &report.turn_book {
+            let _ = writeln!(
+                s,
+                "{:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+                t.open_turns,
+                opt(t.model_bytes_per_turn, 0),
+                opt(t.worker_recovery_s, 2),
+                opt(t.reload_s, 2),
+                t.reloaded.map_or("-".into(), |v| v.to_string()),
+                opt(t.lateness_p50_ms, 0),
+                opt(t.lateness_p99_ms, 0),
+                opt(t.lateness_max_ms, 0),
+            );
+        }
+        if let Some(t) = report.turn_book.first() {
+            let _ = writeln!(
+                s,
+                "recovery and reload in seconds; lateness of synthesised timeouts: {} of {} probes answered (first run)",
+                t.lateness_answered, t.lateness_probes
+            );
+        }
+    }
+    if let Some(c) = &report.core_costs {
+        let _ = writeln!(
+            s,
+            "\nPure core per input (in-process): mixed {:.1} µs, turn-only {:.1} µs (of which re-parse {:.1} µs per turn event)",
+            c.mixed_us, c.turns_us, c.turn_reparse_us
+        );
+    }
+    if let Some(r) = &report.round_trips {
+        let _ = writeln!(
+            s,
+            "Serial round trips on a quiet server: KV get {:.0} µs, KV create {:.0} µs, KV update {:.0} µs, publish+ack {:.0} µs",
+            r.kv_get_us, r.kv_create_us, r.kv_update_us, r.publish_us
+        );
+    }
+    let _ = writeln!(s, "\nTargets");
+    for t in &report.targets {
+        let verdict = match t.met {
+            Some(true) => "met",
+            Some(false) => "NOT met",
+            None => "not measured",
+        };
+        let _ = writeln!(s, "  {:<56} {:<28} {}", t.target, t.measured, verdict);
+    }
+    for n in &report.notes {
+        let _ = writeln!(s, "note: {n}");
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn quantiles_use_the_nearest_rank() {
+        let v: Vec<f64> = (1..=1000).map(f64::from).collect();
+        assert_eq!(quantile(&v, 0.5), 500.0);
+        assert_eq!(quantile(&v, 0.99), 990.0);
+        assert_eq!(quantile(&v, 0.999), 999.0);
+        assert_eq!(quantile(&[], 0.5), 0.0);
+        assert_eq!(quantile(&[7.0], 0.999), 7.0);
+    }
+
+    #[test]
+    fn parts_parse_by_name() {
+        assert_eq!("Mixed".parse::<Part>(), Ok(Part::Mixed));
+        assert_eq!("turnbook".parse::<Part>(), Ok(Part::TurnBook));
+        assert!("nope".parse::<Part>().is_err());
+    }
+
+    #[test]
+    fn proc_readers_work_here() {
+        assert!(cpu_seconds(None).is_some());
+        assert!(rss_bytes().is_some_and(|b| b > 0));
+    }
+
+    #[test]
+    fn open_records_are_open_with_a_deadline() {
+        let (key, rec) = open_record(5, "collab", 64, 1_000, 60_000);
+        assert_eq!(key, "p5.open-5.0");
+        assert_eq!(rec.state, turns::TurnState::Open);
+        assert_eq!(rec.deadline_ms, Some(61_000));
+    }
+
+    #[test]
+    fn targets_are_judged_only_when_measured() {
+        let mut r = BenchReport {
+            machine: MachineInfo {
+                cores: 2,
+                load_start: [0.0; 3],
+                load_end: [0.0; 3],
+                server_version: String::new(),
+                server: String::new(),
+                partitions: 64,
+                wall_seconds: 0.0,
+            },
+            throughput: Vec::new(),
+            ratios: Ratios::default(),
+            latency: Vec::new(),
+            turn_book: Vec::new(),
+            core_costs: None,
+            round_trips: None,
+            targets: Vec::new(),
+            notes: Vec::new(),
+        };
+        finish(&mut r);
+        assert!(r.targets.iter().all(|t| t.met.is_none()));
+        assert!(render(&r).contains("not measured"));
+    }
+}
