@@ -3,6 +3,7 @@
 
 use crate::bus::{self, leases, provision, worker};
 use crate::config::Settings;
+use crate::api;
 use crate::http::{self, HttpState};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
@@ -31,6 +32,8 @@ pub enum AppError {
     Provision(#[from] provision::ProvisionError),
     #[error(transparent)]
     Worker(#[from] worker::WorkerError),
+    #[error("HTTP: {0}")]
+    Refused(String),
     #[error("HTTP: cannot listen on {addr}: {source}")]
     Listen {
         addr: String,
@@ -94,6 +97,23 @@ pub async fn start(
             "provisioned missing resources"
         );
     }
+    // Bind first: a refused address (non-loopback without access control) must stop the
+    // process before it takes any partition.
+    let mut listener = None;
+    if opts.http && settings.http.enabled {
+        let l = tokio::net::TcpListener::bind(&settings.http.addr)
+            .await
+            .map_err(|source| AppError::Listen {
+                addr: settings.http.addr.clone(),
+                source,
+            })?;
+        let bound = l.local_addr().map_err(|source| AppError::Listen {
+            addr: settings.http.addr.clone(),
+            source,
+        })?;
+        api::check_bind(&bound, &settings.http).map_err(AppError::Refused)?;
+        listener = Some(l);
+    }
     let tracker = TaskTracker::new();
     let partitions = settings.nats.partitions;
     let shared = if opts.workers {
@@ -117,13 +137,7 @@ pub async fn start(
         None
     };
     let mut http_addr = None;
-    if opts.http && settings.http.enabled {
-        let listener = tokio::net::TcpListener::bind(&settings.http.addr)
-            .await
-            .map_err(|source| AppError::Listen {
-                addr: settings.http.addr.clone(),
-                source,
-            })?;
+    if let Some(listener) = listener.take() {
         let addr = listener.local_addr().ok();
         http_addr = addr;
         let state = HttpState {
@@ -131,7 +145,12 @@ pub async fn start(
             client: Some(client.clone()),
             metrics: opts.metrics.clone(),
         };
-        let router = http::router(state);
+        let mut router = http::router(state);
+        if settings.http.api {
+            let api_state = api::ApiState::new(js.clone(), settings.names(), &settings.http)
+                .with_shutdown(cancel.clone());
+            router = router.merge(api::router(api_state));
+        }
         let cancel = cancel.clone();
         tracker.spawn(async move {
             let serve = axum::serve(listener, router)

@@ -95,6 +95,10 @@ pub async fn run(
             settings.roles.main_agents.push(agent.to_string());
         }
     }
+    if std::net::TcpListener::bind(&settings.http.addr).is_err() {
+        // Something already listens there (another demo?): take any free loopback port.
+        settings.http.addr = "127.0.0.1:0".into();
+    }
     let prefix = settings.nats.prefix.clone();
     let running = app::start(
         settings.clone(),

@@ -15,6 +15,8 @@
 //! - [`app`]: the `run` command: workers, HTTP, signals.
 //! - [`ops`]: operator commands: `audit`, `dlq replay`.
 //! - [`http`]: health, readiness and metrics endpoints.
+//! - [`api`]: the projection API for UIs: events, live stream (SSE), work sessions, MPLP export.
+//! - [`sessions`]: work-session aggregation (pure), kept in KV by the workers.
 //! - [`localnats`]: start a local nats-server for `demo`, `bench` and tests.
 //! - [`sim`]: the traffic generator of `demo` and `bench`.
 //! - [`demo`]: the `demo` command.
@@ -22,6 +24,7 @@
 //! - [`turns`]: the turn contract: the pure state machine, the deadline set, blocked outcomes.
 //! - [`telemetry`]: logging and metric names.
 
+pub mod api;
 pub mod app;
 pub mod bench;
 pub mod bus;
@@ -35,6 +38,7 @@ pub mod localnats;
 pub mod model;
 pub mod ops;
 pub mod pipeline;
+pub mod sessions;
 pub mod sim;
 pub mod telemetry;
 pub mod turns;

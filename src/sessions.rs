@@ -198,12 +198,17 @@ pub struct WorkSession {
     /// A conversation name given by the producers.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
-    /// The first message's text, shortened: the title when there is no name.
+    /// The first message's text (earliest in event time), shortened: the title when there is
+    /// no name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub first_message: Option<String>,
-    /// The goal of the first send that named one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_message_at: Option<String>,
+    /// The goal of the earliest send that named one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub goal: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub goal_at: Option<String>,
     /// Event time of the earliest and latest event.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub created_at: Option<String>,
@@ -322,6 +327,16 @@ fn later(a: &str, b: &str) -> bool {
     match (parse_time(a), parse_time(b)) {
         (Some(x), Some(y)) => x > y,
         _ => a > b,
+    }
+}
+
+/// Whether a value at `at` replaces `value` set at `value_at`: when there is none yet, or it is
+/// earlier.
+fn earliest(value: &Option<String>, value_at: &Option<String>, at: Option<&str>) -> bool {
+    match (value, value_at, at) {
+        (None, _, _) => true,
+        (Some(_), Some(prev), Some(at)) => later(prev, at),
+        _ => false,
     }
 }
 
@@ -456,11 +471,20 @@ pub fn apply_mut(
     }
     let text = message_text(env);
     if env.event_type.starts_with("a2a.") {
-        if s.first_message.is_none() {
-            s.first_message = text.map(|t| shorten(t, TITLE_CHARS));
+        // Events of a session arrive from several partitions in any order: keep the earliest.
+        if let Some(t) = text {
+            if earliest(&s.first_message, &s.first_message_at, at.as_deref()) {
+                s.first_message = Some(shorten(t, TITLE_CHARS));
+                s.first_message_at = at.clone();
+            }
         }
-        if s.goal.is_none() && env.event_type == "a2a.send" {
-            s.goal = field_str(env, "goal").map(|g| shorten(g, PREVIEW_CHARS));
+        if env.event_type == "a2a.send" {
+            if let Some(g) = field_str(env, "goal") {
+                if earliest(&s.goal, &s.goal_at, at.as_deref()) {
+                    s.goal = Some(shorten(g, PREVIEW_CHARS));
+                    s.goal_at = at.clone();
+                }
+            }
         }
     }
     if let Some(t) = text {
@@ -515,7 +539,8 @@ pub fn apply_mut(
             note_participant(s, &pid, role, kind, name);
         }
     }
-    if role == Role::DelegationSubagent && matches!(env.event_type.as_str(), "a2a.send" | "a2a.spawn")
+    if role == Role::DelegationSubagent
+        && matches!(env.event_type.as_str(), "a2a.send" | "a2a.spawn")
     {
         if let (Some(f), Some(t)) = (&from, &to) {
             if let Some(p) = s.participants.get_mut(f) {
@@ -745,7 +770,12 @@ impl WorkSession {
     }
 
     /// The status at `now`.
-    pub fn status(&self, now: DateTime<Utc>, quiet_after: Duration, archive_after: Duration) -> Status {
+    pub fn status(
+        &self,
+        now: DateTime<Utc>,
+        quiet_after: Duration,
+        archive_after: Duration,
+    ) -> Status {
         Status::at(self.updated_at.as_deref(), now, quiet_after, archive_after)
     }
 
@@ -944,11 +974,18 @@ mod tests {
     fn turns_participants_counts_and_preview() {
         let s = fold(&[
             (send(0, "2026-02-17T12:00:00.000Z"), raw(3, 10)),
-            (response(0, "2026-02-17T12:00:05.000Z", json!({})), Identity::TurnResponse),
+            (
+                response(0, "2026-02-17T12:00:05.000Z", json!({})),
+                Identity::TurnResponse,
+            ),
             (send(1, "2026-02-17T12:01:00.000Z"), raw(3, 12)),
             (send(2, "2026-02-17T12:02:00.000Z"), raw(3, 13)),
             (
-                response(2, "2026-02-17T12:03:00.000Z", json!({"outcome": "blocked", "reason": "timeout"})),
+                response(
+                    2,
+                    "2026-02-17T12:03:00.000Z",
+                    json!({"outcome": "blocked", "reason": "timeout"}),
+                ),
                 Identity::TurnResponse,
             ),
         ])
@@ -963,7 +1000,10 @@ mod tests {
         assert_eq!(v.thread_count, 1);
         assert_eq!(v.threads[0].from_agent.as_deref(), Some("ruda"));
         assert_eq!(v.last_message_preview.as_deref(), Some("done 2"));
-        assert_eq!(v.last_message_timestamp.as_deref(), Some("2026-02-17T12:03:00.000Z"));
+        assert_eq!(
+            v.last_message_timestamp.as_deref(),
+            Some("2026-02-17T12:03:00.000Z")
+        );
         assert_eq!(v.created_at.as_deref(), Some("2026-02-17T12:00:00.000Z"));
         assert_eq!(v.status, Status::Active);
         let ids: Vec<_> = v.participants.iter().map(|p| p.id.as_str()).collect();
@@ -1010,7 +1050,10 @@ mod tests {
     #[test]
     fn a_response_before_its_send_closes_the_turn() {
         let s = fold(&[
-            (response(0, "2026-02-17T12:00:05.000Z", json!({})), Identity::TurnResponse),
+            (
+                response(0, "2026-02-17T12:00:05.000Z", json!({})),
+                Identity::TurnResponse,
+            ),
             (send(0, "2026-02-17T12:00:00.000Z"), raw(1, 3)),
         ])
         .expect("a session");
@@ -1018,6 +1061,8 @@ mod tests {
         assert_eq!((v.open_turns, v.answered_turns), (0, 1));
         assert_eq!(v.created_at.as_deref(), Some("2026-02-17T12:00:00.000Z"));
         assert_eq!(v.updated_at.as_deref(), Some("2026-02-17T12:00:05.000Z"));
+        // The title is the earliest message, whatever the order of application.
+        assert_eq!(v.title, "please do 0");
         // The newest message wins the preview whatever the order of application.
         assert_eq!(v.last_message_preview.as_deref(), Some("done 0"));
     }
@@ -1054,7 +1099,10 @@ mod tests {
         assert_eq!((lead.id.as_str(), lead.kind), ("lead", Kind::Human));
         assert_eq!(lead.display_name.as_deref(), Some("Ada"));
         assert!(lead.coordinator);
-        assert_eq!(v.participants[1].display_name.as_deref(), Some("Worker One"));
+        assert_eq!(
+            v.participants[1].display_name.as_deref(),
+            Some("Worker One")
+        );
         assert!(v.participants[1].worker);
         assert_eq!(v.participants[1].kind, Kind::Agent);
         // A later default never overrides a known kind.
@@ -1082,9 +1130,16 @@ mod tests {
         .expect("session");
         let main_only = s.view(&opts(&[Role::ConversationMain])).expect("visible");
         assert_eq!(main_only.event_count, 1);
-        assert_eq!(main_only.last_message_preview.as_deref(), Some("please do 0"));
-        assert!(!main_only.counts_by_type.contains_key("a2a.response.suppressed"));
-        let obs_only = s.view(&opts(&[Role::SystemObservability])).expect("visible");
+        assert_eq!(
+            main_only.last_message_preview.as_deref(),
+            Some("please do 0")
+        );
+        assert!(!main_only
+            .counts_by_type
+            .contains_key("a2a.response.suppressed"));
+        let obs_only = s
+            .view(&opts(&[Role::SystemObservability]))
+            .expect("visible");
         assert_eq!(obs_only.open_turns, 0);
         assert_eq!(obs_only.participants.len(), 1);
         assert!(s.view(&opts(&[Role::OrchestrationTask])).is_none());
@@ -1168,7 +1223,10 @@ mod tests {
         assert_eq!(s.created_at.as_deref(), Some("2026-02-17T12:00:00.100Z"));
         let text = serde_json::to_string(&s).unwrap_or_default();
         assert!(text.contains("\"workSessionId\":\"ws_1\""), "{text}");
-        assert!(text.contains("\"applied\":{\"9\":{\"floor\":[1,0]}}"), "{text}");
+        assert!(
+            text.contains("\"applied\":{\"9\":{\"floor\":[1,0]}}"),
+            "{text}"
+        );
         let back: WorkSession = serde_json::from_str(&text).unwrap_or_default();
         assert_eq!(back, s);
     }

@@ -130,10 +130,7 @@ impl Caller {
                     .map(|r| r.as_str())
                     .collect();
                 if denied.is_empty() {
-                    Ok(Role::ALL
-                        .into_iter()
-                        .filter(|r| req.contains(r))
-                        .collect())
+                    Ok(Role::ALL.into_iter().filter(|r| req.contains(r)).collect())
                 } else {
                     Err(ApiError::new(
                         StatusCode::FORBIDDEN,

@@ -114,16 +114,25 @@ pub async fn list(
                 return Err(expired(first));
             }
             let hi = b.min(last.saturating_add(1));
-            let (events, more) = store::newest_before(&stream, &r.filters, hi, first, limit).await?;
+            let (events, more) =
+                store::newest_before(&stream, &r.filters, hi, first, limit).await?;
             let next = events.last().map_or(b.saturating_sub(1), |e| e.seq);
-            let prev = if more { events.first().map(|e| e.seq) } else { None };
+            let prev = if more {
+                events.first().map(|e| e.seq)
+            } else {
+                None
+            };
             (events, next, prev)
         }
         (None, None) => {
             let (events, more) =
                 store::newest_before(&stream, &r.filters, last.saturating_add(1), first, limit)
                     .await?;
-            let prev = if more { events.first().map(|e| e.seq) } else { None };
+            let prev = if more {
+                events.first().map(|e| e.seq)
+            } else {
+                None
+            };
             (events, last, prev)
         }
     };

@@ -12,8 +12,8 @@
 //!   else the first message, else a sentence naming the session.
 
 use crate::sessions::{SessionView, Status, WorkSession};
-use sha2::{Digest, Sha256};
 use serde_json::{json, Map, Value};
+use sha2::{Digest, Sha256};
 
 pub const PROTOCOL_VERSION: &str = "1.0.0";
 pub const SCHEMA_VERSION: &str = "1.0.0";

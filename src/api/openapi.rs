@@ -27,18 +27,35 @@ fn error_response(description: &str) -> Value {
 
 /// The document.
 pub fn document() -> Value {
-    let roles = json!(["conversation.main", "delegation.subagent", "orchestration.task", "system.observability"]);
+    let roles = json!([
+        "conversation.main",
+        "delegation.subagent",
+        "orchestration.task",
+        "system.observability"
+    ]);
     let role = list_param("role", "Event roles, comma-separated or repeated. Default: every role the token may read. Naming a role outside the token's grant is a 403.");
-    let typ = list_param("type", "Event types, comma-separated or repeated (dot-separated tokens, no spaces, `*` or `>`).");
+    let typ = list_param(
+        "type",
+        "Event types, comma-separated or repeated (dot-separated tokens, no spaces, `*` or `>`).",
+    );
     let key = list_param("key", "Ordering key (conversation id for a2a.*). An id that is not a subject token is encoded by the id rule.");
     let view = param("view", "Preset: `conversations` (role=conversation.main, type=a2a.response) or `debug` (type=a2a.send,a2a.response,a2a.complete). Explicit role/type replace the preset's.", json!({"type": "string", "enum": ["conversations", "debug"]}));
     let cursor_schema = json!({"type": "string"});
     let common_errors = |extra: &[(&str, &str)]| {
         let mut m = serde_json::Map::new();
         m.insert("400".into(), error_response("A parameter is invalid (unknown role, malformed type, bad cursor, unknown parameter); the error lists the valid values."));
-        m.insert("401".into(), error_response("No or an invalid bearer token (when access control is on)."));
-        m.insert("403".into(), error_response("A named role is outside the token's grant."));
-        m.insert("503".into(), error_response("The event store (NATS) is unavailable."));
+        m.insert(
+            "401".into(),
+            error_response("No or an invalid bearer token (when access control is on)."),
+        );
+        m.insert(
+            "403".into(),
+            error_response("A named role is outside the token's grant."),
+        );
+        m.insert(
+            "503".into(),
+            error_response("The event store (NATS) is unavailable."),
+        );
         for (code, d) in extra {
             m.insert((*code).into(), error_response(d));
         }
@@ -220,6 +237,9 @@ mod tests {
             .as_array()
             .map(|a| a.iter().filter_map(|p| p["name"].as_str()).collect())
             .unwrap_or_default();
-        assert_eq!(names, ["role", "type", "key", "view", "limit", "after", "before"]);
+        assert_eq!(
+            names,
+            ["role", "type", "key", "view", "limit", "after", "before"]
+        );
     }
 }

@@ -214,7 +214,12 @@ pub fn limit(params: &Params, default: usize, max: usize) -> Result<usize, ApiEr
 
 /// The subject filters of a selection on the projection stream:
 /// `<prefix>.proj.<role>.<key|*>.<type|>>`.
-pub fn subject_filters(prefix: &str, roles: &[Role], keys: &[String], types: &[String]) -> Vec<String> {
+pub fn subject_filters(
+    prefix: &str,
+    roles: &[Role],
+    keys: &[String],
+    types: &[String],
+) -> Vec<String> {
     let any_key = ["*".to_string()];
     let any_type = [">".to_string()];
     let keys: &[String] = if keys.is_empty() { &any_key } else { keys };
@@ -286,7 +291,9 @@ mod tests {
             Some(vec![Role::ConversationMain, Role::SystemObservability])
         );
         let e = roles(&p(&[("role", "conversation.mian")])).err();
-        assert!(e.is_some_and(|e| e.message.contains("conversation.main") && e.code == "invalid_role"));
+        assert!(
+            e.is_some_and(|e| e.message.contains("conversation.main") && e.code == "invalid_role")
+        );
         assert!(types(&p(&[("type", "custom.thing.v2")])).is_ok());
         for bad in ["a b", "a.*", "a.>", "a..b", ".a"] {
             assert!(types(&p(&[("type", bad)])).is_err(), "{bad}");
@@ -307,7 +314,11 @@ mod tests {
         let d = selection(&p(&[("view", "debug")])).ok().map(|s| s.types);
         assert_eq!(
             d,
-            Some(vec!["a2a.send".into(), "a2a.response".into(), "a2a.complete".into()])
+            Some(vec![
+                "a2a.send".into(),
+                "a2a.response".into(),
+                "a2a.complete".into()
+            ])
         );
         let e = selection(&p(&[("view", "conversations"), ("type", "a2a.send")]))
             .ok()
@@ -328,7 +339,10 @@ mod tests {
         let all = subject_filters("collab", &Role::ALL, &[], &[]);
         assert_eq!(all.len(), 4);
         assert_eq!(all[0], "collab.proj.conversation.main.*.>");
-        assert_eq!(keys(&p(&[("key", "agent:eden:main")])), ["_bYWdlbnQ6ZWRlbjptYWlu"]);
+        assert_eq!(
+            keys(&p(&[("key", "agent:eden:main")])),
+            ["_bYWdlbnQ6ZWRlbjptYWlu"]
+        );
         assert_eq!(keys(&p(&[("key", "conv-1")])), ["conv-1"]);
     }
 

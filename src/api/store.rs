@@ -58,7 +58,10 @@ impl StoredEvent {
 }
 
 /// `<prefix>.proj.<r1>.<r2>.<key>.<type...>` -> (role, key, type).
-pub fn subject_parts(prefix: &str, subject: &str) -> (Option<String>, Option<String>, Option<String>) {
+pub fn subject_parts(
+    prefix: &str,
+    subject: &str,
+) -> (Option<String>, Option<String>, Option<String>) {
     let Some(rest) = subject
         .strip_prefix(prefix)
         .and_then(|r| r.strip_prefix(".proj."))
@@ -67,9 +70,11 @@ pub fn subject_parts(prefix: &str, subject: &str) -> (Option<String>, Option<Str
     };
     let mut it = rest.splitn(4, '.');
     match (it.next(), it.next(), it.next(), it.next()) {
-        (Some(a), Some(b), Some(k), Some(t)) => {
-            (Some(format!("{a}.{b}")), Some(k.to_string()), Some(t.to_string()))
-        }
+        (Some(a), Some(b), Some(k), Some(t)) => (
+            Some(format!("{a}.{b}")),
+            Some(k.to_string()),
+            Some(t.to_string()),
+        ),
         _ => (None, None, None),
     }
 }
@@ -85,7 +90,11 @@ pub async fn bounds(js: &jetstream::Context, name: &str) -> Result<(Stream, u64,
     Ok((stream, first, last))
 }
 
-fn consumer_config(filters: &[String], start: u64, policy: Option<consumer::DeliverPolicy>) -> consumer::pull::Config {
+fn consumer_config(
+    filters: &[String],
+    start: u64,
+    policy: Option<consumer::DeliverPolicy>,
+) -> consumer::pull::Config {
     let (filter_subject, filter_subjects) = match filters {
         [one] => (one.clone(), Vec::new()),
         many => (String::new(), many.to_vec()),
@@ -153,7 +162,9 @@ async fn drain_consumer(
     let mut out = Vec::new();
     let mut pending = c.cached_info().num_pending;
     while pending > 0 && out.len() < max {
-        let want = (max - out.len()).min(512).min(usize::try_from(pending).unwrap_or(512));
+        let want = (max - out.len())
+            .min(512)
+            .min(usize::try_from(pending).unwrap_or(512));
         let mut batch = c
             .fetch()
             .max_messages(want)
@@ -237,7 +248,12 @@ fn flatten(mut chunks: Vec<Vec<StoredEvent>>) -> Vec<StoredEvent> {
     chunks.into_iter().flatten().collect()
 }
 
-async fn count_below(stream: &Stream, filters: &[String], first: u64, hi: u64) -> Result<u64, ApiError> {
+async fn count_below(
+    stream: &Stream,
+    filters: &[String],
+    first: u64,
+    hi: u64,
+) -> Result<u64, ApiError> {
     let all = count_from(stream, filters, first).await?;
     let above = count_from(stream, filters, hi).await?;
     Ok(all.saturating_sub(above))
@@ -329,7 +345,10 @@ mod tests {
     #[test]
     fn subjects_split_into_role_key_type() {
         assert_eq!(
-            subject_parts("collab", "collab.proj.conversation.main.conv-1.a2a.response"),
+            subject_parts(
+                "collab",
+                "collab.proj.conversation.main.conv-1.a2a.response"
+            ),
             (
                 Some("conversation.main".into()),
                 Some("conv-1".into()),

@@ -189,7 +189,9 @@ async fn pump(
             None => {
                 break Some(Termination {
                     code: "unavailable",
-                    message: "the event store closed the stream; reconnect with Last-Event-ID to resume".into(),
+                    message:
+                        "the event store closed the stream; reconnect with Last-Event-ID to resume"
+                            .into(),
                 })
             }
         };

@@ -2,6 +2,7 @@
 
 pub mod leases;
 pub mod provision;
+pub mod sessions;
 pub mod turns;
 pub mod worker;
 

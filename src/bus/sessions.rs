@@ -279,10 +279,7 @@ impl SessionWriter {
     }
 
     fn cached(&self, conv: &str) -> Option<String> {
-        self.aliases
-            .lock()
-            .ok()
-            .and_then(|m| m.get(conv).cloned())
+        self.aliases.lock().ok().and_then(|m| m.get(conv).cloned())
     }
 
     fn cache(&self, conv: &str, ws: &str) {
@@ -328,7 +325,9 @@ mod tests {
             }
         );
         let sup = identity(3, 17, "COLLAB_RAW:17:suppressed", 1, false);
-        assert!(matches!(sup, Identity::Raw { position: Position(17, n), in_order: false, .. } if n > 2));
+        assert!(
+            matches!(sup, Identity::Raw { position: Position(17, n), in_order: false, .. } if n > 2)
+        );
         assert_eq!(
             identity(3, 17, "odd", 4, true),
             Identity::Raw {

@@ -364,6 +364,16 @@ impl PartitionTurns {
         if !shared.publish_in_place(&out, &[], cancel).await {
             return Err(TurnIoError::Cancelled(key.to_string()));
         }
+        if let Err(e) = shared
+            .sessions
+            .observe(self.partition, &[(winner_seq.unwrap_or(0), &out)], true)
+            .await
+        {
+            return Err(TurnIoError::Kv {
+                key: key.to_string(),
+                detail: e.to_string(),
+            });
+        }
         crash_point("after_publish");
         shared.count_projection(Role::ConversationMain);
         metrics::counter!(

@@ -50,6 +50,7 @@ pub struct Shared {
     pub ingest: ingest::Settings,
     pub progress: kv::Store,
     pub state: Arc<WorkerState>,
+    pub sessions: super::sessions::SessionWriter,
     /// Test hook: fail every Nth publish attempt before it is sent (0 = never).
     pub fail_publish_every: u64,
     publish_attempts: AtomicU64,
@@ -78,7 +79,14 @@ impl Shared {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
+        let sessions = super::sessions::SessionWriter::new(&js, &names)
+            .await
+            .map_err(|e| WorkerError::Setup {
+                partition: 0,
+                detail: e.to_string(),
+            })?;
         Ok(Arc::new(Shared {
+            sessions,
             js,
             names,
             ingest,
@@ -489,11 +497,18 @@ async fn ack_stage(
             }
         }
         let mut all_stored = true;
+        let mut stored: Vec<(u64, Outgoing)> = Vec::new();
         for idx in 0..items.len() {
             let pending = std::mem::take(&mut items[idx].pending);
+            let seq = items[idx].seq;
             for (out, fut) in pending {
-                let Some(fut) = fut else { continue };
-                if fut.await.is_err() {
+                let Some(fut) = fut else {
+                    stored.push((seq, out));
+                    continue;
+                };
+                let failed = fut.await.is_err();
+                stored.push((seq, out.clone()));
+                if failed {
                     let inputs: Vec<&jetstream::Message> = items.iter().map(|i| &i.msg).collect();
                     if !shared.publish_in_place(&out, &inputs, &cancel).await {
                         all_stored = false;
@@ -508,6 +523,18 @@ async fn ack_stage(
         if !all_stored {
             // Shutting down with a publish still failing: acknowledge nothing; redelivery repairs.
             return;
+        }
+        let in_order = items.iter().all(|i| i.contiguous);
+        let group: Vec<(u64, &Outgoing)> = stored.iter().map(|(s, o)| (*s, o)).collect();
+        let mut backoff = Duration::from_millis(50);
+        while let Err(e) = shared.sessions.observe(p, &group, in_order).await {
+            if cancel.is_cancelled() {
+                warn!(partition = p, error = %e, "work sessions not updated; inputs left for redelivery");
+                return;
+            }
+            warn!(partition = p, error = %e, "work sessions not updated; retrying");
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(2));
         }
         // The mark says "every message of the partition up to here has its outputs stored"; a
         // group processed while a previous owner's messages were outstanding cannot say that.

@@ -75,9 +75,8 @@ async fn call(app: &Router, uri: &str, token: Option<&str>) -> (StatusCode, Valu
     let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
         .await
         .expect("a body");
-    let body = serde_json::from_slice(&bytes).unwrap_or_else(|_| {
-        Value::String(String::from_utf8_lossy(&bytes).into_owned())
-    });
+    let body = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
     (status, body)
 }
 
@@ -93,7 +92,9 @@ async fn err(app: &Router, uri: &str, token: Option<&str>, want: StatusCode, cod
     assert_eq!(status, want, "{uri}: {body}");
     assert_eq!(body["error"]["code"], code, "{uri}: {body}");
     assert!(
-        body["error"]["message"].as_str().is_some_and(|m| !m.is_empty()),
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| !m.is_empty()),
         "{uri}: {body}"
     );
     body["error"].clone()
@@ -189,18 +190,29 @@ struct SseClient {
 }
 
 impl SseClient {
-    async fn connect(addr: SocketAddr, path: &str, last_event_id: Option<&str>, recv_buffer: Option<u32>) -> SseClient {
+    async fn connect(
+        addr: SocketAddr,
+        path: &str,
+        last_event_id: Option<&str>,
+        recv_buffer: Option<u32>,
+    ) -> SseClient {
         let socket = TcpSocket::new_v4().expect("a socket");
         if let Some(size) = recv_buffer {
-            socket.set_recv_buffer_size(size).expect("receive buffer size");
+            socket
+                .set_recv_buffer_size(size)
+                .expect("receive buffer size");
         }
         let mut stream = socket.connect(addr).await.expect("connect to the API");
-        let mut req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: text/event-stream\r\n");
+        let mut req =
+            format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nAccept: text/event-stream\r\n");
         if let Some(id) = last_event_id {
             req.push_str(&format!("Last-Event-ID: {id}\r\n"));
         }
         req.push_str("\r\n");
-        stream.write_all(req.as_bytes()).await.expect("send the request");
+        stream
+            .write_all(req.as_bytes())
+            .await
+            .expect("send the request");
         let mut reader = BufReader::new(stream);
         let mut status = String::new();
         reader.read_line(&mut status).await.expect("a status line");
@@ -212,7 +224,10 @@ impl SseClient {
             if line.trim().is_empty() {
                 break;
             }
-            if line.to_ascii_lowercase().starts_with("transfer-encoding: chunked") {
+            if line
+                .to_ascii_lowercase()
+                .starts_with("transfer-encoding: chunked")
+            {
                 chunked = true;
             }
         }
@@ -305,7 +320,14 @@ async fn events_filter_by_role_type_key_and_presets() {
         let send = project(&js, "conversation.main", key, "a2a.send", i).await;
         let resp = project(&js, "conversation.main", key, "a2a.response", i).await;
         let done = project(&js, "conversation.main", key, "a2a.complete", i).await;
-        project(&js, "system.observability", key, "a2a.response.suppressed", i).await;
+        project(
+            &js,
+            "system.observability",
+            key,
+            "a2a.response.suppressed",
+            i,
+        )
+        .await;
         project(&js, "orchestration.task", "t1", "task.updated", i).await;
         let sub = project(&js, "delegation.subagent", "d1", "a2a.send", i).await;
         expect_conv.push(resp);
@@ -337,14 +359,28 @@ async fn events_filter_by_role_type_key_and_presets() {
     let debug = seqs(&ok(&app, "/api/events?view=debug").await);
     assert_eq!(debug, expect_debug);
     let csv = seqs(&ok(&app, "/api/events?type=a2a.send,a2a.response,a2a.complete").await);
-    let repeated =
-        seqs(&ok(&app, "/api/events?type=a2a.send&type=a2a.response&type=a2a.complete").await);
+    let repeated = seqs(
+        &ok(
+            &app,
+            "/api/events?type=a2a.send&type=a2a.response&type=a2a.complete",
+        )
+        .await,
+    );
     assert_eq!(debug, csv);
     assert_eq!(csv, repeated);
-    let roles_csv =
-        seqs(&ok(&app, "/api/events?role=orchestration.task,delegation.subagent").await);
+    let roles_csv = seqs(
+        &ok(
+            &app,
+            "/api/events?role=orchestration.task,delegation.subagent",
+        )
+        .await,
+    );
     let roles_rep = seqs(
-        &ok(&app, "/api/events?role=orchestration.task&role=delegation.subagent").await,
+        &ok(
+            &app,
+            "/api/events?role=orchestration.task&role=delegation.subagent",
+        )
+        .await,
     );
     assert_eq!(roles_csv.len(), 10);
     assert_eq!(roles_csv, roles_rep);
@@ -396,11 +432,16 @@ async fn events_page_forward_and_backward_covering_each_event_once() {
         s.extend(back);
         back = s;
         match cursor(&page, "prev") {
-            Some(prev) => page = ok(&app, &format!("/api/events?{filter}&limit=7&before={prev}")).await,
+            Some(prev) => {
+                page = ok(&app, &format!("/api/events?{filter}&limit=7&before={prev}")).await
+            }
             None => break,
         }
     }
-    assert_eq!(back, matching, "backward paging covers each event once, in order");
+    assert_eq!(
+        back, matching,
+        "backward paging covers each event once, in order"
+    );
 
     // Forward from the oldest retained.
     let oldest = cursor(&page, "oldest").expect("an oldest cursor");
@@ -412,14 +453,20 @@ async fn events_page_forward_and_backward_covering_each_event_once() {
         if s.is_empty() {
             // An empty page moves the cursor to the end of what it scanned, never back.
             let next = cursor(&page, "next").expect("a next cursor on an empty page");
-            let (n, a) = (api::query::decode_cursor(&next).ok(), api::query::decode_cursor(&after).ok());
+            let (n, a) = (
+                api::query::decode_cursor(&next).ok(),
+                api::query::decode_cursor(&after).ok(),
+            );
             assert!(n >= a, "{n:?} < {a:?}");
             break;
         }
         fwd.extend(s);
         after = cursor(&page, "next").expect("a next cursor");
     }
-    assert_eq!(fwd, matching, "forward paging covers each event once, in order");
+    assert_eq!(
+        fwd, matching,
+        "forward paging covers each event once, in order"
+    );
 
     // Polling from the newest page's `next` returns only what came later.
     let newest_next = newest_next.expect("next");
@@ -428,7 +475,14 @@ async fn events_page_forward_and_backward_covering_each_event_once() {
     let polled = ok(&app, &format!("/api/events?{filter}&after={newest_next}")).await;
     assert_eq!(seqs(&polled), [later]);
     // A page in the middle: before a cursor, the newest ones below it.
-    let mid = ok(&app, &format!("/api/events?{filter}&limit=3&before={}", api::query::encode_cursor(matching[20]))).await;
+    let mid = ok(
+        &app,
+        &format!(
+            "/api/events?{filter}&limit=3&before={}",
+            api::query::encode_cursor(matching[20])
+        ),
+    )
+    .await;
     assert_eq!(seqs(&mid), matching[17..20]);
 }
 
@@ -436,46 +490,166 @@ async fn events_page_forward_and_backward_covering_each_event_once() {
 async fn events_reject_bad_parameters_with_json_errors() {
     let (_nats, js, s) = setup().await;
     let app = api::router(state(&js, &s));
-    let e = err(&app, "/api/events?role=conversation.mian", None, StatusCode::BAD_REQUEST, "invalid_role").await;
+    let e = err(
+        &app,
+        "/api/events?role=conversation.mian",
+        None,
+        StatusCode::BAD_REQUEST,
+        "invalid_role",
+    )
+    .await;
     assert_eq!(e["valid"].as_array().map(Vec::len), Some(4));
-    assert!(e["message"].as_str().is_some_and(|m| m.contains("conversation.main")));
+    assert!(e["message"]
+        .as_str()
+        .is_some_and(|m| m.contains("conversation.main")));
     for t in ["a%20b", "a.*", "a.%3E", "a..b"] {
-        let e = err(&app, &format!("/api/events?type={t}"), None, StatusCode::BAD_REQUEST, "invalid_type").await;
+        let e = err(
+            &app,
+            &format!("/api/events?type={t}"),
+            None,
+            StatusCode::BAD_REQUEST,
+            "invalid_type",
+        )
+        .await;
         assert!(e["valid"]["examples"].is_array());
     }
     // Any well-formed type is fine, known or not.
     ok(&app, "/api/events?type=custom.thing.v2").await;
     for l in ["0", "1001", "x", "-3"] {
-        err(&app, &format!("/api/events?limit={l}"), None, StatusCode::BAD_REQUEST, "invalid_limit").await;
+        err(
+            &app,
+            &format!("/api/events?limit={l}"),
+            None,
+            StatusCode::BAD_REQUEST,
+            "invalid_limit",
+        )
+        .await;
     }
     ok(&app, "/api/events?limit=1000").await;
-    err(&app, "/api/events?after=nonsense", None, StatusCode::BAD_REQUEST, "bad_cursor").await;
+    err(
+        &app,
+        "/api/events?after=nonsense",
+        None,
+        StatusCode::BAD_REQUEST,
+        "bad_cursor",
+    )
+    .await;
     let c = api::query::encode_cursor(1);
-    err(&app, &format!("/api/events?after={c}&before={c}"), None, StatusCode::BAD_REQUEST, "bad_cursor").await;
-    err(&app, "/api/events?view=everything", None, StatusCode::BAD_REQUEST, "invalid_view").await;
-    let e = err(&app, "/api/events?roles=conversation.main", None, StatusCode::BAD_REQUEST, "unknown_parameter").await;
+    err(
+        &app,
+        &format!("/api/events?after={c}&before={c}"),
+        None,
+        StatusCode::BAD_REQUEST,
+        "bad_cursor",
+    )
+    .await;
+    err(
+        &app,
+        "/api/events?view=everything",
+        None,
+        StatusCode::BAD_REQUEST,
+        "invalid_view",
+    )
+    .await;
+    let e = err(
+        &app,
+        "/api/events?roles=conversation.main",
+        None,
+        StatusCode::BAD_REQUEST,
+        "unknown_parameter",
+    )
+    .await;
     assert!(e["message"].as_str().is_some_and(|m| m.contains("role")));
-    err(&app, "/api/events?view=a&view=b", None, StatusCode::BAD_REQUEST, "bad_parameter").await;
-    err(&app, "/api/nothing-here", None, StatusCode::NOT_FOUND, "not_found").await;
-    err(&app, "/api/events/stream?limit=5", None, StatusCode::BAD_REQUEST, "unknown_parameter").await;
-    err(&app, "/api/work-sessions?status=IDLE", None, StatusCode::BAD_REQUEST, "invalid_status").await;
-    err(&app, "/api/work-sessions/x?format=xml", None, StatusCode::BAD_REQUEST, "invalid_format").await;
-    err(&app, "/api/work-sessions/nope", None, StatusCode::NOT_FOUND, "not_found").await;
+    err(
+        &app,
+        "/api/events?view=a&view=b",
+        None,
+        StatusCode::BAD_REQUEST,
+        "bad_parameter",
+    )
+    .await;
+    err(
+        &app,
+        "/api/nothing-here",
+        None,
+        StatusCode::NOT_FOUND,
+        "not_found",
+    )
+    .await;
+    err(
+        &app,
+        "/api/events/stream?limit=5",
+        None,
+        StatusCode::BAD_REQUEST,
+        "unknown_parameter",
+    )
+    .await;
+    err(
+        &app,
+        "/api/work-sessions?status=IDLE",
+        None,
+        StatusCode::BAD_REQUEST,
+        "invalid_status",
+    )
+    .await;
+    err(
+        &app,
+        "/api/work-sessions/x?format=xml",
+        None,
+        StatusCode::BAD_REQUEST,
+        "invalid_format",
+    )
+    .await;
+    err(
+        &app,
+        "/api/work-sessions/nope",
+        None,
+        StatusCode::NOT_FOUND,
+        "not_found",
+    )
+    .await;
 
     // A cursor older than retention: 410 with the oldest valid cursor, which works.
     for i in 0..10 {
         project(&js, "conversation.main", "r1", "a2a.send", i).await;
     }
-    let stream = js.get_stream("COLLAB_PROJ").await.expect("the projection stream");
+    let stream = js
+        .get_stream("COLLAB_PROJ")
+        .await
+        .expect("the projection stream");
     stream.purge().sequence(6).await.expect("purge below 6");
     let stale = api::query::encode_cursor(2);
-    let e = err(&app, &format!("/api/events?after={stale}"), None, StatusCode::GONE, "cursor_expired").await;
-    let oldest = e["oldestCursor"].as_str().expect("oldestCursor").to_string();
+    let e = err(
+        &app,
+        &format!("/api/events?after={stale}"),
+        None,
+        StatusCode::GONE,
+        "cursor_expired",
+    )
+    .await;
+    let oldest = e["oldestCursor"]
+        .as_str()
+        .expect("oldestCursor")
+        .to_string();
     assert_eq!(api::query::decode_cursor(&oldest).ok(), Some(5));
     let from_oldest = ok(&app, &format!("/api/events?after={oldest}")).await;
     assert_eq!(seqs(&from_oldest), [6, 7, 8, 9, 10]);
-    err(&app, &format!("/api/events?before={stale}"), None, StatusCode::GONE, "cursor_expired").await;
-    err(&app, &format!("/api/events/stream?after={stale}"), None, StatusCode::GONE, "cursor_expired").await;
+    err(
+        &app,
+        &format!("/api/events?before={stale}"),
+        None,
+        StatusCode::GONE,
+        "cursor_expired",
+    )
+    .await;
+    err(
+        &app,
+        &format!("/api/events/stream?after={stale}"),
+        None,
+        StatusCode::GONE,
+        "cursor_expired",
+    )
+    .await;
 
     // The OpenAPI document describes every route and parameter.
     let doc = ok(&app, "/api/openapi.json").await;
@@ -503,10 +677,38 @@ async fn tokens_confine_roles() {
     let obs = project(&js, "system.observability", "c1", "health.ping", 2).await;
     project(&js, "delegation.subagent", "d1", "a2a.send", 3).await;
 
-    err(&app, "/api/events", None, StatusCode::UNAUTHORIZED, "unauthorized").await;
-    err(&app, "/api/events", Some("wrong"), StatusCode::UNAUTHORIZED, "unauthorized").await;
-    err(&app, "/api/work-sessions", None, StatusCode::UNAUTHORIZED, "unauthorized").await;
-    err(&app, "/api/events/stream", None, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    err(
+        &app,
+        "/api/events",
+        None,
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    )
+    .await;
+    err(
+        &app,
+        "/api/events",
+        Some("wrong"),
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    )
+    .await;
+    err(
+        &app,
+        "/api/work-sessions",
+        None,
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    )
+    .await;
+    err(
+        &app,
+        "/api/events/stream",
+        None,
+        StatusCode::UNAUTHORIZED,
+        "unauthorized",
+    )
+    .await;
     // Naming no role: only the grant.
     let (st, ui) = call(&app, "/api/events", Some("ui-token-1")).await;
     assert_eq!(st, StatusCode::OK);
@@ -514,10 +716,38 @@ async fn tokens_confine_roles() {
     let (_, ops) = call(&app, "/api/events", Some("ops-token-2")).await;
     assert_eq!(seqs(&ops), [obs]);
     // Naming a role outside the grant: 403, also through a preset.
-    err(&app, "/api/events?role=system.observability", Some("ui-token-1"), StatusCode::FORBIDDEN, "forbidden").await;
-    err(&app, "/api/events?role=conversation.main,delegation.subagent", Some("ui-token-1"), StatusCode::FORBIDDEN, "forbidden").await;
-    err(&app, "/api/events?view=conversations", Some("ops-token-2"), StatusCode::FORBIDDEN, "forbidden").await;
-    err(&app, "/api/work-sessions?role=delegation.subagent", Some("ops-token-2"), StatusCode::FORBIDDEN, "forbidden").await;
+    err(
+        &app,
+        "/api/events?role=system.observability",
+        Some("ui-token-1"),
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    )
+    .await;
+    err(
+        &app,
+        "/api/events?role=conversation.main,delegation.subagent",
+        Some("ui-token-1"),
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    )
+    .await;
+    err(
+        &app,
+        "/api/events?view=conversations",
+        Some("ops-token-2"),
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    )
+    .await;
+    err(
+        &app,
+        "/api/work-sessions?role=delegation.subagent",
+        Some("ops-token-2"),
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    )
+    .await;
     let (st, _) = call(&app, "/api/events?view=conversations", Some("ui-token-1")).await;
     assert_eq!(st, StatusCode::OK);
     // The OpenAPI document stays open.
@@ -531,19 +761,34 @@ async fn tokens_confine_roles() {
         Role::ConversationMain,
         "a2a.send",
         "COLLAB_RAW:1:0",
-        a2a(Role::ConversationMain, "a2a.send", &ts, json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "c1", "workSessionId": "ws_t", "message": "hi"})),
+        a2a(
+            Role::ConversationMain,
+            "a2a.send",
+            &ts,
+            json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "c1", "workSessionId": "ws_t", "message": "hi"}),
+        ),
     );
     let ping = out(
         Role::SystemObservability,
         "health.ping",
         "COLLAB_RAW:2:0",
-        a2a(Role::SystemObservability, "health.ping", &ts, json!({"workSessionId": "ws_t", "message": "cpu 93%"})),
+        a2a(
+            Role::SystemObservability,
+            "health.ping",
+            &ts,
+            json!({"workSessionId": "ws_t", "message": "cpu 93%"}),
+        ),
     );
-    writer.observe(0, &[(1, &send), (2, &ping)], true).await.expect("observe");
+    writer
+        .observe(0, &[(1, &send), (2, &ping)], true)
+        .await
+        .expect("observe");
     let (_, ui) = call(&app, "/api/work-sessions/ws_t", Some("ui-token-1")).await;
     assert_eq!(ui["session"]["eventCount"], 1);
     assert_eq!(ui["session"]["lastMessagePreview"], "hi");
-    assert!(ui["session"]["countsByRole"].get("system.observability").is_none());
+    assert!(ui["session"]["countsByRole"]
+        .get("system.observability")
+        .is_none());
     let (_, ops) = call(&app, "/api/work-sessions/ws_t", Some("ops-token-2")).await;
     assert_eq!(ops["session"]["eventCount"], 1);
     assert_eq!(ops["session"]["lastMessagePreview"], "cpu 93%");
@@ -574,7 +819,10 @@ async fn event_stream_delivers_live_and_resumes_without_loss_or_repeats() {
     for _ in 0..3 {
         let ev = client.next_guarded().await.expect("a live event");
         let item: Value = serde_json::from_str(&ev.data).expect("JSON data");
-        assert_eq!(Some(item["cursor"].as_str().unwrap_or_default()), ev.id.as_deref());
+        assert_eq!(
+            Some(item["cursor"].as_str().unwrap_or_default()),
+            ev.id.as_deref()
+        );
         assert_eq!(item["type"], "a2a.response");
         got.push(item["seq"].as_u64().unwrap_or(0));
         last_id = ev.id;
@@ -626,10 +874,18 @@ async fn a_slow_event_stream_client_gets_an_error_and_the_stream_closes() {
     while stats_state.stats().sse_overflows.load(Ordering::Relaxed) == 0 {
         for _ in 0..50 {
             let body = json!({"type": "health.ping", "payload": {"filler": filler}});
-            publish(&js, "collab.proj.system.observability.k.health.ping", Bytes::from(body.to_string())).await;
+            publish(
+                &js,
+                "collab.proj.system.observability.k.health.ping",
+                Bytes::from(body.to_string()),
+            )
+            .await;
             published += 1;
         }
-        assert!(published < 20_000, "the server never gave up on a client that does not read");
+        assert!(
+            published < 20_000,
+            "the server never gave up on a client that does not read"
+        );
     }
     // Now read: what was buffered, then a final error, then the end.
     let mut events = 0u64;
@@ -664,17 +920,79 @@ async fn work_sessions_aggregate_idempotently_and_filter() {
     let t0 = now_iso(-60);
     let t1 = now_iso(-30);
     let main = Role::ConversationMain;
-    let send0 = out(main, "a2a.send", "COLLAB_RAW:10:0", a2a(main, "a2a.send", &t0, json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "c1", "workSessionId": "ws_a", "message": "Review the deploy plan", "conversationName": "Deploy review"})));
-    let send1 = out(main, "a2a.send", "COLLAB_RAW:11:0", a2a(main, "a2a.send", &t0, json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "c1", "workSessionId": "ws_a", "turn": 1, "message": "and the rollback"})));
-    let send2 = out(main, "a2a.send", "COLLAB_RAW:12:0", a2a(main, "a2a.send", &t0, json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "c1", "workSessionId": "ws_a", "turn": 2, "message": "and the alerts"})));
-    let resp0 = out(main, "a2a.response", "turn:c1:0", a2a(main, "a2a.response", &t1, json!({"fromAgent": "eden", "toAgent": "ruda", "conversationId": "c1", "workSessionId": "ws_a", "message": "looks good"})));
+    let send0 = out(
+        main,
+        "a2a.send",
+        "COLLAB_RAW:10:0",
+        a2a(
+            main,
+            "a2a.send",
+            &t0,
+            json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "c1", "workSessionId": "ws_a", "message": "Review the deploy plan", "conversationName": "Deploy review"}),
+        ),
+    );
+    let send1 = out(
+        main,
+        "a2a.send",
+        "COLLAB_RAW:11:0",
+        a2a(
+            main,
+            "a2a.send",
+            &t0,
+            json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "c1", "workSessionId": "ws_a", "turn": 1, "message": "and the rollback"}),
+        ),
+    );
+    let send2 = out(
+        main,
+        "a2a.send",
+        "COLLAB_RAW:12:0",
+        a2a(
+            main,
+            "a2a.send",
+            &t0,
+            json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "c1", "workSessionId": "ws_a", "turn": 2, "message": "and the alerts"}),
+        ),
+    );
+    let resp0 = out(
+        main,
+        "a2a.response",
+        "turn:c1:0",
+        a2a(
+            main,
+            "a2a.response",
+            &t1,
+            json!({"fromAgent": "eden", "toAgent": "ruda", "conversationId": "c1", "workSessionId": "ws_a", "message": "looks good"}),
+        ),
+    );
     // A synthesised blocked response names no work session: found through the conversation.
-    let blocked = out(main, "a2a.response", "turn:c1:2", a2a(main, "a2a.response", &t1, json!({"fromAgent": "eden", "toAgent": "ruda", "conversationId": "c1", "turn": 2, "outcome": "blocked", "reason": "timeout", "message": "goal: alerts\noutcome: blocked (timeout)"})));
-    let items: Vec<(u64, &Outgoing)> = vec![(10, &send0), (11, &send1), (12, &send2), (12, &resp0), (13, &blocked)];
+    let blocked = out(
+        main,
+        "a2a.response",
+        "turn:c1:2",
+        a2a(
+            main,
+            "a2a.response",
+            &t1,
+            json!({"fromAgent": "eden", "toAgent": "ruda", "conversationId": "c1", "turn": 2, "outcome": "blocked", "reason": "timeout", "message": "goal: alerts\noutcome: blocked (timeout)"}),
+        ),
+    );
+    let items: Vec<(u64, &Outgoing)> = vec![
+        (10, &send0),
+        (11, &send1),
+        (12, &send2),
+        (12, &resp0),
+        (13, &blocked),
+    ];
     writer.observe(1, &items, true).await.expect("observe");
     // Redelivery, and a retried observe: nothing counts twice.
-    writer.observe(1, &items, true).await.expect("observe again");
-    writer.observe(1, &items[2..], true).await.expect("observe a tail again");
+    writer
+        .observe(1, &items, true)
+        .await
+        .expect("observe again");
+    writer
+        .observe(1, &items[2..], true)
+        .await
+        .expect("observe a tail again");
 
     let one = ok(&app, "/api/work-sessions/ws_a").await;
     let v = &one["session"];
@@ -697,11 +1015,23 @@ async fn work_sessions_aggregate_idempotently_and_filter() {
     assert_eq!(ids, ["eden", "ruda"]);
     assert_eq!(v["participants"][0]["kind"], "agent");
     assert_eq!(v["participants"][0]["role"], "conversation.main");
-    assert!(v["lastMessagePreview"].as_str().is_some_and(|p| p.starts_with("goal: alerts")));
+    assert!(v["lastMessagePreview"]
+        .as_str()
+        .is_some_and(|p| p.starts_with("goal: alerts")));
 
     // Concurrent writers from different partitions on one session: every event counts once.
     let other = |n: u64| {
-        out(main, "a2a.send", &format!("COLLAB_RAW:{n}:0"), a2a(main, "a2a.send", &t1, json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": format!("c{n}"), "workSessionId": "ws_a", "message": "more"})))
+        out(
+            main,
+            "a2a.send",
+            &format!("COLLAB_RAW:{n}:0"),
+            a2a(
+                main,
+                "a2a.send",
+                &t1,
+                json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": format!("c{n}"), "workSessionId": "ws_a", "message": "more"}),
+            ),
+        )
     };
     let outs: Vec<Outgoing> = (100..110).map(other).collect();
     let mut tasks = Vec::new();
@@ -723,10 +1053,43 @@ async fn work_sessions_aggregate_idempotently_and_filter() {
     // Other sessions: an archived one, a quiet one, one with only tasks.
     let old = now_iso(-3 * 24 * 3600);
     let quiet = now_iso(-3600);
-    let e_old = out(main, "a2a.send", "COLLAB_RAW:200:0", a2a(main, "a2a.send", &old, json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "o1", "workSessionId": "ws_old"})));
-    let e_quiet = out(main, "a2a.send", "COLLAB_RAW:201:0", a2a(main, "a2a.send", &quiet, json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "q1", "workSessionId": "ws_quiet"})));
-    let e_task = out(Role::OrchestrationTask, "task.updated", "COLLAB_RAW:202:0", a2a(Role::OrchestrationTask, "task.updated", &t1, json!({"workSessionId": "ws_task", "status": "working"})));
-    writer.observe(2, &[(200, &e_old), (201, &e_quiet), (202, &e_task)], true).await.expect("observe");
+    let e_old = out(
+        main,
+        "a2a.send",
+        "COLLAB_RAW:200:0",
+        a2a(
+            main,
+            "a2a.send",
+            &old,
+            json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "o1", "workSessionId": "ws_old"}),
+        ),
+    );
+    let e_quiet = out(
+        main,
+        "a2a.send",
+        "COLLAB_RAW:201:0",
+        a2a(
+            main,
+            "a2a.send",
+            &quiet,
+            json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "q1", "workSessionId": "ws_quiet"}),
+        ),
+    );
+    let e_task = out(
+        Role::OrchestrationTask,
+        "task.updated",
+        "COLLAB_RAW:202:0",
+        a2a(
+            Role::OrchestrationTask,
+            "task.updated",
+            &t1,
+            json!({"workSessionId": "ws_task", "status": "working"}),
+        ),
+    );
+    writer
+        .observe(2, &[(200, &e_old), (201, &e_quiet), (202, &e_task)], true)
+        .await
+        .expect("observe");
 
     let list = ok(&app, "/api/work-sessions").await;
     assert_eq!(list["count"], 4);
@@ -734,11 +1097,19 @@ async fn work_sessions_aggregate_idempotently_and_filter() {
         .as_array()
         .map(|a| a.iter().filter_map(|s| s["id"].as_str()).collect())
         .unwrap_or_default();
-    assert_eq!(order, ["ws_a", "ws_task", "ws_quiet", "ws_old"], "most recently updated first");
+    assert_eq!(
+        order,
+        ["ws_a", "ws_task", "ws_quiet", "ws_old"],
+        "most recently updated first"
+    );
     let ids = |v: &Value| -> BTreeSet<String> {
         v["sessions"]
             .as_array()
-            .map(|a| a.iter().filter_map(|s| s["id"].as_str().map(str::to_string)).collect())
+            .map(|a| {
+                a.iter()
+                    .filter_map(|s| s["id"].as_str().map(str::to_string))
+                    .collect()
+            })
             .unwrap_or_default()
     };
     let archived = ok(&app, "/api/work-sessions?status=ARCHIVED").await;
@@ -755,11 +1126,39 @@ async fn work_sessions_aggregate_idempotently_and_filter() {
     let limited = ok(&app, "/api/work-sessions?limit=1").await;
     assert_eq!(limited["count"], 1);
     assert_eq!(limited["totalMatched"], 4);
-    err(&app, "/api/work-sessions?role=bogus", None, StatusCode::BAD_REQUEST, "invalid_role").await;
-    err(&app, "/api/work-sessions?type=a%20b", None, StatusCode::BAD_REQUEST, "invalid_type").await;
-    err(&app, "/api/work-sessions?limit=0", None, StatusCode::BAD_REQUEST, "invalid_limit").await;
+    err(
+        &app,
+        "/api/work-sessions?role=bogus",
+        None,
+        StatusCode::BAD_REQUEST,
+        "invalid_role",
+    )
+    .await;
+    err(
+        &app,
+        "/api/work-sessions?type=a%20b",
+        None,
+        StatusCode::BAD_REQUEST,
+        "invalid_type",
+    )
+    .await;
+    err(
+        &app,
+        "/api/work-sessions?limit=0",
+        None,
+        StatusCode::BAD_REQUEST,
+        "invalid_limit",
+    )
+    .await;
     // A role the session has nothing in: not found through that role.
-    err(&app, "/api/work-sessions/ws_task?role=conversation.main", None, StatusCode::NOT_FOUND, "not_found").await;
+    err(
+        &app,
+        "/api/work-sessions/ws_task?role=conversation.main",
+        None,
+        StatusCode::NOT_FOUND,
+        "not_found",
+    )
+    .await;
 }
 
 /// The MPLP Collab schema, with the common schemas it references, offline.
@@ -788,7 +1187,10 @@ fn mplp_validator() -> jsonschema::Validator {
 }
 
 fn assert_valid(v: &jsonschema::Validator, doc: &Value) {
-    let errors: Vec<String> = v.iter_errors(doc).map(|e| format!("{} at {}", e, e.instance_path)).collect();
+    let errors: Vec<String> = v
+        .iter_errors(doc)
+        .map(|e| format!("{} at {}", e, e.instance_path))
+        .collect();
     assert!(errors.is_empty(), "{doc}\n{errors:#?}");
 }
 
@@ -799,21 +1201,76 @@ async fn mplp_export_validates_against_the_schema() {
     let writer = SessionWriter::new(&js, &s.names()).await.expect("writer");
     let validator = mplp_validator();
     // The seed's own example does not validate (see seeds/INDEX.md); the schema is strict.
-    assert!(!validator.is_valid(&json!({"meta": {"protocolVersion": "1.0.0"}, "collab_id": "collab-1"})));
+    assert!(!validator
+        .is_valid(&json!({"meta": {"protocolVersion": "1.0.0"}, "collab_id": "collab-1"})));
 
     let ts = now_iso(0);
     let main = Role::ConversationMain;
     let sub = Role::DelegationSubagent;
     // A pair of main agents, one of them human per the facts.
-    let pair = out(main, "a2a.send", "COLLAB_RAW:1:0", a2a(main, "a2a.send", &ts, json!({"fromAgent": "ruda", "toAgent": "eden", "fromKind": "human", "fromName": "Ruda Kim", "conversationId": "c1", "workSessionId": "ws_pair", "message": "Review the deploy plan please"})));
+    let pair = out(
+        main,
+        "a2a.send",
+        "COLLAB_RAW:1:0",
+        a2a(
+            main,
+            "a2a.send",
+            &ts,
+            json!({"fromAgent": "ruda", "toAgent": "eden", "fromKind": "human", "fromName": "Ruda Kim", "conversationId": "c1", "workSessionId": "ws_pair", "message": "Review the deploy plan please"}),
+        ),
+    );
     // A coordinator delegating to two workers.
-    let d1 = out(sub, "a2a.send", "COLLAB_RAW:2:0", a2a(sub, "a2a.send", &ts, json!({"fromAgent": "ruda", "toAgent": "worker-1", "conversationId": "d1", "workSessionId": "ws_orch", "message": "build"})));
-    let d2 = out(sub, "a2a.spawn", "COLLAB_RAW:3:0", a2a(sub, "a2a.spawn", &ts, json!({"fromAgent": "ruda", "toAgent": "worker-2", "conversationId": "d2", "workSessionId": "ws_orch"})));
+    let d1 = out(
+        sub,
+        "a2a.send",
+        "COLLAB_RAW:2:0",
+        a2a(
+            sub,
+            "a2a.send",
+            &ts,
+            json!({"fromAgent": "ruda", "toAgent": "worker-1", "conversationId": "d1", "workSessionId": "ws_orch", "message": "build"}),
+        ),
+    );
+    let d2 = out(
+        sub,
+        "a2a.spawn",
+        "COLLAB_RAW:3:0",
+        a2a(
+            sub,
+            "a2a.spawn",
+            &ts,
+            json!({"fromAgent": "ruda", "toAgent": "worker-2", "conversationId": "d2", "workSessionId": "ws_orch"}),
+        ),
+    );
     // Three agents talking, nobody delegating.
-    let b1 = out(main, "a2a.send", "COLLAB_RAW:4:0", a2a(main, "a2a.send", &ts, json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "b1", "workSessionId": "ws_b"})));
-    let b2 = out(main, "a2a.send", "COLLAB_RAW:5:0", a2a(main, "a2a.send", &ts, json!({"fromAgent": "eden", "toAgent": "main", "conversationId": "b2", "workSessionId": "ws_b"})));
+    let b1 = out(
+        main,
+        "a2a.send",
+        "COLLAB_RAW:4:0",
+        a2a(
+            main,
+            "a2a.send",
+            &ts,
+            json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "b1", "workSessionId": "ws_b"}),
+        ),
+    );
+    let b2 = out(
+        main,
+        "a2a.send",
+        "COLLAB_RAW:5:0",
+        a2a(
+            main,
+            "a2a.send",
+            &ts,
+            json!({"fromAgent": "eden", "toAgent": "main", "conversationId": "b2", "workSessionId": "ws_b"}),
+        ),
+    );
     writer
-        .observe(0, &[(1, &pair), (2, &d1), (3, &d2), (4, &b1), (5, &b2)], true)
+        .observe(
+            0,
+            &[(1, &pair), (2, &d1), (3, &d2), (4, &b1), (5, &b2)],
+            true,
+        )
         .await
         .expect("observe");
 
@@ -840,9 +1297,16 @@ async fn mplp_export_validates_against_the_schema() {
     assert_eq!(orch["mode"], "orchestrated");
     let roles: BTreeSet<String> = orch["participants"]
         .as_array()
-        .map(|a| a.iter().filter_map(|p| p["role_id"].as_str().map(str::to_string)).collect())
+        .map(|a| {
+            a.iter()
+                .filter_map(|p| p["role_id"].as_str().map(str::to_string))
+                .collect()
+        })
         .unwrap_or_default();
-    assert_eq!(roles, BTreeSet::from(["orchestrator".to_string(), "worker".to_string()]));
+    assert_eq!(
+        roles,
+        BTreeSet::from(["orchestrator".to_string(), "worker".to_string()])
+    );
 
     let b = ok(&app, "/api/work-sessions/ws_b?format=mplp").await;
     assert_valid(&validator, &b);
@@ -878,13 +1342,26 @@ async fn drained(js: &Context) {
     .await;
 }
 
-fn collab_event(t: &str, from: &str, to: &str, conv: &str, extra: Value) -> (String, Bytes) {
+/// A collaboration event, `step` seconds after a base time a minute ago (event time orders the
+/// session's first and last message whatever order partitions are processed in).
+fn collab_event(
+    step: i64,
+    t: &str,
+    from: &str,
+    to: &str,
+    conv: &str,
+    extra: Value,
+) -> (String, Bytes) {
     let mut data = json!({"fromAgent": from, "toAgent": to, "conversationId": conv, "workSessionId": "ws_live"});
     if let (Some(d), Value::Object(e)) = (data.as_object_mut(), extra) {
         d.extend(e);
     }
-    let body = json!({"type": t, "agentId": from, "ts": chrono::Utc::now().timestamp_millis(), "data": data});
-    (format!("collab.raw.{conv}.{t}"), Bytes::from(body.to_string()))
+    let ts = chrono::Utc::now().timestamp_millis() - 60_000 + step * 1000;
+    let body = json!({"type": t, "agentId": from, "ts": ts, "data": data});
+    (
+        format!("collab.raw.{conv}.{t}"),
+        Bytes::from(body.to_string()),
+    )
 }
 
 #[tokio::test]
@@ -910,21 +1387,71 @@ async fn raw_events_come_back_through_the_api_and_sessions_survive_a_restart() {
 
     let raws = [
         // Turn 0: answered.
-        collab_event("a2a.send", "ruda", "eden", "conv-1", json!({"message": "Review the deploy plan"})),
-        collab_event("a2a.response", "eden", "ruda", "conv-1", json!({"message": "goal: review\noutcome: success\nevidence: plan.md\nnext_action: deploy"})),
-        collab_event("a2a.complete", "ruda", "eden", "conv-1", json!({})),
+        collab_event(
+            1,
+            "a2a.send",
+            "ruda",
+            "eden",
+            "conv-1",
+            json!({"message": "Review the deploy plan"}),
+        ),
+        collab_event(
+            2,
+            "a2a.response",
+            "eden",
+            "ruda",
+            "conv-1",
+            json!({"message": "goal: review\noutcome: success\nevidence: plan.md\nnext_action: deploy"}),
+        ),
+        collab_event(3, "a2a.complete", "ruda", "eden", "conv-1", json!({})),
         // Turn 1: upstream failure, blocked.
-        collab_event("a2a.send", "ruda", "eden", "conv-1", json!({"turn": 1, "message": "and the rollback"})),
-        collab_event("a2a.response", "eden", "ruda", "conv-1", json!({"turn": 1, "outcome": "no_reply", "waitStatus": "error", "message": "[outcome] no_reply"})),
+        collab_event(
+            4,
+            "a2a.send",
+            "ruda",
+            "eden",
+            "conv-1",
+            json!({"turn": 1, "message": "and the rollback"}),
+        ),
+        collab_event(
+            5,
+            "a2a.response",
+            "eden",
+            "ruda",
+            "conv-1",
+            json!({"turn": 1, "outcome": "no_reply", "waitStatus": "error", "message": "[outcome] no_reply"}),
+        ),
         // Turn 2: still open.
-        collab_event("a2a.send", "ruda", "eden", "conv-1", json!({"turn": 2, "message": "and the alerts"})),
+        collab_event(
+            6,
+            "a2a.send",
+            "ruda",
+            "eden",
+            "conv-1",
+            json!({"turn": 2, "message": "and the alerts"}),
+        ),
         // Delegation to a subagent in another conversation of the same work session.
-        collab_event("a2a.send", "ruda", "coder", "conv-2", json!({"toSessionType": "subagent", "message": "write the script"})),
+        collab_event(
+            7,
+            "a2a.send",
+            "ruda",
+            "coder",
+            "conv-2",
+            json!({"toSessionType": "subagent", "message": "write the script"}),
+        ),
     ];
     for (subject, body) in &raws {
         publish(&js, subject, body.clone()).await;
     }
-    publish(&js, "collab.raw.task-7.task.updated", Bytes::from(json!({"type": "task.updated", "data": {"taskId": "task-7", "status": "working"}}).to_string())).await;
+    publish(
+        &js,
+        "collab.raw.task-7.task.updated",
+        Bytes::from(
+            json!({"type": "task.updated", "data": {"taskId": "task-7", "status": "working"}})
+                .to_string(),
+        ),
+    )
+    .await;
     drained(&js).await;
 
     // Filters over what the worker projected.
@@ -960,6 +1487,8 @@ async fn raw_events_come_back_through_the_api_and_sessions_survive_a_restart() {
             .map(|a| a.iter().filter_map(|p| p["id"].as_str()).collect())
             .unwrap_or_default();
         assert_eq!(ids, BTreeSet::from(["coder", "eden", "ruda"]), "{s}");
+        assert_eq!(s["title"], "Review the deploy plan", "{s}");
+        assert_eq!(s["lastMessagePreview"], "write the script", "{s}");
     };
     let http2 = http.clone();
     let url = format!("{base}/api/work-sessions/ws_live");
@@ -1000,7 +1529,10 @@ async fn raw_events_come_back_through_the_api_and_sessions_survive_a_restart() {
     drained(&js).await;
     let second = get("/api/work-sessions/ws_live".into()).await;
     check(&second);
-    assert_eq!(second["session"]["eventCount"], first["session"]["eventCount"], "no double count after a restart");
+    assert_eq!(
+        second["session"]["eventCount"], first["session"]["eventCount"],
+        "no double count after a restart"
+    );
     let conv_again = get("/api/events?view=conversations".into()).await;
     assert_eq!(conv_again["count"], 2, "still one response per turn");
     cancel.cancel();

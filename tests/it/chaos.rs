@@ -154,7 +154,10 @@ impl Profile {
             ("COLLAB_NATS__REPLICAS".into(), replicas.to_string()),
             ("COLLAB_WORKERS__LEASE_TTL".into(), d(self.lease_ttl)),
             ("COLLAB_CONSUMER__ACK_WAIT".into(), d(self.ack_wait)),
-            ("RUST_LOG".into(), "info".into()),
+            (
+                "RUST_LOG".into(),
+                std::env::var("CHAOS_RUST_LOG").unwrap_or_else(|_| "info".into()),
+            ),
         ]
     }
 }
@@ -198,8 +201,8 @@ struct Fleet {
     urls: Vec<String>,
     slots: Vec<Option<Worker>>,
     generations: Vec<u32>,
-    /// Exited workers, kept so their logs are printed if the test fails.
-    graveyard: Vec<Projector>,
+    /// Exited workers (id, process), kept so their logs are printed if the test fails.
+    graveyard: Vec<(String, Projector)>,
 }
 
 impl Fleet {
@@ -209,7 +212,7 @@ impl Fleet {
             self.generations.push(0);
         }
         if let Some(old) = self.slots[slot].take() {
-            self.graveyard.push(old.proc);
+            self.graveyard.push((old.id, old.proc));
         }
         let id = format!("s{slot}g{}", self.generations[slot]);
         self.generations[slot] += 1;
@@ -248,7 +251,7 @@ impl Fleet {
     fn kill9(&mut self, slot: usize) {
         if let Some(mut w) = self.slots.get_mut(slot).and_then(Option::take) {
             w.proc.kill9();
-            self.graveyard.push(w.proc);
+            self.graveyard.push((w.id, w.proc));
         }
     }
 
@@ -284,7 +287,7 @@ impl Fleet {
         if !exited {
             w.proc.kill9();
         }
-        self.graveyard.push(w.proc);
+        self.graveyard.push((w.id, w.proc));
         exited
     }
 }
@@ -1068,7 +1071,26 @@ impl Bed {
         let raw = read_all_retrying(&self.js, RAW, "").await;
         let proj = read_all_retrying(&self.js, PROJ, "").await;
         let dlq = read_all_retrying(&self.js, DLQ, "").await;
-        check(&mut self, &log, &raw, &proj, &dlq)
+        let report = check(&mut self, &log, &raw, &proj, &dlq);
+        self.keep_logs();
+        report
+    }
+
+    /// With `CHAOS_LOG_DIR` set, write every worker's log there (`<scenario>-<id>.log`).
+    fn keep_logs(&self) {
+        let Ok(dir) = std::env::var("CHAOS_LOG_DIR") else {
+            return;
+        };
+        let _ = std::fs::create_dir_all(&dir);
+        let live = self.fleet.live();
+        let all = live
+            .iter()
+            .map(|(_, w)| (&w.id, &w.proc))
+            .chain(self.fleet.graveyard.iter().map(|(id, p)| (id, p)));
+        for (id, proc) in all {
+            let path = format!("{dir}/{}-{id}.log", self.scenario);
+            let _ = std::fs::write(path, proc.log_text());
+        }
     }
 }
 
@@ -1343,8 +1365,12 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
         if !ok {
             r.wrong_winner += 1;
             details.push(format!(
-                "turn {k:?}: expected {} but the response is from raw seq {won} ({}); deadline {deadline}, replies stored at {:?}",
+                "turn {k:?} (partition {}, send raw seq {} stored at {}): expected {} but the response (stored at {}) is from raw seq {won} ({}); deadline {deadline}, replies (seq, stored at) {:?}",
+                send.partition,
+                send.seq,
+                send.stored_ms,
                 expected.map_or("a blocked timeout".to_string(), |s| format!("the reply at raw seq {s}")),
+                resp.stored_ms,
                 body["payload"]["reason"],
                 replies.get(k).map(|rs| rs.iter().map(|x| (x.seq, x.stored_ms)).collect::<Vec<_>>())
             ));
