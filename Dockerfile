@@ -23,7 +23,7 @@ RUN apt-get update \
 RUN groupadd --system --gid 10001 collab \
     && useradd --system --uid 10001 --gid collab --no-create-home --shell /usr/sbin/nologin collab
 COPY --from=builder /out/collab-projector /usr/local/bin/collab-projector
-COPY config/default.toml /etc/collab-projector/default.toml
+COPY config/default.toml config/compose.toml /etc/collab-projector/
 USER 10001:10001
 EXPOSE 8080
 ENTRYPOINT ["collab-projector"]

@@ -236,7 +236,12 @@ pub struct HttpSettings {
 pub struct TokenGrant {
     /// A name for logs and metrics (the token itself is never logged).
     pub name: String,
+    /// The bearer token. Prefer `token_env` to keep it out of files.
+    #[serde(default)]
     pub token: String,
+    /// Read the token from this environment variable at start.
+    #[serde(default)]
+    pub token_env: Option<String>,
     pub roles: Vec<Role>,
 }
 
@@ -284,7 +289,17 @@ impl Settings {
                 .with_list_parse_key("roles.main_agents")
                 .with_list_parse_key("turns.enforce_roles"),
         );
-        let settings: Settings = builder.build()?.try_deserialize()?;
+        let mut settings: Settings = builder.build()?.try_deserialize()?;
+        for grant in &mut settings.http.tokens {
+            if let Some(var) = &grant.token_env {
+                grant.token = std::env::var(var).map_err(|_| {
+                    ConfigError::Invalid(format!(
+                        "http.tokens \"{}\": environment variable {var} (token_env) is not set",
+                        grant.name
+                    ))
+                })?;
+            }
+        }
         settings.validate()?;
         Ok(settings)
     }
@@ -318,6 +333,17 @@ impl Settings {
         }
         if self.consumer.publish_window == 0 || self.consumer.publish_window >= 5000 {
             return bad("consumer.publish_window must be between 1 and 4999 (the client caps unacknowledged publishes at 5000)".into());
+        }
+        for grant in &self.http.tokens {
+            if grant.token.trim().is_empty() && grant.token_env.is_none() {
+                return bad(format!(
+                    "http.tokens \"{}\" has no token: set token or token_env",
+                    grant.name
+                ));
+            }
+            if grant.roles.is_empty() {
+                return bad(format!("http.tokens \"{}\" grants no role", grant.name));
+            }
         }
         if self.workers.lease_ttl < Duration::from_secs(1) {
             return bad("workers.lease_ttl must be at least 1s".into());

@@ -191,11 +191,13 @@ mod tests {
                 TokenGrant {
                     name: "ui".into(),
                     token: "s3cret-ui".into(),
+                    token_env: None,
                     roles: vec![Role::ConversationMain],
                 },
                 TokenGrant {
                     name: "ops".into(),
                     token: "s3cret-ops".into(),
+                    token_env: None,
                     roles: vec![Role::SystemObservability, Role::OrchestrationTask],
                 },
             ],

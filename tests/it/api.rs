@@ -664,11 +664,13 @@ async fn tokens_confine_roles() {
         TokenGrant {
             name: "ui".into(),
             token: "ui-token-1".into(),
+            token_env: None,
             roles: vec![Role::ConversationMain],
         },
         TokenGrant {
             name: "ops".into(),
             token: "ops-token-2".into(),
+            token_env: None,
             roles: vec![Role::SystemObservability, Role::OrchestrationTask],
         },
     ];
