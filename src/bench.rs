@@ -1200,6 +1200,7 @@ fn send_facts(i: usize, prefix: &str, stored_ms: i64, timeout_ms: u64) -> TurnFa
         to_agent: Some(agents[(i + 1) % 4].into()),
         run_id: Some(format!("run-{i}")),
         target_session_key: None,
+        work_session_id: None,
         goal: Some("review the deploy plan".into()),
         timeout_ms: Some(timeout_ms),
     }

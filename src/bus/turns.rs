@@ -345,7 +345,12 @@ impl PartitionTurns {
             });
         }
         crash_point("after_decide");
-        let env = blocked::winner_response(rec, decider);
+        let mut env = blocked::winner_response(rec, decider);
+        if let Some(r) = env.raw_event_ref.as_mut() {
+            if r.stream.is_empty() {
+                r.stream = shared.names.raw_stream.clone();
+            }
+        }
         let blocked_reason = rec.winner.as_ref().and_then(|w| w.blocked);
         let wn = Normalized {
             envelope: env,

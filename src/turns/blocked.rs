@@ -191,6 +191,11 @@ pub fn winner_response(rec: &TurnRecord, decider: Option<&Envelope>) -> Envelope
                 env.timestamp = Some(rfc3339(winner.at_ms));
                 env.conversation_id = Some(Value::String(rec.conversation_id.clone()));
                 env.agent_id = rec.target().map(|t| Value::String(t.to_string()));
+                if env.work_session_id.is_none() {
+                    env.work_session_id = send
+                        .and_then(|s| s.work_session_id.clone())
+                        .map(Value::String);
+                }
                 env.raw_event_ref = signal_ref.clone().or_else(|| {
                     send.map(|s| RawEventRef {
                         stream: String::new(),

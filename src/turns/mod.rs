@@ -94,6 +94,8 @@ pub struct TurnFacts {
     pub run_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub target_session_key: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub work_session_id: Option<String>,
     /// Send only: what the turn attempted (`goal`, else the message text, shortened).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub goal: Option<String>,
@@ -223,6 +225,7 @@ pub fn facts(
         to_agent: text("toAgent"),
         run_id: text("runId"),
         target_session_key: text("targetSessionKey"),
+        work_session_id: text("workSessionId"),
         goal,
         timeout_ms,
     })
@@ -255,6 +258,8 @@ pub struct SendRef {
     pub run_id: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub target_session_key: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub work_session_id: Option<String>,
     pub timeout_ms: u64,
 }
 
@@ -574,6 +579,7 @@ fn send_ref(ev: &TurnFacts, timeout_ms: u64) -> SendRef {
         goal: ev.goal.clone(),
         run_id: ev.run_id.clone(),
         target_session_key: ev.target_session_key.clone(),
+        work_session_id: ev.work_session_id.clone(),
         timeout_ms,
     }
 }

@@ -1371,6 +1371,7 @@ fn next_action_names_the_target_and_differs_by_reason_and_turn() {
             goal: None,
             run_id: None,
             target_session_key: Some("agent:eden:main".into()),
+            work_session_id: None,
             timeout_ms: 300_000,
         }),
         deadline_ms: None,

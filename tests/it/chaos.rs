@@ -1077,7 +1077,7 @@ impl Bed {
     }
 
     /// With `CHAOS_LOG_DIR` set, write every worker's log there (`<scenario>-<id>.log`).
-    fn keep_logs(&self) {
+    fn keep_logs(&mut self) {
         let Ok(dir) = std::env::var("CHAOS_LOG_DIR") else {
             return;
         };
@@ -1090,6 +1090,13 @@ impl Bed {
         for (id, proc) in all {
             let path = format!("{dir}/{}-{id}.log", self.scenario);
             let _ = std::fs::write(path, proc.log_text());
+        }
+        let servers: Vec<std::path::PathBuf> = match &mut self.broker {
+            Broker::Single(nats) => nats.local().map(|l| l.log_path()).into_iter().collect(),
+            Broker::Cluster(nodes) => nodes.iter().map(LocalNats::log_path).collect(),
+        };
+        for (i, log) in servers.iter().enumerate() {
+            let _ = std::fs::copy(log, format!("{dir}/{}-nats{i}.log", self.scenario));
         }
     }
 }
@@ -1251,6 +1258,32 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
             outs.entry(s).or_default().1 += 1;
         }
     }
+    // Where each raw sequence's first output landed (stream, sequence, store time), and the
+    // inputs of each partition in order: context for a lost input.
+    let mut landed: HashMap<u64, (&str, u64, i64)> = HashMap::new();
+    for (stream, recs) in [(PROJ, proj), (DLQ, dlq)] {
+        for rec in recs {
+            if let Some(s) = rec.source_seq.filter(|s| *s > 0) {
+                landed.entry(s).or_insert((stream, rec.seq, rec.stored_ms));
+            }
+        }
+    }
+    let mut by_partition: BTreeMap<u16, Vec<u64>> = BTreeMap::new();
+    for i in &inputs {
+        by_partition.entry(i.partition).or_default().push(i.seq);
+    }
+    let neighbours = |i: &RawIn| -> String {
+        let seqs = by_partition.get(&i.partition).map(Vec::as_slice).unwrap_or_default();
+        let at = seqs.partition_point(|s| *s < i.seq);
+        let around = seqs[at.saturating_sub(2)..(at + 3).min(seqs.len())]
+            .iter()
+            .map(|s| match landed.get(s) {
+                Some((st, q, t)) => format!("{s}->{st}#{q}@{t}"),
+                None => format!("{s}->none"),
+            })
+            .collect::<Vec<_>>();
+        around.join(", ")
+    };
     let mut details = Vec::new();
     for i in &inputs {
         r.inputs += 1;
@@ -1277,8 +1310,14 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
             (0, 0) => {
                 r.lost += 1;
                 details.push(format!(
-                    "lost: n={} raw seq {} partition {} key {} stored at {} ({:?})",
-                    i.n, i.seq, i.partition, i.key, i.stored_ms, i.input
+                    "lost: n={} raw seq {} partition {} key {} stored at {} ({:?}); partition neighbours: {}",
+                    i.n,
+                    i.seq,
+                    i.partition,
+                    i.key,
+                    i.stored_ms,
+                    i.input,
+                    neighbours(i)
                 ));
             }
             _ => {
@@ -1494,6 +1533,28 @@ async fn sigstop(p: &Profile, seed: u64) -> Report {
     bed.finish(writer).await
 }
 
+/// SIGSTOP a single worker, several times, for less than its lease TTL but longer than the
+/// lease's known validity (two thirds of the TTL): it keeps its partitions and resumes.
+async fn short_pause(p: &Profile, seed: u64, then_restart: bool) -> Report {
+    let mut bed = Bed::start("short-pause", p, false, 1).await;
+    let writer = bed.writer(seed, p.timeout_ms);
+    let pause = p.lease_ttl * 3 / 4;
+    for _ in 0..3 {
+        tokio::time::sleep(p.load / 4).await;
+        bed.sigstop(0).await;
+        tokio::time::sleep(pause).await;
+        bed.fleet.sigcont(0);
+        if then_restart {
+            // Within the ack wait: the next run of each partition reads the progress mark.
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            bed.sigterm(0).await;
+            bed.fleet.spawn(0);
+        }
+    }
+    tokio::time::sleep(p.load / 4).await;
+    bed.finish(writer).await
+}
+
 /// 3. Scale 1 -> 2 -> 4 -> 1 workers under load (down with SIGTERM, one at a time), measuring
 ///    the balance at 2, 4 and back at 1.
 async fn scale(p: &Profile, seed: u64) -> Report {
@@ -1637,6 +1698,14 @@ async fn chaos_short_cluster_node() {
 async fn chaos_short_mix() {
     let _serial = SERIAL.lock().await;
     mix(&Profile::short(), seed("mix")).await.assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_short_pause_below_lease_ttl() {
+    let _serial = SERIAL.lock().await;
+    short_pause(&Profile::short(), seed("short-pause"), true)
+        .await
+        .assert_clean();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

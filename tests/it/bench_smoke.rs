@@ -1,0 +1,50 @@
+//! `bench` end to end with tiny sizes: every part runs against a real server and reports
+//! something. No timing thresholds: figures on a shared test machine mean nothing.
+
+use crate::support::TestNats;
+use collab_projector::bench::{self, BenchOptions, Part};
+use std::time::Duration;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_scenario_reports_a_throughput_and_the_report_is_json() {
+    let nats = TestNats::start().await;
+    let opts = BenchOptions {
+        nats_url: Some(nats.url()),
+        messages: 300,
+        naive_messages: 60,
+        latency_rate: 200,
+        latency_duration: Duration::from_secs(1),
+        open_turns: vec![200],
+        lateness_probes: 10,
+        probe_timeout: Duration::from_millis(500),
+        partitions: 4,
+        parts: Part::ALL.to_vec(),
+        progress: false,
+        ..Default::default()
+    };
+    let report = bench::run(opts).await.expect("bench runs");
+
+    let ids: Vec<u8> = report.throughput.iter().map(|t| t.id).collect();
+    assert_eq!(ids, vec![1, 2, 3, 4, 5, 6], "one row per throughput scenario");
+    for t in &report.throughput {
+        assert!(t.msg_per_s > 0.0, "{}: {t:?}", t.scenario);
+        assert!(t.inputs > 0, "{}: {t:?}", t.scenario);
+    }
+    assert!(report.ratios.mixed_over_baseline.is_some());
+    assert!(report.ratios.baseline_over_naive.is_some());
+    assert_eq!(report.latency.len(), 2);
+    for l in &report.latency {
+        assert!(l.measured > 0, "{l:?}");
+    }
+    assert_eq!(report.turn_book.len(), 1);
+    let book = &report.turn_book[0];
+    assert_eq!(book.reloaded, Some(200), "{book:?}");
+    assert!(book.worker_recovery_s.is_some(), "{book:?}");
+    assert!(book.lateness_answered > 0, "{book:?}");
+
+    let json = serde_json::to_string(&report).expect("serialises");
+    let back: serde_json::Value = serde_json::from_str(&json).expect("the JSON parses");
+    assert!(back["throughput"].as_array().is_some_and(|a| a.len() == 6));
+    assert!(back["targets"].as_array().is_some_and(|a| !a.is_empty()));
+    assert!(bench::render(&report).contains("baseline passthrough"));
+}
