@@ -80,15 +80,20 @@ pub fn stream_configs(s: &Settings) -> Vec<stream::Config> {
     ]
 }
 
+/// Record `field` as different when `have != want`.
+fn differ<T: PartialEq + std::fmt::Debug>(d: &mut Vec<String>, field: &str, have: T, want: T) {
+    if have != want {
+        d.push(format!("{field} {have:?} (wanted {want:?})"));
+    }
+}
+
 fn stream_differences(have: &stream::Config, want: &stream::Config) -> Vec<String> {
     let mut d = Vec::new();
     let mut hs = have.subjects.clone();
     let mut ws = want.subjects.clone();
     hs.sort();
     ws.sort();
-    if hs != ws {
-        d.push(format!("subjects {hs:?} (wanted {ws:?})"));
-    }
+    differ(&mut d, "subjects", hs, ws);
     let ht = have
         .subject_transform
         .as_ref()
@@ -97,39 +102,17 @@ fn stream_differences(have: &stream::Config, want: &stream::Config) -> Vec<Strin
         .subject_transform
         .as_ref()
         .map(|t| (&t.source, &t.destination));
-    if ht != wt {
-        d.push(format!("subject_transform {ht:?} (wanted {wt:?})"));
-    }
-    if have.max_age != want.max_age {
-        d.push(format!(
-            "max_age {:?} (wanted {:?})",
-            have.max_age, want.max_age
-        ));
-    }
-    if have.duplicate_window != want.duplicate_window {
-        d.push(format!(
-            "duplicate_window {:?} (wanted {:?})",
-            have.duplicate_window, want.duplicate_window
-        ));
-    }
-    if have.num_replicas != want.num_replicas {
-        d.push(format!(
-            "replicas {} (wanted {})",
-            have.num_replicas, want.num_replicas
-        ));
-    }
-    if have.storage != want.storage {
-        d.push(format!(
-            "storage {:?} (wanted {:?})",
-            have.storage, want.storage
-        ));
-    }
-    if have.retention != want.retention {
-        d.push(format!(
-            "retention {:?} (wanted {:?})",
-            have.retention, want.retention
-        ));
-    }
+    differ(&mut d, "subject_transform", ht, wt);
+    differ(&mut d, "max_age", have.max_age, want.max_age);
+    differ(
+        &mut d,
+        "duplicate_window",
+        have.duplicate_window,
+        want.duplicate_window,
+    );
+    differ(&mut d, "replicas", have.num_replicas, want.num_replicas);
+    differ(&mut d, "storage", &have.storage, &want.storage);
+    differ(&mut d, "retention", &have.retention, &want.retention);
     d
 }
 
@@ -151,36 +134,21 @@ pub fn consumer_config(s: &Settings, p: u16) -> consumer::pull::Config {
 
 fn consumer_differences(have: &consumer::Config, want: &consumer::pull::Config) -> Vec<String> {
     let mut d = Vec::new();
-    if have.filter_subject != want.filter_subject {
-        d.push(format!(
-            "filter_subject {:?} (wanted {:?})",
-            have.filter_subject, want.filter_subject
-        ));
-    }
-    if have.ack_wait != want.ack_wait {
-        d.push(format!(
-            "ack_wait {:?} (wanted {:?})",
-            have.ack_wait, want.ack_wait
-        ));
-    }
-    if have.max_deliver != want.max_deliver {
-        d.push(format!(
-            "max_deliver {} (wanted {})",
-            have.max_deliver, want.max_deliver
-        ));
-    }
-    if have.max_ack_pending != want.max_ack_pending {
-        d.push(format!(
-            "max_ack_pending {} (wanted {})",
-            have.max_ack_pending, want.max_ack_pending
-        ));
-    }
-    if have.ack_policy != want.ack_policy {
-        d.push(format!(
-            "ack_policy {:?} (wanted explicit)",
-            have.ack_policy
-        ));
-    }
+    differ(
+        &mut d,
+        "filter_subject",
+        &have.filter_subject,
+        &want.filter_subject,
+    );
+    differ(&mut d, "ack_wait", have.ack_wait, want.ack_wait);
+    differ(&mut d, "max_deliver", have.max_deliver, want.max_deliver);
+    differ(
+        &mut d,
+        "max_ack_pending",
+        have.max_ack_pending,
+        want.max_ack_pending,
+    );
+    differ(&mut d, "ack_policy", &have.ack_policy, &want.ack_policy);
     d
 }
 
@@ -281,18 +249,13 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
                     .map_err(|e| api(&label, e))?;
                 let info = st.info().await.map_err(|e| api(&label, e))?;
                 let mut d = Vec::new();
-                if info.config.max_age != want.max_age {
-                    d.push(format!(
-                        "max_age {:?} (wanted {:?})",
-                        info.config.max_age, want.max_age
-                    ));
-                }
-                if info.config.num_replicas != want.num_replicas {
-                    d.push(format!(
-                        "replicas {} (wanted {})",
-                        info.config.num_replicas, want.num_replicas
-                    ));
-                }
+                differ(&mut d, "max_age", info.config.max_age, want.max_age);
+                differ(
+                    &mut d,
+                    "replicas",
+                    info.config.num_replicas,
+                    want.num_replicas,
+                );
                 if !d.is_empty() {
                     return Err(ProvisionError::Differs {
                         resource: label,
