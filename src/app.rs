@@ -1,9 +1,9 @@
 //! The `run` command: connect, provision, start the partition workers and the HTTP endpoints,
 //! and drain on cancellation (SIGTERM / Ctrl-C).
 
+use crate::api;
 use crate::bus::{self, leases, provision, worker};
 use crate::config::Settings;
-use crate::api;
 use crate::http::{self, HttpState};
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
@@ -67,8 +67,10 @@ impl Running {
         self.tracker.wait().await;
         // Acknowledgements are written asynchronously: make sure the last ones reach the server
         // before the process exits, or their messages would be redelivered.
-        if let Err(e) = self.client.flush().await {
-            warn!(error = %e, "flushing the last acknowledgements failed");
+        match tokio::time::timeout(std::time::Duration::from_secs(5), self.client.flush()).await {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => warn!(error = %e, "flushing the last acknowledgements failed"),
+            Err(_) => warn!("flushing the last acknowledgements timed out (server unreachable?)"),
         }
     }
 }

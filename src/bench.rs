@@ -63,6 +63,8 @@ pub enum BenchError {
     Nats { what: String, detail: String },
     #[error("{0}")]
     Stalled(String),
+    #[error("interrupted")]
+    Interrupted,
 }
 
 fn nats_err(what: impl Into<String>) -> impl FnOnce(String) -> BenchError {
@@ -240,6 +242,9 @@ pub struct ThroughputResult {
     pub kv_turn_writes: Option<u64>,
     /// Progress marks written (one per acknowledged group per partition).
     pub progress_writes: Option<u64>,
+    /// Writes to the work-session bucket, and the average size of a stored session value.
+    pub kv_session_writes: Option<u64>,
+    pub session_value_avg_bytes: Option<f64>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -619,10 +624,7 @@ struct Passthrough {
 async fn start_passthrough(env: &Env) -> Result<Passthrough, BenchError> {
     let names = env.names();
     let (_client, js) = bus::connect(&env.url, None, 1024, "bench passthrough").await?;
-    let stream = js
-        .get_stream(&names.raw_stream)
-        .await
-        .ctx("raw stream")?;
+    let stream = js.get_stream(&names.raw_stream).await.ctx("raw stream")?;
     let consumer: PullConsumer = stream
         .create_consumer(consumer::pull::Config {
             durable_name: Some("bench-passthrough".into()),
@@ -709,24 +711,30 @@ impl Passthrough {
     }
 }
 
-async fn throughput_baseline(env: &Env, opts: &BenchOptions) -> Result<ThroughputResult, BenchError> {
+async fn throughput_baseline(
+    env: &Env,
+    opts: &BenchOptions,
+) -> Result<ThroughputResult, BenchError> {
     env.provision().await?;
     let n = opts.messages;
     let avg = preload(env, opts, Mix::REALISTIC, n, "1 baseline").await?;
     let pb = bar(opts, n as u64, "1 baseline: run");
     let started = Instant::now();
     let copy = start_passthrough(env).await?;
-    let (t0, mark0) = wait_first(|| copy.first.get().copied(), env, Duration::from_secs(30)).await?;
-    let deadline = Instant::now() + stall_limit(n);
+    let (t0, mark0) =
+        wait_first(|| copy.first.get().copied(), env, Duration::from_secs(30)).await?;
+    let mut watch = StallWatch::new();
     loop {
         let done = copy.done.load(Ordering::Relaxed);
         pb.set_position(done);
         if done >= n as u64 {
             break;
         }
-        if Instant::now() > deadline {
+        if watch.stalled(done) {
+            let _ = copy.stop().await;
             return Err(BenchError::Stalled(format!(
-                "baseline: {done} of {n} copied before the time limit"
+                "{done} of {n} copied, no progress for {} s",
+                STALL.as_secs()
             )));
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
@@ -750,7 +758,35 @@ async fn throughput_baseline(env: &Env, opts: &BenchOptions) -> Result<Throughpu
         startup_s: (t0 - started).as_secs_f64(),
         kv_turn_writes: None,
         progress_writes: None,
+        kv_session_writes: None,
+        session_value_avg_bytes: None,
     })
+}
+
+/// How long a scenario may make no progress before it is reported as stalled.
+const STALL: Duration = Duration::from_secs(60);
+
+/// Notices when a progress counter stops moving.
+struct StallWatch {
+    last: u64,
+    since: Instant,
+}
+
+impl StallWatch {
+    fn new() -> StallWatch {
+        StallWatch {
+            last: 0,
+            since: Instant::now(),
+        }
+    }
+
+    fn stalled(&mut self, progress: u64) -> bool {
+        if progress != self.last {
+            self.last = progress;
+            self.since = Instant::now();
+        }
+        self.since.elapsed() > STALL
+    }
 }
 
 /// Generous: only guards against a hang.
@@ -802,9 +838,16 @@ async fn start_app(
     Ok((running, shared, cancel))
 }
 
+/// Cancel and wait for the drain, at most a minute: a pipeline that does not drain is reported,
+/// not waited for forever (its tasks are left behind until the process exits).
 async fn stop_app(running: app::Running, cancel: CancellationToken) {
     cancel.cancel();
-    running.wait().await;
+    if tokio::time::timeout(Duration::from_secs(60), running.wait())
+        .await
+        .is_err()
+    {
+        tracing::warn!("the pipeline did not drain within 60 s of cancellation");
+    }
 }
 
 async fn throughput_pipeline(
@@ -825,6 +868,9 @@ async fn throughput_pipeline(
         .await;
     let pr0 = env
         .stream_last_seq(&format!("KV_{}", names.progress_bucket))
+        .await;
+    let ws0 = env
+        .stream_last_seq(&format!("KV_{}", names.sessions_bucket))
         .await;
     let pb = bar(opts, n as u64, &format!("{label}: run"));
     let started = Instant::now();
@@ -847,20 +893,32 @@ async fn throughput_pipeline(
         Duration::from_secs(60),
     )
     .await?;
-    let deadline = Instant::now() + stall_limit(n);
+    let mut watch = StallWatch::new();
     let mark1 = loop {
         let inputs = state.inputs.load(Ordering::Relaxed);
         pb.set_position(inputs.min(n as u64));
         if inputs >= n as u64 && env.drained().await {
             break CpuMark::now(env.server_pid());
         }
-        if Instant::now() > deadline {
+        let outputs =
+            state.projected.load(Ordering::Relaxed) + state.dead_lettered.load(Ordering::Relaxed);
+        if watch.stalled(inputs + outputs) {
+            let detail = format!(
+                "{inputs} of {n} inputs taken, {outputs} outputs, {} of {} partitions running; no progress for {} s",
+                state.partitions_running.load(Ordering::Relaxed),
+                env.partitions,
+                STALL.as_secs()
+            );
+            pb.finish_and_clear();
             stop_app(running, cancel).await;
-            return Err(BenchError::Stalled(format!(
-                "{name}: {inputs} of {n} inputs processed before the time limit"
-            )));
+            return Err(BenchError::Stalled(detail));
         }
-        tokio::time::sleep(Duration::from_millis(if inputs >= n as u64 { 2 } else { 5 })).await;
+        tokio::time::sleep(Duration::from_millis(if inputs >= n as u64 {
+            2
+        } else {
+            5
+        }))
+        .await;
     };
     pb.finish_and_clear();
     let outputs =
@@ -873,6 +931,22 @@ async fn throughput_pipeline(
     let pr1 = env
         .stream_last_seq(&format!("KV_{}", names.progress_bucket))
         .await;
+    let ws1 = env
+        .stream_last_seq(&format!("KV_{}", names.sessions_bucket))
+        .await;
+    let session_value_avg_bytes = match env
+        .js
+        .get_stream(format!("KV_{}", names.sessions_bucket))
+        .await
+    {
+        Ok(mut st) => st
+            .info()
+            .await
+            .ok()
+            .filter(|i| i.state.messages > 0)
+            .map(|i| i.state.bytes as f64 / i.state.messages as f64),
+        Err(_) => None,
+    };
     let seconds = (mark1.at - t0).as_secs_f64();
     let (server, worker) = mark0.cores_until(&mark1);
     Ok(ThroughputResult {
@@ -889,6 +963,8 @@ async fn throughput_pipeline(
         startup_s: (t0 - started).as_secs_f64(),
         kv_turn_writes: kv0.zip(kv1).map(|(a, b)| b - a),
         progress_writes: pr0.zip(pr1).map(|(a, b)| b - a),
+        kv_session_writes: ws0.zip(ws1).map(|(a, b)| b - a),
+        session_value_avg_bytes,
     })
 }
 
@@ -1003,6 +1079,8 @@ async fn throughput_naive(env: &Env, opts: &BenchOptions) -> Result<ThroughputRe
         startup_s: (t0 - started).as_secs_f64(),
         kv_turn_writes: None,
         progress_writes: None,
+        kv_session_writes: None,
+        session_value_avg_bytes: None,
     })
 }
 
@@ -1053,14 +1131,10 @@ async fn read_all(
 
 enum UnderTest {
     Baseline(Passthrough),
-    Pipeline(app::Running, Arc<Shared>, CancellationToken),
+    Pipeline(Box<app::Running>, Arc<Shared>, CancellationToken),
 }
 
-async fn latency_run(
-    env: &Env,
-    opts: &BenchOptions,
-    id: u8,
-) -> Result<LatencyResult, BenchError> {
+async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyResult, BenchError> {
     env.provision().await?;
     let name = if id == 1 {
         "baseline passthrough"
@@ -1080,11 +1154,15 @@ async fn latency_run(
             }
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
-        UnderTest::Pipeline(running, shared, cancel)
+        UnderTest::Pipeline(Box::new(running), shared, cancel)
     };
     let rate = f64::from(opts.latency_rate.max(1));
     let total = (rate * opts.latency_duration.as_secs_f64()).round() as usize;
-    let pb = bar(opts, total as u64, &format!("{id} latency @{}/s", opts.latency_rate));
+    let pb = bar(
+        opts,
+        total as u64,
+        &format!("{id} latency @{}/s", opts.latency_rate),
+    );
     // Acks are awaited by another task so a slow ack never delays the schedule.
     let (tx, mut rx) = mpsc::channel::<PublishAckFuture>(4096);
     let acks = tokio::spawn(async move {
@@ -1140,7 +1218,7 @@ async fn latency_run(
     }
     match under {
         UnderTest::Baseline(c) => c.stop().await?,
-        UnderTest::Pipeline(running, _, cancel) => stop_app(running, cancel).await,
+        UnderTest::Pipeline(running, _, cancel) => stop_app(*running, cancel).await,
     }
     let names = env.names();
     let raw: HashMap<u64, i64> = read_all(&env.js, &names.raw_stream, None)
@@ -1250,7 +1328,8 @@ fn memory_model(sizes: &[usize], partitions: u16) -> Vec<(usize, Option<f64>)> {
     let parts = usize::from(partitions.max(1));
     let handle = std::thread::spawn(move || {
         let now = chrono::Utc::now().timestamp_millis();
-        let mut model: Vec<ModelPartition> = (0..parts).map(|_| ModelPartition::default()).collect();
+        let mut model: Vec<ModelPartition> =
+            (0..parts).map(|_| ModelPartition::default()).collect();
         let base = rss_bytes();
         let mut out = Vec::new();
         let mut built = 0usize;
@@ -1333,7 +1412,9 @@ async fn direct_reload(env: &Env) -> Result<(usize, f64), BenchError> {
                         let mut t = PartitionTurns::new(&shared, p)
                             .await
                             .map_err(|e| e.to_string())?;
-                        t.reload(&shared, &cancel).await.map_err(|e| e.to_string())?;
+                        t.reload(&shared, &cancel)
+                            .await
+                            .map_err(|e| e.to_string())?;
                         Ok::<PartitionTurns, String>(t)
                     }
                 }))
@@ -1380,7 +1461,11 @@ async fn turn_book(
     r.setup_s = Some(t.elapsed().as_secs_f64());
 
     // A worker's recovery: start until every partition runs (reload included).
-    let pb = bar(opts, u64::from(env.partitions), &format!("turnbook {n}: recover"));
+    let pb = bar(
+        opts,
+        u64::from(env.partitions),
+        &format!("turnbook {n}: recover"),
+    );
     let t = Instant::now();
     let (running, shared, cancel) = start_app(opts, env.settings()).await?;
     let limit = Instant::now() + Duration::from_secs(600);
@@ -1445,7 +1530,10 @@ async fn turn_book(
         let responses = read_all(
             &env.js,
             &names.proj_stream,
-            Some(format!("{}.proj.conversation.main.*.a2a.response", env.prefix)),
+            Some(format!(
+                "{}.proj.conversation.main.*.a2a.response",
+                env.prefix
+            )),
         )
         .await?;
         let mut late: Vec<f64> = responses
@@ -1603,9 +1691,13 @@ async fn round_trips(env: &Env) -> Result<RoundTrips, BenchError> {
     let create = t.elapsed();
     let t = Instant::now();
     for (i, rev) in revs.iter().enumerate() {
-        kv.update(format!("rt.{i}"), bytes::Bytes::from_static(b"{\"a\":1}"), *rev)
-            .await
-            .ctx("kv update")?;
+        kv.update(
+            format!("rt.{i}"),
+            bytes::Bytes::from_static(b"{\"a\":1}"),
+            *rev,
+        )
+        .await
+        .ctx("kv update")?;
     }
     let update = t.elapsed();
     let t = Instant::now();
@@ -1638,8 +1730,32 @@ async fn round_trips(env: &Env) -> Result<RoundTrips, BenchError> {
 // ---------------------------------------------------------------------------------------------
 // The run.
 
-/// Run the selected parts and return everything measured.
+/// Run the selected parts and return everything measured. Ctrl-C stops the run and the servers
+/// it started.
 pub async fn run(opts: BenchOptions) -> Result<BenchReport, BenchError> {
+    tokio::select! {
+        r = run_parts(opts) => r,
+        _ = tokio::signal::ctrl_c() => Err(BenchError::Interrupted),
+    }
+}
+
+/// A scenario that stalled is reported in the notes and the run goes on; other errors stop it.
+fn stalled<T>(
+    r: Result<T, BenchError>,
+    what: &str,
+    notes: &mut Vec<String>,
+) -> Result<Option<T>, BenchError> {
+    match r {
+        Ok(v) => Ok(Some(v)),
+        Err(BenchError::Stalled(detail)) => {
+            notes.push(format!("{what} stalled: {detail}"));
+            Ok(None)
+        }
+        Err(e) => Err(e),
+    }
+}
+
+async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
     let wall = Instant::now();
     let load_start = loadavg();
     let want = |p: Part| opts.parts.contains(&p);
@@ -1679,7 +1795,9 @@ pub async fn run(opts: BenchOptions) -> Result<BenchReport, BenchError> {
     }
     if want(Part::Mixed) || want(Part::Turns) {
         let seed = opts.seed;
-        report.core_costs = tokio::task::spawn_blocking(move || core_costs(seed)).await.ok();
+        report.core_costs = tokio::task::spawn_blocking(move || core_costs(seed))
+            .await
+            .ok();
     }
 
     let mut version = None;
@@ -1694,42 +1812,55 @@ pub async fn run(opts: BenchOptions) -> Result<BenchReport, BenchError> {
         note_version(&env);
         let r = throughput_baseline(&env, &opts).await;
         env.close().await;
-        let r = r?;
-        say(&opts, &format!("1 baseline passthrough: {:.0} msg/s", r.msg_per_s));
-        report.throughput.push(r);
+        if let Some(r) = stalled(r, "1 baseline", &mut report.notes)? {
+            say(
+                &opts,
+                &format!("1 baseline passthrough: {:.0} msg/s", r.msg_per_s),
+            );
+            report.throughput.push(r);
+        }
     }
-    if want(Part::Mixed) {
-        let env = Env::new(&opts, "mixed").await?;
+    let pipelines = [
+        (
+            Part::Mixed,
+            2u8,
+            Mix::REALISTIC,
+            "full pipeline, mixed",
+            true,
+        ),
+        (
+            Part::Turns,
+            3,
+            Mix::TURNS_ONLY,
+            "full pipeline, turns only",
+            true,
+        ),
+    ];
+    for (part, id, mix, name, contract) in pipelines {
+        if !want(part) {
+            continue;
+        }
+        let env = Env::new(&opts, part.as_str()).await?;
         note_version(&env);
-        let r = throughput_pipeline(&env, &opts, 2, Mix::REALISTIC, "full pipeline, mixed", true).await;
+        let r = throughput_pipeline(&env, &opts, id, mix, name, contract).await;
+        if part == Part::Turns && r.is_ok() {
+            report.round_trips = Some(round_trips(&env).await?);
+        }
         env.close().await;
-        let r = r?;
-        say(&opts, &format!("2 full pipeline, mixed: {:.0} msg/s", r.msg_per_s));
-        report.throughput.push(r);
-    }
-    if want(Part::Turns) {
-        let env = Env::new(&opts, "turns").await?;
-        note_version(&env);
-        let r = throughput_pipeline(&env, &opts, 3, Mix::TURNS_ONLY, "full pipeline, turns only", true)
-            .await;
-        let rt = match &r {
-            Ok(_) => Some(round_trips(&env).await),
-            Err(_) => None,
-        };
-        env.close().await;
-        let r = r?;
-        say(&opts, &format!("3 full pipeline, turns only: {:.0} msg/s", r.msg_per_s));
-        report.throughput.push(r);
-        report.round_trips = rt.transpose()?;
+        if let Some(r) = stalled(r, &format!("{id} {name}"), &mut report.notes)? {
+            say(&opts, &format!("{id} {name}: {:.0} msg/s", r.msg_per_s));
+            report.throughput.push(r);
+        }
     }
     if want(Part::Naive) {
         let env = Env::new(&opts, "naive").await?;
         note_version(&env);
         let r = throughput_naive(&env, &opts).await;
         env.close().await;
-        let r = r?;
-        say(&opts, &format!("4 naive: {:.0} msg/s", r.msg_per_s));
-        report.throughput.push(r);
+        if let Some(r) = stalled(r, "4 naive", &mut report.notes)? {
+            say(&opts, &format!("4 naive: {:.0} msg/s", r.msg_per_s));
+            report.throughput.push(r);
+        }
     }
     if want(Part::Latency) {
         for id in [1u8, 2] {
@@ -1737,15 +1868,16 @@ pub async fn run(opts: BenchOptions) -> Result<BenchReport, BenchError> {
             note_version(&env);
             let r = latency_run(&env, &opts, id).await;
             env.close().await;
-            let r = r?;
-            say(
-                &opts,
-                &format!(
-                    "{id} latency @{}/s: p50 {:.1} ms, p99 {:.1} ms",
-                    r.target_rate, r.p50_ms, r.p99_ms
-                ),
-            );
-            report.latency.push(r);
+            if let Some(r) = stalled(r, &format!("{id} latency"), &mut report.notes)? {
+                say(
+                    &opts,
+                    &format!(
+                        "{id} latency @{}/s: p50 {:.1} ms, p99 {:.1} ms",
+                        r.target_rate, r.p50_ms, r.p99_ms
+                    ),
+                );
+                report.latency.push(r);
+            }
         }
     }
     if want(Part::TurnBook) {
@@ -1757,20 +1889,19 @@ pub async fn run(opts: BenchOptions) -> Result<BenchReport, BenchError> {
             note_version(&env);
             let r = turn_book(&env, &opts, n, model.get(&n).copied().flatten()).await;
             env.close().await;
-            let r = r?;
-            say(
-                &opts,
-                &format!(
-                    "turn book {n}: recovery {:.2} s, lateness p99 {} ms",
-                    r.worker_recovery_s.unwrap_or(f64::NAN),
-                    r.lateness_p99_ms
-                        .map_or("-".to_string(), |v| format!("{v:.0}"))
-                ),
-            );
-            report.turn_book.push(r);
+            if let Some(r) = stalled(r, &format!("turn book {n}"), &mut report.notes)? {
+                say(
+                    &opts,
+                    &format!(
+                        "turn book {n}: recovery {} s, lateness p99 {} ms",
+                        opt(r.worker_recovery_s, 2),
+                        opt(r.lateness_p99_ms, 0)
+                    ),
+                );
+                report.turn_book.push(r);
+            }
         }
     }
-
     if want(Part::Breakdown) {
         for (id, mix, name) in [
             (5u8, Mix::REALISTIC, "2 without the turn contract"),
@@ -1780,9 +1911,10 @@ pub async fn run(opts: BenchOptions) -> Result<BenchReport, BenchError> {
             note_version(&env);
             let r = throughput_pipeline(&env, &opts, id, mix, name, false).await;
             env.close().await;
-            let r = r?;
-            say(&opts, &format!("{id} {name}: {:.0} msg/s", r.msg_per_s));
-            report.throughput.push(r);
+            if let Some(r) = stalled(r, &format!("{id} {name}"), &mut report.notes)? {
+                say(&opts, &format!("{id} {name}: {:.0} msg/s", r.msg_per_s));
+                report.throughput.push(r);
+            }
         }
     }
 
@@ -1817,7 +1949,11 @@ fn finish(report: &mut BenchReport) {
         });
     };
     ratio_target("mixed / baseline", report.ratios.mixed_over_baseline, 0.8);
-    ratio_target("turn-only / baseline", report.ratios.turns_over_baseline, 0.5);
+    ratio_target(
+        "turn-only / baseline",
+        report.ratios.turns_over_baseline,
+        0.5,
+    );
     ratio_target("baseline / naive", report.ratios.baseline_over_naive, 20.0);
     let p99 = |id: u8| report.latency.iter().find(|l| l.id == id).map(|l| l.p99_ms);
     let lat = p99(2).zip(p99(1));
@@ -1857,7 +1993,9 @@ fn finish(report: &mut BenchReport) {
     }
     for t in &report.turn_book {
         if let Some(n) = &t.note {
-            report.notes.push(format!("turn book {}: {n}", t.open_turns));
+            report
+                .notes
+                .push(format!("turn book {}: {n}", t.open_turns));
         }
     }
 }
@@ -1880,16 +2018,30 @@ pub fn render(report: &BenchReport) -> String {
     );
     let _ = writeln!(s, "server: {}", m.server);
     if !report.throughput.is_empty() {
-        let _ = writeln!(s, "\nThroughput (preloaded, clock from first input to all acknowledged)");
         let _ = writeln!(
             s,
-            "{:<3} {:<28} {:>8} {:>8} {:>7} {:>10} {:>8} {:>8} {:>9} {:>9}",
-            "#", "scenario", "inputs", "outputs", "secs", "msg/s", "srv cpu", "wkr cpu", "kv writes", "progress"
+            "\nThroughput (preloaded, clock from first input to all acknowledged)"
+        );
+        let _ = writeln!(
+            s,
+            "{:<3} {:<28} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7} {:>8} {:>8} {:>8} {:>9}",
+            "#",
+            "scenario",
+            "inputs",
+            "outputs",
+            "secs",
+            "msg/s",
+            "srv cpu",
+            "wkr cpu",
+            "turn kv",
+            "progress",
+            "session",
+            "session B"
         );
         for t in &report.throughput {
             let _ = writeln!(
                 s,
-                "{:<3} {:<28} {:>8} {:>8} {:>7.2} {:>10.0} {:>8} {:>8} {:>9} {:>9}",
+                "{:<3} {:<28} {:>8} {:>8} {:>7.2} {:>9.0} {:>7} {:>7} {:>8} {:>8} {:>8} {:>9}",
                 t.id,
                 t.scenario,
                 t.inputs,
@@ -1900,6 +2052,8 @@ pub fn render(report: &BenchReport) -> String {
                 opt(t.worker_cpu_cores, 2),
                 t.kv_turn_writes.map_or("-".into(), |v| v.to_string()),
                 t.progress_writes.map_or("-".into(), |v| v.to_string()),
+                t.kv_session_writes.map_or("-".into(), |v| v.to_string()),
+                opt(t.session_value_avg_bytes, 0),
             );
         }
         let r = &report.ratios;
@@ -1912,17 +2066,36 @@ pub fn render(report: &BenchReport) -> String {
         );
     }
     if !report.latency.is_empty() {
-        let _ = writeln!(s, "\nEnd-to-end latency (raw store time -> last output store time)");
+        let _ = writeln!(
+            s,
+            "\nEnd-to-end latency (raw store time -> last output store time)"
+        );
         let _ = writeln!(
             s,
             "{:<3} {:<28} {:>7} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8}",
-            "#", "scenario", "rate", "achieved", "measured", "p50 ms", "p99 ms", "p999 ms", "max ms"
+            "#",
+            "scenario",
+            "rate",
+            "achieved",
+            "measured",
+            "p50 ms",
+            "p99 ms",
+            "p999 ms",
+            "max ms"
         );
         for l in &report.latency {
             let _ = writeln!(
                 s,
                 "{:<3} {:<28} {:>7} {:>9.0} {:>8} {:>8.1} {:>8.1} {:>8.1} {:>8.1}",
-                l.id, l.scenario, l.target_rate, l.achieved_rate, l.measured, l.p50_ms, l.p99_ms, l.p999_ms, l.max_ms
+                l.id,
+                l.scenario,
+                l.target_rate,
+                l.achieved_rate,
+                l.measured,
+                l.p50_ms,
+                l.p99_ms,
+                l.p999_ms,
+                l.max_ms
             );
         }
     }

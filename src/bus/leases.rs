@@ -118,6 +118,9 @@ pub async fn run(
         // Renew; a failed renewal means someone else owns it now: stop at once.
         let mut lost = Vec::new();
         for (p, h) in held.iter_mut() {
+            if cancel.is_cancelled() {
+                break;
+            }
             let asked_at = now_ms();
             match store
                 .update(lease_key(*p), worker_id.clone().into(), h.revision)
@@ -134,11 +137,12 @@ pub async fn run(
                 }
             }
         }
-        for p in lost {
-            if let Some(h) = held.remove(&p) {
-                h.cancel.cancel();
-                let _ = h.task.await;
-            }
+        let lost: Vec<Held> = lost.into_iter().filter_map(|p| held.remove(&p)).collect();
+        for h in &lost {
+            h.cancel.cancel();
+        }
+        for h in lost {
+            let _ = h.task.await;
         }
         let target = share(partitions, live_workers(&store).await);
         // Release the excess gracefully: drain first, then free the lease.
@@ -154,7 +158,7 @@ pub async fn run(
         // Take free partitions up to the share.
         if held.len() < target {
             for p in &order {
-                if held.len() >= target {
+                if held.len() >= target || cancel.is_cancelled() {
                     break;
                 }
                 if held.contains_key(p) {
@@ -187,18 +191,27 @@ pub async fn run(
             _ = cancel.cancelled() => {}
         }
     }
-    // Shutdown: drain every partition, then hand the leases back at once.
+    // Shutdown: drain every partition, then hand the leases back at once (bounded: with the
+    // server unreachable they lapse by themselves after the TTL).
     for h in held.values() {
         h.cancel.cancel();
     }
+    let mut revisions = Vec::new();
     for (p, h) in std::mem::take(&mut held) {
         let _ = h.task.await;
-        let _ = store
-            .delete_expect_revision(lease_key(p), Some(h.revision))
-            .await;
+        revisions.push((p, h.revision));
     }
-    let _ = store.delete(&heartbeat).await;
     shared.state.partitions_owned.store(0, Ordering::Relaxed);
+    let release = async {
+        for (p, rev) in revisions {
+            let _ = store.delete_expect_revision(lease_key(p), Some(rev)).await;
+        }
+        let _ = store.delete(&heartbeat).await;
+    };
+    if tokio::time::timeout(ttl, release).await.is_err() {
+        warn!("could not hand the leases back in time; they lapse after the lease TTL");
+        return;
+    }
     info!("leases released");
 }
 

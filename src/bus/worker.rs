@@ -130,6 +130,7 @@ impl Shared {
     ) -> bool {
         let mut backoff = Duration::from_millis(50);
         let mut since_progress = Duration::ZERO;
+        let mut since_cancel = Duration::ZERO;
         loop {
             let result = match self.send(out).await {
                 Ok(fut) => fut.await.map(|_| ()).map_err(|e| e.to_string()),
@@ -143,8 +144,13 @@ impl Shared {
                     warn!(subject = %out.subject, error = %e, "publish failed; retrying in place");
                 }
             }
-            if cancel.is_cancelled() && since_progress > self.settings.consumer.ack_wait {
-                return false;
+            if cancel.is_cancelled() {
+                // Shutting down while the server does not take the publish: give up after a
+                // while and leave the inputs unacknowledged, for redelivery.
+                if since_cancel >= self.settings.consumer.ack_wait.min(Duration::from_secs(10)) {
+                    return false;
+                }
+                since_cancel += backoff;
             }
             tokio::time::sleep(backoff).await;
             since_progress += backoff;
