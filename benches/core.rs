@@ -96,13 +96,7 @@ fn classify_bench(c: &mut Criterion) {
         b.iter(|| classify::classify("a2a.send", &Fields::new(black_box(send_obj)), &main))
     });
     g.bench_function("tool.started", |b| {
-        b.iter(|| {
-            classify::classify(
-                "tool.started",
-                &Fields::new(black_box(runtime_obj)),
-                &main,
-            )
-        })
+        b.iter(|| classify::classify("tool.started", &Fields::new(black_box(runtime_obj)), &main))
     });
     g.finish();
 }
@@ -191,9 +185,9 @@ fn turn_book(c: &mut Criterion) {
         })
     });
     g.bench_function("expire 100 of 1600", |b| {
-        b.iter_batched(
+        b.iter_batched_ref(
             || book.clone(),
-            |mut b| b.expire(1_000_000 + 100 * 10),
+            |b| b.expire(1_000_000 + 100 * 10),
             BatchSize::SmallInput,
         )
     });

@@ -489,7 +489,6 @@ impl Env {
             n.dlq_stream.clone(),
             format!("KV_{}", n.turns_bucket),
             format!("KV_{}", n.sessions_bucket),
-            format!("KV_{}", n.progress_bucket),
             format!("KV_{}", n.leases_bucket),
             format!("OBJ_{}", n.blobs_store),
         ] {
@@ -867,7 +866,7 @@ async fn throughput_pipeline(
         .stream_last_seq(&format!("KV_{}", names.turns_bucket))
         .await;
     let pr0 = env
-        .stream_last_seq(&format!("KV_{}", names.progress_bucket))
+        .stream_last_seq(&format!("KV_{}", names.leases_bucket))
         .await;
     let ws0 = env
         .stream_last_seq(&format!("KV_{}", names.sessions_bucket))
@@ -929,7 +928,7 @@ async fn throughput_pipeline(
         .stream_last_seq(&format!("KV_{}", names.turns_bucket))
         .await;
     let pr1 = env
-        .stream_last_seq(&format!("KV_{}", names.progress_bucket))
+        .stream_last_seq(&format!("KV_{}", names.leases_bucket))
         .await;
     let ws1 = env
         .stream_last_seq(&format!("KV_{}", names.sessions_bucket))
@@ -1730,12 +1729,22 @@ async fn round_trips(env: &Env) -> Result<RoundTrips, BenchError> {
 // ---------------------------------------------------------------------------------------------
 // The run.
 
-/// Run the selected parts and return everything measured. Ctrl-C stops the run and the servers
-/// it started.
+/// Run the selected parts and return everything measured. Ctrl-C or SIGTERM stops the run and the
+/// servers it started.
 pub async fn run(opts: BenchOptions) -> Result<BenchReport, BenchError> {
+    let terminate = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut term) => {
+                term.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    // Dropping the run on a signal drops its servers, which stops them.
     tokio::select! {
         r = run_parts(opts) => r,
         _ = tokio::signal::ctrl_c() => Err(BenchError::Interrupted),
+        _ = terminate => Err(BenchError::Interrupted),
     }
 }
 

@@ -376,7 +376,6 @@ pub struct Names {
     pub dlq_stream: String,
     pub turns_bucket: String,
     pub sessions_bucket: String,
-    pub progress_bucket: String,
     pub leases_bucket: String,
     pub blobs_store: String,
 }
@@ -391,7 +390,6 @@ impl Names {
             dlq_stream: format!("{upper}_DLQ"),
             turns_bucket: format!("{prefix}_turns"),
             sessions_bucket: format!("{prefix}_work_sessions"),
-            progress_bucket: format!("{prefix}_progress"),
             leases_bucket: format!("{prefix}_leases"),
             blobs_store: format!("{prefix}_blobs"),
         }

@@ -68,6 +68,10 @@ fn spawn_partition(
                 .await
             {
                 Ok(()) => break,
+                Err(e @ worker::WorkerError::Interrupted { .. }) => {
+                    info!(error = %e, "restarting the partition");
+                    continue;
+                }
                 Err(e) => {
                     error!(error = %e, "partition failed; restarting");
                     tokio::select! {
@@ -146,9 +150,14 @@ pub async fn run(
         }
         let target = share(partitions, live_workers(&store).await);
         // Release the excess gracefully: drain first, then free the lease.
+        // All at once, so the kept leases are renewed again within the drain time of one.
+        let mut excess = Vec::new();
         while held.len() > target {
             let Some((p, h)) = held.pop_last() else { break };
             h.cancel.cancel();
+            excess.push((p, h));
+        }
+        for (p, h) in excess {
             let _ = h.task.await;
             let _ = store
                 .delete_expect_revision(lease_key(p), Some(h.revision))

@@ -55,10 +55,24 @@ pub async fn connect(
                 detail: e.to_string(),
             })?;
     }
-    let client = opts.connect(url).await.map_err(|e| ConnectError::Connect {
-        url: url.to_string(),
-        detail: e.to_string(),
-    })?;
+    // A cluster is given as comma-separated URLs.
+    let addrs: Vec<async_nats::ServerAddr> = url
+        .split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .map(|u| u.parse::<async_nats::ServerAddr>())
+        .collect::<Result<_, _>>()
+        .map_err(|e| ConnectError::Connect {
+            url: url.to_string(),
+            detail: format!("invalid server URL: {e}"),
+        })?;
+    let client = opts
+        .connect(addrs)
+        .await
+        .map_err(|e| ConnectError::Connect {
+            url: url.to_string(),
+            detail: e.to_string(),
+        })?;
     check_server(&client, url).await?;
     let js = async_nats::jetstream::ContextBuilder::new()
         .max_ack_inflight(publish_window)

@@ -175,11 +175,6 @@ pub fn kv_configs(s: &Settings) -> Vec<kv::Config> {
             s.projection.max_age,
         ),
         base(
-            &n.progress_bucket,
-            "collab-projector partition progress marks",
-            Duration::ZERO,
-        ),
-        base(
             &n.leases_bucket,
             "collab-projector partition leases and worker heartbeats",
             s.workers.lease_ttl,

@@ -5,8 +5,13 @@
 //! the *reader* processes messages strictly in stream order and issues their publishes; the
 //! *acker* awaits the publish acks in the same order, retries a failed publish in place (same
 //! Msg-Id, so a publish that did land collapses in the duplicate window), records the
-//! partition's progress mark, and only then acknowledges the inputs. A crash anywhere in between
-//! is repaired by redelivery: the progress mark and the Msg-Ids make reprocessing idempotent.
+//! work sessions, and only then acknowledges the inputs. A crash anywhere in between is repaired
+//! by redelivery: the Msg-Ids (and the turn records) make reprocessing idempotent.
+//!
+//! A partition that starts with messages a previous owner had in flight (delivered, not yet
+//! acknowledged) first reads those from the stream itself and processes them, in order, before
+//! pulling anything new: event-time decisions and per-key order then hold across a handover or a
+//! crash, instead of waiting for their redelivery behind newer messages.
 
 use super::turns::PartitionTurns;
 use crate::config::{Names, Settings};
@@ -15,7 +20,7 @@ use crate::pipeline::{self, OutKind, Outgoing, RawMessage};
 use crate::telemetry;
 use crate::turns as turn_rules;
 use crate::turns::book::Watermark;
-use async_nats::jetstream::{self, consumer::PullConsumer, kv, message::PublishMessage, AckKind};
+use async_nats::jetstream::{self, consumer::PullConsumer, message::PublishMessage, AckKind};
 use async_nats::HeaderMap;
 use futures::StreamExt;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
@@ -29,6 +34,10 @@ use tracing::{debug, warn};
 pub enum WorkerError {
     #[error("partition {partition}: {detail}")]
     Setup { partition: u16, detail: String },
+    /// The partition skipped messages it had been delivered (a lapsed lease, a broken batch):
+    /// run it again, which first takes over what is in flight, in order.
+    #[error("partition {partition} interrupted: {why}")]
+    Interrupted { partition: u16, why: &'static str },
 }
 
 /// What the worker tells health checks and the demo.
@@ -48,7 +57,6 @@ pub struct Shared {
     pub settings: Settings,
     pub names: Names,
     pub ingest: ingest::Settings,
-    pub progress: kv::Store,
     pub state: Arc<WorkerState>,
     pub sessions: super::sessions::SessionWriter,
     /// Test hook: fail every Nth publish attempt before it is sent (0 = never).
@@ -62,13 +70,6 @@ impl Shared {
         settings: Settings,
     ) -> Result<Arc<Shared>, WorkerError> {
         let names = settings.names();
-        let progress = js
-            .get_key_value(&names.progress_bucket)
-            .await
-            .map_err(|e| WorkerError::Setup {
-                partition: 0,
-                detail: format!("progress bucket {}: {e}", names.progress_bucket),
-            })?;
         let ingest = ingest::Settings {
             main_agents: crate::classify::MainAgents::new(&settings.roles.main_agents),
             adapter_mode: settings.adapter.mode,
@@ -90,7 +91,6 @@ impl Shared {
             js,
             names,
             ingest,
-            progress,
             state: Arc::new(WorkerState::default()),
             fail_publish_every,
             publish_attempts: AtomicU64::new(0),
@@ -175,24 +175,13 @@ impl Shared {
 struct Item {
     msg: jetstream::Message,
     seq: u64,
-    /// Processed after every earlier message of the partition was (not during recovery from a
-    /// previous owner's in-flight messages): only then may the progress mark cover it.
+    /// Processed in partition order for the first time (not a redelivery of something already
+    /// processed): work sessions use it to tell new events from repeats.
     contiguous: bool,
+    /// Whether `msg` is a consumer delivery to acknowledge (false for messages re-read from the
+    /// stream at takeover).
+    ack: bool,
     pending: Vec<(Outgoing, Option<jetstream::context::PublishAckFuture>)>,
-}
-
-fn mark_key(p: u16) -> String {
-    format!("p{p}")
-}
-
-async fn read_mark(shared: &Shared, p: u16) -> u64 {
-    match shared.progress.get(mark_key(p)).await {
-        Ok(Some(v)) => std::str::from_utf8(&v)
-            .ok()
-            .and_then(|s| s.parse().ok())
-            .unwrap_or(0),
-        _ => 0,
-    }
 }
 
 /// Run one partition until `cancel`: finish the batch in hand, acknowledge what was published,
@@ -221,7 +210,9 @@ pub async fn run_partition(
         .get_consumer(&shared.names.consumer_name(p))
         .await
         .map_err(|e| setup(format!("consumer {}: {e}", shared.names.consumer_name(p))))?;
-    let mark = read_mark(&shared, p).await;
+    while lease_lapsed(&lease_valid_until) && !cancel.is_cancelled() {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     let mut turns = PartitionTurns::new(&shared, p)
         .await
         .map_err(|e| setup(e.to_string()))?;
@@ -233,17 +224,79 @@ pub async fn run_partition(
         .state
         .partitions_running
         .fetch_add(1, Ordering::Relaxed);
-    debug!(partition = p, mark, loaded, "partition started");
+    debug!(partition = p, loaded, "partition started");
 
     let (tx, rx) = mpsc::channel::<Item>(512);
     let acker = tokio::spawn(ack_stage(shared.clone(), p, rx, cancel.clone()));
     let batch = shared.settings.consumer.batch;
     let skew = i64::try_from(shared.settings.turns.clock_skew.as_millis()).unwrap_or(0);
-    let mut watermark = match consumer.info().await {
-        Ok(info) => Watermark::starting(info.num_ack_pending, info.delivered.stream_sequence),
-        Err(e) => return Err(setup(format!("consumer info: {e}"))),
-    };
+    let mut watermark = Watermark::default();
     let mut last_seq = 0u64;
+    // Take over what a previous owner left in flight, in order, before anything new.
+    let info = consumer
+        .info()
+        .await
+        .map_err(|e| setup(format!("consumer info: {e}")))?;
+    let (from, to) = (
+        info.ack_floor.stream_sequence + 1,
+        info.delivered.stream_sequence,
+    );
+    if info.num_ack_pending > 0 && to >= from {
+        let replay = stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subject: shared.names.partition_filter(p),
+                deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: from,
+                },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| setup(format!("reading in-flight messages: {e}")))?;
+        let mut replayed = replay
+            .messages()
+            .await
+            .map_err(|e| setup(format!("reading in-flight messages: {e}")))?;
+        let mut count = 0usize;
+        while let Ok(Some(Ok(msg))) =
+            tokio::time::timeout(Duration::from_secs(5), replayed.next()).await
+        {
+            let Ok(mi) = msg.info() else { break };
+            let (seq, stored_ms) = (mi.stream_sequence, mi.published.timestamp_millis());
+            if seq > to {
+                break;
+            }
+            if let Some(wm) = watermark.observe(stored_ms) {
+                turns
+                    .advance(&shared, wm, &cancel)
+                    .await
+                    .map_err(|e| setup(e.to_string()))?;
+            }
+            let pending = match process(&shared, &mut turns, &msg, &cancel).await {
+                Ok(Some(p)) => p,
+                Ok(None) => break,
+                Err(e) => return Err(setup(e.to_string())),
+            };
+            last_seq = last_seq.max(seq);
+            count += 1;
+            let item = Item {
+                msg,
+                seq,
+                contiguous: true,
+                ack: false,
+                pending,
+            };
+            if tx.send(item).await.is_err() {
+                break;
+            }
+            if seq >= to {
+                break;
+            }
+        }
+        debug!(
+            partition = p,
+            from, to, count, "took over in-flight messages"
+        );
+    }
     let mut backoff = Duration::from_millis(100);
     let result = 'pull: loop {
         if cancel.is_cancelled() {
@@ -314,14 +367,22 @@ pub async fn run_partition(
             let msg = match next {
                 Ok(m) => m,
                 Err(e) => {
+                    // Messages of this batch may have been lost on the way: start over from
+                    // what the consumer says is in flight, so nothing is processed out of order.
                     debug!(partition = p, error = %e, "batch ended with an error");
-                    break;
+                    break 'pull Err(WorkerError::Interrupted {
+                        partition: p,
+                        why: "a pull batch failed",
+                    });
                 }
             };
             if lease_lapsed(&lease_valid_until) {
                 // The lease may have lapsed (e.g. this process was paused): take no more work
-                // from this batch; what is left of it is redelivered to the owner after AckWait.
-                break;
+                // from this batch; the restart takes over what was left of it, in order.
+                break 'pull Err(WorkerError::Interrupted {
+                    partition: p,
+                    why: "the lease may have lapsed",
+                });
             }
             let Ok(info) = msg.info() else { continue };
             let seq = info.stream_sequence;
@@ -333,19 +394,20 @@ pub async fn run_partition(
                     break 'pull Err(setup(e.to_string()));
                 }
             }
+            let contiguous = seq > last_seq;
             last_seq = last_seq.max(seq);
-            let pending = match process(&shared, &mut turns, &msg, mark, &cancel).await {
+            let pending = match process(&shared, &mut turns, &msg, &cancel).await {
                 Ok(Some(p)) => p,
                 // Cancelled while a publish kept failing: leave the message for redelivery.
                 Ok(None) => break 'pull Ok(()),
                 Err(e) => break 'pull Err(setup(e.to_string())),
             };
-            let contiguous = !watermark.recovering();
             if tx
                 .send(Item {
                     msg,
                     seq,
                     contiguous,
+                    ack: true,
                     pending,
                 })
                 .await
@@ -388,18 +450,12 @@ async fn process(
     shared: &Shared,
     turns: &mut PartitionTurns,
     msg: &jetstream::Message,
-    mark: u64,
     cancel: &CancellationToken,
 ) -> Result<Option<Pending>, super::turns::TurnIoError> {
     let Ok(info) = msg.info() else {
         return Ok(Some(Vec::new()));
     };
     shared.state.inputs.fetch_add(1, Ordering::Relaxed);
-    if info.stream_sequence <= mark {
-        // Published before a crash that came before its acknowledgement.
-        metrics::counter!(telemetry::INPUTS, "outcome" => "already_projected").increment(1);
-        return Ok(Some(Vec::new()));
-    }
     let raw = RawMessage {
         bytes: &msg.payload,
         stream: info.stream,
@@ -493,7 +549,6 @@ async fn ack_stage(
     mut rx: mpsc::Receiver<Item>,
     cancel: CancellationToken,
 ) {
-    let key = mark_key(p);
     while let Some(first) = rx.recv().await {
         let mut items = vec![first];
         while items.len() < 1024 {
@@ -542,30 +597,10 @@ async fn ack_stage(
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(2));
         }
-        // The mark says "every message of the partition up to here has its outputs stored"; a
-        // group processed while a previous owner's messages were outstanding cannot say that.
-        if items.iter().all(|i| i.contiguous) {
-            let last = items.iter().map(|i| i.seq).max().unwrap_or(0);
-            let mut backoff = Duration::from_millis(50);
-            loop {
-                match shared.progress.put(&key, last.to_string().into()).await {
-                    Ok(_) => break,
-                    Err(e) => {
-                        if cancel.is_cancelled() && backoff >= Duration::from_secs(2) {
-                            warn!(partition = p, error = %e, "progress mark not written; inputs left for redelivery");
-                            return;
-                        }
-                        warn!(partition = p, error = %e, "progress mark failed; retrying");
-                        tokio::time::sleep(backoff).await;
-                        backoff = (backoff * 2).min(Duration::from_secs(2));
-                    }
-                }
-            }
-        }
         super::turns::crash_point("before_ack");
-        for item in items {
+        for item in items.into_iter().filter(|i| i.ack) {
             if let Err(e) = item.msg.ack().await {
-                debug!(partition = p, error = %e, "ack failed; the message will be redelivered and skipped by the progress mark");
+                debug!(partition = p, error = %e, "ack failed; the message will be redelivered (its outputs collapse by Msg-Id)");
             }
         }
     }

@@ -1520,13 +1520,6 @@ async fn raw_events_come_back_through_the_api_and_sessions_survive_a_restart() {
             .await
             .expect("delete a partition consumer");
     }
-    let progress = js
-        .get_key_value(&s.names().progress_bucket)
-        .await
-        .expect("progress bucket");
-    for p in 0..PARTITIONS {
-        let _ = progress.purge(format!("p{p}")).await;
-    }
     let (running, cancel) = start_worker(&s).await;
     drained(&js).await;
     let second = get("/api/work-sessions/ws_live".into()).await;

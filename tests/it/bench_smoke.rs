@@ -25,7 +25,11 @@ async fn every_scenario_reports_a_throughput_and_the_report_is_json() {
     let report = bench::run(opts).await.expect("bench runs");
 
     let ids: Vec<u8> = report.throughput.iter().map(|t| t.id).collect();
-    assert_eq!(ids, vec![1, 2, 3, 4, 5, 6], "one row per throughput scenario");
+    assert_eq!(
+        ids,
+        vec![1, 2, 3, 4, 5, 6],
+        "one row per throughput scenario"
+    );
     for t in &report.throughput {
         assert!(t.msg_per_s > 0.0, "{}: {t:?}", t.scenario);
         assert!(t.inputs > 0, "{}: {t:?}", t.scenario);

@@ -1074,7 +1074,7 @@ async fn provision_is_idempotent() {
         DLQ,
         "KV_collab_turns",
         "KV_collab_work_sessions",
-        "KV_collab_progress",
+        "KV_collab_leases",
     ] {
         js.get_stream(stream)
             .await
