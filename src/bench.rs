@@ -245,6 +245,11 @@ pub struct ThroughputResult {
     /// Writes to the work-session bucket, and the average size of a stored session value.
     pub kv_session_writes: Option<u64>,
     pub session_value_avg_bytes: Option<f64>,
+    /// JetStream API requests the server counted over the scenario (consumer info, stream info,
+    /// ...; not pulls, publishes or KV reads).
+    pub js_api_requests: Option<u64>,
+    /// Messages the partition consumers delivered more than once (sum of `num_redelivered`).
+    pub redelivered: Option<u64>,
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -449,8 +454,10 @@ impl Env {
         })
     }
 
+    /// The built-in defaults with `COLLAB_<SECTION>__<KEY>` overrides from the environment (for
+    /// experiments); the server, prefix and partitions are the bench's.
     fn settings(&self) -> Settings {
-        let mut s = Settings::default();
+        let mut s = Settings::load(None).unwrap_or_default();
         s.nats.url = self.url.clone();
         s.nats.prefix = self.prefix.clone();
         s.nats.partitions = self.partitions;
@@ -495,6 +502,26 @@ impl Env {
             let _ = self.js.delete_stream(&s).await;
         }
         let _ = self.client.flush().await;
+    }
+
+    /// Messages redelivered by the partition consumers.
+    async fn redelivered(&self) -> Option<u64> {
+        let names = self.names();
+        let stream = self.js.get_stream(&names.raw_stream).await.ok()?;
+        let infos = futures::future::join_all(
+            (0..self.partitions).map(|p| stream.consumer_info(names.consumer_name(p))),
+        )
+        .await;
+        let mut total = 0u64;
+        for i in infos {
+            total += i.ok()?.num_redelivered as u64;
+        }
+        Some(total)
+    }
+
+    /// The account's JetStream API request count.
+    async fn api_requests(&self) -> Option<u64> {
+        self.js.query_account().await.ok().map(|a| a.requests.total)
     }
 
     async fn stream_last_seq(&self, stream: &str) -> Option<u64> {
@@ -759,6 +786,8 @@ async fn throughput_baseline(
         progress_writes: None,
         kv_session_writes: None,
         session_value_avg_bytes: None,
+        js_api_requests: None,
+        redelivered: None,
     })
 }
 
@@ -871,6 +900,7 @@ async fn throughput_pipeline(
     let ws0 = env
         .stream_last_seq(&format!("KV_{}", names.sessions_bucket))
         .await;
+    let api0 = env.api_requests().await;
     let pb = bar(opts, n as u64, &format!("{label}: run"));
     let started = Instant::now();
     let mut settings = env.settings();
@@ -930,6 +960,8 @@ async fn throughput_pipeline(
     let pr1 = env
         .stream_last_seq(&format!("KV_{}", names.leases_bucket))
         .await;
+    let api1 = env.api_requests().await;
+    let redelivered = env.redelivered().await;
     let ws1 = env
         .stream_last_seq(&format!("KV_{}", names.sessions_bucket))
         .await;
@@ -964,6 +996,8 @@ async fn throughput_pipeline(
         progress_writes: pr0.zip(pr1).map(|(a, b)| b - a),
         kv_session_writes: ws0.zip(ws1).map(|(a, b)| b - a),
         session_value_avg_bytes,
+        js_api_requests: api0.zip(api1).map(|(a, b)| b.saturating_sub(a)),
+        redelivered,
     })
 }
 
@@ -1080,6 +1114,8 @@ async fn throughput_naive(env: &Env, opts: &BenchOptions) -> Result<ThroughputRe
         progress_writes: None,
         kv_session_writes: None,
         session_value_avg_bytes: None,
+        js_api_requests: None,
+        redelivered: None,
     })
 }
 
@@ -2033,7 +2069,7 @@ pub fn render(report: &BenchReport) -> String {
         );
         let _ = writeln!(
             s,
-            "{:<3} {:<28} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7} {:>8} {:>8} {:>8} {:>9}",
+            "{:<3} {:<28} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>8} {:>7}",
             "#",
             "scenario",
             "inputs",
@@ -2045,12 +2081,14 @@ pub fn render(report: &BenchReport) -> String {
             "turn kv",
             "progress",
             "session",
-            "session B"
+            "session B",
+            "JS API",
+            "redeliv"
         );
         for t in &report.throughput {
             let _ = writeln!(
                 s,
-                "{:<3} {:<28} {:>8} {:>8} {:>7.2} {:>9.0} {:>7} {:>7} {:>8} {:>8} {:>8} {:>9}",
+                "{:<3} {:<28} {:>8} {:>8} {:>7.2} {:>9.0} {:>7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>8} {:>7}",
                 t.id,
                 t.scenario,
                 t.inputs,
@@ -2063,6 +2101,8 @@ pub fn render(report: &BenchReport) -> String {
                 t.progress_writes.map_or("-".into(), |v| v.to_string()),
                 t.kv_session_writes.map_or("-".into(), |v| v.to_string()),
                 opt(t.session_value_avg_bytes, 0),
+                t.js_api_requests.map_or("-".into(), |v| v.to_string()),
+                t.redelivered.map_or("-".into(), |v| v.to_string()),
             );
         }
         let r = &report.ratios;

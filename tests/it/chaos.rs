@@ -21,7 +21,7 @@
 //!
 //! Short scenarios (`chaos_short_*`, a few seconds of load each, small lease TTL and ack wait)
 //! run with `cargo test` and fail on any loss, duplicate, turn without exactly one response or
-//! wrong winner; those that fail because of an open defect are `//! is fixed (run them with `cargo test --test it chaos_short -- --include-ignored`). `chaos_full` (ignored) runs longer with the default settings and prints the
+//! wrong winner. `chaos_full` (ignored) runs longer with the default settings and prints the
 //! table of `docs/reliability.md`:
 //! `cargo test --release --test it chaos_full -- --ignored --nocapture`.
 //! `CHAOS_SEED=<n>` replays a scenario's writer and fault schedule (timing still varies);
