@@ -248,7 +248,8 @@ pub struct ThroughputResult {
     /// JetStream API requests the server counted over the scenario (consumer info, stream info,
     /// ...; not pulls, publishes or KV reads).
     pub js_api_requests: Option<u64>,
-    /// Messages the partition consumers delivered more than once (sum of `num_redelivered`).
+    /// Deliveries beyond one per message (sum of the partition consumers' delivery sequences
+    /// minus the inputs): messages handed out again after their ack wait.
     pub redelivered: Option<u64>,
 }
 
@@ -504,8 +505,8 @@ impl Env {
         let _ = self.client.flush().await;
     }
 
-    /// Messages redelivered by the partition consumers.
-    async fn redelivered(&self) -> Option<u64> {
+    /// Deliveries by the partition consumers beyond one per message of the raw stream.
+    async fn redelivered(&self, inputs: u64) -> Option<u64> {
         let names = self.names();
         let stream = self.js.get_stream(&names.raw_stream).await.ok()?;
         let infos = futures::future::join_all(
@@ -514,9 +515,9 @@ impl Env {
         .await;
         let mut total = 0u64;
         for i in infos {
-            total += i.ok()?.num_redelivered as u64;
+            total += i.ok()?.delivered.consumer_sequence;
         }
-        Some(total)
+        Some(total.saturating_sub(inputs))
     }
 
     /// The account's JetStream API request count.
@@ -961,7 +962,7 @@ async fn throughput_pipeline(
         .stream_last_seq(&format!("KV_{}", names.leases_bucket))
         .await;
     let api1 = env.api_requests().await;
-    let redelivered = env.redelivered().await;
+    let redelivered = env.redelivered(n as u64).await;
     let ws1 = env
         .stream_last_seq(&format!("KV_{}", names.sessions_bucket))
         .await;

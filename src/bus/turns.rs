@@ -85,8 +85,17 @@ impl PartitionTurns {
                 })?;
         let mut unpublished = Vec::new();
         let mut loaded = 0;
+        let mut first = true;
         loop {
-            let next = tokio::time::timeout(Duration::from_millis(300), watch.next()).await;
+            // A partition with no records sends nothing: the first entry either comes at once or
+            // not at all. After it, the history runs until `delta` reaches 0, and a stall is an
+            // error (the partition restarts) rather than a silently partial reload.
+            let wait = if first {
+                Duration::from_secs(1)
+            } else {
+                Duration::from_secs(30)
+            };
+            let next = tokio::time::timeout(wait, watch.next()).await;
             let entry = match next {
                 Ok(Some(Ok(e))) => e,
                 Ok(Some(Err(e))) => {
@@ -95,9 +104,15 @@ impl PartitionTurns {
                         detail: e.to_string(),
                     })
                 }
-                // No (more) history: a bucket with nothing for this partition sends nothing.
-                Ok(None) | Err(_) => break,
+                Err(_) if first => break,
+                Ok(None) | Err(_) => {
+                    return Err(TurnIoError::Kv {
+                        key: filter,
+                        detail: format!("the record history stopped after {loaded} records"),
+                    })
+                }
             };
+            first = false;
             if entry.operation == kv::Operation::Put {
                 if let Ok(rec) = serde_json::from_slice::<TurnRecord>(&entry.value) {
                     loaded += 1;
