@@ -121,12 +121,14 @@ pub async fn start(
     let shared = if opts.workers {
         let shared = worker::Shared::new(js.clone(), settings.clone()).await?;
         let names = settings.names();
-        let store = js.get_key_value(&names.leases_bucket).await.map_err(|e| {
-            worker::WorkerError::Setup {
+        let store = shared
+            .kv_js
+            .get_key_value(&names.leases_bucket)
+            .await
+            .map_err(|e| worker::WorkerError::Setup {
                 partition: 0,
                 detail: format!("leases bucket {}: {e}", names.leases_bucket),
-            }
-        })?;
+            })?;
         let id = settings
             .workers
             .id

@@ -147,7 +147,7 @@ enum Command {
         /// Probe sends per timer-lateness run.
         #[arg(long, default_value_t = 1_000)]
         probes: usize,
-        /// Run only these parts: baseline, mixed, turns, naive, latency, turnbook.
+        /// Run only these parts: baseline, mixed, turns, naive, latency, turnbook, breakdown.
         #[arg(long, value_delimiter = ',')]
         only: Vec<collab_projector::bench::Part>,
         /// No progress bars.

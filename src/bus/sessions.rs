@@ -77,7 +77,13 @@ pub fn identity(
 pub struct SessionWriter {
     kv: kv::Store,
     aliases: Mutex<HashMap<String, String>>,
+    /// Striped locks by session: this worker's partitions update a hot session one at a time
+    /// instead of racing each other into revision conflicts (other workers still may; the
+    /// compare-and-swap settles those).
+    stripes: Vec<tokio::sync::Mutex<()>>,
 }
+
+const STRIPES: usize = 64;
 
 impl SessionWriter {
     pub async fn new(js: &jetstream::Context, names: &Names) -> Result<Self, SessionError> {
@@ -91,6 +97,7 @@ impl SessionWriter {
         Ok(SessionWriter {
             kv,
             aliases: Mutex::new(HashMap::new()),
+            stripes: (0..STRIPES).map(|_| tokio::sync::Mutex::new(())).collect(),
         })
     }
 
@@ -145,6 +152,10 @@ impl SessionWriter {
 
     /// Read, apply, compare-and-set; again on conflict.
     async fn update(&self, id: &str, events: &[(Envelope, Identity)]) -> Result<(), SessionError> {
+        let stripe = id.bytes().fold(0usize, |h, b| {
+            h.wrapping_mul(31).wrapping_add(usize::from(b))
+        }) % STRIPES;
+        let _serialised = self.stripes[stripe].lock().await;
         let key = session_key(id);
         let mut attempt = 0u32;
         loop {

@@ -44,7 +44,7 @@ impl PartitionTurns {
     pub async fn new(shared: &Shared, partition: u16) -> Result<PartitionTurns, TurnIoError> {
         let bucket = shared.names.turns_bucket.clone();
         let store = shared
-            .js
+            .kv_js
             .get_key_value(&bucket)
             .await
             .map_err(|e| TurnIoError::Kv {

@@ -54,6 +54,9 @@ pub struct WorkerState {
 /// Everything the partition tasks share.
 pub struct Shared {
     pub js: jetstream::Context,
+    /// A context of its own for KV reads and writes: they must never wait for a publish-ack
+    /// permit held by a projection queued behind them (that would deadlock the partitions).
+    pub kv_js: jetstream::Context,
     pub settings: Settings,
     pub names: Names,
     pub ingest: ingest::Settings,
@@ -80,7 +83,10 @@ impl Shared {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
-        let sessions = super::sessions::SessionWriter::new(&js, &names)
+        let kv_js = jetstream::ContextBuilder::new()
+            .timeout(Duration::from_secs(5))
+            .build(js.client());
+        let sessions = super::sessions::SessionWriter::new(&kv_js, &names)
             .await
             .map_err(|e| WorkerError::Setup {
                 partition: 0,
@@ -88,6 +94,7 @@ impl Shared {
             })?;
         Ok(Arc::new(Shared {
             sessions,
+            kv_js,
             js,
             names,
             ingest,
