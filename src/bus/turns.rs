@@ -209,6 +209,17 @@ impl PartitionTurns {
         cancel: &CancellationToken,
     ) -> Result<Vec<Outgoing>, TurnIoError> {
         let key = facts.record_key(self.partition);
+        // Messages are processed in stream order, so one stored after an open turn's deadline
+        // means the deadline has passed in event time: decide it first, even if the deadline set
+        // does not hold the turn (e.g. a reload that came back incomplete).
+        if let Some((rec, _)) = self.read(&key).await? {
+            if rec.state == TurnState::Open {
+                if let Some(deadline) = rec.deadline_ms.filter(|d| *d < facts.stored_ms) {
+                    self.book.arm(&key, deadline);
+                    self.advance(shared, facts.stored_ms, cancel).await?;
+                }
+            }
+        }
         let mut attempts = 0u32;
         loop {
             attempts += 1;
