@@ -338,15 +338,10 @@ pub async fn run_partition(
         backoff = Duration::from_millis(100);
         // The batch is bounded (size and expiry): finishing it on cancel is the drain.
         loop {
-            let mut timer = turns.book.next_deadline().map(|d| {
+            let timer = turns.book.next_deadline().map(|d| {
                 let wait_ms = d.saturating_add(skew).saturating_sub(now_ms()).max(0);
                 Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0))
             });
-            if watermark.recovering() {
-                // Poll the ack floor until a previous owner's in-flight messages are done.
-                timer =
-                    Some(timer.map_or(Duration::from_secs(1), |t| t.min(Duration::from_secs(1))));
-            }
             let next = tokio::select! {
                 biased;
                 m = messages.next() => m,
