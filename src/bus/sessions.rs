@@ -1,11 +1,14 @@
 //! The work-session writer: folds stored projections into the work-session KV bucket.
 //!
 //! The worker calls [`SessionWriter::observe`] once a group of inputs' publishes are stored and
-//! before their progress mark. Per session it does one read, applies every event of the group
-//! with [`crate::sessions::apply_as`], and writes with compare-and-set (create when absent),
-//! re-reading on a revision conflict: workers of other partitions write the same session
-//! concurrently. Applying is idempotent, so a redelivered group, or a retried `observe`, changes
-//! nothing twice.
+//! before it acknowledges them. Groups are committed together: one committer task per worker
+//! takes every group that arrived while the previous round was being written, merges them by
+//! session, applies each session's events with [`crate::sessions::apply_mut`] and writes each
+//! session once, with compare-and-set, all sessions of a round concurrently. A hot session that
+//! every partition touches therefore costs one write per round, not one per group. The committer
+//! keeps the sessions it wrote, decoded, with their revision, and re-reads one only on a revision
+//! conflict (another worker wrote it). Applying is idempotent, so a redelivered group, or a
+//! retried `observe`, changes nothing twice.
 //!
 //! Keys: a session is stored under `encode_id(session id)`. Events that name a conversation but no
 //! work session (a synthesised blocked response, for example) are resolved through an alias entry
@@ -18,9 +21,11 @@ use crate::pipeline::{OutKind, Outgoing};
 use crate::sessions::{self, Identity, Position, WorkSession};
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
+use futures::StreamExt;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, warn};
 
 /// Largest session value written; a session that would grow beyond it stops being updated (it
@@ -30,6 +35,10 @@ pub const MAX_SESSION_BYTES: usize = 900 * 1024;
 const MAX_ATTEMPTS: u32 = 50;
 /// Aliases remembered in memory, to skip rewriting them.
 const ALIAS_CACHE: usize = 10_000;
+/// Decoded sessions the committer keeps between rounds.
+const SESSION_CACHE: usize = 4096;
+/// Sessions written at once in a round.
+const CONCURRENT_WRITES: usize = 32;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -74,16 +83,19 @@ pub fn identity(
     }
 }
 
+/// Events to fold, by session id, in processing order.
+type Groups = BTreeMap<String, Vec<(Envelope, Identity)>>;
+
+struct Request {
+    groups: Groups,
+    done: oneshot::Sender<Result<(), SessionError>>,
+}
+
 pub struct SessionWriter {
     kv: kv::Store,
     aliases: Mutex<HashMap<String, String>>,
-    /// Striped locks by session: this worker's partitions update a hot session one at a time
-    /// instead of racing each other into revision conflicts (other workers still may; the
-    /// compare-and-swap settles those).
-    stripes: Vec<tokio::sync::Mutex<()>>,
+    commits: mpsc::Sender<Request>,
 }
-
-const STRIPES: usize = 64;
 
 impl SessionWriter {
     pub async fn new(js: &jetstream::Context, names: &Names) -> Result<Self, SessionError> {
@@ -94,16 +106,19 @@ impl SessionWriter {
                 bucket: names.sessions_bucket.clone(),
                 detail: e.to_string(),
             })?;
+        let (commits, rx) = mpsc::channel(1024);
+        tokio::spawn(committer(kv.clone(), rx));
         Ok(SessionWriter {
             kv,
             aliases: Mutex::new(HashMap::new()),
-            stripes: (0..STRIPES).map(|_| tokio::sync::Mutex::new(())).collect(),
+            commits,
         })
     }
 
     /// Fold a group of stored outputs of `partition` (in processing order, each with the raw
     /// sequence of the input it came from) into their sessions. Dead letters and outputs that
-    /// belong to no session are skipped. Safe to call again with the same items.
+    /// belong to no session are skipped. Safe to call again with the same items. Returns once
+    /// the sessions are written.
     ///
     /// `in_order`: every message of the partition before these was processed and observed (the
     /// worker is not recovering a previous owner's in-flight messages). Out-of-order groups are
@@ -114,7 +129,7 @@ impl SessionWriter {
         items: &[(u64, &Outgoing)],
         in_order: bool,
     ) -> Result<(), SessionError> {
-        let mut groups: BTreeMap<String, Vec<(Envelope, Identity)>> = BTreeMap::new();
+        let mut groups: Groups = BTreeMap::new();
         let mut last_seq = None;
         let mut ordinal = 0u32;
         for (seq, out) in items {
@@ -144,93 +159,185 @@ impl SessionWriter {
             let ident = identity(partition, *seq, &out.msg_id, ordinal, in_order);
             groups.entry(id).or_default().push((env, ident));
         }
-        for (id, events) in groups {
-            self.update(&id, &events).await?;
+        if groups.is_empty() {
+            return Ok(());
         }
-        Ok(())
+        let (done, wait) = oneshot::channel();
+        let closed = || SessionError::Kv {
+            key: String::new(),
+            detail: "the work-session committer stopped".into(),
+        };
+        self.commits
+            .send(Request { groups, done })
+            .await
+            .map_err(|_| closed())?;
+        wait.await.map_err(|_| closed())?
     }
+}
 
-    /// Read, apply, compare-and-set; again on conflict.
-    async fn update(&self, id: &str, events: &[(Envelope, Identity)]) -> Result<(), SessionError> {
-        let stripe = id.bytes().fold(0usize, |h, b| {
-            h.wrapping_mul(31).wrapping_add(usize::from(b))
-        }) % STRIPES;
-        let _serialised = self.stripes[stripe].lock().await;
-        let key = session_key(id);
-        let mut attempt = 0u32;
-        loop {
-            attempt += 1;
-            let result = self.try_update(id, &key, events).await;
-            match result {
-                Ok(()) => return Ok(()),
-                Err(e) if attempt >= MAX_ATTEMPTS => {
-                    return Err(SessionError::Kv {
-                        key,
-                        detail: e.to_string(),
-                    })
+/// A session as last written by this worker, decoded, with its revision.
+type Cached = (Option<WorkSession>, u64);
+
+/// Commit rounds until every writer is gone: take what is queued, merge it by session, write each
+/// session once, answer every request of the round.
+async fn committer(kv: kv::Store, mut rx: mpsc::Receiver<Request>) {
+    let mut cache: HashMap<String, Cached> = HashMap::new();
+    while let Some(first) = rx.recv().await {
+        let mut requests = vec![first];
+        while requests.len() < 1024 {
+            match rx.try_recv() {
+                Ok(r) => requests.push(r),
+                Err(_) => break,
+            }
+        }
+        let mut merged: Groups = BTreeMap::new();
+        for r in &mut requests {
+            for (id, events) in std::mem::take(&mut r.groups) {
+                merged.entry(id).or_default().extend(events);
+            }
+        }
+        let kv = &kv;
+        let jobs: Vec<_> = merged
+            .into_iter()
+            .map(|(id, events)| {
+                let cached = cache.remove(&id);
+                async move {
+                    let (result, kept) = update(kv, &id, &events, cached).await;
+                    (id, result, kept)
                 }
-                Err(Attempt::Conflict) => {
-                    debug!(key = %key, "work session changed meanwhile; re-reading");
+            })
+            .collect();
+        let results: Vec<_> = futures::stream::iter(jobs)
+            .buffer_unordered(CONCURRENT_WRITES)
+            .collect()
+            .await;
+        let mut failure = None;
+        for (id, result, kept) in results {
+            if let Some(k) = kept {
+                if cache.len() >= SESSION_CACHE {
+                    cache.clear();
                 }
-                Err(Attempt::Failed(detail)) => {
-                    warn!(key = %key, error = %detail, "work session write failed; retrying");
+                cache.insert(id, k);
+            }
+            if let Err(e) = result {
+                failure = Some(Arc::new(e));
+            }
+        }
+        for r in requests {
+            let answer = match &failure {
+                None => Ok(()),
+                Some(e) => Err(SessionError::Kv {
+                    key: String::new(),
+                    detail: e.to_string(),
+                }),
+            };
+            let _ = r.done.send(answer);
+        }
+    }
+}
+
+/// Apply and compare-and-set, re-reading on conflict. Returns the session as written, to keep.
+async fn update(
+    kv: &kv::Store,
+    id: &str,
+    events: &[(Envelope, Identity)],
+    mut cached: Option<Cached>,
+) -> (Result<(), SessionError>, Option<Cached>) {
+    let key = session_key(id);
+    let mut attempt = 0u32;
+    loop {
+        attempt += 1;
+        let current = match cached.take() {
+            Some(c) => c,
+            None => match read(kv, &key).await {
+                Ok(Some(c)) => c,
+                // Unreadable: never silently reset a session; it is reported and left alone.
+                Ok(None) => return (Ok(()), None),
+                Err(detail) => {
+                    if attempt >= MAX_ATTEMPTS {
+                        return (Err(SessionError::Kv { key, detail }), None);
+                    }
+                    warn!(key = %key, error = %detail, "work session read failed; retrying");
                     tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt.min(25))))
                         .await;
+                    continue;
                 }
-            }
-        }
-    }
-
-    async fn try_update(
-        &self,
-        id: &str,
-        key: &str,
-        events: &[(Envelope, Identity)],
-    ) -> Result<(), Attempt> {
-        let entry = self
-            .kv
-            .entry(key.to_string())
-            .await
-            .map_err(|e| Attempt::Failed(e.to_string()))?;
-        let (mut current, revision) = match entry {
-            Some(e) if e.operation == kv::Operation::Put => {
-                match serde_json::from_slice::<WorkSession>(&e.value) {
-                    Ok(s) => (Some(s), e.revision),
-                    Err(err) => {
-                        // Never silently reset a session: an unreadable value is reported and
-                        // left alone.
-                        warn!(key = %key, error = %err, "stored work session is unreadable; not updated");
-                        return Ok(());
-                    }
-                }
-            }
-            Some(e) => (None, e.revision),
-            None => (None, 0),
+            },
         };
+        let (mut session, revision) = current;
         let mut changed = false;
         for (env, ident) in events {
             let keys = sessions::keys(env);
-            let s = current.get_or_insert_with(|| WorkSession {
+            let s = session.get_or_insert_with(|| WorkSession {
                 id: id.to_string(),
                 ..WorkSession::default()
             });
             changed |= sessions::apply_mut(s, env, &keys, *ident);
         }
-        let Some(session) = current.filter(|_| changed) else {
-            return Ok(());
+        if !changed {
+            return (Ok(()), Some((session, revision)));
+        }
+        let Some(value) = session.as_ref() else {
+            return (Ok(()), Some((session, revision)));
         };
-        let bytes = serde_json::to_vec(&session).map_err(|e| Attempt::Failed(e.to_string()))?;
+        let bytes = match serde_json::to_vec(value) {
+            Ok(b) => b,
+            Err(e) => {
+                return (
+                    Err(SessionError::Kv {
+                        key,
+                        detail: e.to_string(),
+                    }),
+                    None,
+                )
+            }
+        };
         if bytes.len() > MAX_SESSION_BYTES {
             warn!(key = %key, bytes = bytes.len(), "work session too large to store; further events are not aggregated");
-            return Ok(());
+            return (Ok(()), None);
         }
-        match self.kv.update(key, Bytes::from(bytes), revision).await {
-            Ok(_) => Ok(()),
-            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => Err(Attempt::Conflict),
-            Err(e) => Err(Attempt::Failed(e.to_string())),
+        match kv.update(&key, Bytes::from(bytes), revision).await {
+            Ok(rev) => return (Ok(()), Some((session, rev))),
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                debug!(key = %key, "work session changed meanwhile; re-reading");
+            }
+            Err(e) => {
+                warn!(key = %key, error = %e, "work session write failed; retrying");
+                tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt.min(25)))).await;
+            }
+        }
+        if attempt >= MAX_ATTEMPTS {
+            return (
+                Err(SessionError::Kv {
+                    key,
+                    detail: "revision conflicts persisted".into(),
+                }),
+                None,
+            );
         }
     }
+}
 
+/// The stored session and its revision (revision 0 and no session when absent); `None` when the
+/// stored value is unreadable.
+async fn read(kv: &kv::Store, key: &str) -> Result<Option<Cached>, String> {
+    let entry = kv.entry(key.to_string()).await.map_err(|e| e.to_string())?;
+    Ok(match entry {
+        Some(e) if e.operation == kv::Operation::Put => {
+            match serde_json::from_slice::<WorkSession>(&e.value) {
+                Ok(s) => Some((Some(s), e.revision)),
+                Err(err) => {
+                    warn!(key = %key, error = %err, "stored work session is unreadable; not updated");
+                    None
+                }
+            }
+        }
+        Some(e) => Some((None, e.revision)),
+        None => Some((None, 0)),
+    })
+}
+
+impl SessionWriter {
     async fn remember_alias(&self, conv: &str, ws: &str) -> Result<(), SessionError> {
         if self.cached(conv).as_deref() == Some(ws) {
             return Ok(());
@@ -299,20 +406,6 @@ impl SessionWriter {
                 m.clear();
             }
             m.insert(conv.to_string(), ws.to_string());
-        }
-    }
-}
-
-enum Attempt {
-    Conflict,
-    Failed(String),
-}
-
-impl std::fmt::Display for Attempt {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Attempt::Conflict => f.write_str("revision conflicts persisted"),
-            Attempt::Failed(d) => f.write_str(d),
         }
     }
 }

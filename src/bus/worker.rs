@@ -235,191 +235,17 @@ pub async fn run_partition(
 
     let (tx, rx) = mpsc::channel::<Item>(512);
     let acker = tokio::spawn(ack_stage(shared.clone(), p, rx, cancel.clone()));
-    let batch = shared.settings.consumer.batch;
-    let skew = i64::try_from(shared.settings.turns.clock_skew.as_millis()).unwrap_or(0);
-    let mut watermark = Watermark::default();
-    let mut last_seq = 0u64;
-    // Take over what a previous owner left in flight, in order, before anything new.
-    let info = consumer
-        .info()
-        .await
-        .map_err(|e| setup(format!("consumer info: {e}")))?;
-    let (from, to) = (
-        info.ack_floor.stream_sequence + 1,
-        info.delivered.stream_sequence,
-    );
-    if info.num_ack_pending > 0 && to >= from {
-        let replay = stream
-            .create_consumer(jetstream::consumer::pull::OrderedConfig {
-                filter_subject: shared.names.partition_filter(p),
-                deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
-                    start_sequence: from,
-                },
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| setup(format!("reading in-flight messages: {e}")))?;
-        let mut replayed = replay
-            .messages()
-            .await
-            .map_err(|e| setup(format!("reading in-flight messages: {e}")))?;
-        let mut count = 0usize;
-        while let Ok(Some(Ok(msg))) =
-            tokio::time::timeout(Duration::from_secs(5), replayed.next()).await
-        {
-            let Ok(mi) = msg.info() else { break };
-            let (seq, stored_ms) = (mi.stream_sequence, mi.published.timestamp_millis());
-            if seq > to {
-                break;
-            }
-            if let Some(wm) = watermark.observe(stored_ms) {
-                turns
-                    .advance(&shared, wm, &cancel)
-                    .await
-                    .map_err(|e| setup(e.to_string()))?;
-            }
-            let pending = match process(&shared, &mut turns, &msg, &cancel).await {
-                Ok(Some(p)) => p,
-                Ok(None) => break,
-                Err(e) => return Err(setup(e.to_string())),
-            };
-            last_seq = last_seq.max(seq);
-            count += 1;
-            let item = Item {
-                msg,
-                seq,
-                contiguous: true,
-                ack: false,
-                pending,
-            };
-            if tx.send(item).await.is_err() {
-                break;
-            }
-            if seq >= to {
-                break;
-            }
-        }
-        debug!(
-            partition = p,
-            from, to, count, "took over in-flight messages"
-        );
-    }
-    let mut backoff = Duration::from_millis(100);
-    let result = 'pull: loop {
-        if cancel.is_cancelled() {
-            break Ok(());
-        }
-        if lease_lapsed(&lease_valid_until) {
-            // Pull nothing until the lease is renewed, or the lease loop stops the partition.
-            tokio::select! {
-                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
-                _ = cancel.cancelled() => {}
-            }
-            continue;
-        }
-        let mut messages = match consumer
-            .batch()
-            .max_messages(batch)
-            .expires(Duration::from_secs(1))
-            .messages()
-            .await
-        {
-            Ok(m) => m,
-            Err(e) => {
-                warn!(partition = p, error = %e, "pull failed; retrying");
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = cancel.cancelled() => break Ok(()),
-                }
-                backoff = (backoff * 2).min(Duration::from_secs(5));
-                continue;
-            }
-        };
-        backoff = Duration::from_millis(100);
-        // The batch is bounded (size and expiry): finishing it on cancel is the drain.
-        loop {
-            let timer = turns.book.next_deadline().map(|d| {
-                let wait_ms = d.saturating_add(skew).saturating_sub(now_ms()).max(0);
-                Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0))
-            });
-            let next = tokio::select! {
-                biased;
-                m = messages.next() => m,
-                _ = sleep_opt(timer) => {
-                    // Idle partition: when nothing stored is left unprocessed, the watermark is now.
-                    if let Ok(info) = consumer.info().await {
-                        let mut moved = watermark.ack_floor(info.ack_floor.stream_sequence);
-                        // Everything delivered was processed: either acknowledged already
-                        // (by us or a previous owner) or processed by us and awaiting its ack.
-                        let all_processed = info.num_ack_pending == 0
-                            || info.delivered.stream_sequence <= last_seq;
-                        if info.num_pending == 0 && all_processed {
-                            moved = watermark.idle(now_ms() - skew).or(moved);
-                        }
-                        if let Some(wm) = moved {
-                            if let Err(e) = turns.advance(&shared, wm, &cancel).await {
-                                break 'pull Err(setup(e.to_string()));
-                            }
-                        }
-                    }
-                    continue;
-                }
-            };
-            let Some(next) = next else { break };
-            let msg = match next {
-                Ok(m) => m,
-                Err(e) => {
-                    // Messages of this batch may have been lost on the way: start over from
-                    // what the consumer says is in flight, so nothing is processed out of order.
-                    debug!(partition = p, error = %e, "batch ended with an error");
-                    break 'pull Err(WorkerError::Interrupted {
-                        partition: p,
-                        why: "a pull batch failed",
-                    });
-                }
-            };
-            if lease_lapsed(&lease_valid_until) {
-                // The lease may have lapsed (e.g. this process was paused): take no more work
-                // from this batch; the restart takes over what was left of it, in order.
-                break 'pull Err(WorkerError::Interrupted {
-                    partition: p,
-                    why: "the lease may have lapsed",
-                });
-            }
-            let Ok(info) = msg.info() else { continue };
-            let seq = info.stream_sequence;
-            let stored_ms = info.published.timestamp_millis();
-            // Every message stored before this one has been processed: deadlines before its
-            // store time have passed in event time.
-            if let Some(wm) = watermark.observe(stored_ms) {
-                if let Err(e) = turns.advance(&shared, wm, &cancel).await {
-                    break 'pull Err(setup(e.to_string()));
-                }
-            }
-            let contiguous = seq > last_seq;
-            last_seq = last_seq.max(seq);
-            let pending = match process(&shared, &mut turns, &msg, &cancel).await {
-                Ok(Some(p)) => p,
-                // Cancelled while a publish kept failing: leave the message for redelivery.
-                Ok(None) => break 'pull Ok(()),
-                Err(e) => break 'pull Err(setup(e.to_string())),
-            };
-            if tx
-                .send(Item {
-                    msg,
-                    seq,
-                    contiguous,
-                    ack: true,
-                    pending,
-                })
-                .await
-                .is_err()
-            {
-                break 'pull Ok(());
-            }
-        }
+    let mut part = Partition {
+        shared: &shared,
+        p,
+        turns,
+        watermark: Watermark::default(),
+        last_seq: 0,
+        tx,
+        cancel: &cancel,
     };
-    drop(tx);
+    let result = part.run(&stream, &mut consumer, &lease_valid_until).await;
+    drop(part);
     let _ = acker.await;
     shared
         .state
@@ -428,6 +254,326 @@ pub async fn run_partition(
     debug!(partition = p, "partition stopped");
     result
 }
+
+/// Whether a partition goes on after a step.
+enum Flow {
+    Continue,
+    Stop,
+}
+
+/// One running partition: its turns, its event-time watermark and the highest raw sequence it
+/// processed.
+struct Partition<'a> {
+    shared: &'a Arc<Shared>,
+    p: u16,
+    turns: PartitionTurns,
+    watermark: Watermark,
+    last_seq: u64,
+    tx: mpsc::Sender<Item>,
+    cancel: &'a CancellationToken,
+}
+
+impl Partition<'_> {
+    fn setup(&self, detail: String) -> WorkerError {
+        WorkerError::Setup {
+            partition: self.p,
+            detail,
+        }
+    }
+
+    async fn run(
+        &mut self,
+        stream: &jetstream::stream::Stream,
+        consumer: &mut PullConsumer,
+        lease_valid_until: &AtomicI64,
+    ) -> Result<(), WorkerError> {
+        // Take over what a previous owner left in flight, in order, before anything new.
+        let info = consumer
+            .info()
+            .await
+            .map_err(|e| self.setup(format!("consumer info: {e}")))?;
+        if info.num_ack_pending > 0 {
+            let (from, to) = (
+                info.ack_floor.stream_sequence + 1,
+                info.delivered.stream_sequence,
+            );
+            if let Flow::Stop = self.replay(stream, from, to).await? {
+                return Ok(());
+            }
+        }
+        let batch = self.shared.settings.consumer.batch;
+        let skew = i64::try_from(self.shared.settings.turns.clock_skew.as_millis()).unwrap_or(0);
+        // When a due deadline cannot fire yet (messages are still pending), look again no sooner
+        // than this (ms since the epoch): the check costs a JetStream API request.
+        let mut idle_check_after = 0i64;
+        let mut backoff = Duration::from_millis(100);
+        loop {
+            if self.cancel.is_cancelled() {
+                return Ok(());
+            }
+            if lease_lapsed(lease_valid_until) {
+                // Pull nothing until the lease is renewed, or the lease loop stops the partition.
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                    _ = self.cancel.cancelled() => {}
+                }
+                continue;
+            }
+            let mut messages = match PullBatch::request(&self.shared.js, consumer, batch).await {
+                Ok(m) => m,
+                Err(e) => {
+                    warn!(partition = self.p, error = %e, "pull failed; retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(backoff) => {}
+                        _ = self.cancel.cancelled() => return Ok(()),
+                    }
+                    backoff = (backoff * 2).min(Duration::from_secs(5));
+                    continue;
+                }
+            };
+            backoff = Duration::from_millis(100);
+            // The batch is bounded (size and expiry): finishing it on cancel is the drain.
+            loop {
+                let timer = self.turns.book.next_deadline().map(|d| {
+                    let due = d.saturating_add(skew).max(idle_check_after);
+                    let wait_ms = due.saturating_sub(now_ms()).max(0);
+                    Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0))
+                });
+                let next = tokio::select! {
+                    biased;
+                    m = messages.next() => m,
+                    _ = sleep_opt(timer) => {
+                        if !self.idle_tick(consumer, skew).await? {
+                            idle_check_after = now_ms() + IDLE_CHECK_MS;
+                        }
+                        continue;
+                    }
+                };
+                let Some(next) = next else { break };
+                let msg = match next {
+                    Ok(m) => m,
+                    Err(e) => {
+                        // Messages of this batch may have been lost on the way: start over from
+                        // what the consumer says is in flight, so nothing is processed out of
+                        // order.
+                        debug!(partition = self.p, error = %e, "batch ended with an error");
+                        return Err(WorkerError::Interrupted {
+                            partition: self.p,
+                            why: "a pull batch failed",
+                        });
+                    }
+                };
+                if lease_lapsed(lease_valid_until) {
+                    // The lease may have lapsed (e.g. this process was paused): take no more work
+                    // from this batch; the restart takes over what was left of it, in order.
+                    return Err(WorkerError::Interrupted {
+                        partition: self.p,
+                        why: "the lease may have lapsed",
+                    });
+                }
+                if let Flow::Stop = self.handle(msg, true).await? {
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    /// A due deadline with no message to move the watermark: when nothing stored is left
+    /// unprocessed, the watermark is the clock. Returns whether it moved.
+    async fn idle_tick(
+        &mut self,
+        consumer: &mut PullConsumer,
+        skew: i64,
+    ) -> Result<bool, WorkerError> {
+        let Ok(info) = consumer.info().await else {
+            return Ok(false);
+        };
+        // Everything delivered was processed: either acknowledged already (by us or a previous
+        // owner) or processed by us and awaiting its ack.
+        let all_processed =
+            info.num_ack_pending == 0 || info.delivered.stream_sequence <= self.last_seq;
+        if info.num_pending != 0 || !all_processed {
+            return Ok(false);
+        }
+        let Some(wm) = self.watermark.idle(now_ms() - skew) else {
+            return Ok(false);
+        };
+        self.advance(wm).await?;
+        Ok(true)
+    }
+
+    async fn advance(&mut self, wm: i64) -> Result<(), WorkerError> {
+        match self.turns.advance(self.shared, wm, self.cancel).await {
+            Ok(_) => Ok(()),
+            Err(e) => Err(self.setup(e.to_string())),
+        }
+    }
+
+    /// Process the messages `from..=to` of this partition read straight from the stream (they
+    /// were delivered, to a previous owner or to a batch that ended early, but not processed).
+    /// Their deliveries are acknowledged when redelivered, after processing them again is a no-op.
+    async fn replay(
+        &mut self,
+        stream: &jetstream::stream::Stream,
+        from: u64,
+        to: u64,
+    ) -> Result<Flow, WorkerError> {
+        if to < from {
+            return Ok(Flow::Continue);
+        }
+        let reading = |e: &dyn std::fmt::Display| format!("reading in-flight messages: {e}");
+        let replay = stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subject: self.shared.names.partition_filter(self.p),
+                deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: from,
+                },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| self.setup(reading(&e)))?;
+        let mut replayed = replay
+            .messages()
+            .await
+            .map_err(|e| self.setup(reading(&e)))?;
+        let mut count = 0usize;
+        while let Ok(Some(Ok(msg))) =
+            tokio::time::timeout(Duration::from_secs(5), replayed.next()).await
+        {
+            let Ok(seq) = msg.info().map(|i| i.stream_sequence) else {
+                break;
+            };
+            if seq > to {
+                break;
+            }
+            count += 1;
+            if let Flow::Stop = self.handle(msg, false).await? {
+                return Ok(Flow::Stop);
+            }
+            if seq >= to {
+                break;
+            }
+        }
+        debug!(
+            partition = self.p,
+            from, to, count, "took over in-flight messages"
+        );
+        Ok(Flow::Continue)
+    }
+
+    /// Process one message in partition order and hand it to the acker. `ack`: whether it is a
+    /// consumer delivery to acknowledge (false for messages re-read from the stream).
+    async fn handle(&mut self, msg: jetstream::Message, ack: bool) -> Result<Flow, WorkerError> {
+        let Ok(info) = msg.info() else {
+            return Ok(Flow::Continue);
+        };
+        let seq = info.stream_sequence;
+        let stored_ms = info.published.timestamp_millis();
+        // Every message stored before this one has been processed: deadlines before its store
+        // time have passed in event time.
+        if let Some(wm) = self.watermark.observe(stored_ms) {
+            self.advance(wm).await?;
+        }
+        let contiguous = seq > self.last_seq;
+        self.last_seq = self.last_seq.max(seq);
+        let pending = match process(self.shared, &mut self.turns, &msg, self.cancel).await {
+            Ok(Some(p)) => p,
+            // Cancelled while a publish kept failing: leave the message for redelivery.
+            Ok(None) => return Ok(Flow::Stop),
+            Err(e) => return Err(self.setup(e.to_string())),
+        };
+        let item = Item {
+            msg,
+            seq,
+            contiguous,
+            ack,
+            pending,
+        };
+        if self.tx.send(item).await.is_err() {
+            return Ok(Flow::Stop);
+        }
+        Ok(Flow::Continue)
+    }
+}
+
+/// One pull request's deliveries.
+///
+/// Unlike the client's own batch, it never ends on a client-side timer while the server still
+/// has messages of the batch in flight: a partition that spends longer on a batch than the pull's
+/// expiry would otherwise lose the unread rest until its ack wait, and meet it behind newer
+/// messages. The batch ends when it is full, or when the server says the request expired.
+struct PullBatch {
+    sub: async_nats::Subscriber,
+    js: jetstream::Context,
+    left: usize,
+}
+
+/// How long a pull request waits on the server for messages.
+const PULL_EXPIRES: Duration = Duration::from_secs(1);
+
+impl PullBatch {
+    async fn request(
+        js: &jetstream::Context,
+        consumer: &PullConsumer,
+        batch: usize,
+    ) -> Result<PullBatch, String> {
+        let client = js.client();
+        let inbox = async_nats::Subject::from(client.new_inbox());
+        let sub = client
+            .subscribe(inbox.clone())
+            .await
+            .map_err(|e| e.to_string())?;
+        let config = jetstream::consumer::pull::BatchConfig {
+            batch,
+            expires: Some(PULL_EXPIRES),
+            ..Default::default()
+        };
+        consumer
+            .request_batch(config, inbox)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(PullBatch {
+            sub,
+            js: js.clone(),
+            left: batch,
+        })
+    }
+
+    /// The next message; `None` when the batch is over. Silence well past the expiry (a lost
+    /// status message) also ends it.
+    async fn next(&mut self) -> Option<Result<jetstream::Message, String>> {
+        use async_nats::StatusCode;
+        while self.left > 0 {
+            let wait = PULL_EXPIRES + Duration::from_secs(10);
+            let message = match tokio::time::timeout(wait, self.sub.next()).await {
+                Ok(Some(m)) => m,
+                Ok(None) | Err(_) => return None,
+            };
+            match message.status.unwrap_or(StatusCode::OK) {
+                StatusCode::OK => {
+                    self.left -= 1;
+                    return Some(Ok(jetstream::Message {
+                        message,
+                        context: self.js.clone(),
+                    }));
+                }
+                StatusCode::IDLE_HEARTBEAT => continue,
+                StatusCode::TIMEOUT | StatusCode::NOT_FOUND => return None,
+                status => {
+                    self.left = 0;
+                    return Some(Err(format!(
+                        "pull request ended: {status} {}",
+                        message.description.unwrap_or_default()
+                    )));
+                }
+            }
+        }
+        None
+    }
+}
+
+/// How long a partition waits before asking its consumer again whether a due deadline can fire.
+const IDLE_CHECK_MS: i64 = 200;
 
 fn lease_lapsed(valid_until: &AtomicI64) -> bool {
     let v = valid_until.load(Ordering::Relaxed);

@@ -63,35 +63,17 @@ impl DeadlineBook {
 /// Event-time progress of one partition: "every raw message stored before `value` has been
 /// processed".
 ///
-/// Messages arrive in stream order, so a processed message's store time is a watermark, except
-/// right after a partition changes hands: messages a previous owner had in flight are redelivered
-/// only after their ack wait, behind newer ones. Until the consumer's ack floor has passed
-/// everything delivered before this owner started, the watermark holds still (deadlines wait)
-/// while newer store times are remembered.
+/// A partition processes its messages in stream order (a new owner first re-reads what the
+/// previous owner left in flight), so a processed message's store time is a watermark; an idle
+/// partition with nothing left to process moves it to the clock.
 #[derive(Debug, Clone, Default)]
 pub struct Watermark {
     value: Option<i64>,
-    seen: Option<i64>,
-    recovering_until: Option<u64>,
 }
 
 impl Watermark {
-    /// A partition whose consumer had `ack_pending` unacknowledged messages, the last delivered
-    /// being `delivered_seq`, when this owner took it.
-    pub fn starting(ack_pending: usize, delivered_seq: u64) -> Watermark {
-        Watermark {
-            value: None,
-            seen: None,
-            recovering_until: (ack_pending > 0).then_some(delivered_seq),
-        }
-    }
-
     pub fn value(&self) -> Option<i64> {
         self.value
-    }
-
-    pub fn recovering(&self) -> bool {
-        self.recovering_until.is_some()
     }
 
     fn raise(&mut self, to: i64) -> Option<i64> {
@@ -105,30 +87,11 @@ impl Watermark {
     /// A message stored at `stored_ms` is about to be processed. Returns the new watermark when it
     /// moved.
     pub fn observe(&mut self, stored_ms: i64) -> Option<i64> {
-        self.seen = Some(self.seen.map_or(stored_ms, |s| s.max(stored_ms)));
-        if self.recovering() {
-            return None;
-        }
         self.raise(stored_ms)
-    }
-
-    /// The consumer's ack floor (every sequence up to it acknowledged). Ends recovery once it has
-    /// passed what was in flight; returns the new watermark when it moved.
-    pub fn ack_floor(&mut self, floor: u64) -> Option<i64> {
-        match self.recovering_until {
-            Some(until) if floor >= until => {
-                self.recovering_until = None;
-                self.seen.and_then(|s| self.raise(s))
-            }
-            _ => None,
-        }
     }
 
     /// Nothing is pending and everything delivered was processed: the watermark is `now_ms`.
     pub fn idle(&mut self, now_ms: i64) -> Option<i64> {
-        if self.recovering() {
-            return None;
-        }
         self.raise(now_ms)
     }
 }
@@ -139,22 +102,11 @@ mod tests {
 
     #[test]
     fn watermark_follows_store_times_and_never_goes_back() {
-        let mut w = Watermark::starting(0, 0);
+        let mut w = Watermark::default();
         assert_eq!(w.observe(100), Some(100));
         assert_eq!(w.observe(90), None);
         assert_eq!(w.idle(80), None);
         assert_eq!(w.idle(150), Some(150));
-    }
-
-    #[test]
-    fn watermark_holds_while_a_previous_owner_s_messages_are_outstanding() {
-        let mut w = Watermark::starting(3, 40);
-        assert_eq!(w.observe(500), None, "newer messages must not move it");
-        assert_eq!(w.idle(900), None);
-        assert_eq!(w.ack_floor(39), None);
-        assert_eq!(w.ack_floor(40), Some(500));
-        assert!(!w.recovering());
-        assert_eq!(w.observe(600), Some(600));
     }
 
     #[test]
