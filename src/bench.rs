@@ -648,70 +648,47 @@ struct Passthrough {
     task: tokio::task::JoinHandle<Result<(), String>>,
 }
 
-async fn start_passthrough(env: &Env) -> Result<Passthrough, BenchError> {
+async fn start_passthrough(env: &Env, partitioned: bool) -> Result<Passthrough, BenchError> {
     let names = env.names();
     let (_client, js) = bus::connect(&env.url, None, 1024, "bench passthrough").await?;
     let stream = js.get_stream(&names.raw_stream).await.ctx("raw stream")?;
-    let consumer: PullConsumer = stream
-        .create_consumer(consumer::pull::Config {
-            durable_name: Some("bench-passthrough".into()),
-            filter_subject: format!("{}.in.>", names.prefix),
-            ack_policy: consumer::AckPolicy::Explicit,
-            ack_wait: Duration::from_secs(30),
-            max_ack_pending: 20_000,
-            ..Default::default()
-        })
-        .await
-        .ctx("passthrough consumer")?;
+    let filters: Vec<(String, String)> = if partitioned {
+        (0..env.partitions)
+            .map(|p| (format!("bench-passthrough-{p}"), names.partition_filter(p)))
+            .collect()
+    } else {
+        vec![("bench-passthrough".into(), format!("{}.in.>", names.prefix))]
+    };
     let done = Arc::new(AtomicU64::new(0));
     let first = Arc::new(OnceLock::new());
     let cancel = CancellationToken::new();
-    let in_prefix = format!("{}.in.", names.prefix);
-    let out_prefix = format!("{}.proj.passthrough.", names.prefix);
-    let (d, f, c) = (done.clone(), first.clone(), cancel.clone());
-    let task = tokio::spawn(async move {
-        let mut messages = consumer
-            .stream()
-            .max_messages_per_batch(1000)
-            .messages()
+    let mut copies = Vec::new();
+    for (durable, filter) in filters {
+        let consumer: PullConsumer = stream
+            .create_consumer(consumer::pull::Config {
+                durable_name: Some(durable),
+                filter_subject: filter,
+                ack_policy: consumer::AckPolicy::Explicit,
+                ack_wait: Duration::from_secs(30),
+                max_ack_pending: 20_000,
+                ..Default::default()
+            })
             .await
-            .map_err(|e| e.to_string())?;
-        let (tx, mut rx) = mpsc::channel::<(jetstream::Message, PublishAckFuture)>(1024);
-        let acker = tokio::spawn(async move {
-            while let Some((m, fut)) = rx.recv().await {
-                fut.await.map_err(|e| e.to_string())?;
-                m.ack().await.map_err(|e| e.to_string())?;
-                d.fetch_add(1, Ordering::Relaxed);
-            }
-            Ok::<(), String>(())
-        });
-        loop {
-            let next = tokio::select! {
-                _ = c.cancelled() => break,
-                m = messages.next() => m,
-            };
-            let Some(m) = next else { break };
-            let m = m.map_err(|e| e.to_string())?;
-            f.get_or_init(Instant::now);
-            let (stream, seq) = match m.info() {
-                Ok(i) => (i.stream.to_string(), i.stream_sequence),
-                Err(e) => return Err(e.to_string()),
-            };
-            let tail = m.subject.as_str().strip_prefix(&in_prefix).unwrap_or("x");
-            let publish = PublishMessage::build()
-                .payload(m.payload.clone())
-                .header(H_SOURCE_SEQ, seq.to_string().as_str())
-                .message_id(format!("{stream}:{seq}"));
-            let fut = js
-                .send_publish(format!("{out_prefix}{tail}"), publish)
-                .await
-                .map_err(|e| e.to_string())?;
-            if tx.send((m, fut)).await.is_err() {
-                break;
-            }
+            .ctx("passthrough consumer")?;
+        copies.push(tokio::spawn(copy_loop(
+            consumer,
+            js.clone(),
+            names.prefix.clone(),
+            done.clone(),
+            first.clone(),
+            cancel.clone(),
+        )));
+    }
+    let task = tokio::spawn(async move {
+        for r in futures::future::join_all(copies).await {
+            r.map_err(|e| e.to_string())??;
         }
-        drop(tx);
-        acker.await.map_err(|e| e.to_string())?
+        Ok(())
     });
     Ok(Passthrough {
         done,
@@ -719,6 +696,61 @@ async fn start_passthrough(env: &Env) -> Result<Passthrough, BenchError> {
         cancel,
         task,
     })
+}
+
+/// One copier: pull batches of 1000, republish with a Msg-Id, acknowledge after the publish ack.
+async fn copy_loop(
+    consumer: PullConsumer,
+    js: jetstream::Context,
+    prefix: String,
+    d: Arc<AtomicU64>,
+    f: Arc<OnceLock<Instant>>,
+    c: CancellationToken,
+) -> Result<(), String> {
+    let in_prefix = format!("{prefix}.in.");
+    let out_prefix = format!("{prefix}.proj.passthrough.");
+    let mut messages = consumer
+        .stream()
+        .max_messages_per_batch(1000)
+        .messages()
+        .await
+        .map_err(|e| e.to_string())?;
+    let (tx, mut rx) = mpsc::channel::<(jetstream::Message, PublishAckFuture)>(1024);
+    let acker = tokio::spawn(async move {
+        while let Some((m, fut)) = rx.recv().await {
+            fut.await.map_err(|e| e.to_string())?;
+            m.ack().await.map_err(|e| e.to_string())?;
+            d.fetch_add(1, Ordering::Relaxed);
+        }
+        Ok::<(), String>(())
+    });
+    loop {
+        let next = tokio::select! {
+            _ = c.cancelled() => break,
+            m = messages.next() => m,
+        };
+        let Some(m) = next else { break };
+        let m = m.map_err(|e| e.to_string())?;
+        f.get_or_init(Instant::now);
+        let (stream, seq) = match m.info() {
+            Ok(i) => (i.stream.to_string(), i.stream_sequence),
+            Err(e) => return Err(e.to_string()),
+        };
+        let tail = m.subject.as_str().strip_prefix(&in_prefix).unwrap_or("x");
+        let publish = PublishMessage::build()
+            .payload(m.payload.clone())
+            .header(H_SOURCE_SEQ, seq.to_string().as_str())
+            .message_id(format!("{stream}:{seq}"));
+        let fut = js
+            .send_publish(format!("{out_prefix}{tail}"), publish)
+            .await
+            .map_err(|e| e.to_string())?;
+        if tx.send((m, fut)).await.is_err() {
+            break;
+        }
+    }
+    drop(tx);
+    acker.await.map_err(|e| e.to_string())?
 }
 
 impl Passthrough {
@@ -747,7 +779,7 @@ async fn throughput_baseline(
     let avg = preload(env, opts, Mix::REALISTIC, n, "1 baseline").await?;
     let pb = bar(opts, n as u64, "1 baseline: run");
     let started = Instant::now();
-    let copy = start_passthrough(env).await?;
+    let copy = start_passthrough(env, std::env::var("COLLAB_BENCH_PARTITIONED").is_ok()).await?;
     let (t0, mark0) =
         wait_first(|| copy.first.get().copied(), env, Duration::from_secs(30)).await?;
     let mut watch = StallWatch::new();
@@ -1178,7 +1210,7 @@ async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyRe
         "full pipeline, mixed"
     };
     let under = if id == 1 {
-        UnderTest::Baseline(start_passthrough(env).await?)
+        UnderTest::Baseline(start_passthrough(env, false).await?)
     } else {
         let (running, shared, cancel) = start_app(opts, env.settings()).await?;
         let ready = Instant::now() + Duration::from_secs(60);

@@ -23,7 +23,7 @@ use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
 use futures::StreamExt;
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, warn};
@@ -39,6 +39,10 @@ const ALIAS_CACHE: usize = 10_000;
 const SESSION_CACHE: usize = 4096;
 /// Sessions written at once in a round.
 const CONCURRENT_WRITES: usize = 32;
+/// Rounds start at most this often: groups arriving meanwhile wait and share the round, so a hot
+/// session is written (and serialised) a few dozen times a second at most. Only the
+/// acknowledgement of an input waits; its projections are already stored.
+const ROUND_INTERVAL: Duration = Duration::from_millis(20);
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -163,15 +167,18 @@ impl SessionWriter {
             return Ok(());
         }
         let (done, wait) = oneshot::channel();
-        let closed = || SessionError::Kv {
-            key: String::new(),
-            detail: "the work-session committer stopped".into(),
-        };
         self.commits
             .send(Request { groups, done })
             .await
-            .map_err(|_| closed())?;
-        wait.await.map_err(|_| closed())?
+            .map_err(|_| committer_stopped())?;
+        wait.await.map_err(|_| committer_stopped())?
+    }
+}
+
+fn committer_stopped() -> SessionError {
+    SessionError::Kv {
+        key: String::new(),
+        detail: "the work-session committer stopped".into(),
     }
 }
 
@@ -182,7 +189,10 @@ type Cached = (Option<WorkSession>, u64);
 /// session once, answer every request of the round.
 async fn committer(kv: kv::Store, mut rx: mpsc::Receiver<Request>) {
     let mut cache: HashMap<String, Cached> = HashMap::new();
+    let mut last_round = tokio::time::Instant::now();
     while let Some(first) = rx.recv().await {
+        tokio::time::sleep_until(last_round + ROUND_INTERVAL).await;
+        last_round = tokio::time::Instant::now();
         let mut requests = vec![first];
         while requests.len() < 1024 {
             match rx.try_recv() {
@@ -220,15 +230,15 @@ async fn committer(kv: kv::Store, mut rx: mpsc::Receiver<Request>) {
                 cache.insert(id, k);
             }
             if let Err(e) = result {
-                failure = Some(Arc::new(e));
+                failure = Some(e.to_string());
             }
         }
         for r in requests {
             let answer = match &failure {
                 None => Ok(()),
-                Some(e) => Err(SessionError::Kv {
+                Some(detail) => Err(SessionError::Kv {
                     key: String::new(),
-                    detail: e.to_string(),
+                    detail: detail.clone(),
                 }),
             };
             let _ = r.done.send(answer);

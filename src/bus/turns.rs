@@ -1,6 +1,15 @@
 //! The I/O shell of the turn contract for one partition: executes the pure [`crate::turns`]
-//! steps against the KV fence, publishes the turn's one response, keeps the partition's
-//! deadlines, and reloads open and unpublished turns when the partition starts.
+//! steps against the KV fence, issues the turn's one response, keeps the partition's deadlines,
+//! and reloads open and unpublished turns when the partition starts.
+//!
+//! Nothing here waits for a round trip on the way of a message, except when a turn is decided
+//! before the write that opened it is acknowledged. Turn-record writes are sent pipelined, each
+//! a compare-and-set on the revision the partition owner last wrote, and the acker awaits them
+//! (with the message's publishes) before it acknowledges the message. A write that fails means
+//! another owner wrote the record: the partition restarts, reloads and re-reads its in-flight
+//! messages. A decided turn's "published" mark is written by the acker once its response is
+//! stored. The partition keeps its open turns, the turns it decided lately, and the hashes of all
+//! its record keys, so a message needs no KV read unless it names an old turn.
 
 use super::worker::Shared;
 use crate::ingest::Normalized;
@@ -10,18 +19,23 @@ use crate::telemetry;
 use crate::turns::{
     self, blocked, book::DeadlineBook, Expect, TurnConfig, TurnFacts, TurnRecord, TurnState,
 };
-use async_nats::jetstream::kv;
+use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
+use futures::future::{BoxFuture, FutureExt, Shared as SharedFuture};
 use futures::StreamExt;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet, VecDeque};
+use std::hash::BuildHasher;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::debug;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TurnIoError {
     #[error("turn record {key}: {detail}")]
     Kv { key: String, detail: String },
+    /// A pipelined write was refused: another owner wrote the record, or the write was lost.
+    #[error("turn record {key}: write refused ({detail})")]
+    Conflict { key: String, detail: String },
     #[error("shutting down with turn {0} undecided on the bus")]
     Cancelled(String),
 }
@@ -31,12 +45,55 @@ enum WriteError {
     Other(String),
 }
 
-/// The turn state a partition owner keeps: open turns (with their KV revision) and deadlines.
+/// A turn-record write in flight; resolves to the record's new revision.
+pub type KvWrite = SharedFuture<BoxFuture<'static, Result<u64, String>>>;
+
+/// The revision of a record this owner wrote.
+#[derive(Clone)]
+enum Rev {
+    Known(u64),
+    Pending(KvWrite),
+}
+
+/// A decided turn's mark "its response is stored", written after the response is.
+pub struct Mark {
+    key: String,
+    subject: String,
+    record: TurnRecord,
+    after: Rev,
+}
+
+/// What the turn contract asks for one message (or one move of the watermark): publishes in
+/// order, record writes to await, and marks to write once the publishes are stored.
+#[derive(Default)]
+pub struct Effects {
+    pub outs: Vec<Outgoing>,
+    pub writes: Vec<KvWrite>,
+    pub marks: Vec<Mark>,
+}
+
+impl Effects {
+    pub fn is_empty(&self) -> bool {
+        self.outs.is_empty() && self.writes.is_empty() && self.marks.is_empty()
+    }
+}
+
+/// Decided turns kept in memory per partition, for the events that follow a decision (a
+/// complete, a duplicate, a late reply).
+const RECENT_DECIDED: usize = 512;
+
+/// The turn state a partition owner keeps: open turns (with their KV revision), recently decided
+/// turns, the hashes of every record key, and deadlines.
 pub struct PartitionTurns {
     pub partition: u16,
     store: kv::Store,
+    put_prefix: String,
     cfg: TurnConfig,
-    open: HashMap<String, (TurnRecord, u64)>,
+    open: HashMap<String, (TurnRecord, Rev)>,
+    recent: HashMap<String, TurnRecord>,
+    recent_order: VecDeque<String>,
+    keys: HashSet<u64>,
+    hasher: std::collections::hash_map::RandomState,
     pub book: DeadlineBook,
 }
 
@@ -51,20 +108,30 @@ impl PartitionTurns {
                 key: bucket.clone(),
                 detail: e.to_string(),
             })?;
+        let put_prefix = store.put_prefix.clone().unwrap_or(store.prefix.clone());
         Ok(PartitionTurns {
             partition,
             store,
+            put_prefix,
             cfg: TurnConfig {
                 default_timeout: shared.settings.turns.default_timeout,
                 max_timeout: shared.settings.turns.max_timeout,
             },
             open: HashMap::new(),
+            recent: HashMap::new(),
+            recent_order: VecDeque::new(),
+            keys: HashSet::new(),
+            hasher: Default::default(),
             book: DeadlineBook::new(),
         })
     }
 
     pub fn open_turns(&self) -> usize {
         self.open.len()
+    }
+
+    fn key_hash(&self, key: &str) -> u64 {
+        self.hasher.hash_one(key)
     }
 
     /// Load this partition's records: arm open deadlines, and publish any decided response whose
@@ -113,6 +180,7 @@ impl PartitionTurns {
                 }
             };
             first = false;
+            self.keys.insert(self.key_hash(&entry.key));
             if entry.operation == kv::Operation::Put {
                 if let Ok(rec) = serde_json::from_slice::<TurnRecord>(&entry.value) {
                     loaded += 1;
@@ -121,7 +189,8 @@ impl PartitionTurns {
                             if let Some(d) = rec.deadline_ms {
                                 self.book.arm(&entry.key, d);
                             }
-                            self.open.insert(entry.key.clone(), (rec, entry.revision));
+                            self.open
+                                .insert(entry.key.clone(), (rec, Rev::Known(entry.revision)));
                         }
                         TurnState::Decided => {
                             unpublished.push((entry.key.clone(), rec, entry.revision))
@@ -135,16 +204,24 @@ impl PartitionTurns {
             }
         }
         for (key, rec, rev) in unpublished {
-            self.publish_winner(shared, &key, &rec, rev, None, cancel)
-                .await?;
+            self.republish(shared, &key, &rec, rev, cancel).await?;
         }
         metrics::gauge!(telemetry::OPEN_TURNS).increment(self.open.len() as f64);
         Ok(loaded)
     }
 
-    async fn read(&self, key: &str) -> Result<Option<(TurnRecord, u64)>, TurnIoError> {
-        if let Some(hit) = self.open.get(key) {
-            return Ok(Some(hit.clone()));
+    /// The record of `key` as this owner knows it, with its revision resolved when it is open
+    /// (decided records are never written again by the turn rules, so their revision is moot).
+    async fn current(&self, key: &str) -> Result<Option<(TurnRecord, u64)>, TurnIoError> {
+        if let Some((rec, rev)) = self.open.get(key) {
+            let rev = resolve(key, rev).await?;
+            return Ok(Some((rec.clone(), rev)));
+        }
+        if let Some(rec) = self.recent.get(key) {
+            return Ok(Some((rec.clone(), 0)));
+        }
+        if !self.keys.contains(&self.key_hash(key)) {
+            return Ok(None);
         }
         let entry = self.store.entry(key).await.map_err(|e| TurnIoError::Kv {
             key: key.to_string(),
@@ -160,6 +237,34 @@ impl PartitionTurns {
         }))
     }
 
+    /// Send a compare-and-set write without waiting for its ack.
+    async fn send_write(
+        &mut self,
+        shared: &Shared,
+        key: &str,
+        rec: &TurnRecord,
+        expect: Expect,
+    ) -> Result<KvWrite, TurnIoError> {
+        let expected = match expect {
+            Expect::Absent => 0,
+            Expect::Revision(rev) => rev,
+        };
+        let subject = format!("{}{key}", self.put_prefix);
+        let ack = send_cas(shared, subject, rec, expected)
+            .await
+            .map_err(|detail| TurnIoError::Kv {
+                key: key.to_string(),
+                detail,
+            })?;
+        self.keys.insert(self.key_hash(key));
+        Ok(
+            async move { ack.await.map(|a| a.sequence).map_err(|e| e.to_string()) }
+                .boxed()
+                .shared(),
+        )
+    }
+
+    /// A write, waiting for its ack (the reload's republish path).
     async fn write(&self, key: &str, rec: &TurnRecord, expect: Expect) -> Result<u64, WriteError> {
         let value = Bytes::from(serde_json::to_vec(rec).unwrap_or_default());
         match expect {
@@ -180,7 +285,7 @@ impl PartitionTurns {
         }
     }
 
-    fn remember(&mut self, key: &str, rec: &TurnRecord, rev: u64) {
+    fn remember(&mut self, key: &str, rec: &TurnRecord, rev: Rev) {
         if rec.state == TurnState::Open {
             if let Some(d) = rec.deadline_ms {
                 self.book.arm(key, d);
@@ -192,149 +297,117 @@ impl PartitionTurns {
             {
                 metrics::gauge!(telemetry::OPEN_TURNS).increment(1.0);
             }
-        } else {
-            self.book.disarm(key);
-            if self.open.remove(key).is_some() {
-                metrics::gauge!(telemetry::OPEN_TURNS).decrement(1.0);
+            return;
+        }
+        self.book.disarm(key);
+        if self.open.remove(key).is_some() {
+            metrics::gauge!(telemetry::OPEN_TURNS).decrement(1.0);
+        }
+        if self.recent.insert(key.to_string(), rec.clone()).is_none() {
+            self.recent_order.push_back(key.to_string());
+            while self.recent_order.len() > RECENT_DECIDED {
+                if let Some(old) = self.recent_order.pop_front() {
+                    self.recent.remove(&old);
+                }
             }
         }
     }
 
-    /// Apply a turn event. Returns the projections to publish after (pipelined).
+    /// Apply a turn event: its record write, the turn's response when it decides the turn, and
+    /// its own projection (or suppression), in that order, into `fx`.
     pub async fn on_event(
         &mut self,
         shared: &Shared,
         n: &Normalized,
         facts: &TurnFacts,
-        cancel: &CancellationToken,
-    ) -> Result<Vec<Outgoing>, TurnIoError> {
+        fx: &mut Effects,
+    ) -> Result<(), TurnIoError> {
         let key = facts.record_key(self.partition);
         // Messages are processed in stream order, so one stored after an open turn's deadline
-        // means the deadline has passed in event time: decide it first, even if the deadline set
-        // does not hold the turn (e.g. a reload that came back incomplete).
-        if let Some((rec, _)) = self.read(&key).await? {
-            if rec.state == TurnState::Open {
-                if let Some(deadline) = rec.deadline_ms.filter(|d| *d < facts.stored_ms) {
-                    self.book.arm(&key, deadline);
-                    self.advance(shared, facts.stored_ms, cancel).await?;
-                }
+        // means the deadline has passed in event time: decide it first.
+        if let Some((rec, _)) = self.open.get(&key) {
+            if let Some(deadline) = rec.deadline_ms.filter(|d| *d < facts.stored_ms) {
+                self.book.arm(&key, deadline);
+                self.advance(shared, facts.stored_ms, fx).await?;
             }
         }
-        let mut attempts = 0u32;
-        loop {
-            attempts += 1;
-            let current = self.read(&key).await?;
-            let step = turns::on_event(current.as_ref().map(|(r, v)| (r, *v)), facts, &self.cfg);
-            let after = match &step.write {
-                Some((rec, expect)) => match self.write(&key, rec, *expect).await {
-                    Ok(rev) => Some((rec.clone(), rev)),
-                    Err(e) => {
-                        // Someone (another owner, or our own write whose ack was lost) wrote
-                        // first: decide again against what is stored.
-                        self.open.remove(&key);
-                        if let WriteError::Other(detail) = &e {
-                            warn!(key = %key, error = %detail, "turn write failed; re-reading");
-                            tokio::time::sleep(Duration::from_millis(
-                                50 * u64::from(attempts.min(20)),
-                            ))
-                            .await;
-                        }
-                        if cancel.is_cancelled() && attempts > 20 {
-                            return Err(TurnIoError::Cancelled(key));
-                        }
-                        continue;
-                    }
-                },
-                None => current.clone(),
+        let current = self.current(&key).await?;
+        let step = turns::on_event(current.as_ref().map(|(r, v)| (r, *v)), facts, &self.cfg);
+        let after = match &step.write {
+            Some((rec, expect)) => {
+                let w = self.send_write(shared, &key, rec, *expect).await?;
+                fx.writes.push(w.clone());
+                self.remember(&key, rec, Rev::Pending(w.clone()));
+                Some((rec.clone(), Rev::Pending(w)))
+            }
+            None => current.map(|(r, v)| (r, Rev::Known(v))),
+        };
+        if let Some((rec, rev)) = &after {
+            if step.publish_winner || rec.state == TurnState::Decided {
+                self.publish_winner(shared, &key, rec, rev.clone(), Some((facts.seq, n)), fx)
+                    .await?;
+            }
+        }
+        if step.project_self {
+            fx.outs.push(pipeline::projection(
+                &shared.names,
+                n,
+                facts.seq,
+                format!("{}:{}:0", shared.names.raw_stream, facts.seq),
+            ));
+        }
+        if let (Some(reason), Some((rec, _))) = (step.suppress, &after) {
+            let env = blocked::suppressed(&n.envelope, rec, reason);
+            let sn = Normalized {
+                envelope: env,
+                key: n.key.clone(),
+                conversation_id: n.conversation_id.clone(),
             };
-            if let Some((rec, rev)) = &after {
-                self.remember(&key, rec, *rev);
-                if step.publish_winner || rec.state == TurnState::Decided {
-                    self.publish_winner(shared, &key, rec, *rev, Some((facts.seq, n)), cancel)
-                        .await?;
-                }
-            }
-            let mut outs = Vec::new();
-            if step.project_self {
-                outs.push(pipeline::projection(
-                    &shared.names,
-                    n,
-                    facts.seq,
-                    format!("{}:{}:0", shared.names.raw_stream, facts.seq),
-                ));
-            }
-            if let (Some(reason), Some((rec, _))) = (step.suppress, &after) {
-                let env = blocked::suppressed(&n.envelope, rec, reason);
-                let sn = Normalized {
-                    envelope: env,
-                    key: n.key.clone(),
-                    conversation_id: n.conversation_id.clone(),
-                };
-                let mut out = pipeline::projection(
-                    &shared.names,
-                    &sn,
-                    facts.seq,
-                    format!("{}:{}:suppressed", shared.names.raw_stream, facts.seq),
-                );
-                out.kind = OutKind::Projection(Role::SystemObservability);
-                metrics::counter!(telemetry::SUPPRESSED, "reason" => reason.as_str()).increment(1);
-                outs.push(out);
-            }
-            return Ok(outs);
+            let mut out = pipeline::projection(
+                &shared.names,
+                &sn,
+                facts.seq,
+                format!("{}:{}:suppressed", shared.names.raw_stream, facts.seq),
+            );
+            out.kind = OutKind::Projection(Role::SystemObservability);
+            metrics::counter!(telemetry::SUPPRESSED, "reason" => reason.as_str()).increment(1);
+            fx.outs.push(out);
         }
+        Ok(())
     }
 
-    /// Decide every open turn whose deadline is before the watermark.
+    /// Decide every open turn whose deadline is before the watermark, into `fx`.
     pub async fn advance(
         &mut self,
         shared: &Shared,
         watermark_ms: i64,
-        cancel: &CancellationToken,
+        fx: &mut Effects,
     ) -> Result<usize, TurnIoError> {
         let expired = self.book.expire(watermark_ms);
         let mut decided = 0;
         for (_, key) in expired {
-            let mut attempts = 0u32;
-            loop {
-                attempts += 1;
-                let Some((rec, rev)) = self.read(&key).await? else {
-                    break;
-                };
-                let Some(step) = turns::on_deadline((&rec, rev)) else {
-                    // Decided meanwhile (another owner); make sure its response is out.
-                    self.remember(&key, &rec, rev);
-                    if rec.state == TurnState::Decided {
-                        self.publish_winner(shared, &key, &rec, rev, None, cancel)
-                            .await?;
-                    }
-                    break;
-                };
-                let Some((new, expect)) = step.write else {
-                    break;
-                };
-                match self.write(&key, &new, expect).await {
-                    Ok(rev) => {
-                        self.remember(&key, &new, rev);
-                        self.publish_winner(shared, &key, &new, rev, None, cancel)
-                            .await?;
-                        decided += 1;
-                        break;
-                    }
-                    Err(_) => {
-                        self.open.remove(&key);
-                        if cancel.is_cancelled() && attempts > 20 {
-                            return Err(TurnIoError::Cancelled(key));
-                        }
-                        tokio::time::sleep(Duration::from_millis(20 * u64::from(attempts.min(20))))
-                            .await;
-                    }
-                }
-            }
+            let Some((rec, rev)) = self.open.get(&key).cloned() else {
+                continue;
+            };
+            let rev = resolve(&key, &rev).await?;
+            let Some(step) = turns::on_deadline((&rec, rev)) else {
+                continue;
+            };
+            let Some((new, expect)) = step.write else {
+                continue;
+            };
+            let w = self.send_write(shared, &key, &new, expect).await?;
+            fx.writes.push(w.clone());
+            self.remember(&key, &new, Rev::Pending(w.clone()));
+            self.publish_winner(shared, &key, &new, Rev::Pending(w), None, fx)
+                .await?;
+            decided += 1;
         }
         Ok(decided)
     }
 
-    /// Publish the turn's one response and mark the record published.
+    /// Issue the turn's one response (into `fx`) and its published mark, to be written once the
+    /// response is stored.
     ///
     /// `current` is the event being processed (its sequence and envelope); when it is not the
     /// winner, the winner's raw message is read back from the raw stream.
@@ -343,13 +416,36 @@ impl PartitionTurns {
         shared: &Shared,
         key: &str,
         rec: &TurnRecord,
-        rev: u64,
+        rev: Rev,
         current: Option<(u64, &Normalized)>,
-        cancel: &CancellationToken,
+        fx: &mut Effects,
     ) -> Result<(), TurnIoError> {
         if rec.state != TurnState::Decided {
             return Ok(());
         }
+        let out = self.response(shared, key, rec, current).await?;
+        crash_point("after_decide");
+        fx.outs.push(out);
+        fx.marks.push(Mark {
+            key: key.to_string(),
+            subject: format!("{}{key}", self.put_prefix),
+            record: turns::published(rec),
+            after: rev,
+        });
+        // This owner wrote the decision and issued its response: to the turn rules the turn is
+        // published (a crash before the mark leaves it decided in KV, and the reload republishes).
+        self.remember(key, &turns::published(rec), Rev::Known(0));
+        Ok(())
+    }
+
+    /// The response of a decided turn.
+    async fn response(
+        &self,
+        shared: &Shared,
+        key: &str,
+        rec: &TurnRecord,
+        current: Option<(u64, &Normalized)>,
+    ) -> Result<Outgoing, TurnIoError> {
         let winner_seq = rec.winner.as_ref().and_then(|w| w.seq);
         let fetched;
         let decider = match (winner_seq, current) {
@@ -370,7 +466,6 @@ impl PartitionTurns {
                 ),
             });
         }
-        crash_point("after_decide");
         let mut env = blocked::winner_response(rec, decider);
         if let Some(r) = env.raw_event_ref.as_mut() {
             if r.stream.is_empty() {
@@ -392,12 +487,34 @@ impl PartitionTurns {
         out.subject = shared
             .names
             .proj_subject(Role::ConversationMain, &rec.key, "a2a.response");
+        metrics::counter!(
+            telemetry::TURN_OUTCOMES,
+            "outcome" => if blocked_reason.is_some() { "blocked" } else { "response" },
+            "reason" => blocked_reason.map(|r| r.as_str()).unwrap_or("none")
+        )
+        .increment(1);
+        Ok(out)
+    }
+
+    /// Publish a decided turn's response found at reload, then mark it published, waiting for
+    /// each step.
+    async fn republish(
+        &mut self,
+        shared: &Shared,
+        key: &str,
+        rec: &TurnRecord,
+        rev: u64,
+        cancel: &CancellationToken,
+    ) -> Result<(), TurnIoError> {
+        let out = self.response(shared, key, rec, None).await?;
         if !shared.publish_in_place(&out, &[], cancel).await {
             return Err(TurnIoError::Cancelled(key.to_string()));
         }
+        shared.count_projection(Role::ConversationMain);
+        let seq = rec.winner.as_ref().and_then(|w| w.seq).unwrap_or(0);
         if let Err(e) = shared
             .sessions
-            .observe(self.partition, &[(winner_seq.unwrap_or(0), &out)], true)
+            .observe(self.partition, &[(seq, &out)], true)
             .await
         {
             return Err(TurnIoError::Kv {
@@ -405,49 +522,13 @@ impl PartitionTurns {
                 detail: e.to_string(),
             });
         }
-        crash_point("after_publish");
-        shared.count_projection(Role::ConversationMain);
-        metrics::counter!(
-            telemetry::TURN_OUTCOMES,
-            "outcome" => if blocked_reason.is_some() { "blocked" } else { "response" },
-            "reason" => blocked_reason.map(|r| r.as_str()).unwrap_or("none")
-        )
-        .increment(1);
-        // Mark published; a conflict means someone else marked (or re-decided) it: re-read.
-        let mut rev = rev;
-        let mut attempts = 0;
-        loop {
-            attempts += 1;
-            let marked = turns::published(rec);
-            match self.write(key, &marked, Expect::Revision(rev)).await {
-                Ok(new_rev) => {
-                    self.remember(key, &marked, new_rev);
-                    return Ok(());
-                }
-                Err(e) => {
-                    if let WriteError::Other(d) = &e {
-                        debug!(key, error = %d, "published mark failed; re-reading");
-                    }
-                    match self.read(key).await? {
-                        Some((r, v)) if r.state == TurnState::Decided && r.winner == rec.winner => {
-                            rev = v
-                        }
-                        Some((r, v)) => {
-                            self.remember(key, &r, v);
-                            return Ok(());
-                        }
-                        None => return Ok(()),
-                    }
-                    if attempts > 50 {
-                        return Err(TurnIoError::Kv {
-                            key: key.to_string(),
-                            detail: "could not mark the response published".into(),
-                        });
-                    }
-                    tokio::time::sleep(Duration::from_millis(20)).await;
-                }
-            }
+        let marked = turns::published(rec);
+        match self.write(key, &marked, Expect::Revision(rev)).await {
+            Ok(_) | Err(WriteError::Conflict) => {}
+            Err(WriteError::Other(d)) => debug!(key, error = %d, "published mark failed"),
         }
+        self.remember(key, &marked, Rev::Known(0));
+        Ok(())
     }
 
     async fn fetch_envelope(&self, shared: &Shared, seq: u64) -> Option<crate::model::Envelope> {
@@ -463,6 +544,56 @@ impl PartitionTurns {
         };
         let events = pipeline::normalize_raw(&raw, &shared.names, &shared.ingest, 0).ok()?;
         events.into_iter().next().map(|n| n.envelope)
+    }
+}
+
+/// Send a record to `subject` (a key of the turns bucket) on the condition that the key is still
+/// at revision `expected` (0: absent), without waiting for the ack.
+async fn send_cas(
+    shared: &Shared,
+    subject: String,
+    rec: &TurnRecord,
+    expected: u64,
+) -> Result<jetstream::context::PublishAckFuture, String> {
+    let value = Bytes::from(serde_json::to_vec(rec).map_err(|e| e.to_string())?);
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert(
+        async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
+        expected.to_string().as_str(),
+    );
+    let publish = jetstream::message::PublishMessage::build()
+        .payload(value)
+        .headers(headers);
+    shared
+        .kv_js
+        .send_publish(subject, publish)
+        .await
+        .map_err(|e| e.to_string())
+}
+
+/// The revision a write of this owner resulted in, waiting for its ack if need be.
+async fn resolve(key: &str, rev: &Rev) -> Result<u64, TurnIoError> {
+    match rev {
+        Rev::Known(v) => Ok(*v),
+        Rev::Pending(w) => w.clone().await.map_err(|detail| TurnIoError::Conflict {
+            key: key.to_string(),
+            detail,
+        }),
+    }
+}
+
+/// Write a mark once its decision's write is acknowledged. A refused mark is left: the record
+/// stays decided, and a later reload publishes the response again under the same Msg-Id.
+pub async fn write_mark(shared: &Shared, mark: Mark) {
+    let Ok(rev) = resolve(&mark.key, &mark.after).await else {
+        return;
+    };
+    let result = match send_cas(shared, mark.subject, &mark.record, rev).await {
+        Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
+        Err(e) => Err(e),
+    };
+    if let Err(e) = result {
+        debug!(key = %mark.key, error = %e, "published mark refused");
     }
 }
 

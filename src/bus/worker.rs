@@ -13,7 +13,7 @@
 //! pulling anything new: event-time decisions and per-key order then hold across a handover or a
 //! crash, instead of waiting for their redelivery behind newer messages.
 
-use super::turns::PartitionTurns;
+use super::turns::{Effects, KvWrite, Mark, PartitionTurns, TurnIoError};
 use crate::config::{Names, Settings};
 use crate::ingest;
 use crate::pipeline::{self, OutKind, Outgoing, RawMessage};
@@ -180,15 +180,18 @@ impl Shared {
 }
 
 struct Item {
-    msg: jetstream::Message,
+    /// The consumer delivery to acknowledge; `None` for messages re-read from the stream at
+    /// takeover, and for deadlines decided while the partition was idle.
+    msg: Option<jetstream::Message>,
     seq: u64,
     /// Processed in partition order for the first time (not a redelivery of something already
     /// processed): work sessions use it to tell new events from repeats.
     contiguous: bool,
-    /// Whether `msg` is a consumer delivery to acknowledge (false for messages re-read from the
-    /// stream at takeover).
-    ack: bool,
-    pending: Vec<(Outgoing, Option<jetstream::context::PublishAckFuture>)>,
+    pending: Pending,
+    /// Turn-record writes that must be stored before the message is acknowledged.
+    writes: Vec<KvWrite>,
+    /// Published marks, written once `pending` is stored.
+    marks: Vec<Mark>,
 }
 
 /// Run one partition until `cancel`: finish the batch in hand, acknowledge what was published,
@@ -234,7 +237,14 @@ pub async fn run_partition(
     debug!(partition = p, loaded, "partition started");
 
     let (tx, rx) = mpsc::channel::<Item>(512);
-    let acker = tokio::spawn(ack_stage(shared.clone(), p, rx, cancel.clone()));
+    let broken = CancellationToken::new();
+    let acker = tokio::spawn(ack_stage(
+        shared.clone(),
+        p,
+        rx,
+        cancel.clone(),
+        broken.clone(),
+    ));
     let mut part = Partition {
         shared: &shared,
         p,
@@ -243,15 +253,22 @@ pub async fn run_partition(
         last_seq: 0,
         tx,
         cancel: &cancel,
+        broken: &broken,
     };
     let result = part.run(&stream, &mut consumer, &lease_valid_until).await;
     drop(part);
-    let _ = acker.await;
+    let acked = acker.await;
     shared
         .state
         .partitions_running
         .fetch_sub(1, Ordering::Relaxed);
     debug!(partition = p, "partition stopped");
+    if broken.is_cancelled() || matches!(acked, Ok(Err(_))) {
+        return Err(WorkerError::Interrupted {
+            partition: p,
+            why: "a turn record write was refused",
+        });
+    }
     result
 }
 
@@ -271,6 +288,8 @@ struct Partition<'a> {
     last_seq: u64,
     tx: mpsc::Sender<Item>,
     cancel: &'a CancellationToken,
+    /// Cancelled by the acker when a turn-record write failed: stop and restart the partition.
+    broken: &'a CancellationToken,
 }
 
 impl Partition<'_> {
@@ -308,7 +327,7 @@ impl Partition<'_> {
         let mut idle_check_after = 0i64;
         let mut backoff = Duration::from_millis(100);
         loop {
-            if self.cancel.is_cancelled() {
+            if self.cancel.is_cancelled() || self.broken.is_cancelled() {
                 return Ok(());
             }
             if lease_lapsed(lease_valid_until) {
@@ -341,6 +360,7 @@ impl Partition<'_> {
                 });
                 let next = tokio::select! {
                     biased;
+                    _ = self.broken.cancelled() => return Ok(()),
                     m = messages.next() => m,
                     _ = sleep_opt(timer) => {
                         if !self.idle_tick(consumer, skew).await? {
@@ -398,14 +418,39 @@ impl Partition<'_> {
         let Some(wm) = self.watermark.idle(now_ms() - skew) else {
             return Ok(false);
         };
-        self.advance(wm).await?;
+        let mut fx = Effects::default();
+        self.turns
+            .advance(self.shared, wm, &mut fx)
+            .await
+            .map_err(|e| self.turn_error(e))?;
+        if !fx.is_empty() {
+            let inputs: [&jetstream::Message; 0] = [];
+            let Some(pending) = issue(self.shared, &fx.outs, &inputs, self.cancel).await else {
+                return Ok(true);
+            };
+            let item = Item {
+                msg: None,
+                seq: self.last_seq,
+                contiguous: false,
+                pending,
+                writes: fx.writes,
+                marks: fx.marks,
+            };
+            let _ = self.tx.send(item).await;
+        }
         Ok(true)
     }
 
-    async fn advance(&mut self, wm: i64) -> Result<(), WorkerError> {
-        match self.turns.advance(self.shared, wm, self.cancel).await {
-            Ok(_) => Ok(()),
-            Err(e) => Err(self.setup(e.to_string())),
+    fn turn_error(&self, e: TurnIoError) -> WorkerError {
+        match e {
+            TurnIoError::Conflict { .. } => {
+                debug!(partition = self.p, error = %e, "restarting the partition");
+                WorkerError::Interrupted {
+                    partition: self.p,
+                    why: "a turn record write was refused",
+                }
+            }
+            e => self.setup(e.to_string()),
         }
     }
 
@@ -469,25 +514,31 @@ impl Partition<'_> {
         };
         let seq = info.stream_sequence;
         let stored_ms = info.published.timestamp_millis();
+        let mut fx = Effects::default();
         // Every message stored before this one has been processed: deadlines before its store
         // time have passed in event time.
         if let Some(wm) = self.watermark.observe(stored_ms) {
-            self.advance(wm).await?;
+            self.turns
+                .advance(self.shared, wm, &mut fx)
+                .await
+                .map_err(|e| self.turn_error(e))?;
         }
         let contiguous = seq > self.last_seq;
         self.last_seq = self.last_seq.max(seq);
-        let pending = match process(self.shared, &mut self.turns, &msg, self.cancel).await {
-            Ok(Some(p)) => p,
-            // Cancelled while a publish kept failing: leave the message for redelivery.
-            Ok(None) => return Ok(Flow::Stop),
-            Err(e) => return Err(self.setup(e.to_string())),
+        process(self.shared, &mut self.turns, &msg, &mut fx)
+            .await
+            .map_err(|e| self.turn_error(e))?;
+        // Cancelled while a publish kept failing: leave the message for redelivery.
+        let Some(pending) = issue(self.shared, &fx.outs, &[&msg], self.cancel).await else {
+            return Ok(Flow::Stop);
         };
         let item = Item {
-            msg,
+            msg: ack.then_some(msg),
             seq,
             contiguous,
-            ack,
             pending,
+            writes: fx.writes,
+            marks: fx.marks,
         };
         if self.tx.send(item).await.is_err() {
             return Ok(Flow::Stop);
@@ -593,15 +644,15 @@ async fn sleep_opt(d: Option<Duration>) {
 
 type Pending = Vec<(Outgoing, Option<jetstream::context::PublishAckFuture>)>;
 
-/// Project one message and issue its publishes. `Ok(None)` if cancelled mid-retry.
+/// Project one message into `fx`: its outputs, and what its turn asks for.
 async fn process(
     shared: &Shared,
     turns: &mut PartitionTurns,
     msg: &jetstream::Message,
-    cancel: &CancellationToken,
-) -> Result<Option<Pending>, super::turns::TurnIoError> {
+    fx: &mut Effects,
+) -> Result<(), TurnIoError> {
     let Ok(info) = msg.info() else {
-        return Ok(Some(Vec::new()));
+        return Ok(());
     };
     shared.state.inputs.fetch_add(1, Ordering::Relaxed);
     let raw = RawMessage {
@@ -612,7 +663,7 @@ async fn process(
         stored_at: info.published,
         delivered: info.delivered,
     };
-    let outs = match pipeline::normalize_raw(
+    let events = match pipeline::normalize_raw(
         &raw,
         &shared.names,
         &shared.ingest,
@@ -620,62 +671,66 @@ async fn process(
     ) {
         Err(rejection) => {
             metrics::counter!(telemetry::INPUTS, "outcome" => "dead_lettered").increment(1);
-            vec![pipeline::dead_letter(&shared.names, &raw, &rejection)]
+            fx.outs
+                .push(pipeline::dead_letter(&shared.names, &raw, &rejection));
+            return Ok(());
         }
-        Ok(events) => {
-            metrics::counter!(telemetry::INPUTS, "outcome" => "projected").increment(1);
-            let mut outs = Vec::with_capacity(events.len());
-            for (i, n) in events.iter().enumerate() {
-                let turn_facts = n.conversation_id.as_deref().and_then(|conv| {
-                    if !shared.settings.turns.enforce_roles.contains(&n.role()) {
-                        return None;
-                    }
-                    let obj = serde_json::from_slice::<serde_json::Value>(raw.bytes).ok()?;
-                    turn_rules::facts(
-                        obj.as_object()?,
-                        &n.envelope.event_type,
-                        conv,
-                        &n.key,
-                        raw.seq,
-                        raw.stored_at.timestamp_millis(),
-                        &pipeline::producer_subject(&shared.names.prefix, raw.stored_subject),
-                    )
-                });
-                match turn_facts {
-                    Some(f) => {
-                        // Publishes issued so far must reach the stream before the turn's
-                        // response: they are earlier in the partition.
-                        let turn_outs = turns.on_event(shared, n, &f, cancel).await?;
-                        outs.extend(turn_outs);
-                    }
-                    None => outs.push(pipeline::projection(
-                        &shared.names,
-                        n,
-                        raw.seq,
-                        format!("{}:{}:{i}", raw.stream, raw.seq),
-                    )),
-                }
-            }
-            outs
-        }
+        Ok(events) => events,
     };
+    metrics::counter!(telemetry::INPUTS, "outcome" => "projected").increment(1);
+    for (i, n) in events.iter().enumerate() {
+        let turn_facts = n.conversation_id.as_deref().and_then(|conv| {
+            if !shared.settings.turns.enforce_roles.contains(&n.role()) {
+                return None;
+            }
+            let obj = serde_json::from_slice::<serde_json::Value>(raw.bytes).ok()?;
+            turn_rules::facts(
+                obj.as_object()?,
+                &n.envelope.event_type,
+                conv,
+                &n.key,
+                raw.seq,
+                raw.stored_at.timestamp_millis(),
+                &pipeline::producer_subject(&shared.names.prefix, raw.stored_subject),
+            )
+        });
+        match turn_facts {
+            Some(f) => turns.on_event(shared, n, &f, fx).await?,
+            None => fx.outs.push(pipeline::projection(
+                &shared.names,
+                n,
+                raw.seq,
+                format!("{}:{}:{i}", raw.stream, raw.seq),
+            )),
+        }
+    }
+    Ok(())
+}
+
+/// Issue the publishes of `outs` in order, pipelined. A publish that cannot be sent is retried
+/// before anything later is sent, so per-key order holds. `None` if cancelled meanwhile.
+async fn issue(
+    shared: &Shared,
+    outs: &[Outgoing],
+    inputs: &[&jetstream::Message],
+    cancel: &CancellationToken,
+) -> Option<Pending> {
     let mut pending = Vec::with_capacity(outs.len());
     for out in outs {
-        count(shared, &out);
-        let fut = match shared.send(&out).await {
+        count(shared, out);
+        let fut = match shared.send(out).await {
             Ok(f) => Some(f),
             Err(e) => {
                 warn!(subject = %out.subject, error = %e, "publish failed; retrying in place");
-                // Retry before anything later is published, so per-key order holds.
-                if !shared.publish_in_place(&out, &[msg], cancel).await {
-                    return Ok(None);
+                if !shared.publish_in_place(out, inputs, cancel).await {
+                    return None;
                 }
                 None
             }
         };
-        pending.push((out, fut));
+        pending.push((out.clone(), fut));
     }
-    Ok(Some(pending))
+    Some(pending)
 }
 
 fn count(shared: &Shared, out: &Outgoing) {
@@ -691,12 +746,16 @@ fn count(shared: &Shared, out: &Outgoing) {
     }
 }
 
+/// Await, in order, each group's publishes and turn-record writes, write its published marks,
+/// fold it into the work sessions, then acknowledge it. Returns an error (and cancels `broken`)
+/// when a turn-record write was refused: nothing more is acknowledged, the partition restarts.
 async fn ack_stage(
     shared: Arc<Shared>,
     p: u16,
     mut rx: mpsc::Receiver<Item>,
     cancel: CancellationToken,
-) {
+    broken: CancellationToken,
+) -> Result<(), &'static str> {
     while let Some(first) = rx.recv().await {
         let mut items = vec![first];
         while items.len() < 1024 {
@@ -705,33 +764,44 @@ async fn ack_stage(
                 Err(_) => break,
             }
         }
-        let mut all_stored = true;
         let mut stored: Vec<(u64, Outgoing)> = Vec::new();
+        let mut marks = Vec::new();
         for idx in 0..items.len() {
             let pending = std::mem::take(&mut items[idx].pending);
             let seq = items[idx].seq;
             for (out, fut) in pending {
-                let Some(fut) = fut else {
-                    stored.push((seq, out));
-                    continue;
+                let failed = match fut {
+                    Some(fut) => fut.await.is_err(),
+                    None => false,
                 };
-                let failed = fut.await.is_err();
-                stored.push((seq, out.clone()));
                 if failed {
-                    let inputs: Vec<&jetstream::Message> = items.iter().map(|i| &i.msg).collect();
+                    let inputs: Vec<&jetstream::Message> =
+                        items.iter().filter_map(|i| i.msg.as_ref()).collect();
                     if !shared.publish_in_place(&out, &inputs, &cancel).await {
-                        all_stored = false;
-                        break;
+                        // Shutting down with a publish still failing: acknowledge nothing more;
+                        // redelivery repairs.
+                        return Ok(());
                     }
                 }
+                stored.push((seq, out));
             }
-            if !all_stored {
-                break;
+            for w in std::mem::take(&mut items[idx].writes) {
+                if let Err(e) = w.await {
+                    warn!(partition = p, error = %e, "turn record write refused; restarting the partition");
+                    broken.cancel();
+                    return Err("a turn record write was refused");
+                }
             }
+            marks.append(&mut items[idx].marks);
         }
-        if !all_stored {
-            // Shutting down with a publish still failing: acknowledge nothing; redelivery repairs.
-            return;
+        if !marks.is_empty() {
+            super::turns::crash_point("after_publish");
+            futures::future::join_all(
+                marks
+                    .into_iter()
+                    .map(|m| super::turns::write_mark(&shared, m)),
+            )
+            .await;
         }
         let in_order = items.iter().all(|i| i.contiguous);
         let group: Vec<(u64, &Outgoing)> = stored.iter().map(|(s, o)| (*s, o)).collect();
@@ -739,18 +809,19 @@ async fn ack_stage(
         while let Err(e) = shared.sessions.observe(p, &group, in_order).await {
             if cancel.is_cancelled() {
                 warn!(partition = p, error = %e, "work sessions not updated; inputs left for redelivery");
-                return;
+                return Ok(());
             }
             warn!(partition = p, error = %e, "work sessions not updated; retrying");
             tokio::time::sleep(backoff).await;
             backoff = (backoff * 2).min(Duration::from_secs(2));
         }
         super::turns::crash_point("before_ack");
-        for item in items.into_iter().filter(|i| i.ack) {
-            if let Err(e) = item.msg.ack().await {
+        for msg in items.into_iter().filter_map(|i| i.msg) {
+            if let Err(e) = msg.ack().await {
                 debug!(partition = p, error = %e, "ack failed; the message will be redelivered (its outputs collapse by Msg-Id)");
             }
         }
     }
     debug!(partition = p, "acker drained");
+    Ok(())
 }
