@@ -19,20 +19,21 @@
 //! - **CPU**: utime + stime from `/proc/<pid>/stat` of the nats-server and of this process over
 //!   the measured window (this process *is* the worker).
 //! - **Turn book**: memory per open turn (RSS growth while building the state a partition
-//!   keeps: the records map and the [`DeadlineBook`], built on a fresh thread before anything
-//!   else), the real recovery of N open turns written to the `turns` bucket (a worker's start
+//!   keeps: its [`OpenTurns`], filled as live sends fill it, built on a fresh thread before
+//!   anything else), the real recovery of N open turns written to the `turns` bucket (a worker's start
 //!   until every partition runs; and the reload alone), and the lateness of synthesised timeouts
 //!   with N turns open (probe sends with a short deadline: stored response minus deadline).
 
 use crate::app::{self, RunOptions};
-use crate::bus::{self, provision, turns::PartitionTurns, worker::Shared};
+use crate::bus::turns::{PartitionTurns, Rev, KEPT_OPEN_RECORDS};
+use crate::bus::{self, provision, worker::Shared};
 use crate::classify::MainAgents;
 use crate::config::{Names, Settings};
 use crate::ingest;
 use crate::localnats::{LocalNats, LocalNatsError, LocalNatsOptions};
 use crate::pipeline::{self, RawMessage, H_SOURCE_SEQ};
 use crate::sim::{Generator, Mix, RawEvent, MAIN_AGENTS};
-use crate::turns::{self, book::DeadlineBook, TurnConfig, TurnEventKind, TurnFacts, TurnRecord};
+use crate::turns::{self, book::OpenTurns, TurnConfig, TurnEventKind, TurnFacts, TurnRecord};
 use async_nats::jetstream::{
     self, consumer, consumer::PullConsumer, context::PublishAckFuture, message::PublishMessage,
 };
@@ -1380,13 +1381,6 @@ fn open_record(
     (facts.record_key(p), rec)
 }
 
-/// What a partition owner keeps per open turn, as in `PartitionTurns`.
-#[derive(Default)]
-struct ModelPartition {
-    open: HashMap<String, (TurnRecord, u64)>,
-    book: DeadlineBook,
-}
-
 /// RSS growth per open turn of the partition state, for each size in `sizes` (ascending),
 /// built incrementally on a fresh thread (its own allocator arena) before anything else ran.
 fn memory_model(sizes: &[usize], partitions: u16) -> Vec<(usize, Option<f64>)> {
@@ -1396,25 +1390,24 @@ fn memory_model(sizes: &[usize], partitions: u16) -> Vec<(usize, Option<f64>)> {
     let parts = usize::from(partitions.max(1));
     let handle = std::thread::spawn(move || {
         let now = chrono::Utc::now().timestamp_millis();
-        let mut model: Vec<ModelPartition> =
-            (0..parts).map(|_| ModelPartition::default()).collect();
+        let mut model: Vec<OpenTurns<Rev>> = (0..parts)
+            .map(|_| OpenTurns::new(KEPT_OPEN_RECORDS))
+            .collect();
         let base = rss_bytes();
         let mut out = Vec::new();
         let mut built = 0usize;
         for n in sorted {
             while built < n {
-                // As `PartitionTurns::reload` does: the record decoded from its KV value, its
-                // deadline armed, the record kept with its revision under its key.
+                // As a partition owner does for a send: the record opened, its write's revision,
+                // its deadline armed; the full record kept for the last sends only.
                 let (key, rec) = open_record(built, "collab", partitions, now, 3_600_000);
-                let value = serde_json::to_vec(&rec).unwrap_or_default();
-                let Ok(rec) = serde_json::from_slice::<TurnRecord>(&value) else {
-                    break;
-                };
                 let p = &mut model[built % parts];
-                if let Some(d) = rec.deadline_ms {
-                    p.book.arm(&key, d);
-                }
-                p.open.insert(key.clone(), (rec, built as u64 + 1));
+                p.open(
+                    &key,
+                    rec.deadline_ms,
+                    Rev::Known(built as u64 + 1),
+                    Some(rec),
+                );
                 built += 1;
             }
             let per = base
@@ -1423,7 +1416,7 @@ fn memory_model(sizes: &[usize], partitions: u16) -> Vec<(usize, Option<f64>)> {
             out.push((n, per));
         }
         // Keep the model alive until the last measurement.
-        let held: usize = model.iter().map(|p| p.open.len() + p.book.len()).sum();
+        let held: usize = model.iter().map(|p| p.len()).sum();
         drop(model);
         let _ = held;
         out

@@ -17,14 +17,13 @@ use crate::model::Role;
 use crate::pipeline::{self, OutKind, Outgoing, RawMessage};
 use crate::telemetry;
 use crate::turns::{
-    self, blocked, book::DeadlineBook, Expect, TurnConfig, TurnFacts, TurnRecord, TurnState,
+    self, blocked, book::OpenTurns, Expect, TurnConfig, TurnFacts, TurnRecord, TurnState,
 };
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
 use futures::future::{BoxFuture, FutureExt, Shared as SharedFuture};
 use futures::StreamExt;
-use std::collections::{HashMap, HashSet, VecDeque};
-use std::hash::BuildHasher;
+use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::debug;
@@ -50,7 +49,7 @@ pub type KvWrite = SharedFuture<BoxFuture<'static, Result<u64, String>>>;
 
 /// The revision of a record this owner wrote.
 #[derive(Clone)]
-enum Rev {
+pub enum Rev {
     Known(u64),
     Pending(KvWrite),
 }
@@ -81,20 +80,20 @@ impl Effects {
 /// Decided turns kept in memory per partition, for the events that follow a decision (a
 /// complete, a duplicate, a late reply).
 const RECENT_DECIDED: usize = 512;
+/// Open turns whose full record a partition keeps (the ones opened last); deciding an older one
+/// reads its record from KV.
+pub const KEPT_OPEN_RECORDS: usize = 128;
 
-/// The turn state a partition owner keeps: open turns (with their KV revision), recently decided
-/// turns, the hashes of every record key, and deadlines.
+/// The turn state a partition owner keeps: open turns (deadline and KV revision, see
+/// [`OpenTurns`]) and recently decided turns.
 pub struct PartitionTurns {
     pub partition: u16,
     store: kv::Store,
     put_prefix: String,
     cfg: TurnConfig,
-    open: HashMap<String, (TurnRecord, Rev)>,
+    open: OpenTurns<Rev>,
     recent: HashMap<String, TurnRecord>,
     recent_order: VecDeque<String>,
-    keys: HashSet<u64>,
-    hasher: std::collections::hash_map::RandomState,
-    pub book: DeadlineBook,
 }
 
 impl PartitionTurns {
@@ -117,12 +116,9 @@ impl PartitionTurns {
                 default_timeout: shared.settings.turns.default_timeout,
                 max_timeout: shared.settings.turns.max_timeout,
             },
-            open: HashMap::new(),
+            open: OpenTurns::new(KEPT_OPEN_RECORDS),
             recent: HashMap::new(),
             recent_order: VecDeque::new(),
-            keys: HashSet::new(),
-            hasher: Default::default(),
-            book: DeadlineBook::new(),
         })
     }
 
@@ -130,8 +126,9 @@ impl PartitionTurns {
         self.open.len()
     }
 
-    fn key_hash(&self, key: &str) -> u64 {
-        self.hasher.hash_one(key)
+    /// The earliest deadline of an open turn.
+    pub fn next_deadline(&self) -> Option<i64> {
+        self.open.next_deadline()
     }
 
     /// Load this partition's records: arm open deadlines, and publish any decided response whose
@@ -141,66 +138,74 @@ impl PartitionTurns {
         shared: &Shared,
         cancel: &CancellationToken,
     ) -> Result<usize, TurnIoError> {
-        let filter = format!("p{}.>", self.partition);
-        let mut watch =
-            self.store
-                .watch_with_history(&filter)
-                .await
-                .map_err(|e| TurnIoError::Kv {
-                    key: filter.clone(),
-                    detail: e.to_string(),
-                })?;
+        // An ordered consumer over the partition's keys, last value of each: its pending count
+        // says exactly how many records to expect, so a slow server delays the reload instead of
+        // cutting it short, and a stall is an error (the partition restarts).
+        let filter = format!("{}p{}.>", self.store.prefix, self.partition);
+        let kv_err = |detail: String| TurnIoError::Kv {
+            key: filter.clone(),
+            detail,
+        };
+        let mut consumer = self
+            .store
+            .stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subject: filter.clone(),
+                deliver_policy: jetstream::consumer::DeliverPolicy::LastPerSubject,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| kv_err(e.to_string()))?;
+        let expected = consumer
+            .info()
+            .await
+            .map_err(|e| kv_err(e.to_string()))?
+            .num_pending;
         let mut unpublished = Vec::new();
         let mut loaded = 0;
-        let mut first = true;
-        loop {
-            // A partition with no records sends nothing: the first entry either comes at once or
-            // not at all. After it, the history runs until `delta` reaches 0, and a stall is an
-            // error (the partition restarts) rather than a silently partial reload.
-            let wait = if first {
-                Duration::from_secs(1)
-            } else {
-                Duration::from_secs(30)
-            };
-            let next = tokio::time::timeout(wait, watch.next()).await;
-            let entry = match next {
-                Ok(Some(Ok(e))) => e,
-                Ok(Some(Err(e))) => {
-                    return Err(TurnIoError::Kv {
-                        key: filter,
-                        detail: e.to_string(),
-                    })
+        if expected > 0 {
+            let mut records = consumer
+                .messages()
+                .await
+                .map_err(|e| kv_err(e.to_string()))?;
+            let mut read = 0u64;
+            while read < expected {
+                let next = tokio::time::timeout(Duration::from_secs(30), records.next()).await;
+                let msg = match next {
+                    Ok(Some(Ok(m))) => m,
+                    Ok(Some(Err(e))) => return Err(kv_err(e.to_string())),
+                    Ok(None) | Err(_) => {
+                        return Err(kv_err(format!(
+                            "the records stopped after {read} of {expected}"
+                        )))
+                    }
+                };
+                read += 1;
+                let Ok(info) = msg.info() else { continue };
+                let revision = info.stream_sequence;
+                let Some(key) = msg.subject.as_str().strip_prefix(&self.store.prefix) else {
+                    continue;
+                };
+                self.open.note(key);
+                let deleted = msg
+                    .headers
+                    .as_ref()
+                    .and_then(|h| h.get("KV-Operation"))
+                    .is_some_and(|op| op.as_str() != "PUT");
+                if deleted {
+                    continue;
                 }
-                Err(_) if first => break,
-                Ok(None) | Err(_) => {
-                    return Err(TurnIoError::Kv {
-                        key: filter,
-                        detail: format!("the record history stopped after {loaded} records"),
-                    })
-                }
-            };
-            first = false;
-            self.keys.insert(self.key_hash(&entry.key));
-            if entry.operation == kv::Operation::Put {
-                if let Ok(rec) = serde_json::from_slice::<TurnRecord>(&entry.value) {
+                if let Ok(rec) = serde_json::from_slice::<TurnRecord>(&msg.payload) {
                     loaded += 1;
                     match rec.state {
                         TurnState::Open => {
-                            if let Some(d) = rec.deadline_ms {
-                                self.book.arm(&entry.key, d);
-                            }
                             self.open
-                                .insert(entry.key.clone(), (rec, Rev::Known(entry.revision)));
+                                .open(key, rec.deadline_ms, Rev::Known(revision), None)
                         }
-                        TurnState::Decided => {
-                            unpublished.push((entry.key.clone(), rec, entry.revision))
-                        }
+                        TurnState::Decided => unpublished.push((key.to_string(), rec, revision)),
                         TurnState::Published => {}
                     }
                 }
-            }
-            if entry.delta == 0 {
-                break;
             }
         }
         for (key, rec, rev) in unpublished {
@@ -213,16 +218,34 @@ impl PartitionTurns {
     /// The record of `key` as this owner knows it, with its revision resolved when it is open
     /// (decided records are never written again by the turn rules, so their revision is moot).
     async fn current(&self, key: &str) -> Result<Option<(TurnRecord, u64)>, TurnIoError> {
-        if let Some((rec, rev)) = self.open.get(key) {
-            let rev = resolve(key, rev).await?;
-            return Ok(Some((rec.clone(), rev)));
+        if self.open.contains(key) {
+            return self.open_record(key).await;
         }
         if let Some(rec) = self.recent.get(key) {
             return Ok(Some((rec.clone(), 0)));
         }
-        if !self.keys.contains(&self.key_hash(key)) {
+        if !self.open.maybe_known(key) {
             return Ok(None);
         }
+        self.read(key).await
+    }
+
+    /// An open turn's record and revision: kept in memory, or read from KV once this owner's
+    /// last write of it is acknowledged.
+    async fn open_record(&self, key: &str) -> Result<Option<(TurnRecord, u64)>, TurnIoError> {
+        let Some((rec, rev, _)) = self.open.get(key) else {
+            return Ok(None);
+        };
+        let (rec, rev) = (rec.cloned(), rev.clone());
+        let rev = resolve(key, &rev).await?;
+        match rec {
+            Some(r) => Ok(Some((r, rev))),
+            None => self.read(key).await,
+        }
+    }
+
+    /// A record and its revision, read from KV.
+    async fn read(&self, key: &str) -> Result<Option<(TurnRecord, u64)>, TurnIoError> {
         let entry = self.store.entry(key).await.map_err(|e| TurnIoError::Kv {
             key: key.to_string(),
             detail: e.to_string(),
@@ -256,7 +279,7 @@ impl PartitionTurns {
                 key: key.to_string(),
                 detail,
             })?;
-        self.keys.insert(self.key_hash(key));
+        self.open.note(key);
         Ok(
             async move { ack.await.map(|a| a.sequence).map_err(|e| e.to_string()) }
                 .boxed()
@@ -287,20 +310,13 @@ impl PartitionTurns {
 
     fn remember(&mut self, key: &str, rec: &TurnRecord, rev: Rev) {
         if rec.state == TurnState::Open {
-            if let Some(d) = rec.deadline_ms {
-                self.book.arm(key, d);
-            }
-            if self
-                .open
-                .insert(key.to_string(), (rec.clone(), rev))
-                .is_none()
-            {
+            if !self.open.contains(key) {
                 metrics::gauge!(telemetry::OPEN_TURNS).increment(1.0);
             }
+            self.open.open(key, rec.deadline_ms, rev, Some(rec.clone()));
             return;
         }
-        self.book.disarm(key);
-        if self.open.remove(key).is_some() {
+        if self.open.close(key) {
             metrics::gauge!(telemetry::OPEN_TURNS).decrement(1.0);
         }
         if self.recent.insert(key.to_string(), rec.clone()).is_none() {
@@ -325,9 +341,8 @@ impl PartitionTurns {
         let key = facts.record_key(self.partition);
         // Messages are processed in stream order, so one stored after an open turn's deadline
         // means the deadline has passed in event time: decide it first.
-        if let Some((rec, _)) = self.open.get(&key) {
-            if let Some(deadline) = rec.deadline_ms.filter(|d| *d < facts.stored_ms) {
-                self.book.arm(&key, deadline);
+        if let Some((_, _, Some(deadline))) = self.open.get(&key) {
+            if deadline < facts.stored_ms {
                 self.advance(shared, facts.stored_ms, fx).await?;
             }
         }
@@ -383,14 +398,19 @@ impl PartitionTurns {
         watermark_ms: i64,
         fx: &mut Effects,
     ) -> Result<usize, TurnIoError> {
-        let expired = self.book.expire(watermark_ms);
+        let expired = self.open.expire(watermark_ms);
         let mut decided = 0;
         for (_, key) in expired {
-            let Some((rec, rev)) = self.open.get(&key).cloned() else {
+            let Some((rec, rev)) = self.open_record(&key).await? else {
+                // The record is gone (expired from the bucket): nothing left to decide.
+                if self.open.close(&key) {
+                    metrics::gauge!(telemetry::OPEN_TURNS).decrement(1.0);
+                }
                 continue;
             };
-            let rev = resolve(&key, &rev).await?;
             let Some(step) = turns::on_deadline((&rec, rev)) else {
+                // Decided meanwhile by another owner, or no deadline after all.
+                self.remember(&key, &rec, Rev::Known(rev));
                 continue;
             };
             let Some((new, expect)) = step.write else {

@@ -353,7 +353,7 @@ impl Partition<'_> {
             backoff = Duration::from_millis(100);
             // The batch is bounded (size and expiry): finishing it on cancel is the drain.
             loop {
-                let timer = self.turns.book.next_deadline().map(|d| {
+                let timer = self.turns.next_deadline().map(|d| {
                     let due = d.saturating_add(skew).max(idle_check_after);
                     let wait_ms = due.saturating_sub(now_ms()).max(0);
                     Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0))

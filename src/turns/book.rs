@@ -2,7 +2,11 @@
 //! timer of the partition sleeps until the earliest and a watermark advance finds every expired
 //! turn in order.
 
-use std::collections::{BTreeSet, HashMap};
+use super::TurnRecord;
+use std::collections::hash_map::RandomState;
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::hash::BuildHasher;
+use std::sync::Arc;
 
 #[derive(Debug, Default, Clone)]
 pub struct DeadlineBook {
@@ -57,6 +61,162 @@ impl DeadlineBook {
 
     pub fn is_empty(&self) -> bool {
         self.by_key.is_empty()
+    }
+}
+
+/// The open turns of one partition, compact enough to hold a million of them.
+///
+/// Per open turn it keeps the key (once, shared by the map and the deadline order), the
+/// deadline and the revision of the record in KV. The full record is kept only for the
+/// `keep` turns opened last: those are the ones a reply usually comes for, and deciding an older
+/// turn costs one KV read. It also keeps a hash of every record key the partition has (open or
+/// decided), so an event of a turn it has never seen needs no KV read to say so.
+#[derive(Debug, Clone)]
+pub struct OpenTurns<R> {
+    slots: HashMap<Arc<str>, Slot<R>>,
+    by_time: BTreeSet<(i64, Arc<str>)>,
+    kept: VecDeque<Arc<str>>,
+    keep: usize,
+    known: HashSet<u64>,
+    hasher: RandomState,
+}
+
+#[derive(Debug, Clone)]
+struct Slot<R> {
+    deadline: Option<i64>,
+    rev: R,
+    record: Option<Box<TurnRecord>>,
+}
+
+impl<R: Clone> OpenTurns<R> {
+    /// Keep the full record of the `keep` turns opened last.
+    pub fn new(keep: usize) -> Self {
+        OpenTurns {
+            slots: HashMap::new(),
+            by_time: BTreeSet::new(),
+            kept: VecDeque::new(),
+            keep,
+            known: HashSet::new(),
+            hasher: RandomState::new(),
+        }
+    }
+
+    /// Open (or update) a turn; `record` is kept if given, among the last `keep`.
+    pub fn open(&mut self, key: &str, deadline: Option<i64>, rev: R, record: Option<TurnRecord>) {
+        self.note(key);
+        let shared: Arc<str> = match self.slots.get_key_value(key) {
+            Some((k, _)) => k.clone(),
+            None => Arc::from(key),
+        };
+        let keeping = record.is_some() && self.keep > 0;
+        let slot = Slot {
+            deadline,
+            rev,
+            record: record.filter(|_| keeping).map(Box::new),
+        };
+        if let Some(old) = self.slots.insert(shared.clone(), slot) {
+            if let Some(d) = old.deadline {
+                self.by_time.remove(&(d, shared.clone()));
+            }
+        }
+        if let Some(d) = deadline {
+            self.by_time.insert((d, shared.clone()));
+        }
+        if keeping {
+            self.kept.push_back(shared);
+            while self.kept.len() > self.keep {
+                if let Some(old) = self.kept.pop_front() {
+                    if let Some(slot) = self.slots.get_mut(&old) {
+                        // Still kept if it was opened again meanwhile (a later entry).
+                        if !self.kept.contains(&old) {
+                            slot.record = None;
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The turn, if open: its full record when kept, its revision and its deadline.
+    pub fn get(&self, key: &str) -> Option<(Option<&TurnRecord>, &R, Option<i64>)> {
+        self.slots
+            .get(key)
+            .map(|s| (s.record.as_deref(), &s.rev, s.deadline))
+    }
+
+    pub fn contains(&self, key: &str) -> bool {
+        self.slots.contains_key(key)
+    }
+
+    /// The turn is no longer open. Returns whether it was.
+    pub fn close(&mut self, key: &str) -> bool {
+        match self.slots.remove_entry(key) {
+            Some((k, slot)) => {
+                if let Some(d) = slot.deadline {
+                    self.by_time.remove(&(d, k));
+                }
+                true
+            }
+            None => false,
+        }
+    }
+
+    /// Make a deadline due again (it was expired, or the turn's record says so).
+    pub fn arm(&mut self, key: &str, deadline: i64) {
+        if let Some((k, slot)) = self.slots.get_key_value(key) {
+            let k = k.clone();
+            let old = slot.deadline;
+            if let Some(o) = old {
+                self.by_time.remove(&(o, k.clone()));
+            }
+            self.by_time.insert((deadline, k.clone()));
+            if let Some(slot) = self.slots.get_mut(&k) {
+                slot.deadline = Some(deadline);
+            }
+        }
+    }
+
+    /// The earliest armed deadline.
+    pub fn next_deadline(&self) -> Option<i64> {
+        self.by_time.first().map(|(t, _)| *t)
+    }
+
+    /// Disarm and return, earliest first, the turns whose deadline is strictly before the
+    /// watermark (a reply stored exactly at the deadline is on time). They stay open until
+    /// closed.
+    pub fn expire(&mut self, watermark_ms: i64) -> Vec<(i64, String)> {
+        let mut out = Vec::new();
+        while let Some((t, _)) = self.by_time.first() {
+            if *t >= watermark_ms {
+                break;
+            }
+            if let Some((t, key)) = self.by_time.pop_first() {
+                if let Some(slot) = self.slots.get_mut(&key) {
+                    slot.deadline = None;
+                }
+                out.push((t, key.to_string()));
+            }
+        }
+        out
+    }
+
+    /// Open turns.
+    pub fn len(&self) -> usize {
+        self.slots.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.slots.is_empty()
+    }
+
+    /// Remember that the partition has a record under `key`.
+    pub fn note(&mut self, key: &str) {
+        self.known.insert(self.hasher.hash_one(key));
+    }
+
+    /// Whether the partition may have a record under `key` (false: it certainly has none).
+    pub fn maybe_known(&self, key: &str) -> bool {
+        self.known.contains(&self.hasher.hash_one(key))
     }
 }
 
@@ -122,6 +282,60 @@ mod tests {
             vec![(100, "a".to_string()), (200, "b".to_string())]
         );
         assert_eq!(b.len(), 1);
+    }
+
+    fn record(turn: &str) -> TurnRecord {
+        TurnRecord {
+            conversation_id: "c".into(),
+            key: "c".into(),
+            turn: turn.into(),
+            state: super::super::TurnState::Open,
+            send: None,
+            deadline_ms: Some(100),
+            winner: None,
+            sender: None,
+            target: None,
+        }
+    }
+
+    #[test]
+    fn open_turns_keep_only_the_last_records_and_expire_in_deadline_order() {
+        let mut o: OpenTurns<u64> = OpenTurns::new(2);
+        o.open("a", Some(300), 1, Some(record("a")));
+        o.open("b", Some(100), 2, Some(record("b")));
+        o.open("c", Some(200), 3, Some(record("c")));
+        o.open("d", None, 4, None);
+        assert_eq!(o.len(), 4);
+        assert!(o.get("a").is_some_and(|(r, _, _)| r.is_none()), "evicted");
+        assert!(o
+            .get("c")
+            .is_some_and(|(r, rev, d)| r.is_some() && *rev == 3 && d == Some(200)));
+        assert_eq!(o.next_deadline(), Some(100));
+        assert_eq!(
+            o.expire(201),
+            vec![(100, "b".to_string()), (200, "c".to_string())]
+        );
+        assert!(o.contains("b"), "expired turns stay open until closed");
+        assert_eq!(o.get("b").map(|(_, _, d)| d), Some(None));
+        o.arm("b", 500);
+        assert_eq!(o.next_deadline(), Some(300));
+        assert!(o.close("a"));
+        assert!(!o.close("a"));
+        assert_eq!(o.next_deadline(), Some(500));
+        assert!(o.maybe_known("a") && o.maybe_known("d"));
+        assert!(!o.maybe_known("zz"));
+    }
+
+    #[test]
+    fn reopening_a_kept_turn_keeps_its_record() {
+        let mut o: OpenTurns<u64> = OpenTurns::new(2);
+        o.open("a", Some(1), 1, Some(record("a")));
+        o.open("a", Some(2), 2, Some(record("a")));
+        o.open("b", Some(3), 3, Some(record("b")));
+        assert!(o
+            .get("a")
+            .is_some_and(|(r, rev, _)| r.is_some() && *rev == 2));
+        assert_eq!(o.expire(10).len(), 3 - 1, "one deadline per turn");
     }
 
     #[test]
