@@ -22,7 +22,7 @@ use crate::sessions::{self, Identity, Position, WorkSession};
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
 use futures::StreamExt;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Mutex;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
@@ -43,6 +43,11 @@ const CONCURRENT_WRITES: usize = 32;
 /// session is written (and serialised) a few dozen times a second at most. Only the
 /// acknowledgement of an input waits; its projections are already stored.
 const ROUND_INTERVAL: Duration = Duration::from_millis(20);
+/// Session bytes serialised and written per second, at most: after a round that wrote B bytes
+/// the next waits B / this (up to [`MAX_ROUND_INTERVAL`]), so large sessions cost a bounded
+/// share of the worker's and the server's CPU instead of one rewrite per round each.
+const WRITE_BUDGET_BYTES_PER_S: f64 = 64.0 * 1024.0 * 1024.0;
+const MAX_ROUND_INTERVAL: Duration = Duration::from_secs(1);
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -189,9 +194,12 @@ type Cached = (Option<WorkSession>, u64);
 /// session once, answer every request of the round.
 async fn committer(kv: kv::Store, mut rx: mpsc::Receiver<Request>) {
     let mut cache: HashMap<String, Cached> = HashMap::new();
+    // Sessions past MAX_SESSION_BYTES: no longer aggregated (reported once).
+    let mut oversized: HashSet<String> = HashSet::new();
     let mut last_round = tokio::time::Instant::now();
+    let mut interval = ROUND_INTERVAL;
     while let Some(first) = rx.recv().await {
-        tokio::time::sleep_until(last_round + ROUND_INTERVAL).await;
+        tokio::time::sleep_until(last_round + interval).await;
         last_round = tokio::time::Instant::now();
         let mut requests = vec![first];
         while requests.len() < 1024 {
@@ -206,14 +214,15 @@ async fn committer(kv: kv::Store, mut rx: mpsc::Receiver<Request>) {
                 merged.entry(id).or_default().extend(events);
             }
         }
+        merged.retain(|id, _| !oversized.contains(id));
         let kv = &kv;
         let jobs: Vec<_> = merged
             .into_iter()
             .map(|(id, events)| {
                 let cached = cache.remove(&id);
                 async move {
-                    let (result, kept) = update(kv, &id, &events, cached).await;
-                    (id, result, kept)
+                    let outcome = update(kv, &id, &events, cached).await;
+                    (id, outcome)
                 }
             })
             .collect();
@@ -222,17 +231,26 @@ async fn committer(kv: kv::Store, mut rx: mpsc::Receiver<Request>) {
             .collect()
             .await;
         let mut failure = None;
-        for (id, result, kept) in results {
-            if let Some(k) = kept {
+        let mut written = 0usize;
+        for (id, outcome) in results {
+            written += outcome.written;
+            if let Err(e) = outcome.result {
+                failure = Some(e.to_string());
+            }
+            if let Some(bytes) = outcome.oversized {
+                warn!(key = %session_key(&id), bytes, "work session too large to store; further events are not aggregated");
+                oversized.insert(id);
+                continue;
+            }
+            if let Some(k) = outcome.kept {
                 if cache.len() >= SESSION_CACHE {
                     cache.clear();
                 }
                 cache.insert(id, k);
             }
-            if let Err(e) = result {
-                failure = Some(e.to_string());
-            }
         }
+        interval = Duration::from_secs_f64(written as f64 / WRITE_BUDGET_BYTES_PER_S)
+            .clamp(ROUND_INTERVAL, MAX_ROUND_INTERVAL);
         for r in requests {
             let answer = match &failure {
                 None => Ok(()),
@@ -246,14 +264,30 @@ async fn committer(kv: kv::Store, mut rx: mpsc::Receiver<Request>) {
     }
 }
 
-/// Apply and compare-and-set, re-reading on conflict. Returns the session as written, to keep.
+/// What writing one session in a round came to.
+struct Outcome {
+    result: Result<(), SessionError>,
+    /// The session as written (or found unchanged), to keep for the next round.
+    kept: Option<Cached>,
+    /// Bytes serialised and written.
+    written: usize,
+    /// The session would exceed [`MAX_SESSION_BYTES`] (its size): not written.
+    oversized: Option<usize>,
+}
+
+/// Apply and compare-and-set, re-reading on conflict.
 async fn update(
     kv: &kv::Store,
     id: &str,
     events: &[(Envelope, Identity)],
     mut cached: Option<Cached>,
-) -> (Result<(), SessionError>, Option<Cached>) {
+) -> Outcome {
     let key = session_key(id);
+    let failed = |key: String, detail: String| Outcome {
+        result: Err(SessionError::Kv { key, detail }),
+        ..Outcome::default_ok()
+    };
+    let mut written = 0usize;
     let mut attempt = 0u32;
     loop {
         attempt += 1;
@@ -262,10 +296,10 @@ async fn update(
             None => match read(kv, &key).await {
                 Ok(Some(c)) => c,
                 // Unreadable: never silently reset a session; it is reported and left alone.
-                Ok(None) => return (Ok(()), None),
+                Ok(None) => return Outcome::default_ok(),
                 Err(detail) => {
                     if attempt >= MAX_ATTEMPTS {
-                        return (Err(SessionError::Kv { key, detail }), None);
+                        return failed(key, detail);
                     }
                     warn!(key = %key, error = %detail, "work session read failed; retrying");
                     tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt.min(25))))
@@ -284,30 +318,31 @@ async fn update(
             });
             changed |= sessions::apply_mut(s, env, &keys, *ident);
         }
+        let unchanged = |session, revision, written| Outcome {
+            kept: Some((session, revision)),
+            written,
+            ..Outcome::default_ok()
+        };
         if !changed {
-            return (Ok(()), Some((session, revision)));
+            return unchanged(session, revision, written);
         }
         let Some(value) = session.as_ref() else {
-            return (Ok(()), Some((session, revision)));
+            return unchanged(session, revision, written);
         };
         let bytes = match serde_json::to_vec(value) {
             Ok(b) => b,
-            Err(e) => {
-                return (
-                    Err(SessionError::Kv {
-                        key,
-                        detail: e.to_string(),
-                    }),
-                    None,
-                )
-            }
+            Err(e) => return failed(key, e.to_string()),
         };
+        written += bytes.len();
         if bytes.len() > MAX_SESSION_BYTES {
-            warn!(key = %key, bytes = bytes.len(), "work session too large to store; further events are not aggregated");
-            return (Ok(()), None);
+            return Outcome {
+                written,
+                oversized: Some(bytes.len()),
+                ..Outcome::default_ok()
+            };
         }
         match kv.update(&key, Bytes::from(bytes), revision).await {
-            Ok(rev) => return (Ok(()), Some((session, rev))),
+            Ok(rev) => return unchanged(session, rev, written),
             Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                 debug!(key = %key, "work session changed meanwhile; re-reading");
             }
@@ -317,13 +352,18 @@ async fn update(
             }
         }
         if attempt >= MAX_ATTEMPTS {
-            return (
-                Err(SessionError::Kv {
-                    key,
-                    detail: "revision conflicts persisted".into(),
-                }),
-                None,
-            );
+            return failed(key, "revision conflicts persisted".into());
+        }
+    }
+}
+
+impl Outcome {
+    fn default_ok() -> Outcome {
+        Outcome {
+            result: Ok(()),
+            kept: None,
+            written: 0,
+            oversized: None,
         }
     }
 }

@@ -82,7 +82,7 @@ impl Effects {
 const RECENT_DECIDED: usize = 512;
 /// Open turns whose full record a partition keeps (the ones opened last); deciding an older one
 /// reads its record from KV.
-pub const KEPT_OPEN_RECORDS: usize = 128;
+pub const KEPT_OPEN_RECORDS: usize = 64;
 
 /// The turn state a partition owner keeps: open turns (deadline and KV revision, see
 /// [`OpenTurns`]) and recently decided turns.
