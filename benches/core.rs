@@ -9,7 +9,7 @@ use collab_projector::config::Names;
 use collab_projector::ingest::{self, adapter, RawInput, SubjectInfo};
 use collab_projector::model::RawEventRef;
 use collab_projector::pipeline::{self, RawMessage};
-use collab_projector::turns::{self, book::DeadlineBook, TurnConfig};
+use collab_projector::turns::{self, book::OpenTurns, TurnConfig};
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use serde_json::Value;
 use std::hint::black_box;
@@ -170,24 +170,25 @@ fn turn_book(c: &mut Criterion) {
     g.finish();
 
     // The deadline set at the scale of one partition with 100k turns open in 64 partitions.
-    let mut g = c.benchmark_group("deadline book");
-    let mut book = DeadlineBook::new();
+    // The open turns a partition keeps (as `bus::turns::PartitionTurns` does, 64 full records).
+    let mut g = c.benchmark_group("open turns");
+    let mut open: OpenTurns<u64> = OpenTurns::new(64);
     for i in 0..1_600i64 {
-        book.arm(&format!("p5.conv-{i}.0"), 1_000_000 + i * 10);
+        open.open(&format!("p5.conv-{i}.0"), Some(1_000_000 + i * 10), 1, None);
     }
     let mut next = 0i64;
-    g.bench_function("arm + disarm (1600 open)", |b| {
+    g.bench_function("open + close (1600 open)", |b| {
         b.iter(|| {
             next += 1;
             let key = format!("p5.new-{next}.0");
-            book.arm(&key, 2_000_000 + next);
-            book.disarm(&key);
+            open.open(&key, Some(2_000_000 + next), 2, None);
+            open.close(&key);
         })
     });
     g.bench_function("expire 100 of 1600", |b| {
         b.iter_batched_ref(
-            || book.clone(),
-            |b| b.expire(1_000_000 + 100 * 10),
+            || open.clone(),
+            |o| o.expire(1_000_000 + 100 * 10),
             BatchSize::SmallInput,
         )
     });

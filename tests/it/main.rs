@@ -4,6 +4,7 @@ mod support;
 
 mod adapter_bus;
 mod api;
+mod bench_smoke;
 mod chaos;
 mod ops;
 mod pipeline;
