@@ -282,7 +282,7 @@ pub struct LatencyResult {
 #[serde(rename_all = "camelCase")]
 pub struct TurnBookResult {
     pub open_turns: usize,
-    /// RSS growth per turn of the partition state (records map + deadline book), built alone.
+    /// RSS growth per turn of the partition state (its `OpenTurns`), built alone.
     pub model_bytes_per_turn: Option<f64>,
     /// Turns the real reload found open.
     pub reloaded: Option<usize>,

@@ -48,6 +48,8 @@ const ROUND_INTERVAL: Duration = Duration::from_millis(20);
 /// share of the worker's and the server's CPU instead of one rewrite per round each.
 const WRITE_BUDGET_BYTES_PER_S: f64 = 64.0 * 1024.0 * 1024.0;
 const MAX_ROUND_INTERVAL: Duration = Duration::from_secs(1);
+/// The longest one session's write (reads and retries included) may hold a round.
+const SESSION_WRITE_LIMIT: Duration = Duration::from_secs(15);
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
@@ -221,7 +223,26 @@ async fn committer(kv: kv::Store, mut rx: mpsc::Receiver<Request>) {
             .map(|(id, events)| {
                 let cached = cache.remove(&id);
                 async move {
-                    let outcome = update(kv, &id, &events, cached).await;
+                    // A round never waits on one session for long: every other partition's
+                    // acknowledgements wait for the round.
+                    let outcome = match tokio::time::timeout(
+                        SESSION_WRITE_LIMIT,
+                        update(kv, &id, &events, cached),
+                    )
+                    .await
+                    {
+                        Ok(o) => o,
+                        Err(_) => {
+                            warn!(key = %session_key(&id), "work session write took too long; the round fails and is retried");
+                            Outcome {
+                                result: Err(SessionError::Kv {
+                                    key: session_key(&id),
+                                    detail: format!("no answer within {SESSION_WRITE_LIMIT:?}"),
+                                }),
+                                ..Outcome::default_ok()
+                            }
+                        }
+                    };
                     (id, outcome)
                 }
             })
@@ -371,7 +392,10 @@ impl Outcome {
 /// The stored session and its revision (revision 0 and no session when absent); `None` when the
 /// stored value is unreadable.
 async fn read(kv: &kv::Store, key: &str) -> Result<Option<Cached>, String> {
-    let entry = kv.entry(key.to_string()).await.map_err(|e| e.to_string())?;
+    let entry = tokio::time::timeout(Duration::from_secs(10), kv.entry(key.to_string()))
+        .await
+        .map_err(|_| "no answer within 10 s".to_string())?
+        .map_err(|e| e.to_string())?;
     Ok(match entry {
         Some(e) if e.operation == kv::Operation::Put => {
             match serde_json::from_slice::<WorkSession>(&e.value) {

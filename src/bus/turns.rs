@@ -246,10 +246,14 @@ impl PartitionTurns {
 
     /// A record and its revision, read from KV.
     async fn read(&self, key: &str) -> Result<Option<(TurnRecord, u64)>, TurnIoError> {
-        let entry = self.store.entry(key).await.map_err(|e| TurnIoError::Kv {
+        let kv_err = |detail: String| TurnIoError::Kv {
             key: key.to_string(),
-            detail: e.to_string(),
-        })?;
+            detail,
+        };
+        let entry = tokio::time::timeout(Duration::from_secs(10), self.store.entry(key))
+            .await
+            .map_err(|_| kv_err("no answer within 10 s".into()))?
+            .map_err(|e| kv_err(e.to_string()))?;
         Ok(entry.and_then(|e| {
             if e.operation != kv::Operation::Put {
                 return None;

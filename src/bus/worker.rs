@@ -2,10 +2,11 @@
 //! deterministic Msg-Ids, and acknowledge each input only after its outputs are stored.
 //!
 //! Two tasks per partition keep publishes pipelined without giving up order or durability:
-//! the *reader* processes messages strictly in stream order and issues their publishes; the
-//! *acker* awaits the publish acks in the same order, retries a failed publish in place (same
-//! Msg-Id, so a publish that did land collapses in the duplicate window), records the
-//! work sessions, and only then acknowledges the inputs. A crash anywhere in between is repaired
+//! the *reader* processes messages strictly in stream order and issues their publishes and
+//! turn-record writes; the *acker* awaits the publish acks in the same order, retries a failed
+//! publish in place (same Msg-Id, so a publish that did land collapses in the duplicate window),
+//! awaits the turn-record writes (a refused one restarts the partition), writes the published
+//! marks of the turns answered, records the work sessions, and only then acknowledges the inputs. A crash anywhere in between is repaired
 //! by redelivery: the Msg-Ids (and the turn records) make reprocessing idempotent.
 //!
 //! A partition that starts with messages a previous owner had in flight (delivered, not yet
@@ -547,6 +548,24 @@ impl Partition<'_> {
     }
 }
 
+/// Fold a group into the work sessions, giving up (to retry) when no answer comes in time.
+async fn observe_bounded(
+    shared: &Shared,
+    p: u16,
+    group: &[(u64, &Outgoing)],
+    in_order: bool,
+) -> Result<(), String> {
+    match tokio::time::timeout(
+        Duration::from_secs(60),
+        shared.sessions.observe(p, group, in_order),
+    )
+    .await
+    {
+        Ok(r) => r.map_err(|e| e.to_string()),
+        Err(_) => Err("the work sessions did not answer within 60 s".into()),
+    }
+}
+
 /// One pull request's deliveries.
 ///
 /// Unlike the client's own batch, it never ends on a client-side timer while the server still
@@ -557,7 +576,14 @@ struct PullBatch {
     sub: async_nats::Subscriber,
     js: jetstream::Context,
     left: usize,
+    /// When silence ends the batch. Absolute, so a caller that drops `next` (a timer in a
+    /// `select!`) and calls again does not restart the wait: a pull request the server lost
+    /// (a restart, a leader change) must still end the batch.
+    silent_until: tokio::time::Instant,
 }
+
+/// Silence after which a batch is over even without the server's expiry notice.
+const PULL_SILENCE: Duration = Duration::from_secs(11);
 
 /// How long a pull request waits on the server for messages.
 const PULL_EXPIRES: Duration = Duration::from_secs(1);
@@ -587,6 +613,7 @@ impl PullBatch {
             sub,
             js: js.clone(),
             left: batch,
+            silent_until: tokio::time::Instant::now() + PULL_SILENCE,
         })
     }
 
@@ -595,11 +622,11 @@ impl PullBatch {
     async fn next(&mut self) -> Option<Result<jetstream::Message, String>> {
         use async_nats::StatusCode;
         while self.left > 0 {
-            let wait = PULL_EXPIRES + Duration::from_secs(10);
-            let message = match tokio::time::timeout(wait, self.sub.next()).await {
+            let message = match tokio::time::timeout_at(self.silent_until, self.sub.next()).await {
                 Ok(Some(m)) => m,
                 Ok(None) | Err(_) => return None,
             };
+            self.silent_until = tokio::time::Instant::now() + PULL_SILENCE;
             match message.status.unwrap_or(StatusCode::OK) {
                 StatusCode::OK => {
                     self.left -= 1;
@@ -806,7 +833,7 @@ async fn ack_stage(
         let in_order = items.iter().all(|i| i.contiguous);
         let group: Vec<(u64, &Outgoing)> = stored.iter().map(|(s, o)| (*s, o)).collect();
         let mut backoff = Duration::from_millis(50);
-        while let Err(e) = shared.sessions.observe(p, &group, in_order).await {
+        while let Err(e) = observe_bounded(&shared, p, &group, in_order).await {
             if cancel.is_cancelled() {
                 warn!(partition = p, error = %e, "work sessions not updated; inputs left for redelivery");
                 return Ok(());

@@ -1,68 +1,12 @@
-//! The deadline set of one partition: open turns ordered by store-time deadline, so the one
-//! timer of the partition sleeps until the earliest and a watermark advance finds every expired
-//! turn in order.
+//! The open turns of one partition, ordered by store-time deadline so the one timer of the
+//! partition sleeps until the earliest and a watermark advance finds every expired turn in
+//! order; and the partition's event-time watermark.
 
 use super::TurnRecord;
 use std::collections::hash_map::RandomState;
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::BuildHasher;
 use std::sync::Arc;
-
-#[derive(Debug, Default, Clone)]
-pub struct DeadlineBook {
-    by_time: BTreeSet<(i64, String)>,
-    by_key: HashMap<String, i64>,
-}
-
-impl DeadlineBook {
-    pub fn new() -> Self {
-        Self::default()
-    }
-
-    /// Arm (or re-arm) the deadline of a turn.
-    pub fn arm(&mut self, key: &str, deadline_ms: i64) {
-        if let Some(old) = self.by_key.insert(key.to_string(), deadline_ms) {
-            self.by_time.remove(&(old, key.to_string()));
-        }
-        self.by_time.insert((deadline_ms, key.to_string()));
-    }
-
-    /// Forget a turn (it was decided).
-    pub fn disarm(&mut self, key: &str) {
-        if let Some(old) = self.by_key.remove(key) {
-            self.by_time.remove(&(old, key.to_string()));
-        }
-    }
-
-    /// The earliest deadline.
-    pub fn next_deadline(&self) -> Option<i64> {
-        self.by_time.first().map(|(t, _)| *t)
-    }
-
-    /// Remove and return, earliest first, the turns whose deadline is strictly before the
-    /// watermark (a reply stored exactly at the deadline is on time).
-    pub fn expire(&mut self, watermark_ms: i64) -> Vec<(i64, String)> {
-        let mut out = Vec::new();
-        while let Some((t, _)) = self.by_time.first() {
-            if *t >= watermark_ms {
-                break;
-            }
-            if let Some((t, key)) = self.by_time.pop_first() {
-                self.by_key.remove(&key);
-                out.push((t, key));
-            }
-        }
-        out
-    }
-
-    pub fn len(&self) -> usize {
-        self.by_key.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.by_key.is_empty()
-    }
-}
 
 /// The open turns of one partition, compact enough to hold a million of them.
 ///
@@ -269,21 +213,6 @@ mod tests {
         assert_eq!(w.idle(150), Some(150));
     }
 
-    #[test]
-    fn expires_in_deadline_order_and_only_strictly_before_the_watermark() {
-        let mut b = DeadlineBook::new();
-        b.arm("c", 300);
-        b.arm("a", 100);
-        b.arm("b", 200);
-        assert_eq!(b.next_deadline(), Some(100));
-        assert_eq!(b.expire(100), vec![]);
-        assert_eq!(
-            b.expire(201),
-            vec![(100, "a".to_string()), (200, "b".to_string())]
-        );
-        assert_eq!(b.len(), 1);
-    }
-
     fn record(turn: &str) -> TurnRecord {
         TurnRecord {
             conversation_id: "c".into(),
@@ -335,17 +264,6 @@ mod tests {
         assert!(o
             .get("a")
             .is_some_and(|(r, rev, _)| r.is_some() && *rev == 2));
-        assert_eq!(o.expire(10).len(), 3 - 1, "one deadline per turn");
-    }
-
-    #[test]
-    fn rearm_and_disarm() {
-        let mut b = DeadlineBook::new();
-        b.arm("a", 100);
-        b.arm("a", 500);
-        assert_eq!(b.expire(200), vec![]);
-        b.disarm("a");
-        assert!(b.is_empty());
-        assert_eq!(b.expire(1000), vec![]);
+        assert_eq!(o.expire(10).len(), 2, "one deadline per turn");
     }
 }

@@ -2,8 +2,9 @@
 //!
 //! This module is pure: it reads the facts of an `a2a.*` event ([`TurnFacts`]), looks at the
 //! turn's persisted [`TurnRecord`], and returns a [`Step`] saying what to write (with the
-//! compare-and-swap expectation), what to publish and what to project. The bus executes steps in
-//! a fixed order: fence the record in KV, publish and await the ack, mark published, acknowledge.
+//! compare-and-swap expectation), what to publish and what to project. The bus sends the record
+//! write (the fence) and the publishes in order without waiting, acknowledges the input once all
+//! of them are stored, and marks the record published once its response is stored.
 //!
 //! Time is event time: the raw stream's store time. Deadlines fire only when the partition's
 //! watermark (every message stored before it has been processed) has passed them, so a reply

@@ -1,13 +1,13 @@
 // Unit and property tests of the turn contract (pure, fake clock).
 //
-// `Sim` plays the I/O shell over an in-memory KV map `key -> (TurnRecord, revision)` and a
-// `DeadlineBook`, executing `Step`s the way `src/bus/turns.rs` does: write with the CAS
+// `Sim` plays the I/O shell over an in-memory KV map `key -> (TurnRecord, revision)` and the
+// partition's `OpenTurns` (deadlines only), executing `Step`s the way `src/bus/turns.rs` does: write with the CAS
 // expectation (on conflict re-read and decide again), publish the winner under its Msg-Id (the
 // JetStream duplicate window collapses republishes), mark it published, then project or suppress
 // the event. Time is integers of store-time milliseconds.
 
 use super::blocked::{next_action, parse_sections, suppressed, winner_response};
-use super::book::DeadlineBook;
+use super::book::OpenTurns;
 use super::*;
 use crate::classify::Fields;
 use crate::model::{encode_id, id_text, Envelope, RawEventRef, Role};
@@ -182,7 +182,7 @@ struct Sim {
     now: i64,
     kv: BTreeMap<String, (TurnRecord, u64)>,
     revision: u64,
-    book: DeadlineBook,
+    book: OpenTurns<()>,
     /// The next successful write reports a failure (its ack was lost).
     lose_next_ack: bool,
     crash_next: Option<CrashPoint>,
@@ -207,7 +207,7 @@ impl Sim {
             now: 0,
             kv: BTreeMap::new(),
             revision: 0,
-            book: DeadlineBook::new(),
+            book: OpenTurns::new(0),
             lose_next_ack: false,
             crash_next: None,
             responses: BTreeMap::new(),
@@ -296,7 +296,7 @@ impl Sim {
 
     /// Drop every in-memory state and rebuild it from the KV map.
     fn recover(&mut self) {
-        self.book = DeadlineBook::new();
+        self.book = OpenTurns::new(0);
         self.lose_next_ack = false;
         self.crash_next = None;
         let records: Vec<(String, (TurnRecord, u64))> = self
@@ -366,12 +366,14 @@ impl Sim {
         Ok(())
     }
 
-    /// Keep the deadline book in step with a record read or written.
+    /// Keep the open turns in step with a record read or written.
     fn remember(&mut self, key: &str, rec: &TurnRecord) {
         match (rec.state, rec.deadline_ms) {
-            (TurnState::Open, Some(d)) => self.book.arm(key, d),
+            (TurnState::Open, Some(d)) => self.book.open(key, Some(d), (), None),
             (TurnState::Open, None) => {}
-            _ => self.book.disarm(key),
+            _ => {
+                self.book.close(key);
+            }
         }
     }
 
