@@ -42,6 +42,10 @@ pub async fn connect(
     publish_window: usize,
     name: &str,
 ) -> Result<(async_nats::Client, async_nats::jetstream::Context), ConnectError> {
+    let refused = |detail: String| ConnectError::Connect {
+        url: url.to_string(),
+        detail,
+    };
     let mut opts = async_nats::ConnectOptions::new()
         .name(name)
         .connection_timeout(Duration::from_secs(5))
@@ -50,10 +54,7 @@ pub async fn connect(
         opts = opts
             .credentials_file(path)
             .await
-            .map_err(|e| ConnectError::Connect {
-                url: url.to_string(),
-                detail: e.to_string(),
-            })?;
+            .map_err(|e| refused(e.to_string()))?;
     }
     // A cluster is given as comma-separated URLs.
     let addrs: Vec<async_nats::ServerAddr> = url
@@ -62,17 +63,11 @@ pub async fn connect(
         .filter(|u| !u.is_empty())
         .map(|u| u.parse::<async_nats::ServerAddr>())
         .collect::<Result<_, _>>()
-        .map_err(|e| ConnectError::Connect {
-            url: url.to_string(),
-            detail: format!("invalid server URL: {e}"),
-        })?;
+        .map_err(|e| refused(format!("invalid server URL: {e}")))?;
     let client = opts
         .connect(addrs)
         .await
-        .map_err(|e| ConnectError::Connect {
-            url: url.to_string(),
-            detail: e.to_string(),
-        })?;
+        .map_err(|e| refused(e.to_string()))?;
     check_server(&client, url).await?;
     let js = async_nats::jetstream::ContextBuilder::new()
         .max_ack_inflight(publish_window)

@@ -39,11 +39,6 @@ pub enum TurnIoError {
     Cancelled(String),
 }
 
-enum WriteError {
-    Conflict,
-    Other(String),
-}
-
 /// A turn-record write in flight; resolves to the record's new revision.
 pub type KvWrite = SharedFuture<BoxFuture<'static, Result<u64, String>>>;
 
@@ -291,27 +286,6 @@ impl PartitionTurns {
         )
     }
 
-    /// A write, waiting for its ack (the reload's republish path).
-    async fn write(&self, key: &str, rec: &TurnRecord, expect: Expect) -> Result<u64, WriteError> {
-        let value = Bytes::from(serde_json::to_vec(rec).unwrap_or_default());
-        match expect {
-            Expect::Absent => self.store.create(key, value).await.map_err(|e| {
-                if e.kind() == kv::CreateErrorKind::AlreadyExists {
-                    WriteError::Conflict
-                } else {
-                    WriteError::Other(e.to_string())
-                }
-            }),
-            Expect::Revision(rev) => self.store.update(key, value, rev).await.map_err(|e| {
-                if e.kind() == kv::UpdateErrorKind::WrongLastRevision {
-                    WriteError::Conflict
-                } else {
-                    WriteError::Other(e.to_string())
-                }
-            }),
-        }
-    }
-
     fn remember(&mut self, key: &str, rec: &TurnRecord, rev: Rev) {
         if rec.state == TurnState::Open {
             if !self.open.contains(key) {
@@ -547,10 +521,13 @@ impl PartitionTurns {
             });
         }
         let marked = turns::published(rec);
-        match self.write(key, &marked, Expect::Revision(rev)).await {
-            Ok(_) | Err(WriteError::Conflict) => {}
-            Err(WriteError::Other(d)) => debug!(key, error = %d, "published mark failed"),
-        }
+        let mark = Mark {
+            key: key.to_string(),
+            subject: format!("{}{key}", self.put_prefix),
+            record: marked.clone(),
+            after: Rev::Known(rev),
+        };
+        write_mark(shared, mark).await;
         self.remember(key, &marked, Rev::Known(0));
         Ok(())
     }
