@@ -121,8 +121,16 @@ pub async fn start(
     let shared = if opts.workers {
         let shared = worker::Shared::new(js.clone(), settings.clone()).await?;
         let names = settings.names();
-        let store = shared
-            .kv_js
+        // Leases are renewed over a connection of their own, so a busy worker's publishes and
+        // state writes (or a large reload) never queue in front of a renewal.
+        let (_, lease_js) = bus::connect(
+            &settings.nats.url,
+            settings.nats.creds_file.as_deref(),
+            settings.consumer.publish_window,
+            "collab-projector-leases",
+        )
+        .await?;
+        let store = lease_js
             .get_key_value(&names.leases_bucket)
             .await
             .map_err(|e| worker::WorkerError::Setup {

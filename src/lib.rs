@@ -16,7 +16,8 @@
 //! - [`ops`]: operator commands: `audit`, `dlq replay`.
 //! - [`http`]: health, readiness and metrics endpoints.
 //! - [`api`]: the projection API for UIs: events, live stream (SSE), work sessions, MPLP export.
-//! - [`sessions`]: work-session aggregation (pure), kept in KV by the workers.
+//! - [`sessions`]: work-session aggregation (pure); `bus::sessions` folds the projection stream
+//!   into KV with it, off the projection path.
 //! - [`localnats`]: start a local nats-server for `demo`, `bench` and tests.
 //! - [`sim`]: the traffic generator of `demo` and `bench`.
 //! - [`demo`]: the `demo` command.

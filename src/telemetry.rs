@@ -19,6 +19,10 @@ pub const SUPPRESSED: &str = "collab_responses_suppressed_total";
 pub const PARTITIONS_OWNED: &str = "collab_partitions_owned";
 /// Open turns held in memory.
 pub const OPEN_TURNS: &str = "collab_open_turns";
+/// Projections folded into work sessions (by the worker that owns partition 0).
+pub const SESSION_EVENTS_FOLDED: &str = "collab_session_events_folded_total";
+/// The projection-stream sequence up to which work sessions are written.
+pub const SESSION_FOLD_POSITION: &str = "collab_session_fold_position";
 /// Messages pending in the partition consumers this worker owns (lag).
 pub const CONSUMER_PENDING: &str = "collab_consumer_pending";
 

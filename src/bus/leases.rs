@@ -62,6 +62,16 @@ fn spawn_partition(
     valid_until: Arc<AtomicI64>,
 ) -> JoinHandle<()> {
     tokio::spawn(async move {
+        // The owner of partition 0 also folds the projections into the work sessions.
+        let fold = (p == 0).then(|| {
+            tokio::spawn(super::sessions::run_fold(
+                shared.sessions.clone(),
+                shared.js.clone(),
+                shared.names.proj_stream.clone(),
+                cancel.clone(),
+                valid_until.clone(),
+            ))
+        });
         let mut backoff = Duration::from_millis(200);
         while !cancel.is_cancelled() {
             match worker::run_partition(shared.clone(), p, cancel.clone(), valid_until.clone())
@@ -81,6 +91,9 @@ fn spawn_partition(
                     backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
             }
+        }
+        if let Some(fold) = fold {
+            let _ = fold.await;
         }
     })
 }

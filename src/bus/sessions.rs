@@ -1,9 +1,8 @@
 //! The work-session writer: folds stored projections into the work-session KV bucket.
 //!
-//! The worker calls [`SessionWriter::observe`] once a group of inputs' publishes are stored and
-//! before it acknowledges them. Groups are committed together: one committer task per worker
-//! takes every group that arrived while the previous round was being written, merges them by
-//! session, applies each session's events with [`crate::sessions::apply_mut`] and writes each
+//! [`run_fold`] reads the projection stream in order (off the projection path: no partition waits
+//! for it) and hands each round to [`SessionWriter::commit`]. One committer task per worker takes
+//! every group that arrived while the previous round was being written, merges them by session, applies each session's events with [`crate::sessions::apply_mut`] and writes each
 //! session once, with compare-and-set, all sessions of a round concurrently. A hot session that
 //! every partition touches therefore costs one write per round, not one per group. The committer
 //! keeps the sessions it wrote, decoded, with their revision, and re-reads one only on a revision
@@ -12,8 +11,8 @@
 //!
 //! Keys: a session is stored under `encode_id(session id)`. Events that name a conversation but no
 //! work session (a synthesised blocked response, for example) are resolved through an alias entry
-//! `conv.<encode_id(conversation id)>`, written when an event names both. A conversation's events
-//! are processed in order in one partition, so the alias exists before such an event comes.
+//! `conv.<encode_id(conversation id)>`, written when an event names both. A turn's send is stored in
+//! the projection stream before its response, so the alias exists before such an event comes.
 
 use crate::config::Names;
 use crate::model::{encode_id, Envelope};
@@ -103,7 +102,7 @@ struct Request {
 }
 
 pub struct SessionWriter {
-    kv: kv::Store,
+    pub(crate) kv: kv::Store,
     aliases: Mutex<HashMap<String, String>>,
     commits: mpsc::Sender<Request>,
 }
@@ -140,7 +139,7 @@ impl SessionWriter {
         items: &[(u64, &Outgoing)],
         in_order: bool,
     ) -> Result<(), SessionError> {
-        let mut groups: Groups = BTreeMap::new();
+        let mut events = Vec::with_capacity(items.len());
         let mut last_seq = None;
         let mut ordinal = 0u32;
         for (seq, out) in items {
@@ -157,6 +156,17 @@ impl SessionWriter {
                 debug!(subject = %out.subject, "projection is not an envelope; not a session event");
                 continue;
             };
+            let ident = identity(partition, *seq, &out.msg_id, ordinal, in_order);
+            events.push((env, ident));
+        }
+        self.commit(events).await
+    }
+
+    /// Fold envelopes, each with its identity, in the order given, into their sessions. Events
+    /// that belong to no session are skipped. Returns once the sessions are written.
+    pub async fn commit(&self, events: Vec<(Envelope, Identity)>) -> Result<(), SessionError> {
+        let mut groups: Groups = BTreeMap::new();
+        for (env, ident) in events {
             let keys = sessions::keys(&env);
             let id = match (&keys.work_session_id, &keys.conversation_id) {
                 (Some(ws), Some(conv)) => {
@@ -167,7 +177,6 @@ impl SessionWriter {
                 (None, Some(conv)) => self.resolve(conv).await?,
                 (None, None) => continue,
             };
-            let ident = identity(partition, *seq, &out.msg_id, ordinal, in_order);
             groups.entry(id).or_default().push((env, ident));
         }
         if groups.is_empty() {
@@ -481,6 +490,178 @@ impl SessionWriter {
             }
             m.insert(conv.to_string(), ws.to_string());
         }
+    }
+}
+
+/// The partition under which a session records what the fold applied: the projection stream is
+/// folded in its own order, as one partition whose positions are projection-stream sequences.
+pub const FOLD_PARTITION: u16 = u16::MAX;
+/// The fold's checkpoint: the last projection-stream sequence whose sessions are written.
+/// Two tokens, so it is never taken for a session (nor for a `conv.` alias).
+pub const FOLD_KEY: &str = "fold.position";
+/// Most projections folded in one round.
+const FOLD_BATCH: usize = 20_000;
+/// How long a round gathers projections after its first one.
+const FOLD_GATHER: Duration = Duration::from_millis(200);
+
+/// Where the fold starts when it has no checkpoint: at the start of the projection stream for a
+/// new deployment; at its end when the bucket already holds sessions (they were folded by a
+/// version that wrote sessions from the partitions, so folding the stream again would count
+/// those events twice).
+async fn fold_start(kv: &kv::Store, proj: &mut jetstream::stream::Stream) -> Result<u64, String> {
+    let entry = tokio::time::timeout(Duration::from_secs(10), kv.get(FOLD_KEY))
+        .await
+        .map_err(|_| "no answer within 10 s".to_string())?
+        .map_err(|e| e.to_string())?;
+    if let Some(v) = entry {
+        let text = String::from_utf8_lossy(&v);
+        return text
+            .trim()
+            .parse::<u64>()
+            .map(|s| s + 1)
+            .map_err(|_| format!("checkpoint {FOLD_KEY} is not a sequence: {text:?}"));
+    }
+    let mut bucket = kv.stream.clone();
+    let held = bucket
+        .info()
+        .await
+        .map_err(|e| e.to_string())?
+        .state
+        .messages;
+    if held == 0 {
+        return Ok(1);
+    }
+    let last = proj
+        .info()
+        .await
+        .map_err(|e| e.to_string())?
+        .state
+        .last_sequence;
+    warn!(
+        from = last + 1,
+        "work sessions exist but the fold has no checkpoint: folding new projections only"
+    );
+    Ok(last + 1)
+}
+
+/// One projection read back from the projection stream, as the fold applies it.
+fn fold_event(msg: &jetstream::Message) -> Option<(Envelope, Identity)> {
+    let seq = msg.info().ok()?.stream_sequence;
+    let env = serde_json::from_slice::<Envelope>(&msg.payload).ok()?;
+    let turn_response = msg
+        .headers
+        .as_ref()
+        .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
+        .is_some_and(|id| id.as_str().starts_with("turn:"));
+    let ident = if turn_response {
+        Identity::TurnResponse
+    } else {
+        Identity::Raw {
+            partition: FOLD_PARTITION,
+            position: Position(seq, 0),
+            in_order: true,
+        }
+    };
+    Some((env, ident))
+}
+
+/// Fold the projection stream into the work sessions until `cancel`, restarting from the
+/// checkpoint after a failure. Run by the owner of partition 0, so one worker folds at a time;
+/// a brief overlap of two owners only repeats work (sessions remember what they applied).
+///
+/// The fold is off the projection path: projections and acknowledgements never wait for it.
+/// It reads the projections in stream order through an ordered consumer from its checkpoint,
+/// applies a round of them (gathered for [`FOLD_GATHER`]) to the sessions they touch, writes each
+/// changed session once, then moves the checkpoint. A crash between the two re-applies the round,
+/// which changes nothing twice.
+pub async fn run_fold(
+    writer: std::sync::Arc<SessionWriter>,
+    js: jetstream::Context,
+    proj_stream: String,
+    cancel: tokio_util::sync::CancellationToken,
+    lease_valid_until: std::sync::Arc<std::sync::atomic::AtomicI64>,
+) {
+    let mut backoff = Duration::from_millis(200);
+    while !cancel.is_cancelled() {
+        match fold(&writer, &js, &proj_stream, &cancel, &lease_valid_until).await {
+            Ok(()) => break,
+            Err(e) => {
+                warn!(error = %e, "work-session fold failed; restarting from its checkpoint");
+                tokio::select! {
+                    _ = tokio::time::sleep(backoff) => {}
+                    _ = cancel.cancelled() => break,
+                }
+                backoff = (backoff * 2).min(Duration::from_secs(5));
+            }
+        }
+    }
+}
+
+async fn fold(
+    writer: &SessionWriter,
+    js: &jetstream::Context,
+    proj_stream: &str,
+    cancel: &tokio_util::sync::CancellationToken,
+    lease_valid_until: &std::sync::atomic::AtomicI64,
+) -> Result<(), String> {
+    let mut proj = js
+        .get_stream(proj_stream)
+        .await
+        .map_err(|e| format!("stream {proj_stream}: {e}"))?;
+    let start = fold_start(&writer.kv, &mut proj).await?;
+    let consumer = proj
+        .create_consumer(jetstream::consumer::pull::OrderedConfig {
+            deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: start,
+            },
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| format!("reading {proj_stream}: {e}"))?;
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(|e| format!("reading {proj_stream}: {e}"))?;
+    debug!(from = start, "work-session fold started");
+    loop {
+        let first = tokio::select! {
+            _ = cancel.cancelled() => return Ok(()),
+            m = messages.next() => m,
+        };
+        let Some(first) = first else {
+            return Err("the projection stream's consumer ended".into());
+        };
+        let mut round = vec![first.map_err(|e| e.to_string())?];
+        let until = tokio::time::Instant::now() + FOLD_GATHER;
+        while round.len() < FOLD_BATCH {
+            match tokio::time::timeout_at(until, messages.next()).await {
+                Ok(Some(m)) => round.push(m.map_err(|e| e.to_string())?),
+                Ok(None) => return Err("the projection stream's consumer ended".into()),
+                Err(_) => break,
+            }
+        }
+        // A worker that may have lost partition 0 without noticing yet writes nothing.
+        while super::worker::lease_lapsed(lease_valid_until) {
+            tokio::select! {
+                _ = cancel.cancelled() => return Ok(()),
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+        }
+        let last = round
+            .last()
+            .and_then(|m| m.info().ok())
+            .map(|i| i.stream_sequence)
+            .unwrap_or(0);
+        let events: Vec<_> = round.iter().filter_map(fold_event).collect();
+        let folded = events.len();
+        writer.commit(events).await.map_err(|e| e.to_string())?;
+        writer
+            .kv
+            .put(FOLD_KEY, Bytes::from(last.to_string()))
+            .await
+            .map_err(|e| format!("checkpoint {FOLD_KEY}: {e}"))?;
+        metrics::counter!(crate::telemetry::SESSION_EVENTS_FOLDED).increment(folded as u64);
+        metrics::gauge!(crate::telemetry::SESSION_FOLD_POSITION).set(last as f64);
     }
 }
 

@@ -26,7 +26,6 @@ use futures::StreamExt;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-use tracing::debug;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TurnIoError {
@@ -49,12 +48,91 @@ pub enum Rev {
     Pending(KvWrite),
 }
 
-/// A decided turn's mark "its response is stored", written after the response is.
+/// A decided turn whose response is in this group: once the response is stored, the decision's
+/// revision counts towards the partition's published checkpoint.
 pub struct Mark {
     key: String,
-    subject: String,
-    record: TurnRecord,
     after: Rev,
+}
+
+/// The KV key of a partition's published checkpoint. Outside the `p<N>.` records, so a reload
+/// never takes it for a turn.
+pub fn checkpoint_key(partition: u16) -> String {
+    format!("ck.p{partition}")
+}
+
+/// A partition's published checkpoint (the KV value): every decided record of the partition whose
+/// revision is at or below `through` has its response stored. It replaces a "published" write per
+/// turn with one write per partition per [`CHECKPOINT_EVERY`].
+#[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
+struct CheckpointValue {
+    through: u64,
+}
+
+/// How often, at most, a partition writes its published checkpoint while it advances.
+pub const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
+
+/// The owner's side of a partition's published checkpoint: the acker raises `through` as
+/// responses are stored and writes it (compare-and-set on the revision it last wrote, so a
+/// second owner's write stops this one).
+pub struct Checkpoint {
+    store: kv::Store,
+    key: String,
+    /// KV revision of the checkpoint key as this owner last wrote or read it (0: absent).
+    revision: u64,
+    /// The value last written.
+    written: u64,
+    /// Shared with the partition's turn state, which reads decided records against it.
+    through: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    last_write: tokio::time::Instant,
+}
+
+impl Checkpoint {
+    /// Count the decisions of a group whose responses are now stored.
+    pub async fn stored(&mut self, marks: Vec<Mark>) -> Result<(), TurnIoError> {
+        for m in marks {
+            let rev = resolve(&m.key, &m.after).await?;
+            self.through
+                .fetch_max(rev, std::sync::atomic::Ordering::Relaxed);
+        }
+        Ok(())
+    }
+
+    /// Write the checkpoint if it moved and `force` or [`CHECKPOINT_EVERY`] has passed.
+    pub async fn maybe_write(&mut self, force: bool) -> Result<(), TurnIoError> {
+        let through = self.through.load(std::sync::atomic::Ordering::Relaxed);
+        if through <= self.written || (!force && self.last_write.elapsed() < CHECKPOINT_EVERY) {
+            return Ok(());
+        }
+        let value =
+            serde_json::to_vec(&CheckpointValue { through }).map_err(|e| TurnIoError::Kv {
+                key: self.key.clone(),
+                detail: e.to_string(),
+            })?;
+        let result = if self.revision == 0 {
+            self.store
+                .create(&self.key, Bytes::from(value))
+                .await
+                .map_err(|e| e.to_string())
+        } else {
+            self.store
+                .update(&self.key, Bytes::from(value), self.revision)
+                .await
+                .map_err(|e| e.to_string())
+        };
+        match result {
+            Ok(rev) => {
+                self.revision = rev;
+                self.written = through;
+                self.last_write = tokio::time::Instant::now();
+                Ok(())
+            }
+            Err(detail) => Err(TurnIoError::Conflict {
+                key: self.key.clone(),
+                detail,
+            }),
+        }
+    }
 }
 
 /// What the turn contract asks for one message (or one move of the watermark): publishes in
@@ -89,6 +167,11 @@ pub struct PartitionTurns {
     open: OpenTurns<Rev>,
     recent: HashMap<String, TurnRecord>,
     recent_order: VecDeque<String>,
+    /// Decided records at or below this revision have their responses stored (the published
+    /// checkpoint, raised by the acker as responses are stored).
+    published_through: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// KV revision of the checkpoint key when the partition read or wrote it.
+    checkpoint_revision: u64,
 }
 
 impl PartitionTurns {
@@ -114,11 +197,53 @@ impl PartitionTurns {
             open: OpenTurns::new(KEPT_OPEN_RECORDS),
             recent: HashMap::new(),
             recent_order: VecDeque::new(),
+            published_through: Default::default(),
+            checkpoint_revision: 0,
         })
     }
 
     pub fn open_turns(&self) -> usize {
         self.open.len()
+    }
+
+    /// The partition's published checkpoint, for the acker: it starts from what the reload read
+    /// or wrote.
+    pub fn checkpoint(&self, _shared: &Shared) -> Checkpoint {
+        Checkpoint {
+            store: self.store.clone(),
+            key: checkpoint_key(self.partition),
+            revision: self.checkpoint_revision,
+            written: self
+                .published_through
+                .load(std::sync::atomic::Ordering::Relaxed),
+            through: self.published_through.clone(),
+            last_write: tokio::time::Instant::now(),
+        }
+    }
+
+    /// The checkpoint's value and KV revision (0 and 0 when absent).
+    async fn read_checkpoint(&self) -> Result<(u64, u64), TurnIoError> {
+        let key = checkpoint_key(self.partition);
+        let entry = tokio::time::timeout(Duration::from_secs(10), self.store.entry(key.clone()))
+            .await
+            .map_err(|_| TurnIoError::Kv {
+                key: key.clone(),
+                detail: "no answer within 10 s".into(),
+            })?
+            .map_err(|e| TurnIoError::Kv {
+                key: key.clone(),
+                detail: e.to_string(),
+            })?;
+        Ok(match entry {
+            Some(e) if e.operation == kv::Operation::Put => {
+                let through = serde_json::from_slice::<CheckpointValue>(&e.value)
+                    .map(|c| c.through)
+                    .unwrap_or(0);
+                (through, e.revision)
+            }
+            Some(e) => (0, e.revision),
+            None => (0, 0),
+        })
     }
 
     /// The earliest deadline of an open turn.
@@ -156,8 +281,10 @@ impl PartitionTurns {
             .await
             .map_err(|e| kv_err(e.to_string()))?
             .num_pending;
+        let (through, checkpoint_revision) = self.read_checkpoint().await?;
         let mut unpublished = Vec::new();
         let mut loaded = 0;
+        let mut highest = through;
         if expected > 0 {
             let mut records = consumer
                 .messages()
@@ -178,6 +305,8 @@ impl PartitionTurns {
                 read += 1;
                 let Ok(info) = msg.info() else { continue };
                 let revision = info.stream_sequence;
+                let written_at = info.published;
+                highest = highest.max(revision);
                 let Some(key) = msg.subject.as_str().strip_prefix(&self.store.prefix) else {
                     continue;
                 };
@@ -197,15 +326,29 @@ impl PartitionTurns {
                             self.open
                                 .open(key, rec.deadline_ms, Rev::Known(revision), None)
                         }
-                        TurnState::Decided => unpublished.push((key.to_string(), rec, revision)),
-                        TurnState::Published => {}
+                        // Decided after the last checkpoint: its response may not be stored.
+                        TurnState::Decided if revision > through => {
+                            unpublished.push((key.to_string(), rec, written_at))
+                        }
+                        TurnState::Decided | TurnState::Published => {}
                     }
                 }
             }
         }
-        for (key, rec, rev) in unpublished {
-            self.republish(shared, &key, &rec, rev, cancel).await?;
+        for (key, rec, written_at) in unpublished {
+            self.republish(shared, &key, &rec, written_at, cancel)
+                .await?;
         }
+        // Every decided record read is now published: move the checkpoint past them all.
+        self.published_through
+            .store(through, std::sync::atomic::Ordering::Relaxed);
+        self.checkpoint_revision = checkpoint_revision;
+        let mut checkpoint = self.checkpoint(shared);
+        checkpoint
+            .through
+            .fetch_max(highest, std::sync::atomic::Ordering::Relaxed);
+        checkpoint.maybe_write(true).await?;
+        self.checkpoint_revision = checkpoint.revision;
         metrics::gauge!(telemetry::OPEN_TURNS).increment(self.open.len() as f64);
         Ok(loaded)
     }
@@ -223,6 +366,16 @@ impl PartitionTurns {
             return Ok(None);
         }
         self.read(key).await
+    }
+
+    /// Like [`Self::current`], but an open turn whose full record is kept in memory comes with its
+    /// revision as it stands, possibly a write still in flight: deciding it then never waits for
+    /// the write that opened it.
+    async fn current_rev(&self, key: &str) -> Result<Option<(TurnRecord, Rev)>, TurnIoError> {
+        if let Some((Some(rec), rev, _)) = self.open.get(key) {
+            return Ok(Some((rec.clone(), rev.clone())));
+        }
+        Ok(self.current(key).await?.map(|(r, v)| (r, Rev::Known(v))))
     }
 
     /// An open turn's record and revision: kept in memory, or read from KV once this owner's
@@ -249,36 +402,59 @@ impl PartitionTurns {
             .await
             .map_err(|_| kv_err("no answer within 10 s".into()))?
             .map_err(|e| kv_err(e.to_string()))?;
+        let through = self
+            .published_through
+            .load(std::sync::atomic::Ordering::Relaxed);
         Ok(entry.and_then(|e| {
             if e.operation != kv::Operation::Put {
                 return None;
             }
-            serde_json::from_slice::<TurnRecord>(&e.value)
-                .ok()
-                .map(|r| (r, e.revision))
+            let rec = serde_json::from_slice::<TurnRecord>(&e.value).ok()?;
+            let rec = if rec.state == TurnState::Decided && e.revision <= through {
+                turns::published(&rec)
+            } else {
+                rec
+            };
+            Some((rec, e.revision))
         }))
     }
 
-    /// Send a compare-and-set write without waiting for its ack.
+    /// Send a compare-and-set write without waiting for its ack. A write that must follow one of
+    /// this owner's writes still in flight is sent as soon as that one is acknowledged, by a task
+    /// of its own, so the partition goes on meanwhile.
     async fn send_write(
         &mut self,
         shared: &Shared,
         key: &str,
         rec: &TurnRecord,
-        expect: Expect,
+        after: Option<Rev>,
     ) -> Result<KvWrite, TurnIoError> {
-        let expected = match expect {
-            Expect::Absent => 0,
-            Expect::Revision(rev) => rev,
-        };
         let subject = format!("{}{key}", self.put_prefix);
-        let ack = send_cas(shared, subject, rec, expected)
+        self.open.note(key);
+        let expected = match after {
+            None => 0,
+            Some(Rev::Known(rev)) => rev,
+            Some(Rev::Pending(previous)) => {
+                let kv_js = shared.kv_js.clone();
+                let rec = rec.clone();
+                let chained = tokio::spawn(async move {
+                    let rev = previous.await?;
+                    let ack = send_cas(&kv_js, subject, &rec, rev).await?;
+                    ack.await.map(|a| a.sequence).map_err(|e| e.to_string())
+                });
+                return Ok(
+                    async move { chained.await.map_err(|e| format!("chained write: {e}"))? }
+                        .boxed()
+                        .shared(),
+                );
+            }
+        };
+        let ack = send_cas(&shared.kv_js, subject, rec, expected)
             .await
             .map_err(|detail| TurnIoError::Kv {
                 key: key.to_string(),
                 detail,
             })?;
-        self.open.note(key);
         Ok(
             async move { ack.await.map(|a| a.sequence).map_err(|e| e.to_string()) }
                 .boxed()
@@ -324,16 +500,22 @@ impl PartitionTurns {
                 self.advance(shared, facts.stored_ms, fx).await?;
             }
         }
-        let current = self.current(&key).await?;
-        let step = turns::on_event(current.as_ref().map(|(r, v)| (r, *v)), facts, &self.cfg);
+        let current = self.current_rev(&key).await?;
+        // The rules only echo the revision back in `Expect::Revision`; the shell writes after
+        // the revision it holds, which may still be in flight.
+        let step = turns::on_event(current.as_ref().map(|(r, _)| (r, 0)), facts, &self.cfg);
         let after = match &step.write {
             Some((rec, expect)) => {
-                let w = self.send_write(shared, &key, rec, *expect).await?;
+                let prior = match expect {
+                    Expect::Absent => None,
+                    Expect::Revision(_) => current.as_ref().map(|(_, rev)| rev.clone()),
+                };
+                let w = self.send_write(shared, &key, rec, prior).await?;
                 fx.writes.push(w.clone());
                 self.remember(&key, rec, Rev::Pending(w.clone()));
                 Some((rec.clone(), Rev::Pending(w)))
             }
-            None => current.map(|(r, v)| (r, Rev::Known(v))),
+            None => current,
         };
         if let Some((rec, rev)) = &after {
             if step.publish_winner || rec.state == TurnState::Decided {
@@ -355,6 +537,7 @@ impl PartitionTurns {
                 envelope: env,
                 key: n.key.clone(),
                 conversation_id: n.conversation_id.clone(),
+                source: None,
             };
             let mut out = pipeline::projection(
                 &shared.names,
@@ -394,7 +577,11 @@ impl PartitionTurns {
             let Some((new, expect)) = step.write else {
                 continue;
             };
-            let w = self.send_write(shared, &key, &new, expect).await?;
+            let prior = match expect {
+                Expect::Absent => None,
+                Expect::Revision(v) => Some(Rev::Known(v)),
+            };
+            let w = self.send_write(shared, &key, &new, prior).await?;
             fx.writes.push(w.clone());
             self.remember(&key, &new, Rev::Pending(w.clone()));
             self.publish_winner(shared, &key, &new, Rev::Pending(w), None, fx)
@@ -426,8 +613,6 @@ impl PartitionTurns {
         fx.outs.push(out);
         fx.marks.push(Mark {
             key: key.to_string(),
-            subject: format!("{}{key}", self.put_prefix),
-            record: turns::published(rec),
             after: rev,
         });
         // This owner wrote the decision and issued its response: to the turn rules the turn is
@@ -475,6 +660,7 @@ impl PartitionTurns {
             envelope: env,
             key: rec.key.clone(),
             conversation_id: Some(rec.conversation_id.clone()),
+            source: None,
         };
         let mut out = pipeline::projection(
             &shared.names,
@@ -494,41 +680,39 @@ impl PartitionTurns {
         Ok(out)
     }
 
-    /// Publish a decided turn's response found at reload, then mark it published, waiting for
-    /// each step.
+    /// Publish a decided turn's response found at reload (decided after the last checkpoint, so
+    /// perhaps never stored). Within the projection stream's duplicate window the Msg-Id collapses
+    /// a response that was stored; past it, the stream is searched for the response first.
     async fn republish(
         &mut self,
         shared: &Shared,
         key: &str,
         rec: &TurnRecord,
-        rev: u64,
+        written_at: chrono::DateTime<chrono::Utc>,
         cancel: &CancellationToken,
     ) -> Result<(), TurnIoError> {
         let out = self.response(shared, key, rec, None).await?;
+        let age = chrono::Utc::now()
+            .signed_duration_since(written_at)
+            .to_std()
+            .unwrap_or_default();
+        let window = shared.settings.projection.duplicate_window;
+        if age + DUPLICATE_WINDOW_MARGIN >= window
+            && response_stored(shared, &out, written_at)
+                .await
+                .map_err(|detail| TurnIoError::Kv {
+                    key: key.to_string(),
+                    detail,
+                })?
+        {
+            self.remember(key, &turns::published(rec), Rev::Known(0));
+            return Ok(());
+        }
         if !shared.publish_in_place(&out, &[], cancel).await {
             return Err(TurnIoError::Cancelled(key.to_string()));
         }
         shared.count_projection(Role::ConversationMain);
-        let seq = rec.winner.as_ref().and_then(|w| w.seq).unwrap_or(0);
-        if let Err(e) = shared
-            .sessions
-            .observe(self.partition, &[(seq, &out)], true)
-            .await
-        {
-            return Err(TurnIoError::Kv {
-                key: key.to_string(),
-                detail: e.to_string(),
-            });
-        }
-        let marked = turns::published(rec);
-        let mark = Mark {
-            key: key.to_string(),
-            subject: format!("{}{key}", self.put_prefix),
-            record: marked.clone(),
-            after: Rev::Known(rev),
-        };
-        write_mark(shared, mark).await;
-        self.remember(key, &marked, Rev::Known(0));
+        self.remember(key, &turns::published(rec), Rev::Known(0));
         Ok(())
     }
 
@@ -551,7 +735,7 @@ impl PartitionTurns {
 /// Send a record to `subject` (a key of the turns bucket) on the condition that the key is still
 /// at revision `expected` (0: absent), without waiting for the ack.
 async fn send_cas(
-    shared: &Shared,
+    kv_js: &jetstream::Context,
     subject: String,
     rec: &TurnRecord,
     expected: u64,
@@ -565,8 +749,7 @@ async fn send_cas(
     let publish = jetstream::message::PublishMessage::build()
         .payload(value)
         .headers(headers);
-    shared
-        .kv_js
+    kv_js
         .send_publish(subject, publish)
         .await
         .map_err(|e| e.to_string())
@@ -583,19 +766,55 @@ async fn resolve(key: &str, rev: &Rev) -> Result<u64, TurnIoError> {
     }
 }
 
-/// Write a mark once its decision's write is acknowledged. A refused mark is left: the record
-/// stays decided, and a later reload publishes the response again under the same Msg-Id.
-pub async fn write_mark(shared: &Shared, mark: Mark) {
-    let Ok(rev) = resolve(&mark.key, &mark.after).await else {
-        return;
-    };
-    let result = match send_cas(shared, mark.subject, &mark.record, rev).await {
-        Ok(ack) => ack.await.map(|_| ()).map_err(|e| e.to_string()),
-        Err(e) => Err(e),
-    };
-    if let Err(e) = result {
-        debug!(key = %mark.key, error = %e, "published mark refused");
+/// Slack kept below the duplicate window when a reload republishes without looking first.
+const DUPLICATE_WINDOW_MARGIN: Duration = Duration::from_secs(15);
+
+/// Whether `out` (a turn's response) is in the projection stream, looking from a little before
+/// `since` (when its decision was written).
+async fn response_stored(
+    shared: &Shared,
+    out: &Outgoing,
+    since: chrono::DateTime<chrono::Utc>,
+) -> Result<bool, String> {
+    let start_time = since - chrono::Duration::seconds(5);
+    let stream = shared
+        .js
+        .get_stream(&shared.names.proj_stream)
+        .await
+        .map_err(|e| e.to_string())?;
+    let mut consumer = stream
+        .create_consumer(jetstream::consumer::pull::OrderedConfig {
+            filter_subject: out.subject.clone(),
+            deliver_policy: jetstream::consumer::DeliverPolicy::ByStartTime { start_time },
+            headers_only: true,
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| e.to_string())?;
+    let pending = consumer
+        .info()
+        .await
+        .map_err(|e| e.to_string())?
+        .num_pending;
+    if pending == 0 {
+        return Ok(false);
     }
+    let mut messages = consumer.messages().await.map_err(|e| e.to_string())?;
+    for _ in 0..pending {
+        let msg = match tokio::time::timeout(Duration::from_secs(10), messages.next()).await {
+            Ok(Some(Ok(m))) => m,
+            Ok(Some(Err(e))) => return Err(e.to_string()),
+            Ok(None) | Err(_) => return Err("the projection stream stopped answering".into()),
+        };
+        let id = msg
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID));
+        if id.is_some_and(|id| id.as_str() == out.msg_id) {
+            return Ok(true);
+        }
+    }
+    Ok(false)
 }
 
 /// Test hook: `COLLAB_TEST_CRASH_AT=<point>` aborts the process at that point of the turn

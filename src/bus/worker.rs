@@ -5,16 +5,21 @@
 //! the *reader* processes messages strictly in stream order and issues their publishes and
 //! turn-record writes; the *acker* awaits the publish acks in the same order, retries a failed
 //! publish in place (same Msg-Id, so a publish that did land collapses in the duplicate window),
-//! awaits the turn-record writes (a refused one restarts the partition), writes the published
-//! marks of the turns answered, records the work sessions, and only then acknowledges the inputs. A crash anywhere in between is repaired
-//! by redelivery: the Msg-Ids (and the turn records) make reprocessing idempotent.
+//! awaits the turn-record writes (a refused one restarts the partition), counts the decided turns
+//! whose responses are now stored towards the partition's published checkpoint (written at most
+//! once a second), and only then acknowledges the inputs. A crash anywhere in between is
+//! repaired by redelivery: the Msg-Ids (and the turn records) make reprocessing idempotent.
+//! Nothing here waits for the work sessions: they are folded from the projection stream by
+//! [`super::sessions::run_fold`], off this path.
 //!
 //! A partition that starts with messages a previous owner had in flight (delivered, not yet
 //! acknowledged) first reads those from the stream itself and processes them, in order, before
 //! pulling anything new: event-time decisions and per-key order then hold across a handover or a
 //! crash, instead of waiting for their redelivery behind newer messages.
 
-use super::turns::{Effects, KvWrite, Mark, PartitionTurns, TurnIoError};
+use super::turns::{
+    Checkpoint, Effects, KvWrite, Mark, PartitionTurns, TurnIoError, CHECKPOINT_EVERY,
+};
 use crate::config::{Names, Settings};
 use crate::ingest;
 use crate::pipeline::{self, OutKind, Outgoing, RawMessage};
@@ -62,7 +67,7 @@ pub struct Shared {
     pub names: Names,
     pub ingest: ingest::Settings,
     pub state: Arc<WorkerState>,
-    pub sessions: super::sessions::SessionWriter,
+    pub sessions: Arc<super::sessions::SessionWriter>,
     /// Test hook: fail every Nth publish attempt before it is sent (0 = never).
     pub fail_publish_every: u64,
     publish_attempts: AtomicU64,
@@ -94,7 +99,7 @@ impl Shared {
                 detail: e.to_string(),
             })?;
         Ok(Arc::new(Shared {
-            sessions,
+            sessions: Arc::new(sessions),
             kv_js,
             js,
             names,
@@ -184,10 +189,6 @@ struct Item {
     /// The consumer delivery to acknowledge; `None` for messages re-read from the stream at
     /// takeover, and for deadlines decided while the partition was idle.
     msg: Option<jetstream::Message>,
-    seq: u64,
-    /// Processed in partition order for the first time (not a redelivery of something already
-    /// processed): work sessions use it to tell new events from repeats.
-    contiguous: bool,
     pending: Pending,
     /// Turn-record writes that must be stored before the message is acknowledged.
     writes: Vec<KvWrite>,
@@ -243,6 +244,7 @@ pub async fn run_partition(
         shared.clone(),
         p,
         rx,
+        turns.checkpoint(&shared),
         cancel.clone(),
         broken.clone(),
     ));
@@ -267,7 +269,7 @@ pub async fn run_partition(
     if broken.is_cancelled() || matches!(acked, Ok(Err(_))) {
         return Err(WorkerError::Interrupted {
             partition: p,
-            why: "a turn record write was refused",
+            why: "a turn state write was refused",
         });
     }
     result
@@ -431,8 +433,6 @@ impl Partition<'_> {
             };
             let item = Item {
                 msg: None,
-                seq: self.last_seq,
-                contiguous: false,
                 pending,
                 writes: fx.writes,
                 marks: fx.marks,
@@ -524,7 +524,6 @@ impl Partition<'_> {
                 .await
                 .map_err(|e| self.turn_error(e))?;
         }
-        let contiguous = seq > self.last_seq;
         self.last_seq = self.last_seq.max(seq);
         process(self.shared, &mut self.turns, &msg, &mut fx)
             .await
@@ -535,8 +534,6 @@ impl Partition<'_> {
         };
         let item = Item {
             msg: ack.then_some(msg),
-            seq,
-            contiguous,
             pending,
             writes: fx.writes,
             marks: fx.marks,
@@ -545,24 +542,6 @@ impl Partition<'_> {
             return Ok(Flow::Stop);
         }
         Ok(Flow::Continue)
-    }
-}
-
-/// Fold a group into the work sessions, giving up (to retry) when no answer comes in time.
-async fn observe_bounded(
-    shared: &Shared,
-    p: u16,
-    group: &[(u64, &Outgoing)],
-    in_order: bool,
-) -> Result<(), String> {
-    match tokio::time::timeout(
-        Duration::from_secs(60),
-        shared.sessions.observe(p, group, in_order),
-    )
-    .await
-    {
-        Ok(r) => r.map_err(|e| e.to_string()),
-        Err(_) => Err("the work sessions did not answer within 60 s".into()),
     }
 }
 
@@ -653,7 +632,7 @@ impl PullBatch {
 /// How long a partition waits before asking its consumer again whether a due deadline can fire.
 const IDLE_CHECK_MS: i64 = 200;
 
-fn lease_lapsed(valid_until: &AtomicI64) -> bool {
+pub(crate) fn lease_lapsed(valid_until: &AtomicI64) -> bool {
     let v = valid_until.load(Ordering::Relaxed);
     v > 0 && now_ms() > v
 }
@@ -710,9 +689,8 @@ async fn process(
             if !shared.settings.turns.enforce_roles.contains(&n.role()) {
                 return None;
             }
-            let obj = serde_json::from_slice::<serde_json::Value>(raw.bytes).ok()?;
             turn_rules::facts(
-                obj.as_object()?,
+                n.source.as_deref()?,
                 &n.envelope.event_type,
                 conv,
                 &n.key,
@@ -773,17 +751,32 @@ fn count(shared: &Shared, out: &Outgoing) {
     }
 }
 
-/// Await, in order, each group's publishes and turn-record writes, write its published marks,
-/// fold it into the work sessions, then acknowledge it. Returns an error (and cancels `broken`)
-/// when a turn-record write was refused: nothing more is acknowledged, the partition restarts.
+/// Await, in order, each group's publishes and turn-record writes, count its decisions towards
+/// the published checkpoint, then acknowledge it. Returns an error (and cancels `broken`) when a
+/// turn-record or checkpoint write was refused: nothing more is acknowledged, the partition
+/// restarts.
 async fn ack_stage(
     shared: Arc<Shared>,
     p: u16,
     mut rx: mpsc::Receiver<Item>,
+    mut checkpoint: Checkpoint,
     cancel: CancellationToken,
     broken: CancellationToken,
 ) -> Result<(), &'static str> {
-    while let Some(first) = rx.recv().await {
+    let refused = |e: TurnIoError| {
+        warn!(partition = p, error = %e, "turn state write refused; restarting the partition");
+        broken.cancel();
+        "a turn state write was refused"
+    };
+    loop {
+        let first = match tokio::time::timeout(CHECKPOINT_EVERY, rx.recv()).await {
+            Ok(Some(first)) => first,
+            Ok(None) => break,
+            Err(_) => {
+                checkpoint.maybe_write(false).await.map_err(refused)?;
+                continue;
+            }
+        };
         let mut items = vec![first];
         while items.len() < 1024 {
             match rx.try_recv() {
@@ -791,11 +784,9 @@ async fn ack_stage(
                 Err(_) => break,
             }
         }
-        let mut stored: Vec<(u64, Outgoing)> = Vec::new();
         let mut marks = Vec::new();
         for idx in 0..items.len() {
             let pending = std::mem::take(&mut items[idx].pending);
-            let seq = items[idx].seq;
             for (out, fut) in pending {
                 let failed = match fut {
                     Some(fut) => fut.await.is_err(),
@@ -810,44 +801,32 @@ async fn ack_stage(
                         return Ok(());
                     }
                 }
-                stored.push((seq, out));
             }
             for w in std::mem::take(&mut items[idx].writes) {
-                if let Err(e) = w.await {
-                    warn!(partition = p, error = %e, "turn record write refused; restarting the partition");
-                    broken.cancel();
-                    return Err("a turn record write was refused");
+                if let Err(detail) = w.await {
+                    return Err(refused(TurnIoError::Conflict {
+                        key: String::new(),
+                        detail,
+                    }));
                 }
             }
             marks.append(&mut items[idx].marks);
         }
         if !marks.is_empty() {
             super::turns::crash_point("after_publish");
-            futures::future::join_all(
-                marks
-                    .into_iter()
-                    .map(|m| super::turns::write_mark(&shared, m)),
-            )
-            .await;
+            checkpoint.stored(marks).await.map_err(refused)?;
         }
-        let in_order = items.iter().all(|i| i.contiguous);
-        let group: Vec<(u64, &Outgoing)> = stored.iter().map(|(s, o)| (*s, o)).collect();
-        let mut backoff = Duration::from_millis(50);
-        while let Err(e) = observe_bounded(&shared, p, &group, in_order).await {
-            if cancel.is_cancelled() {
-                warn!(partition = p, error = %e, "work sessions not updated; inputs left for redelivery");
-                return Ok(());
-            }
-            warn!(partition = p, error = %e, "work sessions not updated; retrying");
-            tokio::time::sleep(backoff).await;
-            backoff = (backoff * 2).min(Duration::from_secs(2));
-        }
+        checkpoint.maybe_write(false).await.map_err(refused)?;
         super::turns::crash_point("before_ack");
         for msg in items.into_iter().filter_map(|i| i.msg) {
             if let Err(e) = msg.ack().await {
                 debug!(partition = p, error = %e, "ack failed; the message will be redelivered (its outputs collapse by Msg-Id)");
             }
         }
+    }
+    // Drained: a final checkpoint spares the next owner republishing what was stored.
+    if let Err(e) = checkpoint.maybe_write(true).await {
+        debug!(partition = p, error = %e, "final published checkpoint not written");
     }
     debug!(partition = p, "acker drained");
     Ok(())

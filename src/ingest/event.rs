@@ -215,6 +215,7 @@ pub fn from_event(
         envelope,
         key,
         conversation_id,
+        source: None,
     })
 }
 
@@ -297,5 +298,6 @@ pub fn from_adapter_packet(
         envelope,
         key,
         conversation_id: None,
+        source: None,
     })
 }

@@ -64,6 +64,9 @@ pub struct Normalized {
     pub key: String,
     /// For `a2a.*` events: the conversation key (original id) the turn contract uses.
     pub conversation_id: Option<String>,
+    /// For `a2a.*` events: the producer's object as parsed here, so the turn contract reads its
+    /// facts without parsing the message again.
+    pub source: Option<std::sync::Arc<serde_json::Map<String, Value>>>,
 }
 
 impl Normalized {
@@ -111,7 +114,7 @@ pub fn normalize(input: &RawInput<'_>, settings: &Settings) -> Result<Vec<Normal
             "A2A JSON-RPC traffic is not projected by this version; publish collaboration events (type a2a.send/a2a.response/a2a.complete) for the turn, or replay this dead letter after upgrading",
         ));
     }
-    match obj.get("type") {
+    let events = match obj.get("type") {
         Some(Value::String(t)) if is_agui_type(t) => Err(Rejection::new(
             DlqReason::Unrecognized,
             format!("AG-UI event `{t}` is not projected by this version; replay this dead letter after upgrading"),
@@ -125,7 +128,27 @@ pub fn normalize(input: &RawInput<'_>, settings: &Settings) -> Result<Vec<Normal
             DlqReason::Unrecognized,
             "object has no `type` and is not an A2A adapter packet (`protocol: \"a2a\"` with `event_type`); add a `type` such as \"a2a.send\" or \"task.updated\"",
         )),
+    }?;
+    Ok(with_source(events, value))
+}
+
+/// Attach the parsed producer object to the `a2a.*` events made from it.
+fn with_source(mut events: Vec<Normalized>, value: Value) -> Vec<Normalized> {
+    if !events
+        .iter()
+        .any(|n| n.envelope.event_type.starts_with("a2a."))
+    {
+        return events;
     }
+    if let Value::Object(map) = value {
+        let shared = std::sync::Arc::new(map);
+        for n in &mut events {
+            if n.envelope.event_type.starts_with("a2a.") {
+                n.source = Some(shared.clone());
+            }
+        }
+    }
+    events
 }
 
 /// AG-UI event types are SCREAMING_SNAKE_CASE (`RUN_STARTED`, `TEXT_MESSAGE_CONTENT`).

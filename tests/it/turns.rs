@@ -121,14 +121,21 @@ struct Bed {
     nats: TestNats,
     js: jetstream::Context,
     barriers: AtomicU32,
+    /// Settings of this bed beyond `ENV`, for provisioning and every projector.
+    env: Vec<(&'static str, &'static str)>,
 }
 
 impl Bed {
     async fn start() -> Bed {
+        Bed::start_with(&[]).await
+    }
+
+    async fn start_with(env: &[(&'static str, &'static str)]) -> Bed {
         let nats = TestNats::start().await;
         let out = Command::new(BIN)
             .args(["provision", "--nats-url", &nats.url()])
             .envs(ENV)
+            .envs(env.iter().copied())
             .output()
             .expect("could not run collab-projector provision");
         assert!(
@@ -142,11 +149,13 @@ impl Bed {
             nats,
             js,
             barriers: AtomicU32::new(0),
+            env: env.to_vec(),
         }
     }
 
     fn projector(&self, extra_env: &[(&str, &str)]) -> Projector {
         let mut envs = ENV.to_vec();
+        envs.extend_from_slice(&self.env);
         envs.extend_from_slice(extra_env);
         Projector::spawn(&self.nats.url(), &RUN_ARGS, &envs)
     }
@@ -784,6 +793,41 @@ async fn crash_on_the_timeout_path(point: &str) {
     bed.settle(&["c-crash-t"]).await;
     let one = one_per_turn(&bed.responses().await, &[key("c-crash-t", "0")]);
     assert_synthesized_timeout(&one[&key("c-crash-t", "0")], send_seq, 1000);
+}
+
+/// Like [`crash_on_the_reply_path`], but the next projector starts only after the projection
+/// stream's duplicate window has passed, so a republish would no longer collapse by Msg-Id: the
+/// reload must find out from the stream whether the response was stored.
+async fn crash_on_the_reply_path_past_the_duplicate_window(point: &str) {
+    let bed = Bed::start_with(&[("COLLAB_PROJECTION__DUPLICATE_WINDOW", "2s")]).await;
+    let mut crashing = bed.projector(&[("COLLAB_TEST_CRASH_AT", point)]);
+    bed.publish(&send(
+        "c-window",
+        json!({"message": "build it", "timeoutMs": 60_000}),
+    ))
+    .await;
+    bed.publish(&reply("c-window", json!({"message": "built"})))
+        .await;
+    expect_abort(&mut crashing, point).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+
+    let _p = bed.projector(&[]);
+    bed.wait_responses(&[key("c-window", "0")]).await;
+    bed.settle(&["c-window"]).await;
+    let one = one_per_turn(&bed.responses().await, &[key("c-window", "0")]);
+    let r = &one[&key("c-window", "0")];
+    assert_eq!(r.str("message"), Some("built"), "{:#}", r.body);
+    assert!(bed.read(SUPPRESSED).await.is_empty());
+}
+
+#[tokio::test]
+async fn crash_after_publish_then_a_restart_past_the_duplicate_window_publishes_once() {
+    crash_on_the_reply_path_past_the_duplicate_window("after_publish").await;
+}
+
+#[tokio::test]
+async fn crash_after_decide_then_a_restart_past_the_duplicate_window_publishes_once() {
+    crash_on_the_reply_path_past_the_duplicate_window("after_decide").await;
 }
 
 #[tokio::test]
