@@ -64,9 +64,9 @@ fn spawn_partition(
     tokio::spawn(async move {
         // The owner of partition 0 also folds the projections into the work sessions.
         let fold = (p == 0).then(|| {
-            tokio::spawn(super::sessions::run_fold(
+            shared.sessions_rt.handle.spawn(super::sessions::run_fold(
                 shared.sessions.clone(),
-                shared.js.clone(),
+                shared.sessions_js.clone(),
                 shared.names.proj_stream.clone(),
                 cancel.clone(),
                 valid_until.clone(),

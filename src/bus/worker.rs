@@ -46,6 +46,33 @@ pub enum WorkerError {
     Interrupted { partition: u16, why: &'static str },
 }
 
+/// A single-threaded runtime on a thread of its own, stopped when dropped.
+pub struct SessionsRuntime {
+    pub handle: tokio::runtime::Handle,
+    stop: CancellationToken,
+}
+
+impl SessionsRuntime {
+    fn start() -> std::io::Result<SessionsRuntime> {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let handle = rt.handle().clone();
+        let stop = CancellationToken::new();
+        let stopped = stop.clone();
+        std::thread::Builder::new()
+            .name("collab-sessions".into())
+            .spawn(move || rt.block_on(stopped.cancelled()))?;
+        Ok(SessionsRuntime { handle, stop })
+    }
+}
+
+impl Drop for SessionsRuntime {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
 /// What the worker tells health checks and the demo.
 #[derive(Debug, Default)]
 pub struct WorkerState {
@@ -68,6 +95,11 @@ pub struct Shared {
     pub ingest: ingest::Settings,
     pub state: Arc<WorkerState>,
     pub sessions: Arc<super::sessions::SessionWriter>,
+    /// The runtime (one thread of its own) that runs the work-session fold and its committer:
+    /// its bursts of parsing and serialising never hold a thread the partitions run on.
+    pub sessions_rt: SessionsRuntime,
+    /// JetStream over the fold's own connection.
+    pub sessions_js: jetstream::Context,
     /// Test hook: fail every Nth publish attempt before it is sent (0 = never).
     pub fail_publish_every: u64,
     publish_attempts: AtomicU64,
@@ -92,14 +124,35 @@ impl Shared {
         let kv_js = jetstream::ContextBuilder::new()
             .timeout(Duration::from_secs(5))
             .build(js.client());
-        let sessions = super::sessions::SessionWriter::new(&kv_js, &names)
+        let setup = |detail: String| WorkerError::Setup {
+            partition: 0,
+            detail,
+        };
+        let sessions_rt =
+            SessionsRuntime::start().map_err(|e| setup(format!("work-session thread: {e}")))?;
+        // The fold reads the whole projection stream and writes whole sessions: over a connection
+        // of its own, so its large messages never queue in front of a partition's publishes.
+        let (_, sessions_js) = super::connect(
+            &settings.nats.url,
+            settings.nats.creds_file.as_deref(),
+            settings.consumer.publish_window,
+            "collab-projector-sessions",
+        )
+        .await
+        .map_err(|e| setup(e.to_string()))?;
+        let (writer_js, writer_names) = (sessions_js.clone(), names.clone());
+        let sessions = sessions_rt
+            .handle
+            .spawn(
+                async move { super::sessions::SessionWriter::new(&writer_js, &writer_names).await },
+            )
             .await
-            .map_err(|e| WorkerError::Setup {
-                partition: 0,
-                detail: e.to_string(),
-            })?;
+            .map_err(|e| setup(format!("work-session thread: {e}")))?
+            .map_err(|e| setup(e.to_string()))?;
         Ok(Arc::new(Shared {
             sessions: Arc::new(sessions),
+            sessions_rt,
+            sessions_js,
             kv_js,
             js,
             names,
