@@ -61,7 +61,8 @@ fn spawn_partition(
     cancel: CancellationToken,
     valid_until: Arc<AtomicI64>,
 ) -> JoinHandle<()> {
-    tokio::spawn(async move {
+    let rt = shared.partitions_rt.clone();
+    rt.spawn(async move {
         // The owner of partition 0 also folds the projections into the work sessions.
         let fold = (p == 0).then(|| {
             shared.sessions_rt.handle.spawn(super::sessions::run_fold(
@@ -125,6 +126,7 @@ pub async fn run(
     let order = probe_order(&worker_id, partitions);
     let heartbeat = format!("w.{worker_id}");
     let validity_ms = i64::try_from((ttl * 2 / 3).as_millis()).unwrap_or(i64::MAX);
+    let mut workers = 1;
     loop {
         if cancel.is_cancelled() {
             break;
@@ -132,25 +134,33 @@ pub async fn run(
         if let Err(e) = store.put(&heartbeat, worker_id.clone().into()).await {
             warn!(error = %e, "worker heartbeat failed");
         }
-        // Renew; a failed renewal means someone else owns it now: stop at once.
+        // Renew, all at once (one round trip, however many partitions are held); a failed
+        // renewal means someone else owns it now: stop at once.
         let mut lost = Vec::new();
-        for (p, h) in held.iter_mut() {
-            if cancel.is_cancelled() {
-                break;
-            }
-            let asked_at = now_ms();
-            match store
-                .update(lease_key(*p), worker_id.clone().into(), h.revision)
-                .await
-            {
-                Ok(rev) => {
-                    h.revision = rev;
-                    h.valid_until
-                        .store(asked_at + validity_ms, Ordering::Relaxed);
+        if !cancel.is_cancelled() {
+            let renewals = held.iter().map(|(p, h)| {
+                let (p, revision, store, id) = (*p, h.revision, &store, worker_id.clone());
+                async move {
+                    let asked_at = now_ms();
+                    (
+                        p,
+                        asked_at,
+                        store.update(lease_key(p), id.into(), revision).await,
+                    )
                 }
-                Err(e) => {
-                    warn!(partition = p, error = %e, "lease lost; stopping the partition");
-                    lost.push(*p);
+            });
+            for (p, asked_at, result) in futures::future::join_all(renewals).await {
+                let Some(h) = held.get_mut(&p) else { continue };
+                match result {
+                    Ok(rev) => {
+                        h.revision = rev;
+                        h.valid_until
+                            .store(asked_at + validity_ms, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        warn!(partition = p, error = %e, "lease lost; stopping the partition");
+                        lost.push(p);
+                    }
                 }
             }
         }
@@ -161,7 +171,12 @@ pub async fn run(
         for h in lost {
             let _ = h.task.await;
         }
-        let target = share(partitions, live_workers(&store).await);
+        // Listing the heartbeats is a JetStream API request, which a busy server may answer late:
+        // never let it push the next renewal past the TTL; the last count serves meanwhile.
+        if let Ok(n) = tokio::time::timeout(every / 2, live_workers(&store)).await {
+            workers = n;
+        }
+        let target = share(partitions, workers);
         // Release the excess gracefully: drain first, then free the lease.
         // All at once, so the kept leases are renewed again within the drain time of one.
         let mut excess = Vec::new();

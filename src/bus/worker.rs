@@ -46,14 +46,15 @@ pub enum WorkerError {
     Interrupted { partition: u16, why: &'static str },
 }
 
-/// A single-threaded runtime on a thread of its own, stopped when dropped.
-pub struct SessionsRuntime {
+/// A single-threaded runtime on a thread of its own, stopped when dropped: for work that must
+/// neither hold the partitions' threads nor wait for them.
+pub struct ThreadRuntime {
     pub handle: tokio::runtime::Handle,
     stop: CancellationToken,
 }
 
-impl SessionsRuntime {
-    fn start() -> std::io::Result<SessionsRuntime> {
+impl ThreadRuntime {
+    pub fn start(name: &str) -> std::io::Result<ThreadRuntime> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
@@ -61,13 +62,13 @@ impl SessionsRuntime {
         let stop = CancellationToken::new();
         let stopped = stop.clone();
         std::thread::Builder::new()
-            .name("collab-sessions".into())
+            .name(name.into())
             .spawn(move || rt.block_on(stopped.cancelled()))?;
-        Ok(SessionsRuntime { handle, stop })
+        Ok(ThreadRuntime { handle, stop })
     }
 }
 
-impl Drop for SessionsRuntime {
+impl Drop for ThreadRuntime {
     fn drop(&mut self) {
         self.stop.cancel();
     }
@@ -97,7 +98,10 @@ pub struct Shared {
     pub sessions: Arc<super::sessions::SessionWriter>,
     /// The runtime (one thread of its own) that runs the work-session fold and its committer:
     /// its bursts of parsing and serialising never hold a thread the partitions run on.
-    pub sessions_rt: SessionsRuntime,
+    pub sessions_rt: ThreadRuntime,
+    /// The runtime the partitions run on (the lease loop, on a runtime of its own, spawns them
+    /// here).
+    pub partitions_rt: tokio::runtime::Handle,
     /// JetStream over the fold's own connection.
     pub sessions_js: jetstream::Context,
     /// Test hook: fail every Nth publish attempt before it is sent (0 = never).
@@ -128,8 +132,8 @@ impl Shared {
             partition: 0,
             detail,
         };
-        let sessions_rt =
-            SessionsRuntime::start().map_err(|e| setup(format!("work-session thread: {e}")))?;
+        let sessions_rt = ThreadRuntime::start("collab-sessions")
+            .map_err(|e| setup(format!("work-session thread: {e}")))?;
         // The fold reads the whole projection stream and writes whole sessions: over a connection
         // of its own, so its large messages never queue in front of a partition's publishes.
         let (_, sessions_js) = super::connect(
@@ -153,6 +157,7 @@ impl Shared {
             sessions: Arc::new(sessions),
             sessions_rt,
             sessions_js,
+            partitions_rt: tokio::runtime::Handle::current(),
             kv_js,
             js,
             names,
