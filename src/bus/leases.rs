@@ -85,11 +85,9 @@ fn spawn_partition(
                 }
                 Err(e) => {
                     error!(error = %e, "partition failed; restarting");
-                    tokio::select! {
-                        _ = tokio::time::sleep(backoff) => {}
-                        _ = cancel.cancelled() => break,
+                    if !super::back_off(&mut backoff, &cancel).await {
+                        break;
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
                 }
             }
         }

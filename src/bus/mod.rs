@@ -22,6 +22,20 @@ pub enum ConnectError {
     NoJetStream { url: String, detail: String },
 }
 
+/// Wait `backoff` before a restart, then double it (up to 5 s). `false` when `cancel` fires
+/// first: stop instead of restarting.
+pub(crate) async fn back_off(
+    backoff: &mut Duration,
+    cancel: &tokio_util::sync::CancellationToken,
+) -> bool {
+    let waited = tokio::select! {
+        _ = tokio::time::sleep(*backoff) => true,
+        _ = cancel.cancelled() => false,
+    };
+    *backoff = (*backoff * 2).min(Duration::from_secs(5));
+    waited
+}
+
 /// Parse "2.15.1" (or "2.12.0-RC.1") into a comparable triple.
 pub fn parse_version(v: &str) -> Option<(u64, u64, u64)> {
     let core = v.trim().trim_start_matches('v');

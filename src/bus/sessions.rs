@@ -587,11 +587,9 @@ pub async fn run_fold(
             Ok(()) => break,
             Err(e) => {
                 warn!(error = %e, "work-session fold failed; restarting from its checkpoint");
-                tokio::select! {
-                    _ = tokio::time::sleep(backoff) => {}
-                    _ = cancel.cancelled() => break,
+                if !super::back_off(&mut backoff, &cancel).await {
+                    break;
                 }
-                backoff = (backoff * 2).min(Duration::from_secs(5));
             }
         }
     }
