@@ -226,6 +226,7 @@ fn status_json(state: Option<&worker::WorkerState>) -> serde_json::Value {
             "projected": w.projected.load(Relaxed),
             "deadLettered": w.dead_lettered.load(Relaxed),
             "publishRetries": w.publish_retries.load(Relaxed),
+            "openTurns": w.open_turns.load(Relaxed),
         }),
         None => serde_json::json!({"workers": false}),
     }

@@ -172,6 +172,22 @@ pub struct PartitionTurns {
     published_through: std::sync::Arc<std::sync::atomic::AtomicU64>,
     /// KV revision of the checkpoint key when the partition read or wrote it.
     checkpoint_revision: u64,
+    /// The worker's open turns over all its partitions, and this partition's share of it as last
+    /// reported: the gauge is set from these, so a stopped partition takes its turns with it.
+    open_total: std::sync::Arc<super::worker::WorkerState>,
+    reported_open: usize,
+}
+
+impl Drop for PartitionTurns {
+    fn drop(&mut self) {
+        let mine = i64::try_from(self.reported_open).unwrap_or(i64::MAX);
+        let total = self
+            .open_total
+            .open_turns
+            .fetch_sub(mine, std::sync::atomic::Ordering::Relaxed)
+            - mine;
+        metrics::gauge!(telemetry::OPEN_TURNS).set(total as f64);
+    }
 }
 
 impl PartitionTurns {
@@ -199,11 +215,30 @@ impl PartitionTurns {
             recent_order: VecDeque::new(),
             published_through: Default::default(),
             checkpoint_revision: 0,
+            open_total: shared.state.clone(),
+            reported_open: 0,
         })
     }
 
     pub fn open_turns(&self) -> usize {
         self.open.len()
+    }
+
+    /// Set the open-turns gauge from state: this partition's count replaces what it reported.
+    fn report_open(&mut self) {
+        let now = self.open.len();
+        if now == self.reported_open {
+            return;
+        }
+        let delta = i64::try_from(now).unwrap_or(i64::MAX)
+            - i64::try_from(self.reported_open).unwrap_or(i64::MAX);
+        let total = self
+            .open_total
+            .open_turns
+            .fetch_add(delta, std::sync::atomic::Ordering::Relaxed)
+            + delta;
+        self.reported_open = now;
+        metrics::gauge!(telemetry::OPEN_TURNS).set(total as f64);
     }
 
     /// The partition's published checkpoint, for the acker: it starts from what the reload read
@@ -349,7 +384,7 @@ impl PartitionTurns {
             .fetch_max(highest, std::sync::atomic::Ordering::Relaxed);
         checkpoint.maybe_write(true).await?;
         self.checkpoint_revision = checkpoint.revision;
-        metrics::gauge!(telemetry::OPEN_TURNS).increment(self.open.len() as f64);
+        self.report_open();
         Ok(loaded)
     }
 
@@ -464,14 +499,12 @@ impl PartitionTurns {
 
     fn remember(&mut self, key: &str, rec: &TurnRecord, rev: Rev) {
         if rec.state == TurnState::Open {
-            if !self.open.contains(key) {
-                metrics::gauge!(telemetry::OPEN_TURNS).increment(1.0);
-            }
             self.open.open(key, rec.deadline_ms, rev, Some(rec.clone()));
+            self.report_open();
             return;
         }
         if self.open.close(key) {
-            metrics::gauge!(telemetry::OPEN_TURNS).decrement(1.0);
+            self.report_open();
         }
         if self.recent.insert(key.to_string(), rec.clone()).is_none() {
             self.recent_order.push_back(key.to_string());
@@ -565,7 +598,7 @@ impl PartitionTurns {
             let Some((rec, rev)) = self.open_record(&key).await? else {
                 // The record is gone (expired from the bucket): nothing left to decide.
                 if self.open.close(&key) {
-                    metrics::gauge!(telemetry::OPEN_TURNS).decrement(1.0);
+                    self.report_open();
                 }
                 continue;
             };

@@ -83,6 +83,8 @@ pub struct WorkerState {
     pub projected: AtomicU64,
     pub dead_lettered: AtomicU64,
     pub publish_retries: AtomicU64,
+    /// Open turns over the partitions this worker runs (each partition adds its own count).
+    pub open_turns: AtomicI64,
 }
 
 /// Everything the partition tasks share.

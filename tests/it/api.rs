@@ -1533,3 +1533,37 @@ async fn raw_events_come_back_through_the_api_and_sessions_survive_a_restart() {
     cancel.cancel();
     running.wait().await;
 }
+
+#[tokio::test]
+async fn open_turns_are_counted_from_state_and_leave_with_their_partitions() {
+    use std::sync::atomic::Ordering::Relaxed;
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let s = settings(&nats.url());
+    let (running, cancel) = start_worker(&s).await;
+    let state = running.worker.as_ref().expect("a worker").state.clone();
+    for (i, conv) in ["conv-a", "conv-b", "conv-c"].into_iter().enumerate() {
+        let (subject, body) = collab_event(
+            i64::try_from(i).unwrap_or(0),
+            "a2a.send",
+            "ruda",
+            "eden",
+            conv,
+            json!({"message": "still thinking", "timeoutMs": 3_600_000}),
+        );
+        publish(&js, &subject, body).await;
+    }
+    drained(&js).await;
+    wait_until(GUARD, "the worker counts three open turns", || {
+        let n = state.open_turns.load(Relaxed);
+        async move { n == 3 }
+    })
+    .await;
+    cancel.cancel();
+    running.wait().await;
+    assert_eq!(
+        state.open_turns.load(Relaxed),
+        0,
+        "stopped partitions take their open turns with them"
+    );
+}
