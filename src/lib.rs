@@ -11,7 +11,7 @@
 //! - [`classify`]: the `eventRole` rules.
 //! - [`facets`]: owner / scope / phase / surface derived from the event class.
 //! - [`pipeline`]: a raw message to the messages to publish (projections or a dead letter).
-//! - [`bus`]: NATS: connect, provision, the partition workers.
+//! - [`bus`]: NATS: connect, provision, the partition workers, leases, the work-session fold.
 //! - [`app`]: the `run` command: workers, HTTP, signals.
 //! - [`ops`]: operator commands: `audit`, `dlq replay`.
 //! - [`http`]: health, readiness and metrics endpoints.
@@ -24,6 +24,18 @@
 //! - [`bench`]: the `bench` command: throughput, latency and turn-book scale against nats-server.
 //! - [`turns`]: the turn contract: the pure state machine, the deadline set, blocked outcomes.
 //! - [`telemetry`]: logging and metric names.
+
+//!
+//! # The hot path and its state
+//!
+//! A partition's reader normalises each raw message once, classifies it, runs the turn rules and
+//! issues its publishes and turn-record writes without waiting; its acker awaits them in order
+//! and acknowledges the inputs. The only state written on that path is the turn fence in
+//! `collab_turns`: an open record per turn and its decision (chained on the open write when that
+//! is still in flight). Whether a decision's response is stored is one published checkpoint per
+//! partition per second (`ck.p<N>`), not a write per turn. Work sessions are a fold over the
+//! projection stream on a thread and a connection of their own; leases are renewed from another.
+//! docs/reliability.md says why each guarantee still holds.
 
 pub mod api;
 pub mod app;
