@@ -186,6 +186,44 @@ mod tests {
         }
     }
 
+    /// The phase facet and the turn contract read one failure table: every row that blocks a
+    /// turn also marks the response `failed`, and a plain reply is `completed`.
+    #[test]
+    fn the_phase_facet_follows_the_turn_failure_table() {
+        let names = crate::config::Settings::default().names();
+        let rows = [
+            (r#"{"waitStatus":"timeout"}"#, "failed"),
+            (r#"{"notFound":true}"#, "failed"),
+            (r#"{"errorCode":"not_found"}"#, "failed"),
+            (r#"{"status":"NOT_FOUND"}"#, "failed"),
+            (r#"{"error":{"code":"not_found"}}"#, "failed"),
+            (r#"{"outcome":"no_reply"}"#, "failed"),
+            (r#"{"message":"done"}"#, "completed"),
+        ];
+        for (extra, phase) in rows {
+            let mut data =
+                serde_json::json!({"fromAgent": "eden", "toAgent": "ruda", "conversationId": "c1"});
+            if let (Some(d), Ok(serde_json::Value::Object(e))) =
+                (data.as_object_mut(), serde_json::from_str(extra))
+            {
+                d.extend(e);
+            }
+            let body = serde_json::json!({"type": "a2a.response", "agentId": "eden", "data": data})
+                .to_string();
+            let events = normalize_raw(
+                &raw(body.as_bytes(), "collab.in.1.c1.a2a.response"),
+                &names,
+                &settings(),
+                0,
+            );
+            let env = events
+                .ok()
+                .and_then(|e| e.into_iter().next())
+                .map(|n| n.envelope);
+            assert_eq!(env.and_then(|e| e.phase).as_deref(), Some(phase), "{body}");
+        }
+    }
+
     #[test]
     fn producer_subject_is_recovered() {
         assert_eq!(

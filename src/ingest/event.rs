@@ -57,17 +57,10 @@ pub fn parse_timestamp(v: &Value) -> Option<String> {
     Some(dt.to_rfc3339_opts(SecondsFormat::Millis, true))
 }
 
-/// Whether an event carries an upstream failure signal (for the phase facet).
+/// Whether an event carries an upstream failure signal (for the phase facet): any row of the
+/// contract's failure table, the same table the turn contract decides blocked outcomes with.
 pub fn carries_failure(fields: &Fields<'_>, event_type: &str) -> bool {
-    if event_type == "a2a.error" {
-        return true;
-    }
-    let ws = fields.str("waitStatus");
-    let outcome = fields.str("outcome");
-    matches!(ws, Some("timeout" | "error" | "not_found"))
-        || matches!(outcome, Some("no_reply" | "blocked" | "failed"))
-        || fields.get("error").is_some()
-        || fields.get("notFound").and_then(Value::as_bool) == Some(true)
+    crate::turns::failure_signal(fields, event_type).is_some()
 }
 
 /// The conversation key of an event, if it has one.
