@@ -171,6 +171,15 @@ pub async fn start(
     } else {
         None
     };
+    // Registered before HTTP reports it is listening: once the process says it is up, `nats micro`
+    // and `$SRV.PING` find it.
+    let service = start_service(
+        &client,
+        shared.as_ref().map(|s| s.state.clone()),
+        &tracker,
+        cancel.clone(),
+    )
+    .await;
     let mut http_addr = None;
     if let Some(listener) = listener.take() {
         let addr = listener.local_addr().ok();
@@ -198,13 +207,6 @@ pub async fn start(
             info!(addr = %a, "HTTP listening");
         }
     }
-    let service = start_service(
-        &client,
-        shared.as_ref().map(|s| s.state.clone()),
-        &tracker,
-        cancel.clone(),
-    )
-    .await;
     Ok(Running {
         _service: service,
         client,
