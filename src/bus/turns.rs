@@ -104,6 +104,18 @@ impl Checkpoint {
         if through <= self.written || (!force && self.last_write.elapsed() < CHECKPOINT_EVERY) {
             return Ok(());
         }
+        self.write(through).await
+    }
+
+    /// Write the checkpoint whether or not it moved: a new owner claims it before deciding
+    /// anything, so a previous owner's late write (a paused process whose lease lapsed) fails its
+    /// compare-and-set instead of vouching for this owner's decisions.
+    pub async fn claim(&mut self) -> Result<(), TurnIoError> {
+        let through = self.through.load(std::sync::atomic::Ordering::Relaxed);
+        self.write(through).await
+    }
+
+    async fn write(&mut self, through: u64) -> Result<(), TurnIoError> {
         let value =
             serde_json::to_vec(&CheckpointValue { through }).map_err(|e| TurnIoError::Kv {
                 key: self.key.clone(),
@@ -382,7 +394,7 @@ impl PartitionTurns {
         checkpoint
             .through
             .fetch_max(highest, std::sync::atomic::Ordering::Relaxed);
-        checkpoint.maybe_write(true).await?;
+        checkpoint.claim().await?;
         self.checkpoint_revision = checkpoint.revision;
         self.report_open();
         Ok(loaded)
