@@ -121,27 +121,21 @@ impl Checkpoint {
                 key: self.key.clone(),
                 detail: e.to_string(),
             })?;
-        let result = if self.revision == 0 {
-            self.store
-                .create(&self.key, Bytes::from(value))
-                .await
-                .map_err(|e| e.to_string())
-        } else {
-            self.store
-                .update(&self.key, Bytes::from(value), self.revision)
-                .await
-                .map_err(|e| e.to_string())
-        };
-        match result {
+        // Revision 0 asks for an absent key; a deleted one answers with its delete's revision.
+        match self
+            .store
+            .update(&self.key, Bytes::from(value), self.revision)
+            .await
+        {
             Ok(rev) => {
                 self.revision = rev;
                 self.written = through;
                 self.last_write = tokio::time::Instant::now();
                 Ok(())
             }
-            Err(detail) => Err(TurnIoError::Conflict {
+            Err(e) => Err(TurnIoError::Conflict {
                 key: self.key.clone(),
-                detail,
+                detail: e.to_string(),
             }),
         }
     }
@@ -179,11 +173,9 @@ pub struct PartitionTurns {
     open: OpenTurns<Rev>,
     recent: HashMap<String, TurnRecord>,
     recent_order: VecDeque<String>,
-    /// Decided records at or below this revision have their responses stored (the published
-    /// checkpoint, raised by the acker as responses are stored).
+    /// Decided records at or below this revision have their responses stored: the published
+    /// checkpoint's `through`, shared with the [`Checkpoint`] the acker raises.
     published_through: std::sync::Arc<std::sync::atomic::AtomicU64>,
-    /// KV revision of the checkpoint key when the partition read or wrote it.
-    checkpoint_revision: u64,
     /// The worker's open turns over all its partitions, and this partition's share of it as last
     /// reported: the gauge is set from these, so a stopped partition takes its turns with it.
     open_total: std::sync::Arc<super::worker::WorkerState>,
@@ -192,13 +184,7 @@ pub struct PartitionTurns {
 
 impl Drop for PartitionTurns {
     fn drop(&mut self) {
-        let mine = i64::try_from(self.reported_open).unwrap_or(i64::MAX);
-        let total = self
-            .open_total
-            .open_turns
-            .fetch_sub(mine, std::sync::atomic::Ordering::Relaxed)
-            - mine;
-        metrics::gauge!(telemetry::OPEN_TURNS).set(total as f64);
+        self.report_open_as(0);
     }
 }
 
@@ -226,7 +212,6 @@ impl PartitionTurns {
             recent: HashMap::new(),
             recent_order: VecDeque::new(),
             published_through: Default::default(),
-            checkpoint_revision: 0,
             open_total: shared.state.clone(),
             reported_open: 0,
         })
@@ -238,7 +223,10 @@ impl PartitionTurns {
 
     /// Set the open-turns gauge from state: this partition's count replaces what it reported.
     fn report_open(&mut self) {
-        let now = self.open.len();
+        self.report_open_as(self.open.len());
+    }
+
+    fn report_open_as(&mut self, now: usize) {
         if now == self.reported_open {
             return;
         }
@@ -253,35 +241,22 @@ impl PartitionTurns {
         metrics::gauge!(telemetry::OPEN_TURNS).set(total as f64);
     }
 
-    /// The partition's published checkpoint, for the acker: it starts from what the reload read
-    /// or wrote.
-    pub fn checkpoint(&self, _shared: &Shared) -> Checkpoint {
-        Checkpoint {
-            store: self.store.clone(),
-            key: checkpoint_key(self.partition),
-            revision: self.checkpoint_revision,
-            written: self
-                .published_through
-                .load(std::sync::atomic::Ordering::Relaxed),
-            through: self.published_through.clone(),
-            last_write: tokio::time::Instant::now(),
-        }
+    /// The latest entry of `key`, waiting at most 10 s.
+    async fn entry(&self, key: &str) -> Result<Option<kv::Entry>, TurnIoError> {
+        let kv_err = |detail: String| TurnIoError::Kv {
+            key: key.to_string(),
+            detail,
+        };
+        tokio::time::timeout(Duration::from_secs(10), self.store.entry(key))
+            .await
+            .map_err(|_| kv_err("no answer within 10 s".into()))?
+            .map_err(|e| kv_err(e.to_string()))
     }
 
-    /// The checkpoint's value and KV revision (0 and 0 when absent).
-    async fn read_checkpoint(&self) -> Result<(u64, u64), TurnIoError> {
+    /// The partition's published checkpoint as stored, ready for this owner to claim.
+    async fn read_checkpoint(&self) -> Result<Checkpoint, TurnIoError> {
         let key = checkpoint_key(self.partition);
-        let entry = tokio::time::timeout(Duration::from_secs(10), self.store.entry(key.clone()))
-            .await
-            .map_err(|_| TurnIoError::Kv {
-                key: key.clone(),
-                detail: "no answer within 10 s".into(),
-            })?
-            .map_err(|e| TurnIoError::Kv {
-                key: key.clone(),
-                detail: e.to_string(),
-            })?;
-        Ok(match entry {
+        let (through, revision) = match self.entry(&key).await? {
             Some(e) if e.operation == kv::Operation::Put => {
                 let through = serde_json::from_slice::<CheckpointValue>(&e.value)
                     .map(|c| c.through)
@@ -290,6 +265,16 @@ impl PartitionTurns {
             }
             Some(e) => (0, e.revision),
             None => (0, 0),
+        };
+        self.published_through
+            .store(through, std::sync::atomic::Ordering::Relaxed);
+        Ok(Checkpoint {
+            store: self.store.clone(),
+            key,
+            revision,
+            written: through,
+            through: self.published_through.clone(),
+            last_write: tokio::time::Instant::now(),
         })
     }
 
@@ -299,12 +284,13 @@ impl PartitionTurns {
     }
 
     /// Load this partition's records: arm open deadlines, and publish any decided response whose
-    /// publication a crash interrupted.
+    /// publication a crash interrupted. Returns the records loaded and the published checkpoint,
+    /// claimed by this owner, for the acker to raise.
     pub async fn reload(
         &mut self,
         shared: &Shared,
         cancel: &CancellationToken,
-    ) -> Result<usize, TurnIoError> {
+    ) -> Result<(usize, Checkpoint), TurnIoError> {
         // An ordered consumer over the partition's keys, last value of each: its pending count
         // says exactly how many records to expect, so a slow server delays the reload instead of
         // cutting it short, and a stall is an error (the partition restarts).
@@ -328,7 +314,8 @@ impl PartitionTurns {
             .await
             .map_err(|e| kv_err(e.to_string()))?
             .num_pending;
-        let (through, checkpoint_revision) = self.read_checkpoint().await?;
+        let mut checkpoint = self.read_checkpoint().await?;
+        let through = checkpoint.written;
         let mut unpublished = Vec::new();
         let mut loaded = 0;
         let mut highest = through;
@@ -387,17 +374,12 @@ impl PartitionTurns {
                 .await?;
         }
         // Every decided record read is now published: move the checkpoint past them all.
-        self.published_through
-            .store(through, std::sync::atomic::Ordering::Relaxed);
-        self.checkpoint_revision = checkpoint_revision;
-        let mut checkpoint = self.checkpoint(shared);
         checkpoint
             .through
             .fetch_max(highest, std::sync::atomic::Ordering::Relaxed);
         checkpoint.claim().await?;
-        self.checkpoint_revision = checkpoint.revision;
         self.report_open();
-        Ok(loaded)
+        Ok((loaded, checkpoint))
     }
 
     /// The record of `key` as this owner knows it, with its revision resolved when it is open
@@ -441,14 +423,7 @@ impl PartitionTurns {
 
     /// A record and its revision, read from KV.
     async fn read(&self, key: &str) -> Result<Option<(TurnRecord, u64)>, TurnIoError> {
-        let kv_err = |detail: String| TurnIoError::Kv {
-            key: key.to_string(),
-            detail,
-        };
-        let entry = tokio::time::timeout(Duration::from_secs(10), self.store.entry(key))
-            .await
-            .map_err(|_| kv_err("no answer within 10 s".into()))?
-            .map_err(|e| kv_err(e.to_string()))?;
+        let entry = self.entry(key).await?;
         let through = self
             .published_through
             .load(std::sync::atomic::Ordering::Relaxed);
@@ -742,21 +717,19 @@ impl PartitionTurns {
             .to_std()
             .unwrap_or_default();
         let window = shared.settings.projection.duplicate_window;
-        if age + DUPLICATE_WINDOW_MARGIN >= window
+        let stored = age + DUPLICATE_WINDOW_MARGIN >= window
             && response_stored(shared, &out, written_at)
                 .await
                 .map_err(|detail| TurnIoError::Kv {
                     key: key.to_string(),
                     detail,
-                })?
-        {
-            self.remember(key, &turns::published(rec), Rev::Known(0));
-            return Ok(());
+                })?;
+        if !stored {
+            if !shared.publish_in_place(&out, &[], cancel).await {
+                return Err(TurnIoError::Cancelled(key.to_string()));
+            }
+            shared.count_projection(Role::ConversationMain);
         }
-        if !shared.publish_in_place(&out, &[], cancel).await {
-            return Err(TurnIoError::Cancelled(key.to_string()));
-        }
-        shared.count_projection(Role::ConversationMain);
         self.remember(key, &turns::published(rec), Rev::Known(0));
         Ok(())
     }

@@ -288,7 +288,7 @@ pub async fn run_partition(
     let mut turns = PartitionTurns::new(&shared, p)
         .await
         .map_err(|e| setup(e.to_string()))?;
-    let loaded = turns
+    let (loaded, checkpoint) = turns
         .reload(&shared, &cancel)
         .await
         .map_err(|e| setup(e.to_string()))?;
@@ -304,7 +304,7 @@ pub async fn run_partition(
         shared.clone(),
         p,
         rx,
-        turns.checkpoint(&shared),
+        checkpoint,
         cancel.clone(),
         broken.clone(),
     ));
