@@ -58,8 +58,6 @@ pub struct Running {
     pub worker: Option<Arc<worker::Shared>>,
     pub http_addr: Option<std::net::SocketAddr>,
     tracker: TaskTracker,
-    /// The lease loop's thread, stopped once everything has drained.
-    _leases_rt: Option<worker::ThreadRuntime>,
 }
 
 impl Running {
@@ -120,42 +118,17 @@ pub async fn start(
     }
     let tracker = TaskTracker::new();
     let partitions = settings.nats.partitions;
-    let mut lease_runtime = None;
     let shared = if opts.workers {
         let shared = worker::Shared::new(js.clone(), settings.clone()).await?;
         let names = settings.names();
-        // Leases are renewed from a thread and over a connection of their own, so neither busy
-        // partitions (a large reload, a burst of publishes) nor their queued writes delay a
-        // renewal.
-        let leases_rt = worker::ThreadRuntime::start("collab-leases").map_err(|e| {
-            worker::WorkerError::Setup {
-                partition: 0,
-                detail: format!("lease thread: {e}"),
-            }
-        })?;
-        let (url, creds, window, bucket) = (
-            settings.nats.url.clone(),
-            settings.nats.creds_file.clone(),
-            settings.consumer.publish_window,
-            names.leases_bucket.clone(),
-        );
-        let store = leases_rt
-            .handle
-            .spawn(async move {
-                let (_, lease_js) =
-                    bus::connect(&url, creds.as_deref(), window, "collab-projector-leases").await?;
-                lease_js.get_key_value(&bucket).await.map_err(|e| {
-                    AppError::from(worker::WorkerError::Setup {
-                        partition: 0,
-                        detail: format!("leases bucket {bucket}: {e}"),
-                    })
-                })
-            })
+        let store = shared
+            .leases_js
+            .get_key_value(&names.leases_bucket)
             .await
             .map_err(|e| worker::WorkerError::Setup {
                 partition: 0,
-                detail: format!("lease thread: {e}"),
-            })??;
+                detail: format!("leases bucket {}: {e}", names.leases_bucket),
+            })?;
         let id = settings
             .workers
             .id
@@ -164,9 +137,8 @@ pub async fn start(
         info!(worker = %id, partitions, "worker started; taking its share of the partitions");
         tracker.spawn_on(
             leases::run(shared.clone(), store, id, cancel.clone()),
-            &leases_rt.handle,
+            &shared.leases_rt.handle,
         );
-        lease_runtime = Some(leases_rt);
         Some(shared)
     } else {
         None
@@ -214,7 +186,6 @@ pub async fn start(
         worker: shared,
         http_addr,
         tracker,
-        _leases_rt: lease_runtime,
     })
 }
 

@@ -66,6 +66,32 @@ impl ThreadRuntime {
             .spawn(move || rt.block_on(stopped.cancelled()))?;
         Ok(ThreadRuntime { handle, stop })
     }
+
+    /// A NATS connection of its own whose I/O runs on this thread, so a busy partition runtime
+    /// never delays what this thread sends or receives.
+    pub async fn connect(
+        &self,
+        settings: &Settings,
+        name: &'static str,
+    ) -> Result<jetstream::Context, super::ConnectError> {
+        let (url, creds, window) = (
+            settings.nats.url.clone(),
+            settings.nats.creds_file.clone(),
+            settings.consumer.publish_window,
+        );
+        let failed = |detail: String| super::ConnectError::Connect {
+            url: settings.nats.url.clone(),
+            detail,
+        };
+        self.handle
+            .spawn(async move {
+                super::connect(&url, creds.as_deref(), window, name)
+                    .await
+                    .map(|(_, js)| js)
+            })
+            .await
+            .map_err(|e| failed(format!("connection thread: {e}")))?
+    }
 }
 
 impl Drop for ThreadRuntime {
@@ -98,14 +124,17 @@ pub struct Shared {
     pub ingest: ingest::Settings,
     pub state: Arc<WorkerState>,
     pub sessions: Arc<super::sessions::SessionWriter>,
-    /// The runtime (one thread of its own) that runs the work-session fold and its committer:
-    /// its bursts of parsing and serialising never hold a thread the partitions run on.
+    /// The thread that runs the work-session fold and its committer, and JetStream over its own
+    /// connection: the fold's bursts of parsing and serialising never hold a thread the
+    /// partitions run on, and its large session writes never queue in front of their publishes.
     pub sessions_rt: ThreadRuntime,
-    /// The runtime the partitions run on (the lease loop, on a runtime of its own, spawns them
-    /// here).
-    pub partitions_rt: tokio::runtime::Handle,
-    /// JetStream over the fold's own connection.
     pub sessions_js: jetstream::Context,
+    /// The thread that renews the leases, and JetStream over its own connection: neither busy
+    /// partitions (a large reload, a burst of publishes) nor their queued writes delay a renewal.
+    pub leases_rt: ThreadRuntime,
+    pub leases_js: jetstream::Context,
+    /// The runtime the partitions run on (the lease loop spawns them here).
+    pub partitions_rt: tokio::runtime::Handle,
     /// Test hook: fail every Nth publish attempt before it is sent (0 = never).
     pub fail_publish_every: u64,
     publish_attempts: AtomicU64,
@@ -134,18 +163,19 @@ impl Shared {
             partition: 0,
             detail,
         };
-        let sessions_rt = ThreadRuntime::start("collab-sessions")
-            .map_err(|e| setup(format!("work-session thread: {e}")))?;
-        // The fold reads the whole projection stream and writes whole sessions: over a connection
-        // of its own, so its large messages never queue in front of a partition's publishes.
-        let (_, sessions_js) = super::connect(
-            &settings.nats.url,
-            settings.nats.creds_file.as_deref(),
-            settings.consumer.publish_window,
-            "collab-projector-sessions",
-        )
-        .await
-        .map_err(|e| setup(e.to_string()))?;
+        let thread = |name: &str| {
+            ThreadRuntime::start(name).map_err(|e| setup(format!("thread {name}: {e}")))
+        };
+        let sessions_rt = thread("collab-sessions")?;
+        let sessions_js = sessions_rt
+            .connect(&settings, "collab-projector-sessions")
+            .await
+            .map_err(|e| setup(e.to_string()))?;
+        let leases_rt = thread("collab-leases")?;
+        let leases_js = leases_rt
+            .connect(&settings, "collab-projector-leases")
+            .await
+            .map_err(|e| setup(e.to_string()))?;
         let (writer_js, writer_names) = (sessions_js.clone(), names.clone());
         let sessions = sessions_rt
             .handle
@@ -159,6 +189,8 @@ impl Shared {
             sessions: Arc::new(sessions),
             sessions_rt,
             sessions_js,
+            leases_rt,
+            leases_js,
             partitions_rt: tokio::runtime::Handle::current(),
             kv_js,
             js,
