@@ -24,7 +24,6 @@
 //! - [`bench`]: the `bench` command: throughput, latency and turn-book scale against nats-server.
 //! - [`turns`]: the turn contract: the pure state machine, the deadline set, blocked outcomes.
 //! - [`telemetry`]: logging and metric names.
-
 //!
 //! # The hot path and its state
 //!

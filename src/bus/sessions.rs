@@ -2,8 +2,9 @@
 //!
 //! [`run_fold`] reads the projection stream in order (off the projection path: no partition waits
 //! for it) and hands each round to [`SessionWriter::commit`]. One committer task per worker takes
-//! every group that arrived while the previous round was being written, merges them by session, applies each session's events with [`crate::sessions::apply_mut`] and writes each
-//! session once, with compare-and-set, all sessions of a round concurrently. A hot session that
+//! every group that arrived while the previous round was being written, merges them by session,
+//! applies each session's events with [`crate::sessions::apply_mut`] and writes each session
+//! once, with compare-and-set, all sessions of a round concurrently. A hot session that
 //! every partition touches therefore costs one write per round, not one per group. The committer
 //! keeps the sessions it wrote, decoded, with their revision, and re-reads one only on a revision
 //! conflict (another worker wrote it). Applying is idempotent, so a redelivered group, or a
@@ -102,7 +103,7 @@ struct Request {
 }
 
 pub struct SessionWriter {
-    pub(crate) kv: kv::Store,
+    kv: kv::Store,
     aliases: Mutex<HashMap<String, String>>,
     commits: mpsc::Sender<Request>,
 }
@@ -521,22 +522,16 @@ async fn fold_start(kv: &kv::Store, proj: &mut jetstream::stream::Stream) -> Res
             .map(|s| s + 1)
             .map_err(|_| format!("checkpoint {FOLD_KEY} is not a sequence: {text:?}"));
     }
-    let mut bucket = kv.stream.clone();
-    let held = bucket
-        .info()
-        .await
-        .map_err(|e| e.to_string())?
-        .state
-        .messages;
-    if held == 0 {
+    async fn state(s: &mut jetstream::stream::Stream) -> Result<jetstream::stream::State, String> {
+        s.info()
+            .await
+            .map(|i| i.state.clone())
+            .map_err(|e| e.to_string())
+    }
+    if state(&mut kv.stream.clone()).await?.messages == 0 {
         return Ok(1);
     }
-    let last = proj
-        .info()
-        .await
-        .map_err(|e| e.to_string())?
-        .state
-        .last_sequence;
+    let last = state(proj).await?.last_sequence;
     warn!(
         from = last + 1,
         "work sessions exist but the fold has no checkpoint: folding new projections only"

@@ -132,20 +132,13 @@ pub fn normalize(input: &RawInput<'_>, settings: &Settings) -> Result<Vec<Normal
     Ok(with_source(events, value))
 }
 
-/// Attach the parsed producer object to the `a2a.*` events made from it.
+/// Attach the parsed producer object to the events that carry a conversation (the `a2a.*` ones
+/// the turn contract reads facts from). Moving the object costs nothing when none does.
 fn with_source(mut events: Vec<Normalized>, value: Value) -> Vec<Normalized> {
-    if !events
-        .iter()
-        .any(|n| n.envelope.event_type.starts_with("a2a."))
-    {
-        return events;
-    }
     if let Value::Object(map) = value {
         let shared = std::sync::Arc::new(map);
-        for n in &mut events {
-            if n.envelope.event_type.starts_with("a2a.") {
-                n.source = Some(shared.clone());
-            }
+        for n in events.iter_mut().filter(|n| n.conversation_id.is_some()) {
+            n.source = Some(shared.clone());
         }
     }
     events
