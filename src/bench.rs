@@ -261,7 +261,7 @@ pub struct ThroughputResult {
 
 impl ThroughputResult {
     /// Fill the per-input figures from the totals.
-    fn derive(mut self) -> ThroughputResult {
+    fn derive_per_input(&mut self) {
         let inputs = self.inputs.max(1) as f64;
         let per_input = |cores: Option<f64>| cores.map(|c| c * self.seconds * 1e6 / inputs);
         self.server_us_per_input = per_input(self.server_cpu_cores);
@@ -275,7 +275,6 @@ impl ThroughputResult {
             .iter()
             .any(Option::is_some)
             .then(|| writes.iter().flatten().sum::<u64>() as f64 / inputs);
-        self
     }
 }
 
@@ -1919,7 +1918,7 @@ async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
                 &opts,
                 &format!("1 baseline passthrough: {:.0} msg/s", r.msg_per_s),
             );
-            report.throughput.push(r.derive());
+            report.throughput.push(r);
         }
     }
     let pipelines = [
@@ -1951,7 +1950,7 @@ async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
         env.close().await;
         if let Some(r) = stalled(r, &format!("{id} {name}"), &mut report.notes)? {
             say(&opts, &format!("{id} {name}: {:.0} msg/s", r.msg_per_s));
-            report.throughput.push(r.derive());
+            report.throughput.push(r);
         }
     }
     if want(Part::Naive) {
@@ -1961,7 +1960,7 @@ async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
         env.close().await;
         if let Some(r) = stalled(r, "4 naive", &mut report.notes)? {
             say(&opts, &format!("4 naive: {:.0} msg/s", r.msg_per_s));
-            report.throughput.push(r.derive());
+            report.throughput.push(r);
         }
     }
     if want(Part::Latency) {
@@ -2015,7 +2014,7 @@ async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
             env.close().await;
             if let Some(r) = stalled(r, &format!("{id} {name}"), &mut report.notes)? {
                 say(&opts, &format!("{id} {name}: {:.0} msg/s", r.msg_per_s));
-                report.throughput.push(r.derive());
+                report.throughput.push(r);
             }
         }
     }
@@ -2029,6 +2028,10 @@ async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
 
 /// Ratios, targets and notes from the measurements.
 fn finish(report: &mut BenchReport) {
+    report
+        .throughput
+        .iter_mut()
+        .for_each(ThroughputResult::derive_per_input);
     let rate = |id: u8| {
         report
             .throughput
