@@ -82,7 +82,7 @@ impl Default for NatsSettings {
         NatsSettings {
             url: "nats://127.0.0.1:4222".into(),
             prefix: "collab".into(),
-            partitions: 64,
+            partitions: 16,
             replicas: 1,
             raw_max_age: Duration::from_secs(7 * 24 * 3600),
             dlq_max_age: Duration::from_secs(30 * 24 * 3600),

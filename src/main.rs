@@ -155,6 +155,10 @@ enum Command {
         /// Run only these parts: baseline, mixed, turns, naive, latency, turnbook, breakdown.
         #[arg(long, value_delimiter = ',')]
         only: Vec<collab_projector::bench::Part>,
+        /// Partitions of the raw stream (default: the configured `nats.partitions`, which
+        /// `COLLAB_NATS__PARTITIONS` overrides).
+        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+        partitions: Option<u16>,
         /// No progress bars.
         #[arg(long)]
         quiet: bool,
@@ -397,9 +401,14 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
             open_turns,
             probes,
             only,
+            partitions,
             quiet,
         } => {
             use collab_projector::bench;
+            let partitions = match partitions {
+                Some(p) => p,
+                None => Settings::load(None)?.nats.partitions,
+            };
             let opts = bench::BenchOptions {
                 nats_url,
                 messages,
@@ -413,6 +422,7 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
                 } else {
                     only
                 },
+                partitions,
                 progress: !quiet,
                 metrics: metrics_handle(),
                 ..Default::default()

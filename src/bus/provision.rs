@@ -122,7 +122,9 @@ pub fn consumer_config(s: &Settings, p: u16) -> consumer::pull::Config {
         durable_name: Some(n.consumer_name(p)),
         description: Some(format!("collab-projector partition {p}")),
         filter_subject: n.partition_filter(p),
-        ack_policy: consumer::AckPolicy::Explicit,
+        // A partition is processed in order, so one acknowledgement covers every message before
+        // it: one ack per group of inputs instead of one per input.
+        ack_policy: consumer::AckPolicy::All,
         ack_wait: s.consumer.ack_wait,
         max_deliver: s.consumer.max_deliver,
         max_ack_pending: s.consumer.max_ack_pending,
@@ -148,7 +150,11 @@ fn consumer_differences(have: &consumer::Config, want: &consumer::pull::Config) 
         have.max_ack_pending,
         want.max_ack_pending,
     );
-    differ(&mut d, "ack_policy", &have.ack_policy, &want.ack_policy);
+    // Consumers created before acknowledgements covered whole groups acknowledge every message
+    // (`explicit`); the worker keeps doing so for them. Both are correct.
+    if have.ack_policy != consumer::AckPolicy::Explicit {
+        differ(&mut d, "ack_policy", &have.ack_policy, &want.ack_policy);
+    }
     d
 }
 

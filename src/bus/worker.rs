@@ -26,7 +26,8 @@ use crate::pipeline::{self, OutKind, Outgoing, RawMessage};
 use crate::telemetry;
 use crate::turns as turn_rules;
 use crate::turns::book::Watermark;
-use async_nats::jetstream::{self, consumer::PullConsumer, message::PublishMessage, AckKind};
+use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
+use async_nats::jetstream::{self, message::PublishMessage, AckKind};
 use async_nats::HeaderMap;
 use futures::StreamExt;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
@@ -332,9 +333,14 @@ pub async fn run_partition(
 
     let (tx, rx) = mpsc::channel::<Item>(512);
     let broken = CancellationToken::new();
+    let acks = match consumer.cached_info().config.ack_policy {
+        AckPolicy::All => Acks::Last,
+        _ => Acks::Each,
+    };
     let acker = tokio::spawn(ack_stage(
         shared.clone(),
         p,
+        acks,
         rx,
         checkpoint,
         cancel.clone(),
@@ -843,6 +849,16 @@ fn count(shared: &Shared, out: &Outgoing) {
     }
 }
 
+/// How a partition acknowledges a group of processed inputs.
+#[derive(Debug, Clone, Copy)]
+enum Acks {
+    /// Its last delivery (the consumer's `AckPolicy::All` covers everything before it: the
+    /// group was processed in order, after everything delivered earlier).
+    Last,
+    /// Every delivery (consumers created with `AckPolicy::Explicit`).
+    Each,
+}
+
 /// Await, in order, each group's publishes and turn-record writes, count its decisions towards
 /// the published checkpoint, then acknowledge it. Returns an error (and cancels `broken`) when a
 /// turn-record or checkpoint write was refused: nothing more is acknowledged, the partition
@@ -850,6 +866,7 @@ fn count(shared: &Shared, out: &Outgoing) {
 async fn ack_stage(
     shared: Arc<Shared>,
     p: u16,
+    acks: Acks,
     mut rx: mpsc::Receiver<Item>,
     mut checkpoint: Checkpoint,
     cancel: CancellationToken,
@@ -910,7 +927,12 @@ async fn ack_stage(
         }
         checkpoint.maybe_write(false).await.map_err(refused)?;
         super::turns::crash_point("before_ack");
-        for msg in items.into_iter().filter_map(|i| i.msg) {
+        let delivered = items.into_iter().filter_map(|i| i.msg);
+        let to_ack: Vec<jetstream::Message> = match acks {
+            Acks::Each => delivered.collect(),
+            Acks::Last => delivered.last().into_iter().collect(),
+        };
+        for msg in to_ack {
             if let Err(e) = msg.ack().await {
                 debug!(partition = p, error = %e, "ack failed; the message will be redelivered (its outputs collapse by Msg-Id)");
             }

@@ -125,14 +125,14 @@ impl Profile {
         }
     }
 
-    /// The full suite: a minute or more per scenario with the default settings (64 partitions,
+    /// The full suite: a minute or more per scenario with the default settings (16 partitions,
     /// lease TTL 6 s, ack wait 30 s).
     fn full() -> Profile {
         Profile {
             label: "full",
             load: Duration::from_secs(60),
             rate: 500.0,
-            partitions: 64,
+            partitions: 16,
             lease_ttl: Duration::from_secs(6),
             ack_wait: Duration::from_secs(30),
             timeout_ms: (2000, 10_000),

@@ -138,12 +138,17 @@ async fn workers_answer_the_nats_service_api() {
     let ping: serde_json::Value = serde_json::from_slice(&reply.payload).expect("JSON");
     assert_eq!(ping["name"], "collab-projector");
     assert_eq!(ping["version"], env!("CARGO_PKG_VERSION"));
-    wait_until(GUARD, "the worker owns all 64 partitions", || {
+    let partitions = collab_projector::config::Settings::default()
+        .nats
+        .partitions;
+    wait_until(GUARD, "the worker owns every partition", || {
         let client = client.clone();
         async move {
             match client.request("collab-projector.status", "".into()).await {
                 Ok(m) => serde_json::from_slice::<serde_json::Value>(&m.payload)
-                    .map(|v| v["partitionsOwned"] == 64 && v["partitionsRunning"] == 64)
+                    .map(|v| {
+                        v["partitionsOwned"] == partitions && v["partitionsRunning"] == partitions
+                    })
                     .unwrap_or(false),
                 Err(_) => false,
             }

@@ -29,6 +29,15 @@ pub(crate) const MAIN_AGENTS: [&str; 2] = ["--main-agents", "ruda,eden"];
 
 const BIN: &str = env!("CARGO_BIN_EXE_collab-projector");
 
+/// Partitions of the raw stream in the built-in defaults.
+fn default_partitions() -> usize {
+    usize::from(
+        collab_projector::config::Settings::default()
+            .nats
+            .partitions,
+    )
+}
+
 // ---------------------------------------------------------------------------------------------
 // Shared helpers
 // ---------------------------------------------------------------------------------------------
@@ -217,7 +226,7 @@ pub(crate) async fn wait_settled(js: &Context, proj: u64, dlq: u64) {
     .await;
     wait_until(GUARD, "every raw partition consumer is drained", || {
         let js = js.clone();
-        async move { raw_drained(&js, 64).await }
+        async move { raw_drained(&js, default_partitions()).await }
     })
     .await;
 }
@@ -1014,7 +1023,7 @@ async fn sigterm_drains_and_everything_acknowledged_is_projected() {
             )
         })
         .collect();
-    assert_eq!(floors.len(), 64);
+    assert_eq!(floors.len(), default_partitions());
     let mut acknowledged = 0;
     for m in read_all(&js, RAW, "collab.in.>").await {
         let partition_prefix = m
