@@ -1410,6 +1410,7 @@ fn open_record(
         winner: None,
         sender: None,
         target: None,
+        writer: None,
     });
     let p = (i % usize::from(partitions.max(1))) as u16;
     (facts.record_key(p), rec)

@@ -61,12 +61,30 @@ pub fn checkpoint_key(partition: u16) -> String {
     format!("ck.p{partition}")
 }
 
-/// A partition's published checkpoint (the KV value): every decided record of the partition whose
-/// revision is at or below `through` has its response stored. It replaces a "published" write per
-/// turn with one write per partition per [`CHECKPOINT_EVERY`].
+/// A partition's published checkpoint (the KV value). It replaces a "published" write per turn
+/// with one write per partition per [`CHECKPOINT_EVERY`].
 #[derive(Debug, Clone, Copy, Default, serde::Serialize, serde::Deserialize)]
 struct CheckpointValue {
+    /// The owner's decided records at or below this revision have their responses stored.
     through: u64,
+    /// Every decided record at or below this revision, whoever wrote it, has its response stored:
+    /// the owner verified them when it took the partition. Absent in checkpoints written before
+    /// decisions carried their writer: `through` then stands for it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    base: Option<u64>,
+    /// The ownership term of the owner that wrote the checkpoint.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    owner: Option<u64>,
+}
+
+impl CheckpointValue {
+    /// Whether the response of a decided record (its revision and writer) is known to be stored.
+    /// Between `base` and `through`, only the checkpoint owner's own decisions are: a late write of
+    /// a previous owner (a paused process) landing there may never have had its response stored.
+    fn vouches_for(&self, revision: u64, writer: Option<u64>) -> bool {
+        revision <= self.base.unwrap_or(self.through)
+            || (revision <= self.through && writer.is_some() && writer == self.owner)
+    }
 }
 
 /// How often, at most, a partition writes its published checkpoint while it advances.
@@ -80,8 +98,11 @@ pub struct Checkpoint {
     key: String,
     /// KV revision of the checkpoint key as this owner last wrote or read it (0: absent).
     revision: u64,
-    /// The value last written.
-    written: u64,
+    /// The value as read at the start (the previous owner's), then as last written.
+    value: CheckpointValue,
+    /// This owner's term, and the revision below which it verified every decision at its start.
+    owner: u64,
+    base: u64,
     /// Shared with the partition's turn state, which reads decided records against it.
     through: std::sync::Arc<std::sync::atomic::AtomicU64>,
     last_write: tokio::time::Instant,
@@ -101,7 +122,8 @@ impl Checkpoint {
     /// Write the checkpoint if it moved and `force` or [`CHECKPOINT_EVERY`] has passed.
     pub async fn maybe_write(&mut self, force: bool) -> Result<(), TurnIoError> {
         let through = self.through.load(std::sync::atomic::Ordering::Relaxed);
-        if through <= self.written || (!force && self.last_write.elapsed() < CHECKPOINT_EVERY) {
+        if through <= self.value.through || (!force && self.last_write.elapsed() < CHECKPOINT_EVERY)
+        {
             return Ok(());
         }
         self.write(through).await
@@ -116,11 +138,15 @@ impl Checkpoint {
     }
 
     async fn write(&mut self, through: u64) -> Result<(), TurnIoError> {
-        let value =
-            serde_json::to_vec(&CheckpointValue { through }).map_err(|e| TurnIoError::Kv {
-                key: self.key.clone(),
-                detail: e.to_string(),
-            })?;
+        let next = CheckpointValue {
+            through,
+            base: Some(self.base),
+            owner: Some(self.owner),
+        };
+        let value = serde_json::to_vec(&next).map_err(|e| TurnIoError::Kv {
+            key: self.key.clone(),
+            detail: e.to_string(),
+        })?;
         // Revision 0 asks for an absent key; a deleted one answers with its delete's revision.
         match self
             .store
@@ -129,7 +155,7 @@ impl Checkpoint {
         {
             Ok(rev) => {
                 self.revision = rev;
-                self.written = through;
+                self.value = next;
                 self.last_write = tokio::time::Instant::now();
                 Ok(())
             }
@@ -173,9 +199,14 @@ pub struct PartitionTurns {
     open: OpenTurns<Rev>,
     recent: HashMap<String, TurnRecord>,
     recent_order: VecDeque<String>,
-    /// Decided records at or below this revision have their responses stored: the published
-    /// checkpoint's `through`, shared with the [`Checkpoint`] the acker raises.
+    /// This owner's decided records at or below this revision have their responses stored: the
+    /// published checkpoint's `through`, shared with the [`Checkpoint`] the acker raises.
     published_through: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// Every decided record at or below this revision has its response stored (verified by the
+    /// reload).
+    verified_through: u64,
+    /// This owner's term: random, stamped on every decision it writes (`TurnRecord::writer`).
+    term: u64,
     /// The worker's open turns over all its partitions, and this partition's share of it as last
     /// reported: the gauge is set from these, so a stopped partition takes its turns with it.
     open_total: std::sync::Arc<super::worker::WorkerState>,
@@ -212,6 +243,8 @@ impl PartitionTurns {
             recent: HashMap::new(),
             recent_order: VecDeque::new(),
             published_through: Default::default(),
+            verified_through: 0,
+            term: rand::random(),
             open_total: shared.state.clone(),
             reported_open: 0,
         })
@@ -256,23 +289,21 @@ impl PartitionTurns {
     /// The partition's published checkpoint as stored, ready for this owner to claim.
     async fn read_checkpoint(&self) -> Result<Checkpoint, TurnIoError> {
         let key = checkpoint_key(self.partition);
-        let (through, revision) = match self.entry(&key).await? {
-            Some(e) if e.operation == kv::Operation::Put => {
-                let through = serde_json::from_slice::<CheckpointValue>(&e.value)
-                    .map(|c| c.through)
-                    .unwrap_or(0);
-                (through, e.revision)
-            }
-            Some(e) => (0, e.revision),
-            None => (0, 0),
+        let (value, revision) = match self.entry(&key).await? {
+            Some(e) if e.operation == kv::Operation::Put => (
+                serde_json::from_slice::<CheckpointValue>(&e.value).unwrap_or_default(),
+                e.revision,
+            ),
+            Some(e) => (CheckpointValue::default(), e.revision),
+            None => (CheckpointValue::default(), 0),
         };
-        self.published_through
-            .store(through, std::sync::atomic::Ordering::Relaxed);
         Ok(Checkpoint {
             store: self.store.clone(),
             key,
             revision,
-            written: through,
+            value,
+            owner: self.term,
+            base: 0,
             through: self.published_through.clone(),
             last_write: tokio::time::Instant::now(),
         })
@@ -315,10 +346,10 @@ impl PartitionTurns {
             .map_err(|e| kv_err(e.to_string()))?
             .num_pending;
         let mut checkpoint = self.read_checkpoint().await?;
-        let through = checkpoint.written;
+        let previous = checkpoint.value;
         let mut unpublished = Vec::new();
         let mut loaded = 0;
-        let mut highest = through;
+        let mut highest = previous.through;
         if expected > 0 {
             let mut records = consumer
                 .messages()
@@ -360,8 +391,8 @@ impl PartitionTurns {
                             self.open
                                 .open(key, rec.deadline_ms, Rev::Known(revision), None)
                         }
-                        // Decided after the last checkpoint: its response may not be stored.
-                        TurnState::Decided if revision > through => {
+                        // Not covered by the last checkpoint: its response may not be stored.
+                        TurnState::Decided if !previous.vouches_for(revision, rec.writer) => {
                             unpublished.push((key.to_string(), rec, written_at))
                         }
                         TurnState::Decided | TurnState::Published => {}
@@ -373,10 +404,12 @@ impl PartitionTurns {
             self.republish(shared, &key, &rec, written_at, cancel)
                 .await?;
         }
-        // Every decided record read is now published: move the checkpoint past them all.
-        checkpoint
-            .through
-            .fetch_max(highest, std::sync::atomic::Ordering::Relaxed);
+        // Every decided record read is now published: this owner's checkpoint starts past them
+        // all. A previous owner's write landing later has a higher revision and is not vouched for.
+        self.verified_through = highest;
+        checkpoint.base = highest;
+        self.published_through
+            .store(highest, std::sync::atomic::Ordering::Relaxed);
         checkpoint.claim().await?;
         self.report_open();
         Ok((loaded, checkpoint))
@@ -424,19 +457,24 @@ impl PartitionTurns {
     /// A record and its revision, read from KV.
     async fn read(&self, key: &str) -> Result<Option<(TurnRecord, u64)>, TurnIoError> {
         let entry = self.entry(key).await?;
-        let through = self
-            .published_through
-            .load(std::sync::atomic::Ordering::Relaxed);
+        let vouched = CheckpointValue {
+            through: self
+                .published_through
+                .load(std::sync::atomic::Ordering::Relaxed),
+            base: Some(self.verified_through),
+            owner: Some(self.term),
+        };
         Ok(entry.and_then(|e| {
             if e.operation != kv::Operation::Put {
                 return None;
             }
             let rec = serde_json::from_slice::<TurnRecord>(&e.value).ok()?;
-            let rec = if rec.state == TurnState::Decided && e.revision <= through {
-                turns::published(&rec)
-            } else {
-                rec
-            };
+            let rec =
+                if rec.state == TurnState::Decided && vouched.vouches_for(e.revision, rec.writer) {
+                    turns::published(&rec)
+                } else {
+                    rec
+                };
             Some((rec, e.revision))
         }))
     }
@@ -453,6 +491,16 @@ impl PartitionTurns {
     ) -> Result<KvWrite, TurnIoError> {
         let subject = format!("{}{key}", self.put_prefix);
         self.open.note(key);
+        let stamped;
+        let rec = if rec.state == TurnState::Decided {
+            stamped = TurnRecord {
+                writer: Some(self.term),
+                ..rec.clone()
+            };
+            &stamped
+        } else {
+            rec
+        };
         let expected = match after {
             None => 0,
             Some(Rev::Known(rev)) => rev,
@@ -842,5 +890,33 @@ pub(crate) fn crash_point(point: &str) {
     if std::env::var("COLLAB_TEST_CRASH_AT").is_ok_and(|v| v == point) {
         eprintln!("test hook: crashing at {point}");
         std::process::abort();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::CheckpointValue;
+
+    #[test]
+    fn a_checkpoint_vouches_below_its_base_for_anyone_and_above_it_for_its_owner_only() {
+        let c = CheckpointValue {
+            through: 100,
+            base: Some(40),
+            owner: Some(7),
+        };
+        assert!(c.vouches_for(40, None));
+        assert!(c.vouches_for(30, Some(9)));
+        assert!(c.vouches_for(100, Some(7)));
+        assert!(!c.vouches_for(50, Some(9)), "a previous owner's late write");
+        assert!(!c.vouches_for(50, None), "a decision without a writer");
+        assert!(!c.vouches_for(101, Some(7)), "above the checkpoint");
+    }
+
+    #[test]
+    fn a_checkpoint_without_base_or_owner_vouches_up_to_through() {
+        let old: CheckpointValue = serde_json::from_str(r#"{"through":100}"#).unwrap_or_default();
+        assert!(old.vouches_for(100, None));
+        assert!(old.vouches_for(100, Some(3)));
+        assert!(!old.vouches_for(101, None));
     }
 }

@@ -224,6 +224,7 @@ mod tests {
             winner: None,
             sender: None,
             target: None,
+            writer: None,
         }
     }
 

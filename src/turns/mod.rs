@@ -305,6 +305,11 @@ pub struct TurnRecord {
     pub sender: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub target: Option<String>,
+    /// The ownership term (of the partition) whose owner wrote this decision: a partition's
+    /// published checkpoint vouches only for its own owner's decisions, never for a late write of
+    /// a previous owner. Set by the shell when it writes a decided record.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub writer: Option<u64>,
 }
 
 impl TurnRecord {
@@ -409,6 +414,7 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
                 winner: None,
                 sender: None,
                 target: None,
+                writer: None,
             };
             Step {
                 write: Some((record, Expect::Absent)),
@@ -454,6 +460,7 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
                             winner: None,
                             sender,
                             target,
+                            writer: None,
                         },
                         Expect::Absent,
                     )

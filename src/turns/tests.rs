@@ -1380,6 +1380,7 @@ fn next_action_names_the_target_and_differs_by_reason_and_turn() {
         winner: None,
         sender: None,
         target: None,
+        writer: None,
     };
     let mut seen = Vec::new();
     for turn in ["0", "1"] {

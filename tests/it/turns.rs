@@ -17,7 +17,7 @@ use futures::StreamExt;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
-use crate::support::{Projector, TestNats};
+use crate::support::{wait_until, Projector, TestNats};
 
 const BIN: &str = env!("CARGO_BIN_EXE_collab-projector");
 const RUN_ARGS: [&str; 4] = ["--main-agents", "ruda,eden", "--turn-timeout", "2s"];
@@ -894,6 +894,113 @@ async fn a_deadline_that_passes_while_the_worker_is_down_blocks_after_restart() 
     assert_eq!(suppressed.len(), 1, "{suppressed:#?}");
     assert_eq!(suppressed[0].str("reason"), Some("late"));
     assert_eq!(suppressed[0].payload()["response"]["message"], "here now");
+}
+
+/// The turn record of `conv`'s first turn in the turns bucket: its key, value and revision.
+async fn turn_record(js: &jetstream::Context, conv: &str) -> Option<(String, Value, u64)> {
+    let kv = js.get_key_value("collab_turns").await.ok()?;
+    let mut keys = kv.keys().await.ok()?;
+    while let Some(Ok(k)) = keys.next().await {
+        if !k.starts_with('p') {
+            continue;
+        }
+        let Ok(Some(e)) = kv.entry(&k).await else {
+            continue;
+        };
+        let Ok(v) = serde_json::from_slice::<Value>(&e.value) else {
+            continue;
+        };
+        if v["conversationId"] == conv {
+            return Some((k, v, e.revision));
+        }
+    }
+    None
+}
+
+/// A previous owner paused right before a decide write, whose write lands once another owner
+/// holds the partition, and which dies before its response is stored: the current owner's
+/// checkpoint later moves past that write with decisions of its own. The next owner must not
+/// take the stale decision as published: it publishes its response, once.
+#[tokio::test]
+async fn a_previous_owners_late_decision_is_published_even_below_the_checkpoint() {
+    // One partition: the stale write and the owner's own decisions share its checkpoint.
+    let bed = Bed::start_with(&[("COLLAB_NATS__PARTITIONS", "1")]).await;
+    let mut owner = bed.projector(&[]);
+    let send_seq = bed
+        .publish(&send(
+            "c-stale",
+            json!({"message": "plan it", "timeoutMs": 600_000}),
+        ))
+        .await;
+    bed.wait_read(SENDS, "the send is projected (its turn is open)", |m| {
+        m.iter().any(|s| s.body["rawEventRef"]["seq"] == send_seq)
+    })
+    .await;
+    let (key_of_stale, open, open_rev) = turn_record(&bed.js, "c-stale")
+        .await
+        .expect("the open turn has a record");
+    assert_eq!(open["state"], "open", "{open:#}");
+
+    // The late write: a decision by another ownership term, compare-and-set on the open record
+    // as the paused owner would have sent it.
+    let mut decided = open.clone();
+    decided["state"] = json!("decided");
+    decided["winner"] = json!({
+        "blocked": "timeout", "synthesized": true, "by": "deadline",
+        "atMs": open["deadlineMs"],
+    });
+    decided["writer"] = json!(7);
+    let kv = bed.js.get_key_value("collab_turns").await.expect("bucket");
+    let stale_rev = kv
+        .update(
+            &key_of_stale,
+            serde_json::to_vec(&decided).expect("JSON").into(),
+            open_rev,
+        )
+        .await
+        .expect("the late decision is written");
+
+    // The owner decides a turn of its own after it, and its checkpoint moves past the late write.
+    bed.publish(&send(
+        "c-own",
+        json!({"message": "ship it", "timeoutMs": 60_000}),
+    ))
+    .await;
+    bed.publish(&reply("c-own", json!({"message": "shipped"})))
+        .await;
+    bed.wait_responses(&[key("c-own", "0")]).await;
+    wait_until(WAIT, "the checkpoint covers the late write", || {
+        let kv = kv.clone();
+        async move {
+            let Ok(Some(v)) = kv.get("ck.p0").await else {
+                return false;
+            };
+            serde_json::from_slice::<Value>(&v)
+                .ok()
+                .and_then(|c| c["through"].as_u64())
+                .is_some_and(|t| t > stale_rev)
+        }
+    })
+    .await;
+    assert!(
+        bed.responses()
+            .await
+            .iter()
+            .all(|r| r.turn_key() != key("c-stale", "0")),
+        "the running owner does not know of the late decision"
+    );
+    owner.kill9();
+    owner.wait_exit(WAIT).await;
+
+    let _next = bed.projector(&[]);
+    bed.wait_responses(&[key("c-stale", "0")]).await;
+    bed.settle(&["c-stale", "c-own"]).await;
+    let one = one_per_turn(
+        &bed.responses().await,
+        &[key("c-stale", "0"), key("c-own", "0")],
+    );
+    assert!(one[&key("c-stale", "0")].is_blocked());
+    assert_eq!(one[&key("c-own", "0")].str("message"), Some("shipped"));
 }
 
 #[tokio::test]
