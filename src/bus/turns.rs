@@ -25,6 +25,7 @@ use futures::future::{BoxFuture, FutureExt, Shared as SharedFuture};
 use futures::StreamExt;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
+use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, thiserror::Error)]
@@ -207,6 +208,7 @@ pub struct PartitionTurns {
     verified_through: u64,
     /// This owner's term: random, stamped on every decision it writes (`TurnRecord::writer`).
     term: u64,
+    writer: DecisionWriter,
     /// The worker's open turns over all its partitions, and this partition's share of it as last
     /// reported: the gauge is set from these, so a stopped partition takes its turns with it.
     open_total: std::sync::Arc<super::worker::WorkerState>,
@@ -245,6 +247,7 @@ impl PartitionTurns {
             published_through: Default::default(),
             verified_through: 0,
             term: rand::random(),
+            writer: DecisionWriter::start(shared.kv_js.clone()),
             open_total: shared.state.clone(),
             reported_open: 0,
         })
@@ -501,23 +504,13 @@ impl PartitionTurns {
         } else {
             rec
         };
-        let expected = match after {
-            None => 0,
-            Some(Rev::Known(rev)) => rev,
-            Some(Rev::Pending(previous)) => {
-                let kv_js = shared.kv_js.clone();
-                let rec = rec.clone();
-                let chained = tokio::spawn(async move {
-                    let rev = previous.await?;
-                    let ack = send_cas(&kv_js, subject, &rec, rev).await?;
-                    ack.await.map(|a| a.sequence).map_err(|e| e.to_string())
-                });
-                return Ok(
-                    async move { chained.await.map_err(|e| format!("chained write: {e}"))? }
-                        .boxed()
-                        .shared(),
-                );
-            }
+        // Decisions, and writes after one of this owner's writes still in flight, go through the
+        // partition's writer (see `DecisionWriter`): sent in the order made, without the partition
+        // waiting for an open write's revision.
+        let expected = match (&after, rec.state == TurnState::Decided) {
+            (None, false) => 0,
+            (Some(Rev::Known(rev)), false) => *rev,
+            _ => return Ok(self.writer.write(subject, rec.clone(), after)),
         };
         let ack = send_cas(&shared.kv_js, subject, rec, expected)
             .await
@@ -795,6 +788,65 @@ impl PartitionTurns {
         };
         let events = pipeline::normalize_raw(&raw, &shared.names, &shared.ingest, 0).ok()?;
         events.into_iter().next().map(|n| n.envelope)
+    }
+}
+
+/// The partition's queue of decision writes (and of writes after a write still in flight).
+///
+/// Decisions reach the server in the order the partition makes them, so their revisions follow
+/// that order too: the published checkpoint (the highest revision whose response is stored) then
+/// never covers a later decision whose response is not stored yet. A decision on a turn whose open
+/// write is unacknowledged waits here for its revision, in order, while the partition goes on.
+struct DecisionWriter {
+    queue: mpsc::UnboundedSender<QueuedWrite>,
+}
+
+struct QueuedWrite {
+    subject: String,
+    rec: TurnRecord,
+    after: Option<Rev>,
+    sent: oneshot::Sender<Result<jetstream::context::PublishAckFuture, String>>,
+}
+
+impl DecisionWriter {
+    /// Start the writer task; it ends when the writer is dropped (with the partition's turns).
+    fn start(kv_js: jetstream::Context) -> DecisionWriter {
+        let (queue, mut rx) = mpsc::unbounded_channel::<QueuedWrite>();
+        tokio::spawn(async move {
+            while let Some(w) = rx.recv().await {
+                let expected = match w.after {
+                    None => Ok(0),
+                    Some(Rev::Known(rev)) => Ok(rev),
+                    Some(Rev::Pending(previous)) => previous.await,
+                };
+                let sent = match expected {
+                    Ok(rev) => send_cas(&kv_js, w.subject, &w.rec, rev).await,
+                    Err(e) => Err(e),
+                };
+                let _ = w.sent.send(sent);
+            }
+        });
+        DecisionWriter { queue }
+    }
+
+    /// Queue a compare-and-set write of `rec` after `after` (absent: the key must be absent).
+    fn write(&self, subject: String, rec: TurnRecord, after: Option<Rev>) -> KvWrite {
+        let (sent, ack) = oneshot::channel();
+        let queued = self.queue.send(QueuedWrite {
+            subject,
+            rec,
+            after,
+            sent,
+        });
+        async move {
+            queued.map_err(|_| "the partition's writer stopped".to_string())?;
+            let ack = ack
+                .await
+                .map_err(|_| "the partition's writer stopped".to_string())??;
+            ack.await.map(|a| a.sequence).map_err(|e| e.to_string())
+        }
+        .boxed()
+        .shared()
     }
 }
 
