@@ -608,8 +608,19 @@ impl Partition<'_> {
     /// Process one message in partition order and hand it to the acker. `ack`: whether it is a
     /// consumer delivery to acknowledge (false for messages re-read from the stream).
     async fn handle(&mut self, msg: jetstream::Message, ack: bool) -> Result<Flow, WorkerError> {
-        let Ok(info) = msg.info() else {
-            return Ok(Flow::Continue);
+        let info = match msg.info() {
+            Ok(info) => info,
+            Err(e) => {
+                // Without its sequence the message can be neither processed in order nor
+                // dead-lettered with a reference; skipping it would let the next group's
+                // acknowledgement cover it. Leave it (and what follows) for redelivery.
+                warn!(partition = self.p, subject = %msg.subject, reply = ?msg.reply, error = %e,
+                    "a delivery's metadata cannot be read; restarting the partition");
+                return Err(WorkerError::Interrupted {
+                    partition: self.p,
+                    why: "a delivery's metadata could not be read",
+                });
+            }
         };
         let seq = info.stream_sequence;
         let stored_ms = info.published.timestamp_millis();
@@ -623,7 +634,7 @@ impl Partition<'_> {
                 .map_err(|e| self.turn_error(e))?;
         }
         self.last_seq = self.last_seq.max(seq);
-        process(self.shared, &mut self.turns, &msg, &mut fx)
+        process(self.shared, &mut self.turns, &msg, &info, &mut fx)
             .await
             .map_err(|e| self.turn_error(e))?;
         // Cancelled while a publish kept failing: leave the message for redelivery.
@@ -753,11 +764,9 @@ async fn process(
     shared: &Shared,
     turns: &mut PartitionTurns,
     msg: &jetstream::Message,
+    info: &jetstream::message::Info<'_>,
     fx: &mut Effects,
 ) -> Result<(), TurnIoError> {
-    let Ok(info) = msg.info() else {
-        return Ok(());
-    };
     shared.state.inputs.fetch_add(1, Ordering::Relaxed);
     let raw = RawMessage {
         bytes: &msg.payload,

@@ -1,5 +1,7 @@
 //! Integration tests: one binary, a real nats-server per test.
 
+#![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
+
 mod support;
 
 mod adapter_bus;
