@@ -161,7 +161,7 @@ pub struct BenchOptions {
     pub lateness_probes: usize,
     /// The probes' own deadline (`timeoutMs`).
     pub probe_timeout: Duration,
-    /// Partitions of the raw stream (the default configuration's 64).
+    /// Partitions of the raw stream (by default the built-in configuration's).
     pub partitions: u16,
     /// Which parts to run.
     pub parts: Vec<Part>,

@@ -2,14 +2,15 @@
 //! steps against the KV fence, issues the turn's one response, keeps the partition's deadlines,
 //! and reloads open and unpublished turns when the partition starts.
 //!
-//! Nothing here waits for a round trip on the way of a message, except when a turn is decided
-//! before the write that opened it is acknowledged. Turn-record writes are sent pipelined, each
-//! a compare-and-set on the revision the partition owner last wrote, and the acker awaits them
-//! (with the message's publishes) before it acknowledges the message. A write that fails means
-//! another owner wrote the record: the partition restarts, reloads and re-reads its in-flight
-//! messages. A decided turn's "published" mark is written by the acker once its response is
-//! stored. The partition keeps its open turns, the turns it decided lately, and the hashes of all
-//! its record keys, so a message needs no KV read unless it names an old turn.
+//! Nothing here waits for a round trip on the way of a message. Turn-record writes are sent
+//! pipelined, each a compare-and-set on the revision the partition owner last wrote; decisions go
+//! through the partition's [`DecisionWriter`], which keeps them in decision order and waits there
+//! for an open write still in flight. The acker awaits the writes (with the message's publishes)
+//! before it acknowledges the message. A write that fails means another owner wrote the record:
+//! the partition restarts, reloads and re-reads its in-flight messages. Which decisions have their
+//! response stored is the partition's published [`Checkpoint`], raised by the acker. The partition
+//! keeps its open turns, the turns it decided lately, and the hashes of all its record keys, so a
+//! message needs no KV read unless it names an old turn.
 
 use super::worker::Shared;
 use crate::ingest::Normalized;
@@ -47,6 +48,16 @@ pub type KvWrite = SharedFuture<BoxFuture<'static, Result<u64, String>>>;
 pub enum Rev {
     Known(u64),
     Pending(KvWrite),
+}
+
+impl Rev {
+    /// The revision, waiting for the write's ack if need be.
+    async fn revision(self) -> Result<u64, String> {
+        match self {
+            Rev::Known(v) => Ok(v),
+            Rev::Pending(w) => w.await,
+        }
+    }
 }
 
 /// A decided turn whose response is in this group: once the response is stored, the decision's
@@ -132,10 +143,13 @@ impl Checkpoint {
 
     /// Write the checkpoint whether or not it moved: a new owner claims it before deciding
     /// anything, so a previous owner's late write (a paused process whose lease lapsed) fails its
-    /// compare-and-set instead of vouching for this owner's decisions.
-    pub async fn claim(&mut self) -> Result<(), TurnIoError> {
-        let through = self.through.load(std::sync::atomic::Ordering::Relaxed);
-        self.write(through).await
+    /// compare-and-set instead of vouching for this owner's decisions. `verified`: every decision
+    /// at or below this revision has its response stored (the reload saw to it).
+    async fn claim(&mut self, verified: u64) -> Result<(), TurnIoError> {
+        self.base = verified;
+        self.through
+            .store(verified, std::sync::atomic::Ordering::Relaxed);
+        self.write(verified).await
     }
 
     async fn write(&mut self, through: u64) -> Result<(), TurnIoError> {
@@ -169,7 +183,8 @@ impl Checkpoint {
 }
 
 /// What the turn contract asks for one message (or one move of the watermark): publishes in
-/// order, record writes to await, and marks to write once the publishes are stored.
+/// order, record writes to await, and the decisions (marks) that count towards the published
+/// checkpoint once the publishes are stored.
 #[derive(Default)]
 pub struct Effects {
     pub outs: Vec<Outgoing>,
@@ -410,10 +425,7 @@ impl PartitionTurns {
         // Every decided record read is now published: this owner's checkpoint starts past them
         // all. A previous owner's write landing later has a higher revision and is not vouched for.
         self.verified_through = highest;
-        checkpoint.base = highest;
-        self.published_through
-            .store(highest, std::sync::atomic::Ordering::Relaxed);
-        checkpoint.claim().await?;
+        checkpoint.claim(highest).await?;
         self.report_open();
         Ok((loaded, checkpoint))
     }
@@ -482,9 +494,8 @@ impl PartitionTurns {
         }))
     }
 
-    /// Send a compare-and-set write without waiting for its ack. A write that must follow one of
-    /// this owner's writes still in flight is sent as soon as that one is acknowledged, by a task
-    /// of its own, so the partition goes on meanwhile.
+    /// Send a compare-and-set write without waiting for its ack. Decisions, and writes that must
+    /// follow one of this owner's writes still in flight, are queued on the [`DecisionWriter`].
     async fn send_write(
         &mut self,
         shared: &Shared,
@@ -580,7 +591,7 @@ impl PartitionTurns {
         };
         if let Some((rec, rev)) = &after {
             if step.publish_winner || rec.state == TurnState::Decided {
-                self.publish_winner(shared, &key, rec, rev.clone(), Some((facts.seq, n)), fx)
+                self.issue_response(shared, &key, rec, rev.clone(), Some((facts.seq, n)), fx)
                     .await?;
             }
         }
@@ -645,19 +656,19 @@ impl PartitionTurns {
             let w = self.send_write(shared, &key, &new, prior).await?;
             fx.writes.push(w.clone());
             self.remember(&key, &new, Rev::Pending(w.clone()));
-            self.publish_winner(shared, &key, &new, Rev::Pending(w), None, fx)
+            self.issue_response(shared, &key, &new, Rev::Pending(w), None, fx)
                 .await?;
             decided += 1;
         }
         Ok(decided)
     }
 
-    /// Issue the turn's one response (into `fx`) and its published mark, to be written once the
-    /// response is stored.
+    /// Put the turn's one response into `fx`, with its mark: once the response is stored, the
+    /// decision counts towards the published checkpoint.
     ///
     /// `current` is the event being processed (its sequence and envelope); when it is not the
     /// winner, the winner's raw message is read back from the raw stream.
-    async fn publish_winner(
+    async fn issue_response(
         &mut self,
         shared: &Shared,
         key: &str,
@@ -816,8 +827,7 @@ impl DecisionWriter {
             while let Some(w) = rx.recv().await {
                 let expected = match w.after {
                     None => Ok(0),
-                    Some(Rev::Known(rev)) => Ok(rev),
-                    Some(Rev::Pending(previous)) => previous.await,
+                    Some(rev) => rev.revision().await,
                 };
                 let sent = match expected {
                     Ok(rev) => send_cas(&kv_js, w.subject, &w.rec, rev).await,
@@ -875,13 +885,13 @@ async fn send_cas(
 
 /// The revision a write of this owner resulted in, waiting for its ack if need be.
 async fn resolve(key: &str, rev: &Rev) -> Result<u64, TurnIoError> {
-    match rev {
-        Rev::Known(v) => Ok(*v),
-        Rev::Pending(w) => w.clone().await.map_err(|detail| TurnIoError::Conflict {
+    rev.clone()
+        .revision()
+        .await
+        .map_err(|detail| TurnIoError::Conflict {
             key: key.to_string(),
             detail,
-        }),
-    }
+        })
 }
 
 /// Slack kept below the duplicate window when a reload republishes without looking first.

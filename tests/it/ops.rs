@@ -1,7 +1,7 @@
 //! Operator commands against a real server: `audit`, `dlq replay`, and discovery through the NATS
 //! service API.
 
-use crate::pipeline::{count, publish, run_bin, start_projector, wait_settled};
+use crate::pipeline::{count, default_partitions, publish, run_bin, start_projector, wait_settled};
 use crate::support::{wait_until, TestNats};
 use std::time::Duration;
 
@@ -138,9 +138,7 @@ async fn workers_answer_the_nats_service_api() {
     let ping: serde_json::Value = serde_json::from_slice(&reply.payload).expect("JSON");
     assert_eq!(ping["name"], "collab-projector");
     assert_eq!(ping["version"], env!("CARGO_PKG_VERSION"));
-    let partitions = collab_projector::config::Settings::default()
-        .nats
-        .partitions;
+    let partitions = default_partitions();
     wait_until(GUARD, "the worker owns every partition", || {
         let client = client.clone();
         async move {

@@ -30,7 +30,7 @@ pub(crate) const MAIN_AGENTS: [&str; 2] = ["--main-agents", "ruda,eden"];
 const BIN: &str = env!("CARGO_BIN_EXE_collab-projector");
 
 /// Partitions of the raw stream in the built-in defaults.
-fn default_partitions() -> usize {
+pub(crate) fn default_partitions() -> usize {
     usize::from(
         collab_projector::config::Settings::default()
             .nats
