@@ -67,6 +67,17 @@ pub struct Mark {
     after: Rev,
 }
 
+/// What a reload reads of most records: a [`TurnRecord`]'s state, deadline and writer.
+#[derive(serde::Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct RecordHead {
+    state: TurnState,
+    #[serde(default)]
+    deadline_ms: Option<i64>,
+    #[serde(default)]
+    writer: Option<u64>,
+}
+
 /// The KV key of a partition's published checkpoint. Outside the `p<N>.` records, so a reload
 /// never takes it for a turn.
 pub fn checkpoint_key(partition: u16) -> String {
@@ -402,19 +413,23 @@ impl PartitionTurns {
                 if deleted {
                     continue;
                 }
-                if let Ok(rec) = serde_json::from_slice::<TurnRecord>(&msg.payload) {
-                    loaded += 1;
-                    match rec.state {
-                        TurnState::Open => {
-                            self.open
-                                .open(key, rec.deadline_ms, Rev::Known(revision), None)
-                        }
-                        // Not covered by the last checkpoint: its response may not be stored.
-                        TurnState::Decided if !previous.vouches_for(revision, rec.writer) => {
-                            unpublished.push((key.to_string(), rec, written_at))
-                        }
-                        TurnState::Decided | TurnState::Published => {}
+                // Most records are open or vouched for: state, deadline and writer are enough.
+                let Ok(head) = serde_json::from_slice::<RecordHead>(&msg.payload) else {
+                    continue;
+                };
+                loaded += 1;
+                match head.state {
+                    TurnState::Open => {
+                        self.open
+                            .open(key, head.deadline_ms, Rev::Known(revision), None)
                     }
+                    // Not covered by the last checkpoint: its response may not be stored.
+                    TurnState::Decided if !previous.vouches_for(revision, head.writer) => {
+                        if let Ok(rec) = serde_json::from_slice::<TurnRecord>(&msg.payload) {
+                            unpublished.push((key.to_string(), rec, written_at));
+                        }
+                    }
+                    TurnState::Decided | TurnState::Published => {}
                 }
             }
         }
