@@ -43,9 +43,6 @@ impl MainAgents {
     pub fn contains(&self, id: &str) -> bool {
         self.0.contains(&id.trim().to_lowercase())
     }
-    pub fn is_empty(&self) -> bool {
-        self.0.is_empty()
-    }
 }
 
 /// What a side of an `a2a.*` exchange is.

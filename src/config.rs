@@ -305,6 +305,7 @@ impl Settings {
     }
 
     /// Parse TOML text (used by tests and `provision --print-config`).
+    #[cfg(test)]
     pub fn from_toml(text: &str) -> Result<Settings, ConfigError> {
         let settings: Settings = config::Config::builder()
             .add_source(config::File::from_str(text, config::FileFormat::Toml))

@@ -9,19 +9,19 @@
 //! - [`config`]: settings from `config/default.toml`, environment and flags; resource names.
 //! - [`ingest`]: one raw message to envelopes, per input format (adapter, collaboration, runtime).
 //! - [`classify`]: the `eventRole` rules.
-//! - [`facets`]: owner / scope / phase / surface derived from the event class.
+//! - `facets`: owner / scope / phase / surface derived from the event class.
 //! - [`pipeline`]: a raw message to the messages to publish (projections or a dead letter).
 //! - [`bus`]: NATS: connect, provision, the partition workers, leases, the work-session fold.
 //! - [`app`]: the `run` command: workers, HTTP, signals.
 //! - [`ops`]: operator commands: `audit`, `dlq replay`.
-//! - [`http`]: health, readiness and metrics endpoints.
+//! - `http`: health, readiness and metrics endpoints.
 //! - [`api`]: the projection API for UIs: events, live stream (SSE), work sessions, MPLP export.
-//! - [`sessions`]: work-session aggregation (pure); `bus::sessions` folds the projection stream
+//! - `sessions`: work-session aggregation (pure); `bus::sessions` folds the projection stream
 //!   into KV with it, off the projection path.
-//! - [`localnats`]: start a local nats-server for `demo`, `bench` and tests.
-//! - [`sim`]: the traffic generator of `demo` and `bench`.
-//! - [`demo`]: the `demo` command.
-//! - [`bench`]: the `bench` command: throughput, latency and turn-book scale against nats-server.
+//! - Behind the `tools` feature (on by default; the command needs it): [`localnats`] starts a
+//!   local nats-server for `demo`, `bench` and the integration tests; `sim` generates their
+//!   traffic; [`demo`] and [`bench`](mod@bench) are those commands. Without it the library carries no
+//!   process, temporary-file or progress-bar dependency.
 //! - [`turns`]: the turn contract: the pure state machine, the deadline set, blocked outcomes.
 //! - [`telemetry`]: logging and metric names.
 //!
@@ -40,19 +40,23 @@
 
 pub mod api;
 pub mod app;
+#[cfg(feature = "tools")]
 pub mod bench;
 pub mod bus;
 pub mod classify;
 pub mod config;
+#[cfg(feature = "tools")]
 pub mod demo;
-pub mod facets;
-pub mod http;
+mod facets;
+mod http;
 pub mod ingest;
+#[cfg(feature = "tools")]
 pub mod localnats;
 pub mod model;
 pub mod ops;
 pub mod pipeline;
-pub mod sessions;
-pub mod sim;
+mod sessions;
+#[cfg(feature = "tools")]
+mod sim;
 pub mod telemetry;
 pub mod turns;

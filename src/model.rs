@@ -74,17 +74,6 @@ pub enum DlqReason {
 }
 
 impl DlqReason {
-    pub const ALL: [DlqReason; 8] = [
-        DlqReason::BadJson,
-        DlqReason::Unrecognized,
-        DlqReason::AdapterRejected,
-        DlqReason::InvalidRole,
-        DlqReason::BadKey,
-        DlqReason::BadType,
-        DlqReason::TooLarge,
-        DlqReason::MaxDeliver,
-    ];
-
     pub fn as_str(self) -> &'static str {
         match self {
             DlqReason::BadJson => "bad_json",
@@ -221,7 +210,7 @@ pub fn is_key_token(s: &str) -> bool {
 /// The rule (documented in the README's producers' guide):
 /// - an id that is already a key token and does not start with `_` is used as it is;
 /// - otherwise `_b` + unpadded base64url of its UTF-8 bytes, when that fits in 128 characters
-///   (reversible with [`decode_id`]);
+///   (reversible);
 /// - otherwise `_h` + the SHA-256 hex of its bytes (one-way).
 ///
 /// Ids starting with `_` are always encoded, so an encoded id can never collide with a plain one.
@@ -238,6 +227,7 @@ pub fn encode_id(id: &str) -> String {
 }
 
 /// Reverse [`encode_id`] where it is reversible. Hashed ids give `None`.
+#[cfg(test)]
 pub fn decode_id(token: &str) -> Option<String> {
     if let Some(b64) = token.strip_prefix("_b") {
         let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD

@@ -64,12 +64,6 @@ pub fn producer_subject(prefix: &str, stored: &str) -> String {
     }
 }
 
-/// The partition number of a stored subject.
-pub fn partition_of(prefix: &str, stored: &str) -> Option<u16> {
-    let rest = stored.strip_prefix(prefix)?.strip_prefix(".in.")?;
-    rest.split('.').next()?.parse().ok()
-}
-
 /// Normalise a raw message into envelopes, or say why it cannot be projected.
 pub fn normalize_raw(
     raw: &RawMessage<'_>,
@@ -229,10 +223,6 @@ mod tests {
         assert_eq!(
             producer_subject("collab", "collab.in.61.conv-1.a2a.send"),
             "collab.raw.conv-1.a2a.send"
-        );
-        assert_eq!(
-            partition_of("collab", "collab.in.61.conv-1.a2a.send"),
-            Some(61)
         );
         assert_eq!(producer_subject("collab", "other.x"), "other.x");
     }

@@ -240,6 +240,7 @@ pub struct SessionKeys {
 
 impl SessionKeys {
     /// The session id: the work session id, else the conversation id.
+    #[cfg(test)]
     pub fn session_id(&self) -> Option<&str> {
         self.work_session_id
             .as_deref()
@@ -376,6 +377,7 @@ fn is_blocked(env: &Envelope) -> bool {
 /// Apply one projected event at a raw position (index 0 of its raw message), processed in
 /// partition order. `None` when nothing changed: the event was seen before, or it belongs to no
 /// session.
+#[cfg(test)]
 pub fn apply(
     current: Option<WorkSession>,
     env: &Envelope,
@@ -394,6 +396,7 @@ pub fn apply(
 }
 
 /// Apply one projected event with an explicit identity. `None` when nothing changed.
+#[cfg(test)]
 pub fn apply_as(
     current: Option<WorkSession>,
     env: &Envelope,

@@ -2,7 +2,6 @@
 //! unanswered), delegations to subagents, task lifecycles, runtime and tool events, health
 //! signals, A2A adapter packets and a little malformed input.
 
-use crate::model::encode_id;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
@@ -261,9 +260,4 @@ impl Generator {
             _ => vec![self.ev(&key, "x", json!({"type":"bad type with spaces"}))],
         }
     }
-}
-
-/// The key a producer should use for a conversation id.
-pub fn conversation_subject(prefix: &str, conversation_id: &str, event_type: &str) -> String {
-    format!("{prefix}.raw.{}.{event_type}", encode_id(conversation_id))
 }

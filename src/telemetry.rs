@@ -23,8 +23,6 @@ pub const OPEN_TURNS: &str = "collab_open_turns";
 pub const SESSION_EVENTS_FOLDED: &str = "collab_session_events_folded_total";
 /// The projection-stream sequence up to which work sessions are written.
 pub const SESSION_FOLD_POSITION: &str = "collab_session_fold_position";
-/// Messages pending in the partition consumers this worker owns (lag).
-pub const CONSUMER_PENDING: &str = "collab_consumer_pending";
 
 /// Initialise logging: `RUST_LOG` filters (default `default_filter`), `COLLAB_LOG_FORMAT=json`
 /// for JSON lines.

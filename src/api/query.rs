@@ -44,11 +44,6 @@ impl Params {
         out
     }
 
-    /// Whether `name` was given at all (even empty).
-    pub fn has(&self, name: &str) -> bool {
-        self.0.iter().any(|(k, _)| k == name)
-    }
-
     /// The single value of `name`; repeating it with different values is an error.
     pub fn one(&self, name: &str) -> Result<Option<String>, ApiError> {
         let mut values = self

@@ -3,7 +3,7 @@
 //! [`run_fold`] reads the projection stream in order (off the projection path: no partition waits
 //! for it) and hands each round to [`SessionWriter::commit`]. One committer task per worker takes
 //! every group that arrived while the previous round was being written, merges them by session,
-//! applies each session's events with [`crate::sessions::apply_mut`] and writes each session
+//! applies each session's events with `sessions::apply_mut` and writes each session
 //! once, with compare-and-set, all sessions of a round concurrently. A hot session that
 //! every partition touches therefore costs one write per round, not one per group. The committer
 //! keeps the sessions it wrote, decoded, with their revision, and re-reads one only on a revision
@@ -566,7 +566,7 @@ fn fold_event(msg: &jetstream::Message) -> Option<(Envelope, Identity)> {
 ///
 /// The fold is off the projection path: projections and acknowledgements never wait for it.
 /// It reads the projections in stream order through an ordered consumer from its checkpoint,
-/// applies a round of them (gathered for [`FOLD_GATHER`]) to the sessions they touch, writes each
+/// applies a round of them (gathered for `FOLD_GATHER`, 200 ms) to the sessions they touch, writes each
 /// changed session once, then moves the checkpoint. A crash between the two re-applies the round,
 /// which changes nothing twice.
 pub async fn run_fold(

@@ -4,7 +4,7 @@
 //!
 //! Nothing here waits for a round trip on the way of a message. Turn-record writes are sent
 //! pipelined, each a compare-and-set on the revision the partition owner last wrote; decisions go
-//! through the partition's [`DecisionWriter`], which keeps them in decision order and waits there
+//! through the partition's `DecisionWriter`, which keeps them in decision order and waits there
 //! for an open write still in flight. The acker awaits the writes (with the message's publishes)
 //! before it acknowledges the message. A write that fails means another owner wrote the record:
 //! the partition restarts, reloads and re-reads its in-flight messages. Which decisions have their

@@ -32,6 +32,7 @@ pub const ADAPTER_VERSION: &str = env!("CARGO_PKG_VERSION");
 /// Both `protocol` and `protocol_name` of the payload.
 pub const PROTOCOL_NAME: &str = "a2a";
 /// SHA-256 of the canonical JSON of the default (invisible) handoff object.
+#[cfg(test)]
 pub const DEFAULT_HANDOFF_DIGEST: &str =
     "60e992b4881c03d816cd94929856d8c8cade113f62273d42a8a75412533a294a";
 
@@ -224,15 +225,6 @@ impl AdapterError {
             AdapterError::UnsupportedEventType { .. } => "unsupported_event_type",
             AdapterError::MissingTaskId { .. } => "missing_task_id",
             AdapterError::MissingArtifactId => "missing_artifact_id",
-        }
-    }
-
-    /// Dead-letter reason (CONTRACT section 6) for this rejection.
-    pub fn dlq_reason(&self) -> &'static str {
-        match self {
-            AdapterError::InvalidJson { .. } => "bad_json",
-            AdapterError::TooLarge { .. } => "too_large",
-            _ => "adapter_rejected",
         }
     }
 }
@@ -811,7 +803,6 @@ mod tests {
             }
         );
         assert_eq!(e.kind(), "missing_task_id");
-        assert_eq!(e.dlq_reason(), "adapter_rejected");
         assert!(e.to_string().contains("task.id"), "{e}");
     }
 
@@ -1280,7 +1271,6 @@ mod tests {
         for mode in [AdapterMode::Strict, AdapterMode::Lenient] {
             let e = convert_bytes(&raw, mode, &limits).expect_err("too large");
             assert_eq!(e.kind(), "too_large");
-            assert_eq!(e.dlq_reason(), "too_large");
             let e = convert(&fixture("a2a_happy_task_requested.json"), 33, mode, &limits)
                 .expect_err("too large");
             assert_eq!(
@@ -1309,7 +1299,6 @@ mod tests {
             for mode in [AdapterMode::Strict, AdapterMode::Lenient] {
                 let e = convert_bytes(&raw, mode, &AdapterLimits::default()).expect_err("not JSON");
                 assert_eq!(e.kind(), "invalid_json");
-                assert_eq!(e.dlq_reason(), "bad_json");
             }
         }
     }

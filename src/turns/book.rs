@@ -105,21 +105,6 @@ impl<R: Clone> OpenTurns<R> {
         }
     }
 
-    /// Make a deadline due again (it was expired, or the turn's record says so).
-    pub fn arm(&mut self, key: &str, deadline: i64) {
-        if let Some((k, slot)) = self.slots.get_key_value(key) {
-            let k = k.clone();
-            let old = slot.deadline;
-            if let Some(o) = old {
-                self.by_time.remove(&(o, k.clone()));
-            }
-            self.by_time.insert((deadline, k.clone()));
-            if let Some(slot) = self.slots.get_mut(&k) {
-                slot.deadline = Some(deadline);
-            }
-        }
-    }
-
     /// The earliest armed deadline.
     pub fn next_deadline(&self) -> Option<i64> {
         self.by_time.first().map(|(t, _)| *t)
@@ -176,10 +161,6 @@ pub struct Watermark {
 }
 
 impl Watermark {
-    pub fn value(&self) -> Option<i64> {
-        self.value
-    }
-
     fn raise(&mut self, to: i64) -> Option<i64> {
         if self.value.is_some_and(|v| v >= to) {
             return None;
@@ -247,11 +228,10 @@ mod tests {
         );
         assert!(o.contains("b"), "expired turns stay open until closed");
         assert_eq!(o.get("b").map(|(_, _, d)| d), Some(None));
-        o.arm("b", 500);
         assert_eq!(o.next_deadline(), Some(300));
         assert!(o.close("a"));
         assert!(!o.close("a"));
-        assert_eq!(o.next_deadline(), Some(500));
+        assert_eq!(o.next_deadline(), None, "an expired turn stays disarmed");
         assert!(o.maybe_known("a") && o.maybe_known("d"));
         assert!(!o.maybe_known("zz"));
     }
