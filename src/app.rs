@@ -55,7 +55,7 @@ pub struct Running {
     _service: Option<async_nats::service::Service>,
     pub client: async_nats::Client,
     pub js: async_nats::jetstream::Context,
-    pub worker: Option<Arc<worker::Shared>>,
+    pub worker: Option<Arc<worker::WorkerContext>>,
     pub http_addr: Option<std::net::SocketAddr>,
     tracker: TaskTracker,
 }
@@ -119,7 +119,7 @@ pub async fn start(
     let tracker = TaskTracker::new();
     let partitions = settings.nats.partitions;
     let shared = if opts.workers {
-        let shared = worker::Shared::new(js.clone(), settings.clone()).await?;
+        let shared = worker::WorkerContext::new(js.clone(), settings.clone()).await?;
         let names = settings.names();
         let store = shared
             .leases_js

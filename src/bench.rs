@@ -26,7 +26,7 @@
 
 use crate::app::{self, RunOptions};
 use crate::bus::turns::{PartitionTurns, Rev, KEPT_OPEN_RECORDS};
-use crate::bus::{self, provision, worker::Shared};
+use crate::bus::{self, provision, worker::WorkerContext};
 use crate::classify::MainAgents;
 use crate::config::{Names, Settings};
 use crate::ingest;
@@ -910,7 +910,7 @@ async fn wait_first(
 async fn start_app(
     opts: &BenchOptions,
     settings: Settings,
-) -> Result<(app::Running, Arc<Shared>, CancellationToken), BenchError> {
+) -> Result<(app::Running, Arc<WorkerContext>, CancellationToken), BenchError> {
     let cancel = CancellationToken::new();
     let running = app::start(
         settings,
@@ -1234,7 +1234,7 @@ async fn read_all(
 
 enum UnderTest {
     Baseline(Passthrough),
-    Pipeline(Box<app::Running>, Arc<Shared>, CancellationToken),
+    Pipeline(Box<app::Running>, Arc<WorkerContext>, CancellationToken),
 }
 
 async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyResult, BenchError> {
@@ -1498,7 +1498,9 @@ async fn direct_reload(env: &Env) -> Result<(usize, f64), BenchError> {
                 .build()
                 .map_err(|e| e.to_string())?;
             rt.block_on(async move {
-                let shared = Shared::new(js, settings).await.map_err(|e| e.to_string())?;
+                let shared = WorkerContext::new(js, settings)
+                    .await
+                    .map_err(|e| e.to_string())?;
                 let cancel = CancellationToken::new();
                 let t0 = Instant::now();
                 let loaded = futures::future::join_all((0..partitions).map(|p| {
@@ -1725,23 +1727,10 @@ fn core_costs(seed: u64) -> CoreCosts {
             continue;
         };
         for n in &events {
-            let Some(conv) = n.conversation_id.as_deref() else {
+            // The worker's own rule and facts (read from the object the normaliser parsed).
+            let enforce = &settings.turns.enforce_roles;
+            let Some(f) = pipeline::turn_facts(n, &r, &names.prefix, enforce) else {
                 std::hint::black_box(pipeline::projection(&names, n, r.seq, String::new()));
-                continue;
-            };
-            // The facts come from the object the normaliser parsed (no second parse).
-            let Some(map) = n.source.as_deref() else {
-                continue;
-            };
-            let Some(f) = turns::facts(
-                map,
-                &n.envelope.event_type,
-                conv,
-                &n.key,
-                r.seq,
-                stored_at.timestamp_millis(),
-                &pipeline::producer_subject("collab", subject),
-            ) else {
                 continue;
             };
             let step = turns::on_event(None, &f, &cfg);

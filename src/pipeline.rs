@@ -64,6 +64,30 @@ pub fn producer_subject(prefix: &str, stored: &str) -> String {
     }
 }
 
+/// The turn facts of a normalised event, when the turn contract applies to it (an `a2a.*` event
+/// with a conversation, of a role in `enforce_roles`): read from the object the normaliser
+/// parsed, never from the raw bytes again. `None`: the event is projected as it is.
+pub fn turn_facts(
+    n: &Normalized,
+    raw: &RawMessage<'_>,
+    prefix: &str,
+    enforce_roles: &[crate::model::Role],
+) -> Option<crate::turns::TurnFacts> {
+    let conversation_id = n.conversation_id.as_deref()?;
+    if !enforce_roles.contains(&n.role()) {
+        return None;
+    }
+    crate::turns::facts(
+        n.source.as_deref()?,
+        &n.envelope.event_type,
+        conversation_id,
+        &n.key,
+        raw.seq,
+        raw.stored_at.timestamp_millis(),
+        &producer_subject(prefix, raw.stored_subject),
+    )
+}
+
 /// Normalise a raw message into envelopes, or say why it cannot be projected.
 pub fn normalize_raw(
     raw: &RawMessage<'_>,

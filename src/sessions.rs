@@ -408,15 +408,16 @@ pub fn apply_as(
         id,
         ..WorkSession::default()
     });
-    if apply_mut(&mut s, env, &keys, identity) {
+    if fold_into(&mut s, env, &keys, identity) {
         Some(s)
     } else {
         None
     }
 }
 
-/// Apply in place; `false` when nothing changed (a repeat).
-pub fn apply_mut(
+/// Fold one projected event into the session `s`, in place; `false` when nothing changed (a
+/// repeat).
+pub fn fold_into(
     s: &mut WorkSession,
     env: &Envelope,
     keys: &SessionKeys,

@@ -9,7 +9,7 @@
 //! Two owners may briefly overlap after a pause longer than the TTL; the KV fence of the turn
 //! contract and the Msg-Ids keep the output exactly-once then.
 
-use super::worker::{self, Shared};
+use super::worker::{self, WorkerContext};
 use async_nats::jetstream::kv;
 use futures::StreamExt;
 use std::collections::BTreeMap;
@@ -56,7 +56,7 @@ fn lease_key(p: u16) -> String {
 }
 
 fn spawn_partition(
-    shared: Arc<Shared>,
+    shared: Arc<WorkerContext>,
     p: u16,
     cancel: CancellationToken,
     valid_until: Arc<AtomicI64>,
@@ -112,7 +112,7 @@ async fn live_workers(store: &kv::Store) -> usize {
 
 /// Own a fair share of the partitions until `cancel`; then drain them and give them back.
 pub async fn run(
-    shared: Arc<Shared>,
+    shared: Arc<WorkerContext>,
     store: kv::Store,
     worker_id: String,
     cancel: CancellationToken,

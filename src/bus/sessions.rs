@@ -3,7 +3,7 @@
 //! [`run_fold`] reads the projection stream in order (off the projection path: no partition waits
 //! for it) and hands each round to [`SessionWriter::commit`]. One committer task per worker takes
 //! every group that arrived while the previous round was being written, merges them by session,
-//! applies each session's events with `sessions::apply_mut` and writes each session
+//! applies each session's events with `sessions::fold_into` and writes each session
 //! once, with compare-and-set, all sessions of a round concurrently. A hot session that
 //! every partition touches therefore costs one write per round, not one per group. The committer
 //! keeps the sessions it wrote, decoded, with their revision, and re-reads one only on a revision
@@ -347,7 +347,7 @@ async fn update(
                 id: id.to_string(),
                 ..WorkSession::default()
             });
-            changed |= sessions::apply_mut(s, env, &keys, *ident);
+            changed |= sessions::fold_into(s, env, &keys, *ident);
         }
         let unchanged = |session, revision, written| Outcome {
             kept: Some((session, revision)),

@@ -12,7 +12,7 @@
 //! keeps its open turns, the turns it decided lately, and the hashes of all its record keys, so a
 //! message needs no KV read unless it names an old turn.
 
-use super::worker::Shared;
+use super::worker::WorkerContext;
 use crate::ingest::Normalized;
 use crate::model::Role;
 use crate::pipeline::{self, OutKind, Outgoing, RawMessage};
@@ -248,7 +248,10 @@ impl Drop for PartitionTurns {
 }
 
 impl PartitionTurns {
-    pub async fn new(shared: &Shared, partition: u16) -> Result<PartitionTurns, TurnIoError> {
+    pub async fn new(
+        shared: &WorkerContext,
+        partition: u16,
+    ) -> Result<PartitionTurns, TurnIoError> {
         let bucket = shared.names.turns_bucket.clone();
         let store = shared
             .kv_js
@@ -348,7 +351,7 @@ impl PartitionTurns {
     /// claimed by this owner, for the acker to raise.
     pub async fn reload(
         &mut self,
-        shared: &Shared,
+        shared: &WorkerContext,
         cancel: &CancellationToken,
     ) -> Result<(usize, Checkpoint), TurnIoError> {
         // An ordered consumer over the partition's keys, last value of each: its pending count
@@ -513,7 +516,7 @@ impl PartitionTurns {
     /// follow one of this owner's writes still in flight, are queued on the [`DecisionWriter`].
     async fn send_write(
         &mut self,
-        shared: &Shared,
+        shared: &WorkerContext,
         key: &str,
         rec: &TurnRecord,
         after: Option<Rev>,
@@ -574,7 +577,7 @@ impl PartitionTurns {
     /// its own projection (or suppression), in that order, into `fx`.
     pub async fn on_event(
         &mut self,
-        shared: &Shared,
+        shared: &WorkerContext,
         n: &Normalized,
         facts: &TurnFacts,
         fx: &mut Effects,
@@ -605,7 +608,7 @@ impl PartitionTurns {
             None => current,
         };
         if let Some((rec, rev)) = &after {
-            if step.publish_winner || rec.state == TurnState::Decided {
+            if step.respond || rec.state == TurnState::Decided {
                 self.issue_response(shared, &key, rec, rev.clone(), Some((facts.seq, n)), fx)
                     .await?;
             }
@@ -642,7 +645,7 @@ impl PartitionTurns {
     /// Decide every open turn whose deadline is before the watermark, into `fx`.
     pub async fn advance(
         &mut self,
-        shared: &Shared,
+        shared: &WorkerContext,
         watermark_ms: i64,
         fx: &mut Effects,
     ) -> Result<usize, TurnIoError> {
@@ -685,7 +688,7 @@ impl PartitionTurns {
     /// winner, the winner's raw message is read back from the raw stream.
     async fn issue_response(
         &mut self,
-        shared: &Shared,
+        shared: &WorkerContext,
         key: &str,
         rec: &TurnRecord,
         rev: Rev,
@@ -711,7 +714,7 @@ impl PartitionTurns {
     /// The response of a decided turn.
     async fn response(
         &self,
-        shared: &Shared,
+        shared: &WorkerContext,
         key: &str,
         rec: &TurnRecord,
         current: Option<(u64, &Normalized)>,
@@ -772,7 +775,7 @@ impl PartitionTurns {
     /// a response that was stored; past it, the stream is searched for the response first.
     async fn republish(
         &mut self,
-        shared: &Shared,
+        shared: &WorkerContext,
         key: &str,
         rec: &TurnRecord,
         written_at: chrono::DateTime<chrono::Utc>,
@@ -801,7 +804,11 @@ impl PartitionTurns {
         Ok(())
     }
 
-    async fn fetch_envelope(&self, shared: &Shared, seq: u64) -> Option<crate::model::Envelope> {
+    async fn fetch_envelope(
+        &self,
+        shared: &WorkerContext,
+        seq: u64,
+    ) -> Option<crate::model::Envelope> {
         let stream = shared.js.get_stream(&shared.names.raw_stream).await.ok()?;
         let msg = stream.get_raw_message(seq).await.ok()?;
         let raw = RawMessage {
@@ -915,7 +922,7 @@ const DUPLICATE_WINDOW_MARGIN: Duration = Duration::from_secs(15);
 /// Whether `out` (a turn's response) is in the projection stream, looking from a little before
 /// `since` (when its decision was written).
 async fn response_stored(
-    shared: &Shared,
+    shared: &WorkerContext,
     out: &Outgoing,
     since: chrono::DateTime<chrono::Utc>,
 ) -> Result<bool, String> {

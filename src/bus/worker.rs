@@ -24,7 +24,6 @@ use crate::config::{Names, Settings};
 use crate::ingest;
 use crate::pipeline::{self, OutKind, Outgoing, RawMessage};
 use crate::telemetry;
-use crate::turns as turn_rules;
 use crate::turns::book::Watermark;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
 use async_nats::jetstream::{self, message::PublishMessage, AckKind};
@@ -115,7 +114,7 @@ pub struct WorkerState {
 }
 
 /// Everything the partition tasks share.
-pub struct Shared {
+pub struct WorkerContext {
     pub js: jetstream::Context,
     /// A context of its own for KV reads and writes: they must never wait for a publish-ack
     /// permit held by a projection queued behind them (that would deadlock the partitions).
@@ -141,11 +140,11 @@ pub struct Shared {
     publish_attempts: AtomicU64,
 }
 
-impl Shared {
+impl WorkerContext {
     pub async fn new(
         js: jetstream::Context,
         settings: Settings,
-    ) -> Result<Arc<Shared>, WorkerError> {
+    ) -> Result<Arc<WorkerContext>, WorkerError> {
         let names = settings.names();
         let ingest = ingest::Settings {
             main_agents: crate::classify::MainAgents::new(&settings.roles.main_agents),
@@ -186,7 +185,7 @@ impl Shared {
             .await
             .map_err(|e| setup(format!("work-session thread: {e}")))?
             .map_err(|e| setup(e.to_string()))?;
-        Ok(Arc::new(Shared {
+        Ok(Arc::new(WorkerContext {
             sessions: Arc::new(sessions),
             sessions_rt,
             sessions_js,
@@ -271,21 +270,24 @@ impl Shared {
     }
 }
 
-impl Shared {
+impl WorkerContext {
     pub(crate) fn count_projection(&self, role: crate::model::Role) {
         self.state.projected.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(telemetry::PROJECTED, "role" => role.as_str()).increment(1);
     }
 }
 
-struct Item {
+/// One input processed in partition order (or deadlines decided while the partition was idle),
+/// as the acker receives it.
+struct Processed {
     /// The consumer delivery to acknowledge; `None` for messages re-read from the stream at
     /// takeover, and for deadlines decided while the partition was idle.
     msg: Option<jetstream::Message>,
-    pending: Pending,
+    publishes: Publishes,
     /// Turn-record writes that must be stored before the message is acknowledged.
     writes: Vec<KvWrite>,
-    /// Published marks, written once `pending` is stored.
+    /// Decided turns whose responses are among `publishes`: counted towards the published
+    /// checkpoint once those are stored.
     marks: Vec<Mark>,
 }
 
@@ -297,7 +299,7 @@ struct Item {
 /// no work, so a worker that lost its lease without noticing yet does not process next to the
 /// new owner.
 pub async fn run_partition(
-    shared: Arc<Shared>,
+    shared: Arc<WorkerContext>,
     p: u16,
     cancel: CancellationToken,
     lease_valid_until: Arc<AtomicI64>,
@@ -331,7 +333,7 @@ pub async fn run_partition(
         .fetch_add(1, Ordering::Relaxed);
     debug!(partition = p, loaded, "partition started");
 
-    let (tx, rx) = mpsc::channel::<Item>(512);
+    let (tx, rx) = mpsc::channel::<Processed>(512);
     let broken = CancellationToken::new();
     let acks = match consumer.cached_info().config.ack_policy {
         AckPolicy::All => Acks::Last,
@@ -382,12 +384,12 @@ enum Flow {
 /// One running partition: its turns, its event-time watermark and the highest raw sequence it
 /// processed.
 struct Partition<'a> {
-    shared: &'a Arc<Shared>,
+    shared: &'a Arc<WorkerContext>,
     p: u16,
     turns: PartitionTurns,
     watermark: Watermark,
     last_seq: u64,
-    tx: mpsc::Sender<Item>,
+    tx: mpsc::Sender<Processed>,
     cancel: &'a CancellationToken,
     /// Cancelled by the acker when a turn-record write failed: stop and restart the partition.
     broken: &'a CancellationToken,
@@ -492,7 +494,7 @@ impl Partition<'_> {
                         why: "the lease may have lapsed",
                     });
                 }
-                if let Flow::Stop = self.handle(msg, true).await? {
+                if let Flow::Stop = self.process_in_order(msg, true).await? {
                     return Ok(());
                 }
             }
@@ -526,16 +528,18 @@ impl Partition<'_> {
             .map_err(|e| self.turn_error(e))?;
         if !fx.is_empty() {
             let inputs: [&jetstream::Message; 0] = [];
-            let Some(pending) = issue(self.shared, &fx.outs, &inputs, self.cancel).await else {
+            let Some(publishes) =
+                issue_publishes(self.shared, &fx.outs, &inputs, self.cancel).await
+            else {
                 return Ok(true);
             };
-            let item = Item {
+            let processed = Processed {
                 msg: None,
-                pending,
+                publishes,
                 writes: fx.writes,
                 marks: fx.marks,
             };
-            let _ = self.tx.send(item).await;
+            let _ = self.tx.send(processed).await;
         }
         Ok(true)
     }
@@ -591,7 +595,7 @@ impl Partition<'_> {
                 break;
             }
             count += 1;
-            if let Flow::Stop = self.handle(msg, false).await? {
+            if let Flow::Stop = self.process_in_order(msg, false).await? {
                 return Ok(Flow::Stop);
             }
             if seq >= to {
@@ -605,9 +609,47 @@ impl Partition<'_> {
         Ok(Flow::Continue)
     }
 
-    /// Process one message in partition order and hand it to the acker. `ack`: whether it is a
-    /// consumer delivery to acknowledge (false for messages re-read from the stream).
-    async fn handle(&mut self, msg: jetstream::Message, ack: bool) -> Result<Flow, WorkerError> {
+    /// Process one message in partition order, then act on what became of it: hand it to the
+    /// acker, or leave it for redelivery. `ack`: whether it is a consumer delivery to
+    /// acknowledge (false for messages re-read from the stream).
+    async fn process_in_order(
+        &mut self,
+        msg: jetstream::Message,
+        ack: bool,
+    ) -> Result<Flow, WorkerError> {
+        match self.dispose(msg, ack).await? {
+            Disposition::Issued { processed, outcome } => {
+                metrics::counter!(telemetry::INPUTS, "outcome" => outcome.as_str()).increment(1);
+                if let Outcome::DeadLettered(reason) = outcome {
+                    debug!(
+                        partition = self.p,
+                        seq = self.last_seq,
+                        reason = reason.as_str(),
+                        "input dead-lettered"
+                    );
+                }
+                if self.tx.send(processed).await.is_err() {
+                    return Ok(Flow::Stop);
+                }
+                Ok(Flow::Continue)
+            }
+            Disposition::LeftForRedelivery(Unprocessed::MetadataUnreadable) => {
+                Err(WorkerError::Interrupted {
+                    partition: self.p,
+                    why: "a delivery's metadata could not be read",
+                })
+            }
+            Disposition::LeftForRedelivery(Unprocessed::ShuttingDown) => Ok(Flow::Stop),
+        }
+    }
+
+    /// Decide what happens to one message: project it (or dead-letter it) and issue its outputs,
+    /// retrying a failed publish in place; or leave it unprocessed.
+    async fn dispose(
+        &mut self,
+        msg: jetstream::Message,
+        ack: bool,
+    ) -> Result<Disposition, WorkerError> {
         let info = match msg.info() {
             Ok(info) => info,
             Err(e) => {
@@ -616,10 +658,9 @@ impl Partition<'_> {
                 // acknowledgement cover it. Leave it (and what follows) for redelivery.
                 warn!(partition = self.p, subject = %msg.subject, reply = ?msg.reply, error = %e,
                     "a delivery's metadata cannot be read; restarting the partition");
-                return Err(WorkerError::Interrupted {
-                    partition: self.p,
-                    why: "a delivery's metadata could not be read",
-                });
+                return Ok(Disposition::LeftForRedelivery(
+                    Unprocessed::MetadataUnreadable,
+                ));
             }
         };
         let seq = info.stream_sequence;
@@ -634,23 +675,65 @@ impl Partition<'_> {
                 .map_err(|e| self.turn_error(e))?;
         }
         self.last_seq = self.last_seq.max(seq);
-        process(self.shared, &mut self.turns, &msg, &info, &mut fx)
+        let outcome = project_input(self.shared, &mut self.turns, &msg, &info, &mut fx)
             .await
             .map_err(|e| self.turn_error(e))?;
         // Cancelled while a publish kept failing: leave the message for redelivery.
-        let Some(pending) = issue(self.shared, &fx.outs, &[&msg], self.cancel).await else {
-            return Ok(Flow::Stop);
+        let Some(publishes) = issue_publishes(self.shared, &fx.outs, &[&msg], self.cancel).await
+        else {
+            return Ok(Disposition::LeftForRedelivery(Unprocessed::ShuttingDown));
         };
-        let item = Item {
+        let processed = Processed {
             msg: ack.then_some(msg),
-            pending,
+            publishes,
             writes: fx.writes,
             marks: fx.marks,
         };
-        if self.tx.send(item).await.is_err() {
-            return Ok(Flow::Stop);
+        Ok(Disposition::Issued { processed, outcome })
+    }
+}
+
+/// What happens to one input. Decided once per message by [`Partition::dispose`] and matched,
+/// exhaustively, where the partition decides whether it will be acknowledged.
+// Returned once and matched at once, never stored: boxing the large variant would only add an
+// allocation per input.
+#[allow(clippy::large_enum_variant)]
+enum Disposition {
+    /// Its outputs are issued (a failed publish was retried in place until it was sent): the
+    /// acker acknowledges it once they and its turn-record writes are stored.
+    Issued {
+        processed: Processed,
+        outcome: Outcome,
+    },
+    /// Not processed, not acknowledged: the server redelivers it (to this partition's restart or
+    /// its next owner), with everything after it in the partition.
+    LeftForRedelivery(Unprocessed),
+}
+
+/// Why an input is left for redelivery.
+enum Unprocessed {
+    /// Its delivery metadata (stream sequence, store time) cannot be read: it can be neither
+    /// processed in order nor dead-lettered with a reference. The partition restarts.
+    MetadataUnreadable,
+    /// The worker is stopping while one of its publishes keeps failing.
+    ShuttingDown,
+}
+
+/// What an input became.
+#[derive(Debug, Clone, Copy)]
+enum Outcome {
+    /// Projected (possibly into nothing new: a suppressed duplicate is projected as such).
+    Projected,
+    /// Dead-lettered, with this reason.
+    DeadLettered(crate::model::DlqReason),
+}
+
+impl Outcome {
+    fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Projected => "projected",
+            Outcome::DeadLettered(_) => "dead_lettered",
         }
-        Ok(Flow::Continue)
     }
 }
 
@@ -757,16 +840,18 @@ async fn sleep_opt(d: Option<Duration>) {
     }
 }
 
-type Pending = Vec<(Outgoing, Option<jetstream::context::PublishAckFuture>)>;
+/// An input's outputs as issued, each with the future of its publish ack (`None`: already
+/// acknowledged, by a retry in place).
+type Publishes = Vec<(Outgoing, Option<jetstream::context::PublishAckFuture>)>;
 
 /// Project one message into `fx`: its outputs, and what its turn asks for.
-async fn process(
-    shared: &Shared,
+async fn project_input(
+    shared: &WorkerContext,
     turns: &mut PartitionTurns,
     msg: &jetstream::Message,
     info: &jetstream::message::Info<'_>,
     fx: &mut Effects,
-) -> Result<(), TurnIoError> {
+) -> Result<Outcome, TurnIoError> {
     shared.state.inputs.fetch_add(1, Ordering::Relaxed);
     let raw = RawMessage {
         bytes: &msg.payload,
@@ -783,30 +868,15 @@ async fn process(
         shared.settings.consumer.max_deliver,
     ) {
         Err(rejection) => {
-            metrics::counter!(telemetry::INPUTS, "outcome" => "dead_lettered").increment(1);
             fx.outs
                 .push(pipeline::dead_letter(&shared.names, &raw, &rejection));
-            return Ok(());
+            return Ok(Outcome::DeadLettered(rejection.reason));
         }
         Ok(events) => events,
     };
-    metrics::counter!(telemetry::INPUTS, "outcome" => "projected").increment(1);
+    let enforce = &shared.settings.turns.enforce_roles;
     for (i, n) in events.iter().enumerate() {
-        let turn_facts = n.conversation_id.as_deref().and_then(|conv| {
-            if !shared.settings.turns.enforce_roles.contains(&n.role()) {
-                return None;
-            }
-            turn_rules::facts(
-                n.source.as_deref()?,
-                &n.envelope.event_type,
-                conv,
-                &n.key,
-                raw.seq,
-                raw.stored_at.timestamp_millis(),
-                &pipeline::producer_subject(&shared.names.prefix, raw.stored_subject),
-            )
-        });
-        match turn_facts {
+        match pipeline::turn_facts(n, &raw, &shared.names.prefix, enforce) {
             Some(f) => turns.on_event(shared, n, &f, fx).await?,
             None => fx.outs.push(pipeline::projection(
                 &shared.names,
@@ -816,20 +886,20 @@ async fn process(
             )),
         }
     }
-    Ok(())
+    Ok(Outcome::Projected)
 }
 
 /// Issue the publishes of `outs` in order, pipelined. A publish that cannot be sent is retried
 /// before anything later is sent, so per-key order holds. `None` if cancelled meanwhile.
-async fn issue(
-    shared: &Shared,
+async fn issue_publishes(
+    shared: &WorkerContext,
     outs: &[Outgoing],
     inputs: &[&jetstream::Message],
     cancel: &CancellationToken,
-) -> Option<Pending> {
+) -> Option<Publishes> {
     let mut pending = Vec::with_capacity(outs.len());
     for out in outs {
-        count(shared, out);
+        count_output(shared, out);
         let fut = match shared.send(out).await {
             Ok(f) => Some(f),
             Err(e) => {
@@ -845,7 +915,7 @@ async fn issue(
     Some(pending)
 }
 
-fn count(shared: &Shared, out: &Outgoing) {
+fn count_output(shared: &WorkerContext, out: &Outgoing) {
     match out.kind {
         OutKind::Projection(role) => {
             shared.state.projected.fetch_add(1, Ordering::Relaxed);
@@ -873,10 +943,10 @@ enum Acks {
 /// turn-record or checkpoint write was refused: nothing more is acknowledged, the partition
 /// restarts.
 async fn ack_stage(
-    shared: Arc<Shared>,
+    shared: Arc<WorkerContext>,
     p: u16,
     acks: Acks,
-    mut rx: mpsc::Receiver<Item>,
+    mut rx: mpsc::Receiver<Processed>,
     mut checkpoint: Checkpoint,
     cancel: CancellationToken,
     broken: CancellationToken,
@@ -904,8 +974,8 @@ async fn ack_stage(
         }
         let mut marks = Vec::new();
         for idx in 0..items.len() {
-            let pending = std::mem::take(&mut items[idx].pending);
-            for (out, fut) in pending {
+            let publishes = std::mem::take(&mut items[idx].publishes);
+            for (out, fut) in publishes {
                 let failed = match fut {
                     Some(fut) => fut.await.is_err(),
                     None => false,

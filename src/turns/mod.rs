@@ -386,8 +386,8 @@ impl SuppressReason {
 pub struct Step {
     /// Record to write first, with its CAS expectation.
     pub write: Option<(TurnRecord, Expect)>,
-    /// Publish the turn's response (after the write succeeded), then mark the record published.
-    pub publish_winner: bool,
+    /// The turn's response is due: the shell issues it once the write succeeded.
+    pub respond: bool,
     /// Project the event itself on its role subject (after the winner when both).
     pub project_self: bool,
     /// Route the event to `a2a.response.suppressed` instead.
@@ -500,7 +500,7 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
             };
             Step {
                 write: Some((decided, expect)),
-                publish_winner: true,
+                respond: true,
                 // A response is itself the published winner; a complete or error is projected
                 // as what it is, after the response it caused.
                 project_self: kind != TurnEventKind::Response,
@@ -516,7 +516,7 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
                 TurnEventKind::Response if is_winner => Step {
                     // Redelivery of the winning reply: publish again if the mark is missing
                     // (the Msg-Id collapses a republish in the duplicate window).
-                    publish_winner: unpublished,
+                    respond: unpublished,
                     ..Step::default()
                 },
                 TurnEventKind::Response => {
@@ -527,13 +527,13 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
                         SuppressReason::Duplicate
                     };
                     Step {
-                        publish_winner: unpublished,
+                        respond: unpublished,
                         suppress: Some(reason),
                         ..Step::default()
                     }
                 }
                 _ => Step {
-                    publish_winner: unpublished,
+                    respond: unpublished,
                     project_self: true,
                     ..Step::default()
                 },
@@ -564,7 +564,7 @@ pub fn on_deadline(current: (&TurnRecord, u64)) -> Option<Step> {
     };
     Some(Step {
         write: Some((decided, Expect::Revision(rev))),
-        publish_winner: true,
+        respond: true,
         ..Step::default()
     })
 }

@@ -417,8 +417,8 @@ impl Sim {
             after = Some((rec, rev));
             self.crash_point(CrashPoint::Write)?;
         }
-        if step.publish_winner {
-            let (rec, rev) = after.clone().expect("publish_winner comes with a record");
+        if step.respond {
+            let (rec, rev) = after.clone().expect("respond comes with a record");
             self.publish(key, &rec, rev)?;
         }
         if step.project_self {
@@ -643,7 +643,7 @@ fn response_with_no_send_is_the_turns_response_and_a_later_send_starts_no_timer(
     assert_eq!(expect, Expect::Absent);
     assert_eq!(rec.state, TurnState::Decided);
     assert_eq!((rec.send.clone(), rec.deadline_ms), (None, None));
-    assert!(step.publish_winner && !step.project_self && step.suppress.is_none());
+    assert!(step.respond && !step.project_self && step.suppress.is_none());
 
     let mut sim = Sim::new(cfg);
     let won = sim.run(1_000, r);
@@ -714,7 +714,7 @@ fn complete_with_no_send_opens_and_decides_the_turn() {
     let (rec, expect) = step.write.clone().expect("the complete opens the turn");
     assert_eq!(expect, Expect::Absent);
     assert_eq!(rec.state, TurnState::Decided);
-    assert!(step.publish_winner && step.project_self);
+    assert!(step.respond && step.project_self);
 
     let mut sim = Sim::new(contract_cfg());
     let done = sim.run(1_000, c);
@@ -1541,7 +1541,7 @@ fn on_deadline_only_decides_open_turns() {
     let step = on_deadline((&open, 4)).expect("an open turn times out");
     let (rec, expect) = step.write.clone().expect("a decision");
     assert_eq!(expect, Expect::Revision(4));
-    assert!(step.publish_winner && !step.project_self && step.suppress.is_none());
+    assert!(step.respond && !step.project_self && step.suppress.is_none());
     assert_eq!(rec.state, TurnState::Decided);
     assert_eq!(rec.deadline_ms, None);
     assert_eq!(on_deadline((&rec, 5)), None);
