@@ -3,6 +3,7 @@
 //! difference is reported and the caller stops.
 
 use crate::config::{Names, Settings};
+use async_nats::jetstream::context::ConsumerInfoErrorKind as consumer_info_error;
 use async_nats::jetstream::{self, consumer, kv, object_store, stream};
 use std::time::Duration;
 
@@ -193,8 +194,8 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
     let mut report = Report::default();
     for want in stream_configs(s) {
         let name = format!("stream {}", want.name);
-        match js.get_stream(&want.name).await {
-            Ok(mut existing) => {
+        match find_stream(js, &want.name, &name).await? {
+            Some(mut existing) => {
                 let info = existing.info().await.map_err(|e| api(&name, e))?;
                 let d = stream_differences(&info.config, &want);
                 if !d.is_empty() {
@@ -205,11 +206,10 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
                 }
                 report.unchanged.push(name);
             }
-            Err(e) if is_not_found(&e) => {
+            None => {
                 js.create_stream(want).await.map_err(|e| api(&name, e))?;
                 report.created.push(name);
             }
-            Err(e) => return Err(api(&name, e)),
         }
     }
     let names = s.names();
@@ -232,22 +232,19 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
                 }
                 report.unchanged.push(label);
             }
-            Err(_) => {
+            Err(e) if e.kind() == consumer_info_error::NotFound => {
                 raw.create_consumer(want)
                     .await
                     .map_err(|e| api(&label, e))?;
                 report.created.push(label);
             }
+            Err(e) => return Err(api(&label, e)),
         }
     }
     for want in kv_configs(s) {
         let label = format!("bucket {}", want.bucket);
-        match js.get_key_value(&want.bucket).await {
-            Ok(store) => {
-                let mut st = js
-                    .get_stream(format!("KV_{}", store.name))
-                    .await
-                    .map_err(|e| api(&label, e))?;
+        match find_stream(js, &format!("KV_{}", want.bucket), &label).await? {
+            Some(mut st) => {
                 let info = st.info().await.map_err(|e| api(&label, e))?;
                 let mut d = Vec::new();
                 differ(&mut d, "max_age", info.config.max_age, want.max_age);
@@ -265,7 +262,7 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
                 }
                 report.unchanged.push(label);
             }
-            Err(_) => {
+            None => {
                 js.create_key_value(want)
                     .await
                     .map_err(|e| api(&label, e))?;
@@ -275,9 +272,9 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
     }
     let blobs = names.blobs_store.clone();
     let label = format!("object store {blobs}");
-    match js.get_object_store(&blobs).await {
-        Ok(_) => report.unchanged.push(label),
-        Err(_) => {
+    match find_stream(js, &format!("OBJ_{blobs}"), &label).await? {
+        Some(_) => report.unchanged.push(label),
+        None => {
             js.create_object_store(object_store::Config {
                 bucket: blobs.clone(),
                 description: Some("collab-projector offloaded fields".into()),
@@ -292,7 +289,24 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
     Ok(report)
 }
 
-fn is_not_found(e: &jetstream::context::GetStreamError) -> bool {
-    let text = e.to_string().to_ascii_lowercase();
-    text.contains("not found") || text.contains("10059")
+/// The stream `name`, or `None` when the server says it does not exist (by its error code). Any
+/// other failure (no answer, no permission, JetStream off) is an error: a resource is created
+/// only when it is known to be missing.
+async fn find_stream(
+    js: &jetstream::Context,
+    name: &str,
+    label: &str,
+) -> Result<Option<stream::Stream>, ProvisionError> {
+    use jetstream::context::GetStreamErrorKind;
+    match js.get_stream(name).await {
+        Ok(s) => Ok(Some(s)),
+        Err(e) => match e.kind() {
+            GetStreamErrorKind::JetStream(j)
+                if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
+            {
+                Ok(None)
+            }
+            _ => Err(api(label, e)),
+        },
+    }
 }

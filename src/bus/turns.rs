@@ -33,15 +33,51 @@ use tokio_util::sync::CancellationToken;
 pub enum TurnIoError {
     #[error("turn record {key}: {detail}")]
     Kv { key: String, detail: String },
-    /// A pipelined write was refused: another owner wrote the record, or the write was lost.
-    #[error("turn record {key}: write refused ({detail})")]
+    /// A compare-and-set write was refused: another owner wrote the record.
+    #[error("turn record {key}: another owner wrote it ({detail})")]
     Conflict { key: String, detail: String },
+    /// A pipelined write was not stored for another reason (no answer, a broken connection):
+    /// its outcome is unknown.
+    #[error("turn record {key}: write not stored ({detail})")]
+    WriteFailed { key: String, detail: String },
     #[error("shutting down with turn {0} undecided on the bus")]
     Cancelled(String),
 }
 
 /// A turn-record write in flight; resolves to the record's new revision.
-pub type KvWrite = SharedFuture<BoxFuture<'static, Result<u64, String>>>;
+pub type KvWrite = SharedFuture<BoxFuture<'static, Result<u64, WriteError>>>;
+
+/// Why a turn-record write was not stored, by the kind the server or the client gave.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum WriteError {
+    /// The key was not at the expected revision (`WrongLastSequence`): another owner wrote it.
+    #[error("compare-and-set refused: the record is not at the expected revision")]
+    Conflict,
+    /// Anything else: no answer in time, a broken connection, the partition's writer stopped.
+    #[error("{0}")]
+    Failed(String),
+}
+
+impl WriteError {
+    fn of_publish(e: &jetstream::context::PublishError) -> WriteError {
+        match e.kind() {
+            jetstream::context::PublishErrorKind::WrongLastSequence => WriteError::Conflict,
+            _ => WriteError::Failed(e.to_string()),
+        }
+    }
+
+    /// The shell's error for the write of `key`.
+    pub fn for_key(self, key: &str) -> TurnIoError {
+        let key = key.to_string();
+        match self {
+            WriteError::Conflict => TurnIoError::Conflict {
+                key,
+                detail: WriteError::Conflict.to_string(),
+            },
+            WriteError::Failed(detail) => TurnIoError::WriteFailed { key, detail },
+        }
+    }
+}
 
 /// The revision of a record this owner wrote.
 #[derive(Clone)]
@@ -52,7 +88,7 @@ pub enum Rev {
 
 impl Rev {
     /// The revision, waiting for the write's ack if need be.
-    async fn revision(self) -> Result<u64, String> {
+    async fn revision(self) -> Result<u64, WriteError> {
         match self {
             Rev::Known(v) => Ok(v),
             Rev::Pending(w) => w.await,
@@ -185,7 +221,13 @@ impl Checkpoint {
                 self.last_write = tokio::time::Instant::now();
                 Ok(())
             }
-            Err(e) => Err(TurnIoError::Conflict {
+            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+                Err(TurnIoError::Conflict {
+                    key: self.key.clone(),
+                    detail: e.to_string(),
+                })
+            }
+            Err(e) => Err(TurnIoError::WriteFailed {
                 key: self.key.clone(),
                 detail: e.to_string(),
             }),
@@ -547,11 +589,13 @@ impl PartitionTurns {
                 key: key.to_string(),
                 detail,
             })?;
-        Ok(
-            async move { ack.await.map(|a| a.sequence).map_err(|e| e.to_string()) }
-                .boxed()
-                .shared(),
-        )
+        Ok(async move {
+            ack.await
+                .map(|a| a.sequence)
+                .map_err(|e| WriteError::of_publish(&e))
+        }
+        .boxed()
+        .shared())
     }
 
     fn remember(&mut self, key: &str, rec: &TurnRecord, rev: Rev) {
@@ -838,7 +882,7 @@ struct QueuedWrite {
     subject: String,
     rec: TurnRecord,
     after: Option<Rev>,
-    sent: oneshot::Sender<Result<jetstream::context::PublishAckFuture, String>>,
+    sent: oneshot::Sender<Result<jetstream::context::PublishAckFuture, WriteError>>,
 }
 
 impl DecisionWriter {
@@ -852,7 +896,9 @@ impl DecisionWriter {
                     Some(rev) => rev.revision().await,
                 };
                 let sent = match expected {
-                    Ok(rev) => send_cas(&kv_js, w.subject, &w.rec, rev).await,
+                    Ok(rev) => send_cas(&kv_js, w.subject, &w.rec, rev)
+                        .await
+                        .map_err(WriteError::Failed),
                     Err(e) => Err(e),
                 };
                 let _ = w.sent.send(sent);
@@ -871,11 +917,12 @@ impl DecisionWriter {
             sent,
         });
         async move {
-            queued.map_err(|_| "the partition's writer stopped".to_string())?;
-            let ack = ack
-                .await
-                .map_err(|_| "the partition's writer stopped".to_string())??;
-            ack.await.map(|a| a.sequence).map_err(|e| e.to_string())
+            let stopped = || WriteError::Failed("the partition's writer stopped".into());
+            queued.map_err(|_| stopped())?;
+            let ack = ack.await.map_err(|_| stopped())??;
+            ack.await
+                .map(|a| a.sequence)
+                .map_err(|e| WriteError::of_publish(&e))
         }
         .boxed()
         .shared()
@@ -907,13 +954,7 @@ async fn send_cas(
 
 /// The revision a write of this owner resulted in, waiting for its ack if need be.
 async fn resolve(key: &str, rev: &Rev) -> Result<u64, TurnIoError> {
-    rev.clone()
-        .revision()
-        .await
-        .map_err(|detail| TurnIoError::Conflict {
-            key: key.to_string(),
-            detail,
-        })
+    rev.clone().revision().await.map_err(|e| e.for_key(key))
 }
 
 /// Slack kept below the duplicate window when a reload republishes without looking first.

@@ -550,7 +550,14 @@ impl Partition<'_> {
                 debug!(partition = self.p, error = %e, "restarting the partition");
                 WorkerError::Interrupted {
                     partition: self.p,
-                    why: "a turn record write was refused",
+                    why: "another owner wrote a turn record",
+                }
+            }
+            TurnIoError::WriteFailed { .. } => {
+                debug!(partition = self.p, error = %e, "restarting the partition");
+                WorkerError::Interrupted {
+                    partition: self.p,
+                    why: "a turn record write was not stored",
                 }
             }
             e => self.setup(e.to_string()),
@@ -991,11 +998,8 @@ async fn ack_stage(
                 }
             }
             for w in std::mem::take(&mut items[idx].writes) {
-                if let Err(detail) = w.await {
-                    return Err(refused(TurnIoError::Conflict {
-                        key: String::new(),
-                        detail,
-                    }));
+                if let Err(e) = w.await {
+                    return Err(refused(e.for_key("(pipelined write)")));
                 }
             }
             marks.append(&mut items[idx].marks);
