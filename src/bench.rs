@@ -27,9 +27,7 @@
 use crate::app::{self, RunOptions};
 use crate::bus::turns::{PartitionTurns, Rev, KEPT_OPEN_RECORDS};
 use crate::bus::{self, provision, worker::WorkerContext};
-use crate::classify::MainAgents;
 use crate::config::{Names, Settings};
-use crate::ingest;
 use crate::localnats::{LocalNats, LocalNatsError, LocalNatsOptions};
 use crate::pipeline::{self, RawMessage, H_SOURCE_SEQ};
 use crate::sim::{Generator, Mix, RawEvent, MAIN_AGENTS};
@@ -64,6 +62,8 @@ pub enum BenchError {
     Nats { what: String, detail: String },
     #[error("{0}")]
     Stalled(String),
+    #[error(transparent)]
+    Config(#[from] crate::config::ConfigError),
     #[error("interrupted")]
     Interrupted,
 }
@@ -454,7 +454,8 @@ struct Env {
     local: Option<LocalNats>,
     js: jetstream::Context,
     client: async_nats::Client,
-    partitions: u16,
+    /// The pipeline's settings for this scenario, validated once.
+    settings: Settings,
 }
 
 impl Env {
@@ -470,6 +471,19 @@ impl Env {
                 (server.url(), "collab".to_string(), Some(server))
             }
         };
+        // The built-in defaults with `COLLAB_<SECTION>__<KEY>` overrides from the environment
+        // (for experiments); the server, prefix and partitions are the bench's.
+        let settings = Settings::load_with(None, |s| {
+            s.nats.url = url.clone();
+            s.nats.prefix = prefix.clone();
+            s.nats.partitions = opts.partitions;
+            s.http.enabled = false;
+            for agent in MAIN_AGENTS {
+                if !s.roles.main_agents.iter().any(|a| a == agent) {
+                    s.roles.main_agents.push(agent.to_string());
+                }
+            }
+        })?;
         let (client, js) = bus::connect(&url, None, 1024, "collab-projector bench").await?;
         Ok(Env {
             url,
@@ -477,24 +491,12 @@ impl Env {
             local,
             js,
             client,
-            partitions: opts.partitions,
+            settings,
         })
     }
 
-    /// The built-in defaults with `COLLAB_<SECTION>__<KEY>` overrides from the environment (for
-    /// experiments); the server, prefix and partitions are the bench's.
     fn settings(&self) -> Settings {
-        let mut s = Settings::load(None).unwrap_or_default();
-        s.nats.url = self.url.clone();
-        s.nats.prefix = self.prefix.clone();
-        s.nats.partitions = self.partitions;
-        s.http.enabled = false;
-        for agent in MAIN_AGENTS {
-            if !s.roles.main_agents.iter().any(|a| a == agent) {
-                s.roles.main_agents.push(agent.to_string());
-            }
-        }
-        s
+        self.settings.clone()
     }
 
     fn names(&self) -> Names {
@@ -536,7 +538,8 @@ impl Env {
         let names = self.names();
         let stream = self.js.get_stream(&names.raw_stream).await.ok()?;
         let infos = futures::future::join_all(
-            (0..self.partitions).map(|p| stream.consumer_info(names.consumer_name(p))),
+            (0..self.settings.nats.partitions)
+                .map(|p| stream.consumer_info(names.consumer_name(p))),
         )
         .await;
         let mut total = 0u64;
@@ -570,7 +573,8 @@ impl Env {
             return false;
         };
         let infos = futures::future::join_all(
-            (0..self.partitions).map(|p| stream.consumer_info(names.consumer_name(p))),
+            (0..self.settings.nats.partitions)
+                .map(|p| stream.consumer_info(names.consumer_name(p))),
         )
         .await;
         infos
@@ -679,7 +683,7 @@ async fn start_passthrough(env: &Env, partitioned: bool) -> Result<Passthrough, 
     let (_client, js) = bus::connect(&env.url, None, 1024, "bench passthrough").await?;
     let stream = js.get_stream(&names.raw_stream).await.ctx("raw stream")?;
     let filters: Vec<(String, String)> = if partitioned {
-        (0..env.partitions)
+        (0..env.settings.nats.partitions)
             .map(|p| (format!("bench-passthrough-{p}"), names.partition_filter(p)))
             .collect()
     } else {
@@ -997,7 +1001,7 @@ async fn throughput_pipeline(
             let detail = format!(
                 "{inputs} of {n} inputs taken, {outputs} outputs, {} of {} partitions running; no progress for {} s",
                 state.partitions_running.load(Ordering::Relaxed),
-                env.partitions,
+                env.settings.nats.partitions,
                 STALL.as_secs()
             );
             pb.finish_and_clear();
@@ -1069,22 +1073,13 @@ async fn throughput_pipeline(
 // ---------------------------------------------------------------------------------------------
 // Scenario 4: one message per fetch.
 
-fn ingest_settings(s: &Settings) -> ingest::Settings {
-    ingest::Settings {
-        main_agents: MainAgents::new(&s.roles.main_agents),
-        adapter_mode: s.adapter.mode,
-        adapter_limits: s.adapter_limits(),
-        max_payload_bytes: s.limits.max_payload_bytes,
-    }
-}
-
 async fn throughput_naive(env: &Env, opts: &BenchOptions) -> Result<ThroughputResult, BenchError> {
     env.provision().await?;
     let n = opts.naive_messages;
     let avg = preload(env, opts, Mix::REALISTIC, n, "4 naive").await?;
     let settings = env.settings();
     let names = env.names();
-    let ing = ingest_settings(&settings);
+    let ing = settings.ingest();
     let (_client, js) = bus::connect(&env.url, None, 1024, "bench naive").await?;
     let stream = js.get_stream(&names.raw_stream).await.ctx("raw stream")?;
     let consumer: PullConsumer = stream
@@ -1249,7 +1244,8 @@ async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyRe
     } else {
         let (running, shared, cancel) = start_app(opts, env.settings()).await?;
         let ready = Instant::now() + Duration::from_secs(60);
-        while shared.state.partitions_running.load(Ordering::Relaxed) < usize::from(env.partitions)
+        while shared.state.partitions_running.load(Ordering::Relaxed)
+            < usize::from(env.settings.nats.partitions)
         {
             if Instant::now() > ready {
                 stop_app(running, cancel).await;
@@ -1466,7 +1462,7 @@ async fn write_open_turns(env: &Env, opts: &BenchOptions, n: usize) -> Result<()
     let now = chrono::Utc::now().timestamp_millis();
     let mut publisher = Publisher::new(1000, false);
     for i in 0..n {
-        let (key, rec) = open_record(i, &env.prefix, env.partitions, now, 3_600_000);
+        let (key, rec) = open_record(i, &env.prefix, env.settings.nats.partitions, now, 3_600_000);
         let body = serde_json::to_vec(&rec).unwrap_or_default();
         publisher
             .publish(
@@ -1489,7 +1485,7 @@ async fn write_open_turns(env: &Env, opts: &BenchOptions, n: usize) -> Result<()
 async fn direct_reload(env: &Env) -> Result<(usize, f64), BenchError> {
     let js = env.js.clone();
     let settings = env.settings();
-    let partitions = env.partitions;
+    let partitions = env.settings.nats.partitions;
     let (tx, rx) = tokio::sync::oneshot::channel();
     std::thread::spawn(move || {
         let result = (|| {
@@ -1561,7 +1557,7 @@ async fn turn_book(
     // A worker's recovery: start until every partition runs (reload included).
     let pb = bar(
         opts,
-        u64::from(env.partitions),
+        u64::from(env.settings.nats.partitions),
         &format!("turnbook {n}: recover"),
     );
     let t = Instant::now();
@@ -1570,7 +1566,7 @@ async fn turn_book(
     loop {
         let up = shared.state.partitions_running.load(Ordering::Relaxed);
         pb.set_position(up as u64);
-        if up >= usize::from(env.partitions) {
+        if up >= usize::from(env.settings.nats.partitions) {
             r.worker_recovery_s = Some(t.elapsed().as_secs_f64());
             break;
         }
@@ -1680,7 +1676,7 @@ fn core_costs(seed: u64) -> CoreCosts {
         s
     };
     let names = settings.names();
-    let ing = ingest_settings(&settings);
+    let ing = settings.ingest();
     let corpus = |mix: Mix| -> Vec<(String, Vec<u8>)> {
         let mut gen = Generator::new("collab", seed, mix);
         let mut out = Vec::new();

@@ -259,8 +259,24 @@ impl Default for HttpSettings {
 }
 
 impl Settings {
-    /// Load defaults, then `file` (if any), then `COLLAB_*` environment variables.
+    /// Load defaults, then `file` (if any), then `COLLAB_*` environment variables, and validate.
     pub fn load(file: Option<&Path>) -> Result<Settings, ConfigError> {
+        Settings::load_with(file, |_| {})
+    }
+
+    /// Like [`Settings::load`], with `overrides` (command-line flags) applied before the one
+    /// validation.
+    pub fn load_with(
+        file: Option<&Path>,
+        overrides: impl FnOnce(&mut Settings),
+    ) -> Result<Settings, ConfigError> {
+        let mut settings = Settings::read(file)?;
+        overrides(&mut settings);
+        settings.validate()?;
+        Ok(settings)
+    }
+
+    fn read(file: Option<&Path>) -> Result<Settings, ConfigError> {
         let mut builder = config::Config::builder();
         if let Some(path) = file {
             if !path.exists() {
@@ -300,7 +316,6 @@ impl Settings {
                 })?;
             }
         }
-        settings.validate()?;
         Ok(settings)
     }
 
@@ -363,8 +378,14 @@ impl Settings {
         Names::new(&self.nats.prefix)
     }
 
-    pub fn adapter_limits(&self) -> AdapterLimits {
-        AdapterLimits::default()
+    /// What normalisation needs of these settings: the one place they are derived from.
+    pub fn ingest(&self) -> crate::ingest::Settings {
+        crate::ingest::Settings {
+            main_agents: crate::classify::MainAgents::new(&self.roles.main_agents),
+            adapter_mode: self.adapter.mode,
+            adapter_limits: AdapterLimits::default(),
+            max_payload_bytes: self.limits.max_payload_bytes,
+        }
     }
 }
 

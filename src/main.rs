@@ -49,7 +49,13 @@ struct Common {
 
 impl Common {
     fn settings(&self) -> anyhow::Result<Settings> {
-        let mut s = Settings::load(self.config.as_deref())?;
+        Ok(Settings::load_with(self.config.as_deref(), |s| {
+            self.apply(s)
+        })?)
+    }
+
+    /// The flags over the loaded settings.
+    fn apply(&self, s: &mut Settings) {
         if let Some(url) = &self.nats_url {
             s.nats.url = url.clone();
         }
@@ -65,8 +71,6 @@ impl Common {
         if let Some(agents) = &self.main_agents {
             s.roles.main_agents = agents.clone();
         }
-        s.validate()?;
-        Ok(s)
     }
 }
 
@@ -444,14 +448,15 @@ fn normalize(
     main_agents: Option<Vec<String>>,
     adapter_mode: Option<AdapterMode>,
 ) -> anyhow::Result<()> {
-    let settings = Settings::load(config)?;
-    let agents = main_agents.unwrap_or_else(|| settings.roles.main_agents.clone());
-    let ingest_settings = ingest::Settings {
-        main_agents: collab_projector::classify::MainAgents::new(&agents),
-        adapter_mode: adapter_mode.unwrap_or(settings.adapter.mode),
-        adapter_limits: settings.adapter_limits(),
-        max_payload_bytes: settings.limits.max_payload_bytes,
-    };
+    let settings = Settings::load_with(config, |s| {
+        if let Some(agents) = main_agents {
+            s.roles.main_agents = agents;
+        }
+        if let Some(mode) = adapter_mode {
+            s.adapter.mode = mode;
+        }
+    })?;
+    let ingest_settings = settings.ingest();
     let stdin = std::io::stdin().lock();
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     for line in stdin.split(b'\n') {

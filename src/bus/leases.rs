@@ -73,7 +73,7 @@ fn spawn_partition(
                 valid_until.clone(),
             ))
         });
-        let mut backoff = Duration::from_millis(200);
+        let mut retry = super::Retry::new(Duration::from_millis(200), Duration::from_secs(5));
         while !cancel.is_cancelled() {
             match worker::run_partition(shared.clone(), p, cancel.clone(), valid_until.clone())
                 .await
@@ -85,7 +85,7 @@ fn spawn_partition(
                 }
                 Err(e) => {
                     error!(error = %e, "partition failed; restarting");
-                    if !super::back_off(&mut backoff, &cancel).await {
+                    if !retry.wait(&cancel).await {
                         break;
                     }
                 }

@@ -22,18 +22,49 @@ pub enum ConnectError {
     NoJetStream { url: String, detail: String },
 }
 
-/// Wait `backoff` before a restart, then double it (up to 5 s). `false` when `cancel` fires
-/// first: stop instead of restarting.
-pub(crate) async fn back_off(
-    backoff: &mut Duration,
-    cancel: &tokio_util::sync::CancellationToken,
-) -> bool {
-    let waited = tokio::select! {
-        _ = tokio::time::sleep(*backoff) => true,
-        _ = cancel.cancelled() => false,
-    };
-    *backoff = (*backoff * 2).min(Duration::from_secs(5));
-    waited
+/// The schedule of every loop that retries against NATS (a restart, a pull, a publish):
+/// exponential from `min` to `max` with jitter, so workers that failed together do not retry
+/// together. It never gives up; each loop stops on its own condition.
+pub(crate) struct Retry {
+    schedule: backon::ExponentialBuilder,
+    delays: backon::ExponentialBackoff,
+    max: Duration,
+}
+
+impl Retry {
+    pub(crate) fn new(min: Duration, max: Duration) -> Retry {
+        use backon::BackoffBuilder;
+        let schedule = backon::ExponentialBuilder::new()
+            .with_min_delay(min)
+            .with_max_delay(max)
+            .with_jitter()
+            .without_max_times();
+        Retry {
+            delays: schedule.build(),
+            schedule,
+            max,
+        }
+    }
+
+    /// The next delay, longer each time up to `max`.
+    pub(crate) fn next_delay(&mut self) -> Duration {
+        self.delays.next().unwrap_or(self.max)
+    }
+
+    /// Start again from `min` (after a success).
+    pub(crate) fn reset(&mut self) {
+        use backon::BackoffBuilder;
+        self.delays = self.schedule.build();
+    }
+
+    /// Wait the next delay. `false` when `cancel` fires first: stop instead of retrying.
+    pub(crate) async fn wait(&mut self, cancel: &tokio_util::sync::CancellationToken) -> bool {
+        let delay = self.next_delay();
+        tokio::select! {
+            _ = tokio::time::sleep(delay) => true,
+            _ = cancel.cancelled() => false,
+        }
+    }
 }
 
 /// Parse "2.15.1" (or "2.12.0-RC.1") into a comparable triple.

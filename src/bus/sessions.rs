@@ -31,6 +31,9 @@ use tracing::{debug, warn};
 /// Largest session value written; a session that would grow beyond it stops being updated (it
 /// would exceed the server's message size) and a warning is logged.
 pub const MAX_SESSION_BYTES: usize = 900 * 1024;
+/// The retry schedule of work-session and alias reads and writes.
+const STORE_RETRY_MIN: Duration = Duration::from_millis(20);
+const STORE_RETRY_MAX: Duration = Duration::from_millis(500);
 /// Attempts per session (conflicts and transient errors) before `observe` gives up.
 const MAX_ATTEMPTS: u32 = 50;
 /// Aliases remembered in memory, to skip rewriting them.
@@ -320,6 +323,7 @@ async fn update(
     };
     let mut written = 0usize;
     let mut attempt = 0u32;
+    let mut retry = super::Retry::new(STORE_RETRY_MIN, STORE_RETRY_MAX);
     loop {
         attempt += 1;
         let current = match cached.take() {
@@ -333,8 +337,7 @@ async fn update(
                         return failed(key, detail);
                     }
                     warn!(key = %key, error = %detail, "work session read failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt.min(25))))
-                        .await;
+                    tokio::time::sleep(retry.next_delay()).await;
                     continue;
                 }
             },
@@ -379,7 +382,7 @@ async fn update(
             }
             Err(e) => {
                 warn!(key = %key, error = %e, "work session write failed; retrying");
-                tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt.min(25)))).await;
+                tokio::time::sleep(retry.next_delay()).await;
             }
         }
         if attempt >= MAX_ATTEMPTS {
@@ -428,6 +431,7 @@ impl SessionWriter {
         }
         let key = alias_key(conv);
         let mut attempt = 0u32;
+        let mut retry = super::Retry::new(STORE_RETRY_MIN, STORE_RETRY_MAX);
         loop {
             attempt += 1;
             match self.kv.put(&key, Bytes::from(ws.to_string())).await {
@@ -440,8 +444,7 @@ impl SessionWriter {
                 }
                 Err(e) => {
                     warn!(key = %key, error = %e, "conversation alias write failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt.min(25))))
-                        .await;
+                    tokio::time::sleep(retry.next_delay()).await;
                 }
             }
         }
@@ -456,6 +459,7 @@ impl SessionWriter {
         }
         let key = alias_key(conv);
         let mut attempt = 0u32;
+        let mut retry = super::Retry::new(STORE_RETRY_MIN, STORE_RETRY_MAX);
         loop {
             attempt += 1;
             match self.kv.get(key.clone()).await {
@@ -473,8 +477,7 @@ impl SessionWriter {
                 }
                 Err(e) => {
                     warn!(key = %key, error = %e, "conversation alias read failed; retrying");
-                    tokio::time::sleep(Duration::from_millis(20 * u64::from(attempt.min(25))))
-                        .await;
+                    tokio::time::sleep(retry.next_delay()).await;
                 }
             }
         }
@@ -576,13 +579,13 @@ pub async fn run_fold(
     cancel: tokio_util::sync::CancellationToken,
     lease_valid_until: std::sync::Arc<std::sync::atomic::AtomicI64>,
 ) {
-    let mut backoff = Duration::from_millis(200);
+    let mut retry = super::Retry::new(Duration::from_millis(200), Duration::from_secs(5));
     while !cancel.is_cancelled() {
         match fold(&writer, &js, &proj_stream, &cancel, &lease_valid_until).await {
             Ok(()) => break,
             Err(e) => {
                 warn!(error = %e, "work-session fold failed; restarting from its checkpoint");
-                if !super::back_off(&mut backoff, &cancel).await {
+                if !retry.wait(&cancel).await {
                     break;
                 }
             }

@@ -146,12 +146,7 @@ impl WorkerContext {
         settings: Settings,
     ) -> Result<Arc<WorkerContext>, WorkerError> {
         let names = settings.names();
-        let ingest = ingest::Settings {
-            main_agents: crate::classify::MainAgents::new(&settings.roles.main_agents),
-            adapter_mode: settings.adapter.mode,
-            adapter_limits: settings.adapter_limits(),
-            max_payload_bytes: settings.limits.max_payload_bytes,
-        };
+        let ingest = settings.ingest();
         let fail_publish_every = std::env::var("COLLAB_TEST_FAIL_PUBLISH_EVERY")
             .ok()
             .and_then(|v| v.parse().ok())
@@ -233,7 +228,7 @@ impl WorkerContext {
         inputs: &[&jetstream::Message],
         cancel: &CancellationToken,
     ) -> bool {
-        let mut backoff = Duration::from_millis(50);
+        let mut retry = super::Retry::new(Duration::from_millis(50), Duration::from_secs(2));
         let mut since_progress = Duration::ZERO;
         let mut since_cancel = Duration::ZERO;
         loop {
@@ -249,23 +244,23 @@ impl WorkerContext {
                     warn!(subject = %out.subject, error = %e, "publish failed; retrying in place");
                 }
             }
+            let delay = retry.next_delay();
             if cancel.is_cancelled() {
                 // Shutting down while the server does not take the publish: give up after a
                 // while and leave the inputs unacknowledged, for redelivery.
                 if since_cancel >= self.settings.consumer.ack_wait.min(Duration::from_secs(10)) {
                     return false;
                 }
-                since_cancel += backoff;
+                since_cancel += delay;
             }
-            tokio::time::sleep(backoff).await;
-            since_progress += backoff;
+            tokio::time::sleep(delay).await;
+            since_progress += delay;
             if since_progress >= self.settings.consumer.ack_wait / 3 {
                 for m in inputs {
                     let _ = m.ack_with(AckKind::Progress).await;
                 }
                 since_progress = Duration::ZERO;
             }
-            backoff = (backoff * 2).min(Duration::from_secs(2));
         }
     }
 }
@@ -428,7 +423,7 @@ impl Partition<'_> {
         // When a due deadline cannot fire yet (messages are still pending), look again no sooner
         // than this (ms since the epoch): the check costs a JetStream API request.
         let mut idle_check_after = 0i64;
-        let mut backoff = Duration::from_millis(100);
+        let mut retry = super::Retry::new(Duration::from_millis(100), Duration::from_secs(5));
         loop {
             if self.cancel.is_cancelled() || self.broken.is_cancelled() {
                 return Ok(());
@@ -445,15 +440,13 @@ impl Partition<'_> {
                 Ok(m) => m,
                 Err(e) => {
                     warn!(partition = self.p, error = %e, "pull failed; retrying");
-                    tokio::select! {
-                        _ = tokio::time::sleep(backoff) => {}
-                        _ = self.cancel.cancelled() => return Ok(()),
+                    if !retry.wait(self.cancel).await {
+                        return Ok(());
                     }
-                    backoff = (backoff * 2).min(Duration::from_secs(5));
                     continue;
                 }
             };
-            backoff = Duration::from_millis(100);
+            retry.reset();
             // The batch is bounded (size and expiry): finishing it on cancel is the drain.
             loop {
                 let timer = self.turns.next_deadline().map(|d| {
