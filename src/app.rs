@@ -75,6 +75,28 @@ impl Running {
     }
 }
 
+/// Resolves on the first Ctrl-C or SIGTERM (the signals that stop `run`, `demo` and `bench`).
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        match signal(SignalKind::terminate()) {
+            Ok(mut term) => {
+                tokio::select! {
+                    _ = ctrl_c => {}
+                    _ = term.recv() => {}
+                }
+            }
+            Err(_) => {
+                let _ = ctrl_c.await;
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+}
+
 /// Start everything and return at once; cancel `cancel` to stop, then [`Running::wait`].
 pub async fn start(
     settings: Settings,

@@ -1810,19 +1810,10 @@ async fn round_trips(env: &Env) -> Result<RoundTrips, BenchError> {
 /// Run the selected parts and return everything measured. Ctrl-C or SIGTERM stops the run and the
 /// servers it started.
 pub async fn run(opts: BenchOptions) -> Result<BenchReport, BenchError> {
-    let terminate = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut term) => {
-                term.recv().await;
-            }
-            Err(_) => std::future::pending::<()>().await,
-        }
-    };
     // Dropping the run on a signal drops its servers, which stops them.
     tokio::select! {
         r = run_parts(opts) => r,
-        _ = tokio::signal::ctrl_c() => Err(BenchError::Interrupted),
-        _ = terminate => Err(BenchError::Interrupted),
+        _ = app::shutdown_signal() => Err(BenchError::Interrupted),
     }
 }
 

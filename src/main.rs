@@ -234,25 +234,7 @@ fn shutdown_token() -> CancellationToken {
     let cancel = CancellationToken::new();
     let c = cancel.clone();
     tokio::spawn(async move {
-        let ctrl_c = tokio::signal::ctrl_c();
-        #[cfg(unix)]
-        {
-            let mut term =
-                match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-                    Ok(t) => t,
-                    Err(_) => {
-                        let _ = ctrl_c.await;
-                        c.cancel();
-                        return;
-                    }
-                };
-            tokio::select! {
-                _ = ctrl_c => {}
-                _ = term.recv() => {}
-            }
-        }
-        #[cfg(not(unix))]
-        let _ = ctrl_c.await;
+        app::shutdown_signal().await;
         tracing::info!("shutting down: draining in-flight work");
         c.cancel();
     });

@@ -241,6 +241,27 @@ pub fn decode_id(token: &str) -> Option<String> {
     Some(token.to_string())
 }
 
+/// The turn id of CONTRACT section 4 from the candidates in order (`turnId`, then `turn`): the
+/// first that is an id, else `"0"`.
+pub fn turn_id<'a>(candidates: impl IntoIterator<Item = Option<&'a Value>>) -> String {
+    candidates
+        .into_iter()
+        .flatten()
+        .find_map(id_text)
+        .unwrap_or_else(|| "0".to_string())
+}
+
+/// At most `max` characters (trimmed), cut on a character boundary and marked with an ellipsis.
+pub fn shorten(text: &str, max: usize) -> String {
+    let t = text.trim();
+    if t.chars().count() <= max {
+        return t.to_string();
+    }
+    let mut s: String = t.chars().take(max.saturating_sub(1)).collect();
+    s.push('…');
+    s
+}
+
 /// The text form of an id value (string as is, numbers in JSON form); `None` for null/empty.
 pub fn id_text(v: &Value) -> Option<String> {
     match v {

@@ -20,6 +20,7 @@
 //!   tied to a raw position) is identified by its turn: once a turn has an outcome, a response
 //!   for it changes nothing.
 
+use crate::model::shorten;
 use crate::model::{id_text, Envelope, Role};
 use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
@@ -299,12 +300,11 @@ pub fn keys(env: &Envelope) -> SessionKeys {
 
 /// The turn id of CONTRACT section 4: `turnId`, else `turn`, else `0`.
 pub fn turn_id(env: &Envelope) -> String {
-    env.turn_id
-        .as_ref()
-        .and_then(id_text)
-        .or_else(|| field_id(env, "turnId"))
-        .or_else(|| field_id(env, "turn"))
-        .unwrap_or_else(|| "0".to_string())
+    crate::model::turn_id([
+        env.turn_id.as_ref(),
+        field(env, "turnId"),
+        field(env, "turn"),
+    ])
 }
 
 /// Event time: the producer's timestamp, else the raw stream's store time.
@@ -351,17 +351,6 @@ fn keep_max(slot: &mut Option<String>, t: &str) {
     if slot.as_deref().is_none_or(|cur| later(t, cur)) {
         *slot = Some(t.to_string());
     }
-}
-
-/// At most `n` characters, with an ellipsis when cut.
-pub fn shorten(s: &str, n: usize) -> String {
-    let s = s.trim();
-    if s.chars().count() <= n {
-        return s.to_string();
-    }
-    let mut out: String = s.chars().take(n.saturating_sub(1)).collect();
-    out.push('…');
-    out
 }
 
 fn message_text(env: &Envelope) -> Option<&str> {

@@ -47,10 +47,6 @@ pub fn probe_order(worker_id: &str, partitions: u16) -> Vec<u16> {
         .collect()
 }
 
-fn now_ms() -> i64 {
-    chrono::Utc::now().timestamp_millis()
-}
-
 fn lease_key(p: u16) -> String {
     format!("l.{p}")
 }
@@ -139,7 +135,7 @@ pub async fn run(
             let renewals = held.iter().map(|(p, h)| {
                 let (p, revision, store, id) = (*p, h.revision, &store, worker_id.clone());
                 async move {
-                    let asked_at = now_ms();
+                    let asked_at = super::now_ms();
                     (
                         p,
                         asked_at,
@@ -199,7 +195,7 @@ pub async fn run(
                 if held.contains_key(p) {
                     continue;
                 }
-                let asked_at = now_ms();
+                let asked_at = super::now_ms();
                 if let Ok(rev) = store.create(lease_key(*p), worker_id.clone().into()).await {
                     let c = cancel.child_token();
                     let valid_until = Arc::new(AtomicI64::new(asked_at + validity_ms));

@@ -67,6 +67,11 @@ impl Retry {
     }
 }
 
+/// This machine's clock, in ms since the epoch.
+pub(crate) fn now_ms() -> i64 {
+    chrono::Utc::now().timestamp_millis()
+}
+
 /// Parse "2.15.1" (or "2.12.0-RC.1") into a comparable triple.
 pub fn parse_version(v: &str) -> Option<(u64, u64, u64)> {
     let core = v.trim().trim_start_matches('v');

@@ -451,7 +451,7 @@ impl Partition<'_> {
             loop {
                 let timer = self.turns.next_deadline().map(|d| {
                     let due = d.saturating_add(skew).max(idle_check_after);
-                    let wait_ms = due.saturating_sub(now_ms()).max(0);
+                    let wait_ms = due.saturating_sub(super::now_ms()).max(0);
                     Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0))
                 });
                 let next = tokio::select! {
@@ -460,7 +460,7 @@ impl Partition<'_> {
                     m = messages.next() => m,
                     _ = sleep_opt(timer) => {
                         if !self.idle_tick(consumer, skew).await? {
-                            idle_check_after = now_ms() + IDLE_CHECK_MS;
+                            idle_check_after = super::now_ms() + IDLE_CHECK_MS;
                         }
                         continue;
                     }
@@ -511,7 +511,7 @@ impl Partition<'_> {
         if info.num_pending != 0 || !all_processed {
             return Ok(false);
         }
-        let Some(wm) = self.watermark.idle(now_ms() - skew) else {
+        let Some(wm) = self.watermark.idle(super::now_ms() - skew) else {
             return Ok(false);
         };
         let mut fx = Effects::default();
@@ -826,11 +826,7 @@ const IDLE_CHECK_MS: i64 = 200;
 
 pub(crate) fn lease_lapsed(valid_until: &AtomicI64) -> bool {
     let v = valid_until.load(Ordering::Relaxed);
-    v > 0 && now_ms() > v
-}
-
-fn now_ms() -> i64 {
-    chrono::Utc::now().timestamp_millis()
+    v > 0 && super::now_ms() > v
 }
 
 async fn sleep_opt(d: Option<Duration>) {

@@ -118,17 +118,6 @@ pub fn record_key(partition: u16, key: &str, turn: &str) -> String {
 
 const GOAL_MAX_CHARS: usize = 200;
 
-/// Shorten text to `max` characters on a character boundary, marking the cut.
-pub fn shorten(text: &str, max: usize) -> String {
-    let t = text.trim();
-    if t.chars().count() <= max {
-        return t.to_string();
-    }
-    let mut s: String = t.chars().take(max.saturating_sub(1)).collect();
-    s.push('…');
-    s
-}
-
 /// The upstream failure signal of an event, first matching row of the contract's table.
 pub fn failure_signal(fields: &Fields<'_>, event_type: &str) -> Option<(Reason, Option<String>)> {
     let detail = fields
@@ -182,11 +171,7 @@ pub fn facts(
 ) -> Option<TurnFacts> {
     let kind = TurnEventKind::of(event_type)?;
     let fields = Fields::new(obj);
-    let turn = fields
-        .get("turnId")
-        .and_then(id_text)
-        .or_else(|| fields.get("turn").and_then(id_text))
-        .unwrap_or_else(|| "0".to_string());
+    let turn = crate::model::turn_id([fields.get("turnId"), fields.get("turn")]);
     let text = |name: &str| fields.get(name).and_then(id_text);
     let (failure, failure_detail) = match failure_signal(&fields, event_type) {
         Some((r, d)) => (Some(r), d),
@@ -199,7 +184,7 @@ pub fn facts(
             .str("goal")
             .filter(|g| !g.trim().is_empty())
             .or_else(|| fields.str("message"))
-            .map(|g| shorten(g, GOAL_MAX_CHARS))
+            .map(|g| crate::model::shorten(g, GOAL_MAX_CHARS))
             .filter(|g| !g.is_empty());
         timeout_ms = fields.get("timeoutMs").and_then(Value::as_u64).or_else(|| {
             let deadline = fields.get("deadline").and_then(parse_timestamp)?;
