@@ -221,7 +221,7 @@ pub struct MachineInfo {
     pub wall_seconds: f64,
 }
 
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 #[serde(rename_all = "camelCase")]
 pub struct ThroughputResult {
     pub id: u8,
@@ -845,15 +845,8 @@ async fn throughput_baseline(
         server_cpu_cores: server,
         worker_cpu_cores: worker,
         startup_s: (t0 - started).as_secs_f64(),
-        kv_turn_writes: None,
-        lease_writes: None,
-        kv_session_writes: None,
-        session_value_avg_bytes: None,
-        js_api_requests: None,
-        redelivered: None,
-        server_us_per_input: None,
-        worker_us_per_input: None,
-        state_writes_per_input: None,
+        // No pipeline state to count.
+        ..ThroughputResult::default()
     })
 }
 
@@ -1170,15 +1163,8 @@ async fn throughput_naive(env: &Env, opts: &BenchOptions) -> Result<ThroughputRe
         server_cpu_cores: server,
         worker_cpu_cores: worker,
         startup_s: (t0 - started).as_secs_f64(),
-        kv_turn_writes: None,
-        lease_writes: None,
-        kv_session_writes: None,
-        session_value_avg_bytes: None,
-        js_api_requests: None,
-        redelivered: None,
-        server_us_per_input: None,
-        worker_us_per_input: None,
-        state_writes_per_input: None,
+        // No pipeline state to count.
+        ..ThroughputResult::default()
     })
 }
 

@@ -438,25 +438,18 @@ pub fn digest(v: &Value) -> String {
 }
 
 fn sort_keys(v: &Value) -> Value {
-    match v {
-        Value::Object(map) => {
-            let mut entries: Vec<(&String, &Value)> = map.iter().collect();
-            entries.sort_unstable_by(|a, b| a.0.cmp(b.0));
-            Value::Object(
-                entries
-                    .into_iter()
-                    .map(|(k, v)| (k.clone(), sort_keys(v)))
-                    .collect(),
-            )
-        }
-        Value::Array(items) => Value::Array(items.iter().map(sort_keys).collect()),
-        other => other.clone(),
-    }
+    sorted(v, false)
 }
 
 /// Sorted keys at every level, and arrays made only of strings sorted too, so attribute
 /// order chosen by a producer never changes the payload.
 fn normalize_attributes(v: &Value) -> Value {
+    sorted(v, true)
+}
+
+/// `v` with its object keys sorted at every level; with `string_sets`, arrays made only of
+/// strings are sorted too.
+fn sorted(v: &Value, string_sets: bool) -> Value {
     match v {
         Value::Object(map) => {
             let mut entries: Vec<(&String, &Value)> = map.iter().collect();
@@ -464,18 +457,22 @@ fn normalize_attributes(v: &Value) -> Value {
             Value::Object(
                 entries
                     .into_iter()
-                    .map(|(k, v)| (k.clone(), normalize_attributes(v)))
+                    .map(|(k, v)| (k.clone(), sorted(v, string_sets)))
                     .collect(),
             )
         }
         Value::Array(items) => {
-            let strings: Option<Vec<&str>> = items.iter().map(Value::as_str).collect();
+            let strings: Option<Vec<&str>> = if string_sets {
+                items.iter().map(Value::as_str).collect()
+            } else {
+                None
+            };
             match strings {
                 Some(mut strings) => {
                     strings.sort_unstable();
                     Value::Array(strings.into_iter().map(Value::from).collect())
                 }
-                None => Value::Array(items.iter().map(normalize_attributes).collect()),
+                None => Value::Array(items.iter().map(|i| sorted(i, string_sets)).collect()),
             }
         }
         other => other.clone(),
