@@ -241,6 +241,21 @@ pub fn decode_id(token: &str) -> Option<String> {
     Some(token.to_string())
 }
 
+/// A producer timestamp: epoch milliseconds, or RFC 3339 text.
+pub fn timestamp(v: &Value) -> Option<chrono::DateTime<chrono::Utc>> {
+    use chrono::TimeZone;
+    match v {
+        Value::Number(n) => {
+            let ms = n.as_i64().or_else(|| n.as_f64().map(|f| f as i64))?;
+            chrono::Utc.timestamp_millis_opt(ms).single()
+        }
+        Value::String(s) => chrono::DateTime::parse_from_rfc3339(s.trim())
+            .ok()
+            .map(|d| d.with_timezone(&chrono::Utc)),
+        _ => None,
+    }
+}
+
 /// The turn id of CONTRACT section 4 from the candidates in order (`turnId`, then `turn`): the
 /// first that is an id, else `"0"`.
 pub fn turn_id<'a>(candidates: impl IntoIterator<Item = Option<&'a Value>>) -> String {

@@ -27,12 +27,10 @@ fn error_response(description: &str) -> Value {
 
 /// The document.
 pub fn document() -> Value {
-    let roles = json!([
-        "conversation.main",
-        "delegation.subagent",
-        "orchestration.task",
-        "system.observability"
-    ]);
+    let roles: Value = crate::model::Role::ALL
+        .iter()
+        .map(|r| Value::from(r.as_str()))
+        .collect();
     let role = list_param("role", "Event roles, comma-separated or repeated. Default: every role the token may read. Naming a role outside the token's grant is a 403.");
     let typ = list_param(
         "type",

@@ -6,7 +6,7 @@ use super::{check_type, Normalized, RawInput, Settings};
 use crate::classify::{self, Fields};
 use crate::facets;
 use crate::model::{encode_id, id_text, DlqReason, Envelope, Rejection, Role};
-use chrono::{DateTime, SecondsFormat, TimeZone, Utc};
+use chrono::SecondsFormat;
 use serde_json::{Map, Value};
 
 /// Top-level keys that have a slot in the envelope (or are consumed by the mapping).
@@ -44,17 +44,7 @@ pub const CONVERSATION_KEY_FIELDS: [&str; 4] =
 
 /// Format a producer timestamp (epoch milliseconds or RFC 3339) as RFC 3339 UTC with millis.
 pub fn parse_timestamp(v: &Value) -> Option<String> {
-    let dt: DateTime<Utc> = match v {
-        Value::Number(n) => {
-            let ms = n.as_i64().or_else(|| n.as_f64().map(|f| f as i64))?;
-            Utc.timestamp_millis_opt(ms).single()?
-        }
-        Value::String(s) => DateTime::parse_from_rfc3339(s.trim())
-            .ok()?
-            .with_timezone(&Utc),
-        _ => return None,
-    };
-    Some(dt.to_rfc3339_opts(SecondsFormat::Millis, true))
+    crate::model::timestamp(v).map(|dt| dt.to_rfc3339_opts(SecondsFormat::Millis, true))
 }
 
 /// Whether an event carries an upstream failure signal (for the phase facet): any row of the

@@ -14,8 +14,7 @@ pub mod blocked;
 pub mod book;
 
 use crate::classify::Fields;
-use crate::ingest::event::parse_timestamp;
-use crate::model::{encode_id, id_text};
+use crate::model::{encode_id, id_text, timestamp};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::fmt;
@@ -187,14 +186,12 @@ pub fn facts(
             .map(|g| crate::model::shorten(g, GOAL_MAX_CHARS))
             .filter(|g| !g.is_empty());
         timeout_ms = fields.get("timeoutMs").and_then(Value::as_u64).or_else(|| {
-            let deadline = fields.get("deadline").and_then(parse_timestamp)?;
+            let deadline = fields.get("deadline").and_then(timestamp)?;
             let sent = fields
                 .get("timestamp")
                 .or_else(|| fields.get("ts"))
-                .and_then(parse_timestamp)?;
-            let d = chrono::DateTime::parse_from_rfc3339(&deadline).ok()?;
-            let s = chrono::DateTime::parse_from_rfc3339(&sent).ok()?;
-            u64::try_from((d - s).num_milliseconds()).ok()
+                .and_then(timestamp)?;
+            u64::try_from((deadline - sent).num_milliseconds()).ok()
         });
     }
     Some(TurnFacts {
