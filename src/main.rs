@@ -242,9 +242,11 @@ fn shutdown_token() -> CancellationToken {
 }
 
 fn metrics_handle() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
-    metrics_exporter_prometheus::PrometheusBuilder::new()
+    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
         .install_recorder()
-        .ok()
+        .ok()?;
+    telemetry::describe_metrics();
+    Some(handle)
 }
 
 async fn async_main(cli: Cli) -> anyhow::Result<()> {

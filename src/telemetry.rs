@@ -24,6 +24,78 @@ pub const SESSION_EVENTS_FOLDED: &str = "collab_session_events_folded_total";
 /// The projection-stream sequence up to which work sessions are written.
 pub const SESSION_FOLD_POSITION: &str = "collab_session_fold_position";
 
+/// What a metric family is, for its `# TYPE` line.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Family {
+    Counter,
+    Gauge,
+}
+
+/// Every metric family with its kind and its `# HELP` text.
+pub const FAMILIES: &[(&str, Family, &str)] = &[
+    (
+        INPUTS,
+        Family::Counter,
+        "Raw messages handled, by outcome (projected, dead_lettered).",
+    ),
+    (
+        PROJECTED,
+        Family::Counter,
+        "Projected events published, by role.",
+    ),
+    (
+        DEAD_LETTERS,
+        Family::Counter,
+        "Dead letters published, by reason.",
+    ),
+    (
+        PUBLISH_RETRIES,
+        Family::Counter,
+        "Publishes retried in place after a failure.",
+    ),
+    (
+        TURN_OUTCOMES,
+        Family::Counter,
+        "Turn responses published, by outcome (response, blocked) and reason.",
+    ),
+    (
+        SUPPRESSED,
+        Family::Counter,
+        "Later replies and duplicates kept out of the response subject, by reason.",
+    ),
+    (
+        PARTITIONS_OWNED,
+        Family::Gauge,
+        "Partitions this worker owns.",
+    ),
+    (
+        OPEN_TURNS,
+        Family::Gauge,
+        "Open turns held by this worker's partitions.",
+    ),
+    (
+        SESSION_EVENTS_FOLDED,
+        Family::Counter,
+        "Projections folded into work sessions (by the owner of partition 0).",
+    ),
+    (
+        SESSION_FOLD_POSITION,
+        Family::Gauge,
+        "Projection-stream sequence up to which work sessions are written.",
+    ),
+];
+
+/// Register the description of every family with the installed recorder, so `/metrics` gives
+/// each its `# HELP` and `# TYPE` lines.
+pub fn describe_metrics() {
+    for &(name, family, help) in FAMILIES {
+        match family {
+            Family::Counter => metrics::describe_counter!(name, help),
+            Family::Gauge => metrics::describe_gauge!(name, help),
+        }
+    }
+}
+
 /// Initialise logging: `RUST_LOG` filters (default `default_filter`), `COLLAB_LOG_FORMAT=json`
 /// for JSON lines.
 pub fn init_logging(default_filter: &str) {
@@ -36,4 +108,57 @@ pub fn init_logging(default_filter: &str) {
     } else {
         builder.try_init()
     };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_family_is_exposed_with_help_and_type() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        metrics::with_local_recorder(&recorder, || {
+            describe_metrics();
+            for &(name, family, _) in FAMILIES {
+                match family {
+                    Family::Counter => metrics::counter!(name).increment(1),
+                    Family::Gauge => metrics::gauge!(name).set(1.0),
+                }
+            }
+        });
+        let text = handle.render();
+        for &(name, family, help) in FAMILIES {
+            let kind = match family {
+                Family::Counter => "counter",
+                Family::Gauge => "gauge",
+            };
+            assert!(
+                text.contains(&format!("# HELP {name} {help}\n")),
+                "{name}: {text}"
+            );
+            assert!(
+                text.contains(&format!("# TYPE {name} {kind}\n")),
+                "{name}: {text}"
+            );
+        }
+    }
+
+    #[test]
+    fn family_names_are_unique_and_prometheus_shaped() {
+        let mut seen = std::collections::HashSet::new();
+        for &(name, family, _) in FAMILIES {
+            assert!(seen.insert(name), "{name} listed twice");
+            assert!(name.starts_with("collab_"), "{name}");
+            assert!(
+                name.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{name}"
+            );
+            assert_eq!(
+                name.ends_with("_total"),
+                family == Family::Counter,
+                "{name}"
+            );
+        }
+    }
 }

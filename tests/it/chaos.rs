@@ -31,7 +31,6 @@
 
 use std::cmp::Reverse;
 use std::collections::{BTreeMap, BTreeSet, BinaryHeap, HashMap};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer, message::PublishMessage};
@@ -47,7 +46,6 @@ use tokio_util::sync::CancellationToken;
 
 use crate::support::{cluster3, Projector, TestNats};
 
-const BIN: &str = env!("CARGO_BIN_EXE_collab-projector");
 const RUN_ARGS: [&str; 4] = ["--main-agents", "ruda,eden", "--turn-timeout", "2s"];
 const RAW: &str = "COLLAB_RAW";
 const PROJ: &str = "COLLAB_PROJ";
@@ -763,16 +761,9 @@ impl Bed {
         };
         let urls = broker.urls();
         let env = profile.env(if cluster { 3 } else { 1 });
-        let out = Command::new(BIN)
-            .args(["provision", "--nats-url", &urls[0]])
-            .envs(env.iter().map(|(k, v)| (k.as_str(), v.as_str())))
-            .output()
-            .expect("could not run collab-projector provision");
-        assert!(
-            out.status.success(),
-            "provision failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
+        crate::support::provision_with_binary(
+            &urls[0],
+            env.iter().map(|(k, v)| (k.as_str(), v.as_str())),
         );
         let js = jetstream::ContextBuilder::new()
             .timeout(Duration::from_secs(3))

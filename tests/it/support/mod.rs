@@ -341,3 +341,23 @@ where
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Run `collab-projector provision` against `url` with `env`, and fail the test unless it
+/// succeeds.
+pub fn provision_with_binary<K, V>(url: &str, env: impl IntoIterator<Item = (K, V)>)
+where
+    K: AsRef<std::ffi::OsStr>,
+    V: AsRef<std::ffi::OsStr>,
+{
+    let out = Command::new(env!("CARGO_BIN_EXE_collab-projector"))
+        .args(["provision", "--nats-url", url])
+        .envs(env)
+        .output()
+        .expect("could not run collab-projector provision");
+    assert!(
+        out.status.success(),
+        "provision failed: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
