@@ -177,6 +177,11 @@ pub struct TurnSettings {
     /// "now" minus this.
     #[serde(with = "humantime_serde")]
     pub clock_skew: Duration,
+    /// How long a new turn's open record may wait to be written: a turn decided within it
+    /// costs one state write (its decision) instead of two. Its send stays unacknowledged
+    /// meanwhile. Zero writes every open record at once.
+    #[serde(with = "humantime_serde")]
+    pub open_write_delay: Duration,
 }
 
 impl Default for TurnSettings {
@@ -187,6 +192,7 @@ impl Default for TurnSettings {
             retention: Duration::from_secs(7 * 24 * 3600),
             enforce_roles: vec![Role::ConversationMain],
             clock_skew: Duration::from_millis(100),
+            open_write_delay: Duration::from_millis(500),
         }
     }
 }
@@ -370,6 +376,13 @@ impl Settings {
             return bad(
                 "turns.default_timeout must be positive and at most turns.max_timeout".into(),
             );
+        }
+        if self.turns.open_write_delay > self.consumer.ack_wait / 3 {
+            return bad(format!(
+                "turns.open_write_delay ({}) must be at most a third of consumer.ack_wait ({}): the send it holds unacknowledged would be redelivered",
+                humantime::format_duration(self.turns.open_write_delay),
+                humantime::format_duration(self.consumer.ack_wait)
+            ));
         }
         Ok(())
     }

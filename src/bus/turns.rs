@@ -56,6 +56,10 @@ pub enum WriteError {
     /// Anything else: no answer in time, a broken connection, the partition's writer stopped.
     #[error("{0}")]
     Failed(String),
+    /// Never sent: the partition stopped with the turn's open record still deferred. Its input
+    /// stays unacknowledged and is processed again by the next owner.
+    #[error("the partition stopped before the turn's record was written")]
+    Abandoned,
 }
 
 impl WriteError {
@@ -75,6 +79,10 @@ impl WriteError {
                 detail: WriteError::Conflict.to_string(),
             },
             WriteError::Failed(detail) => TurnIoError::WriteFailed { key, detail },
+            WriteError::Abandoned => TurnIoError::WriteFailed {
+                key,
+                detail: WriteError::Abandoned.to_string(),
+            },
         }
     }
 }
@@ -84,16 +92,54 @@ impl WriteError {
 pub enum Rev {
     Known(u64),
     Pending(KvWrite),
+    /// An open turn whose record is not written yet (its write is deferred, see
+    /// [`PartitionTurns`]): the next write of the key creates it.
+    Unwritten,
 }
 
 impl Rev {
-    /// The revision, waiting for the write's ack if need be.
+    /// The revision, waiting for the write's ack if need be (0: the key is absent).
     async fn revision(self) -> Result<u64, WriteError> {
         match self {
             Rev::Known(v) => Ok(v),
             Rev::Pending(w) => w.await,
+            Rev::Unwritten => Ok(0),
         }
     }
+}
+
+/// What stands between an input that opened a turn and its acknowledgement: resolves once the
+/// turn has a stored record, its open record or its decision, whichever is written first.
+pub type Hold = KvWrite;
+
+/// A turn opened without writing its record yet, and the hold that its input waits on.
+struct Deferred {
+    record: TurnRecord,
+    hold: oneshot::Sender<KvWrite>,
+}
+
+/// A hold and the sender that resolves it with the write that makes the turn durable. Dropping
+/// the sender (the partition stops) resolves it as [`WriteError::Abandoned`].
+fn hold() -> (oneshot::Sender<KvWrite>, Hold) {
+    let (tx, rx) = oneshot::channel::<KvWrite>();
+    let hold = async move {
+        match rx.await {
+            Ok(write) => write.await,
+            Err(_) => Err(WriteError::Abandoned),
+        }
+    }
+    .boxed()
+    .shared();
+    (tx, hold)
+}
+
+/// Which deferred open records to write now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Flush {
+    /// Those deferred for `turns.open_write_delay`, or behind too many inputs.
+    Due,
+    /// All of them (the partition stops).
+    All,
 }
 
 /// A decided turn whose response is in this group: once the response is stored, the decision's
@@ -243,11 +289,17 @@ pub struct Effects {
     pub outs: Vec<Outgoing>,
     pub writes: Vec<KvWrite>,
     pub marks: Vec<Mark>,
+    /// Turns this input opened whose records are deferred: it may be acknowledged only once
+    /// each of them has a stored record.
+    pub holds: Vec<Hold>,
 }
 
 impl Effects {
     pub fn is_empty(&self) -> bool {
-        self.outs.is_empty() && self.writes.is_empty() && self.marks.is_empty()
+        self.outs.is_empty()
+            && self.writes.is_empty()
+            && self.marks.is_empty()
+            && self.holds.is_empty()
     }
 }
 
@@ -281,6 +333,17 @@ pub struct PartitionTurns {
     /// reported: the gauge is set from these, so a stopped partition takes its turns with it.
     open_total: std::sync::Arc<super::worker::WorkerState>,
     reported_open: usize,
+    /// Open turns whose record is not written yet, and the order they were deferred in (when,
+    /// and after how many inputs of the partition).
+    deferred: HashMap<String, Deferred>,
+    deferred_order: VecDeque<(tokio::time::Instant, u64, String)>,
+    /// `turns.open_write_delay`; zero writes every open record at once.
+    open_write_delay: Duration,
+    /// Inputs after which a deferred record is written whatever its age, so the inputs held
+    /// unacknowledged behind it stay well under the consumer's `max_ack_pending`.
+    defer_inputs: u64,
+    /// Inputs this partition has processed.
+    inputs: u64,
 }
 
 impl Drop for PartitionTurns {
@@ -321,6 +384,11 @@ impl PartitionTurns {
             writer: DecisionWriter::start(shared.kv_js.clone()),
             open_total: shared.state.clone(),
             reported_open: 0,
+            deferred: HashMap::new(),
+            deferred_order: VecDeque::new(),
+            open_write_delay: shared.settings.turns.open_write_delay,
+            defer_inputs: defer_inputs(shared.settings.consumer.max_ack_pending),
+            inputs: 0,
         })
     }
 
@@ -509,6 +577,9 @@ impl PartitionTurns {
     /// revision as it stands, possibly a write still in flight: deciding it then never waits for
     /// the write that opened it.
     async fn current_rev(&self, key: &str) -> Result<Option<(TurnRecord, Rev)>, TurnIoError> {
+        if let Some(d) = self.deferred.get(key) {
+            return Ok(Some((d.record.clone(), Rev::Unwritten)));
+        }
         if let Some((Some(rec), rev, _)) = self.open.get(key) {
             return Ok(Some((rec.clone(), rev.clone())));
         }
@@ -518,6 +589,9 @@ impl PartitionTurns {
     /// An open turn's record and revision: kept in memory, or read from KV once this owner's
     /// last write of it is acknowledged.
     async fn open_record(&self, key: &str) -> Result<Option<(TurnRecord, u64)>, TurnIoError> {
+        if let Some(d) = self.deferred.get(key) {
+            return Ok(Some((d.record.clone(), 0)));
+        }
         let Some((rec, rev, _)) = self.open.get(key) else {
             return Ok(None);
         };
@@ -589,13 +663,95 @@ impl PartitionTurns {
                 key: key.to_string(),
                 detail,
             })?;
-        Ok(async move {
+        let write: KvWrite = async move {
             ack.await
                 .map(|a| a.sequence)
                 .map_err(|e| WriteError::of_publish(&e))
         }
         .boxed()
-        .shared())
+        .shared();
+        Ok(write)
+    }
+
+    /// Send a write of `key` (see [`Self::send_write`]); a deferred open record of the key is
+    /// written by it, so the hold of the input that opened the turn resolves with it.
+    async fn write_record(
+        &mut self,
+        shared: &WorkerContext,
+        key: &str,
+        rec: &TurnRecord,
+        after: Option<Rev>,
+    ) -> Result<KvWrite, TurnIoError> {
+        let write = self.send_write(shared, key, rec, after).await?;
+        if let Some(d) = self.deferred.remove(key) {
+            // The receiver is gone only if the acker stopped: nothing left to hold then.
+            let _ = d.hold.send(write.clone());
+        }
+        Ok(write)
+    }
+
+    /// Open a turn without writing its record yet: the input that opened it is held
+    /// unacknowledged until the turn's decision or, after `turns.open_write_delay`, its open
+    /// record is stored. A turn decided within the delay costs one write instead of two, and
+    /// a crash before either leaves the input for redelivery, which opens the turn again.
+    fn defer_open(&mut self, key: &str, rec: &TurnRecord, fx: &mut Effects) {
+        let (tx, held) = hold();
+        fx.holds.push(held);
+        self.deferred.insert(
+            key.to_string(),
+            Deferred {
+                record: rec.clone(),
+                hold: tx,
+            },
+        );
+        self.deferred_order.push_back((
+            tokio::time::Instant::now() + self.open_write_delay,
+            self.inputs + self.defer_inputs,
+            key.to_string(),
+        ));
+        self.remember(key, rec, Rev::Unwritten);
+    }
+
+    /// Count one input of the partition, then write the deferred open records that are due.
+    pub async fn before_input(
+        &mut self,
+        shared: &WorkerContext,
+        fx: &mut Effects,
+    ) -> Result<(), TurnIoError> {
+        self.inputs += 1;
+        self.flush(shared, Flush::Due, fx).await
+    }
+
+    /// When the oldest deferred open record is due by age.
+    pub fn next_flush(&self) -> Option<tokio::time::Instant> {
+        self.deferred_order.front().map(|(at, _, _)| *at)
+    }
+
+    /// Write deferred open records (the ones due, or all), into `fx`: the acker awaits them
+    /// with the input in hand, and the holds of the inputs that opened them resolve with them.
+    pub async fn flush(
+        &mut self,
+        shared: &WorkerContext,
+        what: Flush,
+        fx: &mut Effects,
+    ) -> Result<(), TurnIoError> {
+        let now = tokio::time::Instant::now();
+        while let Some((at, after_inputs, _)) = self.deferred_order.front() {
+            if what == Flush::Due && *at > now && *after_inputs > self.inputs {
+                break;
+            }
+            let Some((_, _, key)) = self.deferred_order.pop_front() else {
+                break;
+            };
+            // Decided meanwhile: its decision made it durable.
+            let Some(record) = self.deferred.get(&key).map(|d| d.record.clone()) else {
+                continue;
+            };
+            let write = self.write_record(shared, &key, &record, None).await?;
+            self.open.set_rev(&key, Rev::Pending(write.clone()));
+            fx.writes.push(write);
+        }
+        Ok(())
     }
 
     fn remember(&mut self, key: &str, rec: &TurnRecord, rev: Rev) {
@@ -639,12 +795,18 @@ impl PartitionTurns {
         // the revision it holds, which may still be in flight.
         let step = turns::on_event(current.as_ref().map(|(r, _)| (r, 0)), facts, &self.cfg);
         let after = match &step.write {
+            Some((rec, Expect::Absent))
+                if rec.state == TurnState::Open && !self.open_write_delay.is_zero() =>
+            {
+                self.defer_open(&key, rec, fx);
+                Some((rec.clone(), Rev::Unwritten))
+            }
             Some((rec, expect)) => {
                 let prior = match expect {
                     Expect::Absent => None,
                     Expect::Revision(_) => current.as_ref().map(|(_, rev)| rev.clone()),
                 };
-                let w = self.send_write(shared, &key, rec, prior).await?;
+                let w = self.write_record(shared, &key, rec, prior).await?;
                 fx.writes.push(w.clone());
                 self.remember(&key, rec, Rev::Pending(w.clone()));
                 Some((rec.clone(), Rev::Pending(w)))
@@ -715,7 +877,7 @@ impl PartitionTurns {
                 Expect::Absent => None,
                 Expect::Revision(v) => Some(Rev::Known(v)),
             };
-            let w = self.send_write(shared, &key, &new, prior).await?;
+            let w = self.write_record(shared, &key, &new, prior).await?;
             fx.writes.push(w.clone());
             self.remember(&key, &new, Rev::Pending(w.clone()));
             self.issue_response(shared, &key, &new, Rev::Pending(w), None, fx)
@@ -955,6 +1117,15 @@ async fn send_cas(
 /// The revision a write of this owner resulted in, waiting for its ack if need be.
 async fn resolve(key: &str, rev: &Rev) -> Result<u64, TurnIoError> {
     rev.clone().revision().await.map_err(|e| e.for_key(key))
+}
+
+/// How many inputs a deferred open record may hold unacknowledged behind it: half the
+/// consumer's `max_ack_pending` (a non-positive value means no limit on the server).
+fn defer_inputs(max_ack_pending: i64) -> u64 {
+    match u64::try_from(max_ack_pending) {
+        Ok(n) if n > 0 => (n / 2).max(1),
+        _ => 10_000,
+    }
 }
 
 /// Slack kept below the duplicate window when a reload republishes without looking first.

@@ -18,7 +18,8 @@
 //! crash, instead of waiting for their redelivery behind newer messages.
 
 use super::turns::{
-    Checkpoint, Effects, KvWrite, Mark, PartitionTurns, TurnIoError, CHECKPOINT_EVERY,
+    Checkpoint, Effects, Flush, Hold, KvWrite, Mark, PartitionTurns, TurnIoError, WriteError,
+    CHECKPOINT_EVERY,
 };
 use crate::config::{Names, Settings};
 use crate::ingest;
@@ -28,7 +29,8 @@ use crate::turns::book::Watermark;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
 use async_nats::jetstream::{self, message::PublishMessage, AckKind};
 use async_nats::HeaderMap;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -284,6 +286,22 @@ struct Processed {
     /// Decided turns whose responses are among `publishes`: counted towards the published
     /// checkpoint once those are stored.
     marks: Vec<Mark>,
+    /// Turns it opened whose records are deferred: neither it nor anything after it is
+    /// acknowledged before they resolve.
+    holds: Vec<Hold>,
+}
+
+impl Processed {
+    /// What the turn rules asked for, issued, for `msg`.
+    fn new(msg: Option<jetstream::Message>, publishes: Publishes, fx: Effects) -> Processed {
+        Processed {
+            msg,
+            publishes,
+            writes: fx.writes,
+            marks: fx.marks,
+            holds: fx.holds,
+        }
+    }
 }
 
 /// Run one partition until `cancel`: finish the batch in hand, acknowledge what was published,
@@ -353,7 +371,14 @@ pub async fn run_partition(
         cancel: &cancel,
         broken: &broken,
     };
-    let result = part.run(&stream, &mut consumer, &lease_valid_until).await;
+    let mut result = part.run(&stream, &mut consumer, &lease_valid_until).await;
+    if result.is_ok() && !broken.is_cancelled() {
+        // Stopping: write the open records still deferred, so everything processed can be
+        // acknowledged and the next owner has nothing to take over twice.
+        if let Err(e) = part.flush(Flush::All).await {
+            result = Err(e);
+        }
+    }
     drop(part);
     let acked = acker.await;
     shared
@@ -449,17 +474,29 @@ impl Partition<'_> {
             retry.reset();
             // The batch is bounded (size and expiry): finishing it on cancel is the drain.
             loop {
-                let timer = self.turns.next_deadline().map(|d| {
+                let deadline = self.turns.next_deadline().map(|d| {
                     let due = d.saturating_add(skew).max(idle_check_after);
                     let wait_ms = due.saturating_sub(super::now_ms()).max(0);
-                    Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0))
+                    tokio::time::Instant::now()
+                        + Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0))
                 });
+                let flush = self.turns.next_flush();
+                let timer = match (deadline, flush) {
+                    (Some(d), Some(f)) => Some(d.min(f)),
+                    (d, f) => d.or(f),
+                };
                 let next = tokio::select! {
                     biased;
                     _ = self.broken.cancelled() => return Ok(()),
                     m = messages.next() => m,
-                    _ = sleep_opt(timer) => {
-                        if !self.idle_tick(consumer, skew).await? {
+                    _ = sleep_until_opt(timer) => {
+                        let now = tokio::time::Instant::now();
+                        if flush.is_some_and(|f| f <= now) {
+                            self.flush(Flush::Due).await?;
+                        }
+                        if deadline.is_some_and(|d| d <= now)
+                            && !self.idle_tick(consumer, skew).await?
+                        {
                             idle_check_after = super::now_ms() + IDLE_CHECK_MS;
                         }
                         continue;
@@ -494,6 +531,20 @@ impl Partition<'_> {
         }
     }
 
+    /// Write deferred open records (`what`) outside of any input, and hand the writes to the
+    /// acker: the holds of the inputs that opened those turns resolve with them.
+    async fn flush(&mut self, what: Flush) -> Result<(), WorkerError> {
+        let mut fx = Effects::default();
+        self.turns
+            .flush(self.shared, what, &mut fx)
+            .await
+            .map_err(|e| self.turn_error(e))?;
+        if !fx.is_empty() {
+            let _ = self.tx.send(Processed::new(None, Vec::new(), fx)).await;
+        }
+        Ok(())
+    }
+
     /// A due deadline with no message to move the watermark: when nothing stored is left
     /// unprocessed, the watermark is the clock. Returns whether it moved.
     async fn idle_tick(
@@ -526,13 +577,7 @@ impl Partition<'_> {
             else {
                 return Ok(true);
             };
-            let processed = Processed {
-                msg: None,
-                publishes,
-                writes: fx.writes,
-                marks: fx.marks,
-            };
-            let _ = self.tx.send(processed).await;
+            let _ = self.tx.send(Processed::new(None, publishes, fx)).await;
         }
         Ok(true)
     }
@@ -666,6 +711,10 @@ impl Partition<'_> {
         let seq = info.stream_sequence;
         let stored_ms = info.published.timestamp_millis();
         let mut fx = Effects::default();
+        self.turns
+            .before_input(self.shared, &mut fx)
+            .await
+            .map_err(|e| self.turn_error(e))?;
         // Every message stored before this one has been processed: deadlines before its store
         // time have passed in event time.
         if let Some(wm) = self.watermark.observe(stored_ms) {
@@ -683,12 +732,7 @@ impl Partition<'_> {
         else {
             return Ok(Disposition::LeftForRedelivery(Unprocessed::ShuttingDown));
         };
-        let processed = Processed {
-            msg: ack.then_some(msg),
-            publishes,
-            writes: fx.writes,
-            marks: fx.marks,
-        };
+        let processed = Processed::new(ack.then_some(msg), publishes, fx);
         Ok(Disposition::Issued { processed, outcome })
     }
 }
@@ -829,9 +873,9 @@ pub(crate) fn lease_lapsed(valid_until: &AtomicI64) -> bool {
     v > 0 && super::now_ms() > v
 }
 
-async fn sleep_opt(d: Option<Duration>) {
-    match d {
-        Some(d) => tokio::time::sleep(d).await,
+async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
         None => std::future::pending().await,
     }
 }
@@ -934,10 +978,46 @@ enum Acks {
     Each,
 }
 
+/// A processed input the acker has seen stored, waiting for the holds of the turns it opened.
+struct Unacked {
+    msg: Option<jetstream::Message>,
+    holds: Vec<Hold>,
+}
+
+/// Take from the front of `held` the inputs whose holds have all resolved, in order: their
+/// deliveries may be acknowledged. Stops at the first input still held.
+fn release(held: &mut VecDeque<Unacked>) -> Result<Vec<jetstream::Message>, WriteError> {
+    let mut ready = Vec::new();
+    while let Some(front) = held.front_mut() {
+        while let Some(hold) = front.holds.last() {
+            match hold.clone().now_or_never() {
+                Some(Ok(_)) => {
+                    front.holds.pop();
+                }
+                Some(Err(e)) => return Err(e),
+                None => return Ok(ready),
+            }
+        }
+        if let Some(done) = held.pop_front() {
+            ready.extend(done.msg);
+        }
+    }
+    Ok(ready)
+}
+
+/// The first unresolved hold, awaited; never resolves without one.
+async fn first_hold(hold: Option<Hold>) -> Result<u64, WriteError> {
+    match hold {
+        Some(h) => h.await,
+        None => std::future::pending().await,
+    }
+}
+
 /// Await, in order, each group's publishes and turn-record writes, count its decisions towards
-/// the published checkpoint, then acknowledge it. Returns an error (and cancels `broken`) when a
-/// turn-record or checkpoint write was refused: nothing more is acknowledged, the partition
-/// restarts.
+/// the published checkpoint, then acknowledge it, up to the first input still held by a turn
+/// whose record is deferred (never past it: a crash must redeliver that input). Returns an error
+/// (and cancels `broken`) when a turn-record or checkpoint write was refused: nothing more is
+/// acknowledged, the partition restarts.
 async fn ack_stage(
     shared: Arc<WorkerContext>,
     p: u16,
@@ -952,68 +1032,113 @@ async fn ack_stage(
         broken.cancel();
         "a turn state write was refused"
     };
+    // A hold that failed: abandoned by a stopping partition (acknowledge nothing more, quietly),
+    // or its write refused.
+    let hold_failed = |e: WriteError| match e {
+        WriteError::Abandoned => Ok(()),
+        e => Err(refused(e.for_key("(deferred open write)"))),
+    };
+    let mut held: VecDeque<Unacked> = VecDeque::new();
     loop {
-        let first = match tokio::time::timeout(CHECKPOINT_EVERY, rx.recv()).await {
-            Ok(Some(first)) => first,
-            Ok(None) => break,
-            Err(_) => {
+        let front = held.front().and_then(|u| u.holds.last().cloned());
+        let first = tokio::select! {
+            next = rx.recv() => match next {
+                Some(first) => Some(first),
+                None => break,
+            },
+            resolved = first_hold(front) => {
+                if let Err(e) = resolved {
+                    return hold_failed(e);
+                }
+                None
+            }
+            _ = tokio::time::sleep(CHECKPOINT_EVERY) => {
                 checkpoint.maybe_write(false).await.map_err(refused)?;
-                continue;
+                None
             }
         };
-        let mut items = vec![first];
-        while items.len() < 1024 {
-            match rx.try_recv() {
-                Ok(i) => items.push(i),
-                Err(_) => break,
+        if let Some(first) = first {
+            let mut items = vec![first];
+            while items.len() < 1024 {
+                match rx.try_recv() {
+                    Ok(i) => items.push(i),
+                    Err(_) => break,
+                }
             }
-        }
-        let mut marks = Vec::new();
-        for idx in 0..items.len() {
-            let publishes = std::mem::take(&mut items[idx].publishes);
-            for (out, fut) in publishes {
-                let failed = match fut {
-                    Some(fut) => fut.await.is_err(),
-                    None => false,
-                };
-                if failed {
-                    let inputs: Vec<&jetstream::Message> =
-                        items.iter().filter_map(|i| i.msg.as_ref()).collect();
-                    if !shared.publish_in_place(&out, &inputs, &cancel).await {
-                        // Shutting down with a publish still failing: acknowledge nothing more;
-                        // redelivery repairs.
-                        return Ok(());
+            let mut marks = Vec::new();
+            for idx in 0..items.len() {
+                let publishes = std::mem::take(&mut items[idx].publishes);
+                for (out, fut) in publishes {
+                    let failed = match fut {
+                        Some(fut) => fut.await.is_err(),
+                        None => false,
+                    };
+                    if failed {
+                        let inputs: Vec<&jetstream::Message> =
+                            items.iter().filter_map(|i| i.msg.as_ref()).collect();
+                        if !shared.publish_in_place(&out, &inputs, &cancel).await {
+                            // Shutting down with a publish still failing: acknowledge nothing
+                            // more; redelivery repairs.
+                            return Ok(());
+                        }
                     }
                 }
-            }
-            for w in std::mem::take(&mut items[idx].writes) {
-                if let Err(e) = w.await {
-                    return Err(refused(e.for_key("(pipelined write)")));
+                for w in std::mem::take(&mut items[idx].writes) {
+                    if let Err(e) = w.await {
+                        return Err(refused(e.for_key("(pipelined write)")));
+                    }
                 }
+                marks.append(&mut items[idx].marks);
             }
-            marks.append(&mut items[idx].marks);
+            if !marks.is_empty() {
+                super::turns::crash_point("after_publish");
+                checkpoint.stored(marks).await.map_err(refused)?;
+            }
+            checkpoint.maybe_write(false).await.map_err(refused)?;
+            held.extend(items.into_iter().map(|i| Unacked {
+                msg: i.msg,
+                holds: i.holds,
+            }));
         }
-        if !marks.is_empty() {
-            super::turns::crash_point("after_publish");
-            checkpoint.stored(marks).await.map_err(refused)?;
-        }
-        checkpoint.maybe_write(false).await.map_err(refused)?;
-        super::turns::crash_point("before_ack");
-        let delivered = items.into_iter().filter_map(|i| i.msg);
-        let to_ack: Vec<jetstream::Message> = match acks {
-            Acks::Each => delivered.collect(),
-            Acks::Last => delivered.last().into_iter().collect(),
+        let ready = match release(&mut held) {
+            Ok(ready) => ready,
+            Err(e) => return hold_failed(e),
         };
-        for msg in to_ack {
-            if let Err(e) = msg.ack().await {
-                debug!(partition = p, error = %e, "ack failed; the message will be redelivered (its outputs collapse by Msg-Id)");
+        acknowledge(p, acks, ready).await;
+    }
+    // Drained: the partition wrote its deferred records before it stopped; wait for them.
+    for mut u in std::mem::take(&mut held) {
+        for hold in u.holds.drain(..) {
+            if let Err(e) = hold.await {
+                return hold_failed(e);
             }
         }
+        held.push_back(u);
     }
+    let ready = release(&mut held).unwrap_or_default();
+    acknowledge(p, acks, ready).await;
     // Drained: a final checkpoint spares the next owner republishing what was stored.
     if let Err(e) = checkpoint.maybe_write(true).await {
         debug!(partition = p, error = %e, "final published checkpoint not written");
     }
     debug!(partition = p, "acker drained");
     Ok(())
+}
+
+/// Acknowledge `ready` (inputs in partition order, all stored and released): its last delivery,
+/// or each one.
+async fn acknowledge(p: u16, acks: Acks, ready: Vec<jetstream::Message>) {
+    if ready.is_empty() {
+        return;
+    }
+    super::turns::crash_point("before_ack");
+    let to_ack: Vec<jetstream::Message> = match acks {
+        Acks::Each => ready,
+        Acks::Last => ready.into_iter().last().into_iter().collect(),
+    };
+    for msg in to_ack {
+        if let Err(e) = msg.ack().await {
+            debug!(partition = p, error = %e, "ack failed; the message will be redelivered (its outputs collapse by Msg-Id)");
+        }
+    }
 }

@@ -88,6 +88,13 @@ impl<R: Clone> OpenTurns<R> {
             .map(|s| (s.record.as_deref(), &s.rev, s.deadline))
     }
 
+    /// Set an open turn's revision, keeping the rest of it.
+    pub fn set_rev(&mut self, key: &str, rev: R) {
+        if let Some(slot) = self.slots.get_mut(key) {
+            slot.rev = rev;
+        }
+    }
+
     pub fn contains(&self, key: &str) -> bool {
         self.slots.contains_key(key)
     }

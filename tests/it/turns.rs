@@ -8,18 +8,16 @@
 //! are done). Timeouts only guard against hangs; the assertions are about what was published.
 
 use std::collections::{BTreeMap, BTreeSet};
-use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
-use async_nats::jetstream::{self, consumer};
+use async_nats::jetstream;
 use futures::StreamExt;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
 use crate::support::{wait_until, Projector, TestNats};
 
-const BIN: &str = env!("CARGO_BIN_EXE_collab-projector");
 const RUN_ARGS: [&str; 4] = ["--main-agents", "ruda,eden", "--turn-timeout", "2s"];
 /// Shared by every process of a test (provision and run must agree on the consumers). A short
 /// ack wait makes the redelivery of a killed worker's in-flight messages quick.
@@ -132,17 +130,9 @@ impl Bed {
 
     async fn start_with(env: &[(&'static str, &'static str)]) -> Bed {
         let nats = TestNats::start().await;
-        let out = Command::new(BIN)
-            .args(["provision", "--nats-url", &nats.url()])
-            .envs(ENV)
-            .envs(env.iter().copied())
-            .output()
-            .expect("could not run collab-projector provision");
-        assert!(
-            out.status.success(),
-            "provision failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
+        crate::support::provision_with_binary(
+            &nats.url(),
+            ENV.iter().copied().chain(env.iter().copied()),
         );
         let js = nats.jetstream().await;
         Bed {
@@ -194,55 +184,17 @@ impl Bed {
 
     /// Every message of COLLAB_PROJ matching `filter`, in stream order.
     async fn read(&self, filter: &str) -> Vec<Proj> {
-        let stream = self
-            .js
-            .get_stream("COLLAB_PROJ")
+        crate::pipeline::read_all(&self.js, "COLLAB_PROJ", filter)
             .await
-            .expect("the projection stream exists");
-        let mut reader = stream
-            .create_consumer(consumer::pull::Config {
-                filter_subject: filter.to_string(),
-                ack_policy: consumer::AckPolicy::None,
-                deliver_policy: consumer::DeliverPolicy::All,
-                inactive_threshold: Duration::from_secs(60),
-                ..Default::default()
+            .into_iter()
+            .map(|m| Proj {
+                msg_id: m.header("Nats-Msg-Id"),
+                body: serde_json::from_slice(&m.payload)
+                    .unwrap_or_else(|e| panic!("projection on {} is not JSON: {e}", m.subject)),
+                subject: m.subject,
+                seq: m.seq,
             })
-            .await
-            .expect("could not create a reader consumer");
-        let info = reader.info().await.expect("reader consumer info");
-        let total = usize::try_from(info.num_pending).expect("pending fits usize");
-        let name = info.name.clone();
-        let mut out: Vec<Proj> = Vec::with_capacity(total);
-        let deadline = Instant::now() + WAIT;
-        while out.len() < total {
-            assert!(Instant::now() < deadline, "reading {filter} hung");
-            let mut batch = reader
-                .fetch()
-                .max_messages(total - out.len())
-                .expires(Duration::from_secs(2))
-                .messages()
-                .await
-                .expect("fetch from the projection stream");
-            while let Some(m) = batch.next().await {
-                let m = m.expect("a projected message");
-                let seq = m.info().expect("a JetStream message").stream_sequence;
-                let msg_id = m
-                    .headers
-                    .as_ref()
-                    .and_then(|h| h.get("Nats-Msg-Id"))
-                    .map(|v| v.as_str().to_string());
-                let body: Value = serde_json::from_slice(&m.payload)
-                    .unwrap_or_else(|e| panic!("projection on {} is not JSON: {e}", m.subject));
-                out.push(Proj {
-                    subject: m.subject.to_string(),
-                    seq,
-                    msg_id,
-                    body,
-                });
-            }
-        }
-        let _ = stream.delete_consumer(&name).await;
-        out
+            .collect()
     }
 
     /// Read `filter` until `done` holds.
@@ -896,6 +848,63 @@ async fn a_deadline_that_passes_while_the_worker_is_down_blocks_after_restart() 
     assert_eq!(suppressed[0].payload()["response"]["message"], "here now");
 }
 
+/// A worker killed while its turns' open records are still deferred (`turns.open_write_delay`)
+/// has acknowledged none of their sends: the next worker processes them again, so one turn
+/// gets its real reply and the other its timeout, exactly once each, both opened by their sends.
+#[tokio::test]
+async fn a_worker_killed_before_its_open_records_are_written_loses_no_turn() {
+    // A delay far longer than the test needs to kill the worker (at most a third of ack_wait).
+    let bed = Bed::start_with(&[("COLLAB_CONSUMER__ACK_WAIT", "30s")]).await;
+    let mut first = bed.projector(&[("COLLAB_TURNS__OPEN_WRITE_DELAY", "10s")]);
+    let timeout_ms: u32 = 3000;
+    let reply_send_seq = bed
+        .publish(&send(
+            "c-deferred-reply",
+            json!({"message": "plan the release", "timeoutMs": 60_000}),
+        ))
+        .await;
+    let send_seq = bed
+        .publish(&send(
+            "c-deferred-silent",
+            json!({"message": "are you there?", "timeoutMs": timeout_ms}),
+        ))
+        .await;
+    bed.wait_read(SENDS, "both sends are projected", |m| m.len() == 2)
+        .await;
+    // The scenario under test: the turns are open, their records not written yet.
+    assert!(turn_record(&bed.js, "c-deferred-reply").await.is_none());
+    assert!(turn_record(&bed.js, "c-deferred-silent").await.is_none());
+    first.kill9();
+    first.wait_exit(WAIT).await;
+
+    let _second = bed.projector(&[]);
+    bed.publish(&reply(
+        "c-deferred-reply",
+        json!({"message": "release planned"}),
+    ))
+    .await;
+    let turns = [key("c-deferred-reply", "0"), key("c-deferred-silent", "0")];
+    bed.wait_responses(&turns).await;
+    bed.settle(&["c-deferred-reply", "c-deferred-silent"]).await;
+
+    let one = one_per_turn(&bed.responses().await, &turns);
+    let replied = &one[&key("c-deferred-reply", "0")];
+    assert!(!replied.is_blocked(), "{:#}", replied.body);
+    assert_eq!(replied.str("message"), Some("release planned"));
+    assert_synthesized_timeout(
+        &one[&key("c-deferred-silent", "0")],
+        send_seq,
+        u64::from(timeout_ms),
+    );
+    let (_, record, _) = turn_record(&bed.js, "c-deferred-reply")
+        .await
+        .expect("the decided turn has a record");
+    assert_eq!(record["state"], "decided", "{record:#}");
+    // Opened by the send, processed again by the second worker before the reply.
+    assert_eq!(record["send"]["seq"], reply_send_seq, "{record:#}");
+    assert_eq!(record["send"]["goal"], "plan the release", "{record:#}");
+}
+
 /// The turn record of `conv`'s first turn in the turns bucket: its key, value and revision.
 async fn turn_record(js: &jetstream::Context, conv: &str) -> Option<(String, Value, u64)> {
     let kv = js.get_key_value("collab_turns").await.ok()?;
@@ -934,6 +943,11 @@ async fn a_previous_owners_late_decision_is_published_even_below_the_checkpoint(
         .await;
     bed.wait_read(SENDS, "the send is projected (its turn is open)", |m| {
         m.iter().any(|s| s.body["rawEventRef"]["seq"] == send_seq)
+    })
+    .await;
+    // The open record is written within `turns.open_write_delay` of the send.
+    wait_until(WAIT, "the open turn has a record", || async {
+        turn_record(&bed.js, "c-stale").await.is_some()
     })
     .await;
     let (key_of_stale, open, open_rev) = turn_record(&bed.js, "c-stale")
