@@ -315,6 +315,8 @@ pub const KEPT_OPEN_RECORDS: usize = 64;
 pub struct PartitionTurns {
     pub partition: u16,
     store: kv::Store,
+    /// The same bucket over `WorkerContext::checkpoint_js`, for the published checkpoint.
+    checkpoint_store: kv::Store,
     put_prefix: String,
     cfg: TurnConfig,
     open: OpenTurns<Rev>,
@@ -366,10 +368,19 @@ impl PartitionTurns {
                 key: bucket.clone(),
                 detail: e.to_string(),
             })?;
+        let checkpoint_store = shared
+            .checkpoint_js
+            .get_key_value(&bucket)
+            .await
+            .map_err(|e| TurnIoError::Kv {
+                key: bucket.clone(),
+                detail: e.to_string(),
+            })?;
         let put_prefix = store.put_prefix.clone().unwrap_or(store.prefix.clone());
         Ok(PartitionTurns {
             partition,
             store,
+            checkpoint_store,
             put_prefix,
             cfg: TurnConfig {
                 default_timeout: shared.settings.turns.default_timeout,
@@ -440,7 +451,7 @@ impl PartitionTurns {
             None => (CheckpointValue::default(), 0),
         };
         Ok(Checkpoint {
-            store: self.store.clone(),
+            store: self.checkpoint_store.clone(),
             key,
             revision,
             value,

@@ -102,6 +102,10 @@ impl Drop for ThreadRuntime {
     }
 }
 
+/// The publish-ack permits of the turn-record context: far above what the partitions can have
+/// in flight (their channels and acker groups bound it), so a write never waits for one.
+const KV_WRITES_IN_FLIGHT: usize = 1 << 20;
+
 /// What the worker tells health checks and the demo.
 #[derive(Debug, Default)]
 pub struct WorkerState {
@@ -121,6 +125,14 @@ pub struct WorkerContext {
     /// A context of its own for KV reads and writes: they must never wait for a publish-ack
     /// permit held by a projection queued behind them (that would deadlock the partitions).
     pub kv_js: jetstream::Context,
+    /// A context of its own for the partitions' published checkpoints: the acker writes one
+    /// while the turn-record writes queued behind it hold `kv_js`'s publish-ack permits, and
+    /// only the acker releases those (waiting there for a permit would stop every partition).
+    pub checkpoint_js: jetstream::Context,
+    /// A context of its own for publishes retried in place: the acker retries a failed
+    /// projection while the projections queued behind it hold `js`'s publish-ack permits, and
+    /// only the acker releases those.
+    retry_js: jetstream::Context,
     pub settings: Settings,
     pub names: Names,
     pub ingest: ingest::Settings,
@@ -153,7 +165,18 @@ impl WorkerContext {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
+        // No publish-ack permit limit that matters for turn-record writes: the acker is the one
+        // that awaits (and so releases) them, while a decision it awaits may itself be waiting
+        // in its partition's queue for a permit. The partitions' channels and groups bound
+        // what is in flight instead.
         let kv_js = jetstream::ContextBuilder::new()
+            .timeout(Duration::from_secs(5))
+            .max_ack_inflight(KV_WRITES_IN_FLIGHT)
+            .build(js.client());
+        let checkpoint_js = jetstream::ContextBuilder::new()
+            .timeout(Duration::from_secs(5))
+            .build(js.client());
+        let retry_js = jetstream::ContextBuilder::new()
             .timeout(Duration::from_secs(5))
             .build(js.client());
         let setup = |detail: String| WorkerError::Setup {
@@ -190,6 +213,8 @@ impl WorkerContext {
             leases_js,
             partitions_rt: tokio::runtime::Handle::current(),
             kv_js,
+            checkpoint_js,
+            retry_js,
             js,
             names,
             ingest,
@@ -200,8 +225,12 @@ impl WorkerContext {
         }))
     }
 
-    /// Issue one publish; the returned future resolves with the server's ack.
-    async fn send(&self, out: &Outgoing) -> Result<jetstream::context::PublishAckFuture, String> {
+    /// Issue one publish on `js`; the returned future resolves with the server's ack.
+    async fn send(
+        &self,
+        js: &jetstream::Context,
+        out: &Outgoing,
+    ) -> Result<jetstream::context::PublishAckFuture, String> {
         if self.fail_publish_every > 0 {
             let n = self.publish_attempts.fetch_add(1, Ordering::Relaxed) + 1;
             if n % self.fail_publish_every == 0 {
@@ -216,8 +245,7 @@ impl WorkerContext {
             .payload(out.payload.clone())
             .headers(headers)
             .message_id(out.msg_id.as_str());
-        self.js
-            .send_publish(out.subject.clone(), publish)
+        js.send_publish(out.subject.clone(), publish)
             .await
             .map_err(|e| e.to_string())
     }
@@ -234,7 +262,7 @@ impl WorkerContext {
         let mut since_progress = Duration::ZERO;
         let mut since_cancel = Duration::ZERO;
         loop {
-            let result = match self.send(out).await {
+            let result = match self.send(&self.retry_js, out).await {
                 Ok(fut) => fut.await.map(|_| ()).map_err(|e| e.to_string()),
                 Err(e) => Err(e),
             };
@@ -940,7 +968,7 @@ async fn issue_publishes(
     let mut pending = Vec::with_capacity(outs.len());
     for out in outs {
         count_output(shared, out);
-        let fut = match shared.send(out).await {
+        let fut = match shared.send(&shared.js, out).await {
             Ok(f) => Some(f),
             Err(e) => {
                 warn!(subject = %out.subject, error = %e, "publish failed; retrying in place");
