@@ -230,6 +230,67 @@ pub struct WorkSession {
     /// What was applied, per partition.
     #[serde(default)]
     pub applied: BTreeMap<u16, Applied>,
+    /// Threads no longer kept one by one (see [`MAX_THREADS`]), summed by the set of roles they
+    /// held (bit `i` is `Role::ALL[i]`), so a view restricted to some roles still counts them.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub retired: BTreeMap<u8, RetiredThreads>,
+}
+
+/// Threads a session keeps one by one. Past `MAX_THREADS + RETIRE_SLACK`, the threads with the
+/// oldest activity and no open turn are summed into [`WorkSession::retired`] until
+/// `MAX_THREADS` remain, so a session's stored value stays bounded however long it runs. A
+/// thread with an open turn is never retired: its response must find it.
+pub const MAX_THREADS: usize = 256;
+const RETIRE_SLACK: usize = 32;
+
+/// What retired threads add to a session's totals.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct RetiredThreads {
+    pub threads: u64,
+    #[serde(default)]
+    pub answered_turns: u64,
+    #[serde(default)]
+    pub blocked_turns: u64,
+}
+
+/// The role-set bit mask of [`WorkSession::retired`].
+fn role_mask<'a>(roles: impl IntoIterator<Item = &'a Role>) -> u8 {
+    roles.into_iter().fold(0u8, |m, r| {
+        m | Role::ALL
+            .iter()
+            .position(|x| x == r)
+            .map_or(0, |i| 1u8 << i)
+    })
+}
+
+/// Retire threads past [`MAX_THREADS`] (oldest activity first, never one with an open turn).
+fn retire_threads(s: &mut WorkSession) {
+    if s.threads.len() <= MAX_THREADS + RETIRE_SLACK {
+        return;
+    }
+    let mut candidates: Vec<(Option<String>, String)> = s
+        .threads
+        .iter()
+        .filter(|(_, t)| t.turns.values().all(|m| *m != TurnMark::Open))
+        .map(|(id, t)| (t.last_time.clone(), id.clone()))
+        .collect();
+    candidates.sort();
+    let excess = s.threads.len() - MAX_THREADS;
+    for (_, id) in candidates.into_iter().take(excess) {
+        let Some(t) = s.threads.remove(&id) else {
+            continue;
+        };
+        let r = s.retired.entry(role_mask(t.counts.keys())).or_default();
+        r.threads += 1;
+        for m in t.turns.values() {
+            match m {
+                TurnMark::Answered => r.answered_turns += 1,
+                TurnMark::Blocked => r.blocked_turns += 1,
+                TurnMark::Open => {}
+            }
+        }
+    }
 }
 
 /// The session and conversation an envelope belongs to.
@@ -416,6 +477,18 @@ pub fn fold_into(
     let conv = keys.conversation_id.clone();
     let is_turn_response = role == Role::ConversationMain && env.event_type == "a2a.response";
     let turn = turn_id(env);
+    // A turn has one response: a second one for a decided turn (a previous owner's decision
+    // stored past the duplicate window) changes nothing.
+    if is_turn_response {
+        let decided = conv
+            .as_ref()
+            .and_then(|c| s.threads.get(c))
+            .and_then(|t| t.turns.get(&turn))
+            .is_some_and(|m| *m != TurnMark::Open);
+        if decided {
+            return false;
+        }
+    }
     match identity {
         Identity::Raw {
             partition,
@@ -428,16 +501,7 @@ pub fn fold_into(
             }
             applied.record(position, in_order);
         }
-        Identity::TurnResponse => {
-            let decided = conv
-                .as_ref()
-                .and_then(|c| s.threads.get(c))
-                .and_then(|t| t.turns.get(&turn))
-                .is_some_and(|m| *m != TurnMark::Open);
-            if decided {
-                return false;
-            }
-        }
+        Identity::TurnResponse => {}
     }
 
     if s.work_session_id.is_none() {
@@ -547,6 +611,10 @@ pub fn fold_into(
 
     // The thread and its turns.
     if let Some(c) = conv {
+        let new_thread = !s.threads.contains_key(&c);
+        if new_thread {
+            retire_threads(s);
+        }
         let th = s.threads.entry(c.clone()).or_insert_with(|| Thread {
             conversation_id: c,
             ..Thread::default()
@@ -816,6 +884,20 @@ impl WorkSession {
             })
             .collect();
         let turns_visible = visible(&Role::ConversationMain);
+        // Retired threads that held a visible role; their turns only when turns are visible.
+        let visible_mask = role_mask(opts.roles);
+        let retired = self
+            .retired
+            .iter()
+            .filter(|(mask, _)| *mask & visible_mask != 0)
+            .fold(RetiredThreads::default(), |mut sum, (_, r)| {
+                sum.threads += r.threads;
+                if turns_visible {
+                    sum.answered_turns += r.answered_turns;
+                    sum.blocked_turns += r.blocked_turns;
+                }
+                sum
+            });
         let mut threads: Vec<ThreadView> = self
             .threads
             .values()
@@ -878,12 +960,14 @@ impl WorkSession {
             created_at: self.created_at.clone(),
             updated_at: self.updated_at.clone(),
             event_count,
-            thread_count: threads.len(),
+            thread_count: threads.len() + retired.threads as usize,
             counts_by_role,
             counts_by_type,
             open_turns: threads.iter().map(|t| t.open_turns).sum(),
-            blocked_turns: threads.iter().map(|t| t.blocked_turns).sum(),
-            answered_turns: threads.iter().map(|t| t.answered_turns).sum(),
+            blocked_turns: threads.iter().map(|t| t.blocked_turns).sum::<u64>()
+                + retired.blocked_turns,
+            answered_turns: threads.iter().map(|t| t.answered_turns).sum::<u64>()
+                + retired.answered_turns,
             last_message_preview: last.map(|m| m.preview.clone()),
             last_message_timestamp: last.and_then(|m| m.timestamp.clone()),
             participants,
@@ -1222,5 +1306,98 @@ mod tests {
         );
         let back: WorkSession = serde_json::from_str(&text).unwrap_or_default();
         assert_eq!(back, s);
+    }
+
+    fn in_conversation(mut e: Envelope, conv: &str) -> Envelope {
+        e.conversation_id = Some(json!(conv));
+        if let Some(p) = e.payload.as_mut().and_then(Value::as_object_mut) {
+            p.insert("conversationId".into(), json!(conv));
+        }
+        e
+    }
+
+    #[test]
+    fn a_long_session_stays_bounded_and_keeps_its_totals() {
+        let mut s = WorkSession::default();
+        let mut seq = 0u64;
+        let mut next = || {
+            seq += 1;
+            raw(0, seq)
+        };
+        // The oldest conversation keeps an open turn all along: it is never retired.
+        let first = in_conversation(send(0, "2026-02-17T11:00:00.000Z"), "c-open");
+        fold_into(&mut s, &first, &keys(&first), next());
+        let n = 2000u64;
+        for i in 0..n {
+            let conv = format!("c{i}");
+            let at = format!("2026-02-17T12:{:02}:{:02}.000Z", i / 60 % 60, i % 60);
+            let send = in_conversation(send(0, &at), &conv);
+            let outcome = if i % 4 == 0 {
+                json!({"outcome": "blocked", "reason": "timeout"})
+            } else {
+                json!({})
+            };
+            let reply = in_conversation(response(0, &at, outcome), &conv);
+            fold_into(&mut s, &send, &keys(&send), next());
+            fold_into(&mut s, &reply, &keys(&reply), next());
+        }
+        assert!(
+            s.threads.len() <= MAX_THREADS + RETIRE_SLACK,
+            "{} threads kept",
+            s.threads.len()
+        );
+        assert!(
+            s.threads.contains_key("c-open"),
+            "a thread with an open turn was retired"
+        );
+        let bytes = serde_json::to_vec(&s)
+            .map(|b| b.len())
+            .unwrap_or(usize::MAX);
+        assert!(bytes < 200 * 1024, "session value is {bytes} bytes");
+
+        let v = s.view(&opts(&Role::ALL)).expect("visible");
+        assert_eq!(v.thread_count as u64, n + 1);
+        assert_eq!(v.open_turns, 1);
+        assert_eq!(v.blocked_turns, n / 4);
+        assert_eq!(v.answered_turns, n - n / 4);
+        assert_eq!(v.event_count, 2 * n + 1);
+        // The newest threads are the ones listed.
+        assert!(v
+            .threads
+            .iter()
+            .any(|t| t.conversation_id == format!("c{}", n - 1)));
+        // Retired threads count only for roles they held.
+        assert!(s.view(&opts(&[Role::SystemObservability])).is_none());
+
+        // The value survives a round trip through the store.
+        let text = serde_json::to_string(&s).unwrap_or_default();
+        let back: WorkSession = serde_json::from_str(&text).unwrap_or_default();
+        assert_eq!(back, s);
+    }
+
+    #[test]
+    fn a_second_response_for_a_decided_turn_changes_nothing_whatever_its_identity() {
+        let s = fold(&[
+            (send(0, "2026-02-17T12:00:00.000Z"), raw(3, 10)),
+            (
+                response(0, "2026-02-17T12:00:05.000Z", json!({})),
+                raw(3, 11),
+            ),
+        ])
+        .expect("a session");
+        let late = response(
+            0,
+            "2026-02-17T12:09:00.000Z",
+            json!({"outcome": "blocked", "reason": "timeout"}),
+        );
+        let mut again = s.clone();
+        assert!(!fold_into(&mut again, &late, &keys(&late), raw(3, 40)));
+        assert!(!fold_into(
+            &mut again,
+            &late,
+            &keys(&late),
+            Identity::TurnResponse
+        ));
+        assert_eq!(again, s);
     }
 }

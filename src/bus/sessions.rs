@@ -17,8 +17,8 @@
 
 use crate::config::Names;
 use crate::model::{encode_id, Envelope};
-use crate::pipeline::{OutKind, Outgoing};
-use crate::sessions::{self, Identity, Position, WorkSession};
+use crate::sessions::{self, WorkSession};
+pub use crate::sessions::{Identity, Position};
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
 use futures::StreamExt;
@@ -72,31 +72,6 @@ pub fn alias_key(conversation_id: &str) -> String {
     format!("conv.{}", encode_id(conversation_id))
 }
 
-/// How an outgoing projection is identified, from its Msg-Id: a turn's response
-/// (`turn:<key>:<turn>`) by its turn, anything else by its raw position and the output index
-/// (`<stream>:<seq>:<n>`; `suppressed` sorts after the numbered outputs).
-pub fn identity(
-    partition: u16,
-    raw_seq: u64,
-    msg_id: &str,
-    ordinal: u32,
-    in_order: bool,
-) -> Identity {
-    if msg_id.starts_with("turn:") {
-        return Identity::TurnResponse;
-    }
-    let index = match msg_id.rsplit(':').next() {
-        Some("suppressed") => 1_000_000,
-        Some(n) => n.parse::<u32>().unwrap_or(ordinal),
-        None => ordinal,
-    };
-    Identity::Raw {
-        partition,
-        position: Position(raw_seq, index),
-        in_order,
-    }
-}
-
 /// Events to fold, by session id, in processing order.
 type Groups = BTreeMap<String, Vec<(Envelope, Identity)>>;
 
@@ -127,43 +102,6 @@ impl SessionWriter {
             aliases: Mutex::new(HashMap::new()),
             commits,
         })
-    }
-
-    /// Fold a group of stored outputs of `partition` (in processing order, each with the raw
-    /// sequence of the input it came from) into their sessions. Dead letters and outputs that
-    /// belong to no session are skipped. Safe to call again with the same items. Returns once
-    /// the sessions are written.
-    ///
-    /// `in_order`: every message of the partition before these was processed and observed (the
-    /// worker is not recovering a previous owner's in-flight messages). Out-of-order groups are
-    /// remembered position by position until an in-order group passes them.
-    pub async fn observe(
-        &self,
-        partition: u16,
-        items: &[(u64, &Outgoing)],
-        in_order: bool,
-    ) -> Result<(), SessionError> {
-        let mut events = Vec::with_capacity(items.len());
-        let mut last_seq = None;
-        let mut ordinal = 0u32;
-        for (seq, out) in items {
-            if last_seq != Some(*seq) {
-                last_seq = Some(*seq);
-                ordinal = 0;
-            } else {
-                ordinal += 1;
-            }
-            if !matches!(out.kind, OutKind::Projection(_)) {
-                continue;
-            }
-            let Ok(env) = serde_json::from_slice::<Envelope>(&out.payload) else {
-                debug!(subject = %out.subject, "projection is not an envelope; not a session event");
-                continue;
-            };
-            let ident = identity(partition, *seq, &out.msg_id, ordinal, in_order);
-            events.push((env, ident));
-        }
-        self.commit(events).await
     }
 
     /// Fold envelopes, each with its identity, in the order given, into their sessions. Events
@@ -542,23 +480,16 @@ async fn fold_start(kv: &kv::Store, proj: &mut jetstream::stream::Stream) -> Res
     Ok(last + 1)
 }
 
-/// One projection read back from the projection stream, as the fold applies it.
+/// One projection read back from the projection stream, as the fold applies it: identified by
+/// its position in that stream, so a round applied again (a crash before its checkpoint) changes
+/// nothing twice. A turn's response is also recognised by its turn (see `sessions::fold_into`).
 fn fold_event(msg: &jetstream::Message) -> Option<(Envelope, Identity)> {
     let seq = msg.info().ok()?.stream_sequence;
     let env = serde_json::from_slice::<Envelope>(&msg.payload).ok()?;
-    let turn_response = msg
-        .headers
-        .as_ref()
-        .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
-        .is_some_and(|id| id.as_str().starts_with("turn:"));
-    let ident = if turn_response {
-        Identity::TurnResponse
-    } else {
-        Identity::Raw {
-            partition: FOLD_PARTITION,
-            position: Position(seq, 0),
-            in_order: true,
-        }
+    let ident = Identity::Raw {
+        partition: FOLD_PARTITION,
+        position: Position(seq, 0),
+        in_order: true,
     };
     Some((env, ident))
 }
@@ -664,34 +595,6 @@ async fn fold(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn identities_from_msg_ids() {
-        assert_eq!(
-            identity(3, 17, "turn:c1:0", 0, true),
-            Identity::TurnResponse
-        );
-        assert_eq!(
-            identity(3, 17, "COLLAB_RAW:17:2", 0, true),
-            Identity::Raw {
-                partition: 3,
-                position: Position(17, 2),
-                in_order: true,
-            }
-        );
-        let sup = identity(3, 17, "COLLAB_RAW:17:suppressed", 1, false);
-        assert!(
-            matches!(sup, Identity::Raw { position: Position(17, n), in_order: false, .. } if n > 2)
-        );
-        assert_eq!(
-            identity(3, 17, "odd", 4, true),
-            Identity::Raw {
-                partition: 3,
-                position: Position(17, 4),
-                in_order: true,
-            }
-        );
-    }
 
     #[test]
     fn keys_are_kv_safe_and_aliases_never_collide_with_sessions() {

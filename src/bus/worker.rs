@@ -400,6 +400,11 @@ pub async fn run_partition(
         broken: &broken,
     };
     let mut result = part.run(&stream, &mut consumer, &lease_valid_until).await;
+    debug!(
+        partition = p,
+        ok = result.is_ok(),
+        "partition reader stopped"
+    );
     if result.is_ok() && !broken.is_cancelled() {
         // Stopping: write the open records still deferred, so everything processed can be
         // acknowledged and the next owner has nothing to take over twice.
@@ -408,6 +413,7 @@ pub async fn run_partition(
         }
     }
     drop(part);
+    debug!(partition = p, "waiting for the acker to drain");
     let acked = acker.await;
     shared
         .state
@@ -600,8 +606,8 @@ impl Partition<'_> {
             .map_err(|e| self.turn_error(e))?;
         if !fx.is_empty() {
             let inputs: [&jetstream::Message; 0] = [];
-            let Some(publishes) =
-                issue_publishes(self.shared, &fx.outs, &inputs, self.cancel).await
+            let outs = std::mem::take(&mut fx.outs);
+            let Some(publishes) = issue_publishes(self.shared, outs, &inputs, self.cancel).await
             else {
                 return Ok(true);
             };
@@ -756,8 +762,8 @@ impl Partition<'_> {
             .await
             .map_err(|e| self.turn_error(e))?;
         // Cancelled while a publish kept failing: leave the message for redelivery.
-        let Some(publishes) = issue_publishes(self.shared, &fx.outs, &[&msg], self.cancel).await
-        else {
+        let outs = std::mem::take(&mut fx.outs);
+        let Some(publishes) = issue_publishes(self.shared, outs, &[&msg], self.cancel).await else {
             return Ok(Disposition::LeftForRedelivery(Unprocessed::ShuttingDown));
         };
         let processed = Processed::new(ack.then_some(msg), publishes, fx);
@@ -961,24 +967,24 @@ async fn project_input(
 /// before anything later is sent, so per-key order holds. `None` if cancelled meanwhile.
 async fn issue_publishes(
     shared: &WorkerContext,
-    outs: &[Outgoing],
+    outs: Vec<Outgoing>,
     inputs: &[&jetstream::Message],
     cancel: &CancellationToken,
 ) -> Option<Publishes> {
     let mut pending = Vec::with_capacity(outs.len());
     for out in outs {
-        count_output(shared, out);
-        let fut = match shared.send(&shared.js, out).await {
+        count_output(shared, &out);
+        let fut = match shared.send(&shared.js, &out).await {
             Ok(f) => Some(f),
             Err(e) => {
                 warn!(subject = %out.subject, error = %e, "publish failed; retrying in place");
-                if !shared.publish_in_place(out, inputs, cancel).await {
+                if !shared.publish_in_place(&out, inputs, cancel).await {
                     return None;
                 }
                 None
             }
         };
-        pending.push((out.clone(), fut));
+        pending.push((out, fut));
     }
     Some(pending)
 }
@@ -1135,6 +1141,11 @@ async fn ack_stage(
         acknowledge(p, acks, ready).await;
     }
     // Drained: the partition wrote its deferred records before it stopped; wait for them.
+    debug!(
+        partition = p,
+        inputs = held.len(),
+        "acker waiting for the last held inputs"
+    );
     for mut u in std::mem::take(&mut held) {
         for hold in u.holds.drain(..) {
             if let Err(e) = hold.await {

@@ -18,9 +18,9 @@ use bytes::Bytes;
 use collab_projector::api::{self, ApiState, SseLimits};
 use collab_projector::app::{self, RunOptions};
 use collab_projector::bus::provision;
-use collab_projector::bus::sessions::SessionWriter;
+use collab_projector::bus::sessions::{Identity, Position, SessionWriter};
 use collab_projector::config::{Settings, TokenGrant};
-use collab_projector::model::Role;
+use collab_projector::model::{Envelope, Role};
 use collab_projector::pipeline::{OutKind, Outgoing};
 use serde_json::{json, Value};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
@@ -781,10 +781,7 @@ async fn tokens_confine_roles() {
             json!({"workSessionId": "ws_t", "message": "cpu 93%"}),
         ),
     );
-    writer
-        .observe(0, &[(1, &send), (2, &ping)], true)
-        .await
-        .expect("observe");
+    fold(&writer, 0, &[(1, &send), (2, &ping)]).await;
     let (_, ui) = call(&app, "/api/work-sessions/ws_t", Some("ui-token-1")).await;
     assert_eq!(ui["session"]["eventCount"], 1);
     assert_eq!(ui["session"]["lastMessagePreview"], "hi");
@@ -985,16 +982,10 @@ async fn work_sessions_aggregate_idempotently_and_filter() {
         (12, &resp0),
         (13, &blocked),
     ];
-    writer.observe(1, &items, true).await.expect("observe");
-    // Redelivery, and a retried observe: nothing counts twice.
-    writer
-        .observe(1, &items, true)
-        .await
-        .expect("observe again");
-    writer
-        .observe(1, &items[2..], true)
-        .await
-        .expect("observe a tail again");
+    fold(&writer, 1, &items).await;
+    // Redelivery, and a retried round: nothing counts twice.
+    fold(&writer, 1, &items).await;
+    fold(&writer, 1, &items[2..]).await;
 
     let one = ok(&app, "/api/work-sessions/ws_a").await;
     let v = &one["session"];
@@ -1042,11 +1033,11 @@ async fn work_sessions_aggregate_idempotently_and_filter() {
         tasks.push(tokio::spawn(async move {
             // One partition each: a partition is processed in order, partitions concurrently.
             let p = 10 + u16::try_from(i).unwrap_or(0);
-            w.observe(p, &[(100 + i as u64, &o)], true).await
+            fold(&w, p, &[(100 + i as u64, &o)]).await;
         }));
     }
     for t in tasks {
-        t.await.expect("task").expect("observe");
+        t.await.expect("task");
     }
     let v = ok(&app, "/api/work-sessions/ws_a").await;
     assert_eq!(v["session"]["eventCount"], 15);
@@ -1088,10 +1079,12 @@ async fn work_sessions_aggregate_idempotently_and_filter() {
             json!({"workSessionId": "ws_task", "status": "working"}),
         ),
     );
-    writer
-        .observe(2, &[(200, &e_old), (201, &e_quiet), (202, &e_task)], true)
-        .await
-        .expect("observe");
+    fold(
+        &writer,
+        2,
+        &[(200, &e_old), (201, &e_quiet), (202, &e_task)],
+    )
+    .await;
 
     let list = ok(&app, "/api/work-sessions").await;
     assert_eq!(list["count"], 4);
@@ -1267,14 +1260,12 @@ async fn mplp_export_validates_against_the_schema() {
             json!({"fromAgent": "eden", "toAgent": "main", "conversationId": "b2", "workSessionId": "ws_b"}),
         ),
     );
-    writer
-        .observe(
-            0,
-            &[(1, &pair), (2, &d1), (3, &d2), (4, &b1), (5, &b2)],
-            true,
-        )
-        .await
-        .expect("observe");
+    fold(
+        &writer,
+        0,
+        &[(1, &pair), (2, &d1), (3, &d2), (4, &b1), (5, &b2)],
+    )
+    .await;
 
     let doc = ok(&app, "/api/work-sessions/ws_pair?format=mplp").await;
     assert_valid(&validator, &doc);
@@ -1566,4 +1557,27 @@ async fn open_turns_are_counted_from_state_and_leave_with_their_partitions() {
         0,
         "stopped partitions take their open turns with them"
     );
+}
+
+/// Fold stored outputs of `partition` into their work sessions, each identified by its raw
+/// sequence and its index among that input's outputs (the way a replayed round repeats them).
+async fn fold(writer: &SessionWriter, partition: u16, items: &[(u64, &Outgoing)]) {
+    let mut events = Vec::new();
+    let mut last = None;
+    let mut index = 0u32;
+    for (seq, out) in items {
+        index = if last == Some(*seq) { index + 1 } else { 0 };
+        last = Some(*seq);
+        let env: Envelope = serde_json::from_slice(&out.payload).expect("an envelope");
+        let position = Position(*seq, index);
+        events.push((
+            env,
+            Identity::Raw {
+                partition,
+                position,
+                in_order: true,
+            },
+        ));
+    }
+    writer.commit(events).await.expect("sessions written");
 }
