@@ -149,6 +149,9 @@ pub struct WorkerContext {
     pub leases_js: jetstream::Context,
     /// The runtime the partitions run on (the lease loop spawns them here).
     pub partitions_rt: tokio::runtime::Handle,
+    /// Most publishes a reader issues before it hands them to its acker (see `issue_publishes`):
+    /// all partitions together hold fewer unhanded publishes than `js` has permits.
+    hand_over: usize,
     /// Test hook: fail every Nth publish attempt before it is sent (0 = never).
     pub fail_publish_every: u64,
     publish_attempts: AtomicU64,
@@ -219,6 +222,7 @@ impl WorkerContext {
             names,
             ingest,
             state: Arc::new(WorkerState::default()),
+            hand_over: hand_over(settings.consumer.publish_window, settings.nats.partitions),
             fail_publish_every,
             publish_attempts: AtomicU64::new(0),
             settings,
@@ -607,7 +611,8 @@ impl Partition<'_> {
         if !fx.is_empty() {
             let inputs: [&jetstream::Message; 0] = [];
             let outs = std::mem::take(&mut fx.outs);
-            let Some(publishes) = issue_publishes(self.shared, outs, &inputs, self.cancel).await
+            let Some(publishes) =
+                issue_publishes(self.shared, outs, &inputs, &self.tx, self.cancel).await
             else {
                 return Ok(true);
             };
@@ -763,7 +768,9 @@ impl Partition<'_> {
             .map_err(|e| self.turn_error(e))?;
         // Cancelled while a publish kept failing: leave the message for redelivery.
         let outs = std::mem::take(&mut fx.outs);
-        let Some(publishes) = issue_publishes(self.shared, outs, &[&msg], self.cancel).await else {
+        let Some(publishes) =
+            issue_publishes(self.shared, outs, &[&msg], &self.tx, self.cancel).await
+        else {
             return Ok(Disposition::LeftForRedelivery(Unprocessed::ShuttingDown));
         };
         let processed = Processed::new(ack.then_some(msg), publishes, fx);
@@ -964,15 +971,28 @@ async fn project_input(
 }
 
 /// Issue the publishes of `outs` in order, pipelined. A publish that cannot be sent is retried
-/// before anything later is sent, so per-key order holds. `None` if cancelled meanwhile.
+/// before anything later is sent, so per-key order holds. `None` if cancelled meanwhile (or the
+/// acker is gone).
+///
+/// Every `WorkerContext::hand_over` publishes, the ones issued so far go to the acker ahead of
+/// the rest (as a group of their own, acknowledging nothing): a publish waits for one of the
+/// context's publish-ack permits, which only the ackers release, so a reader must never wait for
+/// one while holding more than its share of them. One input can have hundreds of outputs (the
+/// blocked responses of every deadline a late message passes); without the hand-over, a few
+/// partitions doing that at once would hold every permit and wait for each other forever.
 async fn issue_publishes(
     shared: &WorkerContext,
     outs: Vec<Outgoing>,
     inputs: &[&jetstream::Message],
+    acker: &mpsc::Sender<Processed>,
     cancel: &CancellationToken,
 ) -> Option<Publishes> {
-    let mut pending = Vec::with_capacity(outs.len());
+    let mut pending = Vec::with_capacity(outs.len().min(shared.hand_over));
     for out in outs {
+        if pending.len() >= shared.hand_over {
+            let ahead = Processed::new(None, std::mem::take(&mut pending), Effects::default());
+            acker.send(ahead).await.ok()?;
+        }
         count_output(shared, &out);
         let fut = match shared.send(&shared.js, &out).await {
             Ok(f) => Some(f),
@@ -987,6 +1007,12 @@ async fn issue_publishes(
         pending.push((out, fut));
     }
     Some(pending)
+}
+
+/// Publishes a reader may hold before handing them over: below `publish_window` shared out
+/// among the partitions of a worker, at most 64.
+fn hand_over(publish_window: usize, partitions: u16) -> usize {
+    (publish_window / (2 * usize::from(partitions.max(1)))).clamp(1, 64)
 }
 
 fn count_output(shared: &WorkerContext, out: &Outgoing) {

@@ -509,6 +509,35 @@ async fn silence_past_the_send_timeout_gives_a_synthesized_blocked_timeout() {
 }
 
 #[tokio::test]
+async fn deadlines_passing_together_are_all_answered_past_the_publish_window() {
+    // One partition and a publish window of 4: the 24 deadlines below pass together, so one
+    // step of the partition issues 24 blocked responses, six times the permits there are. The
+    // reader hands its publishes to the acker as it goes; holding them all, it would wait
+    // forever for a permit only its own acker could release.
+    let bed = Bed::start_with(&[
+        ("COLLAB_NATS__PARTITIONS", "1"),
+        ("COLLAB_CONSUMER__PUBLISH_WINDOW", "4"),
+    ])
+    .await;
+    let convs: Vec<String> = (0..24).map(|i| format!("c-burst-{i}")).collect();
+    for c in &convs {
+        bed.publish(&send(
+            c,
+            json!({"message": "check the canary", "timeoutMs": 1000}),
+        ))
+        .await;
+    }
+    let _p = bed.projector(&[]);
+    let keys: Vec<TurnKey> = convs.iter().map(|c| key(c, "0")).collect();
+    bed.wait_responses(&keys).await;
+    let conv_refs: Vec<&str> = convs.iter().map(String::as_str).collect();
+    bed.settle(&conv_refs).await;
+    let one = one_per_turn(&bed.responses().await, &keys);
+    assert_eq!(one.len(), convs.len());
+    assert!(one.values().all(Proj::is_blocked), "{one:?}");
+}
+
+#[tokio::test]
 async fn a_complete_without_a_response_gives_a_blocked_error_before_the_complete() {
     let bed = Bed::start().await;
     let _p = bed.projector(&[]);
