@@ -30,10 +30,14 @@
 //! A partition's reader normalises each raw message once, classifies it, runs the turn rules and
 //! issues its publishes and turn-record writes without waiting; its acker awaits them in order
 //! and acknowledges each group of inputs with one acknowledgement (the consumers'
-//! `AckPolicy::All`). The only state written on that path is the turn fence in `collab_turns`: an
-//! open record per turn and its decision, stamped with the owner's term and sent through the
-//! partition's decision queue in decision order (waiting there, not in the reader, when the open
-//! write is still in flight). Whether a decision's response is stored is one published checkpoint
+//! `AckPolicy::All`). The only state written on that path is the turn fence in `collab_turns`: a
+//! turn's decision, stamped with the owner's term and sent through the partition's decision queue
+//! in decision order, and, for a turn still undecided after `turns.open_write_delay`, its open
+//! record first. Until the turn has a stored record the send that opened it holds the partition's
+//! acknowledgements back, so a crash redelivers it. Publishes wait for one of the worker's
+//! publish-ack permits, which only the ackers release: a reader hands what it issued to its acker
+//! every few publishes (never holding its share of permits while it waits for one), and nothing an
+//! acker awaits (turn records, checkpoints, retries) takes a permit from that pool. Whether a decision's response is stored is one published checkpoint
 //! per partition per second (`ck.p<N>`), not a write per turn. Work sessions are a fold over the
 //! projection stream on a thread and a connection of their own; leases are renewed from another.
 //! docs/reliability.md says why each guarantee still holds; docs/architecture.md draws the path.

@@ -148,7 +148,7 @@ pub fn document() -> Value {
                         "createdAt": {"type": "string", "format": "date-time"},
                         "updatedAt": {"type": "string", "format": "date-time"},
                         "eventCount": {"type": "integer"},
-                        "threadCount": {"type": "integer"},
+                        "threadCount": {"type": "integer", "description": "Every conversation of the session, including those no longer listed in threads"},
                         "countsByRole": {"type": "object", "additionalProperties": {"type": "integer"}},
                         "countsByType": {"type": "object", "additionalProperties": {"type": "integer"}},
                         "openTurns": {"type": "integer"},
@@ -157,7 +157,7 @@ pub fn document() -> Value {
                         "lastMessagePreview": {"type": "string", "maxLength": 200},
                         "lastMessageTimestamp": {"type": "string", "format": "date-time"},
                         "participants": {"type": "array", "items": {"$ref": "#/components/schemas/Participant"}},
-                        "threads": {"type": "array", "items": {"$ref": "#/components/schemas/Thread"}}
+                        "threads": {"type": "array", "description": "The most recently active conversations (256 or so); older ones without an open turn count only in the totals", "items": {"$ref": "#/components/schemas/Thread"}}
                     }
                 }
             }
