@@ -106,13 +106,7 @@ pub async fn start(
     if settings.roles.main_agents.is_empty() {
         warn!("no main agents configured (roles.main_agents / --main-agents): only events with explicit session types or agent:<id>:main session keys can be conversation.main");
     }
-    let (client, js) = bus::connect(
-        &settings.nats.url,
-        settings.nats.creds_file.as_deref(),
-        settings.consumer.publish_window,
-        "collab-projector",
-    )
-    .await?;
+    let (client, js) = bus::connect_as(&settings, "collab-projector").await?;
     info!(url = %settings.nats.url, server = %client.server_info().version, "connected");
     let report = provision::provision(&js, &settings).await?;
     if !report.created.is_empty() {

@@ -26,7 +26,7 @@
 
 use crate::app::{self, RunOptions};
 use crate::bus::turns::{PartitionTurns, Rev, KEPT_OPEN_RECORDS};
-use crate::bus::{self, provision, worker::WorkerContext};
+use crate::bus::{self, provision, worker::ThreadRuntime, worker::WorkerContext};
 use crate::config::{Names, Settings};
 use crate::localnats::{LocalNats, LocalNatsError, LocalNatsOptions};
 use crate::pipeline::{self, RawMessage, H_SOURCE_SEQ};
@@ -1472,53 +1472,48 @@ async fn direct_reload(env: &Env) -> Result<(usize, f64), BenchError> {
     let js = env.js.clone();
     let settings = env.settings();
     let partitions = env.settings.nats.partitions;
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    std::thread::spawn(move || {
-        let result = (|| {
-            let rt = tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
+    let failed = |detail: String| BenchError::Nats {
+        what: "reload".into(),
+        detail,
+    };
+    let thread = ThreadRuntime::start("collab-bench-reload").map_err(|e| failed(e.to_string()))?;
+    let reload = thread
+        .handle
+        .spawn(async move {
+            let shared = WorkerContext::new(js, settings)
+                .await
                 .map_err(|e| e.to_string())?;
-            rt.block_on(async move {
-                let shared = WorkerContext::new(js, settings)
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let cancel = CancellationToken::new();
-                let t0 = Instant::now();
-                let loaded = futures::future::join_all((0..partitions).map(|p| {
-                    let shared = shared.clone();
-                    let cancel = cancel.clone();
-                    async move {
-                        let mut t = PartitionTurns::new(&shared, p)
-                            .await
-                            .map_err(|e| e.to_string())?;
-                        t.reload(&shared, &cancel)
-                            .await
-                            .map_err(|e| e.to_string())?;
-                        Ok::<PartitionTurns, String>(t)
-                    }
-                }))
-                .await;
-                let seconds = t0.elapsed().as_secs_f64();
-                let mut open = 0;
-                for t in &loaded {
-                    match t {
-                        Ok(t) => open += t.open_turns(),
-                        Err(e) => return Err(e.clone()),
-                    }
+            let cancel = CancellationToken::new();
+            let t0 = Instant::now();
+            let loaded = futures::future::join_all((0..partitions).map(|p| {
+                let shared = shared.clone();
+                let cancel = cancel.clone();
+                async move {
+                    let mut t = PartitionTurns::new(&shared, p)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    t.reload(&shared, &cancel)
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    Ok::<PartitionTurns, String>(t)
                 }
-                drop(loaded);
-                Ok((open, seconds))
-            })
-        })();
-        let _ = tx.send(result);
-    });
-    match rx.await {
+            }))
+            .await;
+            let seconds = t0.elapsed().as_secs_f64();
+            let mut open = 0;
+            for t in &loaded {
+                match t {
+                    Ok(t) => open += t.open_turns(),
+                    Err(e) => return Err(e.clone()),
+                }
+            }
+            drop(loaded);
+            Ok((open, seconds))
+        })
+        .await;
+    match reload {
         Ok(Ok(r)) => Ok(r),
-        Ok(Err(e)) => Err(BenchError::Nats {
-            what: "reload".into(),
-            detail: e,
-        }),
+        Ok(Err(e)) => Err(failed(e)),
         Err(_) => Err(BenchError::Stalled("the reload thread died".into())),
     }
 }

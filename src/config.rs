@@ -325,7 +325,7 @@ impl Settings {
         Ok(settings)
     }
 
-    /// Parse TOML text (used by tests and `provision --print-config`).
+    /// Parse TOML text (tests).
     #[cfg(test)]
     pub fn from_toml(text: &str) -> Result<Settings, ConfigError> {
         let settings: Settings = config::Config::builder()

@@ -193,13 +193,7 @@ async fn connect_for(
     settings: &Settings,
     name: &str,
 ) -> anyhow::Result<async_nats::jetstream::Context> {
-    let (_client, js) = bus::connect(
-        &settings.nats.url,
-        settings.nats.creds_file.as_deref(),
-        settings.consumer.publish_window,
-        name,
-    )
-    .await?;
+    let (_client, js) = bus::connect_as(settings, name).await?;
     Ok(js)
 }
 
@@ -304,13 +298,7 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Provision { common } => {
             let settings = common.settings()?;
-            let (_client, js) = bus::connect(
-                &settings.nats.url,
-                settings.nats.creds_file.as_deref(),
-                settings.consumer.publish_window,
-                "collab-projector provision",
-            )
-            .await?;
+            let js = connect_for(&settings, "collab-projector provision").await?;
             let report = bus::provision::provision(&js, &settings).await?;
             for r in &report.created {
                 println!("created   {r}");

@@ -84,6 +84,21 @@ pub fn parse_version(v: &str) -> Option<(u64, u64, u64)> {
     ))
 }
 
+/// Connect the way `settings` say (URL, credentials, publish window), naming the connection
+/// `name` (it shows in the server's connection list).
+pub async fn connect_as(
+    settings: &crate::config::Settings,
+    name: &str,
+) -> Result<(async_nats::Client, async_nats::jetstream::Context), ConnectError> {
+    connect(
+        &settings.nats.url,
+        settings.nats.creds_file.as_deref(),
+        settings.consumer.publish_window,
+        name,
+    )
+    .await
+}
+
 /// Connect, check the server version and JetStream, and return a client with a JetStream context
 /// whose publish window is bounded below the client's cap.
 pub async fn connect(

@@ -8,7 +8,7 @@
 //! every partition touches therefore costs one write per round, not one per group. The committer
 //! keeps the sessions it wrote, decoded, with their revision, and re-reads one only on a revision
 //! conflict (another worker wrote it). Applying is idempotent, so a redelivered group, or a
-//! retried `observe`, changes nothing twice.
+//! retried round, changes nothing twice.
 //!
 //! Keys: a session is stored under `encode_id(session id)`. Events that name a conversation but no
 //! work session (a synthesised blocked response, for example) are resolved through an alias entry
@@ -34,7 +34,8 @@ pub const MAX_SESSION_BYTES: usize = 900 * 1024;
 /// The retry schedule of work-session and alias reads and writes.
 const STORE_RETRY_MIN: Duration = Duration::from_millis(20);
 const STORE_RETRY_MAX: Duration = Duration::from_millis(500);
-/// Attempts per session (conflicts and transient errors) before `observe` gives up.
+/// Attempts per session write or alias read and write (conflicts and transient errors) before a
+/// round gives up.
 const MAX_ATTEMPTS: u32 = 50;
 /// Aliases remembered in memory, to skip rewriting them.
 const ALIAS_CACHE: usize = 10_000;
@@ -362,30 +363,44 @@ async fn read(kv: &kv::Store, key: &str) -> Result<Option<Cached>, String> {
     })
 }
 
+/// Run a KV operation on `key` until it succeeds, [`MAX_ATTEMPTS`] attempts at most, with the
+/// work-session store's back-off between them; each failure is logged as `what`.
+async fn with_retries<T, E, Fut>(
+    key: &str,
+    what: &str,
+    op: impl FnMut() -> Fut,
+) -> Result<T, SessionError>
+where
+    E: std::fmt::Display,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    use backon::Retryable;
+    let schedule = backon::ExponentialBuilder::new()
+        .with_min_delay(STORE_RETRY_MIN)
+        .with_max_delay(STORE_RETRY_MAX)
+        .with_jitter()
+        .with_max_times(MAX_ATTEMPTS as usize - 1);
+    op.retry(schedule)
+        .sleep(tokio::time::sleep)
+        .notify(|e, _| warn!(key = %key, error = %e, "{what} failed; retrying"))
+        .await
+        .map_err(|e| SessionError::Kv {
+            key: key.to_string(),
+            detail: e.to_string(),
+        })
+}
+
 impl SessionWriter {
     async fn remember_alias(&self, conv: &str, ws: &str) -> Result<(), SessionError> {
         if self.cached(conv).as_deref() == Some(ws) {
             return Ok(());
         }
         let key = alias_key(conv);
-        let mut attempt = 0u32;
-        let mut retry = super::Retry::new(STORE_RETRY_MIN, STORE_RETRY_MAX);
-        loop {
-            attempt += 1;
-            match self.kv.put(&key, Bytes::from(ws.to_string())).await {
-                Ok(_) => break,
-                Err(e) if attempt >= MAX_ATTEMPTS => {
-                    return Err(SessionError::Kv {
-                        key,
-                        detail: e.to_string(),
-                    })
-                }
-                Err(e) => {
-                    warn!(key = %key, error = %e, "conversation alias write failed; retrying");
-                    tokio::time::sleep(retry.next_delay()).await;
-                }
-            }
-        }
+        let value = Bytes::from(ws.to_string());
+        with_retries(&key, "conversation alias write", || {
+            self.kv.put(&key, value.clone())
+        })
+        .await?;
         self.cache(conv, ws);
         Ok(())
     }
@@ -396,29 +411,16 @@ impl SessionWriter {
             return Ok(ws);
         }
         let key = alias_key(conv);
-        let mut attempt = 0u32;
-        let mut retry = super::Retry::new(STORE_RETRY_MIN, STORE_RETRY_MAX);
-        loop {
-            attempt += 1;
-            match self.kv.get(key.clone()).await {
-                Ok(Some(v)) => {
-                    let ws = String::from_utf8_lossy(&v).into_owned();
-                    self.cache(conv, &ws);
-                    return Ok(ws);
-                }
-                Ok(None) => return Ok(conv.to_string()),
-                Err(e) if attempt >= MAX_ATTEMPTS => {
-                    return Err(SessionError::Kv {
-                        key,
-                        detail: e.to_string(),
-                    })
-                }
-                Err(e) => {
-                    warn!(key = %key, error = %e, "conversation alias read failed; retrying");
-                    tokio::time::sleep(retry.next_delay()).await;
-                }
+        let found =
+            with_retries(&key, "conversation alias read", || self.kv.get(key.clone())).await?;
+        Ok(match found {
+            Some(v) => {
+                let ws = String::from_utf8_lossy(&v).into_owned();
+                self.cache(conv, &ws);
+                ws
             }
-        }
+            None => conv.to_string(),
+        })
     }
 
     fn cached(&self, conv: &str) -> Option<String> {

@@ -359,23 +359,18 @@ impl PartitionTurns {
         shared: &WorkerContext,
         partition: u16,
     ) -> Result<PartitionTurns, TurnIoError> {
-        let bucket = shared.names.turns_bucket.clone();
-        let store = shared
-            .kv_js
-            .get_key_value(&bucket)
-            .await
-            .map_err(|e| TurnIoError::Kv {
-                key: bucket.clone(),
-                detail: e.to_string(),
-            })?;
-        let checkpoint_store = shared
-            .checkpoint_js
-            .get_key_value(&bucket)
-            .await
-            .map_err(|e| TurnIoError::Kv {
-                key: bucket.clone(),
-                detail: e.to_string(),
-            })?;
+        let bucket = &shared.names.turns_bucket;
+        let open = |js: &jetstream::Context| {
+            let js = js.clone();
+            async move {
+                js.get_key_value(bucket).await.map_err(|e| TurnIoError::Kv {
+                    key: bucket.clone(),
+                    detail: e.to_string(),
+                })
+            }
+        };
+        let store = open(&shared.kv_js).await?;
+        let checkpoint_store = open(&shared.checkpoint_js).await?;
         let put_prefix = store.put_prefix.clone().unwrap_or(store.prefix.clone());
         Ok(PartitionTurns {
             partition,
@@ -1015,7 +1010,9 @@ impl PartitionTurns {
             if !shared.publish_in_place(&out, &[], cancel).await {
                 return Err(TurnIoError::Cancelled(key.to_string()));
             }
-            shared.count_projection(Role::ConversationMain);
+            shared
+                .state
+                .count_output(crate::pipeline::OutKind::Projection(Role::ConversationMain));
         }
         self.remember(key, &turns::published(rec), Rev::Known(0));
         Ok(())

@@ -76,21 +76,13 @@ impl ThreadRuntime {
         settings: &Settings,
         name: &'static str,
     ) -> Result<jetstream::Context, super::ConnectError> {
-        let (url, creds, window) = (
-            settings.nats.url.clone(),
-            settings.nats.creds_file.clone(),
-            settings.consumer.publish_window,
-        );
         let failed = |detail: String| super::ConnectError::Connect {
             url: settings.nats.url.clone(),
             detail,
         };
+        let settings = settings.clone();
         self.handle
-            .spawn(async move {
-                super::connect(&url, creds.as_deref(), window, name)
-                    .await
-                    .map(|(_, js)| js)
-            })
+            .spawn(async move { super::connect_as(&settings, name).await.map(|(_, js)| js) })
             .await
             .map_err(|e| failed(format!("connection thread: {e}")))?
     }
@@ -117,6 +109,34 @@ pub struct WorkerState {
     pub publish_retries: AtomicU64,
     /// Open turns over the partitions this worker runs (each partition adds its own count).
     pub open_turns: AtomicI64,
+}
+
+/// The one place each counter is counted: the status counter here and its metric together, so
+/// the status endpoint and `/metrics` never disagree.
+impl WorkerState {
+    fn count_input(&self, outcome: Outcome) {
+        self.inputs.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(telemetry::INPUTS, "outcome" => outcome.as_str()).increment(1);
+    }
+
+    pub(crate) fn count_output(&self, kind: OutKind) {
+        match kind {
+            OutKind::Projection(role) => {
+                self.projected.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!(telemetry::PROJECTED, "role" => role.as_str()).increment(1);
+            }
+            OutKind::DeadLetter(reason) => {
+                self.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!(telemetry::DEAD_LETTERS, "reason" => reason.as_str())
+                    .increment(1);
+            }
+        }
+    }
+
+    fn count_publish_retry(&self) {
+        self.publish_retries.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(telemetry::PUBLISH_RETRIES).increment(1);
+    }
 }
 
 /// Everything the partition tasks share.
@@ -273,8 +293,7 @@ impl WorkerContext {
             match result {
                 Ok(()) => return true,
                 Err(e) => {
-                    self.state.publish_retries.fetch_add(1, Ordering::Relaxed);
-                    metrics::counter!(telemetry::PUBLISH_RETRIES).increment(1);
+                    self.state.count_publish_retry();
                     warn!(subject = %out.subject, error = %e, "publish failed; retrying in place");
                 }
             }
@@ -296,13 +315,6 @@ impl WorkerContext {
                 since_progress = Duration::ZERO;
             }
         }
-    }
-}
-
-impl WorkerContext {
-    pub(crate) fn count_projection(&self, role: crate::model::Role) {
-        self.state.projected.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!(telemetry::PROJECTED, "role" => role.as_str()).increment(1);
     }
 }
 
@@ -577,10 +589,23 @@ impl Partition<'_> {
             .flush(self.shared, what, &mut fx)
             .await
             .map_err(|e| self.turn_error(e))?;
-        if !fx.is_empty() {
-            let _ = self.tx.send(Processed::new(None, Vec::new(), fx)).await;
-        }
+        self.issue_unprompted(fx).await;
         Ok(())
+    }
+
+    /// Issue what the turn rules asked for outside of any input (deferred open records written,
+    /// deadlines decided while idle) and hand it to the acker. Cancelled meanwhile, it hands
+    /// nothing over: nothing is acknowledged for it, and the next owner redoes it.
+    async fn issue_unprompted(&mut self, mut fx: Effects) {
+        if fx.is_empty() {
+            return;
+        }
+        let outs = std::mem::take(&mut fx.outs);
+        if let Some(publishes) =
+            issue_publishes(self.shared, outs, &[], &self.tx, self.cancel).await
+        {
+            let _ = self.tx.send(Processed::new(None, publishes, fx)).await;
+        }
     }
 
     /// A due deadline with no message to move the watermark: when nothing stored is left
@@ -608,16 +633,7 @@ impl Partition<'_> {
             .advance(self.shared, wm, &mut fx)
             .await
             .map_err(|e| self.turn_error(e))?;
-        if !fx.is_empty() {
-            let inputs: [&jetstream::Message; 0] = [];
-            let outs = std::mem::take(&mut fx.outs);
-            let Some(publishes) =
-                issue_publishes(self.shared, outs, &inputs, &self.tx, self.cancel).await
-            else {
-                return Ok(true);
-            };
-            let _ = self.tx.send(Processed::new(None, publishes, fx)).await;
-        }
+        self.issue_unprompted(fx).await;
         Ok(true)
     }
 
@@ -703,7 +719,7 @@ impl Partition<'_> {
     ) -> Result<Flow, WorkerError> {
         match self.dispose(msg, ack).await? {
             Disposition::Issued { processed, outcome } => {
-                metrics::counter!(telemetry::INPUTS, "outcome" => outcome.as_str()).increment(1);
+                self.shared.state.count_input(outcome);
                 if let Outcome::DeadLettered(reason) = outcome {
                     debug!(
                         partition = self.p,
@@ -933,7 +949,6 @@ async fn project_input(
     info: &jetstream::message::Info<'_>,
     fx: &mut Effects,
 ) -> Result<Outcome, TurnIoError> {
-    shared.state.inputs.fetch_add(1, Ordering::Relaxed);
     let raw = RawMessage {
         bytes: &msg.payload,
         stream: info.stream,
@@ -993,7 +1008,7 @@ async fn issue_publishes(
             let ahead = Processed::new(None, std::mem::take(&mut pending), Effects::default());
             acker.send(ahead).await.ok()?;
         }
-        count_output(shared, &out);
+        shared.state.count_output(out.kind);
         let fut = match shared.send(&shared.js, &out).await {
             Ok(f) => Some(f),
             Err(e) => {
@@ -1013,19 +1028,6 @@ async fn issue_publishes(
 /// among the partitions of a worker, at most 64.
 fn hand_over(publish_window: usize, partitions: u16) -> usize {
     (publish_window / (2 * usize::from(partitions.max(1)))).clamp(1, 64)
-}
-
-fn count_output(shared: &WorkerContext, out: &Outgoing) {
-    match out.kind {
-        OutKind::Projection(role) => {
-            shared.state.projected.fetch_add(1, Ordering::Relaxed);
-            metrics::counter!(telemetry::PROJECTED, "role" => role.as_str()).increment(1);
-        }
-        OutKind::DeadLetter(reason) => {
-            shared.state.dead_lettered.fetch_add(1, Ordering::Relaxed);
-            metrics::counter!(telemetry::DEAD_LETTERS, "reason" => reason.as_str()).increment(1);
-        }
-    }
 }
 
 /// How a partition acknowledges a group of processed inputs.

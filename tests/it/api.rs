@@ -1464,7 +1464,7 @@ async fn raw_events_come_back_through_the_api_and_sessions_survive_a_restart() {
     let sub = get("/api/events?role=delegation.subagent&key=conv-2".into()).await;
     assert_eq!(sub["count"], 1);
 
-    // The work session (needs the worker to call SessionWriter::observe).
+    // The work session (folded by the worker from the projection stream).
     let check = |v: &Value| {
         let s = &v["session"];
         assert_eq!(s["openTurns"], 1, "{s}");
