@@ -1406,7 +1406,7 @@ fn memory_model(sizes: &[usize], partitions: u16) -> Vec<(usize, Option<f64>)> {
     sorted.dedup();
     let parts = usize::from(partitions.max(1));
     let handle = std::thread::spawn(move || {
-        let now = chrono::Utc::now().timestamp_millis();
+        let now = bus::now_ms();
         let mut model: Vec<OpenTurns<Rev>> = (0..parts)
             .map(|_| OpenTurns::new(KEPT_OPEN_RECORDS))
             .collect();
@@ -1445,7 +1445,7 @@ fn memory_model(sizes: &[usize], partitions: u16) -> Vec<(usize, Option<f64>)> {
 async fn write_open_turns(env: &Env, opts: &BenchOptions, n: usize) -> Result<(), BenchError> {
     let names = env.names();
     let pb = bar(opts, n as u64, &format!("turnbook {n}: write records"));
-    let now = chrono::Utc::now().timestamp_millis();
+    let now = bus::now_ms();
     let mut publisher = Publisher::new(1000, false);
     for i in 0..n {
         let (key, rec) = open_record(i, &env.prefix, env.settings.nats.partitions, now, 3_600_000);
@@ -1571,7 +1571,7 @@ async fn turn_book(
             let due = start + spacing * i as u32;
             tokio::time::sleep_until(due.into()).await;
             let conv = format!("late-{i}");
-            let body = serde_json::json!({"type":"a2a.send","agentId":"ruda","ts":chrono::Utc::now().timestamp_millis(),"data":{
+            let body = serde_json::json!({"type":"a2a.send","agentId":"ruda","ts":bus::now_ms(),"data":{
                 "fromAgent":"ruda","toAgent":"eden","conversationId":conv,"runId":format!("run-late-{i}"),
                 "message":"Please check the flaky integration test.","goal":"check the flaky integration test",
                 "timeoutMs": timeout_ms,"fromSessionType":"main","toSessionType":"main"}});

@@ -8,17 +8,12 @@
 //!
 //! # Idempotency
 //!
-//! Counts must not grow when an event is applied twice (redelivery after a crash, a worker
-//! restart). Two identities cover every projected event:
-//! - an event projected from a raw message has a position in its partition (raw sequence, and the
-//!   index of the output among that message's outputs). A partition is processed in order except
-//!   while a new owner recovers a crashed owner's in-flight messages (they may come after later
-//!   ones). So the session keeps, per partition, a floor (everything at or below it was applied:
-//!   set by events processed in order) and the positions applied above it out of order; an event
-//!   at or below the floor, or among those positions, is a repeat;
-//! - a turn's one `a2a.response` (published by the turn contract, possibly at a deadline and so not
-//!   tied to a raw position) is identified by its turn: once a turn has an outcome, a response
-//!   for it changes nothing.
+//! Counts must not grow when an event is applied twice (a fold round repeated after a crash, a
+//! brief overlap of two folding workers). Each event is identified by its position in the stream
+//! it is folded from, read in order: the session keeps, per stream, a floor (every position at or
+//! below it was applied), and an event at or below it is a repeat. A turn has one `a2a.response`:
+//! once a turn has an outcome, another response for it (a previous owner's decision stored past
+//! the duplicate window) changes nothing either.
 
 use crate::model::shorten;
 use crate::model::{id_text, Envelope, Role};
@@ -38,55 +33,30 @@ const TITLE_CHARS: usize = 80;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Position(pub u64, pub u32);
 
-/// How an applied event is identified, for idempotency.
+/// How an applied event is identified, for idempotency: where it sits in the stream it is folded
+/// from, read in order (`partition` says which; the projection-stream fold is
+/// `bus::sessions::FOLD_PARTITION`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Identity {
-    /// Projected from a raw message of `partition` at `position`. `in_order`: every earlier
-    /// message of the partition was processed (and observed) before it.
-    Raw {
-        partition: u16,
-        position: Position,
-        in_order: bool,
-    },
-    /// A turn's one response, identified by its conversation and turn.
-    TurnResponse,
+pub struct Identity {
+    pub partition: u16,
+    pub position: Position,
 }
 
-/// Most out-of-order positions remembered per partition; beyond it the oldest are folded into
-/// the floor (a bound on the value's size; it only matters after a long recovery).
-pub const MAX_OUT_OF_ORDER: usize = 2048;
-
-/// What a session has applied from one partition.
+/// What a session applied from one partition: every position at or below `floor` (events are
+/// applied in their stream's order, so nothing below it is left out).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Applied {
-    /// Every position at or below it was applied.
     pub floor: Position,
-    /// Positions above the floor applied out of order.
-    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
-    pub above: BTreeSet<Position>,
 }
 
 impl Applied {
     pub fn seen(&self, p: Position) -> bool {
-        p <= self.floor || self.above.contains(&p)
+        p <= self.floor
     }
 
-    /// Record `p`; an in-order position raises the floor.
-    pub fn record(&mut self, p: Position, in_order: bool) {
-        if in_order {
-            if p > self.floor {
-                self.floor = p;
-            }
-            let floor = self.floor;
-            self.above.retain(|x| *x > floor);
-        } else if p > self.floor {
-            self.above.insert(p);
-            while self.above.len() > MAX_OUT_OF_ORDER {
-                match self.above.pop_first() {
-                    Some(x) => self.floor = x,
-                    None => break,
-                }
-            }
+    pub fn record(&mut self, p: Position) {
+        if p > self.floor {
+            self.floor = p;
         }
     }
 }
@@ -437,10 +407,9 @@ pub fn apply(
     apply_as(
         current,
         env,
-        Identity::Raw {
+        Identity {
             partition,
             position: Position(raw_seq, 0),
-            in_order: true,
         },
     )
 }
@@ -489,20 +458,11 @@ pub fn fold_into(
             return false;
         }
     }
-    match identity {
-        Identity::Raw {
-            partition,
-            position,
-            in_order,
-        } => {
-            let applied = s.applied.entry(partition).or_default();
-            if applied.seen(position) {
-                return false;
-            }
-            applied.record(position, in_order);
-        }
-        Identity::TurnResponse => {}
+    let applied = s.applied.entry(identity.partition).or_default();
+    if applied.seen(identity.position) {
+        return false;
     }
+    applied.record(identity.position);
 
     if s.work_session_id.is_none() {
         s.work_session_id = keys.work_session_id.clone();
@@ -1013,18 +973,9 @@ mod tests {
     }
 
     fn raw(p: u16, seq: u64) -> Identity {
-        Identity::Raw {
+        Identity {
             partition: p,
             position: Position(seq, 0),
-            in_order: true,
-        }
-    }
-
-    fn recovering(p: u16, seq: u64) -> Identity {
-        Identity::Raw {
-            partition: p,
-            position: Position(seq, 0),
-            in_order: false,
         }
     }
 
@@ -1053,7 +1004,7 @@ mod tests {
             (send(0, "2026-02-17T12:00:00.000Z"), raw(3, 10)),
             (
                 response(0, "2026-02-17T12:00:05.000Z", json!({})),
-                Identity::TurnResponse,
+                raw(3, 11),
             ),
             (send(1, "2026-02-17T12:01:00.000Z"), raw(3, 12)),
             (send(2, "2026-02-17T12:02:00.000Z"), raw(3, 13)),
@@ -1063,7 +1014,7 @@ mod tests {
                     "2026-02-17T12:03:00.000Z",
                     json!({"outcome": "blocked", "reason": "timeout"}),
                 ),
-                Identity::TurnResponse,
+                raw(3, 14),
             ),
         ])
         .expect("a session");
@@ -1094,32 +1045,32 @@ mod tests {
     fn redelivered_events_never_count_twice() {
         let a = send(0, "2026-02-17T12:00:00.000Z");
         let b = response(0, "2026-02-17T12:00:05.000Z", json!({}));
-        let once = fold(&[(a.clone(), raw(1, 5)), (b.clone(), Identity::TurnResponse)]);
+        let once = fold(&[(a.clone(), raw(1, 5)), (b.clone(), raw(1, 6))]);
         let s = once.clone().expect("a session");
-        // The same raw position, any earlier one, and the same turn's response: no change.
+        // The same position, any earlier one, and the same turn's response anywhere: no change.
         assert_eq!(apply_as(Some(s.clone()), &a, raw(1, 5)), None);
         assert_eq!(apply_as(Some(s.clone()), &a, raw(1, 4)), None);
-        assert_eq!(apply_as(Some(s.clone()), &b, Identity::TurnResponse), None);
+        assert_eq!(apply_as(Some(s.clone()), &b, raw(1, 6)), None);
+        assert_eq!(apply_as(Some(s.clone()), &b, raw(1, 9)), None);
         assert_eq!(apply(Some(s.clone()), &a, 1, 5), None);
         // A whole replay of the partition after a restart changes nothing.
         let replay = fold(&[
             (a.clone(), raw(1, 5)),
-            (b.clone(), Identity::TurnResponse),
+            (b.clone(), raw(1, 6)),
             (a.clone(), raw(1, 5)),
-            (b, Identity::TurnResponse),
+            (b, raw(1, 6)),
         ]);
         assert_eq!(replay, once);
         // Another partition has its own positions; a later position counts.
         assert!(apply_as(Some(s.clone()), &a, raw(2, 5)).is_some());
         let mut later_one = a.clone();
         later_one.turn_id = Some(json!("7"));
-        let n = apply_as(Some(s), &later_one, raw(1, 6)).expect("new");
+        let n = apply_as(Some(s), &later_one, raw(1, 7)).expect("new");
         assert_eq!(n.counts[&Role::ConversationMain]["a2a.send"], 2);
         // Outputs of one raw message are told apart by their index.
-        let second = Identity::Raw {
+        let second = Identity {
             partition: 1,
-            position: Position(6, 1),
-            in_order: true,
+            position: Position(7, 1),
         };
         assert!(apply_as(Some(n), &a, second).is_some());
     }
@@ -1129,7 +1080,7 @@ mod tests {
         let s = fold(&[
             (
                 response(0, "2026-02-17T12:00:05.000Z", json!({})),
-                Identity::TurnResponse,
+                raw(1, 2),
             ),
             (send(0, "2026-02-17T12:00:00.000Z"), raw(1, 3)),
         ])
@@ -1222,36 +1173,6 @@ mod tests {
         assert!(s.view(&opts(&[Role::OrchestrationTask])).is_none());
         assert!(s.matches(&[Role::ConversationMain], &["a2a.send".into()]));
         assert!(!s.matches(&[Role::ConversationMain], &["a2a.complete".into()]));
-    }
-
-    #[test]
-    fn events_recovered_out_of_order_count_once() {
-        // A crashed owner's in-flight message (seq 5) is redelivered after the new owner
-        // processed seq 8 while recovering, then the partition is in order again.
-        let e = |turn: u64| send(turn, "2026-02-17T12:00:00.000Z");
-        let s = fold(&[
-            (e(1), raw(2, 3)),
-            (e(2), recovering(2, 8)),
-            (e(3), recovering(2, 5)),
-            (e(3), recovering(2, 5)),
-            (e(2), recovering(2, 8)),
-            (e(4), raw(2, 9)),
-            (e(2), recovering(2, 8)),
-            (e(3), raw(2, 5)),
-        ])
-        .expect("session");
-        assert_eq!(s.counts[&Role::ConversationMain]["a2a.send"], 4);
-        let applied = &s.applied[&2];
-        assert_eq!(applied.floor, Position(9, 0));
-        assert!(applied.above.is_empty());
-        // The floor is bounded: out-of-order positions fold into it beyond the cap.
-        let mut a = Applied::default();
-        for i in 0..(MAX_OUT_OF_ORDER as u64 + 10) {
-            a.record(Position(100 + i, 0), false);
-        }
-        assert_eq!(a.above.len(), MAX_OUT_OF_ORDER);
-        assert!(a.seen(Position(105, 0)));
-        assert!(!a.seen(Position(100 + MAX_OUT_OF_ORDER as u64 + 10, 0)));
     }
 
     #[test]
@@ -1376,7 +1297,7 @@ mod tests {
     }
 
     #[test]
-    fn a_second_response_for_a_decided_turn_changes_nothing_whatever_its_identity() {
+    fn a_second_response_for_a_decided_turn_changes_nothing_wherever_it_stands() {
         let s = fold(&[
             (send(0, "2026-02-17T12:00:00.000Z"), raw(3, 10)),
             (
@@ -1392,12 +1313,7 @@ mod tests {
         );
         let mut again = s.clone();
         assert!(!fold_into(&mut again, &late, &keys(&late), raw(3, 40)));
-        assert!(!fold_into(
-            &mut again,
-            &late,
-            &keys(&late),
-            Identity::TurnResponse
-        ));
+        assert!(!fold_into(&mut again, &late, &keys(&late), raw(4, 1)));
         assert_eq!(again, s);
     }
 }

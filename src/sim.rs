@@ -68,7 +68,7 @@ impl Generator {
             prefix: prefix.to_string(),
             mix,
             n: 0,
-            now_ms: chrono::Utc::now().timestamp_millis(),
+            now_ms: crate::bus::now_ms(),
             unanswered_percent: 10,
         }
     }

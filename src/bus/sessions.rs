@@ -488,10 +488,9 @@ async fn fold_start(kv: &kv::Store, proj: &mut jetstream::stream::Stream) -> Res
 fn fold_event(msg: &jetstream::Message) -> Option<(Envelope, Identity)> {
     let seq = msg.info().ok()?.stream_sequence;
     let env = serde_json::from_slice::<Envelope>(&msg.payload).ok()?;
-    let ident = Identity::Raw {
+    let ident = Identity {
         partition: FOLD_PARTITION,
         position: Position(seq, 0),
-        in_order: true,
     };
     Some((env, ident))
 }

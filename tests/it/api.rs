@@ -1572,10 +1572,9 @@ async fn fold(writer: &SessionWriter, partition: u16, items: &[(u64, &Outgoing)]
         let position = Position(*seq, index);
         events.push((
             env,
-            Identity::Raw {
+            Identity {
                 partition,
                 position,
-                in_order: true,
             },
         ));
     }
