@@ -32,6 +32,9 @@ fn settings() -> ingest::Settings {
         adapter_mode: adapter::AdapterMode::Lenient,
         adapter_limits: adapter::AdapterLimits::default(),
         max_payload_bytes: 1024 * 1024,
+        redactor: std::sync::Arc::new(
+            collab_projector::redact::Redactor::new(&[], &[]).expect("built-in redaction rules"),
+        ),
     }
 }
 

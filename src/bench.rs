@@ -1072,7 +1072,7 @@ async fn throughput_naive(env: &Env, opts: &BenchOptions) -> Result<ThroughputRe
     let avg = preload(env, opts, Mix::REALISTIC, n, "4 naive").await?;
     let settings = env.settings();
     let names = env.names();
-    let ing = settings.ingest();
+    let ing = settings.ingest()?;
     let (_client, js) = bus::connect(&env.url, None, 1024, "bench naive").await?;
     let stream = js.get_stream(&names.raw_stream).await.ctx("raw stream")?;
     let consumer: PullConsumer = stream
@@ -1648,7 +1648,7 @@ async fn turn_book(
 // ---------------------------------------------------------------------------------------------
 // Where the time goes: the pure core per input, and serial round trips.
 
-fn core_costs(seed: u64) -> CoreCosts {
+fn core_costs(seed: u64) -> Result<CoreCosts, BenchError> {
     let settings = {
         let mut s = Settings::default();
         for agent in MAIN_AGENTS {
@@ -1657,7 +1657,7 @@ fn core_costs(seed: u64) -> CoreCosts {
         s
     };
     let names = settings.names();
-    let ing = settings.ingest();
+    let ing = settings.ingest()?;
     let corpus = |mix: Mix| -> Vec<(String, Vec<u8>)> {
         let mut gen = Generator::new("collab", seed, mix);
         let mut out = Vec::new();
@@ -1721,11 +1721,11 @@ fn core_costs(seed: u64) -> CoreCosts {
         }
     }
     let turns_us = t.elapsed().as_secs_f64() * 1e6 / turn_corpus.len() as f64;
-    CoreCosts {
+    Ok(CoreCosts {
         mixed_us,
         turns_us,
         turn_reparse_us: 0.0,
-    }
+    })
 }
 
 async fn round_trips(env: &Env) -> Result<RoundTrips, BenchError> {
@@ -1856,7 +1856,8 @@ async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
         let seed = opts.seed;
         report.core_costs = tokio::task::spawn_blocking(move || core_costs(seed))
             .await
-            .ok();
+            .ok()
+            .and_then(Result::ok);
     }
 
     let mut version = None;

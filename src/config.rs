@@ -27,6 +27,7 @@ pub struct Settings {
     pub roles: RoleSettings,
     pub adapter: AdapterSettings,
     pub limits: LimitSettings,
+    pub redaction: RedactionSettings,
     pub consumer: ConsumerSettings,
     pub turns: TurnSettings,
     pub projection: ProjectionSettings,
@@ -129,6 +130,18 @@ impl Default for LimitSettings {
             max_inline_bytes: 64 * 1024,
         }
     }
+}
+
+/// Secret redaction beyond the built-in rules (see `redact`).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RedactionSettings {
+    /// More sensitive key names: a value under a key that, lower-cased without `_`, `-`, `.` and
+    /// spaces, ends with one of them is replaced whole.
+    pub keys: Vec<String>,
+    /// More patterns to find secrets inside strings: `{ name, pattern }`, the match replaced by
+    /// `[redacted:<name>]`.
+    pub patterns: Vec<crate::redact::ExtraPattern>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -338,6 +351,7 @@ impl Settings {
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
+        self.redactor()?;
         if !crate::model::is_key_token(&self.nats.prefix) {
             return bad(format!(
                 "nats.prefix {:?} must be one subject token of [A-Za-z0-9_-]",
@@ -392,13 +406,20 @@ impl Settings {
     }
 
     /// What normalisation needs of these settings: the one place they are derived from.
-    pub fn ingest(&self) -> crate::ingest::Settings {
-        crate::ingest::Settings {
+    pub fn ingest(&self) -> Result<crate::ingest::Settings, ConfigError> {
+        Ok(crate::ingest::Settings {
             main_agents: crate::classify::MainAgents::new(&self.roles.main_agents),
             adapter_mode: self.adapter.mode,
             adapter_limits: AdapterLimits::default(),
             max_payload_bytes: self.limits.max_payload_bytes,
-        }
+            redactor: std::sync::Arc::new(self.redactor()?),
+        })
+    }
+
+    /// The built-in redaction rules plus the configured ones.
+    pub fn redactor(&self) -> Result<crate::redact::Redactor, ConfigError> {
+        crate::redact::Redactor::new(&self.redaction.keys, &self.redaction.patterns)
+            .map_err(|e| ConfigError::Invalid(e.to_string()))
     }
 }
 

@@ -11,6 +11,7 @@
 //! - [`classify`]: the `eventRole` rules.
 //! - `facets`: owner / scope / phase / surface derived from the event class.
 //! - [`pipeline`]: a raw message to the messages to publish (projections or a dead letter).
+//! - [`redact`]: secret redaction, applied to every input right after it is parsed.
 //! - [`bus`]: NATS: connect, provision, the partition workers, leases, the work-session fold.
 //! - [`app`]: the `run` command: workers, HTTP, signals.
 //! - [`ops`]: operator commands: `audit`, `dlq replay`.
@@ -59,6 +60,7 @@ pub mod localnats;
 pub mod model;
 pub mod ops;
 pub mod pipeline;
+pub mod redact;
 mod sessions;
 #[cfg(feature = "tools")]
 mod sim;

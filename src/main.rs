@@ -428,7 +428,7 @@ fn normalize(
             s.adapter.mode = mode;
         }
     })?;
-    let ingest_settings = settings.ingest();
+    let ingest_settings = settings.ingest()?;
     let stdin = std::io::stdin().lock();
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
     for line in stdin.split(b'\n') {

@@ -175,6 +175,9 @@ pub struct Envelope {
     pub refs: Option<Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub raw_event_ref: Option<RawEventRef>,
+    /// How many values of the input were redacted (secrets never reach a projection).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub redactions: Option<u64>,
 }
 
 impl Envelope {

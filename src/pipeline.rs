@@ -186,11 +186,12 @@ mod tests {
     use crate::model::Role;
 
     fn settings() -> ingest::Settings {
-        ingest::Settings {
-            main_agents: MainAgents::new(["ruda", "eden"]),
-            max_payload_bytes: 1024,
-            ..Default::default()
-        }
+        let mut s = crate::config::Settings::default()
+            .ingest()
+            .unwrap_or_else(|e| panic!("default settings: {e}"));
+        s.main_agents = MainAgents::new(["ruda", "eden"]);
+        s.max_payload_bytes = 1024;
+        s
     }
 
     fn raw<'a>(bytes: &'a [u8], subject: &'a str) -> RawMessage<'a> {

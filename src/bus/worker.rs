@@ -183,7 +183,10 @@ impl WorkerContext {
         settings: Settings,
     ) -> Result<Arc<WorkerContext>, WorkerError> {
         let names = settings.names();
-        let ingest = settings.ingest();
+        let ingest = settings.ingest().map_err(|e| WorkerError::Setup {
+            partition: 0,
+            detail: e.to_string(),
+        })?;
         let fail_publish_every = std::env::var("COLLAB_TEST_FAIL_PUBLISH_EVERY")
             .ok()
             .and_then(|v| v.parse().ok())

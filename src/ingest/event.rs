@@ -144,6 +144,7 @@ pub fn from_event(
         payload: None,
         refs: obj.get("refs").filter(|v| !v.is_null()).cloned(),
         raw_event_ref: input.raw_ref.clone(),
+        redactions: None,
     };
 
     // Payload: the producer's body, nothing dropped.

@@ -17,13 +17,15 @@ use adapter::{AdapterLimits, AdapterMode};
 use serde_json::Value;
 
 /// What normalisation needs from configuration.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Settings {
     pub main_agents: MainAgents,
     pub adapter_mode: AdapterMode,
     pub adapter_limits: AdapterLimits,
     /// Largest raw message accepted, in bytes (`too_large` beyond it).
     pub max_payload_bytes: usize,
+    /// Applied to every parsed input before anything is derived from it.
+    pub redactor: std::sync::Arc<crate::redact::Redactor>,
 }
 
 /// The raw subject's facts: `collab.raw.<key>.<type...>`.
@@ -89,12 +91,15 @@ pub fn normalize(input: &RawInput<'_>, settings: &Settings) -> Result<Vec<Normal
             ),
         ));
     }
-    let value: Value = serde_json::from_slice(input.bytes).map_err(|e| {
+    let mut value: Value = serde_json::from_slice(input.bytes).map_err(|e| {
         Rejection::new(
             DlqReason::BadJson,
             format!("body is not valid UTF-8 JSON ({e}); publish one JSON object per message"),
         )
     })?;
+    // Secrets go before anything is derived from the input: the envelope, the turn facts and
+    // every dead-letter detail below see only the redacted value.
+    let redactions = settings.redactor.value(&mut value);
     let Value::Object(obj) = &value else {
         return Err(Rejection::new(
             DlqReason::Unrecognized,
@@ -106,7 +111,8 @@ pub fn normalize(input: &RawInput<'_>, settings: &Settings) -> Result<Vec<Normal
     };
 
     if adapter::looks_like_adapter_packet(&value) {
-        return event::from_adapter_packet(&value, input, settings).map(|n| vec![n]);
+        return event::from_adapter_packet(&value, input, settings)
+            .map(|n| counted(vec![n], redactions));
     }
     if obj.contains_key("jsonrpc") {
         return Err(Rejection::new(
@@ -129,7 +135,17 @@ pub fn normalize(input: &RawInput<'_>, settings: &Settings) -> Result<Vec<Normal
             "object has no `type` and is not an A2A adapter packet (`protocol: \"a2a\"` with `event_type`); add a `type` such as \"a2a.send\" or \"task.updated\"",
         )),
     }?;
-    Ok(with_source(events, value))
+    Ok(with_source(counted(events, redactions), value))
+}
+
+/// Report on each event how many values redaction replaced in its input.
+fn counted(mut events: Vec<Normalized>, redactions: u64) -> Vec<Normalized> {
+    if redactions > 0 {
+        for n in &mut events {
+            n.envelope.redactions = Some(redactions);
+        }
+    }
+    events
 }
 
 /// Attach the parsed producer object to the events that carry a conversation (the `a2a.*` ones

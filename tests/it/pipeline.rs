@@ -684,6 +684,145 @@ async fn unprojectable_messages_are_dead_lettered_with_reason_and_source() {
     assert_exactly_once(&expected, &proj, &dlq);
 }
 
+/// Every value of a KV bucket, as text.
+async fn bucket_values(js: &Context, bucket: &str) -> Vec<String> {
+    let kv = js
+        .get_key_value(bucket)
+        .await
+        .unwrap_or_else(|e| panic!("bucket {bucket}: {e}"));
+    let keys: Vec<String> = kv
+        .keys()
+        .await
+        .unwrap_or_else(|e| panic!("keys of {bucket}: {e}"))
+        .try_collect()
+        .await
+        .unwrap_or_else(|e| panic!("keys of {bucket}: {e}"));
+    let mut values = Vec::new();
+    for k in keys {
+        if let Ok(Some(v)) = kv.get(&k).await {
+            values.push(String::from_utf8_lossy(&v).into_owned());
+        }
+    }
+    values
+}
+
+#[tokio::test]
+async fn secrets_never_reach_projections_state_or_dead_letter_details() {
+    let nats = TestNats::start().await;
+    let _projector = start_projector(&nats.url(), &MAIN_AGENTS, &[]).await;
+    let js = nats.jetstream().await;
+
+    let jwt = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJydWRhLWJvdCJ9.c2lnbmF0dXJlLW9mLXRoZS10b2tlbg";
+    let secrets = [
+        "hunter2-pw",
+        "Zm9vOmJhcjEyMzQ1Njc4",
+        "tok3n-abcdef-123456",
+        jwt,
+        "AKIAIOSFODNN7EXAMPLE",
+        "ghp_0123456789abcdefghijABCDEFGHIJ012345",
+        "sk-ant-api03-abcdefghijklmnopqrstuv",
+        "s3cr3t-db-pass",
+        "nested-key-value",
+    ];
+    // A turn that times out: its blocked response quotes the send's goal.
+    let send = json!({"type": "a2a.send", "data": {
+        "fromAgent": "ruda", "toAgent": "eden", "conversationId": "c-secret", "workSessionId": "ws-secret",
+        "goal": "deploy with Authorization: Bearer tok3n-abcdef-123456",
+        "message": "use AKIAIOSFODNN7EXAMPLE and the db at postgres://app:s3cr3t-db-pass@db:5432/x",
+        "password": "hunter2-pw", "timeoutMs": 1000}});
+    // A tool result carrying keys in text, in nested objects and in JSON inside a string.
+    let tool = json!({"type": "tool.completed", "sessionId": "s-1", "runId": "r-1", "agentId": "ruda",
+        "payload": {"toolCallId": "t1", "result": {
+            "headers": {"Authorization": "Basic Zm9vOmJhcjEyMzQ1Njc4"},
+            "stdout": format!("token={jwt}\ngh: ghp_0123456789abcdefghijABCDEFGHIJ012345"),
+            "raw": json!({"config": {"api_key": "nested-key-value"}}).to_string(),
+            "note": "sk-ant-api03-abcdefghijklmnopqrstuv"}}});
+    // Dead-lettered (a misspelled role), with a secret in its body: the detail must not quote it.
+    let bad = json!({"type": "task.updated", "eventRole": "orchestration.tsak", "taskId": "t-9",
+        "api_key": "nested-key-value", "note": "Bearer tok3n-abcdef-123456"});
+    let send_seq = publish(
+        &js,
+        "collab.raw.c-secret.a2a.send",
+        serde_json::to_vec(&send).expect("serialises"),
+    )
+    .await;
+    publish(
+        &js,
+        "collab.raw.s-1.tool.completed",
+        serde_json::to_vec(&tool).expect("serialises"),
+    )
+    .await;
+    publish(
+        &js,
+        "collab.raw.t-9.task.updated",
+        serde_json::to_vec(&bad).expect("serialises"),
+    )
+    .await;
+
+    // The send, its synthesised blocked response, the tool event; one dead letter.
+    wait_settled(&js, 3, 1).await;
+    let response = the_one(
+        &js,
+        PROJ,
+        "collab.proj.conversation.main.c-secret.a2a.response",
+    )
+    .await;
+    let body = response.json();
+    assert_eq!(body["payload"]["outcome"], "blocked", "{body}");
+    let sent = the_one(&js, PROJ, "collab.proj.conversation.main.c-secret.a2a.send").await;
+    assert_eq!(sent.source_seq(), send_seq);
+    let sent = sent.json();
+    assert_eq!(sent["payload"]["password"], "[redacted:password]");
+    assert!(sent["redactions"].as_u64().unwrap_or(0) >= 3, "{sent}");
+    assert!(
+        sent["payload"]["goal"]
+            .as_str()
+            .unwrap_or_default()
+            .contains("Bearer [redacted:bearer]"),
+        "{sent}"
+    );
+
+    // The work session is folded from the projections; wait for it before reading the buckets.
+    wait_until(GUARD, "the work session ws-secret", || {
+        let js = js.clone();
+        async move {
+            bucket_values(&js, "collab_work_sessions")
+                .await
+                .iter()
+                .any(|v| v.contains("c-secret"))
+        }
+    })
+    .await;
+
+    let mut everything: Vec<(String, String)> = Vec::new();
+    for m in read_all(&js, PROJ, "collab.proj.>").await {
+        everything.push((
+            format!("projection {}", m.subject),
+            String::from_utf8_lossy(&m.payload).into_owned(),
+        ));
+    }
+    for m in read_all(&js, DLQ, "collab.dlq.>").await {
+        everything.push((
+            format!("dead-letter detail {}", m.subject),
+            m.header("Collab-Dlq-Detail").unwrap_or_default(),
+        ));
+    }
+    for bucket in ["collab_work_sessions", "collab_turns"] {
+        for v in bucket_values(&js, bucket).await {
+            everything.push((format!("bucket {bucket}"), v));
+        }
+    }
+    assert!(everything.len() >= 6, "{everything:?}");
+    for (place, text) in &everything {
+        for secret in secrets {
+            assert!(!text.contains(secret), "{place} holds {secret:?}: {text}");
+        }
+    }
+    // The dead-letter stream keeps the original bytes (privileged; replay needs them).
+    let dl = the_one(&js, DLQ, "collab.dlq.invalid_role").await;
+    assert!(String::from_utf8_lossy(&dl.payload).contains("nested-key-value"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // 3. Exactly one outcome per raw sequence
 // ---------------------------------------------------------------------------------------------
