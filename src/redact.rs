@@ -18,17 +18,22 @@ use regex::{Regex, RegexSet};
 use serde_json::Value;
 
 /// Key classes: a key is sensitive when, normalised, it equals or ends with one of these.
+/// (`tokens` is not one: it usually counts a model's tokens.)
 const KEY_CLASSES: &[&str] = &[
     "password",
+    "passwords",
     "passwd",
     "passphrase",
     "secret",
+    "secrets",
     "token",
     "authorization",
     "apikey",
+    "apikeys",
     "credential",
     "credentials",
     "cookie",
+    "cookies",
     "privatekey",
 ];
 
@@ -290,6 +295,8 @@ mod tests {
             "headers": {"Authorization": "Token abc", "Set-Cookie": "sid=1"},
             "db": [{"PASSWD": "p"}, {"client_secret": "c"}, {"access_token": 7}],
             "credentials": {"user": "u", "pass": "p"},
+            "secrets": ["a", "b"],
+            "tokens": 1234,
             "private_key": "k",
             "refresh-token": "r",
             "hasPassword": true,
@@ -308,6 +315,8 @@ mod tests {
         assert_eq!(v["db"][1]["client_secret"], "[redacted:secret]");
         assert_eq!(v["db"][2]["access_token"], "[redacted:token]");
         assert_eq!(v["credentials"], "[redacted:credentials]");
+        assert_eq!(v["secrets"], "[redacted:secrets]");
+        assert_eq!(v["tokens"], 1234);
         assert_eq!(v["private_key"], "[redacted:privatekey]");
         assert_eq!(v["refresh-token"], "[redacted:token]");
         // Flags, nulls, usage counts and routing addresses are not secrets.
@@ -316,7 +325,7 @@ mod tests {
         assert_eq!(v["maxTokens"], 4096);
         assert_eq!(v["targetSessionKey"], "agent:eden:main");
         assert_eq!(v["message"], "nothing secret here");
-        assert_eq!(n, 12);
+        assert_eq!(n, 13);
     }
 
     #[test]
