@@ -32,6 +32,12 @@ fn settings() -> ingest::Settings {
         adapter_mode: adapter::AdapterMode::Lenient,
         adapter_limits: adapter::AdapterLimits::default(),
         max_payload_bytes: 1024 * 1024,
+        shape: ingest::ShapeLimits {
+            max_depth: 64,
+            max_string_bytes: 1024 * 1024,
+            max_object_keys: 10_000,
+            max_array_items: 100_000,
+        },
         redactor: std::sync::Arc::new(
             collab_projector::redact::Redactor::new(&[], &[]).expect("built-in redaction rules"),
         ),

@@ -121,6 +121,14 @@ pub struct LimitSettings {
     pub max_payload_bytes: usize,
     /// Fields larger than this are offloaded to the object store.
     pub max_inline_bytes: usize,
+    /// Deepest JSON nesting accepted (objects and arrays); deeper input is dead-lettered.
+    pub max_depth: usize,
+    /// Longest JSON string accepted, in bytes.
+    pub max_string_bytes: usize,
+    /// Most keys in one JSON object.
+    pub max_object_keys: usize,
+    /// Most items in one JSON array.
+    pub max_array_items: usize,
 }
 
 impl Default for LimitSettings {
@@ -128,6 +136,10 @@ impl Default for LimitSettings {
         LimitSettings {
             max_payload_bytes: 1024 * 1024,
             max_inline_bytes: 64 * 1024,
+            max_depth: 64,
+            max_string_bytes: 1024 * 1024,
+            max_object_keys: 10_000,
+            max_array_items: 100_000,
         }
     }
 }
@@ -352,6 +364,16 @@ impl Settings {
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         self.redactor()?;
+        let l = &self.limits;
+        if l.max_depth == 0 || l.max_depth > 128 {
+            return bad("limits.max_depth must be between 1 and 128".into());
+        }
+        if l.max_string_bytes == 0 || l.max_object_keys == 0 || l.max_array_items == 0 {
+            return bad(
+                "limits.max_string_bytes, max_object_keys and max_array_items must be at least 1"
+                    .into(),
+            );
+        }
         if !crate::model::is_key_token(&self.nats.prefix) {
             return bad(format!(
                 "nats.prefix {:?} must be one subject token of [A-Za-z0-9_-]",
@@ -412,6 +434,12 @@ impl Settings {
             adapter_mode: self.adapter.mode,
             adapter_limits: AdapterLimits::default(),
             max_payload_bytes: self.limits.max_payload_bytes,
+            shape: crate::ingest::ShapeLimits {
+                max_depth: self.limits.max_depth,
+                max_string_bytes: self.limits.max_string_bytes,
+                max_object_keys: self.limits.max_object_keys,
+                max_array_items: self.limits.max_array_items,
+            },
             redactor: std::sync::Arc::new(self.redactor()?),
         })
     }

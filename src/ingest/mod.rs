@@ -24,8 +24,66 @@ pub struct Settings {
     pub adapter_limits: AdapterLimits,
     /// Largest raw message accepted, in bytes (`too_large` beyond it).
     pub max_payload_bytes: usize,
+    /// Bounds on the parsed input's shape.
+    pub shape: ShapeLimits,
     /// Applied to every parsed input before anything is derived from it.
     pub redactor: std::sync::Arc<crate::redact::Redactor>,
+}
+
+/// Bounds on a parsed input's shape beyond its size (`limits.*` in the configuration).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShapeLimits {
+    pub max_depth: usize,
+    pub max_string_bytes: usize,
+    pub max_object_keys: usize,
+    pub max_array_items: usize,
+}
+
+impl ShapeLimits {
+    /// The first bound `value` breaks, as a dead-letter detail a producer can act on.
+    fn check(&self, value: &Value) -> Result<(), String> {
+        // Iterative, so no input can exhaust the stack.
+        let mut stack = vec![(value, 1usize)];
+        while let Some((v, depth)) = stack.pop() {
+            match v {
+                Value::String(s) if s.len() > self.max_string_bytes => {
+                    return Err(format!(
+                        "a string of {} bytes is over limits.max_string_bytes ({}); offload it and publish a reference",
+                        s.len(),
+                        self.max_string_bytes
+                    ));
+                }
+                Value::Array(_) | Value::Object(_) if depth > self.max_depth => {
+                    return Err(format!(
+                        "JSON is nested more than limits.max_depth ({}) levels deep; flatten it",
+                        self.max_depth
+                    ));
+                }
+                Value::Array(items) => {
+                    if items.len() > self.max_array_items {
+                        return Err(format!(
+                            "an array of {} items is over limits.max_array_items ({}); split the message",
+                            items.len(),
+                            self.max_array_items
+                        ));
+                    }
+                    stack.extend(items.iter().map(|i| (i, depth + 1)));
+                }
+                Value::Object(map) => {
+                    if map.len() > self.max_object_keys {
+                        return Err(format!(
+                            "an object with {} keys is over limits.max_object_keys ({}); split the message",
+                            map.len(),
+                            self.max_object_keys
+                        ));
+                    }
+                    stack.extend(map.values().map(|i| (i, depth + 1)));
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The raw subject's facts: `collab.raw.<key>.<type...>`.
@@ -97,6 +155,10 @@ pub fn normalize(input: &RawInput<'_>, settings: &Settings) -> Result<Vec<Normal
             format!("body is not valid UTF-8 JSON ({e}); publish one JSON object per message"),
         )
     })?;
+    settings
+        .shape
+        .check(&value)
+        .map_err(|detail| Rejection::new(DlqReason::TooLarge, detail))?;
     // Secrets go before anything is derived from the input: the envelope, the turn facts and
     // every dead-letter detail below see only the redacted value.
     let redactions = settings.redactor.value(&mut value);
@@ -215,4 +277,90 @@ pub fn normalize_line(line: &[u8], settings: &Settings) -> String {
         Err(r) => serde_json::json!({"error": {"reason": r.reason.as_str(), "detail": r.detail}}),
     };
     value.to_string()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn limits() -> ShapeLimits {
+        ShapeLimits {
+            max_depth: 4,
+            max_string_bytes: 8,
+            max_object_keys: 3,
+            max_array_items: 3,
+        }
+    }
+
+    fn nested(levels: usize) -> Value {
+        (1..levels).fold(json!({}), |inner, _| json!({ "a": inner }))
+    }
+
+    #[test]
+    fn shape_limits_pass_at_the_bound_and_refuse_past_it_naming_the_setting() {
+        let l = limits();
+        assert_eq!(l.check(&nested(4)), Ok(()));
+        let deep = l.check(&nested(5)).err().unwrap_or_default();
+        assert!(deep.contains("limits.max_depth (4)"), "{deep}");
+        // Arrays count as levels too.
+        let deep_array = l.check(&json!([[[[[]]]]])).err().unwrap_or_default();
+        assert!(deep_array.contains("limits.max_depth"), "{deep_array}");
+
+        assert_eq!(l.check(&json!({"s": "12345678"})), Ok(()));
+        let long = l
+            .check(&json!({"s": "123456789"}))
+            .err()
+            .unwrap_or_default();
+        assert!(
+            long.contains("9 bytes") && long.contains("limits.max_string_bytes"),
+            "{long}"
+        );
+
+        assert_eq!(l.check(&json!({"a": 1, "b": 2, "c": 3})), Ok(()));
+        let wide = l
+            .check(&json!({"a": 1, "b": 2, "c": 3, "d": 4}))
+            .err()
+            .unwrap_or_default();
+        assert!(
+            wide.contains("4 keys") && wide.contains("limits.max_object_keys"),
+            "{wide}"
+        );
+
+        assert_eq!(l.check(&json!([1, 2, 3])), Ok(()));
+        let long_list = l
+            .check(&json!({"x": [1, 2, 3, 4]}))
+            .err()
+            .unwrap_or_default();
+        assert!(
+            long_list.contains("4 items") && long_list.contains("limits.max_array_items"),
+            "{long_list}"
+        );
+    }
+
+    #[test]
+    fn an_input_past_a_shape_limit_is_dead_lettered_too_large() {
+        let mut settings = crate::config::Settings::default()
+            .ingest()
+            .unwrap_or_else(|e| panic!("default settings: {e}"));
+        settings.shape = limits();
+        let body =
+            serde_json::to_vec(&json!({"type": "task.updated", "taskId": "t1", "data": nested(6)}))
+                .unwrap_or_default();
+        let input = RawInput {
+            bytes: &body,
+            subject: Some(SubjectInfo {
+                key: "t1".into(),
+                type_suffix: "task.updated".into(),
+            }),
+            raw_ref: None,
+        };
+        match normalize(&input, &settings) {
+            Err(r) => {
+                assert_eq!(r.reason, DlqReason::TooLarge);
+                assert!(r.detail.contains("limits.max_depth"), "{}", r.detail);
+            }
+            Ok(_) => panic!("a too deep input was projected"),
+        }
+    }
 }

@@ -641,6 +641,17 @@ async fn unprojectable_messages_are_dead_lettered_with_reason_and_source() {
             "collab.raw.k4.task.updated",
             br#"{"type":"task.updated","eventRole":"orchestration.tsak","taskId":"t1"}"#.to_vec(),
         ),
+        (
+            // Nested past limits.max_depth (64): dead-lettered with the limit named.
+            "too_large",
+            "collab.raw.k5.task.updated",
+            format!(
+                r#"{{"type":"task.updated","taskId":"t5","data":{}1{}}}"#,
+                "[".repeat(80),
+                "]".repeat(80)
+            )
+            .into_bytes(),
+        ),
     ];
     let mut seqs = Vec::new();
     for (_, subject, body) in &cases {
@@ -653,6 +664,9 @@ async fn unprojectable_messages_are_dead_lettered_with_reason_and_source() {
     for ((reason, subject, body), seq) in cases.iter().zip(&seqs) {
         let dl = the_one(&js, DLQ, &format!("collab.dlq.{reason}")).await;
         let detail = assert_dead_letter(&dl, reason, body, subject, *seq);
+        if *reason == "too_large" {
+            assert!(detail.contains("limits.max_depth"), "{detail}");
+        }
         if *reason == "bad_key" {
             assert!(
                 detail.contains(&encoded),
