@@ -196,12 +196,18 @@ impl Redactor {
             let Some((re, replacement)) = self.rules.get(idx) else {
                 continue;
             };
-            let n = re.find_iter(&s).count() as u64;
+            let mut n = 0u64;
+            let replaced = re.replace_all(&s, |caps: &regex::Captures<'_>| {
+                n += 1;
+                let mut marker = String::new();
+                caps.expand(replacement, &mut marker);
+                marker
+            });
             if n == 0 {
                 continue;
             }
             count += n;
-            s = re.replace_all(&s, replacement.as_str()).into_owned();
+            s = replaced.into_owned();
         }
         Some((s, count))
     }

@@ -571,8 +571,7 @@ pub fn fold_into(
 
     // The thread and its turns.
     if let Some(c) = conv {
-        let new_thread = !s.threads.contains_key(&c);
-        if new_thread {
+        if !s.threads.contains_key(&c) {
             retire_threads(s);
         }
         let th = s.threads.entry(c.clone()).or_insert_with(|| Thread {

@@ -32,13 +32,18 @@ pub(crate) struct Retry {
 }
 
 impl Retry {
-    pub(crate) fn new(min: Duration, max: Duration) -> Retry {
-        use backon::BackoffBuilder;
-        let schedule = backon::ExponentialBuilder::new()
+    /// The schedule's shape, for callers that hand it to backon's `Retryable` with a bound on
+    /// attempts.
+    pub(crate) fn schedule(min: Duration, max: Duration) -> backon::ExponentialBuilder {
+        backon::ExponentialBuilder::new()
             .with_min_delay(min)
             .with_max_delay(max)
             .with_jitter()
-            .without_max_times();
+    }
+
+    pub(crate) fn new(min: Duration, max: Duration) -> Retry {
+        use backon::BackoffBuilder;
+        let schedule = Retry::schedule(min, max).without_max_times();
         Retry {
             delays: schedule.build(),
             schedule,

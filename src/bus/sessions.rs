@@ -375,10 +375,7 @@ where
     Fut: std::future::Future<Output = Result<T, E>>,
 {
     use backon::Retryable;
-    let schedule = backon::ExponentialBuilder::new()
-        .with_min_delay(STORE_RETRY_MIN)
-        .with_max_delay(STORE_RETRY_MAX)
-        .with_jitter()
+    let schedule = super::Retry::schedule(STORE_RETRY_MIN, STORE_RETRY_MAX)
         .with_max_times(MAX_ATTEMPTS as usize - 1);
     op.retry(schedule)
         .sleep(tokio::time::sleep)

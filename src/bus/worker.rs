@@ -169,9 +169,6 @@ pub struct WorkerContext {
     pub leases_js: jetstream::Context,
     /// The runtime the partitions run on (the lease loop spawns them here).
     pub partitions_rt: tokio::runtime::Handle,
-    /// Most publishes a reader issues before it hands them to its acker (see `issue_publishes`):
-    /// all partitions together hold fewer unhanded publishes than `js` has permits.
-    hand_over: usize,
     /// Test hook: fail every Nth publish attempt before it is sent (0 = never).
     pub fail_publish_every: u64,
     publish_attempts: AtomicU64,
@@ -245,11 +242,18 @@ impl WorkerContext {
             names,
             ingest,
             state: Arc::new(WorkerState::default()),
-            hand_over: hand_over(settings.consumer.publish_window, settings.nats.partitions),
             fail_publish_every,
             publish_attempts: AtomicU64::new(0),
             settings,
         }))
+    }
+
+    /// Most publishes a reader issues before it hands them to its acker (see `issue_publishes`):
+    /// half of `consumer.publish_window` shared out among the partitions, at most 64, so all
+    /// partitions together hold fewer unhanded publishes than `js` has permits.
+    fn hand_over(&self) -> usize {
+        let partitions = usize::from(self.settings.nats.partitions.max(1));
+        (self.settings.consumer.publish_window / (2 * partitions)).clamp(1, 64)
     }
 
     /// Issue one publish on `js`; the returned future resolves with the server's ack.
@@ -1005,9 +1009,10 @@ async fn issue_publishes(
     acker: &mpsc::Sender<Processed>,
     cancel: &CancellationToken,
 ) -> Option<Publishes> {
-    let mut pending = Vec::with_capacity(outs.len().min(shared.hand_over));
+    let hand_over = shared.hand_over();
+    let mut pending = Vec::with_capacity(outs.len().min(hand_over));
     for out in outs {
-        if pending.len() >= shared.hand_over {
+        if pending.len() >= hand_over {
             let ahead = Processed::new(None, std::mem::take(&mut pending), Effects::default());
             acker.send(ahead).await.ok()?;
         }
@@ -1025,12 +1030,6 @@ async fn issue_publishes(
         pending.push((out, fut));
     }
     Some(pending)
-}
-
-/// Publishes a reader may hold before handing them over: below `publish_window` shared out
-/// among the partitions of a worker, at most 64.
-fn hand_over(publish_window: usize, partitions: u16) -> usize {
-    (publish_window / (2 * usize::from(partitions.max(1)))).clamp(1, 64)
 }
 
 /// How a partition acknowledges a group of processed inputs.

@@ -60,23 +60,23 @@ impl ShapeLimits {
                     ));
                 }
                 Value::Array(items) => {
-                    if items.len() > self.max_array_items {
-                        return Err(format!(
-                            "an array of {} items is over limits.max_array_items ({}); split the message",
-                            items.len(),
-                            self.max_array_items
-                        ));
-                    }
+                    over(
+                        items.len(),
+                        self.max_array_items,
+                        "an array of",
+                        "items",
+                        "max_array_items",
+                    )?;
                     stack.extend(items.iter().map(|i| (i, depth + 1)));
                 }
                 Value::Object(map) => {
-                    if map.len() > self.max_object_keys {
-                        return Err(format!(
-                            "an object with {} keys is over limits.max_object_keys ({}); split the message",
-                            map.len(),
-                            self.max_object_keys
-                        ));
-                    }
+                    over(
+                        map.len(),
+                        self.max_object_keys,
+                        "an object with",
+                        "keys",
+                        "max_object_keys",
+                    )?;
                     stack.extend(map.values().map(|i| (i, depth + 1)));
                 }
                 _ => {}
@@ -84,6 +84,16 @@ impl ShapeLimits {
         }
         Ok(())
     }
+}
+
+/// A container with more members than its limit, as a dead-letter detail.
+fn over(n: usize, max: usize, what: &str, members: &str, setting: &str) -> Result<(), String> {
+    if n > max {
+        return Err(format!(
+            "{what} {n} {members} is over limits.{setting} ({max}); split the message"
+        ));
+    }
+    Ok(())
 }
 
 /// The raw subject's facts: `collab.raw.<key>.<type...>`.
