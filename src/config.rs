@@ -368,6 +368,12 @@ impl Settings {
         if l.max_depth == 0 || l.max_depth > 128 {
             return bad("limits.max_depth must be between 1 and 128".into());
         }
+        if l.max_inline_bytes != 0 && l.max_inline_bytes < crate::blobs::MIN_INLINE_BYTES {
+            return bad(format!(
+                "limits.max_inline_bytes must be 0 (never offload) or at least {}: a reference to an offloaded field is a few hundred bytes",
+                crate::blobs::MIN_INLINE_BYTES
+            ));
+        }
         if l.max_string_bytes == 0 || l.max_object_keys == 0 || l.max_array_items == 0 {
             return bad(
                 "limits.max_string_bytes, max_object_keys and max_array_items must be at least 1"

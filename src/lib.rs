@@ -12,6 +12,7 @@
 //! - `facets`: owner / scope / phase / surface derived from the event class.
 //! - [`pipeline`]: a raw message to the messages to publish (projections or a dead letter).
 //! - [`redact`]: secret redaction, applied to every input right after it is parsed.
+//! - [`blobs`]: large fields moved to the object store and replaced by a reference.
 //! - [`bus`]: NATS: connect, provision, the partition workers, leases, the work-session fold.
 //! - [`app`]: the `run` command: workers, HTTP, signals.
 //! - [`ops`]: operator commands: `audit`, `dlq replay`.
@@ -47,6 +48,7 @@ pub mod api;
 pub mod app;
 #[cfg(feature = "tools")]
 pub mod bench;
+pub mod blobs;
 pub mod bus;
 pub mod classify;
 pub mod config;

@@ -88,6 +88,32 @@ pub fn turn_facts(
     )
 }
 
+/// Move the fields of `events` larger than `limits.max_inline_bytes` out of their payloads
+/// (see [`crate::blobs`]); the blobs to store before the events are published. A field can only
+/// be that large if the raw message is, or if redaction rewrote it: anything else is skipped
+/// without looking at it.
+pub fn offload(
+    events: &mut [Normalized],
+    raw_len: usize,
+    limits: &crate::config::LimitSettings,
+) -> Vec<crate::blobs::Blob> {
+    let mut blobs = Vec::new();
+    for n in events.iter_mut() {
+        if raw_len <= limits.max_inline_bytes && n.envelope.redactions.is_none() {
+            continue;
+        }
+        let role = n.role();
+        if let Some(payload) = n.envelope.payload.as_mut() {
+            blobs.extend(crate::blobs::offload(
+                payload,
+                limits.max_inline_bytes,
+                role,
+            ));
+        }
+    }
+    blobs
+}
+
 /// Normalise a raw message into envelopes, or say why it cannot be projected.
 pub fn normalize_raw(
     raw: &RawMessage<'_>,

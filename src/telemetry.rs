@@ -11,6 +11,9 @@ pub const PROJECTED: &str = "collab_projected_total";
 pub const DEAD_LETTERS: &str = "collab_dead_letters_total";
 /// Publishes retried in place after a failure.
 pub const PUBLISH_RETRIES: &str = "collab_publish_retries_total";
+/// Large fields moved to the object store, and their bytes.
+pub const BLOBS_STORED: &str = "collab_blobs_stored_total";
+pub const BLOB_BYTES: &str = "collab_blob_bytes_total";
 /// Turn outcomes published, by `outcome` (response, blocked) and `reason`.
 pub const TURN_OUTCOMES: &str = "collab_turn_outcomes_total";
 /// Responses suppressed, by `reason` (duplicate, late).
@@ -52,6 +55,16 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
         PUBLISH_RETRIES,
         Family::Counter,
         "Publishes retried in place after a failure.",
+    ),
+    (
+        BLOBS_STORED,
+        Family::Counter,
+        "Fields over limits.max_inline_bytes moved to the object store.",
+    ),
+    (
+        BLOB_BYTES,
+        Family::Counter,
+        "Bytes of the fields moved to the object store.",
     ),
     (
         TURN_OUTCOMES,

@@ -4,6 +4,7 @@
 //! - `GET /api/events/stream`: the same as Server-Sent Events, resumable ([`stream`]);
 //! - `GET /api/work-sessions`, `GET /api/work-sessions/{id}` (`?format=mplp`): grouped sessions
 //!   ([`sessions`], [`mplp`]);
+//! - `GET /api/blobs/{id}`: a large field moved out of a projection ([`blobs`]);
 //! - `GET /api/openapi.json`: the OpenAPI 3.1 description ([`openapi`]).
 //!
 //! Everything is read from JetStream ([`store`]), never from a worker's memory, so any instance
@@ -11,6 +12,7 @@
 //! errors are JSON ([`error`]).
 
 pub mod auth;
+pub mod blobs;
 pub mod error;
 pub mod events;
 pub mod mplp;
@@ -24,7 +26,7 @@ pub use auth::{check_bind, Caller, Grants};
 pub use error::ApiError;
 
 use crate::config::{HttpSettings, Names};
-use async_nats::jetstream::{self, kv};
+use async_nats::jetstream::{self, kv, object_store::ObjectStore};
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
 use axum::routing::get;
@@ -76,6 +78,7 @@ pub struct ApiState {
     sse: SseLimits,
     shutdown: CancellationToken,
     sessions: Arc<OnceCell<kv::Store>>,
+    blobs: Arc<OnceCell<ObjectStore>>,
     stats: Arc<ApiStats>,
 }
 
@@ -91,6 +94,7 @@ impl ApiState {
             sse: SseLimits::default(),
             shutdown: CancellationToken::new(),
             sessions: Arc::new(OnceCell::new()),
+            blobs: Arc::new(OnceCell::new()),
             stats: Arc::new(ApiStats::default()),
         }
     }
@@ -143,6 +147,18 @@ impl ApiState {
             })
             .await
     }
+
+    /// The object store of offloaded fields, looked up once.
+    pub async fn blobs_store(&self) -> Result<&ObjectStore, ApiError> {
+        self.blobs
+            .get_or_try_init(|| async {
+                self.js
+                    .get_object_store(&self.names.blobs_store)
+                    .await
+                    .map_err(|e| ApiError::unavailable("object store", e))
+            })
+            .await
+    }
 }
 
 /// Query pairs, with a JSON error for a malformed query string.
@@ -172,6 +188,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/api/events/stream", get(stream::stream))
         .route("/api/work-sessions", get(sessions::list))
         .route("/api/work-sessions/{id}", get(sessions::one))
+        .route("/api/blobs/{id}", get(blobs::one))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth::require));
     Router::new()
         .route("/api/openapi.json", get(openapi::handler))

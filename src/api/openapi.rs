@@ -204,6 +204,21 @@ pub fn document() -> Value {
                 "responses": with_ok(common_errors(&[("404", "No such work session (or none visible to this token).")]),
                     json!({"description": "The session (`{session, role}`), or the MPLP Collab object.", "content": {"application/json": {"schema": {"type": "object"}}}}))
             }},
+            "/api/blobs/{id}": {"get": {
+                "operationId": "getBlob",
+                "summary": "A field moved out of a projection because it was over limits.max_inline_bytes. The projection holds `{\"$ref\": \"blob:<id>\", \"bytes\", \"sha256\", \"contentType\", \"preview\"}` in its place; this returns the content (UTF-8 text for a string, JSON for an object or array), already redacted. Kept as long as projections are (projection.max_age).",
+                "parameters": [
+                    {"name": "id", "in": "path", "required": true, "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}, "description": "The id after `blob:` in a reference."}],
+                "responses": {
+                    "200": {"description": "The content. `ETag` is its SHA-256; `Collab-Event-Role` the role it belongs to.", "content": {
+                        "text/plain": {"schema": {"type": "string"}},
+                        "application/json": {"schema": {}}}},
+                    "401": error_response("No or an invalid bearer token (when access control is on)."),
+                    "403": error_response("The blob belongs to a role outside the token's grant."),
+                    "404": error_response("No such blob (never stored, or expired with its projections)."),
+                    "503": error_response("The event store (NATS) is unavailable.")
+                }
+            }},
             "/api/openapi.json": {"get": {
                 "operationId": "openapi",
                 "summary": "This document.",
@@ -227,6 +242,7 @@ mod tests {
             "/api/events/stream",
             "/api/work-sessions",
             "/api/work-sessions/{id}",
+            "/api/blobs/{id}",
             "/api/openapi.json",
         ] {
             assert!(doc["paths"][path]["get"].is_object(), "{path}");

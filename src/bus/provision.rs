@@ -245,22 +245,8 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
         let label = format!("bucket {}", want.bucket);
         match find_stream(js, &format!("KV_{}", want.bucket), &label).await? {
             Some(mut st) => {
-                let info = st.info().await.map_err(|e| api(&label, e))?;
-                let mut d = Vec::new();
-                differ(&mut d, "max_age", info.config.max_age, want.max_age);
-                differ(
-                    &mut d,
-                    "replicas",
-                    info.config.num_replicas,
-                    want.num_replicas,
-                );
-                if !d.is_empty() {
-                    return Err(ProvisionError::Differs {
-                        resource: label,
-                        differences: d.join("; "),
-                    });
-                }
-                report.unchanged.push(label);
+                same_retention(&mut st, label, want.max_age, want.num_replicas, &mut report)
+                    .await?
             }
             None => {
                 js.create_key_value(want)
@@ -272,21 +258,49 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
     }
     let blobs = names.blobs_store.clone();
     let label = format!("object store {blobs}");
+    // A blob lives as long as the projections that refer to it.
+    let want = object_store::Config {
+        bucket: blobs.clone(),
+        description: Some("collab-projector offloaded fields".into()),
+        max_age: s.projection.max_age,
+        num_replicas: s.nats.replicas,
+        ..Default::default()
+    };
     match find_stream(js, &format!("OBJ_{blobs}"), &label).await? {
-        Some(_) => report.unchanged.push(label),
+        Some(mut st) => {
+            same_retention(&mut st, label, want.max_age, want.num_replicas, &mut report).await?
+        }
         None => {
-            js.create_object_store(object_store::Config {
-                bucket: blobs.clone(),
-                description: Some("collab-projector offloaded fields".into()),
-                num_replicas: s.nats.replicas,
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| api(&label, e))?;
+            js.create_object_store(want)
+                .await
+                .map_err(|e| api(&label, e))?;
             report.created.push(label);
         }
     }
     Ok(report)
+}
+
+/// Check that an existing bucket's stream keeps values as long and on as many replicas as
+/// configured (its other settings are the client library's), and report it unchanged.
+async fn same_retention(
+    st: &mut stream::Stream,
+    label: String,
+    max_age: Duration,
+    replicas: usize,
+    report: &mut Report,
+) -> Result<(), ProvisionError> {
+    let info = st.info().await.map_err(|e| api(&label, e))?;
+    let mut d = Vec::new();
+    differ(&mut d, "max_age", info.config.max_age, max_age);
+    differ(&mut d, "replicas", info.config.num_replicas, replicas);
+    if !d.is_empty() {
+        return Err(ProvisionError::Differs {
+            resource: label,
+            differences: d.join("; "),
+        });
+    }
+    report.unchanged.push(label);
+    Ok(())
 }
 
 /// The stream `name`, or `None` when the server says it does not exist (by its error code). Any

@@ -153,6 +153,10 @@ pub struct WorkerContext {
     /// projection while the projections queued behind it hold `js`'s publish-ack permits, and
     /// only the acker releases those.
     retry_js: jetstream::Context,
+    /// The object store for offloaded fields, over a context of its own (a put awaits its acks
+    /// inline, so it must not wait for a permit the partitions' publishes hold). Looked up once.
+    blobs_js: jetstream::Context,
+    blobs: tokio::sync::OnceCell<jetstream::object_store::ObjectStore>,
     pub settings: Settings,
     pub names: Names,
     pub ingest: ingest::Settings,
@@ -202,6 +206,9 @@ impl WorkerContext {
         let retry_js = jetstream::ContextBuilder::new()
             .timeout(Duration::from_secs(5))
             .build(js.client());
+        let blobs_js = jetstream::ContextBuilder::new()
+            .timeout(Duration::from_secs(5))
+            .build(js.client());
         let setup = |detail: String| WorkerError::Setup {
             partition: 0,
             detail,
@@ -238,6 +245,8 @@ impl WorkerContext {
             kv_js,
             checkpoint_js,
             retry_js,
+            blobs_js,
+            blobs: tokio::sync::OnceCell::new(),
             js,
             names,
             ingest,
@@ -289,25 +298,97 @@ impl WorkerContext {
         inputs: &[&jetstream::Message],
         cancel: &CancellationToken,
     ) -> bool {
+        let attempt = || async {
+            match self.send(&self.retry_js, out).await {
+                Ok(fut) => fut.await.map(|_| ()).map_err(|e| e.to_string()),
+                Err(e) => Err(e),
+            }
+        };
+        let failed = |e: &str| {
+            self.state.count_publish_retry();
+            warn!(subject = %out.subject, error = %e, "publish failed; retrying in place");
+        };
+        self.in_place(inputs, cancel, attempt, failed).await
+    }
+
+    /// Store the fields an input's projections refer to, before those are published. Retried
+    /// in place like a publish; `false` on cancellation (the input is left for redelivery, and
+    /// storing the same blob again writes the same object).
+    async fn store_blobs_in_place(
+        &self,
+        blobs: &[crate::blobs::Blob],
+        inputs: &[&jetstream::Message],
+        cancel: &CancellationToken,
+    ) -> bool {
+        for blob in blobs {
+            let failed = |e: &str| {
+                warn!(blob = %blob.id, bytes = blob.data.len(), error = %e,
+                    "storing an offloaded field failed; retrying in place");
+            };
+            if !self
+                .in_place(inputs, cancel, || self.put_blob(blob), failed)
+                .await
+            {
+                return false;
+            }
+            metrics::counter!(telemetry::BLOBS_STORED).increment(1);
+            metrics::counter!(telemetry::BLOB_BYTES).increment(blob.data.len() as u64);
+        }
+        true
+    }
+
+    async fn put_blob(&self, blob: &crate::blobs::Blob) -> Result<(), String> {
+        use crate::blobs::{META_CONTENT_TYPE, META_ROLE, META_SHA256};
+        let store = self
+            .blobs
+            .get_or_try_init(|| self.blobs_js.get_object_store(&self.names.blobs_store))
+            .await
+            .map_err(|e| format!("object store {}: {e}", self.names.blobs_store))?;
+        let meta = jetstream::object_store::ObjectMetadata {
+            name: blob.id.clone(),
+            description: Some("offloaded field".into()),
+            metadata: [
+                (META_ROLE, blob.role.as_str()),
+                (META_SHA256, blob.sha256.as_str()),
+                (META_CONTENT_TYPE, blob.content_type),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+            ..Default::default()
+        };
+        store
+            .put(meta, &mut blob.data.as_ref())
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+
+    /// Run `attempt` until it succeeds, backing off between attempts and telling `failed` each
+    /// failure. Keeps `inputs` alive meanwhile so the server does not redeliver them. Gives up
+    /// only on cancellation, after a while (the inputs then stay unacknowledged, for
+    /// redelivery).
+    async fn in_place<F, Fut>(
+        &self,
+        inputs: &[&jetstream::Message],
+        cancel: &CancellationToken,
+        mut attempt: F,
+        failed: impl Fn(&str),
+    ) -> bool
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<(), String>>,
+    {
         let mut retry = super::Retry::new(Duration::from_millis(50), Duration::from_secs(2));
         let mut since_progress = Duration::ZERO;
         let mut since_cancel = Duration::ZERO;
         loop {
-            let result = match self.send(&self.retry_js, out).await {
-                Ok(fut) => fut.await.map(|_| ()).map_err(|e| e.to_string()),
-                Err(e) => Err(e),
-            };
-            match result {
+            match attempt().await {
                 Ok(()) => return true,
-                Err(e) => {
-                    self.state.count_publish_retry();
-                    warn!(subject = %out.subject, error = %e, "publish failed; retrying in place");
-                }
+                Err(e) => failed(&e),
             }
             let delay = retry.next_delay();
             if cancel.is_cancelled() {
-                // Shutting down while the server does not take the publish: give up after a
-                // while and leave the inputs unacknowledged, for redelivery.
                 if since_cancel >= self.settings.consumer.ack_wait.min(Duration::from_secs(10)) {
                     return false;
                 }
@@ -786,9 +867,19 @@ impl Partition<'_> {
                 .map_err(|e| self.turn_error(e))?;
         }
         self.last_seq = self.last_seq.max(seq);
-        let outcome = project_input(self.shared, &mut self.turns, &msg, &info, &mut fx)
-            .await
-            .map_err(|e| self.turn_error(e))?;
+        let Some(outcome) = project_input(
+            self.shared,
+            &mut self.turns,
+            &msg,
+            &info,
+            &mut fx,
+            self.cancel,
+        )
+        .await
+        .map_err(|e| self.turn_error(e))?
+        else {
+            return Ok(Disposition::LeftForRedelivery(Unprocessed::ShuttingDown));
+        };
         // Cancelled while a publish kept failing: leave the message for redelivery.
         let outs = std::mem::take(&mut fx.outs);
         let Some(publishes) =
@@ -948,14 +1039,16 @@ async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
 /// acknowledged, by a retry in place).
 type Publishes = Vec<(Outgoing, Option<jetstream::context::PublishAckFuture>)>;
 
-/// Project one message into `fx`: its outputs, and what its turn asks for.
+/// Project one message into `fx`: its outputs, and what its turn asks for. `None`: cancelled
+/// while a large field could not be stored (the message is left for redelivery).
 async fn project_input(
     shared: &WorkerContext,
     turns: &mut PartitionTurns,
     msg: &jetstream::Message,
     info: &jetstream::message::Info<'_>,
     fx: &mut Effects,
-) -> Result<Outcome, TurnIoError> {
+    cancel: &CancellationToken,
+) -> Result<Option<Outcome>, TurnIoError> {
     let raw = RawMessage {
         bytes: &msg.payload,
         stream: info.stream,
@@ -964,7 +1057,7 @@ async fn project_input(
         stored_at: info.published,
         delivered: info.delivered,
     };
-    let events = match pipeline::normalize_raw(
+    let mut events = match pipeline::normalize_raw(
         &raw,
         &shared.names,
         &shared.ingest,
@@ -973,10 +1066,14 @@ async fn project_input(
         Err(rejection) => {
             fx.outs
                 .push(pipeline::dead_letter(&shared.names, &raw, &rejection));
-            return Ok(Outcome::DeadLettered(rejection.reason));
+            return Ok(Some(Outcome::DeadLettered(rejection.reason)));
         }
         Ok(events) => events,
     };
+    let blobs = pipeline::offload(&mut events, raw.bytes.len(), &shared.settings.limits);
+    if !blobs.is_empty() && !shared.store_blobs_in_place(&blobs, &[msg], cancel).await {
+        return Ok(None);
+    }
     let enforce = &shared.settings.turns.enforce_roles;
     for (i, n) in events.iter().enumerate() {
         match pipeline::turn_facts(n, &raw, &shared.names.prefix, enforce) {
@@ -989,7 +1086,7 @@ async fn project_input(
             )),
         }
     }
-    Ok(Outcome::Projected)
+    Ok(Some(Outcome::Projected))
 }
 
 /// Issue the publishes of `outs` in order, pipelined. A publish that cannot be sent is retried

@@ -1580,3 +1580,144 @@ async fn fold(writer: &SessionWriter, partition: u16, items: &[(u64, &Outgoing)]
     }
     writer.commit(events).await.expect("sessions written");
 }
+
+// ---------------------------------------------------------------------------------------------
+// Large fields
+// ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn large_fields_go_to_the_object_store_and_only_their_role_reads_them() {
+    let (_nats, js, mut s) = setup().await;
+    s.limits.max_inline_bytes = 4096;
+    let (running, cancel) = start_worker(&s).await;
+
+    // A 60 KB tool output (with a secret inside) and an 8 KB answer in a main-main turn.
+    let key = "sk-ant-api03-abcdefghijklmnopqrstuv";
+    let stdout = format!("{}\nauth: {key}\n{}", "line of output\n".repeat(2000), "end");
+    let tool = json!({"type": "tool.completed", "sessionId": "s-big", "runId": "r-1", "agentId": "ruda",
+        "payload": {"toolCallId": "t1", "result": {"stdout": stdout, "exitCode": 0}}});
+    publish(
+        &js,
+        "collab.raw.s-big.tool.completed",
+        Bytes::from(tool.to_string()),
+    )
+    .await;
+    let answer = "a long answer. ".repeat(550);
+    let (subject, body) = collab_event(
+        1,
+        "a2a.send",
+        "ruda",
+        "eden",
+        "conv-big",
+        json!({"message": answer}),
+    );
+    publish(&js, &subject, body).await;
+    drained(&js).await;
+
+    let app = api::router(state(&js, &s));
+    let page = ok(&app, "/api/events?key=s-big").await;
+    let event = page["events"][0]["event"].clone();
+    let reference = event["payload"]["result"]["stdout"].clone();
+    let id = reference["$ref"]
+        .as_str()
+        .and_then(|r| r.strip_prefix("blob:"))
+        .unwrap_or_else(|| panic!("the output was replaced by a reference: {event}"))
+        .to_string();
+    // Small fields stay where they were.
+    assert_eq!(event["payload"]["result"]["exitCode"], 0, "{event}");
+    assert_eq!(event["payload"]["toolCallId"], "t1", "{event}");
+    assert!(
+        !event.to_string().contains(key),
+        "a secret in the projection: {event}"
+    );
+    let role: Role = serde_json::from_value(event["eventRole"].clone()).expect("a role");
+
+    // Served whole, redacted, with the digest the reference announced.
+    let (status, content) = call(&app, &format!("/api/blobs/{id}"), None).await;
+    assert_eq!(status, StatusCode::OK, "{content}");
+    let text = content.as_str().unwrap_or_default().to_string();
+    assert!(text.starts_with("line of output"), "{text:.80}");
+    assert!(!text.contains(key), "the blob holds the secret");
+    assert!(text.contains("[redacted:"), "the secret's marker is kept");
+    assert_eq!(reference["bytes"], json!(text.len()));
+    use sha2::Digest;
+    assert_eq!(
+        reference["sha256"],
+        json!(hex::encode(sha2::Sha256::digest(text.as_bytes())))
+    );
+    assert!(text.starts_with(reference["preview"].as_str().unwrap_or("-")));
+
+    // The turn's send: same mechanism on the turn path.
+    let sends = ok(&app, "/api/events?key=conv-big&type=a2a.send").await;
+    let message = &sends["events"][0]["event"]["payload"]["message"];
+    assert_eq!(message["bytes"], json!(answer.len()), "{sends}");
+
+    // With access control on: the event's role reads it, another role gets 403.
+    let other = Role::ALL
+        .into_iter()
+        .find(|r| *r != role)
+        .expect("four roles");
+    s.http.tokens = vec![
+        TokenGrant {
+            name: "owner".into(),
+            token: "owner-token-1".into(),
+            token_env: None,
+            roles: vec![role],
+        },
+        TokenGrant {
+            name: "other".into(),
+            token: "other-token-2".into(),
+            token_env: None,
+            roles: vec![other],
+        },
+    ];
+    let app = api::router(state(&js, &s));
+    let path = format!("/api/blobs/{id}");
+    let (status, served) = call(&app, &path, Some("owner-token-1")).await;
+    assert_eq!(status, StatusCode::OK);
+    assert_eq!(served, content);
+    let denied = err(
+        &app,
+        &path,
+        Some("other-token-2"),
+        StatusCode::FORBIDDEN,
+        "forbidden",
+    )
+    .await;
+    assert!(
+        denied["message"]
+            .as_str()
+            .unwrap_or_default()
+            .contains(role.as_str()),
+        "{denied}"
+    );
+    err(&app, &path, None, StatusCode::UNAUTHORIZED, "unauthorized").await;
+    let unknown = format!("/api/blobs/{}", "0".repeat(64));
+    err(
+        &app,
+        &unknown,
+        Some("owner-token-1"),
+        StatusCode::NOT_FOUND,
+        "not_found",
+    )
+    .await;
+    err(
+        &app,
+        "/api/blobs/..%2F..%2Fetc",
+        Some("owner-token-1"),
+        StatusCode::NOT_FOUND,
+        "not_found",
+    )
+    .await;
+
+    // The blobs live as long as the projections.
+    let mut store = js
+        .get_stream(format!("OBJ_{}", s.names().blobs_store))
+        .await
+        .expect("the object store's stream");
+    let info = store.info().await.expect("its info");
+    assert_eq!(info.config.max_age, s.projection.max_age);
+
+    cancel.cancel();
+    running.wait().await;
+}
