@@ -1591,7 +1591,7 @@ async fn large_fields_go_to_the_object_store_and_only_their_role_reads_them() {
     s.limits.max_inline_bytes = 4096;
     let (running, cancel) = start_worker(&s).await;
 
-    // A 60 KB tool output (with a secret inside) and an 8 KB answer in a main-main turn.
+    // A 30 KB tool output (with a secret inside) and an 8 KB message in a main-main turn.
     let key = "sk-ant-api03-abcdefghijklmnopqrstuv";
     let stdout = format!("{}\nauth: {key}\n{}", "line of output\n".repeat(2000), "end");
     let tool = json!({"type": "tool.completed", "sessionId": "s-big", "runId": "r-1", "agentId": "ruda",
