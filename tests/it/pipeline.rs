@@ -723,7 +723,17 @@ async fn bucket_values(js: &Context, bucket: &str) -> Vec<String> {
 #[tokio::test]
 async fn secrets_never_reach_projections_state_or_dead_letter_details() {
     let nats = TestNats::start().await;
-    let _projector = start_projector(&nats.url(), &MAIN_AGENTS, &[]).await;
+    // The most verbose logs, and a low offload limit so that a large field goes to the object
+    // store: neither may carry a secret.
+    let projector = start_projector(
+        &nats.url(),
+        &MAIN_AGENTS,
+        &[
+            ("RUST_LOG", "collab_projector=trace,info"),
+            ("COLLAB_LIMITS__MAX_INLINE_BYTES", "1024"),
+        ],
+    )
+    .await;
     let js = nats.jetstream().await;
 
     let jwt = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiJydWRhLWJvdCJ9.c2lnbmF0dXJlLW9mLXRoZS10b2tlbg";
@@ -750,7 +760,8 @@ async fn secrets_never_reach_projections_state_or_dead_letter_details() {
             "headers": {"Authorization": "Basic Zm9vOmJhcjEyMzQ1Njc4"},
             "stdout": format!("token={jwt}\ngh: ghp_0123456789abcdefghijABCDEFGHIJ012345"),
             "raw": json!({"config": {"api_key": "nested-key-value"}}).to_string(),
-            "note": "sk-ant-api03-abcdefghijklmnopqrstuv"}}});
+            "note": "sk-ant-api03-abcdefghijklmnopqrstuv",
+            "log": format!("{}curl -H \"Authorization: Bearer tok3n-abcdef-123456\"\n", "build step ok\n".repeat(200))}}});
     // Dead-lettered (a misspelled role), with a secret in its body: the detail must not quote it.
     let bad = json!({"type": "task.updated", "eventRole": "orchestration.tsak", "taskId": "t-9",
         "api_key": "nested-key-value", "note": "Bearer tok3n-abcdef-123456"});
@@ -826,7 +837,51 @@ async fn secrets_never_reach_projections_state_or_dead_letter_details() {
             everything.push((format!("bucket {bucket}"), v));
         }
     }
-    assert!(everything.len() >= 6, "{everything:?}");
+    // The large field went to the object store, redacted.
+    let blobs = js
+        .get_object_store("collab_blobs")
+        .await
+        .expect("the object store");
+    let mut listed = blobs.list().await.expect("the object list");
+    let mut stored = 0;
+    while let Some(info) = listed.next().await {
+        let info = info.expect("an object's info");
+        let mut object = blobs.get(&info.name).await.expect("the object");
+        let mut data = Vec::new();
+        tokio::io::AsyncReadExt::read_to_end(&mut object, &mut data)
+            .await
+            .expect("its content");
+        let text = String::from_utf8_lossy(&data).into_owned();
+        assert!(text.contains("build step ok"), "{text:.80}");
+        everything.push((format!("blob {}", info.name), text));
+        stored += 1;
+    }
+    assert_eq!(stored, 1, "one large field offloaded");
+    // The API, as a UI reads it.
+    let log = projector.log_text();
+    let addr = log
+        .lines()
+        .find_map(|l| l.split("http listening on ").nth(1))
+        .map(str::trim)
+        .expect("the projector's HTTP address")
+        .to_string();
+    for path in ["/api/events?limit=1000", "/api/work-sessions"] {
+        let body = reqwest::get(format!("http://{addr}{path}"))
+            .await
+            .expect("the API answers")
+            .text()
+            .await
+            .expect("a body");
+        assert!(body.contains("c-secret"), "{path}: {body:.200}");
+        everything.push((format!("API {path}"), body));
+    }
+    // Every line the worker logged, at the most verbose level.
+    assert!(
+        log.contains("input dead-lettered"),
+        "debug lines are logged: {log}"
+    );
+    everything.push(("the worker's log".into(), projector.log_text()));
+    assert!(everything.len() >= 10, "{everything:?}");
     for (place, text) in &everything {
         for secret in secrets {
             assert!(!text.contains(secret), "{place} holds {secret:?}: {text}");
