@@ -8,7 +8,7 @@
 use crate::ingest::adapter::{AdapterLimits, AdapterMode};
 use crate::model::Role;
 use serde::{Deserialize, Serialize};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
@@ -57,6 +57,10 @@ impl Default for WorkerSettings {
 }
 
 /// Connection and naming. Stream and bucket names derive from `prefix`.
+///
+/// A connection authenticates one way at most: `token`, `user` with `password`, an NKey
+/// (`nkey_seed` or `nkey_seed_file`), or a credentials file (`creds_file`). TLS (`tls_*`) combines
+/// with any of them.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct NatsSettings {
@@ -74,8 +78,31 @@ pub struct NatsSettings {
     /// How long dead letters are kept.
     #[serde(with = "humantime_serde")]
     pub dlq_max_age: Duration,
-    /// Optional credentials file.
-    pub creds_file: Option<String>,
+    /// Token authentication.
+    pub token: Option<Secret>,
+    /// User name for user/password authentication (with `password`).
+    pub user: Option<String>,
+    /// Password for `user`.
+    pub password: Option<Secret>,
+    /// NKey authentication: the user's seed (`SU...`).
+    pub nkey_seed: Option<Secret>,
+    /// NKey authentication: a file holding the user's seed.
+    pub nkey_seed_file: Option<PathBuf>,
+    /// Decentralised (JWT) authentication: a credentials file with the user's JWT and seed.
+    pub creds_file: Option<PathBuf>,
+    /// Refuse a connection that is not TLS. Also implied by a `tls://` URL and by any `tls_*` file.
+    pub tls_required: bool,
+    /// PEM file of the CA certificate(s) that signed the server's certificate; replaces the
+    /// system's trusted roots.
+    pub tls_ca_file: Option<PathBuf>,
+    /// PEM file of this client's certificate (with `tls_key_file`), for servers that verify
+    /// clients.
+    pub tls_cert_file: Option<PathBuf>,
+    /// PEM file of the private key of `tls_cert_file`.
+    pub tls_key_file: Option<PathBuf>,
+    /// Prefix of this client's reply subjects, for servers whose permissions give each user its
+    /// own inboxes.
+    pub inbox_prefix: String,
 }
 
 impl Default for NatsSettings {
@@ -87,9 +114,239 @@ impl Default for NatsSettings {
             replicas: 1,
             raw_max_age: Duration::from_secs(7 * 24 * 3600),
             dlq_max_age: Duration::from_secs(30 * 24 * 3600),
+            token: None,
+            user: None,
+            password: None,
+            nkey_seed: None,
+            nkey_seed_file: None,
             creds_file: None,
+            tls_required: false,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            inbox_prefix: "_INBOX".into(),
         }
     }
+}
+
+/// A secret setting (a token, a password, an NKey seed). Its `Debug` and `Display` print
+/// `[redacted]`, and so does its serialisation, so no log line or settings dump shows it; the
+/// value is read only through [`Secret::expose`].
+#[derive(Clone, PartialEq, Eq, Deserialize)]
+#[serde(transparent)]
+pub struct Secret(String);
+
+impl Secret {
+    pub fn new(value: impl Into<String>) -> Secret {
+        Secret(value.into())
+    }
+
+    /// The secret itself, for the one place that sends it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Debug for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+impl std::fmt::Display for Secret {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("[redacted]")
+    }
+}
+
+impl Serialize for Secret {
+    fn serialize<S: serde::Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        serializer.serialize_str("[redacted]")
+    }
+}
+
+/// How a connection authenticates, as the settings say (see [`NatsSettings::auth`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum NatsAuth<'a> {
+    None,
+    Token(&'a Secret),
+    UserPassword(&'a str, &'a Secret),
+    NkeySeed(&'a Secret),
+    NkeySeedFile(&'a Path),
+    CredsFile(&'a Path),
+}
+
+impl NatsAuth<'_> {
+    /// The method and the settings that configure it, for error messages (never the secret).
+    pub fn describe(&self) -> String {
+        match self {
+            NatsAuth::None => "no credentials".into(),
+            NatsAuth::Token(_) => "token (nats.token)".into(),
+            NatsAuth::UserPassword(user, _) => {
+                format!("user {user:?} and password (nats.user, nats.password)")
+            }
+            NatsAuth::NkeySeed(_) => "NKey seed (nats.nkey_seed)".into(),
+            NatsAuth::NkeySeedFile(path) => {
+                format!("NKey seed file {} (nats.nkey_seed_file)", path.display())
+            }
+            NatsAuth::CredsFile(path) => {
+                format!("credentials file {} (nats.creds_file)", path.display())
+            }
+        }
+    }
+}
+
+/// `[nats]` keys whose environment values are taken verbatim, never parsed as numbers or
+/// booleans: a password `0012` must stay `0012`.
+const VERBATIM_ENV_KEYS: &[&str] = &[
+    "nats.token",
+    "nats.user",
+    "nats.password",
+    "nats.nkey_seed",
+    "nats.nkey_seed_file",
+    "nats.creds_file",
+    "nats.tls_ca_file",
+    "nats.tls_cert_file",
+    "nats.tls_key_file",
+    "nats.inbox_prefix",
+];
+
+impl NatsSettings {
+    /// The one authentication method configured (validation refuses more than one).
+    pub fn auth(&self) -> NatsAuth<'_> {
+        if let Some(token) = &self.token {
+            NatsAuth::Token(token)
+        } else if let (Some(user), Some(password)) = (&self.user, &self.password) {
+            NatsAuth::UserPassword(user, password)
+        } else if let Some(seed) = &self.nkey_seed {
+            NatsAuth::NkeySeed(seed)
+        } else if let Some(path) = &self.nkey_seed_file {
+            NatsAuth::NkeySeedFile(path)
+        } else if let Some(path) = &self.creds_file {
+            NatsAuth::CredsFile(path)
+        } else {
+            NatsAuth::None
+        }
+    }
+
+    /// Whether the connection must be TLS: asked for, or implied by a CA or client certificate.
+    pub fn tls(&self) -> bool {
+        self.tls_required
+            || self.tls_ca_file.is_some()
+            || self.tls_cert_file.is_some()
+            || self.tls_key_file.is_some()
+    }
+
+    fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        for url in self.url.split(',').map(str::trim) {
+            let authority = url.split_once("://").map_or(url, |(_, rest)| rest);
+            let authority = authority.split(['/', '?', '#']).next().unwrap_or_default();
+            if authority.contains('@') {
+                // The URL itself is not repeated: it holds a secret.
+                return bad("nats.url embeds credentials (user:password@ or token@), which the client does not send and logs would show: remove them and set nats.user and nats.password, or nats.token".into());
+            }
+        }
+        let empty = [
+            ("nats.token", self.token.as_ref().map(Secret::expose)),
+            ("nats.user", self.user.as_deref()),
+            ("nats.password", self.password.as_ref().map(Secret::expose)),
+            (
+                "nats.nkey_seed",
+                self.nkey_seed.as_ref().map(Secret::expose),
+            ),
+        ];
+        for (key, value) in empty {
+            if value.is_some_and(|v| v.trim().is_empty()) {
+                return bad(format!(
+                    "{key} is set but empty: give it a value or unset it"
+                ));
+            }
+        }
+        let mut methods = Vec::new();
+        if self.token.is_some() {
+            methods.push("nats.token");
+        }
+        if self.user.is_some() || self.password.is_some() {
+            methods.push("nats.user/nats.password");
+        }
+        if self.nkey_seed.is_some() {
+            methods.push("nats.nkey_seed");
+        }
+        if self.nkey_seed_file.is_some() {
+            methods.push("nats.nkey_seed_file");
+        }
+        if self.creds_file.is_some() {
+            methods.push("nats.creds_file");
+        }
+        if methods.len() > 1 {
+            return bad(format!(
+                "{} are all set, but a connection authenticates one way: keep one of them",
+                methods.join(" and ")
+            ));
+        }
+        match (&self.user, &self.password) {
+            (Some(_), None) => {
+                return bad("nats.user is set without nats.password: set both or neither".into())
+            }
+            (None, Some(_)) => {
+                return bad("nats.password is set without nats.user: set both or neither".into())
+            }
+            _ => {}
+        }
+        if let Some(seed) = &self.nkey_seed {
+            if !looks_like_user_seed(seed.expose().trim()) {
+                return bad("nats.nkey_seed is not an NKey user seed (58 characters starting with SU): give the seed, not the public key (U...)".into());
+            }
+        }
+        match (&self.tls_cert_file, &self.tls_key_file) {
+            (Some(_), None) => {
+                return bad("nats.tls_cert_file is set without nats.tls_key_file (the certificate's private key): set both or neither".into())
+            }
+            (None, Some(_)) => {
+                return bad("nats.tls_key_file is set without nats.tls_cert_file (the client certificate): set both or neither".into())
+            }
+            _ => {}
+        }
+        let files = [
+            ("nats.nkey_seed_file", &self.nkey_seed_file),
+            ("nats.creds_file", &self.creds_file),
+            ("nats.tls_ca_file", &self.tls_ca_file),
+            ("nats.tls_cert_file", &self.tls_cert_file),
+            ("nats.tls_key_file", &self.tls_key_file),
+        ];
+        for (key, path) in files {
+            if let Some(path) = path {
+                if !path.is_file() {
+                    return bad(format!("{key}: {} is not a file", path.display()));
+                }
+            }
+        }
+        let prefix = &self.inbox_prefix;
+        if prefix.is_empty()
+            || prefix.split('.').any(|token| {
+                token.is_empty()
+                    || token == "*"
+                    || token == ">"
+                    || token.chars().any(|c| c.is_whitespace())
+            })
+        {
+            return bad(format!(
+                "nats.inbox_prefix {prefix:?} must be one or more subject tokens without wildcards (e.g. _INBOX or _INBOX_workers)"
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// The shape of an NKey user seed: 58 base32 characters starting with `SU`. The client checks
+/// its checksum when it signs; this catches a public key or a truncated value at load.
+pub fn looks_like_user_seed(seed: &str) -> bool {
+    seed.len() == 58
+        && seed.starts_with("SU")
+        && seed
+            .chars()
+            .all(|c| c.is_ascii_uppercase() || ('2'..='7').contains(&c))
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -308,6 +565,14 @@ impl Settings {
     }
 
     fn read(file: Option<&Path>) -> Result<Settings, ConfigError> {
+        Settings::read_env(file, std::env::vars())
+    }
+
+    /// [`Settings::read`] with the environment given.
+    fn read_env(
+        file: Option<&Path>,
+        env: impl Iterator<Item = (String, String)>,
+    ) -> Result<Settings, ConfigError> {
         let mut builder = config::Config::builder();
         if let Some(path) = file {
             if !path.exists() {
@@ -320,12 +585,30 @@ impl Settings {
         }
         // Only COLLAB_<SECTION>__<KEY> variables are settings; others with the prefix
         // (COLLAB_CONFIG, COLLAB_LOG_FORMAT, test hooks) belong to the command line or the tests.
-        let vars: config::Map<String, String> = std::env::vars()
+        let mut vars: config::Map<String, String> = env
             .filter(|(k, _)| {
                 k.strip_prefix("COLLAB_")
                     .is_some_and(|rest| rest.contains("__"))
             })
             .collect();
+        // Secrets and paths are strings as given: the parsing below would read `0012` as 12.
+        let verbatim: Vec<(String, String)> = vars
+            .keys()
+            .filter_map(|var| {
+                let key = var
+                    .strip_prefix("COLLAB_")?
+                    .to_ascii_lowercase()
+                    .replace("__", ".");
+                VERBATIM_ENV_KEYS
+                    .contains(&key.as_str())
+                    .then(|| (var.clone(), key))
+            })
+            .collect();
+        for (var, key) in verbatim {
+            if let Some(value) = vars.remove(&var) {
+                builder = builder.set_override(key, value)?;
+            }
+        }
         builder = builder.add_source(
             config::Environment::with_prefix("COLLAB")
                 .source(Some(vars))
@@ -363,6 +646,7 @@ impl Settings {
 
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
+        self.nats.validate()?;
         self.redactor()?;
         let l = &self.limits;
         if l.max_depth == 0 || l.max_depth > 128 {
@@ -537,6 +821,125 @@ mod tests {
     fn invalid_values_are_explained() {
         let err = Settings::from_toml("[nats]\nprefix = \"a.b\"\n").expect_err("must fail");
         assert!(err.to_string().contains("nats.prefix"), "{err}");
+    }
+
+    fn nats_error(toml: &str) -> String {
+        Settings::from_toml(toml)
+            .expect_err("must be refused")
+            .to_string()
+    }
+
+    #[test]
+    fn secrets_never_show_in_debug_display_or_serialisation() {
+        let s = Settings::from_toml("[nats]\nuser = \"worker\"\npassword = \"hunter2-pass\"\n")
+            .expect("loads");
+        assert_eq!(
+            s.nats.password.as_ref().map(Secret::expose),
+            Some("hunter2-pass")
+        );
+        let debug = format!("{s:?} {:?}", s.nats);
+        assert!(!debug.contains("hunter2"), "{debug}");
+        assert!(debug.contains("[redacted]"), "{debug}");
+        let json = serde_json::to_string(&s).expect("serialises");
+        assert!(!json.contains("hunter2"), "{json}");
+        let token = Secret::new("tok-123");
+        assert_eq!(format!("{token} {token:?}"), "[redacted] [redacted]");
+        assert!(!NatsAuth::Token(&token).describe().contains("tok-123"));
+    }
+
+    #[test]
+    fn one_authentication_method_at_a_time() {
+        let err = nats_error("[nats]\ntoken = \"t\"\nuser = \"u\"\npassword = \"p\"\n");
+        assert!(
+            err.contains("nats.token") && err.contains("nats.user/nats.password"),
+            "{err}"
+        );
+        assert!(!err.contains("\"t\"") && !err.contains("\"p\""), "{err}");
+        let seed = format!("SU{}", "A".repeat(56));
+        let err = nats_error(&format!(
+            "[nats]\nnkey_seed = \"{seed}\"\ncreds_file = \"/etc/hostname\"\n"
+        ));
+        assert!(err.contains("nats.nkey_seed and nats.creds_file"), "{err}");
+        assert!(!err.contains(&seed), "{err}");
+        let err = nats_error(&format!(
+            "[nats]\nnkey_seed = \"{seed}\"\nnkey_seed_file = \"/etc/hostname\"\n"
+        ));
+        assert!(err.contains("nats.nkey_seed_file"), "{err}");
+    }
+
+    #[test]
+    fn incomplete_or_malformed_credentials_are_named() {
+        let err = nats_error("[nats]\nuser = \"u\"\n");
+        assert!(
+            err.contains("nats.user is set without nats.password"),
+            "{err}"
+        );
+        let err = nats_error("[nats]\npassword = \"p\"\n");
+        assert!(
+            err.contains("nats.password is set without nats.user"),
+            "{err}"
+        );
+        let err = nats_error("[nats]\ntoken = \" \"\n");
+        assert!(err.contains("nats.token is set but empty"), "{err}");
+        let public = format!("UA{}", "B".repeat(54));
+        let err = nats_error(&format!("[nats]\nnkey_seed = \"{public}\"\n"));
+        assert!(
+            err.contains("nats.nkey_seed is not an NKey user seed"),
+            "{err}"
+        );
+        assert!(!err.contains(&public), "{err}");
+        let err = nats_error("[nats]\nurl = \"nats://alice:s3cret@host:4222\"\n");
+        assert!(err.contains("nats.url embeds credentials"), "{err}");
+        assert!(!err.contains("s3cret"), "{err}");
+        let err = nats_error("[nats]\ninbox_prefix = \"_INBOX.>\"\n");
+        assert!(err.contains("nats.inbox_prefix"), "{err}");
+    }
+
+    #[test]
+    fn tls_files_come_in_pairs_and_must_exist() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let pem = dir.path().join("client.pem");
+        std::fs::write(&pem, "not checked here").expect("write");
+        let pem = pem.display().to_string();
+        let err = nats_error(&format!("[nats]\ntls_cert_file = {pem:?}\n"));
+        assert!(
+            err.contains("nats.tls_cert_file is set without nats.tls_key_file"),
+            "{err}"
+        );
+        let err = nats_error(&format!("[nats]\ntls_key_file = {pem:?}\n"));
+        assert!(
+            err.contains("nats.tls_key_file is set without nats.tls_cert_file"),
+            "{err}"
+        );
+        let missing = dir.path().join("missing.pem").display().to_string();
+        let err = nats_error(&format!("[nats]\ntls_ca_file = {missing:?}\n"));
+        assert!(
+            err.contains("nats.tls_ca_file") && err.contains("is not a file"),
+            "{err}"
+        );
+        let s = Settings::from_toml(&format!(
+            "[nats]\ntls_cert_file = {pem:?}\ntls_key_file = {pem:?}\ntls_ca_file = {pem:?}\n"
+        ))
+        .expect("a complete TLS setting loads");
+        assert!(s.nats.tls());
+        assert_eq!(s.nats.auth(), NatsAuth::None);
+    }
+
+    #[test]
+    fn secrets_from_the_environment_are_taken_verbatim() {
+        let env = [
+            ("COLLAB_NATS__USER", "007"),
+            ("COLLAB_NATS__PASSWORD", "0012"),
+            ("COLLAB_NATS__PARTITIONS", "8"),
+            ("COLLAB_NATS__TLS_REQUIRED", "true"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()));
+        let s = Settings::read_env(None, env.into_iter()).expect("loads");
+        s.validate().expect("valid");
+        assert_eq!(s.nats.user.as_deref(), Some("007"));
+        assert_eq!(s.nats.password.as_ref().map(Secret::expose), Some("0012"));
+        assert_eq!(s.nats.partitions, 8);
+        assert!(s.nats.tls_required);
     }
 
     #[test]

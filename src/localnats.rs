@@ -148,6 +148,10 @@ pub struct LocalNatsOptions {
     pub sync_always: bool,
     /// How long `start` and `restart` wait for the client port to answer.
     pub startup_timeout: Duration,
+    /// More server configuration, written after the generated part (authorization, accounts,
+    /// TLS, a WebSocket listener). It must not repeat the generated keys (`server_name`, `listen`,
+    /// `jetstream`, `cluster`).
+    pub extra_config: Option<String>,
 }
 
 impl Default for LocalNatsOptions {
@@ -159,6 +163,7 @@ impl Default for LocalNatsOptions {
             server_name: None,
             sync_always: false,
             startup_timeout: Duration::from_secs(10),
+            extra_config: None,
         }
     }
 }
@@ -191,6 +196,8 @@ pub struct LocalNats {
     cluster: Option<ClusterOptions>,
     sync_always: bool,
     startup_timeout: Duration,
+    // `Box<str>`, not `String`: a `LocalNats` is held by value in callers' enums, so it stays small.
+    extra_config: Option<Box<str>>,
     child: Option<Child>,
     pid: u32,
     // Declared last so it is dropped after `Drop::drop` has killed the process that writes into it.
@@ -237,6 +244,7 @@ impl LocalNats {
             cluster: opts.cluster,
             sync_always: opts.sync_always,
             startup_timeout: opts.startup_timeout,
+            extra_config: opts.extra_config.map(String::into_boxed_str),
             child: None,
             pid: 0,
             store,
@@ -359,6 +367,7 @@ impl LocalNats {
             store_dir: &store,
             sync_always: self.sync_always,
             cluster: self.cluster.as_ref(),
+            extra: self.extra_config.as_deref(),
         });
         fs::write(&config_path, config).map_err(|source| LocalNatsError::Io {
             action: "write the server config",
@@ -617,6 +626,7 @@ struct ConfigSpec<'a> {
     store_dir: &'a Path,
     sync_always: bool,
     cluster: Option<&'a ClusterOptions>,
+    extra: Option<&'a str>,
 }
 
 /// Render the nats-server config. A file rather than flags, because `sync_interval` and a full
@@ -641,6 +651,12 @@ fn render_config(spec: &ConfigSpec<'_>) -> String {
             listen = quote(&format!("127.0.0.1:{}", cluster.listen_port)),
             routes = routes.join(", "),
         ));
+    }
+    if let Some(extra) = spec.extra {
+        out.push_str(extra);
+        if !extra.ends_with('\n') {
+            out.push('\n');
+        }
     }
     out
 }
@@ -721,6 +737,7 @@ mod tests {
             store_dir: Path::new("/tmp/my store"),
             sync_always: true,
             cluster: None,
+            extra: None,
         });
         assert_eq!(
             config,
@@ -745,12 +762,27 @@ mod tests {
             store_dir: Path::new("/s"),
             sync_always: false,
             cluster: Some(&cluster),
+            extra: None,
         });
         assert!(!config.contains("sync_interval"));
         assert!(config.ends_with(
             "cluster {\n  name: \"c\"\n  listen: \"127.0.0.1:6222\"\n  routes: \
              [\"nats://127.0.0.1:6222\", \"nats://127.0.0.1:6223\"]\n}\n"
         ));
+    }
+
+    #[test]
+    fn extra_config_follows_the_generated_part() {
+        let config = render_config(&ConfigSpec {
+            server_name: "n1",
+            port: 4222,
+            store_dir: Path::new("/s"),
+            sync_always: false,
+            cluster: None,
+            extra: Some("authorization { token: \"t\" }"),
+        });
+        assert!(config.starts_with("server_name: \"n1\"\n"));
+        assert!(config.ends_with("}\nauthorization { token: \"t\" }\n"));
     }
 
     #[test]

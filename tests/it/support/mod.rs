@@ -179,6 +179,18 @@ pub async fn local_nats() -> LocalNats {
         .unwrap_or_else(|err| panic!("could not start a local nats-server: {err}"))
 }
 
+/// A local server (binary only) whose configuration ends with `extra`: authorization, accounts,
+/// TLS, more listeners.
+pub async fn local_nats_with(extra: String) -> LocalNats {
+    require_binary();
+    LocalNats::start(LocalNatsOptions {
+        extra_config: Some(extra),
+        ..LocalNatsOptions::default()
+    })
+    .await
+    .unwrap_or_else(|err| panic!("could not start a local nats-server: {err}"))
+}
+
 /// A 3-node JetStream cluster with a meta leader (binary only). Node 0 is the usual entry point.
 pub async fn cluster3() -> Vec<LocalNats> {
     require_binary();
