@@ -3,10 +3,13 @@
 
 use tracing_subscriber::{fmt, EnvFilter};
 
-/// Raw messages handled, by `outcome` (projected, dead_lettered, already_projected).
+/// Raw messages handled, by `outcome` (projected, dead_lettered), `role` (`none` when
+/// dead-lettered) and type `class` ([`type_class`]).
 pub const INPUTS: &str = "collab_inputs_total";
-/// Projected events published, by `role`.
+/// Projected events published, by `role` and type `class`.
 pub const PROJECTED: &str = "collab_projected_total";
+/// Deliveries of a raw message after its first (a crash, a lapsed ack wait, a takeover).
+pub const REDELIVERIES: &str = "collab_redeliveries_total";
 /// Dead letters published, by `reason`.
 pub const DEAD_LETTERS: &str = "collab_dead_letters_total";
 /// Publishes retried in place after a failure.
@@ -20,6 +23,31 @@ pub const TURN_OUTCOMES: &str = "collab_turn_outcomes_total";
 pub const SUPPRESSED: &str = "collab_responses_suppressed_total";
 /// Partitions this worker owns.
 pub const PARTITIONS_OWNED: &str = "collab_partitions_owned";
+/// Lease renewals that held, and leases lost to another worker.
+pub const LEASE_RENEWALS: &str = "collab_lease_renewals_total";
+pub const LEASE_LOSSES: &str = "collab_lease_losses_total";
+/// Partitions taken, by `cause`: `free` (unowned, or its lease expired) or `owner_gone` (its
+/// owner's connection closed; taken before the lease expired).
+pub const TAKEOVERS: &str = "collab_partition_takeovers_total";
+/// Per owned partition (`partition` label): messages not yet acknowledged, the age of the oldest
+/// of them, and how far the partition's event-time watermark is behind now.
+pub const PARTITION_PENDING: &str = "collab_partition_pending_messages";
+pub const PARTITION_OLDEST_AGE: &str = "collab_partition_oldest_pending_age_seconds";
+pub const PARTITION_WATERMARK_AGE: &str = "collab_partition_watermark_age_seconds";
+/// Seconds since this worker last processed a raw message.
+pub const LAST_PROCESSED_AGE: &str = "collab_last_processed_age_seconds";
+/// 1 while the worker is ready (`/readyz`), else 0.
+pub const READY: &str = "collab_ready";
+/// Raw store time to the projection's publish acknowledgement, per projection.
+pub const END_TO_END: &str = "collab_end_to_end_seconds";
+/// Publish to acknowledgement, per projection or dead letter.
+pub const PUBLISH_ACK: &str = "collab_publish_ack_seconds";
+/// Write to acknowledgement of turn state (records and checkpoints).
+pub const STATE_WRITE: &str = "collab_state_write_seconds";
+/// How late a synthesised timeout was decided: decision time minus the turn's deadline.
+pub const TIMEOUT_LATENESS: &str = "collab_timeout_lateness_seconds";
+/// Messages per pull batch.
+pub const BATCH_SIZE: &str = "collab_batch_size";
 /// Open turns held in memory.
 pub const OPEN_TURNS: &str = "collab_open_turns";
 /// Projections folded into work sessions (by the worker that owns partition 0).
@@ -28,10 +56,38 @@ pub const SESSION_EVENTS_FOLDED: &str = "collab_session_events_folded_total";
 pub const SESSION_FOLD_POSITION: &str = "collab_session_fold_position";
 
 /// What a metric family is, for its `# TYPE` line.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Family {
     Counter,
     Gauge,
+    /// With these bucket bounds.
+    Histogram(&'static [f64]),
+}
+
+/// Latency buckets, in seconds: 0.5 ms to 30 s.
+const LATENCY: &[f64] = &[
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+];
+/// Lateness of synthesised timeouts, in seconds.
+const LATENESS: &[f64] = &[0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0];
+/// Batch sizes.
+const SIZES: &[f64] = &[1.0, 5.0, 10.0, 50.0, 100.0, 250.0, 500.0, 1000.0];
+
+/// The type classes metrics are labelled with: the first token of an event type when it is one
+/// of these, else `other`, so the label set stays bounded whatever producers send.
+pub const TYPE_CLASSES: &[&str] = &[
+    "a2a", "task", "run", "tool", "text", "message", "step", "state", "subagent", "handoff",
+    "agent", "session", "health", "custom",
+];
+
+/// The bounded label value for an event type.
+pub fn type_class(event_type: &str) -> &'static str {
+    let first = event_type.split('.').next().unwrap_or_default();
+    TYPE_CLASSES
+        .iter()
+        .find(|c| **c == first)
+        .copied()
+        .unwrap_or("other")
 }
 
 /// Every metric family with its kind and its `# HELP` text.
@@ -87,6 +143,76 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
         "Open turns held by this worker's partitions.",
     ),
     (
+        REDELIVERIES,
+        Family::Counter,
+        "Deliveries of a raw message after its first (crash, lapsed ack wait, takeover).",
+    ),
+    (
+        LEASE_RENEWALS,
+        Family::Counter,
+        "Partition lease renewals that held.",
+    ),
+    (
+        LEASE_LOSSES,
+        Family::Counter,
+        "Partition leases lost to another worker (the partition stopped at once).",
+    ),
+    (
+        TAKEOVERS,
+        Family::Counter,
+        "Partitions taken, by cause (free: unowned or lease expired; owner_gone: its owner's connection closed).",
+    ),
+    (
+        PARTITION_PENDING,
+        Family::Gauge,
+        "Raw messages of an owned partition not yet acknowledged, by partition.",
+    ),
+    (
+        PARTITION_OLDEST_AGE,
+        Family::Gauge,
+        "Age of the oldest unacknowledged raw message of an owned partition, by partition (0 when none).",
+    ),
+    (
+        PARTITION_WATERMARK_AGE,
+        Family::Gauge,
+        "How far an owned partition's event-time watermark is behind now, by partition.",
+    ),
+    (
+        LAST_PROCESSED_AGE,
+        Family::Gauge,
+        "Seconds since this worker last processed a raw message.",
+    ),
+    (
+        READY,
+        Family::Gauge,
+        "1 while the worker is ready (connected and consuming every owned partition), else 0.",
+    ),
+    (
+        END_TO_END,
+        Family::Histogram(LATENCY),
+        "Raw store time to the projection's publish acknowledgement, in seconds.",
+    ),
+    (
+        PUBLISH_ACK,
+        Family::Histogram(LATENCY),
+        "Publish to acknowledgement of projections and dead letters, in seconds.",
+    ),
+    (
+        STATE_WRITE,
+        Family::Histogram(LATENCY),
+        "Write to acknowledgement of turn state (records, checkpoints), in seconds.",
+    ),
+    (
+        TIMEOUT_LATENESS,
+        Family::Histogram(LATENESS),
+        "Decision time minus deadline of synthesised timeouts, in seconds.",
+    ),
+    (
+        BATCH_SIZE,
+        Family::Histogram(SIZES),
+        "Raw messages per pull batch.",
+    ),
+    (
         SESSION_EVENTS_FOLDED,
         Family::Counter,
         "Projections folded into work sessions (by the owner of partition 0).",
@@ -105,8 +231,74 @@ pub fn describe_metrics() {
         match family {
             Family::Counter => metrics::describe_counter!(name, help),
             Family::Gauge => metrics::describe_gauge!(name, help),
+            Family::Histogram(_) => metrics::describe_histogram!(name, help),
         }
     }
+}
+
+/// The Prometheus exporter, with every histogram family's buckets (without them the exporter
+/// renders summaries).
+pub fn prometheus_builder() -> metrics_exporter_prometheus::PrometheusBuilder {
+    use metrics_exporter_prometheus::Matcher;
+    let mut builder = metrics_exporter_prometheus::PrometheusBuilder::new();
+    for &(name, family, _) in FAMILIES {
+        if let Family::Histogram(buckets) = family {
+            // Only an empty bucket list is refused, and none is.
+            builder = match builder.set_buckets_for_metric(Matcher::Full(name.into()), buckets) {
+                Ok(b) => b,
+                Err(_) => metrics_exporter_prometheus::PrometheusBuilder::new(),
+            };
+        }
+    }
+    builder
+}
+
+/// What a worker says of itself on the NATS service API: the data of its `$SRV.STATS` reply
+/// (`nats micro stats collab-projector`) and the answer of the `collab-projector.status`
+/// endpoint. `collab-projector status` reads it from every worker.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct WorkerStatus {
+    /// `workers.id`.
+    pub worker_id: String,
+    pub version: String,
+    /// Since the process started.
+    pub uptime_ms: u64,
+    /// As `/readyz`: connected and consuming every owned partition.
+    pub ready: bool,
+    pub nats_connected: bool,
+    /// Whether this process runs workers at all (`run --no-workers` serves the API only).
+    pub workers: bool,
+    pub partitions_owned: usize,
+    pub partitions_running: usize,
+    /// Every owned partition, by number.
+    pub partitions: Vec<PartitionStatus>,
+    /// Counters since the process started (rates are their differences over time).
+    pub inputs: u64,
+    pub projected: u64,
+    pub dead_lettered: u64,
+    pub redeliveries: u64,
+    pub publish_retries: u64,
+    pub lease_renewals: u64,
+    pub lease_losses: u64,
+    pub takeovers: u64,
+    /// Open turns held by this worker's partitions.
+    pub open_turns: i64,
+    /// Since this worker last processed a raw message; `None` before the first.
+    pub last_processed_age_ms: Option<u64>,
+}
+
+/// One owned partition in a [`WorkerStatus`].
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct PartitionStatus {
+    pub partition: u16,
+    /// Raw messages not yet acknowledged (pending plus in flight), at the last sample.
+    pub pending: u64,
+    /// Age of the oldest of them; `None` when nothing is pending.
+    pub oldest_pending_age_ms: Option<u64>,
+    /// How far the event-time watermark is behind now; `None` before the first message.
+    pub watermark_age_ms: Option<u64>,
 }
 
 /// Initialise logging: `RUST_LOG` filters (default `default_filter`), `COLLAB_LOG_FORMAT=json`
@@ -129,7 +321,7 @@ mod tests {
 
     #[test]
     fn every_family_is_exposed_with_help_and_type() {
-        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let recorder = prometheus_builder().build_recorder();
         let handle = recorder.handle();
         metrics::with_local_recorder(&recorder, || {
             describe_metrics();
@@ -137,6 +329,7 @@ mod tests {
                 match family {
                     Family::Counter => metrics::counter!(name).increment(1),
                     Family::Gauge => metrics::gauge!(name).set(1.0),
+                    Family::Histogram(_) => metrics::histogram!(name).record(0.3),
                 }
             }
         });
@@ -145,7 +338,15 @@ mod tests {
             let kind = match family {
                 Family::Counter => "counter",
                 Family::Gauge => "gauge",
+                Family::Histogram(_) => "histogram",
             };
+            if let Family::Histogram(buckets) = family {
+                let top = buckets.last().copied().unwrap_or_default();
+                assert!(
+                    text.contains(&format!("{name}_bucket{{le=\"{top}\"}} 1\n")),
+                    "{name} has its buckets: {text}"
+                );
+            }
             assert!(
                 text.contains(&format!("# HELP {name} {help}\n")),
                 "{name}: {text}"
@@ -155,6 +356,14 @@ mod tests {
                 "{name}: {text}"
             );
         }
+    }
+
+    #[test]
+    fn type_classes_are_bounded() {
+        assert_eq!(type_class("a2a.response"), "a2a");
+        assert_eq!(type_class("tool.call.started"), "tool");
+        assert_eq!(type_class("anything.else"), "other");
+        assert_eq!(type_class(""), "other");
     }
 
     #[test]
