@@ -134,6 +134,11 @@ pub async fn start(
     }
     let tracker = TaskTracker::new();
     let partitions = settings.nats.partitions;
+    let worker_id = settings
+        .workers
+        .id
+        .clone()
+        .unwrap_or_else(default_worker_id);
     let shared = if opts.workers {
         let shared = worker::WorkerContext::new(js.clone(), settings.clone()).await?;
         let names = settings.names();
@@ -145,11 +150,7 @@ pub async fn start(
                 partition: 0,
                 detail: format!("leases bucket {}: {e}", names.leases_bucket),
             })?;
-        let id = settings
-            .workers
-            .id
-            .clone()
-            .unwrap_or_else(default_worker_id);
+        let id = worker_id.clone();
         info!(worker = %id, partitions, "worker started; taking its share of the partitions");
         tracker.spawn_on(
             leases::run(shared.clone(), store, id, cancel.clone()),
@@ -161,13 +162,13 @@ pub async fn start(
     };
     // Registered before HTTP reports it is listening: once the process says it is up, `nats micro`
     // and `$SRV.PING` find it.
-    let service = start_service(
-        &client,
-        shared.as_ref().map(|s| s.state.clone()),
-        &tracker,
-        cancel.clone(),
-    )
-    .await;
+    let reporter = Reporter {
+        worker_id,
+        client: client.clone(),
+        state: shared.as_ref().map(|s| s.state.clone()),
+        started: std::time::Instant::now(),
+    };
+    let service = start_service(&client, reporter, &tracker, cancel.clone()).await;
     let mut http_addr = None;
     if let Some(listener) = listener.take() {
         let addr = listener.local_addr().ok();
@@ -176,6 +177,7 @@ pub async fn start(
             worker: shared.as_ref().map(|s| s.state.clone()),
             client: Some(client.clone()),
             metrics: opts.metrics.clone(),
+            stall_after: settings.http.stall_after,
         };
         let mut router = http::router(state);
         if settings.http.api {
@@ -205,19 +207,51 @@ pub async fn start(
     })
 }
 
-fn status_json(state: Option<&worker::WorkerState>) -> serde_json::Value {
-    use std::sync::atomic::Ordering::Relaxed;
-    match state {
-        Some(w) => serde_json::json!({
-            "partitionsOwned": w.partitions_owned.load(Relaxed),
-            "partitionsRunning": w.partitions_running.load(Relaxed),
-            "inputs": w.inputs.load(Relaxed),
-            "projected": w.projected.load(Relaxed),
-            "deadLettered": w.dead_lettered.load(Relaxed),
-            "publishRetries": w.publish_retries.load(Relaxed),
-            "openTurns": w.open_turns.load(Relaxed),
-        }),
-        None => serde_json::json!({"workers": false}),
+/// What the service API reports of this process.
+#[derive(Clone)]
+struct Reporter {
+    worker_id: String,
+    client: async_nats::Client,
+    state: Option<Arc<worker::WorkerState>>,
+    started: std::time::Instant,
+}
+
+impl Reporter {
+    fn status(&self) -> crate::telemetry::WorkerStatus {
+        use std::sync::atomic::Ordering::Relaxed;
+        let now = crate::bus::now_ms();
+        let connected = self.client.connection_state() == async_nats::connection::State::Connected;
+        let mut status = crate::telemetry::WorkerStatus {
+            worker_id: self.worker_id.clone(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            uptime_ms: u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX),
+            ready: crate::http::ready(Some(&self.client), self.state.as_deref()),
+            nats_connected: connected,
+            workers: self.state.is_some(),
+            ..Default::default()
+        };
+        if let Some(w) = &self.state {
+            let last = w.last_processed_ms.load(Relaxed);
+            status.partitions_owned = w.partitions_owned.load(Relaxed);
+            status.partitions_running = w.partitions_running.load(Relaxed);
+            status.partitions = w.partition_status(now);
+            status.inputs = w.inputs.load(Relaxed);
+            status.projected = w.projected.load(Relaxed);
+            status.dead_lettered = w.dead_lettered.load(Relaxed);
+            status.redeliveries = w.redeliveries.load(Relaxed);
+            status.publish_retries = w.publish_retries.load(Relaxed);
+            status.lease_renewals = w.lease_renewals.load(Relaxed);
+            status.lease_losses = w.lease_losses.load(Relaxed);
+            status.takeovers = w.takeovers.load(Relaxed);
+            status.open_turns = w.open_turns.load(Relaxed);
+            status.last_processed_age_ms =
+                (last > 0).then(|| u64::try_from(now.saturating_sub(last)).unwrap_or(0));
+        }
+        status
+    }
+
+    fn json(&self) -> serde_json::Value {
+        serde_json::to_value(self.status()).unwrap_or(serde_json::Value::Null)
     }
 }
 
@@ -225,19 +259,19 @@ fn status_json(state: Option<&worker::WorkerState>) -> serde_json::Value {
 /// answer `collab-projector.status` requests with the worker's counters.
 async fn start_service(
     client: &async_nats::Client,
-    state: Option<Arc<worker::WorkerState>>,
+    reporter: Reporter,
     tracker: &TaskTracker,
     cancel: CancellationToken,
 ) -> Option<async_nats::service::Service> {
     use async_nats::service::ServiceExt;
     use futures::StreamExt;
-    let stats_state = state.clone();
+    let stats = reporter.clone();
     let service = match client
         .service_builder()
         .description(
             "collab-projector: role-partitioned, turn-checked projections of collaboration events",
         )
-        .stats_handler(move |_, _| status_json(stats_state.as_deref()))
+        .stats_handler(move |_, _| stats.json())
         .start("collab-projector", env!("CARGO_PKG_VERSION"))
         .await
     {
@@ -255,7 +289,7 @@ async fn start_service(
                         _ = cancel.cancelled() => break,
                         req = endpoint.next() => {
                             let Some(req) = req else { break };
-                            let body = status_json(state.as_deref()).to_string();
+                            let body = reporter.json().to_string();
                             let _ = req.respond(Ok(body.into())).await;
                         }
                     }

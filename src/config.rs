@@ -516,6 +516,10 @@ pub struct HttpSettings {
     /// A work session with no event for this long is `ARCHIVED`.
     #[serde(with = "humantime_serde")]
     pub archive_after: Duration,
+    /// `/healthz` fails while a partition has had messages waiting this long without its
+    /// acknowledgements moving (a wedged worker, which a restart would cure).
+    #[serde(with = "humantime_serde")]
+    pub stall_after: Duration,
 }
 
 /// One bearer token and the roles it may read.
@@ -542,6 +546,7 @@ impl Default for HttpSettings {
             tokens: Vec::new(),
             quiet_after: Duration::from_secs(15 * 60),
             archive_after: Duration::from_secs(24 * 3600),
+            stall_after: Duration::from_secs(120),
         }
     }
 }
@@ -692,6 +697,9 @@ impl Settings {
             if grant.roles.is_empty() {
                 return bad(format!("http.tokens \"{}\" grants no role", grant.name));
             }
+        }
+        if self.http.stall_after < Duration::from_secs(10) {
+            return bad("http.stall_after must be at least 10s (lag is sampled every 5s)".into());
         }
         if self.workers.lease_ttl < Duration::from_secs(1) {
             return bad("workers.lease_ttl must be at least 1s".into());

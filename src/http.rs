@@ -1,5 +1,6 @@
-//! The operational HTTP endpoints: `/healthz` (the process runs), `/readyz` (connected and
-//! owning its partitions), `/metrics` (Prometheus text).
+//! The operational HTTP endpoints: `/healthz` (not wedged: no partition has had messages
+//! waiting for `http.stall_after` without progress), `/readyz` (connected, and consuming every
+//! owned partition), `/metrics` (Prometheus text).
 
 use crate::bus::worker::WorkerState;
 use axum::extract::State;
@@ -10,20 +11,65 @@ use axum::{Json, Router};
 use metrics_exporter_prometheus::PrometheusHandle;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
+use std::time::Duration;
+
+use crate::telemetry;
 
 #[derive(Clone)]
 pub struct HttpState {
     pub worker: Option<Arc<WorkerState>>,
     pub client: Option<async_nats::Client>,
     pub metrics: Option<PrometheusHandle>,
+    /// `http.stall_after`.
+    pub stall_after: Duration,
 }
 
 pub fn router(state: HttpState) -> Router {
     Router::new()
-        .route("/healthz", get(|| async { "ok\n" }))
+        .route("/healthz", get(healthz))
         .route("/readyz", get(readyz))
         .route("/metrics", get(metrics))
         .with_state(state)
+}
+
+fn code(ok: bool) -> StatusCode {
+    if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    }
+}
+
+/// Whether the worker is ready: connected, and consuming every partition it owns (owning none
+/// is fine: others do).
+pub fn ready(client: Option<&async_nats::Client>, worker: Option<&WorkerState>) -> bool {
+    let connected =
+        client.is_some_and(|c| c.connection_state() == async_nats::connection::State::Connected);
+    connected
+        && worker.is_none_or(|w| {
+            w.partitions_running.load(Ordering::Relaxed)
+                >= w.partitions_owned.load(Ordering::Relaxed)
+        })
+}
+
+async fn healthz(State(s): State<HttpState>) -> impl IntoResponse {
+    // Stalled while disconnected is the server's outage, not this process's: a restart would not
+    // help, so only a connected worker can be wedged.
+    let connected = s
+        .client
+        .as_ref()
+        .is_some_and(|c| c.connection_state() == async_nats::connection::State::Connected);
+    let stalled = match (&s.worker, connected) {
+        (Some(w), true) => w.stalled(crate::bus::now_ms(), s.stall_after),
+        _ => Vec::new(),
+    };
+    let healthy = stalled.is_empty();
+    let body = Json(serde_json::json!({
+        "healthy": healthy,
+        "stalledPartitions": stalled,
+        "stallAfterSeconds": s.stall_after.as_secs(),
+    }));
+    (code(healthy), body)
 }
 
 async fn readyz(State(s): State<HttpState>) -> impl IntoResponse {
@@ -41,25 +87,31 @@ async fn readyz(State(s): State<HttpState>) -> impl IntoResponse {
             )
         })
         .unwrap_or((0, 0));
-    // A worker is ready once every partition it owns runs (owning none is fine: others do).
-    let ready = connected && running >= owned;
+    let ready = ready(s.client.as_ref(), s.worker.as_deref());
     let body = Json(serde_json::json!({
         "ready": ready,
         "natsConnected": connected,
         "partitionsRunning": running,
         "partitionsOwned": owned,
     }));
-    let code = if ready {
-        StatusCode::OK
-    } else {
-        StatusCode::SERVICE_UNAVAILABLE
-    };
-    (code, body)
+    (code(ready), body)
 }
 
 async fn metrics(State(s): State<HttpState>) -> impl IntoResponse {
     match s.metrics {
-        Some(h) => (StatusCode::OK, h.render()),
+        Some(h) => {
+            // Gauges of "now", set when scraped.
+            let ready = ready(s.client.as_ref(), s.worker.as_deref());
+            metrics::gauge!(telemetry::READY).set(if ready { 1.0 } else { 0.0 });
+            if let Some(w) = &s.worker {
+                let last = w.last_processed_ms.load(Ordering::Relaxed);
+                if last > 0 {
+                    let age = crate::bus::now_ms().saturating_sub(last).max(0);
+                    metrics::gauge!(telemetry::LAST_PROCESSED_AGE).set(age as f64 / 1000.0);
+                }
+            }
+            (StatusCode::OK, h.render())
+        }
         None => (
             StatusCode::NOT_FOUND,
             "metrics are not enabled\n".to_string(),

@@ -74,6 +74,17 @@ pub enum DlqReason {
 }
 
 impl DlqReason {
+    pub const ALL: [DlqReason; 8] = [
+        DlqReason::BadJson,
+        DlqReason::Unrecognized,
+        DlqReason::AdapterRejected,
+        DlqReason::InvalidRole,
+        DlqReason::BadKey,
+        DlqReason::BadType,
+        DlqReason::TooLarge,
+        DlqReason::MaxDeliver,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             DlqReason::BadJson => "bad_json",

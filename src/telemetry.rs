@@ -224,8 +224,48 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
     ),
 ];
 
+/// Register every family with the installed recorder: its description (the `# HELP` and
+/// `# TYPE` lines), and a zero for each series known in advance, so that a family exists (and a
+/// rate over it is defined) before its first event.
+pub fn register_metrics() {
+    describe_metrics();
+    for name in [
+        REDELIVERIES,
+        PUBLISH_RETRIES,
+        BLOBS_STORED,
+        BLOB_BYTES,
+        LEASE_RENEWALS,
+        LEASE_LOSSES,
+        SESSION_EVENTS_FOLDED,
+    ] {
+        metrics::counter!(name).absolute(0);
+    }
+    for reason in crate::model::DlqReason::ALL {
+        metrics::counter!(DEAD_LETTERS, "reason" => reason.as_str()).absolute(0);
+    }
+    for cause in ["free", "owner_gone"] {
+        metrics::counter!(TAKEOVERS, "cause" => cause).absolute(0);
+    }
+    for reason in ["late", "duplicate"] {
+        metrics::counter!(SUPPRESSED, "reason" => reason).absolute(0);
+    }
+    metrics::counter!(TURN_OUTCOMES, "outcome" => "response", "reason" => "none").absolute(0);
+    for reason in ["timeout", "error", "not_found"] {
+        metrics::counter!(TURN_OUTCOMES, "outcome" => "blocked", "reason" => reason).absolute(0);
+    }
+    for name in [
+        PARTITIONS_OWNED,
+        OPEN_TURNS,
+        READY,
+        LAST_PROCESSED_AGE,
+        SESSION_FOLD_POSITION,
+    ] {
+        metrics::gauge!(name).set(0.0);
+    }
+}
+
 /// Register the description of every family with the installed recorder, so `/metrics` gives
-/// each its `# HELP` and `# TYPE` lines.
+/// each its `# HELP` and `# TYPE` lines once it has a series.
 pub fn describe_metrics() {
     for &(name, family, help) in FAMILIES {
         match family {
@@ -299,6 +339,8 @@ pub struct PartitionStatus {
     pub oldest_pending_age_ms: Option<u64>,
     /// How far the event-time watermark is behind now; `None` before the first message.
     pub watermark_age_ms: Option<u64>,
+    /// Since the partition's acknowledgements last moved forward (or it started).
+    pub progress_age_ms: u64,
 }
 
 /// Initialise logging: `RUST_LOG` filters (default `default_filter`), `COLLAB_LOG_FORMAT=json`

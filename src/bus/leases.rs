@@ -8,6 +8,17 @@
 //! every partition and deletes its leases so the others take over without waiting for the TTL.
 //! Two owners may briefly overlap after a pause longer than the TTL; the KV fence of the turn
 //! contract and the Msg-Ids keep the output exactly-once then.
+//!
+//! A crashed worker is not waited for: every worker answers on a presence subject over the
+//! connection that renews its leases, and the others ask every [`PROBE_EVERY`]. When the server
+//! answers "no responders" twice in a row, that connection is closed (the process died, or lost
+//! the server): the worker's heartbeat and leases are deleted (each at the revision read) and its
+//! partitions are taken at once, well before the TTL. A worker that is merely slow or paused
+//! still has its connection and answers late or not at all, which is not "no responders": only
+//! its lease expiry frees its partitions. Taking a partition early creates no state the TTL path
+//! does not already meet: the old owner, if it comes back, finds its renewal refused and stops,
+//! and anything it still sends is fenced (turn records carry the owner's term) or collapses by
+//! Msg-Id, exactly as after a pause longer than the TTL.
 
 use super::worker::{self, WorkerContext};
 use async_nats::jetstream::kv;
@@ -49,6 +60,22 @@ pub fn probe_order(worker_id: &str, partitions: u16) -> Vec<u16> {
 
 fn lease_key(p: u16) -> String {
     format!("l.{p}")
+}
+
+const HEARTBEAT_PREFIX: &str = "w.";
+
+/// How often a worker asks the others whether their connections are still open.
+pub const PROBE_EVERY: Duration = Duration::from_millis(400);
+
+/// Consecutive "no responders" answers after which a worker counts as gone.
+const GONE_AFTER: u32 = 2;
+
+/// The subject a worker answers on while its lease connection is open.
+pub fn presence_subject(prefix: &str, worker_id: &str) -> String {
+    format!(
+        "{prefix}.workers.{}.alive",
+        crate::model::encode_id(worker_id)
+    )
 }
 
 fn spawn_partition(
@@ -93,17 +120,111 @@ fn spawn_partition(
     })
 }
 
-async fn live_workers(store: &kv::Store) -> usize {
-    let Ok(mut keys) = store.keys().await else {
-        return 1;
-    };
-    let mut n = 0;
+/// The ids of the workers whose heartbeats are in the bucket; `None` if it cannot be listed.
+async fn live_workers(store: &kv::Store) -> Option<Vec<String>> {
+    let mut keys = store.keys().await.ok()?;
+    let mut ids = Vec::new();
     while let Some(k) = keys.next().await {
-        if k.is_ok_and(|k| k.starts_with("w.")) {
-            n += 1;
+        if let Some(id) = k
+            .ok()
+            .and_then(|k| k.strip_prefix(HEARTBEAT_PREFIX).map(String::from))
+        {
+            ids.push(id);
         }
     }
-    n.max(1)
+    Some(ids)
+}
+
+/// Answer presence probes until `stop`. Subscribed (and flushed) before it returns, so nobody
+/// can find this worker's leases without its presence.
+async fn answer_presence(
+    client: &async_nats::Client,
+    subject: String,
+    stop: CancellationToken,
+) -> Option<JoinHandle<()>> {
+    let mut sub = match client.subscribe(subject).await {
+        Ok(sub) => sub,
+        Err(e) => {
+            warn!(error = %e, "cannot answer presence probes; a crash of this worker will be noticed only when its leases expire");
+            return None;
+        }
+    };
+    let _ = client.flush().await;
+    let client = client.clone();
+    Some(tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = stop.cancelled() => break,
+                m = sub.next() => {
+                    let Some(m) = m else { break };
+                    if let Some(reply) = m.reply {
+                        let _ = client.publish(reply, bytes::Bytes::new()).await;
+                    }
+                }
+            }
+        }
+        let _ = sub.unsubscribe().await;
+    }))
+}
+
+/// Ask every other worker whether its connection is open; count strikes of "no responders" and
+/// return the workers that reached [`GONE_AFTER`]. Any other answer (a reply, a timeout: a slow
+/// or paused worker) clears the strikes.
+async fn gone_workers(
+    client: &async_nats::Client,
+    prefix: &str,
+    me: &str,
+    others: &[String],
+    strikes: &mut BTreeMap<String, u32>,
+) -> Vec<String> {
+    use async_nats::RequestErrorKind;
+    let probes = others.iter().filter(|id| id.as_str() != me).map(|id| {
+        let subject = presence_subject(prefix, id);
+        async move {
+            let request = async_nats::Request::new().timeout(Some(PROBE_EVERY * 2));
+            let answer = client.send_request(subject, request).await;
+            let gone = matches!(&answer, Err(e) if e.kind() == RequestErrorKind::NoResponders);
+            (id.clone(), gone)
+        }
+    });
+    let mut gone = Vec::new();
+    strikes.retain(|id, _| others.contains(id));
+    for (id, no_responders) in futures::future::join_all(probes).await {
+        if !no_responders {
+            strikes.remove(&id);
+            continue;
+        }
+        let n = strikes.entry(id.clone()).or_insert(0);
+        *n += 1;
+        if *n >= GONE_AFTER {
+            strikes.remove(&id);
+            gone.push(id);
+        }
+    }
+    gone
+}
+
+/// Free what a gone worker held: its heartbeat and every lease it owns, each deleted at the
+/// revision read (a lease renewed or taken meanwhile is left alone). The partitions freed.
+async fn evict(store: &kv::Store, worker_id: &str, partitions: u16) -> Vec<u16> {
+    let _ = store.delete(format!("{HEARTBEAT_PREFIX}{worker_id}")).await;
+    let mut freed = Vec::new();
+    for p in 0..partitions {
+        let Ok(Some(entry)) = store.entry(lease_key(p)).await else {
+            continue;
+        };
+        if entry.operation != kv::Operation::Put || entry.value.as_ref() != worker_id.as_bytes() {
+            continue;
+        }
+        if store
+            .delete_expect_revision(lease_key(p), Some(entry.revision))
+            .await
+            .is_ok()
+        {
+            freed.push(p);
+        }
+    }
+    freed
 }
 
 /// Own a fair share of the partitions until `cancel`; then drain them and give them back.
@@ -118,20 +239,60 @@ pub async fn run(
     let every = ttl / 3;
     let mut held: BTreeMap<u16, Held> = BTreeMap::new();
     let order = probe_order(&worker_id, partitions);
-    let heartbeat = format!("w.{worker_id}");
+    let heartbeat = format!("{HEARTBEAT_PREFIX}{worker_id}");
     let validity_ms = i64::try_from((ttl * 2 / 3).as_millis()).unwrap_or(i64::MAX);
+    let client = shared.leases_js.client();
+    let prefix = shared.names.prefix.clone();
+    let presence_stop = CancellationToken::new();
+    let presence = answer_presence(
+        &client,
+        presence_subject(&prefix, &worker_id),
+        presence_stop.clone(),
+    )
+    .await;
     let mut workers = 1;
+    let mut strikes = BTreeMap::new();
+    let mut last_renewal: Option<tokio::time::Instant> = None;
     loop {
         if cancel.is_cancelled() {
             break;
         }
-        if let Err(e) = store.put(&heartbeat, worker_id.clone().into()).await {
-            warn!(error = %e, "worker heartbeat failed");
+        let renewal_due = last_renewal.is_none_or(|at| at.elapsed() + PROBE_EVERY / 2 >= every);
+        // Owners whose connections closed: free their partitions now rather than at their
+        // lease expiry. Bounded, so a slow server never pushes a renewal past the TTL.
+        let mut evicted: Vec<u16> = Vec::new();
+        if let Ok(Some(ids)) = tokio::time::timeout(every / 4, live_workers(&store)).await {
+            workers = ids.len().max(1);
+            let gone = tokio::time::timeout(
+                every / 4,
+                gone_workers(&client, &prefix, &worker_id, &ids, &mut strikes),
+            )
+            .await
+            .unwrap_or_default();
+            for id in gone {
+                let freed = evict(&store, &id, partitions).await;
+                info!(worker = %id, partitions = ?freed, "a worker's connection closed; taking over its partitions without waiting for its leases to expire");
+                evicted.extend(freed);
+                workers = workers.saturating_sub(1).max(1);
+            }
+        }
+        if !renewal_due && evicted.is_empty() {
+            tokio::select! {
+                _ = tokio::time::sleep(PROBE_EVERY) => {}
+                _ = cancel.cancelled() => {}
+            }
+            continue;
+        }
+        if renewal_due {
+            last_renewal = Some(tokio::time::Instant::now());
+            if let Err(e) = store.put(&heartbeat, worker_id.clone().into()).await {
+                warn!(error = %e, "worker heartbeat failed");
+            }
         }
         // Renew, all at once (one round trip, however many partitions are held); a failed
         // renewal means someone else owns it now: stop at once.
         let mut lost = Vec::new();
-        if !cancel.is_cancelled() {
+        if renewal_due && !cancel.is_cancelled() {
             let renewals = held.iter().map(|(p, h)| {
                 let (p, revision, store, id) = (*p, h.revision, &store, worker_id.clone());
                 async move {
@@ -150,9 +311,11 @@ pub async fn run(
                         h.revision = rev;
                         h.valid_until
                             .store(asked_at + validity_ms, Ordering::Relaxed);
+                        shared.state.count_lease_renewal();
                     }
                     Err(e) => {
                         warn!(partition = p, error = %e, "lease lost; stopping the partition");
+                        shared.state.count_lease_loss();
                         lost.push(p);
                     }
                 }
@@ -164,11 +327,6 @@ pub async fn run(
         }
         for h in lost {
             let _ = h.task.await;
-        }
-        // Listing the heartbeats is a JetStream API request, which a busy server may answer late:
-        // never let it push the next renewal past the TTL; the last count serves meanwhile.
-        if let Ok(n) = tokio::time::timeout(every / 2, live_workers(&store)).await {
-            workers = n;
         }
         let target = share(partitions, workers);
         // Release the excess gracefully: drain first, then free the lease.
@@ -197,6 +355,7 @@ pub async fn run(
                 }
                 let asked_at = super::now_ms();
                 if let Ok(rev) = store.create(lease_key(*p), worker_id.clone().into()).await {
+                    shared.state.count_takeover(evicted.contains(p));
                     let c = cancel.child_token();
                     let valid_until = Arc::new(AtomicI64::new(asked_at + validity_ms));
                     let task = spawn_partition(shared.clone(), *p, c.clone(), valid_until.clone());
@@ -218,7 +377,7 @@ pub async fn run(
             .store(held.len(), Ordering::Relaxed);
         metrics::gauge!(crate::telemetry::PARTITIONS_OWNED).set(held.len() as f64);
         tokio::select! {
-            _ = tokio::time::sleep(every) => {}
+            _ = tokio::time::sleep(PROBE_EVERY) => {}
             _ = cancel.cancelled() => {}
         }
     }
@@ -239,7 +398,13 @@ pub async fn run(
         }
         let _ = store.delete(&heartbeat).await;
     };
-    if tokio::time::timeout(ttl, release).await.is_err() {
+    let released = tokio::time::timeout(ttl, release).await.is_ok();
+    // Only now, with nothing left to take over, stop answering presence probes.
+    presence_stop.cancel();
+    if let Some(task) = presence {
+        let _ = task.await;
+    }
+    if !released {
         warn!("could not hand the leases back in time; they lapse after the lease TTL");
         return;
     }

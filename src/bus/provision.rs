@@ -245,8 +245,7 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
         let label = format!("bucket {}", want.bucket);
         match find_stream(js, &format!("KV_{}", want.bucket), &label).await? {
             Some(mut st) => {
-                same_retention(&mut st, label, want.max_age, want.num_replicas, &mut report)
-                    .await?
+                same_retention(&mut st, label, want.max_age, want.num_replicas, &mut report).await?
             }
             None => {
                 js.create_key_value(want)

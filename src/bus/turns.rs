@@ -863,7 +863,7 @@ impl PartitionTurns {
     ) -> Result<usize, TurnIoError> {
         let expired = self.open.expire(watermark_ms);
         let mut decided = 0;
-        for (_, key) in expired {
+        for (deadline_ms, key) in expired {
             let Some((rec, rev)) = self.open_record(&key).await? else {
                 // The record is gone (expired from the bucket): nothing left to decide.
                 if self.open.close(&key) {
@@ -888,6 +888,8 @@ impl PartitionTurns {
             self.remember(&key, &new, Rev::Pending(w.clone()));
             self.issue_response(shared, &key, &new, Rev::Pending(w), None, fx)
                 .await?;
+            let late_ms = super::now_ms().saturating_sub(deadline_ms).max(0);
+            metrics::histogram!(telemetry::TIMEOUT_LATENESS).record(late_ms as f64 / 1000.0);
             decided += 1;
         }
         Ok(decided)
@@ -1010,9 +1012,7 @@ impl PartitionTurns {
             if !shared.publish_in_place(&out, &[], cancel).await {
                 return Err(TurnIoError::Cancelled(key.to_string()));
             }
-            shared
-                .state
-                .count_output(crate::pipeline::OutKind::Projection(Role::ConversationMain));
+            shared.state.count_output(&out);
         }
         self.remember(key, &turns::published(rec), Rev::Known(0));
         Ok(())

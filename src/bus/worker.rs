@@ -109,6 +109,157 @@ pub struct WorkerState {
     pub publish_retries: AtomicU64,
     /// Open turns over the partitions this worker runs (each partition adds its own count).
     pub open_turns: AtomicI64,
+    pub redeliveries: AtomicU64,
+    pub lease_renewals: AtomicU64,
+    pub lease_losses: AtomicU64,
+    pub takeovers: AtomicU64,
+    /// When this worker last processed a raw message (ms since the epoch; 0: never).
+    pub last_processed_ms: AtomicI64,
+    /// The running partitions' lag, as last sampled.
+    pub partitions: std::sync::Mutex<std::collections::BTreeMap<u16, PartitionLag>>,
+}
+
+/// One running partition's lag, sampled from its consumer every [`LAG_SAMPLE_EVERY`].
+#[derive(Debug, Clone, Default)]
+pub struct PartitionLag {
+    /// Raw messages not yet acknowledged (waiting and in flight).
+    pub pending: u64,
+    /// Store time of the oldest of them (ms since the epoch).
+    pub oldest_pending_ms: Option<i64>,
+    /// The partition's event-time watermark (ms since the epoch; 0 before the first message).
+    pub watermark_ms: Arc<AtomicI64>,
+    /// The consumer's acknowledgement floor at the last sample, and when it last moved (or the
+    /// partition started), in ms since the epoch.
+    ack_floor: u64,
+    pub progress_ms: i64,
+}
+
+impl PartitionLag {
+    /// As reported on the service API, at `now_ms`.
+    pub fn status(&self, partition: u16, now_ms: i64) -> crate::telemetry::PartitionStatus {
+        let age = |t: i64| u64::try_from(now_ms.saturating_sub(t)).unwrap_or(0);
+        let watermark = self.watermark_ms.load(Ordering::Relaxed);
+        crate::telemetry::PartitionStatus {
+            partition,
+            pending: self.pending,
+            oldest_pending_age_ms: self.oldest_pending_ms.map(age),
+            // Nothing pending: the partition is caught up, its watermark is now (the idle rule).
+            watermark_age_ms: if self.pending == 0 {
+                Some(0)
+            } else {
+                (watermark > 0).then(|| age(watermark))
+            },
+            progress_age_ms: age(self.progress_ms),
+        }
+    }
+}
+
+/// How often a running partition samples its consumer's lag.
+pub const LAG_SAMPLE_EVERY: Duration = Duration::from_secs(5);
+
+impl WorkerState {
+    /// The running partitions' lag at `now_ms`, by partition.
+    pub fn partition_status(&self, now_ms: i64) -> Vec<crate::telemetry::PartitionStatus> {
+        match self.partitions.lock() {
+            Ok(map) => map.iter().map(|(p, l)| l.status(*p, now_ms)).collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// Partitions with messages waiting whose acknowledgements have not moved for `bound`: a
+    /// wedged worker.
+    pub fn stalled(&self, now_ms: i64, bound: Duration) -> Vec<u16> {
+        let bound_ms = i64::try_from(bound.as_millis()).unwrap_or(i64::MAX);
+        match self.partitions.lock() {
+            Ok(map) => map
+                .iter()
+                .filter(|(_, l)| l.pending > 0 && now_ms.saturating_sub(l.progress_ms) > bound_ms)
+                .map(|(p, _)| *p)
+                .collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+}
+
+/// Sample partition `p`'s lag every [`LAG_SAMPLE_EVERY`] until `stop`, into the worker's table
+/// and the per-partition gauges; take the partition out of both when stopped.
+async fn sample_lag(
+    shared: Arc<WorkerContext>,
+    p: u16,
+    mut consumer: PullConsumer,
+    stream: jetstream::stream::Stream,
+    watermark_ms: Arc<AtomicI64>,
+    stop: CancellationToken,
+) {
+    let label = p.to_string();
+    let filter = shared.names.partition_filter(p);
+    let started = super::now_ms();
+    if let Ok(mut map) = shared.state.partitions.lock() {
+        map.insert(
+            p,
+            PartitionLag {
+                watermark_ms: watermark_ms.clone(),
+                progress_ms: started,
+                ..Default::default()
+            },
+        );
+    }
+    loop {
+        if let Ok(info) = consumer.info().await {
+            let pending = info.num_pending + u64::try_from(info.num_ack_pending).unwrap_or(0);
+            let floor = info.ack_floor.stream_sequence;
+            let oldest_pending_ms = if pending > 0 {
+                stream
+                    .raw_message_builder()
+                    .next_by_subject(filter.clone())
+                    .sequence(floor + 1)
+                    .send()
+                    .await
+                    .ok()
+                    .map(|m: jetstream::message::StreamMessage| m.time.timestamp_millis())
+            } else {
+                None
+            };
+            let now = super::now_ms();
+            if let Ok(mut map) = shared.state.partitions.lock() {
+                if let Some(lag) = map.get_mut(&p) {
+                    if floor != lag.ack_floor || pending == 0 {
+                        lag.ack_floor = floor;
+                        lag.progress_ms = now;
+                    }
+                    lag.pending = pending;
+                    lag.oldest_pending_ms = oldest_pending_ms;
+                }
+            }
+            let age_s = |t: i64| now.saturating_sub(t).max(0) as f64 / 1000.0;
+            metrics::gauge!(telemetry::PARTITION_PENDING, "partition" => label.clone())
+                .set(pending as f64);
+            metrics::gauge!(telemetry::PARTITION_OLDEST_AGE, "partition" => label.clone())
+                .set(oldest_pending_ms.map_or(0.0, age_s));
+            let wm = watermark_ms.load(Ordering::Relaxed);
+            let wm_age = if pending == 0 || wm == 0 {
+                0.0
+            } else {
+                age_s(wm)
+            };
+            metrics::gauge!(telemetry::PARTITION_WATERMARK_AGE, "partition" => label.clone())
+                .set(wm_age);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(LAG_SAMPLE_EVERY) => {}
+            _ = stop.cancelled() => break,
+        }
+    }
+    if let Ok(mut map) = shared.state.partitions.lock() {
+        map.remove(&p);
+    }
+    for family in [
+        telemetry::PARTITION_PENDING,
+        telemetry::PARTITION_OLDEST_AGE,
+        telemetry::PARTITION_WATERMARK_AGE,
+    ] {
+        metrics::gauge!(family, "partition" => label.clone()).set(0.0);
+    }
 }
 
 /// The one place each counter is counted: the status counter here and its metric together, so
@@ -116,14 +267,25 @@ pub struct WorkerState {
 impl WorkerState {
     fn count_input(&self, outcome: Outcome) {
         self.inputs.fetch_add(1, Ordering::Relaxed);
-        metrics::counter!(telemetry::INPUTS, "outcome" => outcome.as_str()).increment(1);
+        let (role, class) = match outcome {
+            Outcome::Projected { role, class } => (role.as_str(), class),
+            Outcome::DeadLettered(_) => ("none", "none"),
+        };
+        metrics::counter!(telemetry::INPUTS, "outcome" => outcome.as_str(), "role" => role, "class" => class)
+            .increment(1);
     }
 
-    pub(crate) fn count_output(&self, kind: OutKind) {
-        match kind {
+    pub(crate) fn count_output(&self, out: &Outgoing) {
+        match out.kind {
             OutKind::Projection(role) => {
                 self.projected.fetch_add(1, Ordering::Relaxed);
-                metrics::counter!(telemetry::PROJECTED, "role" => role.as_str()).increment(1);
+                let class = out
+                    .headers
+                    .iter()
+                    .find(|(k, _)| *k == pipeline::H_TYPE)
+                    .map_or("other", |(_, t)| telemetry::type_class(t));
+                metrics::counter!(telemetry::PROJECTED, "role" => role.as_str(), "class" => class)
+                    .increment(1);
             }
             OutKind::DeadLetter(reason) => {
                 self.dead_lettered.fetch_add(1, Ordering::Relaxed);
@@ -136,6 +298,28 @@ impl WorkerState {
     fn count_publish_retry(&self) {
         self.publish_retries.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(telemetry::PUBLISH_RETRIES).increment(1);
+    }
+
+    fn count_redelivery(&self) {
+        self.redeliveries.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(telemetry::REDELIVERIES).increment(1);
+    }
+
+    pub(crate) fn count_lease_renewal(&self) {
+        self.lease_renewals.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(telemetry::LEASE_RENEWALS).increment(1);
+    }
+
+    pub(crate) fn count_lease_loss(&self) {
+        self.lease_losses.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(telemetry::LEASE_LOSSES).increment(1);
+    }
+
+    /// A partition taken: freed because its owner's connection closed, or free.
+    pub(crate) fn count_takeover(&self, owner_gone: bool) {
+        self.takeovers.fetch_add(1, Ordering::Relaxed);
+        let cause = if owner_gone { "owner_gone" } else { "free" };
+        metrics::counter!(telemetry::TAKEOVERS, "cause" => cause).increment(1);
     }
 }
 
@@ -421,17 +605,27 @@ struct Processed {
     /// Turns it opened whose records are deferred: neither it nor anything after it is
     /// acknowledged before they resolve.
     holds: Vec<Hold>,
+    /// When its publishes and writes were issued (for their latency).
+    issued: tokio::time::Instant,
+    /// The raw store time of `msg` (ms since the epoch), for the end-to-end latency.
+    stored_ms: Option<i64>,
 }
 
 impl Processed {
     /// What the turn rules asked for, issued, for `msg`.
     fn new(msg: Option<jetstream::Message>, publishes: Publishes, fx: Effects) -> Processed {
+        let stored_ms = msg
+            .as_ref()
+            .and_then(|m| m.info().ok())
+            .map(|i| i.published.timestamp_millis());
         Processed {
             msg,
             publishes,
             writes: fx.writes,
             marks: fx.marks,
             holds: fx.holds,
+            issued: tokio::time::Instant::now(),
+            stored_ms,
         }
     }
 }
@@ -477,6 +671,16 @@ pub async fn run_partition(
         .partitions_running
         .fetch_add(1, Ordering::Relaxed);
     debug!(partition = p, loaded, "partition started");
+    let watermark_ms = Arc::new(AtomicI64::new(0));
+    let sampler_stop = CancellationToken::new();
+    let sampler = tokio::spawn(sample_lag(
+        shared.clone(),
+        p,
+        consumer.clone(),
+        stream.clone(),
+        watermark_ms.clone(),
+        sampler_stop.clone(),
+    ));
 
     let (tx, rx) = mpsc::channel::<Processed>(512);
     let broken = CancellationToken::new();
@@ -498,6 +702,7 @@ pub async fn run_partition(
         p,
         turns,
         watermark: Watermark::default(),
+        watermark_ms,
         last_seq: 0,
         tx,
         cancel: &cancel,
@@ -519,6 +724,8 @@ pub async fn run_partition(
     drop(part);
     debug!(partition = p, "waiting for the acker to drain");
     let acked = acker.await;
+    sampler_stop.cancel();
+    let _ = sampler.await;
     shared
         .state
         .partitions_running
@@ -546,6 +753,8 @@ struct Partition<'a> {
     p: u16,
     turns: PartitionTurns,
     watermark: Watermark,
+    /// The watermark, for the lag sampler.
+    watermark_ms: Arc<AtomicI64>,
     last_seq: u64,
     tx: mpsc::Sender<Processed>,
     cancel: &'a CancellationToken,
@@ -610,6 +819,7 @@ impl Partition<'_> {
                 }
             };
             retry.reset();
+            let mut in_batch = 0usize;
             // The batch is bounded (size and expiry): finishing it on cancel is the drain.
             loop {
                 let deadline = self.turns.next_deadline().map(|d| {
@@ -640,7 +850,13 @@ impl Partition<'_> {
                         continue;
                     }
                 };
-                let Some(next) = next else { break };
+                let Some(next) = next else {
+                    if in_batch > 0 {
+                        metrics::histogram!(telemetry::BATCH_SIZE).record(in_batch as f64);
+                    }
+                    break;
+                };
+                in_batch += 1;
                 let msg = match next {
                     Ok(m) => m,
                     Err(e) => {
@@ -716,6 +932,7 @@ impl Partition<'_> {
         let Some(wm) = self.watermark.idle(super::now_ms() - skew) else {
             return Ok(false);
         };
+        self.watermark_ms.store(wm, Ordering::Relaxed);
         let mut fx = Effects::default();
         self.turns
             .advance(self.shared, wm, &mut fx)
@@ -853,6 +1070,9 @@ impl Partition<'_> {
         };
         let seq = info.stream_sequence;
         let stored_ms = info.published.timestamp_millis();
+        if info.delivered > 1 {
+            self.shared.state.count_redelivery();
+        }
         let mut fx = Effects::default();
         self.turns
             .before_input(self.shared, &mut fx)
@@ -860,7 +1080,12 @@ impl Partition<'_> {
             .map_err(|e| self.turn_error(e))?;
         // Every message stored before this one has been processed: deadlines before its store
         // time have passed in event time.
+        self.shared
+            .state
+            .last_processed_ms
+            .store(super::now_ms(), Ordering::Relaxed);
         if let Some(wm) = self.watermark.observe(stored_ms) {
+            self.watermark_ms.store(wm, Ordering::Relaxed);
             self.turns
                 .advance(self.shared, wm, &mut fx)
                 .await
@@ -921,8 +1146,12 @@ enum Unprocessed {
 /// What an input became.
 #[derive(Debug, Clone, Copy)]
 enum Outcome {
-    /// Projected (possibly into nothing new: a suppressed duplicate is projected as such).
-    Projected,
+    /// Projected (possibly into nothing new: a suppressed duplicate is projected as such), with
+    /// its (first) event's role and type class.
+    Projected {
+        role: crate::model::Role,
+        class: &'static str,
+    },
     /// Dead-lettered, with this reason.
     DeadLettered(crate::model::DlqReason),
 }
@@ -930,7 +1159,7 @@ enum Outcome {
 impl Outcome {
     fn as_str(self) -> &'static str {
         match self {
-            Outcome::Projected => "projected",
+            Outcome::Projected { .. } => "projected",
             Outcome::DeadLettered(_) => "dead_lettered",
         }
     }
@@ -1086,7 +1315,12 @@ async fn project_input(
             )),
         }
     }
-    Ok(Some(Outcome::Projected))
+    let (role, class) = events
+        .first()
+        .map_or((crate::model::Role::SystemObservability, "other"), |n| {
+            (n.role(), telemetry::type_class(&n.envelope.event_type))
+        });
+    Ok(Some(Outcome::Projected { role, class }))
 }
 
 /// Issue the publishes of `outs` in order, pipelined. A publish that cannot be sent is retried
@@ -1113,7 +1347,7 @@ async fn issue_publishes(
             let ahead = Processed::new(None, std::mem::take(&mut pending), Effects::default());
             acker.send(ahead).await.ok()?;
         }
-        shared.state.count_output(out.kind);
+        shared.state.count_output(&out);
         let fut = match shared.send(&shared.js, &out).await {
             Ok(f) => Some(f),
             Err(e) => {
@@ -1200,6 +1434,9 @@ async fn ack_stage(
         e => Err(refused(e.for_key("(deferred open write)"))),
     };
     let mut held: VecDeque<Unacked> = VecDeque::new();
+    let ack_latency = metrics::histogram!(telemetry::PUBLISH_ACK);
+    let end_to_end = metrics::histogram!(telemetry::END_TO_END);
+    let write_latency = metrics::histogram!(telemetry::STATE_WRITE);
     loop {
         let front = held.front().and_then(|u| u.holds.last().cloned());
         let first = tokio::select! {
@@ -1229,11 +1466,19 @@ async fn ack_stage(
             let mut marks = Vec::new();
             for idx in 0..items.len() {
                 let publishes = std::mem::take(&mut items[idx].publishes);
+                let (issued, stored_ms) = (items[idx].issued, items[idx].stored_ms);
                 for (out, fut) in publishes {
                     let failed = match fut {
                         Some(fut) => fut.await.is_err(),
                         None => false,
                     };
+                    if !failed {
+                        ack_latency.record(issued.elapsed().as_secs_f64());
+                        if let (OutKind::Projection(_), Some(stored)) = (out.kind, stored_ms) {
+                            let ms = super::now_ms().saturating_sub(stored).max(0);
+                            end_to_end.record(ms as f64 / 1000.0);
+                        }
+                    }
                     if failed {
                         let inputs: Vec<&jetstream::Message> =
                             items.iter().filter_map(|i| i.msg.as_ref()).collect();
@@ -1248,6 +1493,7 @@ async fn ack_stage(
                     if let Err(e) = w.await {
                         return Err(refused(e.for_key("(pipelined write)")));
                     }
+                    write_latency.record(issued.elapsed().as_secs_f64());
                 }
                 marks.append(&mut items[idx].marks);
             }
@@ -1306,5 +1552,54 @@ async fn acknowledge(p: u16, acks: Acks, ready: Vec<jetstream::Message>) {
         if let Err(e) = msg.ack().await {
             debug!(partition = p, error = %e, "ack failed; the message will be redelivered (its outputs collapse by Msg-Id)");
         }
+    }
+}
+
+#[cfg(test)]
+mod lag_tests {
+    use super::*;
+
+    #[test]
+    fn a_partition_is_stalled_only_with_messages_waiting_and_no_progress() {
+        let state = WorkerState::default();
+        let now = 1_000_000;
+        let lag = |pending, progress_ms| PartitionLag {
+            pending,
+            progress_ms,
+            ..Default::default()
+        };
+        if let Ok(mut map) = state.partitions.lock() {
+            map.insert(0, lag(10, now - 200_000)); // waiting, no progress for 200 s
+            map.insert(1, lag(0, now - 200_000)); // idle
+            map.insert(2, lag(10, now - 1_000)); // moving
+        }
+        assert_eq!(state.stalled(now, Duration::from_secs(120)), vec![0]);
+        assert!(state.stalled(now, Duration::from_secs(300)).is_empty());
+    }
+
+    #[test]
+    fn lag_is_reported_as_ages() {
+        let now = 1_000_000;
+        let waiting = PartitionLag {
+            pending: 3,
+            oldest_pending_ms: Some(now - 4_000),
+            watermark_ms: Arc::new(AtomicI64::new(now - 6_000)),
+            progress_ms: now - 500,
+            ..Default::default()
+        };
+        let s = waiting.status(7, now);
+        assert_eq!(s.partition, 7);
+        assert_eq!(s.pending, 3);
+        assert_eq!(s.oldest_pending_age_ms, Some(4_000));
+        assert_eq!(s.watermark_age_ms, Some(6_000));
+        assert_eq!(s.progress_age_ms, 500);
+        // Nothing pending: caught up, whatever the last event's time.
+        let idle = PartitionLag {
+            watermark_ms: Arc::new(AtomicI64::new(now - 60_000)),
+            progress_ms: now,
+            ..Default::default()
+        };
+        assert_eq!(idle.status(1, now).watermark_age_ms, Some(0));
+        assert_eq!(idle.status(1, now).oldest_pending_age_ms, None);
     }
 }

@@ -1,0 +1,331 @@
+//! What an SRE sees of a running worker, against a real nats-server and the real binary:
+//! `/metrics` (every family with HELP and TYPE, moving with traffic), `/healthz`, `/readyz`, the
+//! NATS service API's stats, and a crashed worker's partitions taken over before its leases
+//! expire.
+
+use std::collections::BTreeMap;
+
+use collab_projector::telemetry::{self, Family, WorkerStatus};
+use serde_json::{json, Value};
+
+use crate::pipeline::{publish, start_projector, wait_settled, GUARD, MAIN_AGENTS};
+use crate::support::{wait_until, Projector, TestNats};
+
+/// The HTTP address the projector printed.
+fn http_addr(p: &Projector) -> String {
+    p.log_text()
+        .lines()
+        .find_map(|l| l.split("http listening on ").nth(1))
+        .map(|a| a.trim().to_string())
+        .unwrap_or_else(|| panic!("the projector printed no HTTP address: {}", p.log_text()))
+}
+
+async fn get(addr: &str, path: &str) -> (u16, String) {
+    let resp = reqwest::get(format!("http://{addr}{path}"))
+        .await
+        .unwrap_or_else(|e| panic!("GET {path}: {e}"));
+    let status = resp.status().as_u16();
+    (status, resp.text().await.unwrap_or_default())
+}
+
+/// Samples of the Prometheus text: `name{labels}` -> value.
+fn samples(text: &str) -> BTreeMap<String, f64> {
+    text.lines()
+        .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            Some((series.to_string(), value.parse().ok()?))
+        })
+        .collect()
+}
+
+/// The sum of every series of `name` whose labels contain all of `labels` (`k="v"` pairs).
+fn sum(samples: &BTreeMap<String, f64>, name: &str, labels: &[&str]) -> f64 {
+    samples
+        .iter()
+        .filter(|(series, _)| {
+            let (n, rest) = series.split_once('{').unwrap_or((series.as_str(), ""));
+            n == name && labels.iter().all(|l| rest.contains(l))
+        })
+        .map(|(_, v)| v)
+        .sum()
+}
+
+fn collab(t: &str, from: &str, to: &str, conv: &str, extra: Value) -> (String, Vec<u8>) {
+    let mut data = json!({"fromAgent": from, "toAgent": to, "conversationId": conv});
+    if let (Some(d), Value::Object(e)) = (data.as_object_mut(), extra) {
+        d.extend(e);
+    }
+    let body = json!({"type": t, "agentId": from, "data": data});
+    (
+        format!("collab.raw.{conv}.{t}"),
+        body.to_string().into_bytes(),
+    )
+}
+
+#[tokio::test]
+async fn metrics_health_and_service_stats_describe_a_running_worker() {
+    let nats = TestNats::start().await;
+    let projector = start_projector(&nats.url(), &MAIN_AGENTS, &[]).await;
+    let addr = http_addr(&projector);
+    let js = nats.jetstream().await;
+
+    // An answered turn, a turn that times out, a task event and a message that is not JSON.
+    let inputs = [
+        collab(
+            "a2a.send",
+            "ruda",
+            "eden",
+            "c-ok",
+            json!({"message": "ping"}),
+        ),
+        collab(
+            "a2a.response",
+            "eden",
+            "ruda",
+            "c-ok",
+            json!({"message": "pong"}),
+        ),
+        collab(
+            "a2a.send",
+            "ruda",
+            "eden",
+            "c-late",
+            json!({"message": "anyone?", "timeoutMs": 500}),
+        ),
+        (
+            "collab.raw.t-1.task.updated".to_string(),
+            json!({"type": "task.updated", "taskId": "t-1", "status": "running"})
+                .to_string()
+                .into_bytes(),
+        ),
+        (
+            "collab.raw.x.task.updated".to_string(),
+            b"{not json".to_vec(),
+        ),
+    ];
+    for (subject, body) in &inputs {
+        publish(&js, subject, body.clone()).await;
+    }
+    // Two sends, the reply, the synthesised timeout, the task event; one dead letter.
+    wait_settled(&js, 5, 1).await;
+
+    // Renewals and lag samples arrive on their own schedules: wait for them, not for a time.
+    wait_until(
+        GUARD,
+        "a lease renewal and a lag sample in /metrics",
+        || {
+            let addr = addr.clone();
+            async move {
+                let text = get(&addr, "/metrics").await.1;
+                let s = samples(&text);
+                sum(&s, telemetry::LEASE_RENEWALS, &[]) > 0.0
+                    && text.contains(&format!("{}{{partition=", telemetry::PARTITION_PENDING))
+            }
+        },
+    )
+    .await;
+    let text = get(&addr, "/metrics").await.1;
+    for &(name, family, help) in telemetry::FAMILIES {
+        let kind = match family {
+            Family::Counter => "counter",
+            Family::Gauge => "gauge",
+            Family::Histogram(_) => "histogram",
+        };
+        assert!(
+            text.contains(&format!("# HELP {name} {help}\n")),
+            "{name} has no HELP line:\n{text}"
+        );
+        assert!(
+            text.contains(&format!("# TYPE {name} {kind}\n")),
+            "{name} has no TYPE {kind} line:\n{text}"
+        );
+    }
+    let s = samples(&text);
+    let partitions = 16.0;
+    assert_eq!(
+        sum(
+            &s,
+            telemetry::INPUTS,
+            &[
+                "outcome=\"projected\"",
+                "role=\"conversation.main\"",
+                "class=\"a2a\""
+            ]
+        ),
+        3.0,
+        "{text}"
+    );
+    assert_eq!(
+        sum(
+            &s,
+            telemetry::INPUTS,
+            &["outcome=\"projected\"", "class=\"task\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        sum(&s, telemetry::DEAD_LETTERS, &["reason=\"bad_json\""]),
+        1.0
+    );
+    assert_eq!(
+        sum(&s, telemetry::DEAD_LETTERS, &["reason=\"too_large\""]),
+        0.0
+    );
+    assert_eq!(
+        sum(
+            &s,
+            telemetry::TURN_OUTCOMES,
+            &["outcome=\"blocked\"", "reason=\"timeout\""]
+        ),
+        1.0
+    );
+    assert_eq!(
+        sum(
+            &s,
+            telemetry::PROJECTED,
+            &["role=\"conversation.main\"", "class=\"a2a\""]
+        ),
+        4.0
+    );
+    for histogram in [
+        telemetry::END_TO_END,
+        telemetry::PUBLISH_ACK,
+        telemetry::BATCH_SIZE,
+        telemetry::STATE_WRITE,
+        telemetry::TIMEOUT_LATENESS,
+    ] {
+        assert!(
+            sum(&s, &format!("{histogram}_count"), &[]) >= 1.0,
+            "{histogram} recorded nothing:\n{text}"
+        );
+    }
+    assert_eq!(sum(&s, telemetry::PARTITIONS_OWNED, &[]), partitions);
+    assert_eq!(
+        sum(&s, telemetry::TAKEOVERS, &["cause=\"free\""]),
+        partitions
+    );
+    assert_eq!(sum(&s, telemetry::LEASE_LOSSES, &[]), 0.0);
+    assert_eq!(sum(&s, telemetry::READY, &[]), 1.0);
+
+    let (code, health) = get(&addr, "/healthz").await;
+    assert_eq!(code, 200, "{health}");
+    assert_eq!(
+        serde_json::from_str::<Value>(&health).unwrap_or_default()["healthy"],
+        true
+    );
+    let (code, ready) = get(&addr, "/readyz").await;
+    assert_eq!(code, 200, "{ready}");
+
+    // The service API carries the same figures: every worker answers $SRV.STATS. Lag is
+    // sampled: wait for a sample taken after the drain.
+    let client = nats.client().await;
+    let stats = || async {
+        let reply = client
+            .request("$SRV.STATS.collab-projector", "".into())
+            .await
+            .expect("a $SRV.STATS reply");
+        let stats: Value = serde_json::from_slice(&reply.payload).expect("JSON stats");
+        serde_json::from_value::<WorkerStatus>(stats["endpoints"][0]["data"].clone())
+            .expect("a WorkerStatus")
+    };
+    wait_until(GUARD, "a lag sample with nothing pending", || async {
+        let status = stats().await;
+        status.partitions.len() == 16 && status.partitions.iter().all(|p| p.pending == 0)
+    })
+    .await;
+    let status = stats().await;
+    assert!(status.ready && status.nats_connected && status.workers);
+    assert_eq!(status.partitions_owned, 16);
+    assert!(status
+        .partitions
+        .iter()
+        .all(|p| p.oldest_pending_age_ms.is_none() && p.watermark_age_ms == Some(0)));
+    assert_eq!(status.inputs, 5);
+    assert_eq!(status.dead_lettered, 1);
+    assert_eq!(status.takeovers, 16);
+    assert!(status.last_processed_age_ms.is_some());
+    assert!(!status.worker_id.is_empty());
+}
+
+/// A worker killed with SIGKILL loses its partitions as soon as its connection is gone: with a
+/// lease TTL far longer than this test may run, only the presence probe can free them.
+#[tokio::test]
+async fn a_crashed_workers_partitions_are_taken_before_its_leases_expire() {
+    let nats = TestNats::start().await;
+    let long_ttl = [("COLLAB_WORKERS__LEASE_TTL", "10m")];
+    let mut first = start_projector(
+        &nats.url(),
+        &MAIN_AGENTS,
+        &[long_ttl[0], ("COLLAB_WORKERS__ID", "first")],
+    )
+    .await;
+    let first_addr = http_addr(&first);
+    wait_until(GUARD, "the first worker owns every partition", || {
+        let addr = first_addr.clone();
+        async move {
+            let (_, body) = get(&addr, "/readyz").await;
+            serde_json::from_str::<Value>(&body).unwrap_or_default()["partitionsOwned"] == 16
+        }
+    })
+    .await;
+    let second = start_projector(
+        &nats.url(),
+        &MAIN_AGENTS,
+        &[long_ttl[0], ("COLLAB_WORKERS__ID", "second")],
+    )
+    .await;
+    let second_addr = http_addr(&second);
+    let js = nats.jetstream().await;
+    let (subject, body) = collab(
+        "a2a.send",
+        "ruda",
+        "eden",
+        "c-before",
+        json!({"message": "1"}),
+    );
+    publish(&js, &subject, body).await;
+    wait_settled(&js, 1, 0).await;
+
+    first.kill9();
+    wait_until(
+        GUARD,
+        "the second worker takes every partition from the dead one",
+        || {
+            let addr = second_addr.clone();
+            async move {
+                let s = samples(&get(&addr, "/metrics").await.1);
+                sum(&s, telemetry::PARTITIONS_OWNED, &[]) == 16.0
+            }
+        },
+    )
+    .await;
+    let s = samples(&get(&second_addr, "/metrics").await.1);
+    assert_eq!(
+        sum(&s, telemetry::TAKEOVERS, &["cause=\"owner_gone\""]),
+        16.0,
+        "{}",
+        second.log_text()
+    );
+    assert!(
+        second.log_text().contains("connection closed"),
+        "{}",
+        second.log_text()
+    );
+
+    // And it projects: input published after the crash, in every partition's reach.
+    for i in 0..32 {
+        let (subject, body) = collab(
+            "a2a.send",
+            "ruda",
+            "eden",
+            &format!("c-after-{i}"),
+            json!({"message": "2"}),
+        );
+        publish(&js, &subject, body).await;
+    }
+    wait_settled(&js, 33, 0).await;
+    let mut proj = js.get_stream("COLLAB_PROJ").await.expect("COLLAB_PROJ");
+    let info = proj.info().await.expect("stream info");
+    assert_eq!(info.state.messages, 33, "each input projected once");
+}
