@@ -16,6 +16,7 @@
 //! - [`bus`]: NATS: connect, provision, the partition workers, leases, the work-session fold.
 //! - [`app`]: the `run` command: workers, HTTP, signals.
 //! - [`ops`]: operator commands: `audit`, `dlq replay`.
+//! - [`status`]: the `status` command: every worker's service-API report as one fleet view.
 //! - `http`: health, readiness and metrics endpoints.
 //! - [`api`]: the projection API for UIs: events, live stream (SSE), work sessions, MPLP export.
 //! - `sessions`: work-session aggregation (pure); `bus::sessions` folds the projection stream
@@ -66,5 +67,6 @@ pub mod redact;
 mod sessions;
 #[cfg(feature = "tools")]
 mod sim;
+pub mod status;
 pub mod telemetry;
 pub mod turns;

@@ -129,6 +129,27 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         to: u64,
     },
+    /// A live view of the fleet: each worker's partitions, pending messages, rates, dead letters
+    /// and open turns, the partitions no worker owns, and warnings. Ctrl-C quits.
+    Status {
+        #[command(flatten)]
+        common: Common,
+        /// Refresh every this long (e.g. 2s, 500ms).
+        #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+        interval: Duration,
+        /// Print one snapshot and exit (for scripts).
+        #[arg(long)]
+        once: bool,
+        /// Print the collected worker reports as a JSON array, one line per snapshot.
+        #[arg(long)]
+        json: bool,
+        /// How long to gather the workers' replies to each request.
+        #[arg(long, default_value = "500ms", value_parser = humantime::parse_duration)]
+        wait: Duration,
+        /// Warn about a partition whose oldest pending message is older than this.
+        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+        warn_pending_age: Duration,
+    },
     /// Measure throughput, latency and turn-book scale (starts nats-server per scenario unless
     /// --nats-url is given). See docs/performance.md.
     Bench {
@@ -207,8 +228,12 @@ fn main() -> anyhow::Result<()> {
     {
         return normalize(config.as_deref(), main_agents.clone(), *adapter_mode);
     }
-    // The demo's own screen is the output; its logs stay quiet unless asked for.
-    let default_filter = if matches!(cli.command, Command::Demo { .. } | Command::Bench { .. }) {
+    // The demo's and the status view's own screens are the output; their logs stay quiet unless
+    // asked for.
+    let default_filter = if matches!(
+        cli.command,
+        Command::Demo { .. } | Command::Bench { .. } | Command::Status { .. }
+    ) {
         "warn"
     } else {
         "info"
@@ -340,6 +365,30 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
             println!(
                 "audit holds: exactly one of projected / dead-lettered for every raw sequence"
             );
+            Ok(())
+        }
+        Command::Status {
+            common,
+            interval,
+            once,
+            json,
+            wait,
+            warn_pending_age,
+        } => {
+            use collab_projector::status;
+            let settings = common.settings()?;
+            let (client, _js) = bus::connect_as(&settings, "collab-projector status").await?;
+            let opts = status::WatchOptions {
+                interval,
+                wait,
+                once,
+                json,
+                view: status::ViewOptions {
+                    partitions: settings.nats.partitions,
+                    pending_age_warn: warn_pending_age,
+                },
+            };
+            status::watch(&client, &opts, shutdown_token()).await?;
             Ok(())
         }
         Command::Dlq {

@@ -1,9 +1,15 @@
-//! Operator commands against a real server: `audit`, `dlq replay`, and discovery through the NATS
-//! service API.
+//! Operator commands against a real server: `audit`, `dlq replay`, discovery through the NATS
+//! service API and `status`; and the operator's files (alert rules, dashboard, operations guide)
+//! checked against the metric families.
 
 use crate::pipeline::{count, default_partitions, publish, run_bin, start_projector, wait_settled};
 use crate::support::{wait_until, TestNats};
+use collab_projector::config::Settings;
+use collab_projector::status;
+use collab_projector::telemetry::{Family, WorkerStatus, FAMILIES};
+use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
+use tokio_util::sync::CancellationToken;
 
 const GUARD: Duration = Duration::from_secs(60);
 
@@ -154,4 +160,604 @@ async fn workers_answer_the_nats_service_api() {
     })
     .await;
     drop(projector);
+}
+
+// ---------------------------------------------------------------------------------------------
+// `status`, and the operator's files: alert rules, dashboard, docs/operations.md
+// ---------------------------------------------------------------------------------------------
+
+/// A worker in this process, named `id`, without HTTP.
+async fn start_named_worker(
+    url: &str,
+    id: &str,
+) -> (collab_projector::app::Running, CancellationToken) {
+    let mut s = Settings::default();
+    s.nats.url = url.to_string();
+    s.http.enabled = false;
+    s.workers.id = Some(id.to_string());
+    let cancel = CancellationToken::new();
+    let running = collab_projector::app::start(
+        s,
+        collab_projector::app::RunOptions {
+            workers: true,
+            http: false,
+            metrics: None,
+        },
+        cancel.clone(),
+    )
+    .await
+    .expect("the worker starts");
+    (running, cancel)
+}
+
+/// Every partition listed by exactly one worker, each worker ready and within its share.
+fn settled(workers: &[WorkerStatus], ids: &[&str], partitions: u16) -> bool {
+    let found: BTreeSet<&str> = workers.iter().map(|w| w.worker_id.as_str()).collect();
+    let listed: usize = workers.iter().map(|w| w.partitions.len()).sum();
+    let share = usize::from(partitions).div_ceil(ids.len());
+    found == ids.iter().copied().collect()
+        && workers.len() == ids.len()
+        && status::unowned(workers, partitions).is_empty()
+        && listed == usize::from(partitions)
+        && workers
+            .iter()
+            .all(|w| w.ready && w.partitions.len() <= share)
+}
+
+#[tokio::test]
+async fn status_finds_every_worker_and_their_partitions_cover_the_stream() {
+    let nats = TestNats::start().await;
+    let url = nats.url();
+    let js = nats.jetstream().await;
+    let client = nats.client().await;
+    let partitions = Settings::default().nats.partitions;
+
+    // Before any worker runs, every partition is unowned and the view says so.
+    let (ok, out, err) = run_bin(&["status", "--once", "--nats-url", &url], &[], b"").await;
+    assert!(ok, "{out}\n{err}");
+    assert!(out.contains("0 workers answered"), "{out}");
+    assert!(
+        out.contains(&format!("unowned: 0-{}", partitions - 1)),
+        "{out}"
+    );
+    assert!(out.contains("warning: no worker answered"), "{out}");
+
+    let (a, cancel_a) = start_named_worker(&url, "status-a").await;
+    let (b, cancel_b) = start_named_worker(&url, "status-b").await;
+    for n in 0..3 {
+        publish(
+            &js,
+            &format!("collab.raw.t{n}.task.created"),
+            format!(r#"{{"type":"task.created","taskId":"t{n}"}}"#),
+        )
+        .await;
+    }
+
+    // The collection: one reply per worker, the two together own every partition once, and
+    // their counters account for the three inputs.
+    let ids = ["status-a", "status-b"];
+    wait_until(
+        GUARD,
+        "status sees both workers own every partition once",
+        || {
+            let client = client.clone();
+            async move {
+                let workers = status::collect(&client, Duration::from_millis(500))
+                    .await
+                    .expect("collecting");
+                settled(&workers, &ids, partitions)
+                    && workers.iter().map(|w| w.inputs).sum::<u64>() == 3
+            }
+        },
+    )
+    .await;
+    let workers = status::collect(&client, Duration::from_millis(500))
+        .await
+        .expect("collecting");
+    let view = status::render(
+        None,
+        &status::Snapshot { at_ms: 0, workers },
+        &status::ViewOptions {
+            partitions,
+            ..Default::default()
+        },
+    );
+    assert!(
+        view.contains("status-a") && view.contains("status-b"),
+        "{view}"
+    );
+    assert!(
+        view.contains(&format!("{partitions}/{partitions} owned")),
+        "{view}"
+    );
+    assert!(!view.contains("unowned"), "{view}");
+
+    // The command, as a script runs it: one snapshot naming both workers.
+    let (ok, out, err) = run_bin(&["status", "--once", "--nats-url", &url], &[], b"").await;
+    assert!(ok, "{out}\n{err}");
+    assert!(out.contains("2 workers answered"), "{out}");
+    for id in ids {
+        assert!(
+            out.lines().any(|l| l.starts_with(id)),
+            "a row for {id}: {out}"
+        );
+    }
+    assert!(out.contains("TOTAL (2 workers)"), "{out}");
+    assert!(!out.contains("unowned"), "{out}");
+    let (ok, out, err) = run_bin(
+        &["status", "--once", "--json", "--nats-url", &url],
+        &[],
+        b"",
+    )
+    .await;
+    assert!(ok, "{out}\n{err}");
+    let reports: Vec<WorkerStatus> = serde_json::from_str(out.trim()).expect("a JSON array");
+    let found: BTreeSet<&str> = reports.iter().map(|w| w.worker_id.as_str()).collect();
+    assert_eq!(found, ids.iter().copied().collect());
+
+    cancel_a.cancel();
+    cancel_b.cancel();
+    a.wait().await;
+    b.wait().await;
+}
+
+fn repo_file(path: &str) -> String {
+    let full = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(path);
+    std::fs::read_to_string(&full).unwrap_or_else(|e| panic!("reading {}: {e}", full.display()))
+}
+
+/// The metric names an expression mentions.
+fn metric_names(expr: &str) -> BTreeSet<String> {
+    let name = regex::Regex::new(r"\bcollab_[a-z0-9_]*[a-z0-9]\b").expect("a valid pattern");
+    name.find_iter(expr)
+        .map(|m| m.as_str().to_string())
+        .collect()
+}
+
+/// A name is a family, or a histogram family's `_bucket`, `_sum` or `_count` series.
+fn is_family_series(name: &str) -> bool {
+    FAMILIES.iter().any(|&(family, kind, _)| {
+        name == family
+            || (matches!(kind, Family::Histogram(_))
+                && ["_bucket", "_sum", "_count"]
+                    .iter()
+                    .any(|suffix| name.strip_suffix(suffix) == Some(family)))
+    })
+}
+
+fn family_of(name: &str) -> &str {
+    ["_bucket", "_sum", "_count"]
+        .iter()
+        .find_map(|s| name.strip_suffix(s).filter(|base| is_family_series(base)))
+        .unwrap_or(name)
+}
+
+const RULES: &str = "config/prometheus/collab-projector.rules.yml";
+const DASHBOARD: &str = "config/grafana/collab-projector.json";
+const OPERATIONS: &str = "docs/operations.md";
+
+fn promtool() -> Option<std::path::PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|dir| dir.join("promtool"))
+            .find(|p| p.is_file())
+    })
+}
+
+fn run_promtool(args: &[&str], dir: &std::path::Path) -> (bool, String) {
+    let tool = promtool().expect("promtool is on PATH");
+    let out = std::process::Command::new(tool)
+        .args(args)
+        .current_dir(dir)
+        .output()
+        .expect("promtool runs");
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+#[derive(serde::Deserialize)]
+struct RuleFile {
+    groups: Vec<RuleGroup>,
+}
+
+#[derive(serde::Deserialize)]
+struct RuleGroup {
+    name: String,
+    rules: Vec<Rule>,
+}
+
+#[derive(serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Rule {
+    alert: String,
+    expr: String,
+    #[serde(rename = "for")]
+    for_: Option<String>,
+    labels: BTreeMap<String, String>,
+    annotations: BTreeMap<String, String>,
+}
+
+fn alert_rules() -> Vec<Rule> {
+    let file: RuleFile = serde_norway::from_str(&repo_file(RULES)).expect("the rules are YAML");
+    assert!(!file.groups.is_empty());
+    file.groups
+        .into_iter()
+        .inspect(|g| assert!(!g.name.is_empty()))
+        .flat_map(|g| g.rules)
+        .collect()
+}
+
+/// Every expression of every panel (rows' nested panels included), with the panel's title.
+fn dashboard_exprs(dashboard: &serde_json::Value) -> Vec<(String, String)> {
+    fn walk(panels: &serde_json::Value, out: &mut Vec<(String, String)>) {
+        for p in panels.as_array().into_iter().flatten() {
+            let title = p["title"].as_str().unwrap_or_default().to_string();
+            for t in p["targets"].as_array().into_iter().flatten() {
+                if let Some(expr) = t["expr"].as_str() {
+                    out.push((title.clone(), expr.to_string()));
+                }
+            }
+            walk(&p["panels"], out);
+        }
+    }
+    let mut out = Vec::new();
+    walk(&dashboard["panels"], &mut out);
+    out
+}
+
+#[test]
+fn alert_rules_are_well_formed_and_name_only_metric_families() {
+    let rules = alert_rules();
+    let mut names = BTreeSet::new();
+    for r in &rules {
+        assert!(names.insert(r.alert.as_str()), "{} listed twice", r.alert);
+        assert!(
+            r.alert.starts_with("CollabProjector"),
+            "{}: alerts are named CollabProjector*",
+            r.alert
+        );
+        assert!(
+            matches!(
+                r.labels.get("severity").map(String::as_str),
+                Some("warning" | "critical")
+            ),
+            "{}: severity warning or critical",
+            r.alert
+        );
+        for key in ["summary", "description"] {
+            assert!(
+                r.annotations.get(key).is_some_and(|v| !v.trim().is_empty()),
+                "{}: annotation {key}",
+                r.alert
+            );
+        }
+        if let Some(f) = &r.for_ {
+            humantime::parse_duration(f).unwrap_or_else(|e| panic!("{}: for {f}: {e}", r.alert));
+        }
+        let used = metric_names(&r.expr);
+        assert!(!used.is_empty(), "{}: uses no collab_ metric", r.alert);
+        for m in used {
+            assert!(
+                is_family_series(&m),
+                "{}: {m} is not a metric family in telemetry::FAMILIES",
+                r.alert
+            );
+        }
+    }
+    // The partition count is written into one rule: it must be the default, stated in its label.
+    let default = Settings::default().nats.partitions.to_string();
+    let unowned = rules
+        .iter()
+        .find(|r| r.alert == "CollabProjectorPartitionsUnowned")
+        .expect("the unowned-partitions alert");
+    assert_eq!(unowned.labels.get("partitions"), Some(&default));
+    assert!(
+        unowned.expr.contains(&format!("< {default}")),
+        "{}",
+        unowned.expr
+    );
+    // What the issue asks the rules to watch.
+    for family in [
+        "collab_partition_pending_messages",
+        "collab_partition_oldest_pending_age_seconds",
+        "collab_dead_letters_total",
+        "collab_turn_outcomes_total",
+        "collab_partitions_owned",
+        "collab_ready",
+        "collab_last_processed_age_seconds",
+        "collab_lease_losses_total",
+    ] {
+        assert!(
+            rules.iter().any(|r| metric_names(&r.expr).contains(family)),
+            "no rule watches {family}"
+        );
+    }
+    if promtool().is_some() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+        let (ok, out) = run_promtool(&["check", "rules", RULES], dir);
+        assert!(ok, "promtool check rules: {out}");
+    } else {
+        eprintln!("promtool is not on PATH: the rules were checked as YAML only");
+    }
+}
+
+/// What the alerts do, on synthetic series (promtool's rule unit tests; annotations are left out
+/// of the comparison). Runs where promtool is installed (Debian package `prometheus`).
+#[test]
+fn alert_rules_fire_on_the_conditions_they_describe() {
+    if promtool().is_none() {
+        eprintln!("promtool is not on PATH: alert behaviour not tested");
+        return;
+    }
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let mut rules: serde_norway::Value =
+        serde_norway::from_str(&repo_file(RULES)).expect("the rules are YAML");
+    for group in rules["groups"].as_sequence_mut().expect("groups") {
+        for rule in group["rules"].as_sequence_mut().expect("rules") {
+            if let Some(map) = rule.as_mapping_mut() {
+                map.remove("annotations");
+            }
+        }
+    }
+    std::fs::write(
+        dir.path().join("rules.yml"),
+        serde_norway::to_string(&rules).expect("YAML"),
+    )
+    .expect("writing the rules");
+    std::fs::write(dir.path().join("tests.yml"), ALERT_TESTS).expect("writing the tests");
+    let (ok, out) = run_promtool(&["test", "rules", "tests.yml"], dir.path());
+    assert!(ok, "promtool test rules:\n{out}");
+}
+
+const ALERT_TESTS: &str = r#"
+rule_files: [rules.yml]
+evaluation_interval: 1m
+tests:
+  # Two workers with 8 partitions each; one stops owning any after 3 minutes.
+  - interval: 1m
+    input_series:
+      - series: 'collab_partitions_owned{instance="a"}'
+        values: '8x20'
+      - series: 'collab_partitions_owned{instance="b"}'
+        values: '8 8 8 0x17'
+    alert_rule_test:
+      - eval_time: 2m
+        alertname: CollabProjectorPartitionsUnowned
+        exp_alerts: []
+      - eval_time: 10m
+        alertname: CollabProjectorPartitionsUnowned
+        exp_alerts:
+          - exp_labels: {severity: critical, partitions: "16"}
+  # No worker reports at all: every partition is unowned.
+  - interval: 1m
+    input_series:
+      - series: 'up{job="collab-projector"}'
+        values: '0x10'
+    alert_rule_test:
+      - eval_time: 5m
+        alertname: CollabProjectorPartitionsUnowned
+        exp_alerts:
+          - exp_labels: {severity: critical, partitions: "16"}
+  # Readiness lost for longer than two minutes.
+  - interval: 1m
+    input_series:
+      - series: 'collab_ready{instance="a"}'
+        values: '1 1 0x10'
+      - series: 'collab_ready{instance="b"}'
+        values: '1x12'
+    alert_rule_test:
+      - eval_time: 3m
+        alertname: CollabProjectorNotReady
+        exp_alerts: []
+      - eval_time: 6m
+        alertname: CollabProjectorNotReady
+        exp_alerts:
+          - exp_labels: {severity: warning, instance: a}
+  # Half the turns time out (6 a minute): spiking. Half of few turns (one every two minutes): not.
+  - interval: 1m
+    input_series:
+      - series: 'collab_turn_outcomes_total{outcome="blocked",reason="timeout",instance="a"}'
+        values: '0+6x40'
+      - series: 'collab_turn_outcomes_total{outcome="response",instance="a"}'
+        values: '0+6x40'
+    alert_rule_test:
+      - eval_time: 30m
+        alertname: CollabProjectorTimeoutsSpiking
+        exp_alerts:
+          - exp_labels: {severity: warning}
+  - interval: 1m
+    input_series:
+      - series: 'collab_turn_outcomes_total{outcome="blocked",reason="timeout",instance="a"}'
+        values: '0+0.5x40'
+      - series: 'collab_turn_outcomes_total{outcome="response",instance="a"}'
+        values: '0+0.5x40'
+    alert_rule_test:
+      - eval_time: 30m
+        alertname: CollabProjectorTimeoutsSpiking
+        exp_alerts: []
+  # Worker a has pending messages and stopped processing; b is merely idle.
+  - interval: 1m
+    input_series:
+      - series: 'collab_last_processed_age_seconds{instance="a"}'
+        values: '0+60x10'
+      - series: 'collab_partition_pending_messages{instance="a",partition="3"}'
+        values: '5x10'
+      - series: 'collab_last_processed_age_seconds{instance="b"}'
+        values: '0+60x10'
+      - series: 'collab_partition_pending_messages{instance="b",partition="4"}'
+        values: '0x10'
+    alert_rule_test:
+      - eval_time: 6m
+        alertname: CollabProjectorNoProgress
+        exp_alerts:
+          - exp_labels: {severity: critical, instance: a}
+  # Partition 1's backlog grows; partition 2's is large but shrinking.
+  - interval: 1m
+    input_series:
+      - series: 'collab_partition_pending_messages{instance="a",partition="1"}'
+        values: '0+200x30'
+      - series: 'collab_partition_pending_messages{instance="a",partition="2"}'
+        values: '9000-100x30'
+    alert_rule_test:
+      - eval_time: 25m
+        alertname: CollabProjectorLagGrowing
+        exp_alerts:
+          - exp_labels: {severity: warning, partition: "1"}
+  # A partition's oldest message stays over 30 s.
+  - interval: 1m
+    input_series:
+      - series: 'collab_partition_oldest_pending_age_seconds{instance="a",partition="5"}'
+        values: '0 45x10'
+      - series: 'collab_partition_oldest_pending_age_seconds{instance="a",partition="6"}'
+        values: '2x11'
+    alert_rule_test:
+      - eval_time: 8m
+        alertname: CollabProjectorOldestPendingAgeHigh
+        exp_alerts:
+          - exp_labels: {severity: warning, partition: "5"}
+  # One input in ten is dead-lettered; then a max_deliver dead letter.
+  - interval: 1m
+    input_series:
+      - series: 'collab_inputs_total{outcome="projected",instance="a"}'
+        values: '0+90x30'
+      - series: 'collab_inputs_total{outcome="dead_lettered",instance="a"}'
+        values: '0+10x30'
+      - series: 'collab_dead_letters_total{reason="bad_json",instance="a"}'
+        values: '0+10x30'
+      - series: 'collab_dead_letters_total{reason="max_deliver",instance="a"}'
+        values: '0x20 1x10'
+    alert_rule_test:
+      - eval_time: 25m
+        alertname: CollabProjectorDeadLettersRising
+        exp_alerts:
+          - exp_labels: {severity: warning}
+      - eval_time: 15m
+        alertname: CollabProjectorPoisonMessages
+        exp_alerts: []
+      - eval_time: 22m
+        alertname: CollabProjectorPoisonMessages
+        exp_alerts:
+          - exp_labels: {severity: warning}
+  # Three lease losses in 15 minutes are normal churn; six are not.
+  - interval: 1m
+    input_series:
+      - series: 'collab_lease_losses_total{instance="a"}'
+        values: '0 0 0 2 2 2 6x10'
+      - series: 'collab_lease_losses_total{instance="b"}'
+        values: '0 1 1 1 2 2 2x10'
+    alert_rule_test:
+      - eval_time: 10m
+        alertname: CollabProjectorLeaseLossesFrequent
+        exp_alerts:
+          - exp_labels: {severity: warning, instance: a}
+"#;
+
+#[test]
+fn the_dashboard_charts_every_metric_family_and_only_those() {
+    let dashboard: serde_json::Value =
+        serde_json::from_str(&repo_file(DASHBOARD)).expect("the dashboard is JSON");
+    assert_eq!(dashboard["uid"], "collab-projector");
+    let vars: Vec<&str> = dashboard["templating"]["list"]
+        .as_array()
+        .expect("template variables")
+        .iter()
+        .filter_map(|v| v["name"].as_str())
+        .collect();
+    assert!(
+        vars.contains(&"datasource") && vars.contains(&"job"),
+        "{vars:?}"
+    );
+    let mut ids = BTreeSet::new();
+    for p in dashboard["panels"].as_array().expect("panels") {
+        assert!(ids.insert(p["id"].as_u64().expect("a panel id")), "{p}");
+        let pos = &p["gridPos"];
+        let (x, w) = (pos["x"].as_u64(), pos["w"].as_u64());
+        assert!(
+            matches!((x, w), (Some(x), Some(w)) if w > 0 && x + w <= 24),
+            "panel {} lies within the 24-column grid",
+            p["title"]
+        );
+        if p["type"] != "row" {
+            assert!(p["datasource"]["uid"] == "${datasource}", "{}", p["title"]);
+            assert!(
+                p["targets"].as_array().is_some_and(|t| !t.is_empty()),
+                "panel {} has a query",
+                p["title"]
+            );
+        }
+    }
+    let exprs = dashboard_exprs(&dashboard);
+    let mut charted = BTreeSet::new();
+    for (title, expr) in &exprs {
+        assert!(
+            expr.contains("job=~\"$job\""),
+            "{title}: every query selects $job: {expr}"
+        );
+        for m in metric_names(expr) {
+            assert!(
+                is_family_series(&m),
+                "{title}: {m} is not a metric family in telemetry::FAMILIES"
+            );
+            charted.insert(family_of(&m).to_string());
+        }
+    }
+    for &(family, _, _) in FAMILIES {
+        assert!(
+            charted.contains(family),
+            "the dashboard does not chart {family}"
+        );
+    }
+    // The queries parse: each becomes a recording rule that promtool checks.
+    if promtool().is_some() {
+        let dir = tempfile::tempdir().expect("a temporary directory");
+        let mut yaml = String::from("groups:\n  - name: dashboard\n    rules:\n");
+        for (i, (_, expr)) in exprs.iter().enumerate() {
+            let concrete = expr.replace("$__rate_interval", "5m").replace("$job", ".*");
+            yaml.push_str(&format!(
+                "      - record: dashboard:query_{i}\n        expr: {}\n",
+                serde_json::to_string(&concrete).expect("a JSON string is a YAML string")
+            ));
+        }
+        std::fs::write(dir.path().join("dashboard.yml"), yaml).expect("writing");
+        let (ok, out) = run_promtool(&["check", "rules", "dashboard.yml"], dir.path());
+        assert!(ok, "the dashboard's queries: {out}");
+    }
+}
+
+#[test]
+fn the_operations_guide_lists_every_metric_family_and_explains_every_alert() {
+    let doc = repo_file(OPERATIONS);
+    for &(family, _, _) in FAMILIES {
+        assert!(
+            doc.contains(&format!("| `{family}`")),
+            "docs/operations.md has no table row for {family}"
+        );
+    }
+    // And no metric that does not exist (the buckets and the crate share the prefix).
+    let names = Settings::default().names();
+    let buckets = [
+        names.turns_bucket,
+        names.sessions_bucket,
+        names.leases_bucket,
+        names.blobs_store,
+    ];
+    for m in metric_names(&doc) {
+        assert!(
+            is_family_series(&m) || buckets.contains(&m) || m == "collab_projector",
+            "docs/operations.md names {m}, which is not a metric family"
+        );
+    }
+    for r in alert_rules() {
+        assert!(
+            doc.contains(&format!("`{}`", r.alert)),
+            "docs/operations.md does not explain {}",
+            r.alert
+        );
+    }
 }
