@@ -204,7 +204,7 @@ pub fn warnings(workers: &[WorkerStatus], opts: &ViewOptions) -> Vec<String> {
     let mut out = Vec::new();
     if workers.is_empty() {
         out.push(format!(
-            "no worker answered on {STATS_SUBJECT}: nothing is consuming the raw stream"
+            "no worker answered on {STATS_SUBJECT}: none is running, or this connection may not publish there"
         ));
         return out;
     }
