@@ -261,10 +261,10 @@ fn shutdown_token() -> CancellationToken {
 }
 
 fn metrics_handle() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
-    let handle = metrics_exporter_prometheus::PrometheusBuilder::new()
+    let handle = telemetry::prometheus_builder()
         .install_recorder()
         .ok()?;
-    telemetry::describe_metrics();
+    telemetry::register_metrics();
     Some(handle)
 }
 
