@@ -15,7 +15,7 @@
 //! it replaced; the envelope reports the count as `redactions`.
 
 use regex::{Regex, RegexSet};
-use serde_json::Value;
+use serde_json::{Map, Value};
 
 /// Key classes: a key is sensitive when, normalised, it equals or ends with one of these.
 /// (`tokens` is not one: it usually counts a model's tokens.)
@@ -38,7 +38,10 @@ const KEY_CLASSES: &[&str] = &[
 ];
 
 /// Built-in string patterns: (kind, pattern, replacement). In a replacement `$1` keeps the
-/// first capture group (a scheme word or a URL's scheme), so the text stays readable.
+/// first capture group (a scheme word or a URL's scheme), so the text stays readable. A
+/// fixed-length key takes every key character glued to it (`{40,}`, `{35,}`), so a marker never
+/// lands in the middle of a run of word characters, where it would make a word boundary for
+/// another rule to match at on a second pass.
 const PATTERNS: &[(&str, &str, &str)] = &[
     (
         "private_key",
@@ -67,7 +70,7 @@ const PATTERNS: &[(&str, &str, &str)] = &[
     ),
     (
         "aws_secret",
-        r#"(?i)(aws_?secret_?access_?key\s*[:=]\s*["']?)[A-Za-z0-9/+=]{40}"#,
+        r#"(?i)(aws_?secret_?access_?key\s*[:=]\s*["']?)[A-Za-z0-9/+=]{40,}"#,
         "$1[redacted:aws_secret]",
     ),
     (
@@ -93,7 +96,7 @@ const PATTERNS: &[(&str, &str, &str)] = &[
     ),
     (
         "google_api_key",
-        r"\bAIza[0-9A-Za-z_-]{35}",
+        r"\bAIza[0-9A-Za-z_-]{35,}",
         "[redacted:google_api_key]",
     ),
     (
@@ -107,6 +110,9 @@ const PATTERNS: &[(&str, &str, &str)] = &[
 const MAX_NESTED_JSON: usize = 256 * 1024;
 /// Nesting beyond which values are left as they are (the normaliser bounds depth before this).
 const MAX_DEPTH: usize = 128;
+/// Passes of the rules over one string before its redaction is taken as final (two suffice for
+/// every combination of the built-in rules: the second finds nothing).
+const MAX_PASSES: usize = 4;
 
 #[derive(Debug, thiserror::Error)]
 pub enum RedactError {
@@ -173,34 +179,61 @@ impl Redactor {
     }
 
     /// Redact one string; `None` when it holds nothing to redact.
+    ///
+    /// The result is a fixed point: redacting it again finds nothing. One rule's replacement
+    /// can expose a match for another (a marker takes the place of a `/` or a space that kept a
+    /// URL's password from matching, or of JSON too long to parse), so the rules run again on
+    /// what changed until nothing does; the second pass usually finds nothing.
     pub fn text(&self, text: &str) -> Option<(String, u64)> {
         let mut count = 0u64;
-        let mut out: Option<String> = None;
-        // JSON carried in a string: redact inside it and write it back.
-        let trimmed = text.trim_start();
-        if (trimmed.starts_with('{') || trimmed.starts_with('[')) && text.len() <= MAX_NESTED_JSON {
-            if let Ok(mut inner) = serde_json::from_str::<Value>(text) {
-                let n = self.walk(&mut inner, 1);
-                if n > 0 {
-                    count += n;
-                    out = Some(inner.to_string());
+        let mut current: Option<String> = None;
+        for _ in 0..MAX_PASSES {
+            let s = current.as_deref().unwrap_or(text);
+            let mut changed: Option<String> = None;
+            // JSON carried in a string: redact inside it and write it back.
+            let trimmed = s.trim_start();
+            if (trimmed.starts_with('{') || trimmed.starts_with('[')) && s.len() <= MAX_NESTED_JSON
+            {
+                if let Ok(mut inner) = serde_json::from_str::<Value>(s) {
+                    let n = self.walk(&mut inner, 1);
+                    if n > 0 {
+                        count += n;
+                        changed = Some(inner.to_string());
+                    }
                 }
             }
+            if let Some((replaced, n)) = self.patterns(changed.as_deref().unwrap_or(s)) {
+                count += n;
+                changed = Some(replaced);
+            }
+            match changed {
+                Some(next) => current = Some(next),
+                None => break,
+            }
         }
-        let current = out.as_deref().unwrap_or(text);
-        if !self.any.is_match(current) {
-            return out.map(|s| (s, count));
+        current.map(|s| (s, count))
+    }
+
+    /// One pass of the string rules; `None` when none replaced anything.
+    fn patterns(&self, text: &str) -> Option<(String, u64)> {
+        if !self.any.is_match(text) {
+            return None;
         }
-        let mut s = current.to_string();
-        for idx in self.any.matches(current).iter() {
+        let mut count = 0u64;
+        let mut s = text.to_string();
+        for idx in self.any.matches(text).iter() {
             let Some((re, replacement)) = self.rules.get(idx) else {
                 continue;
             };
             let mut n = 0u64;
             let replaced = re.replace_all(&s, |caps: &regex::Captures<'_>| {
-                n += 1;
                 let mut marker = String::new();
                 caps.expand(replacement, &mut marker);
+                // A marker that matches its own rule (a URL's `scheme://[redacted:..]@`) is
+                // replaced by itself: that is not a redaction.
+                if caps.get(0).map(|m| m.as_str()) != Some(marker.as_str()) {
+                    n += 1;
+                }
                 marker
             });
             if n == 0 {
@@ -209,7 +242,7 @@ impl Redactor {
             count += n;
             s = replaced.into_owned();
         }
-        Some((s, count))
+        (count > 0).then_some((s, count))
     }
 
     /// The marker for a value under `key`, when the key is sensitive.
@@ -251,6 +284,16 @@ impl Redactor {
             Value::Array(items) => items.iter_mut().map(|v| self.walk(v, depth + 1)).sum(),
             Value::Object(map) => {
                 let mut n = 0;
+                // Keys can carry secrets too (maps keyed by token, header lines as keys).
+                let renamed: Vec<(usize, String)> = map
+                    .keys()
+                    .enumerate()
+                    .filter_map(|(i, k)| self.text(k).map(|(key, c)| (i, key, c)))
+                    .map(|(i, key, c)| {
+                        n += c;
+                        (i, key)
+                    })
+                    .collect();
                 for (k, v) in map.iter_mut() {
                     let sensitive = !matches!(v, Value::Null | Value::Bool(_));
                     match self.key_marker(k).filter(|_| sensitive) {
@@ -262,10 +305,33 @@ impl Redactor {
                         None => n += self.walk(v, depth + 1),
                     }
                 }
+                if !renamed.is_empty() {
+                    rename_keys(map, renamed);
+                }
                 n
             }
             _ => 0,
         }
+    }
+}
+
+/// Give the keys at the listed positions their redacted names, keeping the order. A name that
+/// is already taken (two keys that differed only in their secrets) gets ` (2)`, ` (3)`, ...
+fn rename_keys(map: &mut Map<String, Value>, renamed: Vec<(usize, String)>) {
+    let mut renamed = renamed.into_iter().peekable();
+    let old = std::mem::take(map);
+    for (i, (key, value)) in old.into_iter().enumerate() {
+        let key = match renamed.peek() {
+            Some((at, _)) if *at == i => renamed.next().map_or(key, |(_, k)| k),
+            _ => key,
+        };
+        let mut unique = key.clone();
+        let mut n = 2;
+        while map.contains_key(&unique) {
+            unique = format!("{key} ({n})");
+            n += 1;
+        }
+        map.insert(unique, value);
     }
 }
 

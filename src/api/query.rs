@@ -240,13 +240,15 @@ pub fn encode_cursor(seq: u64) -> String {
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("{CURSOR_PREFIX}{seq}"))
 }
 
-/// The sequence of a cursor.
+/// The sequence of a cursor. Readers continue from the sequence after it, so the last possible
+/// sequence (which no stream reaches) is refused like any cursor this server never issued.
 pub fn decode_cursor(cursor: &str) -> Result<u64, ApiError> {
     base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(cursor.trim())
         .ok()
         .and_then(|b| String::from_utf8(b).ok())
         .and_then(|s| s.strip_prefix(CURSOR_PREFIX).and_then(|n| n.parse().ok()))
+        .filter(|seq: &u64| seq.checked_add(1).is_some())
         .ok_or_else(|| {
             ApiError::bad_request(
                 "bad_cursor",
@@ -343,12 +345,14 @@ mod tests {
 
     #[test]
     fn cursors_round_trip_and_reject_junk() {
-        for s in [0, 1, 42, u64::MAX] {
+        for s in [0, 1, 42, u64::MAX - 1] {
             assert_eq!(decode_cursor(&encode_cursor(s)).ok(), Some(s));
         }
         for junk in ["", "42", "djE6", "!!", "djI6NA"] {
             assert!(decode_cursor(junk).is_err(), "{junk}");
         }
+        // `after=<cursor>` reads from the cursor's sequence plus one.
+        assert!(decode_cursor(&encode_cursor(u64::MAX)).is_err());
     }
 
     #[test]

@@ -194,6 +194,7 @@ pub fn from_event(
     let status = fields.str("status");
     let failed = carries_failure(&fields, &event_type);
     facets::apply(&mut envelope, &facets::derive(&event_type, status, failed));
+    check_depth(&envelope, settings.shape.max_depth)?;
 
     Ok(Normalized {
         envelope,
@@ -278,10 +279,65 @@ pub fn from_adapter_packet(
     if canonical.handoff_visible {
         envelope.surface = Some("delegation_graph".into());
     }
+    check_depth(&envelope, settings.shape.max_depth)?;
     Ok(Normalized {
         envelope,
         key,
         conversation_id: None,
         source: None,
     })
+}
+
+/// Levels of structure every envelope may have whatever the limit: the envelope, its payload or
+/// references, and the adapter payload's `agent`, `discovery` and `handoff` objects.
+pub const ENVELOPE_OWN_DEPTH: usize = 3;
+
+/// Refuse an envelope nested deeper than `limits.max_depth`. The input was checked against the
+/// same limit, but fields kept beside the envelope's slots move under `payload` (and under
+/// `payload._input` on a name clash, or beside `data`), and the adapter's attributes under its
+/// payload: one or two levels deeper than in the input. Projections are read back by the API,
+/// the session fold and UIs, which must be able to rely on the limit.
+fn check_depth(envelope: &Envelope, max_depth: usize) -> Result<(), Rejection> {
+    let values = [
+        &envelope.sequence,
+        &envelope.session_id,
+        &envelope.thread_id,
+        &envelope.run_id,
+        &envelope.turn_id,
+        &envelope.message_id,
+        &envelope.task_id,
+        &envelope.agent_id,
+        &envelope.parent_session_id,
+        &envelope.parent_thread_id,
+        &envelope.conversation_id,
+        &envelope.work_session_id,
+        &envelope.payload,
+        &envelope.refs,
+    ];
+    // The envelope is level 1; its fields' containers start at level 2. Its own structure
+    // (`rawEventRef`, `refs`, the adapter's `payload.agent`) is at most three levels deep, so
+    // a limit below three applies from there.
+    let limit = max_depth.max(ENVELOPE_OWN_DEPTH);
+    let mut stack: Vec<(&Value, usize)> = values
+        .iter()
+        .filter_map(|v| v.as_ref())
+        .map(|v| (v, 2))
+        .collect();
+    while let Some((v, level)) = stack.pop() {
+        let is_container = matches!(v, Value::Array(_) | Value::Object(_));
+        if is_container && level > limit {
+            return Err(Rejection::new(
+                DlqReason::TooLarge,
+                format!(
+                    "the projected envelope would nest more than limits.max_depth ({max_depth}) levels: fields beside the envelope's slots are kept under `payload`, a level or two deeper than in the input; flatten the deepest field"
+                ),
+            ));
+        }
+        match v {
+            Value::Array(items) => stack.extend(items.iter().map(|c| (c, level + 1))),
+            Value::Object(map) => stack.extend(map.values().map(|c| (c, level + 1))),
+            _ => {}
+        }
+    }
+    Ok(())
 }

@@ -1,0 +1,10 @@
+//! Fuzz target `adapter`: see hostile_input::adapter and docs/fuzzing.md for what it asserts.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    if let Err(broken) = hostile_input::adapter(data) {
+        panic!("invariant broken: {broken}");
+    }
+});

@@ -1,0 +1,10 @@
+//! Fuzz target `normalize`: see hostile_input::normalize and docs/fuzzing.md for what it asserts.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+
+fuzz_target!(|data: &[u8]| {
+    if let Err(broken) = hostile_input::normalize(data) {
+        panic!("invariant broken: {broken}");
+    }
+});
