@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Bounded coverage-guided fuzzing of every target (docs/fuzzing.md).
 #
-#   fuzz/run.sh [--seconds N] [--install] [--if-possible] [--codegen-units N] [TARGET...]
+#   fuzz/run.sh [--seconds N] [--install] [--if-possible] [--dev] [--codegen-units N] [TARGET...]
 #
 # Seeds the corpus from the fixtures (fuzz/seed_corpus.py), builds the targets with
 # `cargo fuzz build --sanitizer none` (which works on stable Rust), runs each TARGET (default:
@@ -12,6 +12,8 @@
 #   --if-possible    when the toolchain cannot fuzz (no cargo-fuzz and it cannot be installed,
 #                    no C++ compiler for libFuzzer, or a rustc without the coverage
 #                    instrumentation), say why and exit 0 instead of failing
+#   --dev            build without optimisation: a cold build takes a fraction of the time, each
+#                    execution is several times slower (what a short CI run wants)
 #   --codegen-units  passed to `cargo fuzz build` (faster builds, somewhat slower executions)
 #
 # Exit status: 0 when every target ran clean (or fuzzing was skipped with --if-possible), 1 when
@@ -27,6 +29,7 @@ seconds=60
 install=0
 if_possible=0
 codegen_units=""
+dev=0
 targets=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -34,6 +37,7 @@ while [ $# -gt 0 ]; do
     --install) install=1; shift ;;
     --if-possible) if_possible=1; shift ;;
     --codegen-units) codegen_units="$2"; shift 2 ;;
+    --dev) dev=1; shift ;;
     -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}"; exit 0 ;;
     -*) echo "fuzz/run.sh: unknown option $1" >&2; exit 2 ;;
     *) targets+=("$1"); shift ;;
@@ -86,6 +90,7 @@ fi
 
 build_args=(--sanitizer none)
 [ -n "$codegen_units" ] && build_args+=(--codegen-units "$codegen_units")
+[ "$dev" = 1 ] && build_args+=(--dev)
 echo "building the fuzz targets: cargo fuzz build ${build_args[*]} ($(rustc --version))"
 build_start=$SECONDS
 if ! cargo fuzz build "${build_args[@]}"; then
