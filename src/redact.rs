@@ -517,6 +517,52 @@ mod tests {
     }
 
     #[test]
+    fn secrets_in_keys_are_redacted_and_keys_that_collide_are_kept_apart() {
+        let (v, n) = redact(json!({
+            "Bearer abcdefgh12345678": 1,
+            "plain": 2,
+            "Bearer 0a1b2c3d4e5f": 3,
+        }));
+        let keys: Vec<&str> = v
+            .as_object()
+            .map(|m| m.keys().map(String::as_str).collect())
+            .unwrap_or_default();
+        assert_eq!(
+            keys,
+            [
+                "Bearer [redacted:bearer]",
+                "plain",
+                "Bearer [redacted:bearer] (2)"
+            ]
+        );
+        assert_eq!(v["Bearer [redacted:bearer] (2)"], 3);
+        assert_eq!(n, 2);
+    }
+
+    #[test]
+    fn a_replacement_that_exposes_another_secret_is_followed_by_its_redaction() {
+        let r = redactor();
+        for (input, want) in [
+            (
+                "AIza0123456789abcdefghijklmnopqrstuvwxyAKIAABCDEFGHIJKLMNOP",
+                "[redacted:google_api_key]",
+            ),
+            (
+                "http://u:https://hooks.slack.com/services/T0/B0@host",
+                "http://[redacted:url_credentials]@host",
+            ),
+        ] {
+            let (got, _) = r
+                .text(input)
+                .unwrap_or_else(|| panic!("nothing redacted in {input:?}"));
+            assert_eq!(got, want);
+            assert_eq!(r.text(&got), None, "{got:?} is redacted again");
+        }
+        // The URL rule's marker matches the URL rule: that is no new redaction.
+        assert_eq!(r.text("postgres://[redacted:url_credentials]@h/db"), None);
+    }
+
+    #[test]
     fn redacting_twice_changes_nothing_more() {
         let (once, _) = redact(json!({"password": "x", "m": "Bearer abcdefgh12345678"}));
         let (twice, n) = redact(once.clone());
