@@ -80,44 +80,51 @@ pub fn presence_subject(prefix: &str, worker_id: &str) -> String {
 
 fn spawn_partition(
     shared: Arc<WorkerContext>,
+    worker_id: &str,
     p: u16,
     cancel: CancellationToken,
     valid_until: Arc<AtomicI64>,
 ) -> JoinHandle<()> {
+    use tracing::Instrument;
     let rt = shared.partitions_rt.clone();
-    rt.spawn(async move {
-        // The owner of partition 0 also folds the projections into the work sessions.
-        let fold = (p == 0).then(|| {
-            shared.sessions_rt.handle.spawn(super::sessions::run_fold(
-                shared.sessions.clone(),
-                shared.sessions_js.clone(),
-                shared.names.proj_stream.clone(),
-                cancel.clone(),
-                valid_until.clone(),
-            ))
-        });
-        let mut retry = super::Retry::new(Duration::from_millis(200), Duration::from_secs(5));
-        while !cancel.is_cancelled() {
-            match worker::run_partition(shared.clone(), p, cancel.clone(), valid_until.clone())
-                .await
-            {
-                Ok(()) => break,
-                Err(e @ worker::WorkerError::Interrupted { .. }) => {
-                    info!(error = %e, "restarting the partition");
-                    continue;
-                }
-                Err(e) => {
-                    error!(error = %e, "partition failed; restarting");
-                    if !retry.wait(&cancel).await {
-                        break;
+    // Every line the partition logs names the worker and the partition.
+    let span = tracing::info_span!("partition", worker = %worker_id, partition = p);
+    rt.spawn(
+        async move {
+            // The owner of partition 0 also folds the projections into the work sessions.
+            let fold = (p == 0).then(|| {
+                shared.sessions_rt.handle.spawn(super::sessions::run_fold(
+                    shared.sessions.clone(),
+                    shared.sessions_js.clone(),
+                    shared.names.proj_stream.clone(),
+                    cancel.clone(),
+                    valid_until.clone(),
+                ))
+            });
+            let mut retry = super::Retry::new(Duration::from_millis(200), Duration::from_secs(5));
+            while !cancel.is_cancelled() {
+                match worker::run_partition(shared.clone(), p, cancel.clone(), valid_until.clone())
+                    .await
+                {
+                    Ok(()) => break,
+                    Err(e @ worker::WorkerError::Interrupted { .. }) => {
+                        info!(error = %e, "restarting the partition");
+                        continue;
+                    }
+                    Err(e) => {
+                        error!(error = %e, "partition failed; restarting");
+                        if !retry.wait(&cancel).await {
+                            break;
+                        }
                     }
                 }
             }
+            if let Some(fold) = fold {
+                let _ = fold.await;
+            }
         }
-        if let Some(fold) = fold {
-            let _ = fold.await;
-        }
-    })
+        .instrument(span),
+    )
 }
 
 /// The ids of the workers whose heartbeats are in the bucket; `None` if it cannot be listed.
@@ -181,7 +188,8 @@ async fn gone_workers(
     let probes = others.iter().filter(|id| id.as_str() != me).map(|id| {
         let subject = presence_subject(prefix, id);
         async move {
-            let request = async_nats::Request::new().timeout(Some(PROBE_EVERY * 2));
+            // Short, so one slow worker never holds up the verdict on a gone one.
+            let request = async_nats::Request::new().timeout(Some(PROBE_EVERY / 2));
             let answer = client.send_request(subject, request).await;
             let gone = matches!(&answer, Err(e) if e.kind() == RequestErrorKind::NoResponders);
             (id.clone(), gone)
@@ -253,14 +261,30 @@ pub async fn run(
     let mut workers = 1;
     let mut strikes = BTreeMap::new();
     let mut last_renewal: Option<tokio::time::Instant> = None;
+    let mut disconnected = false;
     loop {
         if cancel.is_cancelled() {
             break;
         }
-        let renewal_due = last_renewal.is_none_or(|at| at.elapsed() + PROBE_EVERY / 2 >= every);
+        // Without its lease connection this worker cannot renew, and the others may take its
+        // partitions as soon as the server has dropped that connection: stop working them now
+        // (a renewal after the reconnection restores them, if they are still ours).
+        let connected = client.connection_state() == async_nats::connection::State::Connected;
+        if !connected {
+            for h in held.values() {
+                // Long past (0 would mean "no lease to check").
+                h.valid_until.store(1, Ordering::Relaxed);
+            }
+        }
+        // Back from a disconnection: renew at once, so the partitions resume without waiting.
+        let reconnected = connected && disconnected;
+        disconnected = !connected;
+        let renewal_due =
+            reconnected || last_renewal.is_none_or(|at| at.elapsed() + PROBE_EVERY / 2 >= every);
         // Owners whose connections closed: free their partitions now rather than at their
         // lease expiry. Bounded, so a slow server never pushes a renewal past the TTL.
         let mut evicted: Vec<u16> = Vec::new();
+        let before = workers;
         if let Ok(Some(ids)) = tokio::time::timeout(every / 4, live_workers(&store)).await {
             workers = ids.len().max(1);
             let gone = tokio::time::timeout(
@@ -276,7 +300,10 @@ pub async fn run(
                 workers = workers.saturating_sub(1).max(1);
             }
         }
-        if !renewal_due && evicted.is_empty() {
+        // A worker left (evicted by this worker or another, or gone for good): its partitions
+        // are free now, so look for them at once rather than at the next renewal.
+        let someone_left = workers < before;
+        if !renewal_due && evicted.is_empty() && !someone_left {
             tokio::select! {
                 _ = tokio::time::sleep(PROBE_EVERY) => {}
                 _ = cancel.cancelled() => {}
@@ -344,13 +371,19 @@ pub async fn run(
                 .await;
             info!(partition = p, "partition released for balance");
         }
-        // Take free partitions up to the share.
-        if held.len() < target {
-            for p in &order {
-                if held.len() >= target || cancel.is_cancelled() {
+        // Take what this worker freed from a gone one, even past its share (a replacement may
+        // already count as live; the next renewal hands the excess over gracefully), then free
+        // partitions up to the share.
+        let candidates = evicted
+            .iter()
+            .map(|p| (p, true))
+            .chain(order.iter().map(|p| (p, false)));
+        if held.len() < target || !evicted.is_empty() {
+            for (p, freed_here) in candidates {
+                if cancel.is_cancelled() {
                     break;
                 }
-                if held.contains_key(p) {
+                if held.contains_key(p) || (!freed_here && held.len() >= target) {
                     continue;
                 }
                 let asked_at = super::now_ms();
@@ -358,7 +391,13 @@ pub async fn run(
                     shared.state.count_takeover(evicted.contains(p));
                     let c = cancel.child_token();
                     let valid_until = Arc::new(AtomicI64::new(asked_at + validity_ms));
-                    let task = spawn_partition(shared.clone(), *p, c.clone(), valid_until.clone());
+                    let task = spawn_partition(
+                        shared.clone(),
+                        &worker_id,
+                        *p,
+                        c.clone(),
+                        valid_until.clone(),
+                    );
                     held.insert(
                         *p,
                         Held {

@@ -688,7 +688,7 @@ pub async fn run_partition(
         AckPolicy::All => Acks::Last,
         _ => Acks::Each,
     };
-    let acker = tokio::spawn(ack_stage(
+    let acker = tokio::spawn(tracing::Instrument::in_current_span(ack_stage(
         shared.clone(),
         p,
         acks,
@@ -696,7 +696,7 @@ pub async fn run_partition(
         checkpoint,
         cancel.clone(),
         broken.clone(),
-    ));
+    )));
     let mut part = Partition {
         shared: &shared,
         p,
@@ -820,6 +820,9 @@ impl Partition<'_> {
             };
             retry.reset();
             let mut in_batch = 0usize;
+            // Lines logged while the batch is processed carry its first raw sequence (and each
+            // input's own where it matters).
+            let batch_span = tracing::info_span!("batch", from = tracing::field::Empty);
             // The batch is bounded (size and expiry): finishing it on cancel is the drain.
             loop {
                 let deadline = self.turns.next_deadline().map(|d| {
@@ -878,7 +881,15 @@ impl Partition<'_> {
                         why: "the lease may have lapsed",
                     });
                 }
-                if let Flow::Stop = self.process_in_order(msg, true).await? {
+                if in_batch == 1 {
+                    if let Ok(info) = msg.info() {
+                        batch_span.record("from", info.stream_sequence);
+                    }
+                }
+                let step = self.process_in_order(msg, true);
+                if let Flow::Stop =
+                    tracing::Instrument::instrument(step, batch_span.clone()).await?
+                {
                     return Ok(());
                 }
             }

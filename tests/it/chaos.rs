@@ -684,8 +684,10 @@ fn parse_raw(r: &Rec) -> Option<RawIn> {
 
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum FaultKind {
-    /// kill -9 or SIGSTOP of a worker: failover.
+    /// kill -9 of a worker: failover (its connection closes; the others notice at once).
     Crash,
+    /// SIGSTOP of a worker beyond its lease: takeover after the lease expires.
+    Pause,
     /// SIGTERM of a worker: graceful handover.
     Handover,
     /// A server or cluster node stopped: recovery.
@@ -897,7 +899,7 @@ impl Bed {
         self.faults.push(Fault {
             at_ms,
             from_ms: at_ms,
-            kind: FaultKind::Crash,
+            kind: FaultKind::Pause,
             what: format!("SIGSTOP {id} at {:.1}s", self.elapsed()),
             partitions: Some(partitions),
         });
@@ -1188,6 +1190,7 @@ struct Report {
     writer_retries: u64,
     unacked: usize,
     failover: Vec<i64>,
+    pause: Vec<i64>,
     handover: Vec<i64>,
     recovery: Vec<i64>,
     faults: Vec<String>,
@@ -1213,12 +1216,12 @@ fn pct(samples: &[i64]) -> String {
 }
 
 impl Report {
-    const HEADER: &'static str = "| scenario | inputs | projected | dead-lettered | lost | duplicated | turns | turns without exactly one response | failover p50 / max (samples) | handover p50 / max | server recovery p50 / max |\n|---|---|---|---|---|---|---|---|---|---|---|";
+    const HEADER: &'static str = "| scenario | inputs | projected | dead-lettered | lost | duplicated | turns | turns without exactly one response | failover (kill -9) p50 / max (samples) | takeover after SIGSTOP p50 / max | handover p50 / max | server recovery p50 / max |\n|---|---|---|---|---|---|---|---|---|---|---|---|";
     const HEADER2: &'static str = "| scenario | wrong winner | misrouted | per-key reorders | writer retries | unacked | faults |\n|---|---|---|---|---|---|---|";
 
     fn row(&self) -> String {
         format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             self.scenario,
             self.inputs,
             self.projected,
@@ -1228,6 +1231,7 @@ impl Report {
             self.turns,
             self.turns_not_one,
             pct(&self.failover),
+            pct(&self.pause),
             pct(&self.handover),
             pct(&self.recovery)
         )
@@ -1535,6 +1539,7 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
                 let sample = p.stored_ms - f.at_ms;
                 match f.kind {
                     FaultKind::Crash => r.failover.push(sample),
+                    FaultKind::Pause => r.pause.push(sample),
                     FaultKind::Handover => r.handover.push(sample),
                     FaultKind::Broker => r.recovery.push(sample),
                 }
@@ -1830,8 +1835,13 @@ async fn chaos_full() {
     }
     let all: Vec<i64> = reports.iter().flat_map(|r| r.failover.clone()).collect();
     println!(
-        "\nfailover over all scenarios (p50 / max (samples)): {}",
+        "\nfailover (kill -9) over all scenarios (p50 / max (samples)): {}",
         pct(&all)
+    );
+    let paused: Vec<i64> = reports.iter().flat_map(|r| r.pause.clone()).collect();
+    println!(
+        "takeover after SIGSTOP over all scenarios (p50 / max (samples)): {}",
+        pct(&paused)
     );
     for r in &reports {
         for b in &r.balance {
