@@ -586,6 +586,27 @@ impl Settings {
                     path.display()
                 )));
             }
+            // The TOML parser's own errors give the line, the column and the text at fault;
+            // the config crate's lose them for malformed numbers.
+            let bytes = std::fs::read(path).map_err(|e| {
+                ConfigError::Invalid(format!("config file {}: {e}", path.display()))
+            })?;
+            let text = String::from_utf8(bytes).map_err(|e| {
+                let good = &e.as_bytes()[..e.utf8_error().valid_up_to()];
+                let line = good.iter().filter(|b| **b == b'\n').count() + 1;
+                let column = good.iter().rev().take_while(|b| **b != b'\n').count() + 1;
+                ConfigError::Invalid(format!(
+                    "config file {} is not UTF-8 at line {line}, column {column}: save it as UTF-8",
+                    path.display()
+                ))
+            })?;
+            if let Err(e) = toml::from_str::<toml::Table>(&text) {
+                return Err(ConfigError::Invalid(format!(
+                    "config file {} is not valid TOML: {}",
+                    path.display(),
+                    e.to_string().trim_end()
+                )));
+            }
             builder = builder.add_source(config::File::from(path).format(config::FileFormat::Toml));
         }
         // Only COLLAB_<SECTION>__<KEY> variables are settings; others with the prefix

@@ -261,9 +261,7 @@ fn shutdown_token() -> CancellationToken {
 }
 
 fn metrics_handle() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
-    let handle = telemetry::prometheus_builder()
-        .install_recorder()
-        .ok()?;
+    let handle = telemetry::prometheus_builder().install_recorder().ok()?;
     telemetry::register_metrics();
     Some(handle)
 }

@@ -959,7 +959,7 @@ fn a_cursor_at_the_last_sequence_is_refused() {
 /// is serialised and parsed again (raw message -> projection -> API or session fold). The fix
 /// is serde_json's `float_roundtrip` feature in Cargo.toml.
 #[test]
-#[ignore = "F3: serde_json parses floats best-effort; enable its float_roundtrip feature in Cargo.toml"]
+
 fn floats_survive_a_projection_round_trip_exactly() {
     let raw = br#"{"type":"tool.result","sessionId":"s","data":{"u":1844674407.1854775808}}"#;
     let input = collab_projector::ingest::RawInput {
@@ -985,7 +985,7 @@ fn floats_survive_a_projection_round_trip_exactly() {
 /// belongs in `config::Settings::read`: parse the file with the `toml` crate first (its errors
 /// give the line, the column and the text at fault) and report that error.
 #[test]
-#[ignore = "F4: config's TOML reader drops the key and position of number errors; fix in src/config.rs"]
+
 fn a_malformed_number_in_the_configuration_names_its_key_or_position() {
     for doc in [
         "[nats]\npartitions = 1_6x\n",

@@ -100,13 +100,14 @@ pub async fn list(
             if a.saturating_add(1) < first {
                 return Err(expired(first));
             }
-            let events = store::read_range(&stream, &r.filters, a + 1, last, limit).await?;
+            let events =
+                store::read_range(&stream, &r.filters, a.saturating_add(1), last, limit).await?;
             let next = if events.len() >= limit {
                 events.last().map_or(last, |e| e.seq)
             } else {
                 last.max(a)
             };
-            let prev = Some(events.first().map_or(a + 1, |e| e.seq));
+            let prev = Some(events.first().map_or(a.saturating_add(1), |e| e.seq));
             (events, next, prev)
         }
         (None, Some(b)) => {

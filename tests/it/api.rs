@@ -1593,7 +1593,11 @@ async fn large_fields_go_to_the_object_store_and_only_their_role_reads_them() {
 
     // A 30 KB tool output (with a secret inside) and an 8 KB message in a main-main turn.
     let key = "sk-ant-api03-abcdefghijklmnopqrstuv";
-    let stdout = format!("{}\nauth: {key}\n{}", "line of output\n".repeat(2000), "end");
+    let stdout = format!(
+        "{}\nauth: {key}\n{}",
+        "line of output\n".repeat(2000),
+        "end"
+    );
     let tool = json!({"type": "tool.completed", "sessionId": "s-big", "runId": "r-1", "agentId": "ruda",
         "payload": {"toolCallId": "t1", "result": {"stdout": stdout, "exitCode": 0}}});
     publish(
