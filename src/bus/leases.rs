@@ -2,23 +2,24 @@
 //! `<prefix>_leases` (entries expire after `workers.lease_ttl` unless renewed), worker
 //! heartbeats in the same bucket, and a balanced target of ceil(P / N) partitions per worker.
 //!
-//! A worker renews what it holds every third of the TTL, stops a partition at once when its
+//! A worker renews what it holds every sixth of the TTL, stops a partition at once when its
 //! renewal fails (another owner took it), releases its excess gracefully (drain, then delete the
 //! lease) when workers join, and takes free partitions up to its share. On shutdown it drains
 //! every partition and deletes its leases so the others take over without waiting for the TTL.
 //! Two owners may briefly overlap after a pause longer than the TTL; the KV fence of the turn
 //! contract and the Msg-Ids keep the output exactly-once then.
 //!
-//! A crashed worker is not waited for: every worker answers on a presence subject over the
-//! connection that renews its leases, and the others ask every [`PROBE_EVERY`]. When the server
-//! answers "no responders" twice in a row, that connection is closed (the process died, or lost
-//! the server): the worker's heartbeat and leases are deleted (each at the revision read) and its
-//! partitions are taken at once, well before the TTL. A worker that is merely slow or paused
-//! still has its connection and answers late or not at all, which is not "no responders": only
-//! its lease expiry frees its partitions. Taking a partition early creates no state the TTL path
-//! does not already meet: the old owner, if it comes back, finds its renewal refused and stops,
-//! and anything it still sends is fenced (turn records carry the owner's term) or collapses by
-//! Msg-Id, exactly as after a pause longer than the TTL.
+//! A crashed worker is not waited for until its lease expires. Every worker answers on a
+//! presence subject over the connection that renews its leases, and the others ask every
+//! [`PROBE_EVERY`]. When the server answers "no responders" twice in a row, that connection is
+//! closed (the process died, or lost the server). Its leases are then deleted (each at the
+//! revision read) as soon as the owner, were it still running elsewhere, would have stopped on
+//! its own: a partition works only within a third of the TTL of its last renewal, and its last
+//! pull request expires [`worker::PULL_EXPIRES`] later. So a deleted lease's owner neither
+//! processes nor receives anything of the partition any more, exactly as when a lease expires,
+//! and the partition is taken 2-3 s after a crash instead of 6-8 s. A worker that is merely
+//! slow or paused still has its connection and answers late or not at all, which is not "no
+//! responders": only its lease expiry frees its partitions.
 
 use super::worker::{self, WorkerContext};
 use async_nats::jetstream::kv;
@@ -203,25 +204,36 @@ async fn gone_workers(
             continue;
         }
         let n = strikes.entry(id.clone()).or_insert(0);
-        *n += 1;
+        *n = n.saturating_add(1);
         if *n >= GONE_AFTER {
-            strikes.remove(&id);
             gone.push(id);
         }
     }
     gone
 }
 
-/// Free what a gone worker held: its heartbeat and every lease it owns, each deleted at the
-/// revision read (a lease renewed or taken meanwhile is left alone). The partitions freed.
-async fn evict(store: &kv::Store, worker_id: &str, partitions: u16) -> Vec<u16> {
-    let _ = store.delete(format!("{HEARTBEAT_PREFIX}{worker_id}")).await;
+/// Free the leases of a gone worker that were last renewed at least `quiet_ms` ago (server
+/// time against this worker's clock), each deleted at the revision read (a lease renewed or
+/// taken meanwhile is left alone). The partitions freed, and how many of its leases are left
+/// for a later round.
+async fn evict(
+    store: &kv::Store,
+    worker_id: &str,
+    partitions: u16,
+    quiet_ms: i64,
+) -> (Vec<u16>, usize) {
     let mut freed = Vec::new();
+    let mut left = 0;
     for p in 0..partitions {
         let Ok(Some(entry)) = store.entry(lease_key(p)).await else {
             continue;
         };
         if entry.operation != kv::Operation::Put || entry.value.as_ref() != worker_id.as_bytes() {
+            continue;
+        }
+        let renewed_ms = entry.created.timestamp_millis();
+        if super::now_ms().saturating_sub(renewed_ms) < quiet_ms {
+            left += 1;
             continue;
         }
         if store
@@ -232,7 +244,7 @@ async fn evict(store: &kv::Store, worker_id: &str, partitions: u16) -> Vec<u16> 
             freed.push(p);
         }
     }
-    freed
+    (freed, left)
 }
 
 /// Own a fair share of the partitions until `cancel`; then drain them and give them back.
@@ -244,11 +256,20 @@ pub async fn run(
 ) {
     let partitions = shared.settings.nats.partitions;
     let ttl = shared.settings.workers.lease_ttl;
-    let every = ttl / 3;
+    // Renewed every sixth of the TTL; a partition works only within a third of the TTL of its
+    // last renewal's start, so a worker cut off from the server stops well before its lease can
+    // be taken (below).
+    let every = ttl / 6;
     let mut held: BTreeMap<u16, Held> = BTreeMap::new();
     let order = probe_order(&worker_id, partitions);
     let heartbeat = format!("{HEARTBEAT_PREFIX}{worker_id}");
-    let validity_ms = i64::try_from((ttl * 2 / 3).as_millis()).unwrap_or(i64::MAX);
+    let validity_ms = i64::try_from((ttl / 3).as_millis()).unwrap_or(i64::MAX);
+    // A gone worker's lease is taken early only once its owner, were it still running, would have
+    // stopped working the partition (validity) and its last pull request would have expired,
+    // with both clocks' skew allowed for.
+    let skew_ms = i64::try_from(shared.settings.turns.clock_skew.as_millis()).unwrap_or(0);
+    let pull_ms = i64::try_from(worker::PULL_EXPIRES.as_millis()).unwrap_or(i64::MAX);
+    let quiet_ms = validity_ms + pull_ms + 2 * skew_ms + 100;
     let client = shared.leases_js.client();
     let prefix = shared.names.prefix.clone();
     let presence_stop = CancellationToken::new();
@@ -294,10 +315,16 @@ pub async fn run(
             .await
             .unwrap_or_default();
             for id in gone {
-                let freed = evict(&store, &id, partitions).await;
-                info!(worker = %id, partitions = ?freed, "a worker's connection closed; taking over its partitions without waiting for its leases to expire");
+                let (freed, left) = evict(&store, &id, partitions, quiet_ms).await;
+                if !freed.is_empty() {
+                    info!(worker = %id, partitions = ?freed, "a worker's connection closed; taking over its partitions without waiting for its leases to expire");
+                }
+                if left == 0 {
+                    let _ = store.delete(format!("{HEARTBEAT_PREFIX}{id}")).await;
+                    strikes.remove(&id);
+                    workers = workers.saturating_sub(1).max(1);
+                }
                 evicted.extend(freed);
-                workers = workers.saturating_sub(1).max(1);
             }
         }
         // A worker left (evicted by this worker or another, or gone for good): its partitions
