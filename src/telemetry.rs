@@ -82,12 +82,64 @@ pub const TYPE_CLASSES: &[&str] = &[
 
 /// The bounded label value for an event type.
 pub fn type_class(event_type: &str) -> &'static str {
+    TYPE_CLASSES
+        .get(type_class_index(event_type))
+        .copied()
+        .unwrap_or("other")
+}
+
+/// The position of an event type's class in [`TYPE_CLASSES`]; `TYPE_CLASSES.len()` for `other`.
+pub fn type_class_index(event_type: &str) -> usize {
     let first = event_type.split('.').next().unwrap_or_default();
     TYPE_CLASSES
         .iter()
-        .find(|c| **c == first)
-        .copied()
-        .unwrap_or("other")
+        .position(|c| *c == first)
+        .unwrap_or(TYPE_CLASSES.len())
+}
+
+/// Handles of the per-input counters labelled by role and type class, registered once so the
+/// hot path does not build and look up a labelled key per input.
+pub struct RoleClassCounters {
+    name: &'static str,
+    /// Indexed by role (as in `Role::ALL`) times class (as in [`type_class_index`]).
+    handles: Vec<metrics::Counter>,
+}
+
+impl RoleClassCounters {
+    /// `name`'s series for every role and class, with `extra` labels on each.
+    pub fn new(name: &'static str, extra: &[(&'static str, &'static str)]) -> RoleClassCounters {
+        let classes = TYPE_CLASSES.iter().copied().chain(["other"]);
+        let mut handles = Vec::new();
+        for role in crate::model::Role::ALL {
+            for class in classes.clone() {
+                let mut labels: Vec<metrics::Label> = extra
+                    .iter()
+                    .map(|(k, v)| metrics::Label::new(*k, *v))
+                    .collect();
+                labels.push(metrics::Label::new("role", role.as_str()));
+                labels.push(metrics::Label::new("class", class));
+                handles.push(metrics::counter!(name, labels));
+            }
+        }
+        RoleClassCounters { name, handles }
+    }
+
+    pub fn increment(&self, role: crate::model::Role, event_type: &str) {
+        let r = crate::model::Role::ALL
+            .iter()
+            .position(|x| *x == role)
+            .unwrap_or(0);
+        let i = r * (TYPE_CLASSES.len() + 1) + type_class_index(event_type);
+        if let Some(c) = self.handles.get(i) {
+            c.increment(1);
+        }
+    }
+}
+
+impl std::fmt::Debug for RoleClassCounters {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "RoleClassCounters({})", self.name)
+    }
 }
 
 /// Every metric family with its kind and its `# HELP` text.

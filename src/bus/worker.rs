@@ -99,7 +99,7 @@ impl Drop for ThreadRuntime {
 const KV_WRITES_IN_FLIGHT: usize = 1 << 20;
 
 /// What the worker tells health checks and the demo.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct WorkerState {
     pub partitions_owned: AtomicUsize,
     pub partitions_running: AtomicUsize,
@@ -117,6 +117,34 @@ pub struct WorkerState {
     pub last_processed_ms: AtomicI64,
     /// The running partitions' lag, as last sampled.
     pub partitions: std::sync::Mutex<std::collections::BTreeMap<u16, PartitionLag>>,
+    /// Inputs projected and projections published, by role and type class.
+    inputs_projected: telemetry::RoleClassCounters,
+    projections: telemetry::RoleClassCounters,
+}
+
+impl Default for WorkerState {
+    fn default() -> Self {
+        WorkerState {
+            partitions_owned: AtomicUsize::new(0),
+            partitions_running: AtomicUsize::new(0),
+            inputs: AtomicU64::new(0),
+            projected: AtomicU64::new(0),
+            dead_lettered: AtomicU64::new(0),
+            publish_retries: AtomicU64::new(0),
+            open_turns: AtomicI64::new(0),
+            redeliveries: AtomicU64::new(0),
+            lease_renewals: AtomicU64::new(0),
+            lease_losses: AtomicU64::new(0),
+            takeovers: AtomicU64::new(0),
+            last_processed_ms: AtomicI64::new(0),
+            partitions: std::sync::Mutex::new(std::collections::BTreeMap::new()),
+            inputs_projected: telemetry::RoleClassCounters::new(
+                telemetry::INPUTS,
+                &[("outcome", "projected")],
+            ),
+            projections: telemetry::RoleClassCounters::new(telemetry::PROJECTED, &[]),
+        }
+    }
 }
 
 /// One running partition's lag, sampled from its consumer every [`LAG_SAMPLE_EVERY`].
@@ -267,25 +295,26 @@ async fn sample_lag(
 impl WorkerState {
     fn count_input(&self, outcome: Outcome) {
         self.inputs.fetch_add(1, Ordering::Relaxed);
-        let (role, class) = match outcome {
-            Outcome::Projected { role, class } => (role.as_str(), class),
-            Outcome::DeadLettered(_) => ("none", "none"),
-        };
-        metrics::counter!(telemetry::INPUTS, "outcome" => outcome.as_str(), "role" => role, "class" => class)
-            .increment(1);
+        match outcome {
+            Outcome::Projected { role, class } => self.inputs_projected.increment(role, class),
+            Outcome::DeadLettered(_) => metrics::counter!(
+                telemetry::INPUTS,
+                "outcome" => "dead_lettered", "role" => "none", "class" => "none"
+            )
+            .increment(1),
+        }
     }
 
     pub(crate) fn count_output(&self, out: &Outgoing) {
         match out.kind {
             OutKind::Projection(role) => {
                 self.projected.fetch_add(1, Ordering::Relaxed);
-                let class = out
+                let event_type = out
                     .headers
                     .iter()
                     .find(|(k, _)| *k == pipeline::H_TYPE)
-                    .map_or("other", |(_, t)| telemetry::type_class(t));
-                metrics::counter!(telemetry::PROJECTED, "role" => role.as_str(), "class" => class)
-                    .increment(1);
+                    .map_or("", |(_, t)| t.as_str());
+                self.projections.increment(role, event_type);
             }
             OutKind::DeadLetter(reason) => {
                 self.dead_lettered.fetch_add(1, Ordering::Relaxed);
@@ -1165,15 +1194,6 @@ enum Outcome {
     },
     /// Dead-lettered, with this reason.
     DeadLettered(crate::model::DlqReason),
-}
-
-impl Outcome {
-    fn as_str(self) -> &'static str {
-        match self {
-            Outcome::Projected { .. } => "projected",
-            Outcome::DeadLettered(_) => "dead_lettered",
-        }
-    }
 }
 
 /// One pull request's deliveries.
