@@ -1216,7 +1216,7 @@ struct PullBatch {
 const PULL_SILENCE: Duration = Duration::from_secs(11);
 
 /// How long a pull request waits on the server for messages.
-pub(crate) const PULL_EXPIRES: Duration = Duration::from_millis(500);
+pub(crate) const PULL_EXPIRES: Duration = Duration::from_secs(1);
 
 impl PullBatch {
     async fn request(
