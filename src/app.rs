@@ -220,7 +220,7 @@ impl Reporter {
     fn status(&self) -> crate::telemetry::WorkerStatus {
         use std::sync::atomic::Ordering::Relaxed;
         let now = crate::bus::now_ms();
-        let connected = self.client.connection_state() == async_nats::connection::State::Connected;
+        let connected = crate::http::connected(Some(&self.client));
         let mut status = crate::telemetry::WorkerStatus {
             worker_id: self.worker_id.clone(),
             version: env!("CARGO_PKG_VERSION").to_string(),

@@ -40,12 +40,15 @@ fn code(ok: bool) -> StatusCode {
     }
 }
 
+/// Whether `client` is connected to NATS now.
+pub fn connected(client: Option<&async_nats::Client>) -> bool {
+    client.is_some_and(|c| c.connection_state() == async_nats::connection::State::Connected)
+}
+
 /// Whether the worker is ready: connected, and consuming every partition it owns (owning none
 /// is fine: others do).
 pub fn ready(client: Option<&async_nats::Client>, worker: Option<&WorkerState>) -> bool {
-    let connected =
-        client.is_some_and(|c| c.connection_state() == async_nats::connection::State::Connected);
-    connected
+    connected(client)
         && worker.is_none_or(|w| {
             w.partitions_running.load(Ordering::Relaxed)
                 >= w.partitions_owned.load(Ordering::Relaxed)
@@ -55,10 +58,7 @@ pub fn ready(client: Option<&async_nats::Client>, worker: Option<&WorkerState>) 
 async fn healthz(State(s): State<HttpState>) -> impl IntoResponse {
     // Stalled while disconnected is the server's outage, not this process's: a restart would not
     // help, so only a connected worker can be wedged.
-    let connected = s
-        .client
-        .as_ref()
-        .is_some_and(|c| c.connection_state() == async_nats::connection::State::Connected);
+    let connected = connected(s.client.as_ref());
     let stalled = match (&s.worker, connected) {
         (Some(w), true) => w.stalled(crate::bus::now_ms(), s.stall_after),
         _ => Vec::new(),
@@ -73,10 +73,7 @@ async fn healthz(State(s): State<HttpState>) -> impl IntoResponse {
 }
 
 async fn readyz(State(s): State<HttpState>) -> impl IntoResponse {
-    let connected = s
-        .client
-        .as_ref()
-        .is_some_and(|c| c.connection_state() == async_nats::connection::State::Connected);
+    let connected = connected(s.client.as_ref());
     let (owned, running) = s
         .worker
         .as_ref()

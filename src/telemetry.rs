@@ -64,6 +64,17 @@ pub enum Family {
     Histogram(&'static [f64]),
 }
 
+impl Family {
+    /// The family's `# TYPE` word.
+    pub fn kind(self) -> &'static str {
+        match self {
+            Family::Counter => "counter",
+            Family::Gauge => "gauge",
+            Family::Histogram(_) => "histogram",
+        }
+    }
+}
+
 /// Latency buckets, in seconds: 0.5 ms to 30 s.
 const LATENCY: &[f64] = &[
     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
@@ -124,13 +135,18 @@ impl RoleClassCounters {
         RoleClassCounters { name, handles }
     }
 
+    /// Count one for `role` and the class of `event_type`.
     pub fn increment(&self, role: crate::model::Role, event_type: &str) {
+        self.increment_class(role, type_class_index(event_type));
+    }
+
+    /// Count one for `role` and a class index from [`type_class_index`].
+    pub fn increment_class(&self, role: crate::model::Role, class: usize) {
         let r = crate::model::Role::ALL
             .iter()
             .position(|x| *x == role)
             .unwrap_or(0);
-        let i = r * (TYPE_CLASSES.len() + 1) + type_class_index(event_type);
-        if let Some(c) = self.handles.get(i) {
+        if let Some(c) = self.handles.get(r * (TYPE_CLASSES.len() + 1) + class) {
             c.increment(1);
         }
     }
@@ -429,11 +445,7 @@ mod tests {
         });
         let text = handle.render();
         for &(name, family, help) in FAMILIES {
-            let kind = match family {
-                Family::Counter => "counter",
-                Family::Gauge => "gauge",
-                Family::Histogram(_) => "histogram",
-            };
+            let kind = family.kind();
             if let Family::Histogram(buckets) = family {
                 let top = buckets.last().copied().unwrap_or_default();
                 assert!(

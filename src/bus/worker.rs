@@ -296,7 +296,9 @@ impl WorkerState {
     fn count_input(&self, outcome: Outcome) {
         self.inputs.fetch_add(1, Ordering::Relaxed);
         match outcome {
-            Outcome::Projected { role, class } => self.inputs_projected.increment(role, class),
+            Outcome::Projected { role, class } => {
+                self.inputs_projected.increment_class(role, class)
+            }
             Outcome::DeadLettered(_) => metrics::counter!(
                 telemetry::INPUTS,
                 "outcome" => "dead_lettered", "role" => "none", "class" => "none"
@@ -1190,7 +1192,8 @@ enum Outcome {
     /// its (first) event's role and type class.
     Projected {
         role: crate::model::Role,
-        class: &'static str,
+        /// Its type's class, as a `telemetry::type_class_index`.
+        class: usize,
     },
     /// Dead-lettered, with this reason.
     DeadLettered(crate::model::DlqReason),
@@ -1346,11 +1349,18 @@ async fn project_input(
             )),
         }
     }
-    let (role, class) = events
-        .first()
-        .map_or((crate::model::Role::SystemObservability, "other"), |n| {
-            (n.role(), telemetry::type_class(&n.envelope.event_type))
-        });
+    let (role, class) = events.first().map_or(
+        (
+            crate::model::Role::SystemObservability,
+            telemetry::TYPE_CLASSES.len(),
+        ),
+        |n| {
+            (
+                n.role(),
+                telemetry::type_class_index(&n.envelope.event_type),
+            )
+        },
+    );
     Ok(Some(Outcome::Projected { role, class }))
 }
 

@@ -1311,7 +1311,8 @@ async fn mplp_export_validates_against_the_schema() {
 // Through the worker
 // ---------------------------------------------------------------------------------------------
 
-async fn start_worker(s: &Settings) -> (app::Running, CancellationToken) {
+/// The worker and nothing else (no HTTP), in this process.
+pub(crate) async fn start_worker(s: &Settings) -> (app::Running, CancellationToken) {
     let cancel = CancellationToken::new();
     let running = app::start(
         s.clone(),

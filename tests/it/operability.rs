@@ -5,7 +5,7 @@
 
 use std::collections::BTreeMap;
 
-use collab_projector::telemetry::{self, Family, WorkerStatus};
+use collab_projector::telemetry::{self, WorkerStatus};
 use serde_json::{json, Value};
 
 use crate::pipeline::{publish, start_projector, wait_settled, GUARD, MAIN_AGENTS};
@@ -127,11 +127,7 @@ async fn metrics_health_and_service_stats_describe_a_running_worker() {
     .await;
     let text = get(&addr, "/metrics").await.1;
     for &(name, family, help) in telemetry::FAMILIES {
-        let kind = match family {
-            Family::Counter => "counter",
-            Family::Gauge => "gauge",
-            Family::Histogram(_) => "histogram",
-        };
+        let kind = family.kind();
         assert!(
             text.contains(&format!("# HELP {name} {help}\n")),
             "{name} has no HELP line:\n{text}"

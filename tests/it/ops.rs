@@ -175,19 +175,7 @@ async fn start_named_worker(
     s.nats.url = url.to_string();
     s.http.enabled = false;
     s.workers.id = Some(id.to_string());
-    let cancel = CancellationToken::new();
-    let running = collab_projector::app::start(
-        s,
-        collab_projector::app::RunOptions {
-            workers: true,
-            http: false,
-            metrics: None,
-        },
-        cancel.clone(),
-    )
-    .await
-    .expect("the worker starts");
-    (running, cancel)
+    crate::api::start_worker(&s).await
 }
 
 /// Every partition listed by exactly one worker, each worker ready and within its share.
