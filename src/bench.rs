@@ -484,7 +484,8 @@ impl Env {
                 }
             }
         })?;
-        let (client, js) = bus::connect(&url, None, 1024, "collab-projector bench").await?;
+        let (client, js) =
+            bus::connect(&url, Some(&settings.nats), 1024, "collab-projector bench").await?;
         Ok(Env {
             url,
             prefix,
@@ -680,7 +681,13 @@ struct Passthrough {
 
 async fn start_passthrough(env: &Env, partitioned: bool) -> Result<Passthrough, BenchError> {
     let names = env.names();
-    let (_client, js) = bus::connect(&env.url, None, 1024, "bench passthrough").await?;
+    let (_client, js) = bus::connect(
+        &env.url,
+        Some(&env.settings.nats),
+        1024,
+        "bench passthrough",
+    )
+    .await?;
     let stream = js.get_stream(&names.raw_stream).await.ctx("raw stream")?;
     let filters: Vec<(String, String)> = if partitioned {
         (0..env.settings.nats.partitions)
@@ -1073,7 +1080,7 @@ async fn throughput_naive(env: &Env, opts: &BenchOptions) -> Result<ThroughputRe
     let settings = env.settings();
     let names = env.names();
     let ing = settings.ingest()?;
-    let (_client, js) = bus::connect(&env.url, None, 1024, "bench naive").await?;
+    let (_client, js) = bus::connect(&env.url, Some(&settings.nats), 1024, "bench naive").await?;
     let stream = js.get_stream(&names.raw_stream).await.ctx("raw stream")?;
     let consumer: PullConsumer = stream
         .create_consumer(consumer::pull::Config {
