@@ -805,6 +805,17 @@ impl Names {
     pub fn partition_filter(&self, p: u16) -> String {
         format!("{}.in.{p}.>", self.prefix)
     }
+    /// A raw subject the stream's partition transform maps to partition `p` of `partitions`,
+    /// for the partition's barriers (see `bus::worker`): its key token is the first
+    /// `_barrier<n>` that hashes to `p`.
+    pub fn barrier_subject(&self, p: u16, partitions: u16) -> String {
+        let partitions = u32::from(partitions.max(1));
+        let token = (0u32..)
+            .map(|n| format!("_barrier{n}"))
+            .find(|t| transform_partition(t.as_bytes(), partitions) == u32::from(p) % partitions)
+            .unwrap_or_default();
+        format!("{}.raw.{token}.barrier", self.prefix)
+    }
     pub fn consumer_name(&self, p: u16) -> String {
         format!("{}-proj-{p}", self.prefix)
     }
@@ -814,6 +825,17 @@ impl Names {
     pub fn dlq_subject(&self, reason: crate::model::DlqReason) -> String {
         format!("{}.dlq.{}", self.prefix, reason.as_str())
     }
+}
+
+/// The partition NATS's `partition(n, ...)` subject transform gives a key: FNV-1a (32 bit) of
+/// the key's bytes, modulo `n`.
+pub fn transform_partition(key: &[u8], n: u32) -> u32 {
+    const OFFSET: u32 = 0x811c_9dc5;
+    const PRIME: u32 = 0x0100_0193;
+    let hash = key
+        .iter()
+        .fold(OFFSET, |h, b| (h ^ u32::from(*b)).wrapping_mul(PRIME));
+    hash % n.max(1)
 }
 
 #[cfg(test)]
@@ -969,6 +991,20 @@ mod tests {
         assert_eq!(s.nats.password.as_ref().map(Secret::expose), Some("0012"));
         assert_eq!(s.nats.partitions, 8);
         assert!(s.nats.tls_required);
+    }
+
+    #[test]
+    fn partitions_follow_the_servers_fnv1a_hash() {
+        // FNV-1a 32-bit reference values: "" -> 0x811c9dc5, "a" -> 0xe40c292c.
+        assert_eq!(transform_partition(b"", u32::MAX), 0x811c_9dc5 % u32::MAX);
+        assert_eq!(transform_partition(b"a", u32::MAX), 0xe40c_292c);
+        assert_eq!(transform_partition(b"a", 64), 0xe40c_292c % 64);
+        let n = Settings::default().names();
+        for p in 0..64 {
+            let subject = n.barrier_subject(p, 64);
+            let token = subject.split('.').nth(2).unwrap_or_default();
+            assert_eq!(transform_partition(token.as_bytes(), 64), u32::from(p));
+        }
     }
 
     #[test]

@@ -15,6 +15,9 @@ pub const H_SOURCE_SEQ: &str = "Collab-Source-Seq";
 pub const H_SOURCE_SUBJECT: &str = "Collab-Source-Subject";
 pub const H_DLQ_REASON: &str = "Collab-Dlq-Reason";
 pub const H_DLQ_DETAIL: &str = "Collab-Dlq-Detail";
+/// Marks a partition barrier in the raw stream: written by a worker, never an input (see
+/// `bus::worker`).
+pub const H_BARRIER: &str = "Collab-Barrier";
 
 /// A message to publish on JetStream.
 #[derive(Debug, Clone, PartialEq)]

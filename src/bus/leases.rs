@@ -2,7 +2,7 @@
 //! `<prefix>_leases` (entries expire after `workers.lease_ttl` unless renewed), worker
 //! heartbeats in the same bucket, and a balanced target of ceil(P / N) partitions per worker.
 //!
-//! A worker renews what it holds every third of the TTL, stops a partition at once when its
+//! A worker renews what it holds every sixth of the TTL, stops a partition at once when its
 //! renewal fails (another owner took it), releases its excess gracefully (drain, then delete the
 //! lease) when workers join, and takes free partitions up to its share. On shutdown it drains
 //! every partition and deletes its leases so the others take over without waiting for the TTL.
@@ -14,10 +14,10 @@
 //! [`PROBE_EVERY`]. When the server answers "no responders" twice in a row, that connection is
 //! closed (the process died, or lost the server). Its leases are then deleted (each at the
 //! revision read) as soon as the owner, were it still running elsewhere, would have stopped on
-//! its own: a partition works only within two thirds of the TTL of its last renewal, and its last
+//! its own: a partition works only within a third of the TTL of its last renewal, and its last
 //! pull request expires [`worker::PULL_EXPIRES`] later. So a deleted lease's owner neither
 //! processes nor receives anything of the partition any more, exactly as when a lease expires,
-//! and the partition is taken about 5 s after a crash instead of 6-8 s. A worker that is merely
+//! and the partition is taken 2-3 s after a crash instead of 6-8 s. A worker that is merely
 //! slow or paused still has its connection and answers late or not at all, which is not "no
 //! responders": only its lease expiry frees its partitions.
 
@@ -256,14 +256,14 @@ pub async fn run(
 ) {
     let partitions = shared.settings.nats.partitions;
     let ttl = shared.settings.workers.lease_ttl;
-    // Renewed every third of the TTL; a partition works only within two thirds of the TTL of
-    // its last renewal's start, so a worker cut off from the server stops before its lease can
+    // Renewed every sixth of the TTL; a partition works only within a third of the TTL of its
+    // last renewal's start, so a worker cut off from the server stops well before its lease can
     // be taken (below).
-    let every = ttl / 3;
+    let every = ttl / 6;
     let mut held: BTreeMap<u16, Held> = BTreeMap::new();
     let order = probe_order(&worker_id, partitions);
     let heartbeat = format!("{HEARTBEAT_PREFIX}{worker_id}");
-    let validity_ms = i64::try_from((ttl * 2 / 3).as_millis()).unwrap_or(i64::MAX);
+    let validity_ms = i64::try_from((ttl / 3).as_millis()).unwrap_or(i64::MAX);
     // A gone worker's lease is taken early only once its owner, were it still running, would have
     // stopped working the partition (validity) and its last pull request would have expired,
     // with both clocks' skew allowed for.

@@ -721,6 +721,7 @@ pub async fn run_partition(
     };
     let acker = tokio::spawn(tracing::Instrument::in_current_span(ack_stage(
         shared.clone(),
+        stream.clone(),
         p,
         acks,
         rx,
@@ -735,6 +736,10 @@ pub async fn run_partition(
         watermark: Watermark::default(),
         watermark_ms,
         last_seq: 0,
+        barrier_subject: shared
+            .names
+            .barrier_subject(p, shared.settings.nats.partitions),
+        barrier_sent_ms: None,
         tx,
         cancel: &cancel,
         broken: &broken,
@@ -787,6 +792,10 @@ struct Partition<'a> {
     /// The watermark, for the lag sampler.
     watermark_ms: Arc<AtomicI64>,
     last_seq: u64,
+    /// Where this partition's barriers are published, and when the last one was sent (ms since
+    /// the epoch) if it has not arrived yet.
+    barrier_subject: String,
+    barrier_sent_ms: Option<i64>,
     tx: mpsc::Sender<Processed>,
     cancel: &'a CancellationToken,
     /// Cancelled by the acker when a turn-record write failed: stop and restart the partition.
@@ -876,9 +885,8 @@ impl Partition<'_> {
                         if flush.is_some_and(|f| f <= now) {
                             self.flush(Flush::Due).await?;
                         }
-                        if deadline.is_some_and(|d| d <= now)
-                            && !self.idle_tick(consumer, skew).await?
-                        {
+                        if deadline.is_some_and(|d| d <= now) {
+                            self.idle_tick(consumer).await;
                             idle_check_after = super::now_ms() + IDLE_CHECK_MS;
                         }
                         continue;
@@ -954,34 +962,48 @@ impl Partition<'_> {
         }
     }
 
-    /// A due deadline with no message to move the watermark: when nothing stored is left
-    /// unprocessed, the watermark is the clock. Returns whether it moved.
-    async fn idle_tick(
-        &mut self,
-        consumer: &mut PullConsumer,
-        skew: i64,
-    ) -> Result<bool, WorkerError> {
+    /// A due deadline with no message to move the watermark: when the consumer has nothing
+    /// pending and everything delivered was processed, send the partition a barrier.
+    async fn idle_tick(&mut self, consumer: &mut PullConsumer) {
         let Ok(info) = consumer.info().await else {
-            return Ok(false);
+            return;
         };
         // Everything delivered was processed: either acknowledged already (by us or a previous
         // owner) or processed by us and awaiting its ack.
         let all_processed =
             info.num_ack_pending == 0 || info.delivered.stream_sequence <= self.last_seq;
         if info.num_pending != 0 || !all_processed {
-            return Ok(false);
+            return;
         }
-        let Some(wm) = self.watermark.idle(super::now_ms() - skew) else {
-            return Ok(false);
-        };
-        self.watermark_ms.store(wm, Ordering::Relaxed);
-        let mut fx = Effects::default();
-        self.turns
-            .advance(self.shared, wm, &mut fx)
+        // The consumer's view can lag what the stream has stored: after a stream leader
+        // election the new leader commits the old leader's last messages with the store times
+        // the old leader gave them, seconds in the past, and a consumer whose leader is on a
+        // replica still catching up counts nothing pending. So the clock alone cannot move the
+        // watermark. A barrier published to this partition goes through the stream's log
+        // behind every message stored before it: when it is delivered, everything stored
+        // before its store time (give or take the leaders' clock skew) has been, and its store
+        // time moves the watermark like any message's.
+        let now = super::now_ms();
+        if self
+            .barrier_sent_ms
+            .is_some_and(|sent| now.saturating_sub(sent) < BARRIER_RETRY_MS)
+        {
+            return;
+        }
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(crate::pipeline::H_BARRIER, "1");
+        // A core publish: the stream stores it, and nothing waits for a publish-ack permit. A
+        // barrier lost on the way (no stream leader) is sent again after BARRIER_RETRY_MS.
+        if let Err(e) = self
+            .shared
+            .js
+            .client()
+            .publish_with_headers(self.barrier_subject.clone(), headers, bytes::Bytes::new())
             .await
-            .map_err(|e| self.turn_error(e))?;
-        self.issue_unprompted(fx).await;
-        Ok(true)
+        {
+            debug!(partition = self.p, error = %e, "barrier not sent");
+        }
+        self.barrier_sent_ms = Some(now);
     }
 
     fn turn_error(&self, e: TurnIoError) -> WorkerError {
@@ -1080,6 +1102,12 @@ impl Partition<'_> {
                 }
                 Ok(Flow::Continue)
             }
+            Disposition::Barrier(processed) => {
+                if self.tx.send(processed).await.is_err() {
+                    return Ok(Flow::Stop);
+                }
+                Ok(Flow::Continue)
+            }
             Disposition::LeftForRedelivery(Unprocessed::MetadataUnreadable) => {
                 Err(WorkerError::Interrupted {
                     partition: self.p,
@@ -1134,6 +1162,18 @@ impl Partition<'_> {
                 .map_err(|e| self.turn_error(e))?;
         }
         self.last_seq = self.last_seq.max(seq);
+        if is_barrier(&msg) {
+            // Not an input: it only moved the watermark. What that decided is issued with it.
+            self.barrier_sent_ms = None;
+            let outs = std::mem::take(&mut fx.outs);
+            let Some(publishes) =
+                issue_publishes(self.shared, outs, &[&msg], &self.tx, self.cancel).await
+            else {
+                return Ok(Disposition::LeftForRedelivery(Unprocessed::ShuttingDown));
+            };
+            let processed = Processed::new(ack.then_some(msg), publishes, fx);
+            return Ok(Disposition::Barrier(processed));
+        }
         let Some(outcome) = project_input(
             self.shared,
             &mut self.turns,
@@ -1171,6 +1211,9 @@ enum Disposition {
         processed: Processed,
         outcome: Outcome,
     },
+    /// A barrier: what the watermark it moved decided is issued, and it is acknowledged like an
+    /// input, but it is not one (not counted, not projected).
+    Barrier(Processed),
     /// Not processed, not acknowledged: the server redelivers it (to this partition's restart or
     /// its next owner), with everything after it in the partition.
     LeftForRedelivery(Unprocessed),
@@ -1219,7 +1262,7 @@ struct PullBatch {
 const PULL_SILENCE: Duration = Duration::from_secs(11);
 
 /// How long a pull request waits on the server for messages.
-pub(crate) const PULL_EXPIRES: Duration = Duration::from_secs(1);
+pub(crate) const PULL_EXPIRES: Duration = Duration::from_millis(500);
 
 impl PullBatch {
     async fn request(
@@ -1285,6 +1328,9 @@ impl PullBatch {
 
 /// How long a partition waits before asking its consumer again whether a due deadline can fire.
 const IDLE_CHECK_MS: i64 = 200;
+
+/// How long a partition waits for its barrier before it sends another (ms).
+const BARRIER_RETRY_MS: i64 = 1_000;
 
 pub(crate) fn lease_lapsed(valid_until: &AtomicI64) -> bool {
     let v = valid_until.load(Ordering::Relaxed);
@@ -1456,6 +1502,7 @@ async fn first_hold(hold: Option<Hold>) -> Result<u64, WriteError> {
 /// acknowledged, the partition restarts.
 async fn ack_stage(
     shared: Arc<WorkerContext>,
+    stream: jetstream::stream::Stream,
     p: u16,
     acks: Acks,
     mut rx: mpsc::Receiver<Processed>,
@@ -1552,7 +1599,9 @@ async fn ack_stage(
             Ok(ready) => ready,
             Err(e) => return hold_failed(e),
         };
+        let barriers = barrier_sequences(&ready);
         acknowledge(p, acks, ready).await;
+        delete_barriers(&stream, p, barriers);
     }
     // Drained: the partition wrote its deferred records before it stopped; wait for them.
     debug!(
@@ -1569,13 +1618,47 @@ async fn ack_stage(
         held.push_back(u);
     }
     let ready = release(&mut held).unwrap_or_default();
+    let barriers = barrier_sequences(&ready);
     acknowledge(p, acks, ready).await;
+    delete_barriers(&stream, p, barriers);
     // Drained: a final checkpoint spares the next owner republishing what was stored.
     if let Err(e) = checkpoint.maybe_write(true).await {
         debug!(partition = p, error = %e, "final published checkpoint not written");
     }
     debug!(partition = p, "acker drained");
     Ok(())
+}
+
+/// The stream sequences of the barriers among `ready`.
+fn barrier_sequences(ready: &[jetstream::Message]) -> Vec<u64> {
+    ready
+        .iter()
+        .filter(|m| is_barrier(m))
+        .filter_map(|m| m.info().ok().map(|i| i.stream_sequence))
+        .collect()
+}
+
+fn is_barrier(msg: &jetstream::Message) -> bool {
+    msg.headers
+        .as_ref()
+        .is_some_and(|h| h.get(crate::pipeline::H_BARRIER).is_some())
+}
+
+/// Remove acknowledged barriers from the raw stream, so it holds only producers' inputs. Best
+/// effort: a barrier left behind is acknowledged and moves nothing but a watermark if it is
+/// ever delivered again.
+fn delete_barriers(stream: &jetstream::stream::Stream, p: u16, seqs: Vec<u64>) {
+    if seqs.is_empty() {
+        return;
+    }
+    let stream = stream.clone();
+    tokio::spawn(async move {
+        for seq in seqs {
+            if let Err(e) = stream.delete_message(seq).await {
+                debug!(partition = p, seq, error = %e, "barrier not deleted");
+            }
+        }
+    });
 }
 
 /// Acknowledge `ready` (inputs in partition order, all stored and released): its last delivery,

@@ -181,11 +181,6 @@ impl Watermark {
     pub fn observe(&mut self, stored_ms: i64) -> Option<i64> {
         self.raise(stored_ms)
     }
-
-    /// Nothing is pending and everything delivered was processed: the watermark is `now_ms`.
-    pub fn idle(&mut self, now_ms: i64) -> Option<i64> {
-        self.raise(now_ms)
-    }
 }
 
 #[cfg(test)]
@@ -197,8 +192,7 @@ mod tests {
         let mut w = Watermark::default();
         assert_eq!(w.observe(100), Some(100));
         assert_eq!(w.observe(90), None);
-        assert_eq!(w.idle(80), None);
-        assert_eq!(w.idle(150), Some(150));
+        assert_eq!(w.observe(150), Some(150));
     }
 
     fn record(turn: &str) -> TurnRecord {

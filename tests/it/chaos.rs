@@ -554,6 +554,15 @@ struct Rec {
     payload: Bytes,
 }
 
+/// A worker's partition barrier, as stored in the raw stream (`collab.in.<p>._barrier<n>.barrier`).
+fn is_barrier(subject: &str) -> bool {
+    subject
+        .split('.')
+        .nth(3)
+        .is_some_and(|t| t.starts_with("_barrier"))
+        && subject.ends_with(".barrier")
+}
+
 /// Every message of `stream` matching `filter` ("" for all), in stream order, with an ordered
 /// consumer.
 async fn read_all(js: &jetstream::Context, stream: &str, filter: &str) -> Result<Vec<Rec>, String> {
@@ -1136,7 +1145,18 @@ impl Bed {
                 log.turns
             ));
         }
-        let raw = read_all_retrying(&self.js, RAW, "").await;
+        let mut raw = read_all_retrying(&self.js, RAW, "").await;
+        // Partition barriers are the workers' own, not inputs; they are deleted once
+        // acknowledged, so any left here were in flight at the end (or lost a delete).
+        let inputs = raw.len();
+        raw.retain(|m| !is_barrier(&m.subject));
+        if raw.len() < inputs {
+            println!(
+                "chaos {}: {} partition barriers still in {RAW} after the drain",
+                self.scenario,
+                inputs - raw.len()
+            );
+        }
         let proj = read_all_retrying(&self.js, PROJ, "").await;
         let dlq = read_all_retrying(&self.js, DLQ, "").await;
         let report = check(&mut self, &log, &raw, &proj, &dlq);

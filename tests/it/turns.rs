@@ -509,6 +509,66 @@ async fn silence_past_the_send_timeout_gives_a_synthesized_blocked_timeout() {
 }
 
 #[tokio::test]
+async fn a_silent_timeout_leaves_only_inputs_in_the_raw_stream() {
+    // An idle partition decides a deadline only once a barrier it publishes to itself comes
+    // back through the raw stream; the barrier is then deleted, so the raw stream keeps only
+    // what producers published.
+    let bed = Bed::start().await;
+    let _p = bed.projector(&[]);
+    let send_seq = bed
+        .publish(&send(
+            "c-quiet",
+            json!({"message": "ping", "timeoutMs": 800}),
+        ))
+        .await;
+    bed.wait_responses(&[key("c-quiet", "0")]).await;
+    let one = one_per_turn(&bed.responses().await, &[key("c-quiet", "0")]);
+    assert_synthesized_timeout(&one[&key("c-quiet", "0")], send_seq, 800);
+    wait_until(WAIT, "the raw stream holds only the input", || async {
+        let raw = crate::pipeline::read_all(&bed.js, "COLLAB_RAW", "collab.in.>").await;
+        raw.len() == 1 && raw[0].seq == send_seq && raw[0].header("Collab-Barrier").is_none()
+    })
+    .await;
+    let info = bed
+        .js
+        .get_stream("COLLAB_RAW")
+        .await
+        .expect("the raw stream exists")
+        .info()
+        .await
+        .expect("stream info")
+        .clone();
+    assert!(
+        info.state.last_sequence > send_seq,
+        "a barrier was written after the send (last sequence {})",
+        info.state.last_sequence
+    );
+}
+
+#[tokio::test]
+async fn each_partitions_barrier_subject_is_stored_in_that_partition() {
+    // The worker computes the raw subject that the stream's partition transform sends to a
+    // partition; the server's own transform must agree for every partition.
+    let partitions: u16 = 16;
+    let bed = Bed::start_with(&[("COLLAB_NATS__PARTITIONS", "16")]).await;
+    let names = collab_projector::config::Settings::default().names();
+    for p in 0..partitions {
+        let subject = names.barrier_subject(p, partitions);
+        crate::pipeline::publish(&bed.js, &subject, "").await;
+    }
+    let raw = crate::pipeline::read_all(&bed.js, "COLLAB_RAW", "collab.in.>").await;
+    assert_eq!(raw.len(), usize::from(partitions));
+    for (p, m) in raw.iter().enumerate() {
+        let want = format!("collab.in.{p}.");
+        assert!(
+            m.subject.starts_with(&want),
+            "barrier for partition {p} stored as {}",
+            m.subject
+        );
+    }
+}
+
+#[tokio::test]
 async fn deadlines_passing_together_are_all_answered_past_the_publish_window() {
     // One partition and a publish window of 4: the 24 deadlines below pass together, so one
     // step of the partition issues 24 blocked responses, six times the permits there are. The
