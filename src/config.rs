@@ -807,11 +807,12 @@ impl Names {
     }
     /// A raw subject the stream's partition transform maps to partition `p` of `partitions`,
     /// for the partition's barriers (see `bus::worker`): its key token is the first
-    /// `_barrier<n>` that hashes to `p`.
+    /// `_watermark<n>` that hashes to `p`. Barriers are told apart by their header, not by this
+    /// subject.
     pub fn barrier_subject(&self, p: u16, partitions: u16) -> String {
         let partitions = u32::from(partitions.max(1));
         let token = (0u32..)
-            .map(|n| format!("_barrier{n}"))
+            .map(|n| format!("_watermark{n}"))
             .find(|t| transform_partition(t.as_bytes(), partitions) == u32::from(p) % partitions)
             .unwrap_or_default();
         format!("{}.raw.{token}.barrier", self.prefix)

@@ -554,12 +554,12 @@ struct Rec {
     payload: Bytes,
 }
 
-/// A worker's partition barrier, as stored in the raw stream (`collab.in.<p>._barrier<n>.barrier`).
+/// A worker's partition barrier, as stored in the raw stream (`collab.in.<p>._watermark<n>.barrier`).
 fn is_barrier(subject: &str) -> bool {
     subject
         .split('.')
         .nth(3)
-        .is_some_and(|t| t.starts_with("_barrier"))
+        .is_some_and(|t| t.starts_with("_watermark"))
         && subject.ends_with(".barrier")
 }
 
