@@ -57,6 +57,7 @@ fn input<'a>(bytes: &'a [u8], key: &str, event_type: &str) -> RawInput<'a> {
             subject: format!("collab.raw.{key}.{event_type}"),
             stored_at: "2026-02-17T12:00:00.120Z".into(),
         }),
+        relay: Default::default(),
     }
 }
 
@@ -90,6 +91,7 @@ fn normalize(c: &mut Criterion) {
         stored_subject: "collab.in.5.conv-42.a2a.send",
         stored_at: chrono::Utc::now(),
         delivered: 1,
+        headers: None,
     };
     c.bench_function("pipeline::project a2a.send", |b| {
         b.iter(|| pipeline::project(black_box(&raw), &names, &s, 10))

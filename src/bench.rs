@@ -1128,6 +1128,7 @@ async fn throughput_naive(env: &Env, opts: &BenchOptions) -> Result<ThroughputRe
             stored_subject: m.subject.as_str(),
             stored_at: info.published,
             delivered: info.delivered,
+            headers: None,
         };
         for out in pipeline::project(&raw, &names, &ing, settings.consumer.max_deliver) {
             let mut publish = PublishMessage::build()
@@ -1371,6 +1372,7 @@ fn send_facts(i: usize, prefix: &str, stored_ms: i64, timeout_ms: u64) -> TurnFa
         run_id: Some(format!("run-{i}")),
         target_session_key: None,
         work_session_id: None,
+        a2a_method: None,
         goal: Some("review the deploy plan".into()),
         timeout_ms: Some(timeout_ms),
     }
@@ -1687,6 +1689,7 @@ fn core_costs(seed: u64) -> Result<CoreCosts, BenchError> {
             stored_subject: subject,
             stored_at,
             delivered: 1,
+            headers: None,
         };
         std::hint::black_box(pipeline::project(&r, &names, &ing, 10));
     }
@@ -1706,6 +1709,7 @@ fn core_costs(seed: u64) -> Result<CoreCosts, BenchError> {
             stored_subject: subject,
             stored_at,
             delivered: 1,
+            headers: None,
         };
         let Ok(events) = pipeline::normalize_raw(&r, &names, &ing, 10) else {
             continue;

@@ -4,7 +4,7 @@
 //! in order, with the given Msg-Ids.
 
 use crate::config::Names;
-use crate::ingest::{self, Normalized, RawInput, SubjectInfo};
+use crate::ingest::{self, Normalized, RawInput, RelayHeaders, SubjectInfo};
 use crate::model::{DlqReason, RawEventRef, Rejection};
 use bytes::Bytes;
 use chrono::{DateTime, SecondsFormat, Utc};
@@ -48,6 +48,8 @@ pub struct RawMessage<'a> {
     pub stored_at: DateTime<Utc>,
     /// Delivery attempt, from 1.
     pub delivered: i64,
+    /// Its NATS headers (a relay's `Collab-*` headers are read from them).
+    pub headers: Option<&'a async_nats::HeaderMap>,
 }
 
 /// The producer's subject, recovered from the partitioned one: `<prefix>.in.<p>.<rest>` ->
@@ -145,6 +147,7 @@ pub fn normalize_raw(
         bytes: raw.bytes,
         subject,
         raw_ref: Some(raw_ref),
+        relay: raw.headers.map(RelayHeaders::from_nats).unwrap_or_default(),
     };
     ingest::normalize(&input, settings)
 }
@@ -231,6 +234,7 @@ mod tests {
             stored_subject: subject,
             stored_at: DateTime::from_timestamp_millis(1_771_329_600_000).unwrap_or_default(),
             delivered: 1,
+            headers: None,
         }
     }
 

@@ -404,6 +404,7 @@ fn a2a_json_rpc_and_ag_ui_fixtures_are_dead_lettered_unrecognized() {
             bytes: &bytes,
             subject: None,
             raw_ref: None,
+            relay: Default::default(),
         };
         match collab_projector::ingest::normalize(&input, settings) {
             Err(r) => assert_eq!(r.reason.as_str(), "unrecognized", "{event}: {}", r.detail),
@@ -658,7 +659,7 @@ proptest! {
 
     #[test]
     fn projected_fixture_envelopes_round_trip(bytes in mutated_fixture()) {
-        let input = collab_projector::ingest::RawInput { bytes: &bytes, subject: None, raw_ref: None };
+        let input = collab_projector::ingest::RawInput { bytes: &bytes, subject: None, raw_ref: None, relay: Default::default() };
         if let Ok(events) = collab_projector::ingest::normalize(&input, &checks::normalize_settings()[0]) {
             for n in events {
                 let text = serde_json::to_vec(&n.envelope).unwrap_or_default();
@@ -966,6 +967,7 @@ fn floats_survive_a_projection_round_trip_exactly() {
         bytes: raw,
         subject: None,
         raw_ref: None,
+        relay: Default::default(),
     };
     let events = collab_projector::ingest::normalize(&input, &checks::normalize_settings()[0])
         .unwrap_or_else(|r| panic!("{}", r.detail));

@@ -231,6 +231,7 @@ pub fn normalize_with(bytes: &[u8], settings: &ingest::Settings) -> Checked {
         bytes,
         subject: None,
         raw_ref: Some(raw_ref()),
+        relay: Default::default(),
     };
     let route = expected_route(bytes, settings);
     match ingest::normalize(&offline, settings) {
@@ -276,6 +277,7 @@ pub fn normalize_with(bytes: &[u8], settings: &ingest::Settings) -> Checked {
                         type_suffix: n.envelope.event_type.clone(),
                     }),
                     raw_ref: Some(raw_ref()),
+                    relay: Default::default(),
                 };
                 match ingest::normalize(&online, settings) {
                     Ok(again) => {

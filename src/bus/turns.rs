@@ -1032,6 +1032,7 @@ impl PartitionTurns {
             stored_subject: msg.subject.as_str(),
             stored_at: msg.time,
             delivered: 1,
+            headers: Some(&msg.headers),
         };
         let events = pipeline::normalize_raw(&raw, &shared.names, &shared.ingest, 0).ok()?;
         events.into_iter().next().map(|n| n.envelope)

@@ -1365,6 +1365,7 @@ async fn project_input(
         stored_subject: msg.subject.as_str(),
         stored_at: info.published,
         delivered: info.delivered,
+        headers: msg.headers.as_ref(),
     };
     let mut events = match pipeline::normalize_raw(
         &raw,

@@ -8,6 +8,7 @@
 //! 4. A2A JSON-RPC traffic and 5. AG-UI events are recognised and reported as not supported
 //!    yet, so they are dead-lettered with a precise reason instead of being mis-projected.
 
+pub mod a2a_wire;
 pub mod adapter;
 pub mod event;
 
@@ -124,6 +125,41 @@ pub struct RawInput<'a> {
     /// Absent when normalising offline (`collab-projector normalize`).
     pub subject: Option<SubjectInfo>,
     pub raw_ref: Option<RawEventRef>,
+    /// What a relay said about the exchange in its headers (CONTRACT 2a).
+    pub relay: RelayHeaders,
+}
+
+/// The headers a relay sets on the traffic it publishes (CONTRACT 2a): the caller's and the
+/// callee's agent ids, an id for the request shared by everything answering it, and the A2A
+/// method of an HTTP+JSON body.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RelayHeaders {
+    pub from_agent: Option<String>,
+    pub to_agent: Option<String>,
+    pub exchange: Option<String>,
+    pub a2a_method: Option<String>,
+}
+
+impl RelayHeaders {
+    pub const FROM_AGENT: &'static str = "Collab-From-Agent";
+    pub const TO_AGENT: &'static str = "Collab-To-Agent";
+    pub const EXCHANGE: &'static str = "Collab-Exchange";
+    pub const A2A_METHOD: &'static str = "Collab-A2A-Method";
+
+    /// Read them from a message's NATS headers (empty values count as absent).
+    pub fn from_nats(h: &async_nats::HeaderMap) -> RelayHeaders {
+        let get = |name: &str| {
+            h.get(name)
+                .map(|v| v.as_str().trim().to_string())
+                .filter(|v| !v.is_empty())
+        };
+        RelayHeaders {
+            from_agent: get(Self::FROM_AGENT),
+            to_agent: get(Self::TO_AGENT),
+            exchange: get(Self::EXCHANGE),
+            a2a_method: get(Self::A2A_METHOD),
+        }
+    }
 }
 
 /// A normalised event ready to project.
@@ -186,11 +222,9 @@ pub fn normalize(input: &RawInput<'_>, settings: &Settings) -> Result<Vec<Normal
         return event::from_adapter_packet(&value, input, settings)
             .map(|n| counted(vec![n], redactions));
     }
-    if obj.contains_key("jsonrpc") {
-        return Err(Rejection::new(
-            DlqReason::Unrecognized,
-            "A2A JSON-RPC traffic is not projected by this version; publish collaboration events (type a2a.send/a2a.response/a2a.complete) for the turn, or replay this dead letter after upgrading",
-        ));
+    let type_suffix = input.subject.as_ref().map(|s| s.type_suffix.as_str());
+    if a2a_wire::is_wire(obj, type_suffix, &input.relay) {
+        return from_wire(obj, input, settings).map(|n| counted(vec![n], redactions));
     }
     let events = match obj.get("type") {
         Some(Value::String(t)) if is_agui_type(t) => Err(Rejection::new(
@@ -208,6 +242,34 @@ pub fn normalize(input: &RawInput<'_>, settings: &Settings) -> Result<Vec<Normal
         )),
     }?;
     Ok(with_source(counted(events, redactions), value))
+}
+
+/// Map an A2A wire body: translate it into the collaboration event it stands for, then map
+/// that like any other. The turn contract reads its facts from the translated event; the
+/// conversation key is the subject key the relay chose for the exchange, whatever `contextId`
+/// the answers reveal (the envelope's `conversationId` shows the context).
+fn from_wire(
+    obj: &serde_json::Map<String, Value>,
+    input: &RawInput<'_>,
+    settings: &Settings,
+) -> Result<Normalized, Rejection> {
+    let key = input.subject.as_ref().map(|s| s.key.clone());
+    let translated = a2a_wire::translate(obj, key.as_deref().unwrap_or("_"), &input.relay)?;
+    let offline = RawInput {
+        bytes: input.bytes,
+        subject: None,
+        raw_ref: input.raw_ref.clone(),
+        relay: RelayHeaders::default(),
+    };
+    let mut n = event::from_event(&translated, &offline, settings)?;
+    if let Some(k) = key {
+        n.key = k;
+    }
+    if n.conversation_id.is_some() {
+        n.conversation_id = Some(n.key.clone());
+        n.source = Some(std::sync::Arc::new(translated));
+    }
+    Ok(n)
 }
 
 /// Report on each event how many values redaction replaced in its input.
@@ -276,6 +338,7 @@ pub fn normalize_line(line: &[u8], settings: &Settings) -> String {
         bytes: line,
         subject: None,
         raw_ref: None,
+        relay: RelayHeaders::default(),
     };
     let value = match normalize(&input, settings) {
         Ok(mut events) if events.len() == 1 => {
@@ -364,6 +427,7 @@ mod tests {
                 type_suffix: "task.updated".into(),
             }),
             raw_ref: None,
+            relay: RelayHeaders::default(),
         };
         match normalize(&input, &settings) {
             Err(r) => {

@@ -57,6 +57,9 @@ pub fn parse_sections(text: &str) -> Option<Map<String, Value>> {
 /// The next action for a blocked turn: whom to retry, with what, what to check.
 pub fn next_action(rec: &TurnRecord, reason: Reason, detail: Option<&str>) -> String {
     let send = rec.send.as_ref();
+    if let Some(method) = send.and_then(|s| s.a2a_method.as_deref()) {
+        return a2a_next_action(rec, method, reason, detail);
+    }
     let to = rec.target().unwrap_or("the target agent");
     let from = rec.sender().unwrap_or("the sender");
     let turn = &rec.turn;
@@ -89,6 +92,39 @@ pub fn next_action(rec: &TurnRecord, reason: Reason, detail: Option<&str>) -> St
             send.and_then(|s| s.run_id.as_deref())
                 .map(|r| format!(" for run {r}"))
                 .unwrap_or_default()
+        ),
+    }
+}
+
+/// The next action for a blocked A2A request, in A2A's terms: which agent, which context,
+/// which method to retry with.
+fn a2a_next_action(rec: &TurnRecord, method: &str, reason: Reason, detail: Option<&str>) -> String {
+    let to = rec.target().unwrap_or("the agent");
+    let from = rec.sender().unwrap_or("the caller");
+    let ctx = &rec.conversation_id;
+    let v1 = !method.contains('/');
+    let (get, send) = if v1 {
+        ("GetTask", "SendMessage")
+    } else {
+        ("tasks/get", "message/send")
+    };
+    match reason {
+        Reason::Timeout => {
+            let waited = rec.send.as_ref().map(|s| s.timeout_ms).unwrap_or(0);
+            format!(
+                "{to} did not answer {method} request {} in context {ctx} within {} ms. Check that {to}'s A2A endpoint is up; if it created a task, {from} can poll it with {get}, else retry with {send} in context {ctx}.",
+                rec.turn, waited
+            )
+        }
+        Reason::NotFound => format!(
+            "{to} has no such task for {method} request {} in context {ctx}{}. {from} should start a new task: {send} without a taskId, in context {ctx}.",
+            rec.turn,
+            detail.map(|d| format!(" ({d})")).unwrap_or_default()
+        ),
+        Reason::Error => format!(
+            "{to} failed {method} request {} in context {ctx}{}. Inspect the task with {get}, fix the cause, then {from} should retry with {send} in context {ctx}.",
+            rec.turn,
+            detail.map(|d| format!(": {d}")).unwrap_or_default()
         ),
     }
 }

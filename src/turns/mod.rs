@@ -96,6 +96,9 @@ pub struct TurnFacts {
     pub target_session_key: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub work_session_id: Option<String>,
+    /// A2A wire traffic only: the request's method, so a blocked outcome says how to retry.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub a2a_method: Option<String>,
     /// Send only: what the turn attempted (`goal`, else the message text, shortened).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub goal: Option<String>,
@@ -209,6 +212,11 @@ pub fn facts(
         run_id: text("runId"),
         target_session_key: text("targetSessionKey"),
         work_session_id: text("workSessionId"),
+        a2a_method: fields
+            .get("a2a")
+            .and_then(|a| a.get("method"))
+            .and_then(Value::as_str)
+            .map(str::to_string),
         goal,
         timeout_ms,
     })
@@ -243,6 +251,8 @@ pub struct SendRef {
     pub target_session_key: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub work_session_id: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub a2a_method: Option<String>,
     pub timeout_ms: u64,
 }
 
@@ -570,6 +580,7 @@ fn send_ref(ev: &TurnFacts, timeout_ms: u64) -> SendRef {
         run_id: ev.run_id.clone(),
         target_session_key: ev.target_session_key.clone(),
         work_session_id: ev.work_session_id.clone(),
+        a2a_method: ev.a2a_method.clone(),
         timeout_ms,
     }
 }

@@ -1374,6 +1374,7 @@ fn next_action_names_the_target_and_differs_by_reason_and_turn() {
             run_id: None,
             target_session_key: Some("agent:eden:main".into()),
             work_session_id: None,
+            a2a_method: None,
             timeout_ms: 300_000,
         }),
         deadline_ms: None,

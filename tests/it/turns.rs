@@ -1258,3 +1258,164 @@ async fn many_turns_with_a_worker_killed_midway_get_exactly_one_response_each() 
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// A2A wire traffic (CONTRACT 2a): JSON-RPC v0.3 / v1.0 and HTTP+JSON bodies as a relay publishes
+// them, one request one turn.
+// ---------------------------------------------------------------------------------------------
+
+/// A2A v0.3 or v1.0 bodies for one exchange.
+#[derive(Clone, Copy, Debug)]
+enum Wire {
+    V03,
+    V10,
+}
+
+impl Wire {
+    fn send(self, ctx: &str, text: &str) -> Value {
+        match self {
+            Wire::V03 => json!({"jsonrpc": "2.0", "id": 1, "method": "message/send", "params": {
+                "message": {"kind": "message", "role": "user", "messageId": format!("m-{ctx}"),
+                    "contextId": ctx, "parts": [{"kind": "text", "text": text}]}}}),
+            Wire::V10 => json!({"jsonrpc": "2.0", "id": 1, "method": "SendMessage", "params": {
+                "message": {"role": "ROLE_USER", "messageId": format!("m-{ctx}"),
+                    "contextId": ctx, "parts": [{"text": text}]}}}),
+        }
+    }
+
+    /// A status frame (or final task) in `state` (kebab-case; v1.0 spells it as its enum).
+    fn status(self, ctx: &str, state: &str, text: &str) -> Value {
+        match self {
+            Wire::V03 => json!({"jsonrpc": "2.0", "id": 1, "result": {"kind": "status-update",
+                "taskId": "t1", "contextId": ctx, "final": state != "working",
+                "status": {"state": state, "message": {"kind": "message", "role": "agent",
+                    "messageId": "a1", "parts": [{"kind": "text", "text": text}]}}}}),
+            Wire::V10 => json!({"jsonrpc": "2.0", "id": 1, "result": {"statusUpdate": {
+                "taskId": "t1", "contextId": ctx,
+                "status": {"state": format!("TASK_STATE_{}", state.to_uppercase().replace('-', "_")),
+                    "message": {"role": "ROLE_AGENT", "messageId": "a1", "parts": [{"text": text}]}}}}}),
+        }
+    }
+
+    fn error(self, code: i64) -> Value {
+        json!({"jsonrpc": "2.0", "id": 1, "error": {"code": code, "message": "no such task"}})
+    }
+}
+
+impl Bed {
+    /// Publish an A2A wire body of exchange `exchange` under `key` with the relay's headers.
+    async fn publish_wire(&self, key: &str, exchange: &str, method: &str, body: &Value) -> u64 {
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert("Collab-From-Agent", "ruda");
+        headers.insert("Collab-To-Agent", "eden");
+        headers.insert("Collab-Exchange", exchange);
+        headers.insert("Collab-A2A-Method", method);
+        let bytes = serde_json::to_vec(body).expect("a body serialises");
+        self.js
+            .publish_with_headers(format!("collab.raw.{key}.a2a.wire"), headers, bytes.into())
+            .await
+            .expect("raw publish was not sent")
+            .await
+            .expect("raw publish was not acknowledged")
+            .sequence
+    }
+}
+
+#[tokio::test]
+async fn a2a_wire_exchanges_get_exactly_one_response_each_in_both_versions() {
+    let bed = Bed::start().await;
+    let _p = bed.projector(&[]);
+    let mut expected = Vec::new();
+    let mut outcomes: Vec<(TurnKey, &str, &str)> = Vec::new();
+    for (v, tag) in [(Wire::V03, "v03"), (Wire::V10, "v10")] {
+        let method = match v {
+            Wire::V03 => "message/send",
+            Wire::V10 => "SendMessage",
+        };
+        // completed after a working frame; input-required; failed; unknown task; silence.
+        let cases: [(&str, Vec<Value>, &str); 5] = [
+            (
+                "done",
+                vec![
+                    v.status("x", "working", "on it"),
+                    v.status("x", "completed", "here is the checklist"),
+                    v.status("x", "completed", "a duplicate final frame"),
+                ],
+                "completed",
+            ),
+            (
+                "ask",
+                vec![v.status("x", "input-required", "which release?")],
+                "input-required",
+            ),
+            ("fail", vec![v.status("x", "failed", "disk full")], "error"),
+            ("gone", vec![v.error(-32001)], "not_found"),
+            ("mute", vec![], "timeout"),
+        ];
+        for (case, answers, outcome) in cases {
+            let ctx = format!("ctx-{tag}-{case}");
+            let exchange = format!("ex-{tag}-{case}");
+            bed.publish_wire(
+                &ctx,
+                &exchange,
+                method,
+                &v.send(&ctx, "prepare the release"),
+            )
+            .await;
+            for a in answers {
+                let body = serde_json::to_string(&a)
+                    .expect("serialises")
+                    .replace("\"x\"", &format!("\"{ctx}\""));
+                let body: Value = serde_json::from_str(&body).expect("parses");
+                bed.publish_wire(&ctx, &exchange, method, &body).await;
+            }
+            expected.push(key(&ctx, &exchange));
+            outcomes.push((key(&ctx, &exchange), outcome, method));
+        }
+    }
+    bed.wait_responses(&expected).await;
+    let convs: Vec<String> = expected.iter().map(|(c, _)| c.clone()).collect();
+    let conv_refs: Vec<&str> = convs.iter().map(String::as_str).collect();
+    bed.settle(&conv_refs).await;
+    let all = bed.responses().await;
+    let wire: Vec<Proj> = all
+        .into_iter()
+        .filter(|r| r.turn_key().1.starts_with("ex-"))
+        .collect();
+    let one = one_per_turn(&wire, &expected);
+    for (k, outcome, method) in outcomes {
+        let r = &one[&k];
+        match outcome {
+            "completed" | "input-required" => {
+                assert!(!r.is_blocked(), "{k:?}: {r:#?}");
+                assert_eq!(r.str("state"), Some(outcome), "{k:?}");
+            }
+            reason => {
+                assert!(r.is_blocked(), "{k:?} must be blocked: {r:#?}");
+                assert_eq!(r.str("reason"), Some(reason), "{k:?}");
+                assert_eq!(
+                    r.payload()["synthesized"],
+                    reason == "timeout",
+                    "{k:?}: only the timeout is synthesised"
+                );
+                // The next action speaks A2A: the agent, the context, the method to retry with.
+                let next = r.str("next_action").unwrap_or_default();
+                assert!(next.contains("eden"), "{k:?}: {next}");
+                assert!(next.contains(&k.0), "{k:?}: {next}");
+                assert!(next.contains(method), "{k:?}: {next}");
+            }
+        }
+    }
+    // The duplicate final frame of each completed exchange is kept, suppressed.
+    for tag in ["v03", "v10"] {
+        let ctx = format!("ctx-{tag}-done");
+        let suppressed = bed.suppressed_of(&ctx).await;
+        assert_eq!(suppressed.len(), 1, "{ctx}: {suppressed:#?}");
+        assert_eq!(suppressed[0].str("reason"), Some("duplicate"));
+    }
+    // The working frames are task progress, never a response.
+    let progress = bed
+        .read("collab.proj.orchestration.task.*.task.updated")
+        .await;
+    assert_eq!(progress.len(), 2, "{progress:#?}");
+}
