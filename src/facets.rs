@@ -167,13 +167,6 @@ pub fn derive(event_type: &str, status: Option<&str>, failed: bool) -> Facets {
             "conversation",
             Some("transcript"),
         ),
-        "reasoning.delta" | "reasoning.summary" => f(
-            "model",
-            "message",
-            Some("reasoning"),
-            "inline_process",
-            Some("archive"),
-        ),
         "queue.changed" => f(
             "runtime",
             "session",
@@ -281,6 +274,15 @@ pub fn derive(event_type: &str, status: Option<&str>, failed: bool) -> Facets {
                 "artifact_workspace",
                 Some("artifact_store"),
             ),
+            // AG-UI names its reasoning events REASONING_* (THINKING_* before), and seed 003
+            // has reasoning.delta and reasoning.summary: the whole family is the model reasoning.
+            "reasoning" | "thinking" => f(
+                "model",
+                "message",
+                Some("reasoning"),
+                "inline_process",
+                Some("archive"),
+            ),
             "context" => f(
                 "context",
                 "session",
@@ -374,6 +376,25 @@ mod tests {
                 Some("diagnostics")
             )
         );
+    }
+
+    #[test]
+    fn every_reasoning_and_thinking_class_is_the_model_reasoning() {
+        for class in [
+            "reasoning.delta",
+            "reasoning.summary",
+            "reasoning.message.content",
+            "reasoning.encrypted.value",
+            "thinking.text.message.start",
+        ] {
+            let r = derive(class, None, false);
+            assert_eq!(
+                (r.owner, r.phase, r.surface),
+                (Some("model"), Some("reasoning"), Some("inline_process")),
+                "{class}"
+            );
+        }
+        assert_eq!(derive("reasoningx", None, false), Facets::default());
     }
 
     #[test]

@@ -7,7 +7,8 @@
 //!
 //! - [`model`]: roles, the envelope, dead-letter reasons, the id-to-token rule.
 //! - [`config`]: settings from `config/default.toml`, environment and flags; resource names.
-//! - [`ingest`]: one raw message to envelopes, per input format (adapter, collaboration, runtime).
+//! - [`ingest`]: one raw message to envelopes, per input format (adapter, collaboration, runtime,
+//!   AG-UI).
 //! - [`classify`]: the `eventRole` rules.
 //! - `facets`: owner / scope / phase / surface derived from the event class.
 //! - [`pipeline`]: a raw message to the messages to publish (projections or a dead letter).

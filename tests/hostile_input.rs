@@ -157,7 +157,8 @@ fn text() -> impl Strategy<Value = String> {
         2 => "[ -~]{0,24}",
         1 => "\\PC{0,12}",
         1 => prop::sample::select(vec![
-            "a2a.send", "a2a.response", "task.updated", "RUN_STARTED", "main", "ruda", "eden",
+            "a2a.send", "a2a.response", "task.updated", "RUN_STARTED", "TOOL_CALL_END", "A2A_SEND",
+            "FOO__BAR", "main", "ruda", "eden",
             "agent:eden:main", "delegation", "0.2", "a2a", "2026-02-17T12:00:00Z", "",
         ])
         .prop_map(str::to_string),
@@ -173,7 +174,8 @@ fn key() -> impl Strategy<Value = String> {
             "workSessionId", "taskId", "agentId", "fromAgent", "toAgent", "fromSessionType",
             "toSessionType", "targetSessionKey", "ts", "timestamp", "sequence", "refs", "owner",
             "status", "_input", "value", "password", "api_key", "X-Api-Key", "Authorization",
-            "token", "tokens", "secret", "cookie", "credentials", "maxTokens",
+            "token", "tokens", "secret", "cookie", "credentials", "maxTokens", "threadId", "runId",
+            "messageId", "toolCallId", "parentMessageId", "agUiType",
         ])
         .prop_map(str::to_string),
         1 => "[a-zA-Z_]{1,10}",
@@ -211,6 +213,13 @@ fn event_object() -> impl Strategy<Value = Value> {
         ),
         Just(json!({ "protocol": "a2a", "version": "0.2", "event_type": "task.requested" })),
         Just(json!({ "jsonrpc": "2.0", "method": "message/send" })),
+        prop::sample::select(vec![
+            "RUN_STARTED", "RUN_FINISHED", "RUN_ERROR", "STEP_STARTED", "TEXT_MESSAGE_START",
+            "TEXT_MESSAGE_CHUNK", "TEXT_MESSAGE_END", "TOOL_CALL_START", "TOOL_CALL_ARGS",
+            "TOOL_CALL_RESULT", "REASONING_MESSAGE_CONTENT", "THINKING_START", "STATE_DELTA",
+            "MESSAGES_SNAPSHOT", "ACTIVITY_SNAPSHOT", "RAW", "CUSTOM", "SOMETHING_NEW",
+        ])
+        .prop_map(|t| json!({ "type": t, "threadId": "t-1", "runId": "r-1", "messageId": "m-1", "toolCallId": "c-1" })),
         json_value().prop_map(|v| json!({ "type": v })),
         Just(json!({})),
     ];
@@ -386,16 +395,11 @@ fn every_fixture_input_normalises_within_the_invariants() {
 }
 
 #[test]
-fn a2a_json_rpc_and_ag_ui_fixtures_are_dead_lettered_unrecognized() {
+fn a2a_json_rpc_fixtures_are_projected() {
     let settings = &checks::normalize_settings()[0];
     let mut seen = 0;
     for event in fixture_events() {
-        let jsonrpc = event.get("jsonrpc").is_some();
-        let agui = event
-            .get("type")
-            .and_then(Value::as_str)
-            .is_some_and(|t| t.chars().all(|c| c.is_ascii_uppercase() || c == '_'));
-        if !(jsonrpc || agui) || event.get("protocol").is_some() {
+        if event.get("jsonrpc").is_none() || event.get("protocol").is_some() {
             continue;
         }
         seen += 1;
@@ -406,15 +410,59 @@ fn a2a_json_rpc_and_ag_ui_fixtures_are_dead_lettered_unrecognized() {
             raw_ref: None,
             relay: Default::default(),
         };
-        match collab_projector::ingest::normalize(&input, settings) {
-            Err(r) => assert_eq!(r.reason.as_str(), "unrecognized", "{event}: {}", r.detail),
-            Ok(_) => panic!("projected {event}"),
+        // Format 4 (CONTRACT 2a): every A2A 0.3 / 1.0 body of the spec is projected; only
+        // pre-0.2 shapes are refused.
+        if let Err(r) = collab_projector::ingest::normalize(&input, settings) {
+            let legacy = r.reason.as_str() == "unrecognized" && r.detail.contains("pre-0.2");
+            assert!(
+                legacy,
+                "{event} was dead-lettered {}: {}",
+                r.reason, r.detail
+            );
         }
     }
-    // The repository's fixtures alone have none; the shared spec fixtures have many.
-    if fixture_roots().len() > 1 {
-        assert!(seen > 0, "no A2A JSON-RPC or AG-UI fixture found");
+    assert!(seen > 0, "no A2A JSON-RPC fixture found");
+}
+
+/// Format 5 is mapped (CONTRACT 2b): every AG-UI event in the fixtures is projected, with its
+/// type kept, under either settings variant that does not make it too large.
+#[test]
+fn ag_ui_fixtures_are_projected_never_dead_lettered() {
+    let mut seen = 0;
+    for event in fixture_events() {
+        let Some(t) = event.get("type").and_then(Value::as_str) else {
+            continue;
+        };
+        let agui = !t.is_empty() && t.chars().all(|c| c.is_ascii_uppercase() || c == '_');
+        if !agui || event.get("protocol").is_some() || event.get("jsonrpc").is_some() {
+            continue;
+        }
+        seen += 1;
+        let bytes = serde_json::to_vec(event).unwrap_or_default();
+        let input = collab_projector::ingest::RawInput {
+            bytes: &bytes,
+            subject: None,
+            raw_ref: None,
+            relay: Default::default(),
+        };
+        for settings in checks::normalize_settings() {
+            match collab_projector::ingest::normalize(&input, settings) {
+                Ok(events) => {
+                    for n in events {
+                        let kept = n.envelope.payload.as_ref().and_then(|p| p.get("agUiType"));
+                        assert_eq!(kept, Some(&json!(t)), "{event}");
+                    }
+                }
+                Err(r) => assert_eq!(
+                    r.reason.as_str(),
+                    "too_large",
+                    "{event} was dead-lettered: {}",
+                    r.detail
+                ),
+            }
+        }
     }
+    assert!(seen > 0, "no AG-UI fixture found");
 }
 
 /// Fields outside the envelope's slots move under `payload`, a level deeper than in the input;

@@ -210,7 +210,8 @@ pub fn normalize(bytes: &[u8]) -> Checked {
 /// One raw message, offline and then published under the key the normaliser chose:
 /// - never panics; the `normalize` command's line is always a JSON object;
 /// - a rejection has a non-empty detail with no secret in it, and a reason the router can give
-///   for that input (A2A JSON-RPC and AG-UI inputs are dead-lettered `unrecognized`);
+///   for that input (A2A JSON-RPC inputs only `unrecognized`, for a pre-0.2 shape; AG-UI inputs
+///   never are: only their type, role, ids or size can refuse them);
 /// - an acceptance is at least one event, each with a role, a valid type and key token, an
 ///   envelope no deeper than `limits.max_depth`, nothing left to redact, and a lossless JSON
 ///   round trip;
@@ -268,6 +269,7 @@ pub fn normalize_with(bytes: &[u8], settings: &ingest::Settings) -> Checked {
                     )
                 })?;
                 normalized(n, settings)?;
+                agui_kept(n, &route)?;
             }
             for n in &events {
                 let online = RawInput {
@@ -300,6 +302,31 @@ pub fn normalize_with(bytes: &[u8], settings: &ingest::Settings) -> Checked {
     }
 }
 
+/// A projected AG-UI event keeps its type in `payload.agUiType` and is observability unless it
+/// named its role.
+fn agui_kept(n: &Normalized, route: &Route) -> Checked {
+    let Route::AgUi {
+        agui_type, role, ..
+    } = route
+    else {
+        return Ok(());
+    };
+    let kept = n
+        .envelope
+        .payload
+        .as_ref()
+        .and_then(|p| p.get("agUiType"))
+        .and_then(Value::as_str);
+    ensure(kept == Some(agui_type.as_str()), || {
+        format!("AG-UI {agui_type} was projected with payload.agUiType {kept:?}")
+    })?;
+    let want = role.as_deref().unwrap_or("system.observability");
+    let got = n.envelope.event_role.map(|r| r.as_str());
+    ensure(got == Some(want), || {
+        format!("AG-UI {agui_type} was projected as {got:?}, not {want}")
+    })
+}
+
 fn normalized(n: &Normalized, settings: &ingest::Settings) -> Checked {
     let env = &n.envelope;
     ensure(ingest::check_type(&env.event_type).is_ok(), || {
@@ -327,7 +354,8 @@ fn normalized(n: &Normalized, settings: &ingest::Settings) -> Checked {
         "the producer object is attached exactly to the events the turn contract reads".to_string()
     })?;
     if let Some(conv) = &n.conversation_id {
-        ensure(encode_id(conv) == n.key, || {
+        // A2A wire traffic's conversation is the key token the relay chose, as it is.
+        ensure(encode_id(conv) == n.key || conv == &n.key, || {
             format!(
                 "{} is keyed `{}`, not by its conversation {conv:?}",
                 env.event_type, n.key
@@ -366,7 +394,13 @@ enum Route {
     NotObject,
     AdapterPacket,
     JsonRpc,
-    AgUi,
+    /// An AG-UI event: the envelope type CONTRACT 2b gives its type, the type as published,
+    /// and its explicit `eventRole` when it is a string.
+    AgUi {
+        class: String,
+        agui_type: String,
+        role: Option<String>,
+    },
     /// `type` is a string: projected with that type, or refused for its type, role or key.
     Event(String),
     /// `type` is present but not a string.
@@ -381,9 +415,15 @@ impl Route {
         reason == DlqReason::TooLarge
             || match self {
                 Route::NotJson => reason == DlqReason::BadJson,
-                Route::NotObject | Route::JsonRpc | Route::AgUi | Route::Untyped => {
+                Route::NotObject | Route::JsonRpc | Route::Untyped => {
+                    // JSON-RPC: A2A bodies in a pre-0.2 shape.
                     reason == DlqReason::Unrecognized
                 }
+                // Never for its type being unknown: AG-UI types added later are projected.
+                Route::AgUi { .. } => matches!(
+                    reason,
+                    DlqReason::BadType | DlqReason::InvalidRole | DlqReason::BadKey
+                ),
                 Route::AdapterPacket => {
                     matches!(reason, DlqReason::AdapterRejected | DlqReason::BadType)
                 }
@@ -398,7 +438,13 @@ impl Route {
     fn allows_event(&self, event_type: &str) -> bool {
         match self {
             Route::AdapterPacket => event_type.starts_with("assay.adapter.a2a."),
-            Route::Event(t) => t == event_type,
+            // A2A wire bodies: a turn's send or response, or task / agent information.
+            Route::JsonRpc => {
+                matches!(event_type, "a2a.send" | "a2a.response")
+                    || event_type.starts_with("task.")
+                    || event_type.starts_with("agent.")
+            }
+            Route::Event(t) | Route::AgUi { class: t, .. } => t == event_type,
             _ => false,
         }
     }
@@ -409,6 +455,26 @@ fn is_agui_type(t: &str) -> bool {
         && t.bytes()
             .all(|b| b.is_ascii_uppercase() || b == b'_' || b.is_ascii_digit())
         && t.bytes().any(|b| b.is_ascii_uppercase())
+}
+
+/// CONTRACT 2b's table, written out again here so the check does not trust the code it checks.
+fn agui_class(t: &str) -> String {
+    match t {
+        "RUN_STARTED" => "run.started".into(),
+        "RUN_FINISHED" => "run.finished".into(),
+        "RUN_ERROR" => "run.failed".into(),
+        "STEP_STARTED" | "STEP_FINISHED" => "run.status".into(),
+        "TEXT_MESSAGE_START" | "TEXT_MESSAGE_CONTENT" | "TEXT_MESSAGE_CHUNK" => "text.delta".into(),
+        "TEXT_MESSAGE_END" => "text.final".into(),
+        "TOOL_CALL_START" => "tool.started".into(),
+        "TOOL_CALL_ARGS" | "TOOL_CALL_CHUNK" | "TOOL_CALL_END" => "tool.args".into(),
+        "TOOL_CALL_RESULT" => "tool.result".into(),
+        other => other
+            .split('_')
+            .map(str::to_ascii_lowercase)
+            .collect::<Vec<_>>()
+            .join("."),
+    }
 }
 
 fn expected_route(bytes: &[u8], settings: &ingest::Settings) -> Route {
@@ -426,7 +492,14 @@ fn expected_route(bytes: &[u8], settings: &ingest::Settings) -> Route {
         return Route::JsonRpc;
     }
     match obj.get("type") {
-        Some(Value::String(t)) if is_agui_type(t) => Route::AgUi,
+        Some(Value::String(t)) if is_agui_type(t) => Route::AgUi {
+            class: agui_class(t),
+            agui_type: t.clone(),
+            role: obj
+                .get("eventRole")
+                .and_then(Value::as_str)
+                .map(str::to_string),
+        },
         Some(Value::String(t)) => Route::Event(t.clone()),
         Some(_) => Route::BadType,
         None => Route::Untyped,

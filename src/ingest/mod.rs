@@ -5,11 +5,14 @@
 //! 1. A2A adapter packets (`protocol == "a2a"` with `event_type`) go through the K1-A adapter;
 //! 2. collaboration events (seed 000: `type` + fields at the top level or under `data`) and
 //! 3. runtime events (seed 003 envelope) share one mapping in [`event`];
-//! 4. A2A JSON-RPC traffic and 5. AG-UI events are recognised and reported as not supported
-//!    yet, so they are dead-lettered with a precise reason instead of being mis-projected.
+//! 4. A2A JSON-RPC traffic is recognised and reported as not supported yet, so it is
+//!    dead-lettered with a precise reason instead of being mis-projected;
+//! 5. AG-UI events (a SCREAMING_SNAKE_CASE `type`) are rewritten as runtime events by [`agui`]
+//!    and then take the runtime events' mapping, whatever their type.
 
 pub mod a2a_wire;
 pub mod adapter;
+pub mod agui;
 pub mod event;
 
 use crate::classify::MainAgents;
@@ -227,10 +230,9 @@ pub fn normalize(input: &RawInput<'_>, settings: &Settings) -> Result<Vec<Normal
         return from_wire(obj, input, settings).map(|n| counted(vec![n], redactions));
     }
     let events = match obj.get("type") {
-        Some(Value::String(t)) if is_agui_type(t) => Err(Rejection::new(
-            DlqReason::Unrecognized,
-            format!("AG-UI event `{t}` is not projected by this version; replay this dead letter after upgrading"),
-        )),
+        Some(Value::String(t)) if agui::is_agui_type(t) => {
+            agui::from_agui(obj, t, input, settings).map(|n| vec![n])
+        }
         Some(Value::String(_)) => event::from_event(obj, input, settings).map(|n| vec![n]),
         Some(other) => Err(Rejection::new(
             DlqReason::BadType,
@@ -262,8 +264,12 @@ fn from_wire(
         relay: RelayHeaders::default(),
     };
     let mut n = event::from_event(&translated, &offline, settings)?;
-    if let Some(k) = key {
-        n.key = k;
+    match key {
+        Some(k) => n.key = k,
+        // Offline, a body without a context stays under the placeholder key, so publishing it
+        // under that key gives the same envelope.
+        None if translated.get("contextId").is_none() => n.key = "_".into(),
+        None => {}
     }
     if n.conversation_id.is_some() {
         n.conversation_id = Some(n.key.clone());
@@ -292,14 +298,6 @@ fn with_source(mut events: Vec<Normalized>, value: Value) -> Vec<Normalized> {
         }
     }
     events
-}
-
-/// AG-UI event types are SCREAMING_SNAKE_CASE (`RUN_STARTED`, `TEXT_MESSAGE_CONTENT`).
-fn is_agui_type(t: &str) -> bool {
-    !t.is_empty()
-        && t.bytes()
-            .all(|b| b.is_ascii_uppercase() || b == b'_' || b.is_ascii_digit())
-        && t.bytes().any(|b| b.is_ascii_uppercase())
 }
 
 pub(crate) fn json_kind(v: &Value) -> &'static str {
