@@ -35,7 +35,7 @@ use tracing::{error, info, warn};
 struct Held {
     revision: u64,
     /// Until when (ms since the epoch) the lease is known to hold: the start of its last
-    /// successful renewal plus two thirds of the TTL.
+    /// successful renewal plus a third of the TTL.
     valid_until: Arc<AtomicI64>,
     cancel: CancellationToken,
     task: JoinHandle<()>,
