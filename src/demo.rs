@@ -133,7 +133,7 @@ pub async fn run(
     let gen_cancel = cancel.clone();
     let rate = opts.rate.max(1);
     let generator = tokio::spawn(async move {
-        let mut generator = Generator::new(&prefix, 7, Mix::REALISTIC);
+        let mut generator = Generator::new(&prefix, 7, Mix::DEMO);
         let mut tick = tokio::time::interval(Duration::from_millis(1000 / u64::from(rate)));
         let mut published = 0u64;
         loop {
@@ -142,7 +142,11 @@ pub async fn run(
                 _ = tick.tick() => {}
             }
             for ev in generator.next_scenario() {
-                match js.publish(ev.subject, ev.body.into()).await {
+                let sent = match ev.nats_headers() {
+                    Some(h) => js.publish_with_headers(ev.subject, h, ev.body.into()).await,
+                    None => js.publish(ev.subject, ev.body.into()).await,
+                };
+                match sent {
                     Ok(ack) => {
                         if ack.await.is_ok() {
                             published += 1;

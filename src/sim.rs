@@ -1,6 +1,7 @@
 //! Realistic multi-agent traffic for `demo` and `bench`: main-main turns (answered, failed,
 //! unanswered), delegations to subagents, task lifecycles, runtime and tool events, health
-//! signals, A2A adapter packets and a little malformed input.
+//! signals, A2A adapter packets, A2A wire traffic as a relay publishes it (JSON-RPC v0.3 and
+//! v1.0), AG-UI runs and a little malformed input.
 
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -11,6 +12,22 @@ use serde_json::{json, Value};
 pub struct RawEvent {
     pub subject: String,
     pub body: Vec<u8>,
+    /// NATS headers to publish with it (a relay's `Collab-*` headers); usually none.
+    pub headers: Vec<(&'static str, String)>,
+}
+
+impl RawEvent {
+    /// Its headers as NATS headers, when it has any.
+    pub fn nats_headers(&self) -> Option<async_nats::HeaderMap> {
+        if self.headers.is_empty() {
+            return None;
+        }
+        let mut h = async_nats::HeaderMap::new();
+        for (name, value) in &self.headers {
+            h.insert(*name, value.as_str());
+        }
+        Some(h)
+    }
 }
 
 /// The mix of traffic. Weights are relative.
@@ -22,6 +39,10 @@ pub struct Mix {
     pub runtime: u32,
     pub health: u32,
     pub adapter: u32,
+    /// A2A wire exchanges (a send and its answers, v0.3 or v1.0).
+    pub a2a_wire: u32,
+    /// AG-UI runs (start, text, a tool call, finish).
+    pub agui: u32,
     pub malformed: u32,
 }
 
@@ -34,7 +55,15 @@ impl Mix {
         runtime: 15,
         health: 10,
         adapter: 5,
+        a2a_wire: 0,
+        agui: 0,
         malformed: 5,
+    };
+    /// The demo's: the realistic mix plus every other input format a bus carries.
+    pub const DEMO: Mix = Mix {
+        a2a_wire: 12,
+        agui: 8,
+        ..Mix::REALISTIC
     };
     /// Only turn traffic (send, response, complete).
     pub const TURNS_ONLY: Mix = Mix {
@@ -44,6 +73,8 @@ impl Mix {
         runtime: 0,
         health: 0,
         adapter: 0,
+        a2a_wire: 0,
+        agui: 0,
         malformed: 0,
     };
 }
@@ -81,6 +112,7 @@ impl Generator {
         RawEvent {
             subject: self.subject(key, t),
             body: serde_json::to_vec(&v).unwrap_or_default(),
+            headers: Vec::new(),
         }
     }
 
@@ -93,7 +125,15 @@ impl Generator {
         self.n += 1;
         self.now_ms += 250;
         let m = self.mix;
-        let total = m.turn + m.delegation + m.task + m.runtime + m.health + m.adapter + m.malformed;
+        let total = m.turn
+            + m.delegation
+            + m.task
+            + m.runtime
+            + m.health
+            + m.adapter
+            + m.a2a_wire
+            + m.agui
+            + m.malformed;
         let mut roll = self.rng.random_range(0..total.max(1));
         let mut take = |w: u32| {
             if roll < w {
@@ -115,6 +155,10 @@ impl Generator {
             self.health()
         } else if take(m.adapter) {
             self.adapter()
+        } else if take(m.a2a_wire) {
+            self.a2a_wire()
+        } else if take(m.agui) {
+            self.agui()
         } else {
             self.malformed()
         }
@@ -245,12 +289,124 @@ impl Generator {
             "message":{"id":format!("msg-{}", self.n),"role":"assistant"}}))]
     }
 
+    /// One A2A exchange between two main agents as a relay in front of the callee publishes it:
+    /// the send, then (mostly) a working frame and a final state, in v0.3 or v1.0 wire style.
+    /// Some end in input-required, a failure or TaskNotFound; some get no answer (the turn
+    /// contract answers them with a blocked timeout).
+    fn a2a_wire(&mut self) -> Vec<RawEvent> {
+        let from = self.pick(&MAIN_AGENTS);
+        let mut to = self.pick(&MAIN_AGENTS);
+        while to == from {
+            to = self.pick(&MAIN_AGENTS);
+        }
+        let v1 = self.rng.random_range(0..2) == 0;
+        let ctx = format!("ctx-{}", self.n);
+        let exchange = format!("ex-{}", self.n);
+        let method = if v1 { "SendMessage" } else { "message/send" };
+        let headers = vec![
+            ("Collab-From-Agent", from.to_string()),
+            ("Collab-To-Agent", to.to_string()),
+            ("Collab-Exchange", exchange),
+            ("Collab-A2A-Method", method.to_string()),
+        ];
+        let topic = self.pick(&[
+            "rotate the staging certificates",
+            "find the owner of the failing canary",
+            "compare last week's latency with this week's",
+        ]);
+        let text_part = |t: &str| {
+            if v1 {
+                json!({"text": t})
+            } else {
+                json!({"kind": "text", "text": t})
+            }
+        };
+        let state = |s: &str| {
+            if v1 {
+                format!("TASK_STATE_{}", s.to_uppercase().replace('-', "_"))
+            } else {
+                s.to_string()
+            }
+        };
+        let frame = |s: &str, text: &str| {
+            let status = json!({"state": state(s), "message": {
+                "role": if v1 { "ROLE_AGENT" } else { "agent" }, "messageId": format!("{ctx}-{s}"),
+                "parts": [text_part(text)]}});
+            let update =
+                json!({"taskId": format!("task-{ctx}"), "contextId": ctx, "status": status});
+            if v1 {
+                json!({"jsonrpc": "2.0", "id": 1, "result": {"statusUpdate": update}})
+            } else {
+                let mut u = update;
+                u["kind"] = json!("status-update");
+                u["final"] = json!(s != "working");
+                json!({"jsonrpc": "2.0", "id": 1, "result": u})
+            }
+        };
+        let send = json!({"jsonrpc": "2.0", "id": 1, "method": method, "params": {"message": {
+            "role": if v1 { "ROLE_USER" } else { "user" }, "messageId": format!("{ctx}-ask"),
+            "contextId": ctx, "parts": [text_part(&format!("Please {topic}."))]}}});
+        let wire = |body: Value| RawEvent {
+            subject: format!("{}.raw.{ctx}.a2a.wire", self.prefix),
+            body: serde_json::to_vec(&body).unwrap_or_default(),
+            headers: headers.clone(),
+        };
+        let mut out = vec![wire(send)];
+        let roll = self.rng.random_range(0..100);
+        if roll < self.unanswered_percent {
+            return out;
+        }
+        out.push(wire(frame("working", "on it")));
+        out.push(wire(match roll % 10 {
+            0 => json!({"jsonrpc": "2.0", "id": 1, "error": {"code": -32001, "message": "Task not found"}}),
+            1 => frame("failed", "the staging cluster refused the change"),
+            2 => frame("input-required", "which environment?"),
+            _ => frame("completed", &format!("done: {topic}")),
+        }));
+        out
+    }
+
+    /// One AG-UI run as an agent UI's relay publishes it: start, a streamed text message, a
+    /// tool call with its result, finish (a few stop mid-message and never finish).
+    fn agui(&mut self) -> Vec<RawEvent> {
+        let thread = format!("thread-{}", self.n % 13);
+        let run = format!("agui-run-{}", self.n);
+        let msg = format!("msg-{}", self.n);
+        let call = format!("tool-{}", self.n);
+        let ts = self.now_ms;
+        let mut events = vec![
+            json!({"type": "RUN_STARTED", "threadId": thread, "runId": run, "timestamp": ts}),
+            json!({"type": "TEXT_MESSAGE_START", "messageId": msg, "role": "assistant", "timestamp": ts + 5}),
+            json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": msg, "delta": "Looking at the dashboards", "timestamp": ts + 9}),
+        ];
+        if self.rng.random_range(0..10) > 0 {
+            events.extend([
+                json!({"type": "TEXT_MESSAGE_END", "messageId": msg, "timestamp": ts + 12}),
+                json!({"type": "TOOL_CALL_START", "toolCallId": call, "toolCallName": "query_metrics", "parentMessageId": msg, "timestamp": ts + 15}),
+                json!({"type": "TOOL_CALL_ARGS", "toolCallId": call, "delta": "{\"service\":\"checkout\"}", "timestamp": ts + 16}),
+                json!({"type": "TOOL_CALL_END", "toolCallId": call, "timestamp": ts + 17}),
+                json!({"type": "TOOL_CALL_RESULT", "messageId": format!("{msg}-r"), "toolCallId": call, "content": "p99 410 ms", "timestamp": ts + 60}),
+                json!({"type": "RUN_FINISHED", "threadId": thread, "runId": run, "timestamp": ts + 70}),
+            ]);
+        }
+        let headers = vec![("Collab-Run-Id", run.clone())];
+        events
+            .into_iter()
+            .map(|body| RawEvent {
+                subject: format!("{}.raw.{thread}.agui", self.prefix),
+                body: serde_json::to_vec(&body).unwrap_or_default(),
+                headers: headers.clone(),
+            })
+            .collect()
+    }
+
     fn malformed(&mut self) -> Vec<RawEvent> {
         let key = format!("bad-{}", self.n);
         match self.rng.random_range(0..4) {
             0 => vec![RawEvent {
                 subject: self.subject(&key, "a2a.send"),
                 body: b"{\"type\":\"a2a.send\",".to_vec(),
+                headers: Vec::new(),
             }],
             1 => vec![self.ev(&key, "mystery", json!({"hello":"world"}))],
             2 => {
