@@ -997,7 +997,7 @@ mod tests {
     #[test]
     fn partitions_follow_the_servers_fnv1a_hash() {
         // FNV-1a 32-bit reference values: "" -> 0x811c9dc5, "a" -> 0xe40c292c.
-        assert_eq!(transform_partition(b"", u32::MAX), 0x811c_9dc5 % u32::MAX);
+        assert_eq!(transform_partition(b"", u32::MAX), 0x811c_9dc5);
         assert_eq!(transform_partition(b"a", u32::MAX), 0xe40c_292c);
         assert_eq!(transform_partition(b"a", 64), 0xe40c_292c % 64);
         let n = Settings::default().names();

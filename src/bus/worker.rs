@@ -1500,6 +1500,8 @@ async fn first_hold(hold: Option<Hold>) -> Result<u64, WriteError> {
 /// whose record is deferred (never past it: a crash must redeliver that input). Returns an error
 /// (and cancels `broken`) when a turn-record or checkpoint write was refused: nothing more is
 /// acknowledged, the partition restarts.
+// Each argument is one handle of the partition's pipeline; a struct would only rename them.
+#[allow(clippy::too_many_arguments)]
 async fn ack_stage(
     shared: Arc<WorkerContext>,
     stream: jetstream::stream::Stream,
