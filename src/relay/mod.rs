@@ -577,7 +577,18 @@ async fn forward(State(proxy): State<Arc<Proxy>>, req: Request) -> Response {
         }
         w => w,
     };
-    let tap = Tap::new(answer.bytes_stream().boxed(), watch, exchange, encoding);
+    // HEAD answers and 204/304 carry a length but no body.
+    let expected = answer
+        .content_length()
+        .filter(|_| method != axum::http::Method::HEAD)
+        .and_then(|n| usize::try_from(n).ok());
+    let tap = Tap::new(
+        answer.bytes_stream().boxed(),
+        watch,
+        exchange,
+        encoding,
+        expected,
+    );
     let mut response = Response::new(Body::from_stream(tap));
     *response.status_mut() = status;
     *response.headers_mut() = response_headers;
@@ -692,7 +703,11 @@ struct Tap {
     /// The whole body so far (for [`Watch::Whole`]), until it passes the limit.
     body: BytesMut,
     body_size: usize,
-    ended: bool,
+    /// The answer's `Content-Length`: the server stops reading the body once it has sent that
+    /// many bytes, so the stream's end may never be polled.
+    expected: Option<usize>,
+    /// What the answer carries has been published (or judged not publishable).
+    done: bool,
 }
 
 impl Tap {
@@ -701,8 +716,9 @@ impl Tap {
         watch: Watch,
         exchange: Exchange,
         encoding: ContentEncoding,
+        expected: Option<usize>,
     ) -> Tap {
-        Tap {
+        let mut tap = Tap {
             inner,
             sse: SseParser::new(exchange.max_message),
             watch,
@@ -711,8 +727,13 @@ impl Tap {
             frames: Vec::new(),
             body: BytesMut::new(),
             body_size: 0,
-            ended: false,
+            expected,
+            done: false,
+        };
+        if expected == Some(0) {
+            tap.end();
         }
+        tap
     }
 
     fn chunk(&mut self, chunk: &Bytes) {
@@ -741,12 +762,17 @@ impl Tap {
                 } else {
                     self.body.clear();
                 }
+                if self.expected.is_some_and(|n| self.body_size >= n) {
+                    self.end();
+                }
             }
         }
     }
 
     fn end(&mut self) {
-        self.ended = true;
+        if std::mem::replace(&mut self.done, true) {
+            return;
+        }
         match self.watch {
             Watch::Nothing => {}
             Watch::Frames(_) => {
@@ -786,9 +812,6 @@ impl Stream for Tap {
     type Item = reqwest::Result<Bytes>;
 
     fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Self::Item>> {
-        if self.ended {
-            return Poll::Ready(None);
-        }
         let item = match self.inner.poll_next_unpin(cx) {
             Poll::Pending => return Poll::Pending,
             Poll::Ready(item) => item,
@@ -799,7 +822,7 @@ impl Stream for Tap {
                 // The caller sees the cut-off answer as the upstream gave it; nothing partial
                 // is published as if it were whole.
                 debug!(exchange = %self.exchange.id, error = %e, "the upstream answer broke off");
-                self.ended = true;
+                self.done = true;
             }
             None => self.end(),
         }
@@ -809,7 +832,7 @@ impl Stream for Tap {
 
 impl Drop for Tap {
     fn drop(&mut self) {
-        if !self.ended && !matches!(self.watch, Watch::Nothing) {
+        if !self.done && !matches!(self.watch, Watch::Nothing) {
             debug!(exchange = %self.exchange.id, "the caller left before the answer ended: what had passed is published, the rest is not");
         }
     }

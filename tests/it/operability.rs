@@ -29,7 +29,7 @@ async fn get(addr: &str, path: &str) -> (u16, String) {
 }
 
 /// Samples of the Prometheus text: `name{labels}` -> value.
-fn samples(text: &str) -> BTreeMap<String, f64> {
+pub fn samples(text: &str) -> BTreeMap<String, f64> {
     text.lines()
         .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
         .filter_map(|l| {
@@ -40,7 +40,7 @@ fn samples(text: &str) -> BTreeMap<String, f64> {
 }
 
 /// The sum of every series of `name` whose labels contain all of `labels` (`k="v"` pairs).
-fn sum(samples: &BTreeMap<String, f64>, name: &str, labels: &[&str]) -> f64 {
+pub fn sum(samples: &BTreeMap<String, f64>, name: &str, labels: &[&str]) -> f64 {
     samples
         .iter()
         .filter(|(series, _)| {
