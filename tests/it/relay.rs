@@ -760,7 +760,7 @@ fn e2e_python() -> Option<PathBuf> {
     }
     let reason = format!(
         "no Python with a2a-sdk, ag-ui-protocol and uvicorn (tried {}): run .ci/run, or create \
-         .ci/.venv-e2e with the versions pinned there, or set COLLAB_E2E_PYTHON",
+         .ci/.venv-e2e from tests/e2e/requirements.txt, or set COLLAB_E2E_PYTHON",
         tried.join(", ")
     );
     assert!(std::env::var_os("CI").is_none(), "{reason}");
