@@ -729,6 +729,43 @@ async fn relay_publishes_each_agui_event_under_the_thread_with_its_run() {
     drop(relay.process);
 }
 
+#[tokio::test]
+async fn relay_drains_an_open_stream_and_its_messages_on_sigterm() {
+    let nats = TestNats::start().await;
+    let js = provisioned(&nats.url()).await;
+    let agent = start_agent().await;
+    let mut relay = start_relay(
+        "a2a",
+        &nats.url(),
+        &agent.url(),
+        &["--drain-timeout", "20s"],
+    )
+    .await;
+
+    let request = json_rpc_send(2, "message/stream", "ctx-drain");
+    let answer = post_json(&relay.url("/"), &request, &[]).await;
+    let mut body = answer.bytes_stream();
+    let first = body.next().await.unwrap().unwrap();
+    assert!(!first.is_empty());
+    relay.process.sigterm();
+    // Stopping: no new calls are taken, the open stream goes on to its end.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        relay.process.wait_exit(Duration::ZERO).await.is_none(),
+        "it waits for the open stream"
+    );
+    agent.state.release.notify_one();
+    let mut rest = Vec::new();
+    while let Some(chunk) = body.next().await {
+        rest.extend_from_slice(&chunk.unwrap());
+    }
+    assert!(rest.ends_with(STREAM_WIRE[3].as_bytes()));
+    let status = relay.process.wait_exit(Duration::from_secs(15)).await;
+    assert!(status.is_some_and(|s| s.success()), "exit: {status:?}");
+    let raw = raw_messages(&js, 1 + STREAM_WIRE.len() as u64).await;
+    assert!(raw.iter().all(|m| m.key == "ctx-drain"));
+}
+
 // ---------------------------------------------------------------------------------------------
 // End to end with the real SDKs (tests/e2e/)
 
