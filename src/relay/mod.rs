@@ -345,18 +345,12 @@ struct Exchange {
 impl Exchange {
     /// Queue one message; too large ones are counted and skipped.
     fn emit(&mut self, kind: Kind, payload: Bytes) {
-        let n = self.next;
-        self.next += 1;
         if payload.len() > self.max_message {
-            debug!(
-                exchange = %self.id,
-                kind = kind.label(),
-                bytes = payload.len(),
-                "larger than --max-message-bytes: forwarded, not published"
-            );
-            self.queue.dropped(DropReason::TooLarge);
+            self.skip(kind, DropReason::TooLarge, payload.len());
             return;
         }
+        let n = self.next;
+        self.next += 1;
         let mut headers = self.headers.clone();
         headers.insert("Nats-Msg-Id", format!("{}:{n}", self.id).as_str());
         self.queue.offer(Outgoing {
@@ -367,10 +361,17 @@ impl Exchange {
         });
     }
 
-    fn too_large(&mut self, kind: Kind, bytes: usize) {
+    /// Count a message of the exchange that is forwarded but not published.
+    fn skip(&mut self, kind: Kind, reason: DropReason, bytes: usize) {
         self.next += 1;
-        debug!(exchange = %self.id, kind = kind.label(), bytes, "larger than --max-message-bytes: forwarded, not published");
-        self.queue.dropped(DropReason::TooLarge);
+        debug!(
+            exchange = %self.id,
+            kind = kind.label(),
+            reason = reason.as_str(),
+            bytes,
+            "forwarded, not published"
+        );
+        self.queue.dropped(reason);
     }
 }
 
@@ -413,14 +414,6 @@ async fn read_body(body: Body, limit: usize) -> Result<RequestBody, axum::Error>
 async fn forward(State(proxy): State<Arc<Proxy>>, req: Request) -> Response {
     let exchange_id = uuid::Uuid::new_v4().to_string();
     let (parts, body) = req.into_parts();
-    let method = parts.method.clone();
-    let path_and_query = parts
-        .uri
-        .path_and_query()
-        .map_or("/", |pq| pq.as_str())
-        .to_string();
-    let path = parts.uri.path().to_string();
-
     let body = match read_body(body, proxy.max_message).await {
         Ok(b) => b,
         Err(e) => {
@@ -433,166 +426,193 @@ async fn forward(State(proxy): State<Arc<Proxy>>, req: Request) -> Response {
             );
         }
     };
-    let whole = match &body {
-        RequestBody::Whole(b) => Some(b.clone()),
-        RequestBody::Large { .. } => None,
-    };
-
-    // What the exchange is, from the request alone.
-    let head: Vec<u8> = match &body {
-        RequestBody::Whole(_) => Vec::new(),
-        RequestBody::Large { head, .. } => head
-            .iter()
-            .flat_map(|c| c.iter().copied())
-            .take(wire::HEAD_BYTES)
-            .collect(),
-    };
-    let bytes = match &body {
-        RequestBody::Whole(b) => wire::RequestBytes::Whole(b),
-        RequestBody::Large { .. } => wire::RequestBytes::Head(&head),
-    };
-    let plan = wire::plan(proxy.protocol, method.as_str(), &path, bytes);
+    let plan = plan_of(proxy.protocol, &parts, &body);
     if let Some(note) = plan.note {
-        debug!(exchange = %exchange_id, %method, "{note}");
+        debug!(exchange = %exchange_id, method = %parts.method, "{note}");
     }
-    let publish_answers = plan.publish_answers;
-
-    let from_agent = proxy
-        .from_agent_header
-        .as_ref()
-        .and_then(|h| parts.headers.get(h))
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-        .filter(|v| !v.is_empty() && header_safe(v))
-        .unwrap_or(&proxy.from_agent)
-        .to_string();
-    let key = match &plan.context_id {
-        Some(c) => encode_id(c),
-        None => encode_id(&exchange_id),
-    };
-    let mut nats_headers = async_nats::HeaderMap::new();
-    nats_headers.insert(headers::FROM_AGENT, from_agent.as_str());
-    nats_headers.insert(headers::TO_AGENT, proxy.to_agent.as_str());
-    nats_headers.insert(headers::EXCHANGE, exchange_id.as_str());
-    if let Some(m) = plan.rest_method {
-        nats_headers.insert(headers::A2A_METHOD, m);
-    }
-    if let Some(r) = plan.run_id.as_deref().filter(|r| header_safe(r)) {
-        nats_headers.insert(headers::RUN_ID, r);
-    }
-    let mut exchange = Exchange {
-        id: exchange_id.clone(),
-        key,
-        headers: nats_headers,
-        next: 0,
-        prefix: proxy.prefix.clone(),
-        queue: proxy.queue.clone(),
-        max_message: proxy.max_message,
-    };
+    let mut exchange = proxy.exchange(exchange_id, &parts.headers, &plan);
     if let Some(kind) = plan.request {
-        match &whole {
-            Some(b) => exchange.emit(kind, b.clone()),
-            None => exchange.too_large(kind, proxy.max_message + 1),
+        match &body {
+            RequestBody::Whole(b) => exchange.emit(kind, b.clone()),
+            RequestBody::Large { .. } => {
+                exchange.skip(kind, DropReason::TooLarge, proxy.max_message + 1)
+            }
+        }
+    }
+    let head = parts.method == axum::http::Method::HEAD;
+    match proxy.send(parts, body).await {
+        Ok(answer) => {
+            RequestOutcome::Forwarded.count();
+            proxy.pass_back(answer, plan.publish_answers, head, exchange)
+        }
+        Err(e) => proxy.bad_gateway(e, &exchange.id),
+    }
+}
+
+/// What to publish of an exchange, from its request.
+fn plan_of(
+    protocol: Protocol,
+    parts: &axum::http::request::Parts,
+    body: &RequestBody,
+) -> wire::Plan {
+    let method = parts.method.as_str();
+    let path = parts.uri.path();
+    match body {
+        RequestBody::Whole(b) => wire::plan(protocol, method, path, wire::RequestBytes::Whole(b)),
+        RequestBody::Large { head, .. } => {
+            let head: Vec<u8> = head
+                .iter()
+                .flat_map(|c| c.iter().copied())
+                .take(wire::HEAD_BYTES)
+                .collect();
+            wire::plan(protocol, method, path, wire::RequestBytes::Head(&head))
+        }
+    }
+}
+
+impl Proxy {
+    /// The exchange's key and the headers its messages share.
+    fn exchange(&self, id: String, request: &HeaderMap, plan: &wire::Plan) -> Exchange {
+        let from_agent = self
+            .from_agent_header
+            .as_ref()
+            .and_then(|h| request.get(h))
+            .and_then(|v| v.to_str().ok())
+            .map(str::trim)
+            .filter(|v| !v.is_empty() && header_safe(v))
+            .unwrap_or(&self.from_agent);
+        let key = encode_id(plan.context_id.as_deref().unwrap_or(&id));
+        let mut shared = async_nats::HeaderMap::new();
+        shared.insert(headers::FROM_AGENT, from_agent);
+        shared.insert(headers::TO_AGENT, self.to_agent.as_str());
+        shared.insert(headers::EXCHANGE, id.as_str());
+        if let Some(m) = plan.rest_method {
+            shared.insert(headers::A2A_METHOD, m);
+        }
+        if let Some(r) = plan.run_id.as_deref().filter(|r| header_safe(r)) {
+            shared.insert(headers::RUN_ID, r);
+        }
+        Exchange {
+            id,
+            key,
+            headers: shared,
+            next: 0,
+            prefix: self.prefix.clone(),
+            queue: self.queue.clone(),
+            max_message: self.max_message,
         }
     }
 
-    // The upstream request: the caller's, on a new connection.
-    let url = upstream_url(&proxy.upstream, &path_and_query);
-    let mut upstream = proxy.client.request(method.clone(), url);
-    let streaming = whole.is_none();
-    for (name, value) in forwarded_headers(&parts.headers) {
-        // A whole body gets its length from the client library; a streamed one keeps the
-        // caller's framing.
-        if !streaming && name == axum::http::header::CONTENT_LENGTH {
-            continue;
+    /// The caller's request, to the upstream.
+    async fn send(
+        &self,
+        parts: axum::http::request::Parts,
+        body: RequestBody,
+    ) -> reqwest::Result<reqwest::Response> {
+        let path_and_query = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
+        let url = upstream_url(&self.upstream, path_and_query);
+        let mut upstream = self.client.request(parts.method.clone(), url);
+        let whole = matches!(body, RequestBody::Whole(_));
+        for (name, value) in forwarded_headers(&parts.headers) {
+            // A whole body gets its length from the client library; a streamed one keeps the
+            // caller's framing.
+            if whole && name == axum::http::header::CONTENT_LENGTH {
+                continue;
+            }
+            upstream = upstream.header(name, value);
         }
-        upstream = upstream.header(name, value);
+        upstream = match body {
+            RequestBody::Whole(b) => upstream.body(b),
+            RequestBody::Large { head, rest } => upstream.body(reqwest::Body::wrap_stream(
+                futures::stream::iter(head.into_iter().map(Ok::<_, axum::Error>)).chain(rest),
+            )),
+        };
+        upstream.send().await
     }
-    upstream = match body {
-        RequestBody::Whole(b) => upstream.body(b),
-        RequestBody::Large { head, rest } => upstream.body(reqwest::Body::wrap_stream(
-            futures::stream::iter(head.into_iter().map(Ok::<_, axum::Error>)).chain(rest),
-        )),
-    };
-    let answer = match upstream.send().await {
-        Ok(a) => a,
-        Err(e) => {
-            let unreachable = e.is_connect() || e.is_timeout();
-            let outcome = if unreachable {
-                RequestOutcome::UpstreamUnreachable
-            } else {
-                RequestOutcome::UpstreamFailed
-            };
-            outcome.count();
-            let e = e.without_url();
-            warn!(exchange = %exchange_id, outcome = outcome.as_str(), error = %e, "the upstream agent did not answer");
-            let message = if unreachable {
-                format!(
-                    "the relay could not reach the upstream agent at {}",
-                    shown_url(&proxy.upstream)
-                )
-            } else {
-                format!(
-                    "the upstream agent at {} closed the connection without an answer",
-                    shown_url(&proxy.upstream)
-                )
-            };
-            return relay_error(StatusCode::BAD_GATEWAY, outcome.as_str(), message);
-        }
-    };
-    RequestOutcome::Forwarded.count();
 
-    let status = answer.status();
-    let mut response_headers = HeaderMap::new();
-    for (name, value) in forwarded_headers(answer.headers()) {
-        response_headers.append(name.clone(), value.clone());
+    /// The caller's 502 when the upstream gave no answer.
+    fn bad_gateway(&self, e: reqwest::Error, exchange: &str) -> Response {
+        let unreachable = e.is_connect() || e.is_timeout();
+        let outcome = if unreachable {
+            RequestOutcome::UpstreamUnreachable
+        } else {
+            RequestOutcome::UpstreamFailed
+        };
+        outcome.count();
+        // The URL may carry credentials; the relay's own is shown without them.
+        let e = e.without_url();
+        warn!(exchange, outcome = outcome.as_str(), error = %e, "the upstream agent did not answer");
+        let upstream = shown_url(&self.upstream);
+        let message = if unreachable {
+            format!("the relay could not reach the upstream agent at {upstream}")
+        } else {
+            format!("the upstream agent at {upstream} closed the connection without an answer")
+        };
+        relay_error(StatusCode::BAD_GATEWAY, outcome.as_str(), message)
     }
-    let content_type = answer
-        .headers()
-        .get(axum::http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default();
-    let encoding = ContentEncoding::parse(
-        answer
+
+    /// The upstream's answer, to the caller unchanged, with what it carries published on the
+    /// way.
+    fn pass_back(
+        &self,
+        answer: reqwest::Response,
+        publish: bool,
+        head: bool,
+        mut exchange: Exchange,
+    ) -> Response {
+        let status = answer.status();
+        let mut headers = HeaderMap::new();
+        for (name, value) in forwarded_headers(answer.headers()) {
+            headers.append(name.clone(), value.clone());
+        }
+        let sse = answer
             .headers()
-            .get(axum::http::header::CONTENT_ENCODING)
-            .and_then(|v| v.to_str().ok()),
-    );
-    let sse = wire::is_event_stream(content_type);
-    let watch = match (proxy.protocol, publish_answers, sse) {
-        (_, false, _) => Watch::Nothing,
-        (Protocol::A2a, true, true) => Watch::Frames(Kind::A2aStream),
-        (Protocol::A2a, true, false) => Watch::Whole(Kind::A2aResponse),
-        (Protocol::Agui, true, true) => Watch::Frames(Kind::Agui),
-        (Protocol::Agui, true, false) => {
-            debug!(exchange = %exchange_id, "AG-UI answer is not an SSE stream: forwarded, not published");
-            Watch::Nothing
-        }
-    };
-    let watch = match watch {
-        Watch::Frames(_) if encoding != ContentEncoding::Identity => {
-            debug!(exchange = %exchange_id, "a compressed event stream is forwarded, not published");
-            exchange.queue.dropped(DropReason::Encoded);
-            Watch::Nothing
-        }
-        w => w,
-    };
-    // HEAD answers and 204/304 carry a length but no body.
-    let expected = answer
-        .content_length()
-        .filter(|_| method != axum::http::Method::HEAD)
-        .and_then(|n| usize::try_from(n).ok());
-    let tap = Tap::new(
-        answer.bytes_stream().boxed(),
-        watch,
-        exchange,
-        encoding,
-        expected,
-    );
-    let mut response = Response::new(Body::from_stream(tap));
-    *response.status_mut() = status;
-    *response.headers_mut() = response_headers;
-    response
+            .get(axum::http::header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(wire::is_event_stream);
+        let encoding = ContentEncoding::parse(
+            answer
+                .headers()
+                .get(axum::http::header::CONTENT_ENCODING)
+                .and_then(|v| v.to_str().ok()),
+        );
+        let watch = match (self.protocol, publish, sse) {
+            (_, false, _) => Watch::Nothing,
+            (Protocol::A2a, true, false) => Watch::Whole(Kind::A2aResponse),
+            (Protocol::Agui, true, false) => {
+                debug!(exchange = %exchange.id, "AG-UI answer is not an SSE stream: forwarded, not published");
+                Watch::Nothing
+            }
+            (protocol, true, true) => {
+                let kind = match protocol {
+                    Protocol::A2a => Kind::A2aStream,
+                    Protocol::Agui => Kind::Agui,
+                };
+                if encoding == ContentEncoding::Identity {
+                    Watch::Frames(kind)
+                } else {
+                    exchange.skip(kind, DropReason::Encoded, 0);
+                    Watch::Nothing
+                }
+            }
+        };
+        // A HEAD answer carries the length of a body it does not send.
+        let expected = answer
+            .content_length()
+            .filter(|_| !head)
+            .and_then(|n| usize::try_from(n).ok());
+        let tap = Tap::new(
+            answer.bytes_stream().boxed(),
+            watch,
+            exchange,
+            encoding,
+            expected,
+        );
+        let mut response = Response::new(Body::from_stream(tap));
+        *response.status_mut() = status;
+        *response.headers_mut() = headers;
+        response
+    }
 }
 
 /// `base` with the request's path appended to its path, and the request's query.
@@ -703,6 +723,8 @@ struct Tap {
     /// The whole body so far (for [`Watch::Whole`]), until it passes the limit.
     body: BytesMut,
     body_size: usize,
+    /// Bytes passed to the caller.
+    passed: usize,
     /// The answer's `Content-Length`: the server stops reading the body once it has sent that
     /// many bytes, so the stream's end may never be polled.
     expected: Option<usize>,
@@ -727,6 +749,7 @@ impl Tap {
             frames: Vec::new(),
             body: BytesMut::new(),
             body_size: 0,
+            passed: 0,
             expected,
             done: false,
         };
@@ -749,7 +772,9 @@ impl Tap {
                         Frame::Data(_) => {
                             debug!(exchange = %self.exchange.id, "an SSE frame that is not a JSON object is forwarded, not published");
                         }
-                        Frame::TooLarge(bytes) => self.exchange.too_large(kind, bytes),
+                        Frame::TooLarge(bytes) => {
+                            self.exchange.skip(kind, DropReason::TooLarge, bytes)
+                        }
                     }
                 }
             }
@@ -762,10 +787,11 @@ impl Tap {
                 } else {
                     self.body.clear();
                 }
-                if self.expected.is_some_and(|n| self.body_size >= n) {
-                    self.end();
-                }
             }
+        }
+        self.passed = self.passed.saturating_add(chunk.len());
+        if self.expected.is_some_and(|n| self.passed >= n) {
+            self.end();
         }
     }
 
@@ -782,7 +808,8 @@ impl Tap {
             }
             Watch::Whole(kind) => {
                 if self.body_size > self.exchange.max_message {
-                    self.exchange.too_large(kind, self.body_size);
+                    self.exchange
+                        .skip(kind, DropReason::TooLarge, self.body_size);
                     return;
                 }
                 let body = self.body.split().freeze();
@@ -792,9 +819,7 @@ impl Tap {
                 let body = match decode(self.encoding, &body, self.exchange.max_message) {
                     Ok(b) => b,
                     Err(reason) => {
-                        debug!(exchange = %self.exchange.id, reason = reason.as_str(), "a compressed answer is forwarded, not published");
-                        self.exchange.next += 1;
-                        self.exchange.queue.dropped(reason);
+                        self.exchange.skip(kind, reason, body.len());
                         return;
                     }
                 };
