@@ -128,6 +128,14 @@ async fn agent_handler(State(state): State<AgentState>, req: Request) -> Respons
         ("POST", "/") => {
             let request: Value = serde_json::from_slice(&body).unwrap_or_default();
             match request["method"].as_str() {
+                Some("message/send") if parts.headers.contains_key("x-answer-gzip") => (
+                    [
+                        ("content-type", "application/json"),
+                        ("content-encoding", "gzip"),
+                    ],
+                    gzip(SEND_RESPONSE),
+                )
+                    .into_response(),
                 Some("message/send") => json(SEND_RESPONSE),
                 Some("message/stream") => {
                     let release = state.release.clone();
@@ -161,6 +169,13 @@ async fn agent_handler(State(state): State<AgentState>, req: Request) -> Respons
             .collect()),
         _ => (StatusCode::NOT_FOUND, "no such route here").into_response(),
     }
+}
+
+fn gzip(text: &str) -> Vec<u8> {
+    use std::io::Write;
+    let mut z = flate2::write::GzEncoder::new(Vec::new(), flate2::Compression::default());
+    z.write_all(text.as_bytes()).unwrap();
+    z.finish().unwrap()
 }
 
 async fn start_agent() -> Agent {
@@ -726,6 +741,60 @@ async fn relay_publishes_each_agui_event_under_the_thread_with_its_run() {
     }
     assert_eq!(raw[4].json()["type"], "RUN_ERROR");
     assert!(raw[4].json().get("runId").is_none());
+    drop(relay.process);
+}
+
+#[tokio::test]
+async fn relay_streams_bodies_over_the_limit_through_and_publishes_gzip_answers_decoded() {
+    let nats = TestNats::start().await;
+    let js = provisioned(&nats.url()).await;
+    let agent = start_agent().await;
+    let relay = start_relay(
+        "a2a",
+        &nats.url(),
+        &agent.url(),
+        &["--max-message-bytes", "2048"],
+    )
+    .await;
+
+    // A request over the limit: the agent gets all of it, the answer is published, the request
+    // is counted as too large. Its contextId was not read, so the key is the exchange's.
+    let big = json!({
+        "jsonrpc": "2.0", "id": 1, "method": "message/send",
+        "params": {"message": {"kind": "message", "role": "user", "messageId": "m-big",
+            "parts": [{"kind": "text", "text": "x".repeat(10_000)}], "contextId": "ctx-big"}}
+    })
+    .to_string();
+    let answer = post_json(&relay.url("/"), &big, &[]).await;
+    assert_eq!(answer.text().await.unwrap(), SEND_RESPONSE);
+    assert_eq!(agent.seen()[0].body, big.as_bytes());
+
+    // A gzip answer: passed on compressed, published decoded.
+    let small = json_rpc_send(1, "message/send", "ctx-gzip");
+    let answer = post_json(&relay.url("/"), &small, &[("x-answer-gzip", "1")]).await;
+    assert_eq!(answer.headers()["content-encoding"], "gzip");
+    assert_eq!(answer.bytes().await.unwrap(), gzip(SEND_RESPONSE));
+
+    let raw = raw_messages(&js, 3).await;
+    assert_eq!(raw[0].kind, "a2a.wire.response");
+    assert_eq!(raw[0].key, raw[0].header("Collab-Exchange").unwrap());
+    assert_eq!(
+        raw[0].header("Nats-Msg-Id"),
+        Some(format!("{}:1", raw[0].key))
+    );
+    assert_eq!(
+        (raw[1].key.as_str(), raw[1].kind.as_str()),
+        ("ctx-gzip", "a2a.wire.request")
+    );
+    assert_eq!(
+        (raw[2].key.as_str(), raw[2].text()),
+        ("ctx-gzip", SEND_RESPONSE)
+    );
+    let m = relay.metrics().await;
+    assert_eq!(
+        sum(&m, "collab_relay_dropped_total", &["reason=\"too_large\""]),
+        1.0
+    );
     drop(relay.process);
 }
 
