@@ -55,6 +55,10 @@ pub const SESSION_EVENTS_FOLDED: &str = "collab_session_events_folded_total";
 /// The projection-stream sequence up to which work sessions are written.
 pub const SESSION_FOLD_POSITION: &str = "collab_session_fold_position";
 
+/// The name prefix of the families only `relay` processes expose (a worker has none of them, a
+/// relay none of the others).
+pub const RELAY_FAMILY_PREFIX: &str = "collab_relay_";
+
 /// Relay: messages stored in the raw stream, by `kind` (a2a_request, a2a_response, a2a_stream,
 /// agui).
 pub const RELAY_PUBLISHED: &str = "collab_relay_published_total";

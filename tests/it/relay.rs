@@ -20,6 +20,7 @@ use bytes::Bytes;
 use collab_projector::bus;
 use collab_projector::config::Settings;
 use collab_projector::model::encode_id;
+use collab_projector::telemetry;
 use futures::StreamExt;
 use serde_json::{json, Value};
 use tempfile::NamedTempFile;
@@ -411,6 +412,22 @@ async fn relay_json_rpc_send_passes_the_agents_bytes_and_publishes_request_and_r
     let metrics = relay.metrics().await;
     assert_eq!(sum(&metrics, "collab_relay_published_total", &[]), 2.0);
     assert_eq!(sum(&metrics, "collab_relay_dropped_total", &[]), 0.0);
+    // Every relay family is there with its HELP and TYPE, and only those.
+    let text = reqwest::get(format!("http://{}/metrics", relay.http))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for &(name, family, help) in telemetry::FAMILIES {
+        let described = text.contains(&format!("# HELP {name} {help}\n"))
+            && text.contains(&format!("# TYPE {name} {}\n", family.kind()));
+        assert_eq!(
+            described,
+            name.starts_with(telemetry::RELAY_FAMILY_PREFIX),
+            "{name}:\n{text}"
+        );
+    }
     drop(relay.process);
 }
 
