@@ -182,7 +182,7 @@ pub async fn start(
     let publisher_stop = CancellationToken::new();
     tracker.spawn(publisher::run(
         settings.clone(),
-        queue.clone(),
+        shared.clone(),
         rx,
         PublisherOptions {
             window: settings.consumer.publish_window.clamp(1, 1024),

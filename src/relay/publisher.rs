@@ -252,14 +252,11 @@ pub struct PublisherOptions {
 /// `stop`: then publish what is still queued for up to `flush_timeout` and drop the rest.
 pub async fn run(
     settings: Settings,
-    queue: Queue,
+    shared: Arc<Shared>,
     mut rx: mpsc::Receiver<Outgoing>,
     opts: PublisherOptions,
     stop: CancellationToken,
 ) {
-    let shared = queue.shared();
-    // The proxy's handles are what keep the channel open; this one only counts.
-    drop(queue);
     let Some((client, js)) = connect(&settings, &stop).await else {
         drain_dropping(&shared, &mut rx);
         return;
@@ -339,7 +336,7 @@ async fn connect(
     let failures = RateLimited::new();
     loop {
         let attempt = tokio::select! {
-            r = bus::connect_as(settings, "collab-projector relay") => r,
+            r = bus::connect_producer_as(settings, "collab-projector relay") => r,
             _ = stop.cancelled() => return None,
         };
         match attempt {

@@ -816,6 +816,72 @@ async fn relay_streams_bodies_over_the_limit_through_and_publishes_gzip_answers_
 }
 
 #[tokio::test]
+async fn relay_publishes_with_the_sample_producers_permissions() {
+    // The producers' permissions exactly as config/nats-server.roles.conf ships them: publish to
+    // collab.raw.>, receive on _INBOX_producers.>, no JetStream API.
+    let sample = include_str!("../../config/nats-server.roles.conf");
+    let start = sample
+        .find("COLLAB_PRODUCER_PERMISSIONS = {")
+        .expect("the sample defines the producers' permissions");
+    let end = start + sample[start..].find("\n}\n").unwrap() + 3;
+    let config = format!(
+        "{}\nauthorization {{\n  users = [\n    {{ user: admin, password: admin-pw }}\n    \
+         {{ user: collab-producers, password: producer-pw, permissions: $COLLAB_PRODUCER_PERMISSIONS }}\n  ]\n}}\n",
+        &sample[start..end]
+    );
+    let server = support::local_nats_with(config).await;
+    let mut admin = Settings::load(None).unwrap();
+    admin.nats.url = server.url();
+    admin.nats.user = Some("admin".into());
+    admin.nats.password = Some(collab_projector::config::Secret::new("admin-pw"));
+    let (_client, js) = bus::connect_as(&admin, "relay test admin").await.unwrap();
+    bus::provision::provision(&js, &admin).await.unwrap();
+
+    let agent = start_agent().await;
+    let args = [
+        "relay",
+        "a2a",
+        "--nats-url",
+        &server.url(),
+        "--listen",
+        "127.0.0.1:0",
+        "--http-addr",
+        "127.0.0.1:0",
+        "--upstream",
+        &agent.url(),
+        "--from-agent",
+        "caller-agent",
+        "--to-agent",
+        "callee-agent",
+    ];
+    let env = [
+        ("COLLAB_NATS__USER", "collab-producers"),
+        ("COLLAB_NATS__PASSWORD", "producer-pw"),
+        ("COLLAB_NATS__INBOX_PREFIX", "_INBOX_producers"),
+        ("RUST_LOG", "info,collab_projector=debug"),
+    ];
+    let process = Projector::spawn_command(&args, &env);
+    wait_until(WAIT, "the relay prints its address", || {
+        let log = process.log_text();
+        async move { printed(&log, "relay listening on ").is_some() }
+    })
+    .await;
+    let addr = printed(&process.log_text(), "relay listening on ").unwrap();
+    let request = json_rpc_send(1, "message/send", "ctx-producer");
+    let answer = post_json(&format!("http://{addr}/"), &request, &[]).await;
+    assert_eq!(answer.text().await.unwrap(), SEND_RESPONSE);
+    let raw = raw_messages(&js, 2).await;
+    assert_eq!(raw[0].text(), request);
+    assert_eq!(raw[1].text(), SEND_RESPONSE);
+    let log = process.log_text();
+    assert!(
+        !log.to_lowercase().contains("permissions violation"),
+        "{log}"
+    );
+    assert!(!log.contains("producer-pw"), "no password in the log");
+}
+
+#[tokio::test]
 async fn relay_drains_an_open_stream_and_its_messages_on_sigterm() {
     let nats = TestNats::start().await;
     let js = provisioned(&nats.url()).await;
