@@ -236,6 +236,9 @@ struct RelayArgs {
     /// Messages waiting to be published; when full, new ones are dropped and counted.
     #[arg(long, default_value_t = 10_000)]
     queue_size: usize,
+    /// Payload bytes queued or being published; past that new messages are dropped and counted.
+    #[arg(long, default_value_t = 64 * 1024 * 1024)]
+    queue_bytes: usize,
     /// Bodies and SSE frames larger than this are forwarded but not published.
     #[arg(long, default_value_t = 1024 * 1024)]
     max_message_bytes: usize,
@@ -540,6 +543,7 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
                     to_agent: args.to_agent,
                     from_agent_header: args.from_agent_header,
                     queue_size: args.queue_size,
+                    queue_bytes: args.queue_bytes,
                     max_message_bytes: args.max_message_bytes,
                     http_addr: args.http_addr,
                     connect_timeout: args.connect_timeout,

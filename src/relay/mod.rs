@@ -63,6 +63,9 @@ pub struct RelayOptions {
     pub from_agent_header: Option<HeaderName>,
     /// Messages waiting for the publisher; past that they are dropped.
     pub queue_size: usize,
+    /// Payload bytes waiting for the publisher or being published; past that new messages are
+    /// dropped.
+    pub queue_bytes: usize,
     /// The largest body or frame published; larger ones are forwarded, not published.
     pub max_message_bytes: usize,
     /// Where `/metrics`, `/healthz` and `/readyz` are served; `None`: nowhere.
@@ -176,7 +179,7 @@ pub async fn start(
     };
     register_metrics();
 
-    let (queue, rx) = Queue::new(opts.queue_size);
+    let (queue, rx) = Queue::new(opts.queue_size, opts.queue_bytes);
     let shared = queue.shared();
     let tracker = TaskTracker::new();
     let publisher_stop = CancellationToken::new();

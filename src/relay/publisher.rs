@@ -10,7 +10,7 @@ use crate::config::Settings;
 use crate::telemetry;
 use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use bytes::Bytes;
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc;
@@ -151,6 +151,10 @@ pub struct Queue {
 /// What the proxy, the publisher and the metrics endpoint share.
 pub struct Shared {
     capacity: usize,
+    /// Payload bytes queued or being published, and their bound: with messages of up to 1 MiB a
+    /// count alone would not bound memory.
+    bytes: AtomicUsize,
+    max_bytes: usize,
     connected: AtomicBool,
     drops: RateLimited,
 }
@@ -189,12 +193,15 @@ impl RateLimited {
 }
 
 impl Queue {
-    /// A queue of `capacity` messages and its receiving end, for [`run`].
-    pub fn new(capacity: usize) -> (Queue, mpsc::Receiver<Outgoing>) {
+    /// A queue of at most `capacity` messages and `max_bytes` payload bytes (those being
+    /// published included), and its receiving end, for [`run`].
+    pub fn new(capacity: usize, max_bytes: usize) -> (Queue, mpsc::Receiver<Outgoing>) {
         let capacity = capacity.max(1);
         let (tx, rx) = mpsc::channel(capacity);
         let shared = Arc::new(Shared {
             capacity,
+            bytes: AtomicUsize::new(0),
+            max_bytes,
             connected: AtomicBool::new(false),
             drops: RateLimited::new(),
         });
@@ -207,10 +214,23 @@ impl Queue {
 
     /// Hand `msg` to the publisher, or drop it when the queue is full.
     pub fn offer(&self, msg: Outgoing) {
+        let size = msg.payload.len();
+        let before = self.shared.bytes.fetch_add(size, Ordering::Relaxed);
+        if before.saturating_add(size) > self.shared.max_bytes {
+            self.shared.release(size);
+            self.shared.dropped(DropReason::QueueFull);
+            return;
+        }
         match self.tx.try_send(msg) {
             Ok(()) => self.shared.depth(&self.tx),
-            Err(mpsc::error::TrySendError::Full(_)) => self.shared.dropped(DropReason::QueueFull),
-            Err(mpsc::error::TrySendError::Closed(_)) => self.shared.dropped(DropReason::Shutdown),
+            Err(mpsc::error::TrySendError::Full(_)) => {
+                self.shared.release(size);
+                self.shared.dropped(DropReason::QueueFull);
+            }
+            Err(mpsc::error::TrySendError::Closed(_)) => {
+                self.shared.release(size);
+                self.shared.dropped(DropReason::Shutdown);
+            }
         }
     }
 
@@ -221,6 +241,11 @@ impl Queue {
 }
 
 impl Shared {
+    /// `size` payload bytes are no longer held.
+    fn release(&self, size: usize) {
+        self.bytes.fetch_sub(size, Ordering::Relaxed);
+    }
+
     fn depth(&self, tx: &mpsc::Sender<Outgoing>) {
         let depth = self.capacity.saturating_sub(tx.capacity());
         metrics::gauge!(telemetry::RELAY_QUEUE_DEPTH).set(depth as f64);
@@ -320,7 +345,8 @@ impl Shared {
 /// Count everything still queued as dropped at shutdown.
 fn drain_dropping(shared: &Shared, rx: &mut mpsc::Receiver<Outgoing>) {
     rx.close();
-    while rx.try_recv().is_ok() {
+    while let Ok(msg) = rx.try_recv() {
+        shared.release(msg.payload.len());
         shared.dropped(DropReason::Shutdown);
     }
     metrics::gauge!(telemetry::RELAY_QUEUE_DEPTH).set(0.0);
@@ -395,7 +421,21 @@ async fn publish_batch(
     failures: &RateLimited,
     flush: Flush<'_>,
 ) {
+    let held: usize = batch.iter().map(|m| m.payload.len()).sum();
     let mut todo: Vec<(Outgoing, u32)> = batch.drain(..).map(|m| (m, 0)).collect();
+    publish_until_done(client, js, &mut todo, shared, failures, flush).await;
+    // Released only now: while NATS is away the batch is held, and it counts against the bound.
+    shared.release(held);
+}
+
+async fn publish_until_done(
+    client: &async_nats::Client,
+    js: &async_nats::jetstream::Context,
+    todo: &mut Vec<(Outgoing, u32)>,
+    shared: &Shared,
+    failures: &RateLimited,
+    flush: Flush<'_>,
+) {
     let mut retry = Retry::new(Duration::from_millis(100), Duration::from_secs(5));
     loop {
         let max_payload = client.server_info().max_payload;

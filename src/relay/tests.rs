@@ -337,3 +337,24 @@ fn compressed_answers_are_decoded_for_publishing_within_the_limit() {
     );
     assert_eq!(ContentEncoding::parse(None), ContentEncoding::Identity);
 }
+
+#[test]
+fn the_queue_is_bounded_in_messages_and_in_bytes() {
+    let msg = |n: usize| Outgoing {
+        subject: "collab.raw.k.agui".into(),
+        headers: async_nats::HeaderMap::new(),
+        payload: Bytes::from(vec![b'x'; n]),
+        kind: Kind::Agui,
+    };
+    let (queue, mut rx) = Queue::new(3, 100);
+    queue.offer(msg(40));
+    queue.offer(msg(40));
+    queue.offer(msg(40)); // 120 bytes: over the byte bound
+    queue.offer(msg(10));
+    queue.offer(msg(1)); // a fourth message: over the count bound
+    let mut sizes = Vec::new();
+    while let Ok(m) = rx.try_recv() {
+        sizes.push(m.payload.len());
+    }
+    assert_eq!(sizes, vec![40, 40, 10]);
+}
