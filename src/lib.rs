@@ -26,6 +26,8 @@
 //!   local nats-server for `demo`, `bench` and the integration tests; `sim` generates their
 //!   traffic; [`demo`] and [`bench`](mod@bench) are those commands. Without it the library carries no
 //!   process, temporary-file or progress-bar dependency.
+//! - [`relay`]: the `relay` command: a reverse proxy in front of an A2A or AG-UI agent that
+//!   publishes the traffic it forwards to the raw stream.
 //! - [`turns`]: the turn contract: the pure state machine, the deadline set, blocked outcomes.
 //! - [`telemetry`]: logging and metric names.
 //!
@@ -65,6 +67,7 @@ pub mod model;
 pub mod ops;
 pub mod pipeline;
 pub mod redact;
+pub mod relay;
 mod sessions;
 #[cfg(feature = "tools")]
 mod sim;

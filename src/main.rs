@@ -5,7 +5,7 @@ use clap::{Args, Parser, Subcommand};
 use collab_projector::app::{self, RunOptions};
 use collab_projector::config::Settings;
 use collab_projector::ingest::adapter::AdapterMode;
-use collab_projector::{bus, demo, ingest, telemetry};
+use collab_projector::{bus, demo, ingest, relay, telemetry};
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -188,11 +188,70 @@ enum Command {
         #[arg(long)]
         quiet: bool,
     },
+    /// An HTTP reverse proxy in front of one A2A or AG-UI agent that publishes the traffic it
+    /// forwards to the raw stream (docs/relay.md).
+    Relay {
+        #[command(subcommand)]
+        protocol: RelayCommand,
+    },
     /// Dead-letter operations.
     Dlq {
         #[command(subcommand)]
         command: DlqCommand,
     },
+}
+
+#[derive(Subcommand)]
+enum RelayCommand {
+    /// Front an A2A agent (v0.3 or v1.0; JSON-RPC and HTTP+JSON, streams, the agent card).
+    A2a(RelayArgs),
+    /// Front an AG-UI agent (a RunAgentInput POST answered by an SSE stream of events).
+    Agui(RelayArgs),
+}
+
+/// Flags of `relay a2a` and `relay agui`.
+#[derive(Args, Clone)]
+struct RelayArgs {
+    /// TOML configuration file (its [nats] section: URL, credentials, TLS, prefix).
+    #[arg(long, short = 'c', env = "COLLAB_CONFIG")]
+    config: Option<PathBuf>,
+    /// NATS server URL(s), comma-separated.
+    #[arg(long, env = "NATS_URL")]
+    nats_url: Option<String>,
+    /// Address the proxy listens on, e.g. 0.0.0.0:9000; every path on it goes to the agent.
+    #[arg(long)]
+    listen: String,
+    /// The agent's base URL, e.g. http://agent:9999; request paths are appended to its path.
+    #[arg(long)]
+    upstream: reqwest::Url,
+    /// The caller's agent id (Collab-From-Agent) when the request does not name one.
+    #[arg(long)]
+    from_agent: String,
+    /// The id of the agent behind this relay (Collab-To-Agent).
+    #[arg(long)]
+    to_agent: String,
+    /// A request header whose value, when present, is the caller's agent id.
+    #[arg(long)]
+    from_agent_header: Option<axum::http::HeaderName>,
+    /// Messages waiting to be published; when full, new ones are dropped and counted.
+    #[arg(long, default_value_t = 10_000)]
+    queue_size: usize,
+    /// Payload bytes queued or being published; past that new messages are dropped and counted.
+    #[arg(long, default_value_t = 64 * 1024 * 1024)]
+    queue_bytes: usize,
+    /// Bodies and SSE frames larger than this are forwarded but not published.
+    #[arg(long, default_value_t = 1024 * 1024)]
+    max_message_bytes: usize,
+    /// Address of /metrics, /healthz and /readyz (not served unless given).
+    #[arg(long)]
+    http_addr: Option<String>,
+    /// How long to wait for a connection to the upstream.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    connect_timeout: Duration,
+    /// On SIGTERM: how long open exchanges may finish, then how long queued messages may take
+    /// to be published.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    drain_timeout: Duration,
 }
 
 #[derive(Subcommand)]
@@ -456,6 +515,51 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
             } else {
                 print!("{}", bench::render(&report));
             }
+            Ok(())
+        }
+        Command::Relay { protocol } => {
+            let (protocol, args) = match protocol {
+                RelayCommand::A2a(a) => (relay::Protocol::A2a, a),
+                RelayCommand::Agui(a) => (relay::Protocol::Agui, a),
+            };
+            let settings = Settings::load_with(args.config.as_deref(), |s| {
+                if let Some(url) = &args.nats_url {
+                    s.nats.url = url.clone();
+                }
+            })?;
+            let cancel = shutdown_token();
+            // The relay's families only (the workers' would read as a worker that is not ready).
+            let metrics = args
+                .http_addr
+                .as_ref()
+                .and_then(|_| telemetry::prometheus_builder().install_recorder().ok());
+            let running = relay::start(
+                settings,
+                relay::RelayOptions {
+                    protocol,
+                    listen: args.listen,
+                    upstream: args.upstream,
+                    from_agent: args.from_agent,
+                    to_agent: args.to_agent,
+                    from_agent_header: args.from_agent_header,
+                    queue_size: args.queue_size,
+                    queue_bytes: args.queue_bytes,
+                    max_message_bytes: args.max_message_bytes,
+                    http_addr: args.http_addr,
+                    connect_timeout: args.connect_timeout,
+                    drain_timeout: args.drain_timeout,
+                },
+                metrics,
+                cancel,
+            )
+            .await?;
+            // Tests and scripts read these lines to find ephemeral ports.
+            println!("relay listening on {}", running.addr);
+            if let Some(addr) = running.http_addr {
+                println!("http listening on {addr}");
+            }
+            running.wait().await;
+            tracing::info!("stopped");
             Ok(())
         }
         Command::Normalize { .. } => Ok(()),

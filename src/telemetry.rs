@@ -55,6 +55,25 @@ pub const SESSION_EVENTS_FOLDED: &str = "collab_session_events_folded_total";
 /// The projection-stream sequence up to which work sessions are written.
 pub const SESSION_FOLD_POSITION: &str = "collab_session_fold_position";
 
+/// The name prefix of the families only `relay` processes expose (a worker has none of them, a
+/// relay none of the others).
+pub const RELAY_FAMILY_PREFIX: &str = "collab_relay_";
+
+/// Relay: messages stored in the raw stream, by `kind` (a2a_request, a2a_response, a2a_stream,
+/// agui).
+pub const RELAY_PUBLISHED: &str = "collab_relay_published_total";
+/// Relay: messages never published, by `reason` (`relay::DropReason`).
+pub const RELAY_DROPPED: &str = "collab_relay_dropped_total";
+/// Relay: publish attempts that failed, by `reason`; most are retried.
+pub const RELAY_PUBLISH_FAILURES: &str = "collab_relay_publish_failures_total";
+/// Relay: messages waiting in the publish queue.
+pub const RELAY_QUEUE_DEPTH: &str = "collab_relay_queue_depth";
+/// Relay: requests forwarded, by `outcome` (forwarded, upstream_unreachable, upstream_failed,
+/// bad_request).
+pub const RELAY_REQUESTS: &str = "collab_relay_requests_total";
+/// Relay: 1 while connected to NATS, else 0.
+pub const RELAY_NATS_CONNECTED: &str = "collab_relay_nats_connected";
+
 /// What a metric family is, for its `# TYPE` line.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub enum Family {
@@ -289,6 +308,36 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
         SESSION_FOLD_POSITION,
         Family::Gauge,
         "Projection-stream sequence up to which work sessions are written.",
+    ),
+    (
+        RELAY_PUBLISHED,
+        Family::Counter,
+        "Relay: messages stored in the raw stream, by kind (a2a_request, a2a_response, a2a_stream, agui).",
+    ),
+    (
+        RELAY_DROPPED,
+        Family::Counter,
+        "Relay: messages forwarded but not published, by reason (queue_full, too_large, encoded, no_stream, rejected, shutdown).",
+    ),
+    (
+        RELAY_PUBLISH_FAILURES,
+        Family::Counter,
+        "Relay: publish attempts that failed, by reason; transient ones are retried.",
+    ),
+    (
+        RELAY_QUEUE_DEPTH,
+        Family::Gauge,
+        "Relay: messages waiting in the publish queue.",
+    ),
+    (
+        RELAY_REQUESTS,
+        Family::Counter,
+        "Relay: requests, by outcome (forwarded, upstream_unreachable, upstream_failed, bad_request).",
+    ),
+    (
+        RELAY_NATS_CONNECTED,
+        Family::Gauge,
+        "Relay: 1 while connected to NATS, else 0.",
     ),
 ];
 

@@ -116,6 +116,23 @@ pub async fn connect_as(
     .await
 }
 
+/// Connect as a producer: as [`connect_as`], without the JetStream account check, which needs
+/// `$JS.API` permissions a producer's user does not have (docs/security.md). Publishes report a
+/// missing stream themselves.
+pub async fn connect_producer_as(
+    settings: &crate::config::Settings,
+    name: &str,
+) -> Result<(async_nats::Client, async_nats::jetstream::Context), ConnectError> {
+    connect_checked(
+        &settings.nats.url,
+        Some(&settings.nats),
+        settings.consumer.publish_window,
+        name,
+        false,
+    )
+    .await
+}
+
 /// Connect, check the server version and JetStream, and return a client with a JetStream context
 /// whose publish window is bounded below the client's cap. `nats` gives the credentials, TLS and
 /// inbox settings (its `url` is not used: `url` is); `None` connects without any.
@@ -124,6 +141,16 @@ pub async fn connect(
     nats: Option<&NatsSettings>,
     publish_window: usize,
     name: &str,
+) -> Result<(async_nats::Client, async_nats::jetstream::Context), ConnectError> {
+    connect_checked(url, nats, publish_window, name, true).await
+}
+
+async fn connect_checked(
+    url: &str,
+    nats: Option<&NatsSettings>,
+    publish_window: usize,
+    name: &str,
+    check_jetstream: bool,
 ) -> Result<(async_nats::Client, async_nats::jetstream::Context), ConnectError> {
     let shown = display_url(url);
     let refused = |detail: String| ConnectError::Connect {
@@ -166,12 +193,14 @@ pub async fn connect(
         .backpressure_on_inflight(true)
         .timeout(Duration::from_secs(5))
         .build(client.clone());
-    js.query_account()
-        .await
-        .map_err(|e| ConnectError::NoJetStream {
-            url: shown.clone(),
-            detail: e.to_string(),
-        })?;
+    if check_jetstream {
+        js.query_account()
+            .await
+            .map_err(|e| ConnectError::NoJetStream {
+                url: shown.clone(),
+                detail: e.to_string(),
+            })?;
+    }
     Ok((client, js))
 }
 

@@ -234,6 +234,14 @@ impl Projector {
     /// Run `collab-projector run --nats-url URL --http-addr 127.0.0.1:0 EXTRA...` with extra
     /// environment variables, stdout and stderr going to one temporary log file.
     pub fn spawn(nats_url: &str, extra_args: &[&str], envs: &[(&str, &str)]) -> Projector {
+        let mut args = vec!["run", "--nats-url", nats_url, "--http-addr", "127.0.0.1:0"];
+        args.extend_from_slice(extra_args);
+        Projector::spawn_command(&args, envs)
+    }
+
+    /// Run `collab-projector ARGS...` (any command) with extra environment variables, stdout and
+    /// stderr going to one temporary log file.
+    pub fn spawn_command(args: &[&str], envs: &[(&str, &str)]) -> Projector {
         let log = NamedTempFile::new().expect("could not create the projector's log file");
         let stdout = log
             .as_file()
@@ -245,8 +253,7 @@ impl Projector {
             .expect("could not open the projector's log file");
         let binary = env!("CARGO_BIN_EXE_collab-projector");
         let child = Command::new(binary)
-            .args(["run", "--nats-url", nats_url, "--http-addr", "127.0.0.1:0"])
-            .args(extra_args)
+            .args(args)
             .envs(envs.iter().copied())
             .stdin(Stdio::null())
             .stdout(Stdio::from(stdout))
