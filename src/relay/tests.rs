@@ -93,7 +93,7 @@ fn json_rpc_keys_come_from_the_message_or_the_params() {
     let call = a2a_call("POST", "/", send);
     assert!(call.recognised && call.publish_request);
     assert_eq!(call.context_id.as_deref(), Some("ctx-1"));
-    assert_eq!(call.rest_method, None);
+    assert_eq!(call.rest_method, Some("message/send"));
 
     let list = br#"{"jsonrpc":"2.0","id":"x","method":"ListTasks","params":{"contextId":"ctx-2"}}"#;
     assert_eq!(

@@ -77,7 +77,7 @@ pub struct Plan {
     pub publish_answers: bool,
     /// The id the exchange's key is made from; `None`: a fresh one per exchange.
     pub context_id: Option<String>,
-    /// `Collab-A2A-Method`, for HTTP+JSON calls.
+    /// `Collab-A2A-Method`: the HTTP+JSON route's method, or the JSON-RPC request's.
     pub rest_method: Option<&'static str>,
     /// `Collab-Run-Id`, for AG-UI runs.
     pub run_id: Option<String>,
@@ -170,7 +170,8 @@ pub struct A2aCall {
     pub publish_request: bool,
     /// The A2A `contextId` the request names, the exchange's key when present.
     pub context_id: Option<String>,
-    /// The HTTP+JSON method derived from the route; `None` for JSON-RPC, whose body names it.
+    /// The HTTP+JSON method derived from the route, or the JSON-RPC request's method (its
+    /// answers name none).
     pub rest_method: Option<&'static str>,
 }
 
@@ -185,11 +186,17 @@ pub fn a2a_call(method: &str, path: &str, body: &[u8]) -> A2aCall {
                 .and_then(|p| p.get("message"))
                 .and_then(context_id_of)
                 .or_else(|| params.and_then(context_id_of));
+            // The answers carry no method: naming the request's lets the projector tell the
+            // answer of a `tasks/get` from the answer of a send (which is a turn's response).
+            let method = obj
+                .get("method")
+                .and_then(Value::as_str)
+                .and_then(json_rpc_method);
             return A2aCall {
                 recognised: true,
                 publish_request: true,
                 context_id,
-                rest_method: None,
+                rest_method: method,
             };
         }
     }
@@ -264,6 +271,35 @@ pub fn rest_method(method: &str, path: &str) -> Option<&'static str> {
         [_, "pushNotificationConfigs", _] if delete => Some("DeleteTaskPushNotificationConfig"),
         _ => None,
     }
+}
+
+/// The A2A JSON-RPC methods (v0.3 and v1.0) by their own name; `None` for others.
+pub fn json_rpc_method(method: &str) -> Option<&'static str> {
+    const METHODS: [&str; 22] = [
+        "message/send",
+        "message/stream",
+        "tasks/get",
+        "tasks/list",
+        "tasks/cancel",
+        "tasks/resubscribe",
+        "tasks/pushNotificationConfig/set",
+        "tasks/pushNotificationConfig/get",
+        "tasks/pushNotificationConfig/list",
+        "tasks/pushNotificationConfig/delete",
+        "agent/getAuthenticatedExtendedCard",
+        "SendMessage",
+        "SendStreamingMessage",
+        "GetTask",
+        "ListTasks",
+        "CancelTask",
+        "SubscribeToTask",
+        "CreateTaskPushNotificationConfig",
+        "GetTaskPushNotificationConfig",
+        "ListTaskPushNotificationConfigs",
+        "DeleteTaskPushNotificationConfig",
+        "GetExtendedAgentCard",
+    ];
+    METHODS.iter().find(|m| **m == method).copied()
 }
 
 /// The ids of an AG-UI `RunAgentInput`.

@@ -13,4 +13,5 @@ mod operability;
 mod ops;
 mod pipeline;
 mod relay;
+mod spec_fixtures;
 mod turns;

@@ -404,9 +404,9 @@ async fn relay_json_rpc_send_passes_the_agents_bytes_and_publishes_request_and_r
         );
         assert_eq!(m.header("Nats-Msg-Id"), Some(format!("{exchange}:{n}")));
         assert_eq!(
-            m.header("Collab-A2A-Method"),
-            None,
-            "JSON-RPC bodies name their method"
+            m.header("Collab-A2A-Method").as_deref(),
+            Some("message/send"),
+            "the request's method is on the request and on its answer"
         );
     }
     let metrics = relay.metrics().await;
@@ -1177,9 +1177,9 @@ async fn relay_e2e_a2a_sdk_client_and_agents() {
     assert_eq!(msgs[1].json(), calls("complete-rest-v1")[0][0]);
 
     // Streams: one raw message per event the client got, equal to it, in order.
-    for (s, method) in [
-        ("stream-jsonrpc-v1", None),
-        ("stream-rest-v1", Some("SendStreamingMessage")),
+    for (s, method, rest) in [
+        ("stream-jsonrpc-v1", Some("SendStreamingMessage"), false),
+        ("stream-rest-v1", Some("SendStreamingMessage"), true),
     ] {
         let msgs = of_key(&raw, &format!("e2e-{s}"));
         let events = calls(s)[0].as_array().unwrap().clone();
@@ -1190,11 +1190,7 @@ async fn relay_e2e_a2a_sdk_client_and_agents() {
             assert_eq!(m.header("Collab-A2A-Method").as_deref(), method, "{s}");
             assert_eq!(m.header("Collab-To-Agent").as_deref(), Some("stream-agent"));
             let body = m.json();
-            let published = if method.is_some() {
-                &body
-            } else {
-                &body["result"]
-            };
+            let published = if rest { &body } else { &body["result"] };
             assert_eq!(published, event, "{s}");
         }
     }
