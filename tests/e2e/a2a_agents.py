@@ -8,6 +8,7 @@ v0.3 on the same endpoint) and HTTP+JSON routes:
              a streaming client sees every update as its own SSE frame.
 - /ask:      the first message of a task gets `input-required`; the next one on that task
              completes it.
+- /hang:     accepts a message and never answers.
 
 Every card advertises the address it is reached at (`--public NAME=URL`), which is the relay's:
 a client that follows the card keeps going through the relay.
@@ -125,8 +126,20 @@ class AskingAgent(AgentExecutor):
         await updater.cancel()
 
 
+class HangingAgent(AgentExecutor):
+    """Accepts a message and never answers (the test kills the process meanwhile)."""
+
+    async def execute(self, context: RequestContext, queue: EventQueue) -> None:
+        await asyncio.sleep(3600)
+
+    async def cancel(self, context: RequestContext, queue: EventQueue) -> None:
+        updater = await open_task(context, queue)
+        await updater.cancel()
+
+
 AGENTS = {
     "complete": (CompletingAgent, "Completes every task"),
+    "hang": (HangingAgent, "Never answers"),
     "stream": (StreamingAgent, "Streams its answer in chunks"),
     "ask": (AskingAgent, "Asks for input before it completes"),
 }
@@ -187,6 +200,9 @@ async def main() -> None:
     )
     args = parser.parse_args()
     publics = dict(p.split("=", 1) for p in args.public)
+    # Agents without a public address advertise the port they are served on.
+    for name in AGENTS:
+        publics.setdefault(name, f"http://127.0.0.1:{args.port}/{name}")
     missing = set(AGENTS) - set(publics)
     if missing:
         sys.exit(f"--public missing for {sorted(missing)}")

@@ -5,7 +5,12 @@ It resolves each agent's card through the relay, keeps only the interface a scen
 JSON line per scenario: what the client received (each event as protobuf JSON), so the test can
 compare it with what the relay published.
 
-Usage: python a2a_client.py --complete URL --stream URL --ask URL [--caller ID]
+With `--unknown URL` it also continues a task the agent does not know (the SDK raises the
+agent's TaskNotFound error, recorded as the scenario's `error`); with `--hang URL` it only sends
+one message to an agent that never answers, and waits (the test kills the agent meanwhile).
+
+Usage: python a2a_client.py [--complete URL --stream URL --ask URL] [--unknown URL] [--hang URL]
+       [--caller ID]
 """
 
 import argparse
@@ -77,7 +82,7 @@ async def scenario(
     )
     context_id = f"e2e-{name}"
     calls = []
-    task_id = None
+    task_id = "no-such-task" if name.startswith("unknown") else None
     for text in texts:
         events = await send(client, message(text, context_id, task_id))
         # Further messages continue the task the first one opened (input-required).
@@ -96,25 +101,38 @@ async def scenario(
 
 async def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--complete", required=True)
-    parser.add_argument("--stream", required=True)
-    parser.add_argument("--ask", required=True)
+    parser.add_argument("--complete")
+    parser.add_argument("--stream")
+    parser.add_argument("--ask")
+    parser.add_argument("--unknown")
+    parser.add_argument("--hang")
     parser.add_argument("--caller", default="planner")
     args = parser.parse_args()
 
-    plan = [
-        ("complete-jsonrpc-v1", args.complete, "JSONRPC", "1.0", False, ["hello"]),
-        ("complete-jsonrpc-v03", args.complete, "JSONRPC", "0.3", False, ["hello"]),
-        ("complete-rest-v1", args.complete, "HTTP+JSON", "1.0", False, ["hello"]),
-        ("stream-jsonrpc-v1", args.stream, "JSONRPC", "1.0", True, ["report"]),
-        ("stream-rest-v1", args.stream, "HTTP+JSON", "1.0", True, ["report"]),
-        ("ask-jsonrpc-v1", args.ask, "JSONRPC", "1.0", False, ["book", "Oslo"]),
-    ]
+    plan = []
+    if args.complete and args.stream and args.ask:
+        plan += [
+            ("complete-jsonrpc-v1", args.complete, "JSONRPC", "1.0", False, ["hello"]),
+            ("complete-jsonrpc-v03", args.complete, "JSONRPC", "0.3", False, ["hello"]),
+            ("complete-rest-v1", args.complete, "HTTP+JSON", "1.0", False, ["hello"]),
+            ("stream-jsonrpc-v1", args.stream, "JSONRPC", "1.0", True, ["report"]),
+            ("stream-rest-v1", args.stream, "HTTP+JSON", "1.0", True, ["report"]),
+            ("ask-jsonrpc-v1", args.ask, "JSONRPC", "1.0", False, ["book", "Oslo"]),
+        ]
+    if args.unknown:
+        plan.append(("unknown-jsonrpc-v1", args.unknown, "JSONRPC", "1.0", False, ["status?"]))
+    if args.hang:
+        plan.append(("hang-jsonrpc-v1", args.hang, "JSONRPC", "1.0", False, ["anyone?"]))
     async with httpx.AsyncClient(
         headers={CALLER_HEADER: args.caller}, timeout=30
     ) as http:
         for name, url, binding, version, streaming, texts in plan:
-            result = await scenario(http, name, url, binding, version, streaming, texts)
+            try:
+                result = await scenario(
+                    http, name, url, binding, version, streaming, texts
+                )
+            except Exception as e:  # the agent's error, as the SDK raised it
+                result = {"scenario": name, "error": f"{type(e).__name__}: {e}"}
             print(json.dumps(result), flush=True)
 
 

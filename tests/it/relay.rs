@@ -1291,3 +1291,179 @@ async fn relay_e2e_agui_sdk_server() {
     );
     drop(relay.process);
 }
+
+/// The whole path with real peers: the a2a-sdk client calls a2a-sdk agents through relays, the
+/// relays publish onto a real nats-server, and the projector gives every request exactly one
+/// response: completed, streamed, input-required then completed, an unknown task (`not_found`),
+/// and an agent killed mid-request (a blocked timeout after the deadline).
+#[tokio::test]
+async fn relay_e2e_a2a_sdk_turns_come_out_of_the_projector() {
+    let Some(python) = e2e_python() else {
+        return;
+    };
+    let nats = TestNats::start().await;
+    let js = provisioned(&nats.url()).await;
+    let _projector = crate::support::Projector::spawn(
+        &nats.url(),
+        &[
+            "--main-agents",
+            "planner,complete-agent,stream-agent,ask-agent,hang-agent",
+            "--turn-timeout",
+            "3s",
+        ],
+        &[],
+    );
+    let agents_port = free_port();
+    let mut relays = BTreeMap::new();
+    for name in ["complete", "stream", "ask", "hang"] {
+        let upstream = format!("http://127.0.0.1:{agents_port}/{name}");
+        let to = format!("{name}-agent");
+        let relay = start_relay(
+            "a2a",
+            &nats.url(),
+            &upstream,
+            &["--to-agent", &to, "--from-agent-header", "X-Collab-Agent"],
+        )
+        .await;
+        relays.insert(name, relay);
+    }
+    let publics: Vec<String> = relays
+        .iter()
+        .map(|(name, r)| format!("{name}=http://{}", r.addr))
+        .collect();
+    let port = agents_port.to_string();
+    let mut args = vec!["--port", port.as_str()];
+    for p in &publics {
+        args.extend(["--public", p.as_str()]);
+    }
+    let mut agents = Script::spawn(&python, "a2a_agents.py", &args);
+    assert_eq!(agents.port().await, agents_port);
+    let url = |name: &str| format!("http://{}", relays[name].addr);
+
+    let (c, s, a) = (url("complete"), url("stream"), url("ask"));
+    let output = tokio::task::spawn_blocking({
+        let python = python.clone();
+        move || {
+            Command::new(&python)
+                .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e/a2a_client.py"))
+                .args([
+                    "--complete",
+                    &c,
+                    "--stream",
+                    &s,
+                    "--ask",
+                    &a,
+                    "--unknown",
+                    &c,
+                ])
+                .output()
+                .unwrap()
+        }
+    })
+    .await
+    .unwrap();
+    assert!(
+        output.status.success(),
+        "the SDK client failed: {}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let unknown = String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|l| serde_json::from_str::<Value>(l).ok())
+        .find(|v| v["scenario"] == "unknown-jsonrpc-v1")
+        .unwrap();
+    assert!(
+        unknown["error"].as_str().is_some(),
+        "the agent refuses an unknown task: {unknown}"
+    );
+
+    // An agent killed while a request is in flight: the request is on the bus, no answer is.
+    let hang = Script::spawn(&python, "a2a_client.py", &["--hang", &url("hang")]);
+    wait_until(WAIT, "the hanging request is on the bus", || async {
+        crate::pipeline::read_all(&js, "COLLAB_RAW", "collab.in.*.e2e-hang-jsonrpc-v1.>")
+            .await
+            .len()
+            == 1
+    })
+    .await;
+    let _ = agents.child.kill();
+    let _ = agents.child.wait();
+    drop(hang);
+
+    // One response per request (each HTTP request is one exchange, one turn).
+    let responses = |js: async_nats::jetstream::Context| async move {
+        crate::pipeline::read_all(
+            &js,
+            "COLLAB_PROJ",
+            "collab.proj.conversation.main.*.a2a.response",
+        )
+        .await
+    };
+    let sends = crate::pipeline::read_all(
+        &js,
+        "COLLAB_PROJ",
+        "collab.proj.conversation.main.*.a2a.send",
+    )
+    .await;
+    // complete x3, stream x2, ask x2, unknown, hang.
+    assert_eq!(
+        sends.len(),
+        9,
+        "{:#?}",
+        sends.iter().map(|m| &m.subject).collect::<Vec<_>>()
+    );
+    wait_until(WAIT, "every request has its response", || {
+        let js = js.clone();
+        async move { responses(js).await.len() >= 9 }
+    })
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let got = responses(js.clone()).await;
+    assert_eq!(got.len(), 9, "exactly one response per request");
+    let mut by_key: BTreeMap<String, Vec<Value>> = BTreeMap::new();
+    for m in &got {
+        let key = m.subject.split('.').nth(4).unwrap().to_string();
+        by_key.entry(key).or_default().push(m.json());
+    }
+    let exchanges: std::collections::BTreeSet<String> = got
+        .iter()
+        .map(|m| m.json()["turnId"].as_str().unwrap_or_default().to_string())
+        .collect();
+    assert_eq!(exchanges.len(), 9, "one turn per exchange");
+    let state = |r: &Value| {
+        r["payload"]["state"]
+            .as_str()
+            .unwrap_or_default()
+            .to_string()
+    };
+    for key in [
+        "e2e-complete-jsonrpc-v1",
+        "e2e-complete-jsonrpc-v03",
+        "e2e-complete-rest-v1",
+        "e2e-stream-jsonrpc-v1",
+        "e2e-stream-rest-v1",
+    ] {
+        let r = &by_key[key];
+        assert_eq!(r.len(), 1, "{key}");
+        assert_eq!(state(&r[0]), "completed", "{key}: {:#}", r[0]);
+        assert_ne!(r[0]["payload"]["outcome"], "blocked", "{key}");
+    }
+    let mut ask: Vec<String> = by_key["e2e-ask-jsonrpc-v1"].iter().map(state).collect();
+    ask.sort();
+    assert_eq!(ask, ["completed", "input-required"]);
+    let nf = &by_key["e2e-unknown-jsonrpc-v1"][0];
+    assert_eq!(nf["payload"]["outcome"], "blocked", "{nf:#}");
+    assert_eq!(nf["payload"]["reason"], "not_found", "{nf:#}");
+    assert_eq!(nf["payload"]["synthesized"], false);
+    let timeout = &by_key["e2e-hang-jsonrpc-v1"][0];
+    assert_eq!(timeout["payload"]["reason"], "timeout", "{timeout:#}");
+    assert_eq!(timeout["payload"]["synthesized"], true);
+    let next = timeout["payload"]["next_action"]
+        .as_str()
+        .unwrap_or_default();
+    assert!(
+        next.contains("hang-agent") && next.contains("SendMessage"),
+        "{next}"
+    );
+}
