@@ -12,4 +12,5 @@ mod chaos;
 mod operability;
 mod ops;
 mod pipeline;
+mod runs;
 mod turns;
