@@ -26,22 +26,33 @@ const ENV: [(&str, &str); 3] = [
 const WAIT: Duration = Duration::from_secs(90);
 
 struct Bed {
-    _nats: TestNats,
+    nats: TestNats,
     js: jetstream::Context,
-    _projector: Projector,
+    projector: Projector,
 }
 
 impl Bed {
     async fn start() -> Bed {
+        Bed::start_with(&[]).await
+    }
+
+    /// A bed whose first projector also has `extra` in its environment.
+    async fn start_with(extra: &[(&str, &str)]) -> Bed {
         let nats = TestNats::start().await;
         crate::support::provision_with_binary(&nats.url(), ENV);
         let js = nats.jetstream().await;
-        let projector = Projector::spawn(&nats.url(), &["--main-agents", "ruda,eden"], &ENV);
+        let projector = Bed::spawn(&nats, extra);
         Bed {
-            _nats: nats,
+            nats,
             js,
-            _projector: projector,
+            projector,
         }
+    }
+
+    fn spawn(nats: &TestNats, extra: &[(&str, &str)]) -> Projector {
+        let mut env = ENV.to_vec();
+        env.extend_from_slice(extra);
+        Projector::spawn(&nats.url(), &["--main-agents", "ruda,eden"], &env)
     }
 
     /// Publish an AG-UI event on `collab.raw.<thread>.agui`, with a `Collab-Run-Id` header when
@@ -422,4 +433,52 @@ async fn runs_a_run_finished_twice_publishes_one_and_suppresses_the_other() {
     assert_eq!(body["payload"]["winner"]["rawSeq"], first);
     assert_eq!(body["payload"]["terminal"]["result"], "again");
     assert_eq!(body["rawEventRef"]["seq"], second);
+}
+
+/// A projector that aborts right after writing a run's timeout decision, before the ends and
+/// the `run.failed` are published: the next owner's reload republishes them, derived again from
+/// the raw stream, exactly once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_a_crash_after_the_timeout_decision_still_ends_the_run_once() {
+    let mut bed = Bed::start_with(&[("COLLAB_TEST_CRASH_AT", "after_decide")]).await;
+    let t = "th-crash";
+    bed.publish(t, started(t, "r1"), None).await;
+    bed.publish(
+        t,
+        json!({"type": "TEXT_MESSAGE_START", "messageId": "m1", "role": "assistant"}),
+        None,
+    )
+    .await;
+    let Some(status) = bed.projector.wait_exit(WAIT).await else {
+        panic!(
+            "the projector did not abort; log:\n{}",
+            bed.projector.log_text()
+        );
+    };
+    assert!(!status.success());
+    assert!(bed
+        .projector
+        .log_text()
+        .contains("test hook: crashing at after_decide"));
+    bed.projector = Bed::spawn(&bed.nats, &[]);
+    bed.wait_for(t, "the run timed out", |m| !terminals(m).is_empty())
+        .await;
+    bed.settle().await;
+    let msgs = bed.thread(t).await;
+    assert_eq!(terminals(&msgs).len(), 1);
+    let ends: Vec<_> = msgs
+        .iter()
+        .filter(|m| m.subject.ends_with(".text.final"))
+        .collect();
+    assert_eq!(
+        ends.len(),
+        1,
+        "{:#?}",
+        msgs.iter().map(summary).collect::<Vec<_>>()
+    );
+    assert_eq!(
+        ends[0].header("Nats-Msg-Id"),
+        Some(format!("run:{t}:r1:end:message:m1"))
+    );
+    assert_eq!(terminals(&msgs)[0].json()["payload"]["reason"], "timeout");
 }
