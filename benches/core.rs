@@ -139,6 +139,7 @@ fn turn_book(c: &mut Criterion) {
     let cfg = TurnConfig {
         default_timeout: Duration::from_secs(300),
         max_timeout: Duration::from_secs(3600),
+        run_timeout: Duration::from_secs(600),
     };
     let send: Value = serde_json::from_slice(SEND).unwrap_or_default();
     let response: Value = serde_json::from_slice(RESPONSE).unwrap_or_default();

@@ -1375,6 +1375,9 @@ fn send_facts(i: usize, prefix: &str, stored_ms: i64, timeout_ms: u64) -> TurnFa
         a2a_method: None,
         goal: Some("review the deploy plan".into()),
         timeout_ms: Some(timeout_ms),
+        exchange: turns::ExchangeKind::Turn,
+        role: None,
+        thread_id: None,
     }
 }
 
@@ -1388,10 +1391,12 @@ fn open_record(
     let cfg = TurnConfig {
         default_timeout: Duration::from_secs(300),
         max_timeout: Duration::from_secs(3600),
+        run_timeout: Duration::from_secs(600),
     };
     let facts = send_facts(i, prefix, stored_ms, timeout_ms);
     let step = turns::on_event(None, &facts, &cfg);
     let rec = step.write.map(|(r, _)| r).unwrap_or_else(|| TurnRecord {
+        exchange: turns::ExchangeKind::Turn,
         conversation_id: facts.conversation_id.clone(),
         key: facts.key.clone(),
         turn: facts.turn.clone(),
@@ -1699,6 +1704,7 @@ fn core_costs(seed: u64) -> Result<CoreCosts, BenchError> {
     let cfg = TurnConfig {
         default_timeout: settings.turns.default_timeout,
         max_timeout: settings.turns.max_timeout,
+        run_timeout: settings.runs.timeout,
     };
     let t = Instant::now();
     for (i, (subject, body)) in turn_corpus.iter().enumerate() {

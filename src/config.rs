@@ -2,7 +2,7 @@
 //! and `Default`, unknown keys rejected, and validation into typed values once at start.
 //!
 //! Sources, later ones winning: built-in defaults, the TOML file (`--config`), environment
-//! variables `COLLAB_<SECTION>__<KEY>` (e.g. `COLLAB_NATS__URL`, `COLLAB_TURNS__DEFAULT_TIMEOUT=90s`,
+//! variables `COLLAB_<SECTION>__<KEY>` (e.g. `COLLAB_NATS__URL`, `COLLAB_TURNS__DEFAULT_TIMEOUT=90s`, `COLLAB_RUNS__TIMEOUT=2s`,
 //! `COLLAB_ROLES__MAIN_AGENTS=ruda,eden`), then command-line flags.
 
 use crate::ingest::adapter::{AdapterLimits, AdapterMode};
@@ -30,6 +30,7 @@ pub struct Settings {
     pub redaction: RedactionSettings,
     pub consumer: ConsumerSettings,
     pub turns: TurnSettings,
+    pub runs: RunSettings,
     pub projection: ProjectionSettings,
     pub http: HttpSettings,
     pub workers: WorkerSettings,
@@ -479,6 +480,28 @@ impl Default for TurnSettings {
     }
 }
 
+/// The run contract (CONTRACT 2b): one terminal event per AG-UI run.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct RunSettings {
+    /// A run with no `RUN_FINISHED` / `RUN_ERROR` stored this long after its `RUN_STARTED` gets
+    /// a synthesised `run.failed` (reason `timeout`).
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+    /// Enforce the run contract on every AG-UI run, whatever its role. Off: AG-UI events are
+    /// projected as they come.
+    pub enforce: bool,
+}
+
+impl Default for RunSettings {
+    fn default() -> Self {
+        RunSettings {
+            timeout: Duration::from_secs(600),
+            enforce: true,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct ProjectionSettings {
@@ -732,6 +755,9 @@ impl Settings {
                 "turns.default_timeout must be positive and at most turns.max_timeout".into(),
             );
         }
+        if self.runs.timeout.is_zero() {
+            return bad("runs.timeout must be positive".into());
+        }
         if self.turns.open_write_delay > self.consumer.ack_wait / 3 {
             return bad(format!(
                 "turns.open_write_delay ({}) must be at most a third of consumer.ack_wait ({}): the send it holds unacknowledged would be redelivered",
@@ -867,6 +893,12 @@ mod tests {
         assert_eq!(s.turns.default_timeout, Duration::from_secs(90));
         assert_eq!(s.turns.enforce_roles.len(), 2);
         assert!(Settings::from_toml("[turns]\nenforce_roles = [\"conversation.mian\"]\n").is_err());
+        let r = Settings::from_toml("[runs]\ntimeout = \"2s\"\nenforce = false\n")
+            .unwrap_or_else(|e| panic!("runs settings: {e}"));
+        assert_eq!(r.runs.timeout, Duration::from_secs(2));
+        assert!(!r.runs.enforce);
+        assert_eq!(Settings::default().runs.timeout, Duration::from_secs(600));
+        assert!(Settings::from_toml("[runs]\ntimeout = \"0s\"\n").is_err());
     }
 
     #[test]
@@ -992,6 +1024,19 @@ mod tests {
         assert_eq!(s.nats.password.as_ref().map(Secret::expose), Some("0012"));
         assert_eq!(s.nats.partitions, 8);
         assert!(s.nats.tls_required);
+    }
+
+    #[test]
+    fn run_settings_come_from_the_environment_like_the_others() {
+        let env = [
+            ("COLLAB_RUNS__TIMEOUT", "2s"),
+            ("COLLAB_RUNS__ENFORCE", "false"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string()));
+        let s = Settings::read_env(None, env.into_iter()).expect("loads");
+        s.validate().expect("valid");
+        assert_eq!(s.runs.timeout, Duration::from_secs(2));
+        assert!(!s.runs.enforce);
     }
 
     #[test]

@@ -76,7 +76,7 @@ pub fn derive(event_type: &str, status: Option<&str>, failed: bool) -> Facets {
             "conversation",
             Some("transcript"),
         ),
-        "a2a.response.suppressed" => f(
+        "a2a.response.suppressed" | "run.terminal.suppressed" => f(
             "runtime",
             "turn",
             None,

@@ -93,6 +93,25 @@ pub fn turn_facts(
     )
 }
 
+/// The run facts of a normalised AG-UI `RUN_STARTED`, `RUN_FINISHED` or `RUN_ERROR` (CONTRACT
+/// 2b), its run not yet resolved (the partition knows the key's open run). `None`: not a run
+/// event, projected as it is.
+pub fn run_event(
+    n: &Normalized,
+    raw: &RawMessage<'_>,
+    prefix: &str,
+) -> Option<crate::turns::runs::RunEvent> {
+    let header = raw.headers.and_then(|h| RelayHeaders::from_nats(h).run_id);
+    crate::turns::runs::RunEvent::of(
+        &n.envelope,
+        &n.key,
+        header.as_deref(),
+        raw.seq,
+        raw.stored_at.timestamp_millis(),
+        &producer_subject(prefix, raw.stored_subject),
+    )
+}
+
 /// Move the fields of `events` larger than `limits.max_inline_bytes` out of their payloads
 /// (see [`crate::blobs`]); the blobs to store before the events are published. A field can only
 /// be that large if the raw message is, or if redaction rewrote it: anything else is skipped

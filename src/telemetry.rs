@@ -19,6 +19,9 @@ pub const BLOBS_STORED: &str = "collab_blobs_stored_total";
 pub const BLOB_BYTES: &str = "collab_blob_bytes_total";
 /// Turn outcomes published, by `outcome` (response, blocked) and `reason`.
 pub const TURN_OUTCOMES: &str = "collab_turn_outcomes_total";
+/// AG-UI run terminals published by the run contract, by `outcome` (terminal: the run's own
+/// RUN_FINISHED / RUN_ERROR; timeout: synthesised).
+pub const RUN_TERMINALS: &str = "collab_run_terminals_total";
 /// Responses suppressed, by `reason` (duplicate, late).
 pub const SUPPRESSED: &str = "collab_responses_suppressed_total";
 /// Partitions this worker owns.
@@ -215,6 +218,11 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
         "Turn responses published, by outcome (response, blocked) and reason.",
     ),
     (
+        RUN_TERMINALS,
+        Family::Counter,
+        "AG-UI run terminals published, by outcome (terminal, timeout).",
+    ),
+    (
         SUPPRESSED,
         Family::Counter,
         "Later replies and duplicates kept out of the response subject, by reason.",
@@ -367,6 +375,9 @@ pub fn register_metrics() {
         metrics::counter!(SUPPRESSED, "reason" => reason).absolute(0);
     }
     metrics::counter!(TURN_OUTCOMES, "outcome" => "response", "reason" => "none").absolute(0);
+    for outcome in ["terminal", "timeout"] {
+        metrics::counter!(RUN_TERMINALS, "outcome" => outcome).absolute(0);
+    }
     for reason in ["timeout", "error", "not_found"] {
         metrics::counter!(TURN_OUTCOMES, "outcome" => "blocked", "reason" => reason).absolute(0);
     }

@@ -17,8 +17,10 @@ use crate::ingest::Normalized;
 use crate::model::Role;
 use crate::pipeline::{self, OutKind, Outgoing, RawMessage};
 use crate::telemetry;
+use crate::turns::runs::{self, OpenRuns, RunEvent, RunScan};
 use crate::turns::{
-    self, blocked, book::OpenTurns, Expect, TurnConfig, TurnFacts, TurnRecord, TurnState,
+    self, blocked, book::OpenTurns, ExchangeKind, Expect, TurnConfig, TurnFacts, TurnRecord,
+    TurnState,
 };
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
@@ -153,6 +155,8 @@ pub struct Mark {
 #[derive(serde::Deserialize)]
 #[serde(rename_all = "camelCase")]
 struct RecordHead {
+    #[serde(default)]
+    exchange: ExchangeKind,
     state: TurnState,
     #[serde(default)]
     deadline_ms: Option<i64>,
@@ -320,6 +324,9 @@ pub struct PartitionTurns {
     put_prefix: String,
     cfg: TurnConfig,
     open: OpenTurns<Rev>,
+    /// The open AG-UI runs by key, for run events that name no run (a `RUN_ERROR`): kept with
+    /// every run record this owner reads or writes, rebuilt from the open run records at reload.
+    runs: OpenRuns,
     recent: HashMap<String, TurnRecord>,
     recent_order: VecDeque<String>,
     /// This owner's decided records at or below this revision have their responses stored: the
@@ -380,8 +387,10 @@ impl PartitionTurns {
             cfg: TurnConfig {
                 default_timeout: shared.settings.turns.default_timeout,
                 max_timeout: shared.settings.turns.max_timeout,
+                run_timeout: shared.settings.runs.timeout,
             },
             open: OpenTurns::new(KEPT_OPEN_RECORDS),
+            runs: OpenRuns::default(),
             recent: HashMap::new(),
             recent_order: VecDeque::new(),
             published_through: Default::default(),
@@ -539,6 +548,12 @@ impl PartitionTurns {
                 loaded += 1;
                 match head.state {
                     TurnState::Open => {
+                        if head.exchange == ExchangeKind::Run {
+                            // The key's open runs, for events that name no run.
+                            if let Ok(rec) = serde_json::from_slice::<TurnRecord>(&msg.payload) {
+                                self.runs.note(&rec);
+                            }
+                        }
                         self.open
                             .open(key, head.deadline_ms, Rev::Known(revision), None)
                     }
@@ -760,7 +775,14 @@ impl PartitionTurns {
         Ok(())
     }
 
+    /// The exchange facts of an AG-UI run event, its run resolved against this partition's open
+    /// runs. `None`: it names no run and none of its key is open (projected as it is).
+    pub fn run_facts(&self, ev: &RunEvent) -> Option<TurnFacts> {
+        ev.facts(&self.runs)
+    }
+
     fn remember(&mut self, key: &str, rec: &TurnRecord, rev: Rev) {
+        self.runs.note(rec);
         if rec.state == TurnState::Open {
             self.open.open(key, rec.deadline_ms, rev, Some(rec.clone()));
             self.report_open();
@@ -912,9 +934,9 @@ impl PartitionTurns {
         if rec.state != TurnState::Decided {
             return Ok(());
         }
-        let out = self.response(shared, key, rec, current).await?;
+        let outs = self.response(shared, key, rec, current).await?;
         crash_point("after_decide");
-        fx.outs.push(out);
+        fx.outs.extend(outs);
         fx.marks.push(Mark {
             key: key.to_string(),
             after: rev,
@@ -925,14 +947,16 @@ impl PartitionTurns {
         Ok(())
     }
 
-    /// The response of a decided turn.
+    /// The response of a decided turn, or what a decided run publishes: its one terminal, after
+    /// the synthesised ends of what it left open when it timed out. The exchange's one response
+    /// (with the Msg-Id derived from the exchange) is always last.
     async fn response(
         &self,
         shared: &WorkerContext,
         key: &str,
         rec: &TurnRecord,
         current: Option<(u64, &Normalized)>,
-    ) -> Result<Outgoing, TurnIoError> {
+    ) -> Result<Vec<Outgoing>, TurnIoError> {
         let winner_seq = rec.winner.as_ref().and_then(|w| w.seq);
         let fetched;
         let decider = match (winner_seq, current) {
@@ -952,6 +976,9 @@ impl PartitionTurns {
                     winner_seq.unwrap_or(0)
                 ),
             });
+        }
+        if rec.exchange == ExchangeKind::Run {
+            return self.run_terminal(shared, key, rec, decider).await;
         }
         let mut env = blocked::winner_response(rec, decider);
         if let Some(r) = env.raw_event_ref.as_mut() {
@@ -981,7 +1008,147 @@ impl PartitionTurns {
             "reason" => blocked_reason.map(|r| r.as_str()).unwrap_or("none")
         )
         .increment(1);
-        Ok(out)
+        Ok(vec![out])
+    }
+
+    /// What a decided run publishes. A real terminal is projected once, as itself (its own type
+    /// and role), under the run's Msg-Id. A timeout publishes a synthesised end for each text
+    /// message and tool call the run left open, derived from the run's raw events (see
+    /// [`Self::open_items`]), then the synthesised `run.failed`.
+    async fn run_terminal(
+        &self,
+        shared: &WorkerContext,
+        key: &str,
+        rec: &TurnRecord,
+        decider: Option<&crate::model::Envelope>,
+    ) -> Result<Vec<Outgoing>, TurnIoError> {
+        let winner_seq = rec.winner.as_ref().and_then(|w| w.seq);
+        let project = |env: crate::model::Envelope, msg_id: String| {
+            let mut env = env;
+            if let Some(r) = env.raw_event_ref.as_mut() {
+                if r.stream.is_empty() {
+                    r.stream = shared.names.raw_stream.clone();
+                }
+            }
+            let n = Normalized {
+                envelope: env,
+                key: rec.key.clone(),
+                conversation_id: None,
+                source: None,
+            };
+            pipeline::projection(
+                &shared.names,
+                &n,
+                winner_seq.or(rec.send.as_ref().map(|s| s.seq)).unwrap_or(0),
+                msg_id,
+            )
+        };
+        let Some(winner) = rec.winner.as_ref().filter(|w| w.seq.is_none()) else {
+            metrics::counter!(telemetry::RUN_TERMINALS, "outcome" => "terminal").increment(1);
+            return Ok(vec![project(
+                runs::terminal(rec, decider),
+                rec.response_msg_id(),
+            )]);
+        };
+        let open = self.open_items(shared, key, rec).await?;
+        let mut outs: Vec<Outgoing> = open
+            .iter()
+            .map(|item| {
+                let (id, env) = runs::end_of(rec, item, winner.at_ms);
+                project(env, id)
+            })
+            .collect();
+        outs.push(project(
+            runs::timeout_failure(rec, winner, &open),
+            rec.response_msg_id(),
+        ));
+        metrics::counter!(telemetry::RUN_TERMINALS, "outcome" => "timeout").increment(1);
+        Ok(outs)
+    }
+
+    /// The text messages and tool calls a timed-out run left open, read from the raw stream: the
+    /// key's events in this partition from the run's `RUN_STARTED` to its deadline (inclusive:
+    /// an event stored at the deadline is on time), normalised as the worker did. Only timeouts
+    /// pay for this read; no state is written per text or tool event. The raw stream keeps those
+    /// events unchanged, so a republish after a crash derives the same ends.
+    async fn open_items(
+        &self,
+        shared: &WorkerContext,
+        key: &str,
+        rec: &TurnRecord,
+    ) -> Result<Vec<runs::OpenItem>, TurnIoError> {
+        let Some(start) = rec.send.as_ref() else {
+            return Ok(Vec::new());
+        };
+        let deadline = start
+            .stored_ms
+            .saturating_add(i64::try_from(start.timeout_ms).unwrap_or(i64::MAX));
+        let kv_err = |detail: String| TurnIoError::Kv {
+            key: key.to_string(),
+            detail: format!("reading the run's raw events: {detail}"),
+        };
+        let stream = shared
+            .js
+            .get_stream(&shared.names.raw_stream)
+            .await
+            .map_err(|e| kv_err(e.to_string()))?;
+        let filter = format!(
+            "{}.in.{}.{}.>",
+            shared.names.prefix, self.partition, rec.key
+        );
+        let mut consumer = stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subject: filter,
+                deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: start.seq.max(1),
+                },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| kv_err(e.to_string()))?;
+        let pending = consumer
+            .info()
+            .await
+            .map_err(|e| kv_err(e.to_string()))?
+            .num_pending;
+        let mut scan = RunScan::new(&rec.key, &rec.turn);
+        if pending == 0 {
+            return Ok(Vec::new());
+        }
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(|e| kv_err(e.to_string()))?;
+        for _ in 0..pending {
+            let msg = match tokio::time::timeout(Duration::from_secs(10), messages.next()).await {
+                Ok(Some(Ok(m))) => m,
+                Ok(Some(Err(e))) => return Err(kv_err(e.to_string())),
+                Ok(None) | Err(_) => return Err(kv_err("the raw stream stopped answering".into())),
+            };
+            let Ok(info) = msg.info() else { continue };
+            if info.published.timestamp_millis() > deadline {
+                break;
+            }
+            let raw = RawMessage {
+                bytes: &msg.payload,
+                stream: &shared.names.raw_stream,
+                seq: info.stream_sequence,
+                stored_subject: msg.subject.as_str(),
+                stored_at: info.published,
+                delivered: 1,
+                headers: msg.headers.as_ref(),
+            };
+            let header = msg
+                .headers
+                .as_ref()
+                .and_then(|h| crate::ingest::RelayHeaders::from_nats(h).run_id);
+            if let Ok(events) = pipeline::normalize_raw(&raw, &shared.names, &shared.ingest, 0) {
+                for n in events {
+                    scan.observe(&n.envelope, header.as_deref());
+                }
+            }
+        }
+        Ok(scan.open_items().to_vec())
     }
 
     /// Publish a decided turn's response found at reload (decided after the last checkpoint, so
@@ -995,24 +1162,31 @@ impl PartitionTurns {
         written_at: chrono::DateTime<chrono::Utc>,
         cancel: &CancellationToken,
     ) -> Result<(), TurnIoError> {
-        let out = self.response(shared, key, rec, None).await?;
+        let outs = self.response(shared, key, rec, None).await?;
+        // The exchange's own response is last: the ends of a timed-out run are published before it,
+        // so with it stored they are too.
+        let Some(out) = outs.last() else {
+            return Ok(());
+        };
         let age = chrono::Utc::now()
             .signed_duration_since(written_at)
             .to_std()
             .unwrap_or_default();
         let window = shared.settings.projection.duplicate_window;
         let stored = age + DUPLICATE_WINDOW_MARGIN >= window
-            && response_stored(shared, &out, written_at)
+            && response_stored(shared, out, written_at)
                 .await
                 .map_err(|detail| TurnIoError::Kv {
                     key: key.to_string(),
                     detail,
                 })?;
         if !stored {
-            if !shared.publish_in_place(&out, &[], cancel).await {
-                return Err(TurnIoError::Cancelled(key.to_string()));
+            for out in &outs {
+                if !shared.publish_in_place(out, &[], cancel).await {
+                    return Err(TurnIoError::Cancelled(key.to_string()));
+                }
+                shared.state.count_output(out);
             }
-            shared.state.count_output(&out);
         }
         self.remember(key, &turns::published(rec), Rev::Known(0));
         Ok(())

@@ -1386,7 +1386,15 @@ async fn project_input(
     }
     let enforce = &shared.settings.turns.enforce_roles;
     for (i, n) in events.iter().enumerate() {
-        match pipeline::turn_facts(n, &raw, &shared.names.prefix, enforce) {
+        // AG-UI run events follow the run contract (CONTRACT 2b) whatever their role; the turn
+        // machinery carries both kinds of exchange.
+        let run = if shared.settings.runs.enforce {
+            pipeline::run_event(n, &raw, &shared.names.prefix).and_then(|ev| turns.run_facts(&ev))
+        } else {
+            None
+        };
+        let facts = run.or_else(|| pipeline::turn_facts(n, &raw, &shared.names.prefix, enforce));
+        match facts {
             Some(f) => turns.on_event(shared, n, &f, fx).await?,
             None => fx.outs.push(pipeline::projection(
                 &shared.names,

@@ -624,6 +624,7 @@ mod tests {
             } else {
                 None
             },
+            run_id: None,
         }
     }
 
@@ -760,6 +761,7 @@ mod tests {
             to_agent: Some("eden".into()),
             exchange: Some("x1".into()),
             a2a_method: None,
+            run_id: None,
         }
     }
 

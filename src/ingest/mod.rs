@@ -141,6 +141,9 @@ pub struct RelayHeaders {
     pub to_agent: Option<String>,
     pub exchange: Option<String>,
     pub a2a_method: Option<String>,
+    /// The AG-UI run an event belongs to (CONTRACT 2b), for events that carry no `runId`
+    /// (`RUN_ERROR`, steps, state events).
+    pub run_id: Option<String>,
 }
 
 impl RelayHeaders {
@@ -148,6 +151,7 @@ impl RelayHeaders {
     pub const TO_AGENT: &'static str = "Collab-To-Agent";
     pub const EXCHANGE: &'static str = "Collab-Exchange";
     pub const A2A_METHOD: &'static str = "Collab-A2A-Method";
+    pub const RUN_ID: &'static str = "Collab-Run-Id";
 
     /// Read them from a message's NATS headers (empty values count as absent).
     pub fn from_nats(h: &async_nats::HeaderMap) -> RelayHeaders {
@@ -161,6 +165,7 @@ impl RelayHeaders {
             to_agent: get(Self::TO_AGENT),
             exchange: get(Self::EXCHANGE),
             a2a_method: get(Self::A2A_METHOD),
+            run_id: get(Self::RUN_ID),
         }
     }
 }

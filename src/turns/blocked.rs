@@ -2,7 +2,7 @@
 //! upstream failure normalised into a blocked outcome, or a synthesised blocked outcome) and the
 //! `a2a.response.suppressed` record of any further response.
 
-use super::{Reason, SuppressReason, TurnRecord, Winner};
+use super::{ExchangeKind, Reason, SuppressReason, TurnRecord, Winner};
 use crate::facets;
 use crate::model::{Envelope, RawEventRef, Role};
 use chrono::{SecondsFormat, TimeZone, Utc};
@@ -169,7 +169,13 @@ fn render_evidence(ev: &Value) -> String {
 ///
 /// `decider` is the normalised event that decided the turn (the reply, or the failure signal),
 /// absent for a deadline.
+///
+/// For a run (CONTRACT 2b) the exchange kind chooses: its one terminal event instead (see
+/// [`super::runs::terminal`]).
 pub fn winner_response(rec: &TurnRecord, decider: Option<&Envelope>) -> Envelope {
+    if rec.exchange == ExchangeKind::Run {
+        return super::runs::terminal(rec, decider);
+    }
     let Some(winner) = rec.winner.as_ref() else {
         return decider.cloned().unwrap_or_default();
     };
@@ -278,7 +284,11 @@ pub fn winner_response(rec: &TurnRecord, decider: Option<&Envelope>) -> Envelope
 }
 
 /// The record of a further response that is not published as `a2a.response`.
+/// A further terminal of a run goes to `run.terminal.suppressed` instead.
 pub fn suppressed(env: &Envelope, rec: &TurnRecord, reason: SuppressReason) -> Envelope {
+    if rec.exchange == ExchangeKind::Run {
+        return super::runs::suppressed(env, rec, reason);
+    }
     let mut out = env.clone();
     out.event_type = "a2a.response.suppressed".into();
     out.event_role = Some(Role::SystemObservability);

@@ -186,6 +186,7 @@ impl Watermark {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::turns::ExchangeKind;
 
     #[test]
     fn watermark_follows_store_times_and_never_goes_back() {
@@ -197,6 +198,7 @@ mod tests {
 
     fn record(turn: &str) -> TurnRecord {
         TurnRecord {
+            exchange: ExchangeKind::Turn,
             conversation_id: "c".into(),
             key: "c".into(),
             turn: turn.into(),

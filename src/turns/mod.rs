@@ -12,9 +12,10 @@
 
 pub mod blocked;
 pub mod book;
+pub mod runs;
 
 use crate::classify::Fields;
-use crate::model::{encode_id, id_text, timestamp};
+use crate::model::{encode_id, id_text, timestamp, Role};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::fmt;
@@ -67,11 +68,33 @@ impl TurnEventKind {
     }
 }
 
+/// Which kind of exchange a record follows. One mechanism (fence, deadlines, checkpoint, reload)
+/// serves both: an A2A turn (CONTRACT 4) answered by one `a2a.response`, and an AG-UI run
+/// (CONTRACT 2b) ended by one terminal event. Records written before runs existed have no kind
+/// and read as turns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ExchangeKind {
+    #[default]
+    Turn,
+    Run,
+}
+
+impl ExchangeKind {
+    pub fn is_turn(&self) -> bool {
+        *self == ExchangeKind::Turn
+    }
+}
+
 /// The facts of one `a2a.*` event that the turn contract needs.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct TurnFacts {
     pub kind: TurnEventKind,
+    /// A turn, or an AG-UI run (its `turn` is then the run id, and `kind` is `Send` for
+    /// `RUN_STARTED`, `Response` for its terminals).
+    #[serde(default, skip_serializing_if = "ExchangeKind::is_turn")]
+    pub exchange: ExchangeKind,
     /// Conversation id as the producer wrote it.
     pub conversation_id: String,
     /// Its subject-key token.
@@ -105,17 +128,33 @@ pub struct TurnFacts {
     /// Send only: its own timeout (`timeoutMs`, or `deadline` minus its timestamp).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timeout_ms: Option<u64>,
+    /// Runs only: the role the run was projected with, and its AG-UI thread, so what the
+    /// processor synthesises for it goes where the run's own events go.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<Role>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thread_id: Option<String>,
 }
 
 impl TurnFacts {
-    /// The KV key of the turn: `p<partition>.<conversation key>.<turn token>`.
+    /// The KV key of the exchange (see [`exchange_key`]).
     pub fn record_key(&self, partition: u16) -> String {
-        record_key(partition, &self.key, &self.turn)
+        exchange_key(self.exchange, partition, &self.key, &self.turn)
     }
 }
 
+/// The KV key of a turn: `p<partition>.<conversation key>.<turn token>`.
 pub fn record_key(partition: u16, key: &str, turn: &str) -> String {
     format!("p{partition}.{key}.{}", encode_id(turn))
+}
+
+/// The KV key of an exchange. A run's key has one token more (`p<partition>.<key>.run.<run
+/// token>`) than any turn's, so no A2A turn id, whatever its text, can name a run's record.
+pub fn exchange_key(kind: ExchangeKind, partition: u16, key: &str, id: &str) -> String {
+    match kind {
+        ExchangeKind::Turn => record_key(partition, key, id),
+        ExchangeKind::Run => format!("p{partition}.{key}.run.{}", encode_id(id)),
+    }
 }
 
 const GOAL_MAX_CHARS: usize = 200;
@@ -219,6 +258,9 @@ pub fn facts(
             .map(str::to_string),
         goal,
         timeout_ms,
+        exchange: ExchangeKind::Turn,
+        role: None,
+        thread_id: None,
     })
 }
 
@@ -254,6 +296,11 @@ pub struct SendRef {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub a2a_method: Option<String>,
     pub timeout_ms: u64,
+    /// Runs only (see [`TurnFacts::role`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub role: Option<Role>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thread_id: Option<String>,
 }
 
 /// Who won the turn.
@@ -281,6 +328,9 @@ pub struct Winner {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct TurnRecord {
+    /// A turn or a run; absent in records written before runs existed (turns).
+    #[serde(default, skip_serializing_if = "ExchangeKind::is_turn")]
+    pub exchange: ExchangeKind,
     pub conversation_id: String,
     pub key: String,
     pub turn: String,
@@ -321,9 +371,18 @@ impl TurnRecord {
             .or(self.sender.as_deref())
     }
 
-    /// The Msg-Id of the turn's one response: derived from the turn, so any republish collapses.
+    /// The Msg-Id of the turn's one response (a run's one terminal): derived from the exchange,
+    /// so any republish collapses.
     pub fn response_msg_id(&self) -> String {
-        format!("turn:{}:{}", self.key, encode_id(&self.turn))
+        match self.exchange {
+            ExchangeKind::Turn => format!("turn:{}:{}", self.key, encode_id(&self.turn)),
+            ExchangeKind::Run => format!("run:{}:{}", self.key, encode_id(&self.turn)),
+        }
+    }
+
+    /// The KV key of this record in `partition`.
+    pub fn record_key(&self, partition: u16) -> String {
+        exchange_key(self.exchange, partition, &self.key, &self.turn)
     }
 }
 
@@ -332,9 +391,18 @@ impl TurnRecord {
 pub struct TurnConfig {
     pub default_timeout: Duration,
     pub max_timeout: Duration,
+    /// `runs.timeout`: the deadline of every AG-UI run, counted from its `RUN_STARTED`.
+    pub run_timeout: Duration,
 }
 
 impl TurnConfig {
+    fn exchange_timeout_ms(&self, ev: &TurnFacts) -> u64 {
+        match ev.exchange {
+            ExchangeKind::Turn => self.timeout_ms(ev.timeout_ms),
+            ExchangeKind::Run => u64::try_from(self.run_timeout.as_millis()).unwrap_or(u64::MAX),
+        }
+    }
+
     fn timeout_ms(&self, requested: Option<u64>) -> u64 {
         let max = u64::try_from(self.max_timeout.as_millis()).unwrap_or(u64::MAX);
         match requested {
@@ -392,8 +460,9 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
         // A send opens the turn, unless the turn exists already (a duplicate send, or a send that
         // arrives after its response: it starts no timer).
         (None, TurnEventKind::Send) => {
-            let timeout_ms = cfg.timeout_ms(ev.timeout_ms);
+            let timeout_ms = cfg.exchange_timeout_ms(ev);
             let record = TurnRecord {
+                exchange: ev.exchange,
                 conversation_id: ev.conversation_id.clone(),
                 key: ev.key.clone(),
                 turn: ev.turn.clone(),
@@ -443,6 +512,7 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
                     };
                     (
                         TurnRecord {
+                            exchange: ev.exchange,
                             conversation_id: ev.conversation_id.clone(),
                             key: ev.key.clone(),
                             turn: ev.turn.clone(),
@@ -463,7 +533,10 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
                     seq: Some(ev.seq),
                     blocked: ev.failure,
                     synthesized: false,
-                    by: "a2a.response".into(),
+                    by: match ev.exchange {
+                        ExchangeKind::Turn => "a2a.response".into(),
+                        ExchangeKind::Run => runs::TERMINAL_BY.into(),
+                    },
                     detail: ev.failure_detail.clone(),
                     at_ms: ev.stored_ms,
                 },
@@ -582,6 +655,8 @@ fn send_ref(ev: &TurnFacts, timeout_ms: u64) -> SendRef {
         work_session_id: ev.work_session_id.clone(),
         a2a_method: ev.a2a_method.clone(),
         timeout_ms,
+        role: ev.role,
+        thread_id: ev.thread_id.clone(),
     }
 }
 

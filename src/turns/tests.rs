@@ -30,6 +30,7 @@ fn contract_cfg() -> TurnConfig {
     TurnConfig {
         default_timeout: Duration::from_secs(300),
         max_timeout: Duration::from_secs(3600),
+        run_timeout: Duration::from_secs(600),
     }
 }
 
@@ -1360,6 +1361,7 @@ fn blocked_goal_falls_back_to_the_send_message_shortened() {
 #[test]
 fn next_action_names_the_target_and_differs_by_reason_and_turn() {
     let rec = |turn: &str| TurnRecord {
+        exchange: ExchangeKind::Turn,
         conversation_id: "c1".into(),
         key: "c1".into(),
         turn: turn.into(),
@@ -1376,6 +1378,8 @@ fn next_action_names_the_target_and_differs_by_reason_and_turn() {
             work_session_id: None,
             a2a_method: None,
             timeout_ms: 300_000,
+            role: None,
+            thread_id: None,
         }),
         deadline_ms: None,
         winner: None,
@@ -1642,6 +1646,7 @@ fn prop_cfg() -> TurnConfig {
     TurnConfig {
         default_timeout: Duration::from_millis(PROP_DEFAULT_MS),
         max_timeout: Duration::from_millis(PROP_MAX_MS),
+        run_timeout: Duration::from_millis(PROP_DEFAULT_MS),
     }
 }
 

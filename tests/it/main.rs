@@ -13,5 +13,6 @@ mod operability;
 mod ops;
 mod pipeline;
 mod relay;
+mod runs;
 mod spec_fixtures;
 mod turns;
