@@ -981,6 +981,15 @@ impl PartitionTurns {
             return self.run_terminal(shared, key, rec, decider).await;
         }
         let mut env = blocked::winner_response(rec, decider);
+        // An A2A answer at the end of a stream: the artifacts streamed before it are its content.
+        let a2a_real_reply = rec.winner.as_ref().is_some_and(|w| w.blocked.is_none())
+            && rec.send.as_ref().is_some_and(|s| s.a2a_method.is_some());
+        if let (true, Some(ws), Some(send)) = (a2a_real_reply, winner_seq, rec.send.as_ref()) {
+            if ws > send.seq + 1 {
+                let artifacts = self.exchange_artifacts(shared, key, rec, ws).await?;
+                blocked::attach_artifacts(&mut env, artifacts);
+            }
+        }
         if let Some(r) = env.raw_event_ref.as_mut() {
             if r.stream.is_empty() {
                 r.stream = shared.names.raw_stream.clone();
@@ -1083,9 +1092,75 @@ impl PartitionTurns {
         let deadline = start
             .stored_ms
             .saturating_add(i64::try_from(start.timeout_ms).unwrap_or(i64::MAX));
+        let mut scan = RunScan::new(&rec.key, &rec.turn);
+        self.scan_raw(shared, key, rec, start.seq, |n, info, header| {
+            if info.published.timestamp_millis() > deadline {
+                return false;
+            }
+            scan.observe(&n.envelope, header);
+            true
+        })
+        .await?;
+        Ok(scan.open_items().to_vec())
+    }
+
+    /// The artifacts an A2A exchange streamed before the frame that answered it: the
+    /// `task.artifact` events of the same exchange between its send and `until` (the winning
+    /// frame's raw sequence), read from the raw stream like a run's open items. Only A2A
+    /// responses with frames before them pay for the read; nothing is written per frame, and a
+    /// republish derives the same content.
+    async fn exchange_artifacts(
+        &self,
+        shared: &WorkerContext,
+        key: &str,
+        rec: &TurnRecord,
+        until: u64,
+    ) -> Result<Vec<serde_json::Value>, TurnIoError> {
+        let Some(send) = rec.send.as_ref() else {
+            return Ok(Vec::new());
+        };
+        let mut artifacts = Vec::new();
+        self.scan_raw(shared, key, rec, send.seq, |n, info, _| {
+            if info.stream_sequence >= until {
+                return false;
+            }
+            let env = &n.envelope;
+            let same_exchange = env
+                .turn_id
+                .as_ref()
+                .and_then(crate::model::id_text)
+                .is_some_and(|t| t == rec.turn);
+            if env.event_type == "task.artifact" && same_exchange {
+                if let Some(a) = env
+                    .payload
+                    .as_ref()
+                    .and_then(|p| p.get("a2a"))
+                    .and_then(|a| a.get("artifactUpdate"))
+                    .and_then(|u| u.get("artifact"))
+                {
+                    artifacts.push(a.clone());
+                }
+            }
+            true
+        })
+        .await?;
+        Ok(artifacts)
+    }
+
+    /// Read the exchange's key's raw events in this partition from `from` on, normalised as the
+    /// worker did, until `visit` returns false or the messages stored at the start of the read
+    /// are done. `visit` gets each event with its delivery info and the relay's run header.
+    async fn scan_raw(
+        &self,
+        shared: &WorkerContext,
+        key: &str,
+        rec: &TurnRecord,
+        from: u64,
+        mut visit: impl FnMut(&Normalized, &jetstream::message::Info<'_>, Option<&str>) -> bool,
+    ) -> Result<(), TurnIoError> {
         let kv_err = |detail: String| TurnIoError::Kv {
             key: key.to_string(),
-            detail: format!("reading the run's raw events: {detail}"),
+            detail: format!("reading the exchange's raw events: {detail}"),
         };
         let stream = shared
             .js
@@ -1100,7 +1175,7 @@ impl PartitionTurns {
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
                 filter_subject: filter,
                 deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
-                    start_sequence: start.seq.max(1),
+                    start_sequence: from.max(1),
                 },
                 ..Default::default()
             })
@@ -1111,9 +1186,8 @@ impl PartitionTurns {
             .await
             .map_err(|e| kv_err(e.to_string()))?
             .num_pending;
-        let mut scan = RunScan::new(&rec.key, &rec.turn);
         if pending == 0 {
-            return Ok(Vec::new());
+            return Ok(());
         }
         let mut messages = consumer
             .messages()
@@ -1126,9 +1200,6 @@ impl PartitionTurns {
                 Ok(None) | Err(_) => return Err(kv_err("the raw stream stopped answering".into())),
             };
             let Ok(info) = msg.info() else { continue };
-            if info.published.timestamp_millis() > deadline {
-                break;
-            }
             let raw = RawMessage {
                 bytes: &msg.payload,
                 stream: &shared.names.raw_stream,
@@ -1142,13 +1213,16 @@ impl PartitionTurns {
                 .headers
                 .as_ref()
                 .and_then(|h| crate::ingest::RelayHeaders::from_nats(h).run_id);
-            if let Ok(events) = pipeline::normalize_raw(&raw, &shared.names, &shared.ingest, 0) {
-                for n in events {
-                    scan.observe(&n.envelope, header.as_deref());
+            let Ok(events) = pipeline::normalize_raw(&raw, &shared.names, &shared.ingest, 0) else {
+                continue;
+            };
+            for n in &events {
+                if !visit(n, &info, header.as_deref()) {
+                    return Ok(());
                 }
             }
         }
-        Ok(scan.open_items().to_vec())
+        Ok(())
     }
 
     /// Publish a decided turn's response found at reload (decided after the last checkpoint, so

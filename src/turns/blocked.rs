@@ -96,6 +96,35 @@ pub fn next_action(rec: &TurnRecord, reason: Reason, detail: Option<&str>) -> St
     }
 }
 
+/// Give an A2A response the artifacts its exchange streamed before it: `payload.artifacts`
+/// (the artifact objects, in order, before any the answer carries itself), and their text as the
+/// `message` when the answer has no text of its own.
+pub fn attach_artifacts(env: &mut Envelope, streamed: Vec<Value>) {
+    if streamed.is_empty() {
+        return;
+    }
+    let text: Vec<String> = streamed
+        .iter()
+        .filter_map(|a| a.get("parts").and_then(Value::as_array))
+        .flat_map(|parts| parts.iter())
+        .filter(|p| p.get("kind").is_none_or(|k| k == "text"))
+        .filter_map(|p| p.get("text").and_then(Value::as_str).map(str::to_string))
+        .collect();
+    let p = env.payload_object();
+    let mut all = streamed;
+    if let Some(Value::Array(own)) = p.get("artifacts") {
+        all.extend(own.iter().cloned());
+    }
+    p.insert("artifacts".into(), Value::Array(all));
+    let has_text = p
+        .get("message")
+        .and_then(Value::as_str)
+        .is_some_and(|m| !m.trim().is_empty());
+    if !has_text && !text.is_empty() {
+        p.insert("message".into(), Value::String(text.concat()));
+    }
+}
+
 /// The next action for a blocked A2A request, in A2A's terms: which agent, which context,
 /// which method to retry with.
 fn a2a_next_action(rec: &TurnRecord, method: &str, reason: Reason, detail: Option<&str>) -> String {

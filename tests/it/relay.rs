@@ -1449,6 +1449,20 @@ async fn relay_e2e_a2a_sdk_turns_come_out_of_the_projector() {
         assert_eq!(state(&r[0]), "completed", "{key}: {:#}", r[0]);
         assert_ne!(r[0]["payload"]["outcome"], "blocked", "{key}");
     }
+    // A streamed answer's content is what the stream produced: the artifact chunks sent before
+    // the final status frame.
+    for key in ["e2e-stream-jsonrpc-v1", "e2e-stream-rest-v1"] {
+        let r = &by_key[key][0];
+        assert_eq!(
+            r["payload"]["message"], "The relay forwards every frame.",
+            "{key}: {r:#}"
+        );
+        assert_eq!(
+            r["payload"]["artifacts"].as_array().map(Vec::len),
+            Some(4),
+            "{key}"
+        );
+    }
     let mut ask: Vec<String> = by_key["e2e-ask-jsonrpc-v1"].iter().map(state).collect();
     ask.sort();
     assert_eq!(ask, ["completed", "input-required"]);
