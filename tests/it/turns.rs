@@ -1419,3 +1419,67 @@ async fn a2a_wire_exchanges_get_exactly_one_response_each_in_both_versions() {
         .await;
     assert_eq!(progress.len(), 2, "{progress:#?}");
 }
+
+#[tokio::test]
+async fn a2a_stream_frames_before_between_and_after_the_deadline() {
+    // Turn timeout 2 s (RUN_ARGS). One exchange per version: a working frame before the
+    // deadline, the final frame after it. The working frame is progress, the deadline gives a
+    // blocked timeout, and the late final frame is kept, suppressed `late`.
+    let bed = Bed::start().await;
+    let _p = bed.projector(&[]);
+    let mut keys = Vec::new();
+    for (v, tag, method) in [
+        (Wire::V03, "v03", "message/stream"),
+        (Wire::V10, "v10", "SendStreamingMessage"),
+    ] {
+        let ctx = format!("ctx-late-{tag}");
+        let exchange = format!("ex-late-{tag}");
+        let send_seq = bed
+            .publish_wire(
+                &ctx,
+                &exchange,
+                method,
+                &v.send(&ctx, "summarise the incident"),
+            )
+            .await;
+        let working = v.status(&ctx, "working", "reading the logs");
+        bed.publish_wire(&ctx, &exchange, method, &working).await;
+        let sent = bed.stored_ms(send_seq).await;
+        sleep_until_ms(sent + 2_600).await;
+        bed.publish_wire(
+            &ctx,
+            &exchange,
+            method,
+            &v.status(&ctx, "completed", "too late"),
+        )
+        .await;
+        keys.push(key(&ctx, &exchange));
+    }
+    bed.wait_responses(&keys).await;
+    let convs: Vec<String> = keys.iter().map(|(c, _)| c.clone()).collect();
+    let conv_refs: Vec<&str> = convs.iter().map(String::as_str).collect();
+    bed.settle(&conv_refs).await;
+    let wire: Vec<Proj> = bed
+        .responses()
+        .await
+        .into_iter()
+        .filter(|r| r.turn_key().1.starts_with("ex-late-"))
+        .collect();
+    let one = one_per_turn(&wire, &keys);
+    for k in &keys {
+        let r = &one[k];
+        assert!(r.is_blocked(), "{k:?}: {r:#?}");
+        assert_eq!(r.str("reason"), Some("timeout"));
+        let late = bed.suppressed_of(&k.0).await;
+        assert_eq!(late.len(), 1, "{k:?}: {late:#?}");
+        assert_eq!(late[0].str("reason"), Some("late"));
+    }
+    let progress = bed
+        .read("collab.proj.orchestration.task.*.task.updated")
+        .await;
+    assert_eq!(
+        progress.len(),
+        2,
+        "one working frame per exchange: {progress:#?}"
+    );
+}
