@@ -5,6 +5,8 @@ POST / takes a RunAgentInput. `forwardedProps.scenario` picks the run:
 - "ok" (default): RUN_STARTED, a text message in three deltas, a tool call with its result, a
   state snapshot, RUN_FINISHED.
 - "fail": RUN_STARTED, a text message left open, RUN_ERROR (which carries no runId).
+- "abandon": RUN_STARTED, a text message and a tool call started, then the stream just ends (no
+  end events, no terminal), as when an agent dies mid-run.
 
 Usage: python agui_server.py --port 0   (prints `listening on <port>` when ready)
 """
@@ -42,6 +44,10 @@ def events(run: RunAgentInput, scenario: str):
     thread, run_id = run.thread_id, run.run_id
     yield RunStartedEvent(thread_id=thread, run_id=run_id)
     yield TextMessageStartEvent(message_id="msg-1", role="assistant")
+    if scenario == "abandon":
+        yield TextMessageContentEvent(message_id="msg-1", delta="Let me check")
+        yield ToolCallStartEvent(tool_call_id="call-9", tool_call_name="get_weather")
+        return
     if scenario == "fail":
         yield TextMessageContentEvent(message_id="msg-1", delta="Looking that up")
         yield RunErrorEvent(message="the weather service is down", code="upstream")

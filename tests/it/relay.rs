@@ -1481,3 +1481,103 @@ async fn relay_e2e_a2a_sdk_turns_come_out_of_the_projector() {
         "{next}"
     );
 }
+
+/// AG-UI with the real SDK into the projector: the ag-ui-protocol server's SSE stream through the
+/// relay, and the run contract on what it published: a finished run has its one RUN_FINISHED, a
+/// failed one its RUN_ERROR (tied to the run by the relay's `Collab-Run-Id`, since RUN_ERROR
+/// carries no runId), and an abandoned one, after `runs.timeout`, synthesised ends for the
+/// message and the tool call it left open, then a synthesised `run.failed` (timeout).
+#[tokio::test]
+async fn relay_e2e_agui_runs_come_out_of_the_projector_with_one_terminal_each() {
+    let Some(python) = e2e_python() else {
+        return;
+    };
+    let nats = TestNats::start().await;
+    let js = provisioned(&nats.url()).await;
+    let _projector =
+        crate::support::Projector::spawn(&nats.url(), &[], &[("COLLAB_RUNS__TIMEOUT", "2s")]);
+    let server = Script::spawn(&python, "agui_server.py", &["--port", "0"]);
+    let upstream = format!("http://127.0.0.1:{}", server.port().await);
+    let relay = start_relay("agui", &nats.url(), &upstream, &[]).await;
+    for (run, scenario) in [
+        ("e2e-run-ok", "ok"),
+        ("e2e-run-fail", "fail"),
+        ("e2e-run-abandon", "abandon"),
+    ] {
+        let input = json!({
+            "threadId": format!("thread-{scenario}"), "runId": run, "state": {}, "tools": [],
+            "context": [], "messages": [{"id": "u-1", "role": "user", "content": "Weather?"}],
+            "forwardedProps": {"scenario": scenario}
+        })
+        .to_string();
+        let answer = post_json(&relay.url("/"), &input, &[("accept", "text/event-stream")]).await;
+        assert_eq!(answer.status(), 200, "{}", server.log_text());
+        let _ = answer.text().await.unwrap();
+    }
+    let terminals = |thread: &'static str| {
+        let js = js.clone();
+        async move {
+            let mut out = Vec::new();
+            for t in ["run.finished", "run.failed"] {
+                out.extend(
+                    crate::pipeline::read_all(
+                        &js,
+                        "COLLAB_PROJ",
+                        &format!("collab.proj.*.*.thread-{thread}.{t}"),
+                    )
+                    .await
+                    .into_iter()
+                    .map(|m| m.json()),
+                );
+            }
+            out
+        }
+    };
+    wait_until(
+        WAIT,
+        "the abandoned run is ended by its deadline",
+        || async { !terminals("abandon").await.is_empty() },
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    let ok = terminals("ok").await;
+    assert_eq!(ok.len(), 1, "{ok:#?}");
+    assert_eq!(ok[0]["type"], "run.finished");
+    let fail = terminals("fail").await;
+    assert_eq!(fail.len(), 1, "{fail:#?}");
+    assert_eq!(fail[0]["payload"]["agUiType"], "RUN_ERROR");
+    assert_ne!(
+        fail[0]["payload"]["synthesized"], true,
+        "the agent's own RUN_ERROR"
+    );
+    let abandon = terminals("abandon").await;
+    assert_eq!(abandon.len(), 1, "{abandon:#?}");
+    assert_eq!(abandon[0]["type"], "run.failed");
+    assert_eq!(abandon[0]["payload"]["reason"], "timeout");
+    assert_eq!(abandon[0]["payload"]["synthesized"], true);
+    // The ends it left open, synthesised before the terminal.
+    let all =
+        crate::pipeline::read_all(&js, "COLLAB_PROJ", "collab.proj.*.*.thread-abandon.>").await;
+    let synthesized_ends: Vec<String> = all
+        .iter()
+        .map(|m| m.json())
+        .filter(|e| e["payload"]["synthesized"] == true && e["type"] != "run.failed")
+        .map(|e| {
+            e["payload"]["agUiType"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        })
+        .collect();
+    assert_eq!(
+        synthesized_ends,
+        ["TEXT_MESSAGE_END", "TOOL_CALL_END"],
+        "{all:#?}"
+    );
+    let failed_at = all.iter().position(|m| m.subject.ends_with(".run.failed"));
+    let last_end = all.iter().rposition(|m| {
+        m.json()["payload"]["synthesized"] == true && !m.subject.ends_with(".run.failed")
+    });
+    assert!(last_end < failed_at, "the ends come before the terminal");
+}
