@@ -1650,10 +1650,16 @@ fn barrier_sequences(ready: &[jetstream::Message]) -> Vec<u64> {
         .collect()
 }
 
+/// A partition's own barrier: the header, an empty body, and the barrier subject's last token.
+/// A producer's message that happens to carry the header but has a body is an input like any
+/// other (nothing a producer sends is acknowledged unseen).
 fn is_barrier(msg: &jetstream::Message) -> bool {
-    msg.headers
-        .as_ref()
-        .is_some_and(|h| h.get(crate::pipeline::H_BARRIER).is_some())
+    msg.payload.is_empty()
+        && msg.subject.as_str().ends_with(".barrier")
+        && msg
+            .headers
+            .as_ref()
+            .is_some_and(|h| h.get(crate::pipeline::H_BARRIER).is_some())
 }
 
 /// Remove acknowledged barriers from the raw stream, so it holds only producers' inputs. Best

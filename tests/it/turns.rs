@@ -546,6 +546,30 @@ async fn a_silent_timeout_leaves_only_inputs_in_the_raw_stream() {
 }
 
 #[tokio::test]
+async fn a_producers_message_with_the_barrier_header_is_still_an_input() {
+    // Only a worker's own barrier (empty body on a barrier subject) is acknowledged unprojected;
+    // a producer's event that carries the header by mistake is projected like any other.
+    let bed = Bed::start().await;
+    let _p = bed.projector(&[]);
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Collab-Barrier", "1");
+    let body = serde_json::to_vec(&json!({"type": "task.updated", "taskId": "t-hdr"}))
+        .expect("serialises");
+    bed.js
+        .publish_with_headers("collab.raw.t-hdr.task.updated", headers, body.into())
+        .await
+        .expect("sent")
+        .await
+        .expect("stored");
+    bed.wait_read(
+        "collab.proj.orchestration.task.t-hdr.task.updated",
+        "the event is projected",
+        |m| m.len() == 1,
+    )
+    .await;
+}
+
+#[tokio::test]
 async fn each_partitions_barrier_subject_is_stored_in_that_partition() {
     // The worker computes the raw subject that the stream's partition transform sends to a
     // partition; the server's own transform must agree for every partition.
