@@ -1442,6 +1442,22 @@ async fn a2a_wire_exchanges_get_exactly_one_response_each_in_both_versions() {
         .read("collab.proj.orchestration.task.*.task.updated")
         .await;
     assert_eq!(progress.len(), 2, "{progress:#?}");
+    // The work session of an A2A context groups its turns (its id is the contextId).
+    let sessions = bed
+        .js
+        .get_key_value("collab_work_sessions")
+        .await
+        .expect("the sessions bucket exists");
+    let key = collab_projector::bus::sessions::session_key("ctx-v10-done");
+    let mut session = None;
+    let deadline = Instant::now() + WAIT;
+    while session.is_none() && Instant::now() < deadline {
+        session = sessions.get(&key).await.ok().flatten();
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let session: Value =
+        serde_json::from_slice(&session.expect("a work session for the context")).expect("JSON");
+    assert!(session.to_string().contains("ctx-v10-done"), "{session:#}");
 }
 
 #[tokio::test]
