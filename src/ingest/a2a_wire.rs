@@ -54,6 +54,37 @@ enum MethodKind {
     Other(&'static str),
 }
 
+/// The JSON-RPC methods A2A defines, v0.3 and v1.0 names.
+const METHODS: [&str; 22] = [
+    "message/send",
+    "message/stream",
+    "tasks/get",
+    "tasks/list",
+    "tasks/cancel",
+    "tasks/resubscribe",
+    "tasks/pushNotificationConfig/set",
+    "tasks/pushNotificationConfig/get",
+    "tasks/pushNotificationConfig/list",
+    "tasks/pushNotificationConfig/delete",
+    "agent/getAuthenticatedExtendedCard",
+    "SendMessage",
+    "SendStreamingMessage",
+    "GetTask",
+    "ListTasks",
+    "CancelTask",
+    "SubscribeToTask",
+    "CreateTaskPushNotificationConfig",
+    "GetTaskPushNotificationConfig",
+    "ListTaskPushNotificationConfigs",
+    "DeleteTaskPushNotificationConfig",
+    "GetExtendedAgentCard",
+];
+
+/// An A2A JSON-RPC method by its own (static) name; `None` for a method A2A does not define.
+pub fn known_method(method: &str) -> Option<&'static str> {
+    METHODS.iter().find(|m| **m == method).copied()
+}
+
 /// The methods A2A defines (both styles; HTTP+JSON bodies carry the v1.0 name in
 /// `Collab-A2A-Method`). Unknown methods are projected as `agent.rpc`.
 fn method_kind(method: &str) -> MethodKind {

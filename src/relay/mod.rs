@@ -38,13 +38,14 @@ use tokio_util::task::TaskTracker;
 use tracing::{debug, info, warn};
 use wire::{Frame, Kind, SseParser};
 
-/// Headers the relay sets on the messages it publishes.
+/// Headers the relay sets on the messages it publishes: the names the projector reads them by.
 pub mod headers {
-    pub const FROM_AGENT: &str = "Collab-From-Agent";
-    pub const TO_AGENT: &str = "Collab-To-Agent";
-    pub const EXCHANGE: &str = "Collab-Exchange";
-    pub const A2A_METHOD: &str = "Collab-A2A-Method";
-    pub const RUN_ID: &str = "Collab-Run-Id";
+    use crate::ingest::RelayHeaders;
+    pub const FROM_AGENT: &str = RelayHeaders::FROM_AGENT;
+    pub const TO_AGENT: &str = RelayHeaders::TO_AGENT;
+    pub const EXCHANGE: &str = RelayHeaders::EXCHANGE;
+    pub const A2A_METHOD: &str = RelayHeaders::A2A_METHOD;
+    pub const RUN_ID: &str = RelayHeaders::RUN_ID;
 }
 
 /// How one relay runs.

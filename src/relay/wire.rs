@@ -191,7 +191,7 @@ pub fn a2a_call(method: &str, path: &str, body: &[u8]) -> A2aCall {
             let method = obj
                 .get("method")
                 .and_then(Value::as_str)
-                .and_then(json_rpc_method);
+                .and_then(crate::ingest::a2a_wire::known_method);
             return A2aCall {
                 recognised: true,
                 publish_request: true,
@@ -271,35 +271,6 @@ pub fn rest_method(method: &str, path: &str) -> Option<&'static str> {
         [_, "pushNotificationConfigs", _] if delete => Some("DeleteTaskPushNotificationConfig"),
         _ => None,
     }
-}
-
-/// The A2A JSON-RPC methods (v0.3 and v1.0) by their own name; `None` for others.
-pub fn json_rpc_method(method: &str) -> Option<&'static str> {
-    const METHODS: [&str; 22] = [
-        "message/send",
-        "message/stream",
-        "tasks/get",
-        "tasks/list",
-        "tasks/cancel",
-        "tasks/resubscribe",
-        "tasks/pushNotificationConfig/set",
-        "tasks/pushNotificationConfig/get",
-        "tasks/pushNotificationConfig/list",
-        "tasks/pushNotificationConfig/delete",
-        "agent/getAuthenticatedExtendedCard",
-        "SendMessage",
-        "SendStreamingMessage",
-        "GetTask",
-        "ListTasks",
-        "CancelTask",
-        "SubscribeToTask",
-        "CreateTaskPushNotificationConfig",
-        "GetTaskPushNotificationConfig",
-        "ListTaskPushNotificationConfigs",
-        "DeleteTaskPushNotificationConfig",
-        "GetExtendedAgentCard",
-    ];
-    METHODS.iter().find(|m| **m == method).copied()
 }
 
 /// The ids of an AG-UI `RunAgentInput`.

@@ -10,7 +10,8 @@ use serde_json::{json, Map, Value};
 
 const SECTIONS: [&str; 4] = ["goal", "outcome", "evidence", "next_action"];
 
-fn rfc3339(ms: i64) -> String {
+/// Milliseconds since the epoch as RFC 3339 UTC with milliseconds.
+pub(crate) fn rfc3339(ms: i64) -> String {
     Utc.timestamp_millis_opt(ms)
         .single()
         .map(|t| t.to_rfc3339_opts(SecondsFormat::Millis, true))
@@ -318,14 +319,6 @@ pub fn suppressed(env: &Envelope, rec: &TurnRecord, reason: SuppressReason) -> E
     if rec.exchange == ExchangeKind::Run {
         return super::runs::suppressed(env, rec, reason);
     }
-    let mut out = env.clone();
-    out.event_type = "a2a.response.suppressed".into();
-    out.event_role = Some(Role::SystemObservability);
-    out.owner = None;
-    out.scope = None;
-    out.phase = None;
-    out.surface = None;
-    out.persistence = None;
     let winner = rec.winner.as_ref();
     let winner_ref = json!({
         "msgId": rec.response_msg_id(),
@@ -335,18 +328,42 @@ pub fn suppressed(env: &Envelope, rec: &TurnRecord, reason: SuppressReason) -> E
         "conversationId": rec.conversation_id,
         "turn": rec.turn,
     });
+    suppression(
+        env,
+        "a2a.response.suppressed",
+        reason,
+        winner_ref,
+        "response",
+    )
+}
+
+/// A further response or terminal, kept on `system.observability` as `event_type`: the event's
+/// own payload under `kept_as`, the reason, and `winner_ref` pointing at what won. Turns and
+/// runs differ only in those names and in what the ref says.
+pub(crate) fn suppression(
+    env: &Envelope,
+    event_type: &str,
+    reason: SuppressReason,
+    winner_ref: Value,
+    kept_as: &str,
+) -> Envelope {
+    let mut out = env.clone();
+    out.event_type = event_type.into();
+    out.event_role = Some(Role::SystemObservability);
+    out.owner = None;
+    out.scope = None;
+    out.phase = None;
+    out.surface = None;
+    out.persistence = None;
     let original = out.payload.take();
     let mut p = Map::new();
     p.insert("reason".into(), json!(reason.as_str()));
     p.insert("winner".into(), winner_ref);
     if let Some(o) = original {
-        p.insert("response".into(), o);
+        p.insert(kept_as.into(), o);
     }
     out.payload = Some(Value::Object(p));
-    facets::apply(
-        &mut out,
-        &facets::derive("a2a.response.suppressed", None, false),
-    );
+    facets::apply(&mut out, &facets::derive(event_type, None, false));
     out
 }
 

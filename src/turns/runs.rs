@@ -13,11 +13,11 @@
 //! when the timeout is decided, from the run's raw events ([`RunScan`]), which the raw stream keeps
 //! unchanged: a crash and a republish derive the same ends with the same Msg-Ids.
 
+use super::blocked::rfc3339;
 use super::{ExchangeKind, SuppressReason, TurnEventKind, TurnFacts, TurnRecord, Winner};
 use crate::facets;
 use crate::ingest::agui::{AgUiFacts, TYPE_FIELD};
 use crate::model::{encode_id, Envelope, RawEventRef, Role};
-use chrono::{SecondsFormat, TimeZone, Utc};
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
 
@@ -261,13 +261,6 @@ impl RunScan {
     }
 }
 
-fn rfc3339(ms: i64) -> String {
-    Utc.timestamp_millis_opt(ms)
-        .single()
-        .map(|t| t.to_rfc3339_opts(SecondsFormat::Millis, true))
-        .unwrap_or_default()
-}
-
 /// The run's own deadline, as stored at its start.
 fn deadline_of(rec: &TurnRecord) -> Option<(i64, u64)> {
     let start = rec.send.as_ref()?;
@@ -410,14 +403,6 @@ pub fn terminal(rec: &TurnRecord, decider: Option<&Envelope>) -> Envelope {
 /// The record of a further terminal of a run: on `system.observability`, with a ref to the
 /// terminal that won.
 pub fn suppressed(env: &Envelope, rec: &TurnRecord, reason: SuppressReason) -> Envelope {
-    let mut out = env.clone();
-    out.event_type = SUPPRESSED_TYPE.into();
-    out.event_role = Some(Role::SystemObservability);
-    out.owner = None;
-    out.scope = None;
-    out.phase = None;
-    out.surface = None;
-    out.persistence = None;
     let winner = rec.winner.as_ref();
     let timed_out = winner.is_some_and(|w| w.seq.is_none());
     let winner_ref = json!({
@@ -427,16 +412,7 @@ pub fn suppressed(env: &Envelope, rec: &TurnRecord, reason: SuppressReason) -> E
         "runId": rec.turn,
         "threadId": rec.send.as_ref().and_then(|s| s.thread_id.clone()),
     });
-    let original = out.payload.take();
-    let mut p = Map::new();
-    p.insert("reason".into(), json!(reason.as_str()));
-    p.insert("winner".into(), winner_ref);
-    if let Some(o) = original {
-        p.insert("terminal".into(), o);
-    }
-    out.payload = Some(Value::Object(p));
-    facets::apply(&mut out, &facets::derive(SUPPRESSED_TYPE, None, false));
-    out
+    super::blocked::suppression(env, SUPPRESSED_TYPE, reason, winner_ref, "terminal")
 }
 
 #[cfg(test)]
