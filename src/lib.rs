@@ -59,6 +59,8 @@ pub mod config;
 #[cfg(feature = "tools")]
 pub mod demo;
 mod facets;
+#[cfg(test)]
+mod golden;
 mod http;
 pub mod ingest;
 #[cfg(feature = "tools")]

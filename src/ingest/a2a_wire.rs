@@ -748,31 +748,17 @@ mod tests {
     /// `UPDATE_GOLDEN=1` rewrites them (review the diff before committing).
     #[test]
     fn spec_examples_match_their_golden_outputs() {
-        let update = std::env::var("UPDATE_GOLDEN").is_ok_and(|v| v == "1");
         let s = settings();
         let files = inputs();
         assert!(files.len() >= 40, "A2A examples missing from {FIXTURES}");
         let mut failures = Vec::new();
         for path in &files {
-            let actual = render(path, &s);
             let stem = path
                 .file_stem()
                 .and_then(|n| n.to_str())
                 .unwrap_or_default();
             let golden = Path::new(FIXTURES).join(format!("{stem}.expected.json"));
-            if update {
-                if let Err(e) = std::fs::write(&golden, &actual) {
-                    failures.push(format!("{}: {e}", golden.display()));
-                }
-                continue;
-            }
-            let expected = std::fs::read_to_string(&golden).unwrap_or_default();
-            if expected != actual {
-                failures.push(format!(
-                    "{}\n--- expected\n{expected}\n--- actual\n{actual}",
-                    golden.display()
-                ));
-            }
+            failures.extend(crate::golden::check(&golden, &render(path, &s)));
         }
         assert!(
             failures.is_empty(),

@@ -1914,7 +1914,6 @@ mod tests {
     /// `UPDATE_GOLDEN=1` rewrites them instead (review the diff before committing).
     #[test]
     fn golden_files_match_byte_for_byte() {
-        let update = std::env::var("UPDATE_GOLDEN").is_ok_and(|v| v == "1");
         let inputs = fixture_inputs();
         assert_eq!(
             inputs.len(),
@@ -1929,26 +1928,12 @@ mod tests {
                 .and_then(|s| s.to_str())
                 .expect("utf-8 name");
             for mode in [AdapterMode::Lenient, AdapterMode::Strict] {
-                let actual = render_golden(&raw, mode);
                 let expected_path =
                     Path::new(FIXTURES).join(format!("{stem}.{mode}.expected.json"));
-                if update {
-                    std::fs::write(&expected_path, &actual).expect("golden writable");
-                    continue;
-                }
-                let expected = std::fs::read_to_string(&expected_path).unwrap_or_default();
-                if expected != actual {
-                    let line = expected
-                        .lines()
-                        .zip(actual.lines())
-                        .position(|(a, b)| a != b)
-                        .unwrap_or_else(|| expected.lines().count().min(actual.lines().count()));
-                    failures.push(format!(
-                        "{}: first difference at line {}\n--- expected\n{expected}\n--- actual\n{actual}",
-                        expected_path.display(),
-                        line + 1
-                    ));
-                }
+                failures.extend(crate::golden::check(
+                    &expected_path,
+                    &render_golden(&raw, mode),
+                ));
             }
         }
         assert!(

@@ -851,7 +851,6 @@ mod tests {
     /// instead (review the diff before committing).
     #[test]
     fn golden_files_match_byte_for_byte() {
-        let update = std::env::var("UPDATE_GOLDEN").is_ok_and(|v| v == "1");
         let inputs = fixture_inputs();
         assert_eq!(
             inputs.len(),
@@ -865,25 +864,8 @@ mod tests {
                 .file_stem()
                 .and_then(|s| s.to_str())
                 .expect("utf-8 name");
-            let actual = render_golden(&raw);
             let expected_path = Path::new(FIXTURES).join(format!("{stem}.expected.json"));
-            if update {
-                std::fs::write(&expected_path, &actual).expect("golden writable");
-                continue;
-            }
-            let expected = std::fs::read_to_string(&expected_path).unwrap_or_default();
-            if expected != actual {
-                let line = expected
-                    .lines()
-                    .zip(actual.lines())
-                    .position(|(a, b)| a != b)
-                    .unwrap_or_else(|| expected.lines().count().min(actual.lines().count()));
-                failures.push(format!(
-                    "{}: first difference at line {}\n--- expected\n{expected}\n--- actual\n{actual}",
-                    expected_path.display(),
-                    line + 1
-                ));
-            }
+            failures.extend(crate::golden::check(&expected_path, &render_golden(&raw)));
         }
         assert!(
             failures.is_empty(),
