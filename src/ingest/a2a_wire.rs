@@ -624,37 +624,21 @@ mod tests {
             .unwrap_or_else(|e| panic!("default settings: {e}"))
     }
 
-    /// The headers a relay would have set on a fixture, from its name: the method of the
-    /// exchange it belongs to, the agents, and an exchange id (none for push-notification
-    /// bodies, which answer no request).
+    /// The headers a relay would have set on a fixture (`relay-headers.json`: the agents, the
+    /// exchange, and the method of the exchange the file belongs to; none for
+    /// push-notification bodies, which answer no request).
     fn relay_for(name: &str) -> RelayHeaders {
-        if name.contains("push-notification") {
-            return RelayHeaders::default();
-        }
-        let method = [
-            ("v030_jsonrpc_message-send", "message/send"),
-            ("v030_jsonrpc_message-stream", "message/stream"),
-            ("v030_agent-card", "GetAgentCard"),
-            ("v100_agent-card", "GetAgentCard"),
-            ("v100_rest_message-send", "SendMessage"),
-            ("v100_rest_message-stream", "SendStreamingMessage"),
-            ("v100_rest_tasks-list", "ListTasks"),
-        ]
-        .iter()
-        .find(|(prefix, _)| name.starts_with(prefix))
-        .map(|(_, m)| m.to_string());
-        let rest = name.starts_with("v100_rest") || name.contains("agent-card");
+        let table: Value = std::fs::read(Path::new(FIXTURES).join("relay-headers.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default();
+        let h = &table[name];
+        let get = |k: &str| h[k].as_str().map(str::to_string);
         RelayHeaders {
-            from_agent: Some("ruda".into()),
-            to_agent: Some("eden".into()),
-            exchange: Some("ex-1".into()),
-            // JSON-RPC requests name their method; a relay names it for HTTP+JSON bodies and
-            // for the answers of any request.
-            a2a_method: if rest || !name.contains("request") {
-                method
-            } else {
-                None
-            },
+            from_agent: get(RelayHeaders::FROM_AGENT),
+            to_agent: get(RelayHeaders::TO_AGENT),
+            exchange: get(RelayHeaders::EXCHANGE),
+            a2a_method: get(RelayHeaders::A2A_METHOD),
             run_id: None,
         }
     }
@@ -739,6 +723,7 @@ mod tests {
             (n.ends_with(".json") || n.ends_with(".txt"))
                 && !n.ends_with(".expected.json")
                 && !n.starts_with("a2a-schema")
+                && n != "relay-headers.json"
         });
         v.sort();
         v

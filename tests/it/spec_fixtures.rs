@@ -33,6 +33,7 @@ fn inputs(dir: &str) -> Vec<std::path::PathBuf> {
             (n.ends_with(".json") || n.ends_with(".txt"))
                 && !n.ends_with(".expected.json")
                 && !n.starts_with("a2a-schema")
+                && n != "relay-headers.json"
         })
         .collect();
     v.sort();
@@ -58,31 +59,21 @@ fn bodies(path: &std::path::Path) -> Vec<Vec<u8>> {
     }
 }
 
-/// The relay headers the A2A golden files were made with (see src/ingest/a2a_wire.rs).
-/// Each file is an exchange of its own (`exchange`), so each is its own turn.
+/// The relay headers the A2A golden files were made with (`relay-headers.json`), except that
+/// each file is an exchange of its own (`exchange`), so each is its own turn.
 fn a2a_headers(name: &str, exchange: &str) -> async_nats::HeaderMap {
+    let table: Value = serde_json::from_slice(
+        &std::fs::read(format!("{A2A}/relay-headers.json")).expect("relay-headers.json"),
+    )
+    .expect("relay-headers.json is JSON");
     let mut h = async_nats::HeaderMap::new();
-    if name.contains("push-notification") {
-        return h;
-    }
-    h.insert("Collab-From-Agent", "ruda");
-    h.insert("Collab-To-Agent", "eden");
-    h.insert("Collab-Exchange", exchange);
-    let method = [
-        ("v030_jsonrpc_message-send", "message/send"),
-        ("v030_jsonrpc_message-stream", "message/stream"),
-        ("v030_agent-card", "GetAgentCard"),
-        ("v100_agent-card", "GetAgentCard"),
-        ("v100_rest_message-send", "SendMessage"),
-        ("v100_rest_message-stream", "SendStreamingMessage"),
-        ("v100_rest_tasks-list", "ListTasks"),
-    ]
-    .iter()
-    .find(|(prefix, _)| name.starts_with(prefix))
-    .map(|(_, m)| *m);
-    let rest = name.starts_with("v100_rest") || name.contains("agent-card");
-    if let Some(m) = method.filter(|_| rest || !name.contains("request")) {
-        h.insert("Collab-A2A-Method", m);
+    for (k, v) in table[name].as_object().into_iter().flatten() {
+        let v = if k == "Collab-Exchange" {
+            exchange
+        } else {
+            v.as_str().unwrap_or_default()
+        };
+        h.insert(k.as_str(), v);
     }
     h
 }
