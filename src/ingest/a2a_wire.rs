@@ -170,7 +170,7 @@ pub fn translate(
         };
         let method_name = method.as_deref().unwrap_or("SendMessage");
         version = version_of_method(method_name)
-            .or_else(|| params.map(|p| version_of(&Value::Object(p.clone()))))
+            .or_else(|| params.map(version_in))
             .unwrap_or(Version::Unknown);
         let message = params
             .and_then(|p| p.get("message"))
@@ -514,14 +514,14 @@ fn item_of(r: &Map<String, Value>) -> Answer {
         return Answer::Item {
             kind: ItemKind::Task,
             item: r.clone(),
-            version: version_of(&Value::Object(r.clone())),
+            version: version_in(r),
         };
     }
     if r.contains_key("parts") && r.contains_key("role") {
         return Answer::Item {
             kind: ItemKind::Message,
             item: r.clone(),
-            version: version_of(&Value::Object(r.clone())),
+            version: version_in(r),
         };
     }
     Answer::Other(Value::Object(r.clone()))
@@ -537,8 +537,18 @@ fn is_rest_request(obj: &Map<String, Value>) -> bool {
 
 /// Whether an HTTP+JSON error says "task not found".
 fn rest_not_found(err: &Map<String, Value>) -> bool {
-    let text = Value::Object(err.clone()).to_string();
-    text.contains("TASK_NOT_FOUND") || text.contains("TaskNotFound")
+    let mut stack: Vec<&Value> = err.values().collect();
+    while let Some(v) = stack.pop() {
+        match v {
+            Value::String(t) if t.contains("TASK_NOT_FOUND") || t.contains("TaskNotFound") => {
+                return true
+            }
+            Value::Object(m) => stack.extend(m.values()),
+            Value::Array(items) => stack.extend(items),
+            _ => {}
+        }
+    }
+    false
 }
 
 fn version_of_method(method: &str) -> Option<Version> {
@@ -558,14 +568,40 @@ fn version_of_method(method: &str) -> Option<Version> {
 /// The wire style a value shows: `kind` discriminators (v0.3), or `TASK_STATE_` / `ROLE_`
 /// enums and member-name wrappers (v1.0).
 fn version_of(v: &Value) -> Version {
-    let text = v.to_string();
-    if text.contains("\"kind\":") {
-        Version::V03
-    } else if text.contains("TASK_STATE_")
-        || text.contains("ROLE_")
-        || text.contains("\"statusUpdate\"")
-        || text.contains("\"artifactUpdate\"")
-    {
+    version_scan(vec![(None, v)])
+}
+
+/// [`version_of`] an object, without copying it into a value.
+fn version_in(m: &Map<String, Value>) -> Version {
+    version_scan(m.iter().map(|(k, v)| (Some(k.as_str()), v)).collect())
+}
+
+/// A walk over member names and values (no copy, no printing): any `kind` member is v0.3;
+/// otherwise a `TASK_STATE_` / `ROLE_` text or a `statusUpdate` / `artifactUpdate` name or
+/// value is v1.0.
+fn version_scan<'a>(mut stack: Vec<(Option<&'a str>, &'a Value)>) -> Version {
+    let v10_text = |t: &str| {
+        t.contains("TASK_STATE_")
+            || t.contains("ROLE_")
+            || t == "statusUpdate"
+            || t == "artifactUpdate"
+    };
+    let mut v10 = false;
+    while let Some((key, v)) = stack.pop() {
+        if let Some(k) = key {
+            if k == "kind" {
+                return Version::V03;
+            }
+            v10 |= v10_text(k);
+        }
+        match v {
+            Value::Object(m) => stack.extend(m.iter().map(|(k, c)| (Some(k.as_str()), c))),
+            Value::Array(items) => stack.extend(items.iter().map(|c| (None, c))),
+            Value::String(t) => v10 |= v10_text(t),
+            _ => {}
+        }
+    }
+    if v10 {
         Version::V10
     } else {
         Version::Unknown
