@@ -184,6 +184,9 @@ pub async fn start(
             let api_state = api::ApiState::new(js.clone(), settings.names(), &settings.http)
                 .with_shutdown(cancel.clone());
             router = router.merge(api::router(api_state));
+            if settings.http.viewer {
+                router = router.merge(crate::viewer::router());
+            }
         }
         let cancel = cancel.clone();
         tracker.spawn(async move {

@@ -530,6 +530,8 @@ pub struct HttpSettings {
     pub addr: String,
     /// Serve the projection API (`/api/...`) too.
     pub api: bool,
+    /// Serve the built-in viewer at `/` (needs `api`).
+    pub viewer: bool,
     /// Bearer tokens and the roles each may read. Access control is on when any is configured;
     /// the server refuses to bind a non-loopback address with it off.
     pub tokens: Vec<TokenGrant>,
@@ -566,6 +568,7 @@ impl Default for HttpSettings {
             enabled: true,
             addr: "127.0.0.1:8080".into(),
             api: true,
+            viewer: true,
             tokens: Vec::new(),
             quiet_after: Duration::from_secs(15 * 60),
             archive_after: Duration::from_secs(24 * 3600),

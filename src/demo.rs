@@ -69,6 +69,7 @@ pub async fn run(
     cancel: CancellationToken,
 ) -> Result<(), DemoError> {
     let mut local = None;
+    let nats_line;
     if !reachable(&settings.nats.url).await {
         if LocalNats::find_binary().is_none() {
             return Err(DemoError::NoServer {
@@ -80,7 +81,7 @@ pub async fn run(
             ..Default::default()
         })
         .await?;
-        println!(
+        nats_line = format!(
             "started a local nats-server at {} (JetStream store {}; stopped when the demo ends)",
             server.url(),
             server.store_dir().display()
@@ -88,7 +89,7 @@ pub async fn run(
         settings.nats.url = server.url();
         local = Some(server);
     } else {
-        println!("using the NATS server at {}", settings.nats.url);
+        nats_line = format!("using the NATS server at {}", settings.nats.url);
     }
     for agent in MAIN_AGENTS {
         if !settings.roles.main_agents.iter().any(|a| a == agent) {
@@ -110,8 +111,20 @@ pub async fn run(
         cancel.clone(),
     )
     .await?;
+    // The viewer's address comes first: it is what a newcomer opens.
     if let Some(addr) = running.http_addr {
-        println!("metrics: http://{addr}/metrics   readiness: http://{addr}/readyz");
+        let viewer = if settings.http.api && settings.http.viewer {
+            format!("http://{addr}/")
+        } else {
+            "off (http.api and http.viewer enable it)".to_string()
+        };
+        println!("viewer: {viewer}   (open it in a browser; Ctrl-C stops the demo)");
+        println!("{nats_line}");
+        println!(
+            "API: http://{addr}/api/openapi.json   metrics: http://{addr}/metrics   readiness: http://{addr}/readyz"
+        );
+    } else {
+        println!("{nats_line}");
     }
     println!(
         "main agents: {}; turn deadline {}s unless the send names one; Ctrl-C stops\n",

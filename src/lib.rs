@@ -20,6 +20,7 @@
 //! - [`status`]: the `status` command: every worker's service-API report as one fleet view.
 //! - `http`: health, readiness and metrics endpoints.
 //! - [`api`]: the projection API for UIs: events, live stream (SSE), work sessions, MPLP export.
+//! - `viewer`: the built-in page at `/` over that API (plain files compiled in).
 //! - `sessions`: work-session aggregation (pure); `bus::sessions` folds the projection stream
 //!   into KV with it, off the projection path.
 //! - Behind the `tools` feature (on by default; the command needs it): [`localnats`] starts a
@@ -76,3 +77,4 @@ mod sim;
 pub mod status;
 pub mod telemetry;
 pub mod turns;
+mod viewer;

@@ -189,6 +189,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/api/work-sessions", get(sessions::list))
         .route("/api/work-sessions/{id}", get(sessions::one))
         .route("/api/blobs/{id}", get(blobs::one))
+        .route("/api/me", get(|axum::Extension(c): axum::Extension<Caller>, axum::extract::State(s): axum::extract::State<ApiState>| async move { axum::Json(serde_json::json!({"accessControl": s.grants().enabled(), "grant": c.name, "roles": c.allowed})) }))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth::require));
     Router::new()
         .route("/api/openapi.json", get(openapi::handler))

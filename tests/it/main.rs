@@ -8,6 +8,7 @@ mod adapter_bus;
 mod api;
 mod auth;
 mod bench_smoke;
+mod browser;
 mod chaos;
 mod operability;
 mod ops;

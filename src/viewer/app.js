@@ -1,0 +1,542 @@
+// collab-projector viewer: reads the projection API of the server that served it.
+//
+// Hydration (docs/ui.md): every view (role, debug, work session) is loaded as a snapshot from
+// /api/events, then followed live from the snapshot's `next` cursor over /api/events/stream. When
+// the stream drops, it reconnects with Last-Event-ID set to the last event applied, so nothing is
+// lost or shown twice. Every load carries a generation number; a result that arrives after the
+// user switched views belongs to an older generation and is dropped, never drawn.
+'use strict';
+
+const ROLES = ['conversation.main', 'delegation.subagent', 'orchestration.task', 'system.observability'];
+const TURN_ROLES = new Set(['conversation.main', 'delegation.subagent']);
+const DEBUG_TYPES = ['a2a.send', 'a2a.response', 'a2a.complete', 'a2a.response.suppressed'];
+const SNAPSHOT = 200;      // events loaded per view
+const MAX_ROWS = 500;      // rows kept on screen; older ones are dropped from the bottom
+const SESSIONS = 30;       // work sessions listed
+const TOKEN_KEY = 'collab-projector.token';
+const TITLES = {
+  'conversation.main': 'Conversations',
+  'delegation.subagent': 'Delegation',
+  'orchestration.task': 'Tasks',
+  'system.observability': 'System',
+};
+
+const $ = (id) => document.getElementById(id);
+
+const state = {
+  token: sessionStorage.getItem(TOKEN_KEY) || '',
+  allowed: [],          // roles this token may read (from /api/me)
+  role: 'conversation.main',
+  debug: false,
+  session: null,        // {id, title, keys} when the timeline is narrowed to one work session
+  gen: 0,               // the current view's generation
+  abort: null,          // aborts the current view's requests
+  seen: new Set(),      // sequences drawn in the current view
+  items: new Map(),     // seq -> item, for the detail pane
+  repeats: 0,           // events received twice (the API promises none; shown for checking)
+  selected: null,
+  sessionTimer: null,
+};
+
+// ---------------------------------------------------------------------------------------------
+// Requests
+
+class ApiError extends Error {
+  constructor(status, body) {
+    const e = (body && body.error) || {};
+    super(e.message || `HTTP ${status}`);
+    this.status = status;
+    this.code = e.code || String(status);
+  }
+}
+
+function headers(extra) {
+  const h = Object.assign({ Accept: 'application/json' }, extra || {});
+  if (state.token) h.Authorization = `Bearer ${state.token}`;
+  return h;
+}
+
+async function api(path, signal) {
+  const r = await fetch(path, { headers: headers(), signal, cache: 'no-store' });
+  const body = await r.json().catch(() => null);
+  if (!r.ok) throw new ApiError(r.status, body);
+  return body;
+}
+
+function query(params) {
+  const q = new URLSearchParams();
+  for (const [k, v] of params) if (v !== undefined && v !== null && v !== '') q.append(k, v);
+  return q.toString();
+}
+
+// The filters of the current view.
+function selection() {
+  const params = [['role', state.role]];
+  let types = [];
+  if (TURN_ROLES.has(state.role)) types = state.debug ? DEBUG_TYPES : ['a2a.response'];
+  if (types.length) params.push(['type', types.join(',')]);
+  if (state.session) for (const k of state.session.keys) params.push(['key', k]);
+  return params;
+}
+
+// Server-Sent Events over fetch (so the token travels in a header, and Last-Event-ID is ours).
+async function* sseFrames(body) {
+  const reader = body.pipeThrough(new TextDecoderStream()).getReader();
+  let buf = '';
+  for (;;) {
+    const { value, done } = await reader.read();
+    if (done) return;
+    buf += value;
+    let m;
+    while ((m = /\r?\n\r?\n/.exec(buf)) !== null) {
+      const block = buf.slice(0, m.index);
+      buf = buf.slice(m.index + m[0].length);
+      const frame = { id: null, event: 'message', data: [] };
+      for (const line of block.split(/\r?\n/)) {
+        if (!line || line.startsWith(':')) continue;
+        const i = line.indexOf(':');
+        const field = i < 0 ? line : line.slice(0, i);
+        let v = i < 0 ? '' : line.slice(i + 1);
+        if (v.startsWith(' ')) v = v.slice(1);
+        if (field === 'data') frame.data.push(v);
+        else if (field === 'id') frame.id = v;
+        else if (field === 'event') frame.event = v;
+      }
+      if (frame.data.length || frame.id) yield { id: frame.id, event: frame.event, data: frame.data.join('\n') };
+    }
+  }
+}
+
+const sleep = (ms, signal) => new Promise((resolve) => {
+  const t = setTimeout(resolve, ms);
+  signal.addEventListener('abort', () => { clearTimeout(t); resolve(); }, { once: true });
+});
+
+// ---------------------------------------------------------------------------------------------
+// Status
+
+function setStatus(kind, text) {
+  const s = $('status');
+  s.dataset.state = kind;
+  s.textContent = text;
+}
+
+function showError(e) {
+  if (e instanceof ApiError && e.status === 401) {
+    setStatus('token', 'This server has access control on: enter an access token above.');
+    $('token').focus();
+  } else if (e instanceof ApiError && e.status === 403) {
+    setStatus('error', `Not allowed: ${e.message}`);
+  } else {
+    setStatus('error', `Could not load: ${e.message}`);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Loading a view: snapshot, then live
+
+async function start() {
+  try {
+    const me = await api('/api/me');
+    state.allowed = ROLES.filter((r) => (me.roles || []).includes(r));
+  } catch (e) {
+    state.allowed = [];
+    drawRoles();
+    stopView();
+    clearTimeline();
+    showError(e);
+    return;
+  }
+  if (!state.allowed.includes(state.role)) state.role = state.allowed[0] || state.role;
+  drawRoles();
+  if (!state.allowed.length) {
+    setStatus('error', 'This token may read no role.');
+    return;
+  }
+  loadView();
+}
+
+function stopView() {
+  state.gen += 1;
+  if (state.abort) state.abort.abort();
+  state.abort = null;
+  clearInterval(state.sessionTimer);
+}
+
+function loadView() {
+  stopView();
+  const gen = state.gen;
+  const ctl = new AbortController();
+  state.abort = ctl;
+  clearTimeline();
+  drawHeading();
+  setStatus('loading', 'Loading…');
+  const sel = selection();
+  hydrate(gen, ctl, sel);
+  loadSessions(gen, ctl);
+  state.sessionTimer = setInterval(() => loadSessions(gen, ctl), 5000);
+}
+
+async function hydrate(gen, ctl, sel) {
+  let page;
+  try {
+    page = await api(`/api/events?${query([...sel, ['limit', SNAPSHOT]])}`, ctl.signal);
+  } catch (e) {
+    if (gen === state.gen && !ctl.signal.aborted) showError(e);
+    return;
+  }
+  if (gen !== state.gen) return; // the user switched views meanwhile
+  for (const item of page.events) addItem(item);
+  updateEmpty();
+  follow(gen, ctl, sel, page.next);
+}
+
+async function follow(gen, ctl, sel, cursor) {
+  let last = cursor;
+  let delay = 500;
+  while (gen === state.gen && !ctl.signal.aborted) {
+    let note = 'the server closed the stream';
+    try {
+      const r = await fetch(`/api/events/stream?${query(sel)}`, {
+        headers: headers({ Accept: 'text/event-stream', 'Last-Event-ID': last }),
+        signal: ctl.signal,
+        cache: 'no-store',
+      });
+      if (!r.ok) {
+        const err = new ApiError(r.status, await r.json().catch(() => null));
+        if (r.status === 410) {
+          // Older than retention: start again from a fresh snapshot.
+          if (gen === state.gen) loadView();
+          return;
+        }
+        throw err;
+      }
+      if (gen !== state.gen) return;
+      setStatus('live', `Live: ${TITLES[state.role]}${state.debug ? ' (debug)' : ''}`);
+      delay = 500;
+      for await (const f of sseFrames(r.body)) {
+        if (gen !== state.gen) return;
+        if (f.event === 'error') {
+          const e = (JSON.parse(f.data || '{}').error) || {};
+          if (e.resumeFrom) last = e.resumeFrom;
+          note = e.message || note;
+          break;
+        }
+        if (f.data) {
+          addItem(JSON.parse(f.data), true);
+          updateEmpty();
+        }
+        if (f.id) last = f.id;
+      }
+    } catch (e) {
+      if (ctl.signal.aborted || gen !== state.gen) return;
+      if (e instanceof ApiError && (e.status === 401 || e.status === 403 || e.status === 400)) {
+        showError(e);
+        return;
+      }
+      note = e.message;
+    }
+    if (gen !== state.gen) return;
+    setStatus('reconnecting', `Reconnecting (${note}); resuming after the last event shown…`);
+    await sleep(delay, ctl.signal);
+    delay = Math.min(delay * 2, 5000);
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The timeline
+
+function clearTimeline() {
+  $('events').replaceChildren();
+  state.seen = new Set();
+  state.items = new Map();
+  state.repeats = 0;
+  document.body.dataset.repeats = '0';
+  $('timeline-note').textContent = '';
+  updateEmpty();
+}
+
+function updateEmpty() {
+  $('empty').hidden = $('events').children.length > 0;
+}
+
+function drawHeading() {
+  const title = TITLES[state.role] || state.role;
+  $('timeline-heading').textContent = state.session ? `${title}: ${state.session.title}` : title;
+  let what;
+  if (!TURN_ROLES.has(state.role)) what = `Every ${state.role} event, newest first.`;
+  else if (state.debug) what = `Every send, response, complete and suppressed reply of ${state.role}, newest first.`;
+  else what = `One row per turn: its single response, or the blocked outcome that stands in for it. Newest first.`;
+  $('timeline-note').textContent = what;
+}
+
+function addItem(item, live) {
+  if (state.seen.has(item.seq)) {
+    state.repeats += 1;
+    document.body.dataset.repeats = String(state.repeats);
+    return;
+  }
+  state.seen.add(item.seq);
+  state.items.set(item.seq, item);
+  const list = $('events');
+  const row = drawRow(item);
+  // Newest first: live events and each snapshot event (oldest first) go on top.
+  list.prepend(row);
+  while (list.children.length > MAX_ROWS) {
+    const gone = list.lastElementChild;
+    state.items.delete(Number(gone.dataset.seq));
+    gone.remove();
+  }
+  if (live) row.classList.add('new');
+}
+
+function el(tag, attrs, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === undefined || v === null || v === false) continue;
+    if (k === 'class') e.className = v;
+    else if (k.startsWith('data-')) e.setAttribute(k, v);
+    else e.setAttribute(k, v);
+  }
+  for (const c of children) if (c !== undefined && c !== null && c !== '') e.append(c);
+  return e;
+}
+
+function messageText(m) {
+  if (m === undefined || m === null) return '';
+  if (typeof m === 'string') return m;
+  if (Array.isArray(m.parts)) {
+    return m.parts.map((p) => (typeof p.text === 'string' ? p.text : '')).filter(Boolean).join(' ');
+  }
+  if (typeof m.text === 'string') return m.text;
+  return '';
+}
+
+function short(v, n) {
+  const s = typeof v === 'string' ? v : JSON.stringify(v);
+  if (!s) return '';
+  return s.length > n ? `${s.slice(0, n - 1)}…` : s;
+}
+
+function clock(iso) {
+  if (!iso) return null;
+  const d = new Date(iso);
+  if (Number.isNaN(d.getTime())) return null;
+  return el('time', { datetime: iso, title: iso }, d.toLocaleTimeString());
+}
+
+function isBlocked(ev) {
+  return ev.type === 'a2a.response' && ev.payload && ev.payload.outcome === 'blocked';
+}
+
+function summary(ev) {
+  const p = ev.payload || {};
+  if (ev.type === 'a2a.response.suppressed') {
+    return `Not published as a response (${p.reason || 'suppressed'}): the turn already has one.`;
+  }
+  if (ev.type.startsWith('a2a.')) return messageText(p.message) || short(p.text || '', 400);
+  if (p.title || p.status) return [p.title, p.status && `status ${p.status}`, p.progress !== undefined && `progress ${short(p.progress, 20)}`].filter(Boolean).join(' · ');
+  if (typeof p.delta === 'string') return p.delta;
+  if (typeof p.content === 'string') return short(p.content, 300);
+  return Object.keys(p).length ? short(p, 200) : '';
+}
+
+function drawRow(item) {
+  const ev = item.event || {};
+  const p = ev.payload || {};
+  const blocked = isBlocked(ev);
+  const turn = ev.turnId || p.turn;
+  const from = p.fromAgent || ev.agentId;
+  const to = p.toAgent;
+  const head = el('span', { class: 'head' },
+    clock(ev.timestamp || item.storedAt),
+    from ? el('span', { class: 'who' }, to ? `${from} → ${to}` : from) : null,
+    (state.debug || !TURN_ROLES.has(state.role) || ev.type !== 'a2a.response') ? el('span', { class: 'type' }, ev.type) : null,
+    blocked ? el('span', { class: 'badge blocked' }, `Blocked: ${p.reason || 'unknown'}`) : null,
+    ev.type === 'a2a.response.suppressed' ? el('span', { class: 'badge suppressed' }, `Suppressed: ${p.reason || ''}`) : null,
+    turn ? el('span', {}, `turn ${turn}`) : null,
+    ev.conversationId ? el('span', {}, ev.conversationId) : null);
+  const body = [head];
+  if (blocked) {
+    const dl = el('dl', { class: 'blocked-detail' });
+    for (const [label, value] of [['Reason', p.reason], ['Goal', p.goal], ['Next action', p.next_action]]) {
+      if (value) dl.append(el('dt', {}, label), el('dd', {}, String(value)));
+    }
+    body.push(dl);
+  } else {
+    const text = summary(ev);
+    if (text) body.push(el('span', { class: 'text' }, text));
+  }
+  const label = `${ev.type}${blocked ? ` blocked (${p.reason})` : ''}${turn ? `, turn ${turn}` : ''}`;
+  const button = el('button', { type: 'button', 'aria-label': `${label}: show details` }, ...body);
+  button.addEventListener('click', () => select(item.seq, button));
+  return el('li', {
+    class: `row${blocked ? ' blocked' : ''}`,
+    'data-seq': item.seq,
+    'data-type': ev.type,
+    'data-key': item.key,
+    'data-turn': turn,
+    'data-outcome': blocked ? 'blocked' : null,
+    'data-reason': blocked ? p.reason : null,
+  }, button);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The detail pane
+
+function blobRefs(v, out) {
+  if (Array.isArray(v)) v.forEach((x) => blobRefs(x, out));
+  else if (v && typeof v === 'object') {
+    if (typeof v.$ref === 'string' && v.$ref.startsWith('blob:')) out.push(v.$ref.slice(5));
+    else Object.values(v).forEach((x) => blobRefs(x, out));
+  }
+  return out;
+}
+
+function select(seq, button) {
+  const item = state.items.get(seq);
+  if (!item) return;
+  for (const b of document.querySelectorAll('.row > button[aria-current]')) b.removeAttribute('aria-current');
+  button.setAttribute('aria-current', 'true');
+  state.selected = seq;
+  const ev = item.event || {};
+  const box = $('detail-body');
+  const ids = el('dl');
+  const add = (dl, k, v) => { if (v !== undefined && v !== null && v !== '') dl.append(el('dt', {}, k), el('dd', {}, typeof v === 'string' ? v : JSON.stringify(v))); };
+  add(ids, 'type', ev.type);
+  add(ids, 'role', ev.eventRole || item.role);
+  add(ids, 'cursor', item.cursor);
+  add(ids, 'subject', item.subject);
+  for (const k of ['timestamp', 'conversationId', 'workSessionId', 'turnId', 'messageId', 'taskId', 'runId', 'sessionId', 'threadId', 'agentId', 'phase', 'redactions']) add(ids, k, ev[k]);
+  const parts = [el('h3', {}, 'Envelope'), ids];
+  if (ev.refs) parts.push(el('h3', {}, 'refs'), el('pre', {}, JSON.stringify(ev.refs, null, 2)));
+  const raw = ev.rawEventRef;
+  if (raw) {
+    const rdl = el('dl');
+    add(rdl, 'stream', raw.stream);
+    add(rdl, 'seq', raw.seq);
+    add(rdl, 'subject', raw.subject);
+    add(rdl, 'storedAt', raw.storedAt);
+    parts.push(el('h3', {}, 'rawEventRef'), rdl);
+  }
+  const blobs = blobRefs(ev.payload, []);
+  if (ev.payload !== undefined) parts.push(el('h3', {}, 'payload'), el('pre', {}, JSON.stringify(ev.payload, null, 2)));
+  for (const id of blobs) {
+    const out = el('pre', { hidden: true });
+    const b = el('button', { type: 'button' }, `Load offloaded field ${id.slice(0, 12)}…`);
+    b.addEventListener('click', async () => {
+      try {
+        const r = await fetch(`/api/blobs/${encodeURIComponent(id)}`, { headers: headers({ Accept: '*/*' }) });
+        out.textContent = r.ok ? await r.text() : `HTTP ${r.status}: ${short(await r.text(), 300)}`;
+      } catch (e) {
+        out.textContent = `Could not load: ${e.message}`;
+      }
+      out.hidden = false;
+    });
+    parts.push(b, out);
+  }
+  box.replaceChildren(...parts);
+  box.hidden = false;
+  $('detail-empty').hidden = true;
+  $('detail-heading').textContent = `Event ${ev.type}`;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Work sessions
+
+async function loadSessions(gen, ctl) {
+  let body;
+  try {
+    body = await api(`/api/work-sessions?${query([['role', state.role], ['limit', SESSIONS]])}`, ctl.signal);
+  } catch (e) {
+    if (gen === state.gen && !ctl.signal.aborted) $('sessions-note').textContent = `Work sessions could not be loaded: ${e.message}`;
+    return;
+  }
+  if (gen !== state.gen) return;
+  const list = $('sessions');
+  const items = body.sessions.map((s) => {
+    const who = (s.participants || []).map((p) => p.id).join(', ');
+    const pressed = state.session && state.session.id === s.id;
+    const b = el('button', { type: 'button', 'aria-pressed': pressed ? 'true' : 'false', 'data-session': s.id },
+      el('span', { class: 'title' }, s.title || s.id),
+      el('span', { class: 'meta' }, `${s.status} · ${s.openTurns} open · ${s.blockedTurns} blocked · ${s.answeredTurns ?? 0} answered`),
+      who ? el('span', { class: 'meta' }, who) : null);
+    b.addEventListener('click', () => pickSession(s));
+    return el('li', {}, b);
+  });
+  list.replaceChildren(...items);
+  $('sessions-note').textContent = `${body.count} of ${body.totalMatched ?? body.count} sessions with ${state.role} events, most recently active first.`;
+}
+
+function pickSession(s) {
+  if (state.session && state.session.id === s.id) {
+    clearSession();
+    return;
+  }
+  // The API allows 256 subject filters per request: role × types × conversations.
+  const types = TURN_ROLES.has(state.role) ? (state.debug ? DEBUG_TYPES.length : 1) : 1;
+  const max = Math.floor(256 / types);
+  const keys = [...new Set((s.threads || []).map((t) => t.conversationId).filter(Boolean))].slice(0, max);
+  if (!keys.length) keys.push(s.workSessionId || s.id);
+  state.session = { id: s.id, title: s.title || s.id, keys };
+  $('session-filter').hidden = false;
+  $('session-filter-text').textContent = `Showing ${keys.length} conversation(s) of “${state.session.title}”.`;
+  loadView();
+}
+
+function clearSession() {
+  state.session = null;
+  $('session-filter').hidden = true;
+  loadView();
+}
+
+// ---------------------------------------------------------------------------------------------
+// Controls
+
+function drawRoles() {
+  for (const input of document.querySelectorAll('#roles input[name="role"]')) {
+    const granted = state.allowed.includes(input.value);
+    input.disabled = !granted;
+    input.checked = input.value === state.role;
+    const label = input.closest('label');
+    label.classList.toggle('denied', !granted);
+    label.title = granted ? '' : 'Not granted to this access token';
+  }
+}
+
+function init() {
+  $('token').value = state.token ? '••••••••' : '';
+  $('token-form').addEventListener('submit', (e) => {
+    e.preventDefault();
+    const v = $('token').value.trim();
+    if (v && v !== '••••••••') {
+      state.token = v;
+      sessionStorage.setItem(TOKEN_KEY, v);
+      $('token').value = '••••••••';
+    }
+    start();
+  });
+  $('token-forget').addEventListener('click', () => {
+    state.token = '';
+    sessionStorage.removeItem(TOKEN_KEY);
+    $('token').value = '';
+    start();
+  });
+  for (const input of document.querySelectorAll('#roles input[name="role"]')) {
+    input.addEventListener('change', () => {
+      if (!input.checked) return;
+      state.role = input.value;
+      state.session = null;
+      $('session-filter').hidden = true;
+      loadView();
+    });
+  }
+  $('debug').addEventListener('change', (e) => {
+    state.debug = e.target.checked;
+    loadView();
+  });
+  $('session-clear').addEventListener('click', clearSession);
+  start();
+}
+
+document.addEventListener('DOMContentLoaded', init);

@@ -1,0 +1,560 @@
+//! The built-in viewer in a real browser: headless Chromium driven over WebDriver (chromedriver),
+//! against the real binary and a real nats-server.
+//!
+//! With access control on, the page asks for a token, then shows a turn published after it
+//! loaded, a blocked timeout with its reason, goal and next action, the debug view, a role switch,
+//! and the events published while the server was down (killed with SIGKILL and started again),
+//! without a repeat. A screenshot is saved as `viewer.png` in `COLLAB_ARTIFACTS_DIR` (`.ci/run`
+//! sets `.ci/artifacts`), else in Cargo's test temporary directory.
+//!
+//! Chromium comes from Debian's `chromium` and `chromium-driver` packages (`.ci/run` installs
+//! them). Where they cannot be installed, `.ci/run` says why in `COLLAB_BROWSER_UNAVAILABLE` and
+//! the test prints that reason and skips; in CI without that explanation a missing browser fails
+//! the test.
+
+use std::net::TcpListener;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use fantoccini::{Client, ClientBuilder, Locator};
+use hyper_util::client::legacy::connect::HttpConnector;
+use serde_json::{json, Value};
+
+use crate::support::{provision_with_binary, wait_until, Projector, TestNats};
+
+const TOKEN: &str = "viewer-test-token";
+/// Guards against hangs only.
+const WAIT: Duration = Duration::from_secs(90);
+
+fn on_path(name: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join(name))
+            .find(|p| p.is_file())
+    })
+}
+
+/// Chromium and chromedriver, or `None` with the reason printed (a failure in CI unless
+/// `.ci/run` explained why they are missing).
+fn browser() -> Option<(PathBuf, PathBuf)> {
+    let chromium = std::env::var_os("COLLAB_CHROMIUM")
+        .map(PathBuf::from)
+        .or_else(|| {
+            ["chromium", "chromium-browser", "google-chrome"]
+                .iter()
+                .find_map(|n| on_path(n))
+        });
+    let driver = std::env::var_os("COLLAB_CHROMEDRIVER")
+        .map(PathBuf::from)
+        .or_else(|| on_path("chromedriver"));
+    if let (Some(c), Some(d)) = (&chromium, &driver) {
+        return Some((c.clone(), d.clone()));
+    }
+    let missing = match (chromium, driver) {
+        (None, None) => "chromium and chromedriver are",
+        (None, Some(_)) => "chromium is",
+        _ => "chromedriver is",
+    };
+    let mut reason = format!(
+        "{missing} not on PATH (install Debian's chromium and chromium-driver packages, or set \
+         COLLAB_CHROMIUM and COLLAB_CHROMEDRIVER)"
+    );
+    if let Ok(why) = std::env::var("COLLAB_BROWSER_UNAVAILABLE") {
+        reason = format!("{reason}: {why}");
+    } else {
+        assert!(std::env::var_os("CI").is_none(), "{reason}");
+    }
+    eprintln!("SKIPPED browser test: {reason}");
+    None
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free loopback port")
+}
+
+/// chromedriver as a child process, killed on drop.
+struct Driver {
+    child: Child,
+    port: u16,
+}
+
+impl Drop for Driver {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+async fn start_driver(path: &Path) -> Driver {
+    let port = free_port();
+    let child = Command::new(path)
+        .arg(format!("--port={port}"))
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("could not start chromedriver");
+    let driver = Driver { child, port };
+    let status = format!("http://127.0.0.1:{port}/status");
+    wait_until(WAIT, "chromedriver answers", || {
+        let status = status.clone();
+        async move { reqwest::get(status).await.is_ok() }
+    })
+    .await;
+    driver
+}
+
+async fn open_browser(chromium: &Path, driver: &Driver, profile: &Path) -> Client {
+    let mut caps = serde_json::Map::new();
+    caps.insert(
+        "goog:chromeOptions".into(),
+        json!({
+            "binary": chromium,
+            "args": [
+                "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
+                "--disable-quic", "--no-first-run", "--disable-background-networking",
+                "--disable-component-update", "--disable-sync", "--window-size=1400,1000",
+                format!("--user-data-dir={}", profile.display()),
+            ]
+        }),
+    );
+    ClientBuilder::new(HttpConnector::new())
+        .capabilities(caps)
+        .connect(&format!("http://127.0.0.1:{}", driver.port))
+        .await
+        .expect("chromedriver started a Chromium session")
+}
+
+/// Evaluate `script` (a function body that returns a value) in the page.
+async fn eval(client: &Client, script: &str) -> Value {
+    client.execute(script, vec![]).await.unwrap_or(Value::Null)
+}
+
+/// Wait until `script` returns `true`; on timeout the message carries the page's status line.
+async fn wait_for(client: &Client, what: &str, script: &str) {
+    let check = async {
+        loop {
+            if eval(client, script).await == Value::Bool(true) {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    if tokio::time::timeout(WAIT, check).await.is_err() {
+        let status = eval(
+            client,
+            "const s = document.getElementById('status'); return s.dataset.state + ': ' + s.textContent;",
+        )
+        .await;
+        panic!("timed out waiting until {what}; the page's status: {status}");
+    }
+}
+
+async fn count(client: &Client, selector: &str) -> u64 {
+    eval(
+        client,
+        &format!("return document.querySelectorAll({selector:?}).length;"),
+    )
+    .await
+    .as_u64()
+    .unwrap_or(0)
+}
+
+async fn text_of(client: &Client, selector: &str) -> String {
+    eval(
+        client,
+        &format!(
+            "const e = document.querySelector({selector:?}); return e ? e.textContent : null;"
+        ),
+    )
+    .await
+    .as_str()
+    .unwrap_or("")
+    .to_string()
+}
+
+fn event(kind: &str, from: &str, to: &str, conv: &str, extra: Value) -> Value {
+    let mut data = json!({"fromAgent": from, "toAgent": to, "conversationId": conv});
+    if let (Some(d), Value::Object(e)) = (data.as_object_mut(), extra) {
+        d.extend(e);
+    }
+    json!({"type": kind, "agentId": from, "ts": chrono::Utc::now().timestamp_millis(), "data": data})
+}
+
+async fn publish(js: &async_nats::jetstream::Context, key: &str, ev: &Value) {
+    let kind = ev["type"].as_str().expect("events carry a type");
+    js.publish(
+        format!("collab.raw.{key}.{kind}"),
+        serde_json::to_vec(ev).expect("an event serialises").into(),
+    )
+    .await
+    .expect("raw publish was not sent")
+    .await
+    .expect("raw publish was not acknowledged");
+}
+
+const ENV: [(&str, &str); 2] = [
+    ("COLLAB_CONSUMER__ACK_WAIT", "5s"),
+    ("RUST_LOG", "info,collab_projector=debug"),
+];
+
+fn projector(nats_url: &str, http_port: u16, config: &Path) -> Projector {
+    let addr = format!("127.0.0.1:{http_port}");
+    let config = config.display().to_string();
+    Projector::spawn_command(
+        &[
+            "run",
+            "--nats-url",
+            nats_url,
+            "--http-addr",
+            &addr,
+            "--config",
+            &config,
+            "--main-agents",
+            "ruda,eden",
+            "--turn-timeout",
+            "2s",
+        ],
+        &ENV,
+    )
+}
+
+async fn ready(http_port: u16) -> bool {
+    reqwest::get(format!("http://127.0.0.1:{http_port}/readyz"))
+        .await
+        .is_ok_and(|r| r.status().is_success())
+}
+
+fn artifacts_dir() -> PathBuf {
+    std::env::var_os("COLLAB_ARTIFACTS_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropped_stream() {
+    let Some((chromium, driver_bin)) = browser() else {
+        return;
+    };
+    let nats = TestNats::start().await;
+    provision_with_binary(&nats.url(), ENV);
+    let js = nats.jetstream().await;
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let config = dir.path().join("viewer.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[http.tokens]]\nname = \"viewer\"\ntoken = \"{TOKEN}\"\nroles = [\"conversation.main\", \"orchestration.task\"]\n"
+        ),
+    )
+    .expect("the configuration file is written");
+    let http_port = free_port();
+    let mut proj = projector(&nats.url(), http_port, &config);
+    wait_until(WAIT, "the projector is ready", || ready(http_port)).await;
+
+    let driver = start_driver(&driver_bin).await;
+    let client = open_browser(&chromium, &driver, &dir.path().join("profile")).await;
+    let page = format!("http://127.0.0.1:{http_port}/");
+    client.goto(&page).await.expect("the viewer loads");
+    assert_eq!(
+        client.title().await.expect("a title"),
+        "collab-projector viewer"
+    );
+
+    // Access control is on: the page asks for a token, and shows only the granted roles.
+    wait_for(
+        &client,
+        "the page asks for a token",
+        "return document.getElementById('status').dataset.state === 'token';",
+    )
+    .await;
+    client
+        .find(Locator::Id("token"))
+        .await
+        .expect("a token field")
+        .send_keys(TOKEN)
+        .await
+        .expect("typing the token");
+    client
+        .find(Locator::Css("#token-form button[type=submit]"))
+        .await
+        .expect("the token button")
+        .click()
+        .await
+        .expect("clicking it");
+    let live = "return document.getElementById('status').dataset.state === 'live';";
+    wait_for(&client, "the stream is live", live).await;
+    let denied = client
+        .find(Locator::Css(r#"input[value="delegation.subagent"]"#))
+        .await
+        .expect("the delegation role")
+        .is_enabled()
+        .await
+        .expect("its state");
+    assert!(!denied, "a role outside the token's grant must be disabled");
+
+    // A turn published after the page loaded: exactly one row, its response.
+    publish(
+        &js,
+        "browser-1",
+        &event(
+            "a2a.send",
+            "ruda",
+            "eden",
+            "browser-1",
+            json!({"message": "what is the build status?", "timeoutMs": 60_000}),
+        ),
+    )
+    .await;
+    publish(
+        &js,
+        "browser-1",
+        &event(
+            "a2a.response",
+            "eden",
+            "ruda",
+            "browser-1",
+            json!({"message": "green since nine"}),
+        ),
+    )
+    .await;
+    wait_for(
+        &client,
+        "the turn's response is shown",
+        r#"return [...document.querySelectorAll('li.row[data-key="browser-1"]')].some(r => r.textContent.includes('green since nine'));"#,
+    )
+    .await;
+    assert_eq!(count(&client, r#"li.row[data-key="browser-1"]"#).await, 1);
+
+    // A turn nobody answers: its blocked outcome, with the reason, goal and next action.
+    publish(
+        &js,
+        "browser-2",
+        &event(
+            "a2a.send",
+            "ruda",
+            "eden",
+            "browser-2",
+            json!({"message": "who owns the canary?", "timeoutMs": 1000}),
+        ),
+    )
+    .await;
+    let blocked = r#"li.row[data-key="browser-2"][data-outcome="blocked"]"#;
+    wait_for(
+        &client,
+        "the blocked timeout is shown",
+        &format!("return document.querySelector({blocked:?}) !== null;"),
+    )
+    .await;
+    let text = text_of(&client, blocked).await;
+    for needle in [
+        "Blocked: timeout",
+        "who owns the canary?",
+        "Next action",
+        "eden",
+    ] {
+        assert!(
+            text.contains(needle),
+            "the blocked row lacks {needle:?}: {text}"
+        );
+    }
+
+    // The detail pane: the envelope with its rawEventRef.
+    client
+        .find(Locator::Css(r#"li.row[data-key="browser-1"] > button"#))
+        .await
+        .expect("the first turn's row")
+        .click()
+        .await
+        .expect("selecting it");
+    let detail = text_of(&client, "#detail-body").await;
+    assert!(
+        detail.contains("rawEventRef") && detail.contains("collab.raw.browser-1.a2a.response"),
+        "{detail}"
+    );
+
+    // Debug: the send and the complete of the same turn appear beside its response.
+    client
+        .find(Locator::Id("debug"))
+        .await
+        .expect("the debug toggle")
+        .click()
+        .await
+        .expect("switching debug on");
+    wait_for(
+        &client,
+        "the debug view shows the send",
+        r#"return document.querySelector('li.row[data-key="browser-1"][data-type="a2a.send"]') !== null;"#,
+    )
+    .await;
+    client
+        .find(Locator::Id("debug"))
+        .await
+        .expect("the debug toggle")
+        .click()
+        .await
+        .expect("switching debug off");
+    wait_for(
+        &client,
+        "the conversations view is back",
+        r#"return document.querySelector('li.row[data-type="a2a.send"]') === null && document.querySelector('li.row[data-key="browser-1"]') !== null;"#,
+    )
+    .await;
+
+    // Another role: only its events.
+    client
+        .find(Locator::Css(r#"input[value="orchestration.task"]"#))
+        .await
+        .expect("the task role")
+        .click()
+        .await
+        .expect("switching role");
+    wait_for(&client, "the task view is live", live).await;
+    publish(
+        &js,
+        "task-b1",
+        &json!({"type": "task.created", "agentId": "eden", "ts": chrono::Utc::now().timestamp_millis(),
+                "data": {"taskId": "task-b1", "title": "Rotate the browser keys", "status": "queued"}}),
+    )
+    .await;
+    wait_for(
+        &client,
+        "the task appears",
+        r#"return [...document.querySelectorAll('li.row[data-type="task.created"]')].some(r => r.textContent.includes('Rotate the browser keys'));"#,
+    )
+    .await;
+    assert_eq!(count(&client, r#"li.row[data-key="browser-1"]"#).await, 0);
+    assert_eq!(text_of(&client, "#timeline-heading").await, "Tasks");
+
+    // Back to conversations; then the server goes away mid-stream (SIGKILL), a turn is answered
+    // while it is down, and a new process comes up on the same address.
+    client
+        .find(Locator::Css(r#"input[value="conversation.main"]"#))
+        .await
+        .expect("the conversation role")
+        .click()
+        .await
+        .expect("switching back");
+    wait_for(&client, "the conversations view is live", live).await;
+    wait_for(
+        &client,
+        "the conversations are hydrated again",
+        r#"return document.querySelector('li.row[data-key="browser-1"]') !== null && document.querySelector('li.row[data-key="browser-2"]') !== null;"#,
+    )
+    .await;
+    proj.kill9();
+    wait_for(
+        &client,
+        "the page notices the dropped stream",
+        "return document.getElementById('status').dataset.state === 'reconnecting';",
+    )
+    .await;
+    publish(
+        &js,
+        "browser-3",
+        &event(
+            "a2a.send",
+            "ruda",
+            "eden",
+            "browser-3",
+            json!({"message": "anything new?", "timeoutMs": 60_000}),
+        ),
+    )
+    .await;
+    publish(
+        &js,
+        "browser-3",
+        &event(
+            "a2a.response",
+            "eden",
+            "ruda",
+            "browser-3",
+            json!({"message": "answered while the server was down"}),
+        ),
+    )
+    .await;
+    let mut proj = projector(&nats.url(), http_port, &config);
+    wait_until(WAIT, "the new projector is ready", || ready(http_port)).await;
+    wait_for(
+        &client,
+        "the turn answered during the outage is shown",
+        r#"return [...document.querySelectorAll('li.row[data-key="browser-3"]')].some(r => r.textContent.includes('answered while the server was down'));"#,
+    )
+    .await;
+    wait_for(&client, "the stream is live again", live).await;
+    for key in ["browser-1", "browser-2", "browser-3"] {
+        assert_eq!(
+            count(&client, &format!(r#"li.row[data-key="{key}"]"#)).await,
+            1,
+            "one row for turn {key}"
+        );
+    }
+    assert_eq!(
+        eval(&client, "return document.body.dataset.repeats;").await,
+        json!("0"),
+        "no event may arrive twice"
+    );
+
+    let shot = client.screenshot().await.expect("a screenshot");
+    let dir = artifacts_dir();
+    std::fs::create_dir_all(&dir).expect("the artefact directory");
+    let path = dir.join("viewer.png");
+    std::fs::write(&path, shot).expect("the screenshot is saved");
+    eprintln!("viewer screenshot: {}", path.display());
+
+    client.close().await.expect("the browser closes");
+    proj.sigterm();
+    let _ = proj.wait_exit(Duration::from_secs(10)).await;
+}
+
+#[tokio::test]
+async fn the_demo_prints_the_viewer_url_first_and_serves_the_viewer_there() {
+    use tokio::io::AsyncBufReadExt;
+    let nats = TestNats::start().await;
+    let mut demo = tokio::process::Command::new(env!("CARGO_BIN_EXE_collab-projector"))
+        .args([
+            "demo",
+            "--nats-url",
+            &nats.url(),
+            "--http-addr",
+            "127.0.0.1:0",
+            "--duration",
+            "60s",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("the demo starts");
+    let stdout = demo.stdout.take().expect("the demo's output");
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    let first = tokio::time::timeout(WAIT, lines.next_line())
+        .await
+        .expect("the demo prints within the guard")
+        .expect("the demo's output is readable")
+        .expect("the demo prints a line");
+    let url = first
+        .strip_prefix("viewer: ")
+        .and_then(|rest| rest.split_whitespace().next())
+        .unwrap_or_else(|| panic!("the first line is not the viewer's address: {first:?}"))
+        .to_string();
+    assert!(url.starts_with("http://127.0.0.1:") && url.ends_with('/'), "{url}");
+    let page = reqwest::get(&url).await.expect("the viewer answers");
+    assert!(page.status().is_success());
+    assert!(page
+        .headers()
+        .get("content-type")
+        .is_some_and(|v| v.as_bytes().starts_with(b"text/html")));
+    let html = page.text().await.expect("the page");
+    assert!(html.contains("<title>collab-projector viewer</title>"), "{html}");
+    let script = reqwest::get(format!("{url}viewer/app.js"))
+        .await
+        .expect("the viewer's script answers");
+    assert!(script.status().is_success());
+    demo.kill().await.expect("the demo stops");
+}
