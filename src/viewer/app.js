@@ -459,7 +459,8 @@ async function loadSessions(gen, ctl) {
     const pressed = state.session && state.session.id === s.id;
     const b = el('button', { type: 'button', 'aria-pressed': pressed ? 'true' : 'false', 'data-session': s.id },
       el('span', { class: 'title' }, s.title || s.id),
-      el('span', { class: 'meta' }, `${s.status} · ${s.openTurns} open · ${s.blockedTurns} blocked · ${s.answeredTurns ?? 0} answered`),
+      el('span', { class: 'meta' }, `${s.id} · ${s.status}`),
+      el('span', { class: 'meta' }, `${s.openTurns} open · ${s.blockedTurns} blocked · ${s.answeredTurns ?? 0} answered turns`),
       who ? el('span', { class: 'meta' }, who) : null);
     b.addEventListener('click', () => pickSession(s));
     return el('li', {}, b);

@@ -405,14 +405,60 @@ async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropp
     )
     .await;
 
-    // Another role: only its events.
+    // A work session narrows the timeline to its conversations; choosing it again widens it.
+    let session = r#"#sessions button[data-session="browser-2"]"#;
+    wait_for(
+        &client,
+        "the blocked turn's work session is listed",
+        &format!(
+            "const b = document.querySelector({session:?}); return b !== null && b.textContent.includes('1 blocked');"
+        ),
+    )
+    .await;
     client
-        .find(Locator::Css(r#"input[value="orchestration.task"]"#))
+        .find(Locator::Css(session))
         .await
-        .expect("the task role")
+        .expect("the session")
         .click()
         .await
-        .expect("switching role");
+        .expect("choosing it");
+    wait_for(
+        &client,
+        "only the session's turn is shown",
+        r#"return document.getElementById('status').dataset.state === 'live' && document.querySelector('li.row[data-key="browser-2"]') !== null && document.querySelector('li.row[data-key="browser-1"]') === null;"#,
+    )
+    .await;
+    client
+        .find(Locator::Id("session-clear"))
+        .await
+        .expect("the show-all button")
+        .click()
+        .await
+        .expect("widening again");
+    wait_for(
+        &client,
+        "every turn is shown again",
+        r#"return document.querySelector('li.row[data-key="browser-1"]') !== null && document.querySelector('li.row[data-key="browser-2"]') !== null;"#,
+    )
+    .await;
+
+    // Another role: only its events. Switching back and forth without waiting must end on the
+    // last view chosen, whatever order the earlier views' answers arrive in.
+    for role in [
+        "orchestration.task",
+        "conversation.main",
+        "orchestration.task",
+        "conversation.main",
+        "orchestration.task",
+    ] {
+        client
+            .find(Locator::Css(&format!(r#"input[value="{role}"]"#)))
+            .await
+            .expect("a role")
+            .click()
+            .await
+            .expect("switching role");
+    }
     wait_for(&client, "the task view is live", live).await;
     publish(
         &js,
@@ -543,7 +589,10 @@ async fn the_demo_prints_the_viewer_url_first_and_serves_the_viewer_there() {
         .and_then(|rest| rest.split_whitespace().next())
         .unwrap_or_else(|| panic!("the first line is not the viewer's address: {first:?}"))
         .to_string();
-    assert!(url.starts_with("http://127.0.0.1:") && url.ends_with('/'), "{url}");
+    assert!(
+        url.starts_with("http://127.0.0.1:") && url.ends_with('/'),
+        "{url}"
+    );
     let page = reqwest::get(&url).await.expect("the viewer answers");
     assert!(page.status().is_success());
     assert!(page
@@ -551,7 +600,10 @@ async fn the_demo_prints_the_viewer_url_first_and_serves_the_viewer_there() {
         .get("content-type")
         .is_some_and(|v| v.as_bytes().starts_with(b"text/html")));
     let html = page.text().await.expect("the page");
-    assert!(html.contains("<title>collab-projector viewer</title>"), "{html}");
+    assert!(
+        html.contains("<title>collab-projector viewer</title>"),
+        "{html}"
+    );
     let script = reqwest::get(format!("{url}viewer/app.js"))
         .await
         .expect("the viewer's script answers");
