@@ -1,6 +1,7 @@
+//! What UIs get, tested as a UI gets it.
+//!
 //! The built-in viewer in a real browser: headless Chromium driven over WebDriver (chromedriver),
 //! against the real binary and a real nats-server.
-//!
 //! With access control on, the page asks for a token, then shows a turn published after it
 //! loaded, a blocked timeout with its reason, goal and next action, the debug view, a role switch,
 //! and the events published while the server was down (killed with SIGKILL and started again),
@@ -11,6 +12,9 @@
 //! them). Where they cannot be installed, `.ci/run` says why in `COLLAB_BROWSER_UNAVAILABLE` and
 //! the test prints that reason and skips; in CI without that explanation a missing browser fails
 //! the test.
+//!
+//! The demo prints the viewer's address first. The compose file's nats-server configuration
+//! serves projections to a browser UI over WebSocket.
 
 use std::net::TcpListener;
 use std::path::{Path, PathBuf};
@@ -609,4 +613,139 @@ async fn the_demo_prints_the_viewer_url_first_and_serves_the_viewer_there() {
         .expect("the viewer's script answers");
     assert!(script.status().is_success());
     demo.kill().await.expect("the demo stops");
+}
+
+/// `config/nats-compose.conf`, which `docker-compose.yml` runs nats-server with.
+const COMPOSE_CONF: &str = include_str!("../../config/nats-compose.conf");
+const COMPOSE: &str = include_str!("../../docker-compose.yml");
+
+/// `text` with `from` replaced by `to`, which must occur exactly once.
+fn replace_once(text: &str, from: &str, to: &str) -> String {
+    assert_eq!(
+        text.matches(from).count(),
+        1,
+        "config/nats-compose.conf no longer has `{from}`; update this test"
+    );
+    text.replace(from, to)
+}
+
+#[tokio::test]
+async fn the_compose_nats_server_serves_projections_to_websocket_uis() {
+    for needle in [
+        r#"command: ["-c", "/etc/nats/nats-compose.conf"]"#,
+        "./config/nats-compose.conf:/etc/nats/nats-compose.conf:ro",
+        r#""127.0.0.1:8443:8443""#,
+    ] {
+        assert!(
+            COMPOSE.contains(needle),
+            "docker-compose.yml lacks {needle}"
+        );
+    }
+    // The file as shipped, its ports moved to free ones and its store to a temporary directory.
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let (port, monitor, ws) = (free_port(), free_port(), free_port());
+    let mut conf = replace_once(
+        COMPOSE_CONF,
+        "listen: 0.0.0.0:4222",
+        &format!("listen: 127.0.0.1:{port}"),
+    );
+    conf = replace_once(
+        &conf,
+        "http: 0.0.0.0:8222",
+        &format!("http: 127.0.0.1:{monitor}"),
+    );
+    conf = replace_once(
+        &conf,
+        "store_dir: /data",
+        &format!("store_dir: {:?}", dir.path().join("js")),
+    );
+    conf = replace_once(&conf, "port: 8443", &format!("port: {ws}"));
+    let path = dir.path().join("nats.conf");
+    std::fs::write(&path, conf).expect("the configuration is written");
+    let bin = std::env::var_os("NATS_SERVER_BIN")
+        .map(PathBuf::from)
+        .or_else(|| on_path("nats-server"))
+        .expect("nats-server on PATH (or NATS_SERVER_BIN)");
+    let mut server = tokio::process::Command::new(bin)
+        .arg("-c")
+        .arg(&path)
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .kill_on_drop(true)
+        .spawn()
+        .expect("nats-server starts");
+    let url = format!("nats://127.0.0.1:{port}");
+    wait_until(WAIT, "the compose nats-server accepts clients", || {
+        let url = url.clone();
+        async move { async_nats::connect(url).await.is_ok() }
+    })
+    .await;
+
+    provision_with_binary(&url, ENV);
+    let mut proj = Projector::spawn_command(
+        &[
+            "run",
+            "--nats-url",
+            &url,
+            "--http-addr",
+            "127.0.0.1:0",
+            "--main-agents",
+            "ruda,eden",
+        ],
+        &ENV,
+    );
+    let ui = async_nats::connect(format!("ws://127.0.0.1:{ws}"))
+        .await
+        .expect("a browser UI connects over WebSocket");
+    let mut sub = ui
+        .subscribe("collab.proj.conversation.main.*.a2a.response")
+        .await
+        .expect("subscribe to the Conversations view");
+    ui.flush().await.expect("flush");
+
+    let js = async_nats::jetstream::new(async_nats::connect(&url).await.expect("a producer"));
+    publish(
+        &js,
+        "compose-1",
+        &event(
+            "a2a.send",
+            "ruda",
+            "eden",
+            "compose-1",
+            json!({"message": "ping", "timeoutMs": 60_000}),
+        ),
+    )
+    .await;
+    publish(
+        &js,
+        "compose-1",
+        &event(
+            "a2a.response",
+            "eden",
+            "ruda",
+            "compose-1",
+            json!({"message": "pong"}),
+        ),
+    )
+    .await;
+    let m = tokio::time::timeout(WAIT, futures::StreamExt::next(&mut sub))
+        .await
+        .expect("the response reaches the WebSocket UI")
+        .expect("the subscription is open");
+    assert_eq!(
+        m.subject.as_str(),
+        "collab.proj.conversation.main.compose-1.a2a.response"
+    );
+    let env: Value = serde_json::from_slice(&m.payload).expect("an envelope");
+    assert_eq!(env["payload"]["message"], "pong");
+    let headers = m.headers.expect("projection headers");
+    assert!(headers.get("Nats-Msg-Id").is_some(), "{headers:?}");
+    assert_eq!(
+        headers.get("Collab-Event-Role").map(|v| v.as_str()),
+        Some("conversation.main")
+    );
+    proj.sigterm();
+    let _ = proj.wait_exit(Duration::from_secs(10)).await;
+    server.kill().await.expect("nats-server stops");
 }
