@@ -363,6 +363,13 @@ function drawRow(item) {
       if (value) dl.append(el('dt', {}, label), el('dd', {}, String(value)));
     }
     body.push(dl);
+  } else if (ev.type === 'a2a.response' && typeof p.goal === 'string' && typeof p.outcome === 'string') {
+    // A reply in the handoff form: its four sections, as the producer wrote them.
+    const dl = el('dl', { class: 'handoff' });
+    for (const [label, value] of [['Goal', p.goal], ['Outcome', p.outcome], ['Evidence', p.evidence], ['Next action', p.next_action]]) {
+      if (value !== undefined && value !== null && value !== '') dl.append(el('dt', {}, label), el('dd', {}, short(value, 600)));
+    }
+    body.push(dl);
   } else {
     const text = summary(ev);
     if (text) body.push(el('span', { class: 'text' }, text));
