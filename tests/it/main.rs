@@ -14,5 +14,6 @@ mod ops;
 mod pipeline;
 mod relay;
 mod runs;
+mod schemas;
 mod spec_fixtures;
 mod turns;
