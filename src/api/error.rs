@@ -14,8 +14,9 @@ pub struct ApiError {
     pub status: StatusCode,
     pub code: &'static str,
     pub message: String,
-    /// Extra fields of the error object (`valid`, `granted`, `oldestCursor`).
-    pub extra: ErrorExtra,
+    /// Extra fields of the error object (`valid`, `granted`, `oldestCursor`); boxed, so a
+    /// `Result` carrying an error stays small.
+    pub extra: Box<ErrorExtra>,
 }
 
 /// The fields an error adds to its code and message.
@@ -79,7 +80,7 @@ impl ApiError {
             status,
             code,
             message: message.into(),
-            extra: ErrorExtra::default(),
+            extra: Box::default(),
         }
     }
 
@@ -148,7 +149,7 @@ impl ApiError {
             error: ErrorDetail {
                 code: self.code.to_string(),
                 message: self.message.clone(),
-                extra: self.extra.clone(),
+                extra: (*self.extra).clone(),
             },
         }
     }
