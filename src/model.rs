@@ -2,14 +2,20 @@
 //! rule that turns arbitrary ids into subject tokens and KV keys.
 
 use base64::Engine;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 use std::fmt;
 use std::str::FromStr;
 
-/// The four partitions of the collaboration event model (seed 000).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize)]
+/// The four partitions of the collaboration event model (seed 000): `conversation.main` (the
+/// main agents' conversations), `delegation.subagent` (work handed to sub-agents),
+/// `orchestration.task` (task orchestration) and `system.observability` (health, metrics and the
+/// processor's own records).
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
 pub enum Role {
     #[serde(rename = "conversation.main")]
     ConversationMain,
@@ -122,68 +128,101 @@ impl Rejection {
 }
 
 /// Where a projected event came from in the raw stream: the order consumers can always sort by.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(deny_unknown_fields)]
 pub struct RawEventRef {
+    /// The raw stream's name (`COLLAB_RAW` by default).
     pub stream: String,
+    /// The raw message's stream sequence.
     pub seq: u64,
     /// The subject the producer published to (`collab.raw.<key>.<type>`).
     pub subject: String,
     /// The raw stream's store time (RFC 3339): the event time of the turn contract.
+    #[schemars(extend("format" = "date-time"))]
     pub stored_at: String,
 }
 
 /// The projected event: the seed 003 envelope, extended with the seed 000 ids.
 ///
 /// Facts that are not known are left out (`None`), never guessed.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(deny_unknown_fields)]
 pub struct Envelope {
+    /// The normalised event type (`a2a.send`, `a2a.response`, `run.failed`, ...).
     #[serde(rename = "type")]
     pub event_type: String,
+    /// The role partition the event was projected to.
     pub event_role: Option<Role>,
+    /// The producer's own sequence number, as it wrote it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub sequence: Option<Value>,
+    /// The event time: the producer's timestamp, or the processor's decision time for an event it
+    /// synthesised.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub timestamp: Option<String>,
+    /// The producer's session id.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub session_id: Option<Value>,
+    /// The thread id (AG-UI `threadId`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub thread_id: Option<Value>,
+    /// The run id (AG-UI `runId`, or the agent run a turn belongs to).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub run_id: Option<Value>,
+    /// The turn id within the conversation.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub turn_id: Option<Value>,
+    /// The message id.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub message_id: Option<Value>,
+    /// The task id (A2A task, orchestration task).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub task_id: Option<Value>,
+    /// The agent that produced the event.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub agent_id: Option<Value>,
+    /// The session this one was spawned from.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parent_session_id: Option<Value>,
+    /// The thread this one was spawned from.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub parent_thread_id: Option<Value>,
+    /// The conversation (A2A context) id: the ordering key of `a2a.*` events.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub conversation_id: Option<Value>,
+    /// The work session the event belongs to.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub work_session_id: Option<Value>,
+    /// Facet: who the event is about (`agent`, `runtime`, ...).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub owner: Option<String>,
+    /// Facet: the unit the event belongs to (`turn`, `run`, `agent`, ...).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub scope: Option<String>,
+    /// Facet: where its unit is (`submitted`, `acting`, `completed`, `failed`, ...).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub phase: Option<String>,
+    /// Facet: where a UI shows the event (`conversation`, `diagnostics`, `runtime_status`, ...).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub surface: Option<String>,
+    /// Facet: how long the event matters (`transcript`, `archive`, `ephemeral_live`, ...).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub persistence: Option<String>,
+    /// Facet: the shape of the collaboration the event is part of, when the producer gave it.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub topology: Option<String>,
+    /// The event's own data, redacted. A blocked `a2a.response` carries a blocked payload, an
+    /// `a2a.response.suppressed` or `run.terminal.suppressed` a suppressed payload, a synthesised
+    /// `run.failed` a run-failed payload (see the other schemas). A field over the inline limit is
+    /// replaced by `{"$ref": "blob:<id>", ...}` (read it at `/api/blobs/<id>`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub payload: Option<Value>,
+    /// References to other events or resources, as the producer gave them.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub refs: Option<Value>,
+    /// The raw message the event was projected from.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub raw_event_ref: Option<RawEventRef>,
     /// How many values of the input were redacted (secrets never reach a projection).

@@ -18,6 +18,7 @@
 use crate::model::shorten;
 use crate::model::{id_text, Envelope, Role};
 use chrono::{DateTime, Utc};
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -62,7 +63,7 @@ impl Applied {
 }
 
 /// A participant's kind (seed 002's `kind`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default, JsonSchema)]
 #[serde(rename_all = "lowercase")]
 pub enum Kind {
     #[default]
@@ -648,8 +649,9 @@ fn note_participant(
     }
 }
 
-/// A session's status, from its last event time and the clock.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// A session's status, from its last event time and the clock: `ACTIVE`, `QUIET` after
+/// `http.quiet_after` without events, `ARCHIVED` after `http.archive_after`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "UPPERCASE")]
 pub enum Status {
     Active,
@@ -697,70 +699,111 @@ impl Status {
 }
 
 /// A participant as the API shows it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(rename = "Participant", deny_unknown_fields)]
 pub struct ParticipantView {
+    /// The agent (or person, or system) id.
     pub id: String,
+    /// What it is.
     pub kind: Kind,
     /// Its first visible event role (in the order of [`Role::ALL`]).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub role: Option<Role>,
+    /// The visible event roles it took part in.
     pub roles: Vec<Role>,
+    /// Its display name, when the events gave one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub display_name: Option<String>,
+    /// It delegated work (a `delegation.subagent` send or spawn from it).
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub coordinator: bool,
+    /// It received delegated work.
     #[serde(skip_serializing_if = "std::ops::Not::not")]
     pub worker: bool,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// One conversation of a session as the API shows it.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(rename = "Thread", deny_unknown_fields)]
 pub struct ThreadView {
     /// `conv:<conversationId>`, as the origin.
     pub id: String,
+    /// The conversation id.
     pub conversation_id: String,
+    /// The agent that opened the conversation.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub from_agent: Option<String>,
+    /// The agent it was addressed to.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub to_agent: Option<String>,
+    /// The visible event roles of its events.
     pub roles: Vec<Role>,
+    /// Its visible events.
     pub event_count: u64,
+    /// Its first event time (RFC 3339).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub start_time: Option<String>,
+    /// Its last event time (RFC 3339).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_time: Option<String>,
+    /// Turns sent and not yet answered.
     pub open_turns: u64,
+    /// Turns whose response was a blocked outcome.
     pub blocked_turns: u64,
+    /// Turns answered by a real reply.
     pub answered_turns: u64,
 }
 
-/// A session as the API shows it to a caller who may see `roles`.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+/// A work session as the API shows it to a caller who may see `roles`: counts, turns and
+/// participants of the visible roles only.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
+#[schemars(rename = "WorkSession", deny_unknown_fields)]
 pub struct SessionView {
+    /// The id to read it with (`/api/work-sessions/{id}`).
     pub id: String,
+    /// The work session id (or the conversation id of a session without one).
     pub work_session_id: String,
+    /// Its name, when the events gave one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub name: Option<String>,
+    /// A title: the conversation name, else the first message, else the session id.
     pub title: String,
+    /// Its status now.
     pub status: Status,
+    /// Its first event time (RFC 3339).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub created_at: Option<String>,
+    /// Its last event time (RFC 3339).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub updated_at: Option<String>,
+    /// Its visible events.
     pub event_count: u64,
+    /// Every conversation of the session, including those no longer listed in `threads`.
     pub thread_count: usize,
+    /// Visible events by role.
     pub counts_by_role: BTreeMap<Role, u64>,
+    /// Visible events by type.
     pub counts_by_type: BTreeMap<String, u64>,
+    /// Turns sent and not yet answered.
     pub open_turns: u64,
+    /// Turns whose response was a blocked outcome.
     pub blocked_turns: u64,
+    /// Turns answered by a real reply.
     pub answered_turns: u64,
+    /// The last message's text, shortened.
     #[serde(skip_serializing_if = "Option::is_none")]
+    #[schemars(length(max = 200))]
     pub last_message_preview: Option<String>,
+    /// The last message's time (RFC 3339).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub last_message_timestamp: Option<String>,
+    /// Who took part, in the visible roles.
     pub participants: Vec<ParticipantView>,
+    /// The most recently active conversations (256 or so); older ones without an open turn
+    /// count only in the totals.
     pub threads: Vec<ThreadView>,
 }
 

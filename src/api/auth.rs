@@ -13,7 +13,6 @@ use axum::extract::{Request, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::middleware::Next;
 use axum::response::Response;
-use serde_json::json;
 use sha2::{Digest, Sha256};
 use std::net::SocketAddr;
 use subtle::ConstantTimeEq;
@@ -145,7 +144,7 @@ impl Caller {
                                 .join(", ")
                         ),
                     )
-                    .with("granted", json!(self.allowed)))
+                    .with_granted(&self.allowed))
                 }
             }
         }

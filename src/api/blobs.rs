@@ -12,7 +12,6 @@ use axum::extract::{Path, State};
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::Response;
 use axum::Extension;
-use serde_json::json;
 use tokio::io::AsyncReadExt;
 
 /// Response header naming the role the blob belongs to.
@@ -55,7 +54,7 @@ pub async fn one(
             "forbidden",
             format!("this blob belongs to role {role}, which this token may not read"),
         )
-        .with("granted", json!(caller.allowed)));
+        .with_granted(&caller.allowed));
     }
     let mut object = store
         .get(&id)

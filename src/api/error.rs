@@ -1,10 +1,12 @@
 //! The API's one error type: JSON `{ "error": { "code", "message", ... } }` with the right status.
 //! Messages are written for the caller; internal causes are logged, never returned.
 
+use crate::model::Role;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Json;
-use serde_json::{json, Map, Value};
+use schemars::JsonSchema;
+use serde::Serialize;
 use tracing::warn;
 
 #[derive(Debug, Clone)]
@@ -12,8 +14,64 @@ pub struct ApiError {
     pub status: StatusCode,
     pub code: &'static str,
     pub message: String,
-    /// Extra fields of the error object (`valid`, `oldestCursor`, ...).
-    pub extra: Map<String, Value>,
+    /// Extra fields of the error object (`valid`, `granted`, `oldestCursor`); boxed, so a
+    /// `Result` carrying an error stays small.
+    pub extra: Box<ErrorExtra>,
+}
+
+/// The fields an error adds to its code and message.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+pub struct ErrorExtra {
+    /// With a 400 about a value: the valid values.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub valid: Option<Valid>,
+    /// With a 403: the roles the token may read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub granted: Option<Vec<Role>>,
+    /// With a 410: the oldest cursor still valid.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub oldest_cursor: Option<String>,
+}
+
+/// The valid values of a parameter: a list, or a pattern with examples.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[serde(untagged)]
+pub enum Valid {
+    Values(Vec<String>),
+    Pattern(ValidPattern),
+}
+
+/// Values matching `pattern`, such as `examples`.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct ValidPattern {
+    /// A regular expression every valid value matches.
+    pub pattern: String,
+    /// Some valid values.
+    pub examples: Vec<String>,
+}
+
+/// The body of every error response of the API.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct ErrorBody {
+    pub error: ErrorDetail,
+}
+
+/// What went wrong.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct ErrorDetail {
+    /// A stable machine-readable code (`invalid_role`, `unauthorized`, `forbidden`, `not_found`,
+    /// `cursor_expired`, `unavailable`, ...).
+    #[schemars(regex(pattern = r"^[a-z][a-z_]*$"))]
+    pub code: String,
+    /// What went wrong and what to do, for a person.
+    #[schemars(length(min = 1))]
+    pub message: String,
+    #[serde(flatten)]
+    pub extra: ErrorExtra,
 }
 
 impl ApiError {
@@ -22,12 +80,40 @@ impl ApiError {
             status,
             code,
             message: message.into(),
-            extra: Map::new(),
+            extra: Box::default(),
         }
     }
 
-    pub fn with(mut self, key: &str, value: Value) -> Self {
-        self.extra.insert(key.to_string(), value);
+    /// The valid values of the parameter the error is about.
+    pub fn with_valid<S: ToString>(mut self, valid: impl IntoIterator<Item = S>) -> Self {
+        self.extra.valid = Some(Valid::Values(
+            valid.into_iter().map(|v| v.to_string()).collect(),
+        ));
+        self
+    }
+
+    /// The pattern valid values of the parameter match, with examples.
+    pub fn with_valid_pattern<S: ToString>(
+        mut self,
+        pattern: &str,
+        examples: impl IntoIterator<Item = S>,
+    ) -> Self {
+        self.extra.valid = Some(Valid::Pattern(ValidPattern {
+            pattern: pattern.to_string(),
+            examples: examples.into_iter().map(|v| v.to_string()).collect(),
+        }));
+        self
+    }
+
+    /// The roles the caller may read.
+    pub fn with_granted(mut self, granted: &[Role]) -> Self {
+        self.extra.granted = Some(granted.to_vec());
+        self
+    }
+
+    /// The oldest cursor still valid.
+    pub fn with_oldest_cursor(mut self, cursor: String) -> Self {
+        self.extra.oldest_cursor = Some(cursor);
         self
     }
 
@@ -56,15 +142,22 @@ impl ApiError {
             format!("the event store could not be read ({what}); retry shortly"),
         )
     }
+
+    /// The response body.
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody {
+            error: ErrorDetail {
+                code: self.code.to_string(),
+                message: self.message.clone(),
+                extra: (*self.extra).clone(),
+            },
+        }
+    }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let mut body = Map::new();
-        body.insert("code".into(), json!(self.code));
-        body.insert("message".into(), json!(self.message));
-        body.extend(self.extra);
-        let mut resp = (self.status, Json(json!({ "error": body }))).into_response();
+        let mut resp = (self.status, Json(self.body())).into_response();
         if self.status == StatusCode::UNAUTHORIZED {
             resp.headers_mut().insert(
                 header::WWW_AUTHENTICATE,

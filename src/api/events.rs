@@ -12,13 +12,14 @@
 use super::auth::Caller;
 use super::error::ApiError;
 use super::query::{self, decode_cursor, encode_cursor, Params, Selection};
-use super::store;
+use super::store::{self, EventItem};
 use super::ApiState;
 use crate::model::Role;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::{Extension, Json};
-use serde_json::{json, Value};
+use schemars::JsonSchema;
+use serde::Serialize;
 
 pub const DEFAULT_LIMIT: usize = 100;
 pub const MAX_LIMIT: usize = 1000;
@@ -66,14 +67,14 @@ pub fn expired(first: u64) -> ApiError {
         "cursor_expired",
         "the cursor points before the oldest retained event: events after it were removed by retention; continue from oldestCursor",
     )
-    .with("oldestCursor", json!(encode_cursor(first.saturating_sub(1))))
+    .with_oldest_cursor(encode_cursor(first.saturating_sub(1)))
 }
 
 pub async fn list(
     State(state): State<ApiState>,
     Extension(caller): Extension<Caller>,
     super::QueryPairs(pairs): super::QueryPairs,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<EventPage>, ApiError> {
     let params = Params::new(pairs, &PARAMS)?;
     let limit = query::limit(&params, DEFAULT_LIMIT, MAX_LIMIT)?;
     let after = params
@@ -138,16 +139,45 @@ pub async fn list(
         }
     };
     let prefix = &state.names().prefix;
-    let items: Vec<Value> = events.iter().map(|e| e.item(prefix)).collect();
-    Ok(Json(json!({
-        "events": items,
-        "count": items.len(),
-        "next": encode_cursor(next),
-        "prev": prev.map(encode_cursor),
-        "oldest": encode_cursor(first.saturating_sub(1)),
-        "role": r.roles,
-        "type": r.selection.types,
-        "key": r.selection.keys,
-        "limit": limit,
-    })))
+    let events: Vec<EventItem> = events.iter().map(|e| e.item(prefix)).collect();
+    Ok(Json(EventPage {
+        count: events.len(),
+        events,
+        next: encode_cursor(next),
+        prev: prev.map(encode_cursor),
+        oldest: encode_cursor(first.saturating_sub(1)),
+        role: r.roles,
+        types: r.selection.types,
+        keys: r.selection.keys,
+        limit,
+    }))
+}
+
+/// A page of `/api/events`: the events, the cursors to continue with, and the selection it was
+/// read with.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(deny_unknown_fields)]
+pub struct EventPage {
+    /// The matching events, oldest first.
+    pub events: Vec<EventItem>,
+    /// How many events the page holds.
+    pub count: usize,
+    /// `after=next` reads newer events (also for polling an empty page).
+    pub next: String,
+    /// `before=prev` reads older events; `null` when there are none.
+    pub prev: Option<String>,
+    /// `after=oldest` reads from the oldest retained event.
+    pub oldest: String,
+    /// The roles read.
+    pub role: Vec<Role>,
+    /// The event types selected (empty: all).
+    #[serde(rename = "type")]
+    pub types: Vec<String>,
+    /// The ordering keys selected (empty: all).
+    #[serde(rename = "key")]
+    pub keys: Vec<String>,
+    /// The page size asked for.
+    #[schemars(range(min = 1))]
+    pub limit: usize,
 }

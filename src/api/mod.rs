@@ -5,19 +5,24 @@
 //! - `GET /api/work-sessions`, `GET /api/work-sessions/{id}` (`?format=mplp`): grouped sessions
 //!   ([`sessions`], [`mplp`]);
 //! - `GET /api/blobs/{id}`: a large field moved out of a projection ([`blobs`]);
-//! - `GET /api/openapi.json`: the OpenAPI 3.1 description ([`openapi`]).
+//! - `GET /api/me`: the caller's grant and the roles it may read ([`me`]);
+//! - `GET /api/openapi.json`: the OpenAPI 3.1 description ([`openapi`]);
+//! - `GET /api/schemas`, `GET /api/schemas/{name}`: the JSON Schemas of the envelope, the
+//!   payloads the processor writes and every API body ([`schemas`]).
 //!
 //! Everything is read from JetStream ([`store`]), never from a worker's memory, so any instance
-//! serves any client. Access control ([`auth`]) applies to every route but the OpenAPI document;
-//! errors are JSON ([`error`]).
+//! serves any client. Access control ([`auth`]) applies to every route but the OpenAPI document and
+//! the schemas; errors are JSON ([`error`]).
 
 pub mod auth;
 pub mod blobs;
 pub mod error;
 pub mod events;
+pub mod me;
 pub mod mplp;
 pub mod openapi;
 pub mod query;
+pub mod schemas;
 pub mod sessions;
 pub mod store;
 pub mod stream;
@@ -189,10 +194,12 @@ pub fn router(state: ApiState) -> Router {
         .route("/api/work-sessions", get(sessions::list))
         .route("/api/work-sessions/{id}", get(sessions::one))
         .route("/api/blobs/{id}", get(blobs::one))
-        .route("/api/me", get(|axum::Extension(c): axum::Extension<Caller>, axum::extract::State(s): axum::extract::State<ApiState>| async move { axum::Json(serde_json::json!({"accessControl": s.grants().enabled(), "grant": c.name, "roles": c.allowed})) }))
+        .route("/api/me", get(me::me))
         .route_layer(middleware::from_fn_with_state(state.clone(), auth::require));
     Router::new()
         .route("/api/openapi.json", get(openapi::handler))
+        .route("/api/schemas", get(schemas::index))
+        .route("/api/schemas/{name}", get(schemas::one))
         .merge(protected)
         .route("/api", get(not_found))
         .route("/api/{*rest}", get(not_found))

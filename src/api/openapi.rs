@@ -1,5 +1,6 @@
-//! `GET /api/openapi.json`: the OpenAPI 3.1 description of the API, written by hand next to the
-//! handlers it describes (a test checks that every route is in it).
+//! `GET /api/openapi.json`: the OpenAPI 3.1 description of the API. The paths are written by
+//! hand next to the handlers they describe (a test checks that every route is in it); the
+//! component schemas are derived from the response types ([`super::schemas`]).
 
 use axum::Json;
 use serde_json::{json, Value};
@@ -22,15 +23,11 @@ fn param(name: &str, description: &str, schema: Value) -> Value {
 }
 
 fn error_response(description: &str) -> Value {
-    json!({"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}})
+    json!({"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}})
 }
 
 /// The document.
 pub fn document() -> Value {
-    let roles: Value = crate::model::Role::ALL
-        .iter()
-        .map(|r| Value::from(r.as_str()))
-        .collect();
     let role = list_param("role", "Event roles, comma-separated or repeated. Default: every role the token may read. Naming a role outside the token's grant is a 403.");
     let typ = list_param(
         "type",
@@ -74,93 +71,7 @@ pub fn document() -> Value {
         },
         "components": {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer", "description": "Tokens from http.tokens, each granted a set of roles. Without configured tokens access control is off (loopback only)."}},
-            "schemas": {
-                "Role": {"type": "string", "enum": roles},
-                "Error": {
-                    "type": "object", "required": ["error"],
-                    "properties": {"error": {"type": "object", "required": ["code", "message"], "properties": {
-                        "code": {"type": "string"},
-                        "message": {"type": "string"},
-                        "valid": {"description": "The valid values, for a 400 about a value."},
-                        "oldestCursor": {"type": "string", "description": "With 410: the oldest cursor still valid."}
-                    }}}
-                },
-                "EventItem": {
-                    "type": "object", "required": ["cursor", "seq", "subject", "event"],
-                    "properties": {
-                        "cursor": {"type": "string", "description": "Pass as after/before, or as Last-Event-ID."},
-                        "seq": {"type": "integer", "description": "COLLAB_PROJ stream sequence."},
-                        "subject": {"type": "string"},
-                        "role": {"$ref": "#/components/schemas/Role"},
-                        "key": {"type": "string"},
-                        "type": {"type": "string"},
-                        "storedAt": {"type": "string", "format": "date-time"},
-                        "event": {"type": "object", "description": "The projected envelope (seed 003 envelope with eventRole, ids, facets, payload, refs, rawEventRef)."}
-                    }
-                },
-                "EventPage": {
-                    "type": "object", "required": ["events", "count", "next", "prev", "oldest"],
-                    "properties": {
-                        "events": {"type": "array", "items": {"$ref": "#/components/schemas/EventItem"}},
-                        "count": {"type": "integer"},
-                        "next": {"type": "string", "description": "after=next reads newer events (also for polling)."},
-                        "prev": {"type": ["string", "null"], "description": "before=prev reads older events; null when there are none."},
-                        "oldest": {"type": "string", "description": "after=oldest reads from the oldest retained event."},
-                        "role": {"type": "array", "items": {"$ref": "#/components/schemas/Role"}},
-                        "type": {"type": "array", "items": {"type": "string"}},
-                        "key": {"type": "array", "items": {"type": "string"}},
-                        "limit": {"type": "integer"}
-                    }
-                },
-                "Participant": {
-                    "type": "object", "required": ["id", "kind", "roles"],
-                    "properties": {
-                        "id": {"type": "string"},
-                        "kind": {"type": "string", "enum": ["agent", "human", "system", "external"]},
-                        "role": {"$ref": "#/components/schemas/Role"},
-                        "roles": {"type": "array", "items": {"$ref": "#/components/schemas/Role"}},
-                        "displayName": {"type": "string"},
-                        "coordinator": {"type": "boolean"},
-                        "worker": {"type": "boolean"}
-                    }
-                },
-                "Thread": {
-                    "type": "object",
-                    "properties": {
-                        "id": {"type": "string"}, "conversationId": {"type": "string"},
-                        "fromAgent": {"type": "string"}, "toAgent": {"type": "string"},
-                        "roles": {"type": "array", "items": {"$ref": "#/components/schemas/Role"}},
-                        "eventCount": {"type": "integer"},
-                        "startTime": {"type": "string", "format": "date-time"},
-                        "lastTime": {"type": "string", "format": "date-time"},
-                        "openTurns": {"type": "integer"}, "blockedTurns": {"type": "integer"}, "answeredTurns": {"type": "integer"}
-                    }
-                },
-                "WorkSession": {
-                    "type": "object",
-                    "required": ["id", "workSessionId", "title", "status", "eventCount", "countsByRole", "countsByType", "openTurns", "blockedTurns", "participants", "threads"],
-                    "properties": {
-                        "id": {"type": "string"},
-                        "workSessionId": {"type": "string"},
-                        "name": {"type": "string"},
-                        "title": {"type": "string"},
-                        "status": {"type": "string", "enum": ["ACTIVE", "QUIET", "ARCHIVED"]},
-                        "createdAt": {"type": "string", "format": "date-time"},
-                        "updatedAt": {"type": "string", "format": "date-time"},
-                        "eventCount": {"type": "integer"},
-                        "threadCount": {"type": "integer", "description": "Every conversation of the session, including those no longer listed in threads"},
-                        "countsByRole": {"type": "object", "additionalProperties": {"type": "integer"}},
-                        "countsByType": {"type": "object", "additionalProperties": {"type": "integer"}},
-                        "openTurns": {"type": "integer"},
-                        "blockedTurns": {"type": "integer"},
-                        "answeredTurns": {"type": "integer"},
-                        "lastMessagePreview": {"type": "string", "maxLength": 200},
-                        "lastMessageTimestamp": {"type": "string", "format": "date-time"},
-                        "participants": {"type": "array", "items": {"$ref": "#/components/schemas/Participant"}},
-                        "threads": {"type": "array", "description": "The most recently active conversations (256 or so); older ones without an open turn count only in the totals", "items": {"$ref": "#/components/schemas/Thread"}}
-                    }
-                }
-            }
+            "schemas": super::schemas::components()
         },
         "security": [{"bearer": []}, {}],
         "paths": {
@@ -181,7 +92,7 @@ pub fn document() -> Value {
                     param("after", "Cursor to start after (Last-Event-ID wins). Default: the next event stored.", cursor_schema.clone()),
                     {"name": "Last-Event-ID", "in": "header", "required": false, "schema": {"type": "string"}}],
                 "responses": with_ok(common_errors(&[("410", "The cursor is older than the stream's retention.")]),
-                    json!({"description": "An event stream; each `data` is an EventItem.", "content": {"text/event-stream": {"schema": {"type": "string"}}}}))
+                    json!({"description": "An event stream; each `data` is an EventItem (#/components/schemas/EventItem, /api/schemas/event-item.schema.json); a final `event: error` carries a StreamError (/api/schemas/stream-error.schema.json).", "content": {"text/event-stream": {"schema": {"type": "string"}}}}))
             }},
             "/api/work-sessions": {"get": {
                 "operationId": "listWorkSessions",
@@ -189,10 +100,7 @@ pub fn document() -> Value {
                 "parameters": [role.clone(), typ.clone(),
                     list_param("status", "ACTIVE, QUIET or ARCHIVED, comma-separated or repeated."),
                     param("limit", "Sessions returned (default 100).", json!({"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}))],
-                "responses": with_ok(common_errors(&[]), json!({"description": "Sessions.", "content": {"application/json": {"schema": {
-                    "type": "object", "required": ["sessions", "count"],
-                    "properties": {"sessions": {"type": "array", "items": {"$ref": "#/components/schemas/WorkSession"}}, "count": {"type": "integer"}, "totalMatched": {"type": "integer"}, "totalSessions": {"type": "integer"}}
-                }}}}))
+                "responses": with_ok(common_errors(&[]), json!({"description": "Sessions.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/WorkSessionList"}}}}))
             }},
             "/api/work-sessions/{id}": {"get": {
                 "operationId": "getWorkSession",
@@ -202,7 +110,7 @@ pub fn document() -> Value {
                     list_param("role", "Roles to see the session through (default: the token's grant)."),
                     param("format", "json (default) or mplp.", json!({"type": "string", "enum": ["json", "mplp"]}))],
                 "responses": with_ok(common_errors(&[("404", "No such work session (or none visible to this token).")]),
-                    json!({"description": "The session (`{session, role}`), or the MPLP Collab object.", "content": {"application/json": {"schema": {"type": "object"}}}}))
+                    json!({"description": "The session (`{session, role}`), or the MPLP Collab object.", "content": {"application/json": {"schema": {"anyOf": [{"$ref": "#/components/schemas/WorkSessionResponse"}, {"type": "object", "description": "format=mplp: an MPLP Collab object."}]}}}}))
             }},
             "/api/blobs/{id}": {"get": {
                 "operationId": "getBlob",
@@ -217,6 +125,32 @@ pub fn document() -> Value {
                     "403": error_response("The blob belongs to a role outside the token's grant."),
                     "404": error_response("No such blob (never stored, or expired with its projections)."),
                     "503": error_response("The event store (NATS) is unavailable.")
+                }
+            }},
+            "/api/me": {"get": {
+                "operationId": "getMe",
+                "summary": "The caller: whether access control is on, the token's grant, and the roles it may read (a UI shows only those).",
+                "responses": {
+                    "200": {"description": "The caller.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Me"}}}},
+                    "401": error_response("No or an invalid bearer token (when access control is on)."),
+                    "503": error_response("The event store (NATS) is unavailable.")
+                }
+            }},
+            "/api/schemas": {"get": {
+                "operationId": "listSchemas",
+                "summary": "The JSON Schemas (2020-12) of the envelope, the payloads the processor writes and every API body; the same types are this document's components.",
+                "security": [],
+                "responses": {"200": {"description": "The index.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SchemaIndex"}}}}}
+            }},
+            "/api/schemas/{name}": {"get": {
+                "operationId": "getSchema",
+                "summary": "One JSON Schema, by file name (its `$id` is its URL).",
+                "security": [],
+                "parameters": [
+                    {"name": "name", "in": "path", "required": true, "schema": {"type": "string"}, "description": "The schema's file name, as listed by /api/schemas (`envelope.schema.json`, ...)."}],
+                "responses": {
+                    "200": {"description": "The schema.", "content": {"application/schema+json": {"schema": {"type": "object"}}}},
+                    "404": error_response("No such schema.")
                 }
             }},
             "/api/openapi.json": {"get": {
@@ -243,7 +177,10 @@ mod tests {
             "/api/work-sessions",
             "/api/work-sessions/{id}",
             "/api/blobs/{id}",
+            "/api/me",
             "/api/openapi.json",
+            "/api/schemas",
+            "/api/schemas/{name}",
         ] {
             assert!(doc["paths"][path]["get"].is_object(), "{path}");
         }

@@ -4,7 +4,6 @@
 use super::error::ApiError;
 use crate::model::{encode_id, is_key_token, Role};
 use base64::Engine;
-use serde_json::json;
 
 /// The raw query pairs, checked against the parameters an endpoint accepts.
 #[derive(Debug, Clone)]
@@ -25,7 +24,7 @@ impl Params {
                     accepted.join(", ")
                 ),
             )
-            .with("valid", json!(accepted)));
+            .with_valid(accepted.iter()));
         }
         Ok(Params(pairs))
     }
@@ -98,7 +97,7 @@ pub fn roles(params: &Params) -> Result<Option<Vec<Role>>, ApiError> {
                         role_names().join(", ")
                     ),
                 )
-                .with("valid", json!(role_names())))
+                .with_valid(role_names()))
             }
         }
     }
@@ -121,10 +120,7 @@ pub fn types(params: &Params) -> Result<Vec<String>, ApiError> {
                 KNOWN_TYPES.join(", ")
             ),
         )
-        .with(
-            "valid",
-            json!({"pattern": "^[^.\\s*>]+(\\.[^.\\s*>]+)*$", "examples": KNOWN_TYPES}),
-        ));
+        .with_valid_pattern(r"^[^.\s*>]+(\.[^.\s*>]+)*$", KNOWN_TYPES));
     }
     Ok(types)
 }
@@ -180,7 +176,7 @@ pub fn selection(params: &Params) -> Result<Selection, ApiError> {
                         "unknown view `{other}`; valid views are: conversations (role=conversation.main, type=a2a.response), debug (type=a2a.send,a2a.response,a2a.complete)"
                     ),
                 )
-                .with("valid", json!(VIEWS)))
+                .with_valid(VIEWS))
             }
         };
         if sel.roles.is_none() {

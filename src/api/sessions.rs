@@ -6,11 +6,14 @@ use super::error::ApiError;
 use super::query::{self, Params};
 use super::{mplp, store, ApiState};
 use crate::bus::sessions::session_key;
+use crate::model::Role;
 use crate::sessions::{SessionView, Status, ViewOptions, WorkSession};
 use axum::extract::{Path, State};
+use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use chrono::{SecondsFormat, Utc};
-use serde_json::{json, Value};
+use schemars::JsonSchema;
+use serde::Serialize;
 use tracing::warn;
 
 pub const DEFAULT_LIMIT: usize = 100;
@@ -29,7 +32,7 @@ fn statuses(params: &Params) -> Result<Vec<Status>, ApiError> {
                     "invalid_status",
                     format!("unknown status `{s}`; valid statuses are: ACTIVE, QUIET, ARCHIVED"),
                 )
-                .with("valid", json!(["ACTIVE", "QUIET", "ARCHIVED"]))
+                .with_valid(Status::ALL.map(Status::as_str))
             })
         })
         .collect()
@@ -39,7 +42,7 @@ pub async fn list(
     State(state): State<ApiState>,
     Extension(caller): Extension<Caller>,
     super::QueryPairs(pairs): super::QueryPairs,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Json<WorkSessionList>, ApiError> {
     let params = Params::new(pairs, &LIST_PARAMS)?;
     let requested = query::roles(&params)?;
     let types = query::types(&params)?;
@@ -74,16 +77,16 @@ pub async fn list(
     });
     let matched = views.len();
     views.truncate(limit);
-    Ok(Json(json!({
-        "sessions": views,
-        "count": views.len(),
-        "totalMatched": matched,
-        "totalSessions": total,
-        "role": roles,
-        "type": types,
-        "status": statuses,
-        "limit": limit,
-    })))
+    Ok(Json(WorkSessionList {
+        count: views.len(),
+        sessions: views,
+        total_matched: matched,
+        total_sessions: total,
+        role: roles,
+        types,
+        status: statuses,
+        limit,
+    }))
 }
 
 pub async fn one(
@@ -91,7 +94,7 @@ pub async fn one(
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
     super::QueryPairs(pairs): super::QueryPairs,
-) -> Result<Json<Value>, ApiError> {
+) -> Result<Response, ApiError> {
     let params = Params::new(pairs, &ONE_PARAMS)?;
     let requested = query::roles(&params)?;
     let format = params.one("format")?.unwrap_or_default();
@@ -100,7 +103,7 @@ pub async fn one(
             "invalid_format",
             format!("unknown format `{format}`; valid formats are: json, mplp"),
         )
-        .with("valid", json!(["json", "mplp"])));
+        .with_valid(["json", "mplp"]));
     }
     let roles = caller.roles(requested.as_deref())?;
     let missing = || ApiError::not_found(format!("work session `{id}` not found"));
@@ -125,7 +128,47 @@ pub async fn one(
         .ok_or_else(missing)?;
     if format == "mplp" {
         let now = now.to_rfc3339_opts(SecondsFormat::Millis, true);
-        return Ok(Json(mplp::collab(&session, &view, &now)));
+        return Ok(Json(mplp::collab(&session, &view, &now)).into_response());
     }
-    Ok(Json(json!({ "session": view, "role": roles })))
+    Ok(Json(WorkSessionResponse {
+        session: view,
+        role: roles,
+    })
+    .into_response())
+}
+
+/// `/api/work-sessions`: the sessions holding events of the selected roles and types, most
+/// recently updated first, and the selection they were read with.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(deny_unknown_fields)]
+pub struct WorkSessionList {
+    /// The sessions, most recently updated first, at most `limit`.
+    pub sessions: Vec<SessionView>,
+    /// How many sessions are listed.
+    pub count: usize,
+    /// How many sessions matched before `limit` applied.
+    pub total_matched: usize,
+    /// How many sessions the bucket holds.
+    pub total_sessions: usize,
+    /// The roles the sessions are seen through.
+    pub role: Vec<Role>,
+    /// The event types selected (empty: all).
+    #[serde(rename = "type")]
+    pub types: Vec<String>,
+    /// The statuses selected (empty: all).
+    pub status: Vec<Status>,
+    /// The most sessions listed.
+    #[schemars(range(min = 1))]
+    pub limit: usize,
+}
+
+/// `/api/work-sessions/{id}`: one work session, seen through `role`.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct WorkSessionResponse {
+    /// The session.
+    pub session: SessionView,
+    /// The roles it is seen through.
+    pub role: Vec<Role>,
 }

@@ -10,11 +10,14 @@
 
 use super::error::ApiError;
 use super::query::encode_cursor;
+use crate::model::{Envelope, Role};
 use async_nats::jetstream::{self, consumer, stream::Stream};
 use bytes::Bytes;
 use chrono::SecondsFormat;
 use futures::StreamExt;
-use serde_json::{json, Value};
+use schemars::JsonSchema;
+use serde::Serialize;
+use serde_json::Value;
 use std::time::Duration;
 
 /// One stored message.
@@ -41,20 +44,55 @@ impl StoredEvent {
     }
 
     /// The API's item: cursor, sequence, subject facts and the envelope.
-    pub fn item(&self, prefix: &str) -> Value {
+    pub fn item(&self, prefix: &str) -> EventItem {
         let (role, key, event_type) = subject_parts(prefix, &self.subject);
-        let event: Value = serde_json::from_slice(&self.payload).unwrap_or(Value::Null);
-        json!({
-            "cursor": encode_cursor(self.seq),
-            "seq": self.seq,
-            "subject": self.subject,
-            "role": role,
-            "key": key,
-            "type": event_type,
-            "storedAt": self.stored_at,
-            "event": event,
-        })
+        EventItem {
+            cursor: encode_cursor(self.seq),
+            seq: self.seq,
+            subject: self.subject.clone(),
+            role: role.and_then(|r| r.parse().ok()),
+            key,
+            event_type,
+            stored_at: self.stored_at.clone(),
+            msg_id: self
+                .headers
+                .as_ref()
+                .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
+                .map(|v| v.as_str().to_string()),
+            event: serde_json::from_slice(&self.payload).unwrap_or(Value::Null),
+        }
     }
+}
+
+/// One projected event as `/api/events` lists it and `/api/events/stream` sends it (`data`).
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(deny_unknown_fields)]
+pub struct EventItem {
+    /// Its cursor: pass it as `after`/`before`, or as `Last-Event-ID`.
+    pub cursor: String,
+    /// Its `COLLAB_PROJ` stream sequence.
+    pub seq: u64,
+    /// Its projection subject (`<prefix>.proj.<role>.<key>.<type>`).
+    pub subject: String,
+    /// Its role, from the subject.
+    pub role: Option<Role>,
+    /// Its ordering key token, from the subject.
+    pub key: Option<String>,
+    /// Its event type, from the subject.
+    #[serde(rename = "type")]
+    pub event_type: Option<String>,
+    /// When the projection was stored (RFC 3339).
+    #[schemars(extend("format" = "date-time"))]
+    pub stored_at: String,
+    /// The projection's unique id, its `Nats-Msg-Id` header: a NATS subscriber sees the same id
+    /// on the live message, so a UI that merges a snapshot with a subscription drops the overlap
+    /// by it.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub msg_id: Option<String>,
+    /// The projected envelope.
+    #[schemars(with = "Envelope")]
+    pub event: Value,
 }
 
 /// `<prefix>.proj.<r1>.<r2>.<key>.<type...>` -> (role, key, type).

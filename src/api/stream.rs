@@ -22,7 +22,8 @@ use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use futures::StreamExt;
-use serde_json::json;
+use schemars::JsonSchema;
+use serde::Serialize;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -36,8 +37,37 @@ const MAX_ERRORS: u32 = 10;
 /// Why a stream ended, told to the client in a final `event: error`.
 #[derive(Debug, Clone)]
 struct Termination {
-    code: &'static str,
+    code: StreamErrorCode,
     message: String,
+}
+
+/// The `data` of the final `event: error` of `/api/events/stream`.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[schemars(deny_unknown_fields)]
+pub struct StreamError {
+    pub error: StreamErrorDetail,
+}
+
+/// Why the stream ended, and where to resume.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(deny_unknown_fields)]
+pub struct StreamErrorDetail {
+    pub code: StreamErrorCode,
+    /// What happened and what to do, for a person.
+    pub message: String,
+    /// The cursor of the last event sent (send it as `Last-Event-ID`); `null` when none was sent
+    /// and the stream did not resume from one.
+    pub resume_from: Option<String>,
+}
+
+/// `slow_consumer`: the client read more slowly than events arrived and its buffer filled;
+/// `unavailable`: the event store stopped answering or closed the stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum StreamErrorCode {
+    SlowConsumer,
+    Unavailable,
 }
 
 struct Item {
@@ -133,12 +163,15 @@ pub async fn stream(
                 b.done = true;
                 let end = b.ending.lock().ok().and_then(|mut e| e.take());
                 let t = end?;
-                let data = json!({"error": {
-                    "code": t.code,
-                    "message": t.message,
-                    "resumeFrom": b.last_id,
-                }});
-                let ev = Event::default().event("error").data(data.to_string());
+                let data = StreamError {
+                    error: StreamErrorDetail {
+                        code: t.code,
+                        message: t.message,
+                        resume_from: b.last_id.clone(),
+                    },
+                };
+                let data = serde_json::to_string(&data).unwrap_or_default();
+                let ev = Event::default().event("error").data(data);
                 Some((Ok(ev), b))
             }
         }
@@ -180,7 +213,7 @@ async fn pump(
                 if errors >= MAX_ERRORS {
                     warn!(error = %e, "event stream consumer keeps failing; closing the stream");
                     break Some(Termination {
-                        code: "unavailable",
+                        code: StreamErrorCode::Unavailable,
                         message: "the event store stopped answering; reconnect with Last-Event-ID to resume".into(),
                     });
                 }
@@ -188,7 +221,7 @@ async fn pump(
             }
             None => {
                 break Some(Termination {
-                    code: "unavailable",
+                    code: StreamErrorCode::Unavailable,
                     message:
                         "the event store closed the stream; reconnect with Last-Event-ID to resume"
                             .into(),
@@ -198,7 +231,7 @@ async fn pump(
         let Some(ev) = StoredEvent::from_message(&m) else {
             continue;
         };
-        let data = ev.item(&prefix).to_string();
+        let data = serde_json::to_string(&ev.item(&prefix)).unwrap_or_default();
         let len = data.len();
         let held = inflight.load(Ordering::Relaxed);
         let over_bytes = held > 0 && held + len > limits.buffer_bytes;
@@ -217,7 +250,7 @@ async fn pump(
         }
     };
     if let Some(t) = end {
-        if t.code == "slow_consumer" {
+        if t.code == StreamErrorCode::SlowConsumer {
             state.stats().sse_overflows.fetch_add(1, Ordering::Relaxed);
         }
         if let Ok(mut slot) = ending.lock() {
@@ -230,7 +263,7 @@ async fn pump(
 
 fn slow() -> Termination {
     Termination {
-        code: "slow_consumer",
+        code: StreamErrorCode::SlowConsumer,
         message: "the client read events more slowly than they arrived and its buffer filled; reconnect with Last-Event-ID (resumeFrom) to continue without loss".into(),
     }
 }

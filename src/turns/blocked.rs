@@ -2,11 +2,15 @@
 //! upstream failure normalised into a blocked outcome, or a synthesised blocked outcome) and the
 //! `a2a.response.suppressed` record of any further response.
 
+use super::payload::{
+    BlockedOutcome, BlockedPayload, DeadlineEvidence, DeadlineKind, Evidence, MessageEvidence,
+    SuppressedPayload, TurnOutcome, TurnWinnerRef, WinnerRef,
+};
 use super::{ExchangeKind, Reason, SuppressReason, TurnRecord, Winner};
 use crate::facets;
 use crate::model::{Envelope, RawEventRef, Role};
 use chrono::{SecondsFormat, TimeZone, Utc};
-use serde_json::{json, Map, Value};
+use serde_json::{Map, Value};
 
 const SECTIONS: [&str; 4] = ["goal", "outcome", "evidence", "next_action"];
 
@@ -159,40 +163,35 @@ fn a2a_next_action(rec: &TurnRecord, method: &str, reason: Reason, detail: Optio
     }
 }
 
-fn evidence(rec: &TurnRecord, winner: &Winner, signal: Option<&RawEventRef>) -> Value {
+fn evidence(rec: &TurnRecord, winner: &Winner, signal: Option<&RawEventRef>) -> Vec<Evidence> {
     let mut items = Vec::new();
     if let Some(s) = &rec.send {
-        items.push(json!({"kind": "send", "rawSeq": s.seq, "subject": s.subject, "storedAt": rfc3339(s.stored_ms)}));
+        items.push(Evidence::Message(MessageEvidence {
+            kind: "send".into(),
+            raw_seq: s.seq,
+            subject: s.subject.clone(),
+            stored_at: rfc3339(s.stored_ms),
+        }));
     }
     if let Some(sig) = signal {
-        items.push(json!({"kind": winner.by, "rawSeq": sig.seq, "subject": sig.subject, "storedAt": sig.stored_at}));
+        items.push(Evidence::Message(MessageEvidence {
+            kind: winner.by.clone(),
+            raw_seq: sig.seq,
+            subject: sig.subject.clone(),
+            stored_at: sig.stored_at.clone(),
+        }));
     }
     if let Some(s) = &rec.send {
         let deadline = s
             .stored_ms
             .saturating_add(i64::try_from(s.timeout_ms).unwrap_or(0));
-        items.push(json!({"kind": "deadline", "at": rfc3339(deadline), "timeoutMs": s.timeout_ms}));
+        items.push(Evidence::Deadline(DeadlineEvidence {
+            kind: DeadlineKind::Deadline,
+            at: rfc3339(deadline),
+            timeout_ms: s.timeout_ms,
+        }));
     }
-    Value::Array(items)
-}
-
-fn render_evidence(ev: &Value) -> String {
-    ev.as_array()
-        .map(|items| {
-            items
-                .iter()
-                .map(|i| match (i["kind"].as_str(), i["rawSeq"].as_u64()) {
-                    (Some("deadline"), _) => {
-                        format!("deadline {}", i["at"].as_str().unwrap_or("?"))
-                    }
-                    (Some(k), Some(seq)) => format!("{k} raw#{seq}"),
-                    (Some(k), None) => k.to_string(),
-                    _ => String::new(),
-                })
-                .collect::<Vec<_>>()
-                .join(", ")
-        })
-        .unwrap_or_default()
+    items
 }
 
 /// Build the turn's one `a2a.response`.
@@ -248,7 +247,7 @@ pub fn winner_response(rec: &TurnRecord, decider: Option<&Envelope>) -> Envelope
             );
             let message = format!(
                 "goal: {goal}\noutcome: {outcome_line}\nevidence: {}\nnext_action: {next}",
-                render_evidence(&ev)
+                Evidence::render(&ev)
             );
             // Start from the upstream response when there is one, so nothing it said is lost.
             let mut env = match (decider, winner.synthesized) {
@@ -282,31 +281,25 @@ pub fn winner_response(rec: &TurnRecord, decider: Option<&Envelope>) -> Envelope
                     }
                 }
             }
-            let p = env.payload_object();
-            if let Some(m) = upstream_message {
-                p.insert("upstreamMessage".into(), m);
-            }
-            p.insert("outcome".into(), json!("blocked"));
-            p.insert("reason".into(), json!(reason.as_str()));
-            p.insert("goal".into(), json!(goal));
-            p.insert("evidence".into(), ev);
-            p.insert("next_action".into(), json!(next));
-            p.insert("synthesized".into(), json!(winner.synthesized));
-            p.insert("message".into(), json!(message));
-            if winner.synthesized {
-                // The reply that did not come would have gone from the target to the sender.
-                if let Some(to) = rec.target() {
-                    p.insert("fromAgent".into(), json!(to));
-                }
-                if let Some(from) = rec.sender() {
-                    p.insert("toAgent".into(), json!(from));
-                }
-                p.insert("conversationId".into(), json!(rec.conversation_id));
-                p.insert("turn".into(), json!(rec.turn));
-            }
-            if let Some(d) = &winner.detail {
-                p.entry("detail").or_insert(json!(d));
-            }
+            // The reply that did not come would have gone from the target to the sender.
+            let synthesized_only =
+                |v: Option<&str>| v.filter(|_| winner.synthesized).map(str::to_string);
+            let fields = BlockedPayload {
+                upstream_message,
+                outcome: BlockedOutcome::Blocked,
+                reason,
+                goal,
+                evidence: ev,
+                next_action: next,
+                synthesized: winner.synthesized,
+                message,
+                from_agent: synthesized_only(rec.target()),
+                to_agent: synthesized_only(rec.sender()),
+                conversation_id: synthesized_only(Some(&rec.conversation_id)),
+                turn: synthesized_only(Some(&rec.turn)),
+                detail: winner.detail.clone(),
+            };
+            fields.write_into(env.payload_object());
             facets::apply(&mut env, &facets::derive("a2a.response", None, true));
             env
         }
@@ -320,32 +313,29 @@ pub fn suppressed(env: &Envelope, rec: &TurnRecord, reason: SuppressReason) -> E
         return super::runs::suppressed(env, rec, reason);
     }
     let winner = rec.winner.as_ref();
-    let winner_ref = json!({
-        "msgId": rec.response_msg_id(),
-        "rawSeq": winner.and_then(|w| w.seq),
-        "outcome": if winner.is_some_and(|w| w.blocked.is_some()) { "blocked" } else { "response" },
-        "reason": winner.and_then(|w| w.blocked).map(|r| r.as_str()),
-        "conversationId": rec.conversation_id,
-        "turn": rec.turn,
+    let winner_ref = WinnerRef::Turn(TurnWinnerRef {
+        msg_id: rec.response_msg_id(),
+        raw_seq: winner.and_then(|w| w.seq),
+        outcome: if winner.is_some_and(|w| w.blocked.is_some()) {
+            TurnOutcome::Blocked
+        } else {
+            TurnOutcome::Response
+        },
+        reason: winner.and_then(|w| w.blocked),
+        conversation_id: rec.conversation_id.clone(),
+        turn: rec.turn.clone(),
     });
-    suppression(
-        env,
-        "a2a.response.suppressed",
-        reason,
-        winner_ref,
-        "response",
-    )
+    suppression(env, "a2a.response.suppressed", reason, winner_ref)
 }
 
-/// A further response or terminal, kept on `system.observability` as `event_type`: the event's
-/// own payload under `kept_as`, the reason, and `winner_ref` pointing at what won. Turns and
-/// runs differ only in those names and in what the ref says.
+/// A further response or terminal, kept on `system.observability` as `event_type`: the reason,
+/// `winner_ref` pointing at what won, and the event's own payload (under `response` for a turn,
+/// `terminal` for a run).
 pub(crate) fn suppression(
     env: &Envelope,
     event_type: &str,
     reason: SuppressReason,
-    winner_ref: Value,
-    kept_as: &str,
+    winner_ref: WinnerRef,
 ) -> Envelope {
     let mut out = env.clone();
     out.event_type = event_type.into();
@@ -356,13 +346,8 @@ pub(crate) fn suppression(
     out.surface = None;
     out.persistence = None;
     let original = out.payload.take();
-    let mut p = Map::new();
-    p.insert("reason".into(), json!(reason.as_str()));
-    p.insert("winner".into(), winner_ref);
-    if let Some(o) = original {
-        p.insert(kept_as.into(), o);
-    }
-    out.payload = Some(Value::Object(p));
+    let record = SuppressedPayload::new(reason, winner_ref, original);
+    out.payload = serde_json::to_value(record).ok();
     facets::apply(&mut out, &facets::derive(event_type, None, false));
     out
 }

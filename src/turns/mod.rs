@@ -12,17 +12,21 @@
 
 pub mod blocked;
 pub mod book;
+pub mod payload;
 pub mod runs;
 
 use crate::classify::Fields;
 use crate::model::{encode_id, id_text, timestamp, Role};
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::fmt;
 use std::time::Duration;
 
-/// Why a turn is blocked.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+/// Why a turn is blocked: `timeout` (no response by the deadline), `error` (an upstream
+/// failure, or the exchange ended without a reply), `not_found` (the target agent, session or
+/// task does not exist).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Reason {
     Timeout,
@@ -421,8 +425,9 @@ pub enum Expect {
     Revision(u64),
 }
 
-/// Why a further response is not published as `a2a.response`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+/// Why a further response is not published as `a2a.response`: `late` (a real reply after a
+/// blocked outcome) or `duplicate` (any other further response).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum SuppressReason {
     /// A real reply after a blocked outcome.

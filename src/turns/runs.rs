@@ -14,7 +14,11 @@
 //! unchanged: a crash and a republish derive the same ends with the same Msg-Ids.
 
 use super::blocked::rfc3339;
-use super::{ExchangeKind, SuppressReason, TurnEventKind, TurnFacts, TurnRecord, Winner};
+use super::payload::{
+    DeadlineEvidence, DeadlineKind, Evidence, MessageEvidence, RunErrorType, RunFailedPayload,
+    RunOutcome, RunWinnerRef, WinnerRef,
+};
+use super::{ExchangeKind, Reason, SuppressReason, TurnEventKind, TurnFacts, TurnRecord, Winner};
 use crate::facets;
 use crate::ingest::agui::{AgUiFacts, TYPE_FIELD};
 use crate::model::{encode_id, Envelope, RawEventRef, Role};
@@ -344,11 +348,20 @@ pub fn timeout_failure(rec: &TurnRecord, winner: &Winner, open: &[OpenItem]) -> 
     let start = rec.send.as_ref();
     let mut evidence = Vec::new();
     if let Some(s) = start {
-        evidence.push(json!({"kind": "run.started", "rawSeq": s.seq, "subject": s.subject, "storedAt": rfc3339(s.stored_ms)}));
+        evidence.push(Evidence::Message(MessageEvidence {
+            kind: "run.started".into(),
+            raw_seq: s.seq,
+            subject: s.subject.clone(),
+            stored_at: rfc3339(s.stored_ms),
+        }));
     }
     let deadline = deadline_of(rec);
     if let Some((at, timeout_ms)) = deadline {
-        evidence.push(json!({"kind": "deadline", "at": rfc3339(at), "timeoutMs": timeout_ms}));
+        evidence.push(Evidence::Deadline(DeadlineEvidence {
+            kind: DeadlineKind::Deadline,
+            at: rfc3339(at),
+            timeout_ms,
+        }));
     }
     let within = deadline
         .map(|(_, ms)| {
@@ -380,12 +393,14 @@ pub fn timeout_failure(rec: &TurnRecord, winner: &Winner, open: &[OpenItem]) -> 
         "run {}{thread} stored no RUN_FINISHED or RUN_ERROR within {within} of its RUN_STARTED{closed}",
         rec.turn
     );
-    let mut p = Map::new();
-    p.insert(TYPE_FIELD.into(), json!("RUN_ERROR"));
-    p.insert("reason".into(), json!("timeout"));
-    p.insert("synthesized".into(), json!(true));
-    p.insert("message".into(), json!(message));
-    p.insert("evidence".into(), Value::Array(evidence));
+    let p = RunFailedPayload {
+        ag_ui_type: RunErrorType::RunError,
+        reason: Reason::Timeout,
+        synthesized: true,
+        message,
+        evidence,
+    }
+    .into_map();
     synthesised(rec, "run.failed", winner.at_ms, p)
 }
 
@@ -405,14 +420,18 @@ pub fn terminal(rec: &TurnRecord, decider: Option<&Envelope>) -> Envelope {
 pub fn suppressed(env: &Envelope, rec: &TurnRecord, reason: SuppressReason) -> Envelope {
     let winner = rec.winner.as_ref();
     let timed_out = winner.is_some_and(|w| w.seq.is_none());
-    let winner_ref = json!({
-        "msgId": rec.response_msg_id(),
-        "rawSeq": winner.and_then(|w| w.seq),
-        "outcome": if timed_out { "timeout" } else { "terminal" },
-        "runId": rec.turn,
-        "threadId": rec.send.as_ref().and_then(|s| s.thread_id.clone()),
+    let winner_ref = WinnerRef::Run(RunWinnerRef {
+        msg_id: rec.response_msg_id(),
+        raw_seq: winner.and_then(|w| w.seq),
+        outcome: if timed_out {
+            RunOutcome::Timeout
+        } else {
+            RunOutcome::Terminal
+        },
+        run_id: rec.turn.clone(),
+        thread_id: rec.send.as_ref().and_then(|s| s.thread_id.clone()),
     });
-    super::blocked::suppression(env, SUPPRESSED_TYPE, reason, winner_ref, "terminal")
+    super::blocked::suppression(env, SUPPRESSED_TYPE, reason, winner_ref)
 }
 
 #[cfg(test)]

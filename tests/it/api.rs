@@ -899,6 +899,7 @@ async fn a_slow_event_stream_client_gets_an_error_and_the_stream_closes() {
     assert_eq!(last.event.as_deref(), Some("error"));
     let body: Value = serde_json::from_str(&last.data).expect("JSON error");
     assert_eq!(body["error"]["code"], "slow_consumer");
+    crate::schemas::assert_matches("stream-error.schema.json", &body);
     assert!(events < published, "the stream was cut short");
     wait_until(GUARD, "the stream's reader stops", || {
         let n = stats_state.stats().sse_clients.load(Ordering::Relaxed);

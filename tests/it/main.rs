@@ -14,6 +14,7 @@ mod ops;
 mod pipeline;
 mod relay;
 mod runs;
+mod schemas;
 mod spec_fixtures;
 mod turns;
 mod ui;

@@ -683,18 +683,21 @@ async fn the_compose_nats_server_serves_projections_to_websocket_uis() {
     .await;
 
     provision_with_binary(&url, ENV);
+    let http_port = free_port();
+    let http_addr = format!("127.0.0.1:{http_port}");
     let mut proj = Projector::spawn_command(
         &[
             "run",
             "--nats-url",
             &url,
             "--http-addr",
-            "127.0.0.1:0",
+            &http_addr,
             "--main-agents",
             "ruda,eden",
         ],
         &ENV,
     );
+    wait_until(WAIT, "the projector is ready", || ready(http_port)).await;
     let ui = async_nats::connect(format!("ws://127.0.0.1:{ws}"))
         .await
         .expect("a browser UI connects over WebSocket");
@@ -740,7 +743,21 @@ async fn the_compose_nats_server_serves_projections_to_websocket_uis() {
     let env: Value = serde_json::from_slice(&m.payload).expect("an envelope");
     assert_eq!(env["payload"]["message"], "pong");
     let headers = m.headers.expect("projection headers");
-    assert!(headers.get("Nats-Msg-Id").is_some(), "{headers:?}");
+    let msg_id = headers
+        .get("Nats-Msg-Id")
+        .map(|v| v.as_str().to_string())
+        .expect("a Nats-Msg-Id header");
+    // The same projection in the API carries that id, so a UI merging its snapshot with a live
+    // subscription can drop the overlap.
+    let page: Value = reqwest::get(format!(
+        "http://{http_addr}/api/events?view=conversations&key=compose-1"
+    ))
+    .await
+    .expect("the API answers")
+    .json()
+    .await
+    .expect("a page");
+    assert_eq!(page["events"][0]["msgId"], json!(msg_id), "{page}");
     assert_eq!(
         headers.get("Collab-Event-Role").map(|v| v.as_str()),
         Some("conversation.main")
