@@ -12,7 +12,7 @@
 use super::auth::Caller;
 use super::error::ApiError;
 use super::events::{expired, resolve};
-use super::query::{decode_cursor, encode_cursor, Params};
+use super::query::{bad_cursor, decode_cursor, encode_cursor, Params};
 use super::store::{self, StoredEvent};
 use super::ApiState;
 use async_nats::jetstream::consumer;
@@ -53,12 +53,12 @@ pub async fn stream(
 ) -> Result<Response, ApiError> {
     let params = Params::new(pairs, &PARAMS)?;
     let r = resolve(&state, &caller, &params)?;
-    let header_cursor = headers
-        .get("last-event-id")
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-        .filter(|v| !v.is_empty())
-        .map(str::to_string);
+    // An empty Last-Event-ID (or `after`) is no cursor; anything else must be one.
+    let header_cursor = match headers.get("last-event-id").map(|v| v.to_str()) {
+        None => None,
+        Some(Ok(v)) => Some(v.to_string()).filter(|v| !v.is_empty()),
+        Some(Err(_)) => return Err(bad_cursor()),
+    };
     let resume = match header_cursor.or(params.one("after")?.filter(|c| !c.is_empty())) {
         Some(c) => Some(decode_cursor(&c)?),
         None => None,
