@@ -59,9 +59,15 @@ pub async fn stream(
         Some(Ok(v)) => Some(v.to_string()).filter(|v| !v.is_empty()),
         Some(Err(_)) => return Err(bad_cursor()),
     };
-    let resume = match header_cursor.or(params.one("after")?.filter(|c| !c.is_empty())) {
+    // Both are checked; Last-Event-ID wins.
+    let after = params
+        .one("after")?
+        .filter(|c| !c.is_empty())
+        .map(|c| decode_cursor(&c))
+        .transpose()?;
+    let resume = match header_cursor {
         Some(c) => Some(decode_cursor(&c)?),
-        None => None,
+        None => after,
     };
     let (stream, first, last) = store::bounds(state.js(), &state.names().proj_stream).await?;
     let start = match resume {
