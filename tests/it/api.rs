@@ -37,7 +37,7 @@ const PARTITIONS: u16 = 4;
 // Helpers
 // ---------------------------------------------------------------------------------------------
 
-fn settings(url: &str) -> Settings {
+pub(crate) fn settings(url: &str) -> Settings {
     let mut s = Settings::default();
     s.nats.url = url.to_string();
     s.nats.partitions = PARTITIONS;
@@ -57,7 +57,7 @@ async fn setup() -> (TestNats, Context, Settings) {
     (nats, js, s)
 }
 
-fn state(js: &Context, s: &Settings) -> ApiState {
+pub(crate) fn state(js: &Context, s: &Settings) -> ApiState {
     ApiState::new(js.clone(), s.names(), &s.http)
 }
 
@@ -152,7 +152,10 @@ fn a2a(role: Role, t: &str, ts: &str, data: Value) -> Value {
 }
 
 /// Serve the API router on a loopback socket (with a small kernel send buffer when asked).
-async fn serve(state: ApiState, send_buffer: Option<u32>) -> (SocketAddr, CancellationToken) {
+pub(crate) async fn serve(
+    state: ApiState,
+    send_buffer: Option<u32>,
+) -> (SocketAddr, CancellationToken) {
     let socket = TcpSocket::new_v4().expect("a socket");
     if let Some(size) = send_buffer {
         socket.set_send_buffer_size(size).expect("send buffer size");
@@ -1328,7 +1331,7 @@ pub(crate) async fn start_worker(s: &Settings) -> (app::Running, CancellationTok
     (running, cancel)
 }
 
-async fn drained(js: &Context) {
+pub(crate) async fn drained(js: &Context) {
     wait_until(GUARD, "every raw partition consumer is drained", || {
         let js = js.clone();
         async move { raw_drained(&js, usize::from(PARTITIONS)).await }
@@ -1338,7 +1341,7 @@ async fn drained(js: &Context) {
 
 /// A collaboration event, `step` seconds after a base time a minute ago (event time orders the
 /// session's first and last message whatever order partitions are processed in).
-fn collab_event(
+pub(crate) fn collab_event(
     step: i64,
     t: &str,
     from: &str,
