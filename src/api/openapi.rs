@@ -332,4 +332,66 @@ mod tests {
             ["role", "type", "key", "view", "limit", "after", "before"]
         );
     }
+
+    fn item_pattern(doc: &Value, path: &str, name: &str) -> regex::Regex {
+        let params = doc["paths"][path]["get"]["parameters"].as_array();
+        let p = params
+            .and_then(|ps| ps.iter().find(|p| p["name"] == name))
+            .map(|p| {
+                let s = &p["schema"];
+                s["items"]["pattern"]
+                    .as_str()
+                    .or(s["pattern"].as_str())
+                    .unwrap_or_default()
+                    .to_string()
+            })
+            .unwrap_or_default();
+        regex::Regex::new(&p).unwrap_or_else(|e| panic!("{name}: {e}"))
+    }
+
+    /// The patterns accept exactly what the server's parsers accept, on samples of each side.
+    #[test]
+    fn patterns_agree_with_the_parsers() {
+        use crate::api::query::{self, decode_cursor, encode_cursor};
+        let doc = document();
+        let cursor = item_pattern(&doc, "/api/events", "after");
+        for seq in [0, 1, 9, 10, 99, 100, 123_456, 9_999_999_999_999_999_999] {
+            assert!(cursor.is_match(&encode_cursor(seq)), "{seq}");
+        }
+        assert!(cursor.is_match(""));
+        for junk in ["djE6", "djE6MQ=", " djE6MQ", "djE6MR", "djI6MQ", "x"] {
+            assert!(decode_cursor(junk).is_err(), "{junk}");
+            assert!(!cursor.is_match(junk), "{junk}");
+        }
+        let params = |name: &str, v: &str| {
+            query::Params::new(vec![(name.to_string(), v.to_string())], &[name]).ok()
+        };
+        let role = item_pattern(&doc, "/api/events", "role");
+        for (v, ok) in [
+            ("conversation.main", true),
+            (" conversation.main ,, system.observability", true),
+            ("", true),
+            ("conversation.mian", false),
+            ("\u{a0}conversation.main", false),
+        ] {
+            assert_eq!(role.is_match(v), ok, "{v:?}");
+            let parsed = params("role", v).map(|p| query::roles(&p).is_ok());
+            assert_eq!(parsed, Some(ok), "{v:?}");
+        }
+        let typ = item_pattern(&doc, "/api/events", "type");
+        for (v, ok) in [
+            ("a2a.send", true),
+            ("a2a.send, task.updated ,", true),
+            ("caf\u{e9}.\u{1f600}", true),
+            ("a b", false),
+            ("a..b", false),
+            ("a.*", false),
+            ("a\u{85}", false),
+            ("a\u{3000}b", false),
+        ] {
+            assert_eq!(typ.is_match(v), ok, "{v:?}");
+            let parsed = params("type", v).map(|p| query::types(&p).is_ok());
+            assert_eq!(parsed, Some(ok), "{v:?}");
+        }
+    }
 }
