@@ -487,6 +487,22 @@ async fn events_page_forward_and_backward_covering_each_event_once() {
     )
     .await;
     assert_eq!(seqs(&mid), matching[17..20]);
+    // Between two cursors: the oldest `limit` strictly between them, `next` continuing inside.
+    let between = |after: u64, before: u64, limit: usize| {
+        format!(
+            "/api/events?{filter}&limit={limit}&after={}&before={}",
+            api::query::encode_cursor(after),
+            api::query::encode_cursor(before)
+        )
+    };
+    let range = ok(&app, &between(matching[10], matching[30], 100)).await;
+    assert_eq!(seqs(&range), matching[11..30]);
+    let first = ok(&app, &between(matching[10], matching[30], 4)).await;
+    assert_eq!(seqs(&first), matching[11..15]);
+    assert_eq!(
+        cursor(&first, "next"),
+        Some(api::query::encode_cursor(matching[14]))
+    );
 }
 
 #[tokio::test]
@@ -537,15 +553,24 @@ async fn events_reject_bad_parameters_with_json_errors() {
         "bad_cursor",
     )
     .await;
+    // `after` and `before` together: the events between them, none between a cursor and itself.
     let c = api::query::encode_cursor(1);
-    err(
-        &app,
-        &format!("/api/events?after={c}&before={c}"),
-        None,
-        StatusCode::BAD_REQUEST,
-        "bad_cursor",
-    )
-    .await;
+    let page = ok(&app, &format!("/api/events?after={c}&before={c}")).await;
+    assert_eq!(page["count"], 0, "{page}");
+    for junk in [
+        format!("%20{c}"),
+        format!("{c}%20"),
+        api::query::encode_cursor(1) + "A",
+    ] {
+        err(
+            &app,
+            &format!("/api/events?after={junk}"),
+            None,
+            StatusCode::BAD_REQUEST,
+            "bad_cursor",
+        )
+        .await;
+    }
     err(
         &app,
         "/api/events?view=everything",
