@@ -673,7 +673,7 @@ impl Status {
     pub fn parse(s: &str) -> Option<Status> {
         Status::ALL
             .into_iter()
-            .find(|x| x.as_str().eq_ignore_ascii_case(s.trim()))
+            .find(|x| x.as_str().eq_ignore_ascii_case(s))
     }
 
     /// `ARCHIVED` after `archive_after` without events, `QUIET` after `quiet_after`, else

@@ -2,7 +2,8 @@
 //!
 //! - no cursor: the newest `limit` matching events, oldest first;
 //! - `after=<cursor>`: the oldest `limit` matching events after it;
-//! - `before=<cursor>`: the newest `limit` matching events before it.
+//! - `before=<cursor>`: the newest `limit` matching events before it;
+//! - both: the oldest `limit` matching events between them.
 //!
 //! `next` continues with newer events (`after=next`; it is returned even when the page is empty,
 //! for polling), `prev` with older ones (`before=prev`; `null` when there are none), `oldest`
@@ -87,26 +88,22 @@ pub async fn list(
         .filter(|c| !c.is_empty())
         .map(|c| decode_cursor(&c))
         .transpose()?;
-    if after.is_some() && before.is_some() {
-        return Err(ApiError::bad_request(
-            "bad_cursor",
-            "give `after` or `before`, not both",
-        ));
-    }
     let r = resolve(&state, &caller, &params)?;
     let (stream, first, last) = store::bounds(state.js(), &state.names().proj_stream).await?;
 
     let (events, next, prev) = match (after, before) {
-        (Some(a), _) => {
+        (Some(a), before) => {
             if a.saturating_add(1) < first {
                 return Err(expired(first));
             }
+            // With `before` too: only the events between the two cursors.
+            let to = before.map_or(last, |b| last.min(b.saturating_sub(1)));
             let events =
-                store::read_range(&stream, &r.filters, a.saturating_add(1), last, limit).await?;
+                store::read_range(&stream, &r.filters, a.saturating_add(1), to, limit).await?;
             let next = if events.len() >= limit {
-                events.last().map_or(last, |e| e.seq)
+                events.last().map_or(to, |e| e.seq)
             } else {
-                last.max(a)
+                to.max(a)
             };
             let prev = Some(events.first().map_or(a.saturating_add(1), |e| e.seq));
             (events, next, prev)

@@ -9,12 +9,48 @@ pub async fn handler() -> Json<Value> {
     Json(document())
 }
 
-fn list_param(name: &str, description: &str) -> Value {
+/// ASCII whitespace, which list parameters ignore around each value.
+const WS: &str = "[ \\t\\n\\f\\r]*";
+
+/// One character of an event type token: anything but `.`, `,` (the list separator), `*`, `>`,
+/// control characters and whitespace.
+const TYPE_CHAR: &str =
+    "[^.,*>\\x00-\\x20\\x7f-\\xa0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000]";
+
+/// A cursor: unpadded base64url of `v1:` and 1 to 19 decimal digits (every group of three
+/// digits encodes to four characters of a known shape), or empty for none.
+const CURSOR_PATTERN: &str = concat!(
+    "^(?:djE6(?:(?:(?:[MN][DTjz]|O[DT])[AEIMQUYcgk][w-z0-5]){1,6}",
+    "|(?:(?:[MN][DTjz]|O[DT])[AEIMQUYcgk][w-z0-5]){0,6}(?:[MN][AQgw]|O[AQ])",
+    "|(?:(?:[MN][DTjz]|O[DT])[AEIMQUYcgk][w-z0-5]){0,5}(?:(?:[MN][DTjz]|O[DT])[AEIMQUYcgk])))?$"
+);
+
+/// The pattern of one occurrence of a list parameter: `item`s separated by commas, each
+/// optional (empty entries are ignored) and padded by ASCII whitespace.
+fn csv_pattern(item: &str) -> String {
+    format!("^{WS}(?:{item})?{WS}(?:,{WS}(?:{item})?{WS})*$")
+}
+
+/// `word` matched without regard to ASCII case.
+fn any_case(word: &str) -> String {
+    word.chars()
+        .map(|c| {
+            if c.is_ascii_alphabetic() {
+                format!("[{}{}]", c.to_ascii_uppercase(), c.to_ascii_lowercase())
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
+/// A list parameter, comma-separated or repeated; `item` is the schema of one occurrence.
+fn list_param(name: &str, description: &str, item: Value) -> Value {
     json!({
         "name": name, "in": "query", "required": false,
         "description": description,
         "style": "form", "explode": true,
-        "schema": {"type": "array", "items": {"type": "string"}}
+        "schema": {"type": "array", "items": item}
     })
 }
 
@@ -26,26 +62,58 @@ fn error_response(description: &str) -> Value {
     json!({"description": description, "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ErrorBody"}}}})
 }
 
+/// 401, with the challenge every 401 carries.
+fn unauthorized_response() -> Value {
+    let mut r = error_response("No or an invalid bearer token (when access control is on).");
+    if let Some(m) = r.as_object_mut() {
+        m.insert(
+            "headers".into(),
+            json!({"WWW-Authenticate": {"required": true, "description": "`Bearer realm=\"collab-projector\"`", "schema": {"type": "string"}}}),
+        );
+    }
+    r
+}
+
 /// The document.
 pub fn document() -> Value {
-    let role = list_param("role", "Event roles, comma-separated or repeated. Default: every role the token may read. Naming a role outside the token's grant is a 403.");
+    let roles: Value = crate::model::Role::ALL
+        .iter()
+        .map(|r| Value::from(r.as_str()))
+        .collect();
+    let role_names: Vec<String> = crate::model::Role::ALL
+        .iter()
+        .map(|r| r.as_str().replace('.', "\\."))
+        .collect();
+    let role_item = json!({
+        "type": "string",
+        "pattern": csv_pattern(&format!("(?:{})", role_names.join("|"))),
+        "examples": roles,
+        "description": "One or more of the roles (see Role), comma-separated; whitespace around each and empty entries are ignored."
+    });
+    let role = list_param("role", "Event roles, comma-separated or repeated. Default: every role the token may read. Naming a role outside the token's grant is a 403.", role_item.clone());
+    let type_item = json!({
+        "type": "string",
+        "maxLength": super::query::MAX_TYPE_VALUE,
+        "pattern": csv_pattern(&format!("{TYPE_CHAR}+(?:\\.{TYPE_CHAR}+)*")),
+        "description": "One or more types, comma-separated: each dot-separated tokens without whitespace, control characters, `*` or `>`. Whitespace around each and empty entries are ignored; at most 256 characters per value (repeat the parameter for more)."
+    });
     let typ = list_param(
         "type",
         "Event types, comma-separated or repeated (dot-separated tokens, no spaces, `*` or `>`).",
+        type_item.clone(),
     );
-    let key = list_param("key", "Ordering key (conversation id for a2a.*). An id that is not a subject token is encoded by the id rule.");
-    let view = param("view", "Preset: `conversations` (role=conversation.main, type=a2a.response) or `debug` (type=a2a.send,a2a.response,a2a.complete). Explicit role/type replace the preset's.", json!({"type": "string", "enum": ["conversations", "debug"]}));
-    let cursor_schema = json!({"type": "string"});
+    let key = list_param("key", "Ordering key (conversation id for a2a.*), repeated for several (a key may contain commas, so values are not split). Any string: a subject token (letters, digits, `_`, `-`, at most 128) is used as it is, any other id is encoded by the id rule. Whitespace around a value is ignored; an empty value selects nothing. Roles x keys x types may expand to at most 256 subject filters (400 too_many_filters).",
+        json!({"type": "string"}));
+    let view = param("view", "Preset: `conversations` (role=conversation.main, type=a2a.response) or `debug` (type=a2a.send,a2a.response,a2a.complete); empty for none. Explicit role/type replace the preset's. One value (repeating it needs the same value).", json!({"type": "string", "enum": ["conversations", "debug", ""]}));
+    let limit_schema = json!({"type": "integer", "minimum": 1, "maximum": 1000, "default": 100});
+    let cursor_schema = json!({"type": "string", "pattern": CURSOR_PATTERN, "description": "A cursor from a response (`next`, `prev`, `oldest`, an event's `cursor`); empty for none."});
     let common_errors = |extra: &[(&str, &str)]| {
         let mut m = serde_json::Map::new();
-        m.insert("400".into(), error_response("A parameter is invalid (unknown role, malformed type, bad cursor, unknown parameter); the error lists the valid values."));
-        m.insert(
-            "401".into(),
-            error_response("No or an invalid bearer token (when access control is on)."),
-        );
+        m.insert("400".into(), error_response("A parameter is invalid (unknown role, malformed type, bad cursor, a one-value parameter repeated with different values, unknown parameter, too many subject filters); the error says what to fix and, for a value, lists the valid ones in `valid`."));
+        m.insert("401".into(), unauthorized_response());
         m.insert(
             "403".into(),
-            error_response("A named role is outside the token's grant."),
+            error_response("A named role is outside the token's grant (the error lists the grant in `granted`)."),
         );
         m.insert(
             "503".into(),
@@ -79,9 +147,9 @@ pub fn document() -> Value {
                 "operationId": "listEvents",
                 "summary": "Filtered projections: the newest `limit` by default, oldest first, with cursors.",
                 "parameters": [role.clone(), typ.clone(), key.clone(), view.clone(),
-                    param("limit", "Events per page (default 100).", json!({"type": "integer", "minimum": 1, "maximum": 1000, "default": 100})),
-                    param("after", "Cursor: the oldest `limit` events after it.", cursor_schema.clone()),
-                    param("before", "Cursor: the newest `limit` events before it.", cursor_schema.clone())],
+                    param("limit", "Events per page (default 100). One value.", limit_schema.clone()),
+                    param("after", "Cursor: the oldest `limit` events after it (with `before`: between the two). One value.", cursor_schema.clone()),
+                    param("before", "Cursor: the newest `limit` events before it (with `after`: the oldest `limit` between the two). One value.", cursor_schema.clone())],
                 "responses": with_ok(common_errors(&[("410", "The cursor is older than the stream's retention; the error carries oldestCursor.")]),
                     json!({"description": "A page of events.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/EventPage"}}}}))
             }},
@@ -89,17 +157,24 @@ pub fn document() -> Value {
                 "operationId": "streamEvents",
                 "summary": "The same filters as Server-Sent Events. Each event's id is its cursor; resume with Last-Event-ID (or after) without loss or repeats. A client whose buffer fills gets a final `event: error` (code slow_consumer, resumeFrom) and the stream closes.",
                 "parameters": [role.clone(), typ.clone(), key.clone(), view.clone(),
-                    param("after", "Cursor to start after (Last-Event-ID wins). Default: the next event stored.", cursor_schema.clone()),
-                    {"name": "Last-Event-ID", "in": "header", "required": false, "schema": {"type": "string"}}],
+                    param("after", "Cursor to start after (Last-Event-ID wins). Default: the next event stored. One value.", cursor_schema.clone()),
+                    {"name": "Last-Event-ID", "in": "header", "required": false, "description": "The `id` of the last event received (a cursor); empty for none.", "schema": cursor_schema.clone()}],
                 "responses": with_ok(common_errors(&[("410", "The cursor is older than the stream's retention.")]),
-                    json!({"description": "An event stream; each `data` is an EventItem (#/components/schemas/EventItem, /api/schemas/event-item.schema.json); a final `event: error` carries a StreamError (/api/schemas/stream-error.schema.json).", "content": {"text/event-stream": {"schema": {"type": "string"}}}}))
+                    json!({"description": "An event stream; each `data` is an EventItem (#/components/schemas/EventItem, /api/schemas/event-item.schema.json); a final `event: error` carries a StreamError (#/components/schemas/StreamError, /api/schemas/stream-error.schema.json).", "content": {"text/event-stream": {"schema": {
+                        "type": "object", "required": ["data"],
+                        "properties": {
+                            "event": {"type": "string", "enum": ["message", "error"]},
+                            "id": {"type": "string", "description": "The event's cursor."},
+                            "data": {"type": "string", "contentMediaType": "application/json"}
+                        }}}}}))
             }},
             "/api/work-sessions": {"get": {
                 "operationId": "listWorkSessions",
                 "summary": "Work sessions holding events of the given roles and types, most recently updated first.",
                 "parameters": [role.clone(), typ.clone(),
-                    list_param("status", "ACTIVE, QUIET or ARCHIVED, comma-separated or repeated."),
-                    param("limit", "Sessions returned (default 100).", json!({"type": "integer", "minimum": 1, "maximum": 1000, "default": 100}))],
+                    list_param("status", "ACTIVE, QUIET or ARCHIVED (any case), comma-separated or repeated.",
+                        json!({"type": "string", "pattern": csv_pattern(&format!("(?:{}|{}|{})", any_case("ACTIVE"), any_case("QUIET"), any_case("ARCHIVED")))})),
+                    param("limit", "Sessions returned (default 100). One value.", limit_schema.clone())],
                 "responses": with_ok(common_errors(&[]), json!({"description": "Sessions.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/WorkSessionList"}}}}))
             }},
             "/api/work-sessions/{id}": {"get": {
@@ -107,8 +182,8 @@ pub fn document() -> Value {
                 "summary": "One work session; `format=mplp` returns an MPLP Collab object (schemas/v2/mplp-collab.schema.json).",
                 "parameters": [
                     {"name": "id", "in": "path", "required": true, "schema": {"type": "string"}, "description": "The work session id (or the conversation id of a session without one)."},
-                    list_param("role", "Roles to see the session through (default: the token's grant)."),
-                    param("format", "json (default) or mplp.", json!({"type": "string", "enum": ["json", "mplp"]}))],
+                    list_param("role", "Roles to see the session through (default: the token's grant), comma-separated or repeated. Naming a role outside the token's grant is a 403.", role_item.clone()),
+                    param("format", "json (default; also when empty) or mplp. One value.", json!({"type": "string", "enum": ["json", "mplp", ""]}))],
                 "responses": with_ok(common_errors(&[("404", "No such work session (or none visible to this token).")]),
                     json!({"description": "The session (`{session, role}`), or the MPLP Collab object.", "content": {"application/json": {"schema": {"anyOf": [{"$ref": "#/components/schemas/WorkSessionResponse"}, {"type": "object", "description": "format=mplp: an MPLP Collab object."}]}}}}))
             }},
@@ -118,10 +193,15 @@ pub fn document() -> Value {
                 "parameters": [
                     {"name": "id", "in": "path", "required": true, "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}, "description": "The id after `blob:` in a reference."}],
                 "responses": {
-                    "200": {"description": "The content. `ETag` is its SHA-256; `Collab-Event-Role` the role it belongs to.", "content": {
+                    "200": {"description": "The content. `ETag` is its SHA-256; `Collab-Event-Role` the role it belongs to.", "headers": {
+                        "Collab-Event-Role": {"required": true, "description": "The role of the event the field came from.", "schema": {"type": "string", "enum": roles}},
+                        "ETag": {"description": "The content's SHA-256, quoted.", "schema": {"type": "string"}},
+                        "Cache-Control": {"required": true, "schema": {"type": "string"}},
+                        "X-Content-Type-Options": {"required": true, "schema": {"type": "string", "const": "nosniff"}}}, "content": {
                         "text/plain": {"schema": {"type": "string"}},
-                        "application/json": {"schema": {}}}},
-                    "401": error_response("No or an invalid bearer token (when access control is on)."),
+                        "application/json": {"schema": {}},
+                        "application/octet-stream": {"schema": {"type": "string", "contentEncoding": "binary"}}}},
+                    "401": unauthorized_response(),
                     "403": error_response("The blob belongs to a role outside the token's grant."),
                     "404": error_response("No such blob (never stored, or expired with its projections)."),
                     "503": error_response("The event store (NATS) is unavailable.")
@@ -192,5 +272,67 @@ mod tests {
             names,
             ["role", "type", "key", "view", "limit", "after", "before"]
         );
+    }
+
+    fn item_pattern(doc: &Value, path: &str, name: &str) -> regex::Regex {
+        let params = doc["paths"][path]["get"]["parameters"].as_array();
+        let p = params
+            .and_then(|ps| ps.iter().find(|p| p["name"] == name))
+            .map(|p| {
+                let s = &p["schema"];
+                s["items"]["pattern"]
+                    .as_str()
+                    .or(s["pattern"].as_str())
+                    .unwrap_or_default()
+                    .to_string()
+            })
+            .unwrap_or_default();
+        regex::Regex::new(&p).unwrap_or_else(|e| panic!("{name}: {e}"))
+    }
+
+    /// The patterns accept exactly what the server's parsers accept, on samples of each side.
+    #[test]
+    fn patterns_agree_with_the_parsers() {
+        use crate::api::query::{self, decode_cursor, encode_cursor};
+        let doc = document();
+        let cursor = item_pattern(&doc, "/api/events", "after");
+        for seq in [0, 1, 9, 10, 99, 100, 123_456, 9_999_999_999_999_999_999] {
+            assert!(cursor.is_match(&encode_cursor(seq)), "{seq}");
+        }
+        assert!(cursor.is_match(""));
+        for junk in ["djE6", "djE6MQ=", " djE6MQ", "djE6MR", "djI6MQ", "x"] {
+            assert!(decode_cursor(junk).is_err(), "{junk}");
+            assert!(!cursor.is_match(junk), "{junk}");
+        }
+        let params = |name: &str, v: &str| {
+            query::Params::new(vec![(name.to_string(), v.to_string())], &[name]).ok()
+        };
+        let role = item_pattern(&doc, "/api/events", "role");
+        for (v, ok) in [
+            ("conversation.main", true),
+            (" conversation.main ,, system.observability", true),
+            ("", true),
+            ("conversation.mian", false),
+            ("\u{a0}conversation.main", false),
+        ] {
+            assert_eq!(role.is_match(v), ok, "{v:?}");
+            let parsed = params("role", v).map(|p| query::roles(&p).is_ok());
+            assert_eq!(parsed, Some(ok), "{v:?}");
+        }
+        let typ = item_pattern(&doc, "/api/events", "type");
+        for (v, ok) in [
+            ("a2a.send", true),
+            ("a2a.send, task.updated ,", true),
+            ("caf\u{e9}.\u{1f600}", true),
+            ("a b", false),
+            ("a..b", false),
+            ("a.*", false),
+            ("a\u{85}", false),
+            ("a\u{3000}b", false),
+        ] {
+            assert_eq!(typ.is_match(v), ok, "{v:?}");
+            let parsed = params("type", v).map(|p| query::types(&p).is_ok());
+            assert_eq!(parsed, Some(ok), "{v:?}");
+        }
     }
 }

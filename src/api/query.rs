@@ -29,12 +29,21 @@ impl Params {
         Ok(Params(pairs))
     }
 
-    /// Every value of `name`: repeated parameters and comma-separated values alike, trimmed,
-    /// empty ones dropped, duplicates removed (first occurrence kept).
+    /// The raw values of `name`, one per occurrence.
+    pub fn values<'a>(&'a self, name: &'a str) -> impl Iterator<Item = &'a str> + 'a {
+        self.0
+            .iter()
+            .filter(move |(k, _)| k == name)
+            .map(|(_, v)| v.as_str())
+    }
+
+    /// Every value of `name`: repeated parameters and comma-separated values alike, ASCII
+    /// whitespace around each trimmed, empty ones dropped, duplicates removed (first occurrence
+    /// kept).
     pub fn list(&self, name: &str) -> Vec<String> {
         let mut out: Vec<String> = Vec::new();
-        for (_, v) in self.0.iter().filter(|(k, _)| k == name) {
-            for part in v.split(',').map(str::trim).filter(|p| !p.is_empty()) {
+        for v in self.values(name) {
+            for part in v.split(',').map(trim).filter(|p| !p.is_empty()) {
                 if !out.iter().any(|o| o == part) {
                     out.push(part.to_string());
                 }
@@ -43,22 +52,25 @@ impl Params {
         out
     }
 
-    /// The single value of `name`; repeating it with different values is an error.
+    /// The single value of `name`, exactly as given; repeating it with different values is an
+    /// error.
     pub fn one(&self, name: &str) -> Result<Option<String>, ApiError> {
-        let mut values = self
-            .0
-            .iter()
-            .filter(|(k, _)| k == name)
-            .map(|(_, v)| v.trim().to_string());
+        let mut values = self.values(name);
         let first = values.next();
-        if values.any(|v| Some(&v) != first.as_ref()) {
+        if values.any(|v| Some(v) != first) {
             return Err(ApiError::bad_request(
                 "bad_parameter",
-                format!("`{name}` takes one value"),
+                format!("`{name}` takes one value (repeat it only with the same value)"),
             ));
         }
-        Ok(first)
+        Ok(first.map(str::to_string))
     }
+}
+
+/// `s` without leading and trailing ASCII whitespace (space, tab, CR, LF, form feed): what the
+/// list parameters ignore around each value.
+pub fn trim(s: &str) -> &str {
+    s.trim_matches(|c: char| c.is_ascii_whitespace())
 }
 
 /// The role names, for error messages.
@@ -104,13 +116,36 @@ pub fn roles(params: &Params) -> Result<Option<Vec<Role>>, ApiError> {
     Ok(Some(roles))
 }
 
-/// Whether `t` is an event type (dot-separated subject tokens, no wildcards or spaces).
+/// Whether `t` is an event type (dot-separated subject tokens, no wildcards, whitespace or
+/// control characters). Its length is bounded by [`MAX_TYPE_VALUE`]; a type longer than an
+/// event's may be (256 bytes) is well-formed and matches nothing.
 pub fn valid_type(t: &str) -> bool {
-    crate::ingest::check_type(t).is_ok()
+    t.split('.').all(|token| {
+        !token.is_empty()
+            && !token
+                .chars()
+                .any(|c| c.is_whitespace() || c.is_control() || c == '*' || c == '>')
+    })
 }
+
+/// Longest `type` value (one occurrence, commas included); a longer list is split over several
+/// `type` parameters. It also bounds each type to the length an event's type may have.
+pub const MAX_TYPE_VALUE: usize = 256;
 
 /// `type` values (any well-formed dotted type is valid).
 pub fn types(params: &Params) -> Result<Vec<String>, ApiError> {
+    if let Some(long) = params
+        .values("type")
+        .find(|v| v.chars().count() > MAX_TYPE_VALUE)
+    {
+        return Err(ApiError::bad_request(
+            "invalid_type",
+            format!(
+                "a `type` value is at most {MAX_TYPE_VALUE} characters (this one has {}); repeat the parameter for more types",
+                long.chars().count()
+            ),
+        ));
+    }
     let types = params.list("type");
     if let Some(bad) = types.iter().find(|t| !valid_type(t)) {
         return Err(ApiError::bad_request(
@@ -129,8 +164,8 @@ pub fn types(params: &Params) -> Result<Vec<String>, ApiError> {
 /// id rule (`model::encode_id`), so `agent:eden:main` finds `_bYWdlbnQ6ZWRlbjptYWlu`.
 pub fn keys(params: &Params) -> Vec<String> {
     let mut out: Vec<String> = Vec::new();
-    for (_, v) in params.0.iter().filter(|(k, _)| k == "key") {
-        let v = v.trim();
+    for v in params.values("key") {
+        let v = trim(v);
         if v.is_empty() {
             continue;
         }
@@ -236,21 +271,33 @@ pub fn encode_cursor(seq: u64) -> String {
     base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("{CURSOR_PREFIX}{seq}"))
 }
 
-/// The sequence of a cursor. Readers continue from the sequence after it, so the last possible
-/// sequence (which no stream reaches) is refused like any cursor this server never issued.
+/// The error for a cursor this server never issued.
+pub fn bad_cursor() -> ApiError {
+    ApiError::bad_request(
+        "bad_cursor",
+        "the cursor is not one this server issued; use the `next`, `prev` or `oldest` value of a response, or an event's `cursor`",
+    )
+}
+
+/// Most digits of a cursor's sequence: every sequence a stream reaches (below 10^19) fits.
+const MAX_CURSOR_DIGITS: usize = 19;
+
+/// The sequence of a cursor: unpadded base64url of `v1:` and 1 to 19 decimal digits (the
+/// document's cursor pattern). Anything else is refused like any cursor this server never issued.
 pub fn decode_cursor(cursor: &str) -> Result<u64, ApiError> {
     base64::engine::general_purpose::URL_SAFE_NO_PAD
-        .decode(cursor.trim())
+        .decode(cursor)
         .ok()
         .and_then(|b| String::from_utf8(b).ok())
-        .and_then(|s| s.strip_prefix(CURSOR_PREFIX).and_then(|n| n.parse().ok()))
-        .filter(|seq: &u64| seq.checked_add(1).is_some())
-        .ok_or_else(|| {
-            ApiError::bad_request(
-                "bad_cursor",
-                "the cursor is not one this server issued; use the `next`, `prev` or `oldest` value of a response, or an event's `cursor`",
-            )
+        .and_then(|s| {
+            s.strip_prefix(CURSOR_PREFIX)
+                .filter(|n| {
+                    (1..=MAX_CURSOR_DIGITS).contains(&n.len())
+                        && n.bytes().all(|b| b.is_ascii_digit())
+                })
+                .and_then(|n| n.parse().ok())
         })
+        .ok_or_else(bad_cursor)
 }
 
 #[cfg(test)]
@@ -341,11 +388,21 @@ mod tests {
 
     #[test]
     fn cursors_round_trip_and_reject_junk() {
-        for s in [0, 1, 42, u64::MAX - 1] {
+        for s in [0, 1, 42, 9_999_999_999_999_999_999] {
             assert_eq!(decode_cursor(&encode_cursor(s)).ok(), Some(s));
         }
-        for junk in ["", "42", "djE6", "!!", "djI6NA"] {
-            assert!(decode_cursor(junk).is_err(), "{junk}");
+        let b64 = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+        for junk in [
+            "".to_string(),
+            "42".into(),
+            "djE6".into(),
+            "!!".into(),
+            "djI6NA".into(),
+            format!(" {}", encode_cursor(7)),
+            b64("v1:+7"),
+            b64("v1:10000000000000000000"),
+        ] {
+            assert!(decode_cursor(&junk).is_err(), "{junk}");
         }
         // `after=<cursor>` reads from the cursor's sequence plus one.
         assert!(decode_cursor(&encode_cursor(u64::MAX)).is_err());

@@ -12,7 +12,7 @@
 use super::auth::Caller;
 use super::error::ApiError;
 use super::events::{expired, resolve};
-use super::query::{decode_cursor, encode_cursor, Params};
+use super::query::{bad_cursor, decode_cursor, encode_cursor, Params};
 use super::store::{self, StoredEvent};
 use super::ApiState;
 use async_nats::jetstream::consumer;
@@ -83,15 +83,21 @@ pub async fn stream(
 ) -> Result<Response, ApiError> {
     let params = Params::new(pairs, &PARAMS)?;
     let r = resolve(&state, &caller, &params)?;
-    let header_cursor = headers
-        .get("last-event-id")
-        .and_then(|v| v.to_str().ok())
-        .map(str::trim)
-        .filter(|v| !v.is_empty())
-        .map(str::to_string);
-    let resume = match header_cursor.or(params.one("after")?.filter(|c| !c.is_empty())) {
-        Some(c) => Some(decode_cursor(&c)?),
+    // An empty Last-Event-ID (or `after`) is no cursor; anything else must be one.
+    let header_cursor = match headers.get("last-event-id").map(|v| v.to_str()) {
         None => None,
+        Some(Ok(v)) => Some(v.to_string()).filter(|v| !v.is_empty()),
+        Some(Err(_)) => return Err(bad_cursor()),
+    };
+    // Both are checked; Last-Event-ID wins.
+    let after = params
+        .one("after")?
+        .filter(|c| !c.is_empty())
+        .map(|c| decode_cursor(&c))
+        .transpose()?;
+    let resume = match header_cursor {
+        Some(c) => Some(decode_cursor(&c)?),
+        None => after,
     };
     let (stream, first, last) = store::bounds(state.js(), &state.names().proj_stream).await?;
     let start = match resume {

@@ -37,7 +37,7 @@ const PARTITIONS: u16 = 4;
 // Helpers
 // ---------------------------------------------------------------------------------------------
 
-fn settings(url: &str) -> Settings {
+pub(crate) fn settings(url: &str) -> Settings {
     let mut s = Settings::default();
     s.nats.url = url.to_string();
     s.nats.partitions = PARTITIONS;
@@ -57,7 +57,7 @@ async fn setup() -> (TestNats, Context, Settings) {
     (nats, js, s)
 }
 
-fn state(js: &Context, s: &Settings) -> ApiState {
+pub(crate) fn state(js: &Context, s: &Settings) -> ApiState {
     ApiState::new(js.clone(), s.names(), &s.http)
 }
 
@@ -152,7 +152,10 @@ fn a2a(role: Role, t: &str, ts: &str, data: Value) -> Value {
 }
 
 /// Serve the API router on a loopback socket (with a small kernel send buffer when asked).
-async fn serve(state: ApiState, send_buffer: Option<u32>) -> (SocketAddr, CancellationToken) {
+pub(crate) async fn serve(
+    state: ApiState,
+    send_buffer: Option<u32>,
+) -> (SocketAddr, CancellationToken) {
     let socket = TcpSocket::new_v4().expect("a socket");
     if let Some(size) = send_buffer {
         socket.set_send_buffer_size(size).expect("send buffer size");
@@ -484,6 +487,22 @@ async fn events_page_forward_and_backward_covering_each_event_once() {
     )
     .await;
     assert_eq!(seqs(&mid), matching[17..20]);
+    // Between two cursors: the oldest `limit` strictly between them, `next` continuing inside.
+    let between = |after: u64, before: u64, limit: usize| {
+        format!(
+            "/api/events?{filter}&limit={limit}&after={}&before={}",
+            api::query::encode_cursor(after),
+            api::query::encode_cursor(before)
+        )
+    };
+    let range = ok(&app, &between(matching[10], matching[30], 100)).await;
+    assert_eq!(seqs(&range), matching[11..30]);
+    let first = ok(&app, &between(matching[10], matching[30], 4)).await;
+    assert_eq!(seqs(&first), matching[11..15]);
+    assert_eq!(
+        cursor(&first, "next"),
+        Some(api::query::encode_cursor(matching[14]))
+    );
 }
 
 #[tokio::test]
@@ -534,15 +553,24 @@ async fn events_reject_bad_parameters_with_json_errors() {
         "bad_cursor",
     )
     .await;
+    // `after` and `before` together: the events between them, none between a cursor and itself.
     let c = api::query::encode_cursor(1);
-    err(
-        &app,
-        &format!("/api/events?after={c}&before={c}"),
-        None,
-        StatusCode::BAD_REQUEST,
-        "bad_cursor",
-    )
-    .await;
+    let page = ok(&app, &format!("/api/events?after={c}&before={c}")).await;
+    assert_eq!(page["count"], 0, "{page}");
+    for junk in [
+        format!("%20{c}"),
+        format!("{c}%20"),
+        api::query::encode_cursor(1) + "A",
+    ] {
+        err(
+            &app,
+            &format!("/api/events?after={junk}"),
+            None,
+            StatusCode::BAD_REQUEST,
+            "bad_cursor",
+        )
+        .await;
+    }
     err(
         &app,
         "/api/events?view=everything",
@@ -1329,7 +1357,7 @@ pub(crate) async fn start_worker(s: &Settings) -> (app::Running, CancellationTok
     (running, cancel)
 }
 
-async fn drained(js: &Context) {
+pub(crate) async fn drained(js: &Context) {
     wait_until(GUARD, "every raw partition consumer is drained", || {
         let js = js.clone();
         async move { raw_drained(&js, usize::from(PARTITIONS)).await }
@@ -1339,7 +1367,7 @@ async fn drained(js: &Context) {
 
 /// A collaboration event, `step` seconds after a base time a minute ago (event time orders the
 /// session's first and last message whatever order partitions are processed in).
-fn collab_event(
+pub(crate) fn collab_event(
     step: i64,
     t: &str,
     from: &str,

@@ -9,6 +9,7 @@ mod api;
 mod auth;
 mod bench_smoke;
 mod chaos;
+mod fuzz_api;
 mod operability;
 mod ops;
 mod pipeline;

@@ -921,40 +921,13 @@ async fn relay_drains_an_open_stream_and_its_messages_on_sigterm() {
 // ---------------------------------------------------------------------------------------------
 // End to end with the real SDKs (tests/e2e/)
 
-/// A Python interpreter with a2a-sdk, ag-ui-protocol and uvicorn: `COLLAB_E2E_PYTHON`, else
-/// `.ci/.venv-e2e/bin/python`, else `python3`. `None` (with the reason printed) outside CI when
-/// there is none; in CI that fails the test.
+/// A Python interpreter with a2a-sdk, ag-ui-protocol and uvicorn (see
+/// [`crate::support::e2e_python`]).
 fn e2e_python() -> Option<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let candidates: Vec<PathBuf> = match std::env::var_os("COLLAB_E2E_PYTHON") {
-        Some(p) => vec![PathBuf::from(p)],
-        None => vec![
-            root.join(".ci/.venv-e2e/bin/python"),
-            PathBuf::from("python3"),
-        ],
-    };
-    let check = "import a2a.server.routes, a2a.client, ag_ui.core, ag_ui.encoder, uvicorn, starlette, httpx";
-    let mut tried = Vec::new();
-    for python in candidates {
-        let ok = Command::new(&python)
-            .args(["-c", check])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-        if ok {
-            return Some(python);
-        }
-        tried.push(python.display().to_string());
-    }
-    let reason = format!(
-        "no Python with a2a-sdk, ag-ui-protocol and uvicorn (tried {}): run .ci/run, or create \
-         .ci/.venv-e2e from tests/e2e/requirements.txt, or set COLLAB_E2E_PYTHON",
-        tried.join(", ")
-    );
-    assert!(std::env::var_os("CI").is_none(), "{reason}");
-    eprintln!("SKIPPED end-to-end SDK test: {reason}");
-    None
+    crate::support::e2e_python(
+        "import a2a.server.routes, a2a.client, ag_ui.core, ag_ui.encoder, uvicorn, starlette, httpx",
+        "a2a-sdk, ag-ui-protocol and uvicorn",
+    )
 }
 
 /// A Python script as a child process, killed on drop; its output goes to a temporary file.

@@ -18,6 +18,7 @@ mod selftest;
 use std::fs::File;
 use std::future::Future;
 use std::io::Read;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
@@ -379,4 +380,43 @@ where
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// The Python of the end-to-end tests (tests/e2e/requirements.txt), if `check` (Python code, such
+/// as imports) runs in it: `COLLAB_E2E_PYTHON`, else `.ci/.venv-e2e/bin/python`, else `python3`.
+/// `None` (with the reason printed) outside CI when there is none; in CI (`CI` set) that fails
+/// the test. `needs` names what is missing, for the message.
+pub fn e2e_python(check: &str, needs: &str) -> Option<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let candidates: Vec<PathBuf> = match std::env::var_os("COLLAB_E2E_PYTHON") {
+        Some(p) => vec![PathBuf::from(p)],
+        None => vec![
+            root.join(".ci/.venv-e2e/bin/python"),
+            PathBuf::from("python3"),
+        ],
+    };
+    let mut tried = Vec::new();
+    for python in candidates {
+        let ok = Command::new(&python)
+            .args(["-c", check])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if ok {
+            return Some(python);
+        }
+        tried.push(python.display().to_string());
+    }
+    let reason = format!(
+        "no Python with {needs} (tried {}): run .ci/run, or create .ci/.venv-e2e from \
+         tests/e2e/requirements.txt, or set COLLAB_E2E_PYTHON",
+        tried.join(", ")
+    );
+    assert!(
+        std::env::var_os("CI").is_none_or(|v| v.is_empty()),
+        "{reason}"
+    );
+    eprintln!("SKIPPED end-to-end test: {reason}");
+    None
 }
