@@ -374,8 +374,8 @@ function drawRow(item) {
     const text = summary(ev);
     if (text) body.push(el('span', { class: 'text' }, text));
   }
-  const label = `${ev.type}${blocked ? ` blocked (${p.reason})` : ''}${turn ? `, turn ${turn}` : ''}`;
-  const button = el('button', { type: 'button', 'aria-label': `${label}: show details` }, ...body);
+  // The row's visible text is its accessible name; selecting it fills the detail pane.
+  const button = el('button', { type: 'button', 'aria-controls': 'detail' }, ...body);
   button.addEventListener('click', () => select(item.seq, button));
   return el('li', {
     class: `row${blocked ? ' blocked' : ''}`,

@@ -13,6 +13,9 @@
 //! the test prints that reason and skips; in CI without that explanation a missing browser fails
 //! the test.
 //!
+//! The page is also checked with axe-core (WCAG 2.1 A and AA rules: contrast, names, labels),
+//! pinned in `tests/a11y`.
+//!
 //! The demo prints the viewer's address first. The compose file's nats-server configuration
 //! serves projections to a browser UI over WebSocket.
 
@@ -179,6 +182,46 @@ async fn text_of(client: &Client, selector: &str) -> String {
     .as_str()
     .unwrap_or("")
     .to_string()
+}
+
+/// axe-core (pinned in tests/a11y, installed by `.ci/run`), or `None` with the reason printed
+/// (a failure in CI).
+fn axe_source() -> Option<String> {
+    let path =
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/a11y/node_modules/axe-core/axe.min.js");
+    match std::fs::read_to_string(&path) {
+        Ok(src) => Some(src),
+        Err(e) => {
+            let reason = format!(
+                "the accessibility engine is not installed ({}: {e}); run `npm ci --prefix tests/a11y`",
+                path.display()
+            );
+            assert!(std::env::var_os("CI").is_none(), "{reason}");
+            eprintln!("SKIPPED accessibility check: {reason}");
+            None
+        }
+    }
+}
+
+/// The WCAG 2 A and AA rules axe-core finds broken on the page as it is now: rule, impact, how
+/// many elements, and the first offender.
+async fn accessibility_violations(client: &Client, axe: &str) -> Vec<Value> {
+    client
+        .execute(&format!("{axe}\nreturn typeof axe;"), vec![])
+        .await
+        .expect("axe-core loads into the page");
+    let found = client
+        .execute_async(
+            "const done = arguments[arguments.length - 1];
+             axe.run(document, {runOnly: {type: 'tag', values: ['wcag2a', 'wcag2aa', 'wcag21a', 'wcag21aa']}})
+               .then(r => done(r.violations.map(v => ({rule: v.id, impact: v.impact, help: v.help,
+                  elements: v.nodes.length, first: v.nodes[0] && v.nodes[0].html}))))
+               .catch(e => done([{rule: 'axe-error', help: String(e)}]));",
+            vec![],
+        )
+        .await
+        .expect("axe-core runs");
+    found.as_array().cloned().unwrap_or_default()
 }
 
 fn event(kind: &str, from: &str, to: &str, conv: &str, extra: Value) -> Value {
@@ -380,6 +423,17 @@ async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropp
         detail.contains("rawEventRef") && detail.contains("collab.raw.browser-1.a2a.response"),
         "{detail}"
     );
+
+    // Accessibility: no WCAG 2.1 A/AA rule broken (contrast, names, labels, landmarks), with a
+    // blocked outcome, the sessions and the detail pane on screen.
+    if let Some(axe) = axe_source() {
+        let violations = accessibility_violations(&client, &axe).await;
+        assert!(
+            violations.is_empty(),
+            "accessibility violations: {}",
+            serde_json::to_string_pretty(&violations).unwrap_or_default()
+        );
+    }
 
     // Debug: the send and the complete of the same turn appear beside its response.
     client
