@@ -981,8 +981,9 @@ proptest! {
     }
 }
 
-/// `/api/events` reads from the cursor's next sequence: a cursor for the last possible sequence
-/// has no next one and is refused like any cursor this server never issued.
+/// `/api/events` reads from the cursor's next sequence. A cursor holds at most 19 digits (every
+/// sequence a stream reaches is below 10^19), so the last possible sequence, which has no next
+/// one, is refused like any cursor this server never issued.
 #[test]
 fn a_cursor_at_the_last_sequence_is_refused() {
     use collab_projector::api::query::encode_cursor;
@@ -993,10 +994,12 @@ fn a_cursor_at_the_last_sequence_is_refused() {
         }
     }
     assert!(collab_projector::api::query::decode_cursor(&encode_cursor(u64::MAX)).is_err());
+    let largest = 9_999_999_999_999_999_999_u64;
     assert_eq!(
-        collab_projector::api::query::decode_cursor(&encode_cursor(u64::MAX - 1)).ok(),
-        Some(u64::MAX - 1)
+        collab_projector::api::query::decode_cursor(&encode_cursor(largest)).ok(),
+        Some(largest)
     );
+    assert!(collab_projector::api::query::decode_cursor(&encode_cursor(largest + 1)).is_err());
 }
 
 // ---------------------------------------------------------------------------------------------
