@@ -47,6 +47,7 @@ fn on_path(name: &str) -> Option<PathBuf> {
 fn browser() -> Option<(PathBuf, PathBuf)> {
     let chromium = std::env::var_os("COLLAB_CHROMIUM")
         .map(PathBuf::from)
+        .filter(|p| p.is_file())
         .or_else(|| {
             ["chromium", "chromium-browser", "google-chrome"]
                 .iter()
@@ -54,6 +55,7 @@ fn browser() -> Option<(PathBuf, PathBuf)> {
         });
     let driver = std::env::var_os("COLLAB_CHROMEDRIVER")
         .map(PathBuf::from)
+        .filter(|p| p.is_file())
         .or_else(|| on_path("chromedriver"));
     if let (Some(c), Some(d)) = (&chromium, &driver) {
         return Some((c.clone(), d.clone()));
