@@ -109,7 +109,9 @@ pub async fn list(
             (events, next, prev)
         }
         (None, Some(b)) => {
-            if b < first {
+            // Sequences start at 1: nothing ever came before 0 or 1 (`before=oldest` on a stream
+            // retention never trimmed is an empty page), so only a later cursor can have expired.
+            if b < first && b > 1 {
                 return Err(expired(first));
             }
             let hi = b.min(last.saturating_add(1));

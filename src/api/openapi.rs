@@ -31,6 +31,22 @@ fn csv_pattern(item: &str) -> String {
     format!("^{WS}(?:{item})?{WS}(?:,{WS}(?:{item})?{WS})*$")
 }
 
+/// [`csv_pattern`] with at most `max` entries (empty ones count).
+fn csv_pattern_max(item: &str, max: usize) -> String {
+    format!(
+        "^{WS}(?:{item})?{WS}(?:,{WS}(?:{item})?{WS}){{0,{}}}$",
+        max.saturating_sub(1)
+    )
+}
+
+/// `param` with at most `max` occurrences.
+fn at_most(mut param: Value, max: usize) -> Value {
+    if let Some(schema) = param.get_mut("schema").and_then(Value::as_object_mut) {
+        schema.insert("maxItems".into(), json!(max));
+    }
+    param
+}
+
 /// `word` matched without regard to ASCII case.
 fn any_case(word: &str) -> String {
     word.chars()
@@ -94,22 +110,26 @@ pub fn document() -> Value {
     let type_item = json!({
         "type": "string",
         "maxLength": super::query::MAX_TYPE_VALUE,
-        "pattern": csv_pattern(&format!("{TYPE_CHAR}+(?:\\.{TYPE_CHAR}+)*")),
-        "description": "One or more types, comma-separated: each dot-separated tokens without whitespace, control characters, `*` or `>`. Whitespace around each and empty entries are ignored; at most 256 characters per value (repeat the parameter for more)."
+        "pattern": csv_pattern_max(&format!("{TYPE_CHAR}+(?:\\.{TYPE_CHAR}+)*"), super::query::MAX_TYPES_PER_PARAM),
+        "description": "One to four types, comma-separated: each dot-separated tokens without whitespace, control characters, `*` or `>`. Whitespace around each and empty entries are ignored; at most 256 characters per value."
     });
-    let typ = list_param(
-        "type",
-        "Event types, comma-separated or repeated (dot-separated tokens, no spaces, `*` or `>`).",
-        type_item.clone(),
+    let typ = at_most(
+        list_param(
+            "type",
+            "Event types, comma-separated or repeated (dot-separated tokens, no spaces, `*` or `>`): at most 4 parameters of at most 4 types each (400 too_many_types).",
+            type_item.clone(),
+        ),
+        super::query::MAX_TYPE_PARAMS,
     );
-    let key = list_param("key", "Ordering key (conversation id for a2a.*), repeated for several (a key may contain commas, so values are not split). Any string: a subject token (letters, digits, `_`, `-`, at most 128) is used as it is, any other id is encoded by the id rule. Whitespace around a value is ignored; an empty value selects nothing. Roles x keys x types may expand to at most 256 subject filters (400 too_many_filters).",
+    let key = list_param("key", "Ordering key (conversation id for a2a.*), repeated for several (a key may contain commas, so values are not split). Any string: a subject token (letters, digits, `_`, `-`, at most 128) is used as it is, any other id is encoded by the id rule. Whitespace around a value is ignored; an empty value selects nothing. At most 16 keys (400 too_many_keys).",
         json!({"type": "string"}));
+    let key = at_most(key, super::query::MAX_KEYS);
     let view = param("view", "Preset: `conversations` (role=conversation.main, type=a2a.response) or `debug` (type=a2a.send,a2a.response,a2a.complete); empty for none. Explicit role/type replace the preset's. One value (repeating it needs the same value).", json!({"type": "string", "enum": ["conversations", "debug", ""]}));
     let limit_schema = json!({"type": "integer", "minimum": 1, "maximum": 1000, "default": 100});
     let cursor_schema = json!({"type": "string", "pattern": CURSOR_PATTERN, "description": "A cursor from a response (`next`, `prev`, `oldest`, an event's `cursor`); empty for none."});
     let common_errors = |extra: &[(&str, &str)]| {
         let mut m = serde_json::Map::new();
-        m.insert("400".into(), error_response("A parameter is invalid (unknown role, malformed type, bad cursor, a one-value parameter repeated with different values, unknown parameter, too many subject filters); the error says what to fix and, for a value, lists the valid ones in `valid`."));
+        m.insert("400".into(), error_response("A parameter is invalid (unknown role, malformed type, bad cursor, a one-value parameter repeated with different values, unknown parameter, too many types or keys); the error says what to fix and, for a value, lists the valid ones in `valid`."));
         m.insert("401".into(), unauthorized_response());
         m.insert(
             "403".into(),

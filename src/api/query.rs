@@ -132,8 +132,30 @@ pub fn valid_type(t: &str) -> bool {
 /// `type` parameters. It also bounds each type to the length an event's type may have.
 pub const MAX_TYPE_VALUE: usize = 256;
 
+/// Most `type` parameters one request may repeat, and most comma-separated types in each: a
+/// request names at most 16 types.
+pub const MAX_TYPE_PARAMS: usize = 4;
+pub const MAX_TYPES_PER_PARAM: usize = 4;
+/// Most `key` parameters one request may repeat. With the four roles, the widest selection
+/// expands to 4 x 16 x 16 = [`MAX_FILTERS`] subject filters.
+pub const MAX_KEYS: usize = 16;
+
 /// `type` values (any well-formed dotted type is valid).
 pub fn types(params: &Params) -> Result<Vec<String>, ApiError> {
+    let occurrences = params.values("type").count();
+    let widest = params
+        .values("type")
+        .map(|v| v.split(',').count())
+        .max()
+        .unwrap_or(0);
+    if occurrences > MAX_TYPE_PARAMS || widest > MAX_TYPES_PER_PARAM {
+        return Err(ApiError::bad_request(
+            "too_many_types",
+            format!(
+                "at most {MAX_TYPE_PARAMS} `type` parameters of at most {MAX_TYPES_PER_PARAM} comma-separated types each (this request has {occurrences}, the widest with {widest}); read the other types with another request"
+            ),
+        ));
+    }
     if let Some(long) = params
         .values("type")
         .find(|v| v.chars().count() > MAX_TYPE_VALUE)
@@ -162,7 +184,16 @@ pub fn types(params: &Params) -> Result<Vec<String>, ApiError> {
 
 /// `key` values as subject tokens: a token is used as it is, any other id is encoded by the
 /// id rule (`model::encode_id`), so `agent:eden:main` finds `_bYWdlbnQ6ZWRlbjptYWlu`.
-pub fn keys(params: &Params) -> Vec<String> {
+pub fn keys(params: &Params) -> Result<Vec<String>, ApiError> {
+    let given = params.values("key").count();
+    if given > MAX_KEYS {
+        return Err(ApiError::bad_request(
+            "too_many_keys",
+            format!(
+                "at most {MAX_KEYS} `key` parameters (this request has {given}); read the other keys with another request"
+            ),
+        ));
+    }
     let mut out: Vec<String> = Vec::new();
     for v in params.values("key") {
         let v = trim(v);
@@ -178,7 +209,7 @@ pub fn keys(params: &Params) -> Vec<String> {
             out.push(token);
         }
     }
-    out
+    Ok(out)
 }
 
 /// What to read: roles (`None`: the caller's grant), types (empty: all), keys (empty: all).
@@ -198,7 +229,7 @@ pub fn selection(params: &Params) -> Result<Selection, ApiError> {
     let mut sel = Selection {
         roles: roles(params)?,
         types: types(params)?,
-        keys: keys(params),
+        keys: keys(params)?,
     };
     if let Some(view) = params.one("view")?.filter(|v| !v.is_empty()) {
         let (roles, types): (Option<Vec<Role>>, &[&str]) = match view.as_str() {
@@ -262,7 +293,7 @@ pub fn subject_filters(
 }
 
 /// Most subject filters one request may expand to.
-pub const MAX_FILTERS: usize = 256;
+pub const MAX_FILTERS: usize = 1024;
 
 const CURSOR_PREFIX: &str = "v1:";
 
@@ -380,10 +411,15 @@ mod tests {
         assert_eq!(all.len(), 4);
         assert_eq!(all[0], "collab.proj.conversation.main.*.>");
         assert_eq!(
-            keys(&p(&[("key", "agent:eden:main")])),
+            keys(&p(&[("key", "agent:eden:main")]))
+                .ok()
+                .unwrap_or_default(),
             ["_bYWdlbnQ6ZWRlbjptYWlu"]
         );
-        assert_eq!(keys(&p(&[("key", "conv-1")])), ["conv-1"]);
+        assert_eq!(
+            keys(&p(&[("key", "conv-1")])).ok().unwrap_or_default(),
+            ["conv-1"]
+        );
     }
 
     #[test]
@@ -406,6 +442,30 @@ mod tests {
         }
         // `after=<cursor>` reads from the cursor's sequence plus one.
         assert!(decode_cursor(&encode_cursor(u64::MAX)).is_err());
+    }
+
+    #[test]
+    fn types_and_keys_are_bounded_so_every_selection_fits_the_filter_limit() {
+        let four = "a.b,c.d,e.f,g.h";
+        let ok: Vec<(&str, &str)> = vec![("type", four); MAX_TYPE_PARAMS];
+        assert_eq!(types(&p(&ok)).map(|t| t.len()).ok(), Some(4));
+        let mut too_many = ok.clone();
+        too_many.push(("type", "x.y"));
+        assert!(types(&p(&too_many)).is_err_and(|e| e.code == "too_many_types"));
+        assert!(types(&p(&[("type", "a,b,c,d,e")])).is_err_and(|e| e.code == "too_many_types"));
+        let distinct: Vec<String> = (0..MAX_KEYS).map(|i| format!("k{i}")).collect();
+        let pairs: Vec<(&str, &str)> = distinct.iter().map(|k| ("key", k.as_str())).collect();
+        let keys_ok = keys(&p(&pairs)).ok().unwrap_or_default();
+        assert_eq!(keys_ok.len(), MAX_KEYS);
+        let mut one_more = pairs.clone();
+        one_more.push(("key", "k-extra"));
+        assert!(keys(&p(&one_more)).is_err_and(|e| e.code == "too_many_keys"));
+        let widest_types: Vec<String> = (0..MAX_TYPE_PARAMS * MAX_TYPES_PER_PARAM)
+            .map(|i| format!("t{i}"))
+            .collect();
+        assert!(
+            subject_filters("collab", &Role::ALL, &keys_ok, &widest_types).len() <= MAX_FILTERS
+        );
     }
 
     #[test]

@@ -13,6 +13,7 @@ const DEBUG_TYPES = ['a2a.send', 'a2a.response', 'a2a.complete', 'a2a.response.s
 const SNAPSHOT = 200;      // events loaded per view
 const MAX_ROWS = 500;      // rows kept on screen; older ones are dropped from the bottom
 const SESSIONS = 30;       // work sessions listed
+const MAX_KEYS = 16;       // keys the API reads per request
 const TOKEN_KEY = 'collab-projector.token';
 const TITLES = {
   'conversation.main': 'Conversations',
@@ -481,14 +482,16 @@ function pickSession(s) {
     clearSession();
     return;
   }
-  // The API allows 256 subject filters per request: role × types × conversations.
-  const types = TURN_ROLES.has(state.role) ? (state.debug ? DEBUG_TYPES.length : 1) : 1;
-  const max = Math.floor(256 / types);
-  const keys = [...new Set((s.threads || []).map((t) => t.conversationId).filter(Boolean))].slice(0, max);
+  // The API reads at most 16 keys per request: the session's 16 most recently active
+  // conversations (its threads come newest first).
+  const keys = [...new Set((s.threads || []).map((t) => t.conversationId).filter(Boolean))].slice(0, MAX_KEYS);
   if (!keys.length) keys.push(s.workSessionId || s.id);
   state.session = { id: s.id, title: s.title || s.id, keys };
   $('session-filter').hidden = false;
-  $('session-filter-text').textContent = `Showing ${keys.length} conversation(s) of “${state.session.title}”.`;
+  const total = (s.threads || []).length;
+  $('session-filter-text').textContent = total > keys.length
+    ? `Showing the ${keys.length} most recent of ${total} conversations of “${state.session.title}”.`
+    : `Showing ${keys.length} conversation(s) of “${state.session.title}”.`;
   loadView();
 }
 

@@ -446,8 +446,13 @@ async fn events_page_forward_and_backward_covering_each_event_once() {
         "backward paging covers each event once, in order"
     );
 
-    // Forward from the oldest retained.
+    // Nothing lies before the oldest cursor of a stream retention never trimmed: an empty page.
     let oldest = cursor(&page, "oldest").expect("an oldest cursor");
+    let before_oldest = ok(&app, &format!("/api/events?{filter}&before={oldest}")).await;
+    assert!(seqs(&before_oldest).is_empty(), "{before_oldest}");
+    assert_eq!(before_oldest["prev"], Value::Null);
+
+    // Forward from the oldest retained.
     let mut fwd = Vec::new();
     let mut after = oldest;
     loop {
