@@ -246,6 +246,14 @@ async fn publish(js: &async_nats::jetstream::Context, key: &str, ev: &Value) {
     .expect("raw publish was not acknowledged");
 }
 
+/// A turn from ruda to eden on conversation `key`, asked and then answered.
+async fn answered_turn(js: &async_nats::jetstream::Context, key: &str, ask: &str, answer: &str) {
+    let send = json!({"message": ask, "timeoutMs": 60_000});
+    publish(js, key, &event("a2a.send", "ruda", "eden", key, send)).await;
+    let reply = json!({"message": answer});
+    publish(js, key, &event("a2a.response", "eden", "ruda", key, reply)).await;
+}
+
 const ENV: [(&str, &str); 2] = [
     ("COLLAB_CONSUMER__ACK_WAIT", "5s"),
     ("RUST_LOG", "info,collab_projector=debug"),
@@ -347,28 +355,11 @@ async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropp
     assert!(!denied, "a role outside the token's grant must be disabled");
 
     // A turn published after the page loaded: exactly one row, its response.
-    publish(
+    answered_turn(
         &js,
         "browser-1",
-        &event(
-            "a2a.send",
-            "ruda",
-            "eden",
-            "browser-1",
-            json!({"message": "what is the build status?", "timeoutMs": 60_000}),
-        ),
-    )
-    .await;
-    publish(
-        &js,
-        "browser-1",
-        &event(
-            "a2a.response",
-            "eden",
-            "ruda",
-            "browser-1",
-            json!({"message": "green since nine"}),
-        ),
+        "what is the build status?",
+        "green since nine",
     )
     .await;
     wait_for(
@@ -559,28 +550,11 @@ async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropp
         "return document.getElementById('status').dataset.state === 'reconnecting';",
     )
     .await;
-    publish(
+    answered_turn(
         &js,
         "browser-3",
-        &event(
-            "a2a.send",
-            "ruda",
-            "eden",
-            "browser-3",
-            json!({"message": "anything new?", "timeoutMs": 60_000}),
-        ),
-    )
-    .await;
-    publish(
-        &js,
-        "browser-3",
-        &event(
-            "a2a.response",
-            "eden",
-            "ruda",
-            "browser-3",
-            json!({"message": "answered while the server was down"}),
-        ),
+        "anything new?",
+        "answered while the server was down",
     )
     .await;
     let mut proj = projector(&nats.url(), http_port, &config);
@@ -764,30 +738,7 @@ async fn the_compose_nats_server_serves_projections_to_websocket_uis() {
     ui.flush().await.expect("flush");
 
     let js = async_nats::jetstream::new(async_nats::connect(&url).await.expect("a producer"));
-    publish(
-        &js,
-        "compose-1",
-        &event(
-            "a2a.send",
-            "ruda",
-            "eden",
-            "compose-1",
-            json!({"message": "ping", "timeoutMs": 60_000}),
-        ),
-    )
-    .await;
-    publish(
-        &js,
-        "compose-1",
-        &event(
-            "a2a.response",
-            "eden",
-            "ruda",
-            "compose-1",
-            json!({"message": "pong"}),
-        ),
-    )
-    .await;
+    answered_turn(&js, "compose-1", "ping", "pong").await;
     let m = tokio::time::timeout(WAIT, futures::StreamExt::next(&mut sub))
         .await
         .expect("the response reaches the WebSocket UI")
