@@ -61,7 +61,13 @@ pub(crate) fn state(js: &Context, s: &Settings) -> ApiState {
     ApiState::new(js.clone(), s.names(), &s.http)
 }
 
-async fn call(app: &Router, uri: &str, token: Option<&str>) -> (StatusCode, Value) {
+/// A request through the router: status, content type and body (JSON, else its text as a
+/// string).
+pub(crate) async fn request(
+    app: &Router,
+    uri: &str,
+    token: Option<&str>,
+) -> (StatusCode, String, Value) {
     let mut req = Request::builder().uri(uri);
     if let Some(t) = token {
         req = req.header("authorization", format!("Bearer {t}"));
@@ -72,11 +78,22 @@ async fn call(app: &Router, uri: &str, token: Option<&str>) -> (StatusCode, Valu
         .await
         .expect("the router answers");
     let status = resp.status();
+    let content_type = resp
+        .headers()
+        .get(axum::http::header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .unwrap_or_default()
+        .to_string();
     let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
         .await
         .expect("a body");
     let body = serde_json::from_slice(&bytes)
         .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+    (status, content_type, body)
+}
+
+async fn call(app: &Router, uri: &str, token: Option<&str>) -> (StatusCode, Value) {
+    let (status, _, body) = request(app, uri, token).await;
     (status, body)
 }
 

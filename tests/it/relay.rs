@@ -27,7 +27,7 @@ use tempfile::NamedTempFile;
 use tokio::sync::Notify;
 
 use crate::operability::{samples, sum};
-use crate::support::{self, wait_until, Projector, TestNats};
+use crate::support::{self, free_port, wait_until, Projector, TestNats};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -979,14 +979,6 @@ impl Drop for Script {
             eprintln!("--- python log ---\n{}\n--- end ---", self.log_text());
         }
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 /// The raw messages of one key, in stream order.

@@ -9,8 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use async_nats::jetstream::Context;
-use axum::body::Body;
-use axum::http::{header, Request, StatusCode};
+use axum::http::StatusCode;
 use axum::Router;
 use bytes::Bytes;
 use collab_projector::api::{self, ApiState};
@@ -18,7 +17,6 @@ use collab_projector::config::{Settings, TokenGrant};
 use collab_projector::model::Role;
 use futures::StreamExt;
 use serde_json::{json, Value};
-use tower::ServiceExt;
 
 use crate::api::start_worker;
 use crate::pipeline::{publish, raw_drained, GUARD};
@@ -126,29 +124,11 @@ async fn wait_for_projection(js: &Context, what: &str, pred: impl Fn(&str, &Valu
     .await;
 }
 
-/// A request through the router: status, content type and JSON body.
+/// A request through the router: status, content type and JSON body (every API body is a JSON
+/// object).
 async fn call(app: &Router, uri: &str, token: Option<&str>) -> (StatusCode, String, Value) {
-    let mut req = Request::builder().uri(uri);
-    if let Some(t) = token {
-        req = req.header("authorization", format!("Bearer {t}"));
-    }
-    let resp = app
-        .clone()
-        .oneshot(req.body(Body::empty()).expect("a request"))
-        .await
-        .expect("the router answers");
-    let status = resp.status();
-    let content_type = resp
-        .headers()
-        .get(header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .unwrap_or_default()
-        .to_string();
-    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
-        .await
-        .expect("a body");
-    let body = serde_json::from_slice(&bytes)
-        .unwrap_or_else(|_| panic!("{uri}: not JSON: {}", String::from_utf8_lossy(&bytes)));
+    let (status, content_type, body) = crate::api::request(app, uri, token).await;
+    assert!(!body.is_string(), "{uri}: not JSON: {body}");
     (status, content_type, body)
 }
 

@@ -16,7 +16,7 @@ use futures::StreamExt;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
 
-use crate::support::{wait_until, Projector, TestNats};
+use crate::support::{collab_event, wait_until, Projector, TestNats};
 
 const RUN_ARGS: [&str; 4] = ["--main-agents", "ruda,eden", "--turn-timeout", "2s"];
 /// Shared by every process of a test (provision and run must agree on the consumers). A short
@@ -97,21 +97,12 @@ fn text(v: &Value) -> Option<String> {
     }
 }
 
-/// A collab event (seed 000 shape) from `from` to `to` with `extra` fields under `data`.
-fn event(kind: &str, from: &str, to: &str, conv: &str, extra: Value) -> Value {
-    let mut data = json!({"fromAgent": from, "toAgent": to, "conversationId": conv});
-    if let (Some(d), Value::Object(e)) = (data.as_object_mut(), extra) {
-        d.extend(e);
-    }
-    json!({"type": kind, "agentId": from, "ts": now_ms(), "data": data})
-}
-
 fn send(conv: &str, extra: Value) -> Value {
-    event("a2a.send", "ruda", "eden", conv, extra)
+    collab_event("a2a.send", "ruda", "eden", conv, extra)
 }
 
 fn reply(conv: &str, extra: Value) -> Value {
-    event("a2a.response", "eden", "ruda", conv, extra)
+    collab_event("a2a.response", "eden", "ruda", conv, extra)
 }
 
 /// One nats-server with the projector's resources provisioned, and a client on it.
@@ -631,7 +622,7 @@ async fn a_complete_without_a_response_gives_a_blocked_error_before_the_complete
     ))
     .await;
     let complete_seq = bed
-        .publish(&event(
+        .publish(&collab_event(
             "a2a.complete",
             "eden",
             "ruda",
@@ -769,7 +760,7 @@ async fn ping_pong_turns_get_one_response_each() {
         } else {
             ("eden", "ruda")
         };
-        bed.publish(&event(
+        bed.publish(&collab_event(
             "a2a.send",
             a,
             b,
@@ -777,7 +768,7 @@ async fn ping_pong_turns_get_one_response_each() {
             json!({"turn": n, "message": format!("ping {n}"), "timeoutMs": 60_000}),
         ))
         .await;
-        bed.publish(&event(
+        bed.publish(&collab_event(
             "a2a.response",
             b,
             a,

@@ -19,7 +19,6 @@
 //! The demo prints the viewer's address first. The compose file's nats-server configuration
 //! serves projections to a browser UI over WebSocket.
 
-use std::net::TcpListener;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -28,7 +27,9 @@ use fantoccini::{Client, ClientBuilder, Locator};
 use hyper_util::client::legacy::connect::HttpConnector;
 use serde_json::{json, Value};
 
-use crate::support::{provision_with_binary, wait_until, Projector, TestNats};
+use crate::support::{
+    collab_event, free_port, provision_with_binary, wait_until, Projector, TestNats,
+};
 
 const TOKEN: &str = "viewer-test-token";
 /// Guards against hangs only.
@@ -76,13 +77,6 @@ fn browser() -> Option<(PathBuf, PathBuf)> {
     }
     eprintln!("SKIPPED browser test: {reason}");
     None
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free loopback port")
 }
 
 /// chromedriver as a child process, killed on drop.
@@ -163,6 +157,17 @@ async fn wait_for(client: &Client, what: &str, script: &str) {
     }
 }
 
+/// Click the element `css` selects.
+async fn click(client: &Client, css: &str) {
+    client
+        .find(Locator::Css(css))
+        .await
+        .unwrap_or_else(|e| panic!("no element {css}: {e}"))
+        .click()
+        .await
+        .unwrap_or_else(|e| panic!("could not click {css}: {e}"));
+}
+
 async fn count(client: &Client, selector: &str) -> u64 {
     eval(
         client,
@@ -226,14 +231,6 @@ async fn accessibility_violations(client: &Client, axe: &str) -> Vec<Value> {
     found.as_array().cloned().unwrap_or_default()
 }
 
-fn event(kind: &str, from: &str, to: &str, conv: &str, extra: Value) -> Value {
-    let mut data = json!({"fromAgent": from, "toAgent": to, "conversationId": conv});
-    if let (Some(d), Value::Object(e)) = (data.as_object_mut(), extra) {
-        d.extend(e);
-    }
-    json!({"type": kind, "agentId": from, "ts": chrono::Utc::now().timestamp_millis(), "data": data})
-}
-
 async fn publish(js: &async_nats::jetstream::Context, key: &str, ev: &Value) {
     let kind = ev["type"].as_str().expect("events carry a type");
     js.publish(
@@ -249,9 +246,19 @@ async fn publish(js: &async_nats::jetstream::Context, key: &str, ev: &Value) {
 /// A turn from ruda to eden on conversation `key`, asked and then answered.
 async fn answered_turn(js: &async_nats::jetstream::Context, key: &str, ask: &str, answer: &str) {
     let send = json!({"message": ask, "timeoutMs": 60_000});
-    publish(js, key, &event("a2a.send", "ruda", "eden", key, send)).await;
+    publish(
+        js,
+        key,
+        &collab_event("a2a.send", "ruda", "eden", key, send),
+    )
+    .await;
     let reply = json!({"message": answer});
-    publish(js, key, &event("a2a.response", "eden", "ruda", key, reply)).await;
+    publish(
+        js,
+        key,
+        &collab_event("a2a.response", "eden", "ruda", key, reply),
+    )
+    .await;
 }
 
 const ENV: [(&str, &str); 2] = [
@@ -336,13 +343,7 @@ async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropp
         .send_keys(TOKEN)
         .await
         .expect("typing the token");
-    client
-        .find(Locator::Css("#token-form button[type=submit]"))
-        .await
-        .expect("the token button")
-        .click()
-        .await
-        .expect("clicking it");
+    click(&client, "#token-form button[type=submit]").await;
     let live = "return document.getElementById('status').dataset.state === 'live';";
     wait_for(&client, "the stream is live", live).await;
     let denied = client
@@ -374,7 +375,7 @@ async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropp
     publish(
         &js,
         "browser-2",
-        &event(
+        &collab_event(
             "a2a.send",
             "ruda",
             "eden",
@@ -404,13 +405,7 @@ async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropp
     }
 
     // The detail pane: the envelope with its rawEventRef.
-    client
-        .find(Locator::Css(r#"li.row[data-key="browser-1"] > button"#))
-        .await
-        .expect("the first turn's row")
-        .click()
-        .await
-        .expect("selecting it");
+    click(&client, r#"li.row[data-key="browser-1"] > button"#).await;
     let detail = text_of(&client, "#detail-body").await;
     assert!(
         detail.contains("rawEventRef") && detail.contains("collab.raw.browser-1.a2a.response"),
@@ -429,26 +424,14 @@ async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropp
     }
 
     // Debug: the send and the complete of the same turn appear beside its response.
-    client
-        .find(Locator::Id("debug"))
-        .await
-        .expect("the debug toggle")
-        .click()
-        .await
-        .expect("switching debug on");
+    click(&client, "#debug").await;
     wait_for(
         &client,
         "the debug view shows the send",
         r#"return document.querySelector('li.row[data-key="browser-1"][data-type="a2a.send"]') !== null;"#,
     )
     .await;
-    client
-        .find(Locator::Id("debug"))
-        .await
-        .expect("the debug toggle")
-        .click()
-        .await
-        .expect("switching debug off");
+    click(&client, "#debug").await;
     wait_for(
         &client,
         "the conversations view is back",
@@ -466,26 +449,14 @@ async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropp
         ),
     )
     .await;
-    client
-        .find(Locator::Css(session))
-        .await
-        .expect("the session")
-        .click()
-        .await
-        .expect("choosing it");
+    click(&client, session).await;
     wait_for(
         &client,
         "only the session's turn is shown",
         r#"return document.getElementById('status').dataset.state === 'live' && document.querySelector('li.row[data-key="browser-2"]') !== null && document.querySelector('li.row[data-key="browser-1"]') === null;"#,
     )
     .await;
-    client
-        .find(Locator::Id("session-clear"))
-        .await
-        .expect("the show-all button")
-        .click()
-        .await
-        .expect("widening again");
+    click(&client, "#session-clear").await;
     wait_for(
         &client,
         "every turn is shown again",
@@ -502,13 +473,7 @@ async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropp
         "conversation.main",
         "orchestration.task",
     ] {
-        client
-            .find(Locator::Css(&format!(r#"input[value="{role}"]"#)))
-            .await
-            .expect("a role")
-            .click()
-            .await
-            .expect("switching role");
+        click(&client, &format!(r#"input[value="{role}"]"#)).await;
     }
     wait_for(&client, "the task view is live", live).await;
     publish(
@@ -529,13 +494,7 @@ async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropp
 
     // Back to conversations; then the server goes away mid-stream (SIGKILL), a turn is answered
     // while it is down, and a new process comes up on the same address.
-    client
-        .find(Locator::Css(r#"input[value="conversation.main"]"#))
-        .await
-        .expect("the conversation role")
-        .click()
-        .await
-        .expect("switching back");
+    click(&client, r#"input[value="conversation.main"]"#).await;
     wait_for(&client, "the conversations view is live", live).await;
     wait_for(
         &client,

@@ -164,7 +164,7 @@ async fn start_container() -> Result<(ContainerAsync<GenericImage>, u16), String
 }
 
 /// A free port on 127.0.0.1 (the OS picks it; we let go of it at once).
-fn free_port() -> u16 {
+pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|listener| listener.local_addr())
         .map(|addr| addr.port())
@@ -419,4 +419,25 @@ pub fn e2e_python(check: &str, needs: &str) -> Option<PathBuf> {
     );
     eprintln!("SKIPPED end-to-end test: {reason}");
     None
+}
+
+/// A collaboration event (seed 000 shape) from `from` to `to` on conversation `conv`, stamped
+/// now, with `extra` fields under `data`.
+pub fn collab_event(
+    kind: &str,
+    from: &str,
+    to: &str,
+    conv: &str,
+    extra: serde_json::Value,
+) -> serde_json::Value {
+    let mut data = serde_json::json!({"fromAgent": from, "toAgent": to, "conversationId": conv});
+    if let (Some(d), serde_json::Value::Object(e)) = (data.as_object_mut(), extra) {
+        d.extend(e);
+    }
+    serde_json::json!({
+        "type": kind,
+        "agentId": from,
+        "ts": chrono::Utc::now().timestamp_millis(),
+        "data": data
+    })
 }
