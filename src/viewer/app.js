@@ -35,7 +35,6 @@ const state = {
   seen: new Set(),      // sequences drawn in the current view
   items: new Map(),     // seq -> item, for the detail pane
   repeats: 0,           // events received twice (the API promises none; shown for checking)
-  selected: null,
   sessionTimer: null,
 };
 
@@ -224,7 +223,7 @@ async function follow(gen, ctl, sel, cursor) {
           break;
         }
         if (f.data) {
-          addItem(JSON.parse(f.data), true);
+          addItem(JSON.parse(f.data));
           updateEmpty();
         }
         if (f.id) last = f.id;
@@ -271,7 +270,7 @@ function drawHeading() {
   $('timeline-note').textContent = what;
 }
 
-function addItem(item, live) {
+function addItem(item) {
   if (state.seen.has(item.seq)) {
     state.repeats += 1;
     document.body.dataset.repeats = String(state.repeats);
@@ -288,7 +287,6 @@ function addItem(item, live) {
     state.items.delete(Number(gone.dataset.seq));
     gone.remove();
   }
-  if (live) row.classList.add('new');
 }
 
 function el(tag, attrs, ...children) {
@@ -296,7 +294,6 @@ function el(tag, attrs, ...children) {
   for (const [k, v] of Object.entries(attrs || {})) {
     if (v === undefined || v === null || v === false) continue;
     if (k === 'class') e.className = v;
-    else if (k.startsWith('data-')) e.setAttribute(k, v);
     else e.setAttribute(k, v);
   }
   for (const c of children) if (c !== undefined && c !== null && c !== '') e.append(c);
@@ -406,7 +403,6 @@ function select(seq, button) {
   if (!item) return;
   for (const b of document.querySelectorAll('.row > button[aria-current]')) b.removeAttribute('aria-current');
   button.setAttribute('aria-current', 'true');
-  state.selected = seq;
   const ev = item.event || {};
   const box = $('detail-body');
   const ids = el('dl');
