@@ -1503,7 +1503,8 @@ async fn direct_reload(env: &Env) -> Result<(usize, f64), BenchError> {
                 let shared = shared.clone();
                 let cancel = cancel.clone();
                 async move {
-                    let mut t = PartitionTurns::new(&shared, p)
+                    let fence = reload_fence(&shared, p).await?;
+                    let mut t = PartitionTurns::new(&shared, p, fence)
                         .await
                         .map_err(|e| e.to_string())?;
                     t.reload(&shared, &cancel)
@@ -2338,4 +2339,15 @@ mod tests {
         assert!(r.targets.iter().all(|t| t.met.is_none()));
         assert!(render(&r).contains("not measured"));
     }
+}
+
+/// A claim on partition `p` for the reload measurement, as a worker makes when it takes the
+/// partition.
+async fn reload_fence(
+    shared: &WorkerContext,
+    p: u16,
+) -> Result<crate::bus::publish::Fence, String> {
+    crate::bus::publish::Fence::claim(&shared.js, &shared.names, p, "bench")
+        .await
+        .map_err(|e| e.to_string())
 }

@@ -111,6 +111,14 @@ fn shrink(v: &mut Value, max_inline: usize, role: Role, blobs: &mut Vec<Blob>) -
     serde_json::to_vec(v).map_or(0, |r| r.len())
 }
 
+/// Replace the whole of `payload` by one reference (its top-level fields included): for a
+/// payload whose many small fields together make the projection too large to publish.
+pub fn offload_all(payload: &mut Value, role: Role) -> Blob {
+    let blob = make(payload, role);
+    *payload = reference(&blob, payload);
+    blob
+}
+
 /// Smallest `limits.max_inline_bytes` other than 0: a reference is a few hundred bytes, so a
 /// lower limit would make fields larger by offloading them.
 pub const MIN_INLINE_BYTES: usize = 1024;
@@ -164,6 +172,16 @@ mod tests {
 
     fn sha(data: &[u8]) -> String {
         hex::encode(Sha256::digest(data))
+    }
+
+    #[test]
+    fn a_whole_payload_can_become_one_reference() {
+        let mut p = json!({"a": 1, "b": "two"});
+        let text = serde_json::to_vec(&p).unwrap_or_default();
+        let blob = offload_all(&mut p, Role::OrchestrationTask);
+        assert_eq!(blob.data, Bytes::from(text));
+        assert_eq!(blob.content_type, JSON);
+        assert_eq!(p["$ref"], json!(format!("blob:{}", blob.id)));
     }
 
     #[test]

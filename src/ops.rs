@@ -147,6 +147,26 @@ pub async fn audit(
     Ok(a)
 }
 
+/// The whole input a shortened dead letter stands for, from the raw stream (`None` once the
+/// stream no longer keeps it, or when its digest differs).
+async fn original_input(
+    js: &jetstream::Context,
+    names: &Names,
+    dead_letter: &jetstream::Message,
+) -> Option<bytes::Bytes> {
+    use sha2::Digest;
+    let seq = header_u64(dead_letter, H_SOURCE_SEQ)?;
+    let stream = js.get_stream(&names.raw_stream).await.ok()?;
+    let raw = stream.get_raw_message(seq).await.ok()?;
+    let want = dead_letter
+        .headers
+        .as_ref()?
+        .get(crate::bus::publish::H_SOURCE_SHA256)?
+        .as_str()
+        .to_string();
+    (hex::encode(sha2::Sha256::digest(&raw.payload)) == want).then_some(raw.payload)
+}
+
 /// What a replay did.
 #[derive(Debug, Default, Clone)]
 pub struct Replay {
@@ -167,6 +187,9 @@ pub async fn dlq_replay(
 ) -> Result<Replay, OpsError> {
     let mut report = Replay::default();
     for m in read_stream(js, &names.dlq_stream, 1, false).await? {
+        if crate::bus::publish::is_fence_subject(m.subject.as_str()) {
+            continue;
+        }
         let this_reason = m.subject.as_str().rsplit('.').next().unwrap_or("");
         if reason.is_some_and(|r| r != this_reason) {
             continue;
@@ -185,8 +208,24 @@ pub async fn dlq_replay(
             report.replayed += 1;
             continue;
         }
+        // A dead letter too large to carry its input keeps an excerpt: the input is read back
+        // from the raw stream while it is retained there.
+        let payload = match m
+            .headers
+            .as_ref()
+            .filter(|h| h.get(crate::bus::publish::H_DLQ_TRUNCATED).is_some())
+        {
+            None => m.payload.clone(),
+            Some(_) => match original_input(js, names, &m).await {
+                Some(bytes) => bytes,
+                None => {
+                    report.skipped += 1;
+                    continue;
+                }
+            },
+        };
         let publish = PublishMessage::build()
-            .payload(m.payload.clone())
+            .payload(payload)
             .message_id(format!("replay:{}:{dlq_seq}", names.dlq_stream));
         let ack = js
             .send_publish(subject.clone(), publish)

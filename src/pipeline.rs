@@ -116,14 +116,20 @@ pub fn run_event(
 /// (see [`crate::blobs`]); the blobs to store before the events are published. A field can only
 /// be that large if the raw message is, or if redaction rewrote it: anything else is skipped
 /// without looking at it.
+///
+/// An envelope still larger than `max_envelope` bytes once its large fields are out (a payload of
+/// many small fields) has its whole payload offloaded as one blob, so its projection fits.
 pub fn offload(
     events: &mut [Normalized],
     raw_len: usize,
     limits: &crate::config::LimitSettings,
+    max_envelope: usize,
 ) -> Vec<crate::blobs::Blob> {
     let mut blobs = Vec::new();
     for n in events.iter_mut() {
-        if raw_len <= limits.max_inline_bytes && n.envelope.redactions.is_none() {
+        if raw_len <= limits.max_inline_bytes.min(max_envelope)
+            && n.envelope.redactions.is_none()
+        {
             continue;
         }
         let role = n.role();
@@ -134,8 +140,47 @@ pub fn offload(
                 role,
             ));
         }
+        let size = serde_json::to_vec(&n.envelope).map_or(0, |v| v.len());
+        if size > max_envelope {
+            if let Some(payload) = n.envelope.payload.as_mut() {
+                blobs.push(crate::blobs::offload_all(payload, role));
+            }
+        }
     }
     blobs
+}
+
+/// The dead letter `too_large` that replaces an output too large to publish even once its
+/// payload is offloaded (an envelope whose ids or references alone are that large): it names the
+/// input's raw sequence; [`crate::bus::publish::fit_dead_letter`] bounds its body.
+pub fn too_large(names: &Names, out: &Outgoing, max_bytes: usize) -> Outgoing {
+    let header = |name: &str| {
+        out.headers
+            .iter()
+            .find(|(k, _)| *k == name)
+            .map(|(_, v)| v.clone())
+    };
+    let seq = header(H_SOURCE_SEQ).unwrap_or_default();
+    let reason = DlqReason::TooLarge;
+    Outgoing {
+        subject: names.dlq_subject(reason),
+        payload: out.payload.clone(),
+        msg_id: format!("{}:too_large", out.msg_id),
+        headers: vec![
+            (H_DLQ_REASON, reason.as_str().to_string()),
+            (
+                H_DLQ_DETAIL,
+                format!(
+                    "its {} projection on {} would be {} bytes, over the {max_bytes} bytes NATS accepts, even with its payload offloaded; the body is an excerpt of that projection",
+                    header(H_TYPE).unwrap_or_default(),
+                    out.subject,
+                    out.payload.len()
+                ),
+            ),
+            (H_SOURCE_SEQ, seq),
+        ],
+        kind: OutKind::DeadLetter(reason),
+    }
 }
 
 /// Normalise a raw message into envelopes, or say why it cannot be projected.

@@ -14,6 +14,14 @@ pub const REDELIVERIES: &str = "collab_redeliveries_total";
 pub const DEAD_LETTERS: &str = "collab_dead_letters_total";
 /// Publishes retried in place after a failure.
 pub const PUBLISH_RETRIES: &str = "collab_publish_retries_total";
+/// Publishes that failed in a way waiting does not heal, by `class` (too_large, deposed: a newer
+/// owner claimed the partition, fatal: the stream is gone or the user may not publish there).
+pub const PUBLISH_FAILURES: &str = "collab_publish_failures_total";
+/// Partition consumers found missing and recreated from the partition's checkpoint.
+pub const CONSUMERS_RECREATED: &str = "collab_consumers_recreated_total";
+/// Consumer deliveries that went to another client (a gap in the delivery sequence): the
+/// partition started over from its acknowledgement floor.
+pub const DELIVERY_GAPS: &str = "collab_delivery_gaps_total";
 /// Large fields moved to the object store, and their bytes.
 pub const BLOBS_STORED: &str = "collab_blobs_stored_total";
 pub const BLOB_BYTES: &str = "collab_blob_bytes_total";
@@ -203,6 +211,21 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
         "Publishes retried in place after a failure.",
     ),
     (
+        PUBLISH_FAILURES,
+        Family::Counter,
+        "Publishes that failed in a way waiting does not heal, by class (too_large, deposed, fatal).",
+    ),
+    (
+        CONSUMERS_RECREATED,
+        Family::Counter,
+        "Partition consumers found missing and recreated from the partition's checkpoint.",
+    ),
+    (
+        DELIVERY_GAPS,
+        Family::Counter,
+        "Consumer deliveries that went to another client; the partition started over from its ack floor.",
+    ),
+    (
         BLOBS_STORED,
         Family::Counter,
         "Fields over limits.max_inline_bytes moved to the object store.",
@@ -357,6 +380,8 @@ pub fn register_metrics() {
     for name in [
         REDELIVERIES,
         PUBLISH_RETRIES,
+        CONSUMERS_RECREATED,
+        DELIVERY_GAPS,
         BLOBS_STORED,
         BLOB_BYTES,
         LEASE_RENEWALS,
@@ -367,6 +392,9 @@ pub fn register_metrics() {
     }
     for reason in crate::model::DlqReason::ALL {
         metrics::counter!(DEAD_LETTERS, "reason" => reason.as_str()).absolute(0);
+    }
+    for class in ["too_large", "deposed", "fatal"] {
+        metrics::counter!(PUBLISH_FAILURES, "class" => class).absolute(0);
     }
     for cause in ["free", "owner_gone"] {
         metrics::counter!(TAKEOVERS, "cause" => cause).absolute(0);

@@ -90,6 +90,7 @@ fn spawn_partition(
     let rt = shared.partitions_rt.clone();
     // Every line the partition logs names the worker and the partition.
     let span = tracing::info_span!("partition", worker = %worker_id, partition = p);
+    let owner = worker_id.to_string();
     rt.spawn(
         async move {
             // The owner of partition 0 also folds the projections into the work sessions.
@@ -104,8 +105,14 @@ fn spawn_partition(
             });
             let mut retry = super::Retry::new(Duration::from_millis(200), Duration::from_secs(5));
             while !cancel.is_cancelled() {
-                match worker::run_partition(shared.clone(), p, cancel.clone(), valid_until.clone())
-                    .await
+                match worker::run_partition(
+                    shared.clone(),
+                    p,
+                    &owner,
+                    cancel.clone(),
+                    valid_until.clone(),
+                )
+                .await
                 {
                     Ok(()) => break,
                     Err(e @ worker::WorkerError::Interrupted { .. }) => {

@@ -2,6 +2,7 @@
 
 pub mod leases;
 pub mod provision;
+pub mod publish;
 pub mod sessions;
 pub mod turns;
 pub mod worker;
@@ -160,7 +161,12 @@ async fn connect_checked(
     let mut opts = async_nats::ConnectOptions::new()
         .name(name)
         .connection_timeout(Duration::from_secs(5))
-        .max_reconnects(None);
+        .max_reconnects(None)
+        .event_callback(|event| async move {
+            if let async_nats::Event::ServerError(async_nats::ServerError::Other(text)) = &event {
+                denied::record(text);
+            }
+        });
     let auth = nats.map_or(NatsAuth::None, NatsSettings::auth);
     if let Some(nats) = nats {
         opts = with_credentials(opts, auth).await?;
@@ -349,5 +355,55 @@ mod tests {
         );
         assert_eq!(display_url("nats://host:4222"), "nats://host:4222");
         assert_eq!(display_url("host:4222"), "host:4222");
+    }
+}
+
+/// Subjects the server recently refused this process's publishes to (`Permissions Violation for
+/// Publish to "<subject>"`, reported on the connection, not on the publish): a JetStream publish
+/// there only times out, and the partition must tell that from a slow server.
+pub(crate) mod denied {
+    use std::sync::Mutex;
+    use std::time::Instant;
+
+    static DENIED: Mutex<Vec<(String, Instant)>> = Mutex::new(Vec::new());
+    /// At most this many subjects are remembered (the oldest go first).
+    const KEEP: usize = 64;
+
+    /// Remember the subject of a permissions violation, if `text` reports one.
+    pub(crate) fn record(text: &str) {
+        let Some(subject) = text
+            .split_once("Permissions Violation for Publish to")
+            .map(|(_, rest)| rest.trim().trim_matches(|c| c == '"' || c == '\'').to_string())
+        else {
+            return;
+        };
+        tracing::error!(subject = %subject, "the NATS server refuses this user's publishes to this subject: grant it in the server's permissions (docs/security.md)");
+        if let Ok(mut d) = DENIED.lock() {
+            d.retain(|(s, _)| *s != subject);
+            if d.len() >= KEEP {
+                d.remove(0);
+            }
+            d.push((subject, Instant::now()));
+        }
+    }
+
+    /// Whether publishes to `subject` were refused within [`super::publish::DENIED_FOR`].
+    pub(crate) fn recently(subject: &str) -> bool {
+        DENIED.lock().is_ok_and(|d| {
+            d.iter().any(|(s, at)| {
+                s == subject && at.elapsed() < super::publish::DENIED_FOR
+            })
+        })
+    }
+
+    #[cfg(test)]
+    mod tests {
+        #[test]
+        fn a_permissions_violation_marks_its_subject() {
+            super::record("Permissions Violation for Publish to \"collab.proj.x.k.t\"");
+            assert!(super::recently("collab.proj.x.k.t"));
+            assert!(!super::recently("collab.proj.y.k.t"));
+            super::record("some other error");
+        }
     }
 }

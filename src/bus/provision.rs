@@ -117,6 +117,22 @@ fn stream_differences(have: &stream::Config, want: &stream::Config) -> Vec<Strin
     d
 }
 
+/// Partition `p`'s consumer, starting after raw sequence `resume_after` when the partition ran
+/// before (its checkpoint says where its outputs end), from the start otherwise.
+pub fn resumed_consumer_config(
+    s: &Settings,
+    p: u16,
+    resume_after: Option<u64>,
+) -> consumer::pull::Config {
+    let mut config = consumer_config(s, p);
+    if let Some(after) = resume_after {
+        config.deliver_policy = consumer::DeliverPolicy::ByStartSequence {
+            start_sequence: after + 1,
+        };
+    }
+    config
+}
+
 pub fn consumer_config(s: &Settings, p: u16) -> consumer::pull::Config {
     let n = s.names();
     consumer::pull::Config {
@@ -233,7 +249,15 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
                 report.unchanged.push(label);
             }
             Err(e) if e.kind() == consumer_info_error::NotFound => {
-                raw.create_consumer(want)
+                // A partition that ran before resumes where its outputs end (its checkpoint),
+                // so a deleted consumer never projects the stream a second time.
+                let resume = match js.get_key_value(&names.turns_bucket).await {
+                    Ok(kv) => super::turns::resume_after(&kv, p)
+                        .await
+                        .map_err(|e| api(&format!("checkpoint of partition {p}"), e))?,
+                    Err(_) => None,
+                };
+                raw.create_consumer(resumed_consumer_config(s, p, resume))
                     .await
                     .map_err(|e| api(&label, e))?;
                 report.created.push(label);

@@ -44,6 +44,9 @@ pub enum TurnIoError {
     WriteFailed { key: String, detail: String },
     #[error("shutting down with turn {0} undecided on the bus")]
     Cancelled(String),
+    /// A response could not be published and waiting will not change that.
+    #[error(transparent)]
+    Publish(super::publish::Failure),
 }
 
 /// A turn-record write in flight; resolves to the record's new revision.
@@ -184,6 +187,24 @@ struct CheckpointValue {
     /// The ownership term of the owner that wrote the checkpoint.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     owner: Option<u64>,
+    /// The raw stream sequence through which the partition's inputs have every output stored
+    /// (and are acknowledged): where a consumer recreated for the partition starts.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    acked: Option<u64>,
+}
+
+/// Where partition `partition`'s inputs are known to be done, from its published checkpoint in
+/// `store` (the turns bucket): the raw sequence to resume after, if the partition ever ran.
+pub async fn resume_after(store: &kv::Store, partition: u16) -> Result<Option<u64>, String> {
+    match store.entry(checkpoint_key(partition)).await {
+        Ok(Some(e)) if e.operation == kv::Operation::Put => Ok(serde_json::from_slice::<
+            CheckpointValue,
+        >(&e.value)
+        .ok()
+        .and_then(|v| v.acked)),
+        Ok(_) => Ok(None),
+        Err(e) => Err(e.to_string()),
+    }
 }
 
 impl CheckpointValue {
@@ -214,6 +235,8 @@ pub struct Checkpoint {
     base: u64,
     /// Shared with the partition's turn state, which reads decided records against it.
     through: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    /// The raw sequence through which this owner acknowledged the partition's inputs.
+    acked: u64,
     last_write: tokio::time::Instant,
 }
 
@@ -228,11 +251,21 @@ impl Checkpoint {
         Ok(())
     }
 
+    /// Record that the partition's inputs through raw sequence `seq` are acknowledged.
+    pub fn acked(&mut self, seq: u64) {
+        self.acked = self.acked.max(seq);
+    }
+
+    /// The raw sequence a recreated consumer resumes after, as this owner knows it.
+    pub fn resume_after(&self) -> Option<u64> {
+        Some(self.acked.max(self.value.acked.unwrap_or(0))).filter(|s| *s > 0)
+    }
+
     /// Write the checkpoint if it moved and `force` or [`CHECKPOINT_EVERY`] has passed.
     pub async fn maybe_write(&mut self, force: bool) -> Result<(), TurnIoError> {
         let through = self.through.load(std::sync::atomic::Ordering::Relaxed);
-        if through <= self.value.through || (!force && self.last_write.elapsed() < CHECKPOINT_EVERY)
-        {
+        let moved = through > self.value.through || self.acked > self.value.acked.unwrap_or(0);
+        if !moved || (!force && self.last_write.elapsed() < CHECKPOINT_EVERY) {
             return Ok(());
         }
         self.write(through).await
@@ -254,6 +287,7 @@ impl Checkpoint {
             through,
             base: Some(self.base),
             owner: Some(self.owner),
+            acked: self.resume_after(),
         };
         let value = serde_json::to_vec(&next).map_err(|e| TurnIoError::Kv {
             key: self.key.clone(),
@@ -353,6 +387,8 @@ pub struct PartitionTurns {
     defer_inputs: u64,
     /// Inputs this partition has processed.
     inputs: u64,
+    /// This owner's claim on the partition, which every output it publishes expects.
+    fence: super::publish::Fence,
 }
 
 impl Drop for PartitionTurns {
@@ -365,6 +401,7 @@ impl PartitionTurns {
     pub async fn new(
         shared: &WorkerContext,
         partition: u16,
+        fence: super::publish::Fence,
     ) -> Result<PartitionTurns, TurnIoError> {
         let bucket = &shared.names.turns_bucket;
         let open = |js: &jetstream::Context| {
@@ -404,6 +441,7 @@ impl PartitionTurns {
             open_write_delay: shared.settings.turns.open_write_delay,
             defer_inputs: defer_inputs(shared.settings.consumer.max_ack_pending),
             inputs: 0,
+            fence,
         })
     }
 
@@ -462,6 +500,7 @@ impl PartitionTurns {
             owner: self.term,
             base: 0,
             through: self.published_through.clone(),
+            acked: 0,
             last_write: tokio::time::Instant::now(),
         })
     }
@@ -633,6 +672,7 @@ impl PartitionTurns {
                 .load(std::sync::atomic::Ordering::Relaxed),
             base: Some(self.verified_through),
             owner: Some(self.term),
+            acked: None,
         };
         Ok(entry.and_then(|e| {
             if e.operation != kv::Operation::Put {
@@ -1256,8 +1296,12 @@ impl PartitionTurns {
                 })?;
         if !stored {
             for out in &outs {
-                if !shared.publish_in_place(out, &[], cancel).await {
-                    return Err(TurnIoError::Cancelled(key.to_string()));
+                match shared.publish_in_place(out, &self.fence, &[], cancel).await {
+                    Ok(()) => {}
+                    Err(super::worker::Halt::Cancelled) => {
+                        return Err(TurnIoError::Cancelled(key.to_string()))
+                    }
+                    Err(super::worker::Halt::Failed(f)) => return Err(TurnIoError::Publish(f)),
                 }
                 shared.state.count_output(out);
             }
@@ -1456,6 +1500,7 @@ mod tests {
             through: 100,
             base: Some(40),
             owner: Some(7),
+            acked: None,
         };
         assert!(c.vouches_for(40, None));
         assert!(c.vouches_for(30, Some(9)));

@@ -17,6 +17,7 @@
 //! pulling anything new: event-time decisions and per-key order then hold across a handover or a
 //! crash, instead of waiting for their redelivery behind newer messages.
 
+use super::publish::{self, Failure, Fence};
 use super::turns::{
     Checkpoint, Effects, Flush, Hold, KvWrite, Mark, PartitionTurns, TurnIoError, WriteError,
     CHECKPOINT_EVERY,
@@ -28,7 +29,6 @@ use crate::telemetry;
 use crate::turns::book::Watermark;
 use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
 use async_nats::jetstream::{self, message::PublishMessage, AckKind};
-use async_nats::HeaderMap;
 use futures::{FutureExt, StreamExt};
 use std::collections::VecDeque;
 use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
@@ -46,6 +46,38 @@ pub enum WorkerError {
     /// run it again, which first takes over what is in flight, in order.
     #[error("partition {partition} interrupted: {why}")]
     Interrupted { partition: u16, why: &'static str },
+    /// An output could not be stored and waiting will not change that: the partition stops
+    /// (and is restarted, with backoff, until an operator fixes the cause).
+    #[error("partition {partition} stopped: {source}")]
+    Publish {
+        partition: u16,
+        #[source]
+        source: Failure,
+    },
+}
+
+/// Why issuing an output stopped before it was stored.
+#[derive(Debug)]
+pub(crate) enum Halt {
+    /// The worker is stopping while the publish keeps failing: leave the input for redelivery.
+    Cancelled,
+    /// A failure waiting does not heal (see [`publish::classify`]).
+    Failed(Failure),
+}
+
+impl Halt {
+    /// What the partition does about it: a lost fence is an interruption (the new owner has
+    /// the partition); anything else stops it loudly.
+    fn into_error(self, partition: u16) -> Option<WorkerError> {
+        match self {
+            Halt::Cancelled => None,
+            Halt::Failed(Failure::Deposed { .. }) => Some(WorkerError::Interrupted {
+                partition,
+                why: "another owner claimed the partition",
+            }),
+            Halt::Failed(source) => Some(WorkerError::Publish { partition, source }),
+        }
+    }
 }
 
 /// A single-threaded runtime on a thread of its own, stopped when dropped: for work that must
@@ -113,6 +145,8 @@ pub struct WorkerState {
     pub lease_renewals: AtomicU64,
     pub lease_losses: AtomicU64,
     pub takeovers: AtomicU64,
+    /// Partition consumers this worker found missing and recreated.
+    pub consumers_recreated: AtomicU64,
     /// When this worker last processed a raw message (ms since the epoch; 0: never).
     pub last_processed_ms: AtomicI64,
     /// The running partitions' lag, as last sampled.
@@ -136,6 +170,7 @@ impl Default for WorkerState {
             lease_renewals: AtomicU64::new(0),
             lease_losses: AtomicU64::new(0),
             takeovers: AtomicU64::new(0),
+            consumers_recreated: AtomicU64::new(0),
             last_processed_ms: AtomicI64::new(0),
             partitions: std::sync::Mutex::new(std::collections::BTreeMap::new()),
             inputs_projected: telemetry::RoleClassCounters::new(
@@ -391,6 +426,12 @@ pub struct WorkerContext {
     /// Test hook: fail every Nth publish attempt before it is sent (0 = never).
     pub fail_publish_every: u64,
     publish_attempts: AtomicU64,
+    /// The largest output, headers included, the server and the output streams accept.
+    pub out_budget: usize,
+    /// How often each partition's replay started at the same sequence in a row (partition ->
+    /// (sequence, attempts)): the replay path's delivery count, so `max_deliver` holds there
+    /// too.
+    replay_attempts: std::sync::Mutex<std::collections::HashMap<u16, (u64, i64)>>,
 }
 
 impl WorkerContext {
@@ -450,7 +491,10 @@ impl WorkerContext {
             .await
             .map_err(|e| setup(format!("work-session thread: {e}")))?
             .map_err(|e| setup(e.to_string()))?;
+        let out_budget = output_budget(&js, &names).await;
         Ok(Arc::new(WorkerContext {
+            out_budget,
+            replay_attempts: std::sync::Mutex::new(std::collections::HashMap::new()),
             sessions: Arc::new(sessions),
             sessions_rt,
             sessions_js,
@@ -472,6 +516,19 @@ impl WorkerContext {
         }))
     }
 
+    /// Count one more start of partition `p`'s replay at `from` (1 for the first in a row).
+    fn replay_attempt(&self, p: u16, from: u64) -> i64 {
+        let Ok(mut attempts) = self.replay_attempts.lock() else {
+            return 1;
+        };
+        let entry = attempts.entry(p).or_insert((from, 0));
+        if entry.0 != from {
+            *entry = (from, 0);
+        }
+        entry.1 += 1;
+        entry.1
+    }
+
     /// Most publishes a reader issues before it hands them to its acker (see `issue_publishes`):
     /// half of `consumer.publish_window` shared out among the partitions, at most 64, so all
     /// partitions together hold fewer unhanded publishes than `js` has permits.
@@ -480,50 +537,91 @@ impl WorkerContext {
         (self.settings.consumer.publish_window / (2 * partitions)).clamp(1, 64)
     }
 
-    /// Issue one publish on `js`; the returned future resolves with the server's ack.
+    /// Issue one publish on `js`, fenced by the partition's claim; the returned future
+    /// resolves with the server's ack.
     async fn send(
         &self,
         js: &jetstream::Context,
         out: &Outgoing,
-    ) -> Result<jetstream::context::PublishAckFuture, String> {
+        fence: &Fence,
+    ) -> Result<jetstream::context::PublishAckFuture, Failure> {
         if self.fail_publish_every > 0 {
             let n = self.publish_attempts.fetch_add(1, Ordering::Relaxed) + 1;
             if n % self.fail_publish_every == 0 {
-                return Err("injected publish failure (COLLAB_TEST_FAIL_PUBLISH_EVERY)".into());
+                return Err(Failure::Transient {
+                    subject: out.subject.clone(),
+                    source: jetstream::context::PublishError::with_source(
+                        jetstream::context::PublishErrorKind::Other,
+                        "injected publish failure (COLLAB_TEST_FAIL_PUBLISH_EVERY)",
+                    ),
+                });
             }
-        }
-        let mut headers = HeaderMap::new();
-        for (k, v) in &out.headers {
-            headers.insert(*k, v.as_str());
         }
         let publish = PublishMessage::build()
             .payload(out.payload.clone())
-            .headers(headers)
+            .headers(fence.headers(out))
             .message_id(out.msg_id.as_str());
         js.send_publish(out.subject.clone(), publish)
             .await
-            .map_err(|e| e.to_string())
+            .map_err(|e| publish::classify(&out.subject, e))
     }
 
-    /// Publish until the server acknowledges, backing off between attempts. Keeps `inputs`
-    /// alive meanwhile so the server does not redeliver them. Gives up only on cancellation.
+    /// Publish until the server acknowledges, backing off between attempts while the failure
+    /// is one waiting heals. Keeps `inputs` alive meanwhile so the server does not redeliver
+    /// them. Gives up on cancellation, or at once on a failure waiting does not heal.
     pub(crate) async fn publish_in_place(
         &self,
         out: &Outgoing,
+        fence: &Fence,
         inputs: &[&jetstream::Message],
         cancel: &CancellationToken,
-    ) -> bool {
-        let attempt = || async {
-            match self.send(&self.retry_js, out).await {
-                Ok(fut) => fut.await.map(|_| ()).map_err(|e| e.to_string()),
-                Err(e) => Err(e),
+    ) -> Result<(), Halt> {
+        let mut patience = Patience::new();
+        loop {
+            let result = match self.send(&self.retry_js, out, fence).await {
+                Ok(fut) => fut
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| publish::classify(&out.subject, e)),
+                Err(f) => Err(f),
+            };
+            match result {
+                Ok(()) => return Ok(()),
+                Err(f @ Failure::Transient { .. }) => {
+                    self.state.count_publish_retry();
+                    warn!(error = %f, "publish failed; retrying in place");
+                }
+                Err(f) => return Err(Halt::Failed(self.count_failure(f))),
             }
+            if !self.wait_keeping(inputs, cancel, &mut patience).await {
+                return Err(Halt::Cancelled);
+            }
+        }
+    }
+
+    /// Count (and log) a failure waiting does not heal.
+    fn count_failure(&self, f: Failure) -> Failure {
+        metrics::counter!(telemetry::PUBLISH_FAILURES, "class" => f.class()).increment(1);
+        match &f {
+            Failure::Deposed { .. } => warn!(error = %f, "partition claimed by another owner"),
+            _ => tracing::error!(error = %f, "an output cannot be stored; stopping the partition"),
+        }
+        f
+    }
+
+    /// `out`, made to fit [`WorkerContext::out_budget`]: a dead letter keeps an excerpt, a
+    /// projection still too large (its payload is offloaded already) becomes a `too_large`
+    /// dead letter.
+    fn fit(&self, out: Outgoing) -> Outgoing {
+        let out = match out.kind {
+            OutKind::Projection(_) if publish::wire_size(&out) > self.out_budget => {
+                warn!(subject = %out.subject, bytes = out.payload.len(),
+                    "a projection is too large to publish; dead-lettering its input too_large");
+                pipeline::too_large(&self.names, &out, self.out_budget)
+            }
+            _ => out,
         };
-        let failed = |e: &str| {
-            self.state.count_publish_retry();
-            warn!(subject = %out.subject, error = %e, "publish failed; retrying in place");
-        };
-        self.in_place(inputs, cancel, attempt, failed).await
+        publish::fit_dead_letter(out, &self.names.raw_stream, self.out_budget)
     }
 
     /// Store the fields an input's projections refer to, before those are published. Retried
@@ -594,31 +692,80 @@ impl WorkerContext {
         F: FnMut() -> Fut,
         Fut: std::future::Future<Output = Result<(), String>>,
     {
-        let mut retry = super::Retry::new(Duration::from_millis(50), Duration::from_secs(2));
-        let mut since_progress = Duration::ZERO;
-        let mut since_cancel = Duration::ZERO;
+        let mut patience = Patience::new();
         loop {
             match attempt().await {
                 Ok(()) => return true,
                 Err(e) => failed(&e),
             }
-            let delay = retry.next_delay();
-            if cancel.is_cancelled() {
-                if since_cancel >= self.settings.consumer.ack_wait.min(Duration::from_secs(10)) {
-                    return false;
-                }
-                since_cancel += delay;
-            }
-            tokio::time::sleep(delay).await;
-            since_progress += delay;
-            if since_progress >= self.settings.consumer.ack_wait / 3 {
-                for m in inputs {
-                    let _ = m.ack_with(AckKind::Progress).await;
-                }
-                since_progress = Duration::ZERO;
+            if !self.wait_keeping(inputs, cancel, &mut patience).await {
+                return false;
             }
         }
     }
+
+    /// Wait before the next attempt of something retried in place, keeping `inputs` from being
+    /// redelivered meanwhile. `false`: stop trying (cancelled, and given a while to succeed).
+    async fn wait_keeping(
+        &self,
+        inputs: &[&jetstream::Message],
+        cancel: &CancellationToken,
+        patience: &mut Patience,
+    ) -> bool {
+        let delay = patience.retry.next_delay();
+        if cancel.is_cancelled() {
+            if patience.since_cancel >= self.settings.consumer.ack_wait.min(Duration::from_secs(10))
+            {
+                return false;
+            }
+            patience.since_cancel += delay;
+        }
+        tokio::time::sleep(delay).await;
+        patience.since_progress += delay;
+        if patience.since_progress >= self.settings.consumer.ack_wait / 3 {
+            for m in inputs {
+                let _ = m.ack_with(AckKind::Progress).await;
+            }
+            patience.since_progress = Duration::ZERO;
+        }
+        true
+    }
+}
+
+/// The state of one thing retried in place: its backoff, and how long since the inputs it
+/// holds were last marked in progress and since the worker started stopping.
+struct Patience {
+    retry: super::Retry,
+    since_progress: Duration,
+    since_cancel: Duration,
+}
+
+impl Patience {
+    fn new() -> Patience {
+        Patience {
+            retry: super::Retry::new(Duration::from_millis(50), Duration::from_secs(2)),
+            since_progress: Duration::ZERO,
+            since_cancel: Duration::ZERO,
+        }
+    }
+}
+
+/// The largest output the server (`max_payload`) and the projection and dead-letter streams
+/// (their largest message, when set) accept.
+async fn output_budget(js: &jetstream::Context, names: &Names) -> usize {
+    let mut budget = js.client().server_info().max_payload;
+    for name in [&names.proj_stream, &names.dlq_stream] {
+        if let Ok(mut stream) = js.get_stream(name).await {
+            if let Ok(info) = stream.info().await {
+                if let Ok(max) = usize::try_from(info.config.max_message_size) {
+                    if max > 0 {
+                        budget = budget.min(max);
+                    }
+                }
+            }
+        }
+    }
+    budget
 }
 
 /// One input processed in partition order (or deadlines decided while the partition was idle),
@@ -671,6 +818,7 @@ impl Processed {
 pub async fn run_partition(
     shared: Arc<WorkerContext>,
     p: u16,
+    owner: &str,
     cancel: CancellationToken,
     lease_valid_until: Arc<AtomicI64>,
 ) -> Result<(), WorkerError> {
@@ -683,20 +831,27 @@ pub async fn run_partition(
         .get_stream(&shared.names.raw_stream)
         .await
         .map_err(|e| setup(format!("stream {}: {e}", shared.names.raw_stream)))?;
-    let mut consumer: PullConsumer = stream
-        .get_consumer(&shared.names.consumer_name(p))
-        .await
-        .map_err(|e| setup(format!("consumer {}: {e}", shared.names.consumer_name(p))))?;
     while lease_lapsed(&lease_valid_until) && !cancel.is_cancelled() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let mut turns = PartitionTurns::new(&shared, p)
+    // Claimed before anything is published (a reload may republish responses): from here on a
+    // previous owner's outputs, however late they arrive, are refused by the server.
+    let fence = Fence::claim(&shared.js, &shared.names, p, owner)
+        .await
+        .map_err(|e| setup(format!("claiming the partition's fence: {e}")))?;
+    let mut turns = PartitionTurns::new(&shared, p, fence.clone())
         .await
         .map_err(|e| setup(e.to_string()))?;
-    let (loaded, checkpoint) = turns
-        .reload(&shared, &cancel)
-        .await
-        .map_err(|e| setup(e.to_string()))?;
+    let (loaded, checkpoint) = match turns.reload(&shared, &cancel).await {
+        Ok(r) => r,
+        Err(TurnIoError::Publish(source)) => {
+            return Err(Halt::Failed(source)
+                .into_error(p)
+                .unwrap_or_else(|| setup("reload".into())))
+        }
+        Err(e) => return Err(setup(e.to_string())),
+    };
+    let mut consumer = open_consumer(&shared, &stream, p, checkpoint.resume_after()).await?;
     shared
         .state
         .partitions_running
@@ -722,8 +877,11 @@ pub async fn run_partition(
     let acker = tokio::spawn(tracing::Instrument::in_current_span(ack_stage(
         shared.clone(),
         stream.clone(),
-        p,
-        acks,
+        Stage {
+            p,
+            acks,
+            fence: fence.clone(),
+        },
         rx,
         checkpoint,
         cancel.clone(),
@@ -740,6 +898,8 @@ pub async fn run_partition(
             .names
             .barrier_subject(p, shared.settings.nats.partitions),
         barrier_sent_ms: None,
+        next_delivery: 0,
+        fence,
         tx,
         cancel: &cancel,
         broken: &broken,
@@ -767,13 +927,51 @@ pub async fn run_partition(
         .partitions_running
         .fetch_sub(1, Ordering::Relaxed);
     debug!(partition = p, "partition stopped");
-    if broken.is_cancelled() || matches!(acked, Ok(Err(_))) {
+    if let Ok(Err(e)) = acked {
+        return Err(e);
+    }
+    if broken.is_cancelled() {
         return Err(WorkerError::Interrupted {
             partition: p,
             why: "a turn state write was refused",
         });
     }
     result
+}
+
+/// The partition's durable consumer; recreated when missing (deleted by an operator, lost with
+/// a server's store), from where the partition's outputs end (`resume_after`, the published
+/// checkpoint), never from the start of the stream unless the partition never ran.
+async fn open_consumer(
+    shared: &WorkerContext,
+    stream: &jetstream::stream::Stream,
+    p: u16,
+    resume_after: Option<u64>,
+) -> Result<PullConsumer, WorkerError> {
+    use jetstream::context::ConsumerInfoErrorKind;
+    let name = shared.names.consumer_name(p);
+    let setup = |detail: String| WorkerError::Setup {
+        partition: p,
+        detail,
+    };
+    match stream.consumer_info(&name).await {
+        Ok(_) => stream
+            .get_consumer(&name)
+            .await
+            .map_err(|e| setup(format!("consumer {name}: {e}"))),
+        Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => {
+            let config = super::provision::resumed_consumer_config(&shared.settings, p, resume_after);
+            warn!(consumer = %name, resume_after = ?resume_after,
+                "the partition's consumer is missing; recreating it from the partition's checkpoint");
+            metrics::counter!(telemetry::CONSUMERS_RECREATED).increment(1);
+            shared.state.consumers_recreated.fetch_add(1, Ordering::Relaxed);
+            stream
+                .create_consumer(config)
+                .await
+                .map_err(|e| setup(format!("recreating consumer {name}: {e}")))
+        }
+        Err(e) => Err(setup(format!("consumer {name}: {e}"))),
+    }
 }
 
 /// Whether a partition goes on after a step.
@@ -796,6 +994,12 @@ struct Partition<'a> {
     /// the epoch) if it has not arrived yet.
     barrier_subject: String,
     barrier_sent_ms: Option<i64>,
+    /// The consumer sequence the next delivery must carry: a delivery past it means another
+    /// client (a previous owner's late pull, an abandoned request) was delivered to, and what
+    /// it got must not be covered by this partition's acknowledgements.
+    next_delivery: u64,
+    /// This owner's claim, which every output it publishes expects.
+    fence: Fence,
     tx: mpsc::Sender<Processed>,
     cancel: &'a CancellationToken,
     /// Cancelled by the acker when a turn-record write failed: stop and restart the partition.
@@ -821,6 +1025,7 @@ impl Partition<'_> {
             .info()
             .await
             .map_err(|e| self.setup(format!("consumer info: {e}")))?;
+        self.next_delivery = info.delivered.consumer_sequence + 1;
         if info.num_ack_pending > 0 {
             let (from, to) = (
                 info.ack_floor.stream_sequence + 1,
@@ -920,12 +1125,25 @@ impl Partition<'_> {
                         why: "the lease may have lapsed",
                     });
                 }
-                if in_batch == 1 {
-                    if let Ok(info) = msg.info() {
+                if let Ok(info) = msg.info() {
+                    if in_batch == 1 {
                         batch_span.record("from", info.stream_sequence);
                     }
+                    if info.consumer_sequence != self.next_delivery {
+                        // Deliveries in between went to another client: nothing after them may
+                        // be acknowledged by this partition. Start over from the ack floor.
+                        warn!(partition = self.p, expected = self.next_delivery,
+                            got = info.consumer_sequence, seq = info.stream_sequence,
+                            "a consumer delivery went elsewhere; restarting the partition");
+                        metrics::counter!(telemetry::DELIVERY_GAPS).increment(1);
+                        return Err(WorkerError::Interrupted {
+                            partition: self.p,
+                            why: "a consumer delivery went to another client",
+                        });
+                    }
+                    self.next_delivery = info.consumer_sequence + 1;
                 }
-                let step = self.process_in_order(msg, true);
+                let step = self.process_in_order(msg, true, None);
                 if let Flow::Stop =
                     tracing::Instrument::instrument(step, batch_span.clone()).await?
                 {
@@ -943,22 +1161,26 @@ impl Partition<'_> {
             .flush(self.shared, what, &mut fx)
             .await
             .map_err(|e| self.turn_error(e))?;
-        self.issue_unprompted(fx).await;
-        Ok(())
+        self.issue_unprompted(fx).await
     }
 
     /// Issue what the turn rules asked for outside of any input (deferred open records written,
     /// deadlines decided while idle) and hand it to the acker. Cancelled meanwhile, it hands
     /// nothing over: nothing is acknowledged for it, and the next owner redoes it.
-    async fn issue_unprompted(&mut self, mut fx: Effects) {
+    async fn issue_unprompted(&mut self, mut fx: Effects) -> Result<(), WorkerError> {
         if fx.is_empty() {
-            return;
+            return Ok(());
         }
         let outs = std::mem::take(&mut fx.outs);
-        if let Some(publishes) =
-            issue_publishes(self.shared, outs, &[], &self.tx, self.cancel).await
-        {
-            let _ = self.tx.send(Processed::new(None, publishes, fx)).await;
+        match issue_publishes(self.shared, &self.fence, outs, &[], &self.tx, self.cancel).await {
+            Ok(publishes) => {
+                let _ = self.tx.send(Processed::new(None, publishes, fx)).await;
+                Ok(())
+            }
+            Err(halt) => match self.halted(halt) {
+                None => Ok(()),
+                Some(e) => Err(e),
+            },
         }
     }
 
@@ -1006,8 +1228,19 @@ impl Partition<'_> {
         self.barrier_sent_ms = Some(now);
     }
 
+    /// A halted publish: left for redelivery when shutting down, else the partition stops.
+    fn left_or_stopped(&self, halt: Halt) -> Result<Disposition, WorkerError> {
+        match self.halted(halt) {
+            None => Ok(Disposition::LeftForRedelivery(Unprocessed::ShuttingDown)),
+            Some(e) => Err(e),
+        }
+    }
+
     fn turn_error(&self, e: TurnIoError) -> WorkerError {
         match e {
+            TurnIoError::Publish(source) => Halt::Failed(source)
+                .into_error(self.p)
+                .unwrap_or_else(|| self.setup("publish".into())),
             TurnIoError::Conflict { .. } => {
                 debug!(partition = self.p, error = %e, "restarting the partition");
                 WorkerError::Interrupted {
@@ -1039,7 +1272,16 @@ impl Partition<'_> {
             return Ok(Flow::Continue);
         }
         let reading = |e: &dyn std::fmt::Display| format!("reading in-flight messages: {e}");
-        let replay = stream
+        let p = self.p;
+        let short = |why: &'static str| {
+            warn!(partition = p, from, to, why, "replay incomplete; restarting the partition");
+            WorkerError::Interrupted { partition: p, why }
+        };
+        // The replay's delivery count: how many times in a row this partition started over at
+        // `from`. Its first message is dead-lettered `max_deliver` once that reaches the limit,
+        // as a consumer delivery would be.
+        let attempt = self.shared.replay_attempt(self.p, from);
+        let mut replay = stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
                 filter_subject: self.shared.names.partition_filter(self.p),
                 deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
@@ -1049,25 +1291,43 @@ impl Partition<'_> {
             })
             .await
             .map_err(|e| self.setup(reading(&e)))?;
+        // Nothing of the partition is stored from `from` on: the range was deleted.
+        let stored = replay.cached_info().num_pending;
+        if stored == 0 {
+            let _ = replay.info().await;
+            debug!(partition = self.p, from, to, "nothing left to take over");
+            return Ok(Flow::Continue);
+        }
         let mut replayed = replay
             .messages()
             .await
             .map_err(|e| self.setup(reading(&e)))?;
         let mut count = 0usize;
-        while let Ok(Some(Ok(msg))) =
-            tokio::time::timeout(Duration::from_secs(5), replayed.next()).await
-        {
-            let Ok(seq) = msg.info().map(|i| i.stream_sequence) else {
-                break;
+        // Every message of the range is processed, or the partition starts over: a replay that
+        // ends early (a server pause, a dropped connection) must never let the next
+        // acknowledgement cover what it did not reach.
+        loop {
+            let msg = match tokio::time::timeout(REPLAY_SILENCE, replayed.next()).await {
+                Ok(Some(Ok(msg))) => msg,
+                Ok(Some(Err(_))) => return Err(short("the replay of in-flight messages failed")),
+                Ok(None) | Err(_) => {
+                    return Err(short("the replay of in-flight messages stopped short"))
+                }
             };
+            let Ok(info) = msg.info() else {
+                return Err(short("a replayed message's metadata could not be read"));
+            };
+            let (seq, left) = (info.stream_sequence, info.pending);
             if seq > to {
                 break;
             }
+            let delivered = if count == 0 { attempt } else { 1 };
             count += 1;
-            if let Flow::Stop = self.process_in_order(msg, false).await? {
+            if let Flow::Stop = self.process_in_order(msg, false, Some(delivered)).await? {
                 return Ok(Flow::Stop);
             }
-            if seq >= to {
+            // `left == 0`: the rest of the range was deleted.
+            if seq >= to || left == 0 {
                 break;
             }
         }
@@ -1085,8 +1345,9 @@ impl Partition<'_> {
         &mut self,
         msg: jetstream::Message,
         ack: bool,
+        delivered: Option<i64>,
     ) -> Result<Flow, WorkerError> {
-        match self.dispose(msg, ack).await? {
+        match self.dispose(msg, ack, delivered).await? {
             Disposition::Issued { processed, outcome } => {
                 self.shared.state.count_input(outcome);
                 if let Outcome::DeadLettered(reason) = outcome {
@@ -1118,12 +1379,18 @@ impl Partition<'_> {
         }
     }
 
+    /// The error a halted publish stops the partition with (`None`: shutting down).
+    fn halted(&self, halt: Halt) -> Option<WorkerError> {
+        halt.into_error(self.p)
+    }
+
     /// Decide what happens to one message: project it (or dead-letter it) and issue its outputs,
     /// retrying a failed publish in place; or leave it unprocessed.
     async fn dispose(
         &mut self,
         msg: jetstream::Message,
         ack: bool,
+        delivered: Option<i64>,
     ) -> Result<Disposition, WorkerError> {
         let info = match msg.info() {
             Ok(info) => info,
@@ -1166,19 +1433,29 @@ impl Partition<'_> {
             // Not an input: it only moved the watermark. What that decided is issued with it.
             self.barrier_sent_ms = None;
             let outs = std::mem::take(&mut fx.outs);
-            let Some(publishes) =
-                issue_publishes(self.shared, outs, &[&msg], &self.tx, self.cancel).await
-            else {
-                return Ok(Disposition::LeftForRedelivery(Unprocessed::ShuttingDown));
+            let publishes = match issue_publishes(
+                self.shared,
+                &self.fence,
+                outs,
+                &[&msg],
+                &self.tx,
+                self.cancel,
+            )
+            .await
+            {
+                Ok(p) => p,
+                Err(halt) => return self.left_or_stopped(halt),
             };
             let processed = Processed::new(ack.then_some(msg), publishes, fx);
             return Ok(Disposition::Barrier(processed));
         }
+        let delivered = delivered.unwrap_or(info.delivered);
         let Some(outcome) = project_input(
             self.shared,
             &mut self.turns,
             &msg,
             &info,
+            delivered,
             &mut fx,
             self.cancel,
         )
@@ -1189,10 +1466,18 @@ impl Partition<'_> {
         };
         // Cancelled while a publish kept failing: leave the message for redelivery.
         let outs = std::mem::take(&mut fx.outs);
-        let Some(publishes) =
-            issue_publishes(self.shared, outs, &[&msg], &self.tx, self.cancel).await
-        else {
-            return Ok(Disposition::LeftForRedelivery(Unprocessed::ShuttingDown));
+        let publishes = match issue_publishes(
+            self.shared,
+            &self.fence,
+            outs,
+            &[&msg],
+            &self.tx,
+            self.cancel,
+        )
+        .await
+        {
+            Ok(p) => p,
+            Err(halt) => return self.left_or_stopped(halt),
         };
         let processed = Processed::new(ack.then_some(msg), publishes, fx);
         Ok(Disposition::Issued { processed, outcome })
@@ -1355,6 +1640,7 @@ async fn project_input(
     turns: &mut PartitionTurns,
     msg: &jetstream::Message,
     info: &jetstream::message::Info<'_>,
+    delivered: i64,
     fx: &mut Effects,
     cancel: &CancellationToken,
 ) -> Result<Option<Outcome>, TurnIoError> {
@@ -1364,7 +1650,7 @@ async fn project_input(
         seq: info.stream_sequence,
         stored_subject: msg.subject.as_str(),
         stored_at: info.published,
-        delivered: info.delivered,
+        delivered,
         headers: msg.headers.as_ref(),
     };
     let mut events = match pipeline::normalize_raw(
@@ -1380,7 +1666,12 @@ async fn project_input(
         }
         Ok(events) => events,
     };
-    let blobs = pipeline::offload(&mut events, raw.bytes.len(), &shared.settings.limits);
+    let blobs = pipeline::offload(
+        &mut events,
+        raw.bytes.len(),
+        &shared.settings.limits,
+        shared.out_budget.saturating_sub(ENVELOPE_HEADROOM),
+    );
     if !blobs.is_empty() && !shared.store_blobs_in_place(&blobs, &[msg], cancel).await {
         return Ok(None);
     }
@@ -1431,33 +1722,42 @@ async fn project_input(
 /// partitions doing that at once would hold every permit and wait for each other forever.
 async fn issue_publishes(
     shared: &WorkerContext,
+    fence: &Fence,
     outs: Vec<Outgoing>,
     inputs: &[&jetstream::Message],
     acker: &mpsc::Sender<Processed>,
     cancel: &CancellationToken,
-) -> Option<Publishes> {
+) -> Result<Publishes, Halt> {
     let hand_over = shared.hand_over();
     let mut pending = Vec::with_capacity(outs.len().min(hand_over));
     for out in outs {
         if pending.len() >= hand_over {
             let ahead = Processed::new(None, std::mem::take(&mut pending), Effects::default());
-            acker.send(ahead).await.ok()?;
+            acker.send(ahead).await.map_err(|_| Halt::Cancelled)?;
         }
+        let out = shared.fit(out);
         shared.state.count_output(&out);
-        let fut = match shared.send(&shared.js, &out).await {
+        let fut = match shared.send(&shared.js, &out, fence).await {
             Ok(f) => Some(f),
-            Err(e) => {
-                warn!(subject = %out.subject, error = %e, "publish failed; retrying in place");
-                if !shared.publish_in_place(&out, inputs, cancel).await {
-                    return None;
-                }
+            Err(f @ Failure::Transient { .. }) => {
+                warn!(error = %f, "publish failed; retrying in place");
+                shared.publish_in_place(&out, fence, inputs, cancel).await?;
                 None
             }
+            Err(f) => return Err(Halt::Failed(shared.count_failure(f))),
         };
         pending.push((out, fut));
     }
-    Some(pending)
+    Ok(pending)
 }
+
+/// Room left for an envelope's projection headers: an envelope is offloaded until it fits in
+/// the output budget less this.
+const ENVELOPE_HEADROOM: usize = 4096;
+
+/// How long a replay waits for the next message of its range before it gives up (and the
+/// partition starts over).
+const REPLAY_SILENCE: Duration = Duration::from_secs(5);
 
 /// How a partition acknowledges a group of processed inputs.
 #[derive(Debug, Clone, Copy)]
@@ -1509,29 +1809,31 @@ async fn first_hold(hold: Option<Hold>) -> Result<u64, WriteError> {
 /// whose record is deferred (never past it: a crash must redeliver that input). Returns an error
 /// (and cancels `broken`) when a turn-record or checkpoint write was refused: nothing more is
 /// acknowledged, the partition restarts.
-// Each argument is a separate handle the partition task already owns; bundling them would only
-// move the list into a struct built for this one call.
-#[allow(clippy::too_many_arguments)]
 async fn ack_stage(
     shared: Arc<WorkerContext>,
     stream: jetstream::stream::Stream,
-    p: u16,
-    acks: Acks,
+    stage: Stage,
     mut rx: mpsc::Receiver<Processed>,
     mut checkpoint: Checkpoint,
     cancel: CancellationToken,
     broken: CancellationToken,
-) -> Result<(), &'static str> {
+) -> Result<(), WorkerError> {
+    let Stage { p, acks, fence } = stage;
     let refused = |e: TurnIoError| {
         warn!(partition = p, error = %e, "turn state write refused; restarting the partition");
         broken.cancel();
-        "a turn state write was refused"
+        WorkerError::Interrupted {
+            partition: p,
+            why: "a turn state write was refused",
+        }
     };
     // A hold that failed: abandoned by a stopping partition (acknowledge nothing more, quietly),
     // or its write refused.
-    let hold_failed = |e: WriteError| match e {
-        WriteError::Abandoned => Ok(()),
-        e => Err(refused(e.for_key("(deferred open write)"))),
+    let hold_failed = |e: WriteError| -> Result<(), WorkerError> {
+        match e {
+            WriteError::Abandoned => Ok(()),
+            e => Err(refused(e.for_key("(deferred open write)"))),
+        }
     };
     let mut held: VecDeque<Unacked> = VecDeque::new();
     let ack_latency = metrics::histogram!(telemetry::PUBLISH_ACK);
@@ -1569,7 +1871,23 @@ async fn ack_stage(
                 let (issued, stored_ms) = (items[idx].issued, items[idx].stored_ms);
                 for (out, fut) in publishes {
                     let failed = match fut {
-                        Some(fut) => fut.await.is_err(),
+                        Some(fut) => match fut.await {
+                            Ok(_) => false,
+                            Err(e) => match publish::classify(&out.subject, e) {
+                                Failure::Transient { .. } => true,
+                                f => {
+                                    // Nothing after it is acknowledged: the partition stops.
+                                    broken.cancel();
+                                    let halt = Halt::Failed(shared.count_failure(f));
+                                    return Err(halt.into_error(p).unwrap_or(
+                                        WorkerError::Interrupted {
+                                            partition: p,
+                                            why: "an output could not be stored",
+                                        },
+                                    ));
+                                }
+                            },
+                        },
                         None => false,
                     };
                     if !failed {
@@ -1582,10 +1900,20 @@ async fn ack_stage(
                     if failed {
                         let inputs: Vec<&jetstream::Message> =
                             items.iter().filter_map(|i| i.msg.as_ref()).collect();
-                        if !shared.publish_in_place(&out, &inputs, &cancel).await {
+                        match shared.publish_in_place(&out, &fence, &inputs, &cancel).await {
+                            Ok(()) => {}
                             // Shutting down with a publish still failing: acknowledge nothing
                             // more; redelivery repairs.
-                            return Ok(());
+                            Err(Halt::Cancelled) => return Ok(()),
+                            Err(halt) => {
+                                broken.cancel();
+                                return Err(halt.into_error(p).unwrap_or(
+                                    WorkerError::Interrupted {
+                                        partition: p,
+                                        why: "an output could not be stored",
+                                    },
+                                ));
+                            }
                         }
                     }
                 }
@@ -1612,6 +1940,9 @@ async fn ack_stage(
             Err(e) => return hold_failed(e),
         };
         let barriers = barrier_sequences(&ready);
+        if let Some(last) = last_sequence(&ready) {
+            checkpoint.acked(last);
+        }
         acknowledge(p, acks, ready).await;
         delete_barriers(&stream, p, barriers);
     }
@@ -1631,6 +1962,9 @@ async fn ack_stage(
     }
     let ready = release(&mut held).unwrap_or_default();
     let barriers = barrier_sequences(&ready);
+    if let Some(last) = last_sequence(&ready) {
+        checkpoint.acked(last);
+    }
     acknowledge(p, acks, ready).await;
     delete_barriers(&stream, p, barriers);
     // Drained: a final checkpoint spares the next owner republishing what was stored.
@@ -1639,6 +1973,21 @@ async fn ack_stage(
     }
     debug!(partition = p, "acker drained");
     Ok(())
+}
+
+/// What the acker of a partition needs besides its channels.
+struct Stage {
+    p: u16,
+    acks: Acks,
+    fence: Fence,
+}
+
+/// The raw sequence of the last of `ready` (inputs in partition order).
+fn last_sequence(ready: &[jetstream::Message]) -> Option<u64> {
+    ready
+        .iter()
+        .rev()
+        .find_map(|m| m.info().ok().map(|i| i.stream_sequence))
 }
 
 /// The stream sequences of the barriers among `ready`.

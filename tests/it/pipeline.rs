@@ -132,12 +132,10 @@ pub(crate) async fn publish_all(js: &Context, messages: &[(String, Vec<u8>)]) ->
     seqs
 }
 
-/// The number of messages a stream holds (0 if it does not exist yet).
+/// The number of inputs or outputs a stream holds, fence claims aside (0 if it does not exist
+/// yet).
 pub(crate) async fn count(js: &Context, stream: &str) -> u64 {
-    match js.get_stream(stream).await {
-        Ok(mut s) => s.info().await.map(|i| i.state.messages).unwrap_or(0),
-        Err(_) => 0,
-    }
+    crate::support::outputs_in(js, stream).await
 }
 
 /// Every message of `stream` on `filter` stored so far, in stream order.
@@ -182,6 +180,16 @@ pub(crate) async fn read_all(js: &Context, stream: &str, filter: &str) -> Vec<St
                 .info()
                 .unwrap_or_else(|e| panic!("message info from {stream}: {e}"))
                 .stream_sequence;
+            if collab_projector::bus::publish::is_fence_subject(m.subject.as_str()) {
+                // A partition owner's claim: counted as read, not an output.
+                out.push(Stored {
+                    subject: String::new(),
+                    seq,
+                    headers: None,
+                    payload: Bytes::new(),
+                });
+                continue;
+            }
             out.push(Stored {
                 subject: m.subject.to_string(),
                 seq,
@@ -190,6 +198,7 @@ pub(crate) async fn read_all(js: &Context, stream: &str, filter: &str) -> Vec<St
             });
         }
     }
+    out.retain(|m| !m.subject.is_empty());
     out
 }
 
