@@ -127,9 +127,7 @@ pub fn offload(
 ) -> Vec<crate::blobs::Blob> {
     let mut blobs = Vec::new();
     for n in events.iter_mut() {
-        if raw_len <= limits.max_inline_bytes.min(max_envelope)
-            && n.envelope.redactions.is_none()
-        {
+        if raw_len <= limits.max_inline_bytes.min(max_envelope) && n.envelope.redactions.is_none() {
             continue;
         }
         let role = n.role();

@@ -17,9 +17,14 @@
 //! its own: a partition works only within a third of the TTL of its last renewal, and its last
 //! pull request expires [`worker::PULL_EXPIRES`] later. So a deleted lease's owner neither
 //! processes nor receives anything of the partition any more, exactly as when a lease expires,
-//! and the partition is taken 2-3 s after a crash instead of 6-8 s. A worker that is merely
-//! slow or paused still has its connection and answers late or not at all, which is not "no
-//! responders": only its lease expiry frees its partitions.
+//! and the partition is taken 2-3 s after a crash instead of 6-8 s.
+//!
+//! A worker that does not answer at all ([`SILENT_AFTER`] probes in a row: a network partition
+//! or stall between it and the server, a paused process) is treated the same way, under the same
+//! quiet rule. The partition runtime makes that safe even when such a worker comes back with work
+//! in hand: its late outputs fail against the new owner's fence, its late pull requests show as a
+//! gap in the new owner's delivery sequence (which then starts over from the acknowledgement
+//! floor), and its lease renewals and turn-record writes fail their compare-and-set.
 
 use super::worker::{self, WorkerContext};
 use async_nats::jetstream::kv;
@@ -70,6 +75,10 @@ pub const PROBE_EVERY: Duration = Duration::from_millis(400);
 
 /// Consecutive "no responders" answers after which a worker counts as gone.
 const GONE_AFTER: u32 = 2;
+
+/// Consecutive unanswered probes (no reply in time: a partitioned network, a paused process)
+/// after which a worker counts as gone too.
+const SILENT_AFTER: u32 = 3;
 
 /// The subject a worker answers on while its lease connection is open.
 pub fn presence_subject(prefix: &str, worker_id: &str) -> String {
@@ -183,8 +192,8 @@ async fn answer_presence(
 }
 
 /// Ask every other worker whether its connection is open; count strikes of "no responders" and
-/// return the workers that reached [`GONE_AFTER`]. Any other answer (a reply, a timeout: a slow
-/// or paused worker) clears the strikes.
+/// return the workers that reached [`GONE_AFTER`] "no responders" answers or [`SILENT_AFTER`]
+/// unanswered probes in a row. A reply clears the strikes.
 async fn gone_workers(
     client: &async_nats::Client,
     prefix: &str,
@@ -199,20 +208,24 @@ async fn gone_workers(
             // Short, so one slow worker never holds up the verdict on a gone one.
             let request = async_nats::Request::new().timeout(Some(PROBE_EVERY / 2));
             let answer = client.send_request(subject, request).await;
-            let gone = matches!(&answer, Err(e) if e.kind() == RequestErrorKind::NoResponders);
-            (id.clone(), gone)
+            let strike = match &answer {
+                Err(e) if e.kind() == RequestErrorKind::NoResponders => Some(GONE_AFTER),
+                Err(e) if e.kind() == RequestErrorKind::TimedOut => Some(SILENT_AFTER),
+                _ => None,
+            };
+            (id.clone(), strike)
         }
     });
     let mut gone = Vec::new();
     strikes.retain(|id, _| others.contains(id));
-    for (id, no_responders) in futures::future::join_all(probes).await {
-        if !no_responders {
+    for (id, strike) in futures::future::join_all(probes).await {
+        let Some(after) = strike else {
             strikes.remove(&id);
             continue;
-        }
+        };
         let n = strikes.entry(id.clone()).or_insert(0);
         *n = n.saturating_add(1);
-        if *n >= GONE_AFTER {
+        if *n >= after {
             gone.push(id);
         }
     }
@@ -324,7 +337,7 @@ pub async fn run(
             for id in gone {
                 let (freed, left) = evict(&store, &id, partitions, quiet_ms).await;
                 if !freed.is_empty() {
-                    info!(worker = %id, partitions = ?freed, "a worker's connection closed; taking over its partitions without waiting for its leases to expire");
+                    info!(worker = %id, partitions = ?freed, "a worker is gone (connection closed, or silent); taking over its partitions without waiting for its leases to expire");
                 }
                 if left == 0 {
                     let _ = store.delete(format!("{HEARTBEAT_PREFIX}{id}")).await;

@@ -371,9 +371,13 @@ pub(crate) mod denied {
 
     /// Remember the subject of a permissions violation, if `text` reports one.
     pub(crate) fn record(text: &str) {
-        let Some(subject) = text
-            .split_once("Permissions Violation for Publish to")
-            .map(|(_, rest)| rest.trim().trim_matches(|c| c == '"' || c == '\'').to_string())
+        let Some(subject) =
+            text.split_once("Permissions Violation for Publish to")
+                .map(|(_, rest)| {
+                    rest.trim()
+                        .trim_matches(|c| c == '"' || c == '\'')
+                        .to_string()
+                })
         else {
             return;
         };
@@ -390,9 +394,8 @@ pub(crate) mod denied {
     /// Whether publishes to `subject` were refused within [`super::publish::DENIED_FOR`].
     pub(crate) fn recently(subject: &str) -> bool {
         DENIED.lock().is_ok_and(|d| {
-            d.iter().any(|(s, at)| {
-                s == subject && at.elapsed() < super::publish::DENIED_FOR
-            })
+            d.iter()
+                .any(|(s, at)| s == subject && at.elapsed() < super::publish::DENIED_FOR)
         })
     }
 

@@ -128,12 +128,9 @@ pub fn fit_dead_letter(mut out: Outgoing, raw_stream: &str, max_bytes: usize) ->
     if !matches!(out.kind, OutKind::DeadLetter(_)) {
         return out;
     }
+    out.headers.push((H_SOURCE_STREAM, raw_stream.to_string()));
     out.headers
-        .push((H_SOURCE_STREAM, raw_stream.to_string()));
-    out.headers.push((
-        H_SOURCE_SHA256,
-        hex::encode(Sha256::digest(&out.payload)),
-    ));
+        .push((H_SOURCE_SHA256, hex::encode(Sha256::digest(&out.payload))));
     if wire_size(&out) <= max_bytes {
         return out;
     }
@@ -223,7 +220,9 @@ pub fn classify(subject: &str, source: jetstream::context::PublishError) -> Fail
             Failure::Fatal { subject, source }
         }
         PublishErrorKind::Other => match code {
-            Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM) => Failure::TooLarge { subject, source },
+            Some(ErrorCode::STREAM_MESSAGE_EXCEEDS_MAXIMUM) => {
+                Failure::TooLarge { subject, source }
+            }
             Some(ErrorCode::STREAM_NOT_FOUND) => Failure::Fatal { subject, source },
             Some(ErrorCode::STREAM_WRONG_LAST_SEQUENCE) => Failure::Deposed { subject, source },
             _ => Failure::Transient { subject, source },
@@ -307,7 +306,9 @@ mod tests {
         let names = Names::new("collab");
         let (proj, dlq) = fence_subjects(&names, 7);
         assert!(is_fence_subject(&proj) && is_fence_subject(&dlq));
-        assert!(!is_fence_subject("collab.proj.conversation.main.k.a2a.send"));
+        assert!(!is_fence_subject(
+            "collab.proj.conversation.main.k.a2a.send"
+        ));
         assert!(!is_fence_subject("collab.dlq.bad_json"));
     }
 

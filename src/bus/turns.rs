@@ -197,11 +197,11 @@ struct CheckpointValue {
 /// `store` (the turns bucket): the raw sequence to resume after, if the partition ever ran.
 pub async fn resume_after(store: &kv::Store, partition: u16) -> Result<Option<u64>, String> {
     match store.entry(checkpoint_key(partition)).await {
-        Ok(Some(e)) if e.operation == kv::Operation::Put => Ok(serde_json::from_slice::<
-            CheckpointValue,
-        >(&e.value)
-        .ok()
-        .and_then(|v| v.acked)),
+        Ok(Some(e)) if e.operation == kv::Operation::Put => {
+            Ok(serde_json::from_slice::<CheckpointValue>(&e.value)
+                .ok()
+                .and_then(|v| v.acked))
+        }
         Ok(_) => Ok(None),
         Err(e) => Err(e.to_string()),
     }

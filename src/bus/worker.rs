@@ -407,6 +407,9 @@ pub struct WorkerContext {
     /// inline, so it must not wait for a permit the partitions' publishes hold). Looked up once.
     blobs_js: jetstream::Context,
     blobs: tokio::sync::OnceCell<jetstream::object_store::ObjectStore>,
+    /// The projection and dead-letter streams, for looking up what an input taken over from a
+    /// previous owner already has stored. Looked up once.
+    out_streams: tokio::sync::OnceCell<(jetstream::stream::Stream, jetstream::stream::Stream)>,
     pub settings: Settings,
     pub names: Names,
     pub ingest: ingest::Settings,
@@ -506,6 +509,7 @@ impl WorkerContext {
             retry_js,
             blobs_js,
             blobs: tokio::sync::OnceCell::new(),
+            out_streams: tokio::sync::OnceCell::new(),
             js,
             names,
             ingest,
@@ -597,6 +601,82 @@ impl WorkerContext {
                 return Err(Halt::Cancelled);
             }
         }
+    }
+
+    /// Whether `out`, an output of the raw input at `seq` (stored at `stored_ms`), is in its
+    /// stream already: a previous owner (or an earlier run of this partition) stored it but did
+    /// not live to acknowledge the input. Publishing it again would collapse only within the
+    /// duplicate window; this look-up holds beyond it. Outputs of one subject are stored in raw
+    /// order, so the subject's last message answers at once unless it is a later input's; then
+    /// the subject is read from the input's store time on. Unknown (a failed look-up): `false`,
+    /// the output is published (the Msg-Id still collapses it within the window).
+    async fn stored_already(&self, out: &Outgoing, seq: u64, stored_ms: i64) -> bool {
+        let Ok((proj, dlq)) = self
+            .out_streams
+            .get_or_try_init(|| async {
+                let proj = self.retry_js.get_stream(&self.names.proj_stream).await?;
+                let dlq = self.retry_js.get_stream(&self.names.dlq_stream).await?;
+                Ok::<_, jetstream::context::GetStreamError>((proj, dlq))
+            })
+            .await
+        else {
+            return false;
+        };
+        let stream = match out.kind {
+            OutKind::Projection(_) => proj,
+            OutKind::DeadLetter(_) => dlq,
+        };
+        let source = |h: &async_nats::HeaderMap| {
+            h.get(pipeline::H_SOURCE_SEQ)
+                .and_then(|v| v.as_str().parse::<u64>().ok())
+        };
+        let same = |h: &async_nats::HeaderMap| {
+            h.get("Nats-Msg-Id")
+                .is_some_and(|id| id.as_str() == out.msg_id)
+        };
+        let last = match stream.get_last_raw_message_by_subject(&out.subject).await {
+            Ok(last) => last,
+            Err(_) => return false,
+        };
+        if same(&last.headers) {
+            return true;
+        }
+        if source(&last.headers).is_none_or(|s| s <= seq) {
+            return false;
+        }
+        // A later input's output is last: look for this one among the subject's messages since
+        // the input was stored (give or take the servers' clocks).
+        let since = chrono::DateTime::from_timestamp_millis(stored_ms.saturating_sub(60_000))
+            .unwrap_or_default();
+        let Ok(reader) = stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subject: out.subject.clone(),
+                deliver_policy: jetstream::consumer::DeliverPolicy::ByStartTime {
+                    start_time: since.into(),
+                },
+                ..Default::default()
+            })
+            .await
+        else {
+            return false;
+        };
+        let Ok(mut messages) = reader.messages().await else {
+            return false;
+        };
+        while let Ok(Some(Ok(m))) =
+            tokio::time::timeout(Duration::from_secs(2), messages.next()).await
+        {
+            if m.headers.as_ref().is_some_and(same) {
+                return true;
+            }
+            let Ok(info) = m.info() else {
+                return false;
+            };
+            if info.stream_sequence >= last.sequence || info.pending == 0 {
+                break;
+            }
+        }
+        false
     }
 
     /// Count (and log) a failure waiting does not heal.
@@ -960,11 +1040,15 @@ async fn open_consumer(
             .await
             .map_err(|e| setup(format!("consumer {name}: {e}"))),
         Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => {
-            let config = super::provision::resumed_consumer_config(&shared.settings, p, resume_after);
+            let config =
+                super::provision::resumed_consumer_config(&shared.settings, p, resume_after);
             warn!(consumer = %name, resume_after = ?resume_after,
                 "the partition's consumer is missing; recreating it from the partition's checkpoint");
             metrics::counter!(telemetry::CONSUMERS_RECREATED).increment(1);
-            shared.state.consumers_recreated.fetch_add(1, Ordering::Relaxed);
+            shared
+                .state
+                .consumers_recreated
+                .fetch_add(1, Ordering::Relaxed);
             stream
                 .create_consumer(config)
                 .await
@@ -1132,9 +1216,13 @@ impl Partition<'_> {
                     if info.consumer_sequence != self.next_delivery {
                         // Deliveries in between went to another client: nothing after them may
                         // be acknowledged by this partition. Start over from the ack floor.
-                        warn!(partition = self.p, expected = self.next_delivery,
-                            got = info.consumer_sequence, seq = info.stream_sequence,
-                            "a consumer delivery went elsewhere; restarting the partition");
+                        warn!(
+                            partition = self.p,
+                            expected = self.next_delivery,
+                            got = info.consumer_sequence,
+                            seq = info.stream_sequence,
+                            "a consumer delivery went elsewhere; restarting the partition"
+                        );
                         metrics::counter!(telemetry::DELIVERY_GAPS).increment(1);
                         return Err(WorkerError::Interrupted {
                             partition: self.p,
@@ -1274,7 +1362,10 @@ impl Partition<'_> {
         let reading = |e: &dyn std::fmt::Display| format!("reading in-flight messages: {e}");
         let p = self.p;
         let short = |why: &'static str| {
-            warn!(partition = p, from, to, why, "replay incomplete; restarting the partition");
+            warn!(
+                partition = p,
+                from, to, why, "replay incomplete; restarting the partition"
+            );
             WorkerError::Interrupted { partition: p, why }
         };
         // The replay's delivery count: how many times in a row this partition started over at
@@ -1465,7 +1556,20 @@ impl Partition<'_> {
             return Ok(Disposition::LeftForRedelivery(Unprocessed::ShuttingDown));
         };
         // Cancelled while a publish kept failing: leave the message for redelivery.
-        let outs = std::mem::take(&mut fx.outs);
+        let mut outs = std::mem::take(&mut fx.outs);
+        if !ack || delivered > 1 {
+            // Delivered before (to a previous owner, or to this partition before it started
+            // over): what of it is stored already is not stored again.
+            let mut kept = Vec::with_capacity(outs.len());
+            for out in outs {
+                if self.shared.stored_already(&out, seq, stored_ms).await {
+                    debug!(partition = self.p, seq, subject = %out.subject, "output stored already");
+                } else {
+                    kept.push(out);
+                }
+            }
+            outs = kept;
+        }
         let publishes = match issue_publishes(
             self.shared,
             &self.fence,
@@ -1900,7 +2004,10 @@ async fn ack_stage(
                     if failed {
                         let inputs: Vec<&jetstream::Message> =
                             items.iter().filter_map(|i| i.msg.as_ref()).collect();
-                        match shared.publish_in_place(&out, &fence, &inputs, &cancel).await {
+                        match shared
+                            .publish_in_place(&out, &fence, &inputs, &cancel)
+                            .await
+                        {
                             Ok(()) => {}
                             // Shutting down with a publish still failing: acknowledge nothing
                             // more; redelivery repairs.

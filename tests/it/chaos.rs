@@ -44,6 +44,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
+use crate::support::proxy::Proxy;
 use crate::support::{cluster3, Projector, TestNats};
 
 const RUN_ARGS: [&str; 4] = ["--main-agents", "ruda,eden", "--turn-timeout", "2s"];
@@ -200,6 +201,8 @@ struct Worker {
 struct Fleet {
     env: Vec<(String, String)>,
     urls: Vec<String>,
+    /// Slots that reach the server another way (through a fault proxy).
+    url_of: BTreeMap<usize, String>,
     slots: Vec<Option<Worker>>,
     generations: Vec<u32>,
     /// Exited workers (id, process), kept so their logs are printed if the test fails.
@@ -223,7 +226,10 @@ impl Fleet {
         // One URL per worker, spread over the nodes: `run --nats-url a,b,c` is refused by this
         // build (see docs/reliability.md); the client learns the other nodes from the server
         // and fails over to them.
-        let url = &self.urls[slot % self.urls.len()];
+        let url = self
+            .url_of
+            .get(&slot)
+            .unwrap_or(&self.urls[slot % self.urls.len()]);
         let proc = Projector::spawn(url, &RUN_ARGS, &env);
         self.slots[slot] = Some(Worker {
             id: id.clone(),
@@ -701,6 +707,8 @@ enum FaultKind {
     Handover,
     /// A server or cluster node stopped: recovery.
     Broker,
+    /// A worker cut off from the server (its traffic held both ways): takeover.
+    Network,
 }
 
 #[derive(Debug, Clone)]
@@ -755,6 +763,8 @@ struct Bed {
     problems: Vec<String>,
     notes: Vec<String>,
     started: Instant,
+    /// Between worker slot 0 and the server, in the network fault scenarios.
+    proxy: Option<Proxy>,
 }
 
 impl Bed {
@@ -765,13 +775,31 @@ impl Bed {
         cluster: bool,
         workers: usize,
     ) -> Bed {
+        Bed::start_with(scenario, profile, cluster, workers, &[], false).await
+    }
+
+    /// As [`Bed::start`], with more settings for every process and, optionally, worker slot 0
+    /// connected through a fault proxy.
+    async fn start_with(
+        scenario: &'static str,
+        profile: &Profile,
+        cluster: bool,
+        workers: usize,
+        extra_env: &[(&str, &str)],
+        proxied: bool,
+    ) -> Bed {
         let broker = if cluster {
             Broker::Cluster(cluster3().await)
         } else {
             Broker::Single(TestNats::start().await)
         };
         let urls = broker.urls();
-        let env = profile.env(if cluster { 3 } else { 1 });
+        let mut env = profile.env(if cluster { 3 } else { 1 });
+        env.extend(
+            extra_env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string())),
+        );
         crate::support::provision_with_binary(
             &urls[0],
             env.iter().map(|(k, v)| (k.as_str(), v.as_str())),
@@ -787,6 +815,7 @@ impl Bed {
             fleet: Fleet {
                 env,
                 urls,
+                url_of: BTreeMap::new(),
                 slots: Vec::new(),
                 generations: Vec::new(),
                 graveyard: Vec::new(),
@@ -796,7 +825,15 @@ impl Bed {
             problems: Vec::new(),
             notes: Vec::new(),
             started: Instant::now(),
+            proxy: None,
         };
+        if proxied {
+            if let Broker::Single(nats) = &bed.broker {
+                let proxy = Proxy::start(nats.port()).await;
+                bed.fleet.url_of.insert(0, proxy.url());
+                bed.proxy = Some(proxy);
+            }
+        }
         for slot in 0..workers {
             bed.fleet.spawn(slot);
         }
@@ -1213,6 +1250,7 @@ struct Report {
     pause: Vec<i64>,
     handover: Vec<i64>,
     recovery: Vec<i64>,
+    network: Vec<i64>,
     faults: Vec<String>,
     balance: Vec<Balance>,
     problems: Vec<String>,
@@ -1236,12 +1274,12 @@ fn pct(samples: &[i64]) -> String {
 }
 
 impl Report {
-    const HEADER: &'static str = "| scenario | inputs | projected | dead-lettered | lost | duplicated | turns | turns without exactly one response | failover (kill -9) p50 / max (samples) | takeover after SIGSTOP p50 / max | handover p50 / max | server recovery p50 / max |\n|---|---|---|---|---|---|---|---|---|---|---|---|";
+    const HEADER: &'static str = "| scenario | inputs | projected | dead-lettered | lost | duplicated | turns | turns without exactly one response | failover (kill -9) p50 / max (samples) | takeover after SIGSTOP p50 / max | takeover after a network partition p50 / max | handover p50 / max | server recovery p50 / max |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|";
     const HEADER2: &'static str = "| scenario | wrong winner | misrouted | per-key reorders | writer retries | unacked | faults |\n|---|---|---|---|---|---|---|";
 
     fn row(&self) -> String {
         format!(
-            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} | {} |",
             self.scenario,
             self.inputs,
             self.projected,
@@ -1252,6 +1290,7 @@ impl Report {
             self.turns_not_one,
             pct(&self.failover),
             pct(&self.pause),
+            pct(&self.network),
             pct(&self.handover),
             pct(&self.recovery)
         )
@@ -1562,6 +1601,7 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
                     FaultKind::Pause => r.pause.push(sample),
                     FaultKind::Handover => r.handover.push(sample),
                     FaultKind::Broker => r.recovery.push(sample),
+                    FaultKind::Network => r.network.push(sample),
                 }
             }
         }
@@ -1754,6 +1794,221 @@ async fn mix(p: &Profile, seed: u64) -> Report {
     bed.finish(writer).await
 }
 
+/// 7. Oversize inputs among the load: inputs just under the server's 1 MiB `max_payload`, not
+///    JSON (their dead letter cannot carry them whole) and valid ones of 9,000 small top-level
+///    fields (nothing to offload field by field). Every later input of their partitions must
+///    still be projected.
+async fn oversize(p: &Profile, seed: u64) -> Report {
+    let mut bed = Bed::start("oversize", p, false, 2).await;
+    let writer = bed.writer(seed, p.timeout_ms);
+    let mut rng = fault_rng(seed);
+    tokio::time::sleep(p.load / 4).await;
+    for i in 0..3u64 {
+        let key = format!("task-{}", rng.random_range(0..p.tasks));
+        bed.publish_oversize(1_000_000_000 + 2 * i, &key, false)
+            .await;
+        bed.publish_oversize(1_000_000_001 + 2 * i, &key, true)
+            .await;
+    }
+    tokio::time::sleep(p.load * 3 / 4).await;
+    bed.finish(writer).await
+}
+
+/// 8. An operator deletes partition consumers: one while its owner runs it, then another while
+///    every worker is stopped (their restart provisions it again).
+async fn deleted_consumer(p: &Profile, seed: u64) -> Report {
+    let mut bed = Bed::start("deleted-consumer", p, false, 2).await;
+    let writer = bed.writer(seed, p.timeout_ms);
+    let mut rng = fault_rng(seed);
+    tokio::time::sleep(p.load / 3).await;
+    let first = rng.random_range(0..p.partitions);
+    bed.delete_consumer(first).await;
+    tokio::time::sleep(p.load / 3).await;
+    for slot in [0, 1] {
+        bed.sigterm(slot).await;
+    }
+    let second = (first + 1 + rng.random_range(0..p.partitions - 1)) % p.partitions;
+    bed.delete_consumer(second).await;
+    bed.fleet.spawn(0);
+    bed.fleet.spawn(1);
+    tokio::time::sleep(p.load / 3).await;
+    bed.finish(writer).await
+}
+
+/// 9. A server pause during a takeover: an owner dies with inputs in flight, and as soon as
+///    another worker holds one of its partitions (and reads what was in flight) the server is
+///    frozen for longer than that read waits.
+async fn pause_takeover(p: &Profile, seed: u64) -> Report {
+    let mut bed = Bed::start("pause-takeover", p, false, 2).await;
+    let writer = bed.writer(seed, p.timeout_ms);
+    let mut rng = fault_rng(seed);
+    for _ in 0..p.rounds {
+        tokio::time::sleep(p.load / 3).await;
+        let Some(slot) = bed.pick_owner(&mut rng).await else {
+            continue;
+        };
+        let orphans = bed.partitions_of(slot).await;
+        let dead = bed.fleet.id(slot).unwrap_or_default();
+        bed.kill9(slot).await;
+        // Poll the leases closely: the freeze must land while the new owner replays.
+        let deadline = Instant::now() + p.guard;
+        while Instant::now() < deadline {
+            let owners = lease_owners(&bed.js).await.unwrap_or_default();
+            if orphans
+                .iter()
+                .any(|o| owners.get(o).is_some_and(|w| *w != dead))
+            {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        bed.freeze_server(Duration::from_secs(6)).await;
+        bed.fleet.spawn(slot);
+    }
+    tokio::time::sleep(p.load / 3).await;
+    bed.finish(writer).await
+}
+
+/// 10. A network fault between one owner (slot 0, behind a proxy) and the server: what it sends
+///     is held for `hold` (its lease lapses, another worker takes its partitions), then
+///     delivered late: pull requests, publishes, turn writes and acknowledgements alike. With
+///     `both`, what the server sends is held too (a full partition).
+async fn owner_network(
+    p: &Profile,
+    seed: u64,
+    scenario: &'static str,
+    hold: Duration,
+    both: bool,
+    extra_env: &[(&str, &str)],
+) -> Report {
+    let mut bed = Bed::start_with(scenario, p, false, 2, extra_env, true).await;
+    let writer = bed.writer(seed, p.timeout_ms);
+    for _ in 0..p.rounds {
+        tokio::time::sleep(p.load / 3).await;
+        bed.hold_owner(hold, both).await;
+    }
+    tokio::time::sleep(p.load / 3).await;
+    bed.finish(writer).await
+}
+
+impl Bed {
+    /// Publish one input of about 1 MiB (`n` as usual): a valid `task.updated` of 9,000 small
+    /// fields, or bytes that are not JSON.
+    async fn publish_oversize(&mut self, n: u64, key: &str, valid: bool) {
+        let body = if valid {
+            let mut fields = serde_json::Map::new();
+            fields.insert("taskId".into(), json!(key));
+            fields.insert("status".into(), json!("running"));
+            fields.insert("n".into(), json!(n));
+            for i in 0..9_000 {
+                fields.insert(format!("f{i:04}"), json!("v".repeat(104)));
+            }
+            let v =
+                json!({"type": "task.updated", "agentId": "ruda", "ts": now_ms(), "data": fields});
+            Bytes::from(serde_json::to_vec(&v).unwrap_or_default())
+        } else {
+            let mut text = format!("{{\"n\":{n},\"broken");
+            text.push_str(&"x".repeat(1_048_450 - text.len()));
+            Bytes::from(text)
+        };
+        let size = body.len();
+        let mut log = WriterLog::default();
+        let stored = publish(
+            &self.js,
+            &mut log,
+            n,
+            format!("collab.raw.{key}.task.updated"),
+            body,
+        )
+        .await;
+        assert!(
+            stored,
+            "{}: the oversize input ({size} B) was not stored",
+            self.scenario
+        );
+        self.notes.push(format!(
+            "oversize input n={n} ({size} B, valid: {valid}) on {key}"
+        ));
+    }
+
+    async fn delete_consumer(&mut self, partition: u16) {
+        let name = format!("collab-proj-{partition}");
+        let at_ms = now_ms();
+        let deleted = match self.js.get_stream(RAW).await {
+            Ok(stream) => stream.delete_consumer(&name).await.is_ok(),
+            Err(_) => false,
+        };
+        assert!(
+            deleted,
+            "{}: could not delete consumer {name}",
+            self.scenario
+        );
+        self.faults.push(Fault {
+            at_ms,
+            from_ms: at_ms,
+            kind: FaultKind::Broker,
+            what: format!("consumer {name} deleted at {:.1}s", self.elapsed()),
+            partitions: Some(vec![partition]),
+        });
+    }
+
+    /// SIGSTOP the single server for `pause`, then SIGCONT it.
+    async fn freeze_server(&mut self, pause: Duration) {
+        use nix::sys::signal::{kill, Signal};
+        use nix::unistd::Pid;
+        let at_ms = now_ms();
+        let elapsed = self.elapsed();
+        let Broker::Single(nats) = &mut self.broker else {
+            return;
+        };
+        let Some(pid) = nats
+            .local()
+            .and_then(|l| i32::try_from(l.pid()).ok())
+            .map(Pid::from_raw)
+        else {
+            return;
+        };
+        let _ = kill(pid, Signal::SIGSTOP);
+        tokio::time::sleep(pause).await;
+        let _ = kill(pid, Signal::SIGCONT);
+        self.faults.push(Fault {
+            at_ms,
+            from_ms: now_ms(),
+            kind: FaultKind::Broker,
+            what: format!("nats-server frozen at {elapsed:.1}s for {pause:?}"),
+            partitions: None,
+        });
+    }
+
+    /// Hold what worker slot 0 sends (and, with `both`, what it receives) for `hold`.
+    async fn hold_owner(&mut self, hold: Duration, both: bool) {
+        let partitions = self.partitions_of(0).await;
+        let id = self.fleet.id(0).unwrap_or_default();
+        let Some(proxy) = &self.proxy else {
+            return;
+        };
+        let at_ms = now_ms();
+        proxy.hold_up(true);
+        if both {
+            proxy.hold_down(true);
+        }
+        tokio::time::sleep(hold).await;
+        proxy.hold_down(false);
+        proxy.hold_up(false);
+        self.faults.push(Fault {
+            at_ms,
+            from_ms: at_ms,
+            kind: FaultKind::Network,
+            what: format!(
+                "{id}'s traffic {} held at {:.1}s for {hold:?}",
+                if both { "both ways" } else { "to the server" },
+                self.elapsed() - hold.as_secs_f64()
+            ),
+            partitions: Some(partitions),
+        });
+    }
+}
+
 // ---------------------------------------------------------------------------------------------
 // Tests.
 
@@ -1801,6 +2056,71 @@ async fn chaos_short_pause_below_lease_ttl() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_short_oversize_inputs() {
+    oversize(&Profile::short(), seed("oversize"))
+        .await
+        .assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_short_deleted_consumer() {
+    deleted_consumer(&Profile::short(), seed("deleted-consumer"))
+        .await
+        .assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_short_server_pause_during_takeover() {
+    pause_takeover(&Profile::short(), seed("pause-takeover"))
+        .await
+        .assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_short_owner_stall() {
+    // Longer than the short profile's lease TTL (2 s): the partitions move while it stalls.
+    owner_network(
+        &Profile::short(),
+        seed("owner-stall"),
+        "owner-stall",
+        Duration::from_secs(5),
+        false,
+        &[],
+    )
+    .await
+    .assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_short_owner_partition() {
+    owner_network(
+        &Profile::short(),
+        seed("owner-partition"),
+        "owner-partition",
+        Duration::from_secs(5),
+        true,
+        &[],
+    )
+    .await
+    .assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_short_held_publishes_beyond_the_duplicate_window() {
+    // Outputs held three times as long as the duplicate window: only the fence stops them.
+    owner_network(
+        &Profile::short(),
+        seed("held-publishes"),
+        "held-publishes",
+        Duration::from_secs(6),
+        false,
+        &[("COLLAB_PROJECTION__DUPLICATE_WINDOW", "2s")],
+    )
+    .await
+    .assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the full chaos suite takes about 20 minutes: cargo test --release --test it chaos_full -- --ignored --nocapture"]
 async fn chaos_full() {
     let _serial = SERIAL.lock().await;
@@ -1815,6 +2135,12 @@ async fn chaos_full() {
         "server-restart",
         "cluster-node",
         "mix",
+        "oversize",
+        "deleted-consumer",
+        "pause-takeover",
+        "owner-stall",
+        "owner-partition",
+        "held-publishes",
     ]
     .into_iter()
     .enumerate()
@@ -1830,6 +2156,17 @@ async fn chaos_full() {
             "scale" => scale(&p, s).await,
             "server-restart" => server_restart(&p, s).await,
             "cluster-node" => cluster_node(&p, s).await,
+            "oversize" => oversize(&p, s).await,
+            "deleted-consumer" => deleted_consumer(&p, s).await,
+            "pause-takeover" => pause_takeover(&p, s).await,
+            "owner-stall" => owner_network(&p, s, name, Duration::from_secs(10), false, &[]).await,
+            "owner-partition" => {
+                owner_network(&p, s, name, Duration::from_secs(10), true, &[]).await
+            }
+            "held-publishes" => {
+                let window = [("COLLAB_PROJECTION__DUPLICATE_WINDOW", "4s")];
+                owner_network(&p, s, name, Duration::from_secs(14), false, &window).await
+            }
             _ => mix(&p, s).await,
         };
         r.print();
@@ -1862,6 +2199,11 @@ async fn chaos_full() {
     println!(
         "takeover after SIGSTOP over all scenarios (p50 / max (samples)): {}",
         pct(&paused)
+    );
+    let network: Vec<i64> = reports.iter().flat_map(|r| r.network.clone()).collect();
+    println!(
+        "takeover after a network partition or stall of an owner (p50 / max (samples)): {}",
+        pct(&network)
     );
     for r in &reports {
         for b in &r.balance {

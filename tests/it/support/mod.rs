@@ -13,6 +13,7 @@
 // Each test module uses a subset of these helpers; the unused rest is not a mistake.
 #![allow(dead_code)]
 
+pub mod proxy;
 mod selftest;
 
 use std::fs::File;

@@ -1,0 +1,156 @@
+//! A TCP proxy between a worker and its nats-server, for network faults without netem: each
+//! direction can be held (bytes already read are kept and delivered when it resumes, as a
+//! stalled network delivers them late), and the whole link can be cut (connections dropped, new
+//! ones refused) and healed.
+//!
+//! Loopback only; it stops with the test (dropped, every task ends).
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+/// One direction's switch: open (bytes flow) or held.
+struct Gate {
+    open: watch::Sender<bool>,
+}
+
+impl Gate {
+    fn new() -> Gate {
+        Gate {
+            open: watch::channel(true).0,
+        }
+    }
+
+    fn set(&self, open: bool) {
+        self.open.send_replace(open);
+    }
+
+    async fn wait_open(&self) {
+        let mut rx = self.open.subscribe();
+        // The sender lives as long as the proxy; a closed channel only ends the wait.
+        let _ = rx.wait_for(|open| *open).await;
+    }
+}
+
+struct Shared {
+    /// Client to server (what the worker sends: publishes, pulls, acks, lease renewals).
+    up: Gate,
+    /// Server to client (deliveries, acks of publishes).
+    down: Gate,
+    cut: AtomicBool,
+    links: Mutex<Vec<JoinHandle<()>>>,
+}
+
+pub struct Proxy {
+    port: u16,
+    shared: Arc<Shared>,
+    accept: JoinHandle<()>,
+}
+
+impl Proxy {
+    /// Listen on a free loopback port and forward every connection to `127.0.0.1:target`.
+    pub async fn start(target: u16) -> Proxy {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .unwrap_or_else(|e| panic!("proxy listener: {e}"));
+        let port = listener
+            .local_addr()
+            .unwrap_or_else(|e| panic!("proxy address: {e}"))
+            .port();
+        let shared = Arc::new(Shared {
+            up: Gate::new(),
+            down: Gate::new(),
+            cut: AtomicBool::new(false),
+            links: Mutex::new(Vec::new()),
+        });
+        let s = shared.clone();
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                if s.cut.load(Ordering::SeqCst) {
+                    drop(client);
+                    continue;
+                }
+                let Ok(server) = TcpStream::connect(("127.0.0.1", target)).await else {
+                    continue;
+                };
+                let (cr, cw) = client.into_split();
+                let (sr, sw) = server.into_split();
+                let up = tokio::spawn(pump(cr, sw, s.clone(), true));
+                let down = tokio::spawn(pump(sr, cw, s.clone(), false));
+                if let Ok(mut links) = s.links.lock() {
+                    links.retain(|h| !h.is_finished());
+                    links.push(up);
+                    links.push(down);
+                }
+            }
+        });
+        Proxy {
+            port,
+            shared,
+            accept,
+        }
+    }
+
+    /// The URL a worker connects to instead of the server's.
+    pub fn url(&self) -> String {
+        format!("nats://127.0.0.1:{}", self.port)
+    }
+
+    /// Hold (or release) what the client sends.
+    pub fn hold_up(&self, held: bool) {
+        self.shared.up.set(!held);
+    }
+
+    /// Hold (or release) what the server sends.
+    pub fn hold_down(&self, held: bool) {
+        self.shared.down.set(!held);
+    }
+
+    /// A full partition: every connection dropped, new ones refused until [`Proxy::heal`].
+    pub fn cut(&self) {
+        self.shared.cut.store(true, Ordering::SeqCst);
+        if let Ok(mut links) = self.shared.links.lock() {
+            for h in links.drain(..) {
+                h.abort();
+            }
+        }
+    }
+
+    pub fn heal(&self) {
+        self.shared.cut.store(false, Ordering::SeqCst);
+    }
+}
+
+impl Drop for Proxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+        self.cut();
+    }
+}
+
+/// Copy `from` to `to`, waiting at the gate before reading and again before writing, so a held
+/// direction keeps what it read and delivers it late.
+async fn pump(
+    mut from: tokio::net::tcp::OwnedReadHalf,
+    mut to: tokio::net::tcp::OwnedWriteHalf,
+    shared: Arc<Shared>,
+    up: bool,
+) {
+    let gate = if up { &shared.up } else { &shared.down };
+    let mut buf = vec![0u8; 64 * 1024];
+    loop {
+        gate.wait_open().await;
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        gate.wait_open().await;
+        if shared.cut.load(Ordering::SeqCst) || to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown().await;
+}
