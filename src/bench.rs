@@ -2279,6 +2279,17 @@ pub fn render(report: &BenchReport) -> String {
     s
 }
 
+/// A claim on partition `p` for the reload measurement, as a worker makes when it takes the
+/// partition.
+async fn reload_fence(
+    shared: &WorkerContext,
+    p: u16,
+) -> Result<crate::bus::publish::Fence, String> {
+    crate::bus::publish::Fence::claim(&shared.js, &shared.names, p, "bench")
+        .await
+        .map_err(|e| e.to_string())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -2339,15 +2350,4 @@ mod tests {
         assert!(r.targets.iter().all(|t| t.met.is_none()));
         assert!(render(&r).contains("not measured"));
     }
-}
-
-/// A claim on partition `p` for the reload measurement, as a worker makes when it takes the
-/// partition.
-async fn reload_fence(
-    shared: &WorkerContext,
-    p: u16,
-) -> Result<crate::bus::publish::Fence, String> {
-    crate::bus::publish::Fence::claim(&shared.js, &shared.names, p, "bench")
-        .await
-        .map_err(|e| e.to_string())
 }

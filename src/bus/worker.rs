@@ -652,7 +652,7 @@ impl WorkerContext {
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
                 filter_subject: out.subject.clone(),
                 deliver_policy: jetstream::consumer::DeliverPolicy::ByStartTime {
-                    start_time: since.into(),
+                    start_time: since,
                 },
                 ..Default::default()
             })
@@ -931,7 +931,20 @@ pub async fn run_partition(
         }
         Err(e) => return Err(setup(e.to_string())),
     };
-    let mut consumer = open_consumer(&shared, &stream, p, checkpoint.resume_after()).await?;
+    let (mut consumer, recreated) =
+        open_consumer(&shared, &stream, p, checkpoint.resume_after()).await?;
+    // A recreated consumer starts after the checkpoint, which can be up to a second behind what
+    // was acknowledged: inputs up to the stream's end now may have their outputs stored already.
+    let verify_through = if recreated {
+        let mut stream = stream.clone();
+        stream
+            .info()
+            .await
+            .map(|i| i.state.last_sequence)
+            .unwrap_or(u64::MAX)
+    } else {
+        0
+    };
     shared
         .state
         .partitions_running
@@ -979,6 +992,7 @@ pub async fn run_partition(
             .barrier_subject(p, shared.settings.nats.partitions),
         barrier_sent_ms: None,
         next_delivery: 0,
+        verify_through,
         fence,
         tx,
         cancel: &cancel,
@@ -1027,7 +1041,7 @@ async fn open_consumer(
     stream: &jetstream::stream::Stream,
     p: u16,
     resume_after: Option<u64>,
-) -> Result<PullConsumer, WorkerError> {
+) -> Result<(PullConsumer, bool), WorkerError> {
     use jetstream::context::ConsumerInfoErrorKind;
     let name = shared.names.consumer_name(p);
     let setup = |detail: String| WorkerError::Setup {
@@ -1035,10 +1049,20 @@ async fn open_consumer(
         detail,
     };
     match stream.consumer_info(&name).await {
-        Ok(_) => stream
-            .get_consumer(&name)
-            .await
-            .map_err(|e| setup(format!("consumer {name}: {e}"))),
+        Ok(info) => {
+            // Recreated by provisioning from the checkpoint and not read from yet: its first
+            // inputs are looked up like those of a consumer recreated here.
+            let resumed = info.delivered.consumer_sequence == 0
+                && matches!(
+                    info.config.deliver_policy,
+                    jetstream::consumer::DeliverPolicy::ByStartSequence { .. }
+                );
+            stream
+                .get_consumer(&name)
+                .await
+                .map(|c| (c, resumed))
+                .map_err(|e| setup(format!("consumer {name}: {e}")))
+        }
         Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => {
             let config =
                 super::provision::resumed_consumer_config(&shared.settings, p, resume_after);
@@ -1052,6 +1076,7 @@ async fn open_consumer(
             stream
                 .create_consumer(config)
                 .await
+                .map(|c| (c, true))
                 .map_err(|e| setup(format!("recreating consumer {name}: {e}")))
         }
         Err(e) => Err(setup(format!("consumer {name}: {e}"))),
@@ -1082,6 +1107,10 @@ struct Partition<'a> {
     /// client (a previous owner's late pull, an abandoned request) was delivered to, and what
     /// it got must not be covered by this partition's acknowledgements.
     next_delivery: u64,
+    /// Inputs up to this raw sequence may have their outputs stored already (the consumer was
+    /// recreated from a checkpoint): each is looked up before it is published, until the first
+    /// that is not stored.
+    verify_through: u64,
     /// This owner's claim, which every output it publishes expects.
     fence: Fence,
     tx: mpsc::Sender<Processed>,
@@ -1557,7 +1586,7 @@ impl Partition<'_> {
         };
         // Cancelled while a publish kept failing: leave the message for redelivery.
         let mut outs = std::mem::take(&mut fx.outs);
-        if !ack || delivered > 1 {
+        if !ack || delivered > 1 || seq <= self.verify_through {
             // Delivered before (to a previous owner, or to this partition before it started
             // over): what of it is stored already is not stored again.
             let mut kept = Vec::with_capacity(outs.len());
@@ -1567,6 +1596,10 @@ impl Partition<'_> {
                 } else {
                     kept.push(out);
                 }
+            }
+            if !kept.is_empty() && ack && delivered <= 1 {
+                // Processed in order: nothing after the first input missing its outputs was.
+                self.verify_through = 0;
             }
             outs = kept;
         }

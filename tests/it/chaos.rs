@@ -1815,9 +1815,12 @@ async fn oversize(p: &Profile, seed: u64) -> Report {
 }
 
 /// 8. An operator deletes partition consumers: one while its owner runs it, then another while
-///    every worker is stopped (their restart provisions it again).
+///    every worker is stopped (their restart provisions it again), with a 1 s duplicate window.
 async fn deleted_consumer(p: &Profile, seed: u64) -> Report {
-    let mut bed = Bed::start("deleted-consumer", p, false, 2).await;
+    // A duplicate window far shorter than the gaps between the faults: a recreated consumer's
+    // first inputs must be recognised as done by looking their outputs up, not by their Msg-Ids.
+    let window = [("COLLAB_PROJECTION__DUPLICATE_WINDOW", "1s")];
+    let mut bed = Bed::start_with("deleted-consumer", p, false, 2, &window, false).await;
     let writer = bed.writer(seed, p.timeout_ms);
     let mut rng = fault_rng(seed);
     tokio::time::sleep(p.load / 3).await;
@@ -1837,9 +1840,12 @@ async fn deleted_consumer(p: &Profile, seed: u64) -> Report {
 
 /// 9. A server pause during a takeover: an owner dies with inputs in flight, and as soon as
 ///    another worker holds one of its partitions (and reads what was in flight) the server is
-///    frozen for longer than that read waits.
+///    frozen (5.5 s) for longer than that read waits (5 s), within the lease TTL (6 s).
 async fn pause_takeover(p: &Profile, seed: u64) -> Report {
-    let mut bed = Bed::start("pause-takeover", p, false, 2).await;
+    // The default lease TTL, so the freeze (5.5 s) ends before the new owner's lease lapses:
+    // it resumes the partition where its in-flight read stopped short.
+    let ttl = [("COLLAB_WORKERS__LEASE_TTL", "6s")];
+    let mut bed = Bed::start_with("pause-takeover", p, false, 2, &ttl, false).await;
     let writer = bed.writer(seed, p.timeout_ms);
     let mut rng = fault_rng(seed);
     for _ in 0..p.rounds {
@@ -1862,7 +1868,7 @@ async fn pause_takeover(p: &Profile, seed: u64) -> Report {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        bed.freeze_server(Duration::from_secs(6)).await;
+        bed.freeze_server(Duration::from_millis(5_500)).await;
         bed.fleet.spawn(slot);
     }
     tokio::time::sleep(p.load / 3).await;
