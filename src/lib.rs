@@ -14,7 +14,8 @@
 //! - [`pipeline`]: a raw message to the messages to publish (projections or a dead letter).
 //! - [`redact`]: secret redaction, applied to every input right after it is parsed.
 //! - [`blobs`]: large fields moved to the object store and replaced by a reference.
-//! - [`bus`]: NATS: connect, provision, the partition workers, leases, the work-session fold.
+//! - [`bus`]: NATS: connect, provision, the partition workers (`worker` composes `reader`,
+//!   `publisher` with `publish`, `acker`, `stats`), leases, the work-session fold.
 //! - [`app`]: the `run` command: workers, HTTP, signals.
 //! - [`ops`]: operator commands: `audit`, `dlq replay`.
 //! - [`status`]: the `status` command: every worker's service-API report as one fleet view.

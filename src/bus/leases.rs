@@ -15,11 +15,11 @@
 //! closed (the process died, or lost the server). Its leases are then deleted (each at the
 //! revision read) as soon as the owner, were it still running elsewhere, would have stopped on
 //! its own: a partition works only within a third of the TTL of its last renewal, and its last
-//! pull request expires [`worker::PULL_EXPIRES`] later. So a deleted lease's owner neither
+//! pull request expires `PULL_EXPIRES` later. So a deleted lease's owner neither
 //! processes nor receives anything of the partition any more, exactly as when a lease expires,
 //! and the partition is taken 2-3 s after a crash instead of 6-8 s.
 //!
-//! A worker that does not answer at all ([`SILENT_AFTER`] probes in a row: a network partition
+//! A worker that does not answer at all (`SILENT_AFTER` probes in a row: a network partition
 //! or stall between it and the server, a paused process) is treated the same way, under the same
 //! quiet rule. The partition runtime makes that safe even when such a worker comes back with work
 //! in hand: its late outputs fail against the new owner's fence, its late pull requests show as a

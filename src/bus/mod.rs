@@ -1,9 +1,14 @@
 //! Everything that talks to NATS: connecting, provisioning, the partition workers.
 
+pub(crate) mod acker;
 pub mod leases;
 pub mod provision;
 pub mod publish;
+pub mod publisher;
+pub(crate) mod pull;
+pub(crate) mod reader;
 pub mod sessions;
+pub mod stats;
 pub mod turns;
 pub mod worker;
 

@@ -1296,12 +1296,16 @@ impl PartitionTurns {
                 })?;
         if !stored {
             for out in &outs {
-                match shared.publish_in_place(out, &self.fence, &[], cancel).await {
+                match shared
+                    .publisher
+                    .publish_in_place(out, &self.fence, &[], cancel)
+                    .await
+                {
                     Ok(()) => {}
-                    Err(super::worker::Halt::Cancelled) => {
+                    Err(super::publisher::Halt::Cancelled) => {
                         return Err(TurnIoError::Cancelled(key.to_string()))
                     }
-                    Err(super::worker::Halt::Failed(f)) => return Err(TurnIoError::Publish(f)),
+                    Err(super::publisher::Halt::Failed(f)) => return Err(TurnIoError::Publish(f)),
                 }
                 shared.state.count_output(out);
             }

@@ -1,0 +1,355 @@
+//! A partition's acknowledging side: it awaits, in partition order, each processed input's
+//! publishes (retrying a failed one in place, or stopping the partition when waiting cannot heal
+//! it) and turn-record writes, counts the decided turns towards the published checkpoint, and
+//! only then acknowledges: never past an input whose outputs are not all stored, nor past one
+//! held by a turn whose open record is deferred.
+
+use super::publish::{self, Failure, Fence};
+use super::publisher::{Halt, Publisher, Publishes};
+use super::turns::{
+    Checkpoint, Effects, Hold, KvWrite, Mark, TurnIoError, WriteError, CHECKPOINT_EVERY,
+};
+use super::worker::WorkerError;
+use crate::pipeline::OutKind;
+use crate::telemetry;
+use async_nats::jetstream;
+use futures::FutureExt;
+use std::collections::VecDeque;
+use std::sync::Arc;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+/// One input processed in partition order (or deadlines decided while the partition was idle),
+/// as the acker receives it.
+pub(crate) struct Processed {
+    /// The consumer delivery to acknowledge; `None` for messages re-read from the stream at
+    /// takeover, and for deadlines decided while the partition was idle.
+    msg: Option<jetstream::Message>,
+    publishes: Publishes,
+    /// Turn-record writes that must be stored before the message is acknowledged.
+    writes: Vec<KvWrite>,
+    /// Decided turns whose responses are among `publishes`: counted towards the published
+    /// checkpoint once those are stored.
+    marks: Vec<Mark>,
+    /// Turns it opened whose records are deferred: neither it nor anything after it is
+    /// acknowledged before they resolve.
+    holds: Vec<Hold>,
+    /// When its publishes and writes were issued (for their latency).
+    issued: tokio::time::Instant,
+    /// The raw store time of `msg` (ms since the epoch), for the end-to-end latency.
+    stored_ms: Option<i64>,
+}
+
+impl Processed {
+    /// What the turn rules asked for, issued, for `msg`.
+    pub(crate) fn new(
+        msg: Option<jetstream::Message>,
+        publishes: Publishes,
+        fx: Effects,
+    ) -> Processed {
+        let stored_ms = msg
+            .as_ref()
+            .and_then(|m| m.info().ok())
+            .map(|i| i.published.timestamp_millis());
+        Processed {
+            msg,
+            publishes,
+            writes: fx.writes,
+            marks: fx.marks,
+            holds: fx.holds,
+            issued: tokio::time::Instant::now(),
+            stored_ms,
+        }
+    }
+}
+
+/// How a partition acknowledges a group of processed inputs.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Acks {
+    /// Its last delivery (the consumer's `AckPolicy::All` covers everything before it: the
+    /// group was processed in order, after everything delivered earlier).
+    Last,
+    /// Every delivery (consumers created with `AckPolicy::Explicit`).
+    Each,
+}
+
+/// A processed input the acker has seen stored, waiting for the holds of the turns it opened.
+pub(crate) struct Unacked {
+    msg: Option<jetstream::Message>,
+    holds: Vec<Hold>,
+}
+
+/// Take from the front of `held` the inputs whose holds have all resolved, in order: their
+/// deliveries may be acknowledged. Stops at the first input still held.
+pub(crate) fn release(held: &mut VecDeque<Unacked>) -> Result<Vec<jetstream::Message>, WriteError> {
+    let mut ready = Vec::new();
+    while let Some(front) = held.front_mut() {
+        while let Some(hold) = front.holds.last() {
+            match hold.clone().now_or_never() {
+                Some(Ok(_)) => {
+                    front.holds.pop();
+                }
+                Some(Err(e)) => return Err(e),
+                None => return Ok(ready),
+            }
+        }
+        if let Some(done) = held.pop_front() {
+            ready.extend(done.msg);
+        }
+    }
+    Ok(ready)
+}
+
+/// The first unresolved hold, awaited; never resolves without one.
+pub(crate) async fn first_hold(hold: Option<Hold>) -> Result<u64, WriteError> {
+    match hold {
+        Some(h) => h.await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Await, in order, each group's publishes and turn-record writes, count its decisions towards
+/// the published checkpoint, then acknowledge it, up to the first input still held by a turn
+/// whose record is deferred (never past it: a crash must redeliver that input). Returns an error
+/// (and cancels `broken`) when a turn-record or checkpoint write was refused: nothing more is
+/// acknowledged, the partition restarts.
+pub(crate) async fn ack_stage(
+    publisher: Arc<Publisher>,
+    stream: jetstream::stream::Stream,
+    stage: Stage,
+    mut rx: mpsc::Receiver<Processed>,
+    mut checkpoint: Checkpoint,
+    cancel: CancellationToken,
+    broken: CancellationToken,
+) -> Result<(), WorkerError> {
+    let Stage { p, acks, fence } = stage;
+    let refused = |e: TurnIoError| {
+        warn!(partition = p, error = %e, "turn state write refused; restarting the partition");
+        broken.cancel();
+        WorkerError::Interrupted {
+            partition: p,
+            why: "a turn state write was refused",
+        }
+    };
+    // A hold that failed: abandoned by a stopping partition (acknowledge nothing more, quietly),
+    // or its write refused.
+    let hold_failed = |e: WriteError| -> Result<(), WorkerError> {
+        match e {
+            WriteError::Abandoned => Ok(()),
+            e => Err(refused(e.for_key("(deferred open write)"))),
+        }
+    };
+    let mut held: VecDeque<Unacked> = VecDeque::new();
+    let ack_latency = metrics::histogram!(telemetry::PUBLISH_ACK);
+    let end_to_end = metrics::histogram!(telemetry::END_TO_END);
+    let write_latency = metrics::histogram!(telemetry::STATE_WRITE);
+    loop {
+        let front = held.front().and_then(|u| u.holds.last().cloned());
+        let first = tokio::select! {
+            next = rx.recv() => match next {
+                Some(first) => Some(first),
+                None => break,
+            },
+            resolved = first_hold(front) => {
+                if let Err(e) = resolved {
+                    return hold_failed(e);
+                }
+                None
+            }
+            _ = tokio::time::sleep(CHECKPOINT_EVERY) => {
+                checkpoint.maybe_write(false).await.map_err(refused)?;
+                None
+            }
+        };
+        if let Some(first) = first {
+            let mut items = vec![first];
+            while items.len() < 1024 {
+                match rx.try_recv() {
+                    Ok(i) => items.push(i),
+                    Err(_) => break,
+                }
+            }
+            let mut marks = Vec::new();
+            for idx in 0..items.len() {
+                let publishes = std::mem::take(&mut items[idx].publishes);
+                let (issued, stored_ms) = (items[idx].issued, items[idx].stored_ms);
+                for (out, fut) in publishes {
+                    let failed = match fut {
+                        Some(fut) => match fut.await {
+                            Ok(_) => false,
+                            Err(e) => match publish::classify(&out.subject, e) {
+                                Failure::Transient { .. } => true,
+                                f => {
+                                    // Nothing after it is acknowledged: the partition stops.
+                                    broken.cancel();
+                                    let halt = Halt::Failed(publisher.count_failure(f));
+                                    return Err(halt.into_error(p).unwrap_or(
+                                        WorkerError::Interrupted {
+                                            partition: p,
+                                            why: "an output could not be stored",
+                                        },
+                                    ));
+                                }
+                            },
+                        },
+                        None => false,
+                    };
+                    if !failed {
+                        ack_latency.record(issued.elapsed().as_secs_f64());
+                        if let (OutKind::Projection(_), Some(stored)) = (out.kind, stored_ms) {
+                            let ms = super::now_ms().saturating_sub(stored).max(0);
+                            end_to_end.record(ms as f64 / 1000.0);
+                        }
+                    }
+                    if failed {
+                        let inputs: Vec<&jetstream::Message> =
+                            items.iter().filter_map(|i| i.msg.as_ref()).collect();
+                        match publisher
+                            .publish_in_place(&out, &fence, &inputs, &cancel)
+                            .await
+                        {
+                            Ok(()) => {}
+                            // Shutting down with a publish still failing: acknowledge nothing
+                            // more; redelivery repairs.
+                            Err(Halt::Cancelled) => return Ok(()),
+                            Err(halt) => {
+                                broken.cancel();
+                                return Err(halt.into_error(p).unwrap_or(
+                                    WorkerError::Interrupted {
+                                        partition: p,
+                                        why: "an output could not be stored",
+                                    },
+                                ));
+                            }
+                        }
+                    }
+                }
+                for w in std::mem::take(&mut items[idx].writes) {
+                    if let Err(e) = w.await {
+                        return Err(refused(e.for_key("(pipelined write)")));
+                    }
+                    write_latency.record(issued.elapsed().as_secs_f64());
+                }
+                marks.append(&mut items[idx].marks);
+            }
+            if !marks.is_empty() {
+                super::turns::crash_point("after_publish");
+                checkpoint.stored(marks).await.map_err(refused)?;
+            }
+            checkpoint.maybe_write(false).await.map_err(refused)?;
+            held.extend(items.into_iter().map(|i| Unacked {
+                msg: i.msg,
+                holds: i.holds,
+            }));
+        }
+        let ready = match release(&mut held) {
+            Ok(ready) => ready,
+            Err(e) => return hold_failed(e),
+        };
+        let barriers = barrier_sequences(&ready);
+        if let Some(last) = last_sequence(&ready) {
+            checkpoint.acked(last);
+        }
+        acknowledge(p, acks, ready).await;
+        delete_barriers(&stream, p, barriers);
+    }
+    // Drained: the partition wrote its deferred records before it stopped; wait for them.
+    debug!(
+        partition = p,
+        inputs = held.len(),
+        "acker waiting for the last held inputs"
+    );
+    for mut u in std::mem::take(&mut held) {
+        for hold in u.holds.drain(..) {
+            if let Err(e) = hold.await {
+                return hold_failed(e);
+            }
+        }
+        held.push_back(u);
+    }
+    let ready = release(&mut held).unwrap_or_default();
+    let barriers = barrier_sequences(&ready);
+    if let Some(last) = last_sequence(&ready) {
+        checkpoint.acked(last);
+    }
+    acknowledge(p, acks, ready).await;
+    delete_barriers(&stream, p, barriers);
+    // Drained: a final checkpoint spares the next owner republishing what was stored.
+    if let Err(e) = checkpoint.maybe_write(true).await {
+        debug!(partition = p, error = %e, "final published checkpoint not written");
+    }
+    debug!(partition = p, "acker drained");
+    Ok(())
+}
+
+/// What the acker of a partition needs besides its channels.
+pub(crate) struct Stage {
+    pub(crate) p: u16,
+    pub(crate) acks: Acks,
+    pub(crate) fence: Fence,
+}
+
+/// The raw sequence of the last of `ready` (inputs in partition order).
+pub(crate) fn last_sequence(ready: &[jetstream::Message]) -> Option<u64> {
+    ready
+        .iter()
+        .rev()
+        .find_map(|m| m.info().ok().map(|i| i.stream_sequence))
+}
+
+/// The stream sequences of the barriers among `ready`.
+pub(crate) fn barrier_sequences(ready: &[jetstream::Message]) -> Vec<u64> {
+    ready
+        .iter()
+        .filter(|m| is_barrier(m))
+        .filter_map(|m| m.info().ok().map(|i| i.stream_sequence))
+        .collect()
+}
+
+/// A partition's own barrier: the header, an empty body, and the barrier subject's last token.
+/// A producer's message that happens to carry the header but has a body is an input like any
+/// other (nothing a producer sends is acknowledged unseen).
+pub(crate) fn is_barrier(msg: &jetstream::Message) -> bool {
+    msg.payload.is_empty()
+        && msg.subject.as_str().ends_with(".barrier")
+        && msg
+            .headers
+            .as_ref()
+            .is_some_and(|h| h.get(crate::pipeline::H_BARRIER).is_some())
+}
+
+/// Remove acknowledged barriers from the raw stream, so it holds only producers' inputs. Best
+/// effort: a barrier left behind is acknowledged and moves nothing but a watermark if it is
+/// ever delivered again.
+pub(crate) fn delete_barriers(stream: &jetstream::stream::Stream, p: u16, seqs: Vec<u64>) {
+    if seqs.is_empty() {
+        return;
+    }
+    let stream = stream.clone();
+    tokio::spawn(async move {
+        for seq in seqs {
+            if let Err(e) = stream.delete_message(seq).await {
+                debug!(partition = p, seq, error = %e, "barrier not deleted");
+            }
+        }
+    });
+}
+
+/// Acknowledge `ready` (inputs in partition order, all stored and released): its last delivery,
+/// or each one.
+pub(crate) async fn acknowledge(p: u16, acks: Acks, ready: Vec<jetstream::Message>) {
+    if ready.is_empty() {
+        return;
+    }
+    super::turns::crash_point("before_ack");
+    let to_ack: Vec<jetstream::Message> = match acks {
+        Acks::Each => ready,
+        Acks::Last => ready.into_iter().last().into_iter().collect(),
+    };
+    for msg in to_ack {
+        if let Err(e) = msg.ack().await {
+            debug!(partition = p, error = %e, "ack failed; the message will be redelivered (its outputs collapse by Msg-Id)");
+        }
+    }
+}

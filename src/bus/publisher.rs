@@ -1,0 +1,475 @@
+//! A worker's outputs on their way to JetStream: every partition publishes through one
+//! [`Publisher`], which sizes each output ([`publish::wire_size`]) and fences it with the
+//! partition's claim, retries in place only what waiting can heal ([`publish::classify`]),
+//! stores offloaded fields first, and looks up what a taken-over input already has stored.
+
+use super::acker::Processed;
+use super::publish::{self, Failure, Fence};
+use super::stats::WorkerState;
+use super::turns::Effects;
+use super::worker::WorkerError;
+use crate::config::Names;
+use crate::pipeline::{self, OutKind, Outgoing};
+use crate::telemetry;
+use async_nats::jetstream::{self, message::PublishMessage, AckKind};
+use futures::StreamExt;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::warn;
+
+/// Publishing for every partition of a worker, over contexts of its own.
+pub struct Publisher {
+    /// The partitions' publishes, pipelined (its publish-ack permits are shared out by
+    /// [`Publisher::hand_over`]).
+    pub(crate) js: jetstream::Context,
+    /// A context of its own for publishes retried in place: the acker retries a failed
+    /// projection while the projections queued behind it hold `js`'s publish-ack permits, and
+    /// only the acker releases those.
+    retry_js: jetstream::Context,
+    /// The object store for offloaded fields, over a context of its own (a put awaits its acks
+    /// inline, so it must not wait for a permit the partitions' publishes hold). Looked up once.
+    blobs_js: jetstream::Context,
+    blobs: tokio::sync::OnceCell<jetstream::object_store::ObjectStore>,
+    /// The projection and dead-letter streams, for looking up what an input taken over from a
+    /// previous owner already has stored. Looked up once.
+    out_streams: tokio::sync::OnceCell<(jetstream::stream::Stream, jetstream::stream::Stream)>,
+    names: Names,
+    pub(crate) state: Arc<WorkerState>,
+    /// `consumer.ack_wait`: inputs held while a publish is retried are marked in progress a
+    /// few times within it.
+    ack_wait: Duration,
+    /// Most publishes a reader issues before it hands them to its acker.
+    hand_over: usize,
+    /// Test hook: fail every Nth publish attempt before it is sent (0 = never).
+    fail_publish_every: u64,
+    publish_attempts: AtomicU64,
+    /// The largest output, headers included, the server and the output streams accept.
+    pub out_budget: usize,
+}
+
+impl Publisher {
+    /// Publishing over `js`'s connection. `hand_over`: half of `consumer.publish_window` shared
+    /// out among the partitions, at most 64, so all partitions together hold fewer unhanded
+    /// publishes than `js` has permits.
+    pub(crate) async fn new(
+        js: jetstream::Context,
+        names: Names,
+        state: Arc<WorkerState>,
+        settings: &crate::config::Settings,
+    ) -> Publisher {
+        let context = || {
+            jetstream::ContextBuilder::new()
+                .timeout(Duration::from_secs(5))
+                .build(js.client())
+        };
+        let partitions = usize::from(settings.nats.partitions.max(1));
+        let fail_publish_every = std::env::var("COLLAB_TEST_FAIL_PUBLISH_EVERY")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(0);
+        Publisher {
+            retry_js: context(),
+            blobs_js: context(),
+            blobs: tokio::sync::OnceCell::new(),
+            out_streams: tokio::sync::OnceCell::new(),
+            out_budget: output_budget(&js, &names).await,
+            js,
+            names,
+            state,
+            ack_wait: settings.consumer.ack_wait,
+            hand_over: (settings.consumer.publish_window / (2 * partitions)).clamp(1, 64),
+            fail_publish_every,
+            publish_attempts: AtomicU64::new(0),
+        }
+    }
+
+    /// Most publishes a reader issues before it hands them to its acker (see `issue_publishes`):
+    /// half of `consumer.publish_window` shared out among the partitions, at most 64, so all
+    /// partitions together hold fewer unhanded publishes than `js` has permits.
+    pub(crate) fn hand_over(&self) -> usize {
+        self.hand_over
+    }
+
+    /// Issue one publish on `js`, fenced by the partition's claim; the returned future
+    /// resolves with the server's ack.
+    pub(crate) async fn send(
+        &self,
+        js: &jetstream::Context,
+        out: &Outgoing,
+        fence: &Fence,
+    ) -> Result<jetstream::context::PublishAckFuture, Failure> {
+        if self.fail_publish_every > 0 {
+            let n = self.publish_attempts.fetch_add(1, Ordering::Relaxed) + 1;
+            if n % self.fail_publish_every == 0 {
+                return Err(Failure::Transient {
+                    subject: out.subject.clone(),
+                    source: jetstream::context::PublishError::with_source(
+                        jetstream::context::PublishErrorKind::Other,
+                        "injected publish failure (COLLAB_TEST_FAIL_PUBLISH_EVERY)",
+                    ),
+                });
+            }
+        }
+        let publish = PublishMessage::build()
+            .payload(out.payload.clone())
+            .headers(fence.headers(out))
+            .message_id(out.msg_id.as_str());
+        js.send_publish(out.subject.clone(), publish)
+            .await
+            .map_err(|e| publish::classify(&out.subject, e))
+    }
+
+    /// Publish until the server acknowledges, backing off between attempts while the failure
+    /// is one waiting heals. Keeps `inputs` alive meanwhile so the server does not redeliver
+    /// them. Gives up on cancellation, or at once on a failure waiting does not heal.
+    pub(crate) async fn publish_in_place(
+        &self,
+        out: &Outgoing,
+        fence: &Fence,
+        inputs: &[&jetstream::Message],
+        cancel: &CancellationToken,
+    ) -> Result<(), Halt> {
+        let mut patience = Patience::new();
+        loop {
+            let result = match self.send(&self.retry_js, out, fence).await {
+                Ok(fut) => fut
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| publish::classify(&out.subject, e)),
+                Err(f) => Err(f),
+            };
+            match result {
+                Ok(()) => return Ok(()),
+                Err(f @ Failure::Transient { .. }) => {
+                    self.state.count_publish_retry();
+                    warn!(error = %f, "publish failed; retrying in place");
+                }
+                Err(f) => return Err(Halt::Failed(self.count_failure(f))),
+            }
+            if !self.wait_keeping(inputs, cancel, &mut patience).await {
+                return Err(Halt::Cancelled);
+            }
+        }
+    }
+
+    /// Whether `out`, an output of the raw input at `seq` (stored at `stored_ms`), is in its
+    /// stream already: a previous owner (or an earlier run of this partition) stored it but did
+    /// not live to acknowledge the input. Publishing it again would collapse only within the
+    /// duplicate window; this look-up holds beyond it. Outputs of one subject are stored in raw
+    /// order, so the subject's last message answers at once unless it is a later input's; then
+    /// the subject is read from the input's store time on. Unknown (a failed look-up): `false`,
+    /// the output is published (the Msg-Id still collapses it within the window).
+    pub(crate) async fn stored_already(&self, out: &Outgoing, seq: u64, stored_ms: i64) -> bool {
+        let Ok((proj, dlq)) = self
+            .out_streams
+            .get_or_try_init(|| async {
+                let proj = self.retry_js.get_stream(&self.names.proj_stream).await?;
+                let dlq = self.retry_js.get_stream(&self.names.dlq_stream).await?;
+                Ok::<_, jetstream::context::GetStreamError>((proj, dlq))
+            })
+            .await
+        else {
+            return false;
+        };
+        let stream = match out.kind {
+            OutKind::Projection(_) => proj,
+            OutKind::DeadLetter(_) => dlq,
+        };
+        let source = |h: &async_nats::HeaderMap| {
+            h.get(pipeline::H_SOURCE_SEQ)
+                .and_then(|v| v.as_str().parse::<u64>().ok())
+        };
+        let same = |h: &async_nats::HeaderMap| {
+            h.get("Nats-Msg-Id")
+                .is_some_and(|id| id.as_str() == out.msg_id)
+        };
+        let last = match stream.get_last_raw_message_by_subject(&out.subject).await {
+            Ok(last) => last,
+            Err(_) => return false,
+        };
+        if same(&last.headers) {
+            return true;
+        }
+        if source(&last.headers).is_none_or(|s| s <= seq) {
+            return false;
+        }
+        // A later input's output is last: look for this one among the subject's messages since
+        // the input was stored (give or take the servers' clocks).
+        let since = chrono::DateTime::from_timestamp_millis(stored_ms.saturating_sub(60_000))
+            .unwrap_or_default();
+        let Ok(reader) = stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subject: out.subject.clone(),
+                deliver_policy: jetstream::consumer::DeliverPolicy::ByStartTime {
+                    start_time: since,
+                },
+                ..Default::default()
+            })
+            .await
+        else {
+            return false;
+        };
+        let Ok(mut messages) = reader.messages().await else {
+            return false;
+        };
+        while let Ok(Some(Ok(m))) =
+            tokio::time::timeout(Duration::from_secs(2), messages.next()).await
+        {
+            if m.headers.as_ref().is_some_and(same) {
+                return true;
+            }
+            let Ok(info) = m.info() else {
+                return false;
+            };
+            if info.stream_sequence >= last.sequence || info.pending == 0 {
+                break;
+            }
+        }
+        false
+    }
+
+    /// Count (and log) a failure waiting does not heal.
+    pub(crate) fn count_failure(&self, f: Failure) -> Failure {
+        metrics::counter!(telemetry::PUBLISH_FAILURES, "class" => f.class()).increment(1);
+        match &f {
+            Failure::Deposed { .. } => warn!(error = %f, "partition claimed by another owner"),
+            _ => tracing::error!(error = %f, "an output cannot be stored; stopping the partition"),
+        }
+        f
+    }
+
+    /// `out`, made to fit [`WorkerContext::out_budget`]: a dead letter keeps an excerpt, a
+    /// projection still too large (its payload is offloaded already) becomes a `too_large`
+    /// dead letter.
+    pub(crate) fn fit(&self, out: Outgoing) -> Outgoing {
+        let out = match out.kind {
+            OutKind::Projection(_) if publish::wire_size(&out) > self.out_budget => {
+                warn!(subject = %out.subject, bytes = out.payload.len(),
+                    "a projection is too large to publish; dead-lettering its input too_large");
+                pipeline::too_large(&self.names, &out, self.out_budget)
+            }
+            _ => out,
+        };
+        publish::fit_dead_letter(out, &self.names.raw_stream, self.out_budget)
+    }
+
+    /// Store the fields an input's projections refer to, before those are published. Retried
+    /// in place like a publish; `false` on cancellation (the input is left for redelivery, and
+    /// storing the same blob again writes the same object).
+    pub(crate) async fn store_blobs_in_place(
+        &self,
+        blobs: &[crate::blobs::Blob],
+        inputs: &[&jetstream::Message],
+        cancel: &CancellationToken,
+    ) -> bool {
+        for blob in blobs {
+            let failed = |e: &str| {
+                warn!(blob = %blob.id, bytes = blob.data.len(), error = %e,
+                    "storing an offloaded field failed; retrying in place");
+            };
+            if !self
+                .in_place(inputs, cancel, || self.put_blob(blob), failed)
+                .await
+            {
+                return false;
+            }
+            metrics::counter!(telemetry::BLOBS_STORED).increment(1);
+            metrics::counter!(telemetry::BLOB_BYTES).increment(blob.data.len() as u64);
+        }
+        true
+    }
+
+    pub(crate) async fn put_blob(&self, blob: &crate::blobs::Blob) -> Result<(), String> {
+        use crate::blobs::{META_CONTENT_TYPE, META_ROLE, META_SHA256};
+        let store = self
+            .blobs
+            .get_or_try_init(|| self.blobs_js.get_object_store(&self.names.blobs_store))
+            .await
+            .map_err(|e| format!("object store {}: {e}", self.names.blobs_store))?;
+        let meta = jetstream::object_store::ObjectMetadata {
+            name: blob.id.clone(),
+            description: Some("offloaded field".into()),
+            metadata: [
+                (META_ROLE, blob.role.as_str()),
+                (META_SHA256, blob.sha256.as_str()),
+                (META_CONTENT_TYPE, blob.content_type),
+            ]
+            .into_iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect(),
+            ..Default::default()
+        };
+        store
+            .put(meta, &mut blob.data.as_ref())
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+
+    /// Run `attempt` until it succeeds, backing off between attempts and telling `failed` each
+    /// failure. Keeps `inputs` alive meanwhile so the server does not redeliver them. Gives up
+    /// only on cancellation, after a while (the inputs then stay unacknowledged, for
+    /// redelivery).
+    pub(crate) async fn in_place<F, Fut>(
+        &self,
+        inputs: &[&jetstream::Message],
+        cancel: &CancellationToken,
+        mut attempt: F,
+        failed: impl Fn(&str),
+    ) -> bool
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<(), String>>,
+    {
+        let mut patience = Patience::new();
+        loop {
+            match attempt().await {
+                Ok(()) => return true,
+                Err(e) => failed(&e),
+            }
+            if !self.wait_keeping(inputs, cancel, &mut patience).await {
+                return false;
+            }
+        }
+    }
+
+    /// Wait before the next attempt of something retried in place, keeping `inputs` from being
+    /// redelivered meanwhile. `false`: stop trying (cancelled, and given a while to succeed).
+    pub(crate) async fn wait_keeping(
+        &self,
+        inputs: &[&jetstream::Message],
+        cancel: &CancellationToken,
+        patience: &mut Patience,
+    ) -> bool {
+        let delay = patience.retry.next_delay();
+        if cancel.is_cancelled() {
+            if patience.since_cancel >= self.ack_wait.min(Duration::from_secs(10)) {
+                return false;
+            }
+            patience.since_cancel += delay;
+        }
+        tokio::time::sleep(delay).await;
+        patience.since_progress += delay;
+        if patience.since_progress >= self.ack_wait / 3 {
+            for m in inputs {
+                let _ = m.ack_with(AckKind::Progress).await;
+            }
+            patience.since_progress = Duration::ZERO;
+        }
+        true
+    }
+}
+
+/// Why issuing an output stopped before it was stored.
+#[derive(Debug)]
+pub(crate) enum Halt {
+    /// The worker is stopping while the publish keeps failing: leave the input for redelivery.
+    Cancelled,
+    /// A failure waiting does not heal (see [`publish::classify`]).
+    Failed(Failure),
+}
+
+impl Halt {
+    /// What the partition does about it: a lost fence is an interruption (the new owner has
+    /// the partition); anything else stops it loudly.
+    pub(crate) fn into_error(self, partition: u16) -> Option<WorkerError> {
+        match self {
+            Halt::Cancelled => None,
+            Halt::Failed(Failure::Deposed { .. }) => Some(WorkerError::Interrupted {
+                partition,
+                why: "another owner claimed the partition",
+            }),
+            Halt::Failed(source) => Some(WorkerError::Publish { partition, source }),
+        }
+    }
+}
+
+/// The state of one thing retried in place: its backoff, and how long since the inputs it
+/// holds were last marked in progress and since the worker started stopping.
+pub(crate) struct Patience {
+    retry: super::Retry,
+    since_progress: Duration,
+    since_cancel: Duration,
+}
+
+impl Patience {
+    pub(crate) fn new() -> Patience {
+        Patience {
+            retry: super::Retry::new(Duration::from_millis(50), Duration::from_secs(2)),
+            since_progress: Duration::ZERO,
+            since_cancel: Duration::ZERO,
+        }
+    }
+}
+
+/// The largest output the server (`max_payload`) and the projection and dead-letter streams
+/// (their largest message, when set) accept.
+pub(crate) async fn output_budget(js: &jetstream::Context, names: &Names) -> usize {
+    let mut budget = js.client().server_info().max_payload;
+    for name in [&names.proj_stream, &names.dlq_stream] {
+        if let Ok(mut stream) = js.get_stream(name).await {
+            if let Ok(info) = stream.info().await {
+                if let Ok(max) = usize::try_from(info.config.max_message_size) {
+                    if max > 0 {
+                        budget = budget.min(max);
+                    }
+                }
+            }
+        }
+    }
+    budget
+}
+
+/// An input's outputs as issued, each with the future of its publish ack (`None`: already
+/// acknowledged, by a retry in place).
+pub(crate) type Publishes = Vec<(Outgoing, Option<jetstream::context::PublishAckFuture>)>;
+
+/// Issue the publishes of `outs` in order, pipelined. A publish that cannot be sent is retried
+/// before anything later is sent, so per-key order holds. `None` if cancelled meanwhile (or the
+/// acker is gone).
+///
+/// Every `WorkerContext::hand_over` publishes, the ones issued so far go to the acker ahead of
+/// the rest (as a group of their own, acknowledging nothing): a publish waits for one of the
+/// context's publish-ack permits, which only the ackers release, so a reader must never wait for
+/// one while holding more than its share of them. One input can have hundreds of outputs (the
+/// blocked responses of every deadline a late message passes); without the hand-over, a few
+/// partitions doing that at once would hold every permit and wait for each other forever.
+pub(crate) async fn issue_publishes(
+    publisher: &Publisher,
+    fence: &Fence,
+    outs: Vec<Outgoing>,
+    inputs: &[&jetstream::Message],
+    acker: &mpsc::Sender<Processed>,
+    cancel: &CancellationToken,
+) -> Result<Publishes, Halt> {
+    let hand_over = publisher.hand_over();
+    let mut pending = Vec::with_capacity(outs.len().min(hand_over));
+    for out in outs {
+        if pending.len() >= hand_over {
+            let ahead = Processed::new(None, std::mem::take(&mut pending), Effects::default());
+            acker.send(ahead).await.map_err(|_| Halt::Cancelled)?;
+        }
+        let out = publisher.fit(out);
+        publisher.state.count_output(&out);
+        let fut = match publisher.send(&publisher.js, &out, fence).await {
+            Ok(f) => Some(f),
+            Err(f @ Failure::Transient { .. }) => {
+                warn!(error = %f, "publish failed; retrying in place");
+                publisher
+                    .publish_in_place(&out, fence, inputs, cancel)
+                    .await?;
+                None
+            }
+            Err(f) => return Err(Halt::Failed(publisher.count_failure(f))),
+        };
+        pending.push((out, fut));
+    }
+    Ok(pending)
+}
+
+/// Room left for an envelope's projection headers: an envelope is offloaded until it fits in
+/// the output budget less this.
+pub(crate) const ENVELOPE_HEADROOM: usize = 4096;

@@ -1,0 +1,709 @@
+//! A partition's reading side: it pulls the partition's raw messages in batches and processes
+//! them strictly in stream order (normalise, classify, the turn rules), issuing their outputs
+//! and turn-record writes and handing each processed input to the acker. It accounts for every
+//! stream sequence: what a previous owner left in flight is read back in full before anything
+//! new (a read that stops short starts the partition over), every delivery must follow the
+//! previous one in the consumer's sequence (a gap starts it over), and an input delivered before
+//! publishes only what is not stored yet.
+
+use super::acker::{is_barrier, Processed};
+use super::publish::Fence;
+use super::publisher::{issue_publishes, Halt, ENVELOPE_HEADROOM};
+use super::pull::PullBatch;
+use super::stats::Outcome;
+use super::turns::{Effects, Flush, PartitionTurns, TurnIoError};
+use super::worker::{lease_lapsed, WorkerContext, WorkerError};
+use crate::pipeline::{self, RawMessage};
+use crate::telemetry;
+use crate::turns::book::Watermark;
+use async_nats::jetstream::{self, consumer::PullConsumer};
+use futures::StreamExt;
+use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::mpsc;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+/// Whether a partition goes on after a step.
+pub(crate) enum Flow {
+    Continue,
+    Stop,
+}
+
+/// One running partition: its turns, its event-time watermark and the highest raw sequence it
+/// processed.
+pub(crate) struct Partition<'a> {
+    pub(crate) shared: &'a Arc<WorkerContext>,
+    pub(crate) p: u16,
+    pub(crate) turns: PartitionTurns,
+    pub(crate) watermark: Watermark,
+    /// The watermark, for the lag sampler.
+    pub(crate) watermark_ms: Arc<AtomicI64>,
+    pub(crate) last_seq: u64,
+    /// Where this partition's barriers are published, and when the last one was sent (ms since
+    /// the epoch) if it has not arrived yet.
+    pub(crate) barrier_subject: String,
+    pub(crate) barrier_sent_ms: Option<i64>,
+    /// The consumer sequence the next delivery must carry: a delivery past it means another
+    /// client (a previous owner's late pull, an abandoned request) was delivered to, and what
+    /// it got must not be covered by this partition's acknowledgements.
+    pub(crate) next_delivery: u64,
+    /// Inputs up to this raw sequence may have their outputs stored already (the consumer was
+    /// recreated from a checkpoint): each is looked up before it is published, until the first
+    /// that is not stored.
+    pub(crate) verify_through: u64,
+    /// This owner's claim, which every output it publishes expects.
+    pub(crate) fence: Fence,
+    pub(crate) tx: mpsc::Sender<Processed>,
+    pub(crate) cancel: &'a CancellationToken,
+    /// Cancelled by the acker when a turn-record write failed: stop and restart the partition.
+    pub(crate) broken: &'a CancellationToken,
+}
+
+impl Partition<'_> {
+    pub(crate) fn setup(&self, detail: String) -> WorkerError {
+        WorkerError::Setup {
+            partition: self.p,
+            detail,
+        }
+    }
+
+    pub(crate) async fn run(
+        &mut self,
+        stream: &jetstream::stream::Stream,
+        consumer: &mut PullConsumer,
+        lease_valid_until: &AtomicI64,
+    ) -> Result<(), WorkerError> {
+        // Take over what a previous owner left in flight, in order, before anything new.
+        let info = consumer
+            .info()
+            .await
+            .map_err(|e| self.setup(format!("consumer info: {e}")))?;
+        self.next_delivery = info.delivered.consumer_sequence + 1;
+        if info.num_ack_pending > 0 {
+            let (from, to) = (
+                info.ack_floor.stream_sequence + 1,
+                info.delivered.stream_sequence,
+            );
+            if let Flow::Stop = self.replay(stream, from, to).await? {
+                return Ok(());
+            }
+        }
+        let batch = self.shared.settings.consumer.batch;
+        let skew = i64::try_from(self.shared.settings.turns.clock_skew.as_millis()).unwrap_or(0);
+        // When a due deadline cannot fire yet (messages are still pending), look again no sooner
+        // than this (ms since the epoch): the check costs a JetStream API request.
+        let mut idle_check_after = 0i64;
+        let mut retry = super::Retry::new(Duration::from_millis(100), Duration::from_secs(5));
+        loop {
+            if self.cancel.is_cancelled() || self.broken.is_cancelled() {
+                return Ok(());
+            }
+            if lease_lapsed(lease_valid_until) {
+                // Pull nothing until the lease is renewed, or the lease loop stops the partition.
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+                    _ = self.cancel.cancelled() => {}
+                }
+                continue;
+            }
+            let mut messages = match PullBatch::request(&self.shared.js, consumer, batch).await {
+                Ok(m) => m,
+                Err(e) => {
+                    warn!(partition = self.p, error = %e, "pull failed; retrying");
+                    if !retry.wait(self.cancel).await {
+                        return Ok(());
+                    }
+                    continue;
+                }
+            };
+            retry.reset();
+            let mut in_batch = 0usize;
+            // Lines logged while the batch is processed carry its first raw sequence (and each
+            // input's own where it matters).
+            let batch_span = tracing::info_span!("batch", from = tracing::field::Empty);
+            // The batch is bounded (size and expiry): finishing it on cancel is the drain.
+            loop {
+                let deadline = self.turns.next_deadline().map(|d| {
+                    let due = d.saturating_add(skew).max(idle_check_after);
+                    let wait_ms = due.saturating_sub(super::now_ms()).max(0);
+                    tokio::time::Instant::now()
+                        + Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0))
+                });
+                let flush = self.turns.next_flush();
+                let timer = match (deadline, flush) {
+                    (Some(d), Some(f)) => Some(d.min(f)),
+                    (d, f) => d.or(f),
+                };
+                let next = tokio::select! {
+                    biased;
+                    _ = self.broken.cancelled() => return Ok(()),
+                    m = messages.next() => m,
+                    _ = sleep_until_opt(timer) => {
+                        let now = tokio::time::Instant::now();
+                        if flush.is_some_and(|f| f <= now) {
+                            self.flush(Flush::Due).await?;
+                        }
+                        if deadline.is_some_and(|d| d <= now) {
+                            self.idle_tick(consumer).await;
+                            idle_check_after = super::now_ms() + IDLE_CHECK_MS;
+                        }
+                        continue;
+                    }
+                };
+                let Some(next) = next else {
+                    if in_batch > 0 {
+                        metrics::histogram!(telemetry::BATCH_SIZE).record(in_batch as f64);
+                    }
+                    break;
+                };
+                in_batch += 1;
+                let msg = match next {
+                    Ok(m) => m,
+                    Err(e) => {
+                        // Messages of this batch may have been lost on the way: start over from
+                        // what the consumer says is in flight, so nothing is processed out of
+                        // order.
+                        debug!(partition = self.p, error = %e, "batch ended with an error");
+                        return Err(WorkerError::Interrupted {
+                            partition: self.p,
+                            why: "a pull batch failed",
+                        });
+                    }
+                };
+                if lease_lapsed(lease_valid_until) {
+                    // The lease may have lapsed (e.g. this process was paused): take no more work
+                    // from this batch; the restart takes over what was left of it, in order.
+                    return Err(WorkerError::Interrupted {
+                        partition: self.p,
+                        why: "the lease may have lapsed",
+                    });
+                }
+                if let Ok(info) = msg.info() {
+                    if in_batch == 1 {
+                        batch_span.record("from", info.stream_sequence);
+                    }
+                    if info.consumer_sequence != self.next_delivery {
+                        // Deliveries in between went to another client: nothing after them may
+                        // be acknowledged by this partition. Start over from the ack floor.
+                        warn!(
+                            partition = self.p,
+                            expected = self.next_delivery,
+                            got = info.consumer_sequence,
+                            seq = info.stream_sequence,
+                            "a consumer delivery went elsewhere; restarting the partition"
+                        );
+                        metrics::counter!(telemetry::DELIVERY_GAPS).increment(1);
+                        return Err(WorkerError::Interrupted {
+                            partition: self.p,
+                            why: "a consumer delivery went to another client",
+                        });
+                    }
+                    self.next_delivery = info.consumer_sequence + 1;
+                }
+                let step = self.process_in_order(msg, true, None);
+                if let Flow::Stop =
+                    tracing::Instrument::instrument(step, batch_span.clone()).await?
+                {
+                    return Ok(());
+                }
+            }
+        }
+    }
+
+    /// Write deferred open records (`what`) outside of any input, and hand the writes to the
+    /// acker: the holds of the inputs that opened those turns resolve with them.
+    pub(crate) async fn flush(&mut self, what: Flush) -> Result<(), WorkerError> {
+        let mut fx = Effects::default();
+        self.turns
+            .flush(self.shared, what, &mut fx)
+            .await
+            .map_err(|e| self.turn_error(e))?;
+        self.issue_unprompted(fx).await
+    }
+
+    /// Issue what the turn rules asked for outside of any input (deferred open records written,
+    /// deadlines decided while idle) and hand it to the acker. Cancelled meanwhile, it hands
+    /// nothing over: nothing is acknowledged for it, and the next owner redoes it.
+    pub(crate) async fn issue_unprompted(&mut self, mut fx: Effects) -> Result<(), WorkerError> {
+        if fx.is_empty() {
+            return Ok(());
+        }
+        let outs = std::mem::take(&mut fx.outs);
+        match issue_publishes(
+            &self.shared.publisher,
+            &self.fence,
+            outs,
+            &[],
+            &self.tx,
+            self.cancel,
+        )
+        .await
+        {
+            Ok(publishes) => {
+                let _ = self.tx.send(Processed::new(None, publishes, fx)).await;
+                Ok(())
+            }
+            Err(halt) => match self.halted(halt) {
+                None => Ok(()),
+                Some(e) => Err(e),
+            },
+        }
+    }
+
+    /// A due deadline with no message to move the watermark: when the consumer has nothing
+    /// pending and everything delivered was processed, send the partition a barrier.
+    pub(crate) async fn idle_tick(&mut self, consumer: &mut PullConsumer) {
+        let Ok(info) = consumer.info().await else {
+            return;
+        };
+        // Everything delivered was processed: either acknowledged already (by us or a previous
+        // owner) or processed by us and awaiting its ack.
+        let all_processed =
+            info.num_ack_pending == 0 || info.delivered.stream_sequence <= self.last_seq;
+        if info.num_pending != 0 || !all_processed {
+            return;
+        }
+        // The consumer's view can lag what the stream has stored: after a stream leader
+        // election the new leader commits the old leader's last messages with the store times
+        // the old leader gave them, seconds in the past, and a consumer whose leader is on a
+        // replica still catching up counts nothing pending. So the clock alone cannot move the
+        // watermark. A barrier published to this partition goes through the stream's log
+        // behind every message stored before it: when it is delivered, everything stored
+        // before its store time (give or take the leaders' clock skew) has been, and its store
+        // time moves the watermark like any message's.
+        let now = super::now_ms();
+        if self
+            .barrier_sent_ms
+            .is_some_and(|sent| now.saturating_sub(sent) < BARRIER_RETRY_MS)
+        {
+            return;
+        }
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(crate::pipeline::H_BARRIER, "1");
+        // A core publish: the stream stores it, and nothing waits for a publish-ack permit. A
+        // barrier lost on the way (no stream leader) is sent again after BARRIER_RETRY_MS.
+        if let Err(e) = self
+            .shared
+            .js
+            .client()
+            .publish_with_headers(self.barrier_subject.clone(), headers, bytes::Bytes::new())
+            .await
+        {
+            debug!(partition = self.p, error = %e, "barrier not sent");
+        }
+        self.barrier_sent_ms = Some(now);
+    }
+
+    /// A halted publish: left for redelivery when shutting down, else the partition stops.
+    pub(crate) fn left_or_stopped(&self, halt: Halt) -> Result<Disposition, WorkerError> {
+        match self.halted(halt) {
+            None => Ok(Disposition::LeftForRedelivery(Unprocessed::ShuttingDown)),
+            Some(e) => Err(e),
+        }
+    }
+
+    pub(crate) fn turn_error(&self, e: TurnIoError) -> WorkerError {
+        match e {
+            TurnIoError::Publish(source) => Halt::Failed(source)
+                .into_error(self.p)
+                .unwrap_or_else(|| self.setup("publish".into())),
+            TurnIoError::Conflict { .. } => {
+                debug!(partition = self.p, error = %e, "restarting the partition");
+                WorkerError::Interrupted {
+                    partition: self.p,
+                    why: "another owner wrote a turn record",
+                }
+            }
+            TurnIoError::WriteFailed { .. } => {
+                debug!(partition = self.p, error = %e, "restarting the partition");
+                WorkerError::Interrupted {
+                    partition: self.p,
+                    why: "a turn record write was not stored",
+                }
+            }
+            e => self.setup(e.to_string()),
+        }
+    }
+
+    /// Process the messages `from..=to` of this partition read straight from the stream (they
+    /// were delivered, to a previous owner or to a batch that ended early, but not processed).
+    /// Their deliveries are acknowledged when redelivered, after processing them again is a no-op.
+    pub(crate) async fn replay(
+        &mut self,
+        stream: &jetstream::stream::Stream,
+        from: u64,
+        to: u64,
+    ) -> Result<Flow, WorkerError> {
+        if to < from {
+            return Ok(Flow::Continue);
+        }
+        let reading = |e: &dyn std::fmt::Display| format!("reading in-flight messages: {e}");
+        let p = self.p;
+        let short = |why: &'static str| {
+            warn!(
+                partition = p,
+                from, to, why, "replay incomplete; restarting the partition"
+            );
+            WorkerError::Interrupted { partition: p, why }
+        };
+        // The replay's delivery count: how many times in a row this partition started over at
+        // `from`. Its first message is dead-lettered `max_deliver` once that reaches the limit,
+        // as a consumer delivery would be.
+        let attempt = self.shared.replay_attempt(self.p, from);
+        let mut replay = stream
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                filter_subject: self.shared.names.partition_filter(self.p),
+                deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: from,
+                },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| self.setup(reading(&e)))?;
+        // Nothing of the partition is stored from `from` on: the range was deleted.
+        let stored = replay.cached_info().num_pending;
+        if stored == 0 {
+            let _ = replay.info().await;
+            debug!(partition = self.p, from, to, "nothing left to take over");
+            return Ok(Flow::Continue);
+        }
+        let mut replayed = replay
+            .messages()
+            .await
+            .map_err(|e| self.setup(reading(&e)))?;
+        let mut count = 0usize;
+        // Every message of the range is processed, or the partition starts over: a replay that
+        // ends early (a server pause, a dropped connection) must never let the next
+        // acknowledgement cover what it did not reach.
+        loop {
+            let msg = match tokio::time::timeout(REPLAY_SILENCE, replayed.next()).await {
+                Ok(Some(Ok(msg))) => msg,
+                Ok(Some(Err(_))) => return Err(short("the replay of in-flight messages failed")),
+                Ok(None) | Err(_) => {
+                    return Err(short("the replay of in-flight messages stopped short"))
+                }
+            };
+            let Ok(info) = msg.info() else {
+                return Err(short("a replayed message's metadata could not be read"));
+            };
+            let (seq, left) = (info.stream_sequence, info.pending);
+            if seq > to {
+                break;
+            }
+            let delivered = if count == 0 { attempt } else { 1 };
+            count += 1;
+            if let Flow::Stop = self.process_in_order(msg, false, Some(delivered)).await? {
+                return Ok(Flow::Stop);
+            }
+            // `left == 0`: the rest of the range was deleted.
+            if seq >= to || left == 0 {
+                break;
+            }
+        }
+        debug!(
+            partition = self.p,
+            from, to, count, "took over in-flight messages"
+        );
+        Ok(Flow::Continue)
+    }
+
+    /// Process one message in partition order, then act on what became of it: hand it to the
+    /// acker, or leave it for redelivery. `ack`: whether it is a consumer delivery to
+    /// acknowledge (false for messages re-read from the stream).
+    pub(crate) async fn process_in_order(
+        &mut self,
+        msg: jetstream::Message,
+        ack: bool,
+        delivered: Option<i64>,
+    ) -> Result<Flow, WorkerError> {
+        match self.dispose(msg, ack, delivered).await? {
+            Disposition::Issued { processed, outcome } => {
+                self.shared.state.count_input(outcome);
+                if let Outcome::DeadLettered(reason) = outcome {
+                    debug!(
+                        partition = self.p,
+                        seq = self.last_seq,
+                        reason = reason.as_str(),
+                        "input dead-lettered"
+                    );
+                }
+                if self.tx.send(processed).await.is_err() {
+                    return Ok(Flow::Stop);
+                }
+                Ok(Flow::Continue)
+            }
+            Disposition::Barrier(processed) => {
+                if self.tx.send(processed).await.is_err() {
+                    return Ok(Flow::Stop);
+                }
+                Ok(Flow::Continue)
+            }
+            Disposition::LeftForRedelivery(Unprocessed::MetadataUnreadable) => {
+                Err(WorkerError::Interrupted {
+                    partition: self.p,
+                    why: "a delivery's metadata could not be read",
+                })
+            }
+            Disposition::LeftForRedelivery(Unprocessed::ShuttingDown) => Ok(Flow::Stop),
+        }
+    }
+
+    /// The error a halted publish stops the partition with (`None`: shutting down).
+    pub(crate) fn halted(&self, halt: Halt) -> Option<WorkerError> {
+        halt.into_error(self.p)
+    }
+
+    /// Decide what happens to one message: project it (or dead-letter it) and issue its outputs,
+    /// retrying a failed publish in place; or leave it unprocessed.
+    pub(crate) async fn dispose(
+        &mut self,
+        msg: jetstream::Message,
+        ack: bool,
+        delivered: Option<i64>,
+    ) -> Result<Disposition, WorkerError> {
+        let info = match msg.info() {
+            Ok(info) => info,
+            Err(e) => {
+                // Without its sequence the message can be neither processed in order nor
+                // dead-lettered with a reference; skipping it would let the next group's
+                // acknowledgement cover it. Leave it (and what follows) for redelivery.
+                warn!(partition = self.p, subject = %msg.subject, reply = ?msg.reply, error = %e,
+                    "a delivery's metadata cannot be read; restarting the partition");
+                return Ok(Disposition::LeftForRedelivery(
+                    Unprocessed::MetadataUnreadable,
+                ));
+            }
+        };
+        let seq = info.stream_sequence;
+        let stored_ms = info.published.timestamp_millis();
+        if info.delivered > 1 {
+            self.shared.state.count_redelivery();
+        }
+        let mut fx = Effects::default();
+        self.turns
+            .before_input(self.shared, &mut fx)
+            .await
+            .map_err(|e| self.turn_error(e))?;
+        // Every message stored before this one has been processed: deadlines before its store
+        // time have passed in event time.
+        self.shared
+            .state
+            .last_processed_ms
+            .store(super::now_ms(), Ordering::Relaxed);
+        if let Some(wm) = self.watermark.observe(stored_ms) {
+            self.watermark_ms.store(wm, Ordering::Relaxed);
+            self.turns
+                .advance(self.shared, wm, &mut fx)
+                .await
+                .map_err(|e| self.turn_error(e))?;
+        }
+        self.last_seq = self.last_seq.max(seq);
+        if is_barrier(&msg) {
+            // Not an input: it only moved the watermark. What that decided is issued with it.
+            self.barrier_sent_ms = None;
+            let outs = std::mem::take(&mut fx.outs);
+            let publishes = match issue_publishes(
+                &self.shared.publisher,
+                &self.fence,
+                outs,
+                &[&msg],
+                &self.tx,
+                self.cancel,
+            )
+            .await
+            {
+                Ok(p) => p,
+                Err(halt) => return self.left_or_stopped(halt),
+            };
+            let processed = Processed::new(ack.then_some(msg), publishes, fx);
+            return Ok(Disposition::Barrier(processed));
+        }
+        let delivered = delivered.unwrap_or(info.delivered);
+        let Some(outcome) = project_input(
+            self.shared,
+            &mut self.turns,
+            &msg,
+            &info,
+            delivered,
+            &mut fx,
+            self.cancel,
+        )
+        .await
+        .map_err(|e| self.turn_error(e))?
+        else {
+            return Ok(Disposition::LeftForRedelivery(Unprocessed::ShuttingDown));
+        };
+        // Cancelled while a publish kept failing: leave the message for redelivery.
+        let mut outs = std::mem::take(&mut fx.outs);
+        if !ack || delivered > 1 || seq <= self.verify_through {
+            // Delivered before (to a previous owner, or to this partition before it started
+            // over): what of it is stored already is not stored again.
+            let mut kept = Vec::with_capacity(outs.len());
+            for out in outs {
+                if self
+                    .shared
+                    .publisher
+                    .stored_already(&out, seq, stored_ms)
+                    .await
+                {
+                    debug!(partition = self.p, seq, subject = %out.subject, "output stored already");
+                } else {
+                    kept.push(out);
+                }
+            }
+            if !kept.is_empty() && ack && delivered <= 1 {
+                // Processed in order: nothing after the first input missing its outputs was.
+                self.verify_through = 0;
+            }
+            outs = kept;
+        }
+        let publishes = match issue_publishes(
+            &self.shared.publisher,
+            &self.fence,
+            outs,
+            &[&msg],
+            &self.tx,
+            self.cancel,
+        )
+        .await
+        {
+            Ok(p) => p,
+            Err(halt) => return self.left_or_stopped(halt),
+        };
+        let processed = Processed::new(ack.then_some(msg), publishes, fx);
+        Ok(Disposition::Issued { processed, outcome })
+    }
+}
+
+/// What happens to one input. Decided once per message by [`Partition::dispose`] and matched,
+/// exhaustively, where the partition decides whether it will be acknowledged.
+// Returned once and matched at once, never stored: boxing the large variant would only add an
+// allocation per input.
+#[allow(clippy::large_enum_variant)]
+pub(crate) enum Disposition {
+    /// Its outputs are issued (a failed publish was retried in place until it was sent): the
+    /// acker acknowledges it once they and its turn-record writes are stored.
+    Issued {
+        processed: Processed,
+        outcome: Outcome,
+    },
+    /// A barrier: what the watermark it moved decided is issued, and it is acknowledged like an
+    /// input, but it is not one (not counted, not projected).
+    Barrier(Processed),
+    /// Not processed, not acknowledged: the server redelivers it (to this partition's restart or
+    /// its next owner), with everything after it in the partition.
+    LeftForRedelivery(Unprocessed),
+}
+
+/// Why an input is left for redelivery.
+pub(crate) enum Unprocessed {
+    /// Its delivery metadata (stream sequence, store time) cannot be read: it can be neither
+    /// processed in order nor dead-lettered with a reference. The partition restarts.
+    MetadataUnreadable,
+    /// The worker is stopping while one of its publishes keeps failing.
+    ShuttingDown,
+}
+
+/// How long a partition waits before asking its consumer again whether a due deadline can fire.
+pub(crate) const IDLE_CHECK_MS: i64 = 200;
+
+/// How long a partition waits for its barrier before it sends another (ms).
+pub(crate) const BARRIER_RETRY_MS: i64 = 1_000;
+
+pub(crate) async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// Project one message into `fx`: its outputs, and what its turn asks for. `None`: cancelled
+/// while a large field could not be stored (the message is left for redelivery).
+pub(crate) async fn project_input(
+    shared: &WorkerContext,
+    turns: &mut PartitionTurns,
+    msg: &jetstream::Message,
+    info: &jetstream::message::Info<'_>,
+    delivered: i64,
+    fx: &mut Effects,
+    cancel: &CancellationToken,
+) -> Result<Option<Outcome>, TurnIoError> {
+    let raw = RawMessage {
+        bytes: &msg.payload,
+        stream: info.stream,
+        seq: info.stream_sequence,
+        stored_subject: msg.subject.as_str(),
+        stored_at: info.published,
+        delivered,
+        headers: msg.headers.as_ref(),
+    };
+    let mut events = match pipeline::normalize_raw(
+        &raw,
+        &shared.names,
+        &shared.ingest,
+        shared.settings.consumer.max_deliver,
+    ) {
+        Err(rejection) => {
+            fx.outs
+                .push(pipeline::dead_letter(&shared.names, &raw, &rejection));
+            return Ok(Some(Outcome::DeadLettered(rejection.reason)));
+        }
+        Ok(events) => events,
+    };
+    let blobs = pipeline::offload(
+        &mut events,
+        raw.bytes.len(),
+        &shared.settings.limits,
+        shared
+            .publisher
+            .out_budget
+            .saturating_sub(ENVELOPE_HEADROOM),
+    );
+    if !blobs.is_empty()
+        && !shared
+            .publisher
+            .store_blobs_in_place(&blobs, &[msg], cancel)
+            .await
+    {
+        return Ok(None);
+    }
+    let enforce = &shared.settings.turns.enforce_roles;
+    for (i, n) in events.iter().enumerate() {
+        // AG-UI run events follow the run contract (CONTRACT 2b) whatever their role; the turn
+        // machinery carries both kinds of exchange.
+        let run = if shared.settings.runs.enforce {
+            pipeline::run_event(n, &raw, &shared.names.prefix).and_then(|ev| turns.run_facts(&ev))
+        } else {
+            None
+        };
+        let facts = run.or_else(|| pipeline::turn_facts(n, &raw, &shared.names.prefix, enforce));
+        match facts {
+            Some(f) => turns.on_event(shared, n, &f, fx).await?,
+            None => fx.outs.push(pipeline::projection(
+                &shared.names,
+                n,
+                raw.seq,
+                format!("{}:{}:{i}", raw.stream, raw.seq),
+            )),
+        }
+    }
+    let (role, class) = events.first().map_or(
+        (
+            crate::model::Role::SystemObservability,
+            telemetry::TYPE_CLASSES.len(),
+        ),
+        |n| {
+            (
+                n.role(),
+                telemetry::type_class_index(&n.envelope.event_type),
+            )
+        },
+    );
+    Ok(Some(Outcome::Projected { role, class }))
+}
+
+/// How long a replay waits for the next message of its range before it gives up (and the
+/// partition starts over).
+pub(crate) const REPLAY_SILENCE: Duration = Duration::from_secs(5);

@@ -1,0 +1,333 @@
+//! What a worker tells health checks, `/metrics` and the demo: its counters (each counted in one
+//! place, the status figure and its metric together) and each running partition's lag, sampled
+//! from its consumer.
+
+use crate::pipeline::{self, OutKind, Outgoing};
+use crate::telemetry;
+use async_nats::jetstream::{self, consumer::PullConsumer};
+use std::sync::atomic::{AtomicI64, AtomicU64, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// What the worker tells health checks and the demo.
+#[derive(Debug)]
+pub struct WorkerState {
+    pub partitions_owned: AtomicUsize,
+    pub partitions_running: AtomicUsize,
+    pub inputs: AtomicU64,
+    pub projected: AtomicU64,
+    pub dead_lettered: AtomicU64,
+    pub publish_retries: AtomicU64,
+    /// Open turns over the partitions this worker runs (each partition adds its own count).
+    pub open_turns: AtomicI64,
+    pub redeliveries: AtomicU64,
+    pub lease_renewals: AtomicU64,
+    pub lease_losses: AtomicU64,
+    pub takeovers: AtomicU64,
+    /// Partition consumers this worker found missing and recreated.
+    pub consumers_recreated: AtomicU64,
+    /// When this worker last processed a raw message (ms since the epoch; 0: never).
+    pub last_processed_ms: AtomicI64,
+    /// The running partitions' lag, as last sampled.
+    pub partitions: std::sync::Mutex<std::collections::BTreeMap<u16, PartitionLag>>,
+    /// Inputs projected and projections published, by role and type class.
+    inputs_projected: telemetry::RoleClassCounters,
+    projections: telemetry::RoleClassCounters,
+}
+
+impl Default for WorkerState {
+    fn default() -> Self {
+        WorkerState {
+            partitions_owned: AtomicUsize::new(0),
+            partitions_running: AtomicUsize::new(0),
+            inputs: AtomicU64::new(0),
+            projected: AtomicU64::new(0),
+            dead_lettered: AtomicU64::new(0),
+            publish_retries: AtomicU64::new(0),
+            open_turns: AtomicI64::new(0),
+            redeliveries: AtomicU64::new(0),
+            lease_renewals: AtomicU64::new(0),
+            lease_losses: AtomicU64::new(0),
+            takeovers: AtomicU64::new(0),
+            consumers_recreated: AtomicU64::new(0),
+            last_processed_ms: AtomicI64::new(0),
+            partitions: std::sync::Mutex::new(std::collections::BTreeMap::new()),
+            inputs_projected: telemetry::RoleClassCounters::new(
+                telemetry::INPUTS,
+                &[("outcome", "projected")],
+            ),
+            projections: telemetry::RoleClassCounters::new(telemetry::PROJECTED, &[]),
+        }
+    }
+}
+
+/// One running partition's lag, sampled from its consumer every [`LAG_SAMPLE_EVERY`].
+#[derive(Debug, Clone, Default)]
+pub struct PartitionLag {
+    /// Raw messages not yet acknowledged (waiting and in flight).
+    pub pending: u64,
+    /// Store time of the oldest of them (ms since the epoch).
+    pub oldest_pending_ms: Option<i64>,
+    /// The partition's event-time watermark (ms since the epoch; 0 before the first message).
+    pub watermark_ms: Arc<AtomicI64>,
+    /// The consumer's acknowledgement floor at the last sample, and when it last moved (or the
+    /// partition started), in ms since the epoch.
+    ack_floor: u64,
+    pub progress_ms: i64,
+}
+
+impl PartitionLag {
+    /// As reported on the service API, at `now_ms`.
+    pub fn status(&self, partition: u16, now_ms: i64) -> crate::telemetry::PartitionStatus {
+        let age = |t: i64| u64::try_from(now_ms.saturating_sub(t)).unwrap_or(0);
+        let watermark = self.watermark_ms.load(Ordering::Relaxed);
+        crate::telemetry::PartitionStatus {
+            partition,
+            pending: self.pending,
+            oldest_pending_age_ms: self.oldest_pending_ms.map(age),
+            // Nothing pending: the partition is caught up, its watermark is now (the idle rule).
+            watermark_age_ms: if self.pending == 0 {
+                Some(0)
+            } else {
+                (watermark > 0).then(|| age(watermark))
+            },
+            progress_age_ms: age(self.progress_ms),
+        }
+    }
+}
+
+/// How often a running partition samples its consumer's lag.
+pub const LAG_SAMPLE_EVERY: Duration = Duration::from_secs(5);
+
+impl WorkerState {
+    /// The running partitions' lag at `now_ms`, by partition.
+    pub fn partition_status(&self, now_ms: i64) -> Vec<crate::telemetry::PartitionStatus> {
+        match self.partitions.lock() {
+            Ok(map) => map.iter().map(|(p, l)| l.status(*p, now_ms)).collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+
+    /// Partitions with messages waiting whose acknowledgements have not moved for `bound`: a
+    /// wedged worker.
+    pub fn stalled(&self, now_ms: i64, bound: Duration) -> Vec<u16> {
+        let bound_ms = i64::try_from(bound.as_millis()).unwrap_or(i64::MAX);
+        match self.partitions.lock() {
+            Ok(map) => map
+                .iter()
+                .filter(|(_, l)| l.pending > 0 && now_ms.saturating_sub(l.progress_ms) > bound_ms)
+                .map(|(p, _)| *p)
+                .collect(),
+            Err(_) => Vec::new(),
+        }
+    }
+}
+
+/// The one place each counter is counted: the status counter here and its metric together, so
+/// the status endpoint and `/metrics` never disagree.
+impl WorkerState {
+    pub(crate) fn count_input(&self, outcome: Outcome) {
+        self.inputs.fetch_add(1, Ordering::Relaxed);
+        match outcome {
+            Outcome::Projected { role, class } => {
+                self.inputs_projected.increment_class(role, class)
+            }
+            Outcome::DeadLettered(_) => metrics::counter!(
+                telemetry::INPUTS,
+                "outcome" => "dead_lettered", "role" => "none", "class" => "none"
+            )
+            .increment(1),
+        }
+    }
+
+    pub(crate) fn count_output(&self, out: &Outgoing) {
+        match out.kind {
+            OutKind::Projection(role) => {
+                self.projected.fetch_add(1, Ordering::Relaxed);
+                let event_type = out
+                    .headers
+                    .iter()
+                    .find(|(k, _)| *k == pipeline::H_TYPE)
+                    .map_or("", |(_, t)| t.as_str());
+                self.projections.increment(role, event_type);
+            }
+            OutKind::DeadLetter(reason) => {
+                self.dead_lettered.fetch_add(1, Ordering::Relaxed);
+                metrics::counter!(telemetry::DEAD_LETTERS, "reason" => reason.as_str())
+                    .increment(1);
+            }
+        }
+    }
+
+    pub(crate) fn count_publish_retry(&self) {
+        self.publish_retries.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(telemetry::PUBLISH_RETRIES).increment(1);
+    }
+
+    pub(crate) fn count_redelivery(&self) {
+        self.redeliveries.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(telemetry::REDELIVERIES).increment(1);
+    }
+
+    pub(crate) fn count_lease_renewal(&self) {
+        self.lease_renewals.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(telemetry::LEASE_RENEWALS).increment(1);
+    }
+
+    pub(crate) fn count_lease_loss(&self) {
+        self.lease_losses.fetch_add(1, Ordering::Relaxed);
+        metrics::counter!(telemetry::LEASE_LOSSES).increment(1);
+    }
+
+    /// A partition taken: freed because its owner's connection closed, or free.
+    pub(crate) fn count_takeover(&self, owner_gone: bool) {
+        self.takeovers.fetch_add(1, Ordering::Relaxed);
+        let cause = if owner_gone { "owner_gone" } else { "free" };
+        metrics::counter!(telemetry::TAKEOVERS, "cause" => cause).increment(1);
+    }
+}
+
+/// Sample partition `p`'s lag every [`LAG_SAMPLE_EVERY`] until `stop`, into the worker's table
+/// and the per-partition gauges; take the partition out of both when stopped.
+pub(crate) async fn sample_lag(
+    state: Arc<WorkerState>,
+    p: u16,
+    filter: String,
+    mut consumer: PullConsumer,
+    stream: jetstream::stream::Stream,
+    watermark_ms: Arc<AtomicI64>,
+    stop: CancellationToken,
+) {
+    let label = p.to_string();
+    let started = super::now_ms();
+    if let Ok(mut map) = state.partitions.lock() {
+        map.insert(
+            p,
+            PartitionLag {
+                watermark_ms: watermark_ms.clone(),
+                progress_ms: started,
+                ..Default::default()
+            },
+        );
+    }
+    loop {
+        if let Ok(info) = consumer.info().await {
+            let pending = info.num_pending + u64::try_from(info.num_ack_pending).unwrap_or(0);
+            let floor = info.ack_floor.stream_sequence;
+            let oldest_pending_ms = if pending > 0 {
+                stream
+                    .raw_message_builder()
+                    .next_by_subject(filter.clone())
+                    .sequence(floor + 1)
+                    .send()
+                    .await
+                    .ok()
+                    .map(|m: jetstream::message::StreamMessage| m.time.timestamp_millis())
+            } else {
+                None
+            };
+            let now = super::now_ms();
+            if let Ok(mut map) = state.partitions.lock() {
+                if let Some(lag) = map.get_mut(&p) {
+                    if floor != lag.ack_floor || pending == 0 {
+                        lag.ack_floor = floor;
+                        lag.progress_ms = now;
+                    }
+                    lag.pending = pending;
+                    lag.oldest_pending_ms = oldest_pending_ms;
+                }
+            }
+            let age_s = |t: i64| now.saturating_sub(t).max(0) as f64 / 1000.0;
+            metrics::gauge!(telemetry::PARTITION_PENDING, "partition" => label.clone())
+                .set(pending as f64);
+            metrics::gauge!(telemetry::PARTITION_OLDEST_AGE, "partition" => label.clone())
+                .set(oldest_pending_ms.map_or(0.0, age_s));
+            let wm = watermark_ms.load(Ordering::Relaxed);
+            let wm_age = if pending == 0 || wm == 0 {
+                0.0
+            } else {
+                age_s(wm)
+            };
+            metrics::gauge!(telemetry::PARTITION_WATERMARK_AGE, "partition" => label.clone())
+                .set(wm_age);
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(LAG_SAMPLE_EVERY) => {}
+            _ = stop.cancelled() => break,
+        }
+    }
+    if let Ok(mut map) = state.partitions.lock() {
+        map.remove(&p);
+    }
+    for family in [
+        telemetry::PARTITION_PENDING,
+        telemetry::PARTITION_OLDEST_AGE,
+        telemetry::PARTITION_WATERMARK_AGE,
+    ] {
+        metrics::gauge!(family, "partition" => label.clone()).set(0.0);
+    }
+}
+
+/// What an input became.
+#[derive(Debug, Clone, Copy)]
+pub(crate) enum Outcome {
+    /// Projected (possibly into nothing new: a suppressed duplicate is projected as such), with
+    /// its (first) event's role and type class.
+    Projected {
+        role: crate::model::Role,
+        /// Its type's class, as a `telemetry::type_class_index`.
+        class: usize,
+    },
+    /// Dead-lettered, with this reason.
+    DeadLettered(crate::model::DlqReason),
+}
+
+#[cfg(test)]
+mod lag_tests {
+    use super::*;
+
+    #[test]
+    pub(crate) fn a_partition_is_stalled_only_with_messages_waiting_and_no_progress() {
+        let state = WorkerState::default();
+        let now = 1_000_000;
+        let lag = |pending, progress_ms| PartitionLag {
+            pending,
+            progress_ms,
+            ..Default::default()
+        };
+        if let Ok(mut map) = state.partitions.lock() {
+            map.insert(0, lag(10, now - 200_000)); // waiting, no progress for 200 s
+            map.insert(1, lag(0, now - 200_000)); // idle
+            map.insert(2, lag(10, now - 1_000)); // moving
+        }
+        assert_eq!(state.stalled(now, Duration::from_secs(120)), vec![0]);
+        assert!(state.stalled(now, Duration::from_secs(300)).is_empty());
+    }
+
+    #[test]
+    pub(crate) fn lag_is_reported_as_ages() {
+        let now = 1_000_000;
+        let waiting = PartitionLag {
+            pending: 3,
+            oldest_pending_ms: Some(now - 4_000),
+            watermark_ms: Arc::new(AtomicI64::new(now - 6_000)),
+            progress_ms: now - 500,
+            ..Default::default()
+        };
+        let s = waiting.status(7, now);
+        assert_eq!(s.partition, 7);
+        assert_eq!(s.pending, 3);
+        assert_eq!(s.oldest_pending_age_ms, Some(4_000));
+        assert_eq!(s.watermark_age_ms, Some(6_000));
+        assert_eq!(s.progress_age_ms, 500);
+        // Nothing pending: caught up, whatever the last event's time.
+        let idle = PartitionLag {
+            watermark_ms: Arc::new(AtomicI64::new(now - 60_000)),
+            progress_ms: now,
+            ..Default::default()
+        };
+        assert_eq!(idle.status(1, now).watermark_age_ms, Some(0));
+        assert_eq!(idle.status(1, now).oldest_pending_age_ms, None);
+    }
+}
