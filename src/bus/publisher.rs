@@ -158,9 +158,9 @@ impl Publisher {
     /// Whether `out`, an output of the raw input at `seq` (stored at `stored_ms`), is in its
     /// stream already: a previous owner (or an earlier run of this partition) stored it but did
     /// not live to acknowledge the input. Publishing it again would collapse only within the
-    /// duplicate window; this look-up holds beyond it. Outputs of one subject are stored in raw
-    /// order, so the subject's last message answers at once unless it is a later input's; then
-    /// the subject is read from the input's store time on. Unknown (a failed look-up): `false`,
+    /// duplicate window; this look-up holds beyond it. A projection subject's outputs are stored
+    /// in raw order, so its last message answers at once unless it is a later input's; otherwise
+    /// (and for dead letters) the subject is read from the input's store time on. Unknown (a failed look-up): `false`,
     /// the output is published (the Msg-Id still collapses it within the window).
     pub(crate) async fn stored_already(&self, out: &Outgoing, seq: u64, stored_ms: i64) -> bool {
         let Ok((proj, dlq)) = self
@@ -193,11 +193,15 @@ impl Publisher {
         if same(&last.headers) {
             return true;
         }
-        if source(&last.headers).is_none_or(|s| s <= seq) {
+        // A projection subject names the input's key, so only this partition writes it, in raw
+        // order: an earlier input's output last means this one is not stored. Dead-letter
+        // subjects (one per reason) are written by every partition in no common order.
+        let own_subject = matches!(out.kind, OutKind::Projection(_));
+        if own_subject && source(&last.headers).is_none_or(|s| s <= seq) {
             return false;
         }
-        // A later input's output is last: look for this one among the subject's messages since
-        // the input was stored (give or take the servers' clocks).
+        // Look for this one among the subject's messages since the input was stored (give or
+        // take the servers' clocks).
         let since = chrono::DateTime::from_timestamp_millis(stored_ms.saturating_sub(60_000))
             .unwrap_or_default();
         let Ok(reader) = stream

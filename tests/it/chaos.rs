@@ -203,6 +203,8 @@ struct Fleet {
     urls: Vec<String>,
     /// Slots that reach the server another way (through a fault proxy).
     url_of: BTreeMap<usize, String>,
+    /// More environment for some slots (a skewed clock).
+    env_of: BTreeMap<usize, Vec<(String, String)>>,
     slots: Vec<Option<Worker>>,
     generations: Vec<u32>,
     /// Exited workers (id, process), kept so their logs are printed if the test fails.
@@ -221,6 +223,7 @@ impl Fleet {
         let id = format!("s{slot}g{}", self.generations[slot]);
         self.generations[slot] += 1;
         let mut env = self.env.clone();
+        env.extend(self.env_of.get(&slot).cloned().unwrap_or_default());
         env.push(("COLLAB_WORKERS__ID".into(), id.clone()));
         let env: Vec<(&str, &str)> = env.iter().map(|(k, v)| (k.as_str(), v.as_str())).collect();
         // One URL per worker, spread over the nodes: `run --nats-url a,b,c` is refused by this
@@ -816,6 +819,7 @@ impl Bed {
                 env,
                 urls,
                 url_of: BTreeMap::new(),
+                env_of: BTreeMap::new(),
                 slots: Vec::new(),
                 generations: Vec::new(),
                 graveyard: Vec::new(),
@@ -837,7 +841,10 @@ impl Bed {
         for slot in 0..workers {
             bed.fleet.spawn(slot);
         }
-        bed.wait_all_owned().await;
+        // Without workers yet, the scenario starts them (and waits) itself.
+        if workers > 0 {
+            bed.wait_all_owned().await;
+        }
         bed.started = Instant::now();
         bed
     }
@@ -1897,6 +1904,52 @@ async fn owner_network(
     bed.finish(writer).await
 }
 
+/// Where Debian's libfaketime lives (package `faketime`), if installed.
+fn libfaketime() -> Option<&'static str> {
+    [
+        "/usr/lib/x86_64-linux-gnu/faketime/libfaketimeMT.so.1",
+        "/usr/lib/aarch64-linux-gnu/faketime/libfaketimeMT.so.1",
+        "/usr/lib/faketime/libfaketimeMT.so.1",
+    ]
+    .into_iter()
+    .find(|p| std::path::Path::new(p).exists())
+}
+
+/// 11. One worker's wall clock 0.8 s ahead of the server's and the other worker's
+///     (libfaketime; its timers, on the monotonic clock, are not skewed), within the configured
+///     `turns.clock_skew` of 1 s, while owners are killed: deadlines, lease validity and the
+///     eviction of a gone owner's leases all read that clock. `None` without libfaketime.
+async fn clock_skew(p: &Profile, seed: u64) -> Option<Report> {
+    let lib = libfaketime()?;
+    let skew = [("COLLAB_TURNS__CLOCK_SKEW", "1s")];
+    let mut bed = Bed::start_with("clock-skew", p, false, 0, &skew, false).await;
+    bed.fleet.env_of.insert(
+        1,
+        vec![
+            ("LD_PRELOAD".into(), lib.into()),
+            ("FAKETIME".into(), "+0.8".into()),
+            ("FAKETIME_DONT_FAKE_MONOTONIC".into(), "1".into()),
+            ("FAKETIME_NO_CACHE".into(), "1".into()),
+        ],
+    );
+    bed.fleet.spawn(0);
+    bed.fleet.spawn(1);
+    bed.wait_all_owned().await;
+    bed.started = Instant::now();
+    let writer = bed.writer(seed, p.timeout_ms);
+    let mut rng = fault_rng(seed);
+    for _ in 0..p.rounds + 1 {
+        tokio::time::sleep(p.load / 3).await;
+        if let Some(slot) = bed.pick_owner(&mut rng).await {
+            bed.kill9(slot).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            bed.fleet.spawn(slot);
+        }
+    }
+    tokio::time::sleep(p.load / 3).await;
+    Some(bed.finish(writer).await)
+}
+
 impl Bed {
     /// Publish one input of about 1 MiB (`n` as usual): a valid `task.updated` of 9,000 small
     /// fields, or bytes that are not JSON.
@@ -2127,6 +2180,22 @@ async fn chaos_short_held_publishes_beyond_the_duplicate_window() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_short_clock_skew() {
+    match clock_skew(&Profile::short(), seed("clock-skew")).await {
+        Some(report) => report.assert_clean(),
+        None => {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "libfaketime is missing: .ci/run installs Debian's faketime package"
+            );
+            println!(
+                "SKIPPED chaos clock-skew: libfaketime is not installed (apt-get install faketime)"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the full chaos suite takes about 20 minutes: cargo test --release --test it chaos_full -- --ignored --nocapture"]
 async fn chaos_full() {
     let _serial = SERIAL.lock().await;
@@ -2147,6 +2216,7 @@ async fn chaos_full() {
         "owner-stall",
         "owner-partition",
         "held-publishes",
+        "clock-skew",
     ]
     .into_iter()
     .enumerate()
@@ -2173,6 +2243,10 @@ async fn chaos_full() {
                 let window = [("COLLAB_PROJECTION__DUPLICATE_WINDOW", "4s")];
                 owner_network(&p, s, name, Duration::from_secs(14), false, &window).await
             }
+            "clock-skew" => match clock_skew(&p, s).await {
+                Some(r) => r,
+                None => panic!("libfaketime is missing (apt-get install faketime)"),
+            },
             _ => mix(&p, s).await,
         };
         r.print();
