@@ -243,9 +243,10 @@ struct RelayArgs {
     /// and is named by it; without a known token, 401.
     #[arg(long)]
     caller_tokens: Option<PathBuf>,
-    /// Requests a second per caller (a token bucket per caller id; 429 past it); 0: no limit.
-    #[arg(long, default_value_t = 20)]
-    rate_limit: u32,
+    /// Requests each caller may make, sustained: N/s, N/min or N/h (a token bucket per caller
+    /// id; 429 past it); `off` for no limit.
+    #[arg(long, default_value = "20/s", value_parser = relay::trust::parse_rate_limit)]
+    rate_limit: relay::trust::RateLimit,
     /// Requests a caller may make at once before --rate-limit applies.
     #[arg(long, default_value_t = 100)]
     rate_limit_burst: u32,
@@ -560,7 +561,7 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
                     from_agent_header: args.from_agent_header,
                     trust_header_from: args.trust_header_from,
                     caller_tokens: args.caller_tokens,
-                    rate_limit: args.rate_limit,
+                    rate_limit: args.rate_limit.0,
                     rate_burst: args.rate_limit_burst,
                     queue_size: args.queue_size,
                     queue_bytes: args.queue_bytes,

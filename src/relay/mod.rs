@@ -79,8 +79,8 @@ pub struct RelayOptions {
     /// A token file (`AGENT_ID TOKEN` lines): each caller presents its token in
     /// `Proxy-Authorization: Bearer <token>`.
     pub caller_tokens: Option<std::path::PathBuf>,
-    /// Requests a second per caller; 0: no limit.
-    pub rate_limit: u32,
+    /// The requests each caller may make, sustained; `None`: no limit.
+    pub rate_limit: Option<trust::Rate>,
     /// Requests a caller may make at once before the rate applies.
     pub rate_burst: u32,
     /// Messages waiting for the publisher; past that they are dropped.
@@ -284,7 +284,7 @@ pub async fn start(
         upstream = %shown_url(&opts.upstream),
         to_agent = %opts.to_agent,
         callers = callers.mode(),
-        rate_limit = opts.rate_limit,
+        rate_limit = ?opts.rate_limit,
         "relay listening"
     );
     Ok(RunningRelay {

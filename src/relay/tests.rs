@@ -518,13 +518,25 @@ fn header_mode_believes_only_trusted_peers() {
 
 #[test]
 fn a_caller_over_its_rate_waits_and_others_do_not() {
-    let limiter = trust::Limiter::new(1, 2).unwrap();
+    let hourly = trust::parse_rate("1/h").unwrap();
+    let limiter = trust::Limiter::new(hourly, 2).unwrap();
     assert!(limiter.check("a").is_ok());
     assert!(limiter.check("a").is_ok());
     let wait = limiter.check("a").unwrap_err();
-    assert!(wait > std::time::Duration::ZERO && wait <= std::time::Duration::from_secs(1));
+    assert!(wait > std::time::Duration::ZERO && wait <= std::time::Duration::from_secs(3600));
     assert!(limiter.check("b").is_ok(), "buckets are per caller");
-    assert!(trust::Limiter::new(0, 10).is_none(), "0: no limit");
+    assert!(trust::Limiter::new(None, 10).is_none(), "no rate: no limit");
+
+    let rate = |s: &str| trust::parse_rate(s).map(|r| r.map(|r| (r.count.get(), r.per.as_secs())));
+    assert_eq!(rate("20/s"), Ok(Some((20, 1))));
+    assert_eq!(rate(" 600/min "), Ok(Some((600, 60))));
+    assert_eq!(rate("1000/h"), Ok(Some((1000, 3600))));
+    assert_eq!(rate("off"), Ok(None));
+    assert_eq!(rate("0"), Ok(None));
+    assert_eq!(rate("0/s"), Ok(None));
+    for bad in ["20", "20/day", "x/s", "-1/s"] {
+        assert!(rate(bad).unwrap_err().contains("20/s, 600/min"), "{bad}");
+    }
 }
 
 #[test]

@@ -215,23 +215,63 @@ pub fn parse_net(text: &str) -> Result<IpNet, String> {
         .or_else(|_| text.parse::<IpAddr>().map(IpNet::from))
         .map_err(|_| {
             format!(
-                "--trust-header-from: {text:?} is not an address range; write it as CIDR (10.0.0.0/8, fd00::/8) or a single address"
+                "{text:?} is not an address range; write it as CIDR (10.0.0.0/8, fd00::/8) or a single address"
             )
         })
 }
 
-/// A token bucket per caller: `rate` requests a second, up to `burst` at once.
+/// A sustained request rate: `count` requests per `per`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Rate {
+    pub count: NonZeroU32,
+    pub per: Duration,
+}
+
+/// Parse `--rate-limit`: `N/s`, `N/min` or `N/h`; `0` or `off` for no limit.
+pub fn parse_rate(text: &str) -> Result<Option<Rate>, String> {
+    let text = text.trim();
+    if text == "0" || text.eq_ignore_ascii_case("off") {
+        return Ok(None);
+    }
+    let bad = || {
+        format!(
+            "{text:?} is not a rate; write requests per second, minute or hour (20/s, 600/min, 1000/h), or off"
+        )
+    };
+    let (count, unit) = text.split_once('/').ok_or_else(bad)?;
+    let per = match unit.trim() {
+        "s" | "sec" | "second" => Duration::from_secs(1),
+        "m" | "min" | "minute" => Duration::from_secs(60),
+        "h" | "hour" => Duration::from_secs(3600),
+        _ => return Err(bad()),
+    };
+    let count: u32 = count.trim().parse().map_err(|_| bad())?;
+    Ok(NonZeroU32::new(count).map(|count| Rate { count, per }))
+}
+
+/// `--rate-limit` as a flag value: a rate, or none (the flag parser treats a bare `Option` as an
+/// optional flag, not as a value that may be "off").
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RateLimit(pub Option<Rate>);
+
+/// [`parse_rate`] for the command line.
+pub fn parse_rate_limit(text: &str) -> Result<RateLimit, String> {
+    parse_rate(text).map(RateLimit)
+}
+
+/// A token bucket per caller: the rate sustained, up to `burst` requests at once.
 pub struct Limiter {
     buckets: DefaultKeyedRateLimiter<String>,
 }
 
 impl Limiter {
-    /// `None` when `rate` is 0 (no limit).
-    pub fn new(rate: u32, burst: u32) -> Option<Limiter> {
-        let rate = NonZeroU32::new(rate)?;
-        let burst = NonZeroU32::new(burst).unwrap_or(rate);
+    /// `None` without a rate (no limit). A burst of 0 is read as 1.
+    pub fn new(rate: Option<Rate>, burst: u32) -> Option<Limiter> {
+        let rate = rate?;
+        let burst = NonZeroU32::new(burst).unwrap_or(NonZeroU32::MIN);
+        let quota = Quota::with_period(rate.per / rate.count.get())?.allow_burst(burst);
         Some(Limiter {
-            buckets: RateLimiter::keyed(Quota::per_second(rate).allow_burst(burst)),
+            buckets: RateLimiter::keyed(quota),
         })
     }
 
