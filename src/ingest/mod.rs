@@ -426,6 +426,48 @@ mod tests {
     }
 
     #[test]
+    fn a_relayed_body_is_wire_traffic_whatever_else_it_looks_like() {
+        let settings = crate::config::Settings::default()
+            .ingest()
+            .unwrap_or_else(|e| panic!("default settings: {e}"));
+        // A caller's request written as an adapter packet that speaks for another agent.
+        let body = serde_json::to_vec(&json!({
+            "protocol": "a2a", "event_type": "task_completed", "jsonrpc": "2.0", "id": 1,
+            "from_agent": "boss", "result": {"kind": "message", "role": "agent", "parts": []}
+        }))
+        .unwrap_or_default();
+        let input = |direction: Option<&str>| RawInput {
+            bytes: &body,
+            subject: Some(SubjectInfo {
+                key: "k".into(),
+                type_suffix: "a2a.wire.request".into(),
+            }),
+            raw_ref: None,
+            relay: RelayHeaders {
+                from_agent: Some("caller".into()),
+                to_agent: Some("agent".into()),
+                exchange: Some("x1".into()),
+                direction: direction.map(str::to_string),
+                ..RelayHeaders::default()
+            },
+        };
+        match normalize(&input(Some(RelayHeaders::DIRECTION_REQUEST)), &settings) {
+            Err(r) => assert!(
+                r.detail.contains("Collab-Direction: request"),
+                "{}",
+                r.detail
+            ),
+            Ok(events) => panic!("projected: {events:?}"),
+        }
+        // Without the relay's word the adapter reading applies, as before.
+        let unrelayed = normalize(&input(None), &settings);
+        assert!(
+            !matches!(&unrelayed, Err(r) if r.detail.contains("Collab-Direction")),
+            "{unrelayed:?}"
+        );
+    }
+
+    #[test]
     fn an_input_past_a_shape_limit_is_dead_lettered_too_large() {
         let mut settings = crate::config::Settings::default()
             .ingest()

@@ -1941,13 +1941,16 @@ async fn relay_e2e_a2a_sdk_turns_come_out_of_the_projector() {
         "the agent refuses an unknown task: {unknown}"
     );
 
-    // An agent killed while a request is in flight: the request is on the bus, no answer is.
+    // An agent that accepted a streamed request (its stream opened with 200 and the submitted
+    // task) and then went silent until it was killed: the request and that frame are on the
+    // bus, no answer is. (A unary call the
+    // agent never answers is not published at all: nothing says the agent accepted it.)
     let hang = Script::spawn(&python, "a2a_client.py", &["--hang", &url("hang")]);
     wait_until(WAIT, "the hanging request is on the bus", || async {
         crate::pipeline::read_all(&js, "COLLAB_RAW", "collab.in.*.e2e-hang-jsonrpc-v1.>")
             .await
             .len()
-            == 1
+            >= 2
     })
     .await;
     let _ = agents.child.kill();
@@ -2040,7 +2043,7 @@ async fn relay_e2e_a2a_sdk_turns_come_out_of_the_projector() {
         .as_str()
         .unwrap_or_default();
     assert!(
-        next.contains("hang-agent") && next.contains("SendMessage"),
+        next.contains("hang-agent") && next.contains("SendStreamingMessage"),
         "{next}"
     );
 }
