@@ -204,9 +204,9 @@ enum Command {
 #[derive(Subcommand)]
 enum RelayCommand {
     /// Front an A2A agent (v0.3 or v1.0; JSON-RPC and HTTP+JSON, streams, the agent card).
-    A2a(RelayArgs),
+    A2a(Box<RelayArgs>),
     /// Front an AG-UI agent (a RunAgentInput POST answered by an SSE stream of events).
-    Agui(RelayArgs),
+    Agui(Box<RelayArgs>),
 }
 
 /// Flags of `relay a2a` and `relay agui`.
@@ -539,6 +539,7 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
                 RelayCommand::A2a(a) => (relay::Protocol::A2a, a),
                 RelayCommand::Agui(a) => (relay::Protocol::Agui, a),
             };
+            let args = *args;
             let settings = Settings::load_with(args.config.as_deref(), |s| {
                 if let Some(url) = &args.nats_url {
                     s.nats.url = url.clone();

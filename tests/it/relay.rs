@@ -1363,7 +1363,7 @@ async fn relay_token_mode_serves_known_callers_only_and_limits_each_ones_rate() 
         .unwrap()
         .parse()
         .unwrap();
-    assert!(retry >= 1 && retry <= 3600, "{retry}");
+    assert!((1..=3600).contains(&retry), "{retry}");
     let body: Value = answer.json().await.unwrap();
     assert_eq!(body["error"]["code"], "rate_limited", "{body}");
     // Another caller has a bucket of its own.
