@@ -546,3 +546,51 @@ fn each_kind_says_whose_words_it_is() {
         assert_eq!(k.direction(), "answer");
     }
 }
+
+proptest::proptest! {
+    /// Whatever the mix of dot segments (plain or encoded), empty segments and ordinary ones: a
+    /// confined path has no dot segment left, joined under a base it stays under it (as the URL
+    /// library resolves it too), and it is refused as above the base exactly when a `..` finds
+    /// nothing left to remove.
+    #[test]
+    fn confined_paths_never_leave_the_base(
+        segments in proptest::collection::vec(
+            proptest::sample::select(vec!["a", "b%20c", ".", "..", "%2e", "%2E%2e", ".%2e", "%2e.", "", "x..y", "..."]),
+            0..8,
+        )
+    ) {
+        let path = format!("/{}", segments.join("/"));
+        let is_dot = |s: &str| matches!(s.to_ascii_lowercase().replace("%2e", ".").as_str(), "." | "..");
+        let climbs = |s: &str| s.to_ascii_lowercase().replace("%2e", ".") == "..";
+        // The reference: count the depth, segment by segment.
+        let mut depth: i64 = 0;
+        let mut above = false;
+        for (i, s) in segments.iter().enumerate() {
+            if climbs(s) {
+                depth -= 1;
+                above |= depth < 0;
+            } else if !is_dot(s) && !(s.is_empty() && i + 1 == segments.len()) {
+                depth += 1;
+            }
+        }
+        // A leading empty segment makes `//`, refused for its own reason.
+        if segments.first() == Some(&"") && segments.len() > 1 {
+            proptest::prop_assert_eq!(wire::confine_path(&path), Err(wire::PathRefusal::HostLike));
+            return Ok(());
+        }
+        match wire::confine_path(&path) {
+            Ok(confined) => {
+                proptest::prop_assert!(!above, "{} kept as {}", path, confined);
+                proptest::prop_assert!(confined.starts_with('/'));
+                proptest::prop_assert!(!confined[1..].split('/').any(is_dot), "{}", confined);
+                let base = reqwest::Url::parse("http://host/agents/a/").unwrap();
+                let url = upstream_url(&base, &confined, None);
+                proptest::prop_assert!(url.path().starts_with("/agents/a/"), "{} -> {}", path, url);
+            }
+            Err(why) => {
+                proptest::prop_assert_eq!(why, wire::PathRefusal::AboveBase, "{}", path);
+                proptest::prop_assert!(above, "{} refused though it stays under the base", path);
+            }
+        }
+    }
+}
