@@ -569,7 +569,7 @@ proptest::proptest! {
             if climbs(s) {
                 depth -= 1;
                 above |= depth < 0;
-            } else if !is_dot(s) && !(s.is_empty() && i + 1 == segments.len()) {
+            } else if !(is_dot(s) || s.is_empty() && i + 1 == segments.len()) {
                 depth += 1;
             }
         }
