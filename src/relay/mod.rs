@@ -652,6 +652,11 @@ impl Proxy {
                 RequestOutcome::UntrustedPeer,
                 "this relay serves only connections from its authenticating proxy".to_string(),
             ),
+            (trust::Refusal::AmbiguousHeader, _) => (
+                RequestOutcome::UntrustedPeer,
+                "the caller header came more than once; the authenticating proxy must replace the caller's own header, not add to it"
+                    .to_string(),
+            ),
             (trust::Refusal::Unauthorized, _) => (
                 RequestOutcome::Unauthorized,
                 "the relay needs a caller token it knows: send `Proxy-Authorization: Bearer <token>`"

@@ -510,6 +510,13 @@ fn header_mode_believes_only_trusted_peers() {
             Err(trust::Refusal::UntrustedPeer)
         );
     }
+    // A proxy that appended its header to the caller's: which is which cannot be told.
+    let mut twice = h.clone();
+    twice.append("x-agent-id", HeaderValue::from_static("boss"));
+    assert_eq!(
+        callers.identify(&twice, ip("10.1.2.3")),
+        Err(trust::Refusal::AmbiguousHeader)
+    );
     assert!(trust::parse_net("10.0.0.0/33").is_err());
     assert!(trust::parse_net("proxy.internal")
         .unwrap_err()

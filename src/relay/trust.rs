@@ -67,6 +67,9 @@ pub enum Refusal {
     Unauthorized,
     /// Header mode, and the connection does not come from a trusted proxy.
     UntrustedPeer,
+    /// Header mode, and the header comes more than once (a proxy that appends to the caller's
+    /// own header instead of replacing it): which one is the proxy's cannot be told.
+    AmbiguousHeader,
 }
 
 impl Callers {
@@ -92,6 +95,9 @@ impl Callers {
                 let peer = peer.map(|p| p.to_canonical());
                 if !peer.is_some_and(|p| trusted.iter().any(|net| net.contains(&p))) {
                     return Err(Refusal::UntrustedPeer);
+                }
+                if headers.get_all(name).iter().nth(1).is_some() {
+                    return Err(Refusal::AmbiguousHeader);
                 }
                 Ok(headers
                     .get(name)
@@ -295,6 +301,7 @@ impl Refusal {
         match self {
             Refusal::Unauthorized => StatusCode::UNAUTHORIZED,
             Refusal::UntrustedPeer => StatusCode::FORBIDDEN,
+            Refusal::AmbiguousHeader => StatusCode::BAD_REQUEST,
         }
     }
 
@@ -302,6 +309,7 @@ impl Refusal {
         match self {
             Refusal::Unauthorized => "unauthorized",
             Refusal::UntrustedPeer => "untrusted_peer",
+            Refusal::AmbiguousHeader => "ambiguous_caller",
         }
     }
 }
