@@ -204,9 +204,9 @@ enum Command {
 #[derive(Subcommand)]
 enum RelayCommand {
     /// Front an A2A agent (v0.3 or v1.0; JSON-RPC and HTTP+JSON, streams, the agent card).
-    A2a(RelayArgs),
+    A2a(Box<RelayArgs>),
     /// Front an AG-UI agent (a RunAgentInput POST answered by an SSE stream of events).
-    Agui(RelayArgs),
+    Agui(Box<RelayArgs>),
 }
 
 /// Flags of `relay a2a` and `relay agui`.
@@ -224,15 +224,32 @@ struct RelayArgs {
     /// The agent's base URL, e.g. http://agent:9999; request paths are appended to its path.
     #[arg(long)]
     upstream: reqwest::Url,
-    /// The caller's agent id (Collab-From-Agent) when the request does not name one.
+    /// The caller's agent id (Collab-From-Agent): every caller's, or, with --from-agent-header,
+    /// that of a request the proxy sends without the header.
     #[arg(long)]
-    from_agent: String,
+    from_agent: Option<String>,
     /// The id of the agent behind this relay (Collab-To-Agent).
     #[arg(long)]
     to_agent: String,
-    /// A request header whose value, when present, is the caller's agent id.
+    /// A request header naming the caller's agent id, set by an authenticating proxy; needs
+    /// --trust-header-from.
     #[arg(long)]
     from_agent_header: Option<axum::http::HeaderName>,
+    /// The addresses of the authenticating proxy (CIDR ranges or addresses, comma-separated):
+    /// with --from-agent-header, only connections from them are served.
+    #[arg(long, value_delimiter = ',', value_parser = relay::trust::parse_net)]
+    trust_header_from: Vec<ipnet::IpNet>,
+    /// A file of `AGENT_ID TOKEN` lines: each caller sends `Proxy-Authorization: Bearer TOKEN`
+    /// and is named by it; without a known token, 401.
+    #[arg(long)]
+    caller_tokens: Option<PathBuf>,
+    /// Requests each caller may make, sustained: N/s, N/min or N/h (a token bucket per caller
+    /// id; 429 past it); `off` for no limit.
+    #[arg(long, default_value = "20/s", value_parser = relay::trust::parse_rate_limit)]
+    rate_limit: relay::trust::RateLimit,
+    /// Requests a caller may make at once before --rate-limit applies.
+    #[arg(long, default_value_t = 100)]
+    rate_limit_burst: u32,
     /// Messages waiting to be published; when full, new ones are dropped and counted.
     #[arg(long, default_value_t = 10_000)]
     queue_size: usize,
@@ -522,6 +539,7 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
                 RelayCommand::A2a(a) => (relay::Protocol::A2a, a),
                 RelayCommand::Agui(a) => (relay::Protocol::Agui, a),
             };
+            let args = *args;
             let settings = Settings::load_with(args.config.as_deref(), |s| {
                 if let Some(url) = &args.nats_url {
                     s.nats.url = url.clone();
@@ -542,6 +560,10 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
                     from_agent: args.from_agent,
                     to_agent: args.to_agent,
                     from_agent_header: args.from_agent_header,
+                    trust_header_from: args.trust_header_from,
+                    caller_tokens: args.caller_tokens,
+                    rate_limit: args.rate_limit.0,
+                    rate_burst: args.rate_limit_burst,
                     queue_size: args.queue_size,
                     queue_bytes: args.queue_bytes,
                     max_message_bytes: args.max_message_bytes,

@@ -79,8 +79,9 @@ pub const RELAY_DROPPED: &str = "collab_relay_dropped_total";
 pub const RELAY_PUBLISH_FAILURES: &str = "collab_relay_publish_failures_total";
 /// Relay: messages waiting in the publish queue.
 pub const RELAY_QUEUE_DEPTH: &str = "collab_relay_queue_depth";
-/// Relay: requests forwarded, by `outcome` (forwarded, upstream_unreachable, upstream_failed,
-/// bad_request).
+/// Relay: requests, by `outcome` (forwarded: accepted and published; rejected_status,
+/// upstream_unreachable, upstream_failed, bad_request, bad_path, unauthorized, untrusted_peer,
+/// rate_limited: nothing published).
 pub const RELAY_REQUESTS: &str = "collab_relay_requests_total";
 /// Relay: 1 while connected to NATS, else 0.
 pub const RELAY_NATS_CONNECTED: &str = "collab_relay_nats_connected";
@@ -363,7 +364,7 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
     (
         RELAY_REQUESTS,
         Family::Counter,
-        "Relay: requests, by outcome (forwarded, upstream_unreachable, upstream_failed, bad_request).",
+        "Relay: requests, by outcome (forwarded: accepted and published; rejected_status, upstream_unreachable, upstream_failed, bad_request, bad_path, unauthorized, untrusted_peer, rate_limited: nothing published).",
     ),
     (
         RELAY_NATS_CONNECTED,

@@ -144,6 +144,9 @@ pub struct RelayHeaders {
     /// The AG-UI run an event belongs to (CONTRACT 2b), for events that carry no `runId`
     /// (`RUN_ERROR`, steps, state events).
     pub run_id: Option<String>,
+    /// Which side of the exchange the body is: `request` (the caller's words) or `answer` (the
+    /// callee's). When present it decides, never the body's shape.
+    pub direction: Option<String>,
 }
 
 impl RelayHeaders {
@@ -152,6 +155,9 @@ impl RelayHeaders {
     pub const EXCHANGE: &'static str = "Collab-Exchange";
     pub const A2A_METHOD: &'static str = "Collab-A2A-Method";
     pub const RUN_ID: &'static str = "Collab-Run-Id";
+    pub const DIRECTION: &'static str = "Collab-Direction";
+    pub const DIRECTION_REQUEST: &'static str = "request";
+    pub const DIRECTION_ANSWER: &'static str = "answer";
 
     /// Read them from a message's NATS headers (empty values count as absent).
     pub fn from_nats(h: &async_nats::HeaderMap) -> RelayHeaders {
@@ -166,6 +172,7 @@ impl RelayHeaders {
             exchange: get(Self::EXCHANGE),
             a2a_method: get(Self::A2A_METHOD),
             run_id: get(Self::RUN_ID),
+            direction: get(Self::DIRECTION),
         }
     }
 }
@@ -226,12 +233,16 @@ pub fn normalize(input: &RawInput<'_>, settings: &Settings) -> Result<Vec<Normal
         ));
     };
 
-    if adapter::looks_like_adapter_packet(&value) {
+    let type_suffix = input.subject.as_ref().map(|s| s.type_suffix.as_str());
+    let wire = a2a_wire::is_wire(obj, type_suffix, &input.relay);
+    // A body a relay published as one side of an A2A exchange is read as wire traffic whatever
+    // else it looks like: an adapter packet's agent ids would otherwise speak for the relay's.
+    let relayed = wire && input.relay.direction.is_some();
+    if !relayed && adapter::looks_like_adapter_packet(&value) {
         return event::from_adapter_packet(&value, input, settings)
             .map(|n| counted(vec![n], redactions));
     }
-    let type_suffix = input.subject.as_ref().map(|s| s.type_suffix.as_str());
-    if a2a_wire::is_wire(obj, type_suffix, &input.relay) {
+    if wire {
         return from_wire(obj, input, settings).map(|n| counted(vec![n], redactions));
     }
     let events = match obj.get("type") {
@@ -411,6 +422,48 @@ mod tests {
         assert!(
             long_list.contains("4 items") && long_list.contains("limits.max_array_items"),
             "{long_list}"
+        );
+    }
+
+    #[test]
+    fn a_relayed_body_is_wire_traffic_whatever_else_it_looks_like() {
+        let settings = crate::config::Settings::default()
+            .ingest()
+            .unwrap_or_else(|e| panic!("default settings: {e}"));
+        // A caller's request written as an adapter packet that speaks for another agent.
+        let body = serde_json::to_vec(&json!({
+            "protocol": "a2a", "event_type": "task_completed", "jsonrpc": "2.0", "id": 1,
+            "from_agent": "boss", "result": {"kind": "message", "role": "agent", "parts": []}
+        }))
+        .unwrap_or_default();
+        let input = |direction: Option<&str>| RawInput {
+            bytes: &body,
+            subject: Some(SubjectInfo {
+                key: "k".into(),
+                type_suffix: "a2a.wire.request".into(),
+            }),
+            raw_ref: None,
+            relay: RelayHeaders {
+                from_agent: Some("caller".into()),
+                to_agent: Some("agent".into()),
+                exchange: Some("x1".into()),
+                direction: direction.map(str::to_string),
+                ..RelayHeaders::default()
+            },
+        };
+        match normalize(&input(Some(RelayHeaders::DIRECTION_REQUEST)), &settings) {
+            Err(r) => assert!(
+                r.detail.contains("Collab-Direction: request"),
+                "{}",
+                r.detail
+            ),
+            Ok(events) => panic!("projected: {events:?}"),
+        }
+        // Without the relay's word the adapter reading applies, as before.
+        let unrelayed = normalize(&input(None), &settings);
+        assert!(
+            !matches!(&unrelayed, Err(r) if r.detail.contains("Collab-Direction")),
+            "{unrelayed:?}"
         );
     }
 

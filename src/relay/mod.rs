@@ -7,10 +7,19 @@
 //! bounded queue that a publisher task serves; when NATS is slow or away the queue fills and
 //! messages are dropped and counted, and the exchange is never slowed or failed by it.
 //!
-//! - `wire`: the pure reading of the traffic: methods, keys, SSE framing, hop-by-hop headers.
+//! An exchange is published only once the agent has accepted it (a 2xx status): what a caller
+//! sends that the agent refuses, and what the relay refuses itself (a path outside the agent's
+//! base, a caller it cannot name, a caller over its rate), reaches the bus in no form. The
+//! relay, not the bodies, says which side spoke: the request is the caller's, every answer the
+//! agent's (`Collab-Direction`).
+//!
+//! - `wire`: the pure reading of the traffic: methods, keys, SSE framing, hop-by-hop headers,
+//!   paths.
+//! - `trust`: who the caller is, and its rate limit.
 //! - `publisher`: the queue, the background connection and the JetStream publishes.
 
 mod publisher;
+pub mod trust;
 pub mod wire;
 
 pub use publisher::DropReason;
@@ -46,6 +55,7 @@ pub mod headers {
     pub const EXCHANGE: &str = RelayHeaders::EXCHANGE;
     pub const A2A_METHOD: &str = RelayHeaders::A2A_METHOD;
     pub const RUN_ID: &str = RelayHeaders::RUN_ID;
+    pub const DIRECTION: &str = RelayHeaders::DIRECTION;
 }
 
 /// How one relay runs.
@@ -56,12 +66,23 @@ pub struct RelayOptions {
     pub listen: String,
     /// The agent's base URL; a request's path and query are appended to its path.
     pub upstream: reqwest::Url,
-    /// The caller's agent id when the request does not name one in `from_agent_header`.
-    pub from_agent: String,
+    /// The caller's agent id (fixed mode), or the one a trusted proxy's request without
+    /// `from_agent_header` gets (header mode). Not allowed with `caller_tokens`.
+    pub from_agent: Option<String>,
     /// The agent behind this relay.
     pub to_agent: String,
-    /// A request header naming the caller's agent id, for relays that several callers share.
+    /// A request header naming the caller's agent id, set by an authenticating proxy; only with
+    /// `trust_header_from`.
     pub from_agent_header: Option<HeaderName>,
+    /// The peers (the authenticating proxies) whose connections header mode serves.
+    pub trust_header_from: Vec<ipnet::IpNet>,
+    /// A token file (`AGENT_ID TOKEN` lines): each caller presents its token in
+    /// `Proxy-Authorization: Bearer <token>`.
+    pub caller_tokens: Option<std::path::PathBuf>,
+    /// The requests each caller may make, sustained; `None`: no limit.
+    pub rate_limit: Option<trust::Rate>,
+    /// Requests a caller may make at once before the rate applies.
+    pub rate_burst: u32,
     /// Messages waiting for the publisher; past that they are dropped.
     pub queue_size: usize,
     /// Payload bytes waiting for the publisher or being published; past that new messages are
@@ -130,9 +151,9 @@ struct Proxy {
     protocol: Protocol,
     upstream: reqwest::Url,
     client: reqwest::Client,
-    from_agent: String,
+    callers: trust::Callers,
+    limiter: Option<trust::Limiter>,
     to_agent: String,
-    from_agent_header: Option<HeaderName>,
     prefix: String,
     max_message: usize,
     queue: Queue,
@@ -146,10 +167,12 @@ pub async fn start(
     metrics: Option<PrometheusHandle>,
     cancel: CancellationToken,
 ) -> Result<RunningRelay, RelayError> {
+    let callers = callers_of(&opts)?;
     for (flag, id) in [
-        ("--from-agent", &opts.from_agent),
-        ("--to-agent", &opts.to_agent),
+        ("--from-agent", opts.from_agent.as_deref()),
+        ("--to-agent", Some(opts.to_agent.as_str())),
     ] {
+        let Some(id) = id else { continue };
         if id.trim().is_empty() || !header_safe(id) {
             return Err(RelayError::Invalid(format!(
                 "{flag} must be a non-empty agent id without control characters"
@@ -199,18 +222,40 @@ pub async fn start(
         protocol: opts.protocol,
         upstream: opts.upstream.clone(),
         client,
-        from_agent: opts.from_agent.clone(),
+        callers: callers.clone(),
+        limiter: trust::Limiter::new(opts.rate_limit, opts.rate_burst),
         to_agent: opts.to_agent.clone(),
-        from_agent_header: opts.from_agent_header.clone(),
         prefix: settings.nats.prefix.clone(),
         max_message: opts.max_message_bytes,
         queue,
     });
+    if proxy.limiter.is_some() {
+        // Buckets that filled up again are forgotten, so the map holds only recent callers.
+        let idle = proxy.clone();
+        let stop = publisher_stop.clone();
+        tracker.spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(60));
+            loop {
+                tokio::select! {
+                    _ = stop.cancelled() => break,
+                    _ = tick.tick() => {
+                        if let Some(l) = &idle.limiter {
+                            l.forget_idle();
+                        }
+                    }
+                }
+            }
+        });
+    }
     let router = Router::new().fallback(forward).with_state(proxy);
     let stop = cancel.clone();
     let server = tokio::spawn(async move {
-        let serve = axum::serve(listener, router)
-            .with_graceful_shutdown(async move { stop.cancelled().await });
+        // The peer's address is what header mode trusts.
+        let serve = axum::serve(
+            listener,
+            router.into_make_service_with_connect_info::<SocketAddr>(),
+        )
+        .with_graceful_shutdown(async move { stop.cancelled().await });
         if let Err(e) = serve.await {
             warn!(error = %e, "relay proxy stopped");
         }
@@ -238,6 +283,8 @@ pub async fn start(
         %addr,
         upstream = %shown_url(&opts.upstream),
         to_agent = %opts.to_agent,
+        callers = callers.mode(),
+        rate_limit = ?opts.rate_limit,
         "relay listening"
     );
     Ok(RunningRelay {
@@ -249,6 +296,48 @@ pub async fn start(
         cancel,
         drain_timeout: opts.drain_timeout,
     })
+}
+
+/// How the relay names its callers, from the flags; a combination that would let a caller name
+/// itself is refused, with the flag to add.
+fn callers_of(opts: &RelayOptions) -> Result<trust::Callers, RelayError> {
+    let invalid = |m: &str| Err(RelayError::Invalid(m.to_string()));
+    match (&opts.caller_tokens, &opts.from_agent_header) {
+        (Some(_), Some(_)) => invalid(
+            "--caller-tokens and --from-agent-header are two ways to name the caller; use one",
+        ),
+        (Some(_), None) if opts.from_agent.is_some() => invalid(
+            "--caller-tokens names each caller by its token; drop --from-agent, which would name them all",
+        ),
+        (Some(_), None) if !opts.trust_header_from.is_empty() => invalid(
+            "--trust-header-from only applies to --from-agent-header; drop it with --caller-tokens",
+        ),
+        (Some(path), None) => trust::CallerTokens::load(path)
+            .map(trust::Callers::Tokens)
+            .map_err(RelayError::Invalid),
+        (None, Some(name)) if opts.trust_header_from.is_empty() => Err(RelayError::Invalid(format!(
+            "--from-agent-header {name} lets a request name its own caller, so anyone who can reach the relay could speak as any agent; add --trust-header-from CIDR[,CIDR] with the addresses of the authenticating proxy that sets {name} (only connections from them are then served), or name callers by token with --caller-tokens FILE"
+        ))),
+        (None, Some(name)) => match &opts.from_agent {
+            Some(default) => Ok(trust::Callers::Header {
+                name: name.clone(),
+                trusted: opts.trust_header_from.clone(),
+                default: default.clone(),
+            }),
+            None => Err(RelayError::Invalid(format!(
+                "--from-agent-header {name} needs --from-agent too: the caller of a request that comes through the proxy without {name}"
+            ))),
+        },
+        (None, None) if !opts.trust_header_from.is_empty() => invalid(
+            "--trust-header-from only applies to --from-agent-header; add that flag or drop this one",
+        ),
+        (None, None) => match &opts.from_agent {
+            Some(agent) => Ok(trust::Callers::Fixed(agent.clone())),
+            None => invalid(
+                "name the caller: --from-agent ID (one caller), --caller-tokens FILE (a token per caller), or --from-agent-header NAME with --trust-header-from CIDR (behind an authenticating proxy)",
+            ),
+        },
+    }
 }
 
 async fn bind(addr: &str) -> Result<tokio::net::TcpListener, RelayError> {
@@ -294,32 +383,54 @@ fn register_metrics() {
 }
 
 /// How a request through the relay went: the `outcome` label of `collab_relay_requests_total`.
+/// Every outcome but `forwarded` publishes nothing of the exchange.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum RequestOutcome {
-    /// The upstream answered (whatever its status); the answer was passed on.
+    /// The upstream accepted the request (2xx); the answer was passed on, the exchange published.
     Forwarded,
+    /// The upstream answered with another status (a 401, a 404, a 500, a redirect); the answer
+    /// was passed on, nothing was published.
+    RejectedStatus,
     /// No connection to the upstream could be made: the caller got a 502.
     UpstreamUnreachable,
     /// The connection was made but no answer came: the caller got a 502.
     UpstreamFailed,
     /// The caller's request body could not be read.
     BadRequest,
+    /// The path would leave the upstream's base path: a 400, not forwarded.
+    BadPath,
+    /// Token mode, no valid token: a 401, not forwarded.
+    Unauthorized,
+    /// Header mode, a peer outside `--trust-header-from`: a 403, not forwarded.
+    UntrustedPeer,
+    /// The caller is over its rate: a 429, not forwarded.
+    RateLimited,
 }
 
 impl RequestOutcome {
-    const ALL: [RequestOutcome; 4] = [
+    const ALL: [RequestOutcome; 9] = [
         RequestOutcome::Forwarded,
+        RequestOutcome::RejectedStatus,
         RequestOutcome::UpstreamUnreachable,
         RequestOutcome::UpstreamFailed,
         RequestOutcome::BadRequest,
+        RequestOutcome::BadPath,
+        RequestOutcome::Unauthorized,
+        RequestOutcome::UntrustedPeer,
+        RequestOutcome::RateLimited,
     ];
 
     fn as_str(self) -> &'static str {
         match self {
             RequestOutcome::Forwarded => "forwarded",
+            RequestOutcome::RejectedStatus => "rejected_status",
             RequestOutcome::UpstreamUnreachable => "upstream_unreachable",
             RequestOutcome::UpstreamFailed => "upstream_failed",
             RequestOutcome::BadRequest => "bad_request",
+            RequestOutcome::BadPath => "bad_path",
+            RequestOutcome::Unauthorized => "unauthorized",
+            RequestOutcome::UntrustedPeer => "untrusted_peer",
+            RequestOutcome::RateLimited => "rate_limited",
         }
     }
 
@@ -355,11 +466,14 @@ impl Exchange {
         }
         let n = self.next;
         self.next += 1;
-        let mut headers = self.headers.clone();
-        headers.insert("Nats-Msg-Id", format!("{}:{n}", self.id).as_str());
+        let mut message_headers = self.headers.clone();
+        message_headers.insert("Nats-Msg-Id", format!("{}:{n}", self.id).as_str());
+        // The side of the exchange, told by the relay: the request is the caller's words, all
+        // else the agent's, whatever the bodies look like.
+        message_headers.insert(headers::DIRECTION, kind.direction());
         self.queue.offer(Outgoing {
             subject: wire::subject(&self.prefix, &self.key, kind),
-            headers,
+            headers: message_headers,
             payload,
             kind,
         });
@@ -414,10 +528,49 @@ async fn read_body(body: Body, limit: usize) -> Result<RequestBody, axum::Error>
     }))
 }
 
-/// Every request, whatever its method and path: forward it, pass the answer back, publish.
+/// Every request, whatever its method and path: check it, forward it, pass the answer back, and
+/// publish the exchange once the agent has accepted it.
 async fn forward(State(proxy): State<Arc<Proxy>>, req: Request) -> Response {
     let exchange_id = uuid::Uuid::new_v4().to_string();
     let (parts, body) = req.into_parts();
+    let path = match wire::confine_path(parts.uri.path()) {
+        Ok(p) => p,
+        Err(refusal) => {
+            RequestOutcome::BadPath.count();
+            // The rule, never the path: it is the caller's text.
+            debug!(exchange = %exchange_id, reason = refusal.as_str(), "a path that could leave the agent's base is refused: not forwarded, not published");
+            return relay_error(
+                StatusCode::BAD_REQUEST,
+                "bad_path",
+                refusal.message().into(),
+            );
+        }
+    };
+    let peer = parts
+        .extensions
+        .get::<axum::extract::ConnectInfo<SocketAddr>>()
+        .map(|c| c.0.ip());
+    let caller = match proxy.callers.identify(&parts.headers, peer) {
+        Ok(c) => c,
+        Err(refusal) => return proxy.refuse(refusal, &exchange_id),
+    };
+    if let Some(limiter) = &proxy.limiter {
+        if let Err(wait) = limiter.check(&caller) {
+            RequestOutcome::RateLimited.count();
+            debug!(exchange = %exchange_id, caller = %caller, "the caller is over its rate: not forwarded, not published");
+            let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
+            let mut answer = relay_error(
+                StatusCode::TOO_MANY_REQUESTS,
+                "rate_limited",
+                format!("too many requests from {caller}; retry after {secs} s"),
+            );
+            answer.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                HeaderValue::from(secs.max(1)),
+            );
+            return answer;
+        }
+    }
     let body = match read_body(body, proxy.max_message).await {
         Ok(b) => b,
         Err(e) => {
@@ -430,37 +583,48 @@ async fn forward(State(proxy): State<Arc<Proxy>>, req: Request) -> Response {
             );
         }
     };
-    let plan = plan_of(proxy.protocol, &parts, &body);
+    let plan = plan_of(proxy.protocol, parts.method.as_str(), &path, &body);
     if let Some(note) = plan.note {
         debug!(exchange = %exchange_id, method = %parts.method, "{note}");
     }
-    let mut exchange = proxy.exchange(exchange_id, &parts.headers, &plan);
-    if let Some(kind) = plan.request {
-        match &body {
-            RequestBody::Whole(b) => exchange.emit(kind, b.clone()),
-            RequestBody::Large { .. } => {
-                exchange.skip(kind, DropReason::TooLarge, proxy.max_message + 1)
-            }
-        }
-    }
+    let mut exchange = proxy.exchange(exchange_id, &caller, &plan);
+    // What the request contributes once the agent accepts it: the body, or a count.
+    let request = plan.request.map(|kind| match &body {
+        RequestBody::Whole(b) => (kind, Some(b.clone())),
+        RequestBody::Large { .. } => (kind, None),
+    });
     let head = parts.method == axum::http::Method::HEAD;
-    match proxy.send(parts, body).await {
-        Ok(answer) => {
+    let url = upstream_url(&proxy.upstream, &path, parts.uri.query());
+    match proxy.send(parts, url, body).await {
+        Ok(answer) if answer.status().is_success() => {
             RequestOutcome::Forwarded.count();
+            // The request goes to the queue before anything of the answer: on the bus it comes
+            // first.
+            match request {
+                Some((kind, Some(b))) => exchange.emit(kind, b),
+                Some((kind, None)) => {
+                    exchange.skip(kind, DropReason::TooLarge, proxy.max_message + 1)
+                }
+                None => {}
+            }
             proxy.pass_back(answer, plan.publish_answers, head, exchange)
+        }
+        Ok(answer) => {
+            RequestOutcome::RejectedStatus.count();
+            debug!(
+                exchange = %exchange.id,
+                caller = %caller,
+                status = answer.status().as_u16(),
+                "the agent did not accept the request: its answer is passed on, nothing of the exchange is published"
+            );
+            proxy.pass_back(answer, false, head, exchange)
         }
         Err(e) => proxy.bad_gateway(e, &exchange.id),
     }
 }
 
 /// What to publish of an exchange, from its request.
-fn plan_of(
-    protocol: Protocol,
-    parts: &axum::http::request::Parts,
-    body: &RequestBody,
-) -> wire::Plan {
-    let method = parts.method.as_str();
-    let path = parts.uri.path();
+fn plan_of(protocol: Protocol, method: &str, path: &str, body: &RequestBody) -> wire::Plan {
     match body {
         RequestBody::Whole(b) => wire::plan(protocol, method, path, wire::RequestBytes::Whole(b)),
         RequestBody::Large { head, .. } => {
@@ -475,16 +639,48 @@ fn plan_of(
 }
 
 impl Proxy {
+    /// The caller's 401 or 403: nothing is forwarded or published.
+    fn refuse(&self, refusal: trust::Refusal, exchange: &str) -> Response {
+        let (outcome, message) = match (refusal, &self.callers) {
+            (trust::Refusal::UntrustedPeer, trust::Callers::Header { name, .. }) => (
+                RequestOutcome::UntrustedPeer,
+                format!(
+                    "this relay names callers by the {name} header of its authenticating proxy and serves only connections from that proxy; send the request through it"
+                ),
+            ),
+            (trust::Refusal::UntrustedPeer, _) => (
+                RequestOutcome::UntrustedPeer,
+                "this relay serves only connections from its authenticating proxy".to_string(),
+            ),
+            (trust::Refusal::AmbiguousHeader, _) => (
+                RequestOutcome::UntrustedPeer,
+                "the caller header came more than once; the authenticating proxy must replace the caller's own header, not add to it"
+                    .to_string(),
+            ),
+            (trust::Refusal::Unauthorized, _) => (
+                RequestOutcome::Unauthorized,
+                "the relay needs a caller token it knows: send `Proxy-Authorization: Bearer <token>`"
+                    .to_string(),
+            ),
+        };
+        outcome.count();
+        debug!(
+            exchange,
+            outcome = outcome.as_str(),
+            "caller refused: not forwarded, not published"
+        );
+        let mut answer = relay_error(refusal.status(), refusal.as_str(), message);
+        if refusal == trust::Refusal::Unauthorized {
+            answer.headers_mut().insert(
+                axum::http::header::PROXY_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"collab-relay\""),
+            );
+        }
+        answer
+    }
+
     /// The exchange's key and the headers its messages share.
-    fn exchange(&self, id: String, request: &HeaderMap, plan: &wire::Plan) -> Exchange {
-        let from_agent = self
-            .from_agent_header
-            .as_ref()
-            .and_then(|h| request.get(h))
-            .and_then(|v| v.to_str().ok())
-            .map(str::trim)
-            .filter(|v| !v.is_empty() && header_safe(v))
-            .unwrap_or(&self.from_agent);
+    fn exchange(&self, id: String, from_agent: &str, plan: &wire::Plan) -> Exchange {
         let key = encode_id(plan.context_id.as_deref().unwrap_or(&id));
         let mut shared = async_nats::HeaderMap::new();
         shared.insert(headers::FROM_AGENT, from_agent);
@@ -511,10 +707,9 @@ impl Proxy {
     async fn send(
         &self,
         parts: axum::http::request::Parts,
+        url: reqwest::Url,
         body: RequestBody,
     ) -> reqwest::Result<reqwest::Response> {
-        let path_and_query = parts.uri.path_and_query().map_or("/", |pq| pq.as_str());
-        let url = upstream_url(&self.upstream, path_and_query);
         let mut upstream = self.client.request(parts.method.clone(), url);
         let whole = matches!(body, RequestBody::Whole(_));
         for (name, value) in forwarded_headers(&parts.headers) {
@@ -619,13 +814,10 @@ impl Proxy {
     }
 }
 
-/// `base` with the request's path appended to its path, and the request's query.
-fn upstream_url(base: &reqwest::Url, path_and_query: &str) -> reqwest::Url {
+/// `base` with the request's path (already confined by [`wire::confine_path`]) appended to its
+/// path, and the request's query.
+fn upstream_url(base: &reqwest::Url, path: &str, query: Option<&str>) -> reqwest::Url {
     let mut url = base.clone();
-    let (path, query) = match path_and_query.split_once('?') {
-        Some((p, q)) => (p, Some(q)),
-        None => (path_and_query, None),
-    };
     let joined = format!("{}{}", base.path().trim_end_matches('/'), path);
     url.set_path(if joined.is_empty() { "/" } else { &joined });
     url.set_query(query);

@@ -291,15 +291,18 @@ fn hop_by_hop_headers_and_event_streams() {
 fn upstream_urls_keep_the_base_path_and_the_query() {
     let base = reqwest::Url::parse("http://agent:9000/complete/").unwrap();
     assert_eq!(
-        upstream_url(&base, "/a2a/jsonrpc?x=1").as_str(),
+        upstream_url(&base, "/a2a/jsonrpc", Some("x=1")).as_str(),
         "http://agent:9000/complete/a2a/jsonrpc?x=1"
     );
     let base = reqwest::Url::parse("http://agent:9000").unwrap();
     assert_eq!(
-        upstream_url(&base, "/tasks/t-1:cancel").as_str(),
+        upstream_url(&base, "/tasks/t-1:cancel", None).as_str(),
         "http://agent:9000/tasks/t-1:cancel"
     );
-    assert_eq!(upstream_url(&base, "/").as_str(), "http://agent:9000/");
+    assert_eq!(
+        upstream_url(&base, "/", None).as_str(),
+        "http://agent:9000/"
+    );
     let secret = reqwest::Url::parse("https://user:pw@agent/x").unwrap();
     assert_eq!(shown_url(&secret), "https://agent/x");
 }
@@ -357,4 +360,244 @@ fn the_queue_is_bounded_in_messages_and_in_bytes() {
         sizes.push(m.payload.len());
     }
     assert_eq!(sizes, vec![40, 40, 10]);
+}
+
+/// Every escape attempt is refused for the rule it breaks; legitimate paths, dot segments
+/// included, stay under the base and reach the agent resolved.
+#[test]
+fn paths_are_confined_to_the_base() {
+    use wire::{confine_path, PathRefusal::*};
+    let refused = [
+        ("/../b/x", AboveBase),
+        ("/%2E%2e/%2e%2E/admin", AboveBase),
+        ("/x/../../b/secret", AboveBase),
+        ("/%2e%2e/b", AboveBase),
+        ("/..%2fb", EncodedSeparator),
+        ("/.%2e/b", AboveBase),
+        ("/x/..%2F..%2Fb", EncodedSeparator),
+        ("//evil.example/x", HostLike),
+        ("/\\..\\b", Backslash),
+        ("/x/%5c..%5cb", EncodedSeparator),
+        ("/x/%252e%252e/b", EncodedSeparator),
+        ("/x/%00", Control),
+        ("/..", AboveBase),
+        ("*", NotAPath),
+    ];
+    for (path, why) in refused {
+        assert_eq!(confine_path(path), Err(why), "{path}");
+    }
+    let kept = [
+        ("/", "/"),
+        ("/v1/message:send", "/v1/message:send"),
+        ("/x/./y", "/x/y"),
+        ("/x/../y", "/y"),
+        ("/x/%2e%2E/y", "/y"),
+        ("/x/..", "/"),
+        ("/x/y/.", "/x/y/"),
+        ("/a2a/", "/a2a/"),
+        ("/tasks/t%201:cancel", "/tasks/t%201:cancel"),
+        (
+            "/.well-known/agent-card.json",
+            "/.well-known/agent-card.json",
+        ),
+        ("/x/...", "/x/..."),
+    ];
+    for (path, confined) in kept {
+        assert_eq!(confine_path(path).as_deref(), Ok(confined), "{path}");
+    }
+    // Joined under a base with a path, a confined path cannot leave it.
+    let base = reqwest::Url::parse("http://host/agents/a/").unwrap();
+    for (path, _) in kept {
+        let url = upstream_url(&base, &confine_path(path).unwrap(), None);
+        assert!(url.path().starts_with("/agents/a/"), "{path} -> {url}");
+    }
+}
+
+#[test]
+fn caller_token_files_name_each_caller_and_refuse_what_is_unclear() {
+    use axum::http::{HeaderMap, HeaderValue};
+    let tokens = trust::CallerTokens::parse(
+        "# planner rotates its token\nplanner 0123456789abcdef0123\nplanner fedcba9876543210fedc\n\n  scheduler   s3cret-s3cret-s3cret  \n",
+    )
+    .unwrap();
+    assert_eq!(tokens.len(), 3);
+    let with = |value: &str| {
+        let mut h = HeaderMap::new();
+        h.insert("proxy-authorization", HeaderValue::from_str(value).unwrap());
+        h
+    };
+    assert_eq!(
+        tokens
+            .caller(&with("Bearer fedcba9876543210fedc"))
+            .as_deref(),
+        Some("planner")
+    );
+    assert_eq!(
+        tokens
+            .caller(&with("bearer s3cret-s3cret-s3cret"))
+            .as_deref(),
+        Some("scheduler")
+    );
+    assert_eq!(tokens.caller(&with("Bearer s3cret-s3cret-s3cre")), None);
+    assert_eq!(tokens.caller(&with("Basic s3cret-s3cret-s3cret")), None);
+    assert_eq!(tokens.caller(&HeaderMap::new()), None);
+    // The agent's own Authorization header is not the relay's token.
+    let mut agent_auth = HeaderMap::new();
+    agent_auth.insert(
+        "authorization",
+        HeaderValue::from_static("Bearer s3cret-s3cret-s3cret"),
+    );
+    assert_eq!(tokens.caller(&agent_auth), None);
+    // Debug output names agents, never tokens.
+    let shown = format!("{tokens:?}");
+    assert!(
+        shown.contains("scheduler") && !shown.contains("s3cret"),
+        "{shown}"
+    );
+
+    for (text, says) in [
+        ("planner\n", "line 1: expected `AGENT_ID TOKEN`"),
+        ("planner a b\n", "line 1: expected"),
+        ("planner short\n", "shorter than 16"),
+        (
+            "a 0123456789abcdef0123\nb 0123456789abcdef0123\n",
+            "line 2: this token is already a's",
+        ),
+        ("# nobody\n", "no caller in the file"),
+    ] {
+        let err = trust::CallerTokens::parse(text).unwrap_err();
+        assert!(err.contains(says), "{text:?}: {err}");
+        assert!(
+            !err.contains("0123456789abcdef"),
+            "no token in the error: {err}"
+        );
+    }
+}
+
+#[test]
+fn header_mode_believes_only_trusted_peers() {
+    use axum::http::{HeaderMap, HeaderName, HeaderValue};
+    let callers = trust::Callers::Header {
+        name: HeaderName::from_static("x-agent-id"),
+        trusted: vec![
+            trust::parse_net("10.1.0.0/16").unwrap(),
+            trust::parse_net("fd00::1").unwrap(),
+        ],
+        default: "gateway".into(),
+    };
+    let mut h = HeaderMap::new();
+    h.insert("x-agent-id", HeaderValue::from_static("planner"));
+    let ip = |s: &str| Some(s.parse().unwrap());
+    assert_eq!(callers.identify(&h, ip("10.1.2.3")), Ok("planner".into()));
+    // An IPv4 peer seen on a dual-stack socket is still the same peer.
+    assert_eq!(
+        callers.identify(&h, ip("::ffff:10.1.2.3")),
+        Ok("planner".into())
+    );
+    assert_eq!(callers.identify(&h, ip("fd00::1")), Ok("planner".into()));
+    assert_eq!(
+        callers.identify(&HeaderMap::new(), ip("10.1.2.3")),
+        Ok("gateway".into())
+    );
+    for untrusted in [ip("10.2.0.1"), ip("127.0.0.1"), ip("fd00::2"), None] {
+        assert_eq!(
+            callers.identify(&h, untrusted),
+            Err(trust::Refusal::UntrustedPeer),
+            "{untrusted:?}"
+        );
+        assert_eq!(
+            callers.identify(&HeaderMap::new(), untrusted),
+            Err(trust::Refusal::UntrustedPeer)
+        );
+    }
+    // A proxy that appended its header to the caller's: which is which cannot be told.
+    let mut twice = h.clone();
+    twice.append("x-agent-id", HeaderValue::from_static("boss"));
+    assert_eq!(
+        callers.identify(&twice, ip("10.1.2.3")),
+        Err(trust::Refusal::AmbiguousHeader)
+    );
+    assert!(trust::parse_net("10.0.0.0/33").is_err());
+    assert!(trust::parse_net("proxy.internal")
+        .unwrap_err()
+        .contains("CIDR"));
+}
+
+#[test]
+fn a_caller_over_its_rate_waits_and_others_do_not() {
+    let hourly = trust::parse_rate("1/h").unwrap();
+    let limiter = trust::Limiter::new(hourly, 2).unwrap();
+    assert!(limiter.check("a").is_ok());
+    assert!(limiter.check("a").is_ok());
+    let wait = limiter.check("a").unwrap_err();
+    assert!(wait > std::time::Duration::ZERO && wait <= std::time::Duration::from_secs(3600));
+    assert!(limiter.check("b").is_ok(), "buckets are per caller");
+    assert!(trust::Limiter::new(None, 10).is_none(), "no rate: no limit");
+
+    let rate = |s: &str| trust::parse_rate(s).map(|r| r.map(|r| (r.count.get(), r.per.as_secs())));
+    assert_eq!(rate("20/s"), Ok(Some((20, 1))));
+    assert_eq!(rate(" 600/min "), Ok(Some((600, 60))));
+    assert_eq!(rate("1000/h"), Ok(Some((1000, 3600))));
+    assert_eq!(rate("off"), Ok(None));
+    assert_eq!(rate("0"), Ok(None));
+    assert_eq!(rate("0/s"), Ok(None));
+    for bad in ["20", "20/day", "x/s", "-1/s"] {
+        assert!(rate(bad).unwrap_err().contains("20/s, 600/min"), "{bad}");
+    }
+}
+
+#[test]
+fn each_kind_says_whose_words_it_is() {
+    assert_eq!(Kind::A2aRequest.direction(), "request");
+    for k in [Kind::A2aResponse, Kind::A2aStream, Kind::Agui] {
+        assert_eq!(k.direction(), "answer");
+    }
+}
+
+proptest::proptest! {
+    /// Whatever the mix of dot segments (plain or encoded), empty segments and ordinary ones: a
+    /// confined path has no dot segment left, joined under a base it stays under it (as the URL
+    /// library resolves it too), and it is refused as above the base exactly when a `..` finds
+    /// nothing left to remove.
+    #[test]
+    fn confined_paths_never_leave_the_base(
+        segments in proptest::collection::vec(
+            proptest::sample::select(vec!["a", "b%20c", ".", "..", "%2e", "%2E%2e", ".%2e", "%2e.", "", "x..y", "..."]),
+            0..8,
+        )
+    ) {
+        let path = format!("/{}", segments.join("/"));
+        let is_dot = |s: &str| matches!(s.to_ascii_lowercase().replace("%2e", ".").as_str(), "." | "..");
+        let climbs = |s: &str| s.to_ascii_lowercase().replace("%2e", ".") == "..";
+        // The reference: count the depth, segment by segment.
+        let mut depth: i64 = 0;
+        let mut above = false;
+        for (i, s) in segments.iter().enumerate() {
+            if climbs(s) {
+                depth -= 1;
+                above |= depth < 0;
+            } else if !(is_dot(s) || s.is_empty() && i + 1 == segments.len()) {
+                depth += 1;
+            }
+        }
+        // A leading empty segment makes `//`, refused for its own reason.
+        if segments.first() == Some(&"") && segments.len() > 1 {
+            proptest::prop_assert_eq!(wire::confine_path(&path), Err(wire::PathRefusal::HostLike));
+            return Ok(());
+        }
+        match wire::confine_path(&path) {
+            Ok(confined) => {
+                proptest::prop_assert!(!above, "{} kept as {}", path, confined);
+                proptest::prop_assert!(confined.starts_with('/'));
+                proptest::prop_assert!(!confined[1..].split('/').any(is_dot), "{}", confined);
+                let base = reqwest::Url::parse("http://host/agents/a/").unwrap();
+                let url = upstream_url(&base, &confined, None);
+                proptest::prop_assert!(url.path().starts_with("/agents/a/"), "{} -> {}", path, url);
+            }
+            Err(why) => {
+                proptest::prop_assert_eq!(why, wire::PathRefusal::AboveBase, "{}", path);
+                proptest::prop_assert!(above, "{} refused though it stays under the base", path);
+            }
+        }
+    }
 }

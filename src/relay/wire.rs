@@ -51,6 +51,16 @@ impl Kind {
         }
     }
 
+    /// `Collab-Direction`: whose words the message is.
+    pub fn direction(self) -> &'static str {
+        match self {
+            Kind::A2aRequest => crate::ingest::RelayHeaders::DIRECTION_REQUEST,
+            Kind::A2aResponse | Kind::A2aStream | Kind::Agui => {
+                crate::ingest::RelayHeaders::DIRECTION_ANSWER
+            }
+        }
+    }
+
     /// The bounded metric label.
     pub fn label(self) -> &'static str {
         match self {
@@ -492,4 +502,134 @@ impl SseParser {
         self.has_data = false;
         self.size = 0;
     }
+}
+
+/// Why a request path is refused: each would reach, or could be read by the agent as reaching,
+/// something outside the upstream's base path.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PathRefusal {
+    /// Not an origin-form path (`*`, or no leading `/`).
+    NotAPath,
+    /// Starts with `//`, which URL resolvers read as a host name.
+    HostLike,
+    /// A backslash, which some servers read as `/`.
+    Backslash,
+    /// An encoded `/` or `\` (`%2f`, `%5c`), or a double-encoded one or dot (`%252e`): a server
+    /// that decodes once more would see a separator or a dot segment the relay did not.
+    EncodedSeparator,
+    /// An encoded control character (`%00`, `%0a`).
+    Control,
+    /// More `..` segments than segments before them: above the base path.
+    AboveBase,
+}
+
+impl PathRefusal {
+    /// What the caller is told; it names the rule, never the path.
+    pub fn message(self) -> &'static str {
+        match self {
+            PathRefusal::NotAPath => "the request target must be a path starting with /",
+            PathRefusal::HostLike => {
+                "the path starts with // (read as a host name); send a single leading /"
+            }
+            PathRefusal::Backslash => "the path contains a backslash; use / between segments",
+            PathRefusal::EncodedSeparator => {
+                "the path contains an encoded / or \\ (%2f, %5c) or a double-encoded one (%25...); send separators unencoded"
+            }
+            PathRefusal::Control => "the path contains an encoded control character",
+            PathRefusal::AboveBase => {
+                "the path climbs above the agent's base path with .. segments; only paths under the base are forwarded"
+            }
+        }
+    }
+
+    /// The bounded `reason` label and log field.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            PathRefusal::NotAPath => "not_a_path",
+            PathRefusal::HostLike => "host_like",
+            PathRefusal::Backslash => "backslash",
+            PathRefusal::EncodedSeparator => "encoded_separator",
+            PathRefusal::Control => "control",
+            PathRefusal::AboveBase => "above_base",
+        }
+    }
+}
+
+/// A request path made safe to append to the upstream's base path: dot segments (`.`, `..`, and
+/// their percent-encoded forms such as `%2e%2E`) are resolved (RFC 3986 section 5.2.4) before
+/// joining, and anything that could leave the base is refused. Other segments are kept as they
+/// came, still percent-encoded, for the agent to decode.
+pub fn confine_path(path: &str) -> Result<String, PathRefusal> {
+    let Some(rest) = path.strip_prefix('/') else {
+        return Err(PathRefusal::NotAPath);
+    };
+    if rest.starts_with('/') {
+        return Err(PathRefusal::HostLike);
+    }
+    if path.contains('\\') {
+        return Err(PathRefusal::Backslash);
+    }
+    let segments: Vec<&str> = rest.split('/').collect();
+    let mut out: Vec<&str> = Vec::with_capacity(segments.len());
+    for (i, segment) in segments.iter().enumerate() {
+        let last = i + 1 == segments.len();
+        let decoded = percent_decode(segment);
+        if decoded.iter().any(|b| *b == b'/' || *b == b'\\') {
+            return Err(PathRefusal::EncodedSeparator);
+        }
+        if decoded.iter().any(|b| b.is_ascii_control()) {
+            return Err(PathRefusal::Control);
+        }
+        if has_encoded_special(&decoded) {
+            return Err(PathRefusal::EncodedSeparator);
+        }
+        match decoded.as_slice() {
+            b"." => {}
+            b".." => {
+                if out.pop().is_none() {
+                    return Err(PathRefusal::AboveBase);
+                }
+            }
+            _ => {
+                out.push(segment);
+                continue;
+            }
+        }
+        // A path ending in a dot segment names a directory: it keeps its trailing slash.
+        if last {
+            out.push("");
+        }
+    }
+    Ok(format!("/{}", out.join("/")))
+}
+
+/// `%XX` escapes decoded; a `%` not followed by two hex digits stays as it is.
+fn percent_decode(segment: &str) -> Vec<u8> {
+    let bytes = segment.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        if bytes[i] == b'%' && i + 2 < bytes.len() {
+            if let (Some(h), Some(l)) = (hex(bytes[i + 1]), hex(bytes[i + 2])) {
+                out.push(u8::try_from(h * 16 + l).unwrap_or(b'%'));
+                i += 3;
+                continue;
+            }
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    out
+}
+
+/// Whether once-decoded bytes still hold an escape of `.`, `/` or `\` (a double encoding).
+fn has_encoded_special(decoded: &[u8]) -> bool {
+    decoded.windows(3).any(|w| {
+        w[0] == b'%'
+            && matches!(
+                (w[1], w[2].to_ascii_lowercase()),
+                (b'2', b'e') | (b'2', b'f') | (b'5', b'c')
+            )
+    })
 }

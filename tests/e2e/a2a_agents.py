@@ -8,7 +8,7 @@ v0.3 on the same endpoint) and HTTP+JSON routes:
              a streaming client sees every update as its own SSE frame.
 - /ask:      the first message of a task gets `input-required`; the next one on that task
              completes it.
-- /hang:     accepts a message and never answers.
+- /hang:     accepts a message (its task is announced, submitted) and never answers.
 
 Every card advertises the address it is reached at (`--public NAME=URL`), which is the relay's:
 a client that follows the card keeps going through the relay.
@@ -127,9 +127,11 @@ class AskingAgent(AgentExecutor):
 
 
 class HangingAgent(AgentExecutor):
-    """Accepts a message and never answers (the test kills the process meanwhile)."""
+    """Accepts a message (announces its task, submitted) and never answers (the test kills the
+    process meanwhile)."""
 
     async def execute(self, context: RequestContext, queue: EventQueue) -> None:
+        await open_task(context, queue)
         await asyncio.sleep(3600)
 
     async def cancel(self, context: RequestContext, queue: EventQueue) -> None:

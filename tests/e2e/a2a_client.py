@@ -7,7 +7,8 @@ compare it with what the relay published.
 
 With `--unknown URL` it also continues a task the agent does not know (the SDK raises the
 agent's TaskNotFound error, recorded as the scenario's `error`); with `--hang URL` it only sends
-one message to an agent that never answers, and waits (the test kills the agent meanwhile).
+one streamed message to an agent that opens the stream and then never answers, and waits (the test
+kills the agent meanwhile).
 
 Usage: python a2a_client.py [--complete URL --stream URL --ask URL] [--unknown URL] [--hang URL]
        [--caller ID]
@@ -122,7 +123,7 @@ async def main() -> None:
     if args.unknown:
         plan.append(("unknown-jsonrpc-v1", args.unknown, "JSONRPC", "1.0", False, ["status?"]))
     if args.hang:
-        plan.append(("hang-jsonrpc-v1", args.hang, "JSONRPC", "1.0", False, ["anyone?"]))
+        plan.append(("hang-jsonrpc-v1", args.hang, "JSONRPC", "1.0", True, ["anyone?"]))
     async with httpx.AsyncClient(
         headers={CALLER_HEADER: args.caller}, timeout=30
     ) as http:
