@@ -91,6 +91,7 @@ impl Drop for Slot {
             return;
         };
         open.total = open.total.saturating_sub(1);
+        tracing::debug!(open = open.total, "event stream closed");
         if let Some(t) = &self.token {
             if let Some(n) = open.per_token.get_mut(t) {
                 *n = n.saturating_sub(1);

@@ -527,7 +527,12 @@ pub(crate) struct Login {
 }
 
 impl Login {
-    pub(crate) async fn new(url: &str, user: &str, password: &str, inbox_prefix: Option<&str>) -> Login {
+    pub(crate) async fn new(
+        url: &str,
+        user: &str,
+        password: &str,
+        inbox_prefix: Option<&str>,
+    ) -> Login {
         let refusals = Arc::new(Mutex::new(Vec::new()));
         let sink = refusals.clone();
         let mut opts =

@@ -170,10 +170,7 @@ async fn work_sessions_show_a_token_no_text_of_roles_outside_its_grant() {
     }
     let (_, _, task) = get(&app, one, Some(TASK_TOKEN)).await;
     assert_eq!(task["session"]["title"], "Work session ws_trust");
-    assert_eq!(
-        task["session"]["lastMessagePreview"],
-        "the task's own text"
-    );
+    assert_eq!(task["session"]["lastMessagePreview"], "the task's own text");
     let (_, _, mplp) = get(&app, &format!("{one}?format=mplp"), Some(TASK_TOKEN)).await;
     assert_eq!(mplp["purpose"], "Collaboration in work session ws_trust");
 
@@ -207,8 +204,16 @@ async fn every_api_response_is_nosniff_and_no_store() {
             Some(TASK_TOKEN),
             StatusCode::FORBIDDEN,
         ),
-        ("/api/events?limit=x", Some(ALL_TOKEN), StatusCode::BAD_REQUEST),
-        ("/api/work-sessions/none", Some(ALL_TOKEN), StatusCode::NOT_FOUND),
+        (
+            "/api/events?limit=x",
+            Some(ALL_TOKEN),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "/api/work-sessions/none",
+            Some(ALL_TOKEN),
+            StatusCode::NOT_FOUND,
+        ),
         ("/api/nothing-here", None, StatusCode::NOT_FOUND),
     ] {
         let (status, headers, body) = get(&app, uri, token).await;
@@ -390,19 +395,28 @@ async fn provision_bounds_existing_streams_and_buckets_and_stays_idempotent() {
         .await
         .err()
         .unwrap_or_else(|| panic!("a limit below the stream's bytes must be refused"));
-    assert!(
-        err.to_string().contains("storage.raw_max_bytes"),
-        "{err}"
-    );
+    assert!(err.to_string().contains("storage.raw_max_bytes"), "{err}");
 
     let report = provision::provision(&js, &s)
         .await
         .unwrap_or_else(|e| panic!("provision: {e}"));
     assert_eq!(report.updated.len(), 6, "{:?}", report.updated);
     for (name, max_bytes, discard) in [
-        ("COLLAB_RAW", s.storage.raw_max_bytes, stream::DiscardPolicy::New),
-        ("COLLAB_PROJ", s.storage.proj_max_bytes, stream::DiscardPolicy::Old),
-        ("COLLAB_DLQ", s.storage.dlq_max_bytes, stream::DiscardPolicy::New),
+        (
+            "COLLAB_RAW",
+            s.storage.raw_max_bytes,
+            stream::DiscardPolicy::New,
+        ),
+        (
+            "COLLAB_PROJ",
+            s.storage.proj_max_bytes,
+            stream::DiscardPolicy::Old,
+        ),
+        (
+            "COLLAB_DLQ",
+            s.storage.dlq_max_bytes,
+            stream::DiscardPolicy::New,
+        ),
         (
             "KV_collab_turns",
             s.storage.turns_max_bytes,
@@ -460,8 +474,20 @@ async fn agents_publish_only_as_themselves_and_read_only_their_own_inbox() {
         .unwrap_or_else(|e| panic!("provision as the workers' user: {e}"));
 
     let [ruda_user, eden_user] = AGENT_USERS;
-    let ruda = Login::new(&url, ruda_user, &sample.password(ruda_user), Some("_INBOX_ruda")).await;
-    let eden = Login::new(&url, eden_user, &sample.password(eden_user), Some("_INBOX_eden")).await;
+    let ruda = Login::new(
+        &url,
+        ruda_user,
+        &sample.password(ruda_user),
+        Some("_INBOX_ruda"),
+    )
+    .await;
+    let eden = Login::new(
+        &url,
+        eden_user,
+        &sample.password(eden_user),
+        Some("_INBOX_eden"),
+    )
+    .await;
 
     // Each agent publishes as itself, and gets its acknowledgement on its own inbox.
     let own = identity::subject("collab", "conv-1", "eden", "a2a.response")
@@ -496,8 +522,8 @@ async fn agents_publish_only_as_themselves_and_read_only_their_own_inbox() {
         .await
         .unwrap_or_else(|e| panic!("{e}"));
     let producer = collab_projector::pipeline::producer_subject("collab", stored.subject.as_str());
-    let parsed = identity::parse("collab", &producer)
-        .unwrap_or_else(|| panic!("a raw subject: {producer}"));
+    let parsed =
+        identity::parse("collab", &producer).unwrap_or_else(|| panic!("a raw subject: {producer}"));
     assert_eq!(parsed.agent.as_deref(), Some("eden"));
     let normalized = ingest::normalize(
         &RawInput {
@@ -512,8 +538,153 @@ async fn agents_publish_only_as_themselves_and_read_only_their_own_inbox() {
     )
     .unwrap_or_else(|e| panic!("normalises: {e:?}"));
     let verdict = identity::check(&parsed, &normalized[0].envelope, true);
-    assert_eq!(
-        verdict.err().map(|e| e.reason()),
-        Some("identity_mismatch")
+    assert_eq!(verdict.err().map(|e| e.reason()), Some("identity_mismatch"));
+}
+
+/// Resident memory of process `pid`, in MiB (VmRSS of /proc/<pid>/status).
+fn rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// Sample RSS every half second until it moved less than 1 MiB over three samples.
+async fn settled_rss(pid: u32) -> f64 {
+    let mut last = rss_mib(pid);
+    let mut still = 0;
+    for _ in 0..120 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = rss_mib(pid);
+        if (now - last).abs() < 1.0 {
+            still += 1;
+            if still >= 3 {
+                return now;
+            }
+        } else {
+            still = 0;
+        }
+        last = now;
+    }
+    last
+}
+
+/// Memory of a `run` process under event-stream clients that never read, and after they close.
+/// A measurement, not a check: run it on purpose and read its output
+/// (`cargo test --test it trust::sse_memory -- --ignored --nocapture`; COLLAB_MEASURE_STREAMS and
+/// COLLAB_HTTP__SSE_BUFFER_BYTES change the client count and the per-stream buffer).
+#[tokio::test]
+#[ignore = "a measurement; prints figures"]
+async fn sse_memory_under_slow_readers() {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let streams: usize = std::env::var("COLLAB_MEASURE_STREAMS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(40);
+    let buffer =
+        std::env::var("COLLAB_HTTP__SSE_BUFFER_BYTES").unwrap_or_else(|_| "1048576".into());
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let projector = crate::pipeline::start_projector(
+        &nats.url(),
+        &crate::pipeline::MAIN_AGENTS,
+        &[
+            ("COLLAB_HTTP__SSE_MAX_STREAMS", "1000"),
+            ("COLLAB_HTTP__SSE_MAX_STREAMS_PER_TOKEN", "1000"),
+            ("COLLAB_HTTP__SSE_BUFFER_BYTES", buffer.as_str()),
+            ("RUST_LOG", "info,collab_projector::api=debug"),
+            (
+                "MIMALLOC_PURGE_DELAY",
+                std::env::var("MIMALLOC_PURGE_DELAY").as_deref().unwrap_or("10"),
+            ),
+        ],
+    )
+    .await;
+    let log = projector.log_text();
+    let addr = log
+        .lines()
+        .find_map(|l| l.split("http listening on ").nth(1))
+        .map(|a| a.trim().to_string())
+        .unwrap_or_else(|| panic!("no address in {log}"));
+    let pid = projector.pid();
+    let idle = settled_rss(pid).await;
+    let mut clients = Vec::new();
+    for _ in 0..streams {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap_or_else(|e| panic!("{e}"));
+        socket
+            .set_recv_buffer_size(4096)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut conn = socket
+            .connect(addr.parse().unwrap_or_else(|e| panic!("{e}")))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        conn.write_all(
+            format!("GET /api/events/stream HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        let mut reader = tokio::io::BufReader::new(conn);
+        let mut status = String::new();
+        reader
+            .read_line(&mut status)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(status.contains(" 200 "), "{status}");
+        clients.push(reader);
+    }
+    let opened = settled_rss(pid).await;
+    // Projections of 16 KiB (1,500 by default: 24 MiB), which every stream would have to hold.
+    let events: u32 = std::env::var("COLLAB_MEASURE_EVENTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1500);
+    let filler = "x".repeat(16 * 1024);
+    for n in 0..events {
+        let body = json!({"type": "health.ping", "eventRole": "system.observability", "payload": {"n": n, "filler": filler}});
+        publish(
+            &js,
+            "collab.proj.system.observability.k.health.ping",
+            Bytes::from(body.to_string()),
+        )
+        .await;
+    }
+    let loaded = settled_rss(pid).await;
+    println!("sse memory: closing the clients at {}", chrono::Utc::now());
+    drop(clients);
+    if std::env::var("COLLAB_MEASURE_POKE").is_ok() {
+        // Activity on every thread, before a keep-alive is due: requests and events.
+        let http = reqwest::Client::new();
+        for n in 0..300u32 {
+            let _ = http.get(format!("http://{addr}/api/me")).send().await;
+            if n % 10 == 0 {
+                publish(
+                    &js,
+                    "collab.proj.system.observability.k.health.ping",
+                    Bytes::from(json!({"type": "health.ping", "payload": {}}).to_string()),
+                )
+                .await;
+            }
+        }
+    }
+    let closed = settled_rss(pid).await;
+    // Past a keep-alive interval (15 s), so every server-side stream has written since its
+    // client went.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let later = settled_rss(pid).await;
+    println!("sse memory: after a keep-alive interval {later:.0} MiB");
+    let closes: Vec<String> = projector
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("event stream closed"))
+        .map(str::to_string)
+        .collect();
+    if let (Some(first), Some(last)) = (closes.first(), closes.last()) {
+        println!("sse memory: {} streams closed, first: {first}\nlast: {last}", closes.len());
+    }
+    println!(
+        "sse memory: {streams} streams, buffer {buffer} B: idle {idle:.0} MiB, streams open {opened:.0} MiB, loaded {loaded:.0} MiB ({:.1} MiB per stream), closed {closed:.0} MiB",
+        (loaded - opened) / streams as f64
     );
 }
