@@ -41,15 +41,16 @@ const MIB: i64 = 1024 * 1024;
 const GIB: i64 = 1024 * MIB;
 
 /// Size limits of the streams and buckets `provision` creates (and adds to existing ones). What
-/// happens when one is full is in docs/operations.md, "Storage limits": the raw stream, the
-/// dead letters and the buckets refuse new writes (nothing accepted is ever dropped), the
-/// projection stream drops its oldest projections.
+/// happens when one is full is in docs/operations.md, "Storage limits": every stream and bucket
+/// refuses new writes, so nothing accepted is ever dropped: producers get an error, workers
+/// wait and retry.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct StorageSettings {
     /// Bytes the raw stream may hold; when full, producers' publishes are refused.
     pub raw_max_bytes: i64,
-    /// Bytes the projection stream may hold; when full, the oldest projections go.
+    /// Bytes the projection stream may hold; when full, publishing projections waits (and the
+    /// partitions with it) until room is made.
     pub proj_max_bytes: i64,
     /// Bytes the dead-letter stream may hold; when full, dead-lettering waits (and the partition
     /// with it) until room is made.
@@ -68,12 +69,12 @@ impl Default for StorageSettings {
     fn default() -> Self {
         StorageSettings {
             raw_max_bytes: 4 * GIB,
-            proj_max_bytes: 4 * GIB,
+            proj_max_bytes: 6 * GIB,
             dlq_max_bytes: GIB,
             turns_max_bytes: 512 * MIB,
             sessions_max_bytes: 512 * MIB,
             leases_max_bytes: 16 * MIB,
-            blobs_max_bytes: 2 * GIB,
+            blobs_max_bytes: GIB,
         }
     }
 }

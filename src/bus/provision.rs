@@ -72,9 +72,10 @@ pub fn stream_configs(s: &Settings) -> Vec<stream::Config> {
             description: Some("collab-projector role-partitioned projections".into()),
             subjects: vec![format!("{}.proj.>", n.prefix)],
             max_age: s.projection.max_age,
-            // Derived data: the oldest projections go first, as they do at max_age.
+            // Projections cannot be rebuilt (docs/operations.md, "Backup"): when full, publishing
+            // one waits for room, as dead-lettering does, rather than dropping the oldest.
             max_bytes: s.storage.proj_max_bytes,
-            discard: stream::DiscardPolicy::Old,
+            discard: stream::DiscardPolicy::New,
             duplicate_window: s.projection.duplicate_window,
             num_replicas: replicas,
             storage: stream::StorageType::File,

@@ -397,6 +397,16 @@ async fn provision_bounds_existing_streams_and_buckets_and_stays_idempotent() {
         .unwrap_or_else(|| panic!("a limit below the stream's bytes must be refused"));
     assert!(err.to_string().contains("storage.raw_max_bytes"), "{err}");
 
+    // A limit the server cannot reserve is refused with the server's reason.
+    let err = provision::provision(&js, &tiny_raw(&nats.url(), 1 << 50))
+        .await
+        .err()
+        .unwrap_or_else(|| panic!("a petabyte cannot be reserved"));
+    assert!(
+        err.to_string().to_lowercase().contains("insufficient"),
+        "{err}"
+    );
+
     let report = provision::provision(&js, &s)
         .await
         .unwrap_or_else(|e| panic!("provision: {e}"));
@@ -410,7 +420,7 @@ async fn provision_bounds_existing_streams_and_buckets_and_stays_idempotent() {
         (
             "COLLAB_PROJ",
             s.storage.proj_max_bytes,
-            stream::DiscardPolicy::Old,
+            stream::DiscardPolicy::New,
         ),
         (
             "COLLAB_DLQ",
@@ -597,7 +607,9 @@ async fn sse_memory_under_slow_readers() {
             ("RUST_LOG", "info,collab_projector::api=debug"),
             (
                 "MIMALLOC_PURGE_DELAY",
-                std::env::var("MIMALLOC_PURGE_DELAY").as_deref().unwrap_or("10"),
+                std::env::var("MIMALLOC_PURGE_DELAY")
+                    .as_deref()
+                    .unwrap_or("10"),
             ),
         ],
     )
@@ -681,10 +693,59 @@ async fn sse_memory_under_slow_readers() {
         .map(str::to_string)
         .collect();
     if let (Some(first), Some(last)) = (closes.first(), closes.last()) {
-        println!("sse memory: {} streams closed, first: {first}\nlast: {last}", closes.len());
+        println!(
+            "sse memory: {} streams closed, first: {first}\nlast: {last}",
+            closes.len()
+        );
     }
     println!(
         "sse memory: {streams} streams, buffer {buffer} B: idle {idle:.0} MiB, streams open {opened:.0} MiB, loaded {loaded:.0} MiB ({:.1} MiB per stream), closed {closed:.0} MiB",
         (loaded - opened) / streams as f64
     );
+}
+
+#[tokio::test]
+async fn a_full_dead_letter_stream_loses_no_dead_letter() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let mut s = settings(&nats.url());
+    s.storage.dlq_max_bytes = 16 * 1024;
+    let (_running, _cancel) = start_worker(&s).await;
+    // Malformed inputs of about 1 KB each: more dead letters than the stream can hold.
+    let bad = format!("not json {}", "x".repeat(1000));
+    let inputs = 40u64;
+    for n in 0..inputs {
+        publish(&js, &format!("collab.raw.bad-{n}.a2a.send"), bad.clone()).await;
+    }
+    wait_until(GUARD, "the dead-letter stream is full", || {
+        let js = js.clone();
+        async move {
+            let mut st = js
+                .get_stream("COLLAB_DLQ")
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let info = st.info().await.unwrap_or_else(|e| panic!("{e}"));
+            info.state.bytes + 2048 > 16 * 1024
+        }
+    })
+    .await;
+    let held = crate::pipeline::count(&js, "COLLAB_DLQ").await;
+    assert!(held < inputs, "{held} dead letters fit in 16 KiB");
+    // Room is made (the operator raises the limit): every dead letter arrives, none was lost.
+    let mut roomier = s.clone();
+    roomier.storage.dlq_max_bytes = 1024 * 1024;
+    provision::provision(&js, &roomier)
+        .await
+        .unwrap_or_else(|e| panic!("provision: {e}"));
+    wait_until(GUARD, "every bad input is dead-lettered", || {
+        let js = js.clone();
+        async move { crate::pipeline::count(&js, "COLLAB_DLQ").await == inputs }
+    })
+    .await;
+    drained(&js).await;
+    let audit = collab_projector::ops::audit(&js, &s.names(), 1, 0)
+        .await
+        .unwrap_or_else(|e| panic!("audit: {e}"));
+    assert!(audit.holds(), "{audit:?}");
+    assert_eq!(audit.dead_lettered, inputs as usize, "{audit:?}");
 }
