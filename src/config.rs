@@ -68,13 +68,13 @@ pub struct StorageSettings {
 impl Default for StorageSettings {
     fn default() -> Self {
         StorageSettings {
-            raw_max_bytes: 4 * GIB,
-            proj_max_bytes: 6 * GIB,
-            dlq_max_bytes: GIB,
-            turns_max_bytes: 512 * MIB,
-            sessions_max_bytes: 512 * MIB,
+            raw_max_bytes: 2 * GIB,
+            proj_max_bytes: 3 * GIB,
+            dlq_max_bytes: 512 * MIB,
+            turns_max_bytes: 256 * MIB,
+            sessions_max_bytes: 256 * MIB,
             leases_max_bytes: 16 * MIB,
-            blobs_max_bytes: GIB,
+            blobs_max_bytes: 512 * MIB,
         }
     }
 }
