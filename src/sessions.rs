@@ -137,6 +137,9 @@ pub struct Thread {
     /// The sender and recipient of the thread's first event of each role that named either.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub sides: BTreeMap<Role, Sides>,
+    /// First and last event time per role (`first_time` and `last_time` are of every role).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub spans: BTreeMap<Role, Span>,
     #[serde(default)]
     pub counts: BTreeMap<Role, u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -146,6 +149,38 @@ pub struct Thread {
     /// `conversation.main` turns by turn id.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub turns: BTreeMap<String, TurnMark>,
+}
+
+/// The first and last event time of one role's events.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Span {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last: Option<String>,
+}
+
+impl Span {
+    fn note(&mut self, t: &str) {
+        keep_min(&mut self.first, t);
+        keep_max(&mut self.last, t);
+    }
+}
+
+/// The earliest first and latest last time of the spans of `roles`; `None` when none of them
+/// has a span (the caller then falls back on the times kept for every role).
+fn visible_span(spans: &BTreeMap<Role, Span>, roles: &[Role]) -> Option<Span> {
+    let mut out: Option<Span> = None;
+    for (_, sp) in spans.iter().filter(|(r, _)| roles.contains(r)) {
+        let o = out.get_or_insert_with(Span::default);
+        if let Some(f) = &sp.first {
+            keep_min(&mut o.first, f);
+        }
+        if let Some(l) = &sp.last {
+            keep_max(&mut o.last, l);
+        }
+    }
+    out
 }
 
 /// Who opened a thread, and to whom, as one role's events said.
@@ -203,6 +238,10 @@ pub struct WorkSession {
     /// not read, since their role is unknown.)
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub text: BTreeMap<Role, RoleText>,
+    /// Event time of the earliest and latest event of each role: a view's times and status
+    /// come from its roles' events only.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub spans: BTreeMap<Role, Span>,
     /// Event time of the earliest and latest event.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub created_at: Option<String>,
@@ -517,6 +556,7 @@ pub fn fold_into(
     if let Some(t) = &at {
         keep_min(&mut s.created_at, t);
         keep_max(&mut s.updated_at, t);
+        s.spans.entry(role).or_default().note(t);
     }
 
     let from = field_id(env, "fromAgent");
@@ -635,6 +675,7 @@ pub fn fold_into(
         if let Some(t) = &at {
             keep_min(&mut th.first_time, t);
             keep_max(&mut th.last_time, t);
+            th.spans.entry(role).or_default().note(t);
         }
         if role == Role::ConversationMain {
             match env.event_type.as_str() {
@@ -879,16 +920,6 @@ impl WorkSession {
         })
     }
 
-    /// The status at `now`.
-    pub fn status(
-        &self,
-        now: DateTime<Utc>,
-        quiet_after: Duration,
-        archive_after: Duration,
-    ) -> Status {
-        Status::at(self.updated_at.as_deref(), now, quiet_after, archive_after)
-    }
-
     /// The text of the visible roles, in the order of [`Role::ALL`].
     fn visible_text<'a>(&'a self, roles: &'a [Role]) -> impl Iterator<Item = &'a RoleText> + 'a {
         Role::ALL
@@ -993,6 +1024,11 @@ impl WorkSession {
                     .into_iter()
                     .filter(visible)
                     .find_map(|r| t.sides.get(&r));
+                // Threads stored before times were kept per role have only the shared ones.
+                let span = visible_span(&t.spans, opts.roles).unwrap_or_else(|| Span {
+                    first: t.first_time.clone(),
+                    last: t.last_time.clone(),
+                });
                 ThreadView {
                     id: format!("conv:{}", t.conversation_id),
                     conversation_id: t.conversation_id.clone(),
@@ -1008,8 +1044,8 @@ impl WorkSession {
                         .filter(|(r, _)| visible(r))
                         .map(|(_, n)| n)
                         .sum(),
-                    start_time: t.first_time.clone(),
-                    last_time: t.last_time.clone(),
+                    start_time: span.first,
+                    last_time: span.last,
                     open_turns: count(TurnMark::Open),
                     blocked_turns: count(TurnMark::Blocked),
                     answered_turns: count(TurnMark::Answered),
@@ -1031,6 +1067,10 @@ impl WorkSession {
                 (None, Some(_)) => b,
                 _ => a,
             });
+        let span = visible_span(&self.spans, opts.roles).unwrap_or_else(|| Span {
+            first: self.created_at.clone(),
+            last: self.updated_at.clone(),
+        });
         Some(SessionView {
             id: self.id.clone(),
             work_session_id: self
@@ -1039,9 +1079,14 @@ impl WorkSession {
                 .unwrap_or_else(|| self.id.clone()),
             name: self.name(opts.roles),
             title: self.title(opts.roles),
-            status: self.status(opts.now, opts.quiet_after, opts.archive_after),
-            created_at: self.created_at.clone(),
-            updated_at: self.updated_at.clone(),
+            status: Status::at(
+                span.last.as_deref(),
+                opts.now,
+                opts.quiet_after,
+                opts.archive_after,
+            ),
+            created_at: span.first,
+            updated_at: span.last,
             event_count,
             thread_count: threads.len() + retired.threads as usize,
             counts_by_role,
@@ -1309,6 +1354,44 @@ mod tests {
         );
         assert_eq!(v.threads[0].to_agent.as_deref(), Some("w1"));
         assert_eq!(s.goal(&Role::ALL).as_deref(), Some("secret goal"));
+    }
+
+    #[test]
+    fn times_and_status_come_from_the_visible_roles_only() {
+        let early_task = env(
+            Role::OrchestrationTask,
+            "task.created",
+            "2026-02-17T12:00:00.000Z",
+            json!({"conversationId": "t1", "workSessionId": "ws_4"}),
+        );
+        let late_sub = env(
+            Role::DelegationSubagent,
+            "a2a.send",
+            "2026-02-17T13:00:00.000Z",
+            json!({"fromAgent": "lead", "toAgent": "w1", "conversationId": "t1", "workSessionId": "ws_4"}),
+        );
+        let s = fold(&[(early_task, raw(0, 1)), (late_sub, raw(0, 2))]).expect("session");
+        let now = parse_time("2026-02-17T13:05:00Z").unwrap_or_default();
+        let v = s
+            .view(&ViewOptions {
+                now,
+                ..opts(&[Role::OrchestrationTask])
+            })
+            .expect("visible");
+        assert_eq!(v.updated_at.as_deref(), Some("2026-02-17T12:00:00.000Z"));
+        assert_eq!(v.status, Status::Quiet);
+        assert_eq!(
+            v.threads[0].last_time.as_deref(),
+            Some("2026-02-17T12:00:00.000Z")
+        );
+        let v = s
+            .view(&ViewOptions {
+                now,
+                ..opts(&Role::ALL)
+            })
+            .expect("visible");
+        assert_eq!(v.updated_at.as_deref(), Some("2026-02-17T13:00:00.000Z"));
+        assert_eq!(v.status, Status::Active);
     }
 
     #[test]
