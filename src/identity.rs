@@ -18,6 +18,7 @@
 //! Pure: [`parse`] reads a producer subject, [`check`] compares the agent it names with the
 //! speakers an envelope claims (`agentId`, `payload.fromAgent`).
 
+use crate::ingest::SubjectInfo;
 use crate::model::{id_text, Envelope};
 
 /// The marker token before the publishing agent's token.
@@ -33,6 +34,16 @@ pub struct RawSubject {
     /// The type tokens after the key (and after the agent, when present): what
     /// `ingest::SubjectInfo::type_suffix` should hold.
     pub type_suffix: String,
+}
+
+impl RawSubject {
+    /// The subject facts normalisation reads: the key, and the type tokens without the agent.
+    pub fn subject_info(&self) -> SubjectInfo {
+        SubjectInfo {
+            key: self.key.clone(),
+            type_suffix: self.type_suffix.clone(),
+        }
+    }
 }
 
 /// Read `<prefix>.raw.<key>[._as.<agent>].<type...>`. `None` when the subject is not a raw
@@ -181,6 +192,11 @@ mod tests {
                 agent: None,
                 type_suffix: "a2a.response".into(),
             })
+        );
+        let identified = parse("collab", "collab.raw.conv-1._as.eden.a2a.response");
+        assert_eq!(
+            identified.map(|s| s.subject_info()),
+            SubjectInfo::parse_raw("collab", "collab.raw.conv-1.a2a.response")
         );
         assert_eq!(parse("collab", "collab.raw.conv-1._as.eden"), None);
         assert_eq!(parse("collab", "collab.raw.conv-1._as"), None);
