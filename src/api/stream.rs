@@ -34,6 +34,8 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 const PARAMS: [&str; 5] = ["role", "type", "key", "view", "after"];
+/// Most messages one pull of a stream's consumer brings.
+const PULL_BATCH: i64 = 64;
 /// Consecutive consumer errors after which a stream gives up.
 const MAX_ERRORS: u32 = 10;
 
@@ -128,6 +130,9 @@ pub async fn stream(
             deliver_policy: consumer::DeliverPolicy::ByStartSequence {
                 start_sequence: start.max(1),
             },
+            // The client library pulls 500 messages at a time by default, whatever their size;
+            // a smaller pull bounds what one stream has in flight besides its buffer.
+            max_batch: PULL_BATCH,
             ..Default::default()
         })
         .await
@@ -271,6 +276,14 @@ async fn pump(
             Err(mpsc::error::TrySendError::Closed(_)) => break None,
         }
     };
+    debug!(
+        reason = end.as_ref().map_or("client gone", |t| match t.code {
+            StreamErrorCode::SlowConsumer => "slow_consumer",
+            StreamErrorCode::Unavailable => "unavailable",
+        }),
+        buffered_bytes = inflight.load(Ordering::Relaxed),
+        "event stream reader stopped"
+    );
     if let Some(t) = end {
         if t.code == StreamErrorCode::SlowConsumer {
             state.stats().sse_overflows.fetch_add(1, Ordering::Relaxed);

@@ -692,6 +692,14 @@ async fn sse_memory_under_slow_readers() {
         .filter(|l| l.contains("event stream closed"))
         .map(str::to_string)
         .collect();
+    for line in projector
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("reader stopped"))
+        .take(3)
+    {
+        println!("sse memory: {line}");
+    }
     if let (Some(first), Some(last)) = (closes.first(), closes.last()) {
         println!(
             "sse memory: {} streams closed, first: {first}\nlast: {last}",
