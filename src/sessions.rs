@@ -167,17 +167,20 @@ impl Span {
     }
 }
 
-/// The earliest first and latest last time of the spans of `roles`; `None` when none of them
-/// has a span (the caller then falls back on the times kept for every role).
-fn visible_span(spans: &BTreeMap<Role, Span>, roles: &[Role]) -> Option<Span> {
-    let mut out: Option<Span> = None;
+/// The earliest first and latest last time of the spans of `roles`. A session or thread stored
+/// before times were kept per role has no span at all: it shows `shared`, the times of every
+/// role.
+fn visible_span(spans: &BTreeMap<Role, Span>, roles: &[Role], shared: Span) -> Span {
+    if spans.is_empty() {
+        return shared;
+    }
+    let mut out = Span::default();
     for (_, sp) in spans.iter().filter(|(r, _)| roles.contains(r)) {
-        let o = out.get_or_insert_with(Span::default);
         if let Some(f) = &sp.first {
-            keep_min(&mut o.first, f);
+            keep_min(&mut out.first, f);
         }
         if let Some(l) = &sp.last {
-            keep_max(&mut o.last, l);
+            keep_max(&mut out.last, l);
         }
     }
     out
@@ -1024,11 +1027,14 @@ impl WorkSession {
                     .into_iter()
                     .filter(visible)
                     .find_map(|r| t.sides.get(&r));
-                // Threads stored before times were kept per role have only the shared ones.
-                let span = visible_span(&t.spans, opts.roles).unwrap_or_else(|| Span {
-                    first: t.first_time.clone(),
-                    last: t.last_time.clone(),
-                });
+                let span = visible_span(
+                    &t.spans,
+                    opts.roles,
+                    Span {
+                        first: t.first_time.clone(),
+                        last: t.last_time.clone(),
+                    },
+                );
                 ThreadView {
                     id: format!("conv:{}", t.conversation_id),
                     conversation_id: t.conversation_id.clone(),
@@ -1067,10 +1073,14 @@ impl WorkSession {
                 (None, Some(_)) => b,
                 _ => a,
             });
-        let span = visible_span(&self.spans, opts.roles).unwrap_or_else(|| Span {
-            first: self.created_at.clone(),
-            last: self.updated_at.clone(),
-        });
+        let span = visible_span(
+            &self.spans,
+            opts.roles,
+            Span {
+                first: self.created_at.clone(),
+                last: self.updated_at.clone(),
+            },
+        );
         Some(SessionView {
             id: self.id.clone(),
             work_session_id: self
