@@ -34,6 +34,64 @@ pub struct Settings {
     pub projection: ProjectionSettings,
     pub http: HttpSettings,
     pub workers: WorkerSettings,
+    pub storage: StorageSettings,
+}
+
+const MIB: i64 = 1024 * 1024;
+const GIB: i64 = 1024 * MIB;
+
+/// Size limits of the streams and buckets `provision` creates (and adds to existing ones). What
+/// happens when one is full is in docs/operations.md, "Storage limits": every stream and bucket
+/// refuses new writes, so nothing accepted is ever dropped: producers get an error, workers
+/// wait and retry.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct StorageSettings {
+    /// Bytes the raw stream may hold; when full, producers' publishes are refused.
+    pub raw_max_bytes: i64,
+    /// Bytes the projection stream may hold; when full, publishing projections waits (and the
+    /// partitions with it) until room is made.
+    pub proj_max_bytes: i64,
+    /// Bytes the dead-letter stream may hold; when full, dead-lettering waits (and the partition
+    /// with it) until room is made.
+    pub dlq_max_bytes: i64,
+    /// Bytes of the turn bucket.
+    pub turns_max_bytes: i64,
+    /// Bytes of the work-session bucket.
+    pub sessions_max_bytes: i64,
+    /// Bytes of the lease bucket.
+    pub leases_max_bytes: i64,
+    /// Bytes of the object store of offloaded fields.
+    pub blobs_max_bytes: i64,
+}
+
+impl Default for StorageSettings {
+    fn default() -> Self {
+        StorageSettings {
+            raw_max_bytes: 2 * GIB,
+            proj_max_bytes: 3 * GIB,
+            dlq_max_bytes: 512 * MIB,
+            turns_max_bytes: 256 * MIB,
+            sessions_max_bytes: 256 * MIB,
+            leases_max_bytes: 16 * MIB,
+            blobs_max_bytes: 512 * MIB,
+        }
+    }
+}
+
+impl StorageSettings {
+    /// Each limit with its setting name.
+    pub fn limits(&self) -> [(&'static str, i64); 7] {
+        [
+            ("storage.raw_max_bytes", self.raw_max_bytes),
+            ("storage.proj_max_bytes", self.proj_max_bytes),
+            ("storage.dlq_max_bytes", self.dlq_max_bytes),
+            ("storage.turns_max_bytes", self.turns_max_bytes),
+            ("storage.sessions_max_bytes", self.sessions_max_bytes),
+            ("storage.leases_max_bytes", self.leases_max_bytes),
+            ("storage.blobs_max_bytes", self.blobs_max_bytes),
+        ]
+    }
 }
 
 /// Partition ownership among N workers.
@@ -545,6 +603,15 @@ pub struct HttpSettings {
     /// acknowledgements moving (a wedged worker, which a restart would cure).
     #[serde(with = "humantime_serde")]
     pub stall_after: Duration,
+    /// Event streams (`/api/events/stream`) open at once, all callers together; one more is
+    /// refused with 503.
+    pub sse_max_streams: usize,
+    /// Event streams open at once per bearer token (grant); one more is refused with 429.
+    pub sse_max_streams_per_token: usize,
+    /// Events buffered for one stream's client before it counts as too slow.
+    pub sse_buffer_events: usize,
+    /// Bytes buffered for one stream's client before it counts as too slow.
+    pub sse_buffer_bytes: usize,
 }
 
 /// One bearer token and the roles it may read.
@@ -573,6 +640,10 @@ impl Default for HttpSettings {
             quiet_after: Duration::from_secs(15 * 60),
             archive_after: Duration::from_secs(24 * 3600),
             stall_after: Duration::from_secs(120),
+            sse_max_streams: 64,
+            sse_max_streams_per_token: 8,
+            sse_buffer_events: 256,
+            sse_buffer_bytes: 1024 * 1024,
         }
     }
 }
@@ -743,6 +814,28 @@ impl Settings {
             }
             if grant.roles.is_empty() {
                 return bad(format!("http.tokens \"{}\" grants no role", grant.name));
+            }
+        }
+        for (name, n) in [
+            ("http.sse_max_streams", self.http.sse_max_streams),
+            (
+                "http.sse_max_streams_per_token",
+                self.http.sse_max_streams_per_token,
+            ),
+            ("http.sse_buffer_events", self.http.sse_buffer_events),
+        ] {
+            if n == 0 {
+                return bad(format!("{name} must be at least 1"));
+            }
+        }
+        if self.http.sse_buffer_bytes < 64 * 1024 {
+            return bad("http.sse_buffer_bytes must be at least 65536 (64 KiB)".into());
+        }
+        for (name, n) in self.storage.limits() {
+            if n < MIB {
+                return bad(format!(
+                    "{name} ({n}) must be at least 1048576 (1 MiB); every stream and bucket is bounded"
+                ));
             }
         }
         if self.http.stall_after < Duration::from_secs(10) {

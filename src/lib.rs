@@ -10,6 +10,8 @@
 //! - [`ingest`]: one raw message to envelopes, per input format (adapter, collaboration, runtime,
 //!   AG-UI).
 //! - [`classify`]: the `eventRole` rules.
+//! - [`identity`]: which agent a raw subject says published a message, and whether the event
+//!   speaks only as that agent (pure).
 //! - `facets`: owner / scope / phase / surface derived from the event class.
 //! - [`pipeline`]: a raw message to the messages to publish (projections or a dead letter).
 //! - [`redact`]: secret redaction, applied to every input right after it is parsed.
@@ -64,6 +66,7 @@ mod facets;
 #[cfg(test)]
 mod golden;
 mod http;
+pub mod identity;
 pub mod ingest;
 #[cfg(feature = "tools")]
 pub mod localnats;

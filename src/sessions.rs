@@ -111,12 +111,13 @@ pub enum TurnMark {
 #[serde(rename_all = "camelCase")]
 pub struct Participant {
     pub id: String,
-    pub kind: Kind,
-    /// Whether `kind` came from the facts (an explicit kind is never overwritten by the default).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub kind_known: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub display_name: Option<String>,
+    /// Its kind as the events of each role gave it (the first one wins within a role). A caller
+    /// sees the kind of its roles only; `agent` when they gave none.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub kinds: BTreeMap<Role, Kind>,
+    /// Its display name as the events of each role gave it (the first one wins within a role).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub display_names: BTreeMap<Role, String>,
     /// The event roles it took part in.
     #[serde(default)]
     pub roles: BTreeSet<Role>,
@@ -133,10 +134,12 @@ pub struct Participant {
 #[serde(rename_all = "camelCase")]
 pub struct Thread {
     pub conversation_id: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub from_agent: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub to_agent: Option<String>,
+    /// The sender and recipient of the thread's first event of each role that named either.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub sides: BTreeMap<Role, Sides>,
+    /// First and last event time per role (`first_time` and `last_time` are of every role).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub spans: BTreeMap<Role, Span>,
     #[serde(default)]
     pub counts: BTreeMap<Role, u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -146,6 +149,72 @@ pub struct Thread {
     /// `conversation.main` turns by turn id.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub turns: BTreeMap<String, TurnMark>,
+}
+
+/// The first and last event time of one role's events.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+pub struct Span {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last: Option<String>,
+}
+
+impl Span {
+    fn note(&mut self, t: &str) {
+        keep_min(&mut self.first, t);
+        keep_max(&mut self.last, t);
+    }
+}
+
+/// The earliest first and latest last time of the spans of `roles`. A session or thread stored
+/// before times were kept per role has no span at all: it shows `shared`, the times of every
+/// role.
+fn visible_span(spans: &BTreeMap<Role, Span>, roles: &[Role], shared: Span) -> Span {
+    if spans.is_empty() {
+        return shared;
+    }
+    let mut out = Span::default();
+    for (_, sp) in spans.iter().filter(|(r, _)| roles.contains(r)) {
+        if let Some(f) = &sp.first {
+            keep_min(&mut out.first, f);
+        }
+        if let Some(l) = &sp.last {
+            keep_max(&mut out.last, l);
+        }
+    }
+    out
+}
+
+/// Who opened a thread, and to whom, as one role's events said.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Sides {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub from_agent: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub to_agent: Option<String>,
+}
+
+/// The text a session took from the events of one role. Kept per role so that a caller sees
+/// only the text of the roles its grant covers.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct RoleText {
+    /// A conversation name given by the producers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// The first message's text (earliest in event time), shortened: the title when there is
+    /// no name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_message: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub first_message_at: Option<String>,
+    /// The goal of the earliest send that named one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub goal: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub goal_at: Option<String>,
 }
 
 /// The last message seen in one role.
@@ -167,20 +236,15 @@ pub struct WorkSession {
     pub id: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub work_session_id: Option<String>,
-    /// A conversation name given by the producers.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub name: Option<String>,
-    /// The first message's text (earliest in event time), shortened: the title when there is
-    /// no name.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub first_message: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub first_message_at: Option<String>,
-    /// The goal of the earliest send that named one.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub goal: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub goal_at: Option<String>,
+    /// Name, first message and goal, per role of the events they came from. (Sessions stored
+    /// before text was kept per role held them in `name`, `firstMessage` and `goal`; those are
+    /// not read, since their role is unknown.)
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub text: BTreeMap<Role, RoleText>,
+    /// Event time of the earliest and latest event of each role: a view's times and status
+    /// come from its roles' events only.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub spans: BTreeMap<Role, Span>,
     /// Event time of the earliest and latest event.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub created_at: Option<String>,
@@ -373,6 +437,24 @@ fn earliest(value: &Option<String>, value_at: &Option<String>, at: Option<&str>)
     }
 }
 
+/// The value set earliest of several (by its time; a value without a time only when none has
+/// one).
+fn earliest_of<'a>(
+    values: impl Iterator<Item = (&'a Option<String>, &'a Option<String>)>,
+) -> Option<String> {
+    let mut best: Option<(&String, &Option<String>)> = None;
+    for (v, at) in values {
+        let Some(v) = v else { continue };
+        best = match best {
+            None => Some((v, at)),
+            Some((_, Some(b))) if at.as_deref().is_some_and(|a| later(b, a)) => Some((v, at)),
+            Some((_, None)) if at.is_some() => Some((v, at)),
+            keep => keep,
+        };
+    }
+    best.map(|(v, _)| v.clone())
+}
+
 fn keep_min(slot: &mut Option<String>, t: &str) {
     if slot.as_deref().is_none_or(|cur| later(cur, t)) {
         *slot = Some(t.to_string());
@@ -477,30 +559,37 @@ pub fn fold_into(
     if let Some(t) = &at {
         keep_min(&mut s.created_at, t);
         keep_max(&mut s.updated_at, t);
+        s.spans.entry(role).or_default().note(t);
     }
 
     let from = field_id(env, "fromAgent");
     let to = field_id(env, "toAgent");
-    if s.name.is_none() {
-        s.name = ["conversationName", "conversationTitle"]
-            .iter()
-            .find_map(|k| field_str(env, k))
-            .map(|n| shorten(n, PREVIEW_CHARS));
-    }
     let text = message_text(env);
-    if env.event_type.starts_with("a2a.") {
-        // Events of a session arrive from several partitions in any order: keep the earliest.
-        if let Some(t) = text {
-            if earliest(&s.first_message, &s.first_message_at, at.as_deref()) {
-                s.first_message = Some(shorten(t, TITLE_CHARS));
-                s.first_message_at = at.clone();
-            }
+    let name = ["conversationName", "conversationTitle"]
+        .iter()
+        .find_map(|k| field_str(env, k));
+    let goal = (env.event_type == "a2a.send")
+        .then(|| field_str(env, "goal"))
+        .flatten();
+    let is_a2a = env.event_type.starts_with("a2a.");
+    if name.is_some() || goal.is_some() || (is_a2a && text.is_some()) {
+        // Text is kept under the role of the event it came from (a caller sees its roles' only).
+        let rt = s.text.entry(role).or_default();
+        if rt.name.is_none() {
+            rt.name = name.map(|n| shorten(n, PREVIEW_CHARS));
         }
-        if env.event_type == "a2a.send" {
-            if let Some(g) = field_str(env, "goal") {
-                if earliest(&s.goal, &s.goal_at, at.as_deref()) {
-                    s.goal = Some(shorten(g, PREVIEW_CHARS));
-                    s.goal_at = at.clone();
+        if is_a2a {
+            // Events of a session arrive from several partitions in any order: keep the earliest.
+            if let Some(t) = text {
+                if earliest(&rt.first_message, &rt.first_message_at, at.as_deref()) {
+                    rt.first_message = Some(shorten(t, TITLE_CHARS));
+                    rt.first_message_at = at.clone();
+                }
+            }
+            if let Some(g) = goal {
+                if earliest(&rt.goal, &rt.goal_at, at.as_deref()) {
+                    rt.goal = Some(shorten(g, PREVIEW_CHARS));
+                    rt.goal_at = at.clone();
                 }
             }
         }
@@ -579,14 +668,17 @@ pub fn fold_into(
             conversation_id: c,
             ..Thread::default()
         });
-        if th.from_agent.is_none() && th.to_agent.is_none() {
-            th.from_agent = from.clone();
-            th.to_agent = to.clone();
+        if from.is_some() || to.is_some() {
+            th.sides.entry(role).or_insert_with(|| Sides {
+                from_agent: from.clone(),
+                to_agent: to.clone(),
+            });
         }
         *th.counts.entry(role).or_insert(0) += 1;
         if let Some(t) = &at {
             keep_min(&mut th.first_time, t);
             keep_max(&mut th.last_time, t);
+            th.spans.entry(role).or_default().note(t);
         }
         if role == Role::ConversationMain {
             match env.event_type.as_str() {
@@ -639,13 +731,12 @@ fn note_participant(
         });
     p.roles.insert(role);
     if let Some(k) = kind {
-        if !p.kind_known {
-            p.kind = k;
-            p.kind_known = true;
-        }
+        p.kinds.entry(role).or_insert(k);
     }
-    if p.display_name.is_none() {
-        p.display_name = name.map(|n| shorten(n, PREVIEW_CHARS));
+    if let Some(n) = name {
+        p.display_names
+            .entry(role)
+            .or_insert_with(|| shorten(n, PREVIEW_CHARS));
     }
 }
 
@@ -832,21 +923,38 @@ impl WorkSession {
         })
     }
 
-    /// The status at `now`.
-    pub fn status(
-        &self,
-        now: DateTime<Utc>,
-        quiet_after: Duration,
-        archive_after: Duration,
-    ) -> Status {
-        Status::at(self.updated_at.as_deref(), now, quiet_after, archive_after)
+    /// The text of the visible roles, in the order of [`Role::ALL`].
+    fn visible_text<'a>(&'a self, roles: &'a [Role]) -> impl Iterator<Item = &'a RoleText> + 'a {
+        Role::ALL
+            .into_iter()
+            .filter(|r| roles.contains(r))
+            .filter_map(|r| self.text.get(&r))
     }
 
-    /// A title: the conversation name, else the first message, else the session id.
-    pub fn title(&self) -> String {
-        self.name
-            .clone()
-            .or_else(|| self.first_message.clone())
+    /// The conversation name given by an event of one of `roles` (the first role of
+    /// [`Role::ALL`] that gave one).
+    pub fn name(&self, roles: &[Role]) -> Option<String> {
+        self.visible_text(roles).find_map(|t| t.name.clone())
+    }
+
+    /// The earliest first message among `roles`.
+    pub fn first_message(&self, roles: &[Role]) -> Option<String> {
+        earliest_of(
+            self.visible_text(roles)
+                .map(|t| (&t.first_message, &t.first_message_at)),
+        )
+    }
+
+    /// The earliest goal among `roles`.
+    pub fn goal(&self, roles: &[Role]) -> Option<String> {
+        earliest_of(self.visible_text(roles).map(|t| (&t.goal, &t.goal_at)))
+    }
+
+    /// A title from the text of `roles`: the conversation name, else the first message, else
+    /// the session id.
+    pub fn title(&self, roles: &[Role]) -> String {
+        self.name(roles)
+            .or_else(|| self.first_message(roles))
             .unwrap_or_else(|| format!("Work session {}", self.id))
     }
 
@@ -876,10 +984,13 @@ impl WorkSession {
                     .collect();
                 ParticipantView {
                     id: p.id.clone(),
-                    kind: p.kind,
+                    kind: roles
+                        .iter()
+                        .find_map(|r| p.kinds.get(r).copied())
+                        .unwrap_or_default(),
                     role: roles.first().copied(),
+                    display_name: roles.iter().find_map(|r| p.display_names.get(r).cloned()),
                     roles,
-                    display_name: p.display_name.clone(),
                     coordinator: p.coordinator && visible(&Role::DelegationSubagent),
                     worker: p.worker && visible(&Role::DelegationSubagent),
                 }
@@ -912,11 +1023,23 @@ impl WorkSession {
                         0
                     }
                 };
+                let sides = Role::ALL
+                    .into_iter()
+                    .filter(visible)
+                    .find_map(|r| t.sides.get(&r));
+                let span = visible_span(
+                    &t.spans,
+                    opts.roles,
+                    Span {
+                        first: t.first_time.clone(),
+                        last: t.last_time.clone(),
+                    },
+                );
                 ThreadView {
                     id: format!("conv:{}", t.conversation_id),
                     conversation_id: t.conversation_id.clone(),
-                    from_agent: t.from_agent.clone(),
-                    to_agent: t.to_agent.clone(),
+                    from_agent: sides.and_then(|s| s.from_agent.clone()),
+                    to_agent: sides.and_then(|s| s.to_agent.clone()),
                     roles: Role::ALL
                         .into_iter()
                         .filter(|r| t.counts.contains_key(r) && visible(r))
@@ -927,8 +1050,8 @@ impl WorkSession {
                         .filter(|(r, _)| visible(r))
                         .map(|(_, n)| n)
                         .sum(),
-                    start_time: t.first_time.clone(),
-                    last_time: t.last_time.clone(),
+                    start_time: span.first,
+                    last_time: span.last,
                     open_turns: count(TurnMark::Open),
                     blocked_turns: count(TurnMark::Blocked),
                     answered_turns: count(TurnMark::Answered),
@@ -950,17 +1073,30 @@ impl WorkSession {
                 (None, Some(_)) => b,
                 _ => a,
             });
+        let span = visible_span(
+            &self.spans,
+            opts.roles,
+            Span {
+                first: self.created_at.clone(),
+                last: self.updated_at.clone(),
+            },
+        );
         Some(SessionView {
             id: self.id.clone(),
             work_session_id: self
                 .work_session_id
                 .clone()
                 .unwrap_or_else(|| self.id.clone()),
-            name: self.name.clone(),
-            title: self.title(),
-            status: self.status(opts.now, opts.quiet_after, opts.archive_after),
-            created_at: self.created_at.clone(),
-            updated_at: self.updated_at.clone(),
+            name: self.name(opts.roles),
+            title: self.title(opts.roles),
+            status: Status::at(
+                span.last.as_deref(),
+                opts.now,
+                opts.quiet_after,
+                opts.archive_after,
+            ),
+            created_at: span.first,
+            updated_at: span.last,
             event_count,
             thread_count: threads.len() + retired.threads as usize,
             counts_by_role,
@@ -1181,7 +1317,103 @@ mod tests {
             p.remove("fromKind");
         }
         let s = apply(Some(s), &again, 0, 2).expect("new event");
-        assert_eq!(s.participants["lead"].kind, Kind::Human);
+        assert_eq!(
+            s.participants["lead"].kinds.get(&Role::DelegationSubagent),
+            Some(&Kind::Human)
+        );
+    }
+
+    #[test]
+    fn text_is_seen_only_through_the_role_of_its_event() {
+        let sub = env(
+            Role::DelegationSubagent,
+            "a2a.send",
+            "2026-02-17T12:00:00.000Z",
+            json!({"fromAgent": "lead", "toAgent": "w1", "conversationId": "d1", "workSessionId": "ws_3",
+                   "conversationName": "secret project", "goal": "secret goal", "message": "secret text",
+                   "fromName": "Secret Lead", "fromKind": "human"}),
+        );
+        let task = env(
+            Role::OrchestrationTask,
+            "task.updated",
+            "2026-02-17T12:01:00.000Z",
+            json!({"fromAgent": "lead", "conversationId": "t1", "workSessionId": "ws_3", "text": "task text"}),
+        );
+        let s = fold(&[(sub, raw(0, 1)), (task, raw(0, 2))]).expect("session");
+        let v = s.view(&opts(&[Role::OrchestrationTask])).expect("visible");
+        let shown = serde_json::to_string(&v).unwrap_or_default();
+        assert!(!shown.contains("secret"), "{shown}");
+        assert_eq!(v.name, None);
+        assert_eq!(v.title, "Work session ws_3");
+        assert_eq!(v.last_message_preview.as_deref(), Some("task text"));
+        let lead = &v.participants[0];
+        assert_eq!(
+            (lead.kind, lead.display_name.as_deref()),
+            (Kind::Agent, None)
+        );
+        assert_eq!(v.threads.len(), 1);
+        assert_eq!(v.threads[0].to_agent, None);
+        assert_eq!(s.goal(&[Role::OrchestrationTask]), None);
+        assert_eq!(s.first_message(&[Role::OrchestrationTask]), None);
+        // The role that gave the text sees it.
+        let v = s.view(&opts(&[Role::DelegationSubagent])).expect("visible");
+        assert_eq!(v.name.as_deref(), Some("secret project"));
+        assert_eq!(
+            v.participants[0].display_name.as_deref(),
+            Some("Secret Lead")
+        );
+        assert_eq!(v.threads[0].to_agent.as_deref(), Some("w1"));
+        assert_eq!(s.goal(&Role::ALL).as_deref(), Some("secret goal"));
+    }
+
+    #[test]
+    fn times_and_status_come_from_the_visible_roles_only() {
+        let early_task = env(
+            Role::OrchestrationTask,
+            "task.created",
+            "2026-02-17T12:00:00.000Z",
+            json!({"conversationId": "t1", "workSessionId": "ws_4"}),
+        );
+        let late_sub = env(
+            Role::DelegationSubagent,
+            "a2a.send",
+            "2026-02-17T13:00:00.000Z",
+            json!({"fromAgent": "lead", "toAgent": "w1", "conversationId": "t1", "workSessionId": "ws_4"}),
+        );
+        let s = fold(&[(early_task, raw(0, 1)), (late_sub, raw(0, 2))]).expect("session");
+        let now = parse_time("2026-02-17T13:05:00Z").unwrap_or_default();
+        let v = s
+            .view(&ViewOptions {
+                now,
+                ..opts(&[Role::OrchestrationTask])
+            })
+            .expect("visible");
+        assert_eq!(v.updated_at.as_deref(), Some("2026-02-17T12:00:00.000Z"));
+        assert_eq!(v.status, Status::Quiet);
+        assert_eq!(
+            v.threads[0].last_time.as_deref(),
+            Some("2026-02-17T12:00:00.000Z")
+        );
+        let v = s
+            .view(&ViewOptions {
+                now,
+                ..opts(&Role::ALL)
+            })
+            .expect("visible");
+        assert_eq!(v.updated_at.as_deref(), Some("2026-02-17T13:00:00.000Z"));
+        assert_eq!(v.status, Status::Active);
+    }
+
+    #[test]
+    fn text_stored_without_its_role_is_not_shown() {
+        let old = json!({"id": "ws_9", "name": "old name", "firstMessage": "old text", "goal": "old goal",
+            "counts": {"orchestration.task": {"task.updated": 1}},
+            "participants": {"a": {"id": "a", "kind": "human", "displayName": "Old", "roles": ["orchestration.task"]}}});
+        let s: WorkSession = serde_json::from_value(old).unwrap_or_else(|e| panic!("{e}"));
+        let v = s.view(&opts(&Role::ALL)).expect("visible");
+        let shown = serde_json::to_string(&v).unwrap_or_default();
+        assert!(!shown.contains("old"), "{shown}");
+        assert_eq!(s.goal(&Role::ALL), None);
     }
 
     #[test]

@@ -12,7 +12,10 @@
 //!
 //! Everything is read from JetStream ([`store`]), never from a worker's memory, so any instance
 //! serves any client. Access control ([`auth`]) applies to every route but the OpenAPI document and
-//! the schemas; errors are JSON ([`error`]).
+//! the schemas; errors are JSON ([`error`]). Event streams are capped per token and in total
+//! ([`slots`]). Every response, errors included, is sent with `X-Content-Type-Options: nosniff`
+//! and `Cache-Control: no-store`: bodies are data for the caller's eyes only, never to be
+//! sniffed into something else or kept by a cache.
 
 pub mod auth;
 pub mod blobs;
@@ -24,6 +27,7 @@ pub mod openapi;
 pub mod query;
 pub mod schemas;
 pub mod sessions;
+pub mod slots;
 pub mod store;
 pub mod stream;
 
@@ -34,6 +38,8 @@ use crate::config::{HttpSettings, Names};
 use async_nats::jetstream::{self, kv, object_store::ObjectStore};
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
+use axum::http::{header, HeaderValue};
+use axum::response::Response;
 use axum::routing::get;
 use axum::{middleware, Router};
 use std::sync::atomic::{AtomicU64, AtomicUsize};
@@ -55,9 +61,16 @@ pub struct SseLimits {
 
 impl Default for SseLimits {
     fn default() -> Self {
+        SseLimits::from_settings(&HttpSettings::default())
+    }
+}
+
+impl SseLimits {
+    /// The limits `http.sse_buffer_events` and `http.sse_buffer_bytes` set.
+    pub fn from_settings(http: &HttpSettings) -> SseLimits {
         SseLimits {
-            buffer_events: 512,
-            buffer_bytes: 8 * 1024 * 1024,
+            buffer_events: http.sse_buffer_events,
+            buffer_bytes: http.sse_buffer_bytes,
             keep_alive: Duration::from_secs(15),
         }
     }
@@ -81,6 +94,7 @@ pub struct ApiState {
     quiet_after: Duration,
     archive_after: Duration,
     sse: SseLimits,
+    slots: Arc<slots::StreamSlots>,
     shutdown: CancellationToken,
     sessions: Arc<OnceCell<kv::Store>>,
     blobs: Arc<OnceCell<ObjectStore>>,
@@ -96,7 +110,11 @@ impl ApiState {
             grants: Arc::new(Grants::new(http)),
             quiet_after: http.quiet_after,
             archive_after: http.archive_after,
-            sse: SseLimits::default(),
+            sse: SseLimits::from_settings(http),
+            slots: Arc::new(slots::StreamSlots::new(
+                http.sse_max_streams,
+                http.sse_max_streams_per_token,
+            )),
             shutdown: CancellationToken::new(),
             sessions: Arc::new(OnceCell::new()),
             blobs: Arc::new(OnceCell::new()),
@@ -133,6 +151,9 @@ impl ApiState {
     }
     pub fn sse_limits(&self) -> SseLimits {
         self.sse
+    }
+    pub fn stream_slots(&self) -> &Arc<slots::StreamSlots> {
+        &self.slots
     }
     pub fn shutdown(&self) -> &CancellationToken {
         &self.shutdown
@@ -186,6 +207,17 @@ async fn not_found() -> ApiError {
     ApiError::not_found("no such API endpoint; see /api/openapi.json")
 }
 
+/// Mark every API response as not to be sniffed nor stored.
+async fn no_sniff_no_store(mut resp: Response) -> Response {
+    let h = resp.headers_mut();
+    h.insert(
+        header::X_CONTENT_TYPE_OPTIONS,
+        HeaderValue::from_static("nosniff"),
+    );
+    h.insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    resp
+}
+
 /// The API routes. Merge into the server's router: `http::router(..).merge(api::router(state))`.
 pub fn router(state: ApiState) -> Router {
     let protected = Router::new()
@@ -203,5 +235,6 @@ pub fn router(state: ApiState) -> Router {
         .merge(protected)
         .route("/api", get(not_found))
         .route("/api/{*rest}", get(not_found))
+        .layer(middleware::map_response(no_sniff_no_store))
         .with_state(state)
 }

@@ -9,8 +9,10 @@
 //!   `worker`; anything else is `broadcast`;
 //! - `status`: ACTIVE is `active`, QUIET `suspended`, ARCHIVED `completed`;
 //! - `title`: the conversation name, else the first message; `purpose`: the first send's goal,
-//!   else the first message, else a sentence naming the session.
+//!   else the first message, else a sentence naming the session. Like every text of a view, these
+//!   come only from events of the caller's roles.
 
+use crate::model::Role;
 use crate::sessions::{SessionView, Status, WorkSession};
 use serde_json::{json, Map, Value};
 use sha2::{Digest, Sha256};
@@ -57,9 +59,9 @@ fn status(s: Status) -> &'static str {
     }
 }
 
-/// The Collab object of a session, as seen through `v` (the caller's roles). `now` stands in
-/// for a creation time the session does not know.
-pub fn collab(s: &WorkSession, v: &SessionView, now: &str) -> Value {
+/// The Collab object of a session, as seen through `v`, the view for `roles` (the caller's).
+/// `now` stands in for a creation time the session does not know.
+pub fn collab(s: &WorkSession, v: &SessionView, roles: &[Role], now: &str) -> Value {
     let mode = mode(v);
     let created = v.created_at.clone().unwrap_or_else(|| now.to_string());
     let updated = v.updated_at.clone().unwrap_or_else(|| created.clone());
@@ -91,9 +93,8 @@ pub fn collab(s: &WorkSession, v: &SessionView, now: &str) -> Value {
         participants
     };
     let purpose = s
-        .goal
-        .clone()
-        .or_else(|| s.first_message.clone())
+        .goal(roles)
+        .or_else(|| s.first_message(roles))
         .filter(|p| !p.trim().is_empty())
         .unwrap_or_else(|| format!("Collaboration in work session {}", v.work_session_id));
     let title = if v.title.trim().is_empty() {

@@ -179,7 +179,7 @@ pub fn document() -> Value {
                 "parameters": [role.clone(), typ.clone(), key.clone(), view.clone(),
                     param("after", "Cursor to start after (Last-Event-ID wins). Default: the next event stored. One value.", cursor_schema.clone()),
                     {"name": "Last-Event-ID", "in": "header", "required": false, "description": "The `id` of the last event received (a cursor); empty for none.", "schema": cursor_schema.clone()}],
-                "responses": with_ok(common_errors(&[("410", "The cursor is older than the stream's retention.")]),
+                "responses": with_ok(common_errors(&[("410", "The cursor is older than the stream's retention."), ("429", "The token already has as many event streams open as http.sse_max_streams_per_token allows (code too_many_streams); close one first."), ("503", "The event store (NATS) is unavailable (code unavailable), or the server has as many event streams open as http.sse_max_streams allows (code too_many_streams); retry later.")]),
                     json!({"description": "An event stream; each `data` is an EventItem (#/components/schemas/EventItem, /api/schemas/event-item.schema.json); a final `event: error` carries a StreamError (#/components/schemas/StreamError, /api/schemas/stream-error.schema.json).", "content": {"text/event-stream": {"schema": {
                         "type": "object", "required": ["data"],
                         "properties": {

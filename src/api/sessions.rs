@@ -128,7 +128,7 @@ pub async fn one(
         .ok_or_else(missing)?;
     if format == "mplp" {
         let now = now.to_rfc3339_opts(SecondsFormat::Millis, true);
-        return Ok(Json(mplp::collab(&session, &view, &now)).into_response());
+        return Ok(Json(mplp::collab(&session, &view, &roles, &now)).into_response());
     }
     Ok(Json(WorkSessionResponse {
         session: view,

@@ -4,10 +4,13 @@
 //! with `Last-Event-ID` (or `after`): delivery restarts right after that sequence, so nothing is
 //! lost or repeated. Without either, the stream starts with the next event stored.
 //!
-//! One ordered consumer per client reads from JetStream into a bounded buffer (events and bytes).
-//! A client that reads more slowly than events arrive fills it; it then gets what was buffered, a
-//! final `event: error` (code `slow_consumer`, with the cursor to resume from), and the stream
-//! closes, so a slow client never makes the server hold unbounded memory.
+//! One ordered consumer per client reads from JetStream into a bounded buffer (events and bytes,
+//! counted as the memory the buffered events take, not just their length). A client that reads
+//! more slowly than events arrive fills it; it then gets what was buffered, a final
+//! `event: error` (code `slow_consumer`, with the cursor to resume from), and the stream closes,
+//! so a slow client never makes the server hold unbounded memory. How many streams may be open
+//! at once is capped per token and in total ([`super::slots`]); a stream's place is taken before
+//! anything is opened and freed when its response body is dropped.
 
 use super::auth::Caller;
 use super::error::ApiError;
@@ -31,6 +34,8 @@ use tokio::sync::mpsc;
 use tracing::{debug, warn};
 
 const PARAMS: [&str; 5] = ["role", "type", "key", "view", "after"];
+/// Most messages one pull of a stream's consumer brings.
+const PULL_BATCH: i64 = 64;
 /// Consecutive consumer errors after which a stream gives up.
 const MAX_ERRORS: u32 = 10;
 
@@ -75,6 +80,14 @@ struct Item {
     data: String,
 }
 
+impl Item {
+    /// The memory the item holds while buffered (allocations, not lengths: a string built by
+    /// serialisation may have up to twice its length allocated).
+    fn held(&self) -> usize {
+        std::mem::size_of::<Item>() + self.id.capacity() + self.data.capacity()
+    }
+}
+
 pub async fn stream(
     State(state): State<ApiState>,
     Extension(caller): Extension<Caller>,
@@ -83,6 +96,7 @@ pub async fn stream(
 ) -> Result<Response, ApiError> {
     let params = Params::new(pairs, &PARAMS)?;
     let r = resolve(&state, &caller, &params)?;
+    let slot = state.stream_slots().acquire(caller.name.as_deref())?;
     // An empty Last-Event-ID (or `after`) is no cursor; anything else must be one.
     let header_cursor = match headers.get("last-event-id").map(|v| v.to_str()) {
         None => None,
@@ -116,6 +130,9 @@ pub async fn stream(
             deliver_policy: consumer::DeliverPolicy::ByStartSequence {
                 start_sequence: start.max(1),
             },
+            // The client library pulls 500 messages at a time by default, whatever their size;
+            // a smaller pull bounds what one stream has in flight besides its buffer.
+            max_batch: PULL_BATCH,
             ..Default::default()
         })
         .await
@@ -146,6 +163,8 @@ pub async fn stream(
         ending: Arc<Mutex<Option<Termination>>>,
         last_id: Option<String>,
         done: bool,
+        // Held for as long as the response body lives.
+        _slot: super::slots::Slot,
     }
     let body = Body {
         rx,
@@ -153,6 +172,7 @@ pub async fn stream(
         ending,
         last_id: resume.map(encode_cursor),
         done: false,
+        _slot: slot,
     };
     let events = futures::stream::unfold(body, |mut b| async move {
         if b.done {
@@ -160,7 +180,7 @@ pub async fn stream(
         }
         match b.rx.recv().await {
             Some(item) => {
-                b.inflight.fetch_sub(item.data.len(), Ordering::Relaxed);
+                b.inflight.fetch_sub(item.held(), Ordering::Relaxed);
                 b.last_id = Some(item.id.clone());
                 let ev = Event::default().id(item.id).data(item.data);
                 Some((Ok::<Event, Infallible>(ev), b))
@@ -238,13 +258,14 @@ async fn pump(
             continue;
         };
         let data = serde_json::to_string(&ev.item(&prefix)).unwrap_or_default();
-        let len = data.len();
-        let held = inflight.load(Ordering::Relaxed);
-        let over_bytes = held > 0 && held + len > limits.buffer_bytes;
+        drop(m);
         let item = Item {
             id: encode_cursor(ev.seq),
             data,
         };
+        let len = item.held();
+        let held = inflight.load(Ordering::Relaxed);
+        let over_bytes = held > 0 && held + len > limits.buffer_bytes;
         if over_bytes {
             break Some(slow());
         }
@@ -255,6 +276,14 @@ async fn pump(
             Err(mpsc::error::TrySendError::Closed(_)) => break None,
         }
     };
+    debug!(
+        reason = end.as_ref().map_or("client gone", |t| match t.code {
+            StreamErrorCode::SlowConsumer => "slow_consumer",
+            StreamErrorCode::Unavailable => "unavailable",
+        }),
+        buffered_bytes = inflight.load(Ordering::Relaxed),
+        "event stream reader stopped"
+    );
     if let Some(t) = end {
         if t.code == StreamErrorCode::SlowConsumer {
             state.stats().sse_overflows.fetch_add(1, Ordering::Relaxed);

@@ -1,11 +1,15 @@
 //! Create the streams, consumers and buckets of CONTRACT section 1, or check that existing ones
 //! match. An existing resource whose configuration differs is never changed or deleted: the
-//! difference is reported and the caller stops.
+//! difference is reported and the caller stops. The one exception is its size limit
+//! (`storage.*_max_bytes`) and discard policy: a stream or bucket without them (created before
+//! they existed) or with other values gets them, so every deployment is bounded; a limit below
+//! what a stream already holds is refused, since the server would make room by dropping data.
 
 use crate::config::{Names, Settings};
 use async_nats::jetstream::context::ConsumerInfoErrorKind as consumer_info_error;
 use async_nats::jetstream::{self, consumer, kv, object_store, stream};
 use std::time::Duration;
+use tracing::info;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProvisionError {
@@ -30,6 +34,8 @@ fn api(resource: &str, e: impl std::fmt::Display) -> ProvisionError {
 pub struct Report {
     pub created: Vec<String>,
     pub unchanged: Vec<String>,
+    /// Existing resources whose size limit or discard policy was set.
+    pub updated: Vec<String>,
 }
 
 /// The raw stream's partition transform.
@@ -53,6 +59,9 @@ pub fn stream_configs(s: &Settings) -> Vec<stream::Config> {
             subjects: vec![n.raw_subjects()],
             subject_transform: Some(raw_transform(&n, s.nats.partitions)),
             max_age: s.nats.raw_max_age,
+            // Accepted input is never dropped: when full, a publish is refused.
+            max_bytes: s.storage.raw_max_bytes,
+            discard: stream::DiscardPolicy::New,
             duplicate_window: s.projection.duplicate_window,
             num_replicas: replicas,
             storage: stream::StorageType::File,
@@ -63,6 +72,10 @@ pub fn stream_configs(s: &Settings) -> Vec<stream::Config> {
             description: Some("collab-projector role-partitioned projections".into()),
             subjects: vec![format!("{}.proj.>", n.prefix)],
             max_age: s.projection.max_age,
+            // Projections cannot be rebuilt (docs/operations.md, "Backup"): when full, publishing
+            // one waits for room, as dead-lettering does, rather than dropping the oldest.
+            max_bytes: s.storage.proj_max_bytes,
+            discard: stream::DiscardPolicy::New,
             duplicate_window: s.projection.duplicate_window,
             num_replicas: replicas,
             storage: stream::StorageType::File,
@@ -73,6 +86,9 @@ pub fn stream_configs(s: &Settings) -> Vec<stream::Config> {
             description: Some("collab-projector dead letters".into()),
             subjects: vec![format!("{}.dlq.>", n.prefix)],
             max_age: s.nats.dlq_max_age,
+            // A dead letter is never dropped: when full, dead-lettering waits for room.
+            max_bytes: s.storage.dlq_max_bytes,
+            discard: stream::DiscardPolicy::New,
             duplicate_window: s.projection.duplicate_window,
             num_replicas: replicas,
             storage: stream::StorageType::File,
@@ -133,6 +149,52 @@ pub fn resumed_consumer_config(
     config
 }
 
+/// The size limit and discard policy of an existing stream, when they are not the wanted ones.
+fn limit_differences(
+    have: &stream::Config,
+    max_bytes: i64,
+    discard: stream::DiscardPolicy,
+) -> Vec<String> {
+    let mut d = Vec::new();
+    differ(&mut d, "max_bytes", have.max_bytes, max_bytes);
+    differ(&mut d, "discard", have.discard, discard);
+    d
+}
+
+/// Give the existing stream `st` the size limit `max_bytes` and `discard`, unless it already has
+/// them. A limit below the bytes it holds is refused: the server would drop data to fit.
+async fn set_limits(
+    js: &jetstream::Context,
+    st: &mut stream::Stream,
+    label: &str,
+    setting: &str,
+    max_bytes: i64,
+    discard: stream::DiscardPolicy,
+    report: &mut Report,
+) -> Result<bool, ProvisionError> {
+    let info = st.info().await.map_err(|e| api(label, e))?;
+    let d = limit_differences(&info.config, max_bytes, discard);
+    if d.is_empty() {
+        return Ok(false);
+    }
+    let held = info.state.bytes;
+    if u64::try_from(max_bytes).is_ok_and(|m| held > m) {
+        return Err(ProvisionError::Differs {
+            resource: label.to_string(),
+            differences: format!(
+                "it holds {held} bytes, more than {setting} ({max_bytes}); raise {setting} or make room (e.g. `nats stream purge`) first"
+            ),
+        });
+    }
+    let mut config = info.config.clone();
+    config.max_bytes = max_bytes;
+    config.discard = discard;
+    js.update_stream(&config).await.map_err(|e| api(label, e))?;
+    info!(resource = label, changes = %d.join("; "), "storage limit set on an existing resource");
+    report.updated.push(format!("{label}: {}", d.join("; ")));
+    Ok(true)
+}
+
 pub fn consumer_config(s: &Settings, p: u16) -> consumer::pull::Config {
     let n = s.names();
     consumer::pull::Config {
@@ -177,11 +239,12 @@ fn consumer_differences(have: &consumer::Config, want: &consumer::pull::Config) 
 
 pub fn kv_configs(s: &Settings) -> Vec<kv::Config> {
     let n = s.names();
-    let base = |bucket: &str, description: &str, max_age: Duration| kv::Config {
+    let base = |bucket: &str, description: &str, max_age: Duration, max_bytes: i64| kv::Config {
         bucket: bucket.to_string(),
         description: description.to_string(),
         history: 1,
         max_age,
+        max_bytes,
         num_replicas: s.nats.replicas,
         storage: stream::StorageType::File,
         ..Default::default()
@@ -191,16 +254,19 @@ pub fn kv_configs(s: &Settings) -> Vec<kv::Config> {
             &n.turns_bucket,
             "collab-projector turn records",
             s.turns.retention,
+            s.storage.turns_max_bytes,
         ),
         base(
             &n.sessions_bucket,
             "collab-projector work sessions",
             s.projection.max_age,
+            s.storage.sessions_max_bytes,
         ),
         base(
             &n.leases_bucket,
             "collab-projector partition leases and worker heartbeats",
             s.workers.lease_ttl,
+            s.storage.leases_max_bytes,
         ),
     ]
 }
@@ -208,7 +274,12 @@ pub fn kv_configs(s: &Settings) -> Vec<kv::Config> {
 /// Create what is missing, check what exists. Consumers are created for every partition.
 pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, ProvisionError> {
     let mut report = Report::default();
-    for want in stream_configs(s) {
+    let settings = [
+        "storage.raw_max_bytes",
+        "storage.proj_max_bytes",
+        "storage.dlq_max_bytes",
+    ];
+    for (want, setting) in stream_configs(s).into_iter().zip(settings) {
         let name = format!("stream {}", want.name);
         match find_stream(js, &want.name, &name).await? {
             Some(mut existing) => {
@@ -220,7 +291,19 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
                         differences: d.join("; "),
                     });
                 }
-                report.unchanged.push(name);
+                let set = set_limits(
+                    js,
+                    &mut existing,
+                    &name,
+                    setting,
+                    want.max_bytes,
+                    want.discard,
+                    &mut report,
+                )
+                .await?;
+                if !set {
+                    report.unchanged.push(name);
+                }
             }
             None => {
                 js.create_stream(want).await.map_err(|e| api(&name, e))?;
@@ -265,11 +348,30 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
             Err(e) => return Err(api(&label, e)),
         }
     }
-    for want in kv_configs(s) {
+    let settings = [
+        "storage.turns_max_bytes",
+        "storage.sessions_max_bytes",
+        "storage.leases_max_bytes",
+    ];
+    for (want, setting) in kv_configs(s).into_iter().zip(settings) {
         let label = format!("bucket {}", want.bucket);
         match find_stream(js, &format!("KV_{}", want.bucket), &label).await? {
             Some(mut st) => {
-                same_retention(&mut st, label, want.max_age, want.num_replicas, &mut report).await?
+                same_retention(&mut st, &label, want.max_age, want.num_replicas).await?;
+                // Buckets refuse writes when full (the client library's policy for new ones).
+                let set = set_limits(
+                    js,
+                    &mut st,
+                    &label,
+                    setting,
+                    want.max_bytes,
+                    stream::DiscardPolicy::New,
+                    &mut report,
+                )
+                .await?;
+                if !set {
+                    report.unchanged.push(label);
+                }
             }
             None => {
                 js.create_key_value(want)
@@ -286,12 +388,26 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
         bucket: blobs.clone(),
         description: Some("collab-projector offloaded fields".into()),
         max_age: s.projection.max_age,
+        max_bytes: s.storage.blobs_max_bytes,
         num_replicas: s.nats.replicas,
         ..Default::default()
     };
     match find_stream(js, &format!("OBJ_{blobs}"), &label).await? {
         Some(mut st) => {
-            same_retention(&mut st, label, want.max_age, want.num_replicas, &mut report).await?
+            same_retention(&mut st, &label, want.max_age, want.num_replicas).await?;
+            let set = set_limits(
+                js,
+                &mut st,
+                &label,
+                "storage.blobs_max_bytes",
+                want.max_bytes,
+                stream::DiscardPolicy::New,
+                &mut report,
+            )
+            .await?;
+            if !set {
+                report.unchanged.push(label);
+            }
         }
         None => {
             js.create_object_store(want)
@@ -304,25 +420,23 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
 }
 
 /// Check that an existing bucket's stream keeps values as long and on as many replicas as
-/// configured (its other settings are the client library's), and report it unchanged.
+/// configured (its other settings, but its size limit, are the client library's).
 async fn same_retention(
     st: &mut stream::Stream,
-    label: String,
+    label: &str,
     max_age: Duration,
     replicas: usize,
-    report: &mut Report,
 ) -> Result<(), ProvisionError> {
-    let info = st.info().await.map_err(|e| api(&label, e))?;
+    let info = st.info().await.map_err(|e| api(label, e))?;
     let mut d = Vec::new();
     differ(&mut d, "max_age", info.config.max_age, max_age);
     differ(&mut d, "replicas", info.config.num_replicas, replicas);
     if !d.is_empty() {
         return Err(ProvisionError::Differs {
-            resource: label,
+            resource: label.to_string(),
             differences: d.join("; "),
         });
     }
-    report.unchanged.push(label);
     Ok(())
 }
 

@@ -508,8 +508,10 @@ const UI_USERS: [(&str, &str); 4] = [
     ("system.observability", "ui-system-observability"),
 ];
 
-const WORKERS: &str = "collab-workers";
+pub(crate) const WORKERS: &str = "collab-workers";
 const PRODUCERS: &str = "collab-producers";
+/// The sample's identity-bound producers, one user per agent.
+pub(crate) const AGENT_USERS: [&str; 2] = ["agent-ruda", "agent-eden"];
 
 /// The variable the sample reads a user's password from.
 fn password_variable(user: &str) -> String {
@@ -518,14 +520,19 @@ fn password_variable(user: &str) -> String {
 }
 
 /// A client of the sample's server, logged in as one user, that records what the server refused.
-struct Login {
-    client: async_nats::Client,
+pub(crate) struct Login {
+    pub(crate) client: async_nats::Client,
     refusals: Arc<Mutex<Vec<String>>>,
     user: String,
 }
 
 impl Login {
-    async fn new(url: &str, user: &str, password: &str, inbox_prefix: Option<&str>) -> Login {
+    pub(crate) async fn new(
+        url: &str,
+        user: &str,
+        password: &str,
+        inbox_prefix: Option<&str>,
+    ) -> Login {
         let refusals = Arc::new(Mutex::new(Vec::new()));
         let sink = refusals.clone();
         let mut opts =
@@ -554,7 +561,7 @@ impl Login {
 
     /// Wait until the server reports a permissions violation for `kind` ("subscription" or
     /// "publish") to a subject starting with `subject`.
-    async fn assert_refused(&self, kind: &str, subject: &str) {
+    pub(crate) async fn assert_refused(&self, kind: &str, subject: &str) {
         let needle = format!("permissions violation for {kind} to \"{subject}").to_lowercase();
         let what = format!("the server refuses {} {kind} to {subject}", self.user);
         wait_until(GUARD, &what, || {
@@ -570,7 +577,7 @@ impl Login {
     }
 
     /// Subscribe to `subject` and prove the server refuses it.
-    async fn assert_cannot_subscribe(&self, subject: &str) {
+    pub(crate) async fn assert_cannot_subscribe(&self, subject: &str) {
         let _subscription = self
             .client
             .subscribe(subject.to_string())
@@ -580,7 +587,7 @@ impl Login {
     }
 
     /// Publish to `subject` and prove the server refuses it.
-    async fn assert_cannot_publish(&self, subject: &str) {
+    pub(crate) async fn assert_cannot_publish(&self, subject: &str) {
         self.client
             .publish(subject.to_string(), "forged".into())
             .await
@@ -634,10 +641,26 @@ async fn receive(subscription: &mut async_nats::Subscriber, prefix: &str) -> asy
     }
 }
 
-#[tokio::test]
-async fn roles_sample_configuration() {
-    // The sample as shipped, its WebSocket port moved to a free one, its passwords defined by
-    // variables ahead of it (a deployment gives them as environment variables).
+/// A nats-server running the sample as shipped, its WebSocket port moved to a free one, its
+/// passwords (random, one per user) defined by variables ahead of it, as a deployment gives them
+/// in the environment.
+pub(crate) struct RolesSample {
+    pub(crate) server: collab_projector::localnats::LocalNats,
+    pub(crate) passwords: std::collections::BTreeMap<&'static str, String>,
+    pub(crate) ws_port: u16,
+}
+
+impl RolesSample {
+    pub(crate) fn url(&self) -> String {
+        self.server.url()
+    }
+
+    pub(crate) fn password(&self, user: &str) -> String {
+        self.passwords[user].clone()
+    }
+}
+
+pub(crate) async fn roles_sample() -> RolesSample {
     let ws_port = std::net::TcpListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
         .expect("a free port")
@@ -648,11 +671,12 @@ async fn roles_sample_configuration() {
         "the sample's WebSocket port line changed; update this test"
     );
     let sample = ROLES_CONF.replace("\n  port: 8443\n", &format!("\n  port: {ws_port}\n"));
-    let users: Vec<&str> = [WORKERS, PRODUCERS]
+    let users: Vec<&'static str> = [WORKERS, PRODUCERS]
         .into_iter()
         .chain(UI_USERS.iter().map(|(_, user)| *user))
+        .chain(AGENT_USERS)
         .collect();
-    let passwords: std::collections::BTreeMap<&str, String> =
+    let passwords: std::collections::BTreeMap<&'static str, String> =
         users.iter().map(|user| (*user, secret())).collect();
     let mut config = String::new();
     for (user, password) in &passwords {
@@ -665,8 +689,19 @@ async fn roles_sample_configuration() {
     }
     config.push_str(&sample);
     let server = local_nats_with(config).await;
-    let url = server.url();
-    let pw = |user: &str| passwords[user].clone();
+    RolesSample {
+        server,
+        passwords,
+        ws_port,
+    }
+}
+
+#[tokio::test]
+async fn roles_sample_configuration() {
+    let sample = roles_sample().await;
+    let (server, ws_port) = (&sample.server, sample.ws_port);
+    let url = sample.url();
+    let pw = |user: &str| sample.password(user);
 
     // Nobody gets in without a password.
     let anonymous = async_nats::connect(&url).await;

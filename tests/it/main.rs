@@ -17,5 +17,6 @@ mod relay;
 mod runs;
 mod schemas;
 mod spec_fixtures;
+mod trust;
 mod turns;
 mod ui;

@@ -1,0 +1,254 @@
+//! Producer identity: which agent a raw message's subject says published it, and whether the
+//! event speaks only as that agent.
+//!
+//! A NATS permission can check a subject, never a body. So a deployment that binds producers to
+//! identities gives each agent's NATS user the right to publish only to subjects carrying its own
+//! agent token (config/nats-server.roles.conf, `agent-<id>` users), and the worker checks that
+//! the event inside claims no other speaker:
+//!
+//! ```text
+//! <prefix>.raw.<key>.<type...>                  unidentified (a shared or trusted user)
+//! <prefix>.raw.<key>._as.<agent>.<type...>      published by <agent>'s user
+//! ```
+//!
+//! The key stays the fourth token, so the raw stream's partition transform
+//! (`<prefix>.raw.*.>` -> `<prefix>.in.<p>.<key>.>`) and ordering by key are unchanged. `_as` is
+//! reserved: no event type starts with `_` (types are checked to be dot-separated words).
+//!
+//! Pure: [`parse`] reads a producer subject, [`check`] compares the agent it names with the
+//! speakers an envelope claims (`agentId`, `payload.fromAgent`).
+
+use crate::ingest::SubjectInfo;
+use crate::model::{id_text, Envelope};
+
+/// The marker token before the publishing agent's token.
+pub const MARKER: &str = "_as";
+
+/// A producer subject, read.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RawSubject {
+    /// The ordering key token.
+    pub key: String,
+    /// The publishing agent's token, when the subject carries one.
+    pub agent: Option<String>,
+    /// The type tokens after the key (and after the agent, when present): what
+    /// `ingest::SubjectInfo::type_suffix` should hold.
+    pub type_suffix: String,
+}
+
+impl RawSubject {
+    /// The subject facts normalisation reads: the key, and the type tokens without the agent.
+    pub fn subject_info(&self) -> SubjectInfo {
+        SubjectInfo {
+            key: self.key.clone(),
+            type_suffix: self.type_suffix.clone(),
+        }
+    }
+}
+
+/// Read `<prefix>.raw.<key>[._as.<agent>].<type...>`. `None` when the subject is not a raw
+/// subject of `prefix`, or names the marker without an agent and a type.
+pub fn parse(prefix: &str, subject: &str) -> Option<RawSubject> {
+    let rest = subject.strip_prefix(prefix)?.strip_prefix(".raw.")?;
+    let (key, after) = rest.split_once('.')?;
+    if key.is_empty() || after.is_empty() {
+        return None;
+    }
+    match after.split_once('.') {
+        Some((MARKER, tail)) => {
+            let (agent, type_suffix) = tail.split_once('.')?;
+            if agent.is_empty() || type_suffix.is_empty() {
+                return None;
+            }
+            Some(RawSubject {
+                key: key.to_string(),
+                agent: Some(agent.to_string()),
+                type_suffix: type_suffix.to_string(),
+            })
+        }
+        _ if after == MARKER => None,
+        _ => Some(RawSubject {
+            key: key.to_string(),
+            agent: None,
+            type_suffix: after.to_string(),
+        }),
+    }
+}
+
+/// The subject an agent's producer publishes an event of `event_type` on; `None` when the agent
+/// id cannot be one subject token (it must be of `[A-Za-z0-9_-]`, not starting with `_`).
+pub fn subject(prefix: &str, key: &str, agent: &str, event_type: &str) -> Option<String> {
+    agent_token_ok(agent).then(|| format!("{prefix}.raw.{key}.{MARKER}.{agent}.{event_type}"))
+}
+
+/// Whether an agent id can be the agent token of a subject (and of a permission).
+pub fn agent_token_ok(agent: &str) -> bool {
+    !agent.is_empty()
+        && !agent.starts_with('_')
+        && agent
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+}
+
+/// Why an event is refused for the identity it claims.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum IdentityError {
+    /// The event claims a speaker other than the agent whose user published it.
+    #[error("published by agent `{publisher}` (subject token) but the event's {field} is `{claimed}`: an agent may publish only as itself; publish from {claimed}'s own NATS user, or fix the event")]
+    Mismatch {
+        publisher: String,
+        field: &'static str,
+        claimed: String,
+    },
+    /// Identities are required and the subject names none.
+    #[error("the subject names no publishing agent (`<prefix>.raw.<key>._as.<agent>.<type>`), and producers must publish as themselves here")]
+    Missing,
+}
+
+impl IdentityError {
+    /// The dead-letter reason for it (`identity_mismatch`, `identity_missing`).
+    pub fn reason(&self) -> &'static str {
+        match self {
+            IdentityError::Mismatch { .. } => "identity_mismatch",
+            IdentityError::Missing => "identity_missing",
+        }
+    }
+}
+
+/// The speakers an envelope claims, with the field each came from: `agentId`, and
+/// `payload.fromAgent` (the sending side of a message). The recipient (`toAgent`) is not a claim.
+pub fn claimed_speakers(env: &Envelope) -> Vec<(&'static str, String)> {
+    let mut out = Vec::new();
+    if let Some(a) = env.agent_id.as_ref().and_then(id_text) {
+        out.push(("agentId", a));
+    }
+    if let Some(f) = env
+        .payload
+        .as_ref()
+        .and_then(|p| p.get("fromAgent"))
+        .filter(|v| !v.is_null())
+        .and_then(id_text)
+    {
+        out.push(("fromAgent", f));
+    }
+    out
+}
+
+/// Check an envelope normalised from a message on `subject`. A subject without an agent passes
+/// unless `require` is set; one with an agent passes when every speaker the envelope claims is
+/// that agent (ids compared trimmed and case-insensitively, as main agents are).
+pub fn check(subject: &RawSubject, env: &Envelope, require: bool) -> Result<(), IdentityError> {
+    let Some(publisher) = subject.agent.as_deref() else {
+        return if require {
+            Err(IdentityError::Missing)
+        } else {
+            Ok(())
+        };
+    };
+    for (field, claimed) in claimed_speakers(env) {
+        if !claimed.trim().eq_ignore_ascii_case(publisher.trim()) {
+            return Err(IdentityError::Mismatch {
+                publisher: publisher.to_string(),
+                field,
+                claimed,
+            });
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn env(agent: Option<&str>, from: Option<&str>) -> Envelope {
+        let mut payload = json!({"toAgent": "ruda"});
+        if let Some(f) = from {
+            payload["fromAgent"] = json!(f);
+        }
+        Envelope {
+            event_type: "a2a.response".into(),
+            agent_id: agent.map(|a| json!(a)),
+            payload: Some(payload),
+            ..Envelope::default()
+        }
+    }
+
+    #[test]
+    fn subjects_with_and_without_an_agent() {
+        assert_eq!(
+            parse("collab", "collab.raw.conv-1._as.eden.a2a.response"),
+            Some(RawSubject {
+                key: "conv-1".into(),
+                agent: Some("eden".into()),
+                type_suffix: "a2a.response".into(),
+            })
+        );
+        assert_eq!(
+            parse("collab", "collab.raw.conv-1.a2a.response"),
+            Some(RawSubject {
+                key: "conv-1".into(),
+                agent: None,
+                type_suffix: "a2a.response".into(),
+            })
+        );
+        let identified = parse("collab", "collab.raw.conv-1._as.eden.a2a.response");
+        assert_eq!(
+            identified.map(|s| s.subject_info()),
+            SubjectInfo::parse_raw("collab", "collab.raw.conv-1.a2a.response")
+        );
+        assert_eq!(parse("collab", "collab.raw.conv-1._as.eden"), None);
+        assert_eq!(parse("collab", "collab.raw.conv-1._as"), None);
+        assert_eq!(parse("collab", "collab.raw.conv-1"), None);
+        assert_eq!(parse("collab", "other.raw.conv-1.a2a.send"), None);
+        assert_eq!(
+            subject("collab", "conv-1", "eden", "a2a.send").as_deref(),
+            Some("collab.raw.conv-1._as.eden.a2a.send")
+        );
+        assert_eq!(subject("collab", "k", "a.b", "a2a.send"), None);
+        assert_eq!(subject("collab", "k", "_as", "a2a.send"), None);
+        assert_eq!(subject("collab", "k", "*", "a2a.send"), None);
+    }
+
+    #[test]
+    fn an_agent_may_speak_only_as_itself() {
+        let s = parse("collab", "collab.raw.conv-1._as.eden.a2a.response")
+            .unwrap_or_else(|| panic!("parses"));
+        assert_eq!(check(&s, &env(Some("eden"), Some("Eden ")), false), Ok(()));
+        // eden deciding ruda's turn: publishing a response from ruda.
+        let forged = check(&s, &env(Some("eden"), Some("ruda")), false);
+        assert_eq!(
+            forged,
+            Err(IdentityError::Mismatch {
+                publisher: "eden".into(),
+                field: "fromAgent",
+                claimed: "ruda".into(),
+            })
+        );
+        assert_eq!(forged.err().map(|e| e.reason()), Some("identity_mismatch"));
+        let forged = check(&s, &env(Some("ruda"), None), true);
+        assert!(
+            matches!(
+                &forged,
+                Err(IdentityError::Mismatch {
+                    field: "agentId",
+                    ..
+                })
+            ),
+            "{forged:?}"
+        );
+        // An event that claims no speaker is the publisher's.
+        assert_eq!(check(&s, &env(None, None), true), Ok(()));
+    }
+
+    #[test]
+    fn unidentified_subjects_pass_unless_identity_is_required() {
+        let s =
+            parse("collab", "collab.raw.conv-1.a2a.response").unwrap_or_else(|| panic!("parses"));
+        assert_eq!(check(&s, &env(Some("ruda"), Some("ruda")), false), Ok(()));
+        let missing = check(&s, &env(Some("ruda"), Some("ruda")), true);
+        assert_eq!(missing, Err(IdentityError::Missing));
+        assert_eq!(missing.err().map(|e| e.reason()), Some("identity_missing"));
+    }
+}

@@ -1,0 +1,759 @@
+//! Trust boundaries, against a real nats-server (and the real worker where it matters): what a
+//! token holder may read of work sessions, how many event streams one token may hold, the
+//! headers every API response carries, bounded storage that refuses input instead of dropping
+//! it, and producers bound to their own identity and inbox by the shipped server configuration.
+
+use std::time::Duration;
+
+use async_nats::jetstream::{self, stream};
+use axum::body::Body;
+use axum::http::{HeaderMap, Request, StatusCode};
+use axum::Router;
+use bytes::Bytes;
+use collab_projector::api::{self, ApiState, SseLimits};
+use collab_projector::bus::{self, provision};
+use collab_projector::config::{Secret, Settings, TokenGrant};
+use collab_projector::identity;
+use collab_projector::ingest::{self, RawInput};
+use collab_projector::model::Role;
+use serde_json::{json, Value};
+use tower::ServiceExt;
+
+use crate::api::{drained, serve, settings, start_worker};
+use crate::auth::{roles_sample, Login, AGENT_USERS, WORKERS};
+use crate::pipeline::{publish, GUARD};
+use crate::support::{wait_until, TestNats};
+
+const TASK_TOKEN: &str = "task-only-token";
+const MAIN_TOKEN: &str = "main-only-token";
+const ALL_TOKEN: &str = "every-role-token";
+
+fn grant(name: &str, token: &str, roles: &[Role]) -> TokenGrant {
+    TokenGrant {
+        name: name.into(),
+        token: token.into(),
+        token_env: None,
+        roles: roles.to_vec(),
+    }
+}
+
+fn with_tokens(mut s: Settings) -> Settings {
+    s.http.tokens = vec![
+        grant("tasks", TASK_TOKEN, &[Role::OrchestrationTask]),
+        grant("main", MAIN_TOKEN, &[Role::ConversationMain]),
+        grant("all", ALL_TOKEN, &Role::ALL),
+    ];
+    s
+}
+
+/// A request through the router: status, headers and body (JSON, else its text).
+async fn get(app: &Router, uri: &str, token: Option<&str>) -> (StatusCode, HeaderMap, Value) {
+    let mut req = Request::builder().uri(uri);
+    if let Some(t) = token {
+        req = req.header("authorization", format!("Bearer {t}"));
+    }
+    let resp = app
+        .clone()
+        .oneshot(req.body(Body::empty()).unwrap_or_else(|e| panic!("{e}")))
+        .await
+        .unwrap_or_else(|e| panic!("the router answers: {e}"));
+    let status = resp.status();
+    let headers = resp.headers().clone();
+    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .unwrap_or_else(|e| panic!("a body: {e}"));
+    let body = serde_json::from_slice(&bytes)
+        .unwrap_or_else(|_| Value::String(String::from_utf8_lossy(&bytes).into_owned()));
+    (status, headers, body)
+}
+
+fn assert_private(uri: &str, status: StatusCode, headers: &HeaderMap) {
+    assert_eq!(
+        headers
+            .get("x-content-type-options")
+            .and_then(|v| v.to_str().ok()),
+        Some("nosniff"),
+        "{uri} ({status})"
+    );
+    assert_eq!(
+        headers.get("cache-control").and_then(|v| v.to_str().ok()),
+        Some("no-store"),
+        "{uri} ({status})"
+    );
+}
+
+/// A raw collaboration event of work session `ws_trust`.
+fn raw(t: &str, from: &str, conv: &str, data: Value) -> (String, Bytes) {
+    let mut d = json!({"fromAgent": from, "conversationId": conv, "workSessionId": "ws_trust"});
+    if let (Some(m), Value::Object(e)) = (d.as_object_mut(), data) {
+        m.extend(e);
+    }
+    let body = json!({"type": t, "agentId": from, "ts": chrono::Utc::now().timestamp_millis() - 30_000, "data": d});
+    (
+        format!("collab.raw.{conv}.{t}"),
+        Bytes::from(body.to_string()),
+    )
+}
+
+#[tokio::test]
+async fn work_sessions_show_a_token_no_text_of_roles_outside_its_grant() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let s = with_tokens(settings(&nats.url()));
+    let (_running, _cancel) = start_worker(&s).await;
+    let events = [
+        raw(
+            "a2a.send",
+            "ruda",
+            "conv-main",
+            json!({"toAgent": "eden", "message": "MAINSECRET message", "conversationName": "MAINSECRET name",
+                   "goal": "MAINSECRET goal", "fromName": "MAINSECRET Ruda", "toDisplayName": "MAINSECRET Eden"}),
+        ),
+        raw(
+            "a2a.send",
+            "ruda",
+            "conv-sub",
+            json!({"toAgent": "worker-7", "targetSessionKey": "agent:ruda:subagent:abc",
+                   "message": "SUBSECRET message", "conversationName": "SUBSECRET name",
+                   "goal": "SUBSECRET goal", "fromName": "SUBSECRET Ruda", "toDisplayName": "SUBSECRET Worker"}),
+        ),
+        raw(
+            "task.created",
+            "ruda",
+            "task-1",
+            json!({"taskId": "task-1", "text": "the task's own text"}),
+        ),
+    ];
+    for (subject, body) in &events {
+        publish(&js, subject, body.clone()).await;
+    }
+    drained(&js).await;
+    let app = api::router(ApiState::new(js.clone(), s.names(), &s.http));
+    let one = "/api/work-sessions/ws_trust";
+    wait_until(GUARD, "the session holds events of three roles", || {
+        let app = app.clone();
+        async move {
+            let (status, _, body) = get(&app, one, Some(ALL_TOKEN)).await;
+            status == StatusCode::OK
+                && body["session"]["countsByRole"]
+                    .as_object()
+                    .is_some_and(|m| m.len() == 3)
+        }
+    })
+    .await;
+
+    // Every role's text is there for a token granted every role (so the checks below can fail).
+    let (_, _, all) = get(&app, &format!("{one}?format=mplp"), Some(ALL_TOKEN)).await;
+    let (_, _, all_view) = get(&app, one, Some(ALL_TOKEN)).await;
+    let seen = format!("{all}{all_view}");
+    assert!(
+        seen.contains("MAINSECRET") && seen.contains("SUBSECRET"),
+        "{seen}"
+    );
+
+    // A token granted orchestration.task only sees none of it, in any view or format.
+    for uri in [
+        "/api/work-sessions".to_string(),
+        one.to_string(),
+        format!("{one}?format=mplp"),
+        format!("{one}?format=json"),
+    ] {
+        let (status, headers, body) = get(&app, &uri, Some(TASK_TOKEN)).await;
+        assert_eq!(status, StatusCode::OK, "{uri}: {body}");
+        assert_private(&uri, status, &headers);
+        let text = body.to_string();
+        assert!(
+            !text.contains("SECRET"),
+            "{uri} shows another role's text: {text}"
+        );
+        assert!(text.contains("ws_trust"), "{uri}: {text}");
+    }
+    let (_, _, task) = get(&app, one, Some(TASK_TOKEN)).await;
+    assert_eq!(task["session"]["title"], "Work session ws_trust");
+    assert_eq!(task["session"]["lastMessagePreview"], "the task's own text");
+    let (_, _, mplp) = get(&app, &format!("{one}?format=mplp"), Some(TASK_TOKEN)).await;
+    assert_eq!(mplp["purpose"], "Collaboration in work session ws_trust");
+
+    // A conversation.main token sees its own role's text and nothing of the subagent's.
+    let (_, _, main) = get(&app, &format!("{one}?format=mplp"), Some(MAIN_TOKEN)).await;
+    let (_, _, main_view) = get(&app, one, Some(MAIN_TOKEN)).await;
+    let text = format!("{main}{main_view}");
+    assert!(!text.contains("SUBSECRET"), "{text}");
+    assert_eq!(main["purpose"], "MAINSECRET goal");
+    assert_eq!(main_view["session"]["name"], "MAINSECRET name");
+}
+
+#[tokio::test]
+async fn every_api_response_is_nosniff_and_no_store() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let s = with_tokens(settings(&nats.url()));
+    provision::provision(&js, &s)
+        .await
+        .unwrap_or_else(|e| panic!("provision: {e}"));
+    let app = api::router(ApiState::new(js.clone(), s.names(), &s.http));
+    for (uri, token, want) in [
+        ("/api/events", Some(ALL_TOKEN), StatusCode::OK),
+        ("/api/work-sessions", Some(ALL_TOKEN), StatusCode::OK),
+        ("/api/me", Some(TASK_TOKEN), StatusCode::OK),
+        ("/api/openapi.json", None, StatusCode::OK),
+        ("/api/schemas", None, StatusCode::OK),
+        ("/api/events", None, StatusCode::UNAUTHORIZED),
+        (
+            "/api/events?role=conversation.main",
+            Some(TASK_TOKEN),
+            StatusCode::FORBIDDEN,
+        ),
+        (
+            "/api/events?limit=x",
+            Some(ALL_TOKEN),
+            StatusCode::BAD_REQUEST,
+        ),
+        (
+            "/api/work-sessions/none",
+            Some(ALL_TOKEN),
+            StatusCode::NOT_FOUND,
+        ),
+        ("/api/nothing-here", None, StatusCode::NOT_FOUND),
+    ] {
+        let (status, headers, body) = get(&app, uri, token).await;
+        assert_eq!(status, want, "{uri}: {body}");
+        assert_private(uri, status, &headers);
+    }
+}
+
+#[tokio::test]
+async fn event_streams_are_capped_per_token_and_in_total_and_a_closed_one_frees_its_place() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let mut s = with_tokens(settings(&nats.url()));
+    s.http.sse_max_streams = 3;
+    s.http.sse_max_streams_per_token = 2;
+    provision::provision(&js, &s)
+        .await
+        .unwrap_or_else(|e| panic!("provision: {e}"));
+    let state = ApiState::new(js.clone(), s.names(), &s.http).with_sse_limits(SseLimits {
+        // Frequent keep-alives: the server notices a client that went at its next write.
+        keep_alive: Duration::from_millis(100),
+        ..SseLimits::from_settings(&s.http)
+    });
+    let slots = state.stream_slots().clone();
+    let (addr, _stop) = serve(state, None).await;
+    let http = reqwest::Client::new();
+    let open = |token: &'static str| {
+        let http = http.clone();
+        async move {
+            http.get(format!("http://{addr}/api/events/stream"))
+                .bearer_auth(token)
+                .send()
+                .await
+                .unwrap_or_else(|e| panic!("the API answers: {e}"))
+        }
+    };
+    let refused = |resp: reqwest::Response, want: StatusCode, setting: &'static str| async move {
+        assert_eq!(resp.status().as_u16(), want.as_u16());
+        assert_eq!(
+            resp.headers()
+                .get("x-content-type-options")
+                .and_then(|v| v.to_str().ok()),
+            Some("nosniff")
+        );
+        let body: Value = resp.json().await.unwrap_or_else(|e| panic!("JSON: {e}"));
+        assert_eq!(body["error"]["code"], "too_many_streams", "{body}");
+        let message = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains(setting), "{body}");
+    };
+
+    let first = open(ALL_TOKEN).await;
+    assert_eq!(first.status().as_u16(), 200);
+    assert_eq!(
+        first
+            .headers()
+            .get("cache-control")
+            .and_then(|v| v.to_str().ok()),
+        Some("no-store")
+    );
+    let second = open(ALL_TOKEN).await;
+    assert_eq!(second.status().as_u16(), 200);
+    refused(
+        open(ALL_TOKEN).await,
+        StatusCode::TOO_MANY_REQUESTS,
+        "http.sse_max_streams_per_token = 2",
+    )
+    .await;
+    let other = open(TASK_TOKEN).await;
+    assert_eq!(other.status().as_u16(), 200);
+    assert_eq!(slots.open(), 3);
+    refused(
+        open(MAIN_TOKEN).await,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "http.sse_max_streams = 3",
+    )
+    .await;
+
+    // A client that goes frees its place.
+    drop(first);
+    wait_until(GUARD, "the closed stream frees its place", || {
+        let n = slots.open();
+        async move { n == 2 }
+    })
+    .await;
+    let again = open(ALL_TOKEN).await;
+    assert_eq!(again.status().as_u16(), 200);
+    drop((second, other, again));
+    wait_until(GUARD, "every stream's place is free", || {
+        let n = slots.open();
+        async move { n == 0 }
+    })
+    .await;
+}
+
+/// Settings whose raw stream holds `raw_max_bytes` at most (below the configurable minimum, which
+/// provisioning does not check).
+fn tiny_raw(url: &str, raw_max_bytes: i64) -> Settings {
+    let mut s = settings(url);
+    s.storage.raw_max_bytes = raw_max_bytes;
+    s
+}
+
+#[tokio::test]
+async fn a_full_raw_stream_refuses_publishes_and_loses_no_accepted_input() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let s = tiny_raw(&nats.url(), 64 * 1024);
+    let (_running, _cancel) = start_worker(&s).await;
+    let filler = "x".repeat(2000);
+    let mut accepted = Vec::new();
+    let mut refusal = None;
+    for n in 0..1000u32 {
+        let (subject, body) = crate::api::collab_event(
+            i64::from(n % 50),
+            "a2a.send",
+            "ruda",
+            "eden",
+            &format!("conv-{}", n % 7),
+            json!({"turn": n, "message": filler}),
+        );
+        let ack = js
+            .publish(subject, body)
+            .await
+            .unwrap_or_else(|e| panic!("the publish is sent: {e}"))
+            .await;
+        match ack {
+            Ok(a) => accepted.push(a.sequence),
+            Err(e) => {
+                refusal = Some(e.to_string());
+                break;
+            }
+        }
+    }
+    let refusal = refusal.unwrap_or_else(|| panic!("1000 publishes of 2 KB fit in 64 KiB"));
+    eprintln!("a publish to a full raw stream fails with: {refusal}");
+    assert!(
+        refusal.to_lowercase().contains("maximum bytes exceeded"),
+        "the producer is told why: {refusal}"
+    );
+    assert!(!accepted.is_empty());
+    let mut raw = js
+        .get_stream("COLLAB_RAW")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let info = raw.info().await.unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(info.config.discard, stream::DiscardPolicy::New);
+    assert_eq!(info.state.messages, accepted.len() as u64);
+    assert_eq!(info.state.first_sequence, accepted[0]);
+    // Every accepted input is still in the raw stream and was processed exactly once.
+    drained(&js).await;
+    let audit = collab_projector::ops::audit(&js, &s.names(), 1, 0)
+        .await
+        .unwrap_or_else(|e| panic!("audit: {e}"));
+    assert_eq!(audit.raw, accepted.len(), "{audit:?}");
+    assert!(audit.holds(), "{audit:?}");
+}
+
+#[tokio::test]
+async fn provision_bounds_existing_streams_and_buckets_and_stays_idempotent() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let s = settings(&nats.url());
+    // A deployment provisioned before streams had size limits.
+    for mut c in provision::stream_configs(&s) {
+        c.max_bytes = -1;
+        c.discard = stream::DiscardPolicy::Old;
+        js.create_stream(c).await.unwrap_or_else(|e| panic!("{e}"));
+    }
+    for mut c in provision::kv_configs(&s) {
+        c.max_bytes = -1;
+        js.create_key_value(c)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+    }
+    publish(&js, "collab.raw.k1.a2a.send", Bytes::from(vec![b'x'; 4096])).await;
+
+    // A limit below what the raw stream holds is refused, naming the setting.
+    let err = provision::provision(&js, &tiny_raw(&nats.url(), 1024))
+        .await
+        .err()
+        .unwrap_or_else(|| panic!("a limit below the stream's bytes must be refused"));
+    assert!(err.to_string().contains("storage.raw_max_bytes"), "{err}");
+
+    // A limit the server cannot reserve is refused with the server's reason.
+    let err = provision::provision(&js, &tiny_raw(&nats.url(), 1 << 50))
+        .await
+        .err()
+        .unwrap_or_else(|| panic!("a petabyte cannot be reserved"));
+    assert!(
+        err.to_string().to_lowercase().contains("insufficient"),
+        "{err}"
+    );
+
+    let report = provision::provision(&js, &s)
+        .await
+        .unwrap_or_else(|e| panic!("provision: {e}"));
+    assert_eq!(report.updated.len(), 6, "{:?}", report.updated);
+    for (name, max_bytes, discard) in [
+        (
+            "COLLAB_RAW",
+            s.storage.raw_max_bytes,
+            stream::DiscardPolicy::New,
+        ),
+        (
+            "COLLAB_PROJ",
+            s.storage.proj_max_bytes,
+            stream::DiscardPolicy::New,
+        ),
+        (
+            "COLLAB_DLQ",
+            s.storage.dlq_max_bytes,
+            stream::DiscardPolicy::New,
+        ),
+        (
+            "KV_collab_turns",
+            s.storage.turns_max_bytes,
+            stream::DiscardPolicy::New,
+        ),
+        (
+            "KV_collab_work_sessions",
+            s.storage.sessions_max_bytes,
+            stream::DiscardPolicy::New,
+        ),
+        (
+            "KV_collab_leases",
+            s.storage.leases_max_bytes,
+            stream::DiscardPolicy::New,
+        ),
+        (
+            "OBJ_collab_blobs",
+            s.storage.blobs_max_bytes,
+            stream::DiscardPolicy::New,
+        ),
+    ] {
+        let mut st = js.get_stream(name).await.unwrap_or_else(|e| panic!("{e}"));
+        let info = st.info().await.unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(
+            (info.config.max_bytes, info.config.discard),
+            (max_bytes, discard),
+            "{name}"
+        );
+    }
+    assert_eq!(
+        crate::pipeline::count(&js, "COLLAB_RAW").await,
+        1,
+        "nothing was dropped"
+    );
+    let again = provision::provision(&js, &s)
+        .await
+        .unwrap_or_else(|e| panic!("provision again: {e}"));
+    assert!(again.updated.is_empty(), "{:?}", again.updated);
+    assert!(again.created.is_empty(), "{:?}", again.created);
+}
+
+#[tokio::test]
+async fn agents_publish_only_as_themselves_and_read_only_their_own_inbox() {
+    let sample = roles_sample().await;
+    let url = sample.url();
+    let mut worker = Settings::default();
+    worker.nats.url = url.clone();
+    worker.nats.user = Some(WORKERS.into());
+    worker.nats.password = Some(Secret::new(sample.password(WORKERS)));
+    let (_client, worker_js) = bus::connect_as(&worker, "trust-test worker")
+        .await
+        .unwrap_or_else(|e| panic!("the workers' user connects: {e}"));
+    provision::provision(&worker_js, &worker)
+        .await
+        .unwrap_or_else(|e| panic!("provision as the workers' user: {e}"));
+
+    let [ruda_user, eden_user] = AGENT_USERS;
+    let ruda = Login::new(
+        &url,
+        ruda_user,
+        &sample.password(ruda_user),
+        Some("_INBOX_ruda"),
+    )
+    .await;
+    let eden = Login::new(
+        &url,
+        eden_user,
+        &sample.password(eden_user),
+        Some("_INBOX_eden"),
+    )
+    .await;
+
+    // Each agent publishes as itself, and gets its acknowledgement on its own inbox.
+    let own = identity::subject("collab", "conv-1", "eden", "a2a.response")
+        .unwrap_or_else(|| panic!("eden is a valid agent token"));
+    let forged_body = json!({"type": "a2a.response", "agentId": "eden", "ts": 1_771_329_600_000_i64,
+        "data": {"fromAgent": "ruda", "toAgent": "eden", "conversationId": "conv-1", "message": "done"}});
+    let eden_js = jetstream::new(eden.client.clone());
+    let seq = publish(&eden_js, &own, Bytes::from(forged_body.to_string())).await;
+    let ruda_js = jetstream::new(ruda.client.clone());
+    let ruda_subject = identity::subject("collab", "conv-1", "ruda", "a2a.send")
+        .unwrap_or_else(|| panic!("ruda is a valid agent token"));
+    publish(&ruda_js, &ruda_subject, Bytes::from_static(b"{}")).await;
+
+    // eden cannot publish as ruda, nor unidentified, nor read ruda's (or anyone's) inbox.
+    eden.assert_cannot_publish("collab.raw.conv-1._as.ruda.a2a.response")
+        .await;
+    eden.assert_cannot_publish("collab.raw.conv-1.a2a.response")
+        .await;
+    eden.assert_cannot_subscribe("_INBOX_ruda.>").await;
+    eden.assert_cannot_subscribe("_INBOX_producers.>").await;
+    eden.assert_cannot_subscribe("_INBOX.>").await;
+    eden.assert_cannot_subscribe("collab.raw.>").await;
+    ruda.assert_cannot_subscribe("_INBOX_eden.>").await;
+
+    // What eden published carries its identity, which the worker's check holds the event to:
+    // claiming to speak as ruda from eden's subject is a mismatch.
+    let stored = worker_js
+        .get_stream("COLLAB_RAW")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"))
+        .get_raw_message(seq)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let producer = collab_projector::pipeline::producer_subject("collab", stored.subject.as_str());
+    let parsed =
+        identity::parse("collab", &producer).unwrap_or_else(|| panic!("a raw subject: {producer}"));
+    assert_eq!(parsed.agent.as_deref(), Some("eden"));
+    let normalized = ingest::normalize(
+        &RawInput {
+            bytes: &stored.payload,
+            subject: None,
+            raw_ref: None,
+            relay: Default::default(),
+        },
+        &worker
+            .ingest()
+            .unwrap_or_else(|e| panic!("ingest settings: {e}")),
+    )
+    .unwrap_or_else(|e| panic!("normalises: {e:?}"));
+    let verdict = identity::check(&parsed, &normalized[0].envelope, true);
+    assert_eq!(verdict.err().map(|e| e.reason()), Some("identity_mismatch"));
+}
+
+/// Resident memory of process `pid`, in MiB (VmRSS of /proc/<pid>/status).
+fn rss_mib(pid: u32) -> f64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap_or_default();
+    status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+/// Sample RSS every half second until it moved less than 1 MiB over three samples.
+async fn settled_rss(pid: u32) -> f64 {
+    let mut last = rss_mib(pid);
+    let mut still = 0;
+    for _ in 0..120 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        let now = rss_mib(pid);
+        if (now - last).abs() < 1.0 {
+            still += 1;
+            if still >= 3 {
+                return now;
+            }
+        } else {
+            still = 0;
+        }
+        last = now;
+    }
+    last
+}
+
+/// Memory of a `run` process under event-stream clients that never read, and after they close.
+/// A measurement, not a check: run it on purpose and read its output
+/// (`cargo test --test it trust::sse_memory -- --ignored --nocapture`; COLLAB_MEASURE_STREAMS and
+/// COLLAB_HTTP__SSE_BUFFER_BYTES change the client count and the per-stream buffer).
+#[tokio::test]
+#[ignore = "a measurement; prints figures"]
+async fn sse_memory_under_slow_readers() {
+    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
+    let streams: usize = std::env::var("COLLAB_MEASURE_STREAMS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(40);
+    let buffer =
+        std::env::var("COLLAB_HTTP__SSE_BUFFER_BYTES").unwrap_or_else(|_| "1048576".into());
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let projector = crate::pipeline::start_projector(
+        &nats.url(),
+        &crate::pipeline::MAIN_AGENTS,
+        &[
+            ("COLLAB_HTTP__SSE_MAX_STREAMS", "1000"),
+            ("COLLAB_HTTP__SSE_MAX_STREAMS_PER_TOKEN", "1000"),
+            ("COLLAB_HTTP__SSE_BUFFER_BYTES", buffer.as_str()),
+            ("RUST_LOG", "info,collab_projector::api=debug"),
+            (
+                "MIMALLOC_PURGE_DELAY",
+                std::env::var("MIMALLOC_PURGE_DELAY")
+                    .as_deref()
+                    .unwrap_or("10"),
+            ),
+        ],
+    )
+    .await;
+    let log = projector.log_text();
+    let addr = log
+        .lines()
+        .find_map(|l| l.split("http listening on ").nth(1))
+        .map(|a| a.trim().to_string())
+        .unwrap_or_else(|| panic!("no address in {log}"));
+    let pid = projector.pid();
+    let idle = settled_rss(pid).await;
+    let mut clients = Vec::new();
+    for _ in 0..streams {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap_or_else(|e| panic!("{e}"));
+        socket
+            .set_recv_buffer_size(4096)
+            .unwrap_or_else(|e| panic!("{e}"));
+        let mut conn = socket
+            .connect(addr.parse().unwrap_or_else(|e| panic!("{e}")))
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        conn.write_all(
+            format!("GET /api/events/stream HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes(),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+        let mut reader = tokio::io::BufReader::new(conn);
+        let mut status = String::new();
+        reader
+            .read_line(&mut status)
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert!(status.contains(" 200 "), "{status}");
+        clients.push(reader);
+    }
+    let opened = settled_rss(pid).await;
+    // Projections of 16 KiB (1,500 by default: 24 MiB), which every stream would have to hold.
+    let events: u32 = std::env::var("COLLAB_MEASURE_EVENTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(1500);
+    let filler = "x".repeat(16 * 1024);
+    for n in 0..events {
+        let body = json!({"type": "health.ping", "eventRole": "system.observability", "payload": {"n": n, "filler": filler}});
+        publish(
+            &js,
+            "collab.proj.system.observability.k.health.ping",
+            Bytes::from(body.to_string()),
+        )
+        .await;
+    }
+    let loaded = settled_rss(pid).await;
+    println!("sse memory: closing the clients at {}", chrono::Utc::now());
+    drop(clients);
+    if std::env::var("COLLAB_MEASURE_POKE").is_ok() {
+        // Activity on every thread, before a keep-alive is due: requests and events.
+        let http = reqwest::Client::new();
+        for n in 0..300u32 {
+            let _ = http.get(format!("http://{addr}/api/me")).send().await;
+            if n % 10 == 0 {
+                publish(
+                    &js,
+                    "collab.proj.system.observability.k.health.ping",
+                    Bytes::from(json!({"type": "health.ping", "payload": {}}).to_string()),
+                )
+                .await;
+            }
+        }
+    }
+    let closed = settled_rss(pid).await;
+    // Past a keep-alive interval (15 s), so every server-side stream has written since its
+    // client went.
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    let later = settled_rss(pid).await;
+    println!("sse memory: after a keep-alive interval {later:.0} MiB");
+    let closes: Vec<String> = projector
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("event stream closed"))
+        .map(str::to_string)
+        .collect();
+    for line in projector
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("reader stopped"))
+        .take(3)
+    {
+        println!("sse memory: {line}");
+    }
+    if let (Some(first), Some(last)) = (closes.first(), closes.last()) {
+        println!(
+            "sse memory: {} streams closed, first: {first}\nlast: {last}",
+            closes.len()
+        );
+    }
+    println!(
+        "sse memory: {streams} streams, buffer {buffer} B: idle {idle:.0} MiB, streams open {opened:.0} MiB, loaded {loaded:.0} MiB ({:.1} MiB per stream), closed {closed:.0} MiB",
+        (loaded - opened) / streams as f64
+    );
+}
+
+#[tokio::test]
+async fn a_full_dead_letter_stream_loses_no_dead_letter() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let mut s = settings(&nats.url());
+    s.storage.dlq_max_bytes = 16 * 1024;
+    let (_running, _cancel) = start_worker(&s).await;
+    // Malformed inputs of about 1 KB each: more dead letters than the stream can hold.
+    let bad = format!("not json {}", "x".repeat(1000));
+    let inputs = 40u64;
+    for n in 0..inputs {
+        publish(&js, &format!("collab.raw.bad-{n}.a2a.send"), bad.clone()).await;
+    }
+    wait_until(GUARD, "the dead-letter stream is full", || {
+        let js = js.clone();
+        async move {
+            let mut st = js
+                .get_stream("COLLAB_DLQ")
+                .await
+                .unwrap_or_else(|e| panic!("{e}"));
+            let info = st.info().await.unwrap_or_else(|e| panic!("{e}"));
+            info.state.bytes + 2048 > 16 * 1024
+        }
+    })
+    .await;
+    let held = crate::pipeline::count(&js, "COLLAB_DLQ").await;
+    assert!(held < inputs, "{held} dead letters fit in 16 KiB");
+    // Room is made (the operator raises the limit): every dead letter arrives, none was lost.
+    let mut roomier = s.clone();
+    roomier.storage.dlq_max_bytes = 1024 * 1024;
+    provision::provision(&js, &roomier)
+        .await
+        .unwrap_or_else(|e| panic!("provision: {e}"));
+    wait_until(GUARD, "every bad input is dead-lettered", || {
+        let js = js.clone();
+        async move { crate::pipeline::count(&js, "COLLAB_DLQ").await == inputs }
+    })
+    .await;
+    drained(&js).await;
+    let audit = collab_projector::ops::audit(&js, &s.names(), 1, 0)
+        .await
+        .unwrap_or_else(|e| panic!("audit: {e}"));
+    assert!(audit.holds(), "{audit:?}");
+    assert_eq!(audit.dead_lettered, inputs as usize, "{audit:?}");
+}
