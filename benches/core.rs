@@ -41,6 +41,7 @@ fn settings() -> ingest::Settings {
         redactor: std::sync::Arc::new(
             collab_projector::redact::Redactor::new(&[], &[]).expect("built-in redaction rules"),
         ),
+        require_identity: false,
     }
 }
 

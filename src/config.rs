@@ -413,12 +413,18 @@ pub fn looks_like_user_seed(seed: &str) -> bool {
 pub struct RoleSettings {
     /// Agent ids that are main agents (trimmed, case-insensitive).
     pub main_agents: Vec<String>,
+    /// Dead-letter (`identity_missing`) every raw input whose subject names no publishing agent
+    /// (`<prefix>.raw.<key>._as.<agent>.<type>`): for deployments where every producer has its
+    /// own NATS user (docs/security.md, "Producer identity"). Inputs that name one are always
+    /// checked: an event claiming another speaker is dead-lettered `identity_mismatch`.
+    pub require_identity: bool,
 }
 
 impl Default for RoleSettings {
     fn default() -> Self {
         RoleSettings {
             main_agents: vec!["main".into(), "ruda".into()],
+            require_identity: false,
         }
     }
 }
@@ -882,6 +888,7 @@ impl Settings {
                 max_array_items: self.limits.max_array_items,
             },
             redactor: std::sync::Arc::new(self.redactor()?),
+            require_identity: self.roles.require_identity,
         })
     }
 

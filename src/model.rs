@@ -77,10 +77,14 @@ pub enum DlqReason {
     BadType,
     TooLarge,
     MaxDeliver,
+    /// The event claims a speaker other than the agent whose user published it.
+    IdentityMismatch,
+    /// Identities are required (`roles.require_identity`) and the subject names none.
+    IdentityMissing,
 }
 
 impl DlqReason {
-    pub const ALL: [DlqReason; 8] = [
+    pub const ALL: [DlqReason; 10] = [
         DlqReason::BadJson,
         DlqReason::Unrecognized,
         DlqReason::AdapterRejected,
@@ -89,6 +93,8 @@ impl DlqReason {
         DlqReason::BadType,
         DlqReason::TooLarge,
         DlqReason::MaxDeliver,
+        DlqReason::IdentityMismatch,
+        DlqReason::IdentityMissing,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -101,6 +107,8 @@ impl DlqReason {
             DlqReason::BadType => "bad_type",
             DlqReason::TooLarge => "too_large",
             DlqReason::MaxDeliver => "max_deliver",
+            DlqReason::IdentityMismatch => "identity_mismatch",
+            DlqReason::IdentityMissing => "identity_missing",
         }
     }
 }

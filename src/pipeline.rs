@@ -198,7 +198,12 @@ pub fn normalize_raw(
             ),
         ));
     }
-    let subject = SubjectInfo::parse_raw(&names.prefix, &source);
+    // `<prefix>.raw.<key>._as.<agent>.<type>` names the agent whose user published it.
+    let identified = crate::identity::parse(&names.prefix, &source);
+    let subject = match &identified {
+        Some(r) => Some(r.subject_info()),
+        None => SubjectInfo::parse_raw(&names.prefix, &source),
+    };
     let raw_ref = RawEventRef {
         stream: raw.stream.to_string(),
         seq: raw.seq,
@@ -211,7 +216,23 @@ pub fn normalize_raw(
         raw_ref: Some(raw_ref),
         relay: raw.headers.map(RelayHeaders::from_nats).unwrap_or_default(),
     };
-    ingest::normalize(&input, settings)
+    let events = ingest::normalize(&input, settings)?;
+    if let Some(identified) = &identified {
+        for n in &events {
+            crate::identity::check(identified, &n.envelope, settings.require_identity).map_err(
+                |e| {
+                    let reason = match e {
+                        crate::identity::IdentityError::Mismatch { .. } => {
+                            DlqReason::IdentityMismatch
+                        }
+                        crate::identity::IdentityError::Missing => DlqReason::IdentityMissing,
+                    };
+                    Rejection::new(reason, e.to_string())
+                },
+            )?;
+        }
+    }
+    Ok(events)
 }
 
 /// Serialise an envelope as a projection on its role subject.
@@ -336,6 +357,42 @@ mod tests {
                 .map(|n| n.envelope);
             assert_eq!(env.and_then(|e| e.phase).as_deref(), Some(phase), "{body}");
         }
+    }
+
+    #[test]
+    fn an_agent_publishes_only_as_itself() {
+        let names = Names::new("collab");
+        let subject = "collab.in.3.c1._as.eden.a2a.response";
+        let as_ruda = br#"{"type":"a2a.response","agentId":"ruda","data":{"fromAgent":"ruda","toAgent":"eden","conversationId":"c1","message":"done"}}"#;
+        let out = project(&raw(as_ruda, subject), &names, &settings(), 10);
+        assert_eq!(
+            out[0].kind,
+            OutKind::DeadLetter(DlqReason::IdentityMismatch)
+        );
+        assert_eq!(out[0].subject, "collab.dlq.identity_mismatch");
+        let as_eden = br#"{"type":"a2a.response","agentId":"eden","data":{"fromAgent":"eden","toAgent":"ruda","conversationId":"c1","message":"done"}}"#;
+        let out = project(&raw(as_eden, subject), &names, &settings(), 10);
+        assert_eq!(out[0].kind, OutKind::Projection(Role::ConversationMain));
+        // The agent token is not part of the type or the key.
+        assert_eq!(
+            out[0].subject,
+            "collab.proj.conversation.main.c1.a2a.response"
+        );
+        // Required identities: a subject naming no agent is refused.
+        let mut strict = settings();
+        strict.require_identity = true;
+        let plain = project(
+            &raw(as_eden, "collab.in.3.c1.a2a.response"),
+            &names,
+            &strict,
+            10,
+        );
+        assert_eq!(
+            plain[0].kind,
+            OutKind::DeadLetter(DlqReason::IdentityMissing)
+        );
+        let named = project(&raw(as_eden, subject), &names, &strict, 10);
+        assert_eq!(named[0].kind, OutKind::Projection(Role::ConversationMain));
     }
 
     #[test]

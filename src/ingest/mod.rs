@@ -32,6 +32,8 @@ pub struct Settings {
     pub shape: ShapeLimits,
     /// Applied to every parsed input before anything is derived from it.
     pub redactor: std::sync::Arc<crate::redact::Redactor>,
+    /// Inputs must name their publishing agent in their subject (`roles.require_identity`).
+    pub require_identity: bool,
 }
 
 /// Bounds on a parsed input's shape beyond its size (`limits.*` in the configuration).
