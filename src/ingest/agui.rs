@@ -25,6 +25,7 @@
 use super::event;
 use super::{check_type, Normalized, RawInput, Settings};
 use crate::model::{encode_id, id_text, DlqReason, Envelope, Rejection, Role};
+use crate::redact::{Flushed, StreamId, StreamKind, StreamRedactor};
 use serde_json::{Map, Value};
 
 /// AG-UI event types are SCREAMING_SNAKE_CASE (`RUN_STARTED`, `TEXT_MESSAGE_CONTENT`); any such
@@ -251,6 +252,103 @@ fn check_ids(obj: &Map<String, Value>, agui_type: &str) -> Result<(), Rejection>
         }
     }
     Ok(())
+}
+
+// ---- streamed deltas ---------------------------------------------------------------------
+
+/// Marks a delta that publishes text a stream redactor held back: a `*_CONTENT` event made
+/// when its message, its tool call or its run ended (or when too many were open).
+pub const FLUSH_FIELD: &str = "redactionFlush";
+
+/// The stream a delta-carrying AG-UI type belongs to, and the field holding its id.
+fn stream_of(agui_type: &str) -> Option<(StreamKind, &'static str)> {
+    match agui_type {
+        "TEXT_MESSAGE_CONTENT" | "TEXT_MESSAGE_CHUNK" => Some((StreamKind::Text, "messageId")),
+        "TOOL_CALL_ARGS" | "TOOL_CALL_CHUNK" => Some((StreamKind::ToolArgs, "toolCallId")),
+        "REASONING_MESSAGE_CONTENT" | "REASONING_MESSAGE_CHUNK" => {
+            Some((StreamKind::Reasoning, "messageId"))
+        }
+        _ => None,
+    }
+}
+
+/// The stream an AG-UI type ends, and the field holding its id.
+fn stream_ended_by(agui_type: &str) -> Option<(StreamKind, &'static str)> {
+    match agui_type {
+        "TEXT_MESSAGE_END" => Some((StreamKind::Text, "messageId")),
+        "TOOL_CALL_END" => Some((StreamKind::ToolArgs, "toolCallId")),
+        "REASONING_MESSAGE_END" => Some((StreamKind::Reasoning, "messageId")),
+        _ => None,
+    }
+}
+
+/// A delta event carrying a stream's held text.
+fn flush_event(f: Flushed, current: &Map<String, Value>) -> (String, Map<String, Value>) {
+    let (agui_type, id_field) = match f.id.kind {
+        StreamKind::Text => ("TEXT_MESSAGE_CONTENT", "messageId"),
+        StreamKind::ToolArgs => ("TOOL_CALL_ARGS", "toolCallId"),
+        StreamKind::Reasoning => ("REASONING_MESSAGE_CONTENT", "messageId"),
+    };
+    let mut out = Map::new();
+    out.insert("type".into(), Value::String(agui_type.into()));
+    out.insert(id_field.into(), Value::String(f.id.id));
+    // The ending event's thread, run and time, when it is of the same key.
+    for k in ["threadId", "runId", "timestamp"] {
+        if let Some(v) = current.get(k) {
+            out.insert(k.into(), v.clone());
+        }
+    }
+    out.insert("delta".into(), Value::String(f.text));
+    out.insert(FLUSH_FIELD.into(), Value::Bool(true));
+    (f.id.key, out)
+}
+
+/// Redact an AG-UI event's streamed text over its whole message (see
+/// [`crate::redact::StreamRedactor`]): a delta's `delta` is replaced by what the stream
+/// redactor publishes for it; an event that ends streams (`*_END`, `RUN_FINISHED`, `RUN_ERROR`)
+/// gives the delta events that publish their held text, each with the key it belongs to, to be
+/// projected before it. Also the matches replaced in `obj`.
+pub fn redact_stream(
+    obj: &mut Map<String, Value>,
+    key: &str,
+    seq: Option<u64>,
+    streams: &mut StreamRedactor,
+) -> (Vec<(String, Map<String, Value>)>, u64) {
+    let Some(agui_type) = obj.get("type").and_then(Value::as_str).map(str::to_string) else {
+        return (Vec::new(), 0);
+    };
+    let id_of = |obj: &Map<String, Value>, kind, field: &str| {
+        obj.get(field)
+            .and_then(Value::as_str)
+            .filter(|id| !id.trim().is_empty())
+            .map(|id| StreamId {
+                key: key.to_string(),
+                kind,
+                id: id.to_string(),
+            })
+    };
+    let mut flushed = Vec::new();
+    let mut count = 0;
+    if let Some((kind, field)) = stream_of(&agui_type) {
+        let Some(id) = id_of(obj, kind, field) else {
+            return (Vec::new(), 0);
+        };
+        let Some(Value::String(delta)) = obj.get_mut("delta") else {
+            return (Vec::new(), 0);
+        };
+        let pushed = streams.push(&id, seq, delta);
+        *delta = pushed.text;
+        count = pushed.redactions;
+        flushed.extend(pushed.evicted);
+    } else if let Some((kind, field)) = stream_ended_by(&agui_type) {
+        if let Some(id) = id_of(obj, kind, field) {
+            flushed.extend(streams.finish(&id, seq));
+        }
+    } else if matches!(agui_type.as_str(), "RUN_FINISHED" | "RUN_ERROR") {
+        flushed = streams.finish_key(key, seq);
+    }
+    let events = flushed.into_iter().map(|f| flush_event(f, obj)).collect();
+    (events, count)
 }
 
 /// The AG-UI facts of a projected envelope, for rules that follow runs, messages and tool
@@ -739,6 +837,119 @@ mod tests {
         let r =
             refused(json!({"type": "RUN_STARTED", "threadId": "t", "runId": 5, "token": "s3cr3t"}));
         assert!(!r.detail.contains("s3cr3t"));
+    }
+
+    /// Normalise `events` in order as one partition does, with a stream redactor; the
+    /// projected envelopes.
+    fn streamed(events: &[Value], limits: crate::redact::StreamLimits) -> Vec<Normalized> {
+        let s = settings();
+        let mut streams = StreamRedactor::new(s.redactor.clone(), limits);
+        let mut out = Vec::new();
+        for (i, v) in events.iter().enumerate() {
+            let bytes = serde_json::to_vec(v).expect("serialises");
+            let input = RawInput {
+                bytes: &bytes,
+                subject: Some(SubjectInfo {
+                    key: "thread-1".into(),
+                    type_suffix: "agui".into(),
+                }),
+                raw_ref: Some(crate::model::RawEventRef {
+                    stream: "COLLAB_RAW".into(),
+                    seq: i as u64 + 1,
+                    subject: "collab.raw.thread-1.agui".into(),
+                    stored_at: "2026-02-17T12:00:00.000Z".into(),
+                }),
+                relay: Default::default(),
+            };
+            out.extend(
+                super::super::normalize_streamed(&input, &s, &mut streams)
+                    .unwrap_or_else(|r| panic!("{v}: {} {}", r.reason, r.detail)),
+            );
+        }
+        assert_eq!(streams.open_streams(), 0, "every stream was closed");
+        out
+    }
+
+    /// The text of the projected deltas of `agui_type` with `id_field == id`, concatenated.
+    fn assembled(out: &[Normalized], agui_type: &str, id_field: &str, id: &str) -> String {
+        out.iter()
+            .filter(|n| payload(n)["agUiType"] == agui_type)
+            .filter(|n| {
+                payload(n).get(id_field).and_then(Value::as_str) == Some(id)
+                    || n.envelope.message_id.as_ref().and_then(Value::as_str) == Some(id)
+            })
+            .filter_map(|n| payload(n).get("delta").and_then(Value::as_str))
+            .collect()
+    }
+
+    #[test]
+    fn a_secret_split_over_streamed_deltas_is_redacted_in_the_assembled_text() {
+        let token = "ghp_R2d2C3poBb8Yoda4Luke5Leia6Han7Solo9x";
+        let (a, b) = token.split_at(17);
+        let events = [
+            json!({"type": "RUN_STARTED", "threadId": "thread-1", "runId": "r1"}),
+            json!({"type": "TEXT_MESSAGE_START", "messageId": "m1", "role": "assistant"}),
+            json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m1", "delta": format!("Your token is {a}")}),
+            json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m1", "delta": format!("{b} and it works.")}),
+            json!({"type": "TEXT_MESSAGE_END", "messageId": "m1"}),
+            json!({"type": "TOOL_CALL_START", "toolCallId": "tc1", "toolCallName": "deploy"}),
+            json!({"type": "TOOL_CALL_ARGS", "toolCallId": "tc1", "delta": "{\"token\":\"hf_FakeTokenFor"}),
+            json!({"type": "TOOL_CALL_ARGS", "toolCallId": "tc1", "delta": "TestsOnly0123456789abcdef\"}"}),
+            json!({"type": "TOOL_CALL_END", "toolCallId": "tc1"}),
+            json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m2", "delta": "left open sk_live_4eC39HqLy"}),
+            json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m2", "delta": "jWDarjtT1zdp7dcFAKE"}),
+            json!({"type": "RUN_FINISHED", "threadId": "thread-1", "runId": "r1"}),
+        ];
+        let out = streamed(&events, Default::default());
+        let all = serde_json::to_string(&out.iter().map(|n| &n.envelope).collect::<Vec<_>>())
+            .expect("serialises");
+        for secret in [
+            "R2d2C3poBb8Yoda4Luke5",
+            "TestsOnly0123456789",
+            "jWDarjtT1zdp7dcFAKE",
+        ] {
+            assert!(!all.contains(secret), "{secret} in {all}");
+        }
+        assert_eq!(
+            assembled(&out, "TEXT_MESSAGE_CONTENT", "messageId", "m1"),
+            "Your token is [redacted:github] and it works."
+        );
+        assert_eq!(
+            assembled(&out, "TOOL_CALL_ARGS", "toolCallId", "tc1"),
+            "{\"token\":\"[redacted:token]\"}"
+        );
+        assert_eq!(
+            assembled(&out, "TEXT_MESSAGE_CONTENT", "messageId", "m2"),
+            "left open [redacted:stripe]"
+        );
+        // The held text is published by delta events just before the event that ended it.
+        let types: Vec<String> = out
+            .iter()
+            .map(|n| {
+                payload(n)["agUiType"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string()
+            })
+            .collect();
+        let end = types
+            .iter()
+            .position(|t| t == "TEXT_MESSAGE_END")
+            .expect("END");
+        assert_eq!(types[end - 1], "TEXT_MESSAGE_CONTENT");
+        assert_eq!(payload(&out[end - 1])[FLUSH_FIELD], true);
+        let last = out.len() - 1;
+        assert_eq!(types[last], "RUN_FINISHED");
+        assert_eq!(payload(&out[last - 1])["messageId"], "m2");
+        assert!(out.iter().all(|n| n.key == "thread-1"));
+    }
+
+    #[test]
+    fn without_a_stream_redactor_each_delta_is_redacted_alone() {
+        let n = ok(
+            json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "hi sk_live_4eC39HqLyjWDarjtT1zdp7dcFAKE"}),
+        );
+        assert_eq!(payload(&n)["delta"], "hi [redacted:stripe]");
     }
 
     #[test]

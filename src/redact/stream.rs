@@ -133,10 +133,11 @@ impl StreamRedactor {
         self.open.iter().map(|o| o.pending.len()).sum()
     }
 
-    /// The next delta of stream `id`, from the raw message at `seq`: the text to publish in its
-    /// place. The same `seq` pushed again (a redelivery) gets the same answer; an older one gets
-    /// nothing (what it carried was published with the deltas after it).
-    pub fn push(&mut self, id: &StreamId, seq: u64, delta: &str) -> Pushed {
+    /// The next delta of stream `id`, from the raw message at `seq` (its stream sequence; `None`
+    /// offline): the text to publish in its place. The same `seq` pushed again (a redelivery)
+    /// gets the same answer; an older one gets nothing (what it carried was published with the
+    /// deltas after it).
+    pub fn push(&mut self, id: &StreamId, seq: Option<u64>, delta: &str) -> Pushed {
         let mut evicted = None;
         let at = match self.open.iter().position(|o| o.id == *id) {
             Some(at) => at,
@@ -157,15 +158,15 @@ impl StreamRedactor {
         let Some(mut open) = self.open.get(at).cloned() else {
             return Pushed::default();
         };
-        match &open.last {
-            Some((last, text, n)) if *last == seq => {
+        match (&open.last, seq) {
+            (Some((last, text, n)), Some(seq)) if *last == seq => {
                 return Pushed {
                     text: text.clone(),
                     redactions: *n,
                     evicted,
                 }
             }
-            Some((last, _, _)) if *last > seq => {
+            (Some((last, _, _)), Some(seq)) if *last > seq => {
                 return Pushed {
                     evicted,
                     ..Pushed::default()
@@ -175,7 +176,7 @@ impl StreamRedactor {
         }
         open.pending.push_str(delta);
         let (text, redactions) = self.drain(&mut open, false);
-        open.last = Some((seq, text.clone(), redactions));
+        open.last = seq.map(|seq| (seq, text.clone(), redactions));
         if let Some(slot) = self.open.get_mut(at) {
             *slot = open;
         }
@@ -188,20 +189,20 @@ impl StreamRedactor {
 
     /// Stream `id` ended (`*_END`), at the raw message `seq`: its held text, redacted, to
     /// publish as one last delta (`None` when nothing is held).
-    pub fn finish(&mut self, id: &StreamId, seq: u64) -> Option<Flushed> {
+    pub fn finish(&mut self, id: &StreamId, seq: Option<u64>) -> Option<Flushed> {
         if let Some(done) = self.replayed_finish(seq) {
             return done.into_iter().next();
         }
         let at = self.open.iter().position(|o| o.id == *id)?;
         let open = self.open.remove(at);
         let flushed = Some(self.close(open)).filter(|f| !f.text.is_empty());
-        self.last_finish = Some((seq, flushed.clone().into_iter().collect()));
+        self.last_finish = seq.map(|seq| (seq, flushed.clone().into_iter().collect()));
         flushed
     }
 
     /// Every stream of `key` ended (`RUN_FINISHED`, `RUN_ERROR`) at the raw message `seq`: their
     /// held texts, oldest stream first (empty ones left out).
-    pub fn finish_key(&mut self, key: &str, seq: u64) -> Vec<Flushed> {
+    pub fn finish_key(&mut self, key: &str, seq: Option<u64>) -> Vec<Flushed> {
         if let Some(done) = self.replayed_finish(seq) {
             return done;
         }
@@ -214,15 +215,15 @@ impl StreamRedactor {
             .map(|o| self.close(o))
             .filter(|f| !f.text.is_empty())
             .collect();
-        if !flushed.is_empty() {
+        if let (false, Some(seq)) = (flushed.is_empty(), seq) {
             self.last_finish = Some((seq, flushed.clone()));
         }
         flushed
     }
 
-    fn replayed_finish(&self, seq: u64) -> Option<Vec<Flushed>> {
-        match &self.last_finish {
-            Some((s, done)) if *s == seq => Some(done.clone()),
+    fn replayed_finish(&self, seq: Option<u64>) -> Option<Vec<Flushed>> {
+        match (&self.last_finish, seq) {
+            (Some((s, done)), Some(seq)) if *s == seq => Some(done.clone()),
             _ => None,
         }
     }
@@ -382,9 +383,9 @@ mod tests {
         let mut out: Vec<String> = deltas
             .iter()
             .enumerate()
-            .map(|(i, d)| r.push(&m, i as u64 + 1, d).text)
+            .map(|(i, d)| r.push(&m, Some(i as u64 + 1), d).text)
             .collect();
-        out.extend(r.finish(&m, 1000).map(|f| f.text));
+        out.extend(r.finish(&m, Some(1000)).map(|f| f.text));
         out
     }
 
@@ -422,7 +423,11 @@ mod tests {
         };
         let mut r = StreamRedactor::new(redactor(), limits);
         let m = id("m1");
-        let first = r.push(&m, 1, "one two three four five six seven eight nine ten");
+        let first = r.push(
+            &m,
+            Some(1),
+            "one two three four five six seven eight nine ten",
+        );
         // Held: at most the window, from after a space.
         assert!(
             first.text.starts_with("one two three four five"),
@@ -430,7 +435,7 @@ mod tests {
         );
         assert!(first.text.ends_with(' '), "{first:?}");
         assert!(r.held_bytes() <= 16 + 8, "{}", r.held_bytes());
-        let rest = r.finish(&m, 2).map(|f| f.text).unwrap_or_default();
+        let rest = r.finish(&m, Some(2)).map(|f| f.text).unwrap_or_default();
         assert_eq!(
             format!("{}{rest}", first.text),
             "one two three four five six seven eight nine ten"
@@ -505,9 +510,9 @@ mod tests {
             max_open: 2,
         };
         let mut r = StreamRedactor::new(redactor(), limits);
-        assert_eq!(r.push(&id("a"), 1, "held a").text, "");
-        assert_eq!(r.push(&id("b"), 2, "held b").text, "");
-        let c = r.push(&id("c"), 3, "held c");
+        assert_eq!(r.push(&id("a"), Some(1), "held a").text, "");
+        assert_eq!(r.push(&id("b"), Some(2), "held b").text, "");
+        let c = r.push(&id("c"), Some(3), "held c");
         assert_eq!(
             c.evicted,
             Some(Flushed {
@@ -518,7 +523,7 @@ mod tests {
         );
         assert_eq!(r.open_streams(), 2);
         for n in 4..200 {
-            r.push(&id("b"), n, "x y z w ");
+            r.push(&id("b"), Some(n), "x y z w ");
             assert!(r.held_bytes() <= 2 * 16, "{}", r.held_bytes());
         }
         // A run's end closes every stream of its key, not other keys'.
@@ -526,8 +531,8 @@ mod tests {
             key: "thread-2".into(),
             ..id("d")
         };
-        r.push(&other, 300, "other");
-        let ended = r.finish_key("thread-1", 301);
+        r.push(&other, Some(300), "other");
+        let ended = r.finish_key("thread-1", Some(301));
         assert_eq!(ended.len(), 1, "{ended:?}");
         assert_eq!(r.open_streams(), 1);
     }
@@ -543,12 +548,12 @@ mod tests {
             },
         );
         let m = id("m");
-        let once = r.push(&m, 7, "alpha beta gamma ");
-        let again = r.push(&m, 7, "alpha beta gamma ");
+        let once = r.push(&m, Some(7), "alpha beta gamma ");
+        let again = r.push(&m, Some(7), "alpha beta gamma ");
         assert_eq!(once, again);
-        assert_eq!(r.push(&m, 6, "older").text, "");
-        let end = r.finish(&m, 9);
-        assert_eq!(r.finish(&m, 9), end);
+        assert_eq!(r.push(&m, Some(6), "older").text, "");
+        let end = r.finish(&m, Some(9));
+        assert_eq!(r.finish(&m, Some(9)), end);
         assert_eq!(
             format!("{}{}", once.text, end.map(|f| f.text).unwrap_or_default()),
             "alpha beta gamma "
