@@ -940,7 +940,8 @@ mod tests {
         assert_eq!(payload(&out[end - 1])[FLUSH_FIELD], true);
         let last = out.len() - 1;
         assert_eq!(types[last], "RUN_FINISHED");
-        assert_eq!(payload(&out[last - 1])["messageId"], "m2");
+        assert_eq!(out[last - 1].envelope.message_id, Some(json!("m2")));
+        assert_eq!(payload(&out[last - 1])[FLUSH_FIELD], true);
         assert!(out.iter().all(|n| n.key == "thread-1"));
     }
 
