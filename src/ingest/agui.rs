@@ -282,8 +282,11 @@ fn stream_ended_by(agui_type: &str) -> Option<(StreamKind, &'static str)> {
     }
 }
 
+/// A delta event publishing a stream's held text, with the subject key of its stream.
+pub type FlushEvent = (String, Map<String, Value>);
+
 /// A delta event carrying a stream's held text.
-fn flush_event(f: Flushed, current: &Map<String, Value>) -> (String, Map<String, Value>) {
+fn flush_event(f: Flushed, current: &Map<String, Value>) -> FlushEvent {
     let (agui_type, id_field) = match f.id.kind {
         StreamKind::Text => ("TEXT_MESSAGE_CONTENT", "messageId"),
         StreamKind::ToolArgs => ("TOOL_CALL_ARGS", "toolCallId"),
@@ -313,7 +316,7 @@ pub fn redact_stream(
     key: &str,
     seq: Option<u64>,
     streams: &mut StreamRedactor,
-) -> (Vec<(String, Map<String, Value>)>, u64) {
+) -> (Vec<FlushEvent>, u64) {
     let Some(agui_type) = obj.get("type").and_then(Value::as_str).map(str::to_string) else {
         return (Vec::new(), 0);
     };

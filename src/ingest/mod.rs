@@ -337,7 +337,7 @@ fn stream_key(obj: &serde_json::Map<String, Value>, input: &RawInput<'_>) -> Str
 /// The delta events that publish text a stream redactor held back, each projected under the
 /// key of its stream.
 fn flushed_events(
-    flushes: Vec<(String, serde_json::Map<String, Value>)>,
+    flushes: Vec<agui::FlushEvent>,
     input: &RawInput<'_>,
     settings: &Settings,
 ) -> Result<Vec<Normalized>, Rejection> {
