@@ -850,10 +850,11 @@ mod tests {
         let mut out = Vec::new();
         for (i, v) in events.iter().enumerate() {
             let bytes = serde_json::to_vec(v).expect("serialises");
+            let key = v["threadId"].as_str().unwrap_or("thread-1").to_string();
             let input = RawInput {
                 bytes: &bytes,
                 subject: Some(SubjectInfo {
-                    key: "thread-1".into(),
+                    key,
                     type_suffix: "agui".into(),
                 }),
                 raw_ref: Some(crate::model::RawEventRef {
@@ -869,7 +870,6 @@ mod tests {
                     .unwrap_or_else(|r| panic!("{v}: {} {}", r.reason, r.detail)),
             );
         }
-        assert_eq!(streams.open_streams(), 0, "every stream was closed");
         out
     }
 
@@ -904,6 +904,10 @@ mod tests {
             json!({"type": "RUN_FINISHED", "threadId": "thread-1", "runId": "r1"}),
         ];
         let out = streamed(&events, Default::default());
+        assert!(
+            out.len() > events.len(),
+            "held text was published by more deltas"
+        );
         let all = serde_json::to_string(&out.iter().map(|n| &n.envelope).collect::<Vec<_>>())
             .expect("serialises");
         for secret in [
@@ -946,6 +950,55 @@ mod tests {
         assert_eq!(out[last - 1].envelope.message_id, Some(json!("m2")));
         assert_eq!(payload(&out[last - 1])[FLUSH_FIELD], true);
         assert!(out.iter().all(|n| n.key == "thread-1"));
+    }
+
+    #[test]
+    fn a_stream_evicted_to_make_room_is_published_under_its_own_key() {
+        let limits = crate::redact::StreamLimits {
+            hold: 64,
+            max_hold: 256,
+            max_open: 1,
+        };
+        let events = [
+            json!({"type": "TEXT_MESSAGE_CONTENT", "threadId": "ta", "messageId": "ma", "delta": "first thread text"}),
+            // A chunk without an id is redacted on its own and opens no stream.
+            json!({"type": "TEXT_MESSAGE_CHUNK", "threadId": "tb", "delta": "loose chunk"}),
+            json!({"type": "TOOL_CALL_ARGS", "threadId": "tb", "toolCallId": "tc", "delta": "{\"a\":1}"}),
+            json!({"type": "TOOL_CALL_END", "threadId": "tb", "toolCallId": "tc"}),
+        ];
+        let out = streamed(&events, limits);
+        let summary: Vec<(String, String, String)> = out
+            .iter()
+            .map(|n| {
+                (
+                    n.key.clone(),
+                    payload(n)["agUiType"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string(),
+                    payload(n)
+                        .get("delta")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default()
+                        .to_string(),
+                )
+            })
+            .collect();
+        let row = |k: &str, t: &str, d: &str| (k.to_string(), t.to_string(), d.to_string());
+        assert_eq!(
+            summary,
+            [
+                row("ta", "TEXT_MESSAGE_CONTENT", ""),
+                row("tb", "TEXT_MESSAGE_CHUNK", "loose chunk"),
+                // Opening the tool call's stream closed the oldest, on its own key.
+                row("ta", "TEXT_MESSAGE_CONTENT", "first thread text"),
+                row("tb", "TOOL_CALL_ARGS", ""),
+                row("tb", "TOOL_CALL_ARGS", "{\"a\":1}"),
+                row("tb", "TOOL_CALL_END", ""),
+            ]
+        );
+        assert_eq!(payload(&out[2])[FLUSH_FIELD], true);
+        assert_eq!(out[2].envelope.message_id, Some(json!("ma")));
     }
 
     #[test]
