@@ -189,6 +189,10 @@ pub struct Redactor {
     rules: Vec<Rule>,
     /// One pattern per keyword (case-insensitive literal).
     keywords: RegexSet,
+    /// All keywords in one pattern, to find where the first one is.
+    any_keyword: Option<Regex>,
+    /// Whether configuration added patterns (they have no keywords and may span words).
+    configured: bool,
     /// For each keyword, the rules it lets run.
     keyword_rules: Vec<Vec<usize>>,
     /// Rules without keywords: they run on every string.
@@ -250,6 +254,21 @@ impl Redactor {
             }
             rules.push(Rule::compile(spec)?);
         }
+        let any_keyword = if keyword_sources.is_empty() {
+            None
+        } else {
+            let alternation = keyword_sources
+                .iter()
+                .map(|k| format!("(?:{k})"))
+                .collect::<Vec<_>>()
+                .join("|");
+            Some(
+                Regex::new(&alternation).map_err(|e| RedactError::BadPattern {
+                    name: "(keywords)".into(),
+                    detail: e.to_string(),
+                })?,
+            )
+        };
         let keywords = RegexSet::new(&keyword_sources).map_err(|e| RedactError::BadPattern {
             name: "(keywords)".into(),
             detail: e.to_string(),
@@ -259,6 +278,8 @@ impl Redactor {
             exact,
             rules,
             keywords,
+            any_keyword,
+            configured: !extra_patterns.is_empty(),
             keyword_rules,
             always,
         })
@@ -312,8 +333,9 @@ impl Redactor {
         (count > 0).then(|| (apply(text, &spans), count))
     }
 
-    /// The matches of every rule in `text`, without overlaps, in order: where two overlap, the
-    /// one starting first wins, then the longer, then the rule listed first.
+    /// The matches of every rule in `text`, without overlaps, in order: where two overlap, they
+    /// are replaced together by the replacement of the one starting first (then the longer, then
+    /// the rule listed first).
     pub(crate) fn spans(&self, text: &str) -> Vec<Span> {
         let mut candidates: Vec<usize> = self.always.clone();
         if !self.keyword_rules.is_empty() {
@@ -352,10 +374,20 @@ impl Redactor {
                 .then(b.end.cmp(&a.end))
                 .then(a.rule.cmp(&b.rule))
         });
+        // Overlapping matches become one: the first one's replacement over both, so a match
+        // that starts inside another (`token: -----BEGIN PRIVATE KEY-----...`) is never cut
+        // short and its rest left in the clear. The rule of a merged span is the one whose match
+        // reaches furthest (what a streamed secret continues with).
         let mut spans: Vec<Span> = Vec::with_capacity(found.len());
         for s in found {
-            if spans.last().is_none_or(|last| s.start >= last.end) {
-                spans.push(s);
+            match spans.last_mut() {
+                Some(last) if s.start < last.end => {
+                    if s.end > last.end {
+                        last.end = s.end;
+                        last.rule = s.rule;
+                    }
+                }
+                _ => spans.push(s),
             }
         }
         spans
@@ -364,6 +396,19 @@ impl Redactor {
     /// The ids of the string rules, built-in ones first (the kinds markers name).
     pub fn rule_ids(&self) -> impl Iterator<Item = &str> {
         self.rules.iter().map(|r| r.id.as_str())
+    }
+
+    /// Where the first rule keyword at or after byte `at` of `text` starts.
+    pub(crate) fn first_keyword(&self, text: &str, at: usize) -> Option<usize> {
+        let re = self.any_keyword.as_ref()?;
+        (at <= text.len())
+            .then(|| re.find_at(text, at).map(|m| m.start()))
+            .flatten()
+    }
+
+    /// Whether configuration added patterns to the built-in rules.
+    pub(crate) fn has_configured_patterns(&self) -> bool {
+        self.configured
     }
 
     /// The rule a span came from.
@@ -991,6 +1036,19 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn overlapping_matches_are_replaced_together() {
+        let r = redactor();
+        let pem = "-----BEGIN PRIVATE KEY-----\nMIIEvQIBADANBgkqhkiG9w0BAQEFAASCBKcw\n-----END PRIVATE KEY-----";
+        let (got, _) = r
+            .text(&format!("token: {pem} after"))
+            .unwrap_or_else(|| panic!("nothing redacted"));
+        assert_eq!(got, "token: [redacted:secret] after");
+        // A quoted value is bounded: a long quoted passage after a key name is not one secret.
+        let long = format!("secret= \"{}\"", "word ".repeat(40));
+        assert_eq!(r.text(&long), None);
     }
 
     #[test]

@@ -923,7 +923,7 @@ mod tests {
         );
         assert_eq!(
             assembled(&out, "TOOL_CALL_ARGS", "toolCallId", "tc1"),
-            "{\"token\":\"[redacted:token]\"}"
+            "{\"token\":\"[redacted:secret]\"}"
         );
         assert_eq!(
             assembled(&out, "TEXT_MESSAGE_CONTENT", "messageId", "m2"),
@@ -988,17 +988,18 @@ mod tests {
         assert_eq!(
             summary,
             [
-                row("ta", "TEXT_MESSAGE_CONTENT", ""),
+                // The last word waits.
+                row("ta", "TEXT_MESSAGE_CONTENT", "first thread "),
                 row("tb", "TEXT_MESSAGE_CHUNK", "loose chunk"),
                 // Opening the tool call's stream closed the oldest, on its own key.
-                row("ta", "TEXT_MESSAGE_CONTENT", "first thread text"),
-                row("tb", "TOOL_CALL_ARGS", ""),
+                row("ta", "TEXT_MESSAGE_CONTENT", "text"),
                 row("tb", "TOOL_CALL_ARGS", "{\"a\":1}"),
                 row("tb", "TOOL_CALL_END", ""),
             ]
         );
         assert_eq!(payload(&out[2])[FLUSH_FIELD], true);
         assert_eq!(out[2].envelope.message_id, Some(json!("ma")));
+        assert_eq!(payload(&out[0]).get(FLUSH_FIELD), None);
     }
 
     #[test]
