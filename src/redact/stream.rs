@@ -4,11 +4,13 @@
 //!
 //! Each delta is published as soon as it is processed, so a secret's first half cannot be taken
 //! back once the second half arrives. The stream redactor therefore holds back the end of what it
-//! has seen: a delta's text is published only up to a cut point at least
-//! [`StreamLimits::hold`] bytes before the newest byte, placed after whitespace or punctuation no key holds, and never inside
-//! a match, and the rest waits for the next delta (or the message's end, when it is published in
-//! one more delta). The concatenation of what it publishes equals the redacted whole message,
-//! for every secret shorter than the window, wherever the deltas were cut.
+//! has seen and publishes it with a later delta: the last word always (it may be the start of a
+//! token), everything from the first rule keyword within the last [`StreamLimits::hold`] bytes
+//! (a match that spans words, `Bearer x`, `password = x`, a PEM block, holds a keyword before its
+//! first space), and every match that reaches the end of the text (it may still grow). Cuts are
+//! made after whitespace or punctuation no key or token holds, never inside a match. The
+//! concatenation of what it publishes equals the redacted whole message for every match that
+//! fits in the window, wherever the deltas were cut.
 //!
 //! A match still growing past [`StreamLimits::max_hold`] (a PEM key whose END line has not come,
 //! a token longer than the window) is replaced by its marker at once, and what follows that still
