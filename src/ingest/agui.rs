@@ -306,19 +306,24 @@ fn flush_event(f: Flushed, current: &Map<String, Value>) -> FlushEvent {
     (f.id.key, out)
 }
 
-/// Redact an AG-UI event's streamed text over its whole message (see
-/// [`crate::redact::StreamRedactor`]): a delta's `delta` is replaced by what the stream
-/// redactor publishes for it; an event that ends streams (`*_END`, `RUN_FINISHED`, `RUN_ERROR`)
-/// gives the delta events that publish their held text, each with the key it belongs to, to be
-/// projected before it. Also the matches replaced in `obj`.
-pub fn redact_stream(
-    obj: &mut Map<String, Value>,
-    key: &str,
-    seq: Option<u64>,
-    streams: &mut StreamRedactor,
-) -> (Vec<FlushEvent>, u64) {
+/// What an AG-UI event does to the partition's streams, read before anything else touches it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamStep {
+    /// Not a stream event (or one without an id or a text delta).
+    None,
+    /// A delta of a stream, its text taken out of the event (left as `""`).
+    Delta { id: StreamId, raw: String },
+    /// The end of one stream (`*_END`).
+    End(StreamId),
+    /// The end of every stream of the key (`RUN_FINISHED`, `RUN_ERROR`).
+    EndKey(String),
+}
+
+/// Read what `obj` does to the streams of `key`; a delta's raw text is taken out of `obj`, so
+/// the redaction of the whole event never sees it alone.
+pub fn stream_step(obj: &mut Map<String, Value>, key: &str) -> StreamStep {
     let Some(agui_type) = obj.get("type").and_then(Value::as_str).map(str::to_string) else {
-        return (Vec::new(), 0);
+        return StreamStep::None;
     };
     let id_of = |obj: &Map<String, Value>, kind, field: &str| {
         obj.get(field)
@@ -330,25 +335,60 @@ pub fn redact_stream(
                 id: id.to_string(),
             })
     };
-    let mut flushed = Vec::new();
-    let mut count = 0;
     if let Some((kind, field)) = stream_of(&agui_type) {
         let Some(id) = id_of(obj, kind, field) else {
-            return (Vec::new(), 0);
+            return StreamStep::None;
         };
-        let Some(Value::String(delta)) = obj.get_mut("delta") else {
-            return (Vec::new(), 0);
+        return match obj.get_mut("delta") {
+            Some(Value::String(delta)) => StreamStep::Delta {
+                id,
+                raw: std::mem::take(delta),
+            },
+            _ => StreamStep::None,
         };
-        let pushed = streams.push(&id, seq, delta);
-        *delta = pushed.text;
-        count = pushed.redactions;
-        flushed.extend(pushed.evicted);
-    } else if let Some((kind, field)) = stream_ended_by(&agui_type) {
-        if let Some(id) = id_of(obj, kind, field) {
-            flushed.extend(streams.finish(&id, seq));
+    }
+    if let Some((kind, field)) = stream_ended_by(&agui_type) {
+        return id_of(obj, kind, field).map_or(StreamStep::None, StreamStep::End);
+    }
+    if matches!(agui_type.as_str(), "RUN_FINISHED" | "RUN_ERROR") {
+        return StreamStep::EndKey(key.to_string());
+    }
+    StreamStep::None
+}
+
+/// Apply a step to the partition's streams once its event was projected (`n`, mapped from the
+/// event `obj`): a delta's `payload.delta` becomes what the stream redactor publishes for it;
+/// an end gives the delta events that publish the held text, each with the key it belongs to,
+/// to be projected before `n`. Also the matches replaced.
+pub fn apply_stream_step(
+    step: StreamStep,
+    n: &mut Normalized,
+    obj: &Map<String, Value>,
+    seq: Option<u64>,
+    streams: &mut StreamRedactor,
+) -> (Vec<FlushEvent>, u64) {
+    let mut flushed = Vec::new();
+    let mut count = 0;
+    match step {
+        StreamStep::None => {}
+        StreamStep::Delta { id, raw } => {
+            let pushed = streams.push(&id, seq, &raw);
+            count = pushed.redactions;
+            // The stream's one pass, then the rules run to their fixed point like on any string.
+            let text = match streams.redactor().text(&pushed.text) {
+                Some((again, n)) => {
+                    count += n;
+                    again
+                }
+                None => pushed.text,
+            };
+            if let Some(Value::Object(p)) = n.envelope.payload.as_mut() {
+                p.insert("delta".into(), Value::String(text));
+            }
+            flushed.extend(pushed.evicted);
         }
-    } else if matches!(agui_type.as_str(), "RUN_FINISHED" | "RUN_ERROR") {
-        flushed = streams.finish_key(key, seq);
+        StreamStep::End(id) => flushed.extend(streams.finish(&id, seq)),
+        StreamStep::EndKey(key) => flushed = streams.finish_key(&key, seq),
     }
     let events = flushed.into_iter().map(|f| flush_event(f, obj)).collect();
     (events, count)
@@ -1000,6 +1040,44 @@ mod tests {
         assert_eq!(payload(&out[2])[FLUSH_FIELD], true);
         assert_eq!(out[2].envelope.message_id, Some(json!("ma")));
         assert_eq!(payload(&out[0]).get(FLUSH_FIELD), None);
+    }
+
+    #[test]
+    fn a_dead_lettered_delta_never_reaches_the_stream() {
+        let s = settings();
+        let mut streams = StreamRedactor::new(s.redactor.clone(), Default::default());
+        let mut publish = |v: Value, seq: u64| {
+            let bytes = serde_json::to_vec(&v).expect("serialises");
+            let input = RawInput {
+                bytes: &bytes,
+                subject: Some(SubjectInfo {
+                    key: "t".into(),
+                    type_suffix: "agui".into(),
+                }),
+                raw_ref: Some(crate::model::RawEventRef {
+                    stream: "COLLAB_RAW".into(),
+                    seq,
+                    subject: "collab.raw.t.agui".into(),
+                    stored_at: "2026-02-17T12:00:00.000Z".into(),
+                }),
+                relay: Default::default(),
+            };
+            super::super::normalize_streamed(&input, &s, &mut streams)
+        };
+        let bad = publish(
+            json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "refused words", "eventRole": "nope"}),
+            1,
+        );
+        assert!(bad.is_err());
+        let ok = publish(
+            json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "kept words "}),
+            2,
+        )
+        .unwrap_or_else(|r| panic!("{}", r.detail));
+        assert_eq!(payload(&ok[0])["delta"], "kept words ");
+        let end = publish(json!({"type": "TEXT_MESSAGE_END", "messageId": "m"}), 3)
+            .unwrap_or_else(|r| panic!("{}", r.detail));
+        assert_eq!(end.len(), 1, "nothing was held");
     }
 
     #[test]

@@ -235,18 +235,17 @@ fn normalize_with(
         .shape
         .check(&value)
         .map_err(|detail| Rejection::new(DlqReason::TooLarge, detail))?;
-    // Streamed text first, over the whole message, while it is still raw.
-    let (flushes, streamed) = match (streams, &mut value) {
-        (Some(streams), Value::Object(obj)) if is_agui(obj) => {
+    // A streamed delta's raw text is taken out here and redacted over its whole message below,
+    // once the event is known to be projected (a dead-lettered delta never reaches a stream).
+    let mut streams = streams;
+    let step = match (&streams, &mut value) {
+        (Some(_), Value::Object(obj)) if is_agui(obj) => {
             let key = stream_key(obj, input);
-            let seq = input.raw_ref.as_ref().map(|r| r.seq);
-            agui::redact_stream(obj, &key, seq, streams)
+            agui::stream_step(obj, &key)
         }
-        _ => (Vec::new(), 0),
+        _ => agui::StreamStep::None,
     };
-    // Secrets go before anything is derived from the input: the envelope, the turn facts and
-    // every dead-letter detail below see only the redacted value.
-    let redactions = settings.redactor.value(&mut value) + streamed;
+    let redactions = settings.redactor.value(&mut value);
     let Value::Object(obj) = &value else {
         return Err(Rejection::new(
             DlqReason::Unrecognized,
@@ -267,9 +266,16 @@ fn normalize_with(
     }
     let events = match obj.get("type") {
         Some(Value::String(t)) if agui::is_agui_type(t) => {
-            let mut events = flushed_events(flushes, input, settings)?;
-            let n = agui::from_agui(obj, t, input, settings)?;
-            events.extend(counted(vec![n], redactions));
+            let mut n = agui::from_agui(obj, t, input, settings)?;
+            let (flushes, streamed) = match streams.as_deref_mut() {
+                Some(streams) => {
+                    let seq = input.raw_ref.as_ref().map(|r| r.seq);
+                    agui::apply_stream_step(step, &mut n, obj, seq, streams)
+                }
+                None => (Vec::new(), 0),
+            };
+            let mut events = flushed_events(flushes, input, settings);
+            events.extend(counted(vec![n], redactions + streamed));
             return Ok(with_source(events, value));
         }
         Some(Value::String(_)) => event::from_event(obj, input, settings).map(|n| vec![n]),
@@ -335,12 +341,13 @@ fn stream_key(obj: &serde_json::Map<String, Value>, input: &RawInput<'_>) -> Str
 }
 
 /// The delta events that publish text a stream redactor held back, each projected under the
-/// key of its stream.
+/// key of its stream. (They are made from ids already checked, so none is refused; one that
+/// were would be left out rather than dead-letter the event that ended its stream.)
 fn flushed_events(
     flushes: Vec<agui::FlushEvent>,
     input: &RawInput<'_>,
     settings: &Settings,
-) -> Result<Vec<Normalized>, Rejection> {
+) -> Vec<Normalized> {
     let mut out = Vec::with_capacity(flushes.len());
     for (key, obj) in flushes {
         let mut value = Value::Object(obj);
@@ -362,10 +369,11 @@ fn flushed_events(
             raw_ref: input.raw_ref.clone(),
             relay: input.relay.clone(),
         };
-        let n = agui::from_agui(obj, t, &keyed, settings)?;
-        out.extend(counted(vec![n], redactions));
+        if let Ok(n) = agui::from_agui(obj, t, &keyed, settings) {
+            out.extend(counted(vec![n], redactions));
+        }
     }
-    Ok(out)
+    out
 }
 
 /// Report on each event how many values redaction replaced in its input.

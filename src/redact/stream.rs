@@ -125,6 +125,11 @@ impl StreamRedactor {
         }
     }
 
+    /// The rules it applies.
+    pub fn redactor(&self) -> &Redactor {
+        &self.redactor
+    }
+
     /// Streams open now.
     pub fn open_streams(&self) -> usize {
         self.open.len()
