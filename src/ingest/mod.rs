@@ -237,7 +237,6 @@ fn normalize_with(
         .map_err(|detail| Rejection::new(DlqReason::TooLarge, detail))?;
     // A streamed delta's raw text is taken out here and redacted over its whole message below,
     // once the event is known to be projected (a dead-lettered delta never reaches a stream).
-    let mut streams = streams;
     let step = match (&streams, &mut value) {
         (Some(_), Value::Object(obj)) if is_agui(obj) => {
             let key = stream_key(obj, input);
@@ -267,7 +266,7 @@ fn normalize_with(
     let events = match obj.get("type") {
         Some(Value::String(t)) if agui::is_agui_type(t) => {
             let mut n = agui::from_agui(obj, t, input, settings)?;
-            let (flushes, streamed) = match streams.as_deref_mut() {
+            let (flushes, streamed) = match streams {
                 Some(streams) => {
                     let seq = input.raw_ref.as_ref().map(|r| r.seq);
                     agui::apply_stream_step(step, &mut n, obj, seq, streams)
