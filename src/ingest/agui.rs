@@ -1080,6 +1080,41 @@ mod tests {
         assert_eq!(end.len(), 1, "nothing was held");
     }
 
+    /// The streamed cases of the redaction corpus, normalised as a worker with a stream
+    /// redactor would: none of their secrets is projected (`tests/it/redaction.rs` does the same
+    /// through the bus once the worker normalises that way).
+    #[test]
+    fn the_streamed_redaction_corpus_projects_no_secret() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/redaction");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(dir).expect("corpus") {
+            let path = entry.expect("entry").path();
+            if path.extension().is_none_or(|x| x != "json") {
+                continue;
+            }
+            let case: Value =
+                serde_json::from_slice(&std::fs::read(&path).expect("readable")).expect("JSON");
+            if case["streamed"] != true {
+                continue;
+            }
+            seen += 1;
+            let messages = case["messages"].as_array().cloned().unwrap_or_default();
+            let out = streamed(&messages, Default::default());
+            let text = serde_json::to_string(&out.iter().map(|n| &n.envelope).collect::<Vec<_>>())
+                .expect("serialises");
+            for secret in case["secrets"].as_array().into_iter().flatten() {
+                let secret = secret.as_str().unwrap_or_default();
+                assert!(
+                    !text.contains(secret),
+                    "{}: {secret} in {text}",
+                    path.display()
+                );
+            }
+            assert!(text.contains("[redacted:"), "{}", path.display());
+        }
+        assert!(seen >= 2, "{seen} streamed cases");
+    }
+
     #[test]
     fn without_a_stream_redactor_each_delta_is_redacted_alone() {
         let n = ok(
