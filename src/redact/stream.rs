@@ -87,7 +87,7 @@ pub struct Flushed {
     pub redactions: u64,
 }
 
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 struct Open {
     id: StreamId,
     /// Text seen and not published yet (raw: redacted when published).
@@ -100,7 +100,9 @@ struct Open {
 }
 
 /// The per-partition state of streamed-text redaction. See the module documentation.
-#[derive(Debug, Clone)]
+///
+/// Its `Debug` shows sizes only: the text it holds is raw, possibly a secret's first half.
+#[derive(Clone)]
 pub struct StreamRedactor {
     redactor: Arc<Redactor>,
     limits: StreamLimits,
@@ -108,6 +110,16 @@ pub struct StreamRedactor {
     open: Vec<Open>,
     /// The last `finish` or `finish_key` call, by the sequence that made it, for a redelivery.
     last_finish: Option<(u64, Vec<Flushed>)>,
+}
+
+impl std::fmt::Debug for StreamRedactor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("StreamRedactor")
+            .field("limits", &self.limits)
+            .field("open_streams", &self.open.len())
+            .field("held_bytes", &self.held_bytes())
+            .finish_non_exhaustive()
+    }
 }
 
 impl StreamRedactor {
@@ -588,6 +600,17 @@ mod tests {
         let ended = r.finish_key("thread-1", Some(301));
         assert_eq!(ended.len(), 1, "{ended:?}");
         assert_eq!(r.open_streams(), 1);
+    }
+
+    #[test]
+    fn debug_output_never_shows_held_text() {
+        let mut r = StreamRedactor::new(redactor(), StreamLimits::default());
+        r.push(&id("m"), Some(1), "Use ghp_R2d2C3poBb8Yoda4");
+        let shown = format!("{r:?}");
+        assert!(
+            !shown.contains("R2d2") && shown.contains("held_bytes"),
+            "{shown}"
+        );
     }
 
     #[test]
