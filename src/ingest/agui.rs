@@ -25,6 +25,7 @@
 use super::event;
 use super::{check_type, Normalized, RawInput, Settings};
 use crate::model::{encode_id, id_text, DlqReason, Envelope, Rejection, Role};
+use crate::redact::{Flushed, StreamId, StreamKind, StreamRedactor};
 use serde_json::{Map, Value};
 
 /// AG-UI event types are SCREAMING_SNAKE_CASE (`RUN_STARTED`, `TEXT_MESSAGE_CONTENT`); any such
@@ -251,6 +252,146 @@ fn check_ids(obj: &Map<String, Value>, agui_type: &str) -> Result<(), Rejection>
         }
     }
     Ok(())
+}
+
+// ---- streamed deltas ---------------------------------------------------------------------
+
+/// Marks a delta that publishes text a stream redactor held back: a `*_CONTENT` event made
+/// when its message, its tool call or its run ended (or when too many were open).
+pub const FLUSH_FIELD: &str = "redactionFlush";
+
+/// The stream a delta-carrying AG-UI type belongs to, and the field holding its id.
+fn stream_of(agui_type: &str) -> Option<(StreamKind, &'static str)> {
+    match agui_type {
+        "TEXT_MESSAGE_CONTENT" | "TEXT_MESSAGE_CHUNK" => Some((StreamKind::Text, "messageId")),
+        "TOOL_CALL_ARGS" | "TOOL_CALL_CHUNK" => Some((StreamKind::ToolArgs, "toolCallId")),
+        "REASONING_MESSAGE_CONTENT" | "REASONING_MESSAGE_CHUNK" => {
+            Some((StreamKind::Reasoning, "messageId"))
+        }
+        _ => None,
+    }
+}
+
+/// The stream an AG-UI type ends, and the field holding its id.
+fn stream_ended_by(agui_type: &str) -> Option<(StreamKind, &'static str)> {
+    match agui_type {
+        "TEXT_MESSAGE_END" => Some((StreamKind::Text, "messageId")),
+        "TOOL_CALL_END" => Some((StreamKind::ToolArgs, "toolCallId")),
+        "REASONING_MESSAGE_END" => Some((StreamKind::Reasoning, "messageId")),
+        _ => None,
+    }
+}
+
+/// A delta event publishing a stream's held text, with the subject key of its stream.
+pub type FlushEvent = (String, Map<String, Value>);
+
+/// A delta event carrying a stream's held text.
+fn flush_event(f: Flushed, current: &Map<String, Value>) -> FlushEvent {
+    let (agui_type, id_field) = match f.id.kind {
+        StreamKind::Text => ("TEXT_MESSAGE_CONTENT", "messageId"),
+        StreamKind::ToolArgs => ("TOOL_CALL_ARGS", "toolCallId"),
+        StreamKind::Reasoning => ("REASONING_MESSAGE_CONTENT", "messageId"),
+    };
+    let mut out = Map::new();
+    out.insert("type".into(), Value::String(agui_type.into()));
+    out.insert(id_field.into(), Value::String(f.id.id));
+    // The ending event's thread, run and time, when it is of the same key.
+    for k in ["threadId", "runId", "timestamp"] {
+        if let Some(v) = current.get(k) {
+            out.insert(k.into(), v.clone());
+        }
+    }
+    out.insert("delta".into(), Value::String(f.text));
+    out.insert(FLUSH_FIELD.into(), Value::Bool(true));
+    (f.id.key, out)
+}
+
+/// What an AG-UI event does to the partition's streams, read before anything else touches it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum StreamStep {
+    /// Not a stream event (or one without an id or a text delta).
+    None,
+    /// A delta of a stream, its text taken out of the event (left as `""`).
+    Delta { id: StreamId, raw: String },
+    /// The end of one stream (`*_END`).
+    End(StreamId),
+    /// The end of every stream of the key (`RUN_FINISHED`, `RUN_ERROR`).
+    EndKey(String),
+}
+
+/// Read what `obj` does to the streams of `key`; a delta's raw text is taken out of `obj`, so
+/// the redaction of the whole event never sees it alone.
+pub fn stream_step(obj: &mut Map<String, Value>, key: &str) -> StreamStep {
+    let Some(agui_type) = obj.get("type").and_then(Value::as_str).map(str::to_string) else {
+        return StreamStep::None;
+    };
+    let id_of = |obj: &Map<String, Value>, kind, field: &str| {
+        obj.get(field)
+            .and_then(Value::as_str)
+            .filter(|id| !id.trim().is_empty())
+            .map(|id| StreamId {
+                key: key.to_string(),
+                kind,
+                id: id.to_string(),
+            })
+    };
+    if let Some((kind, field)) = stream_of(&agui_type) {
+        let Some(id) = id_of(obj, kind, field) else {
+            return StreamStep::None;
+        };
+        return match obj.get_mut("delta") {
+            Some(Value::String(delta)) => StreamStep::Delta {
+                id,
+                raw: std::mem::take(delta),
+            },
+            _ => StreamStep::None,
+        };
+    }
+    if let Some((kind, field)) = stream_ended_by(&agui_type) {
+        return id_of(obj, kind, field).map_or(StreamStep::None, StreamStep::End);
+    }
+    if matches!(agui_type.as_str(), "RUN_FINISHED" | "RUN_ERROR") {
+        return StreamStep::EndKey(key.to_string());
+    }
+    StreamStep::None
+}
+
+/// Apply a step to the partition's streams once its event was projected (`n`, mapped from the
+/// event `obj`): a delta's `payload.delta` becomes what the stream redactor publishes for it;
+/// an end gives the delta events that publish the held text, each with the key it belongs to,
+/// to be projected before `n`. Also the matches replaced.
+pub fn apply_stream_step(
+    step: StreamStep,
+    n: &mut Normalized,
+    obj: &Map<String, Value>,
+    seq: Option<u64>,
+    streams: &mut StreamRedactor,
+) -> (Vec<FlushEvent>, u64) {
+    let mut flushed = Vec::new();
+    let mut count = 0;
+    match step {
+        StreamStep::None => {}
+        StreamStep::Delta { id, raw } => {
+            let pushed = streams.push(&id, seq, &raw);
+            count = pushed.redactions;
+            // The stream's one pass, then the rules run to their fixed point like on any string.
+            let text = match streams.redactor().text(&pushed.text) {
+                Some((again, n)) => {
+                    count += n;
+                    again
+                }
+                None => pushed.text,
+            };
+            if let Some(Value::Object(p)) = n.envelope.payload.as_mut() {
+                p.insert("delta".into(), Value::String(text));
+            }
+            flushed.extend(pushed.evicted);
+        }
+        StreamStep::End(id) => flushed.extend(streams.finish(&id, seq)),
+        StreamStep::EndKey(key) => flushed = streams.finish_key(&key, seq),
+    }
+    let events = flushed.into_iter().map(|f| flush_event(f, obj)).collect();
+    (events, count)
 }
 
 /// The AG-UI facts of a projected envelope, for rules that follow runs, messages and tool
@@ -739,6 +880,247 @@ mod tests {
         let r =
             refused(json!({"type": "RUN_STARTED", "threadId": "t", "runId": 5, "token": "s3cr3t"}));
         assert!(!r.detail.contains("s3cr3t"));
+    }
+
+    /// Normalise `events` in order as one partition does, with a stream redactor; the
+    /// projected envelopes.
+    fn streamed(events: &[Value], limits: crate::redact::StreamLimits) -> Vec<Normalized> {
+        let s = settings();
+        let mut streams = StreamRedactor::new(s.redactor.clone(), limits);
+        let mut out = Vec::new();
+        for (i, v) in events.iter().enumerate() {
+            let bytes = serde_json::to_vec(v).expect("serialises");
+            let key = v["threadId"].as_str().unwrap_or("thread-1").to_string();
+            let input = RawInput {
+                bytes: &bytes,
+                subject: Some(SubjectInfo {
+                    key,
+                    type_suffix: "agui".into(),
+                }),
+                raw_ref: Some(crate::model::RawEventRef {
+                    stream: "COLLAB_RAW".into(),
+                    seq: i as u64 + 1,
+                    subject: "collab.raw.thread-1.agui".into(),
+                    stored_at: "2026-02-17T12:00:00.000Z".into(),
+                }),
+                relay: Default::default(),
+            };
+            out.extend(
+                super::super::normalize_streamed(&input, &s, &mut streams)
+                    .unwrap_or_else(|r| panic!("{v}: {} {}", r.reason, r.detail)),
+            );
+        }
+        out
+    }
+
+    /// The text of the projected deltas of `agui_type` with `id_field == id`, concatenated.
+    fn assembled(out: &[Normalized], agui_type: &str, id_field: &str, id: &str) -> String {
+        out.iter()
+            .filter(|n| payload(n)["agUiType"] == agui_type)
+            .filter(|n| {
+                payload(n).get(id_field).and_then(Value::as_str) == Some(id)
+                    || n.envelope.message_id.as_ref().and_then(Value::as_str) == Some(id)
+            })
+            .filter_map(|n| payload(n).get("delta").and_then(Value::as_str))
+            .collect()
+    }
+
+    #[test]
+    fn a_secret_split_over_streamed_deltas_is_redacted_in_the_assembled_text() {
+        let token = "ghp_R2d2C3poBb8Yoda4Luke5Leia6Han7Solo9x";
+        let (a, b) = token.split_at(17);
+        let events = [
+            json!({"type": "RUN_STARTED", "threadId": "thread-1", "runId": "r1"}),
+            json!({"type": "TEXT_MESSAGE_START", "messageId": "m1", "role": "assistant"}),
+            json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m1", "delta": format!("Your token is {a}")}),
+            json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m1", "delta": format!("{b} and it works.")}),
+            json!({"type": "TEXT_MESSAGE_END", "messageId": "m1"}),
+            json!({"type": "TOOL_CALL_START", "toolCallId": "tc1", "toolCallName": "deploy"}),
+            json!({"type": "TOOL_CALL_ARGS", "toolCallId": "tc1", "delta": "{\"token\":\"hf_FakeTokenFor"}),
+            json!({"type": "TOOL_CALL_ARGS", "toolCallId": "tc1", "delta": "TestsOnly0123456789abcdef\"}"}),
+            json!({"type": "TOOL_CALL_END", "toolCallId": "tc1"}),
+            json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m2", "delta": "left open sk_live_4eC39HqLy"}),
+            json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m2", "delta": "jWDarjtT1zdp7dcFAKE"}),
+            json!({"type": "RUN_FINISHED", "threadId": "thread-1", "runId": "r1"}),
+        ];
+        let out = streamed(&events, Default::default());
+        assert!(
+            out.len() > events.len(),
+            "held text was published by more deltas"
+        );
+        let all = serde_json::to_string(&out.iter().map(|n| &n.envelope).collect::<Vec<_>>())
+            .expect("serialises");
+        for secret in [
+            "R2d2C3poBb8Yoda4Luke5",
+            "TestsOnly0123456789",
+            "jWDarjtT1zdp7dcFAKE",
+        ] {
+            assert!(!all.contains(secret), "{secret} in {all}");
+        }
+        assert_eq!(
+            assembled(&out, "TEXT_MESSAGE_CONTENT", "messageId", "m1"),
+            "Your token is [redacted:github] and it works."
+        );
+        assert_eq!(
+            assembled(&out, "TOOL_CALL_ARGS", "toolCallId", "tc1"),
+            "{\"token\":\"[redacted:secret]\"}"
+        );
+        assert_eq!(
+            assembled(&out, "TEXT_MESSAGE_CONTENT", "messageId", "m2"),
+            "left open [redacted:stripe]"
+        );
+        // The held text is published by delta events just before the event that ended it.
+        let types: Vec<String> = out
+            .iter()
+            .map(|n| {
+                payload(n)["agUiType"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string()
+            })
+            .collect();
+        let end = types
+            .iter()
+            .position(|t| t == "TEXT_MESSAGE_END")
+            .expect("END");
+        assert_eq!(types[end - 1], "TEXT_MESSAGE_CONTENT");
+        assert_eq!(payload(&out[end - 1])[FLUSH_FIELD], true);
+        let last = out.len() - 1;
+        assert_eq!(types[last], "RUN_FINISHED");
+        assert_eq!(out[last - 1].envelope.message_id, Some(json!("m2")));
+        assert_eq!(payload(&out[last - 1])[FLUSH_FIELD], true);
+        assert!(out.iter().all(|n| n.key == "thread-1"));
+    }
+
+    #[test]
+    fn a_stream_evicted_to_make_room_is_published_under_its_own_key() {
+        let limits = crate::redact::StreamLimits {
+            hold: 64,
+            max_hold: 256,
+            max_open: 1,
+        };
+        let events = [
+            json!({"type": "TEXT_MESSAGE_CONTENT", "threadId": "ta", "messageId": "ma", "delta": "first thread text"}),
+            // A chunk without an id is redacted on its own and opens no stream.
+            json!({"type": "TEXT_MESSAGE_CHUNK", "threadId": "tb", "delta": "loose chunk"}),
+            json!({"type": "TOOL_CALL_ARGS", "threadId": "tb", "toolCallId": "tc", "delta": "{\"a\":1}"}),
+            json!({"type": "TOOL_CALL_END", "threadId": "tb", "toolCallId": "tc"}),
+        ];
+        let out = streamed(&events, limits);
+        let summary: Vec<(String, String, String)> = out
+            .iter()
+            .map(|n| {
+                (
+                    n.key.clone(),
+                    payload(n)["agUiType"]
+                        .as_str()
+                        .unwrap_or_default()
+                        .to_string(),
+                    payload(n)
+                        .get("delta")
+                        .and_then(Value::as_str)
+                        .unwrap_or_default()
+                        .to_string(),
+                )
+            })
+            .collect();
+        let row = |k: &str, t: &str, d: &str| (k.to_string(), t.to_string(), d.to_string());
+        assert_eq!(
+            summary,
+            [
+                // The last word waits.
+                row("ta", "TEXT_MESSAGE_CONTENT", "first thread "),
+                row("tb", "TEXT_MESSAGE_CHUNK", "loose chunk"),
+                // Opening the tool call's stream closed the oldest, on its own key.
+                row("ta", "TEXT_MESSAGE_CONTENT", "text"),
+                row("tb", "TOOL_CALL_ARGS", "{\"a\":1}"),
+                row("tb", "TOOL_CALL_END", ""),
+            ]
+        );
+        assert_eq!(payload(&out[2])[FLUSH_FIELD], true);
+        assert_eq!(out[2].envelope.message_id, Some(json!("ma")));
+        assert_eq!(payload(&out[0]).get(FLUSH_FIELD), None);
+    }
+
+    #[test]
+    fn a_dead_lettered_delta_never_reaches_the_stream() {
+        let s = settings();
+        let mut streams = StreamRedactor::new(s.redactor.clone(), Default::default());
+        let mut publish = |v: Value, seq: u64| {
+            let bytes = serde_json::to_vec(&v).expect("serialises");
+            let input = RawInput {
+                bytes: &bytes,
+                subject: Some(SubjectInfo {
+                    key: "t".into(),
+                    type_suffix: "agui".into(),
+                }),
+                raw_ref: Some(crate::model::RawEventRef {
+                    stream: "COLLAB_RAW".into(),
+                    seq,
+                    subject: "collab.raw.t.agui".into(),
+                    stored_at: "2026-02-17T12:00:00.000Z".into(),
+                }),
+                relay: Default::default(),
+            };
+            super::super::normalize_streamed(&input, &s, &mut streams)
+        };
+        let bad = publish(
+            json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "refused words", "eventRole": "nope"}),
+            1,
+        );
+        assert!(bad.is_err());
+        let ok = publish(
+            json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "kept words "}),
+            2,
+        )
+        .unwrap_or_else(|r| panic!("{}", r.detail));
+        assert_eq!(payload(&ok[0])["delta"], "kept words ");
+        let end = publish(json!({"type": "TEXT_MESSAGE_END", "messageId": "m"}), 3)
+            .unwrap_or_else(|r| panic!("{}", r.detail));
+        assert_eq!(end.len(), 1, "nothing was held");
+    }
+
+    /// The streamed cases of the redaction corpus, normalised as a worker with a stream
+    /// redactor would: none of their secrets is projected (`tests/it/redaction.rs` does the same
+    /// through the bus once the worker normalises that way).
+    #[test]
+    fn the_streamed_redaction_corpus_projects_no_secret() {
+        let dir = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/redaction");
+        let mut seen = 0;
+        for entry in std::fs::read_dir(dir).expect("corpus") {
+            let path = entry.expect("entry").path();
+            if path.extension().is_none_or(|x| x != "json") {
+                continue;
+            }
+            let case: Value =
+                serde_json::from_slice(&std::fs::read(&path).expect("readable")).expect("JSON");
+            if case["streamed"] != true {
+                continue;
+            }
+            seen += 1;
+            let messages = case["messages"].as_array().cloned().unwrap_or_default();
+            let out = streamed(&messages, Default::default());
+            let text = serde_json::to_string(&out.iter().map(|n| &n.envelope).collect::<Vec<_>>())
+                .expect("serialises");
+            for secret in case["secrets"].as_array().into_iter().flatten() {
+                let secret = secret.as_str().unwrap_or_default();
+                assert!(
+                    !text.contains(secret),
+                    "{}: {secret} in {text}",
+                    path.display()
+                );
+            }
+            assert!(text.contains("[redacted:"), "{}", path.display());
+        }
+        assert!(seen >= 2, "{seen} streamed cases");
+    }
+
+    #[test]
+    fn without_a_stream_redactor_each_delta_is_redacted_alone() {
+        let n = ok(
+            json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "hi sk_live_4eC39HqLyjWDarjtT1zdp7dcFAKE"}),
+        );
+        assert_eq!(payload(&n)["delta"], "hi [redacted:stripe]");
     }
 
     #[test]

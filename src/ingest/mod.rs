@@ -17,6 +17,7 @@ pub mod event;
 
 use crate::classify::MainAgents;
 use crate::model::{DlqReason, Envelope, RawEventRef, Rejection, Role};
+use crate::redact::StreamRedactor;
 use adapter::{AdapterLimits, AdapterMode};
 use serde_json::Value;
 
@@ -202,6 +203,27 @@ impl Normalized {
 
 /// Normalise one raw message.
 pub fn normalize(input: &RawInput<'_>, settings: &Settings) -> Result<Vec<Normalized>, Rejection> {
+    normalize_with(input, settings, None)
+}
+
+/// Normalise one raw message of a partition whose streamed text is redacted over whole
+/// messages: AG-UI deltas go through `streams` (the partition's [`StreamRedactor`], fed the
+/// partition's messages in order), so a secret split over deltas is caught. An event that ends
+/// a stream (`*_END`, `RUN_FINISHED`, `RUN_ERROR`) is preceded by the delta events that publish
+/// what was held back (`payload.redactionFlush: true`).
+pub fn normalize_streamed(
+    input: &RawInput<'_>,
+    settings: &Settings,
+    streams: &mut StreamRedactor,
+) -> Result<Vec<Normalized>, Rejection> {
+    normalize_with(input, settings, Some(streams))
+}
+
+fn normalize_with(
+    input: &RawInput<'_>,
+    settings: &Settings,
+    streams: Option<&mut StreamRedactor>,
+) -> Result<Vec<Normalized>, Rejection> {
     if settings.max_payload_bytes > 0 && input.bytes.len() > settings.max_payload_bytes {
         return Err(Rejection::new(
             DlqReason::TooLarge,
@@ -222,8 +244,15 @@ pub fn normalize(input: &RawInput<'_>, settings: &Settings) -> Result<Vec<Normal
         .shape
         .check(&value)
         .map_err(|detail| Rejection::new(DlqReason::TooLarge, detail))?;
-    // Secrets go before anything is derived from the input: the envelope, the turn facts and
-    // every dead-letter detail below see only the redacted value.
+    // A streamed delta's raw text is taken out here and redacted over its whole message below,
+    // once the event is known to be projected (a dead-lettered delta never reaches a stream).
+    let step = match (&streams, &mut value) {
+        (Some(_), Value::Object(obj)) if is_agui(obj) => {
+            let key = stream_key(obj, input);
+            agui::stream_step(obj, &key)
+        }
+        _ => agui::StreamStep::None,
+    };
     let redactions = settings.redactor.value(&mut value);
     let Value::Object(obj) = &value else {
         return Err(Rejection::new(
@@ -249,7 +278,17 @@ pub fn normalize(input: &RawInput<'_>, settings: &Settings) -> Result<Vec<Normal
     }
     let events = match obj.get("type") {
         Some(Value::String(t)) if agui::is_agui_type(t) => {
-            agui::from_agui(obj, t, input, settings).map(|n| vec![n])
+            let mut n = agui::from_agui(obj, t, input, settings)?;
+            let (flushes, streamed) = match streams {
+                Some(streams) => {
+                    let seq = input.raw_ref.as_ref().map(|r| r.seq);
+                    agui::apply_stream_step(step, &mut n, obj, seq, streams)
+                }
+                None => (Vec::new(), 0),
+            };
+            let mut events = flushed_events(flushes, input, settings);
+            events.extend(counted(vec![n], redactions + streamed));
+            return Ok(with_source(events, value));
         }
         Some(Value::String(_)) => event::from_event(obj, input, settings).map(|n| vec![n]),
         Some(other) => Err(Rejection::new(
@@ -294,6 +333,59 @@ fn from_wire(
         n.source = Some(std::sync::Arc::new(translated));
     }
     Ok(n)
+}
+
+/// Whether a parsed object is an AG-UI event.
+fn is_agui(obj: &serde_json::Map<String, Value>) -> bool {
+    matches!(obj.get("type"), Some(Value::String(t)) if agui::is_agui_type(t))
+}
+
+/// The key streams are told apart by: the raw subject's key, or offline the key the event
+/// would be projected under (its thread, else its run).
+fn stream_key(obj: &serde_json::Map<String, Value>, input: &RawInput<'_>) -> String {
+    match &input.subject {
+        Some(s) => s.key.clone(),
+        None => ["threadId", "runId"]
+            .iter()
+            .find_map(|k| obj.get(*k).and_then(crate::model::id_text))
+            .map_or_else(|| "_".to_string(), |id| crate::model::encode_id(&id)),
+    }
+}
+
+/// The delta events that publish text a stream redactor held back, each projected under the
+/// key of its stream. (They are made from ids already checked, so none is refused; one that
+/// were would be left out rather than dead-letter the event that ended its stream.)
+fn flushed_events(
+    flushes: Vec<agui::FlushEvent>,
+    input: &RawInput<'_>,
+    settings: &Settings,
+) -> Vec<Normalized> {
+    let mut out = Vec::with_capacity(flushes.len());
+    for (key, obj) in flushes {
+        let mut value = Value::Object(obj);
+        let redactions = settings.redactor.value(&mut value);
+        let Value::Object(obj) = &value else { continue };
+        let Some(Value::String(t)) = obj.get("type") else {
+            continue;
+        };
+        let keyed = RawInput {
+            bytes: input.bytes,
+            subject: Some(SubjectInfo {
+                key,
+                type_suffix: input
+                    .subject
+                    .as_ref()
+                    .map(|s| s.type_suffix.clone())
+                    .unwrap_or_default(),
+            }),
+            raw_ref: input.raw_ref.clone(),
+            relay: input.relay.clone(),
+        };
+        if let Ok(n) = agui::from_agui(obj, t, &keyed, settings) {
+            out.extend(counted(vec![n], redactions));
+        }
+    }
+    out
 }
 
 /// Report on each event how many values redaction replaced in its input.

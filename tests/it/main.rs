@@ -13,6 +13,7 @@ mod fuzz_api;
 mod operability;
 mod ops;
 mod pipeline;
+mod redaction;
 mod relay;
 mod runs;
 mod schemas;
