@@ -560,11 +560,9 @@ impl Env {
         Some(s.info().await.ok()?.state.last_sequence)
     }
 
+    /// The outputs (or inputs) a stream holds, partition owners' fence claims aside.
     async fn stream_messages(&self, stream: &str) -> u64 {
-        match self.js.get_stream(stream).await {
-            Ok(mut s) => s.info().await.map(|i| i.state.messages).unwrap_or(0),
-            Err(_) => 0,
-        }
+        crate::bus::publish::outputs_in(&self.js, stream).await
     }
 
     /// Every partition consumer has nothing pending and nothing unacknowledged.

@@ -188,6 +188,30 @@ pub fn normalize_raw(
     settings: &ingest::Settings,
     max_deliver: i64,
 ) -> Result<Vec<Normalized>, Rejection> {
+    normalize_raw_with(raw, names, settings, max_deliver, None)
+}
+
+/// As [`normalize_raw`], for the partition's own pass over its messages in order: streamed text
+/// (AG-UI deltas) is redacted over whole messages through the partition's `streams`, so a secret
+/// split over deltas is caught (see [`ingest::normalize_streamed`]). Re-reads of the stream for
+/// other purposes (a reload, artifacts) use [`normalize_raw`], never feeding `streams`.
+pub fn normalize_raw_streamed(
+    raw: &RawMessage<'_>,
+    names: &Names,
+    settings: &ingest::Settings,
+    max_deliver: i64,
+    streams: &mut crate::redact::StreamRedactor,
+) -> Result<Vec<Normalized>, Rejection> {
+    normalize_raw_with(raw, names, settings, max_deliver, Some(streams))
+}
+
+fn normalize_raw_with(
+    raw: &RawMessage<'_>,
+    names: &Names,
+    settings: &ingest::Settings,
+    max_deliver: i64,
+    streams: Option<&mut crate::redact::StreamRedactor>,
+) -> Result<Vec<Normalized>, Rejection> {
     let source = producer_subject(&names.prefix, raw.stored_subject);
     if max_deliver > 0 && raw.delivered >= max_deliver {
         return Err(Rejection::new(
@@ -216,7 +240,10 @@ pub fn normalize_raw(
         raw_ref: Some(raw_ref),
         relay: raw.headers.map(RelayHeaders::from_nats).unwrap_or_default(),
     };
-    let events = ingest::normalize(&input, settings)?;
+    let events = match streams {
+        Some(streams) => ingest::normalize_streamed(&input, settings, streams)?,
+        None => ingest::normalize(&input, settings)?,
+    };
     if let Some(identified) = &identified {
         for n in &events {
             crate::identity::check(identified, &n.envelope, settings.require_identity).map_err(

@@ -51,6 +51,25 @@ pub fn is_fence_subject(subject: &str) -> bool {
     subject.split('.').nth(2) == Some("_fence")
 }
 
+/// The messages `stream` holds less the fence claims among them (0 if it cannot be read): its
+/// outputs, for a projection or dead-letter stream.
+pub async fn outputs_in(js: &jetstream::Context, stream: &str) -> u64 {
+    use futures::TryStreamExt;
+    let Ok(mut s) = js.get_stream(stream).await else {
+        return 0;
+    };
+    let Ok(total) = s.info().await.map(|i| i.state.messages) else {
+        return 0;
+    };
+    let mut fences = 0u64;
+    if let Ok(mut subjects) = s.info_with_subjects("*.*._fence.*").await {
+        while let Ok(Some((_, n))) = subjects.try_next().await {
+            fences += n as u64;
+        }
+    }
+    total.saturating_sub(fences)
+}
+
 /// A partition owner's claim: the sequence of its fence message in each output stream.
 #[derive(Debug, Clone)]
 pub struct Fence {

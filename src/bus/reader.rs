@@ -55,6 +55,9 @@ pub(crate) struct Partition<'a> {
     pub(crate) verify_through: u64,
     /// This owner's claim, which every output it publishes expects.
     pub(crate) fence: Fence,
+    /// Streamed text held back per open message or tool call, so a secret split over deltas is
+    /// redacted whole: fed this partition's inputs in order, and only them.
+    pub(crate) streams: crate::redact::StreamRedactor,
     pub(crate) tx: mpsc::Sender<Processed>,
     pub(crate) cancel: &'a CancellationToken,
     /// Cancelled by the acker when a turn-record write failed: stop and restart the partition.
@@ -521,17 +524,10 @@ impl Partition<'_> {
             return Ok(Disposition::Barrier(processed));
         }
         let delivered = delivered.unwrap_or(info.delivered);
-        let Some(outcome) = project_input(
-            self.shared,
-            &mut self.turns,
-            &msg,
-            &info,
-            delivered,
-            &mut fx,
-            self.cancel,
-        )
-        .await
-        .map_err(|e| self.turn_error(e))?
+        let Some(outcome) = self
+            .project_input(&msg, &info, delivered, &mut fx)
+            .await
+            .map_err(|e| self.turn_error(e))?
         else {
             return Ok(Disposition::LeftForRedelivery(Unprocessed::ShuttingDown));
         };
@@ -619,89 +615,94 @@ pub(crate) async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
     }
 }
 
-/// Project one message into `fx`: its outputs, and what its turn asks for. `None`: cancelled
-/// while a large field could not be stored (the message is left for redelivery).
-pub(crate) async fn project_input(
-    shared: &WorkerContext,
-    turns: &mut PartitionTurns,
-    msg: &jetstream::Message,
-    info: &jetstream::message::Info<'_>,
-    delivered: i64,
-    fx: &mut Effects,
-    cancel: &CancellationToken,
-) -> Result<Option<Outcome>, TurnIoError> {
-    let raw = RawMessage {
-        bytes: &msg.payload,
-        stream: info.stream,
-        seq: info.stream_sequence,
-        stored_subject: msg.subject.as_str(),
-        stored_at: info.published,
-        delivered,
-        headers: msg.headers.as_ref(),
-    };
-    let mut events = match pipeline::normalize_raw(
-        &raw,
-        &shared.names,
-        &shared.ingest,
-        shared.settings.consumer.max_deliver,
-    ) {
-        Err(rejection) => {
-            fx.outs
-                .push(pipeline::dead_letter(&shared.names, &raw, &rejection));
-            return Ok(Some(Outcome::DeadLettered(rejection.reason)));
-        }
-        Ok(events) => events,
-    };
-    let blobs = pipeline::offload(
-        &mut events,
-        raw.bytes.len(),
-        &shared.settings.limits,
-        shared
-            .publisher
-            .out_budget
-            .saturating_sub(ENVELOPE_HEADROOM),
-    );
-    if !blobs.is_empty()
-        && !shared
-            .publisher
-            .store_blobs_in_place(&blobs, &[msg], cancel)
-            .await
-    {
-        return Ok(None);
-    }
-    let enforce = &shared.settings.turns.enforce_roles;
-    for (i, n) in events.iter().enumerate() {
-        // AG-UI run events follow the run contract (CONTRACT 2b) whatever their role; the turn
-        // machinery carries both kinds of exchange.
-        let run = if shared.settings.runs.enforce {
-            pipeline::run_event(n, &raw, &shared.names.prefix).and_then(|ev| turns.run_facts(&ev))
-        } else {
-            None
+impl Partition<'_> {
+    /// Project one message into `fx`: its outputs, and what its turn asks for. `None`: cancelled
+    /// while a large field could not be stored (the message is left for redelivery).
+    pub(crate) async fn project_input(
+        &mut self,
+        msg: &jetstream::Message,
+        info: &jetstream::message::Info<'_>,
+        delivered: i64,
+        fx: &mut Effects,
+    ) -> Result<Option<Outcome>, TurnIoError> {
+        let (shared, cancel) = (self.shared, self.cancel);
+        let turns = &mut self.turns;
+        let raw = RawMessage {
+            bytes: &msg.payload,
+            stream: info.stream,
+            seq: info.stream_sequence,
+            stored_subject: msg.subject.as_str(),
+            stored_at: info.published,
+            delivered,
+            headers: msg.headers.as_ref(),
         };
-        let facts = run.or_else(|| pipeline::turn_facts(n, &raw, &shared.names.prefix, enforce));
-        match facts {
-            Some(f) => turns.on_event(shared, n, &f, fx).await?,
-            None => fx.outs.push(pipeline::projection(
-                &shared.names,
-                n,
-                raw.seq,
-                format!("{}:{}:{i}", raw.stream, raw.seq),
-            )),
+        let mut events = match pipeline::normalize_raw_streamed(
+            &raw,
+            &shared.names,
+            &shared.ingest,
+            shared.settings.consumer.max_deliver,
+            &mut self.streams,
+        ) {
+            Err(rejection) => {
+                fx.outs
+                    .push(pipeline::dead_letter(&shared.names, &raw, &rejection));
+                return Ok(Some(Outcome::DeadLettered(rejection.reason)));
+            }
+            Ok(events) => events,
+        };
+        let blobs = pipeline::offload(
+            &mut events,
+            raw.bytes.len(),
+            &shared.settings.limits,
+            shared
+                .publisher
+                .out_budget
+                .saturating_sub(ENVELOPE_HEADROOM),
+        );
+        if !blobs.is_empty()
+            && !shared
+                .publisher
+                .store_blobs_in_place(&blobs, &[msg], cancel)
+                .await
+        {
+            return Ok(None);
         }
-    }
-    let (role, class) = events.first().map_or(
-        (
-            crate::model::Role::SystemObservability,
-            telemetry::TYPE_CLASSES.len(),
-        ),
-        |n| {
+        let enforce = &shared.settings.turns.enforce_roles;
+        for (i, n) in events.iter().enumerate() {
+            // AG-UI run events follow the run contract (CONTRACT 2b) whatever their role; the turn
+            // machinery carries both kinds of exchange.
+            let run = if shared.settings.runs.enforce {
+                pipeline::run_event(n, &raw, &shared.names.prefix)
+                    .and_then(|ev| turns.run_facts(&ev))
+            } else {
+                None
+            };
+            let facts =
+                run.or_else(|| pipeline::turn_facts(n, &raw, &shared.names.prefix, enforce));
+            match facts {
+                Some(f) => turns.on_event(shared, n, &f, fx).await?,
+                None => fx.outs.push(pipeline::projection(
+                    &shared.names,
+                    n,
+                    raw.seq,
+                    format!("{}:{}:{i}", raw.stream, raw.seq),
+                )),
+            }
+        }
+        let (role, class) = events.first().map_or(
             (
-                n.role(),
-                telemetry::type_class_index(&n.envelope.event_type),
-            )
-        },
-    );
-    Ok(Some(Outcome::Projected { role, class }))
+                crate::model::Role::SystemObservability,
+                telemetry::TYPE_CLASSES.len(),
+            ),
+            |n| {
+                (
+                    n.role(),
+                    telemetry::type_class_index(&n.envelope.event_type),
+                )
+            },
+        );
+        Ok(Some(Outcome::Projected { role, class }))
+    }
 }
 
 /// How long a replay waits for the next message of its range before it gives up (and the

@@ -327,6 +327,10 @@ pub async fn run_partition(
         next_delivery: 0,
         verify_through,
         fence,
+        streams: crate::redact::StreamRedactor::new(
+            shared.ingest.redactor.clone(),
+            crate::redact::StreamLimits::default(),
+        ),
         tx,
         cancel: &cancel,
         broken: &broken,

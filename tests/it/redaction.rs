@@ -286,7 +286,6 @@ async fn no_secret_of_the_corpus_reaches_any_output() {
 /// Secrets split over AG-UI deltas are caught only where the worker feeds each partition's
 /// deltas through a `StreamRedactor` (`ingest::normalize_streamed`).
 #[tokio::test]
-#[ignore = "needs the worker to normalise with ingest::normalize_streamed (per-partition StreamRedactor)"]
 async fn no_secret_split_over_streamed_deltas_reaches_any_output() {
     let cases: Vec<Case> = corpus().into_iter().filter(|c| c.streamed).collect();
     assert!(cases.len() >= 2, "{} cases", cases.len());

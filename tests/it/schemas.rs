@@ -103,6 +103,9 @@ async fn projections(js: &Context) -> Vec<(String, Value)> {
     let mut out = Vec::new();
     for seq in 1..=last {
         if let Ok(m) = stream.get_raw_message(seq).await {
+            if collab_projector::bus::publish::is_fence_subject(m.subject.as_str()) {
+                continue;
+            }
             let body: Value = serde_json::from_slice(&m.payload).expect("a projection is JSON");
             out.push((m.subject.to_string(), body));
         }

@@ -447,18 +447,5 @@ pub fn collab_event(
 /// fence claims (`<prefix>.proj._fence.<p>`, `<prefix>.dlq._fence.<p>`), which are not outputs.
 /// 0 if the stream does not exist yet.
 pub async fn outputs_in(js: &async_nats::jetstream::Context, stream: &str) -> u64 {
-    use futures::TryStreamExt;
-    let Ok(mut s) = js.get_stream(stream).await else {
-        return 0;
-    };
-    let Ok(total) = s.info().await.map(|i| i.state.messages) else {
-        return 0;
-    };
-    let mut fences = 0u64;
-    if let Ok(mut subjects) = s.info_with_subjects("*.*._fence.*").await {
-        while let Ok(Some((_, n))) = subjects.try_next().await {
-            fences += n as u64;
-        }
-    }
-    total.saturating_sub(fences)
+    collab_projector::bus::publish::outputs_in(js, stream).await
 }
