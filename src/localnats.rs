@@ -129,6 +129,9 @@ pub struct ClusterOptions {
     /// Route URLs of all nodes (including this one: the server ignores a route to itself, which lets
     /// every node share one list).
     pub routes: Vec<String>,
+    /// Do not gossip this node's route address: the other nodes reach it only through the routes
+    /// they are given (a network fault proxy between nodes needs that).
+    pub no_advertise: bool,
 }
 
 /// How to start a local server.
@@ -478,6 +481,7 @@ pub async fn start_cluster(n: usize) -> Result<Vec<LocalNats>, LocalNatsError> {
                 name: cluster_name.clone(),
                 listen_port: route_port,
                 routes: routes.clone(),
+                no_advertise: false,
             }),
             ..LocalNatsOptions::default()
         })
@@ -487,6 +491,35 @@ pub async fn start_cluster(n: usize) -> Result<Vec<LocalNats>, LocalNatsError> {
 
     if let Some(first) = nodes.first() {
         wait_for_meta_leader(&first.url(), n).await?;
+    }
+    Ok(nodes)
+}
+
+/// Start a cluster whose node `i` listens for routes on `route_ports[i]` and dials exactly
+/// `routes[i]` (addresses of its own choosing, e.g. fault proxies in front of the other nodes),
+/// with no route address gossiped; wait until JetStream has a meta leader.
+pub async fn start_cluster_routed(
+    route_ports: &[u16],
+    routes: &[Vec<String>],
+) -> Result<Vec<LocalNats>, LocalNatsError> {
+    let cluster_name = format!("localnats-routed-{}", std::process::id());
+    let mut nodes = Vec::with_capacity(route_ports.len());
+    for (i, (&route_port, routes)) in route_ports.iter().zip(routes).enumerate() {
+        let node = LocalNats::start(LocalNatsOptions {
+            server_name: Some(format!("{}-r{i}", unique_server_name())),
+            cluster: Some(ClusterOptions {
+                name: cluster_name.clone(),
+                listen_port: route_port,
+                routes: routes.clone(),
+                no_advertise: true,
+            }),
+            ..LocalNatsOptions::default()
+        })
+        .await?;
+        nodes.push(node);
+    }
+    if let Some(first) = nodes.first() {
+        wait_for_meta_leader(&first.url(), route_ports.len()).await?;
     }
     Ok(nodes)
 }
@@ -646,10 +679,15 @@ fn render_config(spec: &ConfigSpec<'_>) -> String {
     if let Some(cluster) = spec.cluster {
         let routes: Vec<String> = cluster.routes.iter().map(|r| quote(r)).collect();
         out.push_str(&format!(
-            "cluster {{\n  name: {name}\n  listen: {listen}\n  routes: [{routes}]\n}}\n",
+            "cluster {{\n  name: {name}\n  listen: {listen}\n  routes: [{routes}]\n{advertise}}}\n",
             name = quote(&cluster.name),
             listen = quote(&format!("127.0.0.1:{}", cluster.listen_port)),
             routes = routes.join(", "),
+            advertise = if cluster.no_advertise {
+                "  no_advertise: true\n"
+            } else {
+                ""
+            },
         ));
     }
     if let Some(extra) = spec.extra {
@@ -755,6 +793,7 @@ mod tests {
                 "nats://127.0.0.1:6222".into(),
                 "nats://127.0.0.1:6223".into(),
             ],
+            no_advertise: false,
         };
         let config = render_config(&ConfigSpec {
             server_name: "n1",

@@ -768,6 +768,8 @@ struct Bed {
     started: Instant,
     /// Between worker slot 0 and the server, in the network fault scenarios.
     proxy: Option<Proxy>,
+    /// Between cluster nodes (from, to), in the cluster partition scenario.
+    route_proxies: Vec<(usize, usize, Proxy)>,
 }
 
 impl Bed {
@@ -796,6 +798,60 @@ impl Bed {
         } else {
             Broker::Single(TestNats::start().await)
         };
+        Bed::start_on(
+            scenario,
+            profile,
+            broker,
+            workers,
+            extra_env,
+            proxied,
+            Vec::new(),
+        )
+        .await
+    }
+
+    /// A 3-node cluster whose nodes reach each other only through fault proxies (one per
+    /// direction of each pair), so any node can be cut off from the others.
+    async fn start_routed_cluster(
+        scenario: &'static str,
+        profile: &Profile,
+        workers: usize,
+    ) -> Bed {
+        let route_ports: Vec<u16> = (0..3).map(|_| crate::support::free_port()).collect();
+        let mut proxies = Vec::new();
+        let mut routes: Vec<Vec<String>> = vec![Vec::new(); 3];
+        for (from, dials) in routes.iter_mut().enumerate() {
+            for (to, port) in route_ports.iter().enumerate().filter(|(t, _)| *t != from) {
+                let proxy = Proxy::start(*port).await;
+                dials.push(proxy.url());
+                proxies.push((from, to, proxy));
+            }
+        }
+        let nodes = collab_projector::localnats::start_cluster_routed(&route_ports, &routes)
+            .await
+            .unwrap_or_else(|e| panic!("could not start a routed 3-node cluster: {e}"));
+        Bed::start_on(
+            scenario,
+            profile,
+            Broker::Cluster(nodes),
+            workers,
+            &[],
+            false,
+            proxies,
+        )
+        .await
+    }
+
+    async fn start_on(
+        scenario: &'static str,
+        profile: &Profile,
+        broker: Broker,
+        workers: usize,
+        extra_env: &[(&str, &str)],
+        proxied: bool,
+        route_proxies: Vec<(usize, usize, Proxy)>,
+    ) -> Bed {
+        let cluster = matches!(broker, Broker::Cluster(_));
         let urls = broker.urls();
         let mut env = profile.env(if cluster { 3 } else { 1 });
         env.extend(
@@ -830,6 +886,7 @@ impl Bed {
             notes: Vec::new(),
             started: Instant::now(),
             proxy: None,
+            route_proxies,
         };
         if proxied {
             if let Broker::Single(nats) = &bed.broker {
@@ -1950,6 +2007,21 @@ async fn clock_skew(p: &Profile, seed: u64) -> Option<Report> {
     Some(bed.finish(writer).await)
 }
 
+/// 12. A network partition between cluster nodes (streams, consumers and buckets R3): the node
+///     leading the raw stream loses its routes to the other two (its clients, a worker among
+///     them, stay connected to it), then the partition heals.
+async fn cluster_partition(p: &Profile, seed: u64) -> Report {
+    let mut bed = Bed::start_routed_cluster("cluster-partition", p, 3).await;
+    let writer = bed.writer(seed, p.timeout_ms);
+    let gap = p.load / u32::try_from(p.rounds + 1).unwrap_or(2);
+    for _ in 0..p.rounds {
+        tokio::time::sleep(gap).await;
+        bed.partition_node(p.node_down).await;
+    }
+    tokio::time::sleep(gap).await;
+    bed.finish(writer).await
+}
+
 impl Bed {
     /// Publish one input of about 1 MiB (`n` as usual): a valid `task.updated` of 9,000 small
     /// fields, or bytes that are not JSON.
@@ -2035,6 +2107,50 @@ impl Bed {
             from_ms: now_ms(),
             kind: FaultKind::Broker,
             what: format!("nats-server frozen at {elapsed:.1}s for {pause:?}"),
+            partitions: None,
+        });
+    }
+
+    /// Cut the node leading the raw stream (else node 1) off from the other nodes for `down`:
+    /// its routes dropped and refused both ways, its clients still connected to it. Then heal.
+    async fn partition_node(&mut self, down: Duration) {
+        let leader = async {
+            let mut st = self.js.get_stream(RAW).await.ok()?;
+            st.info().await.ok()?.cluster.as_ref()?.leader.clone()
+        }
+        .await;
+        let elapsed = self.elapsed();
+        let Broker::Cluster(nodes) = &self.broker else {
+            return;
+        };
+        let i = leader
+            .as_deref()
+            .and_then(|l| nodes.iter().position(|n| n.server_name() == l))
+            .unwrap_or(1);
+        let at_ms = now_ms();
+        for (from, to, proxy) in &self.route_proxies {
+            if *from == i || *to == i {
+                proxy.cut();
+            }
+        }
+        tokio::time::sleep(down).await;
+        for (from, to, proxy) in &self.route_proxies {
+            if *from == i || *to == i {
+                proxy.heal();
+            }
+        }
+        self.faults.push(Fault {
+            at_ms,
+            from_ms: at_ms,
+            kind: FaultKind::Broker,
+            what: format!(
+                "node {i} ({}) partitioned from the others at {elapsed:.1}s for {down:?}",
+                if leader.is_some() {
+                    "raw stream leader"
+                } else {
+                    "leader unknown"
+                }
+            ),
             partitions: None,
         });
     }
@@ -2196,6 +2312,13 @@ async fn chaos_short_clock_skew() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_short_cluster_partition() {
+    cluster_partition(&Profile::short(), seed("cluster-partition"))
+        .await
+        .assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the full chaos suite takes about 20 minutes: cargo test --release --test it chaos_full -- --ignored --nocapture"]
 async fn chaos_full() {
     let _serial = SERIAL.lock().await;
@@ -2217,6 +2340,7 @@ async fn chaos_full() {
         "owner-partition",
         "held-publishes",
         "clock-skew",
+        "cluster-partition",
     ]
     .into_iter()
     .enumerate()
@@ -2243,6 +2367,7 @@ async fn chaos_full() {
                 let window = [("COLLAB_PROJECTION__DUPLICATE_WINDOW", "4s")];
                 owner_network(&p, s, name, Duration::from_secs(14), false, &window).await
             }
+            "cluster-partition" => cluster_partition(&p, s).await,
             "clock-skew" => match clock_skew(&p, s).await {
                 Some(r) => r,
                 None => panic!("libfaketime is missing (apt-get install faketime)"),

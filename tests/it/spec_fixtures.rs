@@ -113,7 +113,31 @@ fn comparable(envelope: &Value) -> Value {
             m.remove(k);
         }
     }
+    // A streamed delta's text moves between the deltas of its message (redaction holds back
+    // what could be the start of a secret until the next delta or the message's end): compared
+    // per message, assembled, below.
+    if let Some(p) = e.get_mut("payload").and_then(Value::as_object_mut) {
+        p.remove("delta");
+    }
     e
+}
+
+/// The message or tool call a streamed delta belongs to, and its text.
+fn streamed_delta(envelope: &Value) -> Option<(String, String)> {
+    let p = envelope.get("payload")?;
+    let text = p.get("delta")?.as_str()?.to_string();
+    let id = ["messageId", "toolCallId"]
+        .iter()
+        .find_map(|k| envelope.get(*k).or_else(|| p.get(*k)))
+        .map(Value::to_string)
+        .unwrap_or_default();
+    Some((id, text))
+}
+
+/// The text held back by redaction and published just before its stream ends.
+fn is_flush(m: &Stored) -> bool {
+    serde_json::from_slice::<Value>(&m.payload)
+        .is_ok_and(|e| e["payload"]["redactionFlush"] == Value::Bool(true))
 }
 
 fn check(cases: &[Case], out: &BTreeMap<u64, Vec<Stored>>) -> Vec<String> {
@@ -133,7 +157,7 @@ fn check(cases: &[Case], out: &BTreeMap<u64, Vec<Stored>>) -> Vec<String> {
         let want = &c.expected["envelope"];
         let t = want["type"].as_str().unwrap_or_default();
         let turn_or_run = t.starts_with("a2a.") || t.starts_with("run.");
-        let Some(m) = got.first() else {
+        let Some(m) = got.iter().find(|m| !is_flush(m)) else {
             problems.push(format!("{} (seq {}): nothing projected", c.file, c.seq));
             continue;
         };
@@ -154,6 +178,56 @@ fn check(cases: &[Case], out: &BTreeMap<u64, Vec<Stored>>) -> Vec<String> {
             problems.push(format!(
                 "{} (seq {}): projected\n{env:#}\nwant\n{want:#}",
                 c.file, c.seq
+            ));
+        }
+    }
+    // Each message's (and tool call's) deltas assemble the same text as the golden deltas.
+    let mut want: BTreeMap<(String, String), String> = BTreeMap::new();
+    let mut have: BTreeMap<(String, String), String> = BTreeMap::new();
+    for c in cases {
+        if let Some((id, text)) = streamed_delta(&c.expected["envelope"]) {
+            want.entry((c.file.clone(), id))
+                .or_default()
+                .push_str(&text);
+        }
+        for m in out.get(&c.seq).map(Vec::as_slice).unwrap_or_default() {
+            let Ok(envelope) = serde_json::from_slice::<Value>(&m.payload) else {
+                continue;
+            };
+            if let Some((id, text)) = streamed_delta(&envelope) {
+                have.entry((c.file.clone(), id))
+                    .or_default()
+                    .push_str(&text);
+            }
+        }
+    }
+    // A stream that ends in its file is published whole; one left open (no `*_END`) may still
+    // hold its last word back.
+    let ended: std::collections::BTreeSet<(String, String)> = cases
+        .iter()
+        .filter(|c| {
+            c.expected["envelope"]["payload"]["agUiType"]
+                .as_str()
+                .is_some_and(|t| t.ends_with("_END"))
+        })
+        .filter_map(|c| {
+            let e = &c.expected["envelope"];
+            let id = ["messageId", "toolCallId"]
+                .iter()
+                .find_map(|k| e.get(*k).or_else(|| e["payload"].get(*k)))?;
+            Some((c.file.clone(), id.to_string()))
+        })
+        .collect();
+    for (stream, text) in &want {
+        let got = have.get(stream).map(String::as_str).unwrap_or_default();
+        let fine = if ended.contains(stream) {
+            got == text
+        } else {
+            text.starts_with(got)
+        };
+        if !fine {
+            problems.push(format!(
+                "{stream:?}: streamed text assembled as {got:?}, want {text:?}"
             ));
         }
     }

@@ -549,6 +549,27 @@ async fn agents_publish_only_as_themselves_and_read_only_their_own_inbox() {
     .unwrap_or_else(|e| panic!("normalises: {e:?}"));
     let verdict = identity::check(&parsed, &normalized[0].envelope, true);
     assert_eq!(verdict.err().map(|e| e.reason()), Some("identity_mismatch"));
+
+    // And a running worker (as the workers' user) dead-letters it so, naming its sequence.
+    let (_running, cancel) = start_worker(&worker).await;
+    let dlq = worker_js
+        .get_stream("COLLAB_DLQ")
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    wait_until(GUARD, "eden's forged reply is dead-lettered", || {
+        let dlq = dlq.clone();
+        async move {
+            dlq.get_last_raw_message_by_subject("collab.dlq.identity_mismatch")
+                .await
+                .is_ok_and(|m| {
+                    m.headers
+                        .get("Collab-Source-Seq")
+                        .is_some_and(|v| v.as_str() == seq.to_string())
+                })
+        }
+    })
+    .await;
+    cancel.cancel();
 }
 
 /// Resident memory of process `pid`, in MiB (VmRSS of /proc/<pid>/status).
