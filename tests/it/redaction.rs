@@ -158,6 +158,31 @@ async fn get(addr: &str, path: &str) -> String {
     resp.text().await.unwrap_or_default()
 }
 
+/// What an event stream sends within two seconds of opening (from the start of the stream).
+async fn sse(addr: &str, path: &str) -> String {
+    let resp = reqwest::get(format!("http://{addr}{path}"))
+        .await
+        .unwrap_or_else(|e| panic!("GET {path}: {e}"));
+    let status = resp.status();
+    if !status.is_success() {
+        panic!(
+            "GET {path}: {status} {}",
+            resp.text().await.unwrap_or_default()
+        );
+    }
+    let mut body = resp.bytes_stream();
+    let mut text = String::new();
+    let until = tokio::time::Instant::now() + std::time::Duration::from_secs(2);
+    while let Ok(Some(Ok(chunk))) = tokio::time::timeout_at(until, body.next()).await {
+        text.push_str(&String::from_utf8_lossy(&chunk));
+    }
+    assert!(
+        text.contains("data:"),
+        "GET {path} sent no event: {text:.300}"
+    );
+    text
+}
+
 fn http_addr(p: &Projector) -> String {
     p.log_text()
         .lines()
@@ -253,6 +278,17 @@ async fn run_corpus(cases: &[Case]) {
     }
     for path in &paths {
         everywhere.push((format!("GET {path}"), get(&addr, path).await));
+    }
+    {
+        // Every event, from the oldest on: the page's `oldest` cursor is just before it.
+        let page: Value = serde_json::from_str(&get(&addr, "/api/events?limit=1").await)
+            .unwrap_or_else(|e| panic!("an events page: {e}"));
+        let oldest = page["oldest"]
+            .as_str()
+            .map(String::from)
+            .unwrap_or_else(|| page["oldest"].to_string());
+        let path = format!("/api/events/stream?after={oldest}");
+        everywhere.push((format!("SSE {path}"), sse(&addr, &path).await));
     }
     everywhere.push(("the worker's log".into(), projector.log_text()));
 
