@@ -71,17 +71,8 @@ impl Grants {
                 allowed: Role::ALL.to_vec(),
             });
         }
-        let presented = headers
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                let (scheme, token) = v.trim().split_once(' ')?;
-                scheme
-                    .eq_ignore_ascii_case("bearer")
-                    .then(|| token.trim())
-                    .filter(|t| !t.is_empty())
-            })
-            .ok_or_else(ApiError::unauthorized)?;
+        let presented =
+            bearer_token(headers, &header::AUTHORIZATION).ok_or_else(ApiError::unauthorized)?;
         let d = digest(presented);
         // Check every grant; no early exit.
         let mut found: Option<&Grant> = None;
@@ -176,6 +167,24 @@ pub fn check_bind(addr: &SocketAddr, settings: &HttpSettings) -> Result<(), Stri
     Err(format!(
         "refusing to serve the projection API on {addr} without access control: it would expose every event to the network. Configure bearer tokens (http.tokens, each with the roles it may read), bind a loopback address (--http-addr 127.0.0.1:8080), or switch the API off (http.api = false)"
     ))
+}
+
+/// The token of a `Bearer <token>` credential in header `name` (scheme case-insensitive, spaces
+/// trimmed); `None` when absent, of another scheme, or empty.
+pub(crate) fn bearer_token<'h>(
+    headers: &'h HeaderMap,
+    name: &header::HeaderName,
+) -> Option<&'h str> {
+    headers
+        .get(name)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| {
+            let (scheme, token) = v.trim().split_once(' ')?;
+            scheme
+                .eq_ignore_ascii_case("bearer")
+                .then(|| token.trim())
+                .filter(|t| !t.is_empty())
+        })
 }
 
 #[cfg(test)]

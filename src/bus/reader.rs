@@ -234,16 +234,7 @@ impl Partition<'_> {
             return Ok(());
         }
         let outs = std::mem::take(&mut fx.outs);
-        match issue_publishes(
-            &self.shared.publisher,
-            &self.fence,
-            outs,
-            &[],
-            &self.tx,
-            self.cancel,
-        )
-        .await
-        {
+        match self.issue(outs, &[]).await {
             Ok(publishes) => {
                 let _ = self.tx.send(Processed::new(None, publishes, fx)).await;
                 Ok(())
@@ -297,6 +288,23 @@ impl Partition<'_> {
             debug!(partition = self.p, error = %e, "barrier not sent");
         }
         self.barrier_sent_ms = Some(now);
+    }
+
+    /// Issue `outs` for `inputs`, fenced by this owner's claim (see [`issue_publishes`]).
+    async fn issue(
+        &self,
+        outs: Vec<crate::pipeline::Outgoing>,
+        inputs: &[&jetstream::Message],
+    ) -> Result<super::publisher::Publishes, Halt> {
+        issue_publishes(
+            &self.shared.publisher,
+            &self.fence,
+            outs,
+            inputs,
+            &self.tx,
+            self.cancel,
+        )
+        .await
     }
 
     /// A halted publish: left for redelivery when shutting down, else the partition stops.
@@ -507,16 +515,7 @@ impl Partition<'_> {
             // Not an input: it only moved the watermark. What that decided is issued with it.
             self.barrier_sent_ms = None;
             let outs = std::mem::take(&mut fx.outs);
-            let publishes = match issue_publishes(
-                &self.shared.publisher,
-                &self.fence,
-                outs,
-                &[&msg],
-                &self.tx,
-                self.cancel,
-            )
-            .await
-            {
+            let publishes = match self.issue(outs, &[&msg]).await {
                 Ok(p) => p,
                 Err(halt) => return self.left_or_stopped(halt),
             };
@@ -555,16 +554,7 @@ impl Partition<'_> {
             }
             outs = kept;
         }
-        let publishes = match issue_publishes(
-            &self.shared.publisher,
-            &self.fence,
-            outs,
-            &[&msg],
-            &self.tx,
-            self.cancel,
-        )
-        .await
-        {
+        let publishes = match self.issue(outs, &[&msg]).await {
             Ok(p) => p,
             Err(halt) => return self.left_or_stopped(halt),
         };

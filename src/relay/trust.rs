@@ -192,16 +192,7 @@ impl CallerTokens {
     /// The agent whose token the request presents in `Proxy-Authorization: Bearer <token>`.
     /// Every entry is compared, in constant time, whether or not one matched already.
     pub fn caller(&self, headers: &HeaderMap) -> Option<String> {
-        let presented = headers
-            .get(header::PROXY_AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| {
-                let (scheme, token) = v.trim().split_once(' ')?;
-                scheme
-                    .eq_ignore_ascii_case("bearer")
-                    .then(|| token.trim())
-                    .filter(|t| !t.is_empty())
-            })?;
+        let presented = crate::api::auth::bearer_token(headers, &header::PROXY_AUTHORIZATION)?;
         let d = digest(presented);
         let mut found: Option<&String> = None;
         for (e, agent) in &self.entries {
