@@ -149,6 +149,24 @@ pub fn resumed_consumer_config(
     config
 }
 
+/// An existing bucket or object store: check its retention, give it the size limit of `setting`
+/// (refusing new writes when full), and report it unchanged when it already had both.
+async fn bound_existing(
+    js: &jetstream::Context,
+    st: &mut stream::Stream,
+    label: String,
+    setting: &str,
+    (max_age, replicas, max_bytes): (Duration, usize, i64),
+    report: &mut Report,
+) -> Result<(), ProvisionError> {
+    same_retention(st, &label, max_age, replicas).await?;
+    let discard = stream::DiscardPolicy::New;
+    if !set_limits(js, st, &label, setting, max_bytes, discard, report).await? {
+        report.unchanged.push(label);
+    }
+    Ok(())
+}
+
 /// The size limit and discard policy of an existing stream, when they are not the wanted ones.
 fn limit_differences(
     have: &stream::Config,
@@ -357,21 +375,9 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
         let label = format!("bucket {}", want.bucket);
         match find_stream(js, &format!("KV_{}", want.bucket), &label).await? {
             Some(mut st) => {
-                same_retention(&mut st, &label, want.max_age, want.num_replicas).await?;
                 // Buckets refuse writes when full (the client library's policy for new ones).
-                let set = set_limits(
-                    js,
-                    &mut st,
-                    &label,
-                    setting,
-                    want.max_bytes,
-                    stream::DiscardPolicy::New,
-                    &mut report,
-                )
-                .await?;
-                if !set {
-                    report.unchanged.push(label);
-                }
+                let bound = (want.max_age, want.num_replicas, want.max_bytes);
+                bound_existing(js, &mut st, label, setting, bound, &mut report).await?;
             }
             None => {
                 js.create_key_value(want)
@@ -394,20 +400,16 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
     };
     match find_stream(js, &format!("OBJ_{blobs}"), &label).await? {
         Some(mut st) => {
-            same_retention(&mut st, &label, want.max_age, want.num_replicas).await?;
-            let set = set_limits(
+            let bound = (want.max_age, want.num_replicas, want.max_bytes);
+            bound_existing(
                 js,
                 &mut st,
-                &label,
+                label,
                 "storage.blobs_max_bytes",
-                want.max_bytes,
-                stream::DiscardPolicy::New,
+                bound,
                 &mut report,
             )
             .await?;
-            if !set {
-                report.unchanged.push(label);
-            }
         }
         None => {
             js.create_object_store(want)
