@@ -224,6 +224,22 @@ fn normalize_with(
     settings: &Settings,
     streams: Option<&mut StreamRedactor>,
 ) -> Result<Vec<Normalized>, Rejection> {
+    normalize_unredacted(input, settings, streams).map_err(|mut rejection| {
+        // A detail quotes parts of the input (a type, an id), and the words around a quote can
+        // complete a secret's pattern (`aws_secret_access_key="...`): the detail is redacted as
+        // a whole before it reaches a dead letter or a log line.
+        if let Some((redacted, _)) = settings.redactor.text(&rejection.detail) {
+            rejection.detail = redacted;
+        }
+        rejection
+    })
+}
+
+fn normalize_unredacted(
+    input: &RawInput<'_>,
+    settings: &Settings,
+    streams: Option<&mut StreamRedactor>,
+) -> Result<Vec<Normalized>, Rejection> {
     if settings.max_payload_bytes > 0 && input.bytes.len() > settings.max_payload_bytes {
         return Err(Rejection::new(
             DlqReason::TooLarge,
@@ -559,6 +575,33 @@ mod tests {
             !matches!(&unrelayed, Err(r) if r.detail.contains("Collab-Direction")),
             "{unrelayed:?}"
         );
+    }
+
+    #[test]
+    fn a_rejection_detail_that_completes_a_secret_pattern_is_redacted() {
+        let settings = crate::config::Settings::default()
+            .ingest()
+            .unwrap_or_else(|e| panic!("default settings: {e}"));
+        // The type alone holds no secret; quoted in the detail, the words after the `=` would
+        // read as one.
+        let body = br#"{"type":"Bearer aws_secret_access_key="}"#;
+        let input = RawInput {
+            bytes: body,
+            subject: None,
+            raw_ref: None,
+            relay: RelayHeaders::default(),
+        };
+        match normalize(&input, &settings) {
+            Err(r) => {
+                assert_eq!(r.reason, DlqReason::BadType);
+                assert!(
+                    settings.redactor.text(&r.detail).is_none(),
+                    "detail still holds a secret: {}",
+                    r.detail
+                );
+            }
+            Ok(events) => panic!("projected: {events:?}"),
+        }
     }
 
     #[test]
