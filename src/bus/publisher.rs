@@ -4,10 +4,10 @@
 //! stores offloaded fields first, and looks up what a taken-over input already has stored.
 
 use super::acker::Processed;
+use super::error::WorkerError;
 use super::publish::{self, Failure, Fence};
 use super::stats::WorkerState;
 use super::turns::Effects;
-use super::worker::WorkerError;
 use crate::config::Names;
 use crate::pipeline::{self, OutKind, Outgoing};
 use crate::telemetry;
@@ -382,11 +382,7 @@ impl Halt {
     pub(crate) fn into_error(self, partition: u16) -> Option<WorkerError> {
         match self {
             Halt::Cancelled => None,
-            Halt::Failed(Failure::Deposed { .. }) => Some(WorkerError::Interrupted {
-                partition,
-                why: "another owner claimed the partition",
-            }),
-            Halt::Failed(source) => Some(WorkerError::Publish { partition, source }),
+            Halt::Failed(failure) => Some(WorkerError::of_failure(partition, failure)),
         }
     }
 }

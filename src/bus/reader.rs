@@ -7,12 +7,13 @@
 //! publishes only what is not stored yet.
 
 use super::acker::{is_barrier, Processed};
+use super::error::{Source, WorkerError};
 use super::publish::Fence;
 use super::publisher::{issue_publishes, Halt, ENVELOPE_HEADROOM};
 use super::pull::PullBatch;
 use super::stats::Outcome;
 use super::turns::{Effects, Flush, PartitionTurns, TurnIoError};
-use super::worker::{lease_lapsed, WorkerContext, WorkerError};
+use super::worker::{lease_lapsed, WorkerContext};
 use crate::pipeline::{self, RawMessage};
 use crate::telemetry;
 use crate::turns::book::Watermark;
@@ -65,11 +66,8 @@ pub(crate) struct Partition<'a> {
 }
 
 impl Partition<'_> {
-    pub(crate) fn setup(&self, detail: String) -> WorkerError {
-        WorkerError::Setup {
-            partition: self.p,
-            detail,
-        }
+    pub(crate) fn setup(&self, what: &str, source: impl Into<Source>) -> WorkerError {
+        WorkerError::setup(self.p, what, source)
     }
 
     pub(crate) async fn run(
@@ -82,7 +80,7 @@ impl Partition<'_> {
         let info = consumer
             .info()
             .await
-            .map_err(|e| self.setup(format!("consumer info: {e}")))?;
+            .map_err(|e| self.setup("consumer info", e))?;
         self.next_delivery = info.delivered.consumer_sequence + 1;
         if info.num_ack_pending > 0 {
             let (from, to) = (
@@ -317,9 +315,7 @@ impl Partition<'_> {
 
     pub(crate) fn turn_error(&self, e: TurnIoError) -> WorkerError {
         match e {
-            TurnIoError::Publish(source) => Halt::Failed(source)
-                .into_error(self.p)
-                .unwrap_or_else(|| self.setup("publish".into())),
+            TurnIoError::Publish(source) => WorkerError::of_failure(self.p, source),
             TurnIoError::Conflict { .. } => {
                 debug!(partition = self.p, error = %e, "restarting the partition");
                 WorkerError::Interrupted {
@@ -334,7 +330,7 @@ impl Partition<'_> {
                     why: "a turn record write was not stored",
                 }
             }
-            e => self.setup(e.to_string()),
+            e => self.setup("turn state", e),
         }
     }
 
@@ -350,7 +346,6 @@ impl Partition<'_> {
         if to < from {
             return Ok(Flow::Continue);
         }
-        let reading = |e: &dyn std::fmt::Display| format!("reading in-flight messages: {e}");
         let p = self.p;
         let short = |why: &'static str| {
             warn!(
@@ -372,7 +367,7 @@ impl Partition<'_> {
                 ..Default::default()
             })
             .await
-            .map_err(|e| self.setup(reading(&e)))?;
+            .map_err(|e| self.setup("reading in-flight messages", e))?;
         // Nothing of the partition is stored from `from` on: the range was deleted.
         let stored = replay.cached_info().num_pending;
         if stored == 0 {
@@ -383,7 +378,7 @@ impl Partition<'_> {
         let mut replayed = replay
             .messages()
             .await
-            .map_err(|e| self.setup(reading(&e)))?;
+            .map_err(|e| self.setup("reading in-flight messages", e))?;
         let mut count = 0usize;
         // Every message of the range is processed, or the partition starts over: a replay that
         // ends early (a server pause, a dropped connection) must never let the next

@@ -15,6 +15,7 @@
 //! `conv.<encode_id(conversation id)>`, written when an event names both. A turn's send is stored in
 //! the projection stream before its response, so the alias exists before such an event comes.
 
+use super::error::{NoAnswer, Source};
 use crate::config::Names;
 use crate::model::{encode_id, Envelope};
 use crate::sessions::{self, WorkSession};
@@ -23,7 +24,7 @@ use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
 use futures::StreamExt;
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tracing::{debug, warn};
@@ -57,10 +58,24 @@ const SESSION_WRITE_LIMIT: Duration = Duration::from_secs(15);
 
 #[derive(Debug, thiserror::Error)]
 pub enum SessionError {
-    #[error("work-session bucket {bucket}: {detail}")]
-    Open { bucket: String, detail: String },
-    #[error("work session {key}: {detail}")]
-    Kv { key: String, detail: String },
+    #[error("work-session bucket {bucket}: {source}")]
+    Open {
+        bucket: String,
+        #[source]
+        source: jetstream::context::KeyValueError,
+    },
+    #[error("work session {key}: {source}")]
+    Kv {
+        key: String,
+        #[source]
+        source: Source,
+    },
+    /// A round of writes in which one session could not be stored: every request of the round
+    /// is answered with it.
+    #[error("a work-session round failed: {0}")]
+    Round(#[source] Arc<SessionError>),
+    #[error("the work-session committer stopped")]
+    Stopped,
 }
 
 /// The KV key of a session.
@@ -92,9 +107,9 @@ impl SessionWriter {
         let kv = js
             .get_key_value(&names.sessions_bucket)
             .await
-            .map_err(|e| SessionError::Open {
+            .map_err(|source| SessionError::Open {
                 bucket: names.sessions_bucket.clone(),
-                detail: e.to_string(),
+                source,
             })?;
         let (commits, rx) = mpsc::channel(1024);
         tokio::spawn(committer(kv.clone(), rx));
@@ -135,10 +150,7 @@ impl SessionWriter {
 }
 
 fn committer_stopped() -> SessionError {
-    SessionError::Kv {
-        key: String::new(),
-        detail: "the work-session committer stopped".into(),
-    }
+    SessionError::Stopped
 }
 
 /// A session as last written by this worker, decoded, with its revision.
@@ -189,7 +201,10 @@ async fn committer(kv: kv::Store, mut rx: mpsc::Receiver<Request>) {
                             Outcome {
                                 result: Err(SessionError::Kv {
                                     key: session_key(&id),
-                                    detail: format!("no answer within {SESSION_WRITE_LIMIT:?}"),
+                                    source: Box::new(NoAnswer::new(
+                                        "writing the session",
+                                        SESSION_WRITE_LIMIT,
+                                    )),
                                 }),
                                 ..Outcome::default_ok()
                             }
@@ -208,7 +223,7 @@ async fn committer(kv: kv::Store, mut rx: mpsc::Receiver<Request>) {
         for (id, outcome) in results {
             written += outcome.written;
             if let Err(e) = outcome.result {
-                failure = Some(e.to_string());
+                failure = Some(Arc::new(e));
             }
             if let Some(bytes) = outcome.oversized {
                 warn!(key = %session_key(&id), bytes, "work session too large to store; further events are not aggregated");
@@ -227,10 +242,7 @@ async fn committer(kv: kv::Store, mut rx: mpsc::Receiver<Request>) {
         for r in requests {
             let answer = match &failure {
                 None => Ok(()),
-                Some(detail) => Err(SessionError::Kv {
-                    key: String::new(),
-                    detail: detail.clone(),
-                }),
+                Some(e) => Err(SessionError::Round(e.clone())),
             };
             let _ = r.done.send(answer);
         }
@@ -256,8 +268,8 @@ async fn update(
     mut cached: Option<Cached>,
 ) -> Outcome {
     let key = session_key(id);
-    let failed = |key: String, detail: String| Outcome {
-        result: Err(SessionError::Kv { key, detail }),
+    let failed = |key: String, source: Source| Outcome {
+        result: Err(SessionError::Kv { key, source }),
         ..Outcome::default_ok()
     };
     let mut written = 0usize;
@@ -304,7 +316,7 @@ async fn update(
         };
         let bytes = match serde_json::to_vec(value) {
             Ok(b) => b,
-            Err(e) => return failed(key, e.to_string()),
+            Err(e) => return failed(key, Box::new(e)),
         };
         written += bytes.len();
         if bytes.len() > MAX_SESSION_BYTES {
@@ -343,11 +355,11 @@ impl Outcome {
 
 /// The stored session and its revision (revision 0 and no session when absent); `None` when the
 /// stored value is unreadable.
-async fn read(kv: &kv::Store, key: &str) -> Result<Option<Cached>, String> {
-    let entry = tokio::time::timeout(Duration::from_secs(10), kv.entry(key.to_string()))
+async fn read(kv: &kv::Store, key: &str) -> Result<Option<Cached>, Source> {
+    let after = Duration::from_secs(10);
+    let entry = tokio::time::timeout(after, kv.entry(key.to_string()))
         .await
-        .map_err(|_| "no answer within 10 s".to_string())?
-        .map_err(|e| e.to_string())?;
+        .map_err(|_| NoAnswer::new("reading the session", after))??;
     Ok(match entry {
         Some(e) if e.operation == kv::Operation::Put => {
             match serde_json::from_slice::<WorkSession>(&e.value) {
@@ -371,7 +383,7 @@ async fn with_retries<T, E, Fut>(
     op: impl FnMut() -> Fut,
 ) -> Result<T, SessionError>
 where
-    E: std::fmt::Display,
+    E: std::error::Error + Send + Sync + 'static,
     Fut: std::future::Future<Output = Result<T, E>>,
 {
     use backon::Retryable;
@@ -383,7 +395,7 @@ where
         .await
         .map_err(|e| SessionError::Kv {
             key: key.to_string(),
-            detail: e.to_string(),
+            source: e.into(),
         })
 }
 

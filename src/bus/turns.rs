@@ -12,6 +12,7 @@
 //! keeps its open turns, the turns it decided lately, and the hashes of all its record keys, so a
 //! message needs no KV read unless it names an old turn.
 
+use super::error::{NoAnswer, Source};
 use super::worker::WorkerContext;
 use crate::ingest::Normalized;
 use crate::model::Role;
@@ -27,26 +28,45 @@ use bytes::Bytes;
 use futures::future::{BoxFuture, FutureExt, Shared as SharedFuture};
 use futures::StreamExt;
 use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
 
 #[derive(Debug, thiserror::Error)]
 pub enum TurnIoError {
-    #[error("turn record {key}: {detail}")]
-    Kv { key: String, detail: String },
+    /// A read or write of the turn state (or of the raw events it refers to) failed.
+    #[error("turn record {key}: {source}")]
+    Kv {
+        key: String,
+        #[source]
+        source: Source,
+    },
     /// A compare-and-set write was refused: another owner wrote the record.
-    #[error("turn record {key}: another owner wrote it ({detail})")]
-    Conflict { key: String, detail: String },
+    #[error("turn record {key}: another owner wrote it")]
+    Conflict { key: String },
     /// A pipelined write was not stored for another reason (no answer, a broken connection):
     /// its outcome is unknown.
-    #[error("turn record {key}: write not stored ({detail})")]
-    WriteFailed { key: String, detail: String },
+    #[error("turn record {key}: write not stored: {source}")]
+    WriteFailed {
+        key: String,
+        #[source]
+        source: Arc<dyn std::error::Error + Send + Sync + 'static>,
+    },
     #[error("shutting down with turn {0} undecided on the bus")]
     Cancelled(String),
     /// A response could not be published and waiting will not change that.
     #[error(transparent)]
     Publish(super::publish::Failure),
+}
+
+impl TurnIoError {
+    fn kv(key: impl Into<String>, source: impl Into<Source>) -> TurnIoError {
+        TurnIoError::Kv {
+            key: key.into(),
+            source: source.into(),
+        }
+    }
 }
 
 /// A turn-record write in flight; resolves to the record's new revision.
@@ -59,8 +79,8 @@ pub enum WriteError {
     #[error("compare-and-set refused: the record is not at the expected revision")]
     Conflict,
     /// Anything else: no answer in time, a broken connection, the partition's writer stopped.
-    #[error("{0}")]
-    Failed(String),
+    #[error(transparent)]
+    Failed(Arc<dyn std::error::Error + Send + Sync + 'static>),
     /// Never sent: the partition stopped with the turn's open record still deferred. Its input
     /// stays unacknowledged and is processed again by the next owner.
     #[error("the partition stopped before the turn's record was written")]
@@ -68,10 +88,10 @@ pub enum WriteError {
 }
 
 impl WriteError {
-    fn of_publish(e: &jetstream::context::PublishError) -> WriteError {
+    fn of_publish(e: jetstream::context::PublishError) -> WriteError {
         match e.kind() {
             jetstream::context::PublishErrorKind::WrongLastSequence => WriteError::Conflict,
-            _ => WriteError::Failed(e.to_string()),
+            _ => WriteError::Failed(Arc::new(e)),
         }
     }
 
@@ -79,14 +99,11 @@ impl WriteError {
     pub fn for_key(self, key: &str) -> TurnIoError {
         let key = key.to_string();
         match self {
-            WriteError::Conflict => TurnIoError::Conflict {
+            WriteError::Conflict => TurnIoError::Conflict { key },
+            WriteError::Failed(source) => TurnIoError::WriteFailed { key, source },
+            abandoned @ WriteError::Abandoned => TurnIoError::WriteFailed {
                 key,
-                detail: WriteError::Conflict.to_string(),
-            },
-            WriteError::Failed(detail) => TurnIoError::WriteFailed { key, detail },
-            WriteError::Abandoned => TurnIoError::WriteFailed {
-                key,
-                detail: WriteError::Abandoned.to_string(),
+                source: Arc::new(abandoned),
             },
         }
     }
@@ -289,10 +306,7 @@ impl Checkpoint {
             owner: Some(self.owner),
             acked: self.resume_after(),
         };
-        let value = serde_json::to_vec(&next).map_err(|e| TurnIoError::Kv {
-            key: self.key.clone(),
-            detail: e.to_string(),
-        })?;
+        let value = serde_json::to_vec(&next).map_err(|e| TurnIoError::kv(&self.key, e))?;
         // Revision 0 asks for an absent key; a deleted one answers with its delete's revision.
         match self
             .store
@@ -308,12 +322,11 @@ impl Checkpoint {
             Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                 Err(TurnIoError::Conflict {
                     key: self.key.clone(),
-                    detail: e.to_string(),
                 })
             }
             Err(e) => Err(TurnIoError::WriteFailed {
                 key: self.key.clone(),
-                detail: e.to_string(),
+                source: Arc::new(e),
             }),
         }
     }
@@ -407,10 +420,9 @@ impl PartitionTurns {
         let open = |js: &jetstream::Context| {
             let js = js.clone();
             async move {
-                js.get_key_value(bucket).await.map_err(|e| TurnIoError::Kv {
-                    key: bucket.clone(),
-                    detail: e.to_string(),
-                })
+                js.get_key_value(bucket)
+                    .await
+                    .map_err(|e| TurnIoError::kv(bucket, e))
             }
         };
         let store = open(&shared.kv_js).await?;
@@ -471,14 +483,11 @@ impl PartitionTurns {
 
     /// The latest entry of `key`, waiting at most 10 s.
     async fn entry(&self, key: &str) -> Result<Option<kv::Entry>, TurnIoError> {
-        let kv_err = |detail: String| TurnIoError::Kv {
-            key: key.to_string(),
-            detail,
-        };
-        tokio::time::timeout(Duration::from_secs(10), self.store.entry(key))
+        let after = Duration::from_secs(10);
+        tokio::time::timeout(after, self.store.entry(key))
             .await
-            .map_err(|_| kv_err("no answer within 10 s".into()))?
-            .map_err(|e| kv_err(e.to_string()))
+            .map_err(|_| TurnIoError::kv(key, NoAnswer::new("reading the record", after)))?
+            .map_err(|e| TurnIoError::kv(key, e))
     }
 
     /// The partition's published checkpoint as stored, ready for this owner to claim.
@@ -522,9 +531,9 @@ impl PartitionTurns {
         // says exactly how many records to expect, so a slow server delays the reload instead of
         // cutting it short, and a stall is an error (the partition restarts).
         let filter = format!("{}p{}.>", self.store.prefix, self.partition);
-        let kv_err = |detail: String| TurnIoError::Kv {
+        let kv_err = |source: Source| TurnIoError::Kv {
             key: filter.clone(),
-            detail,
+            source,
         };
         let mut consumer = self
             .store
@@ -535,11 +544,11 @@ impl PartitionTurns {
                 ..Default::default()
             })
             .await
-            .map_err(|e| kv_err(e.to_string()))?;
+            .map_err(|e| kv_err(Box::new(e)))?;
         let expected = consumer
             .info()
             .await
-            .map_err(|e| kv_err(e.to_string()))?
+            .map_err(|e| kv_err(Box::new(e)))?
             .num_pending;
         let mut checkpoint = self.read_checkpoint().await?;
         let previous = checkpoint.value;
@@ -547,20 +556,18 @@ impl PartitionTurns {
         let mut loaded = 0;
         let mut highest = previous.through;
         if expected > 0 {
-            let mut records = consumer
-                .messages()
-                .await
-                .map_err(|e| kv_err(e.to_string()))?;
+            let mut records = consumer.messages().await.map_err(|e| kv_err(Box::new(e)))?;
             let mut read = 0u64;
             while read < expected {
                 let next = tokio::time::timeout(Duration::from_secs(30), records.next()).await;
                 let msg = match next {
                     Ok(Some(Ok(m))) => m,
-                    Ok(Some(Err(e))) => return Err(kv_err(e.to_string())),
+                    Ok(Some(Err(e))) => return Err(kv_err(Box::new(e))),
                     Ok(None) | Err(_) => {
-                        return Err(kv_err(format!(
-                            "the records stopped after {read} of {expected}"
-                        )))
+                        return Err(kv_err(Box::new(NoAnswer::new(
+                            format!("the records stopped after {read} of {expected}"),
+                            Duration::from_secs(30),
+                        ))))
                     }
                 };
                 read += 1;
@@ -720,14 +727,14 @@ impl PartitionTurns {
         };
         let ack = send_cas(&shared.kv_js, subject, rec, expected)
             .await
-            .map_err(|detail| TurnIoError::Kv {
+            .map_err(|source| TurnIoError::Kv {
                 key: key.to_string(),
-                detail,
+                source,
             })?;
         let write: KvWrite = async move {
             ack.await
                 .map(|a| a.sequence)
-                .map_err(|e| WriteError::of_publish(&e))
+                .map_err(WriteError::of_publish)
         }
         .boxed()
         .shared();
@@ -1009,13 +1016,13 @@ impl PartitionTurns {
         };
         if decider.is_none() && rec.winner.as_ref().is_some_and(|w| w.blocked.is_none()) {
             // A real reply must be published as it was written; never substitute a guess.
-            return Err(TurnIoError::Kv {
-                key: key.to_string(),
-                detail: format!(
+            return Err(TurnIoError::kv(
+                key,
+                format!(
                     "the winning reply (raw sequence {}) could not be read back from the raw stream",
                     winner_seq.unwrap_or(0)
                 ),
-            });
+            ));
         }
         if rec.exchange == ExchangeKind::Run {
             return self.run_terminal(shared, key, rec, decider).await;
@@ -1198,15 +1205,15 @@ impl PartitionTurns {
         from: u64,
         mut visit: impl FnMut(&Normalized, &jetstream::message::Info<'_>, Option<&str>) -> bool,
     ) -> Result<(), TurnIoError> {
-        let kv_err = |detail: String| TurnIoError::Kv {
-            key: key.to_string(),
-            detail: format!("reading the exchange's raw events: {detail}"),
+        let kv_err = |source: Source| TurnIoError::Kv {
+            key: format!("{key} (reading the exchange's raw events)"),
+            source,
         };
         let stream = shared
             .js
             .get_stream(&shared.names.raw_stream)
             .await
-            .map_err(|e| kv_err(e.to_string()))?;
+            .map_err(|e| kv_err(Box::new(e)))?;
         let filter = format!(
             "{}.in.{}.{}.>",
             shared.names.prefix, self.partition, rec.key
@@ -1220,24 +1227,26 @@ impl PartitionTurns {
                 ..Default::default()
             })
             .await
-            .map_err(|e| kv_err(e.to_string()))?;
+            .map_err(|e| kv_err(Box::new(e)))?;
         let pending = consumer
             .info()
             .await
-            .map_err(|e| kv_err(e.to_string()))?
+            .map_err(|e| kv_err(Box::new(e)))?
             .num_pending;
         if pending == 0 {
             return Ok(());
         }
-        let mut messages = consumer
-            .messages()
-            .await
-            .map_err(|e| kv_err(e.to_string()))?;
+        let mut messages = consumer.messages().await.map_err(|e| kv_err(Box::new(e)))?;
         for _ in 0..pending {
             let msg = match tokio::time::timeout(Duration::from_secs(10), messages.next()).await {
                 Ok(Some(Ok(m))) => m,
-                Ok(Some(Err(e))) => return Err(kv_err(e.to_string())),
-                Ok(None) | Err(_) => return Err(kv_err("the raw stream stopped answering".into())),
+                Ok(Some(Err(e))) => return Err(kv_err(Box::new(e))),
+                Ok(None) | Err(_) => {
+                    return Err(kv_err(Box::new(NoAnswer::new(
+                        "the raw stream",
+                        Duration::from_secs(10),
+                    ))))
+                }
             };
             let Ok(info) = msg.info() else { continue };
             let raw = RawMessage {
@@ -1290,9 +1299,9 @@ impl PartitionTurns {
         let stored = age + DUPLICATE_WINDOW_MARGIN >= window
             && response_stored(shared, out, written_at)
                 .await
-                .map_err(|detail| TurnIoError::Kv {
+                .map_err(|source| TurnIoError::Kv {
                     key: key.to_string(),
-                    detail,
+                    source,
                 })?;
         if !stored {
             for out in &outs {
@@ -1365,7 +1374,7 @@ impl DecisionWriter {
                 let sent = match expected {
                     Ok(rev) => send_cas(&kv_js, w.subject, &w.rec, rev)
                         .await
-                        .map_err(WriteError::Failed),
+                        .map_err(|e| WriteError::Failed(e.into())),
                     Err(e) => Err(e),
                 };
                 let _ = w.sent.send(sent);
@@ -1384,12 +1393,13 @@ impl DecisionWriter {
             sent,
         });
         async move {
-            let stopped = || WriteError::Failed("the partition's writer stopped".into());
+            let stopped =
+                || WriteError::Failed(Arc::from(Source::from("the partition's writer stopped")));
             queued.map_err(|_| stopped())?;
             let ack = ack.await.map_err(|_| stopped())??;
             ack.await
                 .map(|a| a.sequence)
-                .map_err(|e| WriteError::of_publish(&e))
+                .map_err(WriteError::of_publish)
         }
         .boxed()
         .shared()
@@ -1403,8 +1413,8 @@ async fn send_cas(
     subject: String,
     rec: &TurnRecord,
     expected: u64,
-) -> Result<jetstream::context::PublishAckFuture, String> {
-    let value = Bytes::from(serde_json::to_vec(rec).map_err(|e| e.to_string())?);
+) -> Result<jetstream::context::PublishAckFuture, Source> {
+    let value = Bytes::from(serde_json::to_vec(rec)?);
     let mut headers = async_nats::HeaderMap::new();
     headers.insert(
         async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
@@ -1413,10 +1423,7 @@ async fn send_cas(
     let publish = jetstream::message::PublishMessage::build()
         .payload(value)
         .headers(headers);
-    kv_js
-        .send_publish(subject, publish)
-        .await
-        .map_err(|e| e.to_string())
+    Ok(kv_js.send_publish(subject, publish).await?)
 }
 
 /// The revision a write of this owner resulted in, waiting for its ack if need be.
@@ -1442,13 +1449,9 @@ async fn response_stored(
     shared: &WorkerContext,
     out: &Outgoing,
     since: chrono::DateTime<chrono::Utc>,
-) -> Result<bool, String> {
+) -> Result<bool, Source> {
     let start_time = since - chrono::Duration::seconds(5);
-    let stream = shared
-        .js
-        .get_stream(&shared.names.proj_stream)
-        .await
-        .map_err(|e| e.to_string())?;
+    let stream = shared.js.get_stream(&shared.names.proj_stream).await?;
     let mut consumer = stream
         .create_consumer(jetstream::consumer::pull::OrderedConfig {
             filter_subject: out.subject.clone(),
@@ -1456,22 +1459,19 @@ async fn response_stored(
             headers_only: true,
             ..Default::default()
         })
-        .await
-        .map_err(|e| e.to_string())?;
-    let pending = consumer
-        .info()
-        .await
-        .map_err(|e| e.to_string())?
-        .num_pending;
+        .await?;
+    let pending = consumer.info().await?.num_pending;
     if pending == 0 {
         return Ok(false);
     }
-    let mut messages = consumer.messages().await.map_err(|e| e.to_string())?;
+    let mut messages = consumer.messages().await?;
     for _ in 0..pending {
         let msg = match tokio::time::timeout(Duration::from_secs(10), messages.next()).await {
             Ok(Some(Ok(m))) => m,
-            Ok(Some(Err(e))) => return Err(e.to_string()),
-            Ok(None) | Err(_) => return Err("the projection stream stopped answering".into()),
+            Ok(Some(Err(e))) => return Err(e.into()),
+            Ok(None) | Err(_) => {
+                return Err(NoAnswer::new("the projection stream", Duration::from_secs(10)).into())
+            }
         };
         let id = msg
             .headers

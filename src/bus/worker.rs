@@ -16,8 +16,10 @@
 //! [`super::sessions::run_fold`], off this path.
 
 use super::acker::{ack_stage, Acks, Processed, Stage};
-use super::publish::{Failure, Fence};
-use super::publisher::{Halt, Publisher};
+use super::error::Source;
+pub use super::error::WorkerError;
+use super::publish::Fence;
+use super::publisher::Publisher;
 pub(crate) use super::pull::PULL_EXPIRES;
 use super::reader::Partition;
 use super::stats::sample_lag;
@@ -35,24 +37,6 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
-
-#[derive(Debug, thiserror::Error)]
-pub enum WorkerError {
-    #[error("partition {partition}: {detail}")]
-    Setup { partition: u16, detail: String },
-    /// The partition skipped messages it had been delivered (a lapsed lease, a broken batch):
-    /// run it again, which first takes over what is in flight, in order.
-    #[error("partition {partition} interrupted: {why}")]
-    Interrupted { partition: u16, why: &'static str },
-    /// An output could not be stored and waiting will not change that: the partition stops
-    /// (and is restarted, with backoff, until an operator fixes the cause).
-    #[error("partition {partition} stopped: {source}")]
-    Publish {
-        partition: u16,
-        #[source]
-        source: Failure,
-    },
-}
 
 /// A single-threaded runtime on a thread of its own, stopped when dropped: for work that must
 /// neither hold the partitions' threads nor wait for them.
@@ -82,15 +66,15 @@ impl ThreadRuntime {
         settings: &Settings,
         name: &'static str,
     ) -> Result<jetstream::Context, super::ConnectError> {
-        let failed = |detail: String| super::ConnectError::Connect {
-            url: settings.nats.url.clone(),
-            detail,
+        let failed = |source: Source| super::ConnectError::Connect {
+            url: super::display_url(&settings.nats.url),
+            source,
         };
         let settings = settings.clone();
         self.handle
             .spawn(async move { super::connect_as(&settings, name).await.map(|(_, js)| js) })
             .await
-            .map_err(|e| failed(format!("connection thread: {e}")))?
+            .map_err(|e| failed(Box::new(e)))?
     }
 }
 
@@ -144,10 +128,9 @@ impl WorkerContext {
         settings: Settings,
     ) -> Result<Arc<WorkerContext>, WorkerError> {
         let names = settings.names();
-        let ingest = settings.ingest().map_err(|e| WorkerError::Setup {
-            partition: 0,
-            detail: e.to_string(),
-        })?;
+        let ingest = settings
+            .ingest()
+            .map_err(|e| WorkerError::setup(0, "settings", e))?;
         // No publish-ack permit limit that matters for turn-record writes: the acker is the one
         // that awaits (and so releases) them, while a decision it awaits may itself be waiting
         // in its partition's queue for a permit. The partitions' channels and groups bound
@@ -159,23 +142,20 @@ impl WorkerContext {
         let checkpoint_js = jetstream::ContextBuilder::new()
             .timeout(Duration::from_secs(5))
             .build(js.client());
-        let setup = |detail: String| WorkerError::Setup {
-            partition: 0,
-            detail,
-        };
+        let setup = |what: &str, source: Source| WorkerError::setup(0, what, source);
         let thread = |name: &str| {
-            ThreadRuntime::start(name).map_err(|e| setup(format!("thread {name}: {e}")))
+            ThreadRuntime::start(name).map_err(|e| setup(&format!("thread {name}"), e.into()))
         };
         let sessions_rt = thread("collab-sessions")?;
         let sessions_js = sessions_rt
             .connect(&settings, "collab-projector-sessions")
             .await
-            .map_err(|e| setup(e.to_string()))?;
+            .map_err(|e| setup("the work-session connection", e.into()))?;
         let leases_rt = thread("collab-leases")?;
         let leases_js = leases_rt
             .connect(&settings, "collab-projector-leases")
             .await
-            .map_err(|e| setup(e.to_string()))?;
+            .map_err(|e| setup("the lease connection", e.into()))?;
         let (writer_js, writer_names) = (sessions_js.clone(), names.clone());
         let sessions = sessions_rt
             .handle
@@ -183,8 +163,8 @@ impl WorkerContext {
                 async move { super::sessions::SessionWriter::new(&writer_js, &writer_names).await },
             )
             .await
-            .map_err(|e| setup(format!("work-session thread: {e}")))?
-            .map_err(|e| setup(e.to_string()))?;
+            .map_err(|e| setup("the work-session thread", e.into()))?
+            .map_err(|e| setup("the work-session writer", e.into()))?;
         let state = Arc::new(WorkerState::default());
         let publisher = Publisher::new(js.clone(), names.clone(), state.clone(), &settings).await;
         Ok(Arc::new(WorkerContext {
@@ -234,15 +214,12 @@ pub async fn run_partition(
     cancel: CancellationToken,
     lease_valid_until: Arc<AtomicI64>,
 ) -> Result<(), WorkerError> {
-    let setup = |detail: String| WorkerError::Setup {
-        partition: p,
-        detail,
-    };
+    let setup = |what: &str, source: Source| WorkerError::setup(p, what, source);
     let stream = shared
         .js
         .get_stream(&shared.names.raw_stream)
         .await
-        .map_err(|e| setup(format!("stream {}: {e}", shared.names.raw_stream)))?;
+        .map_err(|e| setup(&format!("stream {}", shared.names.raw_stream), e.into()))?;
     while lease_lapsed(&lease_valid_until) && !cancel.is_cancelled() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -250,18 +227,14 @@ pub async fn run_partition(
     // previous owner's outputs, however late they arrive, are refused by the server.
     let fence = Fence::claim(&shared.js, &shared.names, p, owner)
         .await
-        .map_err(|e| setup(format!("claiming the partition's fence: {e}")))?;
+        .map_err(|e| setup("claiming the partition's fence", e.into()))?;
     let mut turns = PartitionTurns::new(&shared, p, fence.clone())
         .await
-        .map_err(|e| setup(e.to_string()))?;
+        .map_err(|e| setup("opening the turn state", e.into()))?;
     let (loaded, checkpoint) = match turns.reload(&shared, &cancel).await {
         Ok(r) => r,
-        Err(TurnIoError::Publish(source)) => {
-            return Err(Halt::Failed(source)
-                .into_error(p)
-                .unwrap_or_else(|| setup("reload".into())))
-        }
-        Err(e) => return Err(setup(e.to_string())),
+        Err(TurnIoError::Publish(source)) => return Err(WorkerError::of_failure(p, source)),
+        Err(e) => return Err(setup("reloading the turn state", e.into())),
     };
     let (mut consumer, recreated) =
         open_consumer(&shared, &stream, p, checkpoint.resume_after()).await?;
@@ -381,10 +354,7 @@ async fn open_consumer(
 ) -> Result<(PullConsumer, bool), WorkerError> {
     use jetstream::context::ConsumerInfoErrorKind;
     let name = shared.names.consumer_name(p);
-    let setup = |detail: String| WorkerError::Setup {
-        partition: p,
-        detail,
-    };
+    let setup = |what: String, source: Source| WorkerError::setup(p, what, source);
     match stream.consumer_info(&name).await {
         Ok(info) => {
             // Recreated by provisioning from the checkpoint and not read from yet: its first
@@ -398,7 +368,7 @@ async fn open_consumer(
                 .get_consumer(&name)
                 .await
                 .map(|c| (c, resumed))
-                .map_err(|e| setup(format!("consumer {name}: {e}")))
+                .map_err(|e| setup(format!("consumer {name}"), e.into()))
         }
         Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => {
             let config =
@@ -414,9 +384,9 @@ async fn open_consumer(
                 .create_consumer(config)
                 .await
                 .map(|c| (c, true))
-                .map_err(|e| setup(format!("recreating consumer {name}: {e}")))
+                .map_err(|e| setup(format!("recreating consumer {name}"), e.into()))
         }
-        Err(e) => Err(setup(format!("consumer {name}: {e}"))),
+        Err(e) => Err(setup(format!("consumer {name}"), e.into())),
     }
 }
 
