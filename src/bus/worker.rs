@@ -368,7 +368,7 @@ async fn open_consumer(
                 .get_consumer(&name)
                 .await
                 .map(|c| (c, resumed))
-                .map_err(|e| setup(format!("consumer {name}"), e.into()))
+                .map_err(|e| setup(format!("consumer {name}"), e))
         }
         Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => {
             let config =
