@@ -143,7 +143,8 @@ pub async fn start(
         let shared = worker::WorkerContext::new(js.clone(), settings.clone()).await?;
         let names = settings.names();
         let store = shared
-            .leases_js
+            .leases_side
+            .js
             .get_key_value(&names.leases_bucket)
             .await
             .map_err(|e| {
@@ -153,7 +154,7 @@ pub async fn start(
         info!(worker = %id, partitions, "worker started; taking its share of the partitions");
         tracker.spawn_on(
             leases::run(shared.clone(), store, id, cancel.clone()),
-            &shared.leases_rt.handle,
+            &shared.leases_side.rt.handle,
         );
         Some(shared)
     } else {

@@ -150,7 +150,7 @@ pub fn offload(
 
 /// The dead letter `too_large` that replaces an output too large to publish even once its
 /// payload is offloaded (an envelope whose ids or references alone are that large): it names the
-/// input's raw sequence; [`crate::bus::publish::fit_dead_letter`] bounds its body.
+/// input's raw sequence; the publisher bounds its body to fit.
 pub fn too_large(names: &Names, out: &Outgoing, max_bytes: usize) -> Outgoing {
     let header = |name: &str| {
         out.headers

@@ -4,13 +4,13 @@
 //! only then acknowledges: never past an input whose outputs are not all stored, nor past one
 //! held by a turn whose open record is deferred.
 
+use super::error::WorkerError;
 use super::publish::{self, Failure, Fence};
-use super::publisher::{Halt, Publisher, Publishes};
+use super::publisher::{Halt, Publisher};
 use super::turns::{
     Checkpoint, Effects, Hold, KvWrite, Mark, TurnIoError, WriteError, CHECKPOINT_EVERY,
 };
-use super::worker::WorkerError;
-use crate::pipeline::OutKind;
+use crate::pipeline::{OutKind, Outgoing};
 use crate::telemetry;
 use async_nats::jetstream;
 use futures::FutureExt;
@@ -352,4 +352,51 @@ pub(crate) async fn acknowledge(p: u16, acks: Acks, ready: Vec<jetstream::Messag
             debug!(partition = p, error = %e, "ack failed; the message will be redelivered (its outputs collapse by Msg-Id)");
         }
     }
+}
+
+/// An input's outputs as issued, each with the future of its publish ack (`None`: already
+/// acknowledged, by a retry in place).
+pub(crate) type Publishes = Vec<(Outgoing, Option<jetstream::context::PublishAckFuture>)>;
+
+/// Issue the publishes of `outs` in order, pipelined. A publish that cannot be sent is retried
+/// before anything later is sent, so per-key order holds. `None` if cancelled meanwhile (or the
+/// acker is gone).
+///
+/// Every `WorkerContext::hand_over` publishes, the ones issued so far go to the acker ahead of
+/// the rest (as a group of their own, acknowledging nothing): a publish waits for one of the
+/// context's publish-ack permits, which only the ackers release, so a reader must never wait for
+/// one while holding more than its share of them. One input can have hundreds of outputs (the
+/// blocked responses of every deadline a late message passes); without the hand-over, a few
+/// partitions doing that at once would hold every permit and wait for each other forever.
+pub(crate) async fn issue_publishes(
+    publisher: &Publisher,
+    fence: &Fence,
+    outs: Vec<Outgoing>,
+    inputs: &[&jetstream::Message],
+    acker: &mpsc::Sender<Processed>,
+    cancel: &CancellationToken,
+) -> Result<Publishes, Halt> {
+    let hand_over = publisher.hand_over();
+    let mut pending = Vec::with_capacity(outs.len().min(hand_over));
+    for out in outs {
+        if pending.len() >= hand_over {
+            let ahead = Processed::new(None, std::mem::take(&mut pending), Effects::default());
+            acker.send(ahead).await.map_err(|_| Halt::Cancelled)?;
+        }
+        let out = publisher.fit(out);
+        publisher.state.count_output(&out);
+        let fut = match publisher.send(&publisher.js, &out, fence).await {
+            Ok(f) => Some(f),
+            Err(f @ Failure::Transient { .. }) => {
+                warn!(error = %f, "publish failed; retrying in place");
+                publisher
+                    .publish_in_place(&out, fence, inputs, cancel)
+                    .await?;
+                None
+            }
+            Err(f) => return Err(Halt::Failed(publisher.count_failure(f))),
+        };
+        pending.push((out, fut));
+    }
+    Ok(pending)
 }

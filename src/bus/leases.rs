@@ -26,7 +26,8 @@
 //! gap in the new owner's delivery sequence (which then starts over from the acknowledgement
 //! floor), and its lease renewals and turn-record writes fail their compare-and-set.
 
-use super::worker::{self, WorkerContext};
+use super::context::WorkerContext;
+use super::worker;
 use async_nats::jetstream::kv;
 use futures::StreamExt;
 use std::collections::BTreeMap;
@@ -104,13 +105,17 @@ fn spawn_partition(
         async move {
             // The owner of partition 0 also folds the projections into the work sessions.
             let fold = (p == 0).then(|| {
-                shared.sessions_rt.handle.spawn(super::sessions::run_fold(
-                    shared.sessions.clone(),
-                    shared.sessions_js.clone(),
-                    shared.names.proj_stream.clone(),
-                    cancel.clone(),
-                    valid_until.clone(),
-                ))
+                shared
+                    .sessions_side
+                    .rt
+                    .handle
+                    .spawn(super::sessions::run_fold(
+                        shared.sessions.clone(),
+                        shared.sessions_side.js.clone(),
+                        shared.names.proj_stream.clone(),
+                        cancel.clone(),
+                        valid_until.clone(),
+                    ))
             });
             let mut retry = super::Retry::new(Duration::from_millis(200), Duration::from_secs(5));
             while !cancel.is_cancelled() {
@@ -290,7 +295,7 @@ pub async fn run(
     let skew_ms = i64::try_from(shared.settings.turns.clock_skew.as_millis()).unwrap_or(0);
     let pull_ms = i64::try_from(worker::PULL_EXPIRES.as_millis()).unwrap_or(i64::MAX);
     let quiet_ms = validity_ms + pull_ms + 2 * skew_ms + 100;
-    let client = shared.leases_js.client();
+    let client = shared.leases_side.js.client();
     let prefix = shared.names.prefix.clone();
     let presence_stop = CancellationToken::new();
     let presence = answer_presence(

@@ -1,6 +1,7 @@
 //! Everything that talks to NATS: connecting, provisioning, the partition workers.
 
 pub(crate) mod acker;
+pub mod context;
 pub mod error;
 pub mod leases;
 pub mod provision;
@@ -8,6 +9,7 @@ pub mod publish;
 pub mod publisher;
 pub(crate) mod pull;
 pub(crate) mod reader;
+pub mod runtime;
 pub mod sessions;
 pub mod stats;
 pub mod turns;
@@ -432,4 +434,11 @@ pub(crate) mod denied {
             super::record("some other error");
         }
     }
+}
+
+/// Whether a lease known to hold until `valid_until` (ms since the epoch, 0 = no lease) has
+/// lapsed: past it, the holder takes no more work on what the lease covers.
+pub(crate) fn lease_lapsed(valid_until: &std::sync::atomic::AtomicI64) -> bool {
+    let v = valid_until.load(std::sync::atomic::Ordering::Relaxed);
+    v > 0 && now_ms() > v
 }

@@ -6,14 +6,16 @@
 //! previous one in the consumer's sequence (a gap starts it over), and an input delivered before
 //! publishes only what is not stored yet.
 
+use super::acker::issue_publishes;
 use super::acker::{is_barrier, Processed};
+use super::context::WorkerContext;
 use super::error::{Source, WorkerError};
+use super::lease_lapsed;
 use super::publish::Fence;
-use super::publisher::{issue_publishes, Halt, ENVELOPE_HEADROOM};
+use super::publisher::{Halt, ENVELOPE_HEADROOM};
 use super::pull::PullBatch;
 use super::stats::Outcome;
 use super::turns::{Effects, Flush, PartitionTurns, TurnIoError};
-use super::worker::{lease_lapsed, WorkerContext};
 use crate::pipeline::{self, RawMessage};
 use crate::telemetry;
 use crate::turns::book::Watermark;
@@ -218,7 +220,7 @@ impl Partition<'_> {
     pub(crate) async fn flush(&mut self, what: Flush) -> Result<(), WorkerError> {
         let mut fx = Effects::default();
         self.turns
-            .flush(self.shared, what, &mut fx)
+            .flush(what, &mut fx)
             .await
             .map_err(|e| self.turn_error(e))?;
         self.issue_unprompted(fx).await
@@ -293,7 +295,7 @@ impl Partition<'_> {
         &self,
         outs: Vec<crate::pipeline::Outgoing>,
         inputs: &[&jetstream::Message],
-    ) -> Result<super::publisher::Publishes, Halt> {
+    ) -> Result<super::acker::Publishes, Halt> {
         issue_publishes(
             &self.shared.publisher,
             &self.fence,
@@ -489,7 +491,7 @@ impl Partition<'_> {
         }
         let mut fx = Effects::default();
         self.turns
-            .before_input(self.shared, &mut fx)
+            .before_input(&mut fx)
             .await
             .map_err(|e| self.turn_error(e))?;
         // Every message stored before this one has been processed: deadlines before its store

@@ -578,7 +578,7 @@ async fn fold(
             }
         }
         // A worker that may have lost partition 0 without noticing yet writes nothing.
-        while super::worker::lease_lapsed(lease_valid_until) {
+        while super::lease_lapsed(lease_valid_until) {
             tokio::select! {
                 _ = cancel.cancelled() => return Ok(()),
                 _ = tokio::time::sleep(Duration::from_millis(100)) => {}

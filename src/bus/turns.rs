@@ -12,8 +12,8 @@
 //! keeps its open turns, the turns it decided lately, and the hashes of all its record keys, so a
 //! message needs no KV read unless it names an old turn.
 
+use super::context::WorkerContext;
 use super::error::{NoAnswer, Source};
-use super::worker::WorkerContext;
 use crate::ingest::Normalized;
 use crate::model::Role;
 use crate::pipeline::{self, OutKind, Outgoing, RawMessage};
@@ -354,6 +354,10 @@ impl Effects {
     }
 }
 
+/// The publish-ack permits of a partition's turn-record context: far above what the partition
+/// can have in flight (its channel and acker groups bound it), so a write never waits for one.
+const KV_WRITES_IN_FLIGHT: usize = 1 << 20;
+
 /// Decided turns kept in memory per partition, for the events that follow a decision (a
 /// complete, a duplicate, a late reply).
 const RECENT_DECIDED: usize = 512;
@@ -366,8 +370,10 @@ pub const KEPT_OPEN_RECORDS: usize = 64;
 pub struct PartitionTurns {
     pub partition: u16,
     store: kv::Store,
-    /// The same bucket over `WorkerContext::checkpoint_js`, for the published checkpoint.
+    /// The same bucket over a context of its own, for the published checkpoint.
     checkpoint_store: kv::Store,
+    /// The context record writes are sent on (compare-and-set publishes to the bucket).
+    kv_js: jetstream::Context,
     put_prefix: String,
     cfg: TurnConfig,
     open: OpenTurns<Rev>,
@@ -387,7 +393,7 @@ pub struct PartitionTurns {
     writer: DecisionWriter,
     /// The worker's open turns over all its partitions, and this partition's share of it as last
     /// reported: the gauge is set from these, so a stopped partition takes its turns with it.
-    open_total: std::sync::Arc<super::worker::WorkerState>,
+    open_total: std::sync::Arc<super::stats::WorkerState>,
     reported_open: usize,
     /// Open turns whose record is not written yet, and the order they were deferred in (when,
     /// and after how many inputs of the partition).
@@ -425,8 +431,22 @@ impl PartitionTurns {
                     .map_err(|e| TurnIoError::kv(bucket, e))
             }
         };
-        let store = open(&shared.kv_js).await?;
-        let checkpoint_store = open(&shared.checkpoint_js).await?;
+        // Contexts of the partition's own. No publish-ack permit limit that matters for record
+        // writes: the acker is the one that awaits (and so releases) them, while a decision it
+        // awaits may itself be waiting in the partition's queue for a permit; the partition's
+        // channel and groups bound what is in flight instead. The checkpoint has a context of
+        // its own: the acker writes it while the record writes queued behind it hold the
+        // record context's permits, and only the acker releases those.
+        let client = shared.js.client();
+        let kv_js = jetstream::ContextBuilder::new()
+            .timeout(Duration::from_secs(5))
+            .max_ack_inflight(KV_WRITES_IN_FLIGHT)
+            .build(client.clone());
+        let checkpoint_js = jetstream::ContextBuilder::new()
+            .timeout(Duration::from_secs(5))
+            .build(client);
+        let store = open(&kv_js).await?;
+        let checkpoint_store = open(&checkpoint_js).await?;
         let put_prefix = store.put_prefix.clone().unwrap_or(store.prefix.clone());
         Ok(PartitionTurns {
             partition,
@@ -445,7 +465,8 @@ impl PartitionTurns {
             published_through: Default::default(),
             verified_through: 0,
             term: rand::random(),
-            writer: DecisionWriter::start(shared.kv_js.clone()),
+            writer: DecisionWriter::start(kv_js.clone()),
+            kv_js,
             open_total: shared.state.clone(),
             reported_open: 0,
             deferred: HashMap::new(),
@@ -700,7 +721,6 @@ impl PartitionTurns {
     /// follow one of this owner's writes still in flight, are queued on the [`DecisionWriter`].
     async fn send_write(
         &mut self,
-        shared: &WorkerContext,
         key: &str,
         rec: &TurnRecord,
         after: Option<Rev>,
@@ -725,7 +745,7 @@ impl PartitionTurns {
             (Some(Rev::Known(rev)), false) => *rev,
             _ => return Ok(self.writer.write(subject, rec.clone(), after)),
         };
-        let ack = send_cas(&shared.kv_js, subject, rec, expected)
+        let ack = send_cas(&self.kv_js, subject, rec, expected)
             .await
             .map_err(|source| TurnIoError::Kv {
                 key: key.to_string(),
@@ -745,12 +765,11 @@ impl PartitionTurns {
     /// written by it, so the hold of the input that opened the turn resolves with it.
     async fn write_record(
         &mut self,
-        shared: &WorkerContext,
         key: &str,
         rec: &TurnRecord,
         after: Option<Rev>,
     ) -> Result<KvWrite, TurnIoError> {
-        let write = self.send_write(shared, key, rec, after).await?;
+        let write = self.send_write(key, rec, after).await?;
         if let Some(d) = self.deferred.remove(key) {
             // The receiver is gone only if the acker stopped: nothing left to hold then.
             let _ = d.hold.send(write.clone());
@@ -781,13 +800,9 @@ impl PartitionTurns {
     }
 
     /// Count one input of the partition, then write the deferred open records that are due.
-    pub async fn before_input(
-        &mut self,
-        shared: &WorkerContext,
-        fx: &mut Effects,
-    ) -> Result<(), TurnIoError> {
+    pub async fn before_input(&mut self, fx: &mut Effects) -> Result<(), TurnIoError> {
         self.inputs += 1;
-        self.flush(shared, Flush::Due, fx).await
+        self.flush(Flush::Due, fx).await
     }
 
     /// When the oldest deferred open record is due by age.
@@ -797,12 +812,7 @@ impl PartitionTurns {
 
     /// Write deferred open records (the ones due, or all), into `fx`: the acker awaits them
     /// with the input in hand, and the holds of the inputs that opened them resolve with them.
-    pub async fn flush(
-        &mut self,
-        shared: &WorkerContext,
-        what: Flush,
-        fx: &mut Effects,
-    ) -> Result<(), TurnIoError> {
+    pub async fn flush(&mut self, what: Flush, fx: &mut Effects) -> Result<(), TurnIoError> {
         let now = tokio::time::Instant::now();
         while let Some((at, after_inputs, _)) = self.deferred_order.front() {
             if what == Flush::Due && *at > now && *after_inputs > self.inputs {
@@ -815,7 +825,7 @@ impl PartitionTurns {
             let Some(record) = self.deferred.get(&key).map(|d| d.record.clone()) else {
                 continue;
             };
-            let write = self.write_record(shared, &key, &record, None).await?;
+            let write = self.write_record(&key, &record, None).await?;
             self.open.set_rev(&key, Rev::Pending(write.clone()));
             fx.writes.push(write);
         }
@@ -881,7 +891,7 @@ impl PartitionTurns {
                     Expect::Absent => None,
                     Expect::Revision(_) => current.as_ref().map(|(_, rev)| rev.clone()),
                 };
-                let w = self.write_record(shared, &key, rec, prior).await?;
+                let w = self.write_record(&key, rec, prior).await?;
                 fx.writes.push(w.clone());
                 self.remember(&key, rec, Rev::Pending(w.clone()));
                 Some((rec.clone(), Rev::Pending(w)))
@@ -952,7 +962,7 @@ impl PartitionTurns {
                 Expect::Absent => None,
                 Expect::Revision(v) => Some(Rev::Known(v)),
             };
-            let w = self.write_record(shared, &key, &new, prior).await?;
+            let w = self.write_record(&key, &new, prior).await?;
             fx.writes.push(w.clone());
             self.remember(&key, &new, Rev::Pending(w.clone()));
             self.issue_response(shared, &key, &new, Rev::Pending(w), None, fx)

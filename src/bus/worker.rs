@@ -16,17 +16,18 @@
 //! [`super::sessions::run_fold`], off this path.
 
 use super::acker::{ack_stage, Acks, Processed, Stage};
+pub use super::context::WorkerContext;
 use super::error::Source;
 pub use super::error::WorkerError;
+pub(crate) use super::lease_lapsed;
 use super::publish::Fence;
-use super::publisher::Publisher;
 pub(crate) use super::pull::PULL_EXPIRES;
 use super::reader::Partition;
+pub use super::runtime::ThreadRuntime;
 use super::stats::sample_lag;
 pub use super::stats::{PartitionLag, WorkerState, LAG_SAMPLE_EVERY};
 use super::turns::{Flush, PartitionTurns, TurnIoError};
-use crate::config::{Names, Settings};
-use crate::ingest;
+
 use crate::telemetry;
 use crate::turns::book::Watermark;
 use async_nats::jetstream;
@@ -37,168 +38,6 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
-
-/// A single-threaded runtime on a thread of its own, stopped when dropped: for work that must
-/// neither hold the partitions' threads nor wait for them.
-pub struct ThreadRuntime {
-    pub handle: tokio::runtime::Handle,
-    stop: CancellationToken,
-}
-
-impl ThreadRuntime {
-    pub fn start(name: &str) -> std::io::Result<ThreadRuntime> {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()?;
-        let handle = rt.handle().clone();
-        let stop = CancellationToken::new();
-        let stopped = stop.clone();
-        std::thread::Builder::new()
-            .name(name.into())
-            .spawn(move || rt.block_on(stopped.cancelled()))?;
-        Ok(ThreadRuntime { handle, stop })
-    }
-
-    /// A NATS connection of its own whose I/O runs on this thread, so a busy partition runtime
-    /// never delays what this thread sends or receives.
-    pub async fn connect(
-        &self,
-        settings: &Settings,
-        name: &'static str,
-    ) -> Result<jetstream::Context, super::ConnectError> {
-        let failed = |source: Source| super::ConnectError::Connect {
-            url: super::display_url(&settings.nats.url),
-            source,
-        };
-        let settings = settings.clone();
-        self.handle
-            .spawn(async move { super::connect_as(&settings, name).await.map(|(_, js)| js) })
-            .await
-            .map_err(|e| failed(Box::new(e)))?
-    }
-}
-
-impl Drop for ThreadRuntime {
-    fn drop(&mut self) {
-        self.stop.cancel();
-    }
-}
-
-/// The publish-ack permits of the turn-record context: far above what the partitions can have
-/// in flight (their channels and acker groups bound it), so a write never waits for one.
-const KV_WRITES_IN_FLIGHT: usize = 1 << 20;
-
-/// Everything the partition tasks share.
-pub struct WorkerContext {
-    pub js: jetstream::Context,
-    /// A context of its own for KV reads and writes: they must never wait for a publish-ack
-    /// permit held by a projection queued behind them (that would deadlock the partitions).
-    pub kv_js: jetstream::Context,
-    /// A context of its own for the partitions' published checkpoints: the acker writes one
-    /// while the turn-record writes queued behind it hold `kv_js`'s publish-ack permits, and
-    /// only the acker releases those (waiting there for a permit would stop every partition).
-    pub checkpoint_js: jetstream::Context,
-    /// Every output of the partitions goes through it.
-    pub publisher: Arc<Publisher>,
-    pub settings: Settings,
-    pub names: Names,
-    pub ingest: ingest::Settings,
-    pub state: Arc<WorkerState>,
-    pub sessions: Arc<super::sessions::SessionWriter>,
-    /// The thread that runs the work-session fold and its committer, and JetStream over its own
-    /// connection: the fold's bursts of parsing and serialising never hold a thread the
-    /// partitions run on, and its large session writes never queue in front of their publishes.
-    pub sessions_rt: ThreadRuntime,
-    pub sessions_js: jetstream::Context,
-    /// The thread that renews the leases, and JetStream over its own connection: neither busy
-    /// partitions (a large reload, a burst of publishes) nor their queued writes delay a renewal.
-    pub leases_rt: ThreadRuntime,
-    pub leases_js: jetstream::Context,
-    /// The runtime the partitions run on (the lease loop spawns them here).
-    pub partitions_rt: tokio::runtime::Handle,
-    /// How often each partition's replay started at the same sequence in a row (partition ->
-    /// (sequence, attempts)): the replay path's delivery count, so `max_deliver` holds there
-    /// too.
-    replay_attempts: std::sync::Mutex<std::collections::HashMap<u16, (u64, i64)>>,
-}
-
-impl WorkerContext {
-    pub async fn new(
-        js: jetstream::Context,
-        settings: Settings,
-    ) -> Result<Arc<WorkerContext>, WorkerError> {
-        let names = settings.names();
-        let ingest = settings
-            .ingest()
-            .map_err(|e| WorkerError::setup(0, "settings", e))?;
-        // No publish-ack permit limit that matters for turn-record writes: the acker is the one
-        // that awaits (and so releases) them, while a decision it awaits may itself be waiting
-        // in its partition's queue for a permit. The partitions' channels and groups bound
-        // what is in flight instead.
-        let kv_js = jetstream::ContextBuilder::new()
-            .timeout(Duration::from_secs(5))
-            .max_ack_inflight(KV_WRITES_IN_FLIGHT)
-            .build(js.client());
-        let checkpoint_js = jetstream::ContextBuilder::new()
-            .timeout(Duration::from_secs(5))
-            .build(js.client());
-        let setup = |what: &str, source: Source| WorkerError::setup(0, what, source);
-        let thread = |name: &str| {
-            ThreadRuntime::start(name).map_err(|e| setup(&format!("thread {name}"), e.into()))
-        };
-        let sessions_rt = thread("collab-sessions")?;
-        let sessions_js = sessions_rt
-            .connect(&settings, "collab-projector-sessions")
-            .await
-            .map_err(|e| setup("the work-session connection", e.into()))?;
-        let leases_rt = thread("collab-leases")?;
-        let leases_js = leases_rt
-            .connect(&settings, "collab-projector-leases")
-            .await
-            .map_err(|e| setup("the lease connection", e.into()))?;
-        let (writer_js, writer_names) = (sessions_js.clone(), names.clone());
-        let sessions = sessions_rt
-            .handle
-            .spawn(
-                async move { super::sessions::SessionWriter::new(&writer_js, &writer_names).await },
-            )
-            .await
-            .map_err(|e| setup("the work-session thread", e.into()))?
-            .map_err(|e| setup("the work-session writer", e.into()))?;
-        let state = Arc::new(WorkerState::default());
-        let publisher = Publisher::new(js.clone(), names.clone(), state.clone(), &settings).await;
-        Ok(Arc::new(WorkerContext {
-            publisher: Arc::new(publisher),
-            replay_attempts: std::sync::Mutex::new(std::collections::HashMap::new()),
-            sessions: Arc::new(sessions),
-            sessions_rt,
-            sessions_js,
-            leases_rt,
-            leases_js,
-            partitions_rt: tokio::runtime::Handle::current(),
-            kv_js,
-            checkpoint_js,
-            js,
-            names,
-            ingest,
-            state,
-            settings,
-        }))
-    }
-
-    /// Count one more start of partition `p`'s replay at `from` (1 for the first in a row).
-    pub(crate) fn replay_attempt(&self, p: u16, from: u64) -> i64 {
-        let Ok(mut attempts) = self.replay_attempts.lock() else {
-            return 1;
-        };
-        let entry = attempts.entry(p).or_insert((from, 0));
-        if entry.0 != from {
-            *entry = (from, 0);
-        }
-        entry.1 += 1;
-        entry.1
-    }
-}
 
 /// Run one partition until `cancel`: finish the batch in hand, acknowledge what was published,
 /// and return.
@@ -388,9 +227,4 @@ async fn open_consumer(
         }
         Err(e) => Err(setup(format!("consumer {name}"), e.into())),
     }
-}
-
-pub(crate) fn lease_lapsed(valid_until: &AtomicI64) -> bool {
-    let v = valid_until.load(Ordering::Relaxed);
-    v > 0 && super::now_ms() > v
 }

@@ -1,0 +1,94 @@
+//! What the partitions of one worker share: the partitions' JetStream context, the publisher
+//! (which owns the contexts outputs go through), the settings, the counters, and the two threads
+//! of their own (lease loop, work-session fold), each with its own connection. The turn state's
+//! contexts belong to each partition's turns.
+
+use super::error::WorkerError;
+use super::publisher::Publisher;
+use super::runtime::Side;
+use super::sessions::SessionWriter;
+use super::stats::WorkerState;
+use crate::config::{Names, Settings};
+use crate::ingest;
+use async_nats::jetstream;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+/// Everything the partition tasks share.
+pub struct WorkerContext {
+    /// The partitions' own requests: the raw stream, their consumers and pulls, fence claims,
+    /// look-ups of stored outputs.
+    pub js: jetstream::Context,
+    /// Every output of the partitions goes through it.
+    pub publisher: Arc<Publisher>,
+    pub settings: Settings,
+    pub names: Names,
+    pub ingest: ingest::Settings,
+    pub state: Arc<WorkerState>,
+    pub sessions: Arc<SessionWriter>,
+    /// The thread that runs the work-session fold and its committer: the fold's bursts of
+    /// parsing and serialising never hold a thread the partitions run on, and its large session
+    /// writes never queue in front of their publishes.
+    pub sessions_side: Side,
+    /// The thread that renews the leases: neither busy partitions (a large reload, a burst of
+    /// publishes) nor their queued writes delay a renewal.
+    pub leases_side: Side,
+    /// The runtime the partitions run on (the lease loop spawns them here).
+    pub partitions_rt: tokio::runtime::Handle,
+    /// How often each partition's replay started at the same sequence in a row (partition ->
+    /// (sequence, attempts)): the replay path's delivery count, so `max_deliver` holds there
+    /// too.
+    replay_attempts: Mutex<HashMap<u16, (u64, i64)>>,
+}
+
+impl WorkerContext {
+    pub async fn new(
+        js: jetstream::Context,
+        settings: Settings,
+    ) -> Result<Arc<WorkerContext>, WorkerError> {
+        let names = settings.names();
+        let ingest = settings
+            .ingest()
+            .map_err(|e| WorkerError::setup(0, "settings", e))?;
+        let sessions_side =
+            Side::start(&settings, "collab-sessions", "collab-projector-sessions").await?;
+        let leases_side =
+            Side::start(&settings, "collab-leases", "collab-projector-leases").await?;
+        let (writer_js, writer_names) = (sessions_side.js.clone(), names.clone());
+        let sessions = sessions_side
+            .rt
+            .handle
+            .spawn(async move { SessionWriter::new(&writer_js, &writer_names).await })
+            .await
+            .map_err(|e| WorkerError::setup(0, "the work-session thread", e))?
+            .map_err(|e| WorkerError::setup(0, "the work-session writer", e))?;
+        let state = Arc::new(WorkerState::default());
+        let publisher = Publisher::new(js.clone(), names.clone(), state.clone(), &settings).await;
+        Ok(Arc::new(WorkerContext {
+            publisher: Arc::new(publisher),
+            replay_attempts: Mutex::new(HashMap::new()),
+            sessions: Arc::new(sessions),
+            sessions_side,
+            leases_side,
+            partitions_rt: tokio::runtime::Handle::current(),
+            js,
+            names,
+            ingest,
+            state,
+            settings,
+        }))
+    }
+
+    /// Count one more start of partition `p`'s replay at `from` (1 for the first in a row).
+    pub(crate) fn replay_attempt(&self, p: u16, from: u64) -> i64 {
+        let Ok(mut attempts) = self.replay_attempts.lock() else {
+            return 1;
+        };
+        let entry = attempts.entry(p).or_insert((from, 0));
+        if entry.0 != from {
+            *entry = (from, 0);
+        }
+        entry.1 += 1;
+        entry.1
+    }
+}
