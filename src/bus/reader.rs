@@ -53,9 +53,15 @@ pub(crate) struct Partition<'a> {
     /// it got must not be covered by this partition's acknowledgements.
     pub(crate) next_delivery: u64,
     /// Inputs up to this raw sequence may have their outputs stored already (the consumer was
-    /// recreated from a checkpoint): each is looked up before it is published, until the first
-    /// that is not stored.
+    /// recreated from a checkpoint): each is looked up before it is published, until
+    /// `verify_window` inputs in a row had none of their outputs stored.
     pub(crate) verify_through: u64,
+    /// How many inputs in a row may miss their outputs before none later can have any: the
+    /// previous owner issued publishes in input order with at most this many unacknowledged, so
+    /// a publish that failed can only be followed by stored ones within that window.
+    pub(crate) verify_window: usize,
+    /// Inputs in a row, looked up under `verify_through`, that had no output stored.
+    pub(crate) verify_missed: usize,
     /// This owner's claim, which every output it publishes expects.
     pub(crate) fence: Fence,
     /// Streamed text held back per open message or tool call, so a secret split over deltas is
@@ -532,7 +538,7 @@ impl Partition<'_> {
         if !ack || delivered > 1 || seq <= self.verify_through {
             // Delivered before (to a previous owner, or to this partition before it started
             // over): what of it is stored already is not stored again.
-            let mut kept = Vec::with_capacity(outs.len());
+            let (mut kept, issued) = (Vec::with_capacity(outs.len()), outs.len());
             for out in outs {
                 if self
                     .shared
@@ -545,9 +551,16 @@ impl Partition<'_> {
                     kept.push(out);
                 }
             }
-            if !kept.is_empty() && ack && delivered <= 1 {
-                // Processed in order: nothing after the first input missing its outputs was.
-                self.verify_through = 0;
+            if ack && delivered <= 1 && seq <= self.verify_through && issued > 0 {
+                self.verify_missed = if kept.len() == issued {
+                    self.verify_missed + 1
+                } else {
+                    0
+                };
+                if self.verify_missed >= self.verify_window {
+                    // Past the previous owner's publish window: nothing later was stored.
+                    self.verify_through = 0;
+                }
             }
             outs = kept;
         }

@@ -1948,7 +1948,9 @@ async fn pause_takeover(p: &Profile, seed: u64) -> Report {
         bed.fleet.spawn(slot);
     }
     tokio::time::sleep(p.load / 3).await;
-    let cut_short = bed.fleet.log_count("replay incomplete; restarting the partition");
+    let cut_short = bed
+        .fleet
+        .log_count("replay incomplete; restarting the partition");
     bed.notes.push(format!(
         "frozen on a replay consumer's creation {frozen_on_advisory} of {} times; in-flight reads cut short and started over: {cut_short}",
         p.rounds

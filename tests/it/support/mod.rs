@@ -237,7 +237,6 @@ pub async fn wait_for_placement(url: &str, replicas: usize) {
     }
 }
 
-
 /// A comma-separated client URL naming every node, as a worker's `--nats-url` would.
 pub fn cluster_url(nodes: &[LocalNats]) -> String {
     nodes
@@ -294,7 +293,7 @@ impl Projector {
         // one, to show a scenario catches what it is about); provisioning stays this build's.
         let binary = std::env::var("CHAOS_WORKER_BIN")
             .unwrap_or_else(|_| env!("CARGO_BIN_EXE_collab-projector").to_string());
-        let child = Command::new(binary)
+        let child = Command::new(&binary)
             .args(args)
             .envs(envs.iter().copied())
             .stdin(Stdio::null())
