@@ -1922,6 +1922,12 @@ async fn pause_takeover(p: &Profile, seed: u64) -> Report {
     // The default lease TTL, so the freeze (5.5 s) ends before the new owner's lease lapses:
     // it resumes the partition where its in-flight read stopped short.
     let ttl = [("COLLAB_WORKERS__LEASE_TTL", "6s")];
+    // The default ack wait (30 s): a short one would redeliver the skipped inputs during the
+    // freeze and hide what a read that ends short leaves behind.
+    let p = &Profile {
+        ack_wait: Duration::from_secs(30),
+        ..p.clone()
+    };
     let mut bed = Bed::start_with("pause-takeover", p, false, 2, &ttl, false).await;
     let writer = bed.writer(seed, p.timeout_ms);
     let mut rng = fault_rng(seed);
