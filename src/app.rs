@@ -34,11 +34,25 @@ pub enum AppError {
     Worker(#[from] worker::WorkerError),
     #[error("HTTP: {0}")]
     Refused(String),
-    #[error("HTTP: cannot listen on {addr}: {source}")]
+    #[error("{}", listen_text(addr, source))]
     Listen {
         addr: String,
         source: std::io::Error,
     },
+    /// SIGTERM / Ctrl-C came while waiting for NATS: nothing was started.
+    #[error("stopped before NATS answered")]
+    Stopped,
+}
+
+/// A refused HTTP address, with the flag that changes it.
+fn listen_text(addr: &str, source: &std::io::Error) -> String {
+    if source.kind() == std::io::ErrorKind::AddrInUse {
+        format!(
+            "HTTP address {addr} is already in use (another collab-projector on this machine?): give this process its own with --http-addr (e.g. --http-addr 127.0.0.1:8081, or 127.0.0.1:0 for any free port), or start it with --no-http (an extra worker needs no HTTP)"
+        )
+    } else {
+        format!("HTTP: cannot listen on {addr} (--http-addr / http.addr): {source}")
+    }
 }
 
 /// What `run` hosts; each part can be switched off.
@@ -98,15 +112,30 @@ pub async fn shutdown_signal() {
 }
 
 /// Start everything and return at once; cancel `cancel` to stop, then [`Running::wait`].
+///
+/// While NATS does not answer, waits for it (a line every few attempts), until `cancel`
+/// ([`AppError::Stopped`]); refused credentials, TLS, an old server or a missing JetStream stop
+/// at once, as waiting would not change them.
 pub async fn start(
     settings: Settings,
     opts: RunOptions,
     cancel: CancellationToken,
 ) -> Result<Running, AppError> {
-    if settings.roles.main_agents.is_empty() {
+    if settings
+        .roles
+        .main_agents
+        .iter()
+        .all(|a| a.trim().is_empty())
+    {
         warn!("no main agents configured (roles.main_agents / --main-agents): only events with explicit session types or agent:<id>:main session keys can be conversation.main");
     }
-    let (client, js) = bus::connect_as(&settings, "collab-projector").await?;
+    // Bind first: a taken or refused address stops the process before it connects or takes
+    // any partition.
+    let mut listener = match opts.http && settings.http.enabled {
+        true => Some(bind(&settings).await?),
+        false => None,
+    };
+    let (client, js) = connect_waiting(&settings, &cancel).await?;
     info!(url = %settings.nats.url, server = %client.server_info().version, "connected");
     let report = provision::provision(&js, &settings).await?;
     if !report.created.is_empty() {
@@ -114,23 +143,6 @@ pub async fn start(
             created = report.created.len(),
             "provisioned missing resources"
         );
-    }
-    // Bind first: a refused address (non-loopback without access control) must stop the
-    // process before it takes any partition.
-    let mut listener = None;
-    if opts.http && settings.http.enabled {
-        let l = tokio::net::TcpListener::bind(&settings.http.addr)
-            .await
-            .map_err(|source| AppError::Listen {
-                addr: settings.http.addr.clone(),
-                source,
-            })?;
-        let bound = l.local_addr().map_err(|source| AppError::Listen {
-            addr: settings.http.addr.clone(),
-            source,
-        })?;
-        api::check_bind(&bound, &settings.http).map_err(AppError::Refused)?;
-        listener = Some(l);
     }
     let tracker = TaskTracker::new();
     let partitions = settings.nats.partitions;
@@ -208,6 +220,55 @@ pub async fn start(
         http_addr,
         tracker,
     })
+}
+
+/// Listen on `http.addr`, refusing an address the access settings do not allow.
+async fn bind(settings: &Settings) -> Result<tokio::net::TcpListener, AppError> {
+    let listen = |source| AppError::Listen {
+        addr: settings.http.addr.clone(),
+        source,
+    };
+    let l = tokio::net::TcpListener::bind(&settings.http.addr)
+        .await
+        .map_err(listen)?;
+    let bound = l.local_addr().map_err(listen)?;
+    api::check_bind(&bound, &settings.http).map_err(AppError::Refused)?;
+    Ok(l)
+}
+
+/// Connect, waiting with backoff while no server answers (a worker started before NATS, or
+/// during a NATS restart, comes up by itself once it does).
+async fn connect_waiting(
+    settings: &Settings,
+    cancel: &CancellationToken,
+) -> Result<(async_nats::Client, async_nats::jetstream::Context), AppError> {
+    let mut retry = bus::Retry::new(
+        std::time::Duration::from_millis(250),
+        std::time::Duration::from_secs(5),
+    );
+    let mut attempts = 0u32;
+    loop {
+        let attempt = tokio::select! {
+            r = bus::connect_as(settings, "collab-projector") => r,
+            _ = cancel.cancelled() => return Err(AppError::Stopped),
+        };
+        match attempt {
+            Ok(pair) => return Ok(pair),
+            Err(e @ bus::ConnectError::Connect { .. })
+                if !e.to_string().contains("invalid server URL") =>
+            {
+                attempts += 1;
+                // The first failure, then one line every ten: a clear message, not a flood.
+                if attempts % 10 == 1 {
+                    warn!(error = %e, attempts, "waiting for NATS; retrying until it answers (Ctrl-C / SIGTERM stops)");
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+        if !retry.wait(cancel).await {
+            return Err(AppError::Stopped);
+        }
+    }
 }
 
 /// What the service API reports of this process.
