@@ -131,7 +131,7 @@ pub async fn start(
     }
     // Bind first: a taken or refused address stops the process before it connects or takes
     // any partition.
-    let mut listener = match opts.http && settings.http.enabled {
+    let listener = match opts.http && settings.http.enabled {
         true => Some(bind(&settings).await?),
         false => None,
     };
@@ -145,32 +145,14 @@ pub async fn start(
         );
     }
     let tracker = TaskTracker::new();
-    let partitions = settings.nats.partitions;
     let worker_id = settings
         .workers
         .id
         .clone()
         .unwrap_or_else(default_worker_id);
-    let shared = if opts.workers {
-        let shared = worker::WorkerContext::new(js.clone(), settings.clone()).await?;
-        let names = settings.names();
-        let store = shared
-            .leases_js
-            .get_key_value(&names.leases_bucket)
-            .await
-            .map_err(|e| worker::WorkerError::Setup {
-                partition: 0,
-                detail: format!("leases bucket {}: {e}", names.leases_bucket),
-            })?;
-        let id = worker_id.clone();
-        info!(worker = %id, partitions, "worker started; taking its share of the partitions");
-        tracker.spawn_on(
-            leases::run(shared.clone(), store, id, cancel.clone()),
-            &shared.leases_rt.handle,
-        );
-        Some(shared)
-    } else {
-        None
+    let shared = match opts.workers {
+        true => Some(start_workers(&js, &settings, &worker_id, &tracker, &cancel).await?),
+        false => None,
     };
     // Registered before HTTP reports it is listening: once the process says it is up, `nats micro`
     // and `$SRV.PING` find it.
@@ -181,45 +163,84 @@ pub async fn start(
         started: std::time::Instant::now(),
     };
     let service = start_service(&client, reporter, &tracker, cancel.clone()).await;
-    let mut http_addr = None;
-    if let Some(listener) = listener.take() {
-        let addr = listener.local_addr().ok();
-        http_addr = addr;
-        let state = HttpState {
-            worker: shared.as_ref().map(|s| s.state.clone()),
-            client: Some(client.clone()),
-            metrics: opts.metrics.clone(),
-            stall_after: settings.http.stall_after,
-        };
-        let mut router = http::router(state);
-        if settings.http.api {
-            let api_state = api::ApiState::new(js.clone(), settings.names(), &settings.http)
-                .with_shutdown(cancel.clone());
-            router = router.merge(api::router(api_state));
-            if settings.http.viewer {
-                router = router.merge(crate::viewer::router());
-            }
-        }
-        let cancel = cancel.clone();
-        tracker.spawn(async move {
-            let serve = axum::serve(listener, router)
-                .with_graceful_shutdown(async move { cancel.cancelled().await });
-            if let Err(e) = serve.await {
-                error!(error = %e, "HTTP server stopped");
-            }
-        });
-        if let Some(a) = addr {
-            info!(addr = %a, "HTTP listening");
-        }
-    }
-    Ok(Running {
+    let mut running = Running {
         _service: service,
         client,
         js,
         worker: shared,
-        http_addr,
+        http_addr: None,
         tracker,
-    })
+    };
+    if let Some(listener) = listener {
+        running.http_addr = serve_http(listener, &running, &settings, &opts, &cancel);
+    }
+    Ok(running)
+}
+
+/// The worker's shared context, and the lease loop that takes and hands back its partitions.
+async fn start_workers(
+    js: &async_nats::jetstream::Context,
+    settings: &Settings,
+    worker_id: &str,
+    tracker: &TaskTracker,
+    cancel: &CancellationToken,
+) -> Result<Arc<worker::WorkerContext>, AppError> {
+    let shared = worker::WorkerContext::new(js.clone(), settings.clone()).await?;
+    let names = settings.names();
+    let store = shared
+        .leases_js
+        .get_key_value(&names.leases_bucket)
+        .await
+        .map_err(|e| worker::WorkerError::Setup {
+            partition: 0,
+            detail: format!("leases bucket {}: {e}", names.leases_bucket),
+        })?;
+    let partitions = settings.nats.partitions;
+    info!(worker = %worker_id, partitions, "worker started; taking its share of the partitions");
+    tracker.spawn_on(
+        leases::run(shared.clone(), store, worker_id.to_string(), cancel.clone()),
+        &shared.leases_rt.handle,
+    );
+    Ok(shared)
+}
+
+/// Serve health, readiness, metrics and (when enabled) the API and the viewer on `listener`
+/// until `cancel`; returns the address served.
+fn serve_http(
+    listener: tokio::net::TcpListener,
+    running: &Running,
+    settings: &Settings,
+    opts: &RunOptions,
+    cancel: &CancellationToken,
+) -> Option<std::net::SocketAddr> {
+    let addr = listener.local_addr().ok();
+    let state = HttpState {
+        worker: running.worker.as_ref().map(|s| s.state.clone()),
+        client: Some(running.client.clone()),
+        metrics: opts.metrics.clone(),
+        stall_after: settings.http.stall_after,
+    };
+    let mut router = http::router(state);
+    if settings.http.api {
+        let api_state = api::ApiState::new(running.js.clone(), settings.names(), &settings.http)
+            .with_shutdown(cancel.clone());
+        router = router.merge(api::router(api_state));
+        if settings.http.viewer {
+            router = router.merge(crate::viewer::router());
+        }
+    }
+    let cancel = cancel.clone();
+    running.tracker.spawn(async move {
+        let serve = axum::serve(listener, router)
+            .with_graceful_shutdown(async move { cancel.cancelled().await });
+        if let Err(e) = serve.await {
+            error!(error = %e, "HTTP server stopped");
+        }
+    });
+    if let Some(a) = addr {
+        info!(addr = %a, "HTTP listening");
+    }
+    addr
 }
 
 /// Listen on `http.addr`, refusing an address the access settings do not allow.

@@ -110,27 +110,7 @@ enum Command {
     },
     /// A local run with generated multi-agent traffic on a nats-server of its own (never one
     /// already running, unless --nats-url names it).
-    Demo {
-        /// TOML configuration file (its [nats] section is not used unless --nats-url is given).
-        #[arg(long, short = 'c', env = "COLLAB_CONFIG")]
-        config: Option<PathBuf>,
-        /// Use this NATS server instead of starting one, under the prefix `demo` (streams
-        /// DEMO_RAW, DEMO_PROJ, DEMO_DLQ; buckets demo_*), apart from a deployment's `collab`.
-        /// NATS_URL and COLLAB_NATS__URL are ignored: the demo joins a server only when told here.
-        #[arg(long)]
-        nats_url: Option<String>,
-        #[command(flatten)]
-        worker: WorkerFlags,
-        /// Stop by itself after this long (e.g. 30s); default: until Ctrl-C.
-        #[arg(long, value_parser = humantime::parse_duration)]
-        duration: Option<Duration>,
-        /// Scenarios published per second.
-        #[arg(long, default_value_t = 20)]
-        rate: u32,
-        /// JetStream store for a server the demo starts (default: a temporary directory).
-        #[arg(long)]
-        store_dir: Option<PathBuf>,
-    },
+    Demo(DemoArgs),
     /// Offline: one JSON line in, one line out (the envelope, {"events":[...]} or {"error":...}).
     Normalize {
         /// TOML configuration file.
@@ -161,63 +141,10 @@ enum Command {
     },
     /// A live view of the fleet: each worker's partitions, pending messages, rates, dead letters
     /// and open turns, the partitions no worker owns, and warnings. Ctrl-C quits.
-    Status {
-        #[command(flatten)]
-        conn: Conn,
-        /// Refresh every this long (e.g. 2s, 500ms).
-        #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
-        interval: Duration,
-        /// Print one snapshot and exit (for scripts).
-        #[arg(long)]
-        once: bool,
-        /// Print the collected worker reports as a JSON array, one line per snapshot.
-        #[arg(long)]
-        json: bool,
-        /// How long to gather the workers' replies to each request.
-        #[arg(long, default_value = "500ms", value_parser = humantime::parse_duration)]
-        wait: Duration,
-        /// Warn about a partition whose oldest pending message is older than this.
-        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
-        warn_pending_age: Duration,
-    },
+    Status(StatusArgs),
     /// Measure throughput, latency and turn-book scale (starts nats-server per scenario unless
     /// --nats-url is given). See docs/performance.md.
-    Bench {
-        /// Use this server (a fresh prefix per scenario) instead of starting one per scenario.
-        #[arg(long)]
-        nats_url: Option<String>,
-        /// Print the report as JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-        /// Messages preloaded for the throughput scenarios 1-3.
-        #[arg(long, default_value_t = 200_000)]
-        messages: usize,
-        /// Messages preloaded for the naive scenario 4 (one round trip each).
-        #[arg(long, default_value_t = 20_000)]
-        naive_messages: usize,
-        /// Publish rate of the latency runs (messages per second).
-        #[arg(long, default_value_t = 5_000)]
-        rate: u32,
-        /// How long each latency run publishes, e.g. 10s.
-        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
-        latency_duration: Duration,
-        /// Open turns for the turn-book scale runs, comma-separated.
-        #[arg(long, value_delimiter = ',', default_value = "100000,1000000")]
-        open_turns: Vec<usize>,
-        /// Probe sends per timer-lateness run.
-        #[arg(long, default_value_t = 1_000)]
-        probes: usize,
-        /// Run only these parts: baseline, mixed, turns, naive, latency, turnbook, breakdown.
-        #[arg(long, value_delimiter = ',')]
-        only: Vec<collab_projector::bench::Part>,
-        /// Partitions of the raw stream (default: the configured `nats.partitions`, which
-        /// `COLLAB_NATS__PARTITIONS` overrides).
-        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
-        partitions: Option<u16>,
-        /// No progress bars.
-        #[arg(long)]
-        quiet: bool,
-    },
+    Bench(BenchArgs),
     /// An HTTP reverse proxy in front of one A2A or AG-UI agent that publishes the traffic it
     /// forwards to the raw stream (docs/relay.md).
     Relay {
@@ -229,6 +156,91 @@ enum Command {
         #[command(subcommand)]
         command: DlqCommand,
     },
+}
+
+/// Flags of `demo`.
+#[derive(Args)]
+struct DemoArgs {
+    /// TOML configuration file (its [nats] section is not used unless --nats-url is given).
+    #[arg(long, short = 'c', env = "COLLAB_CONFIG")]
+    config: Option<PathBuf>,
+    /// Use this NATS server instead of starting one, under the prefix `demo` (streams
+    /// DEMO_RAW, DEMO_PROJ, DEMO_DLQ; buckets demo_*), apart from a deployment's `collab`.
+    /// NATS_URL and COLLAB_NATS__URL are ignored: the demo joins a server only when told here.
+    #[arg(long)]
+    nats_url: Option<String>,
+    #[command(flatten)]
+    worker: WorkerFlags,
+    /// Stop by itself after this long (e.g. 30s); default: until Ctrl-C.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    duration: Option<Duration>,
+    /// Scenarios published per second.
+    #[arg(long, default_value_t = 20)]
+    rate: u32,
+    /// JetStream store for a server the demo starts (default: a temporary directory).
+    #[arg(long)]
+    store_dir: Option<PathBuf>,
+}
+
+/// Flags of `status`.
+#[derive(Args)]
+struct StatusArgs {
+    #[command(flatten)]
+    conn: Conn,
+    /// Refresh every this long (e.g. 2s, 500ms).
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    interval: Duration,
+    /// Print one snapshot and exit (for scripts).
+    #[arg(long)]
+    once: bool,
+    /// Print the collected worker reports as a JSON array, one line per snapshot.
+    #[arg(long)]
+    json: bool,
+    /// How long to gather the workers' replies to each request.
+    #[arg(long, default_value = "500ms", value_parser = humantime::parse_duration)]
+    wait: Duration,
+    /// Warn about a partition whose oldest pending message is older than this.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    warn_pending_age: Duration,
+}
+
+/// Flags of `bench`.
+#[derive(Args)]
+struct BenchArgs {
+    /// Use this server (a fresh prefix per scenario) instead of starting one per scenario.
+    #[arg(long)]
+    nats_url: Option<String>,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Messages preloaded for the throughput scenarios 1-3.
+    #[arg(long, default_value_t = 200_000)]
+    messages: usize,
+    /// Messages preloaded for the naive scenario 4 (one round trip each).
+    #[arg(long, default_value_t = 20_000)]
+    naive_messages: usize,
+    /// Publish rate of the latency runs (messages per second).
+    #[arg(long, default_value_t = 5_000)]
+    rate: u32,
+    /// How long each latency run publishes, e.g. 10s.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    latency_duration: Duration,
+    /// Open turns for the turn-book scale runs, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "100000,1000000")]
+    open_turns: Vec<usize>,
+    /// Probe sends per timer-lateness run.
+    #[arg(long, default_value_t = 1_000)]
+    probes: usize,
+    /// Run only these parts: baseline, mixed, turns, naive, latency, turnbook, breakdown.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<collab_projector::bench::Part>,
+    /// Partitions of the raw stream (default: the configured `nats.partitions`, which
+    /// `COLLAB_NATS__PARTITIONS` overrides).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    partitions: Option<u16>,
+    /// No progress bars.
+    #[arg(long)]
+    quiet: bool,
 }
 
 #[derive(Subcommand)]
@@ -411,45 +423,10 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
             no_workers,
             no_http,
         } => run(&conn, &worker, no_workers, no_http).await,
-        Command::Demo {
-            config,
-            nats_url,
-            worker,
-            duration,
-            rate,
-            store_dir,
-        } => {
-            let opts = demo::DemoOptions {
-                duration,
-                rate,
-                store_dir,
-                nats_url,
-            };
-            run_demo(config.as_deref(), &worker, opts).await
-        }
+        Command::Demo(args) => run_demo(args).await,
         Command::Provision { conn } => provision(&conn).await,
         Command::Audit { conn, from, to } => audit(&conn, from, to).await,
-        Command::Status {
-            conn,
-            interval,
-            once,
-            json,
-            wait,
-            warn_pending_age,
-        } => {
-            let view = collab_projector::status::ViewOptions {
-                partitions: 0,
-                pending_age_warn: warn_pending_age,
-            };
-            let opts = collab_projector::status::WatchOptions {
-                interval,
-                wait,
-                once,
-                json,
-                view,
-            };
-            status(&conn, opts).await
-        }
+        Command::Status(args) => status(args).await,
         Command::Dlq {
             command:
                 DlqCommand::Replay {
@@ -458,38 +435,7 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
                     dry_run,
                 },
         } => dlq_replay(&conn, reason.as_deref(), dry_run).await,
-        Command::Bench {
-            nats_url,
-            json,
-            messages,
-            naive_messages,
-            rate,
-            latency_duration,
-            open_turns,
-            probes,
-            only,
-            partitions,
-            quiet,
-        } => {
-            use collab_projector::bench;
-            let opts = bench::BenchOptions {
-                nats_url,
-                messages,
-                naive_messages,
-                latency_rate: rate,
-                latency_duration,
-                open_turns,
-                lateness_probes: probes,
-                parts: if only.is_empty() {
-                    bench::Part::ALL.to_vec()
-                } else {
-                    only
-                },
-                progress: !quiet,
-                ..Default::default()
-            };
-            bench(opts, partitions, json).await
-        }
+        Command::Bench(args) => bench(args).await,
         Command::Relay { protocol } => {
             let (protocol, args) = match protocol {
                 RelayCommand::A2a(a) => (relay::Protocol::A2a, a),
@@ -532,16 +478,18 @@ async fn run(
 }
 
 /// `demo`: generated traffic through a local run.
-async fn run_demo(
-    config: Option<&std::path::Path>,
-    worker: &WorkerFlags,
-    opts: demo::DemoOptions,
-) -> anyhow::Result<()> {
-    let mut settings = Settings::load_with(config, |s| worker.apply(s))?;
-    if worker.turn_timeout.is_none() {
+async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
+    let mut settings = Settings::load_with(args.config.as_deref(), |s| args.worker.apply(s))?;
+    if args.worker.turn_timeout.is_none() {
         // Short enough to watch an unanswered turn become a blocked response.
         settings.turns.default_timeout = Duration::from_secs(10);
     }
+    let opts = demo::DemoOptions {
+        duration: args.duration,
+        rate: args.rate,
+        store_dir: args.store_dir,
+        nats_url: args.nats_url,
+    };
     let cancel = shutdown_token();
     demo::run(settings, opts, metrics_handle(), cancel).await?;
     Ok(())
@@ -603,14 +551,21 @@ async fn audit(conn: &Conn, from: u64, to: u64) -> anyhow::Result<()> {
 }
 
 /// `status`: the fleet view until Ctrl-C (or once).
-async fn status(
-    conn: &Conn,
-    mut opts: collab_projector::status::WatchOptions,
-) -> anyhow::Result<()> {
-    let settings = conn.settings()?;
-    opts.view.partitions = settings.nats.partitions;
+async fn status(args: StatusArgs) -> anyhow::Result<()> {
+    use collab_projector::status;
+    let settings = args.conn.settings()?;
+    let opts = status::WatchOptions {
+        interval: args.interval,
+        wait: args.wait,
+        once: args.once,
+        json: args.json,
+        view: status::ViewOptions {
+            partitions: settings.nats.partitions,
+            pending_age_warn: args.warn_pending_age,
+        },
+    };
     let (client, _js) = bus::connect_as(&settings, "collab-projector status").await?;
-    collab_projector::status::watch(&client, &opts, shutdown_token()).await?;
+    status::watch(&client, &opts, shutdown_token()).await?;
     Ok(())
 }
 
@@ -629,19 +584,32 @@ async fn dlq_replay(conn: &Conn, reason: Option<&str>, dry_run: bool) -> anyhow:
 }
 
 /// `bench`: the scenarios, then the report as a table or JSON.
-async fn bench(
-    mut opts: collab_projector::bench::BenchOptions,
-    partitions: Option<u16>,
-    json: bool,
-) -> anyhow::Result<()> {
+async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     use collab_projector::bench;
-    opts.partitions = match partitions {
+    let partitions = match args.partitions {
         Some(p) => p,
         None => Settings::load(None)?.nats.partitions,
     };
-    opts.metrics = metrics_handle();
+    let opts = bench::BenchOptions {
+        nats_url: args.nats_url,
+        messages: args.messages,
+        naive_messages: args.naive_messages,
+        latency_rate: args.rate,
+        latency_duration: args.latency_duration,
+        open_turns: args.open_turns,
+        lateness_probes: args.probes,
+        parts: if args.only.is_empty() {
+            bench::Part::ALL.to_vec()
+        } else {
+            args.only
+        },
+        partitions,
+        progress: !args.quiet,
+        metrics: metrics_handle(),
+        ..Default::default()
+    };
     let report = bench::run(opts).await?;
-    if json {
+    if args.json {
         telemetry::say(&serde_json::to_string_pretty(&report)?);
     } else {
         let mut out = std::io::stdout().lock();
