@@ -110,7 +110,14 @@ async fn choose_server(
         server.url(),
         server.store_dir().display()
     );
-    settings.nats.url = server.url();
+    // The server it started has no users and no TLS: credentials and TLS meant for a deployment
+    // (in the config file or COLLAB_NATS__* variables) do not apply to it.
+    settings.nats = crate::config::NatsSettings {
+        url: server.url(),
+        prefix: settings.nats.prefix.clone(),
+        partitions: settings.nats.partitions,
+        ..Default::default()
+    };
     Ok((Some(server), line))
 }
 
