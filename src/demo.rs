@@ -310,6 +310,10 @@ impl Tally {
 
     /// One dead letter on `<prefix>.dlq.<reason>`.
     fn dead_letter(&mut self, subject: &str) {
+        // A partition owner's fence claim (`<prefix>.dlq._fence.<p>`) is not a dead letter.
+        if subject.split('.').nth(2) == Some("_fence") {
+            return;
+        }
         let reason = subject.rsplit('.').next().unwrap_or("?").to_string();
         *self.by_reason.entry(reason).or_default() += 1;
     }
@@ -373,6 +377,8 @@ mod tests {
         assert!(text.contains("viewer: http://127.0.0.1:8080/"), "{text}");
         assert!(text.contains("dead-lettered: 0\n"), "{text}");
         assert!(!text.contains("()"), "{text}");
+        t.dead_letter("collab.dlq._fence.3");
+        assert!(t.render(Duration::ZERO).contains("dead-lettered: 0\n"));
         t.dead_letter("collab.dlq.bad_json");
         t.dead_letter("collab.dlq.bad_json");
         let text = t.render(Duration::from_secs(6));
