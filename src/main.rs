@@ -688,3 +688,26 @@ fn normalize(
     out.flush()?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn an_error_names_each_cause_once() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("configuration: {0}")]
+        struct Quoting(#[source] std::io::Error);
+        let inner = std::io::Error::other("unknown field `bogus`");
+        let e = anyhow::Error::new(Quoting(inner));
+        assert_eq!(error_text(&e), "configuration: unknown field `bogus`");
+        let e = anyhow::Error::new(std::io::Error::other("disk full")).context("writing");
+        assert_eq!(error_text(&e), "writing: disk full");
+    }
+}
