@@ -275,9 +275,7 @@ async fn connect_waiting(
         };
         match attempt {
             Ok(pair) => return Ok(pair),
-            Err(e @ bus::ConnectError::Connect { .. })
-                if !e.to_string().contains("invalid server URL") =>
-            {
+            Err(e @ bus::ConnectError::Connect { .. }) if urls_parse(&settings.nats.url) => {
                 attempts += 1;
                 // The first failure, then one line every ten: a clear message, not a flood.
                 if attempts % 10 == 1 {
@@ -290,6 +288,15 @@ async fn connect_waiting(
             return Err(AppError::Stopped);
         }
     }
+}
+
+/// Whether every comma-separated server URL parses: a malformed one fails the same way on every
+/// attempt, so it is reported at once instead of waited on.
+fn urls_parse(url: &str) -> bool {
+    url.split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .all(|u| u.parse::<async_nats::ServerAddr>().is_ok())
 }
 
 /// What the service API reports of this process.

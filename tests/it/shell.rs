@@ -272,6 +272,14 @@ async fn run_waits_for_nats_and_one_shot_commands_say_it_is_down() {
         assert!(err.contains("cannot connect to NATS at"), "{args:?}: {err}");
         assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
     }
+    // What waiting cannot fix stops `run` at once.
+    let out = output(
+        &["run", "--no-http", "--nats-url", "nats://bad host:x"],
+        &[],
+    );
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("invalid server URL"), "{err}");
     // `run` waits, says so, and starts when the server comes.
     let mut p = Projector::spawn(&url, &[], &[("RUST_LOG", "info")]);
     wait_until(GUARD, "run says it waits for NATS", || {
