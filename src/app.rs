@@ -131,9 +131,10 @@ pub async fn start(
     }
     // Bind first: a taken or refused address stops the process before it connects or takes
     // any partition.
-    let listener = match opts.http && settings.http.enabled {
-        true => Some(bind(&settings).await?),
-        false => None,
+    let listener = if opts.http && settings.http.enabled {
+        Some(bind(&settings).await?)
+    } else {
+        None
     };
     let (client, js) = connect_waiting(&settings, &cancel).await?;
     info!(url = %settings.nats.url, server = %client.server_info().version, "connected");
@@ -150,9 +151,10 @@ pub async fn start(
         .id
         .clone()
         .unwrap_or_else(default_worker_id);
-    let shared = match opts.workers {
-        true => Some(start_workers(&js, &settings, &worker_id, &tracker, &cancel).await?),
-        false => None,
+    let shared = if opts.workers {
+        Some(start_workers(&js, &settings, &worker_id, &tracker, &cancel).await?)
+    } else {
+        None
     };
     // Registered before HTTP reports it is listening: once the process says it is up, `nats micro`
     // and `$SRV.PING` find it.
