@@ -55,6 +55,16 @@ impl Conn {
     }
 }
 
+/// The ids of `--main-agents`, trimmed; `--main-agents ""` names none, so no blank id may
+/// count as one.
+fn main_agent_ids(agents: &[String]) -> Vec<String> {
+    agents
+        .iter()
+        .map(|a| a.trim().to_string())
+        .filter(|a| !a.is_empty())
+        .collect()
+}
+
 /// What only a process that runs workers uses (`run`, `demo`).
 #[derive(Args, Clone)]
 struct WorkerFlags {
@@ -83,12 +93,7 @@ impl WorkerFlags {
             }
         }
         if let Some(agents) = &self.main_agents {
-            // `--main-agents ""` names none: no blank id may count as one.
-            s.roles.main_agents = agents
-                .iter()
-                .map(|a| a.trim().to_string())
-                .filter(|a| !a.is_empty())
-                .collect();
+            s.roles.main_agents = main_agent_ids(agents);
         }
     }
 }
@@ -667,7 +672,7 @@ fn normalize(
 ) -> anyhow::Result<()> {
     let settings = Settings::load_with(config, |s| {
         if let Some(agents) = main_agents {
-            s.roles.main_agents = agents;
+            s.roles.main_agents = main_agent_ids(&agents);
         }
         if let Some(mode) = adapter_mode {
             s.adapter.mode = mode;
