@@ -34,11 +34,25 @@ pub enum AppError {
     Worker(#[from] worker::WorkerError),
     #[error("HTTP: {0}")]
     Refused(String),
-    #[error("HTTP: cannot listen on {addr}: {source}")]
+    #[error("{}", listen_text(addr, source))]
     Listen {
         addr: String,
         source: std::io::Error,
     },
+    /// SIGTERM / Ctrl-C came while waiting for NATS: nothing was started.
+    #[error("stopped before NATS answered")]
+    Stopped,
+}
+
+/// A refused HTTP address, with the flag that changes it.
+fn listen_text(addr: &str, source: &std::io::Error) -> String {
+    if source.kind() == std::io::ErrorKind::AddrInUse {
+        format!(
+            "HTTP address {addr} is already in use (another collab-projector on this machine?): give this process its own with --http-addr (e.g. --http-addr 127.0.0.1:8081, or 127.0.0.1:0 for any free port), or start it with --no-http (an extra worker needs no HTTP)"
+        )
+    } else {
+        format!("HTTP: cannot listen on {addr} (--http-addr / http.addr): {source}")
+    }
 }
 
 /// What `run` hosts; each part can be switched off.
@@ -98,15 +112,31 @@ pub async fn shutdown_signal() {
 }
 
 /// Start everything and return at once; cancel `cancel` to stop, then [`Running::wait`].
+///
+/// While NATS does not answer, waits for it (a line every few attempts), until `cancel`
+/// ([`AppError::Stopped`]); refused credentials, TLS, an old server or a missing JetStream stop
+/// at once, as waiting would not change them.
 pub async fn start(
     settings: Settings,
     opts: RunOptions,
     cancel: CancellationToken,
 ) -> Result<Running, AppError> {
-    if settings.roles.main_agents.is_empty() {
+    if settings
+        .roles
+        .main_agents
+        .iter()
+        .all(|a| a.trim().is_empty())
+    {
         warn!("no main agents configured (roles.main_agents / --main-agents): only events with explicit session types or agent:<id>:main session keys can be conversation.main");
     }
-    let (client, js) = bus::connect_as(&settings, "collab-projector").await?;
+    // Bind first: a taken or refused address stops the process before it connects or takes
+    // any partition.
+    let listener = if opts.http && settings.http.enabled {
+        Some(bind(&settings).await?)
+    } else {
+        None
+    };
+    let (client, js) = connect_waiting(&settings, &cancel).await?;
     info!(url = %settings.nats.url, server = %client.server_info().version, "connected");
     let report = provision::provision(&js, &settings).await?;
     if !report.created.is_empty() {
@@ -115,48 +145,14 @@ pub async fn start(
             "provisioned missing resources"
         );
     }
-    // Bind first: a refused address (non-loopback without access control) must stop the
-    // process before it takes any partition.
-    let mut listener = None;
-    if opts.http && settings.http.enabled {
-        let l = tokio::net::TcpListener::bind(&settings.http.addr)
-            .await
-            .map_err(|source| AppError::Listen {
-                addr: settings.http.addr.clone(),
-                source,
-            })?;
-        let bound = l.local_addr().map_err(|source| AppError::Listen {
-            addr: settings.http.addr.clone(),
-            source,
-        })?;
-        api::check_bind(&bound, &settings.http).map_err(AppError::Refused)?;
-        listener = Some(l);
-    }
     let tracker = TaskTracker::new();
-    let partitions = settings.nats.partitions;
     let worker_id = settings
         .workers
         .id
         .clone()
         .unwrap_or_else(default_worker_id);
     let shared = if opts.workers {
-        let shared = worker::WorkerContext::new(js.clone(), settings.clone()).await?;
-        let names = settings.names();
-        let store = shared
-            .leases_side
-            .js
-            .get_key_value(&names.leases_bucket)
-            .await
-            .map_err(|e| {
-                worker::WorkerError::setup(0, format!("leases bucket {}", names.leases_bucket), e)
-            })?;
-        let id = worker_id.clone();
-        info!(worker = %id, partitions, "worker started; taking its share of the partitions");
-        tracker.spawn_on(
-            leases::run(shared.clone(), store, id, cancel.clone()),
-            &shared.leases_side.rt.handle,
-        );
-        Some(shared)
+        Some(start_workers(&js, &settings, &worker_id, &tracker, &cancel).await?)
     } else {
         None
     };
@@ -169,45 +165,140 @@ pub async fn start(
         started: std::time::Instant::now(),
     };
     let service = start_service(&client, reporter, &tracker, cancel.clone()).await;
-    let mut http_addr = None;
-    if let Some(listener) = listener.take() {
-        let addr = listener.local_addr().ok();
-        http_addr = addr;
-        let state = HttpState {
-            worker: shared.as_ref().map(|s| s.state.clone()),
-            client: Some(client.clone()),
-            metrics: opts.metrics.clone(),
-            stall_after: settings.http.stall_after,
-        };
-        let mut router = http::router(state);
-        if settings.http.api {
-            let api_state = api::ApiState::new(js.clone(), settings.names(), &settings.http)
-                .with_shutdown(cancel.clone());
-            router = router.merge(api::router(api_state));
-            if settings.http.viewer {
-                router = router.merge(crate::viewer::router());
-            }
-        }
-        let cancel = cancel.clone();
-        tracker.spawn(async move {
-            let serve = axum::serve(listener, router)
-                .with_graceful_shutdown(async move { cancel.cancelled().await });
-            if let Err(e) = serve.await {
-                error!(error = %e, "HTTP server stopped");
-            }
-        });
-        if let Some(a) = addr {
-            info!(addr = %a, "HTTP listening");
-        }
-    }
-    Ok(Running {
+    let mut running = Running {
         _service: service,
         client,
         js,
         worker: shared,
-        http_addr,
+        http_addr: None,
         tracker,
-    })
+    };
+    if let Some(listener) = listener {
+        running.http_addr = serve_http(listener, &running, &settings, &opts, &cancel);
+    }
+    Ok(running)
+}
+
+/// The worker's shared context, and the lease loop that takes and hands back its partitions.
+async fn start_workers(
+    js: &async_nats::jetstream::Context,
+    settings: &Settings,
+    worker_id: &str,
+    tracker: &TaskTracker,
+    cancel: &CancellationToken,
+) -> Result<Arc<worker::WorkerContext>, AppError> {
+    let shared = worker::WorkerContext::new(js.clone(), settings.clone()).await?;
+    let names = settings.names();
+    let store = shared
+        .leases_side
+        .js
+        .get_key_value(&names.leases_bucket)
+        .await
+        .map_err(|e| {
+            worker::WorkerError::setup(0, format!("leases bucket {}", names.leases_bucket), e)
+        })?;
+    let partitions = settings.nats.partitions;
+    info!(worker = %worker_id, partitions, "worker started; taking its share of the partitions");
+    tracker.spawn_on(
+        leases::run(shared.clone(), store, worker_id.to_string(), cancel.clone()),
+        &shared.leases_side.rt.handle,
+    );
+    Ok(shared)
+}
+
+/// Serve health, readiness, metrics and (when enabled) the API and the viewer on `listener`
+/// until `cancel`; returns the address served.
+fn serve_http(
+    listener: tokio::net::TcpListener,
+    running: &Running,
+    settings: &Settings,
+    opts: &RunOptions,
+    cancel: &CancellationToken,
+) -> Option<std::net::SocketAddr> {
+    let addr = listener.local_addr().ok();
+    let state = HttpState {
+        worker: running.worker.as_ref().map(|s| s.state.clone()),
+        client: Some(running.client.clone()),
+        metrics: opts.metrics.clone(),
+        stall_after: settings.http.stall_after,
+    };
+    let mut router = http::router(state);
+    if settings.http.api {
+        let api_state = api::ApiState::new(running.js.clone(), settings.names(), &settings.http)
+            .with_shutdown(cancel.clone());
+        router = router.merge(api::router(api_state));
+        if settings.http.viewer {
+            router = router.merge(crate::viewer::router());
+        }
+    }
+    let cancel = cancel.clone();
+    running.tracker.spawn(async move {
+        let serve = axum::serve(listener, router)
+            .with_graceful_shutdown(async move { cancel.cancelled().await });
+        if let Err(e) = serve.await {
+            error!(error = %e, "HTTP server stopped");
+        }
+    });
+    if let Some(a) = addr {
+        info!(addr = %a, "HTTP listening");
+    }
+    addr
+}
+
+/// Listen on `http.addr`, refusing an address the access settings do not allow.
+async fn bind(settings: &Settings) -> Result<tokio::net::TcpListener, AppError> {
+    let listen = |source| AppError::Listen {
+        addr: settings.http.addr.clone(),
+        source,
+    };
+    let l = tokio::net::TcpListener::bind(&settings.http.addr)
+        .await
+        .map_err(listen)?;
+    let bound = l.local_addr().map_err(listen)?;
+    api::check_bind(&bound, &settings.http).map_err(AppError::Refused)?;
+    Ok(l)
+}
+
+/// Connect, waiting with backoff while no server answers (a worker started before NATS, or
+/// during a NATS restart, comes up by itself once it does).
+async fn connect_waiting(
+    settings: &Settings,
+    cancel: &CancellationToken,
+) -> Result<(async_nats::Client, async_nats::jetstream::Context), AppError> {
+    let mut retry = bus::Retry::new(
+        std::time::Duration::from_millis(250),
+        std::time::Duration::from_secs(5),
+    );
+    let mut attempts = 0u32;
+    loop {
+        let attempt = tokio::select! {
+            r = bus::connect_as(settings, "collab-projector") => r,
+            _ = cancel.cancelled() => return Err(AppError::Stopped),
+        };
+        match attempt {
+            Ok(pair) => return Ok(pair),
+            Err(e @ bus::ConnectError::Connect { .. }) if urls_parse(&settings.nats.url) => {
+                attempts += 1;
+                // The first failure, then one line every ten: a clear message, not a flood.
+                if attempts % 10 == 1 {
+                    warn!(error = %e, attempts, "waiting for NATS; retrying until it answers (Ctrl-C / SIGTERM stops)");
+                }
+            }
+            Err(e) => return Err(e.into()),
+        }
+        if !retry.wait(cancel).await {
+            return Err(AppError::Stopped);
+        }
+    }
+}
+
+/// Whether every comma-separated server URL parses: a malformed one fails the same way on every
+/// attempt, so it is reported at once instead of waited on.
+fn urls_parse(url: &str) -> bool {
+    url.split(',')
+        .map(str::trim)
+        .filter(|u| !u.is_empty())
+        .all(|u| u.parse::<async_nats::ServerAddr>().is_ok())
 }
 
 /// What the service API reports of this process.

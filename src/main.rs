@@ -8,6 +8,7 @@ use collab_projector::ingest::adapter::AdapterMode;
 use collab_projector::{bus, demo, ingest, relay, telemetry};
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
+use std::process::ExitCode;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -27,16 +28,48 @@ struct Cli {
     command: Command,
 }
 
-/// Settings every NATS-facing command shares.
+/// Where NATS is: every command that talks to it.
 #[derive(Args, Clone)]
-struct Common {
+struct Conn {
     /// TOML configuration file (see config/default.toml). Environment: COLLAB_<SECTION>__<KEY>.
     #[arg(long, short = 'c', env = "COLLAB_CONFIG")]
     config: Option<PathBuf>,
     /// NATS server URL(s), comma-separated.
     #[arg(long, env = "NATS_URL")]
     nats_url: Option<String>,
-    /// Address of the HTTP endpoints (health, readiness, metrics).
+}
+
+impl Conn {
+    fn settings(&self) -> anyhow::Result<Settings> {
+        self.settings_with(|_| {})
+    }
+
+    /// The loaded settings with the URL flag and then `more` applied, validated once.
+    fn settings_with(&self, more: impl FnOnce(&mut Settings)) -> anyhow::Result<Settings> {
+        Ok(Settings::load_with(self.config.as_deref(), |s| {
+            if let Some(url) = &self.nats_url {
+                s.nats.url = url.clone();
+            }
+            more(s);
+        })?)
+    }
+}
+
+/// The ids of `--main-agents`, trimmed; `--main-agents ""` names none, so no blank id may
+/// count as one.
+fn main_agent_ids(agents: &[String]) -> Vec<String> {
+    agents
+        .iter()
+        .map(|a| a.trim().to_string())
+        .filter(|a| !a.is_empty())
+        .collect()
+}
+
+/// What only a process that runs workers uses (`run`, `demo`).
+#[derive(Args, Clone)]
+struct WorkerFlags {
+    /// Address of the HTTP endpoints (health, readiness, metrics, API, viewer); 127.0.0.1:0
+    /// takes any free port. Each process on a machine needs its own (or --no-http).
     #[arg(long)]
     http_addr: Option<String>,
     /// Turn deadline when the send names none, e.g. 90s or 5m.
@@ -47,18 +80,9 @@ struct Common {
     main_agents: Option<Vec<String>>,
 }
 
-impl Common {
-    fn settings(&self) -> anyhow::Result<Settings> {
-        Ok(Settings::load_with(self.config.as_deref(), |s| {
-            self.apply(s)
-        })?)
-    }
-
+impl WorkerFlags {
     /// The flags over the loaded settings.
     fn apply(&self, s: &mut Settings) {
-        if let Some(url) = &self.nats_url {
-            s.nats.url = url.clone();
-        }
         if let Some(addr) = &self.http_addr {
             s.http.addr = addr.clone();
         }
@@ -69,7 +93,7 @@ impl Common {
             }
         }
         if let Some(agents) = &self.main_agents {
-            s.roles.main_agents = agents.clone();
+            s.roles.main_agents = main_agent_ids(agents);
         }
     }
 }
@@ -79,7 +103,9 @@ enum Command {
     /// Run the workers and the HTTP endpoints until SIGTERM / Ctrl-C (which drain).
     Run {
         #[command(flatten)]
-        common: Common,
+        conn: Conn,
+        #[command(flatten)]
+        worker: WorkerFlags,
         /// Do not run workers (HTTP only).
         #[arg(long)]
         no_workers: bool,
@@ -87,20 +113,9 @@ enum Command {
         #[arg(long)]
         no_http: bool,
     },
-    /// A local run with generated multi-agent traffic; starts nats-server when none answers.
-    Demo {
-        #[command(flatten)]
-        common: Common,
-        /// Stop by itself after this long (e.g. 30s); default: until Ctrl-C.
-        #[arg(long, value_parser = humantime::parse_duration)]
-        duration: Option<Duration>,
-        /// Scenarios published per second.
-        #[arg(long, default_value_t = 20)]
-        rate: u32,
-        /// JetStream store for a server the demo starts (default: a temporary directory).
-        #[arg(long)]
-        store_dir: Option<PathBuf>,
-    },
+    /// A local run with generated multi-agent traffic on a nats-server of its own (never one
+    /// already running, unless --nats-url names it).
+    Demo(DemoArgs),
     /// Offline: one JSON line in, one line out (the envelope, {"events":[...]} or {"error":...}).
     Normalize {
         /// TOML configuration file.
@@ -116,12 +131,12 @@ enum Command {
     /// Create missing streams, consumers and buckets, or report how existing ones differ.
     Provision {
         #[command(flatten)]
-        common: Common,
+        conn: Conn,
     },
     /// Prove that every raw sequence in a range is projected or dead-lettered, exactly one of them.
     Audit {
         #[command(flatten)]
-        common: Common,
+        conn: Conn,
         /// First raw sequence (default 1).
         #[arg(long, default_value_t = 1)]
         from: u64,
@@ -131,63 +146,10 @@ enum Command {
     },
     /// A live view of the fleet: each worker's partitions, pending messages, rates, dead letters
     /// and open turns, the partitions no worker owns, and warnings. Ctrl-C quits.
-    Status {
-        #[command(flatten)]
-        common: Common,
-        /// Refresh every this long (e.g. 2s, 500ms).
-        #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
-        interval: Duration,
-        /// Print one snapshot and exit (for scripts).
-        #[arg(long)]
-        once: bool,
-        /// Print the collected worker reports as a JSON array, one line per snapshot.
-        #[arg(long)]
-        json: bool,
-        /// How long to gather the workers' replies to each request.
-        #[arg(long, default_value = "500ms", value_parser = humantime::parse_duration)]
-        wait: Duration,
-        /// Warn about a partition whose oldest pending message is older than this.
-        #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
-        warn_pending_age: Duration,
-    },
+    Status(StatusArgs),
     /// Measure throughput, latency and turn-book scale (starts nats-server per scenario unless
     /// --nats-url is given). See docs/performance.md.
-    Bench {
-        /// Use this server (a fresh prefix per scenario) instead of starting one per scenario.
-        #[arg(long)]
-        nats_url: Option<String>,
-        /// Print the report as JSON instead of a table.
-        #[arg(long)]
-        json: bool,
-        /// Messages preloaded for the throughput scenarios 1-3.
-        #[arg(long, default_value_t = 200_000)]
-        messages: usize,
-        /// Messages preloaded for the naive scenario 4 (one round trip each).
-        #[arg(long, default_value_t = 20_000)]
-        naive_messages: usize,
-        /// Publish rate of the latency runs (messages per second).
-        #[arg(long, default_value_t = 5_000)]
-        rate: u32,
-        /// How long each latency run publishes, e.g. 10s.
-        #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
-        latency_duration: Duration,
-        /// Open turns for the turn-book scale runs, comma-separated.
-        #[arg(long, value_delimiter = ',', default_value = "100000,1000000")]
-        open_turns: Vec<usize>,
-        /// Probe sends per timer-lateness run.
-        #[arg(long, default_value_t = 1_000)]
-        probes: usize,
-        /// Run only these parts: baseline, mixed, turns, naive, latency, turnbook, breakdown.
-        #[arg(long, value_delimiter = ',')]
-        only: Vec<collab_projector::bench::Part>,
-        /// Partitions of the raw stream (default: the configured `nats.partitions`, which
-        /// `COLLAB_NATS__PARTITIONS` overrides).
-        #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
-        partitions: Option<u16>,
-        /// No progress bars.
-        #[arg(long)]
-        quiet: bool,
-    },
+    Bench(BenchArgs),
     /// An HTTP reverse proxy in front of one A2A or AG-UI agent that publishes the traffic it
     /// forwards to the raw stream (docs/relay.md).
     Relay {
@@ -199,6 +161,91 @@ enum Command {
         #[command(subcommand)]
         command: DlqCommand,
     },
+}
+
+/// Flags of `demo`.
+#[derive(Args)]
+struct DemoArgs {
+    /// TOML configuration file (its [nats] section is not used unless --nats-url is given).
+    #[arg(long, short = 'c', env = "COLLAB_CONFIG")]
+    config: Option<PathBuf>,
+    /// Use this NATS server instead of starting one, under the prefix `demo` (streams
+    /// DEMO_RAW, DEMO_PROJ, DEMO_DLQ; buckets demo_*), apart from a deployment's `collab`.
+    /// NATS_URL and COLLAB_NATS__URL are ignored: the demo joins a server only when told here.
+    #[arg(long)]
+    nats_url: Option<String>,
+    #[command(flatten)]
+    worker: WorkerFlags,
+    /// Stop by itself after this long (e.g. 30s); default: until Ctrl-C.
+    #[arg(long, value_parser = humantime::parse_duration)]
+    duration: Option<Duration>,
+    /// Scenarios published per second.
+    #[arg(long, default_value_t = 20)]
+    rate: u32,
+    /// JetStream store for a server the demo starts (default: a temporary directory).
+    #[arg(long)]
+    store_dir: Option<PathBuf>,
+}
+
+/// Flags of `status`.
+#[derive(Args)]
+struct StatusArgs {
+    #[command(flatten)]
+    conn: Conn,
+    /// Refresh every this long (e.g. 2s, 500ms).
+    #[arg(long, default_value = "2s", value_parser = humantime::parse_duration)]
+    interval: Duration,
+    /// Print one snapshot and exit (for scripts).
+    #[arg(long)]
+    once: bool,
+    /// Print the collected worker reports as a JSON array, one line per snapshot.
+    #[arg(long)]
+    json: bool,
+    /// How long to gather the workers' replies to each request.
+    #[arg(long, default_value = "500ms", value_parser = humantime::parse_duration)]
+    wait: Duration,
+    /// Warn about a partition whose oldest pending message is older than this.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
+    warn_pending_age: Duration,
+}
+
+/// Flags of `bench`.
+#[derive(Args)]
+struct BenchArgs {
+    /// Use this server (a fresh prefix per scenario) instead of starting one per scenario.
+    #[arg(long)]
+    nats_url: Option<String>,
+    /// Print the report as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+    /// Messages preloaded for the throughput scenarios 1-3.
+    #[arg(long, default_value_t = 200_000)]
+    messages: usize,
+    /// Messages preloaded for the naive scenario 4 (one round trip each).
+    #[arg(long, default_value_t = 20_000)]
+    naive_messages: usize,
+    /// Publish rate of the latency runs (messages per second).
+    #[arg(long, default_value_t = 5_000)]
+    rate: u32,
+    /// How long each latency run publishes, e.g. 10s.
+    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    latency_duration: Duration,
+    /// Open turns for the turn-book scale runs, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "100000,1000000")]
+    open_turns: Vec<usize>,
+    /// Probe sends per timer-lateness run.
+    #[arg(long, default_value_t = 1_000)]
+    probes: usize,
+    /// Run only these parts: baseline, mixed, turns, naive, latency, turnbook, breakdown.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<collab_projector::bench::Part>,
+    /// Partitions of the raw stream (default: the configured `nats.partitions`, which
+    /// `COLLAB_NATS__PARTITIONS` overrides).
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    partitions: Option<u16>,
+    /// No progress bars.
+    #[arg(long)]
+    quiet: bool,
 }
 
 #[derive(Subcommand)]
@@ -276,7 +323,7 @@ enum DlqCommand {
     /// Republish dead letters to the subject their producer used (after fixing the cause).
     Replay {
         #[command(flatten)]
-        common: Common,
+        conn: Conn,
         /// Only dead letters of this reason (e.g. bad_key).
         #[arg(long)]
         reason: Option<String>,
@@ -294,8 +341,36 @@ async fn connect_for(
     Ok(js)
 }
 
-fn main() -> anyhow::Result<()> {
-    let cli = Cli::parse();
+/// Runs the command; on failure prints one `error:` line (the message and its causes, each once)
+/// and exits 1. No backtrace: these errors are the user's to fix, not the program's.
+fn main() -> ExitCode {
+    match run_cli(Cli::parse()) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            let _ = writeln!(std::io::stderr(), "error: {}", error_text(&e));
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// The error and its causes on one line, leaving out a cause whose text the line already holds
+/// (most errors here quote their source).
+fn error_text(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let part = cause.to_string();
+        if text.contains(&part) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&part);
+    }
+    text
+}
+
+fn run_cli(cli: Cli) -> anyhow::Result<()> {
     if let Command::Normalize {
         config,
         main_agents,
@@ -330,8 +405,10 @@ fn shutdown_token() -> CancellationToken {
     let c = cancel.clone();
     tokio::spawn(async move {
         app::shutdown_signal().await;
-        tracing::info!("shutting down: draining in-flight work");
+        // Cancel first: nothing this task does after the signal may stand between it and the
+        // drain.
         c.cancel();
+        tracing::info!("shutting down: draining in-flight work");
     });
     cancel
 }
@@ -342,250 +419,250 @@ fn metrics_handle() -> Option<metrics_exporter_prometheus::PrometheusHandle> {
     Some(handle)
 }
 
+/// One step per command.
 async fn async_main(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Run {
-            common,
+            conn,
+            worker,
             no_workers,
             no_http,
-        } => {
-            let settings = common.settings()?;
-            let cancel = shutdown_token();
-            let running = app::start(
-                settings,
-                RunOptions {
-                    workers: !no_workers,
-                    http: !no_http,
-                    metrics: metrics_handle(),
-                },
-                cancel.clone(),
-            )
-            .await?;
-            if let Some(addr) = running.http_addr {
-                // Tests and scripts read this line to find an ephemeral port.
-                println!("http listening on {addr}");
-            }
-            cancel.cancelled().await;
-            running.wait().await;
-            tracing::info!("stopped");
-            Ok(())
-        }
-        Command::Demo {
-            common,
-            duration,
-            rate,
-            store_dir,
-        } => {
-            let mut settings = common.settings()?;
-            if common.turn_timeout.is_none() {
-                // Short enough to watch an unanswered turn become a blocked response.
-                settings.turns.default_timeout = Duration::from_secs(10);
-            }
-            let cancel = shutdown_token();
-            demo::run(
-                settings,
-                demo::DemoOptions {
-                    duration,
-                    rate,
-                    store_dir,
-                },
-                metrics_handle(),
-                cancel,
-            )
-            .await?;
-            Ok(())
-        }
-        Command::Provision { common } => {
-            let settings = common.settings()?;
-            let js = connect_for(&settings, "collab-projector provision").await?;
-            let report = bus::provision::provision(&js, &settings).await?;
-            for r in &report.created {
-                println!("created   {r}");
-            }
-            println!(
-                "{} created, {} already present and matching",
-                report.created.len(),
-                report.unchanged.len()
-            );
-            Ok(())
-        }
-        Command::Audit { common, from, to } => {
-            let settings = common.settings()?;
-            let js = connect_for(&settings, "collab-projector audit").await?;
-            let a = collab_projector::ops::audit(&js, &settings.names(), from, to).await?;
-            println!(
-                "raw sequences {}..={}: {} messages, {} projected, {} dead-lettered, {} both, {} neither",
-                a.from, a.to, a.raw, a.projected, a.dead_lettered, a.both.len(), a.neither.len()
-            );
-            for (reason, n) in &a.dlq_by_reason {
-                println!("  dead letters {reason}: {n}");
-            }
-            if !a.holds() {
-                let show = |v: &[u64]| {
-                    v.iter()
-                        .take(20)
-                        .map(u64::to_string)
-                        .collect::<Vec<_>>()
-                        .join(", ")
-                };
-                if !a.both.is_empty() {
-                    println!("projected AND dead-lettered: {}", show(&a.both));
-                }
-                if !a.neither.is_empty() {
-                    println!("neither (lost, or not processed yet): {}", show(&a.neither));
-                }
-                anyhow::bail!("audit failed");
-            }
-            println!(
-                "audit holds: exactly one of projected / dead-lettered for every raw sequence"
-            );
-            Ok(())
-        }
-        Command::Status {
-            common,
-            interval,
-            once,
-            json,
-            wait,
-            warn_pending_age,
-        } => {
-            use collab_projector::status;
-            let settings = common.settings()?;
-            let (client, _js) = bus::connect_as(&settings, "collab-projector status").await?;
-            let opts = status::WatchOptions {
-                interval,
-                wait,
-                once,
-                json,
-                view: status::ViewOptions {
-                    partitions: settings.nats.partitions,
-                    pending_age_warn: warn_pending_age,
-                },
-            };
-            status::watch(&client, &opts, shutdown_token()).await?;
-            Ok(())
-        }
+        } => run(&conn, &worker, no_workers, no_http).await,
+        Command::Demo(args) => run_demo(args).await,
+        Command::Provision { conn } => provision(&conn).await,
+        Command::Audit { conn, from, to } => audit(&conn, from, to).await,
+        Command::Status(args) => status(args).await,
         Command::Dlq {
             command:
                 DlqCommand::Replay {
-                    common,
+                    conn,
                     reason,
                     dry_run,
                 },
-        } => {
-            let settings = common.settings()?;
-            let js = connect_for(&settings, "collab-projector dlq replay").await?;
-            let r = collab_projector::ops::dlq_replay(
-                &js,
-                &settings.names(),
-                reason.as_deref(),
-                dry_run,
-            )
-            .await?;
-            println!(
-                "{} {} dead letters ({} without a source subject skipped)",
-                if dry_run { "would replay" } else { "replayed" },
-                r.replayed,
-                r.skipped,
-            );
-            Ok(())
-        }
-        Command::Bench {
-            nats_url,
-            json,
-            messages,
-            naive_messages,
-            rate,
-            latency_duration,
-            open_turns,
-            probes,
-            only,
-            partitions,
-            quiet,
-        } => {
-            use collab_projector::bench;
-            let partitions = match partitions {
-                Some(p) => p,
-                None => Settings::load(None)?.nats.partitions,
-            };
-            let opts = bench::BenchOptions {
-                nats_url,
-                messages,
-                naive_messages,
-                latency_rate: rate,
-                latency_duration,
-                open_turns,
-                lateness_probes: probes,
-                parts: if only.is_empty() {
-                    bench::Part::ALL.to_vec()
-                } else {
-                    only
-                },
-                partitions,
-                progress: !quiet,
-                metrics: metrics_handle(),
-                ..Default::default()
-            };
-            let report = bench::run(opts).await?;
-            if json {
-                println!("{}", serde_json::to_string_pretty(&report)?);
-            } else {
-                print!("{}", bench::render(&report));
-            }
-            Ok(())
-        }
+        } => dlq_replay(&conn, reason.as_deref(), dry_run).await,
+        Command::Bench(args) => bench(args).await,
         Command::Relay { protocol } => {
             let (protocol, args) = match protocol {
                 RelayCommand::A2a(a) => (relay::Protocol::A2a, a),
                 RelayCommand::Agui(a) => (relay::Protocol::Agui, a),
             };
-            let args = *args;
-            let settings = Settings::load_with(args.config.as_deref(), |s| {
-                if let Some(url) = &args.nats_url {
-                    s.nats.url = url.clone();
-                }
-            })?;
-            let cancel = shutdown_token();
-            // The relay's families only (the workers' would read as a worker that is not ready).
-            let metrics = args
-                .http_addr
-                .as_ref()
-                .and_then(|_| telemetry::prometheus_builder().install_recorder().ok());
-            let running = relay::start(
-                settings,
-                relay::RelayOptions {
-                    protocol,
-                    listen: args.listen,
-                    upstream: args.upstream,
-                    from_agent: args.from_agent,
-                    to_agent: args.to_agent,
-                    from_agent_header: args.from_agent_header,
-                    trust_header_from: args.trust_header_from,
-                    caller_tokens: args.caller_tokens,
-                    rate_limit: args.rate_limit.0,
-                    rate_burst: args.rate_limit_burst,
-                    queue_size: args.queue_size,
-                    queue_bytes: args.queue_bytes,
-                    max_message_bytes: args.max_message_bytes,
-                    http_addr: args.http_addr,
-                    connect_timeout: args.connect_timeout,
-                    drain_timeout: args.drain_timeout,
-                },
-                metrics,
-                cancel,
-            )
-            .await?;
-            // Tests and scripts read these lines to find ephemeral ports.
-            println!("relay listening on {}", running.addr);
-            if let Some(addr) = running.http_addr {
-                println!("http listening on {addr}");
-            }
-            running.wait().await;
-            tracing::info!("stopped");
-            Ok(())
+            run_relay(protocol, *args).await
         }
         Command::Normalize { .. } => Ok(()),
     }
+}
+
+/// `run`: the workers and the HTTP endpoints until SIGTERM / Ctrl-C, then drain.
+async fn run(
+    conn: &Conn,
+    worker: &WorkerFlags,
+    no_workers: bool,
+    no_http: bool,
+) -> anyhow::Result<()> {
+    let settings = conn.settings_with(|s| worker.apply(s))?;
+    let cancel = shutdown_token();
+    let opts = RunOptions {
+        workers: !no_workers,
+        http: !no_http,
+        metrics: metrics_handle(),
+    };
+    let running = match app::start(settings, opts, cancel.clone()).await {
+        Ok(running) => running,
+        // Stopped while still waiting for NATS: nothing was taken, nothing to drain.
+        Err(app::AppError::Stopped) => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    if let Some(addr) = running.http_addr {
+        // Tests and scripts read this line to find an ephemeral port.
+        telemetry::say(&format!("http listening on {addr}"));
+    }
+    cancel.cancelled().await;
+    running.wait().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// `demo`: generated traffic through a local run.
+async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
+    let mut settings = Settings::load_with(args.config.as_deref(), |s| args.worker.apply(s))?;
+    if args.worker.turn_timeout.is_none() {
+        // Short enough to watch an unanswered turn become a blocked response.
+        settings.turns.default_timeout = Duration::from_secs(10);
+    }
+    let opts = demo::DemoOptions {
+        duration: args.duration,
+        rate: args.rate,
+        store_dir: args.store_dir,
+        nats_url: args.nats_url,
+    };
+    let cancel = shutdown_token();
+    demo::run(settings, opts, metrics_handle(), cancel).await?;
+    Ok(())
+}
+
+/// `provision`: create what is missing, report what differs.
+async fn provision(conn: &Conn) -> anyhow::Result<()> {
+    let settings = conn.settings()?;
+    let js = connect_for(&settings, "collab-projector provision").await?;
+    let report = bus::provision::provision(&js, &settings).await?;
+    for r in &report.created {
+        telemetry::say(&format!("created   {r}"));
+    }
+    telemetry::say(&format!(
+        "{} created, {} already present and matching",
+        report.created.len(),
+        report.unchanged.len()
+    ));
+    Ok(())
+}
+
+/// `audit`: exactly one of projected / dead-lettered per raw sequence, or a non-zero exit.
+async fn audit(conn: &Conn, from: u64, to: u64) -> anyhow::Result<()> {
+    let settings = conn.settings()?;
+    let js = connect_for(&settings, "collab-projector audit").await?;
+    let a = collab_projector::ops::audit(&js, &settings.names(), from, to).await?;
+    telemetry::say(&format!(
+        "raw sequences {}..={}: {} messages, {} projected, {} dead-lettered, {} both, {} neither",
+        a.from,
+        a.to,
+        a.raw,
+        a.projected,
+        a.dead_lettered,
+        a.both.len(),
+        a.neither.len()
+    ));
+    for (reason, n) in &a.dlq_by_reason {
+        telemetry::say(&format!("  dead letters {reason}: {n}"));
+    }
+    if !a.holds() {
+        let show = |v: &[u64]| {
+            v.iter()
+                .take(20)
+                .map(u64::to_string)
+                .collect::<Vec<_>>()
+                .join(", ")
+        };
+        if !a.both.is_empty() {
+            telemetry::say(&format!("projected AND dead-lettered: {}", show(&a.both)));
+        }
+        if !a.neither.is_empty() {
+            let shown = show(&a.neither);
+            telemetry::say(&format!("neither (lost, or not processed yet): {shown}"));
+        }
+        anyhow::bail!("audit failed");
+    }
+    telemetry::say("audit holds: exactly one of projected / dead-lettered for every raw sequence");
+    Ok(())
+}
+
+/// `status`: the fleet view until Ctrl-C (or once).
+async fn status(args: StatusArgs) -> anyhow::Result<()> {
+    use collab_projector::status;
+    let settings = args.conn.settings()?;
+    let opts = status::WatchOptions {
+        interval: args.interval,
+        wait: args.wait,
+        once: args.once,
+        json: args.json,
+        view: status::ViewOptions {
+            partitions: settings.nats.partitions,
+            pending_age_warn: args.warn_pending_age,
+        },
+    };
+    let (client, _js) = bus::connect_as(&settings, "collab-projector status").await?;
+    status::watch(&client, &opts, shutdown_token()).await?;
+    Ok(())
+}
+
+/// `dlq replay`: dead letters back to their producer's subject.
+async fn dlq_replay(conn: &Conn, reason: Option<&str>, dry_run: bool) -> anyhow::Result<()> {
+    let settings = conn.settings()?;
+    let js = connect_for(&settings, "collab-projector dlq replay").await?;
+    let r = collab_projector::ops::dlq_replay(&js, &settings.names(), reason, dry_run).await?;
+    telemetry::say(&format!(
+        "{} {} dead letters ({} without a source subject skipped)",
+        if dry_run { "would replay" } else { "replayed" },
+        r.replayed,
+        r.skipped,
+    ));
+    Ok(())
+}
+
+/// `bench`: the scenarios, then the report as a table or JSON.
+async fn bench(args: BenchArgs) -> anyhow::Result<()> {
+    use collab_projector::bench;
+    let partitions = match args.partitions {
+        Some(p) => p,
+        None => Settings::load(None)?.nats.partitions,
+    };
+    let opts = bench::BenchOptions {
+        nats_url: args.nats_url,
+        messages: args.messages,
+        naive_messages: args.naive_messages,
+        latency_rate: args.rate,
+        latency_duration: args.latency_duration,
+        open_turns: args.open_turns,
+        lateness_probes: args.probes,
+        parts: if args.only.is_empty() {
+            bench::Part::ALL.to_vec()
+        } else {
+            args.only
+        },
+        partitions,
+        progress: !args.quiet,
+        metrics: metrics_handle(),
+        ..Default::default()
+    };
+    let report = bench::run(opts).await?;
+    if args.json {
+        telemetry::say(&serde_json::to_string_pretty(&report)?);
+    } else {
+        let mut out = std::io::stdout().lock();
+        let _ = out.write_all(bench::render(&report).as_bytes());
+    }
+    Ok(())
+}
+
+/// `relay a2a|agui`: the proxy until SIGTERM / Ctrl-C, then drain.
+async fn run_relay(protocol: relay::Protocol, args: RelayArgs) -> anyhow::Result<()> {
+    let settings = Settings::load_with(args.config.as_deref(), |s| {
+        if let Some(url) = &args.nats_url {
+            s.nats.url = url.clone();
+        }
+    })?;
+    let cancel = shutdown_token();
+    // The relay's families only (the workers' would read as a worker that is not ready).
+    let metrics = args
+        .http_addr
+        .as_ref()
+        .and_then(|_| telemetry::prometheus_builder().install_recorder().ok());
+    let opts = relay::RelayOptions {
+        protocol,
+        listen: args.listen,
+        upstream: args.upstream,
+        from_agent: args.from_agent,
+        to_agent: args.to_agent,
+        from_agent_header: args.from_agent_header,
+        trust_header_from: args.trust_header_from,
+        caller_tokens: args.caller_tokens,
+        rate_limit: args.rate_limit.0,
+        rate_burst: args.rate_limit_burst,
+        queue_size: args.queue_size,
+        queue_bytes: args.queue_bytes,
+        max_message_bytes: args.max_message_bytes,
+        http_addr: args.http_addr,
+        connect_timeout: args.connect_timeout,
+        drain_timeout: args.drain_timeout,
+    };
+    let running = relay::start(settings, opts, metrics, cancel).await?;
+    // Tests and scripts read these lines to find ephemeral ports.
+    telemetry::say(&format!("relay listening on {}", running.addr));
+    if let Some(addr) = running.http_addr {
+        telemetry::say(&format!("http listening on {addr}"));
+    }
+    running.wait().await;
+    tracing::info!("stopped");
+    Ok(())
 }
 
 fn normalize(
@@ -595,7 +672,7 @@ fn normalize(
 ) -> anyhow::Result<()> {
     let settings = Settings::load_with(config, |s| {
         if let Some(agents) = main_agents {
-            s.roles.main_agents = agents;
+            s.roles.main_agents = main_agent_ids(&agents);
         }
         if let Some(mode) = adapter_mode {
             s.adapter.mode = mode;
@@ -615,4 +692,27 @@ fn normalize(
     }
     out.flush()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_command_line_is_well_formed() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn an_error_names_each_cause_once() {
+        #[derive(Debug, thiserror::Error)]
+        #[error("configuration: {0}")]
+        struct Quoting(#[source] std::io::Error);
+        let inner = std::io::Error::other("unknown field `bogus`");
+        let e = anyhow::Error::new(Quoting(inner));
+        assert_eq!(error_text(&e), "configuration: unknown field `bogus`");
+        let e = anyhow::Error::new(std::io::Error::other("disk full")).context("writing");
+        assert_eq!(error_text(&e), "writing: disk full");
+    }
 }

@@ -208,6 +208,12 @@ pub fn warnings(workers: &[WorkerStatus], opts: &ViewOptions) -> Vec<String> {
         ));
         return out;
     }
+    if !workers.iter().any(|w| w.workers) {
+        out.push(
+            "only API-only processes (run --no-workers) answered: no worker is running, nothing is projected"
+                .to_string(),
+        );
+    }
     let limit_ms = opts.pending_age_warn.as_millis();
     let mut ids: BTreeMap<&str, usize> = BTreeMap::new();
     for w in workers {
@@ -374,6 +380,18 @@ fn worker_row(w: &WorkerStatus, rate: Option<&Rates>) -> [String; 11] {
     ]
 }
 
+/// "2 workers", or "2 workers + 1 API-only" when processes without workers (`run
+/// --no-workers`) answered too: those serve HTTP and are not counted as workers.
+pub fn process_count(processes: &[WorkerStatus]) -> String {
+    let workers = processes.iter().filter(|w| w.workers).count();
+    let api_only = processes.len() - workers;
+    let mut text = format!("{workers} worker{}", if workers == 1 { "" } else { "s" });
+    if api_only > 0 {
+        text.push_str(&format!(" + {api_only} API-only"));
+    }
+    text
+}
+
 fn totals_row(
     workers: &[WorkerStatus],
     rates: &BTreeMap<String, Rates>,
@@ -392,6 +410,7 @@ fn totals_row(
     };
     let owned = usize::from(partitions) - unowned(workers, partitions).len();
     let dash = || "-".to_string();
+    let running: Vec<&WorkerStatus> = workers.iter().filter(|w| w.workers).collect();
     let rate_sum = |f: fn(&Rates) -> f64| {
         if rates.is_empty() {
             dash()
@@ -400,16 +419,12 @@ fn totals_row(
         }
     };
     [
-        format!(
-            "TOTAL ({} worker{})",
-            workers.len(),
-            if workers.len() == 1 { "" } else { "s" }
-        ),
+        format!("TOTAL ({})", process_count(workers)),
         version,
         format!(
             "{}/{}",
-            workers.iter().filter(|w| w.ready).count(),
-            workers.len()
+            running.iter().filter(|w| w.ready).count(),
+            running.len()
         ),
         format!("{owned}/{partitions} owned"),
         workers.iter().map(pending_total).sum::<u64>().to_string(),
@@ -537,10 +552,9 @@ pub async fn watch(
             format!("{}\n", serde_json::to_string(&cur.workers)?)
         } else {
             let header = format!(
-                "collab-projector status  {}  {} worker{} answered within {}{}\n\n",
+                "collab-projector status  {}  {} answered within {}{}\n\n",
                 chrono::Utc::now().format("%Y-%m-%d %H:%M:%S UTC"),
-                cur.workers.len(),
-                if cur.workers.len() == 1 { "" } else { "s" },
+                process_count(&cur.workers),
                 age_text(u64::try_from(opts.wait.as_millis()).unwrap_or(u64::MAX)),
                 if opts.once {
                     String::new()
@@ -793,6 +807,29 @@ TOTAL (2 workers)  0.1.0    2/2    9/9 owned        12    1.5s   100     100    
         assert!(
             empty.contains("warning: no worker answered on $SRV.STATS.collab-projector"),
             "{empty}"
+        );
+    }
+
+    #[test]
+    fn an_api_only_process_is_not_counted_as_a_worker() {
+        let mut api = worker("api", &[]);
+        api.workers = false;
+        let ws = vec![worker("a", &[0, 1]), api.clone()];
+        assert_eq!(process_count(&ws), "1 worker + 1 API-only");
+        let text = render(
+            None,
+            &Snapshot {
+                at_ms: 0,
+                workers: ws,
+            },
+            &opts(2),
+        );
+        assert!(text.contains("TOTAL (1 worker + 1 API-only)"), "{text}");
+        assert!(text.contains(" 1/1 "), "{text}");
+        let alone = warnings(&[api], &opts(2));
+        assert!(
+            alone.iter().any(|w| w.contains("no worker is running")),
+            "{alone:?}"
         );
     }
 

@@ -501,17 +501,61 @@ pub struct PartitionStatus {
 }
 
 /// Initialise logging: `RUST_LOG` filters (default `default_filter`), `COLLAB_LOG_FORMAT=json`
-/// for JSON lines.
+/// for JSON lines. Colour only when standard error is a terminal and `NO_COLOR` is unset or
+/// empty, so files and pipes get plain text.
+///
+/// A log line that cannot be written (its pipe was closed, the disk is full) is dropped: a
+/// failed write must never reach the caller. tracing-subscriber reports a failed write with
+/// `eprintln!`, which panics when standard error is the closed pipe, and that panic would end
+/// whichever task was logging, the one that handles SIGTERM included.
 pub fn init_logging(default_filter: &str) {
     let filter =
         EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new(default_filter));
     let json = std::env::var("COLLAB_LOG_FORMAT").is_ok_and(|v| v == "json");
-    let builder = fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    let builder = fmt()
+        .with_env_filter(filter)
+        .with_writer(|| LossyWriter(std::io::stderr()))
+        .with_ansi(colour_wanted(
+            std::io::IsTerminal::is_terminal(&std::io::stderr()),
+            std::env::var_os("NO_COLOR").as_deref(),
+        ))
+        .log_internal_errors(false);
     let _ = if json {
         builder.json().try_init()
     } else {
         builder.try_init()
     };
+}
+
+/// Whether to colour output: only on a terminal, and never when `NO_COLOR` is set to anything
+/// but the empty string (<https://no-color.org>).
+pub fn colour_wanted(is_terminal: bool, no_color: Option<&std::ffi::OsStr>) -> bool {
+    is_terminal && no_color.is_none_or(std::ffi::OsStr::is_empty)
+}
+
+/// A writer whose writes always succeed: what the inner writer refuses is dropped.
+pub struct LossyWriter<W>(pub W);
+
+impl<W: std::io::Write> std::io::Write for LossyWriter<W> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        let _ = self.0.write_all(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        let _ = self.0.flush();
+        Ok(())
+    }
+}
+
+/// Print one line to standard output, dropping it when standard output is gone (a closed pipe):
+/// unlike `println!`, never panics.
+pub fn say(line: &str) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    let _ = out.write_all(line.as_bytes());
+    let _ = out.write_all(b"\n");
+    let _ = out.flush();
 }
 
 #[cfg(test)]
@@ -551,6 +595,32 @@ mod tests {
                 "{name}: {text}"
             );
         }
+    }
+
+    #[test]
+    fn colour_only_on_a_terminal_without_no_color() {
+        use std::ffi::OsStr;
+        assert!(colour_wanted(true, None));
+        assert!(colour_wanted(true, Some(OsStr::new(""))));
+        assert!(!colour_wanted(true, Some(OsStr::new("1"))));
+        assert!(!colour_wanted(false, None));
+    }
+
+    #[test]
+    fn a_lossy_writer_reports_success_when_its_inner_writer_fails() {
+        use std::io::Write;
+        struct Closed;
+        impl Write for Closed {
+            fn write(&mut self, _: &[u8]) -> std::io::Result<usize> {
+                Err(std::io::ErrorKind::BrokenPipe.into())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Err(std::io::ErrorKind::BrokenPipe.into())
+            }
+        }
+        let mut w = LossyWriter(Closed);
+        assert_eq!(w.write(b"line\n").ok(), Some(5));
+        assert!(w.flush().is_ok());
     }
 
     #[test]

@@ -17,6 +17,7 @@ mod redaction;
 mod relay;
 mod runs;
 mod schemas;
+mod shell;
 mod spec_fixtures;
 mod trust;
 mod turns;

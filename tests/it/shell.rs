@@ -1,0 +1,391 @@
+//! The command line as a newcomer and an operator meet it, through the real binary and a real
+//! nats-server: shutdown with a closed log pipe, a second `run` on a taken HTTP port, flags a
+//! command would ignore, errors printed once, plain logs off a terminal, waiting for NATS, and
+//! `status` with an API-only process.
+
+use std::collections::BTreeMap;
+use std::io::{BufRead, BufReader};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use futures::StreamExt;
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+use crate::pipeline::{start_projector, GUARD};
+use crate::support::{free_port, wait_until, Projector, TestNats};
+
+const BIN: &str = env!("CARGO_BIN_EXE_collab-projector");
+
+/// Generous: it only stops a wedged process from hanging the test; a drain takes about a second.
+const EXIT_BOUND: Duration = Duration::from_secs(20);
+
+/// Partition -> owner, from the leases bucket (an empty map when the bucket does not exist yet).
+async fn lease_owners(js: &async_nats::jetstream::Context) -> BTreeMap<u16, String> {
+    let mut out = BTreeMap::new();
+    let Ok(kv) = js.get_key_value("collab_leases").await else {
+        return out;
+    };
+    let Ok(mut keys) = kv.keys().await else {
+        return out;
+    };
+    let mut names = Vec::new();
+    while let Some(Ok(k)) = keys.next().await {
+        names.push(k);
+    }
+    for k in names {
+        let Some(p) = k.strip_prefix("l.").and_then(|p| p.parse::<u16>().ok()) else {
+            continue;
+        };
+        if let Ok(Some(v)) = kv.get(&k).await {
+            out.insert(p, String::from_utf8_lossy(&v).into_owned());
+        }
+    }
+    out
+}
+
+/// Wait until every one of the 16 default partitions has an owner.
+async fn wait_all_leased(js: &async_nats::jetstream::Context) {
+    wait_until(GUARD, "the worker holds all 16 partition leases", || {
+        let js = js.clone();
+        async move { lease_owners(&js).await.len() == 16 }
+    })
+    .await;
+}
+
+fn sigterm(child: &Child) {
+    let pid = i32::try_from(child.id()).unwrap_or_else(|e| panic!("pid: {e}"));
+    kill(Pid::from_raw(pid), Signal::SIGTERM).unwrap_or_else(|e| panic!("SIGTERM: {e}"));
+}
+
+/// Wait for `child` to exit within [`EXIT_BOUND`]; its exit code, or a panic naming `what`.
+async fn exit_code(child: &mut Child, what: &str) -> i32 {
+    let deadline = Instant::now() + EXIT_BOUND;
+    loop {
+        match child.try_wait() {
+            Ok(Some(status)) => {
+                return status
+                    .code()
+                    .unwrap_or_else(|| panic!("{what}: ended by a signal: {status}"))
+            }
+            Ok(None) if Instant::now() < deadline => {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Ok(None) => {
+                let _ = child.kill();
+                panic!("{what}: still running {EXIT_BOUND:?} after SIGTERM");
+            }
+            Err(e) => panic!("{what}: {e}"),
+        }
+    }
+}
+
+/// `run` with both log pipes to this test, which closes them as `run ... | tee` does when the
+/// pane running `tee` is closed.
+fn spawn_piped(url: &str) -> Child {
+    Command::new(BIN)
+        .args(["run", "--nats-url", url, "--http-addr", "127.0.0.1:0"])
+        .env("RUST_LOG", "info")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("could not run {BIN}: {e}"))
+}
+
+async fn closed_pipe_then_sigterm(close_before_startup: bool) {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let mut child = spawn_piped(&nats.url());
+    let stdout = child.stdout.take();
+    let stderr = child.stderr.take();
+    if close_before_startup {
+        drop((stdout, stderr));
+        wait_all_leased(&js).await;
+    } else {
+        let mut lines = BufReader::new(stdout.unwrap_or_else(|| panic!("no stdout pipe"))).lines();
+        let up = lines.any(|l| l.is_ok_and(|l| l.contains("http listening on")));
+        assert!(up, "the worker never printed its HTTP address");
+        wait_all_leased(&js).await;
+        drop((lines, stderr));
+    }
+    // Log lines written into the closed pipes: the worker must go on.
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert!(
+        matches!(child.try_wait(), Ok(None)),
+        "the worker exited when its log pipe closed: {:?}",
+        child.try_wait()
+    );
+    sigterm(&child);
+    let code = exit_code(&mut child, "the worker with a closed log pipe").await;
+    assert_eq!(code, 0, "the worker did not exit cleanly after SIGTERM");
+    let left = lease_owners(&js).await;
+    assert!(left.is_empty(), "leases still held after exit: {left:?}");
+}
+
+#[tokio::test]
+async fn a_worker_whose_log_pipe_closed_drains_and_exits_on_sigterm() {
+    closed_pipe_then_sigterm(false).await;
+}
+
+#[tokio::test]
+async fn a_worker_whose_log_pipe_closed_during_startup_runs_and_exits_on_sigterm() {
+    closed_pipe_then_sigterm(true).await;
+}
+
+fn output(args: &[&str], envs: &[(&str, &str)]) -> Output {
+    Command::new(BIN)
+        .args(args)
+        .envs(envs.iter().copied())
+        .env_remove("NATS_URL")
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("could not run {BIN}: {e}"))
+}
+
+fn stderr_of(out: &Output) -> String {
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
+#[tokio::test]
+async fn a_second_run_on_a_taken_http_port_names_the_flag_in_one_line() {
+    let nats = TestNats::start().await;
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap_or_else(|e| panic!("{e}"));
+    let addr = taken
+        .local_addr()
+        .unwrap_or_else(|e| panic!("{e}"))
+        .to_string();
+    let out = output(
+        &["run", "--nats-url", &nats.url(), "--http-addr", &addr],
+        &[("RUST_BACKTRACE", "1"), ("RUST_LOG", "error")],
+    );
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    assert!(err.starts_with("error: "), "{err}");
+    assert!(err.contains(&addr), "{err}");
+    assert!(err.contains("--http-addr"), "{err}");
+    assert!(err.contains("--no-http"), "{err}");
+    assert!(!err.contains("backtrace"), "{err}");
+    // Nothing was taken: the address is checked before any partition.
+    let js = nats.jetstream().await;
+    assert!(lease_owners(&js).await.is_empty());
+}
+
+#[test]
+fn commands_refuse_flags_they_would_ignore() {
+    let commands: [&[&str]; 4] = [
+        &["status", "--once"],
+        &["audit"],
+        &["provision"],
+        &["dlq", "replay"],
+    ];
+    let flags: [&[&str]; 3] = [
+        &["--http-addr", "127.0.0.1:9"],
+        &["--turn-timeout", "5s"],
+        &["--main-agents", "a,b"],
+    ];
+    for command in commands {
+        for flag in flags {
+            let mut args = command.to_vec();
+            args.extend_from_slice(flag);
+            let out = output(&args, &[]);
+            let err = stderr_of(&out);
+            assert_eq!(out.status.code(), Some(2), "{args:?}: {err}");
+            assert!(
+                err.contains(&format!("unexpected argument '{}'", flag[0])),
+                "{args:?}: {err}"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_configuration_error_is_printed_once_without_a_backtrace() {
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("{e}"));
+    let file = dir.path().join("bad.toml");
+    std::fs::write(&file, "bogus_section = 1\n").unwrap_or_else(|e| panic!("{e}"));
+    let path = file.to_string_lossy().into_owned();
+    for command in [&["status", "--once"][..], &["audit"], &["run"]] {
+        let mut args = command.to_vec();
+        args.extend_from_slice(&["--config", &path]);
+        let out = output(&args, &[("RUST_BACKTRACE", "1")]);
+        let err = stderr_of(&out);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert_eq!(err.matches("bogus_section").count(), 1, "{args:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
+        assert!(!err.contains("backtrace"), "{args:?}: {err}");
+    }
+}
+
+#[tokio::test]
+async fn logs_in_a_file_are_plain_and_blank_main_agents_still_warn() {
+    let nats = TestNats::start().await;
+    let mut p = start_projector(&nats.url(), &["--main-agents", ""], &[("RUST_LOG", "info")]).await;
+    p.sigterm();
+    let code = p.wait_exit(EXIT_BOUND).await.and_then(|s| s.code());
+    let log = p.log_text();
+    assert_eq!(code, Some(0), "{log}");
+    assert!(log.contains("no main agents configured"), "{log}");
+    assert!(log.contains("stopped"), "{log}");
+    assert!(
+        !log.contains('\u{1b}'),
+        "colour codes in a log file: {log:?}"
+    );
+}
+
+#[tokio::test]
+async fn status_counts_an_api_only_process_apart_from_the_workers() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let _worker = start_projector(&nats.url(), &[], &[]).await;
+    let _api = start_projector(&nats.url(), &["--no-workers"], &[]).await;
+    wait_all_leased(&js).await;
+    let url = nats.url();
+    let mut text = String::new();
+    wait_until(
+        GUARD,
+        "status sees the worker and the API-only process",
+        || {
+            let out = output(&["status", "--once", "--nats-url", &url], &[]);
+            text = String::from_utf8_lossy(&out.stdout).into_owned();
+            let seen = text.contains("1 worker + 1 API-only answered");
+            async move { seen }
+        },
+    )
+    .await;
+    assert!(text.contains("TOTAL (1 worker + 1 API-only)"), "{text}");
+    assert!(text.contains("api only"), "{text}");
+}
+
+#[tokio::test]
+async fn run_waits_for_nats_and_one_shot_commands_say_it_is_down() {
+    let port = free_port();
+    let url = format!("nats://127.0.0.1:{port}");
+    // One-shot commands stop at once, naming the server and the fix.
+    for command in [&["status", "--once"][..], &["audit"], &["provision"]] {
+        let mut args = command.to_vec();
+        args.extend_from_slice(&["--nats-url", &url]);
+        let out = output(&args, &[]);
+        let err = stderr_of(&out);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(err.contains("cannot connect to NATS at"), "{args:?}: {err}");
+        assert_eq!(err.trim_end().lines().count(), 1, "{args:?}: {err}");
+    }
+    // What waiting cannot fix stops `run` at once.
+    let out = output(
+        &["run", "--no-http", "--nats-url", "nats://bad host:x"],
+        &[],
+    );
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(err.contains("invalid server URL"), "{err}");
+    // `run` waits, says so, and starts when the server comes.
+    let mut p = Projector::spawn(&url, &[], &[("RUST_LOG", "info")]);
+    wait_until(GUARD, "run says it waits for NATS", || {
+        let said = p.log_text().contains("waiting for NATS");
+        async move { said }
+    })
+    .await;
+    let mut server = collab_projector::localnats::LocalNats::start(
+        collab_projector::localnats::LocalNatsOptions {
+            port,
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("nats-server on port {port}: {e}"));
+    let js = async_nats::jetstream::new(
+        async_nats::connect(&url)
+            .await
+            .unwrap_or_else(|e| panic!("{e}")),
+    );
+    wait_all_leased(&js).await;
+    p.sigterm();
+    let code = p.wait_exit(EXIT_BOUND).await.and_then(|s| s.code());
+    assert_eq!(code, Some(0), "{}", p.log_text());
+    // SIGTERM while still waiting is a clean stop too.
+    server.stop().await;
+    let mut waiting = Projector::spawn(&url, &[], &[("RUST_LOG", "info")]);
+    wait_until(GUARD, "the second run waits for NATS", || {
+        let said = waiting.log_text().contains("waiting for NATS");
+        async move { said }
+    })
+    .await;
+    waiting.sigterm();
+    let code = waiting.wait_exit(EXIT_BOUND).await.and_then(|s| s.code());
+    assert_eq!(code, Some(0), "{}", waiting.log_text());
+}
+
+/// The streams a server holds.
+async fn stream_names(js: &async_nats::jetstream::Context) -> Vec<String> {
+    js.stream_names()
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .filter_map(Result::ok)
+        .collect()
+}
+
+fn demo(extra: &[&str], envs: &[(&str, &str)]) -> (Option<i32>, String) {
+    let mut args = vec!["demo", "--duration", "5s", "--http-addr", "127.0.0.1:0"];
+    args.extend_from_slice(extra);
+    let out = Command::new(BIN)
+        .args(&args)
+        .envs(envs.iter().copied())
+        .stdin(Stdio::null())
+        .output()
+        .unwrap_or_else(|e| panic!("could not run {BIN}: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
+#[tokio::test]
+async fn the_demo_never_joins_a_server_it_was_not_told_to() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let url = nats.url();
+    // A deployment's usual environment points at the running server: the demo ignores it.
+    let (code, text) = demo(&[], &[("NATS_URL", &url), ("COLLAB_NATS__URL", &url)]);
+    assert_eq!(code, Some(0), "{text}");
+    assert!(text.contains("started a nats-server of its own"), "{text}");
+    assert!(!text.contains(&url), "{text}");
+    let streams = stream_names(&js).await;
+    assert!(streams.is_empty(), "the demo touched {url}: {streams:?}");
+}
+
+#[tokio::test]
+async fn a_demo_told_to_join_says_so_and_keeps_to_its_own_prefix() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let url = nats.url();
+    let (code, text) = demo(&["--nats-url", &url], &[]);
+    assert_eq!(code, Some(0), "{text}");
+    let first = text.lines().take(3).collect::<Vec<_>>().join("\n");
+    assert!(
+        first.contains(&format!("JOINING the NATS server at {url}")),
+        "{text}"
+    );
+    assert!(first.contains("DEMO_RAW"), "{text}");
+    let streams = stream_names(&js).await;
+    assert!(streams.iter().any(|s| s == "DEMO_RAW"), "{streams:?}");
+    assert!(
+        !streams.iter().any(|s| s.starts_with("COLLAB")),
+        "{streams:?}"
+    );
+    // The periodic summaries keep the viewer's address in sight, and an empty reason list is
+    // not printed.
+    let summaries: Vec<&str> = text.lines().filter(|l| l.starts_with("--- ")).collect();
+    assert!(!summaries.is_empty(), "{text}");
+    assert!(
+        summaries
+            .iter()
+            .all(|l| l.contains("viewer: http://127.0.0.1:")),
+        "{text}"
+    );
+    assert!(!text.contains("()"), "{text}");
+}
