@@ -1,5 +1,5 @@
-//! The partition worker: what the partitions of one worker share ([`WorkerContext`]) and how one
-//! partition runs ([`run_partition`]): claim it, reload its turns, open (or recreate) its
+//! How one partition runs ([`run_partition`]) over what the partitions of a worker share
+//! ([`WorkerContext`], in `context`): claim it, reload its turns, open (or recreate) its
 //! consumer, then compose its jobs, each in a file of its own:
 //!
 //! - `reader`: reads the partition in stream order and processes each input, accounting
@@ -27,7 +27,6 @@ pub use super::runtime::ThreadRuntime;
 use super::stats::sample_lag;
 pub use super::stats::{PartitionLag, WorkerState, LAG_SAMPLE_EVERY};
 use super::turns::{Flush, PartitionTurns, TurnIoError};
-
 use crate::telemetry;
 use crate::turns::book::Watermark;
 use async_nats::jetstream;
