@@ -50,7 +50,7 @@ pub fn parse_timestamp(v: &Value) -> Option<String> {
 /// Whether an event carries an upstream failure signal (for the phase facet): any row of the
 /// contract's failure table, the same table the turn contract decides blocked outcomes with.
 pub fn carries_failure(fields: &Fields<'_>, event_type: &str) -> bool {
-    crate::turns::failure_signal(fields, event_type).is_some()
+    crate::facts::failure_signal(fields, event_type).is_some()
 }
 
 /// The conversation key of an event, if it has one.

@@ -321,15 +321,15 @@ fn normalize_unredacted(
 
 /// Map an A2A wire body: translate it into the collaboration event it stands for, then map
 /// that like any other. The turn contract reads its facts from the translated event; the
-/// conversation key is the subject key the relay chose for the exchange, whatever `contextId`
-/// the answers reveal (the envelope's `conversationId` shows the context).
+/// conversation is the exchange's (the subject key the relay chose for it), whatever `contextId`
+/// the answers reveal (the payload's `contextId` shows the context).
 fn from_wire(
     obj: &serde_json::Map<String, Value>,
     input: &RawInput<'_>,
     settings: &Settings,
 ) -> Result<Normalized, Rejection> {
     let key = input.subject.as_ref().map(|s| s.key.clone());
-    let translated = a2a_wire::translate(obj, key.as_deref().unwrap_or("_"), &input.relay)?;
+    let translated = a2a_wire::translate(obj, key.as_deref(), &input.relay)?;
     let offline = RawInput {
         bytes: input.bytes,
         subject: None,
@@ -345,7 +345,6 @@ fn from_wire(
         None => {}
     }
     if n.conversation_id.is_some() {
-        n.conversation_id = Some(n.key.clone());
         n.source = Some(std::sync::Arc::new(translated));
     }
     Ok(n)

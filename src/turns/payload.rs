@@ -272,7 +272,7 @@ impl RunFailedPayload {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ingest::agui::TYPE_FIELD;
+    use crate::facts::TYPE_FIELD;
     use serde_json::json;
 
     #[test]

@@ -20,7 +20,7 @@ use super::payload::{
 };
 use super::{ExchangeKind, Reason, SuppressReason, TurnEventKind, TurnFacts, TurnRecord, Winner};
 use crate::facets;
-use crate::ingest::agui::{AgUiFacts, TYPE_FIELD};
+use crate::facts::{AgUiFacts, TYPE_FIELD};
 use crate::model::{encode_id, Envelope, RawEventRef, Role};
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
