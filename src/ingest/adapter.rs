@@ -164,17 +164,17 @@ pub enum AdapterError {
     InvalidJson { detail: String },
     /// Raw packet larger than `max_bytes`.
     #[error(
-        "packet is {size} bytes, over the adapter limit of {limit} bytes; shrink it or raise the limit"
+        "packet is {size} bytes, over the adapter limit of {limit} bytes; shrink it or raise adapter.limits.max_bytes"
     )]
     TooLarge { size: usize, limit: usize },
     /// A value deeper than `max_depth`.
     #[error(
-        "field `{path}` nests deeper than the adapter limit of {limit} levels; flatten it or raise the limit"
+        "field `{path}` nests deeper than the adapter limit of {limit} levels; flatten it or raise adapter.limits.max_depth"
     )]
     TooDeep { path: String, limit: usize },
     /// An array longer than `max_array_len`.
     #[error(
-        "array `{path}` has {len} items, over the adapter limit of {limit}; shorten it or raise the limit"
+        "array `{path}` has {len} items, over the adapter limit of {limit}; shorten it or raise adapter.limits.max_array_len"
     )]
     ArrayTooLong {
         path: String,
