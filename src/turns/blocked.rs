@@ -2,25 +2,17 @@
 //! upstream failure normalised into a blocked outcome, or a synthesised blocked outcome) and the
 //! `a2a.response.suppressed` record of any further response.
 
+use super::payload::{rfc3339, suppression};
 use super::payload::{
     BlockedOutcome, BlockedPayload, DeadlineEvidence, DeadlineKind, Evidence, MessageEvidence,
-    SuppressedPayload, TurnOutcome, TurnWinnerRef, WinnerRef,
+    TurnOutcome, TurnWinnerRef, WinnerRef,
 };
 use super::{ExchangeKind, Reason, SuppressReason, TurnRecord, Winner};
 use crate::facets;
 use crate::model::{Envelope, RawEventRef, Role};
-use chrono::{SecondsFormat, TimeZone, Utc};
 use serde_json::{Map, Value};
 
 const SECTIONS: [&str; 4] = ["goal", "outcome", "evidence", "next_action"];
-
-/// Milliseconds since the epoch as RFC 3339 UTC with milliseconds.
-pub(crate) fn rfc3339(ms: i64) -> String {
-    Utc.timestamp_millis_opt(ms)
-        .single()
-        .map(|t| t.to_rfc3339_opts(SecondsFormat::Millis, true))
-        .unwrap_or_default()
-}
 
 /// Read the seed's handoff sections (`goal:`, `outcome:`, `evidence:`, `next_action:`) from a
 /// message text. All four must be present; a section runs until the next one.
@@ -326,30 +318,6 @@ pub fn suppressed(env: &Envelope, rec: &TurnRecord, reason: SuppressReason) -> E
         turn: rec.turn.clone(),
     });
     suppression(env, "a2a.response.suppressed", reason, winner_ref)
-}
-
-/// A further response or terminal, kept on `system.observability` as `event_type`: the reason,
-/// `winner_ref` pointing at what won, and the event's own payload (under `response` for a turn,
-/// `terminal` for a run).
-pub(crate) fn suppression(
-    env: &Envelope,
-    event_type: &str,
-    reason: SuppressReason,
-    winner_ref: WinnerRef,
-) -> Envelope {
-    let mut out = env.clone();
-    out.event_type = event_type.into();
-    out.event_role = Some(Role::SystemObservability);
-    out.owner = None;
-    out.scope = None;
-    out.phase = None;
-    out.surface = None;
-    out.persistence = None;
-    let original = out.payload.take();
-    let record = SuppressedPayload::new(reason, winner_ref, original);
-    out.payload = serde_json::to_value(record).ok();
-    facets::apply(&mut out, &facets::derive(event_type, None, false));
-    out
 }
 
 #[cfg(test)]

@@ -13,7 +13,7 @@
 //! when the timeout is decided, from the run's raw events ([`RunScan`]), which the raw stream keeps
 //! unchanged: a crash and a republish derive the same ends with the same Msg-Ids.
 
-use super::blocked::rfc3339;
+use super::payload::rfc3339;
 use super::payload::{
     DeadlineEvidence, DeadlineKind, Evidence, MessageEvidence, RunErrorType, RunFailedPayload,
     RunOutcome, RunWinnerRef, WinnerRef,
@@ -431,7 +431,7 @@ pub fn suppressed(env: &Envelope, rec: &TurnRecord, reason: SuppressReason) -> E
         run_id: rec.turn.clone(),
         thread_id: rec.send.as_ref().and_then(|s| s.thread_id.clone()),
     });
-    super::blocked::suppression(env, SUPPRESSED_TYPE, reason, winner_ref)
+    super::payload::suppression(env, SUPPRESSED_TYPE, reason, winner_ref)
 }
 
 #[cfg(test)]

@@ -332,3 +332,158 @@ async fn a_conversation_the_caller_starts_without_a_context_stays_one_conversati
     assert_eq!(blocked.len(), 1, "the hanging conversation ends blocked");
     assert_eq!(text(&blocked[0]["workSessionId"]), sends[&hang_turn].1);
 }
+
+/// Publish one wire body as a relay would: under the exchange's key, with its headers.
+async fn relayed(
+    js: &async_nats::jetstream::Context,
+    exchange: &str,
+    direction: &str,
+    body: Value,
+) {
+    let mut headers = async_nats::HeaderMap::new();
+    for (name, value) in [
+        ("Collab-From-Agent", "ruda"),
+        ("Collab-To-Agent", "eden"),
+        ("Collab-Exchange", exchange),
+        ("Collab-A2A-Method", "message/stream"),
+        ("Collab-Direction", direction),
+    ] {
+        headers.insert(name, value);
+    }
+    js.publish_with_headers(
+        format!("collab.raw.{exchange}.a2a.wire"),
+        headers,
+        serde_json::to_vec(&body)
+            .unwrap_or_else(|e| panic!("{e}"))
+            .into(),
+    )
+    .await
+    .unwrap_or_else(|e| panic!("raw publish: {e}"))
+    .await
+    .unwrap_or_else(|e| panic!("raw publish not acknowledged: {e}"));
+}
+
+/// The same without the SDK or a relay: wire bodies published with the relay's headers straight
+/// onto a real nats-server, through the worker. A streamed exchange whose frames carry the
+/// agent's context and that is never answered: its request, frames and synthesised blocked
+/// outcome are one conversation and one work session; an answered one likewise.
+#[tokio::test]
+async fn wire_bodies_of_one_exchange_share_its_conversation_through_the_worker() {
+    let nats = TestNats::start().await;
+    provision_with_binary(&nats.url(), [("RUST_LOG", "warn")]);
+    let js = nats.jetstream().await;
+    let http_port = free_port();
+    let addr = format!("127.0.0.1:{http_port}");
+    let _projector = Projector::spawn_command(
+        &[
+            "run",
+            "--nats-url",
+            &nats.url(),
+            "--http-addr",
+            &addr,
+            "--main-agents",
+            "ruda,eden",
+            "--turn-timeout",
+            "2s",
+        ],
+        &[("RUST_LOG", "info")],
+    );
+    let send = |id: &str| {
+        serde_json::json!({"jsonrpc": "2.0", "id": id, "method": "message/stream", "params": {"message": {
+            "role": "user", "messageId": format!("m-{id}"), "parts": [{"kind": "text", "text": format!("ask {id}")}]}}})
+    };
+    let frame = |id: &str, state: &str, last: bool| {
+        serde_json::json!({"jsonrpc": "2.0", "id": id, "result": {"kind": "status-update", "taskId": format!("t-{id}"),
+            "contextId": format!("agent-ctx-{id}"), "final": last, "status": {"state": state,
+            "message": {"role": "agent", "messageId": format!("r-{id}"), "parts": [{"kind": "text", "text": "done"}]}}}})
+    };
+    // Never answered: submitted, working, then silence.
+    relayed(&js, "ex-silent", "request", send("ex-silent")).await;
+    relayed(
+        &js,
+        "ex-silent",
+        "answer",
+        frame("ex-silent", "submitted", false),
+    )
+    .await;
+    relayed(
+        &js,
+        "ex-silent",
+        "answer",
+        frame("ex-silent", "working", false),
+    )
+    .await;
+    // Answered: working, then completed.
+    relayed(&js, "ex-answered", "request", send("ex-answered")).await;
+    relayed(
+        &js,
+        "ex-answered",
+        "answer",
+        frame("ex-answered", "working", false),
+    )
+    .await;
+    relayed(
+        &js,
+        "ex-answered",
+        "answer",
+        frame("ex-answered", "completed", true),
+    )
+    .await;
+
+    wait_until(WAIT, "both exchanges have their response", || {
+        let js = js.clone();
+        async move {
+            read_all(
+                &js,
+                "COLLAB_PROJ",
+                "collab.proj.conversation.main.*.a2a.response",
+            )
+            .await
+            .len()
+                == 2
+        }
+    })
+    .await;
+    let everything = read_all(&js, "COLLAB_PROJ", "collab.proj.>").await;
+    for exchange in ["ex-silent", "ex-answered"] {
+        let events: Vec<Value> = everything
+            .iter()
+            .map(|m| m.json())
+            .filter(|e| turn_of(e) == exchange)
+            .collect();
+        let types: BTreeSet<String> = events.iter().map(|e| text(&e["type"])).collect();
+        assert!(
+            types.contains("a2a.send")
+                && types.contains("a2a.response")
+                && types.contains("task.updated"),
+            "{exchange}: {types:?}"
+        );
+        for e in &events {
+            assert_eq!(e["conversationId"], exchange, "{e:#}");
+            assert_eq!(e["workSessionId"], exchange, "{e:#}");
+        }
+    }
+    let decided = |listed: &[Value]| {
+        listed.len() == 2
+            && listed.iter().all(|s| {
+                let n = |k: &str| s[k].as_u64().unwrap_or(0);
+                n("openTurns") == 0 && n("answeredTurns") + n("blockedTurns") == 1
+            })
+    };
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !decided(&sessions(http_port).await) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let listed = sessions(http_port).await;
+    assert!(
+        decided(&listed),
+        "sessions: {:#}",
+        Value::Array(listed.clone())
+    );
+    let silent = listed
+        .iter()
+        .find(|s| s["id"] == "ex-silent")
+        .unwrap_or_else(|| panic!("no session ex-silent: {listed:#?}"));
+    assert_eq!(silent["blockedTurns"], 1);
+    assert_eq!(silent["title"], "ask ex-silent");
+}
