@@ -1021,106 +1021,19 @@ impl WorkSession {
             }
         }
         let event_count = counts_by_role.values().sum();
-        let participants: Vec<ParticipantView> = self
-            .participants
-            .values()
-            .filter(|p| p.roles.iter().any(visible))
-            .map(|p| {
-                let roles: Vec<Role> = Role::ALL
-                    .into_iter()
-                    .filter(|r| p.roles.contains(r) && visible(r))
-                    .collect();
-                ParticipantView {
-                    id: p.id.clone(),
-                    kind: roles
-                        .iter()
-                        .find_map(|r| p.kinds.get(r).copied())
-                        .unwrap_or_default(),
-                    role: roles.first().copied(),
-                    display_name: roles.iter().find_map(|r| p.display_names.get(r).cloned()),
-                    roles,
-                    coordinator: p.coordinator && visible(&Role::DelegationSubagent),
-                    worker: p.worker && visible(&Role::DelegationSubagent),
-                }
-            })
-            .collect();
-        let turns_visible = visible(&Role::ConversationMain);
-        // Retired threads that held a visible role; their turns only when turns are visible.
-        let visible_mask = role_mask(opts.roles);
-        let retired = self
-            .retired
-            .iter()
-            .filter(|(mask, _)| *mask & visible_mask != 0)
-            .fold(RetiredThreads::default(), |mut sum, (_, r)| {
-                sum.threads += r.threads;
-                if turns_visible {
-                    sum.answered_turns += r.answered_turns;
-                    sum.blocked_turns += r.blocked_turns;
-                }
-                sum
-            });
+        let retired = self.retired_visible(opts.roles);
         let mut threads: Vec<ThreadView> = self
             .threads
             .values()
             .filter(|t| t.counts.keys().any(visible))
-            .map(|t| {
-                let count = |m: TurnMark| {
-                    if turns_visible {
-                        t.turns.values().filter(|x| **x == m).count() as u64
-                    } else {
-                        0
-                    }
-                };
-                let sides = Role::ALL
-                    .into_iter()
-                    .filter(visible)
-                    .find_map(|r| t.sides.get(&r));
-                let span = visible_span(
-                    &t.spans,
-                    opts.roles,
-                    Span {
-                        first: t.first_time.clone(),
-                        last: t.last_time.clone(),
-                    },
-                );
-                ThreadView {
-                    id: format!("conv:{}", t.conversation_id),
-                    conversation_id: t.conversation_id.clone(),
-                    from_agent: sides.and_then(|s| s.from_agent.clone()),
-                    to_agent: sides.and_then(|s| s.to_agent.clone()),
-                    roles: Role::ALL
-                        .into_iter()
-                        .filter(|r| t.counts.contains_key(r) && visible(r))
-                        .collect(),
-                    event_count: t
-                        .counts
-                        .iter()
-                        .filter(|(r, _)| visible(r))
-                        .map(|(_, n)| n)
-                        .sum(),
-                    start_time: span.first,
-                    last_time: span.last,
-                    open_turns: count(TurnMark::Open),
-                    blocked_turns: count(TurnMark::Blocked),
-                    answered_turns: count(TurnMark::Answered),
-                }
-            })
+            .map(|t| t.view(opts.roles))
             .collect();
         threads.sort_by(|a, b| {
             b.last_time
                 .cmp(&a.last_time)
                 .then_with(|| a.conversation_id.cmp(&b.conversation_id))
         });
-        let last = self
-            .last_message
-            .iter()
-            .filter(|(r, _)| visible(r))
-            .map(|(_, m)| m)
-            .reduce(|a, b| match (&a.timestamp, &b.timestamp) {
-                (Some(x), Some(y)) if later(y, x) => b,
-                (None, Some(_)) => b,
-                _ => a,
-            });
+        let last = self.last_visible_message(opts.roles);
         let span = visible_span(
             &self.spans,
             opts.roles,
@@ -1156,9 +1069,115 @@ impl WorkSession {
                 + retired.answered_turns,
             last_message_preview: last.map(|m| m.preview.clone()),
             last_message_timestamp: last.and_then(|m| m.timestamp.clone()),
-            participants,
+            participants: self.participant_views(opts.roles),
             threads,
         })
+    }
+
+    /// The participants seen in `roles`, each with its kind, name and roles as those roles gave
+    /// them.
+    fn participant_views(&self, roles: &[Role]) -> Vec<ParticipantView> {
+        let visible = |r: &Role| roles.contains(r);
+        self.participants
+            .values()
+            .filter(|p| p.roles.iter().any(visible))
+            .map(|p| {
+                let roles: Vec<Role> = Role::ALL
+                    .into_iter()
+                    .filter(|r| p.roles.contains(r) && visible(r))
+                    .collect();
+                ParticipantView {
+                    id: p.id.clone(),
+                    kind: roles
+                        .iter()
+                        .find_map(|r| p.kinds.get(r).copied())
+                        .unwrap_or_default(),
+                    role: roles.first().copied(),
+                    display_name: roles.iter().find_map(|r| p.display_names.get(r).cloned()),
+                    roles,
+                    coordinator: p.coordinator && visible(&Role::DelegationSubagent),
+                    worker: p.worker && visible(&Role::DelegationSubagent),
+                }
+            })
+            .collect()
+    }
+
+    /// Retired threads that held one of `roles`; their turns only when turns are visible.
+    fn retired_visible(&self, roles: &[Role]) -> RetiredThreads {
+        let turns_visible = roles.contains(&Role::ConversationMain);
+        let visible_mask = role_mask(roles);
+        self.retired
+            .iter()
+            .filter(|(mask, _)| *mask & visible_mask != 0)
+            .fold(RetiredThreads::default(), |mut sum, (_, r)| {
+                sum.threads += r.threads;
+                if turns_visible {
+                    sum.answered_turns += r.answered_turns;
+                    sum.blocked_turns += r.blocked_turns;
+                }
+                sum
+            })
+    }
+
+    /// The latest last message of the visible roles.
+    fn last_visible_message(&self, roles: &[Role]) -> Option<&LastMessage> {
+        self.last_message
+            .iter()
+            .filter(|(r, _)| roles.contains(r))
+            .map(|(_, m)| m)
+            .reduce(|a, b| match (&a.timestamp, &b.timestamp) {
+                (Some(x), Some(y)) if later(y, x) => b,
+                (None, Some(_)) => b,
+                _ => a,
+            })
+    }
+}
+
+impl Thread {
+    /// The thread as a caller who may see `roles` sees it (turns only with `conversation.main`).
+    fn view(&self, roles: &[Role]) -> ThreadView {
+        let visible = |r: &Role| roles.contains(r);
+        let turns_visible = visible(&Role::ConversationMain);
+        let count = |m: TurnMark| {
+            if turns_visible {
+                self.turns.values().filter(|x| **x == m).count() as u64
+            } else {
+                0
+            }
+        };
+        let sides = Role::ALL
+            .into_iter()
+            .filter(visible)
+            .find_map(|r| self.sides.get(&r));
+        let span = visible_span(
+            &self.spans,
+            roles,
+            Span {
+                first: self.first_time.clone(),
+                last: self.last_time.clone(),
+            },
+        );
+        ThreadView {
+            id: format!("conv:{}", self.conversation_id),
+            conversation_id: self.conversation_id.clone(),
+            from_agent: sides.and_then(|s| s.from_agent.clone()),
+            to_agent: sides.and_then(|s| s.to_agent.clone()),
+            roles: Role::ALL
+                .into_iter()
+                .filter(|r| self.counts.contains_key(r) && visible(r))
+                .collect(),
+            event_count: self
+                .counts
+                .iter()
+                .filter(|(r, _)| visible(r))
+                .map(|(_, n)| n)
+                .sum(),
+            start_time: span.first,
+            last_time: span.last,
+            open_turns: count(TurnMark::Open),
+            blocked_turns: count(TurnMark::Blocked),
+            answered_turns: count(TurnMark::Answered),
+        }
     }
 }
 
