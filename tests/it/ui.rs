@@ -433,6 +433,13 @@ async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropp
         r#"return document.querySelector('li.row[data-key="browser-1"][data-type="a2a.send"]') !== null;"#,
     )
     .await;
+    // This token may not read system.observability, where suppressed replies are: the view
+    // says so rather than promising them.
+    let note = text_of(&client, "#timeline-note").await;
+    assert!(
+        note.contains("Suppressed replies are system.observability events"),
+        "{note}"
+    );
     click(&client, "#debug").await;
     wait_for(
         &client,
