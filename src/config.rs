@@ -434,6 +434,9 @@ impl Default for RoleSettings {
 pub struct AdapterSettings {
     /// `lenient` (substitute missing ids) or `strict` (reject them).
     pub mode: AdapterMode,
+    /// Bounds an adapter packet must keep before it is mapped (`[adapter.limits]`); a packet
+    /// past one is dead-lettered `adapter_rejected`, the detail naming the bound.
+    pub limits: AdapterLimits,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -799,6 +802,12 @@ impl Settings {
                 self.nats.prefix
             ));
         }
+        let a = &self.adapter.limits;
+        if a.max_bytes == 0 || a.max_depth == 0 || a.max_array_len == 0 {
+            return bad(
+                "adapter.limits.max_bytes, max_depth and max_array_len must be at least 1".into(),
+            );
+        }
         if self.nats.partitions == 0 || self.nats.partitions > 1024 {
             return bad("nats.partitions must be between 1 and 1024".into());
         }
@@ -879,7 +888,7 @@ impl Settings {
         Ok(crate::ingest::Settings {
             main_agents: crate::classify::MainAgents::new(&self.roles.main_agents),
             adapter_mode: self.adapter.mode,
-            adapter_limits: AdapterLimits::default(),
+            adapter_limits: self.adapter.limits,
             max_payload_bytes: self.limits.max_payload_bytes,
             shape: crate::ingest::ShapeLimits {
                 max_depth: self.limits.max_depth,

@@ -13,6 +13,8 @@
 //! - [`identity`]: which agent a raw subject says published a message, and whether the event
 //!   speaks only as that agent (pure).
 //! - `facets`: owner / scope / phase / surface derived from the event class.
+//! - [`facts`]: facts the normaliser and the turn rules both read (failure signals, blocked
+//!   reasons, AG-UI types), kept below both.
 //! - [`pipeline`]: a raw message to the messages to publish (projections or a dead letter).
 //! - [`redact`]: secret redaction, applied to every input right after it is parsed.
 //! - [`blobs`]: large fields moved to the object store and replaced by a reference.
@@ -63,6 +65,7 @@ pub mod config;
 #[cfg(feature = "tools")]
 pub mod demo;
 mod facets;
+pub mod facts;
 #[cfg(test)]
 mod golden;
 mod http;

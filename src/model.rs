@@ -288,7 +288,6 @@ pub fn encode_id(id: &str) -> String {
 }
 
 /// Reverse [`encode_id`] where it is reversible. Hashed ids give `None`.
-#[cfg(test)]
 pub fn decode_id(token: &str) -> Option<String> {
     if let Some(b64) = token.strip_prefix("_b") {
         let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD

@@ -525,21 +525,11 @@ pub fn fold_into(
     keys: &SessionKeys,
     identity: Identity,
 ) -> bool {
-    let role = env.event_role.unwrap_or(Role::SystemObservability);
-    let conv = keys.conversation_id.clone();
-    let is_turn_response = role == Role::ConversationMain && env.event_type == "a2a.response";
-    let turn = turn_id(env);
+    let ev = Folded::of(env);
     // A turn has one response: a second one for a decided turn (a previous owner's decision
     // stored past the duplicate window) changes nothing.
-    if is_turn_response {
-        let decided = conv
-            .as_ref()
-            .and_then(|c| s.threads.get(c))
-            .and_then(|t| t.turns.get(&turn))
-            .is_some_and(|m| *m != TurnMark::Open);
-        if decided {
-            return false;
-        }
+    if ev.is_turn_response && turn_decided(s, keys, &ev.turn) {
+        return false;
     }
     let applied = s.applied.entry(identity.partition).or_default();
     if applied.seen(identity.position) {
@@ -550,21 +540,71 @@ pub fn fold_into(
     if s.work_session_id.is_none() {
         s.work_session_id = keys.work_session_id.clone();
     }
+    count(s, &ev);
+    note_text(s, &ev);
+    note_last_message(s, &ev);
+    note_participants(s, &ev);
+    if let Some(c) = &keys.conversation_id {
+        note_thread(s, c, &ev);
+    }
+    true
+}
+
+/// What the fold reads from one envelope.
+struct Folded<'a> {
+    env: &'a Envelope,
+    role: Role,
+    turn: String,
+    is_turn_response: bool,
+    at: Option<String>,
+    from: Option<String>,
+    to: Option<String>,
+    text: Option<&'a str>,
+}
+
+impl<'a> Folded<'a> {
+    fn of(env: &'a Envelope) -> Folded<'a> {
+        let role = env.event_role.unwrap_or(Role::SystemObservability);
+        Folded {
+            env,
+            role,
+            turn: turn_id(env),
+            is_turn_response: role == Role::ConversationMain && env.event_type == "a2a.response",
+            at: event_time(env),
+            from: field_id(env, "fromAgent"),
+            to: field_id(env, "toAgent"),
+            text: message_text(env),
+        }
+    }
+}
+
+/// Whether the event's turn already has an outcome in its thread.
+fn turn_decided(s: &WorkSession, keys: &SessionKeys, turn: &str) -> bool {
+    keys.conversation_id
+        .as_ref()
+        .and_then(|c| s.threads.get(c))
+        .and_then(|t| t.turns.get(turn))
+        .is_some_and(|m| *m != TurnMark::Open)
+}
+
+/// Counts by role and type, and the session's times.
+fn count(s: &mut WorkSession, ev: &Folded<'_>) {
     *s.counts
-        .entry(role)
+        .entry(ev.role)
         .or_default()
-        .entry(env.event_type.clone())
+        .entry(ev.env.event_type.clone())
         .or_insert(0) += 1;
-    let at = event_time(env);
-    if let Some(t) = &at {
+    if let Some(t) = &ev.at {
         keep_min(&mut s.created_at, t);
         keep_max(&mut s.updated_at, t);
-        s.spans.entry(role).or_default().note(t);
+        s.spans.entry(ev.role).or_default().note(t);
     }
+}
 
-    let from = field_id(env, "fromAgent");
-    let to = field_id(env, "toAgent");
-    let text = message_text(env);
+/// The name, first message and goal, kept under the role of the event they came from (a caller
+/// sees its roles' only).
+fn note_text(s: &mut WorkSession, ev: &Folded<'_>) {
+    let env = ev.env;
     let name = ["conversationName", "conversationTitle"]
         .iter()
         .find_map(|k| field_str(env, k));
@@ -572,53 +612,64 @@ pub fn fold_into(
         .then(|| field_str(env, "goal"))
         .flatten();
     let is_a2a = env.event_type.starts_with("a2a.");
-    if name.is_some() || goal.is_some() || (is_a2a && text.is_some()) {
-        // Text is kept under the role of the event it came from (a caller sees its roles' only).
-        let rt = s.text.entry(role).or_default();
-        if rt.name.is_none() {
-            rt.name = name.map(|n| shorten(n, PREVIEW_CHARS));
-        }
-        if is_a2a {
-            // Events of a session arrive from several partitions in any order: keep the earliest.
-            if let Some(t) = text {
-                if earliest(&rt.first_message, &rt.first_message_at, at.as_deref()) {
-                    rt.first_message = Some(shorten(t, TITLE_CHARS));
-                    rt.first_message_at = at.clone();
-                }
-            }
-            if let Some(g) = goal {
-                if earliest(&rt.goal, &rt.goal_at, at.as_deref()) {
-                    rt.goal = Some(shorten(g, PREVIEW_CHARS));
-                    rt.goal_at = at.clone();
-                }
-            }
+    if name.is_none() && goal.is_none() && !(is_a2a && ev.text.is_some()) {
+        return;
+    }
+    let rt = s.text.entry(ev.role).or_default();
+    if rt.name.is_none() {
+        rt.name = name.map(|n| shorten(n, PREVIEW_CHARS));
+    }
+    if !is_a2a {
+        return;
+    }
+    // Events of a session arrive from several partitions in any order: keep the earliest.
+    let at = ev.at.as_deref();
+    if let Some(t) = ev.text {
+        if earliest(&rt.first_message, &rt.first_message_at, at) {
+            rt.first_message = Some(shorten(t, TITLE_CHARS));
+            rt.first_message_at = ev.at.clone();
         }
     }
-    if let Some(t) = text {
-        let newer = match (s.last_message.get(&role), &at) {
-            (None, _) => true,
-            (Some(prev), Some(at)) => prev.timestamp.as_deref().is_none_or(|p| !later(p, at)),
-            (Some(_), None) => true,
-        };
-        if newer {
-            s.last_message.insert(
-                role,
-                LastMessage {
-                    preview: shorten(t, PREVIEW_CHARS),
-                    timestamp: at.clone(),
-                    from: from
-                        .clone()
-                        .or_else(|| env.agent_id.as_ref().and_then(id_text)),
-                },
-            );
+    if let Some(g) = goal {
+        if earliest(&rt.goal, &rt.goal_at, at) {
+            rt.goal = Some(shorten(g, PREVIEW_CHARS));
+            rt.goal_at = ev.at.clone();
         }
     }
+}
 
-    // Participants: both sides of a message, the acting agent, and any listed participants.
-    if let Some(f) = &from {
+/// The role's last message: the latest in event time.
+fn note_last_message(s: &mut WorkSession, ev: &Folded<'_>) {
+    let Some(t) = ev.text else { return };
+    let newer = match (s.last_message.get(&ev.role), &ev.at) {
+        (None, _) => true,
+        (Some(prev), Some(at)) => prev.timestamp.as_deref().is_none_or(|p| !later(p, at)),
+        (Some(_), None) => true,
+    };
+    if newer {
+        let from = ev
+            .from
+            .clone()
+            .or_else(|| ev.env.agent_id.as_ref().and_then(id_text));
+        s.last_message.insert(
+            ev.role,
+            LastMessage {
+                preview: shorten(t, PREVIEW_CHARS),
+                timestamp: ev.at.clone(),
+                from,
+            },
+        );
+    }
+}
+
+/// Participants: both sides of a message, the acting agent, and any listed participants; who
+/// delegated work and who received it.
+fn note_participants(s: &mut WorkSession, ev: &Folded<'_>) {
+    let (env, role) = (ev.env, ev.role);
+    if let Some(f) = &ev.from {
         note_participant(s, f, role, side_kind(env, "from"), side_name(env, "from"));
     }
-    if let Some(t) = &to {
+    if let Some(t) = &ev.to {
         note_participant(s, t, role, side_kind(env, "to"), side_name(env, "to"));
     }
     if let Some(agent) = env.agent_id.as_ref().and_then(id_text) {
@@ -646,61 +697,58 @@ pub fn fold_into(
             note_participant(s, &pid, role, kind, name);
         }
     }
-    if role == Role::DelegationSubagent
-        && matches!(env.event_type.as_str(), "a2a.send" | "a2a.spawn")
-    {
-        if let (Some(f), Some(t)) = (&from, &to) {
-            if let Some(p) = s.participants.get_mut(f) {
-                p.coordinator = true;
-            }
-            if let Some(p) = s.participants.get_mut(t) {
-                p.worker = true;
-            }
+    let delegates = role == Role::DelegationSubagent
+        && matches!(env.event_type.as_str(), "a2a.send" | "a2a.spawn");
+    if let (true, Some(f), Some(t)) = (delegates, &ev.from, &ev.to) {
+        if let Some(p) = s.participants.get_mut(f) {
+            p.coordinator = true;
+        }
+        if let Some(p) = s.participants.get_mut(t) {
+            p.worker = true;
         }
     }
+}
 
-    // The thread and its turns.
-    if let Some(c) = conv {
-        if !s.threads.contains_key(&c) {
-            retire_threads(s);
-        }
-        let th = s.threads.entry(c.clone()).or_insert_with(|| Thread {
-            conversation_id: c,
+/// The conversation's thread: its sides, counts, times and turns.
+fn note_thread(s: &mut WorkSession, conversation: &str, ev: &Folded<'_>) {
+    if !s.threads.contains_key(conversation) {
+        retire_threads(s);
+    }
+    let th = s
+        .threads
+        .entry(conversation.to_string())
+        .or_insert_with(|| Thread {
+            conversation_id: conversation.to_string(),
             ..Thread::default()
         });
-        if from.is_some() || to.is_some() {
-            th.sides.entry(role).or_insert_with(|| Sides {
-                from_agent: from.clone(),
-                to_agent: to.clone(),
-            });
-        }
-        *th.counts.entry(role).or_insert(0) += 1;
-        if let Some(t) = &at {
-            keep_min(&mut th.first_time, t);
-            keep_max(&mut th.last_time, t);
-            th.spans.entry(role).or_default().note(t);
-        }
-        if role == Role::ConversationMain {
-            match env.event_type.as_str() {
-                "a2a.send" => {
-                    th.turns.entry(turn).or_insert(TurnMark::Open);
-                }
-                _ if is_turn_response => {
-                    let mark = if is_blocked(env) {
-                        TurnMark::Blocked
-                    } else {
-                        TurnMark::Answered
-                    };
-                    let slot = th.turns.entry(turn).or_insert(TurnMark::Open);
-                    if *slot == TurnMark::Open {
-                        *slot = mark;
-                    }
-                }
-                _ => {}
-            }
+    if ev.from.is_some() || ev.to.is_some() {
+        th.sides.entry(ev.role).or_insert_with(|| Sides {
+            from_agent: ev.from.clone(),
+            to_agent: ev.to.clone(),
+        });
+    }
+    *th.counts.entry(ev.role).or_insert(0) += 1;
+    if let Some(t) = &ev.at {
+        keep_min(&mut th.first_time, t);
+        keep_max(&mut th.last_time, t);
+        th.spans.entry(ev.role).or_default().note(t);
+    }
+    if ev.role != Role::ConversationMain {
+        return;
+    }
+    if ev.env.event_type == "a2a.send" {
+        th.turns.entry(ev.turn.clone()).or_insert(TurnMark::Open);
+    } else if ev.is_turn_response {
+        let mark = if is_blocked(ev.env) {
+            TurnMark::Blocked
+        } else {
+            TurnMark::Answered
+        };
+        let slot = th.turns.entry(ev.turn.clone()).or_insert(TurnMark::Open);
+        if *slot == TurnMark::Open {
+            *slot = mark;
         }
     }
-    true
 }
 
 fn side_kind(env: &Envelope, side: &str) -> Option<Kind> {
@@ -973,106 +1021,19 @@ impl WorkSession {
             }
         }
         let event_count = counts_by_role.values().sum();
-        let participants: Vec<ParticipantView> = self
-            .participants
-            .values()
-            .filter(|p| p.roles.iter().any(visible))
-            .map(|p| {
-                let roles: Vec<Role> = Role::ALL
-                    .into_iter()
-                    .filter(|r| p.roles.contains(r) && visible(r))
-                    .collect();
-                ParticipantView {
-                    id: p.id.clone(),
-                    kind: roles
-                        .iter()
-                        .find_map(|r| p.kinds.get(r).copied())
-                        .unwrap_or_default(),
-                    role: roles.first().copied(),
-                    display_name: roles.iter().find_map(|r| p.display_names.get(r).cloned()),
-                    roles,
-                    coordinator: p.coordinator && visible(&Role::DelegationSubagent),
-                    worker: p.worker && visible(&Role::DelegationSubagent),
-                }
-            })
-            .collect();
-        let turns_visible = visible(&Role::ConversationMain);
-        // Retired threads that held a visible role; their turns only when turns are visible.
-        let visible_mask = role_mask(opts.roles);
-        let retired = self
-            .retired
-            .iter()
-            .filter(|(mask, _)| *mask & visible_mask != 0)
-            .fold(RetiredThreads::default(), |mut sum, (_, r)| {
-                sum.threads += r.threads;
-                if turns_visible {
-                    sum.answered_turns += r.answered_turns;
-                    sum.blocked_turns += r.blocked_turns;
-                }
-                sum
-            });
+        let retired = self.retired_visible(opts.roles);
         let mut threads: Vec<ThreadView> = self
             .threads
             .values()
             .filter(|t| t.counts.keys().any(visible))
-            .map(|t| {
-                let count = |m: TurnMark| {
-                    if turns_visible {
-                        t.turns.values().filter(|x| **x == m).count() as u64
-                    } else {
-                        0
-                    }
-                };
-                let sides = Role::ALL
-                    .into_iter()
-                    .filter(visible)
-                    .find_map(|r| t.sides.get(&r));
-                let span = visible_span(
-                    &t.spans,
-                    opts.roles,
-                    Span {
-                        first: t.first_time.clone(),
-                        last: t.last_time.clone(),
-                    },
-                );
-                ThreadView {
-                    id: format!("conv:{}", t.conversation_id),
-                    conversation_id: t.conversation_id.clone(),
-                    from_agent: sides.and_then(|s| s.from_agent.clone()),
-                    to_agent: sides.and_then(|s| s.to_agent.clone()),
-                    roles: Role::ALL
-                        .into_iter()
-                        .filter(|r| t.counts.contains_key(r) && visible(r))
-                        .collect(),
-                    event_count: t
-                        .counts
-                        .iter()
-                        .filter(|(r, _)| visible(r))
-                        .map(|(_, n)| n)
-                        .sum(),
-                    start_time: span.first,
-                    last_time: span.last,
-                    open_turns: count(TurnMark::Open),
-                    blocked_turns: count(TurnMark::Blocked),
-                    answered_turns: count(TurnMark::Answered),
-                }
-            })
+            .map(|t| t.view(opts.roles))
             .collect();
         threads.sort_by(|a, b| {
             b.last_time
                 .cmp(&a.last_time)
                 .then_with(|| a.conversation_id.cmp(&b.conversation_id))
         });
-        let last = self
-            .last_message
-            .iter()
-            .filter(|(r, _)| visible(r))
-            .map(|(_, m)| m)
-            .reduce(|a, b| match (&a.timestamp, &b.timestamp) {
-                (Some(x), Some(y)) if later(y, x) => b,
-                (None, Some(_)) => b,
-                _ => a,
-            });
+        let last = self.last_visible_message(opts.roles);
         let span = visible_span(
             &self.spans,
             opts.roles,
@@ -1108,9 +1069,115 @@ impl WorkSession {
                 + retired.answered_turns,
             last_message_preview: last.map(|m| m.preview.clone()),
             last_message_timestamp: last.and_then(|m| m.timestamp.clone()),
-            participants,
+            participants: self.participant_views(opts.roles),
             threads,
         })
+    }
+
+    /// The participants seen in `roles`, each with its kind, name and roles as those roles gave
+    /// them.
+    fn participant_views(&self, roles: &[Role]) -> Vec<ParticipantView> {
+        let visible = |r: &Role| roles.contains(r);
+        self.participants
+            .values()
+            .filter(|p| p.roles.iter().any(visible))
+            .map(|p| {
+                let roles: Vec<Role> = Role::ALL
+                    .into_iter()
+                    .filter(|r| p.roles.contains(r) && visible(r))
+                    .collect();
+                ParticipantView {
+                    id: p.id.clone(),
+                    kind: roles
+                        .iter()
+                        .find_map(|r| p.kinds.get(r).copied())
+                        .unwrap_or_default(),
+                    role: roles.first().copied(),
+                    display_name: roles.iter().find_map(|r| p.display_names.get(r).cloned()),
+                    roles,
+                    coordinator: p.coordinator && visible(&Role::DelegationSubagent),
+                    worker: p.worker && visible(&Role::DelegationSubagent),
+                }
+            })
+            .collect()
+    }
+
+    /// Retired threads that held one of `roles`; their turns only when turns are visible.
+    fn retired_visible(&self, roles: &[Role]) -> RetiredThreads {
+        let turns_visible = roles.contains(&Role::ConversationMain);
+        let visible_mask = role_mask(roles);
+        self.retired
+            .iter()
+            .filter(|(mask, _)| *mask & visible_mask != 0)
+            .fold(RetiredThreads::default(), |mut sum, (_, r)| {
+                sum.threads += r.threads;
+                if turns_visible {
+                    sum.answered_turns += r.answered_turns;
+                    sum.blocked_turns += r.blocked_turns;
+                }
+                sum
+            })
+    }
+
+    /// The latest last message of the visible roles.
+    fn last_visible_message(&self, roles: &[Role]) -> Option<&LastMessage> {
+        self.last_message
+            .iter()
+            .filter(|(r, _)| roles.contains(r))
+            .map(|(_, m)| m)
+            .reduce(|a, b| match (&a.timestamp, &b.timestamp) {
+                (Some(x), Some(y)) if later(y, x) => b,
+                (None, Some(_)) => b,
+                _ => a,
+            })
+    }
+}
+
+impl Thread {
+    /// The thread as a caller who may see `roles` sees it (turns only with `conversation.main`).
+    fn view(&self, roles: &[Role]) -> ThreadView {
+        let visible = |r: &Role| roles.contains(r);
+        let turns_visible = visible(&Role::ConversationMain);
+        let count = |m: TurnMark| {
+            if turns_visible {
+                self.turns.values().filter(|x| **x == m).count() as u64
+            } else {
+                0
+            }
+        };
+        let sides = Role::ALL
+            .into_iter()
+            .filter(visible)
+            .find_map(|r| self.sides.get(&r));
+        let span = visible_span(
+            &self.spans,
+            roles,
+            Span {
+                first: self.first_time.clone(),
+                last: self.last_time.clone(),
+            },
+        );
+        ThreadView {
+            id: format!("conv:{}", self.conversation_id),
+            conversation_id: self.conversation_id.clone(),
+            from_agent: sides.and_then(|s| s.from_agent.clone()),
+            to_agent: sides.and_then(|s| s.to_agent.clone()),
+            roles: Role::ALL
+                .into_iter()
+                .filter(|r| self.counts.contains_key(r) && visible(r))
+                .collect(),
+            event_count: self
+                .counts
+                .iter()
+                .filter(|(r, _)| visible(r))
+                .map(|(_, n)| n)
+                .sum(),
+            start_time: span.first,
+            last_time: span.last,
+            open_turns: count(TurnMark::Open),
+            blocked_turns: count(TurnMark::Blocked),
+            answered_turns: count(TurnMark::Answered),
+        }
     }
 }
 

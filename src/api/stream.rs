@@ -97,29 +97,71 @@ pub async fn stream(
     let params = Params::new(pairs, &PARAMS)?;
     let r = resolve(&state, &caller, &params)?;
     let slot = state.stream_slots().acquire(caller.name.as_deref())?;
-    // An empty Last-Event-ID (or `after`) is no cursor; anything else must be one.
-    let header_cursor = match headers.get("last-event-id").map(|v| v.to_str()) {
-        None => None,
-        Some(Ok(v)) => Some(v.to_string()).filter(|v| !v.is_empty()),
-        Some(Err(_)) => return Err(bad_cursor()),
-    };
-    // Both are checked; Last-Event-ID wins.
-    let after = params
-        .one("after")?
-        .filter(|c| !c.is_empty())
-        .map(|c| decode_cursor(&c))
-        .transpose()?;
-    let resume = match header_cursor {
-        Some(c) => Some(decode_cursor(&c)?),
-        None => after,
-    };
+    let resume = resume_cursor(&headers, &params)?;
     let (stream, first, last) = store::bounds(state.js(), &state.names().proj_stream).await?;
     let start = match resume {
         Some(c) if c.saturating_add(1) < first => return Err(expired(first)),
         Some(c) => c.saturating_add(1),
         None => last.saturating_add(1),
     };
-    let (filter_subject, filter_subjects) = match r.filters.as_slice() {
+    let messages = open_consumer(&stream, &r.filters, start).await?;
+
+    let limits = state.sse_limits();
+    let (tx, rx) = mpsc::channel::<Item>(limits.buffer_events.max(1));
+    let inflight = Arc::new(AtomicUsize::new(0));
+    let ending: Arc<Mutex<Option<Termination>>> = Arc::new(Mutex::new(None));
+    let prefix = state.names().prefix.clone();
+    state.stats().sse_clients.fetch_add(1, Ordering::Relaxed);
+    tokio::spawn(pump(
+        messages,
+        tx,
+        inflight.clone(),
+        ending.clone(),
+        state.clone(),
+        prefix,
+    ));
+    let body = Body {
+        rx,
+        inflight,
+        ending,
+        last_id: resume.map(encode_cursor),
+        done: false,
+        _slot: slot,
+    };
+    let events = futures::stream::unfold(body, Body::next_event);
+    // A comment first, so the client (and any proxy) sees the stream open at once.
+    let opening = futures::stream::once(async { Ok(Event::default().comment("stream open")) });
+    Ok(Sse::new(opening.chain(events))
+        .keep_alive(KeepAlive::new().interval(limits.keep_alive))
+        .into_response())
+}
+
+/// Where to resume: `Last-Event-ID`, else `after` (both are checked). An empty one is no
+/// cursor; anything else must be one.
+fn resume_cursor(headers: &HeaderMap, params: &Params) -> Result<Option<u64>, ApiError> {
+    let header_cursor = match headers.get("last-event-id").map(|v| v.to_str()) {
+        None => None,
+        Some(Ok(v)) => Some(v.to_string()).filter(|v| !v.is_empty()),
+        Some(Err(_)) => return Err(bad_cursor()),
+    };
+    let after = params
+        .one("after")?
+        .filter(|c| !c.is_empty())
+        .map(|c| decode_cursor(&c))
+        .transpose()?;
+    match header_cursor {
+        Some(c) => Ok(Some(decode_cursor(&c)?)),
+        None => Ok(after),
+    }
+}
+
+/// An ordered consumer over the projection stream's `filters`, from `start`.
+async fn open_consumer(
+    stream: &async_nats::jetstream::stream::Stream,
+    filters: &[String],
+    start: u64,
+) -> Result<consumer::pull::Ordered, ApiError> {
+    let (filter_subject, filter_subjects) = match filters {
         [one] => (one.clone(), Vec::new()),
         many => (String::new(), many.to_vec()),
     };
@@ -137,76 +179,54 @@ pub async fn stream(
         })
         .await
         .map_err(|e| ApiError::unavailable("stream consumer", e))?;
-    let messages = ordered
+    ordered
         .messages()
         .await
-        .map_err(|e| ApiError::unavailable("stream consumer", e))?;
+        .map_err(|e| ApiError::unavailable("stream consumer", e))
+}
 
-    let limits = state.sse_limits();
-    let (tx, rx) = mpsc::channel::<Item>(limits.buffer_events.max(1));
-    let inflight = Arc::new(AtomicUsize::new(0));
-    let ending: Arc<Mutex<Option<Termination>>> = Arc::new(Mutex::new(None));
-    let prefix = state.names().prefix.clone();
-    state.stats().sse_clients.fetch_add(1, Ordering::Relaxed);
-    tokio::spawn(pump(
-        messages,
-        tx,
-        inflight.clone(),
-        ending.clone(),
-        state.clone(),
-        prefix,
-    ));
+/// The response body's state: what the pump buffered, and how the stream ended.
+struct Body {
+    rx: mpsc::Receiver<Item>,
+    inflight: Arc<AtomicUsize>,
+    ending: Arc<Mutex<Option<Termination>>>,
+    last_id: Option<String>,
+    done: bool,
+    // Held for as long as the response body lives.
+    _slot: super::slots::Slot,
+}
 
-    struct Body {
-        rx: mpsc::Receiver<Item>,
-        inflight: Arc<AtomicUsize>,
-        ending: Arc<Mutex<Option<Termination>>>,
-        last_id: Option<String>,
-        done: bool,
-        // Held for as long as the response body lives.
-        _slot: super::slots::Slot,
-    }
-    let body = Body {
-        rx,
-        inflight,
-        ending,
-        last_id: resume.map(encode_cursor),
-        done: false,
-        _slot: slot,
-    };
-    let events = futures::stream::unfold(body, |mut b| async move {
-        if b.done {
+impl Body {
+    /// The next SSE event: a buffered item, else (once) the `error` event saying why the stream
+    /// ended and where to resume.
+    async fn next_event(mut self) -> Option<(Result<Event, Infallible>, Body)> {
+        if self.done {
             return None;
         }
-        match b.rx.recv().await {
+        match self.rx.recv().await {
             Some(item) => {
-                b.inflight.fetch_sub(item.held(), Ordering::Relaxed);
-                b.last_id = Some(item.id.clone());
+                self.inflight.fetch_sub(item.held(), Ordering::Relaxed);
+                self.last_id = Some(item.id.clone());
                 let ev = Event::default().id(item.id).data(item.data);
-                Some((Ok::<Event, Infallible>(ev), b))
+                Some((Ok(ev), self))
             }
             None => {
-                b.done = true;
-                let end = b.ending.lock().ok().and_then(|mut e| e.take());
+                self.done = true;
+                let end = self.ending.lock().ok().and_then(|mut e| e.take());
                 let t = end?;
                 let data = StreamError {
                     error: StreamErrorDetail {
                         code: t.code,
                         message: t.message,
-                        resume_from: b.last_id.clone(),
+                        resume_from: self.last_id.clone(),
                     },
                 };
                 let data = serde_json::to_string(&data).unwrap_or_default();
                 let ev = Event::default().event("error").data(data);
-                Some((Ok(ev), b))
+                Some((Ok(ev), self))
             }
         }
-    });
-    // A comment first, so the client (and any proxy) sees the stream open at once.
-    let opening = futures::stream::once(async { Ok(Event::default().comment("stream open")) });
-    Ok(Sse::new(opening.chain(events))
-        .keep_alive(KeepAlive::new().interval(limits.keep_alive))
-        .into_response())
+    }
 }
 
 /// Read the consumer into the client's buffer until the client goes, falls behind, the server

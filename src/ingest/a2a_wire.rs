@@ -13,12 +13,13 @@
 //! without a turn.
 //!
 //! Identity: the turn's conversation key is the subject key (the relay keys an exchange by the
-//! request's `contextId`, else by an id of its own); its turn id is `Collab-Exchange`, else the
-//! JSON-RPC `id`. Bodies with neither (push notifications, HTTP+JSON bodies published without
+//! request's `contextId`, else by an id of its own), and every body of the exchange takes the
+//! conversation and work session that key names, whatever `contextId` its answers reveal; its
+//! turn id is `Collab-Exchange`, else the JSON-RPC `id`. Bodies with neither (push notifications, HTTP+JSON bodies published without
 //! the relay's headers) answer no turn: they are projected as task progress.
 
 use super::RelayHeaders;
-use crate::model::{id_text, DlqReason, Rejection};
+use crate::model::{decode_id, id_text, DlqReason, Rejection};
 use serde_json::{Map, Value};
 
 /// JSON-RPC code of A2A's TaskNotFoundError.
@@ -118,262 +119,366 @@ pub fn is_wire(obj: &Map<String, Value>, type_suffix: Option<&str>, relay: &Rela
 }
 
 /// Translate one wire body into collaboration events (seed 000 shape, fields at the top level).
-/// `key` is the subject key (the conversation of the exchange).
+/// `key` is the subject key the body was published under (the exchange's; `None` offline).
 pub fn translate(
     obj: &Map<String, Value>,
-    key: &str,
+    key: Option<&str>,
     relay: &RelayHeaders,
 ) -> Result<Map<String, Value>, Rejection> {
-    if let Some(shape) = legacy_shape(obj) {
-        return Err(Rejection::new(
+    refuse_legacy(obj)?;
+    let ids = ExchangeIds::of(obj, relay);
+    let mut out = Translation::default();
+    if let Some(id) = &ids.jsonrpc_id {
+        out.a2a.insert("jsonrpcId".into(), id.clone());
+    }
+    if let Some(m) = &ids.method {
+        out.a2a.insert("method".into(), Value::String(m.clone()));
+    }
+    let version = if is_request(obj, relay)? {
+        let version = out.request(obj, &ids);
+        sides(&mut out.ev, relay, false);
+        version
+    } else {
+        let version = out.answer(obj, &ids);
+        sides(&mut out.ev, relay, true);
+        version
+    };
+    Ok(out.finish(version, key, ids.turn))
+}
+
+/// A body in a pre-0.2 shape is dead-lettered with the shape named.
+fn refuse_legacy(obj: &Map<String, Value>) -> Result<(), Rejection> {
+    match legacy_shape(obj) {
+        Some(shape) => Err(Rejection::new(
             DlqReason::Unrecognized,
             format!(
                 "A2A body in a pre-0.2 shape ({shape}); upgrade the agent or its SDK to A2A 0.3 or 1.0, whose bodies are projected"
             ),
-        ));
+        )),
+        None => Ok(()),
     }
-    // Only a JSON-RPC body's `id` identifies the request (a bare Task's `id` is the task's).
-    let jsonrpc_id = obj
-        .get("id")
-        .filter(|v| !v.is_null() && obj.contains_key("jsonrpc"))
-        .cloned();
-    let turn = relay
-        .exchange
-        .clone()
-        .or_else(|| jsonrpc_id.as_ref().and_then(id_text));
-    let method = obj
-        .get("method")
-        .and_then(Value::as_str)
-        .map(str::to_string)
-        .or_else(|| relay.a2a_method.clone());
+}
 
-    let mut ev = Map::new();
-    let mut a2a = Map::new();
-    if let Some(id) = &jsonrpc_id {
-        a2a.insert("jsonrpcId".into(), id.clone());
-    }
-    if let Some(m) = &method {
-        a2a.insert("method".into(), Value::String(m.clone()));
+/// What ties a body to its exchange.
+struct ExchangeIds {
+    /// A JSON-RPC body's `id` (a bare Task's `id` is the task's, never the request's).
+    jsonrpc_id: Option<Value>,
+    /// The turn: `Collab-Exchange`, else the JSON-RPC `id`.
+    turn: Option<String>,
+    /// The body's `method`, else the relay's `Collab-A2A-Method`.
+    method: Option<String>,
+}
+
+impl ExchangeIds {
+    fn of(obj: &Map<String, Value>, relay: &RelayHeaders) -> ExchangeIds {
+        let jsonrpc_id = obj
+            .get("id")
+            .filter(|v| !v.is_null() && obj.contains_key("jsonrpc"))
+            .cloned();
+        let turn = relay
+            .exchange
+            .clone()
+            .or_else(|| jsonrpc_id.as_ref().and_then(id_text));
+        let method = obj
+            .get("method")
+            .and_then(Value::as_str)
+            .map(str::to_string)
+            .or_else(|| relay.a2a_method.clone());
+        ExchangeIds {
+            jsonrpc_id,
+            turn,
+            method,
+        }
     }
 
+    /// Whether an answer answers a send (an answer without a method counts as one).
+    fn answers_send(&self) -> bool {
+        self.method
+            .as_deref()
+            .is_none_or(|m| matches!(method_kind(m), MethodKind::Send))
+    }
+
+    /// Whether an answer can decide a turn: it answers a send of a known exchange.
+    fn in_turn(&self) -> bool {
+        self.answers_send() && self.turn.is_some()
+    }
+}
+
+/// Which side spoke. A relay says so (`Collab-Direction`); the body's shape decides only without
+/// it, and a body the relay marks as the caller's is never the agent's reply.
+fn is_request(obj: &Map<String, Value>, relay: &RelayHeaders) -> Result<bool, Rejection> {
     let shaped_as_request = if obj.contains_key("jsonrpc") {
         obj.contains_key("method")
     } else {
         is_rest_request(obj)
     };
-    // A relay says which side spoke; the body's shape decides only without it. A request is
-    // never the agent's reply, however it is written.
-    let is_request = match relay.direction.as_deref() {
-        None => shaped_as_request,
-        Some(RelayHeaders::DIRECTION_ANSWER) => false,
+    match relay.direction.as_deref() {
+        None => Ok(shaped_as_request),
+        Some(RelayHeaders::DIRECTION_ANSWER) => Ok(false),
         Some(RelayHeaders::DIRECTION_REQUEST)
             if obj.contains_key("jsonrpc") && !shaped_as_request =>
         {
-            return Err(Rejection::new(
+            Err(Rejection::new(
                 DlqReason::Unrecognized,
                 "the relay published this body as the caller's request (Collab-Direction: request), but it is a JSON-RPC body without `method`, shaped like an answer; it is not projected as the agent's reply. A JSON-RPC request names its method",
-            ));
+            ))
         }
-        Some(RelayHeaders::DIRECTION_REQUEST) => true,
-        Some(other) => {
-            return Err(Rejection::new(
-                DlqReason::Unrecognized,
-                format!(
-                    "Collab-Direction is {other:?}; a relay sets \"request\" on the caller's body and \"answer\" on the agent's"
-                ),
-            ));
-        }
-    };
-    let version;
-    if is_request {
+        Some(RelayHeaders::DIRECTION_REQUEST) => Ok(true),
+        Some(other) => Err(Rejection::new(
+            DlqReason::Unrecognized,
+            format!(
+                "Collab-Direction is {other:?}; a relay sets \"request\" on the caller's body and \"answer\" on the agent's"
+            ),
+        )),
+    }
+}
+
+/// The event being built (`ev`) and its `payload.a2a` section.
+#[derive(Default)]
+struct Translation {
+    ev: Map<String, Value>,
+    a2a: Map<String, Value>,
+}
+
+impl Translation {
+    /// A caller's request: a send opens a turn; any other method is projected by rule.
+    fn request(&mut self, obj: &Map<String, Value>, ids: &ExchangeIds) -> Version {
         let params = if obj.contains_key("jsonrpc") {
             obj.get("params").and_then(Value::as_object)
         } else {
             Some(obj)
         };
-        let method_name = method.as_deref().unwrap_or("SendMessage");
-        version = version_of_method(method_name)
-            .or_else(|| params.map(version_in))
-            .unwrap_or(Version::Unknown);
-        let message = params
+        let method_name = ids.method.as_deref().unwrap_or("SendMessage");
+        let kind = method_kind(method_name);
+        if let Some(m) = params
             .and_then(|p| p.get("message"))
-            .and_then(Value::as_object);
-        if let Some(m) = message {
-            copy_ids(m, &mut ev);
+            .and_then(Value::as_object)
+        {
+            copy_ids(m, &mut self.ev);
             let text = text_of(m.get("parts"));
             if !text.is_empty() {
-                ev.insert("message".into(), Value::String(text));
+                self.ev.insert("message".into(), Value::String(text));
             }
         }
         if let Some(ctx) = params
             .and_then(|p| p.get("contextId"))
             .filter(|v| v.is_string())
         {
-            ev.entry("contextId").or_insert_with(|| ctx.clone());
+            self.ev.entry("contextId").or_insert_with(|| ctx.clone());
         }
         if let Some(task) = params.and_then(|p| p.get("id").or_else(|| p.get("taskId"))) {
-            if task.is_string() && !matches!(method_kind(method_name), MethodKind::Send) {
-                ev.insert("taskId".into(), task.clone());
+            if task.is_string() && !matches!(kind, MethodKind::Send) {
+                self.ev.insert("taskId".into(), task.clone());
             }
         }
-        match method_kind(method_name) {
-            MethodKind::Send => {
-                ev.insert("type".into(), Value::String("a2a.send".into()));
-                sides(&mut ev, relay, false);
-            }
-            MethodKind::Other(t) => {
-                ev.insert("type".into(), Value::String(t.into()));
-                sides(&mut ev, relay, false);
-            }
-        }
-        if let Some(p) = params {
-            a2a.insert("params".into(), Value::Object(p.clone()));
-        }
-    } else {
-        let answers_send = method
-            .as_deref()
-            .is_none_or(|m| matches!(method_kind(m), MethodKind::Send));
-        let answer = answer_of(obj);
-        version = match &answer {
-            Answer::Error(_) => obj.get("error").map(version_of).unwrap_or(Version::Unknown),
-            Answer::Item { version, .. } => *version,
-            Answer::Other(v) => version_of(v),
+        let event_type = match kind {
+            MethodKind::Send => "a2a.send",
+            MethodKind::Other(t) => t,
         };
-        let event_type = match answer {
+        self.ev
+            .insert("type".into(), Value::String(event_type.into()));
+        if let Some(p) = params {
+            self.a2a.insert("params".into(), Value::Object(p.clone()));
+        }
+        version_of_method(method_name)
+            .or_else(|| params.map(version_in))
+            .unwrap_or(Version::Unknown)
+    }
+
+    /// The agent's answer: an error, a Task / Message / update, or another method's result.
+    fn answer(&mut self, obj: &Map<String, Value>, ids: &ExchangeIds) -> Version {
+        let (event_type, version) = match answer_of(obj) {
             Answer::Error(err) => {
-                let code = err.get("code").and_then(Value::as_i64);
-                let message = err
-                    .get("message")
-                    .or_else(|| err.get("title"))
-                    .or_else(|| err.get("detail"))
-                    .and_then(Value::as_str)
-                    .unwrap_or("error");
-                let not_found = code == Some(TASK_NOT_FOUND) || rest_not_found(&err);
-                ev.insert(
-                    "error".into(),
-                    Value::String(match code {
-                        Some(c) => format!("A2A error {c}: {message}"),
-                        None => format!("A2A error: {message}"),
-                    }),
-                );
-                if not_found {
-                    ev.insert("notFound".into(), Value::Bool(true));
-                }
-                a2a.insert("error".into(), Value::Object(err));
-                // The error is the agent's answer to the request: a failure response,
-                // normalised into the blocked outcome (not synthesised).
-                if answers_send && turn.is_some() {
-                    "a2a.response"
-                } else {
-                    "task.error"
-                }
+                let version = obj.get("error").map(version_of).unwrap_or(Version::Unknown);
+                (self.answer_error(err, ids), version)
             }
             Answer::Item {
                 kind,
                 item,
-                version: _,
-            } => {
-                copy_ids(&item, &mut ev);
-                if kind == ItemKind::Task {
-                    if let Some(id) = item.get("id").filter(|v| v.is_string()) {
-                        ev.insert("taskId".into(), id.clone());
-                    }
-                }
-                let state = item
-                    .get("status")
-                    .and_then(|s| s.get("state"))
-                    .and_then(Value::as_str)
-                    .map(normal_state);
-                if let Some(ts) = item
-                    .get("status")
-                    .and_then(|s| s.get("timestamp"))
-                    .filter(|v| v.is_string())
-                {
-                    ev.insert("timestamp".into(), ts.clone());
-                }
-                let role = item.get("role").and_then(Value::as_str).map(normal_role);
-                let status_text = item
-                    .get("status")
-                    .and_then(|s| s.get("message"))
-                    .and_then(|m| m.get("parts"))
-                    .map(|p| text_of(Some(p)))
-                    .unwrap_or_default();
-                let artifacts_text = artifacts_text(&item);
-                let own_text = text_of(item.get("parts"));
-                let text = [own_text, status_text, artifacts_text]
-                    .into_iter()
-                    .find(|t| !t.is_empty());
-                if let Some(t) = &text {
-                    ev.insert("message".into(), Value::String(t.clone()));
-                }
-                if let Some(s) = &state {
-                    ev.insert("state".into(), Value::String(s.clone()));
-                    a2a.insert("state".into(), Value::String(s.clone()));
-                }
-                a2a.insert("kind".into(), Value::String(kind.as_str().into()));
-                a2a.insert(kind.as_str().into(), Value::Object(item.clone()));
-                let in_turn = answers_send && turn.is_some();
-                match (kind, state.as_deref(), role.as_deref()) {
-                    (ItemKind::Message, _, Some("user")) => "task.message",
-                    (ItemKind::Message, _, _) if in_turn => "a2a.response",
-                    (ItemKind::Message, _, _) => "task.message",
-                    (
-                        ItemKind::Task | ItemKind::StatusUpdate,
-                        Some(s @ ("completed" | "input-required" | "auth-required")),
-                        _,
-                    ) if in_turn => {
-                        if s != "completed" {
-                            ev.insert("interrupted".into(), Value::Bool(true));
-                        }
-                        "a2a.response"
-                    }
-                    (
-                        ItemKind::Task | ItemKind::StatusUpdate,
-                        Some(s @ ("failed" | "rejected" | "canceled")),
-                        _,
-                    ) if in_turn => {
-                        ev.insert("outcome".into(), Value::String("failed".into()));
-                        let why = text.clone().unwrap_or_else(|| format!("task {s}"));
-                        ev.insert("error".into(), Value::String(format!("task {s}: {why}")));
-                        "a2a.response"
-                    }
-                    (ItemKind::ArtifactUpdate, _, _) => "task.artifact",
-                    (ItemKind::Task, _, _) if !answers_send => "task.snapshot",
-                    _ => "task.updated",
-                }
-            }
+                version,
+            } => (self.answer_item(kind, &item, ids), version),
             Answer::Other(v) => {
-                a2a.insert("result".into(), v);
-                match method.as_deref().map(method_kind) {
-                    Some(MethodKind::Other(t)) => match t {
-                        "agent.card" => "agent.card",
-                        "task.list" => "task.list.result",
-                        "task.push_config" => "task.push_config.result",
-                        _ => "agent.rpc.result",
-                    },
-                    _ => "agent.rpc.result",
-                }
+                let version = version_of(&v);
+                self.a2a.insert("result".into(), v);
+                (other_result_type(ids.method.as_deref()), version)
             }
         };
-        ev.insert("type".into(), Value::String(event_type.into()));
-        sides(&mut ev, relay, true);
+        self.ev
+            .insert("type".into(), Value::String(event_type.into()));
+        version
     }
-    a2a.insert("version".into(), Value::String(version.as_str().into()));
 
-    let conversation = ev
-        .get("contextId")
-        .and_then(id_text)
-        .unwrap_or_else(|| key.to_string());
-    ev.insert("conversationId".into(), Value::String(conversation));
-    if let Some(ctx) = ev.get("contextId").cloned() {
-        // The work session groups an A2A context's turns.
-        ev.insert("workSessionId".into(), ctx);
+    /// An error answering a send is the agent's answer to it: a failure response, normalised
+    /// into the blocked outcome (not synthesised). Answering anything else, it is task news.
+    fn answer_error(&mut self, err: Map<String, Value>, ids: &ExchangeIds) -> &'static str {
+        let code = err.get("code").and_then(Value::as_i64);
+        let message = err
+            .get("message")
+            .or_else(|| err.get("title"))
+            .or_else(|| err.get("detail"))
+            .and_then(Value::as_str)
+            .unwrap_or("error");
+        let not_found = code == Some(TASK_NOT_FOUND) || rest_not_found(&err);
+        self.ev.insert(
+            "error".into(),
+            Value::String(match code {
+                Some(c) => format!("A2A error {c}: {message}"),
+                None => format!("A2A error: {message}"),
+            }),
+        );
+        if not_found {
+            self.ev.insert("notFound".into(), Value::Bool(true));
+        }
+        self.a2a.insert("error".into(), Value::Object(err));
+        if ids.in_turn() {
+            "a2a.response"
+        } else {
+            "task.error"
+        }
     }
-    if let Some(t) = turn {
-        ev.insert("turnId".into(), Value::String(t));
+
+    /// A Task, Message or update: its ids, time, text and state, then the event it stands for.
+    fn answer_item(
+        &mut self,
+        kind: ItemKind,
+        item: &Map<String, Value>,
+        ids: &ExchangeIds,
+    ) -> &'static str {
+        copy_ids(item, &mut self.ev);
+        if kind == ItemKind::Task {
+            if let Some(id) = item.get("id").filter(|v| v.is_string()) {
+                self.ev.insert("taskId".into(), id.clone());
+            }
+        }
+        // The status's own `timestamp` stays in `payload.a2a`: it is the agent's clock, and a
+        // relay publishes a request only once the agent accepted it, so the agent's times can
+        // precede its request's. Wire events take the raw stream's time, in publishing order.
+        let state = item
+            .get("status")
+            .and_then(|s| s.get("state"))
+            .and_then(Value::as_str)
+            .map(normal_state);
+        let text = item_text(item);
+        if let Some(t) = &text {
+            self.ev.insert("message".into(), Value::String(t.clone()));
+        }
+        if let Some(s) = &state {
+            self.ev.insert("state".into(), Value::String(s.clone()));
+            self.a2a.insert("state".into(), Value::String(s.clone()));
+        }
+        self.a2a
+            .insert("kind".into(), Value::String(kind.as_str().into()));
+        self.a2a
+            .insert(kind.as_str().into(), Value::Object(item.clone()));
+        let role = item.get("role").and_then(Value::as_str).map(normal_role);
+        self.item_event(kind, state.as_deref(), role.as_deref(), text, ids)
     }
-    ev.insert("a2a".into(), Value::Object(a2a));
-    Ok(ev)
+
+    /// What a Task, Message or update is to the turn: the response (a reply, an interruption or
+    /// a failure) when it answers a send of a known exchange, else task progress.
+    fn item_event(
+        &mut self,
+        kind: ItemKind,
+        state: Option<&str>,
+        role: Option<&str>,
+        text: Option<String>,
+        ids: &ExchangeIds,
+    ) -> &'static str {
+        let in_turn = ids.in_turn();
+        match (kind, state, role) {
+            (ItemKind::Message, _, Some("user")) => "task.message",
+            (ItemKind::Message, _, _) if in_turn => "a2a.response",
+            (ItemKind::Message, _, _) => "task.message",
+            (
+                ItemKind::Task | ItemKind::StatusUpdate,
+                Some(s @ ("completed" | "input-required" | "auth-required")),
+                _,
+            ) if in_turn => {
+                if s != "completed" {
+                    self.ev.insert("interrupted".into(), Value::Bool(true));
+                }
+                "a2a.response"
+            }
+            (
+                ItemKind::Task | ItemKind::StatusUpdate,
+                Some(s @ ("failed" | "rejected" | "canceled")),
+                _,
+            ) if in_turn => {
+                self.ev
+                    .insert("outcome".into(), Value::String("failed".into()));
+                let why = text.unwrap_or_else(|| format!("task {s}"));
+                self.ev
+                    .insert("error".into(), Value::String(format!("task {s}: {why}")));
+                "a2a.response"
+            }
+            (ItemKind::ArtifactUpdate, _, _) => "task.artifact",
+            (ItemKind::Task, _, _) if !ids.answers_send() => "task.snapshot",
+            _ => "task.updated",
+        }
+    }
+
+    /// The ids every event of the exchange shares, then the event.
+    fn finish(
+        mut self,
+        version: Version,
+        key: Option<&str>,
+        turn: Option<String>,
+    ) -> Map<String, Value> {
+        self.a2a
+            .insert("version".into(), Value::String(version.as_str().into()));
+        let conversation = conversation_of(key, &self.ev);
+        // One exchange is one work session too: its request carries no context when the caller
+        // starts one, and its answers carry the context the agent chose.
+        self.ev
+            .insert("workSessionId".into(), Value::String(conversation.clone()));
+        self.ev
+            .insert("conversationId".into(), Value::String(conversation));
+        if let Some(t) = turn {
+            self.ev.insert("turnId".into(), Value::String(t));
+        }
+        self.ev.insert("a2a".into(), Value::Object(self.a2a));
+        self.ev
+    }
+}
+
+/// The conversation of a wire body: the exchange's, so its request, answer, frames and any
+/// outcome the processor synthesises share it. Published, that is the subject key the exchange
+/// was keyed by (a relay keys it by the request's `contextId`, else by an id of its own), as the
+/// id it encodes; a key too long to decode stands for itself. Offline (no subject), the body's
+/// `contextId`.
+fn conversation_of(key: Option<&str>, ev: &Map<String, Value>) -> String {
+    match key {
+        Some(k) => decode_id(k).unwrap_or_else(|| k.to_string()),
+        None => ev
+            .get("contextId")
+            .and_then(id_text)
+            .unwrap_or_else(|| "_".to_string()),
+    }
+}
+
+/// The text of a Task, Message or update: its own parts, else its status message, else its
+/// artifacts.
+fn item_text(item: &Map<String, Value>) -> Option<String> {
+    let own_text = text_of(item.get("parts"));
+    let status_text = item
+        .get("status")
+        .and_then(|s| s.get("message"))
+        .and_then(|m| m.get("parts"))
+        .map(|p| text_of(Some(p)))
+        .unwrap_or_default();
+    [own_text, status_text, artifacts_text(item)]
+        .into_iter()
+        .find(|t| !t.is_empty())
+}
+
+/// The event type of a result that is not a Task, Message or update, by the method it answers.
+fn other_result_type(method: Option<&str>) -> &'static str {
+    match method.map(method_kind) {
+        Some(MethodKind::Other("agent.card")) => "agent.card",
+        Some(MethodKind::Other("task.list")) => "task.list.result",
+        Some(MethodKind::Other("task.push_config")) => "task.push_config.result",
+        _ => "agent.rpc.result",
+    }
 }
 
 /// The agents of the exchange from the relay's headers. An answer speaks from the callee.
@@ -672,9 +777,6 @@ mod tests {
     use super::*;
     use crate::ingest::{normalize, RawInput, Settings, SubjectInfo};
     use serde_json::json;
-    use std::path::{Path, PathBuf};
-
-    const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/a2a-spec");
 
     fn settings() -> Settings {
         let mut s = crate::config::Settings::default();
@@ -683,138 +785,9 @@ mod tests {
             .unwrap_or_else(|e| panic!("default settings: {e}"))
     }
 
-    /// The headers a relay would have set on a fixture (`relay-headers.json`: the agents, the
-    /// exchange, and the method of the exchange the file belongs to; none for
-    /// push-notification bodies, which answer no request).
-    fn relay_for(name: &str) -> RelayHeaders {
-        let table: Value = std::fs::read(Path::new(FIXTURES).join("relay-headers.json"))
-            .ok()
-            .and_then(|b| serde_json::from_slice(&b).ok())
-            .unwrap_or_default();
-        let h = &table[name];
-        let get = |k: &str| h[k].as_str().map(str::to_string);
-        RelayHeaders {
-            from_agent: get(RelayHeaders::FROM_AGENT),
-            to_agent: get(RelayHeaders::TO_AGENT),
-            exchange: get(RelayHeaders::EXCHANGE),
-            a2a_method: get(RelayHeaders::A2A_METHOD),
-            run_id: None,
-            direction: None,
-        }
-    }
-
-    /// The bodies of a fixture: one object, an array of stream frames, or raw SSE text.
-    fn bodies(path: &Path) -> Vec<Vec<u8>> {
-        let text = std::fs::read_to_string(path).unwrap_or_default();
-        if path.extension().is_some_and(|e| e == "txt") {
-            // The spec prints each event's JSON over several indented lines after `data:`;
-            // events are separated by a blank line.
-            return text
-                .split("\n\n")
-                .filter_map(|event| event.trim().strip_prefix("data:"))
-                .map(|d| d.trim().as_bytes().to_vec())
-                .collect();
-        }
-        match serde_json::from_str::<Value>(&text) {
-            Ok(Value::Array(frames)) => frames
-                .iter()
-                .map(|f| serde_json::to_vec(f).unwrap_or_default())
-                .collect(),
-            _ => vec![text.into_bytes()],
-        }
-    }
-
-    fn render(path: &Path, s: &Settings) -> String {
-        let name = path
-            .file_name()
-            .and_then(|n| n.to_str())
-            .unwrap_or_default();
-        let relay = relay_for(name);
-        let outputs: Vec<Value> = bodies(path)
-            .iter()
-            .map(|b| {
-                let input = RawInput {
-                    bytes: b,
-                    subject: Some(SubjectInfo {
-                        key: "ctx-key".into(),
-                        type_suffix: "a2a.wire".into(),
-                    }),
-                    raw_ref: None,
-                    relay: relay.clone(),
-                };
-                match normalize(&input, s) {
-                    Ok(events) => {
-                        let n = &events[0];
-                        let turn = n.source.as_ref().and_then(|src| {
-                            crate::turns::facts(
-                                src,
-                                &n.envelope.event_type,
-                                n.conversation_id.as_deref().unwrap_or_default(),
-                                &n.key,
-                                1,
-                                0,
-                                "collab.raw.ctx-key.a2a.wire",
-                            )
-                        });
-                        json!({
-                            "envelope": n.envelope,
-                            "turn": turn.map(|t| json!({
-                                "kind": t.kind,
-                                "turn": t.turn,
-                                "failure": t.failure,
-                            })),
-                        })
-                    }
-                    Err(r) => json!({"deadLetter": {"reason": r.reason, "detail": r.detail}}),
-                }
-            })
-            .collect();
-        let mut text = serde_json::to_string_pretty(&outputs).unwrap_or_default();
-        text.push('\n');
-        text
-    }
-
-    fn inputs() -> Vec<PathBuf> {
-        let mut v: Vec<PathBuf> = std::fs::read_dir(FIXTURES)
-            .map(|d| d.filter_map(Result::ok).map(|e| e.path()).collect())
-            .unwrap_or_default();
-        v.retain(|p| {
-            let n = p.file_name().and_then(|n| n.to_str()).unwrap_or_default();
-            (n.ends_with(".json") || n.ends_with(".txt"))
-                && !n.ends_with(".expected.json")
-                && !n.starts_with("a2a-schema")
-                && n != "relay-headers.json"
-        });
-        v.sort();
-        v
-    }
-
-    /// Every A2A spec example through `normalize`, diffed against `<name>.expected.json`;
-    /// `UPDATE_GOLDEN=1` rewrites them (review the diff before committing).
-    #[test]
-    fn spec_examples_match_their_golden_outputs() {
-        let s = settings();
-        let files = inputs();
-        assert!(files.len() >= 40, "A2A examples missing from {FIXTURES}");
-        let mut failures = Vec::new();
-        for path in &files {
-            let stem = path
-                .file_stem()
-                .and_then(|n| n.to_str())
-                .unwrap_or_default();
-            let golden = Path::new(FIXTURES).join(format!("{stem}.expected.json"));
-            failures.extend(crate::golden::check(&golden, &render(path, &s)));
-        }
-        assert!(
-            failures.is_empty(),
-            "golden mismatch:\n{}",
-            failures.join("\n")
-        );
-    }
-
     fn one(body: Value, relay: &RelayHeaders) -> Result<Map<String, Value>, Rejection> {
         let obj = body.as_object().cloned().unwrap_or_default();
-        translate(&obj, "k", relay)
+        translate(&obj, Some("k"), relay)
     }
 
     fn exchange() -> RelayHeaders {
@@ -895,7 +868,11 @@ mod tests {
             assert_eq!(ev["type"], "a2a.response");
             assert_eq!(ev["interrupted"], true);
             assert_eq!(ev["turnId"], "x1");
-            assert_eq!(ev["conversationId"], "c");
+            assert_eq!(
+                ev["conversationId"], "k",
+                "the exchange's, not the context's"
+            );
+            assert_eq!(ev["contextId"], "c");
         }
         for state in ["working", "TASK_STATE_SUBMITTED"] {
             let ev = one(
@@ -971,6 +948,73 @@ mod tests {
         )
         .unwrap_or_default();
         assert_eq!(ev["type"], "task.updated");
+    }
+
+    /// The envelope of a body published by a relay under `key`.
+    fn projected(body: Value, key: &str, relay: &RelayHeaders) -> crate::model::Envelope {
+        let bytes = serde_json::to_vec(&body).unwrap_or_default();
+        let input = RawInput {
+            bytes: &bytes,
+            subject: Some(SubjectInfo {
+                key: key.into(),
+                type_suffix: "a2a.wire".into(),
+            }),
+            raw_ref: None,
+            relay: relay.clone(),
+        };
+        let mut events = normalize(&input, &settings()).unwrap_or_else(|e| panic!("{e:?}"));
+        assert_eq!(events.len(), 1);
+        events.remove(0).envelope
+    }
+
+    /// A caller that starts a conversation sends no `contextId`; the agent's answer and frames
+    /// carry the one it chose. All of them are one conversation and one work session: the
+    /// exchange's, which the relay keyed by its own id.
+    #[test]
+    fn an_exchange_is_one_conversation_whatever_context_its_answers_reveal() {
+        let relay = |direction: &str| RelayHeaders {
+            direction: Some(direction.into()),
+            a2a_method: Some("message/stream".into()),
+            ..exchange()
+        };
+        let key = "3f0c9a7e-5d1b-4c2a-9e8f-1a2b3c4d5e6f";
+        let send = projected(
+            json!({"jsonrpc":"2.0","id":1,"method":"message/stream","params":{"message":{"role":"user","messageId":"m1","parts":[{"kind":"text","text":"plan a trip"}]}}}),
+            key,
+            &relay(RelayHeaders::DIRECTION_REQUEST),
+        );
+        let frame = projected(
+            json!({"jsonrpc":"2.0","id":1,"result":{"kind":"status-update","taskId":"t","contextId":"agent-ctx","status":{"state":"working"},"final":false}}),
+            key,
+            &relay(RelayHeaders::DIRECTION_ANSWER),
+        );
+        let answer = projected(
+            json!({"jsonrpc":"2.0","id":1,"result":{"kind":"status-update","taskId":"t","contextId":"agent-ctx","status":{"state":"completed","message":{"role":"agent","messageId":"m2","parts":[{"kind":"text","text":"done"}]}},"final":true}}),
+            key,
+            &relay(RelayHeaders::DIRECTION_ANSWER),
+        );
+        assert_eq!(send.event_type, "a2a.send");
+        assert_eq!(frame.event_type, "task.updated");
+        assert_eq!(answer.event_type, "a2a.response");
+        for env in [&send, &frame, &answer] {
+            let keys = crate::sessions::keys(env);
+            assert_eq!(keys.conversation_id.as_deref(), Some(key), "{env:?}");
+            assert_eq!(keys.session_id(), Some(key), "{env:?}");
+        }
+        // The context the agent chose is still shown.
+        let ctx = answer.payload.as_ref().and_then(|p| p.get("contextId"));
+        assert_eq!(ctx, Some(&json!("agent-ctx")));
+        // A context id that is not a subject token is keyed encoded; its conversation is the id.
+        let odd = "ctx with spaces";
+        let env = projected(
+            json!({"jsonrpc":"2.0","id":1,"error":{"code":-32603,"message":"boom"}}),
+            &crate::model::encode_id(odd),
+            &relay(RelayHeaders::DIRECTION_ANSWER),
+        );
+        assert_eq!(
+            crate::sessions::keys(&env).conversation_id.as_deref(),
+            Some(odd)
+        );
     }
 
     #[test]

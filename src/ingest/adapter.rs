@@ -164,17 +164,17 @@ pub enum AdapterError {
     InvalidJson { detail: String },
     /// Raw packet larger than `max_bytes`.
     #[error(
-        "packet is {size} bytes, over the adapter limit of {limit} bytes; shrink it or raise the limit"
+        "packet is {size} bytes, over the adapter limit of {limit} bytes; shrink it or raise adapter.limits.max_bytes"
     )]
     TooLarge { size: usize, limit: usize },
     /// A value deeper than `max_depth`.
     #[error(
-        "field `{path}` nests deeper than the adapter limit of {limit} levels; flatten it or raise the limit"
+        "field `{path}` nests deeper than the adapter limit of {limit} levels; flatten it or raise adapter.limits.max_depth"
     )]
     TooDeep { path: String, limit: usize },
     /// An array longer than `max_array_len`.
     #[error(
-        "array `{path}` has {len} items, over the adapter limit of {limit}; shorten it or raise the limit"
+        "array `{path}` has {len} items, over the adapter limit of {limit}; shorten it or raise adapter.limits.max_array_len"
     )]
     ArrayTooLong {
         path: String,
@@ -258,9 +258,62 @@ pub fn convert(
     mode: AdapterMode,
     limits: &AdapterLimits,
 ) -> Result<Canonical, AdapterError> {
+    let version = check_packet(v, raw_len, limits)?;
+    let ids = TypedIds::of(v);
+    let mapped = map_event_type(ids.upstream_event_type);
+    if mode == AdapterMode::Strict {
+        check_strict(v, &ids, mapped)?;
+    }
+    let refs = Refs::resolve(v, &ids, mapped);
+    let attributes = v.get("attributes");
+    let discovery = discovery_object(attributes);
+    // The ref flags read the upstream typed ids, never the substitutes (freeze §4.3/§4.4).
+    let handoff = handoff_object(
+        refs.event_type,
+        ids.task_kind,
+        ids.task_id.is_some(),
+        ids.message_id.is_some(),
+    );
+    let handoff_visible = handoff.get("visible") == Some(&Value::Bool(true));
+    let handoff_digest = digest(&handoff);
+    let discovery_digest = digest(&discovery);
+    let mut payload = Map::new();
+    insert_str(&mut payload, "adapter_id", ADAPTER_ID);
+    insert_str(&mut payload, "adapter_version", ADAPTER_VERSION);
+    insert_str(&mut payload, "protocol", PROTOCOL_NAME);
+    insert_str(&mut payload, "protocol_name", PROTOCOL_NAME);
+    insert_str(&mut payload, "protocol_version", version);
+    if let Some(upstream) = ids.upstream_event_type {
+        insert_str(&mut payload, "upstream_event_type", upstream);
+    }
+    insert_sections(&mut payload, v, &ids, &refs);
+    if let Some(attrs) = attributes {
+        payload.insert("attributes".to_string(), normalize_attributes(attrs));
+    }
+    payload.insert("discovery".to_string(), discovery);
+    payload.insert("handoff".to_string(), handoff);
+    payload.insert(
+        "unmapped_fields_count".to_string(),
+        Value::from(refs.unmapped),
+    );
+    Ok(Canonical {
+        event_type: refs.event_type.to_string(),
+        payload: Value::Object(payload),
+        handoff_visible,
+        handoff_digest,
+        discovery_digest,
+        subject: refs.subject,
+    })
+}
+
+/// The bounds, `protocol` and `version` every mode checks; the packet's version.
+fn check_packet<'a>(
+    v: &'a Value,
+    raw_len: usize,
+    limits: &AdapterLimits,
+) -> Result<&'a str, AdapterError> {
     check_size(raw_len, limits)?;
     check_shape(v, limits)?;
-
     let protocol = v.get("protocol");
     if protocol.and_then(Value::as_str) != Some(PROTOCOL_NAME) {
         return Err(AdapterError::NotA2a {
@@ -276,96 +329,123 @@ pub fn convert(
             version: version.to_string(),
         });
     }
+    Ok(version)
+}
 
-    // Only JSON strings count as typed fields; any other type reads as absent, as in assay.
-    let upstream_event_type = str_at(v, &["event_type"]);
-    let agent_id = str_at(v, &["agent", "id"]);
-    let task_id = str_at(v, &["task", "id"]);
-    let task_kind = str_at(v, &["task", "kind"]);
-    let artifact_id = str_at(v, &["artifact", "id"]);
-    let message_id = str_at(v, &["message", "id"]);
-    let mapped = map_event_type(upstream_event_type);
+/// The typed fields of a packet. Only JSON strings count; any other type reads as absent, as in
+/// assay.
+struct TypedIds<'a> {
+    upstream_event_type: Option<&'a str>,
+    agent_id: Option<&'a str>,
+    task_id: Option<&'a str>,
+    task_kind: Option<&'a str>,
+    artifact_id: Option<&'a str>,
+    message_id: Option<&'a str>,
+}
 
-    if mode == AdapterMode::Strict {
-        if agent_id.is_none() {
-            return Err(AdapterError::MissingAgentId);
-        }
-        let Some(event_type) = mapped else {
-            return Err(AdapterError::UnsupportedEventType {
-                found: preview(v.get("event_type")),
-            });
-        };
-        if is_task_event(event_type) && task_id.is_none() {
-            return Err(AdapterError::MissingTaskId {
-                event_type: upstream_event_type.unwrap_or_default().to_string(),
-            });
-        }
-        if event_type == EVENT_ARTIFACT_SHARED && artifact_id.is_none() {
-            return Err(AdapterError::MissingArtifactId);
+impl<'a> TypedIds<'a> {
+    fn of(v: &'a Value) -> TypedIds<'a> {
+        TypedIds {
+            upstream_event_type: str_at(v, &["event_type"]),
+            agent_id: str_at(v, &["agent", "id"]),
+            task_id: str_at(v, &["task", "id"]),
+            task_kind: str_at(v, &["task", "kind"]),
+            artifact_id: str_at(v, &["artifact", "id"]),
+            message_id: str_at(v, &["message", "id"]),
         }
     }
+}
 
-    let mut unmapped = v.as_object().map_or(0, |obj| {
-        obj.keys()
-            .filter(|k| !KNOWN_TOP_LEVEL_KEYS.contains(&k.as_str()))
-            .count() as u64
-    });
-    let mut substitute = |typed: Option<&str>, needed: bool, placeholder: &'static str| match typed
-    {
-        Some(id) => Some(id.to_string()),
-        None if needed => {
-            unmapped += 1;
-            Some(placeholder.to_string())
-        }
-        None => None,
+/// Strict mode: the agent id, a mapped event type, and the id that type needs.
+fn check_strict(
+    v: &Value,
+    ids: &TypedIds<'_>,
+    mapped: Option<&'static str>,
+) -> Result<(), AdapterError> {
+    if ids.agent_id.is_none() {
+        return Err(AdapterError::MissingAgentId);
+    }
+    let Some(event_type) = mapped else {
+        return Err(AdapterError::UnsupportedEventType {
+            found: preview(v.get("event_type")),
+        });
     };
-
-    let event_type = mapped.unwrap_or(EVENT_MESSAGE);
-    let agent_id = substitute(agent_id, true, UNKNOWN_AGENT).unwrap_or_default();
-    let task_ref = substitute(task_id, is_task_event(event_type), UNKNOWN_TASK);
-    let artifact_ref = substitute(
-        artifact_id,
-        event_type == EVENT_ARTIFACT_SHARED,
-        UNKNOWN_ARTIFACT,
-    );
-    let message_ref = substitute(message_id, event_type == EVENT_MESSAGE, UNKNOWN_MESSAGE);
-    if mapped.is_none() {
-        unmapped += 1;
+    if is_task_event(event_type) && ids.task_id.is_none() {
+        return Err(AdapterError::MissingTaskId {
+            event_type: ids.upstream_event_type.unwrap_or_default().to_string(),
+        });
     }
-
-    let subject = match event_type {
-        EVENT_TASK_REQUESTED | EVENT_TASK_UPDATED => task_ref.clone(),
-        EVENT_ARTIFACT_SHARED => artifact_ref.clone(),
-        EVENT_MESSAGE => message_ref.clone(),
-        _ => None,
+    if event_type == EVENT_ARTIFACT_SHARED && ids.artifact_id.is_none() {
+        return Err(AdapterError::MissingArtifactId);
     }
-    .unwrap_or_else(|| agent_id.clone());
+    Ok(())
+}
 
-    let attributes = v.get("attributes");
-    let discovery = discovery_object(attributes);
-    // The ref flags read the upstream typed ids, never the substitutes (freeze §4.3/§4.4).
-    let handoff = handoff_object(
-        event_type,
-        task_kind,
-        task_id.is_some(),
-        message_id.is_some(),
-    );
-    let handoff_visible = handoff.get("visible") == Some(&Value::Bool(true));
-    let handoff_digest = digest(&handoff);
-    let discovery_digest = digest(&discovery);
+/// The canonical event type and the ids it refers to, a placeholder standing in for each id
+/// the type needs and the packet lacks (lenient mode); each placeholder, the unknown keys and
+/// an unmapped type count as unmapped fields.
+struct Refs {
+    event_type: &'static str,
+    agent_id: String,
+    task_ref: Option<String>,
+    artifact_ref: Option<String>,
+    message_ref: Option<String>,
+    unmapped: u64,
+    subject: String,
+}
 
-    let mut payload = Map::new();
-    insert_str(&mut payload, "adapter_id", ADAPTER_ID);
-    insert_str(&mut payload, "adapter_version", ADAPTER_VERSION);
-    insert_str(&mut payload, "protocol", PROTOCOL_NAME);
-    insert_str(&mut payload, "protocol_name", PROTOCOL_NAME);
-    insert_str(&mut payload, "protocol_version", version);
-    if let Some(upstream) = upstream_event_type {
-        insert_str(&mut payload, "upstream_event_type", upstream);
+impl Refs {
+    fn resolve(v: &Value, ids: &TypedIds<'_>, mapped: Option<&'static str>) -> Refs {
+        let mut unmapped = v.as_object().map_or(0, |obj| {
+            obj.keys()
+                .filter(|k| !KNOWN_TOP_LEVEL_KEYS.contains(&k.as_str()))
+                .count() as u64
+        });
+        let mut substitute =
+            |typed: Option<&str>, needed: bool, placeholder: &'static str| match typed {
+                Some(id) => Some(id.to_string()),
+                None if needed => {
+                    unmapped += 1;
+                    Some(placeholder.to_string())
+                }
+                None => None,
+            };
+        let event_type = mapped.unwrap_or(EVENT_MESSAGE);
+        let agent_id = substitute(ids.agent_id, true, UNKNOWN_AGENT).unwrap_or_default();
+        let task_ref = substitute(ids.task_id, is_task_event(event_type), UNKNOWN_TASK);
+        let artifact_ref = substitute(
+            ids.artifact_id,
+            event_type == EVENT_ARTIFACT_SHARED,
+            UNKNOWN_ARTIFACT,
+        );
+        let message_ref = substitute(ids.message_id, event_type == EVENT_MESSAGE, UNKNOWN_MESSAGE);
+        if mapped.is_none() {
+            unmapped += 1;
+        }
+        let subject = match event_type {
+            EVENT_TASK_REQUESTED | EVENT_TASK_UPDATED => task_ref.clone(),
+            EVENT_ARTIFACT_SHARED => artifact_ref.clone(),
+            EVENT_MESSAGE => message_ref.clone(),
+            _ => None,
+        }
+        .unwrap_or_else(|| agent_id.clone());
+        Refs {
+            event_type,
+            agent_id,
+            task_ref,
+            artifact_ref,
+            message_ref,
+            unmapped,
+            subject,
+        }
     }
+}
 
+/// The `agent`, `task`, `artifact` and `message` sections of the canonical payload, in the
+/// assay order.
+fn insert_sections(payload: &mut Map<String, Value>, v: &Value, ids: &TypedIds<'_>, refs: &Refs) {
     let mut agent = Map::new();
-    insert_str(&mut agent, "id", &agent_id);
+    insert_str(&mut agent, "id", &refs.agent_id);
     insert_opt(&mut agent, "name", str_at(v, &["agent", "name"]));
     insert_opt(&mut agent, "role", str_at(v, &["agent", "role"]));
     if let Some(caps) = v
@@ -382,15 +462,14 @@ pub fn convert(
         );
     }
     payload.insert("agent".to_string(), Value::Object(agent));
-
-    if let Some(id) = &task_ref {
+    if let Some(id) = &refs.task_ref {
         let mut task = Map::new();
         insert_str(&mut task, "id", id);
         insert_opt(&mut task, "status", str_at(v, &["task", "status"]));
-        insert_opt(&mut task, "kind", task_kind);
+        insert_opt(&mut task, "kind", ids.task_kind);
         payload.insert("task".to_string(), Value::Object(task));
     }
-    if let Some(id) = &artifact_ref {
+    if let Some(id) = &refs.artifact_ref {
         let mut artifact = Map::new();
         insert_str(&mut artifact, "id", id);
         insert_opt(&mut artifact, "name", str_at(v, &["artifact", "name"]));
@@ -401,27 +480,12 @@ pub fn convert(
         );
         payload.insert("artifact".to_string(), Value::Object(artifact));
     }
-    if let Some(id) = &message_ref {
+    if let Some(id) = &refs.message_ref {
         let mut message = Map::new();
         insert_str(&mut message, "id", id);
         insert_opt(&mut message, "role", str_at(v, &["message", "role"]));
         payload.insert("message".to_string(), Value::Object(message));
     }
-    if let Some(attrs) = attributes {
-        payload.insert("attributes".to_string(), normalize_attributes(attrs));
-    }
-    payload.insert("discovery".to_string(), discovery);
-    payload.insert("handoff".to_string(), handoff);
-    payload.insert("unmapped_fields_count".to_string(), Value::from(unmapped));
-
-    Ok(Canonical {
-        event_type: event_type.to_string(),
-        payload: Value::Object(payload),
-        handoff_visible,
-        handoff_digest,
-        discovery_digest,
-        subject,
-    })
 }
 
 /// Canonical JSON: object keys sorted by bytes at every level, no whitespace, strings escaped

@@ -24,39 +24,10 @@
 
 use super::event;
 use super::{check_type, Normalized, RawInput, Settings};
-use crate::model::{encode_id, id_text, DlqReason, Envelope, Rejection, Role};
+pub use crate::facts::{envelope_type, is_agui_type, AgUiFacts, TYPE_FIELD};
+use crate::model::{encode_id, id_text, DlqReason, Rejection, Role};
 use crate::redact::{Flushed, StreamId, StreamKind, StreamRedactor};
 use serde_json::{Map, Value};
-
-/// AG-UI event types are SCREAMING_SNAKE_CASE (`RUN_STARTED`, `TEXT_MESSAGE_CONTENT`); any such
-/// type is taken as AG-UI, so types the protocol adds later are mapped too.
-pub fn is_agui_type(t: &str) -> bool {
-    !t.is_empty()
-        && t.bytes()
-            .all(|b| b.is_ascii_uppercase() || b == b'_' || b.is_ascii_digit())
-        && t.bytes().any(|b| b.is_ascii_uppercase())
-}
-
-/// The envelope type of an AG-UI type (CONTRACT 2b). Types with a seed 003 class get it;
-/// every other type, known or not yet invented, keeps its own name, lower-cased with `_` as
-/// `.` (`REASONING_MESSAGE_CONTENT` -> `reasoning.message.content`, `FOO_BAR` -> `foo.bar`).
-pub fn envelope_type(agui_type: &str) -> String {
-    let class = match agui_type {
-        "RUN_STARTED" => "run.started",
-        "RUN_FINISHED" => "run.finished",
-        "RUN_ERROR" => "run.failed",
-        "STEP_STARTED" | "STEP_FINISHED" => "run.status",
-        "TEXT_MESSAGE_START" | "TEXT_MESSAGE_CONTENT" | "TEXT_MESSAGE_CHUNK" => "text.delta",
-        "TEXT_MESSAGE_END" => "text.final",
-        "TOOL_CALL_START" => "tool.started",
-        // END says the arguments are complete (seed 003's input-available); `agUiType` keeps
-        // that distinction for readers who need it.
-        "TOOL_CALL_ARGS" | "TOOL_CALL_CHUNK" | "TOOL_CALL_END" => "tool.args",
-        "TOOL_CALL_RESULT" => "tool.result",
-        other => return other.to_ascii_lowercase().replace('_', "."),
-    };
-    class.to_string()
-}
 
 /// AG-UI's id fields. The protocol defines them as strings, and runs, messages and tool calls
 /// are matched by them, so a number or an object there is refused rather than projected.
@@ -107,9 +78,6 @@ const ENVELOPE_IDS: [&str; 11] = [
     "conversationId",
     "workSessionId",
 ];
-
-/// Where AG-UI's type is kept in the payload.
-pub const TYPE_FIELD: &str = "agUiType";
 
 /// Map one AG-UI event (already redacted) onto the envelope.
 pub fn from_agui(
@@ -392,40 +360,6 @@ pub fn apply_stream_step(
     }
     let events = flushed.into_iter().map(|f| flush_event(f, obj)).collect();
     (events, count)
-}
-
-/// The AG-UI facts of a projected envelope, for rules that follow runs, messages and tool
-/// calls (the run contract of CONTRACT 2b).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AgUiFacts<'a> {
-    /// The AG-UI type as published (`payload.agUiType`).
-    pub agui_type: &'a str,
-    pub thread_id: Option<&'a str>,
-    pub run_id: Option<&'a str>,
-    pub message_id: Option<&'a str>,
-    /// `payload.toolCallId`.
-    pub tool_call_id: Option<&'a str>,
-}
-
-impl<'a> AgUiFacts<'a> {
-    /// `None` for an envelope that did not come from an AG-UI event: one without
-    /// `payload.agUiType`, or whose type is not that AG-UI type's mapping. (A runtime event
-    /// written to look exactly like a mapped one is read as one: the envelope is all there is.)
-    pub fn of(envelope: &'a Envelope) -> Option<AgUiFacts<'a>> {
-        let payload = envelope.payload.as_ref()?.as_object()?;
-        let agui_type = payload.get(TYPE_FIELD)?.as_str()?;
-        if !is_agui_type(agui_type) || envelope_type(agui_type) != envelope.event_type {
-            return None;
-        }
-        let slot = |v: &'a Option<Value>| v.as_ref().and_then(Value::as_str);
-        Some(AgUiFacts {
-            agui_type,
-            thread_id: slot(&envelope.thread_id),
-            run_id: slot(&envelope.run_id),
-            message_id: slot(&envelope.message_id),
-            tool_call_id: payload.get("toolCallId").and_then(Value::as_str),
-        })
-    }
 }
 
 #[cfg(test)]

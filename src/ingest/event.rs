@@ -50,7 +50,7 @@ pub fn parse_timestamp(v: &Value) -> Option<String> {
 /// Whether an event carries an upstream failure signal (for the phase facet): any row of the
 /// contract's failure table, the same table the turn contract decides blocked outcomes with.
 pub fn carries_failure(fields: &Fields<'_>, event_type: &str) -> bool {
-    crate::turns::failure_signal(fields, event_type).is_some()
+    crate::facts::failure_signal(fields, event_type).is_some()
 }
 
 /// The conversation key of an event, if it has one.
@@ -74,53 +74,81 @@ pub fn from_event(
         .to_string();
     check_type(&event_type)?;
     let role = classify::classify(&event_type, &fields, &settings.main_agents)?;
+    let (key, conversation_id) = event_key(&event_type, &fields, input)?;
+    let mut envelope = slotted(obj, &fields, &event_type, role, input);
+    envelope.payload = body_of(obj);
+    keep_unslotted(obj, &mut envelope);
+    let status = fields.str("status");
+    let failed = carries_failure(&fields, &event_type);
+    facets::apply(&mut envelope, &facets::derive(&event_type, status, failed));
+    check_depth(&envelope, settings.shape.max_depth)?;
+    Ok(Normalized {
+        envelope,
+        key,
+        conversation_id,
+        source: None,
+    })
+}
 
-    // Key: for a2a.* it must be the conversation key; otherwise the producer's choice.
-    let mut conversation_id = None;
-    let key = if event_type.starts_with("a2a.") {
-        let Some(conv) = conversation_key(&fields) else {
-            return Err(Rejection::new(
-                DlqReason::BadKey,
-                format!(
-                    "{event_type} has no conversation key: set conversationId (or sessionId, contextId, workSessionId) at the top level or under data"
-                ),
-            ));
+/// The key an event is projected under, and for `a2a.*` its conversation. For `a2a.*` the key
+/// must be the conversation key; otherwise it is the producer's choice (offline: the first id
+/// the event has).
+fn event_key(
+    event_type: &str,
+    fields: &Fields<'_>,
+    input: &RawInput<'_>,
+) -> Result<(String, Option<String>), Rejection> {
+    if !event_type.starts_with("a2a.") {
+        let key = match &input.subject {
+            Some(subject) => subject.key.clone(),
+            None => [
+                "sessionId",
+                "taskId",
+                "agentId",
+                "conversationId",
+                "workSessionId",
+            ]
+            .iter()
+            .find_map(|k| fields.get(k).and_then(id_text))
+            .map(|id| encode_id(&id))
+            .unwrap_or_else(|| "_".to_string()),
         };
-        let expected = encode_id(&conv);
-        if let Some(subject) = &input.subject {
-            if subject.key != expected {
-                return Err(Rejection::new(
-                    DlqReason::BadKey,
-                    format!(
-                        "{event_type} for conversation {conv:?} was published under key `{}`; publish it on collab.raw.{expected}.{event_type} so every event of the conversation stays in one partition",
-                        subject.key
-                    ),
-                ));
-            }
-        }
-        conversation_id = Some(conv);
-        expected
-    } else if let Some(subject) = &input.subject {
-        subject.key.clone()
-    } else {
-        [
-            "sessionId",
-            "taskId",
-            "agentId",
-            "conversationId",
-            "workSessionId",
-        ]
-        .iter()
-        .find_map(|k| fields.get(k).and_then(id_text))
-        .map(|id| encode_id(&id))
-        .unwrap_or_else(|| "_".to_string())
+        return Ok((key, None));
+    }
+    let Some(conv) = conversation_key(fields) else {
+        return Err(Rejection::new(
+            DlqReason::BadKey,
+            format!(
+                "{event_type} has no conversation key: set conversationId (or sessionId, contextId, workSessionId) at the top level or under data"
+            ),
+        ));
     };
+    let expected = encode_id(&conv);
+    if let Some(subject) = input.subject.as_ref().filter(|s| s.key != expected) {
+        return Err(Rejection::new(
+            DlqReason::BadKey,
+            format!(
+                "{event_type} for conversation {conv:?} was published under key `{}`; publish it on collab.raw.{expected}.{event_type} so every event of the conversation stays in one partition",
+                subject.key
+            ),
+        ));
+    }
+    Ok((expected, Some(conv)))
+}
 
+/// The envelope with its slots filled from the event (no payload yet).
+fn slotted(
+    obj: &Map<String, Value>,
+    fields: &Fields<'_>,
+    event_type: &str,
+    role: Role,
+    input: &RawInput<'_>,
+) -> Envelope {
     let id = |name: &str| fields.get(name).cloned();
     let str_slot = |name: &str| obj.get(name).and_then(Value::as_str).map(str::to_string);
     let timestamp_src = fields.get("timestamp").or_else(|| fields.get("ts"));
-    let mut envelope = Envelope {
-        event_type: event_type.clone(),
+    Envelope {
+        event_type: event_type.to_string(),
         event_role: Some(role),
         sequence: obj.get("sequence").filter(|v| !v.is_null()).cloned(),
         timestamp: timestamp_src.and_then(parse_timestamp),
@@ -145,10 +173,12 @@ pub fn from_event(
         refs: obj.get("refs").filter(|v| !v.is_null()).cloned(),
         raw_event_ref: input.raw_ref.clone(),
         redactions: None,
-    };
+    }
+}
 
-    // Payload: the producer's body, nothing dropped.
-    let payload = match (obj.get("data"), obj.get("payload")) {
+/// The payload: the producer's body (`data`, `payload`, or both), nothing dropped.
+fn body_of(obj: &Map<String, Value>) -> Option<Value> {
+    match (obj.get("data"), obj.get("payload")) {
         (Some(data), None) => Some(data.clone()),
         (None, Some(p)) => Some(p.clone()),
         (Some(data), Some(p)) => {
@@ -158,50 +188,42 @@ pub fn from_event(
             Some(Value::Object(m))
         }
         (None, None) => None,
-    };
-    envelope.payload = payload;
+    }
+}
+
+/// Top-level members without a slot, and a timestamp that could not be read, go to the payload
+/// (under `_input` where the body has a member of that name), so nothing is lost.
+fn keep_unslotted(obj: &Map<String, Value>, envelope: &mut Envelope) {
     let unknown: Vec<(&String, &Value)> = obj
         .iter()
         .filter(|(k, _)| !SLOTS.contains(&k.as_str()))
         .collect();
-    // A timestamp we could not read is kept as given rather than lost.
     let unread_ts: Vec<(&str, &Value)> = ["timestamp", "ts"]
         .iter()
         .filter_map(|k| obj.get_key_value(*k))
         .filter(|(_, v)| parse_timestamp(v).is_none() && !v.is_null())
         .map(|(k, v)| (k.as_str(), v))
         .collect();
-    if !unknown.is_empty() || !unread_ts.is_empty() {
-        let map = envelope.payload_object();
-        let extra = unknown
-            .into_iter()
-            .map(|(k, v)| (k.as_str(), v))
-            .chain(unread_ts);
-        for (k, v) in extra {
-            if map.contains_key(k) {
-                let input_map = map
-                    .entry("_input")
-                    .or_insert_with(|| Value::Object(Map::new()));
-                if let Value::Object(m) = input_map {
-                    m.insert(k.to_string(), v.clone());
-                }
-            } else {
-                map.insert(k.to_string(), v.clone());
+    if unknown.is_empty() && unread_ts.is_empty() {
+        return;
+    }
+    let map = envelope.payload_object();
+    let extra = unknown
+        .into_iter()
+        .map(|(k, v)| (k.as_str(), v))
+        .chain(unread_ts);
+    for (k, v) in extra {
+        if map.contains_key(k) {
+            let input_map = map
+                .entry("_input")
+                .or_insert_with(|| Value::Object(Map::new()));
+            if let Value::Object(m) = input_map {
+                m.insert(k.to_string(), v.clone());
             }
+        } else {
+            map.insert(k.to_string(), v.clone());
         }
     }
-
-    let status = fields.str("status");
-    let failed = carries_failure(&fields, &event_type);
-    facets::apply(&mut envelope, &facets::derive(&event_type, status, failed));
-    check_depth(&envelope, settings.shape.max_depth)?;
-
-    Ok(Normalized {
-        envelope,
-        key,
-        conversation_id,
-        source: None,
-    })
 }
 
 /// Map an A2A adapter packet through the K1-A adapter.

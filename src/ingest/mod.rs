@@ -321,15 +321,15 @@ fn normalize_unredacted(
 
 /// Map an A2A wire body: translate it into the collaboration event it stands for, then map
 /// that like any other. The turn contract reads its facts from the translated event; the
-/// conversation key is the subject key the relay chose for the exchange, whatever `contextId`
-/// the answers reveal (the envelope's `conversationId` shows the context).
+/// conversation is the exchange's (the subject key the relay chose for it), whatever `contextId`
+/// the answers reveal (the payload's `contextId` shows the context).
 fn from_wire(
     obj: &serde_json::Map<String, Value>,
     input: &RawInput<'_>,
     settings: &Settings,
 ) -> Result<Normalized, Rejection> {
     let key = input.subject.as_ref().map(|s| s.key.clone());
-    let translated = a2a_wire::translate(obj, key.as_deref().unwrap_or("_"), &input.relay)?;
+    let translated = a2a_wire::translate(obj, key.as_deref(), &input.relay)?;
     let offline = RawInput {
         bytes: input.bytes,
         subject: None,
@@ -345,7 +345,6 @@ fn from_wire(
         None => {}
     }
     if n.conversation_id.is_some() {
-        n.conversation_id = Some(n.key.clone());
         n.source = Some(std::sync::Arc::new(translated));
     }
     Ok(n)
@@ -492,6 +491,61 @@ mod tests {
 
     fn nested(levels: usize) -> Value {
         (1..levels).fold(json!({}), |inner, _| json!({ "a": inner }))
+    }
+
+    /// `[adapter.limits]` reaches the adapter: a packet the defaults accept is dead-lettered
+    /// once a bound is lowered below it, the detail naming the setting.
+    #[test]
+    fn adapter_limits_come_from_the_configuration() {
+        let packet = serde_json::json!({
+            "protocol": "a2a",
+            "version": "0.2.0",
+            "event_type": "task.requested",
+            "agent": {"id": "agent://worker"},
+            "task": {"id": "task-1", "status": "requested", "metadata": {"labels": ["a", "b"]}},
+        });
+        let bytes = serde_json::to_vec(&packet).unwrap_or_default();
+        let input = RawInput {
+            bytes: &bytes,
+            subject: Some(SubjectInfo {
+                key: "task-1".into(),
+                type_suffix: "adapter".into(),
+            }),
+            raw_ref: None,
+            relay: RelayHeaders::default(),
+        };
+        let settings = |toml: &str| {
+            crate::config::Settings::from_toml(toml)
+                .and_then(|s| s.ingest())
+                .unwrap_or_else(|e| panic!("{toml}: {e}"))
+        };
+        assert!(normalize(&input, &settings("")).is_ok());
+        for (toml, setting) in [
+            (
+                "[adapter.limits]\nmax_depth = 3\n",
+                "adapter.limits.max_depth",
+            ),
+            (
+                "[adapter.limits]\nmax_array_len = 1\n",
+                "adapter.limits.max_array_len",
+            ),
+            (
+                "[adapter.limits]\nmax_bytes = 64\n",
+                "adapter.limits.max_bytes",
+            ),
+        ] {
+            let err = normalize(&input, &settings(toml))
+                .err()
+                .unwrap_or_else(|| panic!("{toml} accepted the packet"));
+            assert_eq!(err.reason, DlqReason::AdapterRejected, "{toml}");
+            assert!(err.detail.contains(setting), "{toml}: {}", err.detail);
+        }
+        let zero = crate::config::Settings::from_toml("[adapter.limits]\nmax_depth = 0\n")
+            .and_then(|s| s.validate().map(|()| s));
+        assert!(
+            zero.is_err_and(|e| e.to_string().contains("adapter.limits")),
+            "a zero bound is refused by name"
+        );
     }
 
     #[test]

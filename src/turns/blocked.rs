@@ -2,25 +2,17 @@
 //! upstream failure normalised into a blocked outcome, or a synthesised blocked outcome) and the
 //! `a2a.response.suppressed` record of any further response.
 
+use super::payload::{rfc3339, suppression};
 use super::payload::{
     BlockedOutcome, BlockedPayload, DeadlineEvidence, DeadlineKind, Evidence, MessageEvidence,
-    SuppressedPayload, TurnOutcome, TurnWinnerRef, WinnerRef,
+    TurnOutcome, TurnWinnerRef, WinnerRef,
 };
 use super::{ExchangeKind, Reason, SuppressReason, TurnRecord, Winner};
 use crate::facets;
 use crate::model::{Envelope, RawEventRef, Role};
-use chrono::{SecondsFormat, TimeZone, Utc};
 use serde_json::{Map, Value};
 
 const SECTIONS: [&str; 4] = ["goal", "outcome", "evidence", "next_action"];
-
-/// Milliseconds since the epoch as RFC 3339 UTC with milliseconds.
-pub(crate) fn rfc3339(ms: i64) -> String {
-    Utc.timestamp_millis_opt(ms)
-        .single()
-        .map(|t| t.to_rfc3339_opts(SecondsFormat::Millis, true))
-        .unwrap_or_default()
-}
 
 /// Read the seed's handoff sections (`goal:`, `outcome:`, `evidence:`, `next_action:`) from a
 /// message text. All four must be present; a section runs until the next one.
@@ -208,100 +200,123 @@ pub fn winner_response(rec: &TurnRecord, decider: Option<&Envelope>) -> Envelope
     let Some(winner) = rec.winner.as_ref() else {
         return decider.cloned().unwrap_or_default();
     };
-    let send = rec.send.as_ref();
     match (winner.blocked, decider) {
-        // A real reply: its content as it is, with the handoff sections exposed when present.
-        (None, Some(env)) => {
-            let mut env = env.clone();
-            env.event_type = "a2a.response".into();
-            env.event_role = Some(Role::ConversationMain);
-            let text = env
-                .payload
-                .as_ref()
-                .and_then(|p| p.get("message"))
-                .and_then(Value::as_str)
-                .map(str::to_string);
-            if let Some(sections) = text.as_deref().and_then(parse_sections) {
-                let p = env.payload_object();
-                for (k, v) in sections {
-                    p.entry(k).or_insert(v);
-                }
-            }
-            env
-        }
+        (None, Some(env)) => real_reply(env),
         (blocked, decider) => {
-            let reason = blocked.unwrap_or(Reason::Error);
-            let signal_ref = decider.and_then(|d| d.raw_event_ref.clone());
-            let ev = evidence(rec, winner, signal_ref.as_ref());
-            let goal = send.and_then(|s| s.goal.clone()).unwrap_or_else(|| {
-                format!("turn {} of conversation {}", rec.turn, rec.conversation_id)
-            });
-            let next = next_action(rec, reason, winner.detail.as_deref());
-            let outcome_line = format!(
-                "blocked ({reason}){}",
-                winner
-                    .detail
-                    .as_deref()
-                    .map(|d| format!(": {d}"))
-                    .unwrap_or_default()
-            );
-            let message = format!(
-                "goal: {goal}\noutcome: {outcome_line}\nevidence: {}\nnext_action: {next}",
-                Evidence::render(&ev)
-            );
-            // Start from the upstream response when there is one, so nothing it said is lost.
-            let mut env = match (decider, winner.synthesized) {
-                (Some(d), false) => d.clone(),
-                _ => Envelope::default(),
-            };
-            let upstream_message = env.payload.as_ref().and_then(|p| p.get("message")).cloned();
-            env.event_type = "a2a.response".into();
-            env.event_role = Some(Role::ConversationMain);
-            env.phase = None;
-            if winner.synthesized {
-                env.timestamp = Some(rfc3339(winner.at_ms));
-                env.conversation_id = Some(Value::String(rec.conversation_id.clone()));
-                env.agent_id = rec.target().map(|t| Value::String(t.to_string()));
-                if env.work_session_id.is_none() {
-                    env.work_session_id = send
-                        .and_then(|s| s.work_session_id.clone())
-                        .map(Value::String);
-                }
-                env.raw_event_ref = signal_ref.clone().or_else(|| {
-                    send.map(|s| RawEventRef {
-                        stream: String::new(),
-                        seq: s.seq,
-                        subject: s.subject.clone(),
-                        stored_at: rfc3339(s.stored_ms),
-                    })
-                });
-                if let (Some(r), Some(d)) = (env.raw_event_ref.as_mut(), decider) {
-                    if let Some(dr) = &d.raw_event_ref {
-                        r.stream = dr.stream.clone();
-                    }
-                }
-            }
-            // The reply that did not come would have gone from the target to the sender.
-            let synthesized_only =
-                |v: Option<&str>| v.filter(|_| winner.synthesized).map(str::to_string);
-            let fields = BlockedPayload {
-                upstream_message,
-                outcome: BlockedOutcome::Blocked,
-                reason,
-                goal,
-                evidence: ev,
-                next_action: next,
-                synthesized: winner.synthesized,
-                message,
-                from_agent: synthesized_only(rec.target()),
-                to_agent: synthesized_only(rec.sender()),
-                conversation_id: synthesized_only(Some(&rec.conversation_id)),
-                turn: synthesized_only(Some(&rec.turn)),
-                detail: winner.detail.clone(),
-            };
-            fields.write_into(env.payload_object());
-            facets::apply(&mut env, &facets::derive("a2a.response", None, true));
-            env
+            blocked_response(rec, winner, blocked.unwrap_or(Reason::Error), decider)
+        }
+    }
+}
+
+/// A real reply: its content as it is, with the handoff sections exposed when present.
+fn real_reply(env: &Envelope) -> Envelope {
+    let mut env = env.clone();
+    env.event_type = "a2a.response".into();
+    env.event_role = Some(Role::ConversationMain);
+    let text = env
+        .payload
+        .as_ref()
+        .and_then(|p| p.get("message"))
+        .and_then(Value::as_str)
+        .map(str::to_string);
+    if let Some(sections) = text.as_deref().and_then(parse_sections) {
+        let p = env.payload_object();
+        for (k, v) in sections {
+            p.entry(k).or_insert(v);
+        }
+    }
+    env
+}
+
+/// The blocked outcome: the upstream failure normalised (starting from its envelope, so nothing
+/// it said is lost), or one synthesised for the turn.
+fn blocked_response(
+    rec: &TurnRecord,
+    winner: &Winner,
+    reason: Reason,
+    decider: Option<&Envelope>,
+) -> Envelope {
+    let send = rec.send.as_ref();
+    let signal_ref = decider.and_then(|d| d.raw_event_ref.clone());
+    let ev = evidence(rec, winner, signal_ref.as_ref());
+    let goal = send
+        .and_then(|s| s.goal.clone())
+        .unwrap_or_else(|| format!("turn {} of conversation {}", rec.turn, rec.conversation_id));
+    let next = next_action(rec, reason, winner.detail.as_deref());
+    let outcome_line = format!(
+        "blocked ({reason}){}",
+        winner
+            .detail
+            .as_deref()
+            .map(|d| format!(": {d}"))
+            .unwrap_or_default()
+    );
+    let message = format!(
+        "goal: {goal}\noutcome: {outcome_line}\nevidence: {}\nnext_action: {next}",
+        Evidence::render(&ev)
+    );
+    let mut env = match (decider, winner.synthesized) {
+        (Some(d), false) => d.clone(),
+        _ => Envelope::default(),
+    };
+    let upstream_message = env.payload.as_ref().and_then(|p| p.get("message")).cloned();
+    env.event_type = "a2a.response".into();
+    env.event_role = Some(Role::ConversationMain);
+    env.phase = None;
+    if winner.synthesized {
+        synthesised_slots(&mut env, rec, winner, decider, signal_ref);
+    }
+    // The reply that did not come would have gone from the target to the sender.
+    let synthesized_only = |v: Option<&str>| v.filter(|_| winner.synthesized).map(str::to_string);
+    let fields = BlockedPayload {
+        upstream_message,
+        outcome: BlockedOutcome::Blocked,
+        reason,
+        goal,
+        evidence: ev,
+        next_action: next,
+        synthesized: winner.synthesized,
+        message,
+        from_agent: synthesized_only(rec.target()),
+        to_agent: synthesized_only(rec.sender()),
+        conversation_id: synthesized_only(Some(&rec.conversation_id)),
+        turn: synthesized_only(Some(&rec.turn)),
+        detail: winner.detail.clone(),
+    };
+    fields.write_into(env.payload_object());
+    facets::apply(&mut env, &facets::derive("a2a.response", None, true));
+    env
+}
+
+/// The envelope slots of a synthesised outcome: its time, the turn's conversation and work
+/// session, the target as the agent, and where it came from (the signal, else the send).
+fn synthesised_slots(
+    env: &mut Envelope,
+    rec: &TurnRecord,
+    winner: &Winner,
+    decider: Option<&Envelope>,
+    signal_ref: Option<RawEventRef>,
+) {
+    let send = rec.send.as_ref();
+    env.timestamp = Some(rfc3339(winner.at_ms));
+    env.conversation_id = Some(Value::String(rec.conversation_id.clone()));
+    env.agent_id = rec.target().map(|t| Value::String(t.to_string()));
+    if env.work_session_id.is_none() {
+        env.work_session_id = send
+            .and_then(|s| s.work_session_id.clone())
+            .map(Value::String);
+    }
+    env.raw_event_ref = signal_ref.or_else(|| {
+        send.map(|s| RawEventRef {
+            stream: String::new(),
+            seq: s.seq,
+            subject: s.subject.clone(),
+            stored_at: rfc3339(s.stored_ms),
+        })
+    });
+    if let (Some(r), Some(d)) = (env.raw_event_ref.as_mut(), decider) {
+        if let Some(dr) = &d.raw_event_ref {
+            r.stream = dr.stream.clone();
         }
     }
 }
@@ -326,30 +341,6 @@ pub fn suppressed(env: &Envelope, rec: &TurnRecord, reason: SuppressReason) -> E
         turn: rec.turn.clone(),
     });
     suppression(env, "a2a.response.suppressed", reason, winner_ref)
-}
-
-/// A further response or terminal, kept on `system.observability` as `event_type`: the reason,
-/// `winner_ref` pointing at what won, and the event's own payload (under `response` for a turn,
-/// `terminal` for a run).
-pub(crate) fn suppression(
-    env: &Envelope,
-    event_type: &str,
-    reason: SuppressReason,
-    winner_ref: WinnerRef,
-) -> Envelope {
-    let mut out = env.clone();
-    out.event_type = event_type.into();
-    out.event_role = Some(Role::SystemObservability);
-    out.owner = None;
-    out.scope = None;
-    out.phase = None;
-    out.surface = None;
-    out.persistence = None;
-    let original = out.payload.take();
-    let record = SuppressedPayload::new(reason, winner_ref, original);
-    out.payload = serde_json::to_value(record).ok();
-    facets::apply(&mut out, &facets::derive(event_type, None, false));
-    out
 }
 
 #[cfg(test)]

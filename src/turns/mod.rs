@@ -16,39 +16,12 @@ pub mod payload;
 pub mod runs;
 
 use crate::classify::Fields;
+pub use crate::facts::{failure_signal, Reason};
 use crate::model::{encode_id, id_text, timestamp, Role};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use std::fmt;
 use std::time::Duration;
-
-/// Why a turn is blocked: `timeout` (no response by the deadline), `error` (an upstream
-/// failure, or the exchange ended without a reply), `not_found` (the target agent, session or
-/// task does not exist).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
-#[serde(rename_all = "snake_case")]
-pub enum Reason {
-    Timeout,
-    Error,
-    NotFound,
-}
-
-impl Reason {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Reason::Timeout => "timeout",
-            Reason::Error => "error",
-            Reason::NotFound => "not_found",
-        }
-    }
-}
-
-impl fmt::Display for Reason {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}
 
 /// What an `a2a.*` event is to its turn.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -162,47 +135,6 @@ pub fn exchange_key(kind: ExchangeKind, partition: u16, key: &str, id: &str) -> 
 }
 
 const GOAL_MAX_CHARS: usize = 200;
-
-/// The upstream failure signal of an event, first matching row of the contract's table.
-pub fn failure_signal(fields: &Fields<'_>, event_type: &str) -> Option<(Reason, Option<String>)> {
-    let detail = fields
-        .get("waitError")
-        .or_else(|| fields.get("error"))
-        .and_then(|v| match v {
-            Value::String(s) => Some(s.clone()),
-            Value::Null => None,
-            other => Some(other.to_string()),
-        });
-    match fields.str("waitStatus") {
-        Some("timeout") => return Some((Reason::Timeout, detail)),
-        Some("error") => return Some((Reason::Error, detail)),
-        Some("not_found") => return Some((Reason::NotFound, detail)),
-        _ => {}
-    }
-    let nf_code = |v: Option<&Value>| {
-        v.and_then(Value::as_str)
-            .is_some_and(|s| s.eq_ignore_ascii_case("not_found"))
-    };
-    let error_code = fields
-        .get("error")
-        .and_then(|e| e.get("code"))
-        .or_else(|| fields.get("errorCode"));
-    if fields.get("notFound").and_then(Value::as_bool) == Some(true)
-        || nf_code(error_code)
-        || nf_code(fields.get("status"))
-    {
-        return Some((Reason::NotFound, detail));
-    }
-    if matches!(
-        fields.str("outcome"),
-        Some("no_reply" | "blocked" | "failed")
-    ) || fields.get("error").is_some()
-        || event_type == "a2a.error"
-    {
-        return Some((Reason::Error, detail));
-    }
-    None
-}
 
 /// Read the turn facts of a normalised `a2a.*` event. `None` for other types.
 pub fn facts(
@@ -462,153 +394,153 @@ pub struct Step {
 /// Decide what an event does to its turn. `current` is the persisted record with its revision.
 pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnConfig) -> Step {
     match (current, ev.kind) {
-        // A send opens the turn, unless the turn exists already (a duplicate send, or a send that
-        // arrives after its response: it starts no timer).
-        (None, TurnEventKind::Send) => {
-            let timeout_ms = cfg.exchange_timeout_ms(ev);
-            let record = TurnRecord {
-                exchange: ev.exchange,
-                conversation_id: ev.conversation_id.clone(),
-                key: ev.key.clone(),
-                turn: ev.turn.clone(),
-                state: TurnState::Open,
-                send: Some(send_ref(ev, timeout_ms)),
-                deadline_ms: Some(
-                    ev.stored_ms
-                        .saturating_add(i64::try_from(timeout_ms).unwrap_or(i64::MAX)),
-                ),
-                winner: None,
-                sender: None,
-                target: None,
-                writer: None,
-            };
-            Step {
-                write: Some((record, Expect::Absent)),
-                project_self: true,
-                ..Step::default()
-            }
-        }
+        (None, TurnEventKind::Send) => open_turn(ev, cfg),
+        // A send for a turn that exists already (a duplicate send, or a send that arrives after
+        // its response) starts no timer.
         (Some(_), TurnEventKind::Send) => Step {
             project_self: true,
             ..Step::default()
         },
-
         // The first response, failure signal, complete or error decides an undecided turn.
-        (None, kind)
-        | (
-            Some((
-                TurnRecord {
-                    state: TurnState::Open,
-                    ..
-                },
-                _,
-            )),
-            kind,
-        ) => {
-            let (record, expect) = match current {
-                Some((r, rev)) => (r.clone(), Expect::Revision(rev)),
-                None => {
-                    // No send opened the turn: a reply comes from the target, a complete or
-                    // error from the sender's side.
-                    let (sender, target) = if kind == TurnEventKind::Response {
-                        (ev.to_agent.clone(), ev.from_agent.clone())
-                    } else {
-                        (ev.from_agent.clone(), ev.to_agent.clone())
-                    };
-                    (
-                        TurnRecord {
-                            exchange: ev.exchange,
-                            conversation_id: ev.conversation_id.clone(),
-                            key: ev.key.clone(),
-                            turn: ev.turn.clone(),
-                            state: TurnState::Open,
-                            send: None,
-                            deadline_ms: None,
-                            winner: None,
-                            sender,
-                            target,
-                            writer: None,
-                        },
-                        Expect::Absent,
-                    )
-                }
-            };
-            let winner = match kind {
-                TurnEventKind::Response => Winner {
-                    seq: Some(ev.seq),
-                    blocked: ev.failure,
-                    synthesized: false,
-                    by: match ev.exchange {
-                        ExchangeKind::Turn => "a2a.response".into(),
-                        ExchangeKind::Run => runs::TERMINAL_BY.into(),
-                    },
-                    detail: ev.failure_detail.clone(),
-                    at_ms: ev.stored_ms,
-                },
-                TurnEventKind::Complete | TurnEventKind::Error => Winner {
-                    seq: Some(ev.seq),
-                    blocked: Some(ev.failure.unwrap_or(Reason::Error)),
-                    synthesized: true,
-                    by: if kind == TurnEventKind::Complete {
-                        "a2a.complete".into()
-                    } else {
-                        "a2a.error".into()
-                    },
-                    detail: ev.failure_detail.clone().or_else(|| {
-                        (ev.failure.is_none() && kind == TurnEventKind::Complete)
-                            .then(|| "the exchange completed without a response".to_string())
-                    }),
-                    at_ms: ev.stored_ms,
-                },
-                TurnEventKind::Send => unreachable!("sends are matched above"),
-            };
-            let decided = TurnRecord {
-                state: TurnState::Decided,
-                deadline_ms: None,
-                winner: Some(winner),
-                ..record
+        (None, kind) => decide(unopened(ev, kind), Expect::Absent, ev, kind),
+        (Some((rec, rev)), kind) if rec.state == TurnState::Open => {
+            decide(rec.clone(), Expect::Revision(rev), ev, kind)
+        }
+        (Some((rec, _)), kind) => after_decision(rec, ev, kind),
+    }
+}
+
+/// A send opens the turn, with its deadline.
+fn open_turn(ev: &TurnFacts, cfg: &TurnConfig) -> Step {
+    let timeout_ms = cfg.exchange_timeout_ms(ev);
+    let record = TurnRecord {
+        exchange: ev.exchange,
+        conversation_id: ev.conversation_id.clone(),
+        key: ev.key.clone(),
+        turn: ev.turn.clone(),
+        state: TurnState::Open,
+        send: Some(send_ref(ev, timeout_ms)),
+        deadline_ms: Some(
+            ev.stored_ms
+                .saturating_add(i64::try_from(timeout_ms).unwrap_or(i64::MAX)),
+        ),
+        winner: None,
+        sender: None,
+        target: None,
+        writer: None,
+    };
+    Step {
+        write: Some((record, Expect::Absent)),
+        project_self: true,
+        ..Step::default()
+    }
+}
+
+/// The record of a turn no send opened: a reply comes from the target, a complete or error
+/// from the sender's side.
+fn unopened(ev: &TurnFacts, kind: TurnEventKind) -> TurnRecord {
+    let (sender, target) = if kind == TurnEventKind::Response {
+        (ev.to_agent.clone(), ev.from_agent.clone())
+    } else {
+        (ev.from_agent.clone(), ev.to_agent.clone())
+    };
+    TurnRecord {
+        exchange: ev.exchange,
+        conversation_id: ev.conversation_id.clone(),
+        key: ev.key.clone(),
+        turn: ev.turn.clone(),
+        state: TurnState::Open,
+        send: None,
+        deadline_ms: None,
+        winner: None,
+        sender,
+        target,
+        writer: None,
+    }
+}
+
+/// Who wins an undecided turn: a response as it is (blocked when it carries a failure signal);
+/// a complete or an error as a synthesised blocked outcome.
+fn winner_of(ev: &TurnFacts, kind: TurnEventKind) -> Winner {
+    if kind == TurnEventKind::Response {
+        return Winner {
+            seq: Some(ev.seq),
+            blocked: ev.failure,
+            synthesized: false,
+            by: match ev.exchange {
+                ExchangeKind::Turn => "a2a.response".into(),
+                ExchangeKind::Run => runs::TERMINAL_BY.into(),
+            },
+            detail: ev.failure_detail.clone(),
+            at_ms: ev.stored_ms,
+        };
+    }
+    let complete = kind == TurnEventKind::Complete;
+    Winner {
+        seq: Some(ev.seq),
+        blocked: Some(ev.failure.unwrap_or(Reason::Error)),
+        synthesized: true,
+        by: if complete {
+            "a2a.complete".into()
+        } else {
+            "a2a.error".into()
+        },
+        detail: ev.failure_detail.clone().or_else(|| {
+            (ev.failure.is_none() && complete)
+                .then(|| "the exchange completed without a response".to_string())
+        }),
+        at_ms: ev.stored_ms,
+    }
+}
+
+/// Decide an undecided turn (`record`, written if `expect` still holds) by `ev`.
+fn decide(record: TurnRecord, expect: Expect, ev: &TurnFacts, kind: TurnEventKind) -> Step {
+    let decided = TurnRecord {
+        state: TurnState::Decided,
+        deadline_ms: None,
+        winner: Some(winner_of(ev, kind)),
+        ..record
+    };
+    Step {
+        write: Some((decided, expect)),
+        respond: true,
+        // A response is itself the published winner; a complete or error is projected as what
+        // it is, after the response it caused.
+        project_self: kind != TurnEventKind::Response,
+        suppress: None,
+    }
+}
+
+/// An event for a decided turn: the winner's redelivery, a further response (suppressed), or
+/// a complete or error projected as it is. A decision not yet published is published again.
+fn after_decision(rec: &TurnRecord, ev: &TurnFacts, kind: TurnEventKind) -> Step {
+    let unpublished = rec.state == TurnState::Decided;
+    let is_winner = rec.winner.as_ref().and_then(|w| w.seq) == Some(ev.seq);
+    match kind {
+        TurnEventKind::Response if is_winner => Step {
+            // Redelivery of the winning reply: publish again if the mark is missing (the
+            // Msg-Id collapses a republish in the duplicate window).
+            respond: unpublished,
+            ..Step::default()
+        },
+        TurnEventKind::Response => {
+            let winner_blocked = rec.winner.as_ref().is_some_and(|w| w.blocked.is_some());
+            let reason = if winner_blocked && ev.failure.is_none() {
+                SuppressReason::Late
+            } else {
+                SuppressReason::Duplicate
             };
             Step {
-                write: Some((decided, expect)),
-                respond: true,
-                // A response is itself the published winner; a complete or error is projected
-                // as what it is, after the response it caused.
-                project_self: kind != TurnEventKind::Response,
-                suppress: None,
+                respond: unpublished,
+                suppress: Some(reason),
+                ..Step::default()
             }
         }
-
-        // Decided already.
-        (Some((rec, _)), kind) => {
-            let unpublished = rec.state == TurnState::Decided;
-            let is_winner = rec.winner.as_ref().and_then(|w| w.seq) == Some(ev.seq);
-            match kind {
-                TurnEventKind::Response if is_winner => Step {
-                    // Redelivery of the winning reply: publish again if the mark is missing
-                    // (the Msg-Id collapses a republish in the duplicate window).
-                    respond: unpublished,
-                    ..Step::default()
-                },
-                TurnEventKind::Response => {
-                    let winner_blocked = rec.winner.as_ref().is_some_and(|w| w.blocked.is_some());
-                    let reason = if winner_blocked && ev.failure.is_none() {
-                        SuppressReason::Late
-                    } else {
-                        SuppressReason::Duplicate
-                    };
-                    Step {
-                        respond: unpublished,
-                        suppress: Some(reason),
-                        ..Step::default()
-                    }
-                }
-                _ => Step {
-                    respond: unpublished,
-                    project_self: true,
-                    ..Step::default()
-                },
-            }
-        }
+        _ => Step {
+            respond: unpublished,
+            project_self: true,
+            ..Step::default()
+        },
     }
 }
 
@@ -665,5 +597,7 @@ fn send_ref(ev: &TurnFacts, timeout_ms: u64) -> SendRef {
     }
 }
 
+#[cfg(test)]
+mod a2a_spec_tests;
 #[cfg(test)]
 mod tests;

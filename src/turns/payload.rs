@@ -3,6 +3,9 @@
 //! run that timed out. Their JSON Schemas (`/api/schemas/...`) are derived from these types.
 
 use super::{Reason, SuppressReason};
+use crate::facets;
+use crate::model::{Envelope, Role};
+use chrono::{SecondsFormat, TimeZone, Utc};
 use schemars::JsonSchema;
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -269,10 +272,42 @@ impl RunFailedPayload {
     }
 }
 
+/// Milliseconds since the epoch as RFC 3339 UTC with milliseconds.
+pub(crate) fn rfc3339(ms: i64) -> String {
+    Utc.timestamp_millis_opt(ms)
+        .single()
+        .map(|t| t.to_rfc3339_opts(SecondsFormat::Millis, true))
+        .unwrap_or_default()
+}
+
+/// A further response or terminal, kept on `system.observability` as `event_type`: the reason,
+/// `winner_ref` pointing at what won, and the event's own payload (under `response` for a turn,
+/// `terminal` for a run).
+pub(crate) fn suppression(
+    env: &Envelope,
+    event_type: &str,
+    reason: SuppressReason,
+    winner_ref: WinnerRef,
+) -> Envelope {
+    let mut out = env.clone();
+    out.event_type = event_type.into();
+    out.event_role = Some(Role::SystemObservability);
+    out.owner = None;
+    out.scope = None;
+    out.phase = None;
+    out.surface = None;
+    out.persistence = None;
+    let original = out.payload.take();
+    let record = SuppressedPayload::new(reason, winner_ref, original);
+    out.payload = serde_json::to_value(record).ok();
+    facets::apply(&mut out, &facets::derive(event_type, None, false));
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::ingest::agui::TYPE_FIELD;
+    use crate::facts::TYPE_FIELD;
     use serde_json::json;
 
     #[test]

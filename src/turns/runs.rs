@@ -13,14 +13,14 @@
 //! when the timeout is decided, from the run's raw events ([`RunScan`]), which the raw stream keeps
 //! unchanged: a crash and a republish derive the same ends with the same Msg-Ids.
 
-use super::blocked::rfc3339;
+use super::payload::rfc3339;
 use super::payload::{
     DeadlineEvidence, DeadlineKind, Evidence, MessageEvidence, RunErrorType, RunFailedPayload,
     RunOutcome, RunWinnerRef, WinnerRef,
 };
 use super::{ExchangeKind, Reason, SuppressReason, TurnEventKind, TurnFacts, TurnRecord, Winner};
 use crate::facets;
-use crate::ingest::agui::{AgUiFacts, TYPE_FIELD};
+use crate::facts::{AgUiFacts, TYPE_FIELD};
 use crate::model::{encode_id, Envelope, RawEventRef, Role};
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
@@ -431,7 +431,7 @@ pub fn suppressed(env: &Envelope, rec: &TurnRecord, reason: SuppressReason) -> E
         run_id: rec.turn.clone(),
         thread_id: rec.send.as_ref().and_then(|s| s.thread_id.clone()),
     });
-    super::blocked::suppression(env, SUPPRESSED_TYPE, reason, winner_ref)
+    super::payload::suppression(env, SUPPRESSED_TYPE, reason, winner_ref)
 }
 
 #[cfg(test)]

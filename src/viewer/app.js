@@ -4,12 +4,20 @@
 // /api/events, then followed live from the snapshot's `next` cursor over /api/events/stream. When
 // the stream drops, it reconnects with Last-Event-ID set to the last event applied, so nothing is
 // lost or shown twice. Every load carries a generation number; a result that arrives after the
-// user switched views belongs to an older generation and is dropped, never drawn.
+// user switched views belongs to an older generation and is dropped, never drawn. A load that
+// fails because the server or its NATS is down is retried until it succeeds (the status says so
+// meanwhile); once the stream is back after an outage, the view is loaded again. Rows are ordered
+// by event time, newest first.
 'use strict';
 
 const ROLES = ['conversation.main', 'delegation.subagent', 'orchestration.task', 'system.observability'];
 const TURN_ROLES = new Set(['conversation.main', 'delegation.subagent']);
 const DEBUG_TYPES = ['a2a.send', 'a2a.response', 'a2a.complete', 'a2a.response.suppressed'];
+// Suppressed replies are system.observability events: the debug view reads that role too when
+// the token may.
+const SUPPRESSED_ROLE = 'system.observability';
+const RETRY_MIN = 1000;    // first retry of a failed load, ms; doubled up to RETRY_MAX
+const RETRY_MAX = 5000;
 const SNAPSHOT = 200;      // events loaded per view
 const MAX_ROWS = 500;      // rows kept on screen; older ones are dropped from the bottom
 const SESSIONS = 30;       // work sessions listed
@@ -36,6 +44,7 @@ const state = {
   items: new Map(),     // seq -> item, for the detail pane
   repeats: 0,           // events received twice (the API promises none; shown for checking)
   sessionTimer: null,
+  startGen: 0,          // the current start (token check); an older one stops retrying
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -72,11 +81,22 @@ function query(params) {
 // The filters of the current view.
 function selection() {
   const params = [['role', state.role]];
+  if (showsSuppressed()) params.push(['role', SUPPRESSED_ROLE]);
   let types = [];
   if (TURN_ROLES.has(state.role)) types = state.debug ? DEBUG_TYPES : ['a2a.response'];
   if (types.length) params.push(['type', types.join(',')]);
   if (state.session) for (const k of state.session.keys) params.push(['key', k]);
   return params;
+}
+
+// Whether the debug view adds the suppressed replies (another role, when granted).
+function showsSuppressed() {
+  return state.debug && TURN_ROLES.has(state.role) && state.allowed.includes(SUPPRESSED_ROLE);
+}
+
+// A failure worth retrying: the server or its NATS is down or unreachable (not a refusal).
+function transient(e) {
+  return !(e instanceof ApiError) || e.status >= 500 || e.status === 429 || e.status === 408;
 }
 
 // Server-Sent Events over fetch (so the token travels in a header, and Last-Event-ID is ours).
@@ -121,6 +141,10 @@ function setStatus(kind, text) {
   s.textContent = text;
 }
 
+function showDown(e, delay) {
+  setStatus('down', `Server unavailable (${e.message}); retrying in ${Math.round(delay / 1000)} s. Nothing published meanwhile is lost.`);
+}
+
 function showError(e) {
   if (e instanceof ApiError && e.status === 401) {
     setStatus('token', 'This server has access control on: enter an access token above.');
@@ -136,17 +160,30 @@ function showError(e) {
 // Loading a view: snapshot, then live
 
 async function start() {
-  try {
-    const me = await api('/api/me');
-    state.allowed = ROLES.filter((r) => (me.roles || []).includes(r));
-  } catch (e) {
-    state.allowed = [];
-    drawRoles();
-    stopView();
-    clearTimeline();
-    showError(e);
-    return;
+  const gen = ++state.startGen;
+  let delay = RETRY_MIN;
+  for (;;) {
+    try {
+      const me = await api('/api/me');
+      state.allowed = ROLES.filter((r) => (me.roles || []).includes(r));
+      break;
+    } catch (e) {
+      if (gen !== state.startGen) return;
+      if (!transient(e)) {
+        state.allowed = [];
+        drawRoles();
+        stopView();
+        clearTimeline();
+        showError(e);
+        return;
+      }
+      showDown(e, delay);
+      await new Promise((resolve) => setTimeout(resolve, delay));
+      if (gen !== state.startGen) return;
+      delay = Math.min(delay * 2, RETRY_MAX);
+    }
   }
+  if (gen !== state.startGen) return;
   if (!state.allowed.includes(state.role)) state.role = state.allowed[0] || state.role;
   drawRoles();
   if (!state.allowed.length) {
@@ -169,6 +206,7 @@ function loadView() {
   const ctl = new AbortController();
   state.abort = ctl;
   clearTimeline();
+  clearDetail();
   drawHeading();
   setStatus('loading', 'Loading…');
   const sel = selection();
@@ -179,11 +217,22 @@ function loadView() {
 
 async function hydrate(gen, ctl, sel) {
   let page;
-  try {
-    page = await api(`/api/events?${query([...sel, ['limit', SNAPSHOT]])}`, ctl.signal);
-  } catch (e) {
-    if (gen === state.gen && !ctl.signal.aborted) showError(e);
-    return;
+  let delay = RETRY_MIN;
+  for (;;) {
+    try {
+      page = await api(`/api/events?${query([...sel, ['limit', SNAPSHOT]])}`, ctl.signal);
+      break;
+    } catch (e) {
+      if (gen !== state.gen || ctl.signal.aborted) return;
+      if (!transient(e)) {
+        showError(e);
+        return;
+      }
+      showDown(e, delay);
+      await sleep(delay, ctl.signal);
+      if (gen !== state.gen || ctl.signal.aborted) return;
+      delay = Math.min(delay * 2, RETRY_MAX);
+    }
   }
   if (gen !== state.gen) return; // the user switched views meanwhile
   for (const item of page.events) addItem(item);
@@ -194,6 +243,7 @@ async function hydrate(gen, ctl, sel) {
 async function follow(gen, ctl, sel, cursor) {
   let last = cursor;
   let delay = 500;
+  let dropped = false;
   while (gen === state.gen && !ctl.signal.aborted) {
     let note = 'the server closed the stream';
     try {
@@ -212,6 +262,12 @@ async function follow(gen, ctl, sel, cursor) {
         throw err;
       }
       if (gen !== state.gen) return;
+      if (dropped) {
+        // Back after an outage: load the view again (the list, its sessions and the stream), so
+        // nothing shown depends on what the page held while the server was away.
+        loadView();
+        return;
+      }
       setStatus('live', `Live: ${TITLES[state.role]}${state.debug ? ' (debug)' : ''}`);
       delay = 500;
       for await (const f of sseFrames(r.body)) {
@@ -237,6 +293,7 @@ async function follow(gen, ctl, sel, cursor) {
       note = e.message;
     }
     if (gen !== state.gen) return;
+    dropped = true;
     setStatus('reconnecting', `Reconnecting (${note}); resuming after the last event shown…`);
     await sleep(delay, ctl.signal);
     delay = Math.min(delay * 2, 5000);
@@ -265,7 +322,8 @@ function drawHeading() {
   $('timeline-heading').textContent = state.session ? `${title}: ${state.session.title}` : title;
   let what;
   if (!TURN_ROLES.has(state.role)) what = `Every ${state.role} event, newest first.`;
-  else if (state.debug) what = `Every send, response, complete and suppressed reply of ${state.role}, newest first.`;
+  else if (state.debug && showsSuppressed()) what = `Every send, response and complete of ${state.role}, and every suppressed reply (${SUPPRESSED_ROLE}), newest first.`;
+  else if (state.debug) what = `Every send, response and complete of ${state.role}, newest first. Suppressed replies are ${SUPPRESSED_ROLE} events, which this access token may not read.`;
   else what = `One row per turn: its single response, or the blocked outcome that stands in for it. Newest first.`;
   $('timeline-note').textContent = what;
 }
@@ -280,13 +338,29 @@ function addItem(item) {
   state.items.set(item.seq, item);
   const list = $('events');
   const row = drawRow(item);
-  // Newest first: live events and each snapshot event (oldest first) go on top.
-  list.prepend(row);
+  // Newest first by event time; events of the same time in stream order.
+  let before = list.firstElementChild;
+  while (before && newer(before, row)) before = before.nextElementSibling;
+  list.insertBefore(row, before);
   while (list.children.length > MAX_ROWS) {
     const gone = list.lastElementChild;
     state.items.delete(Number(gone.dataset.seq));
     gone.remove();
   }
+}
+
+// The time a row is ordered by: the event's time, else when it was stored.
+function eventTime(item) {
+  const ev = item.event || {};
+  const t = Date.parse(ev.timestamp || item.storedAt || '');
+  return Number.isNaN(t) ? 0 : t;
+}
+
+// Whether row `a` goes above row `b` (later event time; at the same time, later in the stream).
+function newer(a, b) {
+  const ta = Number(a.dataset.time);
+  const tb = Number(b.dataset.time);
+  return ta !== tb ? ta > tb : Number(a.dataset.seq) > Number(b.dataset.seq);
 }
 
 function el(tag, attrs, ...children) {
@@ -320,7 +394,9 @@ function clock(iso) {
   if (!iso) return null;
   const d = new Date(iso);
   if (Number.isNaN(d.getTime())) return null;
-  return el('time', { datetime: iso, title: iso }, d.toLocaleTimeString());
+  // The time of day for today's events; the date too for any other day's.
+  const today = d.toDateString() === new Date().toDateString();
+  return el('time', { datetime: iso, title: iso }, today ? d.toLocaleTimeString() : d.toLocaleString());
 }
 
 function isBlocked(ev) {
@@ -378,6 +454,7 @@ function drawRow(item) {
   return el('li', {
     class: `row${blocked ? ' blocked' : ''}`,
     'data-seq': item.seq,
+    'data-time': eventTime(item),
     'data-type': ev.type,
     'data-key': item.key,
     'data-turn': turn,
@@ -388,6 +465,14 @@ function drawRow(item) {
 
 // ---------------------------------------------------------------------------------------------
 // The detail pane
+
+function clearDetail() {
+  const box = $('detail-body');
+  box.replaceChildren();
+  box.hidden = true;
+  $('detail-empty').hidden = false;
+  $('detail-heading').textContent = 'Event';
+}
 
 function blobRefs(v, out) {
   if (Array.isArray(v)) v.forEach((x) => blobRefs(x, out));

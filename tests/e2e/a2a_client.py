@@ -5,13 +5,16 @@ It resolves each agent's card through the relay, keeps only the interface a scen
 JSON line per scenario: what the client received (each event as protobuf JSON), so the test can
 compare it with what the relay published.
 
+With `--fresh` every scenario starts a new conversation: its first message carries no context id
+and the agent picks one (later messages of the scenario use the one the agent chose).
+
 With `--unknown URL` it also continues a task the agent does not know (the SDK raises the
 agent's TaskNotFound error, recorded as the scenario's `error`); with `--hang URL` it only sends
 one streamed message to an agent that opens the stream and then never answers, and waits (the test
 kills the agent meanwhile).
 
 Usage: python a2a_client.py [--complete URL --stream URL --ask URL] [--unknown URL] [--hang URL]
-       [--caller ID]
+       [--caller ID] [--fresh]
 """
 
 import argparse
@@ -45,7 +48,7 @@ def only_interface(card: AgentCard, binding: str, version: str) -> AgentCard:
     return narrowed
 
 
-def message(text: str, context_id: str, task_id: str | None = None) -> Message:
+def message(text: str, context_id: str | None, task_id: str | None = None) -> Message:
     return Message(
         role=Role.ROLE_USER,
         message_id=str(uuid.uuid4()),
@@ -53,6 +56,15 @@ def message(text: str, context_id: str, task_id: str | None = None) -> Message:
         context_id=context_id,
         task_id=task_id,
     )
+
+
+def context_of(event: dict) -> str | None:
+    """The context id an answer (a task, a message or an update) carries."""
+    for member in ("task", "message", "statusUpdate", "artifactUpdate"):
+        context_id = event.get(member, {}).get("contextId")
+        if context_id:
+            return context_id
+    return None
 
 
 async def send(client, msg: Message) -> list[dict]:
@@ -70,6 +82,7 @@ async def scenario(
     version: str,
     streaming: bool,
     texts: list[str],
+    fresh: bool,
 ) -> dict:
     card = await A2ACardResolver(http, base_url).get_agent_card()
     card = only_interface(card, binding, version)
@@ -81,14 +94,16 @@ async def scenario(
             supported_protocol_bindings=[binding],
         ),
     )
-    context_id = f"e2e-{name}"
+    context_id = None if fresh else f"e2e-{name}"
     calls = []
-    task_id = "no-such-task" if name.startswith("unknown") else None
+    task_id = "no-such-task" if "unknown" in name else None
     for text in texts:
         events = await send(client, message(text, context_id, task_id))
-        # Further messages continue the task the first one opened (input-required).
+        # Further messages continue the task the first one opened (input-required), in the
+        # context the agent chose for a fresh conversation.
         for event in events:
             task_id = task_id or event.get("task", {}).get("id")
+            context_id = context_id or context_of(event)
         calls.append(events)
     return {
         "scenario": name,
@@ -108,6 +123,7 @@ async def main() -> None:
     parser.add_argument("--unknown")
     parser.add_argument("--hang")
     parser.add_argument("--caller", default="planner")
+    parser.add_argument("--fresh", action="store_true")
     args = parser.parse_args()
 
     plan = []
@@ -129,8 +145,10 @@ async def main() -> None:
     ) as http:
         for name, url, binding, version, streaming, texts in plan:
             try:
+                if args.fresh:
+                    name = f"fresh-{name}"
                 result = await scenario(
-                    http, name, url, binding, version, streaming, texts
+                    http, name, url, binding, version, streaming, texts, args.fresh
                 )
             except Exception as e:  # the agent's error, as the SDK raised it
                 result = {"scenario": name, "error": f"{type(e).__name__}: {e}"}

@@ -9,6 +9,7 @@ mod api;
 mod auth;
 mod bench_smoke;
 mod chaos;
+mod conversations;
 mod fast_batch;
 mod fuzz_api;
 mod operability;

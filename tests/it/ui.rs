@@ -5,7 +5,9 @@
 //! With access control on, the page asks for a token, then shows a turn published after it
 //! loaded, a blocked timeout with its reason, goal and next action, the debug view, a role switch,
 //! and the events published while the server was down (killed with SIGKILL and started again),
-//! without a repeat. A screenshot is saved as `viewer.png` in `COLLAB_ARTIFACTS_DIR` (`.ci/run`
+//! without a repeat. A second test stops and restarts NATS under the page, which must recover by
+//! itself; it also checks the order by event time and the debug view's suppressed replies. A
+//! screenshot is saved as `viewer.png` in `COLLAB_ARTIFACTS_DIR` (`.ci/run`
 //! sets `.ci/artifacts`), else in Cargo's test temporary directory.
 //!
 //! Chromium comes from Debian's `chromium` and `chromium-driver` packages (`.ci/run` installs
@@ -431,6 +433,13 @@ async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropp
         r#"return document.querySelector('li.row[data-key="browser-1"][data-type="a2a.send"]') !== null;"#,
     )
     .await;
+    // This token may not read system.observability, where suppressed replies are: the view
+    // says so rather than promising them.
+    let note = text_of(&client, "#timeline-note").await;
+    assert!(
+        note.contains("Suppressed replies are system.observability events"),
+        "{note}"
+    );
     click(&client, "#debug").await;
     wait_for(
         &client,
@@ -544,6 +553,194 @@ async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropp
     let path = dir.join("viewer.png");
     std::fs::write(&path, shot).expect("the screenshot is saved");
     eprintln!("viewer screenshot: {}", path.display());
+
+    client.close().await.expect("the browser closes");
+    proj.sigterm();
+    let _ = proj.wait_exit(Duration::from_secs(10)).await;
+}
+
+/// An event from `from` to `to` on conversation `conv` stamped `ts_ms`.
+fn stamped(kind: &str, from: &str, to: &str, conv: &str, extra: Value, ts_ms: i64) -> Value {
+    let mut ev = collab_event(kind, from, to, conv, extra);
+    ev["ts"] = json!(ts_ms);
+    ev
+}
+
+/// Whether the status line is in `state`.
+fn status_is(state: &str) -> String {
+    format!("return document.getElementById('status').dataset.state === '{state}';")
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_viewer_orders_by_event_time_shows_suppressed_replies_and_recovers_from_a_nats_outage()
+{
+    let Some((chromium, driver_bin)) = browser() else {
+        return;
+    };
+    let mut nats = TestNats::start().await;
+    if nats.local().is_none() {
+        eprintln!("SKIPPED: stopping NATS needs a local nats-server, not a container");
+        return;
+    }
+    provision_with_binary(&nats.url(), ENV);
+    let js = nats.jetstream().await;
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let config = dir.path().join("viewer.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "[[http.tokens]]\nname = \"viewer\"\ntoken = \"{TOKEN}\"\nroles = [\"conversation.main\", \"delegation.subagent\", \"orchestration.task\", \"system.observability\"]\n"
+        ),
+    )
+    .expect("the configuration file is written");
+    let http_port = free_port();
+    let mut proj = projector(&nats.url(), http_port, &config);
+    wait_until(WAIT, "the projector is ready", || ready(http_port)).await;
+
+    let driver = start_driver(&driver_bin).await;
+    let client = open_browser(&chromium, &driver, &dir.path().join("profile")).await;
+    client
+        .goto(&format!("http://127.0.0.1:{http_port}/"))
+        .await
+        .expect("the viewer loads");
+    wait_for(&client, "the page asks for a token", &status_is("token")).await;
+    client
+        .find(Locator::Id("token"))
+        .await
+        .expect("a token field")
+        .send_keys(TOKEN)
+        .await
+        .expect("typing the token");
+    click(&client, "#token-form button[type=submit]").await;
+    let live = status_is("live");
+    wait_for(&client, "the stream is live", &live).await;
+
+    // Order by event time: a turn that happened yesterday, published after one of now, sits
+    // below it, labelled with its date; today's is labelled with the time of day only.
+    let now = chrono::Utc::now().timestamp_millis();
+    let yesterday = now - 86_400_000;
+    for (key, ts, reply) in [
+        ("order-now", now, "the current answer"),
+        ("order-old", yesterday, "yesterday's answer"),
+    ] {
+        let ask = json!({"message": "status?", "timeoutMs": 60_000});
+        publish(&js, key, &stamped("a2a.send", "ruda", "eden", key, ask, ts)).await;
+        let answer = json!({"message": reply});
+        publish(
+            &js,
+            key,
+            &stamped("a2a.response", "eden", "ruda", key, answer, ts + 1),
+        )
+        .await;
+    }
+    wait_for(
+        &client,
+        "both answers are shown",
+        r#"return document.querySelector('li.row[data-key="order-now"]') !== null && document.querySelector('li.row[data-key="order-old"]') !== null;"#,
+    )
+    .await;
+    let keys = eval(
+        &client,
+        "return [...document.querySelectorAll('li.row')].map(r => r.dataset.key);",
+    )
+    .await;
+    assert_eq!(
+        keys,
+        json!(["order-now", "order-old"]),
+        "newest event first"
+    );
+    let labels = eval(
+        &client,
+        r#"const t = (k) => document.querySelector(`li.row[data-key="${k}"] time`);
+           const now = t('order-now'), old = t('order-old');
+           return [now.textContent === new Date(now.dateTime).toLocaleTimeString(),
+                   old.textContent === new Date(old.dateTime).toLocaleString()];"#,
+    )
+    .await;
+    assert_eq!(
+        labels,
+        json!([true, true]),
+        "today's time, another day's date"
+    );
+
+    // A turn answered twice: the second reply is suppressed, a system.observability event that
+    // the debug view shows beside the turn's send and response.
+    answered_turn(&js, "dup-1", "deploy?", "first reply").await;
+    publish(
+        &js,
+        "dup-1",
+        &collab_event(
+            "a2a.response",
+            "eden",
+            "ruda",
+            "dup-1",
+            json!({"message": "second reply"}),
+        ),
+    )
+    .await;
+    wait_for(
+        &client,
+        "the first reply is shown",
+        r#"return document.querySelector('li.row[data-key="dup-1"]') !== null;"#,
+    )
+    .await;
+    // The detail pane shows a selected event until the view changes.
+    click(&client, r#"li.row[data-key="dup-1"] > button"#).await;
+    assert!(text_of(&client, "#detail-body").await.contains("dup-1"));
+    click(&client, "#debug").await;
+    wait_for(
+        &client,
+        "the debug view shows the suppressed reply",
+        r#"return document.querySelector('li.row[data-key="dup-1"][data-type="a2a.response.suppressed"]') !== null;"#,
+    )
+    .await;
+    assert_eq!(
+        eval(
+            &client,
+            "const b = document.getElementById('detail-body'); return b.hidden && b.children.length === 0 && !document.getElementById('detail-empty').hidden;"
+        )
+        .await,
+        json!(true),
+        "a view switch empties the detail pane"
+    );
+    click(&client, "#debug").await;
+    wait_for(&client, "the conversations view is live", &live).await;
+
+    // NATS goes away. A view loaded while it is down says the server is unavailable and keeps
+    // trying; once NATS is back (same port, same store) the page recovers by itself and shows
+    // what was published after, without a reload.
+    nats.local().expect("a local nats-server").kill_now();
+    click(&client, r#"input[value="orchestration.task"]"#).await;
+    click(&client, r#"input[value="conversation.main"]"#).await;
+    wait_for(
+        &client,
+        "the page says the server is unavailable",
+        &status_is("down"),
+    )
+    .await;
+    nats.restart().await;
+    let js = nats.jetstream().await;
+    wait_until(WAIT, "the projector is ready again", || ready(http_port)).await;
+    answered_turn(&js, "after-outage", "back?", "answered after the outage").await;
+    wait_for(
+        &client,
+        "the turn answered after the outage is shown",
+        r#"return [...document.querySelectorAll('li.row[data-key="after-outage"]')].some(r => r.textContent.includes('answered after the outage'));"#,
+    )
+    .await;
+    wait_for(&client, "the stream is live again", &live).await;
+    for key in ["order-now", "order-old", "dup-1", "after-outage"] {
+        assert_eq!(
+            count(&client, &format!(r#"li.row[data-key="{key}"]"#)).await,
+            1,
+            "one row for turn {key}"
+        );
+    }
+    assert_eq!(
+        eval(&client, "return document.body.dataset.repeats;").await,
+        json!("0"),
+        "no event may arrive twice"
+    );
 
     client.close().await.expect("the browser closes");
     proj.sigterm();

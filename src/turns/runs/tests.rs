@@ -532,8 +532,7 @@ fn an_abandoned_run_gets_ends_for_what_it_left_open_then_run_failed_timeout() {
     let tool = sim.stored.get("run:t1:r1:end:tool:c1").expect("c1 ended");
     assert_eq!(payload_str(tool, "toolCallId"), Some("c1"));
     assert!(
-        crate::ingest::agui::AgUiFacts::of(end).is_some()
-            && crate::ingest::agui::AgUiFacts::of(tool).is_some(),
+        crate::facts::AgUiFacts::of(end).is_some() && crate::facts::AgUiFacts::of(tool).is_some(),
         "the ends read back as AG-UI events"
     );
     let f = sim.terminal_of("t1", "r1");
