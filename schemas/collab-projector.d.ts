@@ -468,7 +468,7 @@ export interface Me {
 }
 /**
  * The payload of the `run.failed` the processor writes for a run that stored no `RUN_FINISHED`
- * or `RUN_ERROR` by its deadline (CONTRACT 2b).
+ * or `RUN_ERROR` by its deadline (docs/contract.md section 2b).
  *
  * JSON Schema: /api/schemas/run-failed-payload.schema.json
  */

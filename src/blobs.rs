@@ -1,5 +1,5 @@
 //! Large fields: moved out of the projected envelope into the object store `<prefix>_blobs`, and
-//! replaced by a reference (CONTRACT section 5).
+//! replaced by a reference (docs/contract.md section 5).
 //!
 //! Pure: [`offload`] rewrites an envelope's payload and returns the blobs to store; the worker
 //! stores them before it publishes the projection that refers to them, and the API serves them

@@ -1,4 +1,4 @@
-//! `eventRole` rules (CONTRACT section 3): the origin's rule set, with the main-agent list from
+//! `eventRole` rules (docs/contract.md section 3): the origin's rule set, with the main-agent list from
 //! configuration.
 //!
 //! Precedence, first match wins:

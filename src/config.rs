@@ -547,7 +547,7 @@ impl Default for TurnSettings {
     }
 }
 
-/// The run contract (CONTRACT 2b): one terminal event per AG-UI run.
+/// The run contract (docs/contract.md section 2b): one terminal event per AG-UI run.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct RunSettings {

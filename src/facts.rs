@@ -86,7 +86,7 @@ pub fn is_agui_type(t: &str) -> bool {
         && t.bytes().any(|b| b.is_ascii_uppercase())
 }
 
-/// The envelope type of an AG-UI type (CONTRACT 2b). Types with a seed 003 class get it;
+/// The envelope type of an AG-UI type (docs/contract.md section 2b). Types with a seed 003 class get it;
 /// every other type, known or not yet invented, keeps its own name, lower-cased with `_` as
 /// `.` (`REASONING_MESSAGE_CONTENT` -> `reasoning.message.content`, `FOO_BAR` -> `foo.bar`).
 pub fn envelope_type(agui_type: &str) -> String {
@@ -111,7 +111,7 @@ pub fn envelope_type(agui_type: &str) -> String {
 pub const TYPE_FIELD: &str = "agUiType";
 
 /// The AG-UI facts of a projected envelope, for rules that follow runs, messages and tool
-/// calls (the run contract of CONTRACT 2b).
+/// calls (the run contract of docs/contract.md section 2b).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AgUiFacts<'a> {
     /// The AG-UI type as published (`payload.agUiType`).

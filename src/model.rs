@@ -65,7 +65,7 @@ impl FromStr for Role {
     }
 }
 
-/// Why a raw message was dead-lettered (CONTRACT section 6). The string form is the subject token.
+/// Why a raw message was dead-lettered (docs/contract.md section 6). The string form is the subject token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum DlqReason {
@@ -316,7 +316,7 @@ pub fn timestamp(v: &Value) -> Option<chrono::DateTime<chrono::Utc>> {
     }
 }
 
-/// The turn id of CONTRACT section 4 from the candidates in order (`turnId`, then `turn`): the
+/// The turn id of docs/contract.md section 4 from the candidates in order (`turnId`, then `turn`): the
 /// first that is an id, else `"0"`.
 pub fn turn_id<'a>(candidates: impl IntoIterator<Item = Option<&'a Value>>) -> String {
     candidates

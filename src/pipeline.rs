@@ -93,7 +93,7 @@ pub fn turn_facts(
     )
 }
 
-/// The run facts of a normalised AG-UI `RUN_STARTED`, `RUN_FINISHED` or `RUN_ERROR` (CONTRACT
+/// The run facts of a normalised AG-UI `RUN_STARTED`, `RUN_FINISHED` or `RUN_ERROR` (docs/contract.md
 /// 2b), its run not yet resolved (the partition knows the key's open run). `None`: not a run
 /// event, projected as it is.
 pub fn run_event(

@@ -364,7 +364,7 @@ fn field_id(env: &Envelope, name: &str) -> Option<String> {
 }
 
 /// The work session and conversation of an envelope, from its envelope ids, else its payload.
-/// The conversation is the conversation key of CONTRACT section 4 without the work session.
+/// The conversation is the conversation key of docs/contract.md section 4 without the work session.
 pub fn keys(env: &Envelope) -> SessionKeys {
     let ws = env
         .work_session_id
@@ -394,7 +394,7 @@ pub fn keys(env: &Envelope) -> SessionKeys {
     }
 }
 
-/// The turn id of CONTRACT section 4: `turnId`, else `turn`, else `0`.
+/// The turn id of docs/contract.md section 4: `turnId`, else `turn`, else `0`.
 pub fn turn_id(env: &Envelope) -> String {
     crate::model::turn_id([
         env.turn_id.as_ref(),

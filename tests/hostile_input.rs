@@ -410,7 +410,7 @@ fn a2a_json_rpc_fixtures_are_projected() {
             raw_ref: None,
             relay: Default::default(),
         };
-        // Format 4 (CONTRACT 2a): every A2A 0.3 / 1.0 body of the spec is projected; only
+        // Format 4 (docs/contract.md section 2a): every A2A 0.3 / 1.0 body of the spec is projected; only
         // pre-0.2 shapes are refused.
         if let Err(r) = collab_projector::ingest::normalize(&input, settings) {
             let legacy = r.reason.as_str() == "unrecognized" && r.detail.contains("pre-0.2");
@@ -424,7 +424,7 @@ fn a2a_json_rpc_fixtures_are_projected() {
     assert!(seen > 0, "no A2A JSON-RPC fixture found");
 }
 
-/// Format 5 is mapped (CONTRACT 2b): every AG-UI event in the fixtures is projected, with its
+/// Format 5 is mapped (docs/contract.md section 2b): every AG-UI event in the fixtures is projected, with its
 /// type kept, under either settings variant that does not make it too large.
 #[test]
 fn ag_ui_fixtures_are_projected_never_dead_lettered() {

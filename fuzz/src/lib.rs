@@ -394,7 +394,7 @@ enum Route {
     NotObject,
     AdapterPacket,
     JsonRpc,
-    /// An AG-UI event: the envelope type CONTRACT 2b gives its type, the type as published,
+    /// An AG-UI event: the envelope type docs/contract.md section 2b gives its type, the type as published,
     /// and its explicit `eventRole` when it is a string.
     AgUi {
         class: String,
@@ -457,7 +457,7 @@ fn is_agui_type(t: &str) -> bool {
         && t.bytes().any(|b| b.is_ascii_uppercase())
 }
 
-/// CONTRACT 2b's table, written out again here so the check does not trust the code it checks.
+/// docs/contract.md section 2b's table, written out again here so the check does not trust the code it checks.
 fn agui_class(t: &str) -> String {
     match t {
         "RUN_STARTED" => "run.started".into(),

@@ -1,4 +1,4 @@
-//! The projection HTTP API, for UIs that do not speak NATS (CONTRACT section 7).
+//! The projection HTTP API, for UIs that do not speak NATS (docs/contract.md section 7).
 //!
 //! - `GET /api/events`: filtered projections with cursors ([`events`]);
 //! - `GET /api/events/stream`: the same as Server-Sent Events, resumable ([`stream`]);

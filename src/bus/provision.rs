@@ -1,4 +1,4 @@
-//! Create the streams, consumers and buckets of CONTRACT section 1, or check that existing ones
+//! Create the streams, consumers and buckets of docs/contract.md section 1, or check that existing ones
 //! match. An existing resource whose configuration differs is never changed or deleted: the
 //! difference is reported and the caller stops. The one exception is its size limit
 //! (`storage.*_max_bytes`) and discard policy: a stream or bucket without them (created before

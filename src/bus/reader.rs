@@ -669,7 +669,7 @@ impl Partition<'_> {
         }
         let enforce = &shared.settings.turns.enforce_roles;
         for (i, n) in events.iter().enumerate() {
-            // AG-UI run events follow the run contract (CONTRACT 2b) whatever their role; the turn
+            // AG-UI run events follow the run contract (docs/contract.md section 2b) whatever their role; the turn
             // machinery carries both kinds of exchange.
             let run = if shared.settings.runs.enforce {
                 pipeline::run_event(n, &raw, &shared.names.prefix)

@@ -1,4 +1,4 @@
-//! A2A wire traffic (CONTRACT sections 2 format 4, and 2a): the JSON-RPC bodies of A2A v0.3 and
+//! A2A wire traffic (docs/contract.md sections 2 format 4, and 2a): the JSON-RPC bodies of A2A v0.3 and
 //! v1.0, and v1.0's HTTP+JSON bodies, as a relay publishes them (request, response, each SSE
 //! frame, push-notification bodies).
 //!

@@ -2,7 +2,7 @@
 //! `event_type`) into the canonical `assay.adapter.a2a.*` payload, byte-compatible with the
 //! assay adapter (`assay-adapter-a2a`) apart from `adapter_version`.
 //!
-//! Rules implemented (seed 001 and seeds/INDEX.md):
+//! Rules implemented (seed 001 and docs/contract.md):
 //! - limits (size, nesting depth, array length), `protocol == "a2a"`, `version` "0.N" / "0.N.M"
 //!   with major 0 and minor >= 2: rejected in every mode;
 //! - strict mode also rejects a missing `agent.id`, an unmapped `event_type`, a `task.*` event

@@ -1,4 +1,4 @@
-//! AG-UI events (CONTRACT format 5, section 2b) as seed 003 runtime events.
+//! AG-UI events (docs/contract.md format 5, section 2b) as seed 003 runtime events.
 //!
 //! An AG-UI event is rewritten into the runtime-event object [`event::from_event`] reads, so it
 //! gets the envelope, facets, depth check and role checks every other event gets; the redactor
@@ -64,7 +64,7 @@ pub fn required_ids(agui_type: &str) -> &'static [&'static str] {
 }
 
 /// Ids with an envelope slot: lifted out of the payload. AG-UI defines the first three; the
-/// others are seed 003 ids a producer may add, and CONTRACT 5 puts every id in its slot.
+/// others are seed 003 ids a producer may add, and docs/contract.md section 5 puts every id in its slot.
 const ENVELOPE_IDS: [&str; 11] = [
     "threadId",
     "runId",
@@ -123,7 +123,7 @@ pub fn runtime_event(
         return Err(Rejection::new(
             DlqReason::BadType,
             format!(
-                "AG-UI type `{agui_type}` would be projected as `{event_type}`, a collaboration type with its own key and turn rules (CONTRACT 4); publish collaboration events with their dotted type, or send this as a CUSTOM event with a `name`"
+                "AG-UI type `{agui_type}` would be projected as `{event_type}`, a collaboration type with its own key and turn rules (docs/contract.md section 4); publish collaboration events with their dotted type, or send this as a CUSTOM event with a `name`"
             ),
         ));
     }

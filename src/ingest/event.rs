@@ -38,7 +38,7 @@ const SLOTS: &[&str] = &[
     "data",
 ];
 
-/// The conversation key of CONTRACT section 4, in order of preference.
+/// The conversation key of docs/contract.md section 4, in order of preference.
 pub const CONVERSATION_KEY_FIELDS: [&str; 4] =
     ["conversationId", "sessionId", "contextId", "workSessionId"];
 

@@ -1,7 +1,7 @@
 //! Normalisation: one raw message in, projected envelopes (or a dead-letter reason) out.
 //!
 //! Pure functions of the bytes, the subject and configuration: no I/O, no clock. The format is
-//! recognised from the body (CONTRACT section 2):
+//! recognised from the body (docs/contract.md section 2):
 //! 1. A2A adapter packets (`protocol == "a2a"` with `event_type`) go through the K1-A adapter;
 //! 2. collaboration events (seed 000: `type` + fields at the top level or under `data`) and
 //! 3. runtime events (seed 003 envelope) share one mapping in [`event`];
@@ -131,11 +131,11 @@ pub struct RawInput<'a> {
     /// Absent when normalising offline (`collab-projector normalize`).
     pub subject: Option<SubjectInfo>,
     pub raw_ref: Option<RawEventRef>,
-    /// What a relay said about the exchange in its headers (CONTRACT 2a).
+    /// What a relay said about the exchange in its headers (docs/contract.md section 2a).
     pub relay: RelayHeaders,
 }
 
-/// The headers a relay sets on the traffic it publishes (CONTRACT 2a): the caller's and the
+/// The headers a relay sets on the traffic it publishes (docs/contract.md section 2a): the caller's and the
 /// callee's agent ids, an id for the request shared by everything answering it, and the A2A
 /// method of an HTTP+JSON body.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -144,7 +144,7 @@ pub struct RelayHeaders {
     pub to_agent: Option<String>,
     pub exchange: Option<String>,
     pub a2a_method: Option<String>,
-    /// The AG-UI run an event belongs to (CONTRACT 2b), for events that carry no `runId`
+    /// The AG-UI run an event belongs to (docs/contract.md section 2b), for events that carry no `runId`
     /// (`RUN_ERROR`, steps, state events).
     pub run_id: Option<String>,
     /// Which side of the exchange the body is: `request` (the caller's words) or `answer` (the

@@ -3,7 +3,7 @@
 //!
 //! Every request goes to the upstream agent as it came (hop-by-hop headers aside) and every answer
 //! comes back as the agent sent it, SSE frames as they arrive. Beside that, each request body,
-//! response body and SSE frame becomes one raw message (CONTRACT sections 2a and 2b), handed to a
+//! response body and SSE frame becomes one raw message (docs/contract.md sections 2a and 2b), handed to a
 //! bounded queue that a publisher task serves; when NATS is slow or away the queue fills and
 //! messages are dropped and counted, and the exchange is never slowed or failed by it.
 //!

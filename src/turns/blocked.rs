@@ -191,7 +191,7 @@ fn evidence(rec: &TurnRecord, winner: &Winner, signal: Option<&RawEventRef>) -> 
 /// `decider` is the normalised event that decided the turn (the reply, or the failure signal),
 /// absent for a deadline.
 ///
-/// For a run (CONTRACT 2b) the exchange kind chooses: its one terminal event instead (see
+/// For a run (docs/contract.md section 2b) the exchange kind chooses: its one terminal event instead (see
 /// [`super::runs::terminal`]).
 pub fn winner_response(rec: &TurnRecord, decider: Option<&Envelope>) -> Envelope {
     if rec.exchange == ExchangeKind::Run {

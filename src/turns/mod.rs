@@ -1,4 +1,4 @@
-//! The turn contract (CONTRACT section 4): exactly one `a2a.response` per turn.
+//! The turn contract (docs/contract.md section 4): exactly one `a2a.response` per turn.
 //!
 //! This module is pure: it reads the facts of an `a2a.*` event ([`TurnFacts`]), looks at the
 //! turn's persisted [`TurnRecord`], and returns a [`Step`] saying what to write (with the
@@ -46,8 +46,8 @@ impl TurnEventKind {
 }
 
 /// Which kind of exchange a record follows. One mechanism (fence, deadlines, checkpoint, reload)
-/// serves both: an A2A turn (CONTRACT 4) answered by one `a2a.response`, and an AG-UI run
-/// (CONTRACT 2b) ended by one terminal event. Records written before runs existed have no kind
+/// serves both: an A2A turn (docs/contract.md section 4) answered by one `a2a.response`, and an AG-UI run
+/// (docs/contract.md section 2b) ended by one terminal event. Records written before runs existed have no kind
 /// and read as turns.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]

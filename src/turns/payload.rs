@@ -246,7 +246,7 @@ pub enum RunErrorType {
 }
 
 /// The payload of the `run.failed` the processor writes for a run that stored no `RUN_FINISHED`
-/// or `RUN_ERROR` by its deadline (CONTRACT 2b).
+/// or `RUN_ERROR` by its deadline (docs/contract.md section 2b).
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(deny_unknown_fields)]

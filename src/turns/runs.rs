@@ -1,4 +1,4 @@
-//! The run contract (CONTRACT 2b): exactly one terminal event per AG-UI run.
+//! The run contract (docs/contract.md section 2b): exactly one terminal event per AG-UI run.
 //!
 //! A run is an exchange of the turn machinery ([`super::ExchangeKind::Run`]): its record lives in
 //! the turns bucket under its own key namespace, `RUN_STARTED` plays the send (it opens the run,

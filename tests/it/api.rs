@@ -1246,7 +1246,7 @@ async fn mplp_export_validates_against_the_schema() {
     let app = api::router(state(&js, &s));
     let writer = SessionWriter::new(&js, &s.names()).await.expect("writer");
     let validator = mplp_validator();
-    // The seed's own example does not validate (see seeds/INDEX.md); the schema is strict.
+    // The seed's own example does not validate (see docs/contract.md); the schema is strict.
     assert!(!validator
         .is_valid(&json!({"meta": {"protocolVersion": "1.0.0"}, "collab_id": "collab-1"})));
 

@@ -1,4 +1,4 @@
-//! The run contract (CONTRACT 2b) end to end: AG-UI events published on `collab.raw.<thread>.agui`,
+//! The run contract (docs/contract.md section 2b) end to end: AG-UI events published on `collab.raw.<thread>.agui`,
 //! the real `collab-projector` binary with `runs.timeout` = 2 s, and every run's one terminal read
 //! back from `COLLAB_PROJ`.
 //!

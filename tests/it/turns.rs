@@ -1,4 +1,4 @@
-//! The turn contract (CONTRACT section 4) end to end: collab events published on `collab.raw.*`,
+//! The turn contract (docs/contract.md section 4) end to end: collab events published on `collab.raw.*`,
 //! the real `collab-projector` binary, and every turn's one `a2a.response` read back from
 //! `COLLAB_PROJ`.
 //!
@@ -1275,7 +1275,7 @@ async fn many_turns_with_a_worker_killed_midway_get_exactly_one_response_each() 
 }
 
 // ---------------------------------------------------------------------------------------------
-// A2A wire traffic (CONTRACT 2a): JSON-RPC v0.3 / v1.0 and HTTP+JSON bodies as a relay publishes
+// A2A wire traffic (docs/contract.md section 2a): JSON-RPC v0.3 / v1.0 and HTTP+JSON bodies as a relay publishes
 // them, one request one turn.
 // ---------------------------------------------------------------------------------------------
 

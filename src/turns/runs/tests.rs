@@ -1,4 +1,4 @@
-// Unit and property tests of the run contract (CONTRACT 2b), pure, fake clock.
+// Unit and property tests of the run contract (docs/contract.md section 2b), pure, fake clock.
 //
 // `RunSim` plays the I/O shell of src/bus/turns.rs for AG-UI runs over an in-memory KV map and
 // the partition's `OpenTurns` and `OpenRuns`: write with the CAS expectation, publish the winner
@@ -448,7 +448,7 @@ fn payload_str<'a>(env: &'a Envelope, field: &str) -> Option<&'a str> {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The rules of CONTRACT 2b.
+// The rules of docs/contract.md section 2b.
 // ---------------------------------------------------------------------------------------------
 
 #[test]
