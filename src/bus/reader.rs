@@ -366,7 +366,7 @@ impl Partition<'_> {
         // `from`. Its first message is dead-lettered `max_deliver` once that reaches the limit,
         // as a consumer delivery would be.
         let attempt = self.shared.replay_attempt(self.p, from);
-        let mut replay = stream
+        let replay = stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
                 filter_subject: self.shared.names.partition_filter(self.p),
                 deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
@@ -376,12 +376,30 @@ impl Partition<'_> {
             })
             .await
             .map_err(|e| self.setup("reading in-flight messages", e))?;
-        // Nothing of the partition is stored from `from` on: the range was deleted.
+        // None of the partition's messages from `from` on is visible. That is the range having
+        // aged out of the stream, or a server answering from a state that does not have them yet
+        // (a stream leader cut off from its cluster, a replica catching up): only the first
+        // lets the partition go on; otherwise it starts over, and after `max_deliver` attempts
+        // in a row it goes on, saying so.
         let stored = replay.cached_info().num_pending;
         if stored == 0 {
-            let _ = replay.info().await;
-            debug!(partition = self.p, from, to, "nothing left to take over");
-            return Ok(Flow::Continue);
+            let first = stream.get_info().await.map(|i| i.state.first_sequence);
+            let max_deliver = self.shared.settings.consumer.max_deliver;
+            match first {
+                Ok(first) if first > to => {
+                    debug!(
+                        partition = self.p,
+                        from, to, first, "the in-flight range aged out of the stream"
+                    );
+                    return Ok(Flow::Continue);
+                }
+                _ if max_deliver > 0 && attempt >= max_deliver => {
+                    warn!(partition = self.p, from, to, attempts = attempt,
+                        "none of the in-flight range could be read, though the stream should hold it; going on");
+                    return Ok(Flow::Continue);
+                }
+                _ => return Err(short("none of the in-flight range was visible")),
+            }
         }
         let mut replayed = replay
             .messages()
