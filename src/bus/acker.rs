@@ -141,9 +141,18 @@ pub(crate) async fn ack_stage(
         }
     };
     let mut held: VecDeque<Unacked> = VecDeque::new();
-    let ack_latency = metrics::histogram!(telemetry::PUBLISH_ACK);
-    let end_to_end = metrics::histogram!(telemetry::END_TO_END);
-    let write_latency = metrics::histogram!(telemetry::STATE_WRITE);
+    let latencies = Latencies {
+        ack: metrics::histogram!(telemetry::PUBLISH_ACK),
+        end_to_end: metrics::histogram!(telemetry::END_TO_END),
+        write: metrics::histogram!(telemetry::STATE_WRITE),
+    };
+    let issuer = Issuer {
+        publisher: &publisher,
+        fence: &fence,
+        cancel: &cancel,
+        broken: &broken,
+        p,
+    };
     loop {
         let front = held.front().and_then(|u| u.holds.last().cloned());
         let first = tokio::select! {
@@ -174,62 +183,19 @@ pub(crate) async fn ack_stage(
             for idx in 0..items.len() {
                 let publishes = std::mem::take(&mut items[idx].publishes);
                 let (issued, stored_ms) = (items[idx].issued, items[idx].stored_ms);
-                for (out, fut) in publishes {
-                    let failed = match fut {
-                        Some(fut) => match fut.await {
-                            Ok(_) => false,
-                            Err(e) => match publish::classify(&out.subject, e) {
-                                Failure::Transient { .. } => true,
-                                f => {
-                                    // Nothing after it is acknowledged: the partition stops.
-                                    broken.cancel();
-                                    let halt = Halt::Failed(publisher.count_failure(f));
-                                    return Err(halt.into_error(p).unwrap_or(
-                                        WorkerError::Interrupted {
-                                            partition: p,
-                                            why: "an output could not be stored",
-                                        },
-                                    ));
-                                }
-                            },
-                        },
-                        None => false,
-                    };
-                    if !failed {
-                        ack_latency.record(issued.elapsed().as_secs_f64());
-                        if let (OutKind::Projection(_), Some(stored)) = (out.kind, stored_ms) {
-                            let ms = super::now_ms().saturating_sub(stored).max(0);
-                            end_to_end.record(ms as f64 / 1000.0);
-                        }
-                    }
-                    if failed {
-                        let inputs: Vec<&jetstream::Message> =
-                            items.iter().filter_map(|i| i.msg.as_ref()).collect();
-                        match publisher
-                            .publish_in_place(&out, &fence, &inputs, &cancel)
-                            .await
-                        {
-                            Ok(()) => {}
-                            // Shutting down with a publish still failing: acknowledge nothing
-                            // more; redelivery repairs.
-                            Err(Halt::Cancelled) => return Ok(()),
-                            Err(halt) => {
-                                broken.cancel();
-                                return Err(halt.into_error(p).unwrap_or(
-                                    WorkerError::Interrupted {
-                                        partition: p,
-                                        why: "an output could not be stored",
-                                    },
-                                ));
-                            }
-                        }
-                    }
+                let awaited = issuer
+                    .await_publishes(publishes, issued, stored_ms, &items, &latencies)
+                    .await?;
+                if let Awaited::ShuttingDown = awaited {
+                    return Ok(());
                 }
                 for w in std::mem::take(&mut items[idx].writes) {
                     if let Err(e) = w.await {
                         return Err(refused(e.for_key("(pipelined write)")));
                     }
-                    write_latency.record(issued.elapsed().as_secs_f64());
+                    latencies
+                        .write
+                        .record(items[idx].issued.elapsed().as_secs_f64());
                 }
                 marks.append(&mut items[idx].marks);
             }
@@ -247,12 +213,7 @@ pub(crate) async fn ack_stage(
             Ok(ready) => ready,
             Err(e) => return hold_failed(e),
         };
-        let barriers = barrier_sequences(&ready);
-        if let Some(last) = last_sequence(&ready) {
-            checkpoint.acked(last);
-        }
-        acknowledge(p, acks, ready).await;
-        delete_barriers(&stream, p, barriers);
+        acknowledge_ready(ready, &mut checkpoint, &stream, p, acks).await;
     }
     // Drained: the partition wrote its deferred records before it stopped; wait for them.
     debug!(
@@ -269,12 +230,7 @@ pub(crate) async fn ack_stage(
         held.push_back(u);
     }
     let ready = release(&mut held).unwrap_or_default();
-    let barriers = barrier_sequences(&ready);
-    if let Some(last) = last_sequence(&ready) {
-        checkpoint.acked(last);
-    }
-    acknowledge(p, acks, ready).await;
-    delete_barriers(&stream, p, barriers);
+    acknowledge_ready(ready, &mut checkpoint, &stream, p, acks).await;
     // Drained: a final checkpoint spares the next owner republishing what was stored.
     if let Err(e) = checkpoint.maybe_write(true).await {
         debug!(partition = p, error = %e, "final published checkpoint not written");
@@ -352,6 +308,101 @@ pub(crate) async fn acknowledge(p: u16, acks: Acks, ready: Vec<jetstream::Messag
             debug!(partition = p, error = %e, "ack failed; the message will be redelivered (its outputs collapse by Msg-Id)");
         }
     }
+}
+
+/// The acker's latency histograms, registered once.
+struct Latencies {
+    ack: metrics::Histogram,
+    end_to_end: metrics::Histogram,
+    write: metrics::Histogram,
+}
+
+/// How awaiting an input's publishes ended, when it did not stop the partition.
+enum Awaited {
+    Stored,
+    /// Shutting down with a publish still failing: acknowledge nothing more; redelivery
+    /// repairs.
+    ShuttingDown,
+}
+
+/// What awaiting publishes needs of the stage.
+struct Issuer<'a> {
+    publisher: &'a Publisher,
+    fence: &'a Fence,
+    cancel: &'a CancellationToken,
+    broken: &'a CancellationToken,
+    p: u16,
+}
+
+impl Issuer<'_> {
+    /// Await one input's publishes in order. A transient failure is retried in place (holding
+    /// the inputs of `items` in progress); any other stops the partition, acknowledging nothing
+    /// after it.
+    async fn await_publishes(
+        &self,
+        publishes: Publishes,
+        issued: tokio::time::Instant,
+        stored_ms: Option<i64>,
+        items: &[Processed],
+        latencies: &Latencies,
+    ) -> Result<Awaited, WorkerError> {
+        let stopped = |halt: Halt| {
+            self.broken.cancel();
+            halt.into_error(self.p).unwrap_or(WorkerError::Interrupted {
+                partition: self.p,
+                why: "an output could not be stored",
+            })
+        };
+        for (out, fut) in publishes {
+            let failed = match fut {
+                Some(fut) => match fut.await {
+                    Ok(_) => false,
+                    Err(e) => match publish::classify(&out.subject, e) {
+                        Failure::Transient { .. } => true,
+                        f => return Err(stopped(Halt::Failed(self.publisher.count_failure(f)))),
+                    },
+                },
+                None => false,
+            };
+            if !failed {
+                latencies.ack.record(issued.elapsed().as_secs_f64());
+                if let (OutKind::Projection(_), Some(stored)) = (out.kind, stored_ms) {
+                    let ms = super::now_ms().saturating_sub(stored).max(0);
+                    latencies.end_to_end.record(ms as f64 / 1000.0);
+                }
+                continue;
+            }
+            let inputs: Vec<&jetstream::Message> =
+                items.iter().filter_map(|i| i.msg.as_ref()).collect();
+            match self
+                .publisher
+                .publish_in_place(&out, self.fence, &inputs, self.cancel)
+                .await
+            {
+                Ok(()) => {}
+                Err(Halt::Cancelled) => return Ok(Awaited::ShuttingDown),
+                Err(halt) => return Err(stopped(halt)),
+            }
+        }
+        Ok(Awaited::Stored)
+    }
+}
+
+/// Acknowledge the inputs released, raising the checkpoint's `acked` first and deleting the
+/// partition barriers among them after.
+async fn acknowledge_ready(
+    ready: Vec<jetstream::Message>,
+    checkpoint: &mut Checkpoint,
+    stream: &jetstream::stream::Stream,
+    p: u16,
+    acks: Acks,
+) {
+    let barriers = barrier_sequences(&ready);
+    if let Some(last) = last_sequence(&ready) {
+        checkpoint.acked(last);
+    }
+    acknowledge(p, acks, ready).await;
+    delete_barriers(stream, p, barriers);
 }
 
 /// An input's outputs as issued, each with the future of its publish ack (`None`: already
