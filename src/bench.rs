@@ -2274,7 +2274,60 @@ pub fn render(report: &BenchReport) -> String {
     for n in &report.notes {
         let _ = writeln!(s, "note: {n}");
     }
+    let _ = writeln!(s, "{}", summary_line(report));
     s
+}
+
+/// The run in one line a script can read: `bench-summary` then `key=value` pairs, a value `-`
+/// when its scenario did not run. The keys are stable (docs/performance.md lists them):
+/// `load` (1-minute load average at the start), `baseline`, `mixed`, `turns` (msg/s),
+/// `mixed_ratio`, `turns_ratio` (over the baseline), `p99_ms`, `p99_base_ms`, `p99_ratio` (at the
+/// latency runs' rate), `mixed_wkr_us`, `mixed_srv_us`, `turns_wkr_us`, `turns_srv_us` (CPU per
+/// input).
+pub fn summary_line(report: &BenchReport) -> String {
+    let num = |v: Option<f64>, digits: usize| {
+        v.map_or_else(|| "-".to_string(), |v| format!("{v:.digits$}"))
+    };
+    let run = |id: u8| report.throughput.iter().find(|t| t.id == id);
+    let lat = |id: u8| report.latency.iter().find(|l| l.id == id);
+    let rate = |id: u8| num(run(id).map(|t| t.msg_per_s), 0);
+    let p99 = |id: u8| lat(id).map(|l| l.p99_ms);
+    let p99_ratio = match (p99(2), p99(1)) {
+        (Some(p), Some(b)) if b > 0.0 => Some(p / b),
+        _ => None,
+    };
+    let r = &report.ratios;
+    [
+        format!("load={:.2}", report.machine.load_start[0]),
+        format!("baseline={}", rate(1)),
+        format!("mixed={}", rate(2)),
+        format!("turns={}", rate(3)),
+        format!("mixed_ratio={}", num(r.mixed_over_baseline, 2)),
+        format!("turns_ratio={}", num(r.turns_over_baseline, 2)),
+        format!("p99_ms={}", num(p99(2), 1)),
+        format!("p99_base_ms={}", num(p99(1), 1)),
+        format!("p99_ratio={}", num(p99_ratio, 2)),
+        format!(
+            "mixed_wkr_us={}",
+            num(run(2).and_then(|t| t.worker_us_per_input), 1)
+        ),
+        format!(
+            "mixed_srv_us={}",
+            num(run(2).and_then(|t| t.server_us_per_input), 1)
+        ),
+        format!(
+            "turns_wkr_us={}",
+            num(run(3).and_then(|t| t.worker_us_per_input), 1)
+        ),
+        format!(
+            "turns_srv_us={}",
+            num(run(3).and_then(|t| t.server_us_per_input), 1)
+        ),
+    ]
+    .into_iter()
+    .fold("bench-summary".to_string(), |line, field| {
+        line + " " + &field
+    })
 }
 
 /// A claim on partition `p` for the reload measurement, as a worker makes when it takes the
@@ -2347,5 +2400,33 @@ mod tests {
         finish(&mut r);
         assert!(r.targets.iter().all(|t| t.met.is_none()));
         assert!(render(&r).contains("not measured"));
+        // Nothing ran: every measured field of the summary says so.
+        let line = summary_line(&r);
+        assert!(
+            line.starts_with("bench-summary load=0.00 baseline=- mixed=- turns=-"),
+            "{line}"
+        );
+
+        r.throughput = [(1u8, 80_000.0), (2, 32_000.0)]
+            .into_iter()
+            .map(|(id, msg_per_s)| ThroughputResult {
+                id,
+                msg_per_s,
+                worker_us_per_input: Some(31.34),
+                ..ThroughputResult::default()
+            })
+            .collect();
+        r.ratios.mixed_over_baseline = Some(0.4);
+        let line = render(&r).lines().last().unwrap_or_default().to_string();
+        let fields: std::collections::HashMap<&str, &str> = line
+            .split(' ')
+            .skip(1)
+            .filter_map(|kv| kv.split_once('='))
+            .collect();
+        assert_eq!(fields.get("baseline"), Some(&"80000"), "{line}");
+        assert_eq!(fields.get("mixed_ratio"), Some(&"0.40"), "{line}");
+        assert_eq!(fields.get("mixed_wkr_us"), Some(&"31.3"), "{line}");
+        assert_eq!(fields.get("turns"), Some(&"-"), "{line}");
+        assert_eq!(fields.len(), 13, "{line}");
     }
 }
