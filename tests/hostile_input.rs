@@ -384,6 +384,17 @@ proptest! {
     }
 }
 
+/// Found by `cargo fuzz` (normalize): an A2A Task answered without a message. Offline its key
+/// was the task id while its conversation is its context; published under that key, the
+/// conversation became the task id.
+#[test]
+fn a_wire_task_normalises_the_same_published_under_its_offline_key() {
+    let body = br#"{"jsonrpc":"2.0","id":"req-005","result":{"id":"43667960-d455-4453-b0cf-1bae4955270d","contextId":"c295ea44-7543-4f78-b524-7a38915ad6e4","status":{"state":"submitted","timestamp":"2024-03-15T11:00:00Z"}}}"#;
+    if let Err(broken) = checks::normalize(body) {
+        panic!("{broken}");
+    }
+}
+
 #[test]
 fn every_fixture_input_normalises_within_the_invariants() {
     for event in fixture_events() {

@@ -337,12 +337,15 @@ fn from_wire(
         relay: RelayHeaders::default(),
     };
     let mut n = event::from_event(&translated, &offline, settings)?;
-    match key {
-        Some(k) => n.key = k,
-        // Offline, a body without a context stays under the placeholder key, so publishing it
-        // under that key gives the same envelope.
-        None if translated.get("contextId").is_none() => n.key = "_".into(),
-        None => {}
+    match (
+        key,
+        translated.get("contextId").and_then(crate::model::id_text),
+    ) {
+        (Some(k), _) => n.key = k,
+        // Offline, a body is keyed as a relay keys its exchange: by its context, else under the
+        // placeholder key; published under that key it gives the same envelope.
+        (None, Some(context)) => n.key = crate::model::encode_id(&context),
+        (None, None) => n.key = "_".into(),
     }
     if n.conversation_id.is_some() {
         n.source = Some(std::sync::Arc::new(translated));
