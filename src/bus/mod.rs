@@ -24,6 +24,12 @@ pub const MIN_SERVER: (u64, u64, u64) = (2, 11, 0);
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConnectError {
+    #[error("invalid server URL {url}: {source}. Give one or more nats:// URLs, comma-separated (--nats-url / NATS_URL)")]
+    InvalidUrl {
+        url: String,
+        #[source]
+        source: error::Source,
+    },
     #[error("cannot connect to NATS at {url}: {source}. Start a server (`nats-server -js`) or set --nats-url / NATS_URL")]
     Connect {
         url: String,
@@ -179,10 +185,6 @@ async fn connect_checked(
     check_jetstream: bool,
 ) -> Result<(async_nats::Client, async_nats::jetstream::Context), ConnectError> {
     let shown = display_url(url);
-    let refused = |source: error::Source| ConnectError::Connect {
-        url: shown.clone(),
-        source,
-    };
     let mut opts = async_nats::ConnectOptions::new()
         .name(name)
         .connection_timeout(Duration::from_secs(5))
@@ -213,7 +215,10 @@ async fn connect_checked(
         .filter(|u| !u.is_empty())
         .map(|u| u.parse::<async_nats::ServerAddr>())
         .collect::<Result<_, _>>()
-        .map_err(|e| refused(Box::new(e)))?;
+        .map_err(|e| ConnectError::InvalidUrl {
+            url: shown.clone(),
+            source: Box::new(e),
+        })?;
     let client = opts
         .connect(addrs)
         .await
