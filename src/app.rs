@@ -277,7 +277,9 @@ async fn connect_waiting(
         };
         match attempt {
             Ok(pair) => return Ok(pair),
-            Err(e @ bus::ConnectError::Connect { .. }) if urls_parse(&settings.nats.url) => {
+            // Only a server that does not answer is waited for; what waiting cannot fix (an
+            // unparsable URL, refused credentials, TLS, an old server) is reported at once.
+            Err(e @ bus::ConnectError::Connect { .. }) => {
                 attempts += 1;
                 // The first failure, then one line every ten: a clear message, not a flood.
                 if attempts % 10 == 1 {
@@ -290,15 +292,6 @@ async fn connect_waiting(
             return Err(AppError::Stopped);
         }
     }
-}
-
-/// Whether every comma-separated server URL parses: a malformed one fails the same way on every
-/// attempt, so it is reported at once instead of waited on.
-fn urls_parse(url: &str) -> bool {
-    url.split(',')
-        .map(str::trim)
-        .filter(|u| !u.is_empty())
-        .all(|u| u.parse::<async_nats::ServerAddr>().is_ok())
 }
 
 /// What the service API reports of this process.
