@@ -2,7 +2,9 @@
 //! and drain on cancellation (SIGTERM / Ctrl-C).
 
 use crate::api;
-use crate::bus::{self, leases, provision, worker};
+use crate::bus::context::WorkerContext;
+use crate::bus::stats::WorkerState;
+use crate::bus::{self, leases, provision};
 use crate::config::Settings;
 use crate::http::{self, HttpState};
 use std::sync::Arc;
@@ -31,7 +33,7 @@ pub enum AppError {
     #[error(transparent)]
     Provision(#[from] provision::ProvisionError),
     #[error(transparent)]
-    Worker(#[from] worker::WorkerError),
+    Worker(#[from] bus::error::WorkerError),
     #[error("HTTP: {0}")]
     Refused(String),
     #[error("{}", listen_text(addr, source))]
@@ -69,7 +71,7 @@ pub struct Running {
     _service: Option<async_nats::service::Service>,
     pub client: async_nats::Client,
     pub js: async_nats::jetstream::Context,
-    pub worker: Option<Arc<worker::WorkerContext>>,
+    pub worker: Option<Arc<WorkerContext>>,
     pub http_addr: Option<std::net::SocketAddr>,
     tracker: TaskTracker,
 }
@@ -186,8 +188,8 @@ async fn start_workers(
     worker_id: &str,
     tracker: &TaskTracker,
     cancel: &CancellationToken,
-) -> Result<Arc<worker::WorkerContext>, AppError> {
-    let shared = worker::WorkerContext::new(js.clone(), settings.clone()).await?;
+) -> Result<Arc<WorkerContext>, AppError> {
+    let shared = WorkerContext::new(js.clone(), settings.clone()).await?;
     let names = settings.names();
     let store = shared
         .leases_side
@@ -195,7 +197,7 @@ async fn start_workers(
         .get_key_value(&names.leases_bucket)
         .await
         .map_err(|e| {
-            worker::WorkerError::setup(0, format!("leases bucket {}", names.leases_bucket), e)
+            bus::error::WorkerError::setup(0, format!("leases bucket {}", names.leases_bucket), e)
         })?;
     let partitions = settings.nats.partitions;
     info!(worker = %worker_id, partitions, "worker started; taking its share of the partitions");
@@ -299,7 +301,7 @@ async fn connect_waiting(
 struct Reporter {
     worker_id: String,
     client: async_nats::Client,
-    state: Option<Arc<worker::WorkerState>>,
+    state: Option<Arc<WorkerState>>,
     started: std::time::Instant,
 }
 

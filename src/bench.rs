@@ -26,7 +26,7 @@
 
 use crate::app::{self, RunOptions};
 use crate::bus::turns::{PartitionTurns, Rev, KEPT_OPEN_RECORDS};
-use crate::bus::{self, provision, worker::ThreadRuntime, worker::WorkerContext};
+use crate::bus::{self, context::WorkerContext, provision, runtime::ThreadRuntime};
 use crate::config::{Names, Settings};
 use crate::localnats::{LocalNats, LocalNatsError, LocalNatsOptions};
 use crate::pipeline::{self, RawMessage, H_SOURCE_SEQ};

@@ -2,7 +2,7 @@
 //! waiting for `http.stall_after` without progress), `/readyz` (connected, and consuming every
 //! owned partition), `/metrics` (Prometheus text).
 
-use crate::bus::worker::WorkerState;
+use crate::bus::stats::WorkerState;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::response::IntoResponse;

@@ -27,6 +27,7 @@
 //! floor), and its lease renewals and turn-record writes fail their compare-and-set.
 
 use super::context::WorkerContext;
+use super::error::WorkerError;
 use super::worker;
 use async_nats::jetstream::kv;
 use futures::StreamExt;
@@ -129,7 +130,7 @@ fn spawn_partition(
                 .await
                 {
                     Ok(()) => break,
-                    Err(e @ worker::WorkerError::Interrupted { .. }) => {
+                    Err(e @ WorkerError::Interrupted { .. }) => {
                         info!(error = %e, "restarting the partition");
                         continue;
                     }
@@ -356,7 +357,7 @@ impl LeaseLoop {
         let ttl = shared.settings.workers.lease_ttl;
         let validity_ms = i64::try_from((ttl / 3).as_millis()).unwrap_or(i64::MAX);
         let skew_ms = i64::try_from(shared.settings.turns.clock_skew.as_millis()).unwrap_or(0);
-        let pull_ms = i64::try_from(worker::PULL_EXPIRES.as_millis()).unwrap_or(i64::MAX);
+        let pull_ms = i64::try_from(super::pull::PULL_EXPIRES.as_millis()).unwrap_or(i64::MAX);
         LeaseLoop {
             client: shared.leases_side.js.client(),
             prefix: shared.names.prefix.clone(),

@@ -16,16 +16,12 @@
 //! [`super::sessions::run_fold`], off this path.
 
 use super::acker::{ack_stage, Acks, Processed, Stage};
-pub use super::context::WorkerContext;
-use super::error::Source;
-pub use super::error::WorkerError;
-pub(crate) use super::lease_lapsed;
+use super::context::WorkerContext;
+use super::error::{Source, WorkerError};
+use super::lease_lapsed;
 use super::publish::Fence;
-pub(crate) use super::pull::PULL_EXPIRES;
 use super::reader::Partition;
-pub use super::runtime::ThreadRuntime;
 use super::stats::sample_lag;
-pub use super::stats::{PartitionLag, WorkerState, LAG_SAMPLE_EVERY};
 use super::turns::{Flush, PartitionTurns, TurnIoError};
 use crate::telemetry;
 use crate::turns::book::Watermark;
