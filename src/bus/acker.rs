@@ -346,12 +346,10 @@ impl Issuer<'_> {
         items: &[Processed],
         latencies: &Latencies,
     ) -> Result<Awaited, WorkerError> {
-        let stopped = |halt: Halt| {
+        // Nothing after a failure that waiting cannot heal is acknowledged: the partition stops.
+        let stopped = |failure: Failure| {
             self.broken.cancel();
-            halt.into_error(self.p).unwrap_or(WorkerError::Interrupted {
-                partition: self.p,
-                why: "an output could not be stored",
-            })
+            WorkerError::of_failure(self.p, failure)
         };
         for (out, fut) in publishes {
             let failed = match fut {
@@ -359,7 +357,7 @@ impl Issuer<'_> {
                     Ok(_) => false,
                     Err(e) => match publish::classify(&out.subject, e) {
                         Failure::Transient { .. } => true,
-                        f => return Err(stopped(Halt::Failed(self.publisher.count_failure(f)))),
+                        f => return Err(stopped(self.publisher.count_failure(f))),
                     },
                 },
                 None => false,
@@ -381,7 +379,7 @@ impl Issuer<'_> {
             {
                 Ok(()) => {}
                 Err(Halt::Cancelled) => return Ok(Awaited::ShuttingDown),
-                Err(halt) => return Err(stopped(halt)),
+                Err(Halt::Failed(failure)) => return Err(stopped(failure)),
             }
         }
         Ok(Awaited::Stored)
