@@ -53,13 +53,11 @@ pub(crate) struct Partition<'a> {
     /// it got must not be covered by this partition's acknowledgements.
     pub(crate) next_delivery: u64,
     /// Inputs up to this raw sequence may have their outputs stored already (the consumer was
-    /// recreated from a checkpoint): each is looked up before it is published, until
-    /// `verify_window` inputs in a row had none of their outputs stored.
+    /// recreated from a checkpoint): each is looked up before it is published, until a whole
+    /// publish window (`consumer.publish_window`) of inputs in a row had none of their outputs
+    /// stored. The previous owner issued publishes in input order with at most that many
+    /// unacknowledged, so a publish that failed can only be followed by stored ones within it.
     pub(crate) verify_through: u64,
-    /// How many inputs in a row may miss their outputs before none later can have any: the
-    /// previous owner issued publishes in input order with at most this many unacknowledged, so
-    /// a publish that failed can only be followed by stored ones within that window.
-    pub(crate) verify_window: usize,
     /// Inputs in a row, looked up under `verify_through`, that had no output stored.
     pub(crate) verify_missed: usize,
     /// This owner's claim, which every output it publishes expects.
@@ -575,7 +573,7 @@ impl Partition<'_> {
                 } else {
                     0
                 };
-                if self.verify_missed >= self.verify_window {
+                if self.verify_missed >= self.shared.settings.consumer.publish_window.max(1) {
                     // Past the previous owner's publish window: nothing later was stored.
                     self.verify_through = 0;
                 }

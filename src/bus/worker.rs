@@ -133,7 +133,6 @@ pub async fn run_partition(
         barrier_sent_ms: None,
         next_delivery: 0,
         verify_through,
-        verify_window: shared.settings.consumer.publish_window.max(1),
         verify_missed: 0,
         fence,
         streams: crate::redact::StreamRedactor::new(
