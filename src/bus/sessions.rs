@@ -144,13 +144,9 @@ impl SessionWriter {
         self.commits
             .send(Request { groups, done })
             .await
-            .map_err(|_| committer_stopped())?;
-        wait.await.map_err(|_| committer_stopped())?
+            .map_err(|_| SessionError::Stopped)?;
+        wait.await.map_err(|_| SessionError::Stopped)?
     }
-}
-
-fn committer_stopped() -> SessionError {
-    SessionError::Stopped
 }
 
 /// A session as last written by this worker, decoded, with its revision.
