@@ -30,7 +30,7 @@ pub const BINARY_ENV: &str = "NATS_SERVER_BIN";
 /// its stores on a graceful exit, which normally takes well under a second.
 const STOP_GRACE: Duration = Duration::from_secs(5);
 
-/// How long `start_cluster` waits for the nodes to elect a JetStream meta leader.
+/// How long `start_cluster` waits until a stream can be placed on every node.
 const CLUSTER_READY_TIMEOUT: Duration = Duration::from_secs(20);
 
 /// How often start-up polls the client port; short, because tests start many servers.
@@ -107,10 +107,10 @@ pub enum LocalNatsError {
         log: PathBuf,
         tail: String,
     },
-    /// The cluster's nodes started but JetStream never became available.
+    /// The cluster's nodes started but JetStream never became available on all of them.
     #[error(
-        "the {nodes}-node cluster elected no JetStream meta leader within {waited:?} (last error: \
-         {last_error}); check the nodes' logs in their store directories"
+        "the {nodes}-node cluster could not place a stream on every node within {waited:?} (last \
+         error: {last_error}); check the nodes' logs in their store directories"
     )]
     ClusterNotReady {
         nodes: usize,
@@ -448,7 +448,7 @@ impl Drop for LocalNats {
 }
 
 /// Start an `n`-node cluster on free loopback ports, each node with a temporary store, and wait until
-/// JetStream has a meta leader.
+/// a stream replicated on every node can be placed.
 pub async fn start_cluster(n: usize) -> Result<Vec<LocalNats>, LocalNatsError> {
     // Hold every probe listener until all ports are picked, so the nodes' ports are distinct.
     let mut probes = Vec::with_capacity(2 * n);
@@ -490,14 +490,14 @@ pub async fn start_cluster(n: usize) -> Result<Vec<LocalNats>, LocalNatsError> {
     }
 
     if let Some(first) = nodes.first() {
-        wait_for_meta_leader(&first.url(), n).await?;
+        wait_until_placeable(&first.url(), n).await?;
     }
     Ok(nodes)
 }
 
 /// Start a cluster whose node `i` listens for routes on `route_ports[i]` and dials exactly
 /// `routes[i]` (addresses of its own choosing, e.g. fault proxies in front of the other nodes),
-/// with no route address gossiped; wait until JetStream has a meta leader.
+/// with no route address gossiped; wait until a stream replicated on every node can be placed.
 pub async fn start_cluster_routed(
     route_ports: &[u16],
     routes: &[Vec<String>],
@@ -519,14 +519,17 @@ pub async fn start_cluster_routed(
         nodes.push(node);
     }
     if let Some(first) = nodes.first() {
-        wait_for_meta_leader(&first.url(), route_ports.len()).await?;
+        wait_until_placeable(&first.url(), route_ports.len()).await?;
     }
     Ok(nodes)
 }
 
-/// Poll the JetStream account info through one node until the cluster answers it, which needs a meta
-/// leader.
-async fn wait_for_meta_leader(url: &str, nodes: usize) -> Result<(), LocalNatsError> {
+/// Wait until a stream replicated on every node can be placed through one node. A meta leader is
+/// elected before every node has registered as a peer, and a stream created in between is refused
+/// with "no suitable peers for placement": a throwaway memory stream of `nodes` replicas is
+/// created (and deleted) to prove the cluster whole.
+async fn wait_until_placeable(url: &str, nodes: usize) -> Result<(), LocalNatsError> {
+    use async_nats::jetstream::stream::{Config, StorageType};
     let started = Instant::now();
     let mut last_error = String::from("none yet");
     while started.elapsed() < CLUSTER_READY_TIMEOUT {
@@ -536,8 +539,20 @@ async fn wait_for_meta_leader(url: &str, nodes: usize) -> Result<(), LocalNatsEr
                 let js = async_nats::jetstream::ContextBuilder::new()
                     .timeout(Duration::from_secs(2))
                     .build(client);
-                match js.query_account().await {
-                    Ok(_) => return Ok(()),
+                let probe = js
+                    .create_stream(Config {
+                        name: "LOCALNATS_PLACEMENT_PROBE".into(),
+                        subjects: vec!["localnats.placement.probe".into()],
+                        num_replicas: nodes,
+                        storage: StorageType::Memory,
+                        ..Default::default()
+                    })
+                    .await;
+                match probe {
+                    Ok(_) => {
+                        let _ = js.delete_stream("LOCALNATS_PLACEMENT_PROBE").await;
+                        return Ok(());
+                    }
                     Err(err) => last_error = err.to_string(),
                 }
             }

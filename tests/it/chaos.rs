@@ -840,7 +840,6 @@ impl Bed {
         let nodes = collab_projector::localnats::start_cluster_routed(&route_ports, &routes)
             .await
             .unwrap_or_else(|e| panic!("could not start a routed 3-node cluster: {e}"));
-        crate::support::wait_for_placement(&nodes[0].url(), 3).await;
         Bed::start_on(
             scenario,
             profile,

@@ -193,48 +193,12 @@ pub async fn local_nats_with(extra: String) -> LocalNats {
     .unwrap_or_else(|err| panic!("could not start a local nats-server: {err}"))
 }
 
-/// A 3-node JetStream cluster with a meta leader (binary only). Node 0 is the usual entry point.
+/// A 3-node JetStream cluster that can place a stream on every node (binary only). Node 0 is the usual entry point.
 pub async fn cluster3() -> Vec<LocalNats> {
     require_binary();
-    let nodes = localnats::start_cluster(3)
+    localnats::start_cluster(3)
         .await
-        .unwrap_or_else(|err| panic!("could not start a 3-node nats cluster: {err}"));
-    if let Some(first) = nodes.first() {
-        wait_for_placement(&first.url(), 3).await;
-    }
-    nodes
-}
-
-/// Wait until a stream with `replicas` replicas can be placed through `url`: a meta leader is
-/// elected before every node has registered as a peer, and provisioning in between is refused
-/// with "no suitable peers for placement".
-pub async fn wait_for_placement(url: &str, replicas: usize) {
-    let client = async_nats::connect(url)
-        .await
-        .unwrap_or_else(|e| panic!("connecting to {url}: {e}"));
-    let js = async_nats::jetstream::new(client);
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    loop {
-        let probe = js
-            .create_stream(async_nats::jetstream::stream::Config {
-                name: "PLACEMENT_PROBE".into(),
-                subjects: vec!["placement.probe".into()],
-                num_replicas: replicas,
-                storage: async_nats::jetstream::stream::StorageType::Memory,
-                ..Default::default()
-            })
-            .await;
-        match probe {
-            Ok(_) => {
-                let _ = js.delete_stream("PLACEMENT_PROBE").await;
-                return;
-            }
-            Err(e) if std::time::Instant::now() > deadline => {
-                panic!("no stream of {replicas} replicas could be placed within 30 s: {e}")
-            }
-            Err(_) => tokio::time::sleep(std::time::Duration::from_millis(200)).await,
-        }
-    }
+        .unwrap_or_else(|err| panic!("could not start a 3-node nats cluster: {err}"))
 }
 
 /// A comma-separated client URL naming every node, as a worker's `--nats-url` would.
