@@ -121,6 +121,29 @@ async fn sessions(http_port: u16) -> Vec<Value> {
     listed
 }
 
+/// The work sessions once there are `count` of them, each with no open turn and exactly one
+/// answered or blocked turn; fails if that does not happen within [`WAIT`].
+async fn decided_sessions(http_port: u16, count: usize) -> Vec<Value> {
+    let decided = |listed: &[Value]| {
+        listed.len() == count
+            && listed.iter().all(|s| {
+                let n = |k: &str| s[k].as_u64().unwrap_or(0);
+                n("openTurns") == 0 && n("answeredTurns") + n("blockedTurns") == 1
+            })
+    };
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !decided(&sessions(http_port).await) && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let listed = sessions(http_port).await;
+    assert!(
+        decided(&listed),
+        "sessions: {:#}",
+        Value::Array(listed.clone())
+    );
+    listed
+}
+
 fn text(v: &Value) -> String {
     v.as_str().unwrap_or_default().to_string()
 }
@@ -302,23 +325,7 @@ async fn a_conversation_the_caller_starts_without_a_context_stays_one_conversati
     // none titled by a reply.
     let expected: BTreeSet<String> = sends.values().map(|(_, ws)| ws.clone()).collect();
     assert_eq!(expected.len(), 8, "{sends:?}");
-    let decided = |listed: &[Value]| {
-        listed.len() == expected.len()
-            && listed.iter().all(|s| {
-                let n = |k: &str| s[k].as_u64().unwrap_or(0);
-                n("openTurns") == 0 && n("answeredTurns") + n("blockedTurns") == 1
-            })
-    };
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while !decided(&sessions(http_port).await) && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    let listed = sessions(http_port).await;
-    assert!(
-        decided(&listed),
-        "sessions: {:#}",
-        Value::Array(listed.clone())
-    );
+    let listed = decided_sessions(http_port, expected.len()).await;
     let ids: BTreeSet<String> = listed.iter().map(|s| text(&s["workSessionId"])).collect();
     assert_eq!(ids, expected);
     for s in &listed {
@@ -463,23 +470,7 @@ async fn wire_bodies_of_one_exchange_share_its_conversation_through_the_worker()
             assert_eq!(e["workSessionId"], exchange, "{e:#}");
         }
     }
-    let decided = |listed: &[Value]| {
-        listed.len() == 2
-            && listed.iter().all(|s| {
-                let n = |k: &str| s[k].as_u64().unwrap_or(0);
-                n("openTurns") == 0 && n("answeredTurns") + n("blockedTurns") == 1
-            })
-    };
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while !decided(&sessions(http_port).await) && tokio::time::Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
-    let listed = sessions(http_port).await;
-    assert!(
-        decided(&listed),
-        "sessions: {:#}",
-        Value::Array(listed.clone())
-    );
+    let listed = decided_sessions(http_port, 2).await;
     let silent = listed
         .iter()
         .find(|s| s["id"] == "ex-silent")
