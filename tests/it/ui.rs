@@ -301,6 +301,21 @@ fn artifacts_dir() -> PathBuf {
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_TARGET_TMPDIR")))
 }
 
+/// A configuration file in `dir` with the viewer's token, allowed to read `roles`.
+fn viewer_config(dir: &std::path::Path, roles: &[&str]) -> std::path::PathBuf {
+    let config = dir.join("viewer.toml");
+    let roles: Vec<String> = roles.iter().map(|r| format!("{r:?}")).collect();
+    std::fs::write(
+        &config,
+        format!(
+            "[[http.tokens]]\nname = \"viewer\"\ntoken = \"{TOKEN}\"\nroles = [{}]\n",
+            roles.join(", ")
+        ),
+    )
+    .expect("the configuration file is written");
+    config
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropped_stream() {
     let Some((chromium, driver_bin)) = browser() else {
@@ -310,14 +325,7 @@ async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropp
     provision_with_binary(&nats.url(), ENV);
     let js = nats.jetstream().await;
     let dir = tempfile::tempdir().expect("a temporary directory");
-    let config = dir.path().join("viewer.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[[http.tokens]]\nname = \"viewer\"\ntoken = \"{TOKEN}\"\nroles = [\"conversation.main\", \"orchestration.task\"]\n"
-        ),
-    )
-    .expect("the configuration file is written");
+    let config = viewer_config(dir.path(), &["conversation.main", "orchestration.task"]);
     let http_port = free_port();
     let mut proj = projector(&nats.url(), http_port, &config);
     wait_until(WAIT, "the projector is ready", || ready(http_port)).await;
@@ -585,14 +593,15 @@ async fn the_viewer_orders_by_event_time_shows_suppressed_replies_and_recovers_f
     provision_with_binary(&nats.url(), ENV);
     let js = nats.jetstream().await;
     let dir = tempfile::tempdir().expect("a temporary directory");
-    let config = dir.path().join("viewer.toml");
-    std::fs::write(
-        &config,
-        format!(
-            "[[http.tokens]]\nname = \"viewer\"\ntoken = \"{TOKEN}\"\nroles = [\"conversation.main\", \"delegation.subagent\", \"orchestration.task\", \"system.observability\"]\n"
-        ),
-    )
-    .expect("the configuration file is written");
+    let config = viewer_config(
+        dir.path(),
+        &[
+            "conversation.main",
+            "delegation.subagent",
+            "orchestration.task",
+            "system.observability",
+        ],
+    );
     let http_port = free_port();
     let mut proj = projector(&nats.url(), http_port, &config);
     wait_until(WAIT, "the projector is ready", || ready(http_port)).await;
