@@ -9,18 +9,28 @@ use futures::StreamExt;
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;
 
+/// An operator command's failure. The client library's error is kept as the source, with its
+/// kind, so a caller can tell a missing stream from a timeout without reading message text.
 #[derive(Debug, thiserror::Error)]
 pub enum OpsError {
-    #[error("stream {stream}: {detail}")]
-    Stream { stream: String, detail: String },
-    #[error("publishing to {subject}: {detail}")]
-    Publish { subject: String, detail: String },
+    #[error("stream {stream}: {source}")]
+    Stream {
+        stream: String,
+        #[source]
+        source: crate::bus::error::Source,
+    },
+    #[error("publishing to {subject}: {source}")]
+    Publish {
+        subject: String,
+        #[source]
+        source: crate::bus::error::Source,
+    },
 }
 
-fn stream_err(stream: &str, e: impl std::fmt::Display) -> OpsError {
+fn stream_err(stream: &str, e: impl Into<crate::bus::error::Source>) -> OpsError {
     OpsError::Stream {
         stream: stream.to_string(),
-        detail: e.to_string(),
+        source: e.into(),
     }
 }
 
@@ -232,11 +242,11 @@ pub async fn dlq_replay(
             .await
             .map_err(|e| OpsError::Publish {
                 subject: subject.clone(),
-                detail: e.to_string(),
+                source: e.into(),
             })?;
         ack.await.map_err(|e| OpsError::Publish {
             subject: subject.clone(),
-            detail: e.to_string(),
+            source: e.into(),
         })?;
         report.replayed += 1;
     }

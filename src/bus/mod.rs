@@ -396,6 +396,8 @@ pub(crate) mod denied {
     use std::time::Instant;
 
     static DENIED: Mutex<Vec<(String, Instant)>> = Mutex::new(Vec::new());
+    /// How long a permissions violation reported by the server marks its subject as denied.
+    pub const DENIED_FOR: std::time::Duration = std::time::Duration::from_secs(60);
     /// At most this many subjects are remembered (the oldest go first).
     const KEEP: usize = 64;
 
@@ -421,11 +423,11 @@ pub(crate) mod denied {
         }
     }
 
-    /// Whether publishes to `subject` were refused within [`super::publish::DENIED_FOR`].
+    /// Whether publishes to `subject` were refused within [`DENIED_FOR`].
     pub(crate) fn recently(subject: &str) -> bool {
         DENIED.lock().is_ok_and(|d| {
             d.iter()
-                .any(|(s, at)| s == subject && at.elapsed() < super::publish::DENIED_FOR)
+                .any(|(s, at)| s == subject && at.elapsed() < DENIED_FOR)
         })
     }
 

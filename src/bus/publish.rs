@@ -20,7 +20,6 @@ use async_nats::jetstream::{self, context::PublishErrorKind, ErrorCode};
 use async_nats::HeaderMap;
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
-use std::time::Duration;
 
 /// Marks a fence message (its value: the claiming worker's id). Never an output.
 pub const H_FENCE: &str = "Collab-Fence";
@@ -249,9 +248,6 @@ pub fn classify(subject: &str, source: jetstream::context::PublishError) -> Fail
         _ => Failure::Transient { subject, source },
     }
 }
-
-/// How long a permissions violation reported by the server marks its subject as denied.
-pub const DENIED_FOR: Duration = Duration::from_secs(60);
 
 #[cfg(test)]
 mod tests {

@@ -427,8 +427,16 @@ impl Partition<'_> {
             if let Flow::Stop = self.process_in_order(msg, false, Some(delivered)).await? {
                 return Ok(Flow::Stop);
             }
-            // `left == 0`: the rest of the range was deleted.
-            if seq >= to || left == 0 {
+            if seq >= to {
+                break;
+            }
+            if left == 0 {
+                // Nothing after this message is visible to the replay: the rest of the range was
+                // deleted (acknowledged barriers are), or the replay reads a replica that has not
+                // caught up. Only the stream leader can tell the two apart.
+                self.confirm_range_end(stream, seq, to)
+                    .await
+                    .map_err(short)?;
                 break;
             }
         }
@@ -437,6 +445,30 @@ impl Partition<'_> {
             from, to, count, "took over in-flight messages"
         );
         Ok(Flow::Continue)
+    }
+
+    /// Whether the stream's leader holds none of this partition's messages in `after+1..=to`: a
+    /// replay that saw nothing past `after` may end there only then. Asked of the leader (not a
+    /// direct get, which a lagging replica may answer), so a replay read from a replica still
+    /// catching up is not taken for a complete one.
+    async fn confirm_range_end(
+        &self,
+        stream: &jetstream::stream::Stream,
+        after: u64,
+        to: u64,
+    ) -> Result<(), &'static str> {
+        use async_nats::jetstream::stream::RawMessageErrorKind;
+        match stream
+            .get_first_raw_message_by_subject(self.shared.names.partition_filter(self.p), after + 1)
+            .await
+        {
+            Ok(next) if next.sequence <= to => {
+                Err("the replay ended before a message the stream leader holds")
+            }
+            Ok(_) => Ok(()),
+            Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => Ok(()),
+            Err(_) => Err("the end of the in-flight range could not be confirmed"),
+        }
     }
 
     /// Process one message in partition order, then act on what became of it: hand it to the
