@@ -1,6 +1,11 @@
 //! Integration tests: one binary, a real nats-server per test.
 
-#![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
+#![allow(
+    clippy::expect_used,
+    clippy::unwrap_used,
+    clippy::panic,
+    clippy::too_many_lines
+)]
 
 mod support;
 
