@@ -17,6 +17,7 @@ mod chaos;
 mod conversations;
 mod fast_batch;
 mod fuzz_api;
+mod layout;
 mod operability;
 mod ops;
 mod pipeline;
