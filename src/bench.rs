@@ -1832,9 +1832,24 @@ fn stalled<T>(
 
 async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
     let wall = Instant::now();
-    let load_start = loadavg();
-    let want = |p: Part| opts.parts.contains(&p);
-    let mut report = BenchReport {
+    let mut report = empty_report(&opts, loadavg());
+    // Memory first: a fresh process has no freed memory that would hide the growth.
+    let model = measure_in_process(&opts, &mut report).await;
+    let mut version = None;
+    run_throughput(&opts, &mut report, &mut version).await?;
+    run_latency(&opts, &mut report, &mut version).await?;
+    run_turn_books(&opts, &model, &mut report, &mut version).await?;
+    run_breakdown(&opts, &mut report, &mut version).await?;
+    report.machine.server_version = version.unwrap_or_default();
+    report.machine.load_end = loadavg();
+    report.machine.wall_seconds = wall.elapsed().as_secs_f64();
+    finish(&mut report);
+    Ok(report)
+}
+
+/// A report with the machine described and nothing measured yet.
+fn empty_report(opts: &BenchOptions, load_start: [f64; 3]) -> BenchReport {
+    BenchReport {
         machine: MachineInfo {
             cores: std::thread::available_parallelism().map_or(1, usize::from),
             load_start,
@@ -1855,12 +1870,18 @@ async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
         round_trips: None,
         targets: Vec::new(),
         notes: Vec::new(),
-    };
+    }
+}
 
-    // Memory first: a fresh process has no freed memory that would hide the growth.
+/// The in-process measurements: memory per open turn (returned, by turn-book size) and the pure
+/// core's cost per input (into the report).
+async fn measure_in_process(
+    opts: &BenchOptions,
+    report: &mut BenchReport,
+) -> HashMap<usize, Option<f64>> {
     let mut model: HashMap<usize, Option<f64>> = HashMap::new();
-    if want(Part::TurnBook) && !opts.open_turns.is_empty() {
-        say(&opts, "turn book: measuring memory per open turn");
+    if opts.parts.contains(&Part::TurnBook) && !opts.open_turns.is_empty() {
+        say(opts, "turn book: measuring memory per open turn");
         let sizes = opts.open_turns.clone();
         let parts = opts.partitions;
         let m = tokio::task::spawn_blocking(move || memory_model(&sizes, parts))
@@ -1868,29 +1889,42 @@ async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
             .unwrap_or_default();
         model.extend(m);
     }
-    if want(Part::Mixed) || want(Part::Turns) {
+    if opts.parts.contains(&Part::Mixed) || opts.parts.contains(&Part::Turns) {
         let seed = opts.seed;
         report.core_costs = tokio::task::spawn_blocking(move || core_costs(seed))
             .await
             .ok()
             .and_then(Result::ok);
     }
+    model
+}
 
-    let mut version = None;
-    let mut note_version = |env: &Env| {
-        if version.is_none() {
-            version = Some(env.client.server_info().version);
-        }
-    };
+/// A scenario's environment; the first one opened names the server's version.
+async fn open_env(
+    opts: &BenchOptions,
+    tag: &str,
+    version: &mut Option<String>,
+) -> Result<Env, BenchError> {
+    let env = Env::new(opts, tag).await?;
+    if version.is_none() {
+        *version = Some(env.client.server_info().version);
+    }
+    Ok(env)
+}
 
-    if want(Part::Baseline) {
-        let env = Env::new(&opts, "base").await?;
-        note_version(&env);
-        let r = throughput_baseline(&env, &opts).await;
+/// Scenarios 1 to 4: the baseline, the full pipeline (mixed, turns only) and the naive one.
+async fn run_throughput(
+    opts: &BenchOptions,
+    report: &mut BenchReport,
+    version: &mut Option<String>,
+) -> Result<(), BenchError> {
+    if opts.parts.contains(&Part::Baseline) {
+        let env = open_env(opts, "base", version).await?;
+        let r = throughput_baseline(&env, opts).await;
         env.close().await;
         if let Some(r) = stalled(r, "1 baseline", &mut report.notes)? {
             say(
-                &opts,
+                opts,
                 &format!("1 baseline passthrough: {:.0} msg/s", r.msg_per_s),
             );
             report.throughput.push(r);
@@ -1913,92 +1947,114 @@ async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
         ),
     ];
     for (part, id, mix, name, contract) in pipelines {
-        if !want(part) {
+        if !opts.parts.contains(&part) {
             continue;
         }
-        let env = Env::new(&opts, part.as_str()).await?;
-        note_version(&env);
-        let r = throughput_pipeline(&env, &opts, id, mix, name, contract).await;
+        let env = open_env(opts, part.as_str(), version).await?;
+        let r = throughput_pipeline(&env, opts, id, mix, name, contract).await;
         if part == Part::Turns && r.is_ok() {
             report.round_trips = Some(round_trips(&env).await?);
         }
         env.close().await;
         if let Some(r) = stalled(r, &format!("{id} {name}"), &mut report.notes)? {
-            say(&opts, &format!("{id} {name}: {:.0} msg/s", r.msg_per_s));
+            say(opts, &format!("{id} {name}: {:.0} msg/s", r.msg_per_s));
             report.throughput.push(r);
         }
     }
-    if want(Part::Naive) {
-        let env = Env::new(&opts, "naive").await?;
-        note_version(&env);
-        let r = throughput_naive(&env, &opts).await;
+    if opts.parts.contains(&Part::Naive) {
+        let env = open_env(opts, "naive", version).await?;
+        let r = throughput_naive(&env, opts).await;
         env.close().await;
         if let Some(r) = stalled(r, "4 naive", &mut report.notes)? {
-            say(&opts, &format!("4 naive: {:.0} msg/s", r.msg_per_s));
+            say(opts, &format!("4 naive: {:.0} msg/s", r.msg_per_s));
             report.throughput.push(r);
         }
     }
-    if want(Part::Latency) {
-        for id in [1u8, 2] {
-            let env = Env::new(&opts, &format!("lat{id}")).await?;
-            note_version(&env);
-            let r = latency_run(&env, &opts, id).await;
-            env.close().await;
-            if let Some(r) = stalled(r, &format!("{id} latency"), &mut report.notes)? {
-                say(
-                    &opts,
-                    &format!(
-                        "{id} latency @{}/s: p50 {:.1} ms, p99 {:.1} ms",
-                        r.target_rate, r.p50_ms, r.p99_ms
-                    ),
-                );
-                report.latency.push(r);
-            }
-        }
-    }
-    if want(Part::TurnBook) {
-        let mut sizes = opts.open_turns.clone();
-        sizes.sort_unstable();
-        sizes.dedup();
-        for n in sizes {
-            let env = Env::new(&opts, &format!("book{n}")).await?;
-            note_version(&env);
-            let r = turn_book(&env, &opts, n, model.get(&n).copied().flatten()).await;
-            env.close().await;
-            if let Some(r) = stalled(r, &format!("turn book {n}"), &mut report.notes)? {
-                say(
-                    &opts,
-                    &format!(
-                        "turn book {n}: recovery {} s, lateness p99 {} ms",
-                        opt(r.worker_recovery_s, 2),
-                        opt(r.lateness_p99_ms, 0)
-                    ),
-                );
-                report.turn_book.push(r);
-            }
-        }
-    }
-    if want(Part::Breakdown) {
-        for (id, mix, name) in [
-            (5u8, Mix::REALISTIC, "2 without the turn contract"),
-            (6u8, Mix::TURNS_ONLY, "3 without the turn contract"),
-        ] {
-            let env = Env::new(&opts, &format!("nocontract{id}")).await?;
-            note_version(&env);
-            let r = throughput_pipeline(&env, &opts, id, mix, name, false).await;
-            env.close().await;
-            if let Some(r) = stalled(r, &format!("{id} {name}"), &mut report.notes)? {
-                say(&opts, &format!("{id} {name}: {:.0} msg/s", r.msg_per_s));
-                report.throughput.push(r);
-            }
-        }
-    }
+    Ok(())
+}
 
-    report.machine.server_version = version.unwrap_or_default();
-    report.machine.load_end = loadavg();
-    report.machine.wall_seconds = wall.elapsed().as_secs_f64();
-    finish(&mut report);
-    Ok(report)
+/// The latency runs of scenarios 1 and 2.
+async fn run_latency(
+    opts: &BenchOptions,
+    report: &mut BenchReport,
+    version: &mut Option<String>,
+) -> Result<(), BenchError> {
+    if !opts.parts.contains(&Part::Latency) {
+        return Ok(());
+    }
+    for id in [1u8, 2] {
+        let env = open_env(opts, &format!("lat{id}"), version).await?;
+        let r = latency_run(&env, opts, id).await;
+        env.close().await;
+        if let Some(r) = stalled(r, &format!("{id} latency"), &mut report.notes)? {
+            say(
+                opts,
+                &format!(
+                    "{id} latency @{}/s: p50 {:.1} ms, p99 {:.1} ms",
+                    r.target_rate, r.p50_ms, r.p99_ms
+                ),
+            );
+            report.latency.push(r);
+        }
+    }
+    Ok(())
+}
+
+/// One turn-book run per size asked for, smallest first; `model` holds the memory per open turn
+/// measured in process.
+async fn run_turn_books(
+    opts: &BenchOptions,
+    model: &HashMap<usize, Option<f64>>,
+    report: &mut BenchReport,
+    version: &mut Option<String>,
+) -> Result<(), BenchError> {
+    if !opts.parts.contains(&Part::TurnBook) {
+        return Ok(());
+    }
+    let mut sizes = opts.open_turns.clone();
+    sizes.sort_unstable();
+    sizes.dedup();
+    for n in sizes {
+        let env = open_env(opts, &format!("book{n}"), version).await?;
+        let r = turn_book(&env, opts, n, model.get(&n).copied().flatten()).await;
+        env.close().await;
+        if let Some(r) = stalled(r, &format!("turn book {n}"), &mut report.notes)? {
+            say(
+                opts,
+                &format!(
+                    "turn book {n}: recovery {} s, lateness p99 {} ms",
+                    opt(r.worker_recovery_s, 2),
+                    opt(r.lateness_p99_ms, 0)
+                ),
+            );
+            report.turn_book.push(r);
+        }
+    }
+    Ok(())
+}
+
+/// Scenarios 5 and 6: scenarios 2 and 3 without the turn contract.
+async fn run_breakdown(
+    opts: &BenchOptions,
+    report: &mut BenchReport,
+    version: &mut Option<String>,
+) -> Result<(), BenchError> {
+    if !opts.parts.contains(&Part::Breakdown) {
+        return Ok(());
+    }
+    for (id, mix, name) in [
+        (5u8, Mix::REALISTIC, "2 without the turn contract"),
+        (6u8, Mix::TURNS_ONLY, "3 without the turn contract"),
+    ] {
+        let env = open_env(opts, &format!("nocontract{id}"), version).await?;
+        let r = throughput_pipeline(&env, opts, id, mix, name, false).await;
+        env.close().await;
+        if let Some(r) = stalled(r, &format!("{id} {name}"), &mut report.notes)? {
+            say(opts, &format!("{id} {name}: {:.0} msg/s", r.msg_per_s));
+            report.throughput.push(r);
+        }
+    }
+    Ok(())
 }
 
 /// Ratios, targets and notes from the measurements.
@@ -2113,156 +2169,182 @@ fn opt(v: Option<f64>, digits: usize) -> String {
 
 /// The report as a plain-text table.
 pub fn render(report: &BenchReport) -> String {
-    let m = &report.machine;
     let mut s = String::new();
+    render_machine(&mut s, &report.machine);
+    if !report.throughput.is_empty() {
+        render_throughput(&mut s, &report.throughput, &report.ratios);
+    }
+    if !report.latency.is_empty() {
+        render_latency(&mut s, &report.latency);
+    }
+    if !report.turn_book.is_empty() {
+        render_turn_book(&mut s, &report.turn_book);
+    }
+    render_costs(
+        &mut s,
+        report.core_costs.as_ref(),
+        report.round_trips.as_ref(),
+    );
+    render_targets(&mut s, &report.targets, &report.notes);
+    let _ = writeln!(s, "{}", summary_line(report));
+    s
+}
+
+/// The first lines: the machine and the server.
+fn render_machine(s: &mut String, m: &MachineInfo) {
     let _ = writeln!(
         s,
         "collab-projector bench: {} cores, nats-server {}, {} partitions, load {:.2} at start ({:.2} at end), {:.0} s",
         m.cores, m.server_version, m.partitions, m.load_start[0], m.load_end[0], m.wall_seconds
     );
     let _ = writeln!(s, "server: {}", m.server);
-    if !report.throughput.is_empty() {
+}
+
+/// The throughput table and the ratios between its scenarios.
+fn render_throughput(s: &mut String, throughput: &[ThroughputResult], r: &Ratios) {
+    let _ = writeln!(
+        s,
+        "\nThroughput (preloaded, clock from first input to all acknowledged)"
+    );
+    let _ = writeln!(
+        s,
+        "{:<3} {:<28} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>8} {:>7} {:>7} {:>7} {:>7}",
+        "#",
+        "scenario",
+        "inputs",
+        "outputs",
+        "secs",
+        "msg/s",
+        "srv cpu",
+        "wkr cpu",
+        "turn kv",
+        "lease kv",
+        "session",
+        "session B",
+        "JS API",
+        "redeliv",
+        "srv µs",
+        "wkr µs",
+        "st/in"
+    );
+    for t in throughput {
         let _ = writeln!(
             s,
-            "\nThroughput (preloaded, clock from first input to all acknowledged)"
-        );
-        let _ = writeln!(
-            s,
-            "{:<3} {:<28} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>8} {:>7} {:>7} {:>7} {:>7}",
-            "#",
-            "scenario",
-            "inputs",
-            "outputs",
-            "secs",
-            "msg/s",
-            "srv cpu",
-            "wkr cpu",
-            "turn kv",
-            "lease kv",
-            "session",
-            "session B",
-            "JS API",
-            "redeliv",
-            "srv µs",
-            "wkr µs",
-            "st/in"
-        );
-        for t in &report.throughput {
-            let _ = writeln!(
-                s,
-                "{:<3} {:<28} {:>8} {:>8} {:>7.2} {:>9.0} {:>7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>8} {:>7} {:>7} {:>7} {:>7}",
-                t.id,
-                t.scenario,
-                t.inputs,
-                t.outputs,
-                t.seconds,
-                t.msg_per_s,
-                opt(t.server_cpu_cores, 2),
-                opt(t.worker_cpu_cores, 2),
-                t.kv_turn_writes.map_or("-".into(), |v| v.to_string()),
-                t.lease_writes.map_or("-".into(), |v| v.to_string()),
-                t.kv_session_writes.map_or("-".into(), |v| v.to_string()),
-                opt(t.session_value_avg_bytes, 0),
-                t.js_api_requests.map_or("-".into(), |v| v.to_string()),
-                t.redelivered.map_or("-".into(), |v| v.to_string()),
-                opt(t.server_us_per_input, 1),
-                opt(t.worker_us_per_input, 1),
-                opt(t.state_writes_per_input, 2),
-            );
-        }
-        let r = &report.ratios;
-        let _ = writeln!(
-            s,
-            "ratios: 2/1 {}   3/1 {}   1/4 {}",
-            opt(r.mixed_over_baseline, 2),
-            opt(r.turns_over_baseline, 2),
-            opt(r.baseline_over_naive, 1)
+            "{:<3} {:<28} {:>8} {:>8} {:>7.2} {:>9.0} {:>7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>8} {:>7} {:>7} {:>7} {:>7}",
+            t.id,
+            t.scenario,
+            t.inputs,
+            t.outputs,
+            t.seconds,
+            t.msg_per_s,
+            opt(t.server_cpu_cores, 2),
+            opt(t.worker_cpu_cores, 2),
+            t.kv_turn_writes.map_or("-".into(), |v| v.to_string()),
+            t.lease_writes.map_or("-".into(), |v| v.to_string()),
+            t.kv_session_writes.map_or("-".into(), |v| v.to_string()),
+            opt(t.session_value_avg_bytes, 0),
+            t.js_api_requests.map_or("-".into(), |v| v.to_string()),
+            t.redelivered.map_or("-".into(), |v| v.to_string()),
+            opt(t.server_us_per_input, 1),
+            opt(t.worker_us_per_input, 1),
+            opt(t.state_writes_per_input, 2),
         );
     }
-    if !report.latency.is_empty() {
+    let _ = writeln!(
+        s,
+        "ratios: 2/1 {}   3/1 {}   1/4 {}",
+        opt(r.mixed_over_baseline, 2),
+        opt(r.turns_over_baseline, 2),
+        opt(r.baseline_over_naive, 1)
+    );
+}
+
+/// The latency table.
+fn render_latency(s: &mut String, latency: &[LatencyResult]) {
+    let _ = writeln!(
+        s,
+        "\nEnd-to-end latency (raw store time -> last output store time)"
+    );
+    let _ = writeln!(
+        s,
+        "{:<3} {:<28} {:>7} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8}",
+        "#", "scenario", "rate", "achieved", "measured", "p50 ms", "p99 ms", "p999 ms", "max ms"
+    );
+    for l in latency {
         let _ = writeln!(
             s,
-            "\nEnd-to-end latency (raw store time -> last output store time)"
+            "{:<3} {:<28} {:>7} {:>9.0} {:>8} {:>8.1} {:>8.1} {:>8.1} {:>8.1}",
+            l.id,
+            l.scenario,
+            l.target_rate,
+            l.achieved_rate,
+            l.measured,
+            l.p50_ms,
+            l.p99_ms,
+            l.p999_ms,
+            l.max_ms
         );
-        let _ = writeln!(
-            s,
-            "{:<3} {:<28} {:>7} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8}",
-            "#",
-            "scenario",
-            "rate",
-            "achieved",
-            "measured",
-            "p50 ms",
-            "p99 ms",
-            "p999 ms",
-            "max ms"
-        );
-        for l in &report.latency {
-            let _ = writeln!(
-                s,
-                "{:<3} {:<28} {:>7} {:>9.0} {:>8} {:>8.1} {:>8.1} {:>8.1} {:>8.1}",
-                l.id,
-                l.scenario,
-                l.target_rate,
-                l.achieved_rate,
-                l.measured,
-                l.p50_ms,
-                l.p99_ms,
-                l.p999_ms,
-                l.max_ms
-            );
-        }
     }
-    if !report.turn_book.is_empty() {
-        let _ = writeln!(s, "\nTurn book scale");
+}
+
+/// The turn-book table.
+fn render_turn_book(s: &mut String, books: &[TurnBookResult]) {
+    let _ = writeln!(s, "\nTurn book scale");
+    let _ = writeln!(
+        s,
+        "{:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "open", "bytes per", "worker", "reload", "reloaded", "late p50", "late p99", "late max"
+    );
+    let _ = writeln!(
+        s,
+        "{:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "turns", "open turn", "recovery", "alone", "", "ms", "ms", "ms"
+    );
+    for t in books {
         let _ = writeln!(
             s,
             "{:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
-            "open", "bytes per", "worker", "reload", "reloaded", "late p50", "late p99", "late max"
+            t.open_turns,
+            opt(t.model_bytes_per_turn, 0),
+            opt(t.worker_recovery_s, 2),
+            opt(t.reload_s, 2),
+            t.reloaded.map_or("-".into(), |v| v.to_string()),
+            opt(t.lateness_p50_ms, 0),
+            opt(t.lateness_p99_ms, 0),
+            opt(t.lateness_max_ms, 0),
         );
+    }
+    if let Some(t) = books.first() {
         let _ = writeln!(
             s,
-            "{:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
-            "turns", "open turn", "recovery", "alone", "", "ms", "ms", "ms"
+            "recovery and reload in seconds; lateness of synthesised timeouts: {} of {} probes answered (first run)",
+            t.lateness_answered, t.lateness_probes
         );
-        for t in &report.turn_book {
-            let _ = writeln!(
-                s,
-                "{:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
-                t.open_turns,
-                opt(t.model_bytes_per_turn, 0),
-                opt(t.worker_recovery_s, 2),
-                opt(t.reload_s, 2),
-                t.reloaded.map_or("-".into(), |v| v.to_string()),
-                opt(t.lateness_p50_ms, 0),
-                opt(t.lateness_p99_ms, 0),
-                opt(t.lateness_max_ms, 0),
-            );
-        }
-        if let Some(t) = report.turn_book.first() {
-            let _ = writeln!(
-                s,
-                "recovery and reload in seconds; lateness of synthesised timeouts: {} of {} probes answered (first run)",
-                t.lateness_answered, t.lateness_probes
-            );
-        }
     }
-    if let Some(c) = &report.core_costs {
+}
+
+/// The in-process core cost and the serial round trips, when measured.
+fn render_costs(s: &mut String, core: Option<&CoreCosts>, round_trips: Option<&RoundTrips>) {
+    if let Some(c) = core {
         let _ = writeln!(
             s,
             "\nPure core per input (in-process): mixed {:.1} µs, turn-only {:.1} µs (turn facts read from the one parse)",
             c.mixed_us, c.turns_us
         );
     }
-    if let Some(r) = &report.round_trips {
+    if let Some(r) = round_trips {
         let _ = writeln!(
             s,
             "Serial round trips on a quiet server: KV get {:.0} µs, KV create {:.0} µs, KV update {:.0} µs, publish+ack {:.0} µs",
             r.kv_get_us, r.kv_create_us, r.kv_update_us, r.publish_us
         );
     }
+}
+
+/// The targets with their verdicts, then the notes.
+fn render_targets(s: &mut String, targets: &[TargetResult], notes: &[String]) {
     let _ = writeln!(s, "\nTargets");
-    for t in &report.targets {
+    for t in targets {
         let verdict = match t.met {
             Some(true) => "met",
             Some(false) => "NOT met",
@@ -2271,11 +2353,9 @@ pub fn render(report: &BenchReport) -> String {
         };
         let _ = writeln!(s, "  {:<56} {:<28} {}", t.target, t.measured, verdict);
     }
-    for n in &report.notes {
+    for n in notes {
         let _ = writeln!(s, "note: {n}");
     }
-    let _ = writeln!(s, "{}", summary_line(report));
-    s
 }
 
 /// The run in one line a script can read: `bench-summary` then `key=value` pairs, a value `-`
@@ -2374,6 +2454,114 @@ mod tests {
         assert_eq!(key, "p5.open-5.0");
         assert_eq!(rec.state, turns::TurnState::Open);
         assert_eq!(rec.deadline_ms, Some(61_000));
+    }
+
+    /// A report with every section filled.
+    fn full_report() -> BenchReport {
+        let mut r = BenchReport {
+            machine: MachineInfo {
+                cores: 2,
+                load_start: [2.5, 1.0, 0.5],
+                load_end: [1.25, 1.0, 0.5],
+                server_version: "2.11.0".into(),
+                server: "local".into(),
+                partitions: 64,
+                wall_seconds: 42.0,
+            },
+            throughput: [(1u8, 80_000.0), (2, 32_000.0), (3, 30_000.0), (4, 900.0)]
+                .into_iter()
+                .map(|(id, msg_per_s)| ThroughputResult {
+                    id,
+                    scenario: format!("scenario {id}"),
+                    inputs: 10_000,
+                    outputs: 12_000,
+                    seconds: 1.5,
+                    msg_per_s,
+                    server_cpu_cores: Some(0.5),
+                    worker_cpu_cores: Some(1.25),
+                    kv_turn_writes: Some(100),
+                    lease_writes: (id == 2).then_some(7),
+                    js_api_requests: Some(3),
+                    redelivered: Some(0),
+                    ..ThroughputResult::default()
+                })
+                .collect(),
+            ratios: Ratios::default(),
+            latency: [1u8, 2]
+                .into_iter()
+                .map(|id| LatencyResult {
+                    id,
+                    scenario: format!("latency {id}"),
+                    target_rate: 2_000,
+                    achieved_rate: 1_999.4,
+                    sent: 4_000,
+                    measured: 3_999,
+                    p50_ms: 1.5,
+                    p99_ms: f64::from(id) * 4.0,
+                    p999_ms: 12.0,
+                    max_ms: 20.0,
+                })
+                .collect(),
+            turn_book: [100_000usize, 1_000_000]
+                .into_iter()
+                .map(|open_turns| TurnBookResult {
+                    open_turns,
+                    model_bytes_per_turn: Some(210.0),
+                    reloaded: Some(open_turns - 1),
+                    worker_recovery_s: Some(2.5),
+                    reload_s: Some(1.0),
+                    lateness_probes: 20,
+                    lateness_answered: 19,
+                    lateness_p99_ms: Some(120.0),
+                    note: Some("a note".into()),
+                    ..TurnBookResult::default()
+                })
+                .collect(),
+            core_costs: Some(CoreCosts {
+                mixed_us: 3.25,
+                turns_us: 4.5,
+                turn_reparse_us: 0.0,
+            }),
+            round_trips: Some(RoundTrips {
+                kv_get_us: 100.0,
+                kv_create_us: 200.0,
+                kv_update_us: 210.0,
+                publish_us: 150.0,
+            }),
+            targets: Vec::new(),
+            notes: Vec::new(),
+        };
+        finish(&mut r);
+        r
+    }
+
+    #[test]
+    fn render_prints_every_section_a_report_has_in_order() {
+        let text = render(&full_report());
+        let mut at = 0;
+        for heading in [
+            "collab-projector bench: 2 cores, nats-server 2.11.0, 64 partitions, load 2.50 at start (1.25 at end), 42 s",
+            "server: local",
+            "Throughput (preloaded",
+            "2   scenario 2",
+            "ratios: 2/1 0.40   3/1 0.38   1/4 88.9",
+            "End-to-end latency",
+            "2   latency 2",
+            "Turn book scale",
+            "   100000        210      2.50      1.00     99999",
+            "19 of 20 probes answered",
+            "Pure core per input (in-process): mixed 3.2 µs, turn-only 4.5 µs",
+            "Serial round trips on a quiet server: KV get 100 µs",
+            "Targets",
+            "NOT met",
+            "note: load average was 2.50 at the start",
+            "note: turn book 100000: a note",
+            "bench-summary load=2.50 baseline=80000",
+        ] {
+            let found = text[at..].find(heading);
+            assert!(found.is_some(), "{heading:?} after byte {at} in\n{text}");
+            at += found.unwrap_or_default();
+        }
     }
 
     #[test]

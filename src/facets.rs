@@ -58,10 +58,19 @@ fn task_phase_from_type(event_type: &str) -> Option<&'static str> {
 
 /// Derive facets for a class. `status` is the task or run status the event reports, if any;
 /// `failed` says whether the event carries a failure signal.
+///
+/// A class named in the table exactly takes its row; any other class takes the row of its family
+/// (the part before the first dot), or none.
 pub fn derive(event_type: &str, status: Option<&str>, failed: bool) -> Facets {
-    let class = event_type;
-    let first = class.split('.').next().unwrap_or("");
-    match class {
+    turn_class(event_type, failed)
+        .or_else(|| agent_run_tool_class(event_type, status, failed))
+        .or_else(|| content_class(event_type))
+        .unwrap_or_else(|| family(event_type, status, failed))
+}
+
+/// The turn's own classes (`a2a.*`) and the suppressed terminal events.
+fn turn_class(class: &str, failed: bool) -> Option<Facets> {
+    Some(match class {
         "a2a.send" => f(
             "agent",
             "turn",
@@ -104,6 +113,13 @@ pub fn derive(event_type: &str, status: Option<&str>, failed: bool) -> Facets {
             "delegation_graph",
             Some("snapshot"),
         ),
+        _ => return None,
+    })
+}
+
+/// Agent, run and tool classes named exactly.
+fn agent_run_tool_class(class: &str, status: Option<&str>, failed: bool) -> Option<Facets> {
+    Some(match class {
         "agent.handoff" => f(
             "agent",
             "agent",
@@ -160,6 +176,13 @@ pub fn derive(event_type: &str, status: Option<&str>, failed: bool) -> Facets {
             "tool_ui",
             Some("archive"),
         ),
+        _ => return None,
+    })
+}
+
+/// Message, queue, review, evidence, team, state and diagnostic classes named exactly.
+fn content_class(class: &str) -> Option<Facets> {
+    Some(match class {
         "text.delta" | "text.final" => f(
             "model",
             "message",
@@ -221,85 +244,91 @@ pub fn derive(event_type: &str, status: Option<&str>, failed: bool) -> Facets {
             "diagnostics",
             Some("diagnostics_log"),
         ),
-        _ => match first {
-            "task" => f(
-                "task",
-                "task",
-                status
-                    .and_then(task_phase)
-                    .or_else(|| task_phase_from_type(class)),
-                "task_capsule",
-                Some("snapshot"),
-            ),
-            "agent" => f(
-                "agent",
-                "agent",
-                Some("acting"),
-                "team_roster",
-                Some("snapshot"),
-            ),
-            "tool" => f(
-                "tool",
-                "tool_call",
-                Some(if failed { "failed" } else { "acting" }),
-                "tool_ui",
-                Some("archive"),
-            ),
-            "plan" => f(
-                "model",
-                "turn",
-                Some("planning"),
-                "inline_process",
-                Some("archive"),
-            ),
-            "action" => f(
-                "action",
-                "action_request",
-                Some(if class.ends_with("resolved") {
-                    "completed"
-                } else {
-                    "waiting"
-                }),
-                "hitl",
-                Some("snapshot"),
-            ),
-            "artifact" => f(
-                "artifact",
-                "artifact",
-                Some(if class.ends_with("failed") {
-                    "failed"
-                } else {
-                    "producing"
-                }),
-                "artifact_workspace",
-                Some("artifact_store"),
-            ),
-            // AG-UI names its reasoning events REASONING_* (THINKING_* before), and seed 003
-            // has reasoning.delta and reasoning.summary: the whole family is the model reasoning.
-            "reasoning" | "thinking" => f(
-                "model",
-                "message",
-                Some("reasoning"),
-                "inline_process",
-                Some("archive"),
-            ),
-            "context" => f(
-                "context",
-                "session",
-                Some("preparing"),
-                "inline_process",
-                Some("archive"),
-            ),
-            "session" => f("session", "session", None, "session_tabs", Some("snapshot")),
-            "health" | "monitor" | "diagnostics" | "diagnostic" | "heartbeat" | "metric" => f(
-                "diagnostics",
-                "application",
-                Some("unknown"),
-                "diagnostics",
-                Some("diagnostics_log"),
-            ),
-            _ => Facets::default(),
-        },
+        _ => return None,
+    })
+}
+
+/// A class not named exactly: the row of its family, or no facets.
+fn family(class: &str, status: Option<&str>, failed: bool) -> Facets {
+    let first = class.split('.').next().unwrap_or("");
+    match first {
+        "task" => f(
+            "task",
+            "task",
+            status
+                .and_then(task_phase)
+                .or_else(|| task_phase_from_type(class)),
+            "task_capsule",
+            Some("snapshot"),
+        ),
+        "agent" => f(
+            "agent",
+            "agent",
+            Some("acting"),
+            "team_roster",
+            Some("snapshot"),
+        ),
+        "tool" => f(
+            "tool",
+            "tool_call",
+            Some(if failed { "failed" } else { "acting" }),
+            "tool_ui",
+            Some("archive"),
+        ),
+        "plan" => f(
+            "model",
+            "turn",
+            Some("planning"),
+            "inline_process",
+            Some("archive"),
+        ),
+        "action" => f(
+            "action",
+            "action_request",
+            Some(if class.ends_with("resolved") {
+                "completed"
+            } else {
+                "waiting"
+            }),
+            "hitl",
+            Some("snapshot"),
+        ),
+        "artifact" => f(
+            "artifact",
+            "artifact",
+            Some(if class.ends_with("failed") {
+                "failed"
+            } else {
+                "producing"
+            }),
+            "artifact_workspace",
+            Some("artifact_store"),
+        ),
+        // AG-UI names its reasoning events REASONING_* (THINKING_* before), and seed 003
+        // has reasoning.delta and reasoning.summary: the whole family is the model reasoning.
+        "reasoning" | "thinking" => f(
+            "model",
+            "message",
+            Some("reasoning"),
+            "inline_process",
+            Some("archive"),
+        ),
+        "context" => f(
+            "context",
+            "session",
+            Some("preparing"),
+            "inline_process",
+            Some("archive"),
+        ),
+        "session" => f("session", "session", None, "session_tabs", Some("snapshot")),
+        "health" | "monitor" | "diagnostics" | "diagnostic" | "heartbeat" | "metric" => f(
+            "diagnostics",
+            "application",
+            Some("unknown"),
+            "diagnostics",
+            Some("diagnostics_log"),
+        ),
+        _ => Facets::default(),
     }
 }
 

@@ -6,7 +6,6 @@
 //! [`check_bind`] refuses to serve the API on anything but a loopback address.
 
 use super::error::ApiError;
-use super::ApiState;
 use crate::config::HttpSettings;
 use crate::model::Role;
 use axum::extract::{Request, State};
@@ -15,6 +14,7 @@ use axum::middleware::Next;
 use axum::response::Response;
 use sha2::{Digest, Sha256};
 use std::net::SocketAddr;
+use std::sync::Arc;
 use subtle::ConstantTimeEq;
 
 /// The configured grants, tokens kept as digests only.
@@ -144,11 +144,11 @@ impl Caller {
 
 /// Middleware: authenticate, and hand the [`Caller`] to the handler.
 pub async fn require(
-    State(state): State<ApiState>,
+    State(grants): State<Arc<Grants>>,
     mut req: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    let caller = state.grants().caller(req.headers())?;
+    let caller = grants.caller(req.headers())?;
     if let Some(name) = &caller.name {
         tracing::debug!(grant = %name, path = %req.uri().path(), "API request");
     }

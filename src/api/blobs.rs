@@ -3,7 +3,7 @@
 
 use super::auth::Caller;
 use super::error::ApiError;
-use super::ApiState;
+use super::state::ApiState;
 use crate::blobs::{self, META_CONTENT_TYPE, META_ROLE, META_SHA256};
 use crate::model::Role;
 use async_nats::jetstream::object_store::InfoErrorKind;

@@ -12,9 +12,9 @@
 
 use super::auth::Caller;
 use super::error::ApiError;
-use super::query::{self, decode_cursor, encode_cursor, Params, Selection};
+use super::query::{self, decode_cursor, encode_cursor, Params, QueryPairs, Selection};
+use super::state::ApiState;
 use super::store::{self, EventItem};
-use super::ApiState;
 use crate::model::Role;
 use axum::extract::State;
 use axum::http::StatusCode;
@@ -74,7 +74,7 @@ pub fn expired(first: u64) -> ApiError {
 pub async fn list(
     State(state): State<ApiState>,
     Extension(caller): Extension<Caller>,
-    super::QueryPairs(pairs): super::QueryPairs,
+    QueryPairs(pairs): QueryPairs,
 ) -> Result<Json<EventPage>, ApiError> {
     let params = Params::new(pairs, &PARAMS)?;
     let limit = query::limit(&params, DEFAULT_LIMIT, MAX_LIMIT)?;

@@ -2,7 +2,7 @@
 //! what the token allows.
 
 use super::auth::Caller;
-use super::ApiState;
+use super::state::ApiState;
 use crate::model::Role;
 use axum::extract::State;
 use axum::{Extension, Json};

@@ -90,66 +90,103 @@ fn unauthorized_response() -> Value {
     r
 }
 
+/// The query parameters and schemas several paths share.
+struct Shared {
+    /// Every role's name.
+    roles: Value,
+    /// One occurrence of a role list.
+    role_item: Value,
+    role: Value,
+    typ: Value,
+    key: Value,
+    view: Value,
+    limit_schema: Value,
+    cursor_schema: Value,
+}
+
+impl Shared {
+    fn new() -> Self {
+        let roles: Value = crate::model::Role::ALL
+            .iter()
+            .map(|r| Value::from(r.as_str()))
+            .collect();
+        let role_names: Vec<String> = crate::model::Role::ALL
+            .iter()
+            .map(|r| r.as_str().replace('.', "\\."))
+            .collect();
+        let role_item = json!({
+            "type": "string",
+            "pattern": csv_pattern(&format!("(?:{})", role_names.join("|"))),
+            "examples": roles,
+            "description": "One or more of the roles (see Role), comma-separated; whitespace around each and empty entries are ignored."
+        });
+        let role = list_param("role", "Event roles, comma-separated or repeated. Default: every role the token may read. Naming a role outside the token's grant is a 403.", role_item.clone());
+        let type_item = json!({
+            "type": "string",
+            "maxLength": super::query::MAX_TYPE_VALUE,
+            "pattern": csv_pattern_max(&format!("{TYPE_CHAR}+(?:\\.{TYPE_CHAR}+)*"), super::query::MAX_TYPES_PER_PARAM),
+            "description": "One to four types, comma-separated: each dot-separated tokens without whitespace, control characters, `*` or `>`. Whitespace around each and empty entries are ignored; at most 256 characters per value."
+        });
+        let typ = at_most(
+            list_param(
+                "type",
+                "Event types, comma-separated or repeated (dot-separated tokens, no spaces, `*` or `>`): at most 4 parameters of at most 4 types each (400 too_many_types).",
+                type_item,
+            ),
+            super::query::MAX_TYPE_PARAMS,
+        );
+        let key = list_param("key", "Ordering key (conversation id for a2a.*), repeated for several (a key may contain commas, so values are not split). Any string: a subject token (letters, digits, `_`, `-`, at most 128) is used as it is, any other id is encoded by the id rule. Whitespace around a value is ignored; an empty value selects nothing. At most 16 keys (400 too_many_keys).",
+            json!({"type": "string"}));
+        let key = at_most(key, super::query::MAX_KEYS);
+        let view = param("view", "Preset: `conversations` (role=conversation.main, type=a2a.response) or `debug` (type=a2a.send,a2a.response,a2a.complete); empty for none. Explicit role/type replace the preset's. One value (repeating it needs the same value).", json!({"type": "string", "enum": ["conversations", "debug", ""]}));
+        let limit_schema =
+            json!({"type": "integer", "minimum": 1, "maximum": 1000, "default": 100});
+        let cursor_schema = json!({"type": "string", "pattern": CURSOR_PATTERN, "description": "A cursor from a response (`next`, `prev`, `oldest`, an event's `cursor`); empty for none."});
+        Shared {
+            roles,
+            role_item,
+            role,
+            typ,
+            key,
+            view,
+            limit_schema,
+            cursor_schema,
+        }
+    }
+}
+
+/// The errors every query answers with, and `extra` ones.
+fn common_errors(extra: &[(&str, &str)]) -> Value {
+    let mut m = serde_json::Map::new();
+    m.insert("400".into(), error_response("A parameter is invalid (unknown role, malformed type, bad cursor, a one-value parameter repeated with different values, unknown parameter, too many types or keys); the error says what to fix and, for a value, lists the valid ones in `valid`."));
+    m.insert("401".into(), unauthorized_response());
+    m.insert(
+        "403".into(),
+        error_response(
+            "A named role is outside the token's grant (the error lists the grant in `granted`).",
+        ),
+    );
+    m.insert(
+        "503".into(),
+        error_response("The event store (NATS) is unavailable."),
+    );
+    for (code, d) in extra {
+        m.insert((*code).into(), error_response(d));
+    }
+    Value::Object(m)
+}
+
+/// `errors` with `ok` as the 200 response.
+fn with_ok(mut errors: Value, ok: Value) -> Value {
+    if let Some(m) = errors.as_object_mut() {
+        m.insert("200".into(), ok);
+    }
+    errors
+}
+
 /// The document.
 pub fn document() -> Value {
-    let roles: Value = crate::model::Role::ALL
-        .iter()
-        .map(|r| Value::from(r.as_str()))
-        .collect();
-    let role_names: Vec<String> = crate::model::Role::ALL
-        .iter()
-        .map(|r| r.as_str().replace('.', "\\."))
-        .collect();
-    let role_item = json!({
-        "type": "string",
-        "pattern": csv_pattern(&format!("(?:{})", role_names.join("|"))),
-        "examples": roles,
-        "description": "One or more of the roles (see Role), comma-separated; whitespace around each and empty entries are ignored."
-    });
-    let role = list_param("role", "Event roles, comma-separated or repeated. Default: every role the token may read. Naming a role outside the token's grant is a 403.", role_item.clone());
-    let type_item = json!({
-        "type": "string",
-        "maxLength": super::query::MAX_TYPE_VALUE,
-        "pattern": csv_pattern_max(&format!("{TYPE_CHAR}+(?:\\.{TYPE_CHAR}+)*"), super::query::MAX_TYPES_PER_PARAM),
-        "description": "One to four types, comma-separated: each dot-separated tokens without whitespace, control characters, `*` or `>`. Whitespace around each and empty entries are ignored; at most 256 characters per value."
-    });
-    let typ = at_most(
-        list_param(
-            "type",
-            "Event types, comma-separated or repeated (dot-separated tokens, no spaces, `*` or `>`): at most 4 parameters of at most 4 types each (400 too_many_types).",
-            type_item.clone(),
-        ),
-        super::query::MAX_TYPE_PARAMS,
-    );
-    let key = list_param("key", "Ordering key (conversation id for a2a.*), repeated for several (a key may contain commas, so values are not split). Any string: a subject token (letters, digits, `_`, `-`, at most 128) is used as it is, any other id is encoded by the id rule. Whitespace around a value is ignored; an empty value selects nothing. At most 16 keys (400 too_many_keys).",
-        json!({"type": "string"}));
-    let key = at_most(key, super::query::MAX_KEYS);
-    let view = param("view", "Preset: `conversations` (role=conversation.main, type=a2a.response) or `debug` (type=a2a.send,a2a.response,a2a.complete); empty for none. Explicit role/type replace the preset's. One value (repeating it needs the same value).", json!({"type": "string", "enum": ["conversations", "debug", ""]}));
-    let limit_schema = json!({"type": "integer", "minimum": 1, "maximum": 1000, "default": 100});
-    let cursor_schema = json!({"type": "string", "pattern": CURSOR_PATTERN, "description": "A cursor from a response (`next`, `prev`, `oldest`, an event's `cursor`); empty for none."});
-    let common_errors = |extra: &[(&str, &str)]| {
-        let mut m = serde_json::Map::new();
-        m.insert("400".into(), error_response("A parameter is invalid (unknown role, malformed type, bad cursor, a one-value parameter repeated with different values, unknown parameter, too many types or keys); the error says what to fix and, for a value, lists the valid ones in `valid`."));
-        m.insert("401".into(), unauthorized_response());
-        m.insert(
-            "403".into(),
-            error_response("A named role is outside the token's grant (the error lists the grant in `granted`)."),
-        );
-        m.insert(
-            "503".into(),
-            error_response("The event store (NATS) is unavailable."),
-        );
-        for (code, d) in extra {
-            m.insert((*code).into(), error_response(d));
-        }
-        Value::Object(m)
-    };
-    let with_ok = |mut errors: Value, ok: Value| {
-        if let Some(m) = errors.as_object_mut() {
-            m.insert("200".into(), ok);
-        }
-        errors
-    };
+    let shared = Shared::new();
     json!({
         "openapi": "3.1.0",
         "info": {
@@ -162,105 +199,159 @@ pub fn document() -> Value {
             "schemas": super::schemas::components()
         },
         "security": [{"bearer": []}, {}],
-        "paths": {
-            "/api/events": {"get": {
-                "operationId": "listEvents",
-                "summary": "Filtered projections: the newest `limit` by default, oldest first, with cursors.",
-                "parameters": [role.clone(), typ.clone(), key.clone(), view.clone(),
-                    param("limit", "Events per page (default 100). One value.", limit_schema.clone()),
-                    param("after", "Cursor: the oldest `limit` events after it (with `before`: between the two). One value.", cursor_schema.clone()),
-                    param("before", "Cursor: the newest `limit` events before it (with `after`: the oldest `limit` between the two). One value.", cursor_schema.clone())],
-                "responses": with_ok(common_errors(&[("410", "The cursor is older than the stream's retention; the error carries oldestCursor.")]),
-                    json!({"description": "A page of events.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/EventPage"}}}}))
-            }},
-            "/api/events/stream": {"get": {
-                "operationId": "streamEvents",
-                "summary": "The same filters as Server-Sent Events. Each event's id is its cursor; resume with Last-Event-ID (or after) without loss or repeats. A client whose buffer fills gets a final `event: error` (code slow_consumer, resumeFrom) and the stream closes.",
-                "parameters": [role.clone(), typ.clone(), key.clone(), view.clone(),
-                    param("after", "Cursor to start after (Last-Event-ID wins). Default: the next event stored. One value.", cursor_schema.clone()),
-                    {"name": "Last-Event-ID", "in": "header", "required": false, "description": "The `id` of the last event received (a cursor); empty for none.", "schema": cursor_schema.clone()}],
-                "responses": with_ok(common_errors(&[("410", "The cursor is older than the stream's retention."), ("429", "The token already has as many event streams open as http.sse_max_streams_per_token allows (code too_many_streams); close one first."), ("503", "The event store (NATS) is unavailable (code unavailable), or the server has as many event streams open as http.sse_max_streams allows (code too_many_streams); retry later.")]),
-                    json!({"description": "An event stream; each `data` is an EventItem (#/components/schemas/EventItem, /api/schemas/event-item.schema.json); a final `event: error` carries a StreamError (#/components/schemas/StreamError, /api/schemas/stream-error.schema.json).", "content": {"text/event-stream": {"schema": {
-                        "type": "object", "required": ["data"],
-                        "properties": {
-                            "event": {"type": "string", "enum": ["message", "error"]},
-                            "id": {"type": "string", "description": "The event's cursor."},
-                            "data": {"type": "string", "contentMediaType": "application/json"}
-                        }}}}}))
-            }},
-            "/api/work-sessions": {"get": {
-                "operationId": "listWorkSessions",
-                "summary": "Work sessions holding events of the given roles and types, most recently updated first.",
-                "parameters": [role.clone(), typ.clone(),
-                    list_param("status", "ACTIVE, QUIET or ARCHIVED (any case), comma-separated or repeated.",
-                        json!({"type": "string", "pattern": csv_pattern(&format!("(?:{}|{}|{})", any_case("ACTIVE"), any_case("QUIET"), any_case("ARCHIVED")))})),
-                    param("limit", "Sessions returned (default 100). One value.", limit_schema.clone())],
-                "responses": with_ok(common_errors(&[]), json!({"description": "Sessions.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/WorkSessionList"}}}}))
-            }},
-            "/api/work-sessions/{id}": {"get": {
-                "operationId": "getWorkSession",
-                "summary": "One work session; `format=mplp` returns an MPLP Collab object (schemas/v2/mplp-collab.schema.json).",
-                "parameters": [
-                    {"name": "id", "in": "path", "required": true, "schema": {"type": "string"}, "description": "The work session id (or the conversation id of a session without one)."},
-                    list_param("role", "Roles to see the session through (default: the token's grant), comma-separated or repeated. Naming a role outside the token's grant is a 403.", role_item.clone()),
-                    param("format", "json (default; also when empty) or mplp. One value.", json!({"type": "string", "enum": ["json", "mplp", ""]}))],
-                "responses": with_ok(common_errors(&[("404", "No such work session (or none visible to this token).")]),
-                    json!({"description": "The session (`{session, role}`), or the MPLP Collab object.", "content": {"application/json": {"schema": {"anyOf": [{"$ref": "#/components/schemas/WorkSessionResponse"}, {"type": "object", "description": "format=mplp: an MPLP Collab object."}]}}}}))
-            }},
-            "/api/blobs/{id}": {"get": {
-                "operationId": "getBlob",
-                "summary": "A field moved out of a projection because it was over limits.max_inline_bytes. The projection holds `{\"$ref\": \"blob:<id>\", \"bytes\", \"sha256\", \"contentType\", \"preview\"}` in its place; this returns the content (UTF-8 text for a string, JSON for an object or array), already redacted. Kept as long as projections are (projection.max_age).",
-                "parameters": [
-                    {"name": "id", "in": "path", "required": true, "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}, "description": "The id after `blob:` in a reference."}],
-                "responses": {
-                    "200": {"description": "The content. `ETag` is its SHA-256; `Collab-Event-Role` the role it belongs to.", "headers": {
-                        "Collab-Event-Role": {"required": true, "description": "The role of the event the field came from.", "schema": {"type": "string", "enum": roles}},
-                        "ETag": {"description": "The content's SHA-256, quoted.", "schema": {"type": "string"}},
-                        "Cache-Control": {"required": true, "schema": {"type": "string"}},
-                        "X-Content-Type-Options": {"required": true, "schema": {"type": "string", "const": "nosniff"}}}, "content": {
-                        "text/plain": {"schema": {"type": "string"}},
-                        "application/json": {"schema": {}},
-                        "application/octet-stream": {"schema": {"type": "string", "contentEncoding": "binary"}}}},
-                    "401": unauthorized_response(),
-                    "403": error_response("The blob belongs to a role outside the token's grant."),
-                    "404": error_response("No such blob (never stored, or expired with its projections)."),
-                    "503": error_response("The event store (NATS) is unavailable.")
-                }
-            }},
-            "/api/me": {"get": {
-                "operationId": "getMe",
-                "summary": "The caller: whether access control is on, the token's grant, and the roles it may read (a UI shows only those).",
-                "responses": {
-                    "200": {"description": "The caller.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Me"}}}},
-                    "401": error_response("No or an invalid bearer token (when access control is on)."),
-                    "503": error_response("The event store (NATS) is unavailable.")
-                }
-            }},
-            "/api/schemas": {"get": {
-                "operationId": "listSchemas",
-                "summary": "The JSON Schemas (2020-12) of the envelope, the payloads the processor writes and every API body; the same types are this document's components.",
-                "security": [],
-                "responses": {"200": {"description": "The index.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SchemaIndex"}}}}}
-            }},
-            "/api/schemas/{name}": {"get": {
-                "operationId": "getSchema",
-                "summary": "One JSON Schema, by file name (its `$id` is its URL).",
-                "security": [],
-                "parameters": [
-                    {"name": "name", "in": "path", "required": true, "schema": {"type": "string"}, "description": "The schema's file name, as listed by /api/schemas (`envelope.schema.json`, ...)."}],
-                "responses": {
-                    "200": {"description": "The schema.", "content": {"application/schema+json": {"schema": {"type": "object"}}}},
-                    "404": error_response("No such schema.")
-                }
-            }},
-            "/api/openapi.json": {"get": {
-                "operationId": "openapi",
-                "summary": "This document.",
-                "security": [],
-                "responses": {"200": {"description": "OpenAPI 3.1 document.", "content": {"application/json": {"schema": {"type": "object"}}}}}
-            }}
-        }
+        "paths": paths(&shared)
     })
+}
+
+/// Every path, in the order the document lists them.
+fn paths(p: &Shared) -> Value {
+    let mut paths = serde_json::Map::new();
+    for (path, item) in [
+        ("/api/events", events(p)),
+        ("/api/events/stream", events_stream(p)),
+        ("/api/work-sessions", work_sessions(p)),
+        ("/api/work-sessions/{id}", work_session(p)),
+        ("/api/blobs/{id}", blob(&p.roles)),
+        ("/api/me", me()),
+        ("/api/schemas", schema_index()),
+        ("/api/schemas/{name}", schema()),
+        ("/api/openapi.json", openapi()),
+    ] {
+        paths.insert(path.into(), item);
+    }
+    Value::Object(paths)
+}
+
+/// `GET /api/events`: a page of filtered events.
+fn events(p: &Shared) -> Value {
+    json!({"get": {
+        "operationId": "listEvents",
+        "summary": "Filtered projections: the newest `limit` by default, oldest first, with cursors.",
+        "parameters": [p.role.clone(), p.typ.clone(), p.key.clone(), p.view.clone(),
+            param("limit", "Events per page (default 100). One value.", p.limit_schema.clone()),
+            param("after", "Cursor: the oldest `limit` events after it (with `before`: between the two). One value.", p.cursor_schema.clone()),
+            param("before", "Cursor: the newest `limit` events before it (with `after`: the oldest `limit` between the two). One value.", p.cursor_schema.clone())],
+        "responses": with_ok(common_errors(&[("410", "The cursor is older than the stream's retention; the error carries oldestCursor.")]),
+            json!({"description": "A page of events.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/EventPage"}}}}))
+    }})
+}
+
+/// `GET /api/events/stream`: the filtered events as Server-Sent Events.
+fn events_stream(p: &Shared) -> Value {
+    json!({"get": {
+        "operationId": "streamEvents",
+        "summary": "The same filters as Server-Sent Events. Each event's id is its cursor; resume with Last-Event-ID (or after) without loss or repeats. A client whose buffer fills gets a final `event: error` (code slow_consumer, resumeFrom) and the stream closes.",
+        "parameters": [p.role.clone(), p.typ.clone(), p.key.clone(), p.view.clone(),
+            param("after", "Cursor to start after (Last-Event-ID wins). Default: the next event stored. One value.", p.cursor_schema.clone()),
+            {"name": "Last-Event-ID", "in": "header", "required": false, "description": "The `id` of the last event received (a cursor); empty for none.", "schema": p.cursor_schema.clone()}],
+        "responses": with_ok(common_errors(&[("410", "The cursor is older than the stream's retention."), ("429", "The token already has as many event streams open as http.sse_max_streams_per_token allows (code too_many_streams); close one first."), ("503", "The event store (NATS) is unavailable (code unavailable), or the server has as many event streams open as http.sse_max_streams allows (code too_many_streams); retry later.")]),
+            json!({"description": "An event stream; each `data` is an EventItem (#/components/schemas/EventItem, /api/schemas/event-item.schema.json); a final `event: error` carries a StreamError (#/components/schemas/StreamError, /api/schemas/stream-error.schema.json).", "content": {"text/event-stream": {"schema": {
+                "type": "object", "required": ["data"],
+                "properties": {
+                    "event": {"type": "string", "enum": ["message", "error"]},
+                    "id": {"type": "string", "description": "The event's cursor."},
+                    "data": {"type": "string", "contentMediaType": "application/json"}
+                }}}}}))
+    }})
+}
+
+/// `GET /api/work-sessions`: the work sessions.
+fn work_sessions(p: &Shared) -> Value {
+    json!({"get": {
+        "operationId": "listWorkSessions",
+        "summary": "Work sessions holding events of the given roles and types, most recently updated first.",
+        "parameters": [p.role.clone(), p.typ.clone(),
+            list_param("status", "ACTIVE, QUIET or ARCHIVED (any case), comma-separated or repeated.",
+                json!({"type": "string", "pattern": csv_pattern(&format!("(?:{}|{}|{})", any_case("ACTIVE"), any_case("QUIET"), any_case("ARCHIVED")))})),
+            param("limit", "Sessions returned (default 100). One value.", p.limit_schema.clone())],
+        "responses": with_ok(common_errors(&[]), json!({"description": "Sessions.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/WorkSessionList"}}}}))
+    }})
+}
+
+/// `GET /api/work-sessions/{id}`: one work session.
+fn work_session(p: &Shared) -> Value {
+    json!({"get": {
+        "operationId": "getWorkSession",
+        "summary": "One work session; `format=mplp` returns an MPLP Collab object (schemas/v2/mplp-collab.schema.json).",
+        "parameters": [
+            {"name": "id", "in": "path", "required": true, "schema": {"type": "string"}, "description": "The work session id (or the conversation id of a session without one)."},
+            list_param("role", "Roles to see the session through (default: the token's grant), comma-separated or repeated. Naming a role outside the token's grant is a 403.", p.role_item.clone()),
+            param("format", "json (default; also when empty) or mplp. One value.", json!({"type": "string", "enum": ["json", "mplp", ""]}))],
+        "responses": with_ok(common_errors(&[("404", "No such work session (or none visible to this token).")]),
+            json!({"description": "The session (`{session, role}`), or the MPLP Collab object.", "content": {"application/json": {"schema": {"anyOf": [{"$ref": "#/components/schemas/WorkSessionResponse"}, {"type": "object", "description": "format=mplp: an MPLP Collab object."}]}}}}))
+    }})
+}
+
+/// `GET /api/blobs/{id}`: a field moved to the blob store.
+fn blob(roles: &Value) -> Value {
+    json!({"get": {
+        "operationId": "getBlob",
+        "summary": "A field moved out of a projection because it was over limits.max_inline_bytes. The projection holds `{\"$ref\": \"blob:<id>\", \"bytes\", \"sha256\", \"contentType\", \"preview\"}` in its place; this returns the content (UTF-8 text for a string, JSON for an object or array), already redacted. Kept as long as projections are (projection.max_age).",
+        "parameters": [
+            {"name": "id", "in": "path", "required": true, "schema": {"type": "string", "pattern": "^[0-9a-f]{64}$"}, "description": "The id after `blob:` in a reference."}],
+        "responses": {
+            "200": {"description": "The content. `ETag` is its SHA-256; `Collab-Event-Role` the role it belongs to.", "headers": {
+                "Collab-Event-Role": {"required": true, "description": "The role of the event the field came from.", "schema": {"type": "string", "enum": roles}},
+                "ETag": {"description": "The content's SHA-256, quoted.", "schema": {"type": "string"}},
+                "Cache-Control": {"required": true, "schema": {"type": "string"}},
+                "X-Content-Type-Options": {"required": true, "schema": {"type": "string", "const": "nosniff"}}}, "content": {
+                "text/plain": {"schema": {"type": "string"}},
+                "application/json": {"schema": {}},
+                "application/octet-stream": {"schema": {"type": "string", "contentEncoding": "binary"}}}},
+            "401": unauthorized_response(),
+            "403": error_response("The blob belongs to a role outside the token's grant."),
+            "404": error_response("No such blob (never stored, or expired with its projections)."),
+            "503": error_response("The event store (NATS) is unavailable.")
+        }
+    }})
+}
+
+/// `GET /api/me`: the caller.
+fn me() -> Value {
+    json!({"get": {
+        "operationId": "getMe",
+        "summary": "The caller: whether access control is on, the token's grant, and the roles it may read (a UI shows only those).",
+        "responses": {
+            "200": {"description": "The caller.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Me"}}}},
+            "401": error_response("No or an invalid bearer token (when access control is on)."),
+            "503": error_response("The event store (NATS) is unavailable.")
+        }
+    }})
+}
+
+/// `GET /api/schemas`: the index of the JSON Schemas.
+fn schema_index() -> Value {
+    json!({"get": {
+        "operationId": "listSchemas",
+        "summary": "The JSON Schemas (2020-12) of the envelope, the payloads the processor writes and every API body; the same types are this document's components.",
+        "security": [],
+        "responses": {"200": {"description": "The index.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SchemaIndex"}}}}}
+    }})
+}
+
+/// `GET /api/schemas/{name}`: one JSON Schema.
+fn schema() -> Value {
+    json!({"get": {
+        "operationId": "getSchema",
+        "summary": "One JSON Schema, by file name (its `$id` is its URL).",
+        "security": [],
+        "parameters": [
+            {"name": "name", "in": "path", "required": true, "schema": {"type": "string"}, "description": "The schema's file name, as listed by /api/schemas (`envelope.schema.json`, ...)."}],
+        "responses": {
+            "200": {"description": "The schema.", "content": {"application/schema+json": {"schema": {"type": "object"}}}},
+            "404": error_response("No such schema.")
+        }
+    }})
+}
+
+/// `GET /api/openapi.json`: this document.
+fn openapi() -> Value {
+    json!({"get": {
+        "operationId": "openapi",
+        "summary": "This document.",
+        "security": [],
+        "responses": {"200": {"description": "OpenAPI 3.1 document.", "content": {"application/json": {"schema": {"type": "object"}}}}}
+    }})
 }
 
 #[cfg(test)]

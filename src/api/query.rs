@@ -3,7 +3,25 @@
 
 use super::error::ApiError;
 use crate::model::{encode_id, is_key_token, Role};
+use axum::extract::FromRequestParts;
+use axum::http::request::Parts;
 use base64::Engine;
+
+/// Query pairs, with a JSON error for a malformed query string.
+pub struct QueryPairs(pub Vec<(String, String)>);
+
+impl<S: Send + Sync> FromRequestParts<S> for QueryPairs {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        axum::extract::Query::<Vec<(String, String)>>::from_request_parts(parts, state)
+            .await
+            .map(|q| QueryPairs(q.0))
+            .map_err(|_| {
+                ApiError::bad_request("bad_query", "the query string is not valid URL encoding")
+            })
+    }
+}
 
 /// The raw query pairs, checked against the parameters an endpoint accepts.
 #[derive(Debug, Clone)]

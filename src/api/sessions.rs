@@ -3,8 +3,9 @@
 
 use super::auth::Caller;
 use super::error::ApiError;
-use super::query::{self, Params};
-use super::{mplp, store, ApiState};
+use super::query::{self, Params, QueryPairs};
+use super::state::ApiState;
+use super::{mplp, store};
 use crate::bus::sessions::session_key;
 use crate::model::Role;
 use crate::sessions::{SessionView, Status, ViewOptions, WorkSession};
@@ -41,7 +42,7 @@ fn statuses(params: &Params) -> Result<Vec<Status>, ApiError> {
 pub async fn list(
     State(state): State<ApiState>,
     Extension(caller): Extension<Caller>,
-    super::QueryPairs(pairs): super::QueryPairs,
+    QueryPairs(pairs): QueryPairs,
 ) -> Result<Json<WorkSessionList>, ApiError> {
     let params = Params::new(pairs, &LIST_PARAMS)?;
     let requested = query::roles(&params)?;
@@ -93,7 +94,7 @@ pub async fn one(
     State(state): State<ApiState>,
     Extension(caller): Extension<Caller>,
     Path(id): Path<String>,
-    super::QueryPairs(pairs): super::QueryPairs,
+    QueryPairs(pairs): QueryPairs,
 ) -> Result<Response, ApiError> {
     let params = Params::new(pairs, &ONE_PARAMS)?;
     let requested = query::roles(&params)?;

@@ -15,9 +15,9 @@
 use super::auth::Caller;
 use super::error::ApiError;
 use super::events::{expired, resolve};
-use super::query::{bad_cursor, decode_cursor, encode_cursor, Params};
+use super::query::{bad_cursor, decode_cursor, encode_cursor, Params, QueryPairs};
+use super::state::ApiState;
 use super::store::{self, StoredEvent};
-use super::ApiState;
 use async_nats::jetstream::consumer;
 use axum::extract::State;
 use axum::http::HeaderMap;
@@ -92,7 +92,7 @@ pub async fn stream(
     State(state): State<ApiState>,
     Extension(caller): Extension<Caller>,
     headers: HeaderMap,
-    super::QueryPairs(pairs): super::QueryPairs,
+    QueryPairs(pairs): QueryPairs,
 ) -> Result<Response, ApiError> {
     let params = Params::new(pairs, &PARAMS)?;
     let r = resolve(&state, &caller, &params)?;

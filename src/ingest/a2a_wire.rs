@@ -18,7 +18,7 @@
 //! turn id is `Collab-Exchange`, else the JSON-RPC `id`. Bodies with neither (push notifications, HTTP+JSON bodies published without
 //! the relay's headers) answer no turn: they are projected as task progress.
 
-use super::RelayHeaders;
+use super::input::RelayHeaders;
 use crate::model::{decode_id, id_text, DlqReason, Rejection};
 use serde_json::{Map, Value};
 

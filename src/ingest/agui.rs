@@ -23,7 +23,7 @@
 //! belong to follows from the key and the order of the partition.
 
 use super::event;
-use super::{check_type, Normalized, RawInput, Settings};
+use super::input::{check_type, json_kind, Normalized, RawInput, Settings};
 pub use crate::facts::{envelope_type, is_agui_type, AgUiFacts, TYPE_FIELD};
 use crate::model::{encode_id, id_text, DlqReason, Rejection, Role};
 use crate::redact::{Flushed, StreamId, StreamKind, StreamRedactor};
@@ -199,7 +199,7 @@ fn check_ids(obj: &Map<String, Value>, agui_type: &str) -> Result<(), Rejection>
                     DlqReason::BadKey,
                     format!(
                         "AG-UI {agui_type}: `{field}` must be a string, got {}; publish AG-UI ids as JSON strings",
-                        super::json_kind(other)
+                        json_kind(other)
                     ),
                 ));
             }

@@ -2,7 +2,7 @@
 //! adapter's canonical payload, onto the envelope.
 
 use super::adapter;
-use super::{check_type, Normalized, RawInput, Settings};
+use super::input::{check_type, Normalized, RawInput, Settings};
 use crate::classify::{self, Fields};
 use crate::facets;
 use crate::model::{encode_id, id_text, DlqReason, Envelope, Rejection, Role};

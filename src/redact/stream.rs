@@ -20,7 +20,7 @@
 //! Pure: no clock, no I/O. One stream redactor serves one partition of the worker, whose events
 //! arrive in order; streams are told apart by the raw subject key, the kind and the AG-UI id.
 
-use super::{apply, Redactor};
+use super::rules::{apply, Redactor};
 use std::sync::Arc;
 
 /// What a stream carries (AG-UI ids of different kinds may coincide).

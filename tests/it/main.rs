@@ -1,6 +1,11 @@
 //! Integration tests: one binary, a real nats-server per test.
 
-#![allow(clippy::expect_used, clippy::unwrap_used, clippy::panic)]
+#![allow(
+    clippy::expect_used,
+    clippy::unwrap_used,
+    clippy::panic,
+    clippy::too_many_lines
+)]
 
 mod support;
 
@@ -10,8 +15,10 @@ mod auth;
 mod bench_smoke;
 mod chaos;
 mod conversations;
+mod docs;
 mod fast_batch;
 mod fuzz_api;
+mod layout;
 mod operability;
 mod ops;
 mod pipeline;

@@ -1,0 +1,156 @@
+//! What the API's handlers share: the JetStream context, the grants, the session periods, the
+//! event-stream limits and slots, and the API's counters.
+
+use super::auth::Grants;
+use super::error::ApiError;
+use super::slots;
+use crate::config::{HttpSettings, Names};
+use async_nats::jetstream::{self, kv, object_store::ObjectStore};
+use std::sync::atomic::{AtomicU64, AtomicUsize};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::sync::OnceCell;
+use tokio_util::sync::CancellationToken;
+
+/// Per-client bounds of the event stream.
+#[derive(Debug, Clone, Copy)]
+pub struct SseLimits {
+    /// Events buffered for a client before it counts as too slow.
+    pub buffer_events: usize,
+    /// Bytes buffered for a client before it counts as too slow.
+    pub buffer_bytes: usize,
+    /// Keep-alive comment interval.
+    pub keep_alive: Duration,
+}
+
+impl Default for SseLimits {
+    fn default() -> Self {
+        SseLimits::from_settings(&HttpSettings::default())
+    }
+}
+
+impl SseLimits {
+    /// The limits `http.sse_buffer_events` and `http.sse_buffer_bytes` set.
+    pub fn from_settings(http: &HttpSettings) -> SseLimits {
+        SseLimits {
+            buffer_events: http.sse_buffer_events,
+            buffer_bytes: http.sse_buffer_bytes,
+            keep_alive: Duration::from_secs(15),
+        }
+    }
+}
+
+/// Counters of the API, for tests and the demo.
+#[derive(Debug, Default)]
+pub struct ApiStats {
+    /// Event streams open now.
+    pub sse_clients: AtomicUsize,
+    /// Event streams closed because their client was too slow.
+    pub sse_overflows: AtomicU64,
+}
+
+/// What the handlers share. Cheap to clone.
+#[derive(Clone)]
+pub struct ApiState {
+    js: jetstream::Context,
+    names: Arc<Names>,
+    grants: Arc<Grants>,
+    quiet_after: Duration,
+    archive_after: Duration,
+    sse: SseLimits,
+    slots: Arc<slots::StreamSlots>,
+    shutdown: CancellationToken,
+    sessions: Arc<OnceCell<kv::Store>>,
+    blobs: Arc<OnceCell<ObjectStore>>,
+    stats: Arc<ApiStats>,
+}
+
+impl ApiState {
+    /// The API over `js`, with the tokens and session periods of `http`.
+    pub fn new(js: jetstream::Context, names: Names, http: &HttpSettings) -> ApiState {
+        ApiState {
+            js,
+            names: Arc::new(names),
+            grants: Arc::new(Grants::new(http)),
+            quiet_after: http.quiet_after,
+            archive_after: http.archive_after,
+            sse: SseLimits::from_settings(http),
+            slots: Arc::new(slots::StreamSlots::new(
+                http.sse_max_streams,
+                http.sse_max_streams_per_token,
+            )),
+            shutdown: CancellationToken::new(),
+            sessions: Arc::new(OnceCell::new()),
+            blobs: Arc::new(OnceCell::new()),
+            stats: Arc::new(ApiStats::default()),
+        }
+    }
+
+    /// End open event streams when `token` is cancelled, so a graceful shutdown is not held up
+    /// by clients that never disconnect.
+    pub fn with_shutdown(mut self, token: CancellationToken) -> ApiState {
+        self.shutdown = token;
+        self
+    }
+
+    pub fn with_sse_limits(mut self, limits: SseLimits) -> ApiState {
+        self.sse = limits;
+        self
+    }
+
+    pub fn js(&self) -> &jetstream::Context {
+        &self.js
+    }
+    pub fn names(&self) -> &Names {
+        &self.names
+    }
+    pub fn grants(&self) -> &Grants {
+        &self.grants
+    }
+    /// The grants, shared with the access-control middleware.
+    pub fn shared_grants(&self) -> Arc<Grants> {
+        Arc::clone(&self.grants)
+    }
+    pub fn quiet_after(&self) -> Duration {
+        self.quiet_after
+    }
+    pub fn archive_after(&self) -> Duration {
+        self.archive_after
+    }
+    pub fn sse_limits(&self) -> SseLimits {
+        self.sse
+    }
+    pub fn stream_slots(&self) -> &Arc<slots::StreamSlots> {
+        &self.slots
+    }
+    pub fn shutdown(&self) -> &CancellationToken {
+        &self.shutdown
+    }
+    pub fn stats(&self) -> &ApiStats {
+        &self.stats
+    }
+
+    /// The work-session bucket, looked up once.
+    pub async fn sessions_kv(&self) -> Result<&kv::Store, ApiError> {
+        self.sessions
+            .get_or_try_init(|| async {
+                self.js
+                    .get_key_value(&self.names.sessions_bucket)
+                    .await
+                    .map_err(|e| ApiError::unavailable("work-session bucket", e))
+            })
+            .await
+    }
+
+    /// The object store of offloaded fields, looked up once.
+    pub async fn blobs_store(&self) -> Result<&ObjectStore, ApiError> {
+        self.blobs
+            .get_or_try_init(|| async {
+                self.js
+                    .get_object_store(&self.names.blobs_store)
+                    .await
+                    .map_err(|e| ApiError::unavailable("object store", e))
+            })
+            .await
+    }
+}
