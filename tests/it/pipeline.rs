@@ -1182,59 +1182,6 @@ async fn crash_before_ack_is_repaired_without_duplicates() {
     finish_and_check(&nats, &js, producer).await;
 }
 
-/// A takeover whose in-flight range ends in messages deleted from the raw stream (as
-/// acknowledged barriers are) goes on once the stream's leader confirms that nothing of the
-/// partition is left in the range: every remaining input is projected once, and no partition
-/// starts over for it.
-#[tokio::test]
-async fn a_takeover_whose_in_flight_range_ends_in_deleted_messages_goes_on() {
-    let nats = TestNats::start().await;
-    let url = nats.url();
-    let (ok, out, err) = run_bin(&["provision", "--nats-url", &url], &[ACK_WAIT], b"").await;
-    assert!(ok, "provision failed: {out}{err}");
-    let js = nats.jetstream().await;
-    let seqs = publish_all(&js, &load(300)).await;
-    let mut first = Projector::spawn(
-        &url,
-        &MAIN_AGENTS,
-        &[ACK_WAIT, ("COLLAB_TEST_CRASH_AT", "before_ack")],
-    );
-    let status = first
-        .wait_exit(GUARD)
-        .await
-        .expect("the crash hook aborts the process");
-    assert!(!status.success(), "an abort is not a clean exit");
-    // The newest inputs, delivered to the crashed owner, are gone from the stream before the
-    // next owner reads what was in flight.
-    let raw = js.get_stream(RAW).await.expect("the raw stream");
-    let (kept, deleted) = seqs.split_at(seqs.len() - 20);
-    for seq in deleted {
-        assert!(
-            raw.delete_message(*seq).await.expect("a delete answer"),
-            "raw sequence {seq} deleted"
-        );
-    }
-    let second = start_projector(
-        &url,
-        &MAIN_AGENTS,
-        &[ACK_WAIT, ("RUST_LOG", "info,collab_projector::bus=debug")],
-    )
-    .await;
-    wait_settled(&js, kept.len() as u64, 0).await;
-    let proj = read_all(&js, PROJ, "collab.proj.>").await;
-    let dlq = read_all(&js, DLQ, "collab.dlq.>").await;
-    assert_exactly_once(&kept.iter().copied().collect(), &proj, &dlq);
-    let log = second.log_text();
-    assert!(
-        log.contains("took over in-flight messages"),
-        "the second projector read what the first left in flight: {log}"
-    );
-    assert!(
-        !log.contains("replay incomplete"),
-        "a range that ends in deleted messages is complete: {log}"
-    );
-}
-
 // ---------------------------------------------------------------------------------------------
 // 6. SIGTERM drains
 // ---------------------------------------------------------------------------------------------
