@@ -640,8 +640,14 @@ fn only_the_target_decides_its_turn() {
     let mut sim = Sim::new(contract_cfg());
     sim.run(1_000, send("c1", json!({})));
     // A third agent, the asker itself, and a response naming no speaker: none is eden's.
-    let third = sim.run(2_000, reply("c1", "done, wired", json!({"fromAgent": "mallory"})));
-    let asker = sim.run(2_100, reply("c1", "I answer myself", json!({"fromAgent": "ruda"})));
+    let third = sim.run(
+        2_000,
+        reply("c1", "done, wired", json!({"fromAgent": "mallory"})),
+    );
+    let asker = sim.run(
+        2_100,
+        reply("c1", "I answer myself", json!({"fromAgent": "ruda"})),
+    );
     let nobody = sim.run(2_200, reply("c1", "anonymous", json!({"fromAgent": null})));
     assert_eq!(sim.record("c1", "0").state, TurnState::Open);
     assert!(sim.responses.is_empty(), "no response before the target's");
@@ -658,7 +664,10 @@ fn only_the_target_decides_its_turn() {
     }
     // The target's reply, trimmed and in another case, still wins; later forgeries stay
     // not_target, never duplicate.
-    let real = sim.run(3_000, reply("c1", "reviewed", json!({"fromAgent": " Eden "})));
+    let real = sim.run(
+        3_000,
+        reply("c1", "reviewed", json!({"fromAgent": " Eden "})),
+    );
     assert_eq!(sim.winner("c1", "0").seq, Some(real));
     assert_eq!(str_field(&sim.payload("c1", "0"), "message"), "reviewed");
     let after = sim.run(4_000, reply("c1", "again", json!({"fromAgent": "mallory"})));
@@ -672,7 +681,11 @@ fn a_foreign_response_neither_blocks_the_turn_nor_stops_its_deadline() {
     sim.run(1_000, send("c1", json!({"timeoutMs": 1_000})));
     let forged = sim.run(
         1_500,
-        reply("c1", "x", json!({"fromAgent": "mallory", "outcome": "failed"})),
+        reply(
+            "c1",
+            "x",
+            json!({"fromAgent": "mallory", "outcome": "failed"}),
+        ),
     );
     assert_eq!(sim.suppression(forged), Some(SuppressReason::NotTarget));
     sim.tick(5_000);
@@ -702,7 +715,11 @@ fn runs_and_events_other_than_responses_are_not_held_to_the_target() {
     assert!(spoken_by_target(&rec, &complete));
     // The asker may report its own turn failed (as the origin's runtime does), never answer it.
     let asker_blocked = facts_of(
-        &reply("c1", "x", json!({"fromAgent": "ruda", "outcome": "blocked"})),
+        &reply(
+            "c1",
+            "x",
+            json!({"fromAgent": "ruda", "outcome": "blocked"}),
+        ),
         2,
         0,
     );

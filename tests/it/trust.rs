@@ -517,7 +517,7 @@ async fn agents_publish_only_as_themselves_and_read_only_their_own_inbox() {
     eden.assert_cannot_publish("collab.raw.conv-1.a2a.response")
         .await;
     eden.assert_cannot_subscribe("_INBOX_ruda.>").await;
-    eden.assert_cannot_subscribe("_INBOX_producers.>").await;
+    eden.assert_cannot_subscribe("_INBOX_relay_eden.>").await;
     eden.assert_cannot_subscribe("_INBOX.>").await;
     eden.assert_cannot_subscribe("collab.raw.>").await;
     ruda.assert_cannot_subscribe("_INBOX_eden.>").await;
@@ -794,7 +794,8 @@ async fn only_the_target_decides_a_turn_whoever_else_answers_first() {
         if let Some(f) = from {
             data["fromAgent"] = json!(f);
         }
-        let mut body = json!({"type": t, "ts": chrono::Utc::now().timestamp_millis(), "data": data});
+        let mut body =
+            json!({"type": t, "ts": chrono::Utc::now().timestamp_millis(), "data": data});
         if let Some(a) = agent {
             body["agentId"] = json!(a);
         }
