@@ -1505,6 +1505,105 @@ async fn relay_token_mode_serves_known_callers_only_and_limits_each_ones_rate() 
 }
 
 #[tokio::test]
+async fn relay_token_mode_limits_each_callers_request_bytes() {
+    let nats = TestNats::start().await;
+    let js = provisioned(&nats.url()).await;
+    let agent = start_agent().await;
+    let mut tokens = NamedTempFile::new().unwrap();
+    std::io::Write::write_all(
+        &mut tokens,
+        b"planner planner-token-0123456789\nscheduler scheduler-token-0123456789\n",
+    )
+    .unwrap();
+    let path = tokens.path().to_str().unwrap().to_string();
+    let relay = start_relay(
+        "a2a",
+        &nats.url(),
+        &agent.url(),
+        &[
+            "--caller-tokens",
+            &path,
+            "--rate-limit",
+            "off",
+            "--rate-limit-bytes",
+            "1",
+            "--rate-limit-bytes-burst",
+            "8192",
+            "--max-message-bytes",
+            "8192",
+        ],
+    )
+    .await;
+    // About 5 KB each: one fits the 8 KiB burst, a second does not (1 byte/s refills it in
+    // hours).
+    let large = json!({"jsonrpc": "2.0", "id": 1, "method": "message/send", "params": {"message": {
+        "kind": "message", "role": "user", "messageId": "m-bytes", "contextId": "ctx-bytes",
+        "parts": [{"kind": "text", "text": format!("BYTEFILL{}", "x".repeat(5000))}]}}})
+    .to_string();
+    let planner = [("proxy-authorization", "Bearer planner-token-0123456789")];
+    let answer = post_json(&relay.url("/"), &large, &planner).await;
+    assert_eq!(answer.text().await.unwrap(), SEND_RESPONSE);
+    let answer = post_json(&relay.url("/"), &large, &planner).await;
+    assert_eq!(answer.status(), 429);
+    let retry: u64 = answer.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(retry >= 1, "{retry}");
+    let body: Value = answer.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "rate_limited_bytes", "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--rate-limit-bytes"),
+        "{body}"
+    );
+    // A small request still fits what is left; another caller has a budget of its own.
+    let small = json_rpc_send(2, "message/send", "ctx-bytes");
+    let answer = post_json(&relay.url("/"), &small, &planner).await;
+    assert_eq!(answer.text().await.unwrap(), SEND_RESPONSE);
+    let scheduler = [("proxy-authorization", "Bearer scheduler-token-0123456789")];
+    let answer = post_json(&relay.url("/"), &large, &scheduler).await;
+    assert_eq!(answer.text().await.unwrap(), SEND_RESPONSE);
+
+    // The refused exchange was neither forwarded nor published.
+    assert_eq!(agent.seen().len(), 3);
+    let raw = raw_messages(&js, 6).await;
+    let requests: Vec<(String, usize)> = raw
+        .iter()
+        .filter(|m| m.kind == "a2a.wire.request")
+        .map(|m| (m.speaker.clone(), m.payload.len()))
+        .collect();
+    assert_eq!(requests.len(), 3, "{requests:?}");
+    assert_eq!(
+        requests.iter().filter(|(s, _)| s == "planner").count(),
+        2,
+        "{requests:?}"
+    );
+    let m = relay.metrics().await;
+    let outcome = |o: &str| {
+        sum(
+            &m,
+            "collab_relay_requests_total",
+            &[&format!("outcome=\"{o}\"")],
+        )
+    };
+    assert_eq!(outcome("rate_limited_bytes"), 1.0);
+    assert_eq!(outcome("forwarded"), 3.0);
+    // Logged at info with the caller and the size, never the body.
+    let log = relay.process.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("over its byte budget"))
+        .unwrap_or_else(|| panic!("no refusal line in {log}"));
+    assert!(line.contains("INFO") && line.contains("planner"), "{line}");
+    assert!(!log.contains("BYTEFILL"), "no body in the log");
+    drop(relay.process);
+}
+
+#[tokio::test]
 async fn relay_paths_stay_under_the_upstreams_base() {
     let nats = TestNats::start().await;
     let js = provisioned(&nats.url()).await;
