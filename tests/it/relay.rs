@@ -241,14 +241,14 @@ async fn start_agent_with(state: AgentState) -> Agent {
 // ---------------------------------------------------------------------------------------------
 // The relay process and the raw stream
 
-struct Relay {
-    process: Projector,
+pub(crate) struct Relay {
+    pub(crate) process: Projector,
     addr: String,
     http: String,
 }
 
 impl Relay {
-    fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
 
@@ -271,7 +271,12 @@ fn printed(log: &str, prefix: &str) -> Option<String> {
 }
 
 /// `collab-projector relay PROTOCOL` with ephemeral ports, `caller-agent` -> `callee-agent`.
-async fn start_relay(protocol: &str, nats_url: &str, upstream: &str, extra: &[&str]) -> Relay {
+pub(crate) async fn start_relay(
+    protocol: &str,
+    nats_url: &str,
+    upstream: &str,
+    extra: &[&str],
+) -> Relay {
     let mut args = vec![
         "relay",
         protocol,
@@ -285,7 +290,7 @@ async fn start_relay(protocol: &str, nats_url: &str, upstream: &str, extra: &[&s
         upstream,
     ];
     // Token mode names every caller by its token.
-    if !extra.contains(&"--caller-tokens") {
+    if !extra.contains(&"--caller-tokens") && !extra.contains(&"--from-agent") {
         args.extend(["--from-agent", "caller-agent"]);
     }
     if !extra.contains(&"--to-agent") {
