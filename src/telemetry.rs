@@ -81,7 +81,7 @@ pub const RELAY_PUBLISH_FAILURES: &str = "collab_relay_publish_failures_total";
 pub const RELAY_QUEUE_DEPTH: &str = "collab_relay_queue_depth";
 /// Relay: requests, by `outcome` (forwarded: accepted and published; rejected_status,
 /// upstream_unreachable, upstream_failed, bad_request, bad_path, unauthorized, untrusted_peer,
-/// rate_limited: nothing published).
+/// rate_limited, rate_limited_bytes: nothing published).
 pub const RELAY_REQUESTS: &str = "collab_relay_requests_total";
 /// Relay: 1 while connected to NATS, else 0.
 pub const RELAY_NATS_CONNECTED: &str = "collab_relay_nats_connected";
