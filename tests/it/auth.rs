@@ -704,6 +704,15 @@ async fn roles_sample_configuration() {
     let url = sample.url();
     let pw = |user: &str| sample.password(user);
 
+    // No user but the workers (for `dlq replay`) may publish a raw subject that names no agent:
+    // the sample has no shared producer.
+    assert_eq!(
+        ROLES_CONF.matches("\"collab.raw.>\"").count(),
+        1,
+        "only the workers' permissions allow collab.raw.>"
+    );
+    assert!(!ROLES_CONF.contains("collab-producers"));
+
     // Nobody gets in without a password.
     let anonymous = async_nats::connect(&url).await;
     assert!(anonymous.is_err(), "an anonymous client was let in");
