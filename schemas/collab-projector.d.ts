@@ -63,18 +63,20 @@ export type RunErrorType = "RUN_ERROR";
  */
 export type StreamErrorCode = "slow_consumer" | "unavailable";
 /**
- * Why a further response is not published as `a2a.response`: `late` (a real reply after a
- * blocked outcome) or `duplicate` (any other further response).
+ * Why a response is not published as `a2a.response`: `late` (a real reply after a blocked
+ * outcome), `duplicate` (any other further response), or `not_target` (a response whose speaker
+ * is not the agent the turn was sent to: it never decides the turn).
  */
-export type SuppressReason = "late" | "duplicate";
+export type SuppressReason = "late" | "duplicate" | "not_target";
 /**
  * What won the exchange: a turn's `a2a.response`, or a run's terminal.
  */
 export type WinnerRef = TurnWinnerRef | RunWinnerRef;
 /**
- * How a turn was decided.
+ * How a turn was decided; `pending` while it is not (a `not_target` response to an open turn:
+ * the turn's one response will carry `msgId` when it comes).
  */
-export type TurnOutcome = "blocked" | "response";
+export type TurnOutcome = "blocked" | "response" | "pending";
 /**
  * How a run was decided.
  */
@@ -538,8 +540,9 @@ export interface StreamErrorDetail {
 }
 /**
  * The payload of `a2a.response.suppressed` and `run.terminal.suppressed`: a further response
- * (or run terminal) that is not published as the exchange's one response, kept on
- * `system.observability` with a pointer to what won.
+ * (or run terminal), or a response from someone other than the turn's target, that is not
+ * published as the exchange's one response, kept on `system.observability` with a pointer to
+ * what won (or will win).
  *
  * JSON Schema: /api/schemas/suppressed-payload.schema.json
  */
@@ -564,7 +567,7 @@ export interface TurnWinnerRef {
    */
   msgId: string;
   /**
-   * The raw message that decided the turn; `null` for a deadline.
+   * The raw message that decided the turn; `null` for a deadline, and while it is pending.
    */
   rawSeq: number | null;
   outcome: TurnOutcome;

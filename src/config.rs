@@ -416,7 +416,8 @@ pub struct RoleSettings {
     /// Dead-letter (`identity_missing`) every raw input whose subject names no publishing agent
     /// (`<prefix>.raw.<key>._as.<agent>.<type>`): for deployments where every producer has its
     /// own NATS user (docs/security.md, "Producer identity"). Inputs that name one are always
-    /// checked: an event claiming another speaker is dead-lettered `identity_mismatch`.
+    /// checked: an event claiming another speaker is dead-lettered `identity_mismatch`. Off by
+    /// default; `run` warns at start while it is off.
     pub require_identity: bool,
 }
 

@@ -297,6 +297,14 @@ struct RelayArgs {
     /// Requests a caller may make at once before --rate-limit applies.
     #[arg(long, default_value_t = 100)]
     rate_limit_burst: u32,
+    /// Request body bytes each caller may send per second, sustained (a token bucket per
+    /// caller id; 429 past it); 0 for no byte budget.
+    #[arg(long, default_value_t = 1024 * 1024)]
+    rate_limit_bytes: u32,
+    /// Request body bytes a caller may send at once before --rate-limit-bytes applies; at least
+    /// --max-message-bytes.
+    #[arg(long, default_value_t = 16 * 1024 * 1024)]
+    rate_limit_bytes_burst: u32,
     /// Messages waiting to be published; when full, new ones are dropped and counted.
     #[arg(long, default_value_t = 10_000)]
     queue_size: usize,
@@ -460,6 +468,11 @@ async fn run(
     no_http: bool,
 ) -> anyhow::Result<()> {
     let settings = conn.settings_with(|s| worker.apply(s))?;
+    if !no_workers && !settings.roles.require_identity {
+        tracing::warn!(
+            "roles.require_identity is off: inputs on <prefix>.raw.<key>.<type>, which name no publishing agent, are believed when they name a speaker; safe only when the NATS server lets no producer publish there (config/nats-server.roles.conf gives every producer its own _as.<agent> subjects); set roles.require_identity = true (COLLAB_ROLES__REQUIRE_IDENTITY=true) to dead-letter them (docs/security.md, \"Producer identity\")"
+        );
+    }
     let cancel = shutdown_token();
     let opts = RunOptions {
         workers: !no_workers,
@@ -647,6 +660,8 @@ async fn run_relay(protocol: relay::Protocol, args: RelayArgs) -> anyhow::Result
         caller_tokens: args.caller_tokens,
         rate_limit: args.rate_limit.0,
         rate_burst: args.rate_limit_burst,
+        rate_limit_bytes: args.rate_limit_bytes,
+        rate_limit_bytes_burst: args.rate_limit_bytes_burst,
         queue_size: args.queue_size,
         queue_bytes: args.queue_bytes,
         max_message_bytes: args.max_message_bytes,

@@ -71,7 +71,9 @@ pub fn producer_subject(prefix: &str, stored: &str) -> String {
 
 /// The turn facts of a normalised event, when the turn contract applies to it (an `a2a.*` event
 /// with a conversation, of a role in `enforce_roles`): read from the object the normaliser
-/// parsed, never from the raw bytes again. `None`: the event is projected as it is.
+/// parsed, never from the raw bytes again. `None`: the event is projected as it is. A
+/// response's speaker is its `fromAgent`, else the subject's publishing agent, else its
+/// `agentId`: only the turn's target may decide it (`turns::spoken_by_target`).
 pub fn turn_facts(
     n: &Normalized,
     raw: &RawMessage<'_>,
@@ -82,15 +84,25 @@ pub fn turn_facts(
     if !enforce_roles.contains(&n.role()) {
         return None;
     }
-    crate::turns::facts(
+    let subject = producer_subject(prefix, raw.stored_subject);
+    let mut facts = crate::turns::facts(
         n.source.as_deref()?,
         &n.envelope.event_type,
         conversation_id,
         &n.key,
         raw.seq,
         raw.stored_at.timestamp_millis(),
-        &producer_subject(prefix, raw.stored_subject),
-    )
+        &subject,
+    )?;
+    if facts.kind == crate::turns::TurnEventKind::Response && facts.from_agent.is_none() {
+        // A response that names no `fromAgent` is spoken by the agent whose user published it
+        // (`_as.<agent>` in the subject), else by its `agentId`: `identity::check` has held
+        // both to the subject's agent already.
+        facts.from_agent = crate::identity::parse(prefix, &subject)
+            .and_then(|s| s.agent)
+            .or_else(|| n.envelope.agent_id.as_ref().and_then(crate::model::id_text));
+    }
+    Some(facts)
 }
 
 /// The run facts of a normalised AG-UI `RUN_STARTED`, `RUN_FINISHED` or `RUN_ERROR` (docs/contract.md

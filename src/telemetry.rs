@@ -30,7 +30,7 @@ pub const TURN_OUTCOMES: &str = "collab_turn_outcomes_total";
 /// AG-UI run terminals published by the run contract, by `outcome` (terminal: the run's own
 /// RUN_FINISHED / RUN_ERROR; timeout: synthesised).
 pub const RUN_TERMINALS: &str = "collab_run_terminals_total";
-/// Responses suppressed, by `reason` (duplicate, late).
+/// Responses suppressed, by `reason` (duplicate, late, not_target).
 pub const SUPPRESSED: &str = "collab_responses_suppressed_total";
 /// Partitions this worker owns.
 pub const PARTITIONS_OWNED: &str = "collab_partitions_owned";
@@ -81,7 +81,7 @@ pub const RELAY_PUBLISH_FAILURES: &str = "collab_relay_publish_failures_total";
 pub const RELAY_QUEUE_DEPTH: &str = "collab_relay_queue_depth";
 /// Relay: requests, by `outcome` (forwarded: accepted and published; rejected_status,
 /// upstream_unreachable, upstream_failed, bad_request, bad_path, unauthorized, untrusted_peer,
-/// rate_limited: nothing published).
+/// rate_limited, rate_limited_bytes: nothing published).
 pub const RELAY_REQUESTS: &str = "collab_relay_requests_total";
 /// Relay: 1 while connected to NATS, else 0.
 pub const RELAY_NATS_CONNECTED: &str = "collab_relay_nats_connected";
@@ -400,8 +400,8 @@ pub fn register_metrics() {
     for cause in ["free", "owner_gone"] {
         metrics::counter!(TAKEOVERS, "cause" => cause).absolute(0);
     }
-    for reason in ["late", "duplicate"] {
-        metrics::counter!(SUPPRESSED, "reason" => reason).absolute(0);
+    for reason in crate::turns::SuppressReason::ALL {
+        metrics::counter!(SUPPRESSED, "reason" => reason.as_str()).absolute(0);
     }
     metrics::counter!(TURN_OUTCOMES, "outcome" => "response", "reason" => "none").absolute(0);
     for outcome in ["terminal", "timeout"] {

@@ -156,7 +156,8 @@ fn from_wire(
     settings: &Settings,
 ) -> Result<Normalized, Rejection> {
     let key = input.subject.as_ref().map(|s| s.key.clone());
-    let translated = a2a_wire::translate(obj, key.as_deref(), &input.relay)?;
+    let relay = subject_side(input)?;
+    let translated = a2a_wire::translate(obj, key.as_deref(), &relay)?;
     let offline = RawInput {
         bytes: input.bytes,
         subject: None,
@@ -178,6 +179,32 @@ fn from_wire(
         n.source = Some(std::sync::Arc::new(translated));
     }
     Ok(n)
+}
+
+/// The relay's headers, with the side the subject names: `a2a.wire.request` is the caller's
+/// words, `a2a.wire.response` and `a2a.wire.stream` the agent's (as a relay publishes them, each
+/// under its speaker's identity). A `Collab-Direction` that says otherwise is refused: the
+/// subject is what the server's permissions checked.
+fn subject_side(input: &RawInput<'_>) -> Result<RelayHeaders, Rejection> {
+    let named = match input.subject.as_ref().map(|s| s.type_suffix.as_str()) {
+        Some("a2a.wire.request") => RelayHeaders::DIRECTION_REQUEST,
+        Some("a2a.wire.response" | "a2a.wire.stream") => RelayHeaders::DIRECTION_ANSWER,
+        _ => return Ok(input.relay.clone()),
+    };
+    match input.relay.direction.as_deref() {
+        None => Ok(RelayHeaders {
+            direction: Some(named.to_string()),
+            ..input.relay.clone()
+        }),
+        Some(d) if d == named => Ok(input.relay.clone()),
+        Some(other) => Err(Rejection::new(
+            DlqReason::Unrecognized,
+            format!(
+                "published on a subject for the {} side (a2a.wire.request is the caller's, a2a.wire.response and a2a.wire.stream the agent's) with Collab-Direction {other:?}; the subject and the header must name the same side",
+                if named == RelayHeaders::DIRECTION_REQUEST { "caller's" } else { "agent's" }
+            ),
+        )),
+    }
 }
 
 /// Whether a parsed object is an AG-UI event.
@@ -429,6 +456,56 @@ mod tests {
         assert!(
             !matches!(&unrelayed, Err(r) if r.detail.contains("Collab-Direction")),
             "{unrelayed:?}"
+        );
+    }
+
+    #[test]
+    fn the_wire_subject_names_the_side_and_a_header_cannot_contradict_it() {
+        let settings = crate::config::Settings::default()
+            .ingest()
+            .unwrap_or_else(|e| panic!("default settings: {e}"));
+        // The agent's answer, shaped as such.
+        let body = br#"{"jsonrpc":"2.0","id":1,"result":{"kind":"message","role":"agent","messageId":"a-1","contextId":"k","parts":[{"kind":"text","text":"approved"}]}}"#;
+        let input = |suffix: &str, direction: Option<&str>| RawInput {
+            bytes: body,
+            subject: Some(SubjectInfo {
+                key: "k".into(),
+                type_suffix: suffix.into(),
+            }),
+            raw_ref: None,
+            relay: RelayHeaders {
+                from_agent: Some("caller".into()),
+                to_agent: Some("agent".into()),
+                exchange: Some("x1".into()),
+                direction: direction.map(str::to_string),
+                ..RelayHeaders::default()
+            },
+        };
+        // On the caller's subject it is never the agent's reply, with or without a header.
+        for direction in [None, Some(RelayHeaders::DIRECTION_ANSWER)] {
+            match normalize(&input("a2a.wire.request", direction), &settings) {
+                Err(r) => assert_eq!(r.reason, DlqReason::Unrecognized, "{}", r.detail),
+                Ok(events) => panic!("{direction:?}: projected {events:?}"),
+            }
+        }
+        // On the agent's subject it is the agent's answer.
+        for (suffix, direction) in [
+            ("a2a.wire.response", None),
+            ("a2a.wire.response", Some(RelayHeaders::DIRECTION_ANSWER)),
+            ("a2a.wire.stream", None),
+        ] {
+            let events = normalize(&input(suffix, direction), &settings)
+                .unwrap_or_else(|e| panic!("{suffix} {direction:?}: {e:?}"));
+            let payload = events[0].envelope.payload.clone().unwrap_or_default();
+            assert_eq!(payload["fromAgent"], "agent", "{suffix}: {payload}");
+        }
+        let contradicted = normalize(
+            &input("a2a.wire.response", Some(RelayHeaders::DIRECTION_REQUEST)),
+            &settings,
+        );
+        assert!(
+            matches!(&contradicted, Err(r) if r.detail.contains("must name the same side")),
+            "{contradicted:?}"
         );
     }
 

@@ -83,6 +83,11 @@ pub struct RelayOptions {
     pub rate_limit: Option<trust::Rate>,
     /// Requests a caller may make at once before the rate applies.
     pub rate_burst: u32,
+    /// Request body bytes each caller may send, per second sustained; 0: no byte budget.
+    pub rate_limit_bytes: u32,
+    /// Request body bytes a caller may send at once before `rate_limit_bytes` applies; at least
+    /// `max_message_bytes`.
+    pub rate_limit_bytes_burst: u32,
     /// Messages waiting for the publisher; past that they are dropped.
     pub queue_size: usize,
     /// Payload bytes waiting for the publisher or being published; past that new messages are
@@ -153,6 +158,7 @@ struct Proxy {
     client: reqwest::Client,
     callers: trust::Callers,
     limiter: Option<trust::Limiter>,
+    bytes: Option<trust::ByteBudget>,
     to_agent: String,
     prefix: String,
     max_message: usize,
@@ -167,24 +173,7 @@ pub async fn start(
     metrics: Option<PrometheusHandle>,
     cancel: CancellationToken,
 ) -> Result<RunningRelay, RelayError> {
-    let callers = callers_of(&opts)?;
-    for (flag, id) in [
-        ("--from-agent", opts.from_agent.as_deref()),
-        ("--to-agent", Some(opts.to_agent.as_str())),
-    ] {
-        let Some(id) = id else { continue };
-        if id.trim().is_empty() || !header_safe(id) {
-            return Err(RelayError::Invalid(format!(
-                "{flag} must be a non-empty agent id without control characters"
-            )));
-        }
-    }
-    if !matches!(opts.upstream.scheme(), "http" | "https") {
-        return Err(RelayError::Invalid(format!(
-            "--upstream must be an http:// or https:// URL, not {}://",
-            opts.upstream.scheme()
-        )));
-    }
+    let callers = checked(&opts)?;
     let client = reqwest::Client::builder()
         // A relay passes redirects and proxies on to its caller as they are; it follows none.
         .redirect(reqwest::redirect::Policy::none())
@@ -224,12 +213,13 @@ pub async fn start(
         client,
         callers: callers.clone(),
         limiter: trust::Limiter::new(opts.rate_limit, opts.rate_burst),
+        bytes: trust::ByteBudget::new(opts.rate_limit_bytes, opts.rate_limit_bytes_burst),
         to_agent: opts.to_agent.clone(),
         prefix: settings.nats.prefix.clone(),
         max_message: opts.max_message_bytes,
         queue,
     });
-    if proxy.limiter.is_some() {
+    if proxy.limiter.is_some() || proxy.bytes.is_some() {
         // Buckets that filled up again are forgotten, so the map holds only recent callers.
         let idle = proxy.clone();
         let stop = publisher_stop.clone();
@@ -241,6 +231,9 @@ pub async fn start(
                     _ = tick.tick() => {
                         if let Some(l) = &idle.limiter {
                             l.forget_idle();
+                        }
+                        if let Some(b) = &idle.bytes {
+                            b.forget_idle();
                         }
                     }
                 }
@@ -285,6 +278,7 @@ pub async fn start(
         to_agent = %opts.to_agent,
         callers = callers.mode(),
         rate_limit = ?opts.rate_limit,
+        rate_limit_bytes = opts.rate_limit_bytes,
         "relay listening"
     );
     Ok(RunningRelay {
@@ -296,6 +290,40 @@ pub async fn start(
         cancel,
         drain_timeout: opts.drain_timeout,
     })
+}
+
+/// The options checked before anything is bound: how callers are named (see [`callers_of`]),
+/// agent ids that can name identity subjects, a byte burst that fits one publishable request,
+/// and an http(s) upstream.
+fn checked(opts: &RelayOptions) -> Result<trust::Callers, RelayError> {
+    let callers = callers_of(opts)?;
+    for (flag, id) in [
+        ("--from-agent", opts.from_agent.as_deref()),
+        ("--to-agent", Some(opts.to_agent.as_str())),
+    ] {
+        let Some(id) = id else { continue };
+        if !crate::identity::agent_token_ok(id) {
+            return Err(RelayError::Invalid(format!(
+                "{flag} {id:?} cannot be an agent id: each message is published under its speaker's identity subject (`<prefix>.raw.<key>._as.<agent>.<type>`), so an agent id is letters, digits, `-` and `_`, not starting with `_`"
+            )));
+        }
+    }
+    if opts.rate_limit_bytes > 0
+        && usize::try_from(opts.rate_limit_bytes_burst).unwrap_or(usize::MAX)
+            < opts.max_message_bytes
+    {
+        return Err(RelayError::Invalid(format!(
+            "--rate-limit-bytes-burst {} is below --max-message-bytes {}: a caller could never send one request as large as the relay publishes; raise the burst or lower --max-message-bytes",
+            opts.rate_limit_bytes_burst, opts.max_message_bytes
+        )));
+    }
+    if !matches!(opts.upstream.scheme(), "http" | "https") {
+        return Err(RelayError::Invalid(format!(
+            "--upstream must be an http:// or https:// URL, not {}://",
+            opts.upstream.scheme()
+        )));
+    }
+    Ok(callers)
 }
 
 /// How the relay names its callers, from the flags; a combination that would let a caller name
@@ -405,10 +433,12 @@ enum RequestOutcome {
     UntrustedPeer,
     /// The caller is over its rate: a 429, not forwarded.
     RateLimited,
+    /// The caller is over its byte budget: a 429, not forwarded.
+    RateLimitedBytes,
 }
 
 impl RequestOutcome {
-    const ALL: [RequestOutcome; 9] = [
+    const ALL: [RequestOutcome; 10] = [
         RequestOutcome::Forwarded,
         RequestOutcome::RejectedStatus,
         RequestOutcome::UpstreamUnreachable,
@@ -418,6 +448,7 @@ impl RequestOutcome {
         RequestOutcome::Unauthorized,
         RequestOutcome::UntrustedPeer,
         RequestOutcome::RateLimited,
+        RequestOutcome::RateLimitedBytes,
     ];
 
     fn as_str(self) -> &'static str {
@@ -431,6 +462,7 @@ impl RequestOutcome {
             RequestOutcome::Unauthorized => "unauthorized",
             RequestOutcome::UntrustedPeer => "untrusted_peer",
             RequestOutcome::RateLimited => "rate_limited",
+            RequestOutcome::RateLimitedBytes => "rate_limited_bytes",
         }
     }
 
@@ -445,10 +477,28 @@ fn relay_error(status: StatusCode, code: &str, message: String) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
+/// A `429` with `Retry-After` (whole seconds, at least 1): nothing is forwarded or published.
+fn too_many(code: &str, wait: Duration, what: &str) -> Response {
+    let secs = (wait.as_secs() + u64::from(wait.subsec_nanos() > 0)).max(1);
+    let mut answer = relay_error(
+        StatusCode::TOO_MANY_REQUESTS,
+        code,
+        format!("{what}; retry after {secs} s"),
+    );
+    answer
+        .headers_mut()
+        .insert(axum::http::header::RETRY_AFTER, HeaderValue::from(secs));
+    answer
+}
+
 /// The messages of one HTTP exchange: their key, the headers they share, and their order.
 struct Exchange {
     id: String,
     key: String,
+    /// Who speaks each side: the caller the request, the fronted agent every answer. Each
+    /// message is published under its speaker's identity subject.
+    caller: String,
+    agent: String,
     headers: async_nats::HeaderMap,
     /// The next message's number in the exchange (its `Nats-Msg-Id` is `<id>:<n>`).
     next: u64,
@@ -464,6 +514,15 @@ impl Exchange {
             self.skip(kind, DropReason::TooLarge, payload.len());
             return;
         }
+        let speaker = match kind {
+            Kind::A2aRequest => &self.caller,
+            Kind::A2aResponse | Kind::A2aStream | Kind::Agui => &self.agent,
+        };
+        let Some(subject) = wire::subject(&self.prefix, &self.key, speaker, kind) else {
+            // Every id is checked before the relay serves; never published without one.
+            self.skip(kind, DropReason::Rejected, payload.len());
+            return;
+        };
         let n = self.next;
         self.next += 1;
         let mut message_headers = self.headers.clone();
@@ -472,7 +531,7 @@ impl Exchange {
         // else the agent's, whatever the bodies look like.
         message_headers.insert(headers::DIRECTION, kind.direction());
         self.queue.offer(Outgoing {
-            subject: wire::subject(&self.prefix, &self.key, kind),
+            subject,
             headers: message_headers,
             payload,
             kind,
@@ -501,6 +560,16 @@ enum RequestBody {
         head: Vec<Bytes>,
         rest: axum::body::BodyDataStream,
     },
+}
+
+impl RequestBody {
+    /// The bytes read from the caller before the exchange was forwarded.
+    fn read_len(&self) -> usize {
+        match self {
+            RequestBody::Whole(b) => b.len(),
+            RequestBody::Large { head, .. } => head.iter().map(Bytes::len).sum(),
+        }
+    }
 }
 
 async fn read_body(body: Body, limit: usize) -> Result<RequestBody, axum::Error> {
@@ -538,7 +607,7 @@ async fn forward(State(proxy): State<Arc<Proxy>>, req: Request) -> Response {
         Err(refusal) => {
             RequestOutcome::BadPath.count();
             // The rule, never the path: it is the caller's text.
-            debug!(exchange = %exchange_id, reason = refusal.as_str(), "a path that could leave the agent's base is refused: not forwarded, not published");
+            info!(exchange = %exchange_id, reason = refusal.as_str(), "a path that could leave the agent's base is refused: not forwarded, not published");
             return relay_error(
                 StatusCode::BAD_REQUEST,
                 "bad_path",
@@ -557,25 +626,19 @@ async fn forward(State(proxy): State<Arc<Proxy>>, req: Request) -> Response {
     if let Some(limiter) = &proxy.limiter {
         if let Err(wait) = limiter.check(&caller) {
             RequestOutcome::RateLimited.count();
-            debug!(exchange = %exchange_id, caller = %caller, "the caller is over its rate: not forwarded, not published");
-            let secs = wait.as_secs() + u64::from(wait.subsec_nanos() > 0);
-            let mut answer = relay_error(
-                StatusCode::TOO_MANY_REQUESTS,
+            info!(exchange = %exchange_id, caller = %caller, "the caller is over its rate: not forwarded, not published");
+            return too_many(
                 "rate_limited",
-                format!("too many requests from {caller}; retry after {secs} s"),
+                wait,
+                &format!("too many requests from {caller}"),
             );
-            answer.headers_mut().insert(
-                axum::http::header::RETRY_AFTER,
-                HeaderValue::from(secs.max(1)),
-            );
-            return answer;
         }
     }
     let body = match read_body(body, proxy.max_message).await {
         Ok(b) => b,
         Err(e) => {
             RequestOutcome::BadRequest.count();
-            debug!(exchange = %exchange_id, error = %e, "the caller's request body could not be read");
+            info!(exchange = %exchange_id, error = %e, "the caller's request body could not be read: not forwarded, not published");
             return relay_error(
                 StatusCode::BAD_REQUEST,
                 "bad_request",
@@ -583,6 +646,19 @@ async fn forward(State(proxy): State<Arc<Proxy>>, req: Request) -> Response {
             );
         }
     };
+    if let Some(budget) = &proxy.bytes {
+        // What the request could store: its body, up to the publish limit.
+        let cost = body.read_len().min(proxy.max_message);
+        if let Err(wait) = budget.take(&caller, cost) {
+            RequestOutcome::RateLimitedBytes.count();
+            info!(exchange = %exchange_id, caller = %caller, bytes = cost, "the caller is over its byte budget: not forwarded, not published");
+            return too_many(
+                "rate_limited_bytes",
+                wait,
+                &format!("{caller} sent more request bytes than --rate-limit-bytes allows"),
+            );
+        }
+    }
     let plan = plan_of(proxy.protocol, parts.method.as_str(), &path, &body);
     if let Some(note) = plan.note {
         debug!(exchange = %exchange_id, method = %parts.method, "{note}");
@@ -611,7 +687,7 @@ async fn forward(State(proxy): State<Arc<Proxy>>, req: Request) -> Response {
         }
         Ok(answer) => {
             RequestOutcome::RejectedStatus.count();
-            debug!(
+            info!(
                 exchange = %exchange.id,
                 caller = %caller,
                 status = answer.status().as_u16(),
@@ -652,6 +728,11 @@ impl Proxy {
                 RequestOutcome::UntrustedPeer,
                 "this relay serves only connections from its authenticating proxy".to_string(),
             ),
+            (trust::Refusal::BadCaller, _) => (
+                RequestOutcome::UntrustedPeer,
+                "the caller header's value cannot be an agent id (letters, digits, `-` and `_`)"
+                    .to_string(),
+            ),
             (trust::Refusal::AmbiguousHeader, _) => (
                 RequestOutcome::UntrustedPeer,
                 "the caller header came more than once; the authenticating proxy must replace the caller's own header, not add to it"
@@ -664,7 +745,7 @@ impl Proxy {
             ),
         };
         outcome.count();
-        debug!(
+        info!(
             exchange,
             outcome = outcome.as_str(),
             "caller refused: not forwarded, not published"
@@ -695,6 +776,8 @@ impl Proxy {
         Exchange {
             id,
             key,
+            caller: from_agent.to_string(),
+            agent: self.to_agent.clone(),
             headers: shared,
             next: 0,
             prefix: self.prefix.clone(),

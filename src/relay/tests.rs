@@ -243,14 +243,18 @@ fn agui_runs_are_keyed_by_thread_then_run() {
 #[test]
 fn subjects_and_json_objects() {
     assert_eq!(
-        subject("collab", "ctx-1", Kind::A2aRequest),
-        "collab.raw.ctx-1.a2a.wire.request"
+        subject("collab", "ctx-1", "planner", Kind::A2aRequest).as_deref(),
+        Some("collab.raw.ctx-1._as.planner.a2a.wire.request")
     );
     assert_eq!(
-        subject("p", "k", Kind::A2aStream),
-        "p.raw.k.a2a.wire.stream"
+        subject("p", "k", "weather", Kind::A2aStream).as_deref(),
+        Some("p.raw.k._as.weather.a2a.wire.stream")
     );
-    assert_eq!(subject("collab", "t", Kind::Agui), "collab.raw.t.agui");
+    assert_eq!(
+        subject("collab", "t", "researcher", Kind::Agui).as_deref(),
+        Some("collab.raw.t._as.researcher.agui")
+    );
+    assert_eq!(subject("collab", "t", "a.b", Kind::Agui), None);
     assert!(is_json_object(b" {\"a\": [1]} \n"));
     assert!(!is_json_object(b"[1]"));
     assert!(!is_json_object(b"{\"a\":"));
@@ -517,6 +521,14 @@ fn header_mode_believes_only_trusted_peers() {
         callers.identify(&twice, ip("10.1.2.3")),
         Err(trust::Refusal::AmbiguousHeader)
     );
+    // A value that cannot name an identity subject is refused, never read as the default.
+    let mut dotted = HeaderMap::new();
+    dotted.insert("x-agent-id", HeaderValue::from_static("team.lead"));
+    assert_eq!(
+        callers.identify(&dotted, ip("10.1.2.3")),
+        Err(trust::Refusal::BadCaller)
+    );
+    assert_eq!(trust::Refusal::BadCaller.status().as_u16(), 400);
     assert!(trust::parse_net("10.0.0.0/33").is_err());
     assert!(trust::parse_net("proxy.internal")
         .unwrap_err()
@@ -600,4 +612,156 @@ proptest::proptest! {
             }
         }
     }
+}
+
+fn options() -> RelayOptions {
+    RelayOptions {
+        protocol: Protocol::A2a,
+        listen: "127.0.0.1:0".into(),
+        upstream: reqwest::Url::parse("http://127.0.0.1:9/").unwrap(),
+        from_agent: None,
+        to_agent: "weather".into(),
+        from_agent_header: None,
+        trust_header_from: Vec::new(),
+        caller_tokens: None,
+        rate_limit: None,
+        rate_burst: 1,
+        rate_limit_bytes: 1024,
+        rate_limit_bytes_burst: 4096,
+        queue_size: 1,
+        queue_bytes: 1,
+        max_message_bytes: 4096,
+        http_addr: None,
+        connect_timeout: std::time::Duration::from_secs(1),
+        drain_timeout: std::time::Duration::from_secs(1),
+    }
+}
+
+fn refused(opts: &RelayOptions) -> String {
+    match checked(opts) {
+        Ok(callers) => panic!("{opts:?} accepted as {callers:?}"),
+        Err(e) => e.to_string(),
+    }
+}
+
+#[test]
+fn every_flag_combination_that_lets_a_caller_name_itself_is_refused() {
+    let header = Some(axum::http::HeaderName::from_static("x-agent-id"));
+    let proxy = vec![trust::parse_net("10.0.0.0/8").unwrap()];
+    let tokens = Some(std::path::PathBuf::from("/nonexistent/callers"));
+
+    // No mode at all.
+    assert!(refused(&options()).contains("name the caller: --from-agent ID"));
+    // Tokens with --from-agent, with a header, with --trust-header-from.
+    let e = refused(&RelayOptions {
+        caller_tokens: tokens.clone(),
+        from_agent: Some("planner".into()),
+        ..options()
+    });
+    assert!(e.contains("drop --from-agent"), "{e}");
+    let e = refused(&RelayOptions {
+        caller_tokens: tokens.clone(),
+        from_agent_header: header.clone(),
+        trust_header_from: proxy.clone(),
+        ..options()
+    });
+    assert!(e.contains("two ways to name the caller"), "{e}");
+    let e = refused(&RelayOptions {
+        caller_tokens: tokens.clone(),
+        trust_header_from: proxy.clone(),
+        ..options()
+    });
+    assert!(e.contains("drop it with --caller-tokens"), "{e}");
+    // A header without a trusted proxy, with or without a default caller.
+    for from_agent in [None, Some("gateway".to_string())] {
+        let e = refused(&RelayOptions {
+            from_agent_header: header.clone(),
+            from_agent,
+            ..options()
+        });
+        assert!(e.contains("add --trust-header-from"), "{e}");
+    }
+    // A header with a trusted proxy but no caller for requests without it.
+    let e = refused(&RelayOptions {
+        from_agent_header: header.clone(),
+        trust_header_from: proxy.clone(),
+        ..options()
+    });
+    assert!(e.contains("needs --from-agent too"), "{e}");
+    // A trusted proxy without the header it would set.
+    let e = refused(&RelayOptions {
+        from_agent: Some("planner".into()),
+        trust_header_from: proxy.clone(),
+        ..options()
+    });
+    assert!(e.contains("only applies to --from-agent-header"), "{e}");
+    // A token file that cannot be read stops the relay, naming the flag.
+    let e = refused(&RelayOptions {
+        caller_tokens: tokens,
+        ..options()
+    });
+    assert!(e.contains("--caller-tokens: cannot read"), "{e}");
+
+    // The two modes that need no file are accepted.
+    let fixed = checked(&RelayOptions {
+        from_agent: Some("planner".into()),
+        ..options()
+    });
+    assert_eq!(fixed.map(|c| c.mode()).ok(), Some("fixed"));
+    let behind_proxy = checked(&RelayOptions {
+        from_agent_header: header,
+        trust_header_from: proxy,
+        from_agent: Some("gateway".into()),
+        ..options()
+    });
+    assert_eq!(behind_proxy.map(|c| c.mode()).ok(), Some("header"));
+}
+
+#[test]
+fn agent_ids_must_name_identity_subjects_and_the_byte_burst_must_fit_a_request() {
+    for (from, to) in [
+        ("a.b", "weather"),
+        ("planner", "we ather"),
+        ("_as", "weather"),
+    ] {
+        let e = refused(&RelayOptions {
+            from_agent: Some(from.into()),
+            to_agent: to.into(),
+            ..options()
+        });
+        assert!(e.contains("cannot be an agent id"), "{e}");
+    }
+    let e = refused(&RelayOptions {
+        from_agent: Some("planner".into()),
+        rate_limit_bytes_burst: 1000,
+        ..options()
+    });
+    assert!(e.contains("--rate-limit-bytes-burst 1000 is below"), "{e}");
+    // No byte budget: the burst does not matter.
+    assert!(checked(&RelayOptions {
+        from_agent: Some("planner".into()),
+        rate_limit_bytes: 0,
+        rate_limit_bytes_burst: 1,
+        ..options()
+    })
+    .is_ok());
+    let e = trust::CallerTokens::parse("team.lead 0123456789abcdef0123\n").unwrap_err();
+    assert!(e.contains("line 1: the agent id"), "{e}");
+}
+
+#[test]
+fn a_caller_over_its_byte_budget_waits_and_others_do_not() {
+    let budget = trust::ByteBudget::new(1000, 4000).unwrap();
+    assert!(budget.take("a", 3000).is_ok());
+    assert!(budget.take("a", 1000).is_ok());
+    let wait = budget.take("a", 2000).unwrap_err();
+    assert!(
+        wait > std::time::Duration::ZERO && wait <= std::time::Duration::from_secs(2),
+        "{wait:?}"
+    );
+    assert!(budget.take("b", 4000).is_ok(), "budgets are per caller");
+    // A request larger than the burst costs the burst: refused while the bucket is not full,
+    // never forever.
+    assert!(budget.take("c", 1 << 30).is_ok());
+    assert!(trust::ByteBudget::new(0, 10).is_none(), "0: no budget");
 }

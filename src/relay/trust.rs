@@ -70,6 +70,8 @@ pub enum Refusal {
     /// Header mode, and the header comes more than once (a proxy that appends to the caller's
     /// own header instead of replacing it): which one is the proxy's cannot be told.
     AmbiguousHeader,
+    /// Header mode, and the header's value cannot be an agent id (letters, digits, `-`, `_`).
+    BadCaller,
 }
 
 impl Callers {
@@ -99,13 +101,14 @@ impl Callers {
                 if headers.get_all(name).iter().nth(1).is_some() {
                     return Err(Refusal::AmbiguousHeader);
                 }
-                Ok(headers
-                    .get(name)
-                    .and_then(|v| v.to_str().ok())
-                    .map(str::trim)
-                    .filter(|v| !v.is_empty() && super::header_safe(v))
-                    .unwrap_or(default)
-                    .to_string())
+                let Some(value) = headers.get(name) else {
+                    return Ok(default.clone());
+                };
+                match value.to_str().map(str::trim) {
+                    Ok("") => Ok(default.clone()),
+                    Ok(agent) if crate::identity::agent_token_ok(agent) => Ok(agent.to_string()),
+                    _ => Err(Refusal::BadCaller),
+                }
             }
         }
     }
@@ -157,8 +160,10 @@ impl CallerTokens {
                     "line {n}: expected `AGENT_ID TOKEN` (two fields separated by spaces)"
                 ));
             };
-            if !super::header_safe(agent) {
-                return Err(format!("line {n}: the agent id has control characters"));
+            if !crate::identity::agent_token_ok(agent) {
+                return Err(format!(
+                    "line {n}: the agent id is not letters, digits, `-` and `_` (not starting with `_`), so it cannot name an identity subject"
+                ));
             }
             if token.chars().count() < MIN_TOKEN_CHARS {
                 return Err(format!(
@@ -286,13 +291,56 @@ impl Limiter {
     }
 }
 
+/// A byte budget per caller: `per_second` bytes sustained, up to `burst` bytes at once. What
+/// each request costs is the part of its body the relay could store (at most
+/// `--max-message-bytes`).
+pub struct ByteBudget {
+    buckets: DefaultKeyedRateLimiter<String>,
+    burst: NonZeroU32,
+}
+
+impl ByteBudget {
+    /// `None` when `per_second` is 0 (no budget). A burst below one request's largest cost
+    /// would refuse such a request forever: the caller checks `burst >= max_message_bytes`.
+    pub fn new(per_second: u32, burst: u32) -> Option<ByteBudget> {
+        let rate = NonZeroU32::new(per_second)?;
+        let burst = NonZeroU32::new(burst).unwrap_or(rate);
+        let quota = Quota::per_second(rate).allow_burst(burst);
+        Some(ByteBudget {
+            buckets: RateLimiter::keyed(quota),
+            burst,
+        })
+    }
+
+    /// Take `bytes` from the caller's budget (at least 1, at most the burst: a request is
+    /// never refused for its size alone); `Err` holds how long until it fits.
+    pub fn take(&self, caller: &str, bytes: usize) -> Result<(), Duration> {
+        let n = u32::try_from(bytes)
+            .unwrap_or(u32::MAX)
+            .clamp(1, self.burst.get());
+        let n = NonZeroU32::new(n).unwrap_or(NonZeroU32::MIN);
+        let key = caller.to_string();
+        match self.buckets.check_key_n(&key, n) {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(not_until)) => Err(not_until.wait_time_from(self.buckets.clock().now())),
+            // Not reachable with n clamped to the burst; read as "wait a second".
+            Err(_) => Err(Duration::from_secs(1)),
+        }
+    }
+
+    /// Forget the buckets that are full again.
+    pub fn forget_idle(&self) {
+        self.buckets.retain_recent();
+    }
+}
+
 /// The status and `code` a refusal answers with.
 impl Refusal {
     pub fn status(self) -> StatusCode {
         match self {
             Refusal::Unauthorized => StatusCode::UNAUTHORIZED,
             Refusal::UntrustedPeer => StatusCode::FORBIDDEN,
-            Refusal::AmbiguousHeader => StatusCode::BAD_REQUEST,
+            Refusal::AmbiguousHeader | Refusal::BadCaller => StatusCode::BAD_REQUEST,
         }
     }
 
@@ -301,6 +349,7 @@ impl Refusal {
             Refusal::Unauthorized => "unauthorized",
             Refusal::UntrustedPeer => "untrusted_peer",
             Refusal::AmbiguousHeader => "ambiguous_caller",
+            Refusal::BadCaller => "bad_caller",
         }
     }
 }

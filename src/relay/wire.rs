@@ -72,10 +72,12 @@ impl Kind {
     }
 }
 
-/// The subject of a raw message: `<prefix>.raw.<key>.<type>`. `key` is already a token
-/// ([`crate::model::encode_id`]).
-pub fn subject(prefix: &str, key: &str, kind: Kind) -> String {
-    format!("{prefix}.raw.{key}.{}", kind.subject_type())
+/// The subject of a raw message, published as the agent that speaks it:
+/// `<prefix>.raw.<key>._as.<speaker>.<type>` (docs/security.md, "Producer identity"). `key` is
+/// already a token ([`crate::model::encode_id`]); `None` when `speaker` cannot be an agent token
+/// (the relay checks every id it names before it serves).
+pub fn subject(prefix: &str, key: &str, speaker: &str, kind: Kind) -> Option<String> {
+    crate::identity::subject(prefix, key, speaker, kind.subject_type())
 }
 
 /// What the relay publishes of one exchange, decided from the request alone.

@@ -321,7 +321,9 @@ fn synthesised_slots(
     }
 }
 
-/// The record of a further response that is not published as `a2a.response`.
+/// The record of a response that is not published as `a2a.response`: a further one, or one
+/// whose speaker is not the turn's target (the turn may still be open: its winner is then
+/// `pending`).
 /// A further terminal of a run goes to `run.terminal.suppressed` instead.
 pub fn suppressed(env: &Envelope, rec: &TurnRecord, reason: SuppressReason) -> Envelope {
     if rec.exchange == ExchangeKind::Run {
@@ -331,10 +333,10 @@ pub fn suppressed(env: &Envelope, rec: &TurnRecord, reason: SuppressReason) -> E
     let winner_ref = WinnerRef::Turn(TurnWinnerRef {
         msg_id: rec.response_msg_id(),
         raw_seq: winner.and_then(|w| w.seq),
-        outcome: if winner.is_some_and(|w| w.blocked.is_some()) {
-            TurnOutcome::Blocked
-        } else {
-            TurnOutcome::Response
+        outcome: match winner {
+            None => TurnOutcome::Pending,
+            Some(w) if w.blocked.is_some() => TurnOutcome::Blocked,
+            Some(_) => TurnOutcome::Response,
         },
         reason: winner.and_then(|w| w.blocked),
         conversation_id: rec.conversation_id.clone(),

@@ -357,8 +357,9 @@ pub enum Expect {
     Revision(u64),
 }
 
-/// Why a further response is not published as `a2a.response`: `late` (a real reply after a
-/// blocked outcome) or `duplicate` (any other further response).
+/// Why a response is not published as `a2a.response`: `late` (a real reply after a blocked
+/// outcome), `duplicate` (any other further response), or `not_target` (a response whose speaker
+/// is not the agent the turn was sent to: it never decides the turn).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum SuppressReason {
@@ -366,13 +367,23 @@ pub enum SuppressReason {
     Late,
     /// Any other further response.
     Duplicate,
+    /// A response spoken by someone other than the turn's target (another agent, the asker's
+    /// own reply, or a response that names no speaker).
+    NotTarget,
 }
 
 impl SuppressReason {
+    pub const ALL: [SuppressReason; 3] = [
+        SuppressReason::Late,
+        SuppressReason::Duplicate,
+        SuppressReason::NotTarget,
+    ];
+
     pub fn as_str(self) -> &'static str {
         match self {
             SuppressReason::Late => "late",
             SuppressReason::Duplicate => "duplicate",
+            SuppressReason::NotTarget => "not_target",
         }
     }
 }
@@ -393,6 +404,18 @@ pub struct Step {
 
 /// Decide what an event does to its turn. `current` is the persisted record with its revision.
 pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnConfig) -> Step {
+    if let Some((rec, _)) = current {
+        if !spoken_by_target(rec, ev) {
+            // Only the agent the turn was sent to answers it: anyone else's response is kept
+            // beside the turn, never as its response. A decision not yet published is published
+            // again, as for any further response.
+            return Step {
+                respond: rec.state == TurnState::Decided,
+                suppress: Some(SuppressReason::NotTarget),
+                ..Step::default()
+            };
+        }
+    }
     match (current, ev.kind) {
         (None, TurnEventKind::Send) => open_turn(ev, cfg),
         // A send for a turn that exists already (a duplicate send, or a send that arrives after
@@ -408,6 +431,26 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
         }
         (Some((rec, _)), kind) => after_decision(rec, ev, kind),
     }
+}
+
+/// Whether a response may answer the turn `rec`: true for every other event, for runs, and for
+/// turns whose target is unknown. Else the response's speaker ([`TurnFacts::from_agent`]) must
+/// be the target, or, for a response that reports a failure (a blocked outcome, as the asker's
+/// runtime reports one when its send could not be delivered), the asker itself, which can end
+/// its own turn as blocked with `a2a.error` anyway. Agent ids are compared trimmed and
+/// case-insensitively. A response that names no speaker is nobody's.
+pub fn spoken_by_target(rec: &TurnRecord, ev: &TurnFacts) -> bool {
+    if ev.kind != TurnEventKind::Response || ev.exchange != ExchangeKind::Turn {
+        return true;
+    }
+    let Some(target) = rec.target().map(str::trim).filter(|t| !t.is_empty()) else {
+        return true;
+    };
+    let Some(speaker) = ev.from_agent.as_deref().map(str::trim) else {
+        return false;
+    };
+    let is = |agent: Option<&str>| agent.is_some_and(|a| a.trim().eq_ignore_ascii_case(speaker));
+    is(Some(target)) || (ev.failure.is_some() && is(rec.sender()))
 }
 
 /// A send opens the turn, with its deadline.

@@ -141,13 +141,15 @@ impl BlockedPayload {
 }
 
 /// The payload of `a2a.response.suppressed` and `run.terminal.suppressed`: a further response
-/// (or run terminal) that is not published as the exchange's one response, kept on
-/// `system.observability` with a pointer to what won.
+/// (or run terminal), or a response from someone other than the turn's target, that is not
+/// published as the exchange's one response, kept on `system.observability` with a pointer to
+/// what won (or will win).
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
 #[serde(rename_all = "camelCase")]
 #[schemars(deny_unknown_fields)]
 pub struct SuppressedPayload {
-    /// `late`: a real reply after a blocked outcome; `duplicate`: any other further response.
+    /// `late`: a real reply after a blocked outcome; `duplicate`: any other further response;
+    /// `not_target`: a response whose speaker is not the agent the turn was sent to.
     pub reason: SuppressReason,
     /// The exchange's one response.
     pub winner: WinnerRef,
@@ -191,9 +193,10 @@ pub struct TurnWinnerRef {
     /// Its Msg-Id on the projection stream (`turn:<key>:<turn token>`).
     #[schemars(extend("pattern" = "^turn:"))]
     pub msg_id: String,
-    /// The raw message that decided the turn; `null` for a deadline.
+    /// The raw message that decided the turn; `null` for a deadline, and while it is pending.
     pub raw_seq: Option<u64>,
-    /// `response` for a real reply, `blocked` for a blocked outcome.
+    /// `response` for a real reply, `blocked` for a blocked outcome, `pending` for a turn not
+    /// decided yet.
     pub outcome: TurnOutcome,
     /// Why it is blocked; `null` for a real reply.
     pub reason: Option<Reason>,
@@ -203,12 +206,14 @@ pub struct TurnWinnerRef {
     pub turn: String,
 }
 
-/// How a turn was decided.
+/// How a turn was decided; `pending` while it is not (a `not_target` response to an open turn:
+/// the turn's one response will carry `msgId` when it comes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum TurnOutcome {
     Blocked,
     Response,
+    Pending,
 }
 
 /// The terminal that won a run.

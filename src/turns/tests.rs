@@ -636,6 +636,109 @@ fn failure_response_after_a_blocked_outcome_is_duplicate() {
 }
 
 #[test]
+fn only_the_target_decides_its_turn() {
+    let mut sim = Sim::new(contract_cfg());
+    sim.run(1_000, send("c1", json!({})));
+    // A third agent, the asker itself, and a response naming no speaker: none is eden's.
+    let third = sim.run(
+        2_000,
+        reply("c1", "done, wired", json!({"fromAgent": "mallory"})),
+    );
+    let asker = sim.run(
+        2_100,
+        reply("c1", "I answer myself", json!({"fromAgent": "ruda"})),
+    );
+    let nobody = sim.run(2_200, reply("c1", "anonymous", json!({"fromAgent": null})));
+    assert_eq!(sim.record("c1", "0").state, TurnState::Open);
+    assert!(sim.responses.is_empty(), "no response before the target's");
+    for seq in [third, asker, nobody] {
+        assert_eq!(sim.suppression(seq), Some(SuppressReason::NotTarget));
+        let record = sim.suppressed[&seq]
+            .payload
+            .clone()
+            .expect("a suppression payload");
+        assert_eq!(record["reason"], "not_target");
+        assert_eq!(record["winner"]["outcome"], "pending");
+        assert_eq!(record["winner"]["msgId"], "turn:c1:0");
+        assert_eq!(record["winner"]["rawSeq"], Value::Null);
+    }
+    // The target's reply, trimmed and in another case, still wins; later forgeries stay
+    // not_target, never duplicate.
+    let real = sim.run(
+        3_000,
+        reply("c1", "reviewed", json!({"fromAgent": " Eden "})),
+    );
+    assert_eq!(sim.winner("c1", "0").seq, Some(real));
+    assert_eq!(str_field(&sim.payload("c1", "0"), "message"), "reviewed");
+    let after = sim.run(4_000, reply("c1", "again", json!({"fromAgent": "mallory"})));
+    assert_eq!(sim.suppression(after), Some(SuppressReason::NotTarget));
+    assert_eq!(sim.responses.len(), 1);
+}
+
+#[test]
+fn a_foreign_response_neither_blocks_the_turn_nor_stops_its_deadline() {
+    let mut sim = Sim::new(contract_cfg());
+    sim.run(1_000, send("c1", json!({"timeoutMs": 1_000})));
+    let forged = sim.run(
+        1_500,
+        reply(
+            "c1",
+            "x",
+            json!({"fromAgent": "mallory", "outcome": "failed"}),
+        ),
+    );
+    assert_eq!(sim.suppression(forged), Some(SuppressReason::NotTarget));
+    sim.tick(5_000);
+    let w = sim.winner("c1", "0");
+    assert_eq!(w.blocked, Some(Reason::Timeout));
+    assert!(w.synthesized);
+}
+
+#[test]
+fn runs_and_events_other_than_responses_are_not_held_to_the_target() {
+    let rec = TurnRecord {
+        exchange: ExchangeKind::Turn,
+        conversation_id: "c1".into(),
+        key: "c1".into(),
+        turn: "0".into(),
+        state: TurnState::Open,
+        send: None,
+        deadline_ms: None,
+        winner: None,
+        sender: Some("ruda".into()),
+        target: Some("eden".into()),
+        writer: None,
+    };
+    let forged = facts_of(&reply("c1", "x", json!({"fromAgent": "mallory"})), 2, 0);
+    assert!(!spoken_by_target(&rec, &forged));
+    let complete = facts_of(&complete("c1", json!({})), 2, 0);
+    assert!(spoken_by_target(&rec, &complete));
+    // The asker may report its own turn failed (as the origin's runtime does), never answer it.
+    let asker_blocked = facts_of(
+        &reply(
+            "c1",
+            "x",
+            json!({"fromAgent": "ruda", "outcome": "blocked"}),
+        ),
+        2,
+        0,
+    );
+    assert!(spoken_by_target(&rec, &asker_blocked));
+    let asker_reply = facts_of(&reply("c1", "x", json!({"fromAgent": "ruda"})), 2, 0);
+    assert!(!spoken_by_target(&rec, &asker_reply));
+    let run = TurnFacts {
+        exchange: ExchangeKind::Run,
+        ..forged.clone()
+    };
+    assert!(spoken_by_target(&rec, &run));
+    let unknown_target = TurnRecord {
+        target: None,
+        ..rec
+    };
+    assert!(spoken_by_target(&unknown_target, &forged));
+}
+
+#[test]
 fn response_with_no_send_is_the_turns_response_and_a_later_send_starts_no_timer() {
     let cfg = contract_cfg();
     let r = reply("c1", "unprompted", json!({}));

@@ -509,9 +509,10 @@ const UI_USERS: [(&str, &str); 4] = [
 ];
 
 pub(crate) const WORKERS: &str = "collab-workers";
-const PRODUCERS: &str = "collab-producers";
 /// The sample's identity-bound producers, one user per agent.
 pub(crate) const AGENT_USERS: [&str; 2] = ["agent-ruda", "agent-eden"];
+/// The sample's relay in front of eden.
+pub(crate) const RELAY_USER: &str = "relay-eden";
 
 /// The variable the sample reads a user's password from.
 fn password_variable(user: &str) -> String {
@@ -671,7 +672,7 @@ pub(crate) async fn roles_sample() -> RolesSample {
         "the sample's WebSocket port line changed; update this test"
     );
     let sample = ROLES_CONF.replace("\n  port: 8443\n", &format!("\n  port: {ws_port}\n"));
-    let users: Vec<&'static str> = [WORKERS, PRODUCERS]
+    let users: Vec<&'static str> = [WORKERS, RELAY_USER]
         .into_iter()
         .chain(UI_USERS.iter().map(|(_, user)| *user))
         .chain(AGENT_USERS)
@@ -702,6 +703,15 @@ async fn roles_sample_configuration() {
     let (server, ws_port) = (&sample.server, sample.ws_port);
     let url = sample.url();
     let pw = |user: &str| sample.password(user);
+
+    // No user but the workers (for `dlq replay`) may publish a raw subject that names no agent:
+    // the sample has no shared producer.
+    assert_eq!(
+        ROLES_CONF.matches("\"collab.raw.>\"").count(),
+        1,
+        "only the workers' permissions allow collab.raw.>"
+    );
+    assert!(!ROLES_CONF.contains("collab-producers"));
 
     // Nobody gets in without a password.
     let anonymous = async_nats::connect(&url).await;
@@ -743,42 +753,50 @@ async fn roles_sample_configuration() {
         .expect("subscribe over WebSocket");
     ws_ui.client.flush().await.expect("flush");
 
-    // A producer publishes one event per role, and one that is dead-lettered.
-    let producer = Login::new(&url, PRODUCERS, &pw(PRODUCERS), Some("_INBOX_producers")).await;
+    // The agents publish one event per role as themselves, and one that is dead-lettered.
+    let [ruda_user, eden_user] = AGENT_USERS;
+    let producer = Login::new(&url, ruda_user, &pw(ruda_user), Some("_INBOX_ruda")).await;
     let producer_js = jetstream::new(producer.client.clone());
+    let eden = Login::new(&url, eden_user, &pw(eden_user), Some("_INBOX_eden")).await;
+    let eden_js = jetstream::new(eden.client.clone());
     let events = [
         (
-            "collab.raw.conv-main-1.a2a.send",
+            "collab.raw.conv-main-1._as.ruda.a2a.send",
             json!({"type": "a2a.send", "agentId": "ruda", "ts": 1_771_329_600_000_i64,
                 "data": {"fromAgent": "ruda", "toAgent": "eden", "conversationId": "conv-main-1",
                          "message": "hello eden"}}),
         ),
         (
-            "collab.raw.conv-sub-1.a2a.send",
+            "collab.raw.conv-sub-1._as.ruda.a2a.send",
             json!({"type": "a2a.send", "agentId": "ruda", "ts": "2026-02-17T12:00:01Z",
                 "data": {"fromAgent": "ruda", "toAgent": "worker-7",
                          "targetSessionKey": "agent:ruda:subagent:abc",
                          "conversationId": "conv-sub-1", "message": "summarise the logs"}}),
         ),
         (
-            "collab.raw.task-42.task.created",
+            "collab.raw.task-42._as.ruda.task.created",
             json!({"type": "task.created", "taskId": "task-42", "agentId": "ruda",
                 "timestamp": "2026-02-17T12:00:02Z", "payload": {"title": "write docs"}}),
         ),
         (
-            "collab.raw.monitor-1.health.ping",
-            json!({"type": "health.ping", "agentId": "monitor-1", "ts": 1_771_329_603_000_i64}),
+            "collab.raw.monitor-1._as.eden.health.ping",
+            json!({"type": "health.ping", "agentId": "eden", "ts": 1_771_329_603_000_i64}),
         ),
     ];
     for (subject, body) in &events {
-        publish(
-            &producer_js,
-            subject,
-            serde_json::to_vec(body).expect("JSON"),
-        )
-        .await;
+        let js = if subject.contains("._as.eden.") {
+            &eden_js
+        } else {
+            &producer_js
+        };
+        publish(js, subject, serde_json::to_vec(body).expect("JSON")).await;
     }
-    publish(&producer_js, "collab.raw.conv-bad.a2a.send", "not json").await;
+    publish(
+        &producer_js,
+        "collab.raw.conv-bad._as.ruda.a2a.send",
+        "not json",
+    )
+    .await;
 
     // Each UI receives its own role's projection (its subscription can hold nothing else).
     for (role, login, subscription) in &mut uis {
@@ -832,8 +850,8 @@ async fn roles_sample_configuration() {
         .assert_cannot_read_stream("COLLAB_PROJ")
         .await;
 
-    // A producer can only publish raw events: it cannot read them back, read the workers'
-    // inboxes or the dead letters, nor forge a projection.
+    // A producer can only publish raw events as itself: it cannot read them back, read the
+    // workers' inboxes or the dead letters, nor forge a projection.
     producer.assert_cannot_subscribe("collab.raw.>").await;
     producer.assert_cannot_subscribe("_INBOX.>").await;
     producer.assert_cannot_subscribe("collab.dlq.>").await;

@@ -241,14 +241,14 @@ async fn start_agent_with(state: AgentState) -> Agent {
 // ---------------------------------------------------------------------------------------------
 // The relay process and the raw stream
 
-struct Relay {
-    process: Projector,
+pub(crate) struct Relay {
+    pub(crate) process: Projector,
     addr: String,
     http: String,
 }
 
 impl Relay {
-    fn url(&self, path: &str) -> String {
+    pub(crate) fn url(&self, path: &str) -> String {
         format!("http://{}{path}", self.addr)
     }
 
@@ -271,7 +271,12 @@ fn printed(log: &str, prefix: &str) -> Option<String> {
 }
 
 /// `collab-projector relay PROTOCOL` with ephemeral ports, `caller-agent` -> `callee-agent`.
-async fn start_relay(protocol: &str, nats_url: &str, upstream: &str, extra: &[&str]) -> Relay {
+pub(crate) async fn start_relay(
+    protocol: &str,
+    nats_url: &str,
+    upstream: &str,
+    extra: &[&str],
+) -> Relay {
     let mut args = vec![
         "relay",
         protocol,
@@ -285,7 +290,7 @@ async fn start_relay(protocol: &str, nats_url: &str, upstream: &str, extra: &[&s
         upstream,
     ];
     // Token mode names every caller by its token.
-    if !extra.contains(&"--caller-tokens") {
+    if !extra.contains(&"--caller-tokens") && !extra.contains(&"--from-agent") {
         args.extend(["--from-agent", "caller-agent"]);
     }
     if !extra.contains(&"--to-agent") {
@@ -318,11 +323,14 @@ async fn provisioned(url: &str) -> async_nats::jetstream::Context {
     js
 }
 
-/// One raw message, its stored subject (`collab.in.<partition>.<key>.<type>`) read back as the
-/// key and type the relay published to (`collab.raw.<key>.<type>`).
+/// One raw message, its stored subject (`collab.in.<partition>.<key>._as.<speaker>.<type>`) read
+/// back as the key, speaker and type the relay published to
+/// (`collab.raw.<key>._as.<speaker>.<type>`).
 #[derive(Debug, Clone)]
-struct Raw {
+pub(crate) struct Raw {
     key: String,
+    /// The agent whose identity subject the message was published on.
+    speaker: String,
     kind: String,
     headers: async_nats::HeaderMap,
     payload: Bytes,
@@ -362,9 +370,28 @@ async fn raw_messages(js: &async_nats::jetstream::Context, n: u64) -> Vec<Raw> {
         let m = stream.get_raw_message(seq).await.unwrap();
         let tokens: Vec<&str> = m.subject.split('.').collect();
         assert_eq!(&tokens[..2], ["collab", "in"], "{}", m.subject);
+        assert_eq!(
+            tokens[4], "_as",
+            "published under an identity: {}",
+            m.subject
+        );
+        let speaker = tokens[5].to_string();
+        // The request is the caller's words, every answer the agent's.
+        let side = if tokens[6..].join(".") == "a2a.wire.request" {
+            "Collab-From-Agent"
+        } else {
+            "Collab-To-Agent"
+        };
+        assert_eq!(
+            m.headers.get(side).map(|v| v.as_str()),
+            Some(speaker.as_str()),
+            "{}",
+            m.subject
+        );
         out.push(Raw {
             key: tokens[3].to_string(),
-            kind: tokens[4..].join("."),
+            speaker,
+            kind: tokens[6..].join("."),
             headers: m.headers,
             payload: m.payload,
         });
@@ -428,6 +455,11 @@ async fn relay_json_rpc_send_passes_the_agents_bytes_and_publishes_request_and_r
     assert_eq!(seen[0].headers["host"], agent.addr.to_string().as_str());
 
     let raw = raw_messages(&js, 2).await;
+    // Each side under its speaker's identity: the caller's request, the agent's answer.
+    assert_eq!(
+        (raw[0].speaker.as_str(), raw[1].speaker.as_str()),
+        ("caller-agent", "callee-agent")
+    );
     assert_eq!(
         (raw[0].key.as_str(), raw[0].kind.as_str()),
         ("ctx-send", "a2a.wire.request")
@@ -624,7 +656,7 @@ async fn relay_takes_the_caller_from_the_configured_header_over_from_agent() {
     .await;
 
     let with = json_rpc_send(1, "message/send", "ctx-caller");
-    post_json(&relay.url("/"), &with, &[("x-agent-id", "agent:planner")]).await;
+    post_json(&relay.url("/"), &with, &[("x-agent-id", "planner")]).await;
     let without = json_rpc_send(1, "message/send", "ctx-caller");
     post_json(&relay.url("/"), &without, &[]).await;
 
@@ -633,15 +665,7 @@ async fn relay_takes_the_caller_from_the_configured_header_over_from_agent() {
         .iter()
         .map(|m| m.header("Collab-From-Agent").unwrap())
         .collect();
-    assert_eq!(
-        from,
-        [
-            "agent:planner",
-            "agent:planner",
-            "caller-agent",
-            "caller-agent"
-        ]
-    );
+    assert_eq!(from, ["planner", "planner", "caller-agent", "caller-agent"]);
     assert!(raw.iter().all(|m| m.key == "ctx-caller"));
     // Two exchanges with the same JSON-RPC id stay apart by Collab-Exchange.
     assert_ne!(
@@ -649,7 +673,7 @@ async fn relay_takes_the_caller_from_the_configured_header_over_from_agent() {
         raw[2].header("Collab-Exchange")
     );
     // The header is the caller's: the agent gets it too.
-    assert_eq!(agent.seen()[0].headers["x-agent-id"], "agent:planner");
+    assert_eq!(agent.seen()[0].headers["x-agent-id"], "planner");
     drop(relay.process);
 }
 
@@ -869,33 +893,30 @@ async fn relay_streams_bodies_over_the_limit_through_and_publishes_gzip_answers_
 }
 
 #[tokio::test]
-async fn relay_publishes_with_the_sample_producers_permissions() {
-    // The producers' permissions exactly as config/nats-server.roles.conf ships them: publish to
-    // collab.raw.>, receive on _INBOX_producers.>, no JetStream API.
-    let sample = include_str!("../../config/nats-server.roles.conf");
-    let start = sample
-        .find("COLLAB_PRODUCER_PERMISSIONS = {")
-        .expect("the sample defines the producers' permissions");
-    let end = start + sample[start..].find("\n}\n").unwrap() + 3;
-    let config = format!(
-        "{}\nauthorization {{\n  users = [\n    {{ user: admin, password: admin-pw }}\n    \
-         {{ user: collab-producers, password: producer-pw, permissions: $COLLAB_PRODUCER_PERMISSIONS }}\n  ]\n}}\n",
-        &sample[start..end]
-    );
-    let server = support::local_nats_with(config).await;
-    let mut admin = Settings::load(None).unwrap();
-    admin.nats.url = server.url();
-    admin.nats.user = Some("admin".into());
-    admin.nats.password = Some(collab_projector::config::Secret::new("admin-pw"));
-    let (_client, js) = bus::connect_as(&admin, "relay test admin").await.unwrap();
-    bus::provision::provision(&js, &admin).await.unwrap();
+async fn relay_publishes_each_side_as_its_speaker_with_the_sample_relay_users_permissions() {
+    // The sample as shipped (config/nats-server.roles.conf): the relay runs as `relay-eden`, the
+    // workers as `collab-workers`.
+    let sample = crate::auth::roles_sample().await;
+    let url = sample.url();
+    let workers_password = sample.password(crate::auth::WORKERS);
+    let mut worker = Settings::load(None).unwrap();
+    worker.nats.url = url.clone();
+    worker.nats.user = Some(crate::auth::WORKERS.into());
+    worker.nats.password = Some(collab_projector::config::Secret::new(
+        workers_password.clone(),
+    ));
+    worker.roles.main_agents = vec!["ruda".into(), "eden".into()];
+    let (_client, js) = bus::connect_as(&worker, "relay test workers")
+        .await
+        .unwrap();
+    bus::provision::provision(&js, &worker).await.unwrap();
 
     let agent = start_agent().await;
     let args = [
         "relay",
         "a2a",
         "--nats-url",
-        &server.url(),
+        &url,
         "--listen",
         "127.0.0.1:0",
         "--http-addr",
@@ -903,14 +924,15 @@ async fn relay_publishes_with_the_sample_producers_permissions() {
         "--upstream",
         &agent.url(),
         "--from-agent",
-        "caller-agent",
+        "ruda",
         "--to-agent",
-        "callee-agent",
+        "eden",
     ];
+    let relay_password = sample.password(crate::auth::RELAY_USER);
     let env = [
-        ("COLLAB_NATS__USER", "collab-producers"),
-        ("COLLAB_NATS__PASSWORD", "producer-pw"),
-        ("COLLAB_NATS__INBOX_PREFIX", "_INBOX_producers"),
+        ("COLLAB_NATS__USER", crate::auth::RELAY_USER),
+        ("COLLAB_NATS__PASSWORD", relay_password.as_str()),
+        ("COLLAB_NATS__INBOX_PREFIX", "_INBOX_relay_eden"),
         ("RUST_LOG", "info,collab_projector=debug"),
     ];
     let process = Projector::spawn_command(&args, &env);
@@ -920,18 +942,64 @@ async fn relay_publishes_with_the_sample_producers_permissions() {
     })
     .await;
     let addr = printed(&process.log_text(), "relay listening on ").unwrap();
-    let request = json_rpc_send(1, "message/send", "ctx-producer");
+    let request = json_rpc_send(1, "message/send", "ctx-sample");
     let answer = post_json(&format!("http://{addr}/"), &request, &[]).await;
     assert_eq!(answer.text().await.unwrap(), SEND_RESPONSE);
     let raw = raw_messages(&js, 2).await;
-    assert_eq!(raw[0].text(), request);
-    assert_eq!(raw[1].text(), SEND_RESPONSE);
+    assert_eq!(
+        (raw[0].speaker.as_str(), raw[0].text()),
+        ("ruda", request.as_str())
+    );
+    assert_eq!(
+        (raw[1].speaker.as_str(), raw[1].text()),
+        ("eden", SEND_RESPONSE)
+    );
     let log = process.log_text();
     assert!(
         !log.to_lowercase().contains("permissions violation"),
         "{log}"
     );
-    assert!(!log.contains("producer-pw"), "no password in the log");
+    assert!(!log.contains(&relay_password), "no password in the log");
+
+    // The workers project the exchange as ruda's send and eden's answer, deciding the turn;
+    // the identity check accepts both sides.
+    let (_running, cancel) = crate::api::start_worker(&worker).await;
+    let response = crate::pipeline::the_one(
+        &js,
+        crate::pipeline::PROJ,
+        "collab.proj.conversation.main.ctx-sample.a2a.response",
+    )
+    .await;
+    let envelope = response.json();
+    assert_eq!(envelope["payload"]["fromAgent"], "eden", "{envelope}");
+    assert_eq!(envelope["payload"]["toAgent"], "ruda", "{envelope}");
+    assert_eq!(crate::pipeline::count(&js, crate::pipeline::DLQ).await, 0);
+    cancel.cancel();
+
+    // The relay's user answers as eden only, and publishes nothing but wire traffic and AG-UI
+    // events under an identity; it reads its own inbox only.
+    let login = crate::auth::Login::new(
+        &url,
+        crate::auth::RELAY_USER,
+        &relay_password,
+        Some("_INBOX_relay_eden"),
+    )
+    .await;
+    for subject in [
+        "collab.raw.k._as.ruda.a2a.wire.response",
+        "collab.raw.k._as.ruda.a2a.wire.stream",
+        "collab.raw.k._as.ruda.agui",
+        "collab.raw.k._as.eden.a2a.response",
+        "collab.raw.k._as.eden.a2a.send",
+        "collab.raw.k.a2a.wire.response",
+        "collab.raw.k.a2a.response",
+        "collab.proj.conversation.main.k.a2a.response",
+    ] {
+        login.assert_cannot_publish(subject).await;
+    }
+    for subject in ["collab.raw.>", "_INBOX.>", "_INBOX_eden.>", "_INBOX_ruda.>"] {
+        login.assert_cannot_subscribe(subject).await;
+    }
 }
 
 #[tokio::test]
@@ -1283,15 +1351,19 @@ async fn relay_header_mode_needs_a_trusted_proxy() {
         ],
     )
     .await;
-    let answer = post_json(&trusted.url("/"), &send, &[("x-agent-id", "agent:planner")]).await;
+    let answer = post_json(&trusted.url("/"), &send, &[("x-agent-id", "planner")]).await;
     assert_eq!(answer.text().await.unwrap(), SEND_RESPONSE);
     let raw = raw_messages(&js, 2).await;
     for m in &raw {
-        assert_eq!(
-            m.header("Collab-From-Agent").as_deref(),
-            Some("agent:planner")
-        );
+        assert_eq!(m.header("Collab-From-Agent").as_deref(), Some("planner"));
     }
+    // A name that cannot be an agent id (it would name no identity subject) is refused, not
+    // replaced by the default caller.
+    let answer = post_json(&trusted.url("/"), &send, &[("x-agent-id", "agent:planner")]).await;
+    assert_eq!(answer.status(), 400);
+    let body: Value = answer.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "bad_caller", "{body}");
+    assert_eq!(raw_count(&js).await, 2, "nothing of it is published");
     drop(elsewhere.process);
     drop(trusted.process);
 }
@@ -1434,6 +1506,105 @@ async fn relay_token_mode_serves_known_callers_only_and_limits_each_ones_rate() 
         log.contains("line 1") && log.contains("shorter than 16"),
         "{log}"
     );
+    drop(relay.process);
+}
+
+#[tokio::test]
+async fn relay_token_mode_limits_each_callers_request_bytes() {
+    let nats = TestNats::start().await;
+    let js = provisioned(&nats.url()).await;
+    let agent = start_agent().await;
+    let mut tokens = NamedTempFile::new().unwrap();
+    std::io::Write::write_all(
+        &mut tokens,
+        b"planner planner-token-0123456789\nscheduler scheduler-token-0123456789\n",
+    )
+    .unwrap();
+    let path = tokens.path().to_str().unwrap().to_string();
+    let relay = start_relay(
+        "a2a",
+        &nats.url(),
+        &agent.url(),
+        &[
+            "--caller-tokens",
+            &path,
+            "--rate-limit",
+            "off",
+            "--rate-limit-bytes",
+            "1",
+            "--rate-limit-bytes-burst",
+            "8192",
+            "--max-message-bytes",
+            "8192",
+        ],
+    )
+    .await;
+    // About 5 KB each: one fits the 8 KiB burst, a second does not (1 byte/s refills it in
+    // hours).
+    let large = json!({"jsonrpc": "2.0", "id": 1, "method": "message/send", "params": {"message": {
+        "kind": "message", "role": "user", "messageId": "m-bytes", "contextId": "ctx-bytes",
+        "parts": [{"kind": "text", "text": format!("BYTEFILL{}", "x".repeat(5000))}]}}})
+    .to_string();
+    let planner = [("proxy-authorization", "Bearer planner-token-0123456789")];
+    let answer = post_json(&relay.url("/"), &large, &planner).await;
+    assert_eq!(answer.text().await.unwrap(), SEND_RESPONSE);
+    let answer = post_json(&relay.url("/"), &large, &planner).await;
+    assert_eq!(answer.status(), 429);
+    let retry: u64 = answer.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(retry >= 1, "{retry}");
+    let body: Value = answer.json().await.unwrap();
+    assert_eq!(body["error"]["code"], "rate_limited_bytes", "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("--rate-limit-bytes"),
+        "{body}"
+    );
+    // A small request still fits what is left; another caller has a budget of its own.
+    let small = json_rpc_send(2, "message/send", "ctx-bytes");
+    let answer = post_json(&relay.url("/"), &small, &planner).await;
+    assert_eq!(answer.text().await.unwrap(), SEND_RESPONSE);
+    let scheduler = [("proxy-authorization", "Bearer scheduler-token-0123456789")];
+    let answer = post_json(&relay.url("/"), &large, &scheduler).await;
+    assert_eq!(answer.text().await.unwrap(), SEND_RESPONSE);
+
+    // The refused exchange was neither forwarded nor published.
+    assert_eq!(agent.seen().len(), 3);
+    let raw = raw_messages(&js, 6).await;
+    let requests: Vec<(String, usize)> = raw
+        .iter()
+        .filter(|m| m.kind == "a2a.wire.request")
+        .map(|m| (m.speaker.clone(), m.payload.len()))
+        .collect();
+    assert_eq!(requests.len(), 3, "{requests:?}");
+    assert_eq!(
+        requests.iter().filter(|(s, _)| s == "planner").count(),
+        2,
+        "{requests:?}"
+    );
+    let m = relay.metrics().await;
+    let outcome = |o: &str| {
+        sum(
+            &m,
+            "collab_relay_requests_total",
+            &[&format!("outcome=\"{o}\"")],
+        )
+    };
+    assert_eq!(outcome("rate_limited_bytes"), 1.0);
+    assert_eq!(outcome("forwarded"), 3.0);
+    // Logged at info with the caller and the size, never the body.
+    let log = relay.process.log_text();
+    let line = log
+        .lines()
+        .find(|l| l.contains("over its byte budget"))
+        .unwrap_or_else(|| panic!("no refusal line in {log}"));
+    assert!(line.contains("INFO") && line.contains("planner"), "{line}");
+    assert!(!log.contains("BYTEFILL"), "no body in the log");
     drop(relay.process);
 }
 
