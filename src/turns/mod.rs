@@ -368,7 +368,8 @@ pub enum SuppressReason {
     /// Any other further response.
     Duplicate,
     /// A response spoken by someone other than the turn's target (another agent, the asker's
-    /// own reply, or a response that names no speaker).
+    /// own reply, or a response that names no speaker), or a complete or an error named by an
+    /// agent that is neither side of the turn.
     NotTarget,
 }
 
@@ -415,6 +416,16 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
                 ..Step::default()
             };
         }
+        if !spoken_by_a_side(rec, ev) {
+            // A complete or an error named by an agent that is neither side of the turn is kept
+            // beside it like a foreign response and decides nothing: only the asker or the
+            // target can end a turn.
+            return Step {
+                respond: rec.state == TurnState::Decided,
+                suppress: Some(SuppressReason::NotTarget),
+                ..Step::default()
+            };
+        }
     }
     match (current, ev.kind) {
         (None, TurnEventKind::Send) => open_turn(ev, cfg),
@@ -451,6 +462,33 @@ pub fn spoken_by_target(rec: &TurnRecord, ev: &TurnFacts) -> bool {
     };
     let is = |agent: Option<&str>| agent.is_some_and(|a| a.trim().eq_ignore_ascii_case(speaker));
     is(Some(target)) || (ev.failure.is_some() && is(rec.sender()))
+}
+
+/// Whether a complete or an error may end the turn `rec`: true for every other event, for runs,
+/// for turns whose sides are unknown, and for one that names no speaker (an upstream failure
+/// reported by a runtime). Else its speaker must be the asker or the target, compared as in
+/// [`spoken_by_target`].
+pub fn spoken_by_a_side(rec: &TurnRecord, ev: &TurnFacts) -> bool {
+    if !matches!(ev.kind, TurnEventKind::Complete | TurnEventKind::Error)
+        || ev.exchange != ExchangeKind::Turn
+    {
+        return true;
+    }
+    let Some(speaker) = ev
+        .from_agent
+        .as_deref()
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+    else {
+        return true;
+    };
+    let sides: Vec<&str> = [rec.sender(), rec.target()]
+        .into_iter()
+        .flatten()
+        .map(str::trim)
+        .filter(|a| !a.is_empty())
+        .collect();
+    sides.is_empty() || sides.iter().any(|a| a.eq_ignore_ascii_case(speaker))
 }
 
 /// A send opens the turn, with its deadline.

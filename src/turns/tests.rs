@@ -695,6 +695,30 @@ fn a_foreign_response_neither_blocks_the_turn_nor_stops_its_deadline() {
 }
 
 #[test]
+fn only_the_asker_or_the_target_ends_a_turn_with_a_complete_or_an_error() {
+    let mut sim = Sim::new(contract_cfg());
+    sim.run(1_000, send("c1", json!({})));
+    let foreign_error = sim.run(
+        1_500,
+        event("a2a.error", "c1", json!({"fromAgent": "mallory"})),
+    );
+    let foreign_complete = sim.run(1_600, complete("c1", json!({"fromAgent": "Mallory"})));
+    assert_eq!(sim.record("c1", "0").state, TurnState::Open);
+    assert!(sim.responses.is_empty(), "a third agent ended the turn");
+    // Both are kept beside the turn, as a foreign response is.
+    for seq in [foreign_error, foreign_complete] {
+        assert_eq!(sim.suppression(seq), Some(SuppressReason::NotTarget));
+    }
+    let error = sim.run(
+        2_000,
+        event("a2a.error", "c1", json!({"fromAgent": " EDEN "})),
+    );
+    let w = sim.winner("c1", "0");
+    assert_eq!((w.seq, w.blocked), (Some(error), Some(Reason::Error)));
+    assert_eq!(sim.responses.len(), 1);
+}
+
+#[test]
 fn runs_and_events_other_than_responses_are_not_held_to_the_target() {
     let rec = TurnRecord {
         exchange: ExchangeKind::Turn,
