@@ -2,7 +2,7 @@
 //! record of a suppressed further response or terminal, and the synthesised `run.failed` of a
 //! run that timed out. Their JSON Schemas (`/api/schemas/...`) are derived from these types.
 
-use super::{Reason, SuppressReason};
+use super::record::{Reason, SuppressReason};
 use crate::facets;
 use crate::model::{Envelope, Role};
 use chrono::{SecondsFormat, TimeZone, Utc};

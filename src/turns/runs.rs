@@ -18,15 +18,16 @@ use super::payload::{
     DeadlineEvidence, DeadlineKind, Evidence, MessageEvidence, RunErrorType, RunFailedPayload,
     RunOutcome, RunWinnerRef, WinnerRef,
 };
-use super::{ExchangeKind, Reason, SuppressReason, TurnEventKind, TurnFacts, TurnRecord, Winner};
+use super::record::{
+    ExchangeKind, Reason, SuppressReason, TurnEventKind, TurnFacts, TurnRecord, Winner,
+};
 use crate::facets;
 use crate::facts::{AgUiFacts, TYPE_FIELD};
 use crate::model::{encode_id, Envelope, RawEventRef, Role};
 use serde_json::{json, Map, Value};
 use std::collections::HashMap;
 
-/// `Winner::by` of a run decided by a real terminal event.
-pub const TERMINAL_BY: &str = "run.terminal";
+pub use super::record::TERMINAL_BY;
 /// The type of a further terminal, projected on `system.observability`.
 pub const SUPPRESSED_TYPE: &str = "run.terminal.suppressed";
 

@@ -15,6 +15,7 @@ use chrono::SecondsFormat;
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
 use std::collections::{BTreeMap, VecDeque};
+use std::time::Duration;
 
 const PARTITION: u16 = 3;
 const RAW_STREAM: &str = "collab-raw";
