@@ -119,6 +119,11 @@ fn spawn_partition(
                     ))
             });
             let mut retry = super::Retry::new(Duration::from_millis(200), Duration::from_secs(5));
+            // Interruptions in quick succession (a read of the in-flight range that keeps coming
+            // up short while the stream leader holds it) back off, so a partition that cannot
+            // make progress yet waits for the cluster instead of hammering it.
+            let mut again = super::Retry::new(Duration::from_millis(50), Duration::from_secs(2));
+            let mut last_interrupt: Option<std::time::Instant> = None;
             while !cancel.is_cancelled() {
                 match worker::run_partition(
                     shared.clone(),
@@ -132,6 +137,14 @@ fn spawn_partition(
                     Ok(()) => break,
                     Err(e @ WorkerError::Interrupted { .. }) => {
                         info!(error = %e, "restarting the partition");
+                        if last_interrupt.is_some_and(|at| at.elapsed() < Duration::from_secs(5)) {
+                            if !again.wait(&cancel).await {
+                                break;
+                            }
+                        } else {
+                            again.reset();
+                        }
+                        last_interrupt = Some(std::time::Instant::now());
                         continue;
                     }
                     Err(e) => {

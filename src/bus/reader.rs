@@ -375,29 +375,25 @@ impl Partition<'_> {
             .await
             .map_err(|e| self.setup("reading in-flight messages", e))?;
         // None of the partition's messages from `from` on is visible. That is the range having
-        // aged out of the stream, or a server answering from a state that does not have them yet
-        // (a stream leader cut off from its cluster, a replica catching up): only the first
-        // lets the partition go on; otherwise it starts over, and after `max_deliver` attempts
-        // in a row it goes on, saying so.
-        let stored = replay.cached_info().num_pending;
-        if stored == 0 {
-            let first = stream.get_info().await.map(|i| i.state.first_sequence);
-            let max_deliver = self.shared.settings.consumer.max_deliver;
-            match first {
-                Ok(first) if first > to => {
+        // gone from the stream (aged out, deleted), or a server answering from a state that does
+        // not have them yet (a stream leader cut off from its cluster, a replica catching up).
+        // Only the stream leader can tell: the partition goes on only when it holds none of them,
+        // and otherwise starts over, however often, since going on would let the next
+        // acknowledgement cover inputs nobody read.
+        if replay.cached_info().num_pending == 0 {
+            return match self
+                .confirm_range_end(stream, from.saturating_sub(1), to)
+                .await
+            {
+                Ok(()) => {
                     debug!(
                         partition = self.p,
-                        from, to, first, "the in-flight range aged out of the stream"
+                        from, to, "none of the in-flight range is in the stream any more"
                     );
-                    return Ok(Flow::Continue);
+                    Ok(Flow::Continue)
                 }
-                _ if max_deliver > 0 && attempt >= max_deliver => {
-                    warn!(partition = self.p, from, to, attempts = attempt,
-                        "none of the in-flight range could be read, though the stream should hold it; going on");
-                    return Ok(Flow::Continue);
-                }
-                _ => return Err(short("none of the in-flight range was visible")),
-            }
+                Err(why) => Err(short(why)),
+            };
         }
         let mut replayed = replay
             .messages()
