@@ -360,10 +360,6 @@ impl Partition<'_> {
             );
             WorkerError::Interrupted { partition: p, why }
         };
-        // The replay's delivery count: how many times in a row this partition started over at
-        // `from`. Its first message is dead-lettered `max_deliver` once that reaches the limit,
-        // as a consumer delivery would be.
-        let attempt = self.shared.replay_attempt(self.p, from);
         let replay = stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
                 filter_subject: self.shared.names.partition_filter(self.p),
@@ -395,6 +391,11 @@ impl Partition<'_> {
                 Err(why) => Err(short(why)),
             };
         }
+        // The replay's delivery count: how many times in a row this partition started over at
+        // `from` with the range in sight. Its first message is dead-lettered `max_deliver` once
+        // that reaches the limit, as a consumer delivery would be; a read that saw none of the
+        // range did not deliver it, and is not counted.
+        let attempt = self.shared.replay_attempt(self.p, from);
         let mut replayed = replay
             .messages()
             .await
