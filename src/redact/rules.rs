@@ -332,9 +332,17 @@ impl Redactor {
             let Some(rule) = self.rules.get(i) else {
                 continue;
             };
-            for caps in rule.re.captures_iter(text) {
-                let Some(m) = caps.get(0) else { continue };
+            let mut at = 0;
+            while let Some(caps) = rule.re.captures_at(text, at) {
+                let Some(m) = caps.get(0) else { break };
                 if m.is_empty() || !rule.accepts(&caps) {
+                    // A match that is no secret may hide one starting inside it (`api_key:
+                    // token: <secret>`, whose first value is too short): look again from its
+                    // next character, so the whole text finds what a stream cut there would.
+                    at = m.start() + text[m.start()..].chars().next().map_or(1, char::len_utf8);
+                    if at > text.len() {
+                        break;
+                    }
                     continue;
                 }
                 let mut replacement = String::new();
@@ -345,6 +353,7 @@ impl Redactor {
                     replacement,
                     rule: i,
                 });
+                at = m.end();
             }
         }
         found.sort_by(|a, b| {
