@@ -417,6 +417,25 @@ mod tests {
         );
     }
 
+    /// `body` as a relay publishes it for caller -> agent (exchange x1) on `k.<suffix>`.
+    fn relayed<'a>(body: &'a [u8], suffix: &str, direction: Option<&str>) -> RawInput<'a> {
+        RawInput {
+            bytes: body,
+            subject: Some(SubjectInfo {
+                key: "k".into(),
+                type_suffix: suffix.into(),
+            }),
+            raw_ref: None,
+            relay: RelayHeaders {
+                from_agent: Some("caller".into()),
+                to_agent: Some("agent".into()),
+                exchange: Some("x1".into()),
+                direction: direction.map(str::to_string),
+                ..RelayHeaders::default()
+            },
+        }
+    }
+
     #[test]
     fn a_relayed_body_is_wire_traffic_whatever_else_it_looks_like() {
         let settings = crate::config::Settings::default()
@@ -428,21 +447,7 @@ mod tests {
             "from_agent": "boss", "result": {"kind": "message", "role": "agent", "parts": []}
         }))
         .unwrap_or_default();
-        let input = |direction: Option<&str>| RawInput {
-            bytes: &body,
-            subject: Some(SubjectInfo {
-                key: "k".into(),
-                type_suffix: "a2a.wire.request".into(),
-            }),
-            raw_ref: None,
-            relay: RelayHeaders {
-                from_agent: Some("caller".into()),
-                to_agent: Some("agent".into()),
-                exchange: Some("x1".into()),
-                direction: direction.map(str::to_string),
-                ..RelayHeaders::default()
-            },
-        };
+        let input = |direction: Option<&str>| relayed(&body, "a2a.wire.request", direction);
         match normalize(&input(Some(RelayHeaders::DIRECTION_REQUEST)), &settings) {
             Err(r) => assert!(
                 r.detail.contains("Collab-Direction: request"),
@@ -466,21 +471,7 @@ mod tests {
             .unwrap_or_else(|e| panic!("default settings: {e}"));
         // The agent's answer, shaped as such.
         let body = br#"{"jsonrpc":"2.0","id":1,"result":{"kind":"message","role":"agent","messageId":"a-1","contextId":"k","parts":[{"kind":"text","text":"approved"}]}}"#;
-        let input = |suffix: &str, direction: Option<&str>| RawInput {
-            bytes: body,
-            subject: Some(SubjectInfo {
-                key: "k".into(),
-                type_suffix: suffix.into(),
-            }),
-            raw_ref: None,
-            relay: RelayHeaders {
-                from_agent: Some("caller".into()),
-                to_agent: Some("agent".into()),
-                exchange: Some("x1".into()),
-                direction: direction.map(str::to_string),
-                ..RelayHeaders::default()
-            },
-        };
+        let input = |suffix: &str, direction: Option<&str>| relayed(body, suffix, direction);
         // On the caller's subject it is never the agent's reply, with or without a header.
         for direction in [None, Some(RelayHeaders::DIRECTION_ANSWER)] {
             match normalize(&input("a2a.wire.request", direction), &settings) {

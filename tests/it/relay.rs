@@ -1368,18 +1368,22 @@ async fn relay_header_mode_needs_a_trusted_proxy() {
     drop(trusted.process);
 }
 
+/// A caller-token file holding `lines`, and its path (the file lives as long as the handle).
+fn caller_tokens(lines: &str) -> (NamedTempFile, String) {
+    let mut tokens = NamedTempFile::new().unwrap();
+    std::io::Write::write_all(&mut tokens, lines.as_bytes()).unwrap();
+    let path = tokens.path().to_str().unwrap().to_string();
+    (tokens, path)
+}
+
 #[tokio::test]
 async fn relay_token_mode_serves_known_callers_only_and_limits_each_ones_rate() {
     let nats = TestNats::start().await;
     let js = provisioned(&nats.url()).await;
     let agent = start_agent().await;
-    let mut tokens = NamedTempFile::new().unwrap();
-    std::io::Write::write_all(
-        &mut tokens,
-        b"# callers of the weather agent\nplanner planner-token-0123456789\nscheduler scheduler-token-0123456789\n",
-    )
-    .unwrap();
-    let path = tokens.path().to_str().unwrap().to_string();
+    let (_tokens, path) = caller_tokens(
+        "# callers of the weather agent\nplanner planner-token-0123456789\nscheduler scheduler-token-0123456789\n",
+    );
     let relay = start_relay(
         "a2a",
         &nats.url(),
@@ -1514,13 +1518,8 @@ async fn relay_token_mode_limits_each_callers_request_bytes() {
     let nats = TestNats::start().await;
     let js = provisioned(&nats.url()).await;
     let agent = start_agent().await;
-    let mut tokens = NamedTempFile::new().unwrap();
-    std::io::Write::write_all(
-        &mut tokens,
-        b"planner planner-token-0123456789\nscheduler scheduler-token-0123456789\n",
-    )
-    .unwrap();
-    let path = tokens.path().to_str().unwrap().to_string();
+    let (_tokens, path) =
+        caller_tokens("planner planner-token-0123456789\nscheduler scheduler-token-0123456789\n");
     let relay = start_relay(
         "a2a",
         &nats.url(),

@@ -609,7 +609,6 @@ async fn settled_rss(pid: u32) -> f64 {
 #[tokio::test]
 #[ignore = "a measurement; prints figures"]
 async fn sse_memory_under_slow_readers() {
-    use tokio::io::{AsyncBufReadExt, AsyncWriteExt};
     let streams: usize = std::env::var("COLLAB_MEASURE_STREAMS")
         .ok()
         .and_then(|v| v.parse().ok())
@@ -643,30 +642,7 @@ async fn sse_memory_under_slow_readers() {
         .unwrap_or_else(|| panic!("no address in {log}"));
     let pid = projector.pid();
     let idle = settled_rss(pid).await;
-    let mut clients = Vec::new();
-    for _ in 0..streams {
-        let socket = tokio::net::TcpSocket::new_v4().unwrap_or_else(|e| panic!("{e}"));
-        socket
-            .set_recv_buffer_size(4096)
-            .unwrap_or_else(|e| panic!("{e}"));
-        let mut conn = socket
-            .connect(addr.parse().unwrap_or_else(|e| panic!("{e}")))
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        conn.write_all(
-            format!("GET /api/events/stream HTTP/1.1\r\nHost: {addr}\r\n\r\n").as_bytes(),
-        )
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-        let mut reader = tokio::io::BufReader::new(conn);
-        let mut status = String::new();
-        reader
-            .read_line(&mut status)
-            .await
-            .unwrap_or_else(|e| panic!("{e}"));
-        assert!(status.contains(" 200 "), "{status}");
-        clients.push(reader);
-    }
+    let clients = slow_readers(&addr, streams).await;
     let opened = settled_rss(pid).await;
     // Projections of 16 KiB (1,500 by default: 24 MiB), which every stream would have to hold.
     let events: u32 = std::env::var("COLLAB_MEASURE_EVENTS")
