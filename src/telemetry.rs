@@ -19,6 +19,9 @@ pub const PUBLISH_RETRIES: &str = "collab_publish_retries_total";
 pub const PUBLISH_FAILURES: &str = "collab_publish_failures_total";
 /// Partition consumers found missing and recreated from the partition's checkpoint.
 pub const CONSUMERS_RECREATED: &str = "collab_consumers_recreated_total";
+/// Partitions started on a consumer whose acknowledgements stop short of the partition's
+/// checkpoint: what it delivers again is looked up before it is published.
+pub const CONSUMERS_BEHIND: &str = "collab_consumers_behind_checkpoint_total";
 /// Consumer deliveries that went to another client (a gap in the delivery sequence): the
 /// partition started over from its acknowledgement floor.
 pub const DELIVERY_GAPS: &str = "collab_delivery_gaps_total";
@@ -222,6 +225,11 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
         "Partition consumers found missing and recreated from the partition's checkpoint.",
     ),
     (
+        CONSUMERS_BEHIND,
+        Family::Counter,
+        "Partitions started on a consumer whose acknowledgements stop short of the partition's checkpoint.",
+    ),
+    (
         DELIVERY_GAPS,
         Family::Counter,
         "Consumer deliveries that went to another client; the partition started over from its ack floor.",
@@ -382,6 +390,7 @@ pub fn register_metrics() {
         REDELIVERIES,
         PUBLISH_RETRIES,
         CONSUMERS_RECREATED,
+        CONSUMERS_BEHIND,
         DELIVERY_GAPS,
         BLOBS_STORED,
         BLOB_BYTES,

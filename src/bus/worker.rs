@@ -70,11 +70,26 @@ pub async fn run_partition(
         Err(TurnIoError::Publish(source)) => return Err(WorkerError::of_failure(p, source)),
         Err(e) => return Err(setup("reloading the turn state", e.into())),
     };
-    let (mut consumer, recreated) =
-        open_consumer(&shared, &stream, p, checkpoint.resume_after()).await?;
+    let resume_after = checkpoint.resume_after();
+    let (mut consumer, recreated) = open_consumer(&shared, &stream, p, resume_after).await?;
+    // A consumer whose acknowledgements stop short of the checkpoint lost some of them (an ack
+    // that never reached the server, or consumer state a new consumer leader did not have):
+    // what it delivers again may have its outputs stored, beyond any duplicate window.
+    let ack_floor = consumer.cached_info().ack_floor.stream_sequence;
+    let behind = !recreated && resume_after.is_some_and(|ck| ack_floor < ck);
+    if behind {
+        warn!(
+            partition = p,
+            ack_floor,
+            checkpoint = ?resume_after,
+            "the consumer's acknowledgements stop short of the partition's checkpoint; \
+             looking up the outputs of what it delivers again"
+        );
+        metrics::counter!(telemetry::CONSUMERS_BEHIND).increment(1);
+    }
     // A recreated consumer starts after the checkpoint, which can be up to a second behind what
     // was acknowledged: inputs up to the stream's end now may have their outputs stored already.
-    let verify_through = if recreated {
+    let verify_through = if recreated || behind {
         let mut stream = stream.clone();
         stream
             .info()

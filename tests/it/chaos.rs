@@ -1528,9 +1528,27 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
             }
             _ => {
                 r.duplicated += 1;
+                let copies = proj
+                    .iter()
+                    .map(|rec| (PROJ, rec))
+                    .chain(dlq.iter().map(|rec| (DLQ, rec)))
+                    .filter(|(_, rec)| rec.source_seq == Some(i.seq))
+                    .map(|(st, rec)| {
+                        format!(
+                            "{st}#{}@{} id {}",
+                            rec.seq,
+                            rec.stored_ms,
+                            rec.msg_id.as_deref().unwrap_or("-")
+                        )
+                    })
+                    .collect::<Vec<_>>();
                 details.push(format!(
-                    "duplicated: n={} raw seq {} partition {} key {}: {p} projections, {d} dead letters",
-                    i.n, i.seq, i.partition, i.key
+                    "duplicated: n={} raw seq {} partition {} key {}: {p} projections, {d} dead letters ({})",
+                    i.n,
+                    i.seq,
+                    i.partition,
+                    i.key,
+                    copies.join(", ")
                 ));
             }
         }
@@ -1912,6 +1930,51 @@ async fn deleted_consumer(p: &Profile, seed: u64) -> Report {
     bed.finish(writer).await
 }
 
+/// 8b. A partition's consumer state goes back to the stream's start while the fleet is down:
+///     what a consumer leader elected without the acknowledgements it was sent leaves, made
+///     certain by replacing the consumer with one that delivers everything again. A 1 s
+///     duplicate window, so only the look-up of stored outputs keeps the old inputs single.
+async fn regressed_consumer(p: &Profile, seed: u64) -> Report {
+    let window = [("COLLAB_PROJECTION__DUPLICATE_WINDOW", "1s")];
+    let mut bed = Bed::start_with("regressed-consumer", p, false, 2, &window, false).await;
+    let writer = bed.writer(seed, p.timeout_ms);
+    let mut rng = fault_rng(seed);
+    tokio::time::sleep(p.load / 2).await;
+    for slot in [0, 1] {
+        bed.sigterm(slot).await;
+    }
+    let partition = rng.random_range(0..p.partitions);
+    bed.regress_consumer(partition).await;
+    bed.fleet.spawn(0);
+    bed.fleet.spawn(1);
+    tokio::time::sleep(p.load / 2).await;
+    bed.finish(writer).await
+}
+
+/// The pull configuration `config` (a consumer's, as the server reports it) was created with.
+fn pull_config(config: &consumer::Config) -> consumer::pull::Config {
+    consumer::pull::Config {
+        durable_name: config.durable_name.clone(),
+        name: config.name.clone(),
+        description: config.description.clone(),
+        deliver_policy: config.deliver_policy,
+        ack_policy: config.ack_policy,
+        ack_wait: config.ack_wait,
+        max_deliver: config.max_deliver,
+        filter_subject: config.filter_subject.clone(),
+        filter_subjects: config.filter_subjects.clone(),
+        replay_policy: config.replay_policy,
+        max_ack_pending: config.max_ack_pending,
+        max_batch: config.max_batch,
+        max_expires: config.max_expires,
+        inactive_threshold: config.inactive_threshold,
+        num_replicas: config.num_replicas,
+        memory_storage: config.memory_storage,
+        backoff: config.backoff.clone(),
+        ..Default::default()
+    }
+}
+
 /// 9. A server pause during a takeover: an owner dies with inputs in flight, and the moment the
 ///    new owner creates the consumer that reads what was in flight (the server's advisory says
 ///    so) the server is frozen (5.5 s) for longer than that read waits (5 s), within the lease
@@ -2107,6 +2170,40 @@ impl Bed {
         });
     }
 
+    /// Replace partition `partition`'s consumer with one that has its configuration but none of
+    /// its state: it delivers the partition from the stream's start again.
+    async fn regress_consumer(&mut self, partition: u16) {
+        let name = format!("collab-proj-{partition}");
+        let at_ms = now_ms();
+        let replaced = async {
+            let stream = self.js.get_stream(RAW).await.ok()?;
+            let info = stream.consumer_info(&name).await.ok()?;
+            stream.delete_consumer(&name).await.ok()?;
+            let config = consumer::pull::Config {
+                deliver_policy: consumer::DeliverPolicy::All,
+                ..pull_config(&info.config)
+            };
+            stream.create_consumer(config).await.ok()
+        }
+        .await
+        .is_some();
+        assert!(
+            replaced,
+            "{}: could not replace consumer {name}",
+            self.scenario
+        );
+        self.faults.push(Fault {
+            at_ms,
+            from_ms: at_ms,
+            kind: FaultKind::Broker,
+            what: format!(
+                "consumer {name} replaced by one delivering from the stream's start at {:.1}s",
+                self.elapsed()
+            ),
+            partitions: Some(vec![partition]),
+        });
+    }
+
     /// SIGSTOP the single server for `pause`, then SIGCONT it.
     async fn freeze_server(&mut self, pause: Duration) {
         use nix::sys::signal::{kill, Signal};
@@ -2269,6 +2366,13 @@ async fn chaos_short_deleted_consumer() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_short_regressed_consumer() {
+    regressed_consumer(&Profile::short(), seed("regressed-consumer"))
+        .await
+        .assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_short_server_pause_during_takeover() {
     pause_takeover(&Profile::short(), seed("pause-takeover"))
         .await
@@ -2359,6 +2463,7 @@ async fn chaos_full() {
         "mix",
         "oversize",
         "deleted-consumer",
+        "regressed-consumer",
         "pause-takeover",
         "owner-stall",
         "owner-partition",
@@ -2382,6 +2487,7 @@ async fn chaos_full() {
             "cluster-node" => cluster_node(&p, s).await,
             "oversize" => oversize(&p, s).await,
             "deleted-consumer" => deleted_consumer(&p, s).await,
+            "regressed-consumer" => regressed_consumer(&p, s).await,
             "pause-takeover" => pause_takeover(&p, s).await,
             "owner-stall" => owner_network(&p, s, name, Duration::from_secs(10), false, &[]).await,
             "owner-partition" => {
