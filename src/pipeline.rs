@@ -30,6 +30,16 @@ pub struct Outgoing {
     pub kind: OutKind,
 }
 
+impl Outgoing {
+    /// The raw sequence of the input this output was made from (`Collab-Source-Seq`).
+    pub fn source_seq(&self) -> Option<u64> {
+        self.headers
+            .iter()
+            .find(|(k, _)| *k == H_SOURCE_SEQ)
+            .and_then(|(_, v)| v.parse().ok())
+    }
+}
+
 /// What an outgoing message is, for metrics and the turn book.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum OutKind {

@@ -22,6 +22,8 @@ pub const CONSUMERS_RECREATED: &str = "collab_consumers_recreated_total";
 /// Partitions started on a consumer whose acknowledgements stop short of the partition's
 /// checkpoint: what it delivers again is looked up before it is published.
 pub const CONSUMERS_BEHIND: &str = "collab_consumers_behind_checkpoint_total";
+/// Look-ups of stored outputs (on the takeover path) that could not answer and were asked again.
+pub const LOOKUP_RETRIES: &str = "collab_output_lookup_retries_total";
 /// Consumer deliveries that went to another client (a gap in the delivery sequence): the
 /// partition started over from its acknowledgement floor.
 pub const DELIVERY_GAPS: &str = "collab_delivery_gaps_total";
@@ -230,6 +232,11 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
         "Partitions started on a consumer whose acknowledgements stop short of the partition's checkpoint.",
     ),
     (
+        LOOKUP_RETRIES,
+        Family::Counter,
+        "Look-ups of stored outputs that could not answer and were asked again.",
+    ),
+    (
         DELIVERY_GAPS,
         Family::Counter,
         "Consumer deliveries that went to another client; the partition started over from its ack floor.",
@@ -391,6 +398,7 @@ pub fn register_metrics() {
         PUBLISH_RETRIES,
         CONSUMERS_RECREATED,
         CONSUMERS_BEHIND,
+        LOOKUP_RETRIES,
         DELIVERY_GAPS,
         BLOBS_STORED,
         BLOB_BYTES,

@@ -223,23 +223,6 @@ impl Failure {
     }
 }
 
-/// Whether the server refused a publish because the expected last sequence did not hold. The
-/// client names only one of the two codes it answers with: `10071` carries the sequence found,
-/// `10164` is what a stream leader answers while another write to the subject is still being
-/// proposed (a newer owner's claim, or a competing compare-and-set).
-pub fn is_wrong_last_sequence(e: &jetstream::context::PublishError) -> bool {
-    if e.kind() == PublishErrorKind::WrongLastSequence {
-        return true;
-    }
-    std::error::Error::source(e)
-        .and_then(|s| s.downcast_ref::<jetstream::Error>())
-        .map(jetstream::Error::error_code)
-        .is_some_and(|c| {
-            c == ErrorCode::STREAM_WRONG_LAST_SEQUENCE
-                || c == ErrorCode::STREAM_WRONG_LAST_SEQUENCE_CONSTANT
-        })
-}
-
 /// Classify a failed publish to `subject`.
 pub fn classify(subject: &str, source: jetstream::context::PublishError) -> Failure {
     let subject = subject.to_string();
@@ -259,7 +242,11 @@ pub fn classify(subject: &str, source: jetstream::context::PublishError) -> Fail
                 Failure::TooLarge { subject, source }
             }
             Some(ErrorCode::STREAM_NOT_FOUND) => Failure::Fatal { subject, source },
-            _ if is_wrong_last_sequence(&source) => Failure::Deposed { subject, source },
+            Some(ErrorCode::STREAM_WRONG_LAST_SEQUENCE) => Failure::Deposed { subject, source },
+            // `10164`, the constant form: a clustered stream leader refuses an expectation on
+            // a subject while an earlier message with an expectation on it is still being
+            // proposed (the partition's previous output, on the same fence subject). It says
+            // nothing of the fence; the retry gets the answer.
             _ => Failure::Transient { subject, source },
         },
         _ => Failure::Transient { subject, source },
@@ -353,15 +340,16 @@ mod tests {
         assert_eq!(c(PublishErrorKind::StreamNotFound), "fatal");
         assert_eq!(c(PublishErrorKind::TimedOut), "transient");
         assert_eq!(c(PublishErrorKind::BrokenPipe), "transient");
-        // Both forms of "wrong last sequence" the server answers mean a newer claim.
-        for code in [10071, 10164] {
+        // The sequence a fence check found (10071) is a newer claim; the constant form (10164)
+        // is an earlier expectation on the fence subject still in flight: wait and retry.
+        for (code, class) in [(10071, "deposed"), (10164, "transient")] {
             let body =
                 format!(r#"{{"code":400,"err_code":{code},"description":"wrong last sequence"}}"#);
             let Ok(err) = serde_json::from_str::<jetstream::Error>(&body) else {
                 panic!("not a JetStream error: {body}");
             };
             let failure = classify("s", PublishError::with_source(PublishErrorKind::Other, err));
-            assert_eq!(failure.class(), "deposed", "error code {code}");
+            assert_eq!(failure.class(), class, "error code {code}");
         }
     }
 }

@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-use tracing::warn;
+use tracing::{debug, warn};
 
 /// Publishing for every partition of a worker, over contexts of its own.
 pub struct Publisher {
@@ -157,10 +157,21 @@ impl Publisher {
     /// not live to acknowledge the input. Publishing it again would collapse only within the
     /// duplicate window; this look-up holds beyond it. A projection subject's outputs are stored
     /// in raw order, so its last message answers at once unless it is a later input's; otherwise
-    /// (and for dead letters) the subject is read from the input's store time on. Unknown (a failed look-up): `false`,
-    /// the output is published (the Msg-Id still collapses it within the window).
-    pub(crate) async fn stored_already(&self, out: &Outgoing, seq: u64, stored_ms: i64) -> bool {
-        let Ok((proj, dlq)) = self
+    /// (and for dead letters) the subject is read from the input's store time on, by a consumer
+    /// deleted once read (a stream holds at most 1,000 consumers by default on nats-server 2.15).
+    /// A look-up that cannot answer is an error, never a "no": the caller asks again rather than
+    /// publish what may be stored.
+    pub(crate) async fn stored_already(
+        &self,
+        out: &Outgoing,
+        seq: u64,
+        stored_ms: i64,
+    ) -> Result<bool, LookupFailed> {
+        let failed = |what: &str, e: &dyn std::fmt::Display| LookupFailed {
+            subject: out.subject.clone(),
+            what: format!("{what}: {e}"),
+        };
+        let (proj, dlq) = self
             .out_streams
             .get_or_try_init(|| async {
                 let proj = self.retry_js.get_stream(&self.names.proj_stream).await?;
@@ -168,9 +179,7 @@ impl Publisher {
                 Ok::<_, jetstream::context::GetStreamError>((proj, dlq))
             })
             .await
-        else {
-            return false;
-        };
+            .map_err(|e| failed("opening the output streams", &e))?;
         let stream = match out.kind {
             OutKind::Projection(_) => proj,
             OutKind::DeadLetter(_) => dlq,
@@ -185,24 +194,29 @@ impl Publisher {
         };
         let last = match stream.get_last_raw_message_by_subject(&out.subject).await {
             Ok(last) => last,
-            Err(_) => return false,
+            Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => {
+                return Ok(false);
+            }
+            Err(e) => return Err(failed("reading the subject's last message", &e)),
         };
         if same(&last.headers) {
-            return true;
+            return Ok(true);
         }
         // A projection subject names the input's key, so only this partition writes it, in raw
         // order: an earlier input's output last means this one is not stored. Dead-letter
         // subjects (one per reason) are written by every partition in no common order.
         let own_subject = matches!(out.kind, OutKind::Projection(_));
         if own_subject && source(&last.headers).is_none_or(|s| s <= seq) {
-            return false;
+            return Ok(false);
         }
         // Look for this one among the subject's messages since the input was stored (give or
         // take the servers' clocks).
         let since = chrono::DateTime::from_timestamp_millis(stored_ms.saturating_sub(60_000))
             .unwrap_or_default();
-        let Ok(reader) = stream
+        let name = format!("lookup-{}", uuid::Uuid::new_v4().simple());
+        let reader = stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                name: Some(name.clone()),
                 filter_subject: out.subject.clone(),
                 deliver_policy: jetstream::consumer::DeliverPolicy::ByStartTime {
                     start_time: since,
@@ -210,26 +224,37 @@ impl Publisher {
                 ..Default::default()
             })
             .await
-        else {
-            return false;
-        };
-        let Ok(mut messages) = reader.messages().await else {
-            return false;
-        };
-        while let Ok(Some(Ok(m))) =
-            tokio::time::timeout(Duration::from_secs(2), messages.next()).await
-        {
-            if m.headers.as_ref().is_some_and(same) {
-                return true;
+            .map_err(|e| failed("creating the look-up reader", &e))?;
+        let found = scan_for(reader, last.sequence, &same).await;
+        if let Err(e) = stream.delete_consumer(&name).await {
+            debug!(consumer = %name, error = %e, "look-up reader not deleted; it expires by itself");
+        }
+        found.map_err(|e| failed("reading the subject", &e))
+    }
+
+    /// [`Publisher::stored_already`], asked again (keeping `inputs` alive) until it answers.
+    /// `None`: cancelled first.
+    pub(crate) async fn stored_already_patiently(
+        &self,
+        out: &Outgoing,
+        seq: u64,
+        stored_ms: i64,
+        inputs: &[&jetstream::Message],
+        cancel: &CancellationToken,
+    ) -> Option<bool> {
+        let mut patience = Patience::new();
+        loop {
+            match self.stored_already(out, seq, stored_ms).await {
+                Ok(stored) => return Some(stored),
+                Err(e) => {
+                    metrics::counter!(telemetry::LOOKUP_RETRIES).increment(1);
+                    warn!(seq, error = %e, "look-up of a stored output failed; asking again");
+                }
             }
-            let Ok(info) = m.info() else {
-                return false;
-            };
-            if info.stream_sequence >= last.sequence || info.pending == 0 {
-                break;
+            if !self.wait_keeping(inputs, cancel, &mut patience).await {
+                return None;
             }
         }
-        false
     }
 
     /// Count (and log) a failure waiting does not heal.
@@ -423,3 +448,40 @@ pub(crate) async fn output_budget(js: &jetstream::Context, names: &Names) -> usi
 /// Room left for an envelope's projection headers: an envelope is offloaded until it fits in
 /// the output budget less this.
 pub(crate) const ENVELOPE_HEADROOM: usize = 4096;
+
+/// A look-up of stored outputs that could not answer (the server did not, or refused a reader).
+#[derive(Debug, thiserror::Error)]
+#[error("looking up whether {subject} holds an output failed: {what}")]
+pub struct LookupFailed {
+    subject: String,
+    what: String,
+}
+
+/// Read `reader` (a subject from some point on) until a message `same` accepts, the message at
+/// stream sequence `until` (the subject's last when the look-up began), or the subject's end.
+async fn scan_for(
+    reader: jetstream::consumer::Consumer<jetstream::consumer::pull::OrderedConfig>,
+    until: u64,
+    same: &impl Fn(&async_nats::HeaderMap) -> bool,
+) -> Result<bool, String> {
+    let mut messages = reader.messages().await.map_err(|e| e.to_string())?;
+    loop {
+        let m = match tokio::time::timeout(Duration::from_secs(5), messages.next()).await {
+            Ok(Some(Ok(m))) => m,
+            Ok(Some(Err(e))) => return Err(e.to_string()),
+            Ok(None) => return Err("the reader ended".into()),
+            Err(_) => {
+                return Err(format!(
+                    "nothing delivered within 5 s before stream sequence {until}, the subject's last message"
+                ))
+            }
+        };
+        if m.headers.as_ref().is_some_and(same) {
+            return Ok(true);
+        }
+        let info = m.info().map_err(|e| e.to_string())?;
+        if info.stream_sequence >= until || info.pending == 0 {
+            return Ok(false);
+        }
+    }
+}

@@ -60,6 +60,11 @@ pub(crate) struct Partition<'a> {
     pub(crate) verify_through: u64,
     /// Inputs in a row, looked up under `verify_through`, that had no output stored.
     pub(crate) verify_missed: usize,
+    /// Inputs up to this raw sequence were acknowledged by an owner of the partition (its
+    /// checkpoint says so) though the consumer delivers them again: each is looked up, however
+    /// many in a row had nothing stored (an output a replay computes differently is no sign
+    /// that the previous owner's publishes ended there).
+    pub(crate) verify_all_through: u64,
     /// This owner's claim, which every output it publishes expects.
     pub(crate) fence: Fence,
     /// Streamed text held back per open message or tool call, so a secret split over deltas is
@@ -580,23 +585,41 @@ impl Partition<'_> {
         };
         // Cancelled while a publish kept failing: leave the message for redelivery.
         let mut outs = std::mem::take(&mut fx.outs);
-        if !ack || delivered > 1 || seq <= self.verify_through {
+        let verify = seq <= self.verify_through || seq <= self.verify_all_through;
+        if !ack || delivered > 1 || verify {
             // Delivered before (to a previous owner, or to this partition before it started
             // over): what of it is stored already is not stored again.
             let (mut kept, issued) = (Vec::with_capacity(outs.len()), outs.len());
             for out in outs {
-                if self
+                // An owner acknowledged this input (the checkpoint says so), which it does only
+                // once every output of the input is stored: no look-up needed.
+                let acknowledged = seq <= self.verify_all_through && out.source_seq() == Some(seq);
+                if acknowledged {
+                    debug!(partition = self.p, seq, subject = %out.subject,
+                        "output stored already (acknowledged through the checkpoint)");
+                    continue;
+                }
+                let stored = self
                     .shared
                     .publisher
-                    .stored_already(&out, seq, stored_ms)
-                    .await
-                {
-                    debug!(partition = self.p, seq, subject = %out.subject, "output stored already");
-                } else {
-                    kept.push(out);
+                    .stored_already_patiently(&out, seq, stored_ms, &[&msg], self.cancel)
+                    .await;
+                match stored {
+                    None => {
+                        return Ok(Disposition::LeftForRedelivery(Unprocessed::ShuttingDown));
+                    }
+                    Some(true) => {
+                        debug!(partition = self.p, seq, subject = %out.subject, "output stored already");
+                    }
+                    Some(false) => kept.push(out),
                 }
             }
-            if ack && delivered <= 1 && seq <= self.verify_through && issued > 0 {
+            if ack
+                && delivered <= 1
+                && seq <= self.verify_through
+                && seq > self.verify_all_through
+                && issued > 0
+            {
                 self.verify_missed = if kept.len() == issued {
                     self.verify_missed + 1
                 } else {
@@ -604,8 +627,18 @@ impl Partition<'_> {
                 };
                 if self.verify_missed >= self.shared.settings.consumer.publish_window.max(1) {
                     // Past the previous owner's publish window: nothing later was stored.
+                    debug!(
+                        partition = self.p,
+                        seq, "no output stored for a publish window in a row; looking up no more"
+                    );
                     self.verify_through = 0;
                 }
+            }
+            if kept.len() == issued && issued > 0 {
+                debug!(
+                    partition = self.p,
+                    seq, issued, "no output of a looked-up input stored"
+                );
             }
             outs = kept;
         }

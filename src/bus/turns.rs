@@ -91,7 +91,6 @@ impl WriteError {
     fn of_publish(e: jetstream::context::PublishError) -> WriteError {
         match e.kind() {
             jetstream::context::PublishErrorKind::WrongLastSequence => WriteError::Conflict,
-            _ if super::publish::is_wrong_last_sequence(&e) => WriteError::Conflict,
             _ => WriteError::Failed(Arc::new(e)),
         }
     }

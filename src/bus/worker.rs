@@ -149,6 +149,7 @@ pub async fn run_partition(
         next_delivery: 0,
         verify_through,
         verify_missed: 0,
+        verify_all_through: if behind { resume_after.unwrap_or(0) } else { 0 },
         fence,
         streams: crate::redact::StreamRedactor::new(
             shared.ingest.redactor.clone(),
