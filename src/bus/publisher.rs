@@ -205,14 +205,32 @@ impl Publisher {
         // A projection subject names the input's key, so only this partition writes it, in raw
         // order: an earlier input's output last means this one is not stored. Dead-letter
         // subjects (one per reason) are written by every partition in no common order.
+        // Only an output made by one input's own processing (its Msg-Id names that input) says
+        // where the partition's processing was; a timeout's response (source 0, or an older
+        // send's sequence) can land on the subject after later inputs' outputs.
         let own_subject = matches!(out.kind, OutKind::Projection(_));
-        if own_subject && source(&last.headers).is_none_or(|s| s <= seq) {
+        let made_by_input = |h: &async_nats::HeaderMap| {
+            source(h).is_some_and(|s| {
+                s > 0
+                    && h.get("Nats-Msg-Id").is_some_and(|id| {
+                        id.as_str()
+                            .starts_with(&format!("{}:{s}:", self.names.raw_stream))
+                    })
+            })
+        };
+        if own_subject
+            && made_by_input(&last.headers)
+            && source(&last.headers).is_some_and(|s| s <= seq)
+        {
             return Ok(false);
         }
         // Look for this one among the subject's messages since the input was stored (give or
-        // take the servers' clocks).
-        let since = chrono::DateTime::from_timestamp_millis(stored_ms.saturating_sub(60_000))
-            .unwrap_or_default();
+        // take the servers' clocks); the subject's last message older than that means none is.
+        let since_ms = stored_ms.saturating_sub(60_000);
+        if last.time.timestamp_millis() < since_ms {
+            return Ok(false);
+        }
+        let since = chrono::DateTime::from_timestamp_millis(since_ms).unwrap_or_default();
         let name = format!("lookup-{}", uuid::Uuid::new_v4().simple());
         let reader = stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
@@ -233,7 +251,7 @@ impl Publisher {
     }
 
     /// [`Publisher::stored_already`], asked again (keeping `inputs` alive) until it answers.
-    /// `None`: cancelled first.
+    /// `None`: cancelled, or the partition broke (its acker stopped), first.
     pub(crate) async fn stored_already_patiently(
         &self,
         out: &Outgoing,
@@ -241,9 +259,13 @@ impl Publisher {
         stored_ms: i64,
         inputs: &[&jetstream::Message],
         cancel: &CancellationToken,
+        broken: &CancellationToken,
     ) -> Option<bool> {
         let mut patience = Patience::new();
         loop {
+            if broken.is_cancelled() {
+                return None;
+            }
             match self.stored_already(out, seq, stored_ms).await {
                 Ok(stored) => return Some(stored),
                 Err(e) => {
@@ -464,6 +486,9 @@ async fn scan_for(
     until: u64,
     same: &impl Fn(&async_nats::HeaderMap) -> bool,
 ) -> Result<bool, String> {
+    if reader.cached_info().num_pending == 0 {
+        return Ok(false);
+    }
     let mut messages = reader.messages().await.map_err(|e| e.to_string())?;
     loop {
         let m = match tokio::time::timeout(Duration::from_secs(5), messages.next()).await {

@@ -61,7 +61,8 @@ pub(crate) struct Partition<'a> {
     /// Inputs in a row, looked up under `verify_through`, that had no output stored.
     pub(crate) verify_missed: usize,
     /// Inputs up to this raw sequence were acknowledged by an owner of the partition (its
-    /// checkpoint says so) though the consumer delivers them again: each is looked up, however
+    /// checkpoint says so) though the consumer delivers them again: their own outputs are known
+    /// stored and not published; any other output of their processing is looked up, however
     /// many in a row had nothing stored (an output a replay computes differently is no sign
     /// that the previous owner's publishes ended there).
     pub(crate) verify_all_through: u64,
@@ -592,8 +593,13 @@ impl Partition<'_> {
             let (mut kept, issued) = (Vec::with_capacity(outs.len()), outs.len());
             for out in outs {
                 // An owner acknowledged this input (the checkpoint says so), which it does only
-                // once every output of the input is stored: no look-up needed.
-                let acknowledged = seq <= self.verify_all_through && out.source_seq() == Some(seq);
+                // once every output the input's own processing made (its Msg-Id names the input)
+                // is stored: no look-up needed. Anything else (a decision's response) is looked up.
+                let acknowledged = seq <= self.verify_all_through
+                    && out.source_seq() == Some(seq)
+                    && out
+                        .msg_id
+                        .starts_with(&format!("{}:{seq}:", self.shared.names.raw_stream));
                 if acknowledged {
                     debug!(partition = self.p, seq, subject = %out.subject,
                         "output stored already (acknowledged through the checkpoint)");
@@ -602,7 +608,14 @@ impl Partition<'_> {
                 let stored = self
                     .shared
                     .publisher
-                    .stored_already_patiently(&out, seq, stored_ms, &[&msg], self.cancel)
+                    .stored_already_patiently(
+                        &out,
+                        seq,
+                        stored_ms,
+                        &[&msg],
+                        self.cancel,
+                        self.broken,
+                    )
                     .await;
                 match stored {
                     None => {
