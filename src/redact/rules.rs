@@ -333,7 +333,12 @@ impl Redactor {
                 continue;
             };
             let mut at = 0;
-            while let Some(caps) = rule.re.captures_at(text, at) {
+            // Most texts hold no secret: a search without capture groups answers that without
+            // allocating them.
+            while rule.re.find_at(text, at).is_some() {
+                let Some(caps) = rule.re.captures_at(text, at) else {
+                    break;
+                };
                 let Some(m) = caps.get(0) else { break };
                 if m.is_empty() || !rule.accepts(&caps) {
                     // A match that is no secret may hide one starting inside it (`api_key:
