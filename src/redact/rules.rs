@@ -597,6 +597,16 @@ mod tests {
     }
 
     #[test]
+    fn a_value_a_rule_turns_down_does_not_hide_a_secret_starting_inside_it() {
+        // `api_key: token:` is a key=value match whose value is too short to be a secret; the
+        // `token: <secret>` that starts inside it must still be found.
+        let (v, _) = redact(json!({"note": "api_key: token: Zq8vN3xK7mP2wR5tY9uB"}));
+        let note = v["note"].as_str().unwrap_or_default();
+        assert!(!note.contains("Zq8vN3xK7mP2wR5tY9uB"), "{note}");
+        assert!(note.contains("[redacted:"), "{note}");
+    }
+
+    #[test]
     fn every_string_pattern_family_keeps_the_text_around_it() {
         let jwt = "eyJhbGciOiJIUzI1NiJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.dozjgNryP4J3jVmNHl0w5N_XgL0n3I9PlFUP0THsR8U";
         let pem = "-----BEGIN RSA PRIVATE KEY-----\nMIIEowIBAAKCAQEA7x\nabc\n-----END RSA PRIVATE KEY-----";
