@@ -30,14 +30,18 @@ pub struct Outgoing {
     pub kind: OutKind,
 }
 
-impl Outgoing {
-    /// The raw sequence of the input this output was made from (`Collab-Source-Seq`).
-    pub fn source_seq(&self) -> Option<u64> {
-        self.headers
-            .iter()
-            .find(|(k, _)| *k == H_SOURCE_SEQ)
-            .and_then(|(_, v)| v.parse().ok())
-    }
+/// The Msg-Id of an output an input's own processing makes: `<stream>:<seq>:<which>` (its
+/// projections by index, `dlq`, `suppressed`), the same on every reprocessing of the input. A
+/// turn's decision published for another input (`turn:...`) has an id of its own.
+pub fn input_msg_id(stream: &str, seq: u64, which: impl std::fmt::Display) -> String {
+    format!("{stream}:{seq}:{which}")
+}
+
+/// The raw sequence an output's Msg-Id names, if [`input_msg_id`] made it for `stream`.
+pub fn input_of_msg_id(msg_id: &str, stream: &str) -> Option<u64> {
+    let rest = msg_id.strip_prefix(stream)?.strip_prefix(':')?;
+    let (seq, _) = rest.split_once(':')?;
+    seq.parse().ok()
 }
 
 /// What an outgoing message is, for metrics and the turn book.
@@ -314,7 +318,7 @@ pub fn dead_letter(names: &Names, raw: &RawMessage<'_>, rejection: &Rejection) -
     Outgoing {
         subject: names.dlq_subject(rejection.reason),
         payload: Bytes::copy_from_slice(raw.bytes),
-        msg_id: format!("{}:{}:dlq", raw.stream, raw.seq),
+        msg_id: input_msg_id(raw.stream, raw.seq, "dlq"),
         headers: vec![
             (H_DLQ_REASON, rejection.reason.as_str().to_string()),
             (H_DLQ_DETAIL, detail),
@@ -337,7 +341,7 @@ pub fn project(
         Ok(events) => events
             .iter()
             .enumerate()
-            .map(|(i, n)| projection(names, n, raw.seq, format!("{}:{}:{i}", raw.stream, raw.seq)))
+            .map(|(i, n)| projection(names, n, raw.seq, input_msg_id(raw.stream, raw.seq, i)))
             .collect(),
         Err(rejection) => vec![dead_letter(names, raw, &rejection)],
     }
@@ -346,6 +350,20 @@ pub fn project(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_input_msg_id_names_its_input_and_nothing_else_does() {
+        let id = input_msg_id("COLLAB_RAW", 42, "dlq");
+        assert_eq!(id, "COLLAB_RAW:42:dlq");
+        assert_eq!(input_of_msg_id(&id, "COLLAB_RAW"), Some(42));
+        assert_eq!(
+            input_of_msg_id(&input_msg_id("COLLAB_RAW", 7, 0), "COLLAB_RAW"),
+            Some(7)
+        );
+        assert_eq!(input_of_msg_id("turn:conv-1:4", "COLLAB_RAW"), None);
+        assert_eq!(input_of_msg_id("COLLAB_RAW:42:dlq", "OTHER_RAW"), None);
+        assert_eq!(input_of_msg_id("COLLAB_RAW_X:42:0", "COLLAB_RAW"), None);
+    }
     use crate::classify::MainAgents;
     use crate::model::Role;
 

@@ -184,10 +184,6 @@ impl Publisher {
             OutKind::Projection(_) => proj,
             OutKind::DeadLetter(_) => dlq,
         };
-        let source = |h: &async_nats::HeaderMap| {
-            h.get(pipeline::H_SOURCE_SEQ)
-                .and_then(|v| v.as_str().parse::<u64>().ok())
-        };
         let same = |h: &async_nats::HeaderMap| {
             h.get("Nats-Msg-Id")
                 .is_some_and(|id| id.as_str() == out.msg_id)
@@ -205,23 +201,15 @@ impl Publisher {
         // A projection subject names the input's key, so only this partition writes it, in raw
         // order: an earlier input's output last means this one is not stored. Dead-letter
         // subjects (one per reason) are written by every partition in no common order.
-        // Only an output made by one input's own processing (its Msg-Id names that input) says
-        // where the partition's processing was; a timeout's response (source 0, or an older
-        // send's sequence) can land on the subject after later inputs' outputs.
+        // Only an output made by one input's own processing (its Msg-Id names that input, see
+        // `pipeline::input_msg_id`) says where the partition's processing was; a timeout's
+        // response can land on the subject after later inputs' outputs.
         let own_subject = matches!(out.kind, OutKind::Projection(_));
-        let made_by_input = |h: &async_nats::HeaderMap| {
-            source(h).is_some_and(|s| {
-                s > 0
-                    && h.get("Nats-Msg-Id").is_some_and(|id| {
-                        id.as_str()
-                            .starts_with(&format!("{}:{s}:", self.names.raw_stream))
-                    })
-            })
-        };
-        if own_subject
-            && made_by_input(&last.headers)
-            && source(&last.headers).is_some_and(|s| s <= seq)
-        {
+        let last_input = last
+            .headers
+            .get("Nats-Msg-Id")
+            .and_then(|id| pipeline::input_of_msg_id(id.as_str(), &self.names.raw_stream));
+        if own_subject && last_input.is_some_and(|s| s <= seq) {
             return Ok(false);
         }
         // Look for this one among the subject's messages since the input was stored (give or

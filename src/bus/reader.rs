@@ -596,10 +596,8 @@ impl Partition<'_> {
                 // once every output the input's own processing made (its Msg-Id names the input)
                 // is stored: no look-up needed. Anything else (a decision's response) is looked up.
                 let acknowledged = seq <= self.verify_all_through
-                    && out.source_seq() == Some(seq)
-                    && out
-                        .msg_id
-                        .starts_with(&format!("{}:{seq}:", self.shared.names.raw_stream));
+                    && pipeline::input_of_msg_id(&out.msg_id, &self.shared.names.raw_stream)
+                        == Some(seq);
                 if acknowledged {
                     debug!(partition = self.p, seq, subject = %out.subject,
                         "output stored already (acknowledged through the checkpoint)");
@@ -776,7 +774,7 @@ impl Partition<'_> {
                     &shared.names,
                     n,
                     raw.seq,
-                    format!("{}:{}:{i}", raw.stream, raw.seq),
+                    pipeline::input_msg_id(raw.stream, raw.seq, i),
                 )),
             }
         }

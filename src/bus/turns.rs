@@ -909,7 +909,7 @@ impl PartitionTurns {
                 &shared.names,
                 n,
                 facts.seq,
-                format!("{}:{}:0", shared.names.raw_stream, facts.seq),
+                pipeline::input_msg_id(&shared.names.raw_stream, facts.seq, 0),
             ));
         }
         if let (Some(reason), Some((rec, _))) = (step.suppress, &after) {
@@ -924,7 +924,7 @@ impl PartitionTurns {
                 &shared.names,
                 &sn,
                 facts.seq,
-                format!("{}:{}:suppressed", shared.names.raw_stream, facts.seq),
+                pipeline::input_msg_id(&shared.names.raw_stream, facts.seq, "suppressed"),
             );
             out.kind = OutKind::Projection(Role::SystemObservability);
             metrics::counter!(telemetry::SUPPRESSED, "reason" => reason.as_str()).increment(1);

@@ -1951,30 +1951,6 @@ async fn regressed_consumer(p: &Profile, seed: u64) -> Report {
     bed.finish(writer).await
 }
 
-/// The pull configuration `config` (a consumer's, as the server reports it) was created with.
-fn pull_config(config: &consumer::Config) -> consumer::pull::Config {
-    consumer::pull::Config {
-        durable_name: config.durable_name.clone(),
-        name: config.name.clone(),
-        description: config.description.clone(),
-        deliver_policy: config.deliver_policy,
-        ack_policy: config.ack_policy,
-        ack_wait: config.ack_wait,
-        max_deliver: config.max_deliver,
-        filter_subject: config.filter_subject.clone(),
-        filter_subjects: config.filter_subjects.clone(),
-        replay_policy: config.replay_policy,
-        max_ack_pending: config.max_ack_pending,
-        max_batch: config.max_batch,
-        max_expires: config.max_expires,
-        inactive_threshold: config.inactive_threshold,
-        num_replicas: config.num_replicas,
-        memory_storage: config.memory_storage,
-        backoff: config.backoff.clone(),
-        ..Default::default()
-    }
-}
-
 /// 9. A server pause during a takeover: an owner dies with inputs in flight, and the moment the
 ///    new owner creates the consumer that reads what was in flight (the server's advisory says
 ///    so) the server is frozen (5.5 s) for longer than that read waits (5 s), within the lease
@@ -2181,7 +2157,7 @@ impl Bed {
             stream.delete_consumer(&name).await.ok()?;
             let config = consumer::pull::Config {
                 deliver_policy: consumer::DeliverPolicy::All,
-                ..pull_config(&info.config)
+                ..consumer::FromConsumer::try_from_consumer_config(info.config).ok()?
             };
             stream.create_consumer(config).await.ok()
         }
