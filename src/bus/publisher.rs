@@ -467,16 +467,17 @@ pub struct LookupFailed {
     what: String,
 }
 
-/// Read `reader` (a subject from some point on) until a message `same` accepts, the message at
-/// stream sequence `until` (the subject's last when the look-up began), or the subject's end.
+/// Read `reader` (a subject from some point on) until a message `same` accepts or the message at
+/// stream sequence `until` (the subject's last on the stream leader when the look-up began).
+///
+/// The reader's own count of what is left says nothing here: it is kept by the replica the
+/// reader was placed on, which may lag behind the leader (a node catching up after a network
+/// partition) and count 0 before the output sought. Only reaching `until` ends the scan.
 async fn scan_for(
     reader: jetstream::consumer::Consumer<jetstream::consumer::pull::OrderedConfig>,
     until: u64,
     same: &impl Fn(&async_nats::HeaderMap) -> bool,
 ) -> Result<bool, String> {
-    if reader.cached_info().num_pending == 0 {
-        return Ok(false);
-    }
     let mut messages = reader.messages().await.map_err(|e| e.to_string())?;
     loop {
         let m = match tokio::time::timeout(Duration::from_secs(5), messages.next()).await {
@@ -493,7 +494,7 @@ async fn scan_for(
             return Ok(true);
         }
         let info = m.info().map_err(|e| e.to_string())?;
-        if info.stream_sequence >= until || info.pending == 0 {
+        if info.stream_sequence >= until {
             return Ok(false);
         }
     }

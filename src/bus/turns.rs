@@ -213,14 +213,58 @@ struct CheckpointValue {
 /// Where partition `partition`'s inputs are known to be done, from its published checkpoint in
 /// `store` (the turns bucket): the raw sequence to resume after, if the partition ever ran.
 pub async fn resume_after(store: &kv::Store, partition: u16) -> Result<Option<u64>, String> {
-    match store.entry(checkpoint_key(partition)).await {
-        Ok(Some(e)) if e.operation == kv::Operation::Put => {
-            Ok(serde_json::from_slice::<CheckpointValue>(&e.value)
-                .ok()
-                .and_then(|v| v.acked))
-        }
+    match leader_entry(store, &checkpoint_key(partition)).await {
+        Ok(Some(e)) if e.put => Ok(serde_json::from_slice::<CheckpointValue>(&e.value)
+            .ok()
+            .and_then(|v| v.acked)),
         Ok(_) => Ok(None),
         Err(e) => Err(e.to_string()),
+    }
+}
+
+/// A key's last entry as the stream leader holds it.
+pub(crate) struct LeaderEntry {
+    pub value: bytes::Bytes,
+    pub revision: u64,
+    /// A value, not a delete or purge marker.
+    pub put: bool,
+}
+
+/// The last entry of `key` in `store`, read from the bucket stream's leader.
+///
+/// The buckets allow direct gets, which every replica answers, a lagging one (a node rejoining
+/// after a network partition) with what it had. Turn decisions and checkpoints are taken on
+/// what is read, and a stale "open" or "absent" would let a late reply win a turn that already
+/// timed out: they read through the leader, which answers with what is committed.
+pub(crate) async fn leader_entry(
+    store: &kv::Store,
+    key: &str,
+) -> Result<Option<LeaderEntry>, Source> {
+    let subject = format!("{}{key}", store.prefix);
+    match last_from_leader(&store.stream, &subject).await? {
+        Some(m) => Ok(Some(LeaderEntry {
+            put: m
+                .headers
+                .get("KV-Operation")
+                .is_none_or(|op| op.as_str() == "PUT"),
+            value: m.payload,
+            revision: m.sequence,
+        })),
+        None => Ok(None),
+    }
+}
+
+/// The last message on `subject` (a wildcard is allowed) in `stream`, answered by its leader;
+/// `None` when there is none.
+async fn last_from_leader(
+    stream: &jetstream::stream::Stream,
+    subject: &str,
+) -> Result<Option<jetstream::message::StreamMessage>, Source> {
+    use jetstream::stream::LastRawMessageErrorKind;
+    match stream.get_last_raw_message_by_subject(subject).await {
+        Ok(m) => Ok(Some(m)),
+        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+        Err(e) => Err(Box::new(e)),
     }
 }
 
@@ -502,10 +546,10 @@ impl PartitionTurns {
         metrics::gauge!(telemetry::OPEN_TURNS).set(total as f64);
     }
 
-    /// The latest entry of `key`, waiting at most 10 s.
-    async fn entry(&self, key: &str) -> Result<Option<kv::Entry>, TurnIoError> {
+    /// The latest entry of `key` as the leader holds it, waiting at most 10 s.
+    async fn entry(&self, key: &str) -> Result<Option<LeaderEntry>, TurnIoError> {
         let after = Duration::from_secs(10);
-        tokio::time::timeout(after, self.store.entry(key))
+        tokio::time::timeout(after, leader_entry(&self.store, key))
             .await
             .map_err(|_| TurnIoError::kv(key, NoAnswer::new("reading the record", after)))?
             .map_err(|e| TurnIoError::kv(key, e))
@@ -515,7 +559,7 @@ impl PartitionTurns {
     async fn read_checkpoint(&self) -> Result<Checkpoint, TurnIoError> {
         let key = checkpoint_key(self.partition);
         let (value, revision) = match self.entry(&key).await? {
-            Some(e) if e.operation == kv::Operation::Put => (
+            Some(e) if e.put => (
                 serde_json::from_slice::<CheckpointValue>(&e.value).unwrap_or_default(),
                 e.revision,
             ),
@@ -571,22 +615,33 @@ impl PartitionTurns {
             .await
             .map_err(|e| kv_err(Box::new(e)))?
             .num_pending;
+        // The consumer reads the replica it was placed on, which may lag behind the leader
+        // (a node catching up after a partition): the reload reads on until it has seen the
+        // leader's last record of the partition, so nothing committed before now is missed.
+        let leader_last = last_from_leader(&self.store.stream, &filter)
+            .await
+            .map_err(kv_err)?
+            .map_or(0, |m| m.sequence);
         let mut checkpoint = self.read_checkpoint().await?;
         let previous = checkpoint.value;
         let mut unpublished = Vec::new();
         let mut loaded = 0;
         let mut highest = previous.through;
-        if expected > 0 {
+        if expected > 0 || leader_last > 0 {
             let mut records = consumer.messages().await.map_err(|e| kv_err(Box::new(e)))?;
             let mut read = 0u64;
-            while read < expected {
+            let mut seen = 0u64;
+            while read < expected || seen < leader_last {
                 let next = tokio::time::timeout(Duration::from_secs(30), records.next()).await;
                 let msg = match next {
                     Ok(Some(Ok(m))) => m,
                     Ok(Some(Err(e))) => return Err(kv_err(Box::new(e))),
                     Ok(None) | Err(_) => {
                         return Err(kv_err(Box::new(NoAnswer::new(
-                            format!("the records stopped after {read} of {expected}"),
+                            format!(
+                                "the records stopped after {read} of {expected} \
+                                 (through revision {seen} of the leader's {leader_last})"
+                            ),
                             Duration::from_secs(30),
                         ))))
                     }
@@ -596,6 +651,7 @@ impl PartitionTurns {
                 let revision = info.stream_sequence;
                 let written_at = info.published;
                 highest = highest.max(revision);
+                seen = seen.max(revision);
                 let Some(key) = msg.subject.as_str().strip_prefix(&self.store.prefix) else {
                     continue;
                 };
@@ -703,7 +759,7 @@ impl PartitionTurns {
             acked: None,
         };
         Ok(entry.and_then(|e| {
-            if e.operation != kv::Operation::Put {
+            if !e.put {
                 return None;
             }
             let rec = serde_json::from_slice::<TurnRecord>(&e.value).ok()?;
@@ -1306,13 +1362,13 @@ impl PartitionTurns {
             .to_std()
             .unwrap_or_default();
         let window = shared.settings.projection.duplicate_window;
+        // No input's own output: the look-up reads the subject from the decision's time on.
         let stored = age + DUPLICATE_WINDOW_MARGIN >= window
-            && response_stored(shared, out, written_at)
+            && shared
+                .publisher
+                .stored_already(out, 0, written_at.timestamp_millis())
                 .await
-                .map_err(|source| TurnIoError::Kv {
-                    key: key.to_string(),
-                    source,
-                })?;
+                .map_err(|e| TurnIoError::kv(key, e))?;
         if !stored {
             for out in &outs {
                 match shared
@@ -1452,47 +1508,6 @@ fn defer_inputs(max_ack_pending: i64) -> u64 {
 
 /// Slack kept below the duplicate window when a reload republishes without looking first.
 const DUPLICATE_WINDOW_MARGIN: Duration = Duration::from_secs(15);
-
-/// Whether `out` (a turn's response) is in the projection stream, looking from a little before
-/// `since` (when its decision was written).
-async fn response_stored(
-    shared: &WorkerContext,
-    out: &Outgoing,
-    since: chrono::DateTime<chrono::Utc>,
-) -> Result<bool, Source> {
-    let start_time = since - chrono::Duration::seconds(5);
-    let stream = shared.js.get_stream(&shared.names.proj_stream).await?;
-    let mut consumer = stream
-        .create_consumer(jetstream::consumer::pull::OrderedConfig {
-            filter_subject: out.subject.clone(),
-            deliver_policy: jetstream::consumer::DeliverPolicy::ByStartTime { start_time },
-            headers_only: true,
-            ..Default::default()
-        })
-        .await?;
-    let pending = consumer.info().await?.num_pending;
-    if pending == 0 {
-        return Ok(false);
-    }
-    let mut messages = consumer.messages().await?;
-    for _ in 0..pending {
-        let msg = match tokio::time::timeout(Duration::from_secs(10), messages.next()).await {
-            Ok(Some(Ok(m))) => m,
-            Ok(Some(Err(e))) => return Err(e.into()),
-            Ok(None) | Err(_) => {
-                return Err(NoAnswer::new("the projection stream", Duration::from_secs(10)).into())
-            }
-        };
-        let id = msg
-            .headers
-            .as_ref()
-            .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID));
-        if id.is_some_and(|id| id.as_str() == out.msg_id) {
-            return Ok(true);
-        }
-    }
-    Ok(false)
-}
 
 /// Test hook: `COLLAB_TEST_CRASH_AT=<point>` aborts the process at that point of the turn
 /// protocol (`after_decide`, `after_publish`, `before_ack`), as a SIGKILL would, so crash

@@ -53,6 +53,17 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
         },
         // The first response, failure signal, complete or error decides an undecided turn.
         (None, kind) => decide(unopened(ev, kind), Expect::Absent, ev, kind),
+        // Stored after the open turn's deadline: in event time the turn timed out first, and
+        // this event comes after that decision. A partition fires deadlines before the events
+        // stored after them, so this matters only when the record is read (from the store)
+        // without its deadline in the partition's book, as after a takeover: a late reply can
+        // never win, whatever the book holds.
+        (Some((rec, rev)), kind)
+            if rec.state == TurnState::Open
+                && rec.deadline_ms.is_some_and(|d| d < ev.stored_ms) =>
+        {
+            timed_out_before(rec, rev, ev, kind)
+        }
         (Some((rec, rev)), kind) if rec.state == TurnState::Open => {
             decide(rec.clone(), Expect::Revision(rev), ev, kind)
         }
@@ -238,6 +249,24 @@ fn after_decision(rec: &TurnRecord, ev: &TurnFacts, kind: TurnEventKind) -> Step
             project_self: true,
             ..Step::default()
         },
+    }
+}
+
+/// An event stored after the deadline of the open turn `rec`: the turn's timeout decision, then
+/// the event as it stands after it (a reply is late, a complete or an error is projected).
+fn timed_out_before(rec: &TurnRecord, rev: u64, ev: &TurnFacts, kind: TurnEventKind) -> Step {
+    let Some(timeout) = on_deadline((rec, rev)) else {
+        return after_decision(rec, ev, kind);
+    };
+    let Some((decided, expect)) = timeout.write else {
+        return after_decision(rec, ev, kind);
+    };
+    let then = after_decision(&decided, ev, kind);
+    Step {
+        write: Some((decided, expect)),
+        respond: true,
+        project_self: then.project_self,
+        suppress: then.suppress,
     }
 }
 

@@ -1198,6 +1198,50 @@ fn reply_stored_one_ms_after_the_deadline_is_late() {
     );
 }
 
+#[test]
+fn an_event_stored_after_the_deadline_times_the_turn_out_even_when_no_deadline_fired() {
+    // A new owner may read an open record whose deadline its book does not hold yet: the event
+    // itself shows the deadline has passed in event time.
+    let cfg = contract_cfg();
+    let s = facts_of(&send("c1", json!({"timeoutMs": 1_000})), 1, 0);
+    let open = on_event(None, &s, &cfg)
+        .write
+        .expect("the send opens the turn")
+        .0;
+    let timed_out = |step: &Step| {
+        let (rec, expect) = step.write.clone().expect("a decision");
+        let w = rec.winner.expect("a winner");
+        (rec.state, expect, w.seq, w.blocked, w.by, w.at_ms)
+    };
+    let late = facts_of(&reply("c1", "too late", json!({})), 2, 1_001);
+    let step = on_event(Some((&open, 7)), &late, &cfg);
+    assert_eq!(
+        timed_out(&step),
+        (
+            TurnState::Decided,
+            Expect::Revision(7),
+            None,
+            Some(Reason::Timeout),
+            "deadline".to_string(),
+            1_000
+        )
+    );
+    assert!(step.respond, "the timeout's response is issued");
+    assert_eq!(step.suppress, Some(SuppressReason::Late));
+    assert!(!step.project_self);
+
+    let done = facts_of(&complete("c1", json!({})), 3, 5_000);
+    let step = on_event(Some((&open, 7)), &done, &cfg);
+    assert_eq!(timed_out(&step).3, Some(Reason::Timeout));
+    assert!(step.respond && step.project_self && step.suppress.is_none());
+
+    // At the deadline itself the reply is on time and wins.
+    let on_time = facts_of(&reply("c1", "on the dot", json!({})), 2, 1_000);
+    let step = on_event(Some((&open, 7)), &on_time, &cfg);
+    let w = step.write.expect("a decision").0.winner.expect("a winner");
+    assert_eq!((w.seq, w.blocked), (Some(2), None));
+}
+
 // ---------------------------------------------------------------------------------------------
 // 4. Turn identity.
 // ---------------------------------------------------------------------------------------------
