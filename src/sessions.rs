@@ -345,7 +345,172 @@ impl SessionKeys {
     }
 }
 
+/// The payload fields the fold reads; [`envelope_for_fold`] keeps these and skips the rest.
+/// Every payload read of this module names one of them (checked in debug builds).
+const FOLD_FIELDS: &[&str] = &[
+    "workSessionId",
+    "conversationId",
+    "sessionId",
+    "contextId",
+    "turnId",
+    "turn",
+    "message",
+    "replyPreview",
+    "text",
+    "outcome",
+    "fromAgent",
+    "toAgent",
+    "conversationName",
+    "conversationTitle",
+    "goal",
+    "agentKind",
+    "kind",
+    "agentName",
+    "agentDisplayName",
+    "displayName",
+    "participants",
+    "fromKind",
+    "fromType",
+    "fromParticipantKind",
+    "toKind",
+    "toType",
+    "toParticipantKind",
+    "fromName",
+    "fromDisplayName",
+    "toName",
+    "toDisplayName",
+];
+
+/// A stored projection as the fold reads it: the envelope fields the fold uses and, of the
+/// payload, only [`FOLD_FIELDS`]. The rest (tool arguments and results, message sections,
+/// whatever a producer sent) is skipped over rather than built into order-preserving JSON
+/// values, which was most of the fold's cost. Folding it gives the same session as folding the
+/// whole envelope.
+pub fn envelope_for_fold(bytes: &[u8]) -> serde_json::Result<Envelope> {
+    let e: FoldEnvelope = serde_json::from_slice(bytes)?;
+    Ok(Envelope {
+        event_type: e.event_type,
+        event_role: e.event_role,
+        timestamp: e.timestamp,
+        session_id: e.session_id,
+        turn_id: e.turn_id,
+        agent_id: e.agent_id,
+        conversation_id: e.conversation_id,
+        work_session_id: e.work_session_id,
+        raw_event_ref: e.raw_event_ref,
+        payload: e.payload.0,
+        ..Envelope::default()
+    })
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+struct FoldEnvelope {
+    #[serde(rename = "type")]
+    event_type: String,
+    event_role: Option<Role>,
+    timestamp: Option<String>,
+    session_id: Option<Value>,
+    turn_id: Option<Value>,
+    agent_id: Option<Value>,
+    conversation_id: Option<Value>,
+    work_session_id: Option<Value>,
+    raw_event_ref: Option<crate::model::RawEventRef>,
+    #[serde(default)]
+    payload: FoldPayload,
+}
+
+/// A payload object cut down to [`FOLD_FIELDS`]; any other payload reads as none (the fold
+/// reads fields of objects only).
+#[derive(Default)]
+struct FoldPayload(Option<Value>);
+
+impl<'de> Deserialize<'de> for FoldPayload {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        d.deserialize_any(FoldPayloadVisitor)
+    }
+}
+
+struct FoldPayloadVisitor;
+
+impl<'de> serde::de::Visitor<'de> for FoldPayloadVisitor {
+    type Value = FoldPayload;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a payload")
+    }
+
+    fn visit_map<A: serde::de::MapAccess<'de>>(self, mut m: A) -> Result<FoldPayload, A::Error> {
+        let mut kept = serde_json::Map::new();
+        while let Some(FoldKey(name)) = m.next_key()? {
+            match name {
+                Some(name) => {
+                    kept.insert(name.to_string(), m.next_value::<Value>()?);
+                }
+                None => {
+                    m.next_value::<serde::de::IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(FoldPayload(Some(Value::Object(kept))))
+    }
+
+    fn visit_seq<A: serde::de::SeqAccess<'de>>(self, mut s: A) -> Result<FoldPayload, A::Error> {
+        while s.next_element::<serde::de::IgnoredAny>()?.is_some() {}
+        Ok(FoldPayload(None))
+    }
+
+    fn visit_unit<E>(self) -> Result<FoldPayload, E> {
+        Ok(FoldPayload(None))
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<FoldPayload, E> {
+        Ok(FoldPayload(None))
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<FoldPayload, E> {
+        Ok(FoldPayload(None))
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<FoldPayload, E> {
+        Ok(FoldPayload(None))
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<FoldPayload, E> {
+        Ok(FoldPayload(None))
+    }
+
+    fn visit_str<E>(self, _: &str) -> Result<FoldPayload, E> {
+        Ok(FoldPayload(None))
+    }
+}
+
+/// A payload key: the [`FOLD_FIELDS`] name it is, if any (compared without allocating).
+struct FoldKey(Option<&'static str>);
+
+impl<'de> Deserialize<'de> for FoldKey {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Key;
+        impl serde::de::Visitor<'_> for Key {
+            type Value = FoldKey;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a field name")
+            }
+
+            fn visit_str<E>(self, k: &str) -> Result<FoldKey, E> {
+                Ok(FoldKey(FOLD_FIELDS.iter().copied().find(|f| *f == k)))
+            }
+        }
+        d.deserialize_str(Key)
+    }
+}
+
 fn field<'a>(env: &'a Envelope, name: &str) -> Option<&'a Value> {
+    debug_assert!(
+        FOLD_FIELDS.contains(&name),
+        "{name} is read by the fold but not kept by envelope_for_fold"
+    );
     env.payload
         .as_ref()
         .and_then(|p| p.get(name))
@@ -1241,6 +1406,105 @@ mod tests {
             quiet_after: Duration::from_secs(900),
             archive_after: Duration::from_secs(86400),
         }
+    }
+
+    /// Every envelope the projection fixtures hold, plus envelopes that read every kept field
+    /// beside fields the fold skips.
+    fn fold_corpus() -> Vec<Envelope> {
+        let mut corpus = Vec::new();
+        for dir in ["fixtures/a2a-spec", "fixtures/agui-spec"] {
+            let mut files: Vec<_> = std::fs::read_dir(dir)
+                .expect("fixture directory")
+                .filter_map(|e| e.ok().map(|e| e.path()))
+                .filter(|p| p.to_string_lossy().ends_with(".expected.json"))
+                .collect();
+            files.sort();
+            for path in files {
+                let text = std::fs::read_to_string(&path).expect("fixture readable");
+                let items: Vec<Value> = serde_json::from_str(&text).expect("a JSON array");
+                corpus.extend(
+                    items
+                        .iter()
+                        .filter_map(|i| i.get("envelope"))
+                        .map(|e| serde_json::from_value::<Envelope>(e.clone()).expect("envelope")),
+                );
+            }
+        }
+        assert!(
+            corpus.len() > 100,
+            "the fixtures give {} envelopes",
+            corpus.len()
+        );
+        let mut every = serde_json::Map::new();
+        for (i, name) in FOLD_FIELDS.iter().enumerate() {
+            every.insert((*name).into(), json!(format!("v{i}")));
+        }
+        every.insert(
+            "participants".into(),
+            json!([{"id": "p1", "kind": "human", "name": "Pat"}, 7, "x"]),
+        );
+        every.insert(
+            "toolResult".into(),
+            json!({"rows": [[1, 2], {"deep": {"er": null}}], "n": 1.5}),
+        );
+        every.insert("from\"Agent".into(), json!("a key written with an escape"));
+        every.insert("outcome".into(), json!("blocked"));
+        corpus.push(env(
+            Role::ConversationMain,
+            "a2a.response",
+            "2026-02-17T12:00:09.000Z",
+            Value::Object(every),
+        ));
+        corpus.push(env(
+            Role::DelegationSubagent,
+            "a2a.send",
+            "2026-02-17T12:00:10.000Z",
+            json!({"fromAgent": "lead", "toAgent": "w1", "fromKind": "human", "toDisplayName": "W",
+                   "goal": "g", "args": {"a": [1, {"b": "c"}]}, "conversationName": "n"}),
+        ));
+        for payload in [
+            json!([1, 2]),
+            json!("text"),
+            json!(3),
+            json!(null),
+            json!(true),
+        ] {
+            corpus.push(env(
+                Role::SystemObservability,
+                "tool.started",
+                "2026-02-17T12:00:11.000Z",
+                payload,
+            ));
+        }
+        corpus
+    }
+
+    #[test]
+    fn folding_the_fold_parse_gives_the_session_the_whole_envelope_gives() {
+        let corpus = fold_corpus();
+        let (mut whole, mut cut) = (None::<WorkSession>, None::<WorkSession>);
+        for (i, e) in corpus.iter().enumerate() {
+            // One session for all of them, so every event is folded.
+            let mut e = e.clone();
+            e.work_session_id = Some(json!("ws_all"));
+            let bytes = serde_json::to_vec(&e).expect("serialises");
+            let read = envelope_for_fold(&bytes).expect("the fold parse reads it");
+            let id = raw(0, i as u64 + 1);
+            whole = apply_as(whole.clone(), &e, id).or(whole);
+            cut = apply_as(cut.clone(), &read, id).or(cut);
+            assert_eq!(
+                whole,
+                cut,
+                "after envelope {i}: {}",
+                String::from_utf8_lossy(&bytes)
+            );
+        }
+        let s = whole.expect("a session");
+        assert_eq!(
+            s.applied[&0].floor,
+            Position(corpus.len() as u64, 0),
+            "the last envelope was folded"
+        );
     }
 
     #[test]

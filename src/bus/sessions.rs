@@ -492,7 +492,7 @@ async fn fold_start(kv: &kv::Store, proj: &mut jetstream::stream::Stream) -> Res
 /// nothing twice. A turn's response is also recognised by its turn (see `sessions::fold_into`).
 fn fold_event(msg: &jetstream::Message) -> Option<(Envelope, Identity)> {
     let seq = msg.info().ok()?.stream_sequence;
-    let env = serde_json::from_slice::<Envelope>(&msg.payload).ok()?;
+    let env = sessions::envelope_for_fold(&msg.payload).ok()?;
     let ident = Identity {
         partition: FOLD_PARTITION,
         position: Position(seq, 0),
