@@ -299,6 +299,8 @@ pub struct Checkpoint {
     /// The raw sequence through which this owner acknowledged the partition's inputs.
     acked: u64,
     last_write: tokio::time::Instant,
+    /// The partition had an owner before this one (a checkpoint was there to read).
+    inherited: bool,
 }
 
 impl Checkpoint {
@@ -315,6 +317,12 @@ impl Checkpoint {
     /// Record that the partition's inputs through raw sequence `seq` are acknowledged.
     pub fn acked(&mut self, seq: u64) {
         self.acked = self.acked.max(seq);
+    }
+
+    /// Whether the partition had an owner before this one, whose processing may have gone
+    /// further than its consumer's state says.
+    pub fn inherited(&self) -> bool {
+        self.inherited
     }
 
     /// The raw sequence a recreated consumer resumes after, as this owner knows it.
@@ -576,6 +584,7 @@ impl PartitionTurns {
             through: self.published_through.clone(),
             acked: 0,
             last_write: tokio::time::Instant::now(),
+            inherited: revision > 0,
         })
     }
 

@@ -87,9 +87,14 @@ pub async fn run_partition(
         );
         metrics::counter!(telemetry::CONSUMERS_BEHIND).increment(1);
     }
-    // A recreated consumer starts after the checkpoint, which can be up to a second behind what
-    // was acknowledged: inputs up to the stream's end now may have their outputs stored already.
-    let verify_through = if recreated || behind {
+    // Inputs up to the stream's end now may have their outputs stored already, even on their
+    // first delivery: a recreated consumer starts after the checkpoint, which can be up to a
+    // second behind what was acknowledged, and a consumer whose leader changed may have lost
+    // deliveries it made (a replica that had not recorded them became leader) with its
+    // acknowledgements intact, so it delivers again, as first deliveries, inputs a previous
+    // owner processed. Only a partition nobody ran before skips this. The look-ups stop after a
+    // publish window of inputs in a row had nothing stored (see `Partition::dispose`).
+    let verify_through = if recreated || behind || checkpoint.inherited() {
         let mut stream = stream.clone();
         stream
             .info()
