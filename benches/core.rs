@@ -10,8 +10,9 @@
 use collab_projector::classify::{self, Fields, MainAgents};
 use collab_projector::config::Names;
 use collab_projector::ingest::{self, adapter, RawInput, SubjectInfo};
-use collab_projector::model::RawEventRef;
+use collab_projector::model::{Envelope, RawEventRef};
 use collab_projector::pipeline::{self, RawMessage};
+use collab_projector::sessions;
 use collab_projector::turns::{self, book::OpenTurns, TurnConfig};
 use criterion::{criterion_group, criterion_main, BatchSize, Criterion};
 use serde_json::Value;
@@ -97,6 +98,35 @@ fn normalize(c: &mut Criterion) {
     c.bench_function("pipeline::project a2a.send", |b| {
         b.iter(|| pipeline::project(black_box(&raw), &names, &s, 10))
     });
+
+    // What the work-session fold parses of each stored projection: the whole envelope, or only
+    // what it folds.
+    let mut g = c.benchmark_group("fold parse");
+    for (name, bytes, subject) in [
+        ("a2a.send", SEND, "collab.in.5.conv-42.a2a.send"),
+        (
+            "tool.started",
+            RUNTIME,
+            "collab.in.5.session-3.tool.started",
+        ),
+    ] {
+        let raw = RawMessage {
+            bytes,
+            stored_subject: subject,
+            ..raw
+        };
+        let stored = pipeline::project(&raw, &names, &s, 10)
+            .pop()
+            .expect("a projection")
+            .payload;
+        g.bench_function(format!("whole envelope {name}"), |b| {
+            b.iter(|| serde_json::from_slice::<Envelope>(black_box(&stored)))
+        });
+        g.bench_function(format!("fold fields {name}"), |b| {
+            b.iter(|| sessions::envelope_for_fold(black_box(&stored)))
+        });
+    }
+    g.finish();
 }
 
 fn classify_bench(c: &mut Criterion) {

@@ -82,7 +82,7 @@ pub mod ops;
 pub mod pipeline;
 pub mod redact;
 pub mod relay;
-mod sessions;
+pub mod sessions;
 #[cfg(feature = "tools")]
 mod sim;
 pub mod status;
