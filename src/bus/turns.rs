@@ -223,11 +223,11 @@ pub async fn resume_after(store: &kv::Store, partition: u16) -> Result<Option<u6
 }
 
 /// A key's last entry as the stream leader holds it.
-pub(crate) struct LeaderEntry {
-    pub value: bytes::Bytes,
-    pub revision: u64,
+struct LeaderEntry {
+    value: bytes::Bytes,
+    revision: u64,
     /// A value, not a delete or purge marker.
-    pub put: bool,
+    put: bool,
 }
 
 /// The last entry of `key` in `store`, read from the bucket stream's leader.
@@ -236,10 +236,7 @@ pub(crate) struct LeaderEntry {
 /// after a network partition) with what it had. Turn decisions and checkpoints are taken on
 /// what is read, and a stale "open" or "absent" would let a late reply win a turn that already
 /// timed out: they read through the leader, which answers with what is committed.
-pub(crate) async fn leader_entry(
-    store: &kv::Store,
-    key: &str,
-) -> Result<Option<LeaderEntry>, Source> {
+async fn leader_entry(store: &kv::Store, key: &str) -> Result<Option<LeaderEntry>, Source> {
     let subject = format!("{}{key}", store.prefix);
     match last_from_leader(&store.stream, &subject).await? {
         Some(m) => Ok(Some(LeaderEntry {
