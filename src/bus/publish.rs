@@ -37,21 +37,13 @@ const H_MSG_ID: &str = "Nats-Msg-Id";
 /// Room kept for the fence headers and the Msg-Id, which are added when an output is sent.
 const SEND_HEADROOM: usize = 512;
 
-/// The fence subjects of partition `p` (in the projection and the dead-letter stream), without
-/// their slot: the one subject every output expected before slots, still claimed by every owner
-/// so that an owner running such a build is deposed too.
+/// The fence subjects of partition `p` (in the projection and the dead-letter stream).
 pub fn fence_subjects(names: &Names, p: u16) -> (String, String) {
     (
         format!("{}.proj._fence.{p}", names.prefix),
         format!("{}.dlq._fence.{p}", names.prefix),
     )
 }
-
-/// How many fence subjects a partition has in each output stream. A replicated stream's leader
-/// keeps one expectation in process per subject it checks and refuses a second one (10164) until
-/// the first is proposed, so outputs naming one fence subject go one at a time; spread over this
-/// many, that many can be in flight.
-pub const FENCE_SLOTS: u64 = 16;
 
 /// Whether a stored subject is a partition fence (readers of whole streams skip them).
 pub fn is_fence_subject(subject: &str) -> bool {
@@ -69,7 +61,7 @@ pub async fn outputs_in(js: &jetstream::Context, stream: &str) -> u64 {
         return 0;
     };
     let mut fences = 0u64;
-    if let Ok(mut subjects) = s.info_with_subjects("*.*._fence.>").await {
+    if let Ok(mut subjects) = s.info_with_subjects("*.*._fence.*").await {
         while let Ok(Some((_, n))) = subjects.try_next().await {
             fences += n as u64;
         }
@@ -77,29 +69,15 @@ pub async fn outputs_in(js: &jetstream::Context, stream: &str) -> u64 {
     total.saturating_sub(fences)
 }
 
-/// A partition owner's claim: the sequence of its fence message on each fence subject of each
-/// output stream.
+/// A partition owner's claim: the sequence of its fence message in each output stream.
 #[derive(Debug, Clone)]
 pub struct Fence {
-    proj: Slots,
-    dlq: Slots,
-    /// The next slot to use, shared by the clones of one claim: consecutive outputs (and a
-    /// refused output sent again) name different fence subjects.
-    next: std::sync::Arc<std::sync::atomic::AtomicU64>,
-}
-
-/// One stream's fence subjects (`<base>.<slot>`) and the sequence of this owner's claim on each.
-#[derive(Debug, Clone)]
-struct Slots {
-    base: String,
-    seqs: Vec<u64>,
+    proj: (String, u64),
+    dlq: (String, u64),
 }
 
 impl Fence {
-    /// Claim partition `p` for `owner`: from now on, outputs fenced by an earlier claim fail. Every
-    /// slot of both streams is claimed (and the slotless subject of earlier builds), one after the
-    /// other: `js` may hold as few publish permits as `consumer.publish_window` allows (1), and a
-    /// permit comes back only once its ack is awaited.
+    /// Claim partition `p` for `owner`: from now on, outputs fenced by an earlier claim fail.
     pub async fn claim(
         js: &jetstream::Context,
         names: &Names,
@@ -107,50 +85,31 @@ impl Fence {
         owner: &str,
     ) -> Result<Fence, jetstream::context::PublishError> {
         let (proj, dlq) = fence_subjects(names, p);
-        let mut seqs = Vec::new();
-        for base in [&proj, &dlq] {
-            let subjects = std::iter::once(base.clone())
-                .chain((0..FENCE_SLOTS).map(|slot| format!("{base}.{slot}")));
-            for subject in subjects {
-                let mut headers = HeaderMap::new();
-                headers.insert(H_FENCE, owner);
-                let ack = js
-                    .publish_with_headers(subject, headers, Bytes::new())
-                    .await?
-                    .await?;
-                seqs.push(ack.sequence);
-            }
+        let mut seqs = [0u64; 2];
+        for (i, subject) in [&proj, &dlq].into_iter().enumerate() {
+            let mut headers = HeaderMap::new();
+            headers.insert(H_FENCE, owner);
+            let ack = js
+                .publish_with_headers(subject.clone(), headers, Bytes::new())
+                .await?
+                .await?;
+            seqs[i] = ack.sequence;
         }
-        // Per stream: the slotless subject first, then the slots in order.
-        let per_stream = 1 + FENCE_SLOTS as usize;
-        let slots = |base: String, claimed: &[u64]| Slots {
-            base,
-            seqs: claimed.iter().skip(1).copied().collect(),
-        };
         Ok(Fence {
-            proj: slots(proj, &seqs[..per_stream]),
-            dlq: slots(dlq, &seqs[per_stream..]),
-            next: Default::default(),
+            proj: (proj, seqs[0]),
+            dlq: (dlq, seqs[1]),
         })
     }
 
-    /// The fence subject and sequence the next output of `kind` expects.
-    fn of(&self, kind: OutKind) -> (String, u64) {
-        let slots = match kind {
-            OutKind::Projection(_) => &self.proj,
-            OutKind::DeadLetter(_) => &self.dlq,
-        };
-        let n = slots.seqs.len().max(1) as u64;
-        let slot = self.next.fetch_add(1, std::sync::atomic::Ordering::Relaxed) % n;
-        let seq = slots
-            .seqs
-            .get(usize::try_from(slot).unwrap_or(0))
-            .copied()
-            .unwrap_or(0);
-        (format!("{}.{slot}", slots.base), seq)
+    /// The fence subject and sequence an output of `kind` expects.
+    fn of(&self, kind: OutKind) -> (&str, u64) {
+        match kind {
+            OutKind::Projection(_) => (&self.proj.0, self.proj.1),
+            OutKind::DeadLetter(_) => (&self.dlq.0, self.dlq.1),
+        }
     }
 
-    /// The headers of `out` as sent: its own, then the fence expectation (on one of the slots).
+    /// The headers of `out` as sent: its own, then the fence expectation.
     pub fn headers(&self, out: &Outgoing) -> HeaderMap {
         let mut headers = HeaderMap::new();
         for (k, v) in &out.headers {
@@ -158,7 +117,7 @@ impl Fence {
         }
         let (subject, seq) = self.of(out.kind);
         headers.insert(H_EXPECTED_SEQ, seq.to_string().as_str());
-        headers.insert(H_EXPECTED_SUBJECT, subject.as_str());
+        headers.insert(H_EXPECTED_SUBJECT, subject);
         headers
     }
 }
@@ -366,7 +325,6 @@ mod tests {
         let names = Names::new("collab");
         let (proj, dlq) = fence_subjects(&names, 7);
         assert!(is_fence_subject(&proj) && is_fence_subject(&dlq));
-        assert!(is_fence_subject(&format!("{proj}.3")) && is_fence_subject(&format!("{dlq}.15")));
         assert!(!is_fence_subject(
             "collab.proj.conversation.main.k.a2a.send"
         ));
