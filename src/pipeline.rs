@@ -350,6 +350,8 @@ pub fn project(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::classify::MainAgents;
+    use crate::model::Role;
 
     #[test]
     fn an_input_msg_id_names_its_input_and_nothing_else_does() {
@@ -364,8 +366,6 @@ mod tests {
         assert_eq!(input_of_msg_id("COLLAB_RAW:42:dlq", "OTHER_RAW"), None);
         assert_eq!(input_of_msg_id("COLLAB_RAW_X:42:0", "COLLAB_RAW"), None);
     }
-    use crate::classify::MainAgents;
-    use crate::model::Role;
 
     fn settings() -> ingest::Settings {
         let mut s = crate::config::Settings::default()

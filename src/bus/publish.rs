@@ -69,6 +69,21 @@ pub async fn outputs_in(js: &jetstream::Context, stream: &str) -> u64 {
     total.saturating_sub(fences)
 }
 
+/// The last message on `subject` (a wildcard is allowed) in `stream`, answered by its leader
+/// (`STREAM.MSG.GET`, never a direct get, which a lagging replica may answer); `None` when there
+/// is none.
+pub async fn last_from_leader(
+    stream: &jetstream::stream::Stream,
+    subject: &str,
+) -> Result<Option<jetstream::message::StreamMessage>, super::error::Source> {
+    use jetstream::stream::LastRawMessageErrorKind;
+    match stream.get_last_raw_message_by_subject(subject).await {
+        Ok(m) => Ok(Some(m)),
+        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
+        Err(e) => Err(Box::new(e)),
+    }
+}
+
 /// A partition owner's claim: the sequence of its fence message in each output stream.
 #[derive(Debug, Clone)]
 pub struct Fence {

@@ -188,11 +188,9 @@ impl Publisher {
             h.get("Nats-Msg-Id")
                 .is_some_and(|id| id.as_str() == out.msg_id)
         };
-        let last = match stream.get_last_raw_message_by_subject(&out.subject).await {
-            Ok(last) => last,
-            Err(e) if e.kind() == jetstream::stream::LastRawMessageErrorKind::NoMessageFound => {
-                return Ok(false);
-            }
+        let last = match publish::last_from_leader(stream, &out.subject).await {
+            Ok(Some(last)) => last,
+            Ok(None) => return Ok(false),
             Err(e) => return Err(failed("reading the subject's last message", &e)),
         };
         if same(&last.headers) {

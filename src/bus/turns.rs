@@ -238,7 +238,7 @@ struct LeaderEntry {
 /// timed out: they read through the leader, which answers with what is committed.
 async fn leader_entry(store: &kv::Store, key: &str) -> Result<Option<LeaderEntry>, Source> {
     let subject = format!("{}{key}", store.prefix);
-    match last_from_leader(&store.stream, &subject).await? {
+    match super::publish::last_from_leader(&store.stream, &subject).await? {
         Some(m) => Ok(Some(LeaderEntry {
             put: m
                 .headers
@@ -248,20 +248,6 @@ async fn leader_entry(store: &kv::Store, key: &str) -> Result<Option<LeaderEntry
             revision: m.sequence,
         })),
         None => Ok(None),
-    }
-}
-
-/// The last message on `subject` (a wildcard is allowed) in `stream`, answered by its leader;
-/// `None` when there is none.
-async fn last_from_leader(
-    stream: &jetstream::stream::Stream,
-    subject: &str,
-) -> Result<Option<jetstream::message::StreamMessage>, Source> {
-    use jetstream::stream::LastRawMessageErrorKind;
-    match stream.get_last_raw_message_by_subject(subject).await {
-        Ok(m) => Ok(Some(m)),
-        Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
-        Err(e) => Err(Box::new(e)),
     }
 }
 
@@ -624,7 +610,7 @@ impl PartitionTurns {
         // The consumer reads the replica it was placed on, which may lag behind the leader
         // (a node catching up after a partition): the reload reads on until it has seen the
         // leader's last record of the partition, so nothing committed before now is missed.
-        let leader_last = last_from_leader(&self.store.stream, &filter)
+        let leader_last = super::publish::last_from_leader(&self.store.stream, &filter)
             .await
             .map_err(kv_err)?
             .map_or(0, |m| m.sequence);

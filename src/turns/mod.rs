@@ -255,15 +255,12 @@ fn after_decision(rec: &TurnRecord, ev: &TurnFacts, kind: TurnEventKind) -> Step
 /// An event stored after the deadline of the open turn `rec`: the turn's timeout decision, then
 /// the event as it stands after it (a reply is late, a complete or an error is projected).
 fn timed_out_before(rec: &TurnRecord, rev: u64, ev: &TurnFacts, kind: TurnEventKind) -> Step {
-    let Some(timeout) = on_deadline((rec, rev)) else {
-        return after_decision(rec, ev, kind);
-    };
-    let Some((decided, expect)) = timeout.write else {
+    let Some(decided) = timed_out(rec) else {
         return after_decision(rec, ev, kind);
     };
     let then = after_decision(&decided, ev, kind);
     Step {
-        write: Some((decided, expect)),
+        write: Some((decided, Expect::Revision(rev))),
         respond: true,
         project_self: then.project_self,
         suppress: then.suppress,
@@ -273,11 +270,21 @@ fn timed_out_before(rec: &TurnRecord, rev: u64, ev: &TurnFacts, kind: TurnEventK
 /// Decide a turn whose deadline the watermark has passed.
 pub fn on_deadline(current: (&TurnRecord, u64)) -> Option<Step> {
     let (rec, rev) = current;
+    Some(Step {
+        write: Some((timed_out(rec)?, Expect::Revision(rev))),
+        respond: true,
+        ..Step::default()
+    })
+}
+
+/// The open turn `rec` decided by its deadline: blocked `timeout`, synthesised. `None` for a
+/// turn that is not open or has no deadline.
+fn timed_out(rec: &TurnRecord) -> Option<TurnRecord> {
     if rec.state != TurnState::Open {
         return None;
     }
     let deadline = rec.deadline_ms?;
-    let decided = TurnRecord {
+    Some(TurnRecord {
         state: TurnState::Decided,
         deadline_ms: None,
         winner: Some(Winner {
@@ -289,11 +296,6 @@ pub fn on_deadline(current: (&TurnRecord, u64)) -> Option<Step> {
             at_ms: deadline,
         }),
         ..rec.clone()
-    };
-    Some(Step {
-        write: Some((decided, Expect::Revision(rev))),
-        respond: true,
-        ..Step::default()
     })
 }
 
