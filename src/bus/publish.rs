@@ -75,12 +75,12 @@ pub async fn outputs_in(js: &jetstream::Context, stream: &str) -> u64 {
 pub async fn last_from_leader(
     stream: &jetstream::stream::Stream,
     subject: &str,
-) -> Result<Option<jetstream::message::StreamMessage>, super::error::Source> {
+) -> Result<Option<jetstream::message::StreamMessage>, jetstream::stream::LastRawMessageError> {
     use jetstream::stream::LastRawMessageErrorKind;
     match stream.get_last_raw_message_by_subject(subject).await {
         Ok(m) => Ok(Some(m)),
         Err(e) if e.kind() == LastRawMessageErrorKind::NoMessageFound => Ok(None),
-        Err(e) => Err(Box::new(e)),
+        Err(e) => Err(e),
     }
 }
 

@@ -238,7 +238,10 @@ struct LeaderEntry {
 /// timed out: they read through the leader, which answers with what is committed.
 async fn leader_entry(store: &kv::Store, key: &str) -> Result<Option<LeaderEntry>, Source> {
     let subject = format!("{}{key}", store.prefix);
-    match super::publish::last_from_leader(&store.stream, &subject).await? {
+    match super::publish::last_from_leader(&store.stream, &subject)
+        .await
+        .map_err(Box::new)?
+    {
         Some(m) => Ok(Some(LeaderEntry {
             put: m
                 .headers
@@ -612,7 +615,7 @@ impl PartitionTurns {
         // leader's last record of the partition, so nothing committed before now is missed.
         let leader_last = super::publish::last_from_leader(&self.store.stream, &filter)
             .await
-            .map_err(kv_err)?
+            .map_err(|e| kv_err(Box::new(e)))?
             .map_or(0, |m| m.sequence);
         let mut checkpoint = self.read_checkpoint().await?;
         let previous = checkpoint.value;
