@@ -35,6 +35,47 @@ pub struct Settings {
     pub http: HttpSettings,
     pub workers: WorkerSettings,
     pub storage: StorageSettings,
+    pub usage: UsageSettings,
+    pub otel: OtelSettings,
+}
+
+/// Token usage and cost (docs/contract.md, section 2c).
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct UsageSettings {
+    /// The price table, per model; cost is computed from it only, never read from the wire.
+    pub prices: Vec<crate::usage::Price>,
+}
+
+/// The OpenTelemetry export of turns, runs and tool calls (docs/otel.md). The standard
+/// `OTEL_EXPORTER_OTLP_*` and `OTEL_SERVICE_NAME` variables override these.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields, default)]
+pub struct OtelSettings {
+    /// The OTLP endpoint's base URL (as `OTEL_EXPORTER_OTLP_ENDPOINT`); empty: no export.
+    pub endpoint: String,
+    /// `http/protobuf`, `http/json` or `grpc` (as `OTEL_EXPORTER_OTLP_PROTOCOL`).
+    pub protocol: String,
+    /// The exported spans' `service.name` (as `OTEL_SERVICE_NAME`).
+    pub service_name: String,
+    /// How long one export request may take before its spans are dropped (counted).
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+    /// Open turns, runs and tool calls held while their end has not come, each; past it the
+    /// oldest is given up (counted).
+    pub max_open: usize,
+}
+
+impl Default for OtelSettings {
+    fn default() -> Self {
+        OtelSettings {
+            endpoint: String::new(),
+            protocol: "http/protobuf".into(),
+            service_name: "collab-projector".into(),
+            timeout: Duration::from_secs(10),
+            max_open: 10_000,
+        }
+    }
 }
 
 const MIB: i64 = 1024 * 1024;
@@ -869,6 +910,16 @@ impl Settings {
         }
         if self.runs.timeout.is_zero() {
             return bad("runs.timeout must be positive".into());
+        }
+        crate::usage::Prices::new(&self.usage.prices).map_err(ConfigError::Invalid)?;
+        if !["http/protobuf", "http/json", "grpc"].contains(&self.otel.protocol.as_str()) {
+            return bad(format!(
+                "otel.protocol is {:?}: use http/protobuf, http/json or grpc",
+                self.otel.protocol
+            ));
+        }
+        if self.otel.timeout.is_zero() || self.otel.max_open == 0 {
+            return bad("otel.timeout and otel.max_open must be positive".into());
         }
         if self.turns.open_write_delay > self.consumer.ack_wait / 3 {
             return bad(format!(

@@ -36,6 +36,8 @@
 //!   publishes the traffic it forwards to the raw stream.
 //! - [`turns`]: the turn contract: the pure state machine, the deadline set, blocked outcomes.
 //! - [`telemetry`]: logging and metric names.
+//! - [`usage`]: token usage read from any of the producers' shapes, and its cost from the
+//!   operator's price table (pure).
 //!
 //! # The hot path and its state
 //!
@@ -79,13 +81,16 @@ pub mod ingest;
 pub mod localnats;
 pub mod model;
 pub mod ops;
+pub mod otel;
 pub mod pipeline;
 pub mod redact;
 pub mod relay;
 pub mod sessions;
 #[cfg(feature = "tools")]
 mod sim;
+pub mod spans;
 pub mod status;
 pub mod telemetry;
 pub mod turns;
+pub mod usage;
 mod viewer;

@@ -239,6 +239,15 @@ pub struct Envelope {
 }
 
 impl Envelope {
+    /// The agent whose NATS user published the raw message, when its subject names one
+    /// (`<prefix>.raw.<key>._as.<agent>.<type>`, as the relays publish).
+    pub fn publishing_agent(&self) -> Option<String> {
+        let subject = &self.raw_event_ref.as_ref()?.subject;
+        let mut tokens = subject.split('.').skip_while(|t| *t != "_as");
+        tokens.next()?;
+        tokens.next().filter(|a| !a.is_empty()).map(str::to_string)
+    }
+
     /// The payload as an object, creating one if the payload is absent.
     pub fn payload_object(&mut self) -> &mut Map<String, Value> {
         if !matches!(self.payload, Some(Value::Object(_))) {

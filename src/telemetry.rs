@@ -70,6 +70,15 @@ pub const OPEN_TURNS: &str = "collab_open_turns";
 pub const SESSION_EVENTS_FOLDED: &str = "collab_session_events_folded_total";
 /// The projection-stream sequence up to which work sessions are written.
 pub const SESSION_FOLD_POSITION: &str = "collab_session_fold_position";
+/// Tokens reported by producers (docs/contract.md 2c), by agent, model and kind (input, output,
+/// cached_input, reasoning).
+pub const TOKENS: &str = "collab_tokens_total";
+/// Their cost from the configured price table, in millionths of its currency unit, by agent and
+/// model (models with a price only). Prometheus counters count whole numbers; divide by 1e6.
+pub const COST: &str = "collab_cost_micros_total";
+/// OpenTelemetry spans, by outcome: exported, export_failed (dropped: the collector refused or
+/// did not answer in time), evicted (an open span given up to stay within otel.max_open).
+pub const OTEL_SPANS: &str = "collab_otel_spans_total";
 
 /// The name prefix of the families only `relay` processes expose (a worker has none of them, a
 /// relay none of the others).
@@ -357,6 +366,21 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
         "Projection-stream sequence up to which work sessions are written.",
     ),
     (
+        TOKENS,
+        Family::Counter,
+        "Tokens producers reported, by agent, model and kind (input, output, cached_input, reasoning); past 256 agent and model pairs a worker counts further ones under other.",
+    ),
+    (
+        COST,
+        Family::Counter,
+        "Cost of the reported tokens from the [usage] price table, in millionths of its currency unit (divide by 1e6), by agent and model (models with a price only).",
+    ),
+    (
+        OTEL_SPANS,
+        Family::Counter,
+        "OpenTelemetry spans, by outcome (exported; export_failed: dropped, the collector refused or did not answer in time; evicted: an open span given up to stay within otel.max_open).",
+    ),
+    (
         RELAY_PUBLISHED,
         Family::Counter,
         "Relay: messages stored in the raw stream, by kind (a2a_request, a2a_response, a2a_stream, agui).",
@@ -388,6 +412,68 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
     ),
 ];
 
+/// Distinct agent and model pairs one process labels token and cost series with; further pairs
+/// are counted under `other`, so a producer inventing agent names cannot grow `/metrics` without
+/// bound.
+pub const MAX_USAGE_SERIES: usize = 256;
+
+/// Counts reported usage as [`TOKENS`] and [`COST`], with a bounded label set.
+pub struct UsageMeter {
+    prices: crate::usage::Prices,
+    pairs: std::sync::Mutex<std::collections::HashSet<(String, String)>>,
+}
+
+impl UsageMeter {
+    pub fn new(prices: crate::usage::Prices) -> UsageMeter {
+        UsageMeter {
+            prices,
+            pairs: std::sync::Mutex::new(std::collections::HashSet::new()),
+        }
+    }
+
+    /// The labels `agent` and `model` are counted under: themselves while the process has seen
+    /// fewer than [`MAX_USAGE_SERIES`] pairs (or this pair before), else `other`.
+    pub fn labels(&self, agent: &str, model: &str) -> (String, String) {
+        let pair = (agent.to_string(), model.to_string());
+        let Ok(mut pairs) = self.pairs.lock() else {
+            return ("other".into(), "other".into());
+        };
+        if pairs.contains(&pair) || pairs.len() < MAX_USAGE_SERIES {
+            pairs.insert(pair.clone());
+            pair
+        } else {
+            ("other".into(), "other".into())
+        }
+    }
+
+    /// Count `usage`, spent by `agent` (`unknown` when no agent is named).
+    pub fn record(&self, agent: Option<&str>, usage: &crate::usage::Usage) {
+        let (agent, model) = self.labels(
+            agent.unwrap_or("unknown"),
+            usage.model.as_deref().unwrap_or("unknown"),
+        );
+        let kinds = [
+            ("input", Some(usage.input_tokens)),
+            ("output", Some(usage.output_tokens)),
+            ("cached_input", usage.cached_input_tokens),
+            ("reasoning", usage.reasoning_tokens),
+        ];
+        for (kind, n) in kinds {
+            if let Some(n) = n.filter(|n| *n > 0) {
+                metrics::counter!(TOKENS, "agent" => agent.clone(), "model" => model.clone(), "kind" => kind)
+                    .increment(n);
+            }
+        }
+        if let Some(cost) = self.prices.cost(usage) {
+            let micros = (cost * 1_000_000.0).round();
+            if micros >= 1.0 {
+                metrics::counter!(COST, "agent" => agent, "model" => model)
+                    .increment(micros as u64);
+            }
+        }
+    }
+}
+
 /// Register every family with the installed recorder: its description (the `# HELP` and
 /// `# TYPE` lines), and a zero for each series known in advance, so that a family exists (and a
 /// rate over it is defined) before its first event.
@@ -413,6 +499,9 @@ pub fn register_metrics() {
     }
     for class in ["too_large", "deposed", "fatal"] {
         metrics::counter!(PUBLISH_FAILURES, "class" => class).absolute(0);
+    }
+    for outcome in ["exported", "export_failed", "evicted"] {
+        metrics::counter!(OTEL_SPANS, "outcome" => outcome).absolute(0);
     }
     for cause in ["free", "owner_gone"] {
         metrics::counter!(TAKEOVERS, "cause" => cause).absolute(0);
@@ -578,6 +667,61 @@ pub fn say(line: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn usage_is_counted_by_agent_and_model_with_a_bounded_label_set() {
+        let recorder = prometheus_builder().build_recorder();
+        let handle = recorder.handle();
+        let prices = crate::usage::Prices::new(&[crate::usage::Price {
+            model: "m".into(),
+            input_per_mtok: 1.0,
+            output_per_mtok: 2.0,
+            cached_input_per_mtok: None,
+        }])
+        .unwrap_or_default();
+        let meter = UsageMeter::new(prices);
+        let usage = crate::usage::Usage {
+            input_tokens: 1_000,
+            output_tokens: 500,
+            reasoning_tokens: Some(20),
+            model: Some("m".into()),
+            ..Default::default()
+        };
+        metrics::with_local_recorder(&recorder, || {
+            meter.record(Some("ruda"), &usage);
+            meter.record(Some("ruda"), &usage);
+            for i in 0..MAX_USAGE_SERIES {
+                meter.record(Some(&format!("agent-{i}")), &usage);
+            }
+        });
+        let text = handle.render();
+        let line = |needle: &str| {
+            text.lines()
+                .find(|l| l.starts_with(needle))
+                .and_then(|l| l.rsplit(' ').next())
+                .map(str::to_string)
+        };
+        assert_eq!(
+            line(r#"collab_tokens_total{agent="ruda",model="m",kind="input"}"#).as_deref(),
+            Some("2000")
+        );
+        assert_eq!(
+            line(r#"collab_tokens_total{agent="ruda",model="m",kind="reasoning"}"#).as_deref(),
+            Some("40")
+        );
+        // 1000 input at 1/M plus 500 output at 2/M: 0.002 per event, 2000 micros.
+        assert_eq!(
+            line(r#"collab_cost_micros_total{agent="ruda",model="m"}"#).as_deref(),
+            Some("4000")
+        );
+        // ruda plus 255 more pairs fill the set; the last agent counts under other.
+        assert!(text.contains(r#"agent="agent-254""#));
+        assert!(!text.contains(r#"agent="agent-255""#));
+        assert_eq!(
+            line(r#"collab_tokens_total{agent="other",model="other",kind="input"}"#).as_deref(),
+            Some("1000")
+        );
+    }
 
     #[test]
     fn every_family_is_exposed_with_help_and_type() {

@@ -33,6 +33,13 @@ pub struct WorkerContext {
     /// The thread that renews the leases: neither busy partitions (a large reload, a burst of
     /// publishes) nor their queued writes delay a renewal.
     pub leases_side: Side,
+    /// The OpenTelemetry export, when an endpoint is configured (run with the fold, by the
+    /// owner of partition 0).
+    pub otel: Option<crate::otel::Export>,
+    /// The price table usage is costed with.
+    pub prices: crate::usage::Prices,
+    /// Counts the usage producers report (tokens and cost by agent and model).
+    pub usage_meter: crate::telemetry::UsageMeter,
     /// The runtime the partitions run on (the lease loop spawns them here).
     pub partitions_rt: tokio::runtime::Handle,
     /// How often each partition's replay started at the same sequence in a row (partition ->
@@ -49,6 +56,10 @@ impl WorkerContext {
         let names = settings.names();
         let ingest = settings
             .ingest()
+            .map_err(|e| WorkerError::setup(0, "settings", e))?;
+        let otel = crate::otel::resolve(&settings.otel, |k| std::env::var(k).ok())
+            .map_err(|e| WorkerError::setup(0, "the OpenTelemetry export settings", e))?;
+        let prices = crate::usage::Prices::new(&settings.usage.prices)
             .map_err(|e| WorkerError::setup(0, "settings", e))?;
         let sessions_side =
             Side::start(&settings, "collab-sessions", "collab-projector-sessions").await?;
@@ -71,6 +82,9 @@ impl WorkerContext {
             sessions_side,
             leases_side,
             partitions_rt: tokio::runtime::Handle::current(),
+            otel,
+            usage_meter: crate::telemetry::UsageMeter::new(prices.clone()),
+            prices,
             js,
             names,
             ingest,

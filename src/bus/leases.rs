@@ -118,6 +118,28 @@ fn spawn_partition(
                         valid_until.clone(),
                     ))
             });
+            // ... and exports spans, when an OpenTelemetry endpoint is configured.
+            let export = (p == 0)
+                .then(|| shared.otel.clone())
+                .flatten()
+                .map(|export| {
+                    let job = super::otel::ExportJob {
+                        export,
+                        prices: shared.prices.clone(),
+                        js: shared.sessions_side.js.clone(),
+                        kv: shared.sessions.store().clone(),
+                        proj_stream: shared.names.proj_stream.clone(),
+                    };
+                    shared
+                        .sessions_side
+                        .rt
+                        .handle
+                        .spawn(super::otel::run_export(
+                            job,
+                            cancel.clone(),
+                            valid_until.clone(),
+                        ))
+                });
             let mut retry = super::Retry::new(Duration::from_millis(200), Duration::from_secs(5));
             // Interruptions in quick succession (a read of the in-flight range that keeps coming
             // up short while the stream leader holds it) back off, so a partition that cannot
@@ -157,6 +179,9 @@ fn spawn_partition(
             }
             if let Some(fold) = fold {
                 let _ = fold.await;
+            }
+            if let Some(export) = export {
+                let _ = export.await;
             }
         }
         .instrument(span),

@@ -4,6 +4,7 @@ pub(crate) mod acker;
 pub mod context;
 pub mod error;
 pub mod leases;
+pub mod otel;
 pub mod provision;
 pub mod publish;
 pub mod publisher;

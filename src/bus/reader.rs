@@ -758,6 +758,11 @@ impl Partition<'_> {
         }
         let enforce = &shared.settings.turns.enforce_roles;
         for (i, n) in events.iter().enumerate() {
+            if let Some(usage) = crate::usage::read(&n.envelope) {
+                shared
+                    .usage_meter
+                    .record(crate::usage::spender(&n.envelope).as_deref(), &usage);
+            }
             // AG-UI run events follow the run contract (docs/contract.md section 2b) whatever their role; the turn
             // machinery carries both kinds of exchange.
             let run = if shared.settings.runs.enforce {

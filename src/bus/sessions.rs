@@ -120,6 +120,11 @@ impl SessionWriter {
         })
     }
 
+    /// The work-session bucket (the fold's and the export's checkpoints are kept in it too).
+    pub fn store(&self) -> &kv::Store {
+        &self.kv
+    }
+
     /// Fold envelopes, each with its identity, in the order given, into their sessions. Events
     /// that belong to no session are skipped. Returns once the sessions are written.
     pub async fn commit(&self, events: Vec<(Envelope, Identity)>) -> Result<(), SessionError> {

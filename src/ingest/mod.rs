@@ -122,6 +122,14 @@ fn normalize_unredacted(
     let events = match obj.get("type") {
         Some(Value::String(t)) if agui::is_agui_type(t) => {
             let mut n = agui::from_agui(obj, t, input, settings)?;
+            // The relay names the run of every AG-UI event it publishes (`Collab-Run-Id`): an
+            // event that names none itself (a tool call, a text message, a `RUN_ERROR`) takes
+            // it, so every event of a relayed run says which run it belongs to.
+            if n.envelope.run_id.is_none() {
+                if let Some(run) = input.relay.run_id.as_deref().filter(|r| !r.trim().is_empty()) {
+                    n.envelope.run_id = Some(Value::String(run.to_string()));
+                }
+            }
             let (flushes, streamed) = match streams {
                 Some(streams) => {
                     let seq = input.raw_ref.as_ref().map(|r| r.seq);

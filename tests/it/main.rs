@@ -21,6 +21,7 @@ mod fuzz_api;
 mod layout;
 mod operability;
 mod ops;
+mod otel;
 mod pipeline;
 mod redaction;
 mod relay;

@@ -1,0 +1,374 @@
+//! The OpenTelemetry export (docs/otel.md) against a real OTLP receiver agent developers run:
+//! Arize Phoenix (`phoenix serve`, pinned in tests/e2e/phoenix-requirements.txt), its spans read
+//! back through its REST API (`GET /v1/projects/default/spans`).
+//!
+//! The real `collab-projector` binary runs with `OTEL_EXPORTER_OTLP_ENDPOINT` set to Phoenix, a
+//! price table in its config file, and `turns.default_timeout` short enough for a turn to time
+//! out. Raw traffic: a main-main turn answered with usage, a turn nobody answers, and an AG-UI
+//! run (published as its agent, as the relay does) with a streamed tool call and a child run
+//! that fails.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+
+use crate::support::{collab_event, free_port, Projector, TestNats};
+
+/// Guards against hangs only.
+const WAIT: Duration = Duration::from_secs(120);
+
+/// Phoenix's Python (`COLLAB_PHOENIX_PYTHON`, else `.ci/.venv-phoenix/bin/python`), if Phoenix
+/// imports there. `None` (reason printed) outside CI; in CI a missing Phoenix fails the test.
+fn phoenix_python() -> Option<PathBuf> {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let python = std::env::var_os("COLLAB_PHOENIX_PYTHON")
+        .map_or_else(|| root.join(".ci/.venv-phoenix/bin/python"), PathBuf::from);
+    let ok = Command::new(&python)
+        .args(["-c", "import phoenix.server.main"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if ok {
+        return Some(python);
+    }
+    let reason = format!(
+        "no Arize Phoenix at {}: run .ci/run, or create .ci/.venv-phoenix from \
+         tests/e2e/phoenix-requirements.txt, or set COLLAB_PHOENIX_PYTHON",
+        python.display()
+    );
+    assert!(
+        std::env::var_os("CI").is_none_or(|v| v.is_empty()),
+        "{reason}"
+    );
+    eprintln!("SKIPPED OpenTelemetry export test: {reason}");
+    None
+}
+
+/// `phoenix serve` on loopback with a throwaway database; killed on drop.
+struct Phoenix {
+    child: Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Phoenix {
+    async fn start(python: &Path) -> Phoenix {
+        let dir = tempfile::tempdir().expect("a temporary directory for Phoenix");
+        let (port, grpc_port) = (free_port(), free_port());
+        let log = std::fs::File::create(dir.path().join("phoenix.log")).expect("Phoenix's log");
+        let child = Command::new(python)
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e/phoenix_serve.py"))
+            .env("PHOENIX_WORKING_DIR", dir.path())
+            .env("PHOENIX_HOST", "127.0.0.1")
+            .env("PHOENIX_PORT", port.to_string())
+            .env("PHOENIX_GRPC_PORT", grpc_port.to_string())
+            .env("PHOENIX_TELEMETRY_ENABLED", "false")
+            .env("PHOENIX_ALLOW_EXTERNAL_RESOURCES", "false")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("Phoenix's log"))
+            .stderr(log)
+            .spawn()
+            .expect("could not start Phoenix");
+        let phoenix = Phoenix {
+            child,
+            port,
+            _dir: dir,
+        };
+        let client = reqwest::Client::new();
+        let start = Instant::now();
+        loop {
+            let ready = client
+                .get(format!("{}/healthz", phoenix.url()))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success());
+            if ready {
+                return phoenix;
+            }
+            assert!(
+                start.elapsed() < WAIT,
+                "Phoenix did not become ready: {}",
+                phoenix.log()
+            );
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(self._dir.path().join("phoenix.log")).unwrap_or_default()
+    }
+
+    /// Every span of the default project (Phoenix answers 404 until the project's first span).
+    async fn spans(&self) -> Vec<Value> {
+        let url = format!("{}/v1/projects/default/spans?limit=1000", self.url());
+        let Ok(resp) = reqwest::get(url).await else {
+            return Vec::new();
+        };
+        if !resp.status().is_success() {
+            return Vec::new();
+        }
+        let body: Value = resp.json().await.unwrap_or(Value::Null);
+        body["data"].as_array().cloned().unwrap_or_default()
+    }
+}
+
+impl Drop for Phoenix {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+const PRICES: &str = r#"
+[usage]
+prices = [{ model = "claude-sonnet-4", input_per_mtok = 3.0, output_per_mtok = 15.0 }]
+"#;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn turns_runs_and_tools_reach_phoenix_as_genai_spans_with_parents_usage_and_errors() {
+    let Some(python) = phoenix_python() else {
+        return;
+    };
+    let phoenix = Phoenix::start(&python).await;
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let config = tempfile::NamedTempFile::new().expect("a config file");
+    std::fs::write(config.path(), PRICES).expect("the config file is written");
+    let config_path = config.path().to_string_lossy().to_string();
+    let endpoint = phoenix.url();
+    let projector = Projector::spawn(
+        &nats.url(),
+        &["--main-agents", "main,ruda,eden", "-c", &config_path],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("OTEL_SERVICE_NAME", "otel-test"),
+            ("COLLAB_TURNS__DEFAULT_TIMEOUT", "2s"),
+            ("RUST_LOG", "info,collab_projector=debug"),
+        ],
+    );
+    // The export starts at the end of the projection stream when it first runs: wait until the
+    // worker is up before publishing.
+    wait_for_log(&projector, "exporting turns, runs and tool calls").await;
+
+    let publish = |subject: String, body: Value, run: Option<&'static str>| {
+        let js = js.clone();
+        async move {
+            let bytes = serde_json::to_vec(&body).expect("an event serialises");
+            let ack = match run {
+                Some(run) => {
+                    let mut h = async_nats::HeaderMap::new();
+                    h.insert("Collab-Run-Id", run);
+                    js.publish_with_headers(subject, h, bytes.into()).await
+                }
+                None => js.publish(subject, bytes.into()).await,
+            };
+            ack.expect("published").await.expect("stored");
+        }
+    };
+    let now = chrono::Utc::now().timestamp_millis();
+    // A main-main turn answered, with usage; and one that nobody answers.
+    publish(
+        "collab.raw.otel-c1.a2a.send".into(),
+        with_ts(
+            collab_event(
+                "a2a.send",
+                "main",
+                "ruda",
+                "otel-c1",
+                json!({"turnId": "1", "message": "plan the trip"}),
+            ),
+            now,
+        ),
+        None,
+    )
+    .await;
+    publish(
+        "collab.raw.otel-c1.a2a.response".into(),
+        with_ts(
+            collab_event(
+                "a2a.response",
+                "ruda",
+                "main",
+                "otel-c1",
+                json!({"turnId": "1",
+                "message": "done", "model": "claude-sonnet-4",
+                "usage": {"input_tokens": 1000, "output_tokens": 200}}),
+            ),
+            now + 1500,
+        ),
+        None,
+    )
+    .await;
+    publish(
+        "collab.raw.otel-c2.a2a.send".into(),
+        with_ts(
+            collab_event(
+                "a2a.send",
+                "main",
+                "eden",
+                "otel-c2",
+                json!({"turnId": "1", "message": "check the budget"}),
+            ),
+            now,
+        ),
+        None,
+    )
+    .await;
+    // An AG-UI run of the planner with a streamed tool call and a child run that fails.
+    let planner = "collab.raw.otel-th._as.planner.agui";
+    let researcher = "collab.raw.otel-th._as.researcher.agui";
+    for (subject, ev, run) in [
+        (
+            planner,
+            json!({"type": "RUN_STARTED", "threadId": "otel-th", "runId": "otel-r1", "timestamp": now}),
+            "otel-r1",
+        ),
+        (
+            planner,
+            json!({"type": "TOOL_CALL_START", "toolCallId": "call-1", "toolCallName": "get_weather", "timestamp": now + 10}),
+            "otel-r1",
+        ),
+        (
+            planner,
+            json!({"type": "TOOL_CALL_ARGS", "toolCallId": "call-1", "delta": "{\"city\":", "timestamp": now + 11}),
+            "otel-r1",
+        ),
+        (
+            planner,
+            json!({"type": "TOOL_CALL_ARGS", "toolCallId": "call-1", "delta": "\"Oslo\"}", "timestamp": now + 12}),
+            "otel-r1",
+        ),
+        (
+            planner,
+            json!({"type": "TOOL_CALL_END", "toolCallId": "call-1", "timestamp": now + 13}),
+            "otel-r1",
+        ),
+        (
+            planner,
+            json!({"type": "TOOL_CALL_RESULT", "messageId": "m-1", "toolCallId": "call-1", "content": "sunny", "timestamp": now + 50}),
+            "otel-r1",
+        ),
+        (
+            researcher,
+            json!({"type": "RUN_STARTED", "threadId": "otel-th", "runId": "otel-r2", "parentRunId": "otel-r1", "timestamp": now + 60}),
+            "otel-r2",
+        ),
+        (
+            researcher,
+            json!({"type": "RUN_ERROR", "message": "quota exhausted", "code": "rate_limited", "timestamp": now + 90}),
+            "otel-r2",
+        ),
+        (
+            planner,
+            json!({"type": "RUN_FINISHED", "threadId": "otel-th", "runId": "otel-r1", "timestamp": now + 100,
+            "result": {"usage": {"inputTokens": 40, "outputTokens": 8}}}),
+            "otel-r1",
+        ),
+    ] {
+        publish(subject.to_string(), ev, Some(run)).await;
+    }
+
+    // Five spans: the answered turn, the timed-out turn, the run, its tool call, its child run.
+    let start = Instant::now();
+    let spans = loop {
+        let spans = phoenix.spans().await;
+        if spans.len() >= 5 {
+            break spans;
+        }
+        assert!(
+            start.elapsed() < WAIT,
+            "Phoenix has {} spans of 5: {spans:#?}\nprojector log:\n{}",
+            spans.len(),
+            projector.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    let by_name: HashMap<&str, &Value> = spans
+        .iter()
+        .filter_map(|s| Some((s["name"].as_str()?, s)))
+        .collect();
+    let span = |name: &str| -> &Value {
+        by_name
+            .get(name)
+            .unwrap_or_else(|| panic!("no span {name} in {spans:#?}"))
+    };
+    assert_eq!(spans.len(), 5, "{spans:#?}");
+
+    let answered = span("invoke_agent ruda");
+    let a = &answered["attributes"];
+    assert_eq!(a["gen_ai.operation.name"], "invoke_agent");
+    assert_eq!(a["gen_ai.agent.name"], "ruda");
+    assert_eq!(a["gen_ai.conversation.id"], "otel-c1");
+    assert_eq!(a["gen_ai.usage.input_tokens"], 1000);
+    assert_eq!(a["gen_ai.usage.output_tokens"], 200);
+    assert_eq!(a["gen_ai.request.model"], "claude-sonnet-4");
+    let cost = a["collab.usage.cost"].as_f64().unwrap_or(-1.0);
+    assert!((cost - 0.006).abs() < 1e-9, "cost {cost}");
+    assert_ne!(answered["status_code"], "ERROR");
+    assert_eq!(duration_ms(answered), 1500);
+    assert!(answered["parent_id"].is_null());
+
+    let timed_out = span("invoke_agent eden");
+    assert_eq!(timed_out["status_code"], "ERROR");
+    assert_eq!(timed_out["attributes"]["error.type"], "timeout");
+    assert_eq!(timed_out["attributes"]["gen_ai.conversation.id"], "otel-c2");
+
+    let run = span("invoke_agent planner");
+    let tool = span("execute_tool get_weather");
+    let child = span("invoke_agent researcher");
+    let run_id = &run["context"]["span_id"];
+    let trace = &run["context"]["trace_id"];
+    assert!(run["parent_id"].is_null());
+    assert_eq!(&tool["parent_id"], run_id);
+    assert_eq!(&child["parent_id"], run_id);
+    assert_eq!(&tool["context"]["trace_id"], trace);
+    assert_eq!(&child["context"]["trace_id"], trace);
+    assert_eq!(run["attributes"]["gen_ai.conversation.id"], "otel-th");
+    assert_eq!(run["attributes"]["gen_ai.usage.input_tokens"], 40);
+    assert_eq!(tool["attributes"]["gen_ai.tool.name"], "get_weather");
+    assert_eq!(tool["attributes"]["gen_ai.tool.call.id"], "call-1");
+    assert_eq!(
+        tool["attributes"]["gen_ai.tool.call.arguments"],
+        "{\"city\":\"Oslo\"}"
+    );
+    assert_eq!(tool["attributes"]["gen_ai.tool.call.result"], "sunny");
+    assert_eq!(duration_ms(tool), 40);
+    assert_eq!(child["status_code"], "ERROR");
+    assert_eq!(child["attributes"]["error.type"], "rate_limited");
+    assert_eq!(duration_ms(run), 100);
+}
+
+fn with_ts(mut ev: Value, ts: i64) -> Value {
+    ev["ts"] = json!(ts);
+    ev
+}
+
+fn duration_ms(span: &Value) -> i64 {
+    let t = |k: &str| {
+        span[k]
+            .as_str()
+            .and_then(|s| chrono::DateTime::parse_from_rfc3339(s).ok())
+            .map_or(0, |t| t.timestamp_millis())
+    };
+    t("end_time") - t("start_time")
+}
+
+async fn wait_for_log(projector: &Projector, line: &str) {
+    let start = Instant::now();
+    while !projector.log_text().contains(line) {
+        assert!(
+            start.elapsed() < WAIT,
+            "the projector never logged {line:?}:\n{}",
+            projector.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
