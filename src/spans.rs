@@ -250,6 +250,7 @@ impl Assembler {
             .or_else(|| id_text(env.agent_id.as_ref()));
         let blocked = p.and_then(|p| p.get("outcome")).and_then(Value::as_str) == Some("blocked");
         let error = blocked.then(|| text(p, "reason").unwrap_or_else(|| "blocked".into()));
+        let waiting = (!blocked).then(|| turn_wait(p)).flatten();
         let mut attributes = agent_attrs(agent.as_deref(), id_text(env.conversation_id.as_ref()));
         attributes.push(("collab.turn.id", Attr::Str(key_turn(env))));
         if let Some(caller) = open
@@ -261,6 +262,20 @@ impl Assembler {
         }
         if let Some(role) = open.as_ref().and_then(|t| t.role.clone()).or(role(env)) {
             attributes.push(("collab.event_role", Attr::Str(role)));
+        }
+        let outcome = match (&error, &waiting) {
+            (Some(_), _) => "blocked",
+            (None, Some(_)) => "waiting",
+            (None, None) => "answered",
+        };
+        attributes.push(("collab.outcome", Attr::Str(outcome.into())));
+        if let Some(wait) = waiting {
+            // The answer asks its caller for input (or credentials): the caller is waited on.
+            let on = open
+                .as_ref()
+                .and_then(|t| t.caller.clone())
+                .or_else(|| text(p, "toAgent"));
+            push_wait(&mut attributes, wait, on);
         }
         self.push_usage(usage::read(env).as_ref(), &mut attributes);
         out.spans.push(Span {
@@ -346,6 +361,22 @@ impl Assembler {
                 .or_else(|| text(p, "code"))
                 .unwrap_or_else(|| "error".into())
         });
+        let waiting = error.is_none().then(|| run_wait(env)).flatten();
+        let outcome = match (&error, &waiting) {
+            (Some(_), _) => "failed",
+            (None, Some(_)) => "waiting",
+            (None, None) => "finished",
+        };
+        attributes.push(("collab.outcome", Attr::Str(outcome.into())));
+        if let Some(wait) = waiting {
+            // An interrupted run waits on whoever drives it (a person at the UI), named when
+            // the interrupt says so.
+            let on = p
+                .and_then(|p| p.get("interrupt"))
+                .and_then(Value::as_object)
+                .and_then(|i| text(Some(i), "assignee").or_else(|| text(Some(i), "user")));
+            push_wait(&mut attributes, wait, on);
+        }
         out.spans.push(Span {
             trace_id: ids.trace,
             span_id: ids.span,
@@ -508,6 +539,38 @@ impl Assembler {
         if let Some(cost) = self.prices.cost(u) {
             attributes.push(("collab.usage.cost", Attr::F64(cost)));
         }
+    }
+}
+
+/// What a turn's answer waits for: `input` or `auth` when it is an A2A task that stopped at
+/// `input-required` / `auth-required` (the wire normaliser keeps the state as `payload.state`).
+fn turn_wait(p: Option<&Map<String, Value>>) -> Option<String> {
+    match p?.get("state").and_then(Value::as_str)? {
+        "input-required" => Some("input".into()),
+        "auth-required" => Some("auth".into()),
+        _ => None,
+    }
+}
+
+/// What an ended run waits for: an AG-UI `RUN_FINISHED` whose `outcome` is `interrupt` (its
+/// `interrupt.reason`, else `input`), or a runtime `run.finished` whose phase is `interrupted`.
+fn run_wait(env: &Envelope) -> Option<String> {
+    let p = payload(env);
+    let outcome = p.and_then(|p| p.get("outcome")).and_then(Value::as_str);
+    if outcome == Some("interrupt") {
+        let reason = p
+            .and_then(|p| p.get("interrupt"))
+            .and_then(Value::as_object)
+            .and_then(|i| text(Some(i), "reason"));
+        return Some(reason.unwrap_or_else(|| "input".into()));
+    }
+    (env.phase.as_deref() == Some("interrupted")).then(|| "input".into())
+}
+
+fn push_wait(attributes: &mut Vec<(&'static str, Attr)>, wait: String, on: Option<String>) {
+    attributes.push(("collab.waiting.for", Attr::Str(wait)));
+    if let Some(on) = on {
+        attributes.push(("collab.waiting.on", Attr::Str(on)));
     }
 }
 

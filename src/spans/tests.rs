@@ -312,3 +312,45 @@ fn a_run_published_by_an_agents_user_is_named_after_that_agent() {
     assert_eq!(spans[0].name, "invoke_agent researcher");
     assert_eq!(str_attr(&spans[0], "gen_ai.agent.name"), Some("researcher"));
 }
+
+#[test]
+fn an_answer_that_asks_for_input_and_an_interrupted_run_are_waiting_not_errors() {
+    // fixtures/a2a-spec: an A2A v0.3 task stopped at input-required, as the normaliser projects it.
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/fixtures/a2a-spec/v030_jsonrpc_message-send_response_input-required.expected.json"
+    );
+    let cases: Vec<Value> = std::fs::read(path)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default();
+    let mut a = assembler();
+    a.observe(
+        &env(
+            json!({"type": "a2a.send", "conversationId": "ctx-key", "turnId": "ex-1",
+            "payload": {"fromAgent": "ruda", "toAgent": "eden"}}),
+        ),
+        0,
+    );
+    let reply = env(cases[0]["envelope"].clone());
+    let spans = a.observe(&reply, 0).spans;
+    let s = &spans[0];
+    assert_eq!(s.error, None);
+    assert_eq!(str_attr(s, "collab.outcome"), Some("waiting"));
+    assert_eq!(str_attr(s, "collab.waiting.for"), Some("input"));
+    assert_eq!(str_attr(s, "collab.waiting.on"), Some("ruda"));
+
+    a.observe(&env(json!({"type": "run.started", "runId": "r"})), 0);
+    let run = a
+        .observe(
+            &env(json!({"type": "run.finished", "runId": "r", "payload": {
+                "agUiType": "RUN_FINISHED", "outcome": "interrupt",
+                "interrupt": {"id": "i-1", "reason": "approval", "assignee": "alice"}}})),
+            0,
+        )
+        .spans;
+    assert_eq!(run[0].error, None);
+    assert_eq!(str_attr(&run[0], "collab.outcome"), Some("waiting"));
+    assert_eq!(str_attr(&run[0], "collab.waiting.for"), Some("approval"));
+    assert_eq!(str_attr(&run[0], "collab.waiting.on"), Some("alice"));
+}

@@ -6,7 +6,7 @@
 //! price table in its config file, and `turns.default_timeout` short enough for a turn to time
 //! out. Raw traffic: a main-main turn answered with usage, a turn nobody answers, and an AG-UI
 //! run (published as its agent, as the relay does) with a streamed tool call and a child run
-//! that fails.
+//! that fails, and a run that stops for a person's approval (an AG-UI interrupt).
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -225,6 +225,7 @@ async fn turns_runs_and_tools_reach_phoenix_as_genai_spans_with_parents_usage_an
     // An AG-UI run of the planner with a streamed tool call and a child run that fails.
     let planner = "collab.raw.otel-th._as.planner.agui";
     let researcher = "collab.raw.otel-th._as.researcher.agui";
+    let approver = "collab.raw.otel-th2._as.approver.agui";
     for (subject, ev, run) in [
         (
             planner,
@@ -267,6 +268,17 @@ async fn turns_runs_and_tools_reach_phoenix_as_genai_spans_with_parents_usage_an
             "otel-r2",
         ),
         (
+            approver,
+            json!({"type": "RUN_STARTED", "threadId": "otel-th2", "runId": "otel-r3", "timestamp": now}),
+            "otel-r3",
+        ),
+        (
+            approver,
+            json!({"type": "RUN_FINISHED", "threadId": "otel-th2", "runId": "otel-r3", "timestamp": now + 30,
+                "outcome": "interrupt", "interrupt": {"id": "int-1", "reason": "approval", "assignee": "alice"}}),
+            "otel-r3",
+        ),
+        (
             planner,
             json!({"type": "RUN_FINISHED", "threadId": "otel-th", "runId": "otel-r1", "timestamp": now + 100,
             "result": {"usage": {"inputTokens": 40, "outputTokens": 8}}}),
@@ -276,16 +288,17 @@ async fn turns_runs_and_tools_reach_phoenix_as_genai_spans_with_parents_usage_an
         publish(subject.to_string(), ev, Some(run)).await;
     }
 
-    // Five spans: the answered turn, the timed-out turn, the run, its tool call, its child run.
+    // Six spans: the answered turn, the timed-out turn, the run, its tool call, its child run,
+    // and the run that stopped for a person's approval.
     let start = Instant::now();
     let spans = loop {
         let spans = phoenix.spans().await;
-        if spans.len() >= 5 {
+        if spans.len() >= 6 {
             break spans;
         }
         assert!(
             start.elapsed() < WAIT,
-            "Phoenix has {} spans of 5: {spans:#?}\nprojector log:\n{}",
+            "Phoenix has {} spans of 6: {spans:#?}\nprojector log:\n{}",
             spans.len(),
             projector.log_text()
         );
@@ -300,7 +313,7 @@ async fn turns_runs_and_tools_reach_phoenix_as_genai_spans_with_parents_usage_an
             .get(name)
             .unwrap_or_else(|| panic!("no span {name} in {spans:#?}"))
     };
-    assert_eq!(spans.len(), 5, "{spans:#?}");
+    assert_eq!(spans.len(), 6, "{spans:#?}");
 
     let answered = span("invoke_agent ruda");
     let a = &answered["attributes"];
@@ -344,6 +357,15 @@ async fn turns_runs_and_tools_reach_phoenix_as_genai_spans_with_parents_usage_an
     assert_eq!(child["status_code"], "ERROR");
     assert_eq!(child["attributes"]["error.type"], "rate_limited");
     assert_eq!(duration_ms(run), 100);
+
+    // Waiting for a person is a state, not a failure.
+    let waiting = span("invoke_agent approver");
+    assert_ne!(waiting["status_code"], "ERROR");
+    assert_eq!(waiting["attributes"]["collab.outcome"], "waiting");
+    assert_eq!(waiting["attributes"]["collab.waiting.for"], "approval");
+    assert_eq!(waiting["attributes"]["collab.waiting.on"], "alice");
+    assert_eq!(answered["attributes"]["collab.outcome"], "answered");
+    assert_eq!(timed_out["attributes"]["collab.outcome"], "blocked");
 }
 
 fn with_ts(mut ev: Value, ts: i64) -> Value {
