@@ -728,6 +728,11 @@ export interface WorkSession {
    * count only in the totals.
    */
   threads: Thread[];
+  /**
+   * Tokens the visible roles' events reported, per agent and model, with their cost.
+   */
+  usage: UsageView[];
+  usageTotal: UsageTotal;
 }
 /**
  * A participant as the API shows it.
@@ -804,6 +809,55 @@ export interface Thread {
    * Turns answered by a real reply.
    */
   answeredTurns: number;
+}
+/**
+ * Tokens one agent spent on one model in a session, and their cost.
+ */
+export interface UsageView {
+  /**
+   * The agent that spent them (`unknown` when the events named none; `other` past 64 agents).
+   */
+  agent: string;
+  /**
+   * The model (`unknown` when the events named none; `other` past 16 models per agent).
+   */
+  model: string;
+  inputTokens: number;
+  outputTokens: number;
+  /**
+   * Input tokens read from a prompt cache (part of `inputTokens`).
+   */
+  cachedInputTokens: number;
+  /**
+   * Output tokens spent on reasoning (part of `outputTokens`).
+   */
+  reasoningTokens: number;
+  /**
+   * Events that reported usage.
+   */
+  events: number;
+  /**
+   * The cost from the configured price table (`[usage] prices`); absent when the model has
+   * no price.
+   */
+  cost?: number;
+}
+/**
+ * A session's usage summed over agents and models.
+ */
+export interface UsageTotal {
+  inputTokens: number;
+  outputTokens: number;
+  cachedInputTokens: number;
+  reasoningTokens: number;
+  /**
+   * The cost of the tokens of priced models.
+   */
+  cost: number;
+  /**
+   * Tokens (input and output) of models the price table has no price for, not in `cost`.
+   */
+  unpricedTokens: number;
 }
 /**
  * `/api/work-sessions/{id}`: one work session, seen through `role`.

@@ -269,7 +269,32 @@ pub struct WorkSession {
     /// held (bit `i` is `Role::ALL[i]`), so a view restricted to some roles still counts them.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub retired: BTreeMap<u8, RetiredThreads>,
+    /// Tokens the session's events reported (docs/contract.md 2c), by the role of the event, the
+    /// agent that spent them and the model. Cost is not stored: a view computes it from the
+    /// price table it is given, so a changed price applies to the past too.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub usage: BTreeMap<Role, BTreeMap<String, BTreeMap<String, Tokens>>>,
 }
+
+/// Tokens reported for one agent and model.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Tokens {
+    pub input: u64,
+    pub output: u64,
+    #[serde(default)]
+    pub cached_input: u64,
+    #[serde(default)]
+    pub reasoning: u64,
+    /// Events that reported usage.
+    #[serde(default)]
+    pub events: u64,
+}
+
+/// Agents a session keeps usage for one by one per role, and models per agent; further ones are
+/// summed under `other`, so a session's value stays bounded.
+pub const MAX_USAGE_AGENTS: usize = 64;
+pub const MAX_USAGE_MODELS: usize = 16;
 
 /// Threads a session keeps one by one. Past `MAX_THREADS + RETIRE_SLACK`, the threads with the
 /// oldest activity and no open turn are summed into [`WorkSession::retired`] until
@@ -379,6 +404,17 @@ const FOLD_FIELDS: &[&str] = &[
     "fromDisplayName",
     "toName",
     "toDisplayName",
+    // Usage (crate::usage::read): where it stands and the model beside it.
+    "usage",
+    "model",
+    "modelId",
+    "model_name",
+    "result",
+    "metadata",
+    "task",
+    "agUiType",
+    "name",
+    "value",
 ];
 
 /// A stored projection as the fold reads it: the envelope fields the fold uses and, of the
@@ -709,10 +745,41 @@ pub fn fold_into(
     note_text(s, &ev);
     note_last_message(s, &ev);
     note_participants(s, &ev);
+    note_usage(s, &ev);
     if let Some(c) = &keys.conversation_id {
         note_thread(s, c, &ev);
     }
     true
+}
+
+/// Add the tokens the event reports to its role, agent and model (past the bounds, `other`).
+fn note_usage(s: &mut WorkSession, ev: &Folded<'_>) {
+    let Some(u) = crate::usage::read(ev.env) else {
+        return;
+    };
+    let agent = crate::usage::spender(ev.env).unwrap_or_else(|| "unknown".into());
+    let model = u.model.clone().unwrap_or_else(|| "unknown".into());
+    let by_agent = s.usage.entry(ev.role).or_default();
+    let agent = bounded_key(by_agent, agent, MAX_USAGE_AGENTS);
+    let by_model = by_agent.entry(agent).or_default();
+    let model = bounded_key(by_model, model, MAX_USAGE_MODELS);
+    let t = by_model.entry(model).or_default();
+    t.input = t.input.saturating_add(u.input_tokens);
+    t.output = t.output.saturating_add(u.output_tokens);
+    t.cached_input = t
+        .cached_input
+        .saturating_add(u.cached_input_tokens.unwrap_or(0));
+    t.reasoning = t.reasoning.saturating_add(u.reasoning_tokens.unwrap_or(0));
+    t.events += 1;
+}
+
+/// `key` while the map holds it or has room for it, else `other`.
+fn bounded_key<V>(map: &BTreeMap<String, V>, key: String, max: usize) -> String {
+    if map.contains_key(&key) || map.len() < max {
+        key
+    } else {
+        "other".into()
+    }
 }
 
 /// What the fold reads from one envelope.
@@ -1109,6 +1176,48 @@ pub struct SessionView {
     /// The most recently active conversations (256 or so); older ones without an open turn
     /// count only in the totals.
     pub threads: Vec<ThreadView>,
+    /// Tokens the visible roles' events reported, per agent and model, with their cost.
+    pub usage: Vec<UsageView>,
+    /// Their sum.
+    pub usage_total: UsageTotal,
+}
+
+/// Tokens one agent spent on one model in a session, and their cost.
+#[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(deny_unknown_fields)]
+pub struct UsageView {
+    /// The agent that spent them (`unknown` when the events named none; `other` past 64 agents).
+    pub agent: String,
+    /// The model (`unknown` when the events named none; `other` past 16 models per agent).
+    pub model: String,
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    /// Input tokens read from a prompt cache (part of `inputTokens`).
+    pub cached_input_tokens: u64,
+    /// Output tokens spent on reasoning (part of `outputTokens`).
+    pub reasoning_tokens: u64,
+    /// Events that reported usage.
+    pub events: u64,
+    /// The cost from the configured price table (`[usage] prices`); absent when the model has
+    /// no price.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cost: Option<f64>,
+}
+
+/// A session's usage summed over agents and models.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(deny_unknown_fields)]
+pub struct UsageTotal {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    pub cached_input_tokens: u64,
+    pub reasoning_tokens: u64,
+    /// The cost of the tokens of priced models.
+    pub cost: f64,
+    /// Tokens (input and output) of models the price table has no price for, not in `cost`.
+    pub unpriced_tokens: u64,
 }
 
 /// What a view needs besides the session.
@@ -1119,6 +1228,8 @@ pub struct ViewOptions<'a> {
     pub now: DateTime<Utc>,
     pub quiet_after: Duration,
     pub archive_after: Duration,
+    /// The price table usage is costed with.
+    pub prices: &'a crate::usage::Prices,
 }
 
 impl WorkSession {
@@ -1199,6 +1310,7 @@ impl WorkSession {
                 .then_with(|| a.conversation_id.cmp(&b.conversation_id))
         });
         let last = self.last_visible_message(opts.roles);
+        let usage = self.usage_views(opts.roles, opts.prices);
         let span = visible_span(
             &self.spans,
             opts.roles,
@@ -1236,7 +1348,62 @@ impl WorkSession {
             last_message_timestamp: last.and_then(|m| m.timestamp.clone()),
             participants: self.participant_views(opts.roles),
             threads,
+            usage: usage.0,
+            usage_total: usage.1,
         })
+    }
+
+    /// The usage of the visible roles, per agent and model, costed with `prices`.
+    fn usage_views(
+        &self,
+        roles: &[Role],
+        prices: &crate::usage::Prices,
+    ) -> (Vec<UsageView>, UsageTotal) {
+        let mut merged: BTreeMap<(&str, &str), Tokens> = BTreeMap::new();
+        for (_, by_agent) in self.usage.iter().filter(|(r, _)| roles.contains(r)) {
+            for (agent, by_model) in by_agent {
+                for (model, t) in by_model {
+                    let m = merged.entry((agent, model)).or_default();
+                    m.input += t.input;
+                    m.output += t.output;
+                    m.cached_input += t.cached_input;
+                    m.reasoning += t.reasoning;
+                    m.events += t.events;
+                }
+            }
+        }
+        let mut total = UsageTotal::default();
+        let views = merged
+            .into_iter()
+            .map(|((agent, model), t)| {
+                let cost = prices.cost(&crate::usage::Usage {
+                    input_tokens: t.input,
+                    output_tokens: t.output,
+                    cached_input_tokens: Some(t.cached_input),
+                    reasoning_tokens: Some(t.reasoning),
+                    model: Some(model.to_string()),
+                });
+                total.input_tokens += t.input;
+                total.output_tokens += t.output;
+                total.cached_input_tokens += t.cached_input;
+                total.reasoning_tokens += t.reasoning;
+                match cost {
+                    Some(c) => total.cost += c,
+                    None => total.unpriced_tokens += t.input + t.output,
+                }
+                UsageView {
+                    agent: agent.to_string(),
+                    model: model.to_string(),
+                    input_tokens: t.input,
+                    output_tokens: t.output,
+                    cached_input_tokens: t.cached_input,
+                    reasoning_tokens: t.reasoning,
+                    events: t.events,
+                    cost,
+                }
+            })
+            .collect();
+        (views, total)
     }
 
     /// The participants seen in `roles`, each with its kind, name and roles as those roles gave
@@ -1405,8 +1572,11 @@ mod tests {
             now: parse_time("2026-02-17T12:05:00Z").unwrap_or_default(),
             quiet_after: Duration::from_secs(900),
             archive_after: Duration::from_secs(86400),
+            prices: &NO_PRICES,
         }
     }
+
+    static NO_PRICES: crate::usage::Prices = crate::usage::Prices::EMPTY;
 
     /// Every envelope the projection fixtures hold, plus envelopes that read every kept field
     /// beside fields the fold skips.
@@ -1733,6 +1903,125 @@ mod tests {
             .expect("visible");
         assert_eq!(v.updated_at.as_deref(), Some("2026-02-17T13:00:00.000Z"));
         assert_eq!(v.status, Status::Active);
+    }
+
+    #[test]
+    fn usage_rolls_up_per_agent_and_model_within_the_visible_roles_with_cost_from_the_table() {
+        let main = |ts: &str, from: &str, usage: Value| {
+            env(
+                Role::ConversationMain,
+                "a2a.response",
+                ts,
+                json!({"fromAgent": from, "toAgent": "main", "conversationId": "c1",
+                    "workSessionId": "ws_u", "turnId": ts, "model": "m1", "usage": usage}),
+            )
+        };
+        let runtime = env(
+            Role::SystemObservability,
+            "run.finished",
+            "2026-02-17T12:00:03.000Z",
+            json!({"conversationId": "c1", "workSessionId": "ws_u",
+                "result": {"model": "m2", "usage": {"prompt_tokens": 7, "completion_tokens": 3}}}),
+        );
+        let s = fold(&[
+            (
+                main(
+                    "2026-02-17T12:00:00.000Z",
+                    "ruda",
+                    json!({"input_tokens": 100, "output_tokens": 10,
+                    "cache_read_input_tokens": 40}),
+                ),
+                raw(0, 1),
+            ),
+            (
+                main(
+                    "2026-02-17T12:00:01.000Z",
+                    "ruda",
+                    json!({"inputTokens": 50, "outputTokens": 5}),
+                ),
+                raw(0, 2),
+            ),
+            // Applied twice (a redelivery): counted once.
+            (
+                main(
+                    "2026-02-17T12:00:01.000Z",
+                    "ruda",
+                    json!({"inputTokens": 50, "outputTokens": 5}),
+                ),
+                raw(0, 2),
+            ),
+            (runtime, raw(1, 1)),
+        ])
+        .expect("session");
+        let prices = crate::usage::Prices::new(&[crate::usage::Price {
+            model: "m1".into(),
+            input_per_mtok: 1_000_000.0,
+            output_per_mtok: 2_000_000.0,
+            cached_input_per_mtok: Some(0.0),
+        }])
+        .unwrap_or_default();
+        let main_only = [Role::ConversationMain];
+        let v = s
+            .view(&ViewOptions {
+                prices: &prices,
+                ..opts(&main_only)
+            })
+            .expect("visible");
+        assert_eq!(v.usage.len(), 1, "{:?}", v.usage);
+        let u = &v.usage[0];
+        assert_eq!(
+            (
+                u.agent.as_str(),
+                u.model.as_str(),
+                u.input_tokens,
+                u.output_tokens
+            ),
+            ("ruda", "m1", 150, 15)
+        );
+        assert_eq!((u.cached_input_tokens, u.events), (40, 2));
+        // 110 fresh input at 1 each, 40 cached at 0, 15 output at 2 each.
+        assert_eq!(u.cost, Some(140.0));
+        assert_eq!(
+            (v.usage_total.cost, v.usage_total.unpriced_tokens),
+            (140.0, 0)
+        );
+        // The runtime's usage is visible only to those who may see its role; m2 has no price.
+        let all = s
+            .view(&ViewOptions {
+                prices: &prices,
+                ..opts(&Role::ALL)
+            })
+            .expect("visible");
+        assert_eq!(all.usage.len(), 2);
+        let m2 = all.usage.iter().find(|u| u.model == "m2").expect("m2");
+        assert_eq!(
+            (m2.agent.as_str(), m2.input_tokens, m2.cost),
+            ("unknown", 7, None)
+        );
+        assert_eq!(all.usage_total.unpriced_tokens, 10);
+    }
+
+    #[test]
+    fn usage_keeps_a_bounded_number_of_agents_and_models() {
+        let mut s = WorkSession::default();
+        let events: Vec<Envelope> = (0..MAX_USAGE_AGENTS + 5)
+            .map(|i| {
+                env(
+                    Role::ConversationMain,
+                    "a2a.response",
+                    "2026-02-17T12:00:00.000Z",
+                    json!({"fromAgent": format!("a{i}"), "conversationId": "c", "workSessionId": "w",
+                        "turnId": i, "usage": {"input_tokens": 1, "output_tokens": 1}}),
+                )
+            })
+            .collect();
+        for (i, e) in events.iter().enumerate() {
+            let keys = keys(e);
+            fold_into(&mut s, e, &keys, raw(0, i as u64 + 1));
+        }
+        let by_agent = &s.usage[&Role::ConversationMain];
+        assert_eq!(by_agent.len(), MAX_USAGE_AGENTS + 1);
+        assert_eq!(by_agent["other"]["unknown"].events, 5);
     }
 
     #[test]

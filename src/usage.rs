@@ -195,6 +195,11 @@ pub struct Prices {
 }
 
 impl Prices {
+    /// No prices: usage has tokens and no cost.
+    pub const EMPTY: Prices = Prices {
+        by_model: Vec::new(),
+    };
+
     /// The table; an error names the first entry that cannot be used.
     pub fn new(prices: &[Price]) -> Result<Prices, String> {
         for (i, p) in prices.iter().enumerate() {

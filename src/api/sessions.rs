@@ -57,6 +57,7 @@ pub async fn list(
         now: Utc::now(),
         quiet_after: state.quiet_after(),
         archive_after: state.archive_after(),
+        prices: state.prices(),
     };
     let mut views: Vec<SessionView> = values
         .iter()
@@ -125,6 +126,7 @@ pub async fn one(
             now,
             quiet_after: state.quiet_after(),
             archive_after: state.archive_after(),
+            prices: state.prices(),
         })
         .ok_or_else(missing)?;
     if format == "mplp" {

@@ -63,6 +63,7 @@ pub struct ApiState {
     sessions: Arc<OnceCell<kv::Store>>,
     blobs: Arc<OnceCell<ObjectStore>>,
     stats: Arc<ApiStats>,
+    prices: Arc<crate::usage::Prices>,
 }
 
 impl ApiState {
@@ -83,6 +84,7 @@ impl ApiState {
             sessions: Arc::new(OnceCell::new()),
             blobs: Arc::new(OnceCell::new()),
             stats: Arc::new(ApiStats::default()),
+            prices: Arc::new(crate::usage::Prices::EMPTY),
         }
     }
 
@@ -110,6 +112,14 @@ impl ApiState {
     /// The grants, shared with the access-control middleware.
     pub fn shared_grants(&self) -> Arc<Grants> {
         Arc::clone(&self.grants)
+    }
+    /// The API with `prices` costing the usage it shows.
+    pub fn with_prices(mut self, prices: crate::usage::Prices) -> ApiState {
+        self.prices = Arc::new(prices);
+        self
+    }
+    pub fn prices(&self) -> &crate::usage::Prices {
+        &self.prices
     }
     pub fn quiet_after(&self) -> Duration {
         self.quiet_after

@@ -550,12 +550,26 @@ async function loadSessions(gen, ctl) {
       el('span', { class: 'title' }, s.title || s.id),
       el('span', { class: 'meta' }, `${s.id} · ${s.status}`),
       el('span', { class: 'meta' }, `${s.openTurns} open · ${s.blockedTurns} blocked · ${s.answeredTurns ?? 0} answered turns`),
+      usageLine(s),
       who ? el('span', { class: 'meta' }, who) : null);
     b.addEventListener('click', () => pickSession(s));
     return el('li', {}, b);
   });
   list.replaceChildren(...items);
   $('sessions-note').textContent = `${body.count} of ${body.totalMatched ?? body.count} sessions with ${state.role} events, most recently active first.`;
+}
+
+// Tokens and cost of a session (the cost comes from the server's price table; models without a
+// price are counted in tokens only).
+function usageLine(s) {
+  const t = s.usageTotal;
+  if (!t || !(t.inputTokens || t.outputTokens)) return null;
+  const n = (x) => Number(x || 0).toLocaleString('en');
+  let text = `${n(t.inputTokens)} in · ${n(t.outputTokens)} out tokens`;
+  if (t.cost > 0) text += ` · cost ${t.cost.toFixed(4)}`;
+  if (t.unpricedTokens) text += ` (${n(t.unpricedTokens)} unpriced)`;
+  const byAgent = (s.usage || []).map((u) => `${u.agent} ${u.model}: ${n(u.inputTokens)} in, ${n(u.outputTokens)} out${u.cost != null ? `, ${u.cost.toFixed(4)}` : ''}`);
+  return el('span', { class: 'meta usage', title: byAgent.join('\n') }, text);
 }
 
 function pickSession(s) {

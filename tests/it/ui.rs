@@ -254,7 +254,8 @@ async fn answered_turn(js: &async_nats::jetstream::Context, key: &str, ask: &str
         &collab_event("a2a.send", "ruda", "eden", key, send),
     )
     .await;
-    let reply = json!({"message": answer});
+    let reply = json!({"message": answer, "model": "m-test",
+        "usage": {"input_tokens": 1200, "output_tokens": 300}});
     publish(
         js,
         key,
@@ -308,7 +309,7 @@ fn viewer_config(dir: &std::path::Path, roles: &[&str]) -> std::path::PathBuf {
     std::fs::write(
         &config,
         format!(
-            "[[http.tokens]]\nname = \"viewer\"\ntoken = \"{TOKEN}\"\nroles = [{}]\n",
+            "[usage]\nprices = [{{ model = \"m-test\", input_per_mtok = 10.0, output_per_mtok = 20.0 }}]\n\n[[http.tokens]]\nname = \"viewer\"\ntoken = \"{TOKEN}\"\nroles = [{}]\n",
             roles.join(", ")
         ),
     )
@@ -453,6 +454,15 @@ async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropp
         &client,
         "the conversations view is back",
         r#"return document.querySelector('li.row[data-type="a2a.send"]') === null && document.querySelector('li.row[data-key="browser-1"]') !== null;"#,
+    )
+    .await;
+
+    // A session's tokens and their cost from the price table (1200 in at 10, 300 out at 20 per
+    // million).
+    wait_for(
+        &client,
+        "the answered turn's session shows its tokens and cost",
+        r#"const b = document.querySelector('#sessions button[data-session="browser-1"]'); return b !== null && b.textContent.includes('1,200 in · 300 out tokens · cost 0.0180');"#,
     )
     .await;
 
