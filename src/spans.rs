@@ -368,13 +368,7 @@ impl Assembler {
             (None, None) => "finished",
         };
         attributes.push(("collab.outcome", Attr::Str(outcome.into())));
-        if let Some(wait) = waiting {
-            // An interrupted run waits on whoever drives it (a person at the UI), named when
-            // the interrupt says so.
-            let on = p
-                .and_then(|p| p.get("interrupt"))
-                .and_then(Value::as_object)
-                .and_then(|i| text(Some(i), "assignee").or_else(|| text(Some(i), "user")));
+        if let Some((wait, on)) = waiting {
             push_wait(&mut attributes, wait, on);
         }
         out.spans.push(Span {
@@ -552,19 +546,30 @@ fn turn_wait(p: Option<&Map<String, Value>>) -> Option<String> {
     }
 }
 
-/// What an ended run waits for: an AG-UI `RUN_FINISHED` whose `outcome` is `interrupt` (its
-/// `interrupt.reason`, else `input`), or a runtime `run.finished` whose phase is `interrupted`.
-fn run_wait(env: &Envelope) -> Option<String> {
+/// What an ended run waits for, and on whom: an AG-UI `RUN_FINISHED` whose `outcome` is an
+/// interrupt (`{"type": "interrupt", "interrupts": [...]}`, or the string `interrupt` beside an
+/// `interrupt` object), or any run the normaliser marked `interrupted`. What is awaited is the
+/// first interrupt's `reason`, else `input`; whom, its `assignee` (or `user`) when it names one.
+fn run_wait(env: &Envelope) -> Option<(String, Option<String>)> {
     let p = payload(env);
-    let outcome = p.and_then(|p| p.get("outcome")).and_then(Value::as_str);
-    if outcome == Some("interrupt") {
-        let reason = p
-            .and_then(|p| p.get("interrupt"))
-            .and_then(Value::as_object)
-            .and_then(|i| text(Some(i), "reason"));
-        return Some(reason.unwrap_or_else(|| "input".into()));
+    let outcome = p.and_then(|p| p.get("outcome"));
+    let typed = match outcome {
+        Some(Value::String(s)) => s == "interrupt",
+        Some(Value::Object(o)) => o.get("type").and_then(Value::as_str) == Some("interrupt"),
+        _ => false,
+    };
+    if !typed && env.phase.as_deref() != Some("interrupted") {
+        return None;
     }
-    (env.phase.as_deref() == Some("interrupted")).then(|| "input".into())
+    let first = outcome
+        .and_then(|o| o.get("interrupts"))
+        .and_then(Value::as_array)
+        .and_then(|a| a.first())
+        .or_else(|| p.and_then(|p| p.get("interrupt")))
+        .and_then(Value::as_object);
+    let reason = first.and_then(|i| text(Some(i), "reason"));
+    let on = first.and_then(|i| text(Some(i), "assignee").or_else(|| text(Some(i), "user")));
+    Some((reason.unwrap_or_else(|| "input".into()), on))
 }
 
 fn push_wait(attributes: &mut Vec<(&'static str, Attr)>, wait: String, on: Option<String>) {

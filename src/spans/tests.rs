@@ -343,9 +343,11 @@ fn an_answer_that_asks_for_input_and_an_interrupted_run_are_waiting_not_errors()
     a.observe(&env(json!({"type": "run.started", "runId": "r"})), 0);
     let run = a
         .observe(
-            &env(json!({"type": "run.finished", "runId": "r", "payload": {
-                "agUiType": "RUN_FINISHED", "outcome": "interrupt",
-                "interrupt": {"id": "i-1", "reason": "approval", "assignee": "alice"}}})),
+            &env(
+                json!({"type": "run.finished", "runId": "r", "phase": "interrupted", "payload": {
+                "agUiType": "RUN_FINISHED", "outcome": {"type": "interrupt", "interrupts": [
+                    {"id": "i-1", "reason": "approval", "assignee": "alice"}]}}}),
+            ),
             0,
         )
         .spans;

@@ -275,7 +275,7 @@ async fn turns_runs_and_tools_reach_phoenix_as_genai_spans_with_parents_usage_an
         (
             approver,
             json!({"type": "RUN_FINISHED", "threadId": "otel-th2", "runId": "otel-r3", "timestamp": now + 30,
-                "outcome": "interrupt", "interrupt": {"id": "int-1", "reason": "approval", "assignee": "alice"}}),
+                "outcome": {"type": "interrupt", "interrupts": [{"id": "int-1", "reason": "approval", "assignee": "alice"}]}}),
             "otel-r3",
         ),
         (
