@@ -21,6 +21,7 @@ export type CollabProjectorSchema =
   | SchemaIndex
   | StreamError
   | SuppressedPayload
+  | ThreadResponse
   | WorkSessionList
   | WorkSessionResponse;
 /**
@@ -81,6 +82,18 @@ export type TurnOutcome = "blocked" | "response" | "pending";
  * How a run was decided.
  */
 export type RunOutcome = "timeout" | "terminal";
+/**
+ * Where a run is.
+ */
+export type RunViewOutcome = "running" | "finished" | "waiting" | "failed" | "timed_out";
+/**
+ * Where a tool call is.
+ */
+export type ToolStatus = "running" | "completed" | "failed";
+/**
+ * Where a turn is.
+ */
+export type TurnViewOutcome = "awaiting_reply" | "answered" | "waiting" | "blocked";
 /**
  * A session's status, from its last event time and the clock: `ACTIVE`, `QUIET` after
  * `http.quiet_after` without events, `ARCHIVED` after `http.archive_after`.
@@ -605,6 +618,163 @@ export interface RunWinnerRef {
    * The run's AG-UI thread, when it named one.
    */
   threadId: string | null;
+}
+/**
+ * `/api/threads/{key}`: one thread, assembled, seen through `role`.
+ *
+ * JSON Schema: /api/schemas/thread.schema.json
+ */
+export interface ThreadResponse {
+  thread: ThreadView;
+  /**
+   * The roles it is seen through.
+   */
+  role: Role[];
+}
+/**
+ * A thread, assembled.
+ */
+export interface ThreadView {
+  /**
+   * The ordering key read (the conversation, AG-UI thread or session).
+   */
+  key: string;
+  /**
+   * Its runs, oldest first.
+   */
+  runs: RunView[];
+  /**
+   * Its turns, oldest first.
+   */
+  turns: TurnView[];
+  /**
+   * Events read.
+   */
+  events: number;
+  /**
+   * Whether older events of the key exist that were not read (the newest are assembled).
+   */
+  truncated: boolean;
+}
+/**
+ * One run as a unit.
+ */
+export interface RunView {
+  runId: string;
+  /**
+   * The run that started it (AG-UI `parentRunId`).
+   */
+  parentRunId?: string;
+  /**
+   * Its agent: `agentId`, else the agent whose NATS user published it.
+   */
+  agent?: string;
+  outcome: RunViewOutcome;
+  /**
+   * Why it failed (a `RUN_ERROR`'s message or code, `timeout`).
+   */
+  error?: string;
+  /**
+   * What it waits for (an interrupt's reason, else `input`) when `outcome` is `waiting`.
+   */
+  waitingFor?: string;
+  /**
+   * Whom it waits on, when the interrupt names them.
+   */
+  waitingOn?: string;
+  /**
+   * Event times (RFC 3339).
+   */
+  startedAt?: string;
+  endedAt?: string;
+  durationMs?: number;
+  messages: MessageView[];
+  toolCalls: ToolCallView[];
+  steps: StepView[];
+  usage?: UsageSummary;
+}
+/**
+ * A text message assembled from its deltas.
+ */
+export interface MessageView {
+  messageId: string;
+  /**
+   * Its author (`assistant`, `user`, ...), when given.
+   */
+  role?: string;
+  text: string;
+  /**
+   * Whether its end (`TEXT_MESSAGE_END`) came.
+   */
+  complete: boolean;
+  startedAt?: string;
+}
+/**
+ * A tool call with its arguments and result.
+ */
+export interface ToolCallView {
+  toolCallId: string;
+  name?: string;
+  /**
+   * The arguments, assembled from the streamed deltas.
+   */
+  arguments: string;
+  /**
+   * Whether the arguments are complete (`TOOL_CALL_END`).
+   */
+  argumentsComplete: boolean;
+  result?: string;
+  status: ToolStatus;
+  startedAt?: string;
+  endedAt?: string;
+  durationMs?: number;
+}
+/**
+ * A step of a run (`STEP_STARTED` .. `STEP_FINISHED`).
+ */
+export interface StepView {
+  name: string;
+  startedAt?: string;
+  endedAt?: string;
+}
+/**
+ * Tokens, and their cost when the model has a price.
+ */
+export interface UsageSummary {
+  inputTokens: number;
+  outputTokens: number;
+  model?: string;
+  cost?: number;
+}
+/**
+ * A turn: its request and its one response, in place.
+ */
+export interface TurnView {
+  turnId: string;
+  conversationId?: string;
+  /**
+   * Who asked.
+   */
+  fromAgent?: string;
+  /**
+   * Who was asked (and answers).
+   */
+  toAgent?: string;
+  request?: string;
+  reply?: string;
+  outcome: TurnViewOutcome;
+  /**
+   * A blocked turn's reason (`timeout`, `error`, `not_found`).
+   */
+  reason?: string;
+  /**
+   * What a waiting answer asks for (`input`, `auth`).
+   */
+  waitingFor?: string;
+  sentAt?: string;
+  answeredAt?: string;
+  durationMs?: number;
+  usage?: UsageSummary;
 }
 /**
  * `/api/work-sessions`: the sessions holding events of the selected roles and types, most

@@ -91,6 +91,7 @@ mod sim;
 pub mod spans;
 pub mod status;
 pub mod telemetry;
+pub mod threads;
 pub mod turns;
 pub mod usage;
 mod viewer;

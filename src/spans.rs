@@ -550,7 +550,7 @@ fn turn_wait(p: Option<&Map<String, Value>>) -> Option<String> {
 /// interrupt (`{"type": "interrupt", "interrupts": [...]}`, or the string `interrupt` beside an
 /// `interrupt` object), or any run the normaliser marked `interrupted`. What is awaited is the
 /// first interrupt's `reason`, else `input`; whom, its `assignee` (or `user`) when it names one.
-fn run_wait(env: &Envelope) -> Option<(String, Option<String>)> {
+pub(crate) fn run_wait(env: &Envelope) -> Option<(String, Option<String>)> {
     let p = payload(env);
     let outcome = p.and_then(|p| p.get("outcome"));
     let typed = match outcome {
@@ -617,10 +617,14 @@ fn turn_key(env: &Envelope) -> Option<String> {
     Some(format!("{conv}\u{1f}{}", key_turn(env)))
 }
 
+/// docs/contract.md section 4: `turnId`, else `turn`, else `0`.
 fn key_turn(env: &Envelope) -> String {
-    id_text(env.turn_id.as_ref())
-        .or_else(|| text(payload(env), "turn"))
-        .unwrap_or_else(|| "-".into())
+    let p = payload(env);
+    crate::model::turn_id([
+        env.turn_id.as_ref(),
+        p.and_then(|p| p.get("turnId")),
+        p.and_then(|p| p.get("turn")),
+    ])
 }
 
 fn conversation_of_run(env: &Envelope) -> Option<String> {

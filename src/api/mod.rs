@@ -32,6 +32,7 @@ pub mod slots;
 pub mod state;
 pub mod store;
 pub mod stream;
+pub mod threads;
 
 pub use auth::{check_bind, Caller, Grants};
 pub use error::ApiError;
@@ -65,6 +66,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/api/events/stream", get(stream::stream))
         .route("/api/work-sessions", get(sessions::list))
         .route("/api/work-sessions/{id}", get(sessions::one))
+        .route("/api/threads/{key}", get(threads::one))
         .route("/api/blobs/{id}", get(blobs::one))
         .route("/api/me", get(me::me))
         .route_layer(middleware::from_fn_with_state(

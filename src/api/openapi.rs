@@ -211,6 +211,7 @@ fn paths(p: &Shared) -> Value {
         ("/api/events/stream", events_stream(p)),
         ("/api/work-sessions", work_sessions(p)),
         ("/api/work-sessions/{id}", work_session(p)),
+        ("/api/threads/{key}", thread(p)),
         ("/api/blobs/{id}", blob(&p.roles)),
         ("/api/me", me()),
         ("/api/schemas", schema_index()),
@@ -279,6 +280,19 @@ fn work_session(p: &Shared) -> Value {
             param("format", "json (default; also when empty) or mplp. One value.", json!({"type": "string", "enum": ["json", "mplp", ""]}))],
         "responses": with_ok(common_errors(&[("404", "No such work session (or none visible to this token).")]),
             json!({"description": "The session (`{session, role}`), or the MPLP Collab object.", "content": {"application/json": {"schema": {"anyOf": [{"$ref": "#/components/schemas/WorkSessionResponse"}, {"type": "object", "description": "format=mplp: an MPLP Collab object."}]}}}}))
+    }})
+}
+
+/// `GET /api/threads/{key}`: one thread, assembled.
+fn thread(p: &Shared) -> Value {
+    json!({"get": {
+        "operationId": "getThread",
+        "summary": "One conversation, AG-UI thread or session as people read it: its runs (messages assembled from their deltas, tool calls with arguments and results, steps, duration, outcome: running, finished, waiting, failed, timed_out) and its turns (request and reply in place; awaiting_reply, answered, waiting, blocked). The newest 5000 events of the key in the token's roles are read; `truncated` says when older ones exist.",
+        "parameters": [
+            {"name": "key", "in": "path", "required": true, "schema": {"type": "string"}, "description": "The ordering key: a conversation id, AG-UI thread id or session id (as events' `key`)."},
+            list_param("role", "Roles to read the thread's events from (default: the token's grant), comma-separated or repeated. Naming a role outside the token's grant is a 403.", p.role_item.clone())],
+        "responses": with_ok(common_errors(&[("404", "No events of the key in the roles read.")]),
+            json!({"description": "The thread (`{thread, role}`).", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ThreadResponse"}}}}))
     }})
 }
 

@@ -13,6 +13,7 @@ use super::me::Me;
 use super::sessions::{WorkSessionList, WorkSessionResponse};
 use super::store::EventItem;
 use super::stream::StreamError;
+use super::threads::ThreadResponse;
 use crate::model::Envelope;
 use crate::turns::payload::{BlockedPayload, RunFailedPayload, SuppressedPayload};
 use axum::extract::Path;
@@ -154,6 +155,10 @@ fn entries() -> Vec<Entry> {
         entry::<WorkSessionResponse>(
             "work-session.schema.json",
             "The body of GET /api/work-sessions/{id} (format=json).",
+        ),
+        entry::<ThreadResponse>(
+            "thread.schema.json",
+            "The body of GET /api/threads/{key}: runs with assembled messages, tool calls and steps, and turns with their replies in place.",
         ),
         entry::<Me>("me.schema.json", "The body of GET /api/me."),
         entry::<ErrorBody>(

@@ -191,6 +191,9 @@ async function start() {
     return;
   }
   loadView();
+  // A shared address opens its thread.
+  const thread = threadFromHash();
+  if (thread) showThread(thread);
 }
 
 function stopView() {
@@ -524,10 +527,86 @@ function select(seq, button) {
     });
     parts.push(b, out);
   }
+  if (item.key) {
+    const open = el('button', { type: 'button', id: 'open-thread' }, 'Show this thread as runs and turns');
+    open.addEventListener('click', () => showThread(item.key));
+    parts.unshift(open);
+  }
   box.replaceChildren(...parts);
   box.hidden = false;
   $('detail-empty').hidden = true;
   $('detail-heading').textContent = `Event ${ev.type}`;
+}
+
+// ---------------------------------------------------------------------------------------------
+// A thread as people read it (/api/threads/{key}): runs with their messages assembled from the
+// deltas and their tool calls, turns with the reply in place. Its address (#thread=<key>) can
+// be shared.
+
+function duration(ms) {
+  if (ms === undefined || ms === null) return '';
+  return ms < 1000 ? `${ms} ms` : `${(ms / 1000).toFixed(1)} s`;
+}
+
+function usageText(u) {
+  if (!u) return '';
+  const cost = u.cost !== undefined && u.cost !== null ? ` · cost ${u.cost.toFixed(4)}` : '';
+  return `${u.inputTokens.toLocaleString('en')} in · ${u.outputTokens.toLocaleString('en')} out tokens${u.model ? ` (${u.model})` : ''}${cost}`;
+}
+
+function runView(r) {
+  const waiting = r.outcome === 'waiting' ? ` for ${r.waitingFor || 'input'}${r.waitingOn ? ` on ${r.waitingOn}` : ''}` : '';
+  const head = [r.agent || 'agent', `run ${r.runId}`, `${r.outcome.replace('_', ' ')}${waiting}`, duration(r.durationMs), usageText(r.usage)]
+    .filter(Boolean).join(' · ');
+  const items = [el('h3', {}, head)];
+  if (r.parentRunId) items.push(el('p', { class: 'meta' }, `started by run ${r.parentRunId}`));
+  if (r.error) items.push(el('p', { class: 'meta' }, `Error: ${r.error}`));
+  for (const m of r.messages) {
+    items.push(el('p', { class: 'message', 'data-message': m.messageId },
+      el('strong', {}, `${m.role || 'message'}: `), m.text + (m.complete ? '' : ' …')));
+  }
+  for (const c of r.toolCalls) {
+    const res = c.result !== undefined ? ` → ${short(c.result, 300)}` : '';
+    items.push(el('p', { class: 'tool', 'data-tool': c.toolCallId },
+      el('code', {}, `${c.name || 'tool'}(${short(c.arguments, 300)})`),
+      `${res} · ${c.status}${c.durationMs !== undefined ? ` · ${duration(c.durationMs)}` : ''}`));
+  }
+  for (const st of r.steps) items.push(el('p', { class: 'meta' }, `step ${st.name}`));
+  return el('section', { class: 'run', 'data-run': r.runId, 'data-outcome': r.outcome }, ...items);
+}
+
+function turnView(t) {
+  const who = `${t.fromAgent || '?'} → ${t.toAgent || '?'}`;
+  const outcome = t.outcome === 'blocked' ? `blocked: ${t.reason || ''}` : t.outcome.replace('_', ' ');
+  const items = [el('h3', {}, [who, outcome, duration(t.durationMs), usageText(t.usage)].filter(Boolean).join(' · '))];
+  if (t.request) items.push(el('p', { class: 'message' }, el('strong', {}, `${t.fromAgent || 'asked'}: `), t.request));
+  if (t.reply) items.push(el('p', { class: 'message' }, el('strong', {}, `${t.toAgent || 'answer'}: `), t.reply));
+  return el('section', { class: 'turn', 'data-turn': t.turnId, 'data-outcome': t.outcome }, ...items);
+}
+
+async function showThread(key) {
+  const box = $('detail-body');
+  $('detail-heading').textContent = `Thread ${key}`;
+  box.replaceChildren(el('p', { class: 'note' }, 'Loading…'));
+  box.hidden = false;
+  $('detail-empty').hidden = true;
+  if (location.hash !== `#thread=${encodeURIComponent(key)}`) history.replaceState(null, '', `#thread=${encodeURIComponent(key)}`);
+  let body;
+  try {
+    body = await api(`/api/threads/${encodeURIComponent(key)}`);
+  } catch (e) {
+    box.replaceChildren(el('p', { class: 'note' }, `The thread could not be loaded: ${e.message}`));
+    return;
+  }
+  const t = body.thread;
+  const parts = [el('p', { class: 'meta' }, `${t.runs.length} run(s), ${t.turns.length} turn(s) from ${t.events} events${t.truncated ? ' (the newest; older ones exist)' : ''}.`)];
+  parts.push(...t.runs.map(runView), ...t.turns.map(turnView));
+  box.replaceChildren(...parts);
+}
+
+function threadFromHash() {
+  const m = /^#thread=(.+)$/.exec(location.hash);
+  return m ? decodeURIComponent(m[1]) : null;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -642,6 +721,10 @@ function init() {
     loadView();
   });
   $('session-clear').addEventListener('click', clearSession);
+  window.addEventListener('hashchange', () => {
+    const thread = threadFromHash();
+    if (thread) showThread(thread);
+  });
   start();
 }
 

@@ -2316,4 +2316,52 @@ async fn relay_e2e_agui_runs_come_out_of_the_projector_with_one_terminal_each() 
         m.json()["payload"]["synthesized"] == true && !m.subject.ends_with(".run.failed")
     });
     assert!(last_end < failed_at, "the ends come before the terminal");
+
+    // The API gives each thread's run as a unit, assembled from what the relay published.
+    let log = _projector.log_text();
+    let api = log
+        .lines()
+        .find_map(|l| l.strip_prefix("http listening on "))
+        .map(str::trim)
+        .unwrap_or_else(|| panic!("the projector's HTTP address in:\n{log}"))
+        .to_string();
+    let thread = |key: &'static str| {
+        let url = format!("http://{api}/api/threads/{key}");
+        async move {
+            let body: serde_json::Value = reqwest::get(&url)
+                .await
+                .unwrap_or_else(|e| panic!("{url}: {e}"))
+                .json()
+                .await
+                .unwrap_or_else(|e| panic!("{url}: {e}"));
+            body["thread"]["runs"][0].clone()
+        }
+    };
+    let run = thread("thread-ok").await;
+    assert_eq!(run["runId"], "e2e-run-ok", "{run:#}");
+    assert_eq!(run["outcome"], "finished", "{run:#}");
+    assert_eq!(
+        run["messages"][0]["text"], "It is sunny in Oslo.",
+        "{run:#}"
+    );
+    assert_eq!(run["messages"][0]["complete"], true);
+    let call = &run["toolCalls"][0];
+    assert_eq!(call["name"], "get_weather", "{run:#}");
+    assert_eq!(call["arguments"], "{\"city\": \"Oslo\"}");
+    assert_eq!(call["result"], "{\"sky\": \"clear\"}");
+    assert_eq!(call["status"], "completed");
+    let run = thread("thread-fail").await;
+    assert_eq!(run["outcome"], "failed", "{run:#}");
+    assert!(run["error"].is_string(), "{run:#}");
+    let run = thread("thread-abandon").await;
+    assert_eq!(run["outcome"], "timed_out", "{run:#}");
+    // The last word of a message still streaming is held back by the stream redactor; a run
+    // ended by its timeout does not publish it (docs/security.md, "Redaction").
+    assert!(
+        run["messages"][0]["text"]
+            .as_str()
+            .is_some_and(|t| t.starts_with("Let me")),
+        "{run:#}"
+    );
+    assert_eq!(run["toolCalls"][0]["status"], "unfinished", "{run:#}");
 }

@@ -725,6 +725,78 @@ async fn the_viewer_orders_by_event_time_shows_suppressed_replies_and_recovers_f
     click(&client, "#debug").await;
     wait_for(&client, "the conversations view is live", &live).await;
 
+    // A thread as people read it: an AG-UI run (published as the relay does, its run named by
+    // Collab-Run-Id) opened from its shareable address, its message assembled from the deltas
+    // and its tool call with arguments and result; and a turn opened from its row.
+    for ev in [
+        json!({"type": "RUN_STARTED", "threadId": "browser-run", "runId": "run-b1"}),
+        json!({"type": "TEXT_MESSAGE_START", "messageId": "m1", "role": "assistant"}),
+        json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m1", "delta": "It is "}),
+        json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m1", "delta": "sunny in Oslo."}),
+        json!({"type": "TEXT_MESSAGE_END", "messageId": "m1"}),
+        json!({"type": "TOOL_CALL_START", "toolCallId": "t1", "toolCallName": "get_weather"}),
+        json!({"type": "TOOL_CALL_ARGS", "toolCallId": "t1", "delta": "{\"city\":\"Oslo\"}"}),
+        json!({"type": "TOOL_CALL_END", "toolCallId": "t1"}),
+        json!({"type": "TOOL_CALL_RESULT", "messageId": "m2", "toolCallId": "t1", "content": "clear sky"}),
+        json!({"type": "RUN_FINISHED", "threadId": "browser-run", "runId": "run-b1"}),
+    ] {
+        let mut h = async_nats::HeaderMap::new();
+        h.insert("Collab-Run-Id", "run-b1");
+        js.publish_with_headers(
+            "collab.raw.browser-run._as.planner.agui",
+            h,
+            serde_json::to_vec(&ev).expect("an event serialises").into(),
+        )
+        .await
+        .expect("raw publish was not sent")
+        .await
+        .expect("raw publish was not acknowledged");
+    }
+    let finished = format!("http://127.0.0.1:{http_port}/api/threads/browser-run");
+    wait_until(WAIT, "the run is projected to its end", || async {
+        let body: Value = match reqwest::Client::new()
+            .get(&finished)
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+        {
+            Ok(r) => r.json().await.unwrap_or(Value::Null),
+            Err(_) => Value::Null,
+        };
+        body["thread"]["runs"][0]["outcome"] == "finished"
+    })
+    .await;
+    eval(
+        &client,
+        "location.hash = '#thread=browser-run'; return true;",
+    )
+    .await;
+    let run = r#"#detail-body section.run[data-run="run-b1"]"#;
+    wait_for(
+        &client,
+        "the run is shown with its assembled message and tool call",
+        &format!(
+            "const r = document.querySelector({run:?}); return r !== null && r.dataset.outcome === 'finished' && r.textContent.includes('It is sunny in Oslo.') && r.textContent.includes('get_weather') && r.textContent.includes('clear sky');"
+        ),
+    )
+    .await;
+    let text = text_of(&client, run).await;
+    assert!(text.contains("planner"), "the run's agent: {text}");
+    assert!(text.contains(r#"get_weather({"city":"Oslo"})"#), "{text}");
+    click(&client, r#"li.row[data-key="dup-1"] > button"#).await;
+    click(&client, "#open-thread").await;
+    wait_for(
+        &client,
+        "the turn is shown with its request and reply in place",
+        r#"const t = document.querySelector('#detail-body section.turn'); return t !== null && t.dataset.outcome === 'answered' && t.textContent.includes('deploy?') && t.textContent.includes('first reply');"#,
+    )
+    .await;
+    assert_eq!(
+        eval(&client, "return location.hash;").await,
+        json!("#thread=dup-1"),
+        "the thread's address can be shared"
+    );
+
     // NATS goes away. A view loaded while it is down says the server is unavailable and keeps
     // trying; once NATS is back (same port, same store) the page recovers by itself and shows
     // what was published after, without a reload.
