@@ -402,6 +402,12 @@ function clock(iso) {
   return el('time', { datetime: iso, title: iso }, today ? d.toLocaleTimeString() : d.toLocaleString());
 }
 
+// A UUID-like id is shown by its first 8 characters (the whole id is in the row's title and in
+// the detail pane); other ids as they are.
+function shortId(id) {
+  return /^[0-9a-f]{8}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{4}-[0-9a-f]{12}$/i.test(id) ? `${id.slice(0, 8)}…` : id;
+}
+
 function isBlocked(ev) {
   return ev.type === 'a2a.response' && ev.payload && ev.payload.outcome === 'blocked';
 }
@@ -425,14 +431,20 @@ function drawRow(item) {
   const turn = ev.turnId || p.turn;
   const from = p.fromAgent || ev.agentId;
   const to = p.toAgent;
+  // A response row says who asked whom: the asker is the response's addressee.
+  const response = ev.type === 'a2a.response';
+  let who = from;
+  if (from && to) who = response ? `${to} asked ${from}` : `${from} → ${to}`;
+  const waiting = response && !blocked && (p.state === 'input-required' || p.state === 'auth-required');
   const head = el('span', { class: 'head' },
     clock(ev.timestamp || item.storedAt),
-    from ? el('span', { class: 'who' }, to ? `${from} → ${to}` : from) : null,
+    who ? el('span', { class: 'who' }, who) : null,
     (state.debug || !TURN_ROLES.has(state.role) || ev.type !== 'a2a.response') ? el('span', { class: 'type' }, ev.type) : null,
     blocked ? el('span', { class: 'badge blocked' }, `Blocked: ${p.reason || 'unknown'}`) : null,
+    waiting ? el('span', { class: 'badge waiting' }, `Waiting for ${p.state === 'auth-required' ? 'credentials' : 'input'} from ${to || 'the caller'}`) : null,
     ev.type === 'a2a.response.suppressed' ? el('span', { class: 'badge suppressed' }, `Suppressed: ${p.reason || ''}`) : null,
-    turn ? el('span', {}, `turn ${turn}`) : null,
-    ev.conversationId ? el('span', {}, ev.conversationId) : null);
+    turn ? el('span', {}, `turn ${shortId(String(turn))}`) : null,
+    ev.conversationId ? el('span', { title: String(ev.conversationId) }, shortId(String(ev.conversationId))) : null);
   const body = [head];
   if (blocked) {
     const dl = el('dl', { class: 'blocked-detail' });
@@ -461,7 +473,7 @@ function drawRow(item) {
     'data-type': ev.type,
     'data-key': item.key,
     'data-turn': turn,
-    'data-outcome': blocked ? 'blocked' : null,
+    'data-outcome': blocked ? 'blocked' : (waiting ? 'waiting' : null),
     'data-reason': blocked ? p.reason : null,
   }, button);
 }

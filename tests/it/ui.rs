@@ -407,13 +407,53 @@ async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropp
         "Blocked: timeout",
         "who owns the canary?",
         "Next action",
-        "eden",
+        "ruda asked eden",
     ] {
         assert!(
             text.contains(needle),
             "the blocked row lacks {needle:?}: {text}"
         );
     }
+
+    // An answer that asks for input: the turn is answered and waiting, not failed.
+    publish(
+        &js,
+        "browser-wait",
+        &collab_event(
+            "a2a.send",
+            "ruda",
+            "eden",
+            "browser-wait",
+            json!({"message": "book the flight", "timeoutMs": 60_000}),
+        ),
+    )
+    .await;
+    publish(
+        &js,
+        "browser-wait",
+        &collab_event(
+            "a2a.response",
+            "eden",
+            "ruda",
+            "browser-wait",
+            json!({"message": "which date?", "state": "input-required"}),
+        ),
+    )
+    .await;
+    let waiting = r#"li.row[data-key="browser-wait"][data-outcome="waiting"]"#;
+    wait_for(
+        &client,
+        "the waiting answer is shown as waiting",
+        &format!("return document.querySelector({waiting:?}) !== null;"),
+    )
+    .await;
+    let text = text_of(&client, waiting).await;
+    assert!(
+        text.contains("Waiting for input from ruda")
+            && text.contains("ruda asked eden")
+            && !text.contains("Blocked"),
+        "{text}"
+    );
 
     // The detail pane: the envelope with its rawEventRef.
     click(&client, r#"li.row[data-key="browser-1"] > button"#).await;
