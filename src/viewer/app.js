@@ -612,8 +612,33 @@ async function showThread(key) {
   }
   const t = body.thread;
   const parts = [el('p', { class: 'meta' }, `${t.runs.length} run(s), ${t.turns.length} turn(s) from ${t.events} events${t.truncated ? ' (the newest; older ones exist)' : ''}.`)];
-  parts.push(...t.runs.map(runView), ...t.turns.map(turnView));
+  parts.push(...runTree(t.runs), ...t.turns.map(turnView));
   box.replaceChildren(...parts);
+}
+
+// Runs nested under the run that started them (parentRunId), each child in an expandable
+// section with its duration and outcome; runs whose parent is not in the thread are roots.
+function runTree(runs) {
+  const ids = new Set(runs.map((r) => r.runId));
+  const children = new Map();
+  for (const r of runs) {
+    if (r.parentRunId && ids.has(r.parentRunId) && r.parentRunId !== r.runId) {
+      if (!children.has(r.parentRunId)) children.set(r.parentRunId, []);
+      children.get(r.parentRunId).push(r);
+    }
+  }
+  const seen = new Set();
+  const draw = (r) => {
+    seen.add(r.runId);
+    const node = runView(r);
+    for (const c of children.get(r.runId) || []) {
+      if (seen.has(c.runId)) continue;
+      const label = `${c.agent || 'agent'} · run ${c.runId} · ${c.outcome.replace('_', ' ')}${c.durationMs !== undefined ? ` · ${duration(c.durationMs)}` : ''}`;
+      node.append(el('details', { class: 'child', open: 'open', 'data-child': c.runId }, el('summary', {}, label), draw(c)));
+    }
+    return node;
+  };
+  return runs.filter((r) => !(r.parentRunId && ids.has(r.parentRunId) && r.parentRunId !== r.runId)).map(draw);
 }
 
 function threadFromHash() {

@@ -768,20 +768,68 @@ async fn the_viewer_orders_by_event_time_shows_suppressed_replies_and_recovers_f
     // A thread as people read it: an AG-UI run (published as the relay does, its run named by
     // Collab-Run-Id) opened from its shareable address, its message assembled from the deltas
     // and its tool call with arguments and result; and a turn opened from its row.
-    for ev in [
-        json!({"type": "RUN_STARTED", "threadId": "browser-run", "runId": "run-b1"}),
-        json!({"type": "TEXT_MESSAGE_START", "messageId": "m1", "role": "assistant"}),
-        json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m1", "delta": "It is "}),
-        json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m1", "delta": "sunny in Oslo."}),
-        json!({"type": "TEXT_MESSAGE_END", "messageId": "m1"}),
-        json!({"type": "TOOL_CALL_START", "toolCallId": "t1", "toolCallName": "get_weather"}),
-        json!({"type": "TOOL_CALL_ARGS", "toolCallId": "t1", "delta": "{\"city\":\"Oslo\"}"}),
-        json!({"type": "TOOL_CALL_END", "toolCallId": "t1"}),
-        json!({"type": "TOOL_CALL_RESULT", "messageId": "m2", "toolCallId": "t1", "content": "clear sky"}),
-        json!({"type": "RUN_FINISHED", "threadId": "browser-run", "runId": "run-b1"}),
-    ] {
+    let events = [
+        (
+            json!({"type": "RUN_STARTED", "threadId": "browser-run", "runId": "run-b1"}),
+            "run-b1",
+        ),
+        (
+            json!({"type": "TEXT_MESSAGE_START", "messageId": "m1", "role": "assistant"}),
+            "run-b1",
+        ),
+        (
+            json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m1", "delta": "It is "}),
+            "run-b1",
+        ),
+        (
+            json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m1", "delta": "sunny in Oslo."}),
+            "run-b1",
+        ),
+        (
+            json!({"type": "TEXT_MESSAGE_END", "messageId": "m1"}),
+            "run-b1",
+        ),
+        (
+            json!({"type": "TOOL_CALL_START", "toolCallId": "t1", "toolCallName": "get_weather"}),
+            "run-b1",
+        ),
+        (
+            json!({"type": "TOOL_CALL_ARGS", "toolCallId": "t1", "delta": "{\"city\":\"Oslo\"}"}),
+            "run-b1",
+        ),
+        (
+            json!({"type": "TOOL_CALL_END", "toolCallId": "t1"}),
+            "run-b1",
+        ),
+        (
+            json!({"type": "TOOL_CALL_RESULT", "messageId": "m2", "toolCallId": "t1", "content": "clear sky"}),
+            "run-b1",
+        ),
+        // A delegation two levels deep: run-b1 starts run-b2, which starts run-b3.
+        (
+            json!({"type": "RUN_STARTED", "threadId": "browser-run", "runId": "run-b2", "parentRunId": "run-b1"}),
+            "run-b2",
+        ),
+        (
+            json!({"type": "RUN_STARTED", "threadId": "browser-run", "runId": "run-b3", "parentRunId": "run-b2"}),
+            "run-b3",
+        ),
+        (
+            json!({"type": "RUN_FINISHED", "threadId": "browser-run", "runId": "run-b3"}),
+            "run-b3",
+        ),
+        (
+            json!({"type": "RUN_FINISHED", "threadId": "browser-run", "runId": "run-b2"}),
+            "run-b2",
+        ),
+        (
+            json!({"type": "RUN_FINISHED", "threadId": "browser-run", "runId": "run-b1"}),
+            "run-b1",
+        ),
+    ];
+    for (ev, run) in events {
         let mut h = async_nats::HeaderMap::new();
-        h.insert("Collab-Run-Id", "run-b1");
+        h.insert("Collab-Run-Id", run);
         js.publish_with_headers(
             "collab.raw.browser-run._as.planner.agui",
             h,
@@ -822,6 +870,18 @@ async fn the_viewer_orders_by_event_time_shows_suppressed_replies_and_recovers_f
     .await;
     let text = text_of(&client, run).await;
     assert!(text.contains("planner"), "the run's agent: {text}");
+    let nested = eval(
+        &client,
+        r#"const b2 = document.querySelector('section.run[data-run="run-b1"] > details[data-child="run-b2"]');
+           const b3 = b2 && b2.querySelector('section.run[data-run="run-b2"] > details[data-child="run-b3"]');
+           return [b2 !== null, b3 !== null, document.querySelectorAll('#detail-body > section.run').length];"#,
+    )
+    .await;
+    assert_eq!(
+        nested,
+        json!([true, true, 1]),
+        "the delegation tree, two levels deep, under its root run"
+    );
     assert!(text.contains(r#"get_weather({"city":"Oslo"})"#), "{text}");
     click(&client, r#"li.row[data-key="dup-1"] > button"#).await;
     click(&client, "#open-thread").await;
