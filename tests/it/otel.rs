@@ -394,3 +394,82 @@ async fn wait_for_log(projector: &Projector, line: &str) {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// An AG-UI run of a real AG-UI SDK server (tests/e2e/agui_server.py) through the relay, exported
+/// to Phoenix: the agent's run with its tool call as a child, the arguments and result as the
+/// SDK streamed them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_through_the_relay_reaches_phoenix_with_its_tool_call() {
+    let Some(python) = phoenix_python() else {
+        return;
+    };
+    let Some(sdk_python) = crate::relay::e2e_python() else {
+        return;
+    };
+    let phoenix = Phoenix::start(&python).await;
+    let nats = TestNats::start().await;
+    let _js = crate::relay::provisioned(&nats.url()).await;
+    let endpoint = phoenix.url();
+    let projector = Projector::spawn(
+        &nats.url(),
+        &[],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("RUST_LOG", "info,collab_projector=debug"),
+        ],
+    );
+    wait_for_log(&projector, "exporting turns, runs and tool calls").await;
+    let server = crate::relay::Script::spawn(&sdk_python, "agui_server.py", &["--port", "0"]);
+    let upstream = format!("http://127.0.0.1:{}", server.port().await);
+    let relay = crate::relay::start_relay("agui", &nats.url(), &upstream, &[]).await;
+    let input = json!({
+        "threadId": "otel-relay-thread", "runId": "otel-relay-run", "state": {}, "tools": [],
+        "context": [], "messages": [{"id": "u-1", "role": "user", "content": "Weather?"}],
+        "forwardedProps": {"scenario": "ok"}
+    })
+    .to_string();
+    let answer =
+        crate::relay::post_json(&relay.url("/"), &input, &[("accept", "text/event-stream")]).await;
+    assert_eq!(answer.status(), 200);
+    let _ = answer.text().await;
+
+    let start = Instant::now();
+    let spans = loop {
+        let spans = phoenix.spans().await;
+        if spans.len() >= 2 {
+            break spans;
+        }
+        assert!(
+            start.elapsed() < WAIT,
+            "Phoenix has {} spans of 2: {spans:#?}\nprojector log:\n{}",
+            spans.len(),
+            projector.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert_eq!(spans.len(), 2, "{spans:#?}");
+    let named = |name: &str| {
+        spans
+            .iter()
+            .find(|s| s["name"] == name)
+            .unwrap_or_else(|| panic!("no span {name} in {spans:#?}"))
+    };
+    let run = named("invoke_agent callee-agent");
+    let tool = named("execute_tool get_weather");
+    assert_eq!(
+        run["attributes"]["gen_ai.conversation.id"],
+        "otel-relay-thread"
+    );
+    assert_eq!(run["attributes"]["collab.run.id"], "otel-relay-run");
+    assert_eq!(run["attributes"]["collab.outcome"], "finished");
+    assert_eq!(tool["parent_id"], run["context"]["span_id"]);
+    assert_eq!(tool["context"]["trace_id"], run["context"]["trace_id"]);
+    assert_eq!(
+        tool["attributes"]["gen_ai.tool.call.arguments"],
+        "{\"city\": \"Oslo\"}"
+    );
+    assert_eq!(
+        tool["attributes"]["gen_ai.tool.call.result"],
+        "{\"sky\": \"clear\"}"
+    );
+}

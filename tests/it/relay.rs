@@ -315,7 +315,7 @@ pub(crate) async fn start_relay(
 }
 
 /// Provision the raw stream (as `run` or `provision` would) and return a JetStream context.
-async fn provisioned(url: &str) -> async_nats::jetstream::Context {
+pub(crate) async fn provisioned(url: &str) -> async_nats::jetstream::Context {
     let mut settings = Settings::load(None).unwrap();
     settings.nats.url = url.to_string();
     let (_client, js) = bus::connect_as(&settings, "relay test").await.unwrap();
@@ -412,7 +412,11 @@ fn json_rpc_send(id: u64, method: &str, context: &str) -> String {
     .to_string()
 }
 
-async fn post_json(url: &str, body: &str, headers: &[(&str, &str)]) -> reqwest::Response {
+pub(crate) async fn post_json(
+    url: &str,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> reqwest::Response {
     let mut req = reqwest::Client::new()
         .post(url)
         .header("content-type", "application/json")
@@ -1677,7 +1681,7 @@ async fn relay_paths_stay_under_the_upstreams_base() {
 
 /// A Python interpreter with a2a-sdk, ag-ui-protocol and uvicorn (see
 /// [`crate::support::e2e_python`]).
-fn e2e_python() -> Option<PathBuf> {
+pub(crate) fn e2e_python() -> Option<PathBuf> {
     crate::support::e2e_python(
         "import a2a.server.routes, a2a.client, ag_ui.core, ag_ui.encoder, uvicorn, starlette, httpx",
         "a2a-sdk, ag-ui-protocol and uvicorn",
@@ -1685,13 +1689,13 @@ fn e2e_python() -> Option<PathBuf> {
 }
 
 /// A Python script as a child process, killed on drop; its output goes to a temporary file.
-struct Script {
+pub(crate) struct Script {
     child: Child,
     log: NamedTempFile,
 }
 
 impl Script {
-    fn spawn(python: &Path, script: &str, args: &[&str]) -> Script {
+    pub(crate) fn spawn(python: &Path, script: &str, args: &[&str]) -> Script {
         let log = NamedTempFile::new().unwrap();
         let path = Path::new(env!("CARGO_MANIFEST_DIR"))
             .join("tests/e2e")
@@ -1712,7 +1716,7 @@ impl Script {
     }
 
     /// The port it printed as `listening on <port>`.
-    async fn port(&self) -> u16 {
+    pub(crate) async fn port(&self) -> u16 {
         wait_until(WAIT, "the Python server listens", || {
             let log = self.log_text();
             async move { printed(&log, "listening on ").is_some() }
