@@ -19,6 +19,7 @@ export type CollabProjectorSchema =
   | Me
   | RunFailedPayload
   | SchemaIndex
+  | SearchPage
   | StreamError
   | SuppressedPayload
   | ThreadResponse
@@ -89,7 +90,7 @@ export type RunViewOutcome = "running" | "finished" | "waiting" | "failed" | "ti
 /**
  * Where a tool call is.
  */
-export type ToolStatus = "running" | "completed" | "failed";
+export type ToolStatus = ("running" | "completed" | "failed") | "unfinished";
 /**
  * Where a turn is.
  */
@@ -527,6 +528,32 @@ export interface SchemaLink {
    * What it describes.
    */
   description: string;
+}
+/**
+ * The body of `GET /api/search`.
+ *
+ * JSON Schema: /api/schemas/search-page.schema.json
+ */
+export interface SearchPage {
+  /**
+   * Matching events, newest first.
+   */
+  events: EventItem[];
+  count: number;
+  /**
+   * `before=prev` goes on scanning older events; `null` when the scan reached the start of
+   * the stream (or passed `since`).
+   */
+  prev: string | null;
+  /**
+   * Events read to answer (at most 50,000 per request).
+   */
+  scanned: number;
+  /**
+   * The roles searched.
+   */
+  role: Role[];
+  limit: number;
 }
 /**
  * The `data` of the final `event: error` of `/api/events/stream`.

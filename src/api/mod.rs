@@ -27,6 +27,7 @@ pub mod mplp;
 pub mod openapi;
 pub mod query;
 pub mod schemas;
+pub mod search;
 pub mod sessions;
 pub mod slots;
 pub mod state;
@@ -67,6 +68,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/api/work-sessions", get(sessions::list))
         .route("/api/work-sessions/{id}", get(sessions::one))
         .route("/api/threads/{key}", get(threads::one))
+        .route("/api/search", get(search::search))
         .route("/api/blobs/{id}", get(blobs::one))
         .route("/api/me", get(me::me))
         .route_layer(middleware::from_fn_with_state(

@@ -212,6 +212,7 @@ fn paths(p: &Shared) -> Value {
         ("/api/work-sessions", work_sessions(p)),
         ("/api/work-sessions/{id}", work_session(p)),
         ("/api/threads/{key}", thread(p)),
+        ("/api/search", search(p)),
         ("/api/blobs/{id}", blob(&p.roles)),
         ("/api/me", me()),
         ("/api/schemas", schema_index()),
@@ -280,6 +281,27 @@ fn work_session(p: &Shared) -> Value {
             param("format", "json (default; also when empty) or mplp. One value.", json!({"type": "string", "enum": ["json", "mplp", ""]}))],
         "responses": with_ok(common_errors(&[("404", "No such work session (or none visible to this token).")]),
             json!({"description": "The session (`{session, role}`), or the MPLP Collab object.", "content": {"application/json": {"schema": {"anyOf": [{"$ref": "#/components/schemas/WorkSessionResponse"}, {"type": "object", "description": "format=mplp: an MPLP Collab object."}]}}}}))
+    }})
+}
+
+/// `GET /api/search`: events by agent, outcome, time and text.
+fn search(p: &Shared) -> Value {
+    // An empty value is no bound.
+    let time = json!({"type": "string", "anyOf": [{"format": "date-time"}, {"maxLength": 0}]});
+    let limit = json!({"type": "integer", "minimum": 1, "maximum": 500, "default": 50});
+    json!({"get": {
+        "operationId": "searchEvents",
+        "summary": "Events matching every criterion given, newest first: an agent the event names (agentId, fromAgent, toAgent or its publisher), an outcome (blocked; waiting: an answer asking for input or credentials, a run ended on an interrupt; error: a blocked turn, run.failed, tool.failed, a2a.error), a time range on the event time, and text (case-insensitive, in the event's JSON). The stream is scanned backwards, at most 50,000 events per request; `prev` continues further back.",
+        "parameters": [p.role.clone(), p.typ.clone(),
+            param("q", "Text the event must contain (case-insensitive). One value.", json!({"type": "string"})),
+            param("agent", "An agent the event names (case-insensitive). One value.", json!({"type": "string"})),
+            param("outcome", "blocked, waiting or error. One value.", json!({"type": "string", "enum": ["blocked", "waiting", "error", ""]})),
+            param("since", "Events at or after this time (RFC 3339). One value.", time.clone()),
+            param("until", "Events before this time (RFC 3339). One value.", time),
+            param("limit", "Events per page (default 50, at most 500). One value.", limit),
+            param("before", "Cursor (`prev` of a previous page): scan older events than it. One value.", p.cursor_schema.clone())],
+        "responses": with_ok(common_errors(&[]),
+            json!({"description": "Matching events.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SearchPage"}}}}))
     }})
 }
 

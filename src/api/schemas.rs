@@ -10,6 +10,7 @@
 use super::error::{ApiError, ErrorBody};
 use super::events::EventPage;
 use super::me::Me;
+use super::search::SearchPage;
 use super::sessions::{WorkSessionList, WorkSessionResponse};
 use super::store::EventItem;
 use super::stream::StreamError;
@@ -159,6 +160,10 @@ fn entries() -> Vec<Entry> {
         entry::<ThreadResponse>(
             "thread.schema.json",
             "The body of GET /api/threads/{key}: runs with assembled messages, tool calls and steps, and turns with their replies in place.",
+        ),
+        entry::<SearchPage>(
+            "search-page.schema.json",
+            "The body of GET /api/search: events matching an agent, outcome, time range and text, newest first.",
         ),
         entry::<Me>("me.schema.json", "The body of GET /api/me."),
         entry::<ErrorBody>(

@@ -191,9 +191,11 @@ async function start() {
     return;
   }
   loadView();
-  // A shared address opens its thread.
+  // A shared address opens its thread or search.
   const thread = threadFromHash();
   if (thread) showThread(thread);
+  const search = searchFromHash();
+  if (search !== null) showSearch(search);
 }
 
 function stopView() {
@@ -647,6 +649,52 @@ function threadFromHash() {
 }
 
 // ---------------------------------------------------------------------------------------------
+// Search (/api/search): by text, agent, outcome and time, over every role the token may read;
+// the results go to the detail pane, each opening its thread. Its address (#search=<query>) can
+// be shared.
+
+function searchQuery() {
+  const since = $('search-since').value;
+  return query([
+    ['q', $('search-q').value.trim()],
+    ['agent', $('search-agent').value.trim()],
+    ['outcome', $('search-outcome').value],
+    ['since', since ? new Date(since).toISOString() : ''],
+  ]);
+}
+
+async function showSearch(qs) {
+  const box = $('detail-body');
+  $('detail-heading').textContent = 'Search results';
+  box.replaceChildren(el('p', { class: 'note' }, 'Searching…'));
+  box.hidden = false;
+  $('detail-empty').hidden = true;
+  if (location.hash !== `#search=${encodeURIComponent(qs)}`) history.replaceState(null, '', `#search=${encodeURIComponent(qs)}`);
+  let body;
+  try {
+    body = await api(`/api/search?${qs}`);
+  } catch (e) {
+    box.replaceChildren(el('p', { class: 'note' }, `The search failed: ${e.message}`));
+    return;
+  }
+  const list = el('ul', { class: 'results' }, ...body.events.map((item) => {
+    const ev = item.event || {};
+    const b = el('button', { type: 'button', 'data-key': item.key },
+      el('span', { class: 'meta' }, [ev.timestamp || item.storedAt, ev.type, item.key].filter(Boolean).join(' · ')),
+      el('span', { class: 'text' }, short(summary(ev) || '', 200)));
+    b.addEventListener('click', () => showThread(item.key));
+    return el('li', {}, b);
+  }));
+  const more = body.prev ? ' More may match further back.' : '';
+  box.replaceChildren(el('p', { class: 'meta', id: 'search-count' }, `${body.count} event(s) found in ${body.scanned} read.${more}`), list);
+}
+
+function searchFromHash() {
+  const m = /^#search=(.*)$/.exec(location.hash);
+  return m ? decodeURIComponent(m[1]) : null;
+}
+
+// ---------------------------------------------------------------------------------------------
 // Work sessions
 
 async function loadSessions(gen, ctl) {
@@ -761,6 +809,12 @@ function init() {
   window.addEventListener('hashchange', () => {
     const thread = threadFromHash();
     if (thread) showThread(thread);
+    const search = searchFromHash();
+    if (search !== null) showSearch(search);
+  });
+  $('search-form').addEventListener('submit', (e) => {
+    e.preventDefault();
+    showSearch(searchQuery());
   });
   start();
 }

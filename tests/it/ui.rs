@@ -883,6 +883,34 @@ async fn the_viewer_orders_by_event_time_shows_suppressed_replies_and_recovers_f
         "the delegation tree, two levels deep, under its root run"
     );
     assert!(text.contains(r#"get_weather({"city":"Oslo"})"#), "{text}");
+    // Search: text and agent over every readable role; a hit opens its thread.
+    eval(
+        &client,
+        "document.getElementById('search-q').value = 'CLEAR SKY'; document.getElementById('search-agent').value = 'planner'; return true;",
+    )
+    .await;
+    click(&client, "#search-form button[type=submit]").await;
+    wait_for(
+        &client,
+        "the search finds the tool result",
+        r#"const c = document.getElementById('search-count'); return c !== null && c.textContent.startsWith('1 event(s) found') && document.querySelector('.results button[data-key="browser-run"]') !== null;"#,
+    )
+    .await;
+    assert!(
+        eval(&client, "return location.hash;")
+            .await
+            .as_str()
+            .is_some_and(|h| h.starts_with("#search=")),
+        "the search's address can be shared"
+    );
+    click(&client, r#".results button[data-key="browser-run"]"#).await;
+    wait_for(
+        &client,
+        "the hit opens its thread",
+        &format!("return document.querySelector({run:?}) !== null;"),
+    )
+    .await;
+
     click(&client, r#"li.row[data-key="dup-1"] > button"#).await;
     click(&client, "#open-thread").await;
     wait_for(
