@@ -503,6 +503,13 @@ pub fn register_metrics() {
     for outcome in ["exported", "export_failed", "evicted"] {
         metrics::counter!(OTEL_SPANS, "outcome" => outcome).absolute(0);
     }
+    // Agents and models are known only when usage comes; the overflow series (`other`) exists
+    // in every process, so the families do too.
+    for kind in ["input", "output", "cached_input", "reasoning"] {
+        metrics::counter!(TOKENS, "agent" => "other", "model" => "other", "kind" => kind)
+            .absolute(0);
+    }
+    metrics::counter!(COST, "agent" => "other", "model" => "other").absolute(0);
     for cause in ["free", "owner_gone"] {
         metrics::counter!(TAKEOVERS, "cause" => cause).absolute(0);
     }

@@ -883,6 +883,56 @@ async fn the_viewer_orders_by_event_time_shows_suppressed_replies_and_recovers_f
         "the delegation tree, two levels deep, under its root run"
     );
     assert!(text.contains(r#"get_weather({"city":"Oslo"})"#), "{text}");
+    // A run that stopped for a person's approval reads as waiting, for what and on whom.
+    for (ev, run) in [
+        (
+            json!({"type": "RUN_STARTED", "threadId": "browser-approval", "runId": "run-a1"}),
+            "run-a1",
+        ),
+        (
+            json!({"type": "RUN_FINISHED", "threadId": "browser-approval", "runId": "run-a1",
+                "outcome": {"type": "interrupt", "interrupts": [{"id": "i1", "reason": "approval", "assignee": "alice"}]}}),
+            "run-a1",
+        ),
+    ] {
+        let mut h = async_nats::HeaderMap::new();
+        h.insert("Collab-Run-Id", run);
+        js.publish_with_headers(
+            "collab.raw.browser-approval._as.planner.agui",
+            h,
+            serde_json::to_vec(&ev).expect("an event serialises").into(),
+        )
+        .await
+        .expect("raw publish was not sent")
+        .await
+        .expect("raw publish was not acknowledged");
+    }
+    let approval = format!("http://127.0.0.1:{http_port}/api/threads/browser-approval");
+    wait_until(WAIT, "the interrupted run is projected", || async {
+        let body: Value = match reqwest::Client::new()
+            .get(&approval)
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+        {
+            Ok(r) => r.json().await.unwrap_or(Value::Null),
+            Err(_) => Value::Null,
+        };
+        body["thread"]["runs"][0]["outcome"] == "waiting"
+    })
+    .await;
+    eval(
+        &client,
+        "location.hash = '#thread=browser-approval'; return true;",
+    )
+    .await;
+    wait_for(
+        &client,
+        "the run waiting for approval is shown as waiting",
+        r#"const r = document.querySelector('#detail-body section.run[data-run="run-a1"]'); return r !== null && r.dataset.outcome === 'waiting' && r.textContent.includes('waiting for approval on alice');"#,
+    )
+    .await;
+
     // Search: text and agent over every readable role; a hit opens its thread.
     eval(
         &client,
