@@ -346,6 +346,11 @@ pub fn shorten(text: &str, max: usize) -> String {
     s
 }
 
+/// `map[key]` as an id ([`id_text`]); `None` without a map.
+pub fn field_text(map: Option<&Map<String, Value>>, key: &str) -> Option<String> {
+    map?.get(key).and_then(id_text)
+}
+
 /// The text form of an id value (string as is, numbers in JSON form); `None` for null/empty.
 pub fn id_text(v: &Value) -> Option<String> {
     match v {

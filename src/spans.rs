@@ -278,16 +278,13 @@ impl Assembler {
             push_wait(&mut attributes, wait, on);
         }
         self.push_usage(usage::read(env).as_ref(), &mut attributes);
-        out.spans.push(Span {
-            trace_id: ids.trace,
-            span_id: ids.span,
-            parent_span_id: ids.parent,
-            name: format!("invoke_agent {}", agent.as_deref().unwrap_or("agent")),
-            start_ms: start_ms.min(at),
-            end_ms: at,
+        out.spans.push(invoke_agent(
+            ids,
+            agent.as_deref(),
+            (start_ms, at),
             attributes,
             error,
-        });
+        ));
     }
 
     fn run_started(&mut self, env: &Envelope, at: i64, out: &mut Observed) {
@@ -371,16 +368,13 @@ impl Assembler {
         if let Some((wait, on)) = waiting {
             push_wait(&mut attributes, wait, on);
         }
-        out.spans.push(Span {
-            trace_id: ids.trace,
-            span_id: ids.span,
-            parent_span_id: ids.parent,
-            name: format!("invoke_agent {}", agent.as_deref().unwrap_or("agent")),
-            start_ms: start_ms.min(at),
-            end_ms: at,
+        out.spans.push(invoke_agent(
+            ids,
+            agent.as_deref(),
+            (start_ms, at),
             attributes,
             error,
-        });
+        ));
     }
 
     fn tool_started(&mut self, env: &Envelope, at: i64, out: &mut Observed) {
@@ -579,6 +573,26 @@ fn push_wait(attributes: &mut Vec<(&'static str, Attr)>, wait: String, on: Optio
     }
 }
 
+/// An `invoke_agent {agent}` span (a turn or a run) from `start_ms` to `end_ms`.
+fn invoke_agent(
+    ids: Ids,
+    agent: Option<&str>,
+    (start_ms, end_ms): (i64, i64),
+    attributes: Vec<(&'static str, Attr)>,
+    error: Option<String>,
+) -> Span {
+    Span {
+        trace_id: ids.trace,
+        span_id: ids.span,
+        parent_span_id: ids.parent,
+        name: format!("invoke_agent {}", agent.unwrap_or("agent")),
+        start_ms: start_ms.min(end_ms),
+        end_ms,
+        attributes,
+        error,
+    }
+}
+
 fn agent_attrs(agent: Option<&str>, conversation: Option<String>) -> Vec<(&'static str, Attr)> {
     let mut a = vec![("gen_ai.operation.name", Attr::Str("invoke_agent".into()))];
     if let Some(agent) = agent {
@@ -598,17 +612,12 @@ fn role(env: &Envelope) -> Option<String> {
     env.event_role.map(|r| r.as_str().to_string())
 }
 
-/// An id as text: strings as they are, numbers written out.
 fn id_text(v: Option<&Value>) -> Option<String> {
-    match v? {
-        Value::String(s) if !s.is_empty() => Some(s.clone()),
-        Value::Number(n) => Some(n.to_string()),
-        _ => None,
-    }
+    v.and_then(crate::model::id_text)
 }
 
 fn text(p: Option<&Map<String, Value>>, key: &str) -> Option<String> {
-    id_text(p?.get(key))
+    crate::model::field_text(p, key)
 }
 
 /// A turn's key: its conversation and turn ids.

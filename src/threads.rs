@@ -635,15 +635,11 @@ fn payload(env: &Envelope) -> Option<&Map<String, Value>> {
 }
 
 fn id_text(v: Option<&Value>) -> Option<String> {
-    match v? {
-        Value::String(s) if !s.is_empty() => Some(s.clone()),
-        Value::Number(n) => Some(n.to_string()),
-        _ => None,
-    }
+    v.and_then(crate::model::id_text)
 }
 
 fn text(p: Option<&Map<String, Value>>, key: &str) -> Option<String> {
-    id_text(p?.get(key))
+    crate::model::field_text(p, key)
 }
 
 /// A request's or reply's text: `message` when it is text, else the first text part of an A2A

@@ -14,7 +14,6 @@ use crate::telemetry::OTEL_SPANS;
 use crate::usage::Prices;
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
-use futures::StreamExt;
 use opentelemetry_sdk::trace::SpanExporter as _;
 use std::sync::atomic::AtomicI64;
 use std::sync::Arc;
@@ -73,17 +72,8 @@ pub async fn run_export(
 /// Where the job starts: after its checkpoint, or (first start) at the end of the projection
 /// stream: turning the export on sends what is projected from then on, not the stream's past.
 async fn start(job: &ExportJob) -> Result<u64, String> {
-    let entry = tokio::time::timeout(Duration::from_secs(10), job.kv.get(EXPORT_KEY))
-        .await
-        .map_err(|_| "no answer within 10 s".to_string())?
-        .map_err(|e| e.to_string())?;
-    if let Some(v) = entry {
-        let text = String::from_utf8_lossy(&v);
-        return text
-            .trim()
-            .parse::<u64>()
-            .map(|s| s + 1)
-            .map_err(|_| format!("checkpoint {EXPORT_KEY} is not a sequence: {text:?}"));
+    if let Some(last) = super::sessions::read_position(&job.kv, EXPORT_KEY).await? {
+        return Ok(last + 1);
     }
     let mut proj = job
         .js
@@ -131,29 +121,17 @@ async fn export(
         job.prices.clone(),
     );
     loop {
-        let first = tokio::select! {
-            _ = cancel.cancelled() => return Ok(()),
-            m = messages.next() => m,
+        let Some(round) = super::next_round(
+            &mut messages,
+            cancel,
+            lease_valid_until,
+            ROUND_GATHER,
+            ROUND_MAX,
+        )
+        .await?
+        else {
+            return Ok(());
         };
-        let Some(first) = first else {
-            return Err("the projection stream's consumer ended".into());
-        };
-        let mut round = vec![first.map_err(|e| e.to_string())?];
-        let until = tokio::time::Instant::now() + ROUND_GATHER;
-        while round.len() < ROUND_MAX {
-            match tokio::time::timeout_at(until, messages.next()).await {
-                Ok(Some(m)) => round.push(m.map_err(|e| e.to_string())?),
-                Ok(None) => return Err("the projection stream's consumer ended".into()),
-                Err(_) => break,
-            }
-        }
-        // A worker that may have lost partition 0 without noticing yet exports nothing.
-        while super::lease_lapsed(lease_valid_until) {
-            tokio::select! {
-                _ = cancel.cancelled() => return Ok(()),
-                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
-            }
-        }
         let mut last = 0;
         let mut spans = Vec::new();
         for m in &round {

@@ -458,22 +458,30 @@ const FOLD_BATCH: usize = 20_000;
 /// How long a round gathers projections after its first one.
 const FOLD_GATHER: Duration = Duration::from_millis(200);
 
+/// A reader's checkpoint in the work-session bucket: the last projection-stream sequence it
+/// handled under `key`, or `None` when it never wrote one.
+pub(crate) async fn read_position(kv: &kv::Store, key: &str) -> Result<Option<u64>, String> {
+    let entry = tokio::time::timeout(Duration::from_secs(10), kv.get(key))
+        .await
+        .map_err(|_| "no answer within 10 s".to_string())?
+        .map_err(|e| e.to_string())?;
+    entry
+        .map(|v| {
+            let text = String::from_utf8_lossy(&v);
+            text.trim()
+                .parse::<u64>()
+                .map_err(|_| format!("checkpoint {key} is not a sequence: {text:?}"))
+        })
+        .transpose()
+}
+
 /// Where the fold starts when it has no checkpoint: at the start of the projection stream for a
 /// new deployment; at its end when the bucket already holds sessions (they were folded by a
 /// version that wrote sessions from the partitions, so folding the stream again would count
 /// those events twice).
 async fn fold_start(kv: &kv::Store, proj: &mut jetstream::stream::Stream) -> Result<u64, String> {
-    let entry = tokio::time::timeout(Duration::from_secs(10), kv.get(FOLD_KEY))
-        .await
-        .map_err(|_| "no answer within 10 s".to_string())?
-        .map_err(|e| e.to_string())?;
-    if let Some(v) = entry {
-        let text = String::from_utf8_lossy(&v);
-        return text
-            .trim()
-            .parse::<u64>()
-            .map(|s| s + 1)
-            .map_err(|_| format!("checkpoint {FOLD_KEY} is not a sequence: {text:?}"));
+    if let Some(last) = read_position(kv, FOLD_KEY).await? {
+        return Ok(last + 1);
     }
     async fn state(s: &mut jetstream::stream::Stream) -> Result<jetstream::stream::State, String> {
         s.info()
@@ -562,29 +570,17 @@ async fn fold(
         .map_err(|e| format!("reading {proj_stream}: {e}"))?;
     debug!(from = start, "work-session fold started");
     loop {
-        let first = tokio::select! {
-            _ = cancel.cancelled() => return Ok(()),
-            m = messages.next() => m,
+        let Some(round) = super::next_round(
+            &mut messages,
+            cancel,
+            lease_valid_until,
+            FOLD_GATHER,
+            FOLD_BATCH,
+        )
+        .await?
+        else {
+            return Ok(());
         };
-        let Some(first) = first else {
-            return Err("the projection stream's consumer ended".into());
-        };
-        let mut round = vec![first.map_err(|e| e.to_string())?];
-        let until = tokio::time::Instant::now() + FOLD_GATHER;
-        while round.len() < FOLD_BATCH {
-            match tokio::time::timeout_at(until, messages.next()).await {
-                Ok(Some(m)) => round.push(m.map_err(|e| e.to_string())?),
-                Ok(None) => return Err("the projection stream's consumer ended".into()),
-                Err(_) => break,
-            }
-        }
-        // A worker that may have lost partition 0 without noticing yet writes nothing.
-        while super::lease_lapsed(lease_valid_until) {
-            tokio::select! {
-                _ = cancel.cancelled() => return Ok(()),
-                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
-            }
-        }
         let last = round
             .last()
             .and_then(|m| m.info().ok())

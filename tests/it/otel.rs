@@ -23,29 +23,14 @@ const WAIT: Duration = Duration::from_secs(120);
 /// Phoenix's Python (`COLLAB_PHOENIX_PYTHON`, else `.ci/.venv-phoenix/bin/python`), if Phoenix
 /// imports there. `None` (reason printed) outside CI; in CI a missing Phoenix fails the test.
 fn phoenix_python() -> Option<PathBuf> {
-    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let python = std::env::var_os("COLLAB_PHOENIX_PYTHON")
-        .map_or_else(|| root.join(".ci/.venv-phoenix/bin/python"), PathBuf::from);
-    let ok = Command::new(&python)
-        .args(["-c", "import phoenix.server.main"])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success());
-    if ok {
-        return Some(python);
-    }
-    let reason = format!(
-        "no Arize Phoenix at {}: run .ci/run, or create .ci/.venv-phoenix from \
-         tests/e2e/phoenix-requirements.txt, or set COLLAB_PHOENIX_PYTHON",
-        python.display()
-    );
-    assert!(
-        std::env::var_os("CI").is_none_or(|v| v.is_empty()),
-        "{reason}"
-    );
-    eprintln!("SKIPPED OpenTelemetry export test: {reason}");
-    None
+    crate::support::python_with(
+        "COLLAB_PHOENIX_PYTHON",
+        ".ci/.venv-phoenix",
+        false,
+        "import phoenix.server.main",
+        "Arize Phoenix",
+        "tests/e2e/phoenix-requirements.txt",
+    )
 }
 
 /// `phoenix serve` on loopback with a throwaway database; killed on drop.

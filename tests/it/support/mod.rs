@@ -391,13 +391,38 @@ where
 /// `None` (with the reason printed) outside CI when there is none; in CI (`CI` set) that fails
 /// the test. `needs` names what is missing, for the message.
 pub fn e2e_python(check: &str, needs: &str) -> Option<PathBuf> {
+    python_with(
+        "COLLAB_E2E_PYTHON",
+        ".ci/.venv-e2e",
+        true,
+        check,
+        needs,
+        "tests/e2e/requirements.txt",
+    )
+}
+
+/// A Python in which `check` runs: the one `var` names, else `<venv>/bin/python` of the
+/// repository, else (`system`) `python3`. `None` (reason printed) outside CI when there is none;
+/// in CI that fails the test. `needs` and `requirements` name what is missing and where it is
+/// pinned, for the message.
+pub fn python_with(
+    var: &str,
+    venv: &str,
+    system: bool,
+    check: &str,
+    needs: &str,
+    requirements: &str,
+) -> Option<PathBuf> {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
-    let candidates: Vec<PathBuf> = match std::env::var_os("COLLAB_E2E_PYTHON") {
+    let candidates: Vec<PathBuf> = match std::env::var_os(var) {
         Some(p) => vec![PathBuf::from(p)],
-        None => vec![
-            root.join(".ci/.venv-e2e/bin/python"),
-            PathBuf::from("python3"),
-        ],
+        None => {
+            let mut c = vec![root.join(venv).join("bin/python")];
+            if system {
+                c.push(PathBuf::from("python3"));
+            }
+            c
+        }
     };
     let mut tried = Vec::new();
     for python in candidates {
@@ -413,8 +438,8 @@ pub fn e2e_python(check: &str, needs: &str) -> Option<PathBuf> {
         tried.push(python.display().to_string());
     }
     let reason = format!(
-        "no Python with {needs} (tried {}): run .ci/run, or create .ci/.venv-e2e from \
-         tests/e2e/requirements.txt, or set COLLAB_E2E_PYTHON",
+        "no Python with {needs} (tried {}): run .ci/run, or create {venv} from {requirements}, \
+         or set {var}",
         tried.join(", ")
     );
     assert!(
