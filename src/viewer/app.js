@@ -193,7 +193,7 @@ async function start() {
   loadView();
   // A shared address opens its thread or search.
   const thread = threadFromHash();
-  if (thread) showThread(thread);
+  if (thread) showThread(thread.key, thread.item);
   const search = searchFromHash();
   if (search !== null) showSearch(search);
 }
@@ -598,13 +598,18 @@ function turnView(t) {
   return el('section', { class: 'turn', 'data-turn': t.turnId, 'data-outcome': t.outcome }, ...items);
 }
 
-async function showThread(key) {
+// The address of a thread, or of one run (`run:<id>`) or turn (`turn:<id>`) in it.
+function threadLink(key, item) {
+  return `#thread=${encodeURIComponent(key)}${item ? `&item=${encodeURIComponent(item)}` : ''}`;
+}
+
+async function showThread(key, item) {
   const box = $('detail-body');
   $('detail-heading').textContent = `Thread ${key}`;
   box.replaceChildren(el('p', { class: 'note' }, 'Loading…'));
   box.hidden = false;
   $('detail-empty').hidden = true;
-  if (location.hash !== `#thread=${encodeURIComponent(key)}`) history.replaceState(null, '', `#thread=${encodeURIComponent(key)}`);
+  if (location.hash !== threadLink(key, item)) history.replaceState(null, '', threadLink(key, item));
   let body;
   try {
     body = await api(`/api/threads/${encodeURIComponent(key)}`);
@@ -616,6 +621,16 @@ async function showThread(key) {
   const parts = [el('p', { class: 'meta' }, `${t.runs.length} run(s), ${t.turns.length} turn(s) from ${t.events} events${t.truncated ? ' (the newest; older ones exist)' : ''}.`)];
   parts.push(...runTree(t.runs), ...t.turns.map(turnView));
   box.replaceChildren(...parts);
+  // Every run and turn links to itself; a linked one is marked and scrolled to.
+  for (const sec of box.querySelectorAll('section.run, section.turn')) {
+    const id = sec.classList.contains('run') ? `run:${sec.dataset.run}` : `turn:${sec.dataset.turn}`;
+    sec.querySelector('h3').append(' ', el('a', { href: threadLink(key, id), class: 'permalink', 'aria-label': `Link to ${id}` }, 'link'));
+    if (id === item) {
+      sec.classList.add('linked');
+      sec.setAttribute('aria-current', 'true');
+      sec.scrollIntoView({ block: 'nearest' });
+    }
+  }
 }
 
 // Runs nested under the run that started them (parentRunId), each child in an expandable
@@ -644,8 +659,8 @@ function runTree(runs) {
 }
 
 function threadFromHash() {
-  const m = /^#thread=(.+)$/.exec(location.hash);
-  return m ? decodeURIComponent(m[1]) : null;
+  const m = /^#thread=([^&]+)(?:&item=(.+))?$/.exec(location.hash);
+  return m ? { key: decodeURIComponent(m[1]), item: m[2] ? decodeURIComponent(m[2]) : null } : null;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -808,7 +823,7 @@ function init() {
   $('session-clear').addEventListener('click', clearSession);
   window.addEventListener('hashchange', () => {
     const thread = threadFromHash();
-    if (thread) showThread(thread);
+    if (thread) showThread(thread.key, thread.item);
     const search = searchFromHash();
     if (search !== null) showSearch(search);
   });

@@ -882,6 +882,24 @@ async fn the_viewer_orders_by_event_time_shows_suppressed_replies_and_recovers_f
         json!([true, true, 1]),
         "the delegation tree, two levels deep, under its root run"
     );
+    // A run's own address marks it in its thread.
+    let link = eval(
+        &client,
+        r#"return document.querySelector('section.run[data-run="run-b2"] a.permalink').getAttribute('href');"#,
+    )
+    .await;
+    assert_eq!(link, json!("#thread=browser-run&item=run%3Arun-b2"));
+    eval(
+        &client,
+        "location.hash = '#thread=browser-run&item=run%3Arun-b2'; return true;",
+    )
+    .await;
+    wait_for(
+        &client,
+        "the linked run is marked",
+        r#"const r = document.querySelector('section.run[data-run="run-b2"]'); return r !== null && r.classList.contains('linked');"#,
+    )
+    .await;
     assert!(text.contains(r#"get_weather({"city":"Oslo"})"#), "{text}");
     // A run that stopped for a person's approval reads as waiting, for what and on whom.
     for (ev, run) in [
