@@ -6,7 +6,7 @@ use crate::classify::Fields;
 use crate::model::Envelope;
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use serde_json::Value;
+use serde_json::{Map, Value};
 use std::fmt;
 
 /// Why a turn is blocked: `timeout` (no response by the deadline), `error` (an upstream
@@ -142,4 +142,48 @@ impl<'a> AgUiFacts<'a> {
             tool_call_id: payload.get("toolCallId").and_then(Value::as_str),
         })
     }
+}
+
+/// Whether a response's payload is a blocked outcome (`outcome: "blocked"`).
+pub fn is_blocked(payload: Option<&Map<String, Value>>) -> bool {
+    payload
+        .and_then(|p| p.get("outcome"))
+        .and_then(Value::as_str)
+        == Some("blocked")
+}
+
+/// What an answer waits for: `input` or `auth` when it is an A2A task that stopped at
+/// `input-required` / `auth-required` (the wire normaliser keeps the state as `payload.state`).
+pub fn answer_waits_for(payload: Option<&Map<String, Value>>) -> Option<&'static str> {
+    match payload?.get("state").and_then(Value::as_str)? {
+        "input-required" => Some("input"),
+        "auth-required" => Some("auth"),
+        _ => None,
+    }
+}
+
+/// What an ended run waits for, and on whom: an AG-UI `RUN_FINISHED` whose `outcome` is an
+/// interrupt (`{"type": "interrupt", "interrupts": [...]}`, or the string `interrupt` beside an
+/// `interrupt` object), or any run the normaliser marked `interrupted`. What is awaited is the
+/// first interrupt's `reason`, else `input`; whom, its `assignee` (or `user`) when it names one.
+pub fn run_wait(env: &Envelope) -> Option<(String, Option<String>)> {
+    let p = env.payload.as_ref().and_then(Value::as_object);
+    let outcome = p.and_then(|p| p.get("outcome"));
+    let typed = match outcome {
+        Some(Value::String(s)) => s == "interrupt",
+        Some(Value::Object(o)) => o.get("type").and_then(Value::as_str) == Some("interrupt"),
+        _ => false,
+    };
+    if !typed && env.phase.as_deref() != Some("interrupted") {
+        return None;
+    }
+    let first = outcome
+        .and_then(|o| o.get("interrupts"))
+        .and_then(Value::as_array)
+        .and_then(|a| a.first())
+        .or_else(|| p.and_then(|p| p.get("interrupt")))
+        .and_then(Value::as_object);
+    let text = |k: &str| crate::model::field_text(first, k);
+    let on = text("assignee").or_else(|| text("user"));
+    Some((text("reason").unwrap_or_else(|| "input".into()), on))
 }

@@ -242,10 +242,7 @@ impl Envelope {
     /// The agent whose NATS user published the raw message, when its subject names one
     /// (`<prefix>.raw.<key>._as.<agent>.<type>`, as the relays publish).
     pub fn publishing_agent(&self) -> Option<String> {
-        let subject = &self.raw_event_ref.as_ref()?.subject;
-        let mut tokens = subject.split('.').skip_while(|t| *t != "_as");
-        tokens.next()?;
-        tokens.next().filter(|a| !a.is_empty()).map(str::to_string)
+        publishing_agent_of(&self.raw_event_ref.as_ref()?.subject)
     }
 
     /// The payload as an object, creating one if the payload is absent.
@@ -344,6 +341,13 @@ pub fn shorten(text: &str, max: usize) -> String {
     let mut s: String = t.chars().take(max.saturating_sub(1)).collect();
     s.push('…');
     s
+}
+
+/// The agent a raw subject says published the message (`<prefix>.raw.<key>._as.<agent>.<type>`).
+pub fn publishing_agent_of(subject: &str) -> Option<String> {
+    let mut tokens = subject.split('.').skip_while(|t| *t != "_as");
+    tokens.next()?;
+    tokens.next().filter(|a| !a.is_empty()).map(str::to_string)
 }
 
 /// `map[key]` as an id ([`id_text`]); `None` without a map.

@@ -211,14 +211,7 @@ impl Assembler {
     fn send(&mut self, env: &Envelope, at: i64, out: &mut Observed) {
         let Some(key) = turn_key(env) else { return };
         let p = payload(env);
-        let ids = match self.parent_run(env) {
-            Some(run) => Ids {
-                trace: run.trace,
-                span: span_id(&["turn", &key]),
-                parent: Some(run.span),
-            },
-            None => root_ids(&["turn", &key]),
-        };
+        let ids = ids_under(self.parent_run(env), &["turn", &key]);
         let turn = OpenTurn {
             ids,
             start_ms: at,
@@ -248,9 +241,12 @@ impl Assembler {
             .and_then(|t| t.target.clone())
             .or_else(|| text(p, "fromAgent"))
             .or_else(|| id_text(env.agent_id.as_ref()));
-        let blocked = p.and_then(|p| p.get("outcome")).and_then(Value::as_str) == Some("blocked");
+        let blocked = crate::facts::is_blocked(p);
         let error = blocked.then(|| text(p, "reason").unwrap_or_else(|| "blocked".into()));
-        let waiting = (!blocked).then(|| turn_wait(p)).flatten();
+        let waiting = (!blocked)
+            .then(|| crate::facts::answer_waits_for(p))
+            .flatten()
+            .map(str::to_string);
         let mut attributes = agent_attrs(agent.as_deref(), id_text(env.conversation_id.as_ref()));
         attributes.push(("collab.turn.id", Attr::Str(key_turn(env))));
         if let Some(caller) = open
@@ -293,14 +289,7 @@ impl Assembler {
         };
         let p = payload(env);
         let parent = text(p, "parentRunId").and_then(|id| self.runs.get(&id).map(|r| r.ids));
-        let ids = match parent {
-            Some(parent) => Ids {
-                trace: parent.trace,
-                span: span_id(&["run", &run]),
-                parent: Some(parent.span),
-            },
-            None => root_ids(&["run", &run]),
-        };
+        let ids = ids_under(parent, &["run", &run]);
         let open = OpenRun {
             ids,
             start_ms: at,
@@ -358,7 +347,10 @@ impl Assembler {
                 .or_else(|| text(p, "code"))
                 .unwrap_or_else(|| "error".into())
         });
-        let waiting = error.is_none().then(|| run_wait(env)).flatten();
+        let waiting = error
+            .is_none()
+            .then(|| crate::facts::run_wait(env))
+            .flatten();
         let outcome = match (&error, &waiting) {
             (Some(_), _) => "failed",
             (None, Some(_)) => "waiting",
@@ -383,18 +375,11 @@ impl Assembler {
             return;
         };
         let run_id = id_text(env.run_id.as_ref());
-        let ids = match run_id
+        let run = run_id
             .as_deref()
             .and_then(|r| self.runs.get(r))
-            .map(|r| r.ids)
-        {
-            Some(run) => Ids {
-                trace: run.trace,
-                span: span_id(&["tool", &call]),
-                parent: Some(run.span),
-            },
-            None => root_ids(&["tool", &call]),
-        };
+            .map(|r| r.ids);
+        let ids = ids_under(run, &["tool", &call]);
         if let Some(run) = run_id.as_deref().and_then(|r| self.runs.get_mut(r)) {
             run.tools.push(call.clone());
         }
@@ -530,42 +515,6 @@ impl Assembler {
     }
 }
 
-/// What a turn's answer waits for: `input` or `auth` when it is an A2A task that stopped at
-/// `input-required` / `auth-required` (the wire normaliser keeps the state as `payload.state`).
-fn turn_wait(p: Option<&Map<String, Value>>) -> Option<String> {
-    match p?.get("state").and_then(Value::as_str)? {
-        "input-required" => Some("input".into()),
-        "auth-required" => Some("auth".into()),
-        _ => None,
-    }
-}
-
-/// What an ended run waits for, and on whom: an AG-UI `RUN_FINISHED` whose `outcome` is an
-/// interrupt (`{"type": "interrupt", "interrupts": [...]}`, or the string `interrupt` beside an
-/// `interrupt` object), or any run the normaliser marked `interrupted`. What is awaited is the
-/// first interrupt's `reason`, else `input`; whom, its `assignee` (or `user`) when it names one.
-pub(crate) fn run_wait(env: &Envelope) -> Option<(String, Option<String>)> {
-    let p = payload(env);
-    let outcome = p.and_then(|p| p.get("outcome"));
-    let typed = match outcome {
-        Some(Value::String(s)) => s == "interrupt",
-        Some(Value::Object(o)) => o.get("type").and_then(Value::as_str) == Some("interrupt"),
-        _ => false,
-    };
-    if !typed && env.phase.as_deref() != Some("interrupted") {
-        return None;
-    }
-    let first = outcome
-        .and_then(|o| o.get("interrupts"))
-        .and_then(Value::as_array)
-        .and_then(|a| a.first())
-        .or_else(|| p.and_then(|p| p.get("interrupt")))
-        .and_then(Value::as_object);
-    let reason = first.and_then(|i| text(Some(i), "reason"));
-    let on = first.and_then(|i| text(Some(i), "assignee").or_else(|| text(Some(i), "user")));
-    Some((reason.unwrap_or_else(|| "input".into()), on))
-}
-
 fn push_wait(attributes: &mut Vec<(&'static str, Attr)>, wait: String, on: Option<String>) {
     attributes.push(("collab.waiting.for", Attr::Str(wait)));
     if let Some(on) = on {
@@ -680,6 +629,18 @@ fn span_id(parts: &[&str]) -> [u8; 8] {
         id[7] = 1;
     }
     id
+}
+
+/// The ids of the span named by `parts`: a child of `parent` in its trace, else a root.
+fn ids_under(parent: Option<Ids>, parts: &[&str]) -> Ids {
+    match parent {
+        Some(parent) => Ids {
+            trace: parent.trace,
+            span: span_id(parts),
+            parent: Some(parent.span),
+        },
+        None => root_ids(parts),
+    }
 }
 
 fn root_ids(parts: &[&str]) -> Ids {

@@ -383,12 +383,8 @@ impl Builder {
         if t.view.answered_at.is_some() {
             return;
         }
-        let blocked = p.and_then(|p| p.get("outcome")).and_then(Value::as_str) == Some("blocked");
-        let waiting = match p.and_then(|p| p.get("state")).and_then(Value::as_str) {
-            Some("input-required") => Some("input"),
-            Some("auth-required") => Some("auth"),
-            _ => None,
-        };
+        let blocked = crate::facts::is_blocked(p);
+        let waiting = crate::facts::answer_waits_for(p);
         t.view.outcome = match (blocked, waiting) {
             (true, _) => TurnOutcome::Blocked,
             (false, Some(_)) => TurnOutcome::Waiting,
@@ -615,7 +611,7 @@ impl RunBuild {
             self.view.error = text(p, "message")
                 .or_else(|| text(p, "code"))
                 .or_else(|| text(p, "reason"));
-        } else if let Some((reason, on)) = crate::spans::run_wait(env) {
+        } else if let Some((reason, on)) = crate::facts::run_wait(env) {
             self.view.outcome = RunOutcome::Waiting;
             self.view.waiting_for = Some(reason);
             self.view.waiting_on = on;

@@ -89,12 +89,11 @@ impl Criteria {
             }
         }
         if let Some(agent) = &self.agent {
-            let publisher =
-                s(env.get("rawEventRef").and_then(|r| r.get("subject"))).and_then(|subject| {
-                    let mut t = subject.split('.').skip_while(|t| *t != "_as");
-                    t.next()?;
-                    t.next().map(str::to_string)
-                });
+            let publisher = env
+                .get("rawEventRef")
+                .and_then(|r| r.get("subject"))
+                .and_then(Value::as_str)
+                .and_then(crate::model::publishing_agent_of);
             let named = [
                 s(env.get("agentId")),
                 s(p.and_then(|p| p.get("fromAgent"))),
@@ -111,13 +110,9 @@ impl Criteria {
         }
         if let Some(outcome) = self.outcome {
             let kind = env.get("type").and_then(Value::as_str).unwrap_or_default();
-            let pfield = |k: &str| s(p.and_then(|p| p.get(k)));
-            let blocked = kind == "a2a.response" && pfield("outcome").as_deref() == Some("blocked");
-            let waiting = (kind == "a2a.response"
-                && matches!(
-                    pfield("state").as_deref(),
-                    Some("input-required" | "auth-required")
-                ))
+            let map = p.and_then(Value::as_object);
+            let blocked = kind == "a2a.response" && crate::facts::is_blocked(map);
+            let waiting = (kind == "a2a.response" && crate::facts::answer_waits_for(map).is_some())
                 || (kind == "run.finished"
                     && env.get("phase").and_then(Value::as_str) == Some("interrupted"));
             let failed = matches!(kind, "run.failed" | "tool.failed" | "a2a.error");
