@@ -91,6 +91,25 @@ impl Phoenix {
         std::fs::read_to_string(self._dir.path().join("phoenix.log")).unwrap_or_default()
     }
 
+    /// At least `n` spans of the default project, waited for (the projector's log in the
+    /// failure message).
+    async fn wait_for_spans(&self, n: usize, projector: &Projector) -> Vec<Value> {
+        let start = Instant::now();
+        loop {
+            let spans = self.spans().await;
+            if spans.len() >= n {
+                return spans;
+            }
+            assert!(
+                start.elapsed() < WAIT,
+                "Phoenix has {} spans of {n}: {spans:#?}\nprojector log:\n{}",
+                spans.len(),
+                projector.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(500)).await;
+        }
+    }
+
     /// Every span of the default project (Phoenix answers 404 until the project's first span).
     async fn spans(&self) -> Vec<Value> {
         let url = format!("{}/v1/projects/default/spans?limit=1000", self.url());
@@ -275,20 +294,7 @@ async fn turns_runs_and_tools_reach_phoenix_as_genai_spans_with_parents_usage_an
 
     // Six spans: the answered turn, the timed-out turn, the run, its tool call, its child run,
     // and the run that stopped for a person's approval.
-    let start = Instant::now();
-    let spans = loop {
-        let spans = phoenix.spans().await;
-        if spans.len() >= 6 {
-            break spans;
-        }
-        assert!(
-            start.elapsed() < WAIT,
-            "Phoenix has {} spans of 6: {spans:#?}\nprojector log:\n{}",
-            spans.len(),
-            projector.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
+    let spans = phoenix.wait_for_spans(6, &projector).await;
     let by_name: HashMap<&str, &Value> = spans
         .iter()
         .filter_map(|s| Some((s["name"].as_str()?, s)))
@@ -418,20 +424,7 @@ async fn a_run_through_the_relay_reaches_phoenix_with_its_tool_call() {
     assert_eq!(answer.status(), 200);
     let _ = answer.text().await;
 
-    let start = Instant::now();
-    let spans = loop {
-        let spans = phoenix.spans().await;
-        if spans.len() >= 2 {
-            break spans;
-        }
-        assert!(
-            start.elapsed() < WAIT,
-            "Phoenix has {} spans of 2: {spans:#?}\nprojector log:\n{}",
-            spans.len(),
-            projector.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(500)).await;
-    };
+    let spans = phoenix.wait_for_spans(2, &projector).await;
     assert_eq!(spans.len(), 2, "{spans:#?}");
     let named = |name: &str| {
         spans

@@ -245,6 +245,27 @@ async fn publish(js: &async_nats::jetstream::Context, key: &str, ev: &Value) {
     .expect("raw publish was not acknowledged");
 }
 
+/// AG-UI events published on `subject` as the relay does, each with its run in `Collab-Run-Id`.
+async fn publish_agui<const N: usize>(
+    js: &async_nats::jetstream::Context,
+    subject: &'static str,
+    events: [(Value, &'static str); N],
+) {
+    for (ev, run) in events {
+        let mut h = async_nats::HeaderMap::new();
+        h.insert("Collab-Run-Id", run);
+        js.publish_with_headers(
+            subject,
+            h,
+            serde_json::to_vec(&ev).expect("an event serialises").into(),
+        )
+        .await
+        .expect("raw publish was not sent")
+        .await
+        .expect("raw publish was not acknowledged");
+    }
+}
+
 /// A turn from ruda to eden on conversation `key`, asked and then answered.
 async fn answered_turn(js: &async_nats::jetstream::Context, key: &str, ask: &str, answer: &str) {
     let send = json!({"message": ask, "timeoutMs": 60_000});
@@ -827,19 +848,7 @@ async fn the_viewer_orders_by_event_time_shows_suppressed_replies_and_recovers_f
             "run-b1",
         ),
     ];
-    for (ev, run) in events {
-        let mut h = async_nats::HeaderMap::new();
-        h.insert("Collab-Run-Id", run);
-        js.publish_with_headers(
-            "collab.raw.browser-run._as.planner.agui",
-            h,
-            serde_json::to_vec(&ev).expect("an event serialises").into(),
-        )
-        .await
-        .expect("raw publish was not sent")
-        .await
-        .expect("raw publish was not acknowledged");
-    }
+    publish_agui(&js, "collab.raw.browser-run._as.planner.agui", events).await;
     let finished = format!("http://127.0.0.1:{http_port}/api/threads/browser-run");
     wait_until(WAIT, "the run is projected to its end", || async {
         let body: Value = match reqwest::Client::new()
@@ -902,7 +911,7 @@ async fn the_viewer_orders_by_event_time_shows_suppressed_replies_and_recovers_f
     .await;
     assert!(text.contains(r#"get_weather({"city":"Oslo"})"#), "{text}");
     // A run that stopped for a person's approval reads as waiting, for what and on whom.
-    for (ev, run) in [
+    publish_agui(&js, "collab.raw.browser-approval._as.planner.agui", [
         (
             json!({"type": "RUN_STARTED", "threadId": "browser-approval", "runId": "run-a1"}),
             "run-a1",
@@ -912,19 +921,7 @@ async fn the_viewer_orders_by_event_time_shows_suppressed_replies_and_recovers_f
                 "outcome": {"type": "interrupt", "interrupts": [{"id": "i1", "reason": "approval", "assignee": "alice"}]}}),
             "run-a1",
         ),
-    ] {
-        let mut h = async_nats::HeaderMap::new();
-        h.insert("Collab-Run-Id", run);
-        js.publish_with_headers(
-            "collab.raw.browser-approval._as.planner.agui",
-            h,
-            serde_json::to_vec(&ev).expect("an event serialises").into(),
-        )
-        .await
-        .expect("raw publish was not sent")
-        .await
-        .expect("raw publish was not acknowledged");
-    }
+    ]).await;
     let approval = format!("http://127.0.0.1:{http_port}/api/threads/browser-approval");
     wait_until(WAIT, "the interrupted run is projected", || async {
         let body: Value = match reqwest::Client::new()
