@@ -227,7 +227,7 @@ fn serve_http(
     let mut router = http::router(state);
     if settings.http.api {
         // Settings are validated at load, the price table with them.
-        let prices = crate::usage::Prices::new(&settings.usage.prices).unwrap_or_default();
+        let prices = settings.prices().unwrap_or_default();
         let api_state = api::ApiState::new(running.js.clone(), settings.names(), &settings.http)
             .with_prices(prices)
             .with_shutdown(cancel.clone());

@@ -911,7 +911,7 @@ impl Settings {
         if self.runs.timeout.is_zero() {
             return bad("runs.timeout must be positive".into());
         }
-        crate::usage::Prices::new(&self.usage.prices).map_err(ConfigError::Invalid)?;
+        self.prices()?;
         if !["http/protobuf", "http/json", "grpc"].contains(&self.otel.protocol.as_str()) {
             return bad(format!(
                 "otel.protocol is {:?}: use http/protobuf, http/json or grpc",
@@ -929,6 +929,11 @@ impl Settings {
             ));
         }
         Ok(())
+    }
+
+    /// The price table of `[usage] prices`; an error names the entry that cannot be used.
+    pub fn prices(&self) -> Result<crate::usage::Prices, ConfigError> {
+        crate::usage::Prices::new(&self.usage.prices).map_err(ConfigError::Invalid)
     }
 
     pub fn names(&self) -> Names {

@@ -59,7 +59,8 @@ impl WorkerContext {
             .map_err(|e| WorkerError::setup(0, "settings", e))?;
         let otel = crate::otel::resolve(&settings.otel, |k| std::env::var(k).ok())
             .map_err(|e| WorkerError::setup(0, "the OpenTelemetry export settings", e))?;
-        let prices = crate::usage::Prices::new(&settings.usage.prices)
+        let prices = settings
+            .prices()
             .map_err(|e| WorkerError::setup(0, "settings", e))?;
         let sessions_side =
             Side::start(&settings, "collab-sessions", "collab-projector-sessions").await?;
