@@ -89,6 +89,8 @@ pub async fn last_from_leader(
 pub struct Fence {
     proj: (String, u64),
     dlq: (String, u64),
+    /// The partition claimed, named on every projection sent (`Collab-Partition`).
+    partition: String,
 }
 
 impl Fence {
@@ -113,6 +115,7 @@ impl Fence {
         Ok(Fence {
             proj: (proj, seqs[0]),
             dlq: (dlq, seqs[1]),
+            partition: p.to_string(),
         })
     }
 
@@ -131,6 +134,9 @@ impl Fence {
             headers.insert(*k, v.as_str());
         }
         let (subject, seq) = self.of(out.kind);
+        if let OutKind::Projection(_) = out.kind {
+            headers.insert(crate::pipeline::H_PARTITION, self.partition.as_str());
+        }
         headers.insert(H_EXPECTED_SEQ, seq.to_string().as_str());
         headers.insert(H_EXPECTED_SUBJECT, subject);
         headers
