@@ -358,12 +358,12 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
     (
         SESSION_EVENTS_FOLDED,
         Family::Counter,
-        "Projections folded into work sessions (by the partitions that stored them).",
+        "Projections folded into work sessions (by the owner of partition 0).",
     ),
     (
         SESSION_FOLD_POSITION,
         Family::Gauge,
-        "Highest projection-stream sequence whose work sessions are written.",
+        "Projection-stream sequence up to which work sessions are written.",
     ),
     (
         TOKENS,

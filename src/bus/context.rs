@@ -33,8 +33,8 @@ pub struct WorkerContext {
     /// The thread that renews the leases: neither busy partitions (a large reload, a burst of
     /// publishes) nor their queued writes delay a renewal.
     pub leases_side: Side,
-    /// The OpenTelemetry export, when an endpoint is configured (run by the owner of
-    /// partition 0, on the work-session thread).
+    /// The OpenTelemetry export, when an endpoint is configured (run with the fold, by the
+    /// owner of partition 0).
     pub otel: Option<crate::otel::Export>,
     /// The price table usage is costed with.
     pub prices: crate::usage::Prices,

@@ -451,11 +451,10 @@ pub(crate) fn lease_lapsed(valid_until: &std::sync::atomic::AtomicI64) -> bool {
     v > 0 && now_ms() > v
 }
 
-/// The next round of a reader of the projection stream (the OpenTelemetry export, run by the
-/// owner of partition 0; the work sessions' start-up drain): its first message, then what
-/// arrives within `gather` (at most `max` in all), handed over only while the lease known to
-/// hold until `lease_valid_until` holds (0: none), so a worker that lost it without noticing
-/// yet does nothing. `Ok(None)`: cancelled.
+/// The next round of a reader of the projection stream run by the owner of partition 0 (the
+/// work-session fold, the OpenTelemetry export): its first message, then what arrives within
+/// `gather` (at most `max` in all), handed over only while the lease on partition 0 holds, so a
+/// worker that lost it without noticing yet does nothing. `Ok(None)`: cancelled.
 pub(crate) async fn next_round(
     messages: &mut async_nats::jetstream::consumer::pull::Ordered,
     cancel: &tokio_util::sync::CancellationToken,

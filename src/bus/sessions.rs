@@ -14,8 +14,8 @@
 //! input, or a retried round, changes nothing twice.
 //!
 //! What the projection stream holds that no partition fed (a new or emptied bucket, or a bucket
-//! written by a version that folded the stream itself) is folded once, before the worker takes
-//! partitions, by [`drain_before_partitions`], with the identities the partitions' feeds give.
+//! written by a version that folded the stream itself) is folded once by [`run_drain`], with the
+//! identities the partitions' feeds give.
 //!
 //! Keys: a session is stored under `encode_id(session id)`. Events that name a conversation but no
 //! work session (a synthesised blocked response, for example) are resolved through an alias entry
@@ -52,10 +52,9 @@ const SESSION_CACHE: usize = 4096;
 /// Sessions written at once in a round.
 const CONCURRENT_WRITES: usize = 32;
 /// Rounds start at most this often: groups arriving meanwhile wait and share the round, so a hot
-/// session that every partition feeds is written (and serialised) five times a second at most.
-/// Only the acknowledgement of an input waits (well within `consumer.ack_wait`, and the consumer
-/// goes on delivering up to `max_ack_pending`); its projections are already stored.
-const ROUND_INTERVAL: Duration = Duration::from_millis(200);
+/// session is written (and serialised) a few dozen times a second at most. Only the
+/// acknowledgement of an input waits; its projections are already stored.
+const ROUND_INTERVAL: Duration = Duration::from_millis(20);
 /// Session bytes serialised and written per second, at most: after a round that wrote B bytes
 /// the next waits B / this (up to [`MAX_ROUND_INTERVAL`]), so large sessions cost a bounded
 /// share of the worker's and the server's CPU instead of one rewrite per round each.
@@ -529,15 +528,23 @@ pub(crate) fn start_feed(
             while let Ok(b) = rx.try_recv() {
                 batches.push(b);
             }
-            let mut stored = Vec::new();
+            let mut events = Vec::new();
             let mut last_stored = 0;
             for b in &mut batches {
                 last_stored = last_stored.max(b.last_stored);
-                stored.append(&mut b.events);
+                for (bytes, ident) in std::mem::take(&mut b.events) {
+                    match sessions::envelope_for_fold(&bytes) {
+                        Ok(env) => events.push((env, ident)),
+                        Err(e) => {
+                            debug!(partition = p, error = %e, "a stored projection is not an envelope; not folded")
+                        }
+                    }
+                }
             }
-            let Some(folded) = commit_until_written(&writer, &stored, p, &cancel).await else {
+            let folded = events.len();
+            if !commit_until_written(&writer, events, p, &cancel).await {
                 return;
-            };
+            }
             metrics::counter!(crate::telemetry::SESSION_EVENTS_FOLDED).increment(folded as u64);
             if last_stored > 0 {
                 note_fold_position(last_stored);
@@ -558,34 +565,21 @@ fn note_fold_position(seq: u64) {
     metrics::gauge!(crate::telemetry::SESSION_FOLD_POSITION).set(before.max(seq) as f64);
 }
 
-/// Fold `stored` (parsed again for each attempt: a retry is rare, a copy of every envelope is
-/// not) until their sessions are written; the number of envelopes folded, `None` when cancelled
-/// first.
+/// Commit `events` until their sessions are written; `false` when cancelled first.
 async fn commit_until_written(
     writer: &SessionWriter,
-    stored: &[(Bytes, Identity)],
+    events: Vec<(Envelope, Identity)>,
     p: u16,
     cancel: &tokio_util::sync::CancellationToken,
-) -> Option<usize> {
+) -> bool {
     let mut retry = super::Retry::new(Duration::from_millis(200), Duration::from_secs(5));
     loop {
-        let events: Vec<(Envelope, Identity)> = stored
-            .iter()
-            .filter_map(|(bytes, ident)| match sessions::envelope_for_fold(bytes) {
-                Ok(env) => Some((env, ident.clone())),
-                Err(e) => {
-                    debug!(partition = p, error = %e, "a stored projection is not an envelope; not folded");
-                    None
-                }
-            })
-            .collect();
-        let folded = events.len();
-        match writer.commit(events).await {
-            Ok(()) => return Some(folded),
+        match writer.commit(events.clone()).await {
+            Ok(()) => return true,
             Err(e) => {
                 warn!(partition = p, error = %e, "work-session write failed; retrying (the partition's acknowledgements wait)");
                 if !retry.wait(cancel).await {
-                    return None;
+                    return false;
                 }
             }
         }
