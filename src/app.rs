@@ -201,26 +201,8 @@ async fn start_workers(
         })?;
     let partitions = settings.nats.partitions;
     info!(worker = %worker_id, partitions, "worker started; taking its share of the partitions");
-    // What the projection stream holds that no partition fed the work sessions is folded into
-    // them first (a new or emptied bucket, an upgrade); then the worker takes its partitions.
-    let drain = shared
-        .sessions_side
-        .rt
-        .handle
-        .spawn(bus::sessions::drain_before_partitions(
-            shared.sessions.clone(),
-            shared.sessions_side.js.clone(),
-            names.clone(),
-            cancel.clone(),
-        ));
-    let (lease_shared, worker, stop) = (shared.clone(), worker_id.to_string(), cancel.clone());
     tracker.spawn_on(
-        async move {
-            let _ = drain.await;
-            if !stop.is_cancelled() {
-                leases::run(lease_shared, store, worker, stop).await;
-            }
-        },
+        leases::run(shared.clone(), store, worker_id.to_string(), cancel.clone()),
         &shared.leases_side.rt.handle,
     );
     Ok(shared)

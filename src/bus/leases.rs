@@ -104,8 +104,23 @@ fn spawn_partition(
     let owner = worker_id.to_string();
     rt.spawn(
         async move {
-            // The owner of partition 0 also exports spans, when an OpenTelemetry endpoint is
-            // configured.
+            // The owner of partition 0 also folds into the work sessions what the projection
+            // stream holds that no partition fed them (a new or emptied bucket, or an upgrade
+            // from a version that folded the stream), once.
+            let fold = (p == 0).then(|| {
+                shared
+                    .sessions_side
+                    .rt
+                    .handle
+                    .spawn(super::sessions::run_drain(
+                        shared.sessions.clone(),
+                        shared.sessions_side.js.clone(),
+                        shared.names.clone(),
+                        cancel.clone(),
+                        valid_until.clone(),
+                    ))
+            });
+            // ... and exports spans, when an OpenTelemetry endpoint is configured.
             let export = (p == 0)
                 .then(|| shared.otel.clone())
                 .flatten()
@@ -163,6 +178,9 @@ fn spawn_partition(
                         }
                     }
                 }
+            }
+            if let Some(fold) = fold {
+                let _ = fold.await;
             }
             if let Some(export) = export {
                 let _ = export.await;

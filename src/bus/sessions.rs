@@ -34,7 +34,7 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
-use tracing::{debug, info, warn};
+use tracing::{debug, warn};
 
 /// Largest session value written; a session that would grow beyond it stops being updated (it
 /// would exceed the server's message size) and a warning is logged.
@@ -622,30 +622,26 @@ fn fold_event(msg: &jetstream::Message, raw_stream: &str) -> Option<(Envelope, I
     Some((env, ident))
 }
 
-/// Fold what the projection stream holds that no partition fed the sessions, once, before this
-/// worker's partitions start: a new bucket (a new deployment, or one emptied to be rebuilt: every
-/// projection the stream still holds is folded), or a bucket written by a version that folded the
-/// stream itself (from its [`FOLD_KEY`] on). Done when the bucket has [`FOLD_DRAINED_KEY`].
-///
-/// The drain ends at the stream's last sequence when the first drain started (kept in the
-/// bucket); everything stored later was fed by the partitions. It folds each projection as the
-/// partition that stored it did (its `Collab-Partition` header and Msg-Id) and in stream order,
-/// so drains of several workers starting together, and the feeds of a worker that finished its
-/// drain first, change nothing twice; a projection stored before partitions fed the sessions
-/// has no such header and is identified by its projection-stream sequence. A failure is retried
-/// from the drain's checkpoint. Returns when done or cancelled.
-pub async fn drain_before_partitions(
+/// Fold what the projection stream holds that the partitions did not feed, once: run by the
+/// owner of partition 0 when the bucket has no [`FOLD_DRAINED_KEY`]. That is a new bucket (a new
+/// deployment, or one emptied to be rebuilt: every projection the stream still holds is folded),
+/// or a bucket written by a version that folded the stream itself (from its [`FOLD_KEY`] on).
+/// The drain ends at the stream's last sequence when it starts; everything stored later was fed
+/// by the partitions. It identifies each projection as its partition's feed does, so the two
+/// overlapping changes nothing twice, and it restarts from its checkpoint after a failure.
+pub async fn run_drain(
     writer: std::sync::Arc<SessionWriter>,
     js: jetstream::Context,
     names: Names,
     cancel: tokio_util::sync::CancellationToken,
+    lease_valid_until: std::sync::Arc<std::sync::atomic::AtomicI64>,
 ) {
     let mut retry = super::Retry::new(Duration::from_millis(200), Duration::from_secs(5));
     while !cancel.is_cancelled() {
-        match drain(&writer, &js, &names, &cancel).await {
+        match drain(&writer, &js, &names, &cancel, &lease_valid_until).await {
             Ok(()) => break,
             Err(e) => {
-                warn!(error = %e, "folding the projection stream into the work sessions failed; restarting from its checkpoint");
+                warn!(error = %e, "work-session drain of the projection stream failed; restarting from its checkpoint");
                 if !retry.wait(&cancel).await {
                     break;
                 }
@@ -659,6 +655,7 @@ async fn drain(
     js: &jetstream::Context,
     names: &Names,
     cancel: &tokio_util::sync::CancellationToken,
+    lease_valid_until: &std::sync::atomic::AtomicI64,
 ) -> Result<(), String> {
     if read_position(&writer.kv, FOLD_DRAINED_KEY).await?.is_some() {
         return Ok(());
@@ -689,14 +686,57 @@ async fn drain(
         .await?
         .map_or(1, |p| p + 1);
     if start <= until {
-        info!(
+        debug!(
             from = start,
-            until,
-            "folding the projection stream into the work sessions before the partitions start"
+            until, "work-session drain of the projection stream started"
         );
-        drain_range(writer, &mut proj, names, start, until, cancel).await?;
-        if cancel.is_cancelled() {
-            return Ok(());
+        let consumer = proj
+            .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: start,
+                },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| format!("reading {proj_stream}: {e}"))?;
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(|e| format!("reading {proj_stream}: {e}"))?;
+        loop {
+            let Some(mut round) = super::next_round(
+                &mut messages,
+                cancel,
+                lease_valid_until,
+                FOLD_GATHER,
+                FOLD_BATCH,
+            )
+            .await?
+            else {
+                return Ok(());
+            };
+            round.retain(|m| m.info().is_ok_and(|i| i.stream_sequence <= until));
+            let last = round
+                .last()
+                .and_then(|m| m.info().ok())
+                .map(|i| i.stream_sequence)
+                .unwrap_or(until);
+            let events: Vec<_> = round
+                .iter()
+                .filter_map(|m| fold_event(m, &names.raw_stream))
+                .collect();
+            let folded = events.len();
+            writer.commit(events).await.map_err(|e| e.to_string())?;
+            writer
+                .kv
+                .put(FOLD_KEY, Bytes::from(last.to_string()))
+                .await
+                .map_err(|e| format!("checkpoint {FOLD_KEY}: {e}"))?;
+            metrics::counter!(crate::telemetry::SESSION_EVENTS_FOLDED).increment(folded as u64);
+            note_fold_position(last);
+            if last >= until {
+                break;
+            }
         }
     }
     writer
@@ -704,70 +744,8 @@ async fn drain(
         .put(FOLD_DRAINED_KEY, Bytes::from(until.to_string()))
         .await
         .map_err(|e| format!("{FOLD_DRAINED_KEY}: {e}"))?;
-    info!(
-        until,
-        "the projection stream is folded into the work sessions"
-    );
+    debug!(until, "work-session drain of the projection stream done");
     Ok(())
-}
-
-/// Fold the projections `start..=until` in rounds, moving [`FOLD_KEY`] after each; ends early
-/// when the stream holds nothing more (the rest aged out or was never stored) or on `cancel`.
-async fn drain_range(
-    writer: &SessionWriter,
-    proj: &mut jetstream::stream::Stream,
-    names: &Names,
-    start: u64,
-    until: u64,
-    cancel: &tokio_util::sync::CancellationToken,
-) -> Result<(), String> {
-    let proj_stream = &names.proj_stream;
-    let consumer = proj
-        .create_consumer(jetstream::consumer::pull::OrderedConfig {
-            deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
-                start_sequence: start,
-            },
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| format!("reading {proj_stream}: {e}"))?;
-    if consumer.cached_info().num_pending == 0 {
-        return Ok(());
-    }
-    let mut messages = consumer
-        .messages()
-        .await
-        .map_err(|e| format!("reading {proj_stream}: {e}"))?;
-    let no_lease = std::sync::atomic::AtomicI64::new(0);
-    loop {
-        let Some(mut round) =
-            super::next_round(&mut messages, cancel, &no_lease, FOLD_GATHER, FOLD_BATCH).await?
-        else {
-            return Ok(());
-        };
-        let (last, left) = round
-            .last()
-            .and_then(|m| m.info().ok())
-            .map_or((until, 0), |i| (i.stream_sequence, i.pending));
-        round.retain(|m| m.info().is_ok_and(|i| i.stream_sequence <= until));
-        let events: Vec<_> = round
-            .iter()
-            .filter_map(|m| fold_event(m, &names.raw_stream))
-            .collect();
-        let folded = events.len();
-        writer.commit(events).await.map_err(|e| e.to_string())?;
-        let through = last.min(until);
-        writer
-            .kv
-            .put(FOLD_KEY, Bytes::from(through.to_string()))
-            .await
-            .map_err(|e| format!("checkpoint {FOLD_KEY}: {e}"))?;
-        metrics::counter!(crate::telemetry::SESSION_EVENTS_FOLDED).increment(folded as u64);
-        note_fold_position(through);
-        if last >= until || left == 0 {
-            return Ok(());
-        }
-    }
 }
 
 /// Where the drain ends, fixed when it first starts (so a drain restarted later does not fold

@@ -1239,48 +1239,6 @@ async fn crash_before_ack_is_repaired_without_duplicates() {
     finish_and_check(&nats, &js, producer).await;
 }
 
-/// A work-session bucket emptied while the workers are stopped is rebuilt from the projection
-/// stream at the next start (the drain), each projection counted once although the partitions
-/// feed new ones meanwhile.
-#[tokio::test]
-async fn an_emptied_work_session_bucket_is_rebuilt_from_the_projection_stream() {
-    let nats = TestNats::start().await;
-    let js = nats.jetstream().await;
-    let mut first = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
-    let seqs = publish_all(&js, &load(300)).await;
-    wait_settled(&js, seqs.len() as u64, 0).await;
-    first.sigterm();
-    first
-        .wait_exit(GUARD)
-        .await
-        .expect("SIGTERM ends the process");
-    let sessions = js
-        .get_stream("KV_collab_work_sessions")
-        .await
-        .expect("the sessions bucket's stream");
-    sessions.purge().await.expect("the bucket is emptied");
-    // Restarted with more input arriving while the drain runs.
-    let _second = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
-    let more = publish_all(&js, &load(300)).await;
-    wait_settled(&js, (seqs.len() + more.len()) as u64, 0).await;
-    let kv = js
-        .get_key_value("collab_work_sessions")
-        .await
-        .expect("the sessions bucket");
-    wait_until(
-        GUARD,
-        "the projection stream is drained into the sessions",
-        || {
-            let kv = kv.clone();
-            async move { matches!(kv.get("fold.drained").await, Ok(Some(_))) }
-        },
-    )
-    .await;
-    let proj = read_all(&js, PROJ, "collab.proj.>").await;
-    assert_eq!(proj.len(), 600);
-    assert_sessions_count_every_projection(&js, &proj).await;
-}
-
 // ---------------------------------------------------------------------------------------------
 // 6. SIGTERM drains
 // ---------------------------------------------------------------------------------------------
