@@ -12,9 +12,6 @@ use chrono::{DateTime, SecondsFormat, Utc};
 pub const H_ROLE: &str = "Collab-Event-Role";
 pub const H_TYPE: &str = "Collab-Event-Type";
 pub const H_SOURCE_SEQ: &str = "Collab-Source-Seq";
-/// The partition whose owner stored a projection (added when it is sent): with its Msg-Id it
-/// identifies the projection in the work sessions the way that partition folded it.
-pub const H_PARTITION: &str = "Collab-Partition";
 pub const H_SOURCE_SUBJECT: &str = "Collab-Source-Subject";
 pub const H_DLQ_REASON: &str = "Collab-Dlq-Reason";
 pub const H_DLQ_DETAIL: &str = "Collab-Dlq-Detail";

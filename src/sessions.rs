@@ -8,13 +8,12 @@
 //!
 //! # Idempotency
 //!
-//! Counts must not grow when an event is applied twice (an input redelivered after a crash
-//! between its fold and its acknowledgement, a partition's owner taking over). An input's own
-//! output is identified by its position in its partition (raw sequence, index), applied in
-//! partition order: the session keeps, per partition, a floor (every position at or below it was
-//! applied), and an event at or below it is a repeat. An exchange's outcome is applied once: a
-//! turn has one `a2a.response` (once a turn has an outcome, another response for it changes
-//! nothing), and any other outcome is recognised by its Msg-Id (see [`Identity`]).
+//! Counts must not grow when an event is applied twice (a fold round repeated after a crash, a
+//! brief overlap of two folding workers). Each event is identified by its position in the stream
+//! it is folded from, read in order: the session keeps, per stream, a floor (every position at or
+//! below it was applied), and an event at or below it is a repeat. A turn has one `a2a.response`:
+//! once a turn has an outcome, another response for it (a previous owner's decision stored past
+//! the duplicate window) changes nothing either.
 
 use crate::model::shorten;
 use crate::model::{id_text, Envelope, Role};
@@ -35,43 +34,20 @@ const TITLE_CHARS: usize = 80;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
 pub struct Position(pub u64, pub u32);
 
-/// How an applied event is identified, for idempotency.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum Identity {
-    /// Where the event sits in its partition, applied in partition order: an input's own
-    /// outputs (raw sequence, index among them). Events of the projection stream written before
-    /// the partitions fed the sessions are identified by their projection-stream sequence under
-    /// the pseudo-partition `bus::sessions::FOLD_PARTITION`.
-    At { partition: u16, position: Position },
-    /// An exchange's one outcome, published under the exchange's own Msg-Id (a turn's
-    /// response, a run's terminal and the ends a timed-out run synthesised): applied at most
-    /// once whatever input or takeover published it. A turn's response is recognised by its turn,
-    /// anything else by its Msg-Id among the last [`DECISIONS_KEPT`] of its partition.
-    Decision { partition: u16, msg_id: String },
+/// How an applied event is identified, for idempotency: where it sits in the stream it is folded
+/// from, read in order (`partition` says which; the projection-stream fold is
+/// `bus::sessions::FOLD_PARTITION`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Identity {
+    pub partition: u16,
+    pub position: Position,
 }
-
-impl Identity {
-    pub fn at(partition: u16, position: Position) -> Identity {
-        Identity::At {
-            partition,
-            position,
-        }
-    }
-}
-
-/// Outcome Msg-Ids a session remembers per partition (besides the turns it knows decided): a
-/// decision is folded again only after a crash between its fold and its input's
-/// acknowledgement, well within this many outcomes of one session.
-pub const DECISIONS_KEPT: usize = 32;
 
 /// What a session applied from one partition: every position at or below `floor` (events are
-/// applied in their partition's order, so nothing below it is left out), and the Msg-Ids of the
-/// last outcomes that are not turn responses.
+/// applied in their stream's order, so nothing below it is left out).
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Applied {
     pub floor: Position,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub decided: Vec<String>,
 }
 
 impl Applied {
@@ -712,7 +688,14 @@ pub fn apply(
     partition: u16,
     raw_seq: u64,
 ) -> Option<WorkSession> {
-    apply_as(current, env, Identity::at(partition, Position(raw_seq, 0)))
+    apply_as(
+        current,
+        env,
+        Identity {
+            partition,
+            position: Position(raw_seq, 0),
+        },
+    )
 }
 
 /// Apply one projected event with an explicit identity. `None` when nothing changed.
@@ -728,7 +711,7 @@ pub fn apply_as(
         id,
         ..WorkSession::default()
     });
-    if fold_into(&mut s, env, &keys, &identity) {
+    if fold_into(&mut s, env, &keys, identity) {
         Some(s)
     } else {
         None
@@ -741,7 +724,7 @@ pub fn fold_into(
     s: &mut WorkSession,
     env: &Envelope,
     keys: &SessionKeys,
-    identity: &Identity,
+    identity: Identity,
 ) -> bool {
     let ev = Folded::of(env);
     // A turn has one response: a second one for a decided turn (a previous owner's decision
@@ -749,30 +732,11 @@ pub fn fold_into(
     if ev.is_turn_response && turn_decided(s, keys, &ev.turn) {
         return false;
     }
-    match identity {
-        Identity::At {
-            partition,
-            position,
-        } => {
-            let applied = s.applied.entry(*partition).or_default();
-            if applied.seen(*position) {
-                return false;
-            }
-            applied.record(*position);
-        }
-        // A turn's response is told apart by its turn, above; any other outcome by its Msg-Id.
-        Identity::Decision { partition, msg_id } if !ev.is_turn_response => {
-            let applied = s.applied.entry(*partition).or_default();
-            if applied.decided.contains(msg_id) {
-                return false;
-            }
-            applied.decided.push(msg_id.clone());
-            if applied.decided.len() > DECISIONS_KEPT {
-                applied.decided.remove(0);
-            }
-        }
-        Identity::Decision { .. } => {}
+    let applied = s.applied.entry(identity.partition).or_default();
+    if applied.seen(identity.position) {
+        return false;
     }
+    applied.record(identity.position);
 
     if s.work_session_id.is_none() {
         s.work_session_id = keys.work_session_id.clone();
@@ -1586,13 +1550,16 @@ mod tests {
     }
 
     fn raw(p: u16, seq: u64) -> Identity {
-        Identity::at(p, Position(seq, 0))
+        Identity {
+            partition: p,
+            position: Position(seq, 0),
+        }
     }
 
     fn fold(events: &[(Envelope, Identity)]) -> Option<WorkSession> {
         let mut s = None;
         for (e, id) in events {
-            if let Some(n) = apply_as(s.clone(), e, id.clone()) {
+            if let Some(n) = apply_as(s.clone(), e, *id) {
                 s = Some(n);
             }
         }
@@ -1693,7 +1660,7 @@ mod tests {
             let bytes = serde_json::to_vec(&e).expect("serialises");
             let read = envelope_for_fold(&bytes).expect("the fold parse reads it");
             let id = raw(0, i as u64 + 1);
-            whole = apply_as(whole.clone(), &e, id.clone()).or(whole);
+            whole = apply_as(whole.clone(), &e, id).or(whole);
             cut = apply_as(cut.clone(), &read, id).or(cut);
             assert_eq!(
                 whole,
@@ -1780,44 +1747,11 @@ mod tests {
         let n = apply_as(Some(s), &later_one, raw(1, 7)).expect("new");
         assert_eq!(n.counts[&Role::ConversationMain]["a2a.send"], 2);
         // Outputs of one raw message are told apart by their index.
-        let second = Identity::at(1, Position(7, 1));
-        assert!(apply_as(Some(n), &a, second).is_some());
-    }
-
-    #[test]
-    fn an_outcome_is_applied_once_whichever_input_or_owner_published_it() {
-        let decision = |id: &str| Identity::Decision {
-            partition: 3,
-            msg_id: id.to_string(),
+        let second = Identity {
+            partition: 1,
+            position: Position(7, 1),
         };
-        let a = send(0, "2026-02-17T12:00:00.000Z");
-        let s = fold(&[(a.clone(), raw(3, 5))]).expect("a session");
-        // A turn's response: once, by its turn, whatever its identity.
-        let b = response(0, "2026-02-17T12:00:05.000Z", json!({}));
-        let answered = apply_as(Some(s.clone()), &b, decision("turn:k:0")).expect("answered");
-        assert_eq!(
-            apply_as(Some(answered.clone()), &b, decision("turn:k:0")),
-            None
-        );
-        assert_eq!(apply_as(Some(answered), &b, raw(3, 9)), None);
-        // Any other outcome: once per Msg-Id, below or above the partition's floor.
-        let mut ended = a.clone();
-        ended.event_type = "run.failed".into();
-        ended.turn_id = Some(json!("r1"));
-        let once = apply_as(Some(s.clone()), &ended, decision("run:k:r1")).expect("applied");
-        assert_eq!(
-            apply_as(Some(once.clone()), &ended, decision("run:k:r1")),
-            None
-        );
-        let other = apply_as(Some(once), &ended, decision("run:k:r2")).expect("another run");
-        assert_eq!(other.counts[&Role::ConversationMain]["run.failed"], 2);
-        // Only the last DECISIONS_KEPT are remembered.
-        let mut s = other;
-        for i in 0..DECISIONS_KEPT {
-            s = apply_as(Some(s), &ended, decision(&format!("run:k:x{i}"))).expect("new");
-        }
-        assert_eq!(s.applied[&3].decided.len(), DECISIONS_KEPT);
-        assert!(!s.applied[&3].decided.contains(&"run:k:r1".to_string()));
+        assert!(apply_as(Some(n), &a, second).is_some());
     }
 
     #[test]
@@ -2083,7 +2017,7 @@ mod tests {
             .collect();
         for (i, e) in events.iter().enumerate() {
             let keys = keys(e);
-            fold_into(&mut s, e, &keys, &raw(0, i as u64 + 1));
+            fold_into(&mut s, e, &keys, raw(0, i as u64 + 1));
         }
         let by_agent = &s.usage[&Role::ConversationMain];
         assert_eq!(by_agent.len(), MAX_USAGE_AGENTS + 1);
@@ -2207,7 +2141,7 @@ mod tests {
         };
         // The oldest conversation keeps an open turn all along: it is never retired.
         let first = in_conversation(send(0, "2026-02-17T11:00:00.000Z"), "c-open");
-        fold_into(&mut s, &first, &keys(&first), &next());
+        fold_into(&mut s, &first, &keys(&first), next());
         let n = 2000u64;
         for i in 0..n {
             let conv = format!("c{i}");
@@ -2219,8 +2153,8 @@ mod tests {
                 json!({})
             };
             let reply = in_conversation(response(0, &at, outcome), &conv);
-            fold_into(&mut s, &send, &keys(&send), &next());
-            fold_into(&mut s, &reply, &keys(&reply), &next());
+            fold_into(&mut s, &send, &keys(&send), next());
+            fold_into(&mut s, &reply, &keys(&reply), next());
         }
         assert!(
             s.threads.len() <= MAX_THREADS + RETIRE_SLACK,
@@ -2272,8 +2206,8 @@ mod tests {
             json!({"outcome": "blocked", "reason": "timeout"}),
         );
         let mut again = s.clone();
-        assert!(!fold_into(&mut again, &late, &keys(&late), &raw(3, 40)));
-        assert!(!fold_into(&mut again, &late, &keys(&late), &raw(4, 1)));
+        assert!(!fold_into(&mut again, &late, &keys(&late), raw(3, 40)));
+        assert!(!fold_into(&mut again, &late, &keys(&late), raw(4, 1)));
         assert_eq!(again, s);
     }
 }

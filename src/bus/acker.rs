@@ -7,12 +7,10 @@
 use super::error::WorkerError;
 use super::publish::{self, Failure, Fence};
 use super::publisher::{Halt, Publisher};
-use super::sessions::{Feed, FoldBatch};
 use super::turns::{
     Checkpoint, Effects, Hold, KvWrite, Mark, TurnIoError, WriteError, CHECKPOINT_EVERY,
 };
 use crate::pipeline::{OutKind, Outgoing};
-use crate::sessions::Identity;
 use crate::telemetry;
 use async_nats::jetstream;
 use futures::FutureExt;
@@ -37,9 +35,6 @@ pub(crate) struct Processed {
     /// Turns it opened whose records are deferred: neither it nor anything after it is
     /// acknowledged before they resolve.
     holds: Vec<Hold>,
-    /// Its projections found stored already (by a previous owner, or before a restart): not
-    /// published again, but folded into the work sessions like those published.
-    stored: Vec<Outgoing>,
     /// When its publishes and writes were issued (for their latency).
     issued: tokio::time::Instant,
     /// The raw store time of `msg` (ms since the epoch), for the end-to-end latency.
@@ -63,16 +58,9 @@ impl Processed {
             writes: fx.writes,
             marks: fx.marks,
             holds: fx.holds,
-            stored: Vec::new(),
             issued: tokio::time::Instant::now(),
             stored_ms,
         }
-    }
-
-    /// With `stored`, its projections found stored already.
-    pub(crate) fn with_stored(mut self, stored: Vec<Outgoing>) -> Processed {
-        self.stored = stored;
-        self
     }
 }
 
@@ -135,13 +123,7 @@ pub(crate) async fn ack_stage(
     cancel: CancellationToken,
     broken: CancellationToken,
 ) -> Result<(), WorkerError> {
-    let Stage {
-        p,
-        acks,
-        fence,
-        feed,
-        raw_stream,
-    } = stage;
+    let Stage { p, acks, fence } = stage;
     let refused = |e: TurnIoError| {
         warn!(partition = p, error = %e, "turn state write refused; restarting the partition");
         broken.cancel();
@@ -198,26 +180,11 @@ pub(crate) async fn ack_stage(
                 }
             }
             let mut marks = Vec::new();
-            let mut fold = Vec::new();
-            let mut last_stored = 0u64;
             for idx in 0..items.len() {
                 let publishes = std::mem::take(&mut items[idx].publishes);
-                let stored = std::mem::take(&mut items[idx].stored);
-                fold.extend(fold_events(
-                    stored.iter().chain(publishes.iter().map(|(out, _)| out)),
-                    &raw_stream,
-                    p,
-                ));
                 let (issued, stored_ms) = (items[idx].issued, items[idx].stored_ms);
                 let awaited = issuer
-                    .await_publishes(
-                        publishes,
-                        issued,
-                        stored_ms,
-                        &items,
-                        &latencies,
-                        &mut last_stored,
-                    )
+                    .await_publishes(publishes, issued, stored_ms, &items, &latencies)
                     .await?;
                 if let Awaited::ShuttingDown = awaited {
                     return Ok(());
@@ -237,12 +204,6 @@ pub(crate) async fn ack_stage(
                 checkpoint.stored(marks).await.map_err(refused)?;
             }
             checkpoint.maybe_write(false).await.map_err(refused)?;
-            // Every projection of the group is stored: the work sessions fold them before any
-            // input of the group is acknowledged (a crash before then redelivers the inputs, and
-            // folding them again changes nothing twice).
-            if let (false, Some(first)) = (fold.is_empty(), items.first_mut()) {
-                first.holds.push(fold_hold(&feed, fold, last_stored));
-            }
             held.extend(items.into_iter().map(|i| Unacked {
                 msg: i.msg,
                 holds: i.holds,
@@ -283,50 +244,6 @@ pub(crate) struct Stage {
     pub(crate) p: u16,
     pub(crate) acks: Acks,
     pub(crate) fence: Fence,
-    /// Where the partition's stored projections go to be folded into the work sessions.
-    pub(crate) feed: Feed,
-    /// The raw stream's name, which an input's own outputs' Msg-Ids start with.
-    pub(crate) raw_stream: String,
-}
-
-/// The projections among `outs` (one input's, in the order it made them), each with its
-/// identity in the work sessions: the input's own outputs first, by their index, then the
-/// outcomes of exchanges it decided.
-pub(crate) fn fold_events<'a>(
-    outs: impl Iterator<Item = &'a Outgoing>,
-    raw_stream: &str,
-    p: u16,
-) -> Vec<(bytes::Bytes, Identity)> {
-    let mut events: Vec<(bytes::Bytes, Identity)> = outs
-        .filter(|out| matches!(out.kind, OutKind::Projection(_)))
-        .map(|out| {
-            (
-                out.payload.clone(),
-                super::sessions::identity_of(&out.msg_id, raw_stream, p),
-            )
-        })
-        .collect();
-    // Applied in partition order: an input's outputs by index (a look-up may have found some
-    // of them stored and not the others, which changes the order they come in).
-    events.sort_by_key(|(_, ident)| match ident {
-        Identity::At { position, .. } => (0, *position),
-        Identity::Decision { .. } => (1, Default::default()),
-    });
-    events
-}
-
-/// Hand `events` to the partition's feed; the hold resolves once their sessions are written
-/// (abandoned if the feed stops first: nothing more is acknowledged, redelivery repairs).
-fn fold_hold(feed: &Feed, events: Vec<(bytes::Bytes, Identity)>, last_stored: u64) -> Hold {
-    let (done, written) = tokio::sync::oneshot::channel();
-    let _ = feed.send(FoldBatch {
-        events,
-        last_stored,
-        done,
-    });
-    async move { written.await.map(|()| 0).map_err(|_| WriteError::Abandoned) }
-        .boxed()
-        .shared()
 }
 
 /// The raw sequence of the last of `ready` (inputs in partition order).
@@ -428,7 +345,6 @@ impl Issuer<'_> {
         stored_ms: Option<i64>,
         items: &[Processed],
         latencies: &Latencies,
-        last_stored: &mut u64,
     ) -> Result<Awaited, WorkerError> {
         // Nothing after a failure that waiting cannot heal is acknowledged: the partition stops.
         let stopped = |failure: Failure| {
@@ -438,12 +354,7 @@ impl Issuer<'_> {
         for (out, fut) in publishes {
             let failed = match fut {
                 Some(fut) => match fut.await {
-                    Ok(ack) => {
-                        if let OutKind::Projection(_) = out.kind {
-                            *last_stored = (*last_stored).max(ack.sequence);
-                        }
-                        false
-                    }
+                    Ok(_) => false,
                     Err(e) => match publish::classify(&out.subject, e) {
                         Failure::Transient { .. } => true,
                         f => return Err(stopped(self.publisher.count_failure(f))),

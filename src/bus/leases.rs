@@ -104,18 +104,16 @@ fn spawn_partition(
     let owner = worker_id.to_string();
     rt.spawn(
         async move {
-            // The owner of partition 0 also folds into the work sessions what the projection
-            // stream holds that no partition fed them (a new or emptied bucket, or an upgrade
-            // from a version that folded the stream), once.
+            // The owner of partition 0 also folds the projections into the work sessions.
             let fold = (p == 0).then(|| {
                 shared
                     .sessions_side
                     .rt
                     .handle
-                    .spawn(super::sessions::run_drain(
+                    .spawn(super::sessions::run_fold(
                         shared.sessions.clone(),
                         shared.sessions_side.js.clone(),
-                        shared.names.clone(),
+                        shared.names.proj_stream.clone(),
                         cancel.clone(),
                         valid_until.clone(),
                     ))

@@ -89,8 +89,6 @@ pub async fn last_from_leader(
 pub struct Fence {
     proj: (String, u64),
     dlq: (String, u64),
-    /// The partition claimed, named on every projection sent (`Collab-Partition`).
-    partition: String,
 }
 
 impl Fence {
@@ -115,7 +113,6 @@ impl Fence {
         Ok(Fence {
             proj: (proj, seqs[0]),
             dlq: (dlq, seqs[1]),
-            partition: p.to_string(),
         })
     }
 
@@ -134,9 +131,6 @@ impl Fence {
             headers.insert(*k, v.as_str());
         }
         let (subject, seq) = self.of(out.kind);
-        if let OutKind::Projection(_) = out.kind {
-            headers.insert(crate::pipeline::H_PARTITION, self.partition.as_str());
-        }
         headers.insert(H_EXPECTED_SEQ, seq.to_string().as_str());
         headers.insert(H_EXPECTED_SUBJECT, subject);
         headers

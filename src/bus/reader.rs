@@ -586,7 +586,6 @@ impl Partition<'_> {
         };
         // Cancelled while a publish kept failing: leave the message for redelivery.
         let mut outs = std::mem::take(&mut fx.outs);
-        let mut found = Vec::new();
         let verify = seq <= self.verify_through || seq <= self.verify_all_through;
         if !ack || delivered > 1 || verify {
             // Delivered before (to a previous owner, or to this partition before it started
@@ -622,7 +621,6 @@ impl Partition<'_> {
                     }
                     Some(true) => {
                         debug!(partition = self.p, seq, subject = %out.subject, "output stored already");
-                        found.push(out);
                     }
                     Some(false) => kept.push(out),
                 }
@@ -659,7 +657,7 @@ impl Partition<'_> {
             Ok(p) => p,
             Err(halt) => return self.left_or_stopped(halt),
         };
-        let processed = Processed::new(ack.then_some(msg), publishes, fx).with_stored(found);
+        let processed = Processed::new(ack.then_some(msg), publishes, fx);
         Ok(Disposition::Issued { processed, outcome })
     }
 }

@@ -1,26 +1,19 @@
 //! The work-session writer: folds stored projections into the work-session KV bucket.
 //!
-//! Each partition feeds it its own projections once they are stored (`start_feed`, driven by the
-//! partition's acker): a batch is folded in partition order, and the inputs that made it are
-//! acknowledged only once its sessions are written, so a crash in between redelivers them and
-//! nothing is left out. The fold runs on the work-session thread, off the partitions' threads.
-//! [`SessionWriter::commit`] hands each batch to one committer task per worker, which takes every
-//! group that arrived while the previous round was being written, merges them by session,
-//! applies each session's events with `sessions::fold_into` and writes each session once, with
-//! compare-and-set, all sessions of a round concurrently. A hot session that every partition
-//! touches therefore costs one write per round, not one per group. The committer keeps the
-//! sessions it wrote, decoded, with their revision, and re-reads one only on a revision conflict
-//! (another worker wrote it). Applying is idempotent (`sessions::Identity`), so a redelivered
-//! input, or a retried round, changes nothing twice.
-//!
-//! What the projection stream holds that no partition fed (a new or emptied bucket, or a bucket
-//! written by a version that folded the stream itself) is folded once by [`run_drain`], with the
-//! identities the partitions' feeds give.
+//! [`run_fold`] reads the projection stream in order (off the projection path: no partition waits
+//! for it) and hands each round to [`SessionWriter::commit`]. One committer task per worker takes
+//! every group that arrived while the previous round was being written, merges them by session,
+//! applies each session's events with `sessions::fold_into` and writes each session
+//! once, with compare-and-set, all sessions of a round concurrently. A hot session that
+//! every partition touches therefore costs one write per round, not one per group. The committer
+//! keeps the sessions it wrote, decoded, with their revision, and re-reads one only on a revision
+//! conflict (another worker wrote it). Applying is idempotent, so a redelivered group, or a
+//! retried round, changes nothing twice.
 //!
 //! Keys: a session is stored under `encode_id(session id)`. Events that name a conversation but no
 //! work session (a synthesised blocked response, for example) are resolved through an alias entry
-//! `conv.<encode_id(conversation id)>`, written when an event names both. A turn's send is folded
-//! before its response (same partition, in order), so the alias exists before such an event comes.
+//! `conv.<encode_id(conversation id)>`, written when an event names both. A turn's send is stored in
+//! the projection stream before its response, so the alias exists before such an event comes.
 
 use super::error::{NoAnswer, Source};
 use crate::config::Names;
@@ -309,7 +302,7 @@ async fn update(
                 id: id.to_string(),
                 ..WorkSession::default()
             });
-            changed |= sessions::fold_into(s, env, &keys, ident);
+            changed |= sessions::fold_into(s, env, &keys, *ident);
         }
         let unchanged = |session, revision, written| Outcome {
             kept: Some((session, revision)),
@@ -454,137 +447,16 @@ impl SessionWriter {
     }
 }
 
-/// The pseudo-partition under which sessions record projection-stream sequences: events folded
-/// from the projection stream that carry no partition (written before the partitions fed the
-/// sessions).
+/// The partition under which a session records what the fold applied: the projection stream is
+/// folded in its own order, as one partition whose positions are projection-stream sequences.
 pub const FOLD_PARTITION: u16 = u16::MAX;
-/// The drain's checkpoint while it runs: the last projection-stream sequence whose sessions are
-/// written. Two tokens, so it is never taken for a session (nor for a `conv.` alias).
+/// The fold's checkpoint: the last projection-stream sequence whose sessions are written.
+/// Two tokens, so it is never taken for a session (nor for a `conv.` alias).
 pub const FOLD_KEY: &str = "fold.position";
-/// Written once the projection stream has been folded up to where the partitions took over
-/// (its value is that sequence): no drain is needed again while the bucket keeps it.
-pub const FOLD_DRAINED_KEY: &str = "fold.drained";
-/// Most projections folded in one round of the drain.
-const FOLD_BATCH: usize = 5_000;
-/// How long a drain round gathers projections after its first one.
+/// Most projections folded in one round.
+const FOLD_BATCH: usize = 20_000;
+/// How long a round gathers projections after its first one.
 const FOLD_GATHER: Duration = Duration::from_millis(200);
-/// Index of an input's `suppressed` output among its outputs (after any projection of its own).
-const SUPPRESSED_INDEX: u32 = u32::MAX - 1;
-
-/// How a stored projection of `partition` is identified in the sessions, from its Msg-Id: an
-/// input's own output by its raw sequence and index (see `pipeline::input_msg_id`), an
-/// exchange's outcome (`turn:...`, `run:...`) as a decision.
-pub fn identity_of(msg_id: &str, raw_stream: &str, partition: u16) -> Identity {
-    let own = msg_id
-        .strip_prefix(raw_stream)
-        .and_then(|rest| rest.strip_prefix(':'))
-        .and_then(|rest| rest.split_once(':'))
-        .and_then(|(seq, which)| {
-            let seq = seq.parse::<u64>().ok()?;
-            let index = match which {
-                "suppressed" => SUPPRESSED_INDEX,
-                n => n.parse::<u32>().ok()?,
-            };
-            Some(Position(seq, index))
-        });
-    match own {
-        Some(position) => Identity::at(partition, position),
-        None => Identity::Decision {
-            partition,
-            msg_id: msg_id.to_string(),
-        },
-    }
-}
-
-/// One batch of a partition's stored projections, in partition order, to fold before the
-/// inputs that made them are acknowledged.
-pub(crate) struct FoldBatch {
-    /// Each projection's stored bytes and identity.
-    pub events: Vec<(Bytes, Identity)>,
-    /// The highest projection-stream sequence among them known from publish acknowledgements.
-    pub last_stored: u64,
-    /// Answered once the batch's sessions are written (dropped unanswered when the feed stops).
-    pub done: oneshot::Sender<()>,
-}
-
-/// Where one partition hands its stored projections to the work sessions.
-pub(crate) type Feed = mpsc::UnboundedSender<FoldBatch>;
-
-/// Start partition `p`'s feed on the runtime of `handle` (the work-session thread): batches are
-/// folded in the order they are sent, each answered once its sessions are written; a failed
-/// write is retried (the partition's acknowledgements wait meanwhile) until `cancel`. The
-/// channel holds at most what the partition's consumer has delivered and not had acknowledged
-/// (`max_ack_pending`).
-pub(crate) fn start_feed(
-    writer: Arc<SessionWriter>,
-    handle: &tokio::runtime::Handle,
-    p: u16,
-    cancel: tokio_util::sync::CancellationToken,
-) -> Feed {
-    let (tx, mut rx) = mpsc::unbounded_channel::<FoldBatch>();
-    handle.spawn(async move {
-        while let Some(first) = rx.recv().await {
-            let mut batches = vec![first];
-            while let Ok(b) = rx.try_recv() {
-                batches.push(b);
-            }
-            let mut events = Vec::new();
-            let mut last_stored = 0;
-            for b in &mut batches {
-                last_stored = last_stored.max(b.last_stored);
-                for (bytes, ident) in std::mem::take(&mut b.events) {
-                    match sessions::envelope_for_fold(&bytes) {
-                        Ok(env) => events.push((env, ident)),
-                        Err(e) => {
-                            debug!(partition = p, error = %e, "a stored projection is not an envelope; not folded")
-                        }
-                    }
-                }
-            }
-            let folded = events.len();
-            if !commit_until_written(&writer, events, p, &cancel).await {
-                return;
-            }
-            metrics::counter!(crate::telemetry::SESSION_EVENTS_FOLDED).increment(folded as u64);
-            if last_stored > 0 {
-                note_fold_position(last_stored);
-            }
-            for b in batches {
-                let _ = b.done.send(());
-            }
-        }
-    });
-    tx
-}
-
-/// Raise `collab_session_fold_position` to `seq` (partitions fold concurrently: the gauge is the
-/// highest projection-stream sequence whose sessions are written).
-fn note_fold_position(seq: u64) {
-    static HIGHEST: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let before = HIGHEST.fetch_max(seq, std::sync::atomic::Ordering::Relaxed);
-    metrics::gauge!(crate::telemetry::SESSION_FOLD_POSITION).set(before.max(seq) as f64);
-}
-
-/// Commit `events` until their sessions are written; `false` when cancelled first.
-async fn commit_until_written(
-    writer: &SessionWriter,
-    events: Vec<(Envelope, Identity)>,
-    p: u16,
-    cancel: &tokio_util::sync::CancellationToken,
-) -> bool {
-    let mut retry = super::Retry::new(Duration::from_millis(200), Duration::from_secs(5));
-    loop {
-        match writer.commit(events.clone()).await {
-            Ok(()) => return true,
-            Err(e) => {
-                warn!(partition = p, error = %e, "work-session write failed; retrying (the partition's acknowledgements wait)");
-                if !retry.wait(cancel).await {
-                    return false;
-                }
-            }
-        }
-    }
-}
 
 /// A reader's checkpoint in the work-session bucket: the last projection-stream sequence it
 /// handled under `key`, or `None` when it never wrote one.
@@ -603,45 +475,66 @@ pub(crate) async fn read_position(kv: &kv::Store, key: &str) -> Result<Option<u6
         .transpose()
 }
 
-/// One projection read back from the projection stream, identified as the partition that
-/// stored it identified it (its `Collab-Partition` header and Msg-Id), so folding it again next
-/// to that partition's feed changes nothing twice; a projection without the header (stored
-/// before partitions fed the sessions) by its projection-stream sequence.
-fn fold_event(msg: &jetstream::Message, raw_stream: &str) -> Option<(Envelope, Identity)> {
+/// Where the fold starts when it has no checkpoint: at the start of the projection stream for a
+/// new deployment; at its end when the bucket already holds sessions (they were folded by a
+/// version that wrote sessions from the partitions, so folding the stream again would count
+/// those events twice).
+async fn fold_start(kv: &kv::Store, proj: &mut jetstream::stream::Stream) -> Result<u64, String> {
+    if let Some(last) = read_position(kv, FOLD_KEY).await? {
+        return Ok(last + 1);
+    }
+    async fn state(s: &mut jetstream::stream::Stream) -> Result<jetstream::stream::State, String> {
+        s.info()
+            .await
+            .map(|i| i.state.clone())
+            .map_err(|e| e.to_string())
+    }
+    if state(&mut kv.stream.clone()).await?.messages == 0 {
+        return Ok(1);
+    }
+    let last = state(proj).await?.last_sequence;
+    warn!(
+        from = last + 1,
+        "work sessions exist but the fold has no checkpoint: folding new projections only"
+    );
+    Ok(last + 1)
+}
+
+/// One projection read back from the projection stream, as the fold applies it: identified by
+/// its position in that stream, so a round applied again (a crash before its checkpoint) changes
+/// nothing twice. A turn's response is also recognised by its turn (see `sessions::fold_into`).
+fn fold_event(msg: &jetstream::Message) -> Option<(Envelope, Identity)> {
     let seq = msg.info().ok()?.stream_sequence;
     let env = sessions::envelope_for_fold(&msg.payload).ok()?;
-    let headers = msg.headers.as_ref();
-    let partition = headers
-        .and_then(|h| h.get(crate::pipeline::H_PARTITION))
-        .and_then(|v| v.as_str().parse::<u16>().ok());
-    let msg_id = headers.and_then(|h| h.get("Nats-Msg-Id"));
-    let ident = match (partition, msg_id) {
-        (Some(p), Some(id)) => identity_of(id.as_str(), raw_stream, p),
-        _ => Identity::at(FOLD_PARTITION, Position(seq, 0)),
+    let ident = Identity {
+        partition: FOLD_PARTITION,
+        position: Position(seq, 0),
     };
     Some((env, ident))
 }
 
-/// Fold what the projection stream holds that the partitions did not feed, once: run by the
-/// owner of partition 0 when the bucket has no [`FOLD_DRAINED_KEY`]. That is a new bucket (a new
-/// deployment, or one emptied to be rebuilt: every projection the stream still holds is folded),
-/// or a bucket written by a version that folded the stream itself (from its [`FOLD_KEY`] on).
-/// The drain ends at the stream's last sequence when it starts; everything stored later was fed
-/// by the partitions. It identifies each projection as its partition's feed does, so the two
-/// overlapping changes nothing twice, and it restarts from its checkpoint after a failure.
-pub async fn run_drain(
+/// Fold the projection stream into the work sessions until `cancel`, restarting from the
+/// checkpoint after a failure. Run by the owner of partition 0, so one worker folds at a time;
+/// a brief overlap of two owners only repeats work (sessions remember what they applied).
+///
+/// The fold is off the projection path: projections and acknowledgements never wait for it.
+/// It reads the projections in stream order through an ordered consumer from its checkpoint,
+/// applies a round of them (gathered for `FOLD_GATHER`, 200 ms) to the sessions they touch, writes each
+/// changed session once, then moves the checkpoint. A crash between the two re-applies the round,
+/// which changes nothing twice.
+pub async fn run_fold(
     writer: std::sync::Arc<SessionWriter>,
     js: jetstream::Context,
-    names: Names,
+    proj_stream: String,
     cancel: tokio_util::sync::CancellationToken,
     lease_valid_until: std::sync::Arc<std::sync::atomic::AtomicI64>,
 ) {
     let mut retry = super::Retry::new(Duration::from_millis(200), Duration::from_secs(5));
     while !cancel.is_cancelled() {
-        match drain(&writer, &js, &names, &cancel, &lease_valid_until).await {
+        match fold(&writer, &js, &proj_stream, &cancel, &lease_valid_until).await {
             Ok(()) => break,
             Err(e) => {
-                warn!(error = %e, "work-session drain of the projection stream failed; restarting from its checkpoint");
+                warn!(error = %e, "work-session fold failed; restarting from its checkpoint");
                 if !retry.wait(&cancel).await {
                     break;
                 }
@@ -650,107 +543,61 @@ pub async fn run_drain(
     }
 }
 
-async fn drain(
+async fn fold(
     writer: &SessionWriter,
     js: &jetstream::Context,
-    names: &Names,
+    proj_stream: &str,
     cancel: &tokio_util::sync::CancellationToken,
     lease_valid_until: &std::sync::atomic::AtomicI64,
 ) -> Result<(), String> {
-    if read_position(&writer.kv, FOLD_DRAINED_KEY).await?.is_some() {
-        return Ok(());
-    }
-    let proj_stream = &names.proj_stream;
     let mut proj = js
         .get_stream(proj_stream)
         .await
         .map_err(|e| format!("stream {proj_stream}: {e}"))?;
-    let until = match read_position(&writer.kv, FOLD_DRAINED_UNTIL_KEY).await? {
-        Some(u) => u,
-        None => {
-            let last = proj
-                .info()
-                .await
-                .map_err(|e| format!("stream {proj_stream}: {e}"))?
-                .state
-                .last_sequence;
-            writer
-                .kv
-                .put(FOLD_DRAINED_UNTIL_KEY, Bytes::from(last.to_string()))
-                .await
-                .map_err(|e| format!("{FOLD_DRAINED_UNTIL_KEY}: {e}"))?;
-            last
-        }
-    };
-    let start = read_position(&writer.kv, FOLD_KEY)
-        .await?
-        .map_or(1, |p| p + 1);
-    if start <= until {
-        debug!(
-            from = start,
-            until, "work-session drain of the projection stream started"
-        );
-        let consumer = proj
-            .create_consumer(jetstream::consumer::pull::OrderedConfig {
-                deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
-                    start_sequence: start,
-                },
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| format!("reading {proj_stream}: {e}"))?;
-        let mut messages = consumer
-            .messages()
-            .await
-            .map_err(|e| format!("reading {proj_stream}: {e}"))?;
-        loop {
-            let Some(mut round) = super::next_round(
-                &mut messages,
-                cancel,
-                lease_valid_until,
-                FOLD_GATHER,
-                FOLD_BATCH,
-            )
-            .await?
-            else {
-                return Ok(());
-            };
-            round.retain(|m| m.info().is_ok_and(|i| i.stream_sequence <= until));
-            let last = round
-                .last()
-                .and_then(|m| m.info().ok())
-                .map(|i| i.stream_sequence)
-                .unwrap_or(until);
-            let events: Vec<_> = round
-                .iter()
-                .filter_map(|m| fold_event(m, &names.raw_stream))
-                .collect();
-            let folded = events.len();
-            writer.commit(events).await.map_err(|e| e.to_string())?;
-            writer
-                .kv
-                .put(FOLD_KEY, Bytes::from(last.to_string()))
-                .await
-                .map_err(|e| format!("checkpoint {FOLD_KEY}: {e}"))?;
-            metrics::counter!(crate::telemetry::SESSION_EVENTS_FOLDED).increment(folded as u64);
-            note_fold_position(last);
-            if last >= until {
-                break;
-            }
-        }
-    }
-    writer
-        .kv
-        .put(FOLD_DRAINED_KEY, Bytes::from(until.to_string()))
+    let start = fold_start(&writer.kv, &mut proj).await?;
+    let consumer = proj
+        .create_consumer(jetstream::consumer::pull::OrderedConfig {
+            deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: start,
+            },
+            ..Default::default()
+        })
         .await
-        .map_err(|e| format!("{FOLD_DRAINED_KEY}: {e}"))?;
-    debug!(until, "work-session drain of the projection stream done");
-    Ok(())
+        .map_err(|e| format!("reading {proj_stream}: {e}"))?;
+    let mut messages = consumer
+        .messages()
+        .await
+        .map_err(|e| format!("reading {proj_stream}: {e}"))?;
+    debug!(from = start, "work-session fold started");
+    loop {
+        let Some(round) = super::next_round(
+            &mut messages,
+            cancel,
+            lease_valid_until,
+            FOLD_GATHER,
+            FOLD_BATCH,
+        )
+        .await?
+        else {
+            return Ok(());
+        };
+        let last = round
+            .last()
+            .and_then(|m| m.info().ok())
+            .map(|i| i.stream_sequence)
+            .unwrap_or(0);
+        let events: Vec<_> = round.iter().filter_map(fold_event).collect();
+        let folded = events.len();
+        writer.commit(events).await.map_err(|e| e.to_string())?;
+        writer
+            .kv
+            .put(FOLD_KEY, Bytes::from(last.to_string()))
+            .await
+            .map_err(|e| format!("checkpoint {FOLD_KEY}: {e}"))?;
+        metrics::counter!(crate::telemetry::SESSION_EVENTS_FOLDED).increment(folded as u64);
+        metrics::gauge!(crate::telemetry::SESSION_FOLD_POSITION).set(last as f64);
+    }
 }
-
-/// Where the drain ends, fixed when it first starts (so a drain restarted later does not fold
-/// what the partitions fed meanwhile under another identity).
-const FOLD_DRAINED_UNTIL_KEY: &str = "fold.drain_until";
 
 #[cfg(test)]
 mod tests {
@@ -763,29 +610,5 @@ mod tests {
         assert_eq!(alias_key("c1"), "conv.c1");
         // Session keys never hold a dot; alias keys always do.
         assert!(!session_key("a.b").contains('.'));
-    }
-
-    #[test]
-    fn an_outputs_identity_comes_from_its_msg_id() {
-        // An input's own outputs: raw sequence and index; `suppressed` after any index.
-        assert_eq!(
-            identity_of("COLLAB_RAW:42:3", "COLLAB_RAW", 7),
-            Identity::at(7, Position(42, 3))
-        );
-        assert_eq!(
-            identity_of("COLLAB_RAW:42:suppressed", "COLLAB_RAW", 7),
-            Identity::at(7, Position(42, SUPPRESSED_INDEX))
-        );
-        assert!(Position(42, 3) < Position(42, SUPPRESSED_INDEX));
-        // An exchange's outcome, or an id of another raw stream: a decision, by its Msg-Id.
-        for id in ["turn:k:t1", "run:k:r1", "OTHER_RAW:42:0", "COLLAB_RAW:x:0"] {
-            assert_eq!(
-                identity_of(id, "COLLAB_RAW", 7),
-                Identity::Decision {
-                    partition: 7,
-                    msg_id: id.to_string()
-                }
-            );
-        }
     }
 }

@@ -446,9 +446,6 @@ pub struct PartitionTurns {
     inputs: u64,
     /// This owner's claim on the partition, which every output it publishes expects.
     fence: super::publish::Fence,
-    /// What the reload published (or found stored) for decisions a previous owner made: folded
-    /// into the work sessions before the partition goes on.
-    republished: Vec<Outgoing>,
 }
 
 impl Drop for PartitionTurns {
@@ -516,13 +513,7 @@ impl PartitionTurns {
             defer_inputs: defer_inputs(shared.settings.consumer.max_ack_pending),
             inputs: 0,
             fence,
-            republished: Vec::new(),
         })
-    }
-
-    /// What the reload published (or found stored) for a previous owner's decisions, taken.
-    pub fn take_republished(&mut self) -> Vec<Outgoing> {
-        std::mem::take(&mut self.republished)
     }
 
     pub fn open_turns(&self) -> usize {
@@ -1356,7 +1347,6 @@ impl PartitionTurns {
         cancel: &CancellationToken,
     ) -> Result<(), TurnIoError> {
         let outs = self.response(shared, key, rec, None).await?;
-        self.republished.extend(outs.iter().cloned());
         // The exchange's own response is last: the ends of a timed-out run are published before it,
         // so with it stored they are too.
         let Some(out) = outs.last() else {

@@ -11,9 +11,9 @@
 //! - [`super::stats`]: the counters and the partition's sampled lag.
 //!
 //! A crash anywhere in between is repaired by redelivery: deterministic Msg-Ids, the turn
-//! records, the fence and the look-up of stored outputs make reprocessing idempotent. The
-//! partition's stored projections are folded into the work sessions (on their own thread,
-//! [`super::sessions::start_feed`]) before their inputs are acknowledged.
+//! records, the fence and the look-up of stored outputs make reprocessing idempotent. Nothing
+//! here waits for the work sessions: they are folded from the projection stream by
+//! [`super::sessions::run_fold`], off this path.
 
 use super::acker::{ack_stage, Acks, Processed, Stage};
 use super::context::WorkerContext;
@@ -70,20 +70,6 @@ pub async fn run_partition(
         Err(TurnIoError::Publish(source)) => return Err(WorkerError::of_failure(p, source)),
         Err(e) => return Err(setup("reloading the turn state", e.into())),
     };
-    // The partition's stored projections are folded into the work sessions on their thread,
-    // in partition order, before their inputs are acknowledged.
-    let feed = super::sessions::start_feed(
-        shared.sessions.clone(),
-        &shared.sessions_side.rt.handle,
-        p,
-        cancel.clone(),
-    );
-    // A previous owner's decisions the reload published (or found stored) may not be folded
-    // yet: fold them before anything newer of their sessions.
-    let republished = turns.take_republished();
-    if !fold_now(&feed, &republished, &shared.names.raw_stream, p, &cancel).await? {
-        return Ok(());
-    }
     let resume_after = checkpoint.resume_after();
     let (mut consumer, recreated) = open_consumer(&shared, &stream, p, resume_after).await?;
     // A consumer whose acknowledgements stop short of the checkpoint lost some of them (an ack
@@ -148,8 +134,6 @@ pub async fn run_partition(
             p,
             acks,
             fence: fence.clone(),
-            feed,
-            raw_stream: shared.names.raw_stream.clone(),
         },
         rx,
         checkpoint,
@@ -213,34 +197,6 @@ pub async fn run_partition(
         });
     }
     result
-}
-
-/// Fold `outs` into the work sessions through the partition's feed and wait until they are
-/// written; `false` when cancelled first.
-async fn fold_now(
-    feed: &super::sessions::Feed,
-    outs: &[crate::pipeline::Outgoing],
-    raw_stream: &str,
-    p: u16,
-    cancel: &CancellationToken,
-) -> Result<bool, WorkerError> {
-    let events = super::acker::fold_events(outs.iter(), raw_stream, p);
-    if events.is_empty() {
-        return Ok(true);
-    }
-    let (done, written) = tokio::sync::oneshot::channel();
-    let _ = feed.send(super::sessions::FoldBatch {
-        events,
-        last_stored: 0,
-        done,
-    });
-    tokio::select! {
-        r = written => r.map(|()| true).map_err(|_| WorkerError::Interrupted {
-            partition: p,
-            why: "the work sessions of the reload's decisions were not written",
-        }),
-        _ = cancel.cancelled() => Ok(false),
-    }
 }
 
 /// The partition's durable consumer; recreated when missing (deleted by an operator, lost with

@@ -1622,7 +1622,13 @@ async fn fold(writer: &SessionWriter, partition: u16, items: &[(u64, &Outgoing)]
         last = Some(*seq);
         let env: Envelope = serde_json::from_slice(&out.payload).expect("an envelope");
         let position = Position(*seq, index);
-        events.push((env, Identity::at(partition, position)));
+        events.push((
+            env,
+            Identity {
+                partition,
+                position,
+            },
+        ));
     }
     writer.commit(events).await.expect("sessions written");
 }
