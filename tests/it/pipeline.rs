@@ -1071,9 +1071,18 @@ async fn per_key_order_survives_transient_publish_failures() {
 /// Short, so messages delivered to a killed worker come back soon; both processes use it.
 const ACK_WAIT: (&str, &str) = ("COLLAB_CONSUMER__ACK_WAIT", "5s");
 
+/// Task updates over 40 keys, each in one of 7 work sessions (so a session gathers events of
+/// many partitions).
 fn load(count: usize) -> Vec<(String, Vec<u8>)> {
     (0..count)
-        .map(|i| task_update(&format!("load-{}", i % 40), i))
+        .map(|i| {
+            let key = format!("load-{}", i % 40);
+            let body = json!({"type": "task.updated", "taskId": key, "workSessionId": format!("ws-load-{}", i % 7), "payload": {"n": i}});
+            (
+                format!("collab.raw.{key}.task.updated"),
+                serde_json::to_vec(&body).expect("serialises"),
+            )
+        })
         .collect()
 }
 
@@ -1126,6 +1135,82 @@ async fn finish_and_check(
     );
     assert_refs_match_headers(&proj);
     assert_exactly_once(&seqs.iter().copied().collect(), &proj, &dlq);
+    assert_sessions_count_every_projection(js, &proj).await;
+}
+
+/// Every stored projection is counted exactly once in the work sessions, after a crash as
+/// without one: each session's counts equal those of a fold of the projection stream done here,
+/// in stream order, with the library's own fold (the worker folds in partition order, and
+/// counts do not depend on the order).
+async fn assert_sessions_count_every_projection(js: &Context, proj: &[Stored]) {
+    use collab_projector::sessions::{self, Identity, Position, WorkSession};
+    let mut expected: BTreeMap<String, WorkSession> = BTreeMap::new();
+    let mut aliases: std::collections::HashMap<String, String> = Default::default();
+    for m in proj {
+        let env = sessions::envelope_for_fold(&m.payload).expect("a stored envelope");
+        let keys = sessions::keys(&env);
+        let id = match (&keys.work_session_id, &keys.conversation_id) {
+            (Some(ws), Some(conv)) => {
+                aliases.insert(conv.clone(), ws.clone());
+                ws.clone()
+            }
+            (Some(ws), None) => ws.clone(),
+            (None, Some(conv)) => aliases.get(conv).cloned().unwrap_or_else(|| conv.clone()),
+            (None, None) => continue,
+        };
+        let s = expected.entry(id.clone()).or_insert_with(|| WorkSession {
+            id,
+            ..WorkSession::default()
+        });
+        let at = Identity {
+            partition: u16::MAX,
+            position: Position(m.seq, 0),
+        };
+        sessions::fold_into(s, &env, &keys, at);
+    }
+    assert!(!expected.is_empty(), "the load has work sessions");
+    let kv = js
+        .get_key_value("collab_work_sessions")
+        .await
+        .expect("the sessions bucket");
+    // The fold runs behind the projections: wait until it has read the whole stream.
+    let last = js
+        .get_stream(PROJ)
+        .await
+        .expect("the projection stream")
+        .info()
+        .await
+        .expect("its state")
+        .state
+        .last_sequence;
+    wait_until(
+        GUARD,
+        "the work-session fold reaches the stream's end",
+        || {
+            let kv = kv.clone();
+            async move {
+                let folded = kv.get("fold.position").await.ok().flatten();
+                folded
+                    .and_then(|v| String::from_utf8_lossy(&v).trim().parse::<u64>().ok())
+                    .is_some_and(|p| p >= last)
+            }
+        },
+    )
+    .await;
+    for (id, want) in &expected {
+        let key = collab_projector::bus::sessions::session_key(id);
+        let stored = kv
+            .get(&key)
+            .await
+            .expect("a session read")
+            .unwrap_or_else(|| panic!("no work session {id}"));
+        let got: WorkSession = serde_json::from_slice(&stored).expect("a stored session");
+        assert_eq!(got.counts, want.counts, "the counts of work session {id}");
+    }
+    eprintln!(
+        "{} work sessions count every projection once",
+        expected.len()
+    );
 }
 
 #[tokio::test]
@@ -1180,6 +1265,34 @@ async fn crash_before_ack_is_repaired_without_duplicates() {
     assert!(written > 0, "the first process published before it crashed");
     eprintln!("crashed before its first ack after {written} projections");
     finish_and_check(&nats, &js, producer).await;
+}
+
+/// A work-session bucket emptied while the workers are stopped is rebuilt from the projection
+/// stream at the next start, each projection counted once, with new input arriving meanwhile.
+#[tokio::test]
+async fn an_emptied_work_session_bucket_is_rebuilt_from_the_projection_stream() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let mut first = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
+    let seqs = publish_all(&js, &load(300)).await;
+    wait_settled(&js, seqs.len() as u64, 0).await;
+    first.sigterm();
+    first
+        .wait_exit(GUARD)
+        .await
+        .expect("SIGTERM ends the process");
+    let sessions = js
+        .get_stream("KV_collab_work_sessions")
+        .await
+        .expect("the sessions bucket's stream");
+    sessions.purge().await.expect("the bucket is emptied");
+    // Restarted with more input arriving while the drain runs.
+    let _second = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
+    let more = publish_all(&js, &load(300)).await;
+    wait_settled(&js, (seqs.len() + more.len()) as u64, 0).await;
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    assert_eq!(proj.len(), 600);
+    assert_sessions_count_every_projection(&js, &proj).await;
 }
 
 // ---------------------------------------------------------------------------------------------
