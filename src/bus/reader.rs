@@ -302,10 +302,11 @@ impl Partition<'_> {
 
     /// Issue `outs` for `inputs`, fenced by this owner's claim (see [`issue_publishes`]).
     async fn issue(
-        &self,
+        &mut self,
         outs: Vec<crate::pipeline::Outgoing>,
         inputs: &[&jetstream::Message],
     ) -> Result<super::acker::Publishes, Halt> {
+        let outs = self.held_text_before_synthesised_ends(outs);
         issue_publishes(
             &self.shared.publisher,
             &self.fence,
@@ -315,6 +316,50 @@ impl Partition<'_> {
             self.cancel,
         )
         .await
+    }
+
+    /// A run the run contract ended by its timeout leaves its messages and tool calls open, and
+    /// the stream redactor may still hold the end of one (the last word of a message that was
+    /// streaming): before each synthesised end, what it holds of that stream is published as a
+    /// delta marked `redactionFlush`, as a real end is preceded by. Its Msg-Id is the end's with
+    /// `:held` added. (A reload's republished ends have none: what was held is gone with the
+    /// previous owner's memory.)
+    fn held_text_before_synthesised_ends(
+        &mut self,
+        outs: Vec<crate::pipeline::Outgoing>,
+    ) -> Vec<crate::pipeline::Outgoing> {
+        if !outs.iter().any(|o| synthesised_end(&o.msg_id).is_some()) {
+            return outs;
+        }
+        let mut all = Vec::with_capacity(outs.len() + 1);
+        for out in outs {
+            let held = synthesised_end(&out.msg_id).and_then(|id| self.streams.finish(&id, None));
+            if let Some(held) = held {
+                let ending: serde_json::Map<String, serde_json::Value> =
+                    serde_json::from_slice(&out.payload).unwrap_or_default();
+                let context = ["threadId", "runId"]
+                    .into_iter()
+                    .filter_map(|k| ending.get(k).map(|v| (k.to_string(), v.clone())))
+                    .collect();
+                let source_seq = out
+                    .headers
+                    .iter()
+                    .find(|(k, _)| *k == pipeline::H_SOURCE_SEQ)
+                    .and_then(|(_, v)| v.parse().ok())
+                    .unwrap_or(0);
+                if let Some(n) = crate::ingest::held_text_event(held, &context, &self.shared.ingest)
+                {
+                    all.push(pipeline::projection(
+                        &self.shared.names,
+                        &n,
+                        source_seq,
+                        format!("{}:held", out.msg_id),
+                    ));
+                }
+            }
+            all.push(out);
+        }
+        all
     }
 
     /// A halted publish: left for redelivery when shutting down, else the partition stops.
@@ -691,6 +736,29 @@ pub(crate) enum Unprocessed {
     ShuttingDown,
 }
 
+/// The stream a synthesised end of a timed-out run ends, from its Msg-Id
+/// (`run:<key>:<turn>:end:<message|tool>:<id>`, see `turns::runs::end_of`).
+fn synthesised_end(msg_id: &str) -> Option<crate::redact::StreamId> {
+    use crate::redact::{StreamId, StreamKind};
+    let rest = msg_id.strip_prefix("run:")?;
+    let mut parts = rest.rsplitn(4, ':');
+    let id = crate::model::decode_id(parts.next()?)?;
+    let kind = match parts.next()? {
+        "message" => StreamKind::Text,
+        "tool" => StreamKind::ToolArgs,
+        _ => return None,
+    };
+    if parts.next()? != "end" {
+        return None;
+    }
+    let (key, _turn) = parts.next()?.rsplit_once(':')?;
+    Some(StreamId {
+        key: key.to_string(),
+        kind,
+        id,
+    })
+}
+
 /// How long a partition waits before asking its consumer again whether a due deadline can fire.
 pub(crate) const IDLE_CHECK_MS: i64 = 200;
 
@@ -802,3 +870,37 @@ impl Partition<'_> {
 /// How long a replay waits for the next message of its range before it gives up (and the
 /// partition starts over).
 pub(crate) const REPLAY_SILENCE: Duration = Duration::from_secs(5);
+
+#[cfg(test)]
+mod tests {
+    use super::synthesised_end;
+    use crate::redact::{StreamId, StreamKind};
+
+    #[test]
+    fn a_synthesised_end_names_the_stream_it_ends() {
+        let id = |key: &str, kind, id: &str| StreamId {
+            key: key.into(),
+            kind,
+            id: id.into(),
+        };
+        assert_eq!(
+            synthesised_end("run:th-1:r1:end:message:m1"),
+            Some(id("th-1", StreamKind::Text, "m1"))
+        );
+        // Ids that are no key token are encoded in the Msg-Id, and decoded back.
+        let encoded = crate::model::encode_id("call 9:x");
+        assert_eq!(
+            synthesised_end(&format!("run:th-1:r1:end:tool:{encoded}")),
+            Some(id("th-1", StreamKind::ToolArgs, "call 9:x"))
+        );
+        // The run's own terminal, a turn's response and an input's outputs end no stream.
+        for other in [
+            "run:th-1:r1",
+            "turn:k:t1",
+            "COLLAB_RAW:5:0",
+            "run:th-1:r1:end:other:m1",
+        ] {
+            assert_eq!(synthesised_end(other), None, "{other}");
+        }
+    }
+}

@@ -254,7 +254,7 @@ fn stream_ended_by(agui_type: &str) -> Option<(StreamKind, &'static str)> {
 pub type FlushEvent = (String, Map<String, Value>);
 
 /// A delta event carrying a stream's held text.
-fn flush_event(f: Flushed, current: &Map<String, Value>) -> FlushEvent {
+pub(crate) fn flush_event(f: Flushed, current: &Map<String, Value>) -> FlushEvent {
     let (agui_type, id_field) = match f.id.kind {
         StreamKind::Text => ("TEXT_MESSAGE_CONTENT", "messageId"),
         StreamKind::ToolArgs => ("TOOL_CALL_ARGS", "toolCallId"),

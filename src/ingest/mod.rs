@@ -232,6 +232,30 @@ fn stream_key(obj: &serde_json::Map<String, Value>, input: &RawInput<'_>) -> Str
     }
 }
 
+/// The delta event that publishes what a stream redactor still held of a stream the run
+/// contract ended (a run's timeout): the `*_CONTENT` event a real end would have been preceded
+/// by, with `context`'s `threadId` and `runId`, marked `payload.redactionFlush`. `None` when the
+/// event cannot be mapped (it is made from ids already checked, so that does not happen).
+pub fn held_text_event(
+    held: crate::redact::Flushed,
+    context: &serde_json::Map<String, Value>,
+    settings: &Settings,
+) -> Option<Normalized> {
+    let (key, obj) = agui::flush_event(held, context);
+    let input = RawInput {
+        bytes: &[],
+        subject: Some(SubjectInfo {
+            key: key.clone(),
+            type_suffix: String::new(),
+        }),
+        raw_ref: None,
+        relay: RelayHeaders::default(),
+    };
+    flushed_events(vec![(key, obj)], &input, settings)
+        .into_iter()
+        .next()
+}
+
 /// The delta events that publish text a stream redactor held back, each projected under the
 /// key of its stream. (They are made from ids already checked, so none is refused; one that
 /// were would be left out rather than dead-letter the event that ended its stream.)

@@ -384,6 +384,27 @@ async fn runs_an_abandoned_run_gets_ends_then_run_failed_timeout() {
         .map(Stored::json)
         .unwrap_or_default();
     assert_eq!(end["messageId"], "m1");
+    // The message's text arrives whole: what the stream redactor held back (its last word) is
+    // published by one more delta, marked as a flush, right before the synthesised end.
+    let deltas: Vec<Value> = msgs
+        .iter()
+        .map(Stored::json)
+        .filter(|e| e["messageId"] == "m1" && e["payload"]["agUiType"] == "TEXT_MESSAGE_CONTENT")
+        .collect();
+    let text: String = deltas
+        .iter()
+        .filter_map(|e| e["payload"]["delta"].as_str())
+        .collect();
+    assert_eq!(text, "half a", "{deltas:#?}");
+    let held = deltas.last().cloned().unwrap_or_default();
+    assert_eq!(held["payload"]["redactionFlush"], true, "{deltas:#?}");
+    let order: Vec<String> = msgs.iter().map(summary).map(|(_, _, id)| id).collect();
+    let at = |id: &str| order.iter().position(|o| o == id);
+    assert_eq!(
+        at(&format!("run:{t}:r1:end:message:m1:held")).map(|i| i + 1),
+        at(&format!("run:{t}:r1:end:message:m1")),
+        "the held text comes right before the end: {order:#?}"
+    );
     // A RUN_FINISHED after the timeout is late.
     let late = bed
         .publish(
