@@ -88,8 +88,10 @@ pub fn alias_key(conversation_id: &str) -> String {
     format!("conv.{}", encode_id(conversation_id))
 }
 
-/// Events to fold, by session id, in processing order.
-type Groups = BTreeMap<String, Vec<(Envelope, Identity)>>;
+/// Events to fold, by session id, in processing order. Envelopes are boxed: a round moves each
+/// event a few times (into its group, into the round's merge), and an envelope is over a
+/// kilobyte.
+type Groups = BTreeMap<String, Vec<(Box<Envelope>, Identity)>>;
 
 struct Request {
     groups: Groups,
@@ -128,6 +130,19 @@ impl SessionWriter {
     /// Fold envelopes, each with its identity, in the order given, into their sessions. Events
     /// that belong to no session are skipped. Returns once the sessions are written.
     pub async fn commit(&self, events: Vec<(Envelope, Identity)>) -> Result<(), SessionError> {
+        self.commit_boxed(
+            events
+                .into_iter()
+                .map(|(env, ident)| (Box::new(env), ident)),
+        )
+        .await
+    }
+
+    /// [`Self::commit`] for envelopes already boxed.
+    async fn commit_boxed(
+        &self,
+        events: impl IntoIterator<Item = (Box<Envelope>, Identity)>,
+    ) -> Result<(), SessionError> {
         let mut groups: Groups = BTreeMap::new();
         for (env, ident) in events {
             let keys = sessions::keys(&env);
@@ -265,7 +280,7 @@ struct Outcome {
 async fn update(
     kv: &kv::Store,
     id: &str,
-    events: &[(Envelope, Identity)],
+    events: &[(Box<Envelope>, Identity)],
     mut cached: Option<Cached>,
 ) -> Outcome {
     let key = session_key(id);
@@ -503,9 +518,15 @@ async fn fold_start(kv: &kv::Store, proj: &mut jetstream::stream::Stream) -> Res
 /// One projection read back from the projection stream, as the fold applies it: identified by
 /// its position in that stream, so a round applied again (a crash before its checkpoint) changes
 /// nothing twice. A turn's response is also recognised by its turn (see `sessions::fold_into`).
-fn fold_event(msg: &jetstream::Message) -> Option<(Envelope, Identity)> {
+/// `None` for a projection that belongs to no session (most runtime and health events), which
+/// the round then never holds.
+fn fold_event(msg: &jetstream::Message) -> Option<(Box<Envelope>, Identity)> {
     let seq = msg.info().ok()?.stream_sequence;
-    let env = sessions::envelope_for_fold(&msg.payload).ok()?;
+    let env = Box::new(sessions::envelope_for_fold(&msg.payload).ok()?);
+    let keys = sessions::keys(&env);
+    if keys.work_session_id.is_none() && keys.conversation_id.is_none() {
+        return None;
+    }
     let ident = Identity {
         partition: FOLD_PARTITION,
         position: Position(seq, 0),
@@ -588,7 +609,10 @@ async fn fold(
             .unwrap_or(0);
         let events: Vec<_> = round.iter().filter_map(fold_event).collect();
         let folded = events.len();
-        writer.commit(events).await.map_err(|e| e.to_string())?;
+        writer
+            .commit_boxed(events)
+            .await
+            .map_err(|e| e.to_string())?;
         writer
             .kv
             .put(FOLD_KEY, Bytes::from(last.to_string()))
