@@ -74,12 +74,6 @@ fn ms(at: Option<&str>) -> Option<i64> {
 /// The waits of one assembled thread, oldest first.
 pub fn of_thread(t: &ThreadView) -> Vec<Wait> {
     let mut out = Vec::new();
-    // The newest send of each conversation: a turn before it has been resumed.
-    let last_send = t
-        .turns
-        .iter()
-        .filter_map(|x| ms(x.sent_at.as_deref()))
-        .max();
     for turn in &t.turns {
         let (who, on, waiting_for, prompt, since) = match turn.outcome {
             TurnOutcome::Waiting => (
@@ -99,15 +93,15 @@ pub fn of_thread(t: &ThreadView) -> Vec<Wait> {
             TurnOutcome::Answered | TurnOutcome::Blocked => continue,
         };
         let Some(since) = since else { continue };
-        // An answer asking for input is resumed by the next send; a turn awaiting its reply
-        // waits until the reply (or the deadline's blocked answer) comes.
+        // An answer asking for input is resumed by another send at or after it; a turn
+        // awaiting its reply waits until the reply (or the deadline's blocked answer) comes.
         let resumed = turn.outcome == TurnOutcome::Waiting
-            && match (ms(Some(&since)), last_send) {
-                (Some(s), Some(last)) => {
-                    last > s && ms(turn.sent_at.as_deref()).is_none_or(|own| last > own)
-                }
-                _ => false,
-            };
+            && ms(Some(&since)).is_some_and(|s| {
+                t.turns.iter().any(|other| {
+                    other.turn_id != turn.turn_id
+                        && ms(other.sent_at.as_deref()).is_some_and(|sent| sent >= s)
+                })
+            });
         if resumed {
             continue;
         }
@@ -122,11 +116,6 @@ pub fn of_thread(t: &ThreadView) -> Vec<Wait> {
             since,
         });
     }
-    let last_start = t
-        .runs
-        .iter()
-        .filter_map(|r| ms(r.started_at.as_deref()))
-        .max();
     for run in &t.runs {
         if run.outcome != RunOutcome::Waiting {
             continue;
@@ -134,10 +123,15 @@ pub fn of_thread(t: &ThreadView) -> Vec<Wait> {
         let Some(since) = run.ended_at.clone() else {
             continue;
         };
-        if let (Some(s), Some(last)) = (ms(Some(&since)), last_start) {
-            if last >= s {
-                continue;
-            }
+        // Resumed by another run of the thread started at or after it ended.
+        let resumed = ms(Some(&since)).is_some_and(|s| {
+            t.runs.iter().any(|other| {
+                other.run_id != run.run_id
+                    && ms(other.started_at.as_deref()).is_some_and(|start| start >= s)
+            })
+        });
+        if resumed {
+            continue;
         }
         let prompt = run
             .messages
