@@ -433,40 +433,51 @@ struct Task {
     usage: Option<Usage>,
 }
 
-/// The tree below `root` (a key, or a run or turn of it) over the events of the keys read
-/// (`keys[0]` is the root's). `None` when the item is not in the root key.
-pub fn build(keys: &[KeyEvents<'_>], item: Option<&ItemRef>, prices: &Prices) -> Option<TreeNode> {
-    let root_key = keys.first()?.key.clone();
-    let mut threads_by_key: HashMap<String, threads::ThreadView> = HashMap::new();
-    // Who defines what, and the first item of each key naming each child / parent id.
-    let mut defined_by: HashMap<String, String> = HashMap::new();
-    let mut parent_of_key: HashMap<String, Vec<(String, Option<ItemRef>)>> = HashMap::new();
-    let mut child_names: Vec<(String, Option<ItemRef>, String)> = Vec::new();
-    let mut tasks: HashMap<String, Task> = HashMap::new();
-    let mut task_order: Vec<String> = Vec::new();
-    let mut item_tasks: Vec<(String, ItemRef, String)> = Vec::new();
+/// What the keys read say: each assembled, who defines which id, and the links they name.
+#[derive(Default)]
+struct Gathered {
+    threads: HashMap<String, threads::ThreadView>,
+    /// Namespaced id -> the first key defining it.
+    defined_by: HashMap<String, String>,
+    /// Key -> the parent ids it names, in the order found.
+    parents: HashMap<String, Vec<String>>,
+    /// (key, item naming it, namespaced child id) of spawn targets.
+    child_names: Vec<(String, Option<ItemRef>, String)>,
+    /// (key, turn or run, task id) of turns and runs carrying a task id.
+    item_tasks: Vec<(String, ItemRef, String)>,
+    tasks: HashMap<String, Task>,
+    task_order: Vec<String>,
+}
+
+fn gather(keys: &[KeyEvents<'_>], prices: &Prices) -> Gathered {
+    let mut g = Gathered::default();
     for k in keys {
         let view = threads::assemble(&k.key, &k.events, false, prices);
-        threads_by_key.insert(k.key.clone(), view);
+        g.threads.insert(k.key.clone(), view);
         for e in &k.events {
             let env = e.envelope;
             let f = Facts::of(&k.key, env);
             for d in &f.defines {
-                defined_by.entry(d.clone()).or_insert_with(|| k.key.clone());
+                g.defined_by
+                    .entry(d.clone())
+                    .or_insert_with(|| k.key.clone());
             }
-            let parents = parent_of_key.entry(k.key.clone()).or_default();
+            let parents = g.parents.entry(k.key.clone()).or_default();
             for p in &f.parents {
-                if !parents.iter().any(|(x, _)| x == p) {
-                    parents.push((p.clone(), f.item.clone()));
+                if !parents.contains(p) {
+                    parents.push(p.clone());
                 }
             }
             for c in &f.children {
-                if c.starts_with("task:") {
-                    if let Some(it) = &f.item {
-                        item_tasks.push((k.key.clone(), it.clone(), c[5..].to_string()));
+                match (c.strip_prefix("task:"), &f.item) {
+                    (Some(t), Some(it)) => {
+                        g.item_tasks
+                            .push((k.key.clone(), it.clone(), t.to_string()));
                     }
-                } else {
-                    child_names.push((k.key.clone(), f.item.clone(), c.clone()));
+                    (Some(_), None) => {}
+                    (None, _) => g
+                        .child_names
+                        .push((k.key.clone(), f.item.clone(), c.clone())),
                 }
             }
             if let Some(t) = &f.task {
@@ -474,124 +485,118 @@ pub fn build(keys: &[KeyEvents<'_>], item: Option<&ItemRef>, prices: &Prices) ->
                     .timestamp
                     .clone()
                     .unwrap_or_else(|| e.stored_at.to_string());
-                let task = tasks.entry(t.clone()).or_insert_with(|| {
-                    task_order.push(t.clone());
-                    Task {
-                        key: k.key.clone(),
-                        title: None,
-                        agent: None,
-                        started_at: Some(at.clone()),
-                        ended_at: None,
-                        outcome: NodeOutcome::Running,
-                        usage: None,
-                    }
+                let task = g.tasks.entry(t.clone()).or_insert_with(|| {
+                    g.task_order.push(t.clone());
+                    Task::new(&k.key, &at)
                 });
                 task.observe(env, &at);
             }
         }
     }
-    // Where each node hangs: parent node -> children, in the order found.
-    let mut below: HashMap<Node, Vec<Node>> = HashMap::new();
-    let mut placed: HashSet<Node> = HashSet::new();
-    placed.insert(Node::Conversation(root_key.clone()));
-    let hang = |below: &mut HashMap<Node, Vec<Node>>,
-                placed: &mut HashSet<Node>,
-                parent: Node,
-                child: Node| {
-        if placed.insert(child.clone()) {
-            below.entry(parent).or_default().push(child);
-        }
-    };
-    let item_node = |key: &str, item: &Option<ItemRef>| match item {
-        Some(it) => Node::Item(key.to_string(), it.clone()),
-        None => Node::Conversation(key.to_string()),
-    };
-    // Runs of another key named as a parent: which key holds run r.
-    let run_key = |r: &str| defined_by.get(&format!("run:{r}")).cloned();
-    for k in keys.iter().skip(1) {
-        let child = Node::Conversation(k.key.clone());
-        // 1. The parents the key names (most precise first).
-        let mut parent = None;
-        for (p, _) in parent_of_key.get(&k.key).into_iter().flatten() {
-            if let Some(r) = p.strip_prefix("run:") {
-                if let Some(pk) = run_key(r).filter(|pk| pk != &k.key) {
-                    parent = Some(Node::Item(pk, ItemRef::Run(r.to_string())));
-                    break;
-                }
-            }
-        }
-        if parent.is_none() {
-            for (p, _) in parent_of_key.get(&k.key).into_iter().flatten() {
-                let Some(pk) = defined_by.get(p).filter(|pk| *pk != &k.key) else {
-                    continue;
-                };
-                parent = Some(if let Some(t) = p.strip_prefix("task:") {
-                    Node::Task(t.to_string())
-                } else {
-                    Node::Conversation(pk.clone())
-                });
-                break;
-            }
-        }
-        // 2. A key that names this one as what it started.
-        if parent.is_none() {
-            parent = child_names.iter().find_map(|(pk, item, c)| {
-                (pk != &k.key && defined_by.get(c) == Some(&k.key)).then(|| item_node(pk, item))
-            });
-        }
-        // 3. A turn or run whose task lives under this key.
-        if parent.is_none() {
-            parent = item_tasks.iter().find_map(|(pk, item, t)| {
-                (pk != &k.key && tasks.get(t).is_some_and(|task| task.key == k.key))
+    g
+}
+
+impl Gathered {
+    /// The node a key hangs under: the run its `parentRunId` names, else the conversation or
+    /// task it names as its parent, else the item of a key that names it as what it started,
+    /// else the turn or run whose task lives under it.
+    fn parent_of(&self, key: &str) -> Option<Node> {
+        let parents = self.parents.get(key).map(Vec::as_slice).unwrap_or_default();
+        let by_run = parents.iter().find_map(|p| {
+            let r = p.strip_prefix("run:")?;
+            let pk = self.defined_by.get(p).filter(|pk| *pk != key)?;
+            Some(Node::Item(pk.clone(), ItemRef::Run(r.to_string())))
+        });
+        let by_name = || {
+            parents.iter().find_map(|p| {
+                let pk = self.defined_by.get(p).filter(|pk| *pk != key)?;
+                Some(match p.strip_prefix("task:") {
+                    Some(t) => Node::Task(t.to_string()),
+                    None => Node::Conversation(pk.clone()),
+                })
+            })
+        };
+        let by_spawn = || {
+            self.child_names.iter().find_map(|(pk, item, c)| {
+                (pk != key && self.defined_by.get(c).is_some_and(|k| k == key)).then(
+                    || match item {
+                        Some(it) => Node::Item(pk.clone(), it.clone()),
+                        None => Node::Conversation(pk.clone()),
+                    },
+                )
+            })
+        };
+        let by_task = || {
+            self.item_tasks.iter().find_map(|(pk, item, t)| {
+                (pk != key && self.tasks.get(t).is_some_and(|task| task.key == key))
                     .then(|| Node::Item(pk.clone(), item.clone()))
-            });
-        }
-        if let Some(p) = parent {
-            hang(&mut below, &mut placed, p, child);
-        }
+            })
+        };
+        by_run.or_else(by_name).or_else(by_spawn).or_else(by_task)
     }
-    // Tasks: under the turn or run carrying their id, else under their conversation. A key
-    // holding nothing but one task is shown as that task.
-    for t in &task_order {
-        let Some(task) = tasks.get(t) else { continue };
-        let owner = item_tasks
-            .iter()
-            .find(|(_, _, id)| id == t)
-            .map(|(k, item, _)| Node::Item(k.clone(), item.clone()));
-        let only_task = threads_by_key
-            .get(&task.key)
-            .is_some_and(|v| v.runs.is_empty() && v.turns.is_empty())
-            && tasks.values().filter(|x| x.key == task.key).count() == 1;
-        let conv = Node::Conversation(task.key.clone());
-        if only_task && task.key != root_key {
-            // Shown in place of its conversation: hang it where the conversation hangs.
-            let parent = below
-                .iter()
-                .find(|(_, c)| c.contains(&conv))
-                .map(|(p, _)| p.clone())
-                .or(owner);
-            if let Some(p) = parent {
-                if let Some(list) = below.get_mut(&p) {
-                    list.retain(|n| n != &conv);
-                }
-                placed.insert(conv);
-                hang(&mut below, &mut placed, p, Node::Task(t.clone()));
+
+    /// Where each node hangs (parent -> children, in the order found): every key but the root
+    /// under its parent, each task under the turn or run carrying its id, else under its
+    /// conversation. A key holding nothing but one task is shown as that task.
+    fn placement(&self, keys: &[KeyEvents<'_>], root_key: &str) -> HashMap<Node, Vec<Node>> {
+        let mut below: HashMap<Node, Vec<Node>> = HashMap::new();
+        let mut placed: HashSet<Node> = HashSet::from([Node::Conversation(root_key.to_string())]);
+        let mut hang = |below: &mut HashMap<Node, Vec<Node>>, parent: Node, child: Node| {
+            if placed.insert(child.clone()) {
+                below.entry(parent).or_default().push(child);
             }
-            continue;
+        };
+        for k in keys.iter().skip(1) {
+            if let Some(p) = self.parent_of(&k.key) {
+                hang(&mut below, p, Node::Conversation(k.key.clone()));
+            }
         }
-        let parent = owner.unwrap_or(conv);
-        hang(&mut below, &mut placed, parent, Node::Task(t.clone()));
+        for t in &self.task_order {
+            let Some(task) = self.tasks.get(t) else {
+                continue;
+            };
+            let owner = self
+                .item_tasks
+                .iter()
+                .find(|(_, _, id)| id == t)
+                .map(|(k, item, _)| Node::Item(k.clone(), item.clone()));
+            let only_task = self
+                .threads
+                .get(&task.key)
+                .is_some_and(|v| v.runs.is_empty() && v.turns.is_empty())
+                && self.tasks.values().filter(|x| x.key == task.key).count() == 1;
+            let conv = Node::Conversation(task.key.clone());
+            if only_task && task.key != root_key {
+                // In place of its conversation: where the conversation hangs.
+                let parent = below
+                    .iter()
+                    .find(|(_, c)| c.contains(&conv))
+                    .map(|(p, _)| p.clone())
+                    .or(owner);
+                if let Some(p) = parent {
+                    if let Some(list) = below.get_mut(&p) {
+                        list.retain(|n| n != &conv);
+                    }
+                    hang(&mut below, p, Node::Task(t.clone()));
+                }
+                continue;
+            }
+            hang(&mut below, owner.unwrap_or(conv), Node::Task(t.clone()));
+        }
+        below
     }
-    let ctx = Ctx {
-        threads: &threads_by_key,
-        tasks: &tasks,
-        below: &below,
-        prices,
-    };
+}
+
+/// The tree below `root` (a key, or a run or turn of it) over the events of the keys read
+/// (`keys[0]` is the root's). `None` when the item is not in the root key.
+pub fn build(keys: &[KeyEvents<'_>], item: Option<&ItemRef>, prices: &Prices) -> Option<TreeNode> {
+    let root_key = keys.first()?.key.clone();
+    let g = gather(keys, prices);
+    let below = g.placement(keys, &root_key);
     let root = match item {
         None => Node::Conversation(root_key.clone()),
         Some(it) => {
-            let view = threads_by_key.get(&root_key)?;
+            let view = g.threads.get(&root_key)?;
             let found = match it {
                 ItemRef::Run(r) => view.runs.iter().any(|x| &x.run_id == r),
                 ItemRef::Turn(t) => view.turns.iter().any(|x| &x.turn_id == t),
@@ -602,11 +607,29 @@ pub fn build(keys: &[KeyEvents<'_>], item: Option<&ItemRef>, prices: &Prices) ->
             Node::Item(root_key.clone(), it.clone())
         }
     };
+    let ctx = Ctx {
+        threads: &g.threads,
+        tasks: &g.tasks,
+        below: &below,
+        prices,
+    };
     let mut seen = HashSet::new();
     ctx.node(&root, 0, &mut seen)
 }
 
 impl Task {
+    fn new(key: &str, at: &str) -> Task {
+        Task {
+            key: key.to_string(),
+            title: None,
+            agent: None,
+            started_at: Some(at.to_string()),
+            ended_at: None,
+            outcome: NodeOutcome::Running,
+            usage: None,
+        }
+    }
+
     fn observe(&mut self, env: &Envelope, at: &str) {
         let p = payload(env);
         if self.title.is_none() {
@@ -948,8 +971,7 @@ impl Ctx<'_> {
 
 /// Children earliest first (bounded), the total rolled up, a conversation's times from its items.
 fn finish(mut node: TreeNode) -> TreeNode {
-    node.children
-        .sort_by(|a, b| ms(&a.started_at).cmp(&ms(&b.started_at)));
+    node.children.sort_by_key(|c| ms(&c.started_at));
     node.children.truncate(MAX_CHILDREN);
     let mut total = node.usage.clone().unwrap_or_default();
     for c in &node.children {
