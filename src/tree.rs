@@ -352,6 +352,7 @@ pub struct LinkIndex {
 
 #[derive(Debug, Default)]
 struct KeyLinks {
+    defines: BTreeSet<String>,
     children: BTreeSet<String>,
 }
 
@@ -368,6 +369,9 @@ impl LinkIndex {
             }
         }
         for d in f.defines {
+            if k.defines.len() < MAX_IDS_PER_KEY {
+                k.defines.insert(d.clone());
+            }
             let set = self.defined_by.entry(d).or_default();
             if set.len() < MAX_IDS_PER_KEY {
                 set.insert(key.to_string());
@@ -384,22 +388,17 @@ impl LinkIndex {
     /// The keys linked below `key`, in a stable order.
     pub fn children(&self, key: &str) -> Vec<String> {
         let mut out = BTreeSet::new();
-        let defines: Vec<&String> = self
-            .defined_by
-            .iter()
-            .filter(|(_, keys)| keys.contains(key))
-            .map(|(id, _)| id)
-            .collect();
-        for id in defines {
+        let Some(k) = self.keys.get(key) else {
+            return Vec::new();
+        };
+        for id in &k.defines {
             if let Some(keys) = self.named_as_parent.get(id) {
                 out.extend(keys.iter().cloned());
             }
         }
-        if let Some(k) = self.keys.get(key) {
-            for c in &k.children {
-                if let Some(keys) = self.defined_by.get(c) {
-                    out.extend(keys.iter().cloned());
-                }
+        for c in &k.children {
+            if let Some(keys) = self.defined_by.get(c) {
+                out.extend(keys.iter().cloned());
             }
         }
         out.remove(key);

@@ -165,6 +165,7 @@ async fn the_tree_follows_delegations_across_keys_and_the_waiting_list_names_who
     // The whole tree: two levels of delegation below the main conversation, usage rolled up.
     let (status, body) = get(addr, "/api/tree/tree-main", ALL).await;
     assert_eq!(status, 200, "{body:#}");
+    crate::schemas::assert_matches("tree.schema.json", &body);
     let tree = &body["tree"];
     assert_eq!(tree["kind"], "conversation", "{body:#}");
     assert_eq!(
@@ -231,6 +232,7 @@ async fn the_tree_follows_delegations_across_keys_and_the_waiting_list_names_who
     // Who is waited on: the approval and the input, longest first; answered turns are not.
     let (status, body) = get(addr, "/api/waiting", ALL).await;
     assert_eq!(status, 200, "{body:#}");
+    crate::schemas::assert_matches("waiting.schema.json", &body);
     let waits = body["waits"].as_array().cloned().unwrap_or_default();
     let input = waits
         .iter()
