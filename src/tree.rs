@@ -479,16 +479,26 @@ fn gather(keys: &[KeyEvents<'_>], prices: &Prices) -> Gathered {
                         .push((k.key.clone(), f.item.clone(), c.clone())),
                 }
             }
-            if let Some(t) = &f.task {
-                let at = env
-                    .timestamp
+            let at = || {
+                env.timestamp
                     .clone()
-                    .unwrap_or_else(|| e.stored_at.to_string());
+                    .unwrap_or_else(|| e.stored_at.to_string())
+            };
+            if let Some(t) = &f.task {
+                let at = at();
                 let task = g.tasks.entry(t.clone()).or_insert_with(|| {
                     g.task_order.push(t.clone());
                     Task::new(&k.key, &at)
                 });
                 task.observe(env, &at);
+            } else if env.event_type == "a2a.response" {
+                // An A2A answer that ends the task it worked through (its final frame is the
+                // turn's response, not a task event) settles the task's outcome; its usage
+                // stays the turn's.
+                let id = slot(&env.task_id).or_else(|| ptext(payload(env), "taskId"));
+                if let Some(task) = id.and_then(|id| g.tasks.get_mut(&id)) {
+                    task.settle(env, &at());
+                }
             }
         }
     }
@@ -640,6 +650,12 @@ impl Task {
         if let Some(u) = usage::read(env) {
             self.usage.get_or_insert_with(Usage::default).add(&u);
         }
+        self.settle(env, at);
+    }
+
+    /// The outcome an event's type, `status` or `state` gives the task.
+    fn settle(&mut self, env: &Envelope, at: &str) {
+        let p = payload(env);
         let status = ptext(p, "status")
             .or_else(|| ptext(p, "state"))
             .unwrap_or_default()

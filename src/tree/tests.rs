@@ -407,3 +407,40 @@ fn spawns_reference_task_ids_and_task_ids_link_keys_and_cycles_are_cut() {
         "{ops:#?}"
     );
 }
+
+fn fixture(name: &str) -> Vec<(String, Envelope)> {
+    let path = format!("{}/fixtures/{name}", env!("CARGO_MANIFEST_DIR"));
+    let cases: Vec<Value> = std::fs::read(&path)
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_else(|| panic!("{path} is missing"));
+    cases
+        .iter()
+        .map(|c| {
+            let env: Envelope = serde_json::from_value(c["envelope"].clone())
+                .unwrap_or_else(|e| panic!("{path}: {e}"));
+            ("ctx-key".to_string(), env)
+        })
+        .collect()
+}
+
+#[test]
+fn an_a2a_stream_from_the_spec_is_a_turn_whose_task_its_answer_completes() {
+    // fixtures/a2a-spec: the v0.3 specification's message/stream request and its SSE frames as
+    // projected: status and artifact frames are the task's (orchestration.task), the final frame
+    // the turn's response.
+    let mut events =
+        fixture("a2a-spec/v030_jsonrpc_message-stream_request_with-filepart.expected.json");
+    events.extend(fixture(
+        "a2a-spec/v030_jsonrpc_message-stream_sse-events.expected.json",
+    ));
+    let tree =
+        tree_of(&events, &["ctx-key"], None, &Prices::EMPTY).unwrap_or_else(|| panic!("a tree"));
+    let turn = find(&tree, NodeKind::Turn, "ex-1").unwrap_or_else(|| panic!("{tree:#?}"));
+    assert_eq!(turn.outcome, NodeOutcome::Answered);
+    let task = find(turn, NodeKind::Task, "225d6247-06ba-4cda-a08b-33ae35c8dcfa")
+        .unwrap_or_else(|| panic!("the task under its turn: {tree:#?}"));
+    assert_eq!(task.outcome, NodeOutcome::Completed, "{task:#?}");
+    assert!(task.ended_at.is_some());
+    assert_eq!(tree.outcome, NodeOutcome::Finished);
+}

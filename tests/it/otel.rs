@@ -588,4 +588,45 @@ async fn an_a2a_sdk_turn_through_the_relay_reaches_phoenix_under_its_context_id(
     for s in &ask {
         assert_eq!(s["name"], "invoke_agent ask-agent", "{s:#}");
     }
+
+    // The same traffic through the API: the streamed turn's tree holds the A2A task the agent
+    // worked through (its status frames), completed; the asking agent's first answer was resumed
+    // by the second send, so nothing of it waits.
+    let log = projector.log_text();
+    let api = log
+        .lines()
+        .find_map(|l| l.strip_prefix("http listening on "))
+        .map(str::trim)
+        .unwrap_or_else(|| panic!("the projector's HTTP address in:\n{log}"))
+        .to_string();
+    let get = |path: &str| {
+        let url = format!("http://{api}{path}");
+        async move {
+            reqwest::get(&url)
+                .await
+                .unwrap_or_else(|e| panic!("{url}: {e}"))
+                .json::<Value>()
+                .await
+                .unwrap_or_else(|e| panic!("{url}: {e}"))
+        }
+    };
+    let body = get("/api/tree/e2e-stream-jsonrpc-v1").await;
+    let turn = &body["tree"]["children"][0];
+    assert_eq!(turn["kind"], "turn", "{body:#}");
+    assert_eq!(turn["label"], "planner → stream-agent: report", "{body:#}");
+    assert_eq!(turn["outcome"], "answered", "{body:#}");
+    let task = &turn["children"][0];
+    assert_eq!(task["kind"], "task", "{body:#}");
+    assert_eq!(task["outcome"], "completed", "{body:#}");
+    assert!(
+        task["durationMs"].as_i64().is_some_and(|d| d > 0),
+        "{body:#}"
+    );
+    let waits = get("/api/waiting").await;
+    assert!(
+        waits["waits"]
+            .as_array()
+            .is_some_and(|w| w.iter().all(|w| w["key"] != "e2e-ask-jsonrpc-v1")),
+        "{waits:#}"
+    );
 }
