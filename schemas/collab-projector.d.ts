@@ -869,12 +869,13 @@ export interface TreeResponse {
    */
   truncated: boolean;
   /**
-   * Projections scanned for links between keys (the newest, at most 20,000).
+   * Projections scanned for links between keys: those stored from shortly (5,000
+   * projections) before the root's first event on, at most 50,000.
    */
   scanned: number;
   /**
-   * Whether that scan reached the oldest projection kept; when not, keys linked only by
-   * older events are missing.
+   * Whether that scan reached the newest projection; when not, keys linked only by later
+   * events are missing.
    */
   scanComplete: boolean;
   /**
@@ -937,12 +938,12 @@ export interface WaitingList {
    */
   total: number;
   /**
-   * Turn and run events read (the newest, at most 20,000).
+   * Turn and run events read (the newest, at most 10,000).
    */
   scanned: number;
   /**
-   * Whether the read reached the oldest projection kept; when not, a wait that began before
-   * the events read is not listed.
+   * Whether those are all the turn and run events kept; when not, a wait that began before
+   * them is not listed.
    */
   complete: boolean;
   /**

@@ -3,9 +3,12 @@
 //! delegated to, the tasks and runs it started and their tool calls, across keys, with start,
 //! duration, outcome and the tokens and cost rolled up from below ([`crate::tree`]).
 //!
-//! Bounded like `/api/threads`: the newest [`LINK_SCAN`] projections (in the caller's roles) are
-//! read for link facts, then the newest [`KEY_EVENTS`] events of each linked key, at most
-//! [`MAX_KEYS`] keys in all (breadth first); `truncated` says when a bound cut something off.
+//! Bounded like `/api/threads`: the newest [`KEY_EVENTS`] events of the key are read; what it
+//! caused comes after it, so the [`LINK_SCAN`] projections (in the caller's roles) stored from its
+//! first event on (the item's, with `item`; [`LINK_MARGIN`] earlier, as partitions are
+//! projected in parallel) are read for link facts; then the newest
+//! [`KEY_EVENTS`] events of each linked key, at most [`MAX_KEYS`] keys in all (breadth first).
+//! `truncated` and `scanComplete` say when a bound cut something off.
 
 use super::auth::Caller;
 use super::error::ApiError;
@@ -26,8 +29,12 @@ use std::collections::{HashSet, VecDeque};
 pub const MAX_KEYS: usize = 64;
 /// Projections of one key read (the newest).
 pub const KEY_EVENTS: usize = 2000;
-/// Projections scanned (the newest) for the links between keys.
-pub const LINK_SCAN: u64 = 20_000;
+/// Projections scanned for the links between keys, from the root's first event on.
+pub const LINK_SCAN: u64 = 50_000;
+/// Projections before the root's first event the scan starts at: keys are projected by
+/// partitions in parallel, so what came after the root in event time may be stored a little
+/// before it.
+pub const LINK_MARGIN: u64 = 5_000;
 /// Sequences read per window of the scan.
 const WINDOW: u64 = 2_000;
 
@@ -65,14 +72,32 @@ pub async fn tree(
     let prefix = state.names().prefix.clone();
     let (stream, first, last) = store::bounds(state.js(), &state.names().proj_stream).await?;
 
-    // 1. Link facts of the newest projections.
-    let all = query::subject_filters(&prefix, &roles, &[], &[]);
+    // 1. The root's key, and where what it caused begins: its first event (of the item, when
+    // one is asked for). What a turn or run causes comes after it.
     let mut index = LinkIndex::default();
-    let mut hi = last.saturating_add(1);
+    let (root_events, mut truncated) =
+        key_events(&stream, &prefix, &roles, &root, first, last).await?;
+    if root_events.is_empty() {
+        return Err(ApiError::not_found(format!(
+            "no events of key `{key}` in the roles {}",
+            role_list(&roles)
+        )));
+    }
+    let from = root_events
+        .iter()
+        .find(|e| {
+            item.is_none() || tree::Facts::of(&root, &e.envelope).item.as_ref() == item.as_ref()
+        })
+        .or(root_events.first())
+        .map_or(first, |e| e.seq);
+
+    // 2. Link facts of the projections stored from there on.
+    let all = query::subject_filters(&prefix, &roles, &[], &[]);
+    let mut lo = from.saturating_sub(LINK_MARGIN).max(first);
     let mut scanned = 0u64;
-    while hi > first && scanned < LINK_SCAN {
-        let lo = hi.saturating_sub(WINDOW).max(first);
-        for e in store::read_range(&stream, &all, lo, hi - 1, usize::MAX).await? {
+    while lo <= last && scanned < LINK_SCAN {
+        let hi = lo.saturating_add(WINDOW - 1).min(last);
+        for e in store::read_range(&stream, &all, lo, hi, usize::MAX).await? {
             let (_, Some(k), _) = subject_parts(&prefix, &e.subject) else {
                 continue;
             };
@@ -80,21 +105,26 @@ pub async fn tree(
                 index.add(&k, &env);
             }
         }
-        scanned += hi - lo;
-        hi = lo;
+        scanned += hi - lo + 1;
+        lo = hi.saturating_add(1);
     }
-    let scan_complete = hi <= first;
+    let scan_complete = lo > last;
 
-    // 2. The keys below the root, breadth first, each read whole (its newest events).
-    let mut read: Vec<(String, Vec<(Envelope, String)>)> = Vec::new();
-    let mut truncated = false;
-    let mut queue = VecDeque::from([root.clone()]);
+    // 3. The keys below the root, breadth first, each read whole (its newest events).
+    let mut read: Vec<(String, Vec<Read>)> = Vec::new();
+    let mut queue = VecDeque::from([(root.clone(), Some(root_events))]);
     let mut included: HashSet<String> = HashSet::from([root.clone()]);
-    while let Some(k) = queue.pop_front() {
-        let (events, more) = key_events(&stream, &prefix, &roles, &k, first, last).await?;
-        truncated |= more;
-        for (env, _) in &events {
-            index.add(&k, env);
+    while let Some((k, known)) = queue.pop_front() {
+        let events = match known {
+            Some(events) => events,
+            None => {
+                let (events, more) = key_events(&stream, &prefix, &roles, &k, first, last).await?;
+                truncated |= more;
+                events
+            }
+        };
+        for e in &events {
+            index.add(&k, &e.envelope);
         }
         read.push((k.clone(), events));
         for child in index.children(&k) {
@@ -106,25 +136,19 @@ pub async fn tree(
                 break;
             }
             included.insert(child.clone());
-            queue.push_back(child);
+            queue.push_back((child, None));
         }
     }
     let events: usize = read.iter().map(|(_, e)| e.len()).sum();
-    if read.first().is_none_or(|(_, e)| e.is_empty()) {
-        return Err(ApiError::not_found(format!(
-            "no events of key `{key}` in the roles {}",
-            role_list(&roles)
-        )));
-    }
     let keys: Vec<KeyEvents<'_>> = read
         .iter()
         .map(|(k, events)| KeyEvents {
             key: k.clone(),
             events: events
                 .iter()
-                .map(|(envelope, stored_at)| Stored {
-                    envelope,
-                    stored_at,
+                .map(|e| Stored {
+                    envelope: &e.envelope,
+                    stored_at: &e.stored_at,
                 })
                 .collect(),
         })
@@ -155,6 +179,13 @@ fn role_list(roles: &[Role]) -> String {
         .join(", ")
 }
 
+/// One event read.
+struct Read {
+    envelope: Envelope,
+    stored_at: String,
+    seq: u64,
+}
+
 /// The newest [`KEY_EVENTS`] events of one key, parsed, and whether older ones exist.
 async fn key_events(
     stream: &Stream,
@@ -163,7 +194,7 @@ async fn key_events(
     key: &str,
     first: u64,
     last: u64,
-) -> Result<(Vec<(Envelope, String)>, bool), ApiError> {
+) -> Result<(Vec<Read>, bool), ApiError> {
     let filters = query::subject_filters(prefix, roles, &[key.to_string()], &[]);
     let (events, more) =
         store::newest_before(stream, &filters, last.saturating_add(1), first, KEY_EVENTS).await?;
@@ -172,7 +203,11 @@ async fn key_events(
         .filter_map(|e| {
             serde_json::from_slice::<Envelope>(&e.payload)
                 .ok()
-                .map(|env| (env, e.stored_at))
+                .map(|envelope| Read {
+                    envelope,
+                    stored_at: e.stored_at,
+                    seq: e.seq,
+                })
         })
         .collect();
     Ok((parsed, more))
@@ -192,10 +227,11 @@ pub struct TreeResponse {
     /// Whether a bound cut something off: more than 64 linked keys, or a key with more than
     /// 2000 events (its newest are assembled).
     pub truncated: bool,
-    /// Projections scanned for links between keys (the newest, at most 20,000).
+    /// Projections scanned for links between keys: those stored from shortly (5,000
+    /// projections) before the root's first event on, at most 50,000.
     pub scanned: u64,
-    /// Whether that scan reached the oldest projection kept; when not, keys linked only by
-    /// older events are missing.
+    /// Whether that scan reached the newest projection; when not, keys linked only by later
+    /// events are missing.
     pub scan_complete: bool,
     /// The roles read.
     pub role: Vec<Role>,

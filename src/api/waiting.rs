@@ -2,8 +2,9 @@
 //! with the thread and item to open ([`crate::waiting`]), longest waiting first.
 //!
 //! The newest [`SCAN_BUDGET`] turn and run events (`a2a.send`, `a2a.response`, `run.started`,
-//! `run.finished`, `run.failed`) in the caller's roles are read, grouped by key and assembled as
-//! `/api/threads` does; `complete` says whether the scan reached the oldest projection kept.
+//! `run.finished`, `run.failed`; other traffic is not read) in the caller's roles are read,
+//! grouped by key and assembled as `/api/threads` does; `complete` says whether they reach back
+//! to the oldest such event kept.
 
 use super::auth::Caller;
 use super::error::ApiError;
@@ -22,8 +23,7 @@ use std::collections::HashMap;
 pub const DEFAULT_LIMIT: usize = 100;
 pub const MAX_LIMIT: usize = 500;
 /// Turn and run events read per request at most (the newest).
-pub const SCAN_BUDGET: u64 = 20_000;
-const WINDOW: u64 = 2_000;
+pub const SCAN_BUDGET: usize = 10_000;
 /// The event types a wait is decided by.
 const TYPES: [&str; 5] = [
     "a2a.send",
@@ -48,19 +48,20 @@ pub async fn waiting(
     let types: Vec<String> = TYPES.iter().map(|t| (*t).to_string()).collect();
     let filters = query::subject_filters(&prefix, &roles, &[], &types);
     let (stream, first, last) = store::bounds(state.js(), &state.names().proj_stream).await?;
-    // Newest windows first; each key's events kept in stream order.
-    let mut windows: Vec<Vec<store::StoredEvent>> = Vec::new();
-    let mut hi = last.saturating_add(1);
-    let mut scanned = 0u64;
-    while hi > first && scanned < SCAN_BUDGET {
-        let lo = hi.saturating_sub(WINDOW).max(first);
-        windows.push(store::read_range(&stream, &filters, lo, hi - 1, usize::MAX).await?);
-        scanned += hi - lo;
-        hi = lo;
-    }
-    let complete = hi <= first;
+    // The newest turn and run events, whatever else the stream holds; each key's in stream
+    // order.
+    let (events, more) = store::newest_before(
+        &stream,
+        &filters,
+        last.saturating_add(1),
+        first,
+        SCAN_BUDGET,
+    )
+    .await?;
+    let scanned = events.len();
+    let complete = !more;
     let mut by_key: HashMap<String, Vec<(Envelope, String)>> = HashMap::new();
-    for e in windows.into_iter().rev().flatten() {
+    for e in events {
         let (_, Some(k), _) = subject_parts(&prefix, &e.subject) else {
             continue;
         };
@@ -110,10 +111,10 @@ pub struct WaitingList {
     pub count: usize,
     /// Waits found, before `limit`.
     pub total: usize,
-    /// Turn and run events read (the newest, at most 20,000).
-    pub scanned: u64,
-    /// Whether the read reached the oldest projection kept; when not, a wait that began before
-    /// the events read is not listed.
+    /// Turn and run events read (the newest, at most 10,000).
+    pub scanned: usize,
+    /// Whether those are all the turn and run events kept; when not, a wait that began before
+    /// them is not listed.
     pub complete: bool,
     /// The roles read.
     pub role: Vec<Role>,
