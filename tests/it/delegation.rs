@@ -230,6 +230,15 @@ async fn the_tree_follows_delegations_across_keys_and_the_waiting_list_names_who
         "{body:#}"
     );
 
+    // No token: 401, as everywhere in the API.
+    for path in ["/api/tree/tree-main", "/api/waiting"] {
+        let url = format!("http://{addr}{path}");
+        let resp = reqwest::get(&url)
+            .await
+            .unwrap_or_else(|e| panic!("{url}: {e}"));
+        assert_eq!(resp.status().as_u16(), 401, "{path}");
+    }
+
     // Bad input: a clear 400; an unknown item or key: 404.
     let (status, body) = get(addr, "/api/tree/tree-main?item=step:1", ALL).await;
     assert_eq!(status, 400, "{body:#}");

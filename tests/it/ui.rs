@@ -1366,6 +1366,13 @@ async fn the_viewer_shows_a_delegation_tree_what_waits_older_rows_and_token_tota
             serde_json::to_string_pretty(&violations).unwrap_or_default()
         );
     }
+    let shot = client.screenshot().await.expect("a screenshot");
+    let path = artifacts_dir().join("viewer-tree.png");
+    std::fs::write(&path, shot).expect("the screenshot is saved");
+    eprintln!(
+        "viewer screenshot with a delegation tree: {}",
+        path.display()
+    );
 
     client.close().await.expect("the browser closes");
     proj.sigterm();
