@@ -557,7 +557,7 @@ impl Gathered {
         };
         for k in keys.iter().skip(1) {
             if let Some(p) = self.parent_of(&k.key) {
-                hang(&mut below, p, Node::Conversation(k.key.clone()));
+                hang(&mut below, self.shown(p), Node::Conversation(k.key.clone()));
             }
         }
         for t in &self.task_order {
@@ -581,7 +581,8 @@ impl Gathered {
                     .iter()
                     .find(|(_, c)| c.contains(&conv))
                     .map(|(p, _)| p.clone())
-                    .or(owner);
+                    .or(owner)
+                    .map(|p| self.shown(p));
                 if let Some(p) = parent {
                     if let Some(list) = below.get_mut(&p) {
                         list.retain(|n| n != &conv);
@@ -590,9 +591,30 @@ impl Gathered {
                 }
                 continue;
             }
-            hang(&mut below, owner.unwrap_or(conv), Node::Task(t.clone()));
+            hang(
+                &mut below,
+                self.shown(owner.unwrap_or(conv)),
+                Node::Task(t.clone()),
+            );
         }
         below
+    }
+
+    /// `n` when the tree shows it, else its conversation: an event may name a turn or run that
+    /// has no send, response or run events of its own (an `a2a.spawn` outside any turn).
+    fn shown(&self, n: Node) -> Node {
+        let Node::Item(key, item) = &n else {
+            return n;
+        };
+        let exists = self.threads.get(key).is_some_and(|v| match item {
+            ItemRef::Run(r) => v.runs.iter().any(|x| &x.run_id == r),
+            ItemRef::Turn(t) => v.turns.iter().any(|x| &x.turn_id == t),
+        });
+        if exists {
+            n
+        } else {
+            Node::Conversation(key.clone())
+        }
     }
 }
 

@@ -444,3 +444,52 @@ fn an_a2a_stream_from_the_spec_is_a_turn_whose_task_its_answer_completes() {
     assert!(task.ended_at.is_some());
     assert_eq!(tree.outcome, NodeOutcome::Finished);
 }
+
+#[test]
+fn a_spawn_outside_any_turn_hangs_its_child_under_the_conversation() {
+    // The seed-000 origin's spawn names the subagent's session; no turn of its own.
+    let sub_key = "agent:ruda:subagent:3";
+    let events = project(&[
+        (
+            None,
+            json!({"type": "a2a.spawn", "agentId": "ruda", "ts": at(1), "data": {
+            "fromAgent": "ruda", "toAgent": "ruda-worker", "conversationId": "spawner",
+            "targetSessionKey": sub_key}}),
+        ),
+        (
+            None,
+            json!({"type": "run.started", "timestamp": at(2), "sessionId": sub_key,
+            "runId": "w3", "agentId": "ruda-worker"}),
+        ),
+    ]);
+    let sub_token = token(sub_key);
+    let tree = tree_of(
+        &events,
+        &["spawner", sub_token.as_str()],
+        None,
+        &Prices::EMPTY,
+    )
+    .unwrap_or_else(|| panic!("a tree"));
+    let sub = tree
+        .children
+        .iter()
+        .find(|c| c.kind == NodeKind::Conversation && c.id == sub_token)
+        .unwrap_or_else(|| {
+            panic!("the subagent's session right under the conversation: {tree:#?}")
+        });
+    assert!(find(sub, NodeKind::Run, "w3").is_some(), "{sub:#?}");
+}
+
+#[test]
+fn items_are_named_run_or_turn_with_an_id() {
+    assert_eq!(ItemRef::parse("run:r1"), Some(ItemRef::Run("r1".into())));
+    assert_eq!(ItemRef::parse("turn:0"), Some(ItemRef::Turn("0".into())));
+    assert_eq!(
+        ItemRef::parse("turn:a:b"),
+        Some(ItemRef::Turn("a:b".into())),
+        "ids may hold colons"
+    );
+    for bad in ["run:", "step:1", "run", "", "Run:r1"] {
+        assert_eq!(ItemRef::parse(bad), None, "{bad:?}");
+    }
+}
