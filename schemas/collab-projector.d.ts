@@ -864,8 +864,8 @@ export interface TreeResponse {
    */
   events: number;
   /**
-   * Whether a bound cut something off: more than 64 linked keys, or a key with more than
-   * 2000 events (its newest are assembled).
+   * Whether a bound cut something off: more than 64 linked keys, a key with more than 2000
+   * events (its newest are assembled), or more than 5000 nodes (the earliest are kept).
    */
   truncated: boolean;
   /**

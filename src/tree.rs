@@ -20,7 +20,8 @@
 //!    that started them (`parentRunId`) within a key.
 //!
 //! Links the producers did not give are never guessed: an unlinked conversation is not in the
-//! tree. Every key is placed once (cycles are cut), and the caller bounds the keys read.
+//! tree. Every key is placed once (cycles are cut), the caller bounds the keys read, and a tree
+//! holds at most [`MAX_NODES`] nodes, [`MAX_CHILDREN`] under one node, [`MAX_DEPTH`] levels.
 
 use crate::model::{encode_id, id_text, is_key_token, Envelope, Role};
 use crate::threads::{self, RunOutcome, RunView, Stored, ToolStatus, TurnOutcome, TurnView};
@@ -28,10 +29,13 @@ use crate::usage::{self, Prices, Usage};
 use schemars::JsonSchema;
 use serde::Serialize;
 use serde_json::{Map, Value};
+use std::cell::Cell;
 use std::collections::{BTreeSet, HashMap, HashSet};
 
 /// Children listed under one node at most (the earliest kept).
 pub const MAX_CHILDREN: usize = 500;
+/// Nodes in one tree at most (depth first, earliest first).
+pub const MAX_NODES: usize = 5_000;
 /// Levels below the root at most.
 pub const MAX_DEPTH: usize = 32;
 /// Characters of a label.
@@ -620,7 +624,7 @@ impl Gathered {
 
 /// The tree below `root` (a key, or a run or turn of it) over the events of the keys read
 /// (`keys[0]` is the root's). `None` when the item is not in the root key.
-pub fn build(keys: &[KeyEvents<'_>], item: Option<&ItemRef>, prices: &Prices) -> Option<TreeNode> {
+pub fn build(keys: &[KeyEvents<'_>], item: Option<&ItemRef>, prices: &Prices) -> Option<Built> {
     let root_key = keys.first()?.key.clone();
     let g = gather(keys, prices);
     let below = g.placement(keys, &root_key);
@@ -643,9 +647,22 @@ pub fn build(keys: &[KeyEvents<'_>], item: Option<&ItemRef>, prices: &Prices) ->
         tasks: &g.tasks,
         below: &below,
         prices,
+        budget: Cell::new(MAX_NODES),
+        cut: Cell::new(false),
     };
     let mut seen = HashSet::new();
-    ctx.node(&root, 0, &mut seen)
+    let node = ctx.node(&root, 0, &mut seen)?;
+    Some(Built {
+        root: node,
+        cut: ctx.cut.get(),
+    })
+}
+
+/// A tree, and whether [`MAX_NODES`] cut nodes off it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Built {
+    pub root: TreeNode,
+    pub cut: bool,
 }
 
 impl Task {
@@ -738,6 +755,10 @@ struct Ctx<'a> {
     tasks: &'a HashMap<String, Task>,
     below: &'a HashMap<Node, Vec<Node>>,
     prices: &'a Prices,
+    /// Nodes still allowed ([`MAX_NODES`] in all).
+    budget: Cell<usize>,
+    /// Whether the budget cut nodes off.
+    cut: Cell<bool>,
 }
 
 fn ms(at: &Option<String>) -> Option<i64> {
@@ -808,8 +829,22 @@ fn overall(items: &[NodeOutcome]) -> NodeOutcome {
 }
 
 impl Ctx<'_> {
+    /// Take one node from the budget; `false` (and the tree marked cut) when it is spent.
+    fn take(&self) -> bool {
+        match self.budget.get() {
+            0 => {
+                self.cut.set(true);
+                false
+            }
+            n => {
+                self.budget.set(n - 1);
+                true
+            }
+        }
+    }
+
     fn node(&self, n: &Node, depth: usize, seen: &mut HashSet<Node>) -> Option<TreeNode> {
-        if !seen.insert(n.clone()) {
+        if !seen.insert(n.clone()) || !self.take() {
             return None;
         }
         let mut node = match n {
@@ -911,6 +946,9 @@ impl Ctx<'_> {
     ) -> TreeNode {
         let mut children = Vec::new();
         for c in &r.tool_calls {
+            if !self.take() {
+                break;
+            }
             children.push(TreeNode {
                 kind: NodeKind::Tool,
                 id: c.tool_call_id.clone(),

@@ -153,7 +153,7 @@ pub async fn tree(
                 .collect(),
         })
         .collect();
-    let Some(node) = tree::build(&keys, item.as_ref(), state.prices()) else {
+    let Some(built) = tree::build(&keys, item.as_ref(), state.prices()) else {
         return Err(ApiError::not_found(format!(
             "no {} in the newest events of key `{key}` in the roles {}",
             params.one("item")?.unwrap_or_default(),
@@ -161,10 +161,10 @@ pub async fn tree(
         )));
     };
     Ok(Json(TreeResponse {
-        tree: node,
+        tree: built.root,
         keys: read.iter().map(|(k, _)| k.clone()).collect(),
         events,
-        truncated,
+        truncated: truncated || built.cut,
         scanned,
         scan_complete,
         role: roles,
@@ -224,8 +224,8 @@ pub struct TreeResponse {
     pub keys: Vec<String>,
     /// Events assembled.
     pub events: usize,
-    /// Whether a bound cut something off: more than 64 linked keys, or a key with more than
-    /// 2000 events (its newest are assembled).
+    /// Whether a bound cut something off: more than 64 linked keys, a key with more than 2000
+    /// events (its newest are assembled), or more than 5000 nodes (the earliest are kept).
     pub truncated: bool,
     /// Projections scanned for links between keys: those stored from shortly (5,000
     /// projections) before the root's first event on, at most 50,000.

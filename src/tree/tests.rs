@@ -48,7 +48,7 @@ fn tree_of(
                 .collect(),
         })
         .collect();
-    build(&keys, item, prices)
+    build(&keys, item, prices).map(|b| b.root)
 }
 
 fn index(events: &[(String, Envelope)]) -> LinkIndex {
@@ -492,4 +492,58 @@ fn items_are_named_run_or_turn_with_an_id() {
     for bad in ["run:", "step:1", "run", "", "Run:r1"] {
         assert_eq!(ItemRef::parse(bad), None, "{bad:?}");
     }
+}
+
+fn count(n: &TreeNode) -> usize {
+    1 + n.children.iter().map(count).sum::<usize>()
+}
+
+#[test]
+fn a_tree_holds_at_most_max_nodes_and_says_it_was_cut() {
+    let mut events: Vec<(String, Envelope)> = Vec::new();
+    for r in 0..11 {
+        let run = format!("r{r}");
+        let mut push = |v: Value| {
+            let env: Envelope = serde_json::from_value(v).unwrap_or_else(|e| panic!("{e}"));
+            events.push(("busy".to_string(), env));
+        };
+        push(json!({"type": "run.started", "runId": run, "timestamp": at(1)}));
+        for c in 0..500 {
+            push(
+                json!({"type": "tool.started", "runId": run, "timestamp": at(2),
+                "payload": {"toolCallId": format!("{run}-c{c}"), "name": "lookup"}}),
+            );
+        }
+    }
+    let keys = vec![KeyEvents {
+        key: "busy".into(),
+        events: events
+            .iter()
+            .map(|(_, e)| Stored {
+                envelope: e,
+                stored_at: "2026-11-26T10:00:00.000Z",
+            })
+            .collect(),
+    }];
+    let built = build(&keys, None, &Prices::EMPTY).unwrap_or_else(|| panic!("a tree"));
+    assert!(built.cut);
+    assert_eq!(count(&built.root), MAX_NODES);
+    // Under the bound nothing is cut.
+    let small = KeyEvents {
+        key: "busy".into(),
+        events: keys[0].events[..600]
+            .iter()
+            .map(|s| Stored {
+                envelope: s.envelope,
+                stored_at: s.stored_at,
+            })
+            .collect(),
+    };
+    let built = build(&[small], None, &Prices::EMPTY).unwrap_or_else(|| panic!("a tree"));
+    assert!(!built.cut);
+    assert_eq!(
+        count(&built.root),
+        1 + 2 + 500 + 98,
+        "the conversation, two runs (501 and 99 events), their calls"
+    );
 }
