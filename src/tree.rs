@@ -208,6 +208,8 @@ pub struct Facts {
     pub item: Option<ItemRef>,
     /// The task it belongs to, when it is a task event.
     pub task: Option<String>,
+    /// The run a send names (`runId`, the run that handles the turn): (turn id, run id).
+    pub turn_run: Option<(String, String)>,
 }
 
 fn payload(env: &Envelope) -> Option<&Map<String, Value>> {
@@ -280,6 +282,10 @@ impl Facts {
         if let Some(r) = &run {
             if !env.event_type.starts_with("a2a.") {
                 f.defines.push(format!("run:{r}"));
+            } else if env.event_type == "a2a.send" {
+                // A run started for the turn: what names it as its parent hangs under the turn.
+                f.defines.push(format!("run:{r}"));
+                f.turn_run = Some((turn_of(env), r.clone()));
             }
         }
         if !task_event {
@@ -448,6 +454,8 @@ struct Gathered {
     child_names: Vec<(String, Option<ItemRef>, String)>,
     /// (key, turn or run, task id) of turns and runs carrying a task id.
     item_tasks: Vec<(String, ItemRef, String)>,
+    /// Run id -> (key, turn id) of sends naming the run that handles them.
+    turn_runs: HashMap<String, (String, String)>,
     tasks: HashMap<String, Task>,
     task_order: Vec<String>,
 }
@@ -488,6 +496,11 @@ fn gather(keys: &[KeyEvents<'_>], prices: &Prices) -> Gathered {
                     .clone()
                     .unwrap_or_else(|| e.stored_at.to_string())
             };
+            if let Some((turn, run)) = &f.turn_run {
+                g.turn_runs
+                    .entry(run.clone())
+                    .or_insert_with(|| (k.key.clone(), turn.clone()));
+            }
             if let Some(t) = &f.task {
                 let at = at();
                 let task = g.tasks.entry(t.clone()).or_insert_with(|| {
@@ -510,7 +523,8 @@ fn gather(keys: &[KeyEvents<'_>], prices: &Prices) -> Gathered {
 }
 
 impl Gathered {
-    /// The node a key hangs under: the run its `parentRunId` names, else the conversation or
+    /// The node a key hangs under: the run its `parentRunId` names (or the turn whose send names
+    /// that run as the one handling it), else the conversation or
     /// task it names as its parent, else the item of a key that names it as what it started,
     /// else the turn or run whose task lives under it.
     fn parent_of(&self, key: &str) -> Option<Node> {
@@ -518,7 +532,14 @@ impl Gathered {
         let by_run = parents.iter().find_map(|p| {
             let r = p.strip_prefix("run:")?;
             let pk = self.defined_by.get(p).filter(|pk| *pk != key)?;
-            Some(Node::Item(pk.clone(), ItemRef::Run(r.to_string())))
+            let is_run = self
+                .threads
+                .get(pk)
+                .is_some_and(|v| v.runs.iter().any(|x| x.run_id == r));
+            Some(match self.turn_runs.get(r).filter(|(k, _)| k == pk) {
+                Some((_, turn)) if !is_run => Node::Item(pk.clone(), ItemRef::Turn(turn.clone())),
+                _ => Node::Item(pk.clone(), ItemRef::Run(r.to_string())),
+            })
         });
         let by_name = || {
             parents.iter().find_map(|p| {

@@ -547,3 +547,45 @@ fn a_tree_holds_at_most_max_nodes_and_says_it_was_cut() {
         "the conversation, two runs (501 and 99 events), their calls"
     );
 }
+
+#[test]
+fn a_run_named_by_a_send_puts_what_names_it_as_parent_under_that_turn() {
+    // The seed-000 origin's send names the run that handles the turn (`runId`); a subagent's
+    // runtime events name it as their parent run.
+    let events = project(&[
+        (
+            None,
+            json!({"type": "a2a.send", "agentId": "ruda", "ts": at(1), "data": {
+            "fromAgent": "ruda", "toAgent": "eden", "conversationId": "c-main", "turn": 2,
+            "runId": "run-77", "message": "plan the release"}}),
+        ),
+        (
+            None,
+            json!({"type": "run.started", "timestamp": at(2), "sessionId": "s-helper",
+            "runId": "h1", "agentId": "eden-helper", "payload": {"parentRunId": "run-77"}}),
+        ),
+        (
+            None,
+            json!({"type": "run.finished", "timestamp": at(5), "sessionId": "s-helper",
+            "runId": "h1", "agentId": "eden-helper"}),
+        ),
+    ]);
+    assert_eq!(
+        index(&events).children("c-main"),
+        vec!["s-helper".to_string()]
+    );
+    let turn = ItemRef::Turn("2".into());
+    let tree = tree_of(
+        &events,
+        &["c-main", "s-helper"],
+        Some(&turn),
+        &Prices::EMPTY,
+    )
+    .unwrap_or_else(|| panic!("a tree at turn 2"));
+    assert_eq!((tree.kind, tree.id.as_str()), (NodeKind::Turn, "2"));
+    let helper = find(&tree, NodeKind::Conversation, "s-helper")
+        .unwrap_or_else(|| panic!("the helper under the turn: {tree:#?}"));
+    let run = find(helper, NodeKind::Run, "h1").unwrap_or_else(|| panic!("{helper:#?}"));
+    assert_eq!(run.outcome, NodeOutcome::Finished);
+    assert_eq!(run.duration_ms, Some(3000));
+}
