@@ -7,8 +7,11 @@
 //! and the events published while the server was down (killed with SIGKILL and started again),
 //! without a repeat. A second test stops and restarts NATS under the page, which must recover by
 //! itself; it also checks the order by event time and the debug view's suppressed replies. A
-//! screenshot is saved as `viewer.png` in `COLLAB_ARTIFACTS_DIR` (`.ci/run`
-//! sets `.ci/artifacts`), else in Cargo's test temporary directory.
+//! third shows a delegation tree two levels deep with tokens and cost rolled up, the Waiting
+//! panel with a run waiting for approval, rows older than the snapshot (Load older) and a
+//! thread's token and cost total. Screenshots are saved as `viewer.png` and `viewer-tree.png`
+//! in `COLLAB_ARTIFACTS_DIR` (`.ci/run` sets `.ci/artifacts`), else in Cargo's test temporary
+//! directory.
 //!
 //! Chromium comes from Debian's `chromium` and `chromium-driver` packages (`.ci/run` installs
 //! them). Where they cannot be installed, `.ci/run` says why in `COLLAB_BROWSER_UNAVAILABLE` and
