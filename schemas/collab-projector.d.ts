@@ -23,6 +23,8 @@ export type CollabProjectorSchema =
   | StreamError
   | SuppressedPayload
   | ThreadResponse
+  | TreeResponse
+  | WaitingList
   | WorkSessionList
   | WorkSessionResponse;
 /**
@@ -95,6 +97,33 @@ export type ToolStatus = ("running" | "completed" | "failed") | "unfinished";
  * Where a turn is.
  */
 export type TurnViewOutcome = "awaiting_reply" | "answered" | "waiting" | "blocked";
+/**
+ * What a node is.
+ */
+export type NodeKind = ("turn" | "run" | "task" | "tool") | "conversation";
+/**
+ * Where a node is: a run's, a turn's, a task's or a tool call's own outcome; a conversation's
+ * is the most pressing of its items' (`waiting`, then `running` / `awaiting_reply`, then
+ * `failed` / `blocked` / `timed_out`, else `finished`).
+ */
+export type TreeNodeOutcome =
+  | (
+      | "running"
+      | "finished"
+      | "waiting"
+      | "failed"
+      | "timed_out"
+      | "awaiting_reply"
+      | "answered"
+      | "blocked"
+      | "completed"
+      | "unfinished"
+    )
+  | "unknown";
+/**
+ * What waits.
+ */
+export type WaitKind = "turn" | "run";
 /**
  * A session's status, from its last event time and the clock: `ACTIVE`, `QUIET` after
  * `http.quiet_after` without events, `ARCHIVED` after `http.archive_after`.
@@ -682,6 +711,7 @@ export interface ThreadView {
    * Whether older events of the key exist that were not read (the newest are assembled).
    */
   truncated: boolean;
+  total: UsageRollup;
 }
 /**
  * One run as a unit.
@@ -802,6 +832,162 @@ export interface TurnView {
   answeredAt?: string;
   durationMs?: number;
   usage?: UsageSummary;
+}
+/**
+ * Tokens and cost, summed.
+ */
+export interface UsageRollup {
+  inputTokens: number;
+  outputTokens: number;
+  /**
+   * The cost of the tokens whose model has a price in the projector's price table.
+   */
+  cost: number;
+  /**
+   * Tokens (input and output) whose model has no price: counted, not costed.
+   */
+  unpricedTokens: number;
+}
+/**
+ * The body of `GET /api/tree/{key}`.
+ *
+ * JSON Schema: /api/schemas/tree.schema.json
+ */
+export interface TreeResponse {
+  tree: TreeNode;
+  /**
+   * The keys read, the root's first (at most 64).
+   */
+  keys: string[];
+  /**
+   * Events assembled.
+   */
+  events: number;
+  /**
+   * Whether a bound cut something off: more than 64 linked keys, a key with more than 2000
+   * events (its newest are assembled), or more than 5000 nodes (the earliest are kept).
+   */
+  truncated: boolean;
+  /**
+   * Projections scanned for links between keys: those stored from shortly (5,000
+   * projections) before the root's first event on, at most 50,000.
+   */
+  scanned: number;
+  /**
+   * Whether that scan reached the newest projection; when not, keys linked only by later
+   * events are missing.
+   */
+  scanComplete: boolean;
+  /**
+   * The roles read.
+   */
+  role: Role[];
+}
+/**
+ * One node of the tree.
+ */
+export interface TreeNode {
+  kind: NodeKind;
+  /**
+   * Its id: the key of a conversation, else the run, turn, task or tool call id.
+   */
+  id: string;
+  /**
+   * The key it was read from: `GET /api/threads/{key}` shows it.
+   */
+  key: string;
+  /**
+   * The viewer's link to it within its thread (`run:<id>`, `turn:<id>`), for runs and turns.
+   */
+  item?: string;
+  /**
+   * What to show: who asked whom and what, an agent and its run, a task's title, a tool's name.
+   */
+  label: string;
+  /**
+   * The agent that runs it, answers it or owns it, when known.
+   */
+  agent?: string;
+  /**
+   * Event times (RFC 3339).
+   */
+  startedAt?: string;
+  endedAt?: string;
+  durationMs?: number;
+  outcome: TreeNodeOutcome;
+  usage?: UsageRollup;
+  total: UsageRollup;
+  /**
+   * What it caused, earliest first.
+   */
+  children: TreeNode[];
+}
+/**
+ * The body of `GET /api/waiting`.
+ *
+ * JSON Schema: /api/schemas/waiting.schema.json
+ */
+export interface WaitingList {
+  /**
+   * What waits now, longest waiting first (at most `limit`).
+   */
+  waits: Wait[];
+  count: number;
+  /**
+   * Waits found, before `limit`.
+   */
+  total: number;
+  /**
+   * Turn and run events read (the newest, at most 10,000).
+   */
+  scanned: number;
+  /**
+   * Whether those are all the turn and run events kept; when not, a wait that began before
+   * them is not listed.
+   */
+  complete: boolean;
+  /**
+   * The roles read.
+   */
+  role: Role[];
+  limit: number;
+}
+/**
+ * One wait.
+ */
+export interface Wait {
+  kind: WaitKind;
+  /**
+   * The key of its thread (`GET /api/threads/{key}`).
+   */
+  key: string;
+  /**
+   * The run or turn in the thread (`run:<id>`, `turn:<id>`); the viewer's link is
+   * `#thread=<key>&item=<item>`.
+   */
+  item: string;
+  /**
+   * Who waits (an agent), when known.
+   */
+  who?: string;
+  /**
+   * On whom, when known.
+   */
+  on?: string;
+  /**
+   * For what: `input` or `auth` (an answer asking for them), `reply` (a turn not yet
+   * answered), or an interrupt's reason (`approval`, ...).
+   */
+  for: string;
+  /**
+   * The question or prompt, when there is one (the answer asking for input, the request
+   * awaiting a reply, the run's last message).
+   */
+  prompt?: string;
+  /**
+   * Since when (RFC 3339, event time).
+   */
+  since: string;
 }
 /**
  * `/api/work-sessions`: the sessions holding events of the selected roles and types, most

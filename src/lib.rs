@@ -92,6 +92,8 @@ pub mod spans;
 pub mod status;
 pub mod telemetry;
 pub mod threads;
+pub mod tree;
 pub mod turns;
 pub mod usage;
 mod viewer;
+pub mod waiting;

@@ -50,6 +50,8 @@ pub struct ThreadView {
     pub events: usize,
     /// Whether older events of the key exist that were not read (the newest are assembled).
     pub truncated: bool,
+    /// The tokens of all its runs and turns, with their cost from the price table.
+    pub total: crate::tree::UsageRollup,
 }
 
 /// Where a run is.
@@ -244,13 +246,16 @@ pub fn assemble(key: &str, events: &[Stored<'_>], truncated: bool, prices: &Pric
     let mut turns: Vec<TurnView> = b.turns.into_iter().map(|t| t.finish(prices)).collect();
     let skip = turns.len().saturating_sub(MAX_TURNS);
     turns.drain(..skip);
-    ThreadView {
+    let mut view = ThreadView {
         key: key.to_string(),
         runs,
         turns,
         events: events.len(),
         truncated,
-    }
+        total: Default::default(),
+    };
+    view.total = crate::tree::thread_total(&view);
+    view
 }
 
 #[derive(Default)]

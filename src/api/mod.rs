@@ -5,6 +5,10 @@
 //! - `GET /api/work-sessions`, `GET /api/work-sessions/{id}` (`?format=mplp`): grouped sessions
 //!   ([`sessions`], [`mplp`]);
 //! - `GET /api/blobs/{id}`: a large field moved out of a projection ([`blobs`]);
+//! - `GET /api/threads/{key}`: one thread's runs and turns assembled ([`threads`]);
+//! - `GET /api/tree/{key}`: the delegation tree below a thread, run or turn ([`tree`]);
+//! - `GET /api/waiting`: the turns and runs waiting now ([`waiting`]);
+//! - `GET /api/search`: events by agent, outcome, time and text ([`search`]);
 //! - `GET /api/me`: the caller's grant and the roles it may read ([`me`]);
 //! - `GET /api/openapi.json`: the OpenAPI 3.1 description ([`openapi`]);
 //! - `GET /api/schemas`, `GET /api/schemas/{name}`: the JSON Schemas of the envelope, the
@@ -34,6 +38,8 @@ pub mod state;
 pub mod store;
 pub mod stream;
 pub mod threads;
+pub mod tree;
+pub mod waiting;
 
 pub use auth::{check_bind, Caller, Grants};
 pub use error::ApiError;
@@ -69,6 +75,8 @@ pub fn router(state: ApiState) -> Router {
         .route("/api/work-sessions/{id}", get(sessions::one))
         .route("/api/threads/{key}", get(threads::one))
         .route("/api/search", get(search::search))
+        .route("/api/tree/{key}", get(tree::tree))
+        .route("/api/waiting", get(waiting::waiting))
         .route("/api/blobs/{id}", get(blobs::one))
         .route("/api/me", get(me::me))
         .route_layer(middleware::from_fn_with_state(

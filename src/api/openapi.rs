@@ -213,6 +213,8 @@ fn paths(p: &Shared) -> Value {
         ("/api/work-sessions/{id}", work_session(p)),
         ("/api/threads/{key}", thread(p)),
         ("/api/search", search(p)),
+        ("/api/tree/{key}", tree(p)),
+        ("/api/waiting", waiting(p)),
         ("/api/blobs/{id}", blob(&p.roles)),
         ("/api/me", me()),
         ("/api/schemas", schema_index()),
@@ -315,6 +317,33 @@ fn thread(p: &Shared) -> Value {
             list_param("role", "Roles to read the thread's events from (default: the token's grant), comma-separated or repeated. Naming a role outside the token's grant is a 403.", p.role_item.clone())],
         "responses": with_ok(common_errors(&[("404", "No events of the key in the roles read.")]),
             json!({"description": "The thread (`{thread, role}`).", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ThreadResponse"}}}}))
+    }})
+}
+
+/// `GET /api/tree/{key}`: the delegation tree below a thread, run or turn.
+fn tree(p: &Shared) -> Value {
+    json!({"get": {
+        "operationId": "getTree",
+        "summary": "The delegation tree below a conversation, AG-UI thread or session, or below one of its runs or turns: the conversations it delegated to (parentConversationId, parentSessionId, parentThreadId, parentRunId, A2A referenceTaskIds, a2a.spawn targets), the tasks its turns and runs carry (taskId), runs nested by parentRunId and their tool calls. Each node has its kind, label, start, duration, outcome, its own usage and the total rolled up from below, costed by the projector's price table. The newest 2000 events of the key are read, the 50,000 projections stored from shortly before its first event (the item's) on are scanned for links, then the newest 2000 events of each linked key, at most 64 keys; `truncated` and `scanComplete` say when a bound cut something off.",
+        "parameters": [
+            {"name": "key", "in": "path", "required": true, "schema": {"type": "string"}, "description": "The ordering key: a conversation id, AG-UI thread id or session id (as events' `key`)."},
+            param("item", "Root the tree at one run or turn of the key: `run:<run id>` or `turn:<turn id>` (empty: the whole key). One value.", json!({"type": "string", "pattern": "^(?:(?:run|turn):[\\s\\S]+)?$"})),
+            list_param("role", "Roles to read (default: the token's grant), comma-separated or repeated. Naming a role outside the token's grant is a 403.", p.role_item.clone())],
+        "responses": with_ok(common_errors(&[("404", "No events of the key in the roles read, or no such run or turn among its newest events.")]),
+            json!({"description": "The tree (`{tree, keys, events, truncated, scanned, scanComplete, role}`).", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/TreeResponse"}}}}))
+    }})
+}
+
+/// `GET /api/waiting`: the turns and runs waiting now.
+fn waiting(p: &Shared) -> Value {
+    let limit = json!({"type": "integer", "minimum": 1, "maximum": 500, "default": 100});
+    json!({"get": {
+        "operationId": "listWaiting",
+        "summary": "Every turn and run waiting now, longest waiting first: answers asking for input or credentials (A2A input-required, auth-required), runs ended on an interrupt (AG-UI), and turns still awaiting their reply. Each says who waits, on whom, for what, since when, and the thread (`key`) and `item` to open. A wait ends when a later send resumes the turn's conversation or a later run starts in the run's thread. The newest 10,000 turn and run events (a2a.send, a2a.response, run.started, run.finished, run.failed) are read.",
+        "parameters": [p.role.clone(),
+            param("limit", "Waits returned (default 100, at most 500). One value.", limit)],
+        "responses": with_ok(common_errors(&[]),
+            json!({"description": "The waits.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/WaitingList"}}}}))
     }})
 }
 

@@ -15,6 +15,8 @@ use super::sessions::{WorkSessionList, WorkSessionResponse};
 use super::store::EventItem;
 use super::stream::StreamError;
 use super::threads::ThreadResponse;
+use super::tree::TreeResponse;
+use super::waiting::WaitingList;
 use crate::model::Envelope;
 use crate::turns::payload::{BlockedPayload, RunFailedPayload, SuppressedPayload};
 use axum::extract::Path;
@@ -164,6 +166,14 @@ fn entries() -> Vec<Entry> {
         entry::<SearchPage>(
             "search-page.schema.json",
             "The body of GET /api/search: events matching an agent, outcome, time range and text, newest first.",
+        ),
+        entry::<TreeResponse>(
+            "tree.schema.json",
+            "The body of GET /api/tree/{key}: the delegation tree below a thread, run or turn, across keys, with start, duration, outcome and usage rolled up at each node.",
+        ),
+        entry::<WaitingList>(
+            "waiting.schema.json",
+            "The body of GET /api/waiting: the turns and runs waiting now, who waits on whom, for what and since when.",
         ),
         entry::<Me>("me.schema.json", "The body of GET /api/me."),
         entry::<ErrorBody>(

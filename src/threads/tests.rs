@@ -202,3 +202,41 @@ fn text_is_bounded_on_a_character_boundary() {
     assert!(text.len() <= MAX_TEXT_BYTES && text.len() > MAX_TEXT_BYTES - 4);
     assert!(text.chars().all(|c| c == 'é'));
 }
+
+#[test]
+fn a_thread_totals_the_tokens_of_its_runs_and_turns_costed_by_the_price_table() {
+    let events: Vec<Envelope> = [
+        json!({"type": "run.started", "runId": "r1", "timestamp": "2026-11-26T10:00:00.000Z",
+            "payload": {"agUiType": "RUN_STARTED"}}),
+        json!({"type": "run.finished", "runId": "r1", "timestamp": "2026-11-26T10:00:01.000Z",
+            "payload": {"agUiType": "RUN_FINISHED",
+                "result": {"usage": {"prompt_tokens": 1000, "completion_tokens": 100, "model": "m-priced"}}}}),
+        json!({"type": "a2a.send", "conversationId": "th", "timestamp": "2026-11-26T10:00:02.000Z",
+            "payload": {"fromAgent": "main", "toAgent": "ruda", "message": "go"}}),
+        json!({"type": "a2a.response", "conversationId": "th", "timestamp": "2026-11-26T10:00:03.000Z",
+            "payload": {"message": "done",
+                "usage": {"input_tokens": 500, "output_tokens": 50, "model": "m-unpriced"}}}),
+    ]
+    .into_iter()
+    .map(env)
+    .collect();
+    let prices = Prices::new(&[crate::usage::Price {
+        model: "m-priced".into(),
+        input_per_mtok: 1.0,
+        output_per_mtok: 2.0,
+        cached_input_per_mtok: None,
+    }])
+    .unwrap_or_else(|e| panic!("{e}"));
+    let stored: Vec<Stored<'_>> = events
+        .iter()
+        .map(|e| Stored {
+            envelope: e,
+            stored_at: "2026-11-26T10:00:00.000Z",
+        })
+        .collect();
+    let t = assemble("th", &stored, false, &prices);
+    assert_eq!((t.total.input_tokens, t.total.output_tokens), (1500, 150));
+    // 1000 in at 1/M and 100 out at 2/M; the unpriced model's 550 tokens counted, not costed.
+    assert!((t.total.cost - 0.0012).abs() < 1e-12, "{}", t.total.cost);
+    assert_eq!(t.total.unpriced_tokens, 550);
+}

@@ -45,6 +45,8 @@ const state = {
   repeats: 0,           // events received twice (the API promises none; shown for checking)
   sessionTimer: null,
   startGen: 0,          // the current start (token check); an older one stops retrying
+  hasOlder: false,      // whether older events than those shown exist (Load older)
+  extraRows: 0,         // rows loaded with Load older, kept beyond MAX_ROWS
 };
 
 // ---------------------------------------------------------------------------------------------
@@ -217,7 +219,8 @@ function loadView() {
   const sel = selection();
   hydrate(gen, ctl, sel);
   loadSessions(gen, ctl);
-  state.sessionTimer = setInterval(() => loadSessions(gen, ctl), 5000);
+  loadWaiting(gen, ctl);
+  state.sessionTimer = setInterval(() => { loadSessions(gen, ctl); loadWaiting(gen, ctl); }, 5000);
 }
 
 async function hydrate(gen, ctl, sel) {
@@ -241,6 +244,8 @@ async function hydrate(gen, ctl, sel) {
   }
   if (gen !== state.gen) return; // the user switched views meanwhile
   for (const item of page.events) addItem(item);
+  state.hasOlder = Boolean(page.prev);
+  drawOlder();
   updateEmpty();
   follow(gen, ctl, sel, page.next);
 }
@@ -313,9 +318,43 @@ function clearTimeline() {
   state.seen = new Set();
   state.items = new Map();
   state.repeats = 0;
+  state.hasOlder = false;
+  state.extraRows = 0;
   document.body.dataset.repeats = '0';
   $('timeline-note').textContent = '';
+  $('older-note').textContent = '';
+  drawOlder();
   updateEmpty();
+}
+
+function drawOlder() {
+  $('load-older').hidden = !state.hasOlder;
+}
+
+// Older rows than those shown: the page of events before the oldest (in stream order) on screen,
+// kept beside the newest MAX_ROWS.
+async function loadOlder() {
+  const gen = state.gen;
+  const ctl = state.abort;
+  let oldest = null;
+  for (const item of state.items.values()) if (!oldest || item.seq < oldest.seq) oldest = item;
+  if (!oldest || !ctl) return;
+  const button = $('load-older');
+  button.disabled = true;
+  try {
+    const page = await api(`/api/events?${query([...selection(), ['limit', SNAPSHOT], ['before', oldest.cursor]])}`, ctl.signal);
+    if (gen !== state.gen) return;
+    state.extraRows += page.events.length;
+    for (const item of page.events) addItem(item);
+    state.hasOlder = Boolean(page.prev);
+    $('older-note').textContent = `${page.events.length} older event(s) loaded.${state.hasOlder ? '' : ' Nothing older is kept.'}`;
+  } catch (e) {
+    if (gen === state.gen) $('older-note').textContent = `Older events could not be loaded: ${e.message}`;
+  } finally {
+    button.disabled = false;
+    drawOlder();
+    updateEmpty();
+  }
 }
 
 function updateEmpty() {
@@ -347,10 +386,14 @@ function addItem(item) {
   let before = list.firstElementChild;
   while (before && newer(before, row)) before = before.nextElementSibling;
   list.insertBefore(row, before);
-  while (list.children.length > MAX_ROWS) {
+  while (list.children.length > MAX_ROWS + state.extraRows) {
     const gone = list.lastElementChild;
     state.items.delete(Number(gone.dataset.seq));
+    state.seen.delete(Number(gone.dataset.seq));
     gone.remove();
+    // What was dropped can be loaded again.
+    state.hasOlder = true;
+    drawOlder();
   }
 }
 
@@ -562,6 +605,16 @@ function duration(ms) {
   return ms < 1000 ? `${ms} ms` : `${(ms / 1000).toFixed(1)} s`;
 }
 
+// A rolled-up total: tokens, their cost, and the tokens of models without a price.
+function totalText(t) {
+  if (!t || !(t.inputTokens || t.outputTokens)) return '';
+  const n = (x) => Number(x || 0).toLocaleString('en');
+  let text = `${n(t.inputTokens)} in · ${n(t.outputTokens)} out tokens`;
+  if (t.cost > 0) text += ` · cost ${t.cost.toFixed(4)}`;
+  if (t.unpricedTokens) text += ` (${n(t.unpricedTokens)} unpriced)`;
+  return text;
+}
+
 function usageText(u) {
   if (!u) return '';
   const cost = u.cost !== undefined && u.cost !== null ? ` · cost ${u.cost.toFixed(4)}` : '';
@@ -619,12 +672,16 @@ async function showThread(key, item) {
   }
   const t = body.thread;
   const parts = [el('p', { class: 'meta' }, `${t.runs.length} run(s), ${t.turns.length} turn(s) from ${t.events} events${t.truncated ? ' (the newest; older ones exist)' : ''}.`)];
+  const total = totalText(t.total);
+  if (total) parts.push(el('p', { class: 'total', id: 'thread-total' }, `Total: ${total}`));
+  parts.push(treeBox(key, null, 'thread-tree', 'Delegation tree of this thread'));
   parts.push(...runTree(t.runs), ...t.turns.map(turnView));
   box.replaceChildren(...parts);
   // Every run and turn links to itself; a linked one is marked and scrolled to.
   for (const sec of box.querySelectorAll('section.run, section.turn')) {
     const id = sec.classList.contains('run') ? `run:${sec.dataset.run}` : `turn:${sec.dataset.turn}`;
     sec.querySelector('h3').append(' ', el('a', { href: threadLink(key, id), class: 'permalink', 'aria-label': `Link to ${id}` }, 'link'));
+    sec.querySelector('h3').after(treeBox(key, id, null, `Delegation tree of ${id}`));
     if (id === item) {
       sec.classList.add('linked');
       sec.setAttribute('aria-current', 'true');
@@ -656,6 +713,50 @@ function runTree(runs) {
     return node;
   };
   return runs.filter((r) => !(r.parentRunId && ids.has(r.parentRunId) && r.parentRunId !== r.runId)).map(draw);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The delegation tree (/api/tree/{key}?item=): what a thread, run or turn caused across
+// conversations, as nested <details>, each node with its start, duration, outcome and the tokens
+// and cost rolled up from below.
+
+function treeBox(key, item, id, label) {
+  const box = el('div', { class: 'tree', id });
+  const b = el('button', { type: 'button', class: 'tree-open' }, label);
+  b.addEventListener('click', () => loadTree(box, key, item));
+  box.append(b);
+  return box;
+}
+
+async function loadTree(box, key, item) {
+  box.replaceChildren(el('p', { class: 'note' }, 'Loading the delegation tree…'));
+  let body;
+  try {
+    body = await api(`/api/tree/${encodeURIComponent(key)}${item ? `?${query([['item', item]])}` : ''}`);
+  } catch (e) {
+    box.replaceChildren(el('p', { class: 'note' }, `The delegation tree could not be loaded: ${e.message}`));
+    return;
+  }
+  const cut = body.truncated || !body.scanComplete ? ' Some links may be missing (a bound was reached).' : '';
+  box.replaceChildren(
+    el('p', { class: 'meta' }, `${body.keys.length} conversation(s), ${body.events} events.${cut}`),
+    treeNode(body.tree, true));
+}
+
+function treeNode(n, top) {
+  const when = n.startedAt ? new Date(n.startedAt) : null;
+  const start = when && !Number.isNaN(when.getTime()) ? `started ${when.toLocaleTimeString()}` : '';
+  const outcome = n.outcome.replace('_', ' ');
+  const head = [`${n.kind} ${n.label}`, outcome, start, duration(n.durationMs), totalText(n.total)].filter(Boolean).join(' · ');
+  const attrs = { 'data-kind': n.kind, 'data-id': n.id, 'data-outcome': n.outcome };
+  const link = n.item ? el('a', { href: threadLink(n.key, n.item), class: 'permalink', 'aria-label': `Open ${n.item} of ${n.key}` }, 'open') : null;
+  if (!n.children.length) return el('div', Object.assign({ class: 'leaf' }, attrs), head, link ? ' ' : '', link);
+  // The link stays out of the summary: a summary is itself the control that opens the node.
+  const d = el('details', Object.assign({ class: 'node' }, attrs), el('summary', {}, head));
+  if (link) d.append(el('div', { class: 'leaf' }, link));
+  if (top) d.open = true;
+  for (const c of n.children) d.append(treeNode(c, false));
+  return d;
 }
 
 function threadFromHash() {
@@ -707,6 +808,34 @@ async function showSearch(qs) {
 function searchFromHash() {
   const m = /^#search=(.*)$/.exec(location.hash);
   return m ? decodeURIComponent(m[1]) : null;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Waiting (/api/waiting): every turn and run waiting now, longest first, each linking to its
+// thread item.
+
+async function loadWaiting(gen, ctl) {
+  let body;
+  try {
+    body = await api('/api/waiting?limit=50', ctl.signal);
+  } catch (e) {
+    if (gen === state.gen && !ctl.signal.aborted) $('waiting-note').textContent = `Waits could not be loaded: ${e.message}`;
+    return;
+  }
+  if (gen !== state.gen) return;
+  const items = body.waits.map((w) => {
+    const since = new Date(w.since);
+    const when = Number.isNaN(since.getTime()) ? w.since : since.toLocaleString();
+    const who = `${w.who || 'someone'} waits${w.on ? ` on ${w.on}` : ''} for ${w.for}`;
+    const a = el('a', { href: threadLink(w.key, w.item), 'data-item': w.item, 'data-key': w.key },
+      el('span', { class: 'title' }, who),
+      el('span', { class: 'meta' }, `since ${when} · ${w.kind} ${shortId(w.item.slice(w.item.indexOf(':') + 1))} · ${w.key}`),
+      w.prompt ? el('span', { class: 'meta' }, short(w.prompt, 160)) : null);
+    return el('li', {}, a);
+  });
+  $('waiting').replaceChildren(...items);
+  const more = body.total > body.count ? ` (the ${body.count} longest of ${body.total})` : '';
+  $('waiting-note').textContent = body.count ? `${body.count} waiting${more}, longest first.` : 'Nothing is waiting.';
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -821,6 +950,7 @@ function init() {
     loadView();
   });
   $('session-clear').addEventListener('click', clearSession);
+  $('load-older').addEventListener('click', loadOlder);
   window.addEventListener('hashchange', () => {
     const thread = threadFromHash();
     if (thread) showThread(thread.key, thread.item);

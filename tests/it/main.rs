@@ -15,6 +15,7 @@ mod auth;
 mod bench_smoke;
 mod chaos;
 mod conversations;
+mod delegation;
 mod docs;
 mod fast_batch;
 mod fuzz_api;

@@ -451,3 +451,182 @@ async fn a_run_through_the_relay_reaches_phoenix_with_its_tool_call() {
         "{\"sky\": \"clear\"}"
     );
 }
+
+/// A2A between the real a2a-python SDK's client and agents (tests/e2e/a2a_client.py,
+/// tests/e2e/a2a_agents.py), with the relay in front of each agent, exported to Phoenix: each
+/// turn is an `invoke_agent` span of the answering agent whose `gen_ai.conversation.id` is the
+/// A2A contextId; a turn whose answer asks for input is marked waiting, and the turn that
+/// answers it is another span of the same conversation.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_a2a_sdk_turn_through_the_relay_reaches_phoenix_under_its_context_id() {
+    let Some(python) = phoenix_python() else {
+        return;
+    };
+    let Some(sdk_python) = crate::relay::e2e_python() else {
+        return;
+    };
+    let phoenix = Phoenix::start(&python).await;
+    let nats = TestNats::start().await;
+    let _js = crate::relay::provisioned(&nats.url()).await;
+    let endpoint = phoenix.url();
+    let projector = Projector::spawn(
+        &nats.url(),
+        &[
+            "--main-agents",
+            "planner,complete-agent,stream-agent,ask-agent",
+        ],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            ("RUST_LOG", "info,collab_projector=debug"),
+        ],
+    );
+    wait_for_log(&projector, "exporting turns, runs and tool calls").await;
+    let agents_port = free_port();
+    let mut relays = HashMap::new();
+    for name in ["complete", "stream", "ask"] {
+        let upstream = format!("http://127.0.0.1:{agents_port}/{name}");
+        let to = format!("{name}-agent");
+        let relay = crate::relay::start_relay(
+            "a2a",
+            &nats.url(),
+            &upstream,
+            &[
+                "--to-agent",
+                &to,
+                "--from-agent-header",
+                "X-Collab-Agent",
+                "--trust-header-from",
+                "127.0.0.0/8",
+            ],
+        )
+        .await;
+        relays.insert(name, relay);
+    }
+    let publics: Vec<String> = relays
+        .iter()
+        .map(|(name, r)| format!("{name}=http://{}", r.addr))
+        .collect();
+    let port = agents_port.to_string();
+    let mut args = vec!["--port", port.as_str()];
+    for p in &publics {
+        args.extend(["--public", p.as_str()]);
+    }
+    let agents = crate::relay::Script::spawn(&sdk_python, "a2a_agents.py", &args);
+    assert_eq!(agents.port().await, agents_port);
+    let url = |name: &str| format!("http://{}", relays[name].addr);
+    let client_args = [
+        "--complete".to_string(),
+        url("complete"),
+        "--stream".to_string(),
+        url("stream"),
+        "--ask".to_string(),
+        url("ask"),
+        "--caller".to_string(),
+        "planner".to_string(),
+    ];
+    let output = tokio::task::spawn_blocking({
+        let python = sdk_python.clone();
+        move || {
+            Command::new(&python)
+                .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e/a2a_client.py"))
+                .args(&client_args)
+                .output()
+        }
+    })
+    .await
+    .expect("the SDK client's thread")
+    .expect("the SDK client runs");
+    assert!(
+        output.status.success(),
+        "the SDK client failed: {}\n{}",
+        String::from_utf8_lossy(&output.stdout),
+        String::from_utf8_lossy(&output.stderr)
+    );
+
+    // 7 sends: one per scenario, two for the one that asks for input.
+    let spans = phoenix.wait_for_spans(7, &projector).await;
+    let of_context = |ctx: &str| -> Vec<&Value> {
+        spans
+            .iter()
+            .filter(|s| s["attributes"]["gen_ai.conversation.id"] == ctx)
+            .collect()
+    };
+    let complete = of_context("e2e-complete-jsonrpc-v1");
+    assert_eq!(complete.len(), 1, "{spans:#?}");
+    let span = complete[0];
+    assert_eq!(span["name"], "invoke_agent complete-agent", "{span:#}");
+    assert_eq!(span["attributes"]["gen_ai.operation.name"], "invoke_agent");
+    assert_eq!(span["attributes"]["gen_ai.agent.name"], "complete-agent");
+    assert_eq!(span["attributes"]["collab.outcome"], "answered", "{span:#}");
+    assert_ne!(span["status_code"], "ERROR", "{span:#}");
+    // v0.3 from the same SDK and the streamed answer: the same, under their own contexts.
+    for ctx in ["e2e-complete-jsonrpc-v03", "e2e-stream-jsonrpc-v1"] {
+        let found = of_context(ctx);
+        assert_eq!(found.len(), 1, "{ctx}: {spans:#?}");
+        assert!(
+            found[0]["name"]
+                .as_str()
+                .is_some_and(|n| n.starts_with("invoke_agent ")),
+            "{:#}",
+            found[0]
+        );
+    }
+    // The agent that asks for input: two turns of one conversation, the first one waiting.
+    let mut ask = of_context("e2e-ask-jsonrpc-v1");
+    ask.sort_by_key(|s| s["start_time"].as_str().unwrap_or_default().to_string());
+    assert_eq!(ask.len(), 2, "{spans:#?}");
+    assert_eq!(
+        ask[0]["attributes"]["collab.outcome"], "waiting",
+        "{:#}",
+        ask[0]
+    );
+    assert_eq!(
+        ask[1]["attributes"]["collab.outcome"], "answered",
+        "{:#}",
+        ask[1]
+    );
+    for s in &ask {
+        assert_eq!(s["name"], "invoke_agent ask-agent", "{s:#}");
+    }
+
+    // The same traffic through the API: the streamed turn's tree holds the A2A task the agent
+    // worked through (its status frames), completed; the asking agent's first answer was resumed
+    // by the second send, so nothing of it waits.
+    let log = projector.log_text();
+    let api = log
+        .lines()
+        .find_map(|l| l.strip_prefix("http listening on "))
+        .map(str::trim)
+        .unwrap_or_else(|| panic!("the projector's HTTP address in:\n{log}"))
+        .to_string();
+    let get = |path: &str| {
+        let url = format!("http://{api}{path}");
+        async move {
+            reqwest::get(&url)
+                .await
+                .unwrap_or_else(|e| panic!("{url}: {e}"))
+                .json::<Value>()
+                .await
+                .unwrap_or_else(|e| panic!("{url}: {e}"))
+        }
+    };
+    let body = get("/api/tree/e2e-stream-jsonrpc-v1").await;
+    let turn = &body["tree"]["children"][0];
+    assert_eq!(turn["kind"], "turn", "{body:#}");
+    assert_eq!(turn["label"], "planner → stream-agent: report", "{body:#}");
+    assert_eq!(turn["outcome"], "answered", "{body:#}");
+    let task = &turn["children"][0];
+    assert_eq!(task["kind"], "task", "{body:#}");
+    assert_eq!(task["outcome"], "completed", "{body:#}");
+    assert!(
+        task["durationMs"].as_i64().is_some_and(|d| d > 0),
+        "{body:#}"
+    );
+    let waits = get("/api/waiting").await;
+    assert!(
+        waits["waits"]
+            .as_array()
+            .is_some_and(|w| w.iter().all(|w| w["key"] != "e2e-ask-jsonrpc-v1")),
+        "{waits:#}"
+    );
+}

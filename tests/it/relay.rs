@@ -243,7 +243,7 @@ async fn start_agent_with(state: AgentState) -> Agent {
 
 pub(crate) struct Relay {
     pub(crate) process: Projector,
-    addr: String,
+    pub(crate) addr: String,
     http: String,
 }
 

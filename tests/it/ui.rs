@@ -7,8 +7,11 @@
 //! and the events published while the server was down (killed with SIGKILL and started again),
 //! without a repeat. A second test stops and restarts NATS under the page, which must recover by
 //! itself; it also checks the order by event time and the debug view's suppressed replies. A
-//! screenshot is saved as `viewer.png` in `COLLAB_ARTIFACTS_DIR` (`.ci/run`
-//! sets `.ci/artifacts`), else in Cargo's test temporary directory.
+//! third shows a delegation tree two levels deep with tokens and cost rolled up, the Waiting
+//! panel with a run waiting for approval, rows older than the snapshot (Load older) and a
+//! thread's token and cost total. Screenshots are saved as `viewer.png` and `viewer-tree.png`
+//! in `COLLAB_ARTIFACTS_DIR` (`.ci/run` sets `.ci/artifacts`), else in Cargo's test temporary
+//! directory.
 //!
 //! Chromium comes from Debian's `chromium` and `chromium-driver` packages (`.ci/run` installs
 //! them). Where they cannot be installed, `.ci/run` says why in `COLLAB_BROWSER_UNAVAILABLE` and
@@ -1024,6 +1027,354 @@ async fn the_viewer_orders_by_event_time_shows_suppressed_replies_and_recovers_f
         eval(&client, "return document.body.dataset.repeats;").await,
         json!("0"),
         "no event may arrive twice"
+    );
+
+    client.close().await.expect("the browser closes");
+    proj.sigterm();
+    let _ = proj.wait_exit(Duration::from_secs(10)).await;
+}
+
+/// `GET` an API path with the viewer's token, as JSON (`null` when it cannot be read).
+async fn api_json(http_port: u16, path: &str) -> Value {
+    match reqwest::Client::new()
+        .get(format!("http://127.0.0.1:{http_port}{path}"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+    {
+        Ok(r) => r.json().await.unwrap_or(Value::Null),
+        Err(_) => Value::Null,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_viewer_shows_a_delegation_tree_what_waits_older_rows_and_token_totals() {
+    let Some((chromium, driver_bin)) = browser() else {
+        return;
+    };
+    let nats = TestNats::start().await;
+    provision_with_binary(&nats.url(), ENV);
+    let js = nats.jetstream().await;
+    let dir = tempfile::tempdir().expect("a temporary directory");
+    let config = viewer_config(
+        dir.path(),
+        &[
+            "conversation.main",
+            "delegation.subagent",
+            "orchestration.task",
+            "system.observability",
+        ],
+    );
+    let http_port = free_port();
+    let mut proj = projector(&nats.url(), http_port, &config);
+    wait_until(WAIT, "the projector is ready", || ready(http_port)).await;
+
+    // More answered turns than one snapshot holds (200), published before the page loads.
+    let base = chrono::Utc::now().timestamp_millis() - 600_000;
+    const OLD_TURNS: i64 = 230;
+    for i in 0..OLD_TURNS {
+        let key = format!("older-{i}");
+        let ts = base + i * 100;
+        publish(
+            &js,
+            &key,
+            &stamped(
+                "a2a.send",
+                "ruda",
+                "eden",
+                &key,
+                json!({"message": "status?", "timeoutMs": 60_000}),
+                ts,
+            ),
+        )
+        .await;
+        publish(
+            &js,
+            &key,
+            &stamped(
+                "a2a.response",
+                "eden",
+                "ruda",
+                &key,
+                json!({"message": format!("answer {i}")}),
+                ts + 1,
+            ),
+        )
+        .await;
+    }
+    // A delegation two levels deep below tree-main, each answer with its tokens (m-test is
+    // priced 10 per million input and 20 per million output tokens).
+    let t0 = base + 100_000;
+    let usage = |i: u64, o: u64| json!({"input_tokens": i, "output_tokens": o});
+    for (key, parent, from, to, at, ask, tokens) in [
+        (
+            "tree-main",
+            None,
+            "ruda",
+            "eden",
+            0,
+            "triage the nightly build",
+            usage(3000, 300),
+        ),
+        (
+            "tree-sub",
+            Some("tree-main"),
+            "eden",
+            "eden-worker",
+            1000,
+            "collect the failing logs",
+            usage(2000, 200),
+        ),
+        (
+            "tree-sub2",
+            Some("tree-sub"),
+            "eden-worker",
+            "log-reader",
+            2000,
+            "read test 7's log",
+            usage(1000, 100),
+        ),
+    ] {
+        let mut send = json!({"message": ask, "timeoutMs": 600_000});
+        let mut reply =
+            json!({"message": format!("done: {ask}"), "model": "m-test", "usage": tokens});
+        if let Some(p) = parent {
+            for v in [&mut send, &mut reply] {
+                v["parentConversationId"] = json!(p);
+                v["depth"] = json!(1);
+            }
+        }
+        publish(&js, key, &stamped("a2a.send", from, to, key, send, t0 + at)).await;
+        publish(
+            &js,
+            key,
+            &stamped("a2a.response", to, from, key, reply, t0 + 10_000 - at),
+        )
+        .await;
+    }
+    // A run stopped for a person's approval.
+    publish_agui(&js, "collab.raw.browser-wait._as.planner.agui", [
+        (json!({"type": "RUN_STARTED", "threadId": "browser-wait", "runId": "run-w1"}), "run-w1"),
+        (json!({"type": "RUN_FINISHED", "threadId": "browser-wait", "runId": "run-w1",
+            "outcome": {"type": "interrupt", "interrupts": [{"id": "i1", "reason": "approval", "assignee": "alice"}]}}), "run-w1"),
+    ]).await;
+    let started = std::time::Instant::now();
+    loop {
+        let main = api_json(http_port, "/api/events?view=conversations&limit=1000").await;
+        let waits = api_json(http_port, "/api/waiting").await;
+        let tree = api_json(http_port, "/api/tree/tree-main").await;
+        let answers = main["events"].as_array().map_or(0, Vec::len);
+        let waiting = waits["waits"]
+            .as_array()
+            .is_some_and(|w| w.iter().any(|w| w["item"] == "run:run-w1"));
+        let keys = tree["keys"].as_array().map_or(0, Vec::len);
+        if answers as i64 == OLD_TURNS + 1 && waiting && keys == 3 {
+            break;
+        }
+        assert!(
+            started.elapsed() < WAIT,
+            "not everything is projected: {answers} answers, {keys} keys in the tree, waits: {waits}, thread: {}",
+            api_json(http_port, "/api/threads/browser-wait").await
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+
+    let driver = start_driver(&driver_bin).await;
+    let client = open_browser(&chromium, &driver, &dir.path().join("profile")).await;
+    client
+        .goto(&format!("http://127.0.0.1:{http_port}/"))
+        .await
+        .expect("the viewer loads");
+    wait_for(&client, "the page asks for a token", &status_is("token")).await;
+    client
+        .find(Locator::Id("token"))
+        .await
+        .expect("a token field")
+        .send_keys(TOKEN)
+        .await
+        .expect("typing the token");
+    click(&client, "#token-form button[type=submit]").await;
+    wait_for(&client, "the stream is live", &status_is("live")).await;
+
+    // Older rows: the snapshot holds 200; Load older brings the rest.
+    wait_for(
+        &client,
+        "the snapshot is shown",
+        "return document.querySelectorAll('li.row').length === 200;",
+    )
+    .await;
+    // (Stream order is not event order across partitions: which 31 are missing varies.)
+    let missing = eval(
+        &client,
+        &format!("const shown = new Set([...document.querySelectorAll('li.row')].map(r => r.dataset.key)); return [...Array({OLD_TURNS}).keys()].filter(i => !shown.has(`older-${{i}}`)).length;"),
+    )
+    .await;
+    assert_eq!(
+        missing,
+        json!(OLD_TURNS + 1 - 200),
+        "older turns are not in the snapshot"
+    );
+    wait_for(
+        &client,
+        "Load older is offered",
+        "return !document.getElementById('load-older').hidden;",
+    )
+    .await;
+    click(&client, "#load-older").await;
+    wait_for(
+        &client,
+        "the older rows are shown below",
+        &format!(
+            "return document.querySelectorAll('li.row').length === {};",
+            OLD_TURNS + 1
+        ),
+    )
+    .await;
+    for i in 0..OLD_TURNS {
+        assert_eq!(
+            count(&client, &format!(r#"li.row[data-key="older-{i}"]"#)).await,
+            1,
+            "older-{i}"
+        );
+    }
+    assert_eq!(
+        eval(&client, "const rows = [...document.querySelectorAll('li.row')]; return rows[rows.length - 1].dataset.key;").await,
+        json!("older-0"),
+        "the oldest row is last"
+    );
+    assert!(
+        text_of(&client, "#older-note")
+            .await
+            .contains("Nothing older is kept"),
+        "{}",
+        text_of(&client, "#older-note").await
+    );
+    assert_eq!(
+        eval(
+            &client,
+            "return document.getElementById('load-older').hidden;"
+        )
+        .await,
+        json!(true)
+    );
+    assert_eq!(
+        eval(&client, "return document.body.dataset.repeats;").await,
+        json!("0")
+    );
+
+    // Waiting: the run stopped for approval, with whom it waits on; its row opens it.
+    let waiting = r##"#waiting a[data-item="run:run-w1"]"##;
+    wait_for(
+        &client,
+        "the waiting panel lists the run waiting for approval",
+        &format!("const a = document.querySelector({waiting:?}); return a !== null && a.textContent.includes('planner waits on alice for approval');"),
+    )
+    .await;
+    assert_eq!(
+        eval(
+            &client,
+            &format!("return document.querySelector({waiting:?}).getAttribute('href');")
+        )
+        .await,
+        json!("#thread=browser-wait&item=run%3Arun-w1")
+    );
+    click(&client, waiting).await;
+    wait_for(
+        &client,
+        "the waiting run opens, marked",
+        r#"const r = document.querySelector('#detail-body section.run[data-run="run-w1"]'); return r !== null && r.classList.contains('linked') && r.dataset.outcome === 'waiting';"#,
+    )
+    .await;
+
+    // The thread's total and the delegation tree, two levels deep, with tokens and cost rolled up.
+    eval(&client, "location.hash = '#thread=tree-main'; return true;").await;
+    wait_for(
+        &client,
+        "the thread's token and cost total is shown",
+        "const t = document.getElementById('thread-total'); return t !== null && t.textContent === 'Total: 3,000 in · 300 out tokens · cost 0.0360';",
+    )
+    .await;
+    click(&client, "#thread-tree button").await;
+    let deepest = r#"#thread-tree details[data-kind="conversation"][data-id="tree-main"] details[data-kind="conversation"][data-id="tree-sub"] details[data-kind="conversation"][data-id="tree-sub2"]"#;
+    wait_for(
+        &client,
+        "the tree shows both levels of delegation",
+        &format!("return document.querySelector({deepest:?}) !== null;"),
+    )
+    .await;
+    let root = text_of(
+        &client,
+        r#"#thread-tree > details[data-id="tree-main"] > summary"#,
+    )
+    .await;
+    assert!(
+        root.contains("6,000 in · 600 out tokens · cost 0.0720"),
+        "{root}"
+    );
+    // The nested levels are expandable; opened, the deepest turn shows its outcome, duration,
+    // tokens and cost.
+    eval(&client, "document.querySelectorAll('#thread-tree details').forEach(d => { d.open = true; }); return true;").await;
+    let turn = text_of(&client, &format!(r#"{deepest} [data-kind="turn"]"#)).await;
+    for part in [
+        "eden-worker → log-reader: read test 7's log",
+        "answered",
+        "6.0 s",
+        "1,000 in · 100 out tokens · cost 0.0120",
+    ] {
+        assert!(turn.contains(part), "{part:?} in {turn}");
+    }
+    assert_eq!(
+        eval(&client, &format!(r#"return document.querySelector({deepest:?}).closest('details[data-id="tree-sub"]').open;"#)).await,
+        json!(true)
+    );
+    // A run's own tree (from the run's section).
+    eval(
+        &client,
+        "location.hash = '#thread=browser-wait'; return true;",
+    )
+    .await;
+    wait_for(
+        &client,
+        "the run's section",
+        r#"return document.querySelector('section.run[data-run="run-w1"] .tree button') !== null;"#,
+    )
+    .await;
+    click(&client, r#"section.run[data-run="run-w1"] .tree button"#).await;
+    wait_for(
+        &client,
+        "the run's tree is rooted at the run",
+        r#"const n = document.querySelector('section.run[data-run="run-w1"] .tree [data-kind="run"][data-id="run-w1"]'); return n !== null && n.dataset.outcome === 'waiting';"#,
+    )
+    .await;
+
+    if let Some(axe) = axe_source() {
+        eval(&client, "location.hash = '#thread=tree-main'; return true;").await;
+        wait_for(
+            &client,
+            "the thread again",
+            "return document.querySelector('#thread-tree button') !== null;",
+        )
+        .await;
+        click(&client, "#thread-tree button").await;
+        wait_for(
+            &client,
+            "its tree",
+            &format!("return document.querySelector({deepest:?}) !== null;"),
+        )
+        .await;
+        let violations = accessibility_violations(&client, &axe).await;
+        assert!(
+            violations.is_empty(),
+            "accessibility violations: {}",
+            serde_json::to_string_pretty(&violations).unwrap_or_default()
+        );
+    }
+    let shot = client.screenshot().await.expect("a screenshot");
+    let path = artifacts_dir().join("viewer-tree.png");
+    std::fs::write(&path, shot).expect("the screenshot is saved");
+    eprintln!(
+        "viewer screenshot with a delegation tree: {}",
+        path.display()
     );
 
     client.close().await.expect("the browser closes");
