@@ -415,6 +415,7 @@ const FOLD_FIELDS: &[&str] = &[
     "agUiType",
     "name",
     "value",
+    "a2a",
 ];
 
 /// A stored projection as the fold reads it: the envelope fields the fold uses and, of the

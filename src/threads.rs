@@ -51,7 +51,7 @@ pub struct ThreadView {
     /// Whether older events of the key exist that were not read (the newest are assembled).
     pub truncated: bool,
     /// The tokens of all its runs and turns, with their cost from the price table.
-    pub total: crate::tree::UsageRollup,
+    pub total: crate::usage::UsageRollup,
 }
 
 /// Where a run is.
@@ -224,6 +224,35 @@ pub struct UsageSummary {
     pub cost: Option<f64>,
 }
 
+impl From<&UsageSummary> for usage::UsageRollup {
+    fn from(s: &UsageSummary) -> usage::UsageRollup {
+        usage::UsageRollup {
+            input_tokens: s.input_tokens,
+            output_tokens: s.output_tokens,
+            cost: s.cost.unwrap_or(0.0),
+            unpriced_tokens: if s.cost.is_some() {
+                0
+            } else {
+                s.input_tokens.saturating_add(s.output_tokens)
+            },
+        }
+    }
+}
+
+/// The usage of a whole thread: its runs' and turns' summed.
+pub fn thread_total(t: &ThreadView) -> usage::UsageRollup {
+    let mut total = usage::UsageRollup::default();
+    for s in t
+        .runs
+        .iter()
+        .filter_map(|r| r.usage.as_ref())
+        .chain(t.turns.iter().filter_map(|t| t.usage.as_ref()))
+    {
+        total.add(&usage::UsageRollup::from(s));
+    }
+    total
+}
+
 fn summary(u: &Usage, prices: &Prices) -> UsageSummary {
     UsageSummary {
         input_tokens: u.input_tokens,
@@ -254,7 +283,7 @@ pub fn assemble(key: &str, events: &[Stored<'_>], truncated: bool, prices: &Pric
         truncated,
         total: Default::default(),
     };
-    view.total = crate::tree::thread_total(&view);
+    view.total = thread_total(&view);
     view
 }
 

@@ -25,7 +25,7 @@
 
 use crate::model::{encode_id, id_text, is_key_token, Envelope, Role};
 use crate::threads::{self, RunOutcome, RunView, Stored, ToolStatus, TurnOutcome, TurnView};
-use crate::usage::{self, Prices, Usage};
+use crate::usage::{self, Prices, Usage, UsageRollup};
 use schemars::JsonSchema;
 use serde::Serialize;
 use serde_json::{Map, Value};
@@ -72,66 +72,6 @@ pub enum NodeOutcome {
     Unfinished,
     /// Nothing tells (a conversation with no turn, run or task).
     Unknown,
-}
-
-/// Tokens and cost, summed.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, JsonSchema)]
-#[serde(rename_all = "camelCase")]
-#[schemars(deny_unknown_fields)]
-pub struct UsageRollup {
-    pub input_tokens: u64,
-    pub output_tokens: u64,
-    /// The cost of the tokens whose model has a price in the projector's price table.
-    pub cost: f64,
-    /// Tokens (input and output) whose model has no price: counted, not costed.
-    pub unpriced_tokens: u64,
-}
-
-impl UsageRollup {
-    /// One report's tokens, costed by `prices`.
-    pub fn of(u: &Usage, prices: &Prices) -> UsageRollup {
-        let cost = prices.cost(u);
-        UsageRollup {
-            input_tokens: u.input_tokens,
-            output_tokens: u.output_tokens,
-            cost: cost.unwrap_or(0.0),
-            unpriced_tokens: if cost.is_some() { 0 } else { u.total_tokens() },
-        }
-    }
-
-    pub fn add(&mut self, o: &UsageRollup) {
-        self.input_tokens = self.input_tokens.saturating_add(o.input_tokens);
-        self.output_tokens = self.output_tokens.saturating_add(o.output_tokens);
-        self.cost += o.cost;
-        self.unpriced_tokens = self.unpriced_tokens.saturating_add(o.unpriced_tokens);
-    }
-
-    fn of_summary(s: &threads::UsageSummary) -> UsageRollup {
-        UsageRollup {
-            input_tokens: s.input_tokens,
-            output_tokens: s.output_tokens,
-            cost: s.cost.unwrap_or(0.0),
-            unpriced_tokens: if s.cost.is_some() {
-                0
-            } else {
-                s.input_tokens.saturating_add(s.output_tokens)
-            },
-        }
-    }
-}
-
-/// The usage of a whole thread: its runs' and turns' summed.
-pub fn thread_total(t: &threads::ThreadView) -> UsageRollup {
-    let mut total = UsageRollup::default();
-    for s in t
-        .runs
-        .iter()
-        .filter_map(|r| r.usage.as_ref())
-        .chain(t.turns.iter().filter_map(|t| t.usage.as_ref()))
-    {
-        total.add(&UsageRollup::of_summary(s));
-    }
-    total
 }
 
 /// One node of the tree.
@@ -1011,7 +951,7 @@ impl Ctx<'_> {
             ended_at: r.ended_at.clone(),
             duration_ms: r.duration_ms,
             outcome: run_outcome(r.outcome),
-            usage: r.usage.as_ref().map(UsageRollup::of_summary),
+            usage: r.usage.as_ref().map(UsageRollup::from),
             total: UsageRollup::default(),
             children,
         }
@@ -1038,7 +978,7 @@ impl Ctx<'_> {
             ended_at: t.answered_at.clone(),
             duration_ms: t.duration_ms,
             outcome: turn_outcome(t.outcome),
-            usage: t.usage.as_ref().map(UsageRollup::of_summary),
+            usage: t.usage.as_ref().map(UsageRollup::from),
             total: UsageRollup::default(),
             children: Vec::new(),
         }

@@ -11,6 +11,7 @@
 //! comes from the wire: [`Prices`] computes it from the operator's own price table, per model.
 
 use crate::model::Envelope;
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
@@ -93,6 +94,14 @@ fn candidates<'a>(
     .then(|| payload.get("value").and_then(Value::as_object))
     .flatten()
     .map(|v| (v, payload));
+    // A relayed A2A answer keeps the agent's Message, Task or status update under `a2a` (see
+    // `ingest::a2a_wire`); a Task's or an update's status carries the agent's Message.
+    let a2a = obj(payload, "a2a");
+    let status_message = |item: &'a Map<String, Value>| {
+        obj(item, "status")
+            .and_then(|s| obj(s, "message"))
+            .and_then(|m| obj(m, "metadata"))
+    };
     let holders = [
         Some(payload),
         obj(payload, "result"),
@@ -101,6 +110,13 @@ fn candidates<'a>(
         obj(payload, "task").and_then(|t| obj(t, "metadata")),
         obj(payload, "result").and_then(|r| obj(r, "metadata")),
         obj(payload, "data"),
+        a2a.and_then(|a| obj(a, "message"))
+            .and_then(|m| obj(m, "metadata")),
+        a2a.and_then(|a| obj(a, "task"))
+            .and_then(|t| obj(t, "metadata")),
+        a2a.and_then(|a| obj(a, "task")).and_then(status_message),
+        a2a.and_then(|a| obj(a, "statusUpdate"))
+            .and_then(status_message),
     ];
     custom_usage.into_iter().chain(
         holders
@@ -252,6 +268,39 @@ impl Prices {
     }
 }
 
+/// Tokens and cost, summed.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
+#[schemars(deny_unknown_fields)]
+pub struct UsageRollup {
+    pub input_tokens: u64,
+    pub output_tokens: u64,
+    /// The cost of the tokens whose model has a price in the projector's price table.
+    pub cost: f64,
+    /// Tokens (input and output) whose model has no price: counted, not costed.
+    pub unpriced_tokens: u64,
+}
+
+impl UsageRollup {
+    /// One report's tokens, costed by `prices`.
+    pub fn of(u: &Usage, prices: &Prices) -> UsageRollup {
+        let cost = prices.cost(u);
+        UsageRollup {
+            input_tokens: u.input_tokens,
+            output_tokens: u.output_tokens,
+            cost: cost.unwrap_or(0.0),
+            unpriced_tokens: if cost.is_some() { 0 } else { u.total_tokens() },
+        }
+    }
+
+    pub fn add(&mut self, o: &UsageRollup) {
+        self.input_tokens = self.input_tokens.saturating_add(o.input_tokens);
+        self.output_tokens = self.output_tokens.saturating_add(o.output_tokens);
+        self.cost += o.cost;
+        self.unpriced_tokens = self.unpriced_tokens.saturating_add(o.unpriced_tokens);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -336,6 +385,27 @@ mod tests {
         let a2a_message = read(&env(json!({"message": {"metadata": {
             "usage": {"input_tokens": 4, "output_tokens": 4}}}})));
         assert_eq!(a2a_message.map(|u| u.total_tokens()), Some(8));
+    }
+
+    #[test]
+    fn usage_is_found_in_relayed_a2a_answers() {
+        // As the wire normaliser keeps them: the agent's Task (its status message) or Message
+        // under `a2a`, and a streamed status update's message.
+        let meta = json!({"usage": {"inputTokens": 30, "outputTokens": 12}, "model": "gpt-4o"});
+        for payload in [
+            json!({"a2a": {"kind": "task", "task": {"id": "t", "status": {"state": "TASK_STATE_COMPLETED",
+                "message": {"messageId": "m", "metadata": meta}}}}}),
+            json!({"a2a": {"kind": "message", "message": {"messageId": "m", "metadata": meta}}}),
+            json!({"a2a": {"kind": "statusUpdate", "statusUpdate": {"status": {"message": {"metadata": meta}}}}}),
+            json!({"a2a": {"kind": "task", "task": {"id": "t", "metadata": meta}}}),
+        ] {
+            let u = read(&env(payload.clone()));
+            assert_eq!(
+                u.map(|u| (u.input_tokens, u.output_tokens, u.model)),
+                Some((30, 12, Some("gpt-4o".into()))),
+                "{payload}"
+            );
+        }
     }
 
     #[test]

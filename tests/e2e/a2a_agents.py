@@ -75,8 +75,10 @@ class CompletingAgent(AgentExecutor):
         updater = await open_task(context, queue)
         text = context.get_user_input()
         await updater.add_artifact(parts=[Part(text=f"done: {text}")], name="answer")
+        # Usage as agents report it on their answer's metadata (CONTRACT section 2c).
+        usage = {"usage": {"inputTokens": 30, "outputTokens": 12}, "model": "gpt-4o"}
         await updater.complete(
-            message=updater.new_agent_message(parts=[Part(text="completed")])
+            message=updater.new_agent_message(parts=[Part(text="completed")], metadata=usage)
         )
 
     async def cancel(self, context: RequestContext, queue: EventQueue) -> None:

@@ -64,7 +64,16 @@ def events(run: RunAgentInput, scenario: str):
         message_id="msg-2", tool_call_id="call-1", content='{"sky": "clear"}', role="tool"
     )
     yield StateSnapshotEvent(snapshot={"city": "Oslo", "sky": "clear"})
-    yield RunFinishedEvent(thread_id=thread, run_id=run_id, result={"answer": "sunny"})
+    # Usage as agents report it in the run's result (CONTRACT section 2c).
+    yield RunFinishedEvent(
+        thread_id=thread,
+        run_id=run_id,
+        result={
+            "answer": "sunny",
+            "model": "gpt-4o",
+            "usage": {"inputTokens": 120, "outputTokens": 45},
+        },
+    )
 
 
 async def run_agent(request: Request):

@@ -440,6 +440,19 @@ async fn a_run_through_the_relay_reaches_phoenix_with_its_tool_call() {
     );
     assert_eq!(run["attributes"]["collab.run.id"], "otel-relay-run");
     assert_eq!(run["attributes"]["collab.outcome"], "finished");
+    // The usage the SDK agent reported in its RUN_FINISHED result.
+    assert_eq!(
+        run["attributes"]["gen_ai.usage.input_tokens"], 120,
+        "{run:#}"
+    );
+    assert_eq!(
+        run["attributes"]["gen_ai.usage.output_tokens"], 45,
+        "{run:#}"
+    );
+    assert_eq!(
+        run["attributes"]["gen_ai.request.model"], "gpt-4o",
+        "{run:#}"
+    );
     assert_eq!(tool["parent_id"], run["context"]["span_id"]);
     assert_eq!(tool["context"]["trace_id"], run["context"]["trace_id"]);
     assert_eq!(
@@ -559,6 +572,19 @@ async fn an_a2a_sdk_turn_through_the_relay_reaches_phoenix_under_its_context_id(
     assert_eq!(span["attributes"]["gen_ai.agent.name"], "complete-agent");
     assert_eq!(span["attributes"]["collab.outcome"], "answered", "{span:#}");
     assert_ne!(span["status_code"], "ERROR", "{span:#}");
+    // The usage the SDK agent put in its answer's metadata.
+    assert_eq!(
+        span["attributes"]["gen_ai.usage.input_tokens"], 30,
+        "{span:#}"
+    );
+    assert_eq!(
+        span["attributes"]["gen_ai.usage.output_tokens"], 12,
+        "{span:#}"
+    );
+    assert_eq!(
+        span["attributes"]["gen_ai.request.model"], "gpt-4o",
+        "{span:#}"
+    );
     // v0.3 from the same SDK and the streamed answer: the same, under their own contexts.
     for ctx in ["e2e-complete-jsonrpc-v03", "e2e-stream-jsonrpc-v1"] {
         let found = of_context(ctx);
@@ -610,6 +636,13 @@ async fn an_a2a_sdk_turn_through_the_relay_reaches_phoenix_under_its_context_id(
                 .unwrap_or_else(|e| panic!("{url}: {e}"))
         }
     };
+    // The answered turn's usage in its thread, and the thread's total.
+    let thread = get("/api/threads/e2e-complete-jsonrpc-v1").await;
+    let usage = &thread["thread"]["turns"][0]["usage"];
+    assert_eq!(usage["inputTokens"], 30, "{thread:#}");
+    assert_eq!(usage["outputTokens"], 12, "{thread:#}");
+    assert_eq!(usage["model"], "gpt-4o", "{thread:#}");
+    assert_eq!(thread["thread"]["total"]["inputTokens"], 30, "{thread:#}");
     let body = get("/api/tree/e2e-stream-jsonrpc-v1").await;
     let turn = &body["tree"]["children"][0];
     assert_eq!(turn["kind"], "turn", "{body:#}");

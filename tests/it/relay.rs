@@ -2348,6 +2348,10 @@ async fn relay_e2e_agui_runs_come_out_of_the_projector_with_one_terminal_each() 
         run["messages"][0]["text"], "It is sunny in Oslo.",
         "{run:#}"
     );
+    // The usage the SDK agent reported in its RUN_FINISHED result.
+    assert_eq!(run["usage"]["inputTokens"], 120, "{run:#}");
+    assert_eq!(run["usage"]["outputTokens"], 45, "{run:#}");
+    assert_eq!(run["usage"]["model"], "gpt-4o", "{run:#}");
     assert_eq!(run["messages"][0]["complete"], true);
     let call = &run["toolCalls"][0];
     assert_eq!(call["name"], "get_weather", "{run:#}");
