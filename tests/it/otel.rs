@@ -494,38 +494,7 @@ async fn an_a2a_sdk_turn_through_the_relay_reaches_phoenix_under_its_context_id(
         ],
     );
     wait_for_log(&projector, "exporting turns, runs and tool calls").await;
-    let agents_port = free_port();
-    let mut relays = HashMap::new();
-    for name in ["complete", "stream", "ask"] {
-        let upstream = format!("http://127.0.0.1:{agents_port}/{name}");
-        let to = format!("{name}-agent");
-        let relay = crate::relay::start_relay(
-            "a2a",
-            &nats.url(),
-            &upstream,
-            &[
-                "--to-agent",
-                &to,
-                "--from-agent-header",
-                "X-Collab-Agent",
-                "--trust-header-from",
-                "127.0.0.0/8",
-            ],
-        )
-        .await;
-        relays.insert(name, relay);
-    }
-    let publics: Vec<String> = relays
-        .iter()
-        .map(|(name, r)| format!("{name}=http://{}", r.addr))
-        .collect();
-    let port = agents_port.to_string();
-    let mut args = vec!["--port", port.as_str()];
-    for p in &publics {
-        args.extend(["--public", p.as_str()]);
-    }
-    let agents = crate::relay::Script::spawn(&sdk_python, "a2a_agents.py", &args);
-    assert_eq!(agents.port().await, agents_port);
+    let (relays, _agents) = crate::relay::sdk_agents_behind_relays(&sdk_python, &nats.url()).await;
     let url = |name: &str| format!("http://{}", relays[name].addr);
     let client_args = [
         "--complete".to_string(),

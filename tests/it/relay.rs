@@ -1744,13 +1744,13 @@ fn of_key<'a>(raw: &'a [Raw], key: &str) -> Vec<&'a Raw> {
     raw.iter().filter(|m| m.key == key).collect()
 }
 
-#[tokio::test]
-async fn relay_e2e_a2a_sdk_client_and_agents() {
-    let Some(python) = e2e_python() else {
-        return;
-    };
-    let nats = TestNats::start().await;
-    let js = provisioned(&nats.url()).await;
+/// The real A2A SDK agents of tests/e2e/a2a_agents.py (`complete`, `stream`, `ask`), each behind
+/// an A2A relay as `<name>-agent` that takes its caller from `X-Collab-Agent` on loopback: the
+/// relays by name, and the agents' process (stopped when dropped).
+pub(crate) async fn sdk_agents_behind_relays(
+    python: &std::path::Path,
+    nats_url: &str,
+) -> (BTreeMap<&'static str, Relay>, Script) {
     let agents_port = free_port();
     let mut relays = BTreeMap::new();
     for name in ["complete", "stream", "ask"] {
@@ -1758,7 +1758,7 @@ async fn relay_e2e_a2a_sdk_client_and_agents() {
         let to = format!("{name}-agent");
         let relay = start_relay(
             "a2a",
-            &nats.url(),
+            nats_url,
             &upstream,
             &[
                 "--to-agent",
@@ -1781,8 +1781,19 @@ async fn relay_e2e_a2a_sdk_client_and_agents() {
     for p in &publics {
         args.extend(["--public", p.as_str()]);
     }
-    let agents = Script::spawn(&python, "a2a_agents.py", &args);
+    let agents = Script::spawn(python, "a2a_agents.py", &args);
     assert_eq!(agents.port().await, agents_port);
+    (relays, agents)
+}
+
+#[tokio::test]
+async fn relay_e2e_a2a_sdk_client_and_agents() {
+    let Some(python) = e2e_python() else {
+        return;
+    };
+    let nats = TestNats::start().await;
+    let js = provisioned(&nats.url()).await;
+    let (relays, agents) = sdk_agents_behind_relays(&python, &nats.url()).await;
 
     let url = |name: &str| format!("http://{}", relays[name].addr);
     let output = tokio::task::spawn_blocking({
