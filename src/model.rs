@@ -264,6 +264,16 @@ impl Envelope {
 
 const MAX_TOKEN_LEN: usize = 128;
 
+/// The `<key>` subject token an id is published under: the id itself when it is a key token,
+/// else its encoding (as producers' subjects and the relays key it).
+pub fn key_token(id: &str) -> String {
+    if is_key_token(id) {
+        id.to_string()
+    } else {
+        encode_id(id)
+    }
+}
+
 /// Whether `s` is usable as it is as the `<key>` subject token: `[A-Za-z0-9_-]{1,128}`.
 pub fn is_key_token(s: &str) -> bool {
     !s.is_empty()

@@ -23,7 +23,7 @@
 //! tree. Every key is placed once (cycles are cut), the caller bounds the keys read, and a tree
 //! holds at most [`MAX_NODES`] nodes, [`MAX_CHILDREN`] under one node, [`MAX_DEPTH`] levels.
 
-use crate::model::{encode_id, id_text, is_key_token, Envelope, Role};
+use crate::model::{id_text, key_token, Envelope, Role};
 use crate::threads::{self, RunOutcome, RunView, Stored, ToolStatus, TurnOutcome, TurnView};
 use crate::usage::{self, Prices, Usage, UsageRollup};
 use schemars::JsonSchema;
@@ -164,15 +164,6 @@ fn slot(v: &Option<Value>) -> Option<String> {
     v.as_ref().and_then(id_text)
 }
 
-/// The key token an id is published under.
-pub fn token(id: &str) -> String {
-    if is_key_token(id) {
-        id.to_string()
-    } else {
-        encode_id(id)
-    }
-}
-
 /// A task's own event: `orchestration.task`, `task.*`, or an `agent.*` / `worker.*` lifecycle
 /// event of a subagent that carries its `taskId`.
 fn is_task_event(env: &Envelope, task: Option<&String>) -> bool {
@@ -204,7 +195,7 @@ impl Facts {
         .into_iter()
         .flatten()
         {
-            f.defines.push(format!("ctx:{}", token(&id)));
+            f.defines.push(format!("ctx:{}", key_token(&id)));
         }
         let run = slot(&env.run_id).or_else(|| ptext(p, "runId"));
         let task = slot(&env.task_id).or_else(|| ptext(p, "taskId"));
@@ -244,7 +235,7 @@ impl Facts {
         .into_iter()
         .flatten()
         {
-            f.parents.push(format!("ctx:{}", token(&id)));
+            f.parents.push(format!("ctx:{}", key_token(&id)));
         }
         for t in reference_task_ids(p) {
             f.parents.push(format!("task:{t}"));
@@ -258,7 +249,7 @@ impl Facts {
                 "childThreadId",
             ] {
                 if let Some(id) = ptext(p, k) {
-                    f.children.push(format!("ctx:{}", token(&id)));
+                    f.children.push(format!("ctx:{}", key_token(&id)));
                 }
             }
         }

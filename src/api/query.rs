@@ -2,7 +2,7 @@
 //! limits, cursors, and the JetStream subject filters a selection maps to.
 
 use super::error::ApiError;
-use crate::model::{encode_id, is_key_token, Role};
+use crate::model::Role;
 use axum::extract::FromRequestParts;
 use axum::http::request::Parts;
 use base64::Engine;
@@ -218,16 +218,24 @@ pub fn keys(params: &Params) -> Result<Vec<String>, ApiError> {
         if v.is_empty() {
             continue;
         }
-        let token = if is_key_token(v) {
-            v.to_string()
-        } else {
-            encode_id(v)
-        };
+        let token = crate::model::key_token(v);
         if !out.contains(&token) {
             out.push(token);
         }
     }
     Ok(out)
+}
+
+/// The key a path names (`/api/threads/{key}`, `/api/tree/{key}`), trimmed; refused when empty.
+pub fn path_key(key: &str) -> Result<&str, ApiError> {
+    let key = key.trim();
+    if key.is_empty() {
+        return Err(ApiError::bad_request(
+            "invalid_key",
+            "the key is empty: give a conversation, AG-UI thread or session id",
+        ));
+    }
+    Ok(key)
 }
 
 /// What to read: roles (`None`: the caller's grant), types (empty: all), keys (empty: all).

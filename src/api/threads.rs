@@ -10,7 +10,7 @@ use super::error::ApiError;
 use super::query::{self, Params, QueryPairs};
 use super::state::ApiState;
 use super::store;
-use crate::model::{encode_id, is_key_token, Envelope, Role};
+use crate::model::{Envelope, Role};
 use crate::threads::{self, ThreadView};
 use axum::extract::{Path, State};
 use axum::{Extension, Json};
@@ -31,20 +31,10 @@ pub async fn one(
     let params = Params::new(pairs, &PARAMS)?;
     let requested = query::roles(&params)?;
     let roles = caller.roles(requested.as_deref())?;
-    let key = key.trim();
-    if key.is_empty() {
-        return Err(ApiError::bad_request(
-            "invalid_key",
-            "the key is empty: give a conversation, AG-UI thread or session id",
-        ));
-    }
+    let key = query::path_key(&key)?;
     // The subject's key token: the id itself when it is one, else its encoding (as producers'
     // subjects carry it).
-    let token = if is_key_token(key) {
-        key.to_string()
-    } else {
-        encode_id(key)
-    };
+    let token = crate::model::key_token(key);
     let filters = query::subject_filters(
         &state.names().prefix,
         &roles,

@@ -49,13 +49,7 @@ pub async fn tree(
     let params = Params::new(pairs, &PARAMS)?;
     let requested = query::roles(&params)?;
     let roles = caller.roles(requested.as_deref())?;
-    let key = key.trim();
-    if key.is_empty() {
-        return Err(ApiError::bad_request(
-            "invalid_key",
-            "the key is empty: give a conversation, AG-UI thread or session id",
-        ));
-    }
+    let key = query::path_key(&key)?;
     let item = params
         .one("item")?
         .filter(|v| !v.is_empty())
@@ -68,7 +62,7 @@ pub async fn tree(
             })
         })
         .transpose()?;
-    let root = tree::token(key);
+    let root = crate::model::key_token(key);
     let prefix = state.names().prefix.clone();
     let (stream, first, last) = store::bounds(state.js(), &state.names().proj_stream).await?;
 

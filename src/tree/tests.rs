@@ -361,7 +361,7 @@ fn spawns_reference_task_ids_and_task_ids_link_keys_and_cycles_are_cut() {
             "agentId": "ops", "payload": {"status": "done"}}),
         ),
     ]);
-    let sub_token = token(sub_key);
+    let sub_token = key_token(sub_key);
     // A2A: a follow-up in another context refers to a task of the first (referenceTaskIds),
     // as the wire normaliser keeps the request.
     let followup: Envelope = serde_json::from_value(json!({
@@ -462,7 +462,7 @@ fn a_spawn_outside_any_turn_hangs_its_child_under_the_conversation() {
             "runId": "w3", "agentId": "ruda-worker"}),
         ),
     ]);
-    let sub_token = token(sub_key);
+    let sub_token = key_token(sub_key);
     let tree = tree_of(
         &events,
         &["spawner", sub_token.as_str()],
