@@ -9,16 +9,7 @@ use collab_projector::telemetry::{self, WorkerStatus};
 use serde_json::{json, Value};
 
 use crate::pipeline::{publish, start_projector, wait_settled, GUARD, MAIN_AGENTS};
-use crate::support::{wait_until, Projector, TestNats};
-
-/// The HTTP address the projector printed.
-fn http_addr(p: &Projector) -> String {
-    p.log_text()
-        .lines()
-        .find_map(|l| l.split("http listening on ").nth(1))
-        .map(|a| a.trim().to_string())
-        .unwrap_or_else(|| panic!("the projector printed no HTTP address: {}", p.log_text()))
-}
+use crate::support::{wait_until, TestNats};
 
 async fn get(addr: &str, path: &str) -> (u16, String) {
     let resp = reqwest::get(format!("http://{addr}{path}"))
@@ -67,7 +58,7 @@ fn collab(t: &str, from: &str, to: &str, conv: &str, extra: Value) -> (String, V
 async fn metrics_health_and_service_stats_describe_a_running_worker() {
     let nats = TestNats::start().await;
     let projector = start_projector(&nats.url(), &MAIN_AGENTS, &[]).await;
-    let addr = http_addr(&projector);
+    let addr = projector.http_addr();
     let js = nats.jetstream().await;
 
     // An answered turn, a turn that times out, a task event and a message that is not JSON.
@@ -261,7 +252,7 @@ async fn a_crashed_workers_partitions_are_taken_before_its_leases_expire() {
         &[long_ttl[0], ("COLLAB_WORKERS__ID", "first")],
     )
     .await;
-    let first_addr = http_addr(&first);
+    let first_addr = first.http_addr();
     wait_until(GUARD, "the first worker owns every partition", || {
         let addr = first_addr.clone();
         async move {
@@ -276,7 +267,7 @@ async fn a_crashed_workers_partitions_are_taken_before_its_leases_expire() {
         &[long_ttl[0], ("COLLAB_WORKERS__ID", "second")],
     )
     .await;
-    let second_addr = http_addr(&second);
+    let second_addr = second.http_addr();
     let js = nats.jetstream().await;
     let (subject, body) = collab(
         "a2a.send",

@@ -587,13 +587,7 @@ async fn an_a2a_sdk_turn_through_the_relay_reaches_phoenix_under_its_context_id(
     // The same traffic through the API: the streamed turn's tree holds the A2A task the agent
     // worked through (its status frames), completed; the asking agent's first answer was resumed
     // by the second send, so nothing of it waits.
-    let log = projector.log_text();
-    let api = log
-        .lines()
-        .find_map(|l| l.strip_prefix("http listening on "))
-        .map(str::trim)
-        .unwrap_or_else(|| panic!("the projector's HTTP address in:\n{log}"))
-        .to_string();
+    let api = projector.http_addr();
     let get = |path: &str| {
         let url = format!("http://{api}{path}");
         async move {

@@ -868,12 +868,7 @@ async fn secrets_never_reach_projections_state_or_dead_letter_details() {
     assert_eq!(stored, 1, "one large field offloaded");
     // The API, as a UI reads it.
     let log = projector.log_text();
-    let addr = log
-        .lines()
-        .find_map(|l| l.split("http listening on ").nth(1))
-        .map(str::trim)
-        .expect("the projector's HTTP address")
-        .to_string();
+    let addr = projector.http_addr();
     for path in ["/api/events?limit=1000", "/api/work-sessions"] {
         let body = reqwest::get(format!("http://{addr}{path}"))
             .await

@@ -2333,13 +2333,7 @@ async fn relay_e2e_agui_runs_come_out_of_the_projector_with_one_terminal_each() 
     assert!(last_end < failed_at, "the ends come before the terminal");
 
     // The API gives each thread's run as a unit, assembled from what the relay published.
-    let log = _projector.log_text();
-    let api = log
-        .lines()
-        .find_map(|l| l.strip_prefix("http listening on "))
-        .map(str::trim)
-        .unwrap_or_else(|| panic!("the projector's HTTP address in:\n{log}"))
-        .to_string();
+    let api = _projector.http_addr();
     let thread = |key: &'static str| {
         let url = format!("http://{api}/api/threads/{key}");
         async move {

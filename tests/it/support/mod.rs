@@ -233,6 +233,15 @@ pub struct Projector {
 }
 
 impl Projector {
+    /// The HTTP address the projector printed (`http listening on <addr>`).
+    pub fn http_addr(&self) -> String {
+        let log = self.log_text();
+        log.lines()
+            .find_map(|l| l.split("http listening on ").nth(1))
+            .map(|a| a.trim().to_string())
+            .unwrap_or_else(|| panic!("the projector printed no HTTP address: {log}"))
+    }
+
     /// Run `collab-projector run --nats-url URL --http-addr 127.0.0.1:0 EXTRA...` with extra
     /// environment variables, stdout and stderr going to one temporary log file.
     pub fn spawn(nats_url: &str, extra_args: &[&str], envs: &[(&str, &str)]) -> Projector {
