@@ -72,6 +72,10 @@ fn lease_key(p: u16) -> String {
 
 const HEARTBEAT_PREFIX: &str = "w.";
 
+/// A partition's attempt that lasted this long before it failed does not count toward a streak
+/// of failures: the next attempt starts from the shortest delay.
+const FAILURE_STREAK_GAP: Duration = Duration::from_secs(5);
+
 /// How often a worker asks the others whether their connections are still open.
 pub const PROBE_EVERY: Duration = Duration::from_millis(400);
 
@@ -147,6 +151,7 @@ fn spawn_partition(
             let mut again = super::Retry::new(Duration::from_millis(50), Duration::from_secs(2));
             let mut last_interrupt: Option<std::time::Instant> = None;
             while !cancel.is_cancelled() {
+                let attempt = std::time::Instant::now();
                 match worker::run_partition(
                     shared.clone(),
                     p,
@@ -171,6 +176,13 @@ fn spawn_partition(
                     }
                     Err(e) => {
                         error!(error = %e, "partition failed; restarting");
+                        // The delay grows over failures in quick succession only: a partition
+                        // that ran (or waited on the server) for a while before this failure
+                        // starts again from the shortest delay, so failures an incident apart do
+                        // not add up to a long pause.
+                        if attempt.elapsed() >= FAILURE_STREAK_GAP {
+                            retry.reset();
+                        }
                         if !retry.wait(&cancel).await {
                             break;
                         }

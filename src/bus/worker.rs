@@ -34,6 +34,48 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+/// The raw stream's handle, asked for once the connection is up.
+///
+/// A partition restarted because the server went away (a pull that failed as the server shut
+/// down) would otherwise send its first request into the dying connection, or before the
+/// reconnect, and wait out the full request timeout for an answer that cannot come. It waits for
+/// the connection instead, and gives the first request a short bound: no answer in time is an
+/// interruption, retried at once, not a failure. `None` when `cancel` fires first.
+async fn raw_stream(
+    shared: &WorkerContext,
+    p: u16,
+    cancel: &CancellationToken,
+) -> Result<Option<jetstream::stream::Stream>, WorkerError> {
+    let client = shared.js.client();
+    while client.connection_state() != async_nats::connection::State::Connected {
+        if cancel.is_cancelled() {
+            return Ok(None);
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    match tokio::time::timeout(
+        FIRST_REQUEST_WITHIN,
+        shared.js.get_stream(&shared.names.raw_stream),
+    )
+    .await
+    {
+        Ok(Ok(stream)) => Ok(Some(stream)),
+        Ok(Err(e)) => Err(WorkerError::setup(
+            p,
+            format!("stream {}", shared.names.raw_stream),
+            Source::from(e),
+        )),
+        Err(_) => Err(WorkerError::Interrupted {
+            partition: p,
+            why: "the server did not answer the partition's first request in time",
+        }),
+    }
+}
+
+/// How long a starting partition waits for its first answer from the server (the raw stream's
+/// description) before it starts over.
+const FIRST_REQUEST_WITHIN: Duration = Duration::from_secs(1);
+
 /// Run one partition until `cancel`: finish the batch in hand, acknowledge what was published,
 /// and return.
 ///
@@ -49,11 +91,9 @@ pub async fn run_partition(
     lease_valid_until: Arc<AtomicI64>,
 ) -> Result<(), WorkerError> {
     let setup = |what: &str, source: Source| WorkerError::setup(p, what, source);
-    let stream = shared
-        .js
-        .get_stream(&shared.names.raw_stream)
-        .await
-        .map_err(|e| setup(&format!("stream {}", shared.names.raw_stream), e.into()))?;
+    let Some(stream) = raw_stream(&shared, p, &cancel).await? else {
+        return Ok(());
+    };
     while lease_lapsed(&lease_valid_until) && !cancel.is_cancelled() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
