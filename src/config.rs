@@ -168,6 +168,11 @@ pub struct NatsSettings {
     pub url: String,
     /// Subject prefix; streams are `<PREFIX>_RAW`, `_PROJ`, `_DLQ`, buckets `<prefix>_turns`, ...
     pub prefix: String,
+    /// Projection version: empty for the deployment's own projections; a name (`v2`) for a
+    /// version computed beside them from the same raw stream (`collab-projector reproject`),
+    /// whose streams, buckets, consumers and subjects are under `<prefix>_<version>` while the
+    /// raw stream stays `<PREFIX>_RAW`.
+    pub version: String,
     /// Number of partitions of the raw stream. Fixed once the stream exists.
     pub partitions: u16,
     /// Stream and bucket replicas (3 on a 3-node cluster).
@@ -210,6 +215,7 @@ impl Default for NatsSettings {
         NatsSettings {
             url: "nats://127.0.0.1:4222".into(),
             prefix: "collab".into(),
+            version: String::new(),
             partitions: 16,
             replicas: 1,
             raw_max_age: Duration::from_secs(7 * 24 * 3600),
@@ -844,6 +850,12 @@ impl Settings {
                 self.nats.prefix
             ));
         }
+        if !self.nats.version.is_empty() && !crate::model::is_key_token(&self.nats.version) {
+            return bad(format!(
+                "nats.version {:?} must be empty or one subject token of [A-Za-z0-9_-] (e.g. v2)",
+                self.nats.version
+            ));
+        }
         let a = &self.adapter.limits;
         if a.max_bytes == 0 || a.max_depth == 0 || a.max_array_len == 0 {
             return bad(
@@ -937,7 +949,7 @@ impl Settings {
     }
 
     pub fn names(&self) -> Names {
-        Names::new(&self.nats.prefix)
+        Names::versioned(&self.nats.prefix, &self.nats.version)
     }
 
     /// What normalisation needs of these settings: the one place they are derived from.
@@ -966,9 +978,17 @@ impl Settings {
 }
 
 /// Every JetStream resource and subject name, derived from the prefix.
+///
+/// A projection version (`nats.version`) reads the same raw stream (`raw_prefix`) and keeps
+/// everything it writes apart, under `prefix` = `<prefix>_<version>`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Names {
+    /// Prefix of everything the workers write: projections, dead letters, state.
     pub prefix: String,
+    /// Prefix of the raw subjects producers publish to, and of the raw stream's partitions.
+    pub raw_prefix: String,
+    /// The version's name; empty for the deployment's own projections.
+    pub version: String,
     pub raw_stream: String,
     pub proj_stream: String,
     pub dlq_stream: String,
@@ -980,25 +1000,36 @@ pub struct Names {
 
 impl Names {
     pub fn new(prefix: &str) -> Names {
-        let upper = prefix.to_ascii_uppercase();
+        Names::versioned(prefix, "")
+    }
+    /// The names of projection version `version` (empty: the deployment's own) under `prefix`.
+    pub fn versioned(prefix: &str, version: &str) -> Names {
+        let out = if version.is_empty() {
+            prefix.to_string()
+        } else {
+            format!("{prefix}_{version}")
+        };
+        let upper = out.to_ascii_uppercase();
         Names {
-            prefix: prefix.to_string(),
-            raw_stream: format!("{upper}_RAW"),
+            raw_stream: format!("{}_RAW", prefix.to_ascii_uppercase()),
             proj_stream: format!("{upper}_PROJ"),
             dlq_stream: format!("{upper}_DLQ"),
-            turns_bucket: format!("{prefix}_turns"),
-            sessions_bucket: format!("{prefix}_work_sessions"),
-            leases_bucket: format!("{prefix}_leases"),
-            blobs_store: format!("{prefix}_blobs"),
+            turns_bucket: format!("{out}_turns"),
+            sessions_bucket: format!("{out}_work_sessions"),
+            leases_bucket: format!("{out}_leases"),
+            blobs_store: format!("{out}_blobs"),
+            raw_prefix: prefix.to_string(),
+            version: version.to_string(),
+            prefix: out,
         }
     }
     /// Subjects producers publish to.
     pub fn raw_subjects(&self) -> String {
-        format!("{}.raw.*.>", self.prefix)
+        format!("{}.raw.*.>", self.raw_prefix)
     }
     /// Where the raw stream stores partition `p`'s messages.
     pub fn partition_filter(&self, p: u16) -> String {
-        format!("{}.in.{p}.>", self.prefix)
+        format!("{}.in.{p}.>", self.raw_prefix)
     }
     /// A raw subject the stream's partition transform maps to partition `p` of `partitions`,
     /// for the partition's barriers (see `bus::worker`): its key token is the first
@@ -1010,7 +1041,7 @@ impl Names {
             .map(|n| format!("_watermark{n}"))
             .find(|t| transform_partition(t.as_bytes(), partitions) == u32::from(p) % partitions)
             .unwrap_or_default();
-        format!("{}.raw.{token}.barrier", self.prefix)
+        format!("{}.raw.{token}.barrier", self.raw_prefix)
     }
     pub fn consumer_name(&self, p: u16) -> String {
         format!("{}-proj-{p}", self.prefix)

@@ -85,6 +85,7 @@ pub mod otel;
 pub mod pipeline;
 pub mod redact;
 pub mod relay;
+pub mod reproject;
 pub mod sessions;
 #[cfg(feature = "tools")]
 mod sim;

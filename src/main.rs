@@ -156,6 +156,10 @@ enum Command {
         #[command(subcommand)]
         protocol: RelayCommand,
     },
+    /// Recompute past traffic under the current settings into a projection version beside the
+    /// deployment's own (blue/green), with progress, then show what differs
+    /// (docs/operations.md, "Reprojection").
+    Reproject(ReprojectArgs),
     /// Dead-letter operations.
     Dlq {
         #[command(subcommand)]
@@ -185,6 +189,36 @@ struct DemoArgs {
     /// JetStream store for a server the demo starts (default: a temporary directory).
     #[arg(long)]
     store_dir: Option<PathBuf>,
+}
+
+/// Flags of `reproject`.
+#[derive(Args)]
+struct ReprojectArgs {
+    #[command(flatten)]
+    conn: Conn,
+    /// The version to compute (one subject token, e.g. v2): its streams, buckets and subjects
+    /// are under `<prefix>_<version>`.
+    #[arg(long)]
+    version: String,
+    /// First raw sequence (default: the raw stream's first).
+    #[arg(long)]
+    from: Option<u64>,
+    /// Last raw sequence (default: the raw stream's last when the run starts).
+    #[arg(long)]
+    to: Option<u64>,
+    /// How long the version keeps running after the range, so deadlines due in event time
+    /// are decided.
+    #[arg(long, default_value = "3s", value_parser = humantime::parse_duration)]
+    settle: Duration,
+    /// Examples shown per kind of change.
+    #[arg(long, default_value_t = 5)]
+    examples: usize,
+    /// Print the comparison as JSON.
+    #[arg(long)]
+    json: bool,
+    /// Remove the version (its consumers, streams, buckets and object store) instead.
+    #[arg(long)]
+    drop: bool,
 }
 
 /// Flags of `status`.
@@ -449,6 +483,7 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
                 },
         } => dlq_replay(&conn, reason.as_deref(), dry_run).await,
         Command::Bench(args) => bench(args).await,
+        Command::Reproject(args) => reproject(args).await,
         Command::Relay { protocol } => {
             let (protocol, args) = match protocol {
                 RelayCommand::A2a(a) => (relay::Protocol::A2a, a),
@@ -530,6 +565,61 @@ async fn provision(conn: &Conn) -> anyhow::Result<()> {
 }
 
 /// `audit`: exactly one of projected / dead-lettered per raw sequence, or a non-zero exit.
+/// `reproject`: run a projection version over a range of the raw stream and compare it with the
+/// deployment's projections; exit 1 when they differ, so a script can tell.
+async fn reproject(args: ReprojectArgs) -> anyhow::Result<()> {
+    use collab_projector::reproject;
+    let settings = args
+        .conn
+        .settings_with(|s| s.nats.version.clone_from(&args.version))?;
+    if args.drop {
+        let dropped = reproject::drop_version(&settings).await?;
+        if dropped.removed.is_empty() {
+            telemetry::say(&format!(
+                "projection version {:?}: nothing to remove",
+                args.version
+            ));
+        }
+        for what in dropped.removed {
+            telemetry::say(&format!("removed {what}"));
+        }
+        return Ok(());
+    }
+    let plan = reproject::Plan {
+        from: args.from,
+        to: args.to,
+        settle: args.settle,
+        examples: args.examples,
+    };
+    let bar = indicatif::ProgressBar::new(0);
+    bar.set_style(
+        indicatif::ProgressStyle::with_template(
+            "{spinner} reprojecting [{bar:40}] {pos}/{len} raw sequences, {per_sec}, {eta} left",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let diff = reproject::run(&settings, &plan, |p| {
+        bar.set_length(p.total);
+        bar.set_position(p.done);
+    })
+    .await;
+    bar.finish_and_clear();
+    let diff = diff?;
+    if args.json {
+        println!("{}", serde_json::to_string(&diff)?);
+    } else {
+        print!(
+            "{}",
+            reproject::render(&diff, &reproject::live_names(&settings), &settings.names())
+        );
+    }
+    if diff.same() {
+        Ok(())
+    } else {
+        std::process::exit(1)
+    }
+}
+
 async fn audit(conn: &Conn, from: u64, to: u64) -> anyhow::Result<()> {
     let settings = conn.settings()?;
     let js = connect_for(&settings, "collab-projector audit").await?;

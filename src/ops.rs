@@ -35,7 +35,7 @@ fn stream_err(stream: &str, e: impl Into<crate::bus::error::Source>) -> OpsError
 }
 
 /// Every message of `stream` from `start` up to its last sequence at the time of the call.
-async fn read_stream(
+pub(crate) async fn read_stream(
     js: &jetstream::Context,
     stream: &str,
     start: u64,

@@ -238,7 +238,7 @@ fn normalize_raw_with(
     max_deliver: i64,
     streams: Option<&mut crate::redact::StreamRedactor>,
 ) -> Result<Vec<Normalized>, Rejection> {
-    let source = producer_subject(&names.prefix, raw.stored_subject);
+    let source = producer_subject(&names.raw_prefix, raw.stored_subject);
     if max_deliver > 0 && raw.delivered >= max_deliver {
         return Err(Rejection::new(
             DlqReason::MaxDeliver,
@@ -249,10 +249,10 @@ fn normalize_raw_with(
         ));
     }
     // `<prefix>.raw.<key>._as.<agent>.<type>` names the agent whose user published it.
-    let identified = crate::identity::parse(&names.prefix, &source);
+    let identified = crate::identity::parse(&names.raw_prefix, &source);
     let subject = match &identified {
         Some(r) => Some(r.subject_info()),
-        None => SubjectInfo::parse_raw(&names.prefix, &source),
+        None => SubjectInfo::parse_raw(&names.raw_prefix, &source),
     };
     let raw_ref = RawEventRef {
         stream: raw.stream.to_string(),
@@ -308,7 +308,7 @@ pub fn projection(names: &Names, n: &Normalized, source_seq: u64, msg_id: String
 
 /// The dead letter for a raw message: its original bytes with the reason in headers.
 pub fn dead_letter(names: &Names, raw: &RawMessage<'_>, rejection: &Rejection) -> Outgoing {
-    let source = producer_subject(&names.prefix, raw.stored_subject);
+    let source = producer_subject(&names.raw_prefix, raw.stored_subject);
     // Header values must be one line.
     let detail: String = rejection
         .detail

@@ -48,7 +48,7 @@ pub fn raw_transform(names: &Names, partitions: u16) -> stream::SubjectTransform
         source: names.raw_subjects(),
         destination: format!(
             "{}.in.{{{{partition({partitions},1)}}}}.{{{{wildcard(1)}}}}.>",
-            names.prefix
+            names.raw_prefix
         ),
     }
 }

@@ -834,13 +834,13 @@ impl Partition<'_> {
             // AG-UI run events follow the run contract (docs/contract.md section 2b) whatever their role; the turn
             // machinery carries both kinds of exchange.
             let run = if shared.settings.runs.enforce {
-                pipeline::run_event(n, &raw, &shared.names.prefix)
+                pipeline::run_event(n, &raw, &shared.names.raw_prefix)
                     .and_then(|ev| turns.run_facts(&ev))
             } else {
                 None
             };
             let facts =
-                run.or_else(|| pipeline::turn_facts(n, &raw, &shared.names.prefix, enforce));
+                run.or_else(|| pipeline::turn_facts(n, &raw, &shared.names.raw_prefix, enforce));
             match facts {
                 Some(f) => turns.on_event(shared, n, &f, fx).await?,
                 None => fx.outs.push(pipeline::projection(

@@ -1277,7 +1277,7 @@ impl PartitionTurns {
             .map_err(|e| kv_err(Box::new(e)))?;
         let filter = format!(
             "{}.in.{}.{}.>",
-            shared.names.prefix, self.partition, rec.key
+            shared.names.raw_prefix, self.partition, rec.key
         );
         let mut consumer = stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {

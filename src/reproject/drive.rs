@@ -1,0 +1,223 @@
+//! Running a version's workers over a range of the raw stream, and removing a version.
+
+use super::{diff, Diff, Progress};
+use crate::app::{self, RunOptions};
+use crate::bus::error::Source;
+use crate::config::{Names, Settings};
+use async_nats::jetstream;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// Why `reproject` stopped.
+#[derive(Debug, thiserror::Error)]
+pub enum ReprojectError {
+    /// The request cannot be carried out as given; the text says what to change.
+    #[error("{0}")]
+    Refused(String),
+    #[error(transparent)]
+    Connect(#[from] crate::bus::ConnectError),
+    #[error(transparent)]
+    App(#[from] app::AppError),
+    #[error(transparent)]
+    Ops(#[from] crate::ops::OpsError),
+    #[error("{what}: {source}")]
+    Api {
+        what: String,
+        #[source]
+        source: Source,
+    },
+}
+
+fn api(what: impl Into<String>, e: impl Into<Source>) -> ReprojectError {
+    ReprojectError::Api {
+        what: what.into(),
+        source: e.into(),
+    }
+}
+
+/// What to reproject.
+#[derive(Debug, Clone)]
+pub struct Plan {
+    /// First raw sequence (default: the stream's first).
+    pub from: Option<u64>,
+    /// Last raw sequence (default: the stream's last when the run starts).
+    pub to: Option<u64>,
+    /// How long the version keeps running once it has processed the range, so deadlines that
+    /// fall due in event time are decided as they were in the deployment.
+    pub settle: Duration,
+    /// Examples shown per kind of change.
+    pub examples: usize,
+}
+
+/// Run projection version `settings.nats.version` over the plan's range of the raw stream,
+/// reporting progress, then compare its outputs with the deployment's.
+///
+/// The version must not exist yet: its streams, buckets and consumers are created here and
+/// kept afterwards, so it can be inspected, compared again, switched to or dropped.
+pub async fn run(
+    settings: &Settings,
+    plan: &Plan,
+    mut progress: impl FnMut(Progress),
+) -> Result<Diff, ReprojectError> {
+    let version = settings.names();
+    if version.version.is_empty() {
+        return Err(ReprojectError::Refused(
+            "name the version to compute (--version v2): the deployment's own projections are never recomputed in place".into(),
+        ));
+    }
+    let live = super::live_names(settings);
+    let (_client, js) = crate::bus::connect_as(settings, "collab-projector reproject").await?;
+    if js.get_stream(&version.proj_stream).await.is_ok() {
+        return Err(ReprojectError::Refused(format!(
+            "projection version {:?} exists already (stream {}): choose another --version, or remove it first with `collab-projector reproject --version {} --drop`",
+            version.version, version.proj_stream, version.version
+        )));
+    }
+    let mut raw = js
+        .get_stream(&live.raw_stream)
+        .await
+        .map_err(|e| api(format!("stream {}", live.raw_stream), e))?;
+    let state = raw
+        .info()
+        .await
+        .map_err(|e| api(format!("stream {}", live.raw_stream), e))?
+        .state
+        .clone();
+    let from = plan
+        .from
+        .unwrap_or(state.first_sequence)
+        .max(state.first_sequence);
+    let to = plan
+        .to
+        .unwrap_or(state.last_sequence)
+        .min(state.last_sequence);
+    if state.messages == 0 || from > to {
+        return Err(ReprojectError::Refused(format!(
+            "nothing to reproject: {} holds sequences {}..={}, the range asked is {from}..={to}",
+            live.raw_stream, state.first_sequence, state.last_sequence
+        )));
+    }
+    // The version's consumers start at the range; provisioning keeps them as they are.
+    if from > 1 {
+        for p in 0..settings.nats.partitions {
+            let config =
+                crate::bus::provision::resumed_consumer_config(settings, p, Some(from - 1));
+            raw.create_consumer(config)
+                .await
+                .map_err(|e| api(format!("consumer {}", version.consumer_name(p)), e))?;
+        }
+    }
+    let cancel = CancellationToken::new();
+    let running = app::start(
+        settings.clone(),
+        RunOptions {
+            workers: true,
+            http: false,
+            metrics: None,
+        },
+        cancel.clone(),
+    )
+    .await?;
+    let total = to - from + 1;
+    let outcome = follow(&raw, &version, settings.nats.partitions, from, to, |done| {
+        progress(Progress { done, total });
+    })
+    .await;
+    if outcome.is_ok() {
+        tokio::time::sleep(plan.settle).await;
+    }
+    cancel.cancel();
+    running.wait().await;
+    outcome?;
+    progress(Progress { done: total, total });
+    let read = |names: &Names| {
+        let js = js.clone();
+        let names = names.clone();
+        async move {
+            let mut msgs = crate::ops::read_stream(&js, &names.proj_stream, 1, false).await?;
+            msgs.extend(crate::ops::read_stream(&js, &names.dlq_stream, 1, false).await?);
+            Ok::<_, ReprojectError>(super::collect(&msgs, &names.prefix, from, to))
+        }
+    };
+    let (l, v) = (read(&live).await?, read(&version).await?);
+    Ok(diff(&l, &v, from, to, plan.examples))
+}
+
+/// Wait until every partition of the version has processed the range: its acknowledgements
+/// reach `to`, or it has nothing left to deliver.
+async fn follow(
+    raw: &jetstream::stream::Stream,
+    version: &Names,
+    partitions: u16,
+    from: u64,
+    to: u64,
+    mut progress: impl FnMut(u64),
+) -> Result<(), ReprojectError> {
+    loop {
+        let mut done = 0u64;
+        let mut finished = true;
+        for p in 0..partitions {
+            let name = version.consumer_name(p);
+            let through = match raw.consumer_info(&name).await {
+                Ok(info) if info.num_pending == 0 && info.num_ack_pending == 0 => to,
+                Ok(info) => info.ack_floor.stream_sequence.clamp(from - 1, to),
+                // Not created yet: provisioning is still under way.
+                Err(_) => from - 1,
+            };
+            finished &= through >= to;
+            done += through + 1 - from;
+        }
+        progress(done / u64::from(partitions.max(1)));
+        if finished {
+            return Ok(());
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// What `drop` removed.
+#[derive(Debug, Default, Clone)]
+pub struct Dropped {
+    pub removed: Vec<String>,
+}
+
+/// Remove projection version `settings.nats.version`: its partition consumers on the raw stream,
+/// its streams, buckets and object store. The raw stream and the deployment's own projections
+/// are never touched.
+pub async fn drop_version(settings: &Settings) -> Result<Dropped, ReprojectError> {
+    let version = settings.names();
+    if version.version.is_empty() {
+        return Err(ReprojectError::Refused(
+            "name the version to remove (--version v2); the deployment's own projections cannot be dropped here".into(),
+        ));
+    }
+    let (_client, js) = crate::bus::connect_as(settings, "collab-projector reproject").await?;
+    let mut out = Dropped::default();
+    if let Ok(raw) = js.get_stream(&version.raw_stream).await {
+        for p in 0..settings.nats.partitions {
+            let name = version.consumer_name(p);
+            if raw.delete_consumer(&name).await.is_ok() {
+                out.removed.push(format!("consumer {name}"));
+            }
+        }
+    }
+    for stream in [&version.proj_stream, &version.dlq_stream] {
+        if js.delete_stream(stream).await.is_ok() {
+            out.removed.push(format!("stream {stream}"));
+        }
+    }
+    for bucket in [
+        &version.turns_bucket,
+        &version.sessions_bucket,
+        &version.leases_bucket,
+    ] {
+        if js.delete_key_value(bucket).await.is_ok() {
+            out.removed.push(format!("bucket {bucket}"));
+        }
+    }
+    if js.delete_object_store(&version.blobs_store).await.is_ok() {
+        out.removed
+            .push(format!("object store {}", version.blobs_store));
+    }
+    Ok(out)
+}
