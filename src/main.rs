@@ -219,6 +219,12 @@ struct ReprojectArgs {
     /// Remove the version (its consumers, streams, buckets and object store) instead.
     #[arg(long)]
     drop: bool,
+    /// Turn deadline when the send names none, for the version (e.g. 90s).
+    #[arg(long, value_parser = humantime::parse_duration)]
+    turn_timeout: Option<Duration>,
+    /// Main agent ids for the version, comma-separated (replaces roles.main_agents).
+    #[arg(long, value_delimiter = ',')]
+    main_agents: Option<Vec<String>>,
 }
 
 /// Flags of `status`.
@@ -569,9 +575,15 @@ async fn provision(conn: &Conn) -> anyhow::Result<()> {
 /// deployment's projections; exit 1 when they differ, so a script can tell.
 async fn reproject(args: ReprojectArgs) -> anyhow::Result<()> {
     use collab_projector::reproject;
-    let settings = args
-        .conn
-        .settings_with(|s| s.nats.version.clone_from(&args.version))?;
+    let rules = WorkerFlags {
+        http_addr: None,
+        turn_timeout: args.turn_timeout,
+        main_agents: args.main_agents.clone(),
+    };
+    let settings = args.conn.settings_with(|s| {
+        s.nats.version.clone_from(&args.version);
+        rules.apply(s);
+    })?;
     if args.drop {
         let dropped = reproject::drop_version(&settings).await?;
         if dropped.removed.is_empty() {

@@ -26,6 +26,7 @@ mod otel;
 mod pipeline;
 mod redaction;
 mod relay;
+mod reproject;
 mod runs;
 mod schemas;
 mod shell;
