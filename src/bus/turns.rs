@@ -1279,8 +1279,13 @@ impl PartitionTurns {
             "{}.in.{}.{}.>",
             shared.names.raw_prefix, self.partition, rec.key
         );
-        let mut consumer = stream
+        // A named reader, deleted once read: readers left to expire by themselves pile up under
+        // a burst of timed-out runs and streamed exchanges, and nats-server caps a stream's
+        // consumers (1,000 by default), after which every further read is refused.
+        let name = format!("scan-{}", uuid::Uuid::new_v4().simple());
+        let consumer = stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                name: Some(name.clone()),
                 filter_subject: filter,
                 deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
                     start_sequence: from.max(1),
@@ -1289,24 +1294,41 @@ impl PartitionTurns {
             })
             .await
             .map_err(|e| kv_err(Box::new(e)))?;
+        let read = self.read_scan(shared, consumer, &mut visit).await;
+        if let Err(e) = stream.delete_consumer(&name).await {
+            tracing::debug!(consumer = %name, error = %e, "scan reader not deleted; it expires by itself");
+        }
+        read.map_err(kv_err)
+    }
+
+    /// The reading half of [`Self::scan_raw`].
+    async fn read_scan(
+        &self,
+        shared: &WorkerContext,
+        mut consumer: jetstream::consumer::Consumer<jetstream::consumer::pull::OrderedConfig>,
+        visit: &mut impl FnMut(&Normalized, &jetstream::message::Info<'_>, Option<&str>) -> bool,
+    ) -> Result<(), Source> {
         let pending = consumer
             .info()
             .await
-            .map_err(|e| kv_err(Box::new(e)))?
+            .map_err(|e| Box::new(e) as Source)?
             .num_pending;
         if pending == 0 {
             return Ok(());
         }
-        let mut messages = consumer.messages().await.map_err(|e| kv_err(Box::new(e)))?;
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(|e| Box::new(e) as Source)?;
         for _ in 0..pending {
             let msg = match tokio::time::timeout(Duration::from_secs(10), messages.next()).await {
                 Ok(Some(Ok(m))) => m,
-                Ok(Some(Err(e))) => return Err(kv_err(Box::new(e))),
+                Ok(Some(Err(e))) => return Err(Box::new(e)),
                 Ok(None) | Err(_) => {
-                    return Err(kv_err(Box::new(NoAnswer::new(
+                    return Err(Box::new(NoAnswer::new(
                         "the raw stream",
                         Duration::from_secs(10),
-                    ))))
+                    )))
                 }
             };
             let Ok(info) = msg.info() else { continue };

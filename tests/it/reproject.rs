@@ -77,6 +77,20 @@ async fn reprojection_reproduces_the_projections_and_names_what_a_rule_change_ch
         "the demo did not stop cleanly: {}",
         demo.log_text()
     );
+    // Reads of an exchange's raw events (timed-out runs, streamed A2A answers) leave no reader
+    // behind on the raw stream: only the partitions' own consumers remain.
+    let js = nats.jetstream().await;
+    let mut raw = js
+        .get_stream("DEMO_RAW")
+        .await
+        .expect("the demo made its raw stream");
+    let consumers = raw
+        .info()
+        .await
+        .expect("raw stream info")
+        .state
+        .consumer_count;
+    assert_eq!(consumers, 16, "readers left on the raw stream");
     let env = [("COLLAB_NATS__PREFIX", "demo")];
     let base = [
         "reproject",
@@ -98,7 +112,6 @@ async fn reprojection_reproduces_the_projections_and_names_what_a_rule_change_ch
     assert!(outputs > 200, "too little traffic to compare: {report:#}");
     assert_eq!(report["versionOutputs"].as_u64(), Some(outputs));
     // The comparison covered decided timeouts and dead letters, not only plain events.
-    let js = nats.jetstream().await;
     let responses = crate::pipeline::read_all(
         &js,
         "DEMO_PROJ",
