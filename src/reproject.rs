@@ -162,6 +162,9 @@ pub struct Diff {
     pub changed: BTreeMap<String, usize>,
     pub examples: Vec<Change>,
     pub turns: Vec<TurnChange>,
+    /// The deployment had not processed the whole range when it was compared (its workers are
+    /// stopped or far behind): outputs only in the version may be ones it has yet to publish.
+    pub live_behind: bool,
 }
 
 impl Diff {
@@ -372,6 +375,13 @@ pub fn render(d: &Diff, live: &Names, version: &Names) -> String {
         version.proj_stream,
         version.prefix
     );
+    if d.live_behind {
+        let _ = writeln!(
+            s,
+            "note: {} had not processed the whole range when compared (its workers stopped, or far behind); outputs only in {} may be ones it has yet to publish",
+            live.prefix, version.prefix
+        );
+    }
     let _ = writeln!(s, "digest {}: {}", live.prefix, d.live_digest);
     let _ = writeln!(s, "digest {}: {}", version.prefix, d.version_digest);
     if d.same() {

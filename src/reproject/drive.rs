@@ -129,6 +129,15 @@ pub async fn run(
     cancel.cancel();
     running.wait().await;
     outcome?;
+    // The deployment may still be behind on the range (a running deployment under load): its
+    // outputs are compared once its partitions have processed it too, or after `LIVE_WAIT` with
+    // what it has, said in the report.
+    let live_done = tokio::time::timeout(
+        LIVE_WAIT,
+        follow(&raw, &live, settings.nats.partitions, from, to, |_| {}),
+    )
+    .await;
+    let live_behind = !matches!(live_done, Ok(Ok(())));
     progress(Progress { done: total, total });
     let read = |names: &Names| {
         let js = js.clone();
@@ -140,8 +149,13 @@ pub async fn run(
         }
     };
     let (l, v) = (read(&live).await?, read(&version).await?);
-    Ok(diff(&l, &v, from, to, plan.examples))
+    let mut d = diff(&l, &v, from, to, plan.examples);
+    d.live_behind = live_behind;
+    Ok(d)
 }
+
+/// How long the comparison waits for the deployment to process the range.
+const LIVE_WAIT: Duration = Duration::from_secs(30);
 
 /// Wait until every partition of the version has processed the range: its acknowledgements
 /// reach `to`, or it has nothing left to deliver.

@@ -108,6 +108,7 @@ async fn reprojection_reproduces_the_projections_and_names_what_a_rule_change_ch
     assert_eq!(report["liveDigest"], report["versionDigest"], "{report:#}");
     assert_eq!(code, 0, "{report:#}");
     assert_eq!(report["changed"], serde_json::json!({}), "{report:#}");
+    assert_eq!(report["liveBehind"], false, "{report:#}");
     let outputs = report["liveOutputs"].as_u64().unwrap_or(0);
     assert!(outputs > 200, "too little traffic to compare: {report:#}");
     assert_eq!(report["versionOutputs"].as_u64(), Some(outputs));
