@@ -403,16 +403,13 @@ impl Partition<'_> {
         if to < from {
             return Ok(Flow::Continue);
         }
-        let p = self.p;
-        let short = |why: &'static str| {
-            warn!(
-                partition = p,
-                from, to, why, "replay incomplete; restarting the partition"
-            );
-            WorkerError::Interrupted { partition: p, why }
-        };
+        // A named reader, deleted once read: a partition that starts over and over (a stream
+        // leader that keeps answering short) would otherwise leave one reader per attempt, and
+        // nats-server caps a stream's consumers (1,000 by default).
+        let name = format!("replay-{}-{}", self.p, uuid::Uuid::new_v4().simple());
         let replay = stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                name: Some(name.clone()),
                 filter_subject: self.shared.names.partition_filter(self.p),
                 deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
                     start_sequence: from,
@@ -421,6 +418,30 @@ impl Partition<'_> {
             })
             .await
             .map_err(|e| self.setup("reading in-flight messages", e))?;
+        let flow = self.replay_read(stream, replay, from, to).await;
+        if let Err(e) = stream.delete_consumer(&name).await {
+            debug!(partition = self.p, consumer = %name, error = %e, "replay reader not deleted; it expires by itself");
+        }
+        flow
+    }
+
+    /// The reading half of [`Self::replay`].
+    async fn replay_read(
+        &mut self,
+        stream: &jetstream::stream::Stream,
+        replay: jetstream::consumer::Consumer<jetstream::consumer::pull::OrderedConfig>,
+        from: u64,
+        to: u64,
+    ) -> Result<Flow, WorkerError> {
+        let p = self.p;
+        let short = |why: &'static str| {
+            warn!(
+                partition = p,
+                from, to, why, "replay incomplete; restarting the partition"
+            );
+            WorkerError::Interrupted { partition: p, why }
+        };
+
         // None of the partition's messages from `from` on is visible. That is the range having
         // gone from the stream (aged out, deleted), or a server answering from a state that does
         // not have them yet (a stream leader cut off from its cluster, a replica catching up).
