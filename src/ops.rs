@@ -77,6 +77,65 @@ pub(crate) async fn read_stream(
     Ok(out)
 }
 
+/// Call `f` with every message of `stream` from `start` up to its last sequence at the time of
+/// the call, in order, holding one at a time. A read that stops before the last sequence is an
+/// error, never a shorter answer.
+pub(crate) async fn each_message(
+    js: &jetstream::Context,
+    stream: &str,
+    start: u64,
+    mut f: impl FnMut(&jetstream::Message),
+) -> Result<u64, OpsError> {
+    let mut s = js
+        .get_stream(stream)
+        .await
+        .map_err(|e| stream_err(stream, e))?;
+    let info = s.info().await.map_err(|e| stream_err(stream, e))?;
+    let last = info.state.last_sequence;
+    if info.state.messages == 0 || start > last {
+        return Ok(0);
+    }
+    let name = format!("read-{}", uuid::Uuid::new_v4().simple());
+    let consumer = s
+        .create_consumer(consumer::pull::OrderedConfig {
+            name: Some(name.clone()),
+            deliver_policy: consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: start.max(1),
+            },
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| stream_err(stream, e))?;
+    let read = async {
+        let mut messages = consumer
+            .messages()
+            .await
+            .map_err(|e| stream_err(stream, e))?;
+        let mut n = 0u64;
+        loop {
+            let m = match tokio::time::timeout(Duration::from_secs(10), messages.next()).await {
+                Ok(Some(Ok(m))) => m,
+                Ok(Some(Err(e))) => return Err(stream_err(stream, e)),
+                Ok(None) | Err(_) => {
+                    return Err(stream_err(
+                        stream,
+                        format!("the read stopped before sequence {last}"),
+                    ))
+                }
+            };
+            let seq = m.info().map(|i| i.stream_sequence).unwrap_or(u64::MAX);
+            f(&m);
+            n += 1;
+            if seq >= last {
+                return Ok(n);
+            }
+        }
+    }
+    .await;
+    let _ = s.delete_consumer(&name).await;
+    read
+}
+
 fn header_u64(m: &jetstream::Message, name: &str) -> Option<u64> {
     m.headers.as_ref()?.get(name)?.as_str().parse().ok()
 }

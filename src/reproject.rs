@@ -18,17 +18,40 @@ use serde::Serialize;
 use sha2::Digest;
 use std::collections::{BTreeMap, BTreeSet};
 
-/// One output (a projection or a dead letter) as the comparison sees it.
+/// One output (a projection or a dead letter) as the comparison sees it: what identifies its
+/// content, not the content itself, so a comparison over millions of outputs stays small.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Output {
     /// The subject after the version's prefix: `proj.<role>.<key>.<type>` or `dlq.<reason>`.
     pub subject: String,
-    pub payload: bytes::Bytes,
+    /// SHA-256 of the payload.
+    pub payload_sha: [u8; 32],
     /// The raw sequence it was made for (`Collab-Source-Seq`).
     pub source_seq: Option<u64>,
+    /// Where it is stored in its stream, to read the payload back for an example.
+    pub stream_seq: u64,
+    /// A `conversation.main` response's turn id and outcome.
+    pub turn: Option<(String, String)>,
 }
 
 impl Output {
+    /// The output on `subject` (after the prefix) with `payload`.
+    pub fn new(subject: &str, payload: &[u8], source_seq: Option<u64>, stream_seq: u64) -> Output {
+        let mut o = Output {
+            subject: subject.to_string(),
+            payload_sha: sha2::Sha256::digest(payload).into(),
+            source_seq,
+            stream_seq,
+            turn: None,
+        };
+        if o.parts()
+            .is_some_and(|(role, _, ty)| role == "conversation.main" && ty == "a2a.response")
+        {
+            o.turn = turn_outcome(payload);
+        }
+        o
+    }
+
     /// `(role, key, type)` of a projection; `None` for a dead letter.
     fn parts(&self) -> Option<(&str, &str, &str)> {
         let rest = self.subject.strip_prefix("proj.")?;
@@ -69,9 +92,13 @@ pub struct Change {
     pub kind: ChangeKind,
     pub live: Option<String>,
     pub version: Option<String>,
-    /// For a payload change: the JSON paths whose values differ (at most a few).
+    /// For a payload change: the JSON paths whose values differ (at most a few), with both
+    /// values; filled in by [`run`] from the stored payloads.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub fields: Vec<String>,
+    /// Where the two sides are stored (stream sequences), to read them back.
+    #[serde(skip)]
+    pub stored: (Option<u64>, Option<u64>),
 }
 
 /// Paths (`payload.evidence`, `tags[2]`) where two JSON values differ, at most `max`.
@@ -126,10 +153,10 @@ fn json_differences(a: &serde_json::Value, b: &serde_json::Value, max: usize) ->
 }
 
 /// The differing fields of two payloads, when both are JSON.
-fn payload_fields(live: &Output, version: &Output) -> Vec<String> {
+pub fn payload_fields(live: &[u8], version: &[u8]) -> Vec<String> {
     match (
-        serde_json::from_slice::<serde_json::Value>(&live.payload),
-        serde_json::from_slice::<serde_json::Value>(&version.payload),
+        serde_json::from_slice::<serde_json::Value>(live),
+        serde_json::from_slice::<serde_json::Value>(version),
     ) {
         (Ok(a), Ok(b)) => json_differences(&a, &b, 5),
         _ => Vec::new(),
@@ -173,52 +200,42 @@ impl Diff {
     }
 }
 
-/// The outputs of `messages` (a projection or dead-letter stream read back) under `prefix`
-/// whose raw sequence is in `from..=to`. Outputs that name no raw sequence are kept; fence
-/// markers are not outputs.
-pub fn collect(messages: &[jetstream::Message], prefix: &str, from: u64, to: u64) -> Outputs {
-    let mut out = Outputs::new();
-    for m in messages {
-        let subject = m.subject.as_str();
-        if crate::bus::publish::is_fence_subject(subject) {
-            continue;
-        }
-        let Some(rest) = subject
-            .strip_prefix(prefix)
-            .and_then(|r| r.strip_prefix('.'))
-        else {
-            continue;
-        };
-        let header = |name: &str| {
-            m.headers
-                .as_ref()
-                .and_then(|h| h.get(name))
-                .map(|v| v.as_str().to_string())
-        };
-        let source_seq = header(H_SOURCE_SEQ).and_then(|s| s.parse().ok());
-        if source_seq.is_some_and(|s: u64| s < from || s > to) {
-            continue;
-        }
-        let Some(id) = header("Nats-Msg-Id") else {
-            continue;
-        };
-        out.insert(
-            id,
-            Output {
-                subject: rest.to_string(),
-                payload: m.payload.clone(),
-                source_seq,
-            },
-        );
+/// Add `m` (read back from a projection or dead-letter stream under `prefix`) to `outputs` when
+/// it is an output whose raw sequence is in `from..=to`. Outputs that name no raw sequence are
+/// kept; fence markers are not outputs.
+pub fn add(outputs: &mut Outputs, m: &jetstream::Message, prefix: &str, from: u64, to: u64) {
+    let subject = m.subject.as_str();
+    if crate::bus::publish::is_fence_subject(subject) {
+        return;
     }
-    out
+    let Some(rest) = subject
+        .strip_prefix(prefix)
+        .and_then(|r| r.strip_prefix('.'))
+    else {
+        return;
+    };
+    let header = |name: &str| {
+        m.headers
+            .as_ref()
+            .and_then(|h| h.get(name))
+            .map(|v| v.as_str().to_string())
+    };
+    let source_seq = header(H_SOURCE_SEQ).and_then(|s| s.parse().ok());
+    if source_seq.is_some_and(|s: u64| s < from || s > to) {
+        return;
+    }
+    let Some(id) = header("Nats-Msg-Id") else {
+        return;
+    };
+    let stream_seq = m.info().map_or(0, |i| i.stream_sequence);
+    outputs.insert(id, Output::new(rest, &m.payload, source_seq, stream_seq));
 }
 
-/// SHA-256 (hex) over `outputs` in Msg-Id order.
+/// SHA-256 (hex) over `outputs` in Msg-Id order: each one's Msg-Id, subject and payload digest.
 pub fn digest(outputs: &Outputs) -> String {
     let mut h = sha2::Sha256::new();
     for (id, o) in outputs {
-        for part in [id.as_bytes(), o.subject.as_bytes(), &o.payload] {
+        for part in [id.as_bytes(), o.subject.as_bytes(), &o.payload_sha] {
             h.update((part.len() as u64).to_be_bytes());
             h.update(part);
         }
@@ -228,7 +245,7 @@ pub fn digest(outputs: &Outputs) -> String {
 
 fn classify(live: &Output, version: &Output) -> Option<ChangeKind> {
     match (live.parts(), version.parts()) {
-        _ if live == version => None,
+        _ if live.subject == version.subject && live.payload_sha == version.payload_sha => None,
         (Some(_), None) | (None, Some(_)) => Some(ChangeKind::Kind),
         (Some((lr, lk, lt)), Some((vr, vk, vt))) => Some(if lr != vr {
             ChangeKind::Role
@@ -254,43 +271,37 @@ fn kind_name(k: ChangeKind) -> String {
         .unwrap_or_default()
 }
 
+/// A response's turn id and outcome (`replied` or `blocked:<reason>`), from its envelope.
+fn turn_outcome(payload: &[u8]) -> Option<(String, String)> {
+    let env = serde_json::from_slice::<serde_json::Value>(payload).ok()?;
+    let turn = match env.get("turnId")? {
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    let body = env.get("payload");
+    let outcome = match body.and_then(|p| p.get("outcome")).and_then(|o| o.as_str()) {
+        Some("blocked") => format!(
+            "blocked:{}",
+            body.and_then(|p| p.get("reason"))
+                .and_then(|r| r.as_str())
+                .unwrap_or("?")
+        ),
+        _ => "replied".to_string(),
+    };
+    Some((turn, outcome))
+}
+
 /// Each turn's response outcomes, by (conversation key, turn id).
 fn turn_outcomes(outputs: &Outputs) -> BTreeMap<(String, String), BTreeSet<String>> {
     let mut turns: BTreeMap<(String, String), BTreeSet<String>> = BTreeMap::new();
     for o in outputs.values() {
-        let Some((role, key, ty)) = o.parts() else {
+        let (Some((_, key, _)), Some((turn, outcome))) = (o.parts(), &o.turn) else {
             continue;
-        };
-        if role != "conversation.main" || ty != "a2a.response" {
-            continue;
-        }
-        let Ok(env) = serde_json::from_slice::<serde_json::Value>(&o.payload) else {
-            continue;
-        };
-        let Some(turn) = env.get("turnId").map(|t| match t {
-            serde_json::Value::String(s) => s.clone(),
-            other => other.to_string(),
-        }) else {
-            continue;
-        };
-        let payload = env.get("payload");
-        let outcome = match payload
-            .and_then(|p| p.get("outcome"))
-            .and_then(|o| o.as_str())
-        {
-            Some("blocked") => format!(
-                "blocked:{}",
-                payload
-                    .and_then(|p| p.get("reason"))
-                    .and_then(|r| r.as_str())
-                    .unwrap_or("?")
-            ),
-            _ => "replied".to_string(),
         };
         turns
-            .entry((key.to_string(), turn))
+            .entry((key.to_string(), turn.clone()))
             .or_default()
-            .insert(outcome);
+            .insert(outcome.clone());
     }
     turns
 }
@@ -325,16 +336,13 @@ pub fn diff(live: &Outputs, version: &Outputs, from: u64, to: u64, examples: usi
         let n = shown.entry(kind).or_default();
         if *n < examples {
             *n += 1;
-            let fields = match (kind, l, v) {
-                (ChangeKind::Payload, Some(l), Some(v)) => payload_fields(l, v),
-                _ => Vec::new(),
-            };
             d.examples.push(Change {
                 msg_id: id.clone(),
                 kind,
                 live: l.map(|o| o.subject.clone()),
                 version: v.map(|o| o.subject.clone()),
-                fields,
+                fields: Vec::new(),
+                stored: (l.map(|o| o.stream_seq), v.map(|o| o.stream_seq)),
             });
         }
     }

@@ -139,19 +139,45 @@ pub async fn run(
     .await;
     let live_behind = !matches!(live_done, Ok(Ok(())));
     progress(Progress { done: total, total });
-    let read = |names: &Names| {
-        let js = js.clone();
-        let names = names.clone();
-        async move {
-            let mut msgs = crate::ops::read_stream(&js, &names.proj_stream, 1, false).await?;
-            msgs.extend(crate::ops::read_stream(&js, &names.dlq_stream, 1, false).await?);
-            Ok::<_, ReprojectError>(super::collect(&msgs, &names.prefix, from, to))
+    let mut l = super::Outputs::new();
+    let mut v = super::Outputs::new();
+    for (names, outputs) in [(&live, &mut l), (&version, &mut v)] {
+        for stream in [&names.proj_stream, &names.dlq_stream] {
+            crate::ops::each_message(&js, stream, 1, |m| {
+                super::add(outputs, m, &names.prefix, from, to);
+            })
+            .await?;
         }
-    };
-    let (l, v) = (read(&live).await?, read(&version).await?);
+    }
     let mut d = diff(&l, &v, from, to, plan.examples);
     d.live_behind = live_behind;
+    for c in d.examples.iter_mut() {
+        if let (super::ChangeKind::Payload, (Some(a), Some(b))) = (c.kind, c.stored) {
+            if let (Some(a), Some(b)) = (
+                stored_payload(&js, &live, c.live.as_deref(), a).await,
+                stored_payload(&js, &version, c.version.as_deref(), b).await,
+            ) {
+                c.fields = super::payload_fields(&a, &b);
+            }
+        }
+    }
     Ok(d)
+}
+
+/// The payload stored at `seq` of the projection or dead-letter stream `subject` belongs to.
+async fn stored_payload(
+    js: &jetstream::Context,
+    names: &Names,
+    subject: Option<&str>,
+    seq: u64,
+) -> Option<bytes::Bytes> {
+    let stream = if subject?.starts_with("dlq.") {
+        &names.dlq_stream
+    } else {
+        &names.proj_stream
+    };
+    let s = js.get_stream(stream).await.ok()?;
+    s.get_raw_message(seq).await.ok().map(|m| m.payload)
 }
 
 /// How long the comparison waits for the deployment to process the range.

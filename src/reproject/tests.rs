@@ -1,11 +1,7 @@
 use super::*;
 
 fn out(subject: &str, payload: &str, seq: u64) -> Output {
-    Output {
-        subject: subject.into(),
-        payload: bytes::Bytes::from(payload.to_string()),
-        source_seq: Some(seq),
-    }
+    Output::new(subject, payload.as_bytes(), Some(seq), seq)
 }
 
 fn outputs(items: &[(&str, Output)]) -> Outputs {
@@ -21,7 +17,12 @@ fn equal_outputs_have_equal_digests_and_no_change() {
         ("R:1:0", out("proj.conversation.main.c1.a2a.send", "{}", 1)),
         ("R:2:dlq", out("dlq.bad_json", "x", 2)),
     ]);
-    let d = diff(&a, &a.clone(), 1, 2, 5);
+    // Stored elsewhere in the version's own streams: the same outputs.
+    let mut b = a.clone();
+    for o in b.values_mut() {
+        o.stream_seq += 1000;
+    }
+    let d = diff(&a, &b, 1, 2, 5);
     assert!(d.same());
     assert_eq!(d.identical, 2);
     assert!(d.changed.is_empty() && d.examples.is_empty() && d.turns.is_empty());
@@ -132,4 +133,20 @@ fn a_version_keeps_the_raw_stream_and_moves_everything_else() {
     assert_eq!(n.turns_bucket, "collab_v2_turns");
     assert_eq!(n.consumer_name(3), "collab_v2-proj-3");
     assert_eq!(Names::versioned("collab", ""), Names::new("collab"));
+}
+
+#[test]
+fn the_fields_of_a_payload_change_are_named_with_both_values() {
+    let a = br#"{"type":"a2a.response","payload":{"evidence":[{"at":"x","timeoutMs":10000}],"text":"same"}}"#;
+    let b = br#"{"type":"a2a.response","payload":{"evidence":[{"at":"y","timeoutMs":300000}],"text":"same","extra":1}}"#;
+    assert_eq!(
+        payload_fields(a, b),
+        vec![
+            "payload.evidence[0].at: \"x\" -> \"y\"".to_string(),
+            "payload.evidence[0].timeoutMs: 10000 -> 300000".to_string(),
+            "payload.extra: only after".to_string(),
+        ]
+    );
+    assert!(payload_fields(b"not json", a).is_empty());
+    assert!(payload_fields(a, a).is_empty());
 }
