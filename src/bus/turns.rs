@@ -595,96 +595,113 @@ impl PartitionTurns {
             key: filter.clone(),
             source,
         };
+        // A named reader, deleted once read, so partitions that start over and over leave no
+        // readers behind on the bucket's stream (nats-server caps its consumers).
+        let name = format!(
+            "reload-{}-{}",
+            self.partition,
+            uuid::Uuid::new_v4().simple()
+        );
         let mut consumer = self
             .store
             .stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                name: Some(name.clone()),
                 filter_subject: filter.clone(),
                 deliver_policy: jetstream::consumer::DeliverPolicy::LastPerSubject,
                 ..Default::default()
             })
             .await
             .map_err(|e| kv_err(Box::new(e)))?;
-        let expected = consumer
-            .info()
-            .await
-            .map_err(|e| kv_err(Box::new(e)))?
-            .num_pending;
-        // The consumer reads the replica it was placed on, which may lag behind the leader
-        // (a node catching up after a partition): the reload reads on until it has seen the
-        // leader's last record of the partition, so nothing committed before now is missed.
-        let leader_last = super::publish::last_from_leader(&self.store.stream, &filter)
-            .await
-            .map_err(|e| kv_err(Box::new(e)))?
-            .map_or(0, |m| m.sequence);
-        let mut checkpoint = self.read_checkpoint().await?;
-        let previous = checkpoint.value;
-        let mut unpublished = Vec::new();
-        let mut loaded = 0;
-        let mut highest = previous.through;
-        if expected > 0 || leader_last > 0 {
-            let mut records = consumer.messages().await.map_err(|e| kv_err(Box::new(e)))?;
-            let mut read = 0u64;
-            let mut seen = 0u64;
-            while read < expected || seen < leader_last {
-                let next = tokio::time::timeout(Duration::from_secs(30), records.next()).await;
-                let msg = match next {
-                    Ok(Some(Ok(m))) => m,
-                    Ok(Some(Err(e))) => return Err(kv_err(Box::new(e))),
-                    Ok(None) | Err(_) => {
-                        return Err(kv_err(Box::new(NoAnswer::new(
-                            format!(
-                                "the records stopped after {read} of {expected} \
-                                 (through revision {seen} of the leader's {leader_last})"
-                            ),
-                            Duration::from_secs(30),
-                        ))))
+        let read = async {
+            let expected = consumer
+                .info()
+                .await
+                .map_err(|e| kv_err(Box::new(e)))?
+                .num_pending;
+            // The consumer reads the replica it was placed on, which may lag behind the leader
+            // (a node catching up after a partition): the reload reads on until it has seen the
+            // leader's last record of the partition, so nothing committed before now is missed.
+            let leader_last = super::publish::last_from_leader(&self.store.stream, &filter)
+                .await
+                .map_err(|e| kv_err(Box::new(e)))?
+                .map_or(0, |m| m.sequence);
+            let checkpoint = self.read_checkpoint().await?;
+            let previous = checkpoint.value;
+            let mut unpublished = Vec::new();
+            let mut loaded = 0;
+            let mut highest = previous.through;
+            if expected > 0 || leader_last > 0 {
+                let mut records = consumer.messages().await.map_err(|e| kv_err(Box::new(e)))?;
+                let mut read = 0u64;
+                let mut seen = 0u64;
+                while read < expected || seen < leader_last {
+                    let next = tokio::time::timeout(Duration::from_secs(30), records.next()).await;
+                    let msg = match next {
+                        Ok(Some(Ok(m))) => m,
+                        Ok(Some(Err(e))) => return Err(kv_err(Box::new(e))),
+                        Ok(None) | Err(_) => {
+                            return Err(kv_err(Box::new(NoAnswer::new(
+                                format!(
+                                    "the records stopped after {read} of {expected} \
+                                     (through revision {seen} of the leader's {leader_last})"
+                                ),
+                                Duration::from_secs(30),
+                            ))))
+                        }
+                    };
+                    read += 1;
+                    let Ok(info) = msg.info() else { continue };
+                    let revision = info.stream_sequence;
+                    let written_at = info.published;
+                    highest = highest.max(revision);
+                    seen = seen.max(revision);
+                    let Some(key) = msg.subject.as_str().strip_prefix(&self.store.prefix) else {
+                        continue;
+                    };
+                    self.open.note(key);
+                    let deleted = msg
+                        .headers
+                        .as_ref()
+                        .and_then(|h| h.get("KV-Operation"))
+                        .is_some_and(|op| op.as_str() != "PUT");
+                    if deleted {
+                        continue;
                     }
-                };
-                read += 1;
-                let Ok(info) = msg.info() else { continue };
-                let revision = info.stream_sequence;
-                let written_at = info.published;
-                highest = highest.max(revision);
-                seen = seen.max(revision);
-                let Some(key) = msg.subject.as_str().strip_prefix(&self.store.prefix) else {
-                    continue;
-                };
-                self.open.note(key);
-                let deleted = msg
-                    .headers
-                    .as_ref()
-                    .and_then(|h| h.get("KV-Operation"))
-                    .is_some_and(|op| op.as_str() != "PUT");
-                if deleted {
-                    continue;
-                }
-                // Most records are open or vouched for: state, deadline and writer are enough.
-                let Ok(head) = serde_json::from_slice::<RecordHead>(&msg.payload) else {
-                    continue;
-                };
-                loaded += 1;
-                match head.state {
-                    TurnState::Open => {
-                        if head.exchange == ExchangeKind::Run {
-                            // The key's open runs, for events that name no run.
+                    // Most records are open or vouched for: state, deadline and writer are enough.
+                    let Ok(head) = serde_json::from_slice::<RecordHead>(&msg.payload) else {
+                        continue;
+                    };
+                    loaded += 1;
+                    match head.state {
+                        TurnState::Open => {
+                            if head.exchange == ExchangeKind::Run {
+                                // The key's open runs, for events that name no run.
+                                if let Ok(rec) = serde_json::from_slice::<TurnRecord>(&msg.payload)
+                                {
+                                    self.runs.note(&rec);
+                                }
+                            }
+                            self.open
+                                .open(key, head.deadline_ms, Rev::Known(revision), None)
+                        }
+                        // Not covered by the last checkpoint: its response may not be stored.
+                        TurnState::Decided if !previous.vouches_for(revision, head.writer) => {
                             if let Ok(rec) = serde_json::from_slice::<TurnRecord>(&msg.payload) {
-                                self.runs.note(&rec);
+                                unpublished.push((key.to_string(), rec, written_at));
                             }
                         }
-                        self.open
-                            .open(key, head.deadline_ms, Rev::Known(revision), None)
+                        TurnState::Decided | TurnState::Published => {}
                     }
-                    // Not covered by the last checkpoint: its response may not be stored.
-                    TurnState::Decided if !previous.vouches_for(revision, head.writer) => {
-                        if let Ok(rec) = serde_json::from_slice::<TurnRecord>(&msg.payload) {
-                            unpublished.push((key.to_string(), rec, written_at));
-                        }
-                    }
-                    TurnState::Decided | TurnState::Published => {}
                 }
             }
+            Ok::<_, TurnIoError>((checkpoint, unpublished, loaded, highest))
         }
+        .await;
+        if let Err(e) = self.store.stream.delete_consumer(&name).await {
+            tracing::debug!(consumer = %name, error = %e, "reload reader not deleted; it expires by itself");
+        }
+        let (mut checkpoint, unpublished, loaded, highest) = read?;
         for (key, rec, written_at) in unpublished {
             self.republish(shared, &key, &rec, written_at, cancel)
                 .await?;
