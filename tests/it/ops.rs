@@ -728,12 +728,19 @@ fn the_operations_guide_lists_every_metric_family_and_explains_every_alert() {
         );
     }
     // And no metric that does not exist (the buckets and the crate share the prefix).
+    // The guide's reprojection section names the resources of an example version `v2`.
+    let version = collab_projector::config::Names::versioned("collab", "v2");
     let names = Settings::default().names();
     let buckets = [
         names.turns_bucket,
         names.sessions_bucket,
         names.leases_bucket,
         names.blobs_store,
+        version.turns_bucket,
+        version.sessions_bucket,
+        version.leases_bucket,
+        version.blobs_store,
+        version.prefix,
     ];
     for m in metric_names(&doc) {
         assert!(
