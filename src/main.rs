@@ -610,9 +610,23 @@ async fn reproject(args: ReprojectArgs) -> anyhow::Result<()> {
         )
         .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
     );
+    // Without a terminal (a log collector), the bar draws nothing: a line every 5 s instead.
+    let lines = !std::io::IsTerminal::is_terminal(&std::io::stderr());
+    let started = std::time::Instant::now();
+    let mut said = started;
     let diff = reproject::run(&settings, &plan, |p| {
         bar.set_length(p.total);
         bar.set_position(p.done);
+        if lines && (said.elapsed() >= Duration::from_secs(5) || p.done >= p.total) {
+            said = std::time::Instant::now();
+            let secs = started.elapsed().as_secs_f64().max(0.001);
+            let rate = p.done as f64 / secs;
+            let left = p.total.saturating_sub(p.done) as f64 / rate.max(1.0);
+            eprintln!(
+                "reprojecting: {}/{} raw sequences, {rate:.0}/s, {left:.0} s left",
+                p.done, p.total
+            );
+        }
     })
     .await;
     bar.finish_and_clear();

@@ -34,46 +34,16 @@ fn stream_err(stream: &str, e: impl Into<crate::bus::error::Source>) -> OpsError
     }
 }
 
-/// Every message of `stream` from `start` up to its last sequence at the time of the call.
+/// Every message of `stream` from `start` up to its last sequence at the time of the call (see
+/// [`each_message`]).
 pub(crate) async fn read_stream(
     js: &jetstream::Context,
     stream: &str,
     start: u64,
     headers_only: bool,
 ) -> Result<Vec<jetstream::Message>, OpsError> {
-    let mut s = js
-        .get_stream(stream)
-        .await
-        .map_err(|e| stream_err(stream, e))?;
-    let info = s.info().await.map_err(|e| stream_err(stream, e))?;
-    let last = info.state.last_sequence;
-    if info.state.messages == 0 || start > last {
-        return Ok(Vec::new());
-    }
-    let consumer = s
-        .create_consumer(consumer::pull::OrderedConfig {
-            deliver_policy: consumer::DeliverPolicy::ByStartSequence {
-                start_sequence: start.max(1),
-            },
-            headers_only,
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| stream_err(stream, e))?;
-    let mut messages = consumer
-        .messages()
-        .await
-        .map_err(|e| stream_err(stream, e))?;
     let mut out = Vec::new();
-    loop {
-        let next = tokio::time::timeout(Duration::from_secs(5), messages.next()).await;
-        let Ok(Some(Ok(m))) = next else { break };
-        let seq = m.info().map(|i| i.stream_sequence).unwrap_or(u64::MAX);
-        out.push(m);
-        if seq >= last {
-            break;
-        }
-    }
+    each_message(js, stream, start, headers_only, |m| out.push(m.clone())).await?;
     Ok(out)
 }
 
@@ -84,6 +54,7 @@ pub(crate) async fn each_message(
     js: &jetstream::Context,
     stream: &str,
     start: u64,
+    headers_only: bool,
     mut f: impl FnMut(&jetstream::Message),
 ) -> Result<u64, OpsError> {
     let mut s = js
@@ -102,6 +73,7 @@ pub(crate) async fn each_message(
             deliver_policy: consumer::DeliverPolicy::ByStartSequence {
                 start_sequence: start.max(1),
             },
+            headers_only,
             ..Default::default()
         })
         .await

@@ -143,7 +143,7 @@ pub async fn run(
     let mut v = super::Outputs::new();
     for (names, outputs) in [(&live, &mut l), (&version, &mut v)] {
         for stream in [&names.proj_stream, &names.dlq_stream] {
-            crate::ops::each_message(&js, stream, 1, |m| {
+            crate::ops::each_message(&js, stream, 1, false, |m| {
                 super::add(outputs, m, &names.prefix, from, to);
             })
             .await?;
