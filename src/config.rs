@@ -1054,6 +1054,14 @@ impl Names {
     }
 }
 
+/// `(role, key, type)` of a projection subject's part after `<prefix>.proj.`, the inverse of
+/// [`Names::proj_subject`] (the role is two tokens, the type may hold dots).
+pub fn proj_subject_parts(after_proj: &str) -> Option<(&str, &str, &str)> {
+    let mut it = after_proj.splitn(4, '.');
+    let (r1, r2, key, ty) = (it.next()?, it.next()?, it.next()?, it.next()?);
+    Some((&after_proj[..r1.len() + 1 + r2.len()], key, ty))
+}
+
 /// The partition NATS's `partition(n, ...)` subject transform gives a key: FNV-1a (32 bit) of
 /// the key's bytes, modulo `n`.
 pub fn transform_partition(key: &[u8], n: u32) -> u32 {

@@ -54,11 +54,7 @@ impl Output {
 
     /// `(role, key, type)` of a projection; `None` for a dead letter.
     fn parts(&self) -> Option<(&str, &str, &str)> {
-        let rest = self.subject.strip_prefix("proj.")?;
-        let mut it = rest.splitn(4, '.');
-        let (r1, r2, key, ty) = (it.next()?, it.next()?, it.next()?, it.next()?);
-        let role_len = r1.len() + 1 + r2.len();
-        Some((&rest[..role_len], key, ty))
+        crate::config::proj_subject_parts(self.subject.strip_prefix("proj.")?)
     }
 }
 

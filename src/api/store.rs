@@ -106,14 +106,13 @@ pub fn subject_parts(
     else {
         return (None, None, None);
     };
-    let mut it = rest.splitn(4, '.');
-    match (it.next(), it.next(), it.next(), it.next()) {
-        (Some(a), Some(b), Some(k), Some(t)) => (
-            Some(format!("{a}.{b}")),
-            Some(k.to_string()),
-            Some(t.to_string()),
+    match crate::config::proj_subject_parts(rest) {
+        Some((role, key, ty)) => (
+            Some(role.to_string()),
+            Some(key.to_string()),
+            Some(ty.to_string()),
         ),
-        _ => (None, None, None),
+        None => (None, None, None),
     }
 }
 
