@@ -90,7 +90,7 @@ fn normalize(c: &mut Criterion) {
         bytes: SEND,
         stream: "COLLAB_RAW",
         seq: 17,
-        stored_subject: "collab.in.5.conv-42.a2a.send",
+        stored_subject: "collab.in.1.1.5.5.21.21.85.213.conv-42.a2a.send",
         stored_at: chrono::Utc::now(),
         delivered: 1,
         headers: None,
@@ -103,11 +103,15 @@ fn normalize(c: &mut Criterion) {
     // what it folds.
     let mut g = c.benchmark_group("fold parse");
     for (name, bytes, subject) in [
-        ("a2a.send", SEND, "collab.in.5.conv-42.a2a.send"),
+        (
+            "a2a.send",
+            SEND,
+            "collab.in.1.1.5.5.21.21.85.213.conv-42.a2a.send",
+        ),
         (
             "tool.started",
             RUNTIME,
-            "collab.in.5.session-3.tool.started",
+            "collab.in.1.1.5.5.21.21.85.213.session-3.tool.started",
         ),
     ] {
         let raw = RawMessage {

@@ -119,7 +119,7 @@ pub async fn shutdown_signal() {
 /// ([`AppError::Stopped`]); refused credentials, TLS, an old server or a missing JetStream stop
 /// at once, as waiting would not change them.
 pub async fn start(
-    settings: Settings,
+    mut settings: Settings,
     opts: RunOptions,
     cancel: CancellationToken,
 ) -> Result<Running, AppError> {
@@ -140,6 +140,7 @@ pub async fn start(
     };
     let (client, js) = connect_waiting(&settings, &cancel).await?;
     info!(url = %settings.nats.url, server = %client.server_info().version, "connected");
+    provision::adopt_layout(&js, &mut settings).await?;
     let report = provision::provision(&js, &settings).await?;
     if !report.created.is_empty() {
         info!(

@@ -689,7 +689,12 @@ async fn start_passthrough(env: &Env, partitioned: bool) -> Result<Passthrough, 
     let stream = js.get_stream(&names.raw_stream).await.ctx("raw stream")?;
     let filters: Vec<(String, String)> = if partitioned {
         (0..env.settings.nats.partitions)
-            .map(|p| (format!("bench-passthrough-{p}"), names.partition_filter(p)))
+            .map(|p| {
+                (
+                    format!("bench-passthrough-{p}"),
+                    env.settings().partition_filter(p),
+                )
+            })
             .collect()
     } else {
         vec![("bench-passthrough".into(), format!("{}.in.>", names.prefix))]
@@ -1611,7 +1616,8 @@ async fn turn_book(
             .await?
             .into_iter()
             .filter_map(|(_, subject, at, _)| {
-                let key = subject.split('.').nth(3)?.to_string();
+                let published = crate::pipeline::producer_subject(&names, &subject);
+                let key = published.split('.').nth(2)?.to_string();
                 key.starts_with("late-").then_some((key, at))
             })
             .collect();
@@ -1676,7 +1682,7 @@ fn core_costs(seed: u64) -> Result<CoreCosts, BenchError> {
         let mut out = Vec::new();
         while out.len() < 20_000 {
             for ev in gen.next_scenario() {
-                let stored = ev.subject.replacen(".raw.", ".in.0.", 1);
+                let stored = names.stored_subject(&ev.subject);
                 out.push((stored, ev.body));
             }
         }
@@ -1722,7 +1728,7 @@ fn core_costs(seed: u64) -> Result<CoreCosts, BenchError> {
         for n in &events {
             // The worker's own rule and facts (read from the object the normaliser parsed).
             let enforce = &settings.turns.enforce_roles;
-            let Some(f) = pipeline::turn_facts(n, &r, &names.prefix, enforce) else {
+            let Some(f) = pipeline::turn_facts(n, &r, &names, enforce) else {
                 std::hint::black_box(pipeline::projection(&names, n, r.seq, String::new()));
                 continue;
             };

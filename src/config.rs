@@ -173,8 +173,19 @@ pub struct NatsSettings {
     /// whose streams, buckets, consumers and subjects are under `<prefix>_<version>` while the
     /// raw stream stays `<PREFIX>_RAW`.
     pub version: String,
-    /// Number of partitions of the raw stream. Fixed once the stream exists.
+    /// Number of partitions: the units of order, ownership and parallelism. One of the counts
+    /// the raw stream's layout carries (1, 2, 4, ... up to `max_partitions` for a stream made
+    /// by this release); a projection version may use another one (repartitioning).
     pub partitions: u16,
+    /// The largest partition count a new raw stream supports (a power of two, at most 1024):
+    /// the stream stores a key's events under one token per power of two up to it,
+    /// `<prefix>.in.<h%2>.<h%4>...<h%max>.<key>...`, so any of those counts reads its
+    /// partitions with one filter each. Used only when the raw stream is created; an existing
+    /// stream's layout is read from it.
+    pub max_partitions: u16,
+    /// The raw stream's layout once read from the stream (`bus::provision::adopt_layout`).
+    #[serde(skip)]
+    pub layout: Option<Layout>,
     /// Stream and bucket replicas (3 on a 3-node cluster).
     pub replicas: usize,
     /// How long raw events are kept.
@@ -217,6 +228,8 @@ impl Default for NatsSettings {
             prefix: "collab".into(),
             version: String::new(),
             partitions: 16,
+            max_partitions: DEFAULT_MAX_PARTITIONS,
+            layout: None,
             replicas: 1,
             raw_max_age: Duration::from_secs(7 * 24 * 3600),
             dlq_max_age: Duration::from_secs(30 * 24 * 3600),
@@ -865,6 +878,12 @@ impl Settings {
         if self.nats.partitions == 0 || self.nats.partitions > 1024 {
             return bad("nats.partitions must be between 1 and 1024".into());
         }
+        let m = self.nats.max_partitions;
+        if !m.is_power_of_two() || !(2..=1024).contains(&m) {
+            return bad(format!(
+                "nats.max_partitions ({m}) must be a power of two between 2 and 1024"
+            ));
+        }
         if self.consumer.batch == 0 {
             return bad("consumer.batch must be at least 1".into());
         }
@@ -949,7 +968,23 @@ impl Settings {
     }
 
     pub fn names(&self) -> Names {
-        Names::versioned(&self.nats.prefix, &self.nats.version)
+        let mut n = Names::versioned(&self.nats.prefix, &self.nats.version);
+        n.raw_depth = self.layout().depth();
+        n
+    }
+
+    /// The raw stream's layout: the one read from the stream, else the one a new stream gets.
+    pub fn layout(&self) -> Layout {
+        self.nats
+            .layout
+            .clone()
+            .unwrap_or_else(|| Layout::ladder(self.nats.max_partitions))
+    }
+
+    /// The raw subjects partition `p` reads (one filter, see [`Layout::filter`]).
+    pub fn partition_filter(&self, p: u16) -> String {
+        self.layout()
+            .filter(&self.nats.prefix, self.nats.partitions, p)
     }
 
     /// What normalisation needs of these settings: the one place they are derived from.
@@ -989,6 +1024,9 @@ pub struct Names {
     pub raw_prefix: String,
     /// The version's name; empty for the deployment's own projections.
     pub version: String,
+    /// How many partition tokens the raw stream stores between `in` and the key
+    /// ([`Layout::depth`]).
+    pub raw_depth: usize,
     pub raw_stream: String,
     pub proj_stream: String,
     pub dlq_stream: String,
@@ -1020,6 +1058,7 @@ impl Names {
             blobs_store: format!("{out}_blobs"),
             raw_prefix: prefix.to_string(),
             version: version.to_string(),
+            raw_depth: Layout::ladder(DEFAULT_MAX_PARTITIONS).depth(),
             prefix: out,
         }
     }
@@ -1027,9 +1066,19 @@ impl Names {
     pub fn raw_subjects(&self) -> String {
         format!("{}.raw.*.>", self.raw_prefix)
     }
-    /// Where the raw stream stores partition `p`'s messages.
-    pub fn partition_filter(&self, p: u16) -> String {
-        format!("{}.in.{p}.>", self.raw_prefix)
+    /// Where the raw stream stores `key`'s messages, whatever its partition tokens.
+    pub fn key_filter(&self, key: &str) -> String {
+        format!(
+            "{}.in.{}{key}.>",
+            self.raw_prefix,
+            "*.".repeat(self.raw_depth)
+        )
+    }
+    /// A raw subject as the raw stream stores it, with every partition token 0 (for
+    /// measurements and tests that build stored messages themselves).
+    pub fn stored_subject(&self, raw_subject: &str) -> String {
+        let zeros = "0.".repeat(self.raw_depth);
+        raw_subject.replacen(".raw.", &format!(".in.{zeros}"), 1)
     }
     /// A raw subject the stream's partition transform maps to partition `p` of `partitions`,
     /// for the partition's barriers (see `bus::worker`): its key token is the first
@@ -1064,6 +1113,87 @@ pub fn proj_subject_parts(after_proj: &str) -> Option<(&str, &str, &str)> {
 
 /// The partition NATS's `partition(n, ...)` subject transform gives a key: FNV-1a (32 bit) of
 /// the key's bytes, modulo `n`.
+/// The largest partition count a new raw stream supports unless `nats.max_partitions` says
+/// otherwise.
+pub const DEFAULT_MAX_PARTITIONS: u16 = 256;
+
+/// How the raw stream stores a key's events: one token per partition count it supports, each the
+/// key's hash modulo that count (`<prefix>.in.<h%2>.<h%4>...<key>...` for the power-of-two
+/// ladder), so partition `p` of any of those counts is one filter with `p` at that count's token
+/// and wildcards elsewhere: the server reads it as fast as a single-token filter, where a
+/// consumer with several filter subjects costs it several times more per message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Layout {
+    /// The partition counts, in token order.
+    pub levels: Vec<u16>,
+}
+
+impl Layout {
+    /// Every power of two from 2 to `max`.
+    pub fn ladder(max: u16) -> Layout {
+        Layout {
+            levels: std::iter::successors(Some(2u16), |l| l.checked_mul(2))
+                .take_while(|l| *l <= max)
+                .collect(),
+        }
+    }
+    /// Partition tokens between `in` and the key.
+    pub fn depth(&self) -> usize {
+        self.levels.len()
+    }
+    /// Whether `partitions` can read this layout (1 always can).
+    pub fn supports(&self, partitions: u16) -> bool {
+        partitions == 1 || self.levels.contains(&partitions)
+    }
+    /// The partition counts this layout supports, for an error message.
+    pub fn counts(&self) -> String {
+        std::iter::once(1)
+            .chain(self.levels.iter().copied())
+            .map(|c| c.to_string())
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+    /// The subject filter of partition `p` of `partitions` over a raw stream with prefix
+    /// `raw_prefix`.
+    pub fn filter(&self, raw_prefix: &str, partitions: u16, p: u16) -> String {
+        let tokens: Vec<String> = self
+            .levels
+            .iter()
+            .map(|&l| {
+                if l == partitions {
+                    p.to_string()
+                } else {
+                    "*".to_string()
+                }
+            })
+            .collect();
+        if partitions == 1 || tokens.is_empty() {
+            return format!("{raw_prefix}.in.>");
+        }
+        format!("{raw_prefix}.in.{}.>", tokens.join("."))
+    }
+    /// The raw stream's subject-transform destination for this layout.
+    pub fn destination(&self, raw_prefix: &str) -> String {
+        let tokens: String = self
+            .levels
+            .iter()
+            .map(|l| format!("{{{{partition({l},1)}}}}."))
+            .collect();
+        format!("{raw_prefix}.in.{tokens}{{{{wildcard(1)}}}}.>")
+    }
+    /// The layout of a transform destination made by [`Layout::destination`] (or by a release
+    /// with one `partition(N,1)` token); `None` when it holds none.
+    pub fn of_destination(destination: &str) -> Option<Layout> {
+        let levels: Vec<u16> = destination
+            .split("{{partition(")
+            .skip(1)
+            .map(|rest| rest.split(',').next().unwrap_or("").trim().parse())
+            .collect::<Result<_, _>>()
+            .ok()?;
+        (!levels.is_empty()).then_some(Layout { levels })
+    }
+}
+
 pub fn transform_partition(key: &[u8], n: u32) -> u32 {
     const OFFSET: u32 = 0x811c_9dc5;
     const PRIME: u32 = 0x0100_0193;
@@ -1262,6 +1392,61 @@ mod tests {
     }
 
     #[test]
+    fn a_partition_of_any_supported_count_keeps_the_keys_it_hashes_to() {
+        let layout = Layout::ladder(256);
+        assert_eq!(layout.levels, vec![2, 4, 8, 16, 32, 64, 128, 256]);
+        assert_eq!(
+            layout.destination("collab"),
+            "collab.in.{{partition(2,1)}}.{{partition(4,1)}}.{{partition(8,1)}}.{{partition(16,1)}}.{{partition(32,1)}}.{{partition(64,1)}}.{{partition(128,1)}}.{{partition(256,1)}}.{{wildcard(1)}}.>"
+        );
+        assert_eq!(
+            Layout::of_destination(&layout.destination("x")),
+            Some(layout.clone())
+        );
+        // A stream made before the ladder: one token, 16 partitions.
+        let old = Layout::of_destination("collab.in.{{partition(16,1)}}.{{wildcard(1)}}.>");
+        assert_eq!(old.as_ref().map(Layout::depth), Some(1));
+        assert_eq!(
+            old.map(|l| l.filter("collab", 16, 7)).as_deref(),
+            Some("collab.in.7.>")
+        );
+        assert_eq!(Layout::of_destination("collab.in.{{wildcard(1)}}.>"), None);
+        assert_eq!(
+            layout.filter("collab", 32, 5),
+            "collab.in.*.*.*.*.5.*.*.*.>"
+        );
+        assert_eq!(layout.filter("collab", 1, 0), "collab.in.>");
+        assert!(layout.supports(8) && layout.supports(1) && !layout.supports(24));
+        // The token a key is stored under at each count is the key's hash modulo it, the same
+        // partition the barriers of that count are computed for.
+        let n = Names::new("collab");
+        for partitions in [2u16, 8, 16, 32] {
+            for p in 0..partitions {
+                let subject = n.barrier_subject(p, partitions);
+                let key = subject.split('.').nth(2).unwrap_or_default();
+                let h = transform_partition(key.as_bytes(), u32::from(partitions));
+                assert_eq!(h, u32::from(p));
+            }
+        }
+        let mut s = Settings::default();
+        s.nats.max_partitions = 24;
+        let e = s
+            .validate()
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("power of two"), "{e}");
+        s.nats.max_partitions = 64;
+        assert_eq!(s.names().raw_depth, 6);
+        assert_eq!(s.partition_filter(3), "collab.in.*.*.*.3.*.*.>");
+        assert_eq!(s.names().key_filter("c1"), "collab.in.*.*.*.*.*.*.c1.>");
+        assert_eq!(
+            s.names().stored_subject("collab.raw.c1.a2a.send"),
+            "collab.in.0.0.0.0.0.0.c1.a2a.send"
+        );
+    }
+
+    #[test]
     fn names_derive_from_the_prefix() {
         let n = Names::new("collab");
         assert_eq!(n.raw_stream, "COLLAB_RAW");
@@ -1270,6 +1455,6 @@ mod tests {
             n.proj_subject(Role::ConversationMain, "c1", "a2a.response"),
             "collab.proj.conversation.main.c1.a2a.response"
         );
-        assert_eq!(n.partition_filter(7), "collab.in.7.>");
+        assert_eq!(n.key_filter("c1"), "collab.in.*.*.*.*.*.*.*.*.c1.>");
     }
 }

@@ -225,6 +225,10 @@ struct ReprojectArgs {
     /// Main agent ids for the version, comma-separated (replaces roles.main_agents).
     #[arg(long, value_delimiter = ',')]
     main_agents: Option<Vec<String>>,
+    /// Partition count for the version (repartitioning): any divisor of the raw stream's slot
+    /// count. Serve the version with the same `nats.partitions`.
+    #[arg(long)]
+    partitions: Option<u16>,
 }
 
 /// Flags of `status`.
@@ -582,6 +586,9 @@ async fn reproject(args: ReprojectArgs) -> anyhow::Result<()> {
     };
     let settings = args.conn.settings_with(|s| {
         s.nats.version.clone_from(&args.version);
+        if let Some(p) = args.partitions {
+            s.nats.partitions = p;
+        }
         rules.apply(s);
     })?;
     if args.drop {

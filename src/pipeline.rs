@@ -16,7 +16,9 @@ pub const H_SOURCE_SUBJECT: &str = "Collab-Source-Subject";
 pub const H_DLQ_REASON: &str = "Collab-Dlq-Reason";
 pub const H_DLQ_DETAIL: &str = "Collab-Dlq-Detail";
 /// Marks a partition barrier in the raw stream: written by a worker, never an input (see
-/// `bus::worker`).
+/// `bus::worker`). Its value is the prefix of the workers that sent it (`collab`, or
+/// `collab_v2` for a projection version; `1` from earlier releases): every set of workers over
+/// the raw stream reads every barrier, and only the sender's deletes it.
 pub const H_BARRIER: &str = "Collab-Barrier";
 
 /// A message to publish on JetStream.
@@ -66,21 +68,26 @@ pub struct RawMessage<'a> {
     pub headers: Option<&'a async_nats::HeaderMap>,
 }
 
-/// The producer's subject, recovered from the partitioned one: `<prefix>.in.<p>.<rest>` ->
-/// `<prefix>.raw.<rest>`. Subjects that are not partitioned are returned as they are.
-pub fn producer_subject(prefix: &str, stored: &str) -> String {
-    let Some(rest) = stored
+/// The producer's subject, recovered from the partitioned one: `<prefix>.in.<tokens>.<rest>`
+/// -> `<prefix>.raw.<rest>`, past the raw stream's `names.raw_depth` partition tokens. Subjects
+/// that are not partitioned that way are returned as they are.
+pub fn producer_subject(names: &Names, stored: &str) -> String {
+    let prefix = names.raw_prefix.as_str();
+    let Some(mut rest) = stored
         .strip_prefix(prefix)
         .and_then(|r| r.strip_prefix(".in."))
     else {
         return stored.to_string();
     };
-    match rest.split_once('.') {
-        Some((p, tail)) if p.bytes().all(|b| b.is_ascii_digit()) => {
-            format!("{prefix}.raw.{tail}")
+    for _ in 0..names.raw_depth {
+        match rest.split_once('.') {
+            Some((p, tail)) if !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => {
+                rest = tail;
+            }
+            _ => return stored.to_string(),
         }
-        _ => stored.to_string(),
     }
+    format!("{prefix}.raw.{rest}")
 }
 
 /// The turn facts of a normalised event, when the turn contract applies to it (an `a2a.*` event
@@ -91,14 +98,14 @@ pub fn producer_subject(prefix: &str, stored: &str) -> String {
 pub fn turn_facts(
     n: &Normalized,
     raw: &RawMessage<'_>,
-    prefix: &str,
+    names: &Names,
     enforce_roles: &[crate::model::Role],
 ) -> Option<crate::turns::TurnFacts> {
     let conversation_id = n.conversation_id.as_deref()?;
     if !enforce_roles.contains(&n.role()) {
         return None;
     }
-    let subject = producer_subject(prefix, raw.stored_subject);
+    let subject = producer_subject(names, raw.stored_subject);
     let mut facts = crate::turns::facts(
         n.source.as_deref()?,
         &n.envelope.event_type,
@@ -112,7 +119,7 @@ pub fn turn_facts(
         // A response that names no `fromAgent` is spoken by the agent whose user published it
         // (`_as.<agent>` in the subject), else by its `agentId`: `identity::check` has held
         // both to the subject's agent already.
-        facts.from_agent = crate::identity::parse(prefix, &subject)
+        facts.from_agent = crate::identity::parse(&names.raw_prefix, &subject)
             .and_then(|s| s.agent)
             .or_else(|| n.envelope.agent_id.as_ref().and_then(crate::model::id_text));
     }
@@ -125,7 +132,7 @@ pub fn turn_facts(
 pub fn run_event(
     n: &Normalized,
     raw: &RawMessage<'_>,
-    prefix: &str,
+    names: &Names,
 ) -> Option<crate::turns::runs::RunEvent> {
     let header = raw.headers.and_then(|h| RelayHeaders::from_nats(h).run_id);
     crate::turns::runs::RunEvent::of(
@@ -134,7 +141,7 @@ pub fn run_event(
         header.as_deref(),
         raw.seq,
         raw.stored_at.timestamp_millis(),
-        &producer_subject(prefix, raw.stored_subject),
+        &producer_subject(names, raw.stored_subject),
     )
 }
 
@@ -238,7 +245,7 @@ fn normalize_raw_with(
     max_deliver: i64,
     streams: Option<&mut crate::redact::StreamRedactor>,
 ) -> Result<Vec<Normalized>, Rejection> {
-    let source = producer_subject(&names.raw_prefix, raw.stored_subject);
+    let source = producer_subject(names, raw.stored_subject);
     if max_deliver > 0 && raw.delivered >= max_deliver {
         return Err(Rejection::new(
             DlqReason::MaxDeliver,
@@ -308,7 +315,7 @@ pub fn projection(names: &Names, n: &Normalized, source_seq: u64, msg_id: String
 
 /// The dead letter for a raw message: its original bytes with the reason in headers.
 pub fn dead_letter(names: &Names, raw: &RawMessage<'_>, rejection: &Rejection) -> Outgoing {
-    let source = producer_subject(&names.raw_prefix, raw.stored_subject);
+    let source = producer_subject(names, raw.stored_subject);
     // Header values must be one line.
     let detail: String = rejection
         .detail
@@ -376,6 +383,14 @@ mod tests {
         s
     }
 
+    /// Names over a raw stream with one partition token (`collab.in.<p>.<key>...`, the layout
+    /// of a stream made with a single partition count), so stored subjects stay short here.
+    fn one_token_names() -> Names {
+        let mut n = Names::new("collab");
+        n.raw_depth = 1;
+        n
+    }
+
     fn raw<'a>(bytes: &'a [u8], subject: &'a str) -> RawMessage<'a> {
         RawMessage {
             bytes,
@@ -392,7 +407,7 @@ mod tests {
     /// turn also marks the response `failed`, and a plain reply is `completed`.
     #[test]
     fn the_phase_facet_follows_the_turn_failure_table() {
-        let names = crate::config::Settings::default().names();
+        let names = one_token_names();
         let rows = [
             (r#"{"waitStatus":"timeout"}"#, "failed"),
             (r#"{"notFound":true}"#, "failed"),
@@ -428,7 +443,7 @@ mod tests {
 
     #[test]
     fn an_agent_publishes_only_as_itself() {
-        let names = Names::new("collab");
+        let names = one_token_names();
         let subject = "collab.in.3.c1._as.eden.a2a.response";
         let as_ruda = br#"{"type":"a2a.response","agentId":"ruda","data":{"fromAgent":"ruda","toAgent":"eden","conversationId":"c1","message":"done"}}"#;
         let out = project(&raw(as_ruda, subject), &names, &settings(), 10);
@@ -464,11 +479,26 @@ mod tests {
 
     #[test]
     fn producer_subject_is_recovered() {
+        let one = one_token_names();
         assert_eq!(
-            producer_subject("collab", "collab.in.61.conv-1.a2a.send"),
+            producer_subject(&one, "collab.in.61.conv-1.a2a.send"),
             "collab.raw.conv-1.a2a.send"
         );
-        assert_eq!(producer_subject("collab", "other.x"), "other.x");
+        assert_eq!(producer_subject(&one, "other.x"), "other.x");
+        let ladder = Names::new("collab");
+        assert_eq!(
+            producer_subject(&ladder, "collab.in.1.3.3.11.27.27.91.219.42.a2a.send"),
+            "collab.raw.42.a2a.send"
+        );
+        assert_eq!(
+            producer_subject(&ladder, &ladder.stored_subject("collab.raw.c.x")),
+            "collab.raw.c.x"
+        );
+        // Fewer partition tokens than the layout has: not a subject of this stream.
+        assert_eq!(
+            producer_subject(&ladder, "collab.in.61.conv-1.a2a.send"),
+            "collab.in.61.conv-1.a2a.send"
+        );
     }
 
     #[test]
@@ -476,7 +506,7 @@ mod tests {
         let body = br#"{"type":"a2a.send","agentId":"ruda","ts":1771329600000,"data":{"fromAgent":"ruda","toAgent":"eden","conversationId":"c1","message":"hi"}}"#;
         let out = project(
             &raw(body, "collab.in.3.c1.a2a.send"),
-            &Names::new("collab"),
+            &one_token_names(),
             &settings(),
             10,
         );
@@ -498,7 +528,7 @@ mod tests {
         let body = br#"{"type":"a2a.send","data":{"conversationId":"agent:x","fromAgent":"ruda","toAgent":"eden"}}"#;
         let out = project(
             &raw(body, "collab.in.3.wrong.a2a.send"),
-            &Names::new("collab"),
+            &one_token_names(),
             &settings(),
             10,
         );
@@ -520,7 +550,7 @@ mod tests {
 
     #[test]
     fn each_reason_has_its_dead_letter() {
-        let names = Names::new("collab");
+        let names = one_token_names();
         let cases: [(&[u8], DlqReason); 6] = [
             (b"{not json", DlqReason::BadJson),
             (b"[1,2]", DlqReason::Unrecognized),

@@ -123,7 +123,12 @@ pub(crate) async fn ack_stage(
     cancel: CancellationToken,
     broken: CancellationToken,
 ) -> Result<(), WorkerError> {
-    let Stage { p, acks, fence } = stage;
+    let Stage {
+        p,
+        acks,
+        fence,
+        barriers,
+    } = stage;
     let refused = |e: TurnIoError| {
         warn!(partition = p, error = %e, "turn state write refused; restarting the partition");
         broken.cancel();
@@ -213,7 +218,7 @@ pub(crate) async fn ack_stage(
             Ok(ready) => ready,
             Err(e) => return hold_failed(e),
         };
-        acknowledge_ready(ready, &mut checkpoint, &stream, p, acks).await;
+        acknowledge_ready(ready, &mut checkpoint, &stream, p, acks, &barriers).await;
     }
     // Drained: the partition wrote its deferred records before it stopped; wait for them.
     debug!(
@@ -230,7 +235,7 @@ pub(crate) async fn ack_stage(
         held.push_back(u);
     }
     let ready = release(&mut held).unwrap_or_default();
-    acknowledge_ready(ready, &mut checkpoint, &stream, p, acks).await;
+    acknowledge_ready(ready, &mut checkpoint, &stream, p, acks, &barriers).await;
     // Drained: a final checkpoint spares the next owner republishing what was stored.
     if let Err(e) = checkpoint.maybe_write(true).await {
         debug!(partition = p, error = %e, "final published checkpoint not written");
@@ -244,6 +249,37 @@ pub(crate) struct Stage {
     pub(crate) p: u16,
     pub(crate) acks: Acks,
     pub(crate) fence: Fence,
+    pub(crate) barriers: BarrierMark,
+}
+
+/// Which barriers a partition deletes once acknowledged: its own workers' only. The
+/// deployment and its projection versions read the same raw stream, so each reads the others'
+/// barriers too (one moves a watermark like any stored message); deleting one would take it
+/// from the workers still waiting for it.
+#[derive(Debug, Clone)]
+pub(crate) struct BarrierMark {
+    /// The `Collab-Barrier` value this set of workers writes: its prefix.
+    mine: String,
+    /// Also the value `1` of earlier releases (the deployment's own workers).
+    legacy: bool,
+}
+
+impl BarrierMark {
+    pub(crate) fn of(names: &crate::config::Names) -> BarrierMark {
+        BarrierMark {
+            mine: names.prefix.clone(),
+            legacy: names.version.is_empty(),
+        }
+    }
+
+    fn owns(&self, msg: &jetstream::Message) -> bool {
+        let value = msg
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(crate::pipeline::H_BARRIER))
+            .map(|v| v.as_str());
+        value == Some(self.mine.as_str()) || (self.legacy && value == Some("1"))
+    }
 }
 
 /// The raw sequence of the last of `ready` (inputs in partition order).
@@ -254,11 +290,12 @@ pub(crate) fn last_sequence(ready: &[jetstream::Message]) -> Option<u64> {
         .find_map(|m| m.info().ok().map(|i| i.stream_sequence))
 }
 
-/// The stream sequences of the barriers among `ready`.
-pub(crate) fn barrier_sequences(ready: &[jetstream::Message]) -> Vec<u64> {
+/// The stream sequences of the barriers among `ready` that `mark` says are this partition's
+/// workers' own.
+pub(crate) fn barrier_sequences(ready: &[jetstream::Message], mark: &BarrierMark) -> Vec<u64> {
     ready
         .iter()
-        .filter(|m| is_barrier(m))
+        .filter(|m| is_barrier(m) && mark.owns(m))
         .filter_map(|m| m.info().ok().map(|i| i.stream_sequence))
         .collect()
 }
@@ -394,8 +431,9 @@ async fn acknowledge_ready(
     stream: &jetstream::stream::Stream,
     p: u16,
     acks: Acks,
+    mark: &BarrierMark,
 ) {
-    let barriers = barrier_sequences(&ready);
+    let barriers = barrier_sequences(&ready, mark);
     if let Some(last) = last_sequence(&ready) {
         checkpoint.acked(last);
     }

@@ -5,7 +5,7 @@
 //! they existed) or with other values gets them, so every deployment is bounded; a limit below
 //! what a stream already holds is refused, since the server would make room by dropping data.
 
-use crate::config::{Names, Settings};
+use crate::config::{Layout, Names, Settings};
 use async_nats::jetstream::context::ConsumerInfoErrorKind as consumer_info_error;
 use async_nats::jetstream::{self, consumer, kv, object_store, stream};
 use std::time::Duration;
@@ -18,6 +18,8 @@ pub enum ProvisionError {
         resource: String,
         differences: String,
     },
+    #[error("{0}")]
+    Layout(String),
     #[error("{resource}: {source}")]
     Api {
         resource: String,
@@ -42,15 +44,48 @@ pub struct Report {
     pub updated: Vec<String>,
 }
 
-/// The raw stream's partition transform.
-pub fn raw_transform(names: &Names, partitions: u16) -> stream::SubjectTransform {
+/// The raw stream's transform: a key's events are stored under its partition tokens
+/// ([`crate::config::Layout`]).
+pub fn raw_transform(names: &Names, layout: &Layout) -> stream::SubjectTransform {
     stream::SubjectTransform {
         source: names.raw_subjects(),
-        destination: format!(
-            "{}.in.{{{{partition({partitions},1)}}}}.{{{{wildcard(1)}}}}.>",
-            names.raw_prefix
-        ),
+        destination: layout.destination(&names.raw_prefix),
     }
+}
+
+/// Settle the layout `settings` work with: the raw stream's own when it exists, the one
+/// `nats.max_partitions` gives a new stream otherwise; then check that `nats.partitions` is a
+/// count it supports, so every partition is read with one filter.
+pub async fn adopt_layout(
+    js: &jetstream::Context,
+    settings: &mut Settings,
+) -> Result<(), ProvisionError> {
+    let names = settings.names();
+    let label = format!("stream {}", names.raw_stream);
+    if let Some(raw) = find_stream(js, &names.raw_stream, &label).await? {
+        let destination = raw
+            .cached_info()
+            .config
+            .subject_transform
+            .as_ref()
+            .map(|t| t.destination.clone());
+        let Some(layout) = destination.as_deref().and_then(Layout::of_destination) else {
+            return Err(ProvisionError::Layout(format!(
+                "{label} has no partition transform ({destination:?}): it was not made by collab-projector"
+            )));
+        };
+        settings.nats.layout = Some(layout);
+    }
+    let layout = settings.layout();
+    let partitions = settings.nats.partitions;
+    if !layout.supports(partitions) {
+        return Err(ProvisionError::Layout(format!(
+            "nats.partitions is {partitions}, which {label} cannot be read with (it stores one partition token per supported count): choose one of {}",
+            layout.counts()
+        )));
+    }
+    settings.nats.layout = Some(layout);
+    Ok(())
 }
 
 pub fn stream_configs(s: &Settings) -> Vec<stream::Config> {
@@ -61,7 +96,7 @@ pub fn stream_configs(s: &Settings) -> Vec<stream::Config> {
             name: n.raw_stream.clone(),
             description: Some("collab-projector raw input, partitioned by key".into()),
             subjects: vec![n.raw_subjects()],
-            subject_transform: Some(raw_transform(&n, s.nats.partitions)),
+            subject_transform: Some(raw_transform(&n, &s.layout())),
             max_age: s.nats.raw_max_age,
             // Accepted input is never dropped: when full, a publish is refused.
             max_bytes: s.storage.raw_max_bytes,
@@ -222,7 +257,7 @@ pub fn consumer_config(s: &Settings, p: u16) -> consumer::pull::Config {
     consumer::pull::Config {
         durable_name: Some(n.consumer_name(p)),
         description: Some(format!("collab-projector partition {p}")),
-        filter_subject: n.partition_filter(p),
+        filter_subject: s.partition_filter(p),
         // A partition is processed in order, so one acknowledgement covers every message before
         // it: one ack per group of inputs instead of one per input.
         ack_policy: consumer::AckPolicy::All,
@@ -242,6 +277,12 @@ fn consumer_differences(have: &consumer::Config, want: &consumer::pull::Config) 
         "filter_subject",
         &have.filter_subject,
         &want.filter_subject,
+    );
+    differ(
+        &mut d,
+        "filter_subjects",
+        &have.filter_subjects,
+        &want.filter_subjects,
     );
     differ(&mut d, "ack_wait", have.ack_wait, want.ack_wait);
     differ(&mut d, "max_deliver", have.max_deliver, want.max_deliver);
@@ -295,6 +336,9 @@ pub fn kv_configs(s: &Settings) -> Vec<kv::Config> {
 
 /// Create what is missing, check what exists. Consumers are created for every partition.
 pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, ProvisionError> {
+    let mut settled = s.clone();
+    adopt_layout(js, &mut settled).await?;
+    let s = &settled;
     let mut report = Report::default();
     let settings = [
         "storage.raw_max_bytes",

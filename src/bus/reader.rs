@@ -285,7 +285,10 @@ impl Partition<'_> {
             return;
         }
         let mut headers = async_nats::HeaderMap::new();
-        headers.insert(crate::pipeline::H_BARRIER, "1");
+        headers.insert(
+            crate::pipeline::H_BARRIER,
+            self.shared.names.prefix.as_str(),
+        );
         // A core publish: the stream stores it, and nothing waits for a publish-ack permit. A
         // barrier lost on the way (no stream leader) is sent again after BARRIER_RETRY_MS.
         if let Err(e) = self
@@ -410,7 +413,7 @@ impl Partition<'_> {
         let replay = stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
                 name: Some(name.clone()),
-                filter_subject: self.shared.names.partition_filter(self.p),
+                filter_subject: self.shared.settings.partition_filter(self.p),
                 deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
                     start_sequence: from,
                 },
@@ -528,7 +531,10 @@ impl Partition<'_> {
     ) -> Result<(), &'static str> {
         use async_nats::jetstream::stream::RawMessageErrorKind;
         match stream
-            .get_first_raw_message_by_subject(self.shared.names.partition_filter(self.p), after + 1)
+            .get_first_raw_message_by_subject(
+                self.shared.settings.partition_filter(self.p),
+                after + 1,
+            )
             .await
         {
             Ok(next) if next.sequence <= to => {
@@ -855,13 +861,11 @@ impl Partition<'_> {
             // AG-UI run events follow the run contract (docs/contract.md section 2b) whatever their role; the turn
             // machinery carries both kinds of exchange.
             let run = if shared.settings.runs.enforce {
-                pipeline::run_event(n, &raw, &shared.names.raw_prefix)
-                    .and_then(|ev| turns.run_facts(&ev))
+                pipeline::run_event(n, &raw, &shared.names).and_then(|ev| turns.run_facts(&ev))
             } else {
                 None
             };
-            let facts =
-                run.or_else(|| pipeline::turn_facts(n, &raw, &shared.names.raw_prefix, enforce));
+            let facts = run.or_else(|| pipeline::turn_facts(n, &raw, &shared.names, enforce));
             match facts {
                 Some(f) => turns.on_event(shared, n, &f, fx).await?,
                 None => fx.outs.push(pipeline::projection(

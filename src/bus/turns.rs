@@ -1292,10 +1292,7 @@ impl PartitionTurns {
             .get_stream(&shared.names.raw_stream)
             .await
             .map_err(|e| kv_err(Box::new(e)))?;
-        let filter = format!(
-            "{}.in.{}.{}.>",
-            shared.names.raw_prefix, self.partition, rec.key
-        );
+        let filter = shared.names.key_filter(&rec.key);
         // A named reader, deleted once read: readers left to expire by themselves pile up under
         // a burst of timed-out runs and streamed exchanges, and nats-server caps a stream's
         // consumers (1,000 by default), after which every further read is refused.

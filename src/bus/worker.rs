@@ -15,7 +15,7 @@
 //! here waits for the work sessions: they are folded from the projection stream by
 //! [`super::sessions::run_fold`], off this path.
 
-use super::acker::{ack_stage, Acks, Processed, Stage};
+use super::acker::{ack_stage, Acks, BarrierMark, Processed, Stage};
 use super::context::WorkerContext;
 use super::error::{Source, WorkerError};
 use super::lease_lapsed;
@@ -154,7 +154,7 @@ pub async fn run_partition(
     let sampler = tokio::spawn(sample_lag(
         shared.state.clone(),
         p,
-        shared.names.partition_filter(p),
+        shared.settings.partition_filter(p),
         consumer.clone(),
         stream.clone(),
         watermark_ms.clone(),
@@ -174,6 +174,7 @@ pub async fn run_partition(
             p,
             acks,
             fence: fence.clone(),
+            barriers: BarrierMark::of(&shared.names),
         },
         rx,
         checkpoint,

@@ -19,6 +19,8 @@ pub enum ReprojectError {
     #[error(transparent)]
     App(#[from] app::AppError),
     #[error(transparent)]
+    Layout(#[from] crate::bus::provision::ProvisionError),
+    #[error(transparent)]
     Ops(#[from] crate::ops::OpsError),
     #[error("{what}: {source}")]
     Api {
@@ -67,6 +69,10 @@ pub async fn run(
     }
     let live = super::live_names(settings);
     let (_client, js) = crate::bus::connect_as(settings, "collab-projector reproject").await?;
+    // The version reads the raw stream's layout with its own partition count (repartitioning).
+    let mut settings = settings.clone();
+    crate::bus::provision::adopt_layout(&js, &mut settings).await?;
+    let settings = &settings;
     if js.get_stream(&version.proj_stream).await.is_ok() {
         return Err(ReprojectError::Refused(format!(
             "projection version {:?} exists already (stream {}): choose another --version, or remove it first with `collab-projector reproject --version {} --drop`",

@@ -128,7 +128,7 @@ fn a_version_keeps_the_raw_stream_and_moves_everything_else() {
     let n = Names::versioned("collab", "v2");
     assert_eq!(n.raw_stream, "COLLAB_RAW");
     assert_eq!(n.raw_subjects(), "collab.raw.*.>");
-    assert_eq!(n.partition_filter(3), "collab.in.3.>");
+    assert_eq!(n.key_filter("c1"), "collab.in.*.*.*.*.*.*.*.*.c1.>");
     assert_eq!(n.proj_stream, "COLLAB_V2_PROJ");
     assert_eq!(n.turns_bucket, "collab_v2_turns");
     assert_eq!(n.consumer_name(3), "collab_v2-proj-3");

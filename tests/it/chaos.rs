@@ -342,8 +342,13 @@ async fn readyz_owned(addr: &str) -> Option<u64> {
 
 /// Partition -> owner id, from the leases bucket (expired leases are not returned).
 async fn lease_owners(js: &jetstream::Context) -> Option<BTreeMap<u16, String>> {
+    lease_owners_in(js, LEASES).await
+}
+
+/// [`lease_owners`] of the leases bucket `bucket` (a projection version's).
+async fn lease_owners_in(js: &jetstream::Context, bucket: &str) -> Option<BTreeMap<u16, String>> {
     let read = async {
-        let kv = js.get_key_value(LEASES).await.ok()?;
+        let kv = js.get_key_value(bucket).await.ok()?;
         let mut keys = kv.keys().await.ok()?;
         let mut names = Vec::new();
         while let Some(k) = keys.next().await {
@@ -573,11 +578,20 @@ struct Rec {
     payload: Bytes,
 }
 
-/// A worker's partition barrier, as stored in the raw stream (`collab.in.<p>._watermark<n>.barrier`).
+/// The producer's subject of a raw message (`collab.raw.<key>.<type...>`), whatever partition
+/// tokens the raw stream stored it under.
+fn published(subject: &str) -> String {
+    collab_projector::pipeline::producer_subject(
+        &collab_projector::config::Names::new("collab"),
+        subject,
+    )
+}
+
+/// A worker's partition barrier, as stored in the raw stream (`collab.in.<tokens>._watermark<n>.barrier`).
 fn is_barrier(subject: &str) -> bool {
-    subject
+    published(subject)
         .split('.')
-        .nth(3)
+        .nth(2)
         .is_some_and(|t| t.starts_with("_watermark"))
         && subject.ends_with(".barrier")
 }
@@ -661,17 +675,16 @@ struct RawIn {
     input: Input,
 }
 
-fn parse_raw(r: &Rec) -> Option<RawIn> {
-    // collab.in.<p>.<key>.<type...>
-    let mut parts = r.subject.splitn(5, '.');
-    let (_, _, p, key, kind) = (
-        parts.next()?,
-        parts.next()?,
-        parts.next()?,
-        parts.next()?,
-        parts.next()?,
-    );
-    let partition = p.parse().ok()?;
+fn parse_raw(r: &Rec, partitions: u16) -> Option<RawIn> {
+    // collab.raw.<key>.<type...>; the partition is the key's hash, as the stream computed it.
+    let subject = published(&r.subject);
+    let mut parts = subject.splitn(4, '.');
+    let (_, _, key, kind) = (parts.next()?, parts.next()?, parts.next()?, parts.next()?);
+    let partition = u16::try_from(collab_projector::config::transform_partition(
+        key.as_bytes(),
+        u32::from(partitions),
+    ))
+    .ok()?;
     let (n, input) = match serde_json::from_slice::<Value>(&r.payload) {
         Ok(v) => {
             let d = &v["data"];
@@ -1180,13 +1193,19 @@ impl Bed {
     /// The partition consumers with work left (pending or unacknowledged), described; `None`
     /// when they cannot all be read.
     async fn undrained(&self) -> Option<Vec<String>> {
+        self.undrained_of("collab-proj-", self.profile.partitions)
+            .await
+    }
+
+    /// [`Bed::undrained`] of the `partitions` consumers named `<prefix><p>` (a version's).
+    async fn undrained_of(&self, prefix: &str, partitions: u16) -> Option<Vec<String>> {
         let stream = self.js.get_stream(RAW).await.ok()?;
         let mut infos = stream.consumers();
         let mut seen = 0;
         let mut stuck = Vec::new();
         while let Some(info) = infos.next().await {
             let info = info.ok()?;
-            if !info.name.starts_with("collab-proj-") {
+            if !info.name.starts_with(prefix) {
                 continue;
             }
             seen += 1;
@@ -1201,11 +1220,30 @@ impl Bed {
                 ));
             }
         }
-        (seen == usize::from(self.profile.partitions)).then_some(stuck)
+        (seen == usize::from(partitions)).then_some(stuck)
+    }
+
+    /// Messages the consumers named `<prefix><p>` have yet to deliver or to see acknowledged.
+    async fn pending_of(&self, prefix: &str) -> Option<u64> {
+        let stream = self.js.get_stream(RAW).await.ok()?;
+        let mut infos = stream.consumers();
+        let mut pending = 0;
+        while let Some(info) = infos.next().await {
+            let info = info.ok()?;
+            if info.name.starts_with(prefix) {
+                pending += info.num_pending + info.num_ack_pending as u64;
+            }
+        }
+        Some(pending)
     }
 
     async fn turns_answered(&self) -> usize {
-        match read_all(&self.js, PROJ, RESPONSES).await {
+        self.turns_answered_in(PROJ, RESPONSES).await
+    }
+
+    /// Distinct turns answered on `responses` in the projection stream `proj`.
+    async fn turns_answered_in(&self, proj: &str, responses: &str) -> usize {
+        match read_all(&self.js, proj, responses).await {
             Ok(rs) => rs
                 .iter()
                 .filter_map(|r| r.msg_id.clone())
@@ -1217,7 +1255,18 @@ impl Bed {
 
     /// Stop the writer, let every worker run, wait until everything is processed and every
     /// turn answered (twice in a row), then read everything and check it.
-    async fn finish(mut self, writer: (CancellationToken, JoinHandle<WriterLog>)) -> Report {
+    async fn finish(self, writer: (CancellationToken, JoinHandle<WriterLog>)) -> Report {
+        let mut reports = self.finish_all(writer, Vec::new()).await;
+        reports.remove(0)
+    }
+
+    /// [`Bed::finish`] for the deployment and every projection version in `versions`: each is
+    /// drained and checked against the same raw stream, the deployment's report first.
+    async fn finish_all(
+        mut self,
+        writer: (CancellationToken, JoinHandle<WriterLog>),
+        mut versions: Vec<Version>,
+    ) -> Vec<Report> {
         let load_s = self.elapsed();
         writer.0.cancel();
         let log = writer.1.await.expect("the writer task failed");
@@ -1225,11 +1274,28 @@ impl Bed {
         if self.fleet.live().is_empty() {
             self.fleet.spawn(0);
         }
+        for v in &mut versions {
+            if v.fleet.live().is_empty() {
+                v.fleet.spawn(0);
+            }
+        }
         let drain_start = Instant::now();
         let deadline = drain_start + self.profile.guard;
         let mut stable = 0;
         let drained = loop {
-            if self.consumers_drained().await && self.turns_answered().await >= log.turns {
+            let mut versions_done = true;
+            for v in &versions {
+                versions_done = versions_done
+                    && self
+                        .undrained_of(&v.consumer_prefix(), v.partitions)
+                        .await
+                        .is_some_and(|stuck| stuck.is_empty())
+                    && self.turns_answered_in(&v.proj(), &v.responses()).await >= log.turns;
+            }
+            if versions_done
+                && self.consumers_drained().await
+                && self.turns_answered().await >= log.turns
+            {
                 stable += 1;
                 if stable >= 2 {
                     break true;
@@ -1270,9 +1336,30 @@ impl Bed {
         }
         let proj = read_all_retrying(&self.js, PROJ, "").await;
         let dlq = read_all_retrying(&self.js, DLQ, "").await;
-        let report = check(&mut self, &log, &raw, &proj, &dlq);
+        let mut reports = vec![check(&mut self, &log, &raw, &proj, &dlq)];
+        let (scenario, partitions) = (self.scenario, self.profile.partitions);
+        for v in &mut versions {
+            if !drained {
+                let stuck = self.undrained_of(&v.consumer_prefix(), v.partitions).await;
+                self.problems.push(format!(
+                    "version {} not drained within {:?}: consumers with work left: {stuck:?}",
+                    v.name, self.profile.guard
+                ));
+            }
+            let proj = read_all_retrying(&self.js, &v.proj(), "").await;
+            let dlq = read_all_retrying(&self.js, &v.dlq(), "").await;
+            self.scenario = v.label;
+            self.profile.partitions = v.partitions;
+            self.notes.append(&mut v.notes);
+            reports.push(check(&mut self, &log, &raw, &proj, &dlq));
+            v.fleet.thaw_all();
+        }
+        (self.scenario, self.profile.partitions) = (scenario, partitions);
         self.keep_logs();
-        report
+        for v in &versions {
+            keep_fleet_logs(v.label, &v.fleet);
+        }
+        reports
     }
 
     /// With `CHAOS_LOG_DIR` set, write every worker's log there (`<scenario>-<id>.log`).
@@ -1280,16 +1367,7 @@ impl Bed {
         let Ok(dir) = std::env::var("CHAOS_LOG_DIR") else {
             return;
         };
-        let _ = std::fs::create_dir_all(&dir);
-        let live = self.fleet.live();
-        let all = live
-            .iter()
-            .map(|(_, w)| (&w.id, &w.proc))
-            .chain(self.fleet.graveyard.iter().map(|(id, p)| (id, p)));
-        for (id, proc) in all {
-            let path = format!("{dir}/{}-{id}.log", self.scenario);
-            let _ = std::fs::write(path, proc.log_text());
-        }
+        keep_fleet_logs(self.scenario, &self.fleet);
         let servers: Vec<std::path::PathBuf> = match &mut self.broker {
             Broker::Single(nats) => nats.local().map(|l| l.log_path()).into_iter().collect(),
             Broker::Cluster(nodes) => nodes.iter().map(LocalNats::log_path).collect(),
@@ -1297,6 +1375,158 @@ impl Bed {
         for (i, log) in servers.iter().enumerate() {
             let _ = std::fs::copy(log, format!("{dir}/{}-nats{i}.log", self.scenario));
         }
+    }
+}
+
+/// With `CHAOS_LOG_DIR` set, write the log of every worker of `fleet` there
+/// (`<label>-<id>.log`).
+fn keep_fleet_logs(label: &str, fleet: &Fleet) {
+    let Ok(dir) = std::env::var("CHAOS_LOG_DIR") else {
+        return;
+    };
+    let _ = std::fs::create_dir_all(&dir);
+    let live = fleet.live();
+    let all = live
+        .iter()
+        .map(|(_, w)| (&w.id, &w.proc))
+        .chain(fleet.graveyard.iter().map(|(id, p)| (id, p)));
+    for (id, proc) in all {
+        let path = format!("{dir}/{label}-{id}.log");
+        let _ = std::fs::write(path, proc.log_text());
+    }
+}
+
+/// A projection version computed beside the deployment (`nats.version`) with its own partition
+/// count, by its own workers, over the same raw stream: the blue/green path of a repartitioning.
+struct Version {
+    name: &'static str,
+    /// The scenario name of its report.
+    label: &'static str,
+    partitions: u16,
+    fleet: Fleet,
+    /// What was measured while it caught up, for its report.
+    notes: Vec<String>,
+}
+
+impl Version {
+    fn consumer_prefix(&self) -> String {
+        format!("collab_{}-proj-", self.name)
+    }
+    fn proj(&self) -> String {
+        format!("COLLAB_{}_PROJ", self.name.to_ascii_uppercase())
+    }
+    fn dlq(&self) -> String {
+        format!("COLLAB_{}_DLQ", self.name.to_ascii_uppercase())
+    }
+    fn leases(&self) -> String {
+        format!("collab_{}_leases", self.name)
+    }
+    fn responses(&self) -> String {
+        format!("collab_{}.proj.conversation.main.*.a2a.response", self.name)
+    }
+}
+
+impl Bed {
+    /// Provision version `name` with `partitions` partitions and start `workers` workers for
+    /// it, while the deployment runs; returns once they lease every partition.
+    async fn start_version(
+        &mut self,
+        name: &'static str,
+        label: &'static str,
+        partitions: u16,
+        workers: usize,
+    ) -> Version {
+        let mut env: Vec<(String, String)> = self
+            .fleet
+            .env
+            .iter()
+            .filter(|(k, _)| k != "COLLAB_NATS__PARTITIONS")
+            .cloned()
+            .collect();
+        env.push(("COLLAB_NATS__PARTITIONS".into(), partitions.to_string()));
+        env.push(("COLLAB_NATS__VERSION".into(), name.into()));
+        crate::support::provision_with_binary(
+            &self.fleet.urls[0],
+            env.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        );
+        let mut fleet = Fleet {
+            env,
+            urls: self.fleet.urls.clone(),
+            url_of: BTreeMap::new(),
+            env_of: BTreeMap::new(),
+            slots: Vec::new(),
+            generations: Vec::new(),
+            graveyard: Vec::new(),
+        };
+        for slot in 0..workers {
+            fleet.spawn(slot);
+        }
+        let v = Version {
+            name,
+            label,
+            partitions,
+            fleet,
+            notes: Vec::new(),
+        };
+        let deadline = Instant::now() + self.profile.guard;
+        while lease_owners_in(&self.js, &v.leases())
+            .await
+            .is_none_or(|o| o.len() != usize::from(partitions))
+        {
+            assert!(
+                Instant::now() < deadline,
+                "{}: version {name}'s workers did not lease all {partitions} partitions",
+                self.scenario
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        v
+    }
+
+    /// Follow version `v` from its start while the load runs, for `span`: kill -9 one of its
+    /// workers `kill_after` in (and start it again), and note how long it took to catch up with
+    /// the deployment (its partitions' pending work no more than the deployment's plus a fifth
+    /// of a second of input) and the deployment's largest pending work meanwhile.
+    async fn follow_version(
+        &mut self,
+        v: &mut Version,
+        started: Instant,
+        span: Duration,
+        kill_after: Option<Duration>,
+    ) {
+        let behind_at_start = self.pending_of(&v.consumer_prefix()).await.unwrap_or(0);
+        let slack = (self.profile.rate / 5.0) as u64;
+        let (mut killed, mut caught_up, mut live_max, mut version_max) =
+            (kill_after.is_none(), None, 0, 0);
+        let end = started + span;
+        while Instant::now() < end {
+            if !killed && kill_after.is_some_and(|k| started.elapsed() >= k) {
+                killed = true;
+                v.fleet.kill9(0);
+                v.notes.push(format!(
+                    "kill -9 of its worker 0 {:.1} s after the version started",
+                    started.elapsed().as_secs_f64()
+                ));
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                v.fleet.spawn(0);
+            }
+            let live = self.pending_of("collab-proj-").await.unwrap_or(0);
+            let mine = self
+                .pending_of(&v.consumer_prefix())
+                .await
+                .unwrap_or(u64::MAX);
+            live_max = live_max.max(live);
+            version_max = version_max.max(mine.min(u64::from(u32::MAX)));
+            if caught_up.is_none() && mine <= live + slack {
+                caught_up = Some(started.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        v.notes.push(format!(
+            "{} partitions: caught up with the deployment in {} ({behind_at_start} inputs behind at its start, at most {version_max} pending); the deployment's pending work meanwhile at most {live_max}",
+            v.partitions,
+            caught_up.map_or("not within the run".to_string(), |d| format!("{:.1} s", d.as_secs_f64())),
+        ));
     }
 }
 
@@ -1436,7 +1666,11 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
         faults: bed.faults.iter().map(|f| f.what.clone()).collect(),
         ..Report::default()
     };
-    let inputs: Vec<RawIn> = raw.iter().filter_map(parse_raw).collect();
+    let partitions = bed.profile.partitions;
+    let inputs: Vec<RawIn> = raw
+        .iter()
+        .filter_map(|r| parse_raw(r, partitions))
+        .collect();
     let by_seq: HashMap<u64, &RawIn> = inputs.iter().map(|i| (i.seq, i)).collect();
     let mut seqs_of_n: HashMap<u64, Vec<u64>> = HashMap::new();
     for i in &inputs {
@@ -1577,10 +1811,12 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
     }
     let mut responses: BTreeMap<(String, String), Vec<&Rec>> = BTreeMap::new();
     for p in proj {
+        // `collab.proj...`, or `collab_<version>.proj...` for a projection version.
         let Some(key) = p
             .subject
-            .strip_prefix("collab.proj.conversation.main.")
-            .and_then(|s| s.strip_suffix(".a2a.response"))
+            .split_once(".proj.conversation.main.")
+            .filter(|(prefix, _)| prefix.starts_with("collab"))
+            .and_then(|(_, s)| s.strip_suffix(".a2a.response"))
         else {
             continue;
         };
@@ -1809,6 +2045,51 @@ async fn scale(p: &Profile, seed: u64) -> Report {
     let left = Instant::now();
     bed.measure_balance(left).await;
     tokio::time::sleep(step / 2).await;
+    bed.finish(writer).await
+}
+
+/// Repartitioning under load, the blue/green way: beside the deployment (16 partitions), a
+/// version with 32 partitions and then one with 8 are started over the same raw stream while
+/// the writer publishes; one worker of each is killed while the version catches up. Every
+/// version must account for every input exactly once, answer every turn once, and keep each
+/// key's order, like the deployment.
+async fn repartition(p: &Profile, seed: u64, kill: bool) -> Vec<Report> {
+    let mut bed = Bed::start("repartition", p, false, 2).await;
+    let writer = bed.writer(seed, p.timeout_ms);
+    let step = p.load / 3;
+    tokio::time::sleep(step / 2).await;
+    let started = Instant::now();
+    let mut up = bed.start_version("v32", "repartition-to-32", 32, 2).await;
+    let kill_after = kill.then_some(step / 8);
+    bed.follow_version(&mut up, started, step, kill_after).await;
+    let started = Instant::now();
+    // CHAOS_DOWN_TO=16 runs the second version with another count.
+    let down_to: u16 = std::env::var("CHAOS_DOWN_TO")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(8);
+    let mut down = bed
+        .start_version("v8", "repartition-to-8", down_to, 1)
+        .await;
+    bed.follow_version(&mut down, started, step, kill_after)
+        .await;
+    tokio::time::sleep(step / 2).await;
+    bed.finish_all(writer, vec![up, down]).await
+}
+
+/// A worker that starts behind (the writer ran without one) is killed while it catches up, and
+/// started again.
+async fn backlog_kill(p: &Profile, seed: u64) -> Report {
+    let mut bed = Bed::start("backlog-kill", p, false, 0).await;
+    let writer = bed.writer(seed, p.timeout_ms);
+    tokio::time::sleep(p.load / 2).await;
+    bed.fleet.spawn(0);
+    bed.wait_all_owned().await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    bed.fleet.kill9(0);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    bed.fleet.spawn(0);
+    tokio::time::sleep(p.load / 2).await;
     bed.finish(writer).await
 }
 
@@ -2290,6 +2571,31 @@ async fn chaos_short_kill9() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_short_repartition_16_to_32_to_8() {
+    let kill = std::env::var("CHAOS_KILL_VERSION").is_ok();
+    let reports = repartition(&Profile::short(), seed("repartition"), kill).await;
+    assert_eq!(reports.len(), 3, "the deployment and two versions");
+    let mut violations = Vec::new();
+    for r in &reports {
+        r.print();
+        assert!(r.inputs > 0, "{}: no input checked", r.scenario);
+        violations.extend(r.violations());
+    }
+    assert!(
+        violations.is_empty(),
+        "chaos violations:\n{}",
+        violations.join("\n")
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_short_kill_while_catching_up() {
+    backlog_kill(&Profile::short(), seed("backlog-kill"))
+        .await
+        .assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_short_sigstop() {
     sigstop(&Profile::short(), seed("sigstop"))
         .await
@@ -2446,6 +2752,7 @@ async fn chaos_full() {
         "held-publishes",
         "clock-skew",
         "cluster-partition",
+        "repartition",
     ]
     .into_iter()
     .enumerate()
@@ -2474,6 +2781,15 @@ async fn chaos_full() {
                 owner_network(&p, s, name, Duration::from_secs(14), false, &window).await
             }
             "cluster-partition" => cluster_partition(&p, s).await,
+            "repartition" => {
+                let mut all = repartition(&p, s, false).await;
+                let first = all.remove(0);
+                for r in all {
+                    r.print();
+                    reports.push(r);
+                }
+                first
+            }
             "clock-skew" => match clock_skew(&p, s).await {
                 Some(r) => r,
                 None => panic!("libfaketime is missing (apt-get install faketime)"),

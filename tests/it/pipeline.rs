@@ -1339,26 +1339,30 @@ async fn sigterm_drains_and_everything_acknowledged_is_projected() {
         unacked.is_empty(),
         "messages left unacknowledged after the drain: {unacked:?}"
     );
-    let floors: BTreeMap<String, u64> = infos
+    // Partition of each consumer, by the filter the settings give it.
+    let settings = collab_projector::config::Settings::default();
+    let floors: BTreeMap<u16, u64> = infos
         .iter()
         .map(|i| {
-            (
-                i.config.filter_subject.trim_end_matches(".>").to_string(),
-                i.ack_floor.stream_sequence,
-            )
+            let p = (0..settings.nats.partitions)
+                .find(|p| settings.partition_filter(*p) == i.config.filter_subject)
+                .unwrap_or_else(|| panic!("unexpected filter {}", i.config.filter_subject));
+            (p, i.ack_floor.stream_sequence)
         })
         .collect();
     assert_eq!(floors.len(), default_partitions());
+    let names = settings.names();
     let mut acknowledged = 0;
     for m in read_all(&js, RAW, "collab.in.>").await {
-        let partition_prefix = m
-            .subject
-            .splitn(4, '.')
-            .take(3)
-            .collect::<Vec<_>>()
-            .join(".");
-        let floor = floors
-            .get(&partition_prefix)
+        let published = collab_projector::pipeline::producer_subject(&names, &m.subject);
+        let key = published.split('.').nth(2).unwrap_or_default();
+        let partition = collab_projector::config::transform_partition(
+            key.as_bytes(),
+            u32::from(settings.nats.partitions),
+        );
+        let floor = u16::try_from(partition)
+            .ok()
+            .and_then(|p| floors.get(&p))
             .unwrap_or_else(|| panic!("no consumer for {}", m.subject));
         if m.seq <= *floor {
             acknowledged += 1;

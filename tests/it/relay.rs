@@ -323,7 +323,7 @@ pub(crate) async fn provisioned(url: &str) -> async_nats::jetstream::Context {
     js
 }
 
-/// One raw message, its stored subject (`collab.in.<partition>.<key>._as.<speaker>.<type>`) read
+/// One raw message, its stored subject (`collab.in.<partition tokens>.<key>._as.<speaker>.<type>`) read
 /// back as the key, speaker and type the relay published to
 /// (`collab.raw.<key>._as.<speaker>.<type>`).
 #[derive(Debug, Clone)]
@@ -368,16 +368,22 @@ async fn raw_messages(js: &async_nats::jetstream::Context, n: u64) -> Vec<Raw> {
     let mut out = Vec::new();
     for seq in 1..=total {
         let m = stream.get_raw_message(seq).await.unwrap();
-        let tokens: Vec<&str> = m.subject.split('.').collect();
-        assert_eq!(&tokens[..2], ["collab", "in"], "{}", m.subject);
+        assert!(m.subject.starts_with("collab.in."), "{}", m.subject);
+        // The subject the relay published to: `collab.raw.<key>._as.<speaker>.<type>`.
+        let published = collab_projector::pipeline::producer_subject(
+            &collab_projector::config::Names::new("collab"),
+            &m.subject,
+        );
+        let tokens: Vec<&str> = published.split('.').collect();
+        assert_eq!(&tokens[..2], ["collab", "raw"], "{}", m.subject);
         assert_eq!(
-            tokens[4], "_as",
+            tokens[3], "_as",
             "published under an identity: {}",
             m.subject
         );
-        let speaker = tokens[5].to_string();
+        let speaker = tokens[4].to_string();
         // The request is the caller's words, every answer the agent's.
-        let side = if tokens[6..].join(".") == "a2a.wire.request" {
+        let side = if tokens[5..].join(".") == "a2a.wire.request" {
             "Collab-From-Agent"
         } else {
             "Collab-To-Agent"
@@ -389,9 +395,9 @@ async fn raw_messages(js: &async_nats::jetstream::Context, n: u64) -> Vec<Raw> {
             m.subject
         );
         out.push(Raw {
-            key: tokens[3].to_string(),
+            key: tokens[2].to_string(),
             speaker,
-            kind: tokens[6..].join("."),
+            kind: tokens[5..].join("."),
             headers: m.headers,
             payload: m.payload,
         });
@@ -2132,9 +2138,13 @@ async fn relay_e2e_a2a_sdk_turns_come_out_of_the_projector() {
     // agent never answers is not published at all: nothing says the agent accepted it.)
     let hang = Script::spawn(&python, "a2a_client.py", &["--hang", &url("hang")]);
     wait_until(WAIT, "the hanging request is on the bus", || async {
-        crate::pipeline::read_all(&js, "COLLAB_RAW", "collab.in.*.e2e-hang-jsonrpc-v1.>")
-            .await
-            .len()
+        crate::pipeline::read_all(
+            &js,
+            "COLLAB_RAW",
+            &collab_projector::config::Names::new("collab").key_filter("e2e-hang-jsonrpc-v1"),
+        )
+        .await
+        .len()
             >= 2
     })
     .await;

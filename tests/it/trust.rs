@@ -531,7 +531,10 @@ async fn agents_publish_only_as_themselves_and_read_only_their_own_inbox() {
         .get_raw_message(seq)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
-    let producer = collab_projector::pipeline::producer_subject("collab", stored.subject.as_str());
+    let producer = collab_projector::pipeline::producer_subject(
+        &collab_projector::config::Names::new("collab"),
+        stored.subject.as_str(),
+    );
     let parsed =
         identity::parse("collab", &producer).unwrap_or_else(|| panic!("a raw subject: {producer}"));
     assert_eq!(parsed.agent.as_deref(), Some("eden"));

@@ -573,13 +573,33 @@ async fn each_partitions_barrier_subject_is_stored_in_that_partition() {
     }
     let raw = crate::pipeline::read_all(&bed.js, "COLLAB_RAW", "collab.in.>").await;
     assert_eq!(raw.len(), usize::from(partitions));
+    // Stored under partition p's token, and read by partition p's filter.
+    let settings = collab_projector::config::Settings::default();
+    let at = settings
+        .layout()
+        .levels
+        .iter()
+        .position(|l| *l == partitions);
     for (p, m) in raw.iter().enumerate() {
-        let want = format!("collab.in.{p}.");
-        assert!(
-            m.subject.starts_with(&want),
+        let token: Option<usize> = m
+            .subject
+            .strip_prefix("collab.in.")
+            .and_then(|r| r.split('.').nth(at?))
+            .and_then(|t| t.parse().ok());
+        assert_eq!(
+            token,
+            Some(p),
             "barrier for partition {p} stored as {}",
             m.subject
         );
+        let filter = settings.partition_filter(p as u16);
+        let prefix = filter.trim_end_matches('>');
+        let matches = m
+            .subject
+            .split('.')
+            .zip(prefix.split('.'))
+            .all(|(have, want)| want.is_empty() || want == "*" || have == want);
+        assert!(matches, "{} is not read by {filter}", m.subject);
     }
 }
 
