@@ -27,6 +27,11 @@
 //! `CHAOS_SEED=<n>` replays a scenario's writer and fault schedule (timing still varies);
 //! `CHAOS_ONLY=kill9,mix` runs a subset of `chaos_full`; `CHAOS_LOG_DIR=<dir>` keeps every
 //! worker's log (and the nats-server logs) there; `CHAOS_RUST_LOG` sets the workers' `RUST_LOG`.
+//! The repartitioning scenario (`chaos_short_repartition_16_to_32_to_8`) takes
+//! `CHAOS_KILL_VERSION=1` (kill -9 one worker of each version while it catches up, a known
+//! failure: docs/reliability.md), `CHAOS_DOWN_TO=<count>` (the second version's partition count)
+//! and `CHAOS_SKIP_UP=1` (no 32-partition version); `CHAOS_KILL_AFTER_MS` sets when
+//! `chaos_short_kill_while_catching_up` kills its worker.
 //! Timing is printed, never asserted.
 
 use std::cmp::Reverse;
@@ -1836,14 +1841,29 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
         let got = responses.get(k).map(Vec::as_slice).unwrap_or_default();
         if got.len() != 1 {
             r.turns_not_one += 1;
+            // What the key's inputs from the send on became: context for a missing response.
+            let key_inputs: Vec<String> = inputs
+                .iter()
+                .filter(|i| i.key == k.0 && i.seq >= send.seq)
+                .take(6)
+                .map(|i| {
+                    let outs: Vec<String> = proj
+                        .iter()
+                        .filter(|o| o.source_seq == Some(i.seq))
+                        .map(|o| o.subject.split('.').skip(4).collect::<Vec<_>>().join("."))
+                        .collect();
+                    format!("{} {:?}@{} -> {outs:?}", i.seq, i.input, i.stored_ms)
+                })
+                .collect();
             details.push(format!(
-                "turn {k:?} (send seq {}, partition {}) has {} responses: {:?}",
+                "turn {k:?} (send seq {}, partition {}) has {} responses: {:?}; the key's inputs from the send: {}",
                 send.seq,
                 send.partition,
                 got.len(),
                 got.iter()
                     .map(|g| (g.seq, g.source_seq))
-                    .collect::<Vec<_>>()
+                    .collect::<Vec<_>>(),
+                key_inputs.join(", ")
             ));
             continue;
         }
@@ -2059,9 +2079,13 @@ async fn repartition(p: &Profile, seed: u64, kill: bool) -> Vec<Report> {
     let step = p.load / 3;
     tokio::time::sleep(step / 2).await;
     let started = Instant::now();
-    let mut up = bed.start_version("v32", "repartition-to-32", 32, 2).await;
     let kill_after = kill.then_some(step / 8);
-    bed.follow_version(&mut up, started, step, kill_after).await;
+    let mut versions = Vec::new();
+    if std::env::var("CHAOS_SKIP_UP").is_err() {
+        let mut up = bed.start_version("v32", "repartition-to-32", 32, 2).await;
+        bed.follow_version(&mut up, started, step, kill_after).await;
+        versions.push(up);
+    }
     let started = Instant::now();
     // CHAOS_DOWN_TO=16 runs the second version with another count.
     let down_to: u16 = std::env::var("CHAOS_DOWN_TO")
@@ -2073,8 +2097,9 @@ async fn repartition(p: &Profile, seed: u64, kill: bool) -> Vec<Report> {
         .await;
     bed.follow_version(&mut down, started, step, kill_after)
         .await;
+    versions.push(down);
     tokio::time::sleep(step / 2).await;
-    bed.finish_all(writer, vec![up, down]).await
+    bed.finish_all(writer, versions).await
 }
 
 /// A worker that starts behind (the writer ran without one) is killed while it catches up, and
@@ -2085,7 +2110,11 @@ async fn backlog_kill(p: &Profile, seed: u64) -> Report {
     tokio::time::sleep(p.load / 2).await;
     bed.fleet.spawn(0);
     bed.wait_all_owned().await;
-    tokio::time::sleep(Duration::from_millis(400)).await;
+    let after: u64 = std::env::var("CHAOS_KILL_AFTER_MS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(100);
+    tokio::time::sleep(Duration::from_millis(after)).await;
     bed.fleet.kill9(0);
     tokio::time::sleep(Duration::from_millis(300)).await;
     bed.fleet.spawn(0);
@@ -2574,7 +2603,7 @@ async fn chaos_short_kill9() {
 async fn chaos_short_repartition_16_to_32_to_8() {
     let kill = std::env::var("CHAOS_KILL_VERSION").is_ok();
     let reports = repartition(&Profile::short(), seed("repartition"), kill).await;
-    assert_eq!(reports.len(), 3, "the deployment and two versions");
+    assert!(reports.len() >= 2, "the deployment and the versions");
     let mut violations = Vec::new();
     for r in &reports {
         r.print();
