@@ -30,7 +30,8 @@
 //! The repartitioning scenario (`chaos_short_repartition_16_to_32_to_8`) takes
 //! `CHAOS_KILL_VERSION=1` (kill -9 one worker of each version while it catches up, a known
 //! failure: docs/reliability.md), `CHAOS_DOWN_TO=<count>` (the second version's partition count)
-//! and `CHAOS_SKIP_UP=1` (no 32-partition version); `CHAOS_KILL_AFTER_MS` sets when
+//! and `CHAOS_SKIP_UP=1` (no 32-partition version), `CHAOS_DUMP_TURNS=1` (print a failing
+//! version's turn bucket); `CHAOS_KILL_AFTER_MS` sets when
 //! `chaos_short_kill_while_catching_up` kills its worker.
 //! Timing is printed, never asserted.
 
@@ -1356,7 +1357,11 @@ impl Bed {
             self.scenario = v.label;
             self.profile.partitions = v.partitions;
             self.notes.append(&mut v.notes);
-            reports.push(check(&mut self, &log, &raw, &proj, &dlq));
+            let report = check(&mut self, &log, &raw, &proj, &dlq);
+            if std::env::var("CHAOS_DUMP_TURNS").is_ok() && !report.violations().is_empty() {
+                dump_turns(&self.js, &format!("collab_{}_turns", v.name)).await;
+            }
+            reports.push(report);
             v.fleet.thaw_all();
         }
         (self.scenario, self.profile.partitions) = (scenario, partitions);
@@ -1379,6 +1384,32 @@ impl Bed {
         };
         for (i, log) in servers.iter().enumerate() {
             let _ = std::fs::copy(log, format!("{dir}/{}-nats{i}.log", self.scenario));
+        }
+    }
+}
+
+/// Print every record of the turn bucket `bucket` (`CHAOS_DUMP_TURNS`, to diagnose a failure).
+async fn dump_turns(js: &jetstream::Context, bucket: &str) {
+    let Ok(kv) = js.get_key_value(bucket).await else {
+        println!("dump {bucket}: no bucket");
+        return;
+    };
+    let Ok(mut keys) = kv.keys().await else {
+        return;
+    };
+    let mut names = Vec::new();
+    while let Some(Ok(k)) = keys.next().await {
+        names.push(k);
+    }
+    names.sort();
+    println!("dump {bucket}: {} keys", names.len());
+    for k in names {
+        if let Ok(Some(e)) = kv.entry(&k).await {
+            let v: Value = serde_json::from_slice(&e.value).unwrap_or(Value::Null);
+            println!(
+                "  {k} rev {} state {} deadline {} writer {}",
+                e.revision, v["state"], v["deadlineMs"], v["writer"]
+            );
         }
     }
 }
