@@ -313,7 +313,7 @@ fn thread(p: &Shared) -> Value {
         "operationId": "getThread",
         "summary": "One conversation, AG-UI thread or session as people read it: its runs (messages assembled from their deltas, tool calls with arguments and results, steps, duration, outcome: running, finished, waiting, failed, timed_out) and its turns (request and reply in place; awaiting_reply, answered, waiting, blocked). The newest 5000 events of the key in the token's roles are read; `truncated` says when older ones exist.",
         "parameters": [
-            {"name": "key", "in": "path", "required": true, "schema": {"type": "string"}, "description": "The ordering key: a conversation id, AG-UI thread id or session id (as events' `key`)."},
+            {"name": "key", "in": "path", "required": true, "schema": {"type": "string", "pattern": "\\S"}, "description": "The ordering key: a conversation id, AG-UI thread id or session id (as events' `key`). Whitespace around it is ignored; a key of only whitespace is refused (400 invalid_key)."},
             list_param("role", "Roles to read the thread's events from (default: the token's grant), comma-separated or repeated. Naming a role outside the token's grant is a 403.", p.role_item.clone())],
         "responses": with_ok(common_errors(&[("404", "No events of the key in the roles read.")]),
             json!({"description": "The thread (`{thread, role}`).", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ThreadResponse"}}}}))
@@ -326,7 +326,7 @@ fn tree(p: &Shared) -> Value {
         "operationId": "getTree",
         "summary": "The delegation tree below a conversation, AG-UI thread or session, or below one of its runs or turns: the conversations it delegated to (parentConversationId, parentSessionId, parentThreadId, parentRunId, A2A referenceTaskIds, a2a.spawn targets), the tasks its turns and runs carry (taskId), runs nested by parentRunId and their tool calls. Each node has its kind, label, start, duration, outcome, its own usage and the total rolled up from below, costed by the projector's price table. The newest 2000 events of the key are read, the 50,000 projections stored from shortly before its first event (the item's) on are scanned for links, then the newest 2000 events of each linked key, at most 64 keys; `truncated` and `scanComplete` say when a bound cut something off.",
         "parameters": [
-            {"name": "key", "in": "path", "required": true, "schema": {"type": "string"}, "description": "The ordering key: a conversation id, AG-UI thread id or session id (as events' `key`)."},
+            {"name": "key", "in": "path", "required": true, "schema": {"type": "string", "pattern": "\\S"}, "description": "The ordering key: a conversation id, AG-UI thread id or session id (as events' `key`). Whitespace around it is ignored; a key of only whitespace is refused (400 invalid_key)."},
             param("item", "Root the tree at one run or turn of the key: `run:<run id>` or `turn:<turn id>` (empty: the whole key). One value.", json!({"type": "string", "pattern": "^(?:(?:run|turn):[\\s\\S]+)?$"})),
             list_param("role", "Roles to read (default: the token's grant), comma-separated or repeated. Naming a role outside the token's grant is a 403.", p.role_item.clone())],
         "responses": with_ok(common_errors(&[("404", "No events of the key in the roles read, or no such run or turn among its newest events.")]),
