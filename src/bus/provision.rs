@@ -54,7 +54,8 @@ pub fn raw_transform(names: &Names, layout: &Layout) -> stream::SubjectTransform
 }
 
 /// Settle the layout `settings` work with: the raw stream's own when it exists, the one
-/// `nats.max_partitions` gives a new stream otherwise; then check that `nats.partitions` is a
+/// `nats.max_partitions` gives a new stream otherwise (settings settled already are not read
+/// again); then check that `nats.partitions` is a
 /// count it supports, so every partition is read with one filter.
 pub async fn adopt_layout(
     js: &jetstream::Context,
@@ -62,7 +63,13 @@ pub async fn adopt_layout(
 ) -> Result<(), ProvisionError> {
     let names = settings.names();
     let label = format!("stream {}", names.raw_stream);
-    if let Some(raw) = find_stream(js, &names.raw_stream, &label).await? {
+    // Read once: `run` settles it before provisioning, which then finds it settled.
+    let found = if settings.nats.layout.is_none() {
+        find_stream(js, &names.raw_stream, &label).await?
+    } else {
+        None
+    };
+    if let Some(raw) = found {
         let destination = raw
             .cached_info()
             .config
