@@ -17,8 +17,8 @@ pub const H_DLQ_REASON: &str = "Collab-Dlq-Reason";
 pub const H_DLQ_DETAIL: &str = "Collab-Dlq-Detail";
 /// Marks a partition barrier in the raw stream: written by a worker, never an input (see
 /// `bus::worker`). Its value is the prefix of the workers that sent it (`collab`, or
-/// `collab_v2` for a projection version; `1` from earlier releases): every set of workers over
-/// the raw stream reads every barrier, and only the sender's deletes it.
+/// `collab_v2` for a projection version; `1` from earlier releases). Every set of workers over
+/// the raw stream reads every barrier, and none deletes one (see `bus::acker`).
 pub const H_BARRIER: &str = "Collab-Barrier";
 
 /// A message to publish on JetStream.

@@ -116,19 +116,13 @@ pub(crate) async fn first_hold(hold: Option<Hold>) -> Result<u64, WriteError> {
 /// acknowledged, the partition restarts.
 pub(crate) async fn ack_stage(
     publisher: Arc<Publisher>,
-    stream: jetstream::stream::Stream,
     stage: Stage,
     mut rx: mpsc::Receiver<Processed>,
     mut checkpoint: Checkpoint,
     cancel: CancellationToken,
     broken: CancellationToken,
 ) -> Result<(), WorkerError> {
-    let Stage {
-        p,
-        acks,
-        fence,
-        barriers,
-    } = stage;
+    let Stage { p, acks, fence } = stage;
     let refused = |e: TurnIoError| {
         warn!(partition = p, error = %e, "turn state write refused; restarting the partition");
         broken.cancel();
@@ -218,7 +212,7 @@ pub(crate) async fn ack_stage(
             Ok(ready) => ready,
             Err(e) => return hold_failed(e),
         };
-        acknowledge_ready(ready, &mut checkpoint, &stream, p, acks, &barriers).await;
+        acknowledge_ready(ready, &mut checkpoint, p, acks).await;
     }
     // Drained: the partition wrote its deferred records before it stopped; wait for them.
     debug!(
@@ -235,7 +229,7 @@ pub(crate) async fn ack_stage(
         held.push_back(u);
     }
     let ready = release(&mut held).unwrap_or_default();
-    acknowledge_ready(ready, &mut checkpoint, &stream, p, acks, &barriers).await;
+    acknowledge_ready(ready, &mut checkpoint, p, acks).await;
     // Drained: a final checkpoint spares the next owner republishing what was stored.
     if let Err(e) = checkpoint.maybe_write(true).await {
         debug!(partition = p, error = %e, "final published checkpoint not written");
@@ -249,37 +243,6 @@ pub(crate) struct Stage {
     pub(crate) p: u16,
     pub(crate) acks: Acks,
     pub(crate) fence: Fence,
-    pub(crate) barriers: BarrierMark,
-}
-
-/// Which barriers a partition deletes once acknowledged: its own workers' only. The
-/// deployment and its projection versions read the same raw stream, so each reads the others'
-/// barriers too (one moves a watermark like any stored message); deleting one would take it
-/// from the workers still waiting for it.
-#[derive(Debug, Clone)]
-pub(crate) struct BarrierMark {
-    /// The `Collab-Barrier` value this set of workers writes: its prefix.
-    mine: String,
-    /// Also the value `1` of earlier releases (the deployment's own workers).
-    legacy: bool,
-}
-
-impl BarrierMark {
-    pub(crate) fn of(names: &crate::config::Names) -> BarrierMark {
-        BarrierMark {
-            mine: names.prefix.clone(),
-            legacy: names.version.is_empty(),
-        }
-    }
-
-    fn owns(&self, msg: &jetstream::Message) -> bool {
-        let value = msg
-            .headers
-            .as_ref()
-            .and_then(|h| h.get(crate::pipeline::H_BARRIER))
-            .map(|v| v.as_str());
-        value == Some(self.mine.as_str()) || (self.legacy && value == Some("1"))
-    }
 }
 
 /// The raw sequence of the last of `ready` (inputs in partition order).
@@ -288,16 +251,6 @@ pub(crate) fn last_sequence(ready: &[jetstream::Message]) -> Option<u64> {
         .iter()
         .rev()
         .find_map(|m| m.info().ok().map(|i| i.stream_sequence))
-}
-
-/// The stream sequences of the barriers among `ready` that `mark` says are this partition's
-/// workers' own.
-pub(crate) fn barrier_sequences(ready: &[jetstream::Message], mark: &BarrierMark) -> Vec<u64> {
-    ready
-        .iter()
-        .filter(|m| is_barrier(m) && mark.owns(m))
-        .filter_map(|m| m.info().ok().map(|i| i.stream_sequence))
-        .collect()
 }
 
 /// A partition's own barrier: the header, an empty body, and the barrier subject's last token.
@@ -312,23 +265,6 @@ pub(crate) fn is_barrier(msg: &jetstream::Message) -> bool {
             .is_some_and(|h| h.get(crate::pipeline::H_BARRIER).is_some())
 }
 
-/// Remove acknowledged barriers from the raw stream, so it holds only producers' inputs. Best
-/// effort: a barrier left behind is acknowledged and moves nothing but a watermark if it is
-/// ever delivered again.
-pub(crate) fn delete_barriers(stream: &jetstream::stream::Stream, p: u16, seqs: Vec<u64>) {
-    if seqs.is_empty() {
-        return;
-    }
-    let stream = stream.clone();
-    tokio::spawn(async move {
-        for seq in seqs {
-            if let Err(e) = stream.delete_message(seq).await {
-                debug!(partition = p, seq, error = %e, "barrier not deleted");
-            }
-        }
-    });
-}
-
 /// Acknowledge `ready` (inputs in partition order, all stored and released): its last delivery,
 /// or each one.
 pub(crate) async fn acknowledge(p: u16, acks: Acks, ready: Vec<jetstream::Message>) {
@@ -341,6 +277,7 @@ pub(crate) async fn acknowledge(p: u16, acks: Acks, ready: Vec<jetstream::Messag
         Acks::Last => ready.into_iter().last().into_iter().collect(),
     };
     for msg in to_ack {
+        tracing::trace!(partition = p, seq = ?msg.info().ok().map(|i| i.stream_sequence), "acknowledging");
         if let Err(e) = msg.ack().await {
             debug!(partition = p, error = %e, "ack failed; the message will be redelivered (its outputs collapse by Msg-Id)");
         }
@@ -423,22 +360,25 @@ impl Issuer<'_> {
     }
 }
 
-/// Acknowledge the inputs released, raising the checkpoint's `acked` first and deleting the
-/// partition barriers among them after.
+/// Acknowledge the inputs released, raising the checkpoint's `acked` first.
+///
+/// Barriers among them stay in the raw stream. Deleting a stored message the server counts as
+/// an acknowledgement on every consumer that has it in flight, and under `AckPolicy::All` that
+/// covers everything the consumer delivered before it: another set of workers over the same
+/// raw stream (a projection version, a reprojection, the deployment beside a version) holding
+/// an input unacknowledged behind that barrier would see it acknowledged for it, and a crash
+/// there would lose the input's turn. A barrier is an empty message; they age out with the
+/// stream's own limits.
 async fn acknowledge_ready(
     ready: Vec<jetstream::Message>,
     checkpoint: &mut Checkpoint,
-    stream: &jetstream::stream::Stream,
     p: u16,
     acks: Acks,
-    mark: &BarrierMark,
 ) {
-    let barriers = barrier_sequences(&ready, mark);
     if let Some(last) = last_sequence(&ready) {
         checkpoint.acked(last);
     }
     acknowledge(p, acks, ready).await;
-    delete_barriers(stream, p, barriers);
 }
 
 /// An input's outputs as issued, each with the future of its publish ack (`None`: already

@@ -504,7 +504,7 @@ impl Partition<'_> {
             }
             if left == 0 {
                 // Nothing after this message is visible to the replay: the rest of the range was
-                // deleted (acknowledged barriers are), or the replay reads a replica that has not
+                // deleted (an operator's delete, the stream's limits), or the replay reads a replica that has not
                 // caught up. Only the stream leader can tell the two apart.
                 self.confirm_range_end(stream, seq, to)
                     .await

@@ -839,6 +839,7 @@ impl PartitionTurns {
     ) -> Result<KvWrite, TurnIoError> {
         let write = self.send_write(key, rec, after).await?;
         if let Some(d) = self.deferred.remove(key) {
+            tracing::trace!(partition = self.partition, key, state = ?rec.state, "deferred record written");
             // The receiver is gone only if the acker stopped: nothing left to hold then.
             let _ = d.hold.send(write.clone());
         }
@@ -951,6 +952,12 @@ impl PartitionTurns {
             Some((rec, Expect::Absent))
                 if rec.state == TurnState::Open && !self.open_write_delay.is_zero() =>
             {
+                tracing::trace!(
+                    partition = self.partition,
+                    key,
+                    seq = facts.seq,
+                    "open record deferred"
+                );
                 self.defer_open(&key, rec, fx);
                 Some((rec.clone(), Rev::Unwritten))
             }

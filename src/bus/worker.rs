@@ -15,7 +15,7 @@
 //! here waits for the work sessions: they are folded from the projection stream by
 //! [`super::sessions::run_fold`], off this path.
 
-use super::acker::{ack_stage, Acks, BarrierMark, Processed, Stage};
+use super::acker::{ack_stage, Acks, Processed, Stage};
 use super::context::WorkerContext;
 use super::error::{Source, WorkerError};
 use super::lease_lapsed;
@@ -169,12 +169,10 @@ pub async fn run_partition(
     };
     let acker = tokio::spawn(tracing::Instrument::in_current_span(ack_stage(
         shared.publisher.clone(),
-        stream.clone(),
         Stage {
             p,
             acks,
             fence: fence.clone(),
-            barriers: BarrierMark::of(&shared.names),
         },
         rx,
         checkpoint,

@@ -125,9 +125,16 @@ pub async fn run(
     )
     .await?;
     let total = to - from + 1;
-    let outcome = follow(&raw, &version, settings.nats.partitions, from, to, |done| {
-        progress(Progress { done, total });
-    })
+    let outcome = follow(
+        &raw,
+        &version,
+        Some(settings.nats.partitions),
+        from,
+        to,
+        |done| {
+            progress(Progress { done, total });
+        },
+    )
     .await;
     if outcome.is_ok() {
         tokio::time::sleep(plan.settle).await;
@@ -138,11 +145,8 @@ pub async fn run(
     // The deployment may still be behind on the range (a running deployment under load): its
     // outputs are compared once its partitions have processed it too, or after `LIVE_WAIT` with
     // what it has, said in the report.
-    let live_done = tokio::time::timeout(
-        LIVE_WAIT,
-        follow(&raw, &live, settings.nats.partitions, from, to, |_| {}),
-    )
-    .await;
+    let live_done =
+        tokio::time::timeout(LIVE_WAIT, follow(&raw, &live, None, from, to, |_| {})).await;
     let live_behind = !matches!(live_done, Ok(Ok(())));
     progress(Progress { done: total, total });
     let mut l = super::Outputs::new();
@@ -189,35 +193,83 @@ async fn stored_payload(
 /// How long the comparison waits for the deployment to process the range.
 const LIVE_WAIT: Duration = Duration::from_secs(30);
 
-/// Wait until every partition of the version has processed the range: its acknowledgements
-/// reach `to`, or it has nothing left to deliver.
+/// Wait until every partition consumer of the set of workers `names` names has processed the
+/// range: it has nothing in flight or pending there (what it holds after `to`, the barriers of
+/// any set of workers included, does not count). `expected`: the set's partition count, when
+/// known (the version's; the deployment's may differ from it and is read from its consumers).
 async fn follow(
     raw: &jetstream::stream::Stream,
-    version: &Names,
-    partitions: u16,
+    names: &Names,
+    expected: Option<u16>,
     from: u64,
     to: u64,
     mut progress: impl FnMut(u64),
 ) -> Result<(), ReprojectError> {
+    use futures::StreamExt;
+    let prefix = format!("{}-proj-", names.prefix);
     loop {
+        let mut found = Vec::new();
+        let mut listed = true;
+        let mut consumers = raw.consumers();
+        while let Some(info) = consumers.next().await {
+            match info {
+                Ok(info)
+                    if info
+                        .name
+                        .strip_prefix(&prefix)
+                        .is_some_and(|p| p.parse::<u16>().is_ok()) =>
+                {
+                    found.push(info)
+                }
+                Ok(_) => {}
+                Err(_) => {
+                    listed = false;
+                    break;
+                }
+            }
+        }
+        // Not all created yet (provisioning under way), or the list was cut short.
+        let count = usize::from(expected.unwrap_or(0)).max(found.len()).max(1);
         let mut done = 0u64;
-        let mut finished = true;
-        for p in 0..partitions {
-            let name = version.consumer_name(p);
-            let through = match raw.consumer_info(&name).await {
-                Ok(info) if info.num_pending == 0 && info.num_ack_pending == 0 => to,
-                Ok(info) => info.ack_floor.stream_sequence.clamp(from - 1, to),
-                // Not created yet: provisioning is still under way.
-                Err(_) => from - 1,
-            };
+        let mut finished = listed && found.len() >= count;
+        for info in &found {
+            let through = processed_through(raw, info, from, to).await;
             finished &= through >= to;
             done += through + 1 - from;
         }
-        progress(done / u64::from(partitions.max(1)));
+        progress(done / count as u64);
         if finished {
             return Ok(());
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+/// How far into `from..=to` a partition consumer has processed: `to` once nothing of its
+/// partition at or below `to` is pending or in flight, its ack floor otherwise.
+async fn processed_through(
+    raw: &jetstream::stream::Stream,
+    info: &jetstream::consumer::Info,
+    from: u64,
+    to: u64,
+) -> u64 {
+    use async_nats::jetstream::stream::RawMessageErrorKind;
+    let floor = info.ack_floor.stream_sequence;
+    if (info.num_pending == 0 && info.num_ack_pending == 0) || floor >= to {
+        return to;
+    }
+    let filter = if info.config.filter_subject.is_empty() {
+        ">".to_string()
+    } else {
+        info.config.filter_subject.clone()
+    };
+    match raw
+        .get_first_raw_message_by_subject(filter, floor + 1)
+        .await
+    {
+        Ok(next) if next.sequence > to => to,
+        Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => to,
+        _ => floor.clamp(from - 1, to),
     }
 }
 

@@ -500,10 +500,11 @@ async fn silence_past_the_send_timeout_gives_a_synthesized_blocked_timeout() {
 }
 
 #[tokio::test]
-async fn a_silent_timeout_leaves_only_inputs_in_the_raw_stream() {
+async fn a_silent_timeout_is_decided_through_a_barrier_that_stays_in_the_raw_stream() {
     // An idle partition decides a deadline only once a barrier it publishes to itself comes
-    // back through the raw stream; the barrier is then deleted, so the raw stream keeps only
-    // what producers published.
+    // back through the raw stream. The barrier is acknowledged, never projected, and never
+    // deleted: a delete would count as an acknowledgement, for every other consumer of the raw
+    // stream, of everything delivered before it.
     let bed = Bed::start().await;
     let _p = bed.projector(&[]);
     let send_seq = bed
@@ -515,25 +516,112 @@ async fn a_silent_timeout_leaves_only_inputs_in_the_raw_stream() {
     bed.wait_responses(&[key("c-quiet", "0")]).await;
     let one = one_per_turn(&bed.responses().await, &[key("c-quiet", "0")]);
     assert_synthesized_timeout(&one[&key("c-quiet", "0")], send_seq, 800);
-    wait_until(WAIT, "the raw stream holds only the input", || async {
-        let raw = crate::pipeline::read_all(&bed.js, "COLLAB_RAW", "collab.in.>").await;
-        raw.len() == 1 && raw[0].seq == send_seq && raw[0].header("Collab-Barrier").is_none()
-    })
-    .await;
-    let info = bed
+    let raw = crate::pipeline::read_all(&bed.js, "COLLAB_RAW", "collab.in.>").await;
+    let barriers: Vec<_> = raw
+        .iter()
+        .filter(|m| m.header("Collab-Barrier").as_deref() == Some("collab"))
+        .collect();
+    assert!(
+        !barriers.is_empty() && barriers.iter().all(|b| b.seq > send_seq),
+        "the deadline was decided through a barrier stored after the send: {:?}",
+        raw.iter()
+            .map(|m| (m.seq, m.subject.clone()))
+            .collect::<Vec<_>>()
+    );
+    let projected = crate::pipeline::read_all(&bed.js, "COLLAB_PROJ", ">").await;
+    let from_barriers: Vec<_> = projected
+        .iter()
+        .filter(|m| {
+            m.header("Collab-Source-Subject")
+                .is_some_and(|s| s.ends_with(".barrier"))
+        })
+        .map(|m| m.subject.clone())
+        .collect();
+    assert!(
+        from_barriers.is_empty(),
+        "a barrier is never projected: {from_barriers:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_barrier_leaves_the_acknowledgements_of_other_consumers_of_the_raw_stream_alone() {
+    // Another consumer of the raw stream (a projection version's partition, a reprojection, an
+    // operator's audit reader) with `AckPolicy::All` holds what it was delivered
+    // unacknowledged. The deployment's barrier reaches it too; were the barrier deleted once the
+    // deployment acknowledged it, the server would count the delete as that consumer's
+    // acknowledgement of everything up to the barrier, the inputs it holds included.
+    let bed = Bed::start().await;
+    let _p = bed.projector(&[]);
+    let raw = bed
         .js
         .get_stream("COLLAB_RAW")
         .await
-        .expect("the raw stream exists")
-        .info()
+        .expect("the raw stream exists");
+    let observer = raw
+        .create_consumer(jetstream::consumer::pull::Config {
+            durable_name: Some("observer".into()),
+            filter_subject: "collab.in.>".into(),
+            ack_policy: jetstream::consumer::AckPolicy::All,
+            ack_wait: Duration::from_secs(300),
+            ..Default::default()
+        })
         .await
-        .expect("stream info")
-        .clone();
-    assert!(
-        info.state.last_sequence > send_seq,
-        "a barrier was written after the send (last sequence {})",
-        info.state.last_sequence
+        .expect("observer consumer");
+    let mut held = observer.messages().await.expect("observer pull");
+    let send_seq = bed
+        .publish(&send(
+            "c-quiet",
+            json!({"message": "ping", "timeoutMs": 800}),
+        ))
+        .await;
+    bed.wait_responses(&[key("c-quiet", "0")]).await;
+    // The observer receives the send and the barrier, and acknowledges neither. (A barrier
+    // deleted before it reached the observer never does: that fails here too.)
+    let mut kept = Vec::new();
+    while kept.len() < 2 {
+        let msg = tokio::time::timeout(Duration::from_secs(20), held.next())
+            .await
+            .expect("the observer is delivered the send and the barrier")
+            .expect("observer stream open")
+            .expect("observer delivery");
+        kept.push(msg);
+    }
+    let barrier_seq = kept[1].info().expect("barrier metadata").stream_sequence;
+    assert_eq!(
+        kept[0].info().expect("send metadata").stream_sequence,
+        send_seq
     );
+    assert!(
+        kept[1]
+            .headers
+            .as_ref()
+            .and_then(|h| h.get("Collab-Barrier"))
+            .is_some(),
+        "the second delivery is the deployment's barrier: {}",
+        kept[1].subject
+    );
+    // The deployment has acknowledged its barrier: whatever it does with one afterwards is done.
+    wait_until(WAIT, "the deployment acknowledged the barrier", || async {
+        bed.drained().await
+    })
+    .await;
+    for _ in 0..20 {
+        let info = bed
+            .js
+            .get_stream("COLLAB_RAW")
+            .await
+            .expect("the raw stream exists")
+            .consumer_info("observer")
+            .await
+            .expect("observer info");
+        assert_eq!(
+            (info.ack_floor.stream_sequence, info.num_ack_pending),
+            (0, 2),
+            "the observer acknowledged nothing, and holds the send and the barrier {barrier_seq}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    drop(kept);
 }
 
 #[tokio::test]
