@@ -63,9 +63,11 @@ export type Valid = string[] | ValidPattern;
 export type RunErrorType = "RUN_ERROR";
 /**
  * `slow_consumer`: the client read more slowly than events arrived and its buffer filled;
- * `unavailable`: the event store stopped answering or closed the stream.
+ * `unavailable`: the event store stopped answering or closed the stream; `version_switched`:
+ * the API now serves another projection version, whose positions the stream's cursors are not
+ * (reconnect without `Last-Event-ID`).
  */
-export type StreamErrorCode = "slow_consumer" | "unavailable";
+export type StreamErrorCode = "slow_consumer" | "unavailable" | "version_switched";
 /**
  * Why a response is not published as `a2a.response`: `late` (a real reply after a blocked
  * outcome), `duplicate` (any other further response), or `not_target` (a response whose speaker

@@ -232,6 +232,16 @@ fn serve_http(
         let api_state = api::ApiState::new(running.js.clone(), settings.names(), &settings.http)
             .with_prices(prices)
             .with_shutdown(cancel.clone());
+        if settings.nats.version.is_empty() {
+            // The deployment's API serves the version the control bucket names (a version's own
+            // workers serve theirs).
+            running.tracker.spawn(crate::served::follow(
+                running.js.clone(),
+                settings.names(),
+                api_state.served_sender(),
+                cancel.clone(),
+            ));
+        }
         router = router.merge(api::router(api_state));
         if settings.http.viewer {
             router = router.merge(crate::viewer::router());

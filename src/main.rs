@@ -198,8 +198,8 @@ struct ReprojectArgs {
     conn: Conn,
     /// The version to compute (one subject token, e.g. v2): its streams, buckets and subjects
     /// are under `<prefix>_<version>`.
-    #[arg(long)]
-    version: String,
+    #[arg(long, required_unless_present = "switch_back")]
+    version: Option<String>,
     /// First raw sequence (default: the raw stream's first).
     #[arg(long)]
     from: Option<u64>,
@@ -217,8 +217,15 @@ struct ReprojectArgs {
     #[arg(long)]
     json: bool,
     /// Remove the version (its consumers, streams, buckets and object store) instead.
-    #[arg(long)]
+    #[arg(long, conflicts_with_all = ["switch", "switch_back"])]
     drop: bool,
+    /// Make the deployment's API serve the version from now on instead of computing it (its
+    /// workers must run: `COLLAB_NATS__VERSION=<version> collab-projector run`).
+    #[arg(long, conflicts_with = "switch_back")]
+    switch: bool,
+    /// Make the deployment's API serve its own projections again (the way back from --switch).
+    #[arg(long, conflicts_with = "version")]
+    switch_back: bool,
     /// Turn deadline when the send names none, for the version (e.g. 90s).
     #[arg(long, value_parser = humantime::parse_duration)]
     turn_timeout: Option<Duration>,
@@ -584,19 +591,50 @@ async fn reproject(args: ReprojectArgs) -> anyhow::Result<()> {
         turn_timeout: args.turn_timeout,
         main_agents: args.main_agents.clone(),
     };
+    let version = args.version.clone().unwrap_or_default();
     let settings = args.conn.settings_with(|s| {
-        s.nats.version.clone_from(&args.version);
+        s.nats.version.clone_from(&version);
         if let Some(p) = args.partitions {
             s.nats.partitions = p;
         }
         rules.apply(s);
     })?;
+    if args.switch || args.switch_back {
+        let done = reproject::switch(&settings, &version).await?;
+        let name = |v: &str| {
+            if v.is_empty() {
+                "the deployment's own projections".to_string()
+            } else {
+                format!("projection version {v}")
+            }
+        };
+        telemetry::say(&format!(
+            "the API now serves {} (before: {}); API servers follow within {} s, and event streams open on the other end with `version_switched`",
+            name(&done.switch.version),
+            name(&done.switch.previous),
+            collab_projector::served::FOLLOW_EVERY.as_secs()
+        ));
+        telemetry::say(&format!(
+            "NATS subscribers: {} (the control bucket's key `{}` names the served version)",
+            done.subjects,
+            collab_projector::served::SERVED_KEY
+        ));
+        if done.pending > 0 {
+            telemetry::say(&format!(
+                "note: its partitions have {} inputs not yet acknowledged; make sure its workers run",
+                done.pending
+            ));
+        }
+        if !done.switch.version.is_empty() {
+            telemetry::say("way back: collab-projector reproject --switch-back");
+        }
+        return Ok(());
+    }
     if args.drop {
         let dropped = reproject::drop_version(&settings).await?;
         if dropped.removed.is_empty() {
             telemetry::say(&format!(
-                "projection version {:?}: nothing to remove",
-                args.version
+                "projection version {version:?}: nothing to remove"
             ));
         }
         for what in dropped.removed {

@@ -925,9 +925,9 @@ fn config_errors_name_the_key_at_fault() {
 
 fn cursor() -> impl Strategy<Value = String> {
     prop_oneof![
-        any::<u64>().prop_map(collab_projector::api::query::encode_cursor),
+        any::<u64>().prop_map(|seq| collab_projector::api::query::encode_cursor(0, seq)),
         prop::sample::select(vec![0, 1, u64::MAX - 1, u64::MAX])
-            .prop_map(collab_projector::api::query::encode_cursor),
+            .prop_map(|seq| collab_projector::api::query::encode_cursor(0, seq)),
         "[A-Za-z0-9_-]{0,12}",
     ]
 }
@@ -997,20 +997,20 @@ proptest! {
 /// one, is refused like any cursor this server never issued.
 #[test]
 fn a_cursor_at_the_last_sequence_is_refused() {
-    use collab_projector::api::query::encode_cursor;
+    use collab_projector::api::query::{decode_cursor, encode_cursor};
     for name in ["after", "before"] {
-        let pairs = vec![(name.to_string(), encode_cursor(u64::MAX))];
+        let pairs = vec![(name.to_string(), encode_cursor(0, u64::MAX))];
         if let Err(broken) = checks::events_query(pairs) {
             panic!("{broken}");
         }
     }
-    assert!(collab_projector::api::query::decode_cursor(&encode_cursor(u64::MAX)).is_err());
+    assert!(decode_cursor(0, &encode_cursor(0, u64::MAX)).is_err());
     let largest = 9_999_999_999_999_999_999_u64;
     assert_eq!(
-        collab_projector::api::query::decode_cursor(&encode_cursor(largest)).ok(),
+        decode_cursor(0, &encode_cursor(0, largest)).ok(),
         Some(largest)
     );
-    assert!(collab_projector::api::query::decode_cursor(&encode_cursor(largest + 1)).is_err());
+    assert!(decode_cursor(0, &encode_cursor(0, largest + 1)).is_err());
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -901,7 +901,7 @@ fn parse_events_query(pairs: Vec<(String, String)>) -> Result<EventsQuery, ApiEr
         params
             .one(name)?
             .filter(|c| !c.is_empty())
-            .map(|c| query::decode_cursor(&c))
+            .map(|c| query::decode_cursor(0, &c))
             .transpose()
     };
     let after = cursor("after")?;

@@ -16,6 +16,7 @@ use super::query::{self, decode_cursor, encode_cursor, Params, QueryPairs, Selec
 use super::state::ApiState;
 use super::store::{self, EventItem};
 use crate::model::Role;
+use crate::served::Served;
 use axum::extract::State;
 use axum::http::StatusCode;
 use axum::{Extension, Json};
@@ -35,11 +36,11 @@ pub struct Resolved {
 }
 
 /// Check the selection against the grant and build the subject filters.
-pub fn resolve(state: &ApiState, caller: &Caller, params: &Params) -> Result<Resolved, ApiError> {
+pub fn resolve(served: &Served, caller: &Caller, params: &Params) -> Result<Resolved, ApiError> {
     let selection = query::selection(params)?;
     let roles = caller.roles(selection.roles.as_deref())?;
     let filters = query::subject_filters(
-        &state.names().prefix,
+        &served.names.prefix,
         &roles,
         &selection.keys,
         &selection.types,
@@ -61,14 +62,14 @@ pub fn resolve(state: &ApiState, caller: &Caller, params: &Params) -> Result<Res
     })
 }
 
-/// 410 for a cursor whose events are no longer retained.
-pub fn expired(first: u64) -> ApiError {
+/// 410 for a cursor whose events are no longer retained (`tag`: the served version's).
+pub fn expired(tag: u16, first: u64) -> ApiError {
     ApiError::new(
         StatusCode::GONE,
         "cursor_expired",
         "the cursor points before the oldest retained event: events after it were removed by retention; continue from oldestCursor",
     )
-    .with_oldest_cursor(encode_cursor(first.saturating_sub(1)))
+    .with_oldest_cursor(encode_cursor(tag, first.saturating_sub(1)))
 }
 
 pub async fn list(
@@ -78,23 +79,26 @@ pub async fn list(
 ) -> Result<Json<EventPage>, ApiError> {
     let params = Params::new(pairs, &PARAMS)?;
     let limit = query::limit(&params, DEFAULT_LIMIT, MAX_LIMIT)?;
+    // One version for the whole request, whatever a switch does meanwhile.
+    let served = state.served();
+    let tag = served.tag;
     let after = params
         .one("after")?
         .filter(|c| !c.is_empty())
-        .map(|c| decode_cursor(&c))
+        .map(|c| decode_cursor(tag, &c))
         .transpose()?;
     let before = params
         .one("before")?
         .filter(|c| !c.is_empty())
-        .map(|c| decode_cursor(&c))
+        .map(|c| decode_cursor(tag, &c))
         .transpose()?;
-    let r = resolve(&state, &caller, &params)?;
-    let (stream, first, last) = store::bounds(state.js(), &state.names().proj_stream).await?;
+    let r = resolve(&served, &caller, &params)?;
+    let (stream, first, last) = store::bounds(state.js(), &served.names.proj_stream).await?;
 
     let (events, next, prev) = match (after, before) {
         (Some(a), before) => {
             if a.saturating_add(1) < first {
-                return Err(expired(first));
+                return Err(expired(tag, first));
             }
             // With `before` too: only the events between the two cursors.
             let to = before.map_or(last, |b| last.min(b.saturating_sub(1)));
@@ -112,7 +116,7 @@ pub async fn list(
             // Sequences start at 1: nothing ever came before 0 or 1 (`before=oldest` on a stream
             // retention never trimmed is an empty page), so only a later cursor can have expired.
             if b < first && b > 1 {
-                return Err(expired(first));
+                return Err(expired(tag, first));
             }
             let hi = b.min(last.saturating_add(1));
             let (events, more) =
@@ -137,14 +141,14 @@ pub async fn list(
             (events, last, prev)
         }
     };
-    let prefix = &state.names().prefix;
-    let events: Vec<EventItem> = events.iter().map(|e| e.item(prefix)).collect();
+    let prefix = &served.names.prefix;
+    let events: Vec<EventItem> = events.iter().map(|e| e.item(prefix, tag)).collect();
     Ok(Json(EventPage {
         count: events.len(),
         events,
-        next: encode_cursor(next),
-        prev: prev.map(encode_cursor),
-        oldest: encode_cursor(first.saturating_sub(1)),
+        next: encode_cursor(tag, next),
+        prev: prev.map(|p| encode_cursor(tag, p)),
+        oldest: encode_cursor(tag, first.saturating_sub(1)),
         role: r.roles,
         types: r.selection.types,
         keys: r.selection.keys,

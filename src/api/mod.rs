@@ -66,6 +66,21 @@ async fn no_sniff_no_store(mut resp: Response) -> Response {
     resp
 }
 
+/// Name the projection version served in every protected response (`Collab-Projection-Version`,
+/// empty for the deployment's own), so a client can tell a switch happened.
+async fn served_version(
+    axum::extract::State(state): axum::extract::State<ApiState>,
+    mut resp: Response,
+) -> Response {
+    if let Ok(v) = HeaderValue::from_str(&state.names().version) {
+        resp.headers_mut().insert(VERSION_HEADER, v);
+    }
+    resp
+}
+
+/// The response header that names the projection version served.
+pub const VERSION_HEADER: &str = "collab-projection-version";
+
 /// The API routes. Merge into the server's router: `http::router(..).merge(api::router(state))`.
 pub fn router(state: ApiState) -> Router {
     let protected = Router::new()
@@ -79,6 +94,10 @@ pub fn router(state: ApiState) -> Router {
         .route("/api/waiting", get(waiting::waiting))
         .route("/api/blobs/{id}", get(blobs::one))
         .route("/api/me", get(me::me))
+        .route_layer(middleware::map_response_with_state(
+            state.clone(),
+            served_version,
+        ))
         .route_layer(middleware::from_fn_with_state(
             state.shared_grants(),
             auth::require,

@@ -5,8 +5,10 @@
 use axum::Json;
 use serde_json::{json, Value};
 
-pub async fn handler() -> Json<Value> {
-    Json(document())
+pub async fn handler(
+    axum::extract::State(state): axum::extract::State<super::ApiState>,
+) -> Json<Value> {
+    Json(document_for(state.served().tag))
 }
 
 /// ASCII whitespace, which list parameters ignore around each value.
@@ -19,11 +21,20 @@ const TYPE_CHAR: &str =
 
 /// A cursor: unpadded base64url of `v1:` and 1 to 19 decimal digits (every group of three
 /// digits encodes to four characters of a known shape), or empty for none.
-const CURSOR_PATTERN: &str = concat!(
-    "^(?:djE6(?:(?:(?:[MN][DTjz]|O[DT])[AEIMQUYcgk][w-z0-5]){1,6}",
+/// The digits behind a cursor's 3-byte prefix (which base64 encodes to 4 characters of its own).
+const CURSOR_DIGITS: &str = concat!(
+    "(?:(?:(?:[MN][DTjz]|O[DT])[AEIMQUYcgk][w-z0-5]){1,6}",
     "|(?:(?:[MN][DTjz]|O[DT])[AEIMQUYcgk][w-z0-5]){0,6}(?:[MN][AQgw]|O[AQ])",
-    "|(?:(?:[MN][DTjz]|O[DT])[AEIMQUYcgk][w-z0-5]){0,5}(?:(?:[MN][DTjz]|O[DT])[AEIMQUYcgk])))?$"
+    "|(?:(?:[MN][DTjz]|O[DT])[AEIMQUYcgk][w-z0-5]){0,5}(?:(?:[MN][DTjz]|O[DT])[AEIMQUYcgk]))"
 );
+
+/// The cursors of the version whose cursor tag is `tag`: its prefix, then the digits.
+fn cursor_pattern(tag: u16) -> String {
+    use base64::Engine;
+    let prefix =
+        base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(super::query::cursor_prefix(tag));
+    format!("^(?:{prefix}{CURSOR_DIGITS})?$")
+}
 
 /// The pattern of one occurrence of a list parameter: `item`s separated by commas, each
 /// optional (empty entries are ignored) and padded by ASCII whitespace.
@@ -105,7 +116,7 @@ struct Shared {
 }
 
 impl Shared {
-    fn new() -> Self {
+    fn new(tag: u16) -> Self {
         let roles: Value = crate::model::Role::ALL
             .iter()
             .map(|r| Value::from(r.as_str()))
@@ -141,7 +152,7 @@ impl Shared {
         let view = param("view", "Preset: `conversations` (role=conversation.main, type=a2a.response) or `debug` (type=a2a.send,a2a.response,a2a.complete); empty for none. Explicit role/type replace the preset's. One value (repeating it needs the same value).", json!({"type": "string", "enum": ["conversations", "debug", ""]}));
         let limit_schema =
             json!({"type": "integer", "minimum": 1, "maximum": 1000, "default": 100});
-        let cursor_schema = json!({"type": "string", "pattern": CURSOR_PATTERN, "description": "A cursor from a response (`next`, `prev`, `oldest`, an event's `cursor`); empty for none."});
+        let cursor_schema = json!({"type": "string", "pattern": cursor_pattern(tag), "description": "A cursor from a response (`next`, `prev`, `oldest`, an event's `cursor`); empty for none."});
         Shared {
             roles,
             role_item,
@@ -186,7 +197,12 @@ fn with_ok(mut errors: Value, ok: Value) -> Value {
 
 /// The document.
 pub fn document() -> Value {
-    let shared = Shared::new();
+    document_for(0)
+}
+
+/// The document of the API serving the version whose cursor tag is `tag` (its cursors' pattern).
+pub fn document_for(tag: u16) -> Value {
+    let shared = Shared::new(tag);
     json!({
         "openapi": "3.1.0",
         "info": {
@@ -235,7 +251,7 @@ fn events(p: &Shared) -> Value {
             param("limit", "Events per page (default 100). One value.", p.limit_schema.clone()),
             param("after", "Cursor: the oldest `limit` events after it (with `before`: between the two). One value.", p.cursor_schema.clone()),
             param("before", "Cursor: the newest `limit` events before it (with `after`: the oldest `limit` between the two). One value.", p.cursor_schema.clone())],
-        "responses": with_ok(common_errors(&[("410", "The cursor is older than the stream's retention; the error carries oldestCursor.")]),
+        "responses": with_ok(common_errors(&[("410", "The cursor is older than the stream's retention (code cursor_expired; the error carries oldestCursor), or a position in a projection version this API no longer serves (code version_switched: start again without a cursor).")]),
             json!({"description": "A page of events.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/EventPage"}}}}))
     }})
 }
@@ -244,11 +260,11 @@ fn events(p: &Shared) -> Value {
 fn events_stream(p: &Shared) -> Value {
     json!({"get": {
         "operationId": "streamEvents",
-        "summary": "The same filters as Server-Sent Events. Each event's id is its cursor; resume with Last-Event-ID (or after) without loss or repeats. A client whose buffer fills gets a final `event: error` (code slow_consumer, resumeFrom) and the stream closes.",
+        "summary": "The same filters as Server-Sent Events. Each event's id is its cursor; resume with Last-Event-ID (or after) without loss or repeats. A client whose buffer fills gets a final `event: error` (code slow_consumer, resumeFrom) and the stream closes; so does every stream when the API is switched to another projection version (code version_switched: reconnect without Last-Event-ID).",
         "parameters": [p.role.clone(), p.typ.clone(), p.key.clone(), p.view.clone(),
             param("after", "Cursor to start after (Last-Event-ID wins). Default: the next event stored. One value.", p.cursor_schema.clone()),
             {"name": "Last-Event-ID", "in": "header", "required": false, "description": "The `id` of the last event received (a cursor); empty for none.", "schema": p.cursor_schema.clone()}],
-        "responses": with_ok(common_errors(&[("410", "The cursor is older than the stream's retention."), ("429", "The token already has as many event streams open as http.sse_max_streams_per_token allows (code too_many_streams); close one first."), ("503", "The event store (NATS) is unavailable (code unavailable), or the server has as many event streams open as http.sse_max_streams allows (code too_many_streams); retry later.")]),
+        "responses": with_ok(common_errors(&[("410", "The cursor is older than the stream's retention (code cursor_expired), or a position in a projection version this API no longer serves (code version_switched: reconnect without Last-Event-ID)."), ("429", "The token already has as many event streams open as http.sse_max_streams_per_token allows (code too_many_streams); close one first."), ("503", "The event store (NATS) is unavailable (code unavailable), or the server has as many event streams open as http.sse_max_streams allows (code too_many_streams); retry later.")]),
             json!({"description": "An event stream; each `data` is an EventItem (#/components/schemas/EventItem, /api/schemas/event-item.schema.json); a final `event: error` carries a StreamError (#/components/schemas/StreamError, /api/schemas/stream-error.schema.json).", "content": {"text/event-stream": {"schema": {
                 "type": "object", "required": ["data"],
                 "properties": {
@@ -302,7 +318,7 @@ fn search(p: &Shared) -> Value {
             param("until", "Events before this time (RFC 3339). One value.", time),
             param("limit", "Events per page (default 50, at most 500). One value.", limit),
             param("before", "Cursor (`prev` of a previous page): scan older events than it. One value.", p.cursor_schema.clone())],
-        "responses": with_ok(common_errors(&[]),
+        "responses": with_ok(common_errors(&[("410", "The cursor is a position in a projection version this API no longer serves (code version_switched): start again without a cursor.")]),
             json!({"description": "Matching events.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SearchPage"}}}}))
     }})
 }
@@ -473,11 +489,22 @@ mod tests {
         let doc = document();
         let cursor = item_pattern(&doc, "/api/events", "after");
         for seq in [0, 1, 9, 10, 99, 100, 123_456, 9_999_999_999_999_999_999] {
-            assert!(cursor.is_match(&encode_cursor(seq)), "{seq}");
+            let c = encode_cursor(0, seq);
+            assert!(cursor.is_match(&c), "{seq}");
+            assert_eq!(decode_cursor(0, &c).ok(), Some(seq), "{seq}");
+        }
+        // A version's document gives its own cursors' pattern, and no other version's.
+        let tag = crate::served::cursor_tag("v2");
+        let doc2 = document_for(tag);
+        let cursor2 = item_pattern(&doc2, "/api/events", "after");
+        for seq in [0, 1, 123_456, 9_999_999_999_999_999_999] {
+            assert!(cursor2.is_match(&encode_cursor(tag, seq)), "{seq}");
+            assert!(!cursor2.is_match(&encode_cursor(0, seq)), "{seq}");
+            assert!(!cursor.is_match(&encode_cursor(tag, seq)), "{seq}");
         }
         assert!(cursor.is_match(""));
         for junk in ["djE6", "djE6MQ=", " djE6MQ", "djE6MR", "djI6MQ", "x"] {
-            assert!(decode_cursor(junk).is_err(), "{junk}");
+            assert!(decode_cursor(0, junk).is_err(), "{junk}");
             assert!(!cursor.is_match(junk), "{junk}");
         }
         let params = |name: &str, v: &str| {

@@ -321,11 +321,39 @@ pub fn subject_filters(
 /// Most subject filters one request may expand to.
 pub const MAX_FILTERS: usize = 1024;
 
-const CURSOR_PREFIX: &str = "v1:";
+/// A cursor: an opaque string wrapping the projection stream's sequence, behind the three-byte
+/// prefix of the projection version that issued it ([`cursor_prefix`]): a cursor of one version is
+/// never read against another's stream.
+pub fn encode_cursor(tag: u16, seq: u64) -> String {
+    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("{}{seq}", cursor_prefix(tag)))
+}
 
-/// A cursor: an opaque string wrapping the projection stream's sequence.
-pub fn encode_cursor(seq: u64) -> String {
-    base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(format!("{CURSOR_PREFIX}{seq}"))
+/// The three bytes a cursor starts with: `v1:` for the deployment's own projections (tag 0, the
+/// cursors issued before versions existed), two lowercase letters and `:` for a version (tags
+/// 1..=676, [`crate::served::cursor_tag`]). Three bytes keep the digits after them on base64's
+/// 3-byte boundary, so the document can give each version's cursors one exact pattern.
+pub fn cursor_prefix(tag: u16) -> String {
+    if tag == 0 {
+        return "v1:".to_string();
+    }
+    let t = (tag - 1) % 676;
+    let letter = |n: u16| char::from(b'a' + u8::try_from(n % 26).unwrap_or(0));
+    format!("{}{}:", letter(t / 26), letter(t))
+}
+
+/// Whether `p` is the prefix of some version's cursors.
+fn is_cursor_prefix(p: &[u8]) -> bool {
+    p == b"v1:"
+        || (p.len() == 3 && p[0].is_ascii_lowercase() && p[1].is_ascii_lowercase() && p[2] == b':')
+}
+
+/// The error for a cursor another projection version issued.
+pub fn version_switched() -> ApiError {
+    ApiError::new(
+        axum::http::StatusCode::GONE,
+        "version_switched",
+        "the cursor is a position in a projection version this API no longer serves (it was switched to another version since); start again without a cursor",
+    )
 }
 
 /// The error for a cursor this server never issued.
@@ -339,22 +367,29 @@ pub fn bad_cursor() -> ApiError {
 /// Most digits of a cursor's sequence: every sequence a stream reaches (below 10^19) fits.
 const MAX_CURSOR_DIGITS: usize = 19;
 
-/// The sequence of a cursor: unpadded base64url of `v1:` and 1 to 19 decimal digits (the
-/// document's cursor pattern). Anything else is refused like any cursor this server never issued.
-pub fn decode_cursor(cursor: &str) -> Result<u64, ApiError> {
-    base64::engine::general_purpose::URL_SAFE_NO_PAD
+/// The sequence of a cursor of the version whose tag is `tag`: unpadded base64url of its prefix
+/// and 1 to 19 decimal digits (the document's cursor pattern). Anything else is refused like any
+/// cursor this server never issued; a cursor of another version is gone (410
+/// `version_switched`).
+pub fn decode_cursor(tag: u16, cursor: &str) -> Result<u64, ApiError> {
+    let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(cursor)
+        .map_err(|_| bad_cursor())?;
+    if bytes.len() < 4 || !is_cursor_prefix(&bytes[..3]) {
+        return Err(bad_cursor());
+    }
+    let (prefix, digits) = bytes.split_at(3);
+    if digits.len() > MAX_CURSOR_DIGITS || !digits.iter().all(u8::is_ascii_digit) {
+        return Err(bad_cursor());
+    }
+    let seq = std::str::from_utf8(digits)
         .ok()
-        .and_then(|b| String::from_utf8(b).ok())
-        .and_then(|s| {
-            s.strip_prefix(CURSOR_PREFIX)
-                .filter(|n| {
-                    (1..=MAX_CURSOR_DIGITS).contains(&n.len())
-                        && n.bytes().all(|b| b.is_ascii_digit())
-                })
-                .and_then(|n| n.parse().ok())
-        })
-        .ok_or_else(bad_cursor)
+        .and_then(|d| d.parse::<u64>().ok())
+        .ok_or_else(bad_cursor)?;
+    if prefix != cursor_prefix(tag).as_bytes() {
+        return Err(version_switched());
+    }
+    Ok(seq)
 }
 
 #[cfg(test)]
@@ -451,23 +486,44 @@ mod tests {
     #[test]
     fn cursors_round_trip_and_reject_junk() {
         for s in [0, 1, 42, 9_999_999_999_999_999_999] {
-            assert_eq!(decode_cursor(&encode_cursor(s)).ok(), Some(s));
+            assert_eq!(decode_cursor(0, &encode_cursor(0, s)).ok(), Some(s));
+            assert_eq!(decode_cursor(677, &encode_cursor(677, s)).ok(), Some(s));
         }
+        // The deployment's cursors are what they were before versions existed.
         let b64 = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+        assert_eq!(encode_cursor(0, 42), b64("v1:42"));
+        assert_eq!(cursor_prefix(1), "aa:");
+        assert_eq!(cursor_prefix(676), "zz:");
         for junk in [
             "".to_string(),
             "42".into(),
             "djE6".into(),
             "!!".into(),
             "djI6NA".into(),
-            format!(" {}", encode_cursor(7)),
+            format!(" {}", encode_cursor(0, 7)),
             b64("v1:+7"),
             b64("v1:10000000000000000000"),
+            b64("A1:42"),
+            b64("aa42"),
         ] {
-            assert!(decode_cursor(&junk).is_err(), "{junk}");
+            assert_eq!(
+                decode_cursor(0, &junk).err().map(|e| e.body().error.code),
+                Some("bad_cursor".to_string()),
+                "{junk}"
+            );
         }
-        // `after=<cursor>` reads from the cursor's sequence plus one.
-        assert!(decode_cursor(&encode_cursor(u64::MAX)).is_err());
+    }
+
+    #[test]
+    fn a_cursor_of_another_version_is_gone() {
+        let other = encode_cursor(crate::served::cursor_tag("v2"), 42);
+        let e = decode_cursor(0, &other).err().map(|e| e.body().error.code);
+        assert_eq!(e, Some("version_switched".to_string()));
+        let own = encode_cursor(0, 42);
+        let e = decode_cursor(crate::served::cursor_tag("v2"), &own)
+            .err()
+            .map(|e| e.body().error.code);
+        assert_eq!(e, Some("version_switched".to_string()));
     }
 
     #[test]

@@ -192,7 +192,8 @@ pub async fn search(
     let requested = query::roles(&params)?;
     let roles = caller.roles(requested.as_deref())?;
     let types = query::types(&params)?;
-    let filters = query::subject_filters(&state.names().prefix, &roles, &[], &types);
+    let served = state.served();
+    let filters = query::subject_filters(&served.names.prefix, &roles, &[], &types);
     if filters.len() > query::MAX_FILTERS {
         return Err(ApiError::bad_request(
             "too_many_filters",
@@ -202,9 +203,9 @@ pub async fn search(
     let before = params
         .one("before")?
         .filter(|c| !c.is_empty())
-        .map(|c| decode_cursor(&c))
+        .map(|c| decode_cursor(served.tag, &c))
         .transpose()?;
-    let (stream, first, last) = store::bounds(state.js(), &state.names().proj_stream).await?;
+    let (stream, first, last) = store::bounds(state.js(), &served.names.proj_stream).await?;
     let mut hi = before.map_or(last.saturating_add(1), |b| b.min(last.saturating_add(1)));
     let mut found: Vec<StoredEvent> = Vec::new();
     let mut scanned = 0u64;
@@ -241,12 +242,12 @@ pub async fn search(
         }
     }
     let complete = past_since || hi <= first;
-    let prefix = &state.names().prefix;
-    let events: Vec<EventItem> = found.iter().map(|e| e.item(prefix)).collect();
+    let prefix = &served.names.prefix;
+    let events: Vec<EventItem> = found.iter().map(|e| e.item(prefix, served.tag)).collect();
     Ok(Json(SearchPage {
         count: events.len(),
         events,
-        prev: (!complete).then(|| encode_cursor(hi)),
+        prev: (!complete).then(|| encode_cursor(served.tag, hi)),
         scanned,
         role: roles,
         limit,

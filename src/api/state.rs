@@ -9,7 +9,7 @@ use async_nats::jetstream::{self, kv, object_store::ObjectStore};
 use std::sync::atomic::{AtomicU64, AtomicUsize};
 use std::sync::Arc;
 use std::time::Duration;
-use tokio::sync::OnceCell;
+use tokio::sync::{watch, Mutex};
 use tokio_util::sync::CancellationToken;
 
 /// Per-client bounds of the event stream.
@@ -53,15 +53,18 @@ pub struct ApiStats {
 #[derive(Clone)]
 pub struct ApiState {
     js: jetstream::Context,
-    names: Arc<Names>,
+    /// The projection version served (the deployment's own unless switched, see
+    /// [`crate::served`]).
+    served: Arc<watch::Sender<Arc<crate::served::Served>>>,
     grants: Arc<Grants>,
     quiet_after: Duration,
     archive_after: Duration,
     sse: SseLimits,
     slots: Arc<slots::StreamSlots>,
     shutdown: CancellationToken,
-    sessions: Arc<OnceCell<kv::Store>>,
-    blobs: Arc<OnceCell<ObjectStore>>,
+    /// The served version's work-session bucket and object store, opened once per version.
+    sessions: Arc<Mutex<Option<(String, kv::Store)>>>,
+    blobs: Arc<Mutex<Option<(String, ObjectStore)>>>,
     stats: Arc<ApiStats>,
     prices: Arc<crate::usage::Prices>,
 }
@@ -71,7 +74,10 @@ impl ApiState {
     pub fn new(js: jetstream::Context, names: Names, http: &HttpSettings) -> ApiState {
         ApiState {
             js,
-            names: Arc::new(names),
+            served: Arc::new(watch::Sender::new(Arc::new(crate::served::Served::of(
+                &names,
+                &names.version,
+            )))),
             grants: Arc::new(Grants::new(http)),
             quiet_after: http.quiet_after,
             archive_after: http.archive_after,
@@ -81,8 +87,8 @@ impl ApiState {
                 http.sse_max_streams_per_token,
             )),
             shutdown: CancellationToken::new(),
-            sessions: Arc::new(OnceCell::new()),
-            blobs: Arc::new(OnceCell::new()),
+            sessions: Arc::new(Mutex::new(None)),
+            blobs: Arc::new(Mutex::new(None)),
             stats: Arc::new(ApiStats::default()),
             prices: Arc::new(crate::usage::Prices::EMPTY),
         }
@@ -103,8 +109,21 @@ impl ApiState {
     pub fn js(&self) -> &jetstream::Context {
         &self.js
     }
-    pub fn names(&self) -> &Names {
-        &self.names
+    /// The names of the projection version served now.
+    pub fn names(&self) -> Arc<Names> {
+        Arc::clone(&self.served.borrow().names)
+    }
+    /// What is served now: the version's names and the tag of its cursors.
+    pub fn served(&self) -> Arc<crate::served::Served> {
+        Arc::clone(&self.served.borrow())
+    }
+    /// Told of every switch of the served version (event streams end on one).
+    pub fn switches(&self) -> watch::Receiver<Arc<crate::served::Served>> {
+        self.served.subscribe()
+    }
+    /// The sender [`crate::served::follow`] keeps on the control bucket's choice.
+    pub fn served_sender(&self) -> Arc<watch::Sender<Arc<crate::served::Served>>> {
+        Arc::clone(&self.served)
     }
     pub fn grants(&self) -> &Grants {
         &self.grants
@@ -140,27 +159,39 @@ impl ApiState {
         &self.stats
     }
 
-    /// The work-session bucket, looked up once.
-    pub async fn sessions_kv(&self) -> Result<&kv::Store, ApiError> {
-        self.sessions
-            .get_or_try_init(|| async {
-                self.js
-                    .get_key_value(&self.names.sessions_bucket)
-                    .await
-                    .map_err(|e| ApiError::unavailable("work-session bucket", e))
-            })
+    /// The served version's work-session bucket, looked up once per version.
+    pub async fn sessions_kv(&self) -> Result<kv::Store, ApiError> {
+        let bucket = self.names().sessions_bucket.clone();
+        let mut cached = self.sessions.lock().await;
+        if let Some((name, store)) = cached.as_ref() {
+            if *name == bucket {
+                return Ok(store.clone());
+            }
+        }
+        let store = self
+            .js
+            .get_key_value(&bucket)
             .await
+            .map_err(|e| ApiError::unavailable("work-session bucket", e))?;
+        *cached = Some((bucket, store.clone()));
+        Ok(store)
     }
 
-    /// The object store of offloaded fields, looked up once.
-    pub async fn blobs_store(&self) -> Result<&ObjectStore, ApiError> {
-        self.blobs
-            .get_or_try_init(|| async {
-                self.js
-                    .get_object_store(&self.names.blobs_store)
-                    .await
-                    .map_err(|e| ApiError::unavailable("object store", e))
-            })
+    /// The served version's object store of offloaded fields, looked up once per version.
+    pub async fn blobs_store(&self) -> Result<ObjectStore, ApiError> {
+        let name = self.names().blobs_store.clone();
+        let mut cached = self.blobs.lock().await;
+        if let Some((have, store)) = cached.as_ref() {
+            if *have == name {
+                return Ok(store.clone());
+            }
+        }
+        let store = self
+            .js
+            .get_object_store(&name)
             .await
+            .map_err(|e| ApiError::unavailable("object store", e))?;
+        *cached = Some((name, store.clone()));
+        Ok(store)
     }
 }

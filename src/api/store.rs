@@ -44,10 +44,11 @@ impl StoredEvent {
     }
 
     /// The API's item: cursor, sequence, subject facts and the envelope.
-    pub fn item(&self, prefix: &str) -> EventItem {
+    /// `tag`: the cursor tag of the version whose stream it was read from.
+    pub fn item(&self, prefix: &str, tag: u16) -> EventItem {
         let (role, key, event_type) = subject_parts(prefix, &self.subject);
         EventItem {
-            cursor: encode_cursor(self.seq),
+            cursor: encode_cursor(tag, self.seq),
             seq: self.seq,
             subject: self.subject.clone(),
             role: role.and_then(|r| r.parse().ok()),

@@ -18,6 +18,7 @@ use super::events::{expired, resolve};
 use super::query::{bad_cursor, decode_cursor, encode_cursor, Params, QueryPairs};
 use super::state::ApiState;
 use super::store::{self, StoredEvent};
+use crate::served::Served;
 use async_nats::jetstream::consumer;
 use axum::extract::State;
 use axum::http::HeaderMap;
@@ -30,7 +31,7 @@ use serde::Serialize;
 use std::convert::Infallible;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, watch};
 use tracing::{debug, warn};
 
 const PARAMS: [&str; 5] = ["role", "type", "key", "view", "after"];
@@ -67,12 +68,15 @@ pub struct StreamErrorDetail {
 }
 
 /// `slow_consumer`: the client read more slowly than events arrived and its buffer filled;
-/// `unavailable`: the event store stopped answering or closed the stream.
+/// `unavailable`: the event store stopped answering or closed the stream; `version_switched`:
+/// the API now serves another projection version, whose positions the stream's cursors are not
+/// (reconnect without `Last-Event-ID`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum StreamErrorCode {
     SlowConsumer,
     Unavailable,
+    VersionSwitched,
 }
 
 struct Item {
@@ -95,12 +99,15 @@ pub async fn stream(
     QueryPairs(pairs): QueryPairs,
 ) -> Result<Response, ApiError> {
     let params = Params::new(pairs, &PARAMS)?;
-    let r = resolve(&state, &caller, &params)?;
+    // Watching from before the version is read: a switch from here on ends the stream.
+    let switches = state.switches();
+    let served = state.served();
+    let r = resolve(&served, &caller, &params)?;
     let slot = state.stream_slots().acquire(caller.name.as_deref())?;
-    let resume = resume_cursor(&headers, &params)?;
-    let (stream, first, last) = store::bounds(state.js(), &state.names().proj_stream).await?;
+    let resume = resume_cursor(served.tag, &headers, &params)?;
+    let (stream, first, last) = store::bounds(state.js(), &served.names.proj_stream).await?;
     let start = match resume {
-        Some(c) if c.saturating_add(1) < first => return Err(expired(first)),
+        Some(c) if c.saturating_add(1) < first => return Err(expired(served.tag, first)),
         Some(c) => c.saturating_add(1),
         None => last.saturating_add(1),
     };
@@ -110,7 +117,6 @@ pub async fn stream(
     let (tx, rx) = mpsc::channel::<Item>(limits.buffer_events.max(1));
     let inflight = Arc::new(AtomicUsize::new(0));
     let ending: Arc<Mutex<Option<Termination>>> = Arc::new(Mutex::new(None));
-    let prefix = state.names().prefix.clone();
     state.stats().sse_clients.fetch_add(1, Ordering::Relaxed);
     tokio::spawn(pump(
         messages,
@@ -118,13 +124,13 @@ pub async fn stream(
         inflight.clone(),
         ending.clone(),
         state.clone(),
-        prefix,
+        (served.clone(), switches),
     ));
     let body = Body {
         rx,
         inflight,
         ending,
-        last_id: resume.map(encode_cursor),
+        last_id: resume.map(|c| encode_cursor(served.tag, c)),
         done: false,
         _slot: slot,
     };
@@ -138,7 +144,7 @@ pub async fn stream(
 
 /// Where to resume: `Last-Event-ID`, else `after` (both are checked). An empty one is no
 /// cursor; anything else must be one.
-fn resume_cursor(headers: &HeaderMap, params: &Params) -> Result<Option<u64>, ApiError> {
+fn resume_cursor(tag: u16, headers: &HeaderMap, params: &Params) -> Result<Option<u64>, ApiError> {
     let header_cursor = match headers.get("last-event-id").map(|v| v.to_str()) {
         None => None,
         Some(Ok(v)) => Some(v.to_string()).filter(|v| !v.is_empty()),
@@ -147,10 +153,10 @@ fn resume_cursor(headers: &HeaderMap, params: &Params) -> Result<Option<u64>, Ap
     let after = params
         .one("after")?
         .filter(|c| !c.is_empty())
-        .map(|c| decode_cursor(&c))
+        .map(|c| decode_cursor(tag, &c))
         .transpose()?;
     match header_cursor {
-        Some(c) => Ok(Some(decode_cursor(&c)?)),
+        Some(c) => Ok(Some(decode_cursor(tag, &c)?)),
         None => Ok(after),
     }
 }
@@ -237,15 +243,29 @@ async fn pump(
     inflight: Arc<AtomicUsize>,
     ending: Arc<Mutex<Option<Termination>>>,
     state: ApiState,
-    prefix: String,
+    (served, mut switches): (Arc<Served>, watch::Receiver<Arc<Served>>),
 ) {
     let limits = state.sse_limits();
     let shutdown = state.shutdown();
+    let prefix = served.names.prefix.clone();
     let mut errors = 0u32;
     let end = loop {
         let next = tokio::select! {
             _ = tx.closed() => break None,
             _ = shutdown.cancelled() => break None,
+            changed = switches.changed() => {
+                if changed.is_err() || switches.borrow_and_update().tag == served.tag {
+                    // The API is going away, or a switch back before this stream noticed.
+                    if changed.is_err() {
+                        break None;
+                    }
+                    continue;
+                }
+                break Some(Termination {
+                    code: StreamErrorCode::VersionSwitched,
+                    message: "the API now serves another projection version; reconnect without Last-Event-ID (this stream's cursors are positions in the version it left)".into(),
+                });
+            }
             m = messages.next() => m,
         };
         let m = match next {
@@ -277,10 +297,10 @@ async fn pump(
         let Some(ev) = StoredEvent::from_message(&m) else {
             continue;
         };
-        let data = serde_json::to_string(&ev.item(&prefix)).unwrap_or_default();
+        let data = serde_json::to_string(&ev.item(&prefix, served.tag)).unwrap_or_default();
         drop(m);
         let item = Item {
-            id: encode_cursor(ev.seq),
+            id: encode_cursor(served.tag, ev.seq),
             data,
         };
         let len = item.held();
@@ -300,6 +320,7 @@ async fn pump(
         reason = end.as_ref().map_or("client gone", |t| match t.code {
             StreamErrorCode::SlowConsumer => "slow_consumer",
             StreamErrorCode::Unavailable => "unavailable",
+            StreamErrorCode::VersionSwitched => "version_switched",
         }),
         buffered_bytes = inflight.load(Ordering::Relaxed),
         "event stream reader stopped"

@@ -35,13 +35,9 @@ pub async fn one(
     // The subject's key token: the id itself when it is one, else its encoding (as producers'
     // subjects carry it).
     let token = crate::model::key_token(key);
-    let filters = query::subject_filters(
-        &state.names().prefix,
-        &roles,
-        std::slice::from_ref(&token),
-        &[],
-    );
-    let (stream, first, last) = store::bounds(state.js(), &state.names().proj_stream).await?;
+    let names = state.names();
+    let filters = query::subject_filters(&names.prefix, &roles, std::slice::from_ref(&token), &[]);
+    let (stream, first, last) = store::bounds(state.js(), &names.proj_stream).await?;
     let (events, more) =
         store::newest_before(&stream, &filters, last.saturating_add(1), first, MAX_EVENTS).await?;
     let envelopes: Vec<(Envelope, &str)> = events

@@ -63,8 +63,9 @@ pub async fn tree(
         })
         .transpose()?;
     let root = crate::model::key_token(key);
-    let prefix = state.names().prefix.clone();
-    let (stream, first, last) = store::bounds(state.js(), &state.names().proj_stream).await?;
+    let names = state.names();
+    let prefix = names.prefix.clone();
+    let (stream, first, last) = store::bounds(state.js(), &names.proj_stream).await?;
 
     // 1. The root's key, and where what it caused begins: its first event (of the item, when
     // one is asked for). What a turn or run causes comes after it.

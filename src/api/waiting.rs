@@ -44,10 +44,11 @@ pub async fn waiting(
     let limit = query::limit(&params, DEFAULT_LIMIT, MAX_LIMIT)?;
     let requested = query::roles(&params)?;
     let roles = caller.roles(requested.as_deref())?;
-    let prefix = state.names().prefix.clone();
+    let names = state.names();
+    let prefix = names.prefix.clone();
     let types: Vec<String> = TYPES.iter().map(|t| (*t).to_string()).collect();
     let filters = query::subject_filters(&prefix, &roles, &[], &types);
-    let (stream, first, last) = store::bounds(state.js(), &state.names().proj_stream).await?;
+    let (stream, first, last) = store::bounds(state.js(), &names.proj_stream).await?;
     // The newest turn and run events, whatever else the stream holds; each key's in stream
     // order.
     let (events, more) = store::newest_before(

@@ -273,6 +273,61 @@ async fn processed_through(
     }
 }
 
+/// What `--switch` did.
+#[derive(Debug, Clone)]
+pub struct Switched {
+    pub switch: crate::served::Switch,
+    /// Inputs the served version's consumers have not acknowledged yet (pending or in flight).
+    pub pending: u64,
+    /// The served version's projection subjects, for NATS subscribers.
+    pub subjects: String,
+}
+
+/// Make the deployment's API serve projection version `version` (empty: its own projections
+/// again, the way back). A version must exist (its projection stream); what its consumers have
+/// not acknowledged yet is reported, since nothing but its own workers keeps it current.
+pub async fn switch(settings: &Settings, version: &str) -> Result<Switched, ReprojectError> {
+    let (_client, js) = crate::bus::connect_as(settings, "collab-projector reproject").await?;
+    let live = super::live_names(settings);
+    let target = Names::versioned(&live.raw_prefix, version);
+    if js.get_stream(&target.proj_stream).await.is_err() {
+        return Err(ReprojectError::Refused(if version.is_empty() {
+            format!(
+                "the deployment has no projection stream {}: run `collab-projector provision` first",
+                target.proj_stream
+            )
+        } else {
+            format!(
+                "projection version {version:?} does not exist (no stream {}): compute it first with `collab-projector reproject --version {version}`",
+                target.proj_stream
+            )
+        }));
+    }
+    let mut pending = 0u64;
+    if let Ok(raw) = js.get_stream(&live.raw_stream).await {
+        use futures::StreamExt;
+        let prefix = format!("{}-proj-", target.prefix);
+        let mut consumers = raw.consumers();
+        while let Some(Ok(info)) = consumers.next().await {
+            if info
+                .name
+                .strip_prefix(&prefix)
+                .is_some_and(|p| p.parse::<u16>().is_ok())
+            {
+                pending += info.num_pending + info.num_ack_pending as u64;
+            }
+        }
+    }
+    let switch = crate::served::write(&js, &live, version, settings.nats.replicas)
+        .await
+        .map_err(|e| api("writing the served version", e))?;
+    Ok(Switched {
+        switch,
+        pending,
+        subjects: format!("{}.proj.>", target.prefix),
+    })
+}
+
 /// What `drop` removed.
 #[derive(Debug, Default, Clone)]
 pub struct Dropped {
@@ -290,10 +345,32 @@ pub async fn drop_version(settings: &Settings) -> Result<Dropped, ReprojectError
         ));
     }
     let (_client, js) = crate::bus::connect_as(settings, "collab-projector reproject").await?;
+    let live = super::live_names(settings);
+    let served = crate::served::read(&js, &live)
+        .await
+        .map_err(|e| api("the served version", e))?;
+    if served.is_some_and(|s| s.version == version.version) {
+        return Err(ReprojectError::Refused(format!(
+            "projection version {:?} is the one the API serves: switch back first (`collab-projector reproject --switch-back`, or `--version <other> --switch`)",
+            version.version
+        )));
+    }
     let mut out = Dropped::default();
     if let Ok(raw) = js.get_stream(&version.raw_stream).await {
-        for p in 0..settings.nats.partitions {
-            let name = version.consumer_name(p);
+        // Every partition consumer of the version, whatever its partition count.
+        use futures::StreamExt;
+        let prefix = format!("{}-proj-", version.prefix);
+        let mut names = Vec::new();
+        let mut listed = raw.consumer_names();
+        while let Some(Ok(name)) = listed.next().await {
+            if name
+                .strip_prefix(&prefix)
+                .is_some_and(|p| p.parse::<u16>().is_ok())
+            {
+                names.push(name);
+            }
+        }
+        for name in names {
             if raw.delete_consumer(&name).await.is_ok() {
                 out.removed.push(format!("consumer {name}"));
             }

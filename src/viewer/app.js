@@ -284,6 +284,12 @@ async function follow(gen, ctl, sel, cursor) {
         if (gen !== state.gen) return;
         if (f.event === 'error') {
           const e = (JSON.parse(f.data || '{}').error) || {};
+          if (e.code === 'version_switched') {
+            // The API serves another projection version now: its cursors are positions in
+            // another stream, so load the view afresh.
+            if (gen === state.gen) loadView();
+            return;
+          }
           if (e.resumeFrom) last = e.resumeFrom;
           note = e.message || note;
           break;

@@ -479,8 +479,8 @@ async fn events_page_forward_and_backward_covering_each_event_once() {
             // An empty page moves the cursor to the end of what it scanned, never back.
             let next = cursor(&page, "next").expect("a next cursor on an empty page");
             let (n, a) = (
-                api::query::decode_cursor(&next).ok(),
-                api::query::decode_cursor(&after).ok(),
+                api::query::decode_cursor(0, &next).ok(),
+                api::query::decode_cursor(0, &after).ok(),
             );
             assert!(n >= a, "{n:?} < {a:?}");
             break;
@@ -504,7 +504,7 @@ async fn events_page_forward_and_backward_covering_each_event_once() {
         &app,
         &format!(
             "/api/events?{filter}&limit=3&before={}",
-            api::query::encode_cursor(matching[20])
+            api::query::encode_cursor(0, matching[20])
         ),
     )
     .await;
@@ -513,8 +513,8 @@ async fn events_page_forward_and_backward_covering_each_event_once() {
     let between = |after: u64, before: u64, limit: usize| {
         format!(
             "/api/events?{filter}&limit={limit}&after={}&before={}",
-            api::query::encode_cursor(after),
-            api::query::encode_cursor(before)
+            api::query::encode_cursor(0, after),
+            api::query::encode_cursor(0, before)
         )
     };
     let range = ok(&app, &between(matching[10], matching[30], 100)).await;
@@ -523,7 +523,7 @@ async fn events_page_forward_and_backward_covering_each_event_once() {
     assert_eq!(seqs(&first), matching[11..15]);
     assert_eq!(
         cursor(&first, "next"),
-        Some(api::query::encode_cursor(matching[14]))
+        Some(api::query::encode_cursor(0, matching[14]))
     );
 }
 
@@ -576,13 +576,13 @@ async fn events_reject_bad_parameters_with_json_errors() {
     )
     .await;
     // `after` and `before` together: the events between them, none between a cursor and itself.
-    let c = api::query::encode_cursor(1);
+    let c = api::query::encode_cursor(0, 1);
     let page = ok(&app, &format!("/api/events?after={c}&before={c}")).await;
     assert_eq!(page["count"], 0, "{page}");
     for junk in [
         format!("%20{c}"),
         format!("{c}%20"),
-        api::query::encode_cursor(1) + "A",
+        api::query::encode_cursor(0, 1) + "A",
     ] {
         err(
             &app,
@@ -668,7 +668,7 @@ async fn events_reject_bad_parameters_with_json_errors() {
         .await
         .expect("the projection stream");
     stream.purge().sequence(6).await.expect("purge below 6");
-    let stale = api::query::encode_cursor(2);
+    let stale = api::query::encode_cursor(0, 2);
     let e = err(
         &app,
         &format!("/api/events?after={stale}"),
@@ -681,7 +681,7 @@ async fn events_reject_bad_parameters_with_json_errors() {
         .as_str()
         .expect("oldestCursor")
         .to_string();
-    assert_eq!(api::query::decode_cursor(&oldest).ok(), Some(5));
+    assert_eq!(api::query::decode_cursor(0, &oldest).ok(), Some(5));
     let from_oldest = ok(&app, &format!("/api/events?after={oldest}")).await;
     assert_eq!(seqs(&from_oldest), [6, 7, 8, 9, 10]);
     err(
@@ -893,13 +893,16 @@ async fn event_stream_delivers_live_and_resumes_without_loss_or_repeats() {
     // `after` resumes the same way as Last-Event-ID.
     let mut from_after = SseClient::connect(
         addr,
-        &format!("{filter}&after={}", api::query::encode_cursor(expected[4])),
+        &format!(
+            "{filter}&after={}",
+            api::query::encode_cursor(0, expected[4])
+        ),
         None,
         None,
     )
     .await;
     let ev = from_after.next_guarded().await.expect("an event");
-    assert_eq!(ev.id, Some(api::query::encode_cursor(expected[5])));
+    assert_eq!(ev.id, Some(api::query::encode_cursor(0, expected[5])));
 
     // Shutting down ends open streams.
     stop.cancel();

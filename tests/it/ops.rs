@@ -732,6 +732,7 @@ fn the_operations_guide_lists_every_metric_family_and_explains_every_alert() {
     let version = collab_projector::config::Names::versioned("collab", "v2");
     let names = Settings::default().names();
     let buckets = [
+        collab_projector::served::control_bucket(&names),
         names.turns_bucket,
         names.sessions_bucket,
         names.leases_bucket,

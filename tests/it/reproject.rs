@@ -207,3 +207,181 @@ async fn reprojection_reproduces_the_projections_and_names_what_a_rule_change_ch
     let (code, report) = run_to_end(&same, &env).await;
     assert_eq!((code, &report["liveDigest"]), (0, &report["versionDigest"]));
 }
+
+/// `GET http://ADDR/PATH`: status, the served version's header, and the JSON body.
+async fn api_get(addr: &str, path: &str) -> (u16, Option<String>, Value) {
+    let url = format!("http://{addr}{path}");
+    let resp = reqwest::get(&url)
+        .await
+        .unwrap_or_else(|e| panic!("GET {url}: {e}"));
+    let status = resp.status().as_u16();
+    let version = resp
+        .headers()
+        .get("collab-projection-version")
+        .and_then(|v| v.to_str().ok())
+        .map(str::to_string);
+    let body = resp.json().await.unwrap_or(Value::Null);
+    (status, version, body)
+}
+
+/// Wait for a process to print its HTTP address.
+async fn http_addr_of(p: &Projector) -> String {
+    crate::support::wait_until(Duration::from_secs(60), "the HTTP address", || async {
+        p.log_text().contains("http listening on ")
+    })
+    .await;
+    p.http_addr()
+}
+
+/// Run `collab-projector ARGS`: its exit status and what it printed.
+async fn command(args: &[&str]) -> (bool, String) {
+    let mut p = Projector::spawn_command(args, &[]);
+    let status = p
+        .wait_exit(Duration::from_secs(120))
+        .await
+        .unwrap_or_else(|| panic!("{args:?} did not finish in 120 s: {}", p.log_text()));
+    (status.success(), p.log_text())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_switch_moves_the_api_and_its_event_streams_to_a_version_and_back() {
+    use futures::StreamExt;
+    let nats = TestNats::start().await;
+    let url = nats.url();
+    let js = nats.jetstream().await;
+    let agents = ["--main-agents", "ruda,eden"];
+    let deployment = Projector::spawn(&url, &agents, &[]);
+    let addr = http_addr_of(&deployment).await;
+    for (i, conv) in ["sw-1", "sw-2", "sw-3"].iter().enumerate() {
+        let (subject, body) = crate::api::collab_event(
+            i64::try_from(i).unwrap_or(0),
+            "a2a.send",
+            "ruda",
+            "eden",
+            conv,
+            serde_json::json!({"message": "status?", "timeoutMs": 3_600_000}),
+        );
+        crate::pipeline::publish(&js, &subject, body).await;
+    }
+    let count = |v: &Value| v["events"].as_array().map_or(0, Vec::len);
+    crate::support::wait_until(
+        Duration::from_secs(60),
+        "the deployment projected the sends",
+        || {
+            let addr = addr.clone();
+            async move { count(&api_get(&addr, "/api/events?limit=100").await.2) == 3 }
+        },
+    )
+    .await;
+    let (status, served, page) = api_get(&addr, "/api/events?limit=100").await;
+    assert_eq!((status, served.as_deref()), (200, Some("")), "{page}");
+    let own_cursor = page["next"].as_str().unwrap_or_default().to_string();
+
+    // The version: computed, then kept current by its own worker.
+    let (ok, log) = command(&[
+        "reproject",
+        "--nats-url",
+        &url,
+        "--json",
+        "--version",
+        "v2",
+        "--main-agents",
+        "ruda,eden",
+    ])
+    .await;
+    assert!(ok, "reproject: {log}");
+    let _version = Projector::spawn(&url, &agents, &[("COLLAB_NATS__VERSION", "v2")]);
+
+    // An event stream open on the deployment's projections.
+    let stream = reqwest::get(format!("http://{addr}/api/events/stream"))
+        .await
+        .expect("the event stream opens");
+    assert_eq!(stream.status().as_u16(), 200);
+    let mut stream = stream.bytes_stream();
+
+    let (ok, log) = command(&[
+        "reproject",
+        "--nats-url",
+        &url,
+        "--version",
+        "v2",
+        "--switch",
+    ])
+    .await;
+    assert!(
+        ok && log.contains("the API now serves projection version v2"),
+        "{log}"
+    );
+    crate::support::wait_until(Duration::from_secs(30), "the API serves v2", || {
+        let addr = addr.clone();
+        async move { api_get(&addr, "/api/events").await.1.as_deref() == Some("v2") }
+    })
+    .await;
+    // The open stream ends, saying why.
+    let mut text = String::new();
+    let until = tokio::time::Instant::now() + Duration::from_secs(30);
+    while !text.contains("version_switched") {
+        match tokio::time::timeout_at(until, stream.next()).await {
+            Ok(Some(Ok(chunk))) => text.push_str(&String::from_utf8_lossy(&chunk)),
+            _ => break,
+        }
+    }
+    assert!(
+        text.contains("event: error") && text.contains("version_switched"),
+        "the deployment's event stream did not end on the switch: {text:.500}"
+    );
+    // The version's projections, with cursors of its own; the deployment's cursor is gone.
+    let (status, _, page) = api_get(&addr, "/api/events?limit=100").await;
+    assert_eq!((status, count(&page)), (200, 3), "{page}");
+    assert!(
+        page["events"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .all(|e| e["subject"]
+                .as_str()
+                .is_some_and(|s| s.starts_with("collab_v2.proj."))),
+        "{page}"
+    );
+    let version_cursor = page["next"].as_str().unwrap_or_default().to_string();
+    assert_ne!(version_cursor, own_cursor);
+    let (status, _, err) = api_get(&addr, &format!("/api/events?after={own_cursor}")).await;
+    assert_eq!(
+        (status, err["error"]["code"].as_str()),
+        (410, Some("version_switched")),
+        "{err}"
+    );
+    let (status, _, _) = api_get(&addr, &format!("/api/events?after={version_cursor}")).await;
+    assert_eq!(status, 200);
+
+    // A served version cannot be dropped.
+    let (ok, log) = command(&["reproject", "--nats-url", &url, "--version", "v2", "--drop"]).await;
+    assert!(!ok && log.contains("switch back first"), "{log}");
+    assert!(js.get_stream("COLLAB_V2_PROJ").await.is_ok());
+
+    // The way back.
+    let (ok, log) = command(&["reproject", "--nats-url", &url, "--switch-back"]).await;
+    assert!(
+        ok && log.contains("the API now serves the deployment's own projections"),
+        "{log}"
+    );
+    crate::support::wait_until(
+        Duration::from_secs(30),
+        "the API serves the deployment",
+        || {
+            let addr = addr.clone();
+            async move { api_get(&addr, "/api/events").await.1.as_deref() == Some("") }
+        },
+    )
+    .await;
+    let (status, _, _) = api_get(&addr, &format!("/api/events?after={own_cursor}")).await;
+    assert_eq!(status, 200);
+    let (status, _, err) = api_get(&addr, &format!("/api/events?after={version_cursor}")).await;
+    assert_eq!(
+        (status, err["error"]["code"].as_str()),
+        (410, Some("version_switched")),
+        "{err}"
+    );
+    let (ok, log) = command(&["reproject", "--nats-url", &url, "--version", "v2", "--drop"]).await;
+    assert!(ok, "{log}");
+}

@@ -567,7 +567,7 @@ async fn what_the_projector_produces_matches_the_checked_in_schemas() {
     let mut proj = js.get_stream("COLLAB_PROJ").await.expect("COLLAB_PROJ");
     let last = proj.info().await.expect("info").state.last_sequence;
     proj.purge().sequence(last).await.expect("purge");
-    let stale = api::query::encode_cursor(1);
+    let stale = api::query::encode_cursor(0, 1);
     let gone = checked(
         &open,
         &format!("/api/events?after={stale}"),
