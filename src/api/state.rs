@@ -162,36 +162,47 @@ impl ApiState {
     /// The served version's work-session bucket, looked up once per version.
     pub async fn sessions_kv(&self) -> Result<kv::Store, ApiError> {
         let bucket = self.names().sessions_bucket.clone();
-        let mut cached = self.sessions.lock().await;
-        if let Some((name, store)) = cached.as_ref() {
-            if *name == bucket {
-                return Ok(store.clone());
-            }
-        }
-        let store = self
-            .js
-            .get_key_value(&bucket)
-            .await
-            .map_err(|e| ApiError::unavailable("work-session bucket", e))?;
-        *cached = Some((bucket, store.clone()));
-        Ok(store)
+        once_per_name(&self.sessions, bucket, |b| async move {
+            self.js
+                .get_key_value(&b)
+                .await
+                .map_err(|e| ApiError::unavailable("work-session bucket", e))
+        })
+        .await
     }
 
     /// The served version's object store of offloaded fields, looked up once per version.
     pub async fn blobs_store(&self) -> Result<ObjectStore, ApiError> {
         let name = self.names().blobs_store.clone();
-        let mut cached = self.blobs.lock().await;
-        if let Some((have, store)) = cached.as_ref() {
-            if *have == name {
-                return Ok(store.clone());
-            }
-        }
-        let store = self
-            .js
-            .get_object_store(&name)
-            .await
-            .map_err(|e| ApiError::unavailable("object store", e))?;
-        *cached = Some((name, store.clone()));
-        Ok(store)
+        once_per_name(&self.blobs, name, |n| async move {
+            self.js
+                .get_object_store(&n)
+                .await
+                .map_err(|e| ApiError::unavailable("object store", e))
+        })
+        .await
     }
+}
+
+/// The handle `cache` holds for `name`, or a new one from `open` (kept in place of the handle of
+/// another name: the version served changed).
+async fn once_per_name<T, F, Fut>(
+    cache: &Mutex<Option<(String, T)>>,
+    name: String,
+    open: F,
+) -> Result<T, ApiError>
+where
+    T: Clone,
+    F: FnOnce(String) -> Fut,
+    Fut: std::future::Future<Output = Result<T, ApiError>>,
+{
+    let mut cached = cache.lock().await;
+    if let Some((have, handle)) = cached.as_ref() {
+        if *have == name {
+            return Ok(handle.clone());
+        }
+    }
+    let handle = open(name.clone()).await?;
+    *cached = Some((name, handle.clone()));
+    Ok(handle)
 }

@@ -499,6 +499,19 @@ async fn silence_past_the_send_timeout_gives_a_synthesized_blocked_timeout() {
     );
 }
 
+/// Send turn 0 of `c-quiet` (800 ms deadline) with nothing after it, and wait for its response
+/// (the timeout, decided through the partition's barrier); the send's raw sequence.
+async fn quiet_turn_answered(bed: &Bed) -> u64 {
+    let send_seq = bed
+        .publish(&send(
+            "c-quiet",
+            json!({"message": "ping", "timeoutMs": 800}),
+        ))
+        .await;
+    bed.wait_responses(&[key("c-quiet", "0")]).await;
+    send_seq
+}
+
 #[tokio::test]
 async fn a_silent_timeout_is_decided_through_a_barrier_that_stays_in_the_raw_stream() {
     // An idle partition decides a deadline only once a barrier it publishes to itself comes
@@ -507,13 +520,7 @@ async fn a_silent_timeout_is_decided_through_a_barrier_that_stays_in_the_raw_str
     // stream, of everything delivered before it.
     let bed = Bed::start().await;
     let _p = bed.projector(&[]);
-    let send_seq = bed
-        .publish(&send(
-            "c-quiet",
-            json!({"message": "ping", "timeoutMs": 800}),
-        ))
-        .await;
-    bed.wait_responses(&[key("c-quiet", "0")]).await;
+    let send_seq = quiet_turn_answered(&bed).await;
     let one = one_per_turn(&bed.responses().await, &[key("c-quiet", "0")]);
     assert_synthesized_timeout(&one[&key("c-quiet", "0")], send_seq, 800);
     let raw = crate::pipeline::read_all(&bed.js, "COLLAB_RAW", "collab.in.>").await;
@@ -568,13 +575,7 @@ async fn a_barrier_leaves_the_acknowledgements_of_other_consumers_of_the_raw_str
         .await
         .expect("observer consumer");
     let mut held = observer.messages().await.expect("observer pull");
-    let send_seq = bed
-        .publish(&send(
-            "c-quiet",
-            json!({"message": "ping", "timeoutMs": 800}),
-        ))
-        .await;
-    bed.wait_responses(&[key("c-quiet", "0")]).await;
+    let send_seq = quiet_turn_answered(&bed).await;
     // The observer receives the send and the barrier, and acknowledges neither. (A barrier
     // deleted before it reached the observer never does: that fails here too.)
     let mut kept = Vec::new();
