@@ -1095,6 +1095,13 @@ impl Names {
     pub fn consumer_name(&self, p: u16) -> String {
         format!("{}-proj-{p}", self.prefix)
     }
+    /// The partition whose consumer `name` is, if it is one of these names' partition consumers.
+    pub fn consumer_partition(&self, name: &str) -> Option<u16> {
+        name.strip_prefix(&self.prefix)?
+            .strip_prefix("-proj-")?
+            .parse()
+            .ok()
+    }
     pub fn proj_subject(&self, role: Role, key: &str, event_type: &str) -> String {
         format!("{}.proj.{}.{key}.{event_type}", self.prefix, role.as_str())
     }
@@ -1444,6 +1451,17 @@ mod tests {
             s.names().stored_subject("collab.raw.c1.a2a.send"),
             "collab.in.0.0.0.0.0.0.c1.a2a.send"
         );
+    }
+
+    #[test]
+    fn a_partition_consumer_is_told_from_another_sets() {
+        let live = Names::new("collab");
+        let v2 = Names::versioned("collab", "v2");
+        assert_eq!(live.consumer_partition(&live.consumer_name(7)), Some(7));
+        assert_eq!(v2.consumer_partition(&v2.consumer_name(31)), Some(31));
+        assert_eq!(live.consumer_partition(&v2.consumer_name(7)), None);
+        assert_eq!(v2.consumer_partition(&live.consumer_name(7)), None);
+        assert_eq!(live.consumer_partition("replay-3-abc"), None);
     }
 
     #[test]

@@ -205,29 +205,11 @@ async fn follow(
     to: u64,
     mut progress: impl FnMut(u64),
 ) -> Result<(), ReprojectError> {
-    use futures::StreamExt;
-    let prefix = format!("{}-proj-", names.prefix);
     loop {
-        let mut found = Vec::new();
-        let mut listed = true;
-        let mut consumers = raw.consumers();
-        while let Some(info) = consumers.next().await {
-            match info {
-                Ok(info)
-                    if info
-                        .name
-                        .strip_prefix(&prefix)
-                        .is_some_and(|p| p.parse::<u16>().is_ok()) =>
-                {
-                    found.push(info)
-                }
-                Ok(_) => {}
-                Err(_) => {
-                    listed = false;
-                    break;
-                }
-            }
-        }
+        let (found, listed) = match partition_consumers(raw, names).await {
+            Some(found) => (found, true),
+            None => (Vec::new(), false),
+        };
         // Not all created yet (provisioning under way), or the list was cut short.
         let count = usize::from(expected.unwrap_or(0)).max(found.len()).max(1);
         let mut done = 0u64;
@@ -273,6 +255,24 @@ async fn processed_through(
     }
 }
 
+/// The partition consumers of the set of workers `names` names, whatever their count; `None` when
+/// the list was cut short.
+async fn partition_consumers(
+    raw: &jetstream::stream::Stream,
+    names: &Names,
+) -> Option<Vec<jetstream::consumer::Info>> {
+    use futures::StreamExt;
+    let mut found = Vec::new();
+    let mut consumers = raw.consumers();
+    while let Some(info) = consumers.next().await {
+        let info = info.ok()?;
+        if names.consumer_partition(&info.name).is_some() {
+            found.push(info);
+        }
+    }
+    Some(found)
+}
+
 /// What `--switch` did.
 #[derive(Debug, Clone)]
 pub struct Switched {
@@ -305,17 +305,8 @@ pub async fn switch(settings: &Settings, version: &str) -> Result<Switched, Repr
     }
     let mut pending = 0u64;
     if let Ok(raw) = js.get_stream(&live.raw_stream).await {
-        use futures::StreamExt;
-        let prefix = format!("{}-proj-", target.prefix);
-        let mut consumers = raw.consumers();
-        while let Some(Ok(info)) = consumers.next().await {
-            if info
-                .name
-                .strip_prefix(&prefix)
-                .is_some_and(|p| p.parse::<u16>().is_ok())
-            {
-                pending += info.num_pending + info.num_ack_pending as u64;
-            }
+        for info in partition_consumers(&raw, &target).await.unwrap_or_default() {
+            pending += info.num_pending + info.num_ack_pending as u64;
         }
     }
     let switch = crate::served::write(&js, &live, version, settings.nats.replicas)
@@ -358,18 +349,12 @@ pub async fn drop_version(settings: &Settings) -> Result<Dropped, ReprojectError
     let mut out = Dropped::default();
     if let Ok(raw) = js.get_stream(&version.raw_stream).await {
         // Every partition consumer of the version, whatever its partition count.
-        use futures::StreamExt;
-        let prefix = format!("{}-proj-", version.prefix);
-        let mut names = Vec::new();
-        let mut listed = raw.consumer_names();
-        while let Some(Ok(name)) = listed.next().await {
-            if name
-                .strip_prefix(&prefix)
-                .is_some_and(|p| p.parse::<u16>().is_ok())
-            {
-                names.push(name);
-            }
-        }
+        let names: Vec<String> = partition_consumers(&raw, &version)
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .map(|info| info.name)
+            .collect();
         for name in names {
             if raw.delete_consumer(&name).await.is_ok() {
                 out.removed.push(format!("consumer {name}"));
