@@ -928,6 +928,9 @@ fn cursor() -> impl Strategy<Value = String> {
         any::<u64>().prop_map(|seq| collab_projector::api::query::encode_cursor(0, seq)),
         prop::sample::select(vec![0, 1, u64::MAX - 1, u64::MAX])
             .prop_map(|seq| collab_projector::api::query::encode_cursor(0, seq)),
+        // A cursor another projection version issued (docs/operations.md, "Serving a version").
+        (1..=676_u16, any::<u64>())
+            .prop_map(|(tag, seq)| collab_projector::api::query::encode_cursor(tag, seq)),
         "[A-Za-z0-9_-]{0,12}",
     ]
 }
@@ -1011,6 +1014,20 @@ fn a_cursor_at_the_last_sequence_is_refused() {
         Some(largest)
     );
     assert!(decode_cursor(0, &encode_cursor(0, largest + 1)).is_err());
+}
+
+/// A cursor that another projection version issued is refused with 410 `version_switched`,
+/// which tells a client to reload from the start rather than to fix its request.
+#[test]
+fn a_cursor_of_another_version_is_gone_not_malformed() {
+    use collab_projector::api::query::{decode_cursor, encode_cursor};
+    let other = encode_cursor(3, 42);
+    let refused = decode_cursor(0, &other).err().map(|e| (e.status.as_u16(), e.code));
+    assert_eq!(refused, Some((410, "version_switched")));
+    assert_eq!(decode_cursor(3, &other).ok(), Some(42));
+    if let Err(broken) = checks::events_query(vec![("after".to_string(), other)]) {
+        panic!("{broken}");
+    }
 }
 
 // ---------------------------------------------------------------------------------------------

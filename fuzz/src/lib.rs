@@ -853,8 +853,11 @@ pub fn query(bytes: &[u8]) -> Checked {
 pub fn events_query(pairs: Vec<(String, String)>) -> Checked {
     match parse_events_query(pairs) {
         Err(e) => {
-            ensure(e.status == StatusCode::BAD_REQUEST, || {
-                format!("a query was refused with {}", e.status)
+            // 400 for a malformed query; 410 `version_switched` for a well-formed cursor that
+            // another projection version issued (docs/contract.md, "Serving a version").
+            let gone = e.status == StatusCode::GONE && e.code == "version_switched";
+            ensure(e.status == StatusCode::BAD_REQUEST || gone, || {
+                format!("a query was refused with {} ({})", e.status, e.code)
             })?;
             ensure(!e.code.is_empty() && !e.message.trim().is_empty(), || {
                 format!("a query refusal has no code or message: {e:?}")
