@@ -66,6 +66,8 @@ pub enum BenchError {
     Config(#[from] crate::config::ConfigError),
     #[error("interrupted")]
     Interrupted,
+    #[error("{0}")]
+    Setup(String),
 }
 
 fn nats_err(what: impl Into<String>) -> impl FnOnce(String) -> BenchError {
@@ -460,14 +462,31 @@ struct Env {
 
 impl Env {
     async fn new(opts: &BenchOptions, tag: &str) -> Result<Env, BenchError> {
+        // Raw traffic over shards (`COLLAB_NATS__SHARDS`) needs the server's subject mapping for
+        // the prefix: a server the bench starts gets it; a given one must have it for the prefix
+        // `COLLAB_BENCH_PREFIX` names (scenarios then run one after the other under it).
+        let shards = Settings::load_with(None, |_| {})?.nats.shards;
         let (url, prefix, local) = match &opts.nats_url {
-            Some(url) => (
-                url.clone(),
-                format!("bench-{}-{tag}", std::process::id()),
-                None,
-            ),
+            Some(url) => {
+                let prefix = match std::env::var("COLLAB_BENCH_PREFIX") {
+                    Ok(p) if !p.is_empty() => p,
+                    _ if shards > 1 => {
+                        return Err(BenchError::Setup(format!(
+                            "nats.shards is {shards}: the server at {url} needs the subject mapping of a prefix; set COLLAB_BENCH_PREFIX to the prefix its mapping was made for (`collab-projector shards` prints one)"
+                        )))
+                    }
+                    _ => format!("bench-{}-{tag}", std::process::id()),
+                };
+                (url.clone(), prefix, None)
+            }
             None => {
-                let server = LocalNats::start(LocalNatsOptions::default()).await?;
+                let mut names = Names::new("collab");
+                names.set_shards(shards);
+                let server = LocalNats::start(LocalNatsOptions {
+                    extra_config: names.shard_mapping_config(),
+                    ..Default::default()
+                })
+                .await?;
                 (server.url(), "collab".to_string(), Some(server))
             }
         };
@@ -501,7 +520,9 @@ impl Env {
     }
 
     fn names(&self) -> Names {
-        Names::new(&self.prefix)
+        let mut n = Names::new(&self.prefix);
+        n.set_shards(self.settings.nats.shards);
+        n
     }
 
     fn server_pid(&self) -> Option<u32> {
@@ -520,15 +541,14 @@ impl Env {
             return;
         }
         let n = self.names();
-        for s in [
-            n.raw_stream.clone(),
+        for s in n.raw_streams.iter().cloned().chain([
             n.proj_stream.clone(),
             n.dlq_stream.clone(),
             format!("KV_{}", n.turns_bucket),
             format!("KV_{}", n.sessions_bucket),
             format!("KV_{}", n.leases_bucket),
             format!("OBJ_{}", n.blobs_store),
-        ] {
+        ]) {
             let _ = self.js.delete_stream(&s).await;
         }
         let _ = self.client.flush().await;
@@ -536,13 +556,7 @@ impl Env {
 
     /// Deliveries by the partition consumers beyond one per message of the raw stream.
     async fn redelivered(&self, inputs: u64) -> Option<u64> {
-        let names = self.names();
-        let stream = self.js.get_stream(&names.raw_stream).await.ok()?;
-        let infos = futures::future::join_all(
-            (0..self.settings.nats.partitions)
-                .map(|p| stream.consumer_info(names.consumer_name(p))),
-        )
-        .await;
+        let infos = self.partition_consumers().await;
         let mut total = 0u64;
         for i in infos {
             total += i.ok()?.delivered.consumer_sequence;
@@ -567,18 +581,29 @@ impl Env {
 
     /// Every partition consumer has nothing pending and nothing unacknowledged.
     async fn drained(&self) -> bool {
-        let names = self.names();
-        let Ok(stream) = self.js.get_stream(&names.raw_stream).await else {
-            return false;
-        };
-        let infos = futures::future::join_all(
-            (0..self.settings.nats.partitions)
-                .map(|p| stream.consumer_info(names.consumer_name(p))),
-        )
-        .await;
-        infos
+        self.partition_consumers()
+            .await
             .into_iter()
             .all(|i| i.is_ok_and(|i| i.num_pending == 0 && i.num_ack_pending == 0))
+    }
+
+    /// Every partition consumer's info, each from the raw stream its partition reads.
+    async fn partition_consumers(
+        &self,
+    ) -> Vec<Result<consumer::Info, async_nats::jetstream::context::ConsumerInfoError>> {
+        let names = self.names();
+        let mut streams = Vec::new();
+        for name in &names.raw_streams {
+            match self.js.get_stream(name).await {
+                Ok(s) => streams.push(s),
+                Err(_) => return Vec::new(),
+            }
+        }
+        futures::future::join_all((0..self.settings.nats.partitions).map(|p| {
+            let stream = &streams[usize::from(p) % streams.len()];
+            stream.consumer_info(names.consumer_name(p))
+        }))
+        .await
     }
 }
 
@@ -686,25 +711,38 @@ async fn start_passthrough(env: &Env, partitioned: bool) -> Result<Passthrough, 
         "bench passthrough",
     )
     .await?;
-    let stream = js.get_stream(&names.raw_stream).await.ctx("raw stream")?;
-    let filters: Vec<(String, String)> = if partitioned {
+    let mut streams = Vec::new();
+    for name in &names.raw_streams {
+        streams.push(js.get_stream(name).await.ctx("raw stream")?);
+    }
+    // One consumer per partition on its raw stream, or one per raw stream (shard).
+    let filters: Vec<(usize, String, String)> = if partitioned {
         (0..env.settings.nats.partitions)
             .map(|p| {
                 (
+                    usize::from(p) % streams.len(),
                     format!("bench-passthrough-{p}"),
                     env.settings().partition_filter(p),
                 )
             })
             .collect()
     } else {
-        vec![("bench-passthrough".into(), format!("{}.in.>", names.prefix))]
+        (0..streams.len())
+            .map(|i| {
+                (
+                    i,
+                    format!("bench-passthrough-s{i}"),
+                    format!("{}.in.>", names.prefix),
+                )
+            })
+            .collect()
     };
     let done = Arc::new(AtomicU64::new(0));
     let first = Arc::new(OnceLock::new());
     let cancel = CancellationToken::new();
     let mut copies = Vec::new();
-    for (durable, filter) in filters {
-        let consumer: PullConsumer = stream
+    for (i, durable, filter) in filters {
+        let consumer: PullConsumer = streams[i]
             .create_consumer(consumer::pull::Config {
                 durable_name: Some(durable),
                 filter_subject: filter,
@@ -1837,6 +1875,13 @@ fn stalled<T>(
 }
 
 async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
+    let shards = Settings::load_with(None, |_| {})?.nats.shards;
+    let sharded_parts = [Part::Baseline, Part::Mixed, Part::Turns, Part::Breakdown];
+    if shards > 1 && opts.parts.iter().any(|p| !sharded_parts.contains(p)) {
+        return Err(BenchError::Setup(format!(
+            "over {shards} raw streams the bench measures throughput only: run it with --only baseline,mixed,turns (and breakdown)"
+        )));
+    }
     let wall = Instant::now();
     let mut report = empty_report(&opts, loadavg());
     // Memory first: a fresh process has no freed memory that would hide the growth.

@@ -183,6 +183,12 @@ pub struct NatsSettings {
     /// partitions with one filter each. Used only when the raw stream is created; an existing
     /// stream's layout is read from it.
     pub max_partitions: u16,
+    /// How many streams raw traffic is spread over (1, or a power of two that divides
+    /// `partitions`): with more than one, the server's subject mapping
+    /// (`collab-projector shards`) sends a key's events to stream `h % shards` of
+    /// `<PREFIX>_RAW_<i>OF<shards>`, so their leaders can sit on different nodes and partition `p`
+    /// reads stream `p % shards` alone. Fixed when the raw streams are created.
+    pub shards: u16,
     /// The raw stream's layout once read from the stream (`bus::provision::adopt_layout`).
     #[serde(skip)]
     pub layout: Option<Layout>,
@@ -229,6 +235,7 @@ impl Default for NatsSettings {
             version: String::new(),
             partitions: 16,
             max_partitions: DEFAULT_MAX_PARTITIONS,
+            shards: 1,
             layout: None,
             replicas: 1,
             raw_max_age: Duration::from_secs(7 * 24 * 3600),
@@ -884,6 +891,18 @@ impl Settings {
                 "nats.max_partitions ({m}) must be a power of two between 2 and 1024"
             ));
         }
+        let k = self.nats.shards;
+        if !k.is_power_of_two() || k > m {
+            return bad(format!(
+                "nats.shards ({k}) must be 1 or a power of two up to nats.max_partitions ({m})"
+            ));
+        }
+        if self.nats.partitions % k != 0 {
+            return bad(format!(
+                "nats.partitions ({}) must be a multiple of nats.shards ({k}), so each partition reads one raw stream",
+                self.nats.partitions
+            ));
+        }
         if self.consumer.batch == 0 {
             return bad("consumer.batch must be at least 1".into());
         }
@@ -970,6 +989,7 @@ impl Settings {
     pub fn names(&self) -> Names {
         let mut n = Names::versioned(&self.nats.prefix, &self.nats.version);
         n.raw_depth = self.layout().depth();
+        n.set_shards(self.nats.shards);
         n
     }
 
@@ -1027,7 +1047,11 @@ pub struct Names {
     /// How many partition tokens the raw stream stores between `in` and the key
     /// ([`Layout::depth`]).
     pub raw_depth: usize,
+    /// The raw stream when there is one (`<PREFIX>_RAW`); the shards' base name otherwise.
     pub raw_stream: String,
+    /// The raw streams, `raw_streams[i]` holding the keys with `h % len == i`: `[raw_stream]`
+    /// unsharded, `<PREFIX>_RAW_<i>OF<k>` over `k` shards.
+    pub raw_streams: Vec<String>,
     pub proj_stream: String,
     pub dlq_stream: String,
     pub turns_bucket: String,
@@ -1048,8 +1072,10 @@ impl Names {
             format!("{prefix}_{version}")
         };
         let upper = out.to_ascii_uppercase();
+        let raw_stream = format!("{}_RAW", prefix.to_ascii_uppercase());
         Names {
-            raw_stream: format!("{}_RAW", prefix.to_ascii_uppercase()),
+            raw_streams: vec![raw_stream.clone()],
+            raw_stream,
             proj_stream: format!("{upper}_PROJ"),
             dlq_stream: format!("{upper}_DLQ"),
             turns_bucket: format!("{out}_turns"),
@@ -1062,9 +1088,82 @@ impl Names {
             prefix: out,
         }
     }
+    /// Spread the raw streams over `shards` streams (1: the one raw stream).
+    pub fn set_shards(&mut self, shards: u16) {
+        self.raw_streams = if shards <= 1 {
+            vec![self.raw_stream.clone()]
+        } else {
+            (0..shards)
+                .map(|i| format!("{}_{i}OF{shards}", self.raw_stream))
+                .collect()
+        };
+    }
+    /// How many streams hold raw traffic.
+    pub fn shards(&self) -> u16 {
+        u16::try_from(self.raw_streams.len()).unwrap_or(u16::MAX)
+    }
+    /// The raw stream partition `p` reads (every count of partitions is a multiple of the
+    /// shard count, so a partition's keys are all in one shard).
+    pub fn raw_stream_of(&self, p: u16) -> &str {
+        let i = usize::from(p) % self.raw_streams.len().max(1);
+        self.raw_streams
+            .get(i)
+            .map_or(self.raw_stream.as_str(), String::as_str)
+    }
     /// Subjects producers publish to.
     pub fn raw_subjects(&self) -> String {
         format!("{}.raw.*.>", self.raw_prefix)
+    }
+    /// What raw stream `i` of the shards captures: the subjects the server's mapping
+    /// ([`Names::shard_mapping`]) sends its keys to. Unsharded: [`Names::raw_subjects`].
+    pub fn shard_subjects(&self, i: usize) -> String {
+        match self.shards() {
+            0 | 1 => self.raw_subjects(),
+            k => format!("{}.shard.{k}.{i}.*.>", self.raw_prefix),
+        }
+    }
+    /// The account subject mapping sharded raw streams need, as `(source, destination)`:
+    /// `<prefix>.raw.<key>.<rest>` to `<prefix>.shard.<k>.<h % k>.<key>.<rest>`, with `h` the
+    /// same FNV-1a hash of the key the partition tokens use. `None` when unsharded.
+    pub fn shard_mapping(&self) -> Option<(String, String)> {
+        let k = self.shards();
+        (k > 1).then(|| {
+            (
+                self.raw_subjects(),
+                format!(
+                    "{}.shard.{k}.{{{{partition({k},1)}}}}.{{{{wildcard(1)}}}}.>",
+                    self.raw_prefix
+                ),
+            )
+        })
+    }
+    /// The server configuration block that sends raw traffic to the shards (`mappings`, at the
+    /// top level of a server without accounts, inside the account's block otherwise); `None`
+    /// when unsharded.
+    pub fn shard_mapping_config(&self) -> Option<String> {
+        let (from, to) = self.shard_mapping()?;
+        Some(format!(
+            "# collab-projector: raw traffic under {prefix}.raw.> over {k} streams {first}..{last}\nmappings = {{\n  \"{from}\": \"{to}\"\n}}\n",
+            prefix = self.raw_prefix,
+            k = self.shards(),
+            first = self.raw_streams.first().map_or("", String::as_str),
+            last = self.raw_streams.last().map_or("", String::as_str),
+        ))
+    }
+    /// Which raw stream (index into [`Names::raw_streams`]) stores `key`'s events: the same
+    /// hash the server's mapping uses.
+    pub fn shard_of_key(&self, key: &str) -> usize {
+        let k = u32::try_from(self.raw_streams.len().max(1)).unwrap_or(1);
+        usize::try_from(transform_partition(key.as_bytes(), k)).unwrap_or(0)
+    }
+    /// The raw stream and sequence of the input an output's Msg-Id names
+    /// (`<stream>:<seq>:<n>`), if it names one of these raw streams.
+    pub fn input_of_msg_id(&self, msg_id: &str) -> Option<(&str, u64)> {
+        self.raw_streams.iter().find_map(|s| {
+            let rest = msg_id.strip_prefix(s.as_str())?.strip_prefix(':')?;
+            let (seq, _) = rest.split_once(':')?;
+            Some((s.as_str(), seq.parse().ok()?))
+        })
     }
     /// Where the raw stream stores `key`'s messages, whatever its partition tokens.
     pub fn key_filter(&self, key: &str) -> String {

@@ -86,7 +86,7 @@ async fn choose_server(
         let names = settings.names();
         let line = format!(
             "JOINING the NATS server at {url} (--nats-url): the demo creates and writes {}, {}, {}, buckets {}, {}, {} and object store {} there, and publishes generated events to {}.raw.>; a deployment under another prefix is not touched. Remove them with `nats stream rm` / `nats kv rm` when done.",
-            names.raw_stream,
+            names.raw_streams.join(", "),
             names.proj_stream,
             names.dlq_stream,
             names.turns_bucket,
@@ -100,8 +100,11 @@ async fn choose_server(
     if LocalNats::find_binary().is_none() {
         return Err(DemoError::NoBinary);
     }
+    // Raw traffic over shards (nats.shards) needs the server's subject mapping: the demo's own
+    // server gets it.
     let server = LocalNats::start(LocalNatsOptions {
         store_dir: opts.store_dir.clone(),
+        extra_config: settings.names().shard_mapping_config(),
         ..Default::default()
     })
     .await?;
@@ -116,6 +119,7 @@ async fn choose_server(
         url: server.url(),
         prefix: settings.nats.prefix.clone(),
         partitions: settings.nats.partitions,
+        shards: settings.nats.shards,
         ..Default::default()
     };
     Ok((Some(server), line))

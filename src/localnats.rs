@@ -450,6 +450,14 @@ impl Drop for LocalNats {
 /// Start an `n`-node cluster on free loopback ports, each node with a temporary store, and wait until
 /// a stream replicated on every node can be placed.
 pub async fn start_cluster(n: usize) -> Result<Vec<LocalNats>, LocalNatsError> {
+    start_cluster_with(n, None).await
+}
+
+/// [`start_cluster`] with more configuration on every node (a subject mapping, accounts).
+pub async fn start_cluster_with(
+    n: usize,
+    extra_config: Option<String>,
+) -> Result<Vec<LocalNats>, LocalNatsError> {
     // Hold every probe listener until all ports are picked, so the nodes' ports are distinct.
     let mut probes = Vec::with_capacity(2 * n);
     for _ in 0..2 * n {
@@ -483,6 +491,7 @@ pub async fn start_cluster(n: usize) -> Result<Vec<LocalNats>, LocalNatsError> {
                 routes: routes.clone(),
                 no_advertise: false,
             }),
+            extra_config: extra_config.clone(),
             ..LocalNatsOptions::default()
         })
         .await?;

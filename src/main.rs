@@ -144,6 +144,16 @@ enum Command {
         #[arg(long, default_value_t = 0)]
         to: u64,
     },
+    /// Print the nats-server subject mapping that spreads raw traffic over `nats.shards` streams
+    /// (docs/operations.md, "Sharding raw traffic"): add it to the server's configuration (or
+    /// the account's) and reload the server before the workers first start.
+    Shards {
+        #[command(flatten)]
+        conn: Conn,
+        /// Shard count (default: nats.shards from the configuration).
+        #[arg(long)]
+        count: Option<u16>,
+    },
     /// A live view of the fleet: each worker's partitions, pending messages, rates, dead letters
     /// and open turns, the partitions no worker owns, and warnings. Ctrl-C quits.
     Status(StatusArgs),
@@ -490,6 +500,7 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
         Command::Demo(args) => run_demo(args).await,
         Command::Provision { conn } => provision(&conn).await,
         Command::Audit { conn, from, to } => audit(&conn, from, to).await,
+        Command::Shards { conn, count } => shards(&conn, count),
         Command::Status(args) => status(args).await,
         Command::Dlq {
             command:
@@ -578,6 +589,30 @@ async fn provision(conn: &Conn) -> anyhow::Result<()> {
         report.created.len(),
         report.unchanged.len()
     ));
+    Ok(())
+}
+
+/// `shards`: the server configuration a shard count needs, on standard output.
+fn shards(conn: &Conn, count: Option<u16>) -> anyhow::Result<()> {
+    let settings = conn.settings_with(|s| {
+        if let Some(k) = count {
+            s.nats.shards = k;
+        }
+    })?;
+    let names = settings.names();
+    let Some(block) = names.shard_mapping_config() else {
+        telemetry::say(&format!(
+            "nats.shards is 1: raw traffic goes to the one stream {}, and the server needs no mapping",
+            names.raw_stream
+        ));
+        return Ok(());
+    };
+    let (from, to) = names.shard_mapping().unwrap_or_default();
+    println!("{block}");
+    let k = names.shards();
+    eprintln!(
+        "add the block above to nats-server.conf (inside the account's block when the server has accounts) on every node, then `nats-server --signal reload`; with operator JWTs: nsc add mapping --account <account> --from '{from}' --to '{to}' && nsc push. Every worker then runs with nats.shards = {k}"
+    );
     Ok(())
 }
 
@@ -709,13 +744,7 @@ async fn audit(conn: &Conn, from: u64, to: u64) -> anyhow::Result<()> {
         telemetry::say(&format!("  dead letters {reason}: {n}"));
     }
     if !a.holds() {
-        let show = |v: &[u64]| {
-            v.iter()
-                .take(20)
-                .map(u64::to_string)
-                .collect::<Vec<_>>()
-                .join(", ")
-        };
+        let show = |v: &[String]| v.iter().take(20).cloned().collect::<Vec<_>>().join(", ");
         if !a.both.is_empty() {
             telemetry::say(&format!("projected AND dead-lettered: {}", show(&a.both)));
         }

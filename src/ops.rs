@@ -120,10 +120,11 @@ pub struct Audit {
     pub raw: usize,
     pub projected: usize,
     pub dead_lettered: usize,
-    /// Both projected and dead-lettered: a broken promise.
-    pub both: Vec<u64>,
+    /// Both projected and dead-lettered: a broken promise (raw sequences, `<stream>:<seq>` over
+    /// shards).
+    pub both: Vec<String>,
     /// Neither (yet): lost, or not processed yet.
-    pub neither: Vec<u64>,
+    pub neither: Vec<String>,
     pub dlq_by_reason: BTreeMap<String, usize>,
 }
 
@@ -134,30 +135,55 @@ impl Audit {
 }
 
 /// Check "exactly one of projected and dead-lettered" for raw sequences `from..=to` (`to` 0 = the
-/// last).
+/// last) of every raw stream (over shards, the range applies to each one's own sequences; an
+/// input is then named `<stream>:<seq>`).
 pub async fn audit(
     js: &jetstream::Context,
     names: &Names,
     from: u64,
     to: u64,
 ) -> Result<Audit, OpsError> {
-    let raw = read_stream(js, &names.raw_stream, from, true).await?;
-    let raw_seqs: BTreeSet<u64> = raw
-        .iter()
-        .filter_map(|m| m.info().ok().map(|i| i.stream_sequence))
-        .filter(|s| to == 0 || *s <= to)
-        .collect();
+    let sharded = names.shards() > 1;
+    let mut raw_seqs: BTreeSet<(usize, u64)> = BTreeSet::new();
+    for (i, stream) in names.raw_streams.iter().enumerate() {
+        for m in read_stream(js, stream, from, true).await? {
+            // A barrier is not an input (see `bus::reader`): nothing projects it.
+            let barrier = m
+                .headers
+                .as_ref()
+                .is_some_and(|h| h.get(crate::pipeline::H_BARRIER).is_some());
+            if barrier {
+                continue;
+            }
+            if let Ok(info) = m.info() {
+                if to == 0 || info.stream_sequence <= to {
+                    raw_seqs.insert((i, info.stream_sequence));
+                }
+            }
+        }
+    }
+    // An output's input: its sequence header, in the raw stream of its key (a projection's
+    // subject names the key) or the one a dead letter's Msg-Id names.
+    let shard_of_subject = |subject: &str| -> usize {
+        subject
+            .strip_prefix(&format!("{}.proj.", names.prefix))
+            .and_then(crate::config::proj_subject_parts)
+            .map_or(0, |(_, key, _)| names.shard_of_key(key))
+    };
     let mut projected = BTreeSet::new();
     for m in read_stream(js, &names.proj_stream, 1, true).await? {
         if let Some(seq) = header_u64(&m, H_SOURCE_SEQ) {
-            projected.insert(seq);
+            projected.insert((shard_of_subject(m.subject.as_str()), seq));
         }
     }
     let mut dead = BTreeSet::new();
     let mut by_reason: BTreeMap<String, usize> = BTreeMap::new();
     for m in read_stream(js, &names.dlq_stream, 1, true).await? {
         if let Some(seq) = header_u64(&m, H_SOURCE_SEQ) {
-            if raw_seqs.contains(&seq) {
+            let shard = dead_letter_stream(names, &m)
+                .and_then(|s| names.raw_streams.iter().position(|r| *r == s))
+                .unwrap_or(0);
+            if raw_seqs.contains(&(shard, seq)) {
                 let reason = m
                     .subject
                     .as_str()
@@ -167,25 +193,47 @@ pub async fn audit(
                     .to_string();
                 *by_reason.entry(reason).or_default() += 1;
             }
-            dead.insert(seq);
+            dead.insert((shard, seq));
         }
     }
+    let name = |(i, seq): (usize, u64)| {
+        if sharded {
+            format!(
+                "{}:{seq}",
+                names.raw_streams.get(i).map_or("?", String::as_str)
+            )
+        } else {
+            seq.to_string()
+        }
+    };
     let mut a = Audit {
         from,
-        to: raw_seqs.last().copied().unwrap_or(to),
+        to: raw_seqs.iter().map(|(_, s)| *s).max().unwrap_or(to),
         raw: raw_seqs.len(),
         dlq_by_reason: by_reason,
         ..Default::default()
     };
-    for seq in &raw_seqs {
-        match (projected.contains(seq), dead.contains(seq)) {
-            (true, true) => a.both.push(*seq),
-            (false, false) => a.neither.push(*seq),
+    for input in &raw_seqs {
+        match (projected.contains(input), dead.contains(input)) {
+            (true, true) => a.both.push(name(*input)),
+            (false, false) => a.neither.push(name(*input)),
             (true, false) => a.projected += 1,
             (false, true) => a.dead_lettered += 1,
         }
     }
     Ok(a)
+}
+
+/// The raw stream a dead letter's input is in: its source-stream header, else its Msg-Id.
+fn dead_letter_stream(names: &Names, m: &jetstream::Message) -> Option<String> {
+    let headers = m.headers.as_ref()?;
+    if let Some(s) = headers.get(crate::bus::publish::H_SOURCE_STREAM) {
+        return Some(s.as_str().to_string());
+    }
+    let id = headers.get("Nats-Msg-Id")?;
+    names
+        .input_of_msg_id(id.as_str())
+        .map(|(stream, _)| stream.to_string())
 }
 
 /// The whole input a shortened dead letter stands for, from the raw stream (`None` once the
@@ -197,7 +245,8 @@ async fn original_input(
 ) -> Option<bytes::Bytes> {
     use sha2::Digest;
     let seq = header_u64(dead_letter, H_SOURCE_SEQ)?;
-    let stream = js.get_stream(&names.raw_stream).await.ok()?;
+    let source = dead_letter_stream(names, dead_letter).unwrap_or_else(|| names.raw_stream.clone());
+    let stream = js.get_stream(&source).await.ok()?;
     let raw = stream.get_raw_message(seq).await.ok()?;
     let want = dead_letter
         .headers

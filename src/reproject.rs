@@ -367,11 +367,14 @@ pub fn diff(live: &Outputs, version: &Outputs, from: u64, to: u64, examples: usi
 pub fn render(d: &Diff, live: &Names, version: &Names) -> String {
     use std::fmt::Write;
     let mut s = String::new();
+    let range = if d.to == u64::MAX {
+        format!("all of raw streams {}", live.raw_streams.join(", "))
+    } else {
+        format!("raw sequences {}..={}", d.from, d.to)
+    };
     let _ = writeln!(
         s,
-        "raw sequences {}..={}: {} outputs in {} ({}), {} in {} ({})",
-        d.from,
-        d.to,
+        "{range}: {} outputs in {} ({}), {} in {} ({})",
         d.live_outputs,
         live.proj_stream,
         live.prefix,
@@ -442,5 +445,7 @@ pub use drive::*;
 
 /// The names of the deployment a version is compared with.
 pub fn live_names(s: &Settings) -> Names {
-    Names::new(&s.nats.prefix)
+    let mut n = Names::new(&s.nats.prefix);
+    n.set_shards(s.nats.shards);
+    n
 }

@@ -44,13 +44,43 @@ pub struct Report {
     pub updated: Vec<String>,
 }
 
-/// The raw stream's transform: a key's events are stored under its partition tokens
-/// ([`crate::config::Layout`]).
-pub fn raw_transform(names: &Names, layout: &Layout) -> stream::SubjectTransform {
+/// Raw stream `shard`'s transform: a key's events are stored under its partition tokens
+/// ([`crate::config::Layout`]), whichever shard holds them.
+pub fn raw_transform(names: &Names, layout: &Layout, shard: usize) -> stream::SubjectTransform {
     stream::SubjectTransform {
-        source: names.raw_subjects(),
+        source: names.shard_subjects(shard),
         destination: layout.destination(&names.raw_prefix),
     }
+}
+
+/// The other sharding of the raw streams, when the server holds one and not the configured
+/// one: `nats.shards` must match what exists (changing it on a running deployment is not
+/// supported; docs/operations.md, "Sharding raw traffic").
+async fn other_sharding(
+    js: &jetstream::Context,
+    names: &Names,
+) -> Result<Option<String>, ProvisionError> {
+    use futures::TryStreamExt;
+    let wanted: std::collections::HashSet<&str> =
+        names.raw_streams.iter().map(String::as_str).collect();
+    let base = &names.raw_stream;
+    let found: Vec<String> = js
+        .stream_names()
+        .try_collect()
+        .await
+        .map_err(|e| api("the list of streams", e))?;
+    let other: Vec<String> = found
+        .into_iter()
+        .filter(|n| !wanted.contains(n.as_str()))
+        .filter(|n| {
+            n == base
+                || n.strip_prefix(base.as_str())
+                    .and_then(|rest| rest.strip_prefix('_'))
+                    .and_then(|rest| rest.split_once("OF"))
+                    .is_some_and(|(i, k)| i.parse::<u16>().is_ok() && k.parse::<u16>().is_ok())
+        })
+        .collect();
+    Ok((!other.is_empty()).then(|| other.join(", ")))
 }
 
 /// Settle the layout `settings` work with: the raw stream's own when it exists, the one
@@ -62,10 +92,21 @@ pub async fn adopt_layout(
     settings: &mut Settings,
 ) -> Result<(), ProvisionError> {
     let names = settings.names();
-    let label = format!("stream {}", names.raw_stream);
+    let first = names.raw_stream_of(0).to_string();
+    let label = format!("stream {first}");
     // Read once: `run` settles it before provisioning, which then finds it settled.
     let found = if settings.nats.layout.is_none() {
-        find_stream(js, &names.raw_stream, &label).await?
+        let found = find_stream(js, &first, &label).await?;
+        if found.is_none() {
+            if let Some(other) = other_sharding(js, &names).await? {
+                let k = names.shards();
+                return Err(ProvisionError::Layout(format!(
+                    "nats.shards is {k}, which wants raw stream(s) {}, but the server holds {other}: set nats.shards to the count those were made with (the N of <PREFIX>_RAW_<i>OF<N>, 1 for <PREFIX>_RAW)",
+                    names.raw_streams.join(", ")
+                )));
+            }
+        }
+        found
     } else {
         None
     };
@@ -95,15 +136,65 @@ pub async fn adopt_layout(
     Ok(())
 }
 
-pub fn stream_configs(s: &Settings) -> Vec<stream::Config> {
+/// Over shards, check that the server's subject mapping sends each key to the raw stream the
+/// workers read it from: a barrier (a raw message every partition skips, see `bus::reader`) for
+/// a key of each shard must be stored by that shard's stream. Without the mapping no stream
+/// takes raw traffic at all, and producers' publishes would fail.
+async fn check_shard_mapping(js: &jetstream::Context, names: &Names) -> Result<(), ProvisionError> {
+    let k = names.shards();
+    if k <= 1 {
+        return Ok(());
+    }
+    let fix = format!(
+        "the server must map {} to the {k} raw streams: `collab-projector shards --count {k}` prints the mapping to add (then reload the server)",
+        names.raw_subjects()
+    );
+    for (i, want) in (0..k).zip(&names.raw_streams) {
+        let subject = names.barrier_subject(i, k);
+        let mut headers = async_nats::HeaderMap::new();
+        headers.insert(crate::pipeline::H_BARRIER, names.prefix.as_str());
+        let stored = match js
+            .publish_with_headers(subject.clone(), headers, bytes::Bytes::new())
+            .await
+        {
+            Ok(ack) => ack.await,
+            Err(e) => Err(e),
+        };
+        match stored {
+            Ok(ack) if ack.stream == *want => {}
+            Ok(ack) => {
+                return Err(ProvisionError::Layout(format!(
+                    "a raw message on {subject} was stored by stream {}, not {want}: {fix}",
+                    ack.stream
+                )))
+            }
+            Err(e) => {
+                return Err(ProvisionError::Layout(format!(
+                    "no raw stream stored a message on {subject} ({e}): {fix}"
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The streams to provision, each with the setting that bounds its size: every raw stream (one
+/// per shard), then the projection and dead-letter streams.
+pub fn stream_configs(s: &Settings) -> Vec<(stream::Config, &'static str)> {
     let n = s.names();
     let replicas = s.nats.replicas;
-    vec![
+    let k = n.shards();
+    let raw = n.raw_streams.iter().enumerate().map(|(i, name)| {
+        let description = if k > 1 {
+            format!("collab-projector raw input, shard {i} of {k}, partitioned by key")
+        } else {
+            "collab-projector raw input, partitioned by key".to_string()
+        };
         stream::Config {
-            name: n.raw_stream.clone(),
-            description: Some("collab-projector raw input, partitioned by key".into()),
-            subjects: vec![n.raw_subjects()],
-            subject_transform: Some(raw_transform(&n, &s.layout())),
+            name: name.clone(),
+            description: Some(description),
+            subjects: vec![n.shard_subjects(i)],
+            subject_transform: Some(raw_transform(&n, &s.layout(), i)),
             max_age: s.nats.raw_max_age,
             // Accepted input is never dropped: when full, a publish is refused.
             max_bytes: s.storage.raw_max_bytes,
@@ -112,7 +203,11 @@ pub fn stream_configs(s: &Settings) -> Vec<stream::Config> {
             num_replicas: replicas,
             storage: stream::StorageType::File,
             ..Default::default()
-        },
+        }
+    });
+    let raw: Vec<(stream::Config, &'static str)> =
+        raw.map(|c| (c, "storage.raw_max_bytes")).collect();
+    let others = vec![
         stream::Config {
             name: n.proj_stream.clone(),
             description: Some("collab-projector role-partitioned projections".into()),
@@ -140,7 +235,11 @@ pub fn stream_configs(s: &Settings) -> Vec<stream::Config> {
             storage: stream::StorageType::File,
             ..Default::default()
         },
-    ]
+    ];
+    let bounds = ["storage.proj_max_bytes", "storage.dlq_max_bytes"];
+    raw.into_iter()
+        .chain(others.into_iter().zip(bounds))
+        .collect()
 }
 
 /// Record `field` as different when `have != want`.
@@ -347,12 +446,7 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
     adopt_layout(js, &mut settled).await?;
     let s = &settled;
     let mut report = Report::default();
-    let settings = [
-        "storage.raw_max_bytes",
-        "storage.proj_max_bytes",
-        "storage.dlq_max_bytes",
-    ];
-    for (want, setting) in stream_configs(s).into_iter().zip(settings) {
+    for (want, setting) in stream_configs(s) {
         let name = format!("stream {}", want.name);
         match find_stream(js, &want.name, &name).await? {
             Some(mut existing) => {
@@ -385,14 +479,17 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
         }
     }
     let names = s.names();
-    let raw = js
-        .get_stream(&names.raw_stream)
-        .await
-        .map_err(|e| api(&names.raw_stream, e))?;
+    check_shard_mapping(js, &names).await?;
+    let mut raws = Vec::with_capacity(names.raw_streams.len());
+    for name in &names.raw_streams {
+        raws.push(js.get_stream(name).await.map_err(|e| api(name, e))?);
+    }
     for p in 0..s.nats.partitions {
         let want = consumer_config(s, p);
         let cname = names.consumer_name(p);
-        let label = format!("consumer {}/{}", names.raw_stream, cname);
+        let stream = names.raw_stream_of(p);
+        let label = format!("consumer {stream}/{cname}");
+        let raw = &raws[usize::from(p) % raws.len()];
         match raw.consumer_info(&cname).await {
             Ok(info) => {
                 let d = consumer_differences(&info.config, &want);

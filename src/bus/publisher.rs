@@ -206,7 +206,8 @@ impl Publisher {
         let last_input = last
             .headers
             .get("Nats-Msg-Id")
-            .and_then(|id| pipeline::input_of_msg_id(id.as_str(), &self.names.raw_stream));
+            .and_then(|id| self.names.input_of_msg_id(id.as_str()))
+            .map(|(_, seq)| seq);
         if own_subject && last_input.is_some_and(|s| s <= seq) {
             return Ok(false);
         }
@@ -287,7 +288,13 @@ impl Publisher {
             }
             _ => out,
         };
-        publish::fit_dead_letter(out, &self.names.raw_stream, self.out_budget)
+        // A dead letter's Msg-Id names its input's raw stream (one of the shards).
+        let source = self
+            .names
+            .input_of_msg_id(&out.msg_id)
+            .map_or(self.names.raw_stream.as_str(), |(stream, _)| stream)
+            .to_string();
+        publish::fit_dead_letter(out, &source, self.out_budget)
     }
 
     /// Store the fields an input's projections refer to, before those are published. Retried

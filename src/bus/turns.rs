@@ -984,7 +984,7 @@ impl PartitionTurns {
                 &shared.names,
                 n,
                 facts.seq,
-                pipeline::input_msg_id(&shared.names.raw_stream, facts.seq, 0),
+                pipeline::input_msg_id(shared.names.raw_stream_of(self.partition), facts.seq, 0),
             ));
         }
         if let (Some(reason), Some((rec, _))) = (step.suppress, &after) {
@@ -999,7 +999,11 @@ impl PartitionTurns {
                 &shared.names,
                 &sn,
                 facts.seq,
-                pipeline::input_msg_id(&shared.names.raw_stream, facts.seq, "suppressed"),
+                pipeline::input_msg_id(
+                    shared.names.raw_stream_of(self.partition),
+                    facts.seq,
+                    "suppressed",
+                ),
             );
             out.kind = OutKind::Projection(Role::SystemObservability);
             metrics::counter!(telemetry::SUPPRESSED, "reason" => reason.as_str()).increment(1);
@@ -1124,7 +1128,7 @@ impl PartitionTurns {
         }
         if let Some(r) = env.raw_event_ref.as_mut() {
             if r.stream.is_empty() {
-                r.stream = shared.names.raw_stream.clone();
+                r.stream = shared.names.raw_stream_of(self.partition).to_string();
             }
         }
         let blocked_reason = rec.winner.as_ref().and_then(|w| w.blocked);
@@ -1168,7 +1172,7 @@ impl PartitionTurns {
             let mut env = env;
             if let Some(r) = env.raw_event_ref.as_mut() {
                 if r.stream.is_empty() {
-                    r.stream = shared.names.raw_stream.clone();
+                    r.stream = shared.names.raw_stream_of(self.partition).to_string();
                 }
             }
             let n = Normalized {
@@ -1296,7 +1300,7 @@ impl PartitionTurns {
         };
         let stream = shared
             .js
-            .get_stream(&shared.names.raw_stream)
+            .get_stream(shared.names.raw_stream_of(self.partition))
             .await
             .map_err(|e| kv_err(Box::new(e)))?;
         let filter = shared.names.key_filter(&rec.key);
@@ -1355,7 +1359,7 @@ impl PartitionTurns {
             let Ok(info) = msg.info() else { continue };
             let raw = RawMessage {
                 bytes: &msg.payload,
-                stream: &shared.names.raw_stream,
+                stream: shared.names.raw_stream_of(self.partition),
                 seq: info.stream_sequence,
                 stored_subject: msg.subject.as_str(),
                 stored_at: info.published,
@@ -1432,11 +1436,15 @@ impl PartitionTurns {
         shared: &WorkerContext,
         seq: u64,
     ) -> Option<crate::model::Envelope> {
-        let stream = shared.js.get_stream(&shared.names.raw_stream).await.ok()?;
+        let stream = shared
+            .js
+            .get_stream(shared.names.raw_stream_of(self.partition))
+            .await
+            .ok()?;
         let msg = stream.get_raw_message(seq).await.ok()?;
         let raw = RawMessage {
             bytes: &msg.payload,
-            stream: &shared.names.raw_stream,
+            stream: shared.names.raw_stream_of(self.partition),
             seq,
             stored_subject: msg.subject.as_str(),
             stored_at: msg.time,

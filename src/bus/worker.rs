@@ -55,14 +55,14 @@ async fn raw_stream(
     }
     match tokio::time::timeout(
         FIRST_REQUEST_WITHIN,
-        shared.js.get_stream(&shared.names.raw_stream),
+        shared.js.get_stream(shared.names.raw_stream_of(p)),
     )
     .await
     {
         Ok(Ok(stream)) => Ok(Some(stream)),
         Ok(Err(e)) => Err(WorkerError::setup(
             p,
-            format!("stream {}", shared.names.raw_stream),
+            format!("stream {}", shared.names.raw_stream_of(p)),
             Source::from(e),
         )),
         Err(_) => Err(WorkerError::Interrupted {

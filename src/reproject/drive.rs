@@ -79,32 +79,61 @@ pub async fn run(
             version.version, version.proj_stream, version.version
         )));
     }
-    let mut raw = js
-        .get_stream(&live.raw_stream)
-        .await
-        .map_err(|e| api(format!("stream {}", live.raw_stream), e))?;
-    let state = raw
-        .info()
-        .await
-        .map_err(|e| api(format!("stream {}", live.raw_stream), e))?
-        .state
-        .clone();
-    let from = plan
-        .from
-        .unwrap_or(state.first_sequence)
-        .max(state.first_sequence);
-    let to = plan
-        .to
-        .unwrap_or(state.last_sequence)
-        .min(state.last_sequence);
-    if state.messages == 0 || from > to {
+    let sharded = live.shards() > 1;
+    if sharded && (plan.from.is_some() || plan.to.is_some()) {
         return Err(ReprojectError::Refused(format!(
-            "nothing to reproject: {} holds sequences {}..={}, the range asked is {from}..={to}",
-            live.raw_stream, state.first_sequence, state.last_sequence
+            "raw traffic is sharded over {} streams, each with its own sequences: a sharded deployment is reprojected whole, without --from or --to",
+            live.shards()
         )));
     }
+    // Each raw stream's range: the one asked for, else all it holds.
+    let mut ranges = Vec::new();
+    for name in &live.raw_streams {
+        let mut raw = js
+            .get_stream(name)
+            .await
+            .map_err(|e| api(format!("stream {name}"), e))?;
+        let state = raw
+            .info()
+            .await
+            .map_err(|e| api(format!("stream {name}"), e))?
+            .state
+            .clone();
+        let from = plan
+            .from
+            .unwrap_or(state.first_sequence)
+            .max(state.first_sequence);
+        let to = plan
+            .to
+            .unwrap_or(state.last_sequence)
+            .min(state.last_sequence);
+        if state.messages == 0 || from > to {
+            if !sharded {
+                return Err(ReprojectError::Refused(format!(
+                    "nothing to reproject: {name} holds sequences {}..={}, the range asked is {from}..={to}",
+                    state.first_sequence, state.last_sequence
+                )));
+            }
+            continue;
+        }
+        ranges.push((raw, from, to));
+    }
+    if ranges.is_empty() {
+        return Err(ReprojectError::Refused(format!(
+            "nothing to reproject: the raw streams {} hold no messages",
+            live.raw_streams.join(", ")
+        )));
+    }
+    // The sequences outputs are compared over: the range asked (unsharded), all of them
+    // (sharded: every shard is reprojected whole).
+    let (from, to) = if sharded {
+        (1, u64::MAX)
+    } else {
+        (ranges[0].1, ranges[0].2)
+    };
     // The version's consumers start at the range; provisioning keeps them as they are.
     if from > 1 {
+        let raw = &ranges[0].0;
         for p in 0..settings.nats.partitions {
             let config =
                 crate::bus::provision::resumed_consumer_config(settings, p, Some(from - 1));
@@ -124,18 +153,23 @@ pub async fn run(
         cancel.clone(),
     )
     .await?;
-    let total = to - from + 1;
-    let outcome = follow(
-        &raw,
-        &version,
-        Some(settings.nats.partitions),
-        from,
-        to,
-        |done| {
-            progress(Progress { done, total });
-        },
-    )
-    .await;
+    let total: u64 = ranges.iter().map(|(_, f, t)| t - f + 1).sum();
+    let per_shard = settings.nats.partitions / live.shards().max(1);
+    let mut outcome = Ok(());
+    let mut offset = 0;
+    for (raw, f, t) in &ranges {
+        outcome = follow(raw, &version, Some(per_shard), *f, *t, |done| {
+            progress(Progress {
+                done: offset + done,
+                total,
+            });
+        })
+        .await;
+        if outcome.is_err() {
+            break;
+        }
+        offset += t - f + 1;
+    }
     if outcome.is_ok() {
         tokio::time::sleep(plan.settle).await;
     }
@@ -145,8 +179,13 @@ pub async fn run(
     // The deployment may still be behind on the range (a running deployment under load): its
     // outputs are compared once its partitions have processed it too, or after `LIVE_WAIT` with
     // what it has, said in the report.
-    let live_done =
-        tokio::time::timeout(LIVE_WAIT, follow(&raw, &live, None, from, to, |_| {})).await;
+    let live_done = tokio::time::timeout(LIVE_WAIT, async {
+        for (raw, f, t) in &ranges {
+            follow(raw, &live, None, *f, *t, |_| {}).await?;
+        }
+        Ok::<(), ReprojectError>(())
+    })
+    .await;
     let live_behind = !matches!(live_done, Ok(Ok(())));
     progress(Progress { done: total, total });
     let mut l = super::Outputs::new();
@@ -304,9 +343,11 @@ pub async fn switch(settings: &Settings, version: &str) -> Result<Switched, Repr
         }));
     }
     let mut pending = 0u64;
-    if let Ok(raw) = js.get_stream(&live.raw_stream).await {
-        for info in partition_consumers(&raw, &target).await.unwrap_or_default() {
-            pending += info.num_pending + info.num_ack_pending as u64;
+    for name in &live.raw_streams {
+        if let Ok(raw) = js.get_stream(name).await {
+            for info in partition_consumers(&raw, &target).await.unwrap_or_default() {
+                pending += info.num_pending + info.num_ack_pending as u64;
+            }
         }
     }
     let switch = crate::served::write(&js, &live, version, settings.nats.replicas)
@@ -347,7 +388,10 @@ pub async fn drop_version(settings: &Settings) -> Result<Dropped, ReprojectError
         )));
     }
     let mut out = Dropped::default();
-    if let Ok(raw) = js.get_stream(&version.raw_stream).await {
+    for stream in &version.raw_streams {
+        let Ok(raw) = js.get_stream(stream).await else {
+            continue;
+        };
         // Every partition consumer of the version, whatever its partition count.
         let names: Vec<String> = partition_consumers(&raw, &version)
             .await

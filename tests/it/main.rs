@@ -29,6 +29,7 @@ mod relay;
 mod reproject;
 mod runs;
 mod schemas;
+mod shards;
 mod shell;
 mod spec_fixtures;
 mod trust;

@@ -377,7 +377,7 @@ async fn provision_bounds_existing_streams_and_buckets_and_stays_idempotent() {
     let js = nats.jetstream().await;
     let s = settings(&nats.url());
     // A deployment provisioned before streams had size limits.
-    for mut c in provision::stream_configs(&s) {
+    for (mut c, _) in provision::stream_configs(&s) {
         c.max_bytes = -1;
         c.discard = stream::DiscardPolicy::Old;
         js.create_stream(c).await.unwrap_or_else(|e| panic!("{e}"));

@@ -82,6 +82,21 @@ impl TestNats {
         }
     }
 
+    /// Start a local server (the binary only) with more configuration: a subject mapping,
+    /// accounts.
+    pub async fn start_with_config(extra: String) -> TestNats {
+        require_binary();
+        let server = LocalNats::start(LocalNatsOptions {
+            extra_config: Some(extra),
+            ..LocalNatsOptions::default()
+        })
+        .await
+        .unwrap_or_else(|err| panic!("could not start a local nats-server: {err}"));
+        TestNats {
+            backend: Backend::Local(server),
+        }
+    }
+
     /// The client URL.
     pub fn url(&self) -> String {
         format!("nats://127.0.0.1:{}", self.port())
@@ -195,8 +210,13 @@ pub async fn local_nats_with(extra: String) -> LocalNats {
 
 /// A 3-node JetStream cluster that can place a stream on every node (binary only). Node 0 is the usual entry point.
 pub async fn cluster3() -> Vec<LocalNats> {
+    cluster3_with(None).await
+}
+
+/// [`cluster3`] with more configuration on every node (a subject mapping).
+pub async fn cluster3_with(extra: Option<String>) -> Vec<LocalNats> {
     require_binary();
-    localnats::start_cluster(3)
+    localnats::start_cluster_with(3, extra)
         .await
         .unwrap_or_else(|err| panic!("could not start a 3-node nats cluster: {err}"))
 }
