@@ -1022,7 +1022,9 @@ fn a_cursor_at_the_last_sequence_is_refused() {
 fn a_cursor_of_another_version_is_gone_not_malformed() {
     use collab_projector::api::query::{decode_cursor, encode_cursor};
     let other = encode_cursor(3, 42);
-    let refused = decode_cursor(0, &other).err().map(|e| (e.status.as_u16(), e.code));
+    let refused = decode_cursor(0, &other)
+        .err()
+        .map(|e| (e.status.as_u16(), e.code));
     assert_eq!(refused, Some((410, "version_switched")));
     assert_eq!(decode_cursor(3, &other).ok(), Some(42));
     if let Err(broken) = checks::events_query(vec![("after".to_string(), other)]) {
