@@ -6,11 +6,13 @@
 //!   retried publish is stored once): mostly `task.updated` events over many task keys, about 1 %
 //!   of `bad_json` (to be dead-lettered), and main-main turns: an `a2a.send` with its own
 //!   `timeoutMs`, a reply for most (some after the deadline), a duplicate reply for some.
-//! - The **checker** reads `COLLAB_RAW`, `COLLAB_PROJ` and `COLLAB_DLQ` in full with ordered
-//!   consumers. Every raw message has exactly one output carrying its sequence in
-//!   `Collab-Source-Seq` (its projection, its turn's response or its suppression, or its dead
-//!   letter), so each input is *projected*, *dead-lettered*, *lost* (no output) or *duplicated*
-//!   (more than one). Every turn must have exactly one `a2a.response`, and the right one: the
+//! - The **checker** reads the raw stream (`COLLAB_RAW`, or every shard's `COLLAB_RAW_<i>OF<k>`
+//!   with `nats.shards`), `COLLAB_PROJ` and `COLLAB_DLQ` in full with ordered consumers. Every
+//!   raw message has exactly one output carrying its sequence in `Collab-Source-Seq` (its
+//!   projection, its turn's response or its suppression, or its dead letter); over shards the
+//!   output also names its input's stream (a projection by its key, a dead letter by
+//!   `Collab-Source-Stream`), so the checker identifies an input by (shard, sequence). Each
+//!   input is *projected*, *dead-lettered*, *lost* (no output) or *duplicated* (more than one). Every turn must have exactly one `a2a.response`, and the right one: the
 //!   first reply stored by the deadline (send's store time + `timeoutMs`), else a blocked
 //!   timeout.
 //! - **Failover time**: from the kill (or SIGSTOP) of an owner to the first projection, by
@@ -33,6 +35,10 @@
 //! and `CHAOS_SKIP_UP=1` (no 32-partition version), `CHAOS_DUMP_TURNS=1` (print a failing
 //! version's turn bucket); `CHAOS_KILL_AFTER_MS` sets when
 //! `chaos_short_kill_while_catching_up` kills its worker.
+//! The sharded cluster scenario (`chaos_short_cluster_node_sharded`, `cluster-node-sharded` in
+//! `chaos_full`) is the cluster-node one with raw traffic spread over four streams
+//! (`COLLAB_NATS__SHARDS=4`, every node configured with the subject mapping): the node stopped
+//! is the one leading the most raw streams, and every shard's inputs are accounted for.
 //! Timing is printed, never asserted.
 
 use std::cmp::Reverse;
@@ -41,6 +47,7 @@ use std::time::{Duration, Instant};
 
 use async_nats::jetstream::{self, consumer, message::PublishMessage};
 use bytes::Bytes;
+use collab_projector::config::Names;
 use collab_projector::localnats::LocalNats;
 use futures::StreamExt;
 use rand::rngs::StdRng;
@@ -51,7 +58,7 @@ use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
 
 use crate::support::proxy::Proxy;
-use crate::support::{cluster3, Projector, TestNats};
+use crate::support::{cluster3, cluster3_with, Projector, TestNats};
 
 const RUN_ARGS: [&str; 4] = ["--main-agents", "ruda,eden", "--turn-timeout", "2s"];
 const RAW: &str = "COLLAB_RAW";
@@ -382,7 +389,7 @@ async fn lease_owners_in(js: &jetstream::Context, bucket: &str) -> Option<BTreeM
 
 #[derive(Debug, Default)]
 struct WriterLog {
-    /// n -> raw sequence, for every input the raw stream acknowledged.
+    /// n -> raw id ([`RawStreams::id`]), for every input a raw stream acknowledged.
     acked: HashMap<u64, u64>,
     /// Inputs never acknowledged within a minute of retries.
     unacked: Vec<u64>,
@@ -398,6 +405,7 @@ struct WriterCfg {
     timeout_ms: (u64, u64),
     tasks: usize,
     convs: usize,
+    raw: RawStreams,
 }
 
 /// A reply due at a time: (due, tiebreak, conversation, turn, copy).
@@ -405,6 +413,7 @@ type DueReply = Reverse<(Instant, u64, usize, u32, u32)>;
 
 async fn publish(
     js: &jetstream::Context,
+    raw: &RawStreams,
     log: &mut WriterLog,
     n: u64,
     subject: String,
@@ -427,7 +436,8 @@ async fn publish(
         };
         match attempt.await {
             Ok(ack) => {
-                log.acked.insert(n, ack.sequence);
+                log.acked
+                    .insert(n, raw.id_of_ack(&ack.stream, ack.sequence));
                 return true;
             }
             Err(_) if Instant::now() < give_up => {
@@ -475,6 +485,7 @@ async fn write(js: jetstream::Context, cfg: WriterCfg, stop: CancellationToken) 
             );
             publish(
                 &js,
+                &cfg.raw,
                 &mut log,
                 n,
                 format!("collab.raw.{conv}.a2a.response"),
@@ -501,6 +512,7 @@ async fn write(js: jetstream::Context, cfg: WriterCfg, stop: CancellationToken) 
                 let body = Bytes::from(format!("{{\"n\":{n},\"broken"));
                 publish(
                     &js,
+                    &cfg.raw,
                     &mut log,
                     n,
                     format!("collab.raw.task-{k}.task.updated"),
@@ -521,6 +533,7 @@ async fn write(js: jetstream::Context, cfg: WriterCfg, stop: CancellationToken) 
                 );
                 if publish(
                     &js,
+                    &cfg.raw,
                     &mut log,
                     n,
                     format!("collab.raw.{conv}.a2a.send"),
@@ -559,6 +572,7 @@ async fn write(js: jetstream::Context, cfg: WriterCfg, stop: CancellationToken) 
                 );
                 publish(
                     &js,
+                    &cfg.raw,
                     &mut log,
                     n,
                     format!("collab.raw.{task}.task.updated"),
@@ -580,8 +594,118 @@ struct Rec {
     stored_ms: i64,
     msg_id: Option<String>,
     source_seq: Option<u64>,
+    /// `Collab-Source-Stream`: a dead letter's raw stream.
+    source_stream: Option<String>,
     seq: u64,
     payload: Bytes,
+}
+
+/// Where the shard of an input sits in its [`RawStreams::id`].
+const SHARD_SHIFT: u32 = 40;
+
+/// The raw streams a deployment stores its inputs in (the one raw stream, or one per shard with
+/// `nats.shards`) and one id per input over all of them: the shard's index above bit 40, the
+/// sequence in that shard's stream below. With one stream an input's id is its sequence; a key's
+/// inputs all go to one shard, so their ids keep the order of their sequences.
+#[derive(Debug, Clone)]
+struct RawStreams {
+    names: Names,
+}
+
+impl RawStreams {
+    fn new(shards: u16) -> RawStreams {
+        let mut names = Names::new("collab");
+        names.set_shards(shards);
+        RawStreams { names }
+    }
+
+    fn streams(&self) -> &[String] {
+        &self.names.raw_streams
+    }
+
+    fn sharded(&self) -> bool {
+        self.names.raw_streams.len() > 1
+    }
+
+    /// The id of sequence `seq` of shard `shard` (0 stays 0: a timeout response has no input).
+    fn id(shard: usize, seq: u64) -> u64 {
+        if seq == 0 {
+            0
+        } else {
+            ((shard as u64) << SHARD_SHIFT) | seq
+        }
+    }
+
+    /// The shard of raw stream `stream`; a stream that is not one of them gets an index no input
+    /// has, so what it names is accounted for nowhere.
+    fn shard_of_stream(&self, stream: Option<&str>) -> usize {
+        if !self.sharded() {
+            return 0;
+        }
+        stream
+            .and_then(|s| self.streams().iter().position(|r| r == s))
+            .unwrap_or(self.streams().len())
+    }
+
+    /// The id of an input the raw stream `stream` acknowledged at `seq`.
+    fn id_of_ack(&self, stream: &str, seq: u64) -> u64 {
+        RawStreams::id(self.shard_of_stream(Some(stream)), seq)
+    }
+
+    /// Replace the raw sequences the outputs carry by their inputs' ids: a projection's input is
+    /// in its key's shard (`<prefix>.proj.<role, 2 tokens>.<key>.<type>`), a dead letter's in the
+    /// stream its `Collab-Source-Stream` (else its Msg-Id, `<stream>:<seq>:<n>`) names.
+    fn identify_outputs(&self, proj: &mut [Rec], dlq: &mut [Rec]) {
+        if !self.sharded() {
+            return;
+        }
+        for p in proj {
+            let shard = p
+                .subject
+                .split_once(".proj.")
+                .and_then(|(_, rest)| collab_projector::config::proj_subject_parts(rest))
+                .map_or(self.streams().len(), |(_, key, _)| {
+                    self.names.shard_of_key(key)
+                });
+            p.source_seq = p.source_seq.map(|s| RawStreams::id(shard, s));
+        }
+        for d in dlq {
+            let stream = d.source_stream.clone().or_else(|| {
+                d.msg_id
+                    .as_deref()
+                    .and_then(|id| self.names.input_of_msg_id(id))
+                    .map(|(stream, _)| stream.to_string())
+            });
+            let shard = self.shard_of_stream(stream.as_deref());
+            d.source_seq = d.source_seq.map(|s| RawStreams::id(shard, s));
+        }
+    }
+
+    /// An input's id as its stream and sequence (the sequence alone with one raw stream).
+    fn label(&self, id: u64) -> String {
+        let seq = id & ((1 << SHARD_SHIFT) - 1);
+        if id == 0 || !self.sharded() {
+            return seq.to_string();
+        }
+        let shard = usize::try_from(id >> SHARD_SHIFT).unwrap_or(usize::MAX);
+        match self.streams().get(shard) {
+            Some(stream) => format!("{stream}:{seq}"),
+            None => format!("?:{seq}"),
+        }
+    }
+
+    /// Every input of every raw stream, in stream order per stream, identified by its id.
+    async fn read(&self, js: &jetstream::Context) -> Vec<Rec> {
+        let mut all = Vec::new();
+        for (shard, stream) in self.streams().iter().enumerate() {
+            let mut recs = read_all_retrying(js, stream, "").await;
+            for r in &mut recs {
+                r.seq = RawStreams::id(shard, r.seq);
+            }
+            all.append(&mut recs);
+        }
+        all
+    }
 }
 
 /// The producer's subject of a raw message (`collab.raw.<key>.<type...>`), whatever partition
@@ -639,6 +763,7 @@ async fn read_all(js: &jetstream::Context, stream: &str, filter: &str) -> Result
             seq: info.stream_sequence,
             msg_id: header("Nats-Msg-Id"),
             source_seq: header("Collab-Source-Seq").and_then(|s| s.parse().ok()),
+            source_stream: header("Collab-Source-Stream"),
             payload: m.payload.clone(),
         });
     }
@@ -789,6 +914,8 @@ struct Bed {
     profile: Profile,
     broker: Broker,
     js: jetstream::Context,
+    /// The raw streams the deployment stores its inputs in.
+    raw: RawStreams,
     fleet: Fleet,
     faults: Vec<Fault>,
     balance: Vec<Balance>,
@@ -831,9 +958,37 @@ impl Bed {
             scenario,
             profile,
             broker,
+            1,
             workers,
             extra_env,
             proxied,
+            Vec::new(),
+        )
+        .await
+    }
+
+    /// As [`Bed::start`] on a 3-node cluster, with raw traffic spread over `shards` streams
+    /// (`nats.shards`): every node has the subject mapping, every process the setting.
+    async fn start_sharded_cluster(
+        scenario: &'static str,
+        profile: &Profile,
+        shards: u16,
+        workers: usize,
+    ) -> Bed {
+        let mapping = RawStreams::new(shards).names.shard_mapping_config();
+        assert!(
+            mapping.is_some(),
+            "{scenario}: {shards} shards need a subject mapping"
+        );
+        let broker = Broker::Cluster(cluster3_with(mapping).await);
+        Bed::start_on(
+            scenario,
+            profile,
+            broker,
+            shards,
+            workers,
+            &[],
+            false,
             Vec::new(),
         )
         .await
@@ -863,6 +1018,7 @@ impl Bed {
             scenario,
             profile,
             Broker::Cluster(nodes),
+            1,
             workers,
             &[],
             false,
@@ -871,10 +1027,14 @@ impl Bed {
         .await
     }
 
+    /// Provision on `broker` with raw traffic over `shards` streams (1: the one raw stream) and
+    /// start `workers` workers.
+    #[allow(clippy::too_many_arguments)]
     async fn start_on(
         scenario: &'static str,
         profile: &Profile,
         broker: Broker,
+        shards: u16,
         workers: usize,
         extra_env: &[(&str, &str)],
         proxied: bool,
@@ -883,6 +1043,9 @@ impl Bed {
         let cluster = matches!(broker, Broker::Cluster(_));
         let urls = broker.urls();
         let mut env = profile.env(if cluster { 3 } else { 1 });
+        if shards > 1 {
+            env.push(("COLLAB_NATS__SHARDS".into(), shards.to_string()));
+        }
         env.extend(
             extra_env
                 .iter()
@@ -900,6 +1063,7 @@ impl Bed {
             profile: profile.clone(),
             broker,
             js,
+            raw: RawStreams::new(shards),
             fleet: Fleet {
                 env,
                 urls,
@@ -967,6 +1131,7 @@ impl Bed {
             timeout_ms,
             tasks: self.profile.tasks,
             convs: self.profile.convs,
+            raw: self.raw.clone(),
         };
         let task = tokio::spawn(write(self.js.clone(), cfg, stop.clone()));
         (stop, task)
@@ -1095,33 +1260,43 @@ impl Bed {
         });
     }
 
-    /// Stop the node that leads the raw stream (else node 1) for `down`, then start it again.
+    /// Stop the node that leads the raw stream (over shards, the most raw streams; else node 1)
+    /// for `down`, then start it again.
     async fn bounce_node(&mut self, down: Duration) {
-        let leader = async {
-            let mut st = self.js.get_stream(RAW).await.ok()?;
-            st.info().await.ok()?.cluster.as_ref()?.leader.clone()
+        // The leader of each raw stream, in shard order.
+        let mut leaders: Vec<String> = Vec::new();
+        for stream in self.raw.streams() {
+            let leader = async {
+                let mut st = self.js.get_stream(stream).await.ok()?;
+                st.info().await.ok()?.cluster.as_ref()?.leader.clone()
+            }
+            .await;
+            leaders.extend(leader);
         }
-        .await;
         let elapsed = self.elapsed();
+        let shards = self.raw.streams().len();
         let Broker::Cluster(nodes) = &mut self.broker else {
             return;
         };
-        let i = leader
-            .as_deref()
+        let led = |name: &str| leaders.iter().filter(|l| *l == name).count();
+        // The node leading the most raw streams; on a tie, the one of the lowest shard.
+        let most = leaders.iter().map(|l| led(l)).max();
+        let i = leaders
+            .iter()
+            .find(|l| Some(led(l)) == most)
             .and_then(|l| nodes.iter().position(|n| n.server_name() == l))
             .unwrap_or(1);
+        let leads = led(nodes[i].server_name());
         let at_ms = now_ms();
         nodes[i].stop().await;
         let from_ms = now_ms();
-        let what = format!(
-            "node {i} ({}) stopped at {elapsed:.1}s for {:?}",
-            if leader.is_some_and(|l| l == nodes[i].server_name()) {
-                "raw stream leader"
-            } else {
-                "not the leader"
-            },
-            down
-        );
+        let role = match (shards, leads) {
+            (1, 1) => "raw stream leader".to_string(),
+            (1, _) => "not the leader".to_string(),
+            (_, 0) => format!("leads none of the {shards} raw streams"),
+            (_, n) => format!("leads {n} of the {shards} raw streams"),
+        };
+        let what = format!("node {i} ({role}) stopped at {elapsed:.1}s for {down:?}");
         tokio::time::sleep(down).await;
         if let Err(e) = nodes[i].restart().await {
             panic!("could not start cluster node {i} again: {e}");
@@ -1204,26 +1379,30 @@ impl Bed {
     }
 
     /// [`Bed::undrained`] of the `partitions` consumers named `<prefix><p>` (a version's).
+    /// Over shards, partition `p`'s consumer is on raw stream `p % shards`: every raw stream's
+    /// consumers are read.
     async fn undrained_of(&self, prefix: &str, partitions: u16) -> Option<Vec<String>> {
-        let stream = self.js.get_stream(RAW).await.ok()?;
-        let mut infos = stream.consumers();
         let mut seen = 0;
         let mut stuck = Vec::new();
-        while let Some(info) = infos.next().await {
-            let info = info.ok()?;
-            if !info.name.starts_with(prefix) {
-                continue;
-            }
-            seen += 1;
-            if info.num_pending > 0 || info.num_ack_pending > 0 {
-                stuck.push(format!(
-                    "{}: {} pending, {} unacknowledged, ack floor {}, delivered {}",
-                    info.name,
-                    info.num_pending,
-                    info.num_ack_pending,
-                    info.ack_floor.stream_sequence,
-                    info.delivered.stream_sequence
-                ));
+        for name in self.raw.streams() {
+            let stream = self.js.get_stream(name).await.ok()?;
+            let mut infos = stream.consumers();
+            while let Some(info) = infos.next().await {
+                let info = info.ok()?;
+                if !info.name.starts_with(prefix) {
+                    continue;
+                }
+                seen += 1;
+                if info.num_pending > 0 || info.num_ack_pending > 0 {
+                    stuck.push(format!(
+                        "{}: {} pending, {} unacknowledged, ack floor {}, delivered {}",
+                        info.name,
+                        info.num_pending,
+                        info.num_ack_pending,
+                        info.ack_floor.stream_sequence,
+                        info.delivered.stream_sequence
+                    ));
+                }
             }
         }
         (seen == usize::from(partitions)).then_some(stuck)
@@ -1328,13 +1507,14 @@ impl Bed {
                 log.turns
             ));
         }
-        let mut raw = read_all_retrying(&self.js, RAW, "").await;
+        let mut raw = self.raw.read(&self.js).await;
         // Partition barriers are the workers' own, not inputs; they stay in the raw stream
         // (deleting one would acknowledge it, and everything before it, for every other set
         // of workers that has it in flight).
         raw.retain(|m| !is_barrier(&m.subject));
-        let proj = read_all_retrying(&self.js, PROJ, "").await;
-        let dlq = read_all_retrying(&self.js, DLQ, "").await;
+        let mut proj = read_all_retrying(&self.js, PROJ, "").await;
+        let mut dlq = read_all_retrying(&self.js, DLQ, "").await;
+        self.raw.identify_outputs(&mut proj, &mut dlq);
         let mut reports = vec![check(&mut self, &log, &raw, &proj, &dlq)];
         let (scenario, partitions) = (self.scenario, self.profile.partitions);
         for v in &mut versions {
@@ -1345,8 +1525,9 @@ impl Bed {
                     v.name, self.profile.guard
                 ));
             }
-            let proj = read_all_retrying(&self.js, &v.proj(), "").await;
-            let dlq = read_all_retrying(&self.js, &v.dlq(), "").await;
+            let mut proj = read_all_retrying(&self.js, &v.proj(), "").await;
+            let mut dlq = read_all_retrying(&self.js, &v.dlq(), "").await;
+            self.raw.identify_outputs(&mut proj, &mut dlq);
             self.scenario = v.label;
             self.profile.partitions = v.partitions;
             self.notes.append(&mut v.notes);
@@ -1706,11 +1887,15 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
         seqs_of_n.entry(i.n).or_default().push(i.seq);
     }
     let raw_dups = seqs_of_n.values().filter(|s| s.len() > 1).count();
+    let streams = bed.raw.streams().join(", ");
     if raw_dups > 0 {
         r.notes.push(format!(
-            "{raw_dups} inputs stored twice in {RAW} despite their Msg-Id (writer retry beyond the duplicate window)"
+            "{raw_dups} inputs stored twice in {streams} despite their Msg-Id (writer retry beyond the duplicate window)"
         ));
     }
+    // An input's id as its stream and sequence, for the details.
+    let ids = bed.raw.clone();
+    let label = |id: u64| ids.label(id);
 
     // Outputs per raw sequence: (projections, dead letters).
     let mut outs: HashMap<u64, (u32, u32)> = HashMap::new();
@@ -1747,8 +1932,8 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
         let around = seqs[at.saturating_sub(2)..(at + 3).min(seqs.len())]
             .iter()
             .map(|s| match landed.get(s) {
-                Some((st, q, t)) => format!("{s}->{st}#{q}@{t}"),
-                None => format!("{s}->none"),
+                Some((st, q, t)) => format!("{}->{st}#{q}@{t}", label(*s)),
+                None => format!("{}->none", label(*s)),
             })
             .collect::<Vec<_>>();
         around.join(", ")
@@ -1763,7 +1948,11 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
                 r.projected += 1;
                 if bad {
                     r.misrouted += 1;
-                    details.push(format!("bad input n={} seq {} was projected", i.n, i.seq));
+                    details.push(format!(
+                        "bad input n={} seq {} was projected",
+                        i.n,
+                        label(i.seq)
+                    ));
                 }
             }
             (0, 1) => {
@@ -1772,7 +1961,10 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
                     r.misrouted += 1;
                     details.push(format!(
                         "valid input n={} seq {} (partition {}, key {}) was dead-lettered",
-                        i.n, i.seq, i.partition, i.key
+                        i.n,
+                        label(i.seq),
+                        i.partition,
+                        i.key
                     ));
                 }
             }
@@ -1781,7 +1973,7 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
                 details.push(format!(
                     "lost: n={} raw seq {} partition {} key {} stored at {} ({:?}); partition neighbours: {}",
                     i.n,
-                    i.seq,
+                    label(i.seq),
                     i.partition,
                     i.key,
                     i.stored_ms,
@@ -1808,7 +2000,7 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
                 details.push(format!(
                     "duplicated: n={} raw seq {} partition {} key {}: {p} projections, {d} dead letters ({})",
                     i.n,
-                    i.seq,
+                    label(i.seq),
                     i.partition,
                     i.key,
                     copies.join(", ")
@@ -1821,7 +2013,8 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
             r.inputs += 1;
             r.lost += 1;
             details.push(format!(
-                "lost by the server: n={n} acknowledged at raw seq {seq} is not in {RAW}"
+                "lost by the server: n={n} acknowledged at raw seq {} is not in {streams}",
+                label(*seq)
             ));
         }
     }
@@ -1876,16 +2069,16 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
                         .filter(|o| o.source_seq == Some(i.seq))
                         .map(|o| o.subject.split('.').skip(4).collect::<Vec<_>>().join("."))
                         .collect();
-                    format!("{} {:?}@{} -> {outs:?}", i.seq, i.input, i.stored_ms)
+                    format!("{} {:?}@{} -> {outs:?}", label(i.seq), i.input, i.stored_ms)
                 })
                 .collect();
             details.push(format!(
                 "turn {k:?} (send seq {}, partition {}) has {} responses: {:?}; the key's inputs from the send: {}",
-                send.seq,
+                label(send.seq),
                 send.partition,
                 got.len(),
                 got.iter()
-                    .map(|g| (g.seq, g.source_seq))
+                    .map(|g| (g.seq, g.source_seq.map(label)))
                     .collect::<Vec<_>>(),
                 key_inputs.join(", ")
             ));
@@ -1910,14 +2103,15 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
         if !ok {
             r.wrong_winner += 1;
             details.push(format!(
-                "turn {k:?} (partition {}, send raw seq {} stored at {}): expected {} but the response (stored at {}) is from raw seq {won} ({}); deadline {deadline}, replies (seq, stored at) {:?}",
+                "turn {k:?} (partition {}, send raw seq {} stored at {}): expected {} but the response (stored at {}) is from raw seq {} ({}); deadline {deadline}, replies (seq, stored at) {:?}",
                 send.partition,
-                send.seq,
+                label(send.seq),
                 send.stored_ms,
-                expected.map_or("a blocked timeout".to_string(), |s| format!("the reply at raw seq {s}")),
+                expected.map_or("a blocked timeout".to_string(), |s| format!("the reply at raw seq {}", label(s))),
                 resp.stored_ms,
+                label(won),
                 body["payload"]["reason"],
-                replies.get(k).map(|rs| rs.iter().map(|x| (x.seq, x.stored_ms)).collect::<Vec<_>>())
+                replies.get(k).map(|rs| rs.iter().map(|x| (label(x.seq), x.stored_ms)).collect::<Vec<_>>())
             ));
         }
     }
@@ -2160,9 +2354,14 @@ async fn server_restart(p: &Profile, seed: u64) -> Report {
 }
 
 /// 5. Stop one node of a 3-node cluster (streams, consumers and buckets R3) under load, the raw
-///    stream's leader, and bring it back.
-async fn cluster_node(p: &Profile, seed: u64) -> Report {
-    let mut bed = Bed::start("cluster-node", p, true, 3).await;
+///    stream's leader, and bring it back. With `shards` > 1 raw traffic is spread over that many
+///    streams (`nats.shards`) and the node stopped is the one leading the most of them.
+async fn cluster_node(p: &Profile, seed: u64, shards: u16) -> Report {
+    let mut bed = if shards > 1 {
+        Bed::start_sharded_cluster("cluster-node-sharded", p, shards, 3).await
+    } else {
+        Bed::start("cluster-node", p, true, 3).await
+    };
     let writer = bed.writer(seed, p.timeout_ms);
     let gap = p.load / u32::try_from(p.rounds + 1).unwrap_or(2);
     for _ in 0..p.rounds {
@@ -2443,6 +2642,7 @@ impl Bed {
         let mut log = WriterLog::default();
         let stored = publish(
             &self.js,
+            &self.raw,
             &mut log,
             n,
             format!("collab.raw.{key}.task.updated"),
@@ -2671,9 +2871,16 @@ async fn chaos_short_server_restart() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_short_cluster_node() {
-    cluster_node(&Profile::short(), seed("cluster-node"))
+    cluster_node(&Profile::short(), seed("cluster-node"), 1)
         .await
         .assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_short_cluster_node_sharded() {
+    let report = cluster_node(&Profile::short(), seed("cluster-node-sharded"), 4).await;
+    report.assert_clean();
+    assert!(report.inputs > 0, "{}: no input checked", report.scenario);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -2808,6 +3015,8 @@ async fn chaos_full() {
         "clock-skew",
         "cluster-partition",
         "repartition",
+        // Last, so the scenarios before it keep their seeds (`base + index`).
+        "cluster-node-sharded",
     ]
     .into_iter()
     .enumerate()
@@ -2822,7 +3031,8 @@ async fn chaos_full() {
             "sigstop" => sigstop(&p, s).await,
             "scale" => scale(&p, s).await,
             "server-restart" => server_restart(&p, s).await,
-            "cluster-node" => cluster_node(&p, s).await,
+            "cluster-node" => cluster_node(&p, s, 1).await,
+            "cluster-node-sharded" => cluster_node(&p, s, 4).await,
             "oversize" => oversize(&p, s).await,
             "deleted-consumer" => deleted_consumer(&p, s).await,
             "regressed-consumer" => regressed_consumer(&p, s).await,
