@@ -670,6 +670,7 @@ async fn preload(
     let mut publisher = Publisher::new(1000, false);
     let mut sent = 0usize;
     let mut bytes = 0usize;
+    let started = Instant::now();
     'outer: loop {
         for ev in gen.next_scenario() {
             if sent >= n {
@@ -687,6 +688,16 @@ async fn preload(
     }
     publisher.flush().await?;
     pb.finish_and_clear();
+    // What the raw stream leaders take with nothing reading: producers' side of the capacity.
+    let secs = started.elapsed().as_secs_f64();
+    say(
+        opts,
+        &format!(
+            "{label}: preloaded {n} raw messages into {} raw stream(s) in {secs:.1} s ({:.0} msg/s)",
+            env.names().shards(),
+            n as f64 / secs.max(1e-9)
+        ),
+    );
     Ok(bytes as f64 / n.max(1) as f64)
 }
 

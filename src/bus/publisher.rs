@@ -288,6 +288,9 @@ impl Publisher {
             }
             _ => out,
         };
+        if !matches!(out.kind, OutKind::DeadLetter(_)) {
+            return out;
+        }
         // A dead letter's Msg-Id names its input's raw stream (one of the shards).
         let source = self
             .names
