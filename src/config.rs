@@ -1553,6 +1553,51 @@ mod tests {
     }
 
     #[test]
+    fn shards_name_their_streams_and_the_mapping_that_feeds_them() {
+        let mut n = Names::new("collab");
+        assert_eq!(n.raw_streams, vec!["COLLAB_RAW".to_string()]);
+        assert_eq!(n.shard_mapping(), None);
+        assert_eq!(n.shard_subjects(0), "collab.raw.*.>");
+        n.set_shards(4);
+        assert_eq!(n.raw_streams[3], "COLLAB_RAW_3OF4");
+        assert_eq!(n.raw_stream_of(13), "COLLAB_RAW_1OF4");
+        assert_eq!(n.shard_subjects(2), "collab.shard.4.2.*.>");
+        assert_eq!(
+            n.shard_mapping(),
+            Some((
+                "collab.raw.*.>".to_string(),
+                "collab.shard.4.{{partition(4,1)}}.{{wildcard(1)}}.>".to_string()
+            ))
+        );
+        // A key's shard is the server's partition of it: the partition of any count that is a
+        // multiple of 4 reads that shard.
+        for key in ["c1", "conv-3", "x", "_watermark0"] {
+            let h = transform_partition(key.as_bytes(), 16);
+            assert_eq!(
+                n.raw_stream_of(h as u16),
+                n.raw_streams[n.shard_of_key(key)]
+            );
+        }
+        assert_eq!(
+            n.input_of_msg_id("COLLAB_RAW_2OF4:41:0"),
+            Some(("COLLAB_RAW_2OF4", 41))
+        );
+        assert_eq!(n.input_of_msg_id("COLLAB_RAW:41:0"), None);
+        assert_eq!(n.input_of_msg_id("turn:c1:4"), None);
+    }
+
+    #[test]
+    fn a_shard_count_must_divide_the_partitions() {
+        let err = nats_error("[nats]\nshards = 3\n");
+        assert!(err.contains("nats.shards (3)"), "{err}");
+        let err = nats_error("[nats]\nshards = 32\npartitions = 16\n");
+        assert!(err.contains("multiple of nats.shards"), "{err}");
+        let s = Settings::from_toml("[nats]\nshards = 4\npartitions = 16\n")
+            .unwrap_or_else(|e| panic!("{e}"));
+        assert_eq!(s.names().shards(), 4);
+    }
+
+    #[test]
     fn a_partition_consumer_is_told_from_another_sets() {
         let live = Names::new("collab");
         let v2 = Names::versioned("collab", "v2");
