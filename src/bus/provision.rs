@@ -168,11 +168,13 @@ async fn check_shard_mapping(js: &jetstream::Context, names: &Names) -> Result<(
                     ack.stream
                 )))
             }
-            Err(e) => {
+            Err(e) if e.kind() == jetstream::context::PublishErrorKind::StreamNotFound => {
                 return Err(ProvisionError::Layout(format!(
                     "no raw stream stored a message on {subject} ({e}): {fix}"
                 )))
             }
+            // A stream answered (full, no leader yet): the mapping is not what failed.
+            Err(e) => return Err(api(&format!("a barrier to raw stream {want}"), e)),
         }
     }
     Ok(())
