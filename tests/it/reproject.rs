@@ -10,7 +10,7 @@ use std::time::Duration;
 const DEMO_AGENTS: &str = "ruda,eden,atlas,main";
 
 /// Run `collab-projector ARGS` to its end; its exit code and the JSON line it printed.
-async fn run_to_end(args: &[&str], envs: &[(&str, &str)]) -> (i32, Value) {
+pub(crate) async fn run_to_end(args: &[&str], envs: &[(&str, &str)]) -> (i32, Value) {
     let mut p = Projector::spawn_command(args, envs);
     let status = p
         .wait_exit(Duration::from_secs(120))

@@ -220,7 +220,7 @@ async fn sharded_raw_traffic_is_projected_from_every_shard_with_one_response_per
     for w in workers.iter_mut() {
         w.wait_exit(Duration::from_secs(30)).await;
     }
-    let (ok, stdout, stderr) = run(
+    let (code, report) = crate::reproject::run_to_end(
         &[
             "reproject",
             "--nats-url",
@@ -234,15 +234,11 @@ async fn sharded_raw_traffic_is_projected_from_every_shard_with_one_response_per
             "2s",
         ],
         &ENV,
-    );
-    let report: Value = stdout
-        .lines()
-        .find(|l| l.starts_with('{'))
-        .and_then(|l| serde_json::from_str(l).ok())
-        .unwrap_or_else(|| panic!("reproject printed no report: {stdout}{stderr}"));
+    )
+    .await;
     assert_eq!(report["liveDigest"], report["versionDigest"], "{report:#}");
     assert_eq!(report["changed"], json!({}), "{report:#}");
-    assert!(ok, "{report:#} {stderr}");
+    assert_eq!(code, 0, "{report:#}");
     assert_eq!(
         report["versionOutputs"], report["liveOutputs"],
         "{report:#}"
