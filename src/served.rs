@@ -82,6 +82,14 @@ pub fn control_bucket(base: &Names) -> String {
 /// The served switch, as the control bucket holds it (`None`: never switched, or switched back
 /// and the bucket removed: the deployment's own).
 pub async fn read(js: &jetstream::Context, base: &Names) -> Result<Option<Switch>, Source> {
+    match open(js, base).await? {
+        Some(store) => read_from(&store, base).await,
+        None => Ok(None),
+    }
+}
+
+/// The control bucket, `None` when it does not exist.
+async fn open(js: &jetstream::Context, base: &Names) -> Result<Option<kv::Store>, Source> {
     use jetstream::context::GetStreamErrorKind;
     let bucket = control_bucket(base);
     if let Err(e) = js.get_stream(format!("KV_{bucket}")).await {
@@ -94,7 +102,12 @@ pub async fn read(js: &jetstream::Context, base: &Names) -> Result<Option<Switch
             _ => Err(e.into()),
         };
     }
-    let store = js.get_key_value(&bucket).await?;
+    Ok(Some(js.get_key_value(&bucket).await?))
+}
+
+/// The served switch in the open control bucket `store`.
+async fn read_from(store: &kv::Store, base: &Names) -> Result<Option<Switch>, Source> {
+    let bucket = control_bucket(base);
     match store.get(SERVED_KEY).await? {
         Some(v) => Ok(Some(serde_json::from_slice(&v).map_err(|e| {
             Source::from(format!(
@@ -143,8 +156,26 @@ pub async fn follow(
     cancel: CancellationToken,
 ) {
     let mut failing = false;
+    // Opened once and read each time (one request); opened again after a failed read, since
+    // the bucket may have been removed and made again.
+    let mut store: Option<kv::Store> = None;
     loop {
-        match read(&js, &base).await {
+        let found = match &store {
+            Some(s) => read_from(s, &base).await,
+            None => match open(&js, &base).await {
+                Ok(Some(s)) => {
+                    let r = read_from(&s, &base).await;
+                    store = Some(s);
+                    r
+                }
+                Ok(None) => Ok(None),
+                Err(e) => Err(e),
+            },
+        };
+        if found.is_err() {
+            store = None;
+        }
+        match found {
             Ok(switch) => {
                 failing = false;
                 let version = switch.map(|s| s.version).unwrap_or_default();
