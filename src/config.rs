@@ -1159,11 +1159,9 @@ impl Names {
     /// The raw stream and sequence of the input an output's Msg-Id names
     /// (`<stream>:<seq>:<n>`), if it names one of these raw streams.
     pub fn input_of_msg_id(&self, msg_id: &str) -> Option<(&str, u64)> {
-        self.raw_streams.iter().find_map(|s| {
-            let rest = msg_id.strip_prefix(s.as_str())?.strip_prefix(':')?;
-            let (seq, _) = rest.split_once(':')?;
-            Some((s.as_str(), seq.parse().ok()?))
-        })
+        self.raw_streams
+            .iter()
+            .find_map(|s| Some((s.as_str(), input_of_msg_id(msg_id, s)?)))
     }
     /// Where the raw stream stores `key`'s messages, whatever its partition tokens.
     pub fn key_filter(&self, key: &str) -> String {
@@ -1207,6 +1205,13 @@ impl Names {
     pub fn dlq_subject(&self, reason: crate::model::DlqReason) -> String {
         format!("{}.dlq.{}", self.prefix, reason.as_str())
     }
+}
+
+/// The raw sequence an output's Msg-Id (`<stream>:<seq>:<n>`) names, if it names `stream`.
+pub fn input_of_msg_id(msg_id: &str, stream: &str) -> Option<u64> {
+    let rest = msg_id.strip_prefix(stream)?.strip_prefix(':')?;
+    let (seq, _) = rest.split_once(':')?;
+    seq.parse().ok()
 }
 
 /// `(role, key, type)` of a projection subject's part after `<prefix>.proj.`, the inverse of

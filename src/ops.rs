@@ -148,11 +148,7 @@ pub async fn audit(
     for (i, stream) in names.raw_streams.iter().enumerate() {
         for m in read_stream(js, stream, from, true).await? {
             // A barrier is not an input (see `bus::reader`): nothing projects it.
-            let barrier = m
-                .headers
-                .as_ref()
-                .is_some_and(|h| h.get(crate::pipeline::H_BARRIER).is_some());
-            if barrier {
+            if crate::bus::acker::is_barrier(&m) {
                 continue;
             }
             if let Ok(info) = m.info() {

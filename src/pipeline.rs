@@ -41,9 +41,7 @@ pub fn input_msg_id(stream: &str, seq: u64, which: impl std::fmt::Display) -> St
 
 /// The raw sequence an output's Msg-Id names, if [`input_msg_id`] made it for `stream`.
 pub fn input_of_msg_id(msg_id: &str, stream: &str) -> Option<u64> {
-    let rest = msg_id.strip_prefix(stream)?.strip_prefix(':')?;
-    let (seq, _) = rest.split_once(':')?;
-    seq.parse().ok()
+    crate::config::input_of_msg_id(msg_id, stream)
 }
 
 /// What an outgoing message is, for metrics and the turn book.
