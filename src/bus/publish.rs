@@ -17,7 +17,7 @@
 use crate::config::Names;
 use crate::pipeline::{OutKind, Outgoing};
 use async_nats::jetstream::{self, context::PublishErrorKind, ErrorCode};
-use async_nats::HeaderMap;
+use async_nats::{HeaderMap, HeaderName};
 use bytes::Bytes;
 use sha2::{Digest, Sha256};
 
@@ -126,13 +126,14 @@ impl Fence {
 
     /// The headers of `out` as sent: its own, then the fence expectation.
     pub fn headers(&self, out: &Outgoing) -> HeaderMap {
+        // Names from static strings are not copied (a `&str` name is, on every publish).
         let mut headers = HeaderMap::new();
         for (k, v) in &out.headers {
-            headers.insert(*k, v.as_str());
+            headers.insert(HeaderName::from_static(k), v.as_str());
         }
         let (subject, seq) = self.of(out.kind);
-        headers.insert(H_EXPECTED_SEQ, seq.to_string().as_str());
-        headers.insert(H_EXPECTED_SUBJECT, subject);
+        headers.insert(HeaderName::from_static(H_EXPECTED_SEQ), seq.to_string());
+        headers.insert(HeaderName::from_static(H_EXPECTED_SUBJECT), subject);
         headers
     }
 }

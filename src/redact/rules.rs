@@ -2,6 +2,7 @@
 //! configured keys and patterns, and the walk over a parsed value. The stream redactor works on
 //! the spans this module finds.
 
+use aho_corasick::AhoCorasick;
 use regex::{Regex, RegexSet};
 use serde::Deserialize;
 use serde_json::{Map, Value};
@@ -168,6 +169,12 @@ pub struct Redactor {
     rules: Vec<Rule>,
     /// One pattern per keyword (case-insensitive literal).
     keywords: RegexSet,
+    /// The same keywords as one automaton comparing ASCII letters without case, in the same
+    /// order: on ASCII text it finds exactly what `keywords` finds (the only characters outside
+    /// ASCII that match an ASCII letter without case, `K` (U+212A) and `ſ` (U+017F), cannot
+    /// occur in ASCII text), in one pass that allocates nothing when no keyword occurs, which
+    /// is most text. `None` when a keyword is not ASCII.
+    keyword_scan: Option<AhoCorasick>,
     /// All keywords in one pattern, to find where the first one is.
     any_keyword: Option<Regex>,
     /// Whether configuration added patterns (they have no keywords and may span words).
@@ -211,6 +218,7 @@ impl Redactor {
         }));
         let mut rules = Vec::with_capacity(specs.len());
         let mut keyword_sources = Vec::new();
+        let mut keyword_literals: Vec<String> = Vec::new();
         let mut keyword_rules: Vec<Vec<usize>> = Vec::new();
         let mut always = Vec::new();
         for (i, spec) in specs.into_iter().enumerate() {
@@ -227,6 +235,7 @@ impl Redactor {
                     }
                     None => {
                         keyword_sources.push(source);
+                        keyword_literals.push(kw.clone());
                         keyword_rules.push(vec![i]);
                     }
                 }
@@ -252,11 +261,25 @@ impl Redactor {
             name: "(keywords)".into(),
             detail: e.to_string(),
         })?;
+        let keyword_scan = if keyword_literals.iter().all(|k| k.is_ascii()) {
+            Some(
+                AhoCorasick::builder()
+                    .ascii_case_insensitive(true)
+                    .build(&keyword_literals)
+                    .map_err(|e| RedactError::BadPattern {
+                        name: "(keywords)".into(),
+                        detail: e.to_string(),
+                    })?,
+            )
+        } else {
+            None
+        };
         Ok(Redactor {
             suffixes,
             exact,
             rules,
             keywords,
+            keyword_scan,
             any_keyword,
             configured: !extra_patterns.is_empty(),
             keyword_rules,
@@ -318,8 +341,20 @@ impl Redactor {
     pub(crate) fn spans(&self, text: &str) -> Vec<Span> {
         let mut candidates: Vec<usize> = self.always.clone();
         if !self.keyword_rules.is_empty() {
-            for k in self.keywords.matches(text).iter() {
-                candidates.extend(self.keyword_rules.get(k).into_iter().flatten());
+            match &self.keyword_scan {
+                Some(scan) if text.is_ascii() => {
+                    if scan.is_match(text) {
+                        for m in scan.find_overlapping_iter(text) {
+                            let k = m.pattern().as_usize();
+                            candidates.extend(self.keyword_rules.get(k).into_iter().flatten());
+                        }
+                    }
+                }
+                _ => {
+                    for k in self.keywords.matches(text).iter() {
+                        candidates.extend(self.keyword_rules.get(k).into_iter().flatten());
+                    }
+                }
             }
         }
         if candidates.is_empty() {
@@ -1060,5 +1095,75 @@ mod tests {
         let (twice, n) = redact(once.clone());
         assert_eq!(twice, once);
         assert_eq!(n, 0);
+    }
+
+    /// The rules a text lets run, found with the keyword set (the reference) and with the
+    /// automaton.
+    fn candidates_both_ways(r: &Redactor, text: &str) -> (Vec<usize>, Vec<usize>) {
+        let mut by_set: Vec<usize> = r
+            .keywords
+            .matches(text)
+            .iter()
+            .flat_map(|k| r.keyword_rules[k].iter().copied())
+            .collect();
+        by_set.sort_unstable();
+        by_set.dedup();
+        let scan = r
+            .keyword_scan
+            .as_ref()
+            .expect("the built-in keywords are ASCII");
+        let mut by_scan: Vec<usize> = scan
+            .find_overlapping_iter(text)
+            .flat_map(|m| r.keyword_rules[m.pattern().as_usize()].iter().copied())
+            .collect();
+        by_scan.sort_unstable();
+        by_scan.dedup();
+        (by_set, by_scan)
+    }
+
+    #[test]
+    fn the_keyword_automaton_lets_the_same_rules_run_as_the_keyword_set_on_ascii_text() {
+        let r = redactor();
+        let mut texts: Vec<String> = rule_samples().into_iter().map(|(_, t, _)| t).collect();
+        texts.extend(
+            [
+                "",
+                "nothing to see here",
+                "SIGNAL passed to the KeyBoard; Tokens: 12",
+                "sk-ANT-api03-xyz",
+                "GHP_abc ghp_ def Github_Pat_1",
+                "postgres://user:PASS@db:5432/x",
+                "AKIA ASIA abia AcCa a3T",
+                "x:aa:AA :Aa",
+            ]
+            .map(String::from),
+        );
+        // Every case of every text, and pairs of texts run together (a keyword across the
+        // seam).
+        let mut all = Vec::new();
+        for t in &texts {
+            all.push(t.clone());
+            all.push(t.to_ascii_uppercase());
+            all.push(t.to_ascii_lowercase());
+        }
+        for (a, b) in texts.iter().zip(texts.iter().rev()) {
+            let (tail, head) = (&a[a.len().saturating_sub(3)..], &b[..b.len().min(3)]);
+            all.push(format!("{tail}{head}"));
+        }
+        let mut checked_with_rules = 0;
+        for t in all.iter().filter(|t| t.is_ascii()) {
+            let (by_set, by_scan) = candidates_both_ways(&r, t);
+            assert_eq!(by_set, by_scan, "keyword rules differ for {t:?}");
+            checked_with_rules += usize::from(!by_set.is_empty());
+        }
+        assert!(checked_with_rules > 20, "the texts exercise the keywords");
+        // Outside ASCII the set decides (the Kelvin sign is a `k` without case).
+        assert!(!"\u{212A}ey".is_ascii());
+        let (by_set, _) = candidates_both_ways(&r, "api_\u{212A}ey=abcdefghijklmnop");
+        assert!(!by_set.is_empty());
+        assert_eq!(
+            r.spans("api_\u{212A}ey=abcdefghijklmnopqrstuvwx").len(),
+            r.spans("api_Key=abcdefghijklmnopqrstuvwx").len()
+        );
     }
 }

@@ -133,7 +133,10 @@ impl Profile {
             fault_every_ms: (1500, 2500),
             node_down: Duration::from_secs(3),
             rounds: 1,
-            guard: Duration::from_secs(45),
+            // A debug build on a loaded 2-core machine (the suite's other tests, CI) has taken
+            // 37 s to hand 16 partitions over on SIGTERM (48 handovers, three CPU hogs beside
+            // it); 0.3 s on a quiet one. The guard only catches hangs.
+            guard: Duration::from_secs(120),
         }
     }
 
