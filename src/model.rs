@@ -81,10 +81,13 @@ pub enum DlqReason {
     IdentityMismatch,
     /// Identities are required (`roles.require_identity`) and the subject names none.
     IdentityMissing,
+    /// Published straight to a raw shard that does not hold the event's key (sharded
+    /// deployments, see `bus::strays`): no partition would ever read it there.
+    Misrouted,
 }
 
 impl DlqReason {
-    pub const ALL: [DlqReason; 10] = [
+    pub const ALL: [DlqReason; 11] = [
         DlqReason::BadJson,
         DlqReason::Unrecognized,
         DlqReason::AdapterRejected,
@@ -95,6 +98,7 @@ impl DlqReason {
         DlqReason::MaxDeliver,
         DlqReason::IdentityMismatch,
         DlqReason::IdentityMissing,
+        DlqReason::Misrouted,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -109,6 +113,7 @@ impl DlqReason {
             DlqReason::MaxDeliver => "max_deliver",
             DlqReason::IdentityMismatch => "identity_mismatch",
             DlqReason::IdentityMissing => "identity_missing",
+            DlqReason::Misrouted => "misrouted",
         }
     }
 }

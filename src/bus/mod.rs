@@ -13,6 +13,7 @@ pub(crate) mod reader;
 pub mod runtime;
 pub mod sessions;
 pub mod stats;
+pub mod strays;
 pub mod turns;
 pub mod worker;
 

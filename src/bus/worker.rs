@@ -161,6 +161,15 @@ pub async fn run_partition(
         sampler_stop.clone(),
     ));
 
+    // Sharded: the first partition of each shard dead-letters what producers stored in it
+    // under another shard's keys (see `bus::strays`).
+    let strays = tokio::spawn(super::strays::sweep(
+        shared.clone(),
+        p,
+        fence.clone(),
+        sampler_stop.clone(),
+    ));
+
     let (tx, rx) = mpsc::channel::<Processed>(512);
     let broken = CancellationToken::new();
     let acks = match consumer.cached_info().config.ack_policy {
@@ -221,6 +230,7 @@ pub async fn run_partition(
     let acked = acker.await;
     sampler_stop.cancel();
     let _ = sampler.await;
+    let _ = strays.await;
     shared
         .state
         .partitions_running

@@ -157,6 +157,25 @@ async fn sharded_raw_traffic_is_projected_from_every_shard_with_one_response_per
         .await;
         inputs += 1;
     }
+    // Two producers publish on a shard's subjects themselves, naming a shard that does not
+    // hold the key: no partition reads it there; the shard's first partition dead-letters it
+    // `misrouted`.
+    let mut strays = BTreeMap::new();
+    for i in 0..2 {
+        let key = format!("stray-{i}");
+        let wrong = (names.shard_of_key(&key) + 1 + i) % usize::from(SHARDS);
+        let (_, body) = task_update(&key, 0);
+        let subject = format!("collab.shard.{SHARDS}.{wrong}.{key}.task.updated");
+        let ack = js
+            .publish(subject.clone(), body)
+            .await
+            .unwrap_or_else(|e| panic!("publish {subject}: {e}"))
+            .await
+            .unwrap_or_else(|e| panic!("publish ack {subject}: {e}"));
+        assert_eq!(ack.stream, names.raw_streams[wrong], "{subject}");
+        strays.insert((ack.stream, ack.sequence), key);
+        inputs += 1;
+    }
     // A key's events all went to the one stream the workers read it from, and every shard
     // holds some.
     for (key, streams) in &stored {
@@ -182,8 +201,69 @@ async fn sharded_raw_traffic_is_projected_from_every_shard_with_one_response_per
         }
     })
     .await;
-    assert_eq!(audit.dead_lettered, 3, "{audit:?}");
-    assert_eq!(audit.projected, inputs - 3, "{audit:?}");
+    assert_eq!(audit.dead_lettered, 3 + strays.len(), "{audit:?}");
+    assert_eq!(audit.projected, inputs - 3 - strays.len(), "{audit:?}");
+    let misrouted = crate::pipeline::read_all(&js, "COLLAB_DLQ", "collab.dlq.misrouted").await;
+    let found: BTreeMap<(String, u64), String> = misrouted
+        .iter()
+        .map(|m| {
+            let header = |h: &str| {
+                m.headers
+                    .as_ref()
+                    .and_then(|hs| hs.get(h))
+                    .map(|v| v.as_str().to_string())
+                    .unwrap_or_default()
+            };
+            let detail = header("Collab-Dlq-Detail");
+            assert!(
+                detail.contains("collab.raw.<key>.<type>"),
+                "the dead letter does not say how to publish: {detail}"
+            );
+            (
+                (
+                    header("Collab-Source-Stream"),
+                    header("Collab-Source-Seq").parse().unwrap_or(0),
+                ),
+                header("Collab-Source-Subject"),
+            )
+        })
+        .collect();
+    let want: BTreeMap<(String, u64), String> = strays
+        .iter()
+        .map(|(at, key)| (at.clone(), format!("collab.raw.{key}.task.updated")))
+        .collect();
+    assert_eq!(found, want, "one misrouted dead letter per stray");
+    // Replayed, each goes through the mapping to its key's shard and is projected there.
+    let (ok, stdout, stderr) = run(
+        &["dlq", "replay", "--reason", "misrouted", "--nats-url", &url],
+        &ENV,
+    );
+    assert!(ok, "dlq replay failed: {stdout}{stderr}");
+    let inputs = inputs + strays.len();
+    let audit = wait_for("the replayed strays are projected", || {
+        let js = js.clone();
+        let names = names.clone();
+        async move {
+            collab_projector::ops::audit(&js, &names, 1, 0)
+                .await
+                .ok()
+                .filter(|a| a.holds() && a.raw == inputs)
+        }
+    })
+    .await;
+    assert_eq!(audit.projected, inputs - 3 - strays.len(), "{audit:?}");
+    for key in strays.values() {
+        let projected =
+            crate::pipeline::read_all(&js, "COLLAB_PROJ", &format!("collab.proj.*.*.{key}.>"))
+                .await;
+        assert_eq!(projected.len(), 1, "{key}: {projected:?}");
+        let id = projected[0].header("Nats-Msg-Id").unwrap_or_default();
+        let home = &names.raw_streams[names.shard_of_key(key)];
+        assert!(
+            id.starts_with(&format!("{home}:")),
+            "{key} projected from {id}, not {home}"
+        );
+    }
 
     // Exactly one response per turn: the reply, or a blocked outcome for the unanswered ones.
     let responses = wait_for("every turn has its response", || {

@@ -1,0 +1,166 @@
+//! Strays: raw messages stored in a shard that does not hold their key.
+//!
+//! Producers publish to `<prefix>.raw.<key>.<type>`, and the server's mapping sends each key to
+//! one shard (`<prefix>.shard.<k>.<h % k>.<key>...`). A producer allowed to publish on the
+//! shard subjects themselves can name another shard; that shard's raw stream stores the message
+//! with its key's partition tokens, and no partition reads those tokens from that stream, so no
+//! consumer would ever deliver it. The owner of partition `i < k` (which reads shard `i`) looks
+//! for them in shard `i` now and then and dead-letters each one `misrouted`, through the
+//! partition's fence and with the Msg-Id of the input's own dead letter: the audit counts it,
+//! `dlq replay` republishes it on its key's raw subject, where the mapping puts it in the right
+//! shard, and a later owner finds its dead letter stored and leaves it.
+
+use super::context::WorkerContext;
+use super::publish::Fence;
+use crate::model::{DlqReason, Rejection};
+use crate::pipeline::{self, RawMessage};
+use async_nats::jetstream::stream::RawMessageErrorKind;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+use tracing::{debug, warn};
+
+/// How often a shard is searched for strays. Each search is one request per other shard that
+/// finds nothing in the usual case.
+pub const SWEEP_EVERY: Duration = Duration::from_secs(5);
+
+/// The filters that select, in the raw stream of shard `shard` of `shards`, the messages whose
+/// keys belong to another shard: the partition token at level `shards` is `h % shards`, which
+/// is `shard` for every message the mapping put there.
+pub fn stray_filters(ctx: &WorkerContext, shard: u16, shards: u16) -> Vec<String> {
+    let layout = ctx.settings.layout();
+    (0..shards)
+        .filter(|j| *j != shard)
+        .map(|j| layout.filter(&ctx.names.raw_prefix, shards, j))
+        .collect()
+}
+
+/// Search partition `p`'s shard for strays until `cancel`, when `p` is the first partition of a
+/// shard of a sharded deployment; return at once otherwise.
+pub(crate) async fn sweep(
+    ctx: Arc<WorkerContext>,
+    p: u16,
+    fence: Fence,
+    cancel: CancellationToken,
+) {
+    let shards = ctx.names.shards();
+    if shards <= 1 || p >= shards {
+        return;
+    }
+    let stream_name = ctx.names.raw_stream_of(p).to_string();
+    let filters = stray_filters(&ctx, p, shards);
+    // Where each filter's search goes on from: strays found before are not searched again by
+    // this run; a new owner searches from the start and finds their dead letters stored.
+    let mut from = vec![1u64; filters.len()];
+    loop {
+        match ctx.js.get_stream_no_info(&stream_name).await {
+            Ok(stream) => {
+                for (filter, next) in filters.iter().zip(from.iter_mut()) {
+                    if !sweep_filter(&ctx, &stream, &stream_name, filter, next, &fence, &cancel)
+                        .await
+                    {
+                        break;
+                    }
+                }
+            }
+            Err(e) => debug!(partition = p, error = %e, "the shard cannot be read for strays now"),
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(SWEEP_EVERY) => {}
+            _ = cancel.cancelled() => return,
+        }
+    }
+}
+
+/// Dead-letter every stray on `filter` from `*next` on; `false` when the search should stop for
+/// this round (cancelled, or a request failed: the next round asks again from the same place).
+async fn sweep_filter(
+    ctx: &WorkerContext,
+    stream: &async_nats::jetstream::stream::Stream<()>,
+    stream_name: &str,
+    filter: &str,
+    next: &mut u64,
+    fence: &Fence,
+    cancel: &CancellationToken,
+) -> bool {
+    loop {
+        if cancel.is_cancelled() {
+            return false;
+        }
+        let found = stream
+            .raw_message_builder()
+            .sequence(*next)
+            .next_by_subject(filter.to_string())
+            .send()
+            .await;
+        let m = match found {
+            Ok(m) => m,
+            Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => return true,
+            Err(e) => {
+                debug!(stream = stream_name, error = %e, "searching for strays failed; trying again later");
+                return false;
+            }
+        };
+        let seq = m.sequence;
+        let raw = RawMessage {
+            bytes: &m.payload,
+            stream: stream_name,
+            seq,
+            stored_subject: &m.subject,
+            stored_at: m.time,
+            delivered: 1,
+            headers: Some(&m.headers),
+        };
+        let subject = pipeline::producer_subject(&ctx.names, &m.subject);
+        let key = key_of(&ctx.names.raw_prefix, &subject);
+        let rejection = Rejection::new(
+            DlqReason::Misrouted,
+            format!(
+                "published to a shard that does not hold its key (key {key:?} belongs in {}); publish on {}.raw.<key>.<type> and let the server's mapping choose the shard",
+                ctx.names
+                    .raw_streams
+                    .get(ctx.names.shard_of_key(key))
+                    .map_or("?", String::as_str),
+                ctx.names.raw_prefix,
+            ),
+        );
+        let out = ctx
+            .publisher
+            .fit(pipeline::dead_letter(&ctx.names, &raw, &rejection));
+        let stored_ms = raw.stored_at.timestamp_millis();
+        match ctx.publisher.stored_already(&out, seq, stored_ms).await {
+            Ok(true) => {}
+            Ok(false) => {
+                if ctx
+                    .publisher
+                    .publish_in_place(&out, fence, &[], cancel)
+                    .await
+                    .is_err()
+                {
+                    return false;
+                }
+                warn!(
+                    stream = stream_name,
+                    seq,
+                    %subject,
+                    "a raw message was stored in a shard that does not hold its key; dead-lettered misrouted"
+                );
+                ctx.state.count_output(&out);
+            }
+            Err(e) => {
+                debug!(stream = stream_name, seq, error = %e, "cannot tell whether a stray's dead letter is stored; trying again later");
+                return false;
+            }
+        }
+        *next = seq + 1;
+    }
+}
+
+/// The key token of a producer subject `<raw_prefix>.raw.<key>.<type...>`.
+fn key_of<'a>(raw_prefix: &str, producer_subject: &'a str) -> &'a str {
+    producer_subject
+        .strip_prefix(raw_prefix)
+        .and_then(|s| s.strip_prefix(".raw."))
+        .and_then(|s| s.split('.').next())
+        .unwrap_or_default()
+}
