@@ -20,18 +20,35 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
-/// How often a shard is searched for strays. Each search is one request per other shard that
-/// finds nothing in the usual case.
+/// How often a shard is searched for strays. Each search is one request per bit of the shard
+/// count that finds nothing in the usual case.
 pub const SWEEP_EVERY: Duration = Duration::from_secs(5);
 
-/// The filters that select, in the raw stream of shard `shard` of `shards`, the messages whose
-/// keys belong to another shard: the partition token at level `shards` is `h % shards`, which
-/// is `shard` for every message the mapping put there.
-pub fn stray_filters(ctx: &WorkerContext, shard: u16, shards: u16) -> Vec<String> {
+/// The partition tokens `(count, token)` that select, in shard `shard` of `shards` (a power of
+/// two), exactly the keys of other shards: a key `h` is a stray there when `h % shards != shard`,
+/// that is when some bit of `h` below `shards` differs from `shard`'s. The lowest such bit `b`
+/// puts the key's token at count `2^(b+1)` at `shard % 2^(b+1)` with bit `b` flipped, so one
+/// filter per bit (log2 of the count, 8 at 256 shards) covers every stray once, where one per
+/// other shard would take `shards - 1`.
+pub fn stray_tokens(shard: u16, shards: u16) -> Vec<(u16, u16)> {
+    std::iter::successors(Some(2u16), |c| c.checked_mul(2))
+        .take_while(|c| *c <= shards)
+        .map(|count| (count, (shard % count) ^ (count / 2)))
+        .collect()
+}
+
+/// The subject filters of [`stray_tokens`] in the raw stream's layout, or `None` when the
+/// layout lacks one of those counts (then a filter would select every message, strays or not).
+pub fn stray_filters(ctx: &WorkerContext, shard: u16, shards: u16) -> Option<Vec<String>> {
     let layout = ctx.settings.layout();
-    (0..shards)
-        .filter(|j| *j != shard)
-        .map(|j| layout.filter(&ctx.names.raw_prefix, shards, j))
+    stray_tokens(shard, shards)
+        .into_iter()
+        .map(|(count, token)| {
+            layout
+                .levels
+                .contains(&count)
+                .then(|| layout.filter(&ctx.names.raw_prefix, count, token))
+        })
         .collect()
 }
 
@@ -48,7 +65,13 @@ pub(crate) async fn sweep(
         return;
     }
     let stream_name = ctx.names.raw_stream_of(p).to_string();
-    let filters = stray_filters(&ctx, p, shards);
+    let Some(filters) = stray_filters(&ctx, p, shards) else {
+        warn!(
+            partition = p,
+            shards, "the raw stream's partition tokens do not include every power of two up to the shard count; strays are not searched for"
+        );
+        return;
+    };
     // Where each filter's search goes on from: strays found before are not searched again by
     // this run; a new owner searches from the start and finds their dead letters stored.
     let mut from = vec![1u64; filters.len()];
@@ -163,4 +186,32 @@ fn key_of<'a>(raw_prefix: &str, producer_subject: &'a str) -> &'a str {
         .and_then(|s| s.strip_prefix(".raw."))
         .and_then(|s| s.split('.').next())
         .unwrap_or_default()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::stray_tokens;
+
+    #[test]
+    fn the_stray_tokens_select_exactly_the_keys_of_other_shards() {
+        for shards in [2u16, 4, 8, 16, 64, 256] {
+            for shard in 0..shards {
+                let tokens = stray_tokens(shard, shards);
+                assert_eq!(tokens.len() as u32, shards.trailing_zeros());
+                for h in 0..u32::from(shards) * 4 {
+                    let stray = h % u32::from(shards) != u32::from(shard);
+                    let matched: Vec<_> = tokens
+                        .iter()
+                        .filter(|(count, token)| h % u32::from(*count) == u32::from(*token))
+                        .collect();
+                    assert_eq!(
+                        stray,
+                        !matched.is_empty(),
+                        "key hash {h} in shard {shard} of {shards}: {tokens:?}"
+                    );
+                    assert!(matched.len() <= 1, "{h} matched twice: {matched:?}");
+                }
+            }
+        }
+    }
 }

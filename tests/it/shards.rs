@@ -41,6 +41,26 @@ where
     }
 }
 
+/// The audit of every shard once it holds and counts `inputs` raw inputs.
+async fn audited(
+    js: &jetstream::Context,
+    names: &Names,
+    inputs: usize,
+    what: &str,
+) -> collab_projector::ops::Audit {
+    wait_for(what, || {
+        let js = js.clone();
+        let names = names.clone();
+        async move {
+            collab_projector::ops::audit(&js, &names, 1, 0)
+                .await
+                .ok()
+                .filter(|a| a.holds() && a.raw == inputs)
+        }
+    })
+    .await
+}
+
 /// `collab-projector ARGS` to its end with `envs`: (success, stdout, stderr).
 fn run(args: &[&str], envs: &[(&str, &str)]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_collab-projector"))
@@ -63,6 +83,19 @@ fn task_update(key: &str, n: usize) -> (String, Bytes) {
     )
 }
 
+/// Publish and wait for the server's acknowledgement.
+async fn publish_acked(
+    js: &jetstream::Context,
+    subject: String,
+    body: Bytes,
+) -> jetstream::publish::PublishAck {
+    js.publish(subject.clone(), body)
+        .await
+        .unwrap_or_else(|e| panic!("publish {subject}: {e}"))
+        .await
+        .unwrap_or_else(|e| panic!("publish ack {subject}: {e}"))
+}
+
 /// The raw stream that stored each publish, by key.
 async fn publish(
     js: &jetstream::Context,
@@ -71,12 +104,7 @@ async fn publish(
     stored: &mut BTreeMap<String, BTreeSet<String>>,
 ) {
     let key = subject.split('.').nth(2).unwrap_or_default().to_string();
-    let ack = js
-        .publish(subject.clone(), body)
-        .await
-        .unwrap_or_else(|e| panic!("publish {subject}: {e}"))
-        .await
-        .unwrap_or_else(|e| panic!("publish ack {subject}: {e}"));
+    let ack = publish_acked(js, subject, body).await;
     stored.entry(key).or_default().insert(ack.stream);
 }
 
@@ -166,12 +194,7 @@ async fn sharded_raw_traffic_is_projected_from_every_shard_with_one_response_per
         let wrong = (names.shard_of_key(&key) + 1 + i) % usize::from(SHARDS);
         let (_, body) = task_update(&key, 0);
         let subject = format!("collab.shard.{SHARDS}.{wrong}.{key}.task.updated");
-        let ack = js
-            .publish(subject.clone(), body)
-            .await
-            .unwrap_or_else(|e| panic!("publish {subject}: {e}"))
-            .await
-            .unwrap_or_else(|e| panic!("publish ack {subject}: {e}"));
+        let ack = publish_acked(&js, subject.clone(), body).await;
         assert_eq!(ack.stream, names.raw_streams[wrong], "{subject}");
         strays.insert((ack.stream, ack.sequence), key);
         inputs += 1;
@@ -190,17 +213,7 @@ async fn sharded_raw_traffic_is_projected_from_every_shard_with_one_response_per
     assert_eq!(used.len(), usize::from(SHARDS), "shards used: {used:?}");
 
     // Every input of every shard is projected or dead-lettered, exactly once.
-    let audit = wait_for("every raw input is accounted for", || {
-        let js = js.clone();
-        let names = names.clone();
-        async move {
-            collab_projector::ops::audit(&js, &names, 1, 0)
-                .await
-                .ok()
-                .filter(|a| a.holds() && a.raw == inputs)
-        }
-    })
-    .await;
+    let audit = audited(&js, &names, inputs, "every raw input is accounted for").await;
     assert_eq!(audit.dead_lettered, 3 + strays.len(), "{audit:?}");
     assert_eq!(audit.projected, inputs - 3 - strays.len(), "{audit:?}");
     let misrouted = crate::pipeline::read_all(&js, "COLLAB_DLQ", "collab.dlq.misrouted").await;
@@ -240,17 +253,7 @@ async fn sharded_raw_traffic_is_projected_from_every_shard_with_one_response_per
     );
     assert!(ok, "dlq replay failed: {stdout}{stderr}");
     let inputs = inputs + strays.len();
-    let audit = wait_for("the replayed strays are projected", || {
-        let js = js.clone();
-        let names = names.clone();
-        async move {
-            collab_projector::ops::audit(&js, &names, 1, 0)
-                .await
-                .ok()
-                .filter(|a| a.holds() && a.raw == inputs)
-        }
-    })
-    .await;
+    let audit = audited(&js, &names, inputs, "the replayed strays are projected").await;
     assert_eq!(audit.projected, inputs - 3 - strays.len(), "{audit:?}");
     for key in strays.values() {
         let projected =
