@@ -12,6 +12,8 @@
 
 use super::context::WorkerContext;
 use super::publish::Fence;
+use crate::config::Layout;
+use crate::ingest::SubjectInfo;
 use crate::model::{DlqReason, Rejection};
 use crate::pipeline::{self, RawMessage};
 use async_nats::jetstream::stream::RawMessageErrorKind;
@@ -39,15 +41,19 @@ pub fn stray_tokens(shard: u16, shards: u16) -> Vec<(u16, u16)> {
 
 /// The subject filters of [`stray_tokens`] in the raw stream's layout, or `None` when the
 /// layout lacks one of those counts (then a filter would select every message, strays or not).
-pub fn stray_filters(ctx: &WorkerContext, shard: u16, shards: u16) -> Option<Vec<String>> {
-    let layout = ctx.settings.layout();
+pub fn stray_filters(
+    layout: &Layout,
+    raw_prefix: &str,
+    shard: u16,
+    shards: u16,
+) -> Option<Vec<String>> {
     stray_tokens(shard, shards)
         .into_iter()
         .map(|(count, token)| {
             layout
                 .levels
                 .contains(&count)
-                .then(|| layout.filter(&ctx.names.raw_prefix, count, token))
+                .then(|| layout.filter(raw_prefix, count, token))
         })
         .collect()
 }
@@ -65,7 +71,8 @@ pub(crate) async fn sweep(
         return;
     }
     let stream_name = ctx.names.raw_stream_of(p).to_string();
-    let Some(filters) = stray_filters(&ctx, p, shards) else {
+    let layout = ctx.settings.layout();
+    let Some(filters) = stray_filters(&layout, &ctx.names.raw_prefix, p, shards) else {
         warn!(
             partition = p,
             shards, "the raw stream's partition tokens do not include every power of two up to the shard count; strays are not searched for"
@@ -135,14 +142,16 @@ async fn sweep_filter(
             headers: Some(&m.headers),
         };
         let subject = pipeline::producer_subject(&ctx.names, &m.subject);
-        let key = key_of(&ctx.names.raw_prefix, &subject);
+        let key = SubjectInfo::parse_raw(&ctx.names.raw_prefix, &subject)
+            .map(|s| s.key)
+            .unwrap_or_default();
         let rejection = Rejection::new(
             DlqReason::Misrouted,
             format!(
                 "published to a shard that does not hold its key (key {key:?} belongs in {}); publish on {}.raw.<key>.<type> and let the server's mapping choose the shard",
                 ctx.names
                     .raw_streams
-                    .get(ctx.names.shard_of_key(key))
+                    .get(ctx.names.shard_of_key(&key))
                     .map_or("?", String::as_str),
                 ctx.names.raw_prefix,
             ),
@@ -177,15 +186,6 @@ async fn sweep_filter(
         }
         *next = seq + 1;
     }
-}
-
-/// The key token of a producer subject `<raw_prefix>.raw.<key>.<type...>`.
-fn key_of<'a>(raw_prefix: &str, producer_subject: &'a str) -> &'a str {
-    producer_subject
-        .strip_prefix(raw_prefix)
-        .and_then(|s| s.strip_prefix(".raw."))
-        .and_then(|s| s.split('.').next())
-        .unwrap_or_default()
 }
 
 #[cfg(test)]
