@@ -1556,7 +1556,7 @@ async fn direct_reload(env: &Env) -> Result<(usize, f64), BenchError> {
                 let cancel = cancel.clone();
                 async move {
                     let fence = reload_fence(&shared, p).await?;
-                    let mut t = PartitionTurns::new(&shared, p, fence)
+                    let mut t = PartitionTurns::new(&shared, p, fence, shared.raw_names())
                         .await
                         .map_err(|e| e.to_string())?;
                     t.reload(&shared, &cancel)

@@ -192,6 +192,13 @@ pub struct NatsSettings {
     /// The raw stream's layout once read from the stream (`bus::provision::adopt_layout`).
     #[serde(skip)]
     pub layout: Option<Layout>,
+    /// Raw streams written before the current ones, oldest first, as found on the server
+    /// (`collab-projector reshard` leaves them sealed until every partition has read them).
+    #[serde(skip)]
+    pub earlier: Vec<RawGen>,
+    /// The first sequence of the current raw streams (0 for streams made before any reshard).
+    #[serde(skip)]
+    pub raw_base: u64,
     /// Stream and bucket replicas (3 on a 3-node cluster).
     pub replicas: usize,
     /// How long raw events are kept.
@@ -237,6 +244,8 @@ impl Default for NatsSettings {
             max_partitions: DEFAULT_MAX_PARTITIONS,
             shards: 1,
             layout: None,
+            earlier: Vec::new(),
+            raw_base: 0,
             replicas: 1,
             raw_max_age: Duration::from_secs(7 * 24 * 3600),
             dlq_max_age: Duration::from_secs(30 * 24 * 3600),
@@ -990,6 +999,8 @@ impl Settings {
         let mut n = Names::versioned(&self.nats.prefix, &self.nats.version);
         n.raw_depth = self.layout().depth();
         n.set_shards(self.nats.shards);
+        n.earlier.clone_from(&self.nats.earlier);
+        n.raw_base = self.nats.raw_base;
         n
     }
 
@@ -1052,6 +1063,12 @@ pub struct Names {
     /// The raw streams, `raw_streams[i]` holding the keys with `h % len == i`: `[raw_stream]`
     /// unsharded, `<PREFIX>_RAW_<i>OF<k>` over `k` shards.
     pub raw_streams: Vec<String>,
+    /// The first sequence of `raw_streams` (0 when they were made before any reshard): every
+    /// sequence below it is in one of `earlier`.
+    pub raw_base: u64,
+    /// Raw streams written before `raw_streams` and still on the server, oldest first (see
+    /// [`RawGen`]).
+    pub earlier: Vec<RawGen>,
     pub proj_stream: String,
     pub dlq_stream: String,
     pub turns_bucket: String,
@@ -1076,6 +1093,8 @@ impl Names {
         Names {
             raw_streams: vec![raw_stream.clone()],
             raw_stream,
+            raw_base: 0,
+            earlier: Vec::new(),
             proj_stream: format!("{upper}_PROJ"),
             dlq_stream: format!("{upper}_DLQ"),
             turns_bucket: format!("{out}_turns"),
@@ -1090,13 +1109,94 @@ impl Names {
     }
     /// Spread the raw streams over `shards` streams (1: the one raw stream).
     pub fn set_shards(&mut self, shards: u16) {
-        self.raw_streams = if shards <= 1 {
+        self.raw_streams = self.shard_stream_names(shards);
+    }
+    /// The names of `shards` raw streams: `[<PREFIX>_RAW]` for 1, `<PREFIX>_RAW_<i>OF<shards>`
+    /// otherwise.
+    pub fn shard_stream_names(&self, shards: u16) -> Vec<String> {
+        if shards <= 1 {
             vec![self.raw_stream.clone()]
         } else {
             (0..shards)
                 .map(|i| format!("{}_{i}OF{shards}", self.raw_stream))
                 .collect()
-        };
+        }
+    }
+    /// The shard count a raw stream's name gives (`<PREFIX>_RAW` 1, `<PREFIX>_RAW_<i>OF<k>`
+    /// `k`) with its index; `None` for any other name.
+    pub fn shard_of_stream_name(&self, name: &str) -> Option<(u16, u16)> {
+        if name == self.raw_stream {
+            return Some((0, 1));
+        }
+        let (i_text, k_text) = name
+            .strip_prefix(self.raw_stream.as_str())?
+            .strip_prefix('_')?
+            .split_once("OF")?;
+        let (i, k) = (i_text.parse::<u16>().ok()?, k_text.parse::<u16>().ok()?);
+        // Only the names `shard_stream_names` makes: no sign, no leading zero.
+        let canonical = i.to_string() == i_text && k.to_string() == k_text;
+        (canonical && i < k && k > 1).then_some((i, k))
+    }
+    /// The raw stream that stored partition `p`'s input of sequence `seq`: the current streams
+    /// from [`Names::raw_base`] on, the earlier set the sequence falls in below it.
+    pub fn raw_stream_at(&self, p: u16, seq: u64) -> &str {
+        match self.earlier_at(seq) {
+            Some(g) => g.stream_of(usize::from(p)),
+            None => self.raw_stream_of(p),
+        }
+    }
+    /// The raw stream that stored `key`'s input of sequence `seq` (see [`Names::raw_stream_at`]).
+    pub fn raw_stream_of_key_at(&self, key: &str, seq: u64) -> &str {
+        match self.earlier_at(seq) {
+            Some(g) => g.stream_of(g.shard_of_key(key)),
+            None => self
+                .raw_streams
+                .get(self.shard_of_key(key))
+                .map_or(self.raw_stream.as_str(), String::as_str),
+        }
+    }
+    /// Partition `p`'s raw streams that hold sequences from `from` on, oldest first, each with
+    /// the sequence to read it from.
+    pub fn raw_streams_from(&self, p: u16, from: u64) -> Vec<(&str, u64)> {
+        let mut bases: Vec<(u64, &str)> = self
+            .earlier
+            .iter()
+            .map(|g| (g.base, g.stream_of(usize::from(p))))
+            .collect();
+        bases.push((self.raw_base, self.raw_stream_of(p)));
+        let ends: Vec<u64> = bases
+            .iter()
+            .skip(1)
+            .map(|(b, _)| *b)
+            .chain(std::iter::once(u64::MAX))
+            .collect();
+        bases
+            .into_iter()
+            .zip(ends)
+            .filter(|((_, _), end)| from < *end)
+            .map(|((base, name), _)| (name, from.max(base)))
+            .collect()
+    }
+    /// The earlier set of raw streams sequence `seq` was written to, if it is below the current
+    /// streams' first sequence.
+    fn earlier_at(&self, seq: u64) -> Option<&RawGen> {
+        if seq >= self.raw_base {
+            return None;
+        }
+        self.earlier
+            .iter()
+            .rev()
+            .find(|g| g.base <= seq)
+            .or(self.earlier.first())
+    }
+    /// Every raw stream on the server: the earlier sets', oldest first, then the current ones.
+    pub fn all_raw_streams(&self) -> Vec<&str> {
+        self.earlier
+            .iter()
+            .flat_map(|g| g.streams.iter())
+            .chain(self.raw_streams.iter())
+            .map(String::as_str)
+            .collect()
     }
     /// How many streams hold raw traffic.
     pub fn shards(&self) -> u16 {
@@ -1159,9 +1259,9 @@ impl Names {
     /// The raw stream and sequence of the input an output's Msg-Id names
     /// (`<stream>:<seq>:<n>`), if it names one of these raw streams.
     pub fn input_of_msg_id(&self, msg_id: &str) -> Option<(&str, u64)> {
-        self.raw_streams
-            .iter()
-            .find_map(|s| Some((s.as_str(), input_of_msg_id(msg_id, s)?)))
+        self.all_raw_streams()
+            .into_iter()
+            .find_map(|s| Some((s, input_of_msg_id(msg_id, s)?)))
     }
     /// Where the raw stream stores `key`'s messages, whatever its partition tokens.
     pub fn key_filter(&self, key: &str) -> String {
@@ -1212,6 +1312,37 @@ pub fn input_of_msg_id(msg_id: &str, stream: &str) -> Option<u64> {
     let rest = msg_id.strip_prefix(stream)?.strip_prefix(':')?;
     let (seq, _) = rest.split_once(':')?;
     seq.parse().ok()
+}
+
+/// How many sequences one set of raw streams may use: a reshard's streams start at the next
+/// multiple of it (their `first_seq`), so sequences stay unique over a partition's whole history
+/// and a checkpoint or turn record taken on earlier streams keeps its meaning (2^48, about nine
+/// years at a million inputs a second).
+pub const GENERATION_SPAN: u64 = 1 << 48;
+
+/// A set of raw streams written before the current ones (`collab-projector reshard`): sealed
+/// once the server's mapping sends raw traffic elsewhere, read to their end by every partition,
+/// then kept for audits and reprojections until dropped.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct RawGen {
+    /// Their first sequence (0 for streams made before any reshard).
+    pub base: u64,
+    /// `streams[i]` holds the keys with `h % len == i`.
+    pub streams: Vec<String>,
+}
+
+impl RawGen {
+    /// The stream partition (or shard index) `i` of this set reads.
+    pub fn stream_of(&self, i: usize) -> &str {
+        self.streams
+            .get(i % self.streams.len().max(1))
+            .map_or("", String::as_str)
+    }
+    /// The index of the stream holding `key`.
+    pub fn shard_of_key(&self, key: &str) -> usize {
+        let k = u32::try_from(self.streams.len().max(1)).unwrap_or(1);
+        usize::try_from(transform_partition(key.as_bytes(), k)).unwrap_or(0)
+    }
 }
 
 /// `(role, key, type)` of a projection subject's part after `<prefix>.proj.`, the inverse of

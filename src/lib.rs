@@ -86,6 +86,7 @@ pub mod pipeline;
 pub mod redact;
 pub mod relay;
 pub mod reproject;
+pub mod reshard;
 pub mod served;
 pub mod sessions;
 #[cfg(feature = "tools")]

@@ -353,6 +353,30 @@ impl LocalNats {
         self.launch().await
     }
 
+    /// Replace the extra configuration (a subject mapping, accounts) and have the running server
+    /// reload its configuration file (`nats-server --signal reload=<pid>`), as an operator would.
+    pub async fn reconfigure(&mut self, extra: Option<String>) -> Result<(), LocalNatsError> {
+        self.extra_config = extra.map(String::into_boxed_str);
+        let config_path = self.write_config()?;
+        let status = tokio::process::Command::new(&self.binary)
+            .arg("--signal")
+            .arg(format!("reload={}", self.pid))
+            .status()
+            .await
+            .map_err(|source| LocalNatsError::Spawn {
+                binary: self.binary.clone(),
+                source,
+            })?;
+        if !status.success() {
+            return Err(LocalNatsError::Io {
+                action: "signal the server to reload its config",
+                path: config_path,
+                source: std::io::Error::other(status.to_string()),
+            });
+        }
+        Ok(())
+    }
+
     /// Kill the process at once (SIGKILL), as a crash would, and reap it.
     pub fn kill_now(&mut self) {
         if let Some(mut child) = self.child.take() {
@@ -360,8 +384,8 @@ impl LocalNats {
         }
     }
 
-    /// Write the config, spawn the process and wait until it answers.
-    async fn launch(&mut self) -> Result<(), LocalNatsError> {
+    /// Write the config file into the store directory; its path.
+    fn write_config(&self) -> Result<PathBuf, LocalNatsError> {
         let store = self.store.path().to_path_buf();
         let config_path = store.join("nats-server.conf");
         let config = render_config(&ConfigSpec {
@@ -377,6 +401,12 @@ impl LocalNats {
             path: config_path.clone(),
             source,
         })?;
+        Ok(config_path)
+    }
+
+    /// Write the config, spawn the process and wait until it answers.
+    async fn launch(&mut self) -> Result<(), LocalNatsError> {
+        let config_path = self.write_config()?;
 
         let log_path = self.log_path();
         let log = OpenOptions::new()
@@ -409,7 +439,7 @@ impl LocalNats {
             })?;
         self.pid = child.id();
         self.child = Some(child);
-        tracing::debug!(pid = self.pid, url = %self.url(), store = %store.display(), "started nats-server");
+        tracing::debug!(pid = self.pid, url = %self.url(), store = %self.store.path().display(), "started nats-server");
 
         let started = Instant::now();
         loop {

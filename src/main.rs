@@ -170,6 +170,11 @@ enum Command {
     /// deployment's own (blue/green), with progress, then show what differs
     /// (docs/operations.md, "Reprojection").
     Reproject(ReprojectArgs),
+    /// Move raw traffic to another number of raw streams on a running deployment: create the
+    /// new streams, wait until the server's mapping sends traffic there, seal the old ones and
+    /// wait until every partition has read them (docs/operations.md, "Changing the shard
+    /// count").
+    Reshard(ReshardArgs),
     /// Dead-letter operations.
     Dlq {
         #[command(subcommand)]
@@ -199,6 +204,25 @@ struct DemoArgs {
     /// JetStream store for a server the demo starts (default: a temporary directory).
     #[arg(long)]
     store_dir: Option<PathBuf>,
+}
+
+/// Flags of `reshard`.
+#[derive(Args)]
+struct ReshardArgs {
+    #[command(flatten)]
+    conn: Conn,
+    /// The new number of raw streams: 1, or a power of two that divides nats.partitions.
+    #[arg(long, required_unless_present = "drop_sealed")]
+    count: Option<u16>,
+    /// How long to wait for the server's mapping, and then for the partitions to move.
+    #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
+    wait: Duration,
+    /// Delete the sealed raw streams of earlier reshards, once every consumer has read them.
+    #[arg(long, conflicts_with = "count")]
+    drop_sealed: bool,
+    /// Print the report as one JSON object.
+    #[arg(long)]
+    json: bool,
 }
 
 /// Flags of `reproject`.
@@ -512,6 +536,7 @@ async fn async_main(cli: Cli) -> anyhow::Result<()> {
         } => dlq_replay(&conn, reason.as_deref(), dry_run).await,
         Command::Bench(args) => bench(args).await,
         Command::Reproject(args) => reproject(args).await,
+        Command::Reshard(args) => reshard(args).await,
         Command::Relay { protocol } => {
             let (protocol, args) = match protocol {
                 RelayCommand::A2a(a) => (relay::Protocol::A2a, a),
@@ -774,6 +799,69 @@ async fn status(args: StatusArgs) -> anyhow::Result<()> {
     };
     let (client, _js) = bus::connect_as(&settings, "collab-projector status").await?;
     status::watch(&client, &opts, shutdown_token()).await?;
+    Ok(())
+}
+
+/// `reshard`: another number of raw streams on a running deployment, or `--drop-sealed`.
+async fn reshard(args: ReshardArgs) -> anyhow::Result<()> {
+    use collab_projector::reshard::{self, Step};
+    let settings = args.conn.settings()?;
+    if args.drop_sealed {
+        let dropped = reshard::drop_sealed(&settings).await?;
+        if args.json {
+            telemetry::say(&serde_json::to_string(&dropped)?);
+        } else {
+            telemetry::say(&format!("dropped {}", dropped.streams.join(", ")));
+        }
+        return Ok(());
+    }
+    let count = args.count.unwrap_or(1);
+    let mut last_moving = (u16::MAX, u64::MAX);
+    let done = reshard::reshard(&settings, count, args.wait, |step| match step {
+        Step::Created {
+            streams,
+            mapping,
+            resumed,
+        } => {
+            eprintln!(
+                "{} {}",
+                if resumed { "found" } else { "created" },
+                streams.join(", ")
+            );
+            match mapping {
+                Some(block) => {
+                    if !args.json {
+                        telemetry::say(&block);
+                    }
+                    eprintln!("now put the block above in place of the current mapping in nats-server.conf (inside the account's block when the server has accounts) on every node and reload them (`nats-server --signal reload`); waiting until the server sends raw traffic to the new streams");
+                }
+                None => eprintln!("now remove the raw traffic mapping from nats-server.conf on every node and reload them (`nats-server --signal reload`); waiting until the server sends raw traffic to the new stream"),
+            }
+        }
+        Step::WaitingForMapping { elapsed } => {
+            eprintln!("waiting for the mapping ({}s)", elapsed.as_secs());
+        }
+        Step::Sealed { streams } => eprintln!("sealed {}", streams.join(", ")),
+        Step::Moving {
+            moved,
+            partitions,
+            left,
+        } => {
+            if (moved, left) != last_moving {
+                eprintln!("{moved}/{partitions} partitions on the new streams, {left} inputs left in the sealed ones");
+                last_moving = (moved, left);
+            }
+        }
+    })
+    .await?;
+    if args.json {
+        telemetry::say(&serde_json::to_string(&done)?);
+    } else {
+        telemetry::say(&format!(
+            "resharded: {} -> {} raw streams (new sequences from {}); mapping live after {:.1}s; {} inputs were left in the sealed streams, every partition moved {:.1}s after the seal. `collab-projector reshard --drop-sealed` removes the sealed streams once nothing needs them (audits and reprojections read them)",
+            done.from_shards, done.to_shards, done.base, done.mapping_wait_s, done.left_at_seal, done.move_s
+        ));
+    }
     Ok(())
 }
 

@@ -143,9 +143,16 @@ pub async fn audit(
     from: u64,
     to: u64,
 ) -> Result<Audit, OpsError> {
-    let sharded = names.shards() > 1;
+    // Every set of raw streams on the server, the sealed ones of earlier reshards too.
+    let found = crate::bus::generations::discover(js, names)
+        .await
+        .map_err(|e| stream_err(&names.raw_stream, e))?;
+    let names = &crate::bus::generations::with_generations(names, &found);
+    let all = names.all_raw_streams();
+    let sharded = all.len() > 1;
+    let index_of = |stream: &str| all.iter().position(|r| *r == stream);
     let mut raw_seqs: BTreeSet<(usize, u64)> = BTreeSet::new();
-    for (i, stream) in names.raw_streams.iter().enumerate() {
+    for (i, stream) in all.iter().enumerate() {
         for m in read_stream(js, stream, from, true).await? {
             // A barrier is not an input (see `bus::reader`): nothing projects it.
             if crate::bus::acker::is_barrier(&m) {
@@ -158,18 +165,19 @@ pub async fn audit(
             }
         }
     }
-    // An output's input: its sequence header, in the raw stream of its key (a projection's
-    // subject names the key) or the one a dead letter's Msg-Id names.
-    let shard_of_subject = |subject: &str| -> usize {
+    // An output's input: its sequence header, in the raw stream that held its key at that
+    // sequence (a projection's subject names the key) or the one a dead letter's Msg-Id names.
+    let stream_of_output = |subject: &str, seq: u64| -> usize {
         subject
             .strip_prefix(&format!("{}.proj.", names.prefix))
             .and_then(crate::config::proj_subject_parts)
-            .map_or(0, |(_, key, _)| names.shard_of_key(key))
+            .and_then(|(_, key, _)| index_of(names.raw_stream_of_key_at(key, seq)))
+            .unwrap_or(0)
     };
     let mut projected = BTreeSet::new();
     for m in read_stream(js, &names.proj_stream, 1, true).await? {
         if let Some(seq) = header_u64(&m, H_SOURCE_SEQ) {
-            projected.insert((shard_of_subject(m.subject.as_str()), seq));
+            projected.insert((stream_of_output(m.subject.as_str(), seq), seq));
         }
     }
     let mut dead = BTreeSet::new();
@@ -177,7 +185,7 @@ pub async fn audit(
     for m in read_stream(js, &names.dlq_stream, 1, true).await? {
         if let Some(seq) = header_u64(&m, H_SOURCE_SEQ) {
             let shard = dead_letter_stream(names, &m)
-                .and_then(|s| names.raw_streams.iter().position(|r| *r == s))
+                .and_then(|s| index_of(&s))
                 .unwrap_or(0);
             if raw_seqs.contains(&(shard, seq)) {
                 let reason = m
@@ -194,10 +202,7 @@ pub async fn audit(
     }
     let name = |(i, seq): (usize, u64)| {
         if sharded {
-            format!(
-                "{}:{seq}",
-                names.raw_streams.get(i).map_or("?", String::as_str)
-            )
+            format!("{}:{seq}", all.get(i).copied().unwrap_or("?"))
         } else {
             seq.to_string()
         }

@@ -447,5 +447,7 @@ pub use drive::*;
 pub fn live_names(s: &Settings) -> Names {
     let mut n = Names::new(&s.nats.prefix);
     n.set_shards(s.nats.shards);
+    n.earlier.clone_from(&s.nats.earlier);
+    n.raw_base = s.nats.raw_base;
     n
 }

@@ -46,6 +46,9 @@ pub struct WorkerContext {
     /// (sequence, attempts)): the replay path's delivery count, so `max_deliver` holds there
     /// too.
     replay_attempts: Mutex<HashMap<u16, (u64, i64)>>,
+    /// The sets of raw streams as this process last found them (`bus::generations`): `names`
+    /// at the start, looked up again when a partition has read every set it knows to its end.
+    raw: std::sync::RwLock<Arc<Names>>,
 }
 
 impl WorkerContext {
@@ -79,6 +82,7 @@ impl WorkerContext {
         Ok(Arc::new(WorkerContext {
             publisher: Arc::new(publisher),
             replay_attempts: Mutex::new(HashMap::new()),
+            raw: std::sync::RwLock::new(Arc::new(names.clone())),
             sessions: Arc::new(sessions),
             sessions_side,
             leases_side,
@@ -92,6 +96,26 @@ impl WorkerContext {
             state,
             settings,
         }))
+    }
+
+    /// The sets of raw streams as last found (see [`WorkerContext::refresh_raw`]).
+    pub fn raw_names(&self) -> Arc<Names> {
+        match self.raw.read() {
+            Ok(n) => n.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    /// Look the sets of raw streams up on the server again (a reshard since this process
+    /// started made a new one).
+    pub async fn refresh_raw(&self) -> Result<Arc<Names>, super::generations::SetsError> {
+        let found = super::generations::discover(&self.js, &self.names).await?;
+        let fresh = Arc::new(super::generations::with_generations(&self.names, &found));
+        match self.raw.write() {
+            Ok(mut n) => *n = fresh.clone(),
+            Err(poisoned) => *poisoned.into_inner() = fresh.clone(),
+        }
+        Ok(fresh)
     }
 
     /// Count one more start of partition `p`'s replay at `from` (1 for the first in a row).

@@ -20,6 +20,8 @@ pub enum ProvisionError {
     },
     #[error("{0}")]
     Layout(String),
+    #[error(transparent)]
+    Sets(#[from] super::generations::SetsError),
     #[error("{resource}: {source}")]
     Api {
         resource: String,
@@ -53,36 +55,6 @@ pub fn raw_transform(names: &Names, layout: &Layout, shard: usize) -> stream::Su
     }
 }
 
-/// The other sharding of the raw streams, when the server holds one and not the configured
-/// one: `nats.shards` must match what exists (changing it on a running deployment is not
-/// supported; docs/operations.md, "Sharding raw traffic").
-async fn other_sharding(
-    js: &jetstream::Context,
-    names: &Names,
-) -> Result<Option<String>, ProvisionError> {
-    use futures::TryStreamExt;
-    let wanted: std::collections::HashSet<&str> =
-        names.raw_streams.iter().map(String::as_str).collect();
-    let base = &names.raw_stream;
-    let found: Vec<String> = js
-        .stream_names()
-        .try_collect()
-        .await
-        .map_err(|e| api("the list of streams", e))?;
-    let other: Vec<String> = found
-        .into_iter()
-        .filter(|n| !wanted.contains(n.as_str()))
-        .filter(|n| {
-            n == base
-                || n.strip_prefix(base.as_str())
-                    .and_then(|rest| rest.strip_prefix('_'))
-                    .and_then(|rest| rest.split_once("OF"))
-                    .is_some_and(|(i, k)| i.parse::<u16>().is_ok() && k.parse::<u16>().is_ok())
-        })
-        .collect();
-    Ok((!other.is_empty()).then(|| other.join(", ")))
-}
-
 /// Settle the layout `settings` work with: the raw stream's own when it exists, the one
 /// `nats.max_partitions` gives a new stream otherwise (settings settled already are not read
 /// again); then check that `nats.partitions` is a
@@ -91,25 +63,39 @@ pub async fn adopt_layout(
     js: &jetstream::Context,
     settings: &mut Settings,
 ) -> Result<(), ProvisionError> {
-    let names = settings.names();
-    let first = names.raw_stream_of(0).to_string();
-    let label = format!("stream {first}");
     // Read once: `run` settles it before provisioning, which then finds it settled.
     let found = if settings.nats.layout.is_none() {
-        let found = find_stream(js, &first, &label).await?;
-        if found.is_none() {
-            if let Some(other) = other_sharding(js, &names).await? {
-                let k = names.shards();
+        let names = settings.names();
+        let sets = super::generations::discover(js, &names).await?;
+        if let Some(newest) = sets.last() {
+            let k = settings.nats.shards;
+            // A count the raw streams never had is a mistake (another deployment's settings, a
+            // server without this one's streams); one they had before a reshard is not: the
+            // newest set is used, so workers whose settings still name the old count keep up.
+            if !sets.iter().any(|g| g.shards == k) {
+                let held: Vec<String> = sets.iter().flat_map(|g| g.streams.clone()).collect();
                 return Err(ProvisionError::Layout(format!(
-                    "nats.shards is {k}, which wants raw stream(s) {}, but the server holds {other}: set nats.shards to the count those were made with (the N of <PREFIX>_RAW_<i>OF<N>, 1 for <PREFIX>_RAW)",
-                    names.raw_streams.join(", ")
+                    "nats.shards is {k}, which wants raw stream(s) {}, but the server holds {}: set nats.shards to the count those were made with (the N of <PREFIX>_RAW_<i>OF<N>, 1 for <PREFIX>_RAW), or change it on the running deployment with `collab-projector reshard --count {k}`",
+                    names.shard_stream_names(k).join(", "),
+                    held.join(", ")
                 )));
             }
+            if newest.shards != k {
+                tracing::info!(
+                    configured = k,
+                    found = newest.shards,
+                    streams = %newest.streams.join(", "),
+                    "raw traffic was resharded since nats.shards was set; reading the newest raw streams"
+                );
+            }
+            super::generations::adopt(settings, &sets);
         }
-        found
+        let first = settings.names().raw_stream_of(0).to_string();
+        find_stream(js, &first, &format!("stream {first}")).await?
     } else {
         None
     };
+    let label = format!("stream {}", settings.names().raw_stream_of(0));
     if let Some(raw) = found {
         let destination = raw
             .cached_info()
@@ -142,7 +128,7 @@ pub async fn adopt_layout(
 /// takes raw traffic at all, and producers' publishes would fail.
 async fn check_shard_mapping(js: &jetstream::Context, names: &Names) -> Result<(), ProvisionError> {
     let k = names.shards();
-    if k <= 1 {
+    if k <= 1 && names.earlier.is_empty() {
         return Ok(());
     }
     let fix = format!(
@@ -162,6 +148,13 @@ async fn check_shard_mapping(js: &jetstream::Context, names: &Names) -> Result<(
         };
         match stored {
             Ok(ack) if ack.stream == *want => {}
+            // A reshard under way: until the server's mapping moves, raw traffic still goes to
+            // the earlier streams, which take writes until `reshard` seals them.
+            Ok(ack)
+                if names
+                    .earlier
+                    .iter()
+                    .any(|g| g.streams.contains(&ack.stream)) => {}
             Ok(ack) => {
                 return Err(ProvisionError::Layout(format!(
                     "a raw message on {subject} was stored by stream {}, not {want}: {fix}",

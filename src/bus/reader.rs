@@ -668,10 +668,7 @@ impl Partition<'_> {
                 // once every output the input's own processing made (its Msg-Id names the input)
                 // is stored: no look-up needed. Anything else (a decision's response) is looked up.
                 let acknowledged = seq <= self.verify_all_through
-                    && pipeline::input_of_msg_id(
-                        &out.msg_id,
-                        self.shared.names.raw_stream_of(self.p),
-                    ) == Some(seq);
+                    && pipeline::input_of_msg_id(&out.msg_id, info.stream) == Some(seq);
                 if acknowledged {
                     debug!(partition = self.p, seq, subject = %out.subject,
                         "output stored already (acknowledged through the checkpoint)");

@@ -12,7 +12,7 @@
 
 use super::context::WorkerContext;
 use super::publish::Fence;
-use crate::config::Layout;
+use crate::config::{Layout, Names};
 use crate::ingest::SubjectInfo;
 use crate::model::{DlqReason, Rejection};
 use crate::pipeline::{self, RawMessage};
@@ -58,21 +58,43 @@ pub fn stray_filters(
         .collect()
 }
 
+/// The raw stream a partition reads, for its stray search.
+pub(crate) struct Shard {
+    pub p: u16,
+    /// The sets of raw streams the partition's stream was chosen from.
+    pub raw: Arc<Names>,
+    /// The stream's name.
+    pub stream: String,
+}
+
 /// Search partition `p`'s shard for strays until `cancel`, when `p` is the first partition of a
-/// shard of a sharded deployment; return at once otherwise.
+/// shard of a sharded set of raw streams; return at once otherwise. When `last_round` fires (the
+/// stream is sealed and read to its end), search once more and return: nothing can be stored
+/// there after that round.
 pub(crate) async fn sweep(
     ctx: Arc<WorkerContext>,
-    p: u16,
+    shard: Shard,
     fence: Fence,
     cancel: CancellationToken,
+    last_round: CancellationToken,
 ) {
-    let shards = ctx.names.shards();
+    let Shard {
+        p,
+        raw,
+        stream: stream_name,
+    } = shard;
+    let shards = raw
+        .earlier
+        .iter()
+        .find(|g| g.streams.contains(&stream_name))
+        .map_or(raw.shards(), |g| {
+            u16::try_from(g.streams.len()).unwrap_or(u16::MAX)
+        });
     if shards <= 1 || p >= shards {
         return;
     }
-    let stream_name = ctx.names.raw_stream_of(p).to_string();
     let layout = ctx.settings.layout();
-    let Some(filters) = stray_filters(&layout, &ctx.names.raw_prefix, p, shards) else {
+    let Some(filters) = stray_filters(&layout, &raw.raw_prefix, p, shards) else {
         warn!(
             partition = p,
             shards, "the raw stream's partition tokens do not include every power of two up to the shard count; strays are not searched for"
@@ -83,11 +105,20 @@ pub(crate) async fn sweep(
     // this run; a new owner searches from the start and finds their dead letters stored.
     let mut from = vec![1u64; filters.len()];
     loop {
+        let last = last_round.is_cancelled();
         match ctx.js.get_stream_no_info(&stream_name).await {
             Ok(stream) => {
                 for (filter, next) in filters.iter().zip(from.iter_mut()) {
-                    if !sweep_filter(&ctx, &stream, &stream_name, filter, next, &fence, &cancel)
-                        .await
+                    if !sweep_filter(
+                        &ctx,
+                        &raw,
+                        (&stream, &stream_name),
+                        filter,
+                        next,
+                        &fence,
+                        &cancel,
+                    )
+                    .await
                     {
                         break;
                     }
@@ -95,8 +126,12 @@ pub(crate) async fn sweep(
             }
             Err(e) => debug!(partition = p, error = %e, "the shard cannot be read for strays now"),
         }
+        if last {
+            return;
+        }
         tokio::select! {
             _ = tokio::time::sleep(SWEEP_EVERY) => {}
+            _ = last_round.cancelled() => {}
             _ = cancel.cancelled() => return,
         }
     }
@@ -106,8 +141,8 @@ pub(crate) async fn sweep(
 /// this round (cancelled, or a request failed: the next round asks again from the same place).
 async fn sweep_filter(
     ctx: &WorkerContext,
-    stream: &async_nats::jetstream::stream::Stream<()>,
-    stream_name: &str,
+    names: &Names,
+    (stream, stream_name): (&async_nats::jetstream::stream::Stream<()>, &str),
     filter: &str,
     next: &mut u64,
     fence: &Fence,
@@ -149,11 +184,11 @@ async fn sweep_filter(
             DlqReason::Misrouted,
             format!(
                 "published to a shard that does not hold its key (key {key:?} belongs in {}); publish on {}.raw.<key>.<type> and let the server's mapping choose the shard",
-                ctx.names
+                names
                     .raw_streams
-                    .get(ctx.names.shard_of_key(&key))
+                    .get(names.shard_of_key(&key))
                     .map_or("?", String::as_str),
-                ctx.names.raw_prefix,
+                names.raw_prefix,
             ),
         );
         let out = ctx

@@ -446,6 +446,8 @@ pub struct PartitionTurns {
     inputs: u64,
     /// This owner's claim on the partition, which every output it publishes expects.
     fence: super::publish::Fence,
+    /// The sets of raw streams the partition reads, for the stream of a raw sequence.
+    raw: std::sync::Arc<crate::config::Names>,
 }
 
 impl Drop for PartitionTurns {
@@ -459,6 +461,7 @@ impl PartitionTurns {
         shared: &WorkerContext,
         partition: u16,
         fence: super::publish::Fence,
+        raw: std::sync::Arc<crate::config::Names>,
     ) -> Result<PartitionTurns, TurnIoError> {
         let bucket = &shared.names.turns_bucket;
         let open = |js: &jetstream::Context| {
@@ -513,6 +516,7 @@ impl PartitionTurns {
             defer_inputs: defer_inputs(shared.settings.consumer.max_ack_pending),
             inputs: 0,
             fence,
+            raw,
         })
     }
 
@@ -984,7 +988,11 @@ impl PartitionTurns {
                 &shared.names,
                 n,
                 facts.seq,
-                pipeline::input_msg_id(shared.names.raw_stream_of(self.partition), facts.seq, 0),
+                pipeline::input_msg_id(
+                    self.raw.raw_stream_at(self.partition, facts.seq),
+                    facts.seq,
+                    0,
+                ),
             ));
         }
         if let (Some(reason), Some((rec, _))) = (step.suppress, &after) {
@@ -1000,7 +1008,7 @@ impl PartitionTurns {
                 &sn,
                 facts.seq,
                 pipeline::input_msg_id(
-                    shared.names.raw_stream_of(self.partition),
+                    self.raw.raw_stream_at(self.partition, facts.seq),
                     facts.seq,
                     "suppressed",
                 ),
@@ -1128,7 +1136,10 @@ impl PartitionTurns {
         }
         if let Some(r) = env.raw_event_ref.as_mut() {
             if r.stream.is_empty() {
-                r.stream = shared.names.raw_stream_of(self.partition).to_string();
+                r.stream = self
+                    .raw
+                    .raw_stream_at(self.partition, winner_seq.unwrap_or(0))
+                    .to_string();
             }
         }
         let blocked_reason = rec.winner.as_ref().and_then(|w| w.blocked);
@@ -1172,7 +1183,10 @@ impl PartitionTurns {
             let mut env = env;
             if let Some(r) = env.raw_event_ref.as_mut() {
                 if r.stream.is_empty() {
-                    r.stream = shared.names.raw_stream_of(self.partition).to_string();
+                    r.stream = self
+                        .raw
+                        .raw_stream_at(self.partition, winner_seq.unwrap_or(0))
+                        .to_string();
                 }
             }
             let n = Normalized {
@@ -1298,48 +1312,65 @@ impl PartitionTurns {
             key: format!("{key} (reading the exchange's raw events)"),
             source,
         };
-        let stream = shared
-            .js
-            .get_stream(shared.names.raw_stream_of(self.partition))
-            .await
-            .map_err(|e| kv_err(Box::new(e)))?;
         let filter = shared.names.key_filter(&rec.key);
-        // A named reader, deleted once read: readers left to expire by themselves pile up under
-        // a burst of timed-out runs and streamed exchanges, and nats-server caps a stream's
-        // consumers (1,000 by default), after which every further read is refused.
-        let name = format!("scan-{}", uuid::Uuid::new_v4().simple());
-        let consumer = stream
-            .create_consumer(jetstream::consumer::pull::OrderedConfig {
-                name: Some(name.clone()),
-                filter_subject: filter,
-                deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
-                    start_sequence: from.max(1),
-                },
-                ..Default::default()
-            })
-            .await
-            .map_err(|e| kv_err(Box::new(e)))?;
-        let read = self.read_scan(shared, consumer, &mut visit).await;
-        if let Err(e) = stream.delete_consumer(&name).await {
-            tracing::debug!(consumer = %name, error = %e, "scan reader not deleted; it expires by itself");
+        // The exchange may span sets of raw streams (a reshard while it was open): each is read
+        // from where `from` falls in it, oldest first.
+        for (stream_name, start) in self.raw.raw_streams_from(self.partition, from) {
+            let stream = match shared.js.get_stream(stream_name).await {
+                Ok(stream) => stream,
+                // Sealed streams dropped since (`reshard --drop-sealed`): what they held is gone.
+                Err(e)
+                    if matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(j)
+                        if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
+                {
+                    continue
+                }
+                Err(e) => return Err(kv_err(Box::new(e))),
+            };
+            // A named reader, deleted once read: readers left to expire by themselves pile up
+            // under a burst of timed-out runs and streamed exchanges, and nats-server caps a
+            // stream's consumers (1,000 by default), after which every further read is refused.
+            let name = format!("scan-{}", uuid::Uuid::new_v4().simple());
+            let consumer = stream
+                .create_consumer(jetstream::consumer::pull::OrderedConfig {
+                    name: Some(name.clone()),
+                    filter_subject: filter.clone(),
+                    deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
+                        start_sequence: start.max(1),
+                    },
+                    ..Default::default()
+                })
+                .await
+                .map_err(|e| kv_err(Box::new(e)))?;
+            let read = self
+                .read_scan(shared, stream_name, consumer, &mut visit)
+                .await;
+            if let Err(e) = stream.delete_consumer(&name).await {
+                tracing::debug!(consumer = %name, error = %e, "scan reader not deleted; it expires by itself");
+            }
+            if !read.map_err(kv_err)? {
+                break;
+            }
         }
-        read.map_err(kv_err)
+        Ok(())
     }
 
     /// The reading half of [`Self::scan_raw`].
+    /// `Ok(false)` when `visit` asked to stop.
     async fn read_scan(
         &self,
         shared: &WorkerContext,
+        stream_name: &str,
         mut consumer: jetstream::consumer::Consumer<jetstream::consumer::pull::OrderedConfig>,
         visit: &mut impl FnMut(&Normalized, &jetstream::message::Info<'_>, Option<&str>) -> bool,
-    ) -> Result<(), Source> {
+    ) -> Result<bool, Source> {
         let pending = consumer
             .info()
             .await
             .map_err(|e| Box::new(e) as Source)?
             .num_pending;
         if pending == 0 {
-            return Ok(());
+            return Ok(true);
         }
         let mut messages = consumer
             .messages()
@@ -1359,7 +1390,7 @@ impl PartitionTurns {
             let Ok(info) = msg.info() else { continue };
             let raw = RawMessage {
                 bytes: &msg.payload,
-                stream: shared.names.raw_stream_of(self.partition),
+                stream: stream_name,
                 seq: info.stream_sequence,
                 stored_subject: msg.subject.as_str(),
                 stored_at: info.published,
@@ -1375,11 +1406,11 @@ impl PartitionTurns {
             };
             for n in &events {
                 if !visit(n, &info, header.as_deref()) {
-                    return Ok(());
+                    return Ok(false);
                 }
             }
         }
-        Ok(())
+        Ok(true)
     }
 
     /// Publish a decided turn's response found at reload (decided after the last checkpoint, so
@@ -1436,15 +1467,12 @@ impl PartitionTurns {
         shared: &WorkerContext,
         seq: u64,
     ) -> Option<crate::model::Envelope> {
-        let stream = shared
-            .js
-            .get_stream(shared.names.raw_stream_of(self.partition))
-            .await
-            .ok()?;
+        let stream_name = self.raw.raw_stream_at(self.partition, seq);
+        let stream = shared.js.get_stream(stream_name).await.ok()?;
         let msg = stream.get_raw_message(seq).await.ok()?;
         let raw = RawMessage {
             bytes: &msg.payload,
-            stream: shared.names.raw_stream_of(self.partition),
+            stream: stream_name,
             seq,
             stored_subject: msg.subject.as_str(),
             stored_at: msg.time,

@@ -23,6 +23,7 @@ use super::publish::Fence;
 use super::reader::Partition;
 use super::stats::sample_lag;
 use super::turns::{Flush, PartitionTurns, TurnIoError};
+use crate::config::Names;
 use crate::telemetry;
 use crate::turns::book::Watermark;
 use async_nats::jetstream;
@@ -32,9 +33,11 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
-/// The raw stream's handle, asked for once the connection is up.
+/// The raw stream partition `p` reads now, asked for once the connection is up, with the sets
+/// of raw streams it was chosen from: the oldest set (see `bus::generations`) whose stream for
+/// `p` is not sealed, or not yet read to its end by the partition's consumer there.
 ///
 /// A partition restarted because the server went away (a pull that failed as the server shut
 /// down) would otherwise send its first request into the dying connection, or before the
@@ -45,7 +48,7 @@ async fn raw_stream(
     shared: &WorkerContext,
     p: u16,
     cancel: &CancellationToken,
-) -> Result<Option<jetstream::stream::Stream>, WorkerError> {
+) -> Result<Option<(jetstream::stream::Stream, Arc<Names>)>, WorkerError> {
     let client = shared.js.client();
     while client.connection_state() != async_nats::connection::State::Connected {
         if cancel.is_cancelled() {
@@ -53,23 +56,77 @@ async fn raw_stream(
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    match tokio::time::timeout(
-        FIRST_REQUEST_WITHIN,
-        shared.js.get_stream(shared.names.raw_stream_of(p)),
-    )
-    .await
-    {
-        Ok(Ok(stream)) => Ok(Some(stream)),
-        Ok(Err(e)) => Err(WorkerError::setup(
-            p,
-            format!("stream {}", shared.names.raw_stream_of(p)),
-            Source::from(e),
-        )),
-        Err(_) => Err(WorkerError::Interrupted {
-            partition: p,
-            why: "the server did not answer the partition's first request in time",
-        }),
+    let consumer = shared.names.consumer_name(p);
+    let mut raw = shared.raw_names();
+    let mut first = true;
+    for looked_again in [false, true] {
+        let sets: Vec<String> = raw
+            .earlier
+            .iter()
+            .map(|g| g.stream_of(usize::from(p)).to_string())
+            .chain(std::iter::once(raw.raw_stream_of(p).to_string()))
+            .collect();
+        for (i, name) in sets.iter().enumerate() {
+            let newest = i + 1 == sets.len();
+            let asked = shared.js.get_stream(name);
+            let answer =
+                if first {
+                    first = false;
+                    match tokio::time::timeout(FIRST_REQUEST_WITHIN, asked).await {
+                        Ok(answer) => answer,
+                        Err(_) => return Err(WorkerError::Interrupted {
+                            partition: p,
+                            why: "the server did not answer the partition's first request in time",
+                        }),
+                    }
+                } else {
+                    asked.await
+                };
+            let stream = match answer {
+                Ok(stream) => stream,
+                // An earlier set dropped since this process looked (`reshard --drop-sealed`
+                // drops only sets every partition has read).
+                Err(e)
+                    if !newest
+                        && matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(j)
+                            if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
+                {
+                    continue
+                }
+                Err(e) => {
+                    return Err(WorkerError::setup(
+                        p,
+                        format!("stream {name}"),
+                        Source::from(e),
+                    ))
+                }
+            };
+            if stream.cached_info().config.sealed {
+                let done = super::generations::read_to_its_end(&stream, &consumer)
+                    .await
+                    .map_err(|e| WorkerError::setup(p, format!("consumer {name}/{consumer}"), e))?;
+                if done {
+                    continue;
+                }
+            }
+            return Ok(Some((stream, raw)));
+        }
+        if looked_again {
+            break;
+        }
+        // Every set this process knows is sealed and read: a reshard it has not seen.
+        raw = shared
+            .refresh_raw()
+            .await
+            .map_err(|e| WorkerError::setup(p, "the raw streams", e))?;
     }
+    Err(WorkerError::setup(
+        p,
+        "the raw streams",
+        format!(
+            "every raw stream partition {p} reads is sealed and read to its end, and there is no newer one: finish the reshard (`collab-projector reshard --count <K>` creates the new streams)"
+        ),
+    ))
 }
 
 /// How long a starting partition waits for its first answer from the server (the raw stream's
@@ -91,9 +148,14 @@ pub async fn run_partition(
     lease_valid_until: Arc<AtomicI64>,
 ) -> Result<(), WorkerError> {
     let setup = |what: &str, source: Source| WorkerError::setup(p, what, source);
-    let Some(stream) = raw_stream(&shared, p, &cancel).await? else {
+    let Some((stream, raw)) = raw_stream(&shared, p, &cancel).await? else {
         return Ok(());
     };
+    // Everything below stops with `cancel`, or when this set of raw streams is sealed and read
+    // to its end (`moved`): the partition then starts again on the next set.
+    let moved = CancellationToken::new();
+    let outer = cancel;
+    let cancel = outer.child_token();
     while lease_lapsed(&lease_valid_until) && !cancel.is_cancelled() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -102,7 +164,7 @@ pub async fn run_partition(
     let fence = Fence::claim(&shared.js, &shared.names, p, owner)
         .await
         .map_err(|e| setup("claiming the partition's fence", e.into()))?;
-    let mut turns = PartitionTurns::new(&shared, p, fence.clone())
+    let mut turns = PartitionTurns::new(&shared, p, fence.clone(), raw.clone())
         .await
         .map_err(|e| setup("opening the turn state", e.into()))?;
     let (loaded, checkpoint) = match turns.reload(&shared, &cancel).await {
@@ -112,21 +174,16 @@ pub async fn run_partition(
     };
     let resume_after = checkpoint.resume_after();
     let (mut consumer, recreated) = open_consumer(&shared, &stream, p, resume_after).await?;
+    let watch = tokio::spawn(watch_for_end(
+        stream.clone(),
+        shared.names.consumer_name(p),
+        moved.clone(),
+        cancel.clone(),
+    ));
     // A consumer whose acknowledgements stop short of the checkpoint lost some of them (an ack
     // that never reached the server, or consumer state a new consumer leader did not have):
     // what it delivers again may have its outputs stored, beyond any duplicate window.
-    let ack_floor = consumer.cached_info().ack_floor.stream_sequence;
-    let behind = !recreated && resume_after.is_some_and(|ck| ack_floor < ck);
-    if behind {
-        warn!(
-            partition = p,
-            ack_floor,
-            checkpoint = ?resume_after,
-            "the consumer's acknowledgements stop short of the partition's checkpoint; \
-             looking up the outputs of what it delivers again"
-        );
-        metrics::counter!(telemetry::CONSUMERS_BEHIND).increment(1);
-    }
+    let behind = !recreated && acks_behind(p, &consumer, resume_after);
     // Inputs up to the stream's end now may have their outputs stored already, even on their
     // first delivery: a recreated consumer starts after the checkpoint, which can be up to a
     // second behind what was acknowledged, and a consumer whose leader changed may have lost
@@ -135,12 +192,7 @@ pub async fn run_partition(
     // owner processed. Only a partition nobody ran before skips this. The look-ups stop after a
     // publish window of inputs in a row had nothing stored (see `Partition::dispose`).
     let verify_through = if recreated || behind || checkpoint.inherited() {
-        let mut stream = stream.clone();
-        stream
-            .info()
-            .await
-            .map(|i| i.state.last_sequence)
-            .unwrap_or(u64::MAX)
+        last_sequence(&stream).await
     } else {
         0
     };
@@ -165,9 +217,14 @@ pub async fn run_partition(
     // under another shard's keys (see `bus::strays`).
     let strays = tokio::spawn(super::strays::sweep(
         shared.clone(),
-        p,
+        super::strays::Shard {
+            p,
+            raw: raw.clone(),
+            stream: stream.cached_info().config.name.clone(),
+        },
         fence.clone(),
         sampler_stop.clone(),
+        moved.clone(),
     ));
 
     let (tx, rx) = mpsc::channel::<Processed>(512);
@@ -228,9 +285,14 @@ pub async fn run_partition(
     drop(part);
     debug!(partition = p, "waiting for the acker to drain");
     let acked = acker.await;
+    // Read to its end: the stray search makes its last round (see `bus::strays`) by itself.
+    if !moved.is_cancelled() {
+        sampler_stop.cancel();
+    }
+    let _ = strays.await;
     sampler_stop.cancel();
     let _ = sampler.await;
-    let _ = strays.await;
+    watch.abort();
     shared
         .state
         .partitions_running
@@ -245,7 +307,90 @@ pub async fn run_partition(
             why: "a turn state write was refused",
         });
     }
+    if result.is_ok() && moved.is_cancelled() && !outer.is_cancelled() {
+        return Err(moved_on(&shared, p, &stream).await);
+    }
     result
+}
+
+/// Whether the consumer's acknowledgements stop short of the partition's checkpoint, said and
+/// counted when they do.
+fn acks_behind(p: u16, consumer: &PullConsumer, resume_after: Option<u64>) -> bool {
+    let ack_floor = consumer.cached_info().ack_floor.stream_sequence;
+    let behind = resume_after.is_some_and(|ck| ack_floor < ck);
+    if behind {
+        warn!(
+            partition = p,
+            ack_floor,
+            checkpoint = ?resume_after,
+            "the consumer's acknowledgements stop short of the partition's checkpoint; \
+             looking up the outputs of what it delivers again"
+        );
+        metrics::counter!(telemetry::CONSUMERS_BEHIND).increment(1);
+    }
+    behind
+}
+
+/// The stream's last sequence now (`u64::MAX` when it cannot be read: everything is looked up).
+async fn last_sequence(stream: &jetstream::stream::Stream) -> u64 {
+    let mut stream = stream.clone();
+    stream
+        .info()
+        .await
+        .map(|i| i.state.last_sequence)
+        .unwrap_or(u64::MAX)
+}
+
+/// Partition `p` read its sealed `stream` to its end: look the raw streams up again (a reshard
+/// this process has not seen made the next ones) and restart the partition on the next.
+async fn moved_on(
+    shared: &WorkerContext,
+    p: u16,
+    stream: &jetstream::stream::Stream,
+) -> WorkerError {
+    info!(
+        partition = p,
+        stream = %stream.cached_info().config.name,
+        "the partition read its sealed raw stream to its end; going on with the next one"
+    );
+    if let Err(e) = shared.refresh_raw().await {
+        warn!(partition = p, error = %e, "the raw streams could not be looked up again");
+    }
+    WorkerError::Interrupted {
+        partition: p,
+        why: "its raw stream is sealed and read to its end",
+    }
+}
+
+/// How often a partition looks whether its raw stream was sealed (`collab-projector reshard`)
+/// and read to its end.
+const END_CHECK_EVERY: Duration = Duration::from_secs(2);
+
+/// Cancel `moved` once `stream` is sealed and partition consumer `consumer` has read and
+/// acknowledged everything in it; stop with `stop`.
+async fn watch_for_end(
+    stream: jetstream::stream::Stream,
+    consumer: String,
+    moved: CancellationToken,
+    stop: CancellationToken,
+) {
+    loop {
+        tokio::select! {
+            _ = tokio::time::sleep(END_CHECK_EVERY) => {}
+            _ = stop.cancelled() => return,
+        }
+        match super::generations::read_to_its_end(&stream, &consumer).await {
+            Ok(true) => {
+                moved.cancel();
+                stop.cancel();
+                return;
+            }
+            Ok(false) => {}
+            Err(e) => {
+                debug!(consumer, error = %e, "could not look whether the raw stream is read to its end")
+            }
+        }
+    }
 }
 
 /// The partition's durable consumer; recreated when missing (deleted by an operator, lost with
@@ -278,13 +423,28 @@ async fn open_consumer(
         Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => {
             let config =
                 super::provision::resumed_consumer_config(&shared.settings, p, resume_after);
-            warn!(consumer = %name, resume_after = ?resume_after,
-                "the partition's consumer is missing; recreating it from the partition's checkpoint");
-            metrics::counter!(telemetry::CONSUMERS_RECREATED).increment(1);
-            shared
-                .state
-                .consumers_recreated
-                .fetch_add(1, Ordering::Relaxed);
+            let base = stream
+                .cached_info()
+                .config
+                .metadata
+                .get(super::generations::BASE_METADATA)
+                .and_then(|b| b.parse::<u64>().ok())
+                .unwrap_or(0);
+            if base > 0 && resume_after.unwrap_or(0) < base {
+                // A set of raw streams a reshard made, which this partition starts on: its
+                // checkpoint is on an earlier set, so the consumer starts at this set's first
+                // message.
+                info!(consumer = %name, stream = %stream.cached_info().config.name,
+                    "the partition starts on a new set of raw streams");
+            } else {
+                warn!(consumer = %name, resume_after = ?resume_after,
+                    "the partition's consumer is missing; recreating it from the partition's checkpoint");
+                metrics::counter!(telemetry::CONSUMERS_RECREATED).increment(1);
+                shared
+                    .state
+                    .consumers_recreated
+                    .fetch_add(1, Ordering::Relaxed);
+            }
             stream
                 .create_consumer(config)
                 .await

@@ -67,28 +67,31 @@ pub async fn run(
             "name the version to compute (--version v2): the deployment's own projections are never recomputed in place".into(),
         ));
     }
-    let live = super::live_names(settings);
     let (_client, js) = crate::bus::connect_as(settings, "collab-projector reproject").await?;
     // The version reads the raw stream's layout with its own partition count (repartitioning).
     let mut settings = settings.clone();
     crate::bus::provision::adopt_layout(&js, &mut settings).await?;
     let settings = &settings;
+    // Every set of raw streams, the sealed ones of earlier reshards first.
+    let live = super::live_names(settings);
     if js.get_stream(&version.proj_stream).await.is_ok() {
         return Err(ReprojectError::Refused(format!(
             "projection version {:?} exists already (stream {}): choose another --version, or remove it first with `collab-projector reproject --version {} --drop`",
             version.version, version.proj_stream, version.version
         )));
     }
-    let sharded = live.shards() > 1;
+    let all = live.all_raw_streams();
+    let sharded = all.len() > 1;
     if sharded && (plan.from.is_some() || plan.to.is_some()) {
         return Err(ReprojectError::Refused(format!(
-            "raw traffic is sharded over {} streams, each with its own sequences: a sharded deployment is reprojected whole, without --from or --to",
-            live.shards()
+            "raw traffic is in {} streams ({}), each with its own sequences: it is reprojected whole, without --from or --to",
+            all.len(),
+            all.join(", ")
         )));
     }
     // Each raw stream's range: the one asked for, else all it holds.
     let mut ranges = Vec::new();
-    for name in &live.raw_streams {
+    for name in all {
         let mut raw = js
             .get_stream(name)
             .await
@@ -116,12 +119,14 @@ pub async fn run(
             }
             continue;
         }
-        ranges.push((raw, from, to));
+        // How many streams its set has: each of the version's partitions reads one of them.
+        let shards = live.shard_of_stream_name(name).map_or(1, |(_, k)| k);
+        ranges.push((raw, from, to, shards));
     }
     if ranges.is_empty() {
         return Err(ReprojectError::Refused(format!(
             "nothing to reproject: the raw streams {} hold no messages",
-            live.raw_streams.join(", ")
+            live.all_raw_streams().join(", ")
         )));
     }
     // The sequences outputs are compared over: the range asked (unsharded), all of them
@@ -153,11 +158,11 @@ pub async fn run(
         cancel.clone(),
     )
     .await?;
-    let total: u64 = ranges.iter().map(|(_, f, t)| t - f + 1).sum();
-    let per_shard = settings.nats.partitions / live.shards().max(1);
+    let total: u64 = ranges.iter().map(|(_, f, t, _)| t - f + 1).sum();
     let mut outcome = Ok(());
     let mut offset = 0;
-    for (raw, f, t) in &ranges {
+    for (raw, f, t, shards) in &ranges {
+        let per_shard = settings.nats.partitions / (*shards).max(1);
         outcome = follow(raw, &version, Some(per_shard), *f, *t, |done| {
             progress(Progress {
                 done: offset + done,
@@ -180,7 +185,7 @@ pub async fn run(
     // outputs are compared once its partitions have processed it too, or after `LIVE_WAIT` with
     // what it has, said in the report.
     let live_done = tokio::time::timeout(LIVE_WAIT, async {
-        for (raw, f, t) in &ranges {
+        for (raw, f, t, _) in &ranges {
             follow(raw, &live, None, *f, *t, |_| {}).await?;
         }
         Ok::<(), ReprojectError>(())
@@ -388,7 +393,11 @@ pub async fn drop_version(settings: &Settings) -> Result<Dropped, ReprojectError
         )));
     }
     let mut out = Dropped::default();
-    for stream in &version.raw_streams {
+    let found = crate::bus::generations::discover(&js, &version)
+        .await
+        .map_err(crate::bus::provision::ProvisionError::from)?;
+    let version = crate::bus::generations::with_generations(&version, &found);
+    for stream in version.all_raw_streams() {
         let Ok(raw) = js.get_stream(stream).await else {
             continue;
         };

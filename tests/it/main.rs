@@ -27,6 +27,7 @@ mod pipeline;
 mod redaction;
 mod relay;
 mod reproject;
+mod reshard;
 mod runs;
 mod schemas;
 mod shards;

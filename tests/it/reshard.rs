@@ -1,0 +1,371 @@
+//! Changing the shard count of a running deployment (`collab-projector reshard`): new raw
+//! streams beside the old ones, the server's mapping moved by a reload, the old streams sealed,
+//! every partition reading its old stream to its end before the new one. Producers keep
+//! publishing throughout; nothing may be lost, doubled or reordered within a key, and every
+//! turn, those open across the move too, gets exactly one response.
+
+use crate::support::{Projector, TestNats};
+use async_nats::jetstream;
+use bytes::Bytes;
+use collab_projector::config::Names;
+use serde_json::{json, Value};
+use std::collections::{BTreeMap, BTreeSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const RUN_ARGS: [&str; 4] = ["--main-agents", "ruda,eden", "--turn-timeout", "20s"];
+const GUARD: Duration = Duration::from_secs(120);
+
+fn names(shards: u16) -> Names {
+    let mut n = Names::new("collab");
+    n.set_shards(shards);
+    n
+}
+
+/// What the producer published and the server acknowledged, in order.
+#[derive(Default)]
+struct Published {
+    /// key -> the `n` of each task update, in publish order.
+    tasks: BTreeMap<String, Vec<u64>>,
+    /// Raw inputs acknowledged.
+    inputs: usize,
+    /// Publishes refused (a sealed stream, a node not reloaded yet) and sent again.
+    refused: usize,
+    /// The streams that stored some input.
+    streams: BTreeSet<String>,
+}
+
+/// Publish until acknowledged, counting refusals: a producer's retry.
+async fn publish(js: &jetstream::Context, subject: String, body: Bytes, log: &Mutex<Published>) {
+    let deadline = Instant::now() + GUARD;
+    loop {
+        let acked = match js.publish(subject.clone(), body.clone()).await {
+            Ok(ack) => ack.await,
+            Err(e) => Err(e),
+        };
+        match acked {
+            Ok(ack) => {
+                if let Ok(mut l) = log.lock() {
+                    l.inputs += 1;
+                    l.streams.insert(ack.stream);
+                }
+                return;
+            }
+            Err(e) => {
+                assert!(Instant::now() < deadline, "publish {subject}: {e}");
+                if let Ok(mut l) = log.lock() {
+                    l.refused += 1;
+                }
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    }
+}
+
+fn task_update(key: &str, n: u64) -> (String, Bytes) {
+    let body = json!({"type": "task.updated", "agentId": "ruda", "data": {"taskId": key, "status": "working", "n": n}});
+    (
+        format!("collab.raw.{key}.task.updated"),
+        Bytes::from(body.to_string()),
+    )
+}
+
+fn send(conv: &str) -> (String, Bytes) {
+    crate::api::collab_event(1, "a2a.send", "ruda", "eden", conv, json!({"turnId": "t1"}))
+}
+
+fn reply(conv: &str) -> (String, Bytes) {
+    crate::api::collab_event(
+        2,
+        "a2a.response",
+        "eden",
+        "ruda",
+        conv,
+        json!({"turnId": "t1"}),
+    )
+}
+
+/// Task updates on 24 keys, 40 a second, until `stop`.
+async fn produce(js: jetstream::Context, log: Arc<Mutex<Published>>, stop: Arc<AtomicBool>) {
+    let mut n = 0u64;
+    while !stop.load(Ordering::Relaxed) {
+        let key = format!("task-{}", n % 24);
+        let (subject, body) = task_update(&key, n / 24);
+        publish(&js, subject, body, &log).await;
+        if let Ok(mut l) = log.lock() {
+            l.tasks.entry(key).or_default().push(n / 24);
+        }
+        n += 1;
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+}
+
+/// `collab-projector reshard --drop-sealed` with `envs`: (success, what it said).
+fn drop_sealed(url: &str, envs: &[(&str, &str)]) -> (bool, String) {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_collab-projector"))
+        .args(["reshard", "--drop-sealed", "--nats-url", url])
+        .envs(envs.iter().copied())
+        .output()
+        .expect("reshard --drop-sealed");
+    (
+        out.status.success(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        ),
+    )
+}
+
+async fn wait_for<T, F, Fut>(what: &str, mut probe: F) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Option<T>>,
+{
+    let deadline = Instant::now() + GUARD;
+    loop {
+        if let Some(v) = probe().await {
+            return v;
+        }
+        assert!(Instant::now() < deadline, "timed out waiting until {what}");
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+#[tokio::test]
+async fn a_running_deployment_moves_from_two_raw_streams_to_four_losing_doubling_and_reordering_nothing(
+) {
+    let (two, four) = (names(2), names(4));
+    let mut nats =
+        TestNats::start_with_config(two.shard_mapping_config().unwrap_or_default()).await;
+    let url = nats.url();
+    let js = nats.jetstream().await;
+    let env = [("COLLAB_NATS__SHARDS", "2")];
+    let mut workers: Vec<Projector> = (0..2)
+        .map(|_| Projector::spawn(&url, &RUN_ARGS, &env))
+        .collect();
+    wait_for("the two raw streams exist", || {
+        let js = js.clone();
+        let streams = two.raw_streams.clone();
+        async move {
+            for s in &streams {
+                js.get_stream(s).await.ok()?;
+            }
+            Some(())
+        }
+    })
+    .await;
+
+    let log = Arc::new(Mutex::new(Published::default()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let producer = tokio::spawn(produce(js.clone(), log.clone(), stop.clone()));
+    // Turns before the move: half answered now, half left open to be answered after it; every
+    // fourth of the first half never answered (a blocked response once its deadline passes).
+    let turns = 16;
+    for i in 0..turns {
+        let (s, b) = send(&format!("conv-{i}"));
+        publish(&js, s, b, &log).await;
+    }
+    for i in (0..turns / 2).filter(|i| i % 4 != 0) {
+        let (s, b) = reply(&format!("conv-{i}"));
+        publish(&js, s, b, &log).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+
+    // The reshard: it creates the four streams, then waits for the mapping.
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_collab-projector"));
+    cmd.args([
+        "reshard",
+        "--count",
+        "4",
+        "--wait",
+        "90s",
+        "--json",
+        "--nats-url",
+        &url,
+    ])
+    .envs(env)
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped())
+    .kill_on_drop(true);
+    let resharding = cmd.spawn().expect("could not run collab-projector reshard");
+    wait_for("the reshard created the four new streams", || {
+        let js = js.clone();
+        let streams = four.raw_streams.clone();
+        async move {
+            for s in &streams {
+                js.get_stream(s).await.ok()?;
+            }
+            Some(())
+        }
+    })
+    .await;
+    // Traffic still goes to the old streams until the operator moves the mapping.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    nats.local()
+        .expect("a local nats-server")
+        .reconfigure(four.shard_mapping_config())
+        .await
+        .expect("reloading the server with the new mapping");
+    let out = tokio::time::timeout(GUARD, resharding.wait_with_output())
+        .await
+        .expect("the reshard did not finish")
+        .expect("the reshard's output");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "reshard failed: {said}");
+    let report: Value = serde_json::from_slice(
+        out.stdout
+            .split(|b| *b == b'\n')
+            .rfind(|l| l.starts_with(b"{"))
+            .unwrap_or_default(),
+    )
+    .unwrap_or_else(|e| panic!("no JSON report ({e}): {said}"));
+    assert_eq!(report["fromShards"], 2, "{report:#}");
+    assert_eq!(report["toShards"], 4, "{report:#}");
+    assert_eq!(report["sealed"], json!(two.raw_streams), "{report:#}");
+    for s in &two.raw_streams {
+        let info = js
+            .get_stream(s)
+            .await
+            .expect("old stream")
+            .cached_info()
+            .clone();
+        assert!(info.config.sealed, "{s} is not sealed");
+    }
+    // Turns opened there are still open: the sealed streams cannot go yet.
+    let (ok, said) = drop_sealed(&url, &[]);
+    assert!(
+        !ok && said.contains("Drop the sealed streams in"),
+        "dropped with turns open: {said}"
+    );
+
+    // The open turns are answered after the move (their sends are in the sealed streams).
+    for i in turns / 2..turns {
+        let (s, b) = reply(&format!("conv-{i}"));
+        publish(&js, s, b, &log).await;
+    }
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    stop.store(true, Ordering::Relaxed);
+    producer.await.expect("producer");
+    let (inputs, tasks, used, refused) = {
+        let l = log.lock().expect("log");
+        (l.inputs, l.tasks.clone(), l.streams.clone(), l.refused)
+    };
+    // Traffic landed in both sets.
+    for s in two.raw_streams.iter().chain(&four.raw_streams) {
+        assert!(used.contains(s), "nothing was stored in {s}: {used:?}");
+    }
+
+    // Every input of every stream, sealed or new, is projected or dead-lettered, exactly once.
+    let audit = wait_for("every input is accounted for", || {
+        let js = js.clone();
+        let four = four.clone();
+        async move {
+            collab_projector::ops::audit(&js, &four, 1, 0)
+                .await
+                .ok()
+                .filter(|a| a.holds() && a.raw == inputs)
+        }
+    })
+    .await;
+    assert_eq!(audit.projected, inputs, "{audit:?}");
+
+    // No input projected twice, and each key's updates in the order they were published.
+    let projected = crate::pipeline::read_all(&js, "COLLAB_PROJ", "collab.proj.>").await;
+    let mut ids = BTreeSet::new();
+    let mut seen: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    for m in &projected {
+        let id = m.header("Nats-Msg-Id").unwrap_or_default();
+        assert!(ids.insert(id.clone()), "two projections with Msg-Id {id}");
+        if m.subject.ends_with(".task.updated") {
+            let body: Value = serde_json::from_slice(&m.payload).unwrap_or(Value::Null);
+            let key = m.subject.split('.').nth(4).unwrap_or_default().to_string();
+            let n = body["payload"]["n"]
+                .as_u64()
+                .or_else(|| body["payload"]["data"]["n"].as_u64());
+            seen.entry(key).or_default().extend(n);
+        }
+    }
+    assert_eq!(seen, tasks, "task updates lost, doubled or out of order");
+
+    // One response per turn, the ones open across the move answered by their real reply.
+    let responses = wait_for("every turn has its response", || {
+        let js = js.clone();
+        async move {
+            let r = crate::pipeline::read_all(
+                &js,
+                "COLLAB_PROJ",
+                "collab.proj.conversation.main.*.a2a.response",
+            )
+            .await;
+            (r.len() >= turns).then_some(r)
+        }
+    })
+    .await;
+    let mut per_conv: BTreeMap<String, Vec<Value>> = BTreeMap::new();
+    for m in &responses {
+        let conv = m.subject.split('.').nth(4).unwrap_or_default().to_string();
+        let body: Value = serde_json::from_slice(&m.payload).unwrap_or(Value::Null);
+        per_conv.entry(conv).or_default().push(body);
+    }
+    assert_eq!(per_conv.len(), turns, "{per_conv:#?}");
+    for (conv, rs) in &per_conv {
+        assert_eq!(rs.len(), 1, "{conv}: {rs:#?}");
+        let i: usize = conv.trim_start_matches("conv-").parse().unwrap_or(0);
+        let blocked = rs[0]["payload"]["outcome"] == "blocked";
+        assert_eq!(blocked, i < turns / 2 && i % 4 == 0, "{conv}: {:#}", rs[0]);
+    }
+
+    // The workers said why their partitions restarted.
+    let logs: String = workers.iter().map(Projector::log_text).collect();
+    assert!(
+        logs.contains("read its sealed raw stream to its end"),
+        "no partition moved: {logs}"
+    );
+    eprintln!(
+        "reshard 2 -> 4: mapping live after {}s, {} inputs left at the seal, moved {}s after it; {refused} publishes refused and sent again",
+        report["mappingWaitS"], report["leftAtSeal"], report["moveS"]
+    );
+
+    // The sealed streams go once every consumer has read them and every deadline a request
+    // there set has passed (5 s here); the deployment keeps working.
+    let short = [
+        ("COLLAB_TURNS__MAX_TIMEOUT", "5s"),
+        ("COLLAB_TURNS__DEFAULT_TIMEOUT", "5s"),
+        ("COLLAB_RUNS__TIMEOUT", "5s"),
+    ];
+    wait_for("the sealed streams are dropped", || {
+        let url = url.clone();
+        async move {
+            let (ok, said) = drop_sealed(&url, &short);
+            assert!(ok || said.contains("Drop the sealed streams in"), "{said}");
+            ok.then_some(())
+        }
+    })
+    .await;
+    for s in &two.raw_streams {
+        assert!(js.get_stream(s).await.is_err(), "{s} is still there");
+    }
+    let (s, b) = task_update("after-drop", 0);
+    publish(&js, s, b, &log).await;
+    wait_for("an input after the drop is projected", || {
+        let js = js.clone();
+        async move {
+            let r =
+                crate::pipeline::read_all(&js, "COLLAB_PROJ", "collab.proj.*.*.after-drop.>").await;
+            (r.len() == 1).then_some(())
+        }
+    })
+    .await;
+    for w in workers.iter_mut() {
+        w.sigterm();
+    }
+    for w in workers.iter_mut() {
+        w.wait_exit(Duration::from_secs(30)).await;
+    }
+}
