@@ -1258,10 +1258,12 @@ impl Names {
     }
     /// The raw stream and sequence of the input an output's Msg-Id names
     /// (`<stream>:<seq>:<n>`), if it names one of these raw streams.
-    pub fn input_of_msg_id(&self, msg_id: &str) -> Option<(&str, u64)> {
-        self.all_raw_streams()
-            .into_iter()
-            .find_map(|s| Some((s, input_of_msg_id(msg_id, s)?)))
+    pub fn input_of_msg_id<'a>(&self, msg_id: &'a str) -> Option<(&'a str, u64)> {
+        // Any raw stream name this prefix makes, not only the ones known here: a reshard after
+        // these names were made adds streams.
+        let (stream, _) = msg_id.split_once(':')?;
+        self.shard_of_stream_name(stream)?;
+        Some((stream, input_of_msg_id(msg_id, stream)?))
     }
     /// Where the raw stream stores `key`'s messages, whatever its partition tokens.
     pub fn key_filter(&self, key: &str) -> String {

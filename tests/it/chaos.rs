@@ -604,13 +604,15 @@ struct Rec {
     payload: Bytes,
 }
 
-/// Where the shard of an input sits in its [`RawStreams::id`].
-const SHARD_SHIFT: u32 = 40;
+/// Where the stream of an input sits in its [`RawStreams::id`] (a set of raw streams uses at most
+/// 2^48 sequences, see `config::GENERATION_SPAN`).
+const STREAM_SHIFT: u32 = 48;
 
-/// The raw streams a deployment stores its inputs in (the one raw stream, or one per shard with
-/// `nats.shards`) and one id per input over all of them: the shard's index above bit 40, the
-/// sequence in that shard's stream below. With one stream an input's id is its sequence; a key's
-/// inputs all go to one shard, so their ids keep the order of their sequences.
+/// The raw streams a deployment stores its inputs in (the one raw stream, one per shard with
+/// `nats.shards`, and the sealed ones of an earlier shard count after a reshard) and one id per
+/// input over all of them: the stream's index (earlier sets first) above bit 48, the sequence's
+/// place in its set below. With one stream an input's id is its sequence; a key's inputs are in
+/// one stream per set, and the sets in order, so their ids keep the order of their sequences.
 #[derive(Debug, Clone)]
 struct RawStreams {
     names: Names,
@@ -623,55 +625,79 @@ impl RawStreams {
         RawStreams { names }
     }
 
-    fn streams(&self) -> &[String] {
+    /// `from` streams now, `to` streams after a reshard (`collab-projector reshard`).
+    fn resharded(from: u16, to: u16) -> RawStreams {
+        let mut names = Names::new("collab");
+        names.earlier = vec![collab_projector::config::RawGen {
+            base: 0,
+            streams: names.shard_stream_names(from),
+        }];
+        names.set_shards(to);
+        names.raw_base = collab_projector::config::GENERATION_SPAN;
+        RawStreams { names }
+    }
+
+    /// Every raw stream, earlier sets first.
+    fn streams(&self) -> Vec<String> {
+        self.names
+            .all_raw_streams()
+            .into_iter()
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// The streams raw traffic goes to now (after a reshard, the new ones).
+    fn current(&self) -> &[String] {
         &self.names.raw_streams
     }
 
     fn sharded(&self) -> bool {
-        self.names.raw_streams.len() > 1
+        self.streams().len() > 1
     }
 
-    /// The id of sequence `seq` of shard `shard` (0 stays 0: a timeout response has no input).
-    fn id(shard: usize, seq: u64) -> u64 {
+    /// The id of sequence `seq` of the stream of index `stream` (0 stays 0: a timeout response
+    /// has no input).
+    fn id(stream: usize, seq: u64) -> u64 {
         if seq == 0 {
             0
         } else {
-            ((shard as u64) << SHARD_SHIFT) | seq
+            ((stream as u64) << STREAM_SHIFT) | (seq & ((1 << STREAM_SHIFT) - 1))
         }
     }
 
-    /// The shard of raw stream `stream`; a stream that is not one of them gets an index no input
+    /// The index of raw stream `stream`; a stream that is not one of them gets an index no input
     /// has, so what it names is accounted for nowhere.
-    fn shard_of_stream(&self, stream: Option<&str>) -> usize {
-        if !self.sharded() {
+    fn index_of_stream(&self, stream: Option<&str>) -> usize {
+        let all = self.streams();
+        if all.len() <= 1 {
             return 0;
         }
         stream
-            .and_then(|s| self.streams().iter().position(|r| r == s))
-            .unwrap_or(self.streams().len())
+            .and_then(|s| all.iter().position(|r| r == s))
+            .unwrap_or(all.len())
     }
 
     /// The id of an input the raw stream `stream` acknowledged at `seq`.
     fn id_of_ack(&self, stream: &str, seq: u64) -> u64 {
-        RawStreams::id(self.shard_of_stream(Some(stream)), seq)
+        RawStreams::id(self.index_of_stream(Some(stream)), seq)
     }
 
     /// Replace the raw sequences the outputs carry by their inputs' ids: a projection's input is
-    /// in its key's shard (`<prefix>.proj.<role, 2 tokens>.<key>.<type>`), a dead letter's in the
-    /// stream its `Collab-Source-Stream` (else its Msg-Id, `<stream>:<seq>:<n>`) names.
+    /// in the stream that held its key at that sequence (`<prefix>.proj.<role, 2 tokens>.<key>.<type>`),
+    /// a dead letter's in the stream its `Collab-Source-Stream` (else its Msg-Id,
+    /// `<stream>:<seq>:<n>`) names.
     fn identify_outputs(&self, proj: &mut [Rec], dlq: &mut [Rec]) {
         if !self.sharded() {
             return;
         }
         for p in proj {
-            let shard = p
+            let Some(seq) = p.source_seq else { continue };
+            let stream = p
                 .subject
                 .split_once(".proj.")
                 .and_then(|(_, rest)| collab_projector::config::proj_subject_parts(rest))
-                .map_or(self.streams().len(), |(_, key, _)| {
-                    self.names.shard_of_key(key)
-                });
-            p.source_seq = p.source_seq.map(|s| RawStreams::id(shard, s));
+                .map(|(_, key, _)| self.names.raw_stream_of_key_at(key, seq).to_string());
+            p.source_seq = Some(RawStreams::id(self.index_of_stream(stream.as_deref()), seq));
         }
         for d in dlq {
             let stream = d.source_stream.clone().or_else(|| {
@@ -680,31 +706,42 @@ impl RawStreams {
                     .and_then(|id| self.names.input_of_msg_id(id))
                     .map(|(stream, _)| stream.to_string())
             });
-            let shard = self.shard_of_stream(stream.as_deref());
-            d.source_seq = d.source_seq.map(|s| RawStreams::id(shard, s));
+            let index = self.index_of_stream(stream.as_deref());
+            d.source_seq = d.source_seq.map(|s| RawStreams::id(index, s));
         }
     }
 
     /// An input's id as its stream and sequence (the sequence alone with one raw stream).
     fn label(&self, id: u64) -> String {
-        let seq = id & ((1 << SHARD_SHIFT) - 1);
+        let local = id & ((1 << STREAM_SHIFT) - 1);
         if id == 0 || !self.sharded() {
-            return seq.to_string();
+            return local.to_string();
         }
-        let shard = usize::try_from(id >> SHARD_SHIFT).unwrap_or(usize::MAX);
-        match self.streams().get(shard) {
-            Some(stream) => format!("{stream}:{seq}"),
-            None => format!("?:{seq}"),
+        let index = usize::try_from(id >> STREAM_SHIFT).unwrap_or(usize::MAX);
+        match self.streams().get(index) {
+            Some(stream) => {
+                let base = if self.names.raw_streams.contains(stream) {
+                    self.names.raw_base
+                } else {
+                    self.names
+                        .earlier
+                        .iter()
+                        .find(|g| g.streams.contains(stream))
+                        .map_or(0, |g| g.base)
+                };
+                format!("{stream}:{}", base + local)
+            }
+            None => format!("?:{local}"),
         }
     }
 
     /// Every input of every raw stream, in stream order per stream, identified by its id.
     async fn read(&self, js: &jetstream::Context) -> Vec<Rec> {
         let mut all = Vec::new();
-        for (shard, stream) in self.streams().iter().enumerate() {
+        for (index, stream) in self.streams().iter().enumerate() {
             let mut recs = read_all_retrying(js, stream, "").await;
             for r in &mut recs {
-                r.seq = RawStreams::id(shard, r.seq);
+                r.seq = RawStreams::id(index, r.seq);
             }
             all.append(&mut recs);
         }
@@ -1269,7 +1306,7 @@ impl Bed {
     async fn bounce_node(&mut self, down: Duration) {
         // The leader of each raw stream, in shard order.
         let mut leaders: Vec<String> = Vec::new();
-        for stream in self.raw.streams() {
+        for stream in self.raw.current() {
             let leader = async {
                 let mut st = self.js.get_stream(stream).await.ok()?;
                 st.info().await.ok()?.cluster.as_ref()?.leader.clone()
@@ -1278,7 +1315,7 @@ impl Bed {
             leaders.extend(leader);
         }
         let elapsed = self.elapsed();
-        let shards = self.raw.streams().len();
+        let shards = self.raw.current().len();
         let Broker::Cluster(nodes) = &mut self.broker else {
             return;
         };
@@ -1388,15 +1425,20 @@ impl Bed {
     async fn undrained_of(&self, prefix: &str, partitions: u16) -> Option<Vec<String>> {
         let mut seen = 0;
         let mut stuck = Vec::new();
+        // After a reshard the sealed streams' consumers must be drained too; the partitions
+        // are counted on the current ones.
+        let current = self.raw.current().to_vec();
         for name in self.raw.streams() {
-            let stream = self.js.get_stream(name).await.ok()?;
+            let stream = self.js.get_stream(&name).await.ok()?;
             let mut infos = stream.consumers();
             while let Some(info) = infos.next().await {
                 let info = info.ok()?;
                 if !info.name.starts_with(prefix) {
                     continue;
                 }
-                seen += 1;
+                if current.contains(&name) {
+                    seen += 1;
+                }
                 if info.num_pending > 0 || info.num_ack_pending > 0 {
                     stuck.push(format!(
                         "{}: {} pending, {} unacknowledged, ack floor {}, delivered {}",
@@ -2324,6 +2366,103 @@ async fn repartition(p: &Profile, seed: u64, kill: bool) -> Vec<Report> {
     bed.finish_all(writer, versions).await
 }
 
+/// Change the shard count under load (`collab-projector reshard`, 2 to 4 raw streams on one
+/// server): the command creates the new streams, the server's mapping is reloaded, the command
+/// seals the old streams, and a worker is killed (kill -9) as the partitions move to the new
+/// ones and started again (with `nats.shards` still 2: it reads the newest streams). Every input
+/// of both sets is checked.
+async fn reshard(p: &Profile, seed: u64) -> Report {
+    let (from, to) = (RawStreams::new(2), RawStreams::new(4));
+    let nats =
+        TestNats::start_with_config(from.names.shard_mapping_config().unwrap_or_default()).await;
+    let mut bed = Bed::start_on(
+        "reshard",
+        p,
+        Broker::Single(nats),
+        2,
+        2,
+        &[],
+        false,
+        Vec::new(),
+    )
+    .await;
+    bed.raw = RawStreams::resharded(2, 4);
+    let writer = bed.writer(seed, p.timeout_ms);
+    tokio::time::sleep(p.load / 3).await;
+    let url = bed.broker.urls()[0].clone();
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_collab-projector"));
+    cmd.args([
+        "reshard",
+        "--count",
+        "4",
+        "--wait",
+        "90s",
+        "--json",
+        "--nats-url",
+        &url,
+    ])
+    .envs(bed.fleet.env.clone())
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped())
+    .kill_on_drop(true);
+    let command = cmd.spawn().expect("could not run collab-projector reshard");
+    let deadline = Instant::now() + p.guard;
+    let newest = to.current().last().cloned().unwrap_or_default();
+    while bed.js.get_stream(&newest).await.is_err() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    if let Broker::Single(n) = &mut bed.broker {
+        if let Some(local) = n.local() {
+            if let Err(e) = local.reconfigure(to.names.shard_mapping_config()).await {
+                bed.problems
+                    .push(format!("reloading the mapping failed: {e}"));
+            }
+        }
+    }
+    let reloaded = bed.elapsed();
+    let oldest = from.current().first().cloned().unwrap_or_default();
+    let sealed = |js: jetstream::Context, name: String| async move {
+        match js.get_stream(&name).await {
+            Ok(s) => s.cached_info().config.sealed,
+            Err(_) => false,
+        }
+    };
+    while !sealed(bed.js.clone(), oldest.clone()).await && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    bed.kill9(0).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    bed.fleet.spawn(0);
+    match tokio::time::timeout(p.guard, command.wait_with_output()).await {
+        Ok(Ok(out)) if out.status.success() => {
+            let report: serde_json::Value = serde_json::from_slice(
+                out.stdout
+                    .split(|b| *b == b'\n')
+                    .rfind(|l| l.starts_with(b"{"))
+                    .unwrap_or_default(),
+            )
+            .unwrap_or_default();
+            bed.notes.push(format!(
+                "reshard 2 -> 4: mapping reloaded at {reloaded:.1}s, live {:.1}s after the command started; {} inputs unread in the sealed streams at the seal; every partition on the new streams {:.1}s after it",
+                report["mappingWaitS"].as_f64().unwrap_or(-1.0),
+                report["leftAtSeal"],
+                report["moveS"].as_f64().unwrap_or(-1.0),
+            ));
+        }
+        Ok(Ok(out)) => bed.problems.push(format!(
+            "reshard failed: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )),
+        Ok(Err(e)) => bed.problems.push(format!("reshard: {e}")),
+        Err(_) => bed
+            .problems
+            .push(format!("reshard did not finish within {:?}", p.guard)),
+    }
+    tokio::time::sleep(p.load / 3).await;
+    bed.finish(writer).await
+}
+
 /// A worker that starts behind (the writer ran without one) is killed while it catches up, and
 /// started again.
 async fn backlog_kill(p: &Profile, seed: u64) -> Report {
@@ -2888,6 +3027,13 @@ async fn chaos_short_cluster_node_sharded() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_short_reshard() {
+    let report = reshard(&Profile::short(), seed("reshard")).await;
+    report.assert_clean();
+    assert!(report.inputs > 0, "{}: no input checked", report.scenario);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_short_mix() {
     mix(&Profile::short(), seed("mix")).await.assert_clean();
 }
@@ -3019,8 +3165,9 @@ async fn chaos_full() {
         "clock-skew",
         "cluster-partition",
         "repartition",
-        // Last, so the scenarios before it keep their seeds (`base + index`).
+        // Last, so the scenarios before them keep their seeds (`base + index`).
         "cluster-node-sharded",
+        "reshard",
     ]
     .into_iter()
     .enumerate()
@@ -3037,6 +3184,7 @@ async fn chaos_full() {
             "server-restart" => server_restart(&p, s).await,
             "cluster-node" => cluster_node(&p, s, 1).await,
             "cluster-node-sharded" => cluster_node(&p, s, 4).await,
+            "reshard" => reshard(&p, s).await,
             "oversize" => oversize(&p, s).await,
             "deleted-consumer" => deleted_consumer(&p, s).await,
             "regressed-consumer" => regressed_consumer(&p, s).await,
