@@ -39,6 +39,9 @@
 //! `chaos_full`) is the cluster-node one with raw traffic spread over four streams
 //! (`COLLAB_NATS__SHARDS=4`, every node configured with the subject mapping): the node stopped
 //! is the one leading the most raw streams, and every shard's inputs are accounted for.
+//! The reshard scenario (`chaos_short_reshard`, `reshard` in `chaos_full`) changes the number of
+//! raw streams from 2 to 4 under load with `collab-projector reshard`, reloads the server's
+//! mapping, and kills a worker as the partitions move; the checker reads all six streams.
 //! Timing is printed, never asserted.
 
 use std::cmp::Reverse;
