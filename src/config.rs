@@ -1250,6 +1250,17 @@ impl Names {
             last = self.raw_streams.last().map_or("", String::as_str),
         ))
     }
+    /// The server block that sends raw traffic back to the one raw stream after a sharded
+    /// layout: a mapping of the raw subjects onto themselves. A configuration reload does not
+    /// drop a mapping removed from the file, but it does replace one.
+    pub fn unsharded_mapping_config(&self) -> String {
+        let from = self.raw_subjects();
+        format!(
+            "# collab-projector: raw traffic under {prefix}.raw.> in the one stream {stream}\nmappings = {{\n  \"{from}\": \"{prefix}.raw.{{{{wildcard(1)}}}}.>\"\n}}\n",
+            prefix = self.raw_prefix,
+            stream = self.raw_stream,
+        )
+    }
     /// Which raw stream (index into [`Names::raw_streams`]) stores `key`'s events: the same
     /// hash the server's mapping uses.
     pub fn shard_of_key(&self, key: &str) -> usize {

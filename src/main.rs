@@ -828,15 +828,10 @@ async fn reshard(args: ReshardArgs) -> anyhow::Result<()> {
                 if resumed { "found" } else { "created" },
                 streams.join(", ")
             );
-            match mapping {
-                Some(block) => {
-                    if !args.json {
-                        telemetry::say(&block);
-                    }
-                    eprintln!("now put the block above in place of the current mapping in nats-server.conf (inside the account's block when the server has accounts) on every node and reload them (`nats-server --signal reload`); waiting until the server sends raw traffic to the new streams");
-                }
-                None => eprintln!("now remove the raw traffic mapping from nats-server.conf on every node and reload them (`nats-server --signal reload`); waiting until the server sends raw traffic to the new stream"),
+            if !args.json {
+                telemetry::say(&mapping);
             }
+            eprintln!("now put the block above in nats-server.conf, replacing the current mapping of the raw subjects if there is one, (inside the account's block when the server has accounts) on every node and reload them (`nats-server --signal reload`); waiting until the server sends raw traffic to the new streams");
         }
         Step::WaitingForMapping { elapsed } => {
             eprintln!("waiting for the mapping ({}s)", elapsed.as_secs());

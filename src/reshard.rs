@@ -53,10 +53,10 @@ fn api(what: impl Into<String>, e: impl Into<Source>) -> ReshardError {
 /// What the command reports as it goes.
 #[derive(Debug, Clone)]
 pub enum Step {
-    /// The new streams exist; the server needs `mapping` (`None`: no mapping, remove the old one).
+    /// The new streams exist; the server needs `mapping` in place of the one it has.
     Created {
         streams: Vec<String>,
-        mapping: Option<String>,
+        mapping: String,
         resumed: bool,
     },
     /// Still waiting for the server's mapping.
@@ -176,7 +176,9 @@ pub async fn reshard(
     };
     step(Step::Created {
         streams: target.streams.clone(),
-        mapping: target_names.shard_mapping_config(),
+        mapping: target_names
+            .shard_mapping_config()
+            .unwrap_or_else(|| target_names.unsharded_mapping_config()),
         resumed,
     });
 

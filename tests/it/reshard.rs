@@ -369,3 +369,169 @@ async fn a_running_deployment_moves_from_two_raw_streams_to_four_losing_doubling
         w.wait_exit(Duration::from_secs(30)).await;
     }
 }
+
+/// Run `collab-projector reshard --count <count>` to its end while `reload` puts the server's
+/// new mapping in place once the new streams exist; the command's JSON report.
+async fn reshard_with_reload(
+    nats: &mut TestNats,
+    js: &jetstream::Context,
+    count: u16,
+    mapping: Option<String>,
+) -> Value {
+    let url = nats.url();
+    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_collab-projector"));
+    cmd.args([
+        "reshard",
+        "--count",
+        &count.to_string(),
+        "--wait",
+        "90s",
+        "--json",
+        "--nats-url",
+        &url,
+    ])
+    .stdout(std::process::Stdio::piped())
+    .stderr(std::process::Stdio::piped())
+    .kill_on_drop(true);
+    let running = cmd.spawn().expect("could not run collab-projector reshard");
+    let newest = names(count).raw_streams.last().cloned().unwrap_or_default();
+    wait_for("the reshard created its streams", || {
+        let js = js.clone();
+        let newest = newest.clone();
+        async move {
+            let s = js.get_stream(&newest).await.ok()?;
+            (!s.cached_info().config.sealed).then_some(())
+        }
+    })
+    .await;
+    nats.local()
+        .expect("a local nats-server")
+        .reconfigure(mapping)
+        .await
+        .expect("reloading the server");
+    let out = tokio::time::timeout(GUARD, running.wait_with_output())
+        .await
+        .expect("the reshard did not finish")
+        .expect("the reshard's output");
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "reshard to {count} failed: {said}");
+    serde_json::from_slice(
+        out.stdout
+            .split(|b| *b == b'\n')
+            .rfind(|l| l.starts_with(b"{"))
+            .unwrap_or_default(),
+    )
+    .unwrap_or_else(|e| panic!("no JSON report ({e}): {said}"))
+}
+
+#[tokio::test]
+async fn one_raw_stream_becomes_two_and_one_again_and_every_input_is_projected_once() {
+    let mut nats = TestNats::start().await;
+    let url = nats.url();
+    let js = nats.jetstream().await;
+    let mut worker = Projector::spawn(&url, &RUN_ARGS, &[]);
+    let log = Mutex::new(Published::default());
+    let mut wanted: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    let phase = |n: u64| {
+        (0..12).map(move |k| {
+            let key = format!("task-{k}");
+            (key.clone(), task_update(&key, n))
+        })
+    };
+    for (key, (s, b)) in phase(0) {
+        publish(&js, s, b, &log).await;
+        wanted.entry(key).or_default().push(0);
+    }
+
+    // 1 -> 2: the server gets the mapping.
+    let report = reshard_with_reload(&mut nats, &js, 2, names(2).shard_mapping_config()).await;
+    assert_eq!(report["fromShards"], 1, "{report:#}");
+    assert_eq!(report["sealed"], json!(["COLLAB_RAW"]), "{report:#}");
+    for (key, (s, b)) in phase(1) {
+        publish(&js, s, b, &log).await;
+        wanted.entry(key).or_default().push(1);
+    }
+    // Back to 1 needs the sealed COLLAB_RAW gone first; the command says so.
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_collab-projector"))
+        .args(["reshard", "--count", "1", "--nats-url", &url])
+        .output()
+        .expect("reshard");
+    let said = String::from_utf8_lossy(&out.stderr).into_owned();
+    assert!(
+        !out.status.success() && said.contains("--drop-sealed"),
+        "{said}"
+    );
+    let short = [
+        ("COLLAB_TURNS__MAX_TIMEOUT", "1s"),
+        ("COLLAB_TURNS__DEFAULT_TIMEOUT", "1s"),
+        ("COLLAB_RUNS__TIMEOUT", "1s"),
+    ];
+    wait_for("COLLAB_RAW is dropped", || {
+        let url = url.clone();
+        async move { drop_sealed(&url, &short).0.then_some(()) }
+    })
+    .await;
+
+    // 2 -> 1: the mapping goes; a new COLLAB_RAW starts after both earlier sets.
+    // A reload keeps a mapping removed from the file: the command's block maps the raw
+    // subjects onto themselves instead.
+    let report =
+        reshard_with_reload(&mut nats, &js, 1, Some(names(1).unsharded_mapping_config())).await;
+    assert_eq!(report["toShards"], 1, "{report:#}");
+    assert_eq!(report["sealed"], json!(names(2).raw_streams), "{report:#}");
+    let base = report["base"].as_u64().unwrap_or(0);
+    assert_eq!(
+        base,
+        2 * collab_projector::config::GENERATION_SPAN,
+        "{report:#}"
+    );
+    for (key, (s, b)) in phase(2) {
+        publish(&js, s, b, &log).await;
+        wanted.entry(key).or_default().push(2);
+    }
+    let raw = js
+        .get_stream("COLLAB_RAW")
+        .await
+        .expect("COLLAB_RAW")
+        .cached_info()
+        .clone();
+    assert!(raw.state.first_sequence >= base, "{:?}", raw.state);
+
+    // Every update of every phase projected once, in order, from the stream that held it.
+    let inputs = log.lock().map(|l| l.inputs).unwrap_or(0);
+    wait_for("every update is projected", || {
+        let js = js.clone();
+        async move {
+            let p = crate::pipeline::read_all(&js, "COLLAB_PROJ", "collab.proj.*.*.*.task.updated")
+                .await;
+            (p.len() >= inputs).then_some(())
+        }
+    })
+    .await;
+    let projected =
+        crate::pipeline::read_all(&js, "COLLAB_PROJ", "collab.proj.*.*.*.task.updated").await;
+    let mut seen: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    let mut from: BTreeSet<String> = BTreeSet::new();
+    for m in &projected {
+        let body: Value = serde_json::from_slice(&m.payload).unwrap_or(Value::Null);
+        let key = m.subject.split('.').nth(4).unwrap_or_default().to_string();
+        seen.entry(key).or_default().extend(
+            body["payload"]["n"]
+                .as_u64()
+                .or_else(|| body["payload"]["data"]["n"].as_u64()),
+        );
+        let id = m.header("Nats-Msg-Id").unwrap_or_default();
+        from.insert(id.split(':').next().unwrap_or_default().to_string());
+    }
+    assert_eq!(seen, wanted, "updates lost, doubled or out of order");
+    assert!(
+        from.contains("COLLAB_RAW_0OF2") && from.contains("COLLAB_RAW"),
+        "{from:?}"
+    );
+    worker.sigterm();
+    worker.wait_exit(Duration::from_secs(30)).await;
+}
