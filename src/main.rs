@@ -851,6 +851,11 @@ async fn reshard(args: ReshardArgs) -> anyhow::Result<()> {
     .await?;
     if args.json {
         telemetry::say(&serde_json::to_string(&done)?);
+    } else if done.from_shards == done.to_shards {
+        telemetry::say(&format!(
+            "raw traffic is in {} stream(s) already: nothing to do",
+            done.to_shards
+        ));
     } else {
         telemetry::say(&format!(
             "resharded: {} -> {} raw streams (new sequences from {}); mapping live after {:.1}s; {} inputs were left in the sealed streams, every partition moved {:.1}s after the seal. `collab-projector reshard --drop-sealed` removes the sealed streams once nothing needs them (audits and reprojections read them)",

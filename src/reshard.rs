@@ -102,6 +102,11 @@ pub async fn reshard(
     wait: Duration,
     mut step: impl FnMut(Step),
 ) -> Result<Resharded, ReshardError> {
+    let mut wanted = settings.clone();
+    wanted.nats.shards = count;
+    wanted
+        .validate()
+        .map_err(|e| ReshardError::Refused(e.to_string()))?;
     let (_client, js) = crate::bus::connect_as(settings, "collab-projector reshard").await?;
     let mut settings = settings.clone();
     settings.nats.version.clear();
@@ -115,19 +120,21 @@ pub async fn reshard(
     // The streams on the server say how many there are now, whatever nats.shards says.
     settings.nats.shards = newest.shards;
     provision::adopt_layout(&js, &mut settings).await?;
-    let mut wanted = settings.clone();
-    wanted.nats.shards = count;
-    wanted
-        .validate()
-        .map_err(|e| ReshardError::Refused(e.to_string()))?;
     let open: Vec<&Generation> = found.iter().filter(|g| !g.sealed).collect();
     // The set raw traffic goes to now (the one to seal), and the set it moves to.
     let (current, target, resumed) = match open.as_slice() {
+        // Done already (a command run again after it finished): nothing to do.
         [only] if only.shards == count && *only == &newest => {
-            return Err(ReshardError::Refused(format!(
-                "raw traffic is in {count} stream(s) already ({}): nothing to do",
-                only.streams.join(", ")
-            )))
+            return Ok(Resharded {
+                from_shards: count,
+                to_shards: count,
+                created: Vec::new(),
+                sealed: Vec::new(),
+                base: only.base,
+                mapping_wait_s: 0.0,
+                left_at_seal: 0,
+                move_s: 0.0,
+            });
         }
         [only] => {
             if *only != &newest {

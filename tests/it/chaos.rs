@@ -2438,13 +2438,7 @@ async fn reshard(p: &Profile, seed: u64) -> Report {
     bed.fleet.spawn(0);
     match tokio::time::timeout(p.guard, command.wait_with_output()).await {
         Ok(Ok(out)) if out.status.success() => {
-            let report: serde_json::Value = serde_json::from_slice(
-                out.stdout
-                    .split(|b| *b == b'\n')
-                    .rfind(|l| l.starts_with(b"{"))
-                    .unwrap_or_default(),
-            )
-            .unwrap_or_default();
+            let report = crate::reshard::json_report(&out.stdout).unwrap_or_default();
             bed.notes.push(format!(
                 "reshard 2 -> 4: mapping reloaded at {reloaded:.1}s, live {:.1}s after the command started; {} inputs unread in the sealed streams at the seal; every partition on the new streams {:.1}s after it",
                 report["mappingWaitS"].as_f64().unwrap_or(-1.0),

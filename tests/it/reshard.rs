@@ -173,58 +173,9 @@ async fn a_running_deployment_moves_from_two_raw_streams_to_four_losing_doubling
     }
     tokio::time::sleep(Duration::from_secs(2)).await;
 
-    // The reshard: it creates the four streams, then waits for the mapping.
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_collab-projector"));
-    cmd.args([
-        "reshard",
-        "--count",
-        "4",
-        "--wait",
-        "90s",
-        "--json",
-        "--nats-url",
-        &url,
-    ])
-    .envs(env)
-    .stdout(std::process::Stdio::piped())
-    .stderr(std::process::Stdio::piped())
-    .kill_on_drop(true);
-    let resharding = cmd.spawn().expect("could not run collab-projector reshard");
-    wait_for("the reshard created the four new streams", || {
-        let js = js.clone();
-        let streams = four.raw_streams.clone();
-        async move {
-            for s in &streams {
-                js.get_stream(s).await.ok()?;
-            }
-            Some(())
-        }
-    })
-    .await;
-    // Traffic still goes to the old streams until the operator moves the mapping.
-    tokio::time::sleep(Duration::from_secs(1)).await;
-    nats.local()
-        .expect("a local nats-server")
-        .reconfigure(four.shard_mapping_config())
-        .await
-        .expect("reloading the server with the new mapping");
-    let out = tokio::time::timeout(GUARD, resharding.wait_with_output())
-        .await
-        .expect("the reshard did not finish")
-        .expect("the reshard's output");
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "reshard failed: {said}");
-    let report: Value = serde_json::from_slice(
-        out.stdout
-            .split(|b| *b == b'\n')
-            .rfind(|l| l.starts_with(b"{"))
-            .unwrap_or_default(),
-    )
-    .unwrap_or_else(|e| panic!("no JSON report ({e}): {said}"));
+    // The reshard: it creates the four streams, waits for the mapping the operator reloads,
+    // seals the old streams and waits for the partitions.
+    let report = reshard_with_reload(&mut nats, &js, 4, four.shard_mapping_config()).await;
     assert_eq!(report["fromShards"], 2, "{report:#}");
     assert_eq!(report["toShards"], 4, "{report:#}");
     assert_eq!(report["sealed"], json!(two.raw_streams), "{report:#}");
@@ -294,31 +245,10 @@ async fn a_running_deployment_moves_from_two_raw_streams_to_four_losing_doubling
     assert_eq!(seen, tasks, "task updates lost, doubled or out of order");
 
     // One response per turn, the ones open across the move answered by their real reply.
-    let responses = wait_for("every turn has its response", || {
-        let js = js.clone();
-        async move {
-            let r = crate::pipeline::read_all(
-                &js,
-                "COLLAB_PROJ",
-                "collab.proj.conversation.main.*.a2a.response",
-            )
-            .await;
-            (r.len() >= turns).then_some(r)
-        }
-    })
-    .await;
-    let mut per_conv: BTreeMap<String, Vec<Value>> = BTreeMap::new();
-    for m in &responses {
-        let conv = m.subject.split('.').nth(4).unwrap_or_default().to_string();
-        let body: Value = serde_json::from_slice(&m.payload).unwrap_or(Value::Null);
-        per_conv.entry(conv).or_default().push(body);
-    }
-    assert_eq!(per_conv.len(), turns, "{per_conv:#?}");
-    for (conv, rs) in &per_conv {
-        assert_eq!(rs.len(), 1, "{conv}: {rs:#?}");
+    for (conv, response) in crate::shards::one_response_per_turn(&js, turns).await {
         let i: usize = conv.trim_start_matches("conv-").parse().unwrap_or(0);
-        let blocked = rs[0]["payload"]["outcome"] == "blocked";
-        assert_eq!(blocked, i < turns / 2 && i % 4 == 0, "{conv}: {:#}", rs[0]);
+        let blocked = response["payload"]["outcome"] == "blocked";
+        assert_eq!(blocked, i < turns / 2 && i % 4 == 0, "{conv}: {response:#}");
     }
 
     // The workers said why their partitions restarted.
@@ -419,13 +349,15 @@ async fn reshard_with_reload(
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(out.status.success(), "reshard to {count} failed: {said}");
-    serde_json::from_slice(
-        out.stdout
-            .split(|b| *b == b'\n')
-            .rfind(|l| l.starts_with(b"{"))
-            .unwrap_or_default(),
-    )
-    .unwrap_or_else(|e| panic!("no JSON report ({e}): {said}"))
+    json_report(&out.stdout).unwrap_or_else(|| panic!("no JSON report: {said}"))
+}
+
+/// The last line of a command's standard output that is a JSON object (its `--json` report).
+pub(crate) fn json_report(stdout: &[u8]) -> Option<Value> {
+    let line = stdout
+        .split(|b| *b == b'\n')
+        .rfind(|l| l.starts_with(b"{"))?;
+    serde_json::from_slice(line).ok()
 }
 
 #[tokio::test]

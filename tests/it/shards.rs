@@ -61,6 +61,41 @@ async fn audited(
     .await
 }
 
+/// Each of `turns` conversations' one `a2a.response` (conversation -> its body), once every turn
+/// has one; panics when a conversation has none or more than one.
+pub(crate) async fn one_response_per_turn(
+    js: &jetstream::Context,
+    turns: usize,
+) -> BTreeMap<String, Value> {
+    let responses = wait_for("every turn has its response", || {
+        let js = js.clone();
+        async move {
+            let r = crate::pipeline::read_all(
+                &js,
+                "COLLAB_PROJ",
+                "collab.proj.conversation.main.*.a2a.response",
+            )
+            .await;
+            (r.len() >= turns).then_some(r)
+        }
+    })
+    .await;
+    let mut per_conv: BTreeMap<String, Vec<Value>> = BTreeMap::new();
+    for m in &responses {
+        let conv = m.subject.split('.').nth(4).unwrap_or_default().to_string();
+        let body: Value = serde_json::from_slice(&m.payload).unwrap_or(Value::Null);
+        per_conv.entry(conv).or_default().push(body);
+    }
+    assert_eq!(per_conv.len(), turns, "{per_conv:#?}");
+    per_conv
+        .into_iter()
+        .map(|(conv, mut rs)| {
+            assert_eq!(rs.len(), 1, "{conv}: {rs:#?}");
+            (conv, rs.remove(0))
+        })
+        .collect()
+}
+
 /// `collab-projector ARGS` to its end with `envs`: (success, stdout, stderr).
 fn run(args: &[&str], envs: &[(&str, &str)]) -> (bool, String, String) {
     let out = Command::new(env!("CARGO_BIN_EXE_collab-projector"))
@@ -269,31 +304,10 @@ async fn sharded_raw_traffic_is_projected_from_every_shard_with_one_response_per
     }
 
     // Exactly one response per turn: the reply, or a blocked outcome for the unanswered ones.
-    let responses = wait_for("every turn has its response", || {
-        let js = js.clone();
-        async move {
-            let r = crate::pipeline::read_all(
-                &js,
-                "COLLAB_PROJ",
-                "collab.proj.conversation.main.*.a2a.response",
-            )
-            .await;
-            (r.len() >= turns).then_some(r)
-        }
-    })
-    .await;
-    let mut per_conv: BTreeMap<String, Vec<Value>> = BTreeMap::new();
-    for m in &responses {
-        let conv = m.subject.split('.').nth(4).unwrap_or_default().to_string();
-        let body: Value = serde_json::from_slice(&m.payload).unwrap_or(Value::Null);
-        per_conv.entry(conv).or_default().push(body);
-    }
-    assert_eq!(per_conv.len(), turns, "{per_conv:#?}");
-    for (conv, rs) in &per_conv {
-        assert_eq!(rs.len(), 1, "{conv}: {rs:#?}");
+    for (conv, response) in one_response_per_turn(&js, turns).await {
         let i: usize = conv.trim_start_matches("conv-").parse().unwrap_or(0);
-        let blocked = rs[0]["payload"]["outcome"] == "blocked";
-        assert_eq!(blocked, i % 4 == 0, "{conv}: {:#}", rs[0]);
+        let blocked = response["payload"]["outcome"] == "blocked";
+        assert_eq!(blocked, i % 4 == 0, "{conv}: {response:#}");
     }
 
     // Reprojection reads every shard and reproduces the projections byte for byte.
