@@ -34,14 +34,16 @@
 //! `CHAOS_DOWN_TO=<count>` (the second version's partition count)
 //! and `CHAOS_SKIP_UP=1` (no 32-partition version), `CHAOS_DUMP_TURNS=1` (print a failing
 //! version's turn bucket); `CHAOS_KILL_AFTER_MS` sets when
-//! `chaos_short_kill_while_catching_up` kills its worker.
+//! `chaos_short_kill_while_catching_up` kills its worker. `CHAOS_DUMP_REORDERS=1` prints each
+//! per-key reorder (the key, both inputs, where the projection was stored).
 //! The sharded cluster scenario (`chaos_short_cluster_node_sharded`, `cluster-node-sharded` in
 //! `chaos_full`) is the cluster-node one with raw traffic spread over four streams
 //! (`COLLAB_NATS__SHARDS=4`, every node configured with the subject mapping): the node stopped
 //! is the one leading the most raw streams, and every shard's inputs are accounted for.
-//! The reshard scenario (`chaos_short_reshard`, `reshard` in `chaos_full`) changes the number of
-//! raw streams from 2 to 4 under load with `collab-projector reshard`, reloads the server's
-//! mapping, and kills a worker as the partitions move; the checker reads all six streams.
+//! The reshard scenarios (`chaos_short_reshard` on one server, `chaos_short_reshard_cluster` on a
+//! 3-node R3 cluster; `reshard` and `reshard-cluster` in `chaos_full`) change the number of raw
+//! streams from 2 to 4 under load with `collab-projector reshard`, reload the servers' mapping,
+//! and kill a worker as the partitions move; the checker reads all six streams.
 //! Timing is printed, never asserted.
 
 use std::cmp::Reverse;
@@ -2183,6 +2185,16 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
         let last = last_seq.entry(i.key.as_str()).or_insert(0);
         if i.seq < *last {
             r.reordered += 1;
+            if std::env::var("CHAOS_DUMP_REORDERS").is_ok() {
+                eprintln!(
+                    "reorder: key {} input {} projected at {} (proj seq {}) after input {}",
+                    i.key,
+                    label(i.seq),
+                    p.stored_ms,
+                    p.seq,
+                    label(*last)
+                );
+            }
         } else {
             *last = i.seq;
         }
@@ -2370,25 +2382,30 @@ async fn repartition(p: &Profile, seed: u64, kill: bool) -> Vec<Report> {
 }
 
 /// Change the shard count under load (`collab-projector reshard`, 2 to 4 raw streams on one
-/// server): the command creates the new streams, the server's mapping is reloaded, the command
-/// seals the old streams, and a worker is killed (kill -9) as the partitions move to the new
-/// ones and started again (with `nats.shards` still 2: it reads the newest streams). Every input
-/// of both sets is checked.
-async fn reshard(p: &Profile, seed: u64) -> Report {
+/// server, or on a 3-node cluster with every stream R3): the command creates the new streams,
+/// the server's mapping is reloaded (on every node), the command seals the old streams, and a
+/// worker is killed (kill -9) as the partitions move to the new ones and started again (with
+/// `nats.shards` still 2: it reads the newest streams). Every input of both sets is checked.
+async fn reshard(p: &Profile, seed: u64, cluster: bool) -> Report {
     let (from, to) = (RawStreams::new(2), RawStreams::new(4));
-    let nats =
-        TestNats::start_with_config(from.names.shard_mapping_config().unwrap_or_default()).await;
-    let mut bed = Bed::start_on(
-        "reshard",
-        p,
-        Broker::Single(nats),
-        2,
-        2,
-        &[],
-        false,
-        Vec::new(),
-    )
-    .await;
+    let mut bed = if cluster {
+        Bed::start_sharded_cluster("reshard-cluster", p, 2, 3).await
+    } else {
+        let nats =
+            TestNats::start_with_config(from.names.shard_mapping_config().unwrap_or_default())
+                .await;
+        Bed::start_on(
+            "reshard",
+            p,
+            Broker::Single(nats),
+            2,
+            2,
+            &[],
+            false,
+            Vec::new(),
+        )
+        .await
+    };
     bed.raw = RawStreams::resharded(2, 4);
     let writer = bed.writer(seed, p.timeout_ms);
     tokio::time::sleep(p.load / 3).await;
@@ -2414,14 +2431,17 @@ async fn reshard(p: &Profile, seed: u64) -> Report {
     while bed.js.get_stream(&newest).await.is_err() && Instant::now() < deadline {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    if let Broker::Single(n) = &mut bed.broker {
-        if let Some(local) = n.local() {
-            if let Err(e) = local.reconfigure(to.names.shard_mapping_config()).await {
-                bed.problems
-                    .push(format!("reloading the mapping failed: {e}"));
-            }
+    let nodes: Vec<&mut LocalNats> = match &mut bed.broker {
+        Broker::Single(n) => n.local().into_iter().collect(),
+        Broker::Cluster(nodes) => nodes.iter_mut().collect(),
+    };
+    let mut failed = Vec::new();
+    for node in nodes {
+        if let Err(e) = node.reconfigure(to.names.shard_mapping_config()).await {
+            failed.push(format!("reloading the mapping failed: {e}"));
         }
     }
+    bed.problems.extend(failed);
     let reloaded = bed.elapsed();
     let oldest = from.current().first().cloned().unwrap_or_default();
     let sealed = |js: jetstream::Context, name: String| async move {
@@ -3025,7 +3045,14 @@ async fn chaos_short_cluster_node_sharded() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_short_reshard() {
-    let report = reshard(&Profile::short(), seed("reshard")).await;
+    let report = reshard(&Profile::short(), seed("reshard"), false).await;
+    report.assert_clean();
+    assert!(report.inputs > 0, "{}: no input checked", report.scenario);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_short_reshard_cluster() {
+    let report = reshard(&Profile::short(), seed("reshard-cluster"), true).await;
     report.assert_clean();
     assert!(report.inputs > 0, "{}: no input checked", report.scenario);
 }
@@ -3165,6 +3192,7 @@ async fn chaos_full() {
         // Last, so the scenarios before them keep their seeds (`base + index`).
         "cluster-node-sharded",
         "reshard",
+        "reshard-cluster",
     ]
     .into_iter()
     .enumerate()
@@ -3181,7 +3209,8 @@ async fn chaos_full() {
             "server-restart" => server_restart(&p, s).await,
             "cluster-node" => cluster_node(&p, s, 1).await,
             "cluster-node-sharded" => cluster_node(&p, s, 4).await,
-            "reshard" => reshard(&p, s).await,
+            "reshard" => reshard(&p, s, false).await,
+            "reshard-cluster" => reshard(&p, s, true).await,
             "oversize" => oversize(&p, s).await,
             "deleted-consumer" => deleted_consumer(&p, s).await,
             "regressed-consumer" => regressed_consumer(&p, s).await,
