@@ -1731,7 +1731,17 @@ mod tests {
             n.input_of_msg_id("COLLAB_RAW_2OF4:41:0"),
             Some(("COLLAB_RAW_2OF4", 41))
         );
-        assert_eq!(n.input_of_msg_id("COLLAB_RAW:41:0"), None);
+        // Any raw stream name of the prefix, not only the current ones: after a reshard an
+        // output's input may be in an earlier set (`COLLAB_RAW` before the shards, here).
+        assert_eq!(
+            n.input_of_msg_id("COLLAB_RAW:41:0"),
+            Some(("COLLAB_RAW", 41))
+        );
+        assert_eq!(
+            n.input_of_msg_id("COLLAB_RAW_1OF8:7:dlq"),
+            Some(("COLLAB_RAW_1OF8", 7))
+        );
+        assert_eq!(n.input_of_msg_id("COLLAB_PROJ:41:0"), None);
         assert_eq!(n.input_of_msg_id("turn:c1:4"), None);
     }
 
