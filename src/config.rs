@@ -998,9 +998,7 @@ impl Settings {
     pub fn names(&self) -> Names {
         let mut n = Names::versioned(&self.nats.prefix, &self.nats.version);
         n.raw_depth = self.layout().depth();
-        n.set_shards(self.nats.shards);
-        n.earlier.clone_from(&self.nats.earlier);
-        n.raw_base = self.nats.raw_base;
+        n.set_raw_sets(self.nats.shards, self.nats.raw_base, &self.nats.earlier);
         n
     }
 
@@ -1122,6 +1120,12 @@ impl Names {
                 .collect()
         }
     }
+    /// Raw traffic in `shards` streams from sequence `base` on, after the `earlier` sets.
+    pub fn set_raw_sets(&mut self, shards: u16, base: u64, earlier: &[RawGen]) {
+        self.set_shards(shards);
+        self.raw_base = base;
+        self.earlier = earlier.to_vec();
+    }
     /// The shard count a raw stream's name gives (`<PREFIX>_RAW` 1, `<PREFIX>_RAW_<i>OF<k>`
     /// `k`) with its index; `None` for any other name.
     pub fn shard_of_stream_name(&self, name: &str) -> Option<(u16, u16)> {
@@ -1205,10 +1209,7 @@ impl Names {
     /// The raw stream partition `p` reads (every count of partitions is a multiple of the
     /// shard count, so a partition's keys are all in one shard).
     pub fn raw_stream_of(&self, p: u16) -> &str {
-        let i = usize::from(p) % self.raw_streams.len().max(1);
-        self.raw_streams
-            .get(i)
-            .map_or(self.raw_stream.as_str(), String::as_str)
+        nth_of(&self.raw_streams, usize::from(p)).unwrap_or(self.raw_stream.as_str())
     }
     /// Subjects producers publish to.
     pub fn raw_subjects(&self) -> String {
@@ -1264,8 +1265,7 @@ impl Names {
     /// Which raw stream (index into [`Names::raw_streams`]) stores `key`'s events: the same
     /// hash the server's mapping uses.
     pub fn shard_of_key(&self, key: &str) -> usize {
-        let k = u32::try_from(self.raw_streams.len().max(1)).unwrap_or(1);
-        usize::try_from(transform_partition(key.as_bytes(), k)).unwrap_or(0)
+        shard_of_key_among(key, self.raw_streams.len())
     }
     /// The raw stream and sequence of the input an output's Msg-Id names
     /// (`<stream>:<seq>:<n>`), if it names one of these raw streams.
@@ -1347,15 +1347,23 @@ pub struct RawGen {
 impl RawGen {
     /// The stream partition (or shard index) `i` of this set reads.
     pub fn stream_of(&self, i: usize) -> &str {
-        self.streams
-            .get(i % self.streams.len().max(1))
-            .map_or("", String::as_str)
+        nth_of(&self.streams, i).unwrap_or("")
     }
     /// The index of the stream holding `key`.
     pub fn shard_of_key(&self, key: &str) -> usize {
-        let k = u32::try_from(self.streams.len().max(1)).unwrap_or(1);
-        usize::try_from(transform_partition(key.as_bytes(), k)).unwrap_or(0)
+        shard_of_key_among(key, self.streams.len())
     }
+}
+
+/// The stream partition (or shard index) `i` reads among `streams`: the `i % len`-th.
+fn nth_of(streams: &[String], i: usize) -> Option<&str> {
+    streams.get(i % streams.len().max(1)).map(String::as_str)
+}
+
+/// The index, among `count` raw streams, of the one holding `key`: the server's mapping's hash.
+fn shard_of_key_among(key: &str, count: usize) -> usize {
+    let k = u32::try_from(count.max(1)).unwrap_or(1);
+    usize::try_from(transform_partition(key.as_bytes(), k)).unwrap_or(0)
 }
 
 /// `(role, key, type)` of a projection subject's part after `<prefix>.proj.`, the inverse of

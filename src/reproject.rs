@@ -446,8 +446,6 @@ pub use drive::*;
 /// The names of the deployment a version is compared with.
 pub fn live_names(s: &Settings) -> Names {
     let mut n = Names::new(&s.nats.prefix);
-    n.set_shards(s.nats.shards);
-    n.earlier.clone_from(&s.nats.earlier);
-    n.raw_base = s.nats.raw_base;
+    n.set_raw_sets(s.nats.shards, s.nats.raw_base, &s.nats.earlier);
     n
 }

@@ -144,10 +144,11 @@ pub async fn reshard(
                     only.streams.join(", ")
                 )));
             }
+            let wanted_names = settings.names().shard_stream_names(count);
             let taken: Vec<&str> = found
                 .iter()
                 .flat_map(|g| g.streams.iter())
-                .filter(|s| settings.names().shard_stream_names(count).contains(s))
+                .filter(|s| wanted_names.contains(s))
                 .map(String::as_str)
                 .collect();
             if !taken.is_empty() {
@@ -194,9 +195,8 @@ pub async fn reshard(
     let mapping_wait_s = started.elapsed().as_secs_f64();
 
     let partitions = settings.nats.partitions;
-    let consumers: Vec<String> = (0..partitions)
-        .map(|p| settings.names().consumer_name(p))
-        .collect();
+    let names = settings.names();
+    let consumers: Vec<String> = (0..partitions).map(|p| names.consumer_name(p)).collect();
     let mut sealed = Vec::new();
     for name in &current.streams {
         generations::seal(&js, name).await?;
@@ -207,8 +207,12 @@ pub async fn reshard(
     });
     let sealed_at = Instant::now();
     let mut left_at_seal = None;
+    let (old, new) = (
+        handles(&js, &current.streams).await?,
+        handles(&js, &target.streams).await?,
+    );
     loop {
-        let (moved, left) = moved_past(&js, (&current, &target), &consumers).await?;
+        let (moved, left) = moved_past((&old, &new), &consumers).await?;
         left_at_seal.get_or_insert(left);
         step(Step::Moving {
             moved,
@@ -324,43 +328,63 @@ async fn wait_for_mapping(
     }
 }
 
-/// How many of the partitions have moved past `set`: read it to its end (their consumer there
-/// has nothing pending or unacknowledged) and read the set after it (`next`: their consumer
-/// there is being pulled from, or has delivered); and the inputs left in `set`.
-async fn moved_past(
+/// The streams named `names`, looked up once.
+async fn handles(
     js: &jetstream::Context,
-    (set, next): (&Generation, &Generation),
+    names: &[String],
+) -> Result<Vec<jetstream::stream::Stream>, ReshardError> {
+    let mut out = Vec::with_capacity(names.len());
+    for name in names {
+        out.push(
+            js.get_stream(name)
+                .await
+                .map_err(|e| api(format!("stream {name}"), e))?,
+        );
+    }
+    Ok(out)
+}
+
+/// How many of the partitions have moved past the `old` streams: read them to their end (their
+/// consumer there has nothing pending or unacknowledged) and read the `new` ones (their consumer
+/// there is being pulled from, or has delivered); and the inputs left in `old`. Partition `p`
+/// reads stream `p % len` of each.
+async fn moved_past(
+    (old, new): (&[jetstream::stream::Stream], &[jetstream::stream::Stream]),
     consumers: &[String],
 ) -> Result<(u16, u64), ReshardError> {
     use jetstream::context::ConsumerInfoErrorKind;
+    let nth = |streams: &[jetstream::stream::Stream], p: usize| {
+        streams
+            .get(p % streams.len().max(1))
+            .cloned()
+            .ok_or_else(|| ReshardError::Refused("a set of raw streams has no stream".into()))
+    };
     let mut moved = 0u16;
     let mut left = 0u64;
     for (p, consumer) in consumers.iter().enumerate() {
-        let old = set.as_raw_gen().stream_of(p).to_string();
-        let stream = js
-            .get_stream(&old)
-            .await
-            .map_err(|e| api(format!("stream {old}"), e))?;
+        let stream = nth(old, p)?;
         let here = match stream.consumer_info(consumer).await {
             Ok(c) => c.num_pending + u64::try_from(c.num_ack_pending).unwrap_or(0),
             // A partition that never read this set has nothing there.
             Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => 0,
-            Err(e) => return Err(api(format!("consumer {old}/{consumer}"), e)),
+            Err(e) => {
+                let name = &stream.cached_info().config.name;
+                return Err(api(format!("consumer {name}/{consumer}"), e));
+            }
         };
         left += here;
         if here > 0 {
             continue;
         }
-        let new = next.as_raw_gen().stream_of(p).to_string();
-        let stream = js
-            .get_stream(&new)
-            .await
-            .map_err(|e| api(format!("stream {new}"), e))?;
+        let stream = nth(new, p)?;
         match stream.consumer_info(consumer).await {
             Ok(c) if c.num_waiting > 0 || c.delivered.consumer_sequence > 0 => moved += 1,
             Ok(_) => {}
             Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => {}
-            Err(e) => return Err(api(format!("consumer {new}/{consumer}"), e)),
+            Err(e) => {
+                let name = &stream.cached_info().config.name;
+                return Err(api(format!("consumer {name}/{consumer}"), e));
+            }
         }
     }
     Ok((moved, left))

@@ -90,16 +90,12 @@ pub async fn read(js: &jetstream::Context, base: &Names) -> Result<Option<Switch
 
 /// The control bucket, `None` when it does not exist.
 async fn open(js: &jetstream::Context, base: &Names) -> Result<Option<kv::Store>, Source> {
-    use jetstream::context::GetStreamErrorKind;
     let bucket = control_bucket(base);
     if let Err(e) = js.get_stream(format!("KV_{bucket}")).await {
-        return match e.kind() {
-            GetStreamErrorKind::JetStream(j)
-                if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
-            {
-                Ok(None)
-            }
-            _ => Err(e.into()),
+        return if crate::bus::error::stream_not_found(&e) {
+            Ok(None)
+        } else {
+            Err(e.into())
         };
     }
     Ok(Some(js.get_key_value(&bucket).await?))

@@ -7,6 +7,13 @@ use super::publish::Failure;
 /// The error a bus operation failed with, as the client library gave it.
 pub type Source = Box<dyn std::error::Error + Send + Sync + 'static>;
 
+/// Whether the server answered that the stream does not exist (by its error code; no answer,
+/// no permission and the like are other errors).
+pub fn stream_not_found(e: &async_nats::jetstream::context::GetStreamError) -> bool {
+    use async_nats::jetstream::{context::GetStreamErrorKind, ErrorCode};
+    matches!(e.kind(), GetStreamErrorKind::JetStream(j) if j.error_code() == ErrorCode::STREAM_NOT_FOUND)
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     /// A step the partition needs before it can run failed (a stream, a consumer, a bucket, a

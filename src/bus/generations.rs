@@ -139,9 +139,8 @@ pub fn adopt(settings: &mut Settings, found: &[Generation]) {
 pub fn with_generations(names: &Names, found: &[Generation]) -> Names {
     let mut n = names.clone();
     if let Some((newest, earlier)) = found.split_last() {
-        n.set_shards(newest.shards);
-        n.raw_base = newest.base;
-        n.earlier = earlier.iter().map(Generation::as_raw_gen).collect();
+        let earlier: Vec<RawGen> = earlier.iter().map(Generation::as_raw_gen).collect();
+        n.set_raw_sets(newest.shards, newest.base, &earlier);
     }
     n
 }

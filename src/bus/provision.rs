@@ -597,16 +597,9 @@ async fn find_stream(
     name: &str,
     label: &str,
 ) -> Result<Option<stream::Stream>, ProvisionError> {
-    use jetstream::context::GetStreamErrorKind;
     match js.get_stream(name).await {
         Ok(s) => Ok(Some(s)),
-        Err(e) => match e.kind() {
-            GetStreamErrorKind::JetStream(j)
-                if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
-            {
-                Ok(None)
-            }
-            _ => Err(api(label, e)),
-        },
+        Err(e) if super::error::stream_not_found(&e) => Ok(None),
+        Err(e) => Err(api(label, e)),
     }
 }

@@ -83,13 +83,7 @@ pub(crate) async fn sweep(
         raw,
         stream: stream_name,
     } = shard;
-    let shards = raw
-        .earlier
-        .iter()
-        .find(|g| g.streams.contains(&stream_name))
-        .map_or(raw.shards(), |g| {
-            u16::try_from(g.streams.len()).unwrap_or(u16::MAX)
-        });
+    let shards = raw.shard_of_stream_name(&stream_name).map_or(1, |(_, k)| k);
     if shards <= 1 || p >= shards {
         return;
     }

@@ -1319,12 +1319,7 @@ impl PartitionTurns {
             let stream = match shared.js.get_stream(stream_name).await {
                 Ok(stream) => stream,
                 // Sealed streams dropped since (`reshard --drop-sealed`): what they held is gone.
-                Err(e)
-                    if matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(j)
-                        if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
-                {
-                    continue
-                }
+                Err(e) if super::error::stream_not_found(&e) => continue,
                 Err(e) => return Err(kv_err(Box::new(e))),
             };
             // A named reader, deleted once read: readers left to expire by themselves pile up

@@ -86,13 +86,7 @@ async fn raw_stream(
                 Ok(stream) => stream,
                 // An earlier set dropped since this process looked (`reshard --drop-sealed`
                 // drops only sets every partition has read).
-                Err(e)
-                    if !newest
-                        && matches!(e.kind(), jetstream::context::GetStreamErrorKind::JetStream(j)
-                            if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
-                {
-                    continue
-                }
+                Err(e) if !newest && super::error::stream_not_found(&e) => continue,
                 Err(e) => {
                     return Err(WorkerError::setup(
                         p,
