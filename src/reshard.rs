@@ -206,31 +206,11 @@ pub async fn reshard(
         streams: sealed.clone(),
     });
     let sealed_at = Instant::now();
-    let mut left_at_seal = None;
     let (old, new) = (
         handles(&js, &current.streams).await?,
         handles(&js, &target.streams).await?,
     );
-    loop {
-        let (moved, left) = moved_past((&old, &new), &consumers).await?;
-        left_at_seal.get_or_insert(left);
-        step(Step::Moving {
-            moved,
-            partitions,
-            left,
-        });
-        if moved == partitions {
-            break;
-        }
-        if sealed_at.elapsed() > wait {
-            return Err(ReshardError::TimedOut(format!(
-                "{} of {partitions} partitions have not read the sealed streams to their end after {:?} ({left} inputs left): are the workers running? Run the same command again to keep waiting",
-                partitions - moved,
-                wait
-            )));
-        }
-        tokio::time::sleep(POLL).await;
-    }
+    let left_at_seal = wait_for_move((&old, &new), &consumers, sealed_at, wait, &mut step).await?;
     Ok(Resharded {
         from_shards: current.shards,
         to_shards: count,
@@ -242,9 +222,55 @@ pub async fn reshard(
         sealed,
         base: target.base,
         mapping_wait_s,
-        left_at_seal: left_at_seal.unwrap_or(0),
+        left_at_seal,
         move_s: sealed_at.elapsed().as_secs_f64(),
     })
+}
+
+/// Poll the partitions until every one has moved past the sealed `old` streams, within `wait`
+/// of the seal; the inputs that were left in them at the first poll.
+async fn wait_for_move(
+    (old, new): (&[jetstream::stream::Stream], &[jetstream::stream::Stream]),
+    consumers: &[String],
+    sealed_at: Instant,
+    wait: Duration,
+    step: &mut impl FnMut(Step),
+) -> Result<u64, ReshardError> {
+    let partitions = u16::try_from(consumers.len()).unwrap_or(u16::MAX);
+    let mut left_at_seal = None;
+    loop {
+        let (moved, left) = match moved_past((old, new), consumers).await {
+            Ok(counts) => counts,
+            // A look-up the server did not answer in time (a loaded or electing cluster) is
+            // asked again at the next poll, within the same wait.
+            Err(Lookup {
+                error,
+                unanswered: true,
+            }) if sealed_at.elapsed() <= wait => {
+                tracing::warn!(%error, "a consumer look-up went unanswered; asking again");
+                tokio::time::sleep(POLL).await;
+                continue;
+            }
+            Err(Lookup { error, .. }) => return Err(error),
+        };
+        left_at_seal.get_or_insert(left);
+        step(Step::Moving {
+            moved,
+            partitions,
+            left,
+        });
+        if moved == partitions {
+            return Ok(left_at_seal.unwrap_or(0));
+        }
+        if sealed_at.elapsed() > wait {
+            return Err(ReshardError::TimedOut(format!(
+                "{} of {partitions} partitions have not read the sealed streams to their end after {:?} ({left} inputs left): are the workers running? Run the same command again to keep waiting",
+                partitions - moved,
+                wait
+            )));
+        }
+        tokio::time::sleep(POLL).await;
+    }
 }
 
 /// Create the `count` raw streams of a new set starting at sequence `base`, with the current
@@ -351,43 +377,61 @@ async fn handles(
 async fn moved_past(
     (old, new): (&[jetstream::stream::Stream], &[jetstream::stream::Stream]),
     consumers: &[String],
-) -> Result<(u16, u64), ReshardError> {
-    use jetstream::context::ConsumerInfoErrorKind;
+) -> Result<(u16, u64), Lookup> {
+    use jetstream::context::{ConsumerInfoError, ConsumerInfoErrorKind};
     let nth = |streams: &[jetstream::stream::Stream], p: usize| {
         streams
             .get(p % streams.len().max(1))
             .cloned()
             .ok_or_else(|| ReshardError::Refused("a set of raw streams has no stream".into()))
     };
+    let failed = |stream: &jetstream::stream::Stream, consumer: &str, e: ConsumerInfoError| {
+        let name = &stream.cached_info().config.name;
+        Lookup {
+            unanswered: matches!(
+                e.kind(),
+                ConsumerInfoErrorKind::TimedOut
+                    | ConsumerInfoErrorKind::Request
+                    | ConsumerInfoErrorKind::NoResponders
+                    | ConsumerInfoErrorKind::Offline
+            ),
+            error: api(format!("consumer {name}/{consumer}"), e),
+        }
+    };
+    let refused = |error| Lookup {
+        error,
+        unanswered: false,
+    };
     let mut moved = 0u16;
     let mut left = 0u64;
     for (p, consumer) in consumers.iter().enumerate() {
-        let stream = nth(old, p)?;
+        let stream = nth(old, p).map_err(refused)?;
         let here = match stream.consumer_info(consumer).await {
             Ok(c) => c.num_pending + u64::try_from(c.num_ack_pending).unwrap_or(0),
             // A partition that never read this set has nothing there.
             Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => 0,
-            Err(e) => {
-                let name = &stream.cached_info().config.name;
-                return Err(api(format!("consumer {name}/{consumer}"), e));
-            }
+            Err(e) => return Err(failed(&stream, consumer, e)),
         };
         left += here;
         if here > 0 {
             continue;
         }
-        let stream = nth(new, p)?;
+        let stream = nth(new, p).map_err(refused)?;
         match stream.consumer_info(consumer).await {
             Ok(c) if c.num_waiting > 0 || c.delivered.consumer_sequence > 0 => moved += 1,
             Ok(_) => {}
             Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => {}
-            Err(e) => {
-                let name = &stream.cached_info().config.name;
-                return Err(api(format!("consumer {name}/{consumer}"), e));
-            }
+            Err(e) => return Err(failed(&stream, consumer, e)),
         }
     }
     Ok((moved, left))
+}
+
+/// A partition look-up of [`moved_past`] that failed; `unanswered`: the server did not answer
+/// (timed out, no responder, the consumer's replicas offline), which waiting may heal.
+struct Lookup {
+    error: ReshardError,
+    unanswered: bool,
 }
 
 /// What `--drop-sealed` removed.
