@@ -94,6 +94,7 @@ fn normalize(c: &mut Criterion) {
         stored_at: chrono::Utc::now(),
         delivered: 1,
         headers: None,
+        producer: Default::default(),
     };
     c.bench_function("pipeline::project a2a.send", |b| {
         b.iter(|| pipeline::project(black_box(&raw), &names, &s, 10))
@@ -117,6 +118,7 @@ fn normalize(c: &mut Criterion) {
         let raw = RawMessage {
             bytes,
             stored_subject: subject,
+            producer: Default::default(),
             ..raw
         };
         let stored = pipeline::project(&raw, &names, &s, 10)

@@ -1181,6 +1181,7 @@ async fn throughput_naive(env: &Env, opts: &BenchOptions) -> Result<ThroughputRe
             stored_at: info.published,
             delivered: info.delivered,
             headers: None,
+            producer: Default::default(),
         };
         for out in pipeline::project(&raw, &names, &ing, settings.consumer.max_deliver) {
             let mut publish = PublishMessage::build()
@@ -1749,6 +1750,7 @@ fn core_costs(seed: u64) -> Result<CoreCosts, BenchError> {
             stored_at,
             delivered: 1,
             headers: None,
+            producer: Default::default(),
         };
         std::hint::black_box(pipeline::project(&r, &names, &ing, 10));
     }
@@ -1770,6 +1772,7 @@ fn core_costs(seed: u64) -> Result<CoreCosts, BenchError> {
             stored_at,
             delivered: 1,
             headers: None,
+            producer: Default::default(),
         };
         let Ok(events) = pipeline::normalize_raw(&r, &names, &ing, 10) else {
             continue;

@@ -82,18 +82,33 @@ pub struct Fields<'a> {
     data: Option<&'a serde_json::Map<String, Value>>,
 }
 
+/// Most members an object has for [`member`] to compare names one by one rather than hash.
+const SCAN_MEMBERS: usize = 16;
+
+/// `obj[name]`. An event's objects are small and every one is asked for dozens of names: up to
+/// [`SCAN_MEMBERS`] members, comparing names (their lengths first) costs less than hashing the
+/// name with the map's SipHash for each look-up.
+pub fn member<'a>(obj: &'a serde_json::Map<String, Value>, name: &str) -> Option<&'a Value> {
+    if obj.len() <= SCAN_MEMBERS {
+        obj.iter().find(|(k, _)| k.as_str() == name).map(|(_, v)| v)
+    } else {
+        obj.get(name)
+    }
+}
+
 impl<'a> Fields<'a> {
     pub fn new(top: &'a serde_json::Map<String, Value>) -> Self {
-        let data = top.get("data").and_then(Value::as_object);
+        let data = member(top, "data").and_then(Value::as_object);
         Fields { top, data }
     }
 
     /// The first non-null value of `name` at the top level or under `data`.
     pub fn get(&self, name: &str) -> Option<&'a Value> {
-        self.top
-            .get(name)
-            .filter(|v| !v.is_null())
-            .or_else(|| self.data.and_then(|d| d.get(name)).filter(|v| !v.is_null()))
+        member(self.top, name).filter(|v| !v.is_null()).or_else(|| {
+            self.data
+                .and_then(|d| member(d, name))
+                .filter(|v| !v.is_null())
+        })
     }
 
     pub fn str(&self, name: &str) -> Option<&'a str> {

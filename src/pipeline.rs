@@ -64,6 +64,17 @@ pub struct RawMessage<'a> {
     pub delivered: i64,
     /// Its NATS headers (a relay's `Collab-*` headers are read from them).
     pub headers: Option<&'a async_nats::HeaderMap>,
+    /// Its producer's subject ([`producer_subject`]), worked out once when first asked for
+    /// (`Default::default()` when building one).
+    pub producer: std::cell::OnceCell<String>,
+}
+
+impl RawMessage<'_> {
+    /// The subject its producer published it on (see [`producer_subject`]).
+    pub fn producer_subject(&self, names: &Names) -> &str {
+        self.producer
+            .get_or_init(|| producer_subject(names, self.stored_subject))
+    }
 }
 
 /// The producer's subject, recovered from the partitioned one: `<prefix>.in.<tokens>.<rest>`
@@ -103,7 +114,7 @@ pub fn turn_facts(
     if !enforce_roles.contains(&n.role()) {
         return None;
     }
-    let subject = producer_subject(names, raw.stored_subject);
+    let subject = raw.producer_subject(names);
     let mut facts = crate::turns::facts(
         n.source.as_deref()?,
         &n.envelope.event_type,
@@ -139,7 +150,7 @@ pub fn run_event(
         header.as_deref(),
         raw.seq,
         raw.stored_at.timestamp_millis(),
-        &producer_subject(names, raw.stored_subject),
+        raw.producer_subject(names),
     )
 }
 
@@ -243,7 +254,7 @@ fn normalize_raw_with(
     max_deliver: i64,
     streams: Option<&mut crate::redact::StreamRedactor>,
 ) -> Result<Vec<Normalized>, Rejection> {
-    let source = producer_subject(names, raw.stored_subject);
+    let source = raw.producer_subject(names).to_string();
     if max_deliver > 0 && raw.delivered >= max_deliver {
         return Err(Rejection::new(
             DlqReason::MaxDeliver,
@@ -313,7 +324,7 @@ pub fn projection(names: &Names, n: &Normalized, source_seq: u64, msg_id: String
 
 /// The dead letter for a raw message: its original bytes with the reason in headers.
 pub fn dead_letter(names: &Names, raw: &RawMessage<'_>, rejection: &Rejection) -> Outgoing {
-    let source = producer_subject(names, raw.stored_subject);
+    let source = raw.producer_subject(names).to_string();
     // Header values must be one line.
     let detail: String = rejection
         .detail
@@ -398,6 +409,7 @@ mod tests {
             stored_at: DateTime::from_timestamp_millis(1_771_329_600_000).unwrap_or_default(),
             delivered: 1,
             headers: None,
+            producer: Default::default(),
         }
     }
 

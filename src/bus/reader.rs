@@ -818,6 +818,7 @@ impl Partition<'_> {
             stored_at: info.published,
             delivered,
             headers: msg.headers.as_ref(),
+            producer: Default::default(),
         };
         let mut events = match pipeline::normalize_raw_streamed(
             &raw,

@@ -169,6 +169,7 @@ async fn sweep_filter(
             stored_at: m.time,
             delivered: 1,
             headers: Some(&m.headers),
+            producer: Default::default(),
         };
         let subject = pipeline::producer_subject(&ctx.names, &m.subject);
         let key = SubjectInfo::parse_raw(&ctx.names.raw_prefix, &subject)

@@ -1391,6 +1391,7 @@ impl PartitionTurns {
                 stored_at: info.published,
                 delivered: 1,
                 headers: msg.headers.as_ref(),
+                producer: Default::default(),
             };
             let header = msg
                 .headers
@@ -1473,6 +1474,7 @@ impl PartitionTurns {
             stored_at: msg.time,
             delivered: 1,
             headers: Some(&msg.headers),
+            producer: Default::default(),
         };
         let events = pipeline::normalize_raw(&raw, &shared.names, &shared.ingest, 0).ok()?;
         events.into_iter().next().map(|n| n.envelope)

@@ -3,7 +3,7 @@
 
 use super::adapter;
 use super::input::{check_type, Normalized, RawInput, Settings};
-use crate::classify::{self, Fields};
+use crate::classify::{self, member, Fields};
 use crate::facets;
 use crate::model::{encode_id, id_text, DlqReason, Envelope, Rejection, Role};
 use chrono::SecondsFormat;
@@ -66,28 +66,64 @@ pub fn from_event(
     input: &RawInput<'_>,
     settings: &Settings,
 ) -> Result<Normalized, Rejection> {
+    let (mut n, facets) = slots_of(obj, input, settings)?;
+    n.envelope.payload = body_of(obj);
+    finish(n, obj, &facets, settings)
+}
+
+/// As [`from_event`], for an event whose object is not kept once it is mapped (it has no turn
+/// facts to read later: not `a2a.*`): its body moves into the payload instead of being copied.
+/// The other members stay where they were, so the result is the same.
+pub fn from_event_taking(
+    obj: &mut Map<String, Value>,
+    input: &RawInput<'_>,
+    settings: &Settings,
+) -> Result<Normalized, Rejection> {
+    let (mut n, facets) = slots_of(obj, input, settings)?;
+    n.envelope.payload = take_body(obj);
+    finish(n, obj, &facets, settings)
+}
+
+/// The envelope without its payload, its key and conversation, and its facets.
+fn slots_of(
+    obj: &Map<String, Value>,
+    input: &RawInput<'_>,
+    settings: &Settings,
+) -> Result<(Normalized, facets::Facets), Rejection> {
     let fields = Fields::new(obj);
-    let event_type = obj
-        .get("type")
+    let event_type = member(obj, "type")
         .and_then(Value::as_str)
         .unwrap_or_default()
         .to_string();
     check_type(&event_type)?;
     let role = classify::classify(&event_type, &fields, &settings.main_agents)?;
     let (key, conversation_id) = event_key(&event_type, &fields, input)?;
-    let mut envelope = slotted(obj, &fields, &event_type, role, input);
-    envelope.payload = body_of(obj);
-    keep_unslotted(obj, &mut envelope);
+    let envelope = slotted(obj, &fields, &event_type, role, input);
     let status = fields.str("status");
     let failed = carries_failure(&fields, &event_type);
-    facets::apply(&mut envelope, &facets::derive(&event_type, status, failed));
-    check_depth(&envelope, settings.shape.max_depth)?;
-    Ok(Normalized {
-        envelope,
-        key,
-        conversation_id,
-        source: None,
-    })
+    let facets = facets::derive(&event_type, status, failed);
+    Ok((
+        Normalized {
+            envelope,
+            key,
+            conversation_id,
+            source: None,
+        },
+        facets,
+    ))
+}
+
+/// The members without a slot into the payload, the facets, and the depth check.
+fn finish(
+    mut n: Normalized,
+    obj: &Map<String, Value>,
+    facets: &facets::Facets,
+    settings: &Settings,
+) -> Result<Normalized, Rejection> {
+    keep_unslotted(obj, &mut n.envelope);
+    facets::apply(&mut n.envelope, facets);
+    check_depth(&n.envelope, settings.shape.max_depth)?;
+    Ok(n)
 }
 
 /// The key an event is projected under, and for `a2a.*` its conversation. For `a2a.*` the key
@@ -145,12 +181,16 @@ fn slotted(
     input: &RawInput<'_>,
 ) -> Envelope {
     let id = |name: &str| fields.get(name).cloned();
-    let str_slot = |name: &str| obj.get(name).and_then(Value::as_str).map(str::to_string);
+    let str_slot = |name: &str| {
+        member(obj, name)
+            .and_then(Value::as_str)
+            .map(str::to_string)
+    };
     let timestamp_src = fields.get("timestamp").or_else(|| fields.get("ts"));
     Envelope {
         event_type: event_type.to_string(),
         event_role: Some(role),
-        sequence: obj.get("sequence").filter(|v| !v.is_null()).cloned(),
+        sequence: member(obj, "sequence").filter(|v| !v.is_null()).cloned(),
         timestamp: timestamp_src.and_then(parse_timestamp),
         session_id: id("sessionId"),
         thread_id: id("threadId"),
@@ -170,7 +210,7 @@ fn slotted(
         persistence: str_slot("persistence"),
         topology: str_slot("topology"),
         payload: None,
-        refs: obj.get("refs").filter(|v| !v.is_null()).cloned(),
+        refs: member(obj, "refs").filter(|v| !v.is_null()).cloned(),
         raw_event_ref: input.raw_ref.clone(),
         redactions: None,
     }
@@ -185,6 +225,23 @@ fn body_of(obj: &Map<String, Value>) -> Option<Value> {
             let mut m = Map::new();
             m.insert("data".into(), data.clone());
             m.insert("payload".into(), p.clone());
+            Some(Value::Object(m))
+        }
+        (None, None) => None,
+    }
+}
+
+/// [`body_of`], moving the body out of `obj`: `data` and `payload` are slots, so what stays in
+/// their place (`null`) is never read again.
+fn take_body(obj: &mut Map<String, Value>) -> Option<Value> {
+    let mut take = |name: &str| obj.get_mut(name).map(Value::take);
+    match (take("data"), take("payload")) {
+        (Some(data), None) => Some(data),
+        (None, Some(p)) => Some(p),
+        (Some(data), Some(p)) => {
+            let mut m = Map::new();
+            m.insert("data".into(), data);
+            m.insert("payload".into(), p);
             Some(Value::Object(m))
         }
         (None, None) => None,

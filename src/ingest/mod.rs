@@ -97,15 +97,7 @@ fn normalize_unredacted(
         _ => agui::StreamStep::None,
     };
     let redactions = settings.redactor.value(&mut value);
-    let Value::Object(obj) = &value else {
-        return Err(Rejection::new(
-            DlqReason::Unrecognized,
-            format!(
-                "body is a JSON {}, not an object; publish one JSON object per message",
-                json_kind(&value)
-            ),
-        ));
-    };
+    let obj = object(&value)?;
 
     let type_suffix = input.subject.as_ref().map(|s| s.type_suffix.as_str());
     let wire = a2a_wire::is_wire(obj, type_suffix, &input.relay);
@@ -119,6 +111,19 @@ fn normalize_unredacted(
     if wire {
         return from_wire(obj, input, settings).map(|n| counted(vec![n], redactions));
     }
+    // An event with no turn to read facts from later (not `a2a.*`) keeps nothing of its object:
+    // its body moves into the envelope.
+    let kept = match obj.get("type") {
+        Some(Value::String(t)) => t.starts_with("a2a.") || agui::is_agui_type(t),
+        _ => true,
+    };
+    if !kept {
+        if let Value::Object(obj) = &mut value {
+            return event::from_event_taking(obj, input, settings)
+                .map(|n| counted(vec![n], redactions));
+        }
+    }
+    let obj = object(&value)?;
     let events = match obj.get("type") {
         Some(Value::String(t)) if agui::is_agui_type(t) => {
             let mut n = agui::from_agui(obj, t, input, settings)?;
@@ -152,6 +157,20 @@ fn normalize_unredacted(
         )),
     }?;
     Ok(with_source(counted(events, redactions), value))
+}
+
+/// The body's object, or why a body that is not one cannot be projected.
+fn object(value: &Value) -> Result<&serde_json::Map<String, Value>, Rejection> {
+    match value {
+        Value::Object(obj) => Ok(obj),
+        other => Err(Rejection::new(
+            DlqReason::Unrecognized,
+            format!(
+                "body is a JSON {}, not an object; publish one JSON object per message",
+                json_kind(other)
+            ),
+        )),
+    }
 }
 
 /// Map an A2A wire body: translate it into the collaboration event it stands for, then map

@@ -339,7 +339,9 @@ impl Redactor {
     /// are replaced together by the replacement of the one starting first (then the longer, then
     /// the rule listed first).
     pub(crate) fn spans(&self, text: &str) -> Vec<Span> {
-        let mut candidates: Vec<usize> = self.always.clone();
+        // The rules a keyword found; the keyword-less rules (`always`, never among them) run
+        // on every text, without copying their list for each one.
+        let mut candidates: Vec<usize> = Vec::new();
         if !self.keyword_rules.is_empty() {
             match &self.keyword_scan {
                 Some(scan) if text.is_ascii() => {
@@ -357,13 +359,13 @@ impl Redactor {
                 }
             }
         }
-        if candidates.is_empty() {
+        if candidates.is_empty() && self.always.is_empty() {
             return Vec::new();
         }
         candidates.sort_unstable();
         candidates.dedup();
         let mut found = Vec::new();
-        for i in candidates {
+        for &i in self.always.iter().chain(&candidates) {
             let Some(rule) = self.rules.get(i) else {
                 continue;
             };
@@ -473,8 +475,10 @@ impl Redactor {
     /// segment of its path is a sensitive name (`/config/aws_secret_access_key`,
     /// `/credentials/0/user`).
     fn patch_marker(&self, map: &Map<String, Value>) -> Option<String> {
-        let (Some(Value::String(_)), Some(Value::String(path))) = (map.get("op"), map.get("path"))
-        else {
+        let (Some(Value::String(_)), Some(Value::String(path))) = (
+            crate::classify::member(map, "op"),
+            crate::classify::member(map, "path"),
+        ) else {
             return None;
         };
         path.split('/')
