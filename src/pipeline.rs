@@ -122,13 +122,13 @@ pub fn turn_facts(
         &n.key,
         raw.seq,
         raw.stored_at.timestamp_millis(),
-        &subject,
+        subject,
     )?;
     if facts.kind == crate::turns::TurnEventKind::Response && facts.from_agent.is_none() {
         // A response that names no `fromAgent` is spoken by the agent whose user published it
         // (`_as.<agent>` in the subject), else by its `agentId`: `identity::check` has held
         // both to the subject's agent already.
-        facts.from_agent = crate::identity::parse(&names.raw_prefix, &subject)
+        facts.from_agent = crate::identity::parse(&names.raw_prefix, subject)
             .and_then(|s| s.agent)
             .or_else(|| n.envelope.agent_id.as_ref().and_then(crate::model::id_text));
     }
