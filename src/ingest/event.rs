@@ -126,6 +126,12 @@ fn finish(
     Ok(n)
 }
 
+/// Whether events of this type belong to a conversation, and so to a turn whose facts are read
+/// from the event's object later (`a2a.*`); any other event's object is done with once mapped.
+pub fn in_conversation(event_type: &str) -> bool {
+    event_type.starts_with("a2a.")
+}
+
 /// The key an event is projected under, and for `a2a.*` its conversation. For `a2a.*` the key
 /// must be the conversation key; otherwise it is the producer's choice (offline: the first id
 /// the event has).
@@ -134,7 +140,7 @@ fn event_key(
     fields: &Fields<'_>,
     input: &RawInput<'_>,
 ) -> Result<(String, Option<String>), Rejection> {
-    if !event_type.starts_with("a2a.") {
+    if !in_conversation(event_type) {
         let key = match &input.subject {
             Some(subject) => subject.key.clone(),
             None => [
@@ -218,24 +224,19 @@ fn slotted(
 
 /// The payload: the producer's body (`data`, `payload`, or both), nothing dropped.
 fn body_of(obj: &Map<String, Value>) -> Option<Value> {
-    match (obj.get("data"), obj.get("payload")) {
-        (Some(data), None) => Some(data.clone()),
-        (None, Some(p)) => Some(p.clone()),
-        (Some(data), Some(p)) => {
-            let mut m = Map::new();
-            m.insert("data".into(), data.clone());
-            m.insert("payload".into(), p.clone());
-            Some(Value::Object(m))
-        }
-        (None, None) => None,
-    }
+    body(obj.get("data").cloned(), obj.get("payload").cloned())
 }
 
 /// [`body_of`], moving the body out of `obj`: `data` and `payload` are slots, so what stays in
 /// their place (`null`) is never read again.
 fn take_body(obj: &mut Map<String, Value>) -> Option<Value> {
     let mut take = |name: &str| obj.get_mut(name).map(Value::take);
-    match (take("data"), take("payload")) {
+    body(take("data"), take("payload"))
+}
+
+/// The payload of an event with these `data` and `payload` members.
+fn body(data: Option<Value>, payload: Option<Value>) -> Option<Value> {
+    match (data, payload) {
         (Some(data), None) => Some(data),
         (None, Some(p)) => Some(p),
         (Some(data), Some(p)) => {

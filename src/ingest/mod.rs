@@ -111,13 +111,11 @@ fn normalize_unredacted(
     if wire {
         return from_wire(obj, input, settings).map(|n| counted(vec![n], redactions));
     }
-    // An event with no turn to read facts from later (not `a2a.*`) keeps nothing of its object:
-    // its body moves into the envelope.
-    let kept = match obj.get("type") {
-        Some(Value::String(t)) => t.starts_with("a2a.") || agui::is_agui_type(t),
-        _ => true,
-    };
-    if !kept {
+    // An event outside a conversation has no turn facts to read from its object later: its body
+    // moves into the envelope.
+    let done_once_mapped = matches!(obj.get("type"),
+        Some(Value::String(t)) if !event::in_conversation(t) && !agui::is_agui_type(t));
+    if done_once_mapped {
         if let Value::Object(obj) = &mut value {
             return event::from_event_taking(obj, input, settings)
                 .map(|n| counted(vec![n], redactions));
