@@ -228,6 +228,22 @@ pub enum Failure {
 }
 
 impl Failure {
+    /// Whether the stream leader refused the publish only because an earlier message with an
+    /// expectation on the same subject is still being proposed (`10164` on a replicated stream:
+    /// the partition's previous output, on the same fence subject). It clears within one
+    /// proposal, so a retry a moment later is answered.
+    pub fn is_busy(&self) -> bool {
+        match self {
+            Failure::Transient { source, .. } => {
+                std::error::Error::source(source)
+                    .and_then(|s| s.downcast_ref::<jetstream::Error>())
+                    .map(jetstream::Error::error_code)
+                    == Some(ErrorCode::STREAM_WRONG_LAST_SEQUENCE_CONSTANT)
+            }
+            _ => false,
+        }
+    }
+
     /// The bounded label of the failure's class, for metrics.
     pub fn class(&self) -> &'static str {
         match self {
@@ -366,6 +382,10 @@ mod tests {
             };
             let failure = classify("s", PublishError::with_source(PublishErrorKind::Other, err));
             assert_eq!(failure.class(), class, "error code {code}");
+            // Only the constant form is a busy leader, retried after a moment.
+            assert_eq!(failure.is_busy(), code == 10164, "error code {code}");
         }
+        let timed_out = classify("s", PublishError::new(PublishErrorKind::TimedOut));
+        assert!(!timed_out.is_busy());
     }
 }

@@ -142,7 +142,12 @@ impl Publisher {
                 Ok(()) => return Ok(()),
                 Err(f @ Failure::Transient { .. }) => {
                     self.state.count_publish_retry();
-                    warn!(error = %f, "publish failed; retrying in place");
+                    if f.is_busy() {
+                        // Routine on a replicated stream (counted, not worth a warning each).
+                        debug!(error = %f, "publish refused while an earlier one is proposed; retrying in place");
+                    } else {
+                        warn!(error = %f, "publish failed; retrying in place");
+                    }
                 }
                 Err(f) => return Err(Halt::Failed(self.count_failure(f))),
             }
