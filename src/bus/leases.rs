@@ -520,6 +520,8 @@ impl LeaseLoop {
                     self.shared.state.count_lease_renewal();
                 }
                 Err(e) => {
+                    // Lapsed at once: the partition stops without writing anything more.
+                    h.valid_until.store(1, Ordering::Relaxed);
                     warn!(partition = p, error = %e, "lease lost; stopping the partition");
                     self.shared.state.count_lease_loss();
                     lost.push(p);

@@ -154,6 +154,15 @@ impl Partition<'_> {
                     _ = self.broken.cancelled() => return Ok(()),
                     m = messages.next() => m,
                     _ = sleep_until_opt(timer) => {
+                        if lease_lapsed(lease_valid_until) {
+                            // A timer's work writes turn records, which no fence guards: only
+                            // an owner whose lease is valid may do it (a worker paused past its
+                            // lease wakes with its timers due).
+                            return Err(WorkerError::Interrupted {
+                                partition: self.p,
+                                why: "the lease may have lapsed",
+                            });
+                        }
                         let now = tokio::time::Instant::now();
                         if flush.is_some_and(|f| f <= now) {
                             self.flush(Flush::Due).await?;

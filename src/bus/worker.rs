@@ -269,9 +269,12 @@ pub async fn run_partition(
         ok = result.is_ok(),
         "partition reader stopped"
     );
-    if result.is_ok() && !broken.is_cancelled() {
-        // Stopping: write the open records still deferred, so everything processed can be
-        // acknowledged and the next owner has nothing to take over twice.
+    if result.is_ok() && !broken.is_cancelled() && !lease_lapsed(&lease_valid_until) {
+        // Stopping with the lease still valid (a drain, a release for balance): write the open
+        // records still deferred, so everything processed can be acknowledged and the next
+        // owner has nothing to take over twice. With the lease lost or lapsed (another owner
+        // may have loaded the partition's records already), nothing is written: those inputs
+        // stay unacknowledged and the next owner processes them again.
         if let Err(e) = part.flush(Flush::All).await {
             result = Err(e);
         }

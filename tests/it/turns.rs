@@ -1623,3 +1623,101 @@ async fn a2a_stream_frames_before_between_and_after_the_deadline() {
         "one working frame per exchange: {progress:#?}"
     );
 }
+
+/// The turn-record keys of `collab_turns` (checkpoints left out).
+async fn turn_record_keys(js: &jetstream::Context) -> Vec<String> {
+    let kv = js
+        .get_key_value("collab_turns")
+        .await
+        .expect("the turn bucket exists");
+    let mut keys = kv
+        .keys()
+        .await
+        .expect("the turn bucket's keys can be listed");
+    let mut out = Vec::new();
+    while let Some(k) = keys.next().await {
+        let k = k.expect("a key of the turn bucket");
+        if !k.starts_with("ck.") {
+            out.push(k);
+        }
+    }
+    out
+}
+
+/// A worker paused past its lease wakes with an open record still deferred (its write waits
+/// `turns.open_write_delay`) and its timers due. Its partition has another owner meanwhile,
+/// which may have loaded the partition's records already; turn records carry no fence, so a
+/// write from the paused worker would land unseen by that owner (who then lets a late reply win).
+/// It must write nothing, and leave the send unacknowledged for the partition's next owner.
+#[tokio::test]
+async fn a_worker_paused_past_its_lease_writes_no_turn_record_when_it_wakes() {
+    let settings = [
+        ("COLLAB_NATS__PARTITIONS", "1"),
+        ("COLLAB_WORKERS__LEASE_TTL", "2s"),
+        ("COLLAB_TURNS__OPEN_WRITE_DELAY", "1600ms"),
+    ];
+    let bed = Bed::start_with(&settings).await;
+    let mut paused = bed.projector(&[]);
+    let send_seq = bed
+        .publish(&send(
+            "c-paused",
+            json!({"message": "asked before the pause", "timeoutMs": 3_600_000}),
+        ))
+        .await;
+    bed.wait_read(SENDS, "the send is projected", |m| {
+        m.iter().any(|s| s.body["rawEventRef"]["seq"] == send_seq)
+    })
+    .await;
+    paused.sigstop();
+    assert!(
+        turn_record_keys(&bed.js).await.is_empty(),
+        "the open record was written before the pause (open_write_delay too short for this machine)"
+    );
+
+    // Past the lease's expiry, another owner holds the partition's lease: the test holds it,
+    // renewing it, so the paused worker cannot take it back.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let leases = bed
+        .js
+        .get_key_value("collab_leases")
+        .await
+        .expect("the lease bucket exists");
+    let mut revision = leases
+        .create("l.0", "another-owner".into())
+        .await
+        .expect("the expired lease can be taken");
+    paused.sigcont();
+    let until = Instant::now() + Duration::from_secs(4);
+    while Instant::now() < until {
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        revision = leases
+            .update("l.0", "another-owner".into(), revision)
+            .await
+            .expect("the test keeps its lease");
+    }
+    assert_eq!(
+        turn_record_keys(&bed.js).await,
+        Vec::<String>::new(),
+        "the paused worker wrote a turn record after its lease was taken; its log:\n{}",
+        paused.log_text()
+    );
+    assert!(
+        paused
+            .log_text()
+            .contains("lease lost; stopping the partition")
+            || paused.log_text().contains("the lease may have lapsed"),
+        "the paused worker did not notice its lease was gone; its log:\n{}",
+        paused.log_text()
+    );
+
+    // Given the lease back, the worker takes the send over again and writes its record then.
+    leases
+        .delete_expect_revision("l.0", Some(revision))
+        .await
+        .expect("the test hands its lease back");
+    wait_until(WAIT, "the worker writes the open record itself", || async {
+        !turn_record_keys(&bed.js).await.is_empty()
+    })
+    .await;
+    bed.settle(&["c-paused"]).await;
+}
