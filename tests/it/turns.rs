@@ -158,6 +158,17 @@ impl Bed {
             .sequence
     }
 
+    /// Publish a send on `conv` and wait until it is projected (its turn is open); its raw
+    /// sequence.
+    async fn publish_projected_send(&self, conv: &str, extra: Value) -> u64 {
+        let seq = self.publish(&send(conv, extra)).await;
+        self.wait_read(SENDS, "the send is projected (its turn is open)", |m| {
+            m.iter().any(|s| s.body["rawEventRef"]["seq"] == seq)
+        })
+        .await;
+        seq
+    }
+
     /// The raw stream's store time of a message (the turn contract's event time), in ms.
     async fn stored_ms(&self, seq: u64) -> i64 {
         let stream = self
@@ -837,15 +848,11 @@ async fn a_response_without_a_send_is_the_response_and_a_later_send_starts_no_ti
         .await;
     bed.wait_responses(&[key("c-nosend", "0")]).await;
     let send_seq = bed
-        .publish(&send(
+        .publish_projected_send(
             "c-nosend",
             json!({"message": "too late to ask", "timeoutMs": 1000}),
-        ))
+        )
         .await;
-    bed.wait_read(SENDS, "the send is projected", |m| {
-        m.iter().any(|s| s.body["rawEventRef"]["seq"] == send_seq)
-    })
-    .await;
     // Past the send's own deadline: a timer, had it started, would fire before the barrier.
     let deadline = bed.stored_ms(send_seq).await + 1000;
     sleep_until_ms(deadline + 1000).await;
@@ -1029,15 +1036,11 @@ async fn a_deadline_that_passes_while_the_worker_is_down_blocks_after_restart() 
     let mut first = bed.projector(&[]);
     let timeout_ms: u32 = 4000;
     let send_seq = bed
-        .publish(&send(
+        .publish_projected_send(
             "c-down",
             json!({"message": "are you there?", "timeoutMs": timeout_ms}),
-        ))
+        )
         .await;
-    bed.wait_read(SENDS, "the send is projected (its turn is open)", |m| {
-        m.iter().any(|s| s.body["rawEventRef"]["seq"] == send_seq)
-    })
-    .await;
     first.kill9();
     first.wait_exit(WAIT).await;
     let deadline = bed.stored_ms(send_seq).await + i64::from(timeout_ms);
@@ -1148,15 +1151,10 @@ async fn a_previous_owners_late_decision_is_published_even_below_the_checkpoint(
     // One partition: the stale write and the owner's own decisions share its checkpoint.
     let bed = Bed::start_with(&[("COLLAB_NATS__PARTITIONS", "1")]).await;
     let mut owner = bed.projector(&[]);
-    let send_seq = bed
-        .publish(&send(
-            "c-stale",
-            json!({"message": "plan it", "timeoutMs": 600_000}),
-        ))
-        .await;
-    bed.wait_read(SENDS, "the send is projected (its turn is open)", |m| {
-        m.iter().any(|s| s.body["rawEventRef"]["seq"] == send_seq)
-    })
+    bed.publish_projected_send(
+        "c-stale",
+        json!({"message": "plan it", "timeoutMs": 600_000}),
+    )
     .await;
     // The open record is written within `turns.open_write_delay` of the send.
     wait_until(WAIT, "the open turn has a record", || async {
@@ -1624,26 +1622,6 @@ async fn a2a_stream_frames_before_between_and_after_the_deadline() {
     );
 }
 
-/// The turn-record keys of `collab_turns` (checkpoints left out).
-async fn turn_record_keys(js: &jetstream::Context) -> Vec<String> {
-    let kv = js
-        .get_key_value("collab_turns")
-        .await
-        .expect("the turn bucket exists");
-    let mut keys = kv
-        .keys()
-        .await
-        .expect("the turn bucket's keys can be listed");
-    let mut out = Vec::new();
-    while let Some(k) = keys.next().await {
-        let k = k.expect("a key of the turn bucket");
-        if !k.starts_with("ck.") {
-            out.push(k);
-        }
-    }
-    out
-}
-
 /// A worker paused past its lease wakes with an open record still deferred (its write waits
 /// `turns.open_write_delay`) and its timers due. Its partition has another owner meanwhile,
 /// which may have loaded the partition's records already; turn records carry no fence, so a
@@ -1658,19 +1636,14 @@ async fn a_worker_paused_past_its_lease_writes_no_turn_record_when_it_wakes() {
     ];
     let bed = Bed::start_with(&settings).await;
     let mut paused = bed.projector(&[]);
-    let send_seq = bed
-        .publish(&send(
-            "c-paused",
-            json!({"message": "asked before the pause", "timeoutMs": 3_600_000}),
-        ))
-        .await;
-    bed.wait_read(SENDS, "the send is projected", |m| {
-        m.iter().any(|s| s.body["rawEventRef"]["seq"] == send_seq)
-    })
+    bed.publish_projected_send(
+        "c-paused",
+        json!({"message": "asked before the pause", "timeoutMs": 3_600_000}),
+    )
     .await;
     paused.sigstop();
     assert!(
-        turn_record_keys(&bed.js).await.is_empty(),
+        turn_record(&bed.js, "c-paused").await.is_none(),
         "the open record was written before the pause (open_write_delay too short for this machine)"
     );
 
@@ -1696,8 +1669,8 @@ async fn a_worker_paused_past_its_lease_writes_no_turn_record_when_it_wakes() {
             .expect("the test keeps its lease");
     }
     assert_eq!(
-        turn_record_keys(&bed.js).await,
-        Vec::<String>::new(),
+        turn_record(&bed.js, "c-paused").await,
+        None,
         "the paused worker wrote a turn record after its lease was taken; its log:\n{}",
         paused.log_text()
     );
@@ -1716,7 +1689,7 @@ async fn a_worker_paused_past_its_lease_writes_no_turn_record_when_it_wakes() {
         .await
         .expect("the test hands its lease back");
     wait_until(WAIT, "the worker writes the open record itself", || async {
-        !turn_record_keys(&bed.js).await.is_empty()
+        turn_record(&bed.js, "c-paused").await.is_some()
     })
     .await;
     bed.settle(&["c-paused"]).await;
