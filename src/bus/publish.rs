@@ -231,14 +231,11 @@ impl Failure {
     /// Whether the stream leader refused the publish only because an earlier message with an
     /// expectation on the same subject is still being proposed (`10164` on a replicated stream:
     /// the partition's previous output, on the same fence subject). It clears within one
-    /// proposal, so a retry a moment later is answered.
+    /// proposal: routine, and retried like any transient failure.
     pub fn is_busy(&self) -> bool {
         match self {
             Failure::Transient { source, .. } => {
-                std::error::Error::source(source)
-                    .and_then(|s| s.downcast_ref::<jetstream::Error>())
-                    .map(jetstream::Error::error_code)
-                    == Some(ErrorCode::STREAM_WRONG_LAST_SEQUENCE_CONSTANT)
+                error_code(source) == Some(ErrorCode::STREAM_WRONG_LAST_SEQUENCE_CONSTANT)
             }
             _ => false,
         }
@@ -255,12 +252,17 @@ impl Failure {
     }
 }
 
+/// The JetStream error code the server answered a publish with, if it answered with one.
+fn error_code(source: &jetstream::context::PublishError) -> Option<ErrorCode> {
+    std::error::Error::source(source)
+        .and_then(|s| s.downcast_ref::<jetstream::Error>())
+        .map(jetstream::Error::error_code)
+}
+
 /// Classify a failed publish to `subject`.
 pub fn classify(subject: &str, source: jetstream::context::PublishError) -> Failure {
     let subject = subject.to_string();
-    let code = std::error::Error::source(&source)
-        .and_then(|s| s.downcast_ref::<jetstream::Error>())
-        .map(jetstream::Error::error_code);
+    let code = error_code(&source);
     match source.kind() {
         PublishErrorKind::MaxPayloadExceeded => Failure::TooLarge { subject, source },
         PublishErrorKind::WrongLastSequence => Failure::Deposed { subject, source },

@@ -82,6 +82,14 @@ impl Partition<'_> {
         WorkerError::setup(self.p, what, source)
     }
 
+    /// Stop: the lease may have lapsed, and the restart takes over what was left, in order.
+    fn lapsed_lease(&self) -> WorkerError {
+        WorkerError::Interrupted {
+            partition: self.p,
+            why: "the lease may have lapsed",
+        }
+    }
+
     pub(crate) async fn run(
         &mut self,
         stream: &jetstream::stream::Stream,
@@ -158,10 +166,7 @@ impl Partition<'_> {
                             // A timer's work writes turn records, which no fence guards: only
                             // an owner whose lease is valid may do it (a worker paused past its
                             // lease wakes with its timers due).
-                            return Err(WorkerError::Interrupted {
-                                partition: self.p,
-                                why: "the lease may have lapsed",
-                            });
+                            return Err(self.lapsed_lease());
                         }
                         let now = tokio::time::Instant::now();
                         if flush.is_some_and(|f| f <= now) {
@@ -197,10 +202,7 @@ impl Partition<'_> {
                 if lease_lapsed(lease_valid_until) {
                     // The lease may have lapsed (e.g. this process was paused): take no more work
                     // from this batch; the restart takes over what was left of it, in order.
-                    return Err(WorkerError::Interrupted {
-                        partition: self.p,
-                        why: "the lease may have lapsed",
-                    });
+                    return Err(self.lapsed_lease());
                 }
                 if let Ok(info) = msg.info() {
                     if in_batch == 1 {
