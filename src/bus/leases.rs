@@ -48,6 +48,15 @@ struct Held {
     task: JoinHandle<()>,
 }
 
+/// A partition this worker stopped, until its task has ended.
+struct Leaving {
+    p: u16,
+    held: Held,
+    /// Released for balance: its lease is deleted once the task has ended. (A lost lease is
+    /// another owner's already.)
+    release: bool,
+}
+
 /// The target number of partitions for each of `workers` live workers.
 pub fn share(partitions: u16, workers: usize) -> usize {
     let n = workers.max(1);
@@ -347,6 +356,7 @@ pub async fn run(
         // A worker left (evicted by this worker or another, or gone for good): its partitions
         // are free now, so look for them at once rather than at the next renewal.
         let someone_left = leases.workers < before;
+        leases.finish_leaving().await;
         if renewal_due || !evicted.is_empty() || someone_left {
             if renewal_due {
                 leases.renew(&cancel).await;
@@ -395,6 +405,10 @@ struct LeaseLoop {
     heartbeat: String,
     order: Vec<u16>,
     held: BTreeMap<u16, Held>,
+    /// Partitions stopped and not yet finished: released for balance (their lease is deleted
+    /// once they have drained) or lost (nothing more to do than wait). The loop never waits for
+    /// them, so a slow drain cannot hold up the renewal of the partitions it keeps.
+    leaving: Vec<Leaving>,
     workers: usize,
     strikes: BTreeMap<String, u32>,
     last_renewal: Option<tokio::time::Instant>,
@@ -419,6 +433,7 @@ impl LeaseLoop {
             heartbeat: format!("{HEARTBEAT_PREFIX}{worker_id}"),
             order: probe_order(&worker_id, partitions),
             held: BTreeMap::new(),
+            leaving: Vec::new(),
             workers: 1,
             strikes: BTreeMap::new(),
             last_renewal: None,
@@ -436,7 +451,11 @@ impl LeaseLoop {
     fn check_connection(&mut self) -> bool {
         let connected = self.client.connection_state() == async_nats::connection::State::Connected;
         if !connected {
-            for h in self.held.values() {
+            for h in self
+                .held
+                .values()
+                .chain(self.leaving.iter().map(|l| &l.held))
+            {
                 // Long past (0 would mean "no lease to check").
                 h.valid_until.store(1, Ordering::Relaxed);
             }
@@ -528,36 +547,58 @@ impl LeaseLoop {
                 }
             }
         }
-        let lost: Vec<Held> = lost
-            .into_iter()
-            .filter_map(|p| self.held.remove(&p))
-            .collect();
-        for h in &lost {
-            h.cancel.cancel();
-        }
-        for h in lost {
-            let _ = h.task.await;
+        for p in lost {
+            if let Some(h) = self.held.remove(&p) {
+                h.cancel.cancel();
+                self.leaving.push(Leaving {
+                    p,
+                    held: h,
+                    release: false,
+                });
+            }
         }
     }
 
-    /// Release what is held past `target` gracefully: drain first, then free the lease. All at
-    /// once, so the kept leases are renewed again within the drain time of one.
+    /// Release what is held past `target` gracefully: each excess partition drains, and its
+    /// lease is deleted once it has (see [`LeaseLoop::finish_leaving`]). The loop goes on
+    /// meanwhile: the kept leases are renewed on time however long a drain takes. A releasing
+    /// lease is not renewed, so its partition works at most until its validity ends, as any
+    /// partition whose renewals stop.
     async fn release_excess(&mut self, target: usize) {
-        let mut excess = Vec::new();
         while self.held.len() > target {
             let Some((p, h)) = self.held.pop_last() else {
                 break;
             };
             h.cancel.cancel();
-            excess.push((p, h));
+            self.leaving.push(Leaving {
+                p,
+                held: h,
+                release: true,
+            });
         }
-        for (p, h) in excess {
-            let _ = h.task.await;
-            let _ = self
-                .store
-                .delete_expect_revision(lease_key(p), Some(h.revision))
-                .await;
-            info!(partition = p, "partition released for balance");
+        self.finish_leaving().await;
+    }
+
+    /// Collect the stopped partitions whose tasks have ended, and delete the leases of those
+    /// released for balance (at the revision held: a lease that lapsed and was taken meanwhile
+    /// is left alone).
+    async fn finish_leaving(&mut self) {
+        if self.leaving.iter().all(|l| !l.held.task.is_finished()) {
+            return;
+        }
+        let (done, still): (Vec<Leaving>, Vec<Leaving>) = std::mem::take(&mut self.leaving)
+            .into_iter()
+            .partition(|l| l.held.task.is_finished());
+        self.leaving = still;
+        for l in done {
+            let _ = l.held.task.await;
+            if l.release {
+                let _ = self
+                    .store
+                    .delete_expect_revision(lease_key(l.p), Some(l.held.revision))
+                    .await;
+                info!(partition = l.p, "partition released for balance");
+            }
         }
     }
 
@@ -577,7 +618,10 @@ impl LeaseLoop {
             if cancel.is_cancelled() {
                 break;
             }
-            if self.held.contains_key(&p) || (!freed_here && self.held.len() >= target) {
+            if self.held.contains_key(&p)
+                || self.leaving.iter().any(|l| l.p == p)
+                || (!freed_here && self.held.len() >= target)
+            {
                 continue;
             }
             let asked_at = super::now_ms();
@@ -628,6 +672,12 @@ impl LeaseLoop {
         for (p, h) in std::mem::take(&mut self.held) {
             let _ = h.task.await;
             revisions.push((p, h.revision));
+        }
+        for l in std::mem::take(&mut self.leaving) {
+            let _ = l.held.task.await;
+            if l.release {
+                revisions.push((l.p, l.held.revision));
+            }
         }
         self.shared
             .state
