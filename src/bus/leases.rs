@@ -362,7 +362,7 @@ pub async fn run(
                 leases.renew(&cancel).await;
             }
             let target = share(leases.partitions, leases.workers);
-            leases.release_excess(target).await;
+            leases.release_excess(target);
             leases.take(&evicted, target, &cancel).await;
             leases.report_owned();
         }
@@ -549,14 +549,16 @@ impl LeaseLoop {
         }
         for p in lost {
             if let Some(h) = self.held.remove(&p) {
-                h.cancel.cancel();
-                self.leaving.push(Leaving {
-                    p,
-                    held: h,
-                    release: false,
-                });
+                self.set_aside(p, h, false);
             }
         }
+    }
+
+    /// Stop partition `p` and keep it on the leaving list until its task has ended; `release`:
+    /// its lease is then deleted (released for balance, or handed back on shutdown).
+    fn set_aside(&mut self, p: u16, held: Held, release: bool) {
+        held.cancel.cancel();
+        self.leaving.push(Leaving { p, held, release });
     }
 
     /// Release what is held past `target` gracefully: each excess partition drains, and its
@@ -564,28 +566,19 @@ impl LeaseLoop {
     /// meanwhile: the kept leases are renewed on time however long a drain takes. A releasing
     /// lease is not renewed, so its partition works at most until its validity ends, as any
     /// partition whose renewals stop.
-    async fn release_excess(&mut self, target: usize) {
+    fn release_excess(&mut self, target: usize) {
         while self.held.len() > target {
             let Some((p, h)) = self.held.pop_last() else {
                 break;
             };
-            h.cancel.cancel();
-            self.leaving.push(Leaving {
-                p,
-                held: h,
-                release: true,
-            });
+            self.set_aside(p, h, true);
         }
-        self.finish_leaving().await;
     }
 
     /// Collect the stopped partitions whose tasks have ended, and delete the leases of those
     /// released for balance (at the revision held: a lease that lapsed and was taken meanwhile
     /// is left alone).
     async fn finish_leaving(&mut self) {
-        if self.leaving.iter().all(|l| !l.held.task.is_finished()) {
-            return;
-        }
         let (done, still): (Vec<Leaving>, Vec<Leaving>) = std::mem::take(&mut self.leaving)
             .into_iter()
             .partition(|l| l.held.task.is_finished());
@@ -665,14 +658,11 @@ impl LeaseLoop {
     /// Shutdown: drain every partition, then hand the leases back at once (bounded: with the
     /// server unreachable they lapse by themselves after the TTL). Whether they were handed back.
     async fn hand_back(mut self) -> bool {
-        for h in self.held.values() {
-            h.cancel.cancel();
+        // Every partition stops at once; each held lease is deleted once its partition drained.
+        for (p, h) in std::mem::take(&mut self.held) {
+            self.set_aside(p, h, true);
         }
         let mut revisions = Vec::new();
-        for (p, h) in std::mem::take(&mut self.held) {
-            let _ = h.task.await;
-            revisions.push((p, h.revision));
-        }
         for l in std::mem::take(&mut self.leaving) {
             let _ = l.held.task.await;
             if l.release {
