@@ -201,6 +201,9 @@ pub struct NatsSettings {
     pub raw_base: u64,
     /// Stream and bucket replicas (3 on a 3-node cluster).
     pub replicas: usize,
+    /// How a partition stores its outputs: as atomic batches (one per stream per group of
+    /// inputs the acker takes at once) or one acknowledged publish each.
+    pub publish_batches: PublishBatches,
     /// How long raw events are kept.
     #[serde(with = "humantime_serde")]
     pub raw_max_age: Duration,
@@ -247,6 +250,7 @@ impl Default for NatsSettings {
             earlier: Vec::new(),
             raw_base: 0,
             replicas: 1,
+            publish_batches: PublishBatches::Auto,
             raw_max_age: Duration::from_secs(7 * 24 * 3600),
             dlq_max_age: Duration::from_secs(30 * 24 * 3600),
             token: None,
@@ -329,6 +333,26 @@ impl NatsAuth<'_> {
             }
         }
     }
+}
+
+/// `nats.publish_batches`: whether partitions store their outputs as atomic batches (NATS 2.12,
+/// `allow_atomic` on the projection and dead-letter streams).
+///
+/// On a replicated stream a partition's fenced outputs go one proposal at a time (the leader
+/// refuses a second expectation on the fence subject while one is proposed), so one acknowledged
+/// publish per output is slow there and its retries can reorder a key's outputs; one atomic batch
+/// per stream per group of inputs, one group at a time, is one proposal for the whole group and
+/// keeps every key's order. On one server a batch costs the server more than the publishes it
+/// replaces, so `auto` batches only on replicated output streams.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PublishBatches {
+    /// Batches when the projection stream has more than one replica.
+    Auto,
+    /// Always batches.
+    Always,
+    /// Never batches: one acknowledged publish per output.
+    Never,
 }
 
 /// `[nats]` keys whose environment values are taken verbatim, never parsed as numbers or

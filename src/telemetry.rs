@@ -14,6 +14,9 @@ pub const REDELIVERIES: &str = "collab_redeliveries_total";
 pub const DEAD_LETTERS: &str = "collab_dead_letters_total";
 /// Publishes retried in place after a failure.
 pub const PUBLISH_RETRIES: &str = "collab_publish_retries_total";
+/// Atomic batches of outputs stored, by `outcome` (stored: committed whole; fell_back: refused
+/// or unanswered, its outputs then published one at a time).
+pub const PUBLISH_BATCHES: &str = "collab_publish_batches_total";
 /// Publishes that failed in a way waiting does not heal, by `class` (too_large, deposed: a newer
 /// owner claimed the partition, fatal: the stream is gone or the user may not publish there).
 pub const PUBLISH_FAILURES: &str = "collab_publish_failures_total";
@@ -224,6 +227,11 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
         PUBLISH_RETRIES,
         Family::Counter,
         "Publishes retried in place after a failure.",
+    ),
+    (
+        PUBLISH_BATCHES,
+        Family::Counter,
+        "Atomic batches of outputs, by outcome (stored: committed whole; fell_back: refused or unanswered, its outputs published one at a time).",
     ),
     (
         PUBLISH_FAILURES,
@@ -496,6 +504,9 @@ pub fn register_metrics() {
     }
     for reason in crate::model::DlqReason::ALL {
         metrics::counter!(DEAD_LETTERS, "reason" => reason.as_str()).absolute(0);
+    }
+    for outcome in ["stored", "fell_back"] {
+        metrics::counter!(PUBLISH_BATCHES, "outcome" => outcome).absolute(0);
     }
     for class in ["too_large", "deposed", "fatal"] {
         metrics::counter!(PUBLISH_FAILURES, "class" => class).absolute(0);

@@ -178,6 +178,9 @@ pub(crate) async fn ack_stage(
                     Err(_) => break,
                 }
             }
+            if let Awaited::ShuttingDown = issuer.store_batches(&mut items).await? {
+                return Ok(());
+            }
             let mut marks = Vec::new();
             for idx in 0..items.len() {
                 let publishes = std::mem::take(&mut items[idx].publishes);
@@ -325,16 +328,18 @@ impl Issuer<'_> {
             self.broken.cancel();
             WorkerError::of_failure(self.p, failure)
         };
-        for (out, fut) in publishes {
-            let failed = match fut {
-                Some(fut) => match fut.await {
+        for (out, state) in publishes {
+            let failed = match state {
+                Issued::Sent(fut) => match fut.await {
                     Ok(_) => false,
                     Err(e) => match publish::classify(&out.subject, e) {
                         Failure::Transient { .. } => true,
                         f => return Err(stopped(self.publisher.count_failure(f))),
                     },
                 },
-                None => false,
+                Issued::Stored => false,
+                // `store_batches` ran first; an output it did not store is published here.
+                Issued::Batched => true,
             };
             if !failed {
                 latencies.ack.record(issued.elapsed().as_secs_f64());
@@ -354,6 +359,43 @@ impl Issuer<'_> {
                 Ok(()) => {}
                 Err(Halt::Cancelled) => return Ok(Awaited::ShuttingDown),
                 Err(Halt::Failed(failure)) => return Err(stopped(failure)),
+            }
+        }
+        Ok(Awaited::Stored)
+    }
+}
+
+impl Issuer<'_> {
+    /// Store the outputs of `items` left for a batch ([`Issued::Batched`]), in order, as atomic
+    /// batches (see [`Publisher::store_batched`]), and mark them stored.
+    async fn store_batches(&self, items: &mut [Processed]) -> Result<Awaited, WorkerError> {
+        let stored = {
+            let outs: Vec<&Outgoing> = items
+                .iter()
+                .flat_map(|i| i.publishes.iter())
+                .filter(|(_, issued)| matches!(issued, Issued::Batched))
+                .map(|(out, _)| out)
+                .collect();
+            if outs.is_empty() {
+                return Ok(Awaited::Stored);
+            }
+            let inputs: Vec<&jetstream::Message> =
+                items.iter().filter_map(|i| i.msg.as_ref()).collect();
+            self.publisher
+                .store_batched(&outs, self.fence, &inputs, self.cancel)
+                .await
+        };
+        match stored {
+            Ok(()) => {}
+            Err(Halt::Cancelled) => return Ok(Awaited::ShuttingDown),
+            Err(Halt::Failed(failure)) => {
+                self.broken.cancel();
+                return Err(WorkerError::of_failure(self.p, failure));
+            }
+        }
+        for (_, issued) in items.iter_mut().flat_map(|i| i.publishes.iter_mut()) {
+            if matches!(issued, Issued::Batched) {
+                *issued = Issued::Stored;
             }
         }
         Ok(Awaited::Stored)
@@ -381,9 +423,18 @@ async fn acknowledge_ready(
     acknowledge(p, acks, ready).await;
 }
 
-/// An input's outputs as issued, each with the future of its publish ack (`None`: already
-/// acknowledged, by a retry in place).
-pub(crate) type Publishes = Vec<(Outgoing, Option<jetstream::context::PublishAckFuture>)>;
+/// An input's outputs as issued, each with how it stands.
+pub(crate) type Publishes = Vec<(Outgoing, Issued)>;
+
+/// How an issued output stands.
+pub(crate) enum Issued {
+    /// Published; the future of its publish ack.
+    Sent(jetstream::context::PublishAckFuture),
+    /// Stored already (by a retry in place, or with its batch).
+    Stored,
+    /// Left for the acker to store in an atomic batch (`Publisher::batches`).
+    Batched,
+}
 
 /// Issue the publishes of `outs` in order, pipelined. A publish that cannot be sent is retried
 /// before anything later is sent, so per-key order holds. `None` if cancelled meanwhile (or the
@@ -403,6 +454,17 @@ pub(crate) async fn issue_publishes(
     acker: &mpsc::Sender<Processed>,
     cancel: &CancellationToken,
 ) -> Result<Publishes, Halt> {
+    if publisher.batches {
+        // Sent by the acker, batched: no publish-ack permit is taken here.
+        return Ok(outs
+            .into_iter()
+            .map(|out| {
+                let out = publisher.fit(out);
+                publisher.state.count_output(&out);
+                (out, Issued::Batched)
+            })
+            .collect());
+    }
     let hand_over = publisher.hand_over();
     let mut pending = Vec::with_capacity(outs.len().min(hand_over));
     for out in outs {
@@ -413,13 +475,13 @@ pub(crate) async fn issue_publishes(
         let out = publisher.fit(out);
         publisher.state.count_output(&out);
         let fut = match publisher.send(&publisher.js, &out, fence).await {
-            Ok(f) => Some(f),
+            Ok(f) => Issued::Sent(f),
             Err(f @ Failure::Transient { .. }) => {
                 warn!(error = %f, "publish failed; retrying in place");
                 publisher
                     .publish_in_place(&out, fence, inputs, cancel)
                     .await?;
-                None
+                Issued::Stored
             }
             Err(f) => return Err(Halt::Failed(publisher.count_failure(f))),
         };

@@ -215,6 +215,8 @@ pub fn stream_configs(s: &Settings) -> Vec<(stream::Config, &'static str)> {
             duplicate_window: s.projection.duplicate_window,
             num_replicas: replicas,
             storage: stream::StorageType::File,
+            // Partitions may store their outputs as atomic batches (`nats.publish_batches`).
+            allow_atomic_publish: true,
             ..Default::default()
         },
         stream::Config {
@@ -228,6 +230,8 @@ pub fn stream_configs(s: &Settings) -> Vec<(stream::Config, &'static str)> {
             duplicate_window: s.projection.duplicate_window,
             num_replicas: replicas,
             storage: stream::StorageType::File,
+            // Partitions may store their outputs as atomic batches (`nats.publish_batches`).
+            allow_atomic_publish: true,
             ..Default::default()
         },
     ];
@@ -301,37 +305,60 @@ async fn bound_existing(
 ) -> Result<(), ProvisionError> {
     same_retention(st, &label, max_age, replicas).await?;
     let discard = stream::DiscardPolicy::New;
-    if !set_limits(js, st, &label, setting, max_bytes, discard, report).await? {
+    let want = Limits {
+        max_bytes,
+        discard,
+        atomic: false,
+    };
+    if !set_limits(js, st, &label, setting, want, report).await? {
         report.unchanged.push(label);
     }
     Ok(())
 }
 
 /// The size limit and discard policy of an existing stream, when they are not the wanted ones.
-fn limit_differences(
-    have: &stream::Config,
+/// What an existing stream is given when it lacks it: a size limit, a discard policy, and
+/// atomic batches (`atomic`: wanted; never taken away).
+#[derive(Clone, Copy)]
+struct Limits {
     max_bytes: i64,
     discard: stream::DiscardPolicy,
-) -> Vec<String> {
+    atomic: bool,
+}
+
+fn limit_differences(have: &stream::Config, want: Limits) -> Vec<String> {
+    let Limits {
+        max_bytes,
+        discard,
+        atomic,
+    } = want;
     let mut d = Vec::new();
     differ(&mut d, "max_bytes", have.max_bytes, max_bytes);
     differ(&mut d, "discard", have.discard, discard);
+    if atomic {
+        differ(&mut d, "allow_atomic", have.allow_atomic_publish, true);
+    }
     d
 }
 
-/// Give the existing stream `st` the size limit `max_bytes` and `discard`, unless it already has
-/// them. A limit below the bytes it holds is refused: the server would drop data to fit.
+/// Give the existing stream `st` the size limit `max_bytes` and `discard` (and atomic batches
+/// when `atomic`), unless it already has them. A limit below the bytes it holds is refused: the
+/// server would drop data to fit.
 async fn set_limits(
     js: &jetstream::Context,
     st: &mut stream::Stream,
     label: &str,
     setting: &str,
-    max_bytes: i64,
-    discard: stream::DiscardPolicy,
+    want: Limits,
     report: &mut Report,
 ) -> Result<bool, ProvisionError> {
+    let Limits {
+        max_bytes,
+        discard,
+        atomic,
+    } = want;
     let info = st.info().await.map_err(|e| api(label, e))?;
-    let d = limit_differences(&info.config, max_bytes, discard);
+    let d = limit_differences(&info.config, want);
     if d.is_empty() {
         return Ok(false);
     }
@@ -347,8 +374,9 @@ async fn set_limits(
     let mut config = info.config.clone();
     config.max_bytes = max_bytes;
     config.discard = discard;
+    config.allow_atomic_publish |= atomic;
     js.update_stream(&config).await.map_err(|e| api(label, e))?;
-    info!(resource = label, changes = %d.join("; "), "storage limit set on an existing resource");
+    info!(resource = label, changes = %d.join("; "), "limits set on an existing resource");
     report.updated.push(format!("{label}: {}", d.join("; ")));
     Ok(true)
 }
@@ -458,8 +486,11 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
                     &mut existing,
                     &name,
                     setting,
-                    want.max_bytes,
-                    want.discard,
+                    Limits {
+                        max_bytes: want.max_bytes,
+                        discard: want.discard,
+                        atomic: want.allow_atomic_publish,
+                    },
                     &mut report,
                 )
                 .await?;

@@ -6,7 +6,7 @@
 use super::error::WorkerError;
 use super::publish::{self, Failure, Fence};
 use super::stats::WorkerState;
-use crate::config::Names;
+use crate::config::{Names, PublishBatches};
 use crate::pipeline::{self, OutKind, Outgoing};
 use crate::telemetry;
 use async_nats::jetstream::{self, message::PublishMessage, AckKind};
@@ -45,6 +45,9 @@ pub struct Publisher {
     publish_attempts: AtomicU64,
     /// The largest output, headers included, the server and the output streams accept.
     pub out_budget: usize,
+    /// Outputs are stored as atomic batches by the partitions' ackers (`nats.publish_batches`)
+    /// rather than published one by one as they are issued.
+    pub(crate) batches: bool,
 }
 
 impl Publisher {
@@ -67,7 +70,18 @@ impl Publisher {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
+        let batches = match settings.nats.publish_batches {
+            PublishBatches::Always => true,
+            PublishBatches::Never => false,
+            PublishBatches::Auto => replicated(&js, &names)
+                .await
+                .unwrap_or(settings.nats.replicas > 1),
+        };
+        if batches {
+            tracing::info!("outputs are stored as atomic batches (nats.publish_batches)");
+        }
         Publisher {
+            batches,
             retry_js: context(),
             blobs_js: context(),
             blobs: tokio::sync::OnceCell::new(),
@@ -271,6 +285,97 @@ impl Publisher {
         }
     }
 
+    /// Store `outs` (outputs of inputs taken in partition order) as atomic batches, one stream
+    /// at a time, each batch only once the one before it is committed: a partition's outputs are
+    /// stored in order, each stream's as a prefix of what was issued, and a replicated stream
+    /// proposes a whole batch at once. Every message keeps its Msg-Id and the fence expectation,
+    /// so a batch past a newer claim stores nothing. A batch the server refuses or does not
+    /// answer (a Msg-Id stored before, as after a takeover; a server without atomic batches; a
+    /// timeout) is published again one output at a time, in place, where a stored Msg-Id
+    /// collapses alone.
+    pub(crate) async fn store_batched(
+        &self,
+        outs: &[&Outgoing],
+        fence: &Fence,
+        inputs: &[&jetstream::Message],
+        cancel: &CancellationToken,
+    ) -> Result<(), Halt> {
+        let of_kind = |dead: bool| {
+            outs.iter()
+                .copied()
+                .filter(move |o| matches!(o.kind, OutKind::DeadLetter(_)) == dead)
+                .collect::<Vec<&Outgoing>>()
+        };
+        for group in [of_kind(false), of_kind(true)] {
+            for chunk in group.chunks(BATCH_MAX) {
+                match self.send_batch(chunk, fence).await {
+                    Ok(()) => {
+                        metrics::counter!(telemetry::PUBLISH_BATCHES, "outcome" => "stored")
+                            .increment(1);
+                    }
+                    Err(BatchRefused::Deposed(f)) => {
+                        return Err(Halt::Failed(self.count_failure(f)));
+                    }
+                    Err(BatchRefused::Other(why)) => {
+                        metrics::counter!(telemetry::PUBLISH_BATCHES, "outcome" => "fell_back")
+                            .increment(1);
+                        debug!(outputs = chunk.len(), why = %why, "atomic batch not stored; publishing its outputs one at a time");
+                        for out in chunk {
+                            self.publish_in_place(out, fence, inputs, cancel).await?;
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// One atomic batch: every output but the last published, the last sent with the commit
+    /// and its answer awaited.
+    async fn send_batch(&self, chunk: &[&Outgoing], fence: &Fence) -> Result<(), BatchRefused> {
+        let Some((last, rest)) = chunk.split_last() else {
+            return Ok(());
+        };
+        if self.fail_publish_every > 0 {
+            let n = self.publish_attempts.fetch_add(1, Ordering::Relaxed) + 1;
+            if n % self.fail_publish_every == 0 {
+                return Err(BatchRefused::Other(
+                    "injected batch failure (COLLAB_TEST_FAIL_PUBLISH_EVERY)".into(),
+                ));
+            }
+        }
+        let client = self.js.client();
+        let id = uuid::Uuid::new_v4().simple().to_string();
+        let headers = |out: &Outgoing, seq: usize| {
+            let mut h = fence.headers(out);
+            h.insert("Nats-Msg-Id", out.msg_id.as_str());
+            h.insert("Nats-Batch-Id", id.as_str());
+            h.insert("Nats-Batch-Sequence", seq.to_string());
+            h
+        };
+        for (i, out) in rest.iter().enumerate() {
+            client
+                .publish_with_headers(
+                    out.subject.clone(),
+                    headers(out, i + 1),
+                    out.payload.clone(),
+                )
+                .await
+                .map_err(|e| BatchRefused::Other(format!("sending: {e}")))?;
+        }
+        let mut commit = headers(last, chunk.len());
+        commit.insert("Nats-Batch-Commit", "1");
+        let request = async_nats::Request::new()
+            .headers(commit)
+            .payload(last.payload.clone())
+            .timeout(Some(BATCH_COMMIT_TIMEOUT));
+        let answer = client
+            .send_request(last.subject.clone(), request)
+            .await
+            .map_err(|e| BatchRefused::Other(format!("commit: {e}")))?;
+        batch_answer(&answer.payload, chunk.len(), &last.subject)
+    }
+
     /// Count (and log) a failure waiting does not heal.
     pub(crate) fn count_failure(&self, f: Failure) -> Failure {
         metrics::counter!(telemetry::PUBLISH_FAILURES, "class" => f.class()).increment(1);
@@ -410,6 +515,69 @@ impl Publisher {
         }
         true
     }
+}
+
+/// Most outputs in one atomic batch (the server takes up to 1,000).
+const BATCH_MAX: usize = 500;
+
+/// How long a batch's commit waits for the server's answer before its outputs are published one
+/// at a time (a batch not committed stores nothing).
+const BATCH_COMMIT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Why an atomic batch was not stored.
+#[derive(Debug)]
+enum BatchRefused {
+    /// The fence's expectation failed: a newer owner claimed the partition.
+    Deposed(Failure),
+    /// Anything else: its outputs are published one at a time.
+    Other(String),
+}
+
+/// What the server answered a batch's commit: stored whole (`batch` and `count` in the ack), or
+/// refused.
+fn batch_answer(payload: &[u8], sent: usize, subject: &str) -> Result<(), BatchRefused> {
+    let answer: serde_json::Value = serde_json::from_slice(payload).map_err(|e| {
+        BatchRefused::Other(format!(
+            "unreadable answer ({e}): {}",
+            String::from_utf8_lossy(payload)
+        ))
+    })?;
+    if let Some(error) = answer.get("error") {
+        let code = error.get("err_code").and_then(serde_json::Value::as_u64);
+        let description = error
+            .get("description")
+            .and_then(serde_json::Value::as_str)
+            .unwrap_or("")
+            .to_string();
+        // 10071: wrong last sequence, the fence (JSStreamWrongLastSequenceErrF).
+        if code == Some(10071) {
+            return Err(BatchRefused::Deposed(Failure::Deposed {
+                subject: subject.to_string(),
+                source: jetstream::context::PublishError::with_source(
+                    jetstream::context::PublishErrorKind::WrongLastSequence,
+                    description,
+                ),
+            }));
+        }
+        return Err(BatchRefused::Other(format!(
+            "refused ({}): {description}",
+            code.map_or_else(|| "no code".to_string(), |c| c.to_string())
+        )));
+    }
+    let count = answer.get("count").and_then(serde_json::Value::as_u64);
+    if answer.get("batch").is_none() || count != u64::try_from(sent).ok() {
+        return Err(BatchRefused::Other(format!(
+            "unexpected answer for {sent} outputs: {answer}"
+        )));
+    }
+    Ok(())
+}
+
+/// Whether the projection stream has more than one replica (`None`: it could not be read).
+async fn replicated(js: &jetstream::Context, names: &Names) -> Option<bool> {
+    let mut stream = js.get_stream(&names.proj_stream).await.ok()?;
+    let info = stream.info().await.ok()?;
+    Some(info.config.num_replicas > 1)
 }
 
 /// Why issuing an output stopped before it was stored.

@@ -11,6 +11,7 @@ mod support;
 
 mod adapter_bus;
 mod api;
+mod atomic_batch;
 mod auth;
 mod bench_smoke;
 mod chaos;

@@ -1059,6 +1059,43 @@ async fn per_key_order_survives_transient_publish_failures() {
     );
 }
 
+/// Outputs stored as atomic batches, as on replicated streams (`auto`), here on one server.
+const BATCHES: (&str, &str) = ("COLLAB_NATS__PUBLISH_BATCHES", "always");
+
+/// `collab_publish_batches_total{outcome}` of a running projector.
+async fn batches(projector: &Projector, outcome: &str) -> f64 {
+    let text = reqwest::get(format!("http://{}/metrics", projector.http_addr()))
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("the metrics text");
+    crate::operability::sum(
+        &crate::operability::samples(&text),
+        collab_projector::telemetry::PUBLISH_BATCHES,
+        &[&format!("outcome=\"{outcome}\"")],
+    )
+}
+
+#[tokio::test]
+async fn per_key_order_holds_with_outputs_stored_as_atomic_batches() {
+    let projector = per_key_order(&[BATCHES]).await;
+    assert!(
+        batches(&projector, "stored").await > 0.0,
+        "the outputs must have gone as batches for this test to mean anything"
+    );
+    assert_eq!(batches(&projector, "fell_back").await, 0.0);
+}
+
+#[tokio::test]
+async fn per_key_order_holds_when_atomic_batches_fail_and_go_one_output_at_a_time() {
+    let projector = per_key_order(&[BATCHES, ("COLLAB_TEST_FAIL_PUBLISH_EVERY", "3")]).await;
+    assert!(
+        batches(&projector, "fell_back").await > 0.0,
+        "the failure hook must have refused batches for this test to mean anything"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // 5. SIGKILL mid-stream, and a crash right before the acknowledgement
 // ---------------------------------------------------------------------------------------------
@@ -1113,11 +1150,21 @@ async fn finish_and_check(
     js: &Context,
     producer: tokio::task::JoinHandle<Vec<u64>>,
 ) {
+    finish_and_check_with(nats, js, producer, &[ACK_WAIT]).await;
+}
+
+/// [`finish_and_check`] with the fresh projector's environment.
+async fn finish_and_check_with(
+    nats: &TestNats,
+    js: &Context,
+    producer: tokio::task::JoinHandle<Vec<u64>>,
+    envs: &[(&str, &str)],
+) {
     let seqs = tokio::time::timeout(GUARD, producer)
         .await
         .expect("the producer finished")
         .expect("the producer did not panic");
-    let _second = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
+    let _second = start_projector(&nats.url(), &MAIN_AGENTS, envs).await;
     wait_settled(js, seqs.len() as u64, 0).await;
     let proj = read_all(js, PROJ, "collab.proj.>").await;
     let dlq = read_all(js, DLQ, "collab.dlq.>").await;
@@ -1227,6 +1274,21 @@ async fn sigkill_mid_stream_loses_nothing_and_duplicates_nothing() {
         count(&js, PROJ).await
     );
     finish_and_check(&nats, &js, producer).await;
+}
+
+#[tokio::test]
+async fn sigkill_mid_stream_with_atomic_batches_loses_nothing_and_duplicates_nothing() {
+    let nats = TestNats::start().await;
+    let mut first = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT, BATCHES]).await;
+    let js = nats.jetstream().await;
+    let producer = spawn_producer(&js, load(2000));
+    wait_proj_at_least(&js, 300).await;
+    first.kill9();
+    first
+        .wait_exit(GUARD)
+        .await
+        .expect("SIGKILL ends the process");
+    finish_and_check_with(&nats, &js, producer, &[ACK_WAIT, BATCHES]).await;
 }
 
 #[tokio::test]
