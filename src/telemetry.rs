@@ -346,7 +346,7 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
     (
         PUBLISH_ACK,
         Family::Histogram(LATENCY),
-        "Publish to acknowledgement of projections and dead letters, in seconds.",
+        "Issue to acknowledgement of projections and dead letters (with atomic batches, the wait for the batch included), in seconds.",
     ),
     (
         STATE_WRITE,

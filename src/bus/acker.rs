@@ -454,7 +454,7 @@ pub(crate) async fn issue_publishes(
     acker: &mpsc::Sender<Processed>,
     cancel: &CancellationToken,
 ) -> Result<Publishes, Halt> {
-    if publisher.batches {
+    if publisher.batches() {
         // Sent by the acker, batched: no publish-ack permit is taken here.
         return Ok(outs
             .into_iter()

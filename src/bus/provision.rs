@@ -469,7 +469,12 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
     adopt_layout(js, &mut settled).await?;
     let s = &settled;
     let mut report = Report::default();
-    for (want, setting) in stream_configs(s) {
+    // A server older than atomic batches is not asked to allow them (a strict one would refuse
+    // the field).
+    let atomic = super::parse_version(&js.client().server_info().version)
+        >= Some(super::publisher::ATOMIC_BATCH_SERVER);
+    for (mut want, setting) in stream_configs(s) {
+        want.allow_atomic_publish &= atomic;
         let name = format!("stream {}", want.name);
         match find_stream(js, &want.name, &name).await? {
             Some(mut existing) => {

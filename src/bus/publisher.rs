@@ -46,8 +46,9 @@ pub struct Publisher {
     /// The largest output, headers included, the server and the output streams accept.
     pub out_budget: usize,
     /// Outputs are stored as atomic batches by the partitions' ackers (`nats.publish_batches`)
-    /// rather than published one by one as they are issued.
-    pub(crate) batches: bool,
+    /// rather than published one by one as they are issued. Turned off for good when the server
+    /// is found to store a batch's messages one by one.
+    batches: std::sync::atomic::AtomicBool,
 }
 
 impl Publisher {
@@ -70,18 +71,19 @@ impl Publisher {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
-        let batches = match settings.nats.publish_batches {
+        let wanted = match settings.nats.publish_batches {
             PublishBatches::Always => true,
             PublishBatches::Never => false,
             PublishBatches::Auto => replicated(&js, &names)
                 .await
                 .unwrap_or(settings.nats.replicas > 1),
         };
+        let batches = wanted && batches_supported(&js, &names, settings).await;
         if batches {
             tracing::info!("outputs are stored as atomic batches (nats.publish_batches)");
         }
         Publisher {
-            batches,
+            batches: std::sync::atomic::AtomicBool::new(batches),
             retry_js: context(),
             blobs_js: context(),
             blobs: tokio::sync::OnceCell::new(),
@@ -95,6 +97,12 @@ impl Publisher {
             fail_publish_every,
             publish_attempts: AtomicU64::new(0),
         }
+    }
+
+    /// Whether the partitions' ackers store outputs as atomic batches (see
+    /// [`Publisher::store_batched`]).
+    pub(crate) fn batches(&self) -> bool {
+        self.batches.load(Ordering::Relaxed)
     }
 
     /// Most publishes a reader issues before it hands them to its acker (see `issue_publishes`):
@@ -285,10 +293,9 @@ impl Publisher {
         }
     }
 
-    /// Store `outs` (outputs of inputs taken in partition order) as atomic batches, one stream
-    /// at a time, each batch only once the one before it is committed: a partition's outputs are
-    /// stored in order, each stream's as a prefix of what was issued, and a replicated stream
-    /// proposes a whole batch at once. Every message keeps its Msg-Id and the fence expectation,
+    /// Store `outs` (outputs of inputs taken in partition order) as atomic batches, in order, each
+    /// batch only once the one before it is committed: what is stored is always a prefix of
+    /// `outs`, and a replicated stream proposes a whole batch at once. Every message keeps its Msg-Id and the fence expectation,
     /// so a batch past a newer claim stores nothing. A batch the server refuses or does not
     /// answer (a Msg-Id stored before, as after a takeover; a server without atomic batches; a
     /// timeout) is published again one output at a time, in place, where a stored Msg-Id
@@ -300,31 +307,25 @@ impl Publisher {
         inputs: &[&jetstream::Message],
         cancel: &CancellationToken,
     ) -> Result<(), Halt> {
-        let of_kind = |dead: bool| {
-            outs.iter()
-                .copied()
-                .filter(move |o| matches!(o.kind, OutKind::DeadLetter(_)) == dead)
-                .collect::<Vec<&Outgoing>>()
-        };
-        for group in [of_kind(false), of_kind(true)] {
-            for chunk in group.chunks(BATCH_MAX) {
-                match self.send_batch(chunk, fence).await {
-                    Ok(()) => {
-                        metrics::counter!(telemetry::PUBLISH_BATCHES, "outcome" => "stored")
-                            .increment(1);
-                    }
-                    Err(BatchRefused::Deposed(f)) => {
-                        return Err(Halt::Failed(self.count_failure(f)));
-                    }
-                    Err(BatchRefused::Other(why)) => {
-                        metrics::counter!(telemetry::PUBLISH_BATCHES, "outcome" => "fell_back")
-                            .increment(1);
-                        debug!(outputs = chunk.len(), why = %why, "atomic batch not stored; publishing its outputs one at a time");
-                        for out in chunk {
-                            self.publish_in_place(out, fence, inputs, cancel).await?;
-                        }
-                    }
+        for chunk in batch_plan(outs) {
+            match self.send_batch(chunk, fence).await {
+                Ok(()) => {
+                    metrics::counter!(telemetry::PUBLISH_BATCHES, "outcome" => "stored")
+                        .increment(1);
+                    continue;
                 }
+                Err(BatchRefused::Deposed(f)) => return Err(Halt::Failed(self.count_failure(f))),
+                Err(BatchRefused::Unsupported(answer)) => {
+                    self.batches.store(false, Ordering::Relaxed);
+                    warn!(answer = %answer, "the server stored an atomic batch's messages one by one (older than nats-server 2.12?); outputs are published one at a time from now on");
+                }
+                Err(BatchRefused::Other(why)) => {
+                    debug!(outputs = chunk.len(), why = %why, "atomic batch not stored; publishing its outputs one at a time");
+                }
+            }
+            metrics::counter!(telemetry::PUBLISH_BATCHES, "outcome" => "fell_back").increment(1);
+            for out in chunk {
+                self.publish_in_place(out, fence, inputs, cancel).await?;
             }
         }
         Ok(())
@@ -520,6 +521,39 @@ impl Publisher {
 /// Most outputs in one atomic batch (the server takes up to 1,000).
 const BATCH_MAX: usize = 500;
 
+/// Most payload bytes in one atomic batch: the server holds a batch in memory until its commit.
+const BATCH_MAX_BYTES: usize = 8 << 20;
+
+/// The batches `outs` go in, in order: runs of outputs bound for one stream, each cut by
+/// [`batches_of`]. What is stored of them, over both streams, is then always a prefix of `outs`
+/// (the takeover's look-ups rely on it).
+fn batch_plan<'a, 'o>(outs: &'a [&'o Outgoing]) -> Vec<&'a [&'o Outgoing]> {
+    outs.chunk_by(|a, b| {
+        matches!(a.kind, OutKind::DeadLetter(_)) == matches!(b.kind, OutKind::DeadLetter(_))
+    })
+    .flat_map(batches_of)
+    .collect()
+}
+
+/// `outs` cut, in order, into batches of at most [`BATCH_MAX`] outputs and [`BATCH_MAX_BYTES`]
+/// of payload (an output larger than that is a batch of its own).
+fn batches_of<'a, 'o>(outs: &'a [&'o Outgoing]) -> Vec<&'a [&'o Outgoing]> {
+    let mut cut = Vec::new();
+    let (mut start, mut bytes) = (0, 0);
+    for (i, out) in outs.iter().enumerate() {
+        let size = out.payload.len();
+        if i > start && (i - start >= BATCH_MAX || bytes + size > BATCH_MAX_BYTES) {
+            cut.push(&outs[start..i]);
+            (start, bytes) = (i, 0);
+        }
+        bytes += size;
+    }
+    if start < outs.len() {
+        cut.push(&outs[start..]);
+    }
+    cut
+}
+
 /// How long a batch's commit waits for the server's answer before its outputs are published one
 /// at a time (a batch not committed stores nothing).
 const BATCH_COMMIT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -531,6 +565,9 @@ enum BatchRefused {
     Deposed(Failure),
     /// Anything else: its outputs are published one at a time.
     Other(String),
+    /// A plain publish ack: the server stored the batch's messages one by one (it does not know
+    /// atomic batches). Its outputs are published one at a time, and no batch is sent again.
+    Unsupported(String),
 }
 
 /// What the server answered a batch's commit: stored whole (`batch` and `count` in the ack), or
@@ -564,14 +601,50 @@ fn batch_answer(payload: &[u8], sent: usize, subject: &str) -> Result<(), BatchR
             code.map_or_else(|| "no code".to_string(), |c| c.to_string())
         )));
     }
+    if answer.get("batch").is_none() {
+        return Err(BatchRefused::Unsupported(answer.to_string()));
+    }
     let count = answer.get("count").and_then(serde_json::Value::as_u64);
-    if answer.get("batch").is_none() || count != u64::try_from(sent).ok() {
+    if count != u64::try_from(sent).ok() {
         return Err(BatchRefused::Other(format!(
             "unexpected answer for {sent} outputs: {answer}"
         )));
     }
     Ok(())
 }
+
+/// Whether atomic batches can be sent: the server is 2.12 or later and both output streams
+/// allow them (a server that does not know them does not keep the setting). Says why not.
+async fn batches_supported(
+    js: &jetstream::Context,
+    names: &Names,
+    settings: &crate::config::Settings,
+) -> bool {
+    let version = js.client().server_info().version;
+    if super::parse_version(&version) < Some(ATOMIC_BATCH_SERVER) {
+        warn!(server = %version, "nats.publish_batches: atomic batches need nats-server 2.12 or later; outputs are published one at a time");
+        return false;
+    }
+    for name in [&names.proj_stream, &names.dlq_stream] {
+        let allowed = match js.get_stream(name).await {
+            Ok(mut stream) => stream
+                .info()
+                .await
+                .map(|i| i.config.allow_atomic_publish)
+                .unwrap_or(false),
+            Err(_) => false,
+        };
+        if !allowed {
+            warn!(stream = %name, publish_batches = ?settings.nats.publish_batches,
+                "the stream does not allow atomic batches (run `collab-projector provision`); outputs are published one at a time");
+            return false;
+        }
+    }
+    true
+}
+
+/// The first server version with atomic batches.
+pub(crate) const ATOMIC_BATCH_SERVER: (u64, u64, u64) = (2, 12, 0);
 
 /// Whether the projection stream has more than one replica (`None`: it could not be read).
 async fn replicated(js: &jetstream::Context, names: &Names) -> Option<bool> {
@@ -678,5 +751,77 @@ async fn scan_for(
         if info.stream_sequence >= until {
             return Ok(false);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::DlqReason;
+
+    fn out(bytes: usize) -> Outgoing {
+        Outgoing {
+            subject: "collab.dlq.bad_json".into(),
+            payload: bytes::Bytes::from(vec![b'x'; bytes]),
+            msg_id: "COLLAB_RAW:1:dlq".into(),
+            headers: Vec::new(),
+            kind: OutKind::DeadLetter(DlqReason::BadJson),
+        }
+    }
+
+    #[test]
+    fn batches_keep_order_and_stay_within_their_count_and_bytes() {
+        let small: Vec<Outgoing> = (0..1201).map(|_| out(10)).collect();
+        let refs: Vec<&Outgoing> = small.iter().collect();
+        let sizes: Vec<usize> = batches_of(&refs).iter().map(|b| b.len()).collect();
+        assert_eq!(sizes, [500, 500, 201]);
+
+        let big: Vec<Outgoing> = [3 << 20, 3 << 20, 3 << 20, 9 << 20, 1]
+            .into_iter()
+            .map(out)
+            .collect();
+        let refs: Vec<&Outgoing> = big.iter().collect();
+        let cut = batches_of(&refs);
+        let sizes: Vec<usize> = cut.iter().map(|b| b.len()).collect();
+        assert_eq!(
+            sizes,
+            [2, 1, 1, 1],
+            "8 MiB per batch; a larger output alone"
+        );
+        let flat: Vec<*const Outgoing> = cut
+            .iter()
+            .flat_map(|b| b.iter().map(|o| *o as *const _))
+            .collect();
+        let want: Vec<*const Outgoing> = big.iter().map(|o| o as *const _).collect();
+        assert_eq!(flat, want, "in order, nothing left out");
+
+        assert!(batches_of(&[]).is_empty());
+    }
+
+    #[test]
+    fn a_batch_plan_follows_issue_order_across_the_two_streams() {
+        let projection = |n: u8| Outgoing {
+            subject: format!("collab.proj.orchestration.task.k.{n}"),
+            payload: bytes::Bytes::from(vec![n]),
+            msg_id: format!("COLLAB_RAW:{n}:0"),
+            headers: Vec::new(),
+            kind: OutKind::Projection(crate::model::Role::OrchestrationTask),
+        };
+        let outs = [
+            projection(1),
+            projection(2),
+            out(3),
+            projection(4),
+            out(5),
+            out(6),
+        ];
+        let refs: Vec<&Outgoing> = outs.iter().collect();
+        let plan: Vec<Vec<u8>> = batch_plan(&refs)
+            .iter()
+            .map(|b| b.iter().map(|o| o.payload.len() as u8).collect())
+            .collect();
+        // Payload lengths stand for the outputs: projections carry one byte, dead letters
+        // `out(n)`'s n bytes.
+        assert_eq!(plan, [vec![1, 1], vec![3], vec![1], vec![5, 6]]);
     }
 }

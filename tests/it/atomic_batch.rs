@@ -171,3 +171,33 @@ async fn on_a_replicated_stream_one_fenced_batch_at_a_time_is_stored_and_a_secon
     assert!(stored >= 50, "no batch stored");
     assert_eq!(stored_subjects(&stream).await.len(), 61 + stored);
 }
+
+#[tokio::test]
+async fn provision_allows_atomic_batches_on_the_output_streams_even_existing_ones() {
+    let nats = crate::support::TestNats::start().await;
+    let url = nats.url();
+    let js = nats.jetstream().await;
+    let provision = || async {
+        let (ok, out, err) =
+            crate::pipeline::run_bin(&["provision", "--nats-url", &url], &[], b"").await;
+        assert!(ok, "provision failed: {out}{err}");
+    };
+    provision().await;
+    for name in [crate::pipeline::PROJ, crate::pipeline::DLQ] {
+        let mut stream = js.get_stream(name).await.unwrap();
+        let mut config = stream.info().await.unwrap().config.clone();
+        assert!(config.allow_atomic_publish, "{name} created without it");
+        // As a deployment made before atomic batches has it.
+        config.allow_atomic_publish = false;
+        js.update_stream(&config).await.unwrap();
+        assert!(!stream.info().await.unwrap().config.allow_atomic_publish);
+    }
+    provision().await;
+    for name in [crate::pipeline::PROJ, crate::pipeline::DLQ] {
+        let mut stream = js.get_stream(name).await.unwrap();
+        assert!(
+            stream.info().await.unwrap().config.allow_atomic_publish,
+            "{name}: provision must allow atomic batches on an existing stream"
+        );
+    }
+}
