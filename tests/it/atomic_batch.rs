@@ -4,10 +4,10 @@
 //! such batches on replicated streams (`nats.publish_batches`) and rely on each answer pinned
 //! here: a server that answers otherwise fails here rather than in production.
 
+use crate::fast_batch::{output_headers, stored_subjects};
 use crate::support::{cluster3, cluster_client, local_nats};
 use async_nats::jetstream;
 use serde_json::Value;
-use std::time::Duration;
 
 /// One atomic batch of `count` messages on `ab.out.<tag>.<n>`, each with a Msg-Id
 /// (`<tag>m<n>`, or the one before it for message `dup`) and the fence expectation (message
@@ -22,21 +22,9 @@ async fn atomic_batch(
 ) -> Value {
     let id = format!("batch-{tag}");
     for seq in 1..=count {
-        let mut headers = async_nats::HeaderMap::new();
+        let mut headers = output_headers(tag, seq, dup, (fence_seq, fenced), "ab.fence");
         headers.insert("Nats-Batch-Id", id.as_str());
         headers.insert("Nats-Batch-Sequence", seq.to_string().as_str());
-        let msg_id = if seq == dup { seq - 1 } else { seq };
-        headers.insert("Nats-Msg-Id", format!("{tag}m{msg_id}").as_str());
-        let expected = if Some(seq) == fenced {
-            fence_seq + 100
-        } else {
-            fence_seq
-        };
-        headers.insert(
-            "Nats-Expected-Last-Subject-Sequence",
-            expected.to_string().as_str(),
-        );
-        headers.insert("Nats-Expected-Last-Subject-Sequence-Subject", "ab.fence");
         let subject = format!("ab.out.{tag}.{seq}");
         let body = format!("body {seq}").into();
         if seq < count {
@@ -58,26 +46,12 @@ async fn atomic_batch(
 
 async fn stream(js: &jetstream::Context, replicas: usize) -> jetstream::stream::Stream {
     js.create_stream(jetstream::stream::Config {
-        name: "AB".into(),
-        subjects: vec!["ab.>".into()],
         allow_atomic_publish: true,
         num_replicas: replicas,
-        duplicate_window: Duration::from_secs(120),
-        ..Default::default()
+        ..crate::fast_batch::config("AB", "ab.>")
     })
     .await
     .unwrap()
-}
-
-async fn stored_subjects(stream: &jetstream::stream::Stream) -> Vec<String> {
-    let last = stream.get_info().await.unwrap().state.last_sequence;
-    let mut subjects = Vec::new();
-    for seq in 1..=last {
-        if let Ok(m) = stream.get_raw_message(seq).await {
-            subjects.push(m.subject.to_string());
-        }
-    }
-    subjects
 }
 
 fn err_code(answer: &Value) -> Option<u64> {

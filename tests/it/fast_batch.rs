@@ -28,19 +28,7 @@ async fn fast_batch(
             s if s == count => 2,
             _ => 1,
         };
-        let mut headers = async_nats::HeaderMap::new();
-        let id = if seq == dup { seq - 1 } else { seq };
-        headers.insert("Nats-Msg-Id", format!("m{id}").as_str());
-        let expected = if Some(seq) == fenced {
-            fence_seq + 100
-        } else {
-            fence_seq
-        };
-        headers.insert(
-            "Nats-Expected-Last-Subject-Sequence",
-            expected.to_string().as_str(),
-        );
-        headers.insert("Nats-Expected-Last-Subject-Sequence-Subject", "fb.fence");
+        let headers = output_headers("", seq, dup, (fence_seq, fenced), "fb.fence");
         client
             .publish_with_reply_and_headers(
                 format!("fb.out.{seq}"),
@@ -61,19 +49,53 @@ async fn fast_batch(
     out
 }
 
-async fn stream(js: &jetstream::Context) -> jetstream::stream::Stream {
-    js.create_stream(jetstream::stream::Config {
-        name: "FB".into(),
-        subjects: vec!["fb.>".into()],
-        allow_batch_publish: true,
+/// The headers of message `seq` as the pipeline sends an output: a Msg-Id (`<tag>m<seq>`, the
+/// one before it for message `dup`) and the fence on `fence_subject`, expecting `fence_seq`
+/// (a sequence the fence does not have for message `fenced`).
+pub(crate) fn output_headers(
+    tag: &str,
+    seq: u64,
+    dup: u64,
+    (fence_seq, fenced): (u64, Option<u64>),
+    fence_subject: &str,
+) -> async_nats::HeaderMap {
+    let mut headers = async_nats::HeaderMap::new();
+    let id = if seq == dup { seq - 1 } else { seq };
+    headers.insert("Nats-Msg-Id", format!("{tag}m{id}").as_str());
+    let expected = if Some(seq) == fenced {
+        fence_seq + 100
+    } else {
+        fence_seq
+    };
+    headers.insert(
+        "Nats-Expected-Last-Subject-Sequence",
+        expected.to_string().as_str(),
+    );
+    headers.insert("Nats-Expected-Last-Subject-Sequence-Subject", fence_subject);
+    headers
+}
+
+/// A stream `name` over `subjects` keeping Msg-Ids for two minutes.
+pub(crate) fn config(name: &str, subjects: &str) -> jetstream::stream::Config {
+    jetstream::stream::Config {
+        name: name.into(),
+        subjects: vec![subjects.into()],
         duplicate_window: Duration::from_secs(120),
         ..Default::default()
+    }
+}
+
+async fn stream(js: &jetstream::Context) -> jetstream::stream::Stream {
+    js.create_stream(jetstream::stream::Config {
+        allow_batch_publish: true,
+        ..config("FB", "fb.>")
     })
     .await
     .unwrap()
 }
 
-async fn stored_subjects(stream: &jetstream::stream::Stream) -> Vec<String> {
+/// The subjects of every message `stream` holds, in stream order.
+pub(crate) async fn stored_subjects(stream: &jetstream::stream::Stream) -> Vec<String> {
     let last = stream.get_info().await.unwrap().state.last_sequence;
     let mut subjects = Vec::new();
     for seq in 1..=last {
