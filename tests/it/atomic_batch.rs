@@ -8,6 +8,7 @@ use crate::fast_batch::{output_headers, stored_subjects};
 use crate::support::{cluster3, cluster_client, local_nats};
 use async_nats::jetstream;
 use serde_json::Value;
+use std::time::Duration;
 
 /// One atomic batch of `count` messages on `ab.out.<tag>.<n>`, each with a Msg-Id
 /// (`<tag>m<n>`, or the one before it for message `dup`) and the fence expectation (message
@@ -112,8 +113,18 @@ async fn on_a_replicated_stream_one_fenced_batch_at_a_time_is_stored_and_a_secon
     let client = cluster_client(&nodes).await;
     let js = jetstream::new(client.clone());
     let stream = stream(&js, 3).await;
-    let fence = js.publish("ab.fence", "claim".into()).await.unwrap();
-    let fence = fence.await.unwrap().sequence;
+    // A new R3 stream answers once its leader is elected: claim the fence when it does.
+    let mut fence = None;
+    for _ in 0..100 {
+        if let Ok(ack) = js.publish("ab.fence", "claim".into()).await {
+            if let Ok(ack) = ack.await {
+                fence = Some(ack.sequence);
+                break;
+            }
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let fence = fence.expect("the R3 stream stores the fence within 10 s");
 
     // One after another: every batch stored, each as one proposal.
     for b in 0..3 {
