@@ -363,9 +363,7 @@ impl Issuer<'_> {
         }
         Ok(Awaited::Stored)
     }
-}
 
-impl Issuer<'_> {
     /// Store the outputs of `items` left for a batch ([`Issued::Batched`]), in order, as atomic
     /// batches (see [`Publisher::store_batched`]), and mark them stored.
     async fn store_batches(&self, items: &mut [Processed]) -> Result<Awaited, WorkerError> {

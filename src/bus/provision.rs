@@ -316,7 +316,6 @@ async fn bound_existing(
     Ok(())
 }
 
-/// The size limit and discard policy of an existing stream, when they are not the wanted ones.
 /// What an existing stream is given when it lacks it: a size limit, a discard policy, and
 /// atomic batches (`atomic`: wanted; never taken away).
 #[derive(Clone, Copy)]
@@ -326,16 +325,12 @@ struct Limits {
     atomic: bool,
 }
 
+/// The limits of an existing stream that are not the wanted ones.
 fn limit_differences(have: &stream::Config, want: Limits) -> Vec<String> {
-    let Limits {
-        max_bytes,
-        discard,
-        atomic,
-    } = want;
     let mut d = Vec::new();
-    differ(&mut d, "max_bytes", have.max_bytes, max_bytes);
-    differ(&mut d, "discard", have.discard, discard);
-    if atomic {
+    differ(&mut d, "max_bytes", have.max_bytes, want.max_bytes);
+    differ(&mut d, "discard", have.discard, want.discard);
+    if want.atomic {
         differ(&mut d, "allow_atomic", have.allow_atomic_publish, true);
     }
     d
@@ -352,29 +347,25 @@ async fn set_limits(
     want: Limits,
     report: &mut Report,
 ) -> Result<bool, ProvisionError> {
-    let Limits {
-        max_bytes,
-        discard,
-        atomic,
-    } = want;
     let info = st.info().await.map_err(|e| api(label, e))?;
     let d = limit_differences(&info.config, want);
     if d.is_empty() {
         return Ok(false);
     }
     let held = info.state.bytes;
-    if u64::try_from(max_bytes).is_ok_and(|m| held > m) {
+    if u64::try_from(want.max_bytes).is_ok_and(|m| held > m) {
         return Err(ProvisionError::Differs {
             resource: label.to_string(),
             differences: format!(
-                "it holds {held} bytes, more than {setting} ({max_bytes}); raise {setting} or make room (e.g. `nats stream purge`) first"
+                "it holds {held} bytes, more than {setting} ({}); raise {setting} or make room (e.g. `nats stream purge`) first",
+                want.max_bytes
             ),
         });
     }
     let mut config = info.config.clone();
-    config.max_bytes = max_bytes;
-    config.discard = discard;
-    config.allow_atomic_publish |= atomic;
+    config.max_bytes = want.max_bytes;
+    config.discard = want.discard;
+    config.allow_atomic_publish |= want.atomic;
     js.update_stream(&config).await.map_err(|e| api(label, e))?;
     info!(resource = label, changes = %d.join("; "), "limits set on an existing resource");
     report.updated.push(format!("{label}: {}", d.join("; ")));

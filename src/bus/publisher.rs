@@ -71,14 +71,15 @@ impl Publisher {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
+        let outputs = output_configs(&js, &names).await;
         let wanted = match settings.nats.publish_batches {
             PublishBatches::Always => true,
             PublishBatches::Never => false,
-            PublishBatches::Auto => replicated(&js, &names)
-                .await
-                .unwrap_or(settings.nats.replicas > 1),
+            PublishBatches::Auto => outputs[0]
+                .as_ref()
+                .map_or(settings.nats.replicas > 1, |c| c.num_replicas > 1),
         };
-        let batches = wanted && batches_supported(&js, &names, settings).await;
+        let batches = wanted && batches_supported(&js, &names, &outputs);
         if batches {
             tracing::info!("outputs are stored as atomic batches (nats.publish_batches)");
         }
@@ -88,7 +89,7 @@ impl Publisher {
             blobs_js: context(),
             blobs: tokio::sync::OnceCell::new(),
             out_streams: tokio::sync::OnceCell::new(),
-            out_budget: output_budget(&js, &names).await,
+            out_budget: output_budget(&js, &outputs),
             js,
             names,
             state,
@@ -112,6 +113,14 @@ impl Publisher {
         self.hand_over
     }
 
+    /// Test hook: whether this publish or batch attempt is the Nth, to be failed before it is
+    /// sent (`COLLAB_TEST_FAIL_PUBLISH_EVERY`).
+    fn injected_failure(&self) -> bool {
+        self.fail_publish_every > 0
+            && (self.publish_attempts.fetch_add(1, Ordering::Relaxed) + 1) % self.fail_publish_every
+                == 0
+    }
+
     /// Issue one publish on `js`, fenced by the partition's claim; the returned future
     /// resolves with the server's ack.
     pub(crate) async fn send(
@@ -120,17 +129,14 @@ impl Publisher {
         out: &Outgoing,
         fence: &Fence,
     ) -> Result<jetstream::context::PublishAckFuture, Failure> {
-        if self.fail_publish_every > 0 {
-            let n = self.publish_attempts.fetch_add(1, Ordering::Relaxed) + 1;
-            if n % self.fail_publish_every == 0 {
-                return Err(Failure::Transient {
-                    subject: out.subject.clone(),
-                    source: jetstream::context::PublishError::with_source(
-                        jetstream::context::PublishErrorKind::Other,
-                        "injected publish failure (COLLAB_TEST_FAIL_PUBLISH_EVERY)",
-                    ),
-                });
-            }
+        if self.injected_failure() {
+            return Err(Failure::Transient {
+                subject: out.subject.clone(),
+                source: jetstream::context::PublishError::with_source(
+                    jetstream::context::PublishErrorKind::Other,
+                    "injected publish failure (COLLAB_TEST_FAIL_PUBLISH_EVERY)",
+                ),
+            });
         }
         let publish = PublishMessage::build()
             .payload(out.payload.clone())
@@ -293,10 +299,10 @@ impl Publisher {
         }
     }
 
-    /// Store `outs` (outputs of inputs taken in partition order) as atomic batches, in order, each
-    /// batch only once the one before it is committed: what is stored is always a prefix of
-    /// `outs`, and a replicated stream proposes a whole batch at once. Every message keeps its Msg-Id and the fence expectation,
-    /// so a batch past a newer claim stores nothing. A batch the server refuses or does not
+    /// Store `outs` (outputs of inputs taken in partition order) as atomic batches, in order,
+    /// each batch only once the one before it is committed: what is stored is always a prefix of
+    /// `outs`, and a replicated stream proposes a whole batch at once. Every message keeps its
+    /// Msg-Id and the fence expectation, so a batch past a newer claim stores nothing. A batch the server refuses or does not
     /// answer (a Msg-Id stored before, as after a takeover; a server without atomic batches; a
     /// timeout) is published again one output at a time, in place, where a stored Msg-Id
     /// collapses alone.
@@ -337,13 +343,10 @@ impl Publisher {
         let Some((last, rest)) = chunk.split_last() else {
             return Ok(());
         };
-        if self.fail_publish_every > 0 {
-            let n = self.publish_attempts.fetch_add(1, Ordering::Relaxed) + 1;
-            if n % self.fail_publish_every == 0 {
-                return Err(BatchRefused::Other(
-                    "injected batch failure (COLLAB_TEST_FAIL_PUBLISH_EVERY)".into(),
-                ));
-            }
+        if self.injected_failure() {
+            return Err(BatchRefused::Other(
+                "injected batch failure (COLLAB_TEST_FAIL_PUBLISH_EVERY)".into(),
+            ));
         }
         let client = self.js.client();
         let id = uuid::Uuid::new_v4().simple().to_string();
@@ -570,72 +573,68 @@ enum BatchRefused {
     Unsupported(String),
 }
 
-/// What the server answered a batch's commit: stored whole (`batch` and `count` in the ack), or
-/// refused.
+/// A batch commit's answer: a publish ack naming the batch and its count, or an API error.
+#[derive(serde::Deserialize)]
+struct CommitAnswer {
+    error: Option<jetstream::Error>,
+    batch: Option<String>,
+    count: Option<u64>,
+}
+
+/// What the server answered a batch's commit: stored whole, or refused (classified as a single
+/// publish's refusal is, [`publish::classify`]: only a lost fence is not healed by publishing
+/// the outputs one at a time).
 fn batch_answer(payload: &[u8], sent: usize, subject: &str) -> Result<(), BatchRefused> {
-    let answer: serde_json::Value = serde_json::from_slice(payload).map_err(|e| {
+    let answer: CommitAnswer = serde_json::from_slice(payload).map_err(|e| {
         BatchRefused::Other(format!(
             "unreadable answer ({e}): {}",
             String::from_utf8_lossy(payload)
         ))
     })?;
-    if let Some(error) = answer.get("error") {
-        let code = error.get("err_code").and_then(serde_json::Value::as_u64);
-        let description = error
-            .get("description")
-            .and_then(serde_json::Value::as_str)
-            .unwrap_or("")
-            .to_string();
-        // 10071: wrong last sequence, the fence (JSStreamWrongLastSequenceErrF).
-        if code == Some(10071) {
-            return Err(BatchRefused::Deposed(Failure::Deposed {
-                subject: subject.to_string(),
-                source: jetstream::context::PublishError::with_source(
-                    jetstream::context::PublishErrorKind::WrongLastSequence,
-                    description,
-                ),
-            }));
-        }
-        return Err(BatchRefused::Other(format!(
-            "refused ({}): {description}",
-            code.map_or_else(|| "no code".to_string(), |c| c.to_string())
-        )));
+    if let Some(error) = answer.error {
+        let why = error.to_string();
+        let source = jetstream::context::PublishError::with_source(
+            jetstream::context::PublishErrorKind::Other,
+            error,
+        );
+        return Err(match publish::classify(subject, source) {
+            f @ Failure::Deposed { .. } => BatchRefused::Deposed(f),
+            _ => BatchRefused::Other(format!("refused: {why}")),
+        });
     }
-    if answer.get("batch").is_none() {
-        return Err(BatchRefused::Unsupported(answer.to_string()));
+    if answer.batch.is_none() {
+        return Err(BatchRefused::Unsupported(
+            String::from_utf8_lossy(payload).into_owned(),
+        ));
     }
-    let count = answer.get("count").and_then(serde_json::Value::as_u64);
-    if count != u64::try_from(sent).ok() {
+    if answer.count != u64::try_from(sent).ok() {
         return Err(BatchRefused::Other(format!(
-            "unexpected answer for {sent} outputs: {answer}"
+            "unexpected answer for {sent} outputs: {}",
+            String::from_utf8_lossy(payload)
         )));
     }
     Ok(())
 }
 
 /// Whether atomic batches can be sent: the server is 2.12 or later and both output streams
-/// allow them (a server that does not know them does not keep the setting). Says why not.
-async fn batches_supported(
+/// (`outputs`) allow them (a server that does not know them does not keep the setting). Says
+/// why not.
+fn batches_supported(
     js: &jetstream::Context,
     names: &Names,
-    settings: &crate::config::Settings,
+    outputs: &[Option<jetstream::stream::Config>; 2],
 ) -> bool {
     let version = js.client().server_info().version;
     if super::parse_version(&version) < Some(ATOMIC_BATCH_SERVER) {
         warn!(server = %version, "nats.publish_batches: atomic batches need nats-server 2.12 or later; outputs are published one at a time");
         return false;
     }
-    for name in [&names.proj_stream, &names.dlq_stream] {
-        let allowed = match js.get_stream(name).await {
-            Ok(mut stream) => stream
-                .info()
-                .await
-                .map(|i| i.config.allow_atomic_publish)
-                .unwrap_or(false),
-            Err(_) => false,
-        };
-        if !allowed {
-            warn!(stream = %name, publish_batches = ?settings.nats.publish_batches,
+    for (name, config) in [&names.proj_stream, &names.dlq_stream]
+        .into_iter()
+        .zip(outputs)
+    {
+        if !config.as_ref().is_some_and(|c| c.allow_atomic_publish) {
+            warn!(stream = %name,
                 "the stream does not allow atomic batches (run `collab-projector provision`); outputs are published one at a time");
             return false;
         }
@@ -645,13 +644,6 @@ async fn batches_supported(
 
 /// The first server version with atomic batches.
 pub(crate) const ATOMIC_BATCH_SERVER: (u64, u64, u64) = (2, 12, 0);
-
-/// Whether the projection stream has more than one replica (`None`: it could not be read).
-async fn replicated(js: &jetstream::Context, names: &Names) -> Option<bool> {
-    let mut stream = js.get_stream(&names.proj_stream).await.ok()?;
-    let info = stream.info().await.ok()?;
-    Some(info.config.num_replicas > 1)
-}
 
 /// Why issuing an output stopped before it was stored.
 #[derive(Debug)]
@@ -691,22 +683,34 @@ impl Patience {
     }
 }
 
-/// The largest output the server (`max_payload`) and the projection and dead-letter streams
-/// (their largest message, when set) accept.
-pub(crate) async fn output_budget(js: &jetstream::Context, names: &Names) -> usize {
-    let mut budget = js.client().server_info().max_payload;
-    for name in [&names.proj_stream, &names.dlq_stream] {
-        if let Ok(mut stream) = js.get_stream(name).await {
-            if let Ok(info) = stream.info().await {
-                if let Ok(max) = usize::try_from(info.config.max_message_size) {
-                    if max > 0 {
-                        budget = budget.min(max);
-                    }
-                }
-            }
+/// The configurations of the projection and dead-letter streams, in that order (`None`: not
+/// read), looked up once at start.
+async fn output_configs(
+    js: &jetstream::Context,
+    names: &Names,
+) -> [Option<jetstream::stream::Config>; 2] {
+    let read = |name: &str| {
+        let name = name.to_string();
+        async move {
+            let mut stream = js.get_stream(&name).await.ok()?;
+            stream.info().await.ok().map(|i| i.config.clone())
         }
-    }
-    budget
+    };
+    [
+        read(&names.proj_stream).await,
+        read(&names.dlq_stream).await,
+    ]
+}
+
+/// The largest output the server (`max_payload`) and the projection and dead-letter streams
+/// (`outputs`: their largest message, when set) accept.
+fn output_budget(js: &jetstream::Context, outputs: &[Option<jetstream::stream::Config>]) -> usize {
+    outputs
+        .iter()
+        .flatten()
+        .filter_map(|c| usize::try_from(c.max_message_size).ok())
+        .filter(|&max| max > 0)
+        .fold(js.client().server_info().max_payload, usize::min)
 }
 
 /// Room left for an envelope's projection headers: an envelope is offloaded until it fits in
@@ -796,6 +800,34 @@ mod tests {
         assert_eq!(flat, want, "in order, nothing left out");
 
         assert!(batches_of(&[]).is_empty());
+    }
+
+    #[test]
+    fn a_commit_answer_is_stored_deposed_unsupported_or_refused() {
+        let answer = |json: &str, sent| batch_answer(json.as_bytes(), sent, "collab.proj.x");
+        assert!(answer(r#"{"stream":"P","seq":9,"batch":"b","count":3}"#, 3).is_ok());
+        assert!(matches!(
+            answer(
+                r#"{"error":{"code":400,"err_code":10071,"description":"wrong last sequence: 1"},"stream":"P","seq":0}"#,
+                3
+            ),
+            Err(BatchRefused::Deposed(Failure::Deposed { .. }))
+        ));
+        for refused in [
+            r#"{"error":{"code":400,"err_code":10201,"description":"atomic publish batch contains duplicate message id"}}"#,
+            r#"{"error":{"code":400,"err_code":10164,"description":"wrong last sequence"}}"#,
+            r#"{"stream":"P","seq":9,"batch":"b","count":2}"#,
+            "not json",
+        ] {
+            assert!(
+                matches!(answer(refused, 3), Err(BatchRefused::Other(_))),
+                "{refused}"
+            );
+        }
+        assert!(matches!(
+            answer(r#"{"stream":"P","seq":9}"#, 3),
+            Err(BatchRefused::Unsupported(_))
+        ));
     }
 
     #[test]
