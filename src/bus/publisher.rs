@@ -314,27 +314,36 @@ impl Publisher {
         cancel: &CancellationToken,
     ) -> Result<(), Halt> {
         for chunk in batch_plan(outs) {
-            match self.send_batch(chunk, fence).await {
-                Ok(()) => {
-                    metrics::counter!(telemetry::PUBLISH_BATCHES, "outcome" => "stored")
-                        .increment(1);
-                    continue;
-                }
-                Err(BatchRefused::Deposed(f)) => return Err(Halt::Failed(self.count_failure(f))),
-                Err(BatchRefused::Unsupported(answer)) => {
-                    self.batches.store(false, Ordering::Relaxed);
-                    warn!(answer = %answer, "the server stored an atomic batch's messages one by one (older than nats-server 2.12?); outputs are published one at a time from now on");
-                }
-                Err(BatchRefused::Other(why)) => {
-                    debug!(outputs = chunk.len(), why = %why, "atomic batch not stored; publishing its outputs one at a time");
-                }
+            // Batching may have been turned off since these were issued.
+            if self.batches() && self.try_batch(chunk, fence).await? {
+                continue;
             }
-            metrics::counter!(telemetry::PUBLISH_BATCHES, "outcome" => "fell_back").increment(1);
             for out in chunk {
                 self.publish_in_place(out, fence, inputs, cancel).await?;
             }
         }
         Ok(())
+    }
+
+    /// Send `chunk` as one atomic batch: `true` when stored, `false` when it is to be published
+    /// one output at a time (counted and said why), a halt when the fence was lost.
+    async fn try_batch(&self, chunk: &[&Outgoing], fence: &Fence) -> Result<bool, Halt> {
+        match self.send_batch(chunk, fence).await {
+            Ok(()) => {
+                metrics::counter!(telemetry::PUBLISH_BATCHES, "outcome" => "stored").increment(1);
+                return Ok(true);
+            }
+            Err(BatchRefused::Deposed(f)) => return Err(Halt::Failed(self.count_failure(f))),
+            Err(BatchRefused::Unsupported(answer)) => {
+                self.batches.store(false, Ordering::Relaxed);
+                warn!(answer = %answer, "the server stored an atomic batch's messages one by one (older than nats-server 2.12?); outputs are published one at a time from now on");
+            }
+            Err(BatchRefused::Other(why)) => {
+                debug!(outputs = chunk.len(), why = %why, "atomic batch not stored; publishing its outputs one at a time");
+            }
+        }
+        metrics::counter!(telemetry::PUBLISH_BATCHES, "outcome" => "fell_back").increment(1);
+        Ok(false)
     }
 
     /// One atomic batch: every output but the last published, the last sent with the commit
