@@ -64,6 +64,62 @@ impl Processed {
     }
 }
 
+impl Processed {
+    /// `last`, a stand-in for the last delivery a previous owner left unacknowledged (see
+    /// [`in_flight_stand_in`]), acknowledged once everything before it is stored: nothing to
+    /// publish, no end-to-end latency of its own.
+    pub(crate) fn stand_in(last: jetstream::Message) -> Processed {
+        let mut processed = Processed::new(Some(last), Vec::new(), Effects::default());
+        processed.stored_ms = None;
+        processed
+    }
+}
+
+/// A message whose acknowledgement acknowledges every delivery the consumer `info` describes as
+/// made: its reply subject is the acknowledgement subject of the consumer's last delivery
+/// (`$JS.ACK.<stream>.<consumer>.<count>.<stream seq>.<consumer seq>.<time>.<pending>`, the
+/// reply subject every JetStream delivery carries). Only for consumers with `AckPolicy::All`,
+/// where acknowledging a delivery covers all before it; `None` otherwise, or when nothing
+/// was delivered.
+///
+/// For a new owner that has read what a previous owner left in flight from the stream and
+/// processed it: without it those deliveries stay pending until `ack_wait` returns them.
+pub(crate) fn in_flight_stand_in(
+    js: &jetstream::Context,
+    info: &jetstream::consumer::Info,
+) -> Option<jetstream::Message> {
+    if info.config.ack_policy != jetstream::consumer::AckPolicy::All
+        || info.delivered.consumer_sequence == 0
+        || info.num_ack_pending == 0
+    {
+        return None;
+    }
+    let reply = format!(
+        "$JS.ACK.{}.{}.1.{}.{}.{}.0",
+        info.stream_name,
+        info.name,
+        info.delivered.stream_sequence,
+        info.delivered.consumer_sequence,
+        info.delivered
+            .last_active
+            .and_then(|t| t.timestamp_nanos_opt())
+            .unwrap_or(0)
+            .max(0),
+    );
+    Some(jetstream::Message {
+        message: async_nats::Message {
+            subject: async_nats::Subject::from_static("collab.takeover.in_flight"),
+            reply: Some(reply.into()),
+            payload: bytes::Bytes::new(),
+            headers: None,
+            status: None,
+            description: None,
+            length: 0,
+        },
+        context: js.clone(),
+    })
+}
+
 /// How a partition acknowledges a group of processed inputs.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Acks {

@@ -110,6 +110,15 @@ impl Partition<'_> {
             if let Flow::Stop = self.replay(stream, from, to).await? {
                 return Ok(());
             }
+            // The previous owner's deliveries are processed: acknowledge them once their
+            // outputs are stored instead of leaving them to come back after `ack_wait`. A
+            // partition whose stream takes no more input (sealed by a reshard) could not leave
+            // it until then, since nothing later would be delivered to acknowledge.
+            if let Some(last) = super::acker::in_flight_stand_in(&self.shared.js, &info) {
+                if self.tx.send(Processed::stand_in(last)).await.is_err() {
+                    return Ok(());
+                }
+            }
         }
         let batch = self.shared.settings.consumer.batch;
         let skew = i64::try_from(self.shared.settings.turns.clock_skew.as_millis()).unwrap_or(0);

@@ -467,3 +467,112 @@ async fn one_raw_stream_becomes_two_and_one_again_and_every_input_is_projected_o
     worker.sigterm();
     worker.wait_exit(Duration::from_secs(30)).await;
 }
+
+/// A worker that dies holding deliveries of a raw stream about to be sealed: its successor
+/// reads them from the stream, and once their outputs are stored acknowledges them itself, so
+/// the partitions leave the sealed stream (and the reshard ends) without waiting for the
+/// consumer's `ack_wait` to return the dead worker's deliveries. None of them is delivered
+/// again, and every update is projected once, in order.
+#[tokio::test]
+async fn a_dead_owners_deliveries_do_not_hold_a_sealed_stream_for_ack_wait() {
+    const ACK_WAIT: Duration = Duration::from_secs(60);
+    let mut nats = TestNats::start().await;
+    let url = nats.url();
+    let js = nats.jetstream().await;
+    let env = [("COLLAB_CONSUMER__ACK_WAIT", "60s")];
+    let log = Mutex::new(Published::default());
+    let mut wanted: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    let phase = |n: u64, wanted: &mut BTreeMap<String, Vec<u64>>| {
+        (0..12)
+            .map(|k| {
+                let key = format!("task-{k}");
+                wanted.entry(key.clone()).or_default().push(n);
+                task_update(&key, n)
+            })
+            .collect::<Vec<_>>()
+    };
+    let projected = |js: jetstream::Context, at_least: usize| async move {
+        let p =
+            crate::pipeline::read_all(&js, "COLLAB_PROJ", "collab.proj.*.*.*.task.updated").await;
+        (p.len() >= at_least).then_some(())
+    };
+
+    let mut first = Projector::spawn(&url, &RUN_ARGS, &env);
+    for (s, b) in phase(0, &mut wanted) {
+        publish(&js, s, b, &log).await;
+    }
+    wait_for("phase 0 is projected", || projected(js.clone(), 12)).await;
+    first.sigterm();
+    first.wait_exit(Duration::from_secs(30)).await;
+
+    // Inputs delivered to a client that never acknowledges them: a worker killed mid-batch.
+    for (s, b) in phase(1, &mut wanted) {
+        publish(&js, s, b, &log).await;
+    }
+    let raw = js.get_stream("COLLAB_RAW").await.expect("COLLAB_RAW");
+    let consumers: Vec<String> = {
+        use futures::TryStreamExt;
+        raw.consumer_names()
+            .try_collect()
+            .await
+            .expect("consumer names")
+    };
+    let mut held = 0usize;
+    for name in &consumers {
+        let consumer: jetstream::consumer::PullConsumer =
+            raw.get_consumer(name).await.expect("consumer");
+        let mut batch = consumer
+            .fetch()
+            .max_messages(100)
+            .expires(Duration::from_millis(500))
+            .messages()
+            .await
+            .expect("fetch");
+        use futures::StreamExt;
+        while let Some(Ok(_)) = batch.next().await {
+            held += 1;
+        }
+    }
+    assert_eq!(held, 12, "the dead worker's deliveries");
+
+    let mut worker = Projector::spawn(&url, &RUN_ARGS, &env);
+    let started = Instant::now();
+    let report = reshard_with_reload(&mut nats, &js, 2, names(2).shard_mapping_config()).await;
+    let took = started.elapsed();
+    assert_eq!(report["sealed"], json!(["COLLAB_RAW"]), "{report:#}");
+    assert!(
+        took < ACK_WAIT,
+        "the partitions left the sealed stream only after {took:?}, as the dead worker's deliveries came back (ack_wait {ACK_WAIT:?})"
+    );
+    let mut redelivered = 0usize;
+    for name in &consumers {
+        let info = raw
+            .clone()
+            .consumer_info(name)
+            .await
+            .expect("consumer info");
+        assert_eq!(info.num_ack_pending, 0, "{name}: {info:?}");
+        redelivered += info.num_redelivered;
+    }
+    assert_eq!(redelivered, 0, "deliveries of the dead worker came back");
+
+    for (s, b) in phase(2, &mut wanted) {
+        publish(&js, s, b, &log).await;
+    }
+    wait_for("every update is projected", || projected(js.clone(), 36)).await;
+    let stored =
+        crate::pipeline::read_all(&js, "COLLAB_PROJ", "collab.proj.*.*.*.task.updated").await;
+    let mut seen: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    for m in &stored {
+        let body: Value = serde_json::from_slice(&m.payload).unwrap_or(Value::Null);
+        let key = m.subject.split('.').nth(4).unwrap_or_default().to_string();
+        seen.entry(key).or_default().extend(
+            body["payload"]["n"]
+                .as_u64()
+                .or_else(|| body["payload"]["data"]["n"].as_u64()),
+        );
+    }
+    assert_eq!(seen, wanted, "updates lost, doubled or out of order");
+    worker.sigterm();
+    worker.wait_exit(Duration::from_secs(30)).await;
+}
