@@ -114,7 +114,7 @@ impl Partition<'_> {
             // outputs are stored instead of leaving them to come back after `ack_wait`. A
             // partition whose stream takes no more input (sealed by a reshard) could not leave
             // it until then, since nothing later would be delivered to acknowledge.
-            if let Some(last) = super::acker::in_flight_stand_in(&self.shared.js, &info) {
+            if let Some(last) = super::acker::in_flight_stand_in(&self.shared.js, info) {
                 if self.tx.send(Processed::stand_in(last)).await.is_err() {
                     return Ok(());
                 }
