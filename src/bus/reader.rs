@@ -235,7 +235,9 @@ impl Partition<'_> {
                     }
                     self.next_delivery = info.consumer_sequence + 1;
                 }
-                let step = self.process_in_order(msg, true, None);
+                // Boxed: the step's future is several KiB, and moving it into the span's
+                // wrapper and then into this loop's state would copy it whole twice per input.
+                let step = Box::pin(self.process_in_order(msg, true, None));
                 if let Flow::Stop =
                     tracing::Instrument::instrument(step, batch_span.clone()).await?
                 {
@@ -694,18 +696,17 @@ impl Partition<'_> {
                         "output stored already (acknowledged through the checkpoint)");
                     continue;
                 }
-                let stored = self
-                    .shared
-                    .publisher
-                    .stored_already_patiently(
-                        &out,
-                        seq,
-                        stored_ms,
-                        &[&msg],
-                        self.cancel,
-                        self.broken,
-                    )
-                    .await;
+                // Boxed (a look-up after a takeover only): its state would otherwise be part
+                // of every input's processing future, which is moved whole for each input.
+                let stored = Box::pin(self.shared.publisher.stored_already_patiently(
+                    &out,
+                    seq,
+                    stored_ms,
+                    &[&msg],
+                    self.cancel,
+                    self.broken,
+                ))
+                .await;
                 match stored {
                     None => {
                         return Ok(Disposition::LeftForRedelivery(Unprocessed::ShuttingDown));
@@ -864,10 +865,12 @@ impl Partition<'_> {
                 .saturating_sub(ENVELOPE_HEADROOM),
         );
         if !blobs.is_empty()
-            && !shared
-                .publisher
-                .store_blobs_in_place(&blobs, &[msg], cancel)
-                .await
+            && !Box::pin(
+                shared
+                    .publisher
+                    .store_blobs_in_place(&blobs, &[msg], cancel),
+            )
+            .await
         {
             return Ok(None);
         }

@@ -743,7 +743,11 @@ impl PartitionTurns {
         if let Some((Some(rec), rev, _)) = self.open.get(key) {
             return Ok(Some((rec.clone(), rev.clone())));
         }
-        Ok(self.current(key).await?.map(|(r, v)| (r, Rev::Known(v))))
+        // Boxed: a read from KV is the rare case, and its state would otherwise be part of
+        // every input's processing future.
+        Ok(Box::pin(self.current(key))
+            .await?
+            .map(|(r, v)| (r, Rev::Known(v))))
     }
 
     /// An open turn's record and revision: kept in memory, or read from KV once this owner's
@@ -1106,7 +1110,9 @@ impl PartitionTurns {
         let decider = match (winner_seq, current) {
             (Some(ws), Some((seq, n))) if ws == seq => Some(&n.envelope),
             (Some(ws), _) => {
-                fetched = self.fetch_envelope(shared, ws).await;
+                // Boxed, as are the other rare paths below: their state would otherwise be carried
+                // by every input's processing future, which is moved whole for each input.
+                fetched = Box::pin(self.fetch_envelope(shared, ws)).await;
                 fetched.as_ref()
             }
             (None, _) => None,
@@ -1122,7 +1128,7 @@ impl PartitionTurns {
             ));
         }
         if rec.exchange == ExchangeKind::Run {
-            return self.run_terminal(shared, key, rec, decider).await;
+            return Box::pin(self.run_terminal(shared, key, rec, decider)).await;
         }
         let mut env = blocked::winner_response(rec, decider);
         // An A2A answer at the end of a stream: the artifacts streamed before it are its content.
@@ -1130,7 +1136,7 @@ impl PartitionTurns {
             && rec.send.as_ref().is_some_and(|s| s.a2a_method.is_some());
         if let (true, Some(ws), Some(send)) = (a2a_real_reply, winner_seq, rec.send.as_ref()) {
             if ws > send.seq + 1 {
-                let artifacts = self.exchange_artifacts(shared, key, rec, ws).await?;
+                let artifacts = Box::pin(self.exchange_artifacts(shared, key, rec, ws)).await?;
                 blocked::attach_artifacts(&mut env, artifacts);
             }
         }
