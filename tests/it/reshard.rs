@@ -352,6 +352,21 @@ async fn reshard_with_reload(
     json_report(&out.stdout).unwrap_or_else(|| panic!("no JSON report: {said}"))
 }
 
+/// The `n` of each projected task update, per key, in stream order.
+fn updates_by_key(projected: &[crate::pipeline::Stored]) -> BTreeMap<String, Vec<u64>> {
+    let mut seen: BTreeMap<String, Vec<u64>> = BTreeMap::new();
+    for m in projected {
+        let body: Value = serde_json::from_slice(&m.payload).unwrap_or(Value::Null);
+        let key = m.subject.split('.').nth(4).unwrap_or_default().to_string();
+        seen.entry(key).or_default().extend(
+            body["payload"]["n"]
+                .as_u64()
+                .or_else(|| body["payload"]["data"]["n"].as_u64()),
+        );
+    }
+    seen
+}
+
 /// The last line of a command's standard output that is a JSON object (its `--json` report).
 pub(crate) fn json_report(stdout: &[u8]) -> Option<Value> {
     let line = stdout
@@ -446,20 +461,18 @@ async fn one_raw_stream_becomes_two_and_one_again_and_every_input_is_projected_o
     .await;
     let projected =
         crate::pipeline::read_all(&js, "COLLAB_PROJ", "collab.proj.*.*.*.task.updated").await;
-    let mut seen: BTreeMap<String, Vec<u64>> = BTreeMap::new();
-    let mut from: BTreeSet<String> = BTreeSet::new();
-    for m in &projected {
-        let body: Value = serde_json::from_slice(&m.payload).unwrap_or(Value::Null);
-        let key = m.subject.split('.').nth(4).unwrap_or_default().to_string();
-        seen.entry(key).or_default().extend(
-            body["payload"]["n"]
-                .as_u64()
-                .or_else(|| body["payload"]["data"]["n"].as_u64()),
-        );
-        let id = m.header("Nats-Msg-Id").unwrap_or_default();
-        from.insert(id.split(':').next().unwrap_or_default().to_string());
-    }
-    assert_eq!(seen, wanted, "updates lost, doubled or out of order");
+    let from: BTreeSet<String> = projected
+        .iter()
+        .map(|m| {
+            let id = m.header("Nats-Msg-Id").unwrap_or_default();
+            id.split(':').next().unwrap_or_default().to_string()
+        })
+        .collect();
+    assert_eq!(
+        updates_by_key(&projected),
+        wanted,
+        "updates lost, doubled or out of order"
+    );
     assert!(
         from.contains("COLLAB_RAW_0OF2") && from.contains("COLLAB_RAW"),
         "{from:?}"
@@ -562,17 +575,11 @@ async fn a_dead_owners_deliveries_do_not_hold_a_sealed_stream_for_ack_wait() {
     wait_for("every update is projected", || projected(js.clone(), 36)).await;
     let stored =
         crate::pipeline::read_all(&js, "COLLAB_PROJ", "collab.proj.*.*.*.task.updated").await;
-    let mut seen: BTreeMap<String, Vec<u64>> = BTreeMap::new();
-    for m in &stored {
-        let body: Value = serde_json::from_slice(&m.payload).unwrap_or(Value::Null);
-        let key = m.subject.split('.').nth(4).unwrap_or_default().to_string();
-        seen.entry(key).or_default().extend(
-            body["payload"]["n"]
-                .as_u64()
-                .or_else(|| body["payload"]["data"]["n"].as_u64()),
-        );
-    }
-    assert_eq!(seen, wanted, "updates lost, doubled or out of order");
+    assert_eq!(
+        updates_by_key(&stored),
+        wanted,
+        "updates lost, doubled or out of order"
+    );
     worker.sigterm();
     worker.wait_exit(Duration::from_secs(30)).await;
 }
