@@ -62,9 +62,7 @@ impl Processed {
             stored_ms,
         }
     }
-}
 
-impl Processed {
     /// `last`, a stand-in for the last delivery a previous owner left unacknowledged (see
     /// [`in_flight_stand_in`]), acknowledged once everything before it is stored: nothing to
     /// publish, no end-to-end latency of its own.
@@ -76,11 +74,7 @@ impl Processed {
 }
 
 /// A message whose acknowledgement acknowledges every delivery the consumer `info` describes as
-/// made: its reply subject is the acknowledgement subject of the consumer's last delivery
-/// (`$JS.ACK.<stream>.<consumer>.<count>.<stream seq>.<consumer seq>.<time>.<pending>`, the
-/// reply subject every JetStream delivery carries). Only for consumers with `AckPolicy::All`,
-/// where acknowledging a delivery covers all before it; `None` otherwise, or when nothing
-/// was delivered.
+/// made (see [`in_flight_ack_subject`]); `None` where that subject is.
 ///
 /// For a new owner that has read what a previous owner left in flight from the stream and
 /// processed it: without it those deliveries stay pending until `ack_wait` returns them.
@@ -88,24 +82,7 @@ pub(crate) fn in_flight_stand_in(
     js: &jetstream::Context,
     info: &jetstream::consumer::Info,
 ) -> Option<jetstream::Message> {
-    if info.config.ack_policy != jetstream::consumer::AckPolicy::All
-        || info.delivered.consumer_sequence == 0
-        || info.num_ack_pending == 0
-    {
-        return None;
-    }
-    let reply = format!(
-        "$JS.ACK.{}.{}.1.{}.{}.{}.0",
-        info.stream_name,
-        info.name,
-        info.delivered.stream_sequence,
-        info.delivered.consumer_sequence,
-        info.delivered
-            .last_active
-            .and_then(|t| t.timestamp_nanos_opt())
-            .unwrap_or(0)
-            .max(0),
-    );
+    let reply = in_flight_ack_subject(info)?;
     Some(jetstream::Message {
         message: async_nats::Message {
             subject: async_nats::Subject::from_static("collab.takeover.in_flight"),
@@ -118,6 +95,32 @@ pub(crate) fn in_flight_stand_in(
         },
         context: js.clone(),
     })
+}
+
+/// The acknowledgement subject of the consumer's last delivery
+/// (`$JS.ACK.<stream>.<consumer>.<count>.<stream seq>.<consumer seq>.<time>.<pending>`, the
+/// reply subject every JetStream delivery carries), rebuilt from its `delivered` position. Only
+/// for consumers with `AckPolicy::All`, where acknowledging a delivery covers all before it;
+/// `None` otherwise, or when nothing awaits an acknowledgement.
+pub(crate) fn in_flight_ack_subject(info: &jetstream::consumer::Info) -> Option<String> {
+    if info.config.ack_policy != jetstream::consumer::AckPolicy::All
+        || info.delivered.consumer_sequence == 0
+        || info.num_ack_pending == 0
+    {
+        return None;
+    }
+    Some(format!(
+        "$JS.ACK.{}.{}.1.{}.{}.{}.0",
+        info.stream_name,
+        info.name,
+        info.delivered.stream_sequence,
+        info.delivered.consumer_sequence,
+        info.delivered
+            .last_active
+            .and_then(|t| t.timestamp_nanos_opt())
+            .unwrap_or(0)
+            .max(0),
+    ))
 }
 
 /// How a partition acknowledges a group of processed inputs.
@@ -542,4 +545,46 @@ pub(crate) async fn issue_publishes(
         pending.push((out, fut));
     }
     Ok(pending)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::in_flight_ack_subject;
+    use async_nats::jetstream::consumer::Info;
+
+    fn info(ack_policy: &str, ack_pending: usize) -> Info {
+        let json = serde_json::json!({
+            "stream_name": "COLLAB_RAW",
+            "name": "collab-p3",
+            "created": "2026-11-28T12:00:00Z",
+            "config": {"durable_name": "collab-p3", "ack_policy": ack_policy, "deliver_policy": "all", "replay_policy": "instant"},
+            "delivered": {"consumer_seq": 17, "stream_seq": 4242, "last_active": "2026-11-28T12:00:01Z"},
+            "ack_floor": {"consumer_seq": 9, "stream_seq": 4100},
+            "num_ack_pending": ack_pending,
+            "num_redelivered": 0,
+            "num_waiting": 0,
+            "num_pending": 0
+        });
+        match serde_json::from_value(json) {
+            Ok(i) => i,
+            Err(e) => panic!("consumer info: {e}"),
+        }
+    }
+
+    #[test]
+    fn the_stand_in_acknowledges_the_last_delivery_in_the_servers_reply_format() {
+        // Nine tokens, as the server parses an acknowledgement: stream, consumer, delivery
+        // count, stream sequence, consumer sequence, time, pending.
+        assert_eq!(
+            in_flight_ack_subject(&info("all", 8)).as_deref(),
+            Some("$JS.ACK.COLLAB_RAW.collab-p3.1.4242.17.1795867201000000000.0")
+        );
+    }
+
+    #[test]
+    fn only_consumers_acknowledging_all_before_a_delivery_get_a_stand_in() {
+        // An explicit acknowledgement would cover the last delivery only.
+        assert_eq!(in_flight_ack_subject(&info("explicit", 8)), None);
+        assert_eq!(in_flight_ack_subject(&info("all", 0)), None);
+    }
 }
