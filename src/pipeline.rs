@@ -311,7 +311,7 @@ const ENVELOPE_CAPACITY: usize = 1024;
 pub fn projection(names: &Names, n: &Normalized, source_seq: u64, msg_id: String) -> Outgoing {
     let role = n.role();
     let subject = names.proj_subject(role, &n.key, &n.envelope.event_type);
-    // Most envelopes fit: one allocation instead of the doubling from a few bytes up.
+    // Sized up front rather than doubled from a few bytes as the envelope is written.
     let mut payload = Vec::with_capacity(ENVELOPE_CAPACITY);
     if serde_json::to_writer(&mut payload, &n.envelope).is_err() {
         payload.clear();

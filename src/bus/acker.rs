@@ -67,9 +67,10 @@ impl Processed {
     /// [`in_flight_stand_in`]), acknowledged once everything before it is stored: nothing to
     /// publish, no end-to-end latency of its own.
     pub(crate) fn stand_in(last: jetstream::Message) -> Processed {
-        let mut processed = Processed::new(Some(last), Vec::new(), Effects::default());
-        processed.stored_ms = None;
-        processed
+        Processed {
+            stored_ms: None,
+            ..Processed::new(Some(last), Vec::new(), Effects::default())
+        }
     }
 }
 

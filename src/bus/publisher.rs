@@ -302,10 +302,10 @@ impl Publisher {
     /// Store `outs` (outputs of inputs taken in partition order) as atomic batches, in order,
     /// each batch only once the one before it is committed: what is stored is always a prefix of
     /// `outs`, and a replicated stream proposes a whole batch at once. Every message keeps its
-    /// Msg-Id and the fence expectation, so a batch past a newer claim stores nothing. A batch the server refuses or does not
-    /// answer (a Msg-Id stored before, as after a takeover; a server without atomic batches; a
-    /// timeout) is published again one output at a time, in place, where a stored Msg-Id
-    /// collapses alone.
+    /// Msg-Id and the fence expectation, so a batch past a newer claim stores nothing. A batch
+    /// the server refuses or does not answer (a Msg-Id stored before, as after a takeover; a
+    /// server without atomic batches; a timeout) is published again one output at a time, in
+    /// place, where a stored Msg-Id collapses alone.
     pub(crate) async fn store_batched(
         &self,
         outs: &[&Outgoing],

@@ -352,6 +352,28 @@ async fn reshard_with_reload(
     json_report(&out.stdout).unwrap_or_else(|| panic!("no JSON report: {said}"))
 }
 
+/// Phase `n` of the task updates: one on each of 12 keys, recorded in `wanted` (key -> its
+/// `n`s, in publish order).
+fn phase(n: u64, wanted: &mut BTreeMap<String, Vec<u64>>) -> Vec<(String, Bytes)> {
+    (0..12)
+        .map(|k| {
+            let key = format!("task-{k}");
+            wanted.entry(key.clone()).or_default().push(n);
+            task_update(&key, n)
+        })
+        .collect()
+}
+
+/// Every task update in the projection stream, in stream order.
+async fn projected_updates(js: &jetstream::Context) -> Vec<crate::pipeline::Stored> {
+    crate::pipeline::read_all(js, "COLLAB_PROJ", "collab.proj.*.*.*.task.updated").await
+}
+
+/// Whether at least `n` task updates are projected (a `wait_for` probe).
+async fn updates_projected(js: jetstream::Context, n: usize) -> Option<()> {
+    (projected_updates(&js).await.len() >= n).then_some(())
+}
+
 /// The `n` of each projected task update, per key, in stream order.
 fn updates_by_key(projected: &[crate::pipeline::Stored]) -> BTreeMap<String, Vec<u64>> {
     let mut seen: BTreeMap<String, Vec<u64>> = BTreeMap::new();
@@ -383,24 +405,16 @@ async fn one_raw_stream_becomes_two_and_one_again_and_every_input_is_projected_o
     let mut worker = Projector::spawn(&url, &RUN_ARGS, &[]);
     let log = Mutex::new(Published::default());
     let mut wanted: BTreeMap<String, Vec<u64>> = BTreeMap::new();
-    let phase = |n: u64| {
-        (0..12).map(move |k| {
-            let key = format!("task-{k}");
-            (key.clone(), task_update(&key, n))
-        })
-    };
-    for (key, (s, b)) in phase(0) {
+    for (s, b) in phase(0, &mut wanted) {
         publish(&js, s, b, &log).await;
-        wanted.entry(key).or_default().push(0);
     }
 
     // 1 -> 2: the server gets the mapping.
     let report = reshard_with_reload(&mut nats, &js, 2, names(2).shard_mapping_config()).await;
     assert_eq!(report["fromShards"], 1, "{report:#}");
     assert_eq!(report["sealed"], json!(["COLLAB_RAW"]), "{report:#}");
-    for (key, (s, b)) in phase(1) {
+    for (s, b) in phase(1, &mut wanted) {
         publish(&js, s, b, &log).await;
-        wanted.entry(key).or_default().push(1);
     }
     // Back to 1 needs the sealed COLLAB_RAW gone first; the command says so.
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_collab-projector"))
@@ -436,9 +450,8 @@ async fn one_raw_stream_becomes_two_and_one_again_and_every_input_is_projected_o
         2 * collab_projector::config::GENERATION_SPAN,
         "{report:#}"
     );
-    for (key, (s, b)) in phase(2) {
+    for (s, b) in phase(2, &mut wanted) {
         publish(&js, s, b, &log).await;
-        wanted.entry(key).or_default().push(2);
     }
     let raw = js
         .get_stream("COLLAB_RAW")
@@ -451,16 +464,10 @@ async fn one_raw_stream_becomes_two_and_one_again_and_every_input_is_projected_o
     // Every update of every phase projected once, in order, from the stream that held it.
     let inputs = log.lock().map(|l| l.inputs).unwrap_or(0);
     wait_for("every update is projected", || {
-        let js = js.clone();
-        async move {
-            let p = crate::pipeline::read_all(&js, "COLLAB_PROJ", "collab.proj.*.*.*.task.updated")
-                .await;
-            (p.len() >= inputs).then_some(())
-        }
+        updates_projected(js.clone(), inputs)
     })
     .await;
-    let projected =
-        crate::pipeline::read_all(&js, "COLLAB_PROJ", "collab.proj.*.*.*.task.updated").await;
+    let projected = projected_updates(&js).await;
     let from: BTreeSet<String> = projected
         .iter()
         .map(|m| {
@@ -495,26 +502,12 @@ async fn a_dead_owners_deliveries_do_not_hold_a_sealed_stream_for_ack_wait() {
     let env = [("COLLAB_CONSUMER__ACK_WAIT", "60s")];
     let log = Mutex::new(Published::default());
     let mut wanted: BTreeMap<String, Vec<u64>> = BTreeMap::new();
-    let phase = |n: u64, wanted: &mut BTreeMap<String, Vec<u64>>| {
-        (0..12)
-            .map(|k| {
-                let key = format!("task-{k}");
-                wanted.entry(key.clone()).or_default().push(n);
-                task_update(&key, n)
-            })
-            .collect::<Vec<_>>()
-    };
-    let projected = |js: jetstream::Context, at_least: usize| async move {
-        let p =
-            crate::pipeline::read_all(&js, "COLLAB_PROJ", "collab.proj.*.*.*.task.updated").await;
-        (p.len() >= at_least).then_some(())
-    };
 
     let mut first = Projector::spawn(&url, &RUN_ARGS, &env);
     for (s, b) in phase(0, &mut wanted) {
         publish(&js, s, b, &log).await;
     }
-    wait_for("phase 0 is projected", || projected(js.clone(), 12)).await;
+    wait_for("phase 0 is projected", || updates_projected(js.clone(), 12)).await;
     first.sigterm();
     first.wait_exit(Duration::from_secs(30)).await;
 
@@ -572,11 +565,12 @@ async fn a_dead_owners_deliveries_do_not_hold_a_sealed_stream_for_ack_wait() {
     for (s, b) in phase(2, &mut wanted) {
         publish(&js, s, b, &log).await;
     }
-    wait_for("every update is projected", || projected(js.clone(), 36)).await;
-    let stored =
-        crate::pipeline::read_all(&js, "COLLAB_PROJ", "collab.proj.*.*.*.task.updated").await;
+    wait_for("every update is projected", || {
+        updates_projected(js.clone(), 36)
+    })
+    .await;
     assert_eq!(
-        updates_by_key(&stored),
+        updates_by_key(&projected_updates(&js).await),
         wanted,
         "updates lost, doubled or out of order"
     );
