@@ -157,6 +157,8 @@ pub struct BenchOptions {
     pub latency_rate: u32,
     /// How long each latency run publishes.
     pub latency_duration: Duration,
+    /// Write every measured input of a latency run to `<this>.<scenario id>.csv`.
+    pub latency_samples: Option<std::path::PathBuf>,
     /// Open-turn counts of the turn-book scale runs.
     pub open_turns: Vec<usize>,
     /// Probe sends per lateness run.
@@ -183,6 +185,7 @@ impl Default for BenchOptions {
             naive_messages: 20_000,
             latency_rate: 5_000,
             latency_duration: Duration::from_secs(10),
+            latency_samples: None,
             open_turns: vec![100_000, 1_000_000],
             lateness_probes: 1_000,
             probe_timeout: Duration::from_secs(2),
@@ -1367,11 +1370,8 @@ async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyRe
         UnderTest::Pipeline(running, _, cancel) => stop_app(*running, cancel).await,
     }
     let names = env.names();
-    let raw: HashMap<u64, i64> = read_all(&env.js, &names.raw_stream, None)
-        .await?
-        .into_iter()
-        .map(|(seq, _, at, _)| (seq, at))
-        .collect();
+    let raw_read = read_all(&env.js, &names.raw_stream, None).await?;
+    let raw: HashMap<u64, i64> = raw_read.iter().map(|(seq, _, at, _)| (*seq, *at)).collect();
     let mut last_out: HashMap<u64, i64> = HashMap::new();
     for stream in [&names.proj_stream, &names.dlq_stream] {
         for (_, _, at, source) in read_all(&env.js, stream, None).await? {
@@ -1380,6 +1380,9 @@ async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyRe
                 *e = (*e).max(at);
             }
         }
+    }
+    if let Some(path) = &opts.latency_samples {
+        write_latency_samples(path, id, &raw_read, &last_out)?;
     }
     let mut lat: Vec<f64> = last_out
         .iter()
@@ -1400,6 +1403,32 @@ async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyRe
         p99_ms: quantile(&lat, 0.99),
         p999_ms: quantile(&lat, 0.999),
         max_ms: lat.last().copied().unwrap_or(0.0),
+    })
+}
+
+/// One line per measured input of latency run `id`, in raw order: its raw sequence, its raw
+/// store time and its latency (µs), its subject. Read against the server's own events (a garbage
+/// collection, a block written out) it shows when a tail happened and to what.
+fn write_latency_samples(
+    path: &std::path::Path,
+    id: u8,
+    raw: &[(u64, String, i64, Option<u64>)],
+    last_out: &HashMap<u64, i64>,
+) -> Result<(), BenchError> {
+    use std::fmt::Write as _;
+    let mut out = String::from("raw_seq,stored_us,latency_us,subject\n");
+    for (seq, subject, at, _) in raw {
+        if let Some(done) = last_out.get(seq) {
+            let _ = writeln!(out, "{seq},{at},{},{subject}", done - at);
+        }
+    }
+    let mut name = path.as_os_str().to_owned();
+    name.push(format!(".{id}.csv"));
+    std::fs::write(&name, out).map_err(|e| {
+        BenchError::Setup(format!(
+            "writing the latency samples to {}: {e}",
+            std::path::Path::new(&name).display()
+        ))
     })
 }
 

@@ -315,6 +315,11 @@ struct BenchArgs {
     /// How long each latency run publishes, e.g. 10s.
     #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
     latency_duration: Duration,
+    /// Write every input a latency run measured (raw sequence, store time, latency in µs,
+    /// subject) to PATH.1.csv (passthrough) and PATH.2.csv (pipeline), to see when its tail
+    /// happened.
+    #[arg(long, value_name = "PATH")]
+    latency_samples: Option<std::path::PathBuf>,
     /// Open turns for the turn-book scale runs, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "100000,1000000")]
     open_turns: Vec<usize>,
@@ -882,6 +887,18 @@ async fn dlq_replay(conn: &Conn, reason: Option<&str>, dry_run: bool) -> anyhow:
 /// `bench`: the scenarios, then the report as a table or JSON.
 async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     use collab_projector::bench;
+    if let Some(path) = &args.latency_samples {
+        let dir = match path.parent() {
+            Some(d) if !d.as_os_str().is_empty() => d,
+            _ => std::path::Path::new("."),
+        };
+        anyhow::ensure!(
+            dir.is_dir(),
+            "--latency-samples {}: the directory {} does not exist; create it or name another",
+            path.display(),
+            dir.display()
+        );
+    }
     let partitions = match args.partitions {
         Some(p) => p,
         None => Settings::load(None)?.nats.partitions,
@@ -892,6 +909,7 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
         naive_messages: args.naive_messages,
         latency_rate: args.rate,
         latency_duration: args.latency_duration,
+        latency_samples: args.latency_samples,
         open_turns: args.open_turns,
         lateness_probes: args.probes,
         parts: if args.only.is_empty() {

@@ -11,6 +11,7 @@ pub mod publish;
 pub mod publisher;
 pub(crate) mod pull;
 pub(crate) mod reader;
+pub mod rounds;
 pub mod runtime;
 pub mod sessions;
 pub mod stats;
@@ -451,39 +452,4 @@ pub(crate) mod denied {
 pub(crate) fn lease_lapsed(valid_until: &std::sync::atomic::AtomicI64) -> bool {
     let v = valid_until.load(std::sync::atomic::Ordering::Relaxed);
     v > 0 && now_ms() > v
-}
-
-/// The next round of a reader of the projection stream run by the owner of partition 0 (the
-/// work-session fold, the OpenTelemetry export): its first message, then what arrives within
-/// `gather` (at most `max` in all), handed over only while the lease on partition 0 holds, so a
-/// worker that lost it without noticing yet does nothing. `Ok(None)`: cancelled.
-pub(crate) async fn next_round(
-    messages: &mut async_nats::jetstream::consumer::pull::Ordered,
-    cancel: &tokio_util::sync::CancellationToken,
-    lease_valid_until: &std::sync::atomic::AtomicI64,
-    gather: Duration,
-    max: usize,
-) -> Result<Option<Vec<async_nats::jetstream::Message>>, String> {
-    use futures::StreamExt;
-    const ENDED: &str = "the projection stream's consumer ended";
-    let first = tokio::select! {
-        _ = cancel.cancelled() => return Ok(None),
-        m = messages.next() => m,
-    };
-    let mut round = vec![first.ok_or(ENDED)?.map_err(|e| e.to_string())?];
-    let until = tokio::time::Instant::now() + gather;
-    while round.len() < max {
-        match tokio::time::timeout_at(until, messages.next()).await {
-            Ok(Some(m)) => round.push(m.map_err(|e| e.to_string())?),
-            Ok(None) => return Err(ENDED.into()),
-            Err(_) => break,
-        }
-    }
-    while lease_lapsed(lease_valid_until) {
-        tokio::select! {
-            _ = cancel.cancelled() => return Ok(None),
-            _ = tokio::time::sleep(Duration::from_millis(100)) => {}
-        }
-    }
-    Ok(Some(round))
 }

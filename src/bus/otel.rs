@@ -95,23 +95,12 @@ async fn export(
     lease_valid_until: &AtomicI64,
 ) -> Result<(), String> {
     let from = start(job).await?;
-    let consumer = job
+    let proj = job
         .js
         .get_stream(&job.proj_stream)
         .await
-        .map_err(|e| format!("stream {}: {e}", job.proj_stream))?
-        .create_consumer(jetstream::consumer::pull::OrderedConfig {
-            deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
-                start_sequence: from,
-            },
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| format!("reading {}: {e}", job.proj_stream))?;
-    let mut messages = consumer
-        .messages()
-        .await
-        .map_err(|e| format!("reading {}: {e}", job.proj_stream))?;
+        .map_err(|e| format!("stream {}: {e}", job.proj_stream))?;
+    let mut rounds = super::rounds::Rounds::new(&proj, &job.proj_stream, from).await?;
     debug!(from, "OpenTelemetry export started");
     let mut assembler = Assembler::new(
         Limits {
@@ -121,14 +110,9 @@ async fn export(
         job.prices.clone(),
     );
     loop {
-        let Some(round) = super::next_round(
-            &mut messages,
-            cancel,
-            lease_valid_until,
-            ROUND_GATHER,
-            ROUND_MAX,
-        )
-        .await?
+        let Some(round) = rounds
+            .next(cancel, lease_valid_until, ROUND_GATHER, ROUND_MAX)
+            .await?
         else {
             return Ok(());
         };

@@ -539,9 +539,10 @@ fn fold_event(msg: &jetstream::Message) -> Option<(Box<Envelope>, Identity)> {
 /// a brief overlap of two owners only repeats work (sessions remember what they applied).
 ///
 /// The fold is off the projection path: projections and acknowledgements never wait for it.
-/// It reads the projections in stream order through an ordered consumer from its checkpoint,
-/// applies a round of them (gathered for `FOLD_GATHER`, 200 ms) to the sessions they touch, writes each
-/// changed session once, then moves the checkpoint. A crash between the two re-applies the round,
+/// It reads the projections in stream order from its checkpoint, a round at a time
+/// ([`super::rounds::Rounds`]: a round's first projection, then what was stored within
+/// `FOLD_GATHER`, 200 ms, fetched in bursts), applies the round to the sessions it touches,
+/// writes each changed session once, then moves the checkpoint. A crash between the two re-applies the round,
 /// which changes nothing twice.
 pub async fn run_fold(
     writer: std::sync::Arc<SessionWriter>,
@@ -576,29 +577,12 @@ async fn fold(
         .await
         .map_err(|e| format!("stream {proj_stream}: {e}"))?;
     let start = fold_start(&writer.kv, &mut proj).await?;
-    let consumer = proj
-        .create_consumer(jetstream::consumer::pull::OrderedConfig {
-            deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
-                start_sequence: start,
-            },
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| format!("reading {proj_stream}: {e}"))?;
-    let mut messages = consumer
-        .messages()
-        .await
-        .map_err(|e| format!("reading {proj_stream}: {e}"))?;
+    let mut rounds = super::rounds::Rounds::new(&proj, proj_stream, start).await?;
     debug!(from = start, "work-session fold started");
     loop {
-        let Some(round) = super::next_round(
-            &mut messages,
-            cancel,
-            lease_valid_until,
-            FOLD_GATHER,
-            FOLD_BATCH,
-        )
-        .await?
+        let Some(round) = rounds
+            .next(cancel, lease_valid_until, FOLD_GATHER, FOLD_BATCH)
+            .await?
         else {
             return Ok(());
         };

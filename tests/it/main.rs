@@ -29,6 +29,7 @@ mod redaction;
 mod relay;
 mod reproject;
 mod reshard;
+mod rounds;
 mod runs;
 mod schemas;
 mod shards;

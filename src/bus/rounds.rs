@@ -1,0 +1,146 @@
+//! Reading the projection stream in rounds, for the readers that follow it behind the partitions
+//! (the work-session fold, the OpenTelemetry export).
+//!
+//! A consumer that always holds a pull request open is sent every message in a write of its own
+//! the moment it is stored: at moderate rates that is one server write and one wake-up of the
+//! reader per projection, for readers that only act once a round has gathered. [`Rounds`] asks
+//! for the first message of a round and waits for it; once the round's gathering time has passed
+//! it asks for what has been stored since, which the server sends back to back.
+//!
+//! The consumer is ephemeral, in memory and unacknowledged, as an ordered consumer's is, and
+//! every delivery must follow the one before it (consumer sequence `n + 1` after `n`). A gap, a
+//! lost consumer or any failure is an error: the reader starts again from its checkpoint, and
+//! applying a round again changes nothing twice.
+
+use async_nats::jetstream::{self, consumer};
+use futures::StreamExt;
+use std::sync::atomic::AtomicI64;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// How long one request for a round's first message waits before it is made again.
+const FIRST_WAIT: Duration = Duration::from_secs(5);
+/// The most messages one request for the rest of a round asks for.
+const FETCH_CHUNK: usize = 2_000;
+/// How long the server keeps the reader's consumer after its last request.
+const INACTIVE: Duration = Duration::from_secs(60);
+
+/// A reader of one stream, in order from a start sequence, a round at a time.
+pub struct Rounds {
+    consumer: consumer::Consumer<consumer::pull::Config>,
+    stream: String,
+    /// The consumer sequence of the last message taken (0: none yet).
+    delivered: u64,
+}
+
+impl Rounds {
+    /// Read `stream` from `start` (its first message if that is gone).
+    pub async fn new(
+        stream: &jetstream::stream::Stream,
+        name: &str,
+        start: u64,
+    ) -> Result<Rounds, String> {
+        let consumer = stream
+            .create_consumer(consumer::pull::Config {
+                deliver_policy: consumer::DeliverPolicy::ByStartSequence {
+                    start_sequence: start,
+                },
+                ack_policy: consumer::AckPolicy::None,
+                memory_storage: true,
+                num_replicas: 1,
+                inactive_threshold: INACTIVE,
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| format!("reading {name}: {e}"))?;
+        Ok(Rounds {
+            consumer,
+            stream: name.to_string(),
+            delivered: 0,
+        })
+    }
+
+    /// The next round: its first message, then what was stored within `gather` after it (at most
+    /// `max` in all), handed over only while the lease on partition 0 holds, so a worker that lost
+    /// it without noticing yet does nothing. `Ok(None)`: cancelled.
+    pub async fn next(
+        &mut self,
+        cancel: &CancellationToken,
+        lease_valid_until: &AtomicI64,
+        gather: Duration,
+        max: usize,
+    ) -> Result<Option<Vec<jetstream::Message>>, String> {
+        let mut round = Vec::new();
+        while round.is_empty() {
+            let mut first = self
+                .consumer
+                .batch()
+                .max_messages(1)
+                .expires(FIRST_WAIT)
+                .messages()
+                .await
+                .map_err(|e| self.failed(e))?;
+            let got = tokio::select! {
+                _ = cancel.cancelled() => return Ok(None),
+                m = first.next() => m,
+            };
+            match got {
+                Some(m) => round.push(self.take(m.map_err(|e| self.failed(e))?)?),
+                // Nothing within the wait. A consumer that is gone answers no request, so ask
+                // whether it is still there before waiting again.
+                None => {
+                    self.consumer.get_info().await.map_err(|e| self.failed(e))?;
+                }
+            }
+        }
+        tokio::select! {
+            _ = cancel.cancelled() => return Ok(None),
+            _ = tokio::time::sleep(gather) => {}
+        }
+        while round.len() < max {
+            let want = (max - round.len()).min(FETCH_CHUNK);
+            let mut rest = self
+                .consumer
+                .fetch()
+                .max_messages(want)
+                .messages()
+                .await
+                .map_err(|e| self.failed(e))?;
+            let mut got = 0usize;
+            while let Some(m) = rest.next().await {
+                round.push(self.take(m.map_err(|e| self.failed(e))?)?);
+                got += 1;
+            }
+            if got < want {
+                break;
+            }
+        }
+        while super::lease_lapsed(lease_valid_until) {
+            tokio::select! {
+                _ = cancel.cancelled() => return Ok(None),
+                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
+            }
+        }
+        Ok(Some(round))
+    }
+
+    /// Take one delivery, which must follow the last one taken.
+    fn take(&mut self, m: jetstream::Message) -> Result<jetstream::Message, String> {
+        let info = m
+            .info()
+            .map_err(|e| format!("reading {}: a delivery's metadata: {e}", self.stream))?;
+        let wanted = self.delivered + 1;
+        if info.consumer_sequence != wanted {
+            return Err(format!(
+                "reading {}: delivery {} arrived where {wanted} was due",
+                self.stream, info.consumer_sequence
+            ));
+        }
+        self.delivered = wanted;
+        Ok(m)
+    }
+
+    fn failed(&self, e: impl std::fmt::Display) -> String {
+        format!("reading {}: {e}", self.stream)
+    }
+}

@@ -1,0 +1,174 @@
+//! The reader the work-session fold and the OpenTelemetry export follow the projection stream
+//! with (`bus::rounds::Rounds`): in order from its start, a round at a time, what was stored
+//! while the round gathered taken in bursts; a lost consumer is an error, never a skipped range.
+
+use crate::support::local_nats;
+use async_nats::jetstream::{self, stream};
+use collab_projector::bus::rounds::Rounds;
+use futures::TryStreamExt;
+use std::sync::atomic::AtomicI64;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+const GATHER: Duration = Duration::from_millis(300);
+
+async fn stream_with(js: &jetstream::Context, count: u64) -> stream::Stream {
+    let s = js
+        .create_stream(stream::Config {
+            name: "ROUNDS".into(),
+            subjects: vec!["rounds.>".into()],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    publish(js, 1, count).await;
+    s
+}
+
+/// Publish messages `from..=to`, each with its number as its body.
+async fn publish(js: &jetstream::Context, from: u64, to: u64) {
+    let mut acks = Vec::new();
+    for i in from..=to {
+        acks.push(
+            js.publish(format!("rounds.{}", i % 7), i.to_string().into())
+                .await
+                .unwrap(),
+        );
+    }
+    for ack in acks {
+        ack.await.unwrap();
+    }
+}
+
+fn bodies(round: &[jetstream::Message]) -> Vec<u64> {
+    round
+        .iter()
+        .map(|m| std::str::from_utf8(&m.payload).unwrap().parse().unwrap())
+        .collect()
+}
+
+fn stream_seqs(round: &[jetstream::Message]) -> Vec<u64> {
+    round
+        .iter()
+        .map(|m| m.info().unwrap().stream_sequence)
+        .collect()
+}
+
+#[tokio::test]
+async fn rounds_take_every_message_once_in_order_in_bursts_of_at_most_max() {
+    let nats = local_nats().await;
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let s = stream_with(&js, 5).await;
+    let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
+    let mut rounds = Rounds::new(&s, "ROUNDS", 1).await.unwrap();
+
+    let first = rounds
+        .next(&cancel, &lease, GATHER, 100)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(bodies(&first), (1..=5).collect::<Vec<_>>());
+
+    // More than one request's worth, and more than one round's: the rounds split them in order.
+    publish(&js, 6, 4505).await;
+    let mut taken = Vec::new();
+    let mut sizes = Vec::new();
+    while taken.len() < 4500 {
+        let round = rounds
+            .next(&cancel, &lease, GATHER, 3000)
+            .await
+            .unwrap()
+            .unwrap();
+        sizes.push(round.len());
+        taken.extend(bodies(&round));
+    }
+    assert_eq!(taken, (6..=4505).collect::<Vec<_>>());
+    assert_eq!(
+        sizes,
+        vec![3000, 1500],
+        "rounds of at most max, the rest in the next"
+    );
+}
+
+#[tokio::test]
+async fn a_round_waits_for_its_first_message_and_gathers_what_follows() {
+    let nats = local_nats().await;
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let s = stream_with(&js, 3).await;
+    let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
+    // From a start past the first messages: those before it are not read.
+    let mut rounds = Rounds::new(&s, "ROUNDS", 3).await.unwrap();
+    assert_eq!(
+        stream_seqs(
+            &rounds
+                .next(&cancel, &lease, GATHER, 100)
+                .await
+                .unwrap()
+                .unwrap()
+        ),
+        vec![3]
+    );
+
+    let later = {
+        let js = js.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(500)).await;
+            publish(&js, 4, 4).await;
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            publish(&js, 5, 6).await;
+        })
+    };
+    let round = rounds
+        .next(&cancel, &lease, Duration::from_millis(1000), 100)
+        .await
+        .unwrap()
+        .unwrap();
+    later.await.unwrap();
+    assert_eq!(
+        bodies(&round),
+        vec![4, 5, 6],
+        "the first message is waited for, what is stored within the gathering time comes with it"
+    );
+
+    // Cancelled while it waits: no round.
+    let stop = cancel.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        stop.cancel();
+    });
+    assert!(rounds
+        .next(&cancel, &lease, GATHER, 100)
+        .await
+        .unwrap()
+        .is_none());
+}
+
+#[tokio::test]
+async fn a_lost_consumer_is_an_error_that_names_the_stream() {
+    let nats = local_nats().await;
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
+    let s = stream_with(&js, 2).await;
+    let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
+    let mut rounds = Rounds::new(&s, "ROUNDS", 1).await.unwrap();
+    assert_eq!(
+        rounds
+            .next(&cancel, &lease, GATHER, 100)
+            .await
+            .unwrap()
+            .unwrap()
+            .len(),
+        2
+    );
+    let names: Vec<String> = s.consumer_names().try_collect().await.unwrap();
+    assert_eq!(names.len(), 1, "one consumer reads the stream: {names:?}");
+    s.delete_consumer(&names[0]).await.unwrap();
+    publish(&js, 3, 3).await;
+    let err = tokio::time::timeout(
+        Duration::from_secs(20),
+        rounds.next(&cancel, &lease, GATHER, 100),
+    )
+    .await
+    .expect("a lost consumer is reported, not waited on")
+    .expect_err("nothing is read past a lost consumer");
+    assert!(err.contains("ROUNDS"), "{err}");
+}
