@@ -1352,6 +1352,27 @@ async fn an_emptied_work_session_bucket_is_rebuilt_from_the_projection_stream() 
     assert_sessions_count_every_projection(&js, &proj).await;
 }
 
+/// The fold's consumer lives in the server's memory: a server restart takes it away, and the
+/// fold goes on from its checkpoint, each projection counted once, those stored after the
+/// restart included.
+#[tokio::test]
+async fn work_sessions_count_every_projection_once_across_a_server_restart() {
+    let mut nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let _projector = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
+    let seqs = publish_all(&js, &load(300)).await;
+    wait_settled(&js, seqs.len() as u64, 0).await;
+    let before = read_all(&js, PROJ, "collab.proj.>").await;
+    assert_sessions_count_every_projection(&js, &before).await;
+    nats.restart().await;
+    let js = nats.jetstream().await;
+    let more = publish_all(&js, &load(300)).await;
+    wait_settled(&js, (seqs.len() + more.len()) as u64, 0).await;
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    assert_eq!(proj.len(), 600);
+    assert_sessions_count_every_projection(&js, &proj).await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // 6. SIGTERM drains
 // ---------------------------------------------------------------------------------------------
