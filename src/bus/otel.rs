@@ -100,7 +100,7 @@ async fn export(
         .get_stream(&job.proj_stream)
         .await
         .map_err(|e| format!("stream {}: {e}", job.proj_stream))?;
-    let mut rounds = super::rounds::Rounds::new(&proj, &job.proj_stream, from).await?;
+    let mut rounds = super::rounds::Rounds::new(&proj, from).await?;
     debug!(from, "OpenTelemetry export started");
     let mut assembler = Assembler::new(
         Limits {

@@ -35,11 +35,8 @@ pub struct Rounds {
 
 impl Rounds {
     /// Read `stream` from `start` (its first message if that is gone).
-    pub async fn new(
-        stream: &jetstream::stream::Stream,
-        name: &str,
-        start: u64,
-    ) -> Result<Rounds, String> {
+    pub async fn new(stream: &jetstream::stream::Stream, start: u64) -> Result<Rounds, String> {
+        let name = &stream.cached_info().config.name;
         let consumer = stream
             .create_consumer(consumer::pull::Config {
                 deliver_policy: consumer::DeliverPolicy::ByStartSequence {
@@ -55,7 +52,7 @@ impl Rounds {
             .map_err(|e| format!("reading {name}: {e}"))?;
         Ok(Rounds {
             consumer,
-            stream: name.to_string(),
+            stream: name.clone(),
             delivered: 0,
         })
     }

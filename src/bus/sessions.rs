@@ -577,7 +577,7 @@ async fn fold(
         .await
         .map_err(|e| format!("stream {proj_stream}: {e}"))?;
     let start = fold_start(&writer.kv, &mut proj).await?;
-    let mut rounds = super::rounds::Rounds::new(&proj, proj_stream, start).await?;
+    let mut rounds = super::rounds::Rounds::new(&proj, start).await?;
     debug!(from = start, "work-session fold started");
     loop {
         let Some(round) = rounds

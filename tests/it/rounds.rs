@@ -5,6 +5,7 @@
 use crate::support::local_nats;
 use async_nats::jetstream::{self, stream};
 use collab_projector::bus::rounds::Rounds;
+use collab_projector::localnats::LocalNats;
 use futures::TryStreamExt;
 use std::sync::atomic::AtomicI64;
 use std::time::Duration;
@@ -12,7 +13,10 @@ use tokio_util::sync::CancellationToken;
 
 const GATHER: Duration = Duration::from_millis(300);
 
-async fn stream_with(js: &jetstream::Context, count: u64) -> stream::Stream {
+/// A server, and a stream on it holding messages `1..=count`.
+async fn stream_with(count: u64) -> (LocalNats, jetstream::Context, stream::Stream) {
+    let nats = local_nats().await;
+    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
     let s = js
         .create_stream(stream::Config {
             name: "ROUNDS".into(),
@@ -21,8 +25,8 @@ async fn stream_with(js: &jetstream::Context, count: u64) -> stream::Stream {
         })
         .await
         .unwrap();
-    publish(js, 1, count).await;
-    s
+    publish(&js, 1, count).await;
+    (nats, js, s)
 }
 
 /// Publish messages `from..=to`, each with its number as its body.
@@ -56,11 +60,9 @@ fn stream_seqs(round: &[jetstream::Message]) -> Vec<u64> {
 
 #[tokio::test]
 async fn rounds_take_every_message_once_in_order_in_bursts_of_at_most_max() {
-    let nats = local_nats().await;
-    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
-    let s = stream_with(&js, 5).await;
+    let (_nats, js, s) = stream_with(5).await;
     let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
-    let mut rounds = Rounds::new(&s, "ROUNDS", 1).await.unwrap();
+    let mut rounds = Rounds::new(&s, 1).await.unwrap();
 
     let first = rounds
         .next(&cancel, &lease, GATHER, 100)
@@ -92,12 +94,10 @@ async fn rounds_take_every_message_once_in_order_in_bursts_of_at_most_max() {
 
 #[tokio::test]
 async fn a_round_waits_for_its_first_message_and_gathers_what_follows() {
-    let nats = local_nats().await;
-    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
-    let s = stream_with(&js, 3).await;
+    let (_nats, js, s) = stream_with(3).await;
     let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
     // From a start past the first messages: those before it are not read.
-    let mut rounds = Rounds::new(&s, "ROUNDS", 3).await.unwrap();
+    let mut rounds = Rounds::new(&s, 3).await.unwrap();
     assert_eq!(
         stream_seqs(
             &rounds
@@ -145,11 +145,9 @@ async fn a_round_waits_for_its_first_message_and_gathers_what_follows() {
 
 #[tokio::test]
 async fn a_lost_consumer_is_an_error_that_names_the_stream() {
-    let nats = local_nats().await;
-    let js = jetstream::new(async_nats::connect(nats.url()).await.unwrap());
-    let s = stream_with(&js, 2).await;
+    let (_nats, js, s) = stream_with(2).await;
     let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
-    let mut rounds = Rounds::new(&s, "ROUNDS", 1).await.unwrap();
+    let mut rounds = Rounds::new(&s, 1).await.unwrap();
     assert_eq!(
         rounds
             .next(&cancel, &lease, GATHER, 100)
