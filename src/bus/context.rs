@@ -78,7 +78,9 @@ impl WorkerContext {
             .map_err(|e| WorkerError::setup(0, "the work-session thread", e))?
             .map_err(|e| WorkerError::setup(0, "the work-session writer", e))?;
         let state = Arc::new(WorkerState::default());
-        let publisher = Publisher::new(js.clone(), names.clone(), state.clone(), &settings).await;
+        let publisher = Publisher::new(js.clone(), names.clone(), state.clone(), &settings)
+            .await
+            .map_err(|e| WorkerError::setup(0, "the output streams", e))?;
         Ok(Arc::new(WorkerContext {
             publisher: Arc::new(publisher),
             replay_attempts: Mutex::new(HashMap::new()),

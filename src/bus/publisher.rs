@@ -3,7 +3,7 @@
 //! partition's claim, retries in place only what waiting can heal ([`publish::classify`]),
 //! stores offloaded fields first, and looks up what a taken-over input already has stored.
 
-use super::error::WorkerError;
+use super::error::{Source, WorkerError};
 use super::publish::{self, Failure, Fence};
 use super::stats::WorkerState;
 use crate::config::{Names, PublishBatches};
@@ -60,7 +60,7 @@ impl Publisher {
         names: Names,
         state: Arc<WorkerState>,
         settings: &crate::config::Settings,
-    ) -> Publisher {
+    ) -> Result<Publisher, OutputsUnread> {
         let context = || {
             jetstream::ContextBuilder::new()
                 .timeout(Duration::from_secs(5))
@@ -71,7 +71,7 @@ impl Publisher {
             .ok()
             .and_then(|v| v.parse().ok())
             .unwrap_or(0);
-        let outputs = output_configs(&js, &names).await;
+        let outputs = output_configs(&js, &names).await?;
         let wanted = match settings.nats.publish_batches {
             PublishBatches::Always => true,
             PublishBatches::Never => false,
@@ -83,7 +83,7 @@ impl Publisher {
         if batches {
             tracing::info!("outputs are stored as atomic batches (nats.publish_batches)");
         }
-        Publisher {
+        Ok(Publisher {
             batches: std::sync::atomic::AtomicBool::new(batches),
             retry_js: context(),
             blobs_js: context(),
@@ -97,7 +97,7 @@ impl Publisher {
             hand_over: (settings.consumer.publish_window / (2 * partitions)).clamp(1, 64),
             fail_publish_every,
             publish_attempts: AtomicU64::new(0),
-        }
+        })
     }
 
     /// Whether the partitions' ackers store outputs as atomic batches (see
@@ -697,18 +697,58 @@ impl Patience {
 async fn output_configs(
     js: &jetstream::Context,
     names: &Names,
-) -> [Option<jetstream::stream::Config>; 2] {
-    let read = |name: &str| {
-        let name = name.to_string();
-        async move {
-            let mut stream = js.get_stream(&name).await.ok()?;
-            stream.info().await.ok().map(|i| i.config.clone())
+) -> Result<[Option<jetstream::stream::Config>; 2], OutputsUnread> {
+    let mut configs = [None, None];
+    for (i, name) in [&names.proj_stream, &names.dlq_stream]
+        .into_iter()
+        .enumerate()
+    {
+        configs[i] = output_config(js, name).await?;
+    }
+    Ok(configs)
+}
+
+/// The configuration of the output stream `name` (`None`: it does not exist), asked again
+/// (backing off) while the server does not answer, as during a leader election, for up to
+/// [`OUTPUTS_PATIENCE`]. Taking an unanswered look-up for "no such stream" would choose how
+/// outputs are published (one at a time on a replicated stream, which reorders a key's
+/// projections) and how large they may be from a guess.
+async fn output_config(
+    js: &jetstream::Context,
+    name: &str,
+) -> Result<Option<jetstream::stream::Config>, OutputsUnread> {
+    let started = tokio::time::Instant::now();
+    let mut retry = super::Retry::new(Duration::from_millis(100), Duration::from_secs(2));
+    loop {
+        let error: Source = match js.get_stream(name).await {
+            Ok(mut stream) => match stream.info().await {
+                Ok(info) => return Ok(Some(info.config.clone())),
+                Err(e) => Box::new(e),
+            },
+            Err(e) if super::error::stream_not_found(&e) => return Ok(None),
+            Err(e) => Box::new(e),
+        };
+        if started.elapsed() >= OUTPUTS_PATIENCE {
+            return Err(OutputsUnread {
+                stream: name.to_string(),
+                source: error,
+            });
         }
-    };
-    [
-        read(&names.proj_stream).await,
-        read(&names.dlq_stream).await,
-    ]
+        warn!(stream = %name, error = %error, "reading the output stream's configuration failed; asking again");
+        tokio::time::sleep(retry.next_delay()).await;
+    }
+}
+
+/// How long a starting worker asks for its output streams' configurations before it gives up.
+const OUTPUTS_PATIENCE: Duration = Duration::from_secs(30);
+
+/// An output stream whose configuration the server did not give within [`OUTPUTS_PATIENCE`].
+#[derive(Debug, thiserror::Error)]
+#[error("reading the configuration of the output stream {stream} (is the server reachable and the stream provisioned with `collab-projector provision`?)")]
+pub struct OutputsUnread {
+    stream: String,
+    #[source]
+    source: Source,
 }
 
 /// The largest output the server (`max_payload`) and the projection and dead-letter streams

@@ -645,6 +645,10 @@ impl Partition<'_> {
             .before_input(&mut fx)
             .await
             .map_err(|e| self.turn_error(e))?;
+        self.turns
+            .reached(self.shared, seq, stored_ms, &mut fx)
+            .await
+            .map_err(|e| self.turn_error(e))?;
         // Every message stored before this one has been processed: deadlines before its store
         // time have passed in event time.
         self.shared

@@ -437,6 +437,10 @@ pub struct PartitionTurns {
     /// and after how many inputs of the partition).
     deferred: HashMap<String, Deferred>,
     deferred_order: VecDeque<(tokio::time::Instant, u64, String)>,
+    /// Decisions the reload found without a stored response whose winner the partition has
+    /// not reached again: each response is issued where its winner stands in raw order (see
+    /// [`PartitionTurns::reached`]).
+    awaiting: Vec<Awaiting>,
     /// `turns.open_write_delay`; zero writes every open record at once.
     open_write_delay: Duration,
     /// Inputs after which a deferred record is written whatever its age, so the inputs held
@@ -512,6 +516,7 @@ impl PartitionTurns {
             reported_open: 0,
             deferred: HashMap::new(),
             deferred_order: VecDeque::new(),
+            awaiting: Vec::new(),
             open_write_delay: shared.settings.turns.open_write_delay,
             defer_inputs: defer_inputs(shared.settings.consumer.max_ack_pending),
             inputs: 0,
@@ -692,7 +697,7 @@ impl PartitionTurns {
                         // Not covered by the last checkpoint: its response may not be stored.
                         TurnState::Decided if !previous.vouches_for(revision, head.writer) => {
                             if let Ok(rec) = serde_json::from_slice::<TurnRecord>(&msg.payload) {
-                                unpublished.push((key.to_string(), rec, written_at));
+                                unpublished.push((key.to_string(), rec, written_at, revision));
                             }
                         }
                         TurnState::Decided | TurnState::Published => {}
@@ -706,14 +711,40 @@ impl PartitionTurns {
             tracing::debug!(consumer = %name, error = %e, "reload reader not deleted; it expires by itself");
         }
         let (mut checkpoint, unpublished, loaded, highest) = read?;
-        for (key, rec, written_at) in unpublished {
-            self.republish(shared, &key, &rec, written_at, cancel)
-                .await?;
+        // A decision won by an input (a reply, a complete, an error, a run's terminal) is
+        // published where that input stands in raw order, not now: the inputs before it that
+        // the previous owner processed but did not store (one atomic batch refused whole holds
+        // both them and the response) are processed again first, and a key's projections stay
+        // in raw order. A timeout's response has no such place: it is published now.
+        let mut verified = highest;
+        for (key, rec, written_at, revision) in unpublished {
+            match rec
+                .winner
+                .as_ref()
+                .and_then(|w| w.seq.map(|s| (s, w.at_ms)))
+            {
+                Some((winner_seq, at_ms)) => {
+                    self.remember(&key, &rec, Rev::Known(0));
+                    self.awaiting.push(Awaiting {
+                        key,
+                        winner_seq,
+                        at_ms,
+                        written_at,
+                    });
+                    verified = verified.min(revision.saturating_sub(1));
+                }
+                None => {
+                    self.republish(shared, &key, &rec, written_at, cancel)
+                        .await?
+                }
+            }
         }
-        // Every decided record read is now published: this owner's checkpoint starts past them
-        // all. A previous owner's write landing later has a higher revision and is not vouched for.
-        self.verified_through = highest;
-        checkpoint.claim(highest).await?;
+        // Every decided record read is now published, or waits for its winner: this owner's
+        // checkpoint starts past the published ones and below the first waiting one (a crash
+        // before that one is stored leaves it to the next owner). A previous owner's write
+        // landing later has a higher revision and is not vouched for.
+        self.verified_through = verified;
+        checkpoint.claim(verified).await?;
         self.report_open();
         Ok((loaded, checkpoint))
     }
@@ -982,7 +1013,7 @@ impl PartitionTurns {
             None => current,
         };
         if let Some((rec, rev)) = &after {
-            if step.respond || rec.state == TurnState::Decided {
+            if step.respond || turns::republished_at(rec, facts.seq) {
                 self.issue_response(shared, &key, rec, rev.clone(), Some((facts.seq, n)), fx)
                     .await?;
             }
@@ -1083,6 +1114,9 @@ impl PartitionTurns {
             return Ok(());
         }
         let outs = self.response(shared, key, rec, current).await?;
+        if !self.awaiting.is_empty() {
+            self.awaiting.retain(|a| a.key != key);
+        }
         crash_point("after_decide");
         fx.outs.extend(outs);
         fx.marks.push(Mark {
@@ -1432,18 +1466,7 @@ impl PartitionTurns {
         let Some(out) = outs.last() else {
             return Ok(());
         };
-        let age = chrono::Utc::now()
-            .signed_duration_since(written_at)
-            .to_std()
-            .unwrap_or_default();
-        let window = shared.settings.projection.duplicate_window;
-        // No input's own output: the look-up reads the subject from the decision's time on.
-        let stored = age + DUPLICATE_WINDOW_MARGIN >= window
-            && shared
-                .publisher
-                .stored_already(out, 0, written_at.timestamp_millis())
-                .await
-                .map_err(|e| TurnIoError::kv(key, e))?;
+        let stored = stored_past_window(shared, key, out, written_at).await?;
         if !stored {
             for out in &outs {
                 match shared
@@ -1461,6 +1484,65 @@ impl PartitionTurns {
             }
         }
         self.remember(key, &turns::published(rec), Rev::Known(0));
+        Ok(())
+    }
+
+    /// Issue, into `fx`, the responses of the decisions found at reload whose winner the
+    /// partition has now passed: the input about to be processed is `seq`, stored at
+    /// `stored_ms`, so every input before it has been processed (or was acknowledged before the
+    /// reload, with its outputs stored). A winner read again is published with it by the turn
+    /// rules; these are the ones whose winner was not delivered again. The store time covers a
+    /// winner in an earlier set of raw streams, whose sequences do not compare with this one's.
+    pub async fn reached(
+        &mut self,
+        shared: &WorkerContext,
+        seq: u64,
+        stored_ms: i64,
+        fx: &mut Effects,
+    ) -> Result<(), TurnIoError> {
+        if self.awaiting.is_empty() {
+            return Ok(());
+        }
+        let (due, waiting): (Vec<Awaiting>, Vec<Awaiting>) = std::mem::take(&mut self.awaiting)
+            .into_iter()
+            .partition(|a| a.winner_seq < seq || a.at_ms < stored_ms);
+        self.awaiting = waiting;
+        for a in due {
+            Box::pin(self.issue_awaiting(shared, a, fx)).await?;
+        }
+        Ok(())
+    }
+
+    /// The response of a decision found at reload, into `fx` unless its winner's redelivery
+    /// published it meanwhile or the projection stream holds it beyond the duplicate window.
+    async fn issue_awaiting(
+        &mut self,
+        shared: &WorkerContext,
+        a: Awaiting,
+        fx: &mut Effects,
+    ) -> Result<(), TurnIoError> {
+        let Some((rec, _)) = self.current(&a.key).await? else {
+            return Ok(());
+        };
+        if rec.state != TurnState::Decided {
+            return Ok(());
+        }
+        let outs = self.response(shared, &a.key, &rec, None).await?;
+        let stored = match outs.last() {
+            Some(out) => stored_past_window(shared, &a.key, out, a.written_at).await?,
+            None => true,
+        };
+        self.remember(&a.key, &turns::published(&rec), Rev::Known(0));
+        if stored {
+            return Ok(());
+        }
+        tracing::debug!(partition = self.partition, key = %a.key, winner = a.winner_seq,
+            "publishing a decision found at reload, in its winner's place");
+        fx.outs.extend(outs);
+        fx.marks.push(Mark {
+            key: a.key,
+            after: Rev::Known(0),
+        });
         Ok(())
     }
 
@@ -1585,6 +1667,42 @@ fn defer_inputs(max_ack_pending: i64) -> u64 {
 
 /// Slack kept below the duplicate window when a reload republishes without looking first.
 const DUPLICATE_WINDOW_MARGIN: Duration = Duration::from_secs(15);
+
+/// A decided turn whose response the reload found unpublished, waiting for the partition to
+/// pass its winner (the input that decided it) in raw order.
+struct Awaiting {
+    key: String,
+    winner_seq: u64,
+    /// The winner's store time.
+    at_ms: i64,
+    /// When the decision was written.
+    written_at: chrono::DateTime<chrono::Utc>,
+}
+
+/// Whether `out`, the response of the decision of `key` written at `written_at`, is stored
+/// where its Msg-Id no longer collapses a second copy: older than the duplicate window (less a
+/// margin), the projection stream is searched from the decision's time on. Within the window
+/// the Msg-Id collapses it.
+async fn stored_past_window(
+    shared: &WorkerContext,
+    key: &str,
+    out: &Outgoing,
+    written_at: chrono::DateTime<chrono::Utc>,
+) -> Result<bool, TurnIoError> {
+    let age = chrono::Utc::now()
+        .signed_duration_since(written_at)
+        .to_std()
+        .unwrap_or_default();
+    if age + DUPLICATE_WINDOW_MARGIN < shared.settings.projection.duplicate_window {
+        return Ok(false);
+    }
+    // No input's own output: the look-up reads the subject from the decision's time on.
+    shared
+        .publisher
+        .stored_already(out, 0, written_at.timestamp_millis())
+        .await
+        .map_err(|e| TurnIoError::kv(key, e))
+}
 
 /// Test hook: `COLLAB_TEST_CRASH_AT=<point>` aborts the process at that point of the turn
 /// protocol (`after_decide`, `after_publish`, `before_ack`), as a SIGKILL would, so crash

@@ -27,7 +27,7 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
             // beside the turn, never as its response. A decision not yet published is published
             // again, as for any further response.
             return Step {
-                respond: rec.state == TurnState::Decided,
+                respond: republished_at(rec, ev.seq),
                 suppress: Some(SuppressReason::NotTarget),
                 ..Step::default()
             };
@@ -37,7 +37,7 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
             // beside it like a foreign response and decides nothing: only the asker or the
             // target can end a turn.
             return Step {
-                respond: rec.state == TurnState::Decided,
+                respond: republished_at(rec, ev.seq),
                 suppress: Some(SuppressReason::NotTarget),
                 ..Step::default()
             };
@@ -221,8 +221,12 @@ fn decide(record: TurnRecord, expect: Expect, ev: &TurnFacts, kind: TurnEventKin
 
 /// An event for a decided turn: the winner's redelivery, a further response (suppressed), or
 /// a complete or error projected as it is. A decision not yet published is published again.
+///
+/// An event stored before the winner (processed again after a restart, the decision read from
+/// the store) publishes nothing: the decision's response belongs where its winner stands in raw
+/// order, and the winner, or the partition passing it, publishes it there.
 fn after_decision(rec: &TurnRecord, ev: &TurnFacts, kind: TurnEventKind) -> Step {
-    let unpublished = rec.state == TurnState::Decided;
+    let unpublished = republished_at(rec, ev.seq);
     let is_winner = rec.winner.as_ref().and_then(|w| w.seq) == Some(ev.seq);
     match kind {
         TurnEventKind::Response if is_winner => Step {
@@ -250,6 +254,19 @@ fn after_decision(rec: &TurnRecord, ev: &TurnFacts, kind: TurnEventKind) -> Step
             ..Step::default()
         },
     }
+}
+
+/// Whether an event at raw sequence `seq` publishes the decision `rec` again: the decision is
+/// not yet published, and `seq` is not before its winner (a decision by the deadline has none).
+/// The winner's own redelivery, or anything after it, publishes it in raw order; an event before
+/// it is one processed again after a restart, ahead of the winner.
+pub fn republished_at(rec: &TurnRecord, seq: u64) -> bool {
+    rec.state == TurnState::Decided
+        && rec
+            .winner
+            .as_ref()
+            .and_then(|w| w.seq)
+            .is_none_or(|w| seq >= w)
 }
 
 /// An event stored after the deadline of the open turn `rec`: the turn's timeout decision, then

@@ -815,6 +815,47 @@ fn complete_after_a_response_is_projected_after_it() {
 }
 
 #[test]
+fn a_decision_read_back_unpublished_is_published_at_its_winner_not_before() {
+    // As a reload finds it: decided by the reply at raw seq 5, its response not stored.
+    let cfg = contract_cfg();
+    let mut sim = Sim::new(cfg);
+    sim.run(1_000, send("c1", json!({})));
+    let won = sim.run(2_000, reply("c1", "ok", json!({})));
+    let mut rec = sim.record("c1", "0").clone();
+    rec.state = TurnState::Decided;
+    let winner = rec.winner.as_ref().and_then(|w| w.seq);
+    assert_eq!(winner, Some(won));
+
+    // Processed again before the winner (a send, a foreign reply): nothing is published there.
+    let again = on_event(Some((&rec, 9)), &sim.raw(won - 1).facts(), &cfg);
+    assert!(!again.respond, "{again:?}");
+    assert!(!republished_at(&rec, won - 1));
+    let mut foreign = reply("c1", "me too", json!({}));
+    foreign["data"]["fromAgent"] = json!("mallory");
+    let early = on_event(Some((&rec, 9)), &facts_of(&foreign, won - 1, 1_500), &cfg);
+    assert!(!early.respond, "{early:?}");
+
+    // The winner's redelivery, and anything after it, publishes it.
+    assert!(on_event(Some((&rec, 9)), &sim.raw(won).facts(), &cfg).respond);
+    let dup = on_event(
+        Some((&rec, 9)),
+        &facts_of(&reply("c1", "again", json!({})), won + 1, 2_500),
+        &cfg,
+    );
+    assert!(dup.respond && dup.suppress.is_some(), "{dup:?}");
+    assert!(republished_at(&rec, won) && republished_at(&rec, won + 1));
+
+    // A timeout has no winning input: any event publishes it.
+    let mut timed_out = rec.clone();
+    if let Some(w) = timed_out.winner.as_mut() {
+        w.seq = None;
+    }
+    assert!(republished_at(&timed_out, 1));
+    // A published decision is never published again.
+    assert!(!republished_at(&published(&rec), won + 1));
+}
+
+#[test]
 fn complete_without_response_or_signal_is_blocked_error_synthesized() {
     let mut sim = Sim::new(contract_cfg());
     let s = sim.run(1_000, send("c1", json!({})));

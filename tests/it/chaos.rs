@@ -607,6 +607,8 @@ struct Rec {
     source_stream: Option<String>,
     seq: u64,
     payload: Bytes,
+    /// Every header but the ones above, for `CHAOS_DUMP_REORDERS`.
+    others: String,
 }
 
 /// Where the stream of an input sits in its [`RawStreams::id`] (a set of raw streams uses at most
@@ -811,6 +813,19 @@ async fn read_all(js: &jetstream::Context, stream: &str, filter: &str) -> Result
             source_seq: header("Collab-Source-Seq").and_then(|s| s.parse().ok()),
             source_stream: header("Collab-Source-Stream"),
             payload: m.payload.clone(),
+            others: m
+                .headers
+                .iter()
+                .flat_map(|h| h.iter())
+                .filter(|(k, _)| {
+                    !matches!(
+                        k.as_ref(),
+                        "Nats-Msg-Id" | "Collab-Source-Seq" | "Collab-Source-Stream"
+                    )
+                })
+                .map(|(k, v)| format!("{k}={:?}", v.iter().map(|x| x.as_str()).collect::<Vec<_>>()))
+                .collect::<Vec<_>>()
+                .join(" "),
         });
     }
     Ok(out)
@@ -2177,26 +2192,32 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
     }
 
     // Per-key order of the projections.
-    let mut last_seq: HashMap<&str, u64> = HashMap::new();
+    let mut last_seq: HashMap<&str, (u64, Option<&Rec>)> = HashMap::new();
     for p in proj {
         let Some(i) = p.source_seq.and_then(|s| by_seq.get(&s)) else {
             continue;
         };
-        let last = last_seq.entry(i.key.as_str()).or_insert(0);
-        if i.seq < *last {
+        let last = last_seq.entry(i.key.as_str()).or_insert((0, None));
+        if i.seq < last.0 {
             r.reordered += 1;
             if std::env::var("CHAOS_DUMP_REORDERS").is_ok() {
                 eprintln!(
-                    "reorder: key {} input {} projected at {} (proj seq {}) after input {}",
+                    "reorder: key {} input {} (partition {}) projected at {} (proj seq {}, Msg-Id {:?}, {}) after input {} (proj seq {:?} at {:?}, {:?})",
                     i.key,
                     label(i.seq),
+                    i.partition,
                     p.stored_ms,
                     p.seq,
-                    label(*last)
+                    p.msg_id,
+                    p.others,
+                    label(last.0),
+                    last.1.map(|l| l.seq),
+                    last.1.map(|l| l.stored_ms),
+                    last.1.map(|l| l.others.as_str()),
                 );
             }
         } else {
-            *last = i.seq;
+            *last = (i.seq, Some(p));
         }
     }
 

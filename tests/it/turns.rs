@@ -1142,6 +1142,60 @@ async fn turn_record(js: &jetstream::Context, conv: &str) -> Option<(String, Val
     None
 }
 
+/// A decision whose record is stored while none of the outputs before it are (an atomic batch
+/// refused whole holds the inputs before the reply as well as the response): after a restart
+/// the response is published where its reply stands, after the send's projection, not ahead of
+/// the inputs the new owner processes again.
+#[tokio::test]
+async fn a_decision_stored_without_its_outputs_is_published_after_the_inputs_before_it() {
+    let bed = Bed::start_with(&[("COLLAB_NATS__PUBLISH_BATCHES", "always")]).await;
+    // Every publish of this worker fails (and is retried in place): its turn-record writes,
+    // which do not go through the publisher, are stored; no projection is.
+    let mut held = bed.projector(&[("COLLAB_TEST_FAIL_PUBLISH_EVERY", "1")]);
+    let send_seq = bed
+        .publish(&send(
+            "c-order",
+            json!({"message": "order it", "timeoutMs": 600_000}),
+        ))
+        .await;
+    let reply_seq = bed
+        .publish(&reply("c-order", json!({"message": "ordered"})))
+        .await;
+    wait_until(WAIT, "the turn's decision is stored", || async {
+        turn_record(&bed.js, "c-order")
+            .await
+            .is_some_and(|(_, v, _)| v["state"] == "decided")
+    })
+    .await;
+    assert!(
+        bed.read("collab.proj.>").await.is_empty(),
+        "precondition: the first worker stored no projection"
+    );
+    held.kill9();
+    held.wait_exit(WAIT).await;
+
+    let _next = bed.projector(&[]);
+    bed.wait_responses(&[key("c-order", "0")]).await;
+    bed.settle(&["c-order"]).await;
+    let stored: Vec<(u64, String, Value)> = bed
+        .read("collab.proj.conversation.main.c-order.>")
+        .await
+        .into_iter()
+        .map(|p| (p.seq, p.subject, p.body))
+        .collect();
+    let at = |raw: u64| {
+        stored
+            .iter()
+            .position(|(_, _, b)| b["rawEventRef"]["seq"] == raw)
+            .unwrap_or_else(|| panic!("nothing projected from raw seq {raw}: {stored:#?}"))
+    };
+    assert!(
+        at(send_seq) < at(reply_seq),
+        "the response (from raw seq {reply_seq}) was stored before the send's projection (raw seq {send_seq}): {stored:#?}"
+    );
+    one_per_turn(&bed.responses().await, &[key("c-order", "0")]);
+}
+
 /// A previous owner paused right before a decide write, whose write lands once another owner
 /// holds the partition, and which dies before its response is stored: the current owner's
 /// checkpoint later moves past that write with decisions of its own. The next owner must not
