@@ -583,9 +583,15 @@ impl PartitionTurns {
         })
     }
 
-    /// The earliest deadline of an open turn.
+    /// The earliest deadline of an open turn, or store time of the winner of a decision the
+    /// reload found unpublished: an idle partition then moves its watermark past it (a barrier)
+    /// and the decision's response is published (see [`PartitionTurns::reached`]).
     pub fn next_deadline(&self) -> Option<i64> {
-        self.open.next_deadline()
+        let awaiting = self.awaiting.iter().map(|a| a.at_ms).min();
+        match (self.open.next_deadline(), awaiting) {
+            (Some(d), Some(a)) => Some(d.min(a)),
+            (d, a) => d.or(a),
+        }
     }
 
     /// Load this partition's records: arm open deadlines, and publish any decided response whose
