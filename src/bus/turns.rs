@@ -733,6 +733,7 @@ impl PartitionTurns {
                     self.remember(&key, &rec, Rev::Known(0));
                     self.awaiting.push(Awaiting {
                         key,
+                        record: rec,
                         winner_seq,
                         at_ms,
                         written_at,
@@ -745,11 +746,13 @@ impl PartitionTurns {
                 }
             }
         }
-        // Every decided record read is now published, or waits for its winner: this owner's
-        // checkpoint starts past the published ones and below the first waiting one (a crash
-        // before that one is stored leaves it to the next owner). A previous owner's write
-        // landing later has a higher revision and is not vouched for.
-        self.verified_through = verified;
+        // Every decided record read is now published, or waits for its winner in `awaiting`:
+        // to this owner every other one is published. The checkpoint it claims vouches only
+        // below the first waiting one, so a crash before that one is stored leaves the
+        // decisions from there on to the next owner's reload, which looks each one up before
+        // publishing it. A previous owner's write landing later has a higher revision and is
+        // not vouched for.
+        self.verified_through = highest;
         checkpoint.claim(verified).await?;
         self.report_open();
         Ok((loaded, checkpoint))
@@ -763,6 +766,9 @@ impl PartitionTurns {
         }
         if let Some(rec) = self.recent.get(key) {
             return Ok(Some((rec.clone(), 0)));
+        }
+        if let Some(a) = self.awaiting.iter().find(|a| a.key == key) {
+            return Ok(Some((a.record.clone(), 0)));
         }
         if !self.open.maybe_known(key) {
             return Ok(None);
@@ -1119,10 +1125,12 @@ impl PartitionTurns {
         if rec.state != TurnState::Decided {
             return Ok(());
         }
-        let outs = self.response(shared, key, rec, current).await?;
-        if !self.awaiting.is_empty() {
-            self.awaiting.retain(|a| a.key != key);
+        if let Some(i) = self.awaiting.iter().position(|a| a.key == key) {
+            // Found at reload: published once, where its winner stands, unless stored already.
+            let a = self.awaiting.swap_remove(i);
+            return Box::pin(self.issue_found(shared, a, current, fx)).await;
         }
+        let outs = self.response(shared, key, rec, current).await?;
         crash_point("after_decide");
         fx.outs.extend(outs);
         fx.marks.push(Mark {
@@ -1514,31 +1522,28 @@ impl PartitionTurns {
             .partition(|a| a.winner_seq < seq || a.at_ms < stored_ms);
         self.awaiting = waiting;
         for a in due {
-            Box::pin(self.issue_awaiting(shared, a, fx)).await?;
+            Box::pin(self.issue_found(shared, a, None, fx)).await?;
         }
         Ok(())
     }
 
-    /// The response of a decision found at reload, into `fx` unless its winner's redelivery
-    /// published it meanwhile or the projection stream holds it beyond the duplicate window.
-    async fn issue_awaiting(
+    /// The response of a decision found at reload, into `fx` with its mark, unless the
+    /// projection stream holds it where its Msg-Id no longer collapses a second copy (a previous
+    /// owner stored it and did not live to vouch for it). `current`: the winner's redelivery,
+    /// when that is what publishes it.
+    async fn issue_found(
         &mut self,
         shared: &WorkerContext,
         a: Awaiting,
+        current: Option<(u64, &Normalized)>,
         fx: &mut Effects,
     ) -> Result<(), TurnIoError> {
-        let Some((rec, _)) = self.current(&a.key).await? else {
-            return Ok(());
-        };
-        if rec.state != TurnState::Decided {
-            return Ok(());
-        }
-        let outs = self.response(shared, &a.key, &rec, None).await?;
+        let outs = self.response(shared, &a.key, &a.record, current).await?;
         let stored = match outs.last() {
             Some(out) => stored_past_window(shared, &a.key, out, a.written_at).await?,
             None => true,
         };
-        self.remember(&a.key, &turns::published(&rec), Rev::Known(0));
+        self.remember(&a.key, &turns::published(&a.record), Rev::Known(0));
         if stored {
             return Ok(());
         }
@@ -1678,6 +1683,8 @@ const DUPLICATE_WINDOW_MARGIN: Duration = Duration::from_secs(15);
 /// pass its winner (the input that decided it) in raw order.
 struct Awaiting {
     key: String,
+    /// The decided record, as the reload read it.
+    record: TurnRecord,
     winner_seq: u64,
     /// The winner's store time.
     at_ms: i64,
