@@ -742,7 +742,7 @@ async fn reproject(args: ReprojectArgs) -> anyhow::Result<()> {
     bar.finish_and_clear();
     let diff = diff?;
     if args.json {
-        println!("{}", serde_json::to_string(&diff)?);
+        telemetry::say(&serde_json::to_string(&diff)?);
     } else {
         print!(
             "{}",

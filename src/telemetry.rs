@@ -676,9 +676,13 @@ impl<W: std::io::Write> std::io::Write for LossyWriter<W> {
 /// unlike `println!`, never panics.
 pub fn say(line: &str) {
     use std::io::Write;
+    // One write with its newline: where stdout and stderr share a file (a log capture, `2>&1`),
+    // a log line written between the text and its newline would end up on the report's line.
+    let mut bytes = Vec::with_capacity(line.len() + 1);
+    bytes.extend_from_slice(line.as_bytes());
+    bytes.push(b'\n');
     let mut out = std::io::stdout().lock();
-    let _ = out.write_all(line.as_bytes());
-    let _ = out.write_all(b"\n");
+    let _ = out.write_all(&bytes);
     let _ = out.flush();
 }
 
