@@ -587,7 +587,7 @@ impl PartitionTurns {
     /// reload found unpublished: an idle partition then moves its watermark past it (a barrier)
     /// and the decision's response is published (see [`PartitionTurns::reached`]).
     pub fn next_deadline(&self) -> Option<i64> {
-        let awaiting = self.awaiting.iter().map(|a| a.at_ms).min();
+        let awaiting = self.awaiting.iter().map(|a| a.winner().1).min();
         match (self.open.next_deadline(), awaiting) {
             (Some(d), Some(a)) => Some(d.min(a)),
             (d, a) => d.or(a),
@@ -724,18 +724,12 @@ impl PartitionTurns {
         // in raw order. A timeout's response has no such place: it is published now.
         let mut verified = highest;
         for (key, rec, written_at, revision) in unpublished {
-            match rec
-                .winner
-                .as_ref()
-                .and_then(|w| w.seq.map(|s| (s, w.at_ms)))
-            {
-                Some((winner_seq, at_ms)) => {
+            match rec.winner.as_ref().and_then(|w| w.seq) {
+                Some(_) => {
                     self.remember(&key, &rec, Rev::Known(0));
                     self.awaiting.push(Awaiting {
                         key,
                         record: rec,
-                        winner_seq,
-                        at_ms,
                         written_at,
                     });
                     verified = verified.min(revision.saturating_sub(1));
@@ -1519,7 +1513,10 @@ impl PartitionTurns {
         }
         let (due, waiting): (Vec<Awaiting>, Vec<Awaiting>) = std::mem::take(&mut self.awaiting)
             .into_iter()
-            .partition(|a| a.winner_seq < seq || a.at_ms < stored_ms);
+            .partition(|a| {
+                let (winner_seq, at_ms) = a.winner();
+                winner_seq < seq || at_ms < stored_ms
+            });
         self.awaiting = waiting;
         for a in due {
             Box::pin(self.issue_found(shared, a, None, fx)).await?;
@@ -1547,7 +1544,7 @@ impl PartitionTurns {
         if stored {
             return Ok(());
         }
-        tracing::debug!(partition = self.partition, key = %a.key, winner = a.winner_seq,
+        tracing::debug!(partition = self.partition, key = %a.key, winner = a.winner().0,
             "publishing a decision found at reload, in its winner's place");
         fx.outs.extend(outs);
         fx.marks.push(Mark {
@@ -1683,13 +1680,20 @@ const DUPLICATE_WINDOW_MARGIN: Duration = Duration::from_secs(15);
 /// pass its winner (the input that decided it) in raw order.
 struct Awaiting {
     key: String,
-    /// The decided record, as the reload read it.
+    /// The decided record, as the reload read it (its winner has a raw sequence).
     record: TurnRecord,
-    winner_seq: u64,
-    /// The winner's store time.
-    at_ms: i64,
     /// When the decision was written.
     written_at: chrono::DateTime<chrono::Utc>,
+}
+
+impl Awaiting {
+    /// The winner's raw sequence and store time.
+    fn winner(&self) -> (u64, i64) {
+        self.record
+            .winner
+            .as_ref()
+            .map_or((0, 0), |w| (w.seq.unwrap_or(0), w.at_ms))
+    }
 }
 
 /// Whether `out`, the response of the decision of `key` written at `written_at`, is stored
