@@ -101,7 +101,7 @@ pub enum Part {
     /// Turn-book scale: memory per open turn, recovery, timer lateness.
     TurnBook,
     /// Where the time goes: 2 and 3 again with the turn contract switched off
-    /// (`turns.enforce_roles = []`).
+    /// (`turns.enforce_roles = []`), then without the work-session fold.
     Breakdown,
 }
 
@@ -999,13 +999,24 @@ async fn stop_app(running: app::Running, cancel: CancellationToken) {
     }
 }
 
+/// What of the pipeline a throughput scenario runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    /// Everything, as `run` does.
+    Full,
+    /// No turn contract (`turns.enforce_roles = []`): its cost is the difference.
+    WithoutContract,
+    /// No work-session fold: its cost is the difference.
+    WithoutFold,
+}
+
 async fn throughput_pipeline(
     env: &Env,
     opts: &BenchOptions,
     id: u8,
     mix: Mix,
     name: &str,
-    contract: bool,
+    variant: Variant,
 ) -> Result<ThroughputResult, BenchError> {
     env.provision().await?;
     let n = opts.messages;
@@ -1025,8 +1036,10 @@ async fn throughput_pipeline(
     let pb = bar(opts, n as u64, &format!("{label}: run"));
     let started = Instant::now();
     let mut settings = env.settings();
-    if !contract {
-        settings.turns.enforce_roles.clear();
+    match variant {
+        Variant::Full => {}
+        Variant::WithoutContract => settings.turns.enforce_roles.clear(),
+        Variant::WithoutFold => settings.workers.without_session_fold = true,
     }
     let (running, shared, cancel) = start_app(opts, settings).await?;
     let state = shared.state.clone();
@@ -2030,22 +2043,22 @@ async fn run_throughput(
             2u8,
             Mix::REALISTIC,
             "full pipeline, mixed",
-            true,
+            Variant::Full,
         ),
         (
             Part::Turns,
             3,
             Mix::TURNS_ONLY,
             "full pipeline, turns only",
-            true,
+            Variant::Full,
         ),
     ];
-    for (part, id, mix, name, contract) in pipelines {
+    for (part, id, mix, name, variant) in pipelines {
         if !opts.parts.contains(&part) {
             continue;
         }
         let env = open_env(opts, part.as_str(), version).await?;
-        let r = throughput_pipeline(&env, opts, id, mix, name, contract).await;
+        let r = throughput_pipeline(&env, opts, id, mix, name, variant).await;
         if part == Part::Turns && r.is_ok() {
             report.round_trips = Some(round_trips(&env).await?);
         }
@@ -2136,12 +2149,34 @@ async fn run_breakdown(
     if !opts.parts.contains(&Part::Breakdown) {
         return Ok(());
     }
-    for (id, mix, name) in [
-        (5u8, Mix::REALISTIC, "2 without the turn contract"),
-        (6u8, Mix::TURNS_ONLY, "3 without the turn contract"),
+    for (id, mix, name, variant) in [
+        (
+            5u8,
+            Mix::REALISTIC,
+            "2 without the turn contract",
+            Variant::WithoutContract,
+        ),
+        (
+            6u8,
+            Mix::TURNS_ONLY,
+            "3 without the turn contract",
+            Variant::WithoutContract,
+        ),
+        (
+            7u8,
+            Mix::REALISTIC,
+            "2 without the session fold",
+            Variant::WithoutFold,
+        ),
+        (
+            8u8,
+            Mix::TURNS_ONLY,
+            "3 without the session fold",
+            Variant::WithoutFold,
+        ),
     ] {
-        let env = open_env(opts, &format!("nocontract{id}"), version).await?;
-        let r = throughput_pipeline(&env, opts, id, mix, name, false).await;
+        let env = open_env(opts, &format!("breakdown{id}"), version).await?;
+        let r = throughput_pipeline(&env, opts, id, mix, name, variant).await;
         env.close().await;
         if let Some(r) = stalled(r, &format!("{id} {name}"), &mut report.notes)? {
             say(opts, &format!("{id} {name}: {:.0} msg/s", r.msg_per_s));

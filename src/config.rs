@@ -145,6 +145,10 @@ pub struct WorkerSettings {
     /// it). Failover after a crash takes about this long.
     #[serde(with = "humantime_serde")]
     pub lease_ttl: Duration,
+    /// Run no work-session fold on this worker. Not a setting: `bench --only breakdown` sets it
+    /// to measure what the fold costs.
+    #[serde(skip)]
+    pub without_session_fold: bool,
 }
 
 impl Default for WorkerSettings {
@@ -152,6 +156,7 @@ impl Default for WorkerSettings {
         WorkerSettings {
             id: None,
             lease_ttl: Duration::from_secs(6),
+            without_session_fold: false,
         }
     }
 }

@@ -43,15 +43,14 @@ pub(crate) struct Processed {
 
 impl Processed {
     /// What the turn rules asked for, issued, for `msg`.
+    /// `stored_ms`: `msg`'s raw store time (ms since the epoch), which its processing read
+    /// already; `None` without a message.
     pub(crate) fn new(
         msg: Option<jetstream::Message>,
+        stored_ms: Option<i64>,
         publishes: Publishes,
         fx: Effects,
     ) -> Processed {
-        let stored_ms = msg
-            .as_ref()
-            .and_then(|m| m.info().ok())
-            .map(|i| i.published.timestamp_millis());
         Processed {
             msg,
             publishes,
@@ -67,10 +66,7 @@ impl Processed {
     /// [`in_flight_stand_in`]), acknowledged once everything before it is stored: nothing to
     /// publish, no end-to-end latency of its own.
     pub(crate) fn stand_in(last: jetstream::Message) -> Processed {
-        Processed {
-            stored_ms: None,
-            ..Processed::new(Some(last), Vec::new(), Effects::default())
-        }
+        Processed::new(Some(last), None, Vec::new(), Effects::default())
     }
 }
 
@@ -212,6 +208,12 @@ pub(crate) async fn ack_stage(
         broken: &broken,
         p,
     };
+    // One timer, moved on only when it fires: a timer made afresh for every group costs a
+    // registration and a cancellation in the runtime's timer wheel per group. A checkpoint
+    // look every CHECKPOINT_EVERY whether or not inputs arrive is the same as one after a
+    // quiet CHECKPOINT_EVERY: `maybe_write` writes only what is due.
+    let tick = tokio::time::sleep(CHECKPOINT_EVERY);
+    tokio::pin!(tick);
     loop {
         let front = held.front().and_then(|u| u.holds.last().cloned());
         let first = tokio::select! {
@@ -225,7 +227,8 @@ pub(crate) async fn ack_stage(
                 }
                 None
             }
-            _ = tokio::time::sleep(CHECKPOINT_EVERY) => {
+            _ = &mut tick => {
+                tick.as_mut().reset(tokio::time::Instant::now() + CHECKPOINT_EVERY);
                 checkpoint.maybe_write(false).await.map_err(refused)?;
                 None
             }
@@ -527,7 +530,8 @@ pub(crate) async fn issue_publishes(
     let mut pending = Vec::with_capacity(outs.len().min(hand_over));
     for out in outs {
         if pending.len() >= hand_over {
-            let ahead = Processed::new(None, std::mem::take(&mut pending), Effects::default());
+            let ahead =
+                Processed::new(None, None, std::mem::take(&mut pending), Effects::default());
             acker.send(ahead).await.map_err(|_| Halt::Cancelled)?;
         }
         let out = publisher.fit(out);

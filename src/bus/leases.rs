@@ -118,7 +118,7 @@ fn spawn_partition(
     rt.spawn(
         async move {
             // The owner of partition 0 also folds the projections into the work sessions.
-            let fold = (p == 0).then(|| {
+            let fold = (p == 0 && !shared.settings.workers.without_session_fold).then(|| {
                 shared
                     .sessions_side
                     .rt

@@ -126,6 +126,13 @@ impl Partition<'_> {
         // than this (ms since the epoch): the check costs a JetStream API request.
         let mut idle_check_after = 0i64;
         let mut retry = super::Retry::new(Duration::from_millis(100), Duration::from_secs(5));
+        // One timer for the whole run, moved only when what it waits for changes: a timer made
+        // afresh for every message costs a registration and a cancellation in the runtime's
+        // timer wheel per input. `armed` is what it was last set for (the deadline in ms since
+        // the epoch, the flush instant); `None` while it is not set or has fired.
+        let timer = tokio::time::sleep(Duration::ZERO);
+        tokio::pin!(timer);
+        let mut armed: Option<(Option<i64>, Option<tokio::time::Instant>)> = None;
         loop {
             if self.cancel.is_cancelled() || self.broken.is_cancelled() {
                 return Ok(());
@@ -155,22 +162,25 @@ impl Partition<'_> {
             let batch_span = tracing::info_span!("batch", from = tracing::field::Empty);
             // The batch is bounded (size and expiry): finishing it on cancel is the drain.
             loop {
-                let deadline = self.turns.next_deadline().map(|d| {
-                    let due = d.saturating_add(skew).max(idle_check_after);
-                    let wait_ms = due.saturating_sub(super::now_ms()).max(0);
-                    tokio::time::Instant::now()
-                        + Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0))
-                });
+                let due = self
+                    .turns
+                    .next_deadline()
+                    .map(|d| d.saturating_add(skew).max(idle_check_after));
                 let flush = self.turns.next_flush();
-                let timer = match (deadline, flush) {
-                    (Some(d), Some(f)) => Some(d.min(f)),
-                    (d, f) => d.or(f),
-                };
+                let wanted = (due.is_some() || flush.is_some()).then_some((due, flush));
+                if wanted != armed {
+                    if let Some(at) = timer_instant(due, flush) {
+                        timer.as_mut().reset(at);
+                    }
+                    armed = wanted;
+                }
                 let next = tokio::select! {
                     biased;
                     _ = self.broken.cancelled() => return Ok(()),
                     m = messages.next() => m,
-                    _ = sleep_until_opt(timer) => {
+                    _ = &mut timer, if armed.is_some() => {
+                        armed = None;
+                        let deadline = due.map(deadline_instant);
                         if lease_lapsed(lease_valid_until) {
                             // A timer's work writes turn records, which no fence guards: only
                             // an owner whose lease is valid may do it (a worker paused past its
@@ -268,7 +278,10 @@ impl Partition<'_> {
         let outs = std::mem::take(&mut fx.outs);
         match self.issue(outs, &[]).await {
             Ok(publishes) => {
-                let _ = self.tx.send(Processed::new(None, publishes, fx)).await;
+                let _ = self
+                    .tx
+                    .send(Processed::new(None, None, publishes, fx))
+                    .await;
                 Ok(())
             }
             Err(halt) => match self.halted(halt) {
@@ -671,7 +684,8 @@ impl Partition<'_> {
                 Ok(p) => p,
                 Err(halt) => return self.left_or_stopped(halt),
             };
-            let processed = Processed::new(ack.then_some(msg), publishes, fx);
+            let processed =
+                Processed::new(ack.then_some(msg), ack.then_some(stored_ms), publishes, fx);
             return Ok(Disposition::Barrier(processed));
         }
         let delivered = delivered.unwrap_or(info.delivered);
@@ -753,7 +767,7 @@ impl Partition<'_> {
             Ok(p) => p,
             Err(halt) => return self.left_or_stopped(halt),
         };
-        let processed = Processed::new(ack.then_some(msg), publishes, fx);
+        let processed = Processed::new(ack.then_some(msg), ack.then_some(stored_ms), publishes, fx);
         Ok(Disposition::Issued { processed, outcome })
     }
 }
@@ -816,11 +830,22 @@ pub(crate) const IDLE_CHECK_MS: i64 = 200;
 /// How long a partition waits for its barrier before it sends another (ms).
 pub(crate) const BARRIER_RETRY_MS: i64 = 1_000;
 
-pub(crate) async fn sleep_until_opt(at: Option<tokio::time::Instant>) {
-    match at {
-        Some(at) => tokio::time::sleep_until(at).await,
-        None => std::future::pending().await,
+/// When the partition's timer is due: at the earlier of the turn deadline `due` (ms since the
+/// epoch, clock skew included) and the deferred-record flush `flush`.
+fn timer_instant(
+    due: Option<i64>,
+    flush: Option<tokio::time::Instant>,
+) -> Option<tokio::time::Instant> {
+    match (due.map(deadline_instant), flush) {
+        (Some(d), Some(f)) => Some(d.min(f)),
+        (d, f) => d.or(f),
     }
+}
+
+/// The instant of the wall-clock time `due` (ms since the epoch); now when it has passed.
+fn deadline_instant(due: i64) -> tokio::time::Instant {
+    let wait_ms = due.saturating_sub(super::now_ms()).max(0);
+    tokio::time::Instant::now() + Duration::from_millis(u64::try_from(wait_ms).unwrap_or(0))
 }
 
 impl Partition<'_> {

@@ -27,12 +27,26 @@ async fn every_scenario_reports_a_throughput_and_the_report_is_json() {
     let ids: Vec<u8> = report.throughput.iter().map(|t| t.id).collect();
     assert_eq!(
         ids,
-        vec![1, 2, 3, 4, 5, 6],
+        vec![1, 2, 3, 4, 5, 6, 7, 8],
         "one row per throughput scenario"
     );
     for t in &report.throughput {
         assert!(t.msg_per_s > 0.0, "{}: {t:?}", t.scenario);
         assert!(t.inputs > 0, "{}: {t:?}", t.scenario);
+    }
+    // The fold's breakdown rows ran without it, and the full pipeline with it.
+    let row = |id: u8| report.throughput.iter().find(|t| t.id == id);
+    for id in [7, 8] {
+        assert_eq!(row(id).and_then(|t| t.kv_session_writes), Some(0), "{id}");
+    }
+    for id in [2, 3] {
+        assert!(
+            row(id)
+                .and_then(|t| t.kv_session_writes)
+                .is_some_and(|w| w > 0),
+            "{id}: {:?}",
+            row(id)
+        );
     }
     assert!(report.ratios.mixed_over_baseline.is_some());
     assert!(report.ratios.baseline_over_naive.is_some());
@@ -48,7 +62,7 @@ async fn every_scenario_reports_a_throughput_and_the_report_is_json() {
 
     let json = serde_json::to_string(&report).expect("serialises");
     let back: serde_json::Value = serde_json::from_str(&json).expect("the JSON parses");
-    assert!(back["throughput"].as_array().is_some_and(|a| a.len() == 6));
+    assert!(back["throughput"].as_array().is_some_and(|a| a.len() == 8));
     assert!(back["targets"].as_array().is_some_and(|a| !a.is_empty()));
     assert!(bench::render(&report).contains("baseline passthrough"));
 }
