@@ -262,7 +262,22 @@ pub struct ThroughputResult {
     pub worker_us_per_input: Option<f64>,
     /// State writes per input: turn records and checkpoints, work sessions, leases.
     pub state_writes_per_input: Option<f64>,
+    /// Projections stored but not yet folded into the work sessions when the clock stopped (the
+    /// fold is off the projection path, so its lag is not part of `seconds`); `None` without a
+    /// fold.
+    pub fold_behind: Option<u64>,
+    /// Seconds after the clock stopped until the fold had read every projection (at most
+    /// [`FOLD_CATCH_UP_LIMIT`]); `None` without a fold, or when it did not within the limit.
+    pub fold_catch_up_s: Option<f64>,
+    /// CPU per input, in microseconds, from the first input until the fold had read every
+    /// projection: the whole cost of an input, its work session included.
+    pub folded_server_us_per_input: Option<f64>,
+    pub folded_worker_us_per_input: Option<f64>,
 }
+
+/// How long a scenario waits, once its inputs are all acknowledged, for the work-session fold to
+/// read the last projection.
+const FOLD_CATCH_UP_LIMIT: Duration = Duration::from_secs(120);
 
 impl ThroughputResult {
     /// Fill the per-input figures from the totals.
@@ -421,6 +436,13 @@ impl CpuMark {
         }
     }
 
+    /// CPU per input since `self`, in microseconds, over `inputs`: (server, worker).
+    fn us_per_input_until(&self, end: &CpuMark, inputs: usize) -> (Option<f64>, Option<f64>) {
+        let n = inputs.max(1) as f64;
+        let d = |a: Option<f64>, b: Option<f64>| Some((b? - a?) * 1e6 / n);
+        (d(self.server, end.server), d(self.worker, end.worker))
+    }
+
     /// Cores used since `self`: (server, worker).
     fn cores_until(&self, end: &CpuMark) -> (Option<f64>, Option<f64>) {
         let wall = (end.at - self.at).as_secs_f64().max(1e-9);
@@ -575,6 +597,32 @@ impl Env {
     async fn stream_last_seq(&self, stream: &str) -> Option<u64> {
         let mut s = self.js.get_stream(stream).await.ok()?;
         Some(s.info().await.ok()?.state.last_sequence)
+    }
+
+    /// How many projections the work-session fold has still to read: the projection stream's
+    /// last sequence past the fold's checkpoint.
+    async fn fold_behind(&self) -> Option<u64> {
+        let names = self.names();
+        let last = self.stream_last_seq(&names.proj_stream).await?;
+        let kv = self.js.get_key_value(&names.sessions_bucket).await.ok()?;
+        let folded = crate::bus::sessions::read_position(&kv, crate::bus::sessions::FOLD_KEY)
+            .await
+            .ok()?
+            .unwrap_or(0);
+        Some(last.saturating_sub(folded))
+    }
+
+    /// Wait until the work-session fold has read every projection (at most
+    /// [`FOLD_CATCH_UP_LIMIT`] after `from`): the seconds it took and the CPU mark then.
+    async fn fold_caught_up(&self, from: &CpuMark) -> Option<(f64, CpuMark)> {
+        while from.at.elapsed() < FOLD_CATCH_UP_LIMIT {
+            if self.fold_behind().await == Some(0) {
+                let end = CpuMark::now(self.server_pid());
+                return Some(((end.at - from.at).as_secs_f64(), end));
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        None
     }
 
     /// The outputs (or inputs) a stream holds, partition owners' fence claims aside.
@@ -1087,7 +1135,7 @@ async fn throughput_pipeline(
     let outputs =
         state.projected.load(Ordering::Relaxed) + state.dead_lettered.load(Ordering::Relaxed);
     let dead = state.dead_lettered.load(Ordering::Relaxed);
-    stop_app(running, cancel).await;
+    // What the inputs cost up to the clock's stop; what the fold still does comes after.
     let kv1 = env
         .stream_last_seq(&format!("KV_{}", names.turns_bucket))
         .await;
@@ -1099,6 +1147,17 @@ async fn throughput_pipeline(
     let ws1 = env
         .stream_last_seq(&format!("KV_{}", names.sessions_bucket))
         .await;
+    let fold_behind = if variant == Variant::WithoutFold {
+        None
+    } else {
+        env.fold_behind().await
+    };
+    let folded = match fold_behind {
+        Some(0) => Some((0.0, mark1)),
+        Some(_) => env.fold_caught_up(&mark1).await,
+        None => None,
+    };
+    stop_app(running, cancel).await;
     let session_value_avg_bytes = match env
         .js
         .get_stream(format!("KV_{}", names.sessions_bucket))
@@ -1135,6 +1194,14 @@ async fn throughput_pipeline(
         server_us_per_input: None,
         worker_us_per_input: None,
         state_writes_per_input: None,
+        fold_behind,
+        fold_catch_up_s: folded.as_ref().map(|(s, _)| *s),
+        folded_server_us_per_input: folded
+            .as_ref()
+            .and_then(|(_, end)| mark0.us_per_input_until(end, n).0),
+        folded_worker_us_per_input: folded
+            .as_ref()
+            .and_then(|(_, end)| mark0.us_per_input_until(end, n).1),
     })
 }
 
@@ -2337,7 +2404,7 @@ fn render_throughput(s: &mut String, throughput: &[ThroughputResult], r: &Ratios
     );
     let _ = writeln!(
         s,
-        "{:<3} {:<28} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>8} {:>7} {:>7} {:>7} {:>7}",
+        "{:<3} {:<28} {:>8} {:>8} {:>7} {:>9} {:>7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>8} {:>7} {:>7} {:>7} {:>7} {:>9}",
         "#",
         "scenario",
         "inputs",
@@ -2354,12 +2421,13 @@ fn render_throughput(s: &mut String, throughput: &[ThroughputResult], r: &Ratios
         "redeliv",
         "srv µs",
         "wkr µs",
-        "st/in"
+        "st/in",
+        "fold lag"
     );
     for t in throughput {
         let _ = writeln!(
             s,
-            "{:<3} {:<28} {:>8} {:>8} {:>7.2} {:>9.0} {:>7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>8} {:>7} {:>7} {:>7} {:>7}",
+            "{:<3} {:<28} {:>8} {:>8} {:>7.2} {:>9.0} {:>7} {:>7} {:>8} {:>8} {:>8} {:>9} {:>8} {:>7} {:>7} {:>7} {:>7} {:>9}",
             t.id,
             t.scenario,
             t.inputs,
@@ -2377,6 +2445,29 @@ fn render_throughput(s: &mut String, throughput: &[ThroughputResult], r: &Ratios
             opt(t.server_us_per_input, 1),
             opt(t.worker_us_per_input, 1),
             opt(t.state_writes_per_input, 2),
+            t.fold_behind.map_or("-".into(), |v| v.to_string()),
+        );
+    }
+    for t in throughput
+        .iter()
+        .filter(|t| t.fold_behind.is_some_and(|b| b > 0))
+    {
+        let _ = writeln!(
+            s,
+            "{}: the work-session fold was {} projections behind when the clock stopped; {}",
+            t.id,
+            t.fold_behind.unwrap_or(0),
+            match t.fold_catch_up_s {
+                Some(secs) => format!(
+                    "it read the last {secs:.1} s later; up to then, srv / wkr µs per input {} / {}",
+                    opt(t.folded_server_us_per_input, 1),
+                    opt(t.folded_worker_us_per_input, 1)
+                ),
+                None => format!(
+                    "it had not read the last {} s later",
+                    FOLD_CATCH_UP_LIMIT.as_secs()
+                ),
+            }
         );
     }
     let _ = writeln!(

@@ -38,12 +38,15 @@ const STORE_RETRY_MAX: Duration = Duration::from_millis(500);
 /// Attempts per session write or alias read and write (conflicts and transient errors) before a
 /// round gives up.
 const MAX_ATTEMPTS: u32 = 50;
-/// Aliases remembered in memory, to skip rewriting them.
+/// Conversations whose alias (or its absence) is remembered in memory, to skip rewriting and
+/// rereading them.
 const ALIAS_CACHE: usize = 10_000;
 /// Decoded sessions the committer keeps between rounds.
 const SESSION_CACHE: usize = 4096;
 /// Sessions written at once in a round.
 const CONCURRENT_WRITES: usize = 32;
+/// Conversation aliases read, or written, at once in a round.
+const CONCURRENT_ALIASES: usize = 64;
 /// Rounds start at most this often: groups arriving meanwhile wait and share the round, so a hot
 /// session is written (and serialised) a few dozen times a second at most. Only the
 /// acknowledgement of an input waits; its projections are already stored.
@@ -100,7 +103,11 @@ struct Request {
 
 pub struct SessionWriter {
     kv: kv::Store,
-    aliases: Mutex<HashMap<String, String>>,
+    /// What this writer knows of conversations' aliases: `Some(session)` written or read,
+    /// `None` looked up and found absent (a conversation whose events name no work session asks
+    /// again only once one of its events names one, which this writer then writes). Forgotten
+    /// when a fold starts: another worker may have folded, and written aliases, meanwhile.
+    aliases: Mutex<HashMap<String, Option<String>>>,
     commits: mpsc::Sender<Request>,
 }
 
@@ -139,26 +146,96 @@ impl SessionWriter {
     }
 
     /// [`Self::commit`] for envelopes already boxed.
+    ///
+    /// Each event goes to its work session, or, naming only a conversation, to the session its
+    /// conversation's alias names (as the events before it left the aliases), else to the
+    /// conversation itself. The aliases the events need are read, and the ones they set are
+    /// written, all at once per call rather than one round trip per event: the fold keeps up
+    /// with the projections only that way.
     async fn commit_boxed(
         &self,
         events: impl IntoIterator<Item = (Box<Envelope>, Identity)>,
     ) -> Result<(), SessionError> {
-        let mut groups: Groups = BTreeMap::new();
-        for (env, ident) in events {
-            let keys = sessions::keys(&env);
-            let id = match (&keys.work_session_id, &keys.conversation_id) {
-                (Some(ws), Some(conv)) => {
-                    self.remember_alias(conv, ws).await?;
-                    ws.clone()
+        let keyed: Vec<_> = events
+            .into_iter()
+            .filter_map(|(env, ident)| {
+                let keys = sessions::keys(&env);
+                match (keys.work_session_id, keys.conversation_id) {
+                    (None, None) => None,
+                    ids => Some((env, ident, ids)),
                 }
-                (Some(ws), None) => ws.clone(),
-                (None, Some(conv)) => self.resolve(conv).await?,
+            })
+            .collect();
+        if keyed.is_empty() {
+            return Ok(());
+        }
+        // The alias of every conversation an event names without a session, as it stands
+        // before these events: known here, else read (concurrently).
+        let mut aliases: HashMap<String, Option<String>> = HashMap::new();
+        let mut unknown: HashSet<String> = HashSet::new();
+        for (_, _, ids) in &keyed {
+            if let (None, Some(conv)) = ids {
+                if aliases.contains_key(conv) || unknown.contains(conv) {
+                    continue;
+                }
+                match self.cached(conv) {
+                    Some(alias) => {
+                        aliases.insert(conv.clone(), alias);
+                    }
+                    None => {
+                        unknown.insert(conv.clone());
+                    }
+                }
+            }
+        }
+        let read: Vec<(String, Result<Option<String>, SessionError>)> =
+            futures::stream::iter(unknown)
+                .map(|conv| async move {
+                    let alias = self.read_alias(&conv).await;
+                    (conv, alias)
+                })
+                .buffer_unordered(CONCURRENT_ALIASES)
+                .collect()
+                .await;
+        for (conv, alias) in read {
+            let alias = alias?;
+            self.cache(&conv, alias.as_deref());
+            aliases.insert(conv, alias);
+        }
+        // In order: an event naming both sets the alias for the events after it.
+        let mut writes: HashMap<String, String> = HashMap::new();
+        let mut groups: Groups = BTreeMap::new();
+        for (env, ident, ids) in keyed {
+            let id = match ids {
+                (Some(ws), Some(conv)) => {
+                    let current = match aliases.get(&conv) {
+                        Some(alias) => alias.clone(),
+                        None => self.cached(&conv).flatten(),
+                    };
+                    if current.as_deref() != Some(ws.as_str()) {
+                        writes.insert(conv.clone(), ws.clone());
+                    }
+                    aliases.insert(conv, Some(ws.clone()));
+                    ws
+                }
+                (Some(ws), None) => ws,
+                (None, Some(conv)) => aliases.get(&conv).cloned().flatten().unwrap_or(conv),
                 (None, None) => continue,
             };
             groups.entry(id).or_default().push((env, ident));
         }
-        if groups.is_empty() {
-            return Ok(());
+        // One write per conversation: the alias its last event set.
+        let written: Vec<Result<(String, String), SessionError>> = futures::stream::iter(writes)
+            .map(|(conv, ws)| async move {
+                self.write_alias(&conv, &ws).await?;
+                Ok((conv, ws))
+            })
+            .buffer_unordered(CONCURRENT_ALIASES)
+            .collect()
+            .await;
+        for w in written {
+            let (conv, ws) = w?;
+            self.cache(&conv, Some(&ws));
         }
         let (done, wait) = oneshot::channel();
         self.commits
@@ -416,48 +493,43 @@ where
 }
 
 impl SessionWriter {
-    async fn remember_alias(&self, conv: &str, ws: &str) -> Result<(), SessionError> {
-        if self.cached(conv).as_deref() == Some(ws) {
-            return Ok(());
-        }
+    /// Store `conv`'s alias: its events that name no work session go to `ws`.
+    async fn write_alias(&self, conv: &str, ws: &str) -> Result<(), SessionError> {
         let key = alias_key(conv);
         let value = Bytes::from(ws.to_string());
         with_retries(&key, "conversation alias write", || {
             self.kv.put(&key, value.clone())
         })
         .await?;
-        self.cache(conv, ws);
         Ok(())
     }
 
-    /// The session of a conversation that names no work session: its alias, else itself.
-    async fn resolve(&self, conv: &str) -> Result<String, SessionError> {
-        if let Some(ws) = self.cached(conv) {
-            return Ok(ws);
-        }
+    /// `conv`'s stored alias, if it has one.
+    async fn read_alias(&self, conv: &str) -> Result<Option<String>, SessionError> {
         let key = alias_key(conv);
         let found =
             with_retries(&key, "conversation alias read", || self.kv.get(key.clone())).await?;
-        Ok(match found {
-            Some(v) => {
-                let ws = String::from_utf8_lossy(&v).into_owned();
-                self.cache(conv, &ws);
-                ws
-            }
-            None => conv.to_string(),
-        })
+        Ok(found.map(|v| String::from_utf8_lossy(&v).into_owned()))
     }
 
-    fn cached(&self, conv: &str) -> Option<String> {
+    /// What this writer knows of `conv`'s alias: `None` nothing, `Some(None)` that it has none.
+    fn cached(&self, conv: &str) -> Option<Option<String>> {
         self.aliases.lock().ok().and_then(|m| m.get(conv).cloned())
     }
 
-    fn cache(&self, conv: &str, ws: &str) {
+    fn cache(&self, conv: &str, ws: Option<&str>) {
         if let Ok(mut m) = self.aliases.lock() {
             if m.len() >= ALIAS_CACHE {
                 m.clear();
             }
-            m.insert(conv.to_string(), ws.to_string());
+            m.insert(conv.to_string(), ws.map(str::to_string));
+        }
+    }
+
+    /// Forget every alias known: a fold starting from its checkpoint reads them again.
+    pub fn forget_aliases(&self) {
+        if let Ok(mut m) = self.aliases.lock() {
+            m.clear();
         }
     }
 }
@@ -576,6 +648,7 @@ async fn fold(
         .get_stream(proj_stream)
         .await
         .map_err(|e| format!("stream {proj_stream}: {e}"))?;
+    writer.forget_aliases();
     let start = fold_start(&writer.kv, &mut proj).await?;
     let mut rounds = super::rounds::Rounds::new(&proj, start).await?;
     debug!(from = start, "work-session fold started");

@@ -1616,6 +1616,61 @@ async fn open_turns_are_counted_from_state_and_leave_with_their_partitions() {
 
 /// Fold stored outputs of `partition` into their work sessions, each identified by its raw
 /// sequence and its index among that input's outputs (the way a replayed round repeats them).
+/// A conversation whose events name no work session is its own session until one of its events
+/// names one; from then on its events go to that session, also on a writer that looked the alias
+/// up and found none before (it asks once, not once per event), and on a new writer (the alias
+/// is stored).
+#[tokio::test]
+async fn a_conversation_without_a_session_joins_the_one_it_names_later() {
+    let (_nats, js, s) = setup().await;
+    let app = api::router(state(&js, &s));
+    let writer = SessionWriter::new(&js, &s.names()).await.expect("writer");
+    let ts = now_iso(-10);
+    let sub = Role::DelegationSubagent;
+    let bare = |seq: u64, message: &str| {
+        out(
+            sub,
+            "a2a.send",
+            &format!("COLLAB_RAW:{seq}:0"),
+            a2a(
+                sub,
+                "a2a.send",
+                &ts,
+                json!({"fromAgent": "ruda", "toAgent": "ruda-worker", "conversationId": "del-7", "message": message}),
+            ),
+        )
+    };
+    let (first, second) = (bare(1, "collect the logs"), bare(2, "and the traces"));
+    fold(&writer, 0, &[(1, &first), (2, &second)]).await;
+    let own = ok(&app, "/api/work-sessions/del-7").await;
+    assert_eq!(own["session"]["eventCount"], 2, "{own}");
+
+    let named = out(
+        sub,
+        "a2a.response",
+        "COLLAB_RAW:3:0",
+        a2a(
+            sub,
+            "a2a.response",
+            &ts,
+            json!({"fromAgent": "ruda-worker", "toAgent": "ruda", "conversationId": "del-7", "workSessionId": "ws_d", "message": "3 failing tests"}),
+        ),
+    );
+    let after = bare(4, "thanks");
+    fold(&writer, 0, &[(3, &named), (4, &after)]).await;
+    let joined = ok(&app, "/api/work-sessions/ws_d").await;
+    assert_eq!(joined["session"]["eventCount"], 2, "{joined}");
+    let own = ok(&app, "/api/work-sessions/del-7").await;
+    assert_eq!(own["session"]["eventCount"], 2, "unchanged: {own}");
+
+    // A writer that starts afresh reads the stored alias.
+    let fresh = SessionWriter::new(&js, &s.names()).await.expect("writer");
+    let later = bare(5, "one more");
+    fold(&fresh, 0, &[(5, &later)]).await;
+    let joined = ok(&app, "/api/work-sessions/ws_d").await;
+    assert_eq!(joined["session"]["eventCount"], 3, "{joined}");
+}
+
 async fn fold(writer: &SessionWriter, partition: u16, items: &[(u64, &Outgoing)]) {
     let mut events = Vec::new();
     let mut last = None;

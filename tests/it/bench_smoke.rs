@@ -38,6 +38,13 @@ async fn every_scenario_reports_a_throughput_and_the_report_is_json() {
     let row = |id: u8| report.throughput.iter().find(|t| t.id == id);
     for id in [7, 8] {
         assert_eq!(row(id).and_then(|t| t.kv_session_writes), Some(0), "{id}");
+        assert_eq!(row(id).and_then(|t| t.fold_behind), None, "{id}");
+    }
+    for id in [2, 3] {
+        let t = row(id).expect("the row");
+        assert!(t.fold_behind.is_some(), "{id}: {t:?}");
+        assert!(t.fold_catch_up_s.is_some(), "the fold caught up: {t:?}");
+        assert!(t.folded_worker_us_per_input.is_some(), "{t:?}");
     }
     for id in [2, 3] {
         assert!(
