@@ -1173,6 +1173,9 @@ async fn throughput_pipeline(
     };
     let seconds = (mark1.at - t0).as_secs_f64();
     let (server, worker) = mark0.cores_until(&mark1);
+    let (folded_server, folded_worker) = folded
+        .as_ref()
+        .map_or((None, None), |(_, end)| mark0.us_per_input_until(end, n));
     Ok(ThroughputResult {
         id,
         scenario: name.to_string(),
@@ -1196,12 +1199,8 @@ async fn throughput_pipeline(
         state_writes_per_input: None,
         fold_behind,
         fold_catch_up_s: folded.as_ref().map(|(s, _)| *s),
-        folded_server_us_per_input: folded
-            .as_ref()
-            .and_then(|(_, end)| mark0.us_per_input_until(end, n).0),
-        folded_worker_us_per_input: folded
-            .as_ref()
-            .and_then(|(_, end)| mark0.us_per_input_until(end, n).1),
+        folded_server_us_per_input: folded_server,
+        folded_worker_us_per_input: folded_worker,
     })
 }
 

@@ -21,7 +21,7 @@ use chrono::{DateTime, Utc};
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::time::Duration;
 
 /// Longest last-message preview, in characters (the origin's `replyPreview`).
@@ -368,6 +368,35 @@ impl SessionKeys {
             .as_deref()
             .or(self.conversation_id.as_deref())
     }
+}
+
+/// Where events go, in order: each to its work session; one naming only a conversation to the
+/// session that conversation's alias names, as the events before it left the aliases (an event
+/// naming both sets it), else to the conversation itself. `aliases` holds the aliases known
+/// before the first event (a conversation missing from it has none). Returns each event's
+/// session (`None`: it names neither) and the aliases the events set that differ from what was
+/// known, one per conversation: the last one set.
+pub fn route(
+    events: &[SessionKeys],
+    mut aliases: HashMap<String, String>,
+) -> (Vec<Option<String>>, HashMap<String, String>) {
+    let mut set = HashMap::new();
+    let sessions = events
+        .iter()
+        .map(|k| match (&k.work_session_id, &k.conversation_id) {
+            (Some(ws), Some(conv)) => {
+                if aliases.get(conv) != Some(ws) {
+                    aliases.insert(conv.clone(), ws.clone());
+                    set.insert(conv.clone(), ws.clone());
+                }
+                Some(ws.clone())
+            }
+            (Some(ws), None) => Some(ws.clone()),
+            (None, Some(conv)) => Some(aliases.get(conv).unwrap_or(conv).clone()),
+            (None, None) => None,
+        })
+        .collect();
+    (sessions, set)
 }
 
 /// The payload fields the fold reads; [`envelope_for_fold`] keeps these and skips the rest.
@@ -1519,6 +1548,55 @@ mod tests {
     use super::*;
     use crate::model::RawEventRef;
     use serde_json::json;
+
+    fn ids(ws: Option<&str>, conv: Option<&str>) -> SessionKeys {
+        SessionKeys {
+            work_session_id: ws.map(str::to_string),
+            conversation_id: conv.map(str::to_string),
+        }
+    }
+
+    #[test]
+    fn a_conversation_goes_to_the_session_an_earlier_event_named_and_only_then() {
+        let events = [
+            ids(None, Some("c1")),
+            ids(Some("ws_a"), Some("c1")),
+            ids(None, Some("c1")),
+            ids(Some("ws_b"), None),
+            ids(None, None),
+            ids(None, Some("c2")),
+        ];
+        let known = HashMap::from([("c2".to_string(), "ws_k".to_string())]);
+        let (sessions, set) = route(&events, known);
+        let sessions: Vec<Option<&str>> = sessions.iter().map(Option::as_deref).collect();
+        assert_eq!(
+            sessions,
+            [
+                Some("c1"),
+                Some("ws_a"),
+                Some("ws_a"),
+                Some("ws_b"),
+                None,
+                Some("ws_k")
+            ]
+        );
+        assert_eq!(set, HashMap::from([("c1".to_string(), "ws_a".to_string())]));
+    }
+
+    #[test]
+    fn an_alias_known_already_is_not_set_again_and_the_last_one_set_wins() {
+        let known = HashMap::from([("c1".to_string(), "ws_a".to_string())]);
+        let (_, set) = route(&[ids(Some("ws_a"), Some("c1"))], known.clone());
+        assert!(set.is_empty(), "{set:?}");
+        let events = [
+            ids(Some("ws_b"), Some("c1")),
+            ids(None, Some("c1")),
+            ids(Some("ws_c"), Some("c1")),
+        ];
+        let (sessions, set) = route(&events, known);
+        assert_eq!(sessions[1].as_deref(), Some("ws_b"));
+        assert_eq!(set, HashMap::from([("c1".to_string(), "ws_c".to_string())]));
+    }
 
     fn env(role: Role, t: &str, ts: &str, payload: Value) -> Envelope {
         Envelope {

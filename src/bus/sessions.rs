@@ -22,7 +22,7 @@ use crate::sessions::{self, WorkSession};
 pub use crate::sessions::{Identity, Position};
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -147,95 +147,39 @@ impl SessionWriter {
 
     /// [`Self::commit`] for envelopes already boxed.
     ///
-    /// Each event goes to its work session, or, naming only a conversation, to the session its
-    /// conversation's alias names (as the events before it left the aliases), else to the
-    /// conversation itself. The aliases the events need are read, and the ones they set are
-    /// written, all at once per call rather than one round trip per event: the fold keeps up
-    /// with the projections only that way.
+    /// Events go to their sessions as [`sessions::route`] says. The aliases it needs are read,
+    /// and the ones it sets written, all at once per call rather than one round trip per event:
+    /// the fold keeps up with the projections only that way.
     async fn commit_boxed(
         &self,
         events: impl IntoIterator<Item = (Box<Envelope>, Identity)>,
     ) -> Result<(), SessionError> {
-        let keyed: Vec<_> = events
+        let (events, keys): (Vec<_>, Vec<_>) = events
             .into_iter()
-            .filter_map(|(env, ident)| {
+            .map(|(env, ident)| {
                 let keys = sessions::keys(&env);
-                match (keys.work_session_id, keys.conversation_id) {
-                    (None, None) => None,
-                    ids => Some((env, ident, ids)),
-                }
+                ((env, ident), keys)
             })
-            .collect();
-        if keyed.is_empty() {
-            return Ok(());
+            .unzip();
+        let known = self.aliases_before(&keys).await?;
+        let (routes, set) = sessions::route(&keys, known);
+        // One write per conversation: the alias its last event set.
+        futures::stream::iter(set.clone())
+            .map(|(conv, ws)| async move { self.write_alias(&conv, &ws).await })
+            .buffer_unordered(CONCURRENT_ALIASES)
+            .try_collect::<Vec<()>>()
+            .await?;
+        for (conv, ws) in &set {
+            self.cache(conv, Some(ws));
         }
-        // The alias of every conversation an event names without a session, as it stands
-        // before these events: known here, else read (concurrently).
-        let mut aliases: HashMap<String, Option<String>> = HashMap::new();
-        let mut unknown: HashSet<String> = HashSet::new();
-        for (_, _, ids) in &keyed {
-            if let (None, Some(conv)) = ids {
-                if aliases.contains_key(conv) || unknown.contains(conv) {
-                    continue;
-                }
-                match self.cached(conv) {
-                    Some(alias) => {
-                        aliases.insert(conv.clone(), alias);
-                    }
-                    None => {
-                        unknown.insert(conv.clone());
-                    }
-                }
+        let mut groups: Groups = BTreeMap::new();
+        for ((env, ident), session) in events.into_iter().zip(routes) {
+            if let Some(id) = session {
+                groups.entry(id).or_default().push((env, ident));
             }
         }
-        let read: Vec<(String, Result<Option<String>, SessionError>)> =
-            futures::stream::iter(unknown)
-                .map(|conv| async move {
-                    let alias = self.read_alias(&conv).await;
-                    (conv, alias)
-                })
-                .buffer_unordered(CONCURRENT_ALIASES)
-                .collect()
-                .await;
-        for (conv, alias) in read {
-            let alias = alias?;
-            self.cache(&conv, alias.as_deref());
-            aliases.insert(conv, alias);
-        }
-        // In order: an event naming both sets the alias for the events after it.
-        let mut writes: HashMap<String, String> = HashMap::new();
-        let mut groups: Groups = BTreeMap::new();
-        for (env, ident, ids) in keyed {
-            let id = match ids {
-                (Some(ws), Some(conv)) => {
-                    let current = match aliases.get(&conv) {
-                        Some(alias) => alias.clone(),
-                        None => self.cached(&conv).flatten(),
-                    };
-                    if current.as_deref() != Some(ws.as_str()) {
-                        writes.insert(conv.clone(), ws.clone());
-                    }
-                    aliases.insert(conv, Some(ws.clone()));
-                    ws
-                }
-                (Some(ws), None) => ws,
-                (None, Some(conv)) => aliases.get(&conv).cloned().flatten().unwrap_or(conv),
-                (None, None) => continue,
-            };
-            groups.entry(id).or_default().push((env, ident));
-        }
-        // One write per conversation: the alias its last event set.
-        let written: Vec<Result<(String, String), SessionError>> = futures::stream::iter(writes)
-            .map(|(conv, ws)| async move {
-                self.write_alias(&conv, &ws).await?;
-                Ok((conv, ws))
-            })
-            .buffer_unordered(CONCURRENT_ALIASES)
-            .collect()
-            .await;
-        for w in written {
-            let (conv, ws) = w?;
-            self.cache(&conv, Some(&ws));
+        if groups.is_empty() {
+            return Ok(());
         }
         let (done, wait) = oneshot::channel();
         self.commits
@@ -243,6 +187,48 @@ impl SessionWriter {
             .await
             .map_err(|_| SessionError::Stopped)?;
         wait.await.map_err(|_| SessionError::Stopped)?
+    }
+
+    /// The aliases of the conversations `keys` name, as far as routing them needs: the ones
+    /// this writer knows, and those of conversations named without a session, read
+    /// (concurrently) when it does not know them. A conversation missing from the answer has
+    /// none, or is named only with a session (which sets its alias anyway).
+    async fn aliases_before(
+        &self,
+        keys: &[sessions::SessionKeys],
+    ) -> Result<HashMap<String, String>, SessionError> {
+        let mut known = HashMap::new();
+        let mut unknown = HashSet::new();
+        for k in keys {
+            let Some(conv) = &k.conversation_id else {
+                continue;
+            };
+            match self.cached(conv) {
+                Some(Some(ws)) => {
+                    known.insert(conv.clone(), ws);
+                }
+                Some(None) => {}
+                None if k.work_session_id.is_none() => {
+                    unknown.insert(conv.clone());
+                }
+                None => {}
+            }
+        }
+        let read: Vec<(String, Option<String>)> = futures::stream::iter(unknown)
+            .map(|conv| async move {
+                let alias = self.read_alias(&conv).await?;
+                Ok::<_, SessionError>((conv, alias))
+            })
+            .buffer_unordered(CONCURRENT_ALIASES)
+            .try_collect()
+            .await?;
+        for (conv, alias) in read {
+            self.cache(&conv, alias.as_deref());
+            if let Some(ws) = alias {
+                known.insert(conv, ws);
+            }
+        }
+        Ok(known)
     }
 }
 
@@ -527,7 +513,7 @@ impl SessionWriter {
     }
 
     /// Forget every alias known: a fold starting from its checkpoint reads them again.
-    pub fn forget_aliases(&self) {
+    fn forget_aliases(&self) {
         if let Ok(mut m) = self.aliases.lock() {
             m.clear();
         }
