@@ -89,8 +89,9 @@ pub mod reproject;
 pub mod reshard;
 pub mod served;
 pub mod sessions;
+/// Generated traffic for `demo`, `bench` and the benchmarks.
 #[cfg(feature = "tools")]
-mod sim;
+pub mod sim;
 pub mod spans;
 pub mod status;
 pub mod telemetry;
