@@ -73,6 +73,8 @@ pub const OPEN_TURNS: &str = "collab_open_turns";
 pub const SESSION_EVENTS_FOLDED: &str = "collab_session_events_folded_total";
 /// The projection-stream sequence up to which work sessions are written.
 pub const SESSION_FOLD_POSITION: &str = "collab_session_fold_position";
+/// Projections stored but not yet folded into work sessions, as the fold last read.
+pub const SESSION_FOLD_BEHIND: &str = "collab_session_fold_behind";
 /// Tokens reported by producers (docs/contract.md 2c), by agent, model and kind (input, output,
 /// cached_input, reasoning).
 pub const TOKENS: &str = "collab_tokens_total";
@@ -374,6 +376,11 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
         "Projection-stream sequence up to which work sessions are written.",
     ),
     (
+        SESSION_FOLD_BEHIND,
+        Family::Gauge,
+        "Projections stored but not yet folded into work sessions, as of the fold's last read (0 on a worker that does not fold).",
+    ),
+    (
         TOKENS,
         Family::Counter,
         "Tokens producers reported, by agent, model and kind (input, output, cached_input, reasoning); past 256 agent and model pairs a worker counts further ones under other.",
@@ -540,6 +547,7 @@ pub fn register_metrics() {
         READY,
         LAST_PROCESSED_AGE,
         SESSION_FOLD_POSITION,
+        SESSION_FOLD_BEHIND,
     ] {
         metrics::gauge!(name).set(0.0);
     }

@@ -621,6 +621,8 @@ pub async fn run_fold(
             }
         }
     }
+    // The worker that folds next reports the lag; this one no longer knows it.
+    metrics::gauge!(crate::telemetry::SESSION_FOLD_BEHIND).set(0.0);
 }
 
 async fn fold(
@@ -645,11 +647,14 @@ async fn fold(
         else {
             return Ok(());
         };
-        let last = round
+        let (last, pending) = round
             .last()
             .and_then(|m| m.info().ok())
-            .map(|i| i.stream_sequence)
-            .unwrap_or(0);
+            .map_or((0, 0), |i| (i.stream_sequence, i.pending));
+        // What is not folded yet: this round until it is written, and what was stored after it.
+        // A round that cannot be written keeps reporting itself, growing as it is read again.
+        metrics::gauge!(crate::telemetry::SESSION_FOLD_BEHIND)
+            .set(round.len() as f64 + pending as f64);
         let events: Vec<_> = round.iter().filter_map(fold_event).collect();
         let folded = events.len();
         writer
@@ -663,6 +668,7 @@ async fn fold(
             .map_err(|e| format!("checkpoint {FOLD_KEY}: {e}"))?;
         metrics::counter!(crate::telemetry::SESSION_EVENTS_FOLDED).increment(folded as u64);
         metrics::gauge!(crate::telemetry::SESSION_FOLD_POSITION).set(last as f64);
+        metrics::gauge!(crate::telemetry::SESSION_FOLD_BEHIND).set(pending as f64);
     }
 }
 

@@ -323,3 +323,95 @@ async fn a_crashed_workers_partitions_are_taken_before_its_leases_expire() {
         "each input projected once"
     );
 }
+
+/// The work-session fold reports what it has not folded yet: everything stored while it cannot
+/// write a session (its bucket full), nothing once it has caught up.
+#[tokio::test]
+async fn the_folds_backlog_is_reported_while_sessions_cannot_be_written_and_until_caught_up() {
+    let nats = TestNats::start().await;
+    let projector = start_projector(
+        &nats.url(),
+        &MAIN_AGENTS,
+        &[("COLLAB_STORAGE__SESSIONS_MAX_BYTES", "1048576")],
+    )
+    .await;
+    let addr = projector.http_addr();
+    let js = nats.jetstream().await;
+    let bucket = js
+        .get_key_value("collab_work_sessions")
+        .await
+        .unwrap_or_else(|e| panic!("the work-session bucket: {e}"));
+    // Fill the bucket until it refuses even a small value, so no session can be written.
+    let mut junk = Vec::new();
+    for size in [100_000usize, 10_000, 1_000, 100] {
+        loop {
+            let key = format!("junk{}", junk.len());
+            match bucket.put(&key, vec![b'x'; size].into()).await {
+                Ok(_) => junk.push(key),
+                Err(_) => break,
+            }
+        }
+    }
+    assert!(junk.len() > 10, "the bucket took {} values", junk.len());
+
+    let behind_and_position = || {
+        let addr = addr.clone();
+        async move {
+            let s = samples(&get(&addr, "/metrics").await.1);
+            (
+                sum(&s, telemetry::SESSION_FOLD_BEHIND, &[]),
+                sum(&s, telemetry::SESSION_FOLD_POSITION, &[]),
+            )
+        }
+    };
+    let last_projection = || {
+        let js = js.clone();
+        async move {
+            let mut proj = js.get_stream("COLLAB_PROJ").await.expect("COLLAB_PROJ");
+            proj.info().await.expect("its info").state.last_sequence as f64
+        }
+    };
+    for i in 0..3 {
+        let (subject, body) = collab(
+            "a2a.send",
+            "ruda",
+            "eden",
+            &format!("c-fold-{i}"),
+            json!({"message": "hello", "workSessionId": format!("ws-{i}")}),
+        );
+        publish(&js, &subject, body).await;
+    }
+    wait_settled(&js, 3, 0).await;
+    let stored = last_projection().await;
+    assert!(stored >= 3.0);
+    wait_until(
+        GUARD,
+        "the fold reports every stored projection as not folded",
+        || async { behind_and_position().await == (stored, 0.0) },
+    )
+    .await;
+    assert!(
+        projector
+            .log_text()
+            .contains("maximum bytes exceeded"),
+        "{}",
+        projector.log_text()
+    );
+
+    // Room again: the fold writes the sessions and reports nothing left.
+    for key in &junk {
+        bucket
+            .purge(key)
+            .await
+            .unwrap_or_else(|e| panic!("purging {key}: {e}"));
+    }
+    wait_until(GUARD, "the fold catches up", || async {
+        behind_and_position().await == (0.0, last_projection().await)
+    })
+    .await;
+    let session = bucket
+        .get("ws-0")
+        .await
+        .unwrap_or_else(|e| panic!("reading session ws-0: {e}"));
+    assert!(session.is_some(), "session ws-0 is written");
+}

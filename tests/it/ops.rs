@@ -646,6 +646,49 @@ tests:
         alertname: CollabProjectorLeaseLossesFrequent
         exp_alerts:
           - exp_labels: {severity: warning, instance: a}
+  # The fold is stuck with 50 projections left (its position never moves); a worker that does
+  # not fold reports 0.
+  - interval: 1m
+    input_series:
+      - series: 'collab_session_fold_behind{instance="a"}'
+        values: '0 0 50x40'
+      - series: 'collab_session_fold_position{instance="a"}'
+        values: '900 950 1000x40'
+      - series: 'collab_session_fold_behind{instance="b"}'
+        values: '0x42'
+    alert_rule_test:
+      - eval_time: 15m
+        alertname: CollabProjectorSessionsBehind
+        exp_alerts: []
+      - eval_time: 25m
+        alertname: CollabProjectorSessionsBehind
+        exp_alerts:
+          - exp_labels: {severity: warning}
+  # Far behind though moving: it does not keep up. A little behind and moving: it does.
+  - interval: 1m
+    input_series:
+      - series: 'collab_session_fold_behind{instance="a"}'
+        values: '20000x30'
+      - series: 'collab_session_fold_position{instance="a"}'
+        values: '0+5000x30'
+    alert_rule_test:
+      - eval_time: 5m
+        alertname: CollabProjectorSessionsBehind
+        exp_alerts: []
+      - eval_time: 15m
+        alertname: CollabProjectorSessionsBehind
+        exp_alerts:
+          - exp_labels: {severity: warning}
+  - interval: 1m
+    input_series:
+      - series: 'collab_session_fold_behind{instance="a"}'
+        values: '300x30'
+      - series: 'collab_session_fold_position{instance="a"}'
+        values: '0+5000x30'
+    alert_rule_test:
+      - eval_time: 25m
+        alertname: CollabProjectorSessionsBehind
+        exp_alerts: []
 "#;
 
 #[test]
