@@ -764,7 +764,41 @@ struct Passthrough {
     task: tokio::task::JoinHandle<Result<(), String>>,
 }
 
-async fn start_passthrough(env: &Env, partitioned: bool) -> Result<Passthrough, BenchError> {
+/// How the passthrough reads the raw stream (`COLLAB_BENCH_PARTITIONED`, for measuring consumer
+/// layouts against each other; unset: one consumer over each raw stream).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum ReadLayout {
+    /// One consumer over each raw stream, no partition filter: the reference.
+    Whole,
+    /// One consumer per partition with its filter (`1`): the pipeline's layout.
+    PerPartition,
+    /// `n` consumers, each with the filters of `partitions / n` partitions (`filters:<n>`): one
+    /// consumer per worker over the partitions it owns, for `n` workers.
+    Filters(u16),
+}
+
+impl ReadLayout {
+    fn from_env() -> Result<ReadLayout, BenchError> {
+        let Ok(v) = std::env::var("COLLAB_BENCH_PARTITIONED") else {
+            return Ok(ReadLayout::Whole);
+        };
+        match v.trim() {
+            "" | "1" => Ok(ReadLayout::PerPartition),
+            other => other
+                .strip_prefix("filters:")
+                .and_then(|n| n.parse::<u16>().ok())
+                .filter(|n| *n > 0)
+                .map(ReadLayout::Filters)
+                .ok_or_else(|| {
+                    BenchError::Setup(format!(
+                        "COLLAB_BENCH_PARTITIONED={other:?}: use 1 (one consumer per partition) or filters:<n> (n consumers over the partitions' filters)"
+                    ))
+                }),
+        }
+    }
+}
+
+async fn start_passthrough(env: &Env, layout: ReadLayout) -> Result<Passthrough, BenchError> {
     let names = env.names();
     let (_client, js) = bus::connect(
         &env.url,
@@ -777,37 +811,60 @@ async fn start_passthrough(env: &Env, partitioned: bool) -> Result<Passthrough, 
     for name in &names.raw_streams {
         streams.push(js.get_stream(name).await.ctx("raw stream")?);
     }
-    // One consumer per partition on its raw stream, or one per raw stream (shard).
-    let filters: Vec<(usize, String, String)> = if partitioned {
-        (0..env.settings.nats.partitions)
+    // Each consumer: its raw stream (shard) and its filters.
+    let partitions = env.settings.nats.partitions;
+    let filters: Vec<(usize, String, Vec<String>)> = match layout {
+        ReadLayout::PerPartition => (0..partitions)
             .map(|p| {
                 (
                     usize::from(p) % streams.len(),
                     format!("bench-passthrough-{p}"),
-                    env.settings().partition_filter(p),
+                    vec![env.settings().partition_filter(p)],
                 )
             })
-            .collect()
-    } else {
-        (0..streams.len())
+            .collect(),
+        ReadLayout::Filters(n) if streams.len() == 1 && n <= partitions => {
+            let per = partitions.div_ceil(n);
+            (0..n)
+                .map(|c| {
+                    let owned = (c * per..((c + 1) * per).min(partitions))
+                        .map(|p| env.settings().partition_filter(p))
+                        .collect();
+                    (0, format!("bench-passthrough-f{c}"), owned)
+                })
+                .collect()
+        }
+        ReadLayout::Filters(n) => {
+            return Err(BenchError::Setup(format!(
+                "COLLAB_BENCH_PARTITIONED=filters:{n} needs one raw stream and at most {partitions} consumers"
+            )))
+        }
+        ReadLayout::Whole => (0..streams.len())
             .map(|i| {
                 (
                     i,
                     format!("bench-passthrough-s{i}"),
-                    format!("{}.in.>", names.prefix),
+                    vec![format!("{}.in.>", names.prefix)],
                 )
             })
-            .collect()
+            .collect(),
     };
     let done = Arc::new(AtomicU64::new(0));
     let first = Arc::new(OnceLock::new());
     let cancel = CancellationToken::new();
     let mut copies = Vec::new();
-    for (i, durable, filter) in filters {
+    for (i, durable, mut subjects) in filters {
+        // One filter as `filter_subject`, several as `filter_subjects` (the server takes either).
+        let (filter_subject, filter_subjects) = if subjects.len() == 1 {
+            (subjects.pop().unwrap_or_default(), Vec::new())
+        } else {
+            (String::new(), subjects)
+        };
         let consumer: PullConsumer = streams[i]
             .create_consumer(consumer::pull::Config {
                 durable_name: Some(durable),
-                filter_subject: filter,
+                filter_subject,
+                filter_subjects,
                 ack_policy: consumer::AckPolicy::Explicit,
                 ack_wait: Duration::from_secs(30),
                 max_ack_pending: 20_000,
@@ -919,7 +976,7 @@ async fn throughput_baseline(
     let avg = preload(env, opts, Mix::REALISTIC, n, "1 baseline").await?;
     let pb = bar(opts, n as u64, "1 baseline: run");
     let started = Instant::now();
-    let copy = start_passthrough(env, std::env::var("COLLAB_BENCH_PARTITIONED").is_ok()).await?;
+    let copy = start_passthrough(env, ReadLayout::from_env()?).await?;
     let (t0, mark0) =
         wait_first(|| copy.first.get().copied(), env, Duration::from_secs(30)).await?;
     let mut watch = StallWatch::new();
@@ -1369,7 +1426,7 @@ async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyRe
         "full pipeline, mixed"
     };
     let under = if id == 1 {
-        UnderTest::Baseline(start_passthrough(env, false).await?)
+        UnderTest::Baseline(start_passthrough(env, ReadLayout::Whole).await?)
     } else {
         let (running, shared, cancel) = start_app(opts, env.settings()).await?;
         let ready = Instant::now() + Duration::from_secs(60);

@@ -391,9 +391,7 @@ async fn the_folds_backlog_is_reported_while_sessions_cannot_be_written_and_unti
     )
     .await;
     assert!(
-        projector
-            .log_text()
-            .contains("maximum bytes exceeded"),
+        projector.log_text().contains("maximum bytes exceeded"),
         "{}",
         projector.log_text()
     );
