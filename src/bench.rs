@@ -783,10 +783,10 @@ impl ReadLayout {
             return Ok(ReadLayout::Whole);
         };
         match v.trim() {
-            "" | "1" => Ok(ReadLayout::PerPartition),
+            "" | "1" | "true" | "yes" => Ok(ReadLayout::PerPartition),
             other => other
                 .strip_prefix("filters:")
-                .and_then(|n| n.parse::<u16>().ok())
+                .and_then(|n| n.trim().parse::<u16>().ok())
                 .filter(|n| *n > 0)
                 .map(ReadLayout::Filters)
                 .ok_or_else(|| {
@@ -823,17 +823,16 @@ async fn start_passthrough(env: &Env, layout: ReadLayout) -> Result<Passthrough,
                 )
             })
             .collect(),
-        ReadLayout::Filters(n) if streams.len() == 1 && n <= partitions => {
-            let per = partitions.div_ceil(n);
-            (0..n)
-                .map(|c| {
-                    let owned = (c * per..((c + 1) * per).min(partitions))
-                        .map(|p| env.settings().partition_filter(p))
-                        .collect();
-                    (0, format!("bench-passthrough-f{c}"), owned)
-                })
-                .collect()
-        }
+        // Every consumer gets at least one partition (n <= partitions), shares differing by one.
+        ReadLayout::Filters(n) if streams.len() == 1 && n <= partitions => (0..n)
+            .map(|c| {
+                let owned = (0..partitions)
+                    .filter(|p| p % n == c)
+                    .map(|p| env.settings().partition_filter(p))
+                    .collect();
+                (0, format!("bench-passthrough-f{c}"), owned)
+            })
+            .collect(),
         ReadLayout::Filters(n) => {
             return Err(BenchError::Setup(format!(
                 "COLLAB_BENCH_PARTITIONED=filters:{n} needs one raw stream and at most {partitions} consumers"
@@ -971,12 +970,22 @@ async fn throughput_baseline(
     env: &Env,
     opts: &BenchOptions,
 ) -> Result<ThroughputResult, BenchError> {
+    // A layout the run cannot use fails before anything is preloaded.
+    let layout = ReadLayout::from_env()?;
+    if let ReadLayout::Filters(c) = layout {
+        let (partitions, shards) = (env.settings.nats.partitions, env.names().shards());
+        if c > partitions || shards != 1 {
+            return Err(BenchError::Setup(format!(
+                "COLLAB_BENCH_PARTITIONED=filters:{c} needs one raw stream (there are {shards}) and at most {partitions} consumers"
+            )));
+        }
+    }
     env.provision().await?;
     let n = opts.messages;
     let avg = preload(env, opts, Mix::REALISTIC, n, "1 baseline").await?;
     let pb = bar(opts, n as u64, "1 baseline: run");
     let started = Instant::now();
-    let copy = start_passthrough(env, ReadLayout::from_env()?).await?;
+    let copy = start_passthrough(env, layout).await?;
     let (t0, mark0) =
         wait_first(|| copy.first.get().copied(), env, Duration::from_secs(30)).await?;
     let mut watch = StallWatch::new();

@@ -548,14 +548,36 @@ pub(crate) async fn read_position(kv: &kv::Store, key: &str) -> Result<Option<u6
         .transpose()
 }
 
-/// Where the fold starts when it has no checkpoint: at the start of the projection stream for a
-/// new deployment; at its end when the bucket already holds sessions (they were folded by a
-/// version that wrote sessions from the partitions, so folding the stream again would count
-/// those events twice).
+/// Where the fold starts: after its checkpoint. Without one, at the start of the projection
+/// stream for a new deployment, or at its end when the bucket already holds sessions (they were
+/// folded by a version that wrote sessions from the partitions, so folding the stream again
+/// would count those events twice); that choice is written as the checkpoint before anything
+/// is folded, so a fold restarted after a failed first round starts where the first one did
+/// (its own alias and session writes would otherwise make the bucket look like an older
+/// version's and move the start past the round it failed to write).
 async fn fold_start(kv: &kv::Store, proj: &mut jetstream::stream::Stream) -> Result<u64, String> {
     if let Some(last) = read_position(kv, FOLD_KEY).await? {
         return Ok(last + 1);
     }
+    let start = first_fold_start(kv, proj).await?;
+    match kv
+        .create(FOLD_KEY, Bytes::from((start - 1).to_string()))
+        .await
+    {
+        Ok(_) => Ok(start),
+        // Another worker's fold wrote it first (a brief overlap of two owners): start after it.
+        Err(e) => match read_position(kv, FOLD_KEY).await? {
+            Some(last) => Ok(last + 1),
+            None => Err(format!("checkpoint {FOLD_KEY}: {e}")),
+        },
+    }
+}
+
+/// Where a fold with no checkpoint starts (see [`fold_start`]).
+async fn first_fold_start(
+    kv: &kv::Store,
+    proj: &mut jetstream::stream::Stream,
+) -> Result<u64, String> {
     async fn state(s: &mut jetstream::stream::Stream) -> Result<jetstream::stream::State, String> {
         s.info()
             .await
@@ -610,11 +632,30 @@ pub async fn run_fold(
     lease_valid_until: std::sync::Arc<std::sync::atomic::AtomicI64>,
 ) {
     let mut retry = super::Retry::new(Duration::from_millis(200), Duration::from_secs(5));
+    // The last projection-stream sequence whose sessions are written, once known.
+    let mut position = None;
     while !cancel.is_cancelled() {
-        match fold(&writer, &js, &proj_stream, &cancel, &lease_valid_until).await {
+        match fold(
+            &writer,
+            &js,
+            &proj_stream,
+            &cancel,
+            &lease_valid_until,
+            &mut position,
+        )
+        .await
+        {
             Ok(()) => break,
             Err(e) => {
                 warn!(error = %e, "work-session fold failed; restarting from its checkpoint");
+                // A fold that fails before it reads a round (its bucket without a leader, say)
+                // still reports what it leaves unfolded.
+                if let Some(at) = position {
+                    if let Some(last) = last_sequence(&js, &proj_stream).await {
+                        metrics::gauge!(crate::telemetry::SESSION_FOLD_BEHIND)
+                            .set(last.saturating_sub(at) as f64);
+                    }
+                }
                 if !retry.wait(&cancel).await {
                     break;
                 }
@@ -625,12 +666,25 @@ pub async fn run_fold(
     metrics::gauge!(crate::telemetry::SESSION_FOLD_BEHIND).set(0.0);
 }
 
+/// The projection stream's last sequence, if the server answers within 5 s.
+async fn last_sequence(js: &jetstream::Context, proj_stream: &str) -> Option<u64> {
+    let info = async {
+        let mut s = js.get_stream(proj_stream).await.ok()?;
+        s.info().await.ok().map(|i| i.state.last_sequence)
+    };
+    tokio::time::timeout(Duration::from_secs(5), info)
+        .await
+        .ok()
+        .flatten()
+}
+
 async fn fold(
     writer: &SessionWriter,
     js: &jetstream::Context,
     proj_stream: &str,
     cancel: &tokio_util::sync::CancellationToken,
     lease_valid_until: &std::sync::atomic::AtomicI64,
+    position: &mut Option<u64>,
 ) -> Result<(), String> {
     let mut proj = js
         .get_stream(proj_stream)
@@ -638,6 +692,7 @@ async fn fold(
         .map_err(|e| format!("stream {proj_stream}: {e}"))?;
     writer.forget_aliases();
     let start = fold_start(&writer.kv, &mut proj).await?;
+    *position = Some(start - 1);
     let mut rounds = super::rounds::Rounds::new(&proj, start).await?;
     debug!(from = start, "work-session fold started");
     loop {
@@ -669,6 +724,7 @@ async fn fold(
         metrics::counter!(crate::telemetry::SESSION_EVENTS_FOLDED).increment(folded as u64);
         metrics::gauge!(crate::telemetry::SESSION_FOLD_POSITION).set(last as f64);
         metrics::gauge!(crate::telemetry::SESSION_FOLD_BEHIND).set(pending as f64);
+        *position = Some(last);
     }
 }
 

@@ -325,7 +325,9 @@ async fn a_crashed_workers_partitions_are_taken_before_its_leases_expire() {
 }
 
 /// The work-session fold reports what it has not folded yet: everything stored while it cannot
-/// write a session (its bucket full), nothing once it has caught up.
+/// write a session (its bucket full), nothing once it has caught up. A first round that fails
+/// and is read again from the checkpoint folds every projection: the fold's start is written
+/// before its first round, so its own writes never make it look like an older version's bucket.
 #[tokio::test]
 async fn the_folds_backlog_is_reported_while_sessions_cannot_be_written_and_until_caught_up() {
     let nats = TestNats::start().await;
@@ -341,6 +343,11 @@ async fn the_folds_backlog_is_reported_while_sessions_cannot_be_written_and_unti
         .get_key_value("collab_work_sessions")
         .await
         .unwrap_or_else(|e| panic!("the work-session bucket: {e}"));
+    wait_until(GUARD, "the fold has written where it starts", || {
+        let bucket = bucket.clone();
+        async move { matches!(bucket.get("fold.position").await, Ok(Some(_))) }
+    })
+    .await;
     // Fill the bucket until it refuses even a small value, so no session can be written.
     let mut junk = Vec::new();
     for size in [100_000usize, 10_000, 1_000, 100] {
@@ -395,6 +402,15 @@ async fn the_folds_backlog_is_reported_while_sessions_cannot_be_written_and_unti
         "{}",
         projector.log_text()
     );
+    // The round gives up and the fold starts again from its checkpoint, still reporting it all.
+    wait_until(GUARD, "the fold's first round fails", || {
+        let failed = projector
+            .log_text()
+            .contains("work-session fold failed; restarting from its checkpoint");
+        async move { failed }
+    })
+    .await;
+    assert_eq!(behind_and_position().await, (stored, 0.0));
 
     // Room again: the fold writes the sessions and reports nothing left.
     for key in &junk {
@@ -407,9 +423,11 @@ async fn the_folds_backlog_is_reported_while_sessions_cannot_be_written_and_unti
         behind_and_position().await == (0.0, last_projection().await)
     })
     .await;
-    let session = bucket
-        .get("ws-0")
-        .await
-        .unwrap_or_else(|e| panic!("reading session ws-0: {e}"));
-    assert!(session.is_some(), "session ws-0 is written");
+    for i in 0..3 {
+        let session = bucket
+            .get(format!("ws-{i}"))
+            .await
+            .unwrap_or_else(|e| panic!("reading session ws-{i}: {e}"));
+        assert!(session.is_some(), "session ws-{i} is written");
+    }
 }

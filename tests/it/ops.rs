@@ -646,8 +646,8 @@ tests:
         alertname: CollabProjectorLeaseLossesFrequent
         exp_alerts:
           - exp_labels: {severity: warning, instance: a}
-  # The fold is stuck with 50 projections left (its position never moves); a worker that does
-  # not fold reports 0.
+  # The fold stops moving after 2 minutes with 50 projections left; a worker that does not fold
+  # reports 0. The alert needs 10 minutes without a move, then 10 more.
   - interval: 1m
     input_series:
       - series: 'collab_session_fold_behind{instance="a"}'
@@ -664,11 +664,11 @@ tests:
         alertname: CollabProjectorSessionsBehind
         exp_alerts:
           - exp_labels: {severity: warning}
-  # Far behind though moving: it does not keep up. A little behind and moving: it does.
+  # Far behind though moving: it does not keep up. Behind by rounds and moving: it does.
   - interval: 1m
     input_series:
       - series: 'collab_session_fold_behind{instance="a"}'
-        values: '20000x30'
+        values: '200000x30'
       - series: 'collab_session_fold_position{instance="a"}'
         values: '0+5000x30'
     alert_rule_test:
@@ -682,7 +682,7 @@ tests:
   - interval: 1m
     input_series:
       - series: 'collab_session_fold_behind{instance="a"}'
-        values: '300x30'
+        values: '30000x30'
       - series: 'collab_session_fold_position{instance="a"}'
         values: '0+5000x30'
     alert_rule_test:
