@@ -41,11 +41,31 @@ use tracing::{error, info, warn};
 
 struct Held {
     revision: u64,
+    /// A partition taken over from a gone worker is not released for balance before this: it
+    /// runs with the worker that took it for a lease TTL first, so a takeover is not followed at
+    /// once by a handover (to a newcomer whose own faults would then delay it again).
+    keep_until: Option<tokio::time::Instant>,
     /// Until when (ms since the epoch) the lease is known to hold: the start of its last
     /// successful renewal plus a third of the TTL.
     valid_until: Arc<AtomicI64>,
     cancel: CancellationToken,
     task: JoinHandle<()>,
+}
+
+/// Which of the `held` partitions (in ascending order, each with the instant it may be released
+/// from) to release so that `target` remain: the highest first, none kept past `now`'s holds,
+/// so fewer than the excess when too many are still held.
+fn releasable(
+    held: impl DoubleEndedIterator<Item = (u16, Option<tokio::time::Instant>)> + ExactSizeIterator,
+    target: usize,
+    now: tokio::time::Instant,
+) -> Vec<u16> {
+    let excess = held.len().saturating_sub(target);
+    held.rev()
+        .filter(|(_, keep_until)| keep_until.is_none_or(|k| k <= now))
+        .map(|(p, _)| p)
+        .take(excess)
+        .collect()
 }
 
 /// A partition this worker stopped, until its task has ended.
@@ -561,17 +581,19 @@ impl LeaseLoop {
         self.leaving.push(Leaving { p, held, release });
     }
 
-    /// Release what is held past `target` gracefully: each excess partition drains, and its
-    /// lease is deleted once it has (see [`LeaseLoop::finish_leaving`]). The loop goes on
+    /// Release what is held past `target` gracefully, highest partitions first, leaving those
+    /// taken over from a gone worker for a lease TTL (see [`Held::keep_until`]; they go at a
+    /// later renewal): each excess partition drains, and its lease is deleted once it has (see
+    /// [`LeaseLoop::finish_leaving`]). The loop goes on
     /// meanwhile: the kept leases are renewed on time however long a drain takes. A releasing
     /// lease is not renewed, so its partition works at most until its validity ends, as any
     /// partition whose renewals stop.
     fn release_excess(&mut self, target: usize) {
-        while self.held.len() > target {
-            let Some((p, h)) = self.held.pop_last() else {
-                break;
-            };
-            self.set_aside(p, h, true);
+        let held = self.held.iter().map(|(p, h)| (*p, h.keep_until));
+        for p in releasable(held, target, tokio::time::Instant::now()) {
+            if let Some(h) = self.held.remove(&p) {
+                self.set_aside(p, h, true);
+            }
         }
     }
 
@@ -639,6 +661,7 @@ impl LeaseLoop {
                 p,
                 Held {
                     revision,
+                    keep_until: freed_here.then(|| tokio::time::Instant::now() + self.ttl),
                     valid_until,
                     cancel: c,
                     task,
@@ -689,6 +712,37 @@ impl LeaseLoop {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_partition_taken_over_is_not_released_for_balance_until_its_hold_ends() {
+        let now = tokio::time::Instant::now();
+        let later = now + Duration::from_secs(6);
+        // Free to go: the highest partitions go first, down to the share.
+        assert_eq!(
+            releasable(vec![(1, None), (4, None), (9, None)].into_iter(), 1, now),
+            vec![9, 4]
+        );
+        // 9 was just taken over from a gone worker: 4 goes instead, and only one of the two.
+        assert_eq!(
+            releasable(
+                vec![(1, Some(later)), (4, None), (9, Some(later))].into_iter(),
+                1,
+                now
+            ),
+            vec![4]
+        );
+        // Once the hold has passed, it goes like any other.
+        assert_eq!(
+            releasable(
+                vec![(1, None), (4, None), (9, Some(later))].into_iter(),
+                1,
+                later
+            ),
+            vec![9, 4]
+        );
+        // Within the share nothing goes.
+        assert!(releasable(vec![(1, None), (4, None)].into_iter(), 2, now).is_empty());
+    }
 
     #[test]
     fn shares_cover_every_partition() {
