@@ -778,12 +778,15 @@ enum ReadLayout {
 }
 
 impl ReadLayout {
-    fn from_env() -> Result<ReadLayout, BenchError> {
+    /// The layout `COLLAB_BENCH_PARTITIONED` asks for, checked against the deployment's
+    /// `partitions` and raw `shards` (`filters:<n>` needs one raw stream and at most one
+    /// consumer per partition).
+    fn from_env(partitions: u16, shards: u16) -> Result<ReadLayout, BenchError> {
         let Ok(v) = std::env::var("COLLAB_BENCH_PARTITIONED") else {
             return Ok(ReadLayout::Whole);
         };
-        match v.trim() {
-            "" | "1" | "true" | "yes" => Ok(ReadLayout::PerPartition),
+        let layout = match v.trim() {
+            "" | "1" | "true" | "yes" => ReadLayout::PerPartition,
             other => other
                 .strip_prefix("filters:")
                 .and_then(|n| n.trim().parse::<u16>().ok())
@@ -793,7 +796,13 @@ impl ReadLayout {
                     BenchError::Setup(format!(
                         "COLLAB_BENCH_PARTITIONED={other:?}: use 1 (one consumer per partition) or filters:<n> (n consumers over the partitions' filters)"
                     ))
-                }),
+                })?,
+        };
+        match layout {
+            ReadLayout::Filters(c) if c > partitions || shards != 1 => Err(BenchError::Setup(format!(
+                "COLLAB_BENCH_PARTITIONED=filters:{c} needs one raw stream (there are {shards}) and at most {partitions} consumers"
+            ))),
+            layout => Ok(layout),
         }
     }
 }
@@ -823,8 +832,9 @@ async fn start_passthrough(env: &Env, layout: ReadLayout) -> Result<Passthrough,
                 )
             })
             .collect(),
-        // Every consumer gets at least one partition (n <= partitions), shares differing by one.
-        ReadLayout::Filters(n) if streams.len() == 1 && n <= partitions => (0..n)
+        // One raw stream and n <= partitions (`ReadLayout::from_env`): every consumer gets at
+        // least one partition, shares differing by one.
+        ReadLayout::Filters(n) => (0..n)
             .map(|c| {
                 let owned = (0..partitions)
                     .filter(|p| p % n == c)
@@ -833,11 +843,6 @@ async fn start_passthrough(env: &Env, layout: ReadLayout) -> Result<Passthrough,
                 (0, format!("bench-passthrough-f{c}"), owned)
             })
             .collect(),
-        ReadLayout::Filters(n) => {
-            return Err(BenchError::Setup(format!(
-                "COLLAB_BENCH_PARTITIONED=filters:{n} needs one raw stream and at most {partitions} consumers"
-            )))
-        }
         ReadLayout::Whole => (0..streams.len())
             .map(|i| {
                 (
@@ -971,15 +976,7 @@ async fn throughput_baseline(
     opts: &BenchOptions,
 ) -> Result<ThroughputResult, BenchError> {
     // A layout the run cannot use fails before anything is preloaded.
-    let layout = ReadLayout::from_env()?;
-    if let ReadLayout::Filters(c) = layout {
-        let (partitions, shards) = (env.settings.nats.partitions, env.names().shards());
-        if c > partitions || shards != 1 {
-            return Err(BenchError::Setup(format!(
-                "COLLAB_BENCH_PARTITIONED=filters:{c} needs one raw stream (there are {shards}) and at most {partitions} consumers"
-            )));
-        }
-    }
+    let layout = ReadLayout::from_env(env.settings.nats.partitions, env.names().shards())?;
     env.provision().await?;
     let n = opts.messages;
     let avg = preload(env, opts, Mix::REALISTIC, n, "1 baseline").await?;

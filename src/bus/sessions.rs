@@ -573,17 +573,19 @@ async fn fold_start(kv: &kv::Store, proj: &mut jetstream::stream::Stream) -> Res
     }
 }
 
+/// A stream's state as the server reports it now.
+async fn state(s: &mut jetstream::stream::Stream) -> Result<jetstream::stream::State, String> {
+    s.info()
+        .await
+        .map(|i| i.state.clone())
+        .map_err(|e| e.to_string())
+}
+
 /// Where a fold with no checkpoint starts (see [`fold_start`]).
 async fn first_fold_start(
     kv: &kv::Store,
     proj: &mut jetstream::stream::Stream,
 ) -> Result<u64, String> {
-    async fn state(s: &mut jetstream::stream::Stream) -> Result<jetstream::stream::State, String> {
-        s.info()
-            .await
-            .map(|i| i.state.clone())
-            .map_err(|e| e.to_string())
-    }
     if state(&mut kv.stream.clone()).await?.messages == 0 {
         return Ok(1);
     }
@@ -670,7 +672,7 @@ pub async fn run_fold(
 async fn last_sequence(js: &jetstream::Context, proj_stream: &str) -> Option<u64> {
     let info = async {
         let mut s = js.get_stream(proj_stream).await.ok()?;
-        s.info().await.ok().map(|i| i.state.last_sequence)
+        state(&mut s).await.ok().map(|st| st.last_sequence)
     };
     tokio::time::timeout(Duration::from_secs(5), info)
         .await

@@ -340,12 +340,19 @@ async fn the_folds_backlog_is_reported_while_sessions_cannot_be_written_and_unti
     let addr = projector.http_addr();
     let js = nats.jetstream().await;
     let bucket = js
-        .get_key_value("collab_work_sessions")
+        .get_key_value(
+            collab_projector::config::Settings::default()
+                .names()
+                .sessions_bucket,
+        )
         .await
         .unwrap_or_else(|e| panic!("the work-session bucket: {e}"));
     wait_until(GUARD, "the fold has written where it starts", || {
         let bucket = bucket.clone();
-        async move { matches!(bucket.get("fold.position").await, Ok(Some(_))) }
+        async move {
+            let key = collab_projector::bus::sessions::FOLD_KEY;
+            matches!(bucket.get(key).await, Ok(Some(_)))
+        }
     })
     .await;
     // Fill the bucket until it refuses even a small value, so no session can be written.
