@@ -772,8 +772,8 @@ enum ReadLayout {
     Whole,
     /// One consumer per partition with its filter (`1`): the pipeline's layout.
     PerPartition,
-    /// `n` consumers, each with the filters of `partitions / n` partitions (`filters:<n>`): one
-    /// consumer per worker over the partitions it owns, for `n` workers.
+    /// `n` consumers, consumer `c` with the filters of partitions `c`, `c + n`, `c + 2n`, ...
+    /// (`filters:<n>`): one consumer per worker over the partitions it owns, for `n` workers.
     Filters(u16),
 }
 
