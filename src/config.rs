@@ -601,7 +601,14 @@ pub struct ConsumerSettings {
     pub max_ack_pending: i64,
     /// Projection publishes awaiting their ack, per worker.
     pub publish_window: usize,
+    /// Partition consumers keep their state (deliveries, acknowledgements) in the server's
+    /// memory instead of a file rewritten as acknowledgements move. A consumer lost with it (a
+    /// server restart) is recreated from the partition's checkpoint like a deleted one.
+    pub memory_state: bool,
 }
+
+/// Whether partition consumers keep their state in memory unless configured otherwise.
+pub const MEMORY_STATE_DEFAULT: bool = true;
 
 impl Default for ConsumerSettings {
     fn default() -> Self {
@@ -611,6 +618,7 @@ impl Default for ConsumerSettings {
             max_deliver: 10,
             max_ack_pending: 2000,
             publish_window: 1024,
+            memory_state: MEMORY_STATE_DEFAULT,
         }
     }
 }

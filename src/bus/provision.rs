@@ -386,6 +386,9 @@ pub fn consumer_config(s: &Settings, p: u16) -> consumer::pull::Config {
         max_ack_pending: s.consumer.max_ack_pending,
         deliver_policy: consumer::DeliverPolicy::All,
         num_replicas: s.nats.replicas,
+        // The consumer's state is a copy of what the partition's checkpoint and its look-ups of
+        // stored outputs recover anyway, so a server restart that clears it loses nothing.
+        memory_storage: s.consumer.memory_state,
         ..Default::default()
     }
 }
@@ -412,6 +415,8 @@ fn consumer_differences(have: &consumer::Config, want: &consumer::pull::Config) 
         have.max_ack_pending,
         want.max_ack_pending,
     );
+    // A consumer keeps the storage it was made with (`consumer.memory_state` applies to those
+    // made from then on): file or memory, both are correct.
     // Consumers created before acknowledgements covered whole groups acknowledge every message
     // (`explicit`); the worker keeps doing so for them. Both are correct.
     if have.ack_policy != consumer::AckPolicy::Explicit {

@@ -390,6 +390,14 @@ async fn watch_for_end(
     }
 }
 
+fn count_recreated(shared: &WorkerContext) {
+    metrics::counter!(telemetry::CONSUMERS_RECREATED).increment(1);
+    shared
+        .state
+        .consumers_recreated
+        .fetch_add(1, Ordering::Relaxed);
+}
+
 /// The partition's durable consumer; recreated when missing (deleted by an operator, lost with
 /// a server's store), from where the partition's outputs end (`resume_after`, the published
 /// checkpoint), never from the start of the stream unless the partition never ran.
@@ -433,14 +441,15 @@ async fn open_consumer(
                 // message.
                 info!(consumer = %name, stream = %stream.cached_info().config.name,
                     "the partition starts on a new set of raw streams");
+            } else if shared.settings.consumer.memory_state {
+                // Expected after a server restart: the server kept its state in memory.
+                info!(consumer = %name, resume_after = ?resume_after,
+                    "the partition's consumer is gone (its state is in the server's memory, which a server restart clears, or it was deleted); recreating it from the partition's checkpoint");
+                count_recreated(shared);
             } else {
                 warn!(consumer = %name, resume_after = ?resume_after,
                     "the partition's consumer is missing; recreating it from the partition's checkpoint");
-                metrics::counter!(telemetry::CONSUMERS_RECREATED).increment(1);
-                shared
-                    .state
-                    .consumers_recreated
-                    .fetch_add(1, Ordering::Relaxed);
+                count_recreated(shared);
             }
             stream
                 .create_consumer(config)

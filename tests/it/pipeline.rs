@@ -1352,16 +1352,41 @@ async fn an_emptied_work_session_bucket_is_rebuilt_from_the_projection_stream() 
     assert_sessions_count_every_projection(&js, &proj).await;
 }
 
-/// The fold's consumer lives in the server's memory: a server restart takes it away, and the
-/// fold goes on from its checkpoint, each projection counted once, those stored after the
-/// restart included.
-#[tokio::test]
-async fn work_sessions_count_every_projection_once_across_a_server_restart() {
+/// The partition consumers' storage as the server reports it: `true` for each kept in memory.
+async fn partition_consumers_in_memory(js: &Context) -> Vec<bool> {
+    let raw = js.get_stream(RAW).await.expect("raw stream");
+    raw.consumers()
+        .try_collect::<Vec<consumer::Info>>()
+        .await
+        .expect("consumer list")
+        .into_iter()
+        .filter(|i| i.name.starts_with("collab-proj-"))
+        .map(|i| i.config.memory_storage)
+        .collect()
+}
+
+/// A server restart with every consumer of the worker in the server's memory (the fold's, and
+/// the partitions' by default, `consumer.memory_state`): all of them are gone afterwards. The
+/// partitions recreate theirs from their checkpoints, the fold goes on from its own, and each
+/// input is projected once and each projection counted once in the sessions, those stored
+/// after the restart included.
+async fn across_a_server_restart(memory_state: &str) {
     let mut nats = TestNats::start().await;
     let js = nats.jetstream().await;
-    let _projector = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
+    let projector = start_projector(
+        &nats.url(),
+        &MAIN_AGENTS,
+        &[ACK_WAIT, ("COLLAB_CONSUMER__MEMORY_STATE", memory_state)],
+    )
+    .await;
     let seqs = publish_all(&js, &load(300)).await;
     wait_settled(&js, seqs.len() as u64, 0).await;
+    let in_memory = memory_state == "true";
+    assert_eq!(
+        partition_consumers_in_memory(&js).await,
+        vec![in_memory; default_partitions()],
+        "consumer.memory_state = {memory_state}"
+    );
     let before = read_all(&js, PROJ, "collab.proj.>").await;
     assert_sessions_count_every_projection(&js, &before).await;
     nats.restart().await;
@@ -1371,6 +1396,25 @@ async fn work_sessions_count_every_projection_once_across_a_server_restart() {
     let proj = read_all(&js, PROJ, "collab.proj.>").await;
     assert_eq!(proj.len(), 600);
     assert_sessions_count_every_projection(&js, &proj).await;
+    let recreated = projector
+        .log_text()
+        .matches("recreating it from the partition's checkpoint")
+        .count();
+    if in_memory {
+        assert_eq!(recreated, default_partitions(), "{}", projector.log_text());
+    } else {
+        assert_eq!(recreated, 0, "{}", projector.log_text());
+    }
+}
+
+#[tokio::test]
+async fn memory_consumers_are_recreated_after_a_server_restart_and_nothing_is_projected_twice() {
+    across_a_server_restart("true").await;
+}
+
+#[tokio::test]
+async fn file_consumers_outlive_a_server_restart_and_nothing_is_projected_twice() {
+    across_a_server_restart("false").await;
 }
 
 // ---------------------------------------------------------------------------------------------
