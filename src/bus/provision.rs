@@ -415,8 +415,8 @@ fn consumer_differences(have: &consumer::Config, want: &consumer::pull::Config) 
         have.max_ack_pending,
         want.max_ack_pending,
     );
-    // A consumer keeps the storage it was made with (`consumer.memory_state` applies to those
-    // made from then on): file or memory, both are correct.
+    // Storage (`consumer.memory_state`) is not compared: the partition's owner makes a consumer
+    // of the other storage again when the partition starts (`worker::open_consumer`).
     // Consumers created before acknowledgements covered whole groups acknowledge every message
     // (`explicit`); the worker keeps doing so for them. Both are correct.
     if have.ack_policy != consumer::AckPolicy::Explicit {

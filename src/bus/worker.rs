@@ -399,8 +399,11 @@ fn count_recreated(shared: &WorkerContext) {
 }
 
 /// The partition's durable consumer; recreated when missing (deleted by an operator, lost with
-/// a server's store), from where the partition's outputs end (`resume_after`, the published
-/// checkpoint), never from the start of the stream unless the partition never ran.
+/// a server's store or, kept in memory, with a server restart), from where the partition's
+/// outputs end (`resume_after`, the published checkpoint), never from the start of the stream
+/// unless the partition never ran. One whose storage is not what `consumer.memory_state` says
+/// (made before the setting changed) is deleted and made again the same way, so the setting
+/// takes effect on the partition's next start.
 async fn open_consumer(
     shared: &WorkerContext,
     stream: &jetstream::stream::Stream,
@@ -410,7 +413,20 @@ async fn open_consumer(
     use jetstream::context::ConsumerInfoErrorKind;
     let name = shared.names.consumer_name(p);
     let setup = |what: String, source: Source| WorkerError::setup(p, what, source);
-    match stream.consumer_info(&name).await {
+    let memory = shared.settings.consumer.memory_state;
+    let switched = match stream.consumer_info(&name).await {
+        Ok(info) if info.config.memory_storage != memory => {
+            // Only this partition's owner reads the consumer, and it has not read yet: what the
+            // old consumer held is what a deleted one's recreation recovers.
+            info!(consumer = %name, memory_state = memory, resume_after = ?resume_after,
+                "switching the partition's consumer to the storage consumer.memory_state names; making it again from the partition's checkpoint");
+            // A delete that fails leaves the partition to start again, and look again.
+            stream
+                .delete_consumer(&name)
+                .await
+                .map_err(|e| setup(format!("deleting consumer {name}"), e.into()))?;
+            true
+        }
         Ok(info) => {
             // Recreated by provisioning from the checkpoint and not read from yet: its first
             // inputs are looked up like those of a consumer recreated here.
@@ -419,44 +435,43 @@ async fn open_consumer(
                     info.config.deliver_policy,
                     jetstream::consumer::DeliverPolicy::ByStartSequence { .. }
                 );
-            stream
+            return stream
                 .get_consumer(&name)
                 .await
                 .map(|c| (c, resumed))
-                .map_err(|e| setup(format!("consumer {name}"), e))
+                .map_err(|e| setup(format!("consumer {name}"), e));
         }
-        Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => {
-            let config =
-                super::provision::resumed_consumer_config(&shared.settings, p, resume_after);
-            let base = stream
-                .cached_info()
-                .config
-                .metadata
-                .get(super::generations::BASE_METADATA)
-                .and_then(|b| b.parse::<u64>().ok())
-                .unwrap_or(0);
-            if base > 0 && resume_after.unwrap_or(0) < base {
-                // A set of raw streams a reshard made, which this partition starts on: its
-                // checkpoint is on an earlier set, so the consumer starts at this set's first
-                // message.
-                info!(consumer = %name, stream = %stream.cached_info().config.name,
-                    "the partition starts on a new set of raw streams");
-            } else if shared.settings.consumer.memory_state {
-                // Expected after a server restart: the server kept its state in memory.
-                info!(consumer = %name, resume_after = ?resume_after,
-                    "the partition's consumer is gone (its state is in the server's memory, which a server restart clears, or it was deleted); recreating it from the partition's checkpoint");
-                count_recreated(shared);
-            } else {
-                warn!(consumer = %name, resume_after = ?resume_after,
-                    "the partition's consumer is missing; recreating it from the partition's checkpoint");
-                count_recreated(shared);
-            }
-            stream
-                .create_consumer(config)
-                .await
-                .map(|c| (c, true))
-                .map_err(|e| setup(format!("recreating consumer {name}"), e.into()))
-        }
-        Err(e) => Err(setup(format!("consumer {name}"), e.into())),
+        Err(e) if e.kind() == ConsumerInfoErrorKind::NotFound => false,
+        Err(e) => return Err(setup(format!("consumer {name}"), e.into())),
+    };
+    let config = super::provision::resumed_consumer_config(&shared.settings, p, resume_after);
+    let base = stream
+        .cached_info()
+        .config
+        .metadata
+        .get(super::generations::BASE_METADATA)
+        .and_then(|b| b.parse::<u64>().ok())
+        .unwrap_or(0);
+    if base > 0 && resume_after.unwrap_or(0) < base {
+        // A set of raw streams a reshard made, which this partition starts on: its checkpoint
+        // is on an earlier set, so the consumer starts at this set's first message.
+        info!(consumer = %name, stream = %stream.cached_info().config.name,
+            "the partition starts on a new set of raw streams");
+    } else if switched {
+        // Said above; not a lost consumer.
+    } else if memory {
+        // Expected after a server restart: the server kept its state in memory.
+        info!(consumer = %name, resume_after = ?resume_after,
+            "the partition's consumer is gone (its state is in the server's memory, which a server restart clears, or it was deleted); recreating it from the partition's checkpoint");
+        count_recreated(shared);
+    } else {
+        warn!(consumer = %name, resume_after = ?resume_after,
+            "the partition's consumer is missing; recreating it from the partition's checkpoint");
+        count_recreated(shared);
     }
+    stream
+        .create_consumer(config)
+        .await
+        .map(|c| (c, true))
+        .map_err(|e| setup(format!("recreating consumer {name}"), e.into()))
 }

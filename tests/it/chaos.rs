@@ -54,7 +54,7 @@ use async_nats::jetstream::{self, consumer, message::PublishMessage};
 use bytes::Bytes;
 use collab_projector::config::Names;
 use collab_projector::localnats::LocalNats;
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde_json::{json, Value};
@@ -2784,6 +2784,65 @@ async fn clock_skew(p: &Profile, seed: u64) -> Option<Report> {
     Some(bed.finish(writer).await)
 }
 
+/// 13. `consumer.memory_state` switched on a running deployment, the rolling way: three workers
+///     start with the partition consumers' state on file, then one at a time each is stopped
+///     (SIGTERM) and started again with it in memory while inputs arrive, and an owner is killed
+///     halfway. Partitions move between workers that differ, each move making the consumer
+///     again from the partition's checkpoint; at the end every partition consumer is in memory.
+async fn storage_switch(p: &Profile, seed: u64) -> Report {
+    const SETTING: &str = "COLLAB_CONSUMER__MEMORY_STATE";
+    let mut bed =
+        Bed::start_with("storage-switch", p, false, 3, &[(SETTING, "false")], false).await;
+    let writer = bed.writer(seed, p.timeout_ms);
+    let mut rng = fault_rng(seed);
+    let step = p.load / 5;
+    for slot in 0..3 {
+        tokio::time::sleep(step).await;
+        bed.fleet
+            .env_of
+            .insert(slot, vec![(SETTING.into(), "true".into())]);
+        bed.sigterm(slot).await;
+        bed.fleet.spawn(slot);
+        if slot == 1 {
+            tokio::time::sleep(step / 2).await;
+            if let Some(owner) = bed.pick_owner(&mut rng).await {
+                bed.kill9(owner).await;
+                tokio::time::sleep(Duration::from_millis(300)).await;
+                bed.fleet.spawn(owner);
+            }
+        }
+    }
+    tokio::time::sleep(step).await;
+    // Every partition starts on a worker with the new setting once the last one with the old
+    // setting is gone: within a lease TTL or two of it.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut on_file = partition_consumers_on_file(&bed).await;
+    while !on_file.is_empty() && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        on_file = partition_consumers_on_file(&bed).await;
+    }
+    if !on_file.is_empty() {
+        bed.problems
+            .push(format!("partition consumers still on file: {on_file:?}"));
+    }
+    bed.finish(writer).await
+}
+
+/// The partition consumers whose state the server keeps on file.
+async fn partition_consumers_on_file(bed: &Bed) -> Vec<String> {
+    let Ok(raw) = bed.js.get_stream(RAW).await else {
+        return vec![format!("{RAW} unreadable")];
+    };
+    match raw.consumers().try_collect::<Vec<_>>().await {
+        Ok(infos) => infos
+            .into_iter()
+            .filter(|i| i.name.starts_with("collab-proj-") && !i.config.memory_storage)
+            .map(|i| i.name)
+            .collect(),
+        Err(e) => vec![format!("consumer list: {e}")],
+    }
+}
+
 /// 12. A network partition between cluster nodes (streams, consumers and buckets R3): the node
 ///     leading the raw stream loses its routes to the other two (its clients, a worker among
 ///     them, stay connected to it), then the partition heals.
@@ -3079,6 +3138,13 @@ async fn chaos_short_reshard_cluster() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_short_storage_switch() {
+    let report = storage_switch(&Profile::short(), seed("storage-switch")).await;
+    report.assert_clean();
+    assert!(report.inputs > 0, "{}: no input checked", report.scenario);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_short_mix() {
     mix(&Profile::short(), seed("mix")).await.assert_clean();
 }
@@ -3214,6 +3280,7 @@ async fn chaos_full() {
         "cluster-node-sharded",
         "reshard",
         "reshard-cluster",
+        "storage-switch",
     ]
     .into_iter()
     .enumerate()
@@ -3232,6 +3299,7 @@ async fn chaos_full() {
             "cluster-node-sharded" => cluster_node(&p, s, 4).await,
             "reshard" => reshard(&p, s, false).await,
             "reshard-cluster" => reshard(&p, s, true).await,
+            "storage-switch" => storage_switch(&p, s).await,
             "oversize" => oversize(&p, s).await,
             "deleted-consumer" => deleted_consumer(&p, s).await,
             "regressed-consumer" => regressed_consumer(&p, s).await,

@@ -1407,6 +1407,52 @@ async fn across_a_server_restart(memory_state: &str) {
     }
 }
 
+/// `consumer.memory_state` changed on a deployment that ran: the worker started with the new
+/// setting makes each partition's consumer again with that storage, from the partition's
+/// checkpoint, and every input is still projected once.
+#[tokio::test]
+async fn a_changed_memory_state_remakes_existing_consumers_and_nothing_is_projected_twice() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let mut first = start_projector(
+        &nats.url(),
+        &MAIN_AGENTS,
+        &[ACK_WAIT, ("COLLAB_CONSUMER__MEMORY_STATE", "false")],
+    )
+    .await;
+    let seqs = publish_all(&js, &load(300)).await;
+    wait_settled(&js, seqs.len() as u64, 0).await;
+    assert_eq!(
+        partition_consumers_in_memory(&js).await,
+        vec![false; default_partitions()]
+    );
+    first.sigterm();
+    first
+        .wait_exit(GUARD)
+        .await
+        .expect("SIGTERM ends the process");
+    let second = start_projector(
+        &nats.url(),
+        &MAIN_AGENTS,
+        &[ACK_WAIT, ("COLLAB_CONSUMER__MEMORY_STATE", "true")],
+    )
+    .await;
+    let more = publish_all(&js, &load(300)).await;
+    wait_settled(&js, (seqs.len() + more.len()) as u64, 0).await;
+    assert_eq!(
+        partition_consumers_in_memory(&js).await,
+        vec![true; default_partitions()]
+    );
+    let switched = second
+        .log_text()
+        .matches("switching the partition's consumer")
+        .count();
+    assert_eq!(switched, default_partitions(), "{}", second.log_text());
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    assert_eq!(proj.len(), 600);
+    assert_sessions_count_every_projection(&js, &proj).await;
+}
+
 #[tokio::test]
 async fn memory_consumers_are_recreated_after_a_server_restart_and_nothing_is_projected_twice() {
     across_a_server_restart("true").await;
