@@ -607,9 +607,6 @@ pub struct ConsumerSettings {
     pub memory_state: bool,
 }
 
-/// Whether partition consumers keep their state in memory unless configured otherwise.
-pub const MEMORY_STATE_DEFAULT: bool = true;
-
 impl Default for ConsumerSettings {
     fn default() -> Self {
         ConsumerSettings {
@@ -618,7 +615,7 @@ impl Default for ConsumerSettings {
             max_deliver: 10,
             max_ack_pending: 2000,
             publish_window: 1024,
-            memory_state: MEMORY_STATE_DEFAULT,
+            memory_state: true,
         }
     }
 }

@@ -25,8 +25,6 @@ pub struct WorkerState {
     pub lease_renewals: AtomicU64,
     pub lease_losses: AtomicU64,
     pub takeovers: AtomicU64,
-    /// Partition consumers this worker found missing and recreated.
-    pub consumers_recreated: AtomicU64,
     /// When this worker last processed a raw message (ms since the epoch; 0: never).
     pub last_processed_ms: AtomicI64,
     /// The running partitions' lag, as last sampled.
@@ -50,7 +48,6 @@ impl Default for WorkerState {
             lease_renewals: AtomicU64::new(0),
             lease_losses: AtomicU64::new(0),
             takeovers: AtomicU64::new(0),
-            consumers_recreated: AtomicU64::new(0),
             last_processed_ms: AtomicI64::new(0),
             partitions: std::sync::Mutex::new(std::collections::BTreeMap::new()),
             inputs_projected: telemetry::RoleClassCounters::new(
@@ -178,6 +175,12 @@ impl WorkerState {
     pub(crate) fn count_lease_loss(&self) {
         self.lease_losses.fetch_add(1, Ordering::Relaxed);
         metrics::counter!(telemetry::LEASE_LOSSES).increment(1);
+    }
+
+    /// A partition consumer found missing (deleted, or cleared by a server restart) and made
+    /// again from the partition's checkpoint.
+    pub(crate) fn count_consumer_recreated(&self) {
+        metrics::counter!(telemetry::CONSUMERS_RECREATED).increment(1);
     }
 
     /// A partition taken: freed because its owner's connection closed, or free.

@@ -390,14 +390,6 @@ async fn watch_for_end(
     }
 }
 
-fn count_recreated(shared: &WorkerContext) {
-    metrics::counter!(telemetry::CONSUMERS_RECREATED).increment(1);
-    shared
-        .state
-        .consumers_recreated
-        .fetch_add(1, Ordering::Relaxed);
-}
-
 /// The partition's durable consumer; recreated when missing (deleted by an operator, lost with
 /// a server's store or, kept in memory, with a server restart), from where the partition's
 /// outputs end (`resume_after`, the published checkpoint), never from the start of the stream
@@ -417,10 +409,8 @@ async fn open_consumer(
     let switched = match stream.consumer_info(&name).await {
         Ok(info) if info.config.memory_storage != memory => {
             // Only this partition's owner reads the consumer, and it has not read yet: what the
-            // old consumer held is what a deleted one's recreation recovers.
-            info!(consumer = %name, memory_state = memory, resume_after = ?resume_after,
-                "switching the partition's consumer to the storage consumer.memory_state names; making it again from the partition's checkpoint");
-            // A delete that fails leaves the partition to start again, and look again.
+            // old consumer held is what a deleted one's recreation recovers. A delete that fails
+            // leaves the partition to start again, and look again.
             stream
                 .delete_consumer(&name)
                 .await
@@ -452,22 +442,23 @@ async fn open_consumer(
         .get(super::generations::BASE_METADATA)
         .and_then(|b| b.parse::<u64>().ok())
         .unwrap_or(0);
-    if base > 0 && resume_after.unwrap_or(0) < base {
+    if switched {
+        info!(consumer = %name, memory_state = memory, resume_after = ?resume_after,
+            "switching the partition's consumer to the storage consumer.memory_state names; making it again from the partition's checkpoint");
+    } else if base > 0 && resume_after.unwrap_or(0) < base {
         // A set of raw streams a reshard made, which this partition starts on: its checkpoint
         // is on an earlier set, so the consumer starts at this set's first message.
         info!(consumer = %name, stream = %stream.cached_info().config.name,
             "the partition starts on a new set of raw streams");
-    } else if switched {
-        // Said above; not a lost consumer.
     } else if memory {
         // Expected after a server restart: the server kept its state in memory.
         info!(consumer = %name, resume_after = ?resume_after,
             "the partition's consumer is gone (its state is in the server's memory, which a server restart clears, or it was deleted); recreating it from the partition's checkpoint");
-        count_recreated(shared);
+        shared.state.count_consumer_recreated();
     } else {
         warn!(consumer = %name, resume_after = ?resume_after,
             "the partition's consumer is missing; recreating it from the partition's checkpoint");
-        count_recreated(shared);
+        shared.state.count_consumer_recreated();
     }
     stream
         .create_consumer(config)
