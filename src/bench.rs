@@ -9,7 +9,8 @@
 //!   stored), so the producer's speed never limits the figure. Each scenario gets a fresh server
 //!   (or, against a given server, a fresh prefix) so scenarios do not interfere.
 //!   1. *baseline passthrough*: the minimal safe copy raw -> proj in this binary (pull batches of
-//!      1000, up to 1024 publish acks in flight, republish with Msg-Id, ack after the publish ack);
+//!      1000, up to `consumer.publish_window` publish acks in flight like the pipeline, republish
+//!      with Msg-Id, ack after the publish ack);
 //!   2. the full pipeline on the demo's realistic mix; 3. turn-only traffic;
 //!   4. a *naive* pipeline that fetches one message per request (Redpanda Connect's input shape),
 //!      projects it, awaits its publish ack and acknowledges it.
@@ -755,8 +756,9 @@ async fn preload(
 // ---------------------------------------------------------------------------------------------
 // Scenario 1: the baseline passthrough.
 
-/// The minimal safe copy raw -> proj: pull batches of 1000, republish with a Msg-Id (up to 1024
-/// publish acks in flight), acknowledge each input after its publish ack. No other logic.
+/// The minimal safe copy raw -> proj: pull batches of 1000, republish with a Msg-Id (up to
+/// `consumer.publish_window` publish acks in flight, the pipeline's own budget), acknowledge
+/// each input after its publish ack. No other logic.
 struct Passthrough {
     done: Arc<AtomicU64>,
     first: Arc<OnceLock<Instant>>,
@@ -809,10 +811,12 @@ impl ReadLayout {
 
 async fn start_passthrough(env: &Env, layout: ReadLayout) -> Result<Passthrough, BenchError> {
     let names = env.names();
+    // The pipeline's own publish window, so both sides may hold as many publish acks in flight.
+    let window = env.settings.consumer.publish_window;
     let (_client, js) = bus::connect(
         &env.url,
         Some(&env.settings.nats),
-        1024,
+        window,
         "bench passthrough",
     )
     .await?;
@@ -879,6 +883,7 @@ async fn start_passthrough(env: &Env, layout: ReadLayout) -> Result<Passthrough,
         copies.push(tokio::spawn(copy_loop(
             consumer,
             js.clone(),
+            window,
             names.prefix.clone(),
             done.clone(),
             first.clone(),
@@ -903,6 +908,7 @@ async fn start_passthrough(env: &Env, layout: ReadLayout) -> Result<Passthrough,
 async fn copy_loop(
     consumer: PullConsumer,
     js: jetstream::Context,
+    window: usize,
     prefix: String,
     d: Arc<AtomicU64>,
     f: Arc<OnceLock<Instant>>,
@@ -916,7 +922,7 @@ async fn copy_loop(
         .messages()
         .await
         .map_err(|e| e.to_string())?;
-    let (tx, mut rx) = mpsc::channel::<(jetstream::Message, PublishAckFuture)>(1024);
+    let (tx, mut rx) = mpsc::channel::<(jetstream::Message, PublishAckFuture)>(window.max(1));
     let acker = tokio::spawn(async move {
         while let Some((m, fut)) = rx.recv().await {
             fut.await.map_err(|e| e.to_string())?;

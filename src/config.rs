@@ -614,7 +614,7 @@ impl Default for ConsumerSettings {
             ack_wait: Duration::from_secs(30),
             max_deliver: 10,
             max_ack_pending: 2000,
-            publish_window: 1024,
+            publish_window: 4096,
             memory_state: true,
         }
     }
