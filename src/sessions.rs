@@ -652,10 +652,40 @@ fn parse_time(s: &str) -> Option<DateTime<Utc>> {
 
 /// `a` is later than `b` (unparseable times compare as text).
 fn later(a: &str, b: &str) -> bool {
+    // The fold compares an event's time several times per event; times written alike (UTC,
+    // `Z`, the same number of fraction digits) order as their text does, without parsing.
+    if same_utc_layout(a, b) {
+        return a > b;
+    }
     match (parse_time(a), parse_time(b)) {
         (Some(x), Some(y)) => x > y,
         _ => a > b,
     }
+}
+
+/// Whether `a` and `b` are both `YYYY-MM-DDTHH:MM:SS[.f...]Z` with as many fraction digits, so
+/// that their text order is their time order. Where either does not parse, [`later`] compares
+/// the text anyway, so this shortcut never changes its answer.
+fn same_utc_layout(a: &str, b: &str) -> bool {
+    let (a, b) = (a.as_bytes(), b.as_bytes());
+    if a.len() != b.len() || a.len() < 20 || (a.len() > 20 && a.len() < 22) {
+        return false;
+    }
+    let last = a.len() - 1;
+    a.iter().zip(b).enumerate().all(|(i, (&x, &y))| {
+        let want = match i {
+            4 | 7 => Some(b'-'),
+            10 => Some(b'T'),
+            13 | 16 => Some(b':'),
+            19 if last > 19 => Some(b'.'),
+            i if i == last => Some(b'Z'),
+            _ => None,
+        };
+        match want {
+            Some(c) => x == c && y == c,
+            None => x.is_ascii_digit() && y.is_ascii_digit(),
+        }
+    })
 }
 
 /// Whether a value at `at` replaces `value` set at `value_at`: when there is none yet, or it is
@@ -851,11 +881,13 @@ fn turn_decided(s: &WorkSession, keys: &SessionKeys, turn: &str) -> bool {
 
 /// Counts by role and type, and the session's times.
 fn count(s: &mut WorkSession, ev: &Folded<'_>) {
-    *s.counts
-        .entry(ev.role)
-        .or_default()
-        .entry(ev.env.event_type.clone())
-        .or_insert(0) += 1;
+    let by_type = s.counts.entry(ev.role).or_default();
+    match by_type.get_mut(ev.env.event_type.as_str()) {
+        Some(n) => *n += 1,
+        None => {
+            by_type.insert(ev.env.event_type.clone(), 1);
+        }
+    }
     if let Some(t) = &ev.at {
         keep_min(&mut s.created_at, t);
         keep_max(&mut s.updated_at, t);
@@ -929,10 +961,22 @@ fn note_last_message(s: &mut WorkSession, ev: &Folded<'_>) {
 fn note_participants(s: &mut WorkSession, ev: &Folded<'_>) {
     let (env, role) = (ev.env, ev.role);
     if let Some(f) = &ev.from {
-        note_participant(s, f, role, side_kind(env, "from"), side_name(env, "from"));
+        note_participant(
+            s,
+            f,
+            role,
+            side_kind(env, &FROM_SIDE),
+            side_name(env, &FROM_SIDE),
+        );
     }
     if let Some(t) = &ev.to {
-        note_participant(s, t, role, side_kind(env, "to"), side_name(env, "to"));
+        note_participant(
+            s,
+            t,
+            role,
+            side_kind(env, &TO_SIDE),
+            side_name(env, &TO_SIDE),
+        );
     }
     if let Some(agent) = env.agent_id.as_ref().and_then(id_text) {
         let kind = ["agentKind", "kind"]
@@ -975,14 +1019,17 @@ fn note_participants(s: &mut WorkSession, ev: &Folded<'_>) {
 fn note_thread(s: &mut WorkSession, conversation: &str, ev: &Folded<'_>) {
     if !s.threads.contains_key(conversation) {
         retire_threads(s);
+        s.threads.insert(
+            conversation.to_string(),
+            Thread {
+                conversation_id: conversation.to_string(),
+                ..Thread::default()
+            },
+        );
     }
-    let th = s
-        .threads
-        .entry(conversation.to_string())
-        .or_insert_with(|| Thread {
-            conversation_id: conversation.to_string(),
-            ..Thread::default()
-        });
+    let Some(th) = s.threads.get_mut(conversation) else {
+        return;
+    };
     if ev.from.is_some() || ev.to.is_some() {
         th.sides.entry(ev.role).or_insert_with(|| Sides {
             from_agent: ev.from.clone(),
@@ -1013,16 +1060,30 @@ fn note_thread(s: &mut WorkSession, conversation: &str, ev: &Folded<'_>) {
     }
 }
 
-fn side_kind(env: &Envelope, side: &str) -> Option<Kind> {
-    ["Kind", "Type", "ParticipantKind"]
-        .iter()
-        .find_map(|suffix| field_str(env, &format!("{side}{suffix}")).and_then(Kind::parse))
+/// The payload fields that describe one side of a message: its kind, then its name.
+struct SideFields {
+    kind: [&'static str; 3],
+    name: [&'static str; 2],
 }
 
-fn side_name<'a>(env: &'a Envelope, side: &str) -> Option<&'a str> {
-    ["Name", "DisplayName"]
+const FROM_SIDE: SideFields = SideFields {
+    kind: ["fromKind", "fromType", "fromParticipantKind"],
+    name: ["fromName", "fromDisplayName"],
+};
+
+const TO_SIDE: SideFields = SideFields {
+    kind: ["toKind", "toType", "toParticipantKind"],
+    name: ["toName", "toDisplayName"],
+};
+
+fn side_kind(env: &Envelope, side: &SideFields) -> Option<Kind> {
+    side.kind
         .iter()
-        .find_map(|suffix| field_str(env, &format!("{side}{suffix}")))
+        .find_map(|k| field_str(env, k).and_then(Kind::parse))
+}
+
+fn side_name<'a>(env: &'a Envelope, side: &SideFields) -> Option<&'a str> {
+    side.name.iter().find_map(|k| field_str(env, k))
 }
 
 fn note_participant(
@@ -1032,13 +1093,19 @@ fn note_participant(
     kind: Option<Kind>,
     name: Option<&str>,
 ) {
-    let p = s
-        .participants
-        .entry(id.to_string())
-        .or_insert_with(|| Participant {
-            id: id.to_string(),
-            ..Participant::default()
-        });
+    // Looked up before it is keyed: most events name participants the session knows.
+    if !s.participants.contains_key(id) {
+        s.participants.insert(
+            id.to_string(),
+            Participant {
+                id: id.to_string(),
+                ..Participant::default()
+            },
+        );
+    }
+    let Some(p) = s.participants.get_mut(id) else {
+        return;
+    };
     p.roles.insert(role);
     if let Some(k) = kind {
         p.kinds.entry(role).or_insert(k);
@@ -1548,6 +1615,62 @@ mod tests {
     use super::*;
     use crate::model::RawEventRef;
     use serde_json::json;
+
+    /// `later` without its shortcut: parse both, else compare the text.
+    fn later_by_parsing(a: &str, b: &str) -> bool {
+        match (parse_time(a), parse_time(b)) {
+            (Some(x), Some(y)) => x > y,
+            _ => a > b,
+        }
+    }
+
+    #[test]
+    fn times_written_alike_order_as_parsed_times_do() {
+        let times = [
+            "2026-11-29T14:00:00Z",
+            "2026-11-29T14:00:01Z",
+            "2026-11-29T13:59:59Z",
+            "2026-12-01T00:00:00Z",
+            "2025-12-31T23:59:60Z",
+            "2026-11-29T14:00:00.1Z",
+            "2026-11-29T14:00:00.9Z",
+            "2026-11-29T14:00:00.100Z",
+            "2026-11-29T14:00:00.099Z",
+            "2026-11-29T14:00:00.000000001Z",
+            "2026-11-29T14:00:00.000000000Z",
+            "2026-11-29T15:00:00+01:00",
+            "2026-11-29T14:00:00+00:00",
+            "2026-11-29t14:00:00z",
+            "2026-13-29T14:00:00Z",
+            "2026-02-30T14:00:00Z",
+            "2026-11-29T24:00:00Z",
+            "2026-11-29T14:00:00.Z",
+            "2026-11-29 14:00:00Z",
+            "not a time",
+            "",
+        ];
+        let mut shortcut = 0;
+        for a in times {
+            for b in times {
+                assert_eq!(later(a, b), later_by_parsing(a, b), "later({a:?}, {b:?})");
+                shortcut += usize::from(same_utc_layout(a, b));
+            }
+        }
+        // The shortcut is taken for the pairs written alike, not only for identical strings.
+        assert!(shortcut > times.len(), "{shortcut}");
+        assert!(same_utc_layout(
+            "2026-11-29T14:00:00.123Z",
+            "2025-01-01T00:00:00.999Z"
+        ));
+        assert!(!same_utc_layout(
+            "2026-11-29T14:00:00.12Z",
+            "2025-01-01T00:00:00.999Z"
+        ));
+        assert!(!same_utc_layout(
+            "2026-11-29T14:00:00+00:00",
+            "2026-11-29T14:00:00+00:00"
+        ));
+    }
 
     fn ids(ws: Option<&str>, conv: Option<&str>) -> SessionKeys {
         SessionKeys {

@@ -5,7 +5,8 @@
 //! the moment it is stored: at moderate rates that is one server write and one wake-up of the
 //! reader per projection, for readers that only act once a round has gathered. [`Rounds`] asks
 //! for the first message of a round and waits for it; once the round's gathering time has passed
-//! it asks for what has been stored since, which the server sends back to back.
+//! it asks for what has been stored since, which the server sends back to back. A reader a whole
+//! round behind does not wait: its round is there to be read.
 //!
 //! The consumer is ephemeral, in memory and unacknowledged, as an ordered consumer's is, and
 //! every delivery must follow the one before it (consumer sequence `n + 1` after `n`). A gap, a
@@ -58,7 +59,7 @@ impl Rounds {
     }
 
     /// The next round: its first message, then what was stored within `gather` after it (at most
-    /// `max` in all), handed over only while the lease on partition 0 holds, so a worker that lost
+    /// `max` in all; at once when `max` are stored already), handed over only while the lease on partition 0 holds, so a worker that lost
     /// it without noticing yet does nothing. `Ok(None)`: cancelled.
     pub async fn next(
         &mut self,
@@ -68,6 +69,8 @@ impl Rounds {
         max: usize,
     ) -> Result<Option<Vec<jetstream::Message>>, String> {
         let mut round = Vec::new();
+        // Messages stored after the round's first one when it arrived.
+        let mut waiting = 0u64;
         while round.is_empty() {
             let mut first = self
                 .consumer
@@ -82,7 +85,11 @@ impl Rounds {
                 m = first.next() => m,
             };
             match got {
-                Some(m) => round.push(self.take(m.map_err(|e| self.failed(e))?)?),
+                Some(m) => {
+                    let m = self.take(m.map_err(|e| self.failed(e))?)?;
+                    waiting = m.info().map_or(0, |i| i.pending);
+                    round.push(m);
+                }
                 // Nothing within the wait. A consumer that is gone answers no request, so ask
                 // whether it is still there before waiting again.
                 None => {
@@ -90,9 +97,13 @@ impl Rounds {
                 }
             }
         }
-        tokio::select! {
-            _ = cancel.cancelled() => return Ok(None),
-            _ = tokio::time::sleep(gather) => {}
+        // Gathering is for a reader that keeps up: one that is a whole round behind has its
+        // round stored already, and waiting would only slow its catching up.
+        if waiting < u64::try_from(max.saturating_sub(1)).unwrap_or(u64::MAX) {
+            tokio::select! {
+                _ = cancel.cancelled() => return Ok(None),
+                _ = tokio::time::sleep(gather) => {}
+            }
         }
         while round.len() < max {
             let want = (max - round.len()).min(FETCH_CHUNK);

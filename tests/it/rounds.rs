@@ -93,6 +93,45 @@ async fn rounds_take_every_message_once_in_order_in_bursts_of_at_most_max() {
 }
 
 #[tokio::test]
+async fn a_reader_a_whole_round_behind_takes_its_round_without_gathering() {
+    let (_nats, js, s) = stream_with(1).await;
+    let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
+    let mut rounds = Rounds::new(&s, 1).await.unwrap();
+    publish(&js, 2, 2500).await;
+    // A gathering time no test run reaches: only a round that does not gather returns.
+    let long = Duration::from_secs(600);
+    let first = tokio::time::timeout(
+        Duration::from_secs(60),
+        rounds.next(&cancel, &lease, long, 1000),
+    )
+    .await
+    .expect("a round whose messages are all stored must not wait the gathering time")
+    .unwrap()
+    .unwrap();
+    assert_eq!(bodies(&first), (1..=1000).collect::<Vec<_>>());
+    let second = tokio::time::timeout(
+        Duration::from_secs(60),
+        rounds.next(&cancel, &lease, long, 1000),
+    )
+    .await
+    .expect("still a whole round behind")
+    .unwrap()
+    .unwrap();
+    assert_eq!(bodies(&second), (1001..=2000).collect::<Vec<_>>());
+    // Less than a round left: that one gathers (cancelled here while it does).
+    let stop = cancel.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        stop.cancel();
+    });
+    assert!(rounds
+        .next(&cancel, &lease, long, 1000)
+        .await
+        .unwrap()
+        .is_none());
+}
+
+#[tokio::test]
 async fn a_round_waits_for_its_first_message_and_gathers_what_follows() {
     let (_nats, js, s) = stream_with(3).await;
     let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
