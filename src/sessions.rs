@@ -1015,19 +1015,29 @@ fn note_participants(s: &mut WorkSession, ev: &Folded<'_>) {
     }
 }
 
+/// The entry of `key` in `map`, made by `make` when there is none. Looked up before a key is
+/// allocated: most events name threads and participants their session knows already. (`None`
+/// never happens: the entry is there once made.)
+fn keyed<'m, V>(
+    map: &'m mut BTreeMap<String, V>,
+    key: &str,
+    make: impl FnOnce() -> V,
+) -> Option<&'m mut V> {
+    if !map.contains_key(key) {
+        map.insert(key.to_string(), make());
+    }
+    map.get_mut(key)
+}
+
 /// The conversation's thread: its sides, counts, times and turns.
 fn note_thread(s: &mut WorkSession, conversation: &str, ev: &Folded<'_>) {
     if !s.threads.contains_key(conversation) {
         retire_threads(s);
-        s.threads.insert(
-            conversation.to_string(),
-            Thread {
-                conversation_id: conversation.to_string(),
-                ..Thread::default()
-            },
-        );
     }
-    let Some(th) = s.threads.get_mut(conversation) else {
+    let Some(th) = keyed(&mut s.threads, conversation, || Thread {
+        conversation_id: conversation.to_string(),
+        ..Thread::default()
+    }) else {
         return;
     };
     if ev.from.is_some() || ev.to.is_some() {
@@ -1093,17 +1103,10 @@ fn note_participant(
     kind: Option<Kind>,
     name: Option<&str>,
 ) {
-    // Looked up before it is keyed: most events name participants the session knows.
-    if !s.participants.contains_key(id) {
-        s.participants.insert(
-            id.to_string(),
-            Participant {
-                id: id.to_string(),
-                ..Participant::default()
-            },
-        );
-    }
-    let Some(p) = s.participants.get_mut(id) else {
+    let Some(p) = keyed(&mut s.participants, id, || Participant {
+        id: id.to_string(),
+        ..Participant::default()
+    }) else {
         return;
     };
     p.roles.insert(role);
