@@ -668,7 +668,7 @@ fn later(a: &str, b: &str) -> bool {
 /// the text anyway, so this shortcut never changes its answer.
 fn same_utc_layout(a: &str, b: &str) -> bool {
     let (a, b) = (a.as_bytes(), b.as_bytes());
-    if a.len() != b.len() || a.len() < 20 || (a.len() > 20 && a.len() < 22) {
+    if a.len() != b.len() || a.len() < 20 {
         return false;
     }
     let last = a.len() - 1;
@@ -882,11 +882,8 @@ fn turn_decided(s: &WorkSession, keys: &SessionKeys, turn: &str) -> bool {
 /// Counts by role and type, and the session's times.
 fn count(s: &mut WorkSession, ev: &Folded<'_>) {
     let by_type = s.counts.entry(ev.role).or_default();
-    match by_type.get_mut(ev.env.event_type.as_str()) {
-        Some(n) => *n += 1,
-        None => {
-            by_type.insert(ev.env.event_type.clone(), 1);
-        }
+    if let Some(n) = keyed(by_type, &ev.env.event_type, || 0) {
+        *n += 1;
     }
     if let Some(t) = &ev.at {
         keep_min(&mut s.created_at, t);
@@ -1016,7 +1013,7 @@ fn note_participants(s: &mut WorkSession, ev: &Folded<'_>) {
 }
 
 /// The entry of `key` in `map`, made by `make` when there is none. Looked up before a key is
-/// allocated: most events name threads and participants their session knows already. (`None`
+/// allocated: most events name types, threads and participants their session knows already. (`None`
 /// never happens: the entry is there once made.)
 fn keyed<'m, V>(
     map: &'m mut BTreeMap<String, V>,

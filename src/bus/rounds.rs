@@ -59,8 +59,9 @@ impl Rounds {
     }
 
     /// The next round: its first message, then what was stored within `gather` after it (at most
-    /// `max` in all; at once when `max` are stored already), handed over only while the lease on partition 0 holds, so a worker that lost
-    /// it without noticing yet does nothing. `Ok(None)`: cancelled.
+    /// `max` in all; without waiting when `max` are stored already), handed over only while the
+    /// lease on partition 0 holds, so a worker that lost it without noticing yet does nothing.
+    /// `Ok(None)`: cancelled.
     pub async fn next(
         &mut self,
         cancel: &CancellationToken,
@@ -69,8 +70,8 @@ impl Rounds {
         max: usize,
     ) -> Result<Option<Vec<jetstream::Message>>, String> {
         let mut round = Vec::new();
-        // Messages stored after the round's first one when it arrived.
-        let mut waiting = 0u64;
+        // Messages stored behind the round's first one when it arrived.
+        let mut behind = 0u64;
         while round.is_empty() {
             let mut first = self
                 .consumer
@@ -86,8 +87,8 @@ impl Rounds {
             };
             match got {
                 Some(m) => {
-                    let m = self.take(m.map_err(|e| self.failed(e))?)?;
-                    waiting = m.info().map_or(0, |i| i.pending);
+                    let (m, pending) = self.take(m.map_err(|e| self.failed(e))?)?;
+                    behind = pending;
                     round.push(m);
                 }
                 // Nothing within the wait. A consumer that is gone answers no request, so ask
@@ -99,7 +100,8 @@ impl Rounds {
         }
         // Gathering is for a reader that keeps up: one that is a whole round behind has its
         // round stored already, and waiting would only slow its catching up.
-        if waiting < u64::try_from(max.saturating_sub(1)).unwrap_or(u64::MAX) {
+        let stored = usize::try_from(behind).map_or(usize::MAX, |b| b.saturating_add(1));
+        if stored < max {
             tokio::select! {
                 _ = cancel.cancelled() => return Ok(None),
                 _ = tokio::time::sleep(gather) => {}
@@ -116,7 +118,7 @@ impl Rounds {
                 .map_err(|e| self.failed(e))?;
             let mut got = 0usize;
             while let Some(m) = rest.next().await {
-                round.push(self.take(m.map_err(|e| self.failed(e))?)?);
+                round.push(self.take(m.map_err(|e| self.failed(e))?)?.0);
                 got += 1;
             }
             if got < want {
@@ -132,8 +134,9 @@ impl Rounds {
         Ok(Some(round))
     }
 
-    /// Take one delivery, which must follow the last one taken.
-    fn take(&mut self, m: jetstream::Message) -> Result<jetstream::Message, String> {
+    /// Take one delivery, which must follow the last one taken, with the count of messages
+    /// stored behind it.
+    fn take(&mut self, m: jetstream::Message) -> Result<(jetstream::Message, u64), String> {
         let info = m
             .info()
             .map_err(|e| format!("reading {}: a delivery's metadata: {e}", self.stream))?;
@@ -145,7 +148,8 @@ impl Rounds {
             ));
         }
         self.delivered = wanted;
-        Ok(m)
+        let pending = info.pending;
+        Ok((m, pending))
     }
 
     fn failed(&self, e: impl std::fmt::Display) -> String {

@@ -44,6 +44,26 @@ async fn publish(js: &jetstream::Context, from: u64, to: u64) {
     }
 }
 
+/// Whether `rounds.next` gives no round when cancelled `after` into its wait.
+async fn cancelled_while_waiting(
+    rounds: &mut Rounds,
+    gather: Duration,
+    max: usize,
+    after: Duration,
+) -> bool {
+    let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
+    let stop = cancel.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(after).await;
+        stop.cancel();
+    });
+    rounds
+        .next(&cancel, &lease, gather, max)
+        .await
+        .unwrap()
+        .is_none()
+}
+
 fn bodies(round: &[jetstream::Message]) -> Vec<u64> {
     round
         .iter()
@@ -113,16 +133,7 @@ async fn a_reader_a_whole_round_behind_takes_its_round_without_gathering() {
         assert_eq!(bodies(&round), (from..from + 1000).collect::<Vec<_>>());
     }
     // Less than a round left: that one gathers (cancelled here while it does).
-    let stop = cancel.clone();
-    tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(500)).await;
-        stop.cancel();
-    });
-    assert!(rounds
-        .next(&cancel, &lease, long, 1000)
-        .await
-        .unwrap()
-        .is_none());
+    assert!(cancelled_while_waiting(&mut rounds, long, 1000, Duration::from_millis(500)).await);
 }
 
 #[tokio::test]
@@ -164,16 +175,7 @@ async fn a_round_waits_for_its_first_message_and_gathers_what_follows() {
     );
 
     // Cancelled while it waits: no round.
-    let stop = cancel.clone();
-    tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        stop.cancel();
-    });
-    assert!(rounds
-        .next(&cancel, &lease, GATHER, 100)
-        .await
-        .unwrap()
-        .is_none());
+    assert!(cancelled_while_waiting(&mut rounds, GATHER, 100, Duration::from_millis(200)).await);
 }
 
 #[tokio::test]
