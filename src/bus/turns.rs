@@ -169,6 +169,10 @@ pub enum Flush {
 pub struct Mark {
     key: String,
     after: Rev,
+    /// A decision the reload found unpublished (see [`Checkpoint::awaits`]): its revision says
+    /// nothing about this owner's decisions, but once every such one is stored the checkpoint
+    /// vouches for all the reload read.
+    found: bool,
 }
 
 /// What a reload reads of most records: a [`TurnRecord`]'s state, deadline and writer.
@@ -287,12 +291,27 @@ pub struct Checkpoint {
     last_write: tokio::time::Instant,
     /// The partition had an owner before this one (a checkpoint was there to read).
     inherited: bool,
+    /// Decisions the reload found unpublished whose responses are not yet known stored; once
+    /// none is left, `base` rises to `reloaded`.
+    found: std::collections::BTreeSet<String>,
+    /// The highest revision the reload read.
+    reloaded: u64,
 }
 
 impl Checkpoint {
     /// Count the decisions of a group whose responses are now stored.
     pub async fn stored(&mut self, marks: Vec<Mark>) -> Result<(), TurnIoError> {
         for m in marks {
+            if m.found {
+                if self.found.remove(&m.key) && self.found.is_empty() {
+                    // Every decided record the reload read is stored now: the previous owners'
+                    // ones it found unpublished included, so no later reload looks them up again.
+                    self.base = self.base.max(self.reloaded);
+                    self.through
+                        .fetch_max(self.reloaded, std::sync::atomic::Ordering::Relaxed);
+                }
+                continue;
+            }
             let rev = resolve(&m.key, &m.after).await?;
             self.through
                 .fetch_max(rev, std::sync::atomic::Ordering::Relaxed);
@@ -319,7 +338,9 @@ impl Checkpoint {
     /// Write the checkpoint if it moved and `force` or [`CHECKPOINT_EVERY`] has passed.
     pub async fn maybe_write(&mut self, force: bool) -> Result<(), TurnIoError> {
         let through = self.through.load(std::sync::atomic::Ordering::Relaxed);
-        let moved = through > self.value.through || self.acked > self.value.acked.unwrap_or(0);
+        let moved = through > self.value.through
+            || self.base > self.value.base.unwrap_or(0)
+            || self.acked > self.value.acked.unwrap_or(0);
         if !moved || (!force && self.last_write.elapsed() < CHECKPOINT_EVERY) {
             return Ok(());
         }
@@ -335,6 +356,15 @@ impl Checkpoint {
         self.through
             .store(verified, std::sync::atomic::Ordering::Relaxed);
         self.write(verified).await
+    }
+
+    /// After the claim: the decisions the reload found unpublished (`keys`, published where
+    /// their winners stand) and the highest revision it read. Without this, a decision a
+    /// previous owner left unpublished would stay below no checkpoint's base for good, and every
+    /// later owner's reload would look it up and publish it again.
+    fn awaits(&mut self, keys: impl IntoIterator<Item = String>, highest: u64) {
+        self.found = keys.into_iter().collect();
+        self.reloaded = highest;
     }
 
     async fn write(&mut self, through: u64) -> Result<(), TurnIoError> {
@@ -580,6 +610,8 @@ impl PartitionTurns {
             acked: 0,
             last_write: tokio::time::Instant::now(),
             inherited: revision > 0,
+            found: std::collections::BTreeSet::new(),
+            reloaded: 0,
         })
     }
 
@@ -748,6 +780,7 @@ impl PartitionTurns {
         // not vouched for.
         self.verified_through = highest;
         checkpoint.claim(verified).await?;
+        checkpoint.awaits(self.awaiting.iter().map(|a| a.key.clone()), highest);
         self.report_open();
         Ok((loaded, checkpoint))
     }
@@ -1130,6 +1163,7 @@ impl PartitionTurns {
         fx.marks.push(Mark {
             key: key.to_string(),
             after: rev,
+            found: false,
         });
         // This owner wrote the decision and issued its response: to the turn rules the turn is
         // published (a crash before the mark leaves it decided in KV, and the reload republishes).
@@ -1541,15 +1575,16 @@ impl PartitionTurns {
             None => true,
         };
         self.remember(&a.key, &turns::published(&a.record), Rev::Known(0));
-        if stored {
-            return Ok(());
+        if !stored {
+            tracing::debug!(partition = self.partition, key = %a.key, winner = a.winner().0,
+                "publishing a decision found at reload, in its winner's place");
+            fx.outs.extend(outs);
         }
-        tracing::debug!(partition = self.partition, key = %a.key, winner = a.winner().0,
-            "publishing a decision found at reload, in its winner's place");
-        fx.outs.extend(outs);
+        // Counted once this input's outputs are stored (none when the response was already).
         fx.marks.push(Mark {
             key: a.key,
             after: Rev::Known(0),
+            found: true,
         });
         Ok(())
     }

@@ -34,7 +34,8 @@
 //! `CHAOS_DOWN_TO=<count>` (the second version's partition count)
 //! and `CHAOS_SKIP_UP=1` (no 32-partition version), `CHAOS_DUMP_TURNS=1` (print a failing
 //! version's turn bucket); `CHAOS_KILL_AFTER_MS` sets when
-//! `chaos_short_kill_while_catching_up` kills its worker. `CHAOS_DUMP_REORDERS=1` prints each
+//! `chaos_short_kill_while_catching_up` kills its worker. `CHAOS_DUMP_FAILOVER=1` prints every failover,
+//! takeover and recovery sample with its partition; `CHAOS_DUMP_REORDERS=1` prints each
 //! per-key reorder (the key, both inputs, where the projection was stored).
 //! The sharded cluster scenario (`chaos_short_cluster_node_sharded`, `cluster-node-sharded` in
 //! `chaos_full`) is the cluster-node one with raw traffic spread over four streams
@@ -2244,6 +2245,17 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
             };
             if hit {
                 let sample = p.stored_ms - f.at_ms;
+                if std::env::var("CHAOS_DUMP_FAILOVER").is_ok() {
+                    eprintln!(
+                        "failover: {} at {} ms, partition {}: {sample} ms (input {} stored at {} ms, projection seq {})",
+                        f.what,
+                        f.at_ms,
+                        i.partition,
+                        label(i.seq),
+                        i.stored_ms,
+                        p.seq,
+                    );
+                }
                 match f.kind {
                     FaultKind::Crash => r.failover.push(sample),
                     FaultKind::Pause => r.pause.push(sample),

@@ -1282,6 +1282,93 @@ async fn a_previous_owners_late_decision_is_published_even_below_the_checkpoint(
     assert_eq!(one[&key("c-own", "0")].str("message"), Some("shipped"));
 }
 
+/// A decision a previous owner wrote and died before publishing is found by the next owner's
+/// reload and published where its winner (the reply) stands. Once it is stored, that owner's
+/// checkpoint vouches for it (its base reaches the decision's revision), so no later owner's
+/// reload finds it and publishes it again: takeovers do not grow slower with every crash behind
+/// them.
+#[tokio::test]
+async fn a_decision_found_at_reload_is_vouched_for_once_its_response_is_stored() {
+    let bed = Bed::start_with(&[("COLLAB_NATS__PARTITIONS", "1")]).await;
+    let mut first = bed.projector(&[]);
+    bed.publish(&send(
+        "c-found",
+        json!({"message": "index it", "timeoutMs": 600_000}),
+    ))
+    .await;
+    wait_until(WAIT, "the open turn has a record", || async {
+        turn_record(&bed.js, "c-found").await.is_some()
+    })
+    .await;
+    first.kill9();
+    first.wait_exit(WAIT).await;
+
+    // The reply is stored, and a previous owner's decision on it (another ownership term) is
+    // written, as one that died before publishing the response would have left it.
+    let reply_seq = bed
+        .publish(&reply("c-found", json!({"message": "indexed"})))
+        .await;
+    let (turn_key, open, open_rev) = turn_record(&bed.js, "c-found")
+        .await
+        .expect("the open turn has a record");
+    assert_eq!(open["state"], "open", "{open:#}");
+    let mut decided = open.clone();
+    decided["state"] = json!("decided");
+    decided["winner"] = json!({
+        "seq": reply_seq, "synthesized": false, "by": "a2a.response", "atMs": now_ms(),
+    });
+    decided["writer"] = json!(7);
+    let kv = bed.js.get_key_value("collab_turns").await.expect("bucket");
+    let decided_rev = kv
+        .update(
+            &turn_key,
+            serde_json::to_vec(&decided).expect("JSON").into(),
+            open_rev,
+        )
+        .await
+        .expect("the decision is written");
+
+    let mut second = bed.projector(&[]);
+    bed.wait_responses(&[key("c-found", "0")]).await;
+    wait_until(
+        WAIT,
+        "the checkpoint vouches for the found decision",
+        || {
+            let kv = kv.clone();
+            async move {
+                let Ok(Some(v)) = kv.get("ck.p0").await else {
+                    return false;
+                };
+                serde_json::from_slice::<Value>(&v)
+                    .ok()
+                    .and_then(|c| c["base"].as_u64())
+                    .is_some_and(|b| b >= decided_rev)
+            }
+        },
+    )
+    .await;
+
+    // The next owner has nothing to publish again, and the turn keeps its one response.
+    second.kill9();
+    second.wait_exit(WAIT).await;
+    let _third = bed.projector(&[]);
+    bed.publish(&send(
+        "c-after",
+        json!({"message": "next", "timeoutMs": 600_000}),
+    ))
+    .await;
+    bed.publish(&reply("c-after", json!({"message": "done"})))
+        .await;
+    bed.wait_responses(&[key("c-after", "0")]).await;
+    bed.settle(&["c-found", "c-after"]).await;
+    let one = one_per_turn(
+        &bed.responses().await,
+        &[key("c-found", "0"), key("c-after", "0")],
+    );
+    assert_eq!(one[&key("c-found", "0")].str("message"), Some("indexed"));
+    assert!(bed.read(SUPPRESSED).await.is_empty());
+}
+
 #[tokio::test]
 async fn a_nats_restart_between_decision_and_publish_keeps_exactly_one_response() {
     let mut bed = Bed::start().await;
