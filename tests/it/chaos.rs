@@ -776,9 +776,17 @@ fn is_barrier(subject: &str) -> bool {
 }
 
 /// Every message of `stream` matching `filter` ("" for all), in stream order, with an ordered
-/// consumer.
+/// consumer. A whole-stream read must reach the last sequence the stream's leader reports: on a
+/// cluster the reader may be placed on a replica still catching up after a partition, which
+/// would count what it has not received yet as lost.
 async fn read_all(js: &jetstream::Context, stream: &str, filter: &str) -> Result<Vec<Rec>, String> {
-    let st = js.get_stream(stream).await.map_err(|e| e.to_string())?;
+    let mut st = js.get_stream(stream).await.map_err(|e| e.to_string())?;
+    let leader_last = st
+        .info()
+        .await
+        .map_err(|e| e.to_string())?
+        .state
+        .last_sequence;
     let mut c = st
         .create_consumer(consumer::pull::OrderedConfig {
             filter_subject: filter.to_string(),
@@ -789,8 +797,16 @@ async fn read_all(js: &jetstream::Context, stream: &str, filter: &str) -> Result
         .map_err(|e| e.to_string())?;
     let total = c.info().await.map_err(|e| e.to_string())?.num_pending;
     let mut out = Vec::with_capacity(usize::try_from(total).unwrap_or(0));
+    let short = |out: &[Rec]| {
+        let read_last = out.last().map_or(0, |r| r.seq);
+        (filter.is_empty() && read_last < leader_last).then(|| {
+            format!(
+                "{stream}: the reader's replica holds through {read_last}, the leader through {leader_last}"
+            )
+        })
+    };
     if total == 0 {
-        return Ok(out);
+        return short(&out).map_or(Ok(out), Err);
     }
     let mut msgs = c.messages().await.map_err(|e| e.to_string())?;
     while (out.len() as u64) < total {
@@ -829,12 +845,13 @@ async fn read_all(js: &jetstream::Context, stream: &str, filter: &str) -> Result
                 .join(" "),
         });
     }
-    Ok(out)
+    short(&out).map_or(Ok(out), Err)
 }
 
+/// [`read_all`], retried for up to a minute (a replica catching up after a heal).
 async fn read_all_retrying(js: &jetstream::Context, stream: &str, filter: &str) -> Vec<Rec> {
     let mut last = String::new();
-    for _ in 0..5 {
+    for _ in 0..60 {
         match read_all(js, stream, filter).await {
             Ok(v) => return v,
             Err(e) => last = e,
