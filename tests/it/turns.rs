@@ -1142,6 +1142,49 @@ async fn turn_record(js: &jetstream::Context, conv: &str) -> Option<(String, Val
     None
 }
 
+/// Decide the open turn `open` (record `key` at `open_rev`) with `winner` as an owner of another
+/// term (writer 7) would: a compare-and-set write of the decided record. Its revision.
+async fn decide_as_another_owner(
+    bed: &Bed,
+    key: &str,
+    open: &Value,
+    open_rev: u64,
+    winner: Value,
+) -> u64 {
+    let mut decided = open.clone();
+    decided["state"] = json!("decided");
+    decided["winner"] = winner;
+    decided["writer"] = json!(7);
+    let kv = bed.js.get_key_value("collab_turns").await.expect("bucket");
+    kv.update(
+        key,
+        serde_json::to_vec(&decided).expect("JSON").into(),
+        open_rev,
+    )
+    .await
+    .expect("the decision is written")
+}
+
+/// Wait until partition 0's published checkpoint has `field` (`through` or `base`) at
+/// `at_least` or above.
+async fn wait_checkpoint(bed: &Bed, field: &'static str, at_least: u64) {
+    let kv = bed.js.get_key_value("collab_turns").await.expect("bucket");
+    let what = format!("the checkpoint's {field} reaches {at_least}");
+    wait_until(WAIT, &what, || {
+        let kv = kv.clone();
+        async move {
+            let Ok(Some(v)) = kv.get("ck.p0").await else {
+                return false;
+            };
+            serde_json::from_slice::<Value>(&v)
+                .ok()
+                .and_then(|c| c[field].as_u64())
+                .is_some_and(|v| v >= at_least)
+        }
+    })
+    .await;
+}
+
 /// A decision whose record is stored while none of the outputs before it are (an atomic batch
 /// refused whole holds the inputs before the reply as well as the response): after a restart
 /// the response is published where its reply stands, after the send's projection, not ahead of
@@ -1222,22 +1265,11 @@ async fn a_previous_owners_late_decision_is_published_even_below_the_checkpoint(
 
     // The late write: a decision by another ownership term, compare-and-set on the open record
     // as the paused owner would have sent it.
-    let mut decided = open.clone();
-    decided["state"] = json!("decided");
-    decided["winner"] = json!({
+    let winner = json!({
         "blocked": "timeout", "synthesized": true, "by": "deadline",
         "atMs": open["deadlineMs"],
     });
-    decided["writer"] = json!(7);
-    let kv = bed.js.get_key_value("collab_turns").await.expect("bucket");
-    let stale_rev = kv
-        .update(
-            &key_of_stale,
-            serde_json::to_vec(&decided).expect("JSON").into(),
-            open_rev,
-        )
-        .await
-        .expect("the late decision is written");
+    let stale_rev = decide_as_another_owner(&bed, &key_of_stale, &open, open_rev, winner).await;
 
     // The owner decides a turn of its own after it, and its checkpoint moves past the late write.
     bed.publish(&send(
@@ -1248,19 +1280,7 @@ async fn a_previous_owners_late_decision_is_published_even_below_the_checkpoint(
     bed.publish(&reply("c-own", json!({"message": "shipped"})))
         .await;
     bed.wait_responses(&[key("c-own", "0")]).await;
-    wait_until(WAIT, "the checkpoint covers the late write", || {
-        let kv = kv.clone();
-        async move {
-            let Ok(Some(v)) = kv.get("ck.p0").await else {
-                return false;
-            };
-            serde_json::from_slice::<Value>(&v)
-                .ok()
-                .and_then(|c| c["through"].as_u64())
-                .is_some_and(|t| t > stale_rev)
-        }
-    })
-    .await;
+    wait_checkpoint(&bed, "through", stale_rev + 1).await;
     assert!(
         bed.responses()
             .await
@@ -1312,41 +1332,14 @@ async fn a_decision_found_at_reload_is_vouched_for_once_its_response_is_stored()
         .await
         .expect("the open turn has a record");
     assert_eq!(open["state"], "open", "{open:#}");
-    let mut decided = open.clone();
-    decided["state"] = json!("decided");
-    decided["winner"] = json!({
+    let winner = json!({
         "seq": reply_seq, "synthesized": false, "by": "a2a.response", "atMs": now_ms(),
     });
-    decided["writer"] = json!(7);
-    let kv = bed.js.get_key_value("collab_turns").await.expect("bucket");
-    let decided_rev = kv
-        .update(
-            &turn_key,
-            serde_json::to_vec(&decided).expect("JSON").into(),
-            open_rev,
-        )
-        .await
-        .expect("the decision is written");
+    let decided_rev = decide_as_another_owner(&bed, &turn_key, &open, open_rev, winner).await;
 
     let mut second = bed.projector(&[]);
     bed.wait_responses(&[key("c-found", "0")]).await;
-    wait_until(
-        WAIT,
-        "the checkpoint vouches for the found decision",
-        || {
-            let kv = kv.clone();
-            async move {
-                let Ok(Some(v)) = kv.get("ck.p0").await else {
-                    return false;
-                };
-                serde_json::from_slice::<Value>(&v)
-                    .ok()
-                    .and_then(|c| c["base"].as_u64())
-                    .is_some_and(|b| b >= decided_rev)
-            }
-        },
-    )
-    .await;
+    wait_checkpoint(&bed, "base", decided_rev).await;
 
     // The next owner has nothing to publish again, and the turn keeps its one response.
     second.kill9();
