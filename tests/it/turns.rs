@@ -1142,6 +1142,20 @@ async fn turn_record(js: &jetstream::Context, conv: &str) -> Option<(String, Val
     None
 }
 
+/// The open record of `conv`'s turn once it is written (within `turns.open_write_delay` of the
+/// send): its key, value and revision.
+async fn open_record(bed: &Bed, conv: &str) -> (String, Value, u64) {
+    wait_until(WAIT, "the open turn has a record", || async {
+        turn_record(&bed.js, conv).await.is_some()
+    })
+    .await;
+    let (key, open, rev) = turn_record(&bed.js, conv)
+        .await
+        .expect("the open turn has a record");
+    assert_eq!(open["state"], "open", "{open:#}");
+    (key, open, rev)
+}
+
 /// Decide the open turn `open` (record `key` at `open_rev`) with `winner` as an owner of another
 /// term (writer 7) would: a compare-and-set write of the decided record. Its revision.
 async fn decide_as_another_owner(
@@ -1253,15 +1267,7 @@ async fn a_previous_owners_late_decision_is_published_even_below_the_checkpoint(
         json!({"message": "plan it", "timeoutMs": 600_000}),
     )
     .await;
-    // The open record is written within `turns.open_write_delay` of the send.
-    wait_until(WAIT, "the open turn has a record", || async {
-        turn_record(&bed.js, "c-stale").await.is_some()
-    })
-    .await;
-    let (key_of_stale, open, open_rev) = turn_record(&bed.js, "c-stale")
-        .await
-        .expect("the open turn has a record");
-    assert_eq!(open["state"], "open", "{open:#}");
+    let (key_of_stale, open, open_rev) = open_record(&bed, "c-stale").await;
 
     // The late write: a decision by another ownership term, compare-and-set on the open record
     // as the paused owner would have sent it.
@@ -1316,10 +1322,7 @@ async fn a_decision_found_at_reload_is_vouched_for_once_its_response_is_stored()
         json!({"message": "index it", "timeoutMs": 600_000}),
     ))
     .await;
-    wait_until(WAIT, "the open turn has a record", || async {
-        turn_record(&bed.js, "c-found").await.is_some()
-    })
-    .await;
+    let (turn_key, open, open_rev) = open_record(&bed, "c-found").await;
     first.kill9();
     first.wait_exit(WAIT).await;
 
@@ -1328,10 +1331,6 @@ async fn a_decision_found_at_reload_is_vouched_for_once_its_response_is_stored()
     let reply_seq = bed
         .publish(&reply("c-found", json!({"message": "indexed"})))
         .await;
-    let (turn_key, open, open_rev) = turn_record(&bed.js, "c-found")
-        .await
-        .expect("the open turn has a record");
-    assert_eq!(open["state"], "open", "{open:#}");
     let winner = json!({
         "seq": reply_seq, "synthesized": false, "by": "a2a.response", "atMs": now_ms(),
     });
