@@ -164,15 +164,14 @@ pub enum Flush {
     All,
 }
 
-/// A decided turn whose response is in this group: once the response is stored, the decision's
-/// revision counts towards the partition's published checkpoint.
-pub struct Mark {
-    key: String,
-    after: Rev,
-    /// A decision the reload found unpublished (see [`Checkpoint::awaits`]): its revision says
-    /// nothing about this owner's decisions, but once every such one is stored the checkpoint
-    /// vouches for all the reload read.
-    found: bool,
+/// A decided turn whose response is in this group, counted towards the partition's published
+/// checkpoint once the response is stored.
+pub enum Mark {
+    /// This owner's decision: its revision (once its write is acknowledged) raises `through`.
+    Decided { key: String, after: Rev },
+    /// A decision the reload found unpublished (see [`Checkpoint::claim`]): once every such one
+    /// is stored, `base` covers all the reload read.
+    Found { key: String },
 }
 
 /// What a reload reads of most records: a [`TurnRecord`]'s state, deadline and writer.
@@ -302,19 +301,23 @@ impl Checkpoint {
     /// Count the decisions of a group whose responses are now stored.
     pub async fn stored(&mut self, marks: Vec<Mark>) -> Result<(), TurnIoError> {
         for m in marks {
-            if m.found {
-                if self.found.remove(&m.key) && self.found.is_empty() {
-                    // Every decided record the reload read is stored now: the previous owners'
-                    // ones it found unpublished included, so no later reload looks them up again.
-                    self.base = self.base.max(self.reloaded);
+            match m {
+                Mark::Decided { key, after } => {
+                    let rev = resolve(&key, &after).await?;
                     self.through
-                        .fetch_max(self.reloaded, std::sync::atomic::Ordering::Relaxed);
+                        .fetch_max(rev, std::sync::atomic::Ordering::Relaxed);
                 }
-                continue;
+                Mark::Found { key } => {
+                    if self.found.remove(&key) && self.found.is_empty() {
+                        // Every decided record the reload read is stored now, the previous
+                        // owners' ones it found unpublished included: no later reload looks them
+                        // up again.
+                        self.base = self.base.max(self.reloaded);
+                        self.through
+                            .fetch_max(self.reloaded, std::sync::atomic::Ordering::Relaxed);
+                    }
+                }
             }
-            let rev = resolve(&m.key, &m.after).await?;
-            self.through
-                .fetch_max(rev, std::sync::atomic::Ordering::Relaxed);
         }
         Ok(())
     }
@@ -350,21 +353,23 @@ impl Checkpoint {
     /// Write the checkpoint whether or not it moved: a new owner claims it before deciding
     /// anything, so a previous owner's late write (a paused process whose lease lapsed) fails its
     /// compare-and-set instead of vouching for this owner's decisions. `verified`: every decision
-    /// at or below this revision has its response stored (the reload saw to it).
-    async fn claim(&mut self, verified: u64) -> Result<(), TurnIoError> {
+    /// at or below this revision has its response stored (the reload saw to it). `found`: the
+    /// decisions the reload found unpublished and left to be published where their winners stand;
+    /// once each is stored (its [`Mark::Found`]), `base` rises to `highest`, the highest revision
+    /// the reload read. Without that, a decision a previous owner left unpublished would stay
+    /// above every later checkpoint's base, and every later reload would publish it again.
+    async fn claim(
+        &mut self,
+        verified: u64,
+        found: std::collections::BTreeSet<String>,
+        highest: u64,
+    ) -> Result<(), TurnIoError> {
+        self.found = found;
+        self.reloaded = highest;
         self.base = verified;
         self.through
             .store(verified, std::sync::atomic::Ordering::Relaxed);
         self.write(verified).await
-    }
-
-    /// After the claim: the decisions the reload found unpublished (`keys`, published where
-    /// their winners stand) and the highest revision it read. Without this, a decision a
-    /// previous owner left unpublished would stay below no checkpoint's base for good, and every
-    /// later owner's reload would look it up and publish it again.
-    fn awaits(&mut self, keys: impl IntoIterator<Item = String>, highest: u64) {
-        self.found = keys.into_iter().collect();
-        self.reloaded = highest;
     }
 
     async fn write(&mut self, through: u64) -> Result<(), TurnIoError> {
@@ -779,8 +784,8 @@ impl PartitionTurns {
         // publishing it. A previous owner's write landing later has a higher revision and is
         // not vouched for.
         self.verified_through = highest;
-        checkpoint.claim(verified).await?;
-        checkpoint.awaits(self.awaiting.iter().map(|a| a.key.clone()), highest);
+        let found = self.awaiting.iter().map(|a| a.key.clone()).collect();
+        checkpoint.claim(verified, found, highest).await?;
         self.report_open();
         Ok((loaded, checkpoint))
     }
@@ -1160,10 +1165,9 @@ impl PartitionTurns {
         let outs = self.response(shared, key, rec, current).await?;
         crash_point("after_decide");
         fx.outs.extend(outs);
-        fx.marks.push(Mark {
+        fx.marks.push(Mark::Decided {
             key: key.to_string(),
             after: rev,
-            found: false,
         });
         // This owner wrote the decision and issued its response: to the turn rules the turn is
         // published (a crash before the mark leaves it decided in KV, and the reload republishes).
@@ -1581,11 +1585,7 @@ impl PartitionTurns {
             fx.outs.extend(outs);
         }
         // Counted once this input's outputs are stored (none when the response was already).
-        fx.marks.push(Mark {
-            key: a.key,
-            after: Rev::Known(0),
-            found: true,
-        });
+        fx.marks.push(Mark::Found { key: a.key });
         Ok(())
     }
 

@@ -1142,6 +1142,15 @@ async fn turn_record(js: &jetstream::Context, conv: &str) -> Option<(String, Val
     None
 }
 
+/// Send turn 0 of `conv` (`ask`: its message and timeout in ms), reply with `answer`, and wait
+/// for its response.
+async fn answer_turn(bed: &Bed, conv: &str, ask: (&str, u64), answer: &str) {
+    bed.publish(&send(conv, json!({"message": ask.0, "timeoutMs": ask.1})))
+        .await;
+    bed.publish(&reply(conv, json!({"message": answer}))).await;
+    bed.wait_responses(&[key(conv, "0")]).await;
+}
+
 /// The open record of `conv`'s turn once it is written (within `turns.open_write_delay` of the
 /// send): its key, value and revision.
 async fn open_record(bed: &Bed, conv: &str) -> (String, Value, u64) {
@@ -1278,14 +1287,7 @@ async fn a_previous_owners_late_decision_is_published_even_below_the_checkpoint(
     let stale_rev = decide_as_another_owner(&bed, &key_of_stale, &open, open_rev, winner).await;
 
     // The owner decides a turn of its own after it, and its checkpoint moves past the late write.
-    bed.publish(&send(
-        "c-own",
-        json!({"message": "ship it", "timeoutMs": 60_000}),
-    ))
-    .await;
-    bed.publish(&reply("c-own", json!({"message": "shipped"})))
-        .await;
-    bed.wait_responses(&[key("c-own", "0")]).await;
+    answer_turn(&bed, "c-own", ("ship it", 60_000), "shipped").await;
     wait_checkpoint(&bed, "through", stale_rev + 1).await;
     assert!(
         bed.responses()
@@ -1344,14 +1346,7 @@ async fn a_decision_found_at_reload_is_vouched_for_once_its_response_is_stored()
     second.kill9();
     second.wait_exit(WAIT).await;
     let _third = bed.projector(&[]);
-    bed.publish(&send(
-        "c-after",
-        json!({"message": "next", "timeoutMs": 600_000}),
-    ))
-    .await;
-    bed.publish(&reply("c-after", json!({"message": "done"})))
-        .await;
-    bed.wait_responses(&[key("c-after", "0")]).await;
+    answer_turn(&bed, "c-after", ("next", 600_000), "done").await;
     bed.settle(&["c-found", "c-after"]).await;
     let one = one_per_turn(
         &bed.responses().await,
