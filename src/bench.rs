@@ -104,10 +104,13 @@ pub enum Part {
     /// Where the time goes: 2 and 3 again with the turn contract switched off
     /// (`turns.enforce_roles = []`), then without the work-session fold.
     Breakdown,
+    /// 9 and 10: the ceiling: the passthrough doing the pipeline's pure core on each input and
+    /// publishing its projections, with none of its guarantees, on the mix and on turns.
+    Ceiling,
 }
 
 impl Part {
-    pub const ALL: [Part; 7] = [
+    pub const ALL: [Part; 8] = [
         Part::Baseline,
         Part::Mixed,
         Part::Turns,
@@ -115,6 +118,7 @@ impl Part {
         Part::Latency,
         Part::TurnBook,
         Part::Breakdown,
+        Part::Ceiling,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -126,6 +130,7 @@ impl Part {
             Part::Latency => "latency",
             Part::TurnBook => "turnbook",
             Part::Breakdown => "breakdown",
+            Part::Ceiling => "ceiling",
         }
     }
 }
@@ -305,6 +310,10 @@ pub struct Ratios {
     pub mixed_over_baseline: Option<f64>,
     pub turns_over_baseline: Option<f64>,
     pub baseline_over_naive: Option<f64>,
+    /// The ceiling's (9, 10) rates over the baseline: what the pure core alone leaves of the
+    /// passthrough's rate on this machine.
+    pub ceiling_mixed_over_baseline: Option<f64>,
+    pub ceiling_turns_over_baseline: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -760,8 +769,7 @@ async fn preload(
 /// `consumer.publish_window` publish acks in flight, the pipeline's own budget), acknowledge
 /// each input after its publish ack. No other logic.
 struct Passthrough {
-    done: Arc<AtomicU64>,
-    first: Arc<OnceLock<Instant>>,
+    progress: Arc<CopyProgress>,
     cancel: CancellationToken,
     task: tokio::task::JoinHandle<Result<(), String>>,
 }
@@ -809,7 +817,11 @@ impl ReadLayout {
     }
 }
 
-async fn start_passthrough(env: &Env, layout: ReadLayout) -> Result<Passthrough, BenchError> {
+async fn start_passthrough(
+    env: &Env,
+    layout: ReadLayout,
+    core: Option<Arc<CoreWork>>,
+) -> Result<Passthrough, BenchError> {
     let names = env.names();
     // The pipeline's own publish window, so both sides may hold as many publish acks in flight.
     let window = env.settings.consumer.publish_window;
@@ -857,8 +869,7 @@ async fn start_passthrough(env: &Env, layout: ReadLayout) -> Result<Passthrough,
             })
             .collect(),
     };
-    let done = Arc::new(AtomicU64::new(0));
-    let first = Arc::new(OnceLock::new());
+    let progress = Arc::new(CopyProgress::default());
     let cancel = CancellationToken::new();
     let mut copies = Vec::new();
     for (i, durable, mut subjects) in filters {
@@ -885,9 +896,9 @@ async fn start_passthrough(env: &Env, layout: ReadLayout) -> Result<Passthrough,
             js.clone(),
             window,
             names.prefix.clone(),
-            done.clone(),
-            first.clone(),
+            progress.clone(),
             cancel.clone(),
+            core.clone(),
         )));
     }
     let task = tokio::spawn(async move {
@@ -897,22 +908,39 @@ async fn start_passthrough(env: &Env, layout: ReadLayout) -> Result<Passthrough,
         Ok(())
     });
     Ok(Passthrough {
-        done,
-        first,
+        progress,
         cancel,
         task,
     })
 }
 
+/// A copier's progress: inputs acknowledged, outputs stored, and when the first input came.
+#[derive(Default)]
+struct CopyProgress {
+    done: AtomicU64,
+    outputs: AtomicU64,
+    first: OnceLock<Instant>,
+}
+
+/// What a ceiling copier does to each input: the pipeline's pure core (parse, normalise,
+/// redact, classify, serialise; a rejected input's dead letter), none of its guarantees.
+struct CoreWork {
+    names: Names,
+    ingest: crate::ingest::Settings,
+    max_deliver: i64,
+}
+
 /// One copier: pull batches of 1000, republish with a Msg-Id, acknowledge after the publish ack.
+/// With `core`, each input's projections (the pure core's outputs) are published instead of the
+/// input itself, and the input is acknowledged after the last one's publish ack.
 async fn copy_loop(
     consumer: PullConsumer,
     js: jetstream::Context,
     window: usize,
     prefix: String,
-    d: Arc<AtomicU64>,
-    f: Arc<OnceLock<Instant>>,
+    progress: Arc<CopyProgress>,
     c: CancellationToken,
+    core: Option<Arc<CoreWork>>,
 ) -> Result<(), String> {
     let in_prefix = format!("{prefix}.in.");
     let out_prefix = format!("{prefix}.proj.passthrough.");
@@ -922,12 +950,18 @@ async fn copy_loop(
         .messages()
         .await
         .map_err(|e| e.to_string())?;
-    let (tx, mut rx) = mpsc::channel::<(jetstream::Message, PublishAckFuture)>(window.max(1));
+    // Publish acks in order; an input rides with the ack of its last output.
+    let (tx, mut rx) =
+        mpsc::channel::<(Option<jetstream::Message>, PublishAckFuture)>(window.max(1));
+    let acked = progress.clone();
     let acker = tokio::spawn(async move {
         while let Some((m, fut)) = rx.recv().await {
             fut.await.map_err(|e| e.to_string())?;
-            m.ack().await.map_err(|e| e.to_string())?;
-            d.fetch_add(1, Ordering::Relaxed);
+            acked.outputs.fetch_add(1, Ordering::Relaxed);
+            if let Some(m) = m {
+                m.ack().await.map_err(|e| e.to_string())?;
+                acked.done.fetch_add(1, Ordering::Relaxed);
+            }
         }
         Ok::<(), String>(())
     });
@@ -938,7 +972,49 @@ async fn copy_loop(
         };
         let Some(m) = next else { break };
         let m = m.map_err(|e| e.to_string())?;
-        f.get_or_init(Instant::now);
+        progress.first.get_or_init(Instant::now);
+        if let Some(core) = &core {
+            let outs = {
+                let info = m.info().map_err(|e| e.to_string())?;
+                let raw = RawMessage {
+                    bytes: &m.payload,
+                    stream: info.stream,
+                    seq: info.stream_sequence,
+                    stored_subject: m.subject.as_str(),
+                    stored_at: info.published,
+                    delivered: info.delivered,
+                    headers: m.headers.as_ref(),
+                    producer: Default::default(),
+                };
+                pipeline::project(&raw, &core.names, &core.ingest, core.max_deliver)
+            };
+            let mut input = Some(m);
+            let last = outs.len().saturating_sub(1);
+            for (i, out) in outs.into_iter().enumerate() {
+                let mut headers = async_nats::HeaderMap::new();
+                for (name, value) in &out.headers {
+                    headers.insert(*name, value.as_str());
+                }
+                let publish = PublishMessage::build()
+                    .payload(out.payload)
+                    .headers(headers)
+                    .message_id(out.msg_id.as_str());
+                let fut = js
+                    .send_publish(out.subject, publish)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let with = if i == last { input.take() } else { None };
+                if tx.send((with, fut)).await.is_err() {
+                    break;
+                }
+            }
+            // An input with no output at all is done as it is.
+            if let Some(m) = input {
+                m.ack().await.map_err(|e| e.to_string())?;
+                progress.done.fetch_add(1, Ordering::Relaxed);
+            }
+            continue;
+        }
         let (stream, seq) = match m.info() {
             Ok(i) => (i.stream.to_string(), i.stream_sequence),
             Err(e) => return Err(e.to_string()),
@@ -952,7 +1028,7 @@ async fn copy_loop(
             .send_publish(format!("{out_prefix}{tail}"), publish)
             .await
             .map_err(|e| e.to_string())?;
-        if tx.send((m, fut)).await.is_err() {
+        if tx.send((Some(m), fut)).await.is_err() {
             break;
         }
     }
@@ -981,19 +1057,52 @@ async fn throughput_baseline(
     env: &Env,
     opts: &BenchOptions,
 ) -> Result<ThroughputResult, BenchError> {
+    throughput_copy(env, opts, 1, Mix::REALISTIC, "baseline passthrough", false).await
+}
+
+/// A copier's run: the passthrough (scenario 1), or with `core` the ceiling (9 and 10): the
+/// passthrough's single consumer and publish, doing the pipeline's pure core on each input and
+/// publishing its projections, with none of the pipeline's guarantees (no partitions, leases,
+/// fence, turn contract or work-session fold).
+async fn throughput_copy(
+    env: &Env,
+    opts: &BenchOptions,
+    id: u8,
+    mix: Mix,
+    name: &str,
+    core: bool,
+) -> Result<ThroughputResult, BenchError> {
     // A layout the run cannot use fails before anything is preloaded.
-    let layout = ReadLayout::from_env(env.settings.nats.partitions, env.names().shards())?;
+    let layout = if core {
+        ReadLayout::Whole
+    } else {
+        ReadLayout::from_env(env.settings.nats.partitions, env.names().shards())?
+    };
+    let work = if core {
+        Some(Arc::new(CoreWork {
+            names: env.names(),
+            ingest: env.settings.ingest()?,
+            max_deliver: env.settings.consumer.max_deliver,
+        }))
+    } else {
+        None
+    };
     env.provision().await?;
     let n = opts.messages;
-    let avg = preload(env, opts, Mix::REALISTIC, n, "1 baseline").await?;
-    let pb = bar(opts, n as u64, "1 baseline: run");
+    let label = format!("{id} {name}");
+    let avg = preload(env, opts, mix, n, &label).await?;
+    let pb = bar(opts, n as u64, &format!("{label}: run"));
     let started = Instant::now();
-    let copy = start_passthrough(env, layout).await?;
-    let (t0, mark0) =
-        wait_first(|| copy.first.get().copied(), env, Duration::from_secs(30)).await?;
+    let copy = start_passthrough(env, layout, work).await?;
+    let (t0, mark0) = wait_first(
+        || copy.progress.first.get().copied(),
+        env,
+        Duration::from_secs(30),
+    )
+    .await?;
     let mut watch = StallWatch::new();
     loop {
-        let done = copy.done.load(Ordering::Relaxed);
+        let done = copy.progress.done.load(Ordering::Relaxed);
         pb.set_position(done);
         if done >= n as u64 {
             break;
@@ -1009,14 +1118,15 @@ async fn throughput_baseline(
     }
     let mark1 = CpuMark::now(env.server_pid());
     pb.finish_and_clear();
+    let copy_outputs = copy.progress.outputs.load(Ordering::Relaxed);
     copy.stop().await?;
     let seconds = (mark1.at - t0).as_secs_f64();
     let (server, worker) = mark0.cores_until(&mark1);
     Ok(ThroughputResult {
-        id: 1,
-        scenario: "baseline passthrough".into(),
+        id,
+        scenario: name.into(),
         inputs: n as u64,
-        outputs: n as u64,
+        outputs: copy_outputs,
         dead_lettered: 0,
         avg_input_bytes: avg,
         seconds,
@@ -1438,7 +1548,7 @@ async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyRe
         "full pipeline, mixed"
     };
     let under = if id == 1 {
-        UnderTest::Baseline(start_passthrough(env, ReadLayout::Whole).await?)
+        UnderTest::Baseline(start_passthrough(env, ReadLayout::Whole, None).await?)
     } else {
         let (running, shared, cancel) = start_app(opts, env.settings()).await?;
         let ready = Instant::now() + Duration::from_secs(60);
@@ -1503,7 +1613,7 @@ async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyRe
     let wait_until = Instant::now() + Duration::from_secs(60);
     loop {
         let finished = match &under {
-            UnderTest::Baseline(c) => c.done.load(Ordering::Relaxed) >= sent as u64,
+            UnderTest::Baseline(c) => c.progress.done.load(Ordering::Relaxed) >= sent as u64,
             UnderTest::Pipeline(_, shared, _) => {
                 shared.state.inputs.load(Ordering::Relaxed) >= sent as u64 && env.drained().await
             }
@@ -2082,6 +2192,7 @@ async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
     run_latency(&opts, &mut report, &mut version).await?;
     run_turn_books(&opts, &model, &mut report, &mut version).await?;
     run_breakdown(&opts, &mut report, &mut version).await?;
+    run_ceiling(&opts, &mut report, &mut version).await?;
     report.machine.server_version = version.unwrap_or_default();
     report.machine.load_end = loadavg();
     report.machine.wall_seconds = wall.elapsed().as_secs_f64();
@@ -2321,6 +2432,30 @@ async fn run_breakdown(
     Ok(())
 }
 
+/// Scenarios 9 and 10: the ceiling, on the mix and on turn-only traffic.
+async fn run_ceiling(
+    opts: &BenchOptions,
+    report: &mut BenchReport,
+    version: &mut Option<String>,
+) -> Result<(), BenchError> {
+    if !opts.parts.contains(&Part::Ceiling) {
+        return Ok(());
+    }
+    for (id, mix, name) in [
+        (9u8, Mix::REALISTIC, "ceiling: core only, mixed"),
+        (10, Mix::TURNS_ONLY, "ceiling: core only, turns"),
+    ] {
+        let env = open_env(opts, &format!("ceiling{id}"), version).await?;
+        let r = throughput_copy(&env, opts, id, mix, name, true).await;
+        env.close().await;
+        if let Some(r) = stalled(r, &format!("{id} {name}"), &mut report.notes)? {
+            say(opts, &format!("{id} {name}: {:.0} msg/s", r.msg_per_s));
+            report.throughput.push(r);
+        }
+    }
+    Ok(())
+}
+
 /// Ratios, targets and notes from the measurements.
 fn finish(report: &mut BenchReport) {
     report
@@ -2339,6 +2474,8 @@ fn finish(report: &mut BenchReport) {
         mixed_over_baseline: mixed.zip(base).map(|(a, b)| a / b),
         turns_over_baseline: turns_only.zip(base).map(|(a, b)| a / b),
         baseline_over_naive: base.zip(naive).map(|(a, b)| a / b),
+        ceiling_mixed_over_baseline: rate(9).zip(base).map(|(a, b)| a / b),
+        ceiling_turns_over_baseline: rate(10).zip(base).map(|(a, b)| a / b),
     };
     let mut targets = Vec::new();
     let mut ratio_target = |name: &str, v: Option<f64>, min: f64| {
@@ -2540,10 +2677,12 @@ fn render_throughput(s: &mut String, throughput: &[ThroughputResult], r: &Ratios
     }
     let _ = writeln!(
         s,
-        "ratios: 2/1 {}   3/1 {}   1/4 {}",
+        "ratios: 2/1 {}   3/1 {}   1/4 {}   9/1 {}   10/1 {}",
         opt(r.mixed_over_baseline, 2),
         opt(r.turns_over_baseline, 2),
-        opt(r.baseline_over_naive, 1)
+        opt(r.baseline_over_naive, 1),
+        opt(r.ceiling_mixed_over_baseline, 2),
+        opt(r.ceiling_turns_over_baseline, 2)
     );
 }
 
@@ -2651,7 +2790,8 @@ fn render_targets(s: &mut String, targets: &[TargetResult], notes: &[String]) {
 /// `load` (1-minute load average at the start), `baseline`, `mixed`, `turns` (msg/s),
 /// `mixed_ratio`, `turns_ratio` (over the baseline), `p99_ms`, `p99_base_ms`, `p99_ratio` (at the
 /// latency runs' rate), `mixed_wkr_us`, `mixed_srv_us`, `turns_wkr_us`, `turns_srv_us` (CPU per
-/// input).
+/// input), `ceiling_mixed`, `ceiling_turns` (msg/s of scenarios 9 and 10), `ceiling_mixed_ratio`,
+/// `ceiling_turns_ratio` (over the baseline).
 pub fn summary_line(report: &BenchReport) -> String {
     let num = |v: Option<f64>, digits: usize| {
         v.map_or_else(|| "-".to_string(), |v| format!("{v:.digits$}"))
@@ -2690,6 +2830,16 @@ pub fn summary_line(report: &BenchReport) -> String {
         format!(
             "turns_srv_us={}",
             num(run(3).and_then(|t| t.server_us_per_input), 1)
+        ),
+        format!("ceiling_mixed={}", rate(9)),
+        format!("ceiling_turns={}", rate(10)),
+        format!(
+            "ceiling_mixed_ratio={}",
+            num(r.ceiling_mixed_over_baseline, 2)
+        ),
+        format!(
+            "ceiling_turns_ratio={}",
+            num(r.ceiling_turns_over_baseline, 2)
         ),
     ]
     .into_iter()
@@ -2903,6 +3053,7 @@ mod tests {
         assert_eq!(fields.get("mixed_ratio"), Some(&"0.40"), "{line}");
         assert_eq!(fields.get("mixed_wkr_us"), Some(&"31.3"), "{line}");
         assert_eq!(fields.get("turns"), Some(&"-"), "{line}");
-        assert_eq!(fields.len(), 13, "{line}");
+        assert_eq!(fields.get("ceiling_mixed_ratio"), Some(&"-"), "{line}");
+        assert_eq!(fields.len(), 17, "{line}");
     }
 }

@@ -326,7 +326,8 @@ struct BenchArgs {
     /// Probe sends per timer-lateness run.
     #[arg(long, default_value_t = 1_000)]
     probes: usize,
-    /// Run only these parts: baseline, mixed, turns, naive, latency, turnbook, breakdown.
+    /// Run only these parts: baseline, mixed, turns, naive, latency, turnbook, breakdown,
+    /// ceiling.
     #[arg(long, value_delimiter = ',')]
     only: Vec<collab_projector::bench::Part>,
     /// Partitions of the raw stream (default: the configured `nats.partitions`, which

@@ -27,7 +27,7 @@ async fn every_scenario_reports_a_throughput_and_the_report_is_json() {
     let ids: Vec<u8> = report.throughput.iter().map(|t| t.id).collect();
     assert_eq!(
         ids,
-        vec![1, 2, 3, 4, 5, 6, 7, 8],
+        vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
         "one row per throughput scenario"
     );
     for t in &report.throughput {
@@ -56,6 +56,12 @@ async fn every_scenario_reports_a_throughput_and_the_report_is_json() {
         );
     }
     assert!(report.ratios.mixed_over_baseline.is_some());
+    // The ceiling published the pure core's projections: an input of the mix makes at least one.
+    for id in [9, 10] {
+        let t = row(id).expect("the ceiling's row");
+        assert!(t.outputs >= t.inputs, "{id}: {t:?}");
+    }
+    assert!(report.ratios.ceiling_mixed_over_baseline.is_some());
     assert!(report.ratios.baseline_over_naive.is_some());
     assert_eq!(report.latency.len(), 2);
     for l in &report.latency {
@@ -69,7 +75,7 @@ async fn every_scenario_reports_a_throughput_and_the_report_is_json() {
 
     let json = serde_json::to_string(&report).expect("serialises");
     let back: serde_json::Value = serde_json::from_str(&json).expect("the JSON parses");
-    assert!(back["throughput"].as_array().is_some_and(|a| a.len() == 8));
+    assert!(back["throughput"].as_array().is_some_and(|a| a.len() == 10));
     assert!(back["targets"].as_array().is_some_and(|a| !a.is_empty()));
     assert!(bench::render(&report).contains("baseline passthrough"));
 }
