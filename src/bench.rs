@@ -2275,13 +2275,7 @@ async fn run_throughput(
         let env = open_env(opts, "base", version).await?;
         let r = throughput_baseline(&env, opts).await;
         env.close().await;
-        if let Some(r) = stalled(r, "1 baseline", &mut report.notes)? {
-            say(
-                opts,
-                &format!("1 baseline passthrough: {:.0} msg/s", r.msg_per_s),
-            );
-            report.throughput.push(r);
-        }
+        keep_throughput(opts, report, "1 baseline passthrough", r)?;
     }
     let pipelines = [
         (
@@ -2309,19 +2303,13 @@ async fn run_throughput(
             report.round_trips = Some(round_trips(&env).await?);
         }
         env.close().await;
-        if let Some(r) = stalled(r, &format!("{id} {name}"), &mut report.notes)? {
-            say(opts, &format!("{id} {name}: {:.0} msg/s", r.msg_per_s));
-            report.throughput.push(r);
-        }
+        keep_throughput(opts, report, &format!("{id} {name}"), r)?;
     }
     if opts.parts.contains(&Part::Naive) {
         let env = open_env(opts, "naive", version).await?;
         let r = throughput_naive(&env, opts).await;
         env.close().await;
-        if let Some(r) = stalled(r, "4 naive", &mut report.notes)? {
-            say(opts, &format!("4 naive: {:.0} msg/s", r.msg_per_s));
-            report.throughput.push(r);
-        }
+        keep_throughput(opts, report, "4 naive", r)?;
     }
     Ok(())
 }
@@ -2424,10 +2412,7 @@ async fn run_breakdown(
         let env = open_env(opts, &format!("breakdown{id}"), version).await?;
         let r = throughput_pipeline(&env, opts, id, mix, name, variant).await;
         env.close().await;
-        if let Some(r) = stalled(r, &format!("{id} {name}"), &mut report.notes)? {
-            say(opts, &format!("{id} {name}: {:.0} msg/s", r.msg_per_s));
-            report.throughput.push(r);
-        }
+        keep_throughput(opts, report, &format!("{id} {name}"), r)?;
     }
     Ok(())
 }
@@ -2448,10 +2433,21 @@ async fn run_ceiling(
         let env = open_env(opts, &format!("ceiling{id}"), version).await?;
         let r = throughput_copy(&env, opts, id, mix, name, true).await;
         env.close().await;
-        if let Some(r) = stalled(r, &format!("{id} {name}"), &mut report.notes)? {
-            say(opts, &format!("{id} {name}: {:.0} msg/s", r.msg_per_s));
-            report.throughput.push(r);
-        }
+        keep_throughput(opts, report, &format!("{id} {name}"), r)?;
+    }
+    Ok(())
+}
+
+/// Keeps a throughput scenario's result and says its rate; a stalled one becomes a note.
+fn keep_throughput(
+    opts: &BenchOptions,
+    report: &mut BenchReport,
+    label: &str,
+    r: Result<ThroughputResult, BenchError>,
+) -> Result<(), BenchError> {
+    if let Some(r) = stalled(r, label, &mut report.notes)? {
+        say(opts, &format!("{label}: {:.0} msg/s", r.msg_per_s));
+        report.throughput.push(r);
     }
     Ok(())
 }
