@@ -976,16 +976,7 @@ async fn copy_loop(
         if let Some(core) = &core {
             let outs = {
                 let info = m.info().map_err(|e| e.to_string())?;
-                let raw = RawMessage {
-                    bytes: &m.payload,
-                    stream: info.stream,
-                    seq: info.stream_sequence,
-                    stored_subject: m.subject.as_str(),
-                    stored_at: info.published,
-                    delivered: info.delivered,
-                    headers: m.headers.as_ref(),
-                    producer: Default::default(),
-                };
+                let raw = RawMessage::delivered(&m, &info);
                 pipeline::project(&raw, &core.names, &core.ingest, core.max_deliver)
             };
             let mut input = Some(m);
@@ -1434,16 +1425,7 @@ async fn throughput_naive(env: &Env, opts: &BenchOptions) -> Result<ThroughputRe
             mark0 = Some(CpuMark::now(env.server_pid()));
         }
         let info = m.info().ctx("message info")?;
-        let raw = RawMessage {
-            bytes: &m.payload,
-            stream: info.stream,
-            seq: info.stream_sequence,
-            stored_subject: m.subject.as_str(),
-            stored_at: info.published,
-            delivered: info.delivered,
-            headers: None,
-            producer: Default::default(),
-        };
+        let raw = RawMessage::delivered(&m, &info);
         for out in pipeline::project(&raw, &names, &ing, settings.consumer.max_deliver) {
             let mut publish = PublishMessage::build()
                 .payload(out.payload.clone())
@@ -2191,8 +2173,7 @@ async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
     run_throughput(&opts, &mut report, &mut version).await?;
     run_latency(&opts, &mut report, &mut version).await?;
     run_turn_books(&opts, &model, &mut report, &mut version).await?;
-    run_breakdown(&opts, &mut report, &mut version).await?;
-    run_ceiling(&opts, &mut report, &mut version).await?;
+    run_comparisons(&opts, &mut report, &mut version).await?;
     report.machine.server_version = version.unwrap_or_default();
     report.machine.load_end = loadavg();
     report.machine.wall_seconds = wall.elapsed().as_secs_f64();
@@ -2374,64 +2355,67 @@ async fn run_turn_books(
     Ok(())
 }
 
-/// Scenarios 5 and 6: scenarios 2 and 3 without the turn contract.
-async fn run_breakdown(
+/// Scenarios 5 to 8 (`breakdown`: 2 and 3 without the turn contract, then without the
+/// work-session fold) and 9 and 10 (`ceiling`: the passthrough doing the pure core).
+async fn run_comparisons(
     opts: &BenchOptions,
     report: &mut BenchReport,
     version: &mut Option<String>,
 ) -> Result<(), BenchError> {
-    if !opts.parts.contains(&Part::Breakdown) {
-        return Ok(());
-    }
-    for (id, mix, name, variant) in [
+    use Variant::{WithoutContract, WithoutFold};
+    let runs = [
         (
+            Part::Breakdown,
             5u8,
             Mix::REALISTIC,
             "2 without the turn contract",
-            Variant::WithoutContract,
+            Some(WithoutContract),
         ),
         (
-            6u8,
+            Part::Breakdown,
+            6,
             Mix::TURNS_ONLY,
             "3 without the turn contract",
-            Variant::WithoutContract,
+            Some(WithoutContract),
         ),
         (
-            7u8,
+            Part::Breakdown,
+            7,
             Mix::REALISTIC,
             "2 without the session fold",
-            Variant::WithoutFold,
+            Some(WithoutFold),
         ),
         (
-            8u8,
+            Part::Breakdown,
+            8,
             Mix::TURNS_ONLY,
             "3 without the session fold",
-            Variant::WithoutFold,
+            Some(WithoutFold),
         ),
-    ] {
-        let env = open_env(opts, &format!("breakdown{id}"), version).await?;
-        let r = throughput_pipeline(&env, opts, id, mix, name, variant).await;
-        env.close().await;
-        keep_throughput(opts, report, &format!("{id} {name}"), r)?;
-    }
-    Ok(())
-}
-
-/// Scenarios 9 and 10: the ceiling, on the mix and on turn-only traffic.
-async fn run_ceiling(
-    opts: &BenchOptions,
-    report: &mut BenchReport,
-    version: &mut Option<String>,
-) -> Result<(), BenchError> {
-    if !opts.parts.contains(&Part::Ceiling) {
-        return Ok(());
-    }
-    for (id, mix, name) in [
-        (9u8, Mix::REALISTIC, "ceiling: core only, mixed"),
-        (10, Mix::TURNS_ONLY, "ceiling: core only, turns"),
-    ] {
-        let env = open_env(opts, &format!("ceiling{id}"), version).await?;
-        let r = throughput_copy(&env, opts, id, mix, name, true).await;
+        (
+            Part::Ceiling,
+            9,
+            Mix::REALISTIC,
+            "ceiling: core only, mixed",
+            None,
+        ),
+        (
+            Part::Ceiling,
+            10,
+            Mix::TURNS_ONLY,
+            "ceiling: core only, turns",
+            None,
+        ),
+    ];
+    for (part, id, mix, name, variant) in runs {
+        if !opts.parts.contains(&part) {
+            continue;
+        }
+        let env = open_env(opts, &format!("{}{id}", part.as_str()), version).await?;
+        let r = match variant {
+            Some(variant) => throughput_pipeline(&env, opts, id, mix, name, variant).await,
+            None => throughput_copy(&env, opts, id, mix, name, true).await,
+        };
         env.close().await;
         keep_throughput(opts, report, &format!("{id} {name}"), r)?;
     }

@@ -69,7 +69,24 @@ pub struct RawMessage<'a> {
     pub producer: std::cell::OnceCell<String>,
 }
 
-impl RawMessage<'_> {
+impl<'a> RawMessage<'a> {
+    /// A delivered JetStream message, as its delivery's metadata `info` describes it.
+    pub fn delivered(
+        msg: &'a async_nats::jetstream::Message,
+        info: &async_nats::jetstream::message::Info<'a>,
+    ) -> RawMessage<'a> {
+        RawMessage {
+            bytes: &msg.payload,
+            stream: info.stream,
+            seq: info.stream_sequence,
+            stored_subject: msg.subject.as_str(),
+            stored_at: info.published,
+            delivered: info.delivered,
+            headers: msg.headers.as_ref(),
+            producer: Default::default(),
+        }
+    }
+
     /// The subject its producer published it on (see [`producer_subject`]).
     pub fn producer_subject(&self, names: &Names) -> &str {
         self.producer
