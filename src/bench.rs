@@ -922,12 +922,43 @@ struct CopyProgress {
     first: OnceLock<Instant>,
 }
 
-/// What a ceiling copier does to each input: the pipeline's pure core (parse, normalise,
-/// redact, classify, serialise; a rejected input's dead letter), none of its guarantees.
+/// What the ceiling and the naive pipeline do to each input: the pipeline's pure core (parse,
+/// normalise, redact, classify, serialise; a rejected input's dead letter), none of its
+/// guarantees.
 struct CoreWork {
     names: Names,
     ingest: crate::ingest::Settings,
     max_deliver: i64,
+}
+
+impl CoreWork {
+    fn new(env: &Env) -> Result<CoreWork, BenchError> {
+        Ok(CoreWork {
+            names: env.names(),
+            ingest: env.settings.ingest()?,
+            max_deliver: env.settings.consumer.max_deliver,
+        })
+    }
+
+    /// The outputs of the delivered message `m`.
+    fn project(&self, m: &jetstream::Message) -> Result<Vec<pipeline::Outgoing>, String> {
+        let info = m.info().map_err(|e| e.to_string())?;
+        let raw = RawMessage::from_delivery(m, &info);
+        Ok(pipeline::project(
+            &raw,
+            &self.names,
+            &self.ingest,
+            self.max_deliver,
+        ))
+    }
+}
+
+/// An output as published without a fence: its payload, its own headers and its Msg-Id.
+fn unfenced(out: &pipeline::Outgoing) -> PublishMessage {
+    PublishMessage::build()
+        .payload(out.payload.clone())
+        .headers(bus::publish::output_headers(out))
+        .message_id(out.msg_id.as_str())
 }
 
 /// One copier: pull batches of 1000, republish with a Msg-Id, acknowledge after the publish ack.
@@ -974,22 +1005,11 @@ async fn copy_loop(
         let m = m.map_err(|e| e.to_string())?;
         progress.first.get_or_init(Instant::now);
         if let Some(core) = &core {
-            let outs = {
-                let info = m.info().map_err(|e| e.to_string())?;
-                let raw = RawMessage::delivered(&m, &info);
-                pipeline::project(&raw, &core.names, &core.ingest, core.max_deliver)
-            };
+            let outs = core.project(&m)?;
             let mut input = Some(m);
             let last = outs.len().saturating_sub(1);
             for (i, out) in outs.into_iter().enumerate() {
-                let mut headers = async_nats::HeaderMap::new();
-                for (name, value) in &out.headers {
-                    headers.insert(*name, value.as_str());
-                }
-                let publish = PublishMessage::build()
-                    .payload(out.payload)
-                    .headers(headers)
-                    .message_id(out.msg_id.as_str());
+                let publish = unfenced(&out);
                 let fut = js
                     .send_publish(out.subject, publish)
                     .await
@@ -1063,20 +1083,13 @@ async fn throughput_copy(
     name: &str,
     core: bool,
 ) -> Result<ThroughputResult, BenchError> {
-    // A layout the run cannot use fails before anything is preloaded.
-    let layout = if core {
-        ReadLayout::Whole
+    // A layout the run cannot use fails before anything is preloaded. The ceiling reads as the
+    // reference passthrough does (`COLLAB_BENCH_PARTITIONED` is for the baseline).
+    let (layout, work) = if core {
+        (ReadLayout::Whole, Some(Arc::new(CoreWork::new(env)?)))
     } else {
-        ReadLayout::from_env(env.settings.nats.partitions, env.names().shards())?
-    };
-    let work = if core {
-        Some(Arc::new(CoreWork {
-            names: env.names(),
-            ingest: env.settings.ingest()?,
-            max_deliver: env.settings.consumer.max_deliver,
-        }))
-    } else {
-        None
+        let layout = ReadLayout::from_env(env.settings.nats.partitions, env.names().shards())?;
+        (layout, None)
     };
     env.provision().await?;
     let n = opts.messages;
@@ -1383,7 +1396,7 @@ async fn throughput_naive(env: &Env, opts: &BenchOptions) -> Result<ThroughputRe
     let avg = preload(env, opts, Mix::REALISTIC, n, "4 naive").await?;
     let settings = env.settings();
     let names = env.names();
-    let ing = settings.ingest()?;
+    let core = CoreWork::new(env)?;
     let (_client, js) = bus::connect(&env.url, Some(&settings.nats), 1024, "bench naive").await?;
     let stream = js.get_stream(&names.raw_stream).await.ctx("raw stream")?;
     let consumer: PullConsumer = stream
@@ -1424,16 +1437,9 @@ async fn throughput_naive(env: &Env, opts: &BenchOptions) -> Result<ThroughputRe
             t0 = Some(Instant::now());
             mark0 = Some(CpuMark::now(env.server_pid()));
         }
-        let info = m.info().ctx("message info")?;
-        let raw = RawMessage::delivered(&m, &info);
-        for out in pipeline::project(&raw, &names, &ing, settings.consumer.max_deliver) {
-            let mut publish = PublishMessage::build()
-                .payload(out.payload.clone())
-                .message_id(out.msg_id.as_str());
-            for (k, v) in &out.headers {
-                publish = publish.header(*k, v.as_str());
-            }
-            js.send_publish(out.subject.clone(), publish)
+        let outs = core.project(&m).map_err(nats_err("message info"))?;
+        for out in outs {
+            js.send_publish(out.subject.clone(), unfenced(&out))
                 .await
                 .ctx("publish")?
                 .await

@@ -71,7 +71,7 @@ pub struct RawMessage<'a> {
 
 impl<'a> RawMessage<'a> {
     /// A delivered JetStream message, as its delivery's metadata `info` describes it.
-    pub fn delivered(
+    pub fn from_delivery(
         msg: &'a async_nats::jetstream::Message,
         info: &async_nats::jetstream::message::Info<'a>,
     ) -> RawMessage<'a> {

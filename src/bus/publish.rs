@@ -126,16 +126,22 @@ impl Fence {
 
     /// The headers of `out` as sent: its own, then the fence expectation.
     pub fn headers(&self, out: &Outgoing) -> HeaderMap {
-        // Names from static strings are not copied (a `&str` name is, on every publish).
-        let mut headers = HeaderMap::new();
-        for (k, v) in &out.headers {
-            headers.insert(HeaderName::from_static(k), v.as_str());
-        }
+        let mut headers = output_headers(out);
         let (subject, seq) = self.of(out.kind);
         headers.insert(HeaderName::from_static(H_EXPECTED_SEQ), seq.to_string());
         headers.insert(HeaderName::from_static(H_EXPECTED_SUBJECT), subject);
         headers
     }
+}
+
+/// An output's own headers, without the fence's.
+pub fn output_headers(out: &Outgoing) -> HeaderMap {
+    // Names from static strings are not copied (a `&str` name is, on every publish).
+    let mut headers = HeaderMap::new();
+    for (k, v) in &out.headers {
+        headers.insert(HeaderName::from_static(k), v.as_str());
+    }
+    headers
 }
 
 /// The bytes the server counts against `max_payload` for `out` once sent (payload plus header

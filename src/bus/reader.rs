@@ -861,14 +861,8 @@ impl Partition<'_> {
         let (shared, cancel) = (self.shared, self.cancel);
         let turns = &mut self.turns;
         let raw = RawMessage {
-            bytes: &msg.payload,
-            stream: info.stream,
-            seq: info.stream_sequence,
-            stored_subject: msg.subject.as_str(),
-            stored_at: info.published,
             delivered,
-            headers: msg.headers.as_ref(),
-            producer: Default::default(),
+            ..RawMessage::from_delivery(msg, info)
         };
         let mut events = match pipeline::normalize_raw_streamed(
             &raw,
