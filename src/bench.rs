@@ -338,6 +338,9 @@ pub struct TurnBookResult {
     pub open_turns: usize,
     /// RSS growth per turn of the partition state (its `OpenTurns`), built alone.
     pub model_bytes_per_turn: Option<f64>,
+    /// Bytes the turn bucket's stream holds per open turn record (record, key and the server's
+    /// per-message overhead): what sizing `storage.turns_max_bytes` needs.
+    pub stored_bytes_per_turn: Option<f64>,
     /// Turns the real reload found open.
     pub reloaded: Option<usize>,
     /// Seconds to write the records (setup, not a figure of the projector).
@@ -636,6 +639,13 @@ impl Env {
     }
 
     /// The outputs (or inputs) a stream holds, partition owners' fence claims aside.
+    /// Bytes per message the stream holds, if it holds any.
+    async fn bytes_per_message(&self, stream: &str) -> Option<f64> {
+        let mut st = self.js.get_stream(stream).await.ok()?;
+        let info = st.info().await.ok()?;
+        (info.state.messages > 0).then(|| info.state.bytes as f64 / info.state.messages as f64)
+    }
+
     async fn stream_messages(&self, stream: &str) -> u64 {
         crate::bus::publish::outputs_in(&self.js, stream).await
     }
@@ -1341,19 +1351,9 @@ async fn throughput_pipeline(
         None => None,
     };
     stop_app(running, cancel).await;
-    let session_value_avg_bytes = match env
-        .js
-        .get_stream(format!("KV_{}", names.sessions_bucket))
-        .await
-    {
-        Ok(mut st) => st
-            .info()
-            .await
-            .ok()
-            .filter(|i| i.state.messages > 0)
-            .map(|i| i.state.bytes as f64 / i.state.messages as f64),
-        Err(_) => None,
-    };
+    let session_value_avg_bytes = env
+        .bytes_per_message(&format!("KV_{}", names.sessions_bucket))
+        .await;
     let seconds = (mark1.at - t0).as_secs_f64();
     let (server, worker) = mark0.cores_until(&mark1);
     let (folded_server, folded_worker) = folded
@@ -1877,6 +1877,9 @@ async fn turn_book(
     let t = Instant::now();
     write_open_turns(env, opts, n).await?;
     r.setup_s = Some(t.elapsed().as_secs_f64());
+    r.stored_bytes_per_turn = env
+        .bytes_per_message(&format!("KV_{}", env.names().turns_bucket))
+        .await;
 
     // A worker's recovery: start until every partition runs (reload included).
     let pb = bar(
@@ -2343,7 +2346,13 @@ async fn run_turn_books(
     sizes.sort_unstable();
     sizes.dedup();
     for n in sizes {
-        let env = open_env(opts, &format!("book{n}"), version).await?;
+        let mut env = open_env(opts, &format!("book{n}"), version).await?;
+        // The turn book measures the worker's state at scale, not the configured storage limit:
+        // its bucket gets room for the records it writes (1 KiB each, about three times what
+        // one takes).
+        let room = i64::try_from(n).unwrap_or(i64::MAX).saturating_mul(1024);
+        let limit = &mut env.settings.storage.turns_max_bytes;
+        *limit = (*limit).max(room);
         let r = turn_book(&env, opts, n, model.get(&n).copied().flatten()).await;
         env.close().await;
         if let Some(r) = stalled(r, &format!("turn book {n}"), &mut report.notes)? {
@@ -2705,20 +2714,29 @@ fn render_turn_book(s: &mut String, books: &[TurnBookResult]) {
     let _ = writeln!(s, "\nTurn book scale");
     let _ = writeln!(
         s,
-        "{:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
-        "open", "bytes per", "worker", "reload", "reloaded", "late p50", "late p99", "late max"
+        "{:>9} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "open",
+        "bytes per",
+        "stored B",
+        "worker",
+        "reload",
+        "reloaded",
+        "late p50",
+        "late p99",
+        "late max"
     );
     let _ = writeln!(
         s,
-        "{:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
-        "turns", "open turn", "recovery", "alone", "", "ms", "ms", "ms"
+        "{:>9} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "turns", "open turn", "per turn", "recovery", "alone", "", "ms", "ms", "ms"
     );
     for t in books {
         let _ = writeln!(
             s,
-            "{:>9} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
+            "{:>9} {:>10} {:>10} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}",
             t.open_turns,
             opt(t.model_bytes_per_turn, 0),
+            opt(t.stored_bytes_per_turn, 0),
             opt(t.worker_recovery_s, 2),
             opt(t.reload_s, 2),
             t.reloaded.map_or("-".into(), |v| v.to_string()),
