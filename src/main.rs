@@ -15,7 +15,8 @@ use tokio_util::sync::CancellationToken;
 /// The pipeline allocates many small, short-lived values across threads (envelopes, publishes,
 /// acks, rounds of the projection stream). Measured on the mixed load, jemalloc's own share of
 /// the samples is about a third of mimalloc's, and the worker spends about a fifth less CPU per
-/// input (docs/performance.md, "The allocator: jemalloc").
+/// input; its background thread returns freed pages to the system within its decay time even
+/// when the process is idle (docs/performance.md, "The allocator: jemalloc").
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 

@@ -929,9 +929,9 @@ async fn event_streams_of_slow_readers_stay_within_their_buffers_and_give_memory
             ("COLLAB_HTTP__SSE_BUFFER_BYTES", buffer.as_str()),
             ("COLLAB_HTTP__SSE_BUFFER_EVENTS", "100000"),
             ("RUST_LOG", "info,collab_projector::api=debug"),
-            // Freed pages go back to the system at once rather than on later allocator activity
-            // (docs/operations.md, "Event streams and memory").
-            ("MIMALLOC_PURGE_DELAY", "0"),
+            // Freed pages go back to the system at once rather than after the allocator's decay
+            // time (docs/operations.md, "Event streams and memory").
+            ("_RJEM_MALLOC_CONF", "dirty_decay_ms:0,muzzy_decay_ms:0"),
         ],
     )
     .await;
