@@ -2949,6 +2949,7 @@ mod tests {
                 .map(|open_turns| TurnBookResult {
                     open_turns,
                     model_bytes_per_turn: Some(210.0),
+                    stored_bytes_per_turn: Some(362.4),
                     reloaded: Some(open_turns - 1),
                     worker_recovery_s: Some(2.5),
                     reload_s: Some(1.0),
@@ -2990,7 +2991,7 @@ mod tests {
             "End-to-end latency",
             "2   latency 2",
             "Turn book scale",
-            "   100000        210      2.50      1.00     99999",
+            "   100000        210        362      2.50      1.00     99999",
             "19 of 20 probes answered",
             "Pure core per input (in-process): mixed 3.2 µs, turn-only 4.5 µs",
             "Serial round trips on a quiet server: KV get 100 µs",

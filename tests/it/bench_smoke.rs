@@ -71,6 +71,13 @@ async fn every_scenario_reports_a_throughput_and_the_report_is_json() {
     let book = &report.turn_book[0];
     assert_eq!(book.reloaded, Some(200), "{book:?}");
     assert!(book.worker_recovery_s.is_some(), "{book:?}");
+    // The turn bucket's stream holds each record with its key and the server's overhead: a few
+    // hundred bytes, what sizing `storage.turns_max_bytes` is based on.
+    assert!(
+        book.stored_bytes_per_turn
+            .is_some_and(|b| (100.0..2_000.0).contains(&b)),
+        "{book:?}"
+    );
     assert!(book.lateness_answered > 0, "{book:?}");
 
     let json = serde_json::to_string(&report).expect("serialises");
