@@ -638,7 +638,6 @@ impl Env {
         None
     }
 
-    /// The outputs (or inputs) a stream holds, partition owners' fence claims aside.
     /// Bytes per message the stream holds, if it holds any.
     async fn bytes_per_message(&self, stream: &str) -> Option<f64> {
         let mut st = self.js.get_stream(stream).await.ok()?;
@@ -646,6 +645,7 @@ impl Env {
         (info.state.messages > 0).then(|| info.state.bytes as f64 / info.state.messages as f64)
     }
 
+    /// The outputs (or inputs) a stream holds, partition owners' fence claims aside.
     async fn stream_messages(&self, stream: &str) -> u64 {
         crate::bus::publish::outputs_in(&self.js, stream).await
     }

@@ -608,8 +608,8 @@ async fn settled_rss(pid: u32) -> f64 {
 /// Memory of a `run` process under event-stream clients that never read, and after they close.
 /// A measurement, not a check: run it on purpose and read its output
 /// (`cargo test --test it trust::sse_memory -- --ignored --nocapture`; COLLAB_MEASURE_STREAMS and
-/// COLLAB_HTTP__SSE_BUFFER_BYTES change the client count and the per-stream buffer,
-/// `_RJEM_MALLOC_CONF` the allocator's options).
+/// COLLAB_HTTP__SSE_BUFFER_BYTES change the client count and the per-stream buffer; the process
+/// inherits the environment, so `_RJEM_MALLOC_CONF` sets the allocator's options).
 #[tokio::test]
 #[ignore = "a measurement; prints figures"]
 async fn sse_memory_under_slow_readers() {
@@ -619,7 +619,6 @@ async fn sse_memory_under_slow_readers() {
         .unwrap_or(40);
     let buffer =
         std::env::var("COLLAB_HTTP__SSE_BUFFER_BYTES").unwrap_or_else(|_| "1048576".into());
-    let malloc_conf = std::env::var("_RJEM_MALLOC_CONF").unwrap_or_default();
     let nats = TestNats::start().await;
     let js = nats.jetstream().await;
     let projector = crate::pipeline::start_projector(
@@ -630,8 +629,6 @@ async fn sse_memory_under_slow_readers() {
             ("COLLAB_HTTP__SSE_MAX_STREAMS_PER_TOKEN", "1000"),
             ("COLLAB_HTTP__SSE_BUFFER_BYTES", buffer.as_str()),
             ("RUST_LOG", "info,collab_projector::api=debug"),
-            // The allocator's options (jemalloc's `MALLOC_CONF`), e.g. `dirty_decay_ms:0`.
-            ("_RJEM_MALLOC_CONF", malloc_conf.as_str()),
         ],
     )
     .await;
