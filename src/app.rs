@@ -206,6 +206,11 @@ async fn start_workers(
         leases::run(shared.clone(), store, worker_id.to_string(), cancel.clone()),
         &shared.leases_side.rt.handle,
     );
+    tracker.spawn(bus::storage::sample(
+        js.clone(),
+        settings.clone(),
+        cancel.clone(),
+    ));
     Ok(shared)
 }
 

@@ -6,6 +6,11 @@
 //! directory, which also holds `nats-server.log`: when something goes wrong, that directory tells the
 //! whole story.
 //!
+//! A server's JetStream storage is [`LOCAL_MAX_FILE_STORE`] unless told otherwise, not 75 % of the
+//! disk's free space when it starts (the server's own default): the size limits a deployment's
+//! streams reserve (6.5 GiB by default, more with shards) are accounting, not data written, so a
+//! demo, a bench or a test behaves the same on a nearly full disk as on an empty one.
+//!
 //! Linux/Unix only: stopping a server gracefully sends it SIGTERM.
 
 use std::fs::{self, File, OpenOptions};
@@ -29,6 +34,10 @@ pub const BINARY_ENV: &str = "NATS_SERVER_BIN";
 /// How long `stop` lets the server shut down after SIGTERM before it is killed: JetStream flushes
 /// its stores on a graceful exit, which normally takes well under a second.
 const STOP_GRACE: Duration = Duration::from_secs(5);
+
+/// The JetStream storage (`max_file_store`) a local server reserves its streams' limits from:
+/// 1 TiB, the cap of the server's own default.
+pub const LOCAL_MAX_FILE_STORE: u64 = 1 << 40;
 
 /// How long `start_cluster` waits until a stream can be placed on every node.
 const CLUSTER_READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -149,6 +158,9 @@ pub struct LocalNatsOptions {
     /// fsync every JetStream write (`sync_interval: always`): slower, but survives power loss, which
     /// matters for crash tests that kill the machine rather than the process.
     pub sync_always: bool,
+    /// JetStream storage in bytes (`max_file_store`): what the limits of all streams may add up
+    /// to. `None` leaves it to the server (75 % of the disk's free space when it starts).
+    pub max_file_store: Option<u64>,
     /// How long `start` and `restart` wait for the client port to answer.
     pub startup_timeout: Duration,
     /// More server configuration, written after the generated part (authorization, accounts,
@@ -165,6 +177,7 @@ impl Default for LocalNatsOptions {
             cluster: None,
             server_name: None,
             sync_always: false,
+            max_file_store: Some(LOCAL_MAX_FILE_STORE),
             startup_timeout: Duration::from_secs(10),
             extra_config: None,
         }
@@ -198,6 +211,7 @@ pub struct LocalNats {
     server_name: String,
     cluster: Option<ClusterOptions>,
     sync_always: bool,
+    max_file_store: Option<u64>,
     startup_timeout: Duration,
     // `Box<str>`, not `String`: a `LocalNats` is held by value in callers' enums, so it stays small.
     extra_config: Option<Box<str>>,
@@ -246,6 +260,7 @@ impl LocalNats {
             server_name: opts.server_name.unwrap_or_else(unique_server_name),
             cluster: opts.cluster,
             sync_always: opts.sync_always,
+            max_file_store: opts.max_file_store,
             startup_timeout: opts.startup_timeout,
             extra_config: opts.extra_config.map(String::into_boxed_str),
             child: None,
@@ -393,6 +408,7 @@ impl LocalNats {
             port: self.port,
             store_dir: &store,
             sync_always: self.sync_always,
+            max_file_store: self.max_file_store,
             cluster: self.cluster.as_ref(),
             extra: self.extra_config.as_deref(),
         });
@@ -712,6 +728,7 @@ struct ConfigSpec<'a> {
     port: u16,
     store_dir: &'a Path,
     sync_always: bool,
+    max_file_store: Option<u64>,
     cluster: Option<&'a ClusterOptions>,
     extra: Option<&'a str>,
 }
@@ -719,13 +736,16 @@ struct ConfigSpec<'a> {
 /// Render the nats-server config. A file rather than flags, because `sync_interval` and a full
 /// cluster block have no flags, and because the file left in the store shows how the node ran.
 fn render_config(spec: &ConfigSpec<'_>) -> String {
-    let sync = if spec.sync_always {
-        "  sync_interval: always\n"
+    let mut tuning = if spec.sync_always {
+        "  sync_interval: always\n".to_string()
     } else {
-        ""
+        String::new()
     };
+    if let Some(bytes) = spec.max_file_store {
+        tuning.push_str(&format!("  max_file_store: {bytes}\n"));
+    }
     let mut out = format!(
-        "server_name: {name}\nlisten: {listen}\njetstream {{\n  store_dir: {store}\n{sync}}}\n",
+        "server_name: {name}\nlisten: {listen}\njetstream {{\n  store_dir: {store}\n{tuning}}}\n",
         name = quote(spec.server_name),
         listen = quote(&format!("127.0.0.1:{}", spec.port)),
         store = quote(&spec.store_dir.to_string_lossy()),
@@ -828,13 +848,14 @@ mod tests {
             port: 4333,
             store_dir: Path::new("/tmp/my store"),
             sync_always: true,
+            max_file_store: Some(LOCAL_MAX_FILE_STORE),
             cluster: None,
             extra: None,
         });
         assert_eq!(
             config,
             "server_name: \"n1\"\nlisten: \"127.0.0.1:4333\"\njetstream {\n  store_dir: \"/tmp/my \
-             store\"\n  sync_interval: always\n}\n"
+             store\"\n  sync_interval: always\n  max_file_store: 1099511627776\n}\n"
         );
     }
 
@@ -854,10 +875,12 @@ mod tests {
             port: 4222,
             store_dir: Path::new("/s"),
             sync_always: false,
+            max_file_store: None,
             cluster: Some(&cluster),
             extra: None,
         });
         assert!(!config.contains("sync_interval"));
+        assert!(!config.contains("max_file_store"));
         assert!(config.ends_with(
             "cluster {\n  name: \"c\"\n  listen: \"127.0.0.1:6222\"\n  routes: \
              [\"nats://127.0.0.1:6222\", \"nats://127.0.0.1:6223\"]\n}\n"
@@ -871,6 +894,7 @@ mod tests {
             port: 4222,
             store_dir: Path::new("/s"),
             sync_always: false,
+            max_file_store: None,
             cluster: None,
             extra: Some("authorization { token: \"t\" }"),
         });

@@ -75,6 +75,10 @@ pub const SESSION_EVENTS_FOLDED: &str = "collab_session_events_folded_total";
 pub const SESSION_FOLD_POSITION: &str = "collab_session_fold_position";
 /// Projections stored but not yet folded into work sessions, as the fold last read.
 pub const SESSION_FOLD_BEHIND: &str = "collab_session_fold_behind";
+/// Per bounded stream (`stream` label: the raw, projection and dead-letter streams and the
+/// streams behind the buckets), the bytes it holds and its `storage.*_max_bytes` limit.
+pub const STORAGE_BYTES: &str = "collab_storage_bytes";
+pub const STORAGE_LIMIT: &str = "collab_storage_limit_bytes";
 /// Tokens reported by producers (docs/contract.md 2c), by agent, model and kind (input, output,
 /// cached_input, reasoning).
 pub const TOKENS: &str = "collab_tokens_total";
@@ -379,6 +383,16 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
         SESSION_FOLD_BEHIND,
         Family::Gauge,
         "Projections stored but not yet folded into work sessions, as of the fold's last read (0 on a worker that does not fold).",
+    ),
+    (
+        STORAGE_BYTES,
+        Family::Gauge,
+        "Bytes a stream of the deployment holds, by stream (raw, projection, dead letters, and the streams behind the turn, session and lease buckets and the object store), sampled every 15 s.",
+    ),
+    (
+        STORAGE_LIMIT,
+        Family::Gauge,
+        "A stream's size limit (its storage.*_max_bytes setting as the server holds it), by stream; no series for an unlimited stream.",
     ),
     (
         TOKENS,

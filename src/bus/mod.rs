@@ -15,6 +15,7 @@ pub mod rounds;
 pub mod runtime;
 pub mod sessions;
 pub mod stats;
+pub mod storage;
 pub mod strays;
 pub mod turns;
 pub mod worker;

@@ -28,6 +28,116 @@ pub enum ProvisionError {
         #[source]
         source: super::error::Source,
     },
+    /// The server could not reserve a stream's or bucket's size limit: its JetStream storage
+    /// (`max_file_store`) has less room than the deployment's limits ask for.
+    #[error("{resource}: the server has no room to reserve {setting} ({bytes}): {source}. A JetStream server reserves each stream's and bucket's size limit when it is made, and this deployment's limits come to {total}{replicas}, which must fit in the server's JetStream storage (its max_file_store, by default 75% of the disk's free space when the server started) beside what its other streams reserve. Lower the storage.*_max_bytes settings (COLLAB_STORAGE__RAW_MAX_BYTES and the like) or raise max_file_store in the server's jetstream block (docs/operations.md, \"Storage limits\")")]
+    NoRoom {
+        resource: String,
+        setting: &'static str,
+        bytes: Size,
+        total: Size,
+        replicas: Replicas,
+        #[source]
+        source: super::error::Source,
+    },
+}
+
+/// A byte count as people read it (`3 GiB`, `512 MiB`, `1536 bytes`).
+#[derive(Debug, Clone, Copy)]
+pub struct Size(pub u64);
+
+impl std::fmt::Display for Size {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        const UNITS: [(u64, &str); 3] = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
+        for (unit, name) in UNITS {
+            if self.0 >= unit {
+                let tenths = self.0 * 10 / unit;
+                return if tenths % 10 == 0 {
+                    write!(f, "{} {name}", tenths / 10)
+                } else {
+                    write!(f, "{}.{} {name}", tenths / 10, tenths % 10)
+                };
+            }
+        }
+        write!(f, "{} bytes", self.0)
+    }
+}
+
+/// `, times nats.replicas (3)` when the deployment is replicated; nothing otherwise.
+#[derive(Debug, Clone, Copy)]
+pub struct Replicas(pub usize);
+
+impl std::fmt::Display for Replicas {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.0 > 1 {
+            write!(f, " times nats.replicas ({})", self.0)
+        } else {
+            Ok(())
+        }
+    }
+}
+
+/// Whether the server refused to create or grow a stream because its JetStream storage cannot
+/// reserve the stream's size limit (error code 10047), wherever in the error's chain it says so.
+fn storage_exhausted(e: &(dyn std::error::Error + 'static)) -> bool {
+    use async_nats::jetstream::context::{CreateStreamError, CreateStreamErrorKind};
+    use async_nats::jetstream::ErrorCode;
+    let mut next = Some(e);
+    while let Some(err) = next {
+        let code = if let Some(js) = err.downcast_ref::<async_nats::jetstream::Error>() {
+            Some(js.error_code())
+        } else if let Some(create) = err.downcast_ref::<CreateStreamError>() {
+            match create.kind() {
+                CreateStreamErrorKind::JetStream(js) => Some(js.error_code()),
+                _ => None,
+            }
+        } else {
+            None
+        };
+        if code == Some(ErrorCode::STORAGE_RESOURCES_EXCEEDED) {
+            return true;
+        }
+        next = err.source();
+    }
+    false
+}
+
+/// The size limits every stream and bucket of the deployment asks the server to reserve, in
+/// bytes, before replication.
+pub fn reserved_bytes(s: &Settings) -> u64 {
+    let streams = stream_configs(s).into_iter().map(|(c, _)| c.max_bytes);
+    let buckets = kv_configs(s).into_iter().map(|c| c.max_bytes);
+    streams
+        .chain(buckets)
+        .chain([s.storage.blobs_max_bytes])
+        .map(|b| u64::try_from(b).unwrap_or(0))
+        .sum()
+}
+
+/// [`api`] for a step that reserves `setting`'s bytes (creating a stream or bucket, setting its
+/// limit): a refusal for want of storage names the settings to change and the server's limit.
+fn reserving(
+    resource: &str,
+    setting: &'static str,
+    bytes: i64,
+    s: &Settings,
+    e: impl Into<super::error::Source>,
+) -> ProvisionError {
+    let source = e.into();
+    if storage_exhausted(source.as_ref()) {
+        return ProvisionError::NoRoom {
+            resource: resource.to_string(),
+            setting,
+            bytes: Size(u64::try_from(bytes).unwrap_or(0)),
+            total: Size(reserved_bytes(s)),
+            replicas: Replicas(s.nats.replicas),
+            source,
+        };
+    }
+    ProvisionError::Api {
+        resource: resource.to_string(),
+        source,
+    }
 }
 
 fn api(resource: &str, e: impl Into<super::error::Source>) -> ProvisionError {
@@ -296,10 +406,10 @@ pub fn resumed_consumer_config(
 /// An existing bucket or object store: check its retention, give it the size limit of `setting`
 /// (refusing new writes when full), and report it unchanged when it already had both.
 async fn bound_existing(
-    js: &jetstream::Context,
+    (js, s): (&jetstream::Context, &Settings),
     st: &mut stream::Stream,
     label: String,
-    setting: &str,
+    setting: &'static str,
     (max_age, replicas, max_bytes): (Duration, usize, i64),
     report: &mut Report,
 ) -> Result<(), ProvisionError> {
@@ -310,7 +420,7 @@ async fn bound_existing(
         discard,
         atomic: false,
     };
-    if !set_limits(js, st, &label, setting, want, report).await? {
+    if !set_limits((js, s), st, &label, setting, want, report).await? {
         report.unchanged.push(label);
     }
     Ok(())
@@ -340,10 +450,10 @@ fn limit_differences(have: &stream::Config, want: Limits) -> Vec<String> {
 /// when `atomic`), unless it already has them. A limit below the bytes it holds is refused: the
 /// server would drop data to fit.
 async fn set_limits(
-    js: &jetstream::Context,
+    (js, s): (&jetstream::Context, &Settings),
     st: &mut stream::Stream,
     label: &str,
-    setting: &str,
+    setting: &'static str,
     want: Limits,
     report: &mut Report,
 ) -> Result<bool, ProvisionError> {
@@ -366,7 +476,9 @@ async fn set_limits(
     config.max_bytes = want.max_bytes;
     config.discard = want.discard;
     config.allow_atomic_publish |= want.atomic;
-    js.update_stream(&config).await.map_err(|e| api(label, e))?;
+    js.update_stream(&config)
+        .await
+        .map_err(|e| reserving(label, setting, want.max_bytes, s, e))?;
     info!(resource = label, changes = %d.join("; "), "limits set on an existing resource");
     report.updated.push(format!("{label}: {}", d.join("; ")));
     Ok(true)
@@ -483,7 +595,7 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
                     });
                 }
                 let set = set_limits(
-                    js,
+                    (js, s),
                     &mut existing,
                     &name,
                     setting,
@@ -500,7 +612,10 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
                 }
             }
             None => {
-                js.create_stream(want).await.map_err(|e| api(&name, e))?;
+                let bytes = want.max_bytes;
+                js.create_stream(want)
+                    .await
+                    .map_err(|e| reserving(&name, setting, bytes, s, e))?;
                 report.created.push(name);
             }
         }
@@ -556,12 +671,13 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
             Some(mut st) => {
                 // Buckets refuse writes when full (the client library's policy for new ones).
                 let bound = (want.max_age, want.num_replicas, want.max_bytes);
-                bound_existing(js, &mut st, label, setting, bound, &mut report).await?;
+                bound_existing((js, s), &mut st, label, setting, bound, &mut report).await?;
             }
             None => {
+                let bytes = want.max_bytes;
                 js.create_key_value(want)
                     .await
-                    .map_err(|e| api(&label, e))?;
+                    .map_err(|e| reserving(&label, setting, bytes, s, e))?;
                 report.created.push(label);
             }
         }
@@ -581,7 +697,7 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
         Some(mut st) => {
             let bound = (want.max_age, want.num_replicas, want.max_bytes);
             bound_existing(
-                js,
+                (js, s),
                 &mut st,
                 label,
                 "storage.blobs_max_bytes",
@@ -591,9 +707,10 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
             .await?;
         }
         None => {
+            let bytes = want.max_bytes;
             js.create_object_store(want)
                 .await
-                .map_err(|e| api(&label, e))?;
+                .map_err(|e| reserving(&label, "storage.blobs_max_bytes", bytes, s, e))?;
             report.created.push(label);
         }
     }
@@ -633,5 +750,60 @@ async fn find_stream(
         Ok(s) => Ok(Some(s)),
         Err(e) if super::error::stream_not_found(&e) => Ok(None),
         Err(e) => Err(api(label, e)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use async_nats::jetstream::context::{CreateStreamError, CreateStreamErrorKind};
+
+    fn server_error(err_code: u64) -> async_nats::jetstream::Error {
+        let body = format!(
+            r#"{{"code":500,"err_code":{err_code},"description":"insufficient storage resources available"}}"#
+        );
+        serde_json::from_str(&body).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn sizes_read_as_people_write_them() {
+        let text = |n: u64| Size(n).to_string();
+        assert_eq!(text(3 << 30), "3 GiB");
+        assert_eq!(text((13 << 30) / 2), "6.5 GiB");
+        assert_eq!(text(512 << 20), "512 MiB");
+        assert_eq!(text(1536), "1.5 KiB");
+        assert_eq!(text(1000), "1000 bytes");
+        assert_eq!(Replicas(1).to_string(), "");
+        assert_eq!(Replicas(3).to_string(), " times nats.replicas (3)");
+    }
+
+    #[test]
+    fn a_refused_reservation_is_found_wherever_the_chain_carries_it() {
+        let direct = server_error(10047);
+        assert!(storage_exhausted(&direct));
+        let created = CreateStreamError::new(CreateStreamErrorKind::JetStream(server_error(10047)));
+        assert!(storage_exhausted(&created));
+        // A bucket's creation carries the stream's error as its source.
+        let bucket = async_nats::jetstream::context::CreateKeyValueError::with_source(
+            async_nats::jetstream::context::CreateKeyValueErrorKind::BucketCreate,
+            created,
+        );
+        assert!(storage_exhausted(&bucket));
+        // Other refusals are not taken for it.
+        assert!(!storage_exhausted(&server_error(10058)));
+        let timed_out = CreateStreamError::new(CreateStreamErrorKind::TimedOut);
+        assert!(!storage_exhausted(&timed_out));
+    }
+
+    #[test]
+    fn the_default_limits_reserve_six_and_a_half_gibibytes() {
+        let s = Settings::default();
+        assert_eq!(Size(reserved_bytes(&s)).to_string(), "6.5 GiB");
+        let mut sharded = s.clone();
+        sharded.nats.shards = 4;
+        assert_eq!(
+            reserved_bytes(&sharded) - reserved_bytes(&s),
+            3 * u64::try_from(s.storage.raw_max_bytes).unwrap_or(0)
+        );
     }
 }

@@ -116,6 +116,49 @@ async fn metrics_health_and_service_stats_describe_a_running_worker() {
         },
     )
     .await;
+    // Each stream's size is sampled every 15 s: the raw and dead-letter streams' gauges come to
+    // read what the streams hold now (nothing more arrives in either).
+    let held = |name: &'static str| {
+        let js = js.clone();
+        async move {
+            let mut st = js
+                .get_stream(name)
+                .await
+                .unwrap_or_else(|e| panic!("stream {name}: {e}"));
+            let info = st.info().await.unwrap_or_else(|e| panic!("{name}: {e}"));
+            (info.state.bytes as f64, info.config.max_bytes as f64)
+        }
+    };
+    let (raw_bytes, raw_limit) = held("COLLAB_RAW").await;
+    let (dlq_bytes, dlq_limit) = held("COLLAB_DLQ").await;
+    assert!(raw_bytes > 0.0 && dlq_bytes > 0.0);
+    wait_until(GUARD, "the storage gauges sampled after the inputs", || {
+        let addr = addr.clone();
+        async move {
+            let s = samples(&get(&addr, "/metrics").await.1);
+            sum(&s, telemetry::STORAGE_BYTES, &["stream=\"COLLAB_RAW\""]) == raw_bytes
+                && sum(&s, telemetry::STORAGE_BYTES, &["stream=\"COLLAB_DLQ\""]) == dlq_bytes
+        }
+    })
+    .await;
+    let s = samples(&get(&addr, "/metrics").await.1);
+    let of = |name: &str, stream: &str| sum(&s, name, &[&format!("stream=\"{stream}\"")]);
+    assert_eq!(of(telemetry::STORAGE_LIMIT, "COLLAB_RAW"), raw_limit);
+    assert_eq!(of(telemetry::STORAGE_LIMIT, "COLLAB_DLQ"), dlq_limit);
+    for stream in [
+        "COLLAB_PROJ",
+        "KV_collab_turns",
+        "KV_collab_work_sessions",
+        "KV_collab_leases",
+        "OBJ_collab_blobs",
+    ] {
+        assert!(
+            of(telemetry::STORAGE_LIMIT, stream) >= 1048576.0,
+            "{stream}"
+        );
+    }
+    assert!(of(telemetry::STORAGE_BYTES, "COLLAB_PROJ") > 0.0);
+
     let text = get(&addr, "/metrics").await.1;
     // The relay's families belong to `relay` processes (tests/it/relay.rs checks them there).
     let worker_families = telemetry::FAMILIES

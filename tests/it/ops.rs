@@ -689,6 +689,32 @@ tests:
       - eval_time: 25m
         alertname: CollabProjectorSessionsBehind
         exp_alerts: []
+  # The raw stream climbs past 85 % of its limit and stays; the projection stream stays at half.
+  # Two workers report the same streams: one alert per stream.
+  - interval: 1m
+    input_series:
+      - series: 'collab_storage_bytes{instance="a",stream="COLLAB_RAW"}'
+        values: '800+10x30'
+      - series: 'collab_storage_bytes{instance="b",stream="COLLAB_RAW"}'
+        values: '800+10x30'
+      - series: 'collab_storage_limit_bytes{instance="a",stream="COLLAB_RAW"}'
+        values: '1000x30'
+      - series: 'collab_storage_limit_bytes{instance="b",stream="COLLAB_RAW"}'
+        values: '1000x30'
+      - series: 'collab_storage_bytes{instance="a",stream="COLLAB_PROJ"}'
+        values: '500x30'
+      - series: 'collab_storage_limit_bytes{instance="a",stream="COLLAB_PROJ"}'
+        values: '1000x30'
+      - series: 'collab_storage_bytes{instance="a",stream="COLLAB_DLQ"}'
+        values: '5000x30'
+    alert_rule_test:
+      - eval_time: 12m
+        alertname: CollabProjectorStorageFilling
+        exp_alerts: []
+      - eval_time: 20m
+        alertname: CollabProjectorStorageFilling
+        exp_alerts:
+          - exp_labels: {severity: warning, stream: COLLAB_RAW}
 "#;
 
 #[test]

@@ -389,3 +389,56 @@ async fn a_demo_told_to_join_says_so_and_keeps_to_its_own_prefix() {
     );
     assert!(!text.contains("()"), "{text}");
 }
+
+/// A server whose JetStream storage is smaller than the default limits add up to (6.5 GiB):
+/// `provision` and `run` stop with one error line that names the setting the server could not
+/// reserve, the deployment's total, and both ways out; smaller limits then fit.
+#[tokio::test]
+async fn a_server_too_small_for_the_storage_limits_is_named_with_the_fix() {
+    let server = collab_projector::localnats::LocalNats::start(
+        collab_projector::localnats::LocalNatsOptions {
+            max_file_store: Some(4 << 30),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap_or_else(|e| panic!("nats-server: {e}"));
+    let url = server.url();
+    let out = output(
+        &["provision", "--nats-url", &url],
+        &[("RUST_BACKTRACE", "1")],
+    );
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    // The raw stream (2 GiB) fits in 4 GiB; the projection stream (3 GiB) does not.
+    for part in [
+        "stream COLLAB_PROJ",
+        "storage.proj_max_bytes (3 GiB)",
+        "come to 6.5 GiB",
+        "max_file_store",
+        "error code 10047",
+    ] {
+        assert!(err.contains(part), "{part:?} missing: {err}");
+    }
+    let errors: Vec<&str> = err.lines().filter(|l| l.starts_with("error:")).collect();
+    assert_eq!(errors.len(), 1, "{err}");
+    assert!(errors[0].contains("max_file_store"), "{err}");
+    assert!(!err.contains("backtrace"), "{err}");
+
+    // `run` provisions at start and stops the same way.
+    let mut p = Projector::spawn(&url, &[], &[("RUST_LOG", "info")]);
+    let code = p.wait_exit(EXIT_BOUND).await.and_then(|s| s.code());
+    let log = p.log_text();
+    assert_eq!(code, Some(1), "{log}");
+    assert!(log.contains("storage.proj_max_bytes (3 GiB)"), "{log}");
+
+    // With limits that fit, the same server is provisioned.
+    let out = output(
+        &["provision", "--nats-url", &url],
+        &[
+            ("COLLAB_STORAGE__RAW_MAX_BYTES", "1073741824"),
+            ("COLLAB_STORAGE__PROJ_MAX_BYTES", "1073741824"),
+        ],
+    );
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+}

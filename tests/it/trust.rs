@@ -397,15 +397,18 @@ async fn provision_bounds_existing_streams_and_buckets_and_stays_idempotent() {
         .unwrap_or_else(|| panic!("a limit below the stream's bytes must be refused"));
     assert!(err.to_string().contains("storage.raw_max_bytes"), "{err}");
 
-    // A limit the server cannot reserve is refused with the server's reason.
+    // A limit the server cannot reserve is refused with the server's reason and the fix.
     let err = provision::provision(&js, &tiny_raw(&nats.url(), 1 << 50))
         .await
         .err()
         .unwrap_or_else(|| panic!("a petabyte cannot be reserved"));
+    let text = err.to_string();
+    assert!(text.to_lowercase().contains("insufficient"), "{text}");
     assert!(
-        err.to_string().to_lowercase().contains("insufficient"),
-        "{err}"
+        text.contains("storage.raw_max_bytes (1048576 GiB)"),
+        "{text}"
     );
+    assert!(text.contains("max_file_store"), "{text}");
 
     let report = provision::provision(&js, &s)
         .await

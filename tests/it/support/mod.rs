@@ -48,7 +48,8 @@ pub struct TestNats {
 }
 
 enum Backend {
-    Local(LocalNats),
+    // Boxed, as the container is: a `LocalNats` is a couple of hundred bytes.
+    Local(Box<LocalNats>),
     // The store lives inside the container (`-sd /data`), so it survives a stop and start; the host
     // port is fixed by us, so a restarted container keeps its URL.
     Container {
@@ -66,7 +67,7 @@ impl TestNats {
                 .await
                 .unwrap_or_else(|err| panic!("could not start a local nats-server: {err}"));
             return TestNats {
-                backend: Backend::Local(server),
+                backend: Backend::Local(Box::new(server)),
             };
         }
         match start_container().await {
@@ -93,7 +94,7 @@ impl TestNats {
         .await
         .unwrap_or_else(|err| panic!("could not start a local nats-server: {err}"));
         TestNats {
-            backend: Backend::Local(server),
+            backend: Backend::Local(Box::new(server)),
         }
     }
 
@@ -114,7 +115,7 @@ impl TestNats {
     /// `None` when running in a container.
     pub fn local(&mut self) -> Option<&mut LocalNats> {
         match &mut self.backend {
-            Backend::Local(server) => Some(server),
+            Backend::Local(server) => Some(server.as_mut()),
             Backend::Container { .. } => None,
         }
     }

@@ -1,0 +1,181 @@
+//! How full the deployment's streams and buckets are, sampled for `/metrics` before any of them
+//! fills: a full raw stream refuses producers, and a full projection or dead-letter stream or
+//! bucket stops the partitions writing to it (docs/operations.md, "Storage limits").
+
+use crate::config::{Names, Settings};
+use crate::telemetry;
+use async_nats::jetstream;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// How often the worker reads its streams' sizes: well inside the alert's 10 minutes, and seven
+/// or so small requests each time.
+pub const SAMPLE_EVERY: Duration = Duration::from_secs(15);
+
+/// The JetStream streams that hold the deployment's data, each bounded by a `storage.*` setting:
+/// the raw streams (one per shard), the projection and dead-letter streams, and the streams
+/// behind the turn, session and lease buckets and the object store of offloaded fields.
+pub fn bounded_streams(names: &Names) -> Vec<String> {
+    let mut out = names.raw_streams.clone();
+    out.push(names.proj_stream.clone());
+    out.push(names.dlq_stream.clone());
+    for bucket in [
+        &names.turns_bucket,
+        &names.sessions_bucket,
+        &names.leases_bucket,
+    ] {
+        out.push(format!("KV_{bucket}"));
+    }
+    out.push(format!("OBJ_{}", names.blobs_store));
+    out
+}
+
+/// One stream's size as sampled: the bytes it holds and its limit (`None`: unlimited).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Fill {
+    pub bytes: u64,
+    pub limit: Option<u64>,
+}
+
+impl Fill {
+    /// The share of its limit a stream holds, when it has one.
+    pub fn ratio(&self) -> Option<f64> {
+        self.limit
+            .filter(|l| *l > 0)
+            .map(|l| self.bytes as f64 / l as f64)
+    }
+}
+
+/// Read `stream`'s size; `None` when the server does not answer or the stream is missing (the
+/// gauges then keep their last value, and the next sample tries again).
+async fn fill_of(js: &jetstream::Context, stream: &str) -> Option<Fill> {
+    let mut st = js.get_stream(stream).await.ok()?;
+    let info = st.info().await.ok()?;
+    Some(Fill {
+        bytes: info.state.bytes,
+        limit: u64::try_from(info.config.max_bytes).ok(),
+    })
+}
+
+/// Set the storage gauges of `stream` from `fill`.
+pub fn record(stream: &str, fill: Fill) {
+    let label = stream.to_string();
+    metrics::gauge!(telemetry::STORAGE_BYTES, "stream" => label.clone()).set(fill.bytes as f64);
+    // An unlimited stream has no limit series: the fill alert divides by it and so skips it.
+    if let Some(limit) = fill.limit {
+        metrics::gauge!(telemetry::STORAGE_LIMIT, "stream" => label).set(limit as f64);
+    }
+}
+
+/// A stream this full is named in the log (once, until it falls below [`WARN_CLEARS_AT`]).
+pub const WARN_AT: f64 = 0.9;
+pub const WARN_CLEARS_AT: f64 = 0.8;
+
+/// Whether `stream` at `fill` is to be named in the log now; `warned` holds the streams named
+/// and not yet back below [`WARN_CLEARS_AT`].
+pub fn should_warn(
+    warned: &mut std::collections::BTreeSet<String>,
+    stream: &str,
+    fill: Fill,
+) -> bool {
+    let Some(ratio) = fill.ratio() else {
+        return false;
+    };
+    if ratio >= WARN_AT {
+        return warned.insert(stream.to_string());
+    }
+    if ratio < WARN_CLEARS_AT {
+        warned.remove(stream);
+    }
+    false
+}
+
+/// Sample every bounded stream's size every [`SAMPLE_EVERY`] until `stop`.
+pub async fn sample(js: jetstream::Context, settings: Settings, stop: CancellationToken) {
+    let streams = bounded_streams(&settings.names());
+    let mut warned = std::collections::BTreeSet::new();
+    loop {
+        for stream in &streams {
+            let Some(fill) = fill_of(&js, stream).await else {
+                tracing::debug!(stream = %stream, "could not read the stream's size");
+                continue;
+            };
+            record(stream, fill);
+            if should_warn(&mut warned, stream, fill) {
+                tracing::warn!(
+                    stream = %stream,
+                    bytes = fill.bytes,
+                    limit = fill.limit.unwrap_or(0),
+                    "stream nearly full: when full, a raw stream refuses producers' publishes and any other stops the partitions writing to it; raise its storage.*_max_bytes setting and run `provision`, or make room (docs/operations.md, \"Storage limits\")"
+                );
+            }
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(SAMPLE_EVERY) => {}
+            _ = stop.cancelled() => break,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_stream_with_a_storage_limit_is_sampled() {
+        let mut s = Settings::default();
+        s.nats.shards = 2;
+        let streams = bounded_streams(&s.names());
+        assert_eq!(
+            streams,
+            [
+                "COLLAB_RAW_0OF2",
+                "COLLAB_RAW_1OF2",
+                "COLLAB_PROJ",
+                "COLLAB_DLQ",
+                "KV_collab_turns",
+                "KV_collab_work_sessions",
+                "KV_collab_leases",
+                "OBJ_collab_blobs",
+            ]
+        );
+        // One sampled stream per storage limit the provisioner sets.
+        let provisioned = crate::bus::provision::stream_configs(&s).len()
+            + crate::bus::provision::kv_configs(&s).len()
+            + 1;
+        assert_eq!(streams.len(), provisioned);
+    }
+
+    #[test]
+    fn a_nearly_full_stream_is_named_once_until_it_empties() {
+        let mut warned = std::collections::BTreeSet::new();
+        let at = |bytes| Fill {
+            bytes,
+            limit: Some(100),
+        };
+        assert!(!should_warn(&mut warned, "COLLAB_RAW", at(89)));
+        assert!(should_warn(&mut warned, "COLLAB_RAW", at(90)));
+        assert!(!should_warn(&mut warned, "COLLAB_RAW", at(95)));
+        // Another stream is named on its own.
+        assert!(should_warn(&mut warned, "COLLAB_DLQ", at(99)));
+        // Falling a little keeps it named; below 80 % it may be named again.
+        assert!(!should_warn(&mut warned, "COLLAB_RAW", at(85)));
+        assert!(!should_warn(&mut warned, "COLLAB_RAW", at(91)));
+        assert!(!should_warn(&mut warned, "COLLAB_RAW", at(79)));
+        assert!(should_warn(&mut warned, "COLLAB_RAW", at(92)));
+        // An unlimited stream is never full.
+        let unlimited = Fill {
+            bytes: u64::MAX,
+            limit: None,
+        };
+        assert!(!should_warn(&mut warned, "COLLAB_PROJ", unlimited));
+    }
+
+    #[test]
+    fn the_ratio_is_of_a_limit_only() {
+        let fill = |bytes, limit| Fill { bytes, limit };
+        assert_eq!(fill(512, Some(1024)).ratio(), Some(0.5));
+        assert_eq!(fill(512, None).ratio(), None);
+        assert_eq!(fill(0, Some(0)).ratio(), None);
+    }
+}
