@@ -209,6 +209,7 @@ async fn start_workers(
     tracker.spawn(bus::storage::sample(
         js.clone(),
         settings.clone(),
+        shared.state.clone(),
         cancel.clone(),
     ));
     Ok(shared)
@@ -354,6 +355,9 @@ impl Reporter {
             status.open_turns = w.open_turns.load(Relaxed);
             status.last_processed_age_ms =
                 (last > 0).then(|| u64::try_from(now.saturating_sub(last)).unwrap_or(0));
+            if let Ok(fills) = w.storage.lock() {
+                status.storage = fills.values().cloned().collect();
+            }
         }
         status
     }

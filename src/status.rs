@@ -292,7 +292,43 @@ pub fn warnings(workers: &[WorkerStatus], opts: &ViewOptions) -> Vec<String> {
             }
         }
     }
+    out.extend(storage_warnings(workers));
     out
+}
+
+/// A stream holding this share of its limit is warned of (as `CollabProjectorStorageFilling`).
+pub const STORAGE_WARN_AT: f64 = 0.85;
+
+/// A warning per stream holding [`STORAGE_WARN_AT`] of its limit or more, by the fullest any
+/// worker sampled it, in stream order.
+fn storage_warnings(workers: &[WorkerStatus]) -> Vec<String> {
+    let mut fullest: BTreeMap<&str, &crate::telemetry::StreamFill> = BTreeMap::new();
+    for fill in workers.iter().flat_map(|w| &w.storage) {
+        let slot = fullest.entry(fill.stream.as_str()).or_insert(fill);
+        if fill.ratio() > slot.ratio() {
+            *slot = fill;
+        }
+    }
+    let size = |b: u64| crate::bus::provision::Size(b).to_string();
+    fullest
+        .into_values()
+        .filter_map(|f| {
+            let ratio = f.ratio().filter(|r| *r >= STORAGE_WARN_AT)?;
+            let raw = f.stream.ends_with("_RAW") || f.stream.contains("_RAW_");
+            let when_full = if raw {
+                "when full, producers' publishes are refused"
+            } else {
+                "when full, the partitions writing to it stop until there is room"
+            };
+            Some(format!(
+                "stream {} holds {:.0} % of its limit ({} of {}): {when_full}; raise its storage.*_max_bytes setting and run `provision`, or make room",
+                f.stream,
+                (ratio * 100.0).floor(),
+                size(f.bytes),
+                size(f.limit.unwrap_or(0)),
+            ))
+        })
+        .collect()
 }
 
 fn pending_total(w: &WorkerStatus) -> u64 {
@@ -761,6 +797,39 @@ TOTAL (2 workers)  0.1.0    2/2    9/9 owned        12    1.5s   100     100    
     }
 
     #[test]
+    fn a_stream_near_its_limit_is_warned_of_once_by_its_fullest_sample() {
+        let fill = |stream: &str, bytes: u64, limit: Option<u64>| crate::telemetry::StreamFill {
+            stream: stream.into(),
+            bytes,
+            limit,
+        };
+        let gib = 1u64 << 30;
+        let mut a = worker("a", &[0]);
+        a.storage = vec![
+            fill("COLLAB_RAW", gib * 7 / 4, Some(2 * gib)),
+            fill("COLLAB_PROJ", gib, Some(3 * gib)),
+            fill("COLLAB_DLQ", 5 * gib, None),
+        ];
+        let mut b = worker("b", &[1]);
+        // A later sample of the raw stream, and the session bucket nearly full.
+        b.storage = vec![
+            fill("COLLAB_RAW", gib * 15 / 8, Some(2 * gib)),
+            fill("KV_collab_work_sessions", 250 << 20, Some(256 << 20)),
+        ];
+        let w = warnings(&[a.clone(), b], &opts(2));
+        assert_eq!(
+            w,
+            [
+                "stream COLLAB_RAW holds 93 % of its limit (1.9 GiB of 2 GiB): when full, producers' publishes are refused; raise its storage.*_max_bytes setting and run `provision`, or make room",
+                "stream KV_collab_work_sessions holds 97 % of its limit (250 MiB of 256 MiB): when full, the partitions writing to it stop until there is room; raise its storage.*_max_bytes setting and run `provision`, or make room",
+            ]
+        );
+        // Below 85 % nothing is said.
+        a.storage = vec![fill("COLLAB_RAW", gib * 3 / 2, Some(2 * gib))];
+        assert!(warnings(&[a], &opts(1)).is_empty());
+    }
+
+    #[test]
     fn warnings_name_unready_workers_stale_partitions_overlaps_and_stalls() {
         let mut a = worker("a", &[0, 1]);
         a.partitions[1] = part(1, 40, Some(45_000));
@@ -887,7 +956,11 @@ TOTAL (2 workers)  0.1.0    2/2    9/9 owned        12    1.5s   100     100    
                         {"partition": 1, "pending": 0}
                     ],
                     "inputs": 10, "projected": 9, "deadLettered": 1, "openTurns": 4,
-                    "lastProcessedAgeMs": 80
+                    "lastProcessedAgeMs": 80,
+                    "storage": [
+                        {"stream": "COLLAB_RAW", "bytes": 900, "limit": 1000},
+                        {"stream": "COLLAB_DLQ", "bytes": 5}
+                    ]
                 }
             }]
         });
@@ -897,6 +970,9 @@ TOTAL (2 workers)  0.1.0    2/2    9/9 owned        12    1.5s   100     100    
         assert_eq!(s.partitions[0].oldest_pending_age_ms, Some(1200));
         assert_eq!(s.partitions[1].oldest_pending_age_ms, None);
         assert_eq!(s.last_processed_age_ms, Some(80));
+        assert_eq!(s.storage.len(), 2);
+        assert_eq!(s.storage[0].ratio(), Some(0.9));
+        assert_eq!(s.storage[1].limit, None);
 
         // The older, smaller report: the service instance names the worker.
         let older = serde_json::json!({
@@ -911,6 +987,7 @@ TOTAL (2 workers)  0.1.0    2/2    9/9 owned        12    1.5s   100     100    
         assert_eq!(s.version, "0.0.9");
         assert_eq!(s.partitions_owned, 16);
         assert!(s.partitions.is_empty());
+        assert!(s.storage.is_empty());
 
         assert_eq!(parse_stats_reply(b"not json"), None);
         assert_eq!(parse_stats_reply(br#"{"endpoints": []}"#), None);

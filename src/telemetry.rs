@@ -629,6 +629,28 @@ pub struct WorkerStatus {
     pub open_turns: i64,
     /// Since this worker last processed a raw message; `None` before the first.
     pub last_processed_age_ms: Option<u64>,
+    /// How full each stream of the deployment was at this worker's last sample (empty before
+    /// the first, and for API-only processes).
+    pub storage: Vec<StreamFill>,
+}
+
+/// One stream's size in a [`WorkerStatus`].
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct StreamFill {
+    pub stream: String,
+    pub bytes: u64,
+    /// Its size limit; `None` when it has none.
+    pub limit: Option<u64>,
+}
+
+impl StreamFill {
+    /// The share of its limit the stream holds, when it has one.
+    pub fn ratio(&self) -> Option<f64> {
+        self.limit
+            .filter(|l| *l > 0)
+            .map(|l| self.bytes as f64 / l as f64)
+    }
 }
 
 /// One owned partition in a [`WorkerStatus`].

@@ -42,16 +42,18 @@ pub enum ProvisionError {
     },
 }
 
-/// A byte count as people read it (`3 GiB`, `512 MiB`, `1536 bytes`).
+/// A byte count as people read it, to the nearest tenth (`3 GiB`, `6.5 GiB`, `512 MiB`,
+/// `1000 bytes`).
 #[derive(Debug, Clone, Copy)]
 pub struct Size(pub u64);
 
 impl std::fmt::Display for Size {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        const UNITS: [(u64, &str); 3] = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
+        const UNITS: [(u128, &str); 3] = [(1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB")];
+        let bytes = u128::from(self.0);
         for (unit, name) in UNITS {
-            if self.0 >= unit {
-                let tenths = self.0 * 10 / unit;
+            if bytes >= unit {
+                let tenths = (bytes * 10 + unit / 2) / unit;
                 return if tenths % 10 == 0 {
                     write!(f, "{} {name}", tenths / 10)
                 } else {
@@ -773,6 +775,8 @@ mod tests {
         assert_eq!(text(512 << 20), "512 MiB");
         assert_eq!(text(1536), "1.5 KiB");
         assert_eq!(text(1000), "1000 bytes");
+        assert_eq!(text((1 << 30) * 15 / 8), "1.9 GiB");
+        assert!(text(u64::MAX).ends_with(" GiB"));
         assert_eq!(Replicas(1).to_string(), "");
         assert_eq!(Replicas(3).to_string(), " times nats.replicas (3)");
     }

@@ -29,6 +29,8 @@ pub struct WorkerState {
     pub last_processed_ms: AtomicI64,
     /// The running partitions' lag, as last sampled.
     pub partitions: std::sync::Mutex<std::collections::BTreeMap<u16, PartitionLag>>,
+    /// Each bounded stream's size, as last sampled (`bus::storage`).
+    pub storage: std::sync::Mutex<std::collections::BTreeMap<String, telemetry::StreamFill>>,
     /// Inputs projected and projections published, by role and type class.
     inputs_projected: telemetry::RoleClassCounters,
     projections: telemetry::RoleClassCounters,
@@ -50,6 +52,7 @@ impl Default for WorkerState {
             takeovers: AtomicU64::new(0),
             last_processed_ms: AtomicI64::new(0),
             partitions: std::sync::Mutex::new(std::collections::BTreeMap::new()),
+            storage: std::sync::Mutex::new(std::collections::BTreeMap::new()),
             inputs_projected: telemetry::RoleClassCounters::new(
                 telemetry::INPUTS,
                 &[("outcome", "projected")],

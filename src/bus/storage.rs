@@ -2,9 +2,11 @@
 //! fills: a full raw stream refuses producers, and a full projection or dead-letter stream or
 //! bucket stops the partitions writing to it (docs/operations.md, "Storage limits").
 
+use super::stats::WorkerState;
 use crate::config::{Names, Settings};
-use crate::telemetry;
+use crate::telemetry::{self, StreamFill};
 use async_nats::jetstream;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -30,36 +32,22 @@ pub fn bounded_streams(names: &Names) -> Vec<String> {
     out
 }
 
-/// One stream's size as sampled: the bytes it holds and its limit (`None`: unlimited).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Fill {
-    pub bytes: u64,
-    pub limit: Option<u64>,
-}
-
-impl Fill {
-    /// The share of its limit a stream holds, when it has one.
-    pub fn ratio(&self) -> Option<f64> {
-        self.limit
-            .filter(|l| *l > 0)
-            .map(|l| self.bytes as f64 / l as f64)
-    }
-}
-
 /// Read `stream`'s size; `None` when the server does not answer or the stream is missing (the
 /// gauges then keep their last value, and the next sample tries again).
-async fn fill_of(js: &jetstream::Context, stream: &str) -> Option<Fill> {
-    let mut st = js.get_stream(stream).await.ok()?;
-    let info = st.info().await.ok()?;
-    Some(Fill {
+async fn fill_of(js: &jetstream::Context, stream: &str) -> Option<StreamFill> {
+    // Looking a stream up reads its info: one request per stream.
+    let st = js.get_stream(stream).await.ok()?;
+    let info = st.cached_info();
+    Some(StreamFill {
+        stream: stream.to_string(),
         bytes: info.state.bytes,
         limit: u64::try_from(info.config.max_bytes).ok(),
     })
 }
 
-/// Set the storage gauges of `stream` from `fill`.
-pub fn record(stream: &str, fill: Fill) {
-    let label = stream.to_string();
+/// Set the storage gauges of `fill`'s stream.
+pub fn record(fill: &StreamFill) {
+    let label = fill.stream.clone();
     metrics::gauge!(telemetry::STORAGE_BYTES, "stream" => label.clone()).set(fill.bytes as f64);
     // An unlimited stream has no limit series: the fill alert divides by it and so skips it.
     if let Some(limit) = fill.limit {
@@ -73,25 +61,27 @@ pub const WARN_CLEARS_AT: f64 = 0.8;
 
 /// Whether `stream` at `fill` is to be named in the log now; `warned` holds the streams named
 /// and not yet back below [`WARN_CLEARS_AT`].
-pub fn should_warn(
-    warned: &mut std::collections::BTreeSet<String>,
-    stream: &str,
-    fill: Fill,
-) -> bool {
+pub fn should_warn(warned: &mut std::collections::BTreeSet<String>, fill: &StreamFill) -> bool {
     let Some(ratio) = fill.ratio() else {
         return false;
     };
     if ratio >= WARN_AT {
-        return warned.insert(stream.to_string());
+        return warned.insert(fill.stream.clone());
     }
     if ratio < WARN_CLEARS_AT {
-        warned.remove(stream);
+        warned.remove(&fill.stream);
     }
     false
 }
 
-/// Sample every bounded stream's size every [`SAMPLE_EVERY`] until `stop`.
-pub async fn sample(js: jetstream::Context, settings: Settings, stop: CancellationToken) {
+/// Sample every bounded stream's size every [`SAMPLE_EVERY`] until `stop`, into the gauges and
+/// `state` (which `status` reports).
+pub async fn sample(
+    js: jetstream::Context,
+    settings: Settings,
+    state: Arc<WorkerState>,
+    stop: CancellationToken,
+) {
     let streams = bounded_streams(&settings.names());
     let mut warned = std::collections::BTreeSet::new();
     loop {
@@ -100,14 +90,17 @@ pub async fn sample(js: jetstream::Context, settings: Settings, stop: Cancellati
                 tracing::debug!(stream = %stream, "could not read the stream's size");
                 continue;
             };
-            record(stream, fill);
-            if should_warn(&mut warned, stream, fill) {
+            record(&fill);
+            if should_warn(&mut warned, &fill) {
                 tracing::warn!(
                     stream = %stream,
                     bytes = fill.bytes,
                     limit = fill.limit.unwrap_or(0),
                     "stream nearly full: when full, a raw stream refuses producers' publishes and any other stops the partitions writing to it; raise its storage.*_max_bytes setting and run `provision`, or make room (docs/operations.md, \"Storage limits\")"
                 );
+            }
+            if let Ok(mut fills) = state.storage.lock() {
+                fills.insert(stream.clone(), fill);
             }
         }
         tokio::select! {
@@ -149,31 +142,38 @@ mod tests {
     #[test]
     fn a_nearly_full_stream_is_named_once_until_it_empties() {
         let mut warned = std::collections::BTreeSet::new();
-        let at = |bytes| Fill {
+        let at = |stream: &str, bytes| StreamFill {
+            stream: stream.to_string(),
             bytes,
             limit: Some(100),
         };
-        assert!(!should_warn(&mut warned, "COLLAB_RAW", at(89)));
-        assert!(should_warn(&mut warned, "COLLAB_RAW", at(90)));
-        assert!(!should_warn(&mut warned, "COLLAB_RAW", at(95)));
+        let raw = |bytes| at("COLLAB_RAW", bytes);
+        assert!(!should_warn(&mut warned, &raw(89)));
+        assert!(should_warn(&mut warned, &raw(90)));
+        assert!(!should_warn(&mut warned, &raw(95)));
         // Another stream is named on its own.
-        assert!(should_warn(&mut warned, "COLLAB_DLQ", at(99)));
+        assert!(should_warn(&mut warned, &at("COLLAB_DLQ", 99)));
         // Falling a little keeps it named; below 80 % it may be named again.
-        assert!(!should_warn(&mut warned, "COLLAB_RAW", at(85)));
-        assert!(!should_warn(&mut warned, "COLLAB_RAW", at(91)));
-        assert!(!should_warn(&mut warned, "COLLAB_RAW", at(79)));
-        assert!(should_warn(&mut warned, "COLLAB_RAW", at(92)));
+        assert!(!should_warn(&mut warned, &raw(85)));
+        assert!(!should_warn(&mut warned, &raw(91)));
+        assert!(!should_warn(&mut warned, &raw(79)));
+        assert!(should_warn(&mut warned, &raw(92)));
         // An unlimited stream is never full.
-        let unlimited = Fill {
+        let unlimited = StreamFill {
+            stream: "COLLAB_PROJ".into(),
             bytes: u64::MAX,
             limit: None,
         };
-        assert!(!should_warn(&mut warned, "COLLAB_PROJ", unlimited));
+        assert!(!should_warn(&mut warned, &unlimited));
     }
 
     #[test]
     fn the_ratio_is_of_a_limit_only() {
-        let fill = |bytes, limit| Fill { bytes, limit };
+        let fill = |bytes, limit| StreamFill {
+            stream: "COLLAB_RAW".into(),
+            bytes,
+            limit,
+        };
         assert_eq!(fill(512, Some(1024)).ratio(), Some(0.5));
         assert_eq!(fill(512, None).ratio(), None);
         assert_eq!(fill(0, Some(0)).ratio(), None);

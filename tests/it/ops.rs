@@ -235,6 +235,7 @@ async fn status_finds_every_worker_and_their_partitions_cover_the_stream() {
                     .expect("collecting");
                 settled(&workers, &ids, partitions)
                     && workers.iter().map(|w| w.inputs).sum::<u64>() == 3
+                    && workers.iter().all(|w| w.storage.len() == 7)
             }
         },
     )
@@ -242,6 +243,26 @@ async fn status_finds_every_worker_and_their_partitions_cover_the_stream() {
     let workers = status::collect(&client, Duration::from_millis(500))
         .await
         .expect("collecting");
+    // Each worker reports every stream of the deployment with the limit the server holds.
+    let limits = Settings::default().storage;
+    for w in &workers {
+        let limit_of = |stream: &str| {
+            w.storage
+                .iter()
+                .find(|f| f.stream == stream)
+                .and_then(|f| f.limit)
+        };
+        assert_eq!(limit_of("COLLAB_RAW"), Some(limits.raw_max_bytes as u64));
+        assert_eq!(limit_of("COLLAB_PROJ"), Some(limits.proj_max_bytes as u64));
+        assert_eq!(
+            limit_of("KV_collab_turns"),
+            Some(limits.turns_max_bytes as u64)
+        );
+        assert_eq!(
+            limit_of("OBJ_collab_blobs"),
+            Some(limits.blobs_max_bytes as u64)
+        );
+    }
     let view = status::render(
         None,
         &status::Snapshot { at_ms: 0, workers },

@@ -369,6 +369,32 @@ async fn a_full_raw_stream_refuses_publishes_and_loses_no_accepted_input() {
         .unwrap_or_else(|e| panic!("audit: {e}"));
     assert_eq!(audit.raw, accepted.len(), "{audit:?}");
     assert!(audit.holds(), "{audit:?}");
+    // `status` names the full stream and what a full raw stream does, from the worker's sample
+    // (every 15 s).
+    let client = nats.client().await;
+    let warned = |workers: &[collab_projector::telemetry::WorkerStatus]| {
+        collab_projector::status::warnings(workers, &Default::default())
+            .into_iter()
+            .find(|w| w.starts_with("stream COLLAB_RAW holds"))
+    };
+    wait_until(GUARD, "status warns that the raw stream is full", || {
+        let client = client.clone();
+        async move {
+            let workers = collab_projector::status::collect(&client, Duration::from_millis(500))
+                .await
+                .unwrap_or_default();
+            warned(&workers).is_some()
+        }
+    })
+    .await;
+    let workers = collab_projector::status::collect(&client, Duration::from_millis(500))
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let warning = warned(&workers).unwrap_or_default();
+    assert!(
+        warning.contains("of 64 KiB): when full, producers' publishes are refused"),
+        "{warning}"
+    );
 }
 
 #[tokio::test]

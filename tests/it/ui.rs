@@ -1462,7 +1462,9 @@ async fn the_compose_nats_server_serves_projections_to_websocket_uis() {
             "docker-compose.yml lacks {needle}"
         );
     }
-    // The file as shipped, its ports moved to free ones and its store to a temporary directory.
+    // The file as shipped, its ports moved to free ones and its store to a temporary directory
+    // whose size is fixed, as every server of the suite's is (`localnats::LOCAL_MAX_FILE_STORE`):
+    // left to the server, it would be 75 % of the free disk, too little on a small runner.
     let dir = tempfile::tempdir().expect("a temporary directory");
     let (port, monitor, ws) = (free_port(), free_port(), free_port());
     let mut conf = replace_once(
@@ -1478,7 +1480,11 @@ async fn the_compose_nats_server_serves_projections_to_websocket_uis() {
     conf = replace_once(
         &conf,
         "store_dir: /data",
-        &format!("store_dir: {:?}", dir.path().join("js")),
+        &format!(
+            "store_dir: {:?}\n  max_file_store: {}",
+            dir.path().join("js"),
+            collab_projector::localnats::LOCAL_MAX_FILE_STORE
+        ),
     );
     conf = replace_once(&conf, "port: 8443", &format!("port: {ws}"));
     let path = dir.path().join("nats.conf");
