@@ -75,7 +75,8 @@ pub fn should_warn(warned: &mut std::collections::BTreeSet<String>, fill: &Strea
 }
 
 /// Sample every bounded stream's size every [`SAMPLE_EVERY`] until `stop`, into the gauges and
-/// `state` (which `status` reports).
+/// `state` (which `status` reports). A server that does not answer holds a pass up to its
+/// request timeout per stream, never the worker's shutdown.
 pub async fn sample(
     js: jetstream::Context,
     settings: Settings,
@@ -85,27 +86,40 @@ pub async fn sample(
     let streams = bounded_streams(&settings.names());
     let mut warned = std::collections::BTreeSet::new();
     loop {
-        for stream in &streams {
-            let Some(fill) = fill_of(&js, stream).await else {
-                tracing::debug!(stream = %stream, "could not read the stream's size");
-                continue;
-            };
-            record(&fill);
-            if should_warn(&mut warned, &fill) {
-                tracing::warn!(
-                    stream = %stream,
-                    bytes = fill.bytes,
-                    limit = fill.limit.unwrap_or(0),
-                    "stream nearly full: when full, a raw stream refuses producers' publishes and any other stops the partitions writing to it; raise its storage.*_max_bytes setting and run `provision`, or make room (docs/operations.md, \"Storage limits\")"
-                );
-            }
-            if let Ok(mut fills) = state.storage.lock() {
-                fills.insert(stream.clone(), fill);
-            }
+        tokio::select! {
+            () = sample_once(&js, &streams, &state, &mut warned) => {}
+            () = stop.cancelled() => break,
         }
         tokio::select! {
-            _ = tokio::time::sleep(SAMPLE_EVERY) => {}
-            _ = stop.cancelled() => break,
+            () = tokio::time::sleep(SAMPLE_EVERY) => {}
+            () = stop.cancelled() => break,
+        }
+    }
+}
+
+/// One pass over `streams`.
+async fn sample_once(
+    js: &jetstream::Context,
+    streams: &[String],
+    state: &WorkerState,
+    warned: &mut std::collections::BTreeSet<String>,
+) {
+    for stream in streams {
+        let Some(fill) = fill_of(js, stream).await else {
+            tracing::debug!(stream = %stream, "could not read the stream's size");
+            continue;
+        };
+        record(&fill);
+        if should_warn(warned, &fill) {
+            tracing::warn!(
+                stream = %stream,
+                bytes = fill.bytes,
+                limit = fill.limit.unwrap_or(0),
+                "stream nearly full: when full, a raw stream refuses producers' publishes and any other stops the partitions writing to it; raise its storage.*_max_bytes setting and run `provision`, or make room (docs/operations.md, \"Storage limits\")"
+            );
+        }
+        if let Ok(mut fills) = state.storage.lock() {
+            fills.insert(stream.clone(), fill);
         }
     }
 }
