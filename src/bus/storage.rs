@@ -3,7 +3,7 @@
 //! bucket stops the partitions writing to it (docs/operations.md, "Storage limits").
 
 use super::stats::WorkerState;
-use crate::config::{Names, Settings};
+use crate::config::Settings;
 use crate::telemetry::{self, StreamFill};
 use async_nats::jetstream;
 use std::sync::Arc;
@@ -15,21 +15,19 @@ use tokio_util::sync::CancellationToken;
 pub const SAMPLE_EVERY: Duration = Duration::from_secs(15);
 
 /// The JetStream streams that hold the deployment's data, each bounded by a `storage.*` setting:
-/// the raw streams (one per shard), the projection and dead-letter streams, and the streams
-/// behind the turn, session and lease buckets and the object store of offloaded fields.
-pub fn bounded_streams(names: &Names) -> Vec<String> {
-    let mut out = names.raw_streams.clone();
-    out.push(names.proj_stream.clone());
-    out.push(names.dlq_stream.clone());
-    for bucket in [
-        &names.turns_bucket,
-        &names.sessions_bucket,
-        &names.leases_bucket,
-    ] {
-        out.push(format!("KV_{bucket}"));
-    }
-    out.push(format!("OBJ_{}", names.blobs_store));
-    out
+/// those `provision` makes (the raw streams, one per shard, the projection and dead-letter
+/// streams), and the streams behind its buckets and the object store of offloaded fields.
+pub fn bounded_streams(s: &Settings) -> Vec<String> {
+    let streams = super::provision::stream_configs(s)
+        .into_iter()
+        .map(|(c, _)| c.name);
+    let buckets = super::provision::kv_configs(s)
+        .into_iter()
+        .map(|c| format!("KV_{}", c.bucket));
+    streams
+        .chain(buckets)
+        .chain([format!("OBJ_{}", s.names().blobs_store)])
+        .collect()
 }
 
 /// Read `stream`'s size; `None` when the server does not answer or the stream is missing (the
@@ -83,7 +81,7 @@ pub async fn sample(
     state: Arc<WorkerState>,
     stop: CancellationToken,
 ) {
-    let streams = bounded_streams(&settings.names());
+    let streams = bounded_streams(&settings);
     let mut warned = std::collections::BTreeSet::new();
     loop {
         tokio::select! {
@@ -132,7 +130,7 @@ mod tests {
     fn every_stream_with_a_storage_limit_is_sampled() {
         let mut s = Settings::default();
         s.nats.shards = 2;
-        let streams = bounded_streams(&s.names());
+        let streams = bounded_streams(&s);
         assert_eq!(
             streams,
             [
