@@ -371,10 +371,15 @@ mod tests {
 
     const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/agui-spec");
 
-    fn settings() -> Settings {
-        crate::config::Settings::default()
-            .ingest()
-            .expect("default settings")
+    /// The default settings, built once: compiling their redaction rules costs far more than
+    /// normalising an event, and the fixture tests normalise hundreds.
+    fn settings() -> &'static Settings {
+        static SETTINGS: std::sync::LazyLock<Settings> = std::sync::LazyLock::new(|| {
+            crate::config::Settings::default()
+                .ingest()
+                .expect("default settings")
+        });
+        &SETTINGS
     }
 
     fn run(v: &Value, subject: Option<&str>) -> Result<Normalized, Rejection> {
@@ -388,7 +393,7 @@ mod tests {
             raw_ref: None,
             relay: Default::default(),
         };
-        let mut events = normalize(&input, &settings())?;
+        let mut events = normalize(&input, settings())?;
         assert_eq!(events.len(), 1, "one AG-UI event gives one envelope");
         Ok(events.remove(0))
     }
@@ -840,7 +845,7 @@ mod tests {
                 relay: Default::default(),
             };
             out.extend(
-                super::super::normalize_streamed(&input, &s, &mut streams)
+                super::super::normalize_streamed(&input, s, &mut streams)
                     .unwrap_or_else(|r| panic!("{v}: {} {}", r.reason, r.detail)),
             );
         }
@@ -996,7 +1001,7 @@ mod tests {
                 }),
                 relay: Default::default(),
             };
-            super::super::normalize_streamed(&input, &s, &mut streams)
+            super::super::normalize_streamed(&input, s, &mut streams)
         };
         let bad = publish(
             json!({"type": "TEXT_MESSAGE_CONTENT", "messageId": "m", "delta": "refused words", "eventRole": "nope"}),
@@ -1143,7 +1148,7 @@ mod tests {
                     raw_ref: None,
                     relay: Default::default(),
                 };
-                match normalize(&input, &settings()) {
+                match normalize(&input, settings()) {
                     Ok(ns) => Value::Array(
                         ns.into_iter()
                             .map(|n| json!({"key": n.key, "envelope": n.envelope}))

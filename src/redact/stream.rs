@@ -401,8 +401,13 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// The built-in rules, compiled once for every test here (the property tests below would
+    /// otherwise spend nearly all their time compiling them).
     fn redactor() -> Arc<Redactor> {
-        Arc::new(Redactor::new(&[], &[]).unwrap_or_else(|e| panic!("rules compile: {e}")))
+        static RULES: std::sync::LazyLock<Arc<Redactor>> = std::sync::LazyLock::new(|| {
+            Arc::new(Redactor::new(&[], &[]).unwrap_or_else(|e| panic!("rules compile: {e}")))
+        });
+        Arc::clone(&RULES)
     }
 
     fn id(n: &str) -> StreamId {

@@ -29,10 +29,16 @@ fn cfg() -> TurnConfig {
     }
 }
 
-fn settings() -> crate::ingest::Settings {
-    crate::config::Settings::default()
-        .ingest()
-        .expect("default settings")
+/// The default ingest settings, built once: compiling their redaction rules costs far more
+/// than normalising an event, and the property test below normalises thousands.
+fn settings() -> &'static crate::ingest::Settings {
+    static SETTINGS: std::sync::LazyLock<crate::ingest::Settings> =
+        std::sync::LazyLock::new(|| {
+            crate::config::Settings::default()
+                .ingest()
+                .expect("default settings")
+        });
+    &SETTINGS
 }
 
 /// Normalise an AG-UI event as the worker does, under subject key `key`.
@@ -47,7 +53,7 @@ fn envelope(v: &Value, key: &str) -> Envelope {
         raw_ref: None,
         relay: Default::default(),
     };
-    let mut events = normalize(&input, &settings()).expect("an AG-UI event is projected");
+    let mut events = normalize(&input, settings()).expect("an AG-UI event is projected");
     events.remove(0).envelope
 }
 
