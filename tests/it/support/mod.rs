@@ -50,8 +50,8 @@ pub struct TestNats {
 enum Backend {
     // Boxed, as the container is: a `LocalNats` is a couple of hundred bytes.
     Local(Box<LocalNats>),
-    // The store lives inside the container (`-sd /data`), so it survives a stop and start; the host
-    // port is fixed by us, so a restarted container keeps its URL.
+    // The store lives inside the container (`/data`, as large as a local server's), so it survives
+    // a stop and start; the host port is fixed by us, so a restarted container keeps its URL.
     Container {
         // Boxed: the container handle is several times the size of a `LocalNats`.
         container: Box<ContainerAsync<GenericImage>>,
@@ -168,10 +168,17 @@ impl TestNats {
 async fn start_container() -> Result<(ContainerAsync<GenericImage>, u16), String> {
     let port = free_port();
     let (name, tag) = NATS_IMAGE;
+    // The same JetStream storage as a local server's (`localnats::LOCAL_MAX_FILE_STORE`), so the
+    // streams' limits fit however little disk the Docker host has free.
+    let config = format!(
+        "port: 4222\njetstream {{\n  store_dir: \"/data\"\n  max_file_store: {}\n}}\n",
+        localnats::LOCAL_MAX_FILE_STORE
+    );
     let container = GenericImage::new(name, tag)
         .with_exposed_port(4222.tcp())
         .with_wait_for(WaitFor::message_on_either_std("Server is ready"))
-        .with_cmd(["-js", "-sd", "/data"])
+        .with_copy_to("/etc/collab-test.conf", config.into_bytes())
+        .with_cmd(["-c", "/etc/collab-test.conf"])
         .with_mapped_port(port, 4222.tcp())
         .with_startup_timeout(Duration::from_secs(120))
         .start()
