@@ -364,23 +364,12 @@ pub fn apply_stream_step(
 
 #[cfg(test)]
 mod tests {
-    use super::super::{normalize, SubjectInfo};
+    use super::super::{default_settings, normalize, SubjectInfo};
     use super::*;
     use serde_json::json;
     use std::path::{Path, PathBuf};
 
     const FIXTURES: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/fixtures/agui-spec");
-
-    /// The default settings, built once: compiling their redaction rules costs far more than
-    /// normalising an event, and the fixture tests normalise hundreds.
-    fn settings() -> &'static Settings {
-        static SETTINGS: std::sync::LazyLock<Settings> = std::sync::LazyLock::new(|| {
-            crate::config::Settings::default()
-                .ingest()
-                .expect("default settings")
-        });
-        &SETTINGS
-    }
 
     fn run(v: &Value, subject: Option<&str>) -> Result<Normalized, Rejection> {
         let bytes = serde_json::to_vec(v).expect("serialises");
@@ -393,7 +382,7 @@ mod tests {
             raw_ref: None,
             relay: Default::default(),
         };
-        let mut events = normalize(&input, settings())?;
+        let mut events = normalize(&input, default_settings())?;
         assert_eq!(events.len(), 1, "one AG-UI event gives one envelope");
         Ok(events.remove(0))
     }
@@ -824,7 +813,7 @@ mod tests {
     /// Normalise `events` in order as one partition does, with a stream redactor; the
     /// projected envelopes.
     fn streamed(events: &[Value], limits: crate::redact::StreamLimits) -> Vec<Normalized> {
-        let s = settings();
+        let s = default_settings();
         let mut streams = StreamRedactor::new(s.redactor.clone(), limits);
         let mut out = Vec::new();
         for (i, v) in events.iter().enumerate() {
@@ -983,7 +972,7 @@ mod tests {
 
     #[test]
     fn a_dead_lettered_delta_never_reaches_the_stream() {
-        let s = settings();
+        let s = default_settings();
         let mut streams = StreamRedactor::new(s.redactor.clone(), Default::default());
         let mut publish = |v: Value, seq: u64| {
             let bytes = serde_json::to_vec(&v).expect("serialises");
@@ -1148,7 +1137,7 @@ mod tests {
                     raw_ref: None,
                     relay: Default::default(),
                 };
-                match normalize(&input, settings()) {
+                match normalize(&input, default_settings()) {
                     Ok(ns) => Value::Array(
                         ns.into_iter()
                             .map(|n| json!({"key": n.key, "envelope": n.envelope}))

@@ -352,6 +352,19 @@ pub fn normalize_line(line: &[u8], settings: &Settings) -> String {
     value.to_string()
 }
 
+/// The built-in defaults' normalisation settings, built once per test process: compiling their
+/// redaction rules costs far more than normalising an event, and property and fixture tests
+/// normalise thousands.
+#[cfg(test)]
+pub(crate) fn default_settings() -> &'static Settings {
+    static DEFAULTS: std::sync::LazyLock<Settings> = std::sync::LazyLock::new(|| {
+        crate::config::Settings::default()
+            .ingest()
+            .unwrap_or_else(|e| panic!("default settings: {e}"))
+    });
+    &DEFAULTS
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -487,9 +500,7 @@ mod tests {
 
     #[test]
     fn a_relayed_body_is_wire_traffic_whatever_else_it_looks_like() {
-        let settings = crate::config::Settings::default()
-            .ingest()
-            .unwrap_or_else(|e| panic!("default settings: {e}"));
+        let settings = default_settings();
         // A caller's request written as an adapter packet that speaks for another agent.
         let body = serde_json::to_vec(&json!({
             "protocol": "a2a", "event_type": "task_completed", "jsonrpc": "2.0", "id": 1,
@@ -497,7 +508,7 @@ mod tests {
         }))
         .unwrap_or_default();
         let input = |direction: Option<&str>| relayed(&body, "a2a.wire.request", direction);
-        match normalize(&input(Some(RelayHeaders::DIRECTION_REQUEST)), &settings) {
+        match normalize(&input(Some(RelayHeaders::DIRECTION_REQUEST)), settings) {
             Err(r) => assert!(
                 r.detail.contains("Collab-Direction: request"),
                 "{}",
@@ -506,7 +517,7 @@ mod tests {
             Ok(events) => panic!("projected: {events:?}"),
         }
         // Without the relay's word the adapter reading applies, as before.
-        let unrelayed = normalize(&input(None), &settings);
+        let unrelayed = normalize(&input(None), settings);
         assert!(
             !matches!(&unrelayed, Err(r) if r.detail.contains("Collab-Direction")),
             "{unrelayed:?}"
@@ -515,15 +526,13 @@ mod tests {
 
     #[test]
     fn the_wire_subject_names_the_side_and_a_header_cannot_contradict_it() {
-        let settings = crate::config::Settings::default()
-            .ingest()
-            .unwrap_or_else(|e| panic!("default settings: {e}"));
+        let settings = default_settings();
         // The agent's answer, shaped as such.
         let body = br#"{"jsonrpc":"2.0","id":1,"result":{"kind":"message","role":"agent","messageId":"a-1","contextId":"k","parts":[{"kind":"text","text":"approved"}]}}"#;
         let input = |suffix: &str, direction: Option<&str>| relayed(body, suffix, direction);
         // On the caller's subject it is never the agent's reply, with or without a header.
         for direction in [None, Some(RelayHeaders::DIRECTION_ANSWER)] {
-            match normalize(&input("a2a.wire.request", direction), &settings) {
+            match normalize(&input("a2a.wire.request", direction), settings) {
                 Err(r) => assert_eq!(r.reason, DlqReason::Unrecognized, "{}", r.detail),
                 Ok(events) => panic!("{direction:?}: projected {events:?}"),
             }
@@ -534,14 +543,14 @@ mod tests {
             ("a2a.wire.response", Some(RelayHeaders::DIRECTION_ANSWER)),
             ("a2a.wire.stream", None),
         ] {
-            let events = normalize(&input(suffix, direction), &settings)
+            let events = normalize(&input(suffix, direction), settings)
                 .unwrap_or_else(|e| panic!("{suffix} {direction:?}: {e:?}"));
             let payload = events[0].envelope.payload.clone().unwrap_or_default();
             assert_eq!(payload["fromAgent"], "agent", "{suffix}: {payload}");
         }
         let contradicted = normalize(
             &input("a2a.wire.response", Some(RelayHeaders::DIRECTION_REQUEST)),
-            &settings,
+            settings,
         );
         assert!(
             matches!(&contradicted, Err(r) if r.detail.contains("must name the same side")),
@@ -551,9 +560,7 @@ mod tests {
 
     #[test]
     fn a_rejection_detail_that_completes_a_secret_pattern_is_redacted() {
-        let settings = crate::config::Settings::default()
-            .ingest()
-            .unwrap_or_else(|e| panic!("default settings: {e}"));
+        let settings = default_settings();
         // The type alone holds no secret; quoted in the detail, the words after the `=` would
         // read as one.
         let body = br#"{"type":"Bearer aws_secret_access_key="}"#;
@@ -563,7 +570,7 @@ mod tests {
             raw_ref: None,
             relay: RelayHeaders::default(),
         };
-        match normalize(&input, &settings) {
+        match normalize(&input, settings) {
             Err(r) => {
                 assert_eq!(r.reason, DlqReason::BadType);
                 assert!(

@@ -5,9 +5,7 @@ use serde_json::json;
 
 /// Normalise raw inputs as the worker does; each event with the key it is projected under.
 fn project(raw: &[(Option<&str>, Value)]) -> Vec<(String, Envelope)> {
-    let settings = crate::config::Settings::default()
-        .ingest()
-        .unwrap_or_else(|e| panic!("default settings: {e}"));
+    let settings = crate::ingest::default_settings();
     let mut out = Vec::new();
     for (subject_key, v) in raw {
         let bytes = serde_json::to_vec(v).unwrap_or_default();
@@ -21,7 +19,7 @@ fn project(raw: &[(Option<&str>, Value)]) -> Vec<(String, Envelope)> {
             relay: Default::default(),
         };
         let events =
-            normalize(&input, &settings).unwrap_or_else(|r| panic!("{v} is rejected: {r:?}"));
+            normalize(&input, settings).unwrap_or_else(|r| panic!("{v} is rejected: {r:?}"));
         out.extend(events.into_iter().map(|n| (n.key, n.envelope)));
     }
     out

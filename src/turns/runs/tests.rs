@@ -29,18 +29,6 @@ fn cfg() -> TurnConfig {
     }
 }
 
-/// The default ingest settings, built once: compiling their redaction rules costs far more
-/// than normalising an event, and the property test below normalises thousands.
-fn settings() -> &'static crate::ingest::Settings {
-    static SETTINGS: std::sync::LazyLock<crate::ingest::Settings> =
-        std::sync::LazyLock::new(|| {
-            crate::config::Settings::default()
-                .ingest()
-                .expect("default settings")
-        });
-    &SETTINGS
-}
-
 /// Normalise an AG-UI event as the worker does, under subject key `key`.
 fn envelope(v: &Value, key: &str) -> Envelope {
     let bytes = serde_json::to_vec(v).expect("serialises");
@@ -53,7 +41,8 @@ fn envelope(v: &Value, key: &str) -> Envelope {
         raw_ref: None,
         relay: Default::default(),
     };
-    let mut events = normalize(&input, settings()).expect("an AG-UI event is projected");
+    let mut events =
+        normalize(&input, crate::ingest::default_settings()).expect("an AG-UI event is projected");
     events.remove(0).envelope
 }
 
