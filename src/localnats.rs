@@ -736,19 +736,15 @@ struct ConfigSpec<'a> {
 /// Render the nats-server config. A file rather than flags, because `sync_interval` and a full
 /// cluster block have no flags, and because the file left in the store shows how the node ran.
 fn render_config(spec: &ConfigSpec<'_>) -> String {
-    let mut tuning = if spec.sync_always {
-        "  sync_interval: always\n".to_string()
-    } else {
-        String::new()
-    };
-    if let Some(bytes) = spec.max_file_store {
-        tuning.push_str(&format!("  max_file_store: {bytes}\n"));
-    }
     let mut out = format!(
-        "server_name: {name}\nlisten: {listen}\njetstream {{\n  store_dir: {store}\n{tuning}}}\n",
+        "server_name: {name}\nlisten: {listen}\n{jetstream}",
         name = quote(spec.server_name),
         listen = quote(&format!("127.0.0.1:{}", spec.port)),
-        store = quote(&spec.store_dir.to_string_lossy()),
+        jetstream = jetstream_block(
+            &spec.store_dir.to_string_lossy(),
+            spec.max_file_store,
+            spec.sync_always
+        ),
     );
     if let Some(cluster) = spec.cluster {
         let routes: Vec<String> = cluster.routes.iter().map(|r| quote(r)).collect();
@@ -771,6 +767,21 @@ fn render_config(spec: &ConfigSpec<'_>) -> String {
         }
     }
     out
+}
+
+/// The `jetstream { ... }` block of a nats-server config: the store directory, the JetStream
+/// storage its streams' limits are reserved from (`None`: the server's default), and whether every
+/// write is synced to disk.
+pub fn jetstream_block(store_dir: &str, max_file_store: Option<u64>, sync_always: bool) -> String {
+    let mut block = format!("jetstream {{\n  store_dir: {}\n", quote(store_dir));
+    if sync_always {
+        block.push_str("  sync_interval: always\n");
+    }
+    if let Some(bytes) = max_file_store {
+        block.push_str(&format!("  max_file_store: {bytes}\n"));
+    }
+    block.push_str("}\n");
+    block
 }
 
 /// Quote a config string (the format takes JSON-style escapes), so paths with spaces stay whole.

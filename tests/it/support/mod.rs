@@ -171,8 +171,8 @@ async fn start_container() -> Result<(ContainerAsync<GenericImage>, u16), String
     // The same JetStream storage as a local server's (`localnats::LOCAL_MAX_FILE_STORE`), so the
     // streams' limits fit however little disk the Docker host has free.
     let config = format!(
-        "port: 4222\njetstream {{\n  store_dir: \"/data\"\n  max_file_store: {}\n}}\n",
-        localnats::LOCAL_MAX_FILE_STORE
+        "port: 4222\n{}",
+        localnats::jetstream_block("/data", Some(localnats::LOCAL_MAX_FILE_STORE), false)
     );
     let container = GenericImage::new(name, tag)
         .with_exposed_port(4222.tcp())
