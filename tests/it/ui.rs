@@ -24,6 +24,7 @@
 //! The demo prints the viewer's address first. The compose file's nats-server configuration
 //! serves projections to a browser UI over WebSocket.
 
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -84,7 +85,9 @@ fn browser() -> Option<(PathBuf, PathBuf)> {
     None
 }
 
-/// chromedriver as a child process, killed on drop.
+/// chromedriver as a child process leading its own process group, which holds the Chromium it
+/// starts. On drop the whole group is killed: a test that fails before closing its session
+/// leaves no browser running.
 struct Driver {
     child: Child,
     port: u16,
@@ -92,6 +95,11 @@ struct Driver {
 
 impl Drop for Driver {
     fn drop(&mut self) {
+        use nix::sys::signal::{killpg, Signal};
+        use nix::unistd::Pid;
+        if let Ok(pid) = i32::try_from(self.child.id()) {
+            let _ = killpg(Pid::from_raw(pid), Signal::SIGKILL);
+        }
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
@@ -101,6 +109,7 @@ async fn start_driver(path: &Path) -> Driver {
     let port = free_port();
     let child = Command::new(path)
         .arg(format!("--port={port}"))
+        .process_group(0)
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null())
