@@ -631,12 +631,15 @@ fn span_id(parts: &[&str]) -> [u8; 8] {
     id
 }
 
-/// The ids of the span named by `parts`: a child of `parent` in its trace, else a root.
+/// The ids of the span named by `parts`: a child of `parent` in its trace, else a root. A
+/// child's span id is derived under its parent's: ids that producers reuse from one run to the
+/// next (a tool call `call-1` in every run) name a different span in each, as OpenTelemetry
+/// requires and backends that key spans by id (Phoenix) need.
 fn ids_under(parent: Option<Ids>, parts: &[&str]) -> Ids {
     match parent {
         Some(parent) => Ids {
             trace: parent.trace,
-            span: span_id(parts),
+            span: span_id(&[&[hex::encode(parent.span).as_str()], parts].concat()),
             parent: Some(parent.span),
         },
         None => root_ids(parts),

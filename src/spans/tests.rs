@@ -356,3 +356,54 @@ fn an_answer_that_asks_for_input_and_an_interrupted_run_are_waiting_not_errors()
     assert_eq!(str_attr(&run[0], "collab.waiting.for"), Some("approval"));
     assert_eq!(str_attr(&run[0], "collab.waiting.on"), Some("alice"));
 }
+
+/// Producers reuse tool call ids from run to run (`call-1` in every run of an SDK's example
+/// agent). Each run's tool call is a span of its own: same traffic, same ids, but never the id
+/// of another run's call.
+#[test]
+fn the_same_tool_call_id_in_two_runs_gives_two_spans_with_different_ids() {
+    let mut a = assembler();
+    let t = |ms: u32| format!("2026-11-26T10:00:00.{ms:03}Z");
+    let run = |run: &str, at: u32| {
+        vec![
+            env(
+                json!({"type": "run.started", "timestamp": t(at), "threadId": "th", "runId": run,
+                "agentId": "planner", "payload": {"agUiType": "RUN_STARTED"}}),
+            ),
+            env(
+                json!({"type": "tool.started", "timestamp": t(at + 1), "runId": run,
+                "payload": {"agUiType": "TOOL_CALL_START", "toolCallId": "call-1",
+                    "toolCallName": "get_weather"}}),
+            ),
+            env(
+                json!({"type": "tool.result", "timestamp": t(at + 2), "runId": run,
+                "payload": {"agUiType": "TOOL_CALL_RESULT", "toolCallId": "call-1",
+                    "content": "sunny"}}),
+            ),
+            env(
+                json!({"type": "run.finished", "timestamp": t(at + 3), "threadId": "th",
+                "runId": run, "payload": {"agUiType": "RUN_FINISHED"}}),
+            ),
+        ]
+    };
+    let spans_of = |a: &mut Assembler, events: Vec<Envelope>| -> Vec<Span> {
+        events.iter().flat_map(|e| a.observe(e, 0).spans).collect()
+    };
+    let first = spans_of(&mut a, run("r1", 0));
+    let second = spans_of(&mut a, run("r2", 10));
+    let tool = |spans: &[Span]| -> Span {
+        spans
+            .iter()
+            .find(|s| s.name == "execute_tool get_weather")
+            .cloned()
+            .unwrap_or_else(|| panic!("no tool span in {spans:?}"))
+    };
+    let (t1, t2) = (tool(&first), tool(&second));
+    assert_ne!(t1.span_id, t2.span_id);
+    assert_ne!(t1.trace_id, t2.trace_id);
+    assert_eq!(t1.parent_span_id, Some(first[1].span_id));
+    // Deterministic: the same run again gives the same ids (a round exported twice is the
+    // same spans).
+    let again = spans_of(&mut assembler(), run("r1", 0));
+    assert_eq!(tool(&again).span_id, t1.span_id);
+}
