@@ -5,9 +5,28 @@ Phoenix binds its HTTP server to PHOENIX_HOST but its gRPC OTLP receiver to ever
 ("[::]:PHOENIX_GRPC_PORT"). The tests listen on loopback only, so the gRPC server's insecure
 ports are rewritten to 127.0.0.1 before Phoenix starts. Everything else is `phoenix serve`
 as shipped, configured through its PHOENIX_* variables (tests/it/otel.rs sets them).
+
+With COLLAB_EXIT_ON_STDIN_EOF=1 the server exits when its standard input closes, removing
+PHOENIX_WORKING_DIR first: the tests share one Phoenix per test process and hold the write end of
+that pipe until they end, however they end.
 """
 
+import os
+import shutil
 import sys
+import threading
+
+
+def _exit_when_stdin_closes():
+    sys.stdin.buffer.read()
+    working_dir = os.environ.get("PHOENIX_WORKING_DIR")
+    if working_dir:
+        shutil.rmtree(working_dir, ignore_errors=True)
+    os._exit(0)
+
+
+if os.environ.get("COLLAB_EXIT_ON_STDIN_EOF") == "1":
+    threading.Thread(target=_exit_when_stdin_closes, daemon=True).start()
 
 import grpc.aio
 

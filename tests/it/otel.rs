@@ -1,6 +1,6 @@
 //! The OpenTelemetry export (docs/otel.md) against a real OTLP receiver agent developers run:
 //! Arize Phoenix (`phoenix serve`, pinned in tests/e2e/phoenix-requirements.txt), its spans read
-//! back through its REST API (`GET /v1/projects/default/spans`).
+//! back through its REST API (`GET /v1/projects/{project}/spans`, one project per test).
 //!
 //! The real `collab-projector` binary runs with `OTEL_EXPORTER_OTLP_ENDPOINT` set to Phoenix, a
 //! price table in its config file, and `turns.default_timeout` short enough for a turn to time
@@ -33,35 +33,56 @@ fn phoenix_python() -> Option<PathBuf> {
     )
 }
 
-/// `phoenix serve` on loopback with a throwaway database; killed on drop.
+/// `phoenix serve` on loopback with a throwaway database, started once and shared by this file's
+/// tests, each of which exports into a Phoenix project of its own (its spans carry the
+/// `openinference.project.name` resource attribute). Phoenix takes about 25 s to start on two
+/// cores; the tests used to start one each.
+///
+/// A static is never dropped, so Phoenix cannot be killed on drop: its standard input is a pipe
+/// from this process, and `phoenix_serve.py` exits, removing its working directory, when that
+/// pipe closes, which it does when this process ends however it ends.
 struct Phoenix {
-    child: Child,
     port: u16,
-    _dir: tempfile::TempDir,
+    log: PathBuf,
+    _child: Child,
+    _stdin: std::process::ChildStdin,
 }
 
+static PHOENIX: tokio::sync::OnceCell<Phoenix> = tokio::sync::OnceCell::const_new();
+
 impl Phoenix {
+    async fn shared(python: &Path) -> &'static Phoenix {
+        PHOENIX.get_or_init(|| Phoenix::start(python)).await
+    }
+
     async fn start(python: &Path) -> Phoenix {
-        let dir = tempfile::tempdir().expect("a temporary directory for Phoenix");
+        // Kept after the handle is gone: phoenix_serve.py removes it when it exits.
+        let dir = tempfile::tempdir()
+            .expect("a temporary directory for Phoenix")
+            .keep();
+        let log_path = dir.join("phoenix.log");
         let (port, grpc_port) = (free_port(), free_port());
-        let log = std::fs::File::create(dir.path().join("phoenix.log")).expect("Phoenix's log");
-        let child = Command::new(python)
+        let log = std::fs::File::create(&log_path).expect("Phoenix's log");
+        let mut child = Command::new(python)
             .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e/phoenix_serve.py"))
-            .env("PHOENIX_WORKING_DIR", dir.path())
+            .env("PHOENIX_WORKING_DIR", &dir)
             .env("PHOENIX_HOST", "127.0.0.1")
             .env("PHOENIX_PORT", port.to_string())
             .env("PHOENIX_GRPC_PORT", grpc_port.to_string())
             .env("PHOENIX_TELEMETRY_ENABLED", "false")
             .env("PHOENIX_ALLOW_EXTERNAL_RESOURCES", "false")
-            .stdin(Stdio::null())
+            .env("COLLAB_EXIT_ON_STDIN_EOF", "1")
+            .stdin(Stdio::piped())
             .stdout(log.try_clone().expect("Phoenix's log"))
             .stderr(log)
             .spawn()
             .expect("could not start Phoenix");
+        let stdin = child.stdin.take().expect("Phoenix's standard input");
         let phoenix = Phoenix {
-            child,
             port,
-            _dir: dir,
+            log: log_path,
+            _child: child,
+            _stdin: stdin,
         };
         let client = reqwest::Client::new();
         let start = Instant::now();
@@ -88,21 +109,20 @@ impl Phoenix {
     }
 
     fn log(&self) -> String {
-        std::fs::read_to_string(self._dir.path().join("phoenix.log")).unwrap_or_default()
+        std::fs::read_to_string(&self.log).unwrap_or_default()
     }
 
-    /// At least `n` spans of the default project, waited for (the projector's log in the
-    /// failure message).
-    async fn wait_for_spans(&self, n: usize, projector: &Projector) -> Vec<Value> {
+    /// At least `n` spans of `project`, waited for (the projector's log in the failure message).
+    async fn wait_for_spans(&self, project: &str, n: usize, projector: &Projector) -> Vec<Value> {
         let start = Instant::now();
         loop {
-            let spans = self.spans().await;
+            let spans = self.spans(project).await;
             if spans.len() >= n {
                 return spans;
             }
             assert!(
                 start.elapsed() < WAIT,
-                "Phoenix has {} spans of {n}: {spans:#?}\nprojector log:\n{}",
+                "Phoenix has {} spans of {n} in project {project}: {spans:#?}\nprojector log:\n{}",
                 spans.len(),
                 projector.log_text()
             );
@@ -110,9 +130,9 @@ impl Phoenix {
         }
     }
 
-    /// Every span of the default project (Phoenix answers 404 until the project's first span).
-    async fn spans(&self) -> Vec<Value> {
-        let url = format!("{}/v1/projects/default/spans?limit=1000", self.url());
+    /// Every span of `project` (Phoenix answers 404 until the project's first span).
+    async fn spans(&self, project: &str) -> Vec<Value> {
+        let url = format!("{}/v1/projects/{project}/spans?limit=1000", self.url());
         let Ok(resp) = reqwest::get(url).await else {
             return Vec::new();
         };
@@ -124,11 +144,9 @@ impl Phoenix {
     }
 }
 
-impl Drop for Phoenix {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
+/// The resource attribute that puts a projector's spans in Phoenix project `project`.
+fn project_attribute(project: &str) -> String {
+    format!("openinference.project.name={project}")
 }
 
 const PRICES: &str = r#"
@@ -141,7 +159,7 @@ async fn turns_runs_and_tools_reach_phoenix_as_genai_spans_with_parents_usage_an
     let Some(python) = phoenix_python() else {
         return;
     };
-    let phoenix = Phoenix::start(&python).await;
+    let phoenix = Phoenix::shared(&python).await;
     let nats = TestNats::start().await;
     let js = nats.jetstream().await;
     let config = tempfile::NamedTempFile::new().expect("a config file");
@@ -154,6 +172,10 @@ async fn turns_runs_and_tools_reach_phoenix_as_genai_spans_with_parents_usage_an
         &[
             ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
             ("OTEL_SERVICE_NAME", "otel-test"),
+            (
+                "OTEL_RESOURCE_ATTRIBUTES",
+                project_attribute("otel-turns-runs").as_str(),
+            ),
             ("COLLAB_TURNS__DEFAULT_TIMEOUT", "2s"),
             ("RUST_LOG", "info,collab_projector=debug"),
         ],
@@ -294,7 +316,9 @@ async fn turns_runs_and_tools_reach_phoenix_as_genai_spans_with_parents_usage_an
 
     // Six spans: the answered turn, the timed-out turn, the run, its tool call, its child run,
     // and the run that stopped for a person's approval.
-    let spans = phoenix.wait_for_spans(6, &projector).await;
+    let spans = phoenix
+        .wait_for_spans("otel-turns-runs", 6, &projector)
+        .await;
     let by_name: HashMap<&str, &Value> = spans
         .iter()
         .filter_map(|s| Some((s["name"].as_str()?, s)))
@@ -397,7 +421,7 @@ async fn a_run_through_the_relay_reaches_phoenix_with_its_tool_call() {
     let Some(sdk_python) = crate::relay::e2e_python() else {
         return;
     };
-    let phoenix = Phoenix::start(&python).await;
+    let phoenix = Phoenix::shared(&python).await;
     let nats = TestNats::start().await;
     let _js = crate::relay::provisioned(&nats.url()).await;
     let endpoint = phoenix.url();
@@ -406,6 +430,10 @@ async fn a_run_through_the_relay_reaches_phoenix_with_its_tool_call() {
         &[],
         &[
             ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            (
+                "OTEL_RESOURCE_ATTRIBUTES",
+                project_attribute("otel-relay-run").as_str(),
+            ),
             ("RUST_LOG", "info,collab_projector=debug"),
         ],
     );
@@ -424,7 +452,9 @@ async fn a_run_through_the_relay_reaches_phoenix_with_its_tool_call() {
     assert_eq!(answer.status(), 200);
     let _ = answer.text().await;
 
-    let spans = phoenix.wait_for_spans(2, &projector).await;
+    let spans = phoenix
+        .wait_for_spans("otel-relay-run", 2, &projector)
+        .await;
     assert_eq!(spans.len(), 2, "{spans:#?}");
     let named = |name: &str| {
         spans
@@ -478,7 +508,7 @@ async fn an_a2a_sdk_turn_through_the_relay_reaches_phoenix_under_its_context_id(
     let Some(sdk_python) = crate::relay::e2e_python() else {
         return;
     };
-    let phoenix = Phoenix::start(&python).await;
+    let phoenix = Phoenix::shared(&python).await;
     let nats = TestNats::start().await;
     let _js = crate::relay::provisioned(&nats.url()).await;
     let endpoint = phoenix.url();
@@ -490,6 +520,10 @@ async fn an_a2a_sdk_turn_through_the_relay_reaches_phoenix_under_its_context_id(
         ],
         &[
             ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+            (
+                "OTEL_RESOURCE_ATTRIBUTES",
+                project_attribute("otel-a2a-sdk").as_str(),
+            ),
             ("RUST_LOG", "info,collab_projector=debug"),
         ],
     );
@@ -526,7 +560,7 @@ async fn an_a2a_sdk_turn_through_the_relay_reaches_phoenix_under_its_context_id(
     );
 
     // 7 sends: one per scenario, two for the one that asks for input.
-    let spans = phoenix.wait_for_spans(7, &projector).await;
+    let spans = phoenix.wait_for_spans("otel-a2a-sdk", 7, &projector).await;
     let of_context = |ctx: &str| -> Vec<&Value> {
         spans
             .iter()
