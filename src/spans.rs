@@ -99,6 +99,8 @@ struct OpenRun {
 }
 
 struct OpenTool {
+    /// Its `toolCallId`.
+    call: String,
     ids: Ids,
     start_ms: i64,
     /// When `TOOL_CALL_END` closed its arguments.
@@ -163,6 +165,13 @@ impl<V> Bounded<V> {
 
     fn get(&self, key: &str) -> Option<&V> {
         self.map.get(key)
+    }
+
+    /// The keys held, oldest first.
+    fn oldest_first(&self) -> impl Iterator<Item = &String> {
+        self.order
+            .iter()
+            .filter(|k| self.map.contains_key(k.as_str()))
     }
 }
 
@@ -317,10 +326,10 @@ impl Assembler {
             .or_else(|| evidence_ms(p, "run.started"))
             .unwrap_or(at);
         // Tool calls the run left open end with it.
-        for tool in open.iter().flat_map(|r| r.tools.iter()) {
-            if let Some(t) = self.tools.remove(tool) {
+        for key in open.iter().flat_map(|r| r.tools.iter()) {
+            if let Some(t) = self.tools.remove(key) {
                 out.spans
-                    .push(self.tool_span(tool, t, at, None, Some("unfinished".into())));
+                    .push(self.tool_span(t, at, None, Some("unfinished".into())));
             }
         }
         let mut total = open.as_ref().and_then(|r| r.usage.clone());
@@ -380,10 +389,12 @@ impl Assembler {
             .and_then(|r| self.runs.get(r))
             .map(|r| r.ids);
         let ids = ids_under(run, &["tool", &call]);
+        let key = tool_key(run_id.as_deref(), &call);
         if let Some(run) = run_id.as_deref().and_then(|r| self.runs.get_mut(r)) {
-            run.tools.push(call.clone());
+            run.tools.push(key.clone());
         }
         let tool = OpenTool {
+            call,
             ids,
             start_ms: at,
             args_end_ms: None,
@@ -392,7 +403,32 @@ impl Assembler {
                 .or_else(|| text(p, "toolName")),
             args: text(p, "arguments").unwrap_or_default(),
         };
-        out.evicted += self.tools.insert(call, tool, self.limits.max_open);
+        out.evicted += self.tools.insert(key, tool, self.limits.max_open);
+    }
+
+    /// The open tool call an event of call `call` belongs to: the one its run started, else
+    /// one started without a run, else (an event that names no run, of a call started in one)
+    /// the oldest open call of that id.
+    fn open_tool_key(&self, env: &Envelope, call: &str) -> Option<String> {
+        let run = id_text(env.run_id.as_ref());
+        if let Some(run) = run.as_deref() {
+            let key = tool_key(Some(run), call);
+            if self.tools.get(&key).is_some() {
+                return Some(key);
+            }
+        }
+        let key = tool_key(None, call);
+        if self.tools.get(&key).is_some() {
+            return Some(key);
+        }
+        if run.is_some() {
+            return None;
+        }
+        let suffix = tool_key(None, call);
+        self.tools
+            .oldest_first()
+            .find(|k| k.ends_with(suffix.as_str()))
+            .cloned()
     }
 
     fn tool_args(&mut self, env: &Envelope, at: i64) {
@@ -401,7 +437,10 @@ impl Assembler {
             return;
         };
         let max = self.limits.max_text_bytes;
-        let Some(tool) = self.tools.get_mut(&call) else {
+        let Some(key) = self.open_tool_key(env, &call) else {
+            return;
+        };
+        let Some(tool) = self.tools.get_mut(&key) else {
             return;
         };
         if p.and_then(|p| p.get("agUiType")).and_then(Value::as_str) == Some("TOOL_CALL_END") {
@@ -417,7 +456,10 @@ impl Assembler {
         let Some(call) = text(p, "toolCallId") else {
             return;
         };
-        let Some(tool) = self.tools.remove(&call) else {
+        let Some(tool) = self
+            .open_tool_key(env, &call)
+            .and_then(|k| self.tools.remove(&k))
+        else {
             return;
         };
         let result = p.and_then(|p| {
@@ -434,13 +476,11 @@ impl Assembler {
                 .or_else(|| text(p, "error"))
                 .unwrap_or_else(|| "error".into())
         });
-        out.spans
-            .push(self.tool_span(&call, tool, at, result, error));
+        out.spans.push(self.tool_span(tool, at, result, error));
     }
 
     fn tool_span(
         &self,
-        call: &str,
         tool: OpenTool,
         at: i64,
         result: Option<String>,
@@ -453,7 +493,7 @@ impl Assembler {
         };
         let mut attributes = vec![
             ("gen_ai.operation.name", Attr::Str("execute_tool".into())),
-            ("gen_ai.tool.call.id", Attr::Str(call.to_string())),
+            ("gen_ai.tool.call.id", Attr::Str(tool.call.clone())),
         ];
         if let Some(name) = &tool.name {
             attributes.push(("gen_ai.tool.name", Attr::Str(name.clone())));
@@ -567,6 +607,13 @@ fn id_text(v: Option<&Value>) -> Option<String> {
 
 fn text(p: Option<&Map<String, Value>>, key: &str) -> Option<String> {
     crate::model::field_text(p, key)
+}
+
+/// An open tool call's key: the run that started it (none: empty) and its `toolCallId`. Tool
+/// call ids are the producer's, and producers reuse them from run to run (`call-1`), so two runs
+/// in flight with the same id are two calls.
+fn tool_key(run: Option<&str>, call: &str) -> String {
+    format!("{}\u{1f}{call}", run.unwrap_or_default())
 }
 
 /// A turn's key: its conversation and turn ids.

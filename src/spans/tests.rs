@@ -407,3 +407,88 @@ fn the_same_tool_call_id_in_two_runs_gives_two_spans_with_different_ids() {
     let again = spans_of(&mut assembler(), run("r1", 0));
     assert_eq!(tool(&again).span_id, t1.span_id);
 }
+
+/// Two runs in flight at once, both calling `call-1`, their events interleaved: each call keeps
+/// its own arguments and result and becomes its own span under its own run. An event that names
+/// no run goes to the oldest open call of its id.
+#[test]
+fn two_runs_in_flight_with_the_same_tool_call_id_keep_their_calls_apart() {
+    let mut a = assembler();
+    let t = |ms: u32| format!("2026-11-26T10:00:00.{ms:03}Z");
+    let ev = |v: Value| env(v);
+    let start = |run: &str, at: u32| {
+        ev(
+            json!({"type": "run.started", "timestamp": t(at), "threadId": format!("th-{run}"),
+            "runId": run, "agentId": "planner", "payload": {"agUiType": "RUN_STARTED"}}),
+        )
+    };
+    let tool_start = |run: &str, at: u32| {
+        ev(
+            json!({"type": "tool.started", "timestamp": t(at), "runId": run,
+            "payload": {"agUiType": "TOOL_CALL_START", "toolCallId": "call-1",
+                "toolCallName": "get_weather"}}),
+        )
+    };
+    let args = |run: &str, at: u32, delta: &str| {
+        ev(
+            json!({"type": "tool.args", "timestamp": t(at), "runId": run,
+            "payload": {"agUiType": "TOOL_CALL_ARGS", "toolCallId": "call-1", "delta": delta}}),
+        )
+    };
+    let mut spans = Vec::new();
+    for e in [
+        start("r1", 0),
+        start("r2", 1),
+        tool_start("r1", 2),
+        tool_start("r2", 3),
+        args("r2", 4, "{\"city\":\"Bergen\"}"),
+        args("r1", 5, "{\"city\":\"Oslo\"}"),
+        ev(
+            json!({"type": "tool.result", "timestamp": t(20), "runId": "r2",
+            "payload": {"agUiType": "TOOL_CALL_RESULT", "toolCallId": "call-1", "content": "rain"}}),
+        ),
+        // Names no run: the oldest open `call-1`, r1's.
+        ev(json!({"type": "tool.result", "timestamp": t(30),
+            "payload": {"agUiType": "TOOL_CALL_RESULT", "toolCallId": "call-1", "content": "sunny"}})),
+    ] {
+        spans.extend(a.observe(&e, 0).spans);
+    }
+    assert_eq!(spans.len(), 2, "{spans:?}");
+    let (bergen, oslo) = (&spans[0], &spans[1]);
+    assert_eq!(
+        str_attr(bergen, "gen_ai.tool.call.arguments"),
+        Some("{\"city\":\"Bergen\"}")
+    );
+    assert_eq!(str_attr(bergen, "gen_ai.tool.call.result"), Some("rain"));
+    assert_eq!(bergen.end_ms - bergen.start_ms, 17);
+    assert_eq!(
+        str_attr(oslo, "gen_ai.tool.call.arguments"),
+        Some("{\"city\":\"Oslo\"}")
+    );
+    assert_eq!(str_attr(oslo, "gen_ai.tool.call.result"), Some("sunny"));
+    assert_eq!(oslo.end_ms - oslo.start_ms, 28);
+    assert_eq!(str_attr(oslo, "gen_ai.tool.call.id"), Some("call-1"));
+    assert_ne!(bergen.trace_id, oslo.trace_id);
+    assert_ne!(bergen.span_id, oslo.span_id);
+    assert_eq!(a.open(), 2, "the two runs are still open");
+    // A run that ends with its call still open ends the call too.
+    let mut b = assembler();
+    let mut left = Vec::new();
+    for e in [
+        start("r1", 0),
+        start("r2", 1),
+        tool_start("r1", 2),
+        tool_start("r2", 3),
+        ev(
+            json!({"type": "run.finished", "timestamp": t(40), "threadId": "th-r1", "runId": "r1",
+            "payload": {"agUiType": "RUN_FINISHED"}}),
+        ),
+    ] {
+        left.extend(b.observe(&e, 0).spans);
+    }
+    let names: Vec<&str> = left.iter().map(|s| s.name.as_str()).collect();
+    assert_eq!(names, ["execute_tool get_weather", "invoke_agent planner"]);
+    assert_eq!(left[0].error.as_deref(), Some("unfinished"));
+    assert_eq!(left[0].parent_span_id, Some(left[1].span_id));
+    assert_eq!(b.open(), 2, "r2 and its call are still open");
+}
