@@ -435,12 +435,17 @@ fn two_runs_in_flight_with_the_same_tool_call_id_keep_their_calls_apart() {
             "payload": {"agUiType": "TOOL_CALL_ARGS", "toolCallId": "call-1", "delta": delta}}),
         )
     };
+    // Both runs started, each with its `call-1` open.
+    let opening = || {
+        [
+            start("r1", 0),
+            start("r2", 1),
+            tool_start("r1", 2),
+            tool_start("r2", 3),
+        ]
+    };
     let mut spans = Vec::new();
-    for e in [
-        start("r1", 0),
-        start("r2", 1),
-        tool_start("r1", 2),
-        tool_start("r2", 3),
+    for e in opening().into_iter().chain([
         args("r2", 4, "{\"city\":\"Bergen\"}"),
         args("r1", 5, "{\"city\":\"Oslo\"}"),
         ev(
@@ -450,7 +455,7 @@ fn two_runs_in_flight_with_the_same_tool_call_id_keep_their_calls_apart() {
         // Names no run: the oldest open `call-1`, r1's.
         ev(json!({"type": "tool.result", "timestamp": t(30),
             "payload": {"agUiType": "TOOL_CALL_RESULT", "toolCallId": "call-1", "content": "sunny"}})),
-    ] {
+    ]) {
         spans.extend(a.observe(&e, 0).spans);
     }
     assert_eq!(spans.len(), 2, "{spans:?}");
@@ -474,16 +479,10 @@ fn two_runs_in_flight_with_the_same_tool_call_id_keep_their_calls_apart() {
     // A run that ends with its call still open ends the call too.
     let mut b = assembler();
     let mut left = Vec::new();
-    for e in [
-        start("r1", 0),
-        start("r2", 1),
-        tool_start("r1", 2),
-        tool_start("r2", 3),
-        ev(
-            json!({"type": "run.finished", "timestamp": t(40), "threadId": "th-r1", "runId": "r1",
+    for e in opening().into_iter().chain([ev(
+        json!({"type": "run.finished", "timestamp": t(40), "threadId": "th-r1", "runId": "r1",
             "payload": {"agUiType": "RUN_FINISHED"}}),
-        ),
-    ] {
+    )]) {
         left.extend(b.observe(&e, 0).spans);
     }
     let names: Vec<&str> = left.iter().map(|s| s.name.as_str()).collect();
