@@ -417,17 +417,17 @@ impl Assembler {
                 return Some(key);
             }
         }
-        let key = tool_key(None, call);
-        if self.tools.get(&key).is_some() {
-            return Some(key);
+        // Started without a run; its key is also the tail of every run's key for this call.
+        let unrun = tool_key(None, call);
+        if self.tools.get(&unrun).is_some() {
+            return Some(unrun);
         }
         if run.is_some() {
             return None;
         }
-        let suffix = tool_key(None, call);
         self.tools
             .oldest_first()
-            .find(|k| k.ends_with(suffix.as_str()))
+            .find(|k| k.ends_with(unrun.as_str()))
             .cloned()
     }
 
