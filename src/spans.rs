@@ -388,7 +388,10 @@ impl Assembler {
             .as_deref()
             .and_then(|r| self.runs.get(r))
             .map(|r| r.ids);
-        let ids = ids_under(run, &["tool", &call]);
+        // The run's id is part of the name even when the run is not open here (it started
+        // before this worker's restart): a reused `call-1` is then still a different root span
+        // in each run.
+        let ids = ids_under(run, &["tool", run_id.as_deref().unwrap_or_default(), &call]);
         let key = tool_key(run_id.as_deref(), &call);
         if let Some(run) = run_id.as_deref().and_then(|r| self.runs.get_mut(r)) {
             run.tools.push(key.clone());

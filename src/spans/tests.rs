@@ -491,3 +491,27 @@ fn two_runs_in_flight_with_the_same_tool_call_id_keep_their_calls_apart() {
     assert_eq!(left[0].parent_span_id, Some(left[1].span_id));
     assert_eq!(b.open(), 2, "r2 and its call are still open");
 }
+
+/// A tool call of a run that is not open here (it started before a restart) is a root span;
+/// `call-1` in two such runs still gives two span ids.
+#[test]
+fn the_same_tool_call_id_in_two_runs_not_seen_starting_gives_two_span_ids() {
+    let mut a = assembler();
+    let mut spans = Vec::new();
+    for (run, at) in [("r1", 0), ("r2", 10)] {
+        for e in [
+            json!({"type": "tool.started", "timestamp": format!("2026-11-26T10:00:00.{at:03}Z"),
+                "runId": run, "payload": {"agUiType": "TOOL_CALL_START", "toolCallId": "call-1",
+                "toolCallName": "get_weather"}}),
+            json!({"type": "tool.result", "timestamp": format!("2026-11-26T10:00:00.{:03}Z", at + 1),
+                "runId": run, "payload": {"agUiType": "TOOL_CALL_RESULT", "toolCallId": "call-1",
+                "content": "sunny"}}),
+        ] {
+            spans.extend(a.observe(&env(e), 0).spans);
+        }
+    }
+    assert_eq!(spans.len(), 2, "{spans:?}");
+    assert!(spans.iter().all(|s| s.parent_span_id.is_none()));
+    assert_ne!(spans[0].span_id, spans[1].span_id);
+    assert_ne!(spans[0].trace_id, spans[1].trace_id);
+}
