@@ -163,13 +163,22 @@ pub async fn run(
     let mut offset = 0;
     for (raw, f, t, shards) in &ranges {
         let per_shard = settings.nats.partitions / (*shards).max(1);
-        outcome = follow(raw, &version, Some(per_shard), *f, *t, |done| {
-            progress(Progress {
-                done: offset + done,
-                total,
-            });
-        })
-        .await;
+        outcome = follow(
+            raw,
+            &version,
+            Some(per_shard),
+            Stop::Never,
+            *f,
+            *t,
+            |done| {
+                progress(Progress {
+                    done: offset + done,
+                    total,
+                });
+            },
+        )
+        .await
+        .map(|_| ());
         if outcome.is_err() {
             break;
         }
@@ -181,17 +190,7 @@ pub async fn run(
     cancel.cancel();
     running.wait().await;
     outcome?;
-    // The deployment may still be behind on the range (a running deployment under load): its
-    // outputs are compared once its partitions have processed it too, or after `LIVE_WAIT` with
-    // what it has, said in the report.
-    let live_done = tokio::time::timeout(LIVE_WAIT, async {
-        for (raw, f, t, _) in &ranges {
-            follow(raw, &live, None, *f, *t, |_| {}).await?;
-        }
-        Ok::<(), ReprojectError>(())
-    })
-    .await;
-    let live_behind = !matches!(live_done, Ok(Ok(())));
+    let live_behind = !live_processed(&js, &live, &ranges).await;
     progress(Progress { done: total, total });
     let mut l = super::Outputs::new();
     let mut v = super::Outputs::new();
@@ -234,21 +233,73 @@ async fn stored_payload(
     s.get_raw_message(seq).await.ok().map(|m| m.payload)
 }
 
+/// Whether the deployment `live` has processed `ranges` (each raw stream with its first and last
+/// sequence). A running deployment under load may still be behind: its outputs are compared once
+/// its partitions have processed the ranges too, or with what it has (said in the report) after
+/// `LIVE_WAIT`, or as soon as none of its workers holds a partition: a stopped deployment
+/// processes nothing more, however long it is waited for.
+async fn live_processed(
+    js: &jetstream::Context,
+    live: &Names,
+    ranges: &[(jetstream::stream::Stream, u64, u64, u16)],
+) -> bool {
+    // No lease bucket: no worker of the deployment ever ran. A lookup that fails otherwise
+    // tells nothing, and the wait is only bounded by `LIVE_WAIT`.
+    let owners = match js.get_key_value(&live.leases_bucket).await {
+        Ok(bucket) => Some(Some(bucket)),
+        Err(_) => match js.get_stream(format!("KV_{}", live.leases_bucket)).await {
+            Err(e) if crate::bus::error::stream_not_found(&e) => Some(None),
+            _ => None,
+        },
+    };
+    let waited = tokio::time::timeout(LIVE_WAIT, async {
+        for (raw, f, t, _) in ranges {
+            let stop = match &owners {
+                Some(bucket) => Stop::WhenUnowned(bucket.as_ref()),
+                None => Stop::Never,
+            };
+            if !follow(raw, live, None, stop, *f, *t, |_| {}).await? {
+                return Ok(false);
+            }
+        }
+        Ok::<bool, ReprojectError>(true)
+    })
+    .await;
+    matches!(waited, Ok(Ok(true)))
+}
+
 /// How long the comparison waits for the deployment to process the range.
 const LIVE_WAIT: Duration = Duration::from_secs(30);
+
+/// What ends [`follow`]'s wait besides the range being processed.
+#[derive(Clone, Copy)]
+enum Stop<'a> {
+    Never,
+    /// No worker of the set has held a partition for [`UNOWNED_FOR`] (a stopped set processes
+    /// nothing more), by its lease bucket (`None`: it has none).
+    WhenUnowned(Option<&'a jetstream::kv::Store>),
+}
+
+/// How long a set of workers must be seen holding no partition before [`follow`] stops waiting
+/// for it: longer than a lease's hand-over between two workers takes.
+const UNOWNED_FOR: Duration = Duration::from_secs(1);
 
 /// Wait until every partition consumer of the set of workers `names` names has processed the
 /// range: it has nothing in flight or pending there (what it holds after `to`, the barriers of
 /// any set of workers included, does not count). `expected`: the set's partition count, when
 /// known (the version's; the deployment's may differ from it and is read from its consumers).
+///
+/// `true`: the range is processed; `false`: `stop` ended the wait first.
 async fn follow(
     raw: &jetstream::stream::Stream,
     names: &Names,
     expected: Option<u16>,
+    stop: Stop<'_>,
     from: u64,
     to: u64,
     mut progress: impl FnMut(u64),
-) -> Result<(), ReprojectError> {
+) -> Result<bool, ReprojectError> {
+    let mut unowned_since: Option<tokio::time::Instant> = None;
     loop {
         let (found, listed) = match partition_consumers(raw, names).await {
             Some(found) => (found, true),
@@ -265,10 +316,41 @@ async fn follow(
         }
         progress(done / count as u64);
         if finished {
-            return Ok(());
+            return Ok(true);
+        }
+        if let Stop::WhenUnowned(bucket) = stop {
+            if holds_partitions(bucket).await {
+                unowned_since = None;
+            } else if unowned_since
+                .get_or_insert_with(tokio::time::Instant::now)
+                .elapsed()
+                >= UNOWNED_FOR
+            {
+                return Ok(false);
+            }
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
+}
+
+/// Whether any worker holds a partition lease (`l.<partition>`) in `bucket`. A bucket that does
+/// not exist holds none; a listing that fails counts as held, so only a clear answer ends a wait.
+async fn holds_partitions(bucket: Option<&jetstream::kv::Store>) -> bool {
+    use futures::StreamExt;
+    let Some(bucket) = bucket else {
+        return false;
+    };
+    let Ok(mut keys) = bucket.keys().await else {
+        return true;
+    };
+    while let Some(key) = keys.next().await {
+        match key {
+            Ok(k) if k.starts_with("l.") => return true,
+            Ok(_) => {}
+            Err(_) => return true,
+        }
+    }
+    false
 }
 
 /// How far into `from..=to` a partition consumer has processed: `to` once nothing of its
