@@ -17,6 +17,7 @@ use tokio_util::sync::CancellationToken;
 /// the samples is about a third of mimalloc's, and the worker spends about a fifth less CPU per
 /// input; its background thread returns freed pages to the system within its decay time even
 /// when the process is idle (docs/performance.md, "The allocator: jemalloc").
+#[cfg(feature = "jemalloc")]
 #[global_allocator]
 static GLOBAL: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 
