@@ -27,7 +27,7 @@ use tempfile::NamedTempFile;
 use tokio::sync::Notify;
 
 use crate::operability::{samples, sum};
-use crate::support::{self, free_port, wait_until, Projector, TestNats};
+use crate::support::{self, free_port, wait_until, Projector, ReservedPort, TestNats};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -750,8 +750,9 @@ async fn relay_keeps_answering_while_nats_is_down_and_counts_what_it_drops() {
 
 #[tokio::test]
 async fn relay_starts_without_nats_and_answers_502_when_the_agent_is_unreachable() {
-    // Ports nothing listens on.
-    let nats_url = format!("nats://127.0.0.1:{}", free_port());
+    // Ports nothing listens on, held for the whole test.
+    let no_nats = ReservedPort::new();
+    let nats_url = format!("nats://127.0.0.1:{}", no_nats.port());
     let agent = start_agent().await;
     let relay = start_relay("a2a", &nats_url, &agent.url(), &["--queue-size", "1"]).await;
     let request = json_rpc_send(1, "message/send", "ctx-no-nats");
@@ -775,7 +776,8 @@ async fn relay_starts_without_nats_and_answers_502_when_the_agent_is_unreachable
     assert_eq!(health["ready"], true);
     assert_eq!(health["natsConnected"], false);
 
-    let dead = format!("http://127.0.0.1:{}/", free_port());
+    let no_agent = ReservedPort::new();
+    let dead = format!("http://127.0.0.1:{}/", no_agent.port());
     let relay2 = start_relay("a2a", &nats_url, &dead, &[]).await;
     let answer = post_json(&relay2.url("/"), &request, &[]).await;
     assert_eq!(answer.status(), 502);

@@ -13,7 +13,7 @@ use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
 use crate::pipeline::{start_projector, GUARD};
-use crate::support::{free_port, wait_until, Projector, TestNats};
+use crate::support::{wait_until, Projector, ReservedPort, TestNats};
 
 const BIN: &str = env!("CARGO_BIN_EXE_collab-projector");
 
@@ -260,8 +260,8 @@ async fn status_counts_an_api_only_process_apart_from_the_workers() {
 
 #[tokio::test]
 async fn run_waits_for_nats_and_one_shot_commands_say_it_is_down() {
-    let port = free_port();
-    let url = format!("nats://127.0.0.1:{port}");
+    let reserved = ReservedPort::new();
+    let url = format!("nats://127.0.0.1:{}", reserved.port());
     // One-shot commands stop at once, naming the server and the fix.
     for command in [&["status", "--once"][..], &["audit"], &["provision"]] {
         let mut args = command.to_vec();
@@ -287,6 +287,7 @@ async fn run_waits_for_nats_and_one_shot_commands_say_it_is_down() {
         async move { said }
     })
     .await;
+    let port = reserved.release();
     let mut server = collab_projector::localnats::LocalNats::start(
         collab_projector::localnats::LocalNatsOptions {
             port,
@@ -306,7 +307,9 @@ async fn run_waits_for_nats_and_one_shot_commands_say_it_is_down() {
     assert_eq!(code, Some(0), "{}", p.log_text());
     // SIGTERM while still waiting is a clean stop too.
     server.stop().await;
-    let mut waiting = Projector::spawn(&url, &[], &[("RUST_LOG", "info")]);
+    let down = ReservedPort::new();
+    let down_url = format!("nats://127.0.0.1:{}", down.port());
+    let mut waiting = Projector::spawn(&down_url, &[], &[("RUST_LOG", "info")]);
     wait_until(GUARD, "the second run waits for NATS", || {
         let said = waiting.log_text().contains("waiting for NATS");
         async move { said }

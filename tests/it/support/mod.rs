@@ -195,6 +195,36 @@ pub fn free_port() -> u16 {
         .unwrap_or_else(|err| panic!("could not find a free port on 127.0.0.1: {err}"))
 }
 
+/// A loopback port held without listening: nothing else can bind it and a connection to it is
+/// refused, so it stands for a server that is down, until it is released. A port from
+/// [`free_port`] is free only when picked: a server another test starts may take it meanwhile.
+pub struct ReservedPort {
+    socket: tokio::net::TcpSocket,
+    port: u16,
+}
+
+impl ReservedPort {
+    pub fn new() -> ReservedPort {
+        let reserve = || -> std::io::Result<ReservedPort> {
+            let socket = tokio::net::TcpSocket::new_v4()?;
+            socket.bind("127.0.0.1:0".parse().map_err(std::io::Error::other)?)?;
+            let port = socket.local_addr()?.port();
+            Ok(ReservedPort { socket, port })
+        };
+        reserve().unwrap_or_else(|err| panic!("could not reserve a port on 127.0.0.1: {err}"))
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Let go of the port, to start a server on it at once.
+    pub fn release(self) -> u16 {
+        drop(self.socket);
+        self.port
+    }
+}
+
 /// A local server, binary only: for tests that need what a container variant cannot give (the store
 /// path, SIGKILL of the server process).
 pub async fn local_nats() -> LocalNats {
