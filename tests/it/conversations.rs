@@ -17,7 +17,9 @@ use serde_json::Value;
 use tempfile::NamedTempFile;
 
 use crate::pipeline::read_all;
-use crate::support::{free_port, provision_with_binary, wait_until, Projector, TestNats};
+use crate::support::{
+    free_port, provision_with_binary, wait_until, Projector, ReservedPort, TestNats,
+};
 
 /// Guards against hangs only.
 const WAIT: Duration = Duration::from_secs(90);
@@ -186,7 +188,8 @@ async fn a_conversation_the_caller_starts_without_a_context_stays_one_conversati
         &[("RUST_LOG", "info")],
     );
 
-    let agents_port = free_port();
+    let reserved = ReservedPort::for_server();
+    let agents_port = reserved.port();
     let mut relays = BTreeMap::new();
     for name in ["complete", "stream", "ask", "hang"] {
         let upstream = format!("http://127.0.0.1:{agents_port}/{name}");
@@ -210,6 +213,7 @@ async fn a_conversation_the_caller_starts_without_a_context_stays_one_conversati
         async move { printed(&log, "listening on ").is_some() }
     })
     .await;
+    reserved.release();
     let url = |name: &str| format!("http://{}", relays[name].1);
 
     // Completed, streamed, and asked-then-completed conversations, each started without a

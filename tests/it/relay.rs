@@ -27,7 +27,7 @@ use tempfile::NamedTempFile;
 use tokio::sync::Notify;
 
 use crate::operability::{samples, sum};
-use crate::support::{self, free_port, wait_until, Projector, ReservedPort, TestNats};
+use crate::support::{self, wait_until, Projector, ReservedPort, TestNats};
 
 const WAIT: Duration = Duration::from_secs(30);
 
@@ -1759,7 +1759,8 @@ pub(crate) async fn sdk_agents_behind_relays(
     python: &std::path::Path,
     nats_url: &str,
 ) -> (BTreeMap<&'static str, Relay>, Script) {
-    let agents_port = free_port();
+    let reserved = ReservedPort::for_server();
+    let agents_port = reserved.port();
     let mut relays = BTreeMap::new();
     for name in ["complete", "stream", "ask"] {
         let upstream = format!("http://127.0.0.1:{agents_port}/{name}");
@@ -1791,6 +1792,7 @@ pub(crate) async fn sdk_agents_behind_relays(
     }
     let agents = Script::spawn(python, "a2a_agents.py", &args);
     assert_eq!(agents.port().await, agents_port);
+    reserved.release();
     (relays, agents)
 }
 
@@ -2062,7 +2064,8 @@ async fn relay_e2e_a2a_sdk_turns_come_out_of_the_projector() {
         ],
         &[],
     );
-    let agents_port = free_port();
+    let reserved = ReservedPort::for_server();
+    let agents_port = reserved.port();
     let mut relays = BTreeMap::new();
     for name in ["complete", "stream", "ask", "hang"] {
         let upstream = format!("http://127.0.0.1:{agents_port}/{name}");
@@ -2094,6 +2097,7 @@ async fn relay_e2e_a2a_sdk_turns_come_out_of_the_projector() {
     }
     let mut agents = Script::spawn(&python, "a2a_agents.py", &args);
     assert_eq!(agents.port().await, agents_port);
+    reserved.release();
     let url = |name: &str| format!("http://{}", relays[name].addr);
 
     let (c, s, a) = (url("complete"), url("stream"), url("ask"));

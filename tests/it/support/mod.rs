@@ -205,8 +205,20 @@ pub struct ReservedPort {
 
 impl ReservedPort {
     pub fn new() -> ReservedPort {
+        ReservedPort::reserve(false)
+    }
+
+    /// Held for a server this test starts on it, which binds the port with `SO_REUSEADDR` (as
+    /// tests/e2e/*.py do) while it is still held, so no other process can take it between the
+    /// reservation and the server's bind. Let go of it once the server listens.
+    pub fn for_server() -> ReservedPort {
+        ReservedPort::reserve(true)
+    }
+
+    fn reserve(shared: bool) -> ReservedPort {
         let reserve = || -> std::io::Result<ReservedPort> {
             let socket = tokio::net::TcpSocket::new_v4()?;
+            socket.set_reuseaddr(shared)?;
             socket.bind("127.0.0.1:0".parse().map_err(std::io::Error::other)?)?;
             let port = socket.local_addr()?.port();
             Ok(ReservedPort { socket, port })
