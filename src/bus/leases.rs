@@ -95,8 +95,11 @@ pub fn probe_order(worker_id: &str, partitions: u16) -> Vec<u16> {
         .collect()
 }
 
+/// Every partition lease's key starts with this.
+const LEASE_PREFIX: &str = "l.";
+
 fn lease_key(p: u16) -> String {
-    format!("l.{p}")
+    format!("{LEASE_PREFIX}{p}")
 }
 
 const HEARTBEAT_PREFIX: &str = "w.";
@@ -242,6 +245,17 @@ async fn live_workers(store: &kv::Store) -> Option<Vec<String>> {
         }
     }
     Some(ids)
+}
+
+/// Whether any worker holds a partition lease in the bucket; `None` if it cannot be listed.
+pub async fn any_held(store: &kv::Store) -> Option<bool> {
+    let mut keys = store.keys().await.ok()?;
+    while let Some(k) = keys.next().await {
+        if k.ok()?.starts_with(LEASE_PREFIX) {
+            return Some(true);
+        }
+    }
+    Some(false)
 }
 
 /// Answer presence probes until `stop`. Subscribed (and flushed) before it returns, so nobody

@@ -243,21 +243,21 @@ async fn live_processed(
     live: &Names,
     ranges: &[(jetstream::stream::Stream, u64, u64, u16)],
 ) -> bool {
+    let bucket = js.get_key_value(&live.leases_bucket).await.ok();
     // No lease bucket: no worker of the deployment ever ran. A lookup that fails otherwise
     // tells nothing, and the wait is only bounded by `LIVE_WAIT`.
-    let owners = match js.get_key_value(&live.leases_bucket).await {
-        Ok(bucket) => Some(Some(bucket)),
-        Err(_) => match js.get_stream(format!("KV_{}", live.leases_bucket)).await {
-            Err(e) if crate::bus::error::stream_not_found(&e) => Some(None),
-            _ => None,
-        },
+    let never_ran = bucket.is_none()
+        && matches!(
+            js.get_stream(format!("KV_{}", live.leases_bucket)).await,
+            Err(e) if crate::bus::error::stream_not_found(&e)
+        );
+    let stop = match &bucket {
+        Some(bucket) => Stop::WhenUnowned(Some(bucket)),
+        None if never_ran => Stop::WhenUnowned(None),
+        None => Stop::Never,
     };
     let waited = tokio::time::timeout(LIVE_WAIT, async {
         for (raw, f, t, _) in ranges {
-            let stop = match &owners {
-                Some(bucket) => Stop::WhenUnowned(bucket.as_ref()),
-                None => Stop::Never,
-            };
             if !follow(raw, live, None, stop, *f, *t, |_| {}).await? {
                 return Ok(false);
             }
@@ -319,7 +319,12 @@ async fn follow(
             return Ok(true);
         }
         if let Stop::WhenUnowned(bucket) = stop {
-            if holds_partitions(bucket).await {
+            // A bucket that cannot be listed counts as held: only a clear answer ends the wait.
+            let held = match bucket {
+                Some(bucket) => crate::bus::leases::any_held(bucket).await.unwrap_or(true),
+                None => false,
+            };
+            if held {
                 unowned_since = None;
             } else if unowned_since
                 .get_or_insert_with(tokio::time::Instant::now)
@@ -331,26 +336,6 @@ async fn follow(
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
-}
-
-/// Whether any worker holds a partition lease (`l.<partition>`) in `bucket`. A bucket that does
-/// not exist holds none; a listing that fails counts as held, so only a clear answer ends a wait.
-async fn holds_partitions(bucket: Option<&jetstream::kv::Store>) -> bool {
-    use futures::StreamExt;
-    let Some(bucket) = bucket else {
-        return false;
-    };
-    let Ok(mut keys) = bucket.keys().await else {
-        return true;
-    };
-    while let Some(key) = keys.next().await {
-        match key {
-            Ok(k) if k.starts_with("l.") => return true,
-            Ok(_) => {}
-            Err(_) => return true,
-        }
-    }
-    false
 }
 
 /// How far into `from..=to` a partition consumer has processed: `to` once nothing of its
