@@ -528,7 +528,12 @@ async fn an_a2a_sdk_turn_through_the_relay_reaches_phoenix_under_its_context_id(
         ],
     );
     wait_for_log(&projector, "exporting turns, runs and tool calls").await;
-    let (relays, _agents) = crate::relay::sdk_agents_behind_relays(&sdk_python, &nats.url()).await;
+    let (relays, _agents) = crate::relay::sdk_agents_behind_relays(
+        &sdk_python,
+        &nats.url(),
+        &["complete", "stream", "ask"],
+    )
+    .await;
     let url = |name: &str| format!("http://{}", relays[name].addr);
     let client_args = [
         "--complete".to_string(),

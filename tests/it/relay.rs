@@ -1752,17 +1752,19 @@ fn of_key<'a>(raw: &'a [Raw], key: &str) -> Vec<&'a Raw> {
     raw.iter().filter(|m| m.key == key).collect()
 }
 
-/// The real A2A SDK agents of tests/e2e/a2a_agents.py (`complete`, `stream`, `ask`), each behind
-/// an A2A relay as `<name>-agent` that takes its caller from `X-Collab-Agent` on loopback: the
-/// relays by name, and the agents' process (stopped when dropped).
+/// The real A2A SDK agents of tests/e2e/a2a_agents.py named `names` (of `complete`, `stream`,
+/// `ask`, `hang`), each behind an A2A relay as `<name>-agent` that takes its caller from
+/// `X-Collab-Agent` on loopback: the relays by name, and the agents' process (stopped when
+/// dropped).
 pub(crate) async fn sdk_agents_behind_relays(
     python: &std::path::Path,
     nats_url: &str,
+    names: &[&'static str],
 ) -> (BTreeMap<&'static str, Relay>, Script) {
     let reserved = ReservedPort::for_server();
     let agents_port = reserved.port();
     let mut relays = BTreeMap::new();
-    for name in ["complete", "stream", "ask"] {
+    for &name in names {
         let upstream = format!("http://127.0.0.1:{agents_port}/{name}");
         let to = format!("{name}-agent");
         let relay = start_relay(
@@ -1803,7 +1805,8 @@ async fn relay_e2e_a2a_sdk_client_and_agents() {
     };
     let nats = TestNats::start().await;
     let js = provisioned(&nats.url()).await;
-    let (relays, agents) = sdk_agents_behind_relays(&python, &nats.url()).await;
+    let (relays, agents) =
+        sdk_agents_behind_relays(&python, &nats.url(), &["complete", "stream", "ask"]).await;
 
     let url = |name: &str| format!("http://{}", relays[name].addr);
     let output = tokio::task::spawn_blocking({
@@ -2064,40 +2067,9 @@ async fn relay_e2e_a2a_sdk_turns_come_out_of_the_projector() {
         ],
         &[],
     );
-    let reserved = ReservedPort::for_server();
-    let agents_port = reserved.port();
-    let mut relays = BTreeMap::new();
-    for name in ["complete", "stream", "ask", "hang"] {
-        let upstream = format!("http://127.0.0.1:{agents_port}/{name}");
-        let to = format!("{name}-agent");
-        let relay = start_relay(
-            "a2a",
-            &nats.url(),
-            &upstream,
-            &[
-                "--to-agent",
-                &to,
-                "--from-agent-header",
-                "X-Collab-Agent",
-                "--trust-header-from",
-                "127.0.0.0/8",
-            ],
-        )
-        .await;
-        relays.insert(name, relay);
-    }
-    let publics: Vec<String> = relays
-        .iter()
-        .map(|(name, r)| format!("{name}=http://{}", r.addr))
-        .collect();
-    let port = agents_port.to_string();
-    let mut args = vec!["--port", port.as_str()];
-    for p in &publics {
-        args.extend(["--public", p.as_str()]);
-    }
-    let mut agents = Script::spawn(&python, "a2a_agents.py", &args);
-    assert_eq!(agents.port().await, agents_port);
-    reserved.release();
+    let (relays, mut agents) =
+        sdk_agents_behind_relays(&python, &nats.url(), &["complete", "stream", "ask", "hang"])
+            .await;
     let url = |name: &str| format!("http://{}", relays[name].addr);
 
     let (c, s, a) = (url("complete"), url("stream"), url("ask"));
