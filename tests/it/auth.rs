@@ -24,7 +24,7 @@ use sha2::Digest as _;
 use tempfile::TempDir;
 
 use crate::pipeline::{publish, start_projector, GUARD, MAIN_AGENTS};
-use crate::support::{local_nats_with, wait_until};
+use crate::support::{local_nats_with, wait_until, ReservedPort};
 
 const BIN: &str = env!("CARGO_BIN_EXE_collab-projector");
 
@@ -649,6 +649,8 @@ pub(crate) struct RolesSample {
     pub(crate) server: collab_projector::localnats::LocalNats,
     pub(crate) passwords: std::collections::BTreeMap<&'static str, String>,
     pub(crate) ws_port: u16,
+    /// Held while the sample runs, so no other test's server is given its WebSocket port.
+    _ws_held: ReservedPort,
 }
 
 impl RolesSample {
@@ -662,10 +664,9 @@ impl RolesSample {
 }
 
 pub(crate) async fn roles_sample() -> RolesSample {
-    let ws_port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("a free port")
-        .port();
+    // The server binds it with SO_REUSEADDR while it is held.
+    let ws_held = ReservedPort::for_server();
+    let ws_port = ws_held.port();
     assert_eq!(
         ROLES_CONF.matches("\n  port: 8443\n").count(),
         1,
@@ -694,6 +695,7 @@ pub(crate) async fn roles_sample() -> RolesSample {
         server,
         passwords,
         ws_port,
+        _ws_held: ws_held,
     }
 }
 

@@ -1005,6 +1005,9 @@ struct Bed {
     proxy: Option<Proxy>,
     /// Between cluster nodes (from, to), in the cluster partition scenario.
     route_proxies: Vec<(usize, usize, Proxy)>,
+    /// The cluster nodes' route ports, held while the bed runs (the nodes bind them with
+    /// SO_REUSEADDR, again after a restart), so no other test's server is given one.
+    route_ports: Vec<crate::support::ReservedPort>,
 }
 
 impl Bed {
@@ -1080,7 +1083,13 @@ impl Bed {
         profile: &Profile,
         workers: usize,
     ) -> Bed {
-        let route_ports: Vec<u16> = (0..3).map(|_| crate::support::free_port()).collect();
+        let held: Vec<_> = (0..3)
+            .map(|_| crate::support::ReservedPort::for_server())
+            .collect();
+        let route_ports: Vec<u16> = held
+            .iter()
+            .map(crate::support::ReservedPort::port)
+            .collect();
         let mut proxies = Vec::new();
         let mut routes: Vec<Vec<String>> = vec![Vec::new(); 3];
         for (from, dials) in routes.iter_mut().enumerate() {
@@ -1093,7 +1102,7 @@ impl Bed {
         let nodes = collab_projector::localnats::start_cluster_routed(&route_ports, &routes)
             .await
             .unwrap_or_else(|e| panic!("could not start a routed 3-node cluster: {e}"));
-        Bed::start_on(
+        let mut bed = Bed::start_on(
             scenario,
             profile,
             Broker::Cluster(nodes),
@@ -1103,7 +1112,9 @@ impl Bed {
             false,
             proxies,
         )
-        .await
+        .await;
+        bed.route_ports = held;
+        bed
     }
 
     /// Provision on `broker` with raw traffic over `shards` streams (1: the one raw stream) and
@@ -1159,6 +1170,7 @@ impl Bed {
             started: Instant::now(),
             proxy: None,
             route_proxies,
+            route_ports: Vec::new(),
         };
         if proxied {
             if let Broker::Single(nats) = &bed.broker {

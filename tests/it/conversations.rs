@@ -17,9 +17,7 @@ use serde_json::Value;
 use tempfile::NamedTempFile;
 
 use crate::pipeline::read_all;
-use crate::support::{
-    free_port, provision_with_binary, wait_until, Projector, ReservedPort, TestNats,
-};
+use crate::support::{provision_with_binary, wait_until, Projector, ReservedPort, TestNats};
 
 /// Guards against hangs only.
 const WAIT: Duration = Duration::from_secs(90);
@@ -171,7 +169,10 @@ async fn a_conversation_the_caller_starts_without_a_context_stays_one_conversati
     let nats = TestNats::start().await;
     provision_with_binary(&nats.url(), [("RUST_LOG", "warn")]);
     let js = nats.jetstream().await;
-    let http_port = free_port();
+    // Held for the whole test, so no other test's server is given it while the projector (or a
+    // restarted one) binds it.
+    let http = ReservedPort::for_server();
+    let http_port = http.port();
     let addr = format!("127.0.0.1:{http_port}");
     let _projector = Projector::spawn_command(
         &[
@@ -383,7 +384,10 @@ async fn wire_bodies_of_one_exchange_share_its_conversation_through_the_worker()
     let nats = TestNats::start().await;
     provision_with_binary(&nats.url(), [("RUST_LOG", "warn")]);
     let js = nats.jetstream().await;
-    let http_port = free_port();
+    // Held for the whole test, so no other test's server is given it while the projector (or a
+    // restarted one) binds it.
+    let http = ReservedPort::for_server();
+    let http_port = http.port();
     let addr = format!("127.0.0.1:{http_port}");
     let _projector = Projector::spawn_command(
         &[

@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
 
-use crate::support::{collab_event, free_port, Projector, TestNats};
+use crate::support::{collab_event, Projector, ReservedPort, TestNats};
 
 /// Guards against hangs only.
 const WAIT: Duration = Duration::from_secs(120);
@@ -46,6 +46,9 @@ struct Phoenix {
     log: PathBuf,
     _child: Child,
     _stdin: std::process::ChildStdin,
+    /// Its HTTP and gRPC ports, held while it runs (it binds them with SO_REUSEADDR), so no other
+    /// test's server is given them.
+    _ports: [ReservedPort; 2],
 }
 
 static PHOENIX: tokio::sync::OnceCell<Phoenix> = tokio::sync::OnceCell::const_new();
@@ -61,7 +64,8 @@ impl Phoenix {
             .expect("a temporary directory for Phoenix")
             .keep();
         let log_path = dir.join("phoenix.log");
-        let (port, grpc_port) = (free_port(), free_port());
+        let ports = [(); 2].map(|()| ReservedPort::for_server());
+        let [port, grpc_port] = ports.each_ref().map(ReservedPort::port);
         let log = std::fs::File::create(&log_path).expect("Phoenix's log");
         let mut child = Command::new(python)
             .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/e2e/phoenix_serve.py"))
@@ -83,6 +87,7 @@ impl Phoenix {
             log: log_path,
             _child: child,
             _stdin: stdin,
+            _ports: ports,
         };
         let client = reqwest::Client::new();
         let start = Instant::now();

@@ -1657,10 +1657,10 @@ impl Drop for PlainServer {
 async fn a_server_without_jetstream_is_refused() {
     let binary = collab_projector::localnats::LocalNats::find_binary()
         .expect("this test needs the nats-server binary");
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .expect("free port")
-        .port();
+    // Held while the server runs on it (it binds with SO_REUSEADDR), so no other test's server is
+    // given the port.
+    let held = crate::support::ReservedPort::for_server();
+    let port = held.port();
     let _server = PlainServer(
         std::process::Command::new(binary)
             .args(["-a", "127.0.0.1", "-p", &port.to_string()])

@@ -34,7 +34,7 @@ use hyper_util::client::legacy::connect::HttpConnector;
 use serde_json::{json, Value};
 
 use crate::support::{
-    collab_event, free_port, provision_with_binary, wait_until, Projector, TestNats,
+    collab_event, provision_with_binary, wait_until, Projector, ReservedPort, TestNats,
 };
 
 const TOKEN: &str = "viewer-test-token";
@@ -106,7 +106,10 @@ impl Drop for Driver {
 }
 
 async fn start_driver(path: &Path) -> Driver {
-    let port = free_port();
+    // Held until chromedriver answers on it (it binds with SO_REUSEADDR), so no other test's
+    // server is given the port meanwhile.
+    let reserved = ReservedPort::for_server();
+    let port = reserved.port();
     let child = Command::new(path)
         .arg(format!("--port={port}"))
         .process_group(0)
@@ -122,6 +125,7 @@ async fn start_driver(path: &Path) -> Driver {
         async move { reqwest::get(status).await.is_ok() }
     })
     .await;
+    reserved.release();
     driver
 }
 
@@ -360,7 +364,10 @@ async fn the_viewer_shows_turns_blocked_outcomes_roles_and_resumes_after_a_dropp
     let js = nats.jetstream().await;
     let dir = tempfile::tempdir().expect("a temporary directory");
     let config = viewer_config(dir.path(), &["conversation.main", "orchestration.task"]);
-    let http_port = free_port();
+    // Held for the whole test, so no other test's server is given it while the projector (or a
+    // restarted one) binds it.
+    let http = ReservedPort::for_server();
+    let http_port = http.port();
     let mut proj = projector(&nats.url(), http_port, &config);
     wait_until(WAIT, "the projector is ready", || ready(http_port)).await;
 
@@ -685,7 +692,10 @@ async fn the_viewer_orders_by_event_time_shows_suppressed_replies_and_recovers_f
             "system.observability",
         ],
     );
-    let http_port = free_port();
+    // Held for the whole test, so no other test's server is given it while the projector (or a
+    // restarted one) binds it.
+    let http = ReservedPort::for_server();
+    let http_port = http.port();
     let mut proj = projector(&nats.url(), http_port, &config);
     wait_until(WAIT, "the projector is ready", || ready(http_port)).await;
 
@@ -1074,7 +1084,10 @@ async fn the_viewer_shows_a_delegation_tree_what_waits_older_rows_and_token_tota
             "system.observability",
         ],
     );
-    let http_port = free_port();
+    // Held for the whole test, so no other test's server is given it while the projector (or a
+    // restarted one) binds it.
+    let http = ReservedPort::for_server();
+    let http_port = http.port();
     let mut proj = projector(&nats.url(), http_port, &config);
     wait_until(WAIT, "the projector is ready", || ready(http_port)).await;
 
@@ -1475,7 +1488,10 @@ async fn the_compose_nats_server_serves_projections_to_websocket_uis() {
     // whose size is fixed, as every server of the suite's is (`localnats::LOCAL_MAX_FILE_STORE`):
     // left to the server, it would be 75 % of the free disk, too little on a small runner.
     let dir = tempfile::tempdir().expect("a temporary directory");
-    let (port, monitor, ws) = (free_port(), free_port(), free_port());
+    // Held for the whole test: the server binds them with SO_REUSEADDR while no other test's
+    // server can be given them.
+    let held = [(); 3].map(|()| ReservedPort::for_server());
+    let [port, monitor, ws] = held.each_ref().map(ReservedPort::port);
     let mut conf = replace_once(
         COMPOSE_CONF,
         "listen: 0.0.0.0:4222",
@@ -1519,7 +1535,10 @@ async fn the_compose_nats_server_serves_projections_to_websocket_uis() {
     .await;
 
     provision_with_binary(&url, ENV);
-    let http_port = free_port();
+    // Held for the whole test, so no other test's server is given it while the projector (or a
+    // restarted one) binds it.
+    let http = ReservedPort::for_server();
+    let http_port = http.port();
     let http_addr = format!("127.0.0.1:{http_port}");
     let mut proj = Projector::spawn_command(
         &[
