@@ -15,7 +15,6 @@
 
 use std::fs::{self, File, OpenOptions};
 use std::io::{Read, Seek, SeekFrom};
-use std::net::TcpListener;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -217,6 +216,9 @@ pub struct LocalNats {
     extra_config: Option<Box<str>>,
     child: Option<Child>,
     pid: u32,
+    /// The ports this server was given (client, and route in a cluster), held for its whole life:
+    /// no other program is handed them, even between [`LocalNats::stop`] and a restart.
+    held: Vec<HeldPort>,
     // Declared last so it is dropped after `Drop::drop` has killed the process that writes into it.
     store: Store,
 }
@@ -265,6 +267,7 @@ impl LocalNats {
             extra_config: opts.extra_config.map(String::into_boxed_str),
             child: None,
             pid: 0,
+            held: Vec::new(),
             store,
         };
 
@@ -274,7 +277,9 @@ impl LocalNats {
         loop {
             attempt += 1;
             if opts.port == 0 {
-                server.port = pick_free_port()?;
+                let held = HeldPort::pick()?;
+                server.port = held.port;
+                server.held = vec![held];
             }
             match server.launch().await {
                 Ok(()) => return Ok(server),
@@ -504,22 +509,16 @@ pub async fn start_cluster_with(
     n: usize,
     extra_config: Option<String>,
 ) -> Result<Vec<LocalNats>, LocalNatsError> {
-    // Hold every probe listener until all ports are picked, so the nodes' ports are distinct.
-    let mut probes = Vec::with_capacity(2 * n);
+    // Every port is held from now on (each node keeps its own two), so the nodes' ports are
+    // distinct and no other program is given one while a node starts or restarts.
+    let mut held = Vec::with_capacity(2 * n);
     for _ in 0..2 * n {
-        probes.push(TcpListener::bind("127.0.0.1:0").map_err(LocalNatsError::NoFreePort)?);
+        held.push(HeldPort::pick()?);
     }
-    let mut ports = Vec::with_capacity(2 * n);
-    for probe in &probes {
-        ports.push(
-            probe
-                .local_addr()
-                .map_err(LocalNatsError::NoFreePort)?
-                .port(),
-        );
-    }
-    drop(probes);
+    let ports: Vec<u16> = held.iter().map(|h| h.port).collect();
     let (client_ports, route_ports) = ports.split_at(n);
+    let mut route_holds = held.split_off(n);
+    let mut client_holds = held;
 
     let routes: Vec<String> = route_ports
         .iter()
@@ -542,6 +541,10 @@ pub async fn start_cluster_with(
         })
         .await?;
         nodes.push(node);
+    }
+    for node in nodes.iter_mut().rev() {
+        node.held.extend(client_holds.pop());
+        node.held.extend(route_holds.pop());
     }
 
     if let Some(first) = nodes.first() {
@@ -684,14 +687,35 @@ fn format_version((major, minor, patch): (u64, u64, u64)) -> String {
     format!("{major}.{minor}.{patch}")
 }
 
-/// Bind port 0 on loopback and let it go: the OS hands out a port nobody is listening on.
-fn pick_free_port() -> Result<u16, LocalNatsError> {
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(LocalNatsError::NoFreePort)?;
-    let port = listener
-        .local_addr()
-        .map_err(LocalNatsError::NoFreePort)?
-        .port();
-    Ok(port)
+/// A loopback port the OS handed out, held by a socket that is bound but not listening. The OS
+/// never hands a held port to another bind of port 0, and nats-server (which binds with
+/// `SO_REUSEADDR`, as the holder does) can bind and listen on it while it is held. A port let go
+/// of at once could be given to another program before the server binds it, or between a stop
+/// and a restart.
+#[derive(Debug)]
+struct HeldPort {
+    port: u16,
+    _socket: tokio::net::TcpSocket,
+}
+
+impl HeldPort {
+    fn pick() -> Result<HeldPort, LocalNatsError> {
+        let socket = tokio::net::TcpSocket::new_v4().map_err(LocalNatsError::NoFreePort)?;
+        socket
+            .set_reuseaddr(true)
+            .map_err(LocalNatsError::NoFreePort)?;
+        socket
+            .bind(std::net::SocketAddr::from(([127, 0, 0, 1], 0)))
+            .map_err(LocalNatsError::NoFreePort)?;
+        let port = socket
+            .local_addr()
+            .map_err(LocalNatsError::NoFreePort)?
+            .port();
+        Ok(HeldPort {
+            port,
+            _socket: socket,
+        })
+    }
 }
 
 /// Server names must be unique within a cluster, and distinct names let `answers` tell our server
@@ -913,9 +937,25 @@ mod tests {
         assert!(config.ends_with("}\nauthorization { token: \"t\" }\n"));
     }
 
-    #[test]
-    fn picked_ports_are_nonzero() {
-        let port = pick_free_port().expect("a free loopback port");
-        assert_ne!(port, 0);
+    #[tokio::test]
+    async fn a_held_port_is_handed_out_to_no_one_else_and_a_server_can_listen_on_it() {
+        let held = HeldPort::pick().expect("a free loopback port");
+        assert_ne!(held.port, 0);
+        let others: Vec<std::net::TcpListener> = (0..500)
+            .map(|_| std::net::TcpListener::bind("127.0.0.1:0").expect("a port"))
+            .collect();
+        for other in &others {
+            assert_ne!(other.local_addr().expect("bound").port(), held.port);
+        }
+        // Bound the way nats-server binds (SO_REUSEADDR), while the port is still held.
+        let server = tokio::net::TcpListener::bind(("127.0.0.1", held.port))
+            .await
+            .expect("a server binds the held port");
+        let (client, accepted) = tokio::join!(
+            TcpStream::connect(("127.0.0.1", held.port)),
+            server.accept()
+        );
+        client.expect("a client connects");
+        accepted.expect("the server accepts");
     }
 }
