@@ -28,7 +28,9 @@
 //! `cargo test --release --test it chaos_full -- --ignored --nocapture`.
 //! `CHAOS_SEED=<n>` replays a scenario's writer and fault schedule (timing still varies);
 //! `CHAOS_ONLY=kill9,mix` runs a subset of `chaos_full`; `CHAOS_LOG_DIR=<dir>` keeps every
-//! worker's log (and the nats-server logs) there; `CHAOS_RUST_LOG` sets the workers' `RUST_LOG`.
+//! worker's log (and the nats-server logs) there; without it, a failed scenario keeps them, with
+//! its turn records, in `$COLLAB_ARTIFACTS_DIR/chaos-logs` when that is set (`.ci/run` sets
+//! it); `CHAOS_RUST_LOG` sets the workers' `RUST_LOG`.
 //! The repartitioning scenario (`chaos_short_repartition_16_to_32_to_8`) kills (kill -9) one
 //! worker of each version while it catches up; it takes `CHAOS_KILL_VERSION=0` (no kill),
 //! `CHAOS_DOWN_TO=<count>` (the second version's partition count)
@@ -1629,25 +1631,36 @@ impl Bed {
             self.notes.append(&mut v.notes);
             let report = check(&mut self, &log, &raw, &proj, &dlq);
             if std::env::var("CHAOS_DUMP_TURNS").is_ok() && !report.violations().is_empty() {
-                dump_turns(&self.js, &format!("collab_{}_turns", v.name)).await;
+                print!(
+                    "{}",
+                    dump_turns(&self.js, &format!("collab_{}_turns", v.name)).await
+                );
             }
             reports.push(report);
             v.fleet.thaw_all();
         }
         (self.scenario, self.profile.partitions) = (scenario, partitions);
-        self.keep_logs();
-        for v in &versions {
-            keep_fleet_logs(v.label, &v.fleet);
+        let failed = reports.iter().any(|r| !r.violations().is_empty());
+        if let Some(dir) = log_dir(failed) {
+            self.keep_logs(&dir);
+            for v in &versions {
+                keep_fleet_logs(&dir, v.label, &v.fleet);
+            }
+            if failed {
+                let turns = dump_turns(&self.js, "collab_turns").await;
+                let _ = std::fs::write(format!("{dir}/{}-turns.txt", self.scenario), turns);
+                println!(
+                    "chaos {}: worker and server logs, and the turn records, kept in {dir}",
+                    self.scenario
+                );
+            }
         }
         reports
     }
 
-    /// With `CHAOS_LOG_DIR` set, write every worker's log there (`<scenario>-<id>.log`).
-    fn keep_logs(&mut self) {
-        let Ok(dir) = std::env::var("CHAOS_LOG_DIR") else {
-            return;
-        };
-        keep_fleet_logs(self.scenario, &self.fleet);
+    /// Write every worker's log into `dir` (`<scenario>-<id>.log`), and the servers'.
+    fn keep_logs(&mut self, dir: &str) {
+        keep_fleet_logs(dir, self.scenario, &self.fleet);
         let servers: Vec<std::path::PathBuf> = match &mut self.broker {
             Broker::Single(nats) => nats.local().map(|l| l.log_path()).into_iter().collect(),
             Broker::Cluster(nodes) => nodes.iter().map(LocalNats::log_path).collect(),
@@ -1658,39 +1671,48 @@ impl Bed {
     }
 }
 
-/// Print every record of the turn bucket `bucket` (`CHAOS_DUMP_TURNS`, to diagnose a failure).
-async fn dump_turns(js: &jetstream::Context, bucket: &str) {
+/// Every record of the turn bucket `bucket`, a line each (to diagnose a failure).
+async fn dump_turns(js: &jetstream::Context, bucket: &str) -> String {
     let Ok(kv) = js.get_key_value(bucket).await else {
-        println!("dump {bucket}: no bucket");
-        return;
+        return format!("dump {bucket}: no bucket\n");
     };
     let Ok(mut keys) = kv.keys().await else {
-        return;
+        return format!("dump {bucket}: keys not listed\n");
     };
     let mut names = Vec::new();
     while let Some(Ok(k)) = keys.next().await {
         names.push(k);
     }
     names.sort();
-    println!("dump {bucket}: {} keys", names.len());
+    let mut out = format!("dump {bucket}: {} keys\n", names.len());
     for k in names {
         if let Ok(Some(e)) = kv.entry(&k).await {
             let v: Value = serde_json::from_slice(&e.value).unwrap_or(Value::Null);
-            println!(
-                "  {k} rev {} state {} deadline {} writer {}",
-                e.revision, v["state"], v["deadlineMs"], v["writer"]
-            );
+            out.push_str(&format!(
+                "  {k} rev {} state {} deadline {} writer {} winner {}\n",
+                e.revision, v["state"], v["deadlineMs"], v["writer"], v["winner"]
+            ));
         }
     }
+    out
 }
 
-/// With `CHAOS_LOG_DIR` set, write the log of every worker of `fleet` there
-/// (`<label>-<id>.log`).
-fn keep_fleet_logs(label: &str, fleet: &Fleet) {
-    let Ok(dir) = std::env::var("CHAOS_LOG_DIR") else {
-        return;
-    };
-    let _ = std::fs::create_dir_all(&dir);
+/// Where a scenario's logs are kept: `CHAOS_LOG_DIR` always; when it failed, and
+/// `COLLAB_ARTIFACTS_DIR` is set (as `.ci/run` sets it), `<artifacts>/chaos-logs`, so a failure
+/// seen once in CI leaves the workers' logs and the turn records behind.
+fn log_dir(failed: bool) -> Option<String> {
+    if let Ok(dir) = std::env::var("CHAOS_LOG_DIR") {
+        return Some(dir);
+    }
+    let artifacts = std::env::var("COLLAB_ARTIFACTS_DIR")
+        .ok()
+        .filter(|_| failed)?;
+    Some(format!("{artifacts}/chaos-logs"))
+}
+
+/// Write the log of every worker of `fleet` into `dir` (`<label>-<id>.log`).
+fn keep_fleet_logs(dir: &str, label: &str, fleet: &Fleet) {
+    let _ = std::fs::create_dir_all(dir);
     let live = fleet.live();
     let all = live
         .iter()
