@@ -231,6 +231,8 @@ struct LeaderEntry {
     revision: u64,
     /// A value, not a delete or purge marker.
     put: bool,
+    /// When the stream stored it.
+    written_at: chrono::DateTime<chrono::Utc>,
 }
 
 /// The last entry of `key` in `store`, read from the bucket stream's leader.
@@ -252,6 +254,7 @@ async fn leader_entry(store: &kv::Store, key: &str) -> Result<Option<LeaderEntry
                 .is_none_or(|op| op.as_str() == "PUT"),
             value: m.payload,
             revision: m.sequence,
+            written_at: m.time,
         })),
         None => Ok(None),
     }
@@ -1118,7 +1121,11 @@ impl PartitionTurns {
             };
             let Some(step) = turns::on_deadline((&rec, rev)) else {
                 // Decided meanwhile by another owner, or no deadline after all.
-                self.remember(&key, &rec, Rev::Known(rev));
+                if rec.state == TurnState::Decided && rec.writer != Some(self.term) {
+                    Box::pin(self.adopt_decision(shared, &key, &rec, fx)).await?;
+                } else {
+                    self.remember(&key, &rec, Rev::Known(rev));
+                }
                 continue;
             };
             let Some((new, expect)) = step.write else {
@@ -1138,6 +1145,45 @@ impl PartitionTurns {
             decided += 1;
         }
         Ok(decided)
+    }
+
+    /// A decision of an open turn that another owner wrote after this owner's reload read the
+    /// turn open, and that no checkpoint vouches for: a deposed owner's write that landed late
+    /// (sent when it resumed from a pause, or held up on the way). Its response may never have
+    /// been stored, since the deposed owner's publishes are fenced off, and no input of this
+    /// owner will issue it (a timeout has no winner to process again). So it is issued here,
+    /// as a reload issues the unpublished decisions it finds: within the projection stream's
+    /// duplicate window its Msg-Id collapses a copy that was stored; past it the stream is
+    /// searched first. No mark: the published checkpoint vouches only for this owner's own
+    /// decisions, and a later reload that finds this one looks it up again.
+    async fn adopt_decision(
+        &mut self,
+        shared: &WorkerContext,
+        key: &str,
+        rec: &TurnRecord,
+        fx: &mut Effects,
+    ) -> Result<(), TurnIoError> {
+        let outs = self.response(shared, key, rec, None).await?;
+        let written_at = match self.entry(key).await? {
+            Some(e) => e.written_at,
+            None => chrono::Utc::now(),
+        };
+        let stored = match outs.last() {
+            Some(out) => stored_past_window(shared, key, out, written_at).await?,
+            None => true,
+        };
+        tracing::info!(
+            partition = self.partition,
+            key,
+            writer = ?rec.writer,
+            stored,
+            "an open turn was decided by a previous owner after this one took the partition; its response is issued unless found stored"
+        );
+        if !stored {
+            fx.outs.extend(outs);
+        }
+        self.remember(key, &turns::published(rec), Rev::Known(0));
+        Ok(())
     }
 
     /// Put the turn's one response into `fx`, with its mark: once the response is stored, the

@@ -1310,6 +1310,58 @@ async fn a_previous_owners_late_decision_is_published_even_below_the_checkpoint(
     assert_eq!(one[&key("c-own", "0")].str("message"), Some("shipped"));
 }
 
+/// A previous owner's decision that lands after the current owner's reload read the turn open
+/// (a paused owner that resumes with a decide write still on its way): at the turn's deadline
+/// the current owner finds the turn decided by another ownership term. That owner's publishes
+/// are fenced off, so its response may never be stored: the current owner publishes it, once,
+/// without waiting for a reload.
+#[tokio::test]
+async fn a_late_decision_found_at_the_deadline_is_published_by_the_current_owner() {
+    let bed = Bed::start_with(&[("COLLAB_NATS__PARTITIONS", "1")]).await;
+    let mut first = bed.projector(&[]);
+    // Long enough for the takeover below to happen before the deadline.
+    let timeout_ms: u32 = 20_000;
+    let send_seq = bed
+        .publish(&send(
+            "c-late-decided",
+            json!({"message": "check the build", "timeoutMs": timeout_ms}),
+        ))
+        .await;
+    let (turn_key, open, open_rev) = open_record(&bed, "c-late-decided").await;
+    first.kill9();
+    first.wait_exit(WAIT).await;
+
+    // The next owner reloads the turn as open: it answers another turn of the partition only
+    // after its reload.
+    let _second = bed.projector(&[]);
+    answer_turn(&bed, "c-alive", ("ping", 600_000), "pong").await;
+    let deadline = bed.stored_ms(send_seq).await + i64::from(timeout_ms);
+    assert!(
+        now_ms() < deadline,
+        "precondition: the takeover took longer than the turn's timeout"
+    );
+
+    // The late write: a timeout decided by another term, compare-and-set on the open record.
+    let winner = json!({
+        "blocked": "timeout", "synthesized": true, "by": "deadline",
+        "atMs": open["deadlineMs"],
+    });
+    decide_as_another_owner(&bed, &turn_key, &open, open_rev, winner).await;
+
+    bed.wait_responses(&[key("c-late-decided", "0")]).await;
+    bed.settle(&["c-late-decided", "c-alive"]).await;
+    let one = one_per_turn(
+        &bed.responses().await,
+        &[key("c-late-decided", "0"), key("c-alive", "0")],
+    );
+    assert_synthesized_timeout(
+        &one[&key("c-late-decided", "0")],
+        send_seq,
+        u64::from(timeout_ms),
+    );
+    assert_eq!(one[&key("c-alive", "0")].str("message"), Some("pong"));
+}
+
 /// A decision a previous owner wrote and died before publishing is found by the next owner's
 /// reload and published where its winner (the reply) stands. Once it is stored, that owner's
 /// checkpoint vouches for it (its base reaches the decision's revision), so no later owner's
