@@ -1163,15 +1163,12 @@ impl PartitionTurns {
         rec: &TurnRecord,
         fx: &mut Effects,
     ) -> Result<(), TurnIoError> {
-        let outs = self.response(shared, key, rec, None).await?;
         let written_at = match self.entry(key).await? {
             Some(e) => e.written_at,
             None => chrono::Utc::now(),
         };
-        let stored = match outs.last() {
-            Some(out) => stored_past_window(shared, key, out, written_at).await?,
-            None => true,
-        };
+        let outs = self.unstored_response(shared, key, rec, written_at).await?;
+        let stored = outs.is_empty();
         tracing::info!(
             partition = self.partition,
             key,
@@ -1179,11 +1176,30 @@ impl PartitionTurns {
             stored,
             "an open turn was decided by a previous owner after this one took the partition; its response is issued unless found stored"
         );
-        if !stored {
-            fx.outs.extend(outs);
-        }
+        fx.outs.extend(outs);
         self.remember(key, &turns::published(rec), Rev::Known(0));
         Ok(())
+    }
+
+    /// The response of a decided turn that may never have been stored (written at
+    /// `written_at`), or nothing when it is known stored: within the projection stream's
+    /// duplicate window its Msg-Id collapses a stored copy, so it is returned without a look;
+    /// past it the stream is searched for it first.
+    async fn unstored_response(
+        &self,
+        shared: &WorkerContext,
+        key: &str,
+        rec: &TurnRecord,
+        written_at: chrono::DateTime<chrono::Utc>,
+    ) -> Result<Vec<Outgoing>, TurnIoError> {
+        let outs = self.response(shared, key, rec, None).await?;
+        // The exchange's own response is last: the ends of a timed-out run are published before it,
+        // so with it stored they are too.
+        let stored = match outs.last() {
+            Some(out) => stored_past_window(shared, key, out, written_at).await?,
+            None => true,
+        };
+        Ok(if stored { Vec::new() } else { outs })
     }
 
     /// Put the turn's one response into `fx`, with its mark: once the response is stored, the
@@ -1552,28 +1568,20 @@ impl PartitionTurns {
         written_at: chrono::DateTime<chrono::Utc>,
         cancel: &CancellationToken,
     ) -> Result<(), TurnIoError> {
-        let outs = self.response(shared, key, rec, None).await?;
-        // The exchange's own response is last: the ends of a timed-out run are published before it,
-        // so with it stored they are too.
-        let Some(out) = outs.last() else {
-            return Ok(());
-        };
-        let stored = stored_past_window(shared, key, out, written_at).await?;
-        if !stored {
-            for out in &outs {
-                match shared
-                    .publisher
-                    .publish_in_place(out, &self.fence, &[], cancel)
-                    .await
-                {
-                    Ok(()) => {}
-                    Err(super::publisher::Halt::Cancelled) => {
-                        return Err(TurnIoError::Cancelled(key.to_string()))
-                    }
-                    Err(super::publisher::Halt::Failed(f)) => return Err(TurnIoError::Publish(f)),
+        let outs = self.unstored_response(shared, key, rec, written_at).await?;
+        for out in &outs {
+            match shared
+                .publisher
+                .publish_in_place(out, &self.fence, &[], cancel)
+                .await
+            {
+                Ok(()) => {}
+                Err(super::publisher::Halt::Cancelled) => {
+                    return Err(TurnIoError::Cancelled(key.to_string()))
                 }
-                shared.state.count_output(out);
+                Err(super::publisher::Halt::Failed(f)) => return Err(TurnIoError::Publish(f)),
             }
+            shared.state.count_output(out);
         }
         self.remember(key, &turns::published(rec), Rev::Known(0));
         Ok(())
