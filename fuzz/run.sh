@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Bounded coverage-guided fuzzing of every target (docs/fuzzing.md).
 #
-#   fuzz/run.sh [--seconds N] [--install] [--if-possible] [--dev] [--codegen-units N] [TARGET...]
+#   fuzz/run.sh [--seconds N] [--install] [--if-possible] [--dev] [--codegen-units N] [--jobs N]
+#               [TARGET...]
 #
 # Seeds the corpus from the fixtures (fuzz/seed_corpus.py), builds the targets with
 # `cargo fuzz build --sanitizer none` (which works on stable Rust), runs each TARGET (default:
@@ -15,6 +16,7 @@
 #   --dev            build without optimisation: a cold build takes a fraction of the time, each
 #                    execution is several times slower (what a short CI run wants)
 #   --codegen-units  passed to `cargo fuzz build` (faster builds, somewhat slower executions)
+#   --jobs N         targets fuzzed at the same time (default: the number of cores)
 #
 # Exit status: 0 when every target ran clean (or fuzzing was skipped with --if-possible), 1 when
 # a target found a crash or an invariant violation (its input is in fuzz/artifacts/<target>/),
@@ -30,6 +32,7 @@ install=0
 if_possible=0
 codegen_units=""
 dev=0
+jobs="$(nproc 2>/dev/null || echo 1)"
 targets=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -38,7 +41,8 @@ while [ $# -gt 0 ]; do
     --if-possible) if_possible=1; shift ;;
     --codegen-units) codegen_units="$2"; shift 2 ;;
     --dev) dev=1; shift ;;
-    -h|--help) sed -n '2,21p' "${BASH_SOURCE[0]}"; exit 0 ;;
+    --jobs) jobs="$2"; shift 2 ;;
+    -h|--help) sed -n '2,23p' "${BASH_SOURCE[0]}"; exit 0 ;;
     -*) echo "fuzz/run.sh: unknown option $1" >&2; exit 2 ;;
     *) targets+=("$1"); shift ;;
   esac
@@ -107,13 +111,12 @@ dict_for() {
   esac
 }
 
-mkdir -p logs
-found=0
-summary=()
-for t in "${targets[@]}"; do
+# One target's run: its log in logs/<t>.log, its summary line in logs/<t>.summary, and a marker
+# logs/<t>.found when it found something.
+fuzz_one() {
+  local t="$1" log="logs/$1.log" start status elapsed execs last cov ft corp outcome
+  rm -f "logs/$t.summary" "logs/$t.found"
   mkdir -p "corpus/$t"
-  log="logs/$t.log"
-  echo "fuzzing $t for ${seconds} s"
   start=$SECONDS
   cargo fuzz run "${build_args[@]}" "$t" "corpus/$t" -- \
     -max_total_time="$seconds" -dict="$(dict_for "$t")" -max_len=8192 -timeout=10 \
@@ -128,14 +131,35 @@ for t in "${targets[@]}"; do
   if [ "$status" = 0 ]; then
     outcome="clean"
   else
-    found=1
+    touch "logs/$t.found"
     outcome="FOUND (exit $status): $(grep -m1 -E 'invariant broken|panicked|ERROR: libFuzzer' "$log" | cut -c1-200)"
-    echo "---- $t: last lines of $log" >&2
-    tail -n 40 "$log" >&2
+  fi
+  printf '%-10s execs %-10s seconds %-4s cov %-6s ft %-6s corpus %-6s %s\n' \
+    "$t" "${execs:-?}" "$elapsed" "${cov:-?}" "${ft:-?}" "${corp:-?}" "$outcome" >"logs/$t.summary"
+}
+
+# The targets run side by side, as many at a time as --jobs (each libFuzzer process is
+# single-threaded): on two cores six 10 s runs take about half the time they take one by one.
+mkdir -p logs
+echo "fuzzing ${targets[*]} for ${seconds} s each, ${jobs} at a time"
+for t in "${targets[@]}"; do
+  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do
+    wait -n
+  done
+  fuzz_one "$t" &
+done
+wait
+
+found=0
+summary=()
+for t in "${targets[@]}"; do
+  summary+=("$(cat "logs/$t.summary" 2>/dev/null || echo "$t: no result (see fuzz/logs/$t.log)")")
+  if [ -e "logs/$t.found" ] || [ ! -e "logs/$t.summary" ]; then
+    found=1
+    echo "---- $t: last lines of fuzz/logs/$t.log" >&2
+    tail -n 40 "logs/$t.log" >&2
     ls "artifacts/$t" 2>/dev/null | sed "s|^|  reproducer: fuzz/artifacts/$t/|" >&2
   fi
-  summary+=("$(printf '%-10s execs %-10s seconds %-4s cov %-6s ft %-6s corpus %-6s %s' \
-    "$t" "${execs:-?}" "$elapsed" "${cov:-?}" "${ft:-?}" "${corp:-?}" "$outcome")")
 done
 
 echo "fuzz summary (${seconds} s per target):"

@@ -21,7 +21,7 @@ const MAX_PASSES: usize = 4;
 /// that names nothing else: the characters of tokens and keys.
 const DEFAULT_CONTINUES: &str = r"[A-Za-z0-9+/=_.~-]";
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum RedactError {
     #[error("redaction pattern {name:?} is not a valid regular expression: {detail}")]
     BadPattern { name: String, detail: String },
@@ -185,43 +185,41 @@ pub struct Redactor {
     always: Vec<usize>,
 }
 
-impl Redactor {
-    /// The built-in rules plus `extra_keys` (key names, compared normalised) and
-    /// `extra_patterns`.
-    pub fn new(
-        extra_keys: &[String],
-        extra_patterns: &[ExtraPattern],
-    ) -> Result<Redactor, RedactError> {
+/// The built-in rules compiled, with their keyword index: the same for every [`Redactor`], so
+/// they are compiled once per process (a worker builds a redactor per pipeline, configuration
+/// checks build several, and compiling these patterns is most of what building one costs).
+/// Compiled regular expressions and automata are shared by their clones.
+struct Builtin {
+    suffixes: Vec<String>,
+    exact: Vec<String>,
+    rules: Vec<Rule>,
+    keywords: RegexSet,
+    keyword_scan: Option<AhoCorasick>,
+    any_keyword: Option<Regex>,
+    keyword_rules: Vec<Vec<usize>>,
+    always: Vec<usize>,
+}
+
+static BUILTIN: std::sync::LazyLock<Result<Builtin, RedactError>> =
+    std::sync::LazyLock::new(Builtin::compile);
+
+impl Builtin {
+    fn compile() -> Result<Builtin, RedactError> {
         let file: RuleFile =
             toml::from_str(RULES).map_err(|e| RedactError::BadRules(e.to_string()))?;
-        let mut suffixes: Vec<String> = file
+        let suffixes = file
             .keys
             .suffixes
             .iter()
             .map(|k| normalise_key(k))
             .collect();
-        suffixes.extend(extra_keys.iter().map(|k| normalise_key(k)));
-        suffixes.retain(|k| !k.is_empty());
         let exact = file.keys.exact.iter().map(|k| normalise_key(k)).collect();
-        let mut specs = file.rules;
-        specs.extend(extra_patterns.iter().map(|e| RuleSpec {
-            id: e.name.clone(),
-            keywords: Vec::new(),
-            regex: e.pattern.clone(),
-            replacement: None,
-            secret: None,
-            min_len: 0,
-            not_numeric: false,
-            ignore_values: Vec::new(),
-            continues: None,
-            until: None,
-        }));
-        let mut rules = Vec::with_capacity(specs.len());
+        let mut rules = Vec::with_capacity(file.rules.len());
         let mut keyword_sources = Vec::new();
         let mut keyword_literals: Vec<String> = Vec::new();
         let mut keyword_rules: Vec<Vec<usize>> = Vec::new();
         let mut always = Vec::new();
-        for (i, spec) in specs.into_iter().enumerate() {
+        for (i, spec) in file.rules.into_iter().enumerate() {
             if spec.keywords.is_empty() {
                 always.push(i);
             }
@@ -274,15 +272,57 @@ impl Redactor {
         } else {
             None
         };
-        Ok(Redactor {
+        Ok(Builtin {
             suffixes,
             exact,
             rules,
             keywords,
             keyword_scan,
             any_keyword,
-            configured: !extra_patterns.is_empty(),
             keyword_rules,
+            always,
+        })
+    }
+}
+
+impl Redactor {
+    /// The built-in rules plus `extra_keys` (key names, compared normalised) and
+    /// `extra_patterns`.
+    pub fn new(
+        extra_keys: &[String],
+        extra_patterns: &[ExtraPattern],
+    ) -> Result<Redactor, RedactError> {
+        let builtin = BUILTIN.as_ref().map_err(Clone::clone)?;
+        let mut suffixes = builtin.suffixes.clone();
+        suffixes.extend(extra_keys.iter().map(|k| normalise_key(k)));
+        suffixes.retain(|k| !k.is_empty());
+        let mut rules = builtin.rules.clone();
+        let mut always = builtin.always.clone();
+        // Configured patterns have no keywords: they run on every string.
+        for e in extra_patterns {
+            always.push(rules.len());
+            rules.push(Rule::compile(RuleSpec {
+                id: e.name.clone(),
+                keywords: Vec::new(),
+                regex: e.pattern.clone(),
+                replacement: None,
+                secret: None,
+                min_len: 0,
+                not_numeric: false,
+                ignore_values: Vec::new(),
+                continues: None,
+                until: None,
+            })?);
+        }
+        Ok(Redactor {
+            suffixes,
+            exact: builtin.exact.clone(),
+            rules,
+            keywords: builtin.keywords.clone(),
+            keyword_scan: builtin.keyword_scan.clone(),
+            any_keyword: builtin.any_keyword.clone(),
+            configured: !extra_patterns.is_empty(),
+            keyword_rules: builtin.keyword_rules.clone(),
             always,
         })
     }
