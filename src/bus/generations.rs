@@ -55,18 +55,44 @@ fn api(what: &str, e: impl Into<super::error::Source>) -> SetsError {
     }
 }
 
+/// How long a set found missing some of its streams is looked up again before that is an
+/// error: `reshard` creates a set's streams one after another, so a worker starting (or a
+/// running one looking) in between finds part of a set that is complete a moment later.
+const INCOMPLETE_SETTLE: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Every set of raw streams `names` can have made, oldest first; empty when there is none.
-/// A set missing one of its streams, or two sets with the same first sequence, is an error
-/// naming them.
+/// A set missing one of its streams (still, after [`INCOMPLETE_SETTLE`]), or two sets with the
+/// same first sequence, is an error naming them.
 pub async fn discover(
     js: &jetstream::Context,
     names: &Names,
 ) -> Result<Vec<Generation>, SetsError> {
+    let started = tokio::time::Instant::now();
+    loop {
+        match discover_once(js, names).await {
+            Err(Found::Incomplete(e)) if started.elapsed() < INCOMPLETE_SETTLE => {
+                tracing::debug!(error = %e, "a set of raw streams is incomplete; looking again (a reshard may be creating it)");
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+            Err(Found::Incomplete(e) | Found::Other(e)) => return Err(e),
+            Ok(found) => return Ok(found),
+        }
+    }
+}
+
+/// Why one look-up of the sets failed.
+enum Found {
+    /// A set misses some of its streams: perhaps being created right now.
+    Incomplete(SetsError),
+    Other(SetsError),
+}
+
+async fn discover_once(js: &jetstream::Context, names: &Names) -> Result<Vec<Generation>, Found> {
     let listed: Vec<String> = js
         .stream_names()
         .try_collect()
         .await
-        .map_err(|e| api("the list of streams", e))?;
+        .map_err(|e| Found::Other(api("the list of streams", e)))?;
     // shard count -> (index -> (name, sealed, base))
     let mut sets: BTreeMap<u16, BTreeMap<u16, (String, bool, u64)>> = BTreeMap::new();
     for name in listed {
@@ -76,7 +102,7 @@ pub async fn discover(
         let info = js
             .get_stream(&name)
             .await
-            .map_err(|e| api(&format!("stream {name}"), e))?
+            .map_err(|e| Found::Other(api(&format!("stream {name}"), e)))?
             .cached_info()
             .clone();
         let base = info
@@ -98,10 +124,10 @@ pub async fn discover(
                 .filter(|e| !members.values().any(|(n, _, _)| n == *e))
                 .map(String::as_str)
                 .collect();
-            return Err(SetsError::Layout(format!(
+            return Err(Found::Incomplete(SetsError::Layout(format!(
                 "the raw streams over {k} shards are incomplete: {} missing. Create them again with `collab-projector reshard --count {k}` (a reshard that stopped half way) or delete the others",
                 missing.join(", ")
-            )));
+            ))));
         }
         let base = members.values().map(|(_, _, b)| *b).max().unwrap_or(0);
         let sealed = members.values().all(|(_, s, _)| *s);
@@ -114,12 +140,12 @@ pub async fn discover(
     }
     found.sort_by_key(|g| g.base);
     if let Some(pair) = found.windows(2).find(|w| w[0].base == w[1].base) {
-        return Err(SetsError::Layout(format!(
+        return Err(Found::Other(SetsError::Layout(format!(
             "raw streams {} and {} start at the same sequence ({}): only one set of raw streams can be made without `collab-projector reshard`; delete the set that is not in use",
             pair[0].streams.join(", "),
             pair[1].streams.join(", "),
             pair[0].base
-        )));
+        ))));
     }
     Ok(found)
 }

@@ -577,3 +577,56 @@ async fn a_dead_owners_deliveries_do_not_hold_a_sealed_stream_for_ack_wait() {
     worker.sigterm();
     worker.wait_exit(Duration::from_secs(30)).await;
 }
+
+/// `reshard` creates a new set's streams one after another: a worker starting, or a running one
+/// looking, in between finds part of a set, which is whole a moment later. The look-up waits
+/// for it instead of failing (a worker used to exit at start, naming the stream not created
+/// yet); a set that stays incomplete is still an error naming what is missing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_set_of_raw_streams_found_half_created_is_read_once_whole() {
+    use collab_projector::bus::generations;
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let stream = |name: &str, subject: &str| jetstream::stream::Config {
+        name: name.to_string(),
+        subjects: vec![subject.to_string()],
+        ..Default::default()
+    };
+    let n = names(1);
+    let first = n.shard_stream_names(2);
+    js.create_stream(stream(&first[0], "half.0"))
+        .await
+        .expect("the set's first stream");
+    let creator = {
+        let js = js.clone();
+        let second = stream(&first[1], "half.1");
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_secs(1)).await;
+            js.create_stream(second).await.map(|_| ())
+        })
+    };
+    let found = generations::discover(&js, &n)
+        .await
+        .expect("the set is found once whole");
+    creator
+        .await
+        .expect("the creator")
+        .expect("the set's second stream");
+    assert_eq!(found.len(), 1, "{found:?}");
+    assert_eq!(found[0].shards, 2, "{found:?}");
+    assert_eq!(found[0].streams, first, "{found:?}");
+
+    // One stream of three, and no reshard to create the others.
+    let third = n.shard_stream_names(3);
+    js.create_stream(stream(&third[0], "stuck.0"))
+        .await
+        .expect("a lone stream");
+    let err = generations::discover(&js, &n)
+        .await
+        .expect_err("a set that stays incomplete")
+        .to_string();
+    assert!(
+        err.contains(&third[1]) && err.contains(&third[2]) && err.contains("incomplete"),
+        "{err}"
+    );
+}
