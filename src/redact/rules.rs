@@ -185,26 +185,46 @@ pub struct Redactor {
     always: Vec<usize>,
 }
 
-/// The built-in rules compiled, with their keyword index: the same for every [`Redactor`], so
-/// they are compiled once per process (a worker builds a redactor per pipeline, configuration
-/// checks build several, and compiling these patterns is most of what building one costs).
-/// Compiled regular expressions and automata are shared by their clones.
-struct Builtin {
-    suffixes: Vec<String>,
-    exact: Vec<String>,
-    rules: Vec<Rule>,
-    keywords: RegexSet,
-    keyword_scan: Option<AhoCorasick>,
-    any_keyword: Option<Regex>,
-    keyword_rules: Vec<Vec<usize>>,
-    always: Vec<usize>,
-}
+/// The built-in rules compiled: the same for every [`Redactor`], so they are compiled once per
+/// process (a worker builds a redactor per pipeline, configuration checks build several, and
+/// compiling these patterns is most of what building one costs). A compiled expression's or
+/// automaton's clone shares the compiled program.
+static BUILTIN: std::sync::LazyLock<Result<Redactor, RedactError>> =
+    std::sync::LazyLock::new(Redactor::builtin);
 
-static BUILTIN: std::sync::LazyLock<Result<Builtin, RedactError>> =
-    std::sync::LazyLock::new(Builtin::compile);
+impl Redactor {
+    /// The built-in rules plus `extra_keys` (key names, compared normalised) and
+    /// `extra_patterns`.
+    pub fn new(
+        extra_keys: &[String],
+        extra_patterns: &[ExtraPattern],
+    ) -> Result<Redactor, RedactError> {
+        let mut r = BUILTIN.as_ref().map_err(Clone::clone)?.clone();
+        r.suffixes
+            .extend(extra_keys.iter().map(|k| normalise_key(k)));
+        r.suffixes.retain(|k| !k.is_empty());
+        // Configured patterns have no keywords: they run on every string.
+        for e in extra_patterns {
+            r.always.push(r.rules.len());
+            r.rules.push(Rule::compile(RuleSpec {
+                id: e.name.clone(),
+                keywords: Vec::new(),
+                regex: e.pattern.clone(),
+                replacement: None,
+                secret: None,
+                min_len: 0,
+                not_numeric: false,
+                ignore_values: Vec::new(),
+                continues: None,
+                until: None,
+            })?);
+        }
+        r.configured = !extra_patterns.is_empty();
+        Ok(r)
+    }
 
-impl Builtin {
-    fn compile() -> Result<Builtin, RedactError> {
+    /// The built-in rules alone, compiled.
+    fn builtin() -> Result<Redactor, RedactError> {
         let file: RuleFile =
             toml::from_str(RULES).map_err(|e| RedactError::BadRules(e.to_string()))?;
         let suffixes = file
@@ -272,57 +292,15 @@ impl Builtin {
         } else {
             None
         };
-        Ok(Builtin {
+        Ok(Redactor {
             suffixes,
             exact,
             rules,
             keywords,
             keyword_scan,
             any_keyword,
+            configured: false,
             keyword_rules,
-            always,
-        })
-    }
-}
-
-impl Redactor {
-    /// The built-in rules plus `extra_keys` (key names, compared normalised) and
-    /// `extra_patterns`.
-    pub fn new(
-        extra_keys: &[String],
-        extra_patterns: &[ExtraPattern],
-    ) -> Result<Redactor, RedactError> {
-        let builtin = BUILTIN.as_ref().map_err(Clone::clone)?;
-        let mut suffixes = builtin.suffixes.clone();
-        suffixes.extend(extra_keys.iter().map(|k| normalise_key(k)));
-        suffixes.retain(|k| !k.is_empty());
-        let mut rules = builtin.rules.clone();
-        let mut always = builtin.always.clone();
-        // Configured patterns have no keywords: they run on every string.
-        for e in extra_patterns {
-            always.push(rules.len());
-            rules.push(Rule::compile(RuleSpec {
-                id: e.name.clone(),
-                keywords: Vec::new(),
-                regex: e.pattern.clone(),
-                replacement: None,
-                secret: None,
-                min_len: 0,
-                not_numeric: false,
-                ignore_values: Vec::new(),
-                continues: None,
-                until: None,
-            })?);
-        }
-        Ok(Redactor {
-            suffixes,
-            exact: builtin.exact.clone(),
-            rules,
-            keywords: builtin.keywords.clone(),
-            keyword_scan: builtin.keyword_scan.clone(),
-            any_keyword: builtin.any_keyword.clone(),
-            configured: !extra_patterns.is_empty(),
-            keyword_rules: builtin.keyword_rules.clone(),
             always,
         })
     }
