@@ -40,6 +40,9 @@ pub enum SetsError {
     /// The streams on the server are not a state collab-projector makes; the text says what to do.
     #[error("{0}")]
     Layout(String),
+    /// A set misses some of its streams (perhaps being created right now); the text names them.
+    #[error("{0}")]
+    Incomplete(String),
     #[error("{what}: {source}")]
     Api {
         what: String,
@@ -70,29 +73,24 @@ pub async fn discover(
     let started = tokio::time::Instant::now();
     loop {
         match discover_once(js, names).await {
-            Err(Found::Incomplete(e)) if started.elapsed() < INCOMPLETE_SETTLE => {
+            Err(e @ SetsError::Incomplete(_)) if started.elapsed() < INCOMPLETE_SETTLE => {
                 tracing::debug!(error = %e, "a set of raw streams is incomplete; looking again (a reshard may be creating it)");
                 tokio::time::sleep(std::time::Duration::from_millis(200)).await;
             }
-            Err(Found::Incomplete(e) | Found::Other(e)) => return Err(e),
-            Ok(found) => return Ok(found),
+            found => return found,
         }
     }
 }
 
-/// Why one look-up of the sets failed.
-enum Found {
-    /// A set misses some of its streams: perhaps being created right now.
-    Incomplete(SetsError),
-    Other(SetsError),
-}
-
-async fn discover_once(js: &jetstream::Context, names: &Names) -> Result<Vec<Generation>, Found> {
+async fn discover_once(
+    js: &jetstream::Context,
+    names: &Names,
+) -> Result<Vec<Generation>, SetsError> {
     let listed: Vec<String> = js
         .stream_names()
         .try_collect()
         .await
-        .map_err(|e| Found::Other(api("the list of streams", e)))?;
+        .map_err(|e| api("the list of streams", e))?;
     // shard count -> (index -> (name, sealed, base))
     let mut sets: BTreeMap<u16, BTreeMap<u16, (String, bool, u64)>> = BTreeMap::new();
     for name in listed {
@@ -102,7 +100,7 @@ async fn discover_once(js: &jetstream::Context, names: &Names) -> Result<Vec<Gen
         let info = js
             .get_stream(&name)
             .await
-            .map_err(|e| Found::Other(api(&format!("stream {name}"), e)))?
+            .map_err(|e| api(&format!("stream {name}"), e))?
             .cached_info()
             .clone();
         let base = info
@@ -124,10 +122,10 @@ async fn discover_once(js: &jetstream::Context, names: &Names) -> Result<Vec<Gen
                 .filter(|e| !members.values().any(|(n, _, _)| n == *e))
                 .map(String::as_str)
                 .collect();
-            return Err(Found::Incomplete(SetsError::Layout(format!(
+            return Err(SetsError::Incomplete(format!(
                 "the raw streams over {k} shards are incomplete: {} missing. Create them again with `collab-projector reshard --count {k}` (a reshard that stopped half way) or delete the others",
                 missing.join(", ")
-            ))));
+            )));
         }
         let base = members.values().map(|(_, _, b)| *b).max().unwrap_or(0);
         let sealed = members.values().all(|(_, s, _)| *s);
@@ -140,12 +138,12 @@ async fn discover_once(js: &jetstream::Context, names: &Names) -> Result<Vec<Gen
     }
     found.sort_by_key(|g| g.base);
     if let Some(pair) = found.windows(2).find(|w| w[0].base == w[1].base) {
-        return Err(Found::Other(SetsError::Layout(format!(
+        return Err(SetsError::Layout(format!(
             "raw streams {} and {} start at the same sequence ({}): only one set of raw streams can be made without `collab-projector reshard`; delete the set that is not in use",
             pair[0].streams.join(", "),
             pair[1].streams.join(", "),
             pair[0].base
-        ))));
+        )));
     }
     Ok(found)
 }
