@@ -32,7 +32,7 @@ install=0
 if_possible=0
 codegen_units=""
 dev=0
-jobs="$(nproc 2>/dev/null || echo 1)"
+at_once="$(nproc 2>/dev/null || echo 1)"
 targets=()
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -41,7 +41,7 @@ while [ $# -gt 0 ]; do
     --if-possible) if_possible=1; shift ;;
     --codegen-units) codegen_units="$2"; shift 2 ;;
     --dev) dev=1; shift ;;
-    --jobs) jobs="$2"; shift 2 ;;
+    --jobs) at_once="$2"; shift 2 ;;
     -h|--help) sed -n '2,23p' "${BASH_SOURCE[0]}"; exit 0 ;;
     -*) echo "fuzz/run.sh: unknown option $1" >&2; exit 2 ;;
     *) targets+=("$1"); shift ;;
@@ -141,9 +141,9 @@ fuzz_one() {
 # The targets run side by side, as many at a time as --jobs (each libFuzzer process is
 # single-threaded): on two cores six 10 s runs take about half the time they take one by one.
 mkdir -p logs
-echo "fuzzing ${targets[*]} for ${seconds} s each, ${jobs} at a time"
+echo "fuzzing ${targets[*]} for ${seconds} s each, ${at_once} at a time"
 for t in "${targets[@]}"; do
-  while [ "$(jobs -rp | wc -l)" -ge "$jobs" ]; do
+  while [ "$(jobs -rp | wc -l)" -ge "$at_once" ]; do
     wait -n
   done
   fuzz_one "$t" &

@@ -53,7 +53,7 @@ struct KeyNames {
     exact: Vec<String>,
 }
 
-#[derive(Debug, Deserialize)]
+#[derive(Debug, Default, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RuleSpec {
     id: String,
@@ -208,15 +208,8 @@ impl Redactor {
             r.always.push(r.rules.len());
             r.rules.push(Rule::compile(RuleSpec {
                 id: e.name.clone(),
-                keywords: Vec::new(),
                 regex: e.pattern.clone(),
-                replacement: None,
-                secret: None,
-                min_len: 0,
-                not_numeric: false,
-                ignore_values: Vec::new(),
-                continues: None,
-                until: None,
+                ..RuleSpec::default()
             })?);
         }
         r.configured = !extra_patterns.is_empty();
