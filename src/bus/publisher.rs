@@ -230,7 +230,9 @@ impl Publisher {
             return Ok(true);
         }
         // A projection subject names the input's key, so only this partition writes it, in raw
-        // order: an earlier input's output last means this one is not stored. Dead-letter
+        // order: an earlier input's output last means this one is not stored. (This input's own
+        // other output last says nothing: an input can put several outputs on one subject, and
+        // the scan below decides.) Dead-letter
         // subjects (one per reason) are written by every partition in no common order.
         // Only an output made by one input's own processing (its Msg-Id names that input, see
         // `pipeline::input_msg_id`) says where the partition's processing was; a timeout's
@@ -241,7 +243,7 @@ impl Publisher {
             .get("Nats-Msg-Id")
             .and_then(|id| self.names.input_of_msg_id(id.as_str()))
             .map(|(_, seq)| seq);
-        if own_subject && last_input.is_some_and(|s| s <= seq) {
+        if own_subject && last_input.is_some_and(|s| s < seq) {
             return Ok(false);
         }
         // Look for this one among the subject's messages since the input was stored (give or
@@ -904,5 +906,82 @@ mod tests {
         // Payload lengths stand for the outputs: projections carry one byte, dead letters
         // `out(n)`'s n bytes.
         assert_eq!(plan, [vec![1, 1], vec![3], vec![1], vec![5, 6]]);
+    }
+
+    /// Against a real server: the look-up of one output of an input whose later output on the
+    /// same subject is the subject's last message finds it stored (the subject's last message
+    /// being this input's own says nothing about which of its outputs are stored).
+    #[cfg(feature = "tools")]
+    #[tokio::test]
+    async fn the_lookup_finds_an_output_stored_before_a_later_output_of_the_same_input() {
+        if crate::localnats::LocalNats::find_binary().is_none() {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "this test needs nats-server on PATH"
+            );
+            eprintln!("SKIPPED: no nats-server on PATH");
+            return;
+        }
+        let nats = crate::localnats::LocalNats::start(Default::default())
+            .await
+            .expect("a local nats-server");
+        let client = async_nats::connect(nats.url()).await.expect("connected");
+        let js = jetstream::new(client);
+        let settings = crate::config::Settings::default();
+        super::super::provision::provision(&js, &settings)
+            .await
+            .expect("provisioned");
+        let names = settings.names();
+        let publisher = Publisher::new(
+            js.clone(),
+            names.clone(),
+            Arc::new(WorkerState::default()),
+            &settings,
+        )
+        .await
+        .expect("a publisher");
+        let raw_seq = 7;
+        let subject = names.proj_subject(crate::model::Role::SystemObservability, "k", "run.delta");
+        let output = |i: usize| Outgoing {
+            subject: subject.clone(),
+            payload: bytes::Bytes::from(format!("{{\"i\":{i}}}")),
+            msg_id: crate::pipeline::input_msg_id(&names.raw_stream, raw_seq, i),
+            headers: Vec::new(),
+            kind: OutKind::Projection(crate::model::Role::SystemObservability),
+        };
+        // An earlier input's output, then this input's outputs 0 and 1, on one subject.
+        let earlier = Outgoing {
+            msg_id: crate::pipeline::input_msg_id(&names.raw_stream, raw_seq - 1, 0),
+            ..output(9)
+        };
+        for out in [&earlier, &output(0), &output(1)] {
+            js.send_publish(
+                out.subject.clone(),
+                jetstream::message::PublishMessage::build()
+                    .payload(out.payload.clone())
+                    .message_id(out.msg_id.as_str()),
+            )
+            .await
+            .expect("sent")
+            .await
+            .expect("stored");
+        }
+        let now = crate::bus::now_ms();
+        for i in [0, 1] {
+            assert!(
+                matches!(
+                    publisher.stored_already(&output(i), raw_seq, now).await,
+                    Ok(true)
+                ),
+                "output {i} is stored"
+            );
+        }
+        assert!(
+            matches!(
+                publisher.stored_already(&output(2), raw_seq, now).await,
+                Ok(false)
+            ),
+            "output 2 is not stored"
+        );
     }
 }

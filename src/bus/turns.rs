@@ -541,7 +541,8 @@ impl PartitionTurns {
                 max_timeout: shared.settings.turns.max_timeout,
                 run_timeout: shared.settings.runs.timeout,
             },
-            open: OpenTurns::new(KEPT_OPEN_RECORDS),
+            open: OpenTurns::new(KEPT_OPEN_RECORDS)
+                .forgetting_after(forget_keys_after(shared.settings.turns.retention)),
             runs: OpenRuns::default(),
             recent: HashMap::new(),
             recent_order: VecDeque::new(),
@@ -1254,7 +1255,7 @@ impl PartitionTurns {
             (Some(ws), _) => {
                 // Boxed, as are the other rare paths below: their state would otherwise be carried
                 // by every input's processing future, which is moved whole for each input.
-                fetched = Box::pin(self.fetch_envelope(shared, ws)).await;
+                fetched = Box::pin(self.fetch_envelope(shared, key, ws)).await?;
                 fetched.as_ref()
             }
             (None, _) => None,
@@ -1297,12 +1298,14 @@ impl PartitionTurns {
             conversation_id: Some(rec.conversation_id.clone()),
             source: None,
         };
-        let mut out = pipeline::projection(
-            &shared.names,
-            &wn,
+        let mut out = Box::pin(project_issued(
+            shared,
+            key,
+            wn,
             winner_seq.unwrap_or(0),
             rec.response_msg_id(),
-        );
+        ))
+        .await?;
         out.subject = shared
             .names
             .proj_subject(Role::ConversationMain, &rec.key, "a2a.response");
@@ -1327,7 +1330,7 @@ impl PartitionTurns {
         decider: Option<&crate::model::Envelope>,
     ) -> Result<Vec<Outgoing>, TurnIoError> {
         let winner_seq = rec.winner.as_ref().and_then(|w| w.seq);
-        let project = |env: crate::model::Envelope, msg_id: String| {
+        let envelope = |env: crate::model::Envelope| {
             let mut env = env;
             if let Some(r) = env.raw_event_ref.as_mut() {
                 if r.stream.is_empty() {
@@ -1337,40 +1340,33 @@ impl PartitionTurns {
                         .to_string();
                 }
             }
-            let n = Normalized {
+            Normalized {
                 envelope: env,
                 key: rec.key.clone(),
                 conversation_id: None,
                 source: None,
-            };
-            pipeline::projection(
-                &shared.names,
-                &n,
-                winner_seq.or(rec.send.as_ref().map(|s| s.seq)).unwrap_or(0),
-                msg_id,
-            )
+            }
         };
+        let mut issued: Vec<(Normalized, String)> = Vec::new();
         let Some(winner) = rec.winner.as_ref().filter(|w| w.seq.is_none()) else {
             metrics::counter!(telemetry::RUN_TERMINALS, "outcome" => "terminal").increment(1);
-            return Ok(vec![project(
-                runs::terminal(rec, decider),
+            issued.push((
+                envelope(runs::terminal(rec, decider)),
                 rec.response_msg_id(),
-            )]);
+            ));
+            return project_all(shared, key, rec, issued).await;
         };
         let open = self.open_items(shared, key, rec).await?;
-        let mut outs: Vec<Outgoing> = open
-            .iter()
-            .map(|item| {
-                let (id, env) = runs::end_of(rec, item, winner.at_ms);
-                project(env, id)
-            })
-            .collect();
-        outs.push(project(
-            runs::timeout_failure(rec, winner, &open),
+        for item in &open {
+            let (id, env) = runs::end_of(rec, item, winner.at_ms);
+            issued.push((envelope(env), id));
+        }
+        issued.push((
+            envelope(runs::timeout_failure(rec, winner, &open)),
             rec.response_msg_id(),
         ));
         metrics::counter!(telemetry::RUN_TERMINALS, "outcome" => "timeout").increment(1);
-        Ok(outs)
+        project_all(shared, key, rec, issued).await
     }
 
     /// The text messages and tool calls a timed-out run left open, read from the raw stream: the
@@ -1646,11 +1642,16 @@ impl PartitionTurns {
     async fn fetch_envelope(
         &self,
         shared: &WorkerContext,
+        key: &str,
         seq: u64,
-    ) -> Option<crate::model::Envelope> {
+    ) -> Result<Option<crate::model::Envelope>, TurnIoError> {
         let stream_name = self.raw.raw_stream_at(self.partition, seq);
-        let stream = shared.js.get_stream(stream_name).await.ok()?;
-        let msg = stream.get_raw_message(seq).await.ok()?;
+        let Ok(stream) = shared.js.get_stream(stream_name).await else {
+            return Ok(None);
+        };
+        let Ok(msg) = stream.get_raw_message(seq).await else {
+            return Ok(None);
+        };
         let raw = RawMessage {
             bytes: &msg.payload,
             stream: stream_name,
@@ -1661,9 +1662,117 @@ impl PartitionTurns {
             headers: Some(&msg.headers),
             producer: Default::default(),
         };
-        let events = pipeline::normalize_raw(&raw, &shared.names, &shared.ingest, 0).ok()?;
-        events.into_iter().next().map(|n| n.envelope)
+        let Ok(mut events) = pipeline::normalize_raw(&raw, &shared.names, &shared.ingest, 0) else {
+            return Ok(None);
+        };
+        // The reader moved the same fields out when it first processed this input, before its
+        // turn rules ran: the response derived from the envelope read back is then the one
+        // derived from the envelope the reader held, whichever of the two issues it.
+        let blobs = pipeline::offload(
+            &mut events,
+            raw.bytes.len(),
+            &shared.settings.limits,
+            issue_budget(shared),
+        );
+        store_blobs(shared, key, &blobs).await?;
+        Ok(events.into_iter().next().map(|n| n.envelope))
     }
+}
+
+/// How long the partition remembers the hash of a record key it last noted: longer than a
+/// record lives in KV (`turns.retention`, counted by the server from the record's last write,
+/// which may land a little after the key is noted here). `None`: records never expire (0).
+fn forget_keys_after(retention: Duration) -> Option<Duration> {
+    (!retention.is_zero()).then(|| retention + Duration::from_secs(60))
+}
+
+/// The largest envelope a response may be once its large fields are out, as for an input's own
+/// events (the reader's budget).
+fn issue_budget(shared: &WorkerContext) -> usize {
+    shared
+        .publisher
+        .out_budget
+        .saturating_sub(super::publisher::ENVELOPE_HEADROOM)
+}
+
+/// The projection of an envelope the turn contract issues, its large fields moved to the object
+/// store as the reader moves an input's own. A response is assembled here, from a reply read
+/// back from the raw stream or from the artifacts its exchange streamed, and can be larger than
+/// any one input: it must stay the turn's response, never become a `too_large` dead letter. The
+/// blob ids are content hashes, so a response issued again refers to the same objects.
+async fn project_issued(
+    shared: &WorkerContext,
+    key: &str,
+    mut n: Normalized,
+    source_seq: u64,
+    msg_id: String,
+) -> Result<Outgoing, TurnIoError> {
+    let out = pipeline::projection(&shared.names, &n, source_seq, msg_id);
+    let limits = &shared.settings.limits;
+    let budget = issue_budget(shared);
+    // No field is larger than the whole envelope: one that fits inline needs no look.
+    let inline = match limits.max_inline_bytes {
+        0 => budget,
+        max => max.min(budget),
+    };
+    if out.payload.len() <= inline {
+        return Ok(out);
+    }
+    let blobs = pipeline::offload(
+        std::slice::from_mut(&mut n),
+        out.payload.len(),
+        limits,
+        budget,
+    );
+    if blobs.is_empty() {
+        return Ok(out);
+    }
+    store_blobs(shared, key, &blobs).await?;
+    Ok(pipeline::projection(
+        &shared.names,
+        &n,
+        source_seq,
+        out.msg_id,
+    ))
+}
+
+/// [`project_issued`] for each of what a run's decision issues.
+async fn project_all(
+    shared: &WorkerContext,
+    key: &str,
+    rec: &TurnRecord,
+    issued: Vec<(Normalized, String)>,
+) -> Result<Vec<Outgoing>, TurnIoError> {
+    let winner_seq = rec.winner.as_ref().and_then(|w| w.seq);
+    let source_seq = winner_seq.or(rec.send.as_ref().map(|s| s.seq)).unwrap_or(0);
+    let mut outs = Vec::with_capacity(issued.len());
+    for (n, msg_id) in issued {
+        outs.push(project_issued(shared, key, n, source_seq, msg_id).await?);
+    }
+    Ok(outs)
+}
+
+/// Store `blobs` before the projection that refers to them is published; a failure is the
+/// turn's I/O failure (the partition restarts and issues the response again).
+async fn store_blobs(
+    shared: &WorkerContext,
+    key: &str,
+    blobs: &[crate::blobs::Blob],
+) -> Result<(), TurnIoError> {
+    for blob in blobs {
+        shared.publisher.put_blob(blob).await.map_err(|e| {
+            TurnIoError::kv(
+                key,
+                format!(
+                    "storing the offloaded field {} of its response: {e}",
+                    blob.id
+                ),
+            )
+        })?;
+        metrics::counter!(telemetry::BLOBS_STORED).increment(1);
+        metrics::counter!(telemetry::BLOB_BYTES).increment(blob.data.len() as u64);
+    }
+    Ok(())
 }
 
 /// The partition's queue of decision writes (and of writes after a write still in flight).

@@ -7,6 +7,7 @@ use std::collections::hash_map::RandomState;
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::hash::BuildHasher;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 /// The open turns of one partition, compact enough to hold a million of them.
 ///
@@ -14,14 +15,23 @@ use std::sync::Arc;
 /// deadline and the revision of the record in KV. The full record is kept only for the
 /// `keep` turns opened last: those are the ones a reply usually comes for, and deciding an older
 /// turn costs one KV read. It also keeps a hash of every record key the partition has (open or
-/// decided), so an event of a turn it has never seen needs no KV read to say so.
+/// decided), so an event of a turn it has never seen needs no KV read to say so. Records expire
+/// from KV after `turns.retention`; with [`OpenTurns::forgetting_after`] the hashes of keys not
+/// noted for that long are let go too (in two generations), so a partition that runs for months
+/// holds the keys of its last one or two retention periods, not of every turn it ever saw.
 #[derive(Debug, Clone)]
 pub struct OpenTurns<R> {
     slots: HashMap<Arc<str>, Slot<R>>,
     by_time: BTreeSet<(i64, Arc<str>)>,
     kept: VecDeque<Arc<str>>,
     keep: usize,
+    /// Hashes of the keys noted in the current generation, and in the one before it.
     known: HashSet<u64>,
+    known_before: HashSet<u64>,
+    /// How long a generation lasts, and when the current one ends (`None`: keys are never
+    /// forgotten).
+    generation: Option<Duration>,
+    generation_ends: Option<Instant>,
     hasher: RandomState,
 }
 
@@ -41,8 +51,19 @@ impl<R: Clone> OpenTurns<R> {
             kept: VecDeque::new(),
             keep,
             known: HashSet::new(),
+            known_before: HashSet::new(),
+            generation: None,
+            generation_ends: None,
             hasher: RandomState::new(),
         }
+    }
+
+    /// Let go of the hash of a key noted neither in the last `after` nor in the generation
+    /// before (so a key is remembered for at least `after` after it was last noted). `after`
+    /// must be at least as long as a record lives in KV; `None` remembers every key.
+    pub fn forgetting_after(mut self, after: Option<Duration>) -> Self {
+        self.generation = after;
+        self
     }
 
     /// Open (or update) a turn; `record` is kept if given, among the last `keep`.
@@ -147,12 +168,34 @@ impl<R: Clone> OpenTurns<R> {
 
     /// Remember that the partition has a record under `key`.
     pub fn note(&mut self, key: &str) {
+        self.note_at(key, Instant::now());
+    }
+
+    /// [`Self::note`] at `now`: a generation that has ended becomes the one before, and the one
+    /// before that is let go.
+    pub fn note_at(&mut self, key: &str, now: Instant) {
+        if let Some(length) = self.generation {
+            match self.generation_ends {
+                Some(end) if now < end => {}
+                Some(_) => {
+                    self.known_before = std::mem::take(&mut self.known);
+                    self.generation_ends = now.checked_add(length);
+                }
+                None => self.generation_ends = now.checked_add(length),
+            }
+        }
         self.known.insert(self.hasher.hash_one(key));
     }
 
     /// Whether the partition may have a record under `key` (false: it certainly has none).
     pub fn maybe_known(&self, key: &str) -> bool {
-        self.known.contains(&self.hasher.hash_one(key))
+        let h = self.hasher.hash_one(key);
+        self.known.contains(&h) || self.known_before.contains(&h)
+    }
+
+    /// Key hashes held (both generations).
+    pub fn known_len(&self) -> usize {
+        self.known.len() + self.known_before.len()
     }
 }
 
@@ -210,6 +253,33 @@ mod tests {
             target: None,
             writer: None,
         }
+    }
+
+    #[test]
+    fn record_keys_are_remembered_for_a_generation_at_least_then_let_go() {
+        let day = Duration::from_secs(86_400);
+        let t0 = Instant::now();
+        let mut o: OpenTurns<u64> = OpenTurns::new(0).forgetting_after(Some(day));
+        o.note_at("a", t0);
+        o.note_at("b", t0 + day / 2);
+        // The first generation ends: a and b are in the one before, still known.
+        o.note_at("c", t0 + day);
+        assert!(o.maybe_known("a") && o.maybe_known("b") && o.maybe_known("c"));
+        // Noted again, b moves into the current generation.
+        o.note_at("b", t0 + day + day / 2);
+        // The second generation ends: a (last noted two generations ago) is let go.
+        o.note_at("d", t0 + 2 * day);
+        assert!(
+            !o.maybe_known("a"),
+            "a key not noted for two generations is let go"
+        );
+        assert!(o.maybe_known("b") && o.maybe_known("c") && o.maybe_known("d"));
+        assert_eq!(o.known_len(), 3);
+        // Without a generation nothing is let go.
+        let mut all: OpenTurns<u64> = OpenTurns::new(0);
+        all.note_at("a", t0);
+        all.note_at("b", t0 + 100 * day);
+        assert!(all.maybe_known("a") && all.maybe_known("b"));
     }
 
     #[test]

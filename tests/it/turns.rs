@@ -1802,6 +1802,83 @@ async fn a2a_stream_frames_before_between_and_after_the_deadline() {
     );
 }
 
+/// A streamed answer whose artifacts together are larger than NATS takes in one message (each
+/// frame well under it): its one response carries them, moved to the object store, instead of
+/// becoming a `too_large` dead letter that leaves the turn without a response.
+#[tokio::test]
+async fn a_streamed_answer_larger_than_a_message_is_still_the_turns_one_response() {
+    let bed = Bed::start().await;
+    let _p = bed.projector(&[]);
+    let (ctx, exchange, method) = ("ctx-big-stream", "ex-big-stream", "message/stream");
+    bed.publish_wire(
+        ctx,
+        exchange,
+        method,
+        &Wire::V03.send(ctx, "write the report"),
+    )
+    .await;
+    // Six chunks of 200 KB: 1.2 MB of artifacts, and the same text again as the answer's message.
+    let chunks: Vec<String> = (0..6)
+        .map(|i| format!("chunk {i}: ") + &char::from(b'a' + i).to_string().repeat(200_000))
+        .collect();
+    for (i, text) in chunks.iter().enumerate() {
+        let frame = json!({"jsonrpc": "2.0", "id": 1, "result": {"kind": "artifact-update",
+            "taskId": "t1", "contextId": ctx, "append": i > 0, "lastChunk": i == 5,
+            "artifact": {"artifactId": "report", "parts": [{"kind": "text", "text": text}]}}});
+        bed.publish_wire(ctx, exchange, method, &frame).await;
+    }
+    let done = json!({"jsonrpc": "2.0", "id": 1, "result": {"kind": "status-update",
+        "taskId": "t1", "contextId": ctx, "final": true, "status": {"state": "completed"}}});
+    bed.publish_wire(ctx, exchange, method, &done).await;
+    let k = key(ctx, exchange);
+    bed.wait_responses(std::slice::from_ref(&k)).await;
+    bed.settle(&[ctx]).await;
+
+    let one = one_per_turn(&bed.responses().await, std::slice::from_ref(&k));
+    let r = &one[&k];
+    assert!(!r.is_blocked(), "{:#}", r.body);
+    assert_eq!(r.str("state"), Some("completed"), "{:#}", r.body);
+    let dead: Vec<String> = crate::pipeline::read_all(&bed.js, "COLLAB_DLQ", "collab.dlq.>")
+        .await
+        .into_iter()
+        .map(|m| m.subject)
+        .collect();
+    assert!(dead.is_empty(), "dead letters: {dead:?}");
+
+    // The message and each artifact's text are references to stored objects: every chunk, in
+    // order, is there.
+    let blobs = bed
+        .js
+        .get_object_store("collab_blobs")
+        .await
+        .expect("the blob store exists");
+    let fetch = async |reference: &Value| -> String {
+        let id = reference["$ref"]
+            .as_str()
+            .and_then(|s| s.strip_prefix("blob:"))
+            .unwrap_or_else(|| panic!("not a blob reference: {reference:#} in {:#}", r.body))
+            .to_string();
+        let mut object = blobs
+            .get(&id)
+            .await
+            .unwrap_or_else(|e| panic!("blob {id}: {e}"));
+        let mut bytes = Vec::new();
+        tokio::io::AsyncReadExt::read_to_end(&mut object, &mut bytes)
+            .await
+            .expect("the blob reads back");
+        String::from_utf8(bytes).expect("UTF-8")
+    };
+    assert_eq!(fetch(&r.payload()["message"]).await, chunks.concat());
+    let artifacts = r.payload()["artifacts"]
+        .as_array()
+        .unwrap_or_else(|| panic!("no artifacts: {:#}", r.body));
+    let mut texts = Vec::new();
+    for a in artifacts {
+        texts.push(fetch(&a["parts"][0]["text"]).await);
+    }
+    assert_eq!(texts, chunks);
+}
+
 /// A worker paused past its lease wakes with an open record still deferred (its write waits
 /// `turns.open_write_delay`) and its timers due. Its partition has another owner meanwhile,
 /// which may have loaded the partition's records already; turn records carry no fence, so a
