@@ -193,7 +193,15 @@ fn spawn_partition(
                 )
                 .await
                 {
-                    Ok(()) => break,
+                    Ok(()) if cancel.is_cancelled() => break,
+                    Ok(()) => {
+                        // Still owned, not asked to stop: nothing may leave the partition
+                        // unread while this worker holds its lease.
+                        warn!("the partition stopped without being asked to; restarting it");
+                        if !retry.wait(&cancel).await {
+                            break;
+                        }
+                    }
                     Err(e @ WorkerError::Interrupted { .. }) => {
                         info!(error = %e, "restarting the partition");
                         if last_interrupt.is_some_and(|at| at.elapsed() < Duration::from_secs(5)) {

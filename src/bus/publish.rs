@@ -209,7 +209,9 @@ pub enum Failure {
         source: jetstream::context::PublishError,
     },
     /// The output cannot be stored as it is (over `max_payload` or the stream's largest
-    /// message): dead-letter the input `too_large`.
+    /// message, lowered since the worker read them): the partition stops, reads the limits
+    /// again as it restarts, and its outputs are then offloaded (or the input dead-lettered
+    /// `too_large`) to fit.
     #[error("publish to {subject} refused, too large: {source}")]
     TooLarge {
         subject: String,

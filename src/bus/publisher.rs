@@ -11,7 +11,7 @@ use crate::pipeline::{self, OutKind, Outgoing};
 use crate::telemetry;
 use async_nats::jetstream::{self, message::PublishMessage, AckKind};
 use futures::StreamExt;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -43,8 +43,12 @@ pub struct Publisher {
     /// Test hook: fail every Nth publish attempt before it is sent (0 = never).
     fail_publish_every: u64,
     publish_attempts: AtomicU64,
-    /// The largest output, headers included, the server and the output streams accept.
-    pub out_budget: usize,
+    /// The largest output, headers included, the server and the output streams accept, as last
+    /// read (see [`Publisher::out_budget`]).
+    out_budget: std::sync::atomic::AtomicUsize,
+    /// Set when the server refused an output as too large: the budget is read again before the
+    /// partition runs again ([`Publisher::refresh_out_budget`]).
+    budget_stale: AtomicBool,
     /// Outputs are stored as atomic batches by the partitions' ackers (`nats.publish_batches`)
     /// rather than published one by one as they are issued. Turned off for good when the server
     /// is found to store a batch's messages one by one.
@@ -89,7 +93,8 @@ impl Publisher {
             blobs_js: context(),
             blobs: tokio::sync::OnceCell::new(),
             out_streams: tokio::sync::OnceCell::new(),
-            out_budget: output_budget(&js, &outputs),
+            out_budget: std::sync::atomic::AtomicUsize::new(output_budget(&js, &outputs)),
+            budget_stale: AtomicBool::new(false),
             js,
             names,
             state,
@@ -98,6 +103,38 @@ impl Publisher {
             fail_publish_every,
             publish_attempts: AtomicU64::new(0),
         })
+    }
+
+    /// The largest output, headers included, the server and the output streams accept.
+    pub fn out_budget(&self) -> usize {
+        self.out_budget.load(Ordering::Relaxed)
+    }
+
+    /// Read the output budget again if an output was refused as too large since it was read:
+    /// an operator may have lowered an output stream's largest message, or the worker may have
+    /// reconnected to a server with a smaller `max_payload`. Outputs made to fit the old budget
+    /// would be refused again on every restart of the partition; with the budget read again
+    /// they are offloaded, or dead-lettered `too_large`, to fit. Called as a partition starts.
+    pub(crate) async fn refresh_out_budget(&self) {
+        if !self.budget_stale.swap(false, Ordering::Relaxed) {
+            return;
+        }
+        match output_configs(&self.retry_js, &self.names).await {
+            Ok(outputs) => {
+                let now = output_budget(&self.js, &outputs);
+                let was = self.out_budget.swap(now, Ordering::Relaxed);
+                if now != was {
+                    warn!(
+                        bytes = now,
+                        was, "the largest output the server and the output streams accept changed"
+                    );
+                }
+            }
+            Err(e) => {
+                warn!(error = %e, "reading the output streams' largest message failed; trying again at the partition's next start");
+                self.budget_stale.store(true, Ordering::Relaxed);
+            }
+        }
     }
 
     /// Whether the partitions' ackers store outputs as atomic batches (see
@@ -394,6 +431,9 @@ impl Publisher {
     /// Count (and log) a failure waiting does not heal.
     pub(crate) fn count_failure(&self, f: Failure) -> Failure {
         metrics::counter!(telemetry::PUBLISH_FAILURES, "class" => f.class()).increment(1);
+        if matches!(f, Failure::TooLarge { .. }) {
+            self.budget_stale.store(true, Ordering::Relaxed);
+        }
         match &f {
             Failure::Deposed { .. } => warn!(error = %f, "partition claimed by another owner"),
             _ => tracing::error!(error = %f, "an output cannot be stored; stopping the partition"),
@@ -401,15 +441,15 @@ impl Publisher {
         f
     }
 
-    /// `out`, made to fit [`WorkerContext::out_budget`]: a dead letter keeps an excerpt, a
+    /// `out`, made to fit [`Publisher::out_budget`]: a dead letter keeps an excerpt, a
     /// projection still too large (its payload is offloaded already) becomes a `too_large`
     /// dead letter.
     pub(crate) fn fit(&self, out: Outgoing) -> Outgoing {
         let out = match out.kind {
-            OutKind::Projection(_) if publish::wire_size(&out) > self.out_budget => {
+            OutKind::Projection(_) if publish::wire_size(&out) > self.out_budget() => {
                 warn!(subject = %out.subject, bytes = out.payload.len(),
                     "a projection is too large to publish; dead-lettering its input too_large");
-                pipeline::too_large(&self.names, &out, self.out_budget)
+                pipeline::too_large(&self.names, &out, self.out_budget())
             }
             _ => out,
         };
@@ -422,7 +462,7 @@ impl Publisher {
             .input_of_msg_id(&out.msg_id)
             .map_or(self.names.raw_stream.as_str(), |(stream, _)| stream)
             .to_string();
-        publish::fit_dead_letter(out, &source, self.out_budget)
+        publish::fit_dead_letter(out, &source, self.out_budget())
     }
 
     /// Store the fields an input's projections refer to, before those are published. Retried

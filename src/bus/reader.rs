@@ -884,7 +884,7 @@ impl Partition<'_> {
             &shared.settings.limits,
             shared
                 .publisher
-                .out_budget
+                .out_budget()
                 .saturating_sub(ENVELOPE_HEADROOM),
         );
         if !blobs.is_empty()

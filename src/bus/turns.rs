@@ -1691,7 +1691,7 @@ fn forget_keys_after(retention: Duration) -> Option<Duration> {
 fn issue_budget(shared: &WorkerContext) -> usize {
     shared
         .publisher
-        .out_budget
+        .out_budget()
         .saturating_sub(super::publisher::ENVELOPE_HEADROOM)
 }
 

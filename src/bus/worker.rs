@@ -145,6 +145,8 @@ pub async fn run_partition(
     let Some((stream, raw)) = raw_stream(&shared, p, &cancel).await? else {
         return Ok(());
     };
+    // An output refused as too large since the last start: what fits is read again first.
+    shared.publisher.refresh_out_budget().await;
     // Everything below stops with `cancel`, or when this set of raw streams is sealed and read
     // to its end (`moved`): the partition then starts again on the next set.
     let moved = CancellationToken::new();
@@ -295,8 +297,12 @@ pub async fn run_partition(
         .partitions_running
         .fetch_sub(1, Ordering::Relaxed);
     debug!(partition = p, "partition stopped");
-    if let Ok(Err(e)) = acked {
-        return Err(e);
+    match acked {
+        Ok(Err(e)) => return Err(e),
+        // A panic in the acker (a library's, since the project's own are lint-denied) stops
+        // the partition loudly: the lease loop restarts it from what is acknowledged.
+        Err(e) => return Err(WorkerError::setup(p, "the acknowledgement task", e)),
+        Ok(Ok(())) => {}
     }
     if broken.is_cancelled() {
         return Err(WorkerError::Interrupted {

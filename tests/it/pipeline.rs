@@ -896,6 +896,69 @@ async fn secrets_never_reach_projections_state_or_dead_letter_details() {
     assert!(String::from_utf8_lossy(&dl.payload).contains("nested-key-value"));
 }
 
+/// An operator lowers the projection stream's largest message while a worker runs: an input
+/// whose projection fitted the old limit is refused once, then (the worker reading the limit
+/// again as the partition restarts) projected with its payload offloaded to fit. It must not
+/// stall its partition, refused again on every restart.
+#[tokio::test]
+async fn a_projection_stream_limit_lowered_at_run_time_is_read_again_not_a_stalled_partition() {
+    let nats = TestNats::start().await;
+    let projector = start_projector(&nats.url(), &MAIN_AGENTS, &[]).await;
+    let js = nats.jetstream().await;
+    // One input first, so the worker has read the limits of a running deployment.
+    publish(
+        &js,
+        "collab.raw.k-warm.task.updated",
+        r#"{"type":"task.updated","taskId":"t0"}"#,
+    )
+    .await;
+    the_one(
+        &js,
+        PROJ,
+        "collab.proj.orchestration.task.k-warm.task.updated",
+    )
+    .await;
+    let mut config = js
+        .get_stream(PROJ)
+        .await
+        .expect("the projection stream")
+        .info()
+        .await
+        .expect("its info")
+        .config
+        .clone();
+    config.max_message_size = 16 * 1024;
+    js.update_stream(config).await.expect("the limit lowered");
+    // 40 KB of notes: under limits.max_inline_bytes (64 KiB), over the new 16 KiB limit.
+    let notes = "n".repeat(40_000);
+    let body = serde_json::to_vec(&json!({"type": "task.updated", "taskId": "t1",
+        "payload": {"notes": notes}}))
+    .expect("serialises");
+    let seq = publish(&js, "collab.raw.k-big.task.updated", body).await;
+    let m = the_one(
+        &js,
+        PROJ,
+        "collab.proj.orchestration.task.k-big.task.updated",
+    )
+    .await;
+    assert_eq!(m.source_seq(), seq);
+    let env = m.json();
+    assert!(
+        env["payload"]["$ref"]
+            .as_str()
+            .is_some_and(|r| r.starts_with("blob:")),
+        "the payload is offloaded to fit the new limit: {env:#}"
+    );
+    assert!(m.payload.len() < 16 * 1024, "{} bytes", m.payload.len());
+    assert_eq!(count(&js, DLQ).await, 0, "nothing was dead-lettered");
+    assert!(
+        projector
+            .log_text()
+            .contains("the largest output the server and the output streams accept changed"),
+        "the worker says the limit changed"
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // 3. Exactly one outcome per raw sequence
 // ---------------------------------------------------------------------------------------------
