@@ -291,6 +291,8 @@ pub struct Checkpoint {
     /// The raw sequence through which this owner acknowledged the partition's inputs.
     acked: u64,
     last_write: tokio::time::Instant,
+    /// Written again this often even when nothing moved (see [`checkpoint_refresh`]).
+    refresh_every: Option<Duration>,
     /// The partition had an owner before this one (a checkpoint was there to read).
     inherited: bool,
     /// Decisions the reload found unpublished whose responses are not yet known stored; once
@@ -341,13 +343,18 @@ impl Checkpoint {
         Some(self.acked.max(self.value.acked.unwrap_or(0))).filter(|s| *s > 0)
     }
 
-    /// Write the checkpoint if it moved and `force` or [`CHECKPOINT_EVERY`] has passed.
+    /// Write the checkpoint if it moved (or is due for a refresh) and `force` or
+    /// [`CHECKPOINT_EVERY`] has passed.
     pub async fn maybe_write(&mut self, force: bool) -> Result<(), TurnIoError> {
         let through = self.through.load(std::sync::atomic::Ordering::Relaxed);
         let moved = through > self.value.through
             || self.base > self.value.base.unwrap_or(0)
             || self.acked > self.value.acked.unwrap_or(0);
-        if !moved || (!force && self.last_write.elapsed() < CHECKPOINT_EVERY) {
+        let refresh = self.revision > 0
+            && self
+                .refresh_every
+                .is_some_and(|every| self.last_write.elapsed() >= every);
+        if !(moved || refresh) || (!force && self.last_write.elapsed() < CHECKPOINT_EVERY) {
             return Ok(());
         }
         self.write(through).await
@@ -448,6 +455,8 @@ pub struct PartitionTurns {
     store: kv::Store,
     /// The same bucket over a context of its own, for the published checkpoint.
     checkpoint_store: kv::Store,
+    /// How often the checkpoint is written again while nothing moves.
+    checkpoint_refresh: Option<Duration>,
     /// The context record writes are sent on (compare-and-set publishes to the bucket).
     kv_js: jetstream::Context,
     put_prefix: String,
@@ -535,6 +544,7 @@ impl PartitionTurns {
             partition,
             store,
             checkpoint_store,
+            checkpoint_refresh: checkpoint_refresh(shared.settings.turns.retention),
             put_prefix,
             cfg: TurnConfig {
                 default_timeout: shared.settings.turns.default_timeout,
@@ -618,6 +628,7 @@ impl PartitionTurns {
             through: self.published_through.clone(),
             acked: 0,
             last_write: tokio::time::Instant::now(),
+            refresh_every: self.checkpoint_refresh,
             inherited: revision > 0,
             found: std::collections::BTreeSet::new(),
             reloaded: 0,
@@ -1677,6 +1688,16 @@ impl PartitionTurns {
         store_blobs(shared, key, &blobs).await?;
         Ok(events.into_iter().next().map(|n| n.envelope))
     }
+}
+
+/// How often an idle partition writes its checkpoint again, unchanged: the checkpoint lives in
+/// the turns bucket, whose entries expire `turns.retention` after their last write (and whose
+/// oldest entries go first when it is full). A checkpoint left to expire would make a consumer
+/// recreated later (the server restarted with the consumers in its memory) start from the raw
+/// stream's first message, which holds inputs older than the turn records whenever
+/// `nats.raw_max_age` is the longer. `None`: records never expire (0).
+fn checkpoint_refresh(retention: Duration) -> Option<Duration> {
+    (!retention.is_zero()).then(|| (retention / 4).max(CHECKPOINT_EVERY))
 }
 
 /// How long the partition remembers the hash of a record key it last noted: longer than a

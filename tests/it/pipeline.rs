@@ -1428,6 +1428,59 @@ async fn partition_consumers_in_memory(js: &Context) -> Vec<bool> {
         .collect()
 }
 
+/// A partition idle for longer than `turns.retention` (the life of the turns bucket's entries,
+/// its checkpoint among them), then a server restart that loses its consumer (kept in the
+/// server's memory): the consumer is made again from the checkpoint, which the idle partition
+/// kept alive, not from the raw stream's first message. Here the raw stream keeps inputs longer
+/// than the projection stream keeps their projections (5 s), so a consumer made from the first
+/// message would project the old inputs again.
+#[tokio::test]
+async fn an_idle_partition_keeps_its_checkpoint_past_the_turns_retention() {
+    let mut nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let projector = start_projector(
+        &nats.url(),
+        &MAIN_AGENTS,
+        &[
+            ACK_WAIT,
+            ("COLLAB_TURNS__RETENTION", "3s"),
+            ("COLLAB_PROJECTION__MAX_AGE", "5s"),
+            ("COLLAB_PROJECTION__DUPLICATE_WINDOW", "1s"),
+        ],
+    )
+    .await;
+    let old = publish_all(&js, &load(100)).await;
+    wait_settled(&js, old.len() as u64, 0).await;
+    let last_old = old.iter().copied().max().unwrap_or(0);
+    // Idle for three retention periods; the old projections expire meanwhile.
+    tokio::time::sleep(Duration::from_secs(9)).await;
+    nats.restart().await;
+    let js = nats.jetstream().await;
+    let more = publish_all(&js, &load(100)).await;
+    wait_until(GUARD, "the new inputs are projected", || {
+        let js = js.clone();
+        async move { count(&js, PROJ).await >= 100 }
+    })
+    .await;
+    // Time for a consumer made from the first raw message to have projected the old inputs
+    // again (they are few and the worker is idle otherwise).
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    let again: Vec<u64> = proj
+        .iter()
+        .map(Stored::source_seq)
+        .filter(|s| *s <= last_old)
+        .collect();
+    assert!(
+        again.is_empty(),
+        "{} old inputs projected again after the restart (first: {:?}); the worker's log:\n{}",
+        again.len(),
+        again.first(),
+        projector.log_text()
+    );
+    assert_eq!(proj.len(), more.len(), "each new input projected once");
+}
+
 /// A server restart with every consumer of the worker in the server's memory (the fold's, and
 /// the partitions' by default, `consumer.memory_state`): all of them are gone afterwards. The
 /// partitions recreate theirs from their checkpoints, the fold goes on from its own, and each
