@@ -1073,8 +1073,20 @@ impl PartitionTurns {
         };
         if let Some((rec, rev)) = &after {
             if step.respond || turns::republished_at(rec, facts.seq) {
-                self.issue_response(shared, &key, rec, rev.clone(), Some((facts.seq, n)), fx)
-                    .await?;
+                // A decision another owner wrote, read back from KV with no checkpoint vouching
+                // for it (a deposed owner's late write, adopted here once and since forgotten
+                // by `recent`): its response may be stored already, past the duplicate window,
+                // so it is looked up before it is issued, as when it was adopted.
+                let foreign = step.write.is_none()
+                    && rec.state == TurnState::Decided
+                    && rec.writer != Some(self.term)
+                    && !self.awaiting.iter().any(|a| a.key == key);
+                if foreign {
+                    Box::pin(self.adopt_decision(shared, &key, rec, fx)).await?;
+                } else {
+                    self.issue_response(shared, &key, rec, rev.clone(), Some((facts.seq, n)), fx)
+                        .await?;
+                }
             }
         }
         if step.project_self {

@@ -1362,6 +1362,70 @@ async fn a_late_decision_found_at_the_deadline_is_published_by_the_current_owner
     assert_eq!(one[&key("c-alive", "0")].str("message"), Some("pong"));
 }
 
+/// The late decision of the test above, adopted and published by the current owner, then
+/// forgotten from its memory of recent decisions (512 later ones): a reply for that turn coming
+/// past the projection stream's duplicate window (2 s here) reads the decision back from KV,
+/// where no checkpoint vouches for it (another owner wrote it). It must look the response up,
+/// as when it adopted it, rather than publish a second one the duplicate window no longer stops.
+#[tokio::test]
+async fn an_adopted_late_decision_read_back_later_is_not_published_twice() {
+    let bed = Bed::start_with(&[
+        ("COLLAB_NATS__PARTITIONS", "1"),
+        ("COLLAB_PROJECTION__DUPLICATE_WINDOW", "2s"),
+    ])
+    .await;
+    let mut first = bed.projector(&[]);
+    let timeout_ms: u32 = 15_000;
+    let send_seq = bed
+        .publish(&send(
+            "c-adopted",
+            json!({"message": "check the build", "timeoutMs": timeout_ms}),
+        ))
+        .await;
+    let (turn_key, open, open_rev) = open_record(&bed, "c-adopted").await;
+    first.kill9();
+    first.wait_exit(WAIT).await;
+    let _second = bed.projector(&[]);
+    answer_turn(&bed, "c-alive", ("ping", 600_000), "pong").await;
+    let deadline = bed.stored_ms(send_seq).await + i64::from(timeout_ms);
+    assert!(
+        now_ms() < deadline,
+        "precondition: the takeover took longer than the turn's timeout"
+    );
+    let winner = json!({
+        "blocked": "timeout", "synthesized": true, "by": "deadline",
+        "atMs": open["deadlineMs"],
+    });
+    decide_as_another_owner(&bed, &turn_key, &open, open_rev, winner).await;
+    bed.wait_responses(&[key("c-adopted", "0")]).await;
+
+    // 600 decisions of the owner's own push the adopted one out of its memory.
+    let convs: Vec<String> = (0..600).map(|i| format!("c-many-{i}")).collect();
+    for c in &convs {
+        bed.publish(&send(c, json!({"message": "go", "timeoutMs": 600_000})))
+            .await;
+        bed.publish(&reply(c, json!({"message": "done"}))).await;
+    }
+    let many: Vec<TurnKey> = convs.iter().map(|c| key(c, "0")).collect();
+    bed.wait_responses(&many).await;
+    // Past the duplicate window, a reply for the adopted turn.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    bed.publish(&reply("c-adopted", json!({"message": "done at last"})))
+        .await;
+    bed.settle(&["c-adopted", "c-alive"]).await;
+    let mut expected = many;
+    expected.push(key("c-adopted", "0"));
+    expected.push(key("c-alive", "0"));
+    let one = one_per_turn(&bed.responses().await, &expected);
+    assert!(one[&key("c-adopted", "0")].is_blocked());
+    let late = bed.suppressed_of("c-adopted").await;
+    assert_eq!(
+        late.len(),
+        1,
+        "the late reply is kept, suppressed: {late:#?}"
+    );
+}
+
 /// A decision a previous owner wrote and died before publishing is found by the next owner's
 /// reload and published where its winner (the reply) stands. Once it is stored, that owner's
 /// checkpoint vouches for it (its base reaches the decision's revision), so no later owner's
