@@ -16,7 +16,9 @@
 //! reserved: no event type starts with `_` (types are checked to be dot-separated words).
 //!
 //! Pure: [`parse`] reads a producer subject, [`check`] compares the agent it names with the
-//! speakers an envelope claims (`agentId`, `payload.fromAgent`).
+//! speakers an event claims: the envelope's `agentId` and `payload.fromAgent`, and, for a turn
+//! event, the `fromAgent` the turn rules read from the producer's object (top level, else under
+//! `data`), which normalisation may have moved elsewhere in the envelope.
 
 use crate::ingest::SubjectInfo;
 use crate::model::{id_text, Envelope};
@@ -115,10 +117,22 @@ impl IdentityError {
     }
 }
 
-/// The speakers an envelope claims, with the field each came from: `agentId`, and
-/// `payload.fromAgent` (the sending side of a message). The recipient (`toAgent`) is not a claim.
-pub fn claimed_speakers(env: &Envelope) -> Vec<(&'static str, String)> {
+/// The speakers an event claims, with the field each came from: the envelope's `agentId` and
+/// `payload.fromAgent` (the sending side of a message), and the producer's own `fromAgent` in
+/// `source` (the object a turn event was normalised from, read as the turn rules read it: top
+/// level, else under `data`). The recipient (`toAgent`) is not a claim.
+pub fn claimed_speakers(
+    env: &Envelope,
+    source: Option<&serde_json::Map<String, serde_json::Value>>,
+) -> Vec<(&'static str, String)> {
     let mut out = Vec::new();
+    if let Some(f) = source.and_then(|s| {
+        crate::classify::Fields::new(s)
+            .get("fromAgent")
+            .and_then(id_text)
+    }) {
+        out.push(("fromAgent", f));
+    }
     if let Some(a) = env.agent_id.as_ref().and_then(id_text) {
         out.push(("agentId", a));
     }
@@ -134,10 +148,16 @@ pub fn claimed_speakers(env: &Envelope) -> Vec<(&'static str, String)> {
     out
 }
 
-/// Check an envelope normalised from a message on `subject`. A subject without an agent passes
-/// unless `require` is set; one with an agent passes when every speaker the envelope claims is
-/// that agent (ids compared trimmed and case-insensitively, as main agents are).
-pub fn check(subject: &RawSubject, env: &Envelope, require: bool) -> Result<(), IdentityError> {
+/// Check an envelope normalised from a message on `subject` (and, for a turn event, the
+/// producer's object it was normalised from). A subject without an agent passes unless
+/// `require` is set; one with an agent passes when every speaker the event claims is that agent
+/// (ids compared trimmed and case-insensitively, as main agents are).
+pub fn check(
+    subject: &RawSubject,
+    env: &Envelope,
+    source: Option<&serde_json::Map<String, serde_json::Value>>,
+    require: bool,
+) -> Result<(), IdentityError> {
     let Some(publisher) = subject.agent.as_deref() else {
         return if require {
             Err(IdentityError::Missing)
@@ -145,7 +165,7 @@ pub fn check(subject: &RawSubject, env: &Envelope, require: bool) -> Result<(), 
             Ok(())
         };
     };
-    for (field, claimed) in claimed_speakers(env) {
+    for (field, claimed) in claimed_speakers(env, source) {
         if !claimed.trim().eq_ignore_ascii_case(publisher.trim()) {
             return Err(IdentityError::Mismatch {
                 publisher: publisher.to_string(),
@@ -215,9 +235,12 @@ mod tests {
     fn an_agent_may_speak_only_as_itself() {
         let s = parse("collab", "collab.raw.conv-1._as.eden.a2a.response")
             .unwrap_or_else(|| panic!("parses"));
-        assert_eq!(check(&s, &env(Some("eden"), Some("Eden ")), false), Ok(()));
+        assert_eq!(
+            check(&s, &env(Some("eden"), Some("Eden ")), None, false),
+            Ok(())
+        );
         // eden deciding ruda's turn: publishing a response from ruda.
-        let forged = check(&s, &env(Some("eden"), Some("ruda")), false);
+        let forged = check(&s, &env(Some("eden"), Some("ruda")), None, false);
         assert_eq!(
             forged,
             Err(IdentityError::Mismatch {
@@ -227,7 +250,7 @@ mod tests {
             })
         );
         assert_eq!(forged.err().map(|e| e.reason()), Some("identity_mismatch"));
-        let forged = check(&s, &env(Some("ruda"), None), true);
+        let forged = check(&s, &env(Some("ruda"), None), None, true);
         assert!(
             matches!(
                 &forged,
@@ -239,15 +262,18 @@ mod tests {
             "{forged:?}"
         );
         // An event that claims no speaker is the publisher's.
-        assert_eq!(check(&s, &env(None, None), true), Ok(()));
+        assert_eq!(check(&s, &env(None, None), None, true), Ok(()));
     }
 
     #[test]
     fn unidentified_subjects_pass_unless_identity_is_required() {
         let s =
             parse("collab", "collab.raw.conv-1.a2a.response").unwrap_or_else(|| panic!("parses"));
-        assert_eq!(check(&s, &env(Some("ruda"), Some("ruda")), false), Ok(()));
-        let missing = check(&s, &env(Some("ruda"), Some("ruda")), true);
+        assert_eq!(
+            check(&s, &env(Some("ruda"), Some("ruda")), None, false),
+            Ok(())
+        );
+        let missing = check(&s, &env(Some("ruda"), Some("ruda")), None, true);
         assert_eq!(missing, Err(IdentityError::Missing));
         assert_eq!(missing.err().map(|e| e.reason()), Some("identity_missing"));
     }

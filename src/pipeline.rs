@@ -141,13 +141,19 @@ pub fn turn_facts(
         raw.stored_at.timestamp_millis(),
         subject,
     )?;
-    if facts.kind == crate::turns::TurnEventKind::Response && facts.from_agent.is_none() {
-        // A response that names no `fromAgent` is spoken by the agent whose user published it
-        // (`_as.<agent>` in the subject), else by its `agentId`: `identity::check` has held
-        // both to the subject's agent already.
+    if facts.from_agent.is_none() {
+        // An event that names no `fromAgent` is spoken by the agent whose user published it
+        // (`_as.<agent>` in the subject), whatever its kind: a complete or an error published
+        // by an agent is that agent's, and may end only a turn it is a side of. A response on
+        // a subject that names no agent is spoken by its `agentId`. `identity::check` has held
+        // every speaker the event claims to the subject's agent already.
         facts.from_agent = crate::identity::parse(&names.raw_prefix, subject)
             .and_then(|s| s.agent)
-            .or_else(|| n.envelope.agent_id.as_ref().and_then(crate::model::id_text));
+            .or_else(|| {
+                (facts.kind == crate::turns::TurnEventKind::Response)
+                    .then(|| n.envelope.agent_id.as_ref().and_then(crate::model::id_text))
+                    .flatten()
+            });
     }
     Some(facts)
 }
@@ -305,17 +311,19 @@ fn normalize_raw_with(
     };
     if let Some(identified) = &identified {
         for n in &events {
-            crate::identity::check(identified, &n.envelope, settings.require_identity).map_err(
-                |e| {
-                    let reason = match e {
-                        crate::identity::IdentityError::Mismatch { .. } => {
-                            DlqReason::IdentityMismatch
-                        }
-                        crate::identity::IdentityError::Missing => DlqReason::IdentityMissing,
-                    };
-                    Rejection::new(reason, e.to_string())
-                },
-            )?;
+            crate::identity::check(
+                identified,
+                &n.envelope,
+                n.source.as_deref(),
+                settings.require_identity,
+            )
+            .map_err(|e| {
+                let reason = match e {
+                    crate::identity::IdentityError::Mismatch { .. } => DlqReason::IdentityMismatch,
+                    crate::identity::IdentityError::Missing => DlqReason::IdentityMissing,
+                };
+                Rejection::new(reason, e.to_string())
+            })?;
         }
     }
     Ok(events)
@@ -509,6 +517,53 @@ mod tests {
         );
         let named = project(&raw(as_eden, subject), &names, &strict, 10);
         assert_eq!(named[0].kind, OutKind::Projection(Role::ConversationMain));
+    }
+
+    /// The speaker the turn rules read (the producer's `fromAgent`, top level, else under
+    /// `data`) is held to the subject's agent, whatever shape normalisation gives the envelope:
+    /// `data` nested under a `payload`, or a top-level `fromAgent` moved aside by a colliding
+    /// one under `data`.
+    #[test]
+    fn an_agent_cannot_speak_as_another_through_the_fields_the_turn_rules_read() {
+        let names = one_token_names();
+        let subject = "collab.in.3.c1._as.eden.a2a.response";
+        for forged in [
+            &br#"{"type":"a2a.response","conversationId":"c1","data":{"fromAgent":"ruda","toAgent":"main","message":"approved"},"payload":{}}"#[..],
+            br#"{"type":"a2a.response","conversationId":"c1","fromAgent":"ruda","data":{"fromAgent":"eden","toAgent":"ruda","message":"approved"}}"#,
+        ] {
+            let out = project(&raw(forged, subject), &names, &settings(), 10);
+            assert_eq!(
+                out[0].kind,
+                OutKind::DeadLetter(DlqReason::IdentityMismatch),
+                "{}",
+                String::from_utf8_lossy(forged)
+            );
+        }
+    }
+
+    /// A complete or an error that names no speaker, published by an agent's user, is that
+    /// agent's: the turn rules then let it end only a turn the agent is a side of.
+    #[test]
+    fn a_speakerless_error_on_an_agents_subject_is_spoken_by_that_agent() {
+        let names = one_token_names();
+        let body = br#"{"type":"a2a.error","data":{"conversationId":"c1","toAgent":"ruda"}}"#;
+        for (subject, speaker) in [
+            ("collab.in.3.c1._as.eden.a2a.error", Some("eden")),
+            ("collab.in.3.c1.a2a.error", None),
+        ] {
+            let r = raw(body, subject);
+            let events = normalize_raw(&r, &names, &settings(), 10)
+                .unwrap_or_else(|e| panic!("normalises: {e:?}"));
+            let every_role = [
+                Role::ConversationMain,
+                Role::DelegationSubagent,
+                Role::OrchestrationTask,
+                Role::SystemObservability,
+            ];
+            let facts = turn_facts(&events[0], &r, &names, &every_role)
+                .unwrap_or_else(|| panic!("{subject}: turn facts"));
+            assert_eq!(facts.from_agent.as_deref(), speaker, "{subject}");
+        }
     }
 
     #[test]

@@ -1321,13 +1321,13 @@ impl PartitionTurns {
             conversation_id: Some(rec.conversation_id.clone()),
             source: None,
         };
-        let mut out = Box::pin(project_issued(
+        let mut out = project_issued(
             shared,
             key,
             wn,
             winner_seq.unwrap_or(0),
             rec.response_msg_id(),
-        ))
+        )
         .await?;
         out.subject = shared
             .names
@@ -1736,26 +1736,37 @@ fn issue_budget(shared: &WorkerContext) -> usize {
 async fn project_issued(
     shared: &WorkerContext,
     key: &str,
-    mut n: Normalized,
+    n: Normalized,
     source_seq: u64,
     msg_id: String,
 ) -> Result<Outgoing, TurnIoError> {
     let out = pipeline::projection(&shared.names, &n, source_seq, msg_id);
     let limits = &shared.settings.limits;
-    let budget = issue_budget(shared);
-    // No field is larger than the whole envelope: one that fits inline needs no look.
+    // No field is larger than the whole envelope: one that fits inline needs no look (the
+    // usual case, with no further work).
     let inline = match limits.max_inline_bytes {
-        0 => budget,
-        max => max.min(budget),
+        0 => issue_budget(shared),
+        max => max.min(issue_budget(shared)),
     };
     if out.payload.len() <= inline {
         return Ok(out);
     }
+    Box::pin(project_offloaded(shared, key, n, source_seq, out)).await
+}
+
+/// [`project_issued`] for an envelope whose projection `out` may hold fields to offload.
+async fn project_offloaded(
+    shared: &WorkerContext,
+    key: &str,
+    mut n: Normalized,
+    source_seq: u64,
+    out: Outgoing,
+) -> Result<Outgoing, TurnIoError> {
     let blobs = pipeline::offload(
         std::slice::from_mut(&mut n),
         out.payload.len(),
-        limits,
-        budget,
+        &shared.settings.limits,
+        issue_budget(shared),
     );
     if blobs.is_empty() {
         return Ok(out);

@@ -961,6 +961,36 @@ mod tests {
                 "--accountkey abc and accountkey: FAKEaccountKEY0123456789".into(),
                 "--accountkey abc and accountkey: [redacted:secret]".into(),
             ),
+            (
+                "secret",
+                "curl -H 'X-Api-Key: 0123abcd4567ef89' https://api.example.com".into(),
+                "curl -H 'X-Api-Key: [redacted:secret]' https://api.example.com".into(),
+            ),
+            (
+                "secret",
+                "api-key: 0123456789abcdef0123456789abcdef".into(),
+                "api-key: [redacted:secret]".into(),
+            ),
+            (
+                "authorization",
+                "Authorization: Token 9944b09199c62bcf9418ad846dd0e4bbdfc6ee4b".into(),
+                "Authorization: Token [redacted:authorization]".into(),
+            ),
+            (
+                "authorization",
+                "-H \"proxy-authorization: FAKEd1g3stvalue0123\" ok".into(),
+                "-H \"proxy-authorization: [redacted:authorization]\" ok".into(),
+            ),
+            (
+                "cookie",
+                "Cookie: sessionid=abc123def456; theme=dark\nAccept: */*".into(),
+                "Cookie: [redacted:cookie]\nAccept: */*".into(),
+            ),
+            (
+                "cookie",
+                "set-cookie: token=FAKE0123456789; Path=/; HttpOnly".into(),
+                "set-cookie: [redacted:cookie]".into(),
+            ),
         ]
     }
 
@@ -1004,6 +1034,9 @@ mod tests {
             "Monday.Tuesday.Wednesday went by",
             "api_key: null, password: \"\", secret_key: true",
             "the key is in the vault; the passphrase is required",
+            "Authorization: required for admins",
+            "the api-key header is missing",
+            "cookie: chocolate chip",
         ] {
             assert_eq!(r.text(text), None, "{text:?}");
         }

@@ -579,7 +579,12 @@ async fn agents_publish_only_as_themselves_and_read_only_their_own_inbox() {
             .unwrap_or_else(|e| panic!("ingest settings: {e}")),
     )
     .unwrap_or_else(|e| panic!("normalises: {e:?}"));
-    let verdict = identity::check(&parsed, &normalized[0].envelope, true);
+    let verdict = identity::check(
+        &parsed,
+        &normalized[0].envelope,
+        normalized[0].source.as_deref(),
+        true,
+    );
     assert_eq!(verdict.err().map(|e| e.reason()), Some("identity_mismatch"));
 
     // And a running worker (as the workers' user) dead-letters it so, naming its sequence.
