@@ -386,6 +386,10 @@ fn paths_are_confined_to_the_base() {
         ("/x/%00", Control),
         ("/..", AboveBase),
         ("*", NotAPath),
+        ("/..;/admin", DotParameters),
+        ("/x/..;jsessionid=1/y", DotParameters),
+        ("/x/.;/y", DotParameters),
+        ("/%2e%2e;/admin", DotParameters),
     ];
     for (path, why) in refused {
         assert_eq!(confine_path(path), Err(why), "{path}");
@@ -393,6 +397,8 @@ fn paths_are_confined_to_the_base() {
     let kept = [
         ("/", "/"),
         ("/v1/message:send", "/v1/message:send"),
+        ("/x/a;v=1/y", "/x/a;v=1/y"),
+        ("/x/..a;b/y", "/x/..a;b/y"),
         ("/x/./y", "/x/y"),
         ("/x/../y", "/y"),
         ("/x/%2e%2E/y", "/y"),

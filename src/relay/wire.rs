@@ -523,6 +523,9 @@ pub enum PathRefusal {
     Control,
     /// More `..` segments than segments before them: above the base path.
     AboveBase,
+    /// A dot segment with path parameters (`..;/`, `.;x=1`): servers that strip parameters
+    /// before resolving dot segments (Tomcat, Jetty, Spring) would climb where the relay did not.
+    DotParameters,
 }
 
 impl PathRefusal {
@@ -541,6 +544,9 @@ impl PathRefusal {
             PathRefusal::AboveBase => {
                 "the path climbs above the agent's base path with .. segments; only paths under the base are forwarded"
             }
+            PathRefusal::DotParameters => {
+                "the path has a . or .. segment with ;parameters, which some servers resolve as a dot segment; send plain segments"
+            }
         }
     }
 
@@ -553,6 +559,7 @@ impl PathRefusal {
             PathRefusal::EncodedSeparator => "encoded_separator",
             PathRefusal::Control => "control",
             PathRefusal::AboveBase => "above_base",
+            PathRefusal::DotParameters => "dot_parameters",
         }
     }
 }
@@ -584,6 +591,11 @@ pub fn confine_path(path: &str) -> Result<String, PathRefusal> {
         }
         if has_encoded_special(&decoded) {
             return Err(PathRefusal::EncodedSeparator);
+        }
+        if let Some(end) = decoded.iter().position(|b| *b == b';') {
+            if matches!(&decoded[..end], b"." | b"..") {
+                return Err(PathRefusal::DotParameters);
+            }
         }
         match decoded.as_slice() {
             b"." => {}

@@ -1315,26 +1315,30 @@ async fn a_previous_owners_late_decision_is_published_even_below_the_checkpoint(
 /// the current owner finds the turn decided by another ownership term. That owner's publishes
 /// are fenced off, so its response may never be stored: the current owner publishes it, once,
 /// without waiting for a reload.
-#[tokio::test]
-async fn a_late_decision_found_at_the_deadline_is_published_by_the_current_owner() {
-    let bed = Bed::start_with(&[("COLLAB_NATS__PARTITIONS", "1")]).await;
+/// A turn of `conv` opened by a first owner (timeout `timeout_ms`), that owner killed, a second
+/// owner started (its reload done: it has answered `c-alive`), then the turn decided as a
+/// timeout by another ownership term, as a paused owner's late write lands. The send's raw
+/// sequence, and the second owner.
+async fn late_decision_after_a_takeover(
+    bed: &Bed,
+    conv: &str,
+    timeout_ms: u32,
+) -> (u64, Projector) {
     let mut first = bed.projector(&[]);
-    // Long enough for the takeover below to happen before the deadline.
-    let timeout_ms: u32 = 20_000;
     let send_seq = bed
         .publish(&send(
-            "c-late-decided",
+            conv,
             json!({"message": "check the build", "timeoutMs": timeout_ms}),
         ))
         .await;
-    let (turn_key, open, open_rev) = open_record(&bed, "c-late-decided").await;
+    let (turn_key, open, open_rev) = open_record(bed, conv).await;
     first.kill9();
     first.wait_exit(WAIT).await;
 
     // The next owner reloads the turn as open: it answers another turn of the partition only
     // after its reload.
-    let _second = bed.projector(&[]);
-    answer_turn(&bed, "c-alive", ("ping", 600_000), "pong").await;
+    let second = bed.projector(&[]);
+    answer_turn(bed, "c-alive", ("ping", 600_000), "pong").await;
     let deadline = bed.stored_ms(send_seq).await + i64::from(timeout_ms);
     assert!(
         now_ms() < deadline,
@@ -1346,8 +1350,17 @@ async fn a_late_decision_found_at_the_deadline_is_published_by_the_current_owner
         "blocked": "timeout", "synthesized": true, "by": "deadline",
         "atMs": open["deadlineMs"],
     });
-    decide_as_another_owner(&bed, &turn_key, &open, open_rev, winner).await;
+    decide_as_another_owner(bed, &turn_key, &open, open_rev, winner).await;
+    (send_seq, second)
+}
 
+#[tokio::test]
+async fn a_late_decision_found_at_the_deadline_is_published_by_the_current_owner() {
+    let bed = Bed::start_with(&[("COLLAB_NATS__PARTITIONS", "1")]).await;
+    // Long enough for the takeover to happen before the deadline.
+    let timeout_ms: u32 = 20_000;
+    let (send_seq, _second) =
+        late_decision_after_a_takeover(&bed, "c-late-decided", timeout_ms).await;
     bed.wait_responses(&[key("c-late-decided", "0")]).await;
     bed.settle(&["c-late-decided", "c-alive"]).await;
     let one = one_per_turn(
@@ -1374,29 +1387,7 @@ async fn an_adopted_late_decision_read_back_later_is_not_published_twice() {
         ("COLLAB_PROJECTION__DUPLICATE_WINDOW", "2s"),
     ])
     .await;
-    let mut first = bed.projector(&[]);
-    let timeout_ms: u32 = 15_000;
-    let send_seq = bed
-        .publish(&send(
-            "c-adopted",
-            json!({"message": "check the build", "timeoutMs": timeout_ms}),
-        ))
-        .await;
-    let (turn_key, open, open_rev) = open_record(&bed, "c-adopted").await;
-    first.kill9();
-    first.wait_exit(WAIT).await;
-    let _second = bed.projector(&[]);
-    answer_turn(&bed, "c-alive", ("ping", 600_000), "pong").await;
-    let deadline = bed.stored_ms(send_seq).await + i64::from(timeout_ms);
-    assert!(
-        now_ms() < deadline,
-        "precondition: the takeover took longer than the turn's timeout"
-    );
-    let winner = json!({
-        "blocked": "timeout", "synthesized": true, "by": "deadline",
-        "atMs": open["deadlineMs"],
-    });
-    decide_as_another_owner(&bed, &turn_key, &open, open_rev, winner).await;
+    let (_, _second) = late_decision_after_a_takeover(&bed, "c-adopted", 15_000).await;
     bed.wait_responses(&[key("c-adopted", "0")]).await;
 
     // 600 decisions of the owner's own push the adopted one out of its memory.
