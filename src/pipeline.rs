@@ -118,9 +118,10 @@ pub fn producer_subject(names: &Names, stored: &str) -> String {
 
 /// The turn facts of a normalised event, when the turn contract applies to it (an `a2a.*` event
 /// with a conversation, of a role in `enforce_roles`): read from the object the normaliser
-/// parsed, never from the raw bytes again. `None`: the event is projected as it is. A
-/// response's speaker is its `fromAgent`, else the subject's publishing agent, else its
-/// `agentId`: only the turn's target may decide it (`turns::spoken_by_target`).
+/// parsed, never from the raw bytes again. `None`: the event is projected as it is. An event's
+/// speaker is its `fromAgent`, else the subject's publishing agent, else (a response) its
+/// `agentId`: only the turn's target may decide it (`turns::spoken_by_target`), only a side
+/// may end it (`turns::spoken_by_a_side`).
 pub fn turn_facts(
     n: &Normalized,
     raw: &RawMessage<'_>,
