@@ -110,6 +110,12 @@ impl Publisher {
         self.out_budget.load(Ordering::Relaxed)
     }
 
+    /// The largest envelope a projection may serialise to once its large fields are offloaded:
+    /// the output budget less room for the projection's headers.
+    pub fn envelope_budget(&self) -> usize {
+        self.out_budget().saturating_sub(ENVELOPE_HEADROOM)
+    }
+
     /// Read the output budget again if an output was refused as too large since it was read:
     /// an operator may have lowered an output stream's largest message, or the worker may have
     /// reconnected to a server with a smaller `max_payload`. Outputs made to fit the old budget
@@ -485,12 +491,12 @@ impl Publisher {
             {
                 return false;
             }
-            metrics::counter!(telemetry::BLOBS_STORED).increment(1);
-            metrics::counter!(telemetry::BLOB_BYTES).increment(blob.data.len() as u64);
         }
         true
     }
 
+    /// Store one offloaded field (counted once stored); storing the same blob again writes the
+    /// same object.
     pub(crate) async fn put_blob(&self, blob: &crate::blobs::Blob) -> Result<(), String> {
         use crate::blobs::{META_CONTENT_TYPE, META_ROLE, META_SHA256};
         let store = self
@@ -514,8 +520,10 @@ impl Publisher {
         store
             .put(meta, &mut blob.data.as_ref())
             .await
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+            .map_err(|e| e.to_string())?;
+        metrics::counter!(telemetry::BLOBS_STORED).increment(1);
+        metrics::counter!(telemetry::BLOB_BYTES).increment(blob.data.len() as u64);
+        Ok(())
     }
 
     /// Run `attempt` until it succeeds, backing off between attempts and telling `failed` each
@@ -806,7 +814,7 @@ fn output_budget(js: &jetstream::Context, outputs: &[Option<jetstream::stream::C
 
 /// Room left for an envelope's projection headers: an envelope is offloaded until it fits in
 /// the output budget less this.
-pub(crate) const ENVELOPE_HEADROOM: usize = 4096;
+const ENVELOPE_HEADROOM: usize = 4096;
 
 /// A look-up of stored outputs that could not answer (the server did not, or refused a reader).
 #[derive(Debug, thiserror::Error)]

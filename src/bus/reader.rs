@@ -12,7 +12,7 @@ use super::context::WorkerContext;
 use super::error::{Source, WorkerError};
 use super::lease_lapsed;
 use super::publish::Fence;
-use super::publisher::{Halt, ENVELOPE_HEADROOM};
+use super::publisher::Halt;
 use super::pull::PullBatch;
 use super::stats::Outcome;
 use super::turns::{Effects, Flush, PartitionTurns, TurnIoError};
@@ -882,10 +882,7 @@ impl Partition<'_> {
             &mut events,
             raw.bytes.len(),
             &shared.settings.limits,
-            shared
-                .publisher
-                .out_budget()
-                .saturating_sub(ENVELOPE_HEADROOM),
+            shared.publisher.envelope_budget(),
         );
         if !blobs.is_empty()
             && !Box::pin(

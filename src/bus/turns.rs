@@ -1690,12 +1690,14 @@ impl PartitionTurns {
         };
         // The reader moved the same fields out when it first processed this input, before its
         // turn rules ran: the response derived from the envelope read back is then the one
-        // derived from the envelope the reader held, whichever of the two issues it.
+        // derived from the envelope the reader held, whichever of the two issues it. The blobs
+        // are stored again (the same objects, named by their content) because the output budget
+        // may have changed since, and with it whether an envelope too large is offloaded whole.
         let blobs = pipeline::offload(
             &mut events,
             raw.bytes.len(),
             &shared.settings.limits,
-            issue_budget(shared),
+            shared.publisher.envelope_budget(),
         );
         store_blobs(shared, key, &blobs).await?;
         Ok(events.into_iter().next().map(|n| n.envelope))
@@ -1719,15 +1721,6 @@ fn forget_keys_after(retention: Duration) -> Option<Duration> {
     (!retention.is_zero()).then(|| retention + Duration::from_secs(60))
 }
 
-/// The largest envelope a response may be once its large fields are out, as for an input's own
-/// events (the reader's budget).
-fn issue_budget(shared: &WorkerContext) -> usize {
-    shared
-        .publisher
-        .out_budget()
-        .saturating_sub(super::publisher::ENVELOPE_HEADROOM)
-}
-
 /// The projection of an envelope the turn contract issues, its large fields moved to the object
 /// store as the reader moves an input's own. A response is assembled here, from a reply read
 /// back from the raw stream or from the artifacts its exchange streamed, and can be larger than
@@ -1744,9 +1737,10 @@ async fn project_issued(
     let limits = &shared.settings.limits;
     // No field is larger than the whole envelope: one that fits inline needs no look (the
     // usual case, with no further work).
+    let budget = shared.publisher.envelope_budget();
     let inline = match limits.max_inline_bytes {
-        0 => issue_budget(shared),
-        max => max.min(issue_budget(shared)),
+        0 => budget,
+        max => max.min(budget),
     };
     if out.payload.len() <= inline {
         return Ok(out);
@@ -1766,7 +1760,7 @@ async fn project_offloaded(
         std::slice::from_mut(&mut n),
         out.payload.len(),
         &shared.settings.limits,
-        issue_budget(shared),
+        shared.publisher.envelope_budget(),
     );
     if blobs.is_empty() {
         return Ok(out);
@@ -1797,7 +1791,9 @@ async fn project_all(
 }
 
 /// Store `blobs` before the projection that refers to them is published; a failure is the
-/// turn's I/O failure (the partition restarts and issues the response again).
+/// turn's I/O failure (the partition restarts and issues the response again). Unlike an
+/// input's blobs (`Publisher::store_blobs_in_place`) they are not retried in place: no input is
+/// held for them.
 async fn store_blobs(
     shared: &WorkerContext,
     key: &str,
@@ -1813,8 +1809,6 @@ async fn store_blobs(
                 ),
             )
         })?;
-        metrics::counter!(telemetry::BLOBS_STORED).increment(1);
-        metrics::counter!(telemetry::BLOB_BYTES).increment(blob.data.len() as u64);
     }
     Ok(())
 }
