@@ -173,7 +173,7 @@ impl<R: Clone> OpenTurns<R> {
 
     /// [`Self::note`] at `now`: a generation that has ended becomes the one before, and the one
     /// before that is let go.
-    pub fn note_at(&mut self, key: &str, now: Instant) {
+    fn note_at(&mut self, key: &str, now: Instant) {
         if let Some(length) = self.generation {
             match self.generation_ends {
                 Some(end) if now < end => {}
@@ -194,7 +194,8 @@ impl<R: Clone> OpenTurns<R> {
     }
 
     /// Key hashes held (both generations).
-    pub fn known_len(&self) -> usize {
+    #[cfg(test)]
+    fn known_len(&self) -> usize {
         self.known.len() + self.known_before.len()
     }
 }
