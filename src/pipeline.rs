@@ -148,12 +148,12 @@ pub fn turn_facts(
         // by an agent is that agent's, and may end only a turn it is a side of. A response on
         // a subject that names no agent is spoken by its `agentId`. `identity::check` has held
         // every speaker the event claims to the subject's agent already.
+        let response = facts.kind == crate::turns::TurnEventKind::Response;
         facts.from_agent = crate::identity::parse(&names.raw_prefix, subject)
             .and_then(|s| s.agent)
             .or_else(|| {
-                (facts.kind == crate::turns::TurnEventKind::Response)
-                    .then(|| n.envelope.agent_id.as_ref().and_then(crate::model::id_text))
-                    .flatten()
+                let agent_id = n.envelope.agent_id.as_ref().and_then(crate::model::id_text);
+                agent_id.filter(|_| response)
             });
     }
     Some(facts)
