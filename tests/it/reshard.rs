@@ -369,8 +369,10 @@ async fn projected_updates(js: &jetstream::Context) -> Vec<crate::pipeline::Stor
     crate::pipeline::read_all(js, "COLLAB_PROJ", "collab.proj.*.*.*.task.updated").await
 }
 
-/// Whether at least `n` task updates are projected (a `wait_for` probe).
+/// Whether at least `n` task updates are projected (a `wait_for` probe; `None` while the
+/// projection stream does not exist yet, as before a freshly started worker has created it).
 async fn updates_projected(js: jetstream::Context, n: usize) -> Option<()> {
+    js.get_stream("COLLAB_PROJ").await.ok()?;
     (projected_updates(&js).await.len() >= n).then_some(())
 }
 
