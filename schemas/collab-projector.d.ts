@@ -86,7 +86,7 @@ export type TurnOutcome = "blocked" | "response" | "pending";
 /**
  * How a run was decided.
  */
-export type RunOutcome = "timeout" | "terminal";
+export type RunOutcome = ("timeout" | "terminal") | "pending";
 /**
  * Where a run is.
  */

@@ -160,22 +160,26 @@ pub fn turn_facts(
 }
 
 /// The run facts of a normalised AG-UI `RUN_STARTED`, `RUN_FINISHED` or `RUN_ERROR` (docs/contract.md
-/// 2b), its run not yet resolved (the partition knows the key's open run). `None`: not a run
-/// event, projected as it is.
+/// 2b), its run not yet resolved (the partition knows the key's open run), with the agent whose
+/// user published it (`_as.<agent>`), who owns a run it starts. `None`: not a run event,
+/// projected as it is.
 pub fn run_event(
     n: &Normalized,
     raw: &RawMessage<'_>,
     names: &Names,
 ) -> Option<crate::turns::runs::RunEvent> {
     let header = raw.headers.and_then(|h| RelayHeaders::from_nats(h).run_id);
+    let subject = raw.producer_subject(names);
+    let agent = crate::identity::parse(&names.raw_prefix, subject).and_then(|s| s.agent);
     crate::turns::runs::RunEvent::of(
         &n.envelope,
         &n.key,
         header.as_deref(),
         raw.seq,
         raw.stored_at.timestamp_millis(),
-        raw.producer_subject(names),
+        subject,
     )
+    .map(|ev| ev.published_by(agent))
 }
 
 /// Move the fields of `events` larger than `limits.max_inline_bytes` out of their payloads

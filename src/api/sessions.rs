@@ -15,6 +15,8 @@ use axum::{Extension, Json};
 use chrono::{SecondsFormat, Utc};
 use schemars::JsonSchema;
 use serde::Serialize;
+use std::cmp::Ordering;
+use std::collections::BinaryHeap;
 use tracing::warn;
 
 pub const DEFAULT_LIMIT: usize = 100;
@@ -50,8 +52,6 @@ pub async fn list(
     let statuses = statuses(&params)?;
     let limit = query::limit(&params, DEFAULT_LIMIT, MAX_LIMIT)?;
     let roles = caller.roles(requested.as_deref())?;
-    let values = store::all_sessions(state.js(), &state.names().sessions_bucket).await?;
-    let total = values.len();
     let opts = ViewOptions {
         roles: &roles,
         now: Utc::now(),
@@ -59,26 +59,31 @@ pub async fn list(
         archive_after: state.archive_after(),
         prices: state.prices(),
     };
-    let mut views: Vec<SessionView> = values
-        .iter()
-        .filter_map(|v| match serde_json::from_slice::<WorkSession>(v) {
-            Ok(s) => Some(s),
+    // The bucket is read as a stream and only the newest `limit` matches are kept: a request
+    // holds one fetched batch and at most `limit` views, however large the bucket.
+    let mut newest = Newest::new(limit);
+    let mut matched = 0usize;
+    let total = store::each_session(state.js(), &state.names().sessions_bucket, |v| {
+        let session = match serde_json::from_slice::<WorkSession>(&v) {
+            Ok(s) => s,
             Err(e) => {
                 warn!(error = %e, "unreadable work session skipped");
-                None
+                return;
             }
-        })
-        .filter(|s| types.is_empty() || s.matches(&roles, &types))
-        .filter_map(|s| s.view(&opts))
-        .filter(|v| statuses.is_empty() || statuses.contains(&v.status))
-        .collect();
-    views.sort_by(|a, b| {
-        b.updated_at
-            .cmp(&a.updated_at)
-            .then_with(|| a.id.cmp(&b.id))
-    });
-    let matched = views.len();
-    views.truncate(limit);
+        };
+        if !types.is_empty() && !session.matches(&roles, &types) {
+            return;
+        }
+        let Some(view) = session.view(&opts) else {
+            return;
+        };
+        if statuses.is_empty() || statuses.contains(&view.status) {
+            matched += 1;
+            newest.offer(Ranked(view));
+        }
+    })
+    .await?;
+    let views: Vec<SessionView> = newest.into_sorted().into_iter().map(|r| r.0).collect();
     Ok(Json(WorkSessionList {
         count: views.len(),
         sessions: views,
@@ -90,6 +95,61 @@ pub async fn list(
         limit,
     }))
 }
+
+/// The first `limit` items offered in their order (`Ord`: the least is listed first), kept in
+/// a heap whose top is the item to drop next.
+struct Newest<T: Ord> {
+    limit: usize,
+    heap: BinaryHeap<T>,
+}
+
+impl<T: Ord> Newest<T> {
+    fn new(limit: usize) -> Newest<T> {
+        Newest {
+            limit,
+            heap: BinaryHeap::with_capacity(limit.saturating_add(1)),
+        }
+    }
+
+    fn offer(&mut self, item: T) {
+        self.heap.push(item);
+        if self.heap.len() > self.limit {
+            self.heap.pop();
+        }
+    }
+
+    /// The items kept, in order.
+    fn into_sorted(self) -> Vec<T> {
+        self.heap.into_sorted_vec()
+    }
+}
+
+/// A session view in list order: newest `updated_at` first, then by id.
+struct Ranked(SessionView);
+
+impl Ord for Ranked {
+    fn cmp(&self, other: &Self) -> Ordering {
+        other
+            .0
+            .updated_at
+            .cmp(&self.0.updated_at)
+            .then_with(|| self.0.id.cmp(&other.0.id))
+    }
+}
+
+impl PartialOrd for Ranked {
+    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
+        Some(self.cmp(other))
+    }
+}
+
+impl PartialEq for Ranked {
+    fn eq(&self, other: &Self) -> bool {
+        self.cmp(other) == Ordering::Equal
+    }
+}
+
+impl Eq for Ranked {}
 
 pub async fn one(
     State(state): State<ApiState>,
@@ -174,4 +234,26 @@ pub struct WorkSessionResponse {
     pub session: SessionView,
     /// The roles it is seen through.
     pub role: Vec<Role>,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Newest;
+
+    #[test]
+    fn the_list_keeps_only_the_first_limit_items_in_order() {
+        let mut kept = Newest::new(3);
+        for n in [7u32, 3, 9, 1, 8, 2, 2, 6] {
+            kept.offer(n);
+        }
+        assert_eq!(kept.into_sorted(), vec![1, 2, 2]);
+        let mut none = Newest::new(0);
+        none.offer(1u32);
+        assert!(none.into_sorted().is_empty());
+        let mut all = Newest::new(10);
+        for n in [5u32, 4] {
+            all.offer(n);
+        }
+        assert_eq!(all.into_sorted(), vec![4, 5]);
+    }
 }

@@ -198,9 +198,22 @@ async fn drain_consumer(
     max: usize,
 ) -> Result<Vec<StoredEvent>, ApiError> {
     let mut out = Vec::new();
+    visit_consumer(c, until, max, |ev| out.push(ev)).await?;
+    Ok(out)
+}
+
+/// Hand every message a consumer delivers to `visit`, in order (at most `max`, and none after
+/// `until`), holding one fetched batch at a time. Returns how many were visited.
+async fn visit_consumer(
+    c: &consumer::Consumer<consumer::pull::Config>,
+    until: u64,
+    max: usize,
+    mut visit: impl FnMut(StoredEvent),
+) -> Result<usize, ApiError> {
+    let mut seen = 0usize;
     let mut pending = c.cached_info().num_pending;
-    while pending > 0 && out.len() < max {
-        let want = (max - out.len())
+    while pending > 0 && seen < max {
+        let want = (max - seen)
             .min(512)
             .min(usize::try_from(pending).unwrap_or(512));
         let mut batch = c
@@ -221,8 +234,9 @@ async fn drain_consumer(
                 pending = 0;
                 break;
             }
-            out.push(ev);
-            if out.len() >= max {
+            visit(ev);
+            seen += 1;
+            if seen >= max {
                 break;
             }
         }
@@ -230,7 +244,7 @@ async fn drain_consumer(
             break;
         }
     }
-    Ok(out)
+    Ok(seen)
 }
 
 /// Filtered messages with `from <= seq <= to`, oldest first, at most `max`.
@@ -349,9 +363,14 @@ async fn start_of_last(
     Ok(outer)
 }
 
-/// The latest value of every session key (`$KV.<bucket>.*`; aliases have two tokens and are
-/// left out), skipping deleted ones.
-pub async fn all_sessions(js: &jetstream::Context, bucket: &str) -> Result<Vec<Bytes>, ApiError> {
+/// Hand the latest value of every session key (`$KV.<bucket>.*`; aliases have two tokens and
+/// are left out) to `visit`, skipping deleted ones, one fetched batch in memory at a time (the
+/// bucket may be far larger than a request should hold). Returns how many were visited.
+pub async fn each_session(
+    js: &jetstream::Context,
+    bucket: &str,
+    mut visit: impl FnMut(Bytes),
+) -> Result<usize, ApiError> {
     let stream = js
         .get_stream(format!("KV_{bucket}"))
         .await
@@ -361,19 +380,22 @@ pub async fn all_sessions(js: &jetstream::Context, bucket: &str) -> Result<Vec<B
         1,
         Some(consumer::DeliverPolicy::LastPerSubject),
     );
-    let events = drain(&stream, config, u64::MAX, usize::MAX).await?;
-    Ok(events
-        .into_iter()
-        .filter(|e| {
-            let op = e
-                .headers
-                .as_ref()
-                .and_then(|h| h.get("KV-Operation"))
-                .map(|v| v.as_str().to_string());
-            !matches!(op.as_deref(), Some("DEL" | "PURGE"))
-        })
-        .map(|e| e.payload)
-        .collect())
+    let c = create(&stream, config).await?;
+    let mut live = 0usize;
+    let result = visit_consumer(&c, u64::MAX, usize::MAX, |e| {
+        let op = e
+            .headers
+            .as_ref()
+            .and_then(|h| h.get("KV-Operation"))
+            .map(|v| v.as_str().to_string());
+        if !matches!(op.as_deref(), Some("DEL" | "PURGE")) {
+            live += 1;
+            visit(e.payload);
+        }
+    })
+    .await;
+    discard(&stream, &c);
+    result.map(|_| live)
 }
 
 #[cfg(test)]

@@ -71,14 +71,15 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
     }
 }
 
-/// Whether a response may answer the turn `rec`: true for every other event, for runs, and for
-/// turns whose target is unknown. Else the response's speaker ([`TurnFacts::from_agent`]) must
-/// be the target, or, for a response that reports a failure (a blocked outcome, as the asker's
-/// runtime reports one when its send could not be delivered), the asker itself, which can end
-/// its own turn as blocked with `a2a.error` anyway. Agent ids are compared trimmed and
-/// case-insensitively. A response that names no speaker is nobody's.
+/// Whether a response may answer the turn `rec`: true for every other event, and for exchanges
+/// whose target is unknown. Else the response's speaker ([`TurnFacts::from_agent`]) must be the
+/// target, or, for a response that reports a failure (a blocked outcome, as the asker's runtime
+/// reports one when its send could not be delivered), the asker itself, which can end its own
+/// turn as blocked with `a2a.error` anyway. Agent ids are compared trimmed and
+/// case-insensitively. A response that names no speaker is nobody's. A run's target is the agent
+/// that published its `RUN_STARTED`: only that agent's terminal ends it.
 pub fn spoken_by_target(rec: &TurnRecord, ev: &TurnFacts) -> bool {
-    if ev.kind != TurnEventKind::Response || ev.exchange != ExchangeKind::Turn {
+    if ev.kind != TurnEventKind::Response {
         return true;
     }
     let Some(target) = rec.target().map(str::trim).filter(|t| !t.is_empty()) else {

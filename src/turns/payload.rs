@@ -239,6 +239,8 @@ pub struct RunWinnerRef {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum RunOutcome {
+    /// Not decided yet: the suppressed terminal was another agent's, the run is still open.
+    Pending,
     Timeout,
     Terminal,
 }

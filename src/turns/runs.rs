@@ -62,6 +62,9 @@ pub struct RunEvent {
     pub seq: u64,
     pub stored_ms: i64,
     pub subject: String,
+    /// The agent whose user published the event (the subject's `_as.<agent>`), if it names one.
+    /// The agent that published a run's `RUN_STARTED` owns the run: only it may end it.
+    pub agent: Option<String>,
 }
 
 impl RunEvent {
@@ -86,7 +89,14 @@ impl RunEvent {
             seq,
             stored_ms,
             subject: subject.to_string(),
+            agent: None,
         })
+    }
+
+    /// The event as published by `agent` (the subject's publishing agent).
+    #[must_use]
+    pub fn published_by(self, agent: Option<String>) -> RunEvent {
+        RunEvent { agent, ..self }
     }
 
     /// The exchange facts, with the run resolved: its own id, else the key's open run. `None`:
@@ -112,8 +122,15 @@ impl RunEvent {
             // A RUN_ERROR is the run's real terminal, never a blocked outcome.
             failure: None,
             failure_detail: None,
-            from_agent: None,
-            to_agent: None,
+            // The run's agent both opens and ends it: a `RUN_STARTED` records its publisher as
+            // the run's target, and a terminal is spoken by its publisher, so a terminal another
+            // agent published is kept beside the run, never as its terminal
+            // (`turns::spoken_by_target`).
+            from_agent: self.agent.clone(),
+            to_agent: match self.signal {
+                RunSignal::Start => self.agent.clone(),
+                RunSignal::Terminal => None,
+            },
             run_id: None,
             target_session_key: None,
             work_session_id: None,
@@ -424,10 +441,10 @@ pub fn suppressed(env: &Envelope, rec: &TurnRecord, reason: SuppressReason) -> E
     let winner_ref = WinnerRef::Run(RunWinnerRef {
         msg_id: rec.response_msg_id(),
         raw_seq: winner.and_then(|w| w.seq),
-        outcome: if timed_out {
-            RunOutcome::Timeout
-        } else {
-            RunOutcome::Terminal
+        outcome: match winner {
+            None => RunOutcome::Pending,
+            Some(_) if timed_out => RunOutcome::Timeout,
+            Some(_) => RunOutcome::Terminal,
         },
         run_id: rec.turn.clone(),
         thread_id: rec.send.as_ref().and_then(|s| s.thread_id.clone()),

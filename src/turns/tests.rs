@@ -720,7 +720,7 @@ fn only_the_asker_or_the_target_ends_a_turn_with_a_complete_or_an_error() {
 }
 
 #[test]
-fn runs_and_events_other_than_responses_are_not_held_to_the_target() {
+fn events_other_than_responses_are_not_held_to_the_target_and_run_terminals_are() {
     let rec = TurnRecord {
         exchange: ExchangeKind::Turn,
         conversation_id: "c1".into(),
@@ -751,11 +751,17 @@ fn runs_and_events_other_than_responses_are_not_held_to_the_target() {
     assert!(spoken_by_target(&rec, &asker_blocked));
     let asker_reply = facts_of(&reply("c1", "x", json!({"fromAgent": "ruda"})), 2, 0);
     assert!(!spoken_by_target(&rec, &asker_reply));
+    // A run's terminal is held to the run's owner (its record's target) as a reply is.
     let run = TurnFacts {
         exchange: ExchangeKind::Run,
         ..forged.clone()
     };
-    assert!(spoken_by_target(&rec, &run));
+    assert!(!spoken_by_target(&rec, &run));
+    let owners = TurnFacts {
+        from_agent: Some("EDEN".into()),
+        ..run.clone()
+    };
+    assert!(spoken_by_target(&rec, &owners));
     let unknown_target = TurnRecord {
         target: None,
         ..rec

@@ -1175,6 +1175,18 @@ async fn work_sessions_aggregate_idempotently_and_filter() {
     let limited = ok(&app, "/api/work-sessions?limit=1").await;
     assert_eq!(limited["count"], 1);
     assert_eq!(limited["totalMatched"], 4);
+    assert_eq!(limited["sessions"][0]["id"], "ws_a", "the newest is kept");
+    let two = ok(&app, "/api/work-sessions?limit=2&status=QUIET,ARCHIVED").await;
+    let kept: Vec<&str> = two["sessions"]
+        .as_array()
+        .map(|a| a.iter().filter_map(|s| s["id"].as_str()).collect())
+        .unwrap_or_default();
+    assert_eq!(
+        kept,
+        ["ws_quiet", "ws_old"],
+        "the newest two matches, in order"
+    );
+    assert_eq!(two["totalMatched"], 2);
     err(
         &app,
         "/api/work-sessions?role=bogus",

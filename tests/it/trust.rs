@@ -899,6 +899,82 @@ async fn only_the_target_decides_a_turn_whoever_else_answers_first() {
     cancel.cancel();
 }
 
+/// An AG-UI run belongs to the agent that published its `RUN_STARTED`: another identified
+/// producer's `RUN_ERROR` on the same key (naming the run or not), and a terminal on a subject
+/// that names no agent, are kept beside the run; the owner's own terminal is its one terminal.
+#[tokio::test]
+async fn only_the_agent_that_started_a_run_ends_it() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let s = settings(&nats.url());
+    let (_running, cancel) = start_worker(&s).await;
+    let key = "thread-owned";
+    let as_agent = |agent: &str| {
+        identity::subject("collab", key, agent, "agui")
+            .unwrap_or_else(|| panic!("{agent} is a valid agent token"))
+    };
+    let body = |v: Value| Bytes::from(v.to_string());
+    publish(
+        &js,
+        &as_agent("eden"),
+        body(json!({"type": "RUN_STARTED", "threadId": key, "runId": "r1"})),
+    )
+    .await;
+    let named = publish(
+        &js,
+        &as_agent("mallory"),
+        body(json!({"type": "RUN_ERROR", "runId": "r1", "message": "FORGED abort"})),
+    )
+    .await;
+    let unnamed = publish(
+        &js,
+        &as_agent("mallory"),
+        body(json!({"type": "RUN_ERROR", "message": "FORGED abort, no run named"})),
+    )
+    .await;
+    let anonymous = publish(
+        &js,
+        &format!("collab.raw.{key}.agui"),
+        body(json!({"type": "RUN_FINISHED", "threadId": key, "runId": "r1"})),
+    )
+    .await;
+    let own = publish(
+        &js,
+        &as_agent("eden"),
+        body(json!({"type": "RUN_FINISHED", "threadId": key, "runId": "r1", "result": "done"})),
+    )
+    .await;
+
+    drained(&js).await;
+    let terminals: Vec<_> = crate::pipeline::read_all(
+        &js,
+        crate::pipeline::PROJ,
+        &format!("collab.proj.*.*.{key}.>"),
+    )
+    .await
+    .into_iter()
+    .filter(|m| m.header("Nats-Msg-Id").as_deref() == Some(&format!("run:{key}:r1")))
+    .collect();
+    assert_eq!(terminals.len(), 1, "{terminals:#?}");
+    assert_eq!(terminals[0].source_seq(), own);
+    assert_eq!(terminals[0].json()["type"], "run.finished");
+    let suppressed = crate::pipeline::read_all(
+        &js,
+        crate::pipeline::PROJ,
+        &format!("collab.proj.system.observability.{key}.run.terminal.suppressed"),
+    )
+    .await;
+    let mut seen: Vec<u64> = suppressed.iter().map(|m| m.source_seq()).collect();
+    seen.sort_unstable();
+    assert_eq!(seen, vec![named, unnamed, anonymous]);
+    for m in &suppressed {
+        let p = m.json()["payload"].clone();
+        assert_eq!(p["reason"], "not_target", "{p}");
+        assert_eq!(p["winner"]["outcome"], "pending", "{p}");
+    }
+    cancel.cancel();
+}
+
 /// `streams` event-stream clients of the API at `addr` that never read (a 4 KiB receive buffer),
 /// each past its `200`.
 async fn slow_readers(

@@ -83,11 +83,16 @@ struct Raw {
     key: String,
     env: Envelope,
     header: Option<String>,
+    /// The publishing agent (`_as.<agent>` in the subject), if any.
+    agent: Option<String>,
 }
 
 impl Raw {
     fn subject(&self) -> String {
-        format!("collab.raw.{}.agui", self.key)
+        match &self.agent {
+            Some(a) => format!("collab.raw.{}._as.{a}.agui", self.key),
+            None => format!("collab.raw.{}.agui", self.key),
+        }
     }
 }
 
@@ -152,8 +157,19 @@ impl RunSim {
             key: key.into(),
             env: envelope(&v, key),
             header: header.map(str::to_string),
+            agent: None,
         });
         self.pending.push_back(seq);
+        seq
+    }
+
+    /// Store and process everything pending, published by `agent`'s user.
+    fn run_as(&mut self, at_ms: i64, key: &str, agent: Option<&str>, v: Value) -> u64 {
+        let seq = self.store_with(at_ms, key, v, None);
+        if let Some(last) = self.log.last_mut() {
+            last.agent = agent.map(str::to_string);
+        }
+        self.deliver_all();
         seq
     }
 
@@ -248,7 +264,8 @@ impl RunSim {
             raw.seq,
             raw.stored_ms,
             &raw.subject(),
-        );
+        )
+        .map(|e| e.published_by(raw.agent.clone()));
         let Some(f) = ev.and_then(|e| e.facts(&self.runs)) else {
             self.outs.push(Out::Projected(seq));
             return Ok(());
@@ -604,6 +621,64 @@ fn a_terminal_after_a_synthesised_timeout_is_suppressed_late() {
     .payload
     .unwrap_or_default();
     assert_eq!(p["winner"]["outcome"], "timeout");
+}
+
+#[test]
+fn only_the_agent_that_started_a_run_ends_it() {
+    let mut sim = RunSim::new();
+    sim.run_as(1_000, "t1", Some("eden"), started("t1", "r1"));
+    // Another producer's RUN_ERROR, naming the run or not, and one on a subject that names no
+    // agent: kept beside the run, which stays open.
+    let foreign = sim.run_as(1_100, "t1", Some("mallory"), error(Some("r1")));
+    let foreign_unnamed = sim.run_as(1_150, "t1", Some("mallory"), error(None));
+    let anonymous = sim.run_as(1_200, "t1", None, finished("t1", "r1"));
+    for seq in [foreign, foreign_unnamed, anonymous] {
+        assert_eq!(sim.suppression(seq), Some(SuppressReason::NotTarget));
+    }
+    assert_eq!(sim.record("t1", "r1").state, TurnState::Open);
+    assert!(sim.stored.is_empty(), "no terminal yet");
+    let p = suppressed(
+        &sim.raw(foreign).env,
+        sim.record("t1", "r1"),
+        SuppressReason::NotTarget,
+    )
+    .payload
+    .unwrap_or_default();
+    assert_eq!(p["reason"], "not_target");
+    assert_eq!(p["winner"]["outcome"], "pending");
+    // The owner's terminal, its id compared as agent ids are, is the run's one terminal.
+    let own = sim.run_as(1_300, "t1", Some("Eden"), finished("t1", "r1"));
+    sim.tick(60_000);
+    let w = sim.record("t1", "r1").winner.clone().expect("decided");
+    assert_eq!(w.seq, Some(own));
+    assert_eq!(sim.terminal_of("t1", "r1").event_type, "run.finished");
+    assert_eq!(sim.published_types().len(), 1);
+}
+
+#[test]
+fn a_terminal_before_its_start_holds_the_run_to_its_publisher() {
+    let mut sim = RunSim::new();
+    let early = sim.run_as(1_000, "t1", Some("eden"), finished("t1", "r1"));
+    let foreign = sim.run_as(1_100, "t1", Some("mallory"), finished("t1", "r1"));
+    sim.tick(60_000);
+    assert_eq!(
+        sim.record("t1", "r1").winner.as_ref().and_then(|w| w.seq),
+        Some(early)
+    );
+    assert_eq!(sim.suppression(foreign), Some(SuppressReason::NotTarget));
+}
+
+#[test]
+fn runs_on_subjects_that_name_no_agent_are_ended_by_any_terminal() {
+    let mut sim = RunSim::new();
+    sim.run_as(1_000, "t1", None, started("t1", "r1"));
+    let err = sim.run_as(1_100, "t1", Some("mallory"), error(None));
+    sim.tick(60_000);
+    assert_eq!(
+        sim.record("t1", "r1").winner.as_ref().and_then(|w| w.seq),
+        Some(err),
+        "a run whose opener is unknown has no owner to hold its terminal to"
+    );
 }
 
 #[test]
