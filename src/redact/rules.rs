@@ -10,8 +10,11 @@ use serde_json::{Map, Value};
 /// The built-in rule file.
 const RULES: &str = include_str!("rules.toml");
 
-/// Strings longer than this that look like JSON are not parsed to look inside (a bound on work).
-const MAX_NESTED_JSON: usize = 256 * 1024;
+/// Strings longer than this that look like JSON are not parsed to look inside: the largest
+/// message a NATS server carries (`max_payload` is at most 64 MiB), so every string an input can
+/// hold is parsed. Parsing is linear in the string, and JSON nested in strings can only go a few
+/// levels deep before its escaping outgrows the message (each level doubles the backslashes).
+const MAX_NESTED_JSON: usize = 64 * 1024 * 1024;
 /// Nesting beyond which values are left as they are (the normaliser bounds depth before this).
 const MAX_DEPTH: usize = 128;
 /// Passes of the rules over one string before its redaction is taken as final (two suffice for
@@ -746,6 +749,21 @@ mod tests {
         assert_eq!(back["result"]["note"], "Bearer [redacted:bearer]");
         assert_eq!(v["list"][1], "Bearer [redacted:bearer]");
         assert_eq!(n, 3);
+    }
+
+    #[test]
+    fn json_inside_a_string_is_parsed_whatever_its_size() {
+        // Larger than any bound but the largest message NATS carries.
+        let filler = "lorem ipsum ".repeat(60_000);
+        let inner = json!({"filler": filler, "db": [{"PASSWD": "p"}, {"creds": {"pass": "q"}}]})
+            .to_string();
+        assert!(inner.len() > 512 * 1024);
+        let (v, n) = redact(json!({"output": inner}));
+        let back: Value =
+            serde_json::from_str(v["output"].as_str().unwrap_or("null")).unwrap_or(Value::Null);
+        assert_eq!(back["db"][0]["PASSWD"], "[redacted:passwd]");
+        assert_eq!(back["db"][1]["creds"]["pass"], "[redacted:pass]");
+        assert_eq!(n, 2);
     }
 
     #[test]
