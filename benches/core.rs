@@ -177,6 +177,7 @@ fn turn_book(c: &mut Criterion) {
         default_timeout: Duration::from_secs(300),
         max_timeout: Duration::from_secs(3600),
         run_timeout: Duration::from_secs(600),
+        early_hold: Duration::from_secs(300),
     };
     let send: Value = serde_json::from_slice(SEND).unwrap_or_default();
     let response: Value = serde_json::from_slice(RESPONSE).unwrap_or_default();

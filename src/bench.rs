@@ -1720,6 +1720,7 @@ fn open_record(
         default_timeout: Duration::from_secs(300),
         max_timeout: Duration::from_secs(3600),
         run_timeout: Duration::from_secs(600),
+        early_hold: Duration::from_secs(300),
     };
     let facts = send_facts(i, prefix, stored_ms, timeout_ms);
     let step = turns::on_event(None, &facts, &cfg);
@@ -1735,6 +1736,7 @@ fn open_record(
         sender: None,
         target: None,
         writer: None,
+        early: None,
     });
     let p = (i % usize::from(partitions.max(1))) as u16;
     (facts.record_key(p), rec)
@@ -2039,6 +2041,7 @@ fn core_costs(seed: u64) -> Result<CoreCosts, BenchError> {
         default_timeout: settings.turns.default_timeout,
         max_timeout: settings.turns.max_timeout,
         run_timeout: settings.runs.timeout,
+        early_hold: settings.turns.early_hold,
     };
     let t = Instant::now();
     for (i, (subject, body)) in turn_corpus.iter().enumerate() {

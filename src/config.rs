@@ -643,6 +643,12 @@ pub struct TurnSettings {
     /// meanwhile. Zero writes every open record at once.
     #[serde(with = "humantime_serde")]
     pub open_write_delay: Duration,
+    /// How long a response stored before its turn's send is held waiting for it (docs/contract.md
+    /// section 4): the send then says whether its target spoke it. With no send by then, it
+    /// decides the turn alone. Zero takes such a response as the turn's at once, which lets any
+    /// agent that can guess a turn's id answer it before its send arrives.
+    #[serde(with = "humantime_serde")]
+    pub early_hold: Duration,
 }
 
 impl Default for TurnSettings {
@@ -654,6 +660,7 @@ impl Default for TurnSettings {
             enforce_roles: vec![Role::ConversationMain],
             clock_skew: Duration::from_millis(100),
             open_write_delay: Duration::from_millis(500),
+            early_hold: Duration::from_secs(300),
         }
     }
 }

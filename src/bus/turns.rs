@@ -20,8 +20,8 @@ use crate::pipeline::{self, OutKind, Outgoing, RawMessage};
 use crate::telemetry;
 use crate::turns::runs::{self, OpenRuns, RunEvent, RunScan};
 use crate::turns::{
-    self, blocked, book::OpenTurns, ExchangeKind, Expect, TurnConfig, TurnFacts, TurnRecord,
-    TurnState,
+    self, blocked, book::OpenTurns, ExchangeKind, Expect, SuppressReason, TurnConfig, TurnFacts,
+    TurnRecord, TurnState,
 };
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
@@ -550,6 +550,7 @@ impl PartitionTurns {
                 default_timeout: shared.settings.turns.default_timeout,
                 max_timeout: shared.settings.turns.max_timeout,
                 run_timeout: shared.settings.runs.timeout,
+                early_hold: shared.settings.turns.early_hold,
             },
             open: OpenTurns::new(KEPT_OPEN_RECORDS)
                 .forgetting_after(forget_keys_after(shared.settings.turns.retention)),
@@ -1102,28 +1103,61 @@ impl PartitionTurns {
             ));
         }
         if let (Some(reason), Some((rec, _))) = (step.suppress, &after) {
-            let env = blocked::suppressed(&n.envelope, rec, reason);
-            let sn = Normalized {
-                envelope: env,
-                key: n.key.clone(),
-                conversation_id: n.conversation_id.clone(),
-                source: None,
-            };
-            let mut out = pipeline::projection(
-                &shared.names,
-                &sn,
-                facts.seq,
-                pipeline::input_msg_id(
-                    self.raw.raw_stream_at(self.partition, facts.seq),
-                    facts.seq,
-                    "suppressed",
+            fx.outs
+                .push(self.suppression(shared, n, &n.envelope, rec, reason, facts.seq));
+        }
+        if let (Some(early), Some((rec, _))) = (step.suppress_early, &after) {
+            // The early response this send refused, read back: it was held, never published.
+            match Box::pin(self.fetch_envelope(shared, &key, early)).await? {
+                Some(env) => fx.outs.push(self.suppression(
+                    shared,
+                    n,
+                    &env,
+                    rec,
+                    SuppressReason::NotTarget,
+                    early,
+                )),
+                None => tracing::warn!(
+                    partition = self.partition,
+                    key,
+                    seq = early,
+                    "an early response refused by its turn's send is no longer in the raw stream; its suppression is not published"
                 ),
-            );
-            out.kind = OutKind::Projection(Role::SystemObservability);
-            metrics::counter!(telemetry::SUPPRESSED, "reason" => reason.as_str()).increment(1);
-            fx.outs.push(out);
+            }
         }
         Ok(())
+    }
+
+    /// The suppression of the event `env` (stored at raw `seq`, of the turn `rec`, its key and
+    /// conversation those of `n`): on `system.observability`, with a Msg-Id of its own input.
+    fn suppression(
+        &self,
+        shared: &WorkerContext,
+        n: &Normalized,
+        env: &crate::model::Envelope,
+        rec: &TurnRecord,
+        reason: SuppressReason,
+        seq: u64,
+    ) -> Outgoing {
+        let sn = Normalized {
+            envelope: blocked::suppressed(env, rec, reason),
+            key: n.key.clone(),
+            conversation_id: n.conversation_id.clone(),
+            source: None,
+        };
+        let mut out = pipeline::projection(
+            &shared.names,
+            &sn,
+            seq,
+            pipeline::input_msg_id(
+                self.raw.raw_stream_at(self.partition, seq),
+                seq,
+                "suppressed",
+            ),
+        );
+        out.kind = OutKind::Projection(Role::SystemObservability);
+        metrics::counter!(telemetry::SUPPRESSED, "reason" => reason.as_str()).increment(1);
+        out
     }
 
     /// Decide every open turn whose deadline is before the watermark, into `fx`.

@@ -253,6 +253,7 @@ mod tests {
             sender: None,
             target: None,
             writer: None,
+            early: None,
         }
     }
 

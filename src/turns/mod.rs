@@ -45,13 +45,29 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
     }
     match (current, ev.kind) {
         (None, TurnEventKind::Send) => open_turn(ev, cfg),
+        // The send of a turn holding an early response, before the hold's deadline: the send
+        // names the target, so now the early response is taken or refused.
+        (Some((rec, rev)), TurnEventKind::Send)
+            if rec.holds_early() && rec.deadline_ms.is_none_or(|d| d >= ev.stored_ms) =>
+        {
+            send_after_early(rec, rev, ev, cfg)
+        }
         // A send for a turn that exists already (a duplicate send, or a send that arrives after
-        // its response) starts no timer.
-        (Some(_), TurnEventKind::Send) => Step {
+        // its response) starts no timer. A decision not yet published is published again, as
+        // for any other event after its winner (the send that took an early response, delivered
+        // again, publishes it), and the redelivery of a send that refused an early response
+        // publishes that response's suppression again.
+        (Some((rec, _)), TurnEventKind::Send) if !rec.holds_early() => Step {
+            respond: republished_at(rec, ev.seq),
             project_self: true,
+            suppress_early: refused_by(rec, ev.seq),
             ..Step::default()
         },
-        // The first response, failure signal, complete or error decides an undecided turn.
+        // A response before any send is held until a send names the turn's target (or the
+        // hold's deadline passes): taking it at once would let anyone answer a turn whose
+        // send has not arrived, with nothing to check its speaker against.
+        (None, TurnEventKind::Response) if !cfg.early_hold.is_zero() => hold_early(ev, cfg),
+        // The first complete or error (or, with no hold, response) decides an undecided turn.
         (None, kind) => decide(unopened(ev, kind), Expect::Absent, ev, kind),
         // Stored after the open turn's deadline: in event time the turn timed out first, and
         // this event comes after that decision. A partition fires deadlines before the events
@@ -64,11 +80,118 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
         {
             timed_out_before(rec, rev, ev, kind)
         }
+        // The held response itself, delivered again: it is held already.
+        (Some((rec, _)), TurnEventKind::Response)
+            if rec.holds_early()
+                && rec.early.as_ref().and_then(|e| e.winner.seq) == Some(ev.seq) =>
+        {
+            Step::default()
+        }
+        // Before the send, a further response is suppressed as it will be once the held one
+        // decides the turn (it passed the check against the held speaker above), and a complete
+        // or an error decides nothing: only the send says whether the held response is the
+        // answer.
+        (Some((rec, _)), TurnEventKind::Response) if rec.holds_early() => {
+            let held_blocked = rec
+                .early
+                .as_ref()
+                .is_some_and(|e| e.winner.blocked.is_some());
+            Step {
+                suppress: Some(if held_blocked && ev.failure.is_none() {
+                    SuppressReason::Late
+                } else {
+                    SuppressReason::Duplicate
+                }),
+                ..Step::default()
+            }
+        }
+        (Some((rec, _)), _) if rec.holds_early() => Step {
+            project_self: true,
+            ..Step::default()
+        },
         (Some((rec, rev)), kind) if rec.state == TurnState::Open => {
             decide(rec.clone(), Expect::Revision(rev), ev, kind)
         }
         (Some((rec, _)), kind) => after_decision(rec, ev, kind),
     }
+}
+
+/// A response with no turn yet: the turn's record holds it until `turns.early_hold` after it was
+/// stored, and nothing is published yet.
+fn hold_early(ev: &TurnFacts, cfg: &TurnConfig) -> Step {
+    let hold_ms = u64::try_from(cfg.early_hold.as_millis()).unwrap_or(u64::MAX);
+    let record = TurnRecord {
+        deadline_ms: Some(
+            ev.stored_ms
+                .saturating_add(i64::try_from(hold_ms).unwrap_or(i64::MAX)),
+        ),
+        early: Some(Early {
+            winner: winner_of(ev, TurnEventKind::Response),
+            speaker: ev.from_agent.clone(),
+            refused: false,
+        }),
+        ..unopened(ev, TurnEventKind::Response)
+    };
+    Step {
+        write: Some((record, Expect::Absent)),
+        ..Step::default()
+    }
+}
+
+/// The send of a turn that holds an early response: the turn is decided by that response when
+/// the send's target spoke it (or the asker reported its own turn failed), published now;
+/// else the response is refused (suppressed `not_target`) and the send opens the turn.
+fn send_after_early(rec: &TurnRecord, rev: u64, ev: &TurnFacts, cfg: &TurnConfig) -> Step {
+    let Some(early) = rec.early.as_ref() else {
+        return Step {
+            project_self: true,
+            ..Step::default()
+        };
+    };
+    let Some((opened, _)) = open_turn(ev, cfg).write else {
+        return Step::default();
+    };
+    let taken = answers(
+        opened.target(),
+        opened.sender(),
+        early.speaker.as_deref(),
+        early.winner.blocked.is_some(),
+    );
+    if taken {
+        let decided = TurnRecord {
+            state: TurnState::Decided,
+            deadline_ms: None,
+            winner: Some(early.winner.clone()),
+            ..opened
+        };
+        return Step {
+            write: Some((decided, Expect::Revision(rev))),
+            respond: true,
+            project_self: true,
+            ..Step::default()
+        };
+    }
+    let refused = TurnRecord {
+        early: Some(Early {
+            refused: true,
+            ..early.clone()
+        }),
+        ..opened
+    };
+    Step {
+        write: Some((refused, Expect::Revision(rev))),
+        project_self: true,
+        suppress_early: early.winner.seq,
+        ..Step::default()
+    }
+}
+
+/// The early response the send at `seq` refused, when `rec` was opened by that send.
+fn refused_by(rec: &TurnRecord, seq: u64) -> Option<u64> {
+    let early = rec.early.as_ref().filter(|e| e.refused)?;
+    (rec.send.as_ref().map(|s| s.seq) == Some(seq))
+        .then_some(early.winner.seq)
+        .flatten()
 }
 
 /// Whether a response may answer the turn `rec`: true for every other event, and for exchanges
@@ -82,14 +205,30 @@ pub fn spoken_by_target(rec: &TurnRecord, ev: &TurnFacts) -> bool {
     if ev.kind != TurnEventKind::Response {
         return true;
     }
-    let Some(target) = rec.target().map(str::trim).filter(|t| !t.is_empty()) else {
+    answers(
+        rec.target(),
+        rec.sender(),
+        ev.from_agent.as_deref(),
+        ev.failure.is_some(),
+    )
+}
+
+/// Whether a response by `speaker` answers a turn from `sender` to `target` (see
+/// [`spoken_by_target`]); `failure`: it reports a failure.
+fn answers(
+    target: Option<&str>,
+    sender: Option<&str>,
+    speaker: Option<&str>,
+    failure: bool,
+) -> bool {
+    let Some(target) = target.map(str::trim).filter(|t| !t.is_empty()) else {
         return true;
     };
-    let Some(speaker) = ev.from_agent.as_deref().map(str::trim) else {
+    let Some(speaker) = speaker.map(str::trim) else {
         return false;
     };
     let is = |agent: Option<&str>| agent.is_some_and(|a| a.trim().eq_ignore_ascii_case(speaker));
-    is(Some(target)) || (ev.failure.is_some() && is(rec.sender()))
+    is(Some(target)) || (failure && is(sender))
 }
 
 /// Whether a complete or an error may end the turn `rec`: true for every other event, for runs,
@@ -137,6 +276,7 @@ fn open_turn(ev: &TurnFacts, cfg: &TurnConfig) -> Step {
         sender: None,
         target: None,
         writer: None,
+        early: None,
     };
     Step {
         write: Some((record, Expect::Absent)),
@@ -165,6 +305,7 @@ fn unopened(ev: &TurnFacts, kind: TurnEventKind) -> TurnRecord {
         sender,
         target,
         writer: None,
+        early: None,
     }
 }
 
@@ -216,7 +357,7 @@ fn decide(record: TurnRecord, expect: Expect, ev: &TurnFacts, kind: TurnEventKin
         // A response is itself the published winner; a complete or error is projected as what
         // it is, after the response it caused.
         project_self: kind != TurnEventKind::Response,
-        suppress: None,
+        ..Step::default()
     }
 }
 
@@ -282,6 +423,7 @@ fn timed_out_before(rec: &TurnRecord, rev: u64, ev: &TurnFacts, kind: TurnEventK
         respond: true,
         project_self: then.project_self,
         suppress: then.suppress,
+        suppress_early: None,
     }
 }
 
@@ -295,13 +437,24 @@ pub fn on_deadline(current: (&TurnRecord, u64)) -> Option<Step> {
     })
 }
 
-/// The open turn `rec` decided by its deadline: blocked `timeout`, synthesised. `None` for a
-/// turn that is not open or has no deadline.
+/// The open turn `rec` decided by its deadline: blocked `timeout`, synthesised, or, for a turn
+/// holding an early response that no send came for, that response. `None` for a turn that is
+/// not open or has no deadline.
 fn timed_out(rec: &TurnRecord) -> Option<TurnRecord> {
     if rec.state != TurnState::Open {
         return None;
     }
     let deadline = rec.deadline_ms?;
+    if rec.holds_early() {
+        // No send came while the early response was held: it is the turn's response.
+        let early = rec.early.as_ref()?;
+        return Some(TurnRecord {
+            state: TurnState::Decided,
+            deadline_ms: None,
+            winner: Some(early.winner.clone()),
+            ..rec.clone()
+        });
+    }
     Some(TurnRecord {
         state: TurnState::Decided,
         deadline_ms: None,

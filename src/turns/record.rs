@@ -279,6 +279,37 @@ pub struct TurnRecord {
     /// a previous owner. Set by the shell when it writes a decided record.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub writer: Option<u64>,
+    /// A response stored before any send of the turn (a terminal before its run's
+    /// `RUN_STARTED`), held until a send says who may answer.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub early: Option<Early>,
+}
+
+/// A response that came before its turn's send. Until the send arrives nobody knows whom the
+/// turn was addressed to, so the response is held rather than taken as the answer: the send
+/// then decides the turn by it when its target spoke it, or refuses it (kept beside the turn as
+/// `not_target`) and opens the turn; with no send by the hold's deadline, it decides the turn.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Early {
+    /// What it decides the turn with, if it is taken.
+    pub winner: Winner,
+    /// Who spoke it ([`TurnFacts::from_agent`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub speaker: Option<String>,
+    /// The send showed it was not the target's: it decides nothing, and a redelivery of that
+    /// send publishes its suppression again.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub refused: bool,
+}
+
+impl TurnRecord {
+    /// Whether the record holds an early response and no send has come yet.
+    pub fn holds_early(&self) -> bool {
+        self.state == TurnState::Open
+            && self.send.is_none()
+            && self.early.as_ref().is_some_and(|e| !e.refused)
+    }
 }
 
 impl TurnRecord {
@@ -320,6 +351,10 @@ pub struct TurnConfig {
     pub max_timeout: Duration,
     /// `runs.timeout`: the deadline of every AG-UI run, counted from its `RUN_STARTED`.
     pub run_timeout: Duration,
+    /// `turns.early_hold`: how long a response stored before its turn's send (a terminal before
+    /// its run's `RUN_STARTED`) waits for it before it decides the turn alone; zero takes it at
+    /// once.
+    pub early_hold: Duration,
 }
 
 impl TurnConfig {
@@ -392,4 +427,7 @@ pub struct Step {
     pub project_self: bool,
     /// Route the event to `a2a.response.suppressed` instead.
     pub suppress: Option<SuppressReason>,
+    /// The raw sequence of an early response the send refused: published as suppressed
+    /// `not_target` (read back from the raw stream), after the event's own projection.
+    pub suppress_early: Option<u64>,
 }

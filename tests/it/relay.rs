@@ -1180,10 +1180,12 @@ async fn relay_publishes_nothing_of_exchanges_the_agent_refuses() {
 async fn relay_request_shaped_like_an_answer_is_never_the_agents_reply() {
     let nats = TestNats::start().await;
     let js = provisioned(&nats.url()).await;
+    // The agent's answer to the dead-lettered request has no send before it: it is held for the
+    // early hold, then decides its turn.
     let _projector = Projector::spawn(
         &nats.url(),
         &["--main-agents", "caller-agent,callee-agent"],
-        &[],
+        &[("COLLAB_TURNS__EARLY_HOLD", "1s")],
     );
     let agent = start_agent().await;
     let relay = start_relay("a2a", &nats.url(), &agent.url(), &[]).await;

@@ -841,9 +841,10 @@ async fn a_reply_after_a_blocked_timeout_is_suppressed_as_late() {
 }
 
 #[tokio::test]
-async fn a_response_without_a_send_is_the_response_and_a_later_send_starts_no_timer() {
+async fn a_response_without_a_send_is_held_then_is_the_response_and_a_later_send_starts_no_timer() {
     let bed = Bed::start().await;
-    let _p = bed.projector(&[]);
+    // Held for the early hold waiting for its send; none comes, so it decides its turn.
+    let _p = bed.projector(&[("COLLAB_TURNS__EARLY_HOLD", "2s")]);
     bed.publish(&reply("c-nosend", json!({"message": "unprompted answer"})))
         .await;
     bed.wait_responses(&[key("c-nosend", "0")]).await;

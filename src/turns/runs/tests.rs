@@ -26,6 +26,7 @@ fn cfg() -> TurnConfig {
         default_timeout: Duration::from_secs(300),
         max_timeout: Duration::from_secs(3600),
         run_timeout: Duration::from_millis(TIMEOUT_MS as u64),
+        early_hold: Duration::from_millis(TIMEOUT_MS as u64),
     }
 }
 
@@ -359,6 +360,13 @@ impl RunSim {
             assert_eq!(env.event_type, SUPPRESSED_TYPE);
             self.outs.push(Out::Suppressed(raw.seq, reason));
         }
+        if let Some(seq) = step.suppress_early {
+            let (rec, _) = after.as_ref().expect("suppression refers to the record");
+            let env = suppressed(&self.raw(seq).env, rec, SuppressReason::NotTarget);
+            assert_eq!(env.event_type, SUPPRESSED_TYPE);
+            self.outs
+                .push(Out::Suppressed(seq, SuppressReason::NotTarget));
+        }
         Ok(())
     }
 
@@ -666,6 +674,23 @@ fn a_terminal_before_its_start_holds_the_run_to_its_publisher() {
         Some(early)
     );
     assert_eq!(sim.suppression(foreign), Some(SuppressReason::NotTarget));
+}
+
+#[test]
+fn a_terminal_before_its_start_by_another_agent_is_refused_when_the_start_comes() {
+    let mut sim = RunSim::new();
+    let forged = sim.run_as(1_000, "t1", Some("mallory"), error(Some("r1")));
+    assert!(sim.stored.is_empty(), "held until the run starts");
+    sim.run_as(1_100, "t1", Some("eden"), started("t1", "r1"));
+    assert_eq!(sim.suppression(forged), Some(SuppressReason::NotTarget));
+    assert_eq!(sim.record("t1", "r1").state, TurnState::Open);
+    let own = sim.run_as(1_200, "t1", Some("eden"), finished("t1", "r1"));
+    sim.tick(60_000);
+    assert_eq!(
+        sim.record("t1", "r1").winner.as_ref().and_then(|w| w.seq),
+        Some(own)
+    );
+    assert_eq!(sim.published_types().len(), 1);
 }
 
 #[test]

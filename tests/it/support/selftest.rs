@@ -119,7 +119,22 @@ async fn cluster3_replicates_a_stream() {
     assert_eq!(cluster_url(&nodes).split(',').count(), 3);
     let js = async_nats::jetstream::new(cluster_client(&nodes).await);
     create_stream(&js, "REPLICATED", 3).await;
-    publish(&js, "replicated.a", "on three nodes").await;
+    // The node the client is on may learn of a new replicated stream's subjects a moment after
+    // the stream is created: until then a publish finds no stream.
+    wait_until(
+        Duration::from_secs(30),
+        "the replicated stream takes a publish",
+        || {
+            let js = js.clone();
+            async move {
+                match js.publish("replicated.a", "on three nodes".into()).await {
+                    Ok(ack) => ack.await.is_ok(),
+                    Err(_) => false,
+                }
+            }
+        },
+    )
+    .await;
     let mut stream = js.get_stream("REPLICATED").await.expect("stream exists");
     let info = stream.info().await.expect("stream info");
     let cluster = info
