@@ -645,8 +645,9 @@ pub struct TurnSettings {
     pub open_write_delay: Duration,
     /// How long a response stored before its turn's send is held waiting for it (docs/contract.md
     /// section 4): the send then says whether its target spoke it. With no send by then, it
-    /// decides the turn alone. Zero takes such a response as the turn's at once, which lets any
-    /// agent that can guess a turn's id answer it before its send arrives.
+    /// decides the turn alone. Zero (the default) takes such a response as the turn's at once,
+    /// as the origin's ping-pong replies (a turn `n` with no send) need, and lets any agent that
+    /// can guess a turn's id answer it before its send arrives.
     #[serde(with = "humantime_serde")]
     pub early_hold: Duration,
 }
@@ -660,7 +661,7 @@ impl Default for TurnSettings {
             enforce_roles: vec![Role::ConversationMain],
             clock_skew: Duration::from_millis(100),
             open_write_delay: Duration::from_millis(500),
-            early_hold: Duration::from_secs(300),
+            early_hold: Duration::ZERO,
         }
     }
 }
@@ -1010,6 +1011,13 @@ impl Settings {
         }
         if self.runs.timeout.is_zero() {
             return bad("runs.timeout must be positive".into());
+        }
+        if self.turns.early_hold > self.turns.retention {
+            return bad(format!(
+                "turns.early_hold ({}) must be at most turns.retention ({}): a held response's record would be forgotten before its hold ends",
+                humantime::format_duration(self.turns.early_hold),
+                humantime::format_duration(self.turns.retention)
+            ));
         }
         self.prices()?;
         if !["http/protobuf", "http/json", "grpc"].contains(&self.otel.protocol.as_str()) {
@@ -1547,6 +1555,14 @@ mod tests {
     fn invalid_values_are_explained() {
         let err = Settings::from_toml("[nats]\nprefix = \"a.b\"\n").expect_err("must fail");
         assert!(err.to_string().contains("nats.prefix"), "{err}");
+        let err = Settings::from_toml("[turns]\nearly_hold = \"8d\"\n").expect_err("must fail");
+        assert!(err.to_string().contains("turns.early_hold"), "{err}");
+        let ok = Settings::from_toml("[turns]\nearly_hold = \"5m\"\n").expect("a hold loads");
+        assert_eq!(ok.turns.early_hold, Duration::from_secs(300));
+        assert!(
+            Settings::default().turns.early_hold.is_zero(),
+            "off by default"
+        );
     }
 
     fn nats_error(toml: &str) -> String {

@@ -462,12 +462,13 @@ pub async fn drop_sealed(settings: &Settings) -> Result<Dropped, ReshardError> {
         ));
     }
     // A turn or run opened by a request in a sealed stream may stay open until its deadline,
-    // and deciding it reads the request back: the streams go only once every such deadline
-    // has passed.
+    // and deciding it reads the request back (a response held before its send, the response):
+    // the streams go only once every such deadline has passed.
     let longest = settings
         .turns
         .max_timeout
         .max(settings.runs.timeout)
+        .max(settings.turns.early_hold)
         .saturating_add(settings.turns.clock_skew);
     let mut reading = Vec::new();
     for g in &sealed {

@@ -1107,23 +1107,19 @@ impl PartitionTurns {
                 .push(self.suppression(shared, n, &n.envelope, rec, reason, facts.seq));
         }
         if let (Some(early), Some((rec, _))) = (step.suppress_early, &after) {
-            // The early response this send refused, read back: it was held, never published.
-            match Box::pin(self.fetch_envelope(shared, &key, early)).await? {
-                Some(env) => fx.outs.push(self.suppression(
-                    shared,
-                    n,
-                    &env,
-                    rec,
-                    SuppressReason::NotTarget,
-                    early,
-                )),
-                None => tracing::warn!(
-                    partition = self.partition,
-                    key,
-                    seq = early,
-                    "an early response refused by its turn's send is no longer in the raw stream; its suppression is not published"
-                ),
-            }
+            // The early response this send refused, read back: it was held, never published,
+            // so its suppression is its only output and must not be skipped (an error: the
+            // send is processed again).
+            let Some(env) = Box::pin(self.fetch_envelope(shared, &key, early)).await? else {
+                return Err(TurnIoError::kv(
+                    &key,
+                    format!(
+                        "the early response (raw sequence {early}) the send refused could not be read back from the raw stream"
+                    ),
+                ));
+            };
+            fx.outs
+                .push(self.suppression(shared, n, &env, rec, SuppressReason::NotTarget, early));
         }
         Ok(())
     }
@@ -1177,6 +1173,13 @@ impl PartitionTurns {
                 }
                 continue;
             };
+            if rec.deadline_ms.is_some_and(|d| d >= watermark_ms) {
+                // The record's deadline moved past the one this book held (a send refused the
+                // early response the record held, and this owner read it from the store): it
+                // is armed again at its own deadline.
+                self.remember(&key, &rec, Rev::Known(rev));
+                continue;
+            }
             let Some(step) = turns::on_deadline((&rec, rev)) else {
                 // Decided meanwhile by another owner, or no deadline after all.
                 if rec.state == TurnState::Decided && rec.writer != Some(self.term) {
@@ -1444,11 +1447,11 @@ impl PartitionTurns {
             .stored_ms
             .saturating_add(i64::try_from(start.timeout_ms).unwrap_or(i64::MAX));
         let mut scan = RunScan::new(&rec.key, &rec.turn);
-        self.scan_raw(shared, key, rec, start.seq, |n, info, header| {
+        self.scan_raw(shared, key, rec, start.seq, |n, info, header, agent| {
             if info.published.timestamp_millis() > deadline {
                 return false;
             }
-            scan.observe(&n.envelope, header);
+            scan.observe(&n.envelope, header, agent);
             true
         })
         .await?;
@@ -1471,7 +1474,7 @@ impl PartitionTurns {
             return Ok(Vec::new());
         };
         let mut artifacts = Vec::new();
-        self.scan_raw(shared, key, rec, send.seq, |n, info, _| {
+        self.scan_raw(shared, key, rec, send.seq, |n, info, _, _| {
             if info.stream_sequence >= until {
                 return false;
             }
@@ -1507,7 +1510,12 @@ impl PartitionTurns {
         key: &str,
         rec: &TurnRecord,
         from: u64,
-        mut visit: impl FnMut(&Normalized, &jetstream::message::Info<'_>, Option<&str>) -> bool,
+        mut visit: impl FnMut(
+            &Normalized,
+            &jetstream::message::Info<'_>,
+            Option<&str>,
+            Option<&str>,
+        ) -> bool,
     ) -> Result<(), TurnIoError> {
         let kv_err = |source: Source| TurnIoError::Kv {
             key: format!("{key} (reading the exchange's raw events)"),
@@ -1558,7 +1566,12 @@ impl PartitionTurns {
         shared: &WorkerContext,
         stream_name: &str,
         mut consumer: jetstream::consumer::Consumer<jetstream::consumer::pull::OrderedConfig>,
-        visit: &mut impl FnMut(&Normalized, &jetstream::message::Info<'_>, Option<&str>) -> bool,
+        visit: &mut impl FnMut(
+            &Normalized,
+            &jetstream::message::Info<'_>,
+            Option<&str>,
+            Option<&str>,
+        ) -> bool,
     ) -> Result<bool, Source> {
         let pending = consumer
             .info()
@@ -1598,11 +1611,16 @@ impl PartitionTurns {
                 .headers
                 .as_ref()
                 .and_then(|h| crate::ingest::RelayHeaders::from_nats(h).run_id);
+            let agent = crate::identity::parse(
+                &shared.names.raw_prefix,
+                raw.producer_subject(&shared.names),
+            )
+            .and_then(|s| s.agent);
             let Ok(events) = pipeline::normalize_raw(&raw, &shared.names, &shared.ingest, 0) else {
                 continue;
             };
             for n in &events {
-                if !visit(n, &info, header.as_deref()) {
+                if !visit(n, &info, header.as_deref(), agent.as_deref()) {
                     return Ok(false);
                 }
             }

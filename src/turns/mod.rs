@@ -21,7 +21,18 @@ pub use record::*;
 
 /// Decide what an event does to its turn. `current` is the persisted record with its revision.
 pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnConfig) -> Step {
-    if let Some((rec, _)) = current {
+    if let Some((rec, rev)) = current {
+        if let Some(held) = as_held_before_its_send(rec, ev) {
+            // Processed again after the send that refused the early response it came after (the
+            // turn open or decided since): it does what it did then, while the response was
+            // held, and decides nothing.
+            let then = on_event(Some((&held, rev)), ev, cfg);
+            return Step {
+                project_self: then.project_self,
+                suppress: then.suppress,
+                ..Step::default()
+            };
+        }
         if !spoken_by_target(rec, ev) {
             // Only the agent the turn was sent to answers it: anyone else's response is kept
             // beside the turn, never as its response. A decision not yet published is published
@@ -171,11 +182,15 @@ fn send_after_early(rec: &TurnRecord, rev: u64, ev: &TurnFacts, cfg: &TurnConfig
             ..Step::default()
         };
     }
+    // The held record's sides stay beside the send's (which take precedence), so an event
+    // stored before the send and processed again is judged as it was while the response was held.
     let refused = TurnRecord {
         early: Some(Early {
             refused: true,
             ..early.clone()
         }),
+        sender: rec.sender.clone(),
+        target: rec.target.clone(),
         ..opened
     };
     Step {
@@ -184,6 +199,27 @@ fn send_after_early(rec: &TurnRecord, rev: u64, ev: &TurnFacts, cfg: &TurnConfig
         suppress_early: early.winner.seq,
         ..Step::default()
     }
+}
+
+/// The record as it stood while it held the early response its send then refused, for an
+/// event (not a send) stored before that send: `None` for any other record or event.
+fn as_held_before_its_send(rec: &TurnRecord, ev: &TurnFacts) -> Option<TurnRecord> {
+    let early = rec.early.as_ref().filter(|e| e.refused)?;
+    let send = rec.send.as_ref()?;
+    if ev.kind == TurnEventKind::Send || ev.seq >= send.seq {
+        return None;
+    }
+    Some(TurnRecord {
+        state: TurnState::Open,
+        send: None,
+        deadline_ms: None,
+        winner: None,
+        early: Some(Early {
+            refused: false,
+            ..early.clone()
+        }),
+        ..rec.clone()
+    })
 }
 
 /// The early response the send at `seq` refused, when `rec` was opened by that send.

@@ -218,6 +218,9 @@ pub struct RunScan {
     key: String,
     run: String,
     runs: OpenRuns,
+    /// The agent that published each run's `RUN_STARTED`, when its subject named one: only
+    /// that agent's terminal ends the run, as in the live partition.
+    owners: HashMap<String, String>,
     open: Vec<OpenItem>,
 }
 
@@ -227,12 +230,14 @@ impl RunScan {
             key: key.to_string(),
             run: run.to_string(),
             runs: OpenRuns::default(),
+            owners: HashMap::new(),
             open: Vec::new(),
         }
     }
 
-    /// One event of the key, in stream order (its envelope and its `Collab-Run-Id` header).
-    pub fn observe(&mut self, env: &Envelope, header_run_id: Option<&str>) {
+    /// One event of the key, in stream order (its envelope, its `Collab-Run-Id` header and the
+    /// agent whose user published it).
+    pub fn observe(&mut self, env: &Envelope, header_run_id: Option<&str>, agent: Option<&str>) {
         let Some(agui) = AgUiFacts::of(env) else {
             return;
         };
@@ -244,12 +249,23 @@ impl RunScan {
             Some(RunSignal::Start) => {
                 if let Some(r) = named {
                     self.runs.open(&self.key, u64::MAX, r);
+                    if let Some(a) = agent {
+                        self.owners
+                            .entry(r.to_string())
+                            .or_insert_with(|| a.to_string());
+                    }
                 }
                 return;
             }
             Some(RunSignal::Terminal) => {
                 if let Some(r) = &run {
-                    self.runs.close(&self.key, r);
+                    // Another agent's terminal ends nothing (it was suppressed `not_target`).
+                    let owned = self.owners.get(r).is_none_or(|owner| {
+                        agent.is_some_and(|a| a.trim().eq_ignore_ascii_case(owner.trim()))
+                    });
+                    if owned {
+                        self.runs.close(&self.key, r);
+                    }
                 }
                 return;
             }

@@ -434,8 +434,13 @@ impl Sim {
             let raw = raw.expect("only events project themselves");
             let rec = &after.as_ref().expect("a turn record").0;
             // A complete or an error before the send of a turn holding an early response is
-            // projected as it comes: the response waits for the send.
-            if matches!(raw.event_type.as_str(), "a2a.complete" | "a2a.error") && !rec.holds_early()
+            // projected as it comes, again when processed again after a send refused that
+            // response: the response waits for the send.
+            let before_refusing_send = rec.early.as_ref().is_some_and(|e| e.refused)
+                && rec.send.as_ref().is_some_and(|s| raw.seq < s.seq);
+            if matches!(raw.event_type.as_str(), "a2a.complete" | "a2a.error")
+                && !rec.holds_early()
+                && !before_refusing_send
             {
                 assert!(
                     self.responses.contains_key(&rec.response_msg_id()),
@@ -1968,6 +1973,8 @@ struct Sel {
 enum Op {
     Send(Sel, Timeout, i64),
     Response(Sel, Signal, i64),
+    /// A response by an agent no send addresses.
+    Foreign(Sel, i64),
     Complete(Sel, Signal, i64),
     Error(Sel, Signal, i64),
     /// The same content again under a new seq.
@@ -2006,6 +2013,8 @@ enum Kind {
 struct Spec {
     kind: Kind,
     turn: (u8, u8),
+    /// A response spoken by `mallory`, whom no send addresses.
+    foreign: bool,
     failure: Option<Reason>,
     timeout_ms: u64,
     message: String,
@@ -2069,92 +2078,132 @@ fn effective_timeout(t: Timeout) -> u64 {
 #[derive(Debug, Clone, Copy, PartialEq)]
 enum Oracle {
     Open(i64),
-    /// A response before any send, held: the hold's deadline, its seq and failure.
-    Held(i64, u64, Option<Reason>),
-    Decided(Option<u64>, Option<Reason>, bool),
+    /// A response before any send, held: the hold's deadline, its seq, failure and whether
+    /// its speaker is the foreign agent.
+    Held(i64, u64, Option<Reason>, bool),
+    /// The winner's seq, blocked reason, whether synthesised, and whether the turn's target
+    /// (who may answer it) is the foreign agent.
+    Decided(Option<u64>, Option<Reason>, bool, bool),
 }
 
 type Expected = BTreeMap<(u8, u8), (Oracle, BTreeMap<u64, SuppressReason>)>;
 
-/// The contract, walked in stream (store-time) order.
-fn oracle(specs: &[Spec]) -> Expected {
+/// The contract, walked in stream (store-time) order, with or without an early hold. Every
+/// generated send is from `ruda` to `eden`, every complete and error from `ruda`, every response
+/// to `ruda` from `eden` or, when `foreign`, from `mallory`.
+fn oracle(specs: &[Spec], hold: bool) -> Expected {
     let mut turns: Expected = BTreeMap::new();
     let expire = |turns: &mut Expected, before: i64| {
         for (st, _) in turns.values_mut() {
             match *st {
                 Oracle::Open(d) if d < before => {
-                    *st = Oracle::Decided(None, Some(Reason::Timeout), true);
+                    *st = Oracle::Decided(None, Some(Reason::Timeout), true, false);
                 }
-                Oracle::Held(d, seq, failure) if d < before => {
-                    *st = Oracle::Decided(Some(seq), failure, false);
+                Oracle::Held(d, seq, failure, foreign) if d < before => {
+                    *st = Oracle::Decided(Some(seq), failure, false, foreign);
                 }
                 _ => {}
             }
         }
     };
+    let further = |held_blocked: bool, s: &Spec| {
+        if held_blocked && s.failure.is_none() {
+            SuppressReason::Late
+        } else {
+            SuppressReason::Duplicate
+        }
+    };
     for s in specs {
         expire(&mut turns, s.at);
         let entry = turns.get(&s.turn).map(|(st, _)| *st);
-        let decided =
-            match (entry, s.kind) {
-                (None, Kind::Send) => Some(Oracle::Open(
+        let mut suppress: Option<(u64, SuppressReason)> = None;
+        let decided = match (entry, s.kind) {
+            (None, Kind::Send) => Some(Oracle::Open(
+                s.at + i64::try_from(s.timeout_ms).expect("small"),
+            )),
+            // The send takes the held response if eden spoke it, else refuses it and opens.
+            (Some(Oracle::Held(_, seq, failure, false)), Kind::Send) => {
+                Some(Oracle::Decided(Some(seq), failure, false, false))
+            }
+            (Some(Oracle::Held(_, seq, _, true)), Kind::Send) => {
+                suppress = Some((seq, SuppressReason::NotTarget));
+                Some(Oracle::Open(
                     s.at + i64::try_from(s.timeout_ms).expect("small"),
-                )),
-                // Every generated send is from the asker to the agent that answers.
-                (Some(Oracle::Held(_, seq, failure)), Kind::Send) => {
-                    Some(Oracle::Decided(Some(seq), failure, false))
-                }
-                (_, Kind::Send) => None,
-                (None, Kind::Response) => Some(Oracle::Held(
-                    s.at + i64::try_from(PROP_DEFAULT_MS).expect("small"),
+                ))
+            }
+            (_, Kind::Send) => None,
+            // With no hold, the response is the turn's at once, and its speaker its target.
+            (None, Kind::Response) if !hold => {
+                Some(Oracle::Decided(Some(s.seq), s.failure, false, s.foreign))
+            }
+            (None, Kind::Response) => Some(Oracle::Held(
+                s.at + i64::try_from(PROP_DEFAULT_MS).expect("small"),
+                s.seq,
+                s.failure,
+                s.foreign,
+            )),
+            (Some(Oracle::Held(_, _, held, target)), Kind::Response) => {
+                suppress = Some((
                     s.seq,
-                    s.failure,
-                )),
-                (Some(Oracle::Held(_, _, held)), Kind::Response) => {
-                    let reason = if held.is_some() && s.failure.is_none() {
-                        SuppressReason::Late
+                    if s.foreign == target {
+                        further(held.is_some(), s)
                     } else {
-                        SuppressReason::Duplicate
-                    };
-                    turns
-                        .get_mut(&s.turn)
-                        .expect("held")
-                        .1
-                        .insert(s.seq, reason);
-                    None
-                }
-                (Some(Oracle::Held(..)), Kind::Complete | Kind::Error) => None,
-                (Some(Oracle::Open(_)), Kind::Response) => {
-                    Some(Oracle::Decided(Some(s.seq), s.failure, false))
-                }
-                (None | Some(Oracle::Open(_)), Kind::Complete | Kind::Error) => Some(
-                    Oracle::Decided(Some(s.seq), Some(s.failure.unwrap_or(Reason::Error)), true),
-                ),
-                (Some(Oracle::Decided(_, blocked, _)), Kind::Response) => {
-                    let reason = if blocked.is_some() && s.failure.is_none() {
-                        SuppressReason::Late
+                        SuppressReason::NotTarget
+                    },
+                ));
+                None
+            }
+            (Some(Oracle::Held(..)), Kind::Complete | Kind::Error) => None,
+            (Some(Oracle::Open(_)), Kind::Response) if s.foreign => {
+                suppress = Some((s.seq, SuppressReason::NotTarget));
+                None
+            }
+            (Some(Oracle::Open(_)), Kind::Response) => {
+                Some(Oracle::Decided(Some(s.seq), s.failure, false, false))
+            }
+            (None | Some(Oracle::Open(_)), Kind::Complete | Kind::Error) => Some(Oracle::Decided(
+                Some(s.seq),
+                Some(s.failure.unwrap_or(Reason::Error)),
+                true,
+                false,
+            )),
+            (Some(Oracle::Decided(_, blocked, _, target)), Kind::Response) => {
+                suppress = Some((
+                    s.seq,
+                    if s.foreign == target {
+                        further(blocked.is_some(), s)
                     } else {
-                        SuppressReason::Duplicate
-                    };
-                    turns
-                        .get_mut(&s.turn)
-                        .expect("decided")
-                        .1
-                        .insert(s.seq, reason);
-                    None
-                }
-                (Some(Oracle::Decided(..)), _) => None,
-            };
+                        SuppressReason::NotTarget
+                    },
+                ));
+                None
+            }
+            (Some(Oracle::Decided(..)), _) => None,
+        };
+        let slot = turns
+            .entry(s.turn)
+            .or_insert((decided.unwrap_or(Oracle::Open(i64::MAX)), BTreeMap::new()));
         if let Some(st) = decided {
-            turns.entry(s.turn).or_insert((st, BTreeMap::new())).0 = st;
+            slot.0 = st;
+        }
+        if let Some((seq, reason)) = suppress {
+            slot.1.insert(seq, reason);
         }
     }
     expire(&mut turns, i64::MAX);
     turns
 }
 
-fn check_case(convs: u8, nturns: u8, ops: &[Op]) -> Result<(), TestCaseError> {
-    let cfg = prop_cfg();
+/// `hold`: with `turns.early_hold` (as long as the default timeout), else without.
+fn check_case(convs: u8, nturns: u8, ops: &[Op], hold: bool) -> Result<(), TestCaseError> {
+    let cfg = TurnConfig {
+        early_hold: if hold {
+            prop_cfg().early_hold
+        } else {
+            Duration::ZERO
+        },
+        ..prop_cfg()
+    };
     let mut sim = Sim::new(cfg);
     let mut specs: Vec<Spec> = Vec::new();
     let mut now = 0_i64;
@@ -2164,14 +2213,19 @@ fn check_case(convs: u8, nturns: u8, ops: &[Op]) -> Result<(), TestCaseError> {
                  kind: Kind,
                  sel: Sel,
                  signal: Signal,
-                 timeout: Timeout| {
+                 timeout: Timeout,
+                 foreign: bool| {
         let sel = Sel {
             conv: sel.conv % convs,
             turn: sel.turn % nturns,
             style: sel.style,
         };
         let message = format!("{kind:?} #{}", specs.len() + 1);
-        let seq = sim.store(now, build(kind, sel, signal, timeout, &message));
+        let mut value = build(kind, sel, signal, timeout, &message);
+        if foreign {
+            value["data"]["fromAgent"] = json!("mallory");
+        }
+        let seq = sim.store(now, value);
         let failure = match kind {
             Kind::Send => None,
             _ => signal.reason(),
@@ -2179,6 +2233,7 @@ fn check_case(convs: u8, nturns: u8, ops: &[Op]) -> Result<(), TestCaseError> {
         specs.push(Spec {
             kind,
             turn: (sel.conv, sel.turn),
+            foreign,
             failure,
             timeout_ms: effective_timeout(timeout),
             message,
@@ -2198,6 +2253,7 @@ fn check_case(convs: u8, nturns: u8, ops: &[Op]) -> Result<(), TestCaseError> {
                     *sel,
                     Signal::None,
                     *t,
+                    false,
                 );
             }
             Op::Response(sel, sig, gap) => {
@@ -2210,6 +2266,20 @@ fn check_case(convs: u8, nturns: u8, ops: &[Op]) -> Result<(), TestCaseError> {
                     *sel,
                     *sig,
                     Timeout::Default,
+                    false,
+                );
+            }
+            Op::Foreign(sel, gap) => {
+                now += gap;
+                store(
+                    &mut sim,
+                    &mut specs,
+                    now,
+                    Kind::Response,
+                    *sel,
+                    Signal::None,
+                    Timeout::Default,
+                    true,
                 );
             }
             Op::Complete(sel, sig, gap) => {
@@ -2222,6 +2292,7 @@ fn check_case(convs: u8, nturns: u8, ops: &[Op]) -> Result<(), TestCaseError> {
                     *sel,
                     *sig,
                     Timeout::Default,
+                    false,
                 );
             }
             Op::Error(sel, sig, gap) => {
@@ -2234,6 +2305,7 @@ fn check_case(convs: u8, nturns: u8, ops: &[Op]) -> Result<(), TestCaseError> {
                     *sel,
                     *sig,
                     Timeout::Default,
+                    false,
                 );
             }
             Op::Copy(pick, gap) => {
@@ -2273,7 +2345,7 @@ fn check_case(convs: u8, nturns: u8, ops: &[Op]) -> Result<(), TestCaseError> {
     sim.deliver_all();
     sim.tick(now + i64::try_from(PROP_MAX_MS).expect("small") + 1);
 
-    let expected = oracle(&specs);
+    let expected = oracle(&specs, hold);
     prop_assert_eq!(sim.responses.len(), expected.len(), "one response per turn");
     prop_assert!(sim.book.is_empty(), "every deadline fired");
     let mut winners = Vec::new();
@@ -2283,7 +2355,7 @@ fn check_case(convs: u8, nturns: u8, ops: &[Op]) -> Result<(), TestCaseError> {
         let rec = sim.record(&conv, &turn).clone();
         prop_assert_eq!(rec.state, TurnState::Published, "{}/{}", conv, turn);
         let w = rec.winner.clone().expect("a winner");
-        let Oracle::Decided(seq, blocked, synthesized) = *st else {
+        let Oracle::Decided(seq, blocked, synthesized, _) = *st else {
             return Err(TestCaseError::fail("the oracle left a turn open"));
         };
         prop_assert_eq!(
@@ -2332,13 +2404,25 @@ fn check_case(convs: u8, nturns: u8, ops: &[Op]) -> Result<(), TestCaseError> {
         .map(|s| (*s, sim.suppression(*s).expect("attempted")))
         .collect();
     prop_assert_eq!(&got, &all_suppressed);
-    for (seq, _) in &sim.suppress_attempts {
+    // A refused early response is suppressed by each delivery of the send that refused it too.
+    let send_deliveries: usize = specs
+        .iter()
+        .filter(|s| s.kind == Kind::Send)
+        .map(|s| sim.deliveries.get(&s.seq).copied().unwrap_or(0))
+        .sum();
+    for (seq, reason) in &sim.suppress_attempts {
         let n = sim
             .suppress_attempts
             .iter()
             .filter(|(s, _)| s == seq)
             .count();
-        prop_assert!(n <= sim.deliveries.get(seq).copied().unwrap_or(0));
+        let own = sim.deliveries.get(seq).copied().unwrap_or(0);
+        let bound = if *reason == SuppressReason::NotTarget {
+            own + send_deliveries
+        } else {
+            own
+        };
+        prop_assert!(n <= bound, "seq {} suppressed {} times", seq, n);
     }
     for w in &winners {
         prop_assert!(
@@ -2391,6 +2475,7 @@ fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         4 => (sel(), timeout(), gap.clone()).prop_map(|(s, t, g)| Op::Send(s, t, g)),
         5 => (sel(), signal(), gap.clone()).prop_map(|(s, x, g)| Op::Response(s, x, g)),
+        2 => (sel(), gap.clone()).prop_map(|(s, g)| Op::Foreign(s, g)),
         2 => (sel(), signal(), gap.clone()).prop_map(|(s, x, g)| Op::Complete(s, x, g)),
         1 => (sel(), signal(), gap.clone()).prop_map(|(s, x, g)| Op::Error(s, x, g)),
         2 => (any::<prop::sample::Index>(), gap).prop_map(|(i, g)| Op::Copy(i, g)),
@@ -2420,8 +2505,9 @@ proptest! {
         convs in 1u8..=2,
         nturns in 1u8..=2,
         ops in prop::collection::vec(op(), 1..48),
+        hold in any::<bool>(),
     ) {
-        check_case(convs, nturns, &ops)?;
+        check_case(convs, nturns, &ops, hold)?;
     }
 }
 

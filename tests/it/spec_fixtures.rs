@@ -237,14 +237,7 @@ fn check(cases: &[Case], out: &BTreeMap<u64, Vec<Stored>>) -> Vec<String> {
 #[tokio::test]
 async fn every_a2a_and_ag_ui_spec_example_projects_as_its_golden_file_says() {
     let nats = TestNats::start().await;
-    // An example answer published alone has no send before it: it is held for the early hold,
-    // then decides its turn as it is.
-    let _p = start_projector(
-        &nats.url(),
-        &MAIN_AGENTS,
-        &[("COLLAB_TURNS__EARLY_HOLD", "1s")],
-    )
-    .await;
+    let _p = start_projector(&nats.url(), &MAIN_AGENTS, &[]).await;
     let js = nats.jetstream().await;
     let mut cases = Vec::new();
     for (i, path) in inputs(A2A).into_iter().enumerate() {

@@ -899,15 +899,16 @@ async fn only_the_target_decides_a_turn_whoever_else_answers_first() {
     cancel.cancel();
 }
 
-/// A response published before its turn's send, by an agent the send does not address, never
-/// becomes the turn's response: it is held until the send, then kept beside the turn as
-/// `not_target`, and the target's own reply is the turn's one response.
+/// With `turns.early_hold` set, a response published before its turn's send, by an agent the
+/// send does not address, never becomes the turn's response: it is held until the send, then
+/// kept beside the turn as `not_target`, and the target's own reply is the turn's one response.
 #[tokio::test]
 async fn a_response_published_before_its_send_cannot_claim_the_turn() {
     let nats = TestNats::start().await;
     let js = nats.jetstream().await;
     let mut s = settings(&nats.url());
     s.roles.main_agents.push("mallory".into());
+    s.turns.early_hold = Duration::from_secs(300);
     let (_running, cancel) = start_worker(&s).await;
     let conv = "conv-claimed-early";
     let event = |t: &str, from: &str, to: &str, message: &str| {

@@ -407,7 +407,7 @@ impl RunSim {
                 break;
             }
             if raw.key == rec.key {
-                scan.observe(&raw.env, raw.header.as_deref());
+                scan.observe(&raw.env, raw.header.as_deref(), raw.agent.as_deref());
             }
         }
         scan.open_items().to_vec()
@@ -691,6 +691,28 @@ fn a_terminal_before_its_start_by_another_agent_is_refused_when_the_start_comes(
         Some(own)
     );
     assert_eq!(sim.published_types().len(), 1);
+}
+
+#[test]
+fn a_foreign_terminal_ends_the_run_for_its_timeout_ends_neither() {
+    let mut sim = RunSim::new();
+    sim.run_as(1_000, "t1", Some("eden"), started("t1", "r1"));
+    sim.run_as(1_100, "t1", Some("eden"), text_start("m1"));
+    let forged = sim.run_as(1_200, "t1", Some("mallory"), error(None));
+    sim.run_as(1_300, "t1", Some("eden"), text_end("m1"));
+    sim.run_as(1_400, "t1", Some("eden"), text_start("m2"));
+    sim.tick(60_000);
+    assert_eq!(sim.suppression(forged), Some(SuppressReason::NotTarget));
+    assert_eq!(
+        sim.published_types(),
+        vec![
+            ("text.final".to_string(), "TEXT_MESSAGE_END".to_string()),
+            ("run.failed".to_string(), "RUN_ERROR".to_string()),
+        ],
+        "one end, for the message still open at the timeout"
+    );
+    assert!(sim.stored.contains_key("run:t1:r1:end:message:m2"));
+    assert!(!sim.stored.contains_key("run:t1:r1:end:message:m1"));
 }
 
 #[test]
