@@ -2142,11 +2142,16 @@ fn oracle(specs: &[Spec], hold: bool) -> Expected {
                 s.failure,
                 s.foreign,
             )),
-            (Some(Oracle::Held(_, _, held, target)), Kind::Response) => {
+            // A further response: the held one's (or the winner's) speaker's is suppressed as
+            // a further response, anyone else's as not the target's.
+            (
+                Some(Oracle::Held(_, _, earlier, target) | Oracle::Decided(_, earlier, _, target)),
+                Kind::Response,
+            ) => {
                 suppress = Some((
                     s.seq,
                     if s.foreign == target {
-                        further(held.is_some(), s)
+                        further(earlier.is_some(), s)
                     } else {
                         SuppressReason::NotTarget
                     },
@@ -2167,17 +2172,6 @@ fn oracle(specs: &[Spec], hold: bool) -> Expected {
                 true,
                 false,
             )),
-            (Some(Oracle::Decided(_, blocked, _, target)), Kind::Response) => {
-                suppress = Some((
-                    s.seq,
-                    if s.foreign == target {
-                        further(blocked.is_some(), s)
-                    } else {
-                        SuppressReason::NotTarget
-                    },
-                ));
-                None
-            }
             (Some(Oracle::Decided(..)), _) => None,
         };
         let slot = turns
