@@ -92,6 +92,12 @@ impl<'a> RawMessage<'a> {
         self.producer
             .get_or_init(|| producer_subject(names, self.stored_subject))
     }
+
+    /// The agent whose user published it: the `_as.<agent>` of its producer's subject, if any.
+    pub fn publishing_agent(&self, names: &Names) -> Option<String> {
+        crate::identity::parse(&names.raw_prefix, self.producer_subject(names))
+            .and_then(|s| s.agent)
+    }
 }
 
 /// The producer's subject, recovered from the partitioned one: `<prefix>.in.<tokens>.<rest>`
@@ -149,12 +155,10 @@ pub fn turn_facts(
         // a subject that names no agent is spoken by its `agentId`. `identity::check` has held
         // every speaker the event claims to the subject's agent already.
         let response = facts.kind == crate::turns::TurnEventKind::Response;
-        facts.from_agent = crate::identity::parse(&names.raw_prefix, subject)
-            .and_then(|s| s.agent)
-            .or_else(|| {
-                let agent_id = n.envelope.agent_id.as_ref().and_then(crate::model::id_text);
-                agent_id.filter(|_| response)
-            });
+        facts.from_agent = raw.publishing_agent(names).or_else(|| {
+            let agent_id = n.envelope.agent_id.as_ref().and_then(crate::model::id_text);
+            agent_id.filter(|_| response)
+        });
     }
     Some(facts)
 }
@@ -169,17 +173,15 @@ pub fn run_event(
     names: &Names,
 ) -> Option<crate::turns::runs::RunEvent> {
     let header = raw.headers.and_then(|h| RelayHeaders::from_nats(h).run_id);
-    let subject = raw.producer_subject(names);
-    let agent = crate::identity::parse(&names.raw_prefix, subject).and_then(|s| s.agent);
     crate::turns::runs::RunEvent::of(
         &n.envelope,
         &n.key,
         header.as_deref(),
         raw.seq,
         raw.stored_at.timestamp_millis(),
-        subject,
+        raw.producer_subject(names),
+        raw.publishing_agent(names).as_deref(),
     )
-    .map(|ev| ev.published_by(agent))
 }
 
 /// Move the fields of `events` larger than `limits.max_inline_bytes` out of their payloads

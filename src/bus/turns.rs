@@ -1611,11 +1611,7 @@ impl PartitionTurns {
                 .headers
                 .as_ref()
                 .and_then(|h| crate::ingest::RelayHeaders::from_nats(h).run_id);
-            let agent = crate::identity::parse(
-                &shared.names.raw_prefix,
-                raw.producer_subject(&shared.names),
-            )
-            .and_then(|s| s.agent);
+            let agent = raw.publishing_agent(&shared.names);
             let Ok(events) = pipeline::normalize_raw(&raw, &shared.names, &shared.ingest, 0) else {
                 continue;
             };

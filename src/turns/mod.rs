@@ -26,12 +26,7 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
             // Processed again after the send that refused the early response it came after (the
             // turn open or decided since): it does what it did then, while the response was
             // held, and decides nothing.
-            let then = on_event(Some((&held, rev)), ev, cfg);
-            return Step {
-                project_self: then.project_self,
-                suppress: then.suppress,
-                ..Step::default()
-            };
+            return own_outputs_only(on_event(Some((&held, rev)), ev, cfg));
         }
         if !spoken_by_target(rec, ev) {
             // Only the agent the turn was sent to answers it: anyone else's response is kept
@@ -91,34 +86,13 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
         {
             timed_out_before(rec, rev, ev, kind)
         }
-        // The held response itself, delivered again: it is held already.
-        (Some((rec, _)), TurnEventKind::Response)
-            if rec.holds_early()
-                && rec.early.as_ref().and_then(|e| e.winner.seq) == Some(ev.seq) =>
-        {
-            Step::default()
-        }
-        // Before the send, a further response is suppressed as it will be once the held one
-        // decides the turn (it passed the check against the held speaker above), and a complete
-        // or an error decides nothing: only the send says whether the held response is the
-        // answer.
-        (Some((rec, _)), TurnEventKind::Response) if rec.holds_early() => {
-            let held_blocked = rec
-                .early
-                .as_ref()
-                .is_some_and(|e| e.winner.blocked.is_some());
-            Step {
-                suppress: Some(if held_blocked && ev.failure.is_none() {
-                    SuppressReason::Late
-                } else {
-                    SuppressReason::Duplicate
-                }),
-                ..Step::default()
-            }
-        }
-        (Some((rec, _)), _) if rec.holds_early() => Step {
-            project_self: true,
-            ..Step::default()
+        // Before the send, an event does what it will do once the held response decides the
+        // turn (a further response is suppressed, having passed the check against the held
+        // speaker above; a complete or an error is projected), but publishes nothing and
+        // decides nothing: only the send says whether the held response is the answer.
+        (Some((rec, _)), kind) if rec.holds_early() => match decided_by_early(rec) {
+            Some(decided) => own_outputs_only(after_decision(&decided, ev, kind)),
+            None => Step::default(),
         },
         (Some((rec, rev)), kind) if rec.state == TurnState::Open => {
             decide(rec.clone(), Expect::Revision(rev), ev, kind)
@@ -136,9 +110,9 @@ fn hold_early(ev: &TurnFacts, cfg: &TurnConfig) -> Step {
             ev.stored_ms
                 .saturating_add(i64::try_from(hold_ms).unwrap_or(i64::MAX)),
         ),
+        // Its speaker is the record's `target`, as for any response no send opened.
         early: Some(Early {
             winner: winner_of(ev, TurnEventKind::Response),
-            speaker: ev.from_agent.clone(),
             refused: false,
         }),
         ..unopened(ev, TurnEventKind::Response)
@@ -159,13 +133,11 @@ fn send_after_early(rec: &TurnRecord, rev: u64, ev: &TurnFacts, cfg: &TurnConfig
             ..Step::default()
         };
     };
-    let Some((opened, _)) = open_turn(ev, cfg).write else {
-        return Step::default();
-    };
+    let opened = opened_record(ev, cfg);
     let taken = answers(
         opened.target(),
         opened.sender(),
-        early.speaker.as_deref(),
+        rec.target.as_deref(),
         early.winner.blocked.is_some(),
     );
     if taken {
@@ -228,6 +200,28 @@ fn refused_by(rec: &TurnRecord, seq: u64) -> Option<u64> {
     (rec.send.as_ref().map(|s| s.seq) == Some(seq))
         .then_some(early.winner.seq)
         .flatten()
+}
+
+/// What an event publishes of its own (its projection or suppression) in `step`, without the
+/// record write or the turn's response.
+fn own_outputs_only(step: Step) -> Step {
+    Step {
+        project_self: step.project_self,
+        suppress: step.suppress,
+        ..Step::default()
+    }
+}
+
+/// The record holding an early response, decided by it (as when no send comes by the hold's
+/// deadline); `None` for any other record.
+fn decided_by_early(rec: &TurnRecord) -> Option<TurnRecord> {
+    let early = rec.early.as_ref().filter(|_| rec.holds_early())?;
+    Some(TurnRecord {
+        state: TurnState::Decided,
+        deadline_ms: None,
+        winner: Some(early.winner.clone()),
+        ..rec.clone()
+    })
 }
 
 /// Whether a response may answer the turn `rec`: true for every other event, and for exchanges
@@ -296,8 +290,17 @@ pub fn spoken_by_a_side(rec: &TurnRecord, ev: &TurnFacts) -> bool {
 
 /// A send opens the turn, with its deadline.
 fn open_turn(ev: &TurnFacts, cfg: &TurnConfig) -> Step {
+    Step {
+        write: Some((opened_record(ev, cfg), Expect::Absent)),
+        project_self: true,
+        ..Step::default()
+    }
+}
+
+/// The record of the turn the send `ev` opens, with its deadline.
+fn opened_record(ev: &TurnFacts, cfg: &TurnConfig) -> TurnRecord {
     let timeout_ms = cfg.exchange_timeout_ms(ev);
-    let record = TurnRecord {
+    TurnRecord {
         exchange: ev.exchange,
         conversation_id: ev.conversation_id.clone(),
         key: ev.key.clone(),
@@ -313,11 +316,6 @@ fn open_turn(ev: &TurnFacts, cfg: &TurnConfig) -> Step {
         target: None,
         writer: None,
         early: None,
-    };
-    Step {
-        write: Some((record, Expect::Absent)),
-        project_self: true,
-        ..Step::default()
     }
 }
 
@@ -483,13 +481,7 @@ fn timed_out(rec: &TurnRecord) -> Option<TurnRecord> {
     let deadline = rec.deadline_ms?;
     if rec.holds_early() {
         // No send came while the early response was held: it is the turn's response.
-        let early = rec.early.as_ref()?;
-        return Some(TurnRecord {
-            state: TurnState::Decided,
-            deadline_ms: None,
-            winner: Some(early.winner.clone()),
-            ..rec.clone()
-        });
+        return decided_by_early(rec);
     }
     Some(TurnRecord {
         state: TurnState::Decided,

@@ -292,11 +292,9 @@ pub struct TurnRecord {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct Early {
-    /// What it decides the turn with, if it is taken.
+    /// What it decides the turn with, if it is taken. Who spoke it is the record's `target`,
+    /// as for any response no send opened.
     pub winner: Winner,
-    /// Who spoke it ([`TurnFacts::from_agent`]).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub speaker: Option<String>,
     /// The send showed it was not the target's: it decides nothing, and a redelivery of that
     /// send publishes its suppression again.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]

@@ -68,7 +68,8 @@ pub struct RunEvent {
 }
 
 impl RunEvent {
-    /// The run facts of a projected envelope; `None` unless it is an AG-UI `RUN_STARTED`,
+    /// The run facts of a projected envelope, published on `subject` by `agent` (its
+    /// `_as.<agent>`, if it names one); `None` unless it is an AG-UI `RUN_STARTED`,
     /// `RUN_FINISHED` or `RUN_ERROR`.
     pub fn of(
         env: &Envelope,
@@ -77,6 +78,7 @@ impl RunEvent {
         seq: u64,
         stored_ms: i64,
         subject: &str,
+        agent: Option<&str>,
     ) -> Option<RunEvent> {
         let agui = AgUiFacts::of(env)?;
         let signal = RunSignal::of(agui.agui_type)?;
@@ -89,14 +91,8 @@ impl RunEvent {
             seq,
             stored_ms,
             subject: subject.to_string(),
-            agent: None,
+            agent: agent.map(str::to_string),
         })
-    }
-
-    /// The event as published by `agent` (the subject's publishing agent).
-    #[must_use]
-    pub fn published_by(self, agent: Option<String>) -> RunEvent {
-        RunEvent { agent, ..self }
     }
 
     /// The exchange facts, with the run resolved: its own id, else the key's open run. `None`:
@@ -260,10 +256,8 @@ impl RunScan {
             Some(RunSignal::Terminal) => {
                 if let Some(r) = &run {
                     // Another agent's terminal ends nothing (it was suppressed `not_target`).
-                    let owned = self.owners.get(r).is_none_or(|owner| {
-                        agent.is_some_and(|a| a.trim().eq_ignore_ascii_case(owner.trim()))
-                    });
-                    if owned {
+                    let owner = self.owners.get(r).map(String::as_str);
+                    if super::answers(owner, None, agent, false) {
                         self.runs.close(&self.key, r);
                     }
                 }

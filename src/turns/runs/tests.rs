@@ -265,8 +265,8 @@ impl RunSim {
             raw.seq,
             raw.stored_ms,
             &raw.subject(),
-        )
-        .map(|e| e.published_by(raw.agent.clone()));
+            raw.agent.as_deref(),
+        );
         let Some(f) = ev.and_then(|e| e.facts(&self.runs)) else {
             self.outs.push(Out::Projected(seq));
             return Ok(());
