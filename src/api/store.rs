@@ -203,13 +203,13 @@ async fn drain_consumer(
 }
 
 /// Hand every message a consumer delivers to `visit`, in order (at most `max`, and none after
-/// `until`), holding one fetched batch at a time. Returns how many were visited.
+/// `until`), holding one fetched batch at a time.
 async fn visit_consumer(
     c: &consumer::Consumer<consumer::pull::Config>,
     until: u64,
     max: usize,
     mut visit: impl FnMut(StoredEvent),
-) -> Result<usize, ApiError> {
+) -> Result<(), ApiError> {
     let mut seen = 0usize;
     let mut pending = c.cached_info().num_pending;
     while pending > 0 && seen < max {
@@ -244,7 +244,7 @@ async fn visit_consumer(
             break;
         }
     }
-    Ok(seen)
+    Ok(())
 }
 
 /// Filtered messages with `from <= seq <= to`, oldest first, at most `max`.
@@ -395,7 +395,7 @@ pub async fn each_session(
     })
     .await;
     discard(&stream, &c);
-    result.map(|_| live)
+    result.map(|()| live)
 }
 
 #[cfg(test)]
