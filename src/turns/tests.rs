@@ -886,14 +886,7 @@ fn with_no_hold_a_response_before_its_send_is_the_turns_response_at_once() {
     let mut sim = Sim::new(cfg);
     let won = sim.run(1_000, r);
     assert_eq!(sim.responses.len(), 1);
-    let late_send = sim.run(2_000, send("c1", json!({"timeoutMs": 10})));
-    assert!(
-        sim.book.is_empty(),
-        "a send after the response arms nothing"
-    );
-    assert_eq!(sim.projected.get(&late_send), Some(&1));
-    sim.tick(100_000_000);
-    assert_eq!(sim.responses.len(), 1);
+    a_late_send_arms_nothing(&mut sim, 2_000, "a send after the response arms nothing");
     assert_eq!(sim.winner("c1", "0").seq, Some(won));
 }
 
@@ -910,11 +903,14 @@ fn a_response_no_send_came_for_decides_its_turn_at_the_holds_deadline() {
     assert_eq!(sim.responses.len(), 1);
     assert_eq!(sim.winner("c1", "0").seq, Some(early));
     assert_eq!(sim.record("c1", "0").send, None);
-    let late_send = sim.run(400_000, send("c1", json!({"timeoutMs": 10})));
-    assert!(
-        sim.book.is_empty(),
-        "a send after the decision arms nothing"
-    );
+    a_late_send_arms_nothing(&mut sim, 400_000, "a send after the decision arms nothing");
+}
+
+/// A send of the decided turn `c1`/0 stored at `at_ms`: it arms nothing (`why`), is projected
+/// once, and the turn keeps its one response.
+fn a_late_send_arms_nothing(sim: &mut Sim, at_ms: i64, why: &str) {
+    let late_send = sim.run(at_ms, send("c1", json!({"timeoutMs": 10})));
+    assert!(sim.book.is_empty(), "{why}");
     assert_eq!(sim.projected.get(&late_send), Some(&1));
     sim.tick(100_000_000);
     assert_eq!(sim.responses.len(), 1);

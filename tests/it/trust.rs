@@ -864,17 +864,10 @@ async fn only_the_target_decides_a_turn_whoever_else_answers_first() {
     assert_eq!(payload["fromAgent"], "eden");
 
     drained(&js).await;
-    let suppressed = crate::pipeline::read_all(
-        &js,
-        crate::pipeline::PROJ,
-        &format!("collab.proj.system.observability.{conv}.a2a.response.suppressed"),
-    )
-    .await;
-    let mut seen: Vec<u64> = suppressed.iter().map(|m| m.source_seq()).collect();
-    seen.sort_unstable();
+    let suppressed = suppressed_of(&js, conv, "a2a.response.suppressed").await;
+    let seen: Vec<u64> = suppressed.iter().map(|(seq, _)| *seq).collect();
     assert_eq!(seen, vec![third, third_identified, asker]);
-    for m in &suppressed {
-        let p = m.json()["payload"].clone();
+    for (_, p) in &suppressed {
         assert_eq!(p["reason"], "not_target", "{p}");
         assert_eq!(p["winner"]["msgId"], format!("turn:{conv}:0"), "{p}");
         assert!(
@@ -887,6 +880,22 @@ async fn only_the_target_decides_a_turn_whoever_else_answers_first() {
     // Nothing forged reached conversation.main as a response.
     nothing_forged_on_main(&js, conv).await;
     cancel.cancel();
+}
+
+/// The suppressions of `key` of type `ty` (`a2a.response.suppressed`,
+/// `run.terminal.suppressed`): each suppressed input's raw sequence and the payload, in raw order.
+async fn suppressed_of(js: &jetstream::Context, key: &str, ty: &str) -> Vec<(u64, Value)> {
+    let mut out: Vec<(u64, Value)> = crate::pipeline::read_all(
+        js,
+        crate::pipeline::PROJ,
+        &format!("collab.proj.system.observability.{key}.{ty}"),
+    )
+    .await
+    .iter()
+    .map(|m| (m.source_seq(), m.json()["payload"].clone()))
+    .collect();
+    out.sort_by_key(|(seq, _)| *seq);
+    out
 }
 
 /// Asserts that no projection of `conv` on `conversation.main` carries forged text.
@@ -960,15 +969,10 @@ async fn a_response_published_before_its_send_cannot_claim_the_turn() {
         "declined: no such account"
     );
     drained(&js).await;
-    let suppressed = crate::pipeline::read_all(
-        &js,
-        crate::pipeline::PROJ,
-        &format!("collab.proj.system.observability.{conv}.a2a.response.suppressed"),
-    )
-    .await;
+    let suppressed = suppressed_of(&js, conv, "a2a.response.suppressed").await;
     assert_eq!(suppressed.len(), 1, "{suppressed:#?}");
-    assert_eq!(suppressed[0].source_seq(), forged);
-    let p = suppressed[0].json()["payload"].clone();
+    assert_eq!(suppressed[0].0, forged);
+    let p = &suppressed[0].1;
     assert_eq!(p["reason"], "not_target", "{p}");
     assert_eq!(p["response"]["message"], "FORGED approved", "{p}");
     nothing_forged_on_main(&js, conv).await;
@@ -1034,17 +1038,10 @@ async fn only_the_agent_that_started_a_run_ends_it() {
     assert_eq!(terminals.len(), 1, "{terminals:#?}");
     assert_eq!(terminals[0].source_seq(), own);
     assert_eq!(terminals[0].json()["type"], "run.finished");
-    let suppressed = crate::pipeline::read_all(
-        &js,
-        crate::pipeline::PROJ,
-        &format!("collab.proj.system.observability.{key}.run.terminal.suppressed"),
-    )
-    .await;
-    let mut seen: Vec<u64> = suppressed.iter().map(|m| m.source_seq()).collect();
-    seen.sort_unstable();
+    let suppressed = suppressed_of(&js, key, "run.terminal.suppressed").await;
+    let seen: Vec<u64> = suppressed.iter().map(|(seq, _)| *seq).collect();
     assert_eq!(seen, vec![named, unnamed, anonymous]);
-    for m in &suppressed {
-        let p = m.json()["payload"].clone();
+    for (_, p) in &suppressed {
         assert_eq!(p["reason"], "not_target", "{p}");
         assert_eq!(p["winner"]["outcome"], "pending", "{p}");
     }
