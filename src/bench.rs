@@ -1706,6 +1706,7 @@ fn send_facts(i: usize, prefix: &str, stored_ms: i64, timeout_ms: u64) -> TurnFa
         exchange: turns::ExchangeKind::Turn,
         role: None,
         thread_id: None,
+        follows_previous: false,
     }
 }
 

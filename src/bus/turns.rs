@@ -1044,6 +1044,13 @@ impl PartitionTurns {
             }
         }
         let current = self.current_rev(&key).await?;
+        let ping_pong;
+        let facts = if current.is_none() && !self.cfg.early_hold.is_zero() {
+            ping_pong = Box::pin(self.follows_previous(facts)).await?;
+            ping_pong.as_ref().unwrap_or(facts)
+        } else {
+            facts
+        };
         // The rules only echo the revision back in `Expect::Revision`; the shell writes after
         // the revision it holds, which may still be in flight.
         let step = turns::on_event(current.as_ref().map(|(r, _)| (r, 0)), facts, &self.cfg);
@@ -1122,6 +1129,25 @@ impl PartitionTurns {
                 .push(self.suppression(shared, n, &env, rec, SuppressReason::NotTarget, early));
         }
         Ok(())
+    }
+
+    /// The facts of a response stored before any send of its turn, marked as continuing the
+    /// conversation's previous turn when it does ([`turns::continues_previous`]: a ping-pong
+    /// reply, which the early hold does not hold); `None` when it does not, or is no response.
+    /// The previous turn is read as this partition stands, which in stream order is as it stood
+    /// when the response was stored.
+    async fn follows_previous(&self, facts: &TurnFacts) -> Result<Option<TurnFacts>, TurnIoError> {
+        let Some(prev) = turns::previous_turn(facts) else {
+            return Ok(None);
+        };
+        let prev_key = turns::record_key(self.partition, &facts.key, &prev);
+        let Some((rec, _)) = self.current_rev(&prev_key).await? else {
+            return Ok(None);
+        };
+        Ok(turns::continues_previous(&rec, facts).then(|| TurnFacts {
+            follows_previous: true,
+            ..facts.clone()
+        }))
     }
 
     /// The suppression of the event `env` (stored at raw `seq`, of the turn `rec`, its key and

@@ -72,7 +72,11 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
         // A response before any send is held until a send names the turn's target (or the
         // hold's deadline passes): taking it at once would let anyone answer a turn whose
         // send has not arrived, with nothing to check its speaker against.
-        (None, TurnEventKind::Response) if !cfg.early_hold.is_zero() => hold_early(ev, cfg),
+        // A ping-pong reply (spoken between the previous turn's two sides, which the shell
+        // checked) continues an exchange those two already hold, so it is taken at once.
+        (None, TurnEventKind::Response) if !cfg.early_hold.is_zero() && !ev.follows_previous => {
+            hold_early(ev, cfg)
+        }
         // The first complete or error (or, with no hold, response) decides an undecided turn.
         (None, kind) => decide(unopened(ev, kind), Expect::Absent, ev, kind),
         // Stored after the open turn's deadline: in event time the turn timed out first, and
@@ -99,6 +103,54 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
         }
         (Some((rec, _)), kind) => after_decision(rec, ev, kind),
     }
+}
+
+/// The turn before `ev`'s in its conversation, for a response that may be a ping-pong reply:
+/// turn `n - 1` when `ev`'s turn id is a decimal `n >= 1`. `None` for runs and for any other
+/// turn id.
+pub fn previous_turn(ev: &TurnFacts) -> Option<String> {
+    if ev.exchange != ExchangeKind::Turn || ev.kind != TurnEventKind::Response {
+        return None;
+    }
+    let turn = ev.turn.as_str();
+    if turn.is_empty() || !turn.bytes().all(|b| b.is_ascii_digit()) || turn.starts_with('0') {
+        return None;
+    }
+    let n: u64 = turn.parse().ok()?;
+    Some((n - 1).to_string())
+}
+
+/// Whether the response `ev` continues the exchange held in `prev`, the record of the
+/// conversation's previous turn ([`previous_turn`]): its speaker is one side of that turn (the
+/// agent that asked, or the one asked) and the agent it answers, when it names one, is the other.
+/// Such a reply, stored before any send of its own turn, is the origin's ping-pong reply (turn
+/// `n`, which no send opens): only an agent already in the conversation can speak it. A previous
+/// turn still holding its own early response (its hold's deadline not passed when `ev` was
+/// stored) vouches for nobody.
+pub fn continues_previous(prev: &TurnRecord, ev: &TurnFacts) -> bool {
+    // A previous turn that itself only holds an early response has no sides anyone vouched
+    // for yet: counting them would let a held forgery vouch for the next one. Once the hold's
+    // deadline has passed in event time the held response is that turn's, decided or not yet.
+    if prev.holds_early() && prev.deadline_ms.is_none_or(|d| d >= ev.stored_ms) {
+        return false;
+    }
+    fn named(a: Option<&str>) -> Option<&str> {
+        a.map(str::trim).filter(|a| !a.is_empty())
+    }
+    let (Some(asker), Some(asked)) = (named(prev.sender()), named(prev.target())) else {
+        return false;
+    };
+    let Some(speaker) = named(ev.from_agent.as_deref()) else {
+        return false;
+    };
+    let other = if speaker.eq_ignore_ascii_case(asker) {
+        asked
+    } else if speaker.eq_ignore_ascii_case(asked) {
+        asker
+    } else {
+        return false;
+    };
+    named(ev.to_agent.as_deref()).is_none_or(|to| to.eq_ignore_ascii_case(other))
 }
 
 /// A response with no turn yet: the turn's record holds it until `turns.early_hold` after it was

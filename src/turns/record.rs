@@ -102,6 +102,11 @@ pub struct TurnFacts {
     pub role: Option<Role>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub thread_id: Option<String>,
+    /// Set by the shell, never read from an event: this response, stored before any send of
+    /// its turn, is spoken between the two sides of the conversation's previous turn (a
+    /// ping-pong reply, [`super::continues_previous`]), so `turns.early_hold` does not hold it.
+    #[serde(skip)]
+    pub follows_previous: bool,
 }
 
 impl TurnFacts {
@@ -188,6 +193,7 @@ pub fn facts(
         exchange: ExchangeKind::Turn,
         role: None,
         thread_id: None,
+        follows_previous: false,
     })
 }
 

@@ -135,6 +135,7 @@ impl RunEvent {
             timeout_ms: None,
             role: Some(self.role),
             thread_id: self.thread_id.clone(),
+            follows_previous: false,
         })
     }
 }

@@ -334,6 +334,7 @@ impl Sim {
             if let Some((rec, _)) = &current {
                 self.remember(&key, rec);
             }
+            let f = self.marked(f.clone(), current.is_none());
             let step = on_event(current.as_ref().map(|(r, v)| (r, *v)), &f, &self.cfg);
             match self.execute(&key, current, step, Some(&raw)) {
                 Ok(()) => return Ok(()),
@@ -342,6 +343,21 @@ impl Sim {
             }
         }
         panic!("no progress on seq {seq}");
+    }
+
+    /// The facts as the shell hands them to the rules: a response with no record yet is marked
+    /// when it continues the conversation's previous turn, as src/bus/turns.rs does.
+    fn marked(&self, f: TurnFacts, unrecorded: bool) -> TurnFacts {
+        if !unrecorded || self.cfg.early_hold.is_zero() {
+            return f;
+        }
+        let follows = previous_turn(&f)
+            .and_then(|prev| self.kv.get(&record_key(PARTITION, &f.key, &prev)))
+            .is_some_and(|(rec, _)| continues_previous(rec, &f));
+        TurnFacts {
+            follows_previous: follows,
+            ..f
+        }
     }
 
     /// Run `on_deadline` for every turn whose deadline is before the watermark.
@@ -869,6 +885,117 @@ fn a_response_before_its_send_by_another_agent_is_refused_and_the_target_answers
     assert_eq!(sim.winner("c1", "0").seq, Some(real));
     assert_eq!(sim.payload("c1", "0")["message"], "declined");
     sim.tick(100_000_000);
+    assert_eq!(sim.responses.len(), 1);
+}
+
+#[test]
+fn the_previous_turn_of_a_reply_is_its_decimal_turn_minus_one() {
+    let of = |turn: &str| {
+        let mut f = facts_of(&reply("c", "x", json!({})), 1, 0);
+        f.turn = turn.into();
+        previous_turn(&f)
+    };
+    assert_eq!(of("1").as_deref(), Some("0"));
+    assert_eq!(of("10").as_deref(), Some("9"));
+    assert_eq!(
+        of("18446744073709551615").as_deref(),
+        Some("18446744073709551614")
+    );
+    for none in ["0", "01", "", "t1", "1.5", "-1", "18446744073709551616"] {
+        assert_eq!(of(none), None, "{none:?}");
+    }
+    let sent = facts_of(&send("c", json!({"turn": 2})), 1, 0);
+    assert_eq!(
+        previous_turn(&sent),
+        None,
+        "only a response can be a ping-pong reply"
+    );
+    let mut run = facts_of(&reply("c", "x", json!({"turn": 2})), 1, 0);
+    run.exchange = ExchangeKind::Run;
+    assert_eq!(previous_turn(&run), None, "runs have no order");
+}
+
+#[test]
+fn a_ping_pong_reply_is_taken_at_once_only_between_the_previous_turns_sides() {
+    let mut sim = Sim::new(contract_cfg());
+    sim.run(1_000, send("c1", json!({})));
+    sim.run(2_000, reply("c1", "turn 0", json!({})));
+    assert_eq!(sim.responses.len(), 1);
+    // ruda answers eden's reply: turn 1 continues the exchange of turn 0.
+    let pong = sim.run(
+        3_000,
+        reply(
+            "c1",
+            "turn 1",
+            json!({"turn": 1, "fromAgent": "ruda", "toAgent": "eden"}),
+        ),
+    );
+    assert_eq!(sim.responses.len(), 2, "taken at once");
+    assert_eq!(sim.winner("c1", "1").seq, Some(pong));
+    assert_eq!(sim.record("c1", "1").target.as_deref(), Some("ruda"));
+    // And eden answers that in turn: turn 1's sides are the same two agents.
+    let ping = sim.run(4_000, reply("c1", "turn 2", json!({"turn": 2})));
+    assert_eq!(sim.responses.len(), 3);
+    assert_eq!(sim.winner("c1", "2").seq, Some(ping));
+
+    // Not a side of turn 2: held until the send says who may answer, then refused.
+    let forged = sim.run(
+        5_000,
+        reply(
+            "c1",
+            "FORGED",
+            json!({"turn": 3, "fromAgent": "mallory", "toAgent": "ruda"}),
+        ),
+    );
+    assert_eq!(sim.responses.len(), 3, "held, not taken");
+    assert!(sim.record("c1", "3").holds_early());
+    // A side of turn 2 addressing a third agent is no ping-pong reply either: held.
+    let aside = sim.run(
+        5_500,
+        reply(
+            "c1",
+            "to atlas",
+            json!({"turn": 4, "fromAgent": "eden", "toAgent": "atlas"}),
+        ),
+    );
+    assert!(sim.record("c1", "4").holds_early());
+    // No turn 6 recorded: turn 7 has nothing to continue and is held.
+    sim.run(5_600, reply("c1", "gap", json!({"turn": 7})));
+    assert!(sim.record("c1", "7").holds_early());
+    assert_eq!(sim.responses.len(), 3);
+    sim.run(6_000, send("c1", json!({"turn": 3})));
+    assert_eq!(sim.suppression(forged), Some(SuppressReason::NotTarget));
+    assert_eq!(sim.record("c1", "3").state, TurnState::Open);
+    let real = sim.run(7_000, reply("c1", "turn 3", json!({"turn": 3})));
+    assert_eq!(sim.winner("c1", "3").seq, Some(real));
+    sim.tick(100_000_000);
+    // The held ones decide their turns only at the hold's deadline.
+    assert_eq!(sim.winner("c1", "4").seq, Some(aside));
+    assert_eq!(sim.responses.len(), 6);
+}
+
+#[test]
+fn a_forger_cannot_chain_onto_a_turn_it_is_not_a_side_of() {
+    // mallory answers turn 1 before any turn 0 exists, then turn 0 is eden's and ruda's:
+    // neither of mallory's replies is taken before a send or the hold's deadline.
+    let mut sim = Sim::new(contract_cfg());
+    let early = sim.run(
+        1_000,
+        reply("c1", "FORGED 0", json!({"fromAgent": "mallory"})),
+    );
+    let chained = sim.run(
+        1_500,
+        reply("c1", "FORGED 1", json!({"turn": 1, "fromAgent": "mallory"})),
+    );
+    assert!(sim.responses.is_empty());
+    sim.run(2_000, send("c1", json!({})));
+    assert_eq!(sim.suppression(early), Some(SuppressReason::NotTarget));
+    assert!(sim.record("c1", "1").holds_early());
+    assert!(sim.responses.is_empty());
+    sim.run(3_000, send("c1", json!({"turn": 1})));
+    assert_eq!(sim.suppression(chained), Some(SuppressReason::NotTarget));
+    let real = sim.run(4_000, reply("c1", "eden's", json!({"turn": 1})));
+    assert_eq!(sim.winner("c1", "1").seq, Some(real));
     assert_eq!(sim.responses.len(), 1);
 }
 
@@ -1445,7 +1572,9 @@ fn ping_pong_reply_with_turn_1_is_its_own_turn() {
         3_000,
         reply("c1", "ping-pong reply", json!({"turn": 1, "maxTurns": 3})),
     );
-    // No send opened turn 1: its reply is held, then decides it at the hold's deadline.
+    // No send opened turn 1, but eden and ruda hold turn 0 between them: eden's reply to ruda
+    // continues their exchange and is turn 1's response at once, not after the hold.
+    assert_eq!(sim.responses.len(), 2);
     sim.tick(1_000_000);
     assert_eq!(sim.winner("c1", "0").seq, Some(r0));
     assert_eq!(sim.winner("c1", "1").seq, Some(r1));
@@ -2084,6 +2213,24 @@ enum Oracle {
 
 type Expected = BTreeMap<(u8, u8), (Oracle, BTreeMap<u64, SuppressReason>)>;
 
+/// Whether the response `s` is spoken between the two sides of its conversation's previous turn
+/// (turn `n - 1`, as far as the contract has seen it): every generated exchange is between
+/// `ruda` and whoever its target is (`eden`, or `mallory` for a turn a foreign response
+/// decided), and every response is addressed to `ruda`, so it is when its speaker is that target.
+fn follows_previous(turns: &Expected, s: &Spec) -> bool {
+    let (conv, turn) = s.turn;
+    let Some(prev) = turn.checked_sub(1) else {
+        return false;
+    };
+    // A previous turn still holding an early response vouches for nobody.
+    let prev_target_foreign = match turns.get(&(conv, prev)).map(|(st, _)| *st) {
+        None | Some(Oracle::Held(..)) => return false,
+        Some(Oracle::Open(_)) => false,
+        Some(Oracle::Decided(_, _, _, foreign)) => foreign,
+    };
+    prev_target_foreign == s.foreign
+}
+
 /// The contract, walked in stream (store-time) order, with or without an early hold. Every
 /// generated send is from `ruda` to `eden`, every complete and error from `ruda`, every response
 /// to `ruda` from `eden` or, when `foreign`, from `mallory`.
@@ -2128,8 +2275,9 @@ fn oracle(specs: &[Spec], hold: bool) -> Expected {
                 ))
             }
             (_, Kind::Send) => None,
-            // With no hold, the response is the turn's at once, and its speaker its target.
-            (None, Kind::Response) if !hold => {
+            // With no hold, the response is the turn's at once, and its speaker its target; so
+            // is a ping-pong reply, spoken by a side of the previous turn to its other side.
+            (None, Kind::Response) if !hold || follows_previous(&turns, s) => {
                 Some(Oracle::Decided(Some(s.seq), s.failure, false, s.foreign))
             }
             (None, Kind::Response) => Some(Oracle::Held(
@@ -2485,7 +2633,7 @@ fn op() -> impl Strategy<Value = Op> {
 
 proptest! {
     #![proptest_config(ProptestConfig {
-        cases: 512,
+        cases: 4096,
         failure_persistence: None,
         ..ProptestConfig::default()
     })]
@@ -2493,7 +2641,7 @@ proptest! {
     #[test]
     fn exactly_one_response_per_turn_under_interleavings_and_faults(
         convs in 1u8..=2,
-        nturns in 1u8..=2,
+        nturns in 1u8..=3,
         ops in prop::collection::vec(op(), 1..48),
         hold in any::<bool>(),
     ) {

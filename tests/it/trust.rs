@@ -979,6 +979,102 @@ async fn a_response_published_before_its_send_cannot_claim_the_turn() {
     cancel.cancel();
 }
 
+/// With the early hold on, a ping-pong reply (a turn no send opens, spoken by one side of the
+/// conversation's previous turn to the other) is the turn's response as soon as it is processed,
+/// not after the hold; a reply for the next turn by an agent outside the conversation is held
+/// (nothing published for it while the hold lasts) and, once the send comes, kept as `not_target`.
+#[tokio::test]
+async fn a_ping_pong_reply_passes_the_early_hold_and_a_stranger_does_not() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let mut s = settings(&nats.url());
+    s.roles.main_agents.push("mallory".into());
+    s.turns.early_hold = Duration::from_secs(3_600);
+    let (_running, cancel) = start_worker(&s).await;
+    let conv = "conv-ping-pong";
+    let event = |t: &str, from: &str, to: &str, turn: u32, message: &str| {
+        let data = json!({"fromAgent": from, "toAgent": to, "conversationId": conv,
+            "turn": turn, "message": message});
+        Bytes::from(
+            json!({"type": t, "ts": chrono::Utc::now().timestamp_millis(), "agentId": from, "data": data})
+                .to_string(),
+        )
+    };
+    let as_agent = |agent: &str, t: &str| {
+        identity::subject("collab", conv, agent, t)
+            .unwrap_or_else(|| panic!("{agent} is a valid agent token"))
+    };
+    let responses = || async {
+        crate::pipeline::read_all(
+            &js,
+            crate::pipeline::PROJ,
+            &format!("collab.proj.conversation.main.{conv}.a2a.response"),
+        )
+        .await
+    };
+    publish(
+        &js,
+        &as_agent("ruda", "a2a.send"),
+        event("a2a.send", "ruda", "eden", 0, "review PR 12?"),
+    )
+    .await;
+    let reply = publish(
+        &js,
+        &as_agent("eden", "a2a.response"),
+        event("a2a.response", "eden", "ruda", 0, "two comments"),
+    )
+    .await;
+    let pong = publish(
+        &js,
+        &as_agent("ruda", "a2a.response"),
+        event("a2a.response", "ruda", "eden", 1, "fixed both"),
+    )
+    .await;
+    let forged = publish(
+        &js,
+        &as_agent("mallory", "a2a.response"),
+        event("a2a.response", "mallory", "ruda", 2, "FORGED merged"),
+    )
+    .await;
+    drained(&js).await;
+    let got = responses().await;
+    let seqs: Vec<u64> = got.iter().map(|m| m.source_seq()).collect();
+    assert_eq!(
+        seqs,
+        vec![reply, pong],
+        "turn 1 answered at once, turn 2 held"
+    );
+    assert_eq!(got[1].json()["payload"]["message"], "fixed both");
+    assert!(
+        suppressed_of(&js, conv, "a2a.response.suppressed")
+            .await
+            .is_empty(),
+        "the held reply is neither published nor suppressed before its send"
+    );
+    publish(
+        &js,
+        &as_agent("ruda", "a2a.send"),
+        event("a2a.send", "ruda", "eden", 2, "merge it?"),
+    )
+    .await;
+    let merged = publish(
+        &js,
+        &as_agent("eden", "a2a.response"),
+        event("a2a.response", "eden", "ruda", 2, "merged"),
+    )
+    .await;
+    drained(&js).await;
+    let got = responses().await;
+    assert_eq!(got.len(), 3, "one response per turn");
+    assert_eq!(got[2].source_seq(), merged);
+    let suppressed = suppressed_of(&js, conv, "a2a.response.suppressed").await;
+    assert_eq!(suppressed.len(), 1, "{suppressed:#?}");
+    assert_eq!(suppressed[0].0, forged);
+    assert_eq!(suppressed[0].1["reason"], "not_target");
+    nothing_forged_on_main(&js, conv).await;
+    cancel.cancel();
+}
+
 /// An AG-UI run belongs to the agent that published its `RUN_STARTED`: another identified
 /// producer's `RUN_ERROR` on the same key (naming the run or not), and a terminal on a subject
 /// that names no agent, are kept beside the run; the owner's own terminal is its one terminal.
