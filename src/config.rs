@@ -645,9 +645,9 @@ pub struct TurnSettings {
     pub open_write_delay: Duration,
     /// How long a response stored before its turn's send is held waiting for it (docs/contract.md
     /// section 4): the send then says whether its target spoke it. With no send by then, it
-    /// decides the turn alone. Zero (the default) takes such a response as the turn's at once,
-    /// as the origin's ping-pong replies (a turn `n` with no send) need, and lets any agent that
-    /// can guess a turn's id answer it before its send arrives.
+    /// decides the turn alone. A ping-pong reply (a turn `n` with no send, spoken between the
+    /// two sides of turn `n - 1`) is never held. Zero takes every such response as the turn's at
+    /// once, and lets any agent that can guess a turn's id answer it before its send arrives.
     #[serde(with = "humantime_serde")]
     pub early_hold: Duration,
 }
@@ -661,7 +661,7 @@ impl Default for TurnSettings {
             enforce_roles: vec![Role::ConversationMain],
             clock_skew: Duration::from_millis(100),
             open_write_delay: Duration::from_millis(500),
-            early_hold: Duration::ZERO,
+            early_hold: Duration::from_secs(60),
         }
     }
 }
@@ -1559,10 +1559,13 @@ mod tests {
         assert!(err.to_string().contains("turns.early_hold"), "{err}");
         let ok = Settings::from_toml("[turns]\nearly_hold = \"5m\"\n").expect("a hold loads");
         assert_eq!(ok.turns.early_hold, Duration::from_secs(300));
-        assert!(
-            Settings::default().turns.early_hold.is_zero(),
-            "off by default"
+        assert_eq!(
+            Settings::default().turns.early_hold,
+            Duration::from_secs(60),
+            "on by default"
         );
+        let off = Settings::from_toml("[turns]\nearly_hold = \"0s\"\n").expect("zero turns it off");
+        assert!(off.turns.early_hold.is_zero());
     }
 
     fn nats_error(toml: &str) -> String {

@@ -1444,6 +1444,8 @@ async fn an_idle_partition_keeps_its_checkpoint_past_the_turns_retention() {
         &[
             ACK_WAIT,
             ("COLLAB_TURNS__RETENTION", "3s"),
+            // The early hold may not outlast the retention.
+            ("COLLAB_TURNS__EARLY_HOLD", "1s"),
             ("COLLAB_PROJECTION__MAX_AGE", "5s"),
             ("COLLAB_PROJECTION__DUPLICATE_WINDOW", "1s"),
         ],

@@ -237,7 +237,15 @@ fn check(cases: &[Case], out: &BTreeMap<u64, Vec<Stored>>) -> Vec<String> {
 #[tokio::test]
 async fn every_a2a_and_ag_ui_spec_example_projects_as_its_golden_file_says() {
     let nats = TestNats::start().await;
-    let _p = start_projector(&nats.url(), &MAIN_AGENTS, &[]).await;
+    // Each example is published on its own, most answers without their request: with the early
+    // hold off each is taken at once, so every body has its output without waiting the hold
+    // (what a held answer becomes is tested in tests/it/turns.rs and tests/it/trust.rs).
+    let _p = start_projector(
+        &nats.url(),
+        &MAIN_AGENTS,
+        &[("COLLAB_TURNS__EARLY_HOLD", "0s")],
+    )
+    .await;
     let js = nats.jetstream().await;
     let mut cases = Vec::new();
     for (i, path) in inputs(A2A).into_iter().enumerate() {
