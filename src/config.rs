@@ -740,6 +740,12 @@ pub struct HttpSettings {
     pub sse_buffer_events: usize,
     /// Bytes buffered for one stream's client before it counts as too slow.
     pub sse_buffer_bytes: usize,
+    /// Work-session lists (`GET /api/work-sessions`, each a read of the whole bucket) being read
+    /// at once, all callers together; one more is refused with 503.
+    pub session_lists: usize,
+    /// Work-session lists being read at once per bearer token (grant); one more is refused with
+    /// 429.
+    pub session_lists_per_token: usize,
 }
 
 /// One bearer token and the roles it may read.
@@ -770,6 +776,8 @@ impl Default for HttpSettings {
             stall_after: Duration::from_secs(120),
             sse_max_streams: 64,
             sse_max_streams_per_token: 8,
+            session_lists: 8,
+            session_lists_per_token: 2,
             sse_buffer_events: 256,
             sse_buffer_bytes: 1024 * 1024,
         }
@@ -981,6 +989,11 @@ impl Settings {
                 self.http.sse_max_streams_per_token,
             ),
             ("http.sse_buffer_events", self.http.sse_buffer_events),
+            ("http.session_lists", self.http.session_lists),
+            (
+                "http.session_lists_per_token",
+                self.http.session_lists_per_token,
+            ),
         ] {
             if n == 0 {
                 return bad(format!("{name} must be at least 1"));

@@ -284,7 +284,7 @@ fn work_sessions(p: &Shared) -> Value {
             list_param("status", "ACTIVE, QUIET or ARCHIVED (any case), comma-separated or repeated.",
                 json!({"type": "string", "pattern": csv_pattern(&format!("(?:{}|{}|{})", any_case("ACTIVE"), any_case("QUIET"), any_case("ARCHIVED")))})),
             param("limit", "Sessions returned (default 100). One value.", p.limit_schema.clone())],
-        "responses": with_ok(common_errors(&[]), json!({"description": "Sessions.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/WorkSessionList"}}}}))
+        "responses": with_ok(common_errors(&[("429", "The token already has as many work-session lists being read as http.session_lists_per_token allows (code too_many_lists); wait for one to finish."), ("503", "The event store (NATS) is unavailable (code unavailable), or the server has as many work-session lists being read as http.session_lists allows (code too_many_lists); retry later.")]), json!({"description": "Sessions.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/WorkSessionList"}}}}))
     }})
 }
 

@@ -52,6 +52,9 @@ pub async fn list(
     let statuses = statuses(&params)?;
     let limit = query::limit(&params, DEFAULT_LIMIT, MAX_LIMIT)?;
     let roles = caller.roles(requested.as_deref())?;
+    // Held until the list is built: a list reads the whole bucket, so how many run at once is
+    // capped, in all and per token.
+    let _slot = state.list_slots().acquire(caller.name.as_deref())?;
     let opts = ViewOptions {
         roles: &roles,
         now: Utc::now(),

@@ -60,7 +60,8 @@ pub struct ApiState {
     quiet_after: Duration,
     archive_after: Duration,
     sse: SseLimits,
-    slots: Arc<slots::StreamSlots>,
+    slots: Arc<slots::Slots>,
+    list_slots: Arc<slots::Slots>,
     shutdown: CancellationToken,
     /// The served version's work-session bucket and object store, opened once per version.
     sessions: Arc<Mutex<Option<(String, kv::Store)>>>,
@@ -82,9 +83,15 @@ impl ApiState {
             quiet_after: http.quiet_after,
             archive_after: http.archive_after,
             sse: SseLimits::from_settings(http),
-            slots: Arc::new(slots::StreamSlots::new(
+            slots: Arc::new(slots::Slots::new(
+                slots::Capped::EventStreams,
                 http.sse_max_streams,
                 http.sse_max_streams_per_token,
+            )),
+            list_slots: Arc::new(slots::Slots::new(
+                slots::Capped::SessionLists,
+                http.session_lists,
+                http.session_lists_per_token,
             )),
             shutdown: CancellationToken::new(),
             sessions: Arc::new(Mutex::new(None)),
@@ -149,8 +156,13 @@ impl ApiState {
     pub fn sse_limits(&self) -> SseLimits {
         self.sse
     }
-    pub fn stream_slots(&self) -> &Arc<slots::StreamSlots> {
+    pub fn stream_slots(&self) -> &Arc<slots::Slots> {
         &self.slots
+    }
+
+    /// The places for work-session lists being read (each reads the whole bucket).
+    pub fn list_slots(&self) -> &Arc<slots::Slots> {
+        &self.list_slots
     }
     pub fn shutdown(&self) -> &CancellationToken {
         &self.shutdown

@@ -222,6 +222,63 @@ async fn every_api_response_is_nosniff_and_no_store() {
     }
 }
 
+/// A work-session list reads the whole bucket, so how many are read at once is capped per token
+/// (429) and in all (503), each refusal naming its setting; a finished list frees its place. The
+/// places are taken here the way a list in flight holds one, so the test does not depend on how
+/// long a read takes.
+#[tokio::test]
+async fn work_session_lists_are_capped_per_token_and_in_total() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let mut s = with_tokens(settings(&nats.url()));
+    s.http.session_lists = 2;
+    s.http.session_lists_per_token = 1;
+    provision::provision(&js, &s)
+        .await
+        .unwrap_or_else(|e| panic!("provision: {e}"));
+    let state = ApiState::new(js.clone(), s.names(), &s.http);
+    let slots = state.list_slots().clone();
+    let app = api::router(state);
+    let list = "/api/work-sessions";
+    let (status, _, body) = get(&app, list, Some(ALL_TOKEN)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+    assert_eq!(slots.open(), 0, "a finished list frees its place");
+
+    let held = slots
+        .acquire(Some("all"))
+        .unwrap_or_else(|e| panic!("a place for all: {e:?}"));
+    let (status, _, body) = get(&app, list, Some(ALL_TOKEN)).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{body}");
+    assert_eq!(body["error"]["code"], "too_many_lists", "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(
+        message.contains("http.session_lists_per_token = 1"),
+        "{body}"
+    );
+    let (status, _, body) = get(&app, list, Some(MAIN_TOKEN)).await;
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "another token has its own place: {body}"
+    );
+
+    let _other = slots
+        .acquire(Some("tasks"))
+        .unwrap_or_else(|e| panic!("a place for tasks: {e:?}"));
+    let (status, _, body) = get(&app, list, Some(MAIN_TOKEN)).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(body["error"]["code"], "too_many_lists", "{body}");
+    let message = body["error"]["message"].as_str().unwrap_or_default();
+    assert!(message.contains("http.session_lists = 2"), "{body}");
+    // One session, read on its own, is no list and is never refused.
+    let (status, _, _) = get(&app, "/api/work-sessions/ws-none", Some(MAIN_TOKEN)).await;
+    assert_eq!(status, StatusCode::NOT_FOUND);
+
+    drop(held);
+    let (status, _, body) = get(&app, list, Some(ALL_TOKEN)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+}
+
 #[tokio::test]
 async fn event_streams_are_capped_per_token_and_in_total_and_a_closed_one_frees_its_place() {
     let nats = TestNats::start().await;
