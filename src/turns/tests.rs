@@ -921,15 +921,15 @@ fn a_ping_pong_reply_is_taken_at_once_only_between_the_previous_turns_sides() {
     sim.run(1_000, send("c1", json!({})));
     sim.run(2_000, reply("c1", "turn 0", json!({})));
     assert_eq!(sim.responses.len(), 1);
-    // ruda answers eden's reply: turn 1 continues the exchange of turn 0.
-    let pong = sim.run(
-        3_000,
+    let said = |turn: u32, from: &str, to: &str, message: &str| {
         reply(
             "c1",
-            "turn 1",
-            json!({"turn": 1, "fromAgent": "ruda", "toAgent": "eden"}),
-        ),
-    );
+            message,
+            json!({"turn": turn, "fromAgent": from, "toAgent": to}),
+        )
+    };
+    // ruda answers eden's reply: turn 1 continues the exchange of turn 0.
+    let pong = sim.run(3_000, said(1, "ruda", "eden", "turn 1"));
     assert_eq!(sim.responses.len(), 2, "taken at once");
     assert_eq!(sim.winner("c1", "1").seq, Some(pong));
     assert_eq!(sim.record("c1", "1").target.as_deref(), Some("ruda"));
@@ -939,25 +939,11 @@ fn a_ping_pong_reply_is_taken_at_once_only_between_the_previous_turns_sides() {
     assert_eq!(sim.winner("c1", "2").seq, Some(ping));
 
     // Not a side of turn 2: held until the send says who may answer, then refused.
-    let forged = sim.run(
-        5_000,
-        reply(
-            "c1",
-            "FORGED",
-            json!({"turn": 3, "fromAgent": "mallory", "toAgent": "ruda"}),
-        ),
-    );
+    let forged = sim.run(5_000, said(3, "mallory", "ruda", "FORGED"));
     assert_eq!(sim.responses.len(), 3, "held, not taken");
     assert!(sim.record("c1", "3").holds_early());
     // A side of turn 2 addressing a third agent is no ping-pong reply either: held.
-    let aside = sim.run(
-        5_500,
-        reply(
-            "c1",
-            "to atlas",
-            json!({"turn": 4, "fromAgent": "eden", "toAgent": "atlas"}),
-        ),
-    );
+    let aside = sim.run(5_500, said(4, "eden", "atlas", "to atlas"));
     assert!(sim.record("c1", "4").holds_early());
     // No turn 6 recorded: turn 7 has nothing to continue and is held.
     sim.run(5_600, reply("c1", "gap", json!({"turn": 7})));

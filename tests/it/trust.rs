@@ -1061,6 +1061,13 @@ async fn a_ping_pong_reply_passes_the_early_hold_and_a_stranger_does_not() {
         identity::subject("collab", conv, agent, t)
             .unwrap_or_else(|| panic!("{agent} is a valid agent token"))
     };
+    // `from` tells `to`, on its own identity subject.
+    let say = |t: &str, from: &str, to: &str, turn: u32, message: &str| {
+        let subject = as_agent(from, t);
+        let body = event(t, from, to, turn, message);
+        let js = &js;
+        async move { publish(js, &subject, body).await }
+    };
     let responses = || async {
         crate::pipeline::read_all(
             &js,
@@ -1069,30 +1076,10 @@ async fn a_ping_pong_reply_passes_the_early_hold_and_a_stranger_does_not() {
         )
         .await
     };
-    publish(
-        &js,
-        &as_agent("ruda", "a2a.send"),
-        event("a2a.send", "ruda", "eden", 0, "review PR 12?"),
-    )
-    .await;
-    let reply = publish(
-        &js,
-        &as_agent("eden", "a2a.response"),
-        event("a2a.response", "eden", "ruda", 0, "two comments"),
-    )
-    .await;
-    let pong = publish(
-        &js,
-        &as_agent("ruda", "a2a.response"),
-        event("a2a.response", "ruda", "eden", 1, "fixed both"),
-    )
-    .await;
-    let forged = publish(
-        &js,
-        &as_agent("mallory", "a2a.response"),
-        event("a2a.response", "mallory", "ruda", 2, "FORGED merged"),
-    )
-    .await;
+    say("a2a.send", "ruda", "eden", 0, "review PR 12?").await;
+    let reply = say("a2a.response", "eden", "ruda", 0, "two comments").await;
+    let pong = say("a2a.response", "ruda", "eden", 1, "fixed both").await;
+    let forged = say("a2a.response", "mallory", "ruda", 2, "FORGED merged").await;
     drained(&js).await;
     let got = responses().await;
     let seqs: Vec<u64> = got.iter().map(|m| m.source_seq()).collect();
@@ -1108,18 +1095,8 @@ async fn a_ping_pong_reply_passes_the_early_hold_and_a_stranger_does_not() {
             .is_empty(),
         "the held reply is neither published nor suppressed before its send"
     );
-    publish(
-        &js,
-        &as_agent("ruda", "a2a.send"),
-        event("a2a.send", "ruda", "eden", 2, "merge it?"),
-    )
-    .await;
-    let merged = publish(
-        &js,
-        &as_agent("eden", "a2a.response"),
-        event("a2a.response", "eden", "ruda", 2, "merged"),
-    )
-    .await;
+    say("a2a.send", "ruda", "eden", 2, "merge it?").await;
+    let merged = say("a2a.response", "eden", "ruda", 2, "merged").await;
     drained(&js).await;
     let got = responses().await;
     assert_eq!(got.len(), 3, "one response per turn");
