@@ -1027,7 +1027,7 @@ impl Settings {
         }
         if self.turns.early_hold > self.turns.retention {
             return bad(format!(
-                "turns.early_hold ({}) must be at most turns.retention ({}): a held response's record would be forgotten before its hold ends",
+                "turns.early_hold ({}) must be at most turns.retention ({}): a held response's record would be forgotten before its hold ends; lower turns.early_hold (60s by default; \"0s\" turns the hold off) or raise turns.retention",
                 humantime::format_duration(self.turns.early_hold),
                 humantime::format_duration(self.turns.retention)
             ));
@@ -1570,6 +1570,13 @@ mod tests {
         assert!(err.to_string().contains("nats.prefix"), "{err}");
         let err = Settings::from_toml("[turns]\nearly_hold = \"8d\"\n").expect_err("must fail");
         assert!(err.to_string().contains("turns.early_hold"), "{err}");
+        // A retention lowered below the default hold says which setting to change.
+        let err = Settings::from_toml("[turns]\nretention = \"30s\"\n").expect_err("must fail");
+        assert!(
+            err.to_string()
+                .contains("lower turns.early_hold (60s by default"),
+            "{err}"
+        );
         let ok = Settings::from_toml("[turns]\nearly_hold = \"5m\"\n").expect("a hold loads");
         assert_eq!(ok.turns.early_hold, Duration::from_secs(300));
         assert_eq!(

@@ -1134,8 +1134,9 @@ impl PartitionTurns {
     /// The facts of a response stored before any send of its turn, marked as continuing the
     /// conversation's previous turn when it does ([`turns::continues_previous`]: a ping-pong
     /// reply, which the early hold does not hold); `None` when it does not, or is no response.
-    /// The previous turn is read as this partition stands, which in stream order is as it stood
-    /// when the response was stored.
+    /// The previous turn's record is read as it stands now, possibly changed by messages stored
+    /// after the response (processed again after a takeover); the rules count only what was
+    /// stored before it, so the answer does not depend on when the response is processed.
     async fn follows_previous(&self, facts: &TurnFacts) -> Result<Option<TurnFacts>, TurnIoError> {
         let Some(prev) = turns::previous_turn(facts) else {
             return Ok(None);

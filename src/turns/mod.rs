@@ -124,14 +124,11 @@ pub fn previous_turn(ev: &TurnFacts) -> Option<String> {
 /// conversation's previous turn ([`previous_turn`]): its speaker is one side of that turn (the
 /// agent that asked, or the one asked) and the agent it answers, when it names one, is the other.
 /// Such a reply, stored before any send of its own turn, is the origin's ping-pong reply (turn
-/// `n`, which no send opens): only an agent already in the conversation can speak it. A previous
-/// turn still holding its own early response (its hold's deadline not passed when `ev` was
-/// stored) vouches for nobody.
+/// `n`, which no send opens): only an agent already in the conversation can speak it. Only what
+/// was stored before `ev` counts (see [`sides_vouched_at`]), so the answer is the same however
+/// late, and however often, `ev` is processed.
 pub fn continues_previous(prev: &TurnRecord, ev: &TurnFacts) -> bool {
-    // A previous turn that itself only holds an early response has no sides anyone vouched
-    // for yet: counting them would let a held forgery vouch for the next one. Once the hold's
-    // deadline has passed in event time the held response is that turn's, decided or not yet.
-    if prev.holds_early() && prev.deadline_ms.is_none_or(|d| d >= ev.stored_ms) {
+    if !sides_vouched_at(prev, ev) {
         return false;
     }
     fn named(a: Option<&str>) -> Option<&str> {
@@ -151,6 +148,28 @@ pub fn continues_previous(prev: &TurnRecord, ev: &TurnFacts) -> bool {
         return false;
     };
     named(ev.to_agent.as_deref()).is_none_or(|to| to.eq_ignore_ascii_case(other))
+}
+
+/// Whether the sides of the turn `prev` were settled by messages stored before `ev`: its send, or,
+/// for a turn no send opened, the real response that decided it (taken, or held past its hold's
+/// deadline in event time). A turn ended by a complete or an error before any send (its sides
+/// are whatever that event named), one still holding an early response (a forgery may be
+/// waiting for its send to refuse it), and anything stored after `ev` vouch for nobody.
+fn sides_vouched_at(prev: &TurnRecord, ev: &TurnFacts) -> bool {
+    if let Some(send) = &prev.send {
+        return send.seq < ev.seq;
+    }
+    let Some(by) = prev
+        .winner
+        .as_ref()
+        .or(prev.early.as_ref().map(|e| &e.winner))
+    else {
+        return false;
+    };
+    if by.synthesized || by.seq.is_none_or(|seq| seq >= ev.seq) {
+        return false;
+    }
+    !(prev.holds_early() && prev.deadline_ms.is_none_or(|d| d >= ev.stored_ms))
 }
 
 /// A response with no turn yet: the turn's record holds it until `turns.early_hold` after it was

@@ -14,7 +14,7 @@ use crate::model::{encode_id, id_text, Envelope, RawEventRef, Role};
 use chrono::SecondsFormat;
 use proptest::prelude::*;
 use serde_json::{json, Map, Value};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
 use std::time::Duration;
 
 const PARTITION: u16 = 3;
@@ -983,6 +983,82 @@ fn a_forger_cannot_chain_onto_a_turn_it_is_not_a_side_of() {
     let real = sim.run(4_000, reply("c1", "eden's", json!({"turn": 1})));
     assert_eq!(sim.winner("c1", "1").seq, Some(real));
     assert_eq!(sim.responses.len(), 1);
+}
+
+#[test]
+fn a_turn_ended_before_its_send_vouches_for_nobody() {
+    // mallory ends turn 0 with a complete it addresses to ruda (no send, so its own sides),
+    // then answers turn 1: the complete's sides are mallory's word, so the reply is held.
+    let mut sim = Sim::new(contract_cfg());
+    sim.run(
+        1_000,
+        complete("c1", json!({"fromAgent": "mallory", "toAgent": "ruda"})),
+    );
+    assert_eq!(sim.record("c1", "0").state, TurnState::Published);
+    let chained = sim.run(
+        1_500,
+        reply(
+            "c1",
+            "FORGED",
+            json!({"turn": 1, "fromAgent": "mallory", "toAgent": "ruda"}),
+        ),
+    );
+    assert!(sim.record("c1", "1").holds_early());
+    sim.run(2_000, send("c1", json!({"turn": 1})));
+    assert_eq!(sim.suppression(chained), Some(SuppressReason::NotTarget));
+}
+
+#[test]
+fn only_what_was_stored_before_a_reply_vouches_for_it() {
+    let cfg = contract_cfg();
+    let at = |ev: Value, seq: u64| facts_of(&ev, seq, i64::try_from(seq).unwrap_or(0) * 1_000);
+    let pong = at(reply("c", "pong", json!({"turn": 1})), 10);
+    // Turn 0 opened by a send stored before the reply vouches; one stored after it does not,
+    // however early the reply is processed again after it.
+    let opened = |send_seq: u64| {
+        on_event(None, &at(send("c", json!({})), send_seq), &cfg)
+            .write
+            .map(|(r, _)| r)
+            .expect("the send opens turn 0")
+    };
+    assert!(continues_previous(&opened(9), &pong));
+    assert!(!continues_previous(&opened(11), &pong));
+    // Turn 0 decided by a response no send opened: only when that response came first.
+    let taken = |seq: u64| {
+        let cfg = TurnConfig {
+            early_hold: Duration::ZERO,
+            ..cfg
+        };
+        let ping = at(
+            reply("c", "ping", json!({"fromAgent": "ruda", "toAgent": "eden"})),
+            seq,
+        );
+        on_event(None, &ping, &cfg)
+            .write
+            .map(|(r, _)| r)
+            .expect("the reply decides turn 0")
+    };
+    assert!(continues_previous(&taken(9), &pong));
+    assert!(!continues_previous(&taken(11), &pong));
+    // Held and its hold not over when the reply was stored: vouches for nobody; over: vouches.
+    let held = on_event(
+        None,
+        &at(
+            reply("c", "ping", json!({"fromAgent": "ruda", "toAgent": "eden"})),
+            9,
+        ),
+        &cfg,
+    )
+    .write
+    .map(|(r, _)| r)
+    .expect("the reply is held");
+    assert!(held.holds_early());
+    assert!(!continues_previous(&held, &pong));
+    let after_hold = TurnFacts {
+        stored_ms: 9_000 + 300_001,
+        ..pong.clone()
+    };
+    assert!(continues_previous(&held, &after_hold));
 }
 
 #[test]
@@ -2203,14 +2279,17 @@ type Expected = BTreeMap<(u8, u8), (Oracle, BTreeMap<u64, SuppressReason>)>;
 /// (turn `n - 1`, as far as the contract has seen it): every generated exchange is between
 /// `ruda` and whoever its target is (`eden`, or `mallory` for a turn a foreign response
 /// decided), and every response is addressed to `ruda`, so it is when its speaker is that target.
-fn follows_previous(turns: &Expected, s: &Spec) -> bool {
+/// `sent`: the turns a send has come for so far.
+fn follows_previous(turns: &Expected, sent: &BTreeSet<(u8, u8)>, s: &Spec) -> bool {
     let (conv, turn) = s.turn;
     let Some(prev) = turn.checked_sub(1) else {
         return false;
     };
-    // A previous turn still holding an early response vouches for nobody.
+    // A previous turn still holding an early response, or ended by a complete or an error
+    // before any send, vouches for nobody.
     let prev_target_foreign = match turns.get(&(conv, prev)).map(|(st, _)| *st) {
         None | Some(Oracle::Held(..)) => return false,
+        Some(Oracle::Decided(_, _, true, _)) if !sent.contains(&(conv, prev)) => return false,
         Some(Oracle::Open(_)) => false,
         Some(Oracle::Decided(_, _, _, foreign)) => foreign,
     };
@@ -2222,6 +2301,7 @@ fn follows_previous(turns: &Expected, s: &Spec) -> bool {
 /// to `ruda` from `eden` or, when `foreign`, from `mallory`.
 fn oracle(specs: &[Spec], hold: bool) -> Expected {
     let mut turns: Expected = BTreeMap::new();
+    let mut sent: BTreeSet<(u8, u8)> = BTreeSet::new();
     let expire = |turns: &mut Expected, before: i64| {
         for (st, _) in turns.values_mut() {
             match *st {
@@ -2263,7 +2343,7 @@ fn oracle(specs: &[Spec], hold: bool) -> Expected {
             (_, Kind::Send) => None,
             // With no hold, the response is the turn's at once, and its speaker its target; so
             // is a ping-pong reply, spoken by a side of the previous turn to its other side.
-            (None, Kind::Response) if !hold || follows_previous(&turns, s) => {
+            (None, Kind::Response) if !hold || follows_previous(&turns, &sent, s) => {
                 Some(Oracle::Decided(Some(s.seq), s.failure, false, s.foreign))
             }
             (None, Kind::Response) => Some(Oracle::Held(
@@ -2312,6 +2392,9 @@ fn oracle(specs: &[Spec], hold: bool) -> Expected {
         }
         if let Some((seq, reason)) = suppress {
             slot.1.insert(seq, reason);
+        }
+        if s.kind == Kind::Send {
+            sent.insert(s.turn);
         }
     }
     expire(&mut turns, i64::MAX);
