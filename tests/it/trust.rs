@@ -46,6 +46,21 @@ fn with_tokens(mut s: Settings) -> Settings {
     s
 }
 
+/// A server, the settings with the three tokens changed by `tweak`, and their resources
+/// provisioned.
+async fn provisioned_with_tokens(
+    tweak: impl FnOnce(&mut Settings),
+) -> (TestNats, jetstream::Context, Settings) {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let mut s = with_tokens(settings(&nats.url()));
+    tweak(&mut s);
+    provision::provision(&js, &s)
+        .await
+        .unwrap_or_else(|e| panic!("provision: {e}"));
+    (nats, js, s)
+}
+
 /// A request through the router: status, headers and body (JSON, else its text).
 async fn get(app: &Router, uri: &str, token: Option<&str>) -> (StatusCode, HeaderMap, Value) {
     let mut req = Request::builder().uri(uri);
@@ -228,14 +243,11 @@ async fn every_api_response_is_nosniff_and_no_store() {
 /// long a read takes.
 #[tokio::test]
 async fn work_session_lists_are_capped_per_token_and_in_total() {
-    let nats = TestNats::start().await;
-    let js = nats.jetstream().await;
-    let mut s = with_tokens(settings(&nats.url()));
-    s.http.session_lists = 2;
-    s.http.session_lists_per_token = 1;
-    provision::provision(&js, &s)
-        .await
-        .unwrap_or_else(|e| panic!("provision: {e}"));
+    let (_nats, js, s) = provisioned_with_tokens(|s| {
+        s.http.session_lists = 2;
+        s.http.session_lists_per_token = 1;
+    })
+    .await;
     let state = ApiState::new(js.clone(), s.names(), &s.http);
     let slots = state.list_slots().clone();
     let app = api::router(state);
@@ -281,14 +293,11 @@ async fn work_session_lists_are_capped_per_token_and_in_total() {
 
 #[tokio::test]
 async fn event_streams_are_capped_per_token_and_in_total_and_a_closed_one_frees_its_place() {
-    let nats = TestNats::start().await;
-    let js = nats.jetstream().await;
-    let mut s = with_tokens(settings(&nats.url()));
-    s.http.sse_max_streams = 3;
-    s.http.sse_max_streams_per_token = 2;
-    provision::provision(&js, &s)
-        .await
-        .unwrap_or_else(|e| panic!("provision: {e}"));
+    let (_nats, js, s) = provisioned_with_tokens(|s| {
+        s.http.sse_max_streams = 3;
+        s.http.sse_max_streams_per_token = 2;
+    })
+    .await;
     let state = ApiState::new(js.clone(), s.names(), &s.http).with_sse_limits(SseLimits {
         // Frequent keep-alives: the server notices a client that went at its next write.
         keep_alive: Duration::from_millis(100),
