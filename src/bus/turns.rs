@@ -1138,10 +1138,9 @@ impl PartitionTurns {
     /// after the response (processed again after a takeover); the rules count only what was
     /// stored before it, so the answer does not depend on when the response is processed.
     async fn follows_previous(&self, facts: &TurnFacts) -> Result<Option<TurnFacts>, TurnIoError> {
-        let Some(prev) = turns::previous_turn(facts) else {
+        let Some(prev_key) = facts.previous_record_key(self.partition) else {
             return Ok(None);
         };
-        let prev_key = turns::record_key(self.partition, &facts.key, &prev);
         let Some((rec, _)) = self.current_rev(&prev_key).await? else {
             return Ok(None);
         };

@@ -53,9 +53,7 @@ pub fn on_event(current: Option<(&TurnRecord, u64)>, ev: &TurnFacts, cfg: &TurnC
         (None, TurnEventKind::Send) => open_turn(ev, cfg),
         // The send of a turn holding an early response, before the hold's deadline: the send
         // names the target, so now the early response is taken or refused.
-        (Some((rec, rev)), TurnEventKind::Send)
-            if rec.holds_early() && rec.deadline_ms.is_none_or(|d| d >= ev.stored_ms) =>
-        {
+        (Some((rec, rev)), TurnEventKind::Send) if rec.holds_early_at(ev.stored_ms) => {
             send_after_early(rec, rev, ev, cfg)
         }
         // A send for a turn that exists already (a duplicate send, or a send that arrives after
@@ -131,9 +129,6 @@ pub fn continues_previous(prev: &TurnRecord, ev: &TurnFacts) -> bool {
     if !sides_vouched_at(prev, ev) {
         return false;
     }
-    fn named(a: Option<&str>) -> Option<&str> {
-        a.map(str::trim).filter(|a| !a.is_empty())
-    }
     let (Some(asker), Some(asked)) = (named(prev.sender()), named(prev.target())) else {
         return false;
     };
@@ -169,7 +164,7 @@ fn sides_vouched_at(prev: &TurnRecord, ev: &TurnFacts) -> bool {
     if by.synthesized || by.seq.is_none_or(|seq| seq >= ev.seq) {
         return false;
     }
-    !(prev.holds_early() && prev.deadline_ms.is_none_or(|d| d >= ev.stored_ms))
+    !prev.holds_early_at(ev.stored_ms)
 }
 
 /// A response with no turn yet: the turn's record holds it until `turns.early_hold` after it was
@@ -322,7 +317,7 @@ fn answers(
     speaker: Option<&str>,
     failure: bool,
 ) -> bool {
-    let Some(target) = target.map(str::trim).filter(|t| !t.is_empty()) else {
+    let Some(target) = named(target) else {
         return true;
     };
     let Some(speaker) = speaker.map(str::trim) else {
@@ -342,21 +337,19 @@ pub fn spoken_by_a_side(rec: &TurnRecord, ev: &TurnFacts) -> bool {
     {
         return true;
     }
-    let Some(speaker) = ev
-        .from_agent
-        .as_deref()
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-    else {
+    let Some(speaker) = named(ev.from_agent.as_deref()) else {
         return true;
     };
     let sides: Vec<&str> = [rec.sender(), rec.target()]
         .into_iter()
-        .flatten()
-        .map(str::trim)
-        .filter(|a| !a.is_empty())
+        .filter_map(named)
         .collect();
     sides.is_empty() || sides.iter().any(|a| a.eq_ignore_ascii_case(speaker))
+}
+
+/// An agent id as the rules compare it: trimmed; `None` when absent or blank.
+fn named(agent: Option<&str>) -> Option<&str> {
+    agent.map(str::trim).filter(|a| !a.is_empty())
 }
 
 /// A send opens the turn, with its deadline.

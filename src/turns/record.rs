@@ -114,6 +114,12 @@ impl TurnFacts {
     pub fn record_key(&self, partition: u16) -> String {
         exchange_key(self.exchange, partition, &self.key, &self.turn)
     }
+
+    /// The KV key of the conversation's previous turn, for a response that may be a ping-pong
+    /// reply ([`super::previous_turn`]).
+    pub fn previous_record_key(&self, partition: u16) -> Option<String> {
+        super::previous_turn(self).map(|prev| record_key(partition, &self.key, &prev))
+    }
 }
 
 /// The KV key of a turn: `p<partition>.<conversation key>.<turn token>`.
@@ -313,6 +319,12 @@ impl TurnRecord {
         self.state == TurnState::Open
             && self.send.is_none()
             && self.early.as_ref().is_some_and(|e| !e.refused)
+    }
+
+    /// Whether the record still held its early response at event time `stored_ms`: its hold's
+    /// deadline had not passed then (after it, the held response is the turn's).
+    pub fn holds_early_at(&self, stored_ms: i64) -> bool {
+        self.holds_early() && self.deadline_ms.is_none_or(|d| d >= stored_ms)
     }
 }
 

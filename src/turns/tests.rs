@@ -351,8 +351,9 @@ impl Sim {
         if !unrecorded || self.cfg.early_hold.is_zero() {
             return f;
         }
-        let follows = previous_turn(&f)
-            .and_then(|prev| self.kv.get(&record_key(PARTITION, &f.key, &prev)))
+        let follows = f
+            .previous_record_key(PARTITION)
+            .and_then(|key| self.kv.get(&key))
             .is_some_and(|(rec, _)| continues_previous(rec, &f));
         TurnFacts {
             follows_previous: follows,
