@@ -10,44 +10,37 @@ use axum::http::StatusCode;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-/// What a set of slots caps.
+/// What a set of slots caps: the settings that bound it, and how a refusal and a freed place
+/// are worded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Capped {
-    /// `/api/events/stream`.
-    EventStreams,
-    /// `/api/work-sessions`, which reads the whole work-session bucket.
-    SessionLists,
+pub struct Capped {
+    total_setting: &'static str,
+    token_setting: &'static str,
+    code: &'static str,
+    what: &'static str,
+    advice: &'static str,
+    freed: &'static str,
 }
 
 impl Capped {
-    /// The settings of the total cap and of the per-token cap.
-    fn settings(self) -> (&'static str, &'static str) {
-        match self {
-            Capped::EventStreams => ("http.sse_max_streams", "http.sse_max_streams_per_token"),
-            Capped::SessionLists => ("http.session_lists", "http.session_lists_per_token"),
-        }
-    }
-
-    fn code(self) -> &'static str {
-        match self {
-            Capped::EventStreams => "too_many_streams",
-            Capped::SessionLists => "too_many_lists",
-        }
-    }
-
-    fn what(self) -> &'static str {
-        match self {
-            Capped::EventStreams => "event streams open",
-            Capped::SessionLists => "work-session lists being read",
-        }
-    }
-
-    fn advice(self) -> &'static str {
-        match self {
-            Capped::EventStreams => "close one before opening another",
-            Capped::SessionLists => "wait for one to finish",
-        }
-    }
+    /// `/api/events/stream`.
+    pub const EVENT_STREAMS: Capped = Capped {
+        total_setting: "http.sse_max_streams",
+        token_setting: "http.sse_max_streams_per_token",
+        code: "too_many_streams",
+        what: "event streams open",
+        advice: "close one before opening another",
+        freed: "event stream closed",
+    };
+    /// `/api/work-sessions`, which reads the whole work-session bucket.
+    pub const SESSION_LISTS: Capped = Capped {
+        total_setting: "http.session_lists",
+        token_setting: "http.session_lists_per_token",
+        code: "too_many_lists",
+        what: "work-session lists being read",
+        advice: "wait for one to finish",
+        freed: "work-session list done",
+    };
 }
 
 /// The requests of one kind running now, counted.
@@ -95,18 +88,23 @@ impl Slots {
             .open
             .lock()
             .map_err(|_| ApiError::unavailable("request slots", "lock poisoned"))?;
-        let (total_setting, token_setting) = self.capped.settings();
-        let what = self.capped.what();
+        let Capped {
+            total_setting,
+            token_setting,
+            code,
+            what,
+            advice,
+            ..
+        } = self.capped;
         if let Some(t) = token {
             let mine = open.per_token.get(t).copied().unwrap_or(0);
             if mine >= self.max_per_token {
                 return Err(ApiError::new(
                     StatusCode::TOO_MANY_REQUESTS,
-                    self.capped.code(),
+                    code,
                     format!(
-                        "this token already has {mine} {what}, its limit ({token_setting} = {}); {}",
+                        "this token already has {mine} {what}, its limit ({token_setting} = {}); {advice}",
                         self.max_per_token,
-                        self.capped.advice()
                     ),
                 ));
             }
@@ -114,7 +112,7 @@ impl Slots {
         if open.total >= self.max_total {
             return Err(ApiError::new(
                 StatusCode::SERVICE_UNAVAILABLE,
-                self.capped.code(),
+                code,
                 format!(
                     "the server has {} {what}, its limit ({total_setting} = {}); retry later",
                     open.total, self.max_total
@@ -138,10 +136,7 @@ impl Drop for Slot {
             return;
         };
         open.total = open.total.saturating_sub(1);
-        match self.slots.capped {
-            Capped::EventStreams => tracing::debug!(open = open.total, "event stream closed"),
-            Capped::SessionLists => tracing::debug!(open = open.total, "work-session list done"),
-        }
+        tracing::debug!(open = open.total, "{}", self.slots.capped.freed);
         if let Some(t) = &self.token {
             if let Some(n) = open.per_token.get_mut(t) {
                 *n = n.saturating_sub(1);
@@ -159,7 +154,7 @@ mod tests {
 
     #[test]
     fn caps_per_token_and_in_total_and_frees_on_drop() {
-        let slots = Arc::new(Slots::new(Capped::EventStreams, 3, 2));
+        let slots = Arc::new(Slots::new(Capped::EVENT_STREAMS, 3, 2));
         let a1 = slots.acquire(Some("a")).unwrap_or_else(|e| panic!("{e:?}"));
         let _a2 = slots.acquire(Some("a")).unwrap_or_else(|e| panic!("{e:?}"));
         let e = slots
@@ -191,7 +186,7 @@ mod tests {
 
     #[test]
     fn without_tokens_only_the_global_cap_applies() {
-        let slots = Arc::new(Slots::new(Capped::EventStreams, 2, 1));
+        let slots = Arc::new(Slots::new(Capped::EVENT_STREAMS, 2, 1));
         let _x = slots.acquire(None).unwrap_or_else(|e| panic!("{e:?}"));
         let _y = slots.acquire(None).unwrap_or_else(|e| panic!("{e:?}"));
         assert!(slots.acquire(None).is_err());
@@ -199,7 +194,7 @@ mod tests {
 
     #[test]
     fn session_lists_name_their_own_settings() {
-        let slots = Arc::new(Slots::new(Capped::SessionLists, 2, 1));
+        let slots = Arc::new(Slots::new(Capped::SESSION_LISTS, 2, 1));
         let _a = slots.acquire(Some("a")).unwrap_or_else(|e| panic!("{e:?}"));
         let e = slots
             .acquire(Some("a"))

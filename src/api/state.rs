@@ -84,12 +84,12 @@ impl ApiState {
             archive_after: http.archive_after,
             sse: SseLimits::from_settings(http),
             slots: Arc::new(slots::Slots::new(
-                slots::Capped::EventStreams,
+                slots::Capped::EVENT_STREAMS,
                 http.sse_max_streams,
                 http.sse_max_streams_per_token,
             )),
             list_slots: Arc::new(slots::Slots::new(
-                slots::Capped::SessionLists,
+                slots::Capped::SESSION_LISTS,
                 http.session_lists,
                 http.session_lists_per_token,
             )),
