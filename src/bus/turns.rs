@@ -1044,12 +1044,19 @@ impl PartitionTurns {
             }
         }
         let current = self.current_rev(&key).await?;
+        // Only a response with no record yet may be a ping-pong reply the hold lets through; the
+        // key is worked out first, so every other input (a new turn's send among them) skips the
+        // boxed read.
         let ping_pong;
-        let facts = if current.is_none() && !self.cfg.early_hold.is_zero() {
-            ping_pong = Box::pin(self.follows_previous(facts)).await?;
-            ping_pong.as_ref().unwrap_or(facts)
-        } else {
-            facts
+        let prev_key = (current.is_none() && !self.cfg.early_hold.is_zero())
+            .then(|| facts.previous_record_key(self.partition))
+            .flatten();
+        let facts = match prev_key {
+            Some(prev_key) => {
+                ping_pong = Box::pin(self.follows_previous(facts, &prev_key)).await?;
+                ping_pong.as_ref().unwrap_or(facts)
+            }
+            None => facts,
         };
         // The rules only echo the revision back in `Expect::Revision`; the shell writes after
         // the revision it holds, which may still be in flight.
@@ -1132,16 +1139,18 @@ impl PartitionTurns {
     }
 
     /// The facts of a response stored before any send of its turn, marked as continuing the
-    /// conversation's previous turn when it does ([`turns::continues_previous`]: a ping-pong
-    /// reply, which the early hold does not hold); `None` when it does not, or is no response.
+    /// conversation's previous turn (its record at `prev_key`) when it does
+    /// ([`turns::continues_previous`]: a ping-pong reply, which the early hold does not hold);
+    /// `None` when it does not.
     /// The previous turn's record is read as it stands now, possibly changed by messages stored
     /// after the response (processed again after a takeover); the rules count only what was
     /// stored before it, so the answer does not depend on when the response is processed.
-    async fn follows_previous(&self, facts: &TurnFacts) -> Result<Option<TurnFacts>, TurnIoError> {
-        let Some(prev_key) = facts.previous_record_key(self.partition) else {
-            return Ok(None);
-        };
-        let Some((rec, _)) = self.current_rev(&prev_key).await? else {
+    async fn follows_previous(
+        &self,
+        facts: &TurnFacts,
+        prev_key: &str,
+    ) -> Result<Option<TurnFacts>, TurnIoError> {
+        let Some((rec, _)) = self.current_rev(prev_key).await? else {
             return Ok(None);
         };
         Ok(turns::continues_previous(&rec, facts).then(|| TurnFacts {
