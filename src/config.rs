@@ -145,6 +145,14 @@ pub struct WorkerSettings {
     /// it). Failover after a crash takes about this long.
     #[serde(with = "humantime_serde")]
     pub lease_ttl: Duration,
+    /// How long a stopping worker (SIGTERM, Ctrl-C) waits for its partitions to drain: flush
+    /// their open turn records, publish what they hold and acknowledge it. A partition still
+    /// draining then is abandoned unacknowledged (its next owner processes those inputs again,
+    /// and their outputs' Msg-Ids keep them single), its lease left to lapse, and the process
+    /// exits with status 1 naming it. Keep it below the grace period of whatever stops the
+    /// process (Kubernetes: 30 s).
+    #[serde(with = "humantime_serde")]
+    pub drain_timeout: Duration,
     /// Run no work-session fold on this worker. Not a setting: `bench --only breakdown` sets it
     /// to measure what the fold costs.
     #[serde(skip)]
@@ -156,6 +164,7 @@ impl Default for WorkerSettings {
         WorkerSettings {
             id: None,
             lease_ttl: Duration::from_secs(6),
+            drain_timeout: Duration::from_secs(20),
             without_session_fold: false,
         }
     }
@@ -1014,6 +1023,9 @@ impl Settings {
         }
         if self.workers.lease_ttl < Duration::from_secs(1) {
             return bad("workers.lease_ttl must be at least 1s".into());
+        }
+        if self.workers.drain_timeout < Duration::from_secs(1) {
+            return bad("workers.drain_timeout must be at least 1s".into());
         }
         if self.turns.default_timeout.is_zero()
             || self.turns.max_timeout < self.turns.default_timeout

@@ -588,7 +588,16 @@ async fn run(
         telemetry::say(&format!("http listening on {addr}"));
     }
     cancel.cancelled().await;
+    let state = running.worker.as_ref().map(|w| w.state.clone());
     running.wait().await;
+    let undrained = state
+        .and_then(|s| s.undrained.lock().ok().map(|u| u.clone()))
+        .unwrap_or_default();
+    if !undrained.is_empty() {
+        anyhow::bail!(
+            "stopped before partitions {undrained:?} had drained (workers.drain_timeout); nothing is lost: their next owner processes what they left unacknowledged"
+        );
+    }
     tracing::info!("stopped");
     Ok(())
 }

@@ -18,6 +18,9 @@ use futures::StreamExt;
 use schemars::JsonSchema;
 use serde::Serialize;
 use serde_json::Value;
+
+/// How long one fetch of stored messages may go without a word from the server.
+const FETCH_SILENCE: std::time::Duration = std::time::Duration::from_secs(10);
 use std::time::Duration;
 
 /// One stored message.
@@ -223,7 +226,14 @@ async fn visit_consumer(
             .await
             .map_err(|e| ApiError::unavailable("fetch", e))?;
         let mut got = 0usize;
-        while let Some(m) = batch.next().await {
+        // The fetch asks for what is stored already and is answered at once; a request lost
+        // with a connection is never answered, and the client library has no timer on it.
+        loop {
+            let m = match tokio::time::timeout(FETCH_SILENCE, batch.next()).await {
+                Ok(Some(m)) => m,
+                Ok(None) => break,
+                Err(_) => return Err(ApiError::unavailable("fetch", "no answer within 10 s")),
+            };
             let m = m.map_err(|e| ApiError::unavailable("fetch", e))?;
             got += 1;
             let Some(ev) = StoredEvent::from_message(&m) else {

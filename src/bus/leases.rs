@@ -708,10 +708,32 @@ impl LeaseLoop {
             self.set_aside(p, h, true);
         }
         let mut revisions = Vec::new();
-        for l in std::mem::take(&mut self.leaving) {
-            let _ = l.held.task.await;
-            if l.release {
+        // Bounded: a partition stuck on the server (or on a bug) must not keep the process from
+        // exiting. What it did not acknowledge is its next owner's, as after a crash.
+        let drain = self.shared.settings.workers.drain_timeout;
+        let deadline = tokio::time::Instant::now() + drain;
+        let mut undrained = Vec::new();
+        for mut l in std::mem::take(&mut self.leaving) {
+            if tokio::time::timeout_at(deadline, &mut l.held.task)
+                .await
+                .is_err()
+            {
+                l.held.task.abort();
+                undrained.push(l.p);
+            } else if l.release {
                 revisions.push((l.p, l.held.revision));
+            }
+        }
+        if !undrained.is_empty() {
+            error!(
+                partitions = ?undrained,
+                drain_timeout = ?drain,
+                "partitions still draining at workers.drain_timeout: stopped where they were; \
+                 their leases lapse after workers.lease_ttl and the next owner processes their \
+                 unacknowledged inputs again"
+            );
+            if let Ok(mut u) = self.shared.state.undrained.lock() {
+                u.extend(&undrained);
             }
         }
         self.shared

@@ -25,6 +25,11 @@ const FIRST_WAIT: Duration = Duration::from_secs(5);
 const FETCH_CHUNK: usize = 2_000;
 /// How long the server keeps the reader's consumer after its last request.
 const INACTIVE: Duration = Duration::from_secs(60);
+/// How long a request for the rest of a round may go without a word from the server. It asks
+/// for what is stored already, so the server answers at once; a request lost with a connection
+/// (a server restart, a process paused past the server's patience) is answered never, and the
+/// client library sets no timer of its own on such a request.
+const FETCH_SILENCE: Duration = Duration::from_secs(10);
 
 /// A reader of one stream, in order from a start sequence, a round at a time.
 pub struct Rounds {
@@ -117,7 +122,20 @@ impl Rounds {
                 .await
                 .map_err(|e| self.failed(e))?;
             let mut got = 0usize;
-            while let Some(m) = rest.next().await {
+            loop {
+                let next = tokio::select! {
+                    _ = cancel.cancelled() => return Ok(None),
+                    next = tokio::time::timeout(FETCH_SILENCE, rest.next()) => next,
+                };
+                let Some(m) = next.map_err(|_| {
+                    self.failed(format!(
+                        "the server sent nothing for {} s of a request for stored messages",
+                        FETCH_SILENCE.as_secs()
+                    ))
+                })?
+                else {
+                    break;
+                };
                 round.push(self.take(m.map_err(|e| self.failed(e))?)?.0);
                 got += 1;
             }

@@ -31,6 +31,8 @@ pub struct WorkerState {
     pub partitions: std::sync::Mutex<std::collections::BTreeMap<u16, PartitionLag>>,
     /// Each bounded stream's size, as last sampled (`bus::storage`).
     pub storage: std::sync::Mutex<std::collections::BTreeMap<String, telemetry::StreamFill>>,
+    /// The partitions a shutdown abandoned still draining (`workers.drain_timeout`).
+    pub undrained: std::sync::Mutex<Vec<u16>>,
     /// Inputs projected and projections published, by role and type class.
     inputs_projected: telemetry::RoleClassCounters,
     projections: telemetry::RoleClassCounters,
@@ -53,6 +55,7 @@ impl Default for WorkerState {
             last_processed_ms: AtomicI64::new(0),
             partitions: std::sync::Mutex::new(std::collections::BTreeMap::new()),
             storage: std::sync::Mutex::new(std::collections::BTreeMap::new()),
+            undrained: std::sync::Mutex::new(Vec::new()),
             inputs_projected: telemetry::RoleClassCounters::new(
                 telemetry::INPUTS,
                 &[("outcome", "projected")],

@@ -322,18 +322,28 @@ impl Fleet {
         }
     }
 
-    /// SIGTERM and wait for the drain; `false` if it had to be killed.
-    async fn sigterm(&mut self, slot: usize, guard: Duration) -> bool {
+    /// SIGTERM and wait for the drain; what went wrong if the worker had to be killed or
+    /// exited without draining every partition.
+    async fn sigterm(&mut self, slot: usize, guard: Duration) -> Result<(), String> {
         let Some(mut w) = self.slots.get_mut(slot).and_then(Option::take) else {
-            return true;
+            return Ok(());
         };
         w.proc.sigterm();
-        let exited = w.proc.wait_exit(guard).await.is_some();
-        if !exited {
+        let exit = w.proc.wait_exit(guard).await;
+        if exit.is_none() {
             w.proc.kill9();
         }
+        let id = w.id.clone();
         self.graveyard.push((w.id, w.proc));
-        exited
+        match exit {
+            None => Err(format!(
+                "{id} did not exit within {guard:?} of SIGTERM (killed)"
+            )),
+            Some(status) if !status.success() => Err(format!(
+                "{id} exited with {status} after SIGTERM: its drain was cut short (see its log)"
+            )),
+            Some(_) => Ok(()),
+        }
     }
 }
 
@@ -1312,11 +1322,8 @@ impl Bed {
         let id = self.fleet.id(slot).unwrap_or_default();
         let at_ms = now_ms();
         let what = format!("SIGTERM {id} at {:.1}s", self.elapsed());
-        if !self.fleet.sigterm(slot, self.profile.guard).await {
-            self.problems.push(format!(
-                "{id} did not exit within {:?} of SIGTERM (killed)",
-                self.profile.guard
-            ));
+        if let Err(problem) = self.fleet.sigterm(slot, self.profile.guard).await {
+            self.problems.push(problem);
         }
         self.faults.push(Fault {
             at_ms,

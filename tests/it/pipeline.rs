@@ -1674,6 +1674,63 @@ async fn sigterm_drains_and_everything_acknowledged_is_projected() {
     finish_and_check(&nats, &js, producer).await;
 }
 
+#[tokio::test]
+async fn a_drain_cut_short_by_its_timeout_exits_non_zero_and_loses_nothing() {
+    let nats = TestNats::start().await;
+    // The worker reaches the server through a proxy, so its drain can be kept from finishing.
+    let proxy = crate::support::proxy::Proxy::start(nats.port()).await;
+    // Turns left open, their records deferred to the drain, and no blocked response while the
+    // test runs: the drain has records to write. A lease long enough that it stays valid through
+    // the drain (the lease bucket's age is the TTL, so both workers use it).
+    let both = [
+        ("COLLAB_CONSUMER__ACK_WAIT", "30s"),
+        ("COLLAB_TURNS__DEFAULT_TIMEOUT", "600s"),
+        ("COLLAB_TURNS__OPEN_WRITE_DELAY", "10s"),
+        ("COLLAB_WORKERS__LEASE_TTL", "30s"),
+    ];
+    let mut envs = both.to_vec();
+    envs.push(("COLLAB_WORKERS__DRAIN_TIMEOUT", "1s"));
+    let mut first = start_projector(&proxy.url(), &MAIN_AGENTS, &envs).await;
+    let js = nats.jetstream().await;
+    let mut messages: Vec<(String, Vec<u8>)> = (0..20)
+        .map(|i| {
+            let conv = format!("conv-drain-{i}");
+            let body = json!({"type": "a2a.send", "agentId": "ruda",
+                "data": {"fromAgent": "ruda", "toAgent": "eden", "conversationId": conv,
+                         "message": "are you there?"}});
+            (
+                format!("collab.raw.{conv}.a2a.send"),
+                serde_json::to_vec(&body).expect("serialises"),
+            )
+        })
+        .collect();
+    messages.extend(load(2000));
+    let producer = spawn_producer(&js, messages);
+    wait_proj_at_least(&js, 300).await;
+    // Nothing the server says reaches the worker any more: the turn records its drain writes are
+    // never acknowledged.
+    proxy.hold_down(true);
+    first.sigterm();
+    let status = first
+        .wait_exit(GUARD)
+        .await
+        .expect("a drain that cannot finish is cut short at workers.drain_timeout");
+    let log = first.log_text();
+    assert!(
+        !status.success(),
+        "a drain cut short exits non-zero, got {status}: {log}"
+    );
+    assert!(
+        log.contains("partitions still draining at workers.drain_timeout")
+            && log.contains("had drained (workers.drain_timeout)"),
+        "the log names the cut-short drain: {log}"
+    );
+    proxy.hold_down(false);
+    drop(proxy);
+    // The next owner processes what was left unacknowledged: every input once, none lost.
+    finish_and_check_with(&nats, &js, producer, &both).await;
+}
+
 // ---------------------------------------------------------------------------------------------
 // 7. provision
 // ---------------------------------------------------------------------------------------------

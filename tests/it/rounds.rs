@@ -205,3 +205,49 @@ async fn a_lost_consumer_is_an_error_that_names_the_stream() {
     .expect_err("nothing is read past a lost consumer");
     assert!(err.contains("ROUNDS"), "{err}");
 }
+
+#[tokio::test]
+async fn a_request_the_server_never_answers_is_an_error_not_a_wait() {
+    // The reader's connection runs through a proxy whose client-to-server direction is held
+    // while the round gathers: the request for the rest of the round never reaches the server,
+    // as one sent just before a connection drops never does. The round must fail (its reader
+    // then starts again from its checkpoint) rather than wait for an answer that cannot come,
+    // which would also keep a stopping worker from ever finishing its drain.
+    let (nats, js, _) = stream_with(3).await;
+    let proxy = crate::support::proxy::Proxy::start(nats.port()).await;
+    let via = jetstream::new(async_nats::connect(proxy.url()).await.unwrap());
+    let s = via.get_stream("ROUNDS").await.unwrap();
+    let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
+    let mut rounds = Rounds::new(&s, 1).await.unwrap();
+    let gather = Duration::from_millis(1500);
+    let held = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        proxy.hold_up(true);
+        proxy
+    });
+    let err = tokio::time::timeout(
+        Duration::from_secs(60),
+        rounds.next(&cancel, &lease, gather, 100),
+    )
+    .await
+    .expect("an unanswered request ends the round within its silence limit")
+    .expect_err("a round whose rest never came is not handed over as complete");
+    assert!(
+        err.contains("ROUNDS") && err.contains("sent nothing"),
+        "{err}"
+    );
+    let proxy = held.await.unwrap();
+    proxy.hold_up(false);
+    // The stream is intact for the reader that starts again.
+    assert_eq!(
+        js.get_stream("ROUNDS")
+            .await
+            .unwrap()
+            .info()
+            .await
+            .unwrap()
+            .state
+            .messages,
+        3
+    );
+}
