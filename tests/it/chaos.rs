@@ -112,6 +112,9 @@ struct Profile {
     timeout_ms: (u64, u64),
     /// `timeoutMs` range in the mix, short so timeouts fire during failovers.
     mix_timeout_ms: (u64, u64),
+    /// `turns.early_hold`: short, so a reply written before its send is decided within the run
+    /// both ways (taken by its send, or alone once the hold ends).
+    early_hold: Duration,
     tasks: usize,
     convs: usize,
     /// Pause between faults (ms).
@@ -136,6 +139,7 @@ impl Profile {
             ack_wait: Duration::from_secs(3),
             timeout_ms: (800, 2000),
             mix_timeout_ms: (400, 1200),
+            early_hold: Duration::from_secs(2),
             tasks: 64,
             convs: 32,
             fault_every_ms: (1500, 2500),
@@ -161,6 +165,7 @@ impl Profile {
             ack_wait: Duration::from_secs(30),
             timeout_ms: (2000, 10_000),
             mix_timeout_ms: (1000, 4000),
+            early_hold: Duration::from_secs(4),
             tasks: 256,
             convs: 128,
             fault_every_ms: (5000, 9000),
@@ -181,6 +186,7 @@ impl Profile {
             ("COLLAB_NATS__REPLICAS".into(), replicas.to_string()),
             ("COLLAB_WORKERS__LEASE_TTL".into(), d(self.lease_ttl)),
             ("COLLAB_CONSUMER__ACK_WAIT".into(), d(self.ack_wait)),
+            ("COLLAB_TURNS__EARLY_HOLD".into(), d(self.early_hold)),
             (
                 "RUST_LOG".into(),
                 std::env::var("CHAOS_RUST_LOG").unwrap_or_else(|_| "info".into()),
@@ -425,6 +431,7 @@ struct WriterCfg {
     seed: u64,
     rate: f64,
     timeout_ms: (u64, u64),
+    early_hold: Duration,
     tasks: usize,
     convs: usize,
     raw: RawStreams,
@@ -432,6 +439,9 @@ struct WriterCfg {
 
 /// A reply due at a time: (due, tiebreak, conversation, turn, copy).
 type DueReply = Reverse<(Instant, u64, usize, u32, u32)>;
+/// The send of a conversation whose reply was written first, due at a time: (due, tiebreak,
+/// conversation number, `timeoutMs`).
+type DueSend = Reverse<(Instant, u64, u64, u64)>;
 
 async fn publish(
     js: &jetstream::Context,
@@ -486,6 +496,7 @@ async fn write(js: jetstream::Context, cfg: WriterCfg, stop: CancellationToken) 
     let mut n: u64 = 0;
     let mut turns = vec![0u32; cfg.convs];
     let mut due: BinaryHeap<DueReply> = BinaryHeap::new();
+    let mut sends_due: BinaryHeap<DueSend> = BinaryHeap::new();
     let mut tiebreak = 0u64;
     let mut credit = 0.0f64;
     let mut last = Instant::now();
@@ -515,8 +526,34 @@ async fn write(js: jetstream::Context, cfg: WriterCfg, stop: CancellationToken) 
             )
             .await;
         }
+        while let Some(Reverse((at, _, k, timeout))) = sends_due.peek().copied() {
+            if at > now {
+                break;
+            }
+            sends_due.pop();
+            n += 1;
+            let conv = format!("conv-early-{k}");
+            let body = collab(
+                "a2a.send",
+                "ruda",
+                json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": conv,
+                       "turn": 1, "n": n, "timeoutMs": timeout, "message": "task 1"}),
+            );
+            if publish(
+                &js,
+                &cfg.raw,
+                &mut log,
+                n,
+                format!("collab.raw.{conv}.a2a.send"),
+                body,
+            )
+            .await
+            {
+                log.turns += 1;
+            }
+        }
         if stop.is_cancelled() {
-            if due.is_empty() {
+            if due.is_empty() && sends_due.is_empty() {
                 return log;
             }
             continue;
@@ -541,6 +578,37 @@ async fn write(js: jetstream::Context, cfg: WriterCfg, stop: CancellationToken) 
                     body,
                 )
                 .await;
+            } else if r < 0.015 {
+                // A reply written before its send, in a conversation of its own (turn 1, so no
+                // earlier turn vouches for it): the workers hold it until the send comes (which
+                // takes it) or the hold ends (it decides the turn alone, and the send finds the
+                // turn answered). Either way it is the turn's one response.
+                let conv = format!("conv-early-{n}");
+                let body = collab(
+                    "a2a.response",
+                    "eden",
+                    json!({"fromAgent": "eden", "toAgent": "ruda", "conversationId": conv,
+                           "turn": 1, "n": n, "message": format!("answer {conv} 1 early")}),
+                );
+                publish(
+                    &js,
+                    &cfg.raw,
+                    &mut log,
+                    n,
+                    format!("collab.raw.{conv}.a2a.response"),
+                    body,
+                )
+                .await;
+                let hold_ms = cfg.early_hold.as_millis() as f64;
+                let after = hold_ms * rng.random_range(0.0..2.0);
+                let timeout = rng.random_range(cfg.timeout_ms.0..=cfg.timeout_ms.1);
+                tiebreak += 1;
+                sends_due.push(Reverse((
+                    Instant::now() + Duration::from_millis(after as u64),
+                    tiebreak,
+                    n,
+                    timeout,
+                )));
             } else if r < 0.11 {
                 let c = rng.random_range(0..cfg.convs);
                 turns[c] += 1;
@@ -1232,6 +1300,7 @@ impl Bed {
             seed,
             rate: self.profile.rate,
             timeout_ms,
+            early_hold: self.profile.early_hold,
             tasks: self.profile.tasks,
             convs: self.profile.convs,
             raw: self.raw.clone(),
@@ -2179,6 +2248,33 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
             .push(p);
     }
     r.turns = sends.len();
+    // Turns whose first reply was stored before their send: held by the workers, then taken by
+    // the send, or deciding the turn alone once the hold ended (in event time: the send stored
+    // more than the hold after the reply). The checks below are the same for them; this says
+    // both ways were tried.
+    let hold_ms = i64::try_from(bed.profile.early_hold.as_millis()).unwrap_or(i64::MAX);
+    let (mut early_taken, mut early_alone) = (0usize, 0usize);
+    for (k, send) in &sends {
+        let first = replies
+            .get(k)
+            .and_then(|rs| rs.iter().min_by_key(|x| x.seq));
+        if let (Some(reply), [_]) = (
+            first.filter(|x| x.seq < send.seq),
+            responses.get(k).map(Vec::as_slice).unwrap_or_default(),
+        ) {
+            if send.stored_ms > reply.stored_ms + hold_ms {
+                early_alone += 1;
+            } else {
+                early_taken += 1;
+            }
+        }
+    }
+    if early_taken + early_alone > 0 {
+        r.notes.push(format!(
+            "{} turns answered before their send: {early_taken} replies taken by the send, {early_alone} deciding alone at the hold's end",
+            early_taken + early_alone
+        ));
+    }
     for (k, send) in &sends {
         let got = responses.get(k).map(Vec::as_slice).unwrap_or_default();
         if got.len() != 1 {
