@@ -1423,9 +1423,12 @@ async fn throughput_naive(env: &Env, opts: &BenchOptions) -> Result<ThroughputRe
                 "naive: {done} of {n} before the time limit"
             )));
         }
+        // With an expiry, so the client times out a request the server never answers (lost
+        // with a dropped connection) instead of waiting for it forever.
         let mut batch = consumer
             .fetch()
             .max_messages(1)
+            .expires(Duration::from_secs(1))
             .messages()
             .await
             .ctx("fetch")?;

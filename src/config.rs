@@ -149,8 +149,9 @@ pub struct WorkerSettings {
     /// their open turn records, publish what they hold and acknowledge it. A partition still
     /// draining then is abandoned unacknowledged (its next owner processes those inputs again,
     /// and their outputs' Msg-Ids keep them single), its lease left to lapse, and the process
-    /// exits with status 1 naming it. Keep it below the grace period of whatever stops the
-    /// process (Kubernetes: 30 s).
+    /// exits with status 1 naming it. The process is gone within this and about 7 s more (at
+    /// least 2 s to hand the leases back, at most 5 s to flush the last acknowledgements): keep
+    /// that below the grace period of whatever stops the process (Kubernetes: 30 s).
     #[serde(with = "humantime_serde")]
     pub drain_timeout: Duration,
     /// Run no work-session fold on this worker. Not a setting: `bench --only breakdown` sets it

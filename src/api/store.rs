@@ -18,10 +18,10 @@ use futures::StreamExt;
 use schemars::JsonSchema;
 use serde::Serialize;
 use serde_json::Value;
+use std::time::Duration;
 
 /// How long one fetch of stored messages may go without a word from the server.
-const FETCH_SILENCE: std::time::Duration = std::time::Duration::from_secs(10);
-use std::time::Duration;
+const FETCH_SILENCE: Duration = Duration::from_secs(10);
 
 /// One stored message.
 #[derive(Debug, Clone)]
@@ -232,7 +232,10 @@ async fn visit_consumer(
             let m = match tokio::time::timeout(FETCH_SILENCE, batch.next()).await {
                 Ok(Some(m)) => m,
                 Ok(None) => break,
-                Err(_) => return Err(ApiError::unavailable("fetch", "no answer within 10 s")),
+                Err(_) => {
+                    let silence = format!("no answer within {} s", FETCH_SILENCE.as_secs());
+                    return Err(ApiError::unavailable("fetch", silence));
+                }
             };
             let m = m.map_err(|e| ApiError::unavailable("fetch", e))?;
             got += 1;

@@ -37,6 +37,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinHandle;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 use tracing::{error, info, warn};
 
 struct Held {
@@ -141,18 +142,17 @@ fn spawn_partition(
     rt.spawn(
         async move {
             // The owner of partition 0 also folds the projections into the work sessions.
+            // Both end with the partition's task, even one aborted at a drain's timeout.
             let fold = (p == 0 && !shared.settings.workers.without_session_fold).then(|| {
-                shared
-                    .sessions_side
-                    .rt
-                    .handle
-                    .spawn(super::sessions::run_fold(
+                AbortOnDropHandle::new(shared.sessions_side.rt.handle.spawn(
+                    super::sessions::run_fold(
                         shared.sessions.clone(),
                         shared.sessions_side.js.clone(),
                         shared.names.proj_stream.clone(),
                         cancel.clone(),
                         valid_until.clone(),
-                    ))
+                    ),
+                ))
             });
             // ... and exports spans, when an OpenTelemetry endpoint is configured.
             let export = (p == 0)
@@ -166,15 +166,9 @@ fn spawn_partition(
                         kv: shared.sessions.store().clone(),
                         proj_stream: shared.names.proj_stream.clone(),
                     };
-                    shared
-                        .sessions_side
-                        .rt
-                        .handle
-                        .spawn(super::otel::run_export(
-                            job,
-                            cancel.clone(),
-                            valid_until.clone(),
-                        ))
+                    AbortOnDropHandle::new(shared.sessions_side.rt.handle.spawn(
+                        super::otel::run_export(job, cancel.clone(), valid_until.clone()),
+                    ))
                 });
             let mut retry = super::Retry::new(Duration::from_millis(200), Duration::from_secs(5));
             // Interruptions in quick succession (a read of the in-flight range that keeps coming
@@ -419,11 +413,29 @@ pub async fn run(
     if let Some(task) = presence {
         let _ = task.await;
     }
-    if released {
-        info!("leases released");
-    } else {
-        warn!("could not hand the leases back in time; they lapse after the lease TTL");
+    match released {
+        Released {
+            leases: true,
+            kept: 0,
+        } => info!("leases released"),
+        Released { leases: true, kept } => info!(
+            left_to_lapse = kept,
+            "leases of the drained partitions released; those still draining are left to lapse"
+        ),
+        Released { leases: false, .. } => {
+            warn!("could not hand the leases back in time; they lapse after the lease TTL")
+        }
     }
+}
+
+/// How long handing the leases back may take at least, even after a drain used all its time.
+const RELEASE_AT_LEAST: Duration = Duration::from_secs(2);
+
+/// What a shutdown handed back: whether the drained partitions' leases (and the heartbeat) were
+/// deleted in time, and how many leases were kept because their partitions had not drained.
+struct Released {
+    leases: bool,
+    kept: usize,
 }
 
 /// One worker's lease loop: the leases it holds and what it knows of the other workers.
@@ -702,7 +714,7 @@ impl LeaseLoop {
 
     /// Shutdown: drain every partition, then hand the leases back at once (bounded: with the
     /// server unreachable they lapse by themselves after the TTL). Whether they were handed back.
-    async fn hand_back(mut self) -> bool {
+    async fn hand_back(mut self) -> Released {
         // Every partition stops at once; each held lease is deleted once its partition drained.
         for (p, h) in std::mem::take(&mut self.held) {
             self.set_aside(p, h, true);
@@ -714,10 +726,12 @@ impl LeaseLoop {
         let deadline = tokio::time::Instant::now() + drain;
         let mut undrained = Vec::new();
         for mut l in std::mem::take(&mut self.leaving) {
-            if tokio::time::timeout_at(deadline, &mut l.held.task)
+            let drained = tokio::time::timeout_at(deadline, &mut l.held.task)
                 .await
-                .is_err()
-            {
+                .is_ok()
+                || l.held.task.is_finished();
+            if !drained {
+                // With everything it started (see `worker::run_partition`).
                 l.held.task.abort();
                 undrained.push(l.p);
             } else if l.release {
@@ -729,8 +743,8 @@ impl LeaseLoop {
                 partitions = ?undrained,
                 drain_timeout = ?drain,
                 "partitions still draining at workers.drain_timeout: stopped where they were; \
-                 their leases lapse after workers.lease_ttl and the next owner processes their \
-                 unacknowledged inputs again"
+                 their leases are left to lapse (the other workers take them within \
+                 workers.lease_ttl) and the next owner processes their unacknowledged inputs again"
             );
             if let Ok(mut u) = self.shared.state.undrained.lock() {
                 u.extend(&undrained);
@@ -749,7 +763,15 @@ impl LeaseLoop {
             }
             let _ = self.store.delete(&self.heartbeat).await;
         };
-        tokio::time::timeout(self.ttl, release).await.is_ok()
+        // Within what is left of the drain's time, and a little more for a drain that used it
+        // all (the server is likely unreachable then): the process exits within
+        // `workers.drain_timeout` and a few seconds whatever happens.
+        let until = deadline.max(tokio::time::Instant::now() + RELEASE_AT_LEAST);
+        let released = tokio::time::timeout_at(until, release).await.is_ok();
+        Released {
+            leases: released,
+            kept: undrained.len(),
+        }
     }
 }
 

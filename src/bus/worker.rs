@@ -21,7 +21,7 @@ use super::error::{Source, WorkerError};
 use super::lease_lapsed;
 use super::publish::Fence;
 use super::reader::Partition;
-use super::stats::sample_lag;
+use super::stats::{sample_lag, WorkerState};
 use super::turns::{Flush, PartitionTurns, TurnIoError};
 use crate::config::Names;
 use crate::telemetry;
@@ -33,6 +33,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
+use tokio_util::task::AbortOnDropHandle;
 use tracing::{debug, info, warn};
 
 /// The raw stream partition `p` reads now, asked for once the connection is up, with the sets
@@ -170,12 +171,14 @@ pub async fn run_partition(
     };
     let resume_after = checkpoint.resume_after();
     let (mut consumer, recreated) = open_consumer(&shared, &stream, p, resume_after).await?;
-    let watch = tokio::spawn(watch_for_end(
+    // Every task this partition starts is aborted with it: a shutdown that gives up on a drain
+    // (`workers.drain_timeout`) aborts the partition's task, and nothing of it may run on.
+    let watch = AbortOnDropHandle::new(tokio::spawn(watch_for_end(
         stream.clone(),
         shared.names.consumer_name(p),
         moved.clone(),
         cancel.clone(),
-    ));
+    )));
     // A consumer whose acknowledgements stop short of the checkpoint lost some of them (an ack
     // that never reached the server, or consumer state a new consumer leader did not have):
     // what it delivers again may have its outputs stored, beyond any duplicate window.
@@ -192,14 +195,12 @@ pub async fn run_partition(
     } else {
         0
     };
-    shared
-        .state
-        .partitions_running
-        .fetch_add(1, Ordering::Relaxed);
+    let _running = Running::count(&shared.state);
     debug!(partition = p, loaded, "partition started");
     let watermark_ms = Arc::new(AtomicI64::new(0));
     let sampler_stop = CancellationToken::new();
-    let sampler = tokio::spawn(sample_lag(
+    let _sampler_stop_on_abort = sampler_stop.clone().drop_guard();
+    let sampler = AbortOnDropHandle::new(tokio::spawn(sample_lag(
         shared.state.clone(),
         p,
         shared.settings.partition_filter(p),
@@ -207,11 +208,11 @@ pub async fn run_partition(
         stream.clone(),
         watermark_ms.clone(),
         sampler_stop.clone(),
-    ));
+    )));
 
     // Sharded: the first partition of each shard dead-letters what producers stored in it
     // under another shard's keys (see `bus::strays`).
-    let strays = tokio::spawn(super::strays::sweep(
+    let strays = AbortOnDropHandle::new(tokio::spawn(super::strays::sweep(
         shared.clone(),
         super::strays::Shard {
             p,
@@ -221,7 +222,7 @@ pub async fn run_partition(
         fence.clone(),
         sampler_stop.clone(),
         moved.clone(),
-    ));
+    )));
 
     let (tx, rx) = mpsc::channel::<Processed>(512);
     let broken = CancellationToken::new();
@@ -229,17 +230,19 @@ pub async fn run_partition(
         AckPolicy::All => Acks::Last,
         _ => Acks::Each,
     };
-    let acker = tokio::spawn(tracing::Instrument::in_current_span(ack_stage(
-        shared.publisher.clone(),
-        Stage {
-            p,
-            acks,
-            fence: fence.clone(),
-        },
-        rx,
-        checkpoint,
-        cancel.clone(),
-        broken.clone(),
+    let acker = AbortOnDropHandle::new(tokio::spawn(tracing::Instrument::in_current_span(
+        ack_stage(
+            shared.publisher.clone(),
+            Stage {
+                p,
+                acks,
+                fence: fence.clone(),
+            },
+            rx,
+            checkpoint,
+            cancel.clone(),
+            broken.clone(),
+        ),
     )));
     let mut part = Partition {
         shared: &shared,
@@ -292,10 +295,6 @@ pub async fn run_partition(
     sampler_stop.cancel();
     let _ = sampler.await;
     watch.abort();
-    shared
-        .state
-        .partitions_running
-        .fetch_sub(1, Ordering::Relaxed);
     debug!(partition = p, "partition stopped");
     match acked {
         Ok(Err(e)) => return Err(e),
@@ -314,6 +313,22 @@ pub async fn run_partition(
         return Err(moved_on(&shared, p, &stream).await);
     }
     result
+}
+
+/// A partition counted as running for as long as this lives (its task ends, or is aborted).
+struct Running<'a>(&'a WorkerState);
+
+impl<'a> Running<'a> {
+    fn count(state: &'a WorkerState) -> Running<'a> {
+        state.partitions_running.fetch_add(1, Ordering::Relaxed);
+        Running(state)
+    }
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        self.0.partitions_running.fetch_sub(1, Ordering::Relaxed);
+    }
 }
 
 /// Whether the consumer's acknowledgements stop short of the partition's checkpoint, said and

@@ -489,6 +489,54 @@ fn collab(kind: &str, agent: &str, data: Value) -> Bytes {
     Bytes::from(serde_json::to_vec(&v).unwrap_or_default())
 }
 
+/// Publish the send of turn `turn` of `conv` (ruda asks eden), counted once stored.
+async fn publish_send(
+    js: &jetstream::Context,
+    raw: &RawStreams,
+    log: &mut WriterLog,
+    n: u64,
+    conv: &str,
+    turn: u32,
+    timeout_ms: u64,
+) {
+    let body = collab(
+        "a2a.send",
+        "ruda",
+        json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": conv,
+               "turn": turn, "n": n, "timeoutMs": timeout_ms, "message": format!("task {turn}")}),
+    );
+    if publish(js, raw, log, n, format!("collab.raw.{conv}.a2a.send"), body).await {
+        log.turns += 1;
+    }
+}
+
+/// Publish eden's reply to turn `turn` of `conv`; `tag` tells its copies apart.
+async fn publish_reply(
+    js: &jetstream::Context,
+    raw: &RawStreams,
+    log: &mut WriterLog,
+    n: u64,
+    conv: &str,
+    turn: u32,
+    tag: &str,
+) {
+    let body = collab(
+        "a2a.response",
+        "eden",
+        json!({"fromAgent": "eden", "toAgent": "ruda", "conversationId": conv,
+               "turn": turn, "n": n, "message": format!("answer {conv} {turn} {tag}")}),
+    );
+    publish(
+        js,
+        raw,
+        log,
+        n,
+        format!("collab.raw.{conv}.a2a.response"),
+        body,
+    )
+    .await;
+}
+
 /// Publish at `rate` until `stop`, then publish the replies still due, and return the log.
 async fn write(js: jetstream::Context, cfg: WriterCfg, stop: CancellationToken) -> WriterLog {
     let mut rng = StdRng::seed_from_u64(cfg.seed);
@@ -510,21 +558,7 @@ async fn write(js: jetstream::Context, cfg: WriterCfg, stop: CancellationToken) 
             due.pop();
             n += 1;
             let conv = format!("conv-{c}");
-            let body = collab(
-                "a2a.response",
-                "eden",
-                json!({"fromAgent": "eden", "toAgent": "ruda", "conversationId": conv,
-                       "turn": t, "n": n, "message": format!("answer {conv} {t} #{copy}")}),
-            );
-            publish(
-                &js,
-                &cfg.raw,
-                &mut log,
-                n,
-                format!("collab.raw.{conv}.a2a.response"),
-                body,
-            )
-            .await;
+            publish_reply(&js, &cfg.raw, &mut log, n, &conv, t, &format!("#{copy}")).await;
         }
         while let Some(Reverse((at, _, k, timeout))) = sends_due.peek().copied() {
             if at > now {
@@ -533,24 +567,7 @@ async fn write(js: jetstream::Context, cfg: WriterCfg, stop: CancellationToken) 
             sends_due.pop();
             n += 1;
             let conv = format!("conv-early-{k}");
-            let body = collab(
-                "a2a.send",
-                "ruda",
-                json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": conv,
-                       "turn": 1, "n": n, "timeoutMs": timeout, "message": "task 1"}),
-            );
-            if publish(
-                &js,
-                &cfg.raw,
-                &mut log,
-                n,
-                format!("collab.raw.{conv}.a2a.send"),
-                body,
-            )
-            .await
-            {
-                log.turns += 1;
-            }
+            publish_send(&js, &cfg.raw, &mut log, n, &conv, 1, timeout).await;
         }
         if stop.is_cancelled() {
             if due.is_empty() && sends_due.is_empty() {
@@ -584,21 +601,7 @@ async fn write(js: jetstream::Context, cfg: WriterCfg, stop: CancellationToken) 
                 // takes it) or the hold ends (it decides the turn alone, and the send finds the
                 // turn answered). Either way it is the turn's one response.
                 let conv = format!("conv-early-{n}");
-                let body = collab(
-                    "a2a.response",
-                    "eden",
-                    json!({"fromAgent": "eden", "toAgent": "ruda", "conversationId": conv,
-                           "turn": 1, "n": n, "message": format!("answer {conv} 1 early")}),
-                );
-                publish(
-                    &js,
-                    &cfg.raw,
-                    &mut log,
-                    n,
-                    format!("collab.raw.{conv}.a2a.response"),
-                    body,
-                )
-                .await;
+                publish_reply(&js, &cfg.raw, &mut log, n, &conv, 1, "early").await;
                 let hold_ms = cfg.early_hold.as_millis() as f64;
                 let after = hold_ms * rng.random_range(0.0..2.0);
                 let timeout = rng.random_range(cfg.timeout_ms.0..=cfg.timeout_ms.1);
@@ -615,24 +618,7 @@ async fn write(js: jetstream::Context, cfg: WriterCfg, stop: CancellationToken) 
                 let t = turns[c];
                 let timeout = rng.random_range(cfg.timeout_ms.0..=cfg.timeout_ms.1);
                 let conv = format!("conv-{c}");
-                let body = collab(
-                    "a2a.send",
-                    "ruda",
-                    json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": conv,
-                           "turn": t, "n": n, "timeoutMs": timeout, "message": format!("task {t}")}),
-                );
-                if publish(
-                    &js,
-                    &cfg.raw,
-                    &mut log,
-                    n,
-                    format!("collab.raw.{conv}.a2a.send"),
-                    body,
-                )
-                .await
-                {
-                    log.turns += 1;
-                }
+                publish_send(&js, &cfg.raw, &mut log, n, &conv, t, timeout).await;
                 // Most turns get a reply, about a fifth of those after the deadline; some a
                 // duplicate; a quarter none.
                 if rng.random_bool(0.75) {

@@ -206,22 +206,31 @@ async fn a_lost_consumer_is_an_error_that_names_the_stream() {
     assert!(err.contains("ROUNDS"), "{err}");
 }
 
-#[tokio::test]
-async fn a_request_the_server_never_answers_is_an_error_not_a_wait() {
-    // The reader's connection runs through a proxy whose client-to-server direction is held
-    // while the round gathers: the request for the rest of the round never reaches the server,
-    // as one sent just before a connection drops never does. The round must fail (its reader
-    // then starts again from its checkpoint) rather than wait for an answer that cannot come,
-    // which would also keep a stopping worker from ever finishing its drain.
-    let (nats, js, _) = stream_with(3).await;
+/// A reader of the test stream through a proxy, and the gathering time to give its round. The
+/// tests hold what the reader sends once the round's first message is in: the request for the
+/// rest of the round never reaches the server, as one sent just before a connection drops never
+/// does.
+async fn reader_behind_a_held_proxy(
+    nats: &LocalNats,
+) -> (crate::support::proxy::Proxy, Rounds, Duration) {
     let proxy = crate::support::proxy::Proxy::start(nats.port()).await;
     let via = jetstream::new(async_nats::connect(proxy.url()).await.unwrap());
     let s = via.get_stream("ROUNDS").await.unwrap();
+    let rounds = Rounds::new(&s, 1).await.unwrap();
+    // Long enough that the hold, set a second in, lands while the round gathers on any machine.
+    (proxy, rounds, Duration::from_secs(5))
+}
+
+#[tokio::test]
+async fn a_request_the_server_never_answers_is_an_error_not_a_wait() {
+    // The round must fail (its reader then starts again from its checkpoint) rather than wait
+    // for an answer that cannot come, which would also keep a stopping worker from ever
+    // finishing its drain.
+    let (nats, js, _) = stream_with(3).await;
+    let (proxy, mut rounds, gather) = reader_behind_a_held_proxy(&nats).await;
     let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
-    let mut rounds = Rounds::new(&s, 1).await.unwrap();
-    let gather = Duration::from_millis(1500);
     let held = tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(500)).await;
+        tokio::time::sleep(Duration::from_secs(1)).await;
         proxy.hold_up(true);
         proxy
     });
@@ -234,20 +243,45 @@ async fn a_request_the_server_never_answers_is_an_error_not_a_wait() {
     .expect_err("a round whose rest never came is not handed over as complete");
     assert!(
         err.contains("ROUNDS") && err.contains("sent nothing"),
-        "{err}"
+        "the request for the round's rest timed out: {err}"
     );
-    let proxy = held.await.unwrap();
-    proxy.hold_up(false);
-    // The stream is intact for the reader that starts again.
-    assert_eq!(
-        js.get_stream("ROUNDS")
-            .await
-            .unwrap()
-            .info()
-            .await
-            .unwrap()
-            .state
-            .messages,
-        3
-    );
+    held.await.unwrap().hold_up(false);
+    // A reader that starts again from the same place reads every message, in order.
+    let s = js.get_stream("ROUNDS").await.unwrap();
+    let mut again = Rounds::new(&s, 1).await.unwrap();
+    let round = again
+        .next(&cancel, &lease, GATHER, 100)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(bodies(&round), vec![1, 2, 3]);
+}
+
+#[tokio::test]
+async fn a_reader_waiting_on_an_unanswered_request_stops_when_cancelled() {
+    let (nats, _js, _) = stream_with(3).await;
+    let (proxy, mut rounds, gather) = reader_behind_a_held_proxy(&nats).await;
+    let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
+    let stop = cancel.clone();
+    let held = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        proxy.hold_up(true);
+        // Past the gathering time: the request for the rest is out, and unanswered.
+        tokio::time::sleep(Duration::from_secs(6)).await;
+        stop.cancel();
+        proxy
+    });
+    let got = tokio::time::timeout(
+        Duration::from_secs(60),
+        rounds.next(&cancel, &lease, gather, 100),
+    )
+    .await
+    .expect("a cancelled reader returns");
+    // Cancelled 7 s in, before the request's 10 s of silence could end the round (15 s in, an
+    // error): what it returns says which came first.
+    match got {
+        Ok(None) => {}
+        other => panic!("the cancellation ends the wait, with no round: {other:?}"),
+    }
+    held.await.unwrap().hold_up(false);
 }
