@@ -260,8 +260,9 @@ pub struct ThroughputResult {
     /// JetStream API requests the server counted over the scenario (consumer info, stream info,
     /// ...; not pulls, publishes or KV reads).
     pub js_api_requests: Option<u64>,
-    /// Deliveries beyond one per message (sum of the partition consumers' delivery sequences
-    /// minus the inputs): messages handed out again after their ack wait.
+    /// Deliveries beyond one per stored message (sum of the partition consumers' delivery
+    /// sequences minus the raw streams' messages: the inputs and any watermark barriers):
+    /// messages handed out again after their ack wait.
     pub redelivered: Option<u64>,
     /// CPU per input, in microseconds: the server's and the worker's (cores x seconds / inputs).
     pub server_us_per_input: Option<f64>,
@@ -599,7 +600,14 @@ impl Env {
         for i in infos {
             total += i.ok()?.delivered.consumer_sequence;
         }
-        Some(total.saturating_sub(inputs))
+        // Every message in the raw streams is delivered once: the inputs, and the watermark
+        // barriers idle partitions sent themselves (each is delivered, and none is an input).
+        // Only deliveries beyond those are redeliveries.
+        let mut stored = 0u64;
+        for name in &self.names().raw_streams {
+            stored += self.stream_last_seq(name).await?;
+        }
+        Some(total.saturating_sub(stored.max(inputs)))
     }
 
     /// The account's JetStream API request count.
