@@ -803,6 +803,11 @@ enum ReadLayout {
     /// `n` consumers, consumer `c` with the filters of partitions `c`, `c + n`, `c + 2n`, ...
     /// (`filters:<n>`): one consumer per worker over the partitions it owns, for `n` workers.
     Filters(u16),
+    /// `n` consumers, consumer `c` reading the same partitions as `filters:<n>` through one
+    /// filter, the raw layout's token of count `n` (`groups:<n>`, `n` a count the layout
+    /// supports): the partitions congruent to `c` modulo `n` are exactly the keys whose
+    /// `n`-token is `c`.
+    Groups(u16),
 }
 
 impl ReadLayout {
@@ -813,22 +818,28 @@ impl ReadLayout {
         let Ok(v) = std::env::var("COLLAB_BENCH_PARTITIONED") else {
             return Ok(ReadLayout::Whole);
         };
-        let layout = match v.trim() {
-            "" | "1" | "true" | "yes" => ReadLayout::PerPartition,
-            other => other
-                .strip_prefix("filters:")
+        let count = |prefix: &str, v: &str| {
+            v.strip_prefix(prefix)
                 .and_then(|n| n.trim().parse::<u16>().ok())
                 .filter(|n| *n > 0)
+        };
+        let layout = match v.trim() {
+            "" | "1" | "true" | "yes" => ReadLayout::PerPartition,
+            other => count("filters:", other)
                 .map(ReadLayout::Filters)
+                .or_else(|| count("groups:", other).map(ReadLayout::Groups))
                 .ok_or_else(|| {
                     BenchError::Setup(format!(
-                        "COLLAB_BENCH_PARTITIONED={other:?}: use 1 (one consumer per partition) or filters:<n> (n consumers over the partitions' filters)"
+                        "COLLAB_BENCH_PARTITIONED={other:?}: use 1 (one consumer per partition), filters:<n> (n consumers over the partitions' filters) or groups:<n> (n consumers, one filter each)"
                     ))
                 })?,
         };
         match layout {
-            ReadLayout::Filters(c) if c > partitions || shards != 1 => Err(BenchError::Setup(format!(
-                "COLLAB_BENCH_PARTITIONED=filters:{c} needs one raw stream (there are {shards}) and at most {partitions} consumers"
+            ReadLayout::Filters(c) | ReadLayout::Groups(c) if c > partitions || shards != 1 => Err(BenchError::Setup(format!(
+                "COLLAB_BENCH_PARTITIONED={v}: needs one raw stream (there are {shards}) and at most {partitions} consumers"
+            ))),
+            ReadLayout::Groups(c) if c > 1 && partitions % c != 0 => Err(BenchError::Setup(format!(
+                "COLLAB_BENCH_PARTITIONED=groups:{c}: {c} must divide the partition count ({partitions})"
             ))),
             layout => Ok(layout),
         }
@@ -877,6 +888,24 @@ async fn start_passthrough(
                 (0, format!("bench-passthrough-f{c}"), owned)
             })
             .collect(),
+        ReadLayout::Groups(n) => {
+            let layout = env.settings().layout();
+            if !layout.supports(n) {
+                return Err(BenchError::Setup(format!(
+                    "COLLAB_BENCH_PARTITIONED=groups:{n}: the raw layout has no token for {n} (it supports {})",
+                    layout.counts()
+                )));
+            }
+            (0..n)
+                .map(|c| {
+                    (
+                        0,
+                        format!("bench-passthrough-g{c}"),
+                        vec![layout.filter(&names.prefix, n, c)],
+                    )
+                })
+                .collect()
+        }
         ReadLayout::Whole => (0..streams.len())
             .map(|i| {
                 (
