@@ -23,6 +23,15 @@ use tokio_util::sync::CancellationToken;
 const FIRST_WAIT: Duration = Duration::from_secs(5);
 /// The most messages one request for the rest of a round asks for.
 const FETCH_CHUNK: usize = 2_000;
+/// A small round (fewer than `PACE_BELOW` messages left to read, the rounds of a reader that
+/// keeps up at moderate rates) is fetched `PACED_CHUNK` at a time, `PACE_GAP` apart, rather
+/// than all at once: a burst of a thousand deliveries competes with the partitions' own
+/// traffic for the server, and showed in their latency tail (docs/performance.md, "Where the
+/// latency tail and the 1M slide come from"). A larger round, or a reader behind, is fetched
+/// as before, so its catching up is not slowed.
+const PACE_BELOW: u64 = 2_000;
+const PACED_CHUNK: usize = 100;
+const PACE_GAP: Duration = Duration::from_millis(2);
 /// How long the server keeps the reader's consumer after its last request.
 const INACTIVE: Duration = Duration::from_secs(60);
 /// How long a request for the rest of a round may go without a word from the server. It asks
@@ -112,8 +121,21 @@ impl Rounds {
                 _ = tokio::time::sleep(gather) => {}
             }
         }
+        // Paced while the round stays small (see `PACE_BELOW`); once more than that is left to
+        // read, the rest comes without pauses.
+        let mut paced = stored < max;
+        // Messages stored behind the last one taken (unknown until the first fetch).
+        let mut left: Option<u64> = None;
         while round.len() < max {
-            let want = (max - round.len()).min(FETCH_CHUNK);
+            paced = paced && left.is_none_or(|l| l < PACE_BELOW);
+            if paced && left.is_some() {
+                tokio::select! {
+                    _ = cancel.cancelled() => return Ok(None),
+                    _ = tokio::time::sleep(PACE_GAP) => {}
+                }
+            }
+            let chunk = if paced { PACED_CHUNK } else { FETCH_CHUNK };
+            let want = (max - round.len()).min(chunk);
             let mut rest = self
                 .consumer
                 .fetch()
@@ -136,7 +158,9 @@ impl Rounds {
                 else {
                     break;
                 };
-                round.push(self.take(m.map_err(|e| self.failed(e))?)?.0);
+                let (m, pending) = self.take(m.map_err(|e| self.failed(e))?)?;
+                left = Some(pending);
+                round.push(m);
                 got += 1;
             }
             if got < want {

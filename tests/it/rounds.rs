@@ -113,6 +113,31 @@ async fn rounds_take_every_message_once_in_order_in_bursts_of_at_most_max() {
 }
 
 #[tokio::test]
+async fn a_small_round_fetched_in_paced_chunks_and_a_larger_one_both_come_whole() {
+    let (_nats, js, s) = stream_with(1).await;
+    let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
+    let mut rounds = Rounds::new(&s, 1).await.unwrap();
+    // 451 stored: fewer than the pacing threshold, so the round is fetched a hundred at a time
+    // with pauses between, and still ends only where the stored messages do.
+    publish(&js, 2, 451).await;
+    let round = rounds
+        .next(&cancel, &lease, GATHER, 1000)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(bodies(&round), (1..=451).collect::<Vec<_>>());
+    // 2,600 stored: more than the threshold is left after the first chunk, so the rest comes
+    // without pauses, in the same round.
+    publish(&js, 452, 3051).await;
+    let round = rounds
+        .next(&cancel, &lease, GATHER, 5000)
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(bodies(&round), (452..=3051).collect::<Vec<_>>());
+}
+
+#[tokio::test]
 async fn a_reader_a_whole_round_behind_takes_its_round_without_gathering() {
     let (_nats, js, s) = stream_with(1).await;
     let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
