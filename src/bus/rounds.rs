@@ -5,8 +5,9 @@
 //! the moment it is stored: at moderate rates that is one server write and one wake-up of the
 //! reader per projection, for readers that only act once a round has gathered. [`Rounds`] asks
 //! for the first message of a round and waits for it; once the round's gathering time has passed
-//! it asks for what has been stored since, which the server sends back to back. A reader a whole
-//! round behind does not wait: its round is there to be read.
+//! it asks for what has been stored since: a small round a hundred at a time with short pauses
+//! between, so its burst does not hold up the partitions' own traffic at the server, a larger
+//! one back to back. A reader a whole round behind does not wait: its round is there to be read.
 //!
 //! The consumer is ephemeral, in memory and unacknowledged, as an ordered consumer's is, and
 //! every delivery must follow the one before it (consumer sequence `n + 1` after `n`). A gap, a
