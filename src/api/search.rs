@@ -138,9 +138,11 @@ fn criteria(params: &Params) -> Result<Criteria, ApiError> {
     let time = |name: &'static str| -> Result<Option<DateTime<Utc>>, ApiError> {
         params
             .one(name)?
-            .filter(|v| !v.trim().is_empty())
+            // Only ASCII whitespace counts as none (`query::trim`): a value of other blanks
+            // (U+00A0, say) is a value, and not a time.
+            .filter(|v| !query::trim(v).is_empty())
             .map(|v| {
-                v.trim().parse::<DateTime<Utc>>().map_err(|_| {
+                query::trim(&v).parse::<DateTime<Utc>>().map_err(|_| {
                     ApiError::bad_request(
                         "invalid_time",
                         format!(
@@ -153,9 +155,9 @@ fn criteria(params: &Params) -> Result<Criteria, ApiError> {
     };
     let outcome = params
         .one("outcome")?
-        .filter(|v| !v.trim().is_empty())
+        .filter(|v| !query::trim(v).is_empty())
         .map(|v| {
-            Outcome::parse(v.trim()).ok_or_else(|| {
+            Outcome::parse(query::trim(&v)).ok_or_else(|| {
                 ApiError::bad_request(
                     "invalid_outcome",
                     format!("unknown outcome `{v}`; valid outcomes are: blocked, waiting, error"),
@@ -280,6 +282,23 @@ mod tests {
 
     fn c() -> Criteria {
         Criteria::default()
+    }
+
+    #[test]
+    fn only_ascii_blanks_count_as_no_outcome_or_time() {
+        let read = |name: &str, v: &str| {
+            criteria(&Params::new(vec![(name.to_string(), v.to_string())], &PARAMS).unwrap())
+        };
+        assert!(read("outcome", "").unwrap().outcome.is_none());
+        assert!(read("outcome", " \t").unwrap().outcome.is_none());
+        assert_eq!(
+            read("outcome", " blocked ").unwrap().outcome,
+            Some(Outcome::Blocked)
+        );
+        // U+00A0 is no ASCII blank: the value is there, and no outcome.
+        assert!(read("outcome", "\u{a0}").is_err());
+        assert!(read("since", "\u{a0}").is_err());
+        assert!(read("since", "").unwrap().since.is_none());
     }
 
     #[test]
