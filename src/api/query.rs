@@ -83,6 +83,16 @@ impl Params {
         }
         Ok(first.map(str::to_string))
     }
+
+    /// The single value of `name` (as [`Params::one`]) without the ASCII whitespace around it
+    /// ([`trim`]); `None` when it is absent or blank. Other blanks (U+00A0, say) are part of
+    /// the value, so a parameter with a fixed set of values refuses them.
+    pub fn one_trimmed(&self, name: &str) -> Result<Option<String>, ApiError> {
+        Ok(self
+            .one(name)?
+            .map(|v| trim(&v).to_string())
+            .filter(|v| !v.is_empty()))
+    }
 }
 
 /// `s` without leading and trailing ASCII whitespace (space, tab, CR, LF, form feed): what the

@@ -137,12 +137,9 @@ impl Criteria {
 fn criteria(params: &Params) -> Result<Criteria, ApiError> {
     let time = |name: &'static str| -> Result<Option<DateTime<Utc>>, ApiError> {
         params
-            .one(name)?
-            // Only ASCII whitespace counts as none (`query::trim`): a value of other blanks
-            // (U+00A0, say) is a value, and not a time.
-            .filter(|v| !query::trim(v).is_empty())
+            .one_trimmed(name)?
             .map(|v| {
-                query::trim(&v).parse::<DateTime<Utc>>().map_err(|_| {
+                v.parse::<DateTime<Utc>>().map_err(|_| {
                     ApiError::bad_request(
                         "invalid_time",
                         format!(
@@ -154,10 +151,9 @@ fn criteria(params: &Params) -> Result<Criteria, ApiError> {
             .transpose()
     };
     let outcome = params
-        .one("outcome")?
-        .filter(|v| !query::trim(v).is_empty())
+        .one_trimmed("outcome")?
         .map(|v| {
-            Outcome::parse(query::trim(&v)).ok_or_else(|| {
+            Outcome::parse(&v).ok_or_else(|| {
                 ApiError::bad_request(
                     "invalid_outcome",
                     format!("unknown outcome `{v}`; valid outcomes are: blocked, waiting, error"),

@@ -44,6 +44,16 @@ async fn publish(js: &jetstream::Context, from: u64, to: u64) {
     }
 }
 
+/// The next round of `rounds`, gathering for `GATHER`, never cancelled.
+async fn next_round(rounds: &mut Rounds, max: usize) -> Vec<jetstream::Message> {
+    let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
+    rounds
+        .next(&cancel, &lease, GATHER, max)
+        .await
+        .unwrap()
+        .unwrap()
+}
+
 /// Whether `rounds.next` gives no round when cancelled `after` into its wait.
 async fn cancelled_while_waiting(
     rounds: &mut Rounds,
@@ -81,14 +91,9 @@ fn stream_seqs(round: &[jetstream::Message]) -> Vec<u64> {
 #[tokio::test]
 async fn rounds_take_every_message_once_in_order_in_bursts_of_at_most_max() {
     let (_nats, js, s) = stream_with(5).await;
-    let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
     let mut rounds = Rounds::new(&s, 1).await.unwrap();
 
-    let first = rounds
-        .next(&cancel, &lease, GATHER, 100)
-        .await
-        .unwrap()
-        .unwrap();
+    let first = next_round(&mut rounds, 100).await;
     assert_eq!(bodies(&first), (1..=5).collect::<Vec<_>>());
 
     // More than one request's worth, and more than one round's: the rounds split them in order.
@@ -96,11 +101,7 @@ async fn rounds_take_every_message_once_in_order_in_bursts_of_at_most_max() {
     let mut taken = Vec::new();
     let mut sizes = Vec::new();
     while taken.len() < 4500 {
-        let round = rounds
-            .next(&cancel, &lease, GATHER, 3000)
-            .await
-            .unwrap()
-            .unwrap();
+        let round = next_round(&mut rounds, 3000).await;
         sizes.push(round.len());
         taken.extend(bodies(&round));
     }
@@ -115,25 +116,16 @@ async fn rounds_take_every_message_once_in_order_in_bursts_of_at_most_max() {
 #[tokio::test]
 async fn a_small_round_fetched_in_paced_chunks_and_a_larger_one_both_come_whole() {
     let (_nats, js, s) = stream_with(1).await;
-    let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
     let mut rounds = Rounds::new(&s, 1).await.unwrap();
     // 451 stored: fewer than the pacing threshold, so the round is fetched a hundred at a time
     // with pauses between, and still ends only where the stored messages do.
     publish(&js, 2, 451).await;
-    let round = rounds
-        .next(&cancel, &lease, GATHER, 1000)
-        .await
-        .unwrap()
-        .unwrap();
+    let round = next_round(&mut rounds, 1000).await;
     assert_eq!(bodies(&round), (1..=451).collect::<Vec<_>>());
     // 2,600 stored: more than the threshold is left after the first chunk, so the rest comes
     // without pauses, in the same round.
     publish(&js, 452, 3051).await;
-    let round = rounds
-        .next(&cancel, &lease, GATHER, 5000)
-        .await
-        .unwrap()
-        .unwrap();
+    let round = next_round(&mut rounds, 5000).await;
     assert_eq!(bodies(&round), (452..=3051).collect::<Vec<_>>());
 }
 
@@ -167,16 +159,7 @@ async fn a_round_waits_for_its_first_message_and_gathers_what_follows() {
     let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
     // From a start past the first messages: those before it are not read.
     let mut rounds = Rounds::new(&s, 3).await.unwrap();
-    assert_eq!(
-        stream_seqs(
-            &rounds
-                .next(&cancel, &lease, GATHER, 100)
-                .await
-                .unwrap()
-                .unwrap()
-        ),
-        vec![3]
-    );
+    assert_eq!(stream_seqs(&next_round(&mut rounds, 100).await), vec![3]);
 
     let later = {
         let js = js.clone();
@@ -208,15 +191,7 @@ async fn a_lost_consumer_is_an_error_that_names_the_stream() {
     let (_nats, js, s) = stream_with(2).await;
     let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
     let mut rounds = Rounds::new(&s, 1).await.unwrap();
-    assert_eq!(
-        rounds
-            .next(&cancel, &lease, GATHER, 100)
-            .await
-            .unwrap()
-            .unwrap()
-            .len(),
-        2
-    );
+    assert_eq!(next_round(&mut rounds, 100).await.len(), 2);
     let names: Vec<String> = s.consumer_names().try_collect().await.unwrap();
     assert_eq!(names.len(), 1, "one consumer reads the stream: {names:?}");
     s.delete_consumer(&names[0]).await.unwrap();
@@ -274,11 +249,7 @@ async fn a_request_the_server_never_answers_is_an_error_not_a_wait() {
     // A reader that starts again from the same place reads every message, in order.
     let s = js.get_stream("ROUNDS").await.unwrap();
     let mut again = Rounds::new(&s, 1).await.unwrap();
-    let round = again
-        .next(&cancel, &lease, GATHER, 100)
-        .await
-        .unwrap()
-        .unwrap();
+    let round = next_round(&mut again, 100).await;
     assert_eq!(bodies(&round), vec![1, 2, 3]);
 }
 
