@@ -3,12 +3,13 @@
 
 use super::auth::Caller;
 use super::error::ApiError;
+use super::query::PathParam;
 use super::state::ApiState;
 use crate::blobs::{self, META_CONTENT_TYPE, META_ROLE, META_SHA256};
 use crate::model::Role;
 use async_nats::jetstream::object_store::InfoErrorKind;
 use axum::body::Body;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::http::{header, HeaderValue, StatusCode};
 use axum::response::Response;
 use axum::Extension;
@@ -26,7 +27,7 @@ fn missing(id: &str) -> ApiError {
 pub async fn one(
     State(state): State<ApiState>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathParam(id): PathParam,
 ) -> Result<Response, ApiError> {
     if !blobs::is_id(&id) {
         return Err(ApiError::not_found(

@@ -47,12 +47,25 @@ pub use query::QueryPairs;
 pub use state::{ApiState, ApiStats, SseLimits};
 
 use axum::http::{header, HeaderValue};
-use axum::response::Response;
+use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::{middleware, Router};
 
 async fn not_found() -> ApiError {
     ApiError::not_found("no such API endpoint; see /api/openapi.json")
+}
+
+/// Every API endpoint is read-only: another method gets a JSON error naming the one served.
+async fn method_not_allowed() -> Response {
+    let mut resp = ApiError::new(
+        axum::http::StatusCode::METHOD_NOT_ALLOWED,
+        "method_not_allowed",
+        "the API is read-only: use GET (see /api/openapi.json)",
+    )
+    .into_response();
+    resp.headers_mut()
+        .insert(header::ALLOW, HeaderValue::from_static("GET, HEAD"));
+    resp
 }
 
 /// Mark every API response as not to be sniffed nor stored.
@@ -109,6 +122,7 @@ pub fn router(state: ApiState) -> Router {
         .merge(protected)
         .route("/api", get(not_found))
         .route("/api/{*rest}", get(not_found))
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::map_response(no_sniff_no_store))
         .with_state(state)
 }

@@ -23,6 +23,25 @@ impl<S: Send + Sync> FromRequestParts<S> for QueryPairs {
     }
 }
 
+/// One path parameter, with a JSON error when it is not URL-encoded UTF-8 (`/api/threads/%FF`).
+pub struct PathParam(pub String);
+
+impl<S: Send + Sync> FromRequestParts<S> for PathParam {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        axum::extract::Path::<String>::from_request_parts(parts, state)
+            .await
+            .map(|p| PathParam(p.0))
+            .map_err(|_| {
+                ApiError::bad_request(
+                    "bad_path",
+                    "the path's last segment is not URL-encoded UTF-8: percent-encode the UTF-8 bytes of the id",
+                )
+            })
+    }
+}
+
 /// The raw query pairs, checked against the parameters an endpoint accepts.
 #[derive(Debug, Clone)]
 pub struct Params(Vec<(String, String)>);
@@ -59,10 +78,12 @@ impl Params {
     /// whitespace around each trimmed, empty ones dropped, duplicates removed (first occurrence
     /// kept).
     pub fn list(&self, name: &str) -> Vec<String> {
+        // A set, not a scan of `out`: a query of many distinct values costs linear time.
+        let mut seen = std::collections::HashSet::new();
         let mut out: Vec<String> = Vec::new();
         for v in self.values(name) {
             for part in v.split(',').map(trim).filter(|p| !p.is_empty()) {
-                if !out.iter().any(|o| o == part) {
+                if seen.insert(part) {
                     out.push(part.to_string());
                 }
             }
@@ -413,6 +434,15 @@ mod tests {
                 .map(|(k, v)| (k.to_string(), v.to_string()))
                 .collect(),
         )
+    }
+
+    #[test]
+    fn many_distinct_values_are_listed_once_each_in_order() {
+        let values: Vec<String> = (0..100_000).map(|i| format!("r{i}")).collect();
+        let joined = values.join(",");
+        let q = p(&[("role", joined.as_str()), ("role", "r0,r99999,r5")]);
+        assert_eq!(q.list("role"), values);
+        assert!(roles(&q).is_err_and(|e| e.code == "invalid_role"));
     }
 
     #[test]

@@ -10,6 +10,7 @@
 use super::error::{ApiError, ErrorBody};
 use super::events::EventPage;
 use super::me::Me;
+use super::query::PathParam;
 use super::search::SearchPage;
 use super::sessions::{WorkSessionList, WorkSessionResponse};
 use super::store::EventItem;
@@ -19,7 +20,6 @@ use super::tree::TreeResponse;
 use super::waiting::WaitingList;
 use crate::model::Envelope;
 use crate::turns::payload::{BlockedPayload, RunFailedPayload, SuppressedPayload};
-use axum::extract::Path;
 use axum::http::header;
 use axum::response::{IntoResponse, Response};
 use axum::Json;
@@ -271,7 +271,7 @@ pub async fn index() -> Json<SchemaIndex> {
 }
 
 /// `GET /api/schemas/{name}`.
-pub async fn one(Path(name): Path<String>) -> Result<Response, ApiError> {
+pub async fn one(PathParam(name): PathParam) -> Result<Response, ApiError> {
     let text = served()
         .texts
         .iter()

@@ -139,14 +139,20 @@ fn criteria(params: &Params) -> Result<Criteria, ApiError> {
         params
             .one_trimmed(name)?
             .map(|v| {
-                v.parse::<DateTime<Utc>>().map_err(|_| {
-                    ApiError::bad_request(
-                        "invalid_time",
-                        format!(
+                // The strict RFC 3339 parser (four-digit years, `T` or a space between date and
+                // time, an offset), as the OpenAPI document's `date-time` says: the relaxed one
+                // behind `str::parse` also takes years of any length, up to where arithmetic on
+                // them overflows.
+                DateTime::parse_from_rfc3339(&v)
+                    .map(|t| t.with_timezone(&Utc))
+                    .map_err(|_| {
+                        ApiError::bad_request(
+                            "invalid_time",
+                            format!(
                             "`{name}` is {v:?}: give an RFC 3339 time such as 2026-11-27T09:00:00Z"
                         ),
-                    )
-                })
+                        )
+                    })
             })
             .transpose()
     };
@@ -222,7 +228,10 @@ pub async fn search(
             {
                 // Store times only grow along the stream: once they are before `since` (with a
                 // minute for producers' clocks), nothing older can match.
-                if stored < since - chrono::Duration::minutes(1) {
+                let floor = since
+                    .checked_sub_signed(chrono::Duration::minutes(1))
+                    .unwrap_or(DateTime::<Utc>::MIN_UTC);
+                if stored < floor {
                     past_since = true;
                     break;
                 }
@@ -295,6 +304,31 @@ mod tests {
         assert!(read("outcome", "\u{a0}").is_err());
         assert!(read("since", "\u{a0}").is_err());
         assert!(read("since", "").unwrap().since.is_none());
+    }
+
+    #[test]
+    fn times_are_rfc_3339_with_four_digit_years() {
+        let read = |v: &str| {
+            criteria(&Params::new(vec![("since".to_string(), v.to_string())], &PARAMS).unwrap())
+        };
+        for good in [
+            "2026-11-27T09:00:00Z",
+            "2026-11-27T09:00:00.250+01:00",
+            "0000-01-01T00:00:00Z",
+        ] {
+            assert!(read(good).is_ok_and(|c| c.since.is_some()), "{good}");
+        }
+        // Years the relaxed parser takes, the earliest of which overflowed the search's floor.
+        for bad in [
+            "-262143-01-01T00:00:00Z",
+            "+10000-01-01T00:00:00Z",
+            "2026-11-27T09:00:00 UTC",
+        ] {
+            assert!(
+                read(bad).is_err_and(|e| e.code == "invalid_time"),
+                "{bad} should be refused"
+            );
+        }
     }
 
     #[test]

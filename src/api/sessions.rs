@@ -3,13 +3,13 @@
 
 use super::auth::Caller;
 use super::error::ApiError;
-use super::query::{self, Params, QueryPairs};
+use super::query::{self, Params, PathParam, QueryPairs};
 use super::state::ApiState;
 use super::{mplp, store};
 use crate::bus::sessions::session_key;
 use crate::model::Role;
 use crate::sessions::{SessionView, Status, ViewOptions, WorkSession};
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use chrono::{SecondsFormat, Utc};
@@ -157,7 +157,7 @@ impl Eq for Ranked {}
 pub async fn one(
     State(state): State<ApiState>,
     Extension(caller): Extension<Caller>,
-    Path(id): Path<String>,
+    PathParam(id): PathParam,
     QueryPairs(pairs): QueryPairs,
 ) -> Result<Response, ApiError> {
     let params = Params::new(pairs, &ONE_PARAMS)?;

@@ -7,12 +7,12 @@
 
 use super::auth::Caller;
 use super::error::ApiError;
-use super::query::{self, Params, QueryPairs};
+use super::query::{self, Params, PathParam, QueryPairs};
 use super::state::ApiState;
 use super::store;
 use crate::model::{Envelope, Role};
 use crate::threads::{self, ThreadView};
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::{Extension, Json};
 use schemars::JsonSchema;
 use serde::Serialize;
@@ -25,7 +25,7 @@ const PARAMS: [&str; 1] = ["role"];
 pub async fn one(
     State(state): State<ApiState>,
     Extension(caller): Extension<Caller>,
-    Path(key): Path<String>,
+    PathParam(key): PathParam,
     QueryPairs(pairs): QueryPairs,
 ) -> Result<Json<ThreadResponse>, ApiError> {
     let params = Params::new(pairs, &PARAMS)?;

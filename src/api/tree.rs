@@ -12,14 +12,14 @@
 
 use super::auth::Caller;
 use super::error::ApiError;
-use super::query::{self, Params, QueryPairs};
+use super::query::{self, Params, PathParam, QueryPairs};
 use super::state::ApiState;
 use super::store::{self, subject_parts};
 use crate::model::{Envelope, Role};
 use crate::threads::Stored;
 use crate::tree::{self, ItemRef, KeyEvents, LinkIndex, TreeNode};
 use async_nats::jetstream::stream::Stream;
-use axum::extract::{Path, State};
+use axum::extract::State;
 use axum::{Extension, Json};
 use schemars::JsonSchema;
 use serde::Serialize;
@@ -43,7 +43,7 @@ const PARAMS: [&str; 2] = ["role", "item"];
 pub async fn tree(
     State(state): State<ApiState>,
     Extension(caller): Extension<Caller>,
-    Path(key): Path<String>,
+    PathParam(key): PathParam,
     QueryPairs(pairs): QueryPairs,
 ) -> Result<Json<TreeResponse>, ApiError> {
     let params = Params::new(pairs, &PARAMS)?;

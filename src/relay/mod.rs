@@ -387,6 +387,36 @@ fn shown_url(url: &reqwest::Url) -> String {
 
 /// Whether `value` can be a NATS header value: no control characters (a CR or LF would end the
 /// header block).
+/// The headers every message of an exchange carries.
+fn shared_headers(
+    id: &str,
+    from_agent: &str,
+    to_agent: &str,
+    plan: &wire::Plan,
+) -> async_nats::HeaderMap {
+    let mut shared = async_nats::HeaderMap::new();
+    shared.insert(headers::FROM_AGENT, from_agent);
+    shared.insert(headers::TO_AGENT, to_agent);
+    shared.insert(headers::EXCHANGE, id);
+    if let Some(m) = plan.rest_method {
+        shared.insert(headers::A2A_METHOD, m);
+    }
+    // A run id is named here only while it is short: the caller chooses it, and every frame
+    // of the exchange would store it again.
+    if let Some(r) = plan
+        .run_id
+        .as_deref()
+        .filter(|r| header_safe(r) && r.len() <= MAX_RUN_ID_HEADER)
+    {
+        shared.insert(headers::RUN_ID, r);
+    }
+    shared
+}
+
+/// The longest run id (bytes) the relay names in the `Collab-Run-Id` header of an exchange's
+/// messages; a longer one stays in the events' own bodies only.
+pub const MAX_RUN_ID_HEADER: usize = 256;
+
 fn header_safe(value: &str) -> bool {
     !value.chars().any(char::is_control)
 }
@@ -763,22 +793,12 @@ impl Proxy {
     /// The exchange's key and the headers its messages share.
     fn exchange(&self, id: String, from_agent: &str, plan: &wire::Plan) -> Exchange {
         let key = encode_id(plan.context_id.as_deref().unwrap_or(&id));
-        let mut shared = async_nats::HeaderMap::new();
-        shared.insert(headers::FROM_AGENT, from_agent);
-        shared.insert(headers::TO_AGENT, self.to_agent.as_str());
-        shared.insert(headers::EXCHANGE, id.as_str());
-        if let Some(m) = plan.rest_method {
-            shared.insert(headers::A2A_METHOD, m);
-        }
-        if let Some(r) = plan.run_id.as_deref().filter(|r| header_safe(r)) {
-            shared.insert(headers::RUN_ID, r);
-        }
         Exchange {
-            id,
             key,
             caller: from_agent.to_string(),
             agent: self.to_agent.clone(),
-            headers: shared,
+            headers: shared_headers(&id, from_agent, &self.to_agent, plan),
+            id,
             next: 0,
             prefix: self.prefix.clone(),
             queue: self.queue.clone(),

@@ -26,6 +26,36 @@ pub struct Outgoing {
     pub kind: Kind,
 }
 
+impl Outgoing {
+    /// The bytes this message holds and sends: its payload and its headers as the NATS
+    /// protocol writes them (`NATS/1.0`, `name: value` lines, the blank line). The queue's
+    /// byte bound and the server's `max_payload` count both.
+    pub fn wire_len(&self) -> usize {
+        headers_wire_len(&self.headers).saturating_add(self.payload.len())
+    }
+}
+
+/// The size of `headers` on the wire (none: no header block at all).
+pub fn headers_wire_len(headers: &async_nats::HeaderMap) -> usize {
+    if headers.is_empty() {
+        return 0;
+    }
+    let lines: usize = headers
+        .iter()
+        .map(|(name, values)| {
+            let name: &str = name.as_ref();
+            values
+                .iter()
+                .map(|v| {
+                    let v: &str = v.as_ref();
+                    name.len() + v.len() + 4
+                })
+                .sum::<usize>()
+        })
+        .sum();
+    "NATS/1.0\r\n".len() + lines + 2
+}
+
 /// Why a message never reached the raw stream: the `reason` label of
 /// `collab_relay_dropped_total`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -214,7 +244,7 @@ impl Queue {
 
     /// Hand `msg` to the publisher, or drop it when the queue is full.
     pub fn offer(&self, msg: Outgoing) {
-        let size = msg.payload.len();
+        let size = msg.wire_len();
         let before = self.shared.bytes.fetch_add(size, Ordering::Relaxed);
         if before.saturating_add(size) > self.shared.max_bytes {
             self.shared.release(size);
@@ -346,7 +376,7 @@ impl Shared {
 fn drain_dropping(shared: &Shared, rx: &mut mpsc::Receiver<Outgoing>) {
     rx.close();
     while let Ok(msg) = rx.try_recv() {
-        shared.release(msg.payload.len());
+        shared.release(msg.wire_len());
         shared.dropped(DropReason::Shutdown);
     }
     metrics::gauge!(telemetry::RELAY_QUEUE_DEPTH).set(0.0);
@@ -421,7 +451,7 @@ async fn publish_batch(
     failures: &RateLimited,
     flush: Flush<'_>,
 ) {
-    let held: usize = batch.iter().map(|m| m.payload.len()).sum();
+    let held: usize = batch.iter().map(Outgoing::wire_len).sum();
     let mut todo: Vec<(Outgoing, u32)> = batch.drain(..).map(|m| (m, 0)).collect();
     publish_until_done(client, js, &mut todo, shared, failures, flush).await;
     // Released only now: while NATS is away the batch is held, and it counts against the bound.
@@ -442,7 +472,7 @@ async fn publish_until_done(
         let mut sent: Vec<(Outgoing, u32, Result<PublishAckFuture, PublishErrorKind>)> =
             Vec::with_capacity(todo.len());
         for (msg, attempts) in todo.drain(..) {
-            if max_payload > 0 && msg.payload.len() > max_payload {
+            if max_payload > 0 && msg.wire_len() > max_payload {
                 shared.dropped(DropReason::TooLarge);
                 continue;
             }

@@ -366,6 +366,62 @@ fn the_queue_is_bounded_in_messages_and_in_bytes() {
     assert_eq!(sizes, vec![40, 40, 10]);
 }
 
+#[test]
+fn the_queue_counts_headers_as_they_go_on_the_wire() {
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Collab-Run-Id", "x".repeat(60).as_str());
+    // "NATS/1.0\r\n" + "Collab-Run-Id: " + 60 + "\r\n" + "\r\n"
+    assert_eq!(
+        super::publisher::headers_wire_len(&headers),
+        10 + 13 + 2 + 60 + 2 + 2
+    );
+    assert_eq!(
+        super::publisher::headers_wire_len(&async_nats::HeaderMap::new()),
+        0
+    );
+    let msg = |headers: async_nats::HeaderMap| Outgoing {
+        subject: "collab.raw.k.agui".into(),
+        headers,
+        payload: Bytes::from_static(b"{}"),
+        kind: Kind::Agui,
+    };
+    let (queue, mut rx) = Queue::new(10, 100);
+    queue.offer(msg(headers.clone())); // 89 + 2 bytes
+    queue.offer(msg(headers)); // over the 100-byte bound by its headers alone
+    queue.offer(msg(async_nats::HeaderMap::new()));
+    let mut kept = Vec::new();
+    while let Ok(m) = rx.try_recv() {
+        kept.push(m.wire_len());
+    }
+    assert_eq!(kept, vec![91, 2]);
+}
+
+#[test]
+fn a_long_run_id_is_not_copied_into_every_message() {
+    let plan_of = |run: &str| {
+        plan(
+            Protocol::Agui,
+            "POST",
+            "/",
+            RequestBytes::Whole(
+                format!(r#"{{"threadId":"t1","runId":"{run}","messages":[]}}"#).as_bytes(),
+            ),
+        )
+    };
+    let short = super::shared_headers("ex-1", "ui", "planner", &plan_of("r-1"));
+    assert_eq!(
+        short.get("Collab-Run-Id").map(|v| v.to_string()),
+        Some("r-1".to_string())
+    );
+    let edge = "r".repeat(super::MAX_RUN_ID_HEADER);
+    let at_limit = super::shared_headers("ex-1", "ui", "planner", &plan_of(&edge));
+    assert!(at_limit.get("Collab-Run-Id").is_some());
+    let long = "r".repeat(600_000);
+    let over = super::shared_headers("ex-1", "ui", "planner", &plan_of(&long));
+    assert!(over.get("Collab-Run-Id").is_none());
+    assert!(super::publisher::headers_wire_len(&over) < 200);
+}
+
 /// Every escape attempt is refused for the rule it breaks; legitimate paths, dot segments
 /// included, stay under the base and reach the agent resolved.
 #[test]

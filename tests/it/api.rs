@@ -658,6 +658,49 @@ async fn events_reject_bad_parameters_with_json_errors() {
         "not_found",
     )
     .await;
+    // A path segment that is no UTF-8: the same JSON error body as every other 400.
+    for uri in [
+        "/api/threads/%FF",
+        "/api/tree/%C3",
+        "/api/work-sessions/%FF",
+        "/api/blobs/%FF",
+        "/api/schemas/%FF",
+    ] {
+        let (status, content_type, body) = request(&app, uri, None).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{uri}: {body}");
+        assert!(
+            content_type.starts_with("application/json"),
+            "{uri}: {content_type}"
+        );
+        assert_eq!(body["error"]["code"], "bad_path", "{uri}: {body}");
+    }
+    // Another method than GET: 405 with a JSON body and the methods served.
+    for uri in ["/api/events", "/api/work-sessions/x", "/api/nothing-here"] {
+        let resp = app
+            .clone()
+            .oneshot(
+                Request::builder()
+                    .method("POST")
+                    .uri(uri)
+                    .body(Body::empty())
+                    .expect("a request"),
+            )
+            .await
+            .expect("the router answers");
+        assert_eq!(resp.status(), StatusCode::METHOD_NOT_ALLOWED, "{uri}");
+        assert_eq!(
+            resp.headers()
+                .get(axum::http::header::ALLOW)
+                .and_then(|v| v.to_str().ok()),
+            Some("GET, HEAD"),
+            "{uri}"
+        );
+        let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+            .await
+            .expect("a body");
+        let body: Value = serde_json::from_slice(&bytes).expect("a JSON error body");
+        assert_eq!(body["error"]["code"], "method_not_allowed", "{uri}: {body}");
+    }
 
     // A cursor older than retention: 410 with the oldest valid cursor, which works.
     for i in 0..10 {
@@ -705,6 +748,19 @@ async fn events_reject_bad_parameters_with_json_errors() {
     let doc = ok(&app, "/api/openapi.json").await;
     assert_eq!(doc["openapi"], "3.1.0");
     assert!(doc["paths"]["/api/events/stream"]["get"].is_object());
+
+    // The earliest time the relaxed date parser reads: refused, no overflow in the search.
+    // (the stream holds events, so the search compares store times with its floor)
+    err(
+        &app,
+        "/api/search?since=-262143-01-01T00:00:00Z",
+        None,
+        StatusCode::BAD_REQUEST,
+        "invalid_time",
+    )
+    .await;
+    let found = ok(&app, "/api/search?since=0000-01-01T00:00:00Z&limit=1").await;
+    assert_eq!(found["count"], 1, "{found}");
 }
 
 #[tokio::test]
