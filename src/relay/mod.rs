@@ -125,6 +125,8 @@ pub struct RunningRelay {
     pub http_addr: Option<SocketAddr>,
     server: tokio::task::JoinHandle<()>,
     tracker: TaskTracker,
+    exchanges: TaskTracker,
+    cut: CancellationToken,
     publisher_stop: CancellationToken,
     cancel: CancellationToken,
     drain_timeout: Duration,
@@ -145,6 +147,20 @@ impl RunningRelay {
             );
             self.server.abort();
         }
+        // Exchanges whose callers left may still be reading their answers; they get the drain
+        // time too, then stop.
+        self.exchanges.close();
+        if tokio::time::timeout(self.drain_timeout, self.exchanges.wait())
+            .await
+            .is_err()
+        {
+            warn!(
+                drain_timeout = ?self.drain_timeout,
+                "answers still being read after the drain time are cut off"
+            );
+            self.cut.cancel();
+            self.exchanges.wait().await;
+        }
         self.publisher_stop.cancel();
         self.tracker.close();
         self.tracker.wait().await;
@@ -163,7 +179,16 @@ struct Proxy {
     prefix: String,
     max_message: usize,
     queue: Queue,
+    /// Exchanges in flight: each runs on a task of its own, so a caller that hangs up does not
+    /// cut off an exchange the agent has accepted (see [`forward`]).
+    exchanges: TaskTracker,
+    /// Fired when the drain time is over: exchanges still reading an answer stop.
+    cut: CancellationToken,
 }
+
+/// After its caller has gone, how long an exchange still reads the agent's answer to publish
+/// it.
+pub const LINGER_AFTER_CALLER: Duration = Duration::from_secs(30);
 
 /// Check the options, bind the proxy (and the metrics endpoint), and start the publisher. The
 /// relay serves at once; NATS is connected in the background.
@@ -207,6 +232,8 @@ pub async fn start(
         publisher_stop.clone(),
     ));
 
+    let exchanges = TaskTracker::new();
+    let cut = CancellationToken::new();
     let proxy = Arc::new(Proxy {
         protocol: opts.protocol,
         upstream: opts.upstream.clone(),
@@ -218,6 +245,8 @@ pub async fn start(
         prefix: settings.nats.prefix.clone(),
         max_message: opts.max_message_bytes,
         queue,
+        exchanges: exchanges.clone(),
+        cut: cut.clone(),
     });
     if proxy.limiter.is_some() || proxy.bytes.is_some() {
         // Buckets that filled up again are forgotten, so the map holds only recent callers.
@@ -286,6 +315,8 @@ pub async fn start(
         http_addr,
         server,
         tracker,
+        exchanges,
+        cut,
         publisher_stop,
         cancel,
         drain_timeout: opts.drain_timeout,
@@ -693,7 +724,7 @@ async fn forward(State(proxy): State<Arc<Proxy>>, req: Request) -> Response {
     if let Some(note) = plan.note {
         debug!(exchange = %exchange_id, method = %parts.method, "{note}");
     }
-    let mut exchange = proxy.exchange(exchange_id, &caller, &plan);
+    let exchange = proxy.exchange(exchange_id, &caller, &plan);
     // What the request contributes once the agent accepts it: the body, or a count.
     let request = plan.request.map(|kind| match &body {
         RequestBody::Whole(b) => (kind, Some(b.clone())),
@@ -701,6 +732,52 @@ async fn forward(State(proxy): State<Arc<Proxy>>, req: Request) -> Response {
     });
     let head = parts.method == axum::http::Method::HEAD;
     let url = upstream_url(&proxy.upstream, &path, parts.uri.query());
+    // From here the exchange runs on a task of its own: a caller that hangs up while the agent
+    // works drops this handler, not the exchange, so what the agent accepted is still
+    // published (and its answer, read for up to LINGER_AFTER_CALLER after the caller left).
+    let own = proxy.clone();
+    let exchange_task = proxy.exchanges.spawn(async move {
+        let proxy = own;
+        exchange_with(
+            &proxy,
+            parts,
+            url,
+            body,
+            request,
+            plan.publish_answers,
+            head,
+            exchange,
+            caller,
+        )
+        .await
+    });
+    match exchange_task.await {
+        Ok(response) => response,
+        Err(e) => {
+            warn!(error = %e, "an exchange's task failed");
+            relay_error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                "relay_error",
+                "the relay failed while forwarding the request".into(),
+            )
+        }
+    }
+}
+
+/// Send the request upstream; once the agent accepts it, queue it for publishing and pass the
+/// answer back (published as it is read).
+#[allow(clippy::too_many_arguments)]
+async fn exchange_with(
+    proxy: &Proxy,
+    parts: axum::http::request::Parts,
+    url: reqwest::Url,
+    body: RequestBody,
+    request: Option<(Kind, Option<Bytes>)>,
+    publish_answers: bool,
+    head: bool,
+    mut exchange: Exchange,
+    caller: String,
+) -> Response {
     match proxy.send(parts, url, body).await {
         Ok(answer) if answer.status().is_success() => {
             RequestOutcome::Forwarded.count();
@@ -713,7 +790,7 @@ async fn forward(State(proxy): State<Arc<Proxy>>, req: Request) -> Response {
                 }
                 None => {}
             }
-            proxy.pass_back(answer, plan.publish_answers, head, exchange)
+            proxy.pass_back(answer, publish_answers, head, exchange)
         }
         Ok(answer) => {
             RequestOutcome::RejectedStatus.count();
@@ -832,6 +909,51 @@ impl Proxy {
         upstream.send().await
     }
 
+    /// The answer's body for the caller, read from the agent by a task of its own: when the
+    /// caller hangs up, an answer that is published is still read to its end (for up to
+    /// [`LINGER_AFTER_CALLER`]) and published; one that is not is dropped at once.
+    fn pumped(&self, mut tap: Tap) -> Body {
+        let (tx, rx) = tokio::sync::mpsc::channel::<reqwest::Result<Bytes>>(4);
+        let publishes = !matches!(tap.watch, Watch::Nothing);
+        let cut = self.cut.clone();
+        self.exchanges.spawn(async move {
+            let mut caller = Some(tx);
+            let linger = tokio::time::sleep(Duration::MAX);
+            tokio::pin!(linger);
+            let mut lingering = false;
+            loop {
+                let next = tokio::select! {
+                    next = tap.next() => next,
+                    _ = cut.cancelled() => break,
+                    _ = &mut linger, if lingering => {
+                        debug!(exchange = %tap.exchange.id, "the caller left and the answer did not end in time: the rest is not published");
+                        break;
+                    }
+                };
+                let Some(item) = next else { break };
+                let Some(to_caller) = &caller else { continue };
+                let sent = tokio::select! {
+                    sent = to_caller.send(item) => sent.is_ok(),
+                    _ = cut.cancelled() => break,
+                };
+                if !sent {
+                    caller = None;
+                    if !publishes {
+                        break;
+                    }
+                    debug!(exchange = %tap.exchange.id, "the caller left before the answer ended: reading the rest to publish it");
+                    lingering = true;
+                    linger
+                        .as_mut()
+                        .reset(tokio::time::Instant::now() + LINGER_AFTER_CALLER);
+                }
+            }
+        });
+        Body::from_stream(futures::stream::unfold(rx, |mut rx| async move {
+            rx.recv().await.map(|item| (item, rx))
+        }))
+    }
+
     /// The caller's 502 when the upstream gave no answer.
     fn bad_gateway(&self, e: reqwest::Error, exchange: &str) -> Response {
         let unreachable = e.is_connect() || e.is_timeout();
@@ -910,7 +1032,7 @@ impl Proxy {
             encoding,
             expected,
         );
-        let mut response = Response::new(Body::from_stream(tap));
+        let mut response = Response::new(self.pumped(tap));
         *response.status_mut() = status;
         *response.headers_mut() = headers;
         response
@@ -1157,7 +1279,7 @@ impl Stream for Tap {
 impl Drop for Tap {
     fn drop(&mut self) {
         if !self.done && !matches!(self.watch, Watch::Nothing) {
-            debug!(exchange = %self.exchange.id, "the caller left before the answer ended: what had passed is published, the rest is not");
+            debug!(exchange = %self.exchange.id, "the answer was not read to its end: what had been read is published, the rest is not");
         }
     }
 }

@@ -171,6 +171,16 @@ async fn agent_handler(State(state): State<AgentState>, req: Request) -> Respons
                     gzip(SEND_RESPONSE),
                 )
                     .into_response(),
+                Some("message/send") if parts.headers.contains_key("x-answer-after-ms") => {
+                    // An agent that works a while before it answers (an LLM call).
+                    let ms = parts.headers["x-answer-after-ms"]
+                        .to_str()
+                        .ok()
+                        .and_then(|v| v.parse().ok())
+                        .unwrap_or(1000);
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    json(SEND_RESPONSE)
+                }
                 Some("message/send") => json(SEND_RESPONSE),
                 Some("message/stream") => {
                     let release = state.release.clone();
@@ -582,6 +592,83 @@ async fn relay_streams_sse_frames_as_they_come_and_publishes_each_frame() {
             m.header("Nats-Msg-Id"),
             Some(format!("{exchange}:{}", i + 1))
         );
+    }
+    drop(relay.process);
+}
+
+/// Send `body` as a JSON POST over a raw connection, read until `until` holds for what came
+/// back (or nothing, with `until` = `None`: leave right after sending), then hang up.
+async fn post_and_hang_up(addr: &str, body: &str, extra: &str, until: Option<&[u8]>) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let request = format!(
+        "POST / HTTP/1.1\r\nhost: relay\r\ncontent-type: application/json\r\n{extra}content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    stream.write_all(request.as_bytes()).await.unwrap();
+    if let Some(until) = until {
+        let mut got = Vec::new();
+        let mut buf = [0u8; 4096];
+        tokio::time::timeout(WAIT, async {
+            while !got.windows(until.len()).any(|w| w == until) {
+                let n = stream.read(&mut buf).await.unwrap();
+                assert!(
+                    n > 0,
+                    "the relay closed first: {:?}",
+                    String::from_utf8_lossy(&got)
+                );
+                got.extend_from_slice(&buf[..n]);
+            }
+        })
+        .await
+        .expect("the answer's start arrives");
+    } else {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Gone: no more reading, the socket closed.
+    drop(stream);
+}
+
+#[tokio::test]
+async fn relay_publishes_an_exchange_whose_caller_hung_up() {
+    let nats = TestNats::start().await;
+    let js = provisioned(&nats.url()).await;
+    let agent = start_agent().await;
+    let relay = start_relay("a2a", &nats.url(), &agent.url(), &[]).await;
+
+    // 1. The caller leaves while the agent is still working on a unary send: the agent got
+    //    the send and answers a second later, and both sides are published.
+    let send = json_rpc_send(1, "message/send", "ctx-send");
+    post_and_hang_up(&relay.addr, &send, "x-answer-after-ms: 1000\r\n", None).await;
+    let raw = raw_messages(&js, 2).await;
+    assert_eq!(agent.seen().len(), 1, "the agent got the send");
+    assert_eq!(
+        (raw[0].kind.as_str(), raw[0].text()),
+        ("a2a.wire.request", send.as_str())
+    );
+    assert_eq!(
+        (raw[1].kind.as_str(), raw[1].text()),
+        ("a2a.wire.response", SEND_RESPONSE)
+    );
+
+    // 2. The caller leaves after the first frame of a stream; the agent sends the rest later,
+    //    and every frame is published.
+    let stream = json_rpc_send(2, "message/stream", "ctx-stream");
+    post_and_hang_up(
+        &relay.addr,
+        &stream,
+        "accept: text/event-stream\r\n",
+        Some(b"stream opened"),
+    )
+    .await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    agent.state.release.notify_one();
+    let frames = stream_frames();
+    let raw = raw_messages(&js, 2 + 1 + frames.len() as u64).await;
+    assert_eq!(raw[2].text(), stream);
+    for (i, frame) in frames.iter().enumerate() {
+        assert_eq!(raw[3 + i].kind, "a2a.wire.stream");
+        assert_eq!(raw[3 + i].text(), frame, "frame {i}");
     }
     drop(relay.process);
 }
