@@ -39,6 +39,9 @@ pub(crate) struct Processed {
     issued: tokio::time::Instant,
     /// The raw store time of `msg` (ms since the epoch), for the end-to-end latency.
     stored_ms: Option<i64>,
+    /// The raw sequence of the input these are the outputs of (`None`: no input's, a deadline
+    /// decided while idle or a barrier).
+    input_seq: Option<u64>,
 }
 
 impl Processed {
@@ -59,7 +62,15 @@ impl Processed {
             holds: fx.holds,
             issued: tokio::time::Instant::now(),
             stored_ms,
+            input_seq: None,
         }
+    }
+
+    /// The same, named as the outputs of input `seq`: a publish of them that stops the
+    /// partition is charged to that input (see [`Stage::failed_input`]).
+    pub(crate) fn of_input(mut self, seq: u64) -> Processed {
+        self.input_seq = Some(seq);
+        self
     }
 
     /// `last`, a stand-in for the last delivery a previous owner left unacknowledged (see
@@ -178,7 +189,12 @@ pub(crate) async fn ack_stage(
     cancel: CancellationToken,
     broken: CancellationToken,
 ) -> Result<(), WorkerError> {
-    let Stage { p, acks, fence } = stage;
+    let Stage {
+        p,
+        acks,
+        fence,
+        failed_input,
+    } = stage;
     let refused = |e: TurnIoError| {
         warn!(partition = p, error = %e, "turn state write refused; restarting the partition");
         broken.cancel();
@@ -248,9 +264,19 @@ pub(crate) async fn ack_stage(
             for idx in 0..items.len() {
                 let publishes = std::mem::take(&mut items[idx].publishes);
                 let (issued, stored_ms) = (items[idx].issued, items[idx].stored_ms);
-                let awaited = issuer
+                let awaited = match issuer
                     .await_publishes(publishes, issued, stored_ms, &items, &latencies)
-                    .await?;
+                    .await
+                {
+                    Ok(awaited) => awaited,
+                    Err(e) => {
+                        if let (WorkerError::Publish { .. }, Some(seq)) = (&e, items[idx].input_seq)
+                        {
+                            failed_input(seq);
+                        }
+                        return Err(e);
+                    }
+                };
                 if let Awaited::ShuttingDown = awaited {
                     return Ok(());
                 }
@@ -309,6 +335,10 @@ pub(crate) struct Stage {
     pub(crate) p: u16,
     pub(crate) acks: Acks,
     pub(crate) fence: Fence,
+    /// Told the raw sequence of an input whose publish stopped the partition: the replay's
+    /// delivery count of that input (so a publish that keeps failing for one input
+    /// dead-letters it `max_deliver` instead of stopping its partition for good).
+    pub(crate) failed_input: Box<dyn Fn(u64) + Send + Sync>,
 }
 
 /// The raw sequence of the last of `ready` (inputs in partition order).
@@ -394,7 +424,7 @@ impl Issuer<'_> {
         for (out, state) in publishes {
             let failed = match state {
                 Issued::Sent(fut) => match fut.await {
-                    Ok(_) => false,
+                    Ok(_) => self.publisher.lose_ack().await,
                     Err(e) => match publish::classify(&out.subject, e) {
                         Failure::Transient { .. } => true,
                         f => return Err(stopped(self.publisher.count_failure(f))),

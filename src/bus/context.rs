@@ -42,10 +42,8 @@ pub struct WorkerContext {
     pub usage_meter: crate::telemetry::UsageMeter,
     /// The runtime the partitions run on (the lease loop spawns them here).
     pub partitions_rt: tokio::runtime::Handle,
-    /// How often each partition's replay started at the same sequence in a row (partition ->
-    /// (sequence, attempts)): the replay path's delivery count, so `max_deliver` holds there
-    /// too.
-    replay_attempts: Mutex<HashMap<u16, (u64, i64)>>,
+    /// Per partition: the input it last failed on, and how many times in a row it failed there.
+    failures: Mutex<HashMap<u16, (u64, i64)>>,
     /// The sets of raw streams as this process last found them (`bus::generations`): `names`
     /// at the start, looked up again when a partition has read every set it knows to its end.
     raw: std::sync::RwLock<Arc<Names>>,
@@ -83,7 +81,7 @@ impl WorkerContext {
             .map_err(|e| WorkerError::setup(0, "the output streams", e))?;
         Ok(Arc::new(WorkerContext {
             publisher: Arc::new(publisher),
-            replay_attempts: Mutex::new(HashMap::new()),
+            failures: Mutex::new(HashMap::new()),
             raw: std::sync::RwLock::new(Arc::new(names.clone())),
             sessions: Arc::new(sessions),
             sessions_side,
@@ -120,16 +118,27 @@ impl WorkerContext {
         Ok(fresh)
     }
 
-    /// Count one more start of partition `p`'s replay at `from` (1 for the first in a row).
-    pub(crate) fn replay_attempt(&self, p: u16, from: u64) -> i64 {
-        let Ok(mut attempts) = self.replay_attempts.lock() else {
+    /// Partition `p` stopped on a failure processing its input `seq`: count it (1 for the first
+    /// in a row on that input).
+    pub(crate) fn note_failure(&self, p: u16, seq: u64) -> i64 {
+        let Ok(mut failures) = self.failures.lock() else {
             return 1;
         };
-        let entry = attempts.entry(p).or_insert((from, 0));
-        if entry.0 != from {
-            *entry = (from, 0);
+        let entry = failures.entry(p).or_insert((seq, 0));
+        if entry.0 != seq {
+            *entry = (seq, 0);
         }
         entry.1 += 1;
         entry.1
+    }
+
+    /// How many times in a row partition `p` stopped on a failure processing its input `seq`.
+    pub(crate) fn failures_at(&self, p: u16, seq: u64) -> i64 {
+        self.failures
+            .lock()
+            .ok()
+            .and_then(|f| f.get(&p).copied())
+            .filter(|(at, _)| *at == seq)
+            .map_or(0, |(_, n)| n)
     }
 }

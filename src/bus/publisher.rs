@@ -15,7 +15,7 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 /// Publishing for every partition of a worker, over contexts of its own.
 pub struct Publisher {
@@ -38,10 +38,17 @@ pub struct Publisher {
     /// `consumer.ack_wait`: inputs held while a publish is retried are marked in progress a
     /// few times within it.
     ack_wait: Duration,
+    /// `projection.duplicate_window`: how long a retried publish collapses with a stored copy by
+    /// its Msg-Id alone.
+    duplicate_window: Duration,
     /// Most publishes a reader issues before it hands them to its acker.
     hand_over: usize,
     /// Test hook: fail every Nth publish attempt before it is sent (0 = never).
     fail_publish_every: u64,
+    /// Test hook: take every Nth publish ack as lost once the duplicate window has passed
+    /// (0 = never), as a stored output whose answer never came would be.
+    lose_ack_every: u64,
+    lost_acks: AtomicU64,
     publish_attempts: AtomicU64,
     /// The largest output, headers included, the server and the output streams accept, as last
     /// read (see [`Publisher::out_budget`]).
@@ -54,6 +61,10 @@ pub struct Publisher {
     /// is found to store a batch's messages one by one.
     batches: std::sync::atomic::AtomicBool,
 }
+
+/// How long before the duplicate window ends a publish retried in place looks its output up
+/// first (the first send came up to an ack timeout before the retries began).
+const IN_PLACE_WINDOW_MARGIN: Duration = Duration::from_secs(30);
 
 impl Publisher {
     /// Publishing over `js`'s connection. `hand_over`: half of `consumer.publish_window` shared
@@ -99,9 +110,15 @@ impl Publisher {
             names,
             state,
             ack_wait: settings.consumer.ack_wait,
+            duplicate_window: settings.projection.duplicate_window,
             hand_over: (settings.consumer.publish_window / (2 * partitions)).clamp(1, 64),
             fail_publish_every,
             publish_attempts: AtomicU64::new(0),
+            lose_ack_every: std::env::var("COLLAB_TEST_LOSE_PUBLISH_ACK_EVERY")
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .unwrap_or(0),
+            lost_acks: AtomicU64::new(0),
         })
     }
 
@@ -156,6 +173,19 @@ impl Publisher {
         self.hand_over
     }
 
+    /// Test hook (`COLLAB_TEST_LOSE_PUBLISH_ACK_EVERY`): for every Nth publish acknowledged,
+    /// wait out the duplicate window and say whether to take its ack as lost, so the output is
+    /// retried in place after its Msg-Id stopped collapsing a second copy.
+    pub(crate) async fn lose_ack(&self) -> bool {
+        if self.lose_ack_every == 0
+            || (self.lost_acks.fetch_add(1, Ordering::Relaxed) + 1) % self.lose_ack_every != 0
+        {
+            return false;
+        }
+        tokio::time::sleep(self.duplicate_window + Duration::from_millis(500)).await;
+        true
+    }
+
     /// Test hook: whether this publish or batch attempt is the Nth, to be failed before it is
     /// sent (`COLLAB_TEST_FAIL_PUBLISH_EVERY`).
     fn injected_failure(&self) -> bool {
@@ -201,7 +231,32 @@ impl Publisher {
         cancel: &CancellationToken,
     ) -> Result<(), Halt> {
         let mut patience = Patience::new();
+        // The output may have been stored by its first send (or any retry) with its answer lost:
+        // while that is within the duplicate window, sending it again collapses by its Msg-Id;
+        // past it, the stream is searched first and the output is not sent again if stored.
+        let began = chrono::Utc::now();
+        let began_at = tokio::time::Instant::now();
         loop {
+            if began_at.elapsed() + IN_PLACE_WINDOW_MARGIN >= self.duplicate_window {
+                // From well before the first send in place: the output's first send was made
+                // within an ack timeout of it.
+                let since = began.timestamp_millis().saturating_sub(60_000);
+                match self.stored_already(out, 0, since).await {
+                    Ok(true) => {
+                        info!(subject = %out.subject, "a retried output was found stored past the duplicate window; not sent again");
+                        return Ok(());
+                    }
+                    Ok(false) => {}
+                    Err(e) => {
+                        // Cannot tell: ask again rather than publish what may be stored.
+                        warn!(error = %e, "retried output past the duplicate window not looked up; asking again");
+                        if !self.wait_keeping(inputs, cancel, &mut patience).await {
+                            return Err(Halt::Cancelled);
+                        }
+                        continue;
+                    }
+                }
+            }
             let result = match self.send(&self.retry_js, out, fence).await {
                 Ok(fut) => fut
                     .await

@@ -107,7 +107,7 @@ impl Partition<'_> {
                 info.ack_floor.stream_sequence + 1,
                 info.delivered.stream_sequence,
             );
-            if let Flow::Stop = self.replay(stream, from, to).await? {
+            if let Flow::Stop = self.replay(stream, from, to, lease_valid_until).await? {
                 return Ok(());
             }
             // The previous owner's deliveries are processed: acknowledge them once their
@@ -437,6 +437,7 @@ impl Partition<'_> {
         stream: &jetstream::stream::Stream,
         from: u64,
         to: u64,
+        lease_valid_until: &AtomicI64,
     ) -> Result<Flow, WorkerError> {
         if to < from {
             return Ok(Flow::Continue);
@@ -456,7 +457,9 @@ impl Partition<'_> {
             })
             .await
             .map_err(|e| self.setup("reading in-flight messages", e))?;
-        let flow = self.replay_read(stream, replay, from, to).await;
+        let flow = self
+            .replay_read(stream, replay, from, to, lease_valid_until)
+            .await;
         if let Err(e) = stream.delete_consumer(&name).await {
             debug!(partition = self.p, consumer = %name, error = %e, "replay reader not deleted; it expires by itself");
         }
@@ -470,6 +473,7 @@ impl Partition<'_> {
         replay: jetstream::consumer::Consumer<jetstream::consumer::pull::OrderedConfig>,
         from: u64,
         to: u64,
+        lease_valid_until: &AtomicI64,
     ) -> Result<Flow, WorkerError> {
         let p = self.p;
         let short = |why: &'static str| {
@@ -501,11 +505,6 @@ impl Partition<'_> {
                 Err(why) => Err(short(why)),
             };
         }
-        // The replay's delivery count: how many times in a row this partition started over at
-        // `from` with the range in sight. Its first message is dead-lettered `max_deliver` once
-        // that reaches the limit, as a consumer delivery would be; a read that saw none of the
-        // range did not deliver it, and is not counted.
-        let attempt = self.shared.replay_attempt(self.p, from);
         let mut replayed = replay
             .messages()
             .await
@@ -529,7 +528,15 @@ impl Partition<'_> {
             if seq > to {
                 break;
             }
-            let delivered = if count == 0 { attempt } else { 1 };
+            if lease_lapsed(lease_valid_until) {
+                // As before each live input: turn records are written only under a valid lease.
+                return Err(self.lapsed_lease());
+            }
+            // A replayed input's delivery count: one more than the times in a row the partition
+            // stopped on a failure processing it. The input that keeps failing is dead-lettered
+            // `max_deliver` once that reaches the limit, as a consumer delivery would be, and the
+            // partition goes on; the inputs before it, which it stops behind, are not charged.
+            let delivered = self.shared.failures_at(self.p, seq) + 1;
             count += 1;
             if let Flow::Stop = self.process_in_order(msg, false, Some(delivered)).await? {
                 return Ok(Flow::Stop);
@@ -590,7 +597,28 @@ impl Partition<'_> {
         ack: bool,
         delivered: Option<i64>,
     ) -> Result<Flow, WorkerError> {
-        match self.dispose(msg, ack, delivered).await? {
+        let seq = msg.info().ok().map(|i| i.stream_sequence);
+        let disposed = match self.dispose(msg, ack, delivered).await {
+            Ok(d) => d,
+            Err(e) => {
+                // A step of this input's processing failed (not an interruption, nor a publish
+                // that stops the partition until an operator acts): charged to this input, so a
+                // failure that persists dead-letters it rather than stalling the partition.
+                if let (WorkerError::Setup { .. } | WorkerError::Publish { .. }, Some(seq)) =
+                    (&e, seq)
+                {
+                    let n = self.shared.note_failure(self.p, seq);
+                    debug!(
+                        partition = self.p,
+                        seq,
+                        failures = n,
+                        "processing an input failed"
+                    );
+                }
+                return Err(e);
+            }
+        };
+        match disposed {
             Disposition::Issued { processed, outcome } => {
                 self.shared.state.count_input(outcome);
                 if let Outcome::DeadLettered(reason) = outcome {
@@ -767,7 +795,8 @@ impl Partition<'_> {
             Ok(p) => p,
             Err(halt) => return self.left_or_stopped(halt),
         };
-        let processed = Processed::new(ack.then_some(msg), ack.then_some(stored_ms), publishes, fx);
+        let processed = Processed::new(ack.then_some(msg), ack.then_some(stored_ms), publishes, fx)
+            .of_input(seq);
         Ok(Disposition::Issued { processed, outcome })
     }
 }

@@ -1752,11 +1752,23 @@ impl PartitionTurns {
         seq: u64,
     ) -> Result<Option<crate::model::Envelope>, TurnIoError> {
         let stream_name = self.raw.raw_stream_at(self.partition, seq);
-        let Ok(stream) = shared.js.get_stream(stream_name).await else {
-            return Ok(None);
+        // Only the server's word that the stream or the message is gone counts as gone: a read
+        // that failed otherwise (no answer in time, a leader change) is an error, and the
+        // partition starts over, rather than deciding the turn without the event's content.
+        let stream = match shared.js.get_stream(stream_name).await {
+            Ok(stream) => stream,
+            Err(e) if super::error::stream_not_found(&e) => return Ok(None),
+            Err(e) => return Err(TurnIoError::kv(key, e)),
         };
-        let Ok(msg) = stream.get_raw_message(seq).await else {
-            return Ok(None);
+        let msg = match stream.get_raw_message(seq).await {
+            Ok(msg) => msg,
+            Err(e)
+                if e.kind()
+                    == async_nats::jetstream::stream::RawMessageErrorKind::NoMessageFound =>
+            {
+                return Ok(None)
+            }
+            Err(e) => return Err(TurnIoError::kv(key, e)),
         };
         let raw = RawMessage {
             bytes: &msg.payload,

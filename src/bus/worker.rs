@@ -237,6 +237,12 @@ pub async fn run_partition(
                 p,
                 acks,
                 fence: fence.clone(),
+                failed_input: {
+                    let shared = shared.clone();
+                    Box::new(move |seq| {
+                        shared.note_failure(p, seq);
+                    })
+                },
             },
             rx,
             checkpoint,

@@ -707,6 +707,117 @@ async fn unprojectable_messages_are_dead_lettered_with_reason_and_source() {
     assert_exactly_once(&expected, &proj, &dlq);
 }
 
+/// A publish that keeps failing for one input (the server refuses its subject) dead-letters that
+/// input `max_deliver` and the partition goes on. The send ahead of it in the partition, whose
+/// turn record was still deferred (so its acknowledgement waited, and every restart replayed from
+/// it), is not charged for the failures: it is projected once, and its turn gets its one
+/// response.
+#[tokio::test]
+async fn an_input_whose_publish_keeps_failing_is_dead_lettered_not_the_input_ahead_of_it() {
+    let nats = TestNats::start_with_config(
+        r#"
+authorization {
+  users = [
+    { user: worker, password: w0rker-pass,
+      permissions: { publish: { allow: [">"], deny: ["collab.proj.*.*.poison.>"] } } }
+    { user: producer, password: pr0ducer-pass }
+  ]
+}
+"#
+        .to_string(),
+    )
+    .await;
+    let url = nats.url();
+    let _projector = start_projector(
+        &url,
+        &[MAIN_AGENTS[0], MAIN_AGENTS[1], "--turn-timeout", "3s"],
+        &[
+            ("COLLAB_NATS__USER", "worker"),
+            ("COLLAB_NATS__PASSWORD", "w0rker-pass"),
+            ("COLLAB_NATS__PARTITIONS", "1"),
+            ("COLLAB_CONSUMER__MAX_DELIVER", "3"),
+        ],
+    )
+    .await;
+    let client = async_nats::ConnectOptions::with_user_and_password(
+        "producer".into(),
+        "pr0ducer-pass".into(),
+    )
+    .connect(url.as_str())
+    .await
+    .expect("the producer connects");
+    let js = async_nats::jetstream::new(client);
+
+    let send = serde_json::to_vec(&json!({"type": "a2a.send", "agentId": "ruda",
+        "data": {"fromAgent": "ruda", "toAgent": "eden", "conversationId": "conv-ahead",
+                 "message": "please look"}}))
+    .expect("serialises");
+    let poison = serde_json::to_vec(
+        &json!({"type": "task.updated", "taskId": "t-poison", "payload": {"status": "running"}}),
+    )
+    .expect("serialises");
+    let send_seq = publish(&js, "collab.raw.conv-ahead.a2a.send", send).await;
+    let poison_seq = publish(&js, "collab.raw.poison.task.updated", poison.clone()).await;
+
+    // The refused input ends as a `max_deliver` dead letter...
+    let dl = the_one(&js, DLQ, "collab.dlq.max_deliver").await;
+    assert_dead_letter(
+        &dl,
+        "max_deliver",
+        &poison,
+        "collab.raw.poison.task.updated",
+        poison_seq,
+    );
+    // ...and the partition goes on: an input after it is projected.
+    let probe_seq = publish(
+        &js,
+        "collab.raw.after.task.updated",
+        serde_json::to_vec(&json!({"type": "task.updated", "taskId": "t-after"}))
+            .expect("serialises"),
+    )
+    .await;
+    let after = the_one(
+        &js,
+        PROJ,
+        "collab.proj.orchestration.task.after.task.updated",
+    )
+    .await;
+    assert_eq!(after.source_seq(), probe_seq);
+    // The send ahead of it: projected, never dead-lettered, and its turn answered once (blocked
+    // at its deadline, since nobody replies).
+    let response = the_one(
+        &js,
+        PROJ,
+        "collab.proj.conversation.main.conv-ahead.a2a.response",
+    )
+    .await;
+    assert_eq!(
+        response.json()["payload"]["outcome"],
+        "blocked",
+        "{}",
+        response.json()
+    );
+    wait_until(GUARD, "the one raw partition consumer is drained", || {
+        let js = js.clone();
+        async move { raw_drained(&js, 1).await }
+    })
+    .await;
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    let dlq = read_all(&js, DLQ, "collab.dlq.>").await;
+    assert_eq!(dlq.len(), 1, "one dead letter, the refused input's");
+    let sends: Vec<&Stored> = proj
+        .iter()
+        .filter(|m| m.subject == "collab.proj.conversation.main.conv-ahead.a2a.send")
+        .collect();
+    assert_eq!(sends.len(), 1, "the send is projected once");
+    assert_eq!(sends[0].source_seq(), send_seq);
+    let responses = proj
+        .iter()
+        .filter(|m| m.subject.ends_with(".conv-ahead.a2a.response"))
+        .count();
+    assert_eq!(responses, 1, "its turn has exactly one response");
+}
+
 /// Every value of a KV bucket, as text.
 async fn bucket_values(js: &Context, bucket: &str) -> Vec<String> {
     let kv = js
@@ -1672,6 +1783,28 @@ async fn sigterm_drains_and_everything_acknowledged_is_projected() {
         "drained after acknowledging {acknowledged}; {raw_at_term} raw messages stored at SIGTERM"
     );
     finish_and_check(&nats, &js, producer).await;
+}
+
+/// An output stored whose publish ack is lost is retried in place; once the duplicate window
+/// (1 s here) has passed, the retry looks the output up rather than store it a second time.
+/// (`COLLAB_TEST_LOSE_PUBLISH_ACK_EVERY` takes every 40th ack as lost after the window.)
+#[tokio::test]
+async fn publishes_retried_past_the_duplicate_window_are_not_stored_twice() {
+    let nats = TestNats::start().await;
+    let envs = [
+        ("COLLAB_PROJECTION__DUPLICATE_WINDOW", "1s"),
+        ("COLLAB_TEST_LOSE_PUBLISH_ACK_EVERY", "40"),
+    ];
+    let worker = start_projector(&nats.url(), &MAIN_AGENTS, &envs).await;
+    let js = nats.jetstream().await;
+    let producer = spawn_producer(&js, load(200));
+    wait_until(GUARD, "a retry found its output stored", || {
+        let log = worker.log_text();
+        async move { log.contains("found stored past the duplicate window") }
+    })
+    .await;
+    finish_and_check_with(&nats, &js, producer, &envs).await;
+    drop(worker);
 }
 
 #[tokio::test]
