@@ -844,10 +844,21 @@ impl Settings {
                 ))
             })?;
             if let Err(e) = toml::from_str::<toml::Table>(&text) {
+                // Where and why, never the line itself: it may be a password's or a token's.
+                let at = e
+                    .span()
+                    .and_then(|span| text.get(..span.start))
+                    .map(|before| {
+                        let line = before.matches('\n').count() + 1;
+                        let column =
+                            before.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+                        format!(" at line {line}, column {column}")
+                    })
+                    .unwrap_or_default();
                 return Err(ConfigError::Invalid(format!(
-                    "config file {} is not valid TOML: {}",
+                    "config file {} is not valid TOML{at}: {}",
                     path.display(),
-                    e.to_string().trim_end()
+                    e.message().trim_end()
                 )));
             }
             builder = builder.add_source(config::File::from(path).format(config::FileFormat::Toml));
@@ -1671,6 +1682,19 @@ mod tests {
         assert!(!err.contains("s3cret"), "{err}");
         let err = nats_error("[nats]\ninbox_prefix = \"_INBOX.>\"\n");
         assert!(err.contains("nats.inbox_prefix"), "{err}");
+    }
+
+    #[test]
+    fn a_toml_syntax_error_names_where_not_the_line() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("collab.toml");
+        std::fs::write(&path, "[nats]\nuser = \"u\"\npassword = \"s3cret-value\n").expect("write");
+        let err = Settings::load(Some(&path))
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(err.contains("is not valid TOML at line 3"), "{err}");
+        assert!(!err.contains("s3cret"), "{err}");
     }
 
     #[test]

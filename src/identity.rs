@@ -78,14 +78,20 @@ pub fn parse(prefix: &str, subject: &str) -> Option<RawSubject> {
 }
 
 /// The subject an agent's producer publishes an event of `event_type` on; `None` when the agent
-/// id cannot be one subject token (it must be of `[A-Za-z0-9_-]`, not starting with `_`).
+/// id cannot be one subject token (it must be of `[A-Za-z0-9_-]`, at most 128, not starting with
+/// `_`).
 pub fn subject(prefix: &str, key: &str, agent: &str, event_type: &str) -> Option<String> {
     agent_token_ok(agent).then(|| format!("{prefix}.raw.{key}.{MARKER}.{agent}.{event_type}"))
 }
 
+/// The longest agent id (characters), as for keys: a subject stays within the server's
+/// control-line limit.
+pub const MAX_AGENT_LEN: usize = 128;
+
 /// Whether an agent id can be the agent token of a subject (and of a permission).
 pub fn agent_token_ok(agent: &str) -> bool {
     !agent.is_empty()
+        && agent.len() <= MAX_AGENT_LEN
         && !agent.starts_with('_')
         && agent
             .chars()
@@ -193,6 +199,15 @@ mod tests {
             payload: Some(payload),
             ..Envelope::default()
         }
+    }
+
+    #[test]
+    fn agent_ids_are_one_bounded_subject_token() {
+        assert!(agent_token_ok(&"a".repeat(MAX_AGENT_LEN)));
+        assert!(!agent_token_ok(&"a".repeat(MAX_AGENT_LEN + 1)));
+        assert!(!agent_token_ok("_as"));
+        assert!(!agent_token_ok("eden.main"));
+        assert!(agent_token_ok("eden-main_2"));
     }
 
     #[test]

@@ -146,7 +146,7 @@ impl Shared {
             ),
             super::query::MAX_TYPE_PARAMS,
         );
-        let key = list_param("key", "Ordering key (conversation id for a2a.*), repeated for several (a key may contain commas, so values are not split). Any string: a subject token (letters, digits, `_`, `-`, at most 128) is used as it is, any other id is encoded by the id rule. Whitespace around a value is ignored; an empty value selects nothing. At most 16 keys (400 too_many_keys).",
+        let key = list_param("key", "Ordering key (conversation id for a2a.*), repeated for several (a key may contain commas, so values are not split). Any string: a subject token (letters, digits, `_`, `-`, at most 128) is used as it is, any other id is encoded by the id rule. Whitespace around a value is ignored, and so is an empty value (with no key given, every key of the roles is selected). At most 16 keys (400 too_many_keys).",
             json!({"type": "string"}));
         let key = at_most(key, super::query::MAX_KEYS);
         let view = param("view", "Preset: `conversations` (role=conversation.main, type=a2a.response) or `debug` (type=a2a.send,a2a.response,a2a.complete); empty for none. Explicit role/type replace the preset's. One value (repeating it needs the same value).", json!({"type": "string", "enum": ["conversations", "debug", ""]}));

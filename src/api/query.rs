@@ -316,8 +316,10 @@ pub fn selection(params: &Params) -> Result<Selection, ApiError> {
 pub fn limit(params: &Params, default: usize, max: usize) -> Result<usize, ApiError> {
     match params.one("limit")? {
         None => Ok(default),
+        // Digits only: `usize`'s parser also takes a leading `+`, which the OpenAPI document's
+        // `integer` does not.
         Some(v) => match v.parse::<usize>() {
-            Ok(n) if (1..=max).contains(&n) => Ok(n),
+            Ok(n) if (1..=max).contains(&n) && v.bytes().all(|b| b.is_ascii_digit()) => Ok(n),
             _ => Err(ApiError::bad_request(
                 "invalid_limit",
                 format!("`limit` must be a whole number from 1 to {max}, got `{v}`"),

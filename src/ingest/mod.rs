@@ -62,6 +62,11 @@ fn normalize_with(
     })
 }
 
+/// `bytes` without a leading UTF-8 byte order mark.
+pub fn without_bom(bytes: &[u8]) -> &[u8] {
+    bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes)
+}
+
 fn normalize_unredacted(
     input: &RawInput<'_>,
     settings: &Settings,
@@ -77,7 +82,10 @@ fn normalize_unredacted(
             ),
         ));
     }
-    let mut value: Value = serde_json::from_slice(input.bytes).map_err(|e| {
+    // A UTF-8 byte order mark before the JSON is ignored, as RFC 8259 (section 8.1) lets a
+    // parser do and as the agents' own JSON libraries do.
+    let body = without_bom(input.bytes);
+    let mut value: Value = serde_json::from_slice(body).map_err(|e| {
         Rejection::new(
             DlqReason::BadJson,
             format!("body is not valid UTF-8 JSON ({e}); publish one JSON object per message"),
@@ -608,5 +616,31 @@ mod tests {
             }
             Ok(_) => panic!("a too deep input was projected"),
         }
+    }
+
+    #[test]
+    fn a_byte_order_mark_before_the_json_is_ignored() {
+        let settings = crate::config::Settings::default()
+            .ingest()
+            .unwrap_or_else(|e| panic!("default settings: {e}"));
+        let mut body = b"\xEF\xBB\xBF".to_vec();
+        body.extend_from_slice(br#"{"type": "task.updated", "taskId": "t1"}"#);
+        let input = |bytes| RawInput {
+            bytes,
+            subject: Some(SubjectInfo {
+                key: "t1".into(),
+                type_suffix: "task.updated".into(),
+            }),
+            raw_ref: None,
+            relay: RelayHeaders::default(),
+        };
+        let projected = normalize(&input(&body), &settings);
+        assert!(projected.is_ok_and(|n| n.len() == 1));
+        // Only at the start: anywhere else it is not JSON.
+        let mut inside = br#"{"type": "task.updated", "taskId": "t1"}"#.to_vec();
+        inside.extend_from_slice(b"\xEF\xBB\xBF");
+        assert!(
+            normalize(&input(&inside), &settings).is_err_and(|r| r.reason == DlqReason::BadJson)
+        );
     }
 }

@@ -335,7 +335,7 @@ fn checked(opts: &RelayOptions) -> Result<trust::Callers, RelayError> {
         let Some(id) = id else { continue };
         if !crate::identity::agent_token_ok(id) {
             return Err(RelayError::Invalid(format!(
-                "{flag} {id:?} cannot be an agent id: each message is published under its speaker's identity subject (`<prefix>.raw.<key>._as.<agent>.<type>`), so an agent id is letters, digits, `-` and `_`, not starting with `_`"
+                "{flag} {id:?} cannot be an agent id: each message is published under its speaker's identity subject (`<prefix>.raw.<key>._as.<agent>.<type>`), so an agent id is at most 128 letters, digits, `-` and `_`, not starting with `_`"
             )));
         }
     }
@@ -837,7 +837,7 @@ impl Proxy {
             ),
             (trust::Refusal::BadCaller, _) => (
                 RequestOutcome::UntrustedPeer,
-                "the caller header's value cannot be an agent id (letters, digits, `-` and `_`)"
+                "the caller header's value cannot be an agent id (at most 128 letters, digits, `-` and `_`)"
                     .to_string(),
             ),
             (trust::Refusal::AmbiguousHeader, _) => (

@@ -260,6 +260,9 @@ fn subjects_and_json_objects() {
     assert!(!is_json_object(b"{\"a\":"));
     assert!(!is_json_object(b""));
     assert!(!is_json_object(b"\x1f\x8b\x08"));
+    // A UTF-8 byte order mark before the object, which agents' JSON parsers skip.
+    assert!(is_json_object(b"\xEF\xBB\xBF{\"a\": 1}"));
+    assert!(json_object(b"\xEF\xBB\xBF {\"jsonrpc\": \"2.0\"}").is_some());
 }
 
 #[test]

@@ -162,7 +162,7 @@ impl CallerTokens {
             };
             if !crate::identity::agent_token_ok(agent) {
                 return Err(format!(
-                    "line {n}: the agent id is not letters, digits, `-` and `_` (not starting with `_`), so it cannot name an identity subject"
+                    "line {n}: the agent id is not at most 128 letters, digits, `-` and `_` (not starting with `_`), so it cannot name an identity subject"
                 ));
             }
             if token.chars().count() < MIN_TOKEN_CHARS {

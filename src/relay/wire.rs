@@ -313,6 +313,7 @@ pub fn agui_input(body: &[u8]) -> AguiInput {
 /// The body as a JSON object, or `None` when it is anything else (empty, not JSON, an array, a
 /// scalar). Only objects are raw messages.
 pub fn json_object(body: &[u8]) -> Option<Value> {
+    let body = crate::ingest::without_bom(body);
     let first = body.iter().find(|b| !b.is_ascii_whitespace())?;
     if *first != b'{' {
         return None;
@@ -324,6 +325,7 @@ pub fn json_object(body: &[u8]) -> Option<Value> {
 
 /// Whether `body` is one JSON object, without keeping the parsed value.
 pub fn is_json_object(body: &[u8]) -> bool {
+    let body = crate::ingest::without_bom(body);
     let Some(first) = body.iter().find(|b| !b.is_ascii_whitespace()) else {
         return false;
     };

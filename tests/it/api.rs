@@ -556,7 +556,7 @@ async fn events_reject_bad_parameters_with_json_errors() {
     }
     // Any well-formed type is fine, known or not.
     ok(&app, "/api/events?type=custom.thing.v2").await;
-    for l in ["0", "1001", "x", "-3"] {
+    for l in ["0", "1001", "x", "-3", "%2B5", "%205"] {
         err(
             &app,
             &format!("/api/events?limit={l}"),
