@@ -1011,7 +1011,8 @@ export interface WorkSessionList {
    */
   totalMatched: number;
   /**
-   * How many sessions the bucket holds.
+   * How many sessions hold events of the roles seen through (whatever `type` and `status`
+   * select).
    */
   totalSessions: number;
   /**

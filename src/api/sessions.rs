@@ -66,7 +66,10 @@ pub async fn list(
     // holds one fetched batch and at most `limit` views, however large the bucket.
     let mut newest = Newest::new(limit);
     let mut matched = 0usize;
-    let total = store::each_session(state.js(), &state.names().sessions_bucket, |v| {
+    // Sessions with events in the roles seen through: a grant learns nothing of the others, not
+    // even how many there are.
+    let mut visible = 0usize;
+    store::each_session(state.js(), &state.names().sessions_bucket, |v| {
         let session = match serde_json::from_slice::<WorkSession>(&v) {
             Ok(s) => s,
             Err(e) => {
@@ -74,6 +77,10 @@ pub async fn list(
                 return;
             }
         };
+        if !session.matches(&roles, &[]) {
+            return;
+        }
+        visible += 1;
         if !types.is_empty() && !session.matches(&roles, &types) {
             return;
         }
@@ -91,7 +98,7 @@ pub async fn list(
         count: views.len(),
         sessions: views,
         total_matched: matched,
-        total_sessions: total,
+        total_sessions: visible,
         role: roles,
         types,
         status: statuses,
@@ -215,7 +222,8 @@ pub struct WorkSessionList {
     pub count: usize,
     /// How many sessions matched before `limit` applied.
     pub total_matched: usize,
-    /// How many sessions the bucket holds.
+    /// How many sessions hold events of the roles seen through (whatever `type` and `status`
+    /// select).
     pub total_sessions: usize,
     /// The roles the sessions are seen through.
     pub role: Vec<Role>,

@@ -1225,6 +1225,9 @@ async fn work_sessions_aggregate_idempotently_and_filter() {
     assert_eq!(ids(&csv).len(), 2);
     let tasks = ok(&app, "/api/work-sessions?role=orchestration.task").await;
     assert_eq!(ids(&tasks), BTreeSet::from(["ws_task".to_string()]));
+    // Counted through the roles too: the sessions without a task event are not counted.
+    assert_eq!(list["totalSessions"], 4, "{list}");
+    assert_eq!(tasks["totalSessions"], 1, "{tasks}");
     assert_eq!(tasks["sessions"][0]["eventCount"], 1);
     let typed = ok(&app, "/api/work-sessions?type=a2a.response").await;
     assert_eq!(ids(&typed), BTreeSet::from(["ws_a".to_string()]));
