@@ -1062,6 +1062,20 @@ fn floats_survive_a_projection_round_trip_exactly() {
     );
 }
 
+/// A UTF-8 byte order mark before an event is ignored by the projector (docs/contract.md); the
+/// checks' own reading of the input must ignore it too (fuzzing finding F8: the check expected a
+/// `bad_json` rejection and found the event projected).
+#[test]
+fn a_byte_order_mark_before_an_event_is_ignored_by_the_checks_too() {
+    let mut bytes = b"\xEF\xBB\xBF".to_vec();
+    bytes.extend_from_slice(
+        br#"{"type":"a2a.complete","data":{"fromAgent":"ruda","toAgent":"eden","announced":false,"waitStatus":"timeout","conversationId":"uuid"}}"#,
+    );
+    if let Err(broken) = checks::normalize(&bytes) {
+        panic!("{broken}");
+    }
+}
+
 /// A malformed or out-of-range number in the configuration file must name its key or its
 /// position, as every other configuration error does. The `config` crate's TOML reader reports
 /// `invalid digit found in string` or `number too large to fit in target type` alone. The fix
