@@ -84,18 +84,13 @@ pub fn subject(prefix: &str, key: &str, agent: &str, event_type: &str) -> Option
     agent_token_ok(agent).then(|| format!("{prefix}.raw.{key}.{MARKER}.{agent}.{event_type}"))
 }
 
-/// The longest agent id (characters), as for keys: a subject stays within the server's
-/// control-line limit.
-pub const MAX_AGENT_LEN: usize = 128;
+/// The longest agent id, as for keys: a subject stays within the server's control-line limit.
+pub const MAX_AGENT_LEN: usize = crate::model::MAX_TOKEN_LEN;
 
-/// Whether an agent id can be the agent token of a subject (and of a permission).
+/// Whether an agent id can be the agent token of a subject (and of a permission): a key token
+/// (`[A-Za-z0-9_-]{1,128}`) not starting with `_`, which marks the identity subjects' own tokens.
 pub fn agent_token_ok(agent: &str) -> bool {
-    !agent.is_empty()
-        && agent.len() <= MAX_AGENT_LEN
-        && !agent.starts_with('_')
-        && agent
-            .chars()
-            .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_')
+    crate::model::is_key_token(agent) && !agent.starts_with('_')
 }
 
 /// Why an event is refused for the identity it claims.

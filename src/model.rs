@@ -267,7 +267,8 @@ impl Envelope {
     }
 }
 
-const MAX_TOKEN_LEN: usize = 128;
+/// The longest key (and agent) subject token, in bytes.
+pub const MAX_TOKEN_LEN: usize = 128;
 
 /// The `<key>` subject token an id is published under: the id itself when it is a key token,
 /// else its encoding (as producers' subjects and the relays key it).

@@ -479,7 +479,7 @@ fn agui_class(t: &str) -> String {
 
 fn expected_route(bytes: &[u8], settings: &ingest::Settings) -> Route {
     // A leading UTF-8 byte order mark is ignored (docs/contract.md); anywhere else it is not JSON.
-    let bytes = bytes.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(bytes);
+    let bytes = ingest::without_bom(bytes);
     let Ok(mut value) = serde_json::from_slice::<Value>(bytes) else {
         return Route::NotJson;
     };

@@ -378,12 +378,12 @@ async fn start_of_last(
 
 /// Hand the latest value of every session key (`$KV.<bucket>.*`; aliases have two tokens and
 /// are left out) to `visit`, skipping deleted ones, one fetched batch in memory at a time (the
-/// bucket may be far larger than a request should hold). Returns how many were visited.
+/// bucket may be far larger than a request should hold).
 pub async fn each_session(
     js: &jetstream::Context,
     bucket: &str,
     mut visit: impl FnMut(Bytes),
-) -> Result<usize, ApiError> {
+) -> Result<(), ApiError> {
     let stream = js
         .get_stream(format!("KV_{bucket}"))
         .await
@@ -394,7 +394,6 @@ pub async fn each_session(
         Some(consumer::DeliverPolicy::LastPerSubject),
     );
     let c = create(&stream, config).await?;
-    let mut live = 0usize;
     let result = visit_consumer(&c, u64::MAX, usize::MAX, |e| {
         let op = e
             .headers
@@ -402,13 +401,12 @@ pub async fn each_session(
             .and_then(|h| h.get("KV-Operation"))
             .map(|v| v.as_str().to_string());
         if !matches!(op.as_deref(), Some("DEL" | "PURGE")) {
-            live += 1;
             visit(e.payload);
         }
     })
     .await;
     discard(&stream, &c);
-    result.map(|()| live)
+    result
 }
 
 #[cfg(test)]

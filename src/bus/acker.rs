@@ -424,7 +424,13 @@ impl Issuer<'_> {
         for (out, state) in publishes {
             let failed = match state {
                 Issued::Sent(fut) => match fut.await {
-                    Ok(_) => self.publisher.lose_ack().await,
+                    Ok(_) => match self.publisher.injected_lost_ack() {
+                        Some(wait) => {
+                            tokio::time::sleep(wait).await;
+                            true
+                        }
+                        None => false,
+                    },
                     Err(e) => match publish::classify(&out.subject, e) {
                         Failure::Transient { .. } => true,
                         f => return Err(stopped(self.publisher.count_failure(f))),

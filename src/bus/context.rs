@@ -132,6 +132,14 @@ impl WorkerContext {
         entry.1
     }
 
+    /// [`Self::note_failure`] for partition `p`, as its acker calls it.
+    pub(crate) fn failures_of(self: &Arc<Self>, p: u16) -> Box<dyn Fn(u64) + Send + Sync> {
+        let shared = self.clone();
+        Box::new(move |seq| {
+            shared.note_failure(p, seq);
+        })
+    }
+
     /// How many times in a row partition `p` stopped on a failure processing its input `seq`.
     pub(crate) fn failures_at(&self, p: u16, seq: u64) -> i64 {
         self.failures

@@ -62,9 +62,25 @@ pub struct Publisher {
     batches: std::sync::atomic::AtomicBool,
 }
 
-/// How long before the duplicate window ends a publish retried in place looks its output up
-/// first (the first send came up to an ack timeout before the retries began).
-const IN_PLACE_WINDOW_MARGIN: Duration = Duration::from_secs(30);
+/// How long a publish waits for its ack (the contexts' request timeout).
+const PUBLISH_ACK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Slack kept below the duplicate window: an output sent earlier than the window less this is
+/// looked up before it is sent again (see [`Publisher::stored_past_window`]).
+const DUPLICATE_WINDOW_MARGIN: Duration = Duration::from_secs(15);
+
+/// Test hooks: `COLLAB_TEST_<name>_EVERY=<n>`, 0 (off) when unset.
+fn test_hook_every(var: &str) -> u64 {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Whether this is the `every`th call counted by `counter` (never when `every` is 0).
+fn nth(counter: &AtomicU64, every: u64) -> bool {
+    every > 0 && (counter.fetch_add(1, Ordering::Relaxed) + 1) % every == 0
+}
 
 impl Publisher {
     /// Publishing over `js`'s connection. `hand_over`: half of `consumer.publish_window` shared
@@ -78,14 +94,11 @@ impl Publisher {
     ) -> Result<Publisher, OutputsUnread> {
         let context = || {
             jetstream::ContextBuilder::new()
-                .timeout(Duration::from_secs(5))
+                .timeout(PUBLISH_ACK_TIMEOUT)
                 .build(js.client())
         };
         let partitions = usize::from(settings.nats.partitions.max(1));
-        let fail_publish_every = std::env::var("COLLAB_TEST_FAIL_PUBLISH_EVERY")
-            .ok()
-            .and_then(|v| v.parse().ok())
-            .unwrap_or(0);
+        let fail_publish_every = test_hook_every("COLLAB_TEST_FAIL_PUBLISH_EVERY");
         let outputs = output_configs(&js, &names).await?;
         let wanted = match settings.nats.publish_batches {
             PublishBatches::Always => true,
@@ -114,10 +127,7 @@ impl Publisher {
             hand_over: (settings.consumer.publish_window / (2 * partitions)).clamp(1, 64),
             fail_publish_every,
             publish_attempts: AtomicU64::new(0),
-            lose_ack_every: std::env::var("COLLAB_TEST_LOSE_PUBLISH_ACK_EVERY")
-                .ok()
-                .and_then(|v| v.parse().ok())
-                .unwrap_or(0),
+            lose_ack_every: test_hook_every("COLLAB_TEST_LOSE_PUBLISH_ACK_EVERY"),
             lost_acks: AtomicU64::new(0),
         })
     }
@@ -174,24 +184,17 @@ impl Publisher {
     }
 
     /// Test hook (`COLLAB_TEST_LOSE_PUBLISH_ACK_EVERY`): for every Nth publish acknowledged,
-    /// wait out the duplicate window and say whether to take its ack as lost, so the output is
-    /// retried in place after its Msg-Id stopped collapsing a second copy.
-    pub(crate) async fn lose_ack(&self) -> bool {
-        if self.lose_ack_every == 0
-            || (self.lost_acks.fetch_add(1, Ordering::Relaxed) + 1) % self.lose_ack_every != 0
-        {
-            return false;
-        }
-        tokio::time::sleep(self.duplicate_window + Duration::from_millis(500)).await;
-        true
+    /// how long to wait before taking its ack as lost (the duplicate window and a little more),
+    /// so the output is retried in place after its Msg-Id stopped collapsing a second copy.
+    pub(crate) fn injected_lost_ack(&self) -> Option<Duration> {
+        nth(&self.lost_acks, self.lose_ack_every)
+            .then(|| self.duplicate_window + Duration::from_millis(500))
     }
 
     /// Test hook: whether this publish or batch attempt is the Nth, to be failed before it is
     /// sent (`COLLAB_TEST_FAIL_PUBLISH_EVERY`).
     fn injected_failure(&self) -> bool {
-        self.fail_publish_every > 0
-            && (self.publish_attempts.fetch_add(1, Ordering::Relaxed) + 1) % self.fail_publish_every
-                == 0
+        nth(&self.publish_attempts, self.fail_publish_every)
     }
 
     /// Issue one publish on `js`, fenced by the partition's claim; the returned future
@@ -231,30 +234,24 @@ impl Publisher {
         cancel: &CancellationToken,
     ) -> Result<(), Halt> {
         let mut patience = Patience::new();
-        // The output may have been stored by its first send (or any retry) with its answer lost:
-        // while that is within the duplicate window, sending it again collapses by its Msg-Id;
-        // past it, the stream is searched first and the output is not sent again if stored.
-        let began = chrono::Utc::now();
-        let began_at = tokio::time::Instant::now();
+        // The output may have been stored by its first send (made at most an ack timeout before
+        // this) or by any retry, with its answer lost: it is looked up once sending it again
+        // would no longer collapse by its Msg-Id, and not sent again if stored.
+        let first_sent = chrono::Utc::now() - PUBLISH_ACK_TIMEOUT;
         loop {
-            if began_at.elapsed() + IN_PLACE_WINDOW_MARGIN >= self.duplicate_window {
-                // From well before the first send in place: the output's first send was made
-                // within an ack timeout of it.
-                let since = began.timestamp_millis().saturating_sub(60_000);
-                match self.stored_already(out, 0, since).await {
-                    Ok(true) => {
-                        info!(subject = %out.subject, "a retried output was found stored past the duplicate window; not sent again");
-                        return Ok(());
+            match self.stored_past_window(out, first_sent).await {
+                Ok(true) => {
+                    info!(subject = %out.subject, "a retried output was found stored past the duplicate window; not sent again");
+                    return Ok(());
+                }
+                Ok(false) => {}
+                Err(e) => {
+                    // Cannot tell: ask again rather than publish what may be stored.
+                    warn!(error = %e, "retried output past the duplicate window not looked up; asking again");
+                    if !self.wait_keeping(inputs, cancel, &mut patience).await {
+                        return Err(Halt::Cancelled);
                     }
-                    Ok(false) => {}
-                    Err(e) => {
-                        // Cannot tell: ask again rather than publish what may be stored.
-                        warn!(error = %e, "retried output past the duplicate window not looked up; asking again");
-                        if !self.wait_keeping(inputs, cancel, &mut patience).await {
-                            return Err(Halt::Cancelled);
-                        }
-                        continue;
-                    }
+                    continue;
                 }
             }
             let result = match self.send(&self.retry_js, out, fence).await {
@@ -281,6 +278,26 @@ impl Publisher {
                 return Err(Halt::Cancelled);
             }
         }
+    }
+
+    /// Whether `out`, first sent (or decided) at `sent_at`, is stored where its Msg-Id no longer
+    /// collapses a second copy: `false` while `sent_at` is within the duplicate window (less a
+    /// margin), where sending it again collapses with a stored copy; past it, the output's
+    /// subject is searched from `sent_at` on. No input's own output is assumed.
+    pub(crate) async fn stored_past_window(
+        &self,
+        out: &Outgoing,
+        sent_at: chrono::DateTime<chrono::Utc>,
+    ) -> Result<bool, LookupFailed> {
+        let age = chrono::Utc::now()
+            .signed_duration_since(sent_at)
+            .to_std()
+            .unwrap_or_default();
+        if age + DUPLICATE_WINDOW_MARGIN < self.duplicate_window {
+            return Ok(false);
+        }
+        self.stored_already(out, 0, sent_at.timestamp_millis())
+            .await
     }
 
     /// Whether `out`, an output of the raw input at `seq` (stored at `stored_ms`), is in its

@@ -44,6 +44,9 @@ pub(crate) struct Partition<'a> {
     /// The watermark, for the lag sampler.
     pub(crate) watermark_ms: Arc<AtomicI64>,
     pub(crate) last_seq: u64,
+    /// The raw sequence of the input being disposed of (set before any step of it can fail):
+    /// a failure is charged to it.
+    pub(crate) in_hand: Option<u64>,
     /// Where this partition's barriers are published, and when the last one was sent (ms since
     /// the epoch) if it has not arrived yet.
     pub(crate) barrier_subject: String,
@@ -597,7 +600,6 @@ impl Partition<'_> {
         ack: bool,
         delivered: Option<i64>,
     ) -> Result<Flow, WorkerError> {
-        let seq = msg.info().ok().map(|i| i.stream_sequence);
         let disposed = match self.dispose(msg, ack, delivered).await {
             Ok(d) => d,
             Err(e) => {
@@ -605,7 +607,7 @@ impl Partition<'_> {
                 // that stops the partition until an operator acts): charged to this input, so a
                 // failure that persists dead-letters it rather than stalling the partition.
                 if let (WorkerError::Setup { .. } | WorkerError::Publish { .. }, Some(seq)) =
-                    (&e, seq)
+                    (&e, self.in_hand)
                 {
                     let n = self.shared.note_failure(self.p, seq);
                     debug!(
@@ -677,6 +679,7 @@ impl Partition<'_> {
             }
         };
         let seq = info.stream_sequence;
+        self.in_hand = Some(seq);
         let stored_ms = info.published.timestamp_millis();
         if info.delivered > 1 {
             self.shared.state.count_redelivery();

@@ -2004,9 +2004,6 @@ fn defer_inputs(max_ack_pending: i64) -> u64 {
     }
 }
 
-/// Slack kept below the duplicate window when a reload republishes without looking first.
-const DUPLICATE_WINDOW_MARGIN: Duration = Duration::from_secs(15);
-
 /// A decided turn whose response the reload found unpublished, waiting for the partition to
 /// pass its winner (the input that decided it) in raw order.
 struct Awaiting {
@@ -2028,26 +2025,16 @@ impl Awaiting {
 }
 
 /// Whether `out`, the response of the decision of `key` written at `written_at`, is stored
-/// where its Msg-Id no longer collapses a second copy: older than the duplicate window (less a
-/// margin), the projection stream is searched from the decision's time on. Within the window
-/// the Msg-Id collapses it.
+/// where its Msg-Id no longer collapses a second copy (see `Publisher::stored_past_window`).
 async fn stored_past_window(
     shared: &WorkerContext,
     key: &str,
     out: &Outgoing,
     written_at: chrono::DateTime<chrono::Utc>,
 ) -> Result<bool, TurnIoError> {
-    let age = chrono::Utc::now()
-        .signed_duration_since(written_at)
-        .to_std()
-        .unwrap_or_default();
-    if age + DUPLICATE_WINDOW_MARGIN < shared.settings.projection.duplicate_window {
-        return Ok(false);
-    }
-    // No input's own output: the look-up reads the subject from the decision's time on.
     shared
         .publisher
-        .stored_already(out, 0, written_at.timestamp_millis())
+        .stored_past_window(out, written_at)
         .await
         .map_err(|e| TurnIoError::kv(key, e))
 }

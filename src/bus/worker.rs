@@ -237,12 +237,7 @@ pub async fn run_partition(
                 p,
                 acks,
                 fence: fence.clone(),
-                failed_input: {
-                    let shared = shared.clone();
-                    Box::new(move |seq| {
-                        shared.note_failure(p, seq);
-                    })
-                },
+                failed_input: shared.failures_of(p),
             },
             rx,
             checkpoint,
@@ -257,6 +252,7 @@ pub async fn run_partition(
         watermark: Watermark::default(),
         watermark_ms,
         last_seq: 0,
+        in_hand: None,
         barrier_subject: shared
             .names
             .barrier_subject(p, shared.settings.nats.partitions),

@@ -735,21 +735,36 @@ async fn forward(State(proxy): State<Arc<Proxy>>, req: Request) -> Response {
     // From here the exchange runs on a task of its own: a caller that hangs up while the agent
     // works drops this handler, not the exchange, so what the agent accepted is still
     // published (and its answer, read for up to LINGER_AFTER_CALLER after the caller left).
+    let publish_answers = plan.publish_answers;
     let own = proxy.clone();
     let exchange_task = proxy.exchanges.spawn(async move {
-        let proxy = own;
-        exchange_with(
-            &proxy,
-            parts,
-            url,
-            body,
-            request,
-            plan.publish_answers,
-            head,
-            exchange,
-            caller,
-        )
-        .await
+        let (proxy, mut exchange) = (own, exchange);
+        match proxy.send(parts, url, body).await {
+            Ok(answer) if answer.status().is_success() => {
+                RequestOutcome::Forwarded.count();
+                // The request goes to the queue before anything of the answer: on the bus it
+                // comes first.
+                match request {
+                    Some((kind, Some(b))) => exchange.emit(kind, b),
+                    Some((kind, None)) => {
+                        exchange.skip(kind, DropReason::TooLarge, proxy.max_message + 1)
+                    }
+                    None => {}
+                }
+                proxy.pass_back(answer, publish_answers, head, exchange)
+            }
+            Ok(answer) => {
+                RequestOutcome::RejectedStatus.count();
+                info!(
+                    exchange = %exchange.id,
+                    caller = %exchange.caller,
+                    status = answer.status().as_u16(),
+                    "the agent did not accept the request: its answer is passed on, nothing of the exchange is published"
+                );
+                proxy.pass_back(answer, false, head, exchange)
+            }
+            Err(e) => proxy.bad_gateway(e, &exchange.id),
+        }
     });
     match exchange_task.await {
         Ok(response) => response,
@@ -761,48 +776,6 @@ async fn forward(State(proxy): State<Arc<Proxy>>, req: Request) -> Response {
                 "the relay failed while forwarding the request".into(),
             )
         }
-    }
-}
-
-/// Send the request upstream; once the agent accepts it, queue it for publishing and pass the
-/// answer back (published as it is read).
-#[allow(clippy::too_many_arguments)]
-async fn exchange_with(
-    proxy: &Proxy,
-    parts: axum::http::request::Parts,
-    url: reqwest::Url,
-    body: RequestBody,
-    request: Option<(Kind, Option<Bytes>)>,
-    publish_answers: bool,
-    head: bool,
-    mut exchange: Exchange,
-    caller: String,
-) -> Response {
-    match proxy.send(parts, url, body).await {
-        Ok(answer) if answer.status().is_success() => {
-            RequestOutcome::Forwarded.count();
-            // The request goes to the queue before anything of the answer: on the bus it comes
-            // first.
-            match request {
-                Some((kind, Some(b))) => exchange.emit(kind, b),
-                Some((kind, None)) => {
-                    exchange.skip(kind, DropReason::TooLarge, proxy.max_message + 1)
-                }
-                None => {}
-            }
-            proxy.pass_back(answer, publish_answers, head, exchange)
-        }
-        Ok(answer) => {
-            RequestOutcome::RejectedStatus.count();
-            info!(
-                exchange = %exchange.id,
-                caller = %caller,
-                status = answer.status().as_u16(),
-                "the agent did not accept the request: its answer is passed on, nothing of the exchange is published"
-            );
-            proxy.pass_back(answer, false, head, exchange)
-        }
-        Err(e) => proxy.bad_gateway(e, &exchange.id),
     }
 }
 
