@@ -349,16 +349,30 @@ pub(crate) fn last_sequence(ready: &[jetstream::Message]) -> Option<u64> {
         .find_map(|m| m.info().ok().map(|i| i.stream_sequence))
 }
 
-/// A partition's own barrier: the header, an empty body, and the barrier subject's last token.
-/// A producer's message that happens to carry the header but has a body is an input like any
-/// other (nothing a producer sends is acknowledged unseen).
+/// A partition's own barrier: the header, an empty body, and a subject ending as barrier
+/// subjects do (`_watermark<n>.barrier`, see `Names::barrier_subject`) without the `_as.<agent>`
+/// tokens that producers' users are confined to (docs/security.md). A producer's
+/// message that happens to carry the header but has a body, or another subject, is an input like
+/// any other (nothing a producer sends is acknowledged unseen).
 pub(crate) fn is_barrier(msg: &jetstream::Message) -> bool {
     msg.payload.is_empty()
-        && msg.subject.as_str().ends_with(".barrier")
+        && barrier_shaped(msg.subject.as_str())
         && msg
             .headers
             .as_ref()
             .is_some_and(|h| h.get(crate::pipeline::H_BARRIER).is_some())
+}
+
+/// Whether a stored raw subject ends as a barrier subject does, `._watermark<n>.barrier`, with
+/// no `_as` token anywhere (every subject a producer's user may publish on has one).
+fn barrier_shaped(subject: &str) -> bool {
+    let mut tokens = subject.rsplit('.');
+    !subject.split('.').any(|t| t == "_as")
+        && tokens.next() == Some("barrier")
+        && tokens
+            .next()
+            .and_then(|t| t.strip_prefix("_watermark"))
+            .is_some_and(|n| !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()))
 }
 
 /// Acknowledge `ready` (inputs in partition order, all stored and released): its last delivery,
@@ -590,7 +604,27 @@ pub(crate) async fn issue_publishes(
 
 #[cfg(test)]
 mod tests {
-    use super::in_flight_ack_subject;
+    use super::{barrier_shaped, in_flight_ack_subject};
+
+    #[test]
+    fn only_the_barrier_subjects_are_barrier_shaped() {
+        let names = crate::config::Settings::default().names();
+        for (p, partitions) in [(0, 16), (5, 16), (63, 64)] {
+            let stored = names.stored_subject(&names.barrier_subject(p, partitions));
+            assert!(barrier_shaped(&stored), "{stored}");
+        }
+        // A producer's subjects carry `_as.<agent>`; none of these is a barrier.
+        for subject in [
+            "collab.in.0.c1._as.ruda.barrier",
+            "collab.in.0.c1._as.ruda._watermark7.barrier",
+            "collab.in.0.c1.barrier",
+            "collab.in.0._watermark.barrier",
+            "collab.in.0._watermark7x.barrier",
+            "collab.in.0._watermark7.barrier.more",
+        ] {
+            assert!(!barrier_shaped(subject), "{subject}");
+        }
+    }
     use async_nats::jetstream::consumer::Info;
 
     fn info(ack_policy: &str, ack_pending: usize) -> Info {

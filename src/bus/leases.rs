@@ -3,7 +3,8 @@
 //! heartbeats in the same bucket, and a balanced target of ceil(P / N) partitions per worker.
 //!
 //! A worker renews what it holds every sixth of the TTL, stops a partition at once when its
-//! renewal fails (another owner took it), releases its excess gracefully (drain, then delete the
+//! renewal fails and the lease, read back, is not its own any more (another owner took it, or
+//! it was deleted), releases its excess gracefully (drain, then delete the
 //! lease) when workers join, and takes free partitions up to its share. On shutdown it drains
 //! every partition and deletes its leases so the others take over without waiting for the TTL.
 //! Two owners may briefly overlap after a pause longer than the TTL; the KV fence of the turn
@@ -49,8 +50,78 @@ struct Held {
     /// Until when (ms since the epoch) the lease is known to hold: the start of its last
     /// successful renewal plus a third of the TTL.
     valid_until: Arc<AtomicI64>,
+    /// When (ms since the epoch) the earliest renewal whose outcome is not known was asked: one
+    /// the server may have stored with its answer lost. A renewal found stored later counts
+    /// from here, never from a later ask.
+    unconfirmed_since: Option<i64>,
     cancel: CancellationToken,
     task: JoinHandle<()>,
+}
+
+/// On a lease renewal: a token of the process that wrote it, drawn at start. Worker ids are
+/// unique by default but may be configured; two processes given one id (a replacement started
+/// beside a paused original) must still never take each other's renewals for their own.
+const H_LEASE_INSTANCE: &str = "Collab-Lease-Instance";
+
+/// What reading a lease back says after its renewal failed.
+#[derive(Debug, PartialEq, Eq)]
+enum ReadBack {
+    /// A renewal of this process was stored (its answer lost): the lease holds at this revision.
+    Renewed(u64),
+    /// Another worker holds it, or it was deleted or expired.
+    Lost,
+    /// Not known: nothing newer than the revision held was read, or the read failed.
+    Unknown,
+}
+
+/// Read back a lease whose renewal expected `held_revision`: `last` is the lease's last
+/// message as the stream's leader has it, with whether this process wrote it (a put of its
+/// worker id carrying its instance token). Every renewal this process has out expects the held
+/// revision, so at most one of them can be stored, and only as the next write.
+fn read_back(last: Option<(u64, bool)>, held_revision: u64) -> ReadBack {
+    let Some((revision, ours)) = last else {
+        return ReadBack::Lost;
+    };
+    match (revision.cmp(&held_revision), ours) {
+        (std::cmp::Ordering::Greater, true) => ReadBack::Renewed(revision),
+        // Not stored: the lease is as this process last knew it (the next round asks again).
+        (std::cmp::Ordering::Equal, _) => ReadBack::Unknown,
+        // Older than what this process holds: no leader answers that; ask again.
+        (std::cmp::Ordering::Less, _) => ReadBack::Unknown,
+        (std::cmp::Ordering::Greater, false) => ReadBack::Lost,
+    }
+}
+
+/// Whether `m`, a lease's message in the bucket's stream, is a put of `worker_id` by the process
+/// whose instance token is `instance`.
+fn written_by(
+    m: &async_nats::jetstream::message::StreamMessage,
+    worker_id: &str,
+    instance: &str,
+) -> bool {
+    let header = |name: &str| m.headers.get(name).map(|v| v.as_str().to_string());
+    header("KV-Operation").is_none()
+        && m.payload.as_ref() == worker_id.as_bytes()
+        && header(H_LEASE_INSTANCE).as_deref() == Some(instance)
+}
+
+/// Renew the lease on `subject` (its message subject in the bucket's stream) expecting
+/// `revision`, marked with `instance`: the new revision.
+async fn publish_renewal(
+    js: &async_nats::jetstream::Context,
+    subject: &str,
+    worker_id: &str,
+    instance: &str,
+    revision: u64,
+) -> Result<u64, async_nats::jetstream::context::PublishError> {
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Nats-Expected-Last-Subject-Sequence", revision.to_string());
+    headers.insert(H_LEASE_INSTANCE, instance);
+    let ack = js
+        .publish_with_headers(subject.to_string(), headers, worker_id.to_string().into())
+        .await?
+        .await?;
+    Ok(ack.sequence)
 }
 
 /// Which of the `held` partitions (in ascending order, each with the instant it may be released
@@ -467,6 +538,14 @@ struct LeaseLoop {
     strikes: BTreeMap<String, u32>,
     last_renewal: Option<tokio::time::Instant>,
     disconnected: bool,
+    /// This process's token on its renewals (see [`H_LEASE_INSTANCE`]).
+    instance: String,
+    /// The leases connection's JetStream context (renewals are published with a header).
+    js: async_nats::jetstream::Context,
+    /// Test hook: every Nth stored renewal is taken as unanswered
+    /// (`COLLAB_TEST_LOSE_LEASE_RENEWAL_ANSWER_EVERY`, 0 = never).
+    lose_answer_every: u64,
+    renewal_answers: std::sync::atomic::AtomicU64,
 }
 
 impl LeaseLoop {
@@ -492,6 +571,12 @@ impl LeaseLoop {
             strikes: BTreeMap::new(),
             last_renewal: None,
             disconnected: false,
+            instance: format!("{:016x}", rand::random::<u64>()),
+            js: shared.leases_side.js.clone(),
+            lose_answer_every: super::publisher::test_hook_every(
+                "COLLAB_TEST_LOSE_LEASE_RENEWAL_ANSWER_EVERY",
+            ),
+            renewal_answers: std::sync::atomic::AtomicU64::new(0),
             shared,
             store,
             worker_id,
@@ -559,7 +644,8 @@ impl LeaseLoop {
     }
 
     /// Write the heartbeat and renew every lease at once (one round trip, however many are
-    /// held); a failed renewal means someone else owns the partition now: it stops at once.
+    /// held). A failed renewal is read back: another owner's value (or none) stops the
+    /// partition at once; a renewal of this worker's found stored keeps it (see [`read_back`]).
     async fn renew(&mut self, cancel: &CancellationToken) {
         self.last_renewal = Some(tokio::time::Instant::now());
         if let Err(e) = self
@@ -572,30 +658,74 @@ impl LeaseLoop {
         if cancel.is_cancelled() {
             return;
         }
+        let lose_answer_every = self.lose_answer_every;
         let renewals = self.held.iter().map(|(p, h)| {
-            let (p, revision, store, id) = (*p, h.revision, &self.store, self.worker_id.clone());
+            let (p, revision) = (*p, h.revision);
+            let (js, store, id, instance) =
+                (&self.js, &self.store, &self.worker_id, &self.instance);
+            let answers = &self.renewal_answers;
             async move {
+                let subject = format!("{}{}", store.prefix, lease_key(p));
                 let asked_at = super::now_ms();
-                let result = store.update(lease_key(p), id.into(), revision).await;
-                (p, asked_at, result)
+                let mut result = publish_renewal(js, &subject, id, instance, revision)
+                    .await
+                    .map_err(|e| e.to_string());
+                if result.is_ok() && super::publisher::nth(answers, lose_answer_every) {
+                    // Test hook: stored, and the answer taken as lost.
+                    result = Err("test hook: the renewal's answer taken as lost".into());
+                }
+                let (back, error) = match result {
+                    Ok(rev) => (ReadBack::Renewed(rev), None),
+                    // Someone else wrote it, or a renewal of ours whose answer was lost did.
+                    Err(e) => {
+                        let read = super::publish::last_from_leader(&store.stream, &subject);
+                        let back = match tokio::time::timeout(PROBE_EVERY, read).await {
+                            Ok(Ok(last)) => read_back(
+                                last.map(|m| (m.sequence, written_by(&m, id, instance))),
+                                revision,
+                            ),
+                            Ok(Err(_)) | Err(_) => ReadBack::Unknown,
+                        };
+                        (back, Some(e))
+                    }
+                };
+                (p, asked_at, back, error)
             }
         });
         let mut lost = Vec::new();
-        for (p, asked_at, result) in futures::future::join_all(renewals).await {
+        for (p, asked_at, back, error) in futures::future::join_all(renewals).await {
             let Some(h) = self.held.get_mut(&p) else {
                 continue;
             };
-            match result {
-                Ok(rev) => {
+            let since = h.unconfirmed_since.map_or(asked_at, |s| s.min(asked_at));
+            match back {
+                ReadBack::Renewed(rev) => {
+                    // This round's renewal, answered: none of the earlier ones was stored (they
+                    // expected the same revision). Found stored by a read-back: it may be an
+                    // earlier round's, asked no earlier than `since`.
+                    let from = match error {
+                        None => asked_at,
+                        Some(e) => {
+                            info!(partition = p, error = %e, "a lease renewal whose answer was lost was stored; the lease holds");
+                            since
+                        }
+                    };
                     h.revision = rev;
+                    h.unconfirmed_since = None;
                     h.valid_until
-                        .store(asked_at + self.validity_ms, Ordering::Relaxed);
+                        .store(from + self.validity_ms, Ordering::Relaxed);
                     self.shared.state.count_lease_renewal();
                 }
-                Err(e) => {
+                ReadBack::Unknown => {
+                    // Its validity runs on from the last known renewal (the partition idles once
+                    // it ends); the next round asks again.
+                    h.unconfirmed_since = Some(since);
+                    warn!(partition = p, error = ?error, "lease renewal not confirmed; asking again at the next renewal");
+                }
+                ReadBack::Lost => {
                     // Lapsed at once: the partition stops without writing anything more.
                     h.valid_until.store(1, Ordering::Relaxed);
-                    warn!(partition = p, error = %e, "lease lost; stopping the partition");
+                    warn!(partition = p, error = ?error, "lease lost; stopping the partition");
                     self.shared.state.count_lease_loss();
                     lost.push(p);
                 }
@@ -697,6 +827,7 @@ impl LeaseLoop {
                     revision,
                     keep_until: freed_here.then(|| tokio::time::Instant::now() + self.ttl),
                     valid_until,
+                    unconfirmed_since: None,
                     cancel: c,
                     task,
                 },
@@ -778,6 +909,52 @@ impl LeaseLoop {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_lease_read_back_is_renewed_only_past_the_held_revision_and_by_this_process() {
+        // Stored by this process's renewal, its answer lost.
+        assert_eq!(read_back(Some((12, true)), 10), ReadBack::Renewed(12));
+        // Not stored (yet), or older than what is held: ask again later.
+        assert_eq!(read_back(Some((10, true)), 10), ReadBack::Unknown);
+        assert_eq!(read_back(Some((7, false)), 10), ReadBack::Unknown);
+        // Someone else's write (or a delete), or no lease at all.
+        assert_eq!(read_back(Some((12, false)), 10), ReadBack::Lost);
+        assert_eq!(read_back(None, 10), ReadBack::Lost);
+    }
+
+    #[test]
+    fn only_a_put_of_this_worker_id_with_this_process_token_is_its_own_renewal() {
+        let message = |value: &str, headers: &[(&str, &str)]| {
+            let mut h = async_nats::HeaderMap::new();
+            for (k, v) in headers {
+                h.insert(*k, *v);
+            }
+            async_nats::jetstream::message::StreamMessage {
+                subject: "$KV.collab_leases.l.3".into(),
+                sequence: 12,
+                headers: h,
+                payload: value.to_string().into(),
+                time: Default::default(),
+            }
+        };
+        let ours = message("w1", &[(H_LEASE_INSTANCE, "a1")]);
+        assert!(written_by(&ours, "w1", "a1"));
+        // Another process given the same worker id (a replacement beside a paused original).
+        assert!(!written_by(
+            &message("w1", &[(H_LEASE_INSTANCE, "b2")]),
+            "w1",
+            "a1"
+        ));
+        // Taken by `create`, which carries no token; another worker; a delete marker.
+        assert!(!written_by(&message("w1", &[]), "w1", "a1"));
+        assert!(!written_by(
+            &message("w2", &[(H_LEASE_INSTANCE, "a1")]),
+            "w1",
+            "a1"
+        ));
+        let deleted = message("", &[(H_LEASE_INSTANCE, "a1"), ("KV-Operation", "DEL")]);
+        assert!(!written_by(&deleted, "w1", "a1"));
+    }
 
     #[test]
     fn a_partition_taken_over_is_not_released_for_balance_until_its_hold_ends() {

@@ -110,6 +110,25 @@ impl Fence {
                 .await?;
             seqs[i] = ack.sequence;
         }
+        // Only the last claim on a fence subject counts: the earlier ones are removed, so a
+        // partition that starts over and over does not fill the streams with claims. Keeping
+        // the last message leaves whichever claim is newest in place, this one or a later
+        // owner's. Best effort: a claim left behind costs a few bytes, never correctness.
+        for (stream, subject) in [(&names.proj_stream, &proj), (&names.dlq_stream, &dlq)] {
+            let purged = match js.get_stream_no_info(stream).await {
+                Ok(s) => s
+                    .purge()
+                    .filter(subject.as_str())
+                    .keep(1)
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string()),
+                Err(e) => Err(e.to_string()),
+            };
+            if let Err(e) = purged {
+                tracing::debug!(subject = %subject, error = %e, "earlier fence claims not removed");
+            }
+        }
         Ok(Fence {
             proj: (proj, seqs[0]),
             dlq: (dlq, seqs[1]),

@@ -70,7 +70,7 @@ const PUBLISH_ACK_TIMEOUT: Duration = Duration::from_secs(5);
 const DUPLICATE_WINDOW_MARGIN: Duration = Duration::from_secs(15);
 
 /// Test hooks: `COLLAB_TEST_<name>_EVERY=<n>`, 0 (off) when unset.
-fn test_hook_every(var: &str) -> u64 {
+pub(crate) fn test_hook_every(var: &str) -> u64 {
     std::env::var(var)
         .ok()
         .and_then(|v| v.parse().ok())
@@ -78,7 +78,7 @@ fn test_hook_every(var: &str) -> u64 {
 }
 
 /// Whether this is the `every`th call counted by `counter` (never when `every` is 0).
-fn nth(counter: &AtomicU64, every: u64) -> bool {
+pub(crate) fn nth(counter: &AtomicU64, every: u64) -> bool {
     every > 0 && (counter.fetch_add(1, Ordering::Relaxed) + 1) % every == 0
 }
 
@@ -309,7 +309,27 @@ impl Publisher {
     /// deleted once read (a stream holds at most 1,000 consumers by default on nats-server 2.15).
     /// A look-up that cannot answer is an error, never a "no": the caller asks again rather than
     /// publish what may be stored.
+    ///
+    /// A projection over the output budget is looked up as the `too_large` dead letter
+    /// [`Publisher::fit`] makes of it (and then as itself, stored under a larger budget before).
     pub(crate) async fn stored_already(
+        &self,
+        out: &Outgoing,
+        seq: u64,
+        stored_ms: i64,
+    ) -> Result<bool, LookupFailed> {
+        if matches!(out.kind, OutKind::Projection(_)) && publish::wire_size(out) > self.out_budget()
+        {
+            let dead_letter = pipeline::too_large(&self.names, out, self.out_budget());
+            if self.stored_as(&dead_letter, seq, stored_ms).await? {
+                return Ok(true);
+            }
+        }
+        self.stored_as(out, seq, stored_ms).await
+    }
+
+    /// [`Publisher::stored_already`] for `out` exactly as it would be stored.
+    async fn stored_as(
         &self,
         out: &Outgoing,
         seq: u64,
@@ -1102,6 +1122,76 @@ mod tests {
                 Ok(false)
             ),
             "output 2 is not stored"
+        );
+    }
+
+    /// Against a real server: a projection over the output budget, stored by an earlier owner as
+    /// the `too_large` dead letter it becomes, is found stored (a takeover past the duplicate
+    /// window must not dead-letter its input a second time); one never stored is not.
+    #[cfg(feature = "tools")]
+    #[tokio::test]
+    async fn the_lookup_of_a_projection_over_the_budget_finds_its_too_large_dead_letter() {
+        if crate::localnats::LocalNats::find_binary().is_none() {
+            assert!(
+                std::env::var_os("CI").is_none(),
+                "this test needs nats-server on PATH"
+            );
+            eprintln!("SKIPPED: no nats-server on PATH");
+            return;
+        }
+        let nats = crate::localnats::LocalNats::start(Default::default())
+            .await
+            .expect("a local nats-server");
+        let client = async_nats::connect(nats.url()).await.expect("connected");
+        let js = jetstream::new(client);
+        let settings = crate::config::Settings::default();
+        super::super::provision::provision(&js, &settings)
+            .await
+            .expect("provisioned");
+        let names = settings.names();
+        let publisher = Publisher::new(
+            js.clone(),
+            names.clone(),
+            Arc::new(WorkerState::default()),
+            &settings,
+        )
+        .await
+        .expect("a publisher");
+        let raw_seq = 11;
+        let huge = |i: usize| Outgoing {
+            subject: names.proj_subject(crate::model::Role::ConversationMain, "k", "a2a.request"),
+            payload: bytes::Bytes::from(vec![b'x'; publisher.out_budget() + 1]),
+            msg_id: crate::pipeline::input_msg_id(&names.raw_stream, raw_seq, i),
+            headers: Vec::new(),
+            kind: OutKind::Projection(crate::model::Role::ConversationMain),
+        };
+        let stored = publisher.fit(huge(0));
+        assert!(matches!(stored.kind, OutKind::DeadLetter(_)));
+        let mut message = PublishMessage::build()
+            .payload(stored.payload.clone())
+            .message_id(stored.msg_id.as_str());
+        for (name, value) in &stored.headers {
+            message = message.header(*name, value.as_str());
+        }
+        js.send_publish(stored.subject.clone(), message)
+            .await
+            .expect("sent")
+            .await
+            .expect("stored");
+        let now = crate::bus::now_ms();
+        assert!(
+            matches!(
+                publisher.stored_already(&huge(0), raw_seq, now).await,
+                Ok(true)
+            ),
+            "the projection stored as its too_large dead letter is found"
+        );
+        assert!(
+            matches!(
+                publisher.stored_already(&huge(1), raw_seq, now).await,
+                Ok(false)
+            ),
+            "another output of the input, never stored, is not"
         );
     }
 }

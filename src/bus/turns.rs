@@ -1566,6 +1566,14 @@ impl PartitionTurns {
                 Err(e) if super::error::stream_not_found(&e) => continue,
                 Err(e) => return Err(kv_err(Box::new(e))),
             };
+            // Read up to the key's last raw event as the stream's leader has it: a reader's own
+            // count of what is left is kept by the replica it was placed on, which may lag (a
+            // node catching up after a network partition) and end the read short.
+            let until = match super::publish::last_from_leader(&stream, &filter).await {
+                Ok(Some(last)) if last.sequence >= start => last.sequence,
+                Ok(_) => continue,
+                Err(e) => return Err(kv_err(Box::new(e))),
+            };
             // A named reader, deleted once read: readers left to expire by themselves pile up
             // under a burst of timed-out runs and streamed exchanges, and nats-server caps a
             // stream's consumers (1,000 by default), after which every further read is refused.
@@ -1582,7 +1590,7 @@ impl PartitionTurns {
                 .await
                 .map_err(|e| kv_err(Box::new(e)))?;
             let read = self
-                .read_scan(shared, stream_name, consumer, &mut visit)
+                .read_scan(shared, stream_name, consumer, until, &mut visit)
                 .await;
             if let Err(e) = stream.delete_consumer(&name).await {
                 tracing::debug!(consumer = %name, error = %e, "scan reader not deleted; it expires by itself");
@@ -1594,13 +1602,14 @@ impl PartitionTurns {
         Ok(())
     }
 
-    /// The reading half of [`Self::scan_raw`].
+    /// The reading half of [`Self::scan_raw`]: through stream sequence `until`.
     /// `Ok(false)` when `visit` asked to stop.
     async fn read_scan(
         &self,
         shared: &WorkerContext,
         stream_name: &str,
-        mut consumer: jetstream::consumer::Consumer<jetstream::consumer::pull::OrderedConfig>,
+        consumer: jetstream::consumer::Consumer<jetstream::consumer::pull::OrderedConfig>,
+        until: u64,
         visit: &mut impl FnMut(
             &Normalized,
             &jetstream::message::Info<'_>,
@@ -1608,19 +1617,11 @@ impl PartitionTurns {
             Option<&str>,
         ) -> bool,
     ) -> Result<bool, Source> {
-        let pending = consumer
-            .info()
-            .await
-            .map_err(|e| Box::new(e) as Source)?
-            .num_pending;
-        if pending == 0 {
-            return Ok(true);
-        }
         let mut messages = consumer
             .messages()
             .await
             .map_err(|e| Box::new(e) as Source)?;
-        for _ in 0..pending {
+        loop {
             let msg = match tokio::time::timeout(Duration::from_secs(10), messages.next()).await {
                 Ok(Some(Ok(m))) => m,
                 Ok(Some(Err(e))) => return Err(Box::new(e)),
@@ -1647,16 +1648,17 @@ impl PartitionTurns {
                 .as_ref()
                 .and_then(|h| crate::ingest::RelayHeaders::from_nats(h).run_id);
             let agent = raw.publishing_agent(&shared.names);
-            let Ok(events) = pipeline::normalize_raw(&raw, &shared.names, &shared.ingest, 0) else {
-                continue;
-            };
+            let events =
+                pipeline::normalize_raw(&raw, &shared.names, &shared.ingest, 0).unwrap_or_default();
             for n in &events {
                 if !visit(n, &info, header.as_deref(), agent.as_deref()) {
                     return Ok(false);
                 }
             }
+            if info.stream_sequence >= until {
+                return Ok(true);
+            }
         }
-        Ok(true)
     }
 
     /// Publish a decided turn's response found at reload (decided after the last checkpoint, so

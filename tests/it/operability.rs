@@ -481,3 +481,52 @@ async fn the_folds_backlog_is_reported_while_sessions_cannot_be_written_and_unti
         assert!(session.is_some(), "session ws-{i} is written");
     }
 }
+
+/// A lease renewal the server stored but whose answer never came (a timeout on a slow link) is
+/// read back, not taken as lost: the worker keeps its partitions instead of stopping them and
+/// leaving them unowned until the lease TTL passes. The test hook takes every third stored
+/// renewal's answer as lost.
+#[tokio::test]
+async fn a_lease_renewal_stored_with_its_answer_lost_keeps_the_partition() {
+    let nats = TestNats::start().await;
+    let worker = start_projector(
+        &nats.url(),
+        &MAIN_AGENTS,
+        &[
+            ("COLLAB_WORKERS__LEASE_TTL", "3s"),
+            ("COLLAB_TEST_LOSE_LEASE_RENEWAL_ANSWER_EVERY", "3"),
+        ],
+    )
+    .await;
+    let addr = worker.http_addr();
+    // Six rounds of sixteen renewals: thirty-two of them stored with their answer lost.
+    wait_until(GUARD, "six rounds of lease renewals", || {
+        let addr = addr.clone();
+        async move {
+            let s = samples(&get(&addr, "/metrics").await.1);
+            sum(&s, telemetry::LEASE_RENEWALS, &[]) >= 96.0
+        }
+    })
+    .await;
+    let s = samples(&get(&addr, "/metrics").await.1);
+    assert_eq!(
+        sum(&s, telemetry::LEASE_LOSSES, &[]),
+        0.0,
+        "{}",
+        worker.log_text()
+    );
+    assert_eq!(sum(&s, telemetry::TAKEOVERS, &[]), 16.0);
+    assert_eq!(sum(&s, telemetry::PARTITIONS_OWNED, &[]), 16.0);
+    assert!(
+        worker
+            .log_text()
+            .contains("a lease renewal whose answer was lost was stored"),
+        "{}",
+        worker.log_text()
+    );
+    // And the partitions work.
+    let js = nats.jetstream().await;
+    let (subject, body) = collab("a2a.send", "ruda", "eden", "c-1", json!({"message": "1"}));
+    publish(&js, &subject, body).await;
+    wait_settled(&js, 1, 0).await;
+}

@@ -2056,3 +2056,72 @@ async fn normalize_answers_one_line_per_line_in_order() {
     assert_eq!(out.lines().count(), 1);
     assert_eq!(line["eventRole"], "delegation.subagent");
 }
+
+/// Each start of a partition claims its fence in the projection and dead-letter streams; only
+/// the newest claim counts, so the earlier ones are removed. A deployment restarted again and
+/// again (or a partition that keeps failing and starting over) must not fill its output streams
+/// with claims: after three workers in turn, each fence subject holds one message, the last
+/// worker's.
+#[tokio::test]
+async fn restarts_leave_one_fence_claim_per_partition_not_one_per_start() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let fences = |stream: &'static str| {
+        let js = js.clone();
+        async move {
+            let s = js.get_stream(stream).await.expect("output stream");
+            let mut per_subject = BTreeMap::new();
+            let mut subjects = s
+                .info_with_subjects("*.*._fence.*")
+                .await
+                .expect("subjects");
+            while let Some((subject, n)) = subjects.try_next().await.expect("subject counts") {
+                per_subject.insert(subject, n);
+            }
+            per_subject
+        }
+    };
+    let partitions = default_partitions();
+    for run in ["first", "second", "third"] {
+        let mut worker =
+            start_projector(&nats.url(), &MAIN_AGENTS, &[("COLLAB_WORKERS__ID", run)]).await;
+        wait_until(GUARD, "every fence claimed by this worker", || {
+            let js = js.clone();
+            async move {
+                let mut claimed = 0;
+                for stream in [PROJ, DLQ] {
+                    let s = js.get_stream(stream).await.expect("output stream");
+                    for p in 0..partitions {
+                        let subject = format!(
+                            "collab.{}._fence.{p}",
+                            if stream == PROJ { "proj" } else { "dlq" }
+                        );
+                        if let Ok(m) = s.get_last_raw_message_by_subject(&subject).await {
+                            let owner = m
+                                .headers
+                                .get(collab_projector::bus::publish::H_FENCE)
+                                .map(|v| v.as_str().to_string());
+                            claimed += usize::from(owner.as_deref() == Some(run));
+                        }
+                    }
+                }
+                claimed == 2 * partitions
+            }
+        })
+        .await;
+        worker.sigterm();
+        assert!(
+            worker.wait_exit(GUARD).await.is_some_and(|s| s.success()),
+            "{}",
+            worker.log_text()
+        );
+    }
+    for stream in [PROJ, DLQ] {
+        let per_subject = fences(stream).await;
+        assert_eq!(per_subject.len(), partitions, "{stream}: {per_subject:?}");
+        assert!(
+            per_subject.values().all(|n| *n == 1),
+            "{stream} keeps earlier claims: {per_subject:?}"
+        );
+    }
+}
