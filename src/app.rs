@@ -254,6 +254,7 @@ fn serve_http(
         }
     }
     let cancel = cancel.clone();
+    let listener = http::stall_bounded(listener, settings.http.client_stall_timeout);
     running.tracker.spawn(async move {
         let serve = axum::serve(listener, router)
             .with_graceful_shutdown(async move { cancel.cancelled().await });

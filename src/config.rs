@@ -750,6 +750,12 @@ pub struct HttpSettings {
     pub sse_buffer_events: usize,
     /// Bytes buffered for one stream's client before it counts as too slow.
     pub sse_buffer_bytes: usize,
+    /// How long a response may wait on a client that takes nothing (what was sent is not
+    /// acknowledged, or its receive window stays at zero) before the connection is closed
+    /// (`TCP_USER_TIMEOUT` on each accepted connection, Linux only). An event stream whose
+    /// client stopped reading frees its place (`sse_max_streams`) and its buffer then.
+    #[serde(with = "humantime_serde")]
+    pub client_stall_timeout: Duration,
     /// Work-session lists (`GET /api/work-sessions`, each a read of the whole bucket) being read
     /// at once, all callers together; one more is refused with 503.
     pub session_lists: usize,
@@ -773,6 +779,48 @@ pub struct TokenGrant {
     pub roles: Vec<Role>,
 }
 
+impl HttpSettings {
+    /// The HTTP settings' own checks (part of [`Settings::validate`]).
+    fn validate(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        for grant in &self.tokens {
+            if grant.token.trim().is_empty() && grant.token_env.is_none() {
+                return bad(format!(
+                    "http.tokens \"{}\" has no token: set token or token_env",
+                    grant.name
+                ));
+            }
+            if grant.roles.is_empty() {
+                return bad(format!("http.tokens \"{}\" grants no role", grant.name));
+            }
+        }
+        for (name, n) in [
+            ("http.sse_max_streams", self.sse_max_streams),
+            (
+                "http.sse_max_streams_per_token",
+                self.sse_max_streams_per_token,
+            ),
+            ("http.sse_buffer_events", self.sse_buffer_events),
+            ("http.session_lists", self.session_lists),
+            ("http.session_lists_per_token", self.session_lists_per_token),
+        ] {
+            if n == 0 {
+                return bad(format!("{name} must be at least 1"));
+            }
+        }
+        if self.sse_buffer_bytes < 64 * 1024 {
+            return bad("http.sse_buffer_bytes must be at least 65536 (64 KiB)".into());
+        }
+        if self.client_stall_timeout < Duration::from_secs(1) {
+            return bad("http.client_stall_timeout must be at least 1s (a slow client's window may close for a moment)".into());
+        }
+        if self.stall_after < Duration::from_secs(10) {
+            return bad("http.stall_after must be at least 10s (lag is sampled every 5s)".into());
+        }
+        Ok(())
+    }
+}
+
 impl Default for HttpSettings {
     fn default() -> Self {
         HttpSettings {
@@ -790,6 +838,7 @@ impl Default for HttpSettings {
             session_lists_per_token: 2,
             sse_buffer_events: 256,
             sse_buffer_bytes: 1024 * 1024,
+            client_stall_timeout: Duration::from_secs(60),
         }
     }
 }
@@ -992,46 +1041,13 @@ impl Settings {
         if self.consumer.publish_window == 0 || self.consumer.publish_window >= 5000 {
             return bad("consumer.publish_window must be between 1 and 4999 (the client caps unacknowledged publishes at 5000)".into());
         }
-        for grant in &self.http.tokens {
-            if grant.token.trim().is_empty() && grant.token_env.is_none() {
-                return bad(format!(
-                    "http.tokens \"{}\" has no token: set token or token_env",
-                    grant.name
-                ));
-            }
-            if grant.roles.is_empty() {
-                return bad(format!("http.tokens \"{}\" grants no role", grant.name));
-            }
-        }
-        for (name, n) in [
-            ("http.sse_max_streams", self.http.sse_max_streams),
-            (
-                "http.sse_max_streams_per_token",
-                self.http.sse_max_streams_per_token,
-            ),
-            ("http.sse_buffer_events", self.http.sse_buffer_events),
-            ("http.session_lists", self.http.session_lists),
-            (
-                "http.session_lists_per_token",
-                self.http.session_lists_per_token,
-            ),
-        ] {
-            if n == 0 {
-                return bad(format!("{name} must be at least 1"));
-            }
-        }
-        if self.http.sse_buffer_bytes < 64 * 1024 {
-            return bad("http.sse_buffer_bytes must be at least 65536 (64 KiB)".into());
-        }
+        self.http.validate()?;
         for (name, n) in self.storage.limits() {
             if n < MIB {
                 return bad(format!(
                     "{name} ({n}) must be at least 1048576 (1 MiB); every stream and bucket is bounded"
                 ));
             }
-        }
-        if self.http.stall_after < Duration::from_secs(10) {
-            return bad("http.stall_after must be at least 10s (lag is sampled every 5s)".into());
         }
         if self.workers.lease_ttl < Duration::from_secs(1) {
             return bad("workers.lease_ttl must be at least 1s".into());

@@ -24,6 +24,28 @@ pub struct HttpState {
     pub stall_after: Duration,
 }
 
+/// `listener`, with each accepted connection closed by the kernel once what it sends has waited
+/// `stall` on a client that takes nothing: unacknowledged, or held back by a receive window at
+/// zero (`TCP_USER_TIMEOUT`, `http.client_stall_timeout`). Without it, a response body the
+/// client stopped reading (an event stream ended `slow_consumer`) is kept, with its place among
+/// the capped streams and its buffer, until the client closes the socket, which it need never
+/// do. An idle connection sends nothing and is not affected. Elsewhere than on Linux the
+/// listener is returned as it is.
+pub fn stall_bounded(
+    listener: tokio::net::TcpListener,
+    stall: Duration,
+) -> impl axum::serve::Listener<Io = tokio::net::TcpStream, Addr = std::net::SocketAddr> {
+    use axum::serve::ListenerExt;
+    listener.tap_io(move |tcp| {
+        #[cfg(any(target_os = "linux", target_os = "android"))]
+        if let Err(e) = socket2::SockRef::from(&*tcp).set_tcp_user_timeout(Some(stall)) {
+            tracing::debug!(error = %e, "TCP_USER_TIMEOUT not set on an HTTP connection");
+        }
+        #[cfg(not(any(target_os = "linux", target_os = "android")))]
+        let _ = (tcp, stall);
+    })
+}
+
 pub fn router(state: HttpState) -> Router {
     Router::new()
         .route("/healthz", get(healthz))

@@ -1,5 +1,6 @@
 //! `GET /api/blobs/{id}`: a field the workers moved to the object store (see [`crate::blobs`]),
-//! to a caller whose grant covers the role of the event it came from.
+//! to a caller whose grant covers the role of the event it came from; to any other caller it
+//! does not exist.
 
 use super::auth::Caller;
 use super::error::ApiError;
@@ -10,7 +11,7 @@ use crate::model::Role;
 use async_nats::jetstream::object_store::InfoErrorKind;
 use axum::body::Body;
 use axum::extract::State;
-use axum::http::{header, HeaderValue, StatusCode};
+use axum::http::{header, HeaderValue};
 use axum::response::Response;
 use axum::Extension;
 use tokio::io::AsyncReadExt;
@@ -49,13 +50,11 @@ pub async fn one(
     else {
         return Err(missing(&id));
     };
+    // Another role's blob is answered as one that does not exist: a blob's id is the digest of
+    // its role and content, so a `403` would confirm to anyone who can guess a content that
+    // another role holds it.
     if !caller.allowed.contains(&role) {
-        return Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "forbidden",
-            format!("this blob belongs to role {role}, which this token may not read"),
-        )
-        .with_granted(&caller.allowed));
+        return Err(missing(&id));
     }
     let mut object = store
         .get(&id)

@@ -380,8 +380,7 @@ fn blob(roles: &Value) -> Value {
                 "application/json": {"schema": {}},
                 "application/octet-stream": {"schema": {"type": "string", "contentEncoding": "binary"}}}},
             "401": unauthorized_response(),
-            "403": error_response("The blob belongs to a role outside the token's grant."),
-            "404": error_response("No such blob (never stored, or expired with its projections)."),
+            "404": error_response("No such blob for this token: never stored, expired with its projections, or of a role outside the token's grant (the same answer, so a token cannot learn that another role holds a given content)."),
             "503": error_response("The event store (NATS) is unavailable.")
         }
     }})

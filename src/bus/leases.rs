@@ -105,6 +105,27 @@ fn written_by(
         && header(H_LEASE_INSTANCE).as_deref() == Some(instance)
 }
 
+/// Delete partition `p`'s lease, held at `revision`, or at the revision a renewal of this
+/// process stored with its answer lost (read back from the leader): a lease anyone else wrote
+/// meanwhile is left alone.
+async fn delete_held(store: &kv::Store, p: u16, revision: u64, worker_id: &str, instance: &str) {
+    if store
+        .delete_expect_revision(lease_key(p), Some(revision))
+        .await
+        .is_ok()
+    {
+        return;
+    }
+    let subject = format!("{}{}", store.prefix, lease_key(p));
+    if let Ok(Some(m)) = super::publish::last_from_leader(&store.stream, &subject).await {
+        if m.sequence > revision && written_by(&m, worker_id, instance) {
+            let _ = store
+                .delete_expect_revision(lease_key(p), Some(m.sequence))
+                .await;
+        }
+    }
+}
+
 /// Renew the lease on `subject` (its message subject in the bucket's stream) expecting
 /// `revision`, marked with `instance`: the new revision.
 async fn publish_renewal(
@@ -762,8 +783,8 @@ impl LeaseLoop {
     }
 
     /// Collect the stopped partitions whose tasks have ended, and delete the leases of those
-    /// released for balance (at the revision held: a lease that lapsed and was taken meanwhile
-    /// is left alone).
+    /// released for balance (at the revision held, or one of this process's renewals found
+    /// stored: a lease that lapsed and was taken meanwhile is left alone).
     async fn finish_leaving(&mut self) {
         let (done, still): (Vec<Leaving>, Vec<Leaving>) = std::mem::take(&mut self.leaving)
             .into_iter()
@@ -772,10 +793,14 @@ impl LeaseLoop {
         for l in done {
             let _ = l.held.task.await;
             if l.release {
-                let _ = self
-                    .store
-                    .delete_expect_revision(lease_key(l.p), Some(l.held.revision))
-                    .await;
+                delete_held(
+                    &self.store,
+                    l.p,
+                    l.held.revision,
+                    &self.worker_id,
+                    &self.instance,
+                )
+                .await;
                 info!(partition = l.p, "partition released for balance");
             }
         }
@@ -887,10 +912,7 @@ impl LeaseLoop {
             .store(0, Ordering::Relaxed);
         let release = async {
             for (p, rev) in revisions {
-                let _ = self
-                    .store
-                    .delete_expect_revision(lease_key(p), Some(rev))
-                    .await;
+                delete_held(&self.store, p, rev, &self.worker_id, &self.instance).await;
             }
             let _ = self.store.delete(&self.heartbeat).await;
         };

@@ -1267,6 +1267,65 @@ async fn slow_readers(
     clients
 }
 
+/// An event stream whose client stopped reading (its receive window at zero, the socket left
+/// open) is closed once `http.client_stall_timeout` passes, which frees its place: with room
+/// for one stream, a second client is served while the first still holds its socket. Without
+/// the timeout the place stays taken for as long as the stalled client keeps the socket.
+#[tokio::test]
+async fn a_stream_whose_client_stopped_reading_frees_its_place_after_the_stall_timeout() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let projector = crate::pipeline::start_projector(
+        &nats.url(),
+        &crate::pipeline::MAIN_AGENTS,
+        &[
+            ("COLLAB_HTTP__SSE_MAX_STREAMS", "1"),
+            ("COLLAB_HTTP__SSE_MAX_STREAMS_PER_TOKEN", "1"),
+            ("COLLAB_HTTP__CLIENT_STALL_TIMEOUT", "2s"),
+            ("RUST_LOG", "info,collab_projector::api=debug"),
+        ],
+    )
+    .await;
+    let addr = projector.http_addr();
+    let stalled = slow_readers(&addr, 1).await;
+    let http = reqwest::Client::new();
+    let second = || {
+        let (http, addr) = (http.clone(), addr.clone());
+        async move {
+            http.get(format!("http://{addr}/api/events/stream"))
+                .send()
+                .await
+                .map(|r| r.status().as_u16())
+                .unwrap_or_default()
+        }
+    };
+    assert_eq!(second().await, 503, "the one place is taken");
+    // More than the stalled client's receive window takes: the rest waits in the server's
+    // socket behind a window at zero.
+    let filler = "x".repeat(16 * 1024);
+    for n in 0..64u32 {
+        let body = json!({"type": "health.ping", "eventRole": "system.observability", "payload": {"n": n, "filler": filler}});
+        publish(
+            &js,
+            "collab.proj.system.observability.k.health.ping",
+            Bytes::from(body.to_string()),
+        )
+        .await;
+    }
+    wait_until(
+        GUARD,
+        "a second stream is served while the stalled client keeps its socket",
+        || async { second().await == 200 },
+    )
+    .await;
+    assert!(
+        projector.log_text().contains("event stream closed"),
+        "{}",
+        projector.log_text()
+    );
+    drop(stalled);
+}
+
 /// Event streams whose clients never read cost the process at most their buffer each (plus
 /// slack), and give their places and their memory back once they end. 20 streams with an 8 MiB
 /// buffer (more than a socket's kernel buffer takes, so the process holds it) are sent 24 MiB of
