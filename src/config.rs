@@ -1626,6 +1626,14 @@ mod tests {
         );
         let off = Settings::from_toml("[turns]\nearly_hold = \"0s\"\n").expect("zero turns it off");
         assert!(off.turns.early_hold.is_zero());
+        let err = Settings::from_toml("[http]\nclient_stall_timeout = \"500ms\"\n")
+            .expect_err("must fail");
+        assert!(
+            err.to_string().contains("http.client_stall_timeout"),
+            "{err}"
+        );
+        let ok = Settings::from_toml("[http]\nclient_stall_timeout = \"5m\"\n").expect("loads");
+        assert_eq!(ok.http.client_stall_timeout, Duration::from_secs(300));
     }
 
     fn nats_error(toml: &str) -> String {

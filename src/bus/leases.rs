@@ -117,7 +117,8 @@ async fn delete_held(store: &kv::Store, p: u16, revision: u64, worker_id: &str, 
         return;
     }
     let subject = format!("{}{}", store.prefix, lease_key(p));
-    if let Ok(Some(m)) = super::publish::last_from_leader(&store.stream, &subject).await {
+    let read = super::publish::last_from_leader(&store.stream, &subject);
+    if let Ok(Ok(Some(m))) = tokio::time::timeout(PROBE_EVERY, read).await {
         if m.sequence > revision && written_by(&m, worker_id, instance) {
             let _ = store
                 .delete_expect_revision(lease_key(p), Some(m.sequence))

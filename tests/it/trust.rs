@@ -1318,11 +1318,6 @@ async fn a_stream_whose_client_stopped_reading_frees_its_place_after_the_stall_t
         || async { second().await == 200 },
     )
     .await;
-    assert!(
-        projector.log_text().contains("event stream closed"),
-        "{}",
-        projector.log_text()
-    );
     drop(stalled);
 }
 
