@@ -568,6 +568,8 @@ struct LeaseLoop {
     /// (`COLLAB_TEST_LOSE_LEASE_RENEWAL_ANSWER_EVERY`, 0 = never).
     lose_answer_every: u64,
     renewal_answers: std::sync::atomic::AtomicU64,
+    /// Test hook: a failed renewal's read-back fails too (`COLLAB_TEST_LEASE_READ_BACK_FAILS`).
+    fail_read_back: bool,
 }
 
 impl LeaseLoop {
@@ -599,6 +601,8 @@ impl LeaseLoop {
                 "COLLAB_TEST_LOSE_LEASE_RENEWAL_ANSWER_EVERY",
             ),
             renewal_answers: std::sync::atomic::AtomicU64::new(0),
+            fail_read_back: super::publisher::test_hook_every("COLLAB_TEST_LEASE_READ_BACK_FAILS")
+                > 0,
             shared,
             store,
             worker_id,
@@ -680,7 +684,7 @@ impl LeaseLoop {
         if cancel.is_cancelled() {
             return;
         }
-        let lose_answer_every = self.lose_answer_every;
+        let (lose_answer_every, fail_read_back) = (self.lose_answer_every, self.fail_read_back);
         let renewals = self.held.iter().map(|(p, h)| {
             let (p, revision) = (*p, h.revision);
             let (js, store, id, instance) =
@@ -699,6 +703,7 @@ impl LeaseLoop {
                 let (back, error) = match result {
                     Ok(rev) => (ReadBack::Renewed(rev), None),
                     // Someone else wrote it, or a renewal of ours whose answer was lost did.
+                    Err(e) if fail_read_back => (ReadBack::Unknown, Some(e)),
                     Err(e) => {
                         let read = super::publish::last_from_leader(&store.stream, &subject);
                         let back = match tokio::time::timeout(PROBE_EVERY, read).await {

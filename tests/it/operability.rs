@@ -530,3 +530,57 @@ async fn a_lease_renewal_stored_with_its_answer_lost_keeps_the_partition() {
     publish(&js, &subject, body).await;
     wait_settled(&js, 1, 0).await;
 }
+
+/// A worker whose renewals were stored with their answers lost, and not read back (the lease
+/// bucket's leader did not answer), still hands its leases back at shutdown: the delete at the
+/// revision it knows fails, so it reads each lease back and deletes the revision its own
+/// renewal stored. None of its leases is left to the TTL (30 s here) for the next worker.
+#[tokio::test]
+async fn leases_renewed_with_their_answers_lost_are_still_handed_back_at_shutdown() {
+    let nats = TestNats::start().await;
+    let mut worker = start_projector(
+        &nats.url(),
+        &MAIN_AGENTS,
+        &[
+            ("COLLAB_WORKERS__LEASE_TTL", "30s"),
+            ("COLLAB_WORKERS__ID", "lossy"),
+            ("COLLAB_TEST_LOSE_LEASE_RENEWAL_ANSWER_EVERY", "1"),
+            ("COLLAB_TEST_LEASE_READ_BACK_FAILS", "1"),
+        ],
+    )
+    .await;
+    wait_until(
+        GUARD,
+        "a round of renewals stored but not confirmed",
+        || {
+            let n = worker
+                .log_text()
+                .matches("lease renewal not confirmed")
+                .count();
+            async move { n >= 16 }
+        },
+    )
+    .await;
+    worker.sigterm();
+    assert!(
+        worker.wait_exit(GUARD).await.is_some_and(|s| s.success()),
+        "{}",
+        worker.log_text()
+    );
+    let js = nats.jetstream().await;
+    let leases = js
+        .get_key_value("collab_leases")
+        .await
+        .expect("the lease bucket");
+    let mut held = Vec::new();
+    for p in 0..16u16 {
+        if let Ok(Some(v)) = leases.get(format!("l.{p}")).await {
+            held.push((p, String::from_utf8_lossy(&v).into_owned()));
+        }
+    }
+    assert!(
+        held.is_empty(),
+        "leases left to expire: {held:?}\n{}",
+        worker.log_text()
+    );
+}
