@@ -586,8 +586,14 @@ async fn first_fold_start(
     kv: &kv::Store,
     proj: &mut jetstream::stream::Stream,
 ) -> Result<u64, String> {
-    if state(&mut kv.stream.clone()).await?.messages == 0 {
-        return Ok(1);
+    // Sessions are stored under one-token keys; the bucket's others (`fold.position`,
+    // `otel.position` of the span export, `conv.<id>` aliases) say nothing about whether this
+    // stream's projections were folded.
+    let any_session = format!("{}*", kv.prefix);
+    match super::publish::last_from_leader(&kv.stream, &any_session).await {
+        Ok(None) => return Ok(1),
+        Ok(Some(_)) => {}
+        Err(e) => return Err(format!("reading the work sessions: {e}")),
     }
     let last = state(proj).await?.last_sequence;
     warn!(

@@ -1502,6 +1502,17 @@ async fn crash_before_ack_is_repaired_without_duplicates() {
 /// stream at the next start, each projection counted once, with new input arriving meanwhile.
 #[tokio::test]
 async fn an_emptied_work_session_bucket_is_rebuilt_from_the_projection_stream() {
+    rebuilt_after_emptying(None).await;
+}
+
+/// The same with another key left in the bucket, as the OpenTelemetry export keeps its
+/// position there: only sessions say the fold ran before, so the whole stream is folded again.
+#[tokio::test]
+async fn a_work_session_bucket_holding_only_the_exports_position_is_rebuilt_whole() {
+    rebuilt_after_emptying(Some(("otel.position", "1"))).await;
+}
+
+async fn rebuilt_after_emptying(left: Option<(&str, &str)>) {
     let nats = TestNats::start().await;
     let js = nats.jetstream().await;
     let mut first = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
@@ -1517,6 +1528,16 @@ async fn an_emptied_work_session_bucket_is_rebuilt_from_the_projection_stream() 
         .await
         .expect("the sessions bucket's stream");
     sessions.purge().await.expect("the bucket is emptied");
+    if let Some((key, value)) = left {
+        let bucket = js
+            .get_key_value("collab_work_sessions")
+            .await
+            .expect("the sessions bucket");
+        bucket
+            .put(key, value.to_string().into())
+            .await
+            .expect("a key left in the bucket");
+    }
     // Restarted with more input arriving while the drain runs.
     let _second = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
     let more = publish_all(&js, &load(300)).await;
