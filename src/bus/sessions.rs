@@ -555,22 +555,45 @@ pub(crate) async fn read_position(kv: &kv::Store, key: &str) -> Result<Option<u6
 /// is folded, so a fold restarted after a failed first round starts where the first one did
 /// (its own alias and session writes would otherwise make the bucket look like an older
 /// version's and move the start past the round it failed to write).
-async fn fold_start(kv: &kv::Store, proj: &mut jetstream::stream::Stream) -> Result<u64, String> {
-    if let Some(last) = read_position(kv, FOLD_KEY).await? {
-        return Ok(last + 1);
+///
+/// Also the checkpoint's revision: the fold moves it only from there (see [`fold`]).
+async fn fold_start(
+    kv: &kv::Store,
+    proj: &mut jetstream::stream::Stream,
+) -> Result<(u64, u64), String> {
+    if let Some(at) = read_checkpoint(kv).await? {
+        return Ok(at);
     }
     let start = first_fold_start(kv, proj).await?;
     match kv
         .create(FOLD_KEY, Bytes::from((start - 1).to_string()))
         .await
     {
-        Ok(_) => Ok(start),
+        Ok(revision) => Ok((start, revision)),
         // Another worker's fold wrote it first (a brief overlap of two owners): start after it.
-        Err(e) => match read_position(kv, FOLD_KEY).await? {
-            Some(last) => Ok(last + 1),
+        Err(e) => match read_checkpoint(kv).await? {
+            Some(at) => Ok(at),
             None => Err(format!("checkpoint {FOLD_KEY}: {e}")),
         },
     }
+}
+
+/// The fold's checkpoint: where it starts (the sequence after it) and the entry's revision;
+/// `None` when there is none.
+async fn read_checkpoint(kv: &kv::Store) -> Result<Option<(u64, u64)>, String> {
+    let entry = tokio::time::timeout(Duration::from_secs(10), kv.entry(FOLD_KEY))
+        .await
+        .map_err(|_| "no answer within 10 s".to_string())?
+        .map_err(|e| e.to_string())?;
+    let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
+        return Ok(None);
+    };
+    let text = String::from_utf8_lossy(&entry.value);
+    let last = text
+        .trim()
+        .parse::<u64>()
+        .map_err(|_| format!("checkpoint {FOLD_KEY} is not a sequence: {text:?}"))?;
+    Ok(Some((last + 1, entry.revision)))
 }
 
 /// A stream's state as the server reports it now.
@@ -699,7 +722,7 @@ async fn fold(
         .await
         .map_err(|e| format!("stream {proj_stream}: {e}"))?;
     writer.forget_aliases();
-    let start = fold_start(&writer.kv, &mut proj).await?;
+    let (start, mut checkpoint) = fold_start(&writer.kv, &mut proj).await?;
     *position = Some(start - 1);
     let mut rounds = super::rounds::Rounds::new(&proj, start).await?;
     debug!(from = start, "work-session fold started");
@@ -720,15 +743,30 @@ async fn fold(
             .set(round.len() as f64 + pending as f64);
         let events: Vec<_> = round.iter().filter_map(fold_event).collect();
         let folded = events.len();
+        // A worker no longer sure of partition 0 writes nothing of the round (another may fold).
+        if super::lease_lapsed(lease_valid_until) {
+            return Err(
+                "partition 0's lease lapsed during the round; starting again from the checkpoint"
+                    .into(),
+            );
+        }
         writer
             .commit_boxed(events)
             .await
             .map_err(|e| e.to_string())?;
-        writer
+        // Moved only from where this fold found it: a checkpoint another worker's fold moved
+        // meanwhile (a deposed owner coming back, or a write stored with its answer lost) stops
+        // this fold, which starts again from the checkpoint as it is.
+        checkpoint = writer
             .kv
-            .put(FOLD_KEY, Bytes::from(last.to_string()))
+            .update(FOLD_KEY, Bytes::from(last.to_string()), checkpoint)
             .await
-            .map_err(|e| format!("checkpoint {FOLD_KEY}: {e}"))?;
+            .map_err(|e| match e.kind() {
+                kv::UpdateErrorKind::WrongLastRevision => {
+                    format!("checkpoint {FOLD_KEY} moved by another fold; starting again from it")
+                }
+                _ => format!("checkpoint {FOLD_KEY}: {e}"),
+            })?;
         metrics::counter!(crate::telemetry::SESSION_EVENTS_FOLDED).increment(folded as u64);
         metrics::gauge!(crate::telemetry::SESSION_FOLD_POSITION).set(last as f64);
         metrics::gauge!(crate::telemetry::SESSION_FOLD_BEHIND).set(pending as f64);
