@@ -1048,19 +1048,22 @@ mod tests {
         assert_eq!(plan, [vec![1, 1], vec![3], vec![1], vec![5, 6]]);
     }
 
-    /// Against a real server: the look-up of one output of an input whose later output on the
-    /// same subject is the subject's last message finds it stored (the subject's last message
-    /// being this input's own says nothing about which of its outputs are stored).
+    /// A local nats-server with the default deployment provisioned, and a publisher on it;
+    /// `None` (the test skipped) without nats-server on PATH outside CI.
     #[cfg(feature = "tools")]
-    #[tokio::test]
-    async fn the_lookup_finds_an_output_stored_before_a_later_output_of_the_same_input() {
+    async fn provisioned_publisher() -> Option<(
+        crate::localnats::LocalNats,
+        jetstream::Context,
+        Names,
+        Publisher,
+    )> {
         if crate::localnats::LocalNats::find_binary().is_none() {
             assert!(
                 std::env::var_os("CI").is_none(),
                 "this test needs nats-server on PATH"
             );
             eprintln!("SKIPPED: no nats-server on PATH");
-            return;
+            return None;
         }
         let nats = crate::localnats::LocalNats::start(Default::default())
             .await
@@ -1080,6 +1083,18 @@ mod tests {
         )
         .await
         .expect("a publisher");
+        Some((nats, js, names, publisher))
+    }
+
+    /// Against a real server: the look-up of one output of an input whose later output on the
+    /// same subject is the subject's last message finds it stored (the subject's last message
+    /// being this input's own says nothing about which of its outputs are stored).
+    #[cfg(feature = "tools")]
+    #[tokio::test]
+    async fn the_lookup_finds_an_output_stored_before_a_later_output_of_the_same_input() {
+        let Some((_nats, js, names, publisher)) = provisioned_publisher().await else {
+            return;
+        };
         let raw_seq = 7;
         let subject = names.proj_subject(crate::model::Role::SystemObservability, "k", "run.delta");
         let output = |i: usize| Outgoing {
@@ -1131,32 +1146,9 @@ mod tests {
     #[cfg(feature = "tools")]
     #[tokio::test]
     async fn the_lookup_of_a_projection_over_the_budget_finds_its_too_large_dead_letter() {
-        if crate::localnats::LocalNats::find_binary().is_none() {
-            assert!(
-                std::env::var_os("CI").is_none(),
-                "this test needs nats-server on PATH"
-            );
-            eprintln!("SKIPPED: no nats-server on PATH");
+        let Some((_nats, js, names, publisher)) = provisioned_publisher().await else {
             return;
-        }
-        let nats = crate::localnats::LocalNats::start(Default::default())
-            .await
-            .expect("a local nats-server");
-        let client = async_nats::connect(nats.url()).await.expect("connected");
-        let js = jetstream::new(client);
-        let settings = crate::config::Settings::default();
-        super::super::provision::provision(&js, &settings)
-            .await
-            .expect("provisioned");
-        let names = settings.names();
-        let publisher = Publisher::new(
-            js.clone(),
-            names.clone(),
-            Arc::new(WorkerState::default()),
-            &settings,
-        )
-        .await
-        .expect("a publisher");
+        };
         let raw_seq = 11;
         let huge = |i: usize| Outgoing {
             subject: names.proj_subject(crate::model::Role::ConversationMain, "k", "a2a.request"),

@@ -747,16 +747,7 @@ async fn sse_memory_under_slow_readers() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(1500);
-    let filler = "x".repeat(16 * 1024);
-    for n in 0..events {
-        let body = json!({"type": "health.ping", "eventRole": "system.observability", "payload": {"n": n, "filler": filler}});
-        publish(
-            &js,
-            "collab.proj.system.observability.k.health.ping",
-            Bytes::from(body.to_string()),
-        )
-        .await;
-    }
+    publish_pings(&js, events).await;
     let loaded = settled_rss(pid).await;
     println!("sse memory: closing the clients at {}", chrono::Utc::now());
     drop(clients);
@@ -1235,6 +1226,20 @@ async fn only_the_agent_that_started_a_run_ends_it() {
 
 /// `streams` event-stream clients of the API at `addr` that never read (a 4 KiB receive buffer),
 /// each past its `200`.
+/// Publish `n` health pings of 16 KiB each straight onto the projection stream.
+async fn publish_pings(js: &jetstream::Context, n: u32) {
+    let filler = "x".repeat(16 * 1024);
+    for i in 0..n {
+        let body = json!({"type": "health.ping", "eventRole": "system.observability", "payload": {"n": i, "filler": filler}});
+        publish(
+            js,
+            "collab.proj.system.observability.k.health.ping",
+            Bytes::from(body.to_string()),
+        )
+        .await;
+    }
+}
+
 async fn slow_readers(
     addr: &str,
     streams: usize,
@@ -1302,16 +1307,7 @@ async fn a_stream_whose_client_stopped_reading_frees_its_place_after_the_stall_t
     assert_eq!(second().await, 503, "the one place is taken");
     // More than the stalled client's receive window takes: the rest waits in the server's
     // socket behind a window at zero.
-    let filler = "x".repeat(16 * 1024);
-    for n in 0..64u32 {
-        let body = json!({"type": "health.ping", "eventRole": "system.observability", "payload": {"n": n, "filler": filler}});
-        publish(
-            &js,
-            "collab.proj.system.observability.k.health.ping",
-            Bytes::from(body.to_string()),
-        )
-        .await;
-    }
+    publish_pings(&js, 64).await;
     wait_until(
         GUARD,
         "a second stream is served while the stalled client keeps its socket",
@@ -1377,16 +1373,7 @@ async fn event_streams_of_slow_readers_stay_within_their_buffers_and_give_memory
             peak.max(rss_mib(pid))
         })
     };
-    let filler = "x".repeat(16 * 1024);
-    for n in 0..1536u32 {
-        let body = json!({"type": "health.ping", "eventRole": "system.observability", "payload": {"n": n, "filler": filler}});
-        publish(
-            &js,
-            "collab.proj.system.observability.k.health.ping",
-            Bytes::from(body.to_string()),
-        )
-        .await;
-    }
+    publish_pings(&js, 1536).await;
     // Every stream overflows its buffer: its reader stops (slow_consumer), holding the buffer
     // until the client takes it or goes.
     let count_lines = |needle: &str| {
