@@ -92,17 +92,27 @@ fn read_back(last: Option<(u64, bool)>, held_revision: u64) -> ReadBack {
     }
 }
 
-/// Whether `m`, a lease's message in the bucket's stream, is a put of `worker_id` by the process
+/// Whether `e`, a lease as the stream's leader has it, is a put of `worker_id` by the process
 /// whose instance token is `instance`.
-fn written_by(
-    m: &async_nats::jetstream::message::StreamMessage,
+fn written_by(e: &super::LeaderEntry, worker_id: &str, instance: &str) -> bool {
+    e.put
+        && e.value.as_ref() == worker_id.as_bytes()
+        && e.headers.get(H_LEASE_INSTANCE).map(|v| v.as_str()) == Some(instance)
+}
+
+/// `p`'s lease as the stream's leader has it: its revision and whether this process wrote it.
+/// `None` inside: no lease; an error or no answer within a probe interval: `None` outside.
+async fn read_lease(
+    store: &kv::Store,
+    p: u16,
     worker_id: &str,
     instance: &str,
-) -> bool {
-    let header = |name: &str| m.headers.get(name).map(|v| v.as_str().to_string());
-    header("KV-Operation").is_none()
-        && m.payload.as_ref() == worker_id.as_bytes()
-        && header(H_LEASE_INSTANCE).as_deref() == Some(instance)
+) -> Option<Option<(u64, bool)>> {
+    let key = lease_key(p);
+    match tokio::time::timeout(PROBE_EVERY, super::leader_entry(store, &key)).await {
+        Ok(Ok(entry)) => Some(entry.map(|e| (e.revision, written_by(&e, worker_id, instance)))),
+        Ok(Err(_)) | Err(_) => None,
+    }
 }
 
 /// Delete partition `p`'s lease, held at `revision`, or at the revision a renewal of this
@@ -116,12 +126,10 @@ async fn delete_held(store: &kv::Store, p: u16, revision: u64, worker_id: &str, 
     {
         return;
     }
-    let subject = format!("{}{}", store.prefix, lease_key(p));
-    let read = super::publish::last_from_leader(&store.stream, &subject);
-    if let Ok(Ok(Some(m))) = tokio::time::timeout(PROBE_EVERY, read).await {
-        if m.sequence > revision && written_by(&m, worker_id, instance) {
+    if let Some(Some((stored, true))) = read_lease(store, p, worker_id, instance).await {
+        if stored > revision {
             let _ = store
-                .delete_expect_revision(lease_key(p), Some(m.sequence))
+                .delete_expect_revision(lease_key(p), Some(stored))
                 .await;
         }
     }
@@ -137,7 +145,10 @@ async fn publish_renewal(
     revision: u64,
 ) -> Result<u64, async_nats::jetstream::context::PublishError> {
     let mut headers = async_nats::HeaderMap::new();
-    headers.insert("Nats-Expected-Last-Subject-Sequence", revision.to_string());
+    headers.insert(
+        async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,
+        revision.to_string(),
+    );
     headers.insert(H_LEASE_INSTANCE, instance);
     let ack = js
         .publish_with_headers(subject.to_string(), headers, worker_id.to_string().into())
@@ -597,12 +608,11 @@ impl LeaseLoop {
             disconnected: false,
             instance: format!("{:016x}", rand::random::<u64>()),
             js: shared.leases_side.js.clone(),
-            lose_answer_every: super::publisher::test_hook_every(
+            lose_answer_every: super::test_hook_every(
                 "COLLAB_TEST_LOSE_LEASE_RENEWAL_ANSWER_EVERY",
             ),
             renewal_answers: std::sync::atomic::AtomicU64::new(0),
-            fail_read_back: super::publisher::test_hook_every("COLLAB_TEST_LEASE_READ_BACK_FAILS")
-                > 0,
+            fail_read_back: super::test_hook_every("COLLAB_TEST_LEASE_READ_BACK_FAILS") > 0,
             shared,
             store,
             worker_id,
@@ -696,7 +706,7 @@ impl LeaseLoop {
                 let mut result = publish_renewal(js, &subject, id, instance, revision)
                     .await
                     .map_err(|e| e.to_string());
-                if result.is_ok() && super::publisher::nth(answers, lose_answer_every) {
+                if result.is_ok() && super::nth(answers, lose_answer_every) {
                     // Test hook: stored, and the answer taken as lost.
                     result = Err("test hook: the renewal's answer taken as lost".into());
                 }
@@ -705,13 +715,9 @@ impl LeaseLoop {
                     // Someone else wrote it, or a renewal of ours whose answer was lost did.
                     Err(e) if fail_read_back => (ReadBack::Unknown, Some(e)),
                     Err(e) => {
-                        let read = super::publish::last_from_leader(&store.stream, &subject);
-                        let back = match tokio::time::timeout(PROBE_EVERY, read).await {
-                            Ok(Ok(last)) => read_back(
-                                last.map(|m| (m.sequence, written_by(&m, id, instance))),
-                                revision,
-                            ),
-                            Ok(Err(_)) | Err(_) => ReadBack::Unknown,
+                        let back = match read_lease(store, p, id, instance).await {
+                            Some(last) => read_back(last, revision),
+                            None => ReadBack::Unknown,
                         };
                         (back, Some(e))
                     }
@@ -957,12 +963,12 @@ mod tests {
             for (k, v) in headers {
                 h.insert(*k, *v);
             }
-            async_nats::jetstream::message::StreamMessage {
-                subject: "$KV.collab_leases.l.3".into(),
-                sequence: 12,
+            super::super::LeaderEntry {
+                put: h.get("KV-Operation").is_none(),
+                value: value.to_string().into(),
+                revision: 12,
+                written_at: Default::default(),
                 headers: h,
-                payload: value.to_string().into(),
-                time: Default::default(),
             }
         };
         let ours = message("w1", &[(H_LEASE_INSTANCE, "a1")]);

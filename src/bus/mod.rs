@@ -448,6 +448,60 @@ pub(crate) mod denied {
     }
 }
 
+/// A key's last entry as the stream leader holds it (see [`leader_entry`]).
+pub(crate) struct LeaderEntry {
+    pub value: bytes::Bytes,
+    pub revision: u64,
+    /// A value, not a delete or purge marker.
+    pub put: bool,
+    /// When the stream stored it.
+    pub written_at: chrono::DateTime<chrono::Utc>,
+    /// The headers it was written with (the bucket's own, and any the writer added).
+    pub headers: async_nats::HeaderMap,
+}
+
+/// The last entry of `key` in `store`, read from the bucket stream's leader.
+///
+/// The buckets allow direct gets, which every replica answers, a lagging one (a node rejoining
+/// after a network partition) with what it had. Turn decisions, checkpoints and lease read-backs
+/// are taken on what is read, and a stale "open" or "absent" would let a late reply win a turn
+/// that already timed out: they read through the leader, which answers with what is committed.
+pub(crate) async fn leader_entry(
+    store: &async_nats::jetstream::kv::Store,
+    key: &str,
+) -> Result<Option<LeaderEntry>, error::Source> {
+    let subject = format!("{}{key}", store.prefix);
+    match publish::last_from_leader(&store.stream, &subject)
+        .await
+        .map_err(Box::new)?
+    {
+        Some(m) => Ok(Some(LeaderEntry {
+            put: m
+                .headers
+                .get("KV-Operation")
+                .is_none_or(|op| op.as_str() == "PUT"),
+            value: m.payload,
+            revision: m.sequence,
+            written_at: m.time,
+            headers: m.headers,
+        })),
+        None => Ok(None),
+    }
+}
+
+/// Test hooks: `COLLAB_TEST_<name>_EVERY=<n>`, 0 (off) when unset.
+pub(crate) fn test_hook_every(var: &str) -> u64 {
+    std::env::var(var)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Whether this is the `every`th call counted by `counter` (never when `every` is 0).
+pub(crate) fn nth(counter: &std::sync::atomic::AtomicU64, every: u64) -> bool {
+    every > 0 && (counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1) % every == 0
+}
+
 /// Whether a lease known to hold until `valid_until` (ms since the epoch, 0 = no lease) has
 /// lapsed: past it, the holder takes no more work on what the lease covers.
 pub(crate) fn lease_lapsed(valid_until: &std::sync::atomic::AtomicI64) -> bool {

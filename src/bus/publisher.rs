@@ -69,18 +69,7 @@ const PUBLISH_ACK_TIMEOUT: Duration = Duration::from_secs(5);
 /// looked up before it is sent again (see [`Publisher::stored_past_window`]).
 const DUPLICATE_WINDOW_MARGIN: Duration = Duration::from_secs(15);
 
-/// Test hooks: `COLLAB_TEST_<name>_EVERY=<n>`, 0 (off) when unset.
-pub(crate) fn test_hook_every(var: &str) -> u64 {
-    std::env::var(var)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
-}
-
-/// Whether this is the `every`th call counted by `counter` (never when `every` is 0).
-pub(crate) fn nth(counter: &AtomicU64, every: u64) -> bool {
-    every > 0 && (counter.fetch_add(1, Ordering::Relaxed) + 1) % every == 0
-}
+use super::{nth, test_hook_every};
 
 impl Publisher {
     /// Publishing over `js`'s connection. `hand_over`: half of `consumer.publish_window` shared

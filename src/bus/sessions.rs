@@ -534,18 +534,24 @@ const FOLD_GATHER: Duration = Duration::from_millis(200);
 /// A reader's checkpoint in the work-session bucket: the last projection-stream sequence it
 /// handled under `key`, or `None` when it never wrote one.
 pub(crate) async fn read_position(kv: &kv::Store, key: &str) -> Result<Option<u64>, String> {
-    let entry = tokio::time::timeout(Duration::from_secs(10), kv.get(key))
+    Ok(read_checkpoint(kv, key).await?.map(|(last, _)| last))
+}
+
+/// [`read_position`], with the entry's revision (to move it by compare-and-set).
+async fn read_checkpoint(kv: &kv::Store, key: &str) -> Result<Option<(u64, u64)>, String> {
+    let entry = tokio::time::timeout(Duration::from_secs(10), kv.entry(key))
         .await
         .map_err(|_| "no answer within 10 s".to_string())?
         .map_err(|e| e.to_string())?;
-    entry
-        .map(|v| {
-            let text = String::from_utf8_lossy(&v);
-            text.trim()
-                .parse::<u64>()
-                .map_err(|_| format!("checkpoint {key} is not a sequence: {text:?}"))
-        })
-        .transpose()
+    let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
+        return Ok(None);
+    };
+    let text = String::from_utf8_lossy(&entry.value);
+    let last = text
+        .trim()
+        .parse::<u64>()
+        .map_err(|_| format!("checkpoint {key} is not a sequence: {text:?}"))?;
+    Ok(Some((last, entry.revision)))
 }
 
 /// Where the fold starts: after its checkpoint. Without one, at the start of the projection
@@ -561,8 +567,8 @@ async fn fold_start(
     kv: &kv::Store,
     proj: &mut jetstream::stream::Stream,
 ) -> Result<(u64, u64), String> {
-    if let Some(at) = read_checkpoint(kv).await? {
-        return Ok(at);
+    if let Some((last, revision)) = read_checkpoint(kv, FOLD_KEY).await? {
+        return Ok((last + 1, revision));
     }
     let start = first_fold_start(kv, proj).await?;
     match kv
@@ -571,29 +577,11 @@ async fn fold_start(
     {
         Ok(revision) => Ok((start, revision)),
         // Another worker's fold wrote it first (a brief overlap of two owners): start after it.
-        Err(e) => match read_checkpoint(kv).await? {
-            Some(at) => Ok(at),
+        Err(e) => match read_checkpoint(kv, FOLD_KEY).await? {
+            Some((last, revision)) => Ok((last + 1, revision)),
             None => Err(format!("checkpoint {FOLD_KEY}: {e}")),
         },
     }
-}
-
-/// The fold's checkpoint: where it starts (the sequence after it) and the entry's revision;
-/// `None` when there is none.
-async fn read_checkpoint(kv: &kv::Store) -> Result<Option<(u64, u64)>, String> {
-    let entry = tokio::time::timeout(Duration::from_secs(10), kv.entry(FOLD_KEY))
-        .await
-        .map_err(|_| "no answer within 10 s".to_string())?
-        .map_err(|e| e.to_string())?;
-    let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
-        return Ok(None);
-    };
-    let text = String::from_utf8_lossy(&entry.value);
-    let last = text
-        .trim()
-        .parse::<u64>()
-        .map_err(|_| format!("checkpoint {FOLD_KEY} is not a sequence: {text:?}"))?;
-    Ok(Some((last + 1, entry.revision)))
 }
 
 /// A stream's state as the server reports it now.

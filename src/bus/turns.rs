@@ -216,47 +216,12 @@ struct CheckpointValue {
 /// Where partition `partition`'s inputs are known to be done, from its published checkpoint in
 /// `store` (the turns bucket): the raw sequence to resume after, if the partition ever ran.
 pub async fn resume_after(store: &kv::Store, partition: u16) -> Result<Option<u64>, String> {
-    match leader_entry(store, &checkpoint_key(partition)).await {
+    match super::leader_entry(store, &checkpoint_key(partition)).await {
         Ok(Some(e)) if e.put => Ok(serde_json::from_slice::<CheckpointValue>(&e.value)
             .ok()
             .and_then(|v| v.acked)),
         Ok(_) => Ok(None),
         Err(e) => Err(e.to_string()),
-    }
-}
-
-/// A key's last entry as the stream leader holds it.
-struct LeaderEntry {
-    value: bytes::Bytes,
-    revision: u64,
-    /// A value, not a delete or purge marker.
-    put: bool,
-    /// When the stream stored it.
-    written_at: chrono::DateTime<chrono::Utc>,
-}
-
-/// The last entry of `key` in `store`, read from the bucket stream's leader.
-///
-/// The buckets allow direct gets, which every replica answers, a lagging one (a node rejoining
-/// after a network partition) with what it had. Turn decisions and checkpoints are taken on
-/// what is read, and a stale "open" or "absent" would let a late reply win a turn that already
-/// timed out: they read through the leader, which answers with what is committed.
-async fn leader_entry(store: &kv::Store, key: &str) -> Result<Option<LeaderEntry>, Source> {
-    let subject = format!("{}{key}", store.prefix);
-    match super::publish::last_from_leader(&store.stream, &subject)
-        .await
-        .map_err(Box::new)?
-    {
-        Some(m) => Ok(Some(LeaderEntry {
-            put: m
-                .headers
-                .get("KV-Operation")
-                .is_none_or(|op| op.as_str() == "PUT"),
-            value: m.payload,
-            revision: m.sequence,
-            written_at: m.time,
-        })),
-        None => Ok(None),
     }
 }
 
@@ -600,9 +565,9 @@ impl PartitionTurns {
     }
 
     /// The latest entry of `key` as the leader holds it, waiting at most 10 s.
-    async fn entry(&self, key: &str) -> Result<Option<LeaderEntry>, TurnIoError> {
+    async fn entry(&self, key: &str) -> Result<Option<super::LeaderEntry>, TurnIoError> {
         let after = Duration::from_secs(10);
-        tokio::time::timeout(after, leader_entry(&self.store, key))
+        tokio::time::timeout(after, super::leader_entry(&self.store, key))
             .await
             .map_err(|_| TurnIoError::kv(key, NoAnswer::new("reading the record", after)))?
             .map_err(|e| TurnIoError::kv(key, e))
