@@ -370,24 +370,30 @@ impl SessionKeys {
     }
 }
 
+/// Per conversation, where a run of events moved its alias: the index of each event that moved
+/// it and the session it moved to, in order.
+pub type AliasMoves = HashMap<String, Vec<(usize, String)>>;
+
 /// Where events go, in order: each to its work session; one naming only a conversation to the
 /// session that conversation's alias names, as the events before it left the aliases (an event
 /// naming both sets it), else to the conversation itself. `aliases` holds the aliases known
 /// before the first event (a conversation missing from it has none). Returns each event's
-/// session (`None`: it names neither) and the aliases the events set that differ from what was
-/// known, one per conversation: the last one set.
+/// session (`None`: it names neither) and, per conversation whose alias the events moved, where
+/// it moved: the index of each event that moved it and the session it moved to, in order (the
+/// last one is the alias the events leave).
 pub fn route(
     events: &[SessionKeys],
     mut aliases: HashMap<String, String>,
-) -> (Vec<Option<String>>, HashMap<String, String>) {
-    let mut set = HashMap::new();
+) -> (Vec<Option<String>>, AliasMoves) {
+    let mut moved = AliasMoves::new();
     let sessions = events
         .iter()
-        .map(|k| match (&k.work_session_id, &k.conversation_id) {
+        .enumerate()
+        .map(|(i, k)| match (&k.work_session_id, &k.conversation_id) {
             (Some(ws), Some(conv)) => {
                 if aliases.get(conv) != Some(ws) {
                     aliases.insert(conv.clone(), ws.clone());
-                    set.insert(conv.clone(), ws.clone());
+                    moved.entry(conv.clone()).or_default().push((i, ws.clone()));
                 }
                 Some(ws.clone())
             }
@@ -396,7 +402,7 @@ pub fn route(
             (None, None) => None,
         })
         .collect();
-    (sessions, set)
+    (sessions, moved)
 }
 
 /// The payload fields the fold reads; [`envelope_for_fold`] keeps these and skips the rest.
@@ -1703,11 +1709,14 @@ mod tests {
                 Some("ws_k")
             ]
         );
-        assert_eq!(set, HashMap::from([("c1".to_string(), "ws_a".to_string())]));
+        assert_eq!(
+            set,
+            HashMap::from([("c1".to_string(), vec![(1, "ws_a".to_string())])])
+        );
     }
 
     #[test]
-    fn an_alias_known_already_is_not_set_again_and_the_last_one_set_wins() {
+    fn an_alias_known_already_is_not_set_again_and_every_move_is_kept_in_order() {
         let known = HashMap::from([("c1".to_string(), "ws_a".to_string())]);
         let (_, set) = route(&[ids(Some("ws_a"), Some("c1"))], known.clone());
         assert!(set.is_empty(), "{set:?}");
@@ -1718,7 +1727,13 @@ mod tests {
         ];
         let (sessions, set) = route(&events, known);
         assert_eq!(sessions[1].as_deref(), Some("ws_b"));
-        assert_eq!(set, HashMap::from([("c1".to_string(), "ws_c".to_string())]));
+        assert_eq!(
+            set,
+            HashMap::from([(
+                "c1".to_string(),
+                vec![(0, "ws_b".to_string()), (2, "ws_c".to_string())]
+            )])
+        );
     }
 
     fn env(role: Role, t: &str, ts: &str, payload: Value) -> Envelope {

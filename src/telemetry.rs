@@ -75,6 +75,8 @@ pub const SESSION_EVENTS_FOLDED: &str = "collab_session_events_folded_total";
 pub const SESSION_FOLD_POSITION: &str = "collab_session_fold_position";
 /// Projections stored but not yet folded into work sessions, as the fold last read.
 pub const SESSION_FOLD_BEHIND: &str = "collab_session_fold_behind";
+/// Projections gone from the stream (aged out, purged) before the work-session fold read them.
+pub const SESSION_FOLD_SKIPPED: &str = "collab_session_fold_skipped_total";
 /// Per bounded stream (`stream` label: the raw, projection and dead-letter streams and the
 /// streams behind the buckets), the bytes it holds and its `storage.*_max_bytes` limit.
 pub const STORAGE_BYTES: &str = "collab_storage_bytes";
@@ -385,6 +387,11 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
         "Projections stored but not yet folded into work sessions, as of the fold's last read (0 on a worker that does not fold).",
     ),
     (
+        SESSION_FOLD_SKIPPED,
+        Family::Counter,
+        "Projections gone from the projection stream (aged out or purged) before the work-session fold read them: their events are missing from the work sessions.",
+    ),
+    (
         STORAGE_BYTES,
         Family::Gauge,
         "Bytes a stream of the deployment holds, by stream (raw, projection, dead letters, and the streams behind the turn, session and lease buckets and the object store), sampled every 15 s.",
@@ -520,6 +527,7 @@ pub fn register_metrics() {
         LEASE_RENEWALS,
         LEASE_LOSSES,
         SESSION_EVENTS_FOLDED,
+        SESSION_FOLD_SKIPPED,
     ] {
         metrics::counter!(name).absolute(0);
     }

@@ -14,6 +14,9 @@
 //! work session (a synthesised blocked response, for example) are resolved through an alias entry
 //! `conv.<encode_id(conversation id)>`, written when an event names both. A turn's send is stored in
 //! the projection stream before its response, so the alias exists before such an event comes.
+//! An alias records where in the projection stream it moved (see [`Alias`]), so a round folded
+//! again routes each event as the alias stood at that event, whatever a failed attempt of the
+//! round wrote, and a fold that another has overtaken cannot set an alias back.
 
 use super::error::{NoAnswer, Source};
 use crate::config::Names;
@@ -79,6 +82,10 @@ pub enum SessionError {
     Round(#[source] Arc<SessionError>),
     #[error("the work-session committer stopped")]
     Stopped,
+    /// An alias written by a round that started after this one's start: another worker's fold
+    /// has gone past this one, which must start again from the checkpoint.
+    #[error("conversation alias {key} was written by a later round (from projection {from}, this round from {round}): another fold is ahead of this one")]
+    Overtaken { key: String, from: u64, round: u64 },
 }
 
 /// The KV key of a session.
@@ -101,13 +108,64 @@ struct Request {
     done: oneshot::Sender<Result<(), SessionError>>,
 }
 
+/// A conversation's alias as stored under [`alias_key`], written by the round that starts at
+/// projection `from`: the alias that round found (`before`) and where in the round it moved
+/// (the projection that moved it, and the session it moved to, in order). So anyone folding
+/// from `from` on reads the alias as it stood at the event in hand: a round folded again after
+/// a failure that came after its aliases were written, or with fewer projections, routes each
+/// event as the first attempt did.
+#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Alias {
+    from: u64,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    before: Option<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    moves: Vec<(u64, String)>,
+}
+
+/// Moves one alias records at most: past them a round records the ones it made first. Only an
+/// event inside a round that then fails, read again with a round that ends inside the dropped
+/// moves, could be routed by an outdated one.
+const MAX_ALIAS_MOVES: usize = 256;
+
+impl Alias {
+    /// A stored alias. A bare session id, as versions before positions stored it, holds from
+    /// the stream's start.
+    fn decode(bytes: &[u8]) -> Alias {
+        serde_json::from_slice(bytes).unwrap_or_else(|_| Alias {
+            from: 0,
+            before: Some(String::from_utf8_lossy(bytes).into_owned()),
+            moves: Vec::new(),
+        })
+    }
+
+    /// The alias as it stood just before projection `at`; `None` when `at` is before the round
+    /// that wrote it, which a fold overtaken by another reads.
+    fn as_at(&self, at: u64) -> Option<Option<&str>> {
+        if at < self.from {
+            return None;
+        }
+        let moved = self.moves.iter().rev().find(|(seq, _)| *seq < at);
+        Some(moved.map(|(_, ws)| ws.as_str()).or(self.before.as_deref()))
+    }
+}
+
+/// What a writer knows of a conversation's alias: the stored one (`None`: there is none) and
+/// the revision it is stored at (0 when it never was), to replace it by compare-and-set.
+#[derive(Debug, Clone)]
+struct KnownAlias {
+    alias: Option<Alias>,
+    revision: u64,
+}
+
 pub struct SessionWriter {
     kv: kv::Store,
-    /// What this writer knows of conversations' aliases: `Some(session)` written or read,
-    /// `None` looked up and found absent (a conversation whose events name no work session asks
-    /// again only once one of its events names one, which this writer then writes). Forgotten
-    /// when a fold starts: another worker may have folded, and written aliases, meanwhile.
-    aliases: Mutex<HashMap<String, Option<String>>>,
+    /// The aliases this writer wrote or read (a conversation whose events name no work session
+    /// asks again only once one of its events names one, which this writer then writes).
+    /// Forgotten when a fold starts: another worker may have folded, and written aliases,
+    /// meanwhile.
+    aliases: Mutex<HashMap<String, KnownAlias>>,
     commits: mpsc::Sender<Request>,
 }
 
@@ -134,25 +192,35 @@ impl SessionWriter {
         &self.kv
     }
 
-    /// Fold envelopes, each with its identity, in the order given, into their sessions. Events
-    /// that belong to no session are skipped. Returns once the sessions are written.
+    /// Fold envelopes, each with its identity, in the order given, into their sessions, as one
+    /// round that starts at the first position given. Events that belong to no session are
+    /// skipped. Returns once the sessions are written.
     pub async fn commit(&self, events: Vec<(Envelope, Identity)>) -> Result<(), SessionError> {
+        let from = events
+            .iter()
+            .map(|(_, ident)| ident.position.0)
+            .min()
+            .unwrap_or(0);
         self.commit_boxed(
             events
                 .into_iter()
                 .map(|(env, ident)| (Box::new(env), ident)),
+            from,
         )
         .await
     }
 
-    /// [`Self::commit`] for envelopes already boxed.
+    /// [`Self::commit`] for envelopes already boxed, as the round that starts at projection
+    /// `from` (the events' positions are projection-stream sequences, `from` at most the first).
     ///
-    /// Events go to their sessions as [`sessions::route`] says. The aliases it needs are read,
-    /// and the ones it sets written, all at once per call rather than one round trip per event:
-    /// the fold keeps up with the projections only that way.
+    /// Events go to their sessions as [`sessions::route`] says, from the aliases as they stood
+    /// at `from`. The aliases it needs are read, and the ones it moves written, all at once per
+    /// call rather than one round trip per event: the fold keeps up with the projections only
+    /// that way.
     async fn commit_boxed(
         &self,
         events: impl IntoIterator<Item = (Box<Envelope>, Identity)>,
+        from: u64,
     ) -> Result<(), SessionError> {
         let (events, keys): (Vec<_>, Vec<_>) = events
             .into_iter()
@@ -161,17 +229,25 @@ impl SessionWriter {
                 ((env, ident), keys)
             })
             .unzip();
-        let known = self.aliases_before(&keys).await?;
-        let (routes, set) = sessions::route(&keys, known);
-        // One write per conversation: the alias its last event set.
-        futures::stream::iter(set.clone())
-            .map(|(conv, ws)| async move { self.write_alias(&conv, &ws).await })
+        let known = self.aliases_before(&keys, from).await?;
+        let (routes, moved) = sessions::route(&keys, known);
+        // One write per conversation: where the round moved its alias, by projection.
+        let moved: Vec<(String, Vec<(u64, String)>)> = moved
+            .into_iter()
+            .map(|(conv, moves)| {
+                let moves = moves
+                    .into_iter()
+                    .take(MAX_ALIAS_MOVES)
+                    .map(|(i, ws)| (events[i].1.position.0, ws))
+                    .collect();
+                (conv, moves)
+            })
+            .collect();
+        futures::stream::iter(moved)
+            .map(|(conv, moves)| async move { self.write_alias(&conv, from, moves).await })
             .buffer_unordered(CONCURRENT_ALIASES)
             .try_collect::<Vec<()>>()
             .await?;
-        for (conv, ws) in &set {
-            self.cache(conv, Some(ws));
-        }
         let mut groups: Groups = BTreeMap::new();
         for ((env, ident), session) in events.into_iter().zip(routes) {
             if let Some(id) = session {
@@ -189,32 +265,43 @@ impl SessionWriter {
         wait.await.map_err(|_| SessionError::Stopped)?
     }
 
-    /// The aliases of the conversations `keys` name, as far as routing them needs: the ones
-    /// this writer knows, and those of conversations named without a session, read
-    /// (concurrently) when it does not know them. A conversation missing from the answer has
-    /// none, or is named only with a session (which sets its alias anyway).
+    /// The aliases of the conversations `keys` name as they stood at projection `from`, as far
+    /// as routing needs them: the ones this writer knows, and those of conversations named
+    /// without a session, read (concurrently) when it does not know them. A conversation missing
+    /// from the answer has none, or is named only with a session (which sets its alias anyway).
     async fn aliases_before(
         &self,
         keys: &[sessions::SessionKeys],
+        from: u64,
     ) -> Result<HashMap<String, String>, SessionError> {
         let mut known = HashMap::new();
         let mut unknown = HashSet::new();
+        let mut note = |conv: &str, alias: Option<&Alias>| -> Result<(), SessionError> {
+            let Some(alias) = alias else {
+                return Ok(());
+            };
+            match alias.as_at(from) {
+                Some(Some(ws)) => {
+                    known.insert(conv.to_string(), ws.to_string());
+                    Ok(())
+                }
+                Some(None) => Ok(()),
+                None => Err(overtaken(conv, alias, from)),
+            }
+        };
         for k in keys {
             let Some(conv) = &k.conversation_id else {
                 continue;
             };
             match self.cached(conv) {
-                Some(Some(ws)) => {
-                    known.insert(conv.clone(), ws);
-                }
-                Some(None) => {}
+                Some(k) => note(conv, k.alias.as_ref())?,
                 None if k.work_session_id.is_none() => {
                     unknown.insert(conv.clone());
                 }
                 None => {}
             }
         }
-        let read: Vec<(String, Option<String>)> = futures::stream::iter(unknown)
+        let read: Vec<(String, KnownAlias)> = futures::stream::iter(unknown)
             .map(|conv| async move {
                 let alias = self.read_alias(&conv).await?;
                 Ok::<_, SessionError>((conv, alias))
@@ -223,12 +310,20 @@ impl SessionWriter {
             .try_collect()
             .await?;
         for (conv, alias) in read {
-            self.cache(&conv, alias.as_deref());
-            if let Some(ws) = alias {
-                known.insert(conv, ws);
-            }
+            note(&conv, alias.alias.as_ref())?;
+            self.cache(&conv, alias);
         }
         Ok(known)
+    }
+}
+
+/// The error of a fold that found `alias` (of `conv`) written by a round after its own, which
+/// starts at `from`.
+fn overtaken(conv: &str, alias: &Alias, from: u64) -> SessionError {
+    SessionError::Overtaken {
+        key: alias_key(conv),
+        from: alias.from,
+        round: from,
     }
 }
 
@@ -479,36 +574,111 @@ where
 }
 
 impl SessionWriter {
-    /// Store `conv`'s alias: its events that name no work session go to `ws`.
-    async fn write_alias(&self, conv: &str, ws: &str) -> Result<(), SessionError> {
+    /// Store where the round that starts at projection `from` moved `conv`'s alias (`moves`, in
+    /// order), with the alias as that round found it, by compare-and-set: a conversation this
+    /// writer does not know is written as new and read only when it exists already. An alias
+    /// written by a later round is never replaced: this fold has been overtaken.
+    async fn write_alias(
+        &self,
+        conv: &str,
+        from: u64,
+        moves: Vec<(u64, String)>,
+    ) -> Result<(), SessionError> {
         let key = alias_key(conv);
-        let value = Bytes::from(ws.to_string());
-        with_retries(&key, "conversation alias write", || {
-            self.kv.put(&key, value.clone())
+        let mut known = Some(self.cached(conv).unwrap_or(KnownAlias {
+            alias: None,
+            revision: 0,
+        }));
+        let mut retry = super::Retry::new(STORE_RETRY_MIN, STORE_RETRY_MAX);
+        for _ in 0..MAX_ATTEMPTS {
+            let current = match known.take() {
+                Some(k) => k,
+                None => self.read_alias(conv).await?,
+            };
+            let before = match &current.alias {
+                None => None,
+                Some(a) => match a.as_at(from) {
+                    Some(ws) => ws.map(str::to_string),
+                    None => return Err(overtaken(conv, a, from)),
+                },
+            };
+            let next = Alias {
+                from,
+                before,
+                moves: moves.clone(),
+            };
+            if current.alias.as_ref() == Some(&next) {
+                self.cache(conv, current);
+                return Ok(());
+            }
+            let value = serde_json::to_vec(&next).map_err(|e| SessionError::Kv {
+                key: key.clone(),
+                source: Box::new(e),
+            })?;
+            match self
+                .kv
+                .update(&key, Bytes::from(value), current.revision)
+                .await
+            {
+                Ok(revision) => {
+                    self.cache(
+                        conv,
+                        KnownAlias {
+                            alias: Some(next),
+                            revision,
+                        },
+                    );
+                    return Ok(());
+                }
+                // Written meanwhile, or not as this writer knew it: read it and decide again.
+                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {}
+                Err(e) => {
+                    warn!(key = %key, error = %e, "conversation alias write failed; retrying");
+                    tokio::time::sleep(retry.next_delay()).await;
+                }
+            }
+        }
+        Err(SessionError::Kv {
+            key,
+            source: "conversation alias write: conflicts or failures persisted".into(),
+        })
+    }
+
+    /// `conv`'s stored alias, if it has one, and its revision.
+    async fn read_alias(&self, conv: &str) -> Result<KnownAlias, SessionError> {
+        let key = alias_key(conv);
+        let found = with_retries(&key, "conversation alias read", || {
+            self.kv.entry(key.clone())
         })
         .await?;
-        Ok(())
+        Ok(match found {
+            Some(e) if e.operation == kv::Operation::Put => KnownAlias {
+                alias: Some(Alias::decode(&e.value)),
+                revision: e.revision,
+            },
+            // Deleted or purged: none, replaced from the marker's revision.
+            Some(e) => KnownAlias {
+                alias: None,
+                revision: e.revision,
+            },
+            None => KnownAlias {
+                alias: None,
+                revision: 0,
+            },
+        })
     }
 
-    /// `conv`'s stored alias, if it has one.
-    async fn read_alias(&self, conv: &str) -> Result<Option<String>, SessionError> {
-        let key = alias_key(conv);
-        let found =
-            with_retries(&key, "conversation alias read", || self.kv.get(key.clone())).await?;
-        Ok(found.map(|v| String::from_utf8_lossy(&v).into_owned()))
-    }
-
-    /// What this writer knows of `conv`'s alias: `None` nothing, `Some(None)` that it has none.
-    fn cached(&self, conv: &str) -> Option<Option<String>> {
+    /// What this writer knows of `conv`'s alias (`None`: nothing).
+    fn cached(&self, conv: &str) -> Option<KnownAlias> {
         self.aliases.lock().ok().and_then(|m| m.get(conv).cloned())
     }
 
-    fn cache(&self, conv: &str, ws: Option<&str>) {
+    fn cache(&self, conv: &str, alias: KnownAlias) {
         if let Ok(mut m) = self.aliases.lock() {
             if m.len() >= ALIAS_CACHE {
                 m.clear();
             }
-            m.insert(conv.to_string(), ws.map(str::to_string));
+            m.insert(conv.to_string(), alias);
         }
     }
 
@@ -714,6 +884,8 @@ async fn fold(
     *position = Some(start - 1);
     let mut rounds = super::rounds::Rounds::new(&proj, start).await?;
     debug!(from = start, "work-session fold started");
+    // Where the next round starts: after the checkpoint, then after each round written.
+    let mut from = start;
     loop {
         let Some(round) = rounds
             .next(cancel, lease_valid_until, FOLD_GATHER, FOLD_BATCH)
@@ -725,6 +897,13 @@ async fn fold(
             .last()
             .and_then(|m| m.info().ok())
             .map_or((0, 0), |i| (i.stream_sequence, i.pending));
+        report_gaps(
+            from,
+            round
+                .iter()
+                .filter_map(|m| m.info().ok())
+                .map(|i| i.stream_sequence),
+        );
         // What is not folded yet: this round until it is written, and what was stored after it.
         // A round that cannot be written keeps reporting itself, growing as it is read again.
         metrics::gauge!(crate::telemetry::SESSION_FOLD_BEHIND)
@@ -739,7 +918,7 @@ async fn fold(
             );
         }
         writer
-            .commit_boxed(events)
+            .commit_boxed(events, from)
             .await
             .map_err(|e| e.to_string())?;
         // Moved only from where this fold found it: a checkpoint another worker's fold moved
@@ -759,12 +938,90 @@ async fn fold(
         metrics::gauge!(crate::telemetry::SESSION_FOLD_POSITION).set(last as f64);
         metrics::gauge!(crate::telemetry::SESSION_FOLD_BEHIND).set(pending as f64);
         *position = Some(last);
+        from = last + 1;
     }
+}
+
+/// Projections missing from a round that starts at projection `from` and reads `seqs`: gone
+/// from the stream before the fold read them (aged out, purged or deleted), so their events are
+/// missing from the work sessions. Counted and logged, never silent; returns how many.
+fn report_gaps(from: u64, seqs: impl IntoIterator<Item = u64>) -> u64 {
+    let mut expected = from;
+    let mut skipped = 0;
+    for seq in seqs {
+        if seq > expected {
+            let missing = seq - expected;
+            skipped += missing;
+            metrics::counter!(crate::telemetry::SESSION_FOLD_SKIPPED).increment(missing);
+            warn!(
+                from = expected,
+                to = seq - 1,
+                missing,
+                "projections were gone from the stream before the work-session fold read them (aged out, purged or deleted); their events are not in the work sessions"
+            );
+        }
+        expected = expected.max(seq + 1);
+    }
+    skipped
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_alias_reads_as_it_stood_at_each_projection_of_its_round_and_after() {
+        let alias = Alias {
+            from: 10,
+            before: Some("ws_a".into()),
+            moves: vec![(12, "ws_b".into()), (15, "ws_c".into())],
+        };
+        let at = |seq| alias.as_at(seq).map(|ws| ws.map(str::to_string));
+        assert_eq!(at(9), None, "before the round that wrote it: overtaken");
+        assert_eq!(at(10), Some(Some("ws_a".into())));
+        assert_eq!(
+            at(12),
+            Some(Some("ws_a".into())),
+            "the move at 12 is after 12's start"
+        );
+        assert_eq!(at(13), Some(Some("ws_b".into())));
+        assert_eq!(at(16), Some(Some("ws_c".into())));
+        assert_eq!(at(1_000), Some(Some("ws_c".into())));
+        let new = Alias {
+            from: 3,
+            before: None,
+            moves: vec![(4, "ws_a".into())],
+        };
+        assert_eq!(new.as_at(3), Some(None), "none before its first move");
+        let round_trip: Alias =
+            serde_json::from_slice(&serde_json::to_vec(&alias).expect("encoded")).expect("decoded");
+        assert_eq!(round_trip, alias);
+        assert_eq!(
+            Alias::decode(&serde_json::to_vec(&alias).expect("encoded")),
+            alias
+        );
+    }
+
+    #[test]
+    fn an_alias_stored_as_a_bare_session_holds_from_the_start() {
+        for stored in ["ws_d", "1234", "{not json"] {
+            let alias = Alias::decode(stored.as_bytes());
+            assert_eq!(alias.as_at(0), Some(Some(stored)), "{stored}");
+            assert_eq!(alias.as_at(u64::MAX), Some(Some(stored)), "{stored}");
+        }
+    }
+
+    #[test]
+    fn gaps_in_a_round_are_counted_at_its_start_and_inside_it() {
+        assert_eq!(report_gaps(5, [5, 6, 7]), 0);
+        assert_eq!(report_gaps(5, [9, 10]), 4, "5 to 8 gone before the round");
+        assert_eq!(
+            report_gaps(5, [5, 8, 9, 12]),
+            4,
+            "6, 7, 10 and 11 gone inside it"
+        );
+        assert_eq!(report_gaps(5, []), 0);
+    }
 
     #[test]
     fn keys_are_kv_safe_and_aliases_never_collide_with_sessions() {

@@ -1742,7 +1742,172 @@ async fn a_conversation_without_a_session_joins_the_one_it_names_later() {
     assert_eq!(joined["session"]["eventCount"], 3, "{joined}");
 }
 
-async fn fold(writer: &SessionWriter, partition: u16, items: &[(u64, &Outgoing)]) {
+/// A delegation event of conversation `del-9`, naming work session `ws` when given.
+fn moving(seq: u64, ws: Option<&str>, message: &str) -> Outgoing {
+    let sub = Role::DelegationSubagent;
+    let mut payload = json!({"fromAgent": "ruda", "toAgent": "ruda-worker", "conversationId": "del-9", "message": message});
+    if let Some(ws) = ws {
+        payload["workSessionId"] = json!(ws);
+    }
+    out(
+        sub,
+        "a2a.send",
+        &format!("COLLAB_RAW:{seq}:0"),
+        a2a(sub, "a2a.send", &now_iso(-10), payload),
+    )
+}
+
+/// How many events work session `id` holds, as the API shows it (0 when it does not exist).
+async fn event_count(app: &Router, id: &str) -> u64 {
+    let (status, body) = call(app, &format!("/api/work-sessions/{id}"), None).await;
+    if status == StatusCode::NOT_FOUND {
+        return 0;
+    }
+    assert_eq!(status, StatusCode::OK, "{body}");
+    body["session"]["eventCount"].as_u64().unwrap_or(0)
+}
+
+/// A round folded again after its first attempt failed between writing its aliases and its
+/// sessions (the fold starts again from its checkpoint, here with a fresh writer as after a
+/// restart) routes every event as the first attempt would have: an event that names only its
+/// conversation goes to the session the conversation was in at that event, not to where the
+/// failed attempt left its alias. A retry that reads fewer projections, and the round after it,
+/// route the same way.
+#[tokio::test]
+async fn a_round_folded_again_routes_each_event_as_the_first_attempt_did() {
+    let (_nats, js, s) = setup().await;
+    let app = api::router(state(&js, &s));
+    let round = [
+        moving(1, Some("ws_a"), "start"),
+        moving(2, None, "first step"),
+        moving(3, Some("ws_b"), "moved on"),
+        moving(4, None, "second step"),
+    ];
+    let items: Vec<(u64, &Outgoing)> = round.iter().zip(1..).map(|(o, seq)| (seq, o)).collect();
+    let expect = |a: u64, b: u64| [("ws_a", a), ("ws_b", b), ("del-9", 0)];
+    // A first round names the session.
+    let first = SessionWriter::new(&js, &s.names()).await.expect("writer");
+    fold(&first, 0, &items[..1]).await;
+    // The second starts with an event naming only the conversation, then moves it; its
+    // sessions cannot be stored (the bucket takes the small alias values, not sessions).
+    let bucket = "KV_collab_work_sessions";
+    let limit = |max: i32| {
+        let js = js.clone();
+        async move {
+            let mut config = js
+                .get_stream(bucket)
+                .await
+                .expect("the sessions bucket")
+                .cached_info()
+                .config
+                .clone();
+            config.max_message_size = max;
+            js.update_stream(config).await.expect("the bucket's limit");
+        }
+    };
+    limit(256).await;
+    let failed = first.commit(events(0, &items[1..])).await;
+    assert!(failed.is_err(), "the sessions were refused: {failed:?}");
+    let alias = js
+        .get_key_value("collab_work_sessions")
+        .await
+        .expect("the bucket")
+        .get(collab_projector::bus::sessions::alias_key("del-9"))
+        .await
+        .expect("an alias read");
+    assert!(
+        alias.is_some_and(|v| String::from_utf8_lossy(&v).contains("ws_b")),
+        "the failed attempt wrote the alias it moved"
+    );
+    limit(-1).await;
+    let again = SessionWriter::new(&js, &s.names()).await.expect("writer");
+    fold(&again, 0, &items[1..]).await;
+    for (id, n) in expect(2, 2) {
+        assert_eq!(
+            event_count(&app, id).await,
+            n,
+            "{id} after the round folded again"
+        );
+    }
+    let shorter = SessionWriter::new(&js, &s.names()).await.expect("writer");
+    fold(&shorter, 0, &items[1..2]).await;
+    fold(&shorter, 0, &items[2..]).await;
+    for (id, n) in expect(2, 2) {
+        assert_eq!(
+            event_count(&app, id).await,
+            n,
+            "{id} after a shorter retry and the rest"
+        );
+    }
+    let later = moving(5, None, "third step");
+    fold(
+        &SessionWriter::new(&js, &s.names()).await.expect("writer"),
+        0,
+        &[(5, &later)],
+    )
+    .await;
+    for (id, n) in expect(2, 3) {
+        assert_eq!(event_count(&app, id).await, n, "{id} after a later round");
+    }
+}
+
+/// A fold that another has overtaken (a deposed owner of partition 0 that wakes up after the
+/// next owner folded on) cannot set a conversation's alias back: its round fails, and events
+/// after it still go to the session the later round moved the conversation to.
+#[tokio::test]
+async fn a_fold_overtaken_by_another_cannot_set_an_alias_back() {
+    let (_nats, js, s) = setup().await;
+    let app = api::router(state(&js, &s));
+    let stream = [
+        moving(1, Some("ws_a"), "start"),
+        moving(2, None, "first step"),
+        moving(3, Some("ws_c"), "aside"),
+        moving(5, Some("ws_b"), "moved on"),
+        moving(9, None, "next step"),
+    ];
+    let at = |seqs: &[u64]| -> Vec<(u64, &Outgoing)> {
+        seqs.iter()
+            .map(|seq| {
+                let i = [1, 2, 3, 5, 9].iter().position(|s| s == seq).unwrap_or(0);
+                (*seq, &stream[i])
+            })
+            .collect()
+    };
+    // The owner folds its first round, then is paused with the next one in hand.
+    let deposed = SessionWriter::new(&js, &s.names()).await.expect("writer");
+    fold(&deposed, 0, &at(&[1])).await;
+    // The next owner folds from the same checkpoint on, and moves the conversation twice.
+    let next_owner = SessionWriter::new(&js, &s.names()).await.expect("writer");
+    fold(&next_owner, 0, &at(&[1, 2, 3])).await;
+    fold(&next_owner, 0, &at(&[5])).await;
+    // The deposed owner wakes up and writes the round it had read, from what it knew, and a
+    // fresh fold from its old checkpoint reads the same round.
+    for (who, writer) in [
+        ("the deposed owner", deposed),
+        (
+            "a fresh writer",
+            SessionWriter::new(&js, &s.names()).await.expect("writer"),
+        ),
+    ] {
+        let late = writer.commit(events(0, &at(&[2, 3]))).await;
+        let err = late.expect_err("an overtaken fold writes no alias");
+        assert!(err.to_string().contains("later round"), "{who}: {err}");
+    }
+    fold(&next_owner, 0, &at(&[9])).await;
+    assert_eq!(
+        event_count(&app, "ws_b").await,
+        2,
+        "the move and the event after it"
+    );
+    assert_eq!(event_count(&app, "ws_c").await, 1);
+    assert_eq!(
+        event_count(&app, "ws_a").await,
+        2,
+        "the start and the first step"
+    );
+}
+
+fn events(partition: u16, items: &[(u64, &Outgoing)]) -> Vec<(Envelope, Identity)> {
     let mut events = Vec::new();
     let mut last = None;
     let mut index = 0u32;
@@ -1759,7 +1924,14 @@ async fn fold(writer: &SessionWriter, partition: u16, items: &[(u64, &Outgoing)]
             },
         ));
     }
-    writer.commit(events).await.expect("sessions written");
+    events
+}
+
+async fn fold(writer: &SessionWriter, partition: u16, items: &[(u64, &Outgoing)]) {
+    writer
+        .commit(events(partition, items))
+        .await
+        .expect("sessions written");
 }
 
 // ---------------------------------------------------------------------------------------------
