@@ -65,9 +65,11 @@ export type RunErrorType = "RUN_ERROR";
  * `slow_consumer`: the client read more slowly than events arrived and its buffer filled;
  * `unavailable`: the event store stopped answering or closed the stream; `version_switched`:
  * the API now serves another projection version, whose positions the stream's cursors are not
- * (reconnect without `Last-Event-ID`).
+ * (reconnect without `Last-Event-ID`); `lifetime_reached`: the stream was open for
+ * `http.sse_max_stream_lifetime` (reconnect at once with `Last-Event-ID`).
  */
-export type StreamErrorCode = "slow_consumer" | "unavailable" | "version_switched";
+export type StreamErrorCode =
+  "slow_consumer" | "unavailable" | "version_switched" | "lifetime_reached";
 /**
  * Why a response is not published as `a2a.response`: `late` (a real reply after a blocked
  * outcome), `duplicate` (any other further response), or `not_target` (a response whose speaker
@@ -604,8 +606,9 @@ export interface StreamErrorDetail {
    */
   message: string;
   /**
-   * The cursor of the last event sent (send it as `Last-Event-ID`); `null` when none was sent
-   * and the stream did not resume from one.
+   * The cursor of the last event sent, or, when none was sent, of where the stream started
+   * (send it as `Last-Event-ID`). Always set by this version; older ones sent `null` when
+   * nothing was sent and the stream did not resume from a cursor.
    */
   resumeFrom: string | null;
 }

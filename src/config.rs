@@ -756,6 +756,12 @@ pub struct HttpSettings {
     /// client stopped reading frees its place (`sse_max_streams`) and its buffer then.
     #[serde(with = "humantime_serde")]
     pub client_stall_timeout: Duration,
+    /// How long one event stream (`/api/events/stream`) stays open: then it ends with a final
+    /// `event: error` (code `lifetime_reached`, with the cursor to resume from), so a client that
+    /// stopped reading a quiet stream holds its place no longer than this. Clients reconnect at
+    /// once with `Last-Event-ID` and miss nothing.
+    #[serde(with = "humantime_serde")]
+    pub sse_max_stream_lifetime: Duration,
     /// Work-session lists (`GET /api/work-sessions`, each a read of the whole bucket) being read
     /// at once, all callers together; one more is refused with 503.
     pub session_lists: usize,
@@ -811,6 +817,9 @@ impl HttpSettings {
         if self.sse_buffer_bytes < 64 * 1024 {
             return bad("http.sse_buffer_bytes must be at least 65536 (64 KiB)".into());
         }
+        if self.sse_max_stream_lifetime < Duration::from_secs(1) {
+            return bad("http.sse_max_stream_lifetime must be at least 1s (each event stream ends after it, and its client reconnects)".into());
+        }
         if self.client_stall_timeout < Duration::from_secs(1) {
             return bad("http.client_stall_timeout must be at least 1s (a slow client's window may close for a moment)".into());
         }
@@ -839,6 +848,7 @@ impl Default for HttpSettings {
             sse_buffer_events: 256,
             sse_buffer_bytes: 1024 * 1024,
             client_stall_timeout: Duration::from_secs(60),
+            sse_max_stream_lifetime: Duration::from_secs(30 * 60),
         }
     }
 }

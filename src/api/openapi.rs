@@ -260,7 +260,7 @@ fn events(p: &Shared) -> Value {
 fn events_stream(p: &Shared) -> Value {
     json!({"get": {
         "operationId": "streamEvents",
-        "summary": "The same filters as Server-Sent Events. Each event's id is its cursor; resume with Last-Event-ID (or after) without loss or repeats. A client whose buffer fills gets a final `event: error` (code slow_consumer, resumeFrom) and the stream closes; so does every stream when the API is switched to another projection version (code version_switched: reconnect without Last-Event-ID).",
+        "summary": "The same filters as Server-Sent Events. Each event's id is its cursor; resume with Last-Event-ID (or after) without loss or repeats. A client whose buffer fills gets a final `event: error` (code slow_consumer, resumeFrom) and the stream closes; so does every stream after http.sse_max_stream_lifetime (code lifetime_reached: reconnect at once with Last-Event-ID set to resumeFrom), and every stream when the API is switched to another projection version (code version_switched: reconnect without Last-Event-ID).",
         "parameters": [p.role.clone(), p.typ.clone(), p.key.clone(), p.view.clone(),
             param("after", "Cursor to start after (Last-Event-ID wins). Default: the next event stored. One value.", p.cursor_schema.clone()),
             {"name": "Last-Event-ID", "in": "header", "required": false, "description": "The `id` of the last event received (a cursor); empty for none.", "schema": p.cursor_schema.clone()}],

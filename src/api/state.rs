@@ -21,6 +21,8 @@ pub struct SseLimits {
     pub buffer_bytes: usize,
     /// Keep-alive comment interval.
     pub keep_alive: Duration,
+    /// How long one stream stays open before it ends with `lifetime_reached`.
+    pub lifetime: Duration,
 }
 
 impl Default for SseLimits {
@@ -30,12 +32,14 @@ impl Default for SseLimits {
 }
 
 impl SseLimits {
-    /// The limits `http.sse_buffer_events` and `http.sse_buffer_bytes` set.
+    /// The limits `http.sse_buffer_events`, `http.sse_buffer_bytes` and
+    /// `http.sse_max_stream_lifetime` set.
     pub fn from_settings(http: &HttpSettings) -> SseLimits {
         SseLimits {
             buffer_events: http.sse_buffer_events,
             buffer_bytes: http.sse_buffer_bytes,
             keep_alive: Duration::from_secs(15),
+            lifetime: http.sse_max_stream_lifetime,
         }
     }
 }

@@ -8,7 +8,10 @@
 //! counted as the memory the buffered events take, not just their length). A client that reads
 //! more slowly than events arrive fills it; it then gets what was buffered, a final
 //! `event: error` (code `slow_consumer`, with the cursor to resume from), and the stream closes,
-//! so a slow client never makes the server hold unbounded memory. How many streams may be open
+//! so a slow client never makes the server hold unbounded memory. Every stream ends after
+//! `http.sse_max_stream_lifetime` the same way (code `lifetime_reached`), so a client that stopped
+//! reading a quiet stream, whose buffer would take hours to fill, holds its place no longer than
+//! that; a reading client reconnects at once and misses nothing. How many streams may be open
 //! at once is capped per token and in total ([`super::slots`]); a stream's place is taken before
 //! anything is opened and freed when its response body is dropped.
 
@@ -62,21 +65,24 @@ pub struct StreamErrorDetail {
     pub code: StreamErrorCode,
     /// What happened and what to do, for a person.
     pub message: String,
-    /// The cursor of the last event sent (send it as `Last-Event-ID`); `null` when none was sent
-    /// and the stream did not resume from one.
+    /// The cursor of the last event sent, or, when none was sent, of where the stream started
+    /// (send it as `Last-Event-ID`). Always set by this version; older ones sent `null` when
+    /// nothing was sent and the stream did not resume from a cursor.
     pub resume_from: Option<String>,
 }
 
 /// `slow_consumer`: the client read more slowly than events arrived and its buffer filled;
 /// `unavailable`: the event store stopped answering or closed the stream; `version_switched`:
 /// the API now serves another projection version, whose positions the stream's cursors are not
-/// (reconnect without `Last-Event-ID`).
+/// (reconnect without `Last-Event-ID`); `lifetime_reached`: the stream was open for
+/// `http.sse_max_stream_lifetime` (reconnect at once with `Last-Event-ID`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum StreamErrorCode {
     SlowConsumer,
     Unavailable,
     VersionSwitched,
+    LifetimeReached,
 }
 
 struct Item {
@@ -130,7 +136,9 @@ pub async fn stream(
         rx,
         inflight,
         ending,
-        last_id: resume.map(|c| encode_cursor(served.tag, c)),
+        // Where the stream starts, as a cursor: what a client that received nothing resumes
+        // from, so it misses nothing either.
+        last_id: Some(encode_cursor(served.tag, start.saturating_sub(1))),
         done: false,
         _slot: slot,
     };
@@ -249,10 +257,19 @@ async fn pump(
     let shutdown = state.shutdown();
     let prefix = served.names.prefix.clone();
     let mut errors = 0u32;
+    let lifetime = tokio::time::sleep(limits.lifetime);
+    tokio::pin!(lifetime);
     let end = loop {
         let next = tokio::select! {
             _ = tx.closed() => break None,
             _ = shutdown.cancelled() => break None,
+            () = &mut lifetime => break Some(Termination {
+                code: StreamErrorCode::LifetimeReached,
+                message: format!(
+                    "the stream was open for http.sse_max_stream_lifetime ({} s); reconnect at once with Last-Event-ID (resumeFrom) to continue without loss",
+                    limits.lifetime.as_secs()
+                ),
+            }),
             changed = switches.changed() => {
                 if changed.is_err() || switches.borrow_and_update().tag == served.tag {
                     // The API is going away, or a switch back before this stream noticed.
@@ -321,6 +338,7 @@ async fn pump(
             StreamErrorCode::SlowConsumer => "slow_consumer",
             StreamErrorCode::Unavailable => "unavailable",
             StreamErrorCode::VersionSwitched => "version_switched",
+            StreamErrorCode::LifetimeReached => "lifetime_reached",
         }),
         buffered_bytes = inflight.load(Ordering::Relaxed),
         "event stream reader stopped"

@@ -93,8 +93,15 @@ pub fn session_key(id: &str) -> String {
     encode_id(id)
 }
 
-/// The KV key of a conversation's alias to its work session.
+/// The KV key of a conversation's alias to its work session (an [`Alias`]).
 pub fn alias_key(conversation_id: &str) -> String {
+    format!("alias.{}", encode_id(conversation_id))
+}
+
+/// Where versions before positioned aliases kept a conversation's alias: the session id alone.
+/// Read when a conversation has no [`alias_key`] yet, never written; a version that knows only
+/// these keys keeps reading them, so a rollback finds valid (if older) aliases.
+pub fn legacy_alias_key(conversation_id: &str) -> String {
     format!("conv.{}", encode_id(conversation_id))
 }
 
@@ -115,7 +122,6 @@ struct Request {
 /// a failure that came after its aliases were written, or with fewer projections, routes each
 /// event as the first attempt did.
 #[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-#[serde(deny_unknown_fields)]
 struct Alias {
     from: u64,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -124,20 +130,30 @@ struct Alias {
     moves: Vec<(u64, String)>,
 }
 
-/// Moves one alias records at most: past them a round records the ones it made first. Only an
-/// event inside a round that then fails, read again with a round that ends inside the dropped
-/// moves, could be routed by an outdated one.
+/// Moves one alias records at most: past them a round records the ones it made first and its
+/// last one (the alias it leaves). Only an event inside a round that then fails, read again by a
+/// round that starts among the dropped moves, could be routed by an outdated one.
 const MAX_ALIAS_MOVES: usize = 256;
 
+/// `moves` bounded to [`MAX_ALIAS_MOVES`]: the first ones, and always the last.
+fn bounded_moves(mut moves: Vec<(u64, String)>) -> Vec<(u64, String)> {
+    if moves.len() > MAX_ALIAS_MOVES {
+        let last = moves.swap_remove(moves.len() - 1);
+        moves.truncate(MAX_ALIAS_MOVES - 1);
+        moves.push(last);
+    }
+    moves
+}
+
 impl Alias {
-    /// A stored alias. A bare session id, as versions before positions stored it, holds from
-    /// the stream's start.
-    fn decode(bytes: &[u8]) -> Alias {
-        serde_json::from_slice(bytes).unwrap_or_else(|_| Alias {
+    /// An alias of a version that stored the session id alone ([`legacy_alias_key`]): it holds
+    /// from the stream's start.
+    fn legacy(bytes: &[u8]) -> Alias {
+        Alias {
             from: 0,
             before: Some(String::from_utf8_lossy(bytes).into_owned()),
             moves: Vec::new(),
-        })
+        }
     }
 
     /// The alias as it stood just before projection `at`; `None` when `at` is before the round
@@ -149,6 +165,42 @@ impl Alias {
         let moved = self.moves.iter().rev().find(|(seq, _)| *seq < at);
         Some(moved.map(|(_, ws)| ws.as_str()).or(self.before.as_deref()))
     }
+
+    /// The alias it leaves: its last move, else what its round found.
+    fn last(&self) -> Option<&str> {
+        self.moves
+            .last()
+            .map(|(_, ws)| ws.as_str())
+            .or(self.before.as_deref())
+    }
+
+    /// [`Self::as_at`] for a round of `mode`: one that knows no fold is ahead of it takes an
+    /// alias written by a later round as it stands.
+    fn at_round_start(&self, at: u64, mode: Aliases) -> Option<Option<&str>> {
+        match (self.as_at(at), mode) {
+            (None, Aliases::AsTheyStand) => Some(self.last()),
+            (found, _) => found,
+        }
+    }
+}
+
+/// How a round treats an alias written by a round that started after its own start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Aliases {
+    /// As another fold's that is ahead: the round fails ([`SessionError::Overtaken`]).
+    Positioned,
+    /// As it stands: no fold is ahead (the fold's checkpoint went back, say set back by hand),
+    /// so the alias is from an earlier pass over the stream.
+    AsTheyStand,
+}
+
+/// A round of the fold: the projections `from..=to`, and how it treats aliases written by later
+/// rounds.
+#[derive(Debug, Clone, Copy)]
+struct Round {
+    from: u64,
+    to: u64,
+    aliases: Aliases,
 }
 
 /// What a writer knows of a conversation's alias: the stored one (`None`: there is none) and
@@ -161,6 +213,10 @@ struct KnownAlias {
 
 pub struct SessionWriter {
     kv: kv::Store,
+    /// Whether the bucket may hold aliases of earlier versions ([`legacy_alias_key`]), read
+    /// when a conversation has no alias of its own. Looked up when a fold starts; until then
+    /// assumed.
+    legacy: std::sync::atomic::AtomicBool,
     /// The aliases this writer wrote or read (a conversation whose events name no work session
     /// asks again only once one of its events names one, which this writer then writes).
     /// Forgotten when a fold starts: another worker may have folded, and written aliases,
@@ -182,6 +238,7 @@ impl SessionWriter {
         tokio::spawn(committer(kv.clone(), rx));
         Ok(SessionWriter {
             kv,
+            legacy: std::sync::atomic::AtomicBool::new(true),
             aliases: Mutex::new(HashMap::new()),
             commits,
         })
@@ -196,31 +253,32 @@ impl SessionWriter {
     /// round that starts at the first position given. Events that belong to no session are
     /// skipped. Returns once the sessions are written.
     pub async fn commit(&self, events: Vec<(Envelope, Identity)>) -> Result<(), SessionError> {
-        let from = events
-            .iter()
-            .map(|(_, ident)| ident.position.0)
-            .min()
-            .unwrap_or(0);
+        let positions = events.iter().map(|(_, ident)| ident.position.0);
+        let round = Round {
+            from: positions.clone().min().unwrap_or(0),
+            to: positions.max().unwrap_or(0),
+            aliases: Aliases::Positioned,
+        };
         self.commit_boxed(
             events
                 .into_iter()
                 .map(|(env, ident)| (Box::new(env), ident)),
-            from,
+            round,
         )
         .await
     }
 
-    /// [`Self::commit`] for envelopes already boxed, as the round that starts at projection
-    /// `from` (the events' positions are projection-stream sequences, `from` at most the first).
+    /// [`Self::commit`] for envelopes already boxed, as `round` (the events' positions are
+    /// projection-stream sequences within it).
     ///
     /// Events go to their sessions as [`sessions::route`] says, from the aliases as they stood
-    /// at `from`. The aliases it needs are read, and the ones it moves written, all at once per
-    /// call rather than one round trip per event: the fold keeps up with the projections only
-    /// that way.
+    /// at the round's start. The aliases it needs are read, and the ones it moves written, all
+    /// at once per call rather than one round trip per event: the fold keeps up with the
+    /// projections only that way.
     async fn commit_boxed(
         &self,
         events: impl IntoIterator<Item = (Box<Envelope>, Identity)>,
-        from: u64,
+        round: Round,
     ) -> Result<(), SessionError> {
         let (events, keys): (Vec<_>, Vec<_>) = events
             .into_iter()
@@ -229,7 +287,7 @@ impl SessionWriter {
                 ((env, ident), keys)
             })
             .unzip();
-        let known = self.aliases_before(&keys, from).await?;
+        let known = self.aliases_before(&keys, round).await?;
         let (routes, moved) = sessions::route(&keys, known);
         // One write per conversation: where the round moved its alias, by projection.
         let moved: Vec<(String, Vec<(u64, String)>)> = moved
@@ -237,14 +295,13 @@ impl SessionWriter {
             .map(|(conv, moves)| {
                 let moves = moves
                     .into_iter()
-                    .take(MAX_ALIAS_MOVES)
                     .map(|(i, ws)| (events[i].1.position.0, ws))
                     .collect();
-                (conv, moves)
+                (conv, bounded_moves(moves))
             })
             .collect();
         futures::stream::iter(moved)
-            .map(|(conv, moves)| async move { self.write_alias(&conv, from, moves).await })
+            .map(|(conv, moves)| async move { self.write_alias(&conv, round, moves).await })
             .buffer_unordered(CONCURRENT_ALIASES)
             .try_collect::<Vec<()>>()
             .await?;
@@ -272,15 +329,16 @@ impl SessionWriter {
     async fn aliases_before(
         &self,
         keys: &[sessions::SessionKeys],
-        from: u64,
+        round: Round,
     ) -> Result<HashMap<String, String>, SessionError> {
+        let from = round.from;
         let mut known = HashMap::new();
         let mut unknown = HashSet::new();
         let mut note = |conv: &str, alias: Option<&Alias>| -> Result<(), SessionError> {
             let Some(alias) = alias else {
                 return Ok(());
             };
-            match alias.as_at(from) {
+            match alias.at_round_start(from, round.aliases) {
                 Some(Some(ws)) => {
                     known.insert(conv.to_string(), ws.to_string());
                     Ok(())
@@ -581,9 +639,10 @@ impl SessionWriter {
     async fn write_alias(
         &self,
         conv: &str,
-        from: u64,
+        round: Round,
         moves: Vec<(u64, String)>,
     ) -> Result<(), SessionError> {
+        let from = round.from;
         let key = alias_key(conv);
         let mut known = Some(self.cached(conv).unwrap_or(KnownAlias {
             alias: None,
@@ -597,15 +656,28 @@ impl SessionWriter {
             };
             let before = match &current.alias {
                 None => None,
-                Some(a) => match a.as_at(from) {
+                Some(a) => match a.at_round_start(from, round.aliases) {
                     Some(ws) => ws.map(str::to_string),
                     None => return Err(overtaken(conv, a, from)),
                 },
             };
+            // Another attempt of a round from the same start (a retry, or another owner's) that
+            // read further: its moves past this round's end are facts of the same stream, kept.
+            let further = current
+                .alias
+                .as_ref()
+                .filter(|a| a.from == from)
+                .map(|a| a.moves.iter().filter(|(seq, _)| *seq > round.to).cloned());
             let next = Alias {
                 from,
                 before,
-                moves: moves.clone(),
+                moves: bounded_moves(
+                    moves
+                        .iter()
+                        .cloned()
+                        .chain(further.into_iter().flatten())
+                        .collect(),
+                ),
             };
             if current.alias.as_ref() == Some(&next) {
                 self.cache(conv, current);
@@ -653,7 +725,13 @@ impl SessionWriter {
         .await?;
         Ok(match found {
             Some(e) if e.operation == kv::Operation::Put => KnownAlias {
-                alias: Some(Alias::decode(&e.value)),
+                alias: match serde_json::from_slice::<Alias>(&e.value) {
+                    Ok(a) => Some(a),
+                    Err(err) => {
+                        warn!(key = %key, error = %err, "stored conversation alias is unreadable; taken as none and replaced");
+                        None
+                    }
+                },
                 revision: e.revision,
             },
             // Deleted or purged: none, replaced from the marker's revision.
@@ -662,10 +740,21 @@ impl SessionWriter {
                 revision: e.revision,
             },
             None => KnownAlias {
-                alias: None,
+                alias: self.read_legacy_alias(conv).await?,
                 revision: 0,
             },
         })
+    }
+
+    /// `conv`'s alias as an earlier version stored it, if the bucket may hold such aliases.
+    async fn read_legacy_alias(&self, conv: &str) -> Result<Option<Alias>, SessionError> {
+        if !self.legacy.load(std::sync::atomic::Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let key = legacy_alias_key(conv);
+        let found =
+            with_retries(&key, "conversation alias read", || self.kv.get(key.clone())).await?;
+        Ok(found.map(|v| Alias::legacy(&v)))
     }
 
     /// What this writer knows of `conv`'s alias (`None`: nothing).
@@ -682,11 +771,19 @@ impl SessionWriter {
         }
     }
 
-    /// Forget every alias known: a fold starting from its checkpoint reads them again.
-    fn forget_aliases(&self) {
+    /// Forget every alias known (a fold starting from its checkpoint reads them again), and
+    /// look up whether the bucket holds aliases of earlier versions.
+    async fn forget_aliases(&self) -> Result<(), String> {
         if let Ok(mut m) = self.aliases.lock() {
             m.clear();
         }
+        let legacy = format!("{}conv.*", self.kv.prefix);
+        let any = super::publish::last_from_leader(&self.kv.stream, &legacy)
+            .await
+            .map_err(|e| format!("looking for aliases of earlier versions: {e}"))?;
+        self.legacy
+            .store(any.is_some(), std::sync::atomic::Ordering::Relaxed);
+        Ok(())
     }
 }
 
@@ -879,7 +976,7 @@ async fn fold(
         .get_stream(proj_stream)
         .await
         .map_err(|e| format!("stream {proj_stream}: {e}"))?;
-    writer.forget_aliases();
+    writer.forget_aliases().await?;
     let (start, mut checkpoint) = fold_start(&writer.kv, &mut proj).await?;
     *position = Some(start - 1);
     let mut rounds = super::rounds::Rounds::new(&proj, start).await?;
@@ -897,7 +994,7 @@ async fn fold(
             .last()
             .and_then(|m| m.info().ok())
             .map_or((0, 0), |i| (i.stream_sequence, i.pending));
-        report_gaps(
+        let gaps = gaps(
             from,
             round
                 .iter()
@@ -917,10 +1014,28 @@ async fn fold(
                     .into(),
             );
         }
-        writer
-            .commit_boxed(events, from)
-            .await
-            .map_err(|e| e.to_string())?;
+        let mut span = Round {
+            from,
+            to: last,
+            aliases: Aliases::Positioned,
+        };
+        match writer.commit_boxed(events, span).await {
+            Ok(()) => {}
+            Err(SessionError::Overtaken { key, .. }) if unmoved(&writer.kv, checkpoint).await? => {
+                // No fold moved the checkpoint, yet an alias says a round after it was folded:
+                // the checkpoint went back (set back by hand, or the projection stream was
+                // recreated), so the aliases are from an earlier pass. Taken as they stand,
+                // rather than stopping the fold for good.
+                warn!(alias = %key, from, "an alias was written by a round after the fold's checkpoint, and no fold is ahead: the checkpoint went back; taking aliases as they stand");
+                span.aliases = Aliases::AsTheyStand;
+                let events: Vec<_> = round.iter().filter_map(fold_event).collect();
+                writer
+                    .commit_boxed(events, span)
+                    .await
+                    .map_err(|e| e.to_string())?;
+            }
+            Err(e) => return Err(e.to_string()),
+        }
         // Moved only from where this fold found it: a checkpoint another worker's fold moved
         // meanwhile (a deposed owner coming back, or a write stored with its answer lost) stops
         // this fold, which starts again from the checkpoint as it is.
@@ -934,6 +1049,8 @@ async fn fold(
                 }
                 _ => format!("checkpoint {FOLD_KEY}: {e}"),
             })?;
+        // Counted once the round is folded, so a round read again does not count its gaps twice.
+        report_gaps(&gaps);
         metrics::counter!(crate::telemetry::SESSION_EVENTS_FOLDED).increment(folded as u64);
         metrics::gauge!(crate::telemetry::SESSION_FOLD_POSITION).set(last as f64);
         metrics::gauge!(crate::telemetry::SESSION_FOLD_BEHIND).set(pending as f64);
@@ -942,27 +1059,40 @@ async fn fold(
     }
 }
 
-/// Projections missing from a round that starts at projection `from` and reads `seqs`: gone
-/// from the stream before the fold read them (aged out, purged or deleted), so their events are
-/// missing from the work sessions. Counted and logged, never silent; returns how many.
-fn report_gaps(from: u64, seqs: impl IntoIterator<Item = u64>) -> u64 {
+/// Whether the fold's checkpoint is still at `revision`, where this fold found it.
+async fn unmoved(kv: &kv::Store, revision: u64) -> Result<bool, String> {
+    Ok(read_checkpoint(kv, FOLD_KEY)
+        .await?
+        .is_some_and(|(_, now)| now == revision))
+}
+
+/// The ranges of projections missing from a round that starts at projection `from` and reads
+/// `seqs`: gone from the stream before the fold read them (aged out, purged or deleted).
+fn gaps(from: u64, seqs: impl IntoIterator<Item = u64>) -> Vec<(u64, u64)> {
     let mut expected = from;
-    let mut skipped = 0;
+    let mut found = Vec::new();
     for seq in seqs {
         if seq > expected {
-            let missing = seq - expected;
-            skipped += missing;
-            metrics::counter!(crate::telemetry::SESSION_FOLD_SKIPPED).increment(missing);
-            warn!(
-                from = expected,
-                to = seq - 1,
-                missing,
-                "projections were gone from the stream before the work-session fold read them (aged out, purged or deleted); their events are not in the work sessions"
-            );
+            found.push((expected, seq - 1));
         }
         expected = expected.max(seq + 1);
     }
-    skipped
+    found
+}
+
+/// Count and log `gaps` (see [`gaps`]): their events are missing from the work sessions, never
+/// silently.
+fn report_gaps(gaps: &[(u64, u64)]) {
+    for &(from, to) in gaps {
+        let missing = to - from + 1;
+        metrics::counter!(crate::telemetry::SESSION_FOLD_SKIPPED).increment(missing);
+        warn!(
+            from,
+            to,
+            missing,
+            "projections were gone from the stream before the work-session fold read them (aged out, purged or deleted); their events are not in the work sessions"
+        );
+    }
 }
 
 #[cfg(test)]
@@ -996,38 +1126,61 @@ mod tests {
         let round_trip: Alias =
             serde_json::from_slice(&serde_json::to_vec(&alias).expect("encoded")).expect("decoded");
         assert_eq!(round_trip, alias);
+        assert_eq!(alias.last(), Some("ws_c"));
+        assert_eq!(alias.at_round_start(9, Aliases::Positioned), None);
         assert_eq!(
-            Alias::decode(&serde_json::to_vec(&alias).expect("encoded")),
-            alias
+            alias.at_round_start(9, Aliases::AsTheyStand),
+            Some(Some("ws_c")),
+            "a round with no fold ahead takes it as it stands"
         );
     }
 
     #[test]
+    fn a_round_that_moves_an_alias_too_often_keeps_its_first_moves_and_its_last() {
+        let moves: Vec<(u64, String)> = (1..=1000).map(|seq| (seq, format!("ws_{seq}"))).collect();
+        let kept = bounded_moves(moves);
+        assert_eq!(kept.len(), MAX_ALIAS_MOVES);
+        assert_eq!(kept[0], (1, "ws_1".to_string()));
+        assert_eq!(kept[MAX_ALIAS_MOVES - 2], (255, "ws_255".to_string()));
+        assert_eq!(kept[MAX_ALIAS_MOVES - 1], (1000, "ws_1000".to_string()));
+        let alias = Alias {
+            from: 1,
+            before: None,
+            moves: kept,
+        };
+        assert_eq!(
+            alias.as_at(1001),
+            Some(Some("ws_1000")),
+            "the alias the round left"
+        );
+        assert_eq!(alias.as_at(100), Some(Some("ws_99")));
+        let few = vec![(3, "ws_a".to_string())];
+        assert_eq!(bounded_moves(few.clone()), few);
+    }
+
+    #[test]
     fn an_alias_stored_as_a_bare_session_holds_from_the_start() {
-        for stored in ["ws_d", "1234", "{not json"] {
-            let alias = Alias::decode(stored.as_bytes());
+        for stored in ["ws_d", "1234", "{\"from\":3}"] {
+            let alias = Alias::legacy(stored.as_bytes());
             assert_eq!(alias.as_at(0), Some(Some(stored)), "{stored}");
             assert_eq!(alias.as_at(u64::MAX), Some(Some(stored)), "{stored}");
         }
     }
 
     #[test]
-    fn gaps_in_a_round_are_counted_at_its_start_and_inside_it() {
-        assert_eq!(report_gaps(5, [5, 6, 7]), 0);
-        assert_eq!(report_gaps(5, [9, 10]), 4, "5 to 8 gone before the round");
-        assert_eq!(
-            report_gaps(5, [5, 8, 9, 12]),
-            4,
-            "6, 7, 10 and 11 gone inside it"
-        );
-        assert_eq!(report_gaps(5, []), 0);
+    fn gaps_in_a_round_are_found_at_its_start_and_inside_it() {
+        assert_eq!(gaps(5, [5, 6, 7]), []);
+        assert_eq!(gaps(5, [9, 10]), [(5, 8)], "gone before the round");
+        assert_eq!(gaps(5, [5, 8, 9, 12]), [(6, 7), (10, 11)], "gone inside it");
+        assert_eq!(gaps(5, []), []);
     }
 
     #[test]
     fn keys_are_kv_safe_and_aliases_never_collide_with_sessions() {
         assert_eq!(session_key("ws_1"), "ws_1");
         assert_eq!(session_key("agent:x"), "_bYWdlbnQ6eA");
-        assert_eq!(alias_key("c1"), "conv.c1");
+        assert_eq!(alias_key("c1"), "alias.c1");
+        assert_eq!(legacy_alias_key("c1"), "conv.c1");
         // Session keys never hold a dot; alias keys always do.
         assert!(!session_key("a.b").contains('.'));
     }

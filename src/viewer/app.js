@@ -256,6 +256,7 @@ async function follow(gen, ctl, sel, cursor) {
   let dropped = false;
   while (gen === state.gen && !ctl.signal.aborted) {
     let note = 'the server closed the stream';
+    let renew = false;
     try {
       const r = await fetch(`/api/events/stream?${query(sel)}`, {
         headers: headers({ Accept: 'text/event-stream', 'Last-Event-ID': last }),
@@ -291,6 +292,9 @@ async function follow(gen, ctl, sel, cursor) {
             return;
           }
           if (e.resumeFrom) last = e.resumeFrom;
+          // The stream's planned end (http.sse_max_stream_lifetime): resume at once where it
+          // stopped, keeping what is shown.
+          renew = e.code === 'lifetime_reached';
           note = e.message || note;
           break;
         }
@@ -309,6 +313,7 @@ async function follow(gen, ctl, sel, cursor) {
       note = e.message;
     }
     if (gen !== state.gen) return;
+    if (renew) continue;
     dropped = true;
     setStatus('reconnecting', `Reconnecting (${note}); resuming after the last event shown…`);
     await sleep(delay, ctl.signal);

@@ -972,6 +972,7 @@ async fn a_slow_event_stream_client_gets_an_error_and_the_stream_closes() {
         buffer_events: 8,
         buffer_bytes: 64 * 1024,
         keep_alive: Duration::from_secs(15),
+        lifetime: Duration::from_secs(3600),
     });
     let stats_state = st.clone();
     let (addr, _stop) = serve(st, Some(4096)).await;
@@ -1905,6 +1906,33 @@ async fn a_fold_overtaken_by_another_cannot_set_an_alias_back() {
         2,
         "the start and the first step"
     );
+}
+
+/// A deposed owner whose round started where the next owner's did, but read less of the
+/// stream, keeps the moves the other read further when it writes the alias: events after both
+/// go where the later move put the conversation.
+#[tokio::test]
+async fn a_shorter_round_from_the_same_start_keeps_the_moves_read_further() {
+    let (_nats, js, s) = setup().await;
+    let app = api::router(state(&js, &s));
+    let (start, moved, after) = (
+        moving(1, Some("ws_a"), "start"),
+        moving(2, Some("ws_b"), "moved on"),
+        moving(3, None, "next step"),
+    );
+    let next_owner = SessionWriter::new(&js, &s.names()).await.expect("writer");
+    fold(&next_owner, 0, &[(1, &start), (2, &moved)]).await;
+    // The deposed owner had read only the first projection of the same round.
+    let deposed = SessionWriter::new(&js, &s.names()).await.expect("writer");
+    fold(&deposed, 0, &[(1, &start)]).await;
+    let fresh = SessionWriter::new(&js, &s.names()).await.expect("writer");
+    fold(&fresh, 0, &[(3, &after)]).await;
+    assert_eq!(
+        event_count(&app, "ws_b").await,
+        2,
+        "the move and the event after it"
+    );
+    assert_eq!(event_count(&app, "ws_a").await, 1);
 }
 
 fn events(partition: u16, items: &[(u64, &Outgoing)]) -> Vec<(Envelope, Identity)> {

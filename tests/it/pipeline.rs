@@ -1547,6 +1547,114 @@ async fn rebuilt_after_emptying(left: Option<(&str, &str)>) {
     assert_sessions_count_every_projection(&js, &proj).await;
 }
 
+/// A fold checkpoint set back by hand (the aliases in the bucket were written by rounds after
+/// it, and no other fold is ahead) does not stop the fold for good: it takes the aliases as
+/// they stand, says so, and folds to the stream's end again.
+#[tokio::test]
+async fn a_fold_whose_checkpoint_was_set_back_folds_on() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let mut first = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
+    // Conversations that name their work session now and then, moving between three.
+    let moving: Vec<(String, Vec<u8>)> = (0..300)
+        .map(|i| {
+            let conv = format!("mv-{}", i % 10);
+            let mut body = json!({"type": "task.updated", "taskId": conv, "conversationId": conv, "payload": {"n": i}});
+            if i % 4 == 0 {
+                body["workSessionId"] = json!(format!("ws-mv-{}", (i / 40) % 3));
+            }
+            (
+                format!("collab.raw.{conv}.task.updated"),
+                serde_json::to_vec(&body).expect("serialises"),
+            )
+        })
+        .collect();
+    // In two halves, so the fold writes the aliases in more than one round.
+    let kv = js
+        .get_key_value("collab_work_sessions")
+        .await
+        .expect("the sessions bucket");
+    let mut published = 0;
+    for half in moving.chunks(150) {
+        published += publish_all(&js, half).await.len();
+        wait_settled(&js, published as u64, 0).await;
+        let last = js
+            .get_stream(PROJ)
+            .await
+            .expect("the projection stream")
+            .info()
+            .await
+            .expect("its state")
+            .state
+            .last_sequence;
+        wait_until(GUARD, "the fold reaches the stream's end", || {
+            let kv = kv.clone();
+            async move {
+                kv.get("fold.position")
+                    .await
+                    .ok()
+                    .flatten()
+                    .and_then(|v| String::from_utf8_lossy(&v).trim().parse::<u64>().ok())
+                    .is_some_and(|p| p >= last)
+            }
+        })
+        .await;
+    }
+    let last = js
+        .get_stream(PROJ)
+        .await
+        .expect("the projection stream")
+        .info()
+        .await
+        .expect("its state")
+        .state
+        .last_sequence;
+    let folded_to = |kv: async_nats::jetstream::kv::Store| async move {
+        kv.get("fold.position")
+            .await
+            .ok()
+            .flatten()
+            .and_then(|v| String::from_utf8_lossy(&v).trim().parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    wait_until(GUARD, "the fold reaches the stream's end", || {
+        futures::FutureExt::map(folded_to(kv.clone()), move |p| p >= last)
+    })
+    .await;
+    let moved_later = kv
+        .keys()
+        .await
+        .expect("the bucket's keys")
+        .try_collect::<Vec<String>>()
+        .await
+        .expect("the keys")
+        .into_iter()
+        .filter(|k| k.starts_with("alias."))
+        .count();
+    assert!(
+        moved_later > 0,
+        "the load moves conversations into sessions"
+    );
+    first.sigterm();
+    first
+        .wait_exit(GUARD)
+        .await
+        .expect("SIGTERM ends the process");
+    kv.put("fold.position", "0".into())
+        .await
+        .expect("the checkpoint set back");
+    let second = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
+    wait_until(GUARD, "the fold reaches the stream's end again", || {
+        futures::FutureExt::map(folded_to(kv.clone()), move |p| p >= last)
+    })
+    .await;
+    assert!(
+        second.log_text().contains("the checkpoint went back"),
+        "{}",
+        second.log_text()
+    );
+}
+
 /// The partition consumers' storage as the server reports it: `true` for each kept in memory.
 async fn partition_consumers_in_memory(js: &Context) -> Vec<bool> {
     let raw = js.get_stream(RAW).await.expect("raw stream");

@@ -374,6 +374,92 @@ async fn event_streams_are_capped_per_token_and_in_total_and_a_closed_one_frees_
     .await;
 }
 
+/// A client that opened a quiet event stream and never reads it holds its place no longer than
+/// `http.sse_max_stream_lifetime`: the stream then ends with `lifetime_reached` and the cursor
+/// to resume from, and a client that reconnects with it gets what came after, nothing twice.
+#[tokio::test]
+async fn a_quiet_event_stream_nobody_reads_frees_its_place_at_its_lifetime() {
+    let (_nats, js, s) = provisioned_with_tokens(|s| {
+        s.http.sse_max_streams_per_token = 1;
+        s.http.sse_max_stream_lifetime = Duration::from_secs(2);
+    })
+    .await;
+    let state = ApiState::new(js.clone(), s.names(), &s.http);
+    let slots = state.stream_slots().clone();
+    let (addr, _stop) = serve(state, None).await;
+    let http = reqwest::Client::new();
+    let open = |last_event_id: Option<String>| {
+        let http = http.clone();
+        async move {
+            let mut req = http
+                .get(format!("http://{addr}/api/events/stream"))
+                .bearer_auth(ALL_TOKEN);
+            if let Some(id) = last_event_id {
+                req = req.header("Last-Event-ID", id);
+            }
+            req.send()
+                .await
+                .unwrap_or_else(|e| panic!("the API answers: {e}"))
+        }
+    };
+    let ping = |n: u64| {
+        let js = js.clone();
+        async move {
+            let body = json!({"type": "health.ping", "eventRole": "system.observability", "payload": {"n": n}});
+            publish(
+                &js,
+                &format!("collab.proj.system.observability.w{n}.health.ping"),
+                Bytes::from(body.to_string()),
+            )
+            .await
+        }
+    };
+    let quiet = open(None).await;
+    assert_eq!(quiet.status().as_u16(), 200);
+    let first = ping(1).await;
+    assert_eq!(
+        open(None).await.status().as_u16(),
+        429,
+        "the token's one place is held"
+    );
+    // Nobody reads `quiet`; its place comes free once its lifetime is over.
+    wait_until(GUARD, "the unread stream frees its place", || {
+        let n = slots.open();
+        async move { n == 0 }
+    })
+    .await;
+    let text = quiet
+        .text()
+        .await
+        .unwrap_or_else(|e| panic!("its body: {e}"));
+    let end = text
+        .split("\n\n")
+        .find(|frame| frame.contains("event: error"))
+        .and_then(|frame| frame.lines().find_map(|l| l.strip_prefix("data: ")))
+        .map(|data| serde_json::from_str::<Value>(data).unwrap_or_else(|e| panic!("{e}: {data}")))
+        .unwrap_or_else(|| panic!("a final error event: {text}"));
+    assert_eq!(end["error"]["code"], "lifetime_reached", "{end}");
+    let resume = end["error"]["resumeFrom"].as_str().map(str::to_string);
+    assert_eq!(
+        resume,
+        Some(api::query::encode_cursor(0, first)),
+        "resume after the one event sent: {text}"
+    );
+    // Reconnecting with it: the events after it, and not the one already sent.
+    let second = ping(2).await;
+    let again = open(resume).await;
+    assert_eq!(again.status().as_u16(), 200, "the place is free again");
+    let text = again
+        .text()
+        .await
+        .unwrap_or_else(|e| panic!("its body: {e}"));
+    let ids: Vec<&str> = text
+        .lines()
+        .filter_map(|l| l.strip_prefix("id: "))
+        .collect();
+    assert_eq!(ids, [api::query::encode_cursor(0, second)], "{text}");
+}
+
 /// Settings whose raw stream holds `raw_max_bytes` at most (below the configurable minimum, which
 /// provisioning does not check).
 fn tiny_raw(url: &str, raw_max_bytes: i64) -> Settings {
