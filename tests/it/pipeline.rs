@@ -1279,11 +1279,17 @@ const ACK_WAIT: (&str, &str) = ("COLLAB_CONSUMER__ACK_WAIT", "5s");
 
 /// Task updates over 40 keys, each in one of 7 work sessions (so a session gathers events of
 /// many partitions).
+/// `count` task updates over 40 keys, each key a conversation that names a work session in one
+/// update of three and only itself in the others, moving between seven sessions as it goes, so
+/// the work-session fold routes most events through conversation aliases that change.
 fn load(count: usize) -> Vec<(String, Vec<u8>)> {
     (0..count)
         .map(|i| {
             let key = format!("load-{}", i % 40);
-            let body = json!({"type": "task.updated", "taskId": key, "workSessionId": format!("ws-load-{}", i % 7), "payload": {"n": i}});
+            let mut body = json!({"type": "task.updated", "taskId": key, "conversationId": key, "payload": {"n": i}});
+            if i % 3 == 0 {
+                body["workSessionId"] = json!(format!("ws-load-{}", (i / 120 + i % 7) % 7));
+            }
             (
                 format!("collab.raw.{key}.task.updated"),
                 serde_json::to_vec(&body).expect("serialises"),
@@ -1362,12 +1368,15 @@ async fn assert_sessions_count_every_projection(js: &Context, proj: &[Stored]) {
     use collab_projector::sessions::{self, Identity, Position, WorkSession};
     let mut expected: BTreeMap<String, WorkSession> = BTreeMap::new();
     let mut aliases: std::collections::HashMap<String, String> = Default::default();
+    let mut moved = false;
     for m in proj {
         let env = sessions::envelope_for_fold(&m.payload).expect("a stored envelope");
         let keys = sessions::keys(&env);
         let id = match (&keys.work_session_id, &keys.conversation_id) {
             (Some(ws), Some(conv)) => {
-                aliases.insert(conv.clone(), ws.clone());
+                if let Some(before) = aliases.insert(conv.clone(), ws.clone()) {
+                    moved |= before != *ws;
+                }
                 ws.clone()
             }
             (Some(ws), None) => ws.clone(),
@@ -1385,6 +1394,10 @@ async fn assert_sessions_count_every_projection(js: &Context, proj: &[Stored]) {
         sessions::fold_into(s, &env, &keys, at);
     }
     assert!(!expected.is_empty(), "the load has work sessions");
+    assert!(
+        moved,
+        "the load moves a conversation from one work session to another"
+    );
     let kv = js
         .get_key_value("collab_work_sessions")
         .await
@@ -1423,6 +1436,25 @@ async fn assert_sessions_count_every_projection(js: &Context, proj: &[Stored]) {
         let got: WorkSession = serde_json::from_slice(&stored).expect("a stored session");
         assert_eq!(got.counts, want.counts, "the counts of work session {id}");
     }
+    // And no other session: every one-token key of the bucket is a session the stream makes.
+    let stored: BTreeSet<String> = kv
+        .keys()
+        .await
+        .expect("the bucket's keys")
+        .try_collect::<Vec<String>>()
+        .await
+        .expect("the keys")
+        .into_iter()
+        .filter(|k| !k.contains('.'))
+        .collect();
+    let made: BTreeSet<String> = expected
+        .keys()
+        .map(|id| collab_projector::bus::sessions::session_key(id))
+        .collect();
+    assert_eq!(
+        stored, made,
+        "the bucket holds exactly the sessions the stream makes"
+    );
     eprintln!(
         "{} work sessions count every projection once",
         expected.len()
