@@ -607,8 +607,10 @@ export interface StreamErrorDetail {
   message: string;
   /**
    * The cursor of the last event sent, or, when none was sent, of where the stream started
-   * (send it as `Last-Event-ID`). Always set by this version; older ones sent `null` when
-   * nothing was sent and the stream did not resume from a cursor.
+   * (send it as `Last-Event-ID`); after `lifetime_reached`, of the stream's end when nothing
+   * the stream's filters match was stored after the last event sent. Always set by this
+   * version; older ones sent `null` when nothing was sent and the stream did not resume from a
+   * cursor.
    */
   resumeFrom: string | null;
 }

@@ -48,6 +48,9 @@ const MAX_ERRORS: u32 = 10;
 struct Termination {
     code: StreamErrorCode,
     message: String,
+    /// A position past the last event sent to resume after, when nothing the stream's filters
+    /// match was stored between the two.
+    resume_after: Option<u64>,
 }
 
 /// The `data` of the final `event: error` of `/api/events/stream`.
@@ -66,8 +69,10 @@ pub struct StreamErrorDetail {
     /// What happened and what to do, for a person.
     pub message: String,
     /// The cursor of the last event sent, or, when none was sent, of where the stream started
-    /// (send it as `Last-Event-ID`). Always set by this version; older ones sent `null` when
-    /// nothing was sent and the stream did not resume from a cursor.
+    /// (send it as `Last-Event-ID`); after `lifetime_reached`, of the stream's end when nothing
+    /// the stream's filters match was stored after the last event sent. Always set by this
+    /// version; older ones sent `null` when nothing was sent and the stream did not resume from a
+    /// cursor.
     pub resume_from: Option<String>,
 }
 
@@ -131,6 +136,11 @@ pub async fn stream(
         ending.clone(),
         state.clone(),
         (served.clone(), switches),
+        Reading {
+            stream,
+            filters: r.filters.clone(),
+            sent: start.saturating_sub(1),
+        },
     ));
     let body = Body {
         rx,
@@ -139,6 +149,7 @@ pub async fn stream(
         // Where the stream starts, as a cursor: what a client that received nothing resumes
         // from, so it misses nothing either.
         last_id: Some(encode_cursor(served.tag, start.saturating_sub(1))),
+        tag: served.tag,
         done: false,
         _slot: slot,
     };
@@ -205,6 +216,8 @@ struct Body {
     inflight: Arc<AtomicUsize>,
     ending: Arc<Mutex<Option<Termination>>>,
     last_id: Option<String>,
+    /// The served version's cursor tag.
+    tag: u16,
     done: bool,
     // Held for as long as the response body lives.
     _slot: super::slots::Slot,
@@ -232,7 +245,10 @@ impl Body {
                     error: StreamErrorDetail {
                         code: t.code,
                         message: t.message,
-                        resume_from: self.last_id.clone(),
+                        resume_from: t
+                            .resume_after
+                            .map(|seq| encode_cursor(self.tag, seq))
+                            .or_else(|| self.last_id.clone()),
                     },
                 };
                 let data = serde_json::to_string(&data).unwrap_or_default();
@@ -243,8 +259,46 @@ impl Body {
     }
 }
 
+/// What a stream reads: the projection stream, its filters, and the last position sent (where
+/// it started, until an event is sent).
+struct Reading {
+    stream: async_nats::jetstream::stream::Stream,
+    filters: Vec<String>,
+    sent: u64,
+}
+
+/// The projection stream's last sequence, when nothing `filters` match was stored after `sent`:
+/// a client resuming from there misses nothing, and its next stream does not read the same quiet
+/// stretch again (on a stream that matches nothing for days, its cursor would otherwise age out
+/// of the retention). `None` when something was, or the store did not answer within 5 s.
+async fn quiet_through(
+    stream: &async_nats::jetstream::stream::Stream,
+    filters: &[String],
+    sent: u64,
+) -> Option<u64> {
+    let look = async {
+        // Read before the filters' last messages: anything stored later is past it.
+        let last = stream.clone().info().await.ok()?.state.last_sequence;
+        if last <= sent || filters.is_empty() {
+            return None;
+        }
+        for filter in filters {
+            match crate::bus::publish::last_from_leader(stream, filter).await {
+                Ok(None) => {}
+                Ok(Some(m)) if m.sequence <= sent => {}
+                _ => return None,
+            }
+        }
+        Some(last)
+    };
+    tokio::time::timeout(std::time::Duration::from_secs(5), look)
+        .await
+        .ok()
+        .flatten()
+}
+
 /// Read the consumer into the client's buffer until the client goes, falls behind, the server
-/// shuts down, or the store fails.
+/// shuts down, the store fails, or the stream's lifetime is over.
 async fn pump(
     mut messages: consumer::pull::Ordered,
     tx: mpsc::Sender<Item>,
@@ -252,6 +306,7 @@ async fn pump(
     ending: Arc<Mutex<Option<Termination>>>,
     state: ApiState,
     (served, mut switches): (Arc<Served>, watch::Receiver<Arc<Served>>),
+    mut reading: Reading,
 ) {
     let limits = state.sse_limits();
     let shutdown = state.shutdown();
@@ -269,6 +324,7 @@ async fn pump(
                     "the stream was open for http.sse_max_stream_lifetime ({} s); reconnect at once with Last-Event-ID (resumeFrom) to continue without loss",
                     limits.lifetime.as_secs()
                 ),
+                resume_after: quiet_through(&reading.stream, &reading.filters, reading.sent).await,
             }),
             changed = switches.changed() => {
                 if changed.is_err() || switches.borrow_and_update().tag == served.tag {
@@ -281,6 +337,7 @@ async fn pump(
                 break Some(Termination {
                     code: StreamErrorCode::VersionSwitched,
                     message: "the API now serves another projection version; reconnect without Last-Event-ID (this stream's cursors are positions in the version it left)".into(),
+                    resume_after: None,
                 });
             }
             m = messages.next() => m,
@@ -298,6 +355,7 @@ async fn pump(
                     break Some(Termination {
                         code: StreamErrorCode::Unavailable,
                         message: "the event store stopped answering; reconnect with Last-Event-ID to resume".into(),
+                        resume_after: None,
                     });
                 }
                 continue;
@@ -308,6 +366,7 @@ async fn pump(
                     message:
                         "the event store closed the stream; reconnect with Last-Event-ID to resume"
                             .into(),
+                    resume_after: None,
                 })
             }
         };
@@ -320,6 +379,7 @@ async fn pump(
             id: encode_cursor(served.tag, ev.seq),
             data,
         };
+        let seq = ev.seq;
         let len = item.held();
         let held = inflight.load(Ordering::Relaxed);
         let over_bytes = held > 0 && held + len > limits.buffer_bytes;
@@ -328,7 +388,7 @@ async fn pump(
         }
         inflight.fetch_add(len, Ordering::Relaxed);
         match tx.try_send(item) {
-            Ok(()) => {}
+            Ok(()) => reading.sent = seq,
             Err(mpsc::error::TrySendError::Full(_)) => break Some(slow()),
             Err(mpsc::error::TrySendError::Closed(_)) => break None,
         }
@@ -359,5 +419,6 @@ fn slow() -> Termination {
     Termination {
         code: StreamErrorCode::SlowConsumer,
         message: "the client read events more slowly than they arrived and its buffer filled; reconnect with Last-Event-ID (resumeFrom) to continue without loss".into(),
+        resume_after: None,
     }
 }

@@ -12,7 +12,7 @@
 //!
 //! Keys: a session is stored under `encode_id(session id)`. Events that name a conversation but no
 //! work session (a synthesised blocked response, for example) are resolved through an alias entry
-//! `conv.<encode_id(conversation id)>`, written when an event names both. A turn's send is stored in
+//! `alias.<encode_id(conversation id)>`, written when an event names both. A turn's send is stored in
 //! the projection stream before its response, so the alias exists before such an event comes.
 //! An alias records where in the projection stream it moved (see [`Alias`]), so a round folded
 //! again routes each event as the alias stood at that event, whatever a failed attempt of the
@@ -174,11 +174,14 @@ impl Alias {
             .or(self.before.as_deref())
     }
 
-    /// [`Self::as_at`] for a round of `mode`: one that knows no fold is ahead of it takes an
-    /// alias written by a later round as it stands.
-    fn at_round_start(&self, at: u64, mode: Aliases) -> Option<Option<&str>> {
+    /// [`Self::as_at`] for a round of `mode`, of the alias stored at `revision`: a round that
+    /// knows no fold is ahead of it takes an alias a later round wrote before its checkpoint went
+    /// back as it stands.
+    fn at_round_start(&self, at: u64, mode: Aliases, revision: u64) -> Option<Option<&str>> {
         match (self.as_at(at), mode) {
-            (None, Aliases::AsTheyStand) => Some(self.last()),
+            (None, Aliases::AsTheyStand { written_before }) if revision < written_before => {
+                Some(self.last())
+            }
             (found, _) => found,
         }
     }
@@ -189,9 +192,10 @@ impl Alias {
 enum Aliases {
     /// As another fold's that is ahead: the round fails ([`SessionError::Overtaken`]).
     Positioned,
-    /// As it stands: no fold is ahead (the fold's checkpoint went back, say set back by hand),
-    /// so the alias is from an earlier pass over the stream.
-    AsTheyStand,
+    /// As it stands when stored before the checkpoint's revision `written_before`: no fold is
+    /// ahead (the checkpoint went back, say set back by hand, after the earlier pass over the
+    /// stream wrote it). One stored later is another fold's, ahead of this one after all.
+    AsTheyStand { written_before: u64 },
 }
 
 /// A round of the fold: the projections `from..=to`, and how it treats aliases written by later
@@ -334,11 +338,11 @@ impl SessionWriter {
         let from = round.from;
         let mut known = HashMap::new();
         let mut unknown = HashSet::new();
-        let mut note = |conv: &str, alias: Option<&Alias>| -> Result<(), SessionError> {
-            let Some(alias) = alias else {
+        let mut note = |conv: &str, stored: &KnownAlias| -> Result<(), SessionError> {
+            let Some(alias) = &stored.alias else {
                 return Ok(());
             };
-            match alias.at_round_start(from, round.aliases) {
+            match alias.at_round_start(from, round.aliases, stored.revision) {
                 Some(Some(ws)) => {
                     known.insert(conv.to_string(), ws.to_string());
                     Ok(())
@@ -352,7 +356,7 @@ impl SessionWriter {
                 continue;
             };
             match self.cached(conv) {
-                Some(k) => note(conv, k.alias.as_ref())?,
+                Some(k) => note(conv, &k)?,
                 None if k.work_session_id.is_none() => {
                     unknown.insert(conv.clone());
                 }
@@ -368,7 +372,7 @@ impl SessionWriter {
             .try_collect()
             .await?;
         for (conv, alias) in read {
-            note(&conv, alias.alias.as_ref())?;
+            note(&conv, &alias)?;
             self.cache(&conv, alias);
         }
         Ok(known)
@@ -656,7 +660,7 @@ impl SessionWriter {
             };
             let before = match &current.alias {
                 None => None,
-                Some(a) => match a.at_round_start(from, round.aliases) {
+                Some(a) => match a.at_round_start(from, round.aliases, current.revision) {
                     Some(ws) => ws.map(str::to_string),
                     None => return Err(overtaken(conv, a, from)),
                 },
@@ -723,7 +727,7 @@ impl SessionWriter {
             self.kv.entry(key.clone())
         })
         .await?;
-        Ok(match found {
+        let mut known = match found {
             Some(e) if e.operation == kv::Operation::Put => KnownAlias {
                 alias: match serde_json::from_slice::<Alias>(&e.value) {
                     Ok(a) => Some(a),
@@ -740,21 +744,35 @@ impl SessionWriter {
                 revision: e.revision,
             },
             None => KnownAlias {
-                alias: self.read_legacy_alias(conv).await?,
+                alias: None,
                 revision: 0,
             },
-        })
+        };
+        // An earlier version's alias stored after this one (that version folded since, during a
+        // rolling upgrade or a rollback) is the newer: it holds, replaced by compare-and-set from
+        // this key's revision.
+        if let Some((alias, stored_at)) = self.read_legacy_alias(conv).await? {
+            if stored_at > known.revision {
+                known.alias = Some(alias);
+            }
+        }
+        Ok(known)
     }
 
-    /// `conv`'s alias as an earlier version stored it, if the bucket may hold such aliases.
-    async fn read_legacy_alias(&self, conv: &str) -> Result<Option<Alias>, SessionError> {
+    /// `conv`'s alias as an earlier version stored it, and its revision, if the bucket may hold
+    /// such aliases.
+    async fn read_legacy_alias(&self, conv: &str) -> Result<Option<(Alias, u64)>, SessionError> {
         if !self.legacy.load(std::sync::atomic::Ordering::Relaxed) {
             return Ok(None);
         }
         let key = legacy_alias_key(conv);
-        let found =
-            with_retries(&key, "conversation alias read", || self.kv.get(key.clone())).await?;
-        Ok(found.map(|v| Alias::legacy(&v)))
+        let found = with_retries(&key, "conversation alias read", || {
+            self.kv.entry(key.clone())
+        })
+        .await?;
+        Ok(found
+            .filter(|e| e.operation == kv::Operation::Put)
+            .map(|e| (Alias::legacy(&e.value), e.revision)))
     }
 
     /// What this writer knows of `conv`'s alias (`None`: nothing).
@@ -791,7 +809,7 @@ impl SessionWriter {
 /// folded in its own order, as one partition whose positions are projection-stream sequences.
 pub const FOLD_PARTITION: u16 = u16::MAX;
 /// The fold's checkpoint: the last projection-stream sequence whose sessions are written.
-/// Two tokens, so it is never taken for a session (nor for a `conv.` alias).
+/// Two tokens, so it is never taken for a session (nor for an `alias.` or `conv.` alias).
 pub const FOLD_KEY: &str = "fold.position";
 /// Most projections folded in one round.
 const FOLD_BATCH: usize = 20_000;
@@ -865,7 +883,7 @@ async fn first_fold_start(
     proj: &mut jetstream::stream::Stream,
 ) -> Result<u64, String> {
     // Sessions are stored under one-token keys; the bucket's others (`fold.position`,
-    // `otel.position` of the span export, `conv.<id>` aliases) say nothing about whether this
+    // `otel.position` of the span export, `alias.<id>` and `conv.<id>` aliases) say nothing about whether this
     // stream's projections were folded.
     let any_session = format!("{}*", kv.prefix);
     match super::publish::last_from_leader(&kv.stream, &any_session).await {
@@ -1027,7 +1045,12 @@ async fn fold(
                 // recreated), so the aliases are from an earlier pass. Taken as they stand,
                 // rather than stopping the fold for good.
                 warn!(alias = %key, from, "an alias was written by a round after the fold's checkpoint, and no fold is ahead: the checkpoint went back; taking aliases as they stand");
-                span.aliases = Aliases::AsTheyStand;
+                if super::lease_lapsed(lease_valid_until) {
+                    return Err("partition 0's lease lapsed during the round; starting again from the checkpoint".into());
+                }
+                span.aliases = Aliases::AsTheyStand {
+                    written_before: checkpoint,
+                };
                 let events: Vec<_> = round.iter().filter_map(fold_event).collect();
                 writer
                     .commit_boxed(events, span)
@@ -1039,7 +1062,7 @@ async fn fold(
         // Moved only from where this fold found it: a checkpoint another worker's fold moved
         // meanwhile (a deposed owner coming back, or a write stored with its answer lost) stops
         // this fold, which starts again from the checkpoint as it is.
-        checkpoint = writer
+        let checkpoint_moved = writer
             .kv
             .update(FOLD_KEY, Bytes::from(last.to_string()), checkpoint)
             .await
@@ -1048,7 +1071,22 @@ async fn fold(
                     format!("checkpoint {FOLD_KEY} moved by another fold; starting again from it")
                 }
                 _ => format!("checkpoint {FOLD_KEY}: {e}"),
-            })?;
+            });
+        let checkpoint_moved = match checkpoint_moved {
+            Ok(revision) => revision,
+            Err(e) => {
+                // Stored with its answer lost: the next fold starts after this round, so its
+                // gaps are reported now or never.
+                if read_checkpoint(&writer.kv, FOLD_KEY)
+                    .await
+                    .is_ok_and(|c| c.is_some_and(|(at, _)| at == last))
+                {
+                    report_gaps(&gaps);
+                }
+                return Err(e);
+            }
+        };
+        checkpoint = checkpoint_moved;
         // Counted once the round is folded, so a round read again does not count its gaps twice.
         report_gaps(&gaps);
         metrics::counter!(crate::telemetry::SESSION_EVENTS_FOLDED).increment(folded as u64);
@@ -1127,11 +1165,17 @@ mod tests {
             serde_json::from_slice(&serde_json::to_vec(&alias).expect("encoded")).expect("decoded");
         assert_eq!(round_trip, alias);
         assert_eq!(alias.last(), Some("ws_c"));
-        assert_eq!(alias.at_round_start(9, Aliases::Positioned), None);
+        assert_eq!(alias.at_round_start(9, Aliases::Positioned, 5), None);
+        let set_back = Aliases::AsTheyStand { written_before: 7 };
         assert_eq!(
-            alias.at_round_start(9, Aliases::AsTheyStand),
+            alias.at_round_start(9, set_back, 5),
             Some(Some("ws_c")),
-            "a round with no fold ahead takes it as it stands"
+            "stored before the checkpoint went back: taken as it stands"
+        );
+        assert_eq!(
+            alias.at_round_start(9, set_back, 8),
+            None,
+            "stored after: another fold's, ahead of this one"
         );
     }
 

@@ -1935,6 +1935,54 @@ async fn a_shorter_round_from_the_same_start_keeps_the_moves_read_further() {
     assert_eq!(event_count(&app, "ws_a").await, 1);
 }
 
+/// Aliases an earlier version stored (`conv.<conversation>`, the bare session id) are read for a
+/// conversation that has no alias of this version yet, and, stored after this version's (that
+/// version folded meanwhile, in a rolling upgrade or a rollback), are the newer of the two.
+#[tokio::test]
+async fn an_earlier_versions_alias_is_read_and_when_stored_later_is_the_newer() {
+    let (_nats, js, s) = setup().await;
+    let app = api::router(state(&js, &s));
+    let bucket = js
+        .get_key_value("collab_work_sessions")
+        .await
+        .expect("the bucket");
+    let legacy = collab_projector::bus::sessions::legacy_alias_key("del-9");
+    let writer = || async { SessionWriter::new(&js, &s.names()).await.expect("writer") };
+    bucket
+        .put(&legacy, "ws_old".into())
+        .await
+        .expect("an earlier version's alias");
+    fold(&writer().await, 0, &[(2, &moving(2, None, "first step"))]).await;
+    assert_eq!(
+        event_count(&app, "ws_old").await,
+        1,
+        "the earlier version's alias"
+    );
+    fold(
+        &writer().await,
+        0,
+        &[(3, &moving(3, Some("ws_a"), "named"))],
+    )
+    .await;
+    fold(&writer().await, 0, &[(4, &moving(4, None, "second step"))]).await;
+    assert_eq!(
+        event_count(&app, "ws_a").await,
+        2,
+        "this version's alias, stored later"
+    );
+    bucket
+        .put(&legacy, "ws_b".into())
+        .await
+        .expect("the earlier version folded meanwhile");
+    fold(&writer().await, 0, &[(6, &moving(6, None, "third step"))]).await;
+    assert_eq!(
+        event_count(&app, "ws_b").await,
+        1,
+        "the earlier version's, stored later"
+    );
+    assert_eq!(event_count(&app, "ws_a").await, 2);
+}
+
 fn events(partition: u16, items: &[(u64, &Outgoing)]) -> Vec<(Envelope, Identity)> {
     let mut events = Vec::new();
     let mut last = None;

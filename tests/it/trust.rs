@@ -458,6 +458,29 @@ async fn a_quiet_event_stream_nobody_reads_frees_its_place_at_its_lifetime() {
         .filter_map(|l| l.strip_prefix("id: "))
         .collect();
     assert_eq!(ids, [api::query::encode_cursor(0, second)], "{text}");
+
+    // A stream whose filter matches nothing stored meanwhile resumes past what it skipped, so
+    // its next stream does not read the same quiet stretch again.
+    let main_only = http
+        .get(format!(
+            "http://{addr}/api/events/stream?role=conversation.main"
+        ))
+        .bearer_auth(ALL_TOKEN)
+        .send()
+        .await
+        .unwrap_or_else(|e| panic!("the API answers: {e}"));
+    assert_eq!(main_only.status().as_u16(), 200);
+    let other_role = ping(3).await;
+    let text = main_only
+        .text()
+        .await
+        .unwrap_or_else(|e| panic!("its body: {e}"));
+    assert!(!text.contains("\nid: "), "nothing of its role: {text}");
+    assert!(text.contains("lifetime_reached"), "{text}");
+    assert!(
+        text.contains(&api::query::encode_cursor(0, other_role)),
+        "resumes past the event of another role: {text}"
+    );
 }
 
 /// Settings whose raw stream holds `raw_max_bytes` at most (below the configurable minimum, which
