@@ -530,6 +530,19 @@ const ALERT_TESTS: &str = r#"
 rule_files: [rules.yml]
 evaluation_interval: 1m
 tests:
+  # Projections gone from the stream before the work-session fold read them.
+  - interval: 1m
+    input_series:
+      - series: 'collab_session_fold_skipped_total{instance="a"}'
+        values: '0x5 40x10'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: CollabProjectorSessionsSkipped
+        exp_alerts: []
+      - eval_time: 8m
+        alertname: CollabProjectorSessionsSkipped
+        exp_alerts:
+          - exp_labels: {severity: warning}
   # Two workers with 8 partitions each; one stops owning any after 3 minutes.
   - interval: 1m
     input_series:
