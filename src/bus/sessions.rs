@@ -648,6 +648,11 @@ impl SessionWriter {
     ) -> Result<(), SessionError> {
         let from = round.from;
         let key = alias_key(conv);
+        // A conversation this writer does not know is written as new, and read only when that
+        // fails. Its `before` is then none even where an earlier version's alias exists: it is
+        // never read, since no event of the conversation naming no session came before its
+        // first move from this round's start (the round would have read the alias for it), and
+        // every round of the same stream from that start has the same events.
         let mut known = Some(self.cached(conv).unwrap_or(KnownAlias {
             alias: None,
             revision: 0,
@@ -997,6 +1002,7 @@ async fn fold(
     writer.forget_aliases().await?;
     let (start, mut checkpoint) = fold_start(&writer.kv, &mut proj).await?;
     *position = Some(start - 1);
+    warn_if_recreated(proj.cached_info().state.last_sequence, start - 1);
     let mut rounds = super::rounds::Rounds::new(&proj, start).await?;
     debug!(from = start, "work-session fold started");
     // Where the next round starts: after the checkpoint, then after each round written.
@@ -1095,6 +1101,21 @@ async fn fold(
         *position = Some(last);
         from = last + 1;
     }
+}
+
+/// A projection stream that ends (`last`) before the fold's checkpoint was recreated (its
+/// sequences started again): its projections up to the checkpoint are never folded. Said once
+/// per fold start, with what to do, rather than left silent.
+fn warn_if_recreated(last: u64, checkpoint: u64) -> bool {
+    if last >= checkpoint {
+        return false;
+    }
+    warn!(
+        stream_last = last,
+        checkpoint,
+        "the projection stream ends before the work-session fold's checkpoint: it was recreated, and its projections up to the checkpoint will not be folded; to fold it whole, stop the workers and empty the work-session bucket (docs/operations.md, \"Folding the work sessions again\")"
+    );
+    true
 }
 
 /// Whether the fold's checkpoint is still at `revision`, where this fold found it.
@@ -1209,6 +1230,14 @@ mod tests {
             assert_eq!(alias.as_at(0), Some(Some(stored)), "{stored}");
             assert_eq!(alias.as_at(u64::MAX), Some(Some(stored)), "{stored}");
         }
+    }
+
+    #[test]
+    fn a_stream_that_ends_before_the_checkpoint_is_said_to_be_recreated() {
+        assert!(warn_if_recreated(10, 500));
+        assert!(!warn_if_recreated(500, 500), "caught up exactly");
+        assert!(!warn_if_recreated(900, 500));
+        assert!(!warn_if_recreated(0, 0), "a new deployment");
     }
 
     #[test]

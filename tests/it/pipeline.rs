@@ -1403,29 +1403,7 @@ async fn assert_sessions_count_every_projection(js: &Context, proj: &[Stored]) {
         .await
         .expect("the sessions bucket");
     // The fold runs behind the projections: wait until it has read the whole stream.
-    let last = js
-        .get_stream(PROJ)
-        .await
-        .expect("the projection stream")
-        .info()
-        .await
-        .expect("its state")
-        .state
-        .last_sequence;
-    wait_until(
-        GUARD,
-        "the work-session fold reaches the stream's end",
-        || {
-            let kv = kv.clone();
-            async move {
-                let folded = kv.get("fold.position").await.ok().flatten();
-                folded
-                    .and_then(|v| String::from_utf8_lossy(&v).trim().parse::<u64>().ok())
-                    .is_some_and(|p| p >= last)
-            }
-        },
-    )
-    .await;
+    wait_folded(js, &kv).await;
     for (id, want) in &expected {
         let key = collab_projector::bus::sessions::session_key(id);
         let stored = kv
@@ -1587,72 +1565,17 @@ async fn a_fold_whose_checkpoint_was_set_back_folds_on() {
     let nats = TestNats::start().await;
     let js = nats.jetstream().await;
     let mut first = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
-    // Conversations that name their work session now and then, moving between three.
-    let moving: Vec<(String, Vec<u8>)> = (0..300)
-        .map(|i| {
-            let conv = format!("mv-{}", i % 10);
-            let mut body = json!({"type": "task.updated", "taskId": conv, "conversationId": conv, "payload": {"n": i}});
-            if i % 4 == 0 {
-                body["workSessionId"] = json!(format!("ws-mv-{}", (i / 40) % 3));
-            }
-            (
-                format!("collab.raw.{conv}.task.updated"),
-                serde_json::to_vec(&body).expect("serialises"),
-            )
-        })
-        .collect();
     // In two halves, so the fold writes the aliases in more than one round.
     let kv = js
         .get_key_value("collab_work_sessions")
         .await
         .expect("the sessions bucket");
     let mut published = 0;
-    for half in moving.chunks(150) {
+    for half in load(300).chunks(150) {
         published += publish_all(&js, half).await.len();
         wait_settled(&js, published as u64, 0).await;
-        let last = js
-            .get_stream(PROJ)
-            .await
-            .expect("the projection stream")
-            .info()
-            .await
-            .expect("its state")
-            .state
-            .last_sequence;
-        wait_until(GUARD, "the fold reaches the stream's end", || {
-            let kv = kv.clone();
-            async move {
-                kv.get("fold.position")
-                    .await
-                    .ok()
-                    .flatten()
-                    .and_then(|v| String::from_utf8_lossy(&v).trim().parse::<u64>().ok())
-                    .is_some_and(|p| p >= last)
-            }
-        })
-        .await;
+        wait_folded(&js, &kv).await;
     }
-    let last = js
-        .get_stream(PROJ)
-        .await
-        .expect("the projection stream")
-        .info()
-        .await
-        .expect("its state")
-        .state
-        .last_sequence;
-    let folded_to = |kv: async_nats::jetstream::kv::Store| async move {
-        kv.get("fold.position")
-            .await
-            .ok()
-            .flatten()
-            .and_then(|v| String::from_utf8_lossy(&v).trim().parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    wait_until(GUARD, "the fold reaches the stream's end", || {
-        futures::FutureExt::map(folded_to(kv.clone()), move |p| p >= last)
-    })
-    .await;
     let moved_later = kv
         .keys()
         .await
@@ -1676,15 +1599,41 @@ async fn a_fold_whose_checkpoint_was_set_back_folds_on() {
         .await
         .expect("the checkpoint set back");
     let second = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
-    wait_until(GUARD, "the fold reaches the stream's end again", || {
-        futures::FutureExt::map(folded_to(kv.clone()), move |p| p >= last)
-    })
-    .await;
+    wait_folded(&js, &kv).await;
     assert!(
         second.log_text().contains("the checkpoint went back"),
         "{}",
         second.log_text()
     );
+}
+
+/// Wait until the work-session fold has read the projection stream to its end as it is now.
+async fn wait_folded(js: &Context, kv: &async_nats::jetstream::kv::Store) {
+    let last = js
+        .get_stream(PROJ)
+        .await
+        .expect("the projection stream")
+        .info()
+        .await
+        .expect("its state")
+        .state
+        .last_sequence;
+    wait_until(
+        GUARD,
+        "the work-session fold reaches the stream's end",
+        || {
+            let kv = kv.clone();
+            async move {
+                kv.get("fold.position")
+                    .await
+                    .ok()
+                    .flatten()
+                    .and_then(|v| String::from_utf8_lossy(&v).trim().parse::<u64>().ok())
+                    .is_some_and(|p| p >= last)
+            }
+        },
+    )
+    .await;
 }
 
 /// The partition consumers' storage as the server reports it: `true` for each kept in memory.
