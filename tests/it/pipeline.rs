@@ -1415,13 +1415,8 @@ async fn assert_sessions_count_every_projection(js: &Context, proj: &[Stored]) {
         assert_eq!(got.counts, want.counts, "the counts of work session {id}");
     }
     // And no other session: every one-token key of the bucket is a session the stream makes.
-    let stored: BTreeSet<String> = kv
-        .keys()
+    let stored: BTreeSet<String> = bucket_keys(&kv)
         .await
-        .expect("the bucket's keys")
-        .try_collect::<Vec<String>>()
-        .await
-        .expect("the keys")
         .into_iter()
         .filter(|k| !k.contains('.'))
         .collect();
@@ -1576,14 +1571,9 @@ async fn a_fold_whose_checkpoint_was_set_back_folds_on() {
         wait_settled(&js, published as u64, 0).await;
         wait_folded(&js, &kv).await;
     }
-    let moved_later = kv
-        .keys()
+    let moved_later = bucket_keys(&kv)
         .await
-        .expect("the bucket's keys")
-        .try_collect::<Vec<String>>()
-        .await
-        .expect("the keys")
-        .into_iter()
+        .iter()
         .filter(|k| k.starts_with("alias."))
         .count();
     assert!(
@@ -1605,6 +1595,16 @@ async fn a_fold_whose_checkpoint_was_set_back_folds_on() {
         "{}",
         second.log_text()
     );
+}
+
+/// Every key the bucket holds now.
+async fn bucket_keys(kv: &async_nats::jetstream::kv::Store) -> Vec<String> {
+    kv.keys()
+        .await
+        .expect("the bucket's keys")
+        .try_collect()
+        .await
+        .expect("the keys")
 }
 
 /// Wait until the work-session fold has read the projection stream to its end as it is now.
