@@ -48,9 +48,6 @@ const MAX_ERRORS: u32 = 10;
 struct Termination {
     code: StreamErrorCode,
     message: String,
-    /// A position past the last event sent to resume after, when nothing the stream's filters
-    /// match was stored between the two.
-    resume_after: Option<u64>,
 }
 
 /// The `data` of the final `event: error` of `/api/events/stream`.
@@ -90,6 +87,18 @@ pub enum StreamErrorCode {
     LifetimeReached,
 }
 
+impl StreamErrorCode {
+    /// The code as the client reads it.
+    fn as_str(self) -> &'static str {
+        match self {
+            StreamErrorCode::SlowConsumer => "slow_consumer",
+            StreamErrorCode::Unavailable => "unavailable",
+            StreamErrorCode::VersionSwitched => "version_switched",
+            StreamErrorCode::LifetimeReached => "lifetime_reached",
+        }
+    }
+}
+
 struct Item {
     id: String,
     data: String,
@@ -127,7 +136,7 @@ pub async fn stream(
     let limits = state.sse_limits();
     let (tx, rx) = mpsc::channel::<Item>(limits.buffer_events.max(1));
     let inflight = Arc::new(AtomicUsize::new(0));
-    let ending: Arc<Mutex<Option<Termination>>> = Arc::new(Mutex::new(None));
+    let ending: Arc<Mutex<Option<StreamErrorDetail>>> = Arc::new(Mutex::new(None));
     state.stats().sse_clients.fetch_add(1, Ordering::Relaxed);
     tokio::spawn(pump(
         messages,
@@ -146,10 +155,6 @@ pub async fn stream(
         rx,
         inflight,
         ending,
-        // Where the stream starts, as a cursor: what a client that received nothing resumes
-        // from, so it misses nothing either.
-        last_id: Some(encode_cursor(served.tag, start.saturating_sub(1))),
-        tag: served.tag,
         done: false,
         _slot: slot,
     };
@@ -214,10 +219,8 @@ async fn open_consumer(
 struct Body {
     rx: mpsc::Receiver<Item>,
     inflight: Arc<AtomicUsize>,
-    ending: Arc<Mutex<Option<Termination>>>,
-    last_id: Option<String>,
-    /// The served version's cursor tag.
-    tag: u16,
+    /// Why the stream ended and where to resume, once the reader has stopped.
+    ending: Arc<Mutex<Option<StreamErrorDetail>>>,
     done: bool,
     // Held for as long as the response body lives.
     _slot: super::slots::Slot,
@@ -233,25 +236,13 @@ impl Body {
         match self.rx.recv().await {
             Some(item) => {
                 self.inflight.fetch_sub(item.held(), Ordering::Relaxed);
-                self.last_id = Some(item.id.clone());
                 let ev = Event::default().id(item.id).data(item.data);
                 Some((Ok(ev), self))
             }
             None => {
                 self.done = true;
-                let end = self.ending.lock().ok().and_then(|mut e| e.take());
-                let t = end?;
-                let data = StreamError {
-                    error: StreamErrorDetail {
-                        code: t.code,
-                        message: t.message,
-                        resume_from: t
-                            .resume_after
-                            .map(|seq| encode_cursor(self.tag, seq))
-                            .or_else(|| self.last_id.clone()),
-                    },
-                };
-                let data = serde_json::to_string(&data).unwrap_or_default();
+                let error = self.ending.lock().ok().and_then(|mut e| e.take())?;
+                let data = serde_json::to_string(&StreamError { error }).unwrap_or_default();
                 let ev = Event::default().event("error").data(data);
                 Some((Ok(ev), self))
             }
@@ -259,8 +250,9 @@ impl Body {
     }
 }
 
-/// What a stream reads: the projection stream, its filters, and the last position sent (where
-/// it started, until an event is sent).
+/// What a stream reads: the projection stream, its filters, and the last position handed to the
+/// client (where it started, until an event is): every event buffered is sent before the final
+/// one, so that is where the client resumes.
 struct Reading {
     stream: async_nats::jetstream::stream::Stream,
     filters: Vec<String>,
@@ -303,7 +295,7 @@ async fn pump(
     mut messages: consumer::pull::Ordered,
     tx: mpsc::Sender<Item>,
     inflight: Arc<AtomicUsize>,
-    ending: Arc<Mutex<Option<Termination>>>,
+    ending: Arc<Mutex<Option<StreamErrorDetail>>>,
     state: ApiState,
     (served, mut switches): (Arc<Served>, watch::Receiver<Arc<Served>>),
     mut reading: Reading,
@@ -324,7 +316,6 @@ async fn pump(
                     "the stream was open for http.sse_max_stream_lifetime ({} s); reconnect at once with Last-Event-ID (resumeFrom) to continue without loss",
                     limits.lifetime.as_secs()
                 ),
-                resume_after: quiet_through(&reading.stream, &reading.filters, reading.sent).await,
             }),
             changed = switches.changed() => {
                 if changed.is_err() || switches.borrow_and_update().tag == served.tag {
@@ -337,7 +328,6 @@ async fn pump(
                 break Some(Termination {
                     code: StreamErrorCode::VersionSwitched,
                     message: "the API now serves another projection version; reconnect without Last-Event-ID (this stream's cursors are positions in the version it left)".into(),
-                    resume_after: None,
                 });
             }
             m = messages.next() => m,
@@ -355,7 +345,6 @@ async fn pump(
                     break Some(Termination {
                         code: StreamErrorCode::Unavailable,
                         message: "the event store stopped answering; reconnect with Last-Event-ID to resume".into(),
-                        resume_after: None,
                     });
                 }
                 continue;
@@ -366,7 +355,6 @@ async fn pump(
                     message:
                         "the event store closed the stream; reconnect with Last-Event-ID to resume"
                             .into(),
-                    resume_after: None,
                 })
             }
         };
@@ -394,12 +382,7 @@ async fn pump(
         }
     };
     debug!(
-        reason = end.as_ref().map_or("client gone", |t| match t.code {
-            StreamErrorCode::SlowConsumer => "slow_consumer",
-            StreamErrorCode::Unavailable => "unavailable",
-            StreamErrorCode::VersionSwitched => "version_switched",
-            StreamErrorCode::LifetimeReached => "lifetime_reached",
-        }),
+        reason = end.as_ref().map_or("client gone", |t| t.code.as_str()),
         buffered_bytes = inflight.load(Ordering::Relaxed),
         "event stream reader stopped"
     );
@@ -407,8 +390,23 @@ async fn pump(
         if t.code == StreamErrorCode::SlowConsumer {
             state.stats().sse_overflows.fetch_add(1, Ordering::Relaxed);
         }
+        // A stream at its lifetime's end with nothing of its filters stored since the last
+        // event sent resumes past that quiet stretch, so its cursor does not age out.
+        let resume_after = match t.code {
+            StreamErrorCode::LifetimeReached => {
+                quiet_through(&reading.stream, &reading.filters, reading.sent)
+                    .await
+                    .unwrap_or(reading.sent)
+            }
+            _ => reading.sent,
+        };
+        let detail = StreamErrorDetail {
+            code: t.code,
+            message: t.message,
+            resume_from: Some(encode_cursor(served.tag, resume_after)),
+        };
         if let Ok(mut slot) = ending.lock() {
-            *slot = Some(t);
+            *slot = Some(detail);
         }
     }
     state.stats().sse_clients.fetch_sub(1, Ordering::Relaxed);
@@ -419,6 +417,5 @@ fn slow() -> Termination {
     Termination {
         code: StreamErrorCode::SlowConsumer,
         message: "the client read events more slowly than they arrived and its buffer filled; reconnect with Last-Event-ID (resumeFrom) to continue without loss".into(),
-        resume_after: None,
     }
 }

@@ -619,7 +619,7 @@ async fn with_retries<T, E, Fut>(
     op: impl FnMut() -> Fut,
 ) -> Result<T, SessionError>
 where
-    E: std::error::Error + Send + Sync + 'static,
+    E: std::fmt::Display + Into<Source>,
     Fut: std::future::Future<Output = Result<T, E>>,
 {
     use backon::Retryable;
@@ -728,12 +728,8 @@ impl SessionWriter {
     /// `conv`'s stored alias, if it has one, and its revision.
     async fn read_alias(&self, conv: &str) -> Result<KnownAlias, SessionError> {
         let key = alias_key(conv);
-        let found = with_retries(&key, "conversation alias read", || {
-            self.kv.entry(key.clone())
-        })
-        .await?;
-        let mut known = match found {
-            Some(e) if e.operation == kv::Operation::Put => KnownAlias {
+        let mut known = match self.read_entry(&key).await? {
+            Some(e) if e.put => KnownAlias {
                 alias: match serde_json::from_slice::<Alias>(&e.value) {
                     Ok(a) => Some(a),
                     Err(err) => {
@@ -756,28 +752,23 @@ impl SessionWriter {
         // An earlier version's alias stored after this one (that version folded since, during a
         // rolling upgrade or a rollback) is the newer: it holds, replaced by compare-and-set from
         // this key's revision.
-        if let Some((alias, stored_at)) = self.read_legacy_alias(conv).await? {
-            if stored_at > known.revision {
-                known.alias = Some(alias);
+        if self.legacy.load(std::sync::atomic::Ordering::Relaxed) {
+            if let Some(e) = self.read_entry(&legacy_alias_key(conv)).await? {
+                if e.put && e.revision > known.revision {
+                    known.alias = Some(Alias::legacy(&e.value));
+                }
             }
         }
         Ok(known)
     }
 
-    /// `conv`'s alias as an earlier version stored it, and its revision, if the bucket may hold
-    /// such aliases.
-    async fn read_legacy_alias(&self, conv: &str) -> Result<Option<(Alias, u64)>, SessionError> {
-        if !self.legacy.load(std::sync::atomic::Ordering::Relaxed) {
-            return Ok(None);
-        }
-        let key = legacy_alias_key(conv);
-        let found = with_retries(&key, "conversation alias read", || {
-            self.kv.entry(key.clone())
+    /// `key`'s last entry as the bucket stream's leader holds it (a lagging replica could
+    /// answer a direct get with an alias another fold has replaced), with the store's retries.
+    async fn read_entry(&self, key: &str) -> Result<Option<super::LeaderEntry>, SessionError> {
+        with_retries(key, "conversation alias read", || {
+            super::leader_entry(&self.kv, key)
         })
-        .await?;
-        Ok(found
-            .filter(|e| e.operation == kv::Operation::Put)
-            .map(|e| (Alias::legacy(&e.value), e.revision)))
+        .await
     }
 
     /// What this writer knows of `conv`'s alias (`None`: nothing).
@@ -794,9 +785,9 @@ impl SessionWriter {
         }
     }
 
-    /// Forget every alias known (a fold starting from its checkpoint reads them again), and
-    /// look up whether the bucket holds aliases of earlier versions.
-    async fn forget_aliases(&self) -> Result<(), String> {
+    /// Ready for a fold that starts from its checkpoint: forget every alias known (it reads
+    /// them again), and look up whether the bucket holds aliases of earlier versions.
+    async fn start_fold(&self) -> Result<(), String> {
         if let Ok(mut m) = self.aliases.lock() {
             m.clear();
         }
@@ -999,7 +990,7 @@ async fn fold(
         .get_stream(proj_stream)
         .await
         .map_err(|e| format!("stream {proj_stream}: {e}"))?;
-    writer.forget_aliases().await?;
+    writer.start_fold().await?;
     let (start, mut checkpoint) = fold_start(&writer.kv, &mut proj).await?;
     *position = Some(start - 1);
     warn_if_recreated(proj.cached_info().state.last_sequence, start - 1);
@@ -1031,68 +1022,13 @@ async fn fold(
             .set(round.len() as f64 + pending as f64);
         let events: Vec<_> = round.iter().filter_map(fold_event).collect();
         let folded = events.len();
-        // A worker no longer sure of partition 0 writes nothing of the round (another may fold).
-        if super::lease_lapsed(lease_valid_until) {
-            return Err(
-                "partition 0's lease lapsed during the round; starting again from the checkpoint"
-                    .into(),
-            );
-        }
-        let mut span = Round {
+        let span = Round {
             from,
             to: last,
             aliases: Aliases::Positioned,
         };
-        match writer.commit_boxed(events, span).await {
-            Ok(()) => {}
-            Err(SessionError::Overtaken { key, .. }) if unmoved(&writer.kv, checkpoint).await? => {
-                // No fold moved the checkpoint, yet an alias says a round after it was folded:
-                // the checkpoint went back (set back by hand, or the projection stream was
-                // recreated), so the aliases are from an earlier pass. Taken as they stand,
-                // rather than stopping the fold for good.
-                warn!(alias = %key, from, "an alias was written by a round after the fold's checkpoint, and no fold is ahead: the checkpoint went back; taking aliases as they stand");
-                if super::lease_lapsed(lease_valid_until) {
-                    return Err("partition 0's lease lapsed during the round; starting again from the checkpoint".into());
-                }
-                span.aliases = Aliases::AsTheyStand {
-                    written_before: checkpoint,
-                };
-                let events: Vec<_> = round.iter().filter_map(fold_event).collect();
-                writer
-                    .commit_boxed(events, span)
-                    .await
-                    .map_err(|e| e.to_string())?;
-            }
-            Err(e) => return Err(e.to_string()),
-        }
-        // Moved only from where this fold found it: a checkpoint another worker's fold moved
-        // meanwhile (a deposed owner coming back, or a write stored with its answer lost) stops
-        // this fold, which starts again from the checkpoint as it is.
-        let checkpoint_moved = writer
-            .kv
-            .update(FOLD_KEY, Bytes::from(last.to_string()), checkpoint)
-            .await
-            .map_err(|e| match e.kind() {
-                kv::UpdateErrorKind::WrongLastRevision => {
-                    format!("checkpoint {FOLD_KEY} moved by another fold; starting again from it")
-                }
-                _ => format!("checkpoint {FOLD_KEY}: {e}"),
-            });
-        let checkpoint_moved = match checkpoint_moved {
-            Ok(revision) => revision,
-            Err(e) => {
-                // Stored with its answer lost: the next fold starts after this round, so its
-                // gaps are reported now or never.
-                if read_checkpoint(&writer.kv, FOLD_KEY)
-                    .await
-                    .is_ok_and(|c| c.is_some_and(|(at, _)| at == last))
-                {
-                    report_gaps(&gaps);
-                }
-                return Err(e);
-            }
-        };
-        checkpoint = checkpoint_moved;
+        commit_round(writer, &round, events, span, checkpoint, lease_valid_until).await?;
+        checkpoint = move_checkpoint(&writer.kv, last, checkpoint, &gaps).await?;
         // Counted once the round is folded, so a round read again does not count its gaps twice.
         report_gaps(&gaps);
         metrics::counter!(crate::telemetry::SESSION_EVENTS_FOLDED).increment(folded as u64);
@@ -1101,6 +1037,81 @@ async fn fold(
         *position = Some(last);
         from = last + 1;
     }
+}
+
+/// Write `round` (its `events`) as `span`, unless partition 0's lease has lapsed (another worker
+/// may fold). A round overtaken while the checkpoint is still at `checkpoint`, where this fold
+/// found it, is written again taking the aliases stored before it as they stand.
+async fn commit_round(
+    writer: &SessionWriter,
+    round: &[jetstream::Message],
+    events: Vec<(Box<Envelope>, Identity)>,
+    mut span: Round,
+    checkpoint: u64,
+    lease_valid_until: &std::sync::atomic::AtomicI64,
+) -> Result<(), String> {
+    let lease_held = || {
+        if super::lease_lapsed(lease_valid_until) {
+            return Err(
+                "partition 0's lease lapsed during the round; starting again from the checkpoint"
+                    .to_string(),
+            );
+        }
+        Ok(())
+    };
+    lease_held()?;
+    match writer.commit_boxed(events, span).await {
+        Ok(()) => Ok(()),
+        Err(SessionError::Overtaken { key, .. }) if unmoved(&writer.kv, checkpoint).await? => {
+            // No fold moved the checkpoint, yet an alias says a round after it was folded: the
+            // checkpoint went back (set back by hand, or the projection stream was recreated),
+            // so the aliases are from an earlier pass. Taken as they stand, rather than stopping
+            // the fold for good.
+            warn!(alias = %key, from = span.from, "an alias was written by a round after the fold's checkpoint, and no fold is ahead: the checkpoint went back; taking aliases as they stand");
+            lease_held()?;
+            span.aliases = Aliases::AsTheyStand {
+                written_before: checkpoint,
+            };
+            let events: Vec<_> = round.iter().filter_map(fold_event).collect();
+            writer
+                .commit_boxed(events, span)
+                .await
+                .map_err(|e| e.to_string())
+        }
+        Err(e) => Err(e.to_string()),
+    }
+}
+
+/// Move the fold's checkpoint to `last`, only from `checkpoint`, where this fold found it: a
+/// checkpoint another worker's fold moved meanwhile (a deposed owner coming back, or a write
+/// stored with its answer lost) stops this fold, which starts again from the checkpoint as it
+/// is. Returns the new revision. `gaps`, the round's, are reported when a failed write was
+/// stored after all (its answer lost): the next fold starts after this round, so now or never.
+async fn move_checkpoint(
+    kv: &kv::Store,
+    last: u64,
+    checkpoint: u64,
+    gaps: &[(u64, u64)],
+) -> Result<u64, String> {
+    let failed = match kv
+        .update(FOLD_KEY, Bytes::from(last.to_string()), checkpoint)
+        .await
+    {
+        Ok(revision) => return Ok(revision),
+        Err(e) => match e.kind() {
+            kv::UpdateErrorKind::WrongLastRevision => {
+                format!("checkpoint {FOLD_KEY} moved by another fold; starting again from it")
+            }
+            _ => format!("checkpoint {FOLD_KEY}: {e}"),
+        },
+    };
+    if read_checkpoint(kv, FOLD_KEY)
+        .await
+        .is_ok_and(|c| c.is_some_and(|(at, _)| at == last))
+    {
+        report_gaps(gaps);
+    }
+    Err(failed)
 }
 
 /// A projection stream that ends (`last`) before the fold's checkpoint was recreated (its

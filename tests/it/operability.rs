@@ -561,12 +561,7 @@ async fn leases_renewed_with_their_answers_lost_are_still_handed_back_at_shutdow
         },
     )
     .await;
-    worker.sigterm();
-    assert!(
-        worker.wait_exit(GUARD).await.is_some_and(|s| s.success()),
-        "{}",
-        worker.log_text()
-    );
+    worker.stop_cleanly(GUARD).await;
     let js = nats.jetstream().await;
     let leases = js
         .get_key_value("collab_leases")

@@ -2219,12 +2219,7 @@ async fn restarts_leave_one_fence_claim_per_partition_not_one_per_start() {
             }
         })
         .await;
-        worker.sigterm();
-        assert!(
-            worker.wait_exit(GUARD).await.is_some_and(|s| s.success()),
-            "{}",
-            worker.log_text()
-        );
+        worker.stop_cleanly(GUARD).await;
     }
     for stream in [PROJ, DLQ] {
         let per_subject = fences(stream).await;

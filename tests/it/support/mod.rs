@@ -372,6 +372,17 @@ impl Projector {
         self.signal(Signal::SIGTERM);
     }
 
+    /// SIGTERM it and require a clean exit (status 0) within `timeout`; its log if not.
+    pub async fn stop_cleanly(&mut self, timeout: Duration) {
+        self.sigterm();
+        let status = self.wait_exit(timeout).await;
+        assert!(
+            status.is_some_and(|s| s.success()),
+            "exit {status:?}: {}",
+            self.log_text()
+        );
+    }
+
     /// Freeze it (as a long GC pause or a stalled VM would): it holds its leases and connections
     /// but does nothing.
     pub fn sigstop(&mut self) {
