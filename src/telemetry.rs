@@ -45,6 +45,9 @@ pub const PARTITIONS_OWNED: &str = "collab_partitions_owned";
 /// Lease renewals that held, and leases lost to another worker.
 pub const LEASE_RENEWALS: &str = "collab_lease_renewals_total";
 pub const LEASE_LOSSES: &str = "collab_lease_losses_total";
+/// Times a partition paused because its lease's validity ran out before the renewal's answer
+/// came, and went on once it came.
+pub const LEASE_LAPSES_WAITED: &str = "collab_lease_lapses_waited_total";
 /// Partitions taken, by `cause`: `free` (unowned, or its lease expired) or `owner_gone` (its
 /// owner's connection closed; taken before the lease expired).
 pub const TAKEOVERS: &str = "collab_partition_takeovers_total";
@@ -317,6 +320,11 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
         "Partition leases lost to another worker (the partition stopped at once).",
     ),
     (
+        LEASE_LAPSES_WAITED,
+        Family::Counter,
+        "Pauses of a partition whose lease validity ran out before its renewal was answered, ended by the renewal (late renewals: a slow server or lease loop).",
+    ),
+    (
         TAKEOVERS,
         Family::Counter,
         "Partitions taken, by cause (free: unowned or lease expired; owner_gone: its owner's connection closed).",
@@ -526,6 +534,7 @@ pub fn register_metrics() {
         BLOB_BYTES,
         LEASE_RENEWALS,
         LEASE_LOSSES,
+        LEASE_LAPSES_WAITED,
         SESSION_EVENTS_FOLDED,
         SESSION_FOLD_SKIPPED,
     ] {

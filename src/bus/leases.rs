@@ -216,6 +216,13 @@ const FAILURE_STREAK_GAP: Duration = Duration::from_secs(5);
 /// How often a worker asks the others whether their connections are still open.
 pub const PROBE_EVERY: Duration = Duration::from_millis(400);
 
+/// A renewal or probe this close to due is done on the pass at hand rather than on one woken
+/// for it a moment later.
+const RENEWAL_SLACK: Duration = Duration::from_millis(20);
+
+/// The least time between two passes of the lease loop, however late it runs.
+const MIN_PASS_GAP: Duration = Duration::from_millis(20);
+
 /// Consecutive "no responders" answers after which a worker counts as gone.
 const GONE_AFTER: u32 = 2;
 
@@ -490,9 +497,14 @@ pub async fn run(
     while !cancel.is_cancelled() {
         let renewal_due = leases.check_connection();
         // Owners whose connections closed: free their partitions now rather than at their
-        // lease expiry.
+        // lease expiry (asked every `PROBE_EVERY`, however often the renewals wake the loop:
+        // the strikes that make a worker gone count probes at that pace).
         let before = leases.workers;
-        let evicted = leases.evict_gone().await;
+        let evicted = if leases.probe_due() {
+            leases.evict_gone().await
+        } else {
+            Vec::new()
+        };
         // A worker left (evicted by this worker or another, or gone for good): its partitions
         // are free now, so look for them at once rather than at the next renewal.
         let someone_left = leases.workers < before;
@@ -507,7 +519,7 @@ pub async fn run(
             leases.report_owned();
         }
         tokio::select! {
-            _ = tokio::time::sleep(PROBE_EVERY) => {}
+            _ = tokio::time::sleep_until(leases.next_wake()) => {}
             _ = cancel.cancelled() => {}
         }
     }
@@ -570,6 +582,8 @@ struct LeaseLoop {
     workers: usize,
     strikes: BTreeMap<String, u32>,
     last_renewal: Option<tokio::time::Instant>,
+    /// When the other workers were last probed (see [`LeaseLoop::probe_due`]).
+    last_probe: Option<tokio::time::Instant>,
     disconnected: bool,
     /// This process's token on its renewals (see [`H_LEASE_INSTANCE`]).
     instance: String,
@@ -581,6 +595,9 @@ struct LeaseLoop {
     renewal_answers: std::sync::atomic::AtomicU64,
     /// Test hook: a failed renewal's read-back fails too (`COLLAB_TEST_LEASE_READ_BACK_FAILS`).
     fail_read_back: bool,
+    /// Test hook: every renewal's answer is taken this much later than it came
+    /// (`COLLAB_TEST_LEASE_RENEWAL_ANSWER_LATE_MS`, 0 = on time), as on a slow server.
+    late_answer: Duration,
 }
 
 impl LeaseLoop {
@@ -605,6 +622,7 @@ impl LeaseLoop {
             workers: 1,
             strikes: BTreeMap::new(),
             last_renewal: None,
+            last_probe: None,
             disconnected: false,
             instance: format!("{:016x}", rand::random::<u64>()),
             js: shared.leases_side.js.clone(),
@@ -613,6 +631,9 @@ impl LeaseLoop {
             ),
             renewal_answers: std::sync::atomic::AtomicU64::new(0),
             fail_read_back: super::test_hook_every("COLLAB_TEST_LEASE_READ_BACK_FAILS") > 0,
+            late_answer: Duration::from_millis(super::test_hook_every(
+                "COLLAB_TEST_LEASE_RENEWAL_ANSWER_LATE_MS",
+            )),
             shared,
             store,
             worker_id,
@@ -640,7 +661,30 @@ impl LeaseLoop {
         reconnected
             || self
                 .last_renewal
-                .is_none_or(|at| at.elapsed() + PROBE_EVERY / 2 >= self.every)
+                .is_none_or(|at| at.elapsed() + RENEWAL_SLACK >= self.every)
+    }
+
+    /// Whether the other workers are to be probed on this pass (every `PROBE_EVERY`).
+    fn probe_due(&mut self) -> bool {
+        let now = tokio::time::Instant::now();
+        let due = self
+            .last_probe
+            .is_none_or(|at| now + RENEWAL_SLACK >= at + PROBE_EVERY);
+        if due {
+            self.last_probe = Some(now);
+        }
+        due
+    }
+
+    /// When the loop next has work: the next probe of the other workers, or the next renewal
+    /// if that comes first. Renewals are asked every `every` from the start of the last one,
+    /// however long a pass took: a renewal that waited for the next probe could come later than
+    /// a lease's validity allows (with a short TTL, `every` is shorter than `PROBE_EVERY`).
+    fn next_wake(&self) -> tokio::time::Instant {
+        let now = tokio::time::Instant::now();
+        let probe = self.last_probe.map_or(now, |at| at + PROBE_EVERY);
+        let renewal = self.last_renewal.map_or(now, |at| at + self.every);
+        probe.min(renewal).max(now + MIN_PASS_GAP)
     }
 
     /// Count the live workers and evict the leases of the gone ones (bounded, so a slow server
@@ -694,7 +738,11 @@ impl LeaseLoop {
         if cancel.is_cancelled() {
             return;
         }
-        let (lose_answer_every, fail_read_back) = (self.lose_answer_every, self.fail_read_back);
+        let (lose_answer_every, fail_read_back, late_answer) = (
+            self.lose_answer_every,
+            self.fail_read_back,
+            self.late_answer,
+        );
         let renewals = self.held.iter().map(|(p, h)| {
             let (p, revision) = (*p, h.revision);
             let (js, store, id, instance) =
@@ -706,6 +754,9 @@ impl LeaseLoop {
                 let mut result = publish_renewal(js, &subject, id, instance, revision)
                     .await
                     .map_err(|e| e.to_string());
+                if !late_answer.is_zero() {
+                    tokio::time::sleep(late_answer).await;
+                }
                 if result.is_ok() && super::nth(answers, lose_answer_every) {
                     // Test hook: stored, and the answer taken as lost.
                     result = Err("test hook: the renewal's answer taken as lost".into());

@@ -28,6 +28,9 @@ use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
 
+/// How often a partition waiting out a lapse of its lease looks at it again.
+const LAPSE_POLL: Duration = Duration::from_millis(20);
+
 /// Whether a partition goes on after a step.
 pub(crate) enum Flow {
     Continue,
@@ -91,6 +94,36 @@ impl Partition<'_> {
             partition: self.p,
             why: "the lease may have lapsed",
         }
+    }
+
+    /// Before work that writes, with the lease's validity run out: wait for the lease loop's
+    /// answer instead of starting over. A renewal that comes back is a compare-and-set on the
+    /// revision this worker held, so nobody else held the lease meanwhile and the partition goes
+    /// on where it was; a lease found lost cancels the partition. A renewal merely late (a
+    /// loaded server, a slow round trip) thus costs a pause, never the partition's progress: a
+    /// restart reads the in-flight range again, and on a server slow enough to make renewals
+    /// late, every attempt could be cut short by the next late one. Still lapsed after the
+    /// lease's validity (a third of its TTL) or a third of `ack_wait`, whichever is shorter (so
+    /// nothing in hand is delivered again meanwhile), it stops as before: the restart takes
+    /// over what was left, in order. `Ok(false)`: cancelled while waiting.
+    async fn wait_out_lapse(&self, lease_valid_until: &AtomicI64) -> Result<bool, WorkerError> {
+        if !lease_lapsed(lease_valid_until) {
+            return Ok(true);
+        }
+        let settings = &self.shared.settings;
+        let bound = (settings.workers.lease_ttl / 3).min(settings.consumer.ack_wait / 3);
+        let until = tokio::time::Instant::now() + bound;
+        while lease_lapsed(lease_valid_until) {
+            if tokio::time::Instant::now() >= until {
+                return Err(self.lapsed_lease());
+            }
+            tokio::select! {
+                _ = self.cancel.cancelled() => return Ok(false),
+                _ = tokio::time::sleep(LAPSE_POLL) => {}
+            }
+        }
+        metrics::counter!(telemetry::LEASE_LAPSES_WAITED).increment(1);
+        Ok(!self.cancel.is_cancelled())
     }
 
     pub(crate) async fn run(
@@ -184,11 +217,11 @@ impl Partition<'_> {
                     _ = &mut timer, if armed.is_some() => {
                         armed = None;
                         let deadline = due.map(deadline_instant);
-                        if lease_lapsed(lease_valid_until) {
-                            // A timer's work writes turn records, which no fence guards: only
-                            // an owner whose lease is valid may do it (a worker paused past its
-                            // lease wakes with its timers due).
-                            return Err(self.lapsed_lease());
+                        // A timer's work writes turn records, which no fence guards: only an
+                        // owner whose lease is valid may do it (a worker paused past its lease
+                        // wakes with its timers due).
+                        if !self.wait_out_lapse(lease_valid_until).await? {
+                            return Ok(());
                         }
                         let now = tokio::time::Instant::now();
                         if flush.is_some_and(|f| f <= now) {
@@ -221,10 +254,10 @@ impl Partition<'_> {
                         });
                     }
                 };
-                if lease_lapsed(lease_valid_until) {
-                    // The lease may have lapsed (e.g. this process was paused): take no more work
-                    // from this batch; the restart takes over what was left of it, in order.
-                    return Err(self.lapsed_lease());
+                // The lease may have lapsed (a renewal late, or this process paused): no more
+                // work from this batch until it is known to hold.
+                if !self.wait_out_lapse(lease_valid_until).await? {
+                    return Ok(());
                 }
                 if let Ok(info) = msg.info() {
                     if in_batch == 1 {
@@ -531,9 +564,9 @@ impl Partition<'_> {
             if seq > to {
                 break;
             }
-            if lease_lapsed(lease_valid_until) {
-                // As before each live input: turn records are written only under a valid lease.
-                return Err(self.lapsed_lease());
+            // As before each live input: turn records are written only under a valid lease.
+            if !self.wait_out_lapse(lease_valid_until).await? {
+                return Ok(Flow::Stop);
             }
             // A replayed input's delivery count: one more than the times in a row the partition
             // stopped on a failure processing it. The input that keeps failing is dead-lettered

@@ -8,7 +8,9 @@ use std::collections::BTreeMap;
 use collab_projector::telemetry::{self, WorkerStatus};
 use serde_json::{json, Value};
 
-use crate::pipeline::{publish, start_projector, wait_settled, GUARD, MAIN_AGENTS};
+use crate::pipeline::{
+    count, publish, start_projector, task_update, wait_settled, GUARD, MAIN_AGENTS, PROJ,
+};
 use crate::support::{wait_until, TestNats};
 
 async fn get(addr: &str, path: &str) -> (u16, String) {
@@ -480,6 +482,65 @@ async fn the_folds_backlog_is_reported_while_sessions_cannot_be_written_and_unti
             .unwrap_or_else(|e| panic!("reading session ws-{i}: {e}"));
         assert!(session.is_some(), "session ws-{i} is written");
     }
+}
+
+/// A worker whose lease renewals come back later than the lease's validity allows (a slow
+/// server or a loaded worker) pauses its partitions over each gap and goes on where it was once
+/// the answer comes: no partition starts over (a restart reads its in-flight range again, and on
+/// a server slow enough, each attempt could be cut short by the next late renewal), and every
+/// input is projected once. TTL 3 s: validity 1 s, a renewal asked every 0.5 s; the hook takes
+/// each answer 0.6 s late, so the validity runs out about 0.2 s before each next answer.
+#[tokio::test]
+async fn partitions_whose_lease_renewals_come_back_late_pause_and_go_on() {
+    let nats = TestNats::start().await;
+    let worker = start_projector(
+        &nats.url(),
+        &MAIN_AGENTS,
+        &[
+            ("COLLAB_WORKERS__LEASE_TTL", "3s"),
+            ("COLLAB_TEST_LEASE_RENEWAL_ANSWER_LATE_MS", "600"),
+        ],
+    )
+    .await;
+    let js = nats.jetstream().await;
+    let addr = worker.http_addr();
+    let waited = || async {
+        sum(
+            &samples(&get(&addr, "/metrics").await.1),
+            telemetry::LEASE_LAPSES_WAITED,
+            &[],
+        )
+    };
+    // Waves of inputs over every partition until partitions have paused mid-work a few times.
+    let mut n = 0;
+    let deadline = tokio::time::Instant::now() + GUARD;
+    for wave in 0.. {
+        for i in 0..48 {
+            let (subject, body) = task_update(&format!("lapse-{}", i % 24), n);
+            publish(&js, &subject, body).await;
+            n += 1;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(150)).await;
+        if wave >= 12 && waited().await >= 5.0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no partition paused for a late renewal within {GUARD:?}: {}",
+            worker.log_text()
+        );
+    }
+    let n = u64::try_from(n).unwrap_or(u64::MAX);
+    wait_settled(&js, n, 0).await;
+    assert_eq!(count(&js, PROJ).await, n, "one projection per input");
+    let log = worker.log_text();
+    assert!(
+        !log.contains("the lease may have lapsed"),
+        "a partition started over for a late renewal: {log}"
+    );
+    let s = samples(&get(&addr, "/metrics").await.1);
+    assert_eq!(sum(&s, telemetry::LEASE_LOSSES, &[]), 0.0, "{log}");
+    assert_eq!(sum(&s, telemetry::PARTITIONS_OWNED, &[]), 16.0, "{log}");
 }
 
 /// A lease renewal the server stored but whose answer never came (a timeout on a slow link) is

@@ -381,7 +381,7 @@ fn assert_exactly_once(expected: &BTreeSet<u64>, proj: &[Stored], dlq: &[Stored]
     );
 }
 
-fn task_update(key: &str, n: usize) -> (String, Vec<u8>) {
+pub(crate) fn task_update(key: &str, n: usize) -> (String, Vec<u8>) {
     let body = json!({"type": "task.updated", "taskId": key, "payload": {"n": n}});
     (
         format!("collab.raw.{key}.task.updated"),
