@@ -582,6 +582,8 @@ struct LeaseLoop {
     workers: usize,
     strikes: BTreeMap<String, u32>,
     last_renewal: Option<tokio::time::Instant>,
+    /// When the last renewal round's answers were all in.
+    last_renewal_end: Option<tokio::time::Instant>,
     /// When the other workers were last probed (see [`LeaseLoop::probe_due`]).
     last_probe: Option<tokio::time::Instant>,
     disconnected: bool,
@@ -622,6 +624,7 @@ impl LeaseLoop {
             workers: 1,
             strikes: BTreeMap::new(),
             last_renewal: None,
+            last_renewal_end: None,
             last_probe: None,
             disconnected: false,
             instance: format!("{:016x}", rand::random::<u64>()),
@@ -658,10 +661,18 @@ impl LeaseLoop {
         }
         let reconnected = connected && self.disconnected;
         self.disconnected = !connected;
-        reconnected
-            || self
-                .last_renewal
-                .is_none_or(|at| at.elapsed() + RENEWAL_SLACK >= self.every)
+        reconnected || tokio::time::Instant::now() + RENEWAL_SLACK >= self.renewal_at()
+    }
+
+    /// When the next renewal is due: `every` after the start of the last one, and, after a
+    /// round that took longer than that (a slow server), no sooner than half of `every` after it
+    /// ended, so the loop never keeps a slow server busy with renewals back to back.
+    fn renewal_at(&self) -> tokio::time::Instant {
+        match (self.last_renewal, self.last_renewal_end) {
+            (Some(start), Some(end)) => (start + self.every).max(end + self.every / 2),
+            (Some(start), None) => start + self.every,
+            (None, _) => tokio::time::Instant::now(),
+        }
     }
 
     /// Whether the other workers are to be probed on this pass (every `PROBE_EVERY`).
@@ -677,14 +688,14 @@ impl LeaseLoop {
     }
 
     /// When the loop next has work: the next probe of the other workers, or the next renewal
-    /// if that comes first. Renewals are asked every `every` from the start of the last one,
-    /// however long a pass took: a renewal that waited for the next probe could come later than
-    /// a lease's validity allows (with a short TTL, `every` is shorter than `PROBE_EVERY`).
+    /// if that comes first. The loop wakes for a renewal when it is due (see
+    /// [`LeaseLoop::renewal_at`]), not at the next probe, which could come later than a lease's
+    /// validity allows (with a short TTL, `every` is shorter than `PROBE_EVERY`); the pass's
+    /// probe and clean-up come before the renewal's request.
     fn next_wake(&self) -> tokio::time::Instant {
         let now = tokio::time::Instant::now();
         let probe = self.last_probe.map_or(now, |at| at + PROBE_EVERY);
-        let renewal = self.last_renewal.map_or(now, |at| at + self.every);
-        probe.min(renewal).max(now + MIN_PASS_GAP)
+        probe.min(self.renewal_at()).max(now + MIN_PASS_GAP)
     }
 
     /// Count the live workers and evict the leases of the gone ones (bounded, so a slow server
@@ -776,8 +787,10 @@ impl LeaseLoop {
                 (p, asked_at, back, error)
             }
         });
+        let answers = futures::future::join_all(renewals).await;
+        self.last_renewal_end = Some(tokio::time::Instant::now());
         let mut lost = Vec::new();
-        for (p, asked_at, back, error) in futures::future::join_all(renewals).await {
+        for (p, asked_at, back, error) in answers {
             let Some(h) = self.held.get_mut(&p) else {
                 continue;
             };

@@ -103,9 +103,11 @@ impl Partition<'_> {
     /// loaded server, a slow round trip) thus costs a pause, never the partition's progress: a
     /// restart reads the in-flight range again, and on a server slow enough to make renewals
     /// late, every attempt could be cut short by the next late one. Still lapsed after the
-    /// lease's validity (a third of its TTL) or a third of `ack_wait`, whichever is shorter (so
-    /// nothing in hand is delivered again meanwhile), it stops as before: the restart takes
-    /// over what was left, in order. `Ok(false)`: cancelled while waiting.
+    /// lease's validity (a third of its TTL) or a third of `ack_wait`, whichever is shorter, it
+    /// stops as before: the restart takes over what was left, in order. (The bound is per wait:
+    /// a batch held over several waits can outlast `ack_wait`, and its redelivered inputs are
+    /// then looked up, as any redelivery is, not stored twice.) `Ok(false)`: the partition was
+    /// stopped while waiting (cancelled, or broken by a refused turn-record write).
     async fn wait_out_lapse(&self, lease_valid_until: &AtomicI64) -> Result<bool, WorkerError> {
         if !lease_lapsed(lease_valid_until) {
             return Ok(true);
@@ -119,11 +121,15 @@ impl Partition<'_> {
             }
             tokio::select! {
                 _ = self.cancel.cancelled() => return Ok(false),
+                _ = self.broken.cancelled() => return Ok(false),
                 _ = tokio::time::sleep(LAPSE_POLL) => {}
             }
         }
+        if self.cancel.is_cancelled() || self.broken.is_cancelled() {
+            return Ok(false);
+        }
         metrics::counter!(telemetry::LEASE_LAPSES_WAITED).increment(1);
-        Ok(!self.cancel.is_cancelled())
+        Ok(true)
     }
 
     pub(crate) async fn run(

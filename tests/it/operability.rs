@@ -488,8 +488,11 @@ async fn the_folds_backlog_is_reported_while_sessions_cannot_be_written_and_unti
 /// server or a loaded worker) pauses its partitions over each gap and goes on where it was once
 /// the answer comes: no partition starts over (a restart reads its in-flight range again, and on
 /// a server slow enough, each attempt could be cut short by the next late renewal), and every
-/// input is projected once. TTL 3 s: validity 1 s, a renewal asked every 0.5 s; the hook takes
-/// each answer 0.6 s late, so the validity runs out about 0.2 s before each next answer.
+/// input is projected once. TTL 3 s: validity 1 s from each renewal's request, a renewal every
+/// 0.5 s; the hook takes each answer 0.6 s late, so a round ends 0.6 s after its request, the
+/// next is asked a quarter of a second later (half the renewal period after a round that
+/// overran it) and answered some 1.45 s after the first request: each validity runs out about
+/// 0.45 s before the next answer, against the partition's wait of up to 1 s.
 #[tokio::test]
 async fn partitions_whose_lease_renewals_come_back_late_pause_and_go_on() {
     let nats = TestNats::start().await;
