@@ -91,26 +91,60 @@ impl Running {
     }
 }
 
-/// Resolves on the first Ctrl-C or SIGTERM (the signals that stop `run`, `demo` and `bench`).
-pub async fn shutdown_signal() {
-    let ctrl_c = tokio::signal::ctrl_c();
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = ctrl_c => {}
-                    _ = term.recv() => {}
+/// Cancelled on the first Ctrl-C or SIGTERM; its handlers are installed by
+/// [`catch_shutdown_signals`].
+static SHUTDOWN: std::sync::OnceLock<CancellationToken> = std::sync::OnceLock::new();
+
+/// Install the handlers of Ctrl-C and SIGTERM (the signals that stop `run`, `demo` and `bench`)
+/// now, within a Tokio runtime: a signal from here on is kept for [`shutdown_signal`], so one
+/// that comes while the process is still starting (loading its settings, connecting) stops it
+/// cleanly instead of ending it by the signal's default action. Called again, it does nothing.
+pub fn catch_shutdown_signals() {
+    SHUTDOWN.get_or_init(|| {
+        let token = CancellationToken::new();
+        let fired = token.clone();
+        #[cfg(unix)]
+        {
+            use tokio::signal::unix::{signal, SignalKind};
+            // Installed here, before the task below first runs.
+            let term = signal(SignalKind::terminate());
+            let int = signal(SignalKind::interrupt());
+            tokio::spawn(async move {
+                match (term, int) {
+                    (Ok(mut term), Ok(mut int)) => {
+                        tokio::select! {
+                            _ = term.recv() => {}
+                            _ = int.recv() => {}
+                        }
+                    }
+                    (Ok(mut term), Err(_)) => {
+                        term.recv().await;
+                    }
+                    (Err(_), Ok(mut int)) => {
+                        int.recv().await;
+                    }
+                    (Err(_), Err(_)) => std::future::pending::<()>().await,
                 }
-            }
-            Err(_) => {
-                let _ = ctrl_c.await;
-            }
+                fired.cancel();
+            });
         }
+        #[cfg(not(unix))]
+        tokio::spawn(async move {
+            if tokio::signal::ctrl_c().await.is_ok() {
+                fired.cancel();
+            }
+        });
+        token
+    });
+}
+
+/// Resolves on the first Ctrl-C or SIGTERM since [`catch_shutdown_signals`] (called here if it
+/// was not yet).
+pub async fn shutdown_signal() {
+    catch_shutdown_signals();
+    if let Some(token) = SHUTDOWN.get() {
+        token.cancelled().await;
     }
-    #[cfg(not(unix))]
-    let _ = ctrl_c.await;
 }
 
 /// Start everything and return at once; cancel `cancel` to stop, then [`Running::wait`].

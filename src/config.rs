@@ -920,7 +920,10 @@ impl Settings {
                     e.message().trim_end()
                 )));
             }
-            builder = builder.add_source(config::File::from(path).format(config::FileFormat::Toml));
+            // The text read and checked above, not the path again: the file is read once (a
+            // pipe such as `--config <(...)` has nothing left for a second read, and a file
+            // rewritten meanwhile would be used unchecked).
+            builder = builder.add_source(config::File::from_str(&text, config::FileFormat::Toml));
         }
         // Only COLLAB_<SECTION>__<KEY> variables are settings; others with the prefix
         // (COLLAB_CONFIG, COLLAB_LOG_FORMAT, test hooks) belong to the command line or the tests.

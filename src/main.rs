@@ -482,6 +482,22 @@ fn run_cli(cli: Cli) -> anyhow::Result<()> {
     {
         return normalize(config.as_deref(), main_agents.clone(), *adapter_mode);
     }
+    // Two cores is the common deployment; a current-thread runtime did as well as a
+    // multi-thread one there, but workers and HTTP benefit from a second thread under load.
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .context("starting the async runtime")?;
+    // Before anything else, for the commands a signal stops with a drain: a stop signal while
+    // the process starts is kept, not fatal. (The others end by the signal's default action.)
+    if matches!(
+        cli.command,
+        Command::Run { .. } | Command::Demo(_) | Command::Relay { .. } | Command::Bench(_)
+    ) {
+        let _in_runtime = runtime.enter();
+        app::catch_shutdown_signals();
+    }
     // The demo's and the status view's own screens are the output; their logs stay quiet unless
     // asked for.
     let default_filter = if matches!(
@@ -493,13 +509,6 @@ fn run_cli(cli: Cli) -> anyhow::Result<()> {
         "info"
     };
     telemetry::init_logging(default_filter);
-    // Two cores is the common deployment; a current-thread runtime did as well as a
-    // multi-thread one there, but workers and HTTP benefit from a second thread under load.
-    let runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .context("starting the async runtime")?;
     runtime.block_on(async_main(cli))
 }
 

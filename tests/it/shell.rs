@@ -93,6 +93,72 @@ fn spawn_piped(url: &str) -> Child {
         .unwrap_or_else(|e| panic!("could not run {BIN}: {e}"))
 }
 
+/// Whether process `pid` holds `path` open.
+fn holds_open(pid: u32, path: &std::path::Path) -> bool {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|fds| {
+            fds.filter_map(Result::ok)
+                .any(|fd| std::fs::read_link(fd.path()).is_ok_and(|target| target == path))
+        })
+        .unwrap_or(false)
+}
+
+/// A SIGTERM that comes while `run` is still starting (here: reading its settings from a pipe
+/// nothing has written to yet) is kept, not fatal: the worker finishes starting, drains and exits
+/// 0, holding no lease. Process managers send SIGTERM whenever they stop a process, a slow start
+/// included; before, such a signal ended the process by its default action.
+#[tokio::test]
+async fn a_sigterm_while_run_reads_its_settings_stops_it_cleanly() {
+    use std::io::Write;
+    let nats = TestNats::start().await;
+    let dir = tempfile::tempdir().unwrap_or_else(|e| panic!("temporary directory: {e}"));
+    let fifo = dir.path().join("collab.toml");
+    let log = dir.path().join("run.log");
+    let made = Command::new("mkfifo").arg(&fifo).status();
+    assert!(made.is_ok_and(|s| s.success()), "mkfifo {}", fifo.display());
+    // Both ends held here: the worker's open returns at once and its read waits for the text.
+    let mut pipe = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&fifo)
+        .unwrap_or_else(|e| panic!("{}: {e}", fifo.display()));
+    let mut child = Command::new(BIN)
+        .arg("run")
+        .arg("--config")
+        .arg(&fifo)
+        .args(["--nats-url", &nats.url(), "--http-addr", "127.0.0.1:0"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap_or_else(|e| panic!("{}: {e}", log.display())))
+        .spawn()
+        .unwrap_or_else(|e| panic!("could not run {BIN}: {e}"));
+    let pid = child.id();
+    wait_until(GUARD, "run opens its settings file", || {
+        let opened = holds_open(pid, &fifo);
+        async move { opened }
+    })
+    .await;
+    sigterm(&child);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let early = child.try_wait();
+    assert!(
+        matches!(early, Ok(None)),
+        "run was ended by a SIGTERM that came while it read its settings: {early:?}"
+    );
+    pipe.write_all(b"# the defaults\n")
+        .unwrap_or_else(|e| panic!("writing the settings: {e}"));
+    drop(pipe);
+    let code = exit_code(&mut child, "run stopped while it read its settings").await;
+    let said = std::fs::read_to_string(&log).unwrap_or_default();
+    assert_eq!(
+        code, 0,
+        "run did not exit cleanly after an early SIGTERM: {said}"
+    );
+    let js = nats.jetstream().await;
+    let left = lease_owners(&js).await;
+    assert!(left.is_empty(), "leases still held after exit: {left:?}");
+}
+
 async fn closed_pipe_then_sigterm(close_before_startup: bool) {
     let nats = TestNats::start().await;
     let js = nats.jetstream().await;
