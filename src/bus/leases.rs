@@ -664,9 +664,10 @@ impl LeaseLoop {
         reconnected || tokio::time::Instant::now() + RENEWAL_SLACK >= self.renewal_at()
     }
 
-    /// When the next renewal is due: `every` after the start of the last one, and, after a
-    /// round that took longer than that (a slow server), no sooner than half of `every` after it
-    /// ended, so the loop never keeps a slow server busy with renewals back to back.
+    /// When the next renewal is due: `every` after the start of the last one, and no sooner
+    /// than half of `every` after it ended, which holds the next one back only once a round
+    /// takes more than half of `every` (a slow server): the loop never keeps a slow server busy
+    /// with renewals back to back.
     fn renewal_at(&self) -> tokio::time::Instant {
         match (self.last_renewal, self.last_renewal_end) {
             (Some(start), Some(end)) => (start + self.every).max(end + self.every / 2),
