@@ -98,32 +98,36 @@ static SHUTDOWN: std::sync::OnceLock<CancellationToken> = std::sync::OnceLock::n
 /// Install the handlers of Ctrl-C and SIGTERM (the signals that stop `run`, `demo` and `bench`)
 /// now, within a Tokio runtime: a signal from here on is kept for [`shutdown_signal`], so one
 /// that comes while the process is still starting (loading its settings, connecting) stops it
-/// cleanly instead of ending it by the signal's default action. Called again, it does nothing.
-pub fn catch_shutdown_signals() {
+/// cleanly instead of ending it by the signal's default action. Called again, it installs
+/// nothing more. The token cancelled by the first signal.
+pub fn catch_shutdown_signals() -> &'static CancellationToken {
     SHUTDOWN.get_or_init(|| {
         let token = CancellationToken::new();
         let fired = token.clone();
         #[cfg(unix)]
         {
             use tokio::signal::unix::{signal, SignalKind};
-            // Installed here, before the task below first runs.
-            let term = signal(SignalKind::terminate());
-            let int = signal(SignalKind::interrupt());
-            tokio::spawn(async move {
-                match (term, int) {
-                    (Ok(mut term), Ok(mut int)) => {
-                        tokio::select! {
-                            _ = term.recv() => {}
-                            _ = int.recv() => {}
+            // Installed here, before the task below first runs; a signal whose handler cannot
+            // be installed is waited for never.
+            let received = |kind| {
+                let stream = signal(kind);
+                async move {
+                    match stream {
+                        Ok(mut s) => {
+                            s.recv().await;
                         }
+                        Err(_) => std::future::pending::<()>().await,
                     }
-                    (Ok(mut term), Err(_)) => {
-                        term.recv().await;
-                    }
-                    (Err(_), Ok(mut int)) => {
-                        int.recv().await;
-                    }
-                    (Err(_), Err(_)) => std::future::pending::<()>().await,
+                }
+            };
+            let (term, int) = (
+                received(SignalKind::terminate()),
+                received(SignalKind::interrupt()),
+            );
+            tokio::spawn(async move {
+                tokio::select! {
+                    _ = term => {}
+                    _ = int => {}
                 }
                 fired.cancel();
             });
@@ -135,16 +139,13 @@ pub fn catch_shutdown_signals() {
             }
         });
         token
-    });
+    })
 }
 
 /// Resolves on the first Ctrl-C or SIGTERM since [`catch_shutdown_signals`] (called here if it
 /// was not yet).
 pub async fn shutdown_signal() {
-    catch_shutdown_signals();
-    if let Some(token) = SHUTDOWN.get() {
-        token.cancelled().await;
-    }
+    catch_shutdown_signals().cancelled().await;
 }
 
 /// Start everything and return at once; cancel `cancel` to stop, then [`Running::wait`].

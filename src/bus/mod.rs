@@ -508,3 +508,28 @@ pub(crate) fn lease_lapsed(valid_until: &std::sync::atomic::AtomicI64) -> bool {
     let v = valid_until.load(std::sync::atomic::Ordering::Relaxed);
     v > 0 && now_ms() > v
 }
+
+/// How often a wait on a lapsed lease looks at it again.
+const LEASE_POLL: Duration = Duration::from_millis(20);
+
+/// Wait while the lease known to hold until `valid_until` has lapsed: `true` once it holds
+/// again (the lease loop's renewal came back), `false` when `stop` resolved first or `until`
+/// passed. The one wait of everything that works only under a valid lease: a partition before
+/// it starts and before each pull or write, and the readers of partition 0's side jobs.
+pub(crate) async fn lease_held_again(
+    valid_until: &std::sync::atomic::AtomicI64,
+    stop: impl std::future::Future<Output = ()>,
+    until: Option<tokio::time::Instant>,
+) -> bool {
+    tokio::pin!(stop);
+    while lease_lapsed(valid_until) {
+        if until.is_some_and(|u| tokio::time::Instant::now() >= u) {
+            return false;
+        }
+        tokio::select! {
+            _ = &mut stop => return false,
+            _ = tokio::time::sleep(LEASE_POLL) => {}
+        }
+    }
+    true
+}

@@ -10,12 +10,12 @@ use super::acker::issue_publishes;
 use super::acker::{is_barrier, Processed};
 use super::context::WorkerContext;
 use super::error::{Source, WorkerError};
-use super::lease_lapsed;
 use super::publish::Fence;
 use super::publisher::Halt;
 use super::pull::PullBatch;
 use super::stats::Outcome;
 use super::turns::{Effects, Flush, PartitionTurns, TurnIoError};
+use super::{lease_held_again, lease_lapsed};
 use crate::pipeline::{self, RawMessage};
 use crate::telemetry;
 use crate::turns::book::Watermark;
@@ -27,9 +27,6 @@ use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
 use tracing::{debug, warn};
-
-/// How often a partition waiting out a lapse of its lease looks at it again.
-const LAPSE_POLL: Duration = Duration::from_millis(20);
 
 /// Whether a partition goes on after a step.
 pub(crate) enum Flow {
@@ -115,21 +112,24 @@ impl Partition<'_> {
         let settings = &self.shared.settings;
         let bound = (settings.workers.lease_ttl / 3).min(settings.consumer.ack_wait / 3);
         let until = tokio::time::Instant::now() + bound;
-        while lease_lapsed(lease_valid_until) {
-            if tokio::time::Instant::now() >= until {
-                return Err(self.lapsed_lease());
-            }
-            tokio::select! {
-                _ = self.cancel.cancelled() => return Ok(false),
-                _ = self.broken.cancelled() => return Ok(false),
-                _ = tokio::time::sleep(LAPSE_POLL) => {}
-            }
-        }
+        let held = lease_held_again(lease_valid_until, self.stopped(), Some(until)).await;
         if self.cancel.is_cancelled() || self.broken.is_cancelled() {
             return Ok(false);
         }
+        if !held {
+            return Err(self.lapsed_lease());
+        }
         metrics::counter!(telemetry::LEASE_LAPSES_WAITED).increment(1);
         Ok(true)
+    }
+
+    /// Resolves once the partition is stopped: cancelled, or broken by a refused turn-record
+    /// write.
+    async fn stopped(&self) {
+        tokio::select! {
+            _ = self.cancel.cancelled() => {}
+            _ = self.broken.cancelled() => {}
+        }
     }
 
     pub(crate) async fn run(
@@ -179,12 +179,8 @@ impl Partition<'_> {
             if self.cancel.is_cancelled() || self.broken.is_cancelled() {
                 return Ok(());
             }
-            if lease_lapsed(lease_valid_until) {
-                // Pull nothing until the lease is renewed, or the lease loop stops the partition.
-                tokio::select! {
-                    _ = tokio::time::sleep(Duration::from_millis(100)) => {}
-                    _ = self.cancel.cancelled() => {}
-                }
+            // Pull nothing until the lease is renewed, or the lease loop stops the partition.
+            if !lease_held_again(lease_valid_until, self.stopped(), None).await {
                 continue;
             }
             let mut messages = match PullBatch::request(&self.shared.js, consumer, batch).await {

@@ -168,11 +168,8 @@ impl Rounds {
                 break;
             }
         }
-        while super::lease_lapsed(lease_valid_until) {
-            tokio::select! {
-                _ = cancel.cancelled() => return Ok(None),
-                _ = tokio::time::sleep(Duration::from_millis(100)) => {}
-            }
+        if !super::lease_held_again(lease_valid_until, cancel.cancelled(), None).await {
+            return Ok(None);
         }
         Ok(Some(round))
     }

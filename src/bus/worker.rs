@@ -153,9 +153,7 @@ pub async fn run_partition(
     let moved = CancellationToken::new();
     let outer = cancel;
     let cancel = outer.child_token();
-    while lease_lapsed(&lease_valid_until) && !cancel.is_cancelled() {
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    super::lease_held_again(&lease_valid_until, cancel.cancelled(), None).await;
     // Claimed before anything is published (a reload may republish responses): from here on a
     // previous owner's outputs, however late they arrive, are refused by the server.
     let fence = Fence::claim(&shared.js, &shared.names, p, owner)
