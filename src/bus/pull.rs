@@ -18,10 +18,29 @@ pub(crate) struct PullBatch {
     /// `select!`) and calls again does not restart the wait: a pull request the server lost
     /// (a restart, a leader change) must still end the batch.
     silent_until: tokio::time::Instant,
+    /// The connection's count of successful connects when the request was made. A reconnect
+    /// since may have lost the request: a restarted server has forgotten it, and an expiry
+    /// notice sent while the link was down never arrives.
+    connects_at_request: u64,
+    /// Set once a reconnect is seen: from then on, silence ends the batch after
+    /// [`RECONNECT_SILENCE`] rather than [`PULL_SILENCE`].
+    reconnected: bool,
+    stats: std::sync::Arc<async_nats::Statistics>,
 }
 
 /// Silence after which a batch is over even without the server's expiry notice.
 pub(crate) const PULL_SILENCE: Duration = Duration::from_secs(11);
+
+/// Silence after which a batch whose connection reconnected since its request is over. Three
+/// expiries: a server that still holds the request (a link that dropped and came back to the
+/// same server) delivers on it or says it expired well within that; one that forgot it (a
+/// restart) never answers, and waiting the whole [`PULL_SILENCE`] would leave the partition
+/// idle that long. Ending a batch whose request is in fact alive costs a restart of the
+/// partition (its next delivery is out of sequence), never an input.
+pub(crate) const RECONNECT_SILENCE: Duration = Duration::from_millis(1500);
+
+/// How often a silent batch looks for a reconnect.
+const RECONNECT_CHECK: Duration = Duration::from_millis(250);
 
 /// How long a pull request waits on the server for messages.
 pub(crate) const PULL_EXPIRES: Duration = Duration::from_millis(500);
@@ -33,6 +52,9 @@ impl PullBatch {
         batch: usize,
     ) -> Result<PullBatch, String> {
         let client = js.client();
+        let stats = client.statistics();
+        // Read before the request is sent, so a reconnect that races with it counts as one.
+        let connects_at_request = stats.connects.load(std::sync::atomic::Ordering::Relaxed);
         let inbox = async_nats::Subject::from(client.new_inbox());
         let sub = client
             .subscribe(inbox.clone())
@@ -52,19 +74,62 @@ impl PullBatch {
             js: js.clone(),
             left: batch,
             silent_until: tokio::time::Instant::now() + PULL_SILENCE,
+            connects_at_request,
+            reconnected: false,
+            stats,
         })
     }
 
+    /// Whether the connection reconnected since the request; the first time it is seen, the
+    /// batch's silence is cut to [`RECONNECT_SILENCE`] from now.
+    fn note_reconnect(&mut self) {
+        if self.reconnected {
+            return;
+        }
+        let connects = self
+            .stats
+            .connects
+            .load(std::sync::atomic::Ordering::Relaxed);
+        if connects != self.connects_at_request {
+            self.reconnected = true;
+            let cut = tokio::time::Instant::now() + RECONNECT_SILENCE;
+            self.silent_until = self.silent_until.min(cut);
+        }
+    }
+
+    fn silence(&self) -> Duration {
+        if self.reconnected {
+            RECONNECT_SILENCE
+        } else {
+            PULL_SILENCE
+        }
+    }
+
     /// The next message; `None` when the batch is over. Silence well past the expiry (a lost
-    /// status message) also ends it.
+    /// status message) also ends it, sooner once the connection has reconnected.
     pub(crate) async fn next(&mut self) -> Option<Result<jetstream::Message, String>> {
         use async_nats::StatusCode;
         while self.left > 0 {
-            let message = match tokio::time::timeout_at(self.silent_until, self.sub.next()).await {
-                Ok(Some(m)) => m,
-                Ok(None) | Err(_) => return None,
+            // Wake at least every RECONNECT_CHECK while silent, to notice a reconnect.
+            let check = tokio::time::Instant::now() + RECONNECT_CHECK;
+            let wake = if self.reconnected {
+                self.silent_until
+            } else {
+                self.silent_until.min(check)
             };
-            self.silent_until = tokio::time::Instant::now() + PULL_SILENCE;
+            let message = match tokio::time::timeout_at(wake, self.sub.next()).await {
+                Ok(Some(m)) => m,
+                Ok(None) => return None,
+                Err(_) => {
+                    self.note_reconnect();
+                    if tokio::time::Instant::now() >= self.silent_until {
+                        return None;
+                    }
+                    continue;
+                }
+            };
+            self.note_reconnect();
+            self.silent_until = tokio::time::Instant::now() + self.silence();
             match message.status.unwrap_or(StatusCode::OK) {
                 StatusCode::OK => {
                     self.left -= 1;

@@ -1679,16 +1679,34 @@ async fn an_idle_partition_keeps_its_checkpoint_past_the_turns_retention() {
     tokio::time::sleep(Duration::from_secs(9)).await;
     nats.restart().await;
     let js = nats.jetstream().await;
+    // Every projection stored from here on, read as it is stored: the stream's own copies expire
+    // after 5 s, which a loaded machine can outrun between the first new projection and the
+    // last. The old projections expired before the restart, so all it holds now was stored
+    // after it (a re-projection of an old input as soon as the worker was back included).
+    let mut feed = projections_from_now(&js).await;
     let more = publish_all(&js, &load(100)).await;
-    wait_until(GUARD, "the new inputs are projected", || {
-        let js = js.clone();
-        async move { count(&js, PROJ).await >= 100 }
-    })
-    .await;
+    let mut proj: Vec<Stored> = Vec::new();
+    let deadline = Instant::now() + GUARD;
+    while proj.len() < more.len() {
+        assert!(
+            Instant::now() < deadline,
+            "only {} of {} new inputs projected; the worker's log:\n{}",
+            proj.len(),
+            more.len(),
+            projector.log_text()
+        );
+        if let Some(m) = next_stored(&mut feed, Duration::from_secs(1)).await {
+            proj.push(m);
+        }
+    }
     // Time for a consumer made from the first raw message to have projected the old inputs
     // again (they are few and the worker is idle otherwise).
-    tokio::time::sleep(Duration::from_secs(3)).await;
-    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    let quiet = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < quiet {
+        if let Some(m) = next_stored(&mut feed, quiet - Instant::now()).await {
+            proj.push(m);
+        }
+    }
     let again: Vec<u64> = proj
         .iter()
         .map(Stored::source_seq)
@@ -1702,6 +1720,51 @@ async fn an_idle_partition_keeps_its_checkpoint_past_the_turns_retention() {
         projector.log_text()
     );
     assert_eq!(proj.len(), more.len(), "each new input projected once");
+}
+
+/// A reader of `COLLAB_PROJ`'s projections from what it holds now on, each delivered as it is
+/// stored.
+async fn projections_from_now(js: &Context) -> async_nats::jetstream::consumer::pull::Stream {
+    let s = js.get_stream(PROJ).await.expect("projection stream");
+    let reader = s
+        .create_consumer(consumer::pull::Config {
+            filter_subject: "collab.proj.>".to_string(),
+            ack_policy: consumer::AckPolicy::None,
+            deliver_policy: consumer::DeliverPolicy::All,
+            inactive_threshold: Duration::from_secs(60),
+            ..Default::default()
+        })
+        .await
+        .expect("projection reader");
+    reader
+        .messages()
+        .await
+        .expect("projection reader's messages")
+}
+
+/// The next projection from `feed` within `wait`, if any (partition owners' fence claims are
+/// skipped).
+async fn next_stored(
+    feed: &mut async_nats::jetstream::consumer::pull::Stream,
+    wait: Duration,
+) -> Option<Stored> {
+    let deadline = tokio::time::Instant::now() + wait;
+    let m = loop {
+        let m = tokio::time::timeout_at(deadline, feed.next())
+            .await
+            .ok()??
+            .ok()?;
+        if !collab_projector::bus::publish::is_fence_subject(m.subject.as_str()) {
+            break m;
+        }
+    };
+    let seq = m.info().map(|i| i.stream_sequence).unwrap_or(0);
+    Some(Stored {
+        subject: m.subject.to_string(),
+        seq,
+        headers: m.headers.clone(),
+        payload: m.payload.clone(),
+    })
 }
 
 /// A server restart with every consumer of the worker in the server's memory (the fold's, and
@@ -1972,6 +2035,61 @@ async fn a_drain_cut_short_by_its_timeout_exits_non_zero_and_loses_nothing() {
     drop(proxy);
     // The next owner processes what was left unacknowledged: every input once, none lost.
     finish_and_check_with(&nats, &js, producer, &both).await;
+}
+
+/// The link between an idle worker and its server drops and comes back. Each partition had a
+/// pull request waiting on the server; the request's expiry notice, sent while the link was
+/// down, never arrives. The partitions notice the reconnect and ask again within a second or
+/// two, rather than waiting out the silence that ends a batch whose notice was lost (11 s):
+/// inputs published once the worker is back are projected well before that, each once.
+#[tokio::test]
+async fn partitions_ask_again_soon_after_a_reconnect_that_lost_their_pull_requests() {
+    let nats = TestNats::start().await;
+    let proxy = crate::support::proxy::Proxy::start(nats.port()).await;
+    let worker = start_projector(&proxy.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
+    let js = nats.jetstream().await;
+    let first = publish_all(&js, &load(40)).await;
+    wait_settled(&js, first.len() as u64, 0).await;
+    let connected = |log: &str| log.matches("event: connected").count();
+    let before = connected(&worker.log_text());
+    // Down for three pull expiries (500 ms each): every request waiting when the link dropped
+    // expires on the server meanwhile, and its notice is lost with the link.
+    proxy.cut();
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    proxy.heal();
+    // The worker's three connections (partitions, leases, work sessions) are back.
+    wait_until(GUARD, "the worker reconnects", || {
+        let n = connected(&worker.log_text());
+        async move { n >= before + 3 }
+    })
+    .await;
+    let back = Instant::now();
+    let more = publish_all(&js, &load(80)).await;
+    let total = (first.len() + more.len()) as u64;
+    // Well under the 11 s a partition would otherwise sit on its lost request.
+    let bound = Duration::from_secs(7);
+    wait_until(
+        bound,
+        "the inputs published after the reconnect are projected",
+        || {
+            let js = js.clone();
+            async move { count(&js, PROJ).await >= total }
+        },
+    )
+    .await;
+    let took = back.elapsed();
+    wait_settled(&js, total, 0).await;
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    let mut seqs: Vec<u64> = proj.iter().map(Stored::source_seq).collect();
+    seqs.sort_unstable();
+    let mut published: Vec<u64> = first.iter().chain(&more).copied().collect();
+    published.sort_unstable();
+    assert_eq!(
+        seqs,
+        published,
+        "every input projected once (the last {took:?} after the reconnect); the worker's log:\n{}",
+        worker.log_text()
+    );
 }
 
 // ---------------------------------------------------------------------------------------------
