@@ -20,11 +20,9 @@ pub(crate) struct PullBatch {
     silent_until: tokio::time::Instant,
     /// The connection's count of successful connects when the request was made. A reconnect
     /// since may have lost the request: a restarted server has forgotten it, and an expiry
-    /// notice sent while the link was down never arrives.
+    /// notice sent while the link was down never arrives. From then on, silence ends the batch
+    /// after [`RECONNECT_SILENCE`] rather than [`PULL_SILENCE`].
     connects_at_request: u64,
-    /// Set once a reconnect is seen: from then on, silence ends the batch after
-    /// [`RECONNECT_SILENCE`] rather than [`PULL_SILENCE`].
-    reconnected: bool,
     stats: std::sync::Arc<async_nats::Statistics>,
 }
 
@@ -39,7 +37,8 @@ pub(crate) const PULL_SILENCE: Duration = Duration::from_secs(11);
 /// partition (its next delivery is out of sequence), never an input.
 pub(crate) const RECONNECT_SILENCE: Duration = Duration::from_millis(1500);
 
-/// How often a silent batch looks for a reconnect.
+/// How often a silent batch looks for a reconnect (only silence is checked: deliveries mean the
+/// request is alive).
 const RECONNECT_CHECK: Duration = Duration::from_millis(250);
 
 /// How long a pull request waits on the server for messages.
@@ -75,34 +74,17 @@ impl PullBatch {
             left: batch,
             silent_until: tokio::time::Instant::now() + PULL_SILENCE,
             connects_at_request,
-            reconnected: false,
             stats,
         })
     }
 
-    /// Whether the connection reconnected since the request; the first time it is seen, the
-    /// batch's silence is cut to [`RECONNECT_SILENCE`] from now.
-    fn note_reconnect(&mut self) {
-        if self.reconnected {
-            return;
-        }
+    /// Whether the connection reconnected since the request.
+    fn reconnected(&self) -> bool {
         let connects = self
             .stats
             .connects
             .load(std::sync::atomic::Ordering::Relaxed);
-        if connects != self.connects_at_request {
-            self.reconnected = true;
-            let cut = tokio::time::Instant::now() + RECONNECT_SILENCE;
-            self.silent_until = self.silent_until.min(cut);
-        }
-    }
-
-    fn silence(&self) -> Duration {
-        if self.reconnected {
-            RECONNECT_SILENCE
-        } else {
-            PULL_SILENCE
-        }
+        connects != self.connects_at_request
     }
 
     /// The next message; `None` when the batch is over. Silence well past the expiry (a lost
@@ -111,25 +93,24 @@ impl PullBatch {
         use async_nats::StatusCode;
         while self.left > 0 {
             // Wake at least every RECONNECT_CHECK while silent, to notice a reconnect.
-            let check = tokio::time::Instant::now() + RECONNECT_CHECK;
-            let wake = if self.reconnected {
-                self.silent_until
-            } else {
-                self.silent_until.min(check)
-            };
+            let wake = self
+                .silent_until
+                .min(tokio::time::Instant::now() + RECONNECT_CHECK);
             let message = match tokio::time::timeout_at(wake, self.sub.next()).await {
                 Ok(Some(m)) => m,
                 Ok(None) => return None,
                 Err(_) => {
-                    self.note_reconnect();
-                    if tokio::time::Instant::now() >= self.silent_until {
+                    let now = tokio::time::Instant::now();
+                    if self.reconnected() {
+                        self.silent_until = self.silent_until.min(now + RECONNECT_SILENCE);
+                    }
+                    if now >= self.silent_until {
                         return None;
                     }
                     continue;
                 }
             };
-            self.note_reconnect();
-            self.silent_until = tokio::time::Instant::now() + self.silence();
+            self.silent_until = tokio::time::Instant::now() + PULL_SILENCE;
             match message.status.unwrap_or(StatusCode::OK) {
                 StatusCode::OK => {
                     self.left -= 1;

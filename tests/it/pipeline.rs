@@ -140,20 +140,7 @@ pub(crate) async fn count(js: &Context, stream: &str) -> u64 {
 
 /// Every message of `stream` on `filter` stored so far, in stream order.
 pub(crate) async fn read_all(js: &Context, stream: &str, filter: &str) -> Vec<Stored> {
-    let s = js
-        .get_stream(stream)
-        .await
-        .unwrap_or_else(|e| panic!("stream {stream}: {e}"));
-    let mut reader = s
-        .create_consumer(consumer::pull::Config {
-            filter_subject: filter.to_string(),
-            ack_policy: consumer::AckPolicy::None,
-            deliver_policy: consumer::DeliverPolicy::All,
-            inactive_threshold: Duration::from_secs(60),
-            ..Default::default()
-        })
-        .await
-        .unwrap_or_else(|e| panic!("reader on {stream} ({filter}): {e}"));
+    let mut reader = reader_of(js, stream, filter).await;
     let total = reader
         .info()
         .await
@@ -161,11 +148,11 @@ pub(crate) async fn read_all(js: &Context, stream: &str, filter: &str) -> Vec<St
         .num_pending;
     let deadline = Instant::now() + GUARD;
     let mut out: Vec<Stored> = Vec::new();
-    while (out.len() as u64) < total {
+    let mut read = 0u64;
+    while read < total {
         assert!(
             Instant::now() < deadline,
-            "read only {} of {total} messages from {stream} ({filter})",
-            out.len()
+            "read only {read} of {total} messages from {stream} ({filter})"
         );
         let mut batch = reader
             .fetch()
@@ -176,30 +163,50 @@ pub(crate) async fn read_all(js: &Context, stream: &str, filter: &str) -> Vec<St
             .unwrap_or_else(|e| panic!("fetch from {stream}: {e}"));
         while let Some(m) = batch.next().await {
             let m = m.unwrap_or_else(|e| panic!("fetch from {stream}: {e}"));
-            let seq = m
-                .info()
-                .unwrap_or_else(|e| panic!("message info from {stream}: {e}"))
-                .stream_sequence;
-            if collab_projector::bus::publish::is_fence_subject(m.subject.as_str()) {
-                // A partition owner's claim: counted as read, not an output.
-                out.push(Stored {
-                    subject: String::new(),
-                    seq,
-                    headers: None,
-                    payload: Bytes::new(),
-                });
-                continue;
+            if let Err(e) = m.info() {
+                panic!("message info from {stream}: {e}");
             }
-            out.push(Stored {
-                subject: m.subject.to_string(),
-                seq,
-                headers: m.headers.clone(),
-                payload: m.payload.clone(),
-            });
+            // A partition owner's claim is counted as read, not an output.
+            read += 1;
+            out.extend(stored_of(&m));
         }
     }
-    out.retain(|m| !m.subject.is_empty());
     out
+}
+
+/// An unacknowledged reader of `stream`'s messages on `filter`, from its first.
+async fn reader_of(
+    js: &Context,
+    stream: &str,
+    filter: &str,
+) -> consumer::Consumer<consumer::pull::Config> {
+    let s = js
+        .get_stream(stream)
+        .await
+        .unwrap_or_else(|e| panic!("stream {stream}: {e}"));
+    s.create_consumer(consumer::pull::Config {
+        filter_subject: filter.to_string(),
+        ack_policy: consumer::AckPolicy::None,
+        deliver_policy: consumer::DeliverPolicy::All,
+        inactive_threshold: Duration::from_secs(60),
+        ..Default::default()
+    })
+    .await
+    .unwrap_or_else(|e| panic!("reader on {stream} ({filter}): {e}"))
+}
+
+/// A stored message as read back; `None` for a partition owner's fence claim, which is no
+/// output.
+pub(crate) fn stored_of(m: &async_nats::jetstream::Message) -> Option<Stored> {
+    if collab_projector::bus::publish::is_fence_subject(m.subject.as_str()) {
+        return None;
+    }
+    Some(Stored {
+        subject: m.subject.to_string(),
+        seq: m.info().map_or(0, |i| i.stream_sequence),
+        headers: m.headers.clone(),
+        payload: m.payload.clone(),
+    })
 }
 
 /// Whether every partition consumer of the raw stream exists and has nothing left to deliver
@@ -1725,18 +1732,8 @@ async fn an_idle_partition_keeps_its_checkpoint_past_the_turns_retention() {
 /// A reader of `COLLAB_PROJ`'s projections from what it holds now on, each delivered as it is
 /// stored.
 async fn projections_from_now(js: &Context) -> async_nats::jetstream::consumer::pull::Stream {
-    let s = js.get_stream(PROJ).await.expect("projection stream");
-    let reader = s
-        .create_consumer(consumer::pull::Config {
-            filter_subject: "collab.proj.>".to_string(),
-            ack_policy: consumer::AckPolicy::None,
-            deliver_policy: consumer::DeliverPolicy::All,
-            inactive_threshold: Duration::from_secs(60),
-            ..Default::default()
-        })
+    reader_of(js, PROJ, "collab.proj.>")
         .await
-        .expect("projection reader");
-    reader
         .messages()
         .await
         .expect("projection reader's messages")
@@ -1749,24 +1746,16 @@ async fn next_stored(
     wait: Duration,
 ) -> Option<Stored> {
     let deadline = tokio::time::Instant::now() + wait;
-    let m = loop {
+    loop {
         let Some(item) = tokio::time::timeout_at(deadline, feed.next()).await.ok()? else {
             // The reader ended: wait out the time given rather than spin.
             tokio::time::sleep_until(deadline).await;
             return None;
         };
-        let m = item.ok()?;
-        if !collab_projector::bus::publish::is_fence_subject(m.subject.as_str()) {
-            break m;
+        if let Some(stored) = stored_of(&item.ok()?) {
+            return Some(stored);
         }
-    };
-    let seq = m.info().map(|i| i.stream_sequence).unwrap_or(0);
-    Some(Stored {
-        subject: m.subject.to_string(),
-        seq,
-        headers: m.headers.clone(),
-        payload: m.payload.clone(),
-    })
+    }
 }
 
 /// A server restart with every consumer of the worker in the server's memory (the fold's, and
