@@ -153,7 +153,11 @@ pub async fn run_partition(
     let moved = CancellationToken::new();
     let outer = cancel;
     let cancel = outer.child_token();
-    super::lease_held_again(&lease_valid_until, cancel.cancelled(), None).await;
+    // Without a deadline the wait ends lapsed only when the partition is stopped meanwhile (a
+    // lease found lost): then it claims nothing.
+    if !super::lease_held_again(&lease_valid_until, cancel.cancelled(), None).await {
+        return Ok(());
+    }
     // Claimed before anything is published (a reload may republish responses): from here on a
     // previous owner's outputs, however late they arrive, are refused by the server.
     let fence = Fence::claim(&shared.js, &shared.names, p, owner)
