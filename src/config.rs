@@ -1410,12 +1410,23 @@ impl Names {
     /// `_watermark<n>` that hashes to `p`. Barriers are told apart by their header, not by this
     /// subject.
     pub fn barrier_subject(&self, p: u16, partitions: u16) -> String {
-        let partitions = u32::from(partitions.max(1));
-        let token = (0u32..)
-            .map(|n| format!("_watermark{n}"))
-            .find(|t| transform_partition(t.as_bytes(), partitions) == u32::from(p) % partitions)
-            .unwrap_or_default();
-        format!("{}.raw.{token}.barrier", self.raw_prefix)
+        format!(
+            "{}.raw.{}.barrier",
+            self.raw_prefix,
+            partition_token(p, partitions)
+        )
+    }
+    /// The raw subject of the reshard marker for partition `p` of `partitions`: a barrier that
+    /// `collab-projector reshard` stores in every partition of the current raw streams before
+    /// the servers map raw subjects to a new set (see `bus::reader`). Its key token is the
+    /// partition's barrier token; it ends in `reshard`, so a partition starting in the middle of
+    /// its stream finds the last one by subject.
+    pub fn reshard_marker_subject(&self, p: u16, partitions: u16) -> String {
+        format!(
+            "{}.raw.{}.reshard",
+            self.raw_prefix,
+            partition_token(p, partitions)
+        )
     }
     pub fn consumer_name(&self, p: u16) -> String {
         format!("{}-proj-{p}", self.prefix)
@@ -1559,6 +1570,21 @@ impl Layout {
             .collect();
         format!("{raw_prefix}.in.{tokens}{{{{wildcard(1)}}}}.>")
     }
+    /// The subject a raw stream with this layout stores `raw_subject`
+    /// (`<raw_prefix>.raw.<key>.<rest>`) under, as the server's transform writes it: a partition
+    /// token per level, then the key and the rest. `None` for a subject not of that shape.
+    pub fn stored_subject(&self, raw_prefix: &str, raw_subject: &str) -> Option<String> {
+        let after = raw_subject
+            .strip_prefix(raw_prefix)?
+            .strip_prefix(".raw.")?;
+        let key = after.split('.').next().filter(|k| !k.is_empty())?;
+        let tokens: String = self
+            .levels
+            .iter()
+            .map(|&l| format!("{}.", transform_partition(key.as_bytes(), u32::from(l))))
+            .collect();
+        Some(format!("{raw_prefix}.in.{tokens}{after}"))
+    }
     /// The layout of a transform destination made by [`Layout::destination`] (or by a release
     /// with one `partition(N,1)` token); `None` when it holds none.
     pub fn of_destination(destination: &str) -> Option<Layout> {
@@ -1570,6 +1596,16 @@ impl Layout {
             .ok()?;
         (!levels.is_empty()).then_some(Layout { levels })
     }
+}
+
+/// The first key token `_watermark<n>` the partition transform maps to partition `p` of
+/// `partitions`.
+fn partition_token(p: u16, partitions: u16) -> String {
+    let partitions = u32::from(partitions.max(1));
+    (0u32..)
+        .map(|n| format!("_watermark{n}"))
+        .find(|t| transform_partition(t.as_bytes(), partitions) == u32::from(p) % partitions)
+        .unwrap_or_default()
 }
 
 pub fn transform_partition(key: &[u8], n: u32) -> u32 {
@@ -1805,6 +1841,61 @@ mod tests {
             let subject = n.barrier_subject(p, 64);
             let token = subject.split('.').nth(2).unwrap_or_default();
             assert_eq!(transform_partition(token.as_bytes(), 64), u32::from(p));
+        }
+    }
+
+    #[test]
+    fn a_reshard_marker_reaches_the_partition_of_every_count_its_token_is_made_for() {
+        let n = Settings::default().names();
+        let layout = Layout::ladder(256);
+        for p in 0..256u16 {
+            let marker = n.reshard_marker_subject(p, 256);
+            assert!(marker.ends_with(".reshard"), "{marker}");
+            // The barrier and the marker of a partition share its key token.
+            assert_eq!(
+                marker.trim_end_matches(".reshard"),
+                n.barrier_subject(p, 256).trim_end_matches(".barrier")
+            );
+            let stored = layout.stored_subject("collab", &marker).unwrap_or_default();
+            // Partition `p % count` of every count of the ladder reads it.
+            for &count in &layout.levels {
+                let filter = layout.filter("collab", count, p % count);
+                assert!(
+                    subject_matches(&filter, &stored),
+                    "{stored} is not read by partition {} of {count} ({filter})",
+                    p % count
+                );
+            }
+        }
+        assert_eq!(
+            Layout::ladder(4).stored_subject("collab", "collab.raw.k.a2a.send"),
+            Some(format!(
+                "collab.in.{}.{}.k.a2a.send",
+                transform_partition(b"k", 2),
+                transform_partition(b"k", 4)
+            ))
+        );
+        assert_eq!(
+            Layout::ladder(4).stored_subject("collab", "other.raw.k.x"),
+            None
+        );
+        assert_eq!(
+            Layout::ladder(4).stored_subject("collab", "collab.raw..x"),
+            None
+        );
+    }
+
+    /// Whether NATS subject filter `filter` matches `subject` (`*` one token, `>` the rest).
+    fn subject_matches(filter: &str, subject: &str) -> bool {
+        let (mut f, mut s) = (filter.split('.'), subject.split('.'));
+        loop {
+            match (f.next(), s.next()) {
+                (Some(">"), Some(_)) => return true,
+                (Some("*"), Some(_)) => {}
+                (Some(a), Some(b)) if a == b => {}
+                (None, None) => return true,
+                _ => return false,
+            }
         }
     }
 

@@ -20,6 +20,9 @@ pub const H_DLQ_DETAIL: &str = "Collab-Dlq-Detail";
 /// `collab_v2` for a projection version; `1` from earlier releases). Every set of workers over
 /// the raw stream reads every barrier, and none deletes one (see `bus::acker`).
 pub const H_BARRIER: &str = "Collab-Barrier";
+/// On a barrier, marks it as a reshard marker (see `bus::reader`): its value is the first raw
+/// sequence of the set of raw streams that `collab-projector reshard` made.
+pub const H_RESHARD: &str = "Collab-Reshard";
 
 /// A message to publish on JetStream.
 #[derive(Debug, Clone, PartialEq)]

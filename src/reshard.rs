@@ -3,6 +3,8 @@
 //!
 //! 1. The new set of streams is created beside the current one, its sequences starting at the
 //!    next multiple of [`crate::config::GENERATION_SPAN`] (see `bus::generations`).
+//!    A reshard marker is stored in every partition of the current streams (see
+//!    [`mark_partitions`]) before the command says which mapping to install.
 //! 2. The operator installs the subject mapping the new count needs and reloads the servers;
 //!    the command publishes a barrier for a key of each new shard until every one is stored by
 //!    its new stream, so it knows the mapping is live.
@@ -182,6 +184,7 @@ pub async fn reshard(
         n.set_shards(count);
         n
     };
+    mark_partitions(&js, &settings, &current, &target, wait).await?;
     step(Step::Created {
         streams: target.streams.clone(),
         mapping: target_names
@@ -305,6 +308,82 @@ async fn create_set(
         streams: names.raw_streams.clone(),
         sealed: false,
     })
+}
+
+/// Store a reshard marker in every partition of the `current` streams, before the operator is
+/// told to map raw subjects to `target`: once some server maps them to `target` and others do
+/// not yet, a partition's inputs can be stored in either set, and its watermark stops at the
+/// marker until it reads `target` (see `bus::reader`, `Partition::heed_reshard_marker`). One
+/// marker for each partition of the largest count the layout supports reaches every partition
+/// of every count, a projection version's too. A marker that lands in `target` (the mapping
+/// was installed already, as when the command is run again) is harmless and passed over.
+async fn mark_partitions(
+    js: &jetstream::Context,
+    settings: &Settings,
+    current: &Generation,
+    target: &Generation,
+    wait: Duration,
+) -> Result<(), ReshardError> {
+    let names = settings.names();
+    let most = settings.layout().levels.last().copied().unwrap_or(1);
+    let started = Instant::now();
+    let mut left: Vec<u16> = (0..most).collect();
+    let mut in_target = 0usize;
+    // Acknowledgements awaited a chunk at a time, within the connection's publish window.
+    let chunk = settings.consumer.publish_window.clamp(1, 64);
+    while !left.is_empty() {
+        let mut failed = Vec::new();
+        let mut last_error = None;
+        for some in left.chunks(chunk) {
+            let mut pending = Vec::with_capacity(some.len());
+            for &p in some {
+                let mut headers = async_nats::HeaderMap::new();
+                headers.insert(crate::pipeline::H_BARRIER, names.prefix.as_str());
+                headers.insert(crate::pipeline::H_RESHARD, target.base.to_string().as_str());
+                let sent = js
+                    .publish_with_headers(
+                        names.reshard_marker_subject(p, most),
+                        headers,
+                        bytes::Bytes::new(),
+                    )
+                    .await;
+                pending.push((p, sent));
+            }
+            for (p, sent) in pending {
+                let stored = match sent {
+                    Ok(ack) => ack.await,
+                    Err(e) => Err(e),
+                };
+                match stored {
+                    Ok(ack) if current.streams.contains(&ack.stream) => {}
+                    Ok(_) => in_target += 1,
+                    Err(e) => {
+                        last_error = Some(e.to_string());
+                        failed.push(p);
+                    }
+                }
+            }
+        }
+        left = failed;
+        if let Some(e) = last_error {
+            if started.elapsed() > wait {
+                return Err(ReshardError::TimedOut(format!(
+                    "{} of {most} reshard markers could not be stored in {} after {wait:?} ({e}): is every stream there up? Run the same command again",
+                    left.len(),
+                    current.streams.join(", ")
+                )));
+            }
+            tokio::time::sleep(POLL).await;
+        }
+    }
+    if in_target > 0 {
+        tracing::warn!(
+            markers = in_target,
+            streams = %target.streams.join(", "),
+            "reshard markers were stored in the new streams: the servers map raw subjects there already"
+        );
+    }
+    Ok(())
 }
 
 /// Publish a barrier for a key of each of `target`'s shards until each is stored by its stream

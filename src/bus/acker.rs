@@ -363,12 +363,32 @@ pub(crate) fn is_barrier(msg: &jetstream::Message) -> bool {
             .is_some_and(|h| h.get(crate::pipeline::H_BARRIER).is_some())
 }
 
-/// Whether a stored raw subject ends as a barrier subject does, `._watermark<n>.barrier`, with
-/// no `_as` token anywhere (every subject a producer's user may publish on has one).
+/// The set of raw streams a reshard marker announces (the first sequence of that set): a
+/// barrier stored as `._watermark<n>.reshard` by `collab-projector reshard` in the streams it
+/// moves raw traffic away from (see `bus::reader`). `None` for anything else.
+pub(crate) fn reshard_marker(msg: &jetstream::Message) -> Option<u64> {
+    if !is_barrier(msg) || !msg.subject.as_str().ends_with(".reshard") {
+        return None;
+    }
+    marker_base(msg.headers.as_ref())
+}
+
+/// The value of a reshard marker's `Collab-Reshard` header.
+pub(crate) fn marker_base(headers: Option<&async_nats::HeaderMap>) -> Option<u64> {
+    headers?
+        .get(crate::pipeline::H_RESHARD)?
+        .as_str()
+        .parse()
+        .ok()
+}
+
+/// Whether a stored raw subject ends as a barrier subject does, `._watermark<n>.barrier`, or
+/// a reshard marker's, `._watermark<n>.reshard`, with no `_as` token anywhere (every subject a
+/// producer's user may publish on has one).
 fn barrier_shaped(subject: &str) -> bool {
     let mut tokens = subject.rsplit('.');
     !subject.split('.').any(|t| t == "_as")
-        && tokens.next() == Some("barrier")
+        && matches!(tokens.next(), Some("barrier" | "reshard"))
         && tokens
             .next()
             .and_then(|t| t.strip_prefix("_watermark"))
@@ -612,6 +632,8 @@ mod tests {
         for (p, partitions) in [(0, 16), (5, 16), (63, 64)] {
             let stored = names.stored_subject(&names.barrier_subject(p, partitions));
             assert!(barrier_shaped(&stored), "{stored}");
+            let marker = names.stored_subject(&names.reshard_marker_subject(p, partitions));
+            assert!(barrier_shaped(&marker), "{marker}");
         }
         // A producer's subjects carry `_as.<agent>`; none of these is a barrier.
         for subject in [
@@ -621,6 +643,8 @@ mod tests {
             "collab.in.0._watermark.barrier",
             "collab.in.0._watermark7x.barrier",
             "collab.in.0._watermark7.barrier.more",
+            "collab.in.0.c1._as.ruda._watermark7.reshard",
+            "collab.in.0._watermark7.resharded",
         ] {
             assert!(!barrier_shaped(subject), "{subject}");
         }

@@ -148,6 +148,15 @@ async fn discover_once(
     Ok(found)
 }
 
+/// Whether a set of raw streams starting at sequence `base` is on the server.
+pub async fn set_exists(
+    js: &jetstream::Context,
+    names: &Names,
+    base: u64,
+) -> Result<bool, SetsError> {
+    Ok(discover(js, names).await?.iter().any(|g| g.base == base))
+}
+
 /// Record `found` (oldest first, not empty) in `settings`: the newest set is the one the
 /// workers provision and producers' traffic goes to once resharded, the others are read first.
 pub fn adopt(settings: &mut Settings, found: &[Generation]) {

@@ -26,7 +26,7 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::mpsc;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, warn};
+use tracing::{debug, info, warn};
 
 /// Whether a partition goes on after a step.
 pub(crate) enum Flow {
@@ -51,6 +51,9 @@ pub(crate) struct Partition<'a> {
     /// the epoch) if it has not arrived yet.
     pub(crate) barrier_subject: String,
     pub(crate) barrier_sent_ms: Option<i64>,
+    /// The set of raw streams (its first sequence) that a reshard marker read by this partition
+    /// announced and that was found on the server (see [`Partition::heed_reshard_marker`]).
+    pub(crate) marked_set: Option<u64>,
     /// The consumer sequence the next delivery must carry: a delivery past it means another
     /// client (a previous owner's late pull, an abandoned request) was delivered to, and what
     /// it got must not be covered by this partition's acknowledgements.
@@ -327,6 +330,82 @@ impl Partition<'_> {
                 Some(e) => Err(e),
             },
         }
+    }
+
+    /// A reshard marker read in the stream (see [`Partition::heed_reshard_marker`]), heeded if
+    /// the set of raw streams it names is on the server.
+    async fn on_reshard_marker(
+        &mut self,
+        seq: u64,
+        stored_ms: i64,
+        base: u64,
+    ) -> Result<(), WorkerError> {
+        if seq < base && self.marked_set != Some(base) {
+            // Only a set that exists holds the watermark back: a marker of a reshard
+            // abandoned since, or one not published by `reshard`, would stall deadlines.
+            // A look-up that fails is no fault of the marker: the partition starts over
+            // (and looks the marker up again at start) without charging it.
+            let exists = match super::generations::set_exists(
+                &self.shared.js,
+                &self.shared.names,
+                base,
+            )
+            .await
+            {
+                Ok(exists) => exists,
+                Err(e) => {
+                    warn!(partition = self.p, seq, error = %e,
+                        "the raw streams a reshard marker names could not be looked up; starting over");
+                    return Err(WorkerError::Interrupted {
+                        partition: self.p,
+                        why: "the raw streams a reshard marker names could not be looked up",
+                    });
+                }
+            };
+            if exists {
+                self.marked_set = Some(base);
+            } else {
+                info!(
+                    partition = self.p,
+                    seq,
+                    base,
+                    "a reshard marker for a set of raw streams that no longer exists; ignored"
+                );
+            }
+        }
+        if self.marked_set == Some(base) {
+            self.heed_reshard_marker(seq, stored_ms, base);
+        }
+        Ok(())
+    }
+
+    /// A reshard marker stored at `stored_ms` as raw sequence `seq`, announcing the set of raw
+    /// streams that starts at sequence `base`. `collab-projector reshard` stores one in every
+    /// partition of the streams it moves raw traffic away from before it tells the operator to
+    /// map raw subjects to the new set, so inputs of this partition stored in the new set were
+    /// stored after it (give or take the servers' clock skew). From here on, until the servers
+    /// all map to the new set, an input of this partition may be stored in either set, and a
+    /// store time read here no longer says that everything stored before it was read: a turn's
+    /// reply may wait in the new stream, stored before its deadline, while a later input here
+    /// says the deadline passed. The watermark stops at the marker (less the skew); deadlines
+    /// after it are decided once the partition reads the new set, where its watermark goes on.
+    /// A marker stored in the set it announces (the mapping was in place before it was
+    /// published) says nothing and is passed over.
+    pub(crate) fn heed_reshard_marker(&mut self, seq: u64, stored_ms: i64, base: u64) {
+        if seq >= base {
+            return;
+        }
+        let skew = i64::try_from(self.shared.settings.turns.clock_skew.as_millis()).unwrap_or(0);
+        let cap = stored_ms.saturating_sub(skew);
+        if self.watermark.cap().is_none_or(|c| c > cap) {
+            info!(
+                partition = self.p,
+                seq,
+                cap_ms = cap,
+                "a reshard marker: deadlines after it are decided on the new raw streams"
+            );
+        }
+        self.watermark.cap_at(cap);
     }
 
     /// A due deadline with no message to move the watermark: when the consumer has nothing
@@ -734,6 +813,9 @@ impl Partition<'_> {
             .state
             .last_processed_ms
             .store(super::now_ms(), Ordering::Relaxed);
+        if let Some(base) = super::acker::reshard_marker(&msg) {
+            self.on_reshard_marker(seq, stored_ms, base).await?;
+        }
         if let Some(wm) = self.watermark.observe(stored_ms) {
             self.watermark_ms.store(wm, Ordering::Relaxed);
             self.turns

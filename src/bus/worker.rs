@@ -124,6 +124,60 @@ async fn raw_stream(
     ))
 }
 
+/// Heed the last reshard marker `part` reads in `stream`, if there is one (see
+/// [`reshard_marker_in`]).
+async fn heed_reshard_marker_at_start(
+    part: &mut Partition<'_>,
+    stream: &jetstream::stream::Stream,
+) -> Result<(), WorkerError> {
+    if let Some((seq, stored_ms, base)) = reshard_marker_in(part.shared, stream, part.p).await? {
+        part.marked_set = Some(base);
+        part.heed_reshard_marker(seq, stored_ms, base);
+    }
+    Ok(())
+}
+
+/// The last reshard marker partition `p` reads in `stream` (see `Partition::heed_reshard_marker`),
+/// as (raw sequence, store time in ms, the first sequence of the set it announces).
+/// `collab-projector reshard` publishes one for each partition of the largest count the raw
+/// streams' layout supports, so partition `p` of any count reads the one made for `p`.
+async fn reshard_marker_in(
+    shared: &WorkerContext,
+    stream: &jetstream::stream::Stream,
+    p: u16,
+) -> Result<Option<(u64, i64, u64)>, WorkerError> {
+    let layout = shared.settings.layout();
+    let most = layout.levels.last().copied().unwrap_or(1);
+    let names = &shared.names;
+    let Some(subject) =
+        layout.stored_subject(&names.raw_prefix, &names.reshard_marker_subject(p, most))
+    else {
+        return Ok(None);
+    };
+    let found = super::publish::last_from_leader(stream, &subject)
+        .await
+        .map_err(|e| WorkerError::setup(p, "looking up the raw stream's reshard marker", e))?;
+    let Some((seq, stored_ms, base)) = found.and_then(|m| {
+        let base = super::acker::marker_base(Some(&m.headers))?;
+        Some((m.sequence, m.time.timestamp_millis(), base))
+    }) else {
+        return Ok(None);
+    };
+    // A reshard abandoned by deleting the streams it made leaves its markers behind: they hold
+    // nothing back once that set is gone.
+    let exists = super::generations::set_exists(&shared.js, &shared.names, base)
+        .await
+        .map_err(|e| WorkerError::setup(p, "the raw streams", e))?;
+    if !exists {
+        info!(
+            partition = p,
+            seq, base, "a reshard marker for a set of raw streams that no longer exists; ignored"
+        );
+        return Ok(None);
+    }
+    Ok(Some((seq, stored_ms, base)))
+}
+
 /// How long a starting partition waits for its first answer from the server (the raw stream's
 /// description) before it starts over.
 const FIRST_REQUEST_WITHIN: Duration = Duration::from_secs(1);
@@ -259,6 +313,7 @@ pub async fn run_partition(
             .names
             .barrier_subject(p, shared.settings.nats.partitions),
         barrier_sent_ms: None,
+        marked_set: None,
         next_delivery: 0,
         verify_through,
         verify_missed: 0,
@@ -272,6 +327,10 @@ pub async fn run_partition(
         cancel: &cancel,
         broken: &broken,
     };
+    // A reshard marker acknowledged by an earlier owner is not delivered again: looked up here,
+    // it holds this owner's watermark as it held theirs. One stored after this look-up is
+    // delivered (it follows everything in the stream now).
+    heed_reshard_marker_at_start(&mut part, &stream).await?;
     let mut result = part.run(&stream, &mut consumer, &lease_valid_until).await;
     debug!(
         partition = p,

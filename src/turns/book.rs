@@ -206,13 +206,21 @@ impl<R: Clone> OpenTurns<R> {
 /// A partition processes its messages in stream order (a new owner first re-reads what the
 /// previous owner left in flight), so a processed message's store time is a watermark; an idle
 /// partition with nothing left to process moves it to the clock.
+///
+/// That holds while the partition's inputs are stored in one stream. Once a newer set of raw
+/// streams exists (`collab-projector reshard`), its inputs may be stored in either set until every
+/// server maps raw subjects to the new one, so a store time read in the old stream says nothing
+/// about the new one: the watermark is then held at a cap (see [`Watermark::cap_at`]) until the
+/// partition reads the new stream.
 #[derive(Debug, Clone, Default)]
 pub struct Watermark {
     value: Option<i64>,
+    cap: Option<i64>,
 }
 
 impl Watermark {
     fn raise(&mut self, to: i64) -> Option<i64> {
+        let to = self.cap.map_or(to, |cap| to.min(cap));
         if self.value.is_some_and(|v| v >= to) {
             return None;
         }
@@ -224,6 +232,17 @@ impl Watermark {
     /// moved.
     pub fn observe(&mut self, stored_ms: i64) -> Option<i64> {
         self.raise(stored_ms)
+    }
+
+    /// From now on the watermark moves no further than `at_ms` (the lowest of the caps given),
+    /// however late the messages that follow were stored.
+    pub fn cap_at(&mut self, at_ms: i64) {
+        self.cap = Some(self.cap.map_or(at_ms, |c| c.min(at_ms)));
+    }
+
+    /// The cap given, if any.
+    pub fn cap(&self) -> Option<i64> {
+        self.cap
     }
 }
 
@@ -238,6 +257,19 @@ mod tests {
         assert_eq!(w.observe(100), Some(100));
         assert_eq!(w.observe(90), None);
         assert_eq!(w.observe(150), Some(150));
+    }
+
+    #[test]
+    fn a_capped_watermark_stops_at_its_lowest_cap() {
+        let mut w = Watermark::default();
+        assert_eq!(w.observe(100), Some(100));
+        w.cap_at(180);
+        w.cap_at(160);
+        w.cap_at(170);
+        assert_eq!(w.cap(), Some(160));
+        assert_eq!(w.observe(150), Some(150));
+        assert_eq!(w.observe(500), Some(160));
+        assert_eq!(w.observe(900), None);
     }
 
     fn record(turn: &str) -> TurnRecord {

@@ -832,13 +832,14 @@ fn published(subject: &str) -> String {
     )
 }
 
-/// A worker's partition barrier, as stored in the raw stream (`collab.in.<tokens>._watermark<n>.barrier`).
+/// A worker's partition barrier or a reshard marker, as stored in the raw stream
+/// (`collab.in.<tokens>._watermark<n>.barrier`, `..._watermark<n>.reshard`).
 fn is_barrier(subject: &str) -> bool {
     published(subject)
         .split('.')
         .nth(2)
         .is_some_and(|t| t.starts_with("_watermark"))
-        && subject.ends_with(".barrier")
+        && (subject.ends_with(".barrier") || subject.ends_with(".reshard"))
 }
 
 /// Every message of `stream` matching `filter` ("" for all), in stream order, with an ordered
@@ -2583,26 +2584,15 @@ async fn reshard(p: &Profile, seed: u64, cluster: bool) -> Report {
     let writer = bed.writer(seed, p.timeout_ms);
     tokio::time::sleep(p.load / 3).await;
     let url = bed.broker.urls()[0].clone();
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_collab-projector"));
-    cmd.args([
-        "reshard",
-        "--count",
-        "4",
-        "--wait",
-        "90s",
-        "--json",
-        "--nats-url",
-        &url,
-    ])
-    .envs(bed.fleet.env.clone())
-    .stdout(std::process::Stdio::piped())
-    .stderr(std::process::Stdio::piped())
-    .kill_on_drop(true);
-    let command = cmd.spawn().expect("could not run collab-projector reshard");
+    let mut command = crate::reshard::ReshardRun::start(&url, 4, &bed.fleet.env);
     let deadline = Instant::now() + p.guard;
-    let newest = to.current().last().cloned().unwrap_or_default();
-    while bed.js.get_stream(&newest).await.is_err() && Instant::now() < deadline {
-        tokio::time::sleep(Duration::from_millis(100)).await;
+    // The mapping is installed when the command asks for it, as an operator would: its reshard
+    // markers are stored in the old streams by then.
+    if !command.asked_for_mapping(p.guard).await {
+        bed.problems.push(format!(
+            "the reshard never asked for the mapping: {}",
+            command.said()
+        ));
     }
     let nodes: Vec<&mut LocalNats> = match &mut bed.broker {
         Broker::Single(n) => n.local().into_iter().collect(),
@@ -2629,9 +2619,10 @@ async fn reshard(p: &Profile, seed: u64, cluster: bool) -> Report {
     bed.kill9(0).await;
     tokio::time::sleep(Duration::from_millis(300)).await;
     bed.fleet.spawn(0);
-    match tokio::time::timeout(p.guard, command.wait_with_output()).await {
-        Ok(Ok(out)) if out.status.success() => {
-            let report = crate::reshard::json_report(&out.stdout).unwrap_or_default();
+    let said = command.said();
+    match command.finish(p.guard).await {
+        Ok((true, stdout)) => {
+            let report = crate::reshard::json_report(&stdout).unwrap_or_default();
             bed.notes.push(format!(
                 "reshard 2 -> 4: mapping reloaded at {reloaded:.1}s, live {:.1}s after the command started; {} inputs unread in the sealed streams at the seal; every partition on the new streams {:.1}s after it",
                 report["mappingWaitS"].as_f64().unwrap_or(-1.0),
@@ -2639,15 +2630,11 @@ async fn reshard(p: &Profile, seed: u64, cluster: bool) -> Report {
                 report["moveS"].as_f64().unwrap_or(-1.0),
             ));
         }
-        Ok(Ok(out)) => bed.problems.push(format!(
-            "reshard failed: {}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
+        Ok((false, stdout)) => bed.problems.push(format!(
+            "reshard failed: {}{said}",
+            String::from_utf8_lossy(&stdout),
         )),
-        Ok(Err(e)) => bed.problems.push(format!("reshard: {e}")),
-        Err(_) => bed
-            .problems
-            .push(format!("reshard did not finish within {:?}", p.guard)),
+        Err(e) => bed.problems.push(e),
     }
     tokio::time::sleep(p.load / 3).await;
     bed.finish(writer).await

@@ -175,7 +175,7 @@ async fn a_running_deployment_moves_from_two_raw_streams_to_four_losing_doubling
 
     // The reshard: it creates the four streams, waits for the mapping the operator reloads,
     // seals the old streams and waits for the partitions.
-    let report = reshard_with_reload(&mut nats, &js, 4, four.shard_mapping_config()).await;
+    let report = reshard_with_reload(&mut nats, 4, four.shard_mapping_config()).await;
     assert_eq!(report["fromShards"], 2, "{report:#}");
     assert_eq!(report["toShards"], 4, "{report:#}");
     assert_eq!(report["sealed"], json!(two.raw_streams), "{report:#}");
@@ -300,56 +300,102 @@ async fn a_running_deployment_moves_from_two_raw_streams_to_four_losing_doubling
     }
 }
 
+/// A running `collab-projector reshard --count <count> --json`, its stderr read as it comes.
+pub(crate) struct ReshardRun {
+    child: tokio::process::Child,
+    said: Arc<Mutex<String>>,
+    asked: tokio::sync::watch::Receiver<bool>,
+}
+
+impl ReshardRun {
+    pub(crate) fn start(url: &str, count: u16, envs: &[(String, String)]) -> ReshardRun {
+        let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_collab-projector"));
+        cmd.args([
+            "reshard",
+            "--count",
+            &count.to_string(),
+            "--wait",
+            "90s",
+            "--json",
+            "--nats-url",
+            url,
+        ])
+        .envs(envs.iter().map(|(k, v)| (k.as_str(), v.as_str())))
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+        let mut child = cmd.spawn().expect("could not run collab-projector reshard");
+        let said = Arc::new(Mutex::new(String::new()));
+        let (told, asked) = tokio::sync::watch::channel(false);
+        if let Some(stderr) = child.stderr.take() {
+            let said = said.clone();
+            tokio::spawn(async move {
+                use tokio::io::AsyncBufReadExt;
+                let mut lines = tokio::io::BufReader::new(stderr).lines();
+                while let Ok(Some(line)) = lines.next_line().await {
+                    if line.starts_with("now put the block above") {
+                        let _ = told.send(true);
+                    }
+                    if let Ok(mut s) = said.lock() {
+                        s.push_str(&line);
+                        s.push('\n');
+                    }
+                }
+            });
+        }
+        ReshardRun { child, said, asked }
+    }
+
+    /// Wait until the command asks for the new mapping (its streams and markers are stored):
+    /// `false` if it ended or `within` passed first.
+    pub(crate) async fn asked_for_mapping(&mut self, within: Duration) -> bool {
+        matches!(
+            tokio::time::timeout(within, self.asked.wait_for(|t| *t)).await,
+            Ok(Ok(_))
+        )
+    }
+
+    /// What it wrote to stderr so far.
+    pub(crate) fn said(&self) -> String {
+        self.said.lock().map(|s| s.clone()).unwrap_or_default()
+    }
+
+    /// Wait for it to end within `within`: whether it succeeded and its stdout, or why not.
+    pub(crate) async fn finish(self, within: Duration) -> Result<(bool, Vec<u8>), String> {
+        let said = self.said.clone();
+        match tokio::time::timeout(within, self.child.wait_with_output()).await {
+            Ok(Ok(out)) => Ok((out.status.success(), out.stdout)),
+            Ok(Err(e)) => Err(format!("reshard: {e}")),
+            Err(_) => Err(format!(
+                "reshard did not finish within {within:?}: {}",
+                said.lock().map(|s| s.clone()).unwrap_or_default()
+            )),
+        }
+    }
+}
+
 /// Run `collab-projector reshard --count <count>` to its end while `reload` puts the server's
 /// new mapping in place once the new streams exist; the command's JSON report.
-async fn reshard_with_reload(
-    nats: &mut TestNats,
-    js: &jetstream::Context,
-    count: u16,
-    mapping: Option<String>,
-) -> Value {
-    let url = nats.url();
-    let mut cmd = tokio::process::Command::new(env!("CARGO_BIN_EXE_collab-projector"));
-    cmd.args([
-        "reshard",
-        "--count",
-        &count.to_string(),
-        "--wait",
-        "90s",
-        "--json",
-        "--nats-url",
-        &url,
-    ])
-    .stdout(std::process::Stdio::piped())
-    .stderr(std::process::Stdio::piped())
-    .kill_on_drop(true);
-    let running = cmd.spawn().expect("could not run collab-projector reshard");
-    let newest = names(count).raw_streams.last().cloned().unwrap_or_default();
-    wait_for("the reshard created its streams", || {
-        let js = js.clone();
-        let newest = newest.clone();
-        async move {
-            let s = js.get_stream(&newest).await.ok()?;
-            (!s.cached_info().config.sealed).then_some(())
-        }
-    })
-    .await;
+async fn reshard_with_reload(nats: &mut TestNats, count: u16, mapping: Option<String>) -> Value {
+    let mut running = ReshardRun::start(&nats.url(), count, &[]);
+    assert!(
+        running.asked_for_mapping(GUARD).await,
+        "the reshard never asked for the mapping: {}",
+        running.said()
+    );
     nats.local()
         .expect("a local nats-server")
         .reconfigure(mapping)
         .await
         .expect("reloading the server");
-    let out = tokio::time::timeout(GUARD, running.wait_with_output())
+    let said = running.said();
+    let (ok, stdout) = running
+        .finish(GUARD)
         .await
-        .expect("the reshard did not finish")
-        .expect("the reshard's output");
-    let said = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "reshard to {count} failed: {said}");
-    json_report(&out.stdout).unwrap_or_else(|| panic!("no JSON report: {said}"))
+        .unwrap_or_else(|e| panic!("{e}"));
+    let stdout_text = String::from_utf8_lossy(&stdout).to_string();
+    assert!(ok, "reshard to {count} failed: {stdout_text}{said}");
+    json_report(&stdout).unwrap_or_else(|| panic!("no JSON report: {stdout_text}{said}"))
 }
 
 /// Phase `n` of the task updates: one on each of 12 keys, recorded in `wanted` (key -> its
@@ -412,7 +458,7 @@ async fn one_raw_stream_becomes_two_and_one_again_and_every_input_is_projected_o
     }
 
     // 1 -> 2: the server gets the mapping.
-    let report = reshard_with_reload(&mut nats, &js, 2, names(2).shard_mapping_config()).await;
+    let report = reshard_with_reload(&mut nats, 2, names(2).shard_mapping_config()).await;
     assert_eq!(report["fromShards"], 1, "{report:#}");
     assert_eq!(report["sealed"], json!(["COLLAB_RAW"]), "{report:#}");
     for (s, b) in phase(1, &mut wanted) {
@@ -442,8 +488,7 @@ async fn one_raw_stream_becomes_two_and_one_again_and_every_input_is_projected_o
     // 2 -> 1: the mapping goes; a new COLLAB_RAW starts after both earlier sets.
     // A reload keeps a mapping removed from the file: the command's block maps the raw
     // subjects onto themselves instead.
-    let report =
-        reshard_with_reload(&mut nats, &js, 1, Some(names(1).unsharded_mapping_config())).await;
+    let report = reshard_with_reload(&mut nats, 1, Some(names(1).unsharded_mapping_config())).await;
     assert_eq!(report["toShards"], 1, "{report:#}");
     assert_eq!(report["sealed"], json!(names(2).raw_streams), "{report:#}");
     let base = report["base"].as_u64().unwrap_or(0);
@@ -545,7 +590,7 @@ async fn a_dead_owners_deliveries_do_not_hold_a_sealed_stream_for_ack_wait() {
 
     let mut worker = Projector::spawn(&url, &RUN_ARGS, &env);
     let started = Instant::now();
-    let report = reshard_with_reload(&mut nats, &js, 2, names(2).shard_mapping_config()).await;
+    let report = reshard_with_reload(&mut nats, 2, names(2).shard_mapping_config()).await;
     let took = started.elapsed();
     assert_eq!(report["sealed"], json!(["COLLAB_RAW"]), "{report:#}");
     assert!(
@@ -631,4 +676,326 @@ async fn a_set_of_raw_streams_found_half_created_is_read_once_whole() {
         err.contains(&third[1]) && err.contains(&third[2]) && err.contains("incomplete"),
         "{err}"
     );
+}
+
+/// Store `body` on `subject` (no mapping applies to a stream's own subjects): its stream,
+/// sequence and store time (ms since the epoch).
+async fn store(js: &jetstream::Context, subject: String, body: Bytes) -> (String, u64, i64) {
+    let ack = js
+        .publish(subject.clone(), body)
+        .await
+        .unwrap_or_else(|e| panic!("publish {subject}: {e}"))
+        .await
+        .unwrap_or_else(|e| panic!("publish {subject}: {e}"));
+    let stored = js
+        .get_stream(&ack.stream)
+        .await
+        .expect("the stream that stored it")
+        .get_raw_message(ack.sequence)
+        .await
+        .expect("the message stored");
+    (ack.stream, ack.sequence, stored.time.timestamp_millis())
+}
+
+/// The `a2a.response` projections of conversation `conv`.
+async fn responses_of(js: &jetstream::Context, conv: &str) -> Vec<crate::pipeline::Stored> {
+    crate::pipeline::read_all(
+        js,
+        "COLLAB_PROJ",
+        &format!("collab.proj.conversation.main.{conv}.a2a.response"),
+    )
+    .await
+}
+
+/// A task update on key `key` stored in the old raw streams (as a server whose mapping was not
+/// reloaded yet stores it), waited for until projected: its raw sequence.
+async fn late_update_in_old_streams(js: &jetstream::Context, key: &str, n: u64) -> u64 {
+    let h = collab_projector::config::transform_partition(key.as_bytes(), 2);
+    let (_, body) = task_update(key, n);
+    let (_, seq, _) = store(js, format!("collab.shard.2.{h}.{key}.task.updated"), body).await;
+    wait_for("the late update is projected", || {
+        let js = js.clone();
+        let filter = format!("collab.proj.*.*.{key}.task.updated");
+        async move {
+            let r = crate::pipeline::read_all(&js, "COLLAB_PROJ", &filter).await;
+            (r.len() as u64 > n).then_some(())
+        }
+    })
+    .await;
+    seq
+}
+
+/// While servers are reloaded one after another with the new mapping, some store a key's inputs
+/// in the new raw streams and others still in the old ones. A reply stored in the new streams
+/// before its turn's deadline must win, though inputs stored in the old streams after the
+/// deadline are read first (the partition reads its old stream to its end before the new one):
+/// `reshard` stores a marker in every partition of the old streams before it prints the
+/// mapping, and a partition's watermark stops there until it reads the new streams. A worker
+/// started after the marker was acknowledged finds it in the stream.
+#[tokio::test]
+async fn a_reply_in_the_new_streams_before_its_deadline_wins_over_later_inputs_in_the_old_ones() {
+    let (two, four) = (names(2), names(4));
+    let mut nats =
+        TestNats::start_with_config(two.shard_mapping_config().unwrap_or_default()).await;
+    let url = nats.url();
+    let js = nats.jetstream().await;
+    let env = [("COLLAB_NATS__SHARDS", "2")];
+    let args = ["--main-agents", "ruda,eden", "--turn-timeout", "3s"];
+    let mut worker = Projector::spawn(&url, &args, &env);
+    wait_for("the two raw streams exist", || {
+        let js = js.clone();
+        let streams = two.raw_streams.clone();
+        async move {
+            for s in &streams {
+                js.get_stream(s).await.ok()?;
+            }
+            Some(())
+        }
+    })
+    .await;
+    let conv = "conv-split";
+    // The partitions run: an input on the turn's key is projected.
+    late_update_in_old_streams(&js, conv, 0).await;
+
+    let (s, b) = send(conv);
+    let (send_stream, _, send_ms) = store(&js, s, b).await;
+    assert!(two.raw_streams.contains(&send_stream), "{send_stream}");
+    let deadline_ms = send_ms + 3_000;
+
+    // The reshard prints the mapping once its markers are stored.
+    let mut running = ReshardRun::start(&url, 4, &[]);
+    assert!(
+        running.asked_for_mapping(GUARD).await,
+        "the reshard never asked for the mapping: {}",
+        running.said()
+    );
+
+    // A server already reloaded stores the reply in the new streams before the deadline.
+    let h = collab_projector::config::transform_partition(conv.as_bytes(), 4);
+    let (_, b) = reply(conv);
+    let (reply_stream, reply_seq, reply_ms) =
+        store(&js, format!("collab.shard.4.{h}.{conv}.a2a.response"), b).await;
+    assert!(four.raw_streams.contains(&reply_stream), "{reply_stream}");
+    assert!(
+        reply_ms < deadline_ms,
+        "the reshard took too long to ask for the mapping: the reply was stored {} ms after the deadline",
+        reply_ms - deadline_ms
+    );
+    // One not reloaded yet stores a later input of the key in the old streams, past the deadline.
+    let past =
+        u64::try_from(deadline_ms + 300 - chrono::Utc::now().timestamp_millis()).unwrap_or(0);
+    tokio::time::sleep(Duration::from_millis(past)).await;
+    let late = late_update_in_old_streams(&js, conv, 1).await;
+    let decided = responses_of(&js, conv).await;
+    assert!(
+        decided.is_empty(),
+        "the turn was decided from the old streams alone: {:?}",
+        decided.iter().map(|m| &m.payload).collect::<Vec<_>>()
+    );
+
+    // A worker started once that input is acknowledged reads on from after the marker.
+    let consumer = format!(
+        "collab-proj-{}",
+        collab_projector::config::transform_partition(conv.as_bytes(), 16)
+    );
+    wait_for("the late input is acknowledged", || {
+        let js = js.clone();
+        let (stream, consumer) = (send_stream.clone(), consumer.clone());
+        async move {
+            let mut c: jetstream::consumer::PullConsumer = js
+                .get_stream(&stream)
+                .await
+                .ok()?
+                .get_consumer(&consumer)
+                .await
+                .ok()?;
+            let info = c.info().await.ok()?;
+            (info.ack_floor.stream_sequence >= late).then_some(())
+        }
+    })
+    .await;
+    worker.kill9();
+    worker.wait_exit(Duration::from_secs(10)).await;
+    let mut worker = Projector::spawn(&url, &args, &env);
+    late_update_in_old_streams(&js, conv, 2).await;
+    let decided = responses_of(&js, conv).await;
+    assert!(
+        decided.is_empty(),
+        "a restarted worker decided the turn from the old streams alone: {:?}",
+        decided.iter().map(|m| &m.payload).collect::<Vec<_>>()
+    );
+    assert!(
+        worker
+            .log_text()
+            .contains("a reshard marker: deadlines after it are decided on the new raw streams"),
+        "the restarted worker did not find the marker: {}",
+        worker.log_text()
+    );
+
+    // Every server reloaded: the old streams are sealed and read, the reply wins.
+    nats.local()
+        .expect("a local nats-server")
+        .reconfigure(four.shard_mapping_config())
+        .await
+        .expect("reloading the server");
+    let said = running.said();
+    let (ok, stdout) = running
+        .finish(GUARD)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    assert!(
+        ok,
+        "reshard failed: {}{said}",
+        String::from_utf8_lossy(&stdout)
+    );
+    let responses = crate::shards::one_response_per_turn(&js, 1).await;
+    let decided = wait_for("the turn is decided", || {
+        let js = js.clone();
+        async move {
+            let r = responses_of(&js, conv).await;
+            (!r.is_empty()).then_some(r)
+        }
+    })
+    .await;
+    assert_eq!(decided.len(), 1, "{decided:?}");
+    assert_eq!(
+        decided[0].header("Collab-Source-Seq"),
+        Some(reply_seq.to_string()),
+        "the response is not the reply stored before the deadline: {:#}",
+        responses[conv]
+    );
+    worker.sigterm();
+    worker.wait_exit(Duration::from_secs(30)).await;
+}
+
+/// A reshard abandoned after its markers were stored (the command stopped, the streams it made
+/// deleted by hand) holds no deadline back once the workers restart: the markers name a set of
+/// raw streams that no longer exists.
+#[tokio::test]
+async fn markers_of_an_abandoned_reshard_hold_no_deadline_back_after_a_restart() {
+    let (two, four) = (names(2), names(4));
+    let nats = TestNats::start_with_config(two.shard_mapping_config().unwrap_or_default()).await;
+    let url = nats.url();
+    let js = nats.jetstream().await;
+    let env = [("COLLAB_NATS__SHARDS", "2")];
+    let args = ["--main-agents", "ruda,eden", "--turn-timeout", "3s"];
+    let mut worker = Projector::spawn(&url, &args, &env);
+    wait_for("the two raw streams exist", || {
+        let js = js.clone();
+        let streams = two.raw_streams.clone();
+        async move {
+            for s in &streams {
+                js.get_stream(s).await.ok()?;
+            }
+            Some(())
+        }
+    })
+    .await;
+    let conv = "conv-abandoned";
+    late_update_in_old_streams(&js, conv, 0).await;
+
+    let mut running = ReshardRun::start(&url, 4, &[]);
+    assert!(
+        running.asked_for_mapping(GUARD).await,
+        "the reshard never asked for the mapping: {}",
+        running.said()
+    );
+    drop(running);
+    for s in &four.raw_streams {
+        js.delete_stream(s)
+            .await
+            .unwrap_or_else(|e| panic!("deleting {s}: {e}"));
+    }
+    worker.kill9();
+    worker.wait_exit(Duration::from_secs(10)).await;
+    let mut worker = Projector::spawn(&url, &args, &env);
+
+    // A turn opened after the markers times out as any unanswered turn does.
+    let (s, b) = send(conv);
+    let (stream, _, _) = store(&js, s, b).await;
+    assert!(two.raw_streams.contains(&stream), "{stream}");
+    let decided = wait_for("the unanswered turn is decided", || {
+        let js = js.clone();
+        async move {
+            let r = responses_of(&js, conv).await;
+            (!r.is_empty()).then_some(r)
+        }
+    })
+    .await;
+    assert_eq!(decided.len(), 1, "{decided:?}");
+    let body: Value = serde_json::from_slice(&decided[0].payload).unwrap_or(Value::Null);
+    assert_eq!(body["payload"]["outcome"], "blocked", "{body:#}");
+    assert_eq!(body["payload"]["reason"], "timeout", "{body:#}");
+    assert!(
+        worker
+            .log_text()
+            .contains("a reshard marker for a set of raw streams that no longer exists; ignored"),
+        "{}",
+        worker.log_text()
+    );
+    worker.sigterm();
+    worker.wait_exit(Duration::from_secs(30)).await;
+}
+
+/// A reshard marker naming a set of raw streams that does not exist (published by hand, or
+/// left by a reshard abandoned while the workers ran on) holds no deadline back.
+#[tokio::test]
+async fn a_marker_naming_no_set_of_raw_streams_holds_no_deadline_back() {
+    let nats = TestNats::start().await;
+    let url = nats.url();
+    let js = nats.jetstream().await;
+    let args = ["--main-agents", "ruda,eden", "--turn-timeout", "2s"];
+    let mut worker = Projector::spawn(&url, &args, &[]);
+    let conv = "conv-forged";
+    let one = names(1);
+    wait_for("the raw stream exists", || {
+        let js = js.clone();
+        let stream = one.raw_stream.clone();
+        async move { js.get_stream(&stream).await.ok().map(|_| ()) }
+    })
+    .await;
+    let (s, b) = task_update(conv, 0);
+    store(&js, s, b).await;
+    // The marker for the turn's partition, before its send.
+    let partitions = collab_projector::config::Settings::default()
+        .nats
+        .partitions;
+    let p = u16::try_from(collab_projector::config::transform_partition(
+        conv.as_bytes(),
+        u32::from(partitions),
+    ))
+    .unwrap_or(0);
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Collab-Barrier", "collab");
+    headers.insert("Collab-Reshard", (5u64 << 48).to_string().as_str());
+    js.publish_with_headers(
+        one.reshard_marker_subject(p, partitions),
+        headers,
+        Bytes::new(),
+    )
+    .await
+    .expect("publish the marker")
+    .await
+    .expect("the marker stored");
+    let (s, b) = send(conv);
+    store(&js, s, b).await;
+    let decided = wait_for("the unanswered turn is decided", || {
+        let js = js.clone();
+        async move {
+            let r = responses_of(&js, conv).await;
+            (!r.is_empty()).then_some(r)
+        }
+    })
+    .await;
+    let body: Value = serde_json::from_slice(&decided[0].payload).unwrap_or(Value::Null);
+    assert_eq!(body["payload"]["reason"], "timeout", "{body:#}");
+    assert!(
+        worker
+            .log_text()
+            .contains("a reshard marker for a set of raw streams that no longer exists; ignored"),
+        "{}",
+        worker.log_text()
+    );
+    worker.sigterm();
+    worker.wait_exit(Duration::from_secs(30)).await;
 }
