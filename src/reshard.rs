@@ -184,7 +184,7 @@ pub async fn reshard(
         n.set_shards(count);
         n
     };
-    mark_partitions(&js, &settings, &current, &target, wait).await?;
+    mark_partitions(&js, &settings, (&current, &target), resumed, wait).await?;
     step(Step::Created {
         streams: target.streams.clone(),
         mapping: target_names
@@ -315,13 +315,15 @@ async fn create_set(
 /// not yet, a partition's inputs can be stored in either set, and its watermark stops at the
 /// marker until it reads `target` (see `bus::reader`, `Partition::heed_reshard_marker`). One
 /// marker for each partition of the largest count the layout supports reaches every partition
-/// of every count, a projection version's too. A marker that lands in `target` (the mapping
-/// was installed already, as when the command is run again) is harmless and passed over.
+/// of every count, a projection version's too. A command run again (`resumed`) stores them
+/// again, in case the first run stopped half way; a partition heeds the first it reads. A
+/// marker that lands in `target` (the mapping is installed already, as when the command is run
+/// again after the reload) is harmless and passed over.
 async fn mark_partitions(
     js: &jetstream::Context,
     settings: &Settings,
-    current: &Generation,
-    target: &Generation,
+    (current, target): (&Generation, &Generation),
+    resumed: bool,
     wait: Duration,
 ) -> Result<(), ReshardError> {
     let names = settings.names();
@@ -376,7 +378,7 @@ async fn mark_partitions(
             tokio::time::sleep(POLL).await;
         }
     }
-    if in_target > 0 {
+    if in_target > 0 && !resumed {
         tracing::warn!(
             markers = in_target,
             streams = %target.streams.join(", "),

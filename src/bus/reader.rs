@@ -51,9 +51,10 @@ pub(crate) struct Partition<'a> {
     /// the epoch) if it has not arrived yet.
     pub(crate) barrier_subject: String,
     pub(crate) barrier_sent_ms: Option<i64>,
-    /// The set of raw streams (its first sequence) that a reshard marker read by this partition
-    /// announced and that was found on the server (see [`Partition::heed_reshard_marker`]).
-    pub(crate) marked_set: Option<u64>,
+    /// The set of raw streams (its first sequence) that the last reshard marker read by this
+    /// partition announced, and whether it was found on the server (see
+    /// [`Partition::heed_reshard_marker`]).
+    pub(crate) marked_set: Option<(u64, bool)>,
     /// The consumer sequence the next delivery must carry: a delivery past it means another
     /// client (a previous owner's late pull, an abandoned request) was delivered to, and what
     /// it got must not be covered by this partition's acknowledgements.
@@ -340,7 +341,10 @@ impl Partition<'_> {
         stored_ms: i64,
         base: u64,
     ) -> Result<(), WorkerError> {
-        if seq < base && self.marked_set != Some(base) {
+        if seq >= base {
+            return Ok(());
+        }
+        if self.marked_set.is_none_or(|(b, _)| b != base) {
             // Only a set that exists holds the watermark back: a marker of a reshard
             // abandoned since, or one not published by `reshard`, would stall deadlines.
             // A look-up that fails is no fault of the marker: the partition starts over
@@ -362,9 +366,8 @@ impl Partition<'_> {
                     });
                 }
             };
-            if exists {
-                self.marked_set = Some(base);
-            } else {
+            self.marked_set = Some((base, exists));
+            if !exists {
                 info!(
                     partition = self.p,
                     seq,
@@ -373,10 +376,19 @@ impl Partition<'_> {
                 );
             }
         }
-        if self.marked_set == Some(base) {
+        if self.marked_set == Some((base, true)) {
             self.heed_reshard_marker(seq, stored_ms, base);
         }
         Ok(())
+    }
+
+    /// The reshard marker a starting partition found in its stream (raw sequence, store time,
+    /// the set it names; see `bus::worker`), if any: heeded as one read in the stream.
+    pub(crate) fn heed_found_marker(&mut self, found: Option<(u64, i64, u64)>) {
+        if let Some((seq, stored_ms, base)) = found {
+            self.marked_set = Some((base, true));
+            self.heed_reshard_marker(seq, stored_ms, base);
+        }
     }
 
     /// A reshard marker stored at `stored_ms` as raw sequence `seq`, announcing the set of raw
@@ -406,11 +418,17 @@ impl Partition<'_> {
             );
         }
         self.watermark.cap_at(cap);
+        self.turns.cap_deadlines_at(cap);
     }
 
     /// A due deadline with no message to move the watermark: when the consumer has nothing
     /// pending and everything delivered was processed, send the partition a barrier.
     pub(crate) async fn idle_tick(&mut self, consumer: &mut PullConsumer) {
+        // Held at a reshard marker: no barrier stored now can move the watermark past it, and
+        // the deadlines wait for the new raw streams.
+        if self.watermark.cap().is_some() {
+            return;
+        }
         let Ok(info) = consumer.info().await else {
             return;
         };

@@ -464,6 +464,9 @@ pub struct PartitionTurns {
     fence: super::publish::Fence,
     /// The sets of raw streams the partition reads, for the stream of a raw sequence.
     raw: std::sync::Arc<crate::config::Names>,
+    /// No deadline after this (ms since the epoch) is decided, whatever the store time of an
+    /// event read: the partition read a reshard marker (see `Partition::heed_reshard_marker`).
+    deadline_cap: Option<i64>,
 }
 
 impl Drop for PartitionTurns {
@@ -537,6 +540,7 @@ impl PartitionTurns {
             inputs: 0,
             fence,
             raw,
+            deadline_cap: None,
         })
     }
 
@@ -1002,10 +1006,14 @@ impl PartitionTurns {
     ) -> Result<(), TurnIoError> {
         let key = facts.record_key(self.partition);
         // Messages are processed in stream order, so one stored after an open turn's deadline
-        // means the deadline has passed in event time: decide it first.
+        // means the deadline has passed in event time: decide it first (no further than the
+        // cap a reshard marker set).
+        let passed = self
+            .deadline_cap
+            .map_or(facts.stored_ms, |cap| cap.min(facts.stored_ms));
         if let Some((_, _, Some(deadline))) = self.open.get(&key) {
-            if deadline < facts.stored_ms {
-                self.advance(shared, facts.stored_ms, fx).await?;
+            if deadline < passed {
+                self.advance(shared, passed, fx).await?;
             }
         }
         let current = self.current_rev(&key).await?;
@@ -1154,6 +1162,11 @@ impl PartitionTurns {
         out.kind = OutKind::Projection(Role::SystemObservability);
         metrics::counter!(telemetry::SUPPRESSED, "reason" => reason.as_str()).increment(1);
         out
+    }
+
+    /// From now on decide no deadline after `at_ms` (the lowest of the caps given).
+    pub fn cap_deadlines_at(&mut self, at_ms: i64) {
+        self.deadline_cap = Some(self.deadline_cap.map_or(at_ms, |c| c.min(at_ms)));
     }
 
     /// Decide every open turn whose deadline is before the watermark, into `fx`.

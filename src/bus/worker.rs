@@ -124,28 +124,20 @@ async fn raw_stream(
     ))
 }
 
-/// Heed the last reshard marker `part` reads in `stream`, if there is one (see
-/// [`reshard_marker_in`]).
-async fn heed_reshard_marker_at_start(
-    part: &mut Partition<'_>,
-    stream: &jetstream::stream::Stream,
-) -> Result<(), WorkerError> {
-    if let Some((seq, stored_ms, base)) = reshard_marker_in(part.shared, stream, part.p).await? {
-        part.marked_set = Some(base);
-        part.heed_reshard_marker(seq, stored_ms, base);
-    }
-    Ok(())
-}
-
-/// The last reshard marker partition `p` reads in `stream` (see `Partition::heed_reshard_marker`),
-/// as (raw sequence, store time in ms, the first sequence of the set it announces).
-/// `collab-projector reshard` publishes one for each partition of the largest count the raw
-/// streams' layout supports, so partition `p` of any count reads the one made for `p`.
+/// The first reshard marker partition `p` reads in `stream` that names a set of raw streams
+/// on the server (see `Partition::heed_reshard_marker`), as (raw sequence, store time in ms,
+/// the first sequence of the set it names). `collab-projector reshard` publishes one for each
+/// partition of the largest count the raw streams' layout supports, so partition `p` of any
+/// count reads the one made for `p`; a command run again publishes them again, and the first
+/// is the one that counts (a later one would let through what was stored between them). A
+/// reshard abandoned by deleting the streams it made leaves its markers behind: they hold
+/// nothing back once that set is gone.
 async fn reshard_marker_in(
     shared: &WorkerContext,
     stream: &jetstream::stream::Stream,
     p: u16,
 ) -> Result<Option<(u64, i64, u64)>, WorkerError> {
+    use jetstream::stream::RawMessageErrorKind;
     let layout = shared.settings.layout();
     let most = layout.levels.last().copied().unwrap_or(1);
     let names = &shared.names;
@@ -154,29 +146,49 @@ async fn reshard_marker_in(
     else {
         return Ok(None);
     };
-    let found = super::publish::last_from_leader(stream, &subject)
-        .await
-        .map_err(|e| WorkerError::setup(p, "looking up the raw stream's reshard marker", e))?;
-    let Some((seq, stored_ms, base)) = found.and_then(|m| {
-        let base = super::acker::marker_base(Some(&m.headers))?;
-        Some((m.sequence, m.time.timestamp_millis(), base))
-    }) else {
-        return Ok(None);
-    };
-    // A reshard abandoned by deleting the streams it made leaves its markers behind: they hold
-    // nothing back once that set is gone.
-    let exists = super::generations::set_exists(&shared.js, &shared.names, base)
-        .await
-        .map_err(|e| WorkerError::setup(p, "the raw streams", e))?;
-    if !exists {
+    let setup = |e: Source| WorkerError::setup(p, "looking up the raw stream's reshard markers", e);
+    let mut sets: Option<Vec<u64>> = None;
+    let mut from = 0u64;
+    // Each set of raw streams is left by one reshard that finished; the rest were abandoned.
+    for _ in 0..MARKERS_LOOKED_AT {
+        let m = match stream
+            .get_first_raw_message_by_subject(&subject, from)
+            .await
+        {
+            Ok(m) => m,
+            Err(e) if e.kind() == RawMessageErrorKind::NoMessageFound => return Ok(None),
+            Err(e) => return Err(setup(Source::from(e))),
+        };
+        from = m.sequence + 1;
+        let Some(base) = super::acker::marker_base(Some(&m.headers)).filter(|_| {
+            m.payload.is_empty() && m.headers.get(crate::pipeline::H_BARRIER).is_some()
+        }) else {
+            continue;
+        };
+        if m.sequence >= base {
+            continue;
+        }
+        if sets.is_none() {
+            let found = super::generations::discover(&shared.js, names)
+                .await
+                .map_err(|e| setup(Source::from(e)))?;
+            sets = Some(found.iter().map(|g| g.base).collect());
+        }
+        if sets.as_ref().is_some_and(|s| s.contains(&base)) {
+            return Ok(Some((m.sequence, m.time.timestamp_millis(), base)));
+        }
         info!(
             partition = p,
-            seq, base, "a reshard marker for a set of raw streams that no longer exists; ignored"
+            seq = m.sequence,
+            base,
+            "a reshard marker for a set of raw streams that no longer exists; ignored"
         );
-        return Ok(None);
     }
-    Ok(Some((seq, stored_ms, base)))
+    Ok(None)
 }
+
+/// How many reshard markers of one partition a starting partition looks at, at most.
+const MARKERS_LOOKED_AT: usize = 64;
 
 /// How long a starting partition waits for its first answer from the server (the raw stream's
 /// description) before it starts over.
@@ -227,6 +239,10 @@ pub async fn run_partition(
     };
     let resume_after = checkpoint.resume_after();
     let (mut consumer, recreated) = open_consumer(&shared, &stream, p, resume_after).await?;
+    // A reshard marker acknowledged by an earlier owner is not delivered again: looked up here,
+    // it holds this owner's watermark as it held theirs. One stored after this look-up is
+    // delivered (it follows everything in the stream now).
+    let marker = reshard_marker_in(&shared, &stream, p).await?;
     // Every task this partition starts is aborted with it: a shutdown that gives up on a drain
     // (`workers.drain_timeout`) aborts the partition's task, and nothing of it may run on.
     let watch = AbortOnDropHandle::new(tokio::spawn(watch_for_end(
@@ -327,10 +343,7 @@ pub async fn run_partition(
         cancel: &cancel,
         broken: &broken,
     };
-    // A reshard marker acknowledged by an earlier owner is not delivered again: looked up here,
-    // it holds this owner's watermark as it held theirs. One stored after this look-up is
-    // delivered (it follows everything in the stream now).
-    heed_reshard_marker_at_start(&mut part, &stream).await?;
+    part.heed_found_marker(marker);
     let mut result = part.run(&stream, &mut consumer, &lease_valid_until).await;
     debug!(
         partition = p,

@@ -740,7 +740,7 @@ async fn a_reply_in_the_new_streams_before_its_deadline_wins_over_later_inputs_i
     let url = nats.url();
     let js = nats.jetstream().await;
     let env = [("COLLAB_NATS__SHARDS", "2")];
-    let args = ["--main-agents", "ruda,eden", "--turn-timeout", "3s"];
+    let args = ["--main-agents", "ruda,eden", "--turn-timeout", "5s"];
     let mut worker = Projector::spawn(&url, &args, &env);
     wait_for("the two raw streams exist", || {
         let js = js.clone();
@@ -754,13 +754,22 @@ async fn a_reply_in_the_new_streams_before_its_deadline_wins_over_later_inputs_i
     })
     .await;
     let conv = "conv-split";
+    // Another conversation of the same partition (of 16, so of the same shard of 2 and of 4).
+    let partition_of =
+        |key: &str| collab_projector::config::transform_partition(key.as_bytes(), 16);
+    let other = (0..)
+        .map(|n| format!("conv-other-{n}"))
+        .find(|c| partition_of(c) == partition_of(conv))
+        .unwrap_or_default();
     // The partitions run: an input on the turn's key is projected.
     late_update_in_old_streams(&js, conv, 0).await;
 
     let (s, b) = send(conv);
     let (send_stream, _, send_ms) = store(&js, s, b).await;
     assert!(two.raw_streams.contains(&send_stream), "{send_stream}");
-    let deadline_ms = send_ms + 3_000;
+    let (s, b) = send(&other);
+    store(&js, s, b).await;
+    let deadline_ms = send_ms + 5_000;
 
     // The reshard prints the mapping once its markers are stored.
     let mut running = ReshardRun::start(&url, 4, &[]);
@@ -781,11 +790,28 @@ async fn a_reply_in_the_new_streams_before_its_deadline_wins_over_later_inputs_i
         "the reshard took too long to ask for the mapping: the reply was stored {} ms after the deadline",
         reply_ms - deadline_ms
     );
-    // One not reloaded yet stores a later input of the key in the old streams, past the deadline.
+    // One not reloaded yet stores later inputs of the partition in the old streams, past the
+    // deadline: a task update, and the late reply of the other turn (an event of a turn past
+    // its deadline, which decides the partition's turns due before it).
     let past =
         u64::try_from(deadline_ms + 300 - chrono::Utc::now().timestamp_millis()).unwrap_or(0);
     tokio::time::sleep(Duration::from_millis(past)).await;
-    let late = late_update_in_old_streams(&js, conv, 1).await;
+    late_update_in_old_streams(&js, conv, 1).await;
+    let (_, b) = reply(&other);
+    store(
+        &js,
+        format!("collab.shard.2.{}.{other}.a2a.response", h % 2),
+        b,
+    )
+    .await;
+    // Its own turn times out (its reply is late by its own store time).
+    wait_for("the other turn is decided", || {
+        let js = js.clone();
+        let other = other.clone();
+        async move { (!responses_of(&js, &other).await.is_empty()).then_some(()) }
+    })
+    .await;
+    let late = late_update_in_old_streams(&js, conv, 2).await;
     let decided = responses_of(&js, conv).await;
     assert!(
         decided.is_empty(),
@@ -817,7 +843,7 @@ async fn a_reply_in_the_new_streams_before_its_deadline_wins_over_later_inputs_i
     worker.kill9();
     worker.wait_exit(Duration::from_secs(10)).await;
     let mut worker = Projector::spawn(&url, &args, &env);
-    late_update_in_old_streams(&js, conv, 2).await;
+    late_update_in_old_streams(&js, conv, 3).await;
     let decided = responses_of(&js, conv).await;
     assert!(
         decided.is_empty(),
@@ -848,7 +874,13 @@ async fn a_reply_in_the_new_streams_before_its_deadline_wins_over_later_inputs_i
         "reshard failed: {}{said}",
         String::from_utf8_lossy(&stdout)
     );
-    let responses = crate::shards::one_response_per_turn(&js, 1).await;
+    // The other turn was answered late: it times out, once.
+    let responses = crate::shards::one_response_per_turn(&js, 2).await;
+    assert_eq!(
+        responses[&other]["payload"]["reason"], "timeout",
+        "{:#}",
+        responses[&other]
+    );
     let decided = wait_for("the turn is decided", || {
         let js = js.clone();
         async move {
