@@ -218,7 +218,8 @@ struct ReshardArgs {
     /// The new number of raw streams: 1, or a power of two that divides nats.partitions.
     #[arg(long, required_unless_present = "drop_sealed")]
     count: Option<u16>,
-    /// How long to wait for the server's mapping, and then for the partitions to move.
+    /// How long to wait to store the reshard markers, for the server's mapping, and then for
+    /// the partitions to move.
     #[arg(long, default_value = "10m", value_parser = humantime::parse_duration)]
     wait: Duration,
     /// Delete the sealed raw streams of earlier reshards, once every consumer has read them.
@@ -860,6 +861,7 @@ async fn reshard(args: ReshardArgs) -> anyhow::Result<()> {
                 telemetry::say(&mapping);
             }
             eprintln!("now put the block above in nats-server.conf, replacing the current mapping of the raw subjects if there is one, (inside the account's block when the server has accounts) on every node and reload them (`nats-server --signal reload`); waiting until the server sends raw traffic to the new streams");
+            eprintln!("(turn and run deadlines from now on are decided once the partitions read the new streams: reload every node without delay)");
         }
         Step::WaitingForMapping { elapsed } => {
             eprintln!("waiting for the mapping ({}s)", elapsed.as_secs());
