@@ -446,5 +446,11 @@ async fn start_service(
         }
         Err(e) => warn!(error = %e, "status endpoint registration failed"),
     }
+    // The service's subscriptions are sent, not yet known to be in place: a request from
+    // another connection right after the process says it is up could find no responder. A
+    // flush returns once the server has read everything sent before it.
+    if let Err(e) = client.flush().await {
+        warn!(error = %e, "the service API's subscriptions were not confirmed by the server");
+    }
     Some(service)
 }
