@@ -145,17 +145,7 @@ async fn a_running_deployment_moves_from_two_raw_streams_to_four_losing_doubling
     let mut workers: Vec<Projector> = (0..2)
         .map(|_| Projector::spawn(&url, &RUN_ARGS, &env))
         .collect();
-    wait_for("the two raw streams exist", || {
-        let js = js.clone();
-        let streams = two.raw_streams.clone();
-        async move {
-            for s in &streams {
-                js.get_stream(s).await.ok()?;
-            }
-            Some(())
-        }
-    })
-    .await;
+    streams_exist(&js, &two.raw_streams).await;
 
     let log = Arc::new(Mutex::new(Published::default()));
     let stop = Arc::new(AtomicBool::new(false));
@@ -383,6 +373,17 @@ async fn reshard_with_reload(nats: &mut TestNats, count: u16, mapping: Option<St
         "the reshard never asked for the mapping: {}",
         running.said()
     );
+    reload_and_finish(nats, running, count, mapping).await
+}
+
+/// Put `mapping` in place on the server and let the `reshard --count <count>` in `running`
+/// finish; its JSON report.
+async fn reload_and_finish(
+    nats: &mut TestNats,
+    running: ReshardRun,
+    count: u16,
+    mapping: Option<String>,
+) -> Value {
     nats.local()
         .expect("a local nats-server")
         .reconfigure(mapping)
@@ -697,6 +698,65 @@ async fn store(js: &jetstream::Context, subject: String, body: Bytes) -> (String
     (ack.stream, ack.sequence, stored.time.timestamp_millis())
 }
 
+/// Wait until every one of `streams` exists.
+async fn streams_exist(js: &jetstream::Context, streams: &[String]) {
+    wait_for("the raw streams exist", || {
+        let js = js.clone();
+        async move {
+            for s in streams {
+                js.get_stream(s).await.ok()?;
+            }
+            Some(())
+        }
+    })
+    .await;
+}
+
+/// The turn of `conv` timed out, once, as any unanswered turn does, and `worker` said it
+/// passed over a reshard marker whose set of raw streams does not exist; `worker` is stopped.
+async fn timed_out_past_a_dead_marker(js: &jetstream::Context, conv: &str, mut worker: Projector) {
+    let decided = decided_turn(js, conv).await;
+    assert_eq!(decided.len(), 1, "{decided:?}");
+    let body: Value = serde_json::from_slice(&decided[0].payload).unwrap_or(Value::Null);
+    assert_eq!(body["payload"]["outcome"], "blocked", "{body:#}");
+    assert_eq!(body["payload"]["reason"], "timeout", "{body:#}");
+    assert!(
+        worker
+            .log_text()
+            .contains("a reshard marker for a set of raw streams that no longer exists; ignored"),
+        "{}",
+        worker.log_text()
+    );
+    worker.sigterm();
+    worker.wait_exit(Duration::from_secs(30)).await;
+}
+
+/// The environment of workers over two raw streams.
+const TWO_SHARDS: [(&str, &str); 1] = [("COLLAB_NATS__SHARDS", "2")];
+
+/// A nats-server that maps raw traffic over two raw streams, and a worker started with `args`
+/// on it, once both streams exist.
+async fn two_streams_and_a_worker(args: &[&str]) -> (TestNats, jetstream::Context, Projector) {
+    let two = names(2);
+    let nats = TestNats::start_with_config(two.shard_mapping_config().unwrap_or_default()).await;
+    let js = nats.jetstream().await;
+    let worker = Projector::spawn(&nats.url(), args, &TWO_SHARDS);
+    streams_exist(&js, &two.raw_streams).await;
+    (nats, js, worker)
+}
+
+/// The `a2a.response` projections of conversation `conv`, once there is one.
+async fn decided_turn(js: &jetstream::Context, conv: &str) -> Vec<crate::pipeline::Stored> {
+    wait_for("the turn is decided", || {
+        let js = js.clone();
+        async move {
+            let r = responses_of(&js, conv).await;
+            (!r.is_empty()).then_some(r)
+        }
+    })
+    .await
+}
+
 /// The `a2a.response` projections of conversation `conv`.
 async fn responses_of(js: &jetstream::Context, conv: &str) -> Vec<crate::pipeline::Stored> {
     crate::pipeline::read_all(
@@ -735,24 +795,9 @@ async fn late_update_in_old_streams(js: &jetstream::Context, key: &str, n: u64) 
 #[tokio::test]
 async fn a_reply_in_the_new_streams_before_its_deadline_wins_over_later_inputs_in_the_old_ones() {
     let (two, four) = (names(2), names(4));
-    let mut nats =
-        TestNats::start_with_config(two.shard_mapping_config().unwrap_or_default()).await;
-    let url = nats.url();
-    let js = nats.jetstream().await;
-    let env = [("COLLAB_NATS__SHARDS", "2")];
     let args = ["--main-agents", "ruda,eden", "--turn-timeout", "5s"];
-    let mut worker = Projector::spawn(&url, &args, &env);
-    wait_for("the two raw streams exist", || {
-        let js = js.clone();
-        let streams = two.raw_streams.clone();
-        async move {
-            for s in &streams {
-                js.get_stream(s).await.ok()?;
-            }
-            Some(())
-        }
-    })
-    .await;
+    let (mut nats, js, mut worker) = two_streams_and_a_worker(&args).await;
+    let url = nats.url();
     let conv = "conv-split";
     // Another conversation of the same partition (of 16, so of the same shard of 2 and of 4).
     let partition_of =
@@ -842,7 +887,7 @@ async fn a_reply_in_the_new_streams_before_its_deadline_wins_over_later_inputs_i
     .await;
     worker.kill9();
     worker.wait_exit(Duration::from_secs(10)).await;
-    let mut worker = Projector::spawn(&url, &args, &env);
+    let mut worker = Projector::spawn(&url, &args, &TWO_SHARDS);
     late_update_in_old_streams(&js, conv, 3).await;
     let decided = responses_of(&js, conv).await;
     assert!(
@@ -859,21 +904,7 @@ async fn a_reply_in_the_new_streams_before_its_deadline_wins_over_later_inputs_i
     );
 
     // Every server reloaded: the old streams are sealed and read, the reply wins.
-    nats.local()
-        .expect("a local nats-server")
-        .reconfigure(four.shard_mapping_config())
-        .await
-        .expect("reloading the server");
-    let said = running.said();
-    let (ok, stdout) = running
-        .finish(GUARD)
-        .await
-        .unwrap_or_else(|e| panic!("{e}"));
-    assert!(
-        ok,
-        "reshard failed: {}{said}",
-        String::from_utf8_lossy(&stdout)
-    );
+    reload_and_finish(&mut nats, running, 4, four.shard_mapping_config()).await;
     // The other turn was answered late: it times out, once.
     let responses = crate::shards::one_response_per_turn(&js, 2).await;
     assert_eq!(
@@ -881,14 +912,7 @@ async fn a_reply_in_the_new_streams_before_its_deadline_wins_over_later_inputs_i
         "{:#}",
         responses[&other]
     );
-    let decided = wait_for("the turn is decided", || {
-        let js = js.clone();
-        async move {
-            let r = responses_of(&js, conv).await;
-            (!r.is_empty()).then_some(r)
-        }
-    })
-    .await;
+    let decided = decided_turn(&js, conv).await;
     assert_eq!(decided.len(), 1, "{decided:?}");
     assert_eq!(
         decided[0].header("Collab-Source-Seq"),
@@ -906,23 +930,9 @@ async fn a_reply_in_the_new_streams_before_its_deadline_wins_over_later_inputs_i
 #[tokio::test]
 async fn markers_of_an_abandoned_reshard_hold_no_deadline_back_after_a_restart() {
     let (two, four) = (names(2), names(4));
-    let nats = TestNats::start_with_config(two.shard_mapping_config().unwrap_or_default()).await;
-    let url = nats.url();
-    let js = nats.jetstream().await;
-    let env = [("COLLAB_NATS__SHARDS", "2")];
     let args = ["--main-agents", "ruda,eden", "--turn-timeout", "3s"];
-    let mut worker = Projector::spawn(&url, &args, &env);
-    wait_for("the two raw streams exist", || {
-        let js = js.clone();
-        let streams = two.raw_streams.clone();
-        async move {
-            for s in &streams {
-                js.get_stream(s).await.ok()?;
-            }
-            Some(())
-        }
-    })
-    .await;
+    let (nats, js, mut worker) = two_streams_and_a_worker(&args).await;
+    let url = nats.url();
     let conv = "conv-abandoned";
     late_update_in_old_streams(&js, conv, 0).await;
 
@@ -940,33 +950,13 @@ async fn markers_of_an_abandoned_reshard_hold_no_deadline_back_after_a_restart()
     }
     worker.kill9();
     worker.wait_exit(Duration::from_secs(10)).await;
-    let mut worker = Projector::spawn(&url, &args, &env);
+    let worker = Projector::spawn(&url, &args, &TWO_SHARDS);
 
     // A turn opened after the markers times out as any unanswered turn does.
     let (s, b) = send(conv);
     let (stream, _, _) = store(&js, s, b).await;
     assert!(two.raw_streams.contains(&stream), "{stream}");
-    let decided = wait_for("the unanswered turn is decided", || {
-        let js = js.clone();
-        async move {
-            let r = responses_of(&js, conv).await;
-            (!r.is_empty()).then_some(r)
-        }
-    })
-    .await;
-    assert_eq!(decided.len(), 1, "{decided:?}");
-    let body: Value = serde_json::from_slice(&decided[0].payload).unwrap_or(Value::Null);
-    assert_eq!(body["payload"]["outcome"], "blocked", "{body:#}");
-    assert_eq!(body["payload"]["reason"], "timeout", "{body:#}");
-    assert!(
-        worker
-            .log_text()
-            .contains("a reshard marker for a set of raw streams that no longer exists; ignored"),
-        "{}",
-        worker.log_text()
-    );
-    worker.sigterm();
-    worker.wait_exit(Duration::from_secs(30)).await;
+    timed_out_past_a_dead_marker(&js, conv, worker).await;
 }
 
 /// A reshard marker naming a set of raw streams that does not exist (published by hand, or
@@ -977,7 +967,7 @@ async fn a_marker_naming_no_set_of_raw_streams_holds_no_deadline_back() {
     let url = nats.url();
     let js = nats.jetstream().await;
     let args = ["--main-agents", "ruda,eden", "--turn-timeout", "2s"];
-    let mut worker = Projector::spawn(&url, &args, &[]);
+    let worker = Projector::spawn(&url, &args, &[]);
     let conv = "conv-forged";
     let one = names(1);
     wait_for("the raw stream exists", || {
@@ -1011,23 +1001,5 @@ async fn a_marker_naming_no_set_of_raw_streams_holds_no_deadline_back() {
     .expect("the marker stored");
     let (s, b) = send(conv);
     store(&js, s, b).await;
-    let decided = wait_for("the unanswered turn is decided", || {
-        let js = js.clone();
-        async move {
-            let r = responses_of(&js, conv).await;
-            (!r.is_empty()).then_some(r)
-        }
-    })
-    .await;
-    let body: Value = serde_json::from_slice(&decided[0].payload).unwrap_or(Value::Null);
-    assert_eq!(body["payload"]["reason"], "timeout", "{body:#}");
-    assert!(
-        worker
-            .log_text()
-            .contains("a reshard marker for a set of raw streams that no longer exists; ignored"),
-        "{}",
-        worker.log_text()
-    );
-    worker.sigterm();
-    worker.wait_exit(Duration::from_secs(30)).await;
+    timed_out_past_a_dead_marker(&js, conv, worker).await;
 }
