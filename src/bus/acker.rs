@@ -355,26 +355,33 @@ pub(crate) fn last_sequence(ready: &[jetstream::Message]) -> Option<u64> {
 /// message that happens to carry the header but has a body, or another subject, is an input like
 /// any other (nothing a producer sends is acknowledged unseen).
 pub(crate) fn is_barrier(msg: &jetstream::Message) -> bool {
-    msg.payload.is_empty()
-        && barrier_shaped(msg.subject.as_str())
-        && msg
-            .headers
-            .as_ref()
-            .is_some_and(|h| h.get(crate::pipeline::H_BARRIER).is_some())
+    barrier_stored(msg.subject.as_str(), &msg.payload, msg.headers.as_ref())
+}
+
+/// [`is_barrier`] of a message stored as `subject` with `payload` and `headers`.
+fn barrier_stored(subject: &str, payload: &[u8], headers: Option<&async_nats::HeaderMap>) -> bool {
+    payload.is_empty()
+        && barrier_shaped(subject)
+        && headers.is_some_and(|h| h.get(crate::pipeline::H_BARRIER).is_some())
 }
 
 /// The set of raw streams a reshard marker announces (the first sequence of that set): a
 /// barrier stored as `._watermark<n>.reshard` by `collab-projector reshard` in the streams it
 /// moves raw traffic away from (see `bus::reader`). `None` for anything else.
 pub(crate) fn reshard_marker(msg: &jetstream::Message) -> Option<u64> {
-    if !is_barrier(msg) || !msg.subject.as_str().ends_with(".reshard") {
-        return None;
-    }
-    marker_base(msg.headers.as_ref())
+    marker_stored(msg.subject.as_str(), &msg.payload, msg.headers.as_ref())
 }
 
-/// The value of a reshard marker's `Collab-Reshard` header.
-pub(crate) fn marker_base(headers: Option<&async_nats::HeaderMap>) -> Option<u64> {
+/// [`reshard_marker`] of a message stored as `subject` with `payload` and `headers` (as a
+/// look-up by subject returns it).
+pub(crate) fn marker_stored(
+    subject: &str,
+    payload: &[u8],
+    headers: Option<&async_nats::HeaderMap>,
+) -> Option<u64> {
+    if !barrier_stored(subject, payload, headers) || !subject.ends_with(".reshard") {
+        return None;
+    }
     headers?
         .get(crate::pipeline::H_RESHARD)?
         .as_str()

@@ -334,7 +334,9 @@ impl Partition<'_> {
     }
 
     /// A reshard marker read in the stream (see [`Partition::heed_reshard_marker`]), heeded if
-    /// the set of raw streams it names is on the server.
+    /// the set of raw streams it names is on the server. A marker stored in the set it
+    /// announces (the mapping was in place before it was published) says nothing and is
+    /// passed over.
     async fn on_reshard_marker(
         &mut self,
         seq: u64,
@@ -377,7 +379,7 @@ impl Partition<'_> {
             }
         }
         if self.marked_set == Some((base, true)) {
-            self.heed_reshard_marker(seq, stored_ms, base);
+            self.heed_reshard_marker(seq, stored_ms);
         }
         Ok(())
     }
@@ -387,12 +389,12 @@ impl Partition<'_> {
     pub(crate) fn heed_found_marker(&mut self, found: Option<(u64, i64, u64)>) {
         if let Some((seq, stored_ms, base)) = found {
             self.marked_set = Some((base, true));
-            self.heed_reshard_marker(seq, stored_ms, base);
+            self.heed_reshard_marker(seq, stored_ms);
         }
     }
 
-    /// A reshard marker stored at `stored_ms` as raw sequence `seq`, announcing the set of raw
-    /// streams that starts at sequence `base`. `collab-projector reshard` stores one in every
+    /// A reshard marker stored at `stored_ms` as raw sequence `seq`, announcing a newer set of
+    /// raw streams that is on the server. `collab-projector reshard` stores one in every
     /// partition of the streams it moves raw traffic away from before it tells the operator to
     /// map raw subjects to the new set, so inputs of this partition stored in the new set were
     /// stored after it (give or take the servers' clock skew). From here on, until the servers
@@ -401,12 +403,7 @@ impl Partition<'_> {
     /// reply may wait in the new stream, stored before its deadline, while a later input here
     /// says the deadline passed. The watermark stops at the marker (less the skew); deadlines
     /// after it are decided once the partition reads the new set, where its watermark goes on.
-    /// A marker stored in the set it announces (the mapping was in place before it was
-    /// published) says nothing and is passed over.
-    pub(crate) fn heed_reshard_marker(&mut self, seq: u64, stored_ms: i64, base: u64) {
-        if seq >= base {
-            return;
-        }
+    fn heed_reshard_marker(&mut self, seq: u64, stored_ms: i64) {
         let skew = i64::try_from(self.shared.settings.turns.clock_skew.as_millis()).unwrap_or(0);
         let cap = stored_ms.saturating_sub(skew);
         if self.watermark.cap().is_none_or(|c| c > cap) {

@@ -147,7 +147,6 @@ async fn reshard_marker_in(
         return Ok(None);
     };
     let setup = |e: Source| WorkerError::setup(p, "looking up the raw stream's reshard markers", e);
-    let mut sets: Option<Vec<u64>> = None;
     let mut from = 0u64;
     // Each set of raw streams is left by one reshard that finished; the rest were abandoned.
     for _ in 0..MARKERS_LOOKED_AT {
@@ -160,21 +159,17 @@ async fn reshard_marker_in(
             Err(e) => return Err(setup(Source::from(e))),
         };
         from = m.sequence + 1;
-        let Some(base) = super::acker::marker_base(Some(&m.headers)).filter(|_| {
-            m.payload.is_empty() && m.headers.get(crate::pipeline::H_BARRIER).is_some()
-        }) else {
+        let Some(base) = super::acker::marker_stored(&m.subject, &m.payload, Some(&m.headers))
+        else {
             continue;
         };
         if m.sequence >= base {
             continue;
         }
-        if sets.is_none() {
-            let found = super::generations::discover(&shared.js, names)
-                .await
-                .map_err(|e| setup(Source::from(e)))?;
-            sets = Some(found.iter().map(|g| g.base).collect());
-        }
-        if sets.as_ref().is_some_and(|s| s.contains(&base)) {
+        let exists = super::generations::set_exists(&shared.js, names, base)
+            .await
+            .map_err(|e| setup(Source::from(e)))?;
+        if exists {
             return Ok(Some((m.sequence, m.time.timestamp_millis(), base)));
         }
         info!(
