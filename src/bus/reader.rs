@@ -51,10 +51,9 @@ pub(crate) struct Partition<'a> {
     /// the epoch) if it has not arrived yet.
     pub(crate) barrier_subject: String,
     pub(crate) barrier_sent_ms: Option<i64>,
-    /// The set of raw streams (its first sequence) that the last reshard marker read by this
-    /// partition announced, and whether it was found on the server (see
-    /// [`Partition::heed_reshard_marker`]).
-    pub(crate) marked_set: Option<(u64, bool)>,
+    /// The set of raw streams that the last reshard marker read by this partition announced,
+    /// as last looked up (see [`Partition::heed_reshard_marker`]).
+    pub(crate) marked_set: Option<MarkedSet>,
     /// The consumer sequence the next delivery must carry: a delivery past it means another
     /// client (a previous owner's late pull, an abandoned request) was delivered to, and what
     /// it got must not be covered by this partition's acknowledgements.
@@ -187,6 +186,8 @@ impl Partition<'_> {
             if !lease_held_again(lease_valid_until, self.stopped(), None).await {
                 continue;
             }
+            // A partition kept busy never idles, where a marker's hold is otherwise looked at.
+            self.recheck_marked_set().await;
             let mut messages = match PullBatch::request(&self.shared.js, consumer, batch).await {
                 Ok(m) => m,
                 Err(e) => {
@@ -346,49 +347,108 @@ impl Partition<'_> {
         if seq >= base {
             return Ok(());
         }
-        if self.marked_set.is_none_or(|(b, _)| b != base) {
-            // Only a set that exists holds the watermark back: a marker of a reshard
-            // abandoned since, or one not published by `reshard`, would stall deadlines.
-            // A look-up that fails is no fault of the marker: the partition starts over
-            // (and looks the marker up again at start) without charging it.
-            let exists = match super::generations::set_exists(
-                &self.shared.js,
-                &self.shared.names,
-                base,
-            )
-            .await
-            {
-                Ok(exists) => exists,
-                Err(e) => {
-                    warn!(partition = self.p, seq, error = %e,
-                        "the raw streams a reshard marker names could not be looked up; starting over");
-                    return Err(WorkerError::Interrupted {
-                        partition: self.p,
-                        why: "the raw streams a reshard marker names could not be looked up",
-                    });
-                }
-            };
-            self.marked_set = Some((base, exists));
-            if !exists {
-                info!(
-                    partition = self.p,
-                    seq,
+        let now = super::now_ms();
+        // A set found is taken as there until `recheck_marked_set` finds it gone; a set not
+        // found is looked up again after a while, since a reshard run after an abandoned one
+        // makes its set with the same first sequence.
+        let known = self
+            .marked_set
+            .filter(|m| m.base == base && (m.exists || !m.stale(now)));
+        let exists = match known {
+            Some(m) => m.exists,
+            None => {
+                // Only a set that exists holds the watermark back: a marker of a reshard
+                // abandoned since, or one not published by `reshard`, would stall deadlines.
+                // A look-up that fails is no fault of the marker: the partition starts over
+                // (and looks the marker up again at start) without charging it.
+                let exists = match super::generations::set_exists(
+                    &self.shared.js,
+                    &self.shared.names,
                     base,
-                    "a reshard marker for a set of raw streams that no longer exists; ignored"
-                );
+                )
+                .await
+                {
+                    Ok(exists) => exists,
+                    Err(e) => {
+                        warn!(partition = self.p, seq, error = %e,
+                            "the raw streams a reshard marker names could not be looked up; starting over");
+                        return Err(WorkerError::Interrupted {
+                            partition: self.p,
+                            why: "the raw streams a reshard marker names could not be looked up",
+                        });
+                    }
+                };
+                self.marked_set = Some(MarkedSet {
+                    base,
+                    exists,
+                    checked_ms: now,
+                });
+                if !exists {
+                    info!(
+                        partition = self.p,
+                        seq,
+                        base,
+                        "a reshard marker for a set of raw streams that no longer exists; ignored"
+                    );
+                }
+                exists
             }
-        }
-        if self.marked_set == Some((base, true)) {
+        };
+        if exists {
             self.heed_reshard_marker(seq, stored_ms);
         }
         Ok(())
+    }
+
+    /// Held at a reshard marker: look again, at most every [`MarkedSet::RECHECK_MS`], whether
+    /// the set of raw streams it names is still on the server. Once it is gone (the reshard
+    /// abandoned: the old mapping put back and the new streams deleted), nothing will be stored
+    /// there, the marker says nothing any more, and this stream's store times decide the
+    /// deadlines again, without a restart. A look-up that fails keeps the hold and asks again
+    /// later.
+    pub(crate) async fn recheck_marked_set(&mut self) {
+        let Some(m) = self.marked_set else {
+            return;
+        };
+        let now = super::now_ms();
+        if !m.exists || self.watermark.cap().is_none() || !m.stale(now) {
+            return;
+        }
+        let found =
+            super::generations::set_exists(&self.shared.js, &self.shared.names, m.base).await;
+        let exists = match found {
+            Ok(exists) => exists,
+            Err(e) => {
+                debug!(partition = self.p, base = m.base, error = %e,
+                    "the raw streams a heeded reshard marker names could not be looked up; asking again later");
+                true
+            }
+        };
+        self.marked_set = Some(MarkedSet {
+            checked_ms: now,
+            exists,
+            ..m
+        });
+        if !exists {
+            warn!(
+                partition = self.p,
+                base = m.base,
+                "the raw streams this partition's reshard marker names were deleted (the reshard was abandoned); its deadlines are decided on this stream again"
+            );
+            self.watermark.lift_cap();
+            self.turns.lift_deadline_cap();
+        }
     }
 
     /// The reshard marker a starting partition found in its stream (raw sequence, store time,
     /// the set it names; see `bus::worker`), if any: heeded as one read in the stream.
     pub(crate) fn heed_found_marker(&mut self, found: Option<(u64, i64, u64)>) {
         if let Some((seq, stored_ms, base)) = found {
-            self.marked_set = Some((base, true));
+            self.marked_set = Some(MarkedSet {
+                base,
+                exists: true,
+                checked_ms: super::now_ms(),
+            });
             self.heed_reshard_marker(seq, stored_ms);
         }
     }
@@ -422,9 +482,12 @@ impl Partition<'_> {
     /// pending and everything delivered was processed, send the partition a barrier.
     pub(crate) async fn idle_tick(&mut self, consumer: &mut PullConsumer) {
         // Held at a reshard marker: no barrier stored now can move the watermark past it, and
-        // the deadlines wait for the new raw streams.
+        // the deadlines wait for the new raw streams, unless those are gone.
         if self.watermark.cap().is_some() {
-            return;
+            self.recheck_marked_set().await;
+            if self.watermark.cap().is_some() {
+                return;
+            }
         }
         let Ok(info) = consumer.info().await else {
             return;
@@ -990,6 +1053,27 @@ fn synthesised_end(msg_id: &str) -> Option<crate::redact::StreamId> {
 
 /// How long a partition waits before asking its consumer again whether a due deadline can fire.
 pub(crate) const IDLE_CHECK_MS: i64 = 200;
+
+/// What a partition last found of the set of raw streams a reshard marker named.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct MarkedSet {
+    /// The set's first raw sequence.
+    pub(crate) base: u64,
+    /// Whether the set was on the server.
+    pub(crate) exists: bool,
+    /// When it was looked up, ms since the epoch.
+    pub(crate) checked_ms: i64,
+}
+
+impl MarkedSet {
+    /// How often a partition held at a marker looks its set up again, and how long a set not
+    /// found is taken as absent: the pace at which the partitions look for a sealed stream.
+    pub(crate) const RECHECK_MS: i64 = 2_000;
+
+    fn stale(&self, now_ms: i64) -> bool {
+        now_ms.saturating_sub(self.checked_ms) >= Self::RECHECK_MS
+    }
+}
 
 /// How long a partition waits for its barrier before it sends another (ms).
 pub(crate) const BARRIER_RETRY_MS: i64 = 1_000;

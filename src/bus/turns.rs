@@ -1169,6 +1169,12 @@ impl PartitionTurns {
         self.deadline_cap = Some(self.deadline_cap.map_or(at_ms, |c| c.min(at_ms)));
     }
 
+    /// Decide deadlines as the store times say again (the reshard that set the cap was
+    /// abandoned).
+    pub fn lift_deadline_cap(&mut self) {
+        self.deadline_cap = None;
+    }
+
     /// Decide every open turn whose deadline is before the watermark, into `fx`.
     pub async fn advance(
         &mut self,

@@ -244,6 +244,11 @@ impl Watermark {
     pub fn cap(&self) -> Option<i64> {
         self.cap
     }
+
+    /// Move with the store times again: what set the caps no longer holds.
+    pub fn lift_cap(&mut self) {
+        self.cap = None;
+    }
 }
 
 #[cfg(test)]
@@ -270,6 +275,9 @@ mod tests {
         assert_eq!(w.observe(150), Some(150));
         assert_eq!(w.observe(500), Some(160));
         assert_eq!(w.observe(900), None);
+        w.lift_cap();
+        assert_eq!(w.cap(), None);
+        assert_eq!(w.observe(900), Some(900));
     }
 
     fn record(turn: &str) -> TurnRecord {

@@ -959,6 +959,65 @@ async fn markers_of_an_abandoned_reshard_hold_no_deadline_back_after_a_restart()
     timed_out_past_a_dead_marker(&js, conv, worker).await;
 }
 
+/// A reshard abandoned while the workers run on (the old mapping kept, the new streams deleted)
+/// stops holding deadlines back once the partitions find its streams gone, without a restart:
+/// a turn due while the marker held it is decided, and so is one opened after.
+#[tokio::test]
+async fn a_running_partition_lets_go_of_its_marker_once_the_reshard_is_abandoned() {
+    let (two, four) = (names(2), names(4));
+    let args = ["--main-agents", "ruda,eden", "--turn-timeout", "3s"];
+    let (nats, js, mut worker) = two_streams_and_a_worker(&args).await;
+    let url = nats.url();
+    let (held, after) = ("conv-held-then-let-go", "conv-after-the-let-go");
+    late_update_in_old_streams(&js, held, 0).await;
+    late_update_in_old_streams(&js, after, 0).await;
+
+    let mut running = ReshardRun::start(&url, 4, &[]);
+    assert!(
+        running.asked_for_mapping(GUARD).await,
+        "the reshard never asked for the mapping: {}",
+        running.said()
+    );
+    drop(running);
+    // A turn opened behind the markers, due while they hold it.
+    let (s, b) = send(held);
+    let (stream, _, _) = store(&js, s, b).await;
+    assert!(two.raw_streams.contains(&stream), "{stream}");
+    // Its deadline passes in the old streams: later inputs there are stored past it.
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    late_update_in_old_streams(&js, held, 1).await;
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    assert!(
+        responses_of(&js, held).await.is_empty(),
+        "the turn was decided while the reshard's streams still existed"
+    );
+
+    for s in &four.raw_streams {
+        js.delete_stream(s)
+            .await
+            .unwrap_or_else(|e| panic!("deleting {s}: {e}"));
+    }
+    // The same worker, never restarted, decides the held turn and a new one.
+    let (s, b) = send(after);
+    store(&js, s, b).await;
+    for conv in [held, after] {
+        let decided = decided_turn(&js, conv).await;
+        assert_eq!(decided.len(), 1, "{conv}: {decided:?}");
+        let body: Value = serde_json::from_slice(&decided[0].payload).unwrap_or(Value::Null);
+        assert_eq!(body["payload"]["outcome"], "blocked", "{conv}: {body:#}");
+        assert_eq!(body["payload"]["reason"], "timeout", "{conv}: {body:#}");
+    }
+    assert!(
+        worker
+            .log_text()
+            .contains("reshard marker names were deleted (the reshard was abandoned)"),
+        "{}",
+        worker.log_text()
+    );
+    worker.sigterm();
+    worker.wait_exit(Duration::from_secs(30)).await;
+}
+
 /// A reshard marker naming a set of raw streams that does not exist (published by hand, or
 /// left by a reshard abandoned while the workers ran on) holds no deadline back.
 #[tokio::test]
