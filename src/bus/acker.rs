@@ -464,19 +464,26 @@ impl Issuer<'_> {
         };
         for (out, state) in publishes {
             let failed = match state {
-                Issued::Sent(fut) => match fut.await {
-                    Ok(_) => match self.publisher.injected_lost_ack() {
-                        Some(wait) => {
-                            tokio::time::sleep(wait).await;
+                Issued::Sent(fut, connects) => {
+                    match self.publisher.ack_unless_lost(fut, connects).await {
+                        Some(Ok(_)) => match self.publisher.injected_lost_ack() {
+                            Some(wait) => {
+                                tokio::time::sleep(wait).await;
+                                true
+                            }
+                            None => false,
+                        },
+                        Some(Err(e)) => match publish::classify(&out.subject, e) {
+                            Failure::Transient { .. } => true,
+                            f => return Err(stopped(self.publisher.count_failure(f))),
+                        },
+                        // Its ack went with a reconnect: sent again below.
+                        None => {
+                            self.publisher.state.count_publish_retry();
                             true
                         }
-                        None => false,
-                    },
-                    Err(e) => match publish::classify(&out.subject, e) {
-                        Failure::Transient { .. } => true,
-                        f => return Err(stopped(self.publisher.count_failure(f))),
-                    },
-                },
+                    }
+                }
                 Issued::Stored => false,
                 // `store_batches` ran first; an output it did not store is published here.
                 Issued::Batched => true,
@@ -566,8 +573,9 @@ pub(crate) type Publishes = Vec<(Outgoing, Issued)>;
 
 /// How an issued output stands.
 pub(crate) enum Issued {
-    /// Published; the future of its publish ack.
-    Sent(jetstream::context::PublishAckFuture),
+    /// Published; the future of its publish ack, and the connection's count of connects
+    /// before it was sent (see [`Publisher::ack_unless_lost`]).
+    Sent(jetstream::context::PublishAckFuture, u64),
     /// Stored already (by a retry in place, or with its batch).
     Stored,
     /// Left for the acker to store in an atomic batch (`Publisher::batches`).
@@ -613,8 +621,9 @@ pub(crate) async fn issue_publishes(
         }
         let out = publisher.fit(out);
         publisher.state.count_output(&out);
+        let connects = publisher.connects();
         let fut = match publisher.send(&publisher.js, &out, fence).await {
-            Ok(f) => Issued::Sent(f),
+            Ok(f) => Issued::Sent(f, connects),
             Err(f @ Failure::Transient { .. }) => {
                 warn!(error = %f, "publish failed; retrying in place");
                 publisher

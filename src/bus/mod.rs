@@ -170,6 +170,10 @@ pub async fn connect_producer_as(
     .await
 }
 
+/// How long a JetStream request or publish waits for its answer on a worker's contexts, and how
+/// long a publish ack dropped unawaited keeps its permit.
+pub(crate) const PUBLISH_ACK_WAIT: Duration = Duration::from_secs(5);
+
 /// Connect, check the server version and JetStream, and return a client with a JetStream context
 /// whose publish window is bounded below the client's cap. `nats` gives the credentials, TLS and
 /// inbox settings (its `url` is not used: `url` is); `None` connects without any.
@@ -229,10 +233,15 @@ async fn connect_checked(
         .await
         .map_err(|e| connect_failed(&shown, auth, e))?;
     check_server(&client, &shown).await?;
+    // A publish whose ack future is dropped unawaited (its partition stopped) keeps its
+    // publish-ack permit until the ack comes or `ack_timeout` passes; the default 30 s would
+    // leave permits lost with a reconnect unusable that long, and every partition of the
+    // worker waiting for one. Held no longer than a publish waits for its ack.
     let js = async_nats::jetstream::ContextBuilder::new()
         .max_ack_inflight(publish_window)
         .backpressure_on_inflight(true)
-        .timeout(Duration::from_secs(5))
+        .ack_timeout(PUBLISH_ACK_WAIT)
+        .timeout(PUBLISH_ACK_WAIT)
         .build(client.clone());
     if check_jetstream {
         js.query_account()

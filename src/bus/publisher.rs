@@ -56,6 +56,13 @@ pub struct Publisher {
     /// Set when the server refused an output as too large: the budget is read again before the
     /// partition runs again ([`Publisher::refresh_out_budget`]).
     budget_stale: AtomicBool,
+    /// The partitions' connection's counters: its count of connects says whether a publish's
+    /// ack may have been lost with a reconnect since it was sent.
+    stats: Arc<async_nats::Statistics>,
+    /// The count of connects a lost ack was last logged for (one line per reconnect).
+    told_lost_at: AtomicU64,
+    /// The last count of connects seen by an ack sent before it, and when it was first seen.
+    reconnect_seen: std::sync::Mutex<Option<(u64, tokio::time::Instant)>>,
     /// Outputs are stored as atomic batches by the partitions' ackers (`nats.publish_batches`)
     /// rather than published one by one as they are issued. Turned off for good when the server
     /// is found to store a batch's messages one by one.
@@ -64,6 +71,15 @@ pub struct Publisher {
 
 /// How long a publish waits for its ack (the contexts' request timeout).
 const PUBLISH_ACK_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How often an ack not yet in looks for a reconnect of the connection its publish went out on.
+const RECONNECT_CHECK: Duration = Duration::from_millis(250);
+
+/// How long an ack is still waited for once its connection has reconnected since the publish:
+/// the server answers to the publish's reply subject, which the new connection subscribes to
+/// again, so an answer sent after the reconnect (a replicated stream committing late) still
+/// arrives; one sent before it went with the old connection.
+const RECONNECT_ACK_GRACE: Duration = Duration::from_millis(500);
 
 /// Slack kept below the duplicate window: an output sent earlier than the window less this is
 /// looked up before it is sent again (see [`Publisher::stored_past_window`]).
@@ -101,6 +117,9 @@ impl Publisher {
             tracing::info!("outputs are stored as atomic batches (nats.publish_batches)");
         }
         Ok(Publisher {
+            stats: js.client().statistics(),
+            told_lost_at: AtomicU64::new(0),
+            reconnect_seen: std::sync::Mutex::new(None),
             batches: std::sync::atomic::AtomicBool::new(batches),
             retry_js: context(),
             blobs_js: context(),
@@ -184,6 +203,65 @@ impl Publisher {
     /// sent (`COLLAB_TEST_FAIL_PUBLISH_EVERY`).
     fn injected_failure(&self) -> bool {
         nth(&self.publish_attempts, self.fail_publish_every)
+    }
+
+    /// The partitions' connection's count of connects so far: read before a publish is sent,
+    /// and given to [`Publisher::ack_unless_lost`] with its ack's future.
+    pub(crate) fn connects(&self) -> u64 {
+        self.stats.connects.load(Ordering::Relaxed)
+    }
+
+    /// The server's answer to a publish sent when the connection had connected
+    /// `connects_at_send` times, or `None` when it has reconnected since and no answer came
+    /// within [`RECONNECT_ACK_GRACE`] of that being seen: the answer went with the old
+    /// connection, and waiting out the ack timeout would stall the partition for nothing. The
+    /// caller sends the output again, which collapses by its Msg-Id if it was stored.
+    pub(crate) async fn ack_unless_lost(
+        &self,
+        fut: jetstream::context::PublishAckFuture,
+        connects_at_send: u64,
+    ) -> Option<Result<jetstream::publish::PublishAck, jetstream::context::PublishError>> {
+        let mut fut = std::pin::pin!(std::future::IntoFuture::into_future(fut));
+        // Most acks are in by the time the acker gets to them: no timer for those.
+        if let std::task::Poll::Ready(r) = futures::poll!(fut.as_mut()) {
+            return Some(r);
+        }
+        loop {
+            let connects = self.connects();
+            if connects != connects_at_send {
+                // One grace per reconnect, from when it was first seen: the acks lost with it
+                // are given up together, not one grace after another.
+                let until = self.grace_after(connects);
+                let answer = tokio::time::timeout_at(until, fut.as_mut()).await.ok();
+                if answer.is_none()
+                    && self.told_lost_at.swap(connects, Ordering::Relaxed) != connects
+                {
+                    info!(
+                        "publish acks lost with a reconnect; their outputs are sent again (a stored one collapses by its Msg-Id)"
+                    );
+                }
+                return answer;
+            }
+            if let Ok(answer) = tokio::time::timeout(RECONNECT_CHECK, fut.as_mut()).await {
+                return Some(answer);
+            }
+        }
+    }
+
+    /// When the grace for acks sent before the connection's `connects`-th connect ends:
+    /// [`RECONNECT_ACK_GRACE`] after the first look at that count.
+    fn grace_after(&self, connects: u64) -> tokio::time::Instant {
+        let now = tokio::time::Instant::now();
+        let Ok(mut seen) = self.reconnect_seen.lock() else {
+            return now;
+        };
+        match *seen {
+            Some((c, at)) if c == connects => at + RECONNECT_ACK_GRACE,
+            _ => {
+                *seen = Some((connects, now));
+                now + RECONNECT_ACK_GRACE
+            }
+        }
     }
 
     /// Issue one publish on `js`, fenced by the partition's claim; the returned future

@@ -2088,6 +2088,48 @@ async fn partitions_ask_again_soon_after_a_reconnect_that_lost_their_pull_reques
     );
 }
 
+/// The link drops while the server's answers to a busy worker's publishes are on their way
+/// back: the outputs are stored and their acks go with the link. The ackers notice the
+/// reconnect and, after one short grace for the whole reconnect, send those outputs again (each
+/// collapses by its Msg-Id) instead of waiting out each ack's 5 s timeout in turn, and every
+/// input is projected once. (Before, the acks were waited out one after another while the
+/// server redelivered what stayed unacknowledged: this backlog took over a minute to settle.)
+#[tokio::test]
+async fn outputs_whose_acks_went_with_a_reconnect_are_sent_again_without_waiting_out_the_timeout() {
+    let nats = TestNats::start().await;
+    let proxy = crate::support::proxy::Proxy::start(nats.port()).await;
+    let url = nats.url();
+    let (ok, _, err) = run_bin(&["provision", "--nats-url", &url], &[ACK_WAIT], b"").await;
+    assert!(ok, "provision: {err}");
+    let js = nats.jetstream().await;
+    // A backlog, so the worker is busy when the link drops: its publishes are pipelined, and
+    // at any moment many of their acks are on their way.
+    let seqs = publish_all(&js, &load(6000)).await;
+    let envs = [ACK_WAIT, ("RUST_LOG", "info")];
+    let worker = start_projector(&proxy.url(), &MAIN_AGENTS, &envs).await;
+    wait_proj_at_least(&js, 500).await;
+    // Nothing the server sends reaches the worker any more: the acks of what it published
+    // last are held on the way, and the cut drops them.
+    proxy.hold_down(true);
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    proxy.cut();
+    proxy.hold_down(false);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.heal();
+    wait_settled(&js, seqs.len() as u64, 0).await;
+    let log = worker.log_text();
+    assert!(
+        log.contains("publish acks lost with a reconnect; their outputs are sent again"),
+        "the lost acks were not noticed with the reconnect: {log}"
+    );
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    let mut got: Vec<u64> = proj.iter().map(Stored::source_seq).collect();
+    got.sort_unstable();
+    let mut published = seqs;
+    published.sort_unstable();
+    assert_eq!(got, published, "every input projected once: {log}");
+}
+
 // ---------------------------------------------------------------------------------------------
 // 7. provision
 // ---------------------------------------------------------------------------------------------
