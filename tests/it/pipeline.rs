@@ -2088,14 +2088,11 @@ async fn partitions_ask_again_soon_after_a_reconnect_that_lost_their_pull_reques
     );
 }
 
-/// The link drops while the server's answers to a busy worker's publishes are on their way
-/// back: the outputs are stored and their acks go with the link. The ackers notice the
-/// reconnect and, after one short grace for the whole reconnect, send those outputs again (each
-/// collapses by its Msg-Id) instead of waiting out each ack's 5 s timeout in turn, and every
-/// input is projected once. (Before, the acks were waited out one after another while the
-/// server redelivered what stayed unacknowledged: this backlog took over a minute to settle.)
-#[tokio::test]
-async fn outputs_whose_acks_went_with_a_reconnect_are_sent_again_without_waiting_out_the_timeout() {
+/// A busy worker (a backlog of 6,000 inputs) cut from its server while the server's answers to
+/// its publishes are on their way back: what the server sends is held for 200 ms and then the
+/// link dropped, and healed 300 ms later. Returns the projections once settled, the inputs'
+/// raw sequences, and the worker's log.
+async fn cut_a_busy_worker() -> (Vec<Stored>, Vec<u64>, String) {
     let nats = TestNats::start().await;
     let proxy = crate::support::proxy::Proxy::start(nats.port()).await;
     let url = nats.url();
@@ -2117,17 +2114,49 @@ async fn outputs_whose_acks_went_with_a_reconnect_are_sent_again_without_waiting
     tokio::time::sleep(Duration::from_millis(300)).await;
     proxy.heal();
     wait_settled(&js, seqs.len() as u64, 0).await;
-    let log = worker.log_text();
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    (proj, seqs, worker.log_text())
+}
+
+/// The acks lost with the cut (see [`cut_a_busy_worker`]) are given up together after one short
+/// grace for the whole reconnect, and those outputs sent again (each collapses by its Msg-Id),
+/// instead of each ack's 5 s timeout being waited out in turn: every input is projected once.
+/// (Before, while the lost acks were waited out one after another, the server delivered the
+/// unacknowledged inputs again and again: the backlog took over a minute to settle.)
+#[tokio::test]
+async fn outputs_whose_acks_went_with_a_reconnect_are_sent_again_without_waiting_out_the_timeout() {
+    let (proj, seqs, log) = cut_a_busy_worker().await;
     assert!(
         log.contains("publish acks lost with a reconnect; their outputs are sent again"),
         "the lost acks were not noticed with the reconnect: {log}"
     );
-    let proj = read_all(&js, PROJ, "collab.proj.>").await;
     let mut got: Vec<u64> = proj.iter().map(Stored::source_seq).collect();
     got.sort_unstable();
     let mut published = seqs;
     published.sort_unstable();
     assert_eq!(got, published, "every input projected once: {log}");
+}
+
+/// Known gap, not yet closed (docs/reliability.md, "Per-key order across a reconnect"): a
+/// publish written to the connection that dropped is lost, while the client sends the
+/// publishes still queued behind it on the new connection; the lost one, sent again, lands
+/// behind later inputs' outputs of its key. Fails in about one run of two; run with
+/// `--ignored`.
+#[tokio::test]
+#[ignore = "known gap: per-key order across a reconnect of a busy worker"]
+async fn outputs_keep_their_key_order_across_a_reconnect_of_a_busy_worker() {
+    let (proj, _, _) = cut_a_busy_worker().await;
+    let mut last: std::collections::HashMap<&str, u64> = std::collections::HashMap::new();
+    for m in &proj {
+        let seq = m.source_seq();
+        if let Some(before) = last.insert(m.subject.as_str(), seq) {
+            assert!(
+                before < seq,
+                "{} holds input {seq} after input {before}",
+                m.subject
+            );
+        }
+    }
 }
 
 // ---------------------------------------------------------------------------------------------
