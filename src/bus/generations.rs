@@ -154,7 +154,33 @@ pub async fn set_exists(
     names: &Names,
     base: u64,
 ) -> Result<bool, SetsError> {
-    Ok(discover(js, names).await?.iter().any(|g| g.base == base))
+    Ok(set_streams(js, names, base).await?.is_some())
+}
+
+/// The streams of the set of raw streams starting at sequence `base`, if it is on the server.
+pub async fn set_streams(
+    js: &jetstream::Context,
+    names: &Names,
+    base: u64,
+) -> Result<Option<Vec<String>>, SetsError> {
+    Ok(discover(js, names)
+        .await?
+        .into_iter()
+        .find(|g| g.base == base)
+        .map(|g| g.streams))
+}
+
+/// Whether any of `streams` is gone from the server (asked by name; an answer other than "no
+/// such stream" is an error).
+pub async fn any_stream_gone(js: &jetstream::Context, streams: &[String]) -> Result<bool, String> {
+    for name in streams {
+        match js.get_stream(name).await {
+            Ok(_) => {}
+            Err(e) if super::error::stream_not_found(&e) => return Ok(true),
+            Err(e) => return Err(format!("stream {name}: {e}")),
+        }
+    }
+    Ok(false)
 }
 
 /// Record `found` (oldest first, not empty) in `settings`: the newest set is the one the

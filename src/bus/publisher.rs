@@ -70,7 +70,7 @@ pub struct Publisher {
 }
 
 /// How long a publish waits for its ack (the contexts' request timeout).
-const PUBLISH_ACK_TIMEOUT: Duration = Duration::from_secs(5);
+pub(crate) const PUBLISH_ACK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How often an ack not yet in looks for a reconnect of the connection its publish went out on.
 const RECONNECT_CHECK: Duration = Duration::from_millis(250);
@@ -300,11 +300,27 @@ impl Publisher {
         inputs: &[&jetstream::Message],
         cancel: &CancellationToken,
     ) -> Result<(), Halt> {
-        let mut patience = Patience::new();
-        // The output may have been stored by its first send (made at most an ack timeout before
-        // this) or by any retry, with its answer lost: it is looked up once sending it again
-        // would no longer collapse by its Msg-Id, and not sent again if stored.
+        // A first send that failed or timed out was made at most an ack timeout before this.
         let first_sent = chrono::Utc::now() - PUBLISH_ACK_TIMEOUT;
+        self.publish_in_place_since(out, fence, inputs, cancel, first_sent)
+            .await
+    }
+
+    /// [`Publisher::publish_in_place`] for an output first sent no earlier than `first_sent`
+    /// (an ack given up after a reconnect may be of a send made long before, when the link
+    /// dropped).
+    pub(crate) async fn publish_in_place_since(
+        &self,
+        out: &Outgoing,
+        fence: &Fence,
+        inputs: &[&jetstream::Message],
+        cancel: &CancellationToken,
+        first_sent: chrono::DateTime<chrono::Utc>,
+    ) -> Result<(), Halt> {
+        let mut patience = Patience::new();
+        // The output may have been stored by its first send or by any retry, with its answer
+        // lost: it is looked up once sending it again would no longer collapse by its Msg-Id,
+        // and not sent again if stored.
         loop {
             match self.stored_past_window(out, first_sent).await {
                 Ok(true) => {

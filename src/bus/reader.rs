@@ -51,9 +51,12 @@ pub(crate) struct Partition<'a> {
     /// the epoch) if it has not arrived yet.
     pub(crate) barrier_subject: String,
     pub(crate) barrier_sent_ms: Option<i64>,
-    /// The set of raw streams that the last reshard marker read by this partition announced,
-    /// as last looked up (see [`Partition::heed_reshard_marker`]).
+    /// The set of raw streams a heeded reshard marker announced (see
+    /// [`Partition::heed_reshard_marker`]), while it holds the partition's deadlines.
     pub(crate) marked_set: Option<MarkedSet>,
+    /// A set of raw streams a reshard marker named and the server did not have, and when that
+    /// was looked up (ms since the epoch): markers of it stored before then are passed over.
+    pub(crate) absent_set: Option<(u64, i64)>,
     /// The consumer sequence the next delivery must carry: a delivery past it means another
     /// client (a previous owner's late pull, an abandoned request) was delivered to, and what
     /// it got must not be covered by this partition's acknowledgements.
@@ -347,96 +350,111 @@ impl Partition<'_> {
         if seq >= base {
             return Ok(());
         }
+        if self.marked_set.as_ref().is_some_and(|m| m.base == base) {
+            self.heed_reshard_marker(seq, stored_ms);
+            return Ok(());
+        }
         let now = super::now_ms();
-        // A set found is taken as there until `recheck_marked_set` finds it gone; a set not
-        // found is looked up again after a while, since a reshard run after an abandoned one
-        // makes its set with the same first sequence.
-        let known = self
-            .marked_set
-            .filter(|m| m.base == base && (m.exists || !m.stale(now)));
-        let exists = match known {
-            Some(m) => m.exists,
-            None => {
-                // Only a set that exists holds the watermark back: a marker of a reshard
-                // abandoned since, or one not published by `reshard`, would stall deadlines.
-                // A look-up that fails is no fault of the marker: the partition starts over
-                // (and looks the marker up again at start) without charging it.
-                let exists = match super::generations::set_exists(
-                    &self.shared.js,
-                    &self.shared.names,
-                    base,
-                )
-                .await
-                {
-                    Ok(exists) => exists,
-                    Err(e) => {
-                        warn!(partition = self.p, seq, error = %e,
-                            "the raw streams a reshard marker names could not be looked up; starting over");
-                        return Err(WorkerError::Interrupted {
-                            partition: self.p,
-                            why: "the raw streams a reshard marker names could not be looked up",
-                        });
-                    }
-                };
-                self.marked_set = Some(MarkedSet {
-                    base,
-                    exists,
-                    checked_ms: now,
+        let skew = i64::try_from(self.shared.settings.turns.clock_skew.as_millis()).unwrap_or(0);
+        // A set found absent a moment ago says nothing of a marker stored after that look-up:
+        // a reshard run again after an abandoned one makes its streams, with the same first
+        // sequence, before it stores its markers.
+        let known_absent = self.absent_set.is_some_and(|(b, at)| {
+            b == base
+                && now.saturating_sub(at) < MarkedSet::RECHECK_MS
+                && stored_ms < at.saturating_sub(skew)
+        });
+        if known_absent {
+            return Ok(());
+        }
+        // Only a set that exists holds the watermark back: a marker of a reshard abandoned
+        // since, or one not published by `reshard`, would stall deadlines. A look-up that fails
+        // is no fault of the marker: the partition starts over (and looks the marker up again at
+        // start) without charging it.
+        let found = match super::generations::set_streams(&self.shared.js, &self.shared.names, base)
+            .await
+        {
+            Ok(found) => found,
+            Err(e) => {
+                warn!(partition = self.p, seq, error = %e,
+                        "the raw streams a reshard marker names could not be looked up; starting over");
+                return Err(WorkerError::Interrupted {
+                    partition: self.p,
+                    why: "the raw streams a reshard marker names could not be looked up",
                 });
-                if !exists {
-                    info!(
-                        partition = self.p,
-                        seq,
-                        base,
-                        "a reshard marker for a set of raw streams that no longer exists; ignored"
-                    );
-                }
-                exists
             }
         };
-        if exists {
-            self.heed_reshard_marker(seq, stored_ms);
+        match found {
+            Some(streams) => {
+                self.marked_set = Some(MarkedSet {
+                    base,
+                    streams,
+                    checked_ms: now,
+                });
+                self.heed_reshard_marker(seq, stored_ms);
+            }
+            None => {
+                self.absent_set = Some((base, now));
+                info!(
+                    partition = self.p,
+                    seq,
+                    base,
+                    "a reshard marker for a set of raw streams that no longer exists; ignored"
+                );
+            }
         }
         Ok(())
     }
 
     /// Held at a reshard marker: look again, at most every [`MarkedSet::RECHECK_MS`], whether
-    /// the set of raw streams it names is still on the server. Once it is gone (the reshard
-    /// abandoned: the old mapping put back and the new streams deleted), nothing will be stored
-    /// there, the marker says nothing any more, and this stream's store times decide the
-    /// deadlines again, without a restart. A look-up that fails keeps the hold and asks again
-    /// later.
+    /// the streams of the set it names are still on the server (asked by name). Once one is
+    /// gone (the reshard abandoned: the old mapping put back and the new streams deleted),
+    /// nothing more will be stored in that set, the marker says nothing any more, and this
+    /// stream's store times decide the deadlines again, without a restart. A look-up that fails
+    /// keeps the hold and asks again later.
     pub(crate) async fn recheck_marked_set(&mut self) {
-        let Some(m) = self.marked_set else {
+        let now = super::now_ms();
+        let Some(m) = self.marked_set.as_mut() else {
             return;
         };
-        let now = super::now_ms();
-        if !m.exists || self.watermark.cap().is_none() || !m.stale(now) {
+        if self.watermark.cap().is_none()
+            || now.saturating_sub(m.checked_ms) < MarkedSet::RECHECK_MS
+        {
             return;
         }
-        let found =
-            super::generations::set_exists(&self.shared.js, &self.shared.names, m.base).await;
-        let exists = match found {
-            Ok(exists) => exists,
-            Err(e) => {
-                debug!(partition = self.p, base = m.base, error = %e,
-                    "the raw streams a heeded reshard marker names could not be looked up; asking again later");
-                true
+        m.checked_ms = now;
+        let (js, names) = (&self.shared.js, &self.shared.names);
+        // A marker found at start names its set by its first sequence only.
+        let gone = if m.streams.is_empty() {
+            match super::generations::set_streams(js, names, m.base).await {
+                Ok(Some(streams)) => {
+                    m.streams = streams;
+                    Ok(false)
+                }
+                Ok(None) => Ok(true),
+                Err(e) => Err(e.to_string()),
             }
+        } else {
+            super::generations::any_stream_gone(js, &m.streams).await
         };
-        self.marked_set = Some(MarkedSet {
-            checked_ms: now,
-            exists,
-            ..m
-        });
-        if !exists {
-            warn!(
-                partition = self.p,
-                base = m.base,
-                "the raw streams this partition's reshard marker names were deleted (the reshard was abandoned); its deadlines are decided on this stream again"
-            );
-            self.watermark.lift_cap();
-            self.turns.lift_deadline_cap();
+        let base = m.base;
+        match gone {
+            Ok(false) => {}
+            Ok(true) => {
+                warn!(
+                    partition = self.p,
+                    base,
+                    "the raw streams this partition's reshard marker names were deleted (the reshard was abandoned); its deadlines are decided on this stream again"
+                );
+                self.marked_set = None;
+                self.absent_set = Some((base, now));
+                self.watermark.lift_cap();
+                self.turns.lift_deadline_cap();
+            }
+            Err(e) => {
+                debug!(partition = self.p, base, error = %e,
+                    "the raw streams a heeded reshard marker names could not be looked up; asking again later");
+            }
         }
     }
 
@@ -446,7 +464,7 @@ impl Partition<'_> {
         if let Some((seq, stored_ms, base)) = found {
             self.marked_set = Some(MarkedSet {
                 base,
-                exists: true,
+                streams: Vec::new(),
                 checked_ms: super::now_ms(),
             });
             self.heed_reshard_marker(seq, stored_ms);
@@ -1054,14 +1072,14 @@ fn synthesised_end(msg_id: &str) -> Option<crate::redact::StreamId> {
 /// How long a partition waits before asking its consumer again whether a due deadline can fire.
 pub(crate) const IDLE_CHECK_MS: i64 = 200;
 
-/// What a partition last found of the set of raw streams a reshard marker named.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// The set of raw streams a heeded reshard marker named.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct MarkedSet {
     /// The set's first raw sequence.
     pub(crate) base: u64,
-    /// Whether the set was on the server.
-    pub(crate) exists: bool,
-    /// When it was looked up, ms since the epoch.
+    /// Its streams, once known (a marker found at start names the set by `base` only).
+    pub(crate) streams: Vec<String>,
+    /// When the set was last looked up, ms since the epoch.
     pub(crate) checked_ms: i64,
 }
 
@@ -1069,10 +1087,6 @@ impl MarkedSet {
     /// How often a partition held at a marker looks its set up again, and how long a set not
     /// found is taken as absent: the pace at which the partitions look for a sealed stream.
     pub(crate) const RECHECK_MS: i64 = 2_000;
-
-    fn stale(&self, now_ms: i64) -> bool {
-        now_ms.saturating_sub(self.checked_ms) >= Self::RECHECK_MS
-    }
 }
 
 /// How long a partition waits for its barrier before it sends another (ms).

@@ -325,6 +325,7 @@ pub async fn run_partition(
             .barrier_subject(p, shared.settings.nats.partitions),
         barrier_sent_ms: None,
         marked_set: None,
+        absent_set: None,
         next_delivery: 0,
         verify_through,
         verify_missed: 0,
