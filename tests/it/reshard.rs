@@ -714,19 +714,27 @@ async fn streams_exist(js: &jetstream::Context, streams: &[String]) {
 
 /// The turn of `conv` timed out, once, as any unanswered turn does, and `worker` said it
 /// passed over a reshard marker whose set of raw streams does not exist; `worker` is stopped.
-async fn timed_out_past_a_dead_marker(js: &jetstream::Context, conv: &str, mut worker: Projector) {
+async fn timed_out_past_a_dead_marker(js: &jetstream::Context, conv: &str, worker: Projector) {
+    timed_out_once(js, conv).await;
+    stop_having_said(
+        worker,
+        "a reshard marker for a set of raw streams that no longer exists; ignored",
+    )
+    .await;
+}
+
+/// The turn of `conv` was answered once, with a blocked timeout.
+async fn timed_out_once(js: &jetstream::Context, conv: &str) {
     let decided = decided_turn(js, conv).await;
-    assert_eq!(decided.len(), 1, "{decided:?}");
+    assert_eq!(decided.len(), 1, "{conv}: {decided:?}");
     let body: Value = serde_json::from_slice(&decided[0].payload).unwrap_or(Value::Null);
-    assert_eq!(body["payload"]["outcome"], "blocked", "{body:#}");
-    assert_eq!(body["payload"]["reason"], "timeout", "{body:#}");
-    assert!(
-        worker
-            .log_text()
-            .contains("a reshard marker for a set of raw streams that no longer exists; ignored"),
-        "{}",
-        worker.log_text()
-    );
+    assert_eq!(body["payload"]["outcome"], "blocked", "{conv}: {body:#}");
+    assert_eq!(body["payload"]["reason"], "timeout", "{conv}: {body:#}");
+}
+
+/// `worker`'s log holds `said`; `worker` is stopped.
+async fn stop_having_said(mut worker: Projector, said: &str) {
+    assert!(worker.log_text().contains(said), "{}", worker.log_text());
     worker.sigterm();
     worker.wait_exit(Duration::from_secs(30)).await;
 }
@@ -966,7 +974,7 @@ async fn markers_of_an_abandoned_reshard_hold_no_deadline_back_after_a_restart()
 async fn a_running_partition_lets_go_of_its_marker_once_the_reshard_is_abandoned() {
     let (two, four) = (names(2), names(4));
     let args = ["--main-agents", "ruda,eden", "--turn-timeout", "3s"];
-    let (nats, js, mut worker) = two_streams_and_a_worker(&args).await;
+    let (nats, js, worker) = two_streams_and_a_worker(&args).await;
     let url = nats.url();
     let (held, after) = ("conv-held-then-let-go", "conv-after-the-let-go");
     late_update_in_old_streams(&js, held, 0).await;
@@ -1001,21 +1009,13 @@ async fn a_running_partition_lets_go_of_its_marker_once_the_reshard_is_abandoned
     let (s, b) = send(after);
     store(&js, s, b).await;
     for conv in [held, after] {
-        let decided = decided_turn(&js, conv).await;
-        assert_eq!(decided.len(), 1, "{conv}: {decided:?}");
-        let body: Value = serde_json::from_slice(&decided[0].payload).unwrap_or(Value::Null);
-        assert_eq!(body["payload"]["outcome"], "blocked", "{conv}: {body:#}");
-        assert_eq!(body["payload"]["reason"], "timeout", "{conv}: {body:#}");
+        timed_out_once(&js, conv).await;
     }
-    assert!(
-        worker
-            .log_text()
-            .contains("reshard marker names were deleted (the reshard was abandoned)"),
-        "{}",
-        worker.log_text()
-    );
-    worker.sigterm();
-    worker.wait_exit(Duration::from_secs(30)).await;
+    stop_having_said(
+        worker,
+        "reshard marker names were deleted (the reshard was abandoned)",
+    )
+    .await;
 }
 
 /// A reshard marker naming a set of raw streams that does not exist (published by hand, or
