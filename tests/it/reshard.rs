@@ -723,6 +723,25 @@ async fn timed_out_past_a_dead_marker(js: &jetstream::Context, conv: &str, worke
     .await;
 }
 
+/// `reshard --count 4` run until it asks for the mapping, then stopped there (abandoned).
+async fn stopped_at_the_mapping(url: &str) {
+    let mut running = ReshardRun::start(url, 4, &[]);
+    assert!(
+        running.asked_for_mapping(GUARD).await,
+        "the reshard never asked for the mapping: {}",
+        running.said()
+    );
+}
+
+/// Delete `streams` (an abandoned reshard's new set).
+async fn delete_streams(js: &jetstream::Context, streams: &[String]) {
+    for s in streams {
+        js.delete_stream(s)
+            .await
+            .unwrap_or_else(|e| panic!("deleting {s}: {e}"));
+    }
+}
+
 /// The turn of `conv` was answered once, with a blocked timeout.
 async fn timed_out_once(js: &jetstream::Context, conv: &str) {
     let decided = decided_turn(js, conv).await;
@@ -944,18 +963,8 @@ async fn markers_of_an_abandoned_reshard_hold_no_deadline_back_after_a_restart()
     let conv = "conv-abandoned";
     late_update_in_old_streams(&js, conv, 0).await;
 
-    let mut running = ReshardRun::start(&url, 4, &[]);
-    assert!(
-        running.asked_for_mapping(GUARD).await,
-        "the reshard never asked for the mapping: {}",
-        running.said()
-    );
-    drop(running);
-    for s in &four.raw_streams {
-        js.delete_stream(s)
-            .await
-            .unwrap_or_else(|e| panic!("deleting {s}: {e}"));
-    }
+    stopped_at_the_mapping(&url).await;
+    delete_streams(&js, &four.raw_streams).await;
     worker.kill9();
     worker.wait_exit(Duration::from_secs(10)).await;
     let worker = Projector::spawn(&url, &args, &TWO_SHARDS);
@@ -980,13 +989,7 @@ async fn a_running_partition_lets_go_of_its_marker_once_the_reshard_is_abandoned
     late_update_in_old_streams(&js, held, 0).await;
     late_update_in_old_streams(&js, after, 0).await;
 
-    let mut running = ReshardRun::start(&url, 4, &[]);
-    assert!(
-        running.asked_for_mapping(GUARD).await,
-        "the reshard never asked for the mapping: {}",
-        running.said()
-    );
-    drop(running);
+    stopped_at_the_mapping(&url).await;
     // A turn opened behind the markers, due while they hold it.
     let (s, b) = send(held);
     let (stream, _, _) = store(&js, s, b).await;
@@ -1000,11 +1003,7 @@ async fn a_running_partition_lets_go_of_its_marker_once_the_reshard_is_abandoned
         "the turn was decided while the reshard's streams still existed"
     );
 
-    for s in &four.raw_streams {
-        js.delete_stream(s)
-            .await
-            .unwrap_or_else(|e| panic!("deleting {s}: {e}"));
-    }
+    delete_streams(&js, &four.raw_streams).await;
     // The same worker, never restarted, decides the held turn and a new one.
     let (s, b) = send(after);
     store(&js, s, b).await;
