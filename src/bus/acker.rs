@@ -6,7 +6,7 @@
 
 use super::error::WorkerError;
 use super::publish::{self, Failure, Fence};
-use super::publisher::{Halt, Publisher, PUBLISH_ACK_TIMEOUT};
+use super::publisher::{Halt, Publisher};
 use super::turns::{
     Checkpoint, Effects, Hold, KvWrite, Mark, TurnIoError, WriteError, CHECKPOINT_EVERY,
 };
@@ -498,16 +498,11 @@ impl Issuer<'_> {
             }
             let inputs: Vec<&jetstream::Message> =
                 items.iter().filter_map(|i| i.msg.as_ref()).collect();
-            // Sent before its input's publishes were handed over (`issued`), give or take an
-            // ack timeout of waiting for a permit: however long its ack was waited for since.
-            let waited = chrono::Duration::from_std(issued.elapsed() + PUBLISH_ACK_TIMEOUT)
-                .unwrap_or(chrono::Duration::MAX);
-            let first_sent = chrono::Utc::now()
-                .checked_sub_signed(waited)
-                .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC);
+            // Sent before its input's publishes were handed over (`issued`), however long its
+            // ack was waited for since.
             match self
                 .publisher
-                .publish_in_place_since(&out, self.fence, &inputs, self.cancel, first_sent)
+                .publish_in_place_since(&out, self.fence, &inputs, self.cancel, issued)
                 .await
             {
                 Ok(()) => {}

@@ -148,15 +148,6 @@ async fn discover_once(
     Ok(found)
 }
 
-/// Whether a set of raw streams starting at sequence `base` is on the server.
-pub async fn set_exists(
-    js: &jetstream::Context,
-    names: &Names,
-    base: u64,
-) -> Result<bool, SetsError> {
-    Ok(set_streams(js, names, base).await?.is_some())
-}
-
 /// The streams of the set of raw streams starting at sequence `base`, if it is on the server.
 pub async fn set_streams(
     js: &jetstream::Context,

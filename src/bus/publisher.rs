@@ -59,18 +59,13 @@ pub struct Publisher {
     /// The partitions' connection's counters: its count of connects says whether a publish's
     /// ack may have been lost with a reconnect since it was sent.
     stats: Arc<async_nats::Statistics>,
-    /// The count of connects a lost ack was last logged for (one line per reconnect).
-    told_lost_at: AtomicU64,
-    /// The last count of connects seen by an ack sent before it, and when it was first seen.
-    reconnect_seen: std::sync::Mutex<Option<(u64, tokio::time::Instant)>>,
+    /// The last reconnect an ack sent before it saw (see [`Publisher::ack_unless_lost`]).
+    reconnect_seen: std::sync::Mutex<Option<ReconnectSeen>>,
     /// Outputs are stored as atomic batches by the partitions' ackers (`nats.publish_batches`)
     /// rather than published one by one as they are issued. Turned off for good when the server
     /// is found to store a batch's messages one by one.
     batches: std::sync::atomic::AtomicBool,
 }
-
-/// How long a publish waits for its ack (the contexts' request timeout).
-pub(crate) const PUBLISH_ACK_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// How often an ack not yet in looks for a reconnect of the connection its publish went out on.
 const RECONNECT_CHECK: Duration = Duration::from_millis(250);
@@ -81,11 +76,19 @@ const RECONNECT_CHECK: Duration = Duration::from_millis(250);
 /// arrives; one sent before it went with the old connection.
 const RECONNECT_ACK_GRACE: Duration = Duration::from_millis(500);
 
+/// The last reconnect of the partitions' connection that an ack sent before it saw: its count
+/// of connects, when it was first seen, and whether an ack given up with it was logged.
+struct ReconnectSeen {
+    connects: u64,
+    at: tokio::time::Instant,
+    told: bool,
+}
+
 /// Slack kept below the duplicate window: an output sent earlier than the window less this is
 /// looked up before it is sent again (see [`Publisher::stored_past_window`]).
 const DUPLICATE_WINDOW_MARGIN: Duration = Duration::from_secs(15);
 
-use super::{nth, test_hook_every};
+use super::{nth, test_hook_every, PUBLISH_ACK_WAIT};
 
 impl Publisher {
     /// Publishing over `js`'s connection. `hand_over`: half of `consumer.publish_window` shared
@@ -99,7 +102,7 @@ impl Publisher {
     ) -> Result<Publisher, OutputsUnread> {
         let context = || {
             jetstream::ContextBuilder::new()
-                .timeout(PUBLISH_ACK_TIMEOUT)
+                .timeout(PUBLISH_ACK_WAIT)
                 .build(js.client())
         };
         let partitions = usize::from(settings.nats.partitions.max(1));
@@ -118,7 +121,6 @@ impl Publisher {
         }
         Ok(Publisher {
             stats: js.client().statistics(),
-            told_lost_at: AtomicU64::new(0),
             reconnect_seen: std::sync::Mutex::new(None),
             batches: std::sync::atomic::AtomicBool::new(batches),
             retry_js: context(),
@@ -233,9 +235,7 @@ impl Publisher {
                 // are given up together, not one grace after another.
                 let until = self.grace_after(connects);
                 let answer = tokio::time::timeout_at(until, fut.as_mut()).await.ok();
-                if answer.is_none()
-                    && self.told_lost_at.swap(connects, Ordering::Relaxed) != connects
-                {
+                if answer.is_none() && self.first_lost_with(connects) {
                     info!(
                         "publish acks lost with a reconnect; their outputs are sent again (a stored one collapses by its Msg-Id)"
                     );
@@ -255,12 +255,31 @@ impl Publisher {
         let Ok(mut seen) = self.reconnect_seen.lock() else {
             return now;
         };
-        match *seen {
-            Some((c, at)) if c == connects => at + RECONNECT_ACK_GRACE,
+        match &*seen {
+            Some(r) if r.connects == connects => r.at + RECONNECT_ACK_GRACE,
             _ => {
-                *seen = Some((connects, now));
+                *seen = Some(ReconnectSeen {
+                    connects,
+                    at: now,
+                    told: false,
+                });
                 now + RECONNECT_ACK_GRACE
             }
+        }
+    }
+
+    /// Whether this is the first ack given up with the reconnect to `connects` (it is logged
+    /// once per reconnect).
+    fn first_lost_with(&self, connects: u64) -> bool {
+        let Ok(mut seen) = self.reconnect_seen.lock() else {
+            return false;
+        };
+        match seen.as_mut() {
+            Some(r) if r.connects == connects && !r.told => {
+                r.told = true;
+                true
+            }
+            _ => false,
         }
     }
 
@@ -300,23 +319,27 @@ impl Publisher {
         inputs: &[&jetstream::Message],
         cancel: &CancellationToken,
     ) -> Result<(), Halt> {
-        // A first send that failed or timed out was made at most an ack timeout before this.
-        let first_sent = chrono::Utc::now() - PUBLISH_ACK_TIMEOUT;
-        self.publish_in_place_since(out, fence, inputs, cancel, first_sent)
+        self.publish_in_place_since(out, fence, inputs, cancel, tokio::time::Instant::now())
             .await
     }
 
-    /// [`Publisher::publish_in_place`] for an output first sent no earlier than `first_sent`
-    /// (an ack given up after a reconnect may be of a send made long before, when the link
-    /// dropped).
+    /// [`Publisher::publish_in_place`] for an output issued at `issued` (an ack given up after
+    /// a reconnect may be of a send made long before, when the link dropped).
     pub(crate) async fn publish_in_place_since(
         &self,
         out: &Outgoing,
         fence: &Fence,
         inputs: &[&jetstream::Message],
         cancel: &CancellationToken,
-        first_sent: chrono::DateTime<chrono::Utc>,
+        issued: tokio::time::Instant,
     ) -> Result<(), Halt> {
+        // Its first send was made at most an ack timeout (of waiting for a permit, or for an
+        // ack that failed) before `issued`.
+        let waited = chrono::Duration::from_std(issued.elapsed() + PUBLISH_ACK_WAIT)
+            .unwrap_or(chrono::Duration::MAX);
+        let first_sent = chrono::Utc::now()
+            .checked_sub_signed(waited)
+            .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC);
         let mut patience = Patience::new();
         // The output may have been stored by its first send or by any retry, with its answer
         // lost: it is looked up once sending it again would no longer collapse by its Msg-Id,

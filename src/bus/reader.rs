@@ -169,7 +169,7 @@ impl Partition<'_> {
             }
         }
         let batch = self.shared.settings.consumer.batch;
-        let skew = i64::try_from(self.shared.settings.turns.clock_skew.as_millis()).unwrap_or(0);
+        let skew = self.clock_skew_ms();
         // When a due deadline cannot fire yet (messages are still pending), look again no sooner
         // than this (ms since the epoch): the check costs a JetStream API request.
         let mut idle_check_after = 0i64;
@@ -355,7 +355,7 @@ impl Partition<'_> {
             return Ok(());
         }
         let now = super::now_ms();
-        let skew = i64::try_from(self.shared.settings.turns.clock_skew.as_millis()).unwrap_or(0);
+        let skew = self.clock_skew_ms();
         // A set found absent a moment ago says nothing of a marker stored after that look-up:
         // a reshard run again after an abandoned one makes its streams, with the same first
         // sequence, before it stores its markers.
@@ -406,6 +406,11 @@ impl Partition<'_> {
         Ok(())
     }
 
+    /// `turns.clock_skew` in ms.
+    fn clock_skew_ms(&self) -> i64 {
+        i64::try_from(self.shared.settings.turns.clock_skew.as_millis()).unwrap_or(0)
+    }
+
     /// Held at a reshard marker: look again, at most every [`MarkedSet::RECHECK_MS`], whether
     /// the streams of the set it names are still on the server (asked by name). Once one is
     /// gone (the reshard abandoned: the old mapping put back and the new streams deleted),
@@ -423,20 +428,7 @@ impl Partition<'_> {
             return;
         }
         m.checked_ms = now;
-        let (js, names) = (&self.shared.js, &self.shared.names);
-        // A marker found at start names its set by its first sequence only.
-        let gone = if m.streams.is_empty() {
-            match super::generations::set_streams(js, names, m.base).await {
-                Ok(Some(streams)) => {
-                    m.streams = streams;
-                    Ok(false)
-                }
-                Ok(None) => Ok(true),
-                Err(e) => Err(e.to_string()),
-            }
-        } else {
-            super::generations::any_stream_gone(js, &m.streams).await
-        };
+        let gone = super::generations::any_stream_gone(&self.shared.js, &m.streams).await;
         let base = m.base;
         match gone {
             Ok(false) => {}
@@ -460,13 +452,9 @@ impl Partition<'_> {
 
     /// The reshard marker a starting partition found in its stream (raw sequence, store time,
     /// the set it names; see `bus::worker`), if any: heeded as one read in the stream.
-    pub(crate) fn heed_found_marker(&mut self, found: Option<(u64, i64, u64)>) {
-        if let Some((seq, stored_ms, base)) = found {
-            self.marked_set = Some(MarkedSet {
-                base,
-                streams: Vec::new(),
-                checked_ms: super::now_ms(),
-            });
+    pub(crate) fn heed_found_marker(&mut self, found: Option<(u64, i64, MarkedSet)>) {
+        if let Some((seq, stored_ms, set)) = found {
+            self.marked_set = Some(set);
             self.heed_reshard_marker(seq, stored_ms);
         }
     }
@@ -482,7 +470,7 @@ impl Partition<'_> {
     /// says the deadline passed. The watermark stops at the marker (less the skew); deadlines
     /// after it are decided once the partition reads the new set, where its watermark goes on.
     fn heed_reshard_marker(&mut self, seq: u64, stored_ms: i64) {
-        let skew = i64::try_from(self.shared.settings.turns.clock_skew.as_millis()).unwrap_or(0);
+        let skew = self.clock_skew_ms();
         let cap = stored_ms.saturating_sub(skew);
         if self.watermark.cap().is_none_or(|c| c > cap) {
             info!(
@@ -1077,7 +1065,7 @@ pub(crate) const IDLE_CHECK_MS: i64 = 200;
 pub(crate) struct MarkedSet {
     /// The set's first raw sequence.
     pub(crate) base: u64,
-    /// Its streams, once known (a marker found at start names the set by `base` only).
+    /// Its streams.
     pub(crate) streams: Vec<String>,
     /// When the set was last looked up, ms since the epoch.
     pub(crate) checked_ms: i64,

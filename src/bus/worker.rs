@@ -125,8 +125,8 @@ async fn raw_stream(
 }
 
 /// The first reshard marker partition `p` reads in `stream` that names a set of raw streams
-/// on the server (see `Partition::heed_reshard_marker`), as (raw sequence, store time in ms,
-/// the first sequence of the set it names). `collab-projector reshard` publishes one for each
+/// on the server (see `Partition::heed_reshard_marker`), as its raw sequence, its store time in
+/// ms, and the set it names. `collab-projector reshard` publishes one for each
 /// partition of the largest count the raw streams' layout supports, so partition `p` of any
 /// count reads the one made for `p`; a command run again publishes them again, and the first
 /// is the one that counts (a later one would let through what was stored between them). A
@@ -136,7 +136,7 @@ async fn reshard_marker_in(
     shared: &WorkerContext,
     stream: &jetstream::stream::Stream,
     p: u16,
-) -> Result<Option<(u64, i64, u64)>, WorkerError> {
+) -> Result<Option<(u64, i64, super::reader::MarkedSet)>, WorkerError> {
     use jetstream::stream::RawMessageErrorKind;
     let layout = shared.settings.layout();
     let most = layout.levels.last().copied().unwrap_or(1);
@@ -166,11 +166,16 @@ async fn reshard_marker_in(
         if m.sequence >= base {
             continue;
         }
-        let exists = super::generations::set_exists(&shared.js, names, base)
+        let found = super::generations::set_streams(&shared.js, names, base)
             .await
             .map_err(|e| setup(Source::from(e)))?;
-        if exists {
-            return Ok(Some((m.sequence, m.time.timestamp_millis(), base)));
+        if let Some(streams) = found {
+            let set = super::reader::MarkedSet {
+                base,
+                streams,
+                checked_ms: super::now_ms(),
+            };
+            return Ok(Some((m.sequence, m.time.timestamp_millis(), set)));
         }
         info!(
             partition = p,
