@@ -350,23 +350,32 @@ impl NatsAuth<'_> {
     }
 }
 
-/// `nats.publish_batches`: whether partitions store their outputs as atomic batches (NATS 2.12,
-/// `allow_atomic` on the projection and dead-letter streams).
+/// `nats.publish_batches`: how partitions store their outputs: as batches sent one after the
+/// other by each partition (atomic batches, NATS 2.12, `allow_atomic` on the projection and
+/// dead-letter streams; fast-ingest batches, NATS 2.14, `allow_batched`), or one acknowledged
+/// publish per output, pipelined.
 ///
 /// On a replicated stream a partition's fenced outputs go one proposal at a time (the leader
 /// refuses a second expectation on the fence subject while one is proposed), so one acknowledged
 /// publish per output is slow there and its retries can reorder a key's outputs; one atomic batch
 /// per stream per group of inputs, one group at a time, is one proposal for the whole group and
-/// keeps every key's order. On one server a batch costs the server more than the publishes it
-/// replaces, so `auto` batches only on replicated output streams.
+/// keeps every key's order. On one server an atomic batch costs the server more than the
+/// publishes it replaces; a fast-ingest batch does not, and its gap detection keeps a key's
+/// order across a dropped connection, where a pipelined publish lost with the connection would
+/// be stored after the ones queued behind it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum PublishBatches {
-    /// Batches when the projection stream has more than one replica.
+    /// Atomic batches when the projection stream has more than one replica, fast-ingest
+    /// batches otherwise (single publishes on a server or stream without them).
     Auto,
-    /// Always batches.
+    /// Always atomic batches (`atomic` says the same).
+    #[serde(alias = "atomic")]
     Always,
-    /// Never batches: one acknowledged publish per output.
+    /// Fast-ingest batches, replicated or not.
+    Fast,
+    /// Never batches: one acknowledged publish per output, pipelined (a key's order is not
+    /// kept across a dropped connection).
     Never,
 }
 

@@ -3,6 +3,7 @@
 pub(crate) mod acker;
 pub mod context;
 pub mod error;
+pub(crate) mod fast_batch;
 pub mod generations;
 pub mod leases;
 pub mod otel;

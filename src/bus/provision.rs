@@ -327,8 +327,9 @@ pub fn stream_configs(s: &Settings) -> Vec<(stream::Config, &'static str)> {
             duplicate_window: s.projection.duplicate_window,
             num_replicas: replicas,
             storage: stream::StorageType::File,
-            // Partitions may store their outputs as atomic batches (`nats.publish_batches`).
+            // Partitions may store their outputs as batches (`nats.publish_batches`).
             allow_atomic_publish: true,
+            allow_batch_publish: true,
             ..Default::default()
         },
         stream::Config {
@@ -342,8 +343,9 @@ pub fn stream_configs(s: &Settings) -> Vec<(stream::Config, &'static str)> {
             duplicate_window: s.projection.duplicate_window,
             num_replicas: replicas,
             storage: stream::StorageType::File,
-            // Partitions may store their outputs as atomic batches (`nats.publish_batches`).
+            // Partitions may store their outputs as batches (`nats.publish_batches`).
             allow_atomic_publish: true,
+            allow_batch_publish: true,
             ..Default::default()
         },
     ];
@@ -421,6 +423,7 @@ async fn bound_existing(
         max_bytes,
         discard,
         atomic: false,
+        fast: false,
     };
     if !set_limits((js, s), st, &label, setting, want, report).await? {
         report.unchanged.push(label);
@@ -429,12 +432,13 @@ async fn bound_existing(
 }
 
 /// What an existing stream is given when it lacks it: a size limit, a discard policy, and
-/// atomic batches (`atomic`: wanted; never taken away).
+/// atomic and fast-ingest batches (`atomic`, `fast`: wanted; never taken away).
 #[derive(Clone, Copy)]
 struct Limits {
     max_bytes: i64,
     discard: stream::DiscardPolicy,
     atomic: bool,
+    fast: bool,
 }
 
 /// The limits of an existing stream that are not the wanted ones.
@@ -444,6 +448,9 @@ fn limit_differences(have: &stream::Config, want: Limits) -> Vec<String> {
     differ(&mut d, "discard", have.discard, want.discard);
     if want.atomic {
         differ(&mut d, "allow_atomic", have.allow_atomic_publish, true);
+    }
+    if want.fast {
+        differ(&mut d, "allow_batched", have.allow_batch_publish, true);
     }
     d
 }
@@ -478,6 +485,7 @@ async fn set_limits(
     config.max_bytes = want.max_bytes;
     config.discard = want.discard;
     config.allow_atomic_publish |= want.atomic;
+    config.allow_batch_publish |= want.fast;
     js.update_stream(&config)
         .await
         .map_err(|e| reserving(label, setting, want.max_bytes, s, e))?;
@@ -579,12 +587,14 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
     adopt_layout(js, &mut settled).await?;
     let s = &settled;
     let mut report = Report::default();
-    // A server older than atomic batches is not asked to allow them (a strict one would refuse
-    // the field).
-    let atomic = super::parse_version(&js.client().server_info().version)
-        >= Some(super::publisher::ATOMIC_BATCH_SERVER);
+    // A server older than atomic (fast-ingest) batches is not asked to allow them (a strict one
+    // would refuse the field).
+    let version = super::parse_version(&js.client().server_info().version);
+    let atomic = version >= Some(super::publisher::ATOMIC_BATCH_SERVER);
+    let fast = version >= Some(super::publisher::FAST_BATCH_SERVER);
     for (mut want, setting) in stream_configs(s) {
         want.allow_atomic_publish &= atomic;
+        want.allow_batch_publish &= fast;
         let name = format!("stream {}", want.name);
         match find_stream(js, &want.name, &name).await? {
             Some(mut existing) => {
@@ -605,6 +615,7 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
                         max_bytes: want.max_bytes,
                         discard: want.discard,
                         atomic: want.allow_atomic_publish,
+                        fast: want.allow_batch_publish,
                     },
                     &mut report,
                 )

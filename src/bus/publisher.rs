@@ -61,10 +61,44 @@ pub struct Publisher {
     stats: Arc<async_nats::Statistics>,
     /// The last reconnect an ack sent before it saw (see [`Publisher::ack_unless_lost`]).
     reconnect_seen: std::sync::Mutex<Option<ReconnectSeen>>,
-    /// Outputs are stored as atomic batches by the partitions' ackers (`nats.publish_batches`)
-    /// rather than published one by one as they are issued. Turned off for good when the server
-    /// is found to store a batch's messages one by one.
-    batches: std::sync::atomic::AtomicBool,
+    /// How the partitions' outputs are stored (`nats.publish_batches`): as batches sent by
+    /// their ackers, atomic or fast-ingest, or published one by one as they are issued. Batches
+    /// are turned off for good when the server is found to store a batch's messages one by one.
+    batching: std::sync::atomic::AtomicU8,
+    /// The answers to fast-ingest batches.
+    fast: super::fast_batch::FastReplies,
+}
+
+/// How a worker's partitions store their outputs (`Publisher::batching`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub(crate) enum Batching {
+    /// Each output published as it is issued, pipelined, with an ack each.
+    Off = 0,
+    /// Atomic batches (ADR-50, nats-server 2.12): one proposal per batch on a replicated stream.
+    Atomic = 1,
+    /// Fast-ingest batches (nats-server 2.14) with gap mode `fail`: no output stored after one
+    /// the server did not receive, so a publish lost with a dropped connection cannot be
+    /// overtaken by the outputs queued behind it.
+    Fast = 2,
+}
+
+impl Batching {
+    fn from_u8(v: u8) -> Batching {
+        match v {
+            1 => Batching::Atomic,
+            2 => Batching::Fast,
+            _ => Batching::Off,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Batching::Off => "single publishes",
+            Batching::Atomic => "atomic batches",
+            Batching::Fast => "fast-ingest batches",
+        }
+    }
 }
 
 /// How often an ack not yet in looks for a reconnect of the connection its publish went out on.
@@ -108,21 +142,30 @@ impl Publisher {
         let partitions = usize::from(settings.nats.partitions.max(1));
         let fail_publish_every = test_hook_every("COLLAB_TEST_FAIL_PUBLISH_EVERY");
         let outputs = output_configs(&js, &names).await?;
+        let replicated = outputs[0]
+            .as_ref()
+            .map_or(settings.nats.replicas > 1, |c| c.num_replicas > 1);
         let wanted = match settings.nats.publish_batches {
-            PublishBatches::Always => true,
-            PublishBatches::Never => false,
-            PublishBatches::Auto => outputs[0]
-                .as_ref()
-                .map_or(settings.nats.replicas > 1, |c| c.num_replicas > 1),
+            PublishBatches::Always => Batching::Atomic,
+            PublishBatches::Fast => Batching::Fast,
+            PublishBatches::Never => Batching::Off,
+            PublishBatches::Auto if replicated => Batching::Atomic,
+            PublishBatches::Auto => Batching::Fast,
         };
-        let batches = wanted && batches_supported(&js, &names, &outputs);
-        if batches {
-            tracing::info!("outputs are stored as atomic batches (nats.publish_batches)");
-        }
+        let batching = if batches_supported(wanted, &js, &names, &outputs) {
+            wanted
+        } else {
+            Batching::Off
+        };
+        tracing::info!(
+            "outputs are stored as {} (nats.publish_batches)",
+            batching.name()
+        );
         Ok(Publisher {
             stats: js.client().statistics(),
             reconnect_seen: std::sync::Mutex::new(None),
-            batches: std::sync::atomic::AtomicBool::new(batches),
+            batching: std::sync::atomic::AtomicU8::new(batching as u8),
+            fast: super::fast_batch::FastReplies::new(js.client()),
             retry_js: context(),
             blobs_js: context(),
             blobs: tokio::sync::OnceCell::new(),
@@ -180,10 +223,15 @@ impl Publisher {
         }
     }
 
-    /// Whether the partitions' ackers store outputs as atomic batches (see
+    /// Whether the partitions' ackers store outputs as batches (see
     /// [`Publisher::store_batched`]).
     pub(crate) fn batches(&self) -> bool {
-        self.batches.load(Ordering::Relaxed)
+        self.batching() != Batching::Off
+    }
+
+    /// How outputs are stored now.
+    pub(crate) fn batching(&self) -> Batching {
+        Batching::from_u8(self.batching.load(Ordering::Relaxed))
     }
 
     /// Most publishes a reader issues before it hands them to its acker (see `issue_publishes`):
@@ -360,11 +408,20 @@ impl Publisher {
                     continue;
                 }
             }
+            let connects = self.connects();
             let result = match self.send(&self.retry_js, out, fence).await {
-                Ok(fut) => fut
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| publish::classify(&out.subject, e)),
+                Ok(fut) => match self.ack_unless_lost(fut, connects).await {
+                    Some(answer) => answer
+                        .map(|_| ())
+                        .map_err(|e| publish::classify(&out.subject, e)),
+                    None => Err(Failure::Transient {
+                        subject: out.subject.clone(),
+                        source: jetstream::context::PublishError::with_source(
+                            jetstream::context::PublishErrorKind::Other,
+                            "its ack went with a reconnect",
+                        ),
+                    }),
+                },
                 Err(f) => Err(f),
             };
             match result {
@@ -542,13 +599,15 @@ impl Publisher {
         }
     }
 
-    /// Store `outs` (outputs of inputs taken in partition order) as atomic batches, in order,
-    /// each batch only once the one before it is committed: what is stored is always a prefix of
-    /// `outs`, and a replicated stream proposes a whole batch at once. Every message keeps its
-    /// Msg-Id and the fence expectation, so a batch past a newer claim stores nothing. A batch
-    /// the server refuses or does not answer (a Msg-Id stored before, as after a takeover; a
-    /// server without atomic batches; a timeout) is published again one output at a time, in
-    /// place, where a stored Msg-Id collapses alone.
+    /// Store `outs` (outputs of inputs taken in partition order) as batches, in order, each
+    /// batch only once the one before it is answered: what is stored is always a prefix of
+    /// `outs`. Atomic batches store all of a batch or nothing, and a replicated stream proposes
+    /// a whole batch at once; fast-ingest batches store a prefix of each batch and stop at the
+    /// first message the server did not receive. Every message keeps its Msg-Id and the fence
+    /// expectation, so nothing past a newer claim is stored. What a batch did not store (a
+    /// Msg-Id stored before, as after a takeover, refusing an atomic batch; a fast batch cut by
+    /// a dropped connection; a server without batches; no answer in time) is published again
+    /// one output at a time, in place, where a stored Msg-Id collapses alone.
     pub(crate) async fn store_batched(
         &self,
         outs: &[&Outgoing],
@@ -558,14 +617,146 @@ impl Publisher {
     ) -> Result<(), Halt> {
         for chunk in batch_plan(outs) {
             // Batching may have been turned off since these were issued.
-            if self.batches() && self.try_batch(chunk, fence).await? {
-                continue;
-            }
-            for out in chunk {
+            let stored = match self.batching() {
+                Batching::Atomic if self.try_batch(chunk, fence).await? => chunk.len(),
+                Batching::Fast => self.try_fast_batch(chunk, fence).await?,
+                _ => 0,
+            };
+            for out in &chunk[stored.min(chunk.len())..] {
                 self.publish_in_place(out, fence, inputs, cancel).await?;
             }
         }
         Ok(())
+    }
+
+    /// Send `chunk` as one fast-ingest batch: how many of its outputs, from the first, are
+    /// stored (the rest are to be published one at a time, counted), or a halt when the fence
+    /// was lost. A single output is not batched: published in place, it is just as ordered.
+    async fn try_fast_batch(&self, chunk: &[&Outgoing], fence: &Fence) -> Result<usize, Halt> {
+        if chunk.len() < 2 {
+            return Ok(0);
+        }
+        let why = match self.send_fast_batch(chunk, fence).await {
+            FastOutcome::Stored => {
+                metrics::counter!(telemetry::PUBLISH_BATCHES, "outcome" => "stored").increment(1);
+                return Ok(chunk.len());
+            }
+            FastOutcome::Deposed(f) => return Err(Halt::Failed(self.count_failure(f))),
+            FastOutcome::Unsupported(answer) => {
+                self.batching.store(Batching::Off as u8, Ordering::Relaxed);
+                warn!(answer = %answer, "the server answered a fast-ingest batch's message as a single publish (older than nats-server 2.14?); outputs are published one at a time from now on");
+                metrics::counter!(telemetry::PUBLISH_BATCHES, "outcome" => "fell_back")
+                    .increment(1);
+                return Ok(0);
+            }
+            FastOutcome::Stopped(stored, why) => {
+                info!(outputs = chunk.len(), stored, why = %why, "a fast-ingest batch stopped; its other outputs are published one at a time, in order");
+                stored
+            }
+        };
+        metrics::counter!(telemetry::PUBLISH_BATCHES, "outcome" => "fell_back").increment(1);
+        Ok(why)
+    }
+
+    /// One fast-ingest batch, every message published with its place in the batch, the last
+    /// committing it; then its answers read until the final one. A reconnect since the first
+    /// send ends the wait after [`RECONNECT_ACK_GRACE`] (an answer sent before it went with the
+    /// old connection), as does [`BATCH_COMMIT_TIMEOUT`] without one; its outputs are then
+    /// published one at a time, where a stored one collapses by its Msg-Id.
+    async fn send_fast_batch(&self, chunk: &[&Outgoing], fence: &Fence) -> FastOutcome {
+        use super::fast_batch::{answer, Answer};
+        let unknown = |why: String| FastOutcome::Stopped(0, why);
+        if self.injected_failure() {
+            return unknown("injected batch failure (COLLAB_TEST_FAIL_PUBLISH_EVERY)".into());
+        }
+        let mut batch = match self.fast.open().await {
+            Ok(b) => b,
+            Err(e) => return unknown(e),
+        };
+        let connects_at_send = self.connects();
+        let client = self.js.client();
+        for (i, out) in chunk.iter().enumerate() {
+            let mut headers = fence.headers(out);
+            headers.insert("Nats-Msg-Id", out.msg_id.as_str());
+            if let Err(e) = client
+                .publish_with_reply_and_headers(
+                    out.subject.clone(),
+                    batch.reply(i + 1, chunk.len()),
+                    headers,
+                    out.payload.clone(),
+                )
+                .await
+            {
+                return unknown(format!("sending: {e}"));
+            }
+        }
+        let deadline = tokio::time::Instant::now() + BATCH_COMMIT_TIMEOUT;
+        let mut refused = None;
+        loop {
+            let connects = self.connects();
+            let reconnected = connects != connects_at_send;
+            let until = if reconnected {
+                self.grace_after(connects)
+            } else {
+                tokio::time::Instant::now() + RECONNECT_CHECK
+            };
+            let payload = match tokio::time::timeout_at(until.min(deadline), batch.answers.recv())
+                .await
+            {
+                Ok(Some(payload)) => payload,
+                Ok(None) => return unknown("the answers' subscription ended".into()),
+                Err(_) if reconnected => {
+                    if self.first_lost_with(connects) {
+                        info!("publish acks lost with a reconnect; their outputs are sent again (a stored one collapses by its Msg-Id)");
+                    }
+                    return unknown("reconnected before the answer".into());
+                }
+                Err(_) if tokio::time::Instant::now() >= deadline => {
+                    return unknown("no answer in time".into())
+                }
+                Err(_) => continue,
+            };
+            let last = &chunk[chunk.len() - 1].subject;
+            let deposed = |error: &jetstream::Error| {
+                let source = jetstream::context::PublishError::with_source(
+                    jetstream::context::PublishErrorKind::Other,
+                    error.clone(),
+                );
+                match publish::classify(last, source) {
+                    f @ Failure::Deposed { .. } => Some(f),
+                    _ => None,
+                }
+            };
+            match answer(&payload) {
+                Err(e) => return unknown(e),
+                Ok(Answer::Progress) => {}
+                Ok(Answer::Refused(error)) => {
+                    refused.get_or_insert(error);
+                }
+                Ok(Answer::Done(Err(error))) => {
+                    return match deposed(&error) {
+                        Some(f) => FastOutcome::Deposed(f),
+                        None => unknown(format!("refused: {error}")),
+                    }
+                }
+                Ok(Answer::Done(Ok(None))) => {
+                    return FastOutcome::Unsupported(String::from_utf8_lossy(&payload).into())
+                }
+                Ok(Answer::Done(Ok(Some(count)))) => {
+                    let count = usize::try_from(count).unwrap_or(usize::MAX);
+                    if count >= chunk.len() && refused.is_none() {
+                        return FastOutcome::Stored;
+                    }
+                    if let Some(f) = refused.as_ref().and_then(deposed) {
+                        return FastOutcome::Deposed(f);
+                    }
+                    let why = refused.map_or("a gap (a message lost on the way)".into(), |e| {
+                        format!("refused: {e}")
+                    });
+                    return FastOutcome::Stopped(count.min(chunk.len()), why);
+                }
+            }
+        }
     }
 
     /// Send `chunk` as one atomic batch: `true` when stored, `false` when it is to be published
@@ -578,7 +769,7 @@ impl Publisher {
             }
             Err(BatchRefused::Deposed(f)) => return Err(Halt::Failed(self.count_failure(f))),
             Err(BatchRefused::Unsupported(answer)) => {
-                self.batches.store(false, Ordering::Relaxed);
+                self.batching.store(Batching::Off as u8, Ordering::Relaxed);
                 warn!(answer = %answer, "the server stored an atomic batch's messages one by one (older than nats-server 2.12?); outputs are published one at a time from now on");
             }
             Err(BatchRefused::Other(why)) => {
@@ -818,6 +1009,18 @@ fn batches_of<'a, 'o>(outs: &'a [&'o Outgoing]) -> Vec<&'a [&'o Outgoing]> {
 /// at a time (a batch not committed stores nothing).
 const BATCH_COMMIT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// What a fast-ingest batch came to.
+enum FastOutcome {
+    /// Every output stored (or collapsed with a stored copy by its Msg-Id).
+    Stored,
+    /// The first this many outputs stored, none after (a gap, a refusal, or no answer: 0).
+    Stopped(usize, String),
+    /// The fence's expectation failed: a newer owner claimed the partition.
+    Deposed(Failure),
+    /// A plain publish ack: the server does not know fast batches.
+    Unsupported(String),
+}
+
 /// Why an atomic batch was not stored.
 #[derive(Debug)]
 enum BatchRefused {
@@ -873,26 +1076,37 @@ fn batch_answer(payload: &[u8], sent: usize, subject: &str) -> Result<(), BatchR
     Ok(())
 }
 
-/// Whether atomic batches can be sent: the server is 2.12 or later and both output streams
-/// (`outputs`) allow them (a server that does not know them does not keep the setting). Says
-/// why not.
+/// Whether batches of kind `batching` can be sent: the server knows them and both output
+/// streams (`outputs`) allow them (a server that does not know them does not keep the
+/// setting). Says why not.
 fn batches_supported(
+    batching: Batching,
     js: &jetstream::Context,
     names: &Names,
     outputs: &[Option<jetstream::stream::Config>; 2],
 ) -> bool {
+    let (first, setting, allows): (_, _, fn(&jetstream::stream::Config) -> bool) = match batching {
+        Batching::Off => return true,
+        Batching::Atomic => (ATOMIC_BATCH_SERVER, "allow_atomic", |c| {
+            c.allow_atomic_publish
+        }),
+        Batching::Fast => (FAST_BATCH_SERVER, "allow_batched", |c| {
+            c.allow_batch_publish
+        }),
+    };
     let version = js.client().server_info().version;
-    if super::parse_version(&version) < Some(ATOMIC_BATCH_SERVER) {
-        warn!(server = %version, "nats.publish_batches: atomic batches need nats-server 2.12 or later; outputs are published one at a time");
+    if super::parse_version(&version) < Some(first) {
+        warn!(server = %version, "nats.publish_batches: {} need nats-server {}.{} or later; outputs are published one at a time",
+            batching.name(), first.0, first.1);
         return false;
     }
     for (name, config) in [&names.proj_stream, &names.dlq_stream]
         .into_iter()
         .zip(outputs)
     {
-        if !config.as_ref().is_some_and(|c| c.allow_atomic_publish) {
+        if !config.as_ref().is_some_and(allows) {
             warn!(stream = %name,
-                "the stream does not allow atomic batches (run `collab-projector provision`); outputs are published one at a time");
+                "the stream does not allow {} ({setting}; run `collab-projector provision`); outputs are published one at a time", batching.name());
             return false;
         }
     }
@@ -901,6 +1115,9 @@ fn batches_supported(
 
 /// The first server version with atomic batches.
 pub(crate) const ATOMIC_BATCH_SERVER: (u64, u64, u64) = (2, 12, 0);
+
+/// The first server version with fast-ingest batches.
+pub(crate) const FAST_BATCH_SERVER: (u64, u64, u64) = (2, 14, 0);
 
 /// Why issuing an output stopped before it was stored.
 #[derive(Debug)]
