@@ -257,8 +257,15 @@ pub(crate) async fn ack_stage(
                     Err(_) => break,
                 }
             }
-            if let Awaited::ShuttingDown = issuer.store_batches(&mut items).await? {
-                return Ok(());
+            match issuer.store_batches(&mut items).await {
+                Ok(Awaited::ShuttingDown) => return Ok(()),
+                Ok(Awaited::Stored) => {}
+                Err((e, input_seq)) => {
+                    if let (WorkerError::Publish { .. }, Some(seq)) = (&e, input_seq) {
+                        failed_input(seq);
+                    }
+                    return Err(e);
+                }
             }
             let mut marks = Vec::new();
             for idx in 0..items.len() {
@@ -513,16 +520,20 @@ impl Issuer<'_> {
         Ok(Awaited::Stored)
     }
 
-    /// Store the outputs of `items` left for a batch ([`Issued::Batched`]), in order, as atomic
-    /// batches (see [`Publisher::store_batched`]), and mark them stored.
-    async fn store_batches(&self, items: &mut [Processed]) -> Result<Awaited, WorkerError> {
+    /// Store the outputs of `items` left for a batch ([`Issued::Batched`]), in order, as
+    /// batches (see [`Publisher::store_batched`]), and mark them stored. A failure that stops the
+    /// partition comes with the raw sequence of the input whose output it was, if any.
+    async fn store_batches(
+        &self,
+        items: &mut [Processed],
+    ) -> Result<Awaited, (WorkerError, Option<u64>)> {
         let stored = {
-            let outs: Vec<&Outgoing> = items
+            let (outs, owners): (Vec<&Outgoing>, Vec<Option<u64>>) = items
                 .iter()
-                .flat_map(|i| i.publishes.iter())
-                .filter(|(_, issued)| matches!(issued, Issued::Batched))
-                .map(|(out, _)| out)
-                .collect();
+                .flat_map(|i| i.publishes.iter().map(move |p| (p, i.input_seq)))
+                .filter(|((_, issued), _)| matches!(issued, Issued::Batched))
+                .map(|((out, _), seq)| (out, seq))
+                .unzip();
             if outs.is_empty() {
                 return Ok(Awaited::Stored);
             }
@@ -531,13 +542,14 @@ impl Issuer<'_> {
             self.publisher
                 .store_batched(&outs, self.fence, &inputs, self.cancel)
                 .await
+                .map_err(|(halt, at)| (halt, owners.get(at).copied().flatten()))
         };
         match stored {
             Ok(()) => {}
-            Err(Halt::Cancelled) => return Ok(Awaited::ShuttingDown),
-            Err(Halt::Failed(failure)) => {
+            Err((Halt::Cancelled, _)) => return Ok(Awaited::ShuttingDown),
+            Err((Halt::Failed(failure), input_seq)) => {
                 self.broken.cancel();
-                return Err(WorkerError::of_failure(self.p, failure));
+                return Err((WorkerError::of_failure(self.p, failure), input_seq));
             }
         }
         for (_, issued) in items.iter_mut().flat_map(|i| i.publishes.iter_mut()) {

@@ -608,40 +608,66 @@ impl Publisher {
     /// Msg-Id stored before, as after a takeover, refusing an atomic batch; a fast batch cut by
     /// a dropped connection; a server without batches; no answer in time) is published again
     /// one output at a time, in place, where a stored Msg-Id collapses alone.
+    ///
+    /// A halt comes with the index in `outs` of the output being stored when it came.
     pub(crate) async fn store_batched(
         &self,
         outs: &[&Outgoing],
         fence: &Fence,
         inputs: &[&jetstream::Message],
         cancel: &CancellationToken,
-    ) -> Result<(), Halt> {
+    ) -> Result<(), (Halt, usize)> {
+        let mut at = 0;
         for chunk in batch_plan(outs) {
+            let sent = tokio::time::Instant::now();
             // Batching may have been turned off since these were issued.
             let stored = match self.batching() {
-                Batching::Atomic if self.try_batch(chunk, fence).await? => chunk.len(),
-                Batching::Fast => self.try_fast_batch(chunk, fence).await?,
-                _ => 0,
+                Batching::Atomic => match self.try_batch(chunk, fence).await {
+                    Ok(true) => chunk.len(),
+                    Ok(false) => 0,
+                    Err(halt) => return Err((halt, at)),
+                },
+                Batching::Fast => match self.try_fast_batch(chunk, fence).await {
+                    Ok(stored) => stored.min(chunk.len()),
+                    Err((halt, i)) => return Err((halt, at + i)),
+                },
+                Batching::Off => 0,
             };
-            for out in &chunk[stored.min(chunk.len())..] {
-                self.publish_in_place(out, fence, inputs, cancel).await?;
+            for (i, out) in chunk.iter().enumerate().skip(stored) {
+                self.publish_in_place_since(out, fence, inputs, cancel, sent)
+                    .await
+                    .map_err(|halt| (halt, at + i))?;
             }
+            at += chunk.len();
         }
         Ok(())
     }
 
     /// Send `chunk` as one fast-ingest batch: how many of its outputs, from the first, are
     /// stored (the rest are to be published one at a time, counted), or a halt when the fence
-    /// was lost. A single output is not batched: published in place, it is just as ordered.
-    async fn try_fast_batch(&self, chunk: &[&Outgoing], fence: &Fence) -> Result<usize, Halt> {
+    /// was lost (with the index of the output refused). A single output is not batched:
+    /// published in place, it is just as ordered.
+    async fn try_fast_batch(
+        &self,
+        chunk: &[&Outgoing],
+        fence: &Fence,
+    ) -> Result<usize, (Halt, usize)> {
         if chunk.len() < 2 {
             return Ok(0);
         }
         let why = match self.send_fast_batch(chunk, fence).await {
             FastOutcome::Stored => {
                 metrics::counter!(telemetry::PUBLISH_BATCHES, "outcome" => "stored").increment(1);
+                if let Some(wait) = self.injected_lost_ack() {
+                    // As if the batch's answer never came: its outputs go one at a time.
+                    tokio::time::sleep(wait).await;
+                    return Ok(0);
+                }
                 return Ok(chunk.len());
             }
-            FastOutcome::Deposed(f) => return Err(Halt::Failed(self.count_failure(f))),
+            FastOutcome::Deposed(f, at) => {
+                return Err((Halt::Failed(self.count_failure(f)), at.min(chunk.len() - 1)))
+            }
             FastOutcome::Unsupported(answer) => {
                 self.batching.store(Batching::Off as u8, Ordering::Relaxed);
                 warn!(answer = %answer, "the server answered a fast-ingest batch's message as a single publish (older than nats-server 2.14?); outputs are published one at a time from now on");
@@ -735,7 +761,7 @@ impl Publisher {
                 }
                 Ok(Answer::Done(Err(error))) => {
                     return match deposed(&error) {
-                        Some(f) => FastOutcome::Deposed(f),
+                        Some(f) => FastOutcome::Deposed(f, 0),
                         None => unknown(format!("refused: {error}")),
                     }
                 }
@@ -748,7 +774,7 @@ impl Publisher {
                         return FastOutcome::Stored;
                     }
                     if let Some(f) = refused.as_ref().and_then(deposed) {
-                        return FastOutcome::Deposed(f);
+                        return FastOutcome::Deposed(f, count);
                     }
                     let why = refused.map_or("a gap (a message lost on the way)".into(), |e| {
                         format!("refused: {e}")
@@ -1015,8 +1041,9 @@ enum FastOutcome {
     Stored,
     /// The first this many outputs stored, none after (a gap, a refusal, or no answer: 0).
     Stopped(usize, String),
-    /// The fence's expectation failed: a newer owner claimed the partition.
-    Deposed(Failure),
+    /// The fence's expectation failed at the output with this index: a newer owner claimed
+    /// the partition.
+    Deposed(Failure, usize),
     /// A plain publish ack: the server does not know fast batches.
     Unsupported(String),
 }

@@ -158,7 +158,7 @@ async fn on_a_replicated_stream_one_fenced_batch_at_a_time_is_stored_and_a_secon
 }
 
 #[tokio::test]
-async fn provision_allows_atomic_batches_on_the_output_streams_even_existing_ones() {
+async fn provision_allows_atomic_and_fast_batches_on_the_output_streams_even_existing_ones() {
     let nats = crate::support::TestNats::start().await;
     let url = nats.url();
     let js = nats.jetstream().await;
@@ -171,18 +171,28 @@ async fn provision_allows_atomic_batches_on_the_output_streams_even_existing_one
     for name in [crate::pipeline::PROJ, crate::pipeline::DLQ] {
         let mut stream = js.get_stream(name).await.unwrap();
         let mut config = stream.info().await.unwrap().config.clone();
-        assert!(config.allow_atomic_publish, "{name} created without it");
-        // As a deployment made before atomic batches has it.
+        assert!(
+            config.allow_atomic_publish,
+            "{name} created without atomic batches"
+        );
+        assert!(
+            config.allow_batch_publish,
+            "{name} created without fast batches"
+        );
+        // As a deployment made before batches has it.
         config.allow_atomic_publish = false;
+        config.allow_batch_publish = false;
         js.update_stream(&config).await.unwrap();
-        assert!(!stream.info().await.unwrap().config.allow_atomic_publish);
+        let now = stream.info().await.unwrap().config.clone();
+        assert!(!now.allow_atomic_publish && !now.allow_batch_publish);
     }
     provision().await;
     for name in [crate::pipeline::PROJ, crate::pipeline::DLQ] {
         let mut stream = js.get_stream(name).await.unwrap();
+        let config = stream.info().await.unwrap().config.clone();
         assert!(
-            stream.info().await.unwrap().config.allow_atomic_publish,
-            "{name}: provision must allow atomic batches on an existing stream"
+            config.allow_atomic_publish && config.allow_batch_publish,
+            "{name}: provision must allow both kinds of batch on an existing stream"
         );
     }
 }
