@@ -372,7 +372,8 @@ pub enum PublishBatches {
     /// Always atomic batches (`atomic` says the same).
     #[serde(alias = "atomic")]
     Always,
-    /// Fast-ingest batches, replicated or not.
+    /// Fast-ingest batches; atomic batches on a replicated projection stream (whose leader
+    /// would propose a fast batch's messages one at a time), with a warning.
     Fast,
     /// Never batches: one acknowledged publish per output, pipelined (a key's order is not
     /// kept across a dropped connection).

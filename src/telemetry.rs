@@ -14,8 +14,8 @@ pub const REDELIVERIES: &str = "collab_redeliveries_total";
 pub const DEAD_LETTERS: &str = "collab_dead_letters_total";
 /// Publishes retried in place after a failure.
 pub const PUBLISH_RETRIES: &str = "collab_publish_retries_total";
-/// Atomic batches of outputs stored, by `outcome` (stored: committed whole; fell_back: refused
-/// or unanswered, its outputs then published one at a time).
+/// Batches of outputs (atomic or fast-ingest), by `outcome` (stored: stored whole; fell_back:
+/// refused, cut or unanswered, what it did not store then published one at a time).
 pub const PUBLISH_BATCHES: &str = "collab_publish_batches_total";
 /// Publishes that failed in a way waiting does not heal, by `class` (too_large, deposed: a newer
 /// owner claimed the partition, fatal: the stream is gone or the user may not publish there).
@@ -242,7 +242,7 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
     (
         PUBLISH_BATCHES,
         Family::Counter,
-        "Atomic batches of outputs, by outcome (stored: committed whole; fell_back: refused or unanswered, its outputs published one at a time).",
+        "Batches of outputs (atomic or fast-ingest), by outcome (stored: stored whole; fell_back: refused, cut or unanswered, what it did not store published one at a time).",
     ),
     (
         PUBLISH_FAILURES,
@@ -362,7 +362,7 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
     (
         PUBLISH_ACK,
         Family::Histogram(LATENCY),
-        "Issue to acknowledgement of projections and dead letters (with atomic batches, the wait for the batch included), in seconds.",
+        "Issue to acknowledgement of projections and dead letters (with batches, the wait for the batch included), in seconds.",
     ),
     (
         STATE_WRITE,

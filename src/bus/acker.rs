@@ -592,7 +592,7 @@ pub(crate) enum Issued {
     Sent(jetstream::context::PublishAckFuture, u64),
     /// Stored already (by a retry in place, or with its batch).
     Stored,
-    /// Left for the acker to store in an atomic batch (`Publisher::batches`).
+    /// Left for the acker to store in a batch (`Publisher::batches`).
     Batched,
 }
 

@@ -10,7 +10,9 @@
 //! (`<inbox>.<batch id>.<flow>.<gap mode>.<batch seq>.<op>.$FI`); the server answers there:
 //! flow acknowledgements (`{"type":"ack"}`), a gap (`{"type":"gap"}`), a message refused
 //! (`{"type":"err","seq":N,"error":{...}}`), and one final answer without a `type`: a publish
-//! ack naming the batch and its count, or an error when its first message was refused.
+//! ack naming the batch and its count, or an error (its first message refused; a message of a
+//! batch the server no longer knows, 10208; a message refused before it reached the batch).
+//! An error answer leaves what the batch stored unknown but still a prefix of it.
 //! `tests/it/fast_batch.rs` pins those answers against the server.
 
 use async_nats::jetstream;
@@ -28,12 +30,13 @@ const FLOW: usize = 500;
 type Waiters = Arc<Mutex<HashMap<String, mpsc::UnboundedSender<Bytes>>>>;
 
 /// Where the server's answers to every fast batch of one connection arrive: one subscription
-/// on `<inbox>.>`, made on first use, each answer handed to the open batch its subject names.
+/// on `<inbox>.>`, made on first use (and again if it ever ends), each answer handed to the
+/// open batch its subject names.
 pub(crate) struct FastReplies {
     client: async_nats::Client,
     prefix: String,
     waiters: Waiters,
-    router: tokio::sync::OnceCell<tokio::task::AbortHandle>,
+    router: tokio::sync::Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl FastReplies {
@@ -42,39 +45,38 @@ impl FastReplies {
             prefix: client.new_inbox(),
             client,
             waiters: Arc::default(),
-            router: tokio::sync::OnceCell::new(),
+            router: tokio::sync::Mutex::new(None),
         }
     }
 
-    /// Subscribe to the answers, once.
+    /// Subscribe to the answers unless subscribed. Should the subscription end, the batches
+    /// open then are told at once (their answers' channels close) and the next batch
+    /// subscribes again.
     async fn route(&self) -> Result<(), String> {
-        self.router
-            .get_or_try_init(|| async {
-                let mut answers = self
-                    .client
-                    .subscribe(format!("{}.>", self.prefix))
-                    .await
-                    .map_err(|e| format!("subscribing to fast-batch answers: {e}"))?;
-                let waiters = self.waiters.clone();
-                let skip = self.prefix.len() + 1;
-                let task = tokio::spawn(async move {
-                    while let Some(m) = answers.next().await {
-                        let Some(id) = m.subject.get(skip..).and_then(|s| s.split('.').next())
-                        else {
-                            continue;
-                        };
-                        let Ok(open) = waiters.lock() else {
-                            return;
-                        };
-                        if let Some(tx) = open.get(id) {
-                            let _ = tx.send(m.payload);
-                        }
-                    }
-                });
-                Ok(task.abort_handle())
-            })
+        let mut router = self.router.lock().await;
+        if router.as_ref().is_some_and(|task| !task.is_finished()) {
+            return Ok(());
+        }
+        let mut answers = self
+            .client
+            .subscribe(format!("{}.>", self.prefix))
             .await
-            .map(|_| ())
+            .map_err(|e| format!("subscribing to fast-batch answers: {e}"))?;
+        let waiters = self.waiters.clone();
+        let skip = self.prefix.len() + 1;
+        *router = Some(tokio::spawn(async move {
+            while let Some(m) = answers.next().await {
+                let Some(id) = m.subject.get(skip..).and_then(|s| s.split('.').next()) else {
+                    continue;
+                };
+                if let Some(tx) = lock(&waiters).get(id) {
+                    let _ = tx.send(m.payload);
+                }
+            }
+            tracing::warn!("the fast-batch answers' subscription ended; subscribing again");
+            lock(&waiters).clear();
+        }));
+        Ok(())
     }
 
     /// A new batch, registered for its answers until it is dropped.
@@ -82,10 +84,7 @@ impl FastReplies {
         self.route().await?;
         let id = uuid::Uuid::new_v4().simple().to_string();
         let (tx, answers) = mpsc::unbounded_channel();
-        self.waiters
-            .lock()
-            .map_err(|_| "fast-batch answers' table poisoned".to_string())?
-            .insert(id.clone(), tx);
+        lock(&self.waiters).insert(id.clone(), tx);
         Ok(OpenBatch {
             replies: self,
             id,
@@ -94,9 +93,19 @@ impl FastReplies {
     }
 }
 
+/// The open batches' table (never held across an await, and no code holding it panics: a
+/// poisoned lock is taken as it is).
+fn lock(
+    waiters: &Waiters,
+) -> std::sync::MutexGuard<'_, HashMap<String, mpsc::UnboundedSender<Bytes>>> {
+    waiters
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 impl Drop for FastReplies {
     fn drop(&mut self) {
-        if let Some(router) = self.router.get() {
+        if let Some(router) = self.router.get_mut() {
             router.abort();
         }
     }
@@ -119,9 +128,7 @@ impl OpenBatch<'_> {
 
 impl Drop for OpenBatch<'_> {
     fn drop(&mut self) {
-        if let Ok(mut open) = self.replies.waiters.lock() {
-            open.remove(&self.id);
-        }
+        lock(&self.replies.waiters).remove(&self.id);
     }
 }
 

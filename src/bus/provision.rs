@@ -456,7 +456,7 @@ fn limit_differences(have: &stream::Config, want: Limits) -> Vec<String> {
 }
 
 /// Give the existing stream `st` the size limit `max_bytes` and `discard` (and atomic batches
-/// when `atomic`), unless it already has them. A limit below the bytes it holds is refused: the
+/// when `atomic`, fast-ingest batches when `fast`), unless it already has them. A limit below the bytes it holds is refused: the
 /// server would drop data to fit.
 async fn set_limits(
     (js, s): (&jetstream::Context, &Settings),
@@ -587,8 +587,8 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
     adopt_layout(js, &mut settled).await?;
     let s = &settled;
     let mut report = Report::default();
-    // A server older than atomic (fast-ingest) batches is not asked to allow them (a strict one
-    // would refuse the field).
+    // A server older than atomic batches (2.12), or fast-ingest batches (2.14), is not asked to
+    // allow them (a strict one would refuse the field).
     let version = super::parse_version(&js.client().server_info().version);
     let atomic = version >= Some(super::publisher::ATOMIC_BATCH_SERVER);
     let fast = version >= Some(super::publisher::FAST_BATCH_SERVER);

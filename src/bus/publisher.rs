@@ -65,6 +65,11 @@ pub struct Publisher {
     /// their ackers, atomic or fast-ingest, or published one by one as they are issued. Batches
     /// are turned off for good when the server is found to store a batch's messages one by one.
     batching: std::sync::atomic::AtomicU8,
+    /// Whether outputs go to the ackers to be stored (batching was on at start). Kept when
+    /// batching is turned off: the ackers then publish them one at a time, in order, where
+    /// readers publishing new outputs at once could have them stored ahead of earlier ones
+    /// still waiting for their acker.
+    via_acker: bool,
     /// The answers to fast-ingest batches.
     fast: super::fast_batch::FastReplies,
 }
@@ -147,6 +152,10 @@ impl Publisher {
             .map_or(settings.nats.replicas > 1, |c| c.num_replicas > 1);
         let wanted = match settings.nats.publish_batches {
             PublishBatches::Always => Batching::Atomic,
+            PublishBatches::Fast if replicated => {
+                warn!("nats.publish_batches = \"fast\" on a replicated projection stream: its leader proposes a fast batch's messages one at a time and refuses the fence's second expectation while one is proposed; outputs are stored as atomic batches instead");
+                Batching::Atomic
+            }
             PublishBatches::Fast => Batching::Fast,
             PublishBatches::Never => Batching::Off,
             PublishBatches::Auto if replicated => Batching::Atomic,
@@ -165,6 +174,7 @@ impl Publisher {
             stats: js.client().statistics(),
             reconnect_seen: std::sync::Mutex::new(None),
             batching: std::sync::atomic::AtomicU8::new(batching as u8),
+            via_acker: batching != Batching::Off,
             fast: super::fast_batch::FastReplies::new(js.client()),
             retry_js: context(),
             blobs_js: context(),
@@ -223,10 +233,10 @@ impl Publisher {
         }
     }
 
-    /// Whether the partitions' ackers store outputs as batches (see
-    /// [`Publisher::store_batched`]).
+    /// Whether the partitions' ackers store outputs (as batches while batching is on, see
+    /// [`Publisher::store_batched`]) rather than the readers publishing them as issued.
     pub(crate) fn batches(&self) -> bool {
-        self.batching() != Batching::Off
+        self.via_acker
     }
 
     /// How outputs are stored now.
@@ -760,10 +770,13 @@ impl Publisher {
                     refused.get_or_insert(error);
                 }
                 Ok(Answer::Done(Err(error))) => {
+                    if let Some(f) = refused.as_ref().and_then(deposed) {
+                        return FastOutcome::Deposed(f, 0);
+                    }
                     return match deposed(&error) {
                         Some(f) => FastOutcome::Deposed(f, 0),
                         None => unknown(format!("refused: {error}")),
-                    }
+                    };
                 }
                 Ok(Answer::Done(Ok(None))) => {
                     return FastOutcome::Unsupported(String::from_utf8_lossy(&payload).into())
@@ -995,10 +1008,11 @@ impl Publisher {
     }
 }
 
-/// Most outputs in one atomic batch (the server takes up to 1,000).
+/// Most outputs in one batch (the server takes up to 1,000 in an atomic batch).
 const BATCH_MAX: usize = 500;
 
-/// Most payload bytes in one atomic batch: the server holds a batch in memory until its commit.
+/// Most payload bytes in one batch: the server holds an atomic batch in memory until its
+/// commit.
 const BATCH_MAX_BYTES: usize = 8 << 20;
 
 /// The batches `outs` go in, in order: runs of outputs bound for one stream, each cut by
@@ -1031,8 +1045,9 @@ fn batches_of<'a, 'o>(outs: &'a [&'o Outgoing]) -> Vec<&'a [&'o Outgoing]> {
     cut
 }
 
-/// How long a batch's commit waits for the server's answer before its outputs are published one
-/// at a time (a batch not committed stores nothing).
+/// How long a batch waits for the server's final answer before its outputs are published one
+/// at a time (an atomic batch not committed stores nothing; a fast-ingest batch stored a prefix,
+/// whose outputs collapse by their Msg-Ids).
 const BATCH_COMMIT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// What a fast-ingest batch came to.
