@@ -2130,7 +2130,7 @@ async fn cut_a_busy_worker(batches: &str) -> (Vec<Stored>, Vec<u64>, String) {
 /// and again: the backlog took over a minute to settle.)
 #[tokio::test]
 async fn outputs_whose_acks_went_with_a_reconnect_are_sent_again_without_waiting_out_the_timeout() {
-    let (proj, seqs, log) = cut_a_busy_worker("auto").await;
+    let (proj, seqs, log) = cut_a_busy_worker("never").await;
     assert!(
         log.contains("publish acks lost with a reconnect; their outputs are sent again"),
         "the lost acks were not noticed with the reconnect: {log}"
@@ -2145,15 +2145,15 @@ async fn outputs_whose_acks_went_with_a_reconnect_are_sent_again_without_waiting
 /// A publish written to the connection that drops is lost, while the client sends the ones
 /// still queued behind it on the new connection. Pipelined, the lost one, sent again, would be
 /// stored behind later inputs' outputs of its key (with `publish_batches = "never"` this failed
-/// 4 runs of 5). Stored as fast-ingest batches (the default on one server), the server stores
+/// 4 runs of 5). Stored as fast-ingest batches (`publish_batches = "fast"`), the server stores
 /// nothing of a batch past a message it did not receive, and the partition sends the rest
 /// again in order: every key keeps raw order, and every input is projected once.
 #[tokio::test]
 async fn outputs_keep_their_key_order_across_a_reconnect_of_a_busy_worker() {
-    let (proj, seqs, log) = cut_a_busy_worker("auto").await;
+    let (proj, seqs, log) = cut_a_busy_worker("fast").await;
     assert!(
         log.contains("outputs are stored as fast-ingest batches"),
-        "the default on one server: {log}"
+        "batching as asked: {log}"
     );
     let mut got: Vec<u64> = proj.iter().map(Stored::source_seq).collect();
     got.sort_unstable();
