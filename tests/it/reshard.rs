@@ -700,7 +700,7 @@ async fn store(js: &jetstream::Context, subject: String, body: Bytes) -> (String
 
 /// Wait until every one of `streams` exists.
 async fn streams_exist(js: &jetstream::Context, streams: &[String]) {
-    wait_for("the raw streams exist", || {
+    wait_for("the streams exist", || {
         let js = js.clone();
         async move {
             for s in streams {
@@ -768,7 +768,10 @@ async fn two_streams_and_a_worker(args: &[&str]) -> (TestNats, jetstream::Contex
     let nats = TestNats::start_with_config(two.shard_mapping_config().unwrap_or_default()).await;
     let js = nats.jetstream().await;
     let worker = Projector::spawn(&nats.url(), args, &TWO_SHARDS);
-    streams_exist(&js, &two.raw_streams).await;
+    // The worker creates the raw streams before the projection stream, which the tests read.
+    let mut streams = two.raw_streams.clone();
+    streams.push(two.proj_stream.clone());
+    streams_exist(&js, &streams).await;
     (nats, js, worker)
 }
 
