@@ -2122,6 +2122,15 @@ async fn cut_a_busy_worker(batches: &str) -> (Vec<Stored>, Vec<u64>, String) {
     (proj, seqs, worker.log_text())
 }
 
+/// Every input of `seqs` has exactly one projection among `proj` (`log`: the worker's, shown
+/// when not).
+fn assert_each_projected_once(proj: &[Stored], mut seqs: Vec<u64>, log: &str) {
+    let mut got: Vec<u64> = proj.iter().map(Stored::source_seq).collect();
+    got.sort_unstable();
+    seqs.sort_unstable();
+    assert_eq!(got, seqs, "every input projected once: {log}");
+}
+
 /// The acks lost with the cut (see [`cut_a_busy_worker`]) of pipelined publishes
 /// (`publish_batches = "never"`) are given up together after one short grace for the whole
 /// reconnect, and those outputs sent again (each collapses by its Msg-Id), instead of each ack's
@@ -2135,11 +2144,7 @@ async fn outputs_whose_acks_went_with_a_reconnect_are_sent_again_without_waiting
         log.contains("publish acks lost with a reconnect; their outputs are sent again"),
         "the lost acks were not noticed with the reconnect: {log}"
     );
-    let mut got: Vec<u64> = proj.iter().map(Stored::source_seq).collect();
-    got.sort_unstable();
-    let mut published = seqs;
-    published.sort_unstable();
-    assert_eq!(got, published, "every input projected once: {log}");
+    assert_each_projected_once(&proj, seqs, &log);
 }
 
 /// A publish written to the connection that drops is lost, while the client sends the ones
@@ -2155,11 +2160,7 @@ async fn outputs_keep_their_key_order_across_a_reconnect_of_a_busy_worker() {
         log.contains("outputs are stored as fast-ingest batches"),
         "batching as asked: {log}"
     );
-    let mut got: Vec<u64> = proj.iter().map(Stored::source_seq).collect();
-    got.sort_unstable();
-    let mut published = seqs;
-    published.sort_unstable();
-    assert_eq!(got, published, "every input projected once: {log}");
+    assert_each_projected_once(&proj, seqs, &log);
     eprintln!(
         "fast-ingest batches stopped by the cut: {}",
         log.matches("a fast-ingest batch stopped").count()
