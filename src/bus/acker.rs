@@ -211,6 +211,13 @@ pub(crate) async fn ack_stage(
             e => Err(refused(e.for_key("(deferred open write)"))),
         }
     };
+    // A publish that stops the partition is charged to the input whose output it was.
+    let charged = |e: WorkerError, input_seq: Option<u64>| {
+        if let (WorkerError::Publish { .. }, Some(seq)) = (&e, input_seq) {
+            failed_input(seq);
+        }
+        e
+    };
     let mut held: VecDeque<Unacked> = VecDeque::new();
     let latencies = Latencies {
         ack: metrics::histogram!(telemetry::PUBLISH_ACK),
@@ -260,12 +267,7 @@ pub(crate) async fn ack_stage(
             match issuer.store_batches(&mut items).await {
                 Ok(Awaited::ShuttingDown) => return Ok(()),
                 Ok(Awaited::Stored) => {}
-                Err((e, input_seq)) => {
-                    if let (WorkerError::Publish { .. }, Some(seq)) = (&e, input_seq) {
-                        failed_input(seq);
-                    }
-                    return Err(e);
-                }
+                Err((e, input_seq)) => return Err(charged(e, input_seq)),
             }
             let mut marks = Vec::new();
             for idx in 0..items.len() {
@@ -276,13 +278,7 @@ pub(crate) async fn ack_stage(
                     .await
                 {
                     Ok(awaited) => awaited,
-                    Err(e) => {
-                        if let (WorkerError::Publish { .. }, Some(seq)) = (&e, items[idx].input_seq)
-                        {
-                            failed_input(seq);
-                        }
-                        return Err(e);
-                    }
+                    Err(e) => return Err(charged(e, items[idx].input_seq)),
                 };
                 if let Awaited::ShuttingDown = awaited {
                     return Ok(());

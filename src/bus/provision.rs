@@ -456,8 +456,8 @@ fn limit_differences(have: &stream::Config, want: Limits) -> Vec<String> {
 }
 
 /// Give the existing stream `st` the size limit `max_bytes` and `discard` (and atomic batches
-/// when `atomic`, fast-ingest batches when `fast`), unless it already has them. A limit below the bytes it holds is refused: the
-/// server would drop data to fit.
+/// when `atomic`, fast-ingest batches when `fast`), unless it already has them. A limit below
+/// the bytes it holds is refused: the server would drop data to fit.
 async fn set_limits(
     (js, s): (&jetstream::Context, &Settings),
     st: &mut stream::Stream,

@@ -61,42 +61,33 @@ pub struct Publisher {
     stats: Arc<async_nats::Statistics>,
     /// The last reconnect an ack sent before it saw (see [`Publisher::ack_unless_lost`]).
     reconnect_seen: std::sync::Mutex<Option<ReconnectSeen>>,
-    /// How the partitions' outputs are stored (`nats.publish_batches`): as batches sent by
-    /// their ackers, atomic or fast-ingest, or published one by one as they are issued. Batches
-    /// are turned off for good when the server is found to store a batch's messages one by one.
-    batching: std::sync::atomic::AtomicU8,
-    /// Whether outputs go to the ackers to be stored (batching was on at start). Kept when
-    /// batching is turned off: the ackers then publish them one at a time, in order, where
-    /// readers publishing new outputs at once could have them stored ahead of earlier ones
-    /// still waiting for their acker.
-    via_acker: bool,
+    /// How the partitions' outputs are stored (`nats.publish_batches`), as chosen at start: as
+    /// batches sent by their ackers, atomic or fast-ingest, or published one by one as they are
+    /// issued.
+    batching: Batching,
+    /// Set when the server is found to store a batch's messages one by one: from then on the
+    /// ackers publish outputs one at a time, in order. They still go through the ackers: readers
+    /// publishing new outputs at once could have them stored ahead of earlier ones still waiting
+    /// for their acker.
+    batches_off: AtomicBool,
     /// The answers to fast-ingest batches.
     fast: super::fast_batch::FastReplies,
 }
 
 /// How a worker's partitions store their outputs (`Publisher::batching`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
 pub(crate) enum Batching {
     /// Each output published as it is issued, pipelined, with an ack each.
-    Off = 0,
+    Off,
     /// Atomic batches (ADR-50, nats-server 2.12): one proposal per batch on a replicated stream.
-    Atomic = 1,
+    Atomic,
     /// Fast-ingest batches (nats-server 2.14) with gap mode `fail`: no output stored after one
     /// the server did not receive, so a publish lost with a dropped connection cannot be
     /// overtaken by the outputs queued behind it.
-    Fast = 2,
+    Fast,
 }
 
 impl Batching {
-    fn from_u8(v: u8) -> Batching {
-        match v {
-            1 => Batching::Atomic,
-            2 => Batching::Fast,
-            _ => Batching::Off,
-        }
-    }
-
     fn name(self) -> &'static str {
         match self {
             Batching::Off => "single publishes",
@@ -176,8 +167,8 @@ impl Publisher {
         Ok(Publisher {
             stats: js.client().statistics(),
             reconnect_seen: std::sync::Mutex::new(None),
-            batching: std::sync::atomic::AtomicU8::new(batching as u8),
-            via_acker: batching != Batching::Off,
+            batching,
+            batches_off: AtomicBool::new(false),
             fast: super::fast_batch::FastReplies::new(js.client()),
             retry_js: context(),
             blobs_js: context(),
@@ -239,12 +230,16 @@ impl Publisher {
     /// Whether the partitions' ackers store outputs (as batches while batching is on, see
     /// [`Publisher::store_batched`]) rather than the readers publishing them as issued.
     pub(crate) fn batches(&self) -> bool {
-        self.via_acker
+        self.batching != Batching::Off
     }
 
     /// How outputs are stored now.
     pub(crate) fn batching(&self) -> Batching {
-        Batching::from_u8(self.batching.load(Ordering::Relaxed))
+        if self.batches_off.load(Ordering::Relaxed) {
+            Batching::Off
+        } else {
+            self.batching
+        }
     }
 
     /// Most publishes a reader issues before it hands them to its acker (see `issue_publishes`):
@@ -274,17 +269,18 @@ impl Publisher {
         self.stats.connects.load(Ordering::Relaxed)
     }
 
-    /// The server's answer to a publish sent when the connection had connected
-    /// `connects_at_send` times, or `None` when it has reconnected since and no answer came
-    /// within [`RECONNECT_ACK_GRACE`] of that being seen: the answer went with the old
-    /// connection, and waiting out the ack timeout would stall the partition for nothing. The
-    /// caller sends the output again, which collapses by its Msg-Id if it was stored.
-    pub(crate) async fn ack_unless_lost(
+    /// The server's answer (`fut`: a publish's ack, a batch's answers) to what was sent when
+    /// the connection had connected `connects_at_send` times, or `None` when it has reconnected
+    /// since and no answer came within [`RECONNECT_ACK_GRACE`] of that being seen: the answer
+    /// went with the old connection, and waiting out the ack timeout would stall the partition
+    /// for nothing. The caller sends the outputs again, which collapse by their Msg-Ids if they
+    /// were stored.
+    pub(crate) async fn ack_unless_lost<F: std::future::IntoFuture>(
         &self,
-        fut: jetstream::context::PublishAckFuture,
+        fut: F,
         connects_at_send: u64,
-    ) -> Option<Result<jetstream::publish::PublishAck, jetstream::context::PublishError>> {
-        let mut fut = std::pin::pin!(std::future::IntoFuture::into_future(fut));
+    ) -> Option<F::Output> {
+        let mut fut = std::pin::pin!(fut.into_future());
         // Most acks are in by the time the acker gets to them: no timer for those.
         if let std::task::Poll::Ready(r) = futures::poll!(fut.as_mut()) {
             return Some(r);
@@ -668,7 +664,7 @@ impl Publisher {
         if chunk.len() < 2 {
             return Ok(0);
         }
-        let why = match self.send_fast_batch(chunk, fence).await {
+        let stored = match self.send_fast_batch(chunk, fence).await {
             FastOutcome::Stored => {
                 metrics::counter!(telemetry::PUBLISH_BATCHES, "outcome" => "stored").increment(1);
                 if let Some(wait) = self.injected_lost_ack() {
@@ -682,11 +678,9 @@ impl Publisher {
                 return Err((Halt::Failed(self.count_failure(f)), at.min(chunk.len() - 1)))
             }
             FastOutcome::Unsupported(answer) => {
-                self.batching.store(Batching::Off as u8, Ordering::Relaxed);
+                self.batches_off.store(true, Ordering::Relaxed);
                 warn!(answer = %answer, "the server answered a fast-ingest batch's message as a single publish (older than nats-server 2.14?); outputs are published one at a time from now on");
-                metrics::counter!(telemetry::PUBLISH_BATCHES, "outcome" => "fell_back")
-                    .increment(1);
-                return Ok(0);
+                0
             }
             FastOutcome::Stopped(stored, why) => {
                 info!(outputs = chunk.len(), stored, why = %why, "a fast-ingest batch stopped; its other outputs are published one at a time, in order");
@@ -694,7 +688,7 @@ impl Publisher {
             }
         };
         metrics::counter!(telemetry::PUBLISH_BATCHES, "outcome" => "fell_back").increment(1);
-        Ok(why)
+        Ok(stored)
     }
 
     /// One fast-ingest batch, every message published with its place in the batch, the last
@@ -703,7 +697,6 @@ impl Publisher {
     /// old connection), as does [`BATCH_COMMIT_TIMEOUT`] without one; its outputs are then
     /// published one at a time, where a stored one collapses by its Msg-Id.
     async fn send_fast_batch(&self, chunk: &[&Outgoing], fence: &Fence) -> FastOutcome {
-        use super::fast_batch::{answer, Answer};
         let unknown = |why: String| FastOutcome::Stopped(0, why);
         if self.injected_failure() {
             return unknown("injected batch failure (COLLAB_TEST_FAIL_PUBLISH_EVERY)".into());
@@ -729,75 +722,17 @@ impl Publisher {
                 return unknown(format!("sending: {e}"));
             }
         }
-        let deadline = tokio::time::Instant::now() + BATCH_COMMIT_TIMEOUT;
-        let mut refused = None;
-        loop {
-            let connects = self.connects();
-            let reconnected = connects != connects_at_send;
-            let until = if reconnected {
-                self.grace_after(connects)
-            } else {
-                tokio::time::Instant::now() + RECONNECT_CHECK
-            };
-            let payload = match tokio::time::timeout_at(until.min(deadline), batch.answers.recv())
-                .await
-            {
-                Ok(Some(payload)) => payload,
-                Ok(None) => return unknown("the answers' subscription ended".into()),
-                Err(_) if reconnected => {
-                    if self.first_lost_with(connects) {
-                        info!("publish acks lost with a reconnect; their outputs are sent again (a stored one collapses by its Msg-Id)");
-                    }
-                    return unknown("reconnected before the answer".into());
-                }
-                Err(_) if tokio::time::Instant::now() >= deadline => {
-                    return unknown("no answer in time".into())
-                }
-                Err(_) => continue,
-            };
-            let last = &chunk[chunk.len() - 1].subject;
-            let deposed = |error: &jetstream::Error| {
-                let source = jetstream::context::PublishError::with_source(
-                    jetstream::context::PublishErrorKind::Other,
-                    error.clone(),
-                );
-                match publish::classify(last, source) {
-                    f @ Failure::Deposed { .. } => Some(f),
-                    _ => None,
-                }
-            };
-            match answer(&payload) {
-                Err(e) => return unknown(e),
-                Ok(Answer::Progress) => {}
-                Ok(Answer::Refused(error)) => {
-                    refused.get_or_insert(error);
-                }
-                Ok(Answer::Done(Err(error))) => {
-                    if let Some(f) = refused.as_ref().and_then(deposed) {
-                        return FastOutcome::Deposed(f, 0);
-                    }
-                    return match deposed(&error) {
-                        Some(f) => FastOutcome::Deposed(f, 0),
-                        None => unknown(format!("refused: {error}")),
-                    };
-                }
-                Ok(Answer::Done(Ok(None))) => {
-                    return FastOutcome::Unsupported(String::from_utf8_lossy(&payload).into())
-                }
-                Ok(Answer::Done(Ok(Some(count)))) => {
-                    let count = usize::try_from(count).unwrap_or(usize::MAX);
-                    if count >= chunk.len() && refused.is_none() {
-                        return FastOutcome::Stored;
-                    }
-                    if let Some(f) = refused.as_ref().and_then(deposed) {
-                        return FastOutcome::Deposed(f, count);
-                    }
-                    let why = refused.map_or("a gap (a message lost on the way)".into(), |e| {
-                        format!("refused: {e}")
-                    });
-                    return FastOutcome::Stopped(count.min(chunk.len()), why);
-                }
-            }
+        let last = &chunk[chunk.len() - 1].subject;
+        let answers = read_fast_answers(&mut batch.answers, chunk.len(), last);
+        match tokio::time::timeout(
+            BATCH_COMMIT_TIMEOUT,
+            self.ack_unless_lost(answers, connects_at_send),
+        )
+        .await
+        {
+            Ok(Some(outcome)) => outcome,
+            Ok(None) => unknown("reconnected before the answer".into()),
+            Err(_) => unknown("no answer in time".into()),
         }
     }
 
@@ -811,7 +746,7 @@ impl Publisher {
             }
             Err(BatchRefused::Deposed(f)) => return Err(Halt::Failed(self.count_failure(f))),
             Err(BatchRefused::Unsupported(answer)) => {
-                self.batching.store(Batching::Off as u8, Ordering::Relaxed);
+                self.batches_off.store(true, Ordering::Relaxed);
                 warn!(answer = %answer, "the server stored an atomic batch's messages one by one (older than nats-server 2.12?); outputs are published one at a time from now on");
             }
             Err(BatchRefused::Other(why)) => {
@@ -1053,6 +988,63 @@ fn batches_of<'a, 'o>(outs: &'a [&'o Outgoing]) -> Vec<&'a [&'o Outgoing]> {
 /// whose outputs collapse by their Msg-Ids).
 const BATCH_COMMIT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// A batch answer's `error`, when it is a lost fence (classified as a single publish's
+/// refusal is, [`publish::classify`]): the partition was claimed by a newer owner.
+fn fence_lost(subject: &str, error: &jetstream::Error) -> Option<Failure> {
+    let source = jetstream::context::PublishError::with_source(
+        jetstream::context::PublishErrorKind::Other,
+        error.clone(),
+    );
+    match publish::classify(subject, source) {
+        f @ Failure::Deposed { .. } => Some(f),
+        _ => None,
+    }
+}
+
+/// Read a fast-ingest batch of `sent` messages' answers (the last one sent to `subject`) to the
+/// final one: what the batch came to.
+async fn read_fast_answers(
+    answers: &mut tokio::sync::mpsc::UnboundedReceiver<bytes::Bytes>,
+    sent: usize,
+    subject: &str,
+) -> FastOutcome {
+    use super::fast_batch::{answer, Answer};
+    let mut refused = None;
+    while let Some(payload) = answers.recv().await {
+        match answer(&payload) {
+            Err(e) => return FastOutcome::Stopped(0, e),
+            Ok(Answer::Progress) => {}
+            Ok(Answer::Refused(error)) => {
+                refused.get_or_insert(error);
+            }
+            Ok(Answer::Done(Err(error))) => {
+                let lost = refused.as_ref().and_then(|r| fence_lost(subject, r));
+                return match lost.or_else(|| fence_lost(subject, &error)) {
+                    Some(f) => FastOutcome::Deposed(f, 0),
+                    None => FastOutcome::Stopped(0, format!("refused: {error}")),
+                };
+            }
+            Ok(Answer::Done(Ok(None))) => {
+                return FastOutcome::Unsupported(String::from_utf8_lossy(&payload).into())
+            }
+            Ok(Answer::Done(Ok(Some(count)))) => {
+                let count = usize::try_from(count).unwrap_or(usize::MAX);
+                if count >= sent && refused.is_none() {
+                    return FastOutcome::Stored;
+                }
+                if let Some(f) = refused.as_ref().and_then(|r| fence_lost(subject, r)) {
+                    return FastOutcome::Deposed(f, count);
+                }
+                let why = refused.map_or("a gap (a message lost on the way)".into(), |e| {
+                    format!("refused: {e}")
+                });
+                return FastOutcome::Stopped(count.min(sent), why);
+            }
+        }
+    }
+    FastOutcome::Stopped(0, "the answers' subscription ended".into())
+}
+
 /// What a fast-ingest batch came to.
 enum FastOutcome {
     /// Every output stored (or collapsed with a stored copy by its Msg-Id).
@@ -1097,14 +1089,9 @@ fn batch_answer(payload: &[u8], sent: usize, subject: &str) -> Result<(), BatchR
         ))
     })?;
     if let Some(error) = answer.error {
-        let why = error.to_string();
-        let source = jetstream::context::PublishError::with_source(
-            jetstream::context::PublishErrorKind::Other,
-            error,
-        );
-        return Err(match publish::classify(subject, source) {
-            f @ Failure::Deposed { .. } => BatchRefused::Deposed(f),
-            _ => BatchRefused::Other(format!("refused: {why}")),
+        return Err(match fence_lost(subject, &error) {
+            Some(f) => BatchRefused::Deposed(f),
+            None => BatchRefused::Other(format!("refused: {error}")),
         });
     }
     if answer.batch.is_none() {
