@@ -490,14 +490,27 @@ impl Publisher {
         seq: u64,
         stored_ms: i64,
     ) -> Result<bool, LookupFailed> {
+        self.stored_already_seen(out, seq, stored_ms, &mut SeenOutputs::default())
+            .await
+    }
+
+    /// [`Publisher::stored_already`], reading through `seen`: what earlier look-ups read of a
+    /// subject is not read again.
+    async fn stored_already_seen(
+        &self,
+        out: &Outgoing,
+        seq: u64,
+        stored_ms: i64,
+        seen: &mut SeenOutputs,
+    ) -> Result<bool, LookupFailed> {
         if matches!(out.kind, OutKind::Projection(_)) && publish::wire_size(out) > self.out_budget()
         {
             let dead_letter = pipeline::too_large(&self.names, out, self.out_budget());
-            if self.stored_as(&dead_letter, seq, stored_ms).await? {
+            if self.stored_as(&dead_letter, seq, stored_ms, seen).await? {
                 return Ok(true);
             }
         }
-        self.stored_as(out, seq, stored_ms).await
+        self.stored_as(out, seq, stored_ms, seen).await
     }
 
     /// [`Publisher::stored_already`] for `out` exactly as it would be stored.
@@ -506,7 +519,11 @@ impl Publisher {
         out: &Outgoing,
         seq: u64,
         stored_ms: i64,
+        seen: &mut SeenOutputs,
     ) -> Result<bool, LookupFailed> {
+        if seen.has(&out.subject, &out.msg_id) {
+            return Ok(true);
+        }
         let failed = |what: &str, e: &dyn std::fmt::Display| LookupFailed {
             subject: out.subject.clone(),
             what: format!("{what}: {e}"),
@@ -559,28 +576,43 @@ impl Publisher {
         if last.time.timestamp_millis() < since_ms {
             return Ok(false);
         }
-        let since = chrono::DateTime::from_timestamp_millis(since_ms).unwrap_or_default();
+        // What was read of this subject before covers it from its window's start on: only
+        // what was stored past that needs reading.
+        let deliver_policy = match seen.read_through(&out.subject, since_ms) {
+            Some(through) if last.sequence <= through => return Ok(false),
+            Some(through) => jetstream::consumer::DeliverPolicy::ByStartSequence {
+                start_sequence: through + 1,
+            },
+            None => jetstream::consumer::DeliverPolicy::ByStartTime {
+                start_time: chrono::DateTime::from_timestamp_millis(since_ms).unwrap_or_default(),
+            },
+        };
         let name = format!("lookup-{}", uuid::Uuid::new_v4().simple());
         let reader = stream
             .create_consumer(jetstream::consumer::pull::OrderedConfig {
                 name: Some(name.clone()),
                 filter_subject: out.subject.clone(),
-                deliver_policy: jetstream::consumer::DeliverPolicy::ByStartTime {
-                    start_time: since,
-                },
+                deliver_policy,
+                // Only the Msg-Ids are read.
+                headers_only: true,
                 ..Default::default()
             })
             .await
             .map_err(|e| failed("creating the look-up reader", &e))?;
-        let found = scan_for(reader, last.sequence, &same).await;
+        let read = read_msg_ids(reader, last.sequence).await;
         if let Err(e) = stream.delete_consumer(&name).await {
             debug!(consumer = %name, error = %e, "look-up reader not deleted; it expires by itself");
         }
-        found.map_err(|e| failed("reading the subject", &e))
+        let ids = read.map_err(|e| failed("reading the subject", &e))?;
+        debug!(subject = %out.subject, read = ids.len(), through = last.sequence,
+            "read a subject's outputs for look-ups");
+        seen.record(&out.subject, since_ms, last.sequence, ids);
+        Ok(seen.has(&out.subject, &out.msg_id))
     }
 
     /// [`Publisher::stored_already`], asked again (keeping `inputs` alive) until it answers.
     /// `None`: cancelled, or the partition broke (its acker stopped), first.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) async fn stored_already_patiently(
         &self,
         out: &Outgoing,
@@ -589,13 +621,14 @@ impl Publisher {
         inputs: &[&jetstream::Message],
         cancel: &CancellationToken,
         broken: &CancellationToken,
+        seen: &mut SeenOutputs,
     ) -> Option<bool> {
         let mut patience = Patience::new();
         loop {
             if broken.is_cancelled() {
                 return None;
             }
-            match self.stored_already(out, seq, stored_ms).await {
+            match self.stored_already_seen(out, seq, stored_ms, seen).await {
                 Ok(stored) => return Some(stored),
                 Err(e) => {
                     metrics::counter!(telemetry::LOOKUP_RETRIES).increment(1);
@@ -1271,18 +1304,18 @@ pub struct LookupFailed {
     what: String,
 }
 
-/// Read `reader` (a subject from some point on) until a message `same` accepts or the message at
-/// stream sequence `until` (the subject's last on the stream leader when the look-up began).
+/// The Msg-Ids of what `reader` (a headers-only reader of one subject) delivers, through
+/// stream sequence `until`, the subject's last message when the look-up began.
 ///
 /// The reader's own count of what is left says nothing here: it is kept by the replica the
 /// reader was placed on, which may lag behind the leader (a node catching up after a network
-/// partition) and count 0 before the output sought. Only reaching `until` ends the scan.
-async fn scan_for(
+/// partition) and count 0 before the output sought. Only reaching `until` ends the read.
+async fn read_msg_ids(
     reader: jetstream::consumer::Consumer<jetstream::consumer::pull::OrderedConfig>,
     until: u64,
-    same: &impl Fn(&async_nats::HeaderMap) -> bool,
-) -> Result<bool, String> {
+) -> Result<Vec<String>, String> {
     let mut messages = reader.messages().await.map_err(|e| e.to_string())?;
+    let mut ids = Vec::new();
     loop {
         let m = match tokio::time::timeout(Duration::from_secs(5), messages.next()).await {
             Ok(Some(Ok(m))) => m,
@@ -1294,13 +1327,93 @@ async fn scan_for(
                 ))
             }
         };
-        if m.headers.as_ref().is_some_and(same) {
-            return Ok(true);
+        if let Some(id) = m.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id")) {
+            ids.push(id.as_str().to_owned());
         }
         let info = m.info().map_err(|e| e.to_string())?;
         if info.stream_sequence >= until {
-            return Ok(false);
+            return Ok(ids);
         }
+    }
+}
+
+/// What one partition's look-ups of stored outputs have read (see
+/// [`Publisher::stored_already`]), so a subject that many looked-up inputs share is read once
+/// and then only past where it was read: after a takeover, every input delivered again is looked
+/// up, and most of a partition's outputs land on a few subjects. Per subject, the Msg-Ids stored
+/// on it from a store time on through a stream sequence. A stored message is never rewritten, so
+/// a Msg-Id read stays an answer; the subject's last message is still read by every look-up that
+/// finds nothing here. Bounded at [`SEEN_IDS_MAX`] Msg-Ids: past that it starts over.
+#[derive(Debug, Default)]
+pub(crate) struct SeenOutputs {
+    subjects: std::collections::HashMap<String, SeenSubject>,
+    ids: usize,
+}
+
+#[derive(Debug)]
+struct SeenSubject {
+    /// Store time (ms since the epoch) the subject was read from.
+    from_ms: i64,
+    /// Stream sequence it was read through.
+    through: u64,
+    ids: std::collections::HashSet<String>,
+}
+
+/// The most Msg-Ids [`SeenOutputs`] keeps (about 100 bytes each).
+const SEEN_IDS_MAX: usize = 200_000;
+
+impl SeenOutputs {
+    /// Whether `msg_id` was read on `subject`.
+    fn has(&self, subject: &str, msg_id: &str) -> bool {
+        self.subjects
+            .get(subject)
+            .is_some_and(|s| s.ids.contains(msg_id))
+    }
+
+    /// The stream sequence `subject` was read through, if it was read from `since_ms` or
+    /// earlier on.
+    fn read_through(&self, subject: &str, since_ms: i64) -> Option<u64> {
+        self.subjects
+            .get(subject)
+            .filter(|s| s.from_ms <= since_ms)
+            .map(|s| s.through)
+    }
+
+    /// `subject` read through `through`: from `since_ms` on, or past what was read before when
+    /// that covers `since_ms`.
+    fn record(&mut self, subject: &str, since_ms: i64, through: u64, ids: Vec<String>) {
+        if self.ids + ids.len() > SEEN_IDS_MAX {
+            self.clear();
+        }
+        let extends = self.read_through(subject, since_ms).is_some();
+        if !extends {
+            if let Some(old) = self.subjects.remove(subject) {
+                self.ids -= old.ids.len();
+            }
+        }
+        let entry = self
+            .subjects
+            .entry(subject.to_owned())
+            .or_insert_with(|| SeenSubject {
+                from_ms: since_ms,
+                through,
+                ids: std::collections::HashSet::new(),
+            });
+        entry.through = entry.through.max(through);
+        for id in ids {
+            if entry.ids.insert(id) {
+                self.ids += 1;
+            }
+        }
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.subjects.is_empty()
+    }
+
+    pub(crate) fn clear(&mut self) {
+        self.subjects.clear();
+        self.ids = 0;
     }
 }
 
@@ -1493,6 +1606,128 @@ mod tests {
             ),
             "output 2 is not stored"
         );
+    }
+
+    /// Against a real server: look-ups after a takeover read through one [`SeenOutputs`] read
+    /// a subject once, then only what was stored on it since. Each input's output is found
+    /// when stored and not found when not, as without it, including one stored after the
+    /// subject was first read and one whose subject was read past it before it was stored.
+    #[cfg(feature = "tools")]
+    #[tokio::test]
+    async fn lookups_through_seen_outputs_read_a_subject_once_and_then_only_what_is_new() {
+        let Some((_nats, js, names, publisher)) = provisioned_publisher().await else {
+            return;
+        };
+        let subject =
+            names.proj_subject(crate::model::Role::OrchestrationTask, "t", "task.updated");
+        let output = |raw_seq: u64| Outgoing {
+            subject: subject.clone(),
+            payload: bytes::Bytes::from(format!("{{\"raw\":{raw_seq}}}")),
+            msg_id: crate::pipeline::input_msg_id(&names.raw_stream, raw_seq, 0),
+            headers: Vec::new(),
+            kind: OutKind::Projection(crate::model::Role::OrchestrationTask),
+        };
+        let store = |raw_seq: u64| {
+            let (js, out) = (js.clone(), output(raw_seq));
+            async move {
+                js.send_publish(
+                    out.subject.clone(),
+                    jetstream::message::PublishMessage::build()
+                        .payload(out.payload.clone())
+                        .message_id(out.msg_id.as_str()),
+                )
+                .await
+                .expect("sent")
+                .await
+                .expect("stored")
+                .sequence
+            }
+        };
+        // Inputs 10..=14 stored; 15 (its input was taken over) was not; 16 and 17 were.
+        for raw_seq in [10, 11, 12, 13, 14, 16] {
+            store(raw_seq).await;
+        }
+        let mut last = store(17).await;
+        let now = crate::bus::now_ms();
+        let mut seen = SeenOutputs::default();
+        // Looked up in raw order, as a partition's inputs are after a takeover.
+        macro_rules! lookup {
+            ($raw_seq:expr) => {
+                publisher
+                    .stored_already_seen(&output($raw_seq), $raw_seq, now, &mut seen)
+                    .await
+                    .expect("answered")
+            };
+        }
+        assert!(lookup!(10), "input 10's output is stored");
+        assert_eq!(
+            seen.read_through(&subject, now - 60_000),
+            Some(last),
+            "read once, through the last"
+        );
+        assert_eq!(seen.ids, 7);
+        for raw_seq in [11, 12, 13, 14] {
+            assert!(lookup!(raw_seq), "input {raw_seq}'s output is stored");
+        }
+        assert!(!lookup!(15), "input 15's output is not stored");
+        assert!(lookup!(16), "input 16's output is stored");
+        // Stored after the subject was read (this owner's own publish, or a fenced one's late
+        // store): read past where the subject was read.
+        let stored_late = store(15).await;
+        assert!(stored_late > last);
+        last = store(18).await;
+        assert!(
+            lookup!(15),
+            "input 15's output, stored after the first read, is found"
+        );
+        assert_eq!(seen.read_through(&subject, now - 60_000), Some(last));
+        assert_eq!(seen.ids, 9);
+        assert!(!lookup!(19), "input 19's output is not stored");
+        assert_eq!(
+            seen.ids, 9,
+            "nothing new read when the subject's last was read"
+        );
+    }
+
+    #[test]
+    fn seen_outputs_extend_a_subject_covering_the_window_and_start_over_otherwise() {
+        let mut seen = SeenOutputs::default();
+        let ids = |r: std::ops::Range<u32>| r.map(|i| format!("id-{i}")).collect::<Vec<_>>();
+        seen.record("a", 1_000, 5, ids(0..5));
+        assert_eq!(seen.read_through("a", 1_000), Some(5));
+        assert_eq!(
+            seen.read_through("a", 2_000),
+            Some(5),
+            "a later window is covered"
+        );
+        assert_eq!(
+            seen.read_through("a", 999),
+            None,
+            "an earlier window is not"
+        );
+        assert_eq!(seen.read_through("b", 1_000), None);
+        // Read on from sequence 6, for a later input.
+        seen.record("a", 2_000, 8, ids(5..8));
+        assert!(seen.has("a", "id-0") && seen.has("a", "id-7"));
+        assert_eq!(
+            seen.read_through("a", 1_000),
+            Some(8),
+            "still read from 1,000 on"
+        );
+        assert_eq!(seen.ids, 8);
+        // Read afresh from an earlier time: replaces what was read.
+        seen.record("a", 500, 9, ids(100..102));
+        assert!(!seen.has("a", "id-0"));
+        assert!(seen.has("a", "id-101"));
+        assert_eq!(seen.ids, 2);
+        // Past the bound it starts over.
+        seen.record("b", 0, 1, ids(0..(SEEN_IDS_MAX as u32 - 2)));
+        assert_eq!(seen.ids, SEEN_IDS_MAX);
+        seen.record("c", 0, 1, ids(0..1));
+        assert_eq!(seen.ids, 1);
+        assert!(!seen.has("a", "id-101") && seen.has("c", "id-0"));
+        seen.clear();
+        assert!(seen.is_empty());
     }
 
     /// Against a real server: a projection over the output budget, stored by an earlier owner as

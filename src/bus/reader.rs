@@ -75,6 +75,9 @@ pub(crate) struct Partition<'a> {
     /// many in a row had nothing stored (an output a replay computes differently is no sign
     /// that the previous owner's publishes ended there).
     pub(crate) verify_all_through: u64,
+    /// What the look-ups of those inputs' outputs read of the output subjects (each subject
+    /// read once, then only past where it was read); emptied once inputs need no look-up.
+    pub(crate) seen: super::publisher::SeenOutputs,
     /// This owner's claim, which every output it publishes expects.
     pub(crate) fence: Fence,
     /// Streamed text held back per open message or tool call, so a secret split over deltas is
@@ -955,6 +958,7 @@ impl Partition<'_> {
                     &[&msg],
                     self.cancel,
                     self.broken,
+                    &mut self.seen,
                 ))
                 .await;
                 match stored {
@@ -994,6 +998,8 @@ impl Partition<'_> {
                 );
             }
             outs = kept;
+        } else if !self.seen.is_empty() {
+            self.seen.clear();
         }
         let publishes = match self.issue(outs, &[&msg]).await {
             Ok(p) => p,

@@ -334,6 +334,7 @@ pub async fn run_partition(
         next_delivery: 0,
         verify_through,
         verify_missed: 0,
+        seen: Default::default(),
         verify_all_through: if behind { resume_after.unwrap_or(0) } else { 0 },
         fence,
         streams: crate::redact::StreamRedactor::new(
