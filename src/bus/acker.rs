@@ -141,6 +141,16 @@ pub(crate) enum Acks {
     Each,
 }
 
+impl Acks {
+    /// How inputs of a consumer with `policy` are acknowledged.
+    pub(crate) fn of(policy: jetstream::consumer::AckPolicy) -> Self {
+        match policy {
+            jetstream::consumer::AckPolicy::All => Acks::Last,
+            _ => Acks::Each,
+        }
+    }
+}
+
 /// A processed input the acker has seen stored, waiting for the holds of the turns it opened.
 pub(crate) struct Unacked {
     msg: Option<jetstream::Message>,

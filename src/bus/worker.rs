@@ -27,7 +27,7 @@ use crate::config::Names;
 use crate::telemetry;
 use crate::turns::book::Watermark;
 use async_nats::jetstream;
-use async_nats::jetstream::consumer::{AckPolicy, PullConsumer};
+use async_nats::jetstream::consumer::PullConsumer;
 use std::sync::atomic::{AtomicI64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -298,16 +298,12 @@ pub async fn run_partition(
 
     let (tx, rx) = mpsc::channel::<Processed>(512);
     let broken = CancellationToken::new();
-    let acks = match consumer.cached_info().config.ack_policy {
-        AckPolicy::All => Acks::Last,
-        _ => Acks::Each,
-    };
     let acker = AbortOnDropHandle::new(tokio::spawn(tracing::Instrument::in_current_span(
         ack_stage(
             shared.publisher.clone(),
             Stage {
                 p,
-                acks,
+                acks: Acks::of(consumer.cached_info().config.ack_policy),
                 fence: fence.clone(),
                 failed_input: shared.failures_of(p),
             },
