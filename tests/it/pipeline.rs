@@ -1231,9 +1231,12 @@ async fn events_of_one_key_are_projected_in_raw_order() {
     per_key_order(&[]).await;
 }
 
+/// Outputs published one at a time, pipelined (`never`).
+const PIPELINED: (&str, &str) = ("COLLAB_NATS__PUBLISH_BATCHES", "never");
+
 #[tokio::test]
 async fn per_key_order_survives_transient_publish_failures() {
-    let projector = per_key_order(&[("COLLAB_TEST_FAIL_PUBLISH_EVERY", "7")]).await;
+    let projector = per_key_order(&[PIPELINED, ("COLLAB_TEST_FAIL_PUBLISH_EVERY", "7")]).await;
     assert!(
         projector.log_text().contains("injected publish failure"),
         "the failure hook must have fired for this test to mean anything"
@@ -1266,6 +1269,25 @@ async fn per_key_order_holds_with_outputs_stored_as_atomic_batches() {
         "the outputs must have gone as batches for this test to mean anything"
     );
     assert_eq!(batches(&projector, "fell_back").await, 0.0);
+}
+
+/// Outputs stored as fast-ingest batches (`auto` on one server), some refused by the failure
+/// hook: those go one output at a time, in order, before the next batch.
+#[tokio::test]
+async fn per_key_order_holds_when_fast_batches_fail_and_go_one_output_at_a_time() {
+    let fast = ("COLLAB_NATS__PUBLISH_BATCHES", "fast");
+    let projector = per_key_order(&[fast, ("COLLAB_TEST_FAIL_PUBLISH_EVERY", "3")]).await;
+    assert!(
+        projector
+            .log_text()
+            .contains("outputs are stored as fast-ingest batches"),
+        "the outputs must have gone as fast-ingest batches"
+    );
+    assert!(
+        batches(&projector, "fell_back").await > 0.0,
+        "the failure hook must have stopped batches for this test to mean anything"
+    );
+    assert!(batches(&projector, "stored").await > 0.0);
 }
 
 #[tokio::test]
@@ -1955,9 +1977,12 @@ async fn sigterm_drains_and_everything_acknowledged_is_projected() {
 #[tokio::test]
 async fn publishes_retried_past_the_duplicate_window_are_not_stored_twice() {
     let nats = TestNats::start().await;
+    // The pipelined path's retries in place (a fast batch's lost answers are the reconnect
+    // tests' concern).
     let envs = [
         ("COLLAB_PROJECTION__DUPLICATE_WINDOW", "1s"),
         ("COLLAB_TEST_LOSE_PUBLISH_ACK_EVERY", "40"),
+        PIPELINED,
     ];
     let worker = start_projector(&nats.url(), &MAIN_AGENTS, &envs).await;
     let js = nats.jetstream().await;
