@@ -131,6 +131,10 @@ pub(crate) fn in_flight_ack_subject(info: &jetstream::consumer::Info) -> Option<
     ))
 }
 
+/// The most processed inputs an acker takes as one group (its outputs stored, with batches, as
+/// one run of batches per stream, both streams side by side).
+pub(crate) const GROUP_MAX: usize = 1024;
+
 /// How a partition acknowledges a group of processed inputs.
 #[derive(Debug, Clone, Copy)]
 pub(crate) enum Acks {
@@ -268,7 +272,7 @@ pub(crate) async fn ack_stage(
         };
         if let Some(first) = first {
             let mut items = vec![first];
-            while items.len() < 1024 {
+            while items.len() < GROUP_MAX {
                 match rx.try_recv() {
                     Ok(i) => items.push(i),
                     Err(_) => break,

@@ -640,17 +640,23 @@ impl Publisher {
         }
     }
 
-    /// Store `outs` (outputs of inputs taken in partition order) as batches, in order, each
-    /// batch only once the one before it is answered: what is stored is always a prefix of
-    /// `outs`. Atomic batches store all of a batch or nothing, and a replicated stream proposes
-    /// a whole batch at once; fast-ingest batches store a prefix of each batch and stop at the
-    /// first message the server did not receive. Every message keeps its Msg-Id and the fence
-    /// expectation, so nothing past a newer claim is stored. What a batch did not store (a
-    /// Msg-Id stored before, as after a takeover, refusing an atomic batch; a fast batch cut by
-    /// a dropped connection; a server without batches; no answer in time) is published again
-    /// one output at a time, in place, where a stored Msg-Id collapses alone.
+    /// Store `outs` (outputs of inputs taken in partition order) as batches: each stream's
+    /// outputs in order, each batch only once the one before it on that stream is answered, the
+    /// projection stream's and the dead-letter stream's side by side. What is stored of each
+    /// stream's outputs is always a prefix of them, so a projection subject (one key's) is
+    /// stored in raw order; across the two streams, anything stored past an output not stored is
+    /// within this group of inputs (the takeover's look-ups go on for at least a group, see
+    /// [`super::acker::GROUP_MAX`]). Atomic batches store all of a batch or nothing, and a
+    /// replicated stream proposes a whole batch at once; fast-ingest batches store a prefix of
+    /// each batch and stop at the first message the server did not receive. Every message keeps
+    /// its Msg-Id and the fence expectation, so nothing past a newer claim is stored. What a
+    /// batch did not store (a Msg-Id stored before, as after a takeover, refusing an atomic
+    /// batch; a fast batch cut by a dropped connection; a server without batches; no answer in
+    /// time) is published again one output at a time, in place, where a stored Msg-Id collapses
+    /// alone.
     ///
-    /// A halt comes with the index in `outs` of the output being stored when it came.
+    /// A halt comes with the index in `outs` of the output being stored when it came (of the
+    /// earlier one when both streams halt; a failure before a shutdown).
     pub(crate) async fn store_batched(
         &self,
         outs: &[&Outgoing],
@@ -658,26 +664,61 @@ impl Publisher {
         inputs: &[&jetstream::Message],
         cancel: &CancellationToken,
     ) -> Result<(), (Halt, usize)> {
+        let (dead, live): (Vec<usize>, Vec<usize>) =
+            (0..outs.len()).partition(|&i| matches!(outs[i].kind, OutKind::DeadLetter(_)));
+        if dead.is_empty() || live.is_empty() {
+            return self.store_in_order(outs, &[], fence, inputs, cancel).await;
+        }
+        let pick = |places: &[usize]| places.iter().map(|&i| outs[i]).collect::<Vec<_>>();
+        let (projections, dead_letters) = (pick(&live), pick(&dead));
+        let (a, b) = tokio::join!(
+            self.store_in_order(&projections, &live, fence, inputs, cancel),
+            self.store_in_order(&dead_letters, &dead, fence, inputs, cancel),
+        );
+        match (a, b) {
+            (Ok(()), Ok(())) => Ok(()),
+            (Err(e), Ok(())) | (Ok(()), Err(e)) => Err(e),
+            (Err(a), Err(b)) => Err(match (&a.0, &b.0) {
+                (Halt::Failed(_), Halt::Cancelled) => a,
+                (Halt::Cancelled, Halt::Failed(_)) => b,
+                _ if a.1 <= b.1 => a,
+                _ => b,
+            }),
+        }
+    }
+
+    /// One stream's outputs (`outs`), stored as batches one after the other, what a batch did
+    /// not store published one at a time before the next batch. A halt comes with the output's
+    /// place: its index in `outs`, or `places[index]` when places are given.
+    async fn store_in_order(
+        &self,
+        outs: &[&Outgoing],
+        places: &[usize],
+        fence: &Fence,
+        inputs: &[&jetstream::Message],
+        cancel: &CancellationToken,
+    ) -> Result<(), (Halt, usize)> {
+        let place = |i: usize| places.get(i).copied().unwrap_or(i);
         let mut at = 0;
-        for chunk in batch_plan(outs) {
+        for chunk in batches_of(outs) {
             let sent = tokio::time::Instant::now();
             // Batching may have been turned off since these were issued.
             let stored = match self.batching() {
                 Batching::Atomic => match self.try_batch(chunk, fence).await {
                     Ok(true) => chunk.len(),
                     Ok(false) => 0,
-                    Err(halt) => return Err((halt, at)),
+                    Err(halt) => return Err((halt, place(at))),
                 },
                 Batching::Fast => match self.try_fast_batch(chunk, fence).await {
                     Ok(stored) => stored.min(chunk.len()),
-                    Err((halt, i)) => return Err((halt, at + i)),
+                    Err((halt, i)) => return Err((halt, place(at + i))),
                 },
                 Batching::Off => 0,
             };
             for (i, out) in chunk.iter().enumerate().skip(stored) {
                 self.publish_in_place_since(out, fence, inputs, cancel, sent)
                     .await
-                    .map_err(|halt| (halt, at + i))?;
+                    .map_err(|halt| (halt, place(at + i)))?;
             }
             at += chunk.len();
         }
@@ -984,17 +1025,6 @@ const BATCH_MAX: usize = 500;
 /// Most payload bytes in one batch: the server holds an atomic batch in memory until its
 /// commit.
 const BATCH_MAX_BYTES: usize = 8 << 20;
-
-/// The batches `outs` go in, in order: runs of outputs bound for one stream, each cut by
-/// [`batches_of`]. What is stored of them, over both streams, is then always a prefix of `outs`
-/// (the takeover's look-ups rely on it).
-fn batch_plan<'a, 'o>(outs: &'a [&'o Outgoing]) -> Vec<&'a [&'o Outgoing]> {
-    outs.chunk_by(|a, b| {
-        matches!(a.kind, OutKind::DeadLetter(_)) == matches!(b.kind, OutKind::DeadLetter(_))
-    })
-    .flat_map(batches_of)
-    .collect()
-}
 
 /// `outs` cut, in order, into batches of at most [`BATCH_MAX`] outputs and [`BATCH_MAX_BYTES`]
 /// of payload (an output larger than that is a batch of its own).
@@ -1488,33 +1518,6 @@ mod tests {
         ));
     }
 
-    #[test]
-    fn a_batch_plan_follows_issue_order_across_the_two_streams() {
-        let projection = |n: u8| Outgoing {
-            subject: format!("collab.proj.orchestration.task.k.{n}"),
-            payload: bytes::Bytes::from(vec![n]),
-            msg_id: format!("COLLAB_RAW:{n}:0"),
-            headers: Vec::new(),
-            kind: OutKind::Projection(crate::model::Role::OrchestrationTask),
-        };
-        let outs = [
-            projection(1),
-            projection(2),
-            out(3),
-            projection(4),
-            out(5),
-            out(6),
-        ];
-        let refs: Vec<&Outgoing> = outs.iter().collect();
-        let plan: Vec<Vec<u8>> = batch_plan(&refs)
-            .iter()
-            .map(|b| b.iter().map(|o| o.payload.len() as u8).collect())
-            .collect();
-        // Payload lengths stand for the outputs: projections carry one byte, dead letters
-        // `out(n)`'s n bytes.
-        assert_eq!(plan, [vec![1, 1], vec![3], vec![1], vec![5, 6]]);
-    }
-
     /// A local nats-server with the default deployment provisioned, and a publisher on it;
     /// `None` (the test skipped) without nats-server on PATH outside CI.
     #[cfg(feature = "tools")]
@@ -1685,6 +1688,109 @@ mod tests {
         assert_eq!(
             seen.ids, 9,
             "nothing new read when the subject's last was read"
+        );
+    }
+
+    /// Against a real server: a group's projections and dead letters, interleaved as a mix's
+    /// are, stored as fast-ingest batches with the two streams side by side: each output stored
+    /// once, each stream's in the group's order. With the fence lost to a newer claim nothing
+    /// is stored, and the halt names the group's first output (both streams halt; the earlier
+    /// place is the one charged).
+    #[cfg(feature = "tools")]
+    #[tokio::test]
+    async fn a_groups_projections_and_dead_letters_are_stored_side_by_side_each_in_order() {
+        let Some((_nats, js, names, publisher)) = provisioned_publisher().await else {
+            return;
+        };
+        assert_eq!(publisher.batching(), Batching::Fast, "auto on one server");
+        let group = |tag: &str| -> Vec<Outgoing> {
+            (0..60u64)
+                .map(|i| {
+                    let msg_id = format!("{tag}-{i}");
+                    if i % 5 == 2 {
+                        Outgoing {
+                            subject: names.dlq_subject(DlqReason::BadJson),
+                            payload: bytes::Bytes::from(msg_id.clone()),
+                            msg_id,
+                            headers: Vec::new(),
+                            kind: OutKind::DeadLetter(DlqReason::BadJson),
+                        }
+                    } else {
+                        Outgoing {
+                            subject: names.proj_subject(
+                                crate::model::Role::OrchestrationTask,
+                                &format!("k{}", i % 3),
+                                "task.updated",
+                            ),
+                            payload: bytes::Bytes::from(msg_id.clone()),
+                            msg_id,
+                            headers: Vec::new(),
+                            kind: OutKind::Projection(crate::model::Role::OrchestrationTask),
+                        }
+                    }
+                })
+                .collect()
+        };
+        let stored_payloads = |stream: String| {
+            let js = js.clone();
+            async move {
+                let mut stream = js.get_stream(&stream).await.expect("the stream");
+                let last = stream.info().await.expect("its info").state.last_sequence;
+                let mut payloads = Vec::new();
+                // Fence claims are on subjects of their own (and the older ones deleted).
+                for seq in 1..=last {
+                    if let Ok(m) = stream.get_raw_message(seq).await {
+                        if !m.subject.contains("fence") {
+                            payloads.push(String::from_utf8_lossy(&m.payload).into_owned());
+                        }
+                    }
+                }
+                payloads
+            }
+        };
+        let fence = Fence::claim(&js, &names, 0, "first")
+            .await
+            .expect("claimed");
+        let outs = group("a");
+        let refs: Vec<&Outgoing> = outs.iter().collect();
+        assert!(publisher
+            .store_batched(&refs, &fence, &[], &CancellationToken::new())
+            .await
+            .is_ok());
+        let expected = |dead: bool| -> Vec<String> {
+            outs.iter()
+                .filter(|o| matches!(o.kind, OutKind::DeadLetter(_)) == dead)
+                .map(|o| o.msg_id.clone())
+                .collect()
+        };
+        assert_eq!(
+            stored_payloads(names.proj_stream.clone()).await,
+            expected(false)
+        );
+        assert_eq!(
+            stored_payloads(names.dlq_stream.clone()).await,
+            expected(true)
+        );
+
+        Fence::claim(&js, &names, 0, "second")
+            .await
+            .expect("claimed again");
+        let late = group("b");
+        let refs: Vec<&Outgoing> = late.iter().collect();
+        let halted = publisher
+            .store_batched(&refs, &fence, &[], &CancellationToken::new())
+            .await;
+        assert!(
+            matches!(halted, Err((Halt::Failed(Failure::Deposed { .. }), 0))),
+            "the old owner's group halts at its first output"
+        );
+        assert_eq!(
+            stored_payloads(names.proj_stream.clone()).await,
+            expected(false)
+        );
+        assert_eq!(
+            stored_payloads(names.dlq_stream.clone()).await,
+            expected(true)
         );
     }
 

@@ -62,10 +62,11 @@ pub(crate) struct Partition<'a> {
     /// it got must not be covered by this partition's acknowledgements.
     pub(crate) next_delivery: u64,
     /// Inputs up to this raw sequence may have their outputs stored already (the consumer was
-    /// recreated from a checkpoint): each is looked up before it is published, until a whole
-    /// publish window (`consumer.publish_window`) of inputs in a row had none of their outputs
-    /// stored. The previous owner issued publishes in input order with at most that many
-    /// unacknowledged, so a publish that failed can only be followed by stored ones within it.
+    /// recreated from a checkpoint): each is looked up before it is published, until
+    /// [`Partition::look_up_span`] inputs in a row had none of their outputs stored. The
+    /// previous owner issued pipelined publishes in input order with at most a publish window
+    /// (`consumer.publish_window`) unacknowledged, and stored batches one group of inputs at a
+    /// time, so an output not stored can only be followed by stored ones within that span.
     pub(crate) verify_through: u64,
     /// Inputs in a row, looked up under `verify_through`, that had no output stored.
     pub(crate) verify_missed: usize,
@@ -90,6 +91,16 @@ pub(crate) struct Partition<'a> {
 }
 
 impl Partition<'_> {
+    /// How many looked-up inputs in a row with nothing stored end the look-ups: a publish
+    /// window, or an acker's group of inputs if larger (see `verify_through`).
+    fn look_up_span(&self) -> usize {
+        self.shared
+            .settings
+            .consumer
+            .publish_window
+            .max(super::acker::GROUP_MAX)
+    }
+
     pub(crate) fn setup(&self, what: &str, source: impl Into<Source>) -> WorkerError {
         WorkerError::setup(self.p, what, source)
     }
@@ -982,8 +993,8 @@ impl Partition<'_> {
                 } else {
                     0
                 };
-                if self.verify_missed >= self.shared.settings.consumer.publish_window.max(1) {
-                    // Past the previous owner's publish window: nothing later was stored.
+                if self.verify_missed >= self.look_up_span() {
+                    // Past the previous owner's window: nothing later was stored.
                     debug!(
                         partition = self.p,
                         seq, "no output stored for a publish window in a row; looking up no more"
