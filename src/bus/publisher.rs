@@ -1518,6 +1518,24 @@ mod tests {
         ));
     }
 
+    /// Store `out` as a previous owner would have (no fence), with its Msg-Id and headers: its
+    /// stream sequence.
+    #[cfg(feature = "tools")]
+    async fn store_unfenced(js: &jetstream::Context, out: &Outgoing) -> u64 {
+        let mut message = PublishMessage::build()
+            .payload(out.payload.clone())
+            .message_id(out.msg_id.as_str());
+        for (name, value) in &out.headers {
+            message = message.header(*name, value.as_str());
+        }
+        js.send_publish(out.subject.clone(), message)
+            .await
+            .expect("sent")
+            .await
+            .expect("stored")
+            .sequence
+    }
+
     /// A local nats-server with the default deployment provisioned, and a publisher on it;
     /// `None` (the test skipped) without nats-server on PATH outside CI.
     #[cfg(feature = "tools")]
@@ -1580,16 +1598,7 @@ mod tests {
             ..output(9)
         };
         for out in [&earlier, &output(0), &output(1)] {
-            js.send_publish(
-                out.subject.clone(),
-                jetstream::message::PublishMessage::build()
-                    .payload(out.payload.clone())
-                    .message_id(out.msg_id.as_str()),
-            )
-            .await
-            .expect("sent")
-            .await
-            .expect("stored");
+            store_unfenced(&js, out).await;
         }
         let now = crate::bus::now_ms();
         for i in [0, 1] {
@@ -1631,19 +1640,7 @@ mod tests {
         };
         let store = |raw_seq: u64| {
             let (js, out) = (js.clone(), output(raw_seq));
-            async move {
-                js.send_publish(
-                    out.subject.clone(),
-                    jetstream::message::PublishMessage::build()
-                        .payload(out.payload.clone())
-                        .message_id(out.msg_id.as_str()),
-                )
-                .await
-                .expect("sent")
-                .await
-                .expect("stored")
-                .sequence
-            }
+            async move { store_unfenced(&js, &out).await }
         };
         // Inputs 10..=14 stored; 15 (its input was taken over) was not; 16 and 17 were.
         for raw_seq in [10, 11, 12, 13, 14, 16] {
@@ -1854,17 +1851,7 @@ mod tests {
         };
         let stored = publisher.fit(huge(0));
         assert!(matches!(stored.kind, OutKind::DeadLetter(_)));
-        let mut message = PublishMessage::build()
-            .payload(stored.payload.clone())
-            .message_id(stored.msg_id.as_str());
-        for (name, value) in &stored.headers {
-            message = message.header(*name, value.as_str());
-        }
-        js.send_publish(stored.subject.clone(), message)
-            .await
-            .expect("sent")
-            .await
-            .expect("stored");
+        store_unfenced(&js, &stored).await;
         let now = crate::bus::now_ms();
         assert!(
             matches!(
