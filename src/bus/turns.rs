@@ -14,6 +14,7 @@
 
 use super::context::WorkerContext;
 use super::error::{NoAnswer, Source};
+use super::publisher::Publisher;
 use crate::ingest::Normalized;
 use crate::model::Role;
 use crate::pipeline::{self, OutKind, Outgoing, RawMessage};
@@ -81,10 +82,29 @@ pub enum WriteError {
     /// Anything else: no answer in time, a broken connection, the partition's writer stopped.
     #[error(transparent)]
     Failed(Arc<dyn std::error::Error + Send + Sync + 'static>),
+    /// Its answer went with a reconnect: the connection came back and no answer followed within
+    /// the grace ([`Publisher::ack_unless_lost`]). Whether it was stored is unknown.
+    #[error("its answer went with a reconnect: whether it was stored is unknown")]
+    LostWithReconnect,
     /// Never sent: the partition stopped with the turn's open record still deferred. Its input
     /// stays unacknowledged and is processed again by the next owner.
     #[error("the partition stopped before the turn's record was written")]
     Abandoned,
+}
+
+/// The revision a record write sent when the connection had connected `connects` times was
+/// stored at, or why not: an answer that went with a reconnect is given up after the grace
+/// rather than waited for until the context's timeout, and the partition starts over (as after
+/// any write whose outcome is unknown) at once rather than 5 s later.
+async fn written(
+    publisher: &Publisher,
+    ack: jetstream::context::PublishAckFuture,
+    connects: u64,
+) -> Result<u64, WriteError> {
+    match publisher.ack_unless_lost(ack, connects).await {
+        Some(answer) => answer.map(|a| a.sequence).map_err(WriteError::of_publish),
+        None => Err(WriteError::LostWithReconnect),
+    }
 }
 
 impl WriteError {
@@ -101,10 +121,12 @@ impl WriteError {
         match self {
             WriteError::Conflict => TurnIoError::Conflict { key },
             WriteError::Failed(source) => TurnIoError::WriteFailed { key, source },
-            abandoned @ WriteError::Abandoned => TurnIoError::WriteFailed {
-                key,
-                source: Arc::new(abandoned),
-            },
+            other @ (WriteError::Abandoned | WriteError::LostWithReconnect) => {
+                TurnIoError::WriteFailed {
+                    key,
+                    source: Arc::new(other),
+                }
+            }
         }
     }
 }
@@ -243,6 +265,9 @@ pub const CHECKPOINT_EVERY: Duration = Duration::from_secs(1);
 /// second owner's write stops this one).
 pub struct Checkpoint {
     store: kv::Store,
+    /// The partitions' publisher: a write whose answer went with a reconnect is given up after
+    /// its grace ([`Publisher::ack_unless_lost`]).
+    publisher: Arc<Publisher>,
     key: String,
     /// KV revision of the checkpoint key as this owner last wrote or read it (0: absent).
     revision: u64,
@@ -356,11 +381,17 @@ impl Checkpoint {
         };
         let value = serde_json::to_vec(&next).map_err(|e| TurnIoError::kv(&self.key, e))?;
         // Revision 0 asks for an absent key; a deleted one answers with its delete's revision.
-        match self
+        let connects = self.publisher.connects();
+        let update = self
             .store
-            .update(&self.key, Bytes::from(value), self.revision)
-            .await
-        {
+            .update(&self.key, Bytes::from(value), self.revision);
+        let Some(answer) = self.publisher.ack_unless_lost(update, connects).await else {
+            return Err(TurnIoError::WriteFailed {
+                key: self.key.clone(),
+                source: Arc::new(WriteError::LostWithReconnect),
+            });
+        };
+        match answer {
             Ok(rev) => {
                 self.revision = rev;
                 self.value = next;
@@ -424,6 +455,9 @@ pub struct PartitionTurns {
     checkpoint_refresh: Option<Duration>,
     /// The context record writes are sent on (compare-and-set publishes to the bucket).
     kv_js: jetstream::Context,
+    /// The partitions' publisher, on the same connection: its count of connects tells a record
+    /// write's answer that went with a reconnect from one still on its way.
+    publisher: Arc<Publisher>,
     put_prefix: String,
     cfg: TurnConfig,
     open: OpenTurns<Rev>,
@@ -528,8 +562,9 @@ impl PartitionTurns {
             published_through: Default::default(),
             verified_through: 0,
             term: rand::random(),
-            writer: DecisionWriter::start(kv_js.clone()),
+            writer: DecisionWriter::start(kv_js.clone(), shared.publisher.clone()),
             kv_js,
+            publisher: shared.publisher.clone(),
             open_total: shared.state.clone(),
             reported_open: 0,
             deferred: HashMap::new(),
@@ -590,6 +625,7 @@ impl PartitionTurns {
         };
         Ok(Checkpoint {
             store: self.checkpoint_store.clone(),
+            publisher: self.publisher.clone(),
             key,
             revision,
             value,
@@ -881,19 +917,17 @@ impl PartitionTurns {
             (Some(Rev::Known(rev)), false) => *rev,
             _ => return Ok(self.writer.write(subject, rec.clone(), after)),
         };
+        let connects = self.publisher.connects();
         let ack = send_cas(&self.kv_js, subject, rec, expected)
             .await
             .map_err(|source| TurnIoError::Kv {
                 key: key.to_string(),
                 source,
             })?;
-        let write: KvWrite = async move {
-            ack.await
-                .map(|a| a.sequence)
-                .map_err(WriteError::of_publish)
-        }
-        .boxed()
-        .shared();
+        let publisher = self.publisher.clone();
+        let write: KvWrite = async move { written(&publisher, ack, connects).await }
+            .boxed()
+            .shared();
         Ok(write)
     }
 
@@ -1902,18 +1936,21 @@ async fn store_blobs(
 /// write is unacknowledged waits here for its revision, in order, while the partition goes on.
 struct DecisionWriter {
     queue: mpsc::UnboundedSender<QueuedWrite>,
+    publisher: Arc<Publisher>,
 }
 
 struct QueuedWrite {
     subject: String,
     rec: TurnRecord,
     after: Option<Rev>,
-    sent: oneshot::Sender<Result<jetstream::context::PublishAckFuture, WriteError>>,
+    /// The write's ack, and the connection's count of connects when it was sent.
+    sent: oneshot::Sender<Result<(jetstream::context::PublishAckFuture, u64), WriteError>>,
 }
 
 impl DecisionWriter {
     /// Start the writer task; it ends when the writer is dropped (with the partition's turns).
-    fn start(kv_js: jetstream::Context) -> DecisionWriter {
+    fn start(kv_js: jetstream::Context, publisher: Arc<Publisher>) -> DecisionWriter {
+        let connects = publisher.clone();
         let (queue, mut rx) = mpsc::unbounded_channel::<QueuedWrite>();
         tokio::spawn(async move {
             while let Some(w) = rx.recv().await {
@@ -1922,15 +1959,19 @@ impl DecisionWriter {
                     Some(rev) => rev.revision().await,
                 };
                 let sent = match expected {
-                    Ok(rev) => send_cas(&kv_js, w.subject, &w.rec, rev)
-                        .await
-                        .map_err(|e| WriteError::Failed(e.into())),
+                    Ok(rev) => {
+                        let at = connects.connects();
+                        send_cas(&kv_js, w.subject, &w.rec, rev)
+                            .await
+                            .map(|ack| (ack, at))
+                            .map_err(|e| WriteError::Failed(e.into()))
+                    }
                     Err(e) => Err(e),
                 };
                 let _ = w.sent.send(sent);
             }
         });
-        DecisionWriter { queue }
+        DecisionWriter { queue, publisher }
     }
 
     /// Queue a compare-and-set write of `rec` after `after` (absent: the key must be absent).
@@ -1942,14 +1983,13 @@ impl DecisionWriter {
             after,
             sent,
         });
+        let publisher = self.publisher.clone();
         async move {
             let stopped =
                 || WriteError::Failed(Arc::from(Source::from("the partition's writer stopped")));
             queued.map_err(|_| stopped())?;
-            let ack = ack.await.map_err(|_| stopped())??;
-            ack.await
-                .map(|a| a.sequence)
-                .map_err(WriteError::of_publish)
+            let (ack, connects) = ack.await.map_err(|_| stopped())??;
+            written(&publisher, ack, connects).await
         }
         .boxed()
         .shared()

@@ -2113,11 +2113,19 @@ async fn partitions_ask_again_soon_after_a_reconnect_that_lost_their_pull_reques
     );
 }
 
-/// A busy worker (a backlog of 6,000 inputs) cut from its server while the server's answers to
-/// its publishes are on their way back: what the server sends is held for 200 ms and then the
-/// link dropped, and healed 300 ms later. `batches`: `nats.publish_batches`. Returns the
-/// projections once settled, the inputs' raw sequences, and the worker's log.
+/// A busy worker (a backlog of 6,000 task updates) cut from its server while the server's
+/// answers to its publishes are on their way back: what the server sends is held for 200 ms and
+/// then the link dropped, and healed 300 ms later. `batches`: `nats.publish_batches`. Returns
+/// the projections once settled, the inputs' raw sequences, and the worker's log.
 async fn cut_a_busy_worker(batches: &str) -> (Vec<Stored>, Vec<u64>, String) {
+    cut_a_worker_busy_with(batches, &load(6000)).await
+}
+
+/// [`cut_a_busy_worker`] with `backlog` as the worker's backlog.
+async fn cut_a_worker_busy_with(
+    batches: &str,
+    backlog: &[(String, Vec<u8>)],
+) -> (Vec<Stored>, Vec<u64>, String) {
     let nats = TestNats::start().await;
     let proxy = crate::support::proxy::Proxy::start(nats.port()).await;
     let url = nats.url();
@@ -2126,7 +2134,7 @@ async fn cut_a_busy_worker(batches: &str) -> (Vec<Stored>, Vec<u64>, String) {
     let js = nats.jetstream().await;
     // A backlog, so the worker is busy when the link drops: its publishes are pipelined, and
     // at any moment many of their acks are on their way.
-    let seqs = publish_all(&js, &load(6000)).await;
+    let seqs = publish_all(&js, backlog).await;
     let envs = [
         ACK_WAIT,
         ("RUST_LOG", "info"),
@@ -2170,6 +2178,56 @@ async fn outputs_whose_acks_went_with_a_reconnect_are_sent_again_without_waiting
         "the lost acks were not noticed with the reconnect: {log}"
     );
     assert_each_projected_once(&proj, seqs, &log);
+}
+
+/// Turn-record writes whose answers went with the cut (see [`cut_a_busy_worker`], here with a
+/// backlog of 3,000 answered main-main turns) are given up once the connection is back and its
+/// grace has passed, as publish acks are, instead of each being waited for until the 5 s
+/// timeout: the partition starts over at once, as after any write whose outcome is unknown.
+/// Every input is projected once and every turn has exactly one response.
+#[tokio::test]
+async fn turn_writes_whose_answers_went_with_a_reconnect_are_given_up_without_waiting_out_the_timeout(
+) {
+    let turns = 3000;
+    let mut backlog = Vec::with_capacity(2 * turns);
+    for i in 0..turns {
+        let conv = format!("cut-{i}");
+        for (kind, from, to) in [
+            ("a2a.send", "ruda", "eden"),
+            ("a2a.response", "eden", "ruda"),
+        ] {
+            let body = crate::support::collab_event(kind, from, to, &conv, json!({"turnId": "t1"}));
+            backlog.push((
+                format!("collab.raw.{conv}.{kind}"),
+                serde_json::to_vec(&body).expect("serialises"),
+            ));
+        }
+    }
+    let (proj, seqs, log) = cut_a_worker_busy_with("auto", &backlog).await;
+    assert!(
+        log.contains("(pipelined write): write not stored: its answer went with a reconnect"),
+        "no turn-record write was given up with the reconnect: {log}"
+    );
+    assert_each_projected_once(&proj, seqs, &log);
+    let responses: Vec<&Stored> = proj
+        .iter()
+        .filter(|m| m.subject.ends_with(".a2a.response"))
+        .collect();
+    let mut per_turn: BTreeMap<&str, usize> = BTreeMap::new();
+    for m in &responses {
+        *per_turn
+            .entry(m.subject.split('.').nth(4).unwrap_or_default())
+            .or_default() += 1;
+    }
+    assert_eq!(per_turn.len(), turns, "every turn has a response");
+    assert!(
+        per_turn.values().all(|n| *n == 1),
+        "exactly one response per turn: {:?}",
+        per_turn
+            .iter()
+            .filter(|(_, n)| **n != 1)
+            .collect::<Vec<_>>()
+    );
 }
 
 /// A publish written to the connection that drops is lost, while the client sends the ones
