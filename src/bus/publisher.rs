@@ -1451,6 +1451,22 @@ mod tests {
     use super::*;
     use crate::model::DlqReason;
 
+    /// A projection of `role` on `subject`, with no headers.
+    fn projection(
+        role: crate::model::Role,
+        subject: String,
+        payload: String,
+        msg_id: String,
+    ) -> Outgoing {
+        Outgoing {
+            subject,
+            payload: bytes::Bytes::from(payload),
+            msg_id,
+            headers: Vec::new(),
+            kind: OutKind::Projection(role),
+        }
+    }
+
     fn out(bytes: usize) -> Outgoing {
         Outgoing {
             subject: "collab.dlq.bad_json".into(),
@@ -1585,12 +1601,13 @@ mod tests {
         };
         let raw_seq = 7;
         let subject = names.proj_subject(crate::model::Role::SystemObservability, "k", "run.delta");
-        let output = |i: usize| Outgoing {
-            subject: subject.clone(),
-            payload: bytes::Bytes::from(format!("{{\"i\":{i}}}")),
-            msg_id: crate::pipeline::input_msg_id(&names.raw_stream, raw_seq, i),
-            headers: Vec::new(),
-            kind: OutKind::Projection(crate::model::Role::SystemObservability),
+        let output = |i: usize| {
+            projection(
+                crate::model::Role::SystemObservability,
+                subject.clone(),
+                format!("{{\"i\":{i}}}"),
+                crate::pipeline::input_msg_id(&names.raw_stream, raw_seq, i),
+            )
         };
         // An earlier input's output, then this input's outputs 0 and 1, on one subject.
         let earlier = Outgoing {
@@ -1631,12 +1648,13 @@ mod tests {
         };
         let subject =
             names.proj_subject(crate::model::Role::OrchestrationTask, "t", "task.updated");
-        let output = |raw_seq: u64| Outgoing {
-            subject: subject.clone(),
-            payload: bytes::Bytes::from(format!("{{\"raw\":{raw_seq}}}")),
-            msg_id: crate::pipeline::input_msg_id(&names.raw_stream, raw_seq, 0),
-            headers: Vec::new(),
-            kind: OutKind::Projection(crate::model::Role::OrchestrationTask),
+        let output = |raw_seq: u64| {
+            projection(
+                crate::model::Role::OrchestrationTask,
+                subject.clone(),
+                format!("{{\"raw\":{raw_seq}}}"),
+                crate::pipeline::input_msg_id(&names.raw_stream, raw_seq, 0),
+            )
         };
         let store = |raw_seq: u64| {
             let (js, out) = (js.clone(), output(raw_seq));
@@ -1713,17 +1731,16 @@ mod tests {
                             kind: OutKind::DeadLetter(DlqReason::BadJson),
                         }
                     } else {
-                        Outgoing {
-                            subject: names.proj_subject(
+                        projection(
+                            crate::model::Role::OrchestrationTask,
+                            names.proj_subject(
                                 crate::model::Role::OrchestrationTask,
                                 &format!("k{}", i % 3),
                                 "task.updated",
                             ),
-                            payload: bytes::Bytes::from(msg_id.clone()),
+                            msg_id.clone(),
                             msg_id,
-                            headers: Vec::new(),
-                            kind: OutKind::Projection(crate::model::Role::OrchestrationTask),
-                        }
+                        )
                     }
                 })
                 .collect()
