@@ -365,9 +365,10 @@ impl Publisher {
             .map_err(|e| publish::classify(&out.subject, e))
     }
 
-    /// Publish until the server acknowledges, backing off between attempts while the failure
-    /// is one waiting heals. Keeps `inputs` alive meanwhile so the server does not redeliver
-    /// them. Gives up on cancellation, or at once on a failure waiting does not heal.
+    /// Publish an output no earlier send can have stored until the server acknowledges,
+    /// backing off between attempts while the failure is one waiting heals. Keeps `inputs`
+    /// alive meanwhile so the server does not redeliver them. Gives up on cancellation, or at
+    /// once on a failure waiting does not heal.
     pub(crate) async fn publish_in_place(
         &self,
         out: &Outgoing,
@@ -375,12 +376,12 @@ impl Publisher {
         inputs: &[&jetstream::Message],
         cancel: &CancellationToken,
     ) -> Result<(), Halt> {
-        self.publish_in_place_since(out, fence, inputs, cancel, tokio::time::Instant::now())
+        self.publish_in_place_from(out, fence, inputs, cancel, None)
             .await
     }
 
-    /// [`Publisher::publish_in_place`] for an output issued at `issued` (an ack given up after
-    /// a reconnect may be of a send made long before, when the link dropped).
+    /// [`Publisher::publish_in_place`] for an output sent before, issued at `issued` (an ack
+    /// given up after a reconnect may be of a send made long before, when the link dropped).
     pub(crate) async fn publish_in_place_since(
         &self,
         out: &Outgoing,
@@ -400,12 +401,11 @@ impl Publisher {
             .await
     }
 
-    /// [`Publisher::publish_in_place`] for an output first sent at `first_sent`, or never sent
-    /// yet (`None`): an output no earlier send can have stored is not looked up before its
-    /// first send, whatever the duplicate window. (Looking it up there would read its subject
-    /// by a consumer of its own for every such output once the window is under the margin plus
-    /// an ack timeout: with fast-ingest batches and a 20 s window, every input of a group of
-    /// one, at a p50 of 15 ms.)
+    /// Publish `out` in place, first sent at `first_sent`, or never sent yet (`None`): an
+    /// output no earlier send can have stored is not looked up before its first send, whatever
+    /// the duplicate window. (Looking it up there would read its subject by a consumer of its
+    /// own for every such output once the window is under the margin plus an ack timeout: with
+    /// fast-ingest batches and a 20 s window, every input of a group of one, at a p50 of 15 ms.)
     async fn publish_in_place_from(
         &self,
         out: &Outgoing,
@@ -742,8 +742,7 @@ impl Publisher {
             };
             for (i, out) in chunk.iter().enumerate().skip(stored) {
                 let published = if unsent {
-                    self.publish_in_place_from(out, fence, inputs, cancel, None)
-                        .await
+                    self.publish_in_place(out, fence, inputs, cancel).await
                 } else {
                     self.publish_in_place_since(out, fence, inputs, cancel, sent)
                         .await
@@ -757,16 +756,13 @@ impl Publisher {
 
     /// Send `chunk` as one fast-ingest batch: how many of its outputs, from the first, are
     /// stored (the rest are to be published one at a time, counted), or a halt when the fence
-    /// was lost (with the index of the output refused). A single output is not batched:
-    /// published in place, it is just as ordered.
+    /// was lost (with the index of the output refused). A single output is not sent here
+    /// ([`Publisher::store_in_order`] publishes it in place, just as ordered).
     async fn try_fast_batch(
         &self,
         chunk: &[&Outgoing],
         fence: &Fence,
     ) -> Result<usize, (Halt, usize)> {
-        if chunk.len() < 2 {
-            return Ok(0);
-        }
         let stored = match self.send_fast_batch(chunk, fence).await {
             FastOutcome::Stored => {
                 metrics::counter!(telemetry::PUBLISH_BATCHES, "outcome" => "stored").increment(1);

@@ -386,10 +386,7 @@ impl Checkpoint {
             .store
             .update(&self.key, Bytes::from(value), self.revision);
         let Some(answer) = self.publisher.ack_unless_lost(update, connects).await else {
-            return Err(TurnIoError::WriteFailed {
-                key: self.key.clone(),
-                source: Arc::new(WriteError::LostWithReconnect),
-            });
+            return Err(WriteError::LostWithReconnect.for_key(&self.key));
         };
         match answer {
             Ok(rev) => {
@@ -1950,7 +1947,7 @@ struct QueuedWrite {
 impl DecisionWriter {
     /// Start the writer task; it ends when the writer is dropped (with the partition's turns).
     fn start(kv_js: jetstream::Context, publisher: Arc<Publisher>) -> DecisionWriter {
-        let connects = publisher.clone();
+        let sender = publisher.clone();
         let (queue, mut rx) = mpsc::unbounded_channel::<QueuedWrite>();
         tokio::spawn(async move {
             while let Some(w) = rx.recv().await {
@@ -1960,7 +1957,7 @@ impl DecisionWriter {
                 };
                 let sent = match expected {
                     Ok(rev) => {
-                        let at = connects.connects();
+                        let at = sender.connects();
                         send_cas(&kv_js, w.subject, &w.rec, rev)
                             .await
                             .map(|ack| (ack, at))
