@@ -1288,6 +1288,33 @@ enum Variant {
     WithoutFold,
 }
 
+impl Variant {
+    /// The latency run's pipeline variant, `COLLAB_BENCH_LATENCY_VARIANT` (`full`, the default;
+    /// `without-contract`; `without-fold`), for finding which layer a latency tail comes from.
+    fn latency_from_env() -> Result<Variant, BenchError> {
+        match std::env::var("COLLAB_BENCH_LATENCY_VARIANT") {
+            Err(_) => Ok(Variant::Full),
+            Ok(v) => match v.trim() {
+                "" | "full" => Ok(Variant::Full),
+                "without-contract" => Ok(Variant::WithoutContract),
+                "without-fold" => Ok(Variant::WithoutFold),
+                other => Err(BenchError::Setup(format!(
+                    "COLLAB_BENCH_LATENCY_VARIANT={other:?}: use full, without-contract or without-fold"
+                ))),
+            },
+        }
+    }
+
+    /// `settings` with this variant's layer switched off.
+    fn apply(self, settings: &mut Settings) {
+        match self {
+            Variant::Full => {}
+            Variant::WithoutContract => settings.turns.enforce_roles.clear(),
+            Variant::WithoutFold => settings.workers.without_session_fold = true,
+        }
+    }
+}
+
 async fn throughput_pipeline(
     env: &Env,
     opts: &BenchOptions,
@@ -1314,11 +1341,7 @@ async fn throughput_pipeline(
     let pb = bar(opts, n as u64, &format!("{label}: run"));
     let started = Instant::now();
     let mut settings = env.settings();
-    match variant {
-        Variant::Full => {}
-        Variant::WithoutContract => settings.turns.enforce_roles.clear(),
-        Variant::WithoutFold => settings.workers.without_session_fold = true,
-    }
+    variant.apply(&mut settings);
     let (running, shared, cancel) = start_app(opts, settings).await?;
     let state = shared.state.clone();
     let first: OnceLock<Instant> = OnceLock::new();
@@ -1569,16 +1592,23 @@ enum UnderTest {
 }
 
 async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyResult, BenchError> {
+    // Checked before anything starts; the passthrough reads as the throughput baseline does
+    // (`COLLAB_BENCH_PARTITIONED`).
+    let layout = ReadLayout::from_env(env.settings.nats.partitions, env.names().shards())?;
+    let variant = Variant::latency_from_env()?;
     env.provision().await?;
-    let name = if id == 1 {
-        "baseline passthrough"
-    } else {
-        "full pipeline, mixed"
+    let name = match (id, variant) {
+        (1, _) => "baseline passthrough",
+        (_, Variant::Full) => "full pipeline, mixed",
+        (_, Variant::WithoutContract) => "pipeline, mixed, no contract",
+        (_, Variant::WithoutFold) => "pipeline, mixed, no fold",
     };
     let under = if id == 1 {
-        UnderTest::Baseline(start_passthrough(env, ReadLayout::Whole, None).await?)
+        UnderTest::Baseline(start_passthrough(env, layout, None).await?)
     } else {
-        let (running, shared, cancel) = start_app(opts, env.settings()).await?;
+        let mut settings = env.settings();
+        variant.apply(&mut settings);
+        let (running, shared, cancel) = start_app(opts, settings).await?;
         let ready = Instant::now() + Duration::from_secs(60);
         while shared.state.partitions_running.load(Ordering::Relaxed)
             < usize::from(env.settings.nats.partitions)
