@@ -665,10 +665,24 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
                         .map_err(|e| api(&format!("checkpoint of partition {p}"), e))?,
                     Err(_) => None,
                 };
-                raw.create_consumer(resumed_consumer_config(s, p, resume))
+                match raw
+                    .create_consumer(resumed_consumer_config(s, p, resume))
                     .await
-                    .map_err(|e| api(&label, e))?;
-                report.created.push(label);
+                {
+                    Ok(_) => report.created.push(label),
+                    // Made by someone else between the look-up and the create: the partition's
+                    // owner switching the consumer's storage deletes it and makes it again, and
+                    // a create that meets a consumer of the other storage is refused (10012).
+                    // One that now exists as this worker would have it (storage aside, which its
+                    // owner settles) is taken as it is.
+                    Err(e) => match raw.consumer_info(&cname).await {
+                        Ok(info) if consumer_differences(&info.config, &want).is_empty() => {
+                            info!(consumer = %label, "made by another worker while this one looked; taken as it is");
+                            report.unchanged.push(label);
+                        }
+                        _ => return Err(api(&label, e)),
+                    },
+                }
             }
             Err(e) => return Err(api(&label, e)),
         }

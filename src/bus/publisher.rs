@@ -279,27 +279,44 @@ impl Publisher {
         fut: F,
         connects_at_send: u64,
     ) -> Option<F::Output> {
-        let mut fut = std::pin::pin!(fut.into_future());
-        // Most acks are in by the time the acker gets to them: no timer for those.
-        if let std::task::Poll::Ready(r) = futures::poll!(fut.as_mut()) {
-            return Some(r);
-        }
-        loop {
-            let connects = self.connects();
-            if connects != connects_at_send {
-                // One grace per reconnect, from when it was first seen: the acks lost with it
-                // are given up together, not one grace after another.
-                let until = self.grace_after(connects);
-                let answer = tokio::time::timeout_at(until, fut.as_mut()).await.ok();
-                if answer.is_none() && self.first_lost_with(connects) {
+        match self.answer_unless_lost(fut, connects_at_send).await {
+            Ok(answer) => Some(answer),
+            Err(connects) => {
+                if self.first_lost_with(connects) {
                     info!(
                         "publish acks lost with a reconnect; their outputs are sent again (a stored one collapses by its Msg-Id)"
                     );
                 }
-                return answer;
+                None
+            }
+        }
+    }
+
+    /// [`Publisher::ack_unless_lost`] for any request on the partitions' connection (a read as
+    /// well as a write), without its log line: the answer, or `Err(connects)` when the
+    /// connection has connected `connects` times since and no answer came within the grace.
+    pub(crate) async fn answer_unless_lost<F: std::future::IntoFuture>(
+        &self,
+        fut: F,
+        connects_at_send: u64,
+    ) -> Result<F::Output, u64> {
+        let mut fut = std::pin::pin!(fut.into_future());
+        // Most acks are in by the time the acker gets to them: no timer for those.
+        if let std::task::Poll::Ready(r) = futures::poll!(fut.as_mut()) {
+            return Ok(r);
+        }
+        loop {
+            let connects = self.connects();
+            if connects != connects_at_send {
+                // One grace per reconnect, from when it was first seen: the answers lost with
+                // it are given up together, not one grace after another.
+                let until = self.grace_after(connects);
+                return tokio::time::timeout_at(until, fut.as_mut())
+                    .await
+                    .map_err(|_| connects);
             }
             if let Ok(answer) = tokio::time::timeout(RECONNECT_CHECK, fut.as_mut()).await {
-                return Some(answer);
+                return Ok(answer);
             }
         }
     }

@@ -2174,13 +2174,15 @@ async fn partitions_ask_again_soon_after_a_reconnect_that_lost_their_pull_reques
 /// then the link dropped, and healed 300 ms later. `batches`: `nats.publish_batches`. Returns
 /// the projections once settled, the inputs' raw sequences, and the worker's log.
 async fn cut_a_busy_worker(batches: &str) -> (Vec<Stored>, Vec<u64>, String) {
-    cut_a_worker_busy_with(batches, &load(6000)).await
+    cut_a_worker_busy_with(batches, &load(6000), 500).await
 }
 
-/// [`cut_a_busy_worker`] with `backlog` as the worker's backlog.
+/// [`cut_a_busy_worker`] with `backlog` as the worker's backlog, cut once `cut_after`
+/// projections are stored.
 async fn cut_a_worker_busy_with(
     batches: &str,
     backlog: &[(String, Vec<u8>)],
+    cut_after: u64,
 ) -> (Vec<Stored>, Vec<u64>, String) {
     let nats = TestNats::start().await;
     let proxy = crate::support::proxy::Proxy::start(nats.port()).await;
@@ -2197,7 +2199,7 @@ async fn cut_a_worker_busy_with(
         ("COLLAB_NATS__PUBLISH_BATCHES", batches),
     ];
     let worker = start_projector(&proxy.url(), &MAIN_AGENTS, &envs).await;
-    wait_proj_at_least(&js, 500).await;
+    wait_proj_at_least(&js, cut_after).await;
     // Nothing the server sends reaches the worker any more: the acks of what it published
     // last are held on the way, and the cut drops them.
     proxy.hold_down(true);
@@ -2259,18 +2261,60 @@ async fn turn_writes_whose_answers_went_with_a_reconnect_are_given_up_without_wa
             ));
         }
     }
-    let (proj, seqs, log) = cut_a_worker_busy_with("auto", &backlog).await;
+    let (proj, seqs, log) = cut_a_worker_busy_with("auto", &backlog, 500).await;
     assert!(
         log.contains("(pipelined write): write not stored: its answer went with a reconnect"),
         "no turn-record write was given up with the reconnect: {log}"
     );
     assert_each_projected_once(&proj, seqs, &log);
-    let responses: Vec<&Stored> = proj
-        .iter()
-        .filter(|m| m.subject.ends_with(".a2a.response"))
-        .collect();
+    assert_one_response_per_turn(&proj, turns);
+}
+
+/// Turn-record reads whose answers went with the cut are asked again once the connection is
+/// back and its grace has passed, instead of each being waited for until the request's timeout
+/// stops its partition. The backlog holds 3,000 main-main sends and then their 3,000 responses,
+/// and the cut comes while the responses are being read: a partition keeps only the records of
+/// the turns it opened last in memory, so most responses read their turn's record from the
+/// bucket, and at the cut many of those reads are on their way. Every input is projected once
+/// and every turn has exactly one response. (Here the writes lost with the same cut restart the
+/// partitions too, so without the read's own check the run ends the same, only without the
+/// log line: what the check saves is a partition whose only request in flight is a read, one
+/// starting and reading its checkpoint, waiting out the request's timeout.)
+#[tokio::test]
+async fn turn_record_reads_whose_answers_went_with_a_reconnect_are_asked_again() {
+    let turns = 3000;
+    let mut backlog = Vec::with_capacity(2 * turns);
+    for (kind, from, to) in [
+        ("a2a.send", "ruda", "eden"),
+        ("a2a.response", "eden", "ruda"),
+    ] {
+        for i in 0..turns {
+            let conv = format!("read-{i}");
+            let body = crate::support::collab_event(kind, from, to, &conv, json!({"turnId": "t1"}));
+            backlog.push((
+                format!("collab.raw.{conv}.{kind}"),
+                serde_json::to_vec(&body).expect("serialises"),
+            ));
+        }
+    }
+    // Cut a few hundred responses in, with most of them still to read.
+    let (proj, seqs, log) = cut_a_worker_busy_with("auto", &backlog, turns as u64 + 400).await;
+    assert!(
+        log.contains("a turn-record read's answer went with a reconnect; reading it again"),
+        "no turn-record read was asked again after the reconnect: {log}"
+    );
+    assert!(
+        !log.contains("reading the record: no answer"),
+        "a turn-record read was waited out: {log}"
+    );
+    assert_each_projected_once(&proj, seqs, &log);
+    assert_one_response_per_turn(&proj, turns);
+}
+
+/// Every one of `turns` turns has exactly one `a2a.response` among `proj`.
+fn assert_one_response_per_turn(proj: &[Stored], turns: usize) {
     let mut per_turn: BTreeMap<&str, usize> = BTreeMap::new();
-    for m in &responses {
+    for m in proj.iter().filter(|m| m.subject.ends_with(".a2a.response")) {
         *per_turn
             .entry(m.subject.split('.').nth(4).unwrap_or_default())
             .or_default() += 1;
