@@ -2247,20 +2247,7 @@ async fn outputs_whose_acks_went_with_a_reconnect_are_sent_again_without_waiting
 async fn turn_writes_whose_answers_went_with_a_reconnect_are_given_up_without_waiting_out_the_timeout(
 ) {
     let turns = 3000;
-    let mut backlog = Vec::with_capacity(2 * turns);
-    for i in 0..turns {
-        let conv = format!("cut-{i}");
-        for (kind, from, to) in [
-            ("a2a.send", "ruda", "eden"),
-            ("a2a.response", "eden", "ruda"),
-        ] {
-            let body = crate::support::collab_event(kind, from, to, &conv, json!({"turnId": "t1"}));
-            backlog.push((
-                format!("collab.raw.{conv}.{kind}"),
-                serde_json::to_vec(&body).expect("serialises"),
-            ));
-        }
-    }
+    let backlog = answered_turns("cut", turns, false);
     let (proj, seqs, log) = cut_a_worker_busy_with("auto", &backlog, 500).await;
     assert!(
         log.contains("(pipelined write): write not stored: its answer went with a reconnect"),
@@ -2283,20 +2270,7 @@ async fn turn_writes_whose_answers_went_with_a_reconnect_are_given_up_without_wa
 #[tokio::test]
 async fn turn_record_reads_whose_answers_went_with_a_reconnect_are_asked_again() {
     let turns = 3000;
-    let mut backlog = Vec::with_capacity(2 * turns);
-    for (kind, from, to) in [
-        ("a2a.send", "ruda", "eden"),
-        ("a2a.response", "eden", "ruda"),
-    ] {
-        for i in 0..turns {
-            let conv = format!("read-{i}");
-            let body = crate::support::collab_event(kind, from, to, &conv, json!({"turnId": "t1"}));
-            backlog.push((
-                format!("collab.raw.{conv}.{kind}"),
-                serde_json::to_vec(&body).expect("serialises"),
-            ));
-        }
-    }
+    let backlog = answered_turns("read", turns, true);
     // Cut a few hundred responses in, with most of them still to read.
     let (proj, seqs, log) = cut_a_worker_busy_with("auto", &backlog, turns as u64 + 400).await;
     assert!(
@@ -2309,6 +2283,34 @@ async fn turn_record_reads_whose_answers_went_with_a_reconnect_are_asked_again()
     );
     assert_each_projected_once(&proj, seqs, &log);
     assert_one_response_per_turn(&proj, turns);
+}
+
+/// `turns` answered main-main turns as raw messages, conversation `<prefix>-<i>`, ruda asking
+/// eden: each send followed by its response, or (`sends_first`) every send, then every response.
+fn answered_turns(prefix: &str, turns: usize, sends_first: bool) -> Vec<(String, Vec<u8>)> {
+    let event = |i: usize, response: bool| {
+        let conv = format!("{prefix}-{i}");
+        let (kind, from, to) = if response {
+            ("a2a.response", "eden", "ruda")
+        } else {
+            ("a2a.send", "ruda", "eden")
+        };
+        let body = crate::support::collab_event(kind, from, to, &conv, json!({"turnId": "t1"}));
+        (
+            format!("collab.raw.{conv}.{kind}"),
+            serde_json::to_vec(&body).expect("serialises"),
+        )
+    };
+    if sends_first {
+        (0..turns)
+            .map(|i| event(i, false))
+            .chain((0..turns).map(|i| event(i, true)))
+            .collect()
+    } else {
+        (0..turns)
+            .flat_map(|i| [event(i, false), event(i, true)])
+            .collect()
+    }
 }
 
 /// Every one of `turns` turns has exactly one `a2a.response` among `proj`.
