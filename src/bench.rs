@@ -626,10 +626,12 @@ impl Env {
         let names = self.names();
         let last = self.stream_last_seq(&names.proj_stream).await?;
         let kv = self.js.get_key_value(&names.sessions_bucket).await.ok()?;
-        let folded = crate::bus::sessions::read_position(&kv, crate::bus::sessions::FOLD_KEY)
-            .await
-            .ok()?
-            .unwrap_or(0);
+        let reconnects = crate::bus::reconnects::Reconnects::new(&self.js.client());
+        let folded =
+            crate::bus::sessions::read_position(&kv, &reconnects, crate::bus::sessions::FOLD_KEY)
+                .await
+                .ok()?
+                .unwrap_or(0);
         Some(last.saturating_sub(folded))
     }
 

@@ -12,6 +12,7 @@ pub mod publish;
 pub mod publisher;
 pub(crate) mod pull;
 pub(crate) mod reader;
+pub(crate) mod reconnects;
 pub mod rounds;
 pub mod runtime;
 pub mod sessions;

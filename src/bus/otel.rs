@@ -72,7 +72,8 @@ pub async fn run_export(
 /// Where the job starts: after its checkpoint, or (first start) at the end of the projection
 /// stream: turning the export on sends what is projected from then on, not the stream's past.
 async fn start(job: &ExportJob) -> Result<u64, String> {
-    if let Some(last) = super::sessions::read_position(&job.kv, EXPORT_KEY).await? {
+    let reconnects = super::reconnects::Reconnects::new(&job.js.client());
+    if let Some(last) = super::sessions::read_position(&job.kv, &reconnects, EXPORT_KEY).await? {
         return Ok(last + 1);
     }
     let mut proj = job
@@ -100,7 +101,11 @@ async fn export(
         .get_stream(&job.proj_stream)
         .await
         .map_err(|e| format!("stream {}: {e}", job.proj_stream))?;
-    let mut rounds = super::rounds::Rounds::new(&proj, from).await?;
+    let mut rounds = super::rounds::Rounds::new(&proj, from)
+        .await?
+        .watching(std::sync::Arc::new(super::reconnects::Reconnects::new(
+            &job.js.client(),
+        )));
     debug!(from, "OpenTelemetry export started");
     let mut assembler = Assembler::new(
         Limits {

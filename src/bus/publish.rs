@@ -69,6 +69,29 @@ pub async fn outputs_in(js: &jetstream::Context, stream: &str) -> u64 {
     total.saturating_sub(fences)
 }
 
+/// The last projection-stream sequence the work-session fold has read, from its checkpoint in
+/// the work-session bucket; `None` when there is none yet, or it cannot be read now.
+async fn folded_through(js: &jetstream::Context, names: &Names) -> Option<u64> {
+    let bucket = js
+        .get_stream(format!("KV_{}", names.sessions_bucket))
+        .await
+        .ok()?;
+    let subject = format!(
+        "$KV.{}.{}",
+        names.sessions_bucket,
+        super::sessions::FOLD_KEY
+    );
+    let m = last_from_leader(&bucket, &subject).await.ok()??;
+    let put = m
+        .headers
+        .get("KV-Operation")
+        .is_none_or(|op| op.as_str() == "PUT");
+    if !put {
+        return None;
+    }
+    std::str::from_utf8(&m.payload).ok()?.trim().parse().ok()
+}
+
 /// The last message on `subject` (a wildcard is allowed) in `stream`, answered by its leader
 /// (`STREAM.MSG.GET`, never a direct get, which a lagging replica may answer); `None` when there
 /// is none.
@@ -111,15 +134,32 @@ impl Fence {
             seqs[i] = ack.sequence;
         }
         // Only the last claim on a fence subject counts: the earlier ones are removed, so a
-        // partition that starts over and over does not fill the streams with claims. Keeping
-        // the last message leaves whichever claim is newest in place, this one or a later
-        // owner's. Best effort: a claim left behind costs a few bytes, never correctness.
-        for (stream, subject) in [(&names.proj_stream, &proj), (&names.dlq_stream, &dlq)] {
+        // partition that starts over and over does not fill the streams with claims. Removing
+        // only what came before this claim leaves it, and any later owner's, in place. Best
+        // effort: a claim left behind costs a few bytes, never correctness.
+        //
+        // In the projection stream, only claims the work-session fold has read are removed: a
+        // message removed ahead of the fold is, to it, a projection gone unread (reported as
+        // lost from the work sessions, `collab_session_fold_skipped`), and a fold that is behind
+        // or starting over from its checkpoint would report every claim removed meanwhile. Before
+        // the fold's first checkpoint none is removed; the next claim once the fold has passed
+        // them removes them.
+        let folded = folded_through(js, names).await;
+        let purges = [
+            (
+                &names.proj_stream,
+                &proj,
+                folded.map(|f| f.saturating_add(1).min(seqs[0])),
+            ),
+            (&names.dlq_stream, &dlq, Some(seqs[1])),
+        ];
+        for (stream, subject, before) in purges {
+            let Some(before) = before else { continue };
             let purged = match js.get_stream_no_info(stream).await {
                 Ok(s) => s
                     .purge()
                     .filter(subject.as_str())
-                    .keep(1)
+                    .sequence(before)
                     .await
                     .map(|_| ())
                     .map_err(|e| e.to_string()),

@@ -56,11 +56,9 @@ pub struct Publisher {
     /// Set when the server refused an output as too large: the budget is read again before the
     /// partition runs again ([`Publisher::refresh_out_budget`]).
     budget_stale: AtomicBool,
-    /// The partitions' connection's counters: its count of connects says whether a publish's
-    /// ack may have been lost with a reconnect since it was sent.
-    stats: Arc<async_nats::Statistics>,
-    /// The last reconnect an ack sent before it saw (see [`Publisher::ack_unless_lost`]).
-    reconnect_seen: std::sync::Mutex<Option<ReconnectSeen>>,
+    /// The partitions' connection's reconnects: whether a publish's ack, or any other answer,
+    /// may have been lost with one since it was asked.
+    reconnects: super::reconnects::Reconnects,
     /// How the partitions' outputs are stored (`nats.publish_batches`), as chosen at start: as
     /// batches sent by their ackers, atomic or fast-ingest, or published one by one as they are
     /// issued.
@@ -95,23 +93,6 @@ impl Batching {
             Batching::Fast => "fast-ingest batches",
         }
     }
-}
-
-/// How often an ack not yet in looks for a reconnect of the connection its publish went out on.
-const RECONNECT_CHECK: Duration = Duration::from_millis(250);
-
-/// How long an ack is still waited for once its connection has reconnected since the publish:
-/// the server answers to the publish's reply subject, which the new connection subscribes to
-/// again, so an answer sent after the reconnect (a replicated stream committing late) still
-/// arrives; one sent before it went with the old connection.
-const RECONNECT_ACK_GRACE: Duration = Duration::from_millis(500);
-
-/// The last reconnect of the partitions' connection that an ack sent before it saw: its count
-/// of connects, when it was first seen, and whether an ack given up with it was logged.
-struct ReconnectSeen {
-    connects: u64,
-    at: tokio::time::Instant,
-    told: bool,
 }
 
 /// Slack kept below the duplicate window: an output sent earlier than the window less this is
@@ -164,8 +145,7 @@ impl Publisher {
             batching.name()
         );
         Ok(Publisher {
-            stats: js.client().statistics(),
-            reconnect_seen: std::sync::Mutex::new(None),
+            reconnects: super::reconnects::Reconnects::new(&js.client()),
             batching,
             batches_off: AtomicBool::new(false),
             fast: super::fast_batch::FastReplies::new(js.client()),
@@ -263,14 +243,20 @@ impl Publisher {
     }
 
     /// The partitions' connection's count of connects so far: read before a publish is sent,
-    /// and given to [`Publisher::ack_unless_lost`] with its ack's future.
+    /// to tell later whether its ack may have gone with a reconnect.
     pub(crate) fn connects(&self) -> u64 {
-        self.stats.connects.load(Ordering::Relaxed)
+        self.reconnects.connects()
+    }
+
+    /// The partitions' connection's reconnects, for requests other than publishes (see
+    /// [`super::reconnects::Reconnects`]).
+    pub(crate) fn reconnects(&self) -> &super::reconnects::Reconnects {
+        &self.reconnects
     }
 
     /// The server's answer (`fut`: a publish's ack, a batch's answers) to what was sent when
     /// the connection had connected `connects_at_send` times, or `None` when it has reconnected
-    /// since and no answer came within [`RECONNECT_ACK_GRACE`] of that being seen: the answer
+    /// since and no answer came within [`super::reconnects::RECONNECT_GRACE`] of that being seen: the answer
     /// went with the old connection, and waiting out the ack timeout would stall the partition
     /// for nothing. The caller sends the outputs again, which collapse by their Msg-Ids if they
     /// were stored.
@@ -282,7 +268,7 @@ impl Publisher {
         match self.answer_unless_lost(fut, connects_at_send).await {
             Ok(answer) => Some(answer),
             Err(connects) => {
-                if self.first_lost_with(connects) {
+                if self.reconnects.first_lost_with(connects) {
                     info!(
                         "publish acks lost with a reconnect; their outputs are sent again (a stored one collapses by its Msg-Id)"
                     );
@@ -292,68 +278,16 @@ impl Publisher {
         }
     }
 
-    /// [`Publisher::ack_unless_lost`] for any request on the partitions' connection (a read as
-    /// well as a write), without its log line: the answer, or `Err(connects)` when the
-    /// connection has connected `connects` times since and no answer came within the grace.
+    /// [`Publisher::ack_unless_lost`] for any request on the partitions' connection, without
+    /// its log line (see [`super::reconnects::Reconnects::answer_unless_lost`]).
     pub(crate) async fn answer_unless_lost<F: std::future::IntoFuture>(
         &self,
         fut: F,
         connects_at_send: u64,
     ) -> Result<F::Output, u64> {
-        let mut fut = std::pin::pin!(fut.into_future());
-        // Most acks are in by the time the acker gets to them: no timer for those.
-        if let std::task::Poll::Ready(r) = futures::poll!(fut.as_mut()) {
-            return Ok(r);
-        }
-        loop {
-            let connects = self.connects();
-            if connects != connects_at_send {
-                // One grace per reconnect, from when it was first seen: the answers lost with
-                // it are given up together, not one grace after another.
-                let until = self.grace_after(connects);
-                return tokio::time::timeout_at(until, fut.as_mut())
-                    .await
-                    .map_err(|_| connects);
-            }
-            if let Ok(answer) = tokio::time::timeout(RECONNECT_CHECK, fut.as_mut()).await {
-                return Ok(answer);
-            }
-        }
-    }
-
-    /// When the grace for acks sent before the connection's `connects`-th connect ends:
-    /// [`RECONNECT_ACK_GRACE`] after the first look at that count.
-    fn grace_after(&self, connects: u64) -> tokio::time::Instant {
-        let now = tokio::time::Instant::now();
-        let Ok(mut seen) = self.reconnect_seen.lock() else {
-            return now;
-        };
-        match &*seen {
-            Some(r) if r.connects == connects => r.at + RECONNECT_ACK_GRACE,
-            _ => {
-                *seen = Some(ReconnectSeen {
-                    connects,
-                    at: now,
-                    told: false,
-                });
-                now + RECONNECT_ACK_GRACE
-            }
-        }
-    }
-
-    /// Whether this is the first ack given up with the reconnect to `connects` (it is logged
-    /// once per reconnect).
-    fn first_lost_with(&self, connects: u64) -> bool {
-        let Ok(mut seen) = self.reconnect_seen.lock() else {
-            return false;
-        };
-        match seen.as_mut() {
-            Some(r) if r.connects == connects && !r.told => {
-                r.told = true;
-                true
-            }
-            _ => false,
-        }
+        self.reconnects
+            .answer_unless_lost(fut, connects_at_send)
+            .await
     }
 
     /// Issue one publish on `js`, fenced by the partition's claim; the returned future
@@ -809,7 +743,7 @@ impl Publisher {
 
     /// One fast-ingest batch, every message published with its place in the batch, the last
     /// committing it; then its answers read until the final one. A reconnect since the first
-    /// send ends the wait after [`RECONNECT_ACK_GRACE`] (an answer sent before it went with the
+    /// send ends the wait after [`super::reconnects::RECONNECT_GRACE`] (an answer sent before it went with the
     /// old connection), as does [`BATCH_COMMIT_TIMEOUT`] without one; its outputs are then
     /// published one at a time, where a stored one collapses by its Msg-Id.
     async fn send_fast_batch(&self, chunk: &[&Outgoing], fence: &Fence) -> FastOutcome {

@@ -13,10 +13,17 @@
 //! every delivery must follow the one before it (consumer sequence `n + 1` after `n`). A gap, a
 //! lost consumer or any failure is an error: the reader starts again from its checkpoint, and
 //! applying a round again changes nothing twice.
+//!
+//! A request whose deliveries went with a reconnect of the reader's connection is noticed once
+//! the connection is back and a short grace has passed ([`Rounds::watching`]): a wait for a
+//! round's first message is asked again, a fetch of the rest is a failure at once, rather than
+//! either being waited out.
 
+use super::reconnects::Reconnects;
 use async_nats::jetstream::{self, consumer};
 use futures::StreamExt;
 use std::sync::atomic::AtomicI64;
+use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -47,6 +54,8 @@ pub struct Rounds {
     stream: String,
     /// The consumer sequence of the last message taken (0: none yet).
     delivered: u64,
+    /// The reconnects of the connection the consumer is read on, when watched.
+    reconnects: Option<Arc<Reconnects>>,
 }
 
 impl Rounds {
@@ -70,7 +79,32 @@ impl Rounds {
             consumer,
             stream: name.clone(),
             delivered: 0,
+            reconnects: None,
         })
+    }
+
+    /// Watch `reconnects`, those of the connection the stream was opened on: a request whose
+    /// deliveries went with one is not waited out (see the module's documentation).
+    pub(crate) fn watching(mut self, reconnects: Arc<Reconnects>) -> Rounds {
+        self.reconnects = Some(reconnects);
+        self
+    }
+
+    /// The watched connection's count of connects (0 when not watched).
+    fn connects(&self) -> u64 {
+        self.reconnects.as_ref().map_or(0, |r| r.connects())
+    }
+
+    /// `fut`, a delivery of a request sent at `connects`, unless it went with a reconnect since.
+    async fn unless_lost<F: std::future::Future>(
+        &self,
+        fut: F,
+        connects: u64,
+    ) -> Result<F::Output, u64> {
+        match &self.reconnects {
+            Some(r) => r.answer_unless_lost(fut, connects).await,
+            None => Ok(fut.await),
+        }
     }
 
     /// The next round: its first message, then what was stored within `gather` after it (at most
@@ -88,6 +122,7 @@ impl Rounds {
         // Messages stored behind the round's first one when it arrived.
         let mut behind = 0u64;
         while round.is_empty() {
+            let connects = self.connects();
             let mut first = self
                 .consumer
                 .batch()
@@ -98,7 +133,13 @@ impl Rounds {
                 .map_err(|e| self.failed(e))?;
             let got = tokio::select! {
                 _ = cancel.cancelled() => return Ok(None),
-                m = first.next() => m,
+                m = self.unless_lost(first.next(), connects) => m,
+            };
+            let Ok(got) = got else {
+                // The request went with a reconnect: asked again. A delivery lost with it shows
+                // as a gap in the consumer's sequence, which fails the round.
+                tracing::debug!(stream = %self.stream, "a wait for a round's first message went with a reconnect; asking again");
+                continue;
             };
             match got {
                 Some(m) => {
@@ -137,6 +178,7 @@ impl Rounds {
             }
             let chunk = if paced { PACED_CHUNK } else { FETCH_CHUNK };
             let want = (max - round.len()).min(chunk);
+            let connects = self.connects();
             let mut rest = self
                 .consumer
                 .fetch()
@@ -148,13 +190,16 @@ impl Rounds {
             loop {
                 let next = tokio::select! {
                     _ = cancel.cancelled() => return Ok(None),
-                    next = tokio::time::timeout(FETCH_SILENCE, rest.next()) => next,
+                    next = tokio::time::timeout(FETCH_SILENCE, self.unless_lost(rest.next(), connects)) => next,
                 };
-                let Some(m) = next.map_err(|_| {
+                let next = next.map_err(|_| {
                     self.failed(format!(
                         "the server sent nothing for {} s of a request for stored messages",
                         FETCH_SILENCE.as_secs()
                     ))
+                })?;
+                let Some(m) = next.map_err(|_| {
+                    self.failed("a request for stored messages went with a reconnect")
                 })?
                 else {
                     break;

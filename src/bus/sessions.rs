@@ -19,6 +19,7 @@
 //! round wrote, and a fold that another has overtaken cannot set an alias back.
 
 use super::error::{NoAnswer, Source};
+use super::reconnects::Reconnects;
 use crate::config::Names;
 use crate::model::{encode_id, Envelope};
 use crate::sessions::{self, WorkSession};
@@ -227,6 +228,9 @@ pub struct SessionWriter {
     /// meanwhile.
     aliases: Mutex<HashMap<String, KnownAlias>>,
     commits: mpsc::Sender<Request>,
+    /// The sessions connection's reconnects: a read or write whose answer went with one is
+    /// asked again, or read back, after a short grace rather than waited for until it times out.
+    reconnects: Arc<Reconnects>,
 }
 
 impl SessionWriter {
@@ -239,12 +243,14 @@ impl SessionWriter {
                 source,
             })?;
         let (commits, rx) = mpsc::channel(1024);
-        tokio::spawn(committer(kv.clone(), rx));
+        let reconnects = Arc::new(Reconnects::new(&js.client()));
+        tokio::spawn(committer(kv.clone(), reconnects.clone(), rx));
         Ok(SessionWriter {
             kv,
             legacy: std::sync::atomic::AtomicBool::new(true),
             aliases: Mutex::new(HashMap::new()),
             commits,
+            reconnects,
         })
     }
 
@@ -394,7 +400,7 @@ type Cached = (Option<WorkSession>, u64);
 
 /// Commit rounds until every writer is gone: take what is queued, merge it by session, write each
 /// session once, answer every request of the round.
-async fn committer(kv: kv::Store, mut rx: mpsc::Receiver<Request>) {
+async fn committer(kv: kv::Store, reconnects: Arc<Reconnects>, mut rx: mpsc::Receiver<Request>) {
     let mut cache: HashMap<String, Cached> = HashMap::new();
     // Sessions past MAX_SESSION_BYTES: no longer aggregated (reported once).
     let mut oversized: HashSet<String> = HashSet::new();
@@ -417,7 +423,7 @@ async fn committer(kv: kv::Store, mut rx: mpsc::Receiver<Request>) {
             }
         }
         merged.retain(|id, _| !oversized.contains(id));
-        let kv = &kv;
+        let (kv, reconnects) = (&kv, &*reconnects);
         let jobs: Vec<_> = merged
             .into_iter()
             .map(|(id, events)| {
@@ -427,7 +433,7 @@ async fn committer(kv: kv::Store, mut rx: mpsc::Receiver<Request>) {
                     // acknowledgements wait for the round.
                     let outcome = match tokio::time::timeout(
                         SESSION_WRITE_LIMIT,
-                        update(kv, &id, &events, cached),
+                        update(kv, reconnects, &id, &events, cached),
                     )
                     .await
                     {
@@ -499,6 +505,7 @@ struct Outcome {
 /// Apply and compare-and-set, re-reading on conflict.
 async fn update(
     kv: &kv::Store,
+    reconnects: &Reconnects,
     id: &str,
     events: &[(Box<Envelope>, Identity)],
     mut cached: Option<Cached>,
@@ -515,7 +522,7 @@ async fn update(
         attempt += 1;
         let current = match cached.take() {
             Some(c) => c,
-            None => match read(kv, &key).await {
+            None => match read(kv, reconnects, &key).await {
                 Ok(Some(c)) => c,
                 // Unreadable: never silently reset a session; it is reported and left alone.
                 Ok(None) => return Outcome::default_ok(),
@@ -562,15 +569,22 @@ async fn update(
                 ..Outcome::default_ok()
             };
         }
-        match kv.update(&key, Bytes::from(bytes), revision).await {
-            Ok(rev) => return unchanged(session, rev, written),
-            Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
+        let connects = reconnects.connects();
+        let write = kv.update(&key, Bytes::from(bytes), revision);
+        match reconnects
+            .write("a work-session write", &key, write, connects)
+            .await
+        {
+            Some(Ok(rev)) => return unchanged(session, rev, written),
+            Some(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                 debug!(key = %key, "work session changed meanwhile; re-reading");
             }
-            Err(e) => {
+            Some(Err(e)) => {
                 warn!(key = %key, error = %e, "work session write failed; retrying");
                 tokio::time::sleep(retry.next_delay()).await;
             }
+            // Stored or not, the session read again says: a stored write left nothing to apply.
+            None => {}
         }
         if attempt >= MAX_ATTEMPTS {
             return failed(key, "revision conflicts persisted".into());
@@ -591,9 +605,14 @@ impl Outcome {
 
 /// The stored session and its revision (revision 0 and no session when absent); `None` when the
 /// stored value is unreadable.
-async fn read(kv: &kv::Store, key: &str) -> Result<Option<Cached>, Source> {
+async fn read(
+    kv: &kv::Store,
+    reconnects: &Reconnects,
+    key: &str,
+) -> Result<Option<Cached>, Source> {
     let after = Duration::from_secs(10);
-    let entry = tokio::time::timeout(after, kv.entry(key.to_string()))
+    let entry = reconnects.read("a work-session read", key, || kv.entry(key.to_string()));
+    let entry = tokio::time::timeout(after, entry)
         .await
         .map_err(|_| NoAnswer::new("reading the session", after))??;
     Ok(match entry {
@@ -696,12 +715,16 @@ impl SessionWriter {
                 key: key.clone(),
                 source: Box::new(e),
             })?;
+            let connects = self.reconnects.connects();
+            let write = self.kv.update(&key, Bytes::from(value), current.revision);
             match self
-                .kv
-                .update(&key, Bytes::from(value), current.revision)
+                .reconnects
+                .write("a conversation-alias write", &key, write, connects)
                 .await
             {
-                Ok(revision) => {
+                // Stored or not, the alias read again says: a stored one is found as written.
+                None => {}
+                Some(Ok(revision)) => {
                     self.cache(
                         conv,
                         KnownAlias {
@@ -712,8 +735,8 @@ impl SessionWriter {
                     return Ok(());
                 }
                 // Written meanwhile, or not as this writer knew it: read it and decide again.
-                Err(e) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {}
-                Err(e) => {
+                Some(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {}
+                Some(Err(e)) => {
                     warn!(key = %key, error = %e, "conversation alias write failed; retrying");
                     tokio::time::sleep(retry.next_delay()).await;
                 }
@@ -766,7 +789,9 @@ impl SessionWriter {
     /// answer a direct get with an alias another fold has replaced), with the store's retries.
     async fn read_entry(&self, key: &str) -> Result<Option<super::LeaderEntry>, SessionError> {
         with_retries(key, "conversation alias read", || {
-            super::leader_entry(&self.kv, key)
+            self.reconnects.read("a conversation-alias read", key, || {
+                super::leader_entry(&self.kv, key)
+            })
         })
         .await
     }
@@ -814,13 +839,24 @@ const FOLD_GATHER: Duration = Duration::from_millis(200);
 
 /// A reader's checkpoint in the work-session bucket: the last projection-stream sequence it
 /// handled under `key`, or `None` when it never wrote one.
-pub(crate) async fn read_position(kv: &kv::Store, key: &str) -> Result<Option<u64>, String> {
-    Ok(read_checkpoint(kv, key).await?.map(|(last, _)| last))
+pub(crate) async fn read_position(
+    kv: &kv::Store,
+    reconnects: &Reconnects,
+    key: &str,
+) -> Result<Option<u64>, String> {
+    Ok(read_checkpoint(kv, reconnects, key)
+        .await?
+        .map(|(last, _)| last))
 }
 
 /// [`read_position`], with the entry's revision (to move it by compare-and-set).
-async fn read_checkpoint(kv: &kv::Store, key: &str) -> Result<Option<(u64, u64)>, String> {
-    let entry = tokio::time::timeout(Duration::from_secs(10), kv.entry(key))
+async fn read_checkpoint(
+    kv: &kv::Store,
+    reconnects: &Reconnects,
+    key: &str,
+) -> Result<Option<(u64, u64)>, String> {
+    let entry = reconnects.read("a checkpoint read", key, || kv.entry(key));
+    let entry = tokio::time::timeout(Duration::from_secs(10), entry)
         .await
         .map_err(|_| "no answer within 10 s".to_string())?
         .map_err(|e| e.to_string())?;
@@ -846,22 +882,33 @@ async fn read_checkpoint(kv: &kv::Store, key: &str) -> Result<Option<(u64, u64)>
 /// Also the checkpoint's revision: the fold moves it only from there (see [`fold`]).
 async fn fold_start(
     kv: &kv::Store,
+    reconnects: &Reconnects,
     proj: &mut jetstream::stream::Stream,
 ) -> Result<(u64, u64), String> {
-    if let Some((last, revision)) = read_checkpoint(kv, FOLD_KEY).await? {
+    if let Some((last, revision)) = read_checkpoint(kv, reconnects, FOLD_KEY).await? {
         return Ok((last + 1, revision));
     }
     let start = first_fold_start(kv, proj).await?;
-    match kv
-        .create(FOLD_KEY, Bytes::from((start - 1).to_string()))
+    let connects = reconnects.connects();
+    let create = kv.create(FOLD_KEY, Bytes::from((start - 1).to_string()));
+    let why = match reconnects
+        .write(
+            "the fold's first checkpoint write",
+            FOLD_KEY,
+            create,
+            connects,
+        )
         .await
     {
-        Ok(revision) => Ok((start, revision)),
-        // Another worker's fold wrote it first (a brief overlap of two owners): start after it.
-        Err(e) => match read_checkpoint(kv, FOLD_KEY).await? {
-            Some((last, revision)) => Ok((last + 1, revision)),
-            None => Err(format!("checkpoint {FOLD_KEY}: {e}")),
-        },
+        Some(Ok(revision)) => return Ok((start, revision)),
+        Some(Err(e)) => e.to_string(),
+        None => "its answer went with a reconnect, and it was not stored".to_string(),
+    };
+    // Another worker's fold wrote it first (a brief overlap of two owners), or this one did
+    // with its answer lost: start after it.
+    match read_checkpoint(kv, reconnects, FOLD_KEY).await? {
+        Some((last, revision)) => Ok((last + 1, revision)),
+        None => Err(format!("checkpoint {FOLD_KEY}: {why}")),
     }
 }
 
@@ -991,10 +1038,12 @@ async fn fold(
         .await
         .map_err(|e| format!("stream {proj_stream}: {e}"))?;
     writer.start_fold().await?;
-    let (start, mut checkpoint) = fold_start(&writer.kv, &mut proj).await?;
+    let (start, mut checkpoint) = fold_start(&writer.kv, &writer.reconnects, &mut proj).await?;
     *position = Some(start - 1);
     warn_if_recreated(proj.cached_info().state.last_sequence, start - 1);
-    let mut rounds = super::rounds::Rounds::new(&proj, start).await?;
+    let mut rounds = super::rounds::Rounds::new(&proj, start)
+        .await?
+        .watching(writer.reconnects.clone());
     debug!(from = start, "work-session fold started");
     // Where the next round starts: after the checkpoint, then after each round written.
     let mut from = start;
@@ -1028,7 +1077,8 @@ async fn fold(
             aliases: Aliases::Positioned,
         };
         commit_round(writer, &round, events, span, checkpoint, lease_valid_until).await?;
-        checkpoint = move_checkpoint(&writer.kv, last, checkpoint, &gaps).await?;
+        checkpoint =
+            move_checkpoint(&writer.kv, &writer.reconnects, last, checkpoint, &gaps).await?;
         // Counted once the round is folded, so a round read again does not count its gaps twice.
         report_gaps(&gaps);
         metrics::counter!(crate::telemetry::SESSION_EVENTS_FOLDED).increment(folded as u64);
@@ -1062,7 +1112,9 @@ async fn commit_round(
     lease_held()?;
     match writer.commit_boxed(events, span).await {
         Ok(()) => Ok(()),
-        Err(SessionError::Overtaken { key, .. }) if unmoved(&writer.kv, checkpoint).await? => {
+        Err(SessionError::Overtaken { key, .. })
+            if unmoved(&writer.kv, &writer.reconnects, checkpoint).await? =>
+        {
             // No fold moved the checkpoint, yet an alias says a round after it was folded: the
             // checkpoint went back (set back by hand, or the projection stream was recreated),
             // so the aliases are from an earlier pass. Taken as they stand, rather than stopping
@@ -1087,25 +1139,38 @@ async fn commit_round(
 /// stored with its answer lost) stops this fold, which starts again from the checkpoint as it
 /// is. Returns the new revision. `gaps`, the round's, are reported when a failed write was
 /// stored after all (its answer lost): the next fold starts after this round, so now or never.
+/// A write whose answer went with a reconnect is read back: found stored, the fold goes on from
+/// it; not stored, the fold starts again from the checkpoint.
 async fn move_checkpoint(
     kv: &kv::Store,
+    reconnects: &Reconnects,
     last: u64,
     checkpoint: u64,
     gaps: &[(u64, u64)],
 ) -> Result<u64, String> {
-    let failed = match kv
-        .update(FOLD_KEY, Bytes::from(last.to_string()), checkpoint)
+    let connects = reconnects.connects();
+    let write = kv.update(FOLD_KEY, Bytes::from(last.to_string()), checkpoint);
+    let failed = match reconnects
+        .write("the fold's checkpoint write", FOLD_KEY, write, connects)
         .await
     {
-        Ok(revision) => return Ok(revision),
-        Err(e) => match e.kind() {
+        Some(Ok(revision)) => return Ok(revision),
+        Some(Err(e)) => match e.kind() {
             kv::UpdateErrorKind::WrongLastRevision => {
                 format!("checkpoint {FOLD_KEY} moved by another fold; starting again from it")
             }
             _ => format!("checkpoint {FOLD_KEY}: {e}"),
         },
+        None => match read_checkpoint(kv, reconnects, FOLD_KEY).await? {
+            // Stored, as the next write after `checkpoint` (one by another fold would have
+            // moved it past this round or left it where it was).
+            Some((at, revision)) if at == last && revision > checkpoint => return Ok(revision),
+            _ => format!(
+                "checkpoint {FOLD_KEY}: its write's answer went with a reconnect, and it was not stored; starting again from it"
+            ),
+        },
     };
-    if read_checkpoint(kv, FOLD_KEY)
+    if read_checkpoint(kv, reconnects, FOLD_KEY)
         .await
         .is_ok_and(|c| c.is_some_and(|(at, _)| at == last))
     {
@@ -1130,8 +1195,8 @@ fn warn_if_recreated(last: u64, checkpoint: u64) -> bool {
 }
 
 /// Whether the fold's checkpoint is still at `revision`, where this fold found it.
-async fn unmoved(kv: &kv::Store, revision: u64) -> Result<bool, String> {
-    Ok(read_checkpoint(kv, FOLD_KEY)
+async fn unmoved(kv: &kv::Store, reconnects: &Reconnects, revision: u64) -> Result<bool, String> {
+    Ok(read_checkpoint(kv, reconnects, FOLD_KEY)
         .await?
         .is_some_and(|(_, now)| now == revision))
 }

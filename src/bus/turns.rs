@@ -602,26 +602,16 @@ impl PartitionTurns {
 
     /// The latest entry of `key` as the leader holds it, waiting at most 10 s. A read whose
     /// answer went with a reconnect is asked again once the reconnect's grace is over
-    /// ([`Publisher::answer_unless_lost`]; a read changes nothing), rather than waited for until
+    /// ([`super::reconnects::Reconnects::read`]; a read changes nothing), rather than waited for until
     /// the request's own timeout stops the partition.
     async fn entry(&self, key: &str) -> Result<Option<super::LeaderEntry>, TurnIoError> {
         let after = Duration::from_secs(10);
-        let read = async {
-            loop {
-                let connects = self.publisher.connects();
-                match self
-                    .publisher
-                    .answer_unless_lost(super::leader_entry(&self.store, key), connects)
-                    .await
-                {
-                    Ok(answer) => return answer,
-                    Err(_) => tracing::info!(
-                        key,
-                        "a turn-record read's answer went with a reconnect; reading it again"
-                    ),
-                }
-            }
-        };
+        let read = self
+            .publisher
+            .reconnects()
+            .read("a turn-record read", key, || {
+                super::leader_entry(&self.store, key)
+            });
         tokio::time::timeout(after, read)
             .await
             .map_err(|_| TurnIoError::kv(key, NoAnswer::new("reading the record", after)))?

@@ -2285,6 +2285,84 @@ async fn turn_record_reads_whose_answers_went_with_a_reconnect_are_asked_again()
     assert_one_response_per_turn(&proj, turns);
 }
 
+/// The work-session fold waits out none of its requests whose answers went with a cut of the
+/// link: a fetch of stored projections fails at once and the fold starts again from its
+/// checkpoint; a read of a session, an alias or the checkpoint is asked again; a write is read
+/// back. A steady producer keeps the fold busy; the link is cut (the server's answers held for
+/// 200 ms, then dropped with the connection) up to six times, until the worker says a fold
+/// request went with a reconnect. Then every projection is counted in its session once, no
+/// fold request waited out its timeout, and the fold reported no projection gone: the
+/// partitions, started over after each cut, claimed their fence subjects again, and no claim
+/// was removed ahead of the fold (which would read, to it, as a projection gone unread).
+#[tokio::test]
+async fn the_work_session_fold_waits_out_no_request_whose_answer_went_with_a_reconnect() {
+    let nats = TestNats::start().await;
+    let proxy = crate::support::proxy::Proxy::start(nats.port()).await;
+    let url = nats.url();
+    let (ok, _, err) = run_bin(&["provision", "--nats-url", &url], &[ACK_WAIT], b"").await;
+    assert!(ok, "provision: {err}");
+    let js = nats.jetstream().await;
+    let kv = js
+        .get_key_value("collab_work_sessions")
+        .await
+        .expect("the sessions bucket");
+    let envs = [ACK_WAIT, ("RUST_LOG", "info")];
+    let worker = start_projector(&proxy.url(), &MAIN_AGENTS, &envs).await;
+    let fold_lines = [
+        "a request for stored messages went with a reconnect",
+        "a work-session read's answer went with a reconnect",
+        "a work-session write's answer went with a reconnect",
+        "a conversation-alias read's answer went with a reconnect",
+        "a conversation-alias write's answer went with a reconnect",
+        "a checkpoint read's answer went with a reconnect",
+        "the fold's checkpoint write's answer went with a reconnect",
+    ];
+    let seen = |log: &str| fold_lines.iter().any(|l| log.contains(l));
+    let mut published = 0u64;
+    let mut cuts = 0;
+    while cuts < 6 && !seen(&worker.log_text()) {
+        cuts += 1;
+        let producer = spawn_producer(&js, load(1200));
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        proxy.hold_down(true);
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        proxy.cut();
+        proxy.hold_down(false);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        proxy.heal();
+        published += producer.await.expect("the producer").len() as u64;
+        wait_settled(&js, published, 0).await;
+        wait_folded(&js, &kv).await;
+    }
+    let log = worker.log_text();
+    assert!(
+        seen(&log),
+        "no fold request went with any of {cuts} cuts: {log}"
+    );
+    let waited_out = [
+        "the server sent nothing for",
+        "no answer within",
+        "work session write took too long",
+        "work session write failed",
+        "work session read failed",
+        "conversation alias write failed",
+        "conversation alias read failed",
+    ];
+    for line in waited_out {
+        assert!(
+            !log.contains(line),
+            "a fold request was waited out ({line}): {log}"
+        );
+    }
+    assert!(
+        !log.contains("projections were gone from the stream"),
+        "the fold reported projections it never missed: {log}"
+    );
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    assert_eq!(proj.len() as u64, published, "every input projected once");
+    assert_sessions_count_every_projection(&js, &proj).await;
+}
+
 /// `turns` answered main-main turns as raw messages, conversation `<prefix>-<i>`, ruda asking
 /// eden: each send followed by its response, or (`sends_first`) every send, then every response.
 fn answered_turns(prefix: &str, turns: usize, sends_first: bool) -> Vec<(String, Vec<u8>)> {
