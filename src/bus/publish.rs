@@ -69,29 +69,6 @@ pub async fn outputs_in(js: &jetstream::Context, stream: &str) -> u64 {
     total.saturating_sub(fences)
 }
 
-/// The last projection-stream sequence the work-session fold has read, from its checkpoint in
-/// the work-session bucket; `None` when there is none yet, or it cannot be read now.
-async fn folded_through(js: &jetstream::Context, names: &Names) -> Option<u64> {
-    let bucket = js
-        .get_stream(format!("KV_{}", names.sessions_bucket))
-        .await
-        .ok()?;
-    let subject = format!(
-        "$KV.{}.{}",
-        names.sessions_bucket,
-        super::sessions::FOLD_KEY
-    );
-    let m = last_from_leader(&bucket, &subject).await.ok()??;
-    let put = m
-        .headers
-        .get("KV-Operation")
-        .is_none_or(|op| op.as_str() == "PUT");
-    if !put {
-        return None;
-    }
-    std::str::from_utf8(&m.payload).ok()?.trim().parse().ok()
-}
-
 /// The last message on `subject` (a wildcard is allowed) in `stream`, answered by its leader
 /// (`STREAM.MSG.GET`, never a direct get, which a lagging replica may answer); `None` when there
 /// is none.
@@ -116,11 +93,15 @@ pub struct Fence {
 
 impl Fence {
     /// Claim partition `p` for `owner`: from now on, outputs fenced by an earlier claim fail.
+    /// `read_through`: the last projection-stream sequence that every reader reporting gaps in
+    /// it (the work-session fold) has read, `Some(u64::MAX)` when none reads it, `None` when not
+    /// known; earlier claims in the projection stream are removed only up to it.
     pub async fn claim(
         js: &jetstream::Context,
         names: &Names,
         p: u16,
         owner: &str,
+        read_through: Option<u64>,
     ) -> Result<Fence, jetstream::context::PublishError> {
         let (proj, dlq) = fence_subjects(names, p);
         let mut seqs = [0u64; 2];
@@ -138,18 +119,16 @@ impl Fence {
         // only what came before this claim leaves it, and any later owner's, in place. Best
         // effort: a claim left behind costs a few bytes, never correctness.
         //
-        // In the projection stream, only claims the work-session fold has read are removed: a
-        // message removed ahead of the fold is, to it, a projection gone unread (reported as
-        // lost from the work sessions, `collab_session_fold_skipped`), and a fold that is behind
-        // or starting over from its checkpoint would report every claim removed meanwhile. Before
-        // the fold's first checkpoint none is removed; the next claim once the fold has passed
-        // them removes them.
-        let folded = folded_through(js, names).await;
+        // In the projection stream, only claims the work-session fold has read are removed
+        // (`read_through`): a message removed ahead of the fold is, to it, a projection gone
+        // unread (reported as lost from the work sessions, `collab_session_fold_skipped_total`),
+        // and a fold that is behind or starting over from its checkpoint would report every
+        // claim removed meanwhile. The next claim once the fold has passed them removes them.
         let purges = [
             (
                 &names.proj_stream,
                 &proj,
-                folded.map(|f| f.saturating_add(1).min(seqs[0])),
+                read_through.map(|r| r.saturating_add(1).min(seqs[0])),
             ),
             (&names.dlq_stream, &dlq, Some(seqs[1])),
         ];

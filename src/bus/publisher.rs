@@ -1739,7 +1739,7 @@ mod tests {
                 payloads
             }
         };
-        let fence = Fence::claim(&js, &names, 0, "first")
+        let fence = Fence::claim(&js, &names, 0, "first", Some(u64::MAX))
             .await
             .expect("claimed");
         let outs = group("a");
@@ -1763,7 +1763,7 @@ mod tests {
             expected(true)
         );
 
-        Fence::claim(&js, &names, 0, "second")
+        Fence::claim(&js, &names, 0, "second", Some(u64::MAX))
             .await
             .expect("claimed again");
         let late = group("b");

@@ -194,6 +194,21 @@ const MARKERS_LOOKED_AT: usize = 64;
 /// description) before it starts over.
 const FIRST_REQUEST_WITHIN: Duration = Duration::from_secs(1);
 
+/// Claim partition `p`'s fence for `owner`. Earlier claims are removed only where the
+/// work-session fold has read them (see [`Fence::claim`]); with the fold off, every earlier one.
+async fn claim(
+    shared: &WorkerContext,
+    p: u16,
+    owner: &str,
+) -> Result<Fence, async_nats::jetstream::context::PublishError> {
+    let read_through = if shared.settings.workers.without_session_fold {
+        Some(u64::MAX)
+    } else {
+        super::sessions::fold_checkpoint(&shared.js, &shared.names).await
+    };
+    Fence::claim(&shared.js, &shared.names, p, owner, read_through).await
+}
+
 /// Run one partition until `cancel`: finish the batch in hand, acknowledge what was published,
 /// and return.
 ///
@@ -226,7 +241,7 @@ pub async fn run_partition(
     }
     // Claimed before anything is published (a reload may republish responses): from here on a
     // previous owner's outputs, however late they arrive, are refused by the server.
-    let fence = Fence::claim(&shared.js, &shared.names, p, owner)
+    let fence = claim(&shared, p, owner)
         .await
         .map_err(|e| setup("claiming the partition's fence", e.into()))?;
     let mut turns = PartitionTurns::new(&shared, p, fence.clone(), raw.clone())

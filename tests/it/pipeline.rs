@@ -2635,10 +2635,12 @@ async fn normalize_answers_one_line_per_line_in_order() {
 }
 
 /// Each start of a partition claims its fence in the projection and dead-letter streams; only
-/// the newest claim counts, so the earlier ones are removed. A deployment restarted again and
-/// again (or a partition that keeps failing and starting over) must not fill its output streams
-/// with claims: after three workers in turn, each fence subject holds one message, the last
-/// worker's.
+/// the newest claim counts, so the earlier ones are removed (in the projection stream once the
+/// work-session fold has read them, see
+/// `the_work_session_fold_waits_out_no_request_whose_answer_went_with_a_reconnect`). A
+/// deployment restarted again and again (or a partition that keeps failing and starting over)
+/// must not fill its output streams with claims: after three workers in turn, each fence
+/// subject holds one message, the last worker's.
 #[tokio::test]
 async fn restarts_leave_one_fence_claim_per_partition_not_one_per_start() {
     let nats = TestNats::start().await;
@@ -2686,6 +2688,12 @@ async fn restarts_leave_one_fence_claim_per_partition_not_one_per_start() {
             }
         })
         .await;
+        // The fold reads the claims, as it reads every projection, before the next start.
+        let kv = js
+            .get_key_value("collab_work_sessions")
+            .await
+            .expect("the sessions bucket");
+        wait_folded(&js, &kv).await;
         worker.stop_cleanly(GUARD).await;
     }
     for stream in [PROJ, DLQ] {
