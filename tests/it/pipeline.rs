@@ -2184,12 +2184,7 @@ async fn cut_a_worker_busy_with(
     backlog: &[(String, Vec<u8>)],
     cut_after: u64,
 ) -> (Vec<Stored>, Vec<u64>, String) {
-    let nats = TestNats::start().await;
-    let proxy = crate::support::proxy::Proxy::start(nats.port()).await;
-    let url = nats.url();
-    let (ok, _, err) = run_bin(&["provision", "--nats-url", &url], &[ACK_WAIT], b"").await;
-    assert!(ok, "provision: {err}");
-    let js = nats.jetstream().await;
+    let (_nats, proxy, js) = provisioned_behind_a_proxy().await;
     // A backlog, so the worker is busy when the link drops: its publishes are pipelined, and
     // at any moment many of their acks are on their way.
     let seqs = publish_all(&js, backlog).await;
@@ -2202,15 +2197,33 @@ async fn cut_a_worker_busy_with(
     wait_proj_at_least(&js, cut_after).await;
     // Nothing the server sends reaches the worker any more: the acks of what it published
     // last are held on the way, and the cut drops them.
+    cut_with_answers_held(&proxy).await;
+    wait_settled(&js, seqs.len() as u64, 0).await;
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    (proj, seqs, worker.log_text())
+}
+
+/// A server with the deployment provisioned, a proxy in front of it for the worker, and a
+/// JetStream context on the server itself.
+async fn provisioned_behind_a_proxy() -> (TestNats, crate::support::proxy::Proxy, Context) {
+    let nats = TestNats::start().await;
+    let proxy = crate::support::proxy::Proxy::start(nats.port()).await;
+    let url = nats.url();
+    let (ok, _, err) = run_bin(&["provision", "--nats-url", &url], &[ACK_WAIT], b"").await;
+    assert!(ok, "provision: {err}");
+    let js = nats.jetstream().await;
+    (nats, proxy, js)
+}
+
+/// Cut the worker's link with answers on their way: what the server sends is held for 200 ms,
+/// then dropped with the connection; the link comes back 300 ms later.
+async fn cut_with_answers_held(proxy: &crate::support::proxy::Proxy) {
     proxy.hold_down(true);
     tokio::time::sleep(Duration::from_millis(200)).await;
     proxy.cut();
     proxy.hold_down(false);
     tokio::time::sleep(Duration::from_millis(300)).await;
     proxy.heal();
-    wait_settled(&js, seqs.len() as u64, 0).await;
-    let proj = read_all(&js, PROJ, "collab.proj.>").await;
-    (proj, seqs, worker.log_text())
 }
 
 /// Every input of `seqs` has exactly one projection among `proj` (`log`: the worker's, shown
@@ -2242,19 +2255,26 @@ async fn outputs_whose_acks_went_with_a_reconnect_are_sent_again_without_waiting
 /// backlog of 3,000 answered main-main turns) are given up once the connection is back and its
 /// grace has passed, as publish acks are, instead of each being waited for until the 5 s
 /// timeout: the partition starts over at once, as after any write whose outcome is unknown.
-/// Every input is projected once and every turn has exactly one response.
+/// Every input is projected once and every turn has exactly one response. Whether a record
+/// write is on its way at the cut is chance (most cuts catch one): a run whose cut caught none
+/// is run again, on a fresh server, up to three runs, each checked in full.
 #[tokio::test]
 async fn turn_writes_whose_answers_went_with_a_reconnect_are_given_up_without_waiting_out_the_timeout(
 ) {
     let turns = 3000;
     let backlog = answered_turns("cut", turns, false);
-    let (proj, seqs, log) = cut_a_worker_busy_with("auto", &backlog, 500).await;
-    assert!(
-        log.contains("(pipelined write): write not stored: its answer went with a reconnect"),
-        "no turn-record write was given up with the reconnect: {log}"
-    );
-    assert_each_projected_once(&proj, seqs, &log);
-    assert_one_response_per_turn(&proj, turns);
+    let given_up = "(pipelined write): write not stored: its answer went with a reconnect";
+    let mut log = String::new();
+    for _ in 0..3 {
+        let (proj, seqs, run_log) = cut_a_worker_busy_with("auto", &backlog, 500).await;
+        assert_each_projected_once(&proj, seqs, &run_log);
+        assert_one_response_per_turn(&proj, turns);
+        if run_log.contains(given_up) {
+            return;
+        }
+        log = run_log;
+    }
+    panic!("no turn-record write was given up with the reconnect in three runs; the last: {log}");
 }
 
 /// Turn-record reads whose answers went with the cut are asked again once the connection is
@@ -2296,12 +2316,7 @@ async fn turn_record_reads_whose_answers_went_with_a_reconnect_are_asked_again()
 /// was removed ahead of the fold (which would read, to it, as a projection gone unread).
 #[tokio::test]
 async fn the_work_session_fold_waits_out_no_request_whose_answer_went_with_a_reconnect() {
-    let nats = TestNats::start().await;
-    let proxy = crate::support::proxy::Proxy::start(nats.port()).await;
-    let url = nats.url();
-    let (ok, _, err) = run_bin(&["provision", "--nats-url", &url], &[ACK_WAIT], b"").await;
-    assert!(ok, "provision: {err}");
-    let js = nats.jetstream().await;
+    let (_nats, proxy, js) = provisioned_behind_a_proxy().await;
     let kv = js
         .get_key_value("collab_work_sessions")
         .await
@@ -2324,12 +2339,7 @@ async fn the_work_session_fold_waits_out_no_request_whose_answer_went_with_a_rec
         cuts += 1;
         let producer = spawn_producer(&js, load(1200));
         tokio::time::sleep(Duration::from_millis(400)).await;
-        proxy.hold_down(true);
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        proxy.cut();
-        proxy.hold_down(false);
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        proxy.heal();
+        cut_with_answers_held(&proxy).await;
         published += producer.await.expect("the producer").len() as u64;
         wait_settled(&js, published, 0).await;
         wait_folded(&js, &kv).await;
