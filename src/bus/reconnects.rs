@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 /// How often an answer not yet in looks for a reconnect of the connection it was asked on.
-const RECONNECT_CHECK: Duration = Duration::from_millis(250);
+pub(crate) const RECONNECT_CHECK: Duration = Duration::from_millis(250);
 
 /// How long an answer is still waited for once its connection has reconnected since the
 /// request: the server answers to the request's reply subject, which the new connection

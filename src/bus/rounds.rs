@@ -190,18 +190,9 @@ impl Rounds {
             loop {
                 let next = tokio::select! {
                     _ = cancel.cancelled() => return Ok(None),
-                    next = tokio::time::timeout(FETCH_SILENCE, self.unless_lost(rest.next(), connects)) => next,
+                    next = self.delivery(&mut rest, connects) => next?,
                 };
-                let next = next.map_err(|_| {
-                    self.failed(format!(
-                        "the server sent nothing for {} s of a request for stored messages",
-                        FETCH_SILENCE.as_secs()
-                    ))
-                })?;
-                let Some(m) = next.map_err(|_| {
-                    self.failed("a request for stored messages went with a reconnect")
-                })?
-                else {
+                let Some(m) = next else {
                     break;
                 };
                 let (m, pending) = self.take(m.map_err(|e| self.failed(e))?)?;
@@ -217,6 +208,45 @@ impl Rounds {
             return Ok(None);
         }
         Ok(Some(round))
+    }
+
+    /// The next delivery of a fetch sent when the watched connection had connected `connects`
+    /// times (`None`: the fetch is complete). One timer at a time: each
+    /// [`super::reconnects::RECONNECT_CHECK`] without a delivery looks for a reconnect since the
+    /// fetch (then its grace, and a failure) and counts toward [`FETCH_SILENCE`].
+    async fn delivery<S>(&self, rest: &mut S, connects: u64) -> Result<Option<S::Item>, String>
+    where
+        S: futures::Stream + Unpin,
+    {
+        let silence = || {
+            self.failed(format!(
+                "the server sent nothing for {} s of a request for stored messages",
+                FETCH_SILENCE.as_secs()
+            ))
+        };
+        let Some(r) = &self.reconnects else {
+            return tokio::time::timeout(FETCH_SILENCE, rest.next())
+                .await
+                .map_err(|_| silence());
+        };
+        let started = tokio::time::Instant::now();
+        loop {
+            let check = super::reconnects::RECONNECT_CHECK;
+            if let Ok(next) = tokio::time::timeout(check, rest.next()).await {
+                return Ok(next);
+            }
+            if r.connects() != connects {
+                return r
+                    .answer_unless_lost(rest.next(), connects)
+                    .await
+                    .map_err(|_| {
+                        self.failed("a request for stored messages went with a reconnect")
+                    });
+            }
+            if started.elapsed() >= FETCH_SILENCE {
+                return Err(silence());
+            }
+        }
     }
 
     /// Take one delivery, which must follow the last one taken, with the count of messages
