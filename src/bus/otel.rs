@@ -8,6 +8,7 @@
 //! so a collector that is down costs spans, never progress. Projections are redacted before they
 //! are stored, so nothing exported holds a secret the projections do not.
 
+use super::reconnects::Reconnects;
 use crate::otel::Export;
 use crate::spans::{Assembler, Limits};
 use crate::telemetry::OTEL_SPANS;
@@ -71,9 +72,8 @@ pub async fn run_export(
 
 /// Where the job starts: after its checkpoint, or (first start) at the end of the projection
 /// stream: turning the export on sends what is projected from then on, not the stream's past.
-async fn start(job: &ExportJob) -> Result<u64, String> {
-    let reconnects = super::reconnects::Reconnects::new(&job.js.client());
-    if let Some(last) = super::sessions::read_position(&job.kv, &reconnects, EXPORT_KEY).await? {
+async fn start(job: &ExportJob, reconnects: &Reconnects) -> Result<u64, String> {
+    if let Some(last) = super::sessions::read_position(&job.kv, reconnects, EXPORT_KEY).await? {
         return Ok(last + 1);
     }
     let mut proj = job
@@ -95,7 +95,8 @@ async fn export(
     cancel: &CancellationToken,
     lease_valid_until: &AtomicI64,
 ) -> Result<(), String> {
-    let from = start(job).await?;
+    let reconnects = std::sync::Arc::new(Reconnects::new(&job.js.client()));
+    let from = start(job, &reconnects).await?;
     let proj = job
         .js
         .get_stream(&job.proj_stream)
@@ -103,9 +104,7 @@ async fn export(
         .map_err(|e| format!("stream {}: {e}", job.proj_stream))?;
     let mut rounds = super::rounds::Rounds::new(&proj, from)
         .await?
-        .watching(std::sync::Arc::new(super::reconnects::Reconnects::new(
-            &job.js.client(),
-        )));
+        .watching(reconnects);
     debug!(from, "OpenTelemetry export started");
     let mut assembler = Assembler::new(
         Limits {

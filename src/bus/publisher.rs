@@ -265,29 +265,19 @@ impl Publisher {
         fut: F,
         connects_at_send: u64,
     ) -> Option<F::Output> {
-        match self.answer_unless_lost(fut, connects_at_send).await {
-            Ok(answer) => Some(answer),
-            Err(connects) => {
+        let answer = self
+            .reconnects
+            .answer_unless_lost(fut, connects_at_send)
+            .await;
+        answer
+            .map_err(|connects| {
                 if self.reconnects.first_lost_with(connects) {
                     info!(
                         "publish acks lost with a reconnect; their outputs are sent again (a stored one collapses by its Msg-Id)"
                     );
                 }
-                None
-            }
-        }
-    }
-
-    /// [`Publisher::ack_unless_lost`] for any request on the partitions' connection, without
-    /// its log line (see [`super::reconnects::Reconnects::answer_unless_lost`]).
-    pub(crate) async fn answer_unless_lost<F: std::future::IntoFuture>(
-        &self,
-        fut: F,
-        connects_at_send: u64,
-    ) -> Result<F::Output, u64> {
-        self.reconnects
-            .answer_unless_lost(fut, connects_at_send)
-            .await
+            })
+            .ok()
     }
 
     /// Issue one publish on `js`, fenced by the partition's claim; the returned future

@@ -849,17 +849,18 @@ pub(crate) async fn read_position(
         .map(|(last, _)| last))
 }
 
-/// The last projection-stream sequence the work-session fold has read, from its checkpoint as
-/// the bucket's leader holds it; `None` when there is none yet, or it cannot be read within a
-/// second (a partition's start does not wait longer for it).
-pub(crate) async fn fold_checkpoint(js: &jetstream::Context, names: &Names) -> Option<u64> {
+/// The last projection-stream sequence the work-session fold has read, from its checkpoint;
+/// `None` when there is none yet, or it cannot be read within a second (a partition's start
+/// does not wait longer for it). `reconnects`: those of `js`'s connection. A replica that lags
+/// answers an older checkpoint, which only keeps more claims.
+pub(crate) async fn fold_checkpoint(
+    js: &jetstream::Context,
+    reconnects: &Reconnects,
+    names: &Names,
+) -> Option<u64> {
     let read = async {
         let bucket = js.get_key_value(&names.sessions_bucket).await.ok()?;
-        let entry = super::leader_entry(&bucket, FOLD_KEY).await.ok()??;
-        if !entry.put {
-            return None;
-        }
-        std::str::from_utf8(&entry.value).ok()?.trim().parse().ok()
+        read_position(&bucket, reconnects, FOLD_KEY).await.ok()?
     };
     tokio::time::timeout(Duration::from_secs(1), read)
         .await

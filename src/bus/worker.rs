@@ -204,7 +204,8 @@ async fn claim(
     let read_through = if shared.settings.workers.without_session_fold {
         Some(u64::MAX)
     } else {
-        super::sessions::fold_checkpoint(&shared.js, &shared.names).await
+        super::sessions::fold_checkpoint(&shared.js, shared.publisher.reconnects(), &shared.names)
+            .await
     };
     Fence::claim(&shared.js, &shared.names, p, owner, read_through).await
 }
