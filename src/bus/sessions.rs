@@ -1098,6 +1098,7 @@ async fn fold(
         commit_round(writer, &round, events, span, checkpoint, lease_valid_until).await?;
         checkpoint =
             move_checkpoint(&writer.kv, &writer.reconnects, last, checkpoint, &gaps).await?;
+        remove_claims_read(&proj, &round);
         // Counted once the round is folded, so a round read again does not count its gaps twice.
         report_gaps(&gaps);
         metrics::counter!(crate::telemetry::SESSION_EVENTS_FOLDED).increment(folded as u64);
@@ -1106,6 +1107,50 @@ async fn fold(
         *position = Some(last);
         from = last + 1;
     }
+}
+
+/// The last fence claim `round` read on each fence subject, by sequence.
+fn claims_read(round: &[jetstream::Message]) -> BTreeMap<String, u64> {
+    let mut last = BTreeMap::new();
+    for m in round {
+        if !super::publish::is_fence_subject(&m.subject) {
+            continue;
+        }
+        if let Ok(info) = m.info() {
+            let seq = last.entry(m.subject.to_string()).or_insert(0);
+            *seq = (*seq).max(info.stream_sequence);
+        }
+    }
+    last
+}
+
+/// Remove, on each fence subject `round` read a claim on, the claims stored before the last
+/// one it read: every one of them is at or before the checkpoint just written, so no reader
+/// that reports gaps is still to read it, and the last claim on a subject (the one its
+/// partition's outputs expect) is at or after the one kept. A partition's start removes the
+/// claims the fold has read by then; this removes the ones it reads later, so claims do not pile
+/// up while the fold is behind. Best effort, off the fold's path: a claim left behind costs a
+/// few bytes and is removed with the next.
+fn remove_claims_read(proj: &jetstream::stream::Stream, round: &[jetstream::Message]) {
+    let claims = claims_read(round);
+    if claims.is_empty() {
+        return;
+    }
+    let proj = proj.clone();
+    tokio::spawn(async move {
+        for (subject, last) in claims {
+            let purge = proj.purge().filter(subject.as_str()).sequence(last);
+            match tokio::time::timeout(Duration::from_secs(5), purge).await {
+                Ok(Ok(_)) => {}
+                Ok(Err(e)) => {
+                    debug!(subject = %subject, error = %e, "fence claims read by the fold not removed")
+                }
+                Err(_) => {
+                    debug!(subject = %subject, "fence claims read by the fold not removed: no answer")
+                }
+            }
+        }
+    });
 }
 
 /// Write `round` (its `events`) as `span`, unless partition 0's lease has lapsed (another worker

@@ -2373,6 +2373,123 @@ async fn the_work_session_fold_waits_out_no_request_whose_answer_went_with_a_rec
     assert_sessions_count_every_projection(&js, &proj).await;
 }
 
+/// Each kind of request the work-session fold makes per round, caught in flight at a cut: a
+/// conversation-alias read and write, a work-session read and write, and the fold's checkpoint
+/// write. (Its checkpoint read, made only as it starts, is the work-session read's code with
+/// another key.) For each, a producer sends events of conversations and
+/// sessions never seen before (so their aliases and sessions are read and written), and the
+/// proxy holds what the server sends from the moment the worker sends that request: the request
+/// reaches the server, its answer is held for 200 ms and then dropped with the connection. Each
+/// such request is then given up after the reconnect's grace (asked again, or read back) rather
+/// than waited out, and in the end every projection is counted in its session once.
+#[tokio::test]
+async fn each_kind_of_fold_request_caught_at_a_cut_is_given_up_without_waiting_out_its_timeout() {
+    let (_nats, proxy, js) = provisioned_behind_a_proxy().await;
+    let kv = js
+        .get_key_value("collab_work_sessions")
+        .await
+        .expect("the sessions bucket");
+    let envs = [ACK_WAIT, ("RUST_LOG", "info")];
+    let worker = start_projector(&proxy.url(), &MAIN_AGENTS, &envs).await;
+    let bucket = "$KV.collab_work_sessions.";
+    // What the worker sends for each request (async-nats 0.51): a read of an alias from the
+    // stream's leader names its subject in the payload; a session read is a direct get with
+    // the subject in its own; a write is a publish to the key's subject.
+    let steps = [
+        (
+            "a conversation-alias read",
+            format!("\"last_by_subj\":\"{bucket}alias.cut0-"),
+        ),
+        (
+            "a conversation-alias write",
+            format!("PUB {bucket}alias.cut1-"),
+        ),
+        (
+            "a work-session read",
+            format!("DIRECT.GET.KV_collab_work_sessions.{bucket}ws-cut2-"),
+        ),
+        ("a work-session write", format!("PUB {bucket}ws-cut3-")),
+        (
+            "the fold's checkpoint write",
+            format!("PUB {bucket}fold.position"),
+        ),
+    ];
+    let mut published = 0u64;
+    // Step `k` sends conversations `cut<k>-*` and sessions `ws-cut<k>-*`, never seen before.
+    for (k, (what, pattern)) in steps.iter().enumerate() {
+        let sent = proxy.hold_answers_once_sent(pattern);
+        let producer = spawn_producer(&js, fresh_sessions_load(k, 600));
+        tokio::time::timeout(Duration::from_secs(30), sent)
+            .await
+            .unwrap_or_else(|_| panic!("the worker sent no {what} within 30 s"))
+            .expect("the proxy");
+        // Held since the request went out; cut with its answer held.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        proxy.cut();
+        proxy.hold_down(false);
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        proxy.heal();
+        published += producer.await.expect("the producer").len() as u64;
+        wait_settled(&js, published, 0).await;
+        wait_folded(&js, &kv).await;
+        // Given up once the link is back and the grace has passed: within seconds, where a
+        // request waited out would take its whole timeout and say so (checked below).
+        let given_up = format!("{what}'s answer went with a reconnect");
+        let said = tokio::time::timeout(Duration::from_secs(10), async {
+            while !worker.log_text().contains(&given_up) {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await;
+        assert!(
+            said.is_ok(),
+            "{what} caught at the cut was not given up with the reconnect: {}",
+            worker.log_text()
+        );
+    }
+    let log = worker.log_text();
+    for line in [
+        "the server sent nothing for",
+        "no answer within",
+        "work session write took too long",
+        "work session write failed",
+        "work session read failed",
+        "conversation alias write failed",
+        "conversation alias read failed",
+        "projections were gone from the stream",
+        // The checkpoint write caught reached the server: read back, it is found stored.
+        "error=checkpoint fold.position",
+    ] {
+        assert!(
+            !log.contains(line),
+            "a fold request was waited out, or a projection reported gone ({line}): {log}"
+        );
+    }
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    assert_eq!(proj.len() as u64, published, "every input projected once");
+    assert_sessions_count_every_projection(&js, &proj).await;
+}
+
+/// `count` task events over 20 conversations and 5 work sessions of step `step`'s own
+/// (`cut<step>-<n>`, `ws-cut<step>-<n>`): every third event names its conversation's session
+/// (each conversation moves to another session every 150 events), the others only the
+/// conversation.
+fn fresh_sessions_load(step: usize, count: usize) -> Vec<(String, Vec<u8>)> {
+    (0..count)
+        .map(|i| {
+            let conv = format!("cut{step}-{}", i % 20);
+            let mut body = json!({"type": "task.updated", "taskId": conv, "conversationId": conv, "payload": {"n": i}});
+            if i % 3 == 0 {
+                body["workSessionId"] = json!(format!("ws-cut{step}-{}", (i / 150 + i) % 5));
+            }
+            (
+                format!("collab.raw.{conv}.task.updated"),
+                serde_json::to_vec(&body).expect("serialises"),
+            )
+        })
+        .collect()
+}
+
 /// `turns` answered main-main turns as raw messages, conversation `<prefix>-<i>`, ruda asking
 /// eden: each send followed by its response, or (`sends_first`) every send, then every response.
 fn answered_turns(prefix: &str, turns: usize, sends_first: bool) -> Vec<(String, Vec<u8>)> {
@@ -2645,12 +2762,14 @@ async fn normalize_answers_one_line_per_line_in_order() {
 }
 
 /// Each start of a partition claims its fence in the projection and dead-letter streams; only
-/// the newest claim counts, so the earlier ones are removed (in the projection stream once the
-/// work-session fold has read them, see
-/// `the_work_session_fold_waits_out_no_request_whose_answer_went_with_a_reconnect`). A
+/// the newest claim counts, so the earlier ones are removed (in the projection stream only once
+/// the work-session fold has read them, see
+/// `the_work_session_fold_waits_out_no_request_whose_answer_went_with_a_reconnect`: by the
+/// next start when the fold had read them by then, by the fold when it reads them later). A
 /// deployment restarted again and again (or a partition that keeps failing and starting over)
-/// must not fill its output streams with claims: after three workers in turn, each fence
-/// subject holds one message, the last worker's.
+/// must not fill its output streams with claims: after three workers in turn, started one
+/// after the other without waiting for the fold, each fence subject holds one message, the
+/// last worker's, once the fold has read to the end.
 #[tokio::test]
 async fn restarts_leave_one_fence_claim_per_partition_not_one_per_start() {
     let nats = TestNats::start().await;
@@ -2698,20 +2817,40 @@ async fn restarts_leave_one_fence_claim_per_partition_not_one_per_start() {
             }
         })
         .await;
-        // The fold reads the claims, as it reads every projection, before the next start.
+        if run != "third" {
+            worker.stop_cleanly(GUARD).await;
+            continue;
+        }
         let kv = js
             .get_key_value("collab_work_sessions")
             .await
             .expect("the sessions bucket");
         wait_folded(&js, &kv).await;
-        worker.stop_cleanly(GUARD).await;
-    }
-    for stream in [PROJ, DLQ] {
-        let per_subject = fences(stream).await;
-        assert_eq!(per_subject.len(), partitions, "{stream}: {per_subject:?}");
+        // The fold removes what it read after moving its checkpoint, off its path.
+        let one_each = || async {
+            let mut all = Vec::new();
+            for stream in [PROJ, DLQ] {
+                all.push((stream, fences(stream).await));
+            }
+            all
+        };
+        let settled = tokio::time::timeout(GUARD, async {
+            loop {
+                let all = one_each().await;
+                if all.iter().all(|(_, per_subject)| {
+                    per_subject.len() == partitions && per_subject.values().all(|n| *n == 1)
+                }) {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+        .await;
+        let all = one_each().await;
         assert!(
-            per_subject.values().all(|n| *n == 1),
-            "{stream} keeps earlier claims: {per_subject:?}"
+            settled.is_ok(),
+            "earlier claims kept after the fold read them: {all:?}"
         );
+        worker.stop_cleanly(GUARD).await;
     }
 }

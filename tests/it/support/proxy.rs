@@ -3,13 +3,17 @@
 //! stalled network delivers them late), and the whole link can be cut (connections dropped, new
 //! ones refused) and healed.
 //!
+//! A direction can also be held from the moment the client sends a given request
+//! ([`Proxy::hold_answers_once_sent`]): the request reaches the server, its answer (and
+//! everything after it) waits, which catches one chosen kind of request in flight at a cut.
+//!
 //! Loopback only; it stops with the test (dropped, every task ends).
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{oneshot, watch};
 use tokio::task::JoinHandle;
 
 /// One direction's switch: open (bytes flow) or held.
@@ -42,6 +46,16 @@ struct Shared {
     down: Gate,
     cut: AtomicBool,
     links: Mutex<Vec<JoinHandle<()>>>,
+    /// Set while a [`Trigger`] waits for its bytes.
+    armed: AtomicBool,
+    trigger: Mutex<Option<Trigger>>,
+}
+
+/// Bytes the client may send, and who to tell once it has (what the server sends is held from
+/// then on).
+struct Trigger {
+    pattern: Vec<u8>,
+    sent: oneshot::Sender<()>,
 }
 
 pub struct Proxy {
@@ -65,6 +79,8 @@ impl Proxy {
             down: Gate::new(),
             cut: AtomicBool::new(false),
             links: Mutex::new(Vec::new()),
+            armed: AtomicBool::new(false),
+            trigger: Mutex::new(None),
         });
         let s = shared.clone();
         let accept = tokio::spawn(async move {
@@ -109,6 +125,21 @@ impl Proxy {
         self.shared.down.set(!held);
     }
 
+    /// Hold what the server sends from the moment any connection's client sends `pattern`
+    /// (anywhere in its bytes: a subject, a header, a payload), once: the bytes that hold it
+    /// still reach the server, its answer is held. The receiver resolves when that happened.
+    pub fn hold_answers_once_sent(&self, pattern: &str) -> oneshot::Receiver<()> {
+        let (sent, rx) = oneshot::channel();
+        if let Ok(mut t) = self.shared.trigger.lock() {
+            *t = Some(Trigger {
+                pattern: pattern.as_bytes().to_vec(),
+                sent,
+            });
+        }
+        self.shared.armed.store(true, Ordering::SeqCst);
+        rx
+    }
+
     /// A full partition: every connection dropped, new ones refused until [`Proxy::heal`].
     pub fn cut(&self) {
         self.shared.cut.store(true, Ordering::SeqCst);
@@ -141,16 +172,44 @@ async fn pump(
 ) {
     let gate = if up { &shared.up } else { &shared.down };
     let mut buf = vec![0u8; 64 * 1024];
+    // The end of what came before, so a trigger's bytes split over two reads are found.
+    let mut tail: Vec<u8> = Vec::new();
     loop {
         gate.wait_open().await;
         let n = match from.read(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
+        if up && shared.armed.load(Ordering::SeqCst) {
+            tail.extend_from_slice(&buf[..n]);
+            fire_if_sent(&shared, &tail);
+            let keep = tail.len().min(4096);
+            tail.drain(..tail.len() - keep);
+        } else if !tail.is_empty() {
+            // Nothing sent before a trigger is armed counts for it.
+            tail.clear();
+        }
         gate.wait_open().await;
         if shared.cut.load(Ordering::SeqCst) || to.write_all(&buf[..n]).await.is_err() {
             break;
         }
     }
     let _ = to.shutdown().await;
+}
+
+/// Hold what the server sends, and tell the waiter, when `seen` holds the armed trigger's bytes.
+fn fire_if_sent(shared: &Shared, seen: &[u8]) {
+    let Ok(mut trigger) = shared.trigger.lock() else {
+        return;
+    };
+    let hit = trigger
+        .as_ref()
+        .is_some_and(|t| seen.windows(t.pattern.len()).any(|w| w == t.pattern));
+    if hit {
+        shared.down.set(false);
+        shared.armed.store(false, Ordering::SeqCst);
+        if let Some(t) = trigger.take() {
+            let _ = t.sent.send(());
+        }
+    }
 }
