@@ -2316,13 +2316,7 @@ async fn turn_record_reads_whose_answers_went_with_a_reconnect_are_asked_again()
 /// was removed ahead of the fold (which would read, to it, as a projection gone unread).
 #[tokio::test]
 async fn the_work_session_fold_waits_out_no_request_whose_answer_went_with_a_reconnect() {
-    let (_nats, proxy, js) = provisioned_behind_a_proxy().await;
-    let kv = js
-        .get_key_value("collab_work_sessions")
-        .await
-        .expect("the sessions bucket");
-    let envs = [ACK_WAIT, ("RUST_LOG", "info")];
-    let worker = start_projector(&proxy.url(), &MAIN_AGENTS, &envs).await;
+    let (_nats, proxy, js, kv, worker) = folding_behind_a_proxy().await;
     let fold_lines = [
         "a request for stored messages went with a reconnect",
         "a work-session read's answer went with a reconnect",
@@ -2349,6 +2343,34 @@ async fn the_work_session_fold_waits_out_no_request_whose_answer_went_with_a_rec
         seen(&log),
         "no fold request went with any of {cuts} cuts: {log}"
     );
+    assert_fold_waited_out_nothing(&log, &[]);
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    assert_eq!(proj.len() as u64, published, "every input projected once");
+    assert_sessions_count_every_projection(&js, &proj).await;
+}
+
+/// A provisioned server, a proxy in front of it, and a worker connected through the proxy
+/// (logging at info) that folds work sessions; with the sessions bucket.
+async fn folding_behind_a_proxy() -> (
+    TestNats,
+    crate::support::proxy::Proxy,
+    Context,
+    async_nats::jetstream::kv::Store,
+    Projector,
+) {
+    let (nats, proxy, js) = provisioned_behind_a_proxy().await;
+    let kv = js
+        .get_key_value("collab_work_sessions")
+        .await
+        .expect("the sessions bucket");
+    let envs = [ACK_WAIT, ("RUST_LOG", "info")];
+    let worker = start_projector(&proxy.url(), &MAIN_AGENTS, &envs).await;
+    (nats, proxy, js, kv, worker)
+}
+
+/// No request of the fold was waited out (`log`, the worker's), no projection was reported
+/// gone, and none of `also` was said.
+fn assert_fold_waited_out_nothing(log: &str, also: &[&str]) {
     let waited_out = [
         "the server sent nothing for",
         "no answer within",
@@ -2357,20 +2379,14 @@ async fn the_work_session_fold_waits_out_no_request_whose_answer_went_with_a_rec
         "work session read failed",
         "conversation alias write failed",
         "conversation alias read failed",
+        "projections were gone from the stream",
     ];
-    for line in waited_out {
+    for line in waited_out.iter().chain(also) {
         assert!(
             !log.contains(line),
-            "a fold request was waited out ({line}): {log}"
+            "a fold request was waited out, or a projection reported gone ({line}): {log}"
         );
     }
-    assert!(
-        !log.contains("projections were gone from the stream"),
-        "the fold reported projections it never missed: {log}"
-    );
-    let proj = read_all(&js, PROJ, "collab.proj.>").await;
-    assert_eq!(proj.len() as u64, published, "every input projected once");
-    assert_sessions_count_every_projection(&js, &proj).await;
 }
 
 /// Each kind of request the work-session fold makes per round, caught in flight at a cut: a
@@ -2384,13 +2400,7 @@ async fn the_work_session_fold_waits_out_no_request_whose_answer_went_with_a_rec
 /// than waited out, and in the end every projection is counted in its session once.
 #[tokio::test]
 async fn each_kind_of_fold_request_caught_at_a_cut_is_given_up_without_waiting_out_its_timeout() {
-    let (_nats, proxy, js) = provisioned_behind_a_proxy().await;
-    let kv = js
-        .get_key_value("collab_work_sessions")
-        .await
-        .expect("the sessions bucket");
-    let envs = [ACK_WAIT, ("RUST_LOG", "info")];
-    let worker = start_projector(&proxy.url(), &MAIN_AGENTS, &envs).await;
+    let (_nats, proxy, js, kv, worker) = folding_behind_a_proxy().await;
     let bucket = "$KV.collab_work_sessions.";
     // What the worker sends for each request (async-nats 0.51): a read of an alias from the
     // stream's leader names its subject in the payload; a session read is a direct get with
@@ -2447,24 +2457,8 @@ async fn each_kind_of_fold_request_caught_at_a_cut_is_given_up_without_waiting_o
             worker.log_text()
         );
     }
-    let log = worker.log_text();
-    for line in [
-        "the server sent nothing for",
-        "no answer within",
-        "work session write took too long",
-        "work session write failed",
-        "work session read failed",
-        "conversation alias write failed",
-        "conversation alias read failed",
-        "projections were gone from the stream",
-        // The checkpoint write caught reached the server: read back, it is found stored.
-        "error=checkpoint fold.position",
-    ] {
-        assert!(
-            !log.contains(line),
-            "a fold request was waited out, or a projection reported gone ({line}): {log}"
-        );
-    }
+    // The checkpoint write caught reached the server: read back, it is found stored.
+    assert_fold_waited_out_nothing(&worker.log_text(), &["error=checkpoint fold.position"]);
     let proj = read_all(&js, PROJ, "collab.proj.>").await;
     assert_eq!(proj.len() as u64, published, "every input projected once");
     assert_sessions_count_every_projection(&js, &proj).await;
