@@ -2391,8 +2391,8 @@ fn assert_fold_waited_out_nothing(log: &str, also: &[&str]) {
 
 /// Each kind of request the work-session fold makes per round, caught in flight at a cut: a
 /// conversation-alias read and write, a work-session read and write, and the fold's checkpoint
-/// write. (Its checkpoint read, made only as it starts, is the work-session read's code with
-/// another key.) For each, a producer sends events of conversations and
+/// write; then its checkpoint read, made as it starts over (after a cut that catches it in a
+/// fetch, up to six cuts). For each, a producer sends events of conversations and
 /// sessions never seen before (so their aliases and sessions are read and written), and the
 /// proxy holds what the server sends from the moment the worker sends that request: the request
 /// reaches the server, its answer is held for 200 ms and then dropped with the connection. Each
@@ -2457,6 +2457,57 @@ async fn each_kind_of_fold_request_caught_at_a_cut_is_given_up_without_waiting_o
             worker.log_text()
         );
     }
+    // The fold's checkpoint read, made as it starts over (a partition's claim reads the same
+    // key on another connection): cut until a cut makes the fold start over, six at most.
+    let mut sent = proxy.hold_answers_once_sent_on(
+        Some("collab-projector-sessions"),
+        &format!("DIRECT.GET.KV_collab_work_sessions.{bucket}fold.position"),
+    );
+    let mut caught = false;
+    for k in 5..11 {
+        let producer = spawn_producer(&js, fresh_sessions_load(k, 600));
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        cut_with_answers_held(&proxy).await;
+        if tokio::time::timeout(Duration::from_secs(5), &mut sent)
+            .await
+            .is_ok()
+        {
+            caught = true;
+            tokio::time::sleep(Duration::from_millis(200)).await;
+            proxy.cut();
+            proxy.hold_down(false);
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            proxy.heal();
+        }
+        published += producer.await.expect("the producer").len() as u64;
+        wait_settled(&js, published, 0).await;
+        wait_folded(&js, &kv).await;
+        if caught {
+            break;
+        }
+    }
+    assert!(
+        caught,
+        "no cut of six made the fold start over and read its checkpoint: {}",
+        worker.log_text()
+    );
+    let fold_read_given_up = |log: &str| {
+        log.lines().any(|l| {
+            l.contains("a checkpoint read's answer went with a reconnect")
+                && !l.contains("partition{")
+        })
+    };
+    let said = tokio::time::timeout(Duration::from_secs(10), async {
+        while !fold_read_given_up(&worker.log_text()) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(
+        said.is_ok(),
+        "the fold's checkpoint read caught at the cut was not given up with the reconnect: {}",
+        worker.log_text()
+    );
     // The checkpoint write caught reached the server: read back, it is found stored.
     assert_fold_waited_out_nothing(&worker.log_text(), &["error=checkpoint fold.position"]);
     let proj = read_all(&js, PROJ, "collab.proj.>").await;

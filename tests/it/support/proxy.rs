@@ -55,6 +55,8 @@ struct Shared {
 /// then on).
 struct Trigger {
     pattern: Vec<u8>,
+    /// Only on a connection that named itself so in its `CONNECT` (any when `None`).
+    connection: Option<String>,
     sent: oneshot::Sender<()>,
 }
 
@@ -129,10 +131,21 @@ impl Proxy {
     /// (anywhere in its bytes: a subject, a header, a payload), once: the bytes that hold it
     /// still reach the server, its answer is held. The receiver resolves when that happened.
     pub fn hold_answers_once_sent(&self, pattern: &str) -> oneshot::Receiver<()> {
+        self.hold_answers_once_sent_on(None, pattern)
+    }
+
+    /// [`Proxy::hold_answers_once_sent`], counting only what a connection named `connection`
+    /// (the `name` of its `CONNECT`) sends, when given.
+    pub fn hold_answers_once_sent_on(
+        &self,
+        connection: Option<&str>,
+        pattern: &str,
+    ) -> oneshot::Receiver<()> {
         let (sent, rx) = oneshot::channel();
         if let Ok(mut t) = self.shared.trigger.lock() {
             *t = Some(Trigger {
                 pattern: pattern.as_bytes().to_vec(),
+                connection: connection.map(str::to_string),
                 sent,
             });
         }
@@ -174,15 +187,20 @@ async fn pump(
     let mut buf = vec![0u8; 64 * 1024];
     // The end of what came before, so a trigger's bytes split over two reads are found.
     let mut tail: Vec<u8> = Vec::new();
+    // The name the client gave in its `CONNECT`, the first thing it sends.
+    let mut name: Option<String> = None;
     loop {
         gate.wait_open().await;
         let n = match from.read(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
+        if up && name.is_none() {
+            name = connect_name(&buf[..n]);
+        }
         if up && shared.armed.load(Ordering::SeqCst) {
             tail.extend_from_slice(&buf[..n]);
-            fire_if_sent(&shared, &tail);
+            fire_if_sent(&shared, &tail, name.as_deref());
             let keep = tail.len().min(4096);
             tail.drain(..tail.len() - keep);
         } else if !tail.is_empty() {
@@ -197,14 +215,26 @@ async fn pump(
     let _ = to.shutdown().await;
 }
 
-/// Hold what the server sends, and tell the waiter, when `seen` holds the armed trigger's bytes.
-fn fire_if_sent(shared: &Shared, seen: &[u8]) {
+/// The `name` of a client's `CONNECT` in `bytes`, if they hold one with a name.
+fn connect_name(bytes: &[u8]) -> Option<String> {
+    let text = String::from_utf8_lossy(bytes);
+    let connect = &text[text.find("CONNECT {")?..];
+    let rest = &connect[connect.find("\"name\":\"")? + 8..];
+    Some(rest[..rest.find('"')?].to_string())
+}
+
+/// Hold what the server sends, and tell the waiter, when `seen` (sent on the connection named
+/// `connection`) holds the armed trigger's bytes.
+fn fire_if_sent(shared: &Shared, seen: &[u8], connection: Option<&str>) {
     let Ok(mut trigger) = shared.trigger.lock() else {
         return;
     };
-    let hit = trigger
-        .as_ref()
-        .is_some_and(|t| seen.windows(t.pattern.len()).any(|w| w == t.pattern));
+    let hit = trigger.as_ref().is_some_and(|t| {
+        t.connection
+            .as_deref()
+            .is_none_or(|c| Some(c) == connection)
+            && seen.windows(t.pattern.len()).any(|w| w == t.pattern)
+    });
     if hit {
         shared.down.set(false);
         shared.armed.store(false, Ordering::SeqCst);
