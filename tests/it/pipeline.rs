@@ -2174,15 +2174,19 @@ async fn partitions_ask_again_soon_after_a_reconnect_that_lost_their_pull_reques
 /// then the link dropped, and healed 300 ms later. `batches`: `nats.publish_batches`. Returns
 /// the projections once settled, the inputs' raw sequences, and the worker's log.
 async fn cut_a_busy_worker(batches: &str) -> (Vec<Stored>, Vec<u64>, String) {
-    cut_a_worker_busy_with(batches, &load(6000), 500).await
+    cut_a_worker_busy_with(batches, &load(6000), 500, None).await
 }
 
 /// [`cut_a_busy_worker`] with `backlog` as the worker's backlog, cut once `cut_after`
-/// projections are stored.
+/// projections are stored; with `cut_at`, once the worker has then sent those bytes (a request
+/// of a chosen kind, caught on its way: see [`Proxy::hold_answers_once_sent`]).
+///
+/// [`Proxy::hold_answers_once_sent`]: crate::support::proxy::Proxy::hold_answers_once_sent
 async fn cut_a_worker_busy_with(
     batches: &str,
     backlog: &[(String, Vec<u8>)],
     cut_after: u64,
+    cut_at: Option<&str>,
 ) -> (Vec<Stored>, Vec<u64>, String) {
     let (_nats, proxy, js) = provisioned_behind_a_proxy().await;
     // A backlog, so the worker is busy when the link drops: its publishes are pipelined, and
@@ -2197,7 +2201,17 @@ async fn cut_a_worker_busy_with(
     wait_proj_at_least(&js, cut_after).await;
     // Nothing the server sends reaches the worker any more: the acks of what it published
     // last are held on the way, and the cut drops them.
-    cut_with_answers_held(&proxy).await;
+    match cut_at {
+        None => cut_with_answers_held(&proxy).await,
+        Some(request) => {
+            let sent = proxy.hold_answers_once_sent(request);
+            tokio::time::timeout(Duration::from_secs(30), sent)
+                .await
+                .unwrap_or_else(|_| panic!("the worker sent no {request:?} within 30 s"))
+                .expect("the proxy");
+            cut_held(&proxy).await;
+        }
+    }
     wait_settled(&js, seqs.len() as u64, 0).await;
     let proj = read_all(&js, PROJ, "collab.proj.>").await;
     (proj, seqs, worker.log_text())
@@ -2219,11 +2233,29 @@ async fn provisioned_behind_a_proxy() -> (TestNats, crate::support::proxy::Proxy
 /// then dropped with the connection; the link comes back 300 ms later.
 async fn cut_with_answers_held(proxy: &crate::support::proxy::Proxy) {
     proxy.hold_down(true);
+    cut_held(proxy).await;
+}
+
+/// With what the server sends held already: 200 ms on, drop the connections; heal 300 ms later.
+async fn cut_held(proxy: &crate::support::proxy::Proxy) {
     tokio::time::sleep(Duration::from_millis(200)).await;
     proxy.cut();
     proxy.hold_down(false);
     tokio::time::sleep(Duration::from_millis(300)).await;
     proxy.heal();
+}
+
+/// Wait for `producer`, add what it published to `published`, and wait until the worker has
+/// settled it and the fold has read to the end.
+async fn settled_and_folded(
+    js: &Context,
+    kv: &async_nats::jetstream::kv::Store,
+    producer: tokio::task::JoinHandle<Vec<u64>>,
+    published: &mut u64,
+) {
+    *published += producer.await.expect("the producer").len() as u64;
+    wait_settled(js, *published, 0).await;
+    wait_folded(js, kv).await;
 }
 
 /// Every input of `seqs` has exactly one projection among `proj` (`log`: the worker's, shown
@@ -2255,26 +2287,21 @@ async fn outputs_whose_acks_went_with_a_reconnect_are_sent_again_without_waiting
 /// backlog of 3,000 answered main-main turns) are given up once the connection is back and its
 /// grace has passed, as publish acks are, instead of each being waited for until the 5 s
 /// timeout: the partition starts over at once, as after any write whose outcome is unknown.
-/// Every input is projected once and every turn has exactly one response. Whether a record
-/// write is on its way at the cut is chance (most cuts catch one): a run whose cut caught none
-/// is run again, on a fresh server, up to three runs, each checked in full.
+/// Every input is projected once and every turn has exactly one response. The cut comes
+/// while a record write (`$KV.collab_turns.p<N>.<turn>`, not a checkpoint) is on its way.
 #[tokio::test]
 async fn turn_writes_whose_answers_went_with_a_reconnect_are_given_up_without_waiting_out_the_timeout(
 ) {
     let turns = 3000;
     let backlog = answered_turns("cut", turns, false);
-    let given_up = "(pipelined write): write not stored: its answer went with a reconnect";
-    let mut log = String::new();
-    for _ in 0..3 {
-        let (proj, seqs, run_log) = cut_a_worker_busy_with("auto", &backlog, 500).await;
-        assert_each_projected_once(&proj, seqs, &run_log);
-        assert_one_response_per_turn(&proj, turns);
-        if run_log.contains(given_up) {
-            return;
-        }
-        log = run_log;
-    }
-    panic!("no turn-record write was given up with the reconnect in three runs; the last: {log}");
+    let record_write = Some("PUB $KV.collab_turns.p");
+    let (proj, seqs, log) = cut_a_worker_busy_with("auto", &backlog, 500, record_write).await;
+    assert!(
+        log.contains("(pipelined write): write not stored: its answer went with a reconnect"),
+        "no turn-record write was given up with the reconnect: {log}"
+    );
+    assert_each_projected_once(&proj, seqs, &log);
+    assert_one_response_per_turn(&proj, turns);
 }
 
 /// Turn-record reads whose answers went with the cut are asked again once the connection is
@@ -2282,7 +2309,7 @@ async fn turn_writes_whose_answers_went_with_a_reconnect_are_given_up_without_wa
 /// stops its partition. The backlog holds 3,000 main-main sends and then their 3,000 responses,
 /// and the cut comes while the responses are being read: a partition keeps only the records of
 /// the turns it opened last in memory, so most responses read their turn's record from the
-/// bucket, and at the cut many of those reads are on their way. Every input is projected once
+/// bucket, and the cut comes while one of those reads is on its way. Every input is projected once
 /// and every turn has exactly one response. (Here the writes lost with the same cut restart the
 /// partitions too, so without the read's own check the run ends the same, only without the
 /// log line: what the check saves is a partition whose only request in flight is a read, one
@@ -2291,8 +2318,11 @@ async fn turn_writes_whose_answers_went_with_a_reconnect_are_given_up_without_wa
 async fn turn_record_reads_whose_answers_went_with_a_reconnect_are_asked_again() {
     let turns = 3000;
     let backlog = answered_turns("read", turns, true);
-    // Cut a few hundred responses in, with most of them still to read.
-    let (proj, seqs, log) = cut_a_worker_busy_with("auto", &backlog, turns as u64 + 400).await;
+    // Cut a few hundred responses in, with most of them still to read, while a record read
+    // (from the bucket stream's leader, `$KV.collab_turns.p<N>.<turn>`) is on its way.
+    let record_read = Some("\"last_by_subj\":\"$KV.collab_turns.p");
+    let (proj, seqs, log) =
+        cut_a_worker_busy_with("auto", &backlog, turns as u64 + 400, record_read).await;
     assert!(
         log.contains("a turn-record read's answer went with a reconnect; reading it again"),
         "no turn-record read was asked again after the reconnect: {log}"
@@ -2334,9 +2364,7 @@ async fn the_work_session_fold_waits_out_no_request_whose_answer_went_with_a_rec
         let producer = spawn_producer(&js, load(1200));
         tokio::time::sleep(Duration::from_millis(400)).await;
         cut_with_answers_held(&proxy).await;
-        published += producer.await.expect("the producer").len() as u64;
-        wait_settled(&js, published, 0).await;
-        wait_folded(&js, &kv).await;
+        settled_and_folded(&js, &kv, producer, &mut published).await;
     }
     let log = worker.log_text();
     assert!(
@@ -2347,6 +2375,21 @@ async fn the_work_session_fold_waits_out_no_request_whose_answer_went_with_a_rec
     let proj = read_all(&js, PROJ, "collab.proj.>").await;
     assert_eq!(proj.len() as u64, published, "every input projected once");
     assert_sessions_count_every_projection(&js, &proj).await;
+}
+
+/// `worker` says within 10 s (`said`, on its log) that `what`, caught at a cut, was given up.
+async fn assert_given_up_soon(worker: &Projector, what: &str, said: impl Fn(&str) -> bool) {
+    let within = tokio::time::timeout(Duration::from_secs(10), async {
+        while !said(&worker.log_text()) {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await;
+    assert!(
+        within.is_ok(),
+        "{what} caught at the cut was not given up with the reconnect: {}",
+        worker.log_text()
+    );
 }
 
 /// A provisioned server, a proxy in front of it, and a worker connected through the proxy
@@ -2434,28 +2477,12 @@ async fn each_kind_of_fold_request_caught_at_a_cut_is_given_up_without_waiting_o
             .unwrap_or_else(|_| panic!("the worker sent no {what} within 30 s"))
             .expect("the proxy");
         // Held since the request went out; cut with its answer held.
-        tokio::time::sleep(Duration::from_millis(200)).await;
-        proxy.cut();
-        proxy.hold_down(false);
-        tokio::time::sleep(Duration::from_millis(300)).await;
-        proxy.heal();
-        published += producer.await.expect("the producer").len() as u64;
-        wait_settled(&js, published, 0).await;
-        wait_folded(&js, &kv).await;
+        cut_held(&proxy).await;
+        settled_and_folded(&js, &kv, producer, &mut published).await;
         // Given up once the link is back and the grace has passed: within seconds, where a
         // request waited out would take its whole timeout and say so (checked below).
         let given_up = format!("{what}'s answer went with a reconnect");
-        let said = tokio::time::timeout(Duration::from_secs(10), async {
-            while !worker.log_text().contains(&given_up) {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-        .await;
-        assert!(
-            said.is_ok(),
-            "{what} caught at the cut was not given up with the reconnect: {}",
-            worker.log_text()
-        );
+        assert_given_up_soon(&worker, what, |log| log.contains(&given_up)).await;
     }
     // The fold's checkpoint read, made as it starts over (a partition's claim reads the same
     // key on another connection): cut until a cut makes the fold start over, six at most.
@@ -2473,15 +2500,9 @@ async fn each_kind_of_fold_request_caught_at_a_cut_is_given_up_without_waiting_o
             .is_ok()
         {
             caught = true;
-            tokio::time::sleep(Duration::from_millis(200)).await;
-            proxy.cut();
-            proxy.hold_down(false);
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            proxy.heal();
+            cut_held(&proxy).await;
         }
-        published += producer.await.expect("the producer").len() as u64;
-        wait_settled(&js, published, 0).await;
-        wait_folded(&js, &kv).await;
+        settled_and_folded(&js, &kv, producer, &mut published).await;
         if caught {
             break;
         }
@@ -2497,17 +2518,7 @@ async fn each_kind_of_fold_request_caught_at_a_cut_is_given_up_without_waiting_o
                 && !l.contains("partition{")
         })
     };
-    let said = tokio::time::timeout(Duration::from_secs(10), async {
-        while !fold_read_given_up(&worker.log_text()) {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await;
-    assert!(
-        said.is_ok(),
-        "the fold's checkpoint read caught at the cut was not given up with the reconnect: {}",
-        worker.log_text()
-    );
+    assert_given_up_soon(&worker, "the fold's checkpoint read", fold_read_given_up).await;
     // The checkpoint write caught reached the server: read back, it is found stored.
     assert_fold_waited_out_nothing(&worker.log_text(), &["error=checkpoint fold.position"]);
     let proj = read_all(&js, PROJ, "collab.proj.>").await;
