@@ -903,6 +903,9 @@ fn config_errors_name_the_key_at_fault() {
         "[limits]\nmax_depth = 0\n",
         "[turns]\nenforce_roles = [\"conversation.mian\"]\n",
         "[nats\n",
+        // Sections added after the first ten: their errors name them too.
+        "[otel]\nmax_open = 0\n",
+        "[runs]\ntimeout = \"0s\"\n",
     ] {
         if let Err(broken) = checks::config(doc.as_bytes()) {
             panic!("{broken}");

@@ -751,19 +751,14 @@ pub fn envelope(bytes: &[u8]) -> Checked {
 // config: loading a TOML file into Settings and validating it
 // ---------------------------------------------------------------------------------------------
 
-/// The settings' section names: an error that names a key names one of these or a key in one.
-const SECTIONS: [&str; 10] = [
-    "nats",
-    "roles",
-    "adapter",
-    "limits",
-    "redaction",
-    "consumer",
-    "turns",
-    "projection",
-    "http",
-    "workers",
-];
+/// The settings' section names, as the default settings serialise them (so a section added to
+/// `Settings` is known here too): an error that names a key names one of these or a key in one.
+fn sections() -> Vec<String> {
+    serde_json::to_value(Settings::default())
+        .ok()
+        .and_then(|v| v.as_object().map(|o| o.keys().cloned().collect()))
+        .unwrap_or_default()
+}
 
 fn scratch_file() -> PathBuf {
     let thread = format!("{:?}", std::thread::current().id());
@@ -812,7 +807,7 @@ pub fn config_error(message: &str) -> Checked {
     ensure(!detail.is_empty(), || {
         format!("configuration error without a detail: {message:?}")
     })?;
-    let names_key = SECTIONS.iter().any(|s| detail.contains(s))
+    let names_key = sections().iter().any(|s| detail.contains(s.as_str()))
         || detail.contains("key")
         || detail.contains("field")
         || detail.contains('`');
