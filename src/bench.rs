@@ -2934,7 +2934,7 @@ async fn reload_fence(
     shared: &WorkerContext,
     p: u16,
 ) -> Result<crate::bus::publish::Fence, String> {
-    crate::bus::publish::Fence::claim(&shared.js, &shared.names, p, "bench", Some(u64::MAX))
+    crate::bus::publish::Fence::claim(&shared.js, &shared.names, p, "bench", false)
         .await
         .map_err(|e| e.to_string())
 }

@@ -93,15 +93,14 @@ pub struct Fence {
 
 impl Fence {
     /// Claim partition `p` for `owner`: from now on, outputs fenced by an earlier claim fail.
-    /// `read_through`: the last projection-stream sequence that every reader reporting gaps in
-    /// it (the work-session fold) has read, `Some(u64::MAX)` when none reads it, `None` when not
-    /// known; earlier claims in the projection stream are removed only up to it.
+    /// `fold_reads`: a work-session fold reads the projection stream, so earlier claims there
+    /// are left to it (see below).
     pub async fn claim(
         js: &jetstream::Context,
         names: &Names,
         p: u16,
         owner: &str,
-        read_through: Option<u64>,
+        fold_reads: bool,
     ) -> Result<Fence, jetstream::context::PublishError> {
         let (proj, dlq) = fence_subjects(names, p);
         let mut seqs = [0u64; 2];
@@ -116,36 +115,23 @@ impl Fence {
         }
         // Only the last claim on a fence subject counts: the earlier ones are removed, so a
         // partition that starts over and over does not fill the streams with claims. Removing
-        // only what came before this claim leaves it, and any later owner's, in place. Best
-        // effort: a claim left behind costs a few bytes, never correctness.
+        // only what came before this claim leaves it, and any later owner's, in place.
         //
-        // In the projection stream, only claims the work-session fold has read are removed
-        // (`read_through`): a message removed ahead of the fold is, to it, a projection gone
+        // In the projection stream the work-session fold removes them once it has read them
+        // (`bus::sessions`): a message removed ahead of the fold is, to it, a projection gone
         // unread (reported as lost from the work sessions, `collab_session_fold_skipped_total`),
         // and a fold that is behind or starting over from its checkpoint would report every
-        // claim removed meanwhile. The next claim once the fold has passed them removes them.
-        let purges = [
-            (
-                &names.proj_stream,
-                &proj,
-                read_through.map(|r| r.saturating_add(1).min(seqs[0])),
-            ),
-            (&names.dlq_stream, &dlq, Some(seqs[1])),
-        ];
+        // claim removed meanwhile.
+        let mut purges = vec![(&names.dlq_stream, &dlq, seqs[1])];
+        if !fold_reads {
+            purges.push((&names.proj_stream, &proj, seqs[0]));
+        }
         for (stream, subject, before) in purges {
-            let Some(before) = before else { continue };
-            let purged = match js.get_stream_no_info(stream).await {
-                Ok(s) => s
-                    .purge()
-                    .filter(subject.as_str())
-                    .sequence(before)
-                    .await
-                    .map(|_| ())
-                    .map_err(|e| e.to_string()),
-                Err(e) => Err(e.to_string()),
-            };
-            if let Err(e) = purged {
-                tracing::debug!(subject = %subject, error = %e, "earlier fence claims not removed");
+            match js.get_stream_no_info(stream).await {
+                Ok(s) => remove_claims_before(&s, subject, before).await,
+                Err(e) => {
+                    tracing::debug!(subject = %subject, error = %e, "earlier fence claims not removed")
+                }
             }
         }
         Ok(Fence {
@@ -170,6 +156,23 @@ impl Fence {
         headers.insert(HeaderName::from_static(H_EXPECTED_SUBJECT), subject);
         headers
     }
+}
+
+/// Remove the fence claims on `subject` stored before sequence `before` in `stream`. Best
+/// effort, bounded to 5 s: a claim left behind costs a few bytes, never correctness, and goes
+/// with the next removal.
+pub async fn remove_claims_before<I>(
+    stream: &jetstream::stream::Stream<I>,
+    subject: &str,
+    before: u64,
+) {
+    let purge = stream.purge().filter(subject).sequence(before);
+    let failed = match tokio::time::timeout(std::time::Duration::from_secs(5), purge).await {
+        Ok(Ok(_)) => return,
+        Ok(Err(e)) => e.to_string(),
+        Err(_) => "no answer within 5 s".to_string(),
+    };
+    tracing::debug!(subject = %subject, error = %failed, "earlier fence claims not removed");
 }
 
 /// An output's own headers, without the fence's.

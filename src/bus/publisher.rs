@@ -1729,7 +1729,7 @@ mod tests {
                 payloads
             }
         };
-        let fence = Fence::claim(&js, &names, 0, "first", Some(u64::MAX))
+        let fence = Fence::claim(&js, &names, 0, "first", false)
             .await
             .expect("claimed");
         let outs = group("a");
@@ -1753,7 +1753,7 @@ mod tests {
             expected(true)
         );
 
-        Fence::claim(&js, &names, 0, "second", Some(u64::MAX))
+        Fence::claim(&js, &names, 0, "second", false)
             .await
             .expect("claimed again");
         let late = group("b");

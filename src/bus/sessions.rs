@@ -849,25 +849,6 @@ pub(crate) async fn read_position(
         .map(|(last, _)| last))
 }
 
-/// The last projection-stream sequence the work-session fold has read, from its checkpoint;
-/// `None` when there is none yet, or it cannot be read within a second (a partition's start
-/// does not wait longer for it). `reconnects`: those of `js`'s connection. A replica that lags
-/// answers an older checkpoint, which only keeps more claims.
-pub(crate) async fn fold_checkpoint(
-    js: &jetstream::Context,
-    reconnects: &Reconnects,
-    names: &Names,
-) -> Option<u64> {
-    let read = async {
-        let bucket = js.get_key_value(&names.sessions_bucket).await.ok()?;
-        read_position(&bucket, reconnects, FOLD_KEY).await.ok()?
-    };
-    tokio::time::timeout(Duration::from_secs(1), read)
-        .await
-        .ok()
-        .flatten()
-}
-
 /// [`read_position`], with the entry's revision (to move it by compare-and-set).
 async fn read_checkpoint(
     kv: &kv::Store,
@@ -1127,10 +1108,9 @@ fn claims_read(round: &[jetstream::Message]) -> BTreeMap<String, u64> {
 /// Remove, on each fence subject `round` read a claim on, the claims stored before the last
 /// one it read: every one of them is at or before the checkpoint just written, so no reader
 /// that reports gaps is still to read it, and the last claim on a subject (the one its
-/// partition's outputs expect) is at or after the one kept. A partition's start removes the
-/// claims the fold has read by then; this removes the ones it reads later, so claims do not pile
-/// up while the fold is behind. Best effort, off the fold's path: a claim left behind costs a
-/// few bytes and is removed with the next.
+/// partition's outputs expect) is at or after the one kept. The fold is what removes earlier
+/// claims from the projection stream (a partition's claim leaves them to it, see
+/// [`super::publish::Fence::claim`]), so they do not pile up. Off the fold's path.
 fn remove_claims_read(proj: &jetstream::stream::Stream, round: &[jetstream::Message]) {
     let claims = claims_read(round);
     if claims.is_empty() {
@@ -1139,16 +1119,7 @@ fn remove_claims_read(proj: &jetstream::stream::Stream, round: &[jetstream::Mess
     let proj = proj.clone();
     tokio::spawn(async move {
         for (subject, last) in claims {
-            let purge = proj.purge().filter(subject.as_str()).sequence(last);
-            match tokio::time::timeout(Duration::from_secs(5), purge).await {
-                Ok(Ok(_)) => {}
-                Ok(Err(e)) => {
-                    debug!(subject = %subject, error = %e, "fence claims read by the fold not removed")
-                }
-                Err(_) => {
-                    debug!(subject = %subject, "fence claims read by the fold not removed: no answer")
-                }
-            }
+            super::publish::remove_claims_before(&proj, &subject, last).await;
         }
     });
 }

@@ -194,20 +194,16 @@ const MARKERS_LOOKED_AT: usize = 64;
 /// description) before it starts over.
 const FIRST_REQUEST_WITHIN: Duration = Duration::from_secs(1);
 
-/// Claim partition `p`'s fence for `owner`. Earlier claims are removed only where the
-/// work-session fold has read them (see [`Fence::claim`]); with the fold off, every earlier one.
+/// Claim partition `p`'s fence for `owner`. Earlier claims in the projection stream are left
+/// to the work-session fold, which removes them once it has read them (see [`Fence::claim`]);
+/// with the fold off, the claim removes them.
 async fn claim(
     shared: &WorkerContext,
     p: u16,
     owner: &str,
 ) -> Result<Fence, async_nats::jetstream::context::PublishError> {
-    let read_through = if shared.settings.workers.without_session_fold {
-        Some(u64::MAX)
-    } else {
-        super::sessions::fold_checkpoint(&shared.js, shared.publisher.reconnects(), &shared.names)
-            .await
-    };
-    Fence::claim(&shared.js, &shared.names, p, owner, read_through).await
+    let fold_reads = !shared.settings.workers.without_session_fold;
+    Fence::claim(&shared.js, &shared.names, p, owner, fold_reads).await
 }
 
 /// Run one partition until `cancel`: finish the batch in hand, acknowledge what was published,
