@@ -46,8 +46,7 @@ struct Shared {
     down: Gate,
     cut: AtomicBool,
     links: Mutex<Vec<JoinHandle<()>>>,
-    /// Set while a [`Trigger`] waits for its bytes.
-    armed: AtomicBool,
+    /// The request that, once sent, holds what the server sends ([`Proxy::hold_answers_once_sent`]).
     trigger: Mutex<Option<Trigger>>,
 }
 
@@ -81,7 +80,6 @@ impl Proxy {
             down: Gate::new(),
             cut: AtomicBool::new(false),
             links: Mutex::new(Vec::new()),
-            armed: AtomicBool::new(false),
             trigger: Mutex::new(None),
         });
         let s = shared.clone();
@@ -149,7 +147,6 @@ impl Proxy {
                 sent,
             });
         }
-        self.shared.armed.store(true, Ordering::SeqCst);
         rx
     }
 
@@ -189,23 +186,25 @@ async fn pump(
     let mut tail: Vec<u8> = Vec::new();
     // The name the client gave in its `CONNECT`, the first thing it sends.
     let mut name: Option<String> = None;
+    let mut first = true;
     loop {
         gate.wait_open().await;
         let n = match from.read(&mut buf).await {
             Ok(0) | Err(_) => break,
             Ok(n) => n,
         };
-        if up && name.is_none() {
+        if up && first {
             name = connect_name(&buf[..n]);
+            first = false;
         }
-        if up && shared.armed.load(Ordering::SeqCst) {
+        if up {
             tail.extend_from_slice(&buf[..n]);
-            fire_if_sent(&shared, &tail, name.as_deref());
+            if !fire_if_sent(&shared, &tail, name.as_deref()) {
+                // Nothing sent before a trigger is armed counts for it.
+                tail.clear();
+            }
             let keep = tail.len().min(4096);
             tail.drain(..tail.len() - keep);
-        } else if !tail.is_empty() {
-            // Nothing sent before a trigger is armed counts for it.
-            tail.clear();
         }
         gate.wait_open().await;
         if shared.cut.load(Ordering::SeqCst) || to.write_all(&buf[..n]).await.is_err() {
@@ -224,10 +223,10 @@ fn connect_name(bytes: &[u8]) -> Option<String> {
 }
 
 /// Hold what the server sends, and tell the waiter, when `seen` (sent on the connection named
-/// `connection`) holds the armed trigger's bytes.
-fn fire_if_sent(shared: &Shared, seen: &[u8], connection: Option<&str>) {
+/// `connection`) holds the armed trigger's bytes. Whether a trigger is (still) armed.
+fn fire_if_sent(shared: &Shared, seen: &[u8], connection: Option<&str>) -> bool {
     let Ok(mut trigger) = shared.trigger.lock() else {
-        return;
+        return false;
     };
     let hit = trigger.as_ref().is_some_and(|t| {
         t.connection
@@ -237,9 +236,9 @@ fn fire_if_sent(shared: &Shared, seen: &[u8], connection: Option<&str>) {
     });
     if hit {
         shared.down.set(false);
-        shared.armed.store(false, Ordering::SeqCst);
         if let Some(t) = trigger.take() {
             let _ = t.sent.send(());
         }
     }
+    trigger.is_some()
 }
