@@ -2928,6 +2928,46 @@ pub fn summary_line(report: &BenchReport) -> String {
     })
 }
 
+/// Several runs' summary lines (see [`summary_line`]) as one: `bench-median runs=<n>`, then each
+/// key of the first line in its order with the median of its values over the runs that have one
+/// (`-` where none has), printed with as many decimals as the first run gave it. Ratios are the
+/// medians of each run's own ratio, not ratios of medians: each is taken between scenarios run
+/// minutes apart, which is what keeps a slow phase of the host out of it. Lines that are not
+/// summary lines are ignored.
+pub fn median_line(lines: &[String]) -> String {
+    let runs: Vec<Vec<(&str, &str)>> = lines
+        .iter()
+        .filter_map(|l| l.strip_prefix("bench-summary "))
+        .map(|l| {
+            l.split_whitespace()
+                .filter_map(|f| f.split_once('='))
+                .collect()
+        })
+        .collect();
+    let Some(first) = runs.first() else {
+        return "bench-median runs=0".to_string();
+    };
+    let mut line = format!("bench-median runs={}", runs.len());
+    for (key, shown) in first {
+        let decimals = shown.split_once('.').map_or(0, |(_, d)| d.len());
+        let mut values: Vec<f64> = runs
+            .iter()
+            .filter_map(|r| r.iter().find(|(k, _)| k == key))
+            .filter_map(|(_, v)| v.parse::<f64>().ok())
+            .filter(|v| v.is_finite())
+            .collect();
+        values.sort_by(f64::total_cmp);
+        let median = match values.len() {
+            0 => None,
+            n if n % 2 == 1 => Some(values[n / 2]),
+            n => Some((values[n / 2 - 1] + values[n / 2]) / 2.0),
+        };
+        let shown = median.map_or_else(|| "-".to_string(), |m| format!("{m:.decimals$}"));
+        line.push_str(&format!(" {key}={shown}"));
+    }
+    line
+}
+
 /// A claim on partition `p` for the reload measurement, as a worker makes when it takes the
 /// partition.
 async fn reload_fence(
@@ -3081,6 +3121,24 @@ mod tests {
             assert!(found.is_some(), "{heading:?} after byte {at} in\n{text}");
             at += found.unwrap_or_default();
         }
+    }
+
+    #[test]
+    fn rounds_are_summed_up_by_the_median_of_each_field() {
+        let lines = [
+            "bench-summary load=2.44 baseline=93234 mixed=42391 mixed_ratio=0.45 p99_ratio=6.24 ceiling_mixed=-",
+            "progress and table lines are passed over",
+            "bench-summary load=2.84 baseline=68583 mixed=28577 mixed_ratio=0.42 p99_ratio=3.86 ceiling_mixed=-",
+            "bench-summary load=2.66 baseline=54480 mixed=28470 mixed_ratio=0.52 p99_ratio=- ceiling_mixed=-",
+        ]
+        .map(String::from);
+        assert_eq!(
+            median_line(&lines),
+            "bench-median runs=3 load=2.66 baseline=68583 mixed=28577 mixed_ratio=0.45 p99_ratio=5.05 ceiling_mixed=-"
+        );
+        // Each ratio is the median of the runs' own ratios (0.45), not the median mixed rate over
+        // the median baseline (28577 / 68583 = 0.42).
+        assert_eq!(median_line(&[]), "bench-median runs=0");
     }
 
     #[test]

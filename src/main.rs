@@ -342,6 +342,11 @@ struct BenchArgs {
     /// No progress bars.
     #[arg(long)]
     quiet: bool,
+    /// Run the whole bench this many times back to back, each run in a process of its own (as
+    /// a shell loop would), printing each run's report, then `bench-median`: the median of every
+    /// summary field over the runs.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=20))]
+    rounds: u32,
 }
 
 #[derive(Subcommand)]
@@ -912,6 +917,17 @@ async fn dlq_replay(conn: &Conn, reason: Option<&str>, dry_run: bool) -> anyhow:
 /// `bench`: the scenarios, then the report as a table or JSON.
 async fn bench(args: BenchArgs) -> anyhow::Result<()> {
     use collab_projector::bench;
+    if args.rounds > 1 {
+        anyhow::ensure!(
+            !args.json,
+            "--rounds prints each run's table and a bench-median line; for JSON, run `bench --json` once per round"
+        );
+        anyhow::ensure!(
+            args.latency_samples.is_none(),
+            "--latency-samples writes one run's samples, which the next round would overwrite; run it without --rounds"
+        );
+        return bench_rounds(args.rounds).await;
+    }
     if let Some(path) = &args.latency_samples {
         let dir = match path.parent() {
             Some(d) if !d.as_os_str().is_empty() => d,
@@ -955,6 +971,57 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
         let _ = out.write_all(bench::render(&report).as_bytes());
     }
     Ok(())
+}
+
+/// `bench --rounds N`: this command again without `--rounds`, N times one after the other, each
+/// in a fresh process (no run inherits another's allocator state or servers), its output passed
+/// through; then the median of each summary field.
+async fn bench_rounds(rounds: u32) -> anyhow::Result<()> {
+    use tokio::io::AsyncBufReadExt;
+    let exe = std::env::current_exe().context("finding this program to run the rounds")?;
+    let args = without_rounds(std::env::args_os().skip(1));
+    let mut summaries = Vec::new();
+    for round in 1..=rounds {
+        telemetry::say(&format!("bench round {round} of {rounds}"));
+        let mut child = tokio::process::Command::new(&exe)
+            .args(&args)
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .with_context(|| format!("starting bench round {round}"))?;
+        let stdout = child.stdout.take().context("reading the round's output")?;
+        let mut lines = tokio::io::BufReader::new(stdout).lines();
+        while let Some(line) = lines.next_line().await? {
+            telemetry::say(&line);
+            if line.starts_with("bench-summary ") {
+                summaries.push(line);
+            }
+        }
+        let status = child.wait().await?;
+        anyhow::ensure!(
+            status.success(),
+            "bench round {round} of {rounds} failed ({status}); its output is above"
+        );
+    }
+    telemetry::say(&collab_projector::bench::median_line(&summaries));
+    Ok(())
+}
+
+/// Command-line arguments without `--rounds N` / `--rounds=N`.
+fn without_rounds(args: impl Iterator<Item = std::ffi::OsString>) -> Vec<std::ffi::OsString> {
+    let mut out = Vec::new();
+    let mut skip_value = false;
+    for a in args {
+        if std::mem::take(&mut skip_value) {
+            continue;
+        }
+        if a == "--rounds" {
+            skip_value = true;
+        } else if !a.to_string_lossy().starts_with("--rounds=") {
+            out.push(a);
+        }
+    }
+    out
 }
 
 /// `relay a2a|agui`: the proxy until SIGTERM / Ctrl-C, then drain.
@@ -1038,6 +1105,26 @@ mod tests {
     fn the_command_line_is_well_formed() {
         use clap::CommandFactory;
         Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn each_round_is_the_same_command_without_rounds() {
+        let args = |v: &[&str]| v.iter().map(std::ffi::OsString::from).collect::<Vec<_>>();
+        assert_eq!(
+            without_rounds(
+                args(&[
+                    "bench",
+                    "--rounds",
+                    "3",
+                    "--only",
+                    "mixed",
+                    "--rounds=2",
+                    "--quiet"
+                ])
+                .into_iter()
+            ),
+            args(&["bench", "--only", "mixed", "--quiet"])
+        );
     }
 
     #[test]
