@@ -975,9 +975,9 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
 
 /// `bench --rounds N`: this command again without `--rounds`, N times one after the other, each
 /// in a fresh process (no run inherits another's allocator state or servers), its output passed
-/// through; then the median of each summary field.
+/// through; then the median of each summary field. A stop signal is passed on to the round
+/// running (which stops its servers as a single run does) and no further round starts.
 async fn bench_rounds(rounds: u32) -> anyhow::Result<()> {
-    use tokio::io::AsyncBufReadExt;
     let exe = std::env::current_exe().context("finding this program to run the rounds")?;
     let args = without_rounds(std::env::args_os().skip(1));
     let mut summaries = Vec::new();
@@ -990,13 +990,21 @@ async fn bench_rounds(rounds: u32) -> anyhow::Result<()> {
             .spawn()
             .with_context(|| format!("starting bench round {round}"))?;
         let stdout = child.stdout.take().context("reading the round's output")?;
-        let mut lines = tokio::io::BufReader::new(stdout).lines();
-        while let Some(line) = lines.next_line().await? {
-            telemetry::say(&line);
-            if line.starts_with("bench-summary ") {
-                summaries.push(line);
+        let pid = child.id();
+        let passed = tokio::select! {
+            r = pass_through(stdout, &mut summaries) => r,
+            _ = app::shutdown_signal() => {
+                if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
+                    let _ = nix::sys::signal::kill(
+                        nix::unistd::Pid::from_raw(pid),
+                        nix::sys::signal::Signal::SIGTERM,
+                    );
+                }
+                let _ = child.wait().await;
+                anyhow::bail!("bench interrupted in round {round} of {rounds}");
             }
-        }
+        };
+        passed?;
         let status = child.wait().await?;
         anyhow::ensure!(
             status.success(),
@@ -1004,6 +1012,22 @@ async fn bench_rounds(rounds: u32) -> anyhow::Result<()> {
         );
     }
     telemetry::say(&collab_projector::bench::median_line(&summaries));
+    Ok(())
+}
+
+/// A round's output, line by line, to this process's; its summary lines kept in `summaries`.
+async fn pass_through(
+    stdout: tokio::process::ChildStdout,
+    summaries: &mut Vec<String>,
+) -> std::io::Result<()> {
+    use tokio::io::AsyncBufReadExt;
+    let mut lines = tokio::io::BufReader::new(stdout).lines();
+    while let Some(line) = lines.next_line().await? {
+        telemetry::say(&line);
+        if line.starts_with("bench-summary ") {
+            summaries.push(line);
+        }
+    }
     Ok(())
 }
 
