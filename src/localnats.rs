@@ -844,7 +844,7 @@ fn log_tail_from(path: &Path, from: u64) -> String {
 }
 
 /// Send a signal to a child we spawned.
-fn signal(pid: u32, sig: Signal) -> nix::Result<()> {
+pub fn signal(pid: u32, sig: Signal) -> nix::Result<()> {
     let raw = i32::try_from(pid).map_err(|_| nix::errno::Errno::ESRCH)?;
     kill(Pid::from_raw(raw), sig)
 }

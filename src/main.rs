@@ -994,9 +994,9 @@ async fn bench_rounds(rounds: u32) -> anyhow::Result<()> {
         let passed = tokio::select! {
             r = pass_through(stdout, &mut summaries) => r,
             _ = app::shutdown_signal() => {
-                if let Some(pid) = pid.and_then(|p| i32::try_from(p).ok()) {
-                    let _ = nix::sys::signal::kill(
-                        nix::unistd::Pid::from_raw(pid),
+                if let Some(pid) = pid {
+                    let _ = collab_projector::localnats::signal(
+                        pid,
                         nix::sys::signal::Signal::SIGTERM,
                     );
                 }

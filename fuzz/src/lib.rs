@@ -752,13 +752,14 @@ pub fn envelope(bytes: &[u8]) -> Checked {
 // ---------------------------------------------------------------------------------------------
 
 /// The settings' section names, as the default settings serialise them (so a section added to
-/// `Settings` is known here too): an error that names a key names one of these or a key in one.
-fn sections() -> Vec<String> {
+/// `Settings` is known here too), read once: an error that names a key names one of these or a
+/// key in one.
+static SECTIONS: std::sync::LazyLock<Vec<String>> = std::sync::LazyLock::new(|| {
     serde_json::to_value(Settings::default())
         .ok()
         .and_then(|v| v.as_object().map(|o| o.keys().cloned().collect()))
         .unwrap_or_default()
-}
+});
 
 fn scratch_file() -> PathBuf {
     let thread = format!("{:?}", std::thread::current().id());
@@ -807,7 +808,7 @@ pub fn config_error(message: &str) -> Checked {
     ensure(!detail.is_empty(), || {
         format!("configuration error without a detail: {message:?}")
     })?;
-    let names_key = sections().iter().any(|s| detail.contains(s.as_str()))
+    let names_key = SECTIONS.iter().any(|s| detail.contains(s.as_str()))
         || detail.contains("key")
         || detail.contains("field")
         || detail.contains('`');
