@@ -2207,11 +2207,11 @@ async fn cut_a_worker_busy_with(
     match cut_at {
         None => cut_with_answers_held(&proxy).await,
         Some(request) => {
-            let sent = proxy.hold_answers_once_sent(request);
-            tokio::time::timeout(Duration::from_secs(30), sent)
-                .await
-                .unwrap_or_else(|_| panic!("the worker sent no {request:?} within 30 s"))
-                .expect("the proxy");
+            sent_within_30s(
+                proxy.hold_answers_once_sent(request),
+                &format!("{request:?}"),
+            )
+            .await;
             cut_held(&proxy).await;
         }
     }
@@ -2237,6 +2237,17 @@ async fn provisioned_behind_a_proxy() -> (TestNats, crate::support::proxy::Proxy
 async fn cut_with_answers_held(proxy: &crate::support::proxy::Proxy) {
     proxy.hold_down(true);
     cut_held(proxy).await;
+}
+
+/// Wait until the worker has sent `what`, the request `sent` was armed for
+/// ([`Proxy::hold_answers_once_sent`]); the server's answers are held from then on.
+///
+/// [`Proxy::hold_answers_once_sent`]: crate::support::proxy::Proxy::hold_answers_once_sent
+async fn sent_within_30s(sent: tokio::sync::oneshot::Receiver<()>, what: &str) {
+    tokio::time::timeout(Duration::from_secs(30), sent)
+        .await
+        .unwrap_or_else(|_| panic!("the worker sent no {what} within 30 s"))
+        .expect("the proxy");
 }
 
 /// With what the server sends held already: 200 ms on, drop the connections; heal 300 ms later.
@@ -2475,10 +2486,7 @@ async fn each_kind_of_fold_request_caught_at_a_cut_is_given_up_without_waiting_o
     for (k, (what, pattern)) in steps.iter().enumerate() {
         let sent = proxy.hold_answers_once_sent(pattern);
         let producer = spawn_producer(&js, fresh_sessions_load(k, 600));
-        tokio::time::timeout(Duration::from_secs(30), sent)
-            .await
-            .unwrap_or_else(|_| panic!("the worker sent no {what} within 30 s"))
-            .expect("the proxy");
+        sent_within_30s(sent, what).await;
         // Held since the request went out; cut with its answer held.
         cut_held(&proxy).await;
         settled_and_folded(&js, &kv, producer, &mut published).await;
