@@ -2177,12 +2177,13 @@ async fn partitions_ask_again_soon_after_a_reconnect_that_lost_their_pull_reques
 /// then the link dropped, and healed 300 ms later. `batches`: `nats.publish_batches`. Returns
 /// the projections once settled, the inputs' raw sequences, and the worker's log.
 async fn cut_a_busy_worker(batches: &str) -> (Vec<Stored>, Vec<u64>, String) {
-    cut_a_worker_busy_with(batches, &load(6000), 500, None).await
+    cut_a_worker_busy_with(batches, &load(6000), 500, None, &[]).await
 }
 
 /// [`cut_a_busy_worker`] with `backlog` as the worker's backlog, cut once `cut_after`
 /// projections are stored; with `cut_at`, once the worker has then sent those bytes (a request
-/// of a chosen kind, caught on its way: see [`Proxy::hold_answers_once_sent`]).
+/// of a chosen kind, caught on its way: see [`Proxy::hold_answers_once_sent`]); `settings`, more
+/// of the worker's environment.
 ///
 /// [`Proxy::hold_answers_once_sent`]: crate::support::proxy::Proxy::hold_answers_once_sent
 async fn cut_a_worker_busy_with(
@@ -2190,16 +2191,18 @@ async fn cut_a_worker_busy_with(
     backlog: &[(String, Vec<u8>)],
     cut_after: u64,
     cut_at: Option<&str>,
+    settings: &[(&str, &str)],
 ) -> (Vec<Stored>, Vec<u64>, String) {
     let (_nats, proxy, js) = provisioned_behind_a_proxy().await;
     // A backlog, so the worker is busy when the link drops: its publishes are pipelined, and
     // at any moment many of their acks are on their way.
     let seqs = publish_all(&js, backlog).await;
-    let envs = [
+    let mut envs = vec![
         ACK_WAIT,
         ("RUST_LOG", "info"),
         ("COLLAB_NATS__PUBLISH_BATCHES", batches),
     ];
+    envs.extend_from_slice(settings);
     let worker = start_projector(&proxy.url(), &MAIN_AGENTS, &envs).await;
     wait_proj_at_least(&js, cut_after).await;
     // Nothing the server sends reaches the worker any more: the acks of what it published
@@ -2309,7 +2312,7 @@ async fn turn_writes_whose_answers_went_with_a_reconnect_are_given_up_without_wa
     let turns = 3000;
     let backlog = answered_turns("cut", turns, false);
     let record_write = Some("PUB $KV.collab_turns.p");
-    let (proj, seqs, log) = cut_a_worker_busy_with("auto", &backlog, 500, record_write).await;
+    let (proj, seqs, log) = cut_a_worker_busy_with("auto", &backlog, 500, record_write, &[]).await;
     assert!(
         log.contains("(pipelined write): write not stored: its answer went with a reconnect"),
         "no turn-record write was given up with the reconnect: {log}"
@@ -2321,9 +2324,10 @@ async fn turn_writes_whose_answers_went_with_a_reconnect_are_given_up_without_wa
 /// Turn-record reads whose answers went with the cut are asked again once the connection is
 /// back and its grace has passed, instead of each being waited for until the request's timeout
 /// stops its partition. The backlog holds 3,000 main-main sends and then their 3,000 responses,
-/// and the cut comes while the responses are being read: a partition keeps only the records of
-/// the turns it opened last in memory, so most responses read their turn's record from the
-/// bucket, and the cut comes while one of those reads is on its way. Every input is projected once
+/// and the cut comes while the responses are being read: with every open record written at once
+/// (`turns.open_write_delay` 0), a partition keeps only the records of the turns it opened last in
+/// memory, so most responses read their turn's record from the bucket, and the cut comes while
+/// one of those reads is on its way. Every input is projected once
 /// and every turn has exactly one response. (Here the writes lost with the same cut restart the
 /// partitions too, so without the read's own check the run ends the same, only without the
 /// log line: what the check saves is a partition whose only request in flight is a read, one
@@ -2335,8 +2339,18 @@ async fn turn_record_reads_whose_answers_went_with_a_reconnect_are_asked_again()
     // Cut a few hundred responses in, with most of them still to read, while a record read
     // (from the bucket stream's leader, `$KV.collab_turns.p<N>.<turn>`) is on its way.
     let record_read = Some("\"last_by_subj\":\"$KV.collab_turns.p");
-    let (proj, seqs, log) =
-        cut_a_worker_busy_with("auto", &backlog, turns as u64 + 400, record_read).await;
+    // Every open record is written at once: a record still held back (`turns.open_write_delay`)
+    // is decided from memory, and on a fast host a partition meets the responses of all its
+    // turns within the default 500 ms.
+    let write_at_once = [("COLLAB_TURNS__OPEN_WRITE_DELAY", "0s")];
+    let (proj, seqs, log) = cut_a_worker_busy_with(
+        "auto",
+        &backlog,
+        turns as u64 + 400,
+        record_read,
+        &write_at_once,
+    )
+    .await;
     assert!(
         log.contains("a turn-record read's answer went with a reconnect; reading it again"),
         "no turn-record read was asked again after the reconnect: {log}"
