@@ -11,8 +11,10 @@
 //!
 //! The consumer is ephemeral, in memory and unacknowledged, as an ordered consumer's is, and
 //! every delivery must follow the one before it (consumer sequence `n + 1` after `n`). A gap, a
-//! lost consumer or any failure is an error: the reader starts again from its checkpoint, and
-//! applying a round again changes nothing twice.
+//! delivery the consumer counts but the reader never got (looked for whenever a wait for a
+//! round's first message ends empty or goes with a reconnect, since on a quiet stream no later
+//! delivery would show the gap), a lost consumer or any failure is an error: the reader starts
+//! again from its checkpoint, and applying a round again changes nothing twice.
 //!
 //! A request whose deliveries went with a reconnect of the reader's connection is noticed once
 //! the connection is back and a short grace has passed ([`Rounds::watching`]): a wait for a
@@ -136,9 +138,10 @@ impl Rounds {
                 m = self.unless_lost(first.next(), connects) => m,
             };
             let Ok(got) = got else {
-                // The request went with a reconnect: asked again. A delivery lost with it shows
-                // as a gap in the consumer's sequence, which fails the round.
+                // The request went with a reconnect: asked again, unless the server delivered
+                // on it meanwhile (the delivery went with the old connection).
                 tracing::debug!(stream = %self.stream, "a wait for a round's first message went with a reconnect; asking again");
+                self.nothing_delivered_unread().await?;
                 continue;
             };
             match got {
@@ -148,10 +151,9 @@ impl Rounds {
                     round.push(m);
                 }
                 // Nothing within the wait. A consumer that is gone answers no request, so ask
-                // whether it is still there before waiting again.
-                None => {
-                    self.consumer.get_info().await.map_err(|e| self.failed(e))?;
-                }
+                // whether it is still there, and whether it delivered anything this reader
+                // never got, before waiting again.
+                None => self.nothing_delivered_unread().await?,
             }
         }
         // Gathering is for a reader that keeps up: one that is a whole round behind has its
@@ -265,6 +267,23 @@ impl Rounds {
         self.delivered = wanted;
         let pending = info.pending;
         Ok((m, pending))
+    }
+
+    /// The consumer, asked, has delivered nothing past the last message taken. A delivery
+    /// lost on its way (with a reconnect, or to a request this reader stopped waiting for)
+    /// otherwise shows only as a gap once the next one arrives, which on a quiet stream may be
+    /// never: that message would stay unread. Failing makes the reader start again from its
+    /// checkpoint and read it.
+    async fn nothing_delivered_unread(&self) -> Result<(), String> {
+        let info = self.consumer.get_info().await.map_err(|e| self.failed(e))?;
+        let delivered = info.delivered.consumer_sequence;
+        if delivered != self.delivered {
+            return Err(format!(
+                "reading {}: the server delivered up to {delivered}, this reader took up to {}: a delivery went astray",
+                self.stream, self.delivered
+            ));
+        }
+        Ok(())
     }
 
     fn failed(&self, e: impl std::fmt::Display) -> String {

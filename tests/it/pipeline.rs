@@ -2405,6 +2405,73 @@ async fn the_work_session_fold_waits_out_no_request_whose_answer_went_with_a_rec
     assert_sessions_count_every_projection(&js, &proj).await;
 }
 
+/// A projection delivered to the work-session fold's wait for its next round, and lost with a
+/// drop of the fold's own connection, is still folded though nothing is stored after it: the
+/// fold sees that its consumer delivered more than it took, and starts again from its
+/// checkpoint. (A lost delivery used to show only as a gap once the next one arrived; on a
+/// quiet stream that could be never, and the projection stayed out of its session.) What the
+/// server sends on the fold's connection alone is held while one more event is projected (the
+/// partitions' connection is not held), until the server has delivered its projection to the
+/// fold; then that connection alone is dropped and nothing more is published.
+#[tokio::test]
+async fn a_delivery_to_the_fold_lost_with_its_connection_is_read_again_on_a_quiet_stream() {
+    let (_nats, proxy, js, kv, worker) = folding_behind_a_proxy().await;
+    let fold_connection = "collab-projector-sessions";
+    let mut published = 0u64;
+    // Something folded first, so the fold sits waiting for its next round's first message.
+    let producer = spawn_producer(&js, fresh_sessions_load(0, 300));
+    settled_and_folded(&js, &kv, producer, &mut published).await;
+    proxy.hold_down_on(Some(fold_connection));
+    let seqs = publish_all(&js, &fresh_sessions_load(1, 1)).await;
+    published += seqs.len() as u64;
+    wait_settled(&js, published, 0).await;
+    let last = js
+        .get_stream(PROJ)
+        .await
+        .expect("the projection stream")
+        .info()
+        .await
+        .expect("its state")
+        .state
+        .last_sequence;
+    wait_until(
+        GUARD,
+        "the server has delivered the last projection to the fold (held on its way)",
+        || {
+            let js = js.clone();
+            async move { fold_delivered_through(&js).await >= last }
+        },
+    )
+    .await;
+    proxy.cut_on(fold_connection);
+    proxy.hold_down_on(None);
+    wait_folded(&js, &kv).await;
+    let log = worker.log_text();
+    assert!(
+        log.contains("a delivery went astray"),
+        "the fold did not notice the delivery lost with its connection: {log}"
+    );
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    assert_sessions_count_every_projection(&js, &proj).await;
+}
+
+/// The highest projection-stream sequence any unacknowledged reader of it (the work-session
+/// fold's consumer) has been sent.
+async fn fold_delivered_through(js: &Context) -> u64 {
+    let Ok(proj) = js.get_stream(PROJ).await else {
+        return 0;
+    };
+    let Ok(consumers) = proj.consumers().try_collect::<Vec<consumer::Info>>().await else {
+        return 0;
+    };
+    consumers
+        .iter()
+        .filter(|i| i.config.ack_policy == consumer::AckPolicy::None)
+        .map(|i| i.delivered.stream_sequence)
+        .max()
+        .unwrap_or(0)
+}
+
 /// `worker` says within 10 s (`said`, on its log) that `what`, caught at a cut, was given up.
 async fn assert_given_up_soon(worker: &Projector, what: &str, said: impl Fn(&str) -> bool) {
     let within = tokio::time::timeout(Duration::from_secs(10), async {

@@ -7,6 +7,10 @@
 //! ([`Proxy::hold_answers_once_sent`]): the request reaches the server, its answer (and
 //! everything after it) waits, which catches one chosen kind of request in flight at a cut.
 //!
+//! One connection, named by its client's `CONNECT`, can also be held and cut on its own
+//! ([`Proxy::hold_down_on`], [`Proxy::cut_on`]), leaving the client's other connections as they
+//! are.
+//!
 //! Loopback only; it stops with the test (dropped, every task ends).
 
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -45,9 +49,37 @@ struct Shared {
     /// Server to client (deliveries, acks of publishes).
     down: Gate,
     cut: AtomicBool,
-    links: Mutex<Vec<JoinHandle<()>>>,
+    links: Mutex<Vec<Link>>,
+    /// The connection whose server-to-client direction alone is held ([`Proxy::hold_down_on`]).
+    held_name: watch::Sender<Option<String>>,
     /// The request that, once sent, holds what the server sends ([`Proxy::hold_answers_once_sent`]).
     trigger: Mutex<Option<Trigger>>,
+}
+
+/// One proxied connection: the name its client gave (once its `CONNECT` is read) and its two
+/// directions' tasks.
+struct Link {
+    name: Arc<Mutex<Option<String>>>,
+    up: JoinHandle<()>,
+    down: JoinHandle<()>,
+}
+
+impl Link {
+    fn is_finished(&self) -> bool {
+        self.up.is_finished() && self.down.is_finished()
+    }
+
+    fn abort(&self) {
+        self.up.abort();
+        self.down.abort();
+    }
+
+    fn named(&self, name: &str) -> bool {
+        self.name
+            .lock()
+            .map(|n| n.as_deref() == Some(name))
+            .unwrap_or(false)
+    }
 }
 
 /// Bytes the client may send, and who to tell once it has (what the server sends is held from
@@ -80,6 +112,7 @@ impl Proxy {
             down: Gate::new(),
             cut: AtomicBool::new(false),
             links: Mutex::new(Vec::new()),
+            held_name: watch::channel(None).0,
             trigger: Mutex::new(None),
         });
         let s = shared.clone();
@@ -94,12 +127,12 @@ impl Proxy {
                 };
                 let (cr, cw) = client.into_split();
                 let (sr, sw) = server.into_split();
-                let up = tokio::spawn(pump(cr, sw, s.clone(), true));
-                let down = tokio::spawn(pump(sr, cw, s.clone(), false));
+                let name = Arc::new(Mutex::new(None));
+                let up = tokio::spawn(pump(cr, sw, s.clone(), true, name.clone()));
+                let down = tokio::spawn(pump(sr, cw, s.clone(), false, name.clone()));
                 if let Ok(mut links) = s.links.lock() {
-                    links.retain(|h| !h.is_finished());
-                    links.push(up);
-                    links.push(down);
+                    links.retain(|l| !l.is_finished());
+                    links.push(Link { name, up, down });
                 }
             }
         });
@@ -154,9 +187,28 @@ impl Proxy {
     pub fn cut(&self) {
         self.shared.cut.store(true, Ordering::SeqCst);
         if let Ok(mut links) = self.shared.links.lock() {
-            for h in links.drain(..) {
-                h.abort();
+            for l in links.drain(..) {
+                l.abort();
             }
+        }
+    }
+
+    /// Hold what the server sends on the connections named `name` only (`None`: release).
+    pub fn hold_down_on(&self, name: Option<&str>) {
+        self.shared.held_name.send_replace(name.map(str::to_string));
+    }
+
+    /// Drop the connections named `name` only; the client may connect again at once.
+    pub fn cut_on(&self, name: &str) {
+        if let Ok(mut links) = self.shared.links.lock() {
+            links.retain(|l| {
+                if l.named(name) {
+                    l.abort();
+                    false
+                } else {
+                    true
+                }
+            });
         }
     }
 
@@ -179,6 +231,7 @@ async fn pump(
     mut to: tokio::net::tcp::OwnedWriteHalf,
     shared: Arc<Shared>,
     up: bool,
+    link_name: Arc<Mutex<Option<String>>>,
 ) {
     let gate = if up { &shared.up } else { &shared.down };
     let mut buf = vec![0u8; 64 * 1024];
@@ -195,6 +248,9 @@ async fn pump(
         };
         if up && first {
             name = connect_name(&buf[..n]);
+            if let Ok(mut shared_name) = link_name.lock() {
+                shared_name.clone_from(&name);
+            }
             first = false;
         }
         if up {
@@ -207,11 +263,25 @@ async fn pump(
             tail.drain(..tail.len() - keep);
         }
         gate.wait_open().await;
+        if !up {
+            held_while_named(&shared, &link_name).await;
+        }
         if shared.cut.load(Ordering::SeqCst) || to.write_all(&buf[..n]).await.is_err() {
             break;
         }
     }
     let _ = to.shutdown().await;
+}
+
+/// Wait while this link's connection is the one held on its own ([`Proxy::hold_down_on`]).
+async fn held_while_named(shared: &Shared, link_name: &Mutex<Option<String>>) {
+    let mine = link_name.lock().ok().and_then(|n| n.clone());
+    let Some(mine) = mine else {
+        return;
+    };
+    let mut held = shared.held_name.subscribe();
+    // The sender lives as long as the proxy; a closed channel only ends the wait.
+    let _ = held.wait_for(|h| h.as_deref() != Some(mine.as_str())).await;
 }
 
 /// The `name` of a client's `CONNECT` in `bytes`, if they hold one with a name.
