@@ -80,6 +80,8 @@ pub const SESSION_FOLD_POSITION: &str = "collab_session_fold_position";
 pub const SESSION_FOLD_BEHIND: &str = "collab_session_fold_behind";
 /// Projections gone from the stream (aged out, purged) before the work-session fold read them.
 pub const SESSION_FOLD_SKIPPED: &str = "collab_session_fold_skipped_total";
+/// Projections the work-session fold read but could not parse as an envelope.
+pub const SESSION_FOLD_UNREADABLE: &str = "collab_session_fold_unreadable_total";
 /// Per bounded stream (`stream` label: the raw, projection and dead-letter streams and the
 /// streams behind the buckets), the bytes it holds and its `storage.*_max_bytes` limit.
 pub const STORAGE_BYTES: &str = "collab_storage_bytes";
@@ -400,6 +402,11 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
         "Projections gone from the projection stream (aged out or purged) before the work-session fold read them: their events are missing from the work sessions.",
     ),
     (
+        SESSION_FOLD_UNREADABLE,
+        Family::Counter,
+        "Projections the work-session fold read but could not parse as an envelope (written by a newer version?): their events are missing from the work sessions.",
+    ),
+    (
         STORAGE_BYTES,
         Family::Gauge,
         "Bytes a stream of the deployment holds, by stream (raw, projection, dead letters, and the streams behind the turn, session and lease buckets and the object store), sampled every 15 s.",
@@ -537,6 +544,7 @@ pub fn register_metrics() {
         LEASE_LAPSES_WAITED,
         SESSION_EVENTS_FOLDED,
         SESSION_FOLD_SKIPPED,
+        SESSION_FOLD_UNREADABLE,
     ] {
         metrics::counter!(name).absolute(0);
     }

@@ -945,11 +945,24 @@ async fn first_fold_start(
 /// One projection read back from the projection stream, as the fold applies it: identified by
 /// its position in that stream, so a round applied again (a crash before its checkpoint) changes
 /// nothing twice. A turn's response is also recognised by its turn (see `sessions::fold_into`).
-/// `None` for a projection that belongs to no session (most runtime and health events), which
-/// the round then never holds.
-fn fold_event(msg: &jetstream::Message) -> Option<(Box<Envelope>, Identity)> {
+/// `None` for a projection that belongs to no session (most runtime and health events), for a
+/// partition's fence claim, and for a message that is no envelope this version reads, which the
+/// round then never holds; the last are counted in `unreadable` when given.
+fn fold_event(
+    msg: &jetstream::Message,
+    unreadable: Option<&mut Unreadable>,
+) -> Option<(Box<Envelope>, Identity)> {
     let seq = msg.info().ok()?.stream_sequence;
-    let env = Box::new(sessions::envelope_for_fold(&msg.payload).ok()?);
+    let env = match read_back(msg.subject.as_str(), &msg.payload) {
+        ReadBack::Event(env) => env,
+        ReadBack::NotAnEvent => return None,
+        ReadBack::Unreadable(e) => {
+            if let Some(u) = unreadable {
+                u.note(seq, e);
+            }
+            return None;
+        }
+    };
     let keys = sessions::keys(&env);
     if keys.work_session_id.is_none() && keys.conversation_id.is_none() {
         return None;
@@ -959,6 +972,56 @@ fn fold_event(msg: &jetstream::Message) -> Option<(Box<Envelope>, Identity)> {
         position: Position(seq, 0),
     };
     Some((env, ident))
+}
+
+/// What a message of the projection stream is to the fold.
+enum ReadBack {
+    /// An envelope.
+    Event(Box<Envelope>),
+    /// A partition's fence claim, which is no event.
+    NotAnEvent,
+    /// Neither: no envelope this version reads (one written by a newer version, say).
+    Unreadable(serde_json::Error),
+}
+
+fn read_back(subject: &str, payload: &[u8]) -> ReadBack {
+    if super::publish::is_fence_subject(subject) {
+        return ReadBack::NotAnEvent;
+    }
+    match sessions::envelope_for_fold(payload) {
+        Ok(env) => ReadBack::Event(Box::new(env)),
+        Err(e) => ReadBack::Unreadable(e),
+    }
+}
+
+/// The projections of a round the fold could not read: counted
+/// (`collab_session_fold_unreadable_total`) and logged once per round, with the first.
+#[derive(Default)]
+struct Unreadable {
+    count: u64,
+    first: Option<(u64, serde_json::Error)>,
+}
+
+impl Unreadable {
+    fn note(&mut self, seq: u64, e: serde_json::Error) {
+        self.count += 1;
+        if self.first.is_none() {
+            self.first = Some((seq, e));
+        }
+    }
+
+    fn report(self) {
+        let Some((seq, error)) = self.first else {
+            return;
+        };
+        metrics::counter!(crate::telemetry::SESSION_FOLD_UNREADABLE).increment(self.count);
+        warn!(
+            count = self.count,
+            first = seq,
+            error = %error,
+            "projections the work-session fold cannot read (no envelope this version knows: written by a newer version?); their events are missing from the work sessions"
+        );
+    }
 }
 
 /// Fold the projection stream into the work sessions until `cancel`, restarting from the
@@ -1069,7 +1132,12 @@ async fn fold(
         // A round that cannot be written keeps reporting itself, growing as it is read again.
         metrics::gauge!(crate::telemetry::SESSION_FOLD_BEHIND)
             .set(round.len() as f64 + pending as f64);
-        let events: Vec<_> = round.iter().filter_map(fold_event).collect();
+        let mut unreadable = Unreadable::default();
+        let events: Vec<_> = round
+            .iter()
+            .filter_map(|m| fold_event(m, Some(&mut unreadable)))
+            .collect();
+        unreadable.report();
         let folded = events.len();
         let span = Round {
             from,
@@ -1159,7 +1227,8 @@ async fn commit_round(
             span.aliases = Aliases::AsTheyStand {
                 written_before: checkpoint,
             };
-            let events: Vec<_> = round.iter().filter_map(fold_event).collect();
+            // The round as read above: what it could not read is counted there already.
+            let events: Vec<_> = round.iter().filter_map(|m| fold_event(m, None)).collect();
             writer
                 .commit_boxed(events, span)
                 .await
@@ -1268,6 +1337,29 @@ fn report_gaps(gaps: &[(u64, u64)]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn what_the_fold_reads_back_is_an_event_a_fence_claim_or_unreadable() {
+        let env =
+            br#"{"type":"task.updated","eventRole":"orchestration.task","conversationId":"c1"}"#;
+        assert!(matches!(
+            read_back("collab.proj.orchestration.task.c1.task.updated", env),
+            ReadBack::Event(_)
+        ));
+        assert!(
+            matches!(read_back("collab.proj._fence.3", b""), ReadBack::NotAnEvent),
+            "a partition's fence claim is no event and nothing unreadable"
+        );
+        let newer = br#"{"type":"a2a.send","eventRole":"conversation.future"}"#;
+        assert!(matches!(
+            read_back("collab.proj.conversation.future.c1.a2a.send", newer),
+            ReadBack::Unreadable(_)
+        ));
+        assert!(matches!(
+            read_back("collab.proj.conversation.main.c1.a2a.send", b"not json"),
+            ReadBack::Unreadable(_)
+        ));
+    }
 
     #[test]
     fn an_alias_reads_as_it_stood_at_each_projection_of_its_round_and_after() {

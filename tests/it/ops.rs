@@ -543,6 +543,19 @@ tests:
         alertname: CollabProjectorSessionsSkipped
         exp_alerts:
           - exp_labels: {severity: warning}
+  # Projections the work-session fold could not read.
+  - interval: 1m
+    input_series:
+      - series: 'collab_session_fold_unreadable_total{instance="a"}'
+        values: '0x5 3x10'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: CollabProjectorSessionsUnreadable
+        exp_alerts: []
+      - eval_time: 8m
+        alertname: CollabProjectorSessionsUnreadable
+        exp_alerts:
+          - exp_labels: {severity: warning}
   # Two workers with 8 partitions each; one stops owning any after 3 minutes.
   - interval: 1m
     input_series:

@@ -2472,6 +2472,48 @@ async fn fold_delivered_through(js: &Context) -> u64 {
         .unwrap_or(0)
 }
 
+/// A message in the projection stream that is no envelope this version reads (here one with
+/// a role it does not know, as a newer version's might be) is passed over by the work-session
+/// fold, which goes on past it, and counted and logged rather than dropped silently.
+#[tokio::test]
+async fn a_projection_the_fold_cannot_read_is_counted_and_logged() {
+    let (_nats, _proxy, js, kv, worker) = folding_behind_a_proxy().await;
+    let mut published = 0u64;
+    let producer = spawn_producer(&js, fresh_sessions_load(0, 20));
+    settled_and_folded(&js, &kv, producer, &mut published).await;
+    let foreign =
+        json!({"type": "a2a.send", "eventRole": "conversation.future", "conversationId": "cut0-1"});
+    js.publish(
+        "collab.proj.conversation.future.cut0-1.a2a.send",
+        serde_json::to_vec(&foreign).expect("serialises").into(),
+    )
+    .await
+    .expect("publish")
+    .await
+    .expect("stored");
+    let producer = spawn_producer(&js, fresh_sessions_load(1, 20));
+    published += producer.await.expect("the producer").len() as u64;
+    wait_settled(&js, published + 1, 0).await;
+    wait_folded(&js, &kv).await;
+    let text = reqwest::get(format!("http://{}/metrics", worker.http_addr()))
+        .await
+        .expect("GET /metrics")
+        .text()
+        .await
+        .expect("the metrics text");
+    let unreadable = crate::operability::sum(
+        &crate::operability::samples(&text),
+        collab_projector::telemetry::SESSION_FOLD_UNREADABLE,
+        &[],
+    );
+    assert_eq!(unreadable, 1.0, "the foreign message counted once: {text}");
+    let log = worker.log_text();
+    assert!(
+        log.contains("projections the work-session fold cannot read") && log.contains("count=1"),
+        "the foreign message logged: {log}"
+    );
+}
+
 /// `worker` says within 10 s (`said`, on its log) that `what`, caught at a cut, was given up.
 async fn assert_given_up_soon(worker: &Projector, what: &str, said: impl Fn(&str) -> bool) {
     let within = tokio::time::timeout(Duration::from_secs(10), async {
