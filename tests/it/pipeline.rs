@@ -1695,17 +1695,21 @@ async fn bucket_keys(kv: &async_nats::jetstream::kv::Store) -> Vec<String> {
         .expect("the keys")
 }
 
-/// Wait until the work-session fold has read the projection stream to its end as it is now.
-async fn wait_folded(js: &Context, kv: &async_nats::jetstream::kv::Store) {
-    let last = js
-        .get_stream(PROJ)
+/// The projection stream's last sequence.
+async fn proj_last_sequence(js: &Context) -> u64 {
+    js.get_stream(PROJ)
         .await
         .expect("the projection stream")
         .info()
         .await
         .expect("its state")
         .state
-        .last_sequence;
+        .last_sequence
+}
+
+/// Wait until the work-session fold has read the projection stream to its end as it is now.
+async fn wait_folded(js: &Context, kv: &async_nats::jetstream::kv::Store) {
+    let last = proj_last_sequence(js).await;
     wait_until(
         GUARD,
         "the work-session fold reaches the stream's end",
@@ -2425,15 +2429,7 @@ async fn a_delivery_to_the_fold_lost_with_its_connection_is_read_again_on_a_quie
     let seqs = publish_all(&js, &fresh_sessions_load(1, 1)).await;
     published += seqs.len() as u64;
     wait_settled(&js, published, 0).await;
-    let last = js
-        .get_stream(PROJ)
-        .await
-        .expect("the projection stream")
-        .info()
-        .await
-        .expect("its state")
-        .state
-        .last_sequence;
+    let last = proj_last_sequence(&js).await;
     wait_until(
         GUARD,
         "the server has delivered the last projection to the fold (held on its way)",
