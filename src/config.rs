@@ -1095,6 +1095,15 @@ impl Settings {
                 humantime::format_duration(self.turns.retention)
             ));
         }
+        let longest = self.turns.max_timeout.max(self.runs.timeout);
+        if longest > self.turns.retention {
+            return bad(format!(
+                "turns.max_timeout ({}) and runs.timeout ({}) must be at most turns.retention ({}): an open turn's or run's record would be forgotten before its deadline, and it would end with no response; lower them or raise turns.retention",
+                humantime::format_duration(self.turns.max_timeout),
+                humantime::format_duration(self.runs.timeout),
+                humantime::format_duration(self.turns.retention)
+            ));
+        }
         self.prices()?;
         if !["http/protobuf", "http/json", "grpc"].contains(&self.otel.protocol.as_str()) {
             return bad(format!(
@@ -1676,6 +1685,16 @@ mod tests {
                 .contains("lower turns.early_hold (60s by default"),
             "{err}"
         );
+        // A retention below the longest deadline a turn or run can have: its record would be
+        // gone before the deadline is decided.
+        let err = Settings::from_toml("[turns]\nretention = \"20m\"\n").expect_err("must fail");
+        assert!(
+            err.to_string().contains("turns.max_timeout (1h)")
+                && err.to_string().contains("raise turns.retention"),
+            "{err}"
+        );
+        Settings::from_toml("[turns]\nretention = \"20m\"\nmax_timeout = \"15m\"\n")
+            .expect("deadlines within the retention load");
         let ok = Settings::from_toml("[turns]\nearly_hold = \"5m\"\n").expect("a hold loads");
         assert_eq!(ok.turns.early_hold, Duration::from_secs(300));
         assert_eq!(

@@ -1757,8 +1757,11 @@ async fn an_idle_partition_keeps_its_checkpoint_past_the_turns_retention() {
         &[
             ACK_WAIT,
             ("COLLAB_TURNS__RETENTION", "3s"),
-            // The early hold may not outlast the retention.
+            // The early hold and the deadlines may not outlast the retention.
             ("COLLAB_TURNS__EARLY_HOLD", "1s"),
+            ("COLLAB_TURNS__DEFAULT_TIMEOUT", "2s"),
+            ("COLLAB_TURNS__MAX_TIMEOUT", "2s"),
+            ("COLLAB_RUNS__TIMEOUT", "2s"),
             ("COLLAB_PROJECTION__MAX_AGE", "5s"),
             ("COLLAB_PROJECTION__DUPLICATE_WINDOW", "1s"),
         ],
