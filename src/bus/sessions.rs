@@ -947,19 +947,17 @@ async fn first_fold_start(
 /// nothing twice. A turn's response is also recognised by its turn (see `sessions::fold_into`).
 /// `None` for a projection that belongs to no session (most runtime and health events), for a
 /// partition's fence claim, and for a message that is no envelope this version reads, which the
-/// round then never holds; the last are counted in `unreadable` when given.
+/// round then never holds; the last are counted in `unreadable`.
 fn fold_event(
     msg: &jetstream::Message,
-    unreadable: Option<&mut Unreadable>,
+    unreadable: &mut Unreadable,
 ) -> Option<(Box<Envelope>, Identity)> {
     let seq = msg.info().ok()?.stream_sequence;
     let env = match read_back(msg.subject.as_str(), &msg.payload) {
         ReadBack::Event(env) => env,
         ReadBack::NotAnEvent => return None,
         ReadBack::Unreadable(e) => {
-            if let Some(u) = unreadable {
-                u.note(seq, e);
-            }
+            unreadable.note(seq, e);
             return None;
         }
     };
@@ -1135,7 +1133,7 @@ async fn fold(
         let mut unreadable = Unreadable::default();
         let events: Vec<_> = round
             .iter()
-            .filter_map(|m| fold_event(m, Some(&mut unreadable)))
+            .filter_map(|m| fold_event(m, &mut unreadable))
             .collect();
         unreadable.report();
         let folded = events.len();
@@ -1227,8 +1225,13 @@ async fn commit_round(
             span.aliases = Aliases::AsTheyStand {
                 written_before: checkpoint,
             };
-            // The round as read above: what it could not read is counted there already.
-            let events: Vec<_> = round.iter().filter_map(|m| fold_event(m, None)).collect();
+            // The round as read above: what it could not read was reported by that read, so
+            // this pass's own count is dropped.
+            let mut reported = Unreadable::default();
+            let events: Vec<_> = round
+                .iter()
+                .filter_map(|m| fold_event(m, &mut reported))
+                .collect();
             writer
                 .commit_boxed(events, span)
                 .await

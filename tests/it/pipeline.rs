@@ -1251,17 +1251,23 @@ const BATCHES: (&str, &str) = ("COLLAB_NATS__PUBLISH_BATCHES", "always");
 
 /// `collab_publish_batches_total{outcome}` of a running projector.
 async fn batches(projector: &Projector, outcome: &str) -> f64 {
+    metric(
+        projector,
+        collab_projector::telemetry::PUBLISH_BATCHES,
+        &[&format!("outcome=\"{outcome}\"")],
+    )
+    .await
+}
+
+/// The sum of a running projector's `family` samples carrying every one of `labels`.
+async fn metric(projector: &Projector, family: &str, labels: &[&str]) -> f64 {
     let text = reqwest::get(format!("http://{}/metrics", projector.http_addr()))
         .await
         .expect("GET /metrics")
         .text()
         .await
         .expect("the metrics text");
-    crate::operability::sum(
-        &crate::operability::samples(&text),
-        collab_projector::telemetry::PUBLISH_BATCHES,
-        &[&format!("outcome=\"{outcome}\"")],
-    )
+    crate::operability::sum(&crate::operability::samples(&text), family, labels)
 }
 
 #[tokio::test]
@@ -2494,18 +2500,13 @@ async fn a_projection_the_fold_cannot_read_is_counted_and_logged() {
     published += producer.await.expect("the producer").len() as u64;
     wait_settled(&js, published + 1, 0).await;
     wait_folded(&js, &kv).await;
-    let text = reqwest::get(format!("http://{}/metrics", worker.http_addr()))
-        .await
-        .expect("GET /metrics")
-        .text()
-        .await
-        .expect("the metrics text");
-    let unreadable = crate::operability::sum(
-        &crate::operability::samples(&text),
+    let unreadable = metric(
+        &worker,
         collab_projector::telemetry::SESSION_FOLD_UNREADABLE,
         &[],
-    );
-    assert_eq!(unreadable, 1.0, "the foreign message counted once: {text}");
+    )
+    .await;
+    assert_eq!(unreadable, 1.0, "the foreign message counted once");
     let log = worker.log_text();
     assert!(
         log.contains("projections the work-session fold cannot read") && log.contains("count=1"),
