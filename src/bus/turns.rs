@@ -107,6 +107,68 @@ async fn written(
     }
 }
 
+/// Like [`written`], for a write that expected its key absent: refused because the key's last
+/// entry is a delete or purge marker (a record deleted from the bucket by hand), it is sent again
+/// expecting that marker's revision. A key with a value is another owner's write: the refusal
+/// stands.
+async fn written_or_over(
+    publisher: &Publisher,
+    ack: jetstream::context::PublishAckFuture,
+    connects: u64,
+    again: Option<Again>,
+) -> Result<u64, WriteError> {
+    match (written(publisher, ack, connects).await, again) {
+        (Err(WriteError::Conflict), Some(again)) => again.over_marker(publisher).await,
+        (answer, _) => answer,
+    }
+}
+
+/// What writes a record again over its key's delete marker: the bucket, shared by a partition's
+/// writes.
+struct OverMarker {
+    kv_js: jetstream::Context,
+    store: kv::Store,
+}
+
+/// A write that expected its key absent, kept to be sent again over a delete marker.
+struct Again {
+    over: Arc<OverMarker>,
+    subject: String,
+    value: Bytes,
+}
+
+impl Again {
+    async fn over_marker(self, publisher: &Publisher) -> Result<u64, WriteError> {
+        let failed = |e: Source| WriteError::Failed(Arc::from(e));
+        let key = self
+            .subject
+            .strip_prefix(
+                self.over
+                    .store
+                    .put_prefix
+                    .as_deref()
+                    .unwrap_or(&self.over.store.prefix),
+            )
+            .unwrap_or(&self.subject);
+        let entry = super::leader_entry(&self.over.store, key)
+            .await
+            .map_err(failed)?;
+        let Some(marker) = entry.filter(|e| !e.put) else {
+            return Err(WriteError::Conflict);
+        };
+        tracing::warn!(
+            key,
+            marker = marker.revision,
+            "turn record deleted from the turns bucket; written again over its delete marker"
+        );
+        let connects = publisher.connects();
+        let ack = send_cas(&self.over.kv_js, self.subject, self.value, marker.revision)
+            .await
+            .map_err(failed)?;
+        written(publisher, ack, connects).await
+    }
+}
+
 impl WriteError {
     fn of_publish(e: jetstream::context::PublishError) -> WriteError {
         match e.kind() {
@@ -452,6 +514,8 @@ pub struct PartitionTurns {
     checkpoint_refresh: Option<Duration>,
     /// The context record writes are sent on (compare-and-set publishes to the bucket).
     kv_js: jetstream::Context,
+    /// What writes a record again over its key's delete marker.
+    over_marker: Arc<OverMarker>,
     /// The partitions' publisher, on the same connection: its count of connects tells a record
     /// write's answer that went with a reconnect from one still on its way.
     publisher: Arc<Publisher>,
@@ -539,6 +603,10 @@ impl PartitionTurns {
         let store = open(&kv_js).await?;
         let checkpoint_store = open(&checkpoint_js).await?;
         let put_prefix = store.put_prefix.clone().unwrap_or(store.prefix.clone());
+        let over_marker = Arc::new(OverMarker {
+            kv_js: kv_js.clone(),
+            store: store.clone(),
+        });
         Ok(PartitionTurns {
             partition,
             store,
@@ -559,7 +627,8 @@ impl PartitionTurns {
             published_through: Default::default(),
             verified_through: 0,
             term: rand::random(),
-            writer: DecisionWriter::start(kv_js.clone(), shared.publisher.clone()),
+            writer: DecisionWriter::start(over_marker.clone(), shared.publisher.clone()),
+            over_marker,
             kv_js,
             publisher: shared.publisher.clone(),
             open_total: shared.state.clone(),
@@ -923,15 +992,22 @@ impl PartitionTurns {
             (Some(Rev::Known(rev)), false) => *rev,
             _ => return Ok(self.writer.write(subject, rec.clone(), after)),
         };
+        let kv_err = |source| TurnIoError::Kv {
+            key: key.to_string(),
+            source,
+        };
+        let value = record_bytes(rec).map_err(kv_err)?;
+        let again = (expected == 0).then(|| Again {
+            over: self.over_marker.clone(),
+            subject: subject.clone(),
+            value: value.clone(),
+        });
         let connects = self.publisher.connects();
-        let ack = send_cas(&self.kv_js, subject, rec, expected)
+        let ack = send_cas(&self.kv_js, subject, value, expected)
             .await
-            .map_err(|source| TurnIoError::Kv {
-                key: key.to_string(),
-                source,
-            })?;
+            .map_err(kv_err)?;
         let publisher = self.publisher.clone();
-        let write: KvWrite = async move { written(&publisher, ack, connects).await }
+        let write: KvWrite = async move { written_or_over(&publisher, ack, connects, again).await }
             .boxed()
             .shared();
         Ok(write)
@@ -1949,13 +2025,16 @@ struct QueuedWrite {
     subject: String,
     rec: TurnRecord,
     after: Option<Rev>,
-    /// The write's ack, and the connection's count of connects when it was sent.
-    sent: oneshot::Sender<Result<(jetstream::context::PublishAckFuture, u64), WriteError>>,
+    /// The write's ack, the connection's count of connects when it was sent, and, when it
+    /// expected its key absent, what sends it again over a delete marker.
+    sent: oneshot::Sender<Result<Sent, WriteError>>,
 }
+
+type Sent = (jetstream::context::PublishAckFuture, u64, Option<Again>);
 
 impl DecisionWriter {
     /// Start the writer task; it ends when the writer is dropped (with the partition's turns).
-    fn start(kv_js: jetstream::Context, publisher: Arc<Publisher>) -> DecisionWriter {
+    fn start(over: Arc<OverMarker>, publisher: Arc<Publisher>) -> DecisionWriter {
         let sender = publisher.clone();
         let (queue, mut rx) = mpsc::unbounded_channel::<QueuedWrite>();
         tokio::spawn(async move {
@@ -1964,17 +2043,22 @@ impl DecisionWriter {
                     None => Ok(0),
                     Some(rev) => rev.revision().await,
                 };
-                let sent = match expected {
-                    Ok(rev) => {
-                        let at = sender.connects();
-                        send_cas(&kv_js, w.subject, &w.rec, rev)
-                            .await
-                            .map(|ack| (ack, at))
-                            .map_err(|e| WriteError::Failed(e.into()))
-                    }
-                    Err(e) => Err(e),
+                let sent = async {
+                    let rev = expected?;
+                    let failed = |e: Source| WriteError::Failed(e.into());
+                    let value = record_bytes(&w.rec).map_err(failed)?;
+                    let again = (rev == 0).then(|| Again {
+                        over: over.clone(),
+                        subject: w.subject.clone(),
+                        value: value.clone(),
+                    });
+                    let at = sender.connects();
+                    let ack = send_cas(&over.kv_js, w.subject, value, rev)
+                        .await
+                        .map_err(failed)?;
+                    Ok((ack, at, again))
                 };
-                let _ = w.sent.send(sent);
+                let _ = w.sent.send(sent.await);
             }
         });
         DecisionWriter { queue, publisher }
@@ -1994,23 +2078,27 @@ impl DecisionWriter {
             let stopped =
                 || WriteError::Failed(Arc::from(Source::from("the partition's writer stopped")));
             queued.map_err(|_| stopped())?;
-            let (ack, connects) = ack.await.map_err(|_| stopped())??;
-            written(&publisher, ack, connects).await
+            let (ack, connects, again) = ack.await.map_err(|_| stopped())??;
+            written_or_over(&publisher, ack, connects, again).await
         }
         .boxed()
         .shared()
     }
 }
 
-/// Send a record to `subject` (a key of the turns bucket) on the condition that the key is still
+/// A record as it is stored.
+fn record_bytes(rec: &TurnRecord) -> Result<Bytes, Source> {
+    Ok(Bytes::from(serde_json::to_vec(rec)?))
+}
+
+/// Send a record's bytes to `subject` (a key of the turns bucket) on the condition that the key is still
 /// at revision `expected` (0: absent), without waiting for the ack.
 async fn send_cas(
     kv_js: &jetstream::Context,
     subject: String,
-    rec: &TurnRecord,
+    value: Bytes,
     expected: u64,
 ) -> Result<jetstream::context::PublishAckFuture, Source> {
-    let value = Bytes::from(serde_json::to_vec(rec)?);
     let mut headers = async_nats::HeaderMap::new();
     headers.insert(
         async_nats::header::NATS_EXPECTED_LAST_SUBJECT_SEQUENCE,

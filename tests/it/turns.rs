@@ -1311,6 +1311,93 @@ async fn a_previous_owners_late_decision_is_published_even_below_the_checkpoint(
     assert_eq!(one[&key("c-own", "0")].str("message"), Some("shipped"));
 }
 
+/// A turn record deleted from the bucket by hand (`nats kv del`) leaves a delete marker as its
+/// key's last entry, so a write that expects the key absent is refused. The partition writes the
+/// record again over the marker and goes on, instead of taking the refusal for another owner's
+/// write and restarting on the same input until the marker ages out.
+#[tokio::test]
+async fn a_turn_record_deleted_by_hand_is_written_again_and_the_partition_goes_on() {
+    // One partition: a stuck partition would hold up every conversation after it.
+    let bed = Bed::start_with(&[("COLLAB_NATS__PARTITIONS", "1")]).await;
+    let mut first = bed.projector(&[]);
+    answer_turn(&bed, "c-asked-again", ("status?", 60_000), "fine").await;
+    answer_turn(&bed, "c-answered-again", ("ready?", 60_000), "ready").await;
+    let kv = bed.js.get_key_value("collab_turns").await.expect("bucket");
+    let mut markers = BTreeMap::new();
+    for conv in ["c-asked-again", "c-answered-again"] {
+        wait_until(WAIT, "the turn's decision is stored", || async {
+            turn_record(&bed.js, conv)
+                .await
+                .is_some_and(|(_, v, _)| v["state"] != "open")
+        })
+        .await;
+        let (k, _, _) = turn_record(&bed.js, conv).await.expect("the turn's record");
+        kv.delete(&k).await.expect("the record is deleted");
+        let marker = kv
+            .entry(&k)
+            .await
+            .expect("the key is read")
+            .expect("the key has its delete marker");
+        assert_eq!(
+            marker.operation,
+            async_nats::jetstream::kv::Operation::Delete
+        );
+        markers.insert(conv, (k, marker.revision));
+    }
+
+    // A new owner, which keeps no decided turn in memory: it reads the keys from the bucket.
+    first.stop_cleanly(WAIT).await;
+    let p = bed.projector(&[]);
+
+    // The same turn asked again: a new open record (written once `turns.open_write_delay` is
+    // up), and asked and answered again: a decision on a turn whose open record is unwritten.
+    bed.publish(&send(
+        "c-asked-again",
+        json!({"message": "status?", "timeoutMs": 600_000}),
+    ))
+    .await;
+    bed.publish(&send(
+        "c-answered-again",
+        json!({"message": "ready?", "timeoutMs": 600_000}),
+    ))
+    .await;
+    bed.publish(&reply("c-answered-again", json!({"message": "ready now"})))
+        .await;
+    // Later input of the partition is processed.
+    answer_turn(&bed, "c-after", ("next?", 60_000), "next").await;
+
+    for (conv, state) in [("c-asked-again", "open"), ("c-answered-again", "decided")] {
+        let (k, marker_rev) = &markers[conv];
+        wait_until(WAIT, "the record is written again", || async {
+            kv.entry(k)
+                .await
+                .ok()
+                .flatten()
+                .is_some_and(|e| e.revision > *marker_rev && !e.value.is_empty())
+        })
+        .await;
+        let entry = kv.entry(k).await.expect("read").expect("the record");
+        assert_eq!(entry.operation, async_nats::jetstream::kv::Operation::Put);
+        let v: Value = serde_json::from_slice(&entry.value).expect("a record");
+        let written = v["state"].as_str().unwrap_or_default();
+        let expected: &[&str] = if state == "open" {
+            &["open"]
+        } else {
+            &["decided", "published"]
+        };
+        assert!(expected.contains(&written), "{conv}: {v:#}");
+    }
+    let log = p.log_text();
+    assert!(
+        log.contains("written again over its delete marker"),
+        "the rewrite is logged:\n{log}"
+    );
+    assert!(
+        !log.contains("turn state write refused"),
+        "no write was taken for another owner's:\n{log}"
+    );
+}
+
 /// A previous owner's decision that lands after the current owner's reload read the turn open
 /// (a paused owner that resumes with a decide write still on its way): at the turn's deadline
 /// the current owner finds the turn decided by another ownership term. That owner's publishes
