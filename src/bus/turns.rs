@@ -54,6 +54,19 @@ pub enum TurnIoError {
         #[source]
         source: Arc<dyn std::error::Error + Send + Sync + 'static>,
     },
+    /// A record this version cannot parse (one written by a newer version, read after a
+    /// rollback): the turn's next step cannot be worked out without it.
+    #[error(
+        "turn record {key} (revision {revision}) is not one this version reads ({source}); \
+         it was likely written by a newer version: run that version again (the partition \
+         takes no further input until then)"
+    )]
+    Unreadable {
+        key: String,
+        revision: u64,
+        #[source]
+        source: Arc<serde_json::Error>,
+    },
     #[error("shutting down with turn {0} undecided on the bus")]
     Cancelled(String),
     /// A response could not be published and waiting will not change that.
@@ -256,6 +269,43 @@ pub enum Mark {
     /// A decision the reload found unpublished (see [`Checkpoint::claim`]): once every such one
     /// is stored, `base` covers all the reload read.
     Found { key: String },
+}
+
+/// Records a reload could not parse: written by a newer version, read after a rollback.
+#[derive(Default)]
+struct UnreadableRecords {
+    count: u64,
+    /// The lowest revision among them, with its key and why it could not be read.
+    lowest: Option<(u64, String, serde_json::Error)>,
+}
+
+impl UnreadableRecords {
+    fn note(&mut self, key: &str, revision: u64, e: serde_json::Error) {
+        self.count += 1;
+        if self.lowest.as_ref().is_none_or(|(r, _, _)| revision < *r) {
+            self.lowest = Some((revision, key.to_string(), e));
+        }
+    }
+
+    /// The highest revision the reload may vouch for: `highest`, or below the lowest record it
+    /// could not read (logged).
+    fn vouch_below(self, partition: u16, highest: u64) -> u64 {
+        let Some((revision, key, error)) = self.lowest else {
+            return highest;
+        };
+        tracing::warn!(
+            partition,
+            count = self.count,
+            key,
+            revision,
+            %error,
+            "turn records this version cannot read (written by a newer version?) are left \
+             as they are: the checkpoint vouches only below the first, so a version that \
+             reads them publishes any response they decided; an input of one of their turns \
+             stops the partition until such a version runs"
+        );
+        highest.min(revision.saturating_sub(1))
+    }
 }
 
 /// What a reload reads of most records: a [`TurnRecord`]'s state, deadline and writer.
@@ -777,6 +827,7 @@ impl PartitionTurns {
             let checkpoint = self.read_checkpoint().await?;
             let previous = checkpoint.value;
             let mut unpublished = Vec::new();
+            let mut unreadable = UnreadableRecords::default();
             let mut loaded = 0;
             let mut highest = previous.through;
             if expected > 0 || leader_last > 0 {
@@ -817,8 +868,12 @@ impl PartitionTurns {
                         continue;
                     }
                     // Most records are open or vouched for: state, deadline and writer are enough.
-                    let Ok(head) = serde_json::from_slice::<RecordHead>(&msg.payload) else {
-                        continue;
+                    let head = match serde_json::from_slice::<RecordHead>(&msg.payload) {
+                        Ok(head) => head,
+                        Err(e) => {
+                            unreadable.note(key, revision, e);
+                            continue;
+                        }
                     };
                     loaded += 1;
                     match head.state {
@@ -835,27 +890,32 @@ impl PartitionTurns {
                         }
                         // Not covered by the last checkpoint: its response may not be stored.
                         TurnState::Decided if !previous.vouches_for(revision, head.writer) => {
-                            if let Ok(rec) = serde_json::from_slice::<TurnRecord>(&msg.payload) {
-                                unpublished.push((key.to_string(), rec, written_at, revision));
+                            match serde_json::from_slice::<TurnRecord>(&msg.payload) {
+                                Ok(rec) => {
+                                    unpublished.push((key.to_string(), rec, written_at, revision))
+                                }
+                                Err(e) => unreadable.note(key, revision, e),
                             }
                         }
                         TurnState::Decided | TurnState::Published => {}
                     }
                 }
             }
-            Ok::<_, TurnIoError>((checkpoint, unpublished, loaded, highest))
+            Ok::<_, TurnIoError>((checkpoint, unpublished, unreadable, loaded, highest))
         }
         .await;
         if let Err(e) = self.store.stream.delete_consumer(&name).await {
             tracing::debug!(consumer = %name, error = %e, "reload reader not deleted; it expires by itself");
         }
-        let (mut checkpoint, unpublished, loaded, highest) = read?;
+        let (mut checkpoint, unpublished, unreadable, loaded, highest) = read?;
         // A decision won by an input (a reply, a complete, an error, a run's terminal) is
         // published where that input stands in raw order, not now: the inputs before it that
         // the previous owner processed but did not store (one atomic batch refused whole holds
         // both them and the response) are processed again first, and a key's projections stay
         // in raw order. A timeout's response has no such place: it is published now.
-        let mut verified = highest;
+        // A record this version cannot read may be a decision whose response is not stored:
+        // the checkpoint vouches only below it, so an owner that reads it looks it up.
+        let mut verified = unreadable.vouch_below(self.partition, highest);
         for (key, rec, written_at, revision) in unpublished {
             match rec.winner.as_ref().and_then(|w| w.seq) {
                 Some(_) => {
@@ -949,19 +1009,23 @@ impl PartitionTurns {
             owner: Some(self.term),
             acked: None,
         };
-        Ok(entry.and_then(|e| {
-            if !e.put {
-                return None;
+        let Some(e) = entry.filter(|e| e.put) else {
+            return Ok(None);
+        };
+        let rec = serde_json::from_slice::<TurnRecord>(&e.value).map_err(|source| {
+            TurnIoError::Unreadable {
+                key: key.to_string(),
+                revision: e.revision,
+                source: Arc::new(source),
             }
-            let rec = serde_json::from_slice::<TurnRecord>(&e.value).ok()?;
-            let rec =
-                if rec.state == TurnState::Decided && vouched.vouches_for(e.revision, rec.writer) {
-                    turns::published(&rec)
-                } else {
-                    rec
-                };
-            Some((rec, e.revision))
-        }))
+        })?;
+        let rec = if rec.state == TurnState::Decided && vouched.vouches_for(e.revision, rec.writer)
+        {
+            turns::published(&rec)
+        } else {
+            rec
+        };
+        Ok(Some((rec, e.revision)))
     }
 
     /// Send a compare-and-set write without waiting for its ack. Decisions, and writes that must

@@ -1398,6 +1398,73 @@ async fn a_turn_record_deleted_by_hand_is_written_again_and_the_partition_goes_o
     );
 }
 
+/// A decided record this version cannot parse (written by a newer version, read after a
+/// rollback) is not vouched for by the reload's checkpoint: a version that reads it looks its
+/// response up, rather than every later owner taking it for published. An input of its turn
+/// stops the partition with an error that names the record, not a refusal taken for another
+/// owner's write.
+#[tokio::test]
+async fn a_turn_record_this_version_cannot_read_is_not_vouched_for_and_is_named() {
+    let bed = Bed::start_with(&[("COLLAB_NATS__PARTITIONS", "1")]).await;
+    let mut first = bed.projector(&[]);
+    answer_turn(&bed, "c-newer", ("status?", 60_000), "fine").await;
+    wait_until(WAIT, "the turn's decision is stored", || async {
+        turn_record(&bed.js, "c-newer")
+            .await
+            .is_some_and(|(_, v, _)| v["state"] != "open")
+    })
+    .await;
+    first.stop_cleanly(WAIT).await;
+
+    // As a newer version would write it: a decision by another owner, with an outcome reason
+    // this version does not know.
+    let (k, mut rec, _) = turn_record(&bed.js, "c-newer").await.expect("the record");
+    rec["state"] = json!("decided");
+    rec["writer"] = json!(7);
+    rec["winner"] = json!({
+        "blocked": "reason-from-a-newer-version", "synthesized": true, "by": "deadline",
+        "atMs": now_ms(),
+    });
+    let kv = bed.js.get_key_value("collab_turns").await.expect("bucket");
+    let newer = kv
+        .put(&k, serde_json::to_vec(&rec).expect("JSON").into())
+        .await
+        .expect("the record is written");
+
+    let second = bed.projector(&[]);
+    answer_turn(&bed, "c-other", ("next?", 60_000), "next").await;
+    let checkpoint: Value = serde_json::from_slice(
+        &kv.get("ck.p0")
+            .await
+            .expect("read")
+            .expect("the partition's checkpoint"),
+    )
+    .expect("a checkpoint");
+    let base = checkpoint["base"].as_u64().expect("a base");
+    assert!(
+        base < newer,
+        "the checkpoint vouches only below the unreadable record (revision {newer}): {checkpoint:#}"
+    );
+    let log = second.log_text();
+    assert!(
+        log.contains("turn records this version cannot read") && log.contains(&k),
+        "the reload names the record:\n{log}"
+    );
+
+    bed.publish(&reply("c-newer", json!({"message": "again"})))
+        .await;
+    wait_until(WAIT, "the partition stops on the record", || async {
+        second.log_text().contains(&format!(
+            "turn record {k} (revision {newer}) is not one this version reads"
+        ))
+    })
+    .await;
+    assert!(
+        !second.log_text().contains("another owner wrote it"),
+        "the error is not taken for another owner's write"
+    );
+}
+
 /// A previous owner's decision that lands after the current owner's reload read the turn open
 /// (a paused owner that resumes with a decide write still on its way): at the turn's deadline
 /// the current owner finds the turn decided by another ownership term. That owner's publishes
