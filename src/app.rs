@@ -245,6 +245,7 @@ async fn start_workers(
         js.clone(),
         settings.clone(),
         shared.state.clone(),
+        shared.publisher.clone(),
         cancel.clone(),
     ));
     Ok(shared)

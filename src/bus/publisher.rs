@@ -38,9 +38,13 @@ pub struct Publisher {
     /// `consumer.ack_wait`: inputs held while a publish is retried are marked in progress a
     /// few times within it.
     ack_wait: Duration,
-    /// `projection.duplicate_window`: how long a retried publish collapses with a stored copy by
-    /// its Msg-Id alone.
+    /// `projection.duplicate_window`, the window this worker was configured with.
     duplicate_window: Duration,
+    /// The projection and dead-letter streams' own duplicate windows (ms) as last read: an
+    /// operator may shorten them on the live streams (`nats stream edit --dupe-window`), and a
+    /// retried publish collapses with a stored copy by its Msg-Id only within the stream's
+    /// window. Read at start, at each partition start and with every storage sample.
+    stream_windows: [AtomicU64; 2],
     /// Most publishes a reader issues before it hands them to its acker.
     hand_over: usize,
     /// Test hook: fail every Nth publish attempt before it is sent (0 = never).
@@ -160,6 +164,12 @@ impl Publisher {
             state,
             ack_wait: settings.consumer.ack_wait,
             duplicate_window: settings.projection.duplicate_window,
+            stream_windows: outputs.each_ref().map(|c| {
+                let window = c
+                    .as_ref()
+                    .map_or(settings.projection.duplicate_window, |c| c.duplicate_window);
+                AtomicU64::new(millis(window))
+            }),
             hand_over: (settings.consumer.publish_window / (2 * partitions)).clamp(1, 64),
             fail_publish_every,
             publish_attempts: AtomicU64::new(0),
@@ -206,6 +216,56 @@ impl Publisher {
         }
     }
 
+    /// Read the output streams' duplicate windows again (see
+    /// [`Publisher::heed_duplicate_window`]), once each: a partition that starts after a
+    /// takeover sends again what its previous owner may have stored, and must know how long the
+    /// Msg-Id holds. A stream that does not answer keeps its last window (the storage sample
+    /// reads it again within 15 s).
+    pub(crate) async fn refresh_duplicate_windows(&self) {
+        for name in [&self.names.proj_stream, &self.names.dlq_stream] {
+            match self.retry_js.get_stream(name.as_str()).await {
+                Ok(stream) => {
+                    self.heed_duplicate_window(name, stream.cached_info().config.duplicate_window)
+                }
+                Err(e) => {
+                    tracing::debug!(stream = %name, error = %e, "duplicate window not read again")
+                }
+            }
+        }
+    }
+
+    /// How long a publish sent again collapses with a stored copy by its Msg-Id: the shortest of
+    /// the configured window and the output streams' own, as last read.
+    fn duplicate_window(&self) -> Duration {
+        let streams = self
+            .stream_windows
+            .iter()
+            .map(|w| Duration::from_millis(w.load(Ordering::Relaxed)));
+        streams.fold(self.duplicate_window, Duration::min)
+    }
+
+    /// Take `window`, just read from the output stream `stream`, as that stream's duplicate
+    /// window (other streams are ignored); a change is logged.
+    pub(crate) fn heed_duplicate_window(&self, stream: &str, window: Duration) {
+        let i = if stream == self.names.proj_stream {
+            0
+        } else if stream == self.names.dlq_stream {
+            1
+        } else {
+            return;
+        };
+        let now = millis(window);
+        let was = self.stream_windows[i].swap(now, Ordering::Relaxed);
+        if was != now {
+            warn!(
+                stream,
+                window = ?window,
+                was = ?Duration::from_millis(was),
+                "an output stream's duplicate window changed; outputs sent again are looked up in the stream once older than it, less 15 s"
+            );
+        }
+    }
+
     /// Whether the partitions' ackers store outputs (as batches while batching is on, see
     /// [`Publisher::store_batched`]) rather than the readers publishing them as issued.
     pub(crate) fn batches(&self) -> bool {
@@ -233,7 +293,7 @@ impl Publisher {
     /// so the output is retried in place after its Msg-Id stopped collapsing a second copy.
     pub(crate) fn injected_lost_ack(&self) -> Option<Duration> {
         nth(&self.lost_acks, self.lose_ack_every)
-            .then(|| self.duplicate_window + Duration::from_millis(500))
+            .then(|| self.duplicate_window() + Duration::from_millis(500))
     }
 
     /// Test hook: whether this publish or batch attempt is the Nth, to be failed before it is
@@ -428,7 +488,7 @@ impl Publisher {
             .signed_duration_since(sent_at)
             .to_std()
             .unwrap_or_default();
-        if age + DUPLICATE_WINDOW_MARGIN < self.duplicate_window {
+        if age + DUPLICATE_WINDOW_MARGIN < self.duplicate_window() {
             return Ok(false);
         }
         self.stored_already(out, 0, sent_at.timestamp_millis())
@@ -1220,6 +1280,11 @@ impl Patience {
 
 /// The configurations of the projection and dead-letter streams, in that order (`None`: not
 /// read), looked up once at start.
+/// A duration in whole milliseconds, saturating.
+fn millis(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}
+
 async fn output_configs(
     js: &jetstream::Context,
     names: &Names,

@@ -2,6 +2,7 @@
 //! fills: a full raw stream refuses producers, and a full projection or dead-letter stream or
 //! bucket stops the partitions writing to it (docs/operations.md, "Storage limits").
 
+use super::publisher::Publisher;
 use super::stats::WorkerState;
 use crate::config::Settings;
 use crate::telemetry::{self, StreamFill};
@@ -32,15 +33,17 @@ pub fn bounded_streams(s: &Settings) -> Vec<String> {
 
 /// Read `stream`'s size; `None` when the server does not answer or the stream is missing (the
 /// gauges then keep their last value, and the next sample tries again).
-async fn fill_of(js: &jetstream::Context, stream: &str) -> Option<StreamFill> {
+/// Its duplicate window comes with it.
+async fn fill_of(js: &jetstream::Context, stream: &str) -> Option<(StreamFill, Duration)> {
     // Looking a stream up reads its info: one request per stream.
     let st = js.get_stream(stream).await.ok()?;
     let info = st.cached_info();
-    Some(StreamFill {
+    let fill = StreamFill {
         stream: stream.to_string(),
         bytes: info.state.bytes,
         limit: u64::try_from(info.config.max_bytes).ok(),
-    })
+    };
+    Some((fill, info.config.duplicate_window))
 }
 
 /// Set the storage gauges of `fill`'s stream.
@@ -73,19 +76,21 @@ pub fn should_warn(warned: &mut std::collections::BTreeSet<String>, fill: &Strea
 }
 
 /// Sample every bounded stream's size every [`SAMPLE_EVERY`] until `stop`, into the gauges and
-/// `state` (which `status` reports). A server that does not answer holds a pass up to its
+/// `state` (which `status` reports), and the output streams' duplicate windows into
+/// `publisher` (see [`Publisher::heed_duplicate_window`]). A server that does not answer holds a pass up to its
 /// request timeout per stream, never the worker's shutdown.
 pub async fn sample(
     js: jetstream::Context,
     settings: Settings,
     state: Arc<WorkerState>,
+    publisher: Arc<Publisher>,
     stop: CancellationToken,
 ) {
     let streams = bounded_streams(&settings);
     let mut warned = std::collections::BTreeSet::new();
     loop {
         tokio::select! {
-            () = sample_once(&js, &streams, &state, &mut warned) => {}
+            () = sample_once(&js, &streams, &state, &publisher, &mut warned) => {}
             () = stop.cancelled() => break,
         }
         tokio::select! {
@@ -100,13 +105,15 @@ async fn sample_once(
     js: &jetstream::Context,
     streams: &[String],
     state: &WorkerState,
+    publisher: &Publisher,
     warned: &mut std::collections::BTreeSet<String>,
 ) {
     for stream in streams {
-        let Some(fill) = fill_of(js, stream).await else {
+        let Some((fill, window)) = fill_of(js, stream).await else {
             tracing::debug!(stream = %stream, "could not read the stream's size");
             continue;
         };
+        publisher.heed_duplicate_window(stream, window);
         record(&fill);
         if should_warn(warned, &fill) {
             tracing::warn!(

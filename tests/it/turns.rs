@@ -1465,6 +1465,57 @@ async fn a_turn_record_this_version_cannot_read_is_not_vouched_for_and_is_named(
     );
 }
 
+/// An operator shortens the projection stream's duplicate window on the live stream (`nats
+/// stream edit --dupe-window`) while the workers run configured with the longer default. The
+/// owner crashes after storing a timeout's response, before its checkpoint says so; the worker
+/// that takes over sends that response again. Its Msg-Id no longer collapses a copy past the
+/// stream's own window, so the new owner must look it up by that window, not the one it was
+/// configured with.
+#[tokio::test]
+async fn a_duplicate_window_shortened_on_the_live_stream_is_heeded_at_a_takeover() {
+    let bed = Bed::start_with(&[("COLLAB_NATS__PARTITIONS", "1")]).await;
+    let mut crashing = bed.projector(&[("COLLAB_TEST_CRASH_AT", "after_publish")]);
+    wait_until(WAIT, "the first worker owns the partition", || async {
+        crashing.log_text().contains("partition started")
+    })
+    .await;
+    let standby = bed.projector(&[]);
+    wait_until(WAIT, "the second worker is up", || async {
+        standby.log_text().contains("worker started")
+    })
+    .await;
+    let mut stream = bed.js.get_stream("COLLAB_PROJ").await.expect("stream");
+    let mut config = stream.info().await.expect("stream info").config.clone();
+    assert!(
+        config.duplicate_window > Duration::from_secs(60),
+        "{config:?}"
+    );
+    config.duplicate_window = Duration::from_secs(1);
+    bed.js
+        .update_stream(config)
+        .await
+        .expect("the window is shortened");
+
+    let send_seq = bed
+        .publish(&send(
+            "c-window",
+            json!({"message": "anyone?", "timeoutMs": 1000}),
+        ))
+        .await;
+    expect_abort(&mut crashing, "after_publish").await;
+    bed.wait_responses(&[key("c-window", "0")]).await;
+    bed.settle(&["c-window"]).await;
+    let one = one_per_turn(&bed.responses().await, &[key("c-window", "0")]);
+    assert_synthesized_timeout(&one[&key("c-window", "0")], send_seq, 1000);
+    assert!(
+        standby
+            .log_text()
+            .contains("an output stream's duplicate window changed"),
+        "the new window is logged:\n{}",
+        standby.log_text()
+    );
+}
+
 /// A previous owner's decision that lands after the current owner's reload read the turn open
 /// (a paused owner that resumes with a decide write still on its way): at the turn's deadline
 /// the current owner finds the turn decided by another ownership term. That owner's publishes
