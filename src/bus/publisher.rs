@@ -1278,13 +1278,13 @@ impl Patience {
     }
 }
 
-/// The configurations of the projection and dead-letter streams, in that order (`None`: not
-/// read), looked up once at start.
 /// A duration in whole milliseconds, saturating.
 fn millis(d: Duration) -> u64 {
     u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
 }
 
+/// The configurations of the projection and dead-letter streams, in that order (`None`: not
+/// read), looked up once at start.
 async fn output_configs(
     js: &jetstream::Context,
     names: &Names,

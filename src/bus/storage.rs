@@ -31,9 +31,9 @@ pub fn bounded_streams(s: &Settings) -> Vec<String> {
         .collect()
 }
 
-/// Read `stream`'s size; `None` when the server does not answer or the stream is missing (the
-/// gauges then keep their last value, and the next sample tries again).
-/// Its duplicate window comes with it.
+/// Read `stream`'s size, and its duplicate window; `None` when the server does not answer or
+/// the stream is missing (the gauges then keep their last value, and the next sample tries
+/// again).
 async fn fill_of(js: &jetstream::Context, stream: &str) -> Option<(StreamFill, Duration)> {
     // Looking a stream up reads its info: one request per stream.
     let st = js.get_stream(stream).await.ok()?;
@@ -77,8 +77,8 @@ pub fn should_warn(warned: &mut std::collections::BTreeSet<String>, fill: &Strea
 
 /// Sample every bounded stream's size every [`SAMPLE_EVERY`] until `stop`, into the gauges and
 /// `state` (which `status` reports), and the output streams' duplicate windows into
-/// `publisher` (see [`Publisher::heed_duplicate_window`]). A server that does not answer holds a pass up to its
-/// request timeout per stream, never the worker's shutdown.
+/// `publisher` (see [`Publisher::heed_duplicate_window`]). A server that does not answer holds
+/// a pass up to its request timeout per stream, never the worker's shutdown.
 pub async fn sample(
     js: jetstream::Context,
     settings: Settings,

@@ -136,16 +136,37 @@ async fn written_or_over(
     }
 }
 
-/// What writes a record again over its key's delete marker: the bucket, shared by a partition's
-/// writes.
-struct OverMarker {
+/// The turns bucket as a partition's record writes use it: the context they are sent on, and
+/// the store a write refused over a delete marker reads the marker from.
+struct RecordWrites {
     kv_js: jetstream::Context,
     store: kv::Store,
 }
 
+impl RecordWrites {
+    /// Send `rec` to `subject` on the condition that the key is at revision `expected` (0:
+    /// absent), without waiting for the ack; with it, for a write that expects the key absent,
+    /// what sends it again over a delete marker ([`written_or_over`]).
+    async fn send(
+        self: &Arc<Self>,
+        subject: String,
+        rec: &TurnRecord,
+        expected: u64,
+    ) -> Result<(jetstream::context::PublishAckFuture, Option<Again>), Source> {
+        let value = Bytes::from(serde_json::to_vec(rec)?);
+        let again = (expected == 0).then(|| Again {
+            over: self.clone(),
+            subject: subject.clone(),
+            value: value.clone(),
+        });
+        let ack = send_cas(&self.kv_js, subject, value, expected).await?;
+        Ok((ack, again))
+    }
+}
+
 /// A write that expected its key absent, kept to be sent again over a delete marker.
 struct Again {
-    over: Arc<OverMarker>,
+    over: Arc<RecordWrites>,
     subject: String,
     value: Bytes,
 }
@@ -562,10 +583,8 @@ pub struct PartitionTurns {
     checkpoint_store: kv::Store,
     /// How often the checkpoint is written again while nothing moves.
     checkpoint_refresh: Option<Duration>,
-    /// The context record writes are sent on (compare-and-set publishes to the bucket).
-    kv_js: jetstream::Context,
-    /// What writes a record again over its key's delete marker.
-    over_marker: Arc<OverMarker>,
+    /// What record writes are sent on (compare-and-set publishes to the bucket).
+    records: Arc<RecordWrites>,
     /// The partitions' publisher, on the same connection: its count of connects tells a record
     /// write's answer that went with a reconnect from one still on its way.
     publisher: Arc<Publisher>,
@@ -653,8 +672,8 @@ impl PartitionTurns {
         let store = open(&kv_js).await?;
         let checkpoint_store = open(&checkpoint_js).await?;
         let put_prefix = store.put_prefix.clone().unwrap_or(store.prefix.clone());
-        let over_marker = Arc::new(OverMarker {
-            kv_js: kv_js.clone(),
+        let records = Arc::new(RecordWrites {
+            kv_js,
             store: store.clone(),
         });
         Ok(PartitionTurns {
@@ -677,9 +696,8 @@ impl PartitionTurns {
             published_through: Default::default(),
             verified_through: 0,
             term: rand::random(),
-            writer: DecisionWriter::start(over_marker.clone(), shared.publisher.clone()),
-            over_marker,
-            kv_js,
+            writer: DecisionWriter::start(records.clone(), shared.publisher.clone()),
+            records,
             publisher: shared.publisher.clone(),
             open_total: shared.state.clone(),
             reported_open: 0,
@@ -1056,20 +1074,15 @@ impl PartitionTurns {
             (Some(Rev::Known(rev)), false) => *rev,
             _ => return Ok(self.writer.write(subject, rec.clone(), after)),
         };
-        let kv_err = |source| TurnIoError::Kv {
-            key: key.to_string(),
-            source,
-        };
-        let value = record_bytes(rec).map_err(kv_err)?;
-        let again = (expected == 0).then(|| Again {
-            over: self.over_marker.clone(),
-            subject: subject.clone(),
-            value: value.clone(),
-        });
         let connects = self.publisher.connects();
-        let ack = send_cas(&self.kv_js, subject, value, expected)
+        let (ack, again) = self
+            .records
+            .send(subject, rec, expected)
             .await
-            .map_err(kv_err)?;
+            .map_err(|source| TurnIoError::Kv {
+                key: key.to_string(),
+                source,
+            })?;
         let publisher = self.publisher.clone();
         let write: KvWrite = async move { written_or_over(&publisher, ack, connects, again).await }
             .boxed()
@@ -2098,7 +2111,7 @@ type Sent = (jetstream::context::PublishAckFuture, u64, Option<Again>);
 
 impl DecisionWriter {
     /// Start the writer task; it ends when the writer is dropped (with the partition's turns).
-    fn start(over: Arc<OverMarker>, publisher: Arc<Publisher>) -> DecisionWriter {
+    fn start(records: Arc<RecordWrites>, publisher: Arc<Publisher>) -> DecisionWriter {
         let sender = publisher.clone();
         let (queue, mut rx) = mpsc::unbounded_channel::<QueuedWrite>();
         tokio::spawn(async move {
@@ -2109,17 +2122,11 @@ impl DecisionWriter {
                 };
                 let sent = async {
                     let rev = expected?;
-                    let failed = |e: Source| WriteError::Failed(e.into());
-                    let value = record_bytes(&w.rec).map_err(failed)?;
-                    let again = (rev == 0).then(|| Again {
-                        over: over.clone(),
-                        subject: w.subject.clone(),
-                        value: value.clone(),
-                    });
                     let at = sender.connects();
-                    let ack = send_cas(&over.kv_js, w.subject, value, rev)
+                    let (ack, again) = records
+                        .send(w.subject, &w.rec, rev)
                         .await
-                        .map_err(failed)?;
+                        .map_err(|e| WriteError::Failed(e.into()))?;
                     Ok((ack, at, again))
                 };
                 let _ = w.sent.send(sent.await);
@@ -2150,13 +2157,8 @@ impl DecisionWriter {
     }
 }
 
-/// A record as it is stored.
-fn record_bytes(rec: &TurnRecord) -> Result<Bytes, Source> {
-    Ok(Bytes::from(serde_json::to_vec(rec)?))
-}
-
-/// Send a record's bytes to `subject` (a key of the turns bucket) on the condition that the key is still
-/// at revision `expected` (0: absent), without waiting for the ack.
+/// Send a record's bytes to `subject` (a key of the turns bucket) on the condition that the
+/// key is still at revision `expected` (0: absent), without waiting for the ack.
 async fn send_cas(
     kv_js: &jetstream::Context,
     subject: String,
