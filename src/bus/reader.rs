@@ -740,6 +740,16 @@ impl Partition<'_> {
                 return Err(short("a replayed message's metadata could not be read"));
             };
             let (seq, left) = (info.stream_sequence, info.pending);
+            if seq < from {
+                // The reader was made again from the partition's first message: the client
+                // library remakes an ordered reader that lost its state on the server (deleted,
+                // a server restart) before its first delivery with "deliver all". Reading on
+                // would process the partition's acknowledged history again, which can hold it
+                // for as long as its retention takes to read; a new reader starts at `from`.
+                return Err(short(
+                    "the replay reader was made again from the stream's start",
+                ));
+            }
             if seq > to {
                 break;
             }

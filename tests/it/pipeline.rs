@@ -1597,6 +1597,114 @@ async fn crash_before_ack_is_repaired_without_duplicates() {
     finish_and_check(&nats, &js, producer).await;
 }
 
+/// A takeover's replay reader deleted after the server made it and before the worker's first
+/// pull: its create answer is held on the way back while the reader is deleted. The client
+/// library makes such a reader again from the stream's first message, so what it reads first
+/// lies below the range the partition took over. The partition starts over with a reader of
+/// its own range instead of processing its acknowledged history again: no replay reads more
+/// than the inputs it took over, and every input is projected once.
+#[tokio::test]
+async fn a_replay_reader_deleted_before_its_first_delivery_reads_only_its_range() {
+    let (nats, proxy, js) = provisioned_behind_a_proxy().await;
+    let url = nats.url();
+    let inputs = load(800);
+    // A history, processed and acknowledged.
+    let mut seqs = publish_all(&js, &inputs[..400]).await;
+    let mut first = start_projector(&url, &MAIN_AGENTS, &[ACK_WAIT]).await;
+    wait_settled(&js, seqs.len() as u64, 0).await;
+    first.stop_cleanly(GUARD).await;
+    // Then inputs processed and never acknowledged: the worker crashes before its first ack.
+    seqs.extend(publish_all(&js, &inputs[400..]).await);
+    let mut crashed = Projector::spawn(
+        &url,
+        &MAIN_AGENTS,
+        &[ACK_WAIT, ("COLLAB_TEST_CRASH_AT", "before_ack")],
+    );
+    crashed
+        .wait_exit(GUARD)
+        .await
+        .expect("the crash hook aborts the process");
+    // What each partition has in flight: all a complete replay of it reads.
+    let raw = js.get_stream(RAW).await.expect("the raw stream");
+    let in_flight: BTreeMap<u64, u64> = raw
+        .consumers()
+        .try_collect::<Vec<consumer::Info>>()
+        .await
+        .expect("the raw stream's consumers")
+        .into_iter()
+        .filter_map(|i| {
+            let p = i.name.strip_prefix("collab-proj-")?.parse().ok()?;
+            Some((p, i.num_ack_pending as u64))
+        })
+        .collect();
+    assert!(
+        in_flight.values().any(|n| *n > 0),
+        "the crash left inputs in flight: {in_flight:?}"
+    );
+    // The next worker takes them over; the first replay reader it makes is deleted before the
+    // worker hears it was made.
+    let created = proxy.hold_answers_once_sent("CONSUMER.CREATE.COLLAB_RAW.replay-");
+    let worker = Projector::spawn(
+        &proxy.url(),
+        &MAIN_AGENTS,
+        &[
+            ACK_WAIT,
+            ("RUST_LOG", "info,collab_projector::bus::reader=debug"),
+        ],
+    );
+    sent_within_30s(created, "replay reader").await;
+    // The create reached the server; once it is made, delete what replay readers there are.
+    let replay_readers = || async {
+        raw.consumer_names()
+            .try_collect::<Vec<String>>()
+            .await
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|n| n.starts_with("replay-"))
+            .collect::<Vec<String>>()
+    };
+    wait_until(GUARD, "the held create made a replay reader", || async {
+        !replay_readers().await.is_empty()
+    })
+    .await;
+    let readers = replay_readers().await;
+    for name in &readers {
+        raw.delete_consumer(name).await.expect("delete the reader");
+    }
+    proxy.hold_down(false);
+    wait_settled(&js, seqs.len() as u64, 0).await;
+    let log = worker.log_text();
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    assert_each_projected_once(&proj, seqs, &log);
+    let replays: Vec<(u64, u64)> = log
+        .lines()
+        .filter(|l| l.contains("took over in-flight messages"))
+        .map(|l| {
+            let field = |name: &str| -> u64 {
+                // The event's own field: the last one of that name (the span names the
+                // partition too).
+                l.split_whitespace()
+                    .filter_map(|w| w.strip_prefix(name)?.parse().ok())
+                    .last()
+                    .unwrap_or_else(|| panic!("no {name} in {l}"))
+            };
+            (field("partition="), field("count="))
+        })
+        .collect();
+    assert!(!replays.is_empty(), "no replay completed: {log}");
+    assert!(
+        log.contains("the replay reader was made again from the stream's start"),
+        "the remade reader was not noticed: {log}"
+    );
+    for (p, count) in replays {
+        let held = in_flight.get(&p).copied().unwrap_or_default();
+        assert!(
+            count <= held,
+            "partition {p}'s replay processed {count} inputs, {held} of them in flight: {log}"
+        );
+    }
+}
+
 /// A work-session bucket emptied while the workers are stopped is rebuilt from the projection
 /// stream at the next start, each projection counted once, with new input arriving meanwhile.
 #[tokio::test]
