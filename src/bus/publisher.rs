@@ -495,6 +495,35 @@ impl Publisher {
             .await
     }
 
+    /// Whether `out`, stored (if at all) at or after `since`, may have left its stream by age:
+    /// `since` is at least the stream's `max_age` ago, read from the server, so an edit of the
+    /// running stream counts. A look-up that did not find such an output cannot tell "never
+    /// stored" from "stored, and aged out since".
+    pub(crate) async fn may_have_aged_out(
+        &self,
+        out: &Outgoing,
+        since: chrono::DateTime<chrono::Utc>,
+    ) -> Result<bool, LookupFailed> {
+        let name = match out.kind {
+            OutKind::Projection(_) => &self.names.proj_stream,
+            OutKind::DeadLetter(_) => &self.names.dlq_stream,
+        };
+        let stream = self
+            .retry_js
+            .get_stream(name)
+            .await
+            .map_err(|e| LookupFailed {
+                subject: out.subject.clone(),
+                what: format!("reading the stream's retention: {e}"),
+            })?;
+        let max_age = stream.cached_info().config.max_age;
+        let age = chrono::Utc::now()
+            .signed_duration_since(since)
+            .to_std()
+            .unwrap_or_default();
+        Ok(!max_age.is_zero() && age >= max_age)
+    }
+
     /// Whether `out`, an output of the raw input at `seq` (stored at `stored_ms`), is in its
     /// stream already: a previous owner (or an earlier run of this partition) stored it but did
     /// not live to acknowledge the input. Publishing it again would collapse only within the

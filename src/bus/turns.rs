@@ -763,7 +763,17 @@ impl PartitionTurns {
                 serde_json::from_slice::<CheckpointValue>(&e.value).unwrap_or_default(),
                 e.revision,
             ),
-            Some(e) => (CheckpointValue::default(), e.revision),
+            Some(e) => {
+                tracing::warn!(
+                    partition = self.partition,
+                    key = %key,
+                    revision = e.revision,
+                    "the partition's published checkpoint was deleted from the turns bucket: \
+                     every decided turn record in the bucket is looked up again, which can hold \
+                     the partition for a while; do not delete or purge checkpoint keys"
+                );
+                (CheckpointValue::default(), e.revision)
+            }
             None => (CheckpointValue::default(), 0),
         };
         Ok(Checkpoint {
@@ -2212,17 +2222,42 @@ impl Awaiting {
 
 /// Whether `out`, the response of the decision of `key` written at `written_at`, is stored
 /// where its Msg-Id no longer collapses a second copy (see `Publisher::stored_past_window`).
+///
+/// A response not found, of a decision at least the stream's `max_age` old, is taken as
+/// stored: it may have been stored and aged out since, and publishing it then would be the
+/// turn's second response, long after the first was read. (A decision that old not vouched for
+/// by a checkpoint is one whose checkpoint was deleted by hand, or whose partition stayed
+/// without an owner for all of the stream's retention.)
 async fn stored_past_window(
     shared: &WorkerContext,
     key: &str,
     out: &Outgoing,
     written_at: chrono::DateTime<chrono::Utc>,
 ) -> Result<bool, TurnIoError> {
-    shared
-        .publisher
+    let looked_up = |e| TurnIoError::kv(key, e);
+    let publisher = &shared.publisher;
+    if publisher
         .stored_past_window(out, written_at)
         .await
-        .map_err(|e| TurnIoError::kv(key, e))
+        .map_err(looked_up)?
+    {
+        return Ok(true);
+    }
+    if !publisher
+        .may_have_aged_out(out, written_at)
+        .await
+        .map_err(looked_up)?
+    {
+        return Ok(false);
+    }
+    tracing::warn!(
+        key,
+        subject = %out.subject,
+        decided_at = %written_at,
+        "a decided turn's response is not in its stream, and the decision is older than the \
+         stream keeps anything: taken as published (it may have aged out), not published again"
+    );
+    Ok(true)
 }
 
 /// Test hook: `COLLAB_TEST_CRASH_AT=<point>` aborts the process at that point of the turn

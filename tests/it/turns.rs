@@ -1398,6 +1398,62 @@ async fn a_turn_record_deleted_by_hand_is_written_again_and_the_partition_goes_o
     );
 }
 
+/// A decided turn whose checkpoint was deleted by hand (`nats kv del collab_turns ck.p<N>`),
+/// and whose response has since aged out of the projection stream (here a 12 s `max_age`): the
+/// next owner's reload no longer knows the decision's response was stored, and its look-up
+/// cannot find it. It takes the response as published, with a warning, rather than publishing
+/// the turn's second response long after the first was read; the deleted checkpoint is named
+/// in the log too.
+#[tokio::test]
+async fn a_decision_older_than_the_projection_stream_keeps_is_not_published_again() {
+    let bed = Bed::start_with(&[
+        ("COLLAB_NATS__PARTITIONS", "1"),
+        ("COLLAB_PROJECTION__MAX_AGE", "12s"),
+        ("COLLAB_PROJECTION__DUPLICATE_WINDOW", "2s"),
+    ])
+    .await;
+    let mut first = bed.projector(&[]);
+    bed.publish(&send(
+        "c-aged",
+        json!({"message": "anyone?", "timeoutMs": 1000}),
+    ))
+    .await;
+    bed.wait_responses(&[key("c-aged", "0")]).await;
+    bed.settle(&["c-aged"]).await;
+    first.stop_cleanly(WAIT).await;
+    let kv = bed.js.get_key_value("collab_turns").await.expect("bucket");
+    kv.delete("ck.p0").await.expect("the checkpoint is deleted");
+    wait_until(
+        Duration::from_secs(60),
+        "the response ages out of the projection stream",
+        || async { bed.responses().await.is_empty() },
+    )
+    .await;
+
+    let second = bed.projector(&[]);
+    // Another turn of the (only) partition, answered once the reload is done.
+    answer_turn(&bed, "c-after", ("next?", 60_000), "next").await;
+    let log = second.log_text();
+    let again: Vec<Proj> = bed
+        .responses()
+        .await
+        .into_iter()
+        .filter(|r| r.turn_key() == key("c-aged", "0"))
+        .collect();
+    assert!(
+        again.is_empty(),
+        "the aged-out response was published again: {again:?}\n{log}"
+    );
+    assert!(
+        log.contains("checkpoint was deleted from the turns bucket"),
+        "the deleted checkpoint is named:\n{log}"
+    );
+    assert!(
+        log.contains("taken as published (it may have aged out)"),
+        "the decision taken as published is logged:\n{log}"
+    );
+}
+
 /// A decided record this version cannot parse (written by a newer version, read after a
 /// rollback) is not vouched for by the reload's checkpoint: a version that reads it looks its
 /// response up, rather than every later owner taking it for published. An input of its turn
