@@ -1684,8 +1684,8 @@ async fn a_replay_reader_deleted_before_its_first_delivery_reads_only_its_range(
                 // The event's own field: the last one of that name (the span names the
                 // partition too).
                 l.split_whitespace()
-                    .filter_map(|w| w.strip_prefix(name)?.parse().ok())
-                    .last()
+                    .rev()
+                    .find_map(|w| w.strip_prefix(name)?.parse().ok())
                     .unwrap_or_else(|| panic!("no {name} in {l}"))
             };
             (field("partition="), field("count="))
