@@ -72,9 +72,19 @@ pub async fn run_export(
 
 /// Where the job starts: after its checkpoint, or (first start) at the end of the projection
 /// stream: turning the export on sends what is projected from then on, not the stream's past.
+/// That end is saved as the checkpoint before anything is exported, so a job that restarts
+/// before its first round is saved starts there again, not at a later end past what was
+/// projected in between.
 async fn start(job: &ExportJob, reconnects: &Reconnects) -> Result<u64, String> {
-    if let Some(last) = super::sessions::read_position(&job.kv, reconnects, EXPORT_KEY).await? {
-        return Ok(last + 1);
+    use super::sessions::Stored;
+    match super::sessions::read_stored(&job.kv, reconnects, EXPORT_KEY).await? {
+        Stored::At { last, .. } => return Ok(last + 1),
+        Stored::Deleted => warn!(
+            "the OpenTelemetry export's checkpoint was deleted from the work-session bucket: \
+             exporting from the projection stream's end; what was projected since its last \
+             saved round is not exported"
+        ),
+        Stored::Never => {}
     }
     let mut proj = job
         .js
@@ -86,6 +96,10 @@ async fn start(job: &ExportJob, reconnects: &Reconnects) -> Result<u64, String> 
         .await
         .map(|i| i.state.last_sequence)
         .map_err(|e| e.to_string())?;
+    job.kv
+        .put(EXPORT_KEY, Bytes::from(last.to_string()))
+        .await
+        .map_err(|e| format!("checkpoint {EXPORT_KEY}: {e}"))?;
     Ok(last + 1)
 }
 

@@ -855,26 +855,56 @@ async fn read_checkpoint(
     reconnects: &Reconnects,
     key: &str,
 ) -> Result<Option<(u64, u64)>, String> {
+    Ok(match read_stored(kv, reconnects, key).await? {
+        Stored::At { last, revision } => Some((last, revision)),
+        Stored::Deleted | Stored::Never => None,
+    })
+}
+
+/// A reader's checkpoint as its key stands in the work-session bucket.
+pub(crate) enum Stored {
+    /// The last projection-stream sequence handled, and the entry's revision.
+    At { last: u64, revision: u64 },
+    /// The key's last entry is a delete or purge marker: a checkpoint was written and removed
+    /// (by hand: the workers never delete one).
+    Deleted,
+    /// No entry.
+    Never,
+}
+
+pub(crate) async fn read_stored(
+    kv: &kv::Store,
+    reconnects: &Reconnects,
+    key: &str,
+) -> Result<Stored, String> {
     let entry = reconnects.read("a checkpoint read", key, || kv.entry(key));
     let entry = tokio::time::timeout(Duration::from_secs(10), entry)
         .await
         .map_err(|_| "no answer within 10 s".to_string())?
         .map_err(|e| e.to_string())?;
-    let Some(entry) = entry.filter(|e| e.operation == kv::Operation::Put) else {
-        return Ok(None);
+    let Some(entry) = entry else {
+        return Ok(Stored::Never);
     };
+    if entry.operation != kv::Operation::Put {
+        return Ok(Stored::Deleted);
+    }
     let text = String::from_utf8_lossy(&entry.value);
     let last = text
         .trim()
         .parse::<u64>()
         .map_err(|_| format!("checkpoint {key} is not a sequence: {text:?}"))?;
-    Ok(Some((last, entry.revision)))
+    Ok(Stored::At {
+        last,
+        revision: entry.revision,
+    })
 }
 
 /// Where the fold starts: after its checkpoint. Without one, at the start of the projection
 /// stream for a new deployment, or at its end when the bucket already holds sessions (they were
 /// folded by a version that wrote sessions from the partitions, so folding the stream again
-/// would count those events twice); that choice is written as the checkpoint before anything
+/// would count those events twice). A checkpoint deleted by hand starts it at the stream's
+/// first message: the sessions were folded by this fold, which does not know how far, and each
+/// session passes over what it applied (as after a checkpoint set back). That choice is written as the checkpoint before anything
 /// is folded, so a fold restarted after a failed first round starts where the first one did
 /// (its own alias and session writes would otherwise make the bucket look like an older
 /// version's and move the start past the round it failed to write).
@@ -885,10 +915,20 @@ async fn fold_start(
     reconnects: &Reconnects,
     proj: &mut jetstream::stream::Stream,
 ) -> Result<(u64, u64), String> {
-    if let Some((last, revision)) = read_checkpoint(kv, reconnects, FOLD_KEY).await? {
-        return Ok((last + 1, revision));
-    }
-    let start = first_fold_start(kv, proj).await?;
+    let start = match read_stored(kv, reconnects, FOLD_KEY).await? {
+        Stored::At { last, revision } => return Ok((last + 1, revision)),
+        Stored::Deleted => {
+            let first = state(proj).await?.first_sequence.max(1);
+            warn!(
+                from = first,
+                "the fold's checkpoint was deleted from the work-session bucket: folding the \
+                 projection stream again from its first message (each session passes over \
+                 what it applied already); do not delete fold.position"
+            );
+            first
+        }
+        Stored::Never => first_fold_start(kv, proj).await?,
+    };
     let connects = reconnects.connects();
     let create = kv.create(FOLD_KEY, Bytes::from((start - 1).to_string()));
     let why = match reconnects

@@ -670,3 +670,92 @@ async fn an_a2a_sdk_turn_through_the_relay_reaches_phoenix_under_its_context_id(
         "{waits:#}"
     );
 }
+
+/// The export's first start saves where it starts (the projection stream's end) before it
+/// exports anything: a worker that crashes before its first round is saved leaves that
+/// position, and the next one exports what was projected in between, instead of starting at a
+/// later end past it. The collector here refuses every connection (a bound port nobody
+/// listens on), so a span the job tried to send is counted as failed, and that count is what
+/// shows the turn was read.
+#[tokio::test]
+async fn an_export_restarted_before_its_first_saved_round_skips_nothing() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let collector = ReservedPort::new();
+    let endpoint = format!("http://127.0.0.1:{}", collector.port());
+    let env = [
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", endpoint.as_str()),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"),
+    ];
+    let args = ["--main-agents", "main,ruda"];
+    let mut first = Projector::spawn(&nats.url(), &args, &env);
+    wait_for_log(&first, "exporting turns, runs and tool calls").await;
+    let kv = async {
+        loop {
+            if let Ok(kv) = js.get_key_value("collab_work_sessions").await {
+                return kv;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    };
+    let kv = tokio::time::timeout(WAIT, kv)
+        .await
+        .expect("the work-session bucket");
+    let start = Instant::now();
+    while kv.get("otel.position").await.ok().flatten().is_none() {
+        assert!(
+            start.elapsed() < WAIT,
+            "the export saved no starting position:\n{}",
+            first.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    first.kill9();
+    first.wait_exit(WAIT).await;
+
+    // A turn answered while no worker runs.
+    for (subject, from, to, kind) in [
+        ("collab.raw.otel-gap.a2a.send", "main", "ruda", "a2a.send"),
+        (
+            "collab.raw.otel-gap.a2a.response",
+            "ruda",
+            "main",
+            "a2a.response",
+        ),
+    ] {
+        let body = collab_event(kind, from, to, "otel-gap", json!({"turnId": "1"}));
+        js.publish(subject, serde_json::to_vec(&body).expect("json").into())
+            .await
+            .expect("published")
+            .await
+            .expect("stored");
+    }
+
+    let second = Projector::spawn(&nats.url(), &args, &env);
+    wait_for_log(&second, "http listening on").await;
+    let metrics = format!("http://{}/metrics", second.http_addr());
+    let start = Instant::now();
+    loop {
+        let text = match reqwest::get(&metrics).await {
+            Ok(r) => r.text().await.unwrap_or_default(),
+            Err(_) => String::new(),
+        };
+        let tried = text.lines().any(|l| {
+            l.starts_with("collab_otel_spans_total{")
+                && l.contains("outcome=\"export_failed\"")
+                && l.rsplit(' ')
+                    .next()
+                    .and_then(|v| v.parse::<f64>().ok())
+                    .is_some_and(|v| v >= 1.0)
+        });
+        if tried {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(60),
+            "the turn answered between the two workers was never exported:\n{text}\n{}",
+            second.log_text()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}

@@ -1799,6 +1799,45 @@ async fn a_fold_whose_checkpoint_was_set_back_folds_on() {
     );
 }
 
+/// The fold's checkpoint deleted by hand (`nats kv del collab_work_sessions fold.position`)
+/// while a worker folds a backlog: the fold, refused its next checkpoint write, starts again,
+/// and finds sessions in the bucket but no checkpoint. It folds the projection stream again
+/// from its first message (each session passes over what it applied), instead of starting at
+/// the stream's end and leaving out of every session what was projected in between.
+#[tokio::test]
+async fn a_deleted_fold_checkpoint_is_folded_again_from_the_stream_start() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let worker = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
+    let kv = js
+        .get_key_value("collab_work_sessions")
+        .await
+        .expect("the sessions bucket");
+    let mut published = publish_all(&js, &load(300)).await.len();
+    wait_settled(&js, published as u64, 0).await;
+    wait_folded(&js, &kv).await;
+    // A backlog, and the checkpoint deleted while it is being projected and folded.
+    let producer = spawn_producer(&js, load(3000));
+    wait_proj_at_least(&js, published as u64 + 300).await;
+    kv.delete("fold.position")
+        .await
+        .expect("the checkpoint is deleted");
+    published += tokio::time::timeout(GUARD, producer)
+        .await
+        .expect("the producer finished")
+        .expect("the producer did not panic")
+        .len();
+    wait_settled(&js, published as u64, 0).await;
+    wait_folded(&js, &kv).await;
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    assert_sessions_count_every_projection(&js, &proj).await;
+    let log = worker.log_text();
+    assert!(
+        log.contains("the fold's checkpoint was deleted"),
+        "the deleted checkpoint is named:\n{log}"
+    );
+}
+
 /// Every key the bucket holds now.
 async fn bucket_keys(kv: &async_nats::jetstream::kv::Store) -> Vec<String> {
     kv.keys()
