@@ -504,6 +504,15 @@ impl Publisher {
         out: &Outgoing,
         since: chrono::DateTime<chrono::Utc>,
     ) -> Result<bool, LookupFailed> {
+        let age = chrono::Utc::now()
+            .signed_duration_since(since)
+            .to_std()
+            .unwrap_or_default();
+        // A stream's duplicate window is never longer than its `max_age` (the server refuses
+        // such a stream): anything younger has not aged out, and needs no question asked.
+        if age < self.duplicate_window() {
+            return Ok(false);
+        }
         let name = match out.kind {
             OutKind::Projection(_) => &self.names.proj_stream,
             OutKind::DeadLetter(_) => &self.names.dlq_stream,
@@ -517,10 +526,6 @@ impl Publisher {
                 what: format!("reading the stream's retention: {e}"),
             })?;
         let max_age = stream.cached_info().config.max_age;
-        let age = chrono::Utc::now()
-            .signed_duration_since(since)
-            .to_std()
-            .unwrap_or_default();
         Ok(!max_age.is_zero() && age >= max_age)
     }
 

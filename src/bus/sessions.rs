@@ -832,6 +832,11 @@ pub const FOLD_PARTITION: u16 = u16::MAX;
 /// The fold's checkpoint: the last projection-stream sequence whose sessions are written.
 /// Two tokens, so it is never taken for a session (nor for an `alias.` or `conv.` alias).
 pub const FOLD_KEY: &str = "fold.position";
+/// Where the fold first started in this bucket (as a checkpoint: the sequence before it),
+/// written once beside [`FOLD_KEY`]. The projections before it were never the fold's to apply
+/// (a version that wrote sessions from the partitions counted them), so a fold whose
+/// checkpoint was deleted starts again no earlier.
+pub const FOLD_ORIGIN_KEY: &str = "fold.origin";
 /// Most projections folded in one round.
 const FOLD_BATCH: usize = 20_000;
 /// How long a round gathers projections after its first one.
@@ -872,6 +877,7 @@ pub(crate) enum Stored {
     Never,
 }
 
+/// A checkpoint `key` of the work-session bucket as it stands, within 10 s.
 pub(crate) async fn read_stored(
     kv: &kv::Store,
     reconnects: &Reconnects,
@@ -902,8 +908,9 @@ pub(crate) async fn read_stored(
 /// Where the fold starts: after its checkpoint. Without one, at the start of the projection
 /// stream for a new deployment, or at its end when the bucket already holds sessions (they were
 /// folded by a version that wrote sessions from the partitions, so folding the stream again
-/// would count those events twice). A checkpoint deleted by hand starts it at the stream's
-/// first message: the sessions were folded by this fold, which does not know how far, and each
+/// would count those events twice); where it starts then is kept as [`FOLD_ORIGIN_KEY`]. A
+/// checkpoint deleted by hand starts it at the stream's first message, or at that origin when
+/// later: what lies between was folded by this fold, which no longer knows how far, and each
 /// session passes over what it applied (as after a checkpoint set back). That choice is written as the checkpoint before anything
 /// is folded, so a fold restarted after a failed first round starts where the first one did
 /// (its own alias and session writes would otherwise make the bucket look like an older
@@ -919,15 +926,29 @@ async fn fold_start(
         Stored::At { last, revision } => return Ok((last + 1, revision)),
         Stored::Deleted => {
             let first = state(proj).await?.first_sequence.max(1);
+            let from = match read_stored(kv, reconnects, FOLD_ORIGIN_KEY).await? {
+                Stored::At { last, .. } => first.max(last + 1),
+                Stored::Deleted | Stored::Never => first,
+            };
             warn!(
-                from = first,
+                from,
                 "the fold's checkpoint was deleted from the work-session bucket: folding the \
-                 projection stream again from its first message (each session passes over \
-                 what it applied already); do not delete fold.position"
+                 projection stream again from its first message the fold applied (each session \
+                 passes over what it applied already); do not delete fold.position"
             );
-            first
+            from
         }
-        Stored::Never => first_fold_start(kv, proj).await?,
+        Stored::Never => {
+            let start = first_fold_start(kv, proj).await?;
+            // A create: the origin of a fold that started here before stands.
+            if let Err(e) = kv
+                .create(FOLD_ORIGIN_KEY, Bytes::from((start - 1).to_string()))
+                .await
+            {
+                debug!(error = %e, "the fold's origin was not written");
+            }
+            start
+        }
     };
     let connects = reconnects.connects();
     let create = kv.create(FOLD_KEY, Bytes::from((start - 1).to_string()));

@@ -1777,7 +1777,7 @@ impl PartitionTurns {
                 .await
                 .map_err(|e| kv_err(Box::new(e)))?;
             let read = self
-                .read_scan(shared, stream_name, consumer, until, &mut visit)
+                .read_scan(shared, stream_name, consumer, start..=until, &mut visit)
                 .await;
             if let Err(e) = stream.delete_consumer(&name).await {
                 tracing::debug!(consumer = %name, error = %e, "scan reader not deleted; it expires by itself");
@@ -1789,14 +1789,14 @@ impl PartitionTurns {
         Ok(())
     }
 
-    /// The reading half of [`Self::scan_raw`]: through stream sequence `until`.
+    /// The reading half of [`Self::scan_raw`]: the stream sequences of `range`.
     /// `Ok(false)` when `visit` asked to stop.
     async fn read_scan(
         &self,
         shared: &WorkerContext,
         stream_name: &str,
         consumer: jetstream::consumer::Consumer<jetstream::consumer::pull::OrderedConfig>,
-        until: u64,
+        range: std::ops::RangeInclusive<u64>,
         visit: &mut impl FnMut(
             &Normalized,
             &jetstream::message::Info<'_>,
@@ -1820,6 +1820,12 @@ impl PartitionTurns {
                 }
             };
             let Ok(info) = msg.info() else { continue };
+            // Below the range only when the client library made the reader again from the
+            // stream's start (it lost its state on the server before its first delivery):
+            // earlier exchanges' events, passed over.
+            if info.stream_sequence < *range.start() {
+                continue;
+            }
             let raw = RawMessage {
                 bytes: &msg.payload,
                 stream: stream_name,
@@ -1842,7 +1848,7 @@ impl PartitionTurns {
                     return Ok(false);
                 }
             }
-            if info.stream_sequence >= until {
+            if info.stream_sequence >= *range.end() {
                 return Ok(true);
             }
         }
@@ -2223,9 +2229,10 @@ impl Awaiting {
 /// Whether `out`, the response of the decision of `key` written at `written_at`, is stored
 /// where its Msg-Id no longer collapses a second copy (see `Publisher::stored_past_window`).
 ///
-/// A response not found, of a decision at least the stream's `max_age` old, is taken as
-/// stored: it may have been stored and aged out since, and publishing it then would be the
-/// turn's second response, long after the first was read. (A decision that old not vouched for
+/// A decision at least the response stream's `max_age` old is taken as stored, without a
+/// look-up: its response may have been stored and aged out since, which the stream can no
+/// longer tell from "never stored", and publishing it then would be the turn's second
+/// response, long after the first was read. (A decision that old not vouched for
 /// by a checkpoint is one whose checkpoint was deleted by hand, or whose partition stayed
 /// without an owner for all of the stream's retention.)
 async fn stored_past_window(
@@ -2236,26 +2243,24 @@ async fn stored_past_window(
 ) -> Result<bool, TurnIoError> {
     let looked_up = |e| TurnIoError::kv(key, e);
     let publisher = &shared.publisher;
-    if publisher
-        .stored_past_window(out, written_at)
-        .await
-        .map_err(looked_up)?
-    {
-        return Ok(true);
-    }
+    // Asked first: a search for a response that old would read the subject from before the
+    // stream's first message, and could not tell anything either way.
     if !publisher
         .may_have_aged_out(out, written_at)
         .await
         .map_err(looked_up)?
     {
-        return Ok(false);
+        return publisher
+            .stored_past_window(out, written_at)
+            .await
+            .map_err(looked_up);
     }
     tracing::warn!(
         key,
         subject = %out.subject,
         decided_at = %written_at,
-        "a decided turn's response is not in its stream, and the decision is older than the \
-         stream keeps anything: taken as published (it may have aged out), not published again"
+        "a decided turn is older than its response's stream keeps anything: taken as \
+         published (it may have aged out), not looked up or published again"
     );
     Ok(true)
 }
