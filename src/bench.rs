@@ -627,11 +627,11 @@ impl Env {
         let last = self.stream_last_seq(&names.proj_stream).await?;
         let kv = self.js.get_key_value(&names.sessions_bucket).await.ok()?;
         let reconnects = crate::bus::reconnects::Reconnects::new(&self.js.client());
-        let folded =
-            crate::bus::sessions::read_position(&kv, &reconnects, crate::bus::sessions::FOLD_KEY)
-                .await
-                .ok()?
-                .unwrap_or(0);
+        use crate::bus::sessions::{read_stored, Stored, FOLD_KEY};
+        let folded = match read_stored(&kv, &reconnects, FOLD_KEY).await.ok()? {
+            Stored::At { last, .. } => last,
+            Stored::Deleted | Stored::Never => 0,
+        };
         Some(last.saturating_sub(folded))
     }
 

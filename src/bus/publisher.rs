@@ -484,11 +484,7 @@ impl Publisher {
         out: &Outgoing,
         sent_at: chrono::DateTime<chrono::Utc>,
     ) -> Result<bool, LookupFailed> {
-        let age = chrono::Utc::now()
-            .signed_duration_since(sent_at)
-            .to_std()
-            .unwrap_or_default();
-        if age + DUPLICATE_WINDOW_MARGIN < self.duplicate_window() {
+        if age_since(sent_at) + DUPLICATE_WINDOW_MARGIN < self.duplicate_window() {
             return Ok(false);
         }
         self.stored_already(out, 0, sent_at.timestamp_millis())
@@ -504,10 +500,7 @@ impl Publisher {
         out: &Outgoing,
         since: chrono::DateTime<chrono::Utc>,
     ) -> Result<bool, LookupFailed> {
-        let age = chrono::Utc::now()
-            .signed_duration_since(since)
-            .to_std()
-            .unwrap_or_default();
+        let age = age_since(since);
         // A stream's duplicate window is never longer than its `max_age` (the server refuses
         // such a stream): anything younger has not aged out, and needs no question asked.
         if age < self.duplicate_window() {
@@ -1390,6 +1383,14 @@ fn output_budget(js: &jetstream::Context, outputs: &[Option<jetstream::stream::C
 /// Room left for an envelope's projection headers: an envelope is offloaded until it fits in
 /// the output budget less this.
 const ENVELOPE_HEADROOM: usize = 4096;
+
+/// How long ago `t` was by this host's clock (zero for a time ahead of it).
+fn age_since(t: chrono::DateTime<chrono::Utc>) -> Duration {
+    chrono::Utc::now()
+        .signed_duration_since(t)
+        .to_std()
+        .unwrap_or_default()
+}
 
 /// A look-up of stored outputs that could not answer (the server did not, or refused a reader).
 #[derive(Debug, thiserror::Error)]

@@ -842,19 +842,9 @@ const FOLD_BATCH: usize = 20_000;
 /// How long a round gathers projections after its first one.
 const FOLD_GATHER: Duration = Duration::from_millis(200);
 
-/// A reader's checkpoint in the work-session bucket: the last projection-stream sequence it
-/// handled under `key`, or `None` when it never wrote one.
-pub(crate) async fn read_position(
-    kv: &kv::Store,
-    reconnects: &Reconnects,
-    key: &str,
-) -> Result<Option<u64>, String> {
-    Ok(read_checkpoint(kv, reconnects, key)
-        .await?
-        .map(|(last, _)| last))
-}
-
-/// [`read_position`], with the entry's revision (to move it by compare-and-set).
+/// A checkpoint `key` of the work-session bucket: the last projection-stream sequence a reader
+/// handled under it and the entry's revision (to move it by compare-and-set), or `None` when
+/// it holds none.
 async fn read_checkpoint(
     kv: &kv::Store,
     reconnects: &Reconnects,
