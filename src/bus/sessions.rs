@@ -901,10 +901,11 @@ pub(crate) async fn read_stored(
 /// would count those events twice); where it starts then is kept as [`FOLD_ORIGIN_KEY`]. A
 /// checkpoint deleted by hand starts it at the stream's first message, or at that origin when
 /// later: what lies between was folded by this fold, which no longer knows how far, and each
-/// session passes over what it applied (as after a checkpoint set back). That choice is written as the checkpoint before anything
-/// is folded, so a fold restarted after a failed first round starts where the first one did
-/// (its own alias and session writes would otherwise make the bucket look like an older
-/// version's and move the start past the round it failed to write).
+/// session passes over what it applied (as after a checkpoint set back). That choice is
+/// written as the checkpoint before anything is folded, so a fold restarted after a failed
+/// first round starts where the first one did (its own alias and session writes would
+/// otherwise make the bucket look like an older version's and move the start past the round
+/// it failed to write).
 ///
 /// Also the checkpoint's revision: the fold moves it only from there (see [`fold`]).
 async fn fold_start(

@@ -2232,9 +2232,9 @@ impl Awaiting {
 /// A decision at least the response stream's `max_age` old is taken as stored, without a
 /// look-up: its response may have been stored and aged out since, which the stream can no
 /// longer tell from "never stored", and publishing it then would be the turn's second
-/// response, long after the first was read. (A decision that old not vouched for
-/// by a checkpoint is one whose checkpoint was deleted by hand, or whose partition stayed
-/// without an owner for all of the stream's retention.)
+/// response, long after the first was read. (A decision that old not vouched for by a
+/// checkpoint is one whose checkpoint was deleted by hand, or whose partition stayed without
+/// an owner for all of the stream's retention.)
 async fn stored_past_window(
     shared: &WorkerContext,
     key: &str,
