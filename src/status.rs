@@ -310,7 +310,20 @@ fn storage_warnings(workers: &[WorkerStatus]) -> Vec<String> {
         }
     }
     let size = |b: u64| crate::bus::provision::Size(b).to_string();
-    fullest
+    let counted = fullest.values().filter_map(|f| {
+        let limits = f
+            .count_limits
+            .iter()
+            .map(|(kind, limit)| format!("{kind} {limit}"))
+            .collect::<Vec<_>>();
+        (!limits.is_empty()).then(|| format!(
+            "stream {} has a count limit no setting names ({}; it holds {} messages): when reached, it refuses writes before its size limit; run `provision` to take it away",
+            f.stream,
+            limits.join(", "),
+            f.messages,
+        ))
+    }).collect::<Vec<_>>();
+    let full = fullest
         .into_values()
         .filter_map(|f| {
             let ratio = f.ratio().filter(|r| *r >= STORAGE_WARN_AT)?;
@@ -328,7 +341,8 @@ fn storage_warnings(workers: &[WorkerStatus]) -> Vec<String> {
                 size(f.limit.unwrap_or(0)),
             ))
         })
-        .collect()
+        .collect::<Vec<_>>();
+    full.into_iter().chain(counted).collect()
 }
 
 fn pending_total(w: &WorkerStatus) -> u64 {
@@ -802,6 +816,7 @@ TOTAL (2 workers)  0.1.0    2/2    9/9 owned        12    1.5s   100     100    
             stream: stream.into(),
             bytes,
             limit,
+            ..Default::default()
         };
         let gib = 1u64 << 30;
         let mut a = worker("a", &[0]);
@@ -826,7 +841,20 @@ TOTAL (2 workers)  0.1.0    2/2    9/9 owned        12    1.5s   100     100    
         );
         // Below 85 % nothing is said.
         a.storage = vec![fill("COLLAB_RAW", gib * 3 / 2, Some(2 * gib))];
-        assert!(warnings(&[a], &opts(1)).is_empty());
+        assert!(warnings(&[a.clone()], &opts(1)).is_empty());
+        // A count limit set by hand is named however empty the stream is.
+        a.storage.push(crate::telemetry::StreamFill {
+            messages: 12,
+            count_limits: vec![
+                ("max_msgs".into(), 1000),
+                ("max_msgs_per_subject".into(), 5),
+            ],
+            ..fill("COLLAB_PROJ", 4096, Some(gib))
+        });
+        assert_eq!(
+            warnings(&[a], &opts(1)),
+            ["stream COLLAB_PROJ has a count limit no setting names (max_msgs 1000, max_msgs_per_subject 5; it holds 12 messages): when reached, it refuses writes before its size limit; run `provision` to take it away"]
+        );
     }
 
     #[test]

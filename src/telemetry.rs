@@ -86,6 +86,11 @@ pub const SESSION_FOLD_UNREADABLE: &str = "collab_session_fold_unreadable_total"
 /// streams behind the buckets), the bytes it holds and its `storage.*_max_bytes` limit.
 pub const STORAGE_BYTES: &str = "collab_storage_bytes";
 pub const STORAGE_LIMIT: &str = "collab_storage_limit_bytes";
+/// Per bounded stream, the messages it holds, and a count limit set on it that no setting
+/// names (`max_msgs`; `max_msgs_per_subject` on the raw, projection and dead-letter streams), 0
+/// while none is.
+pub const STORAGE_MESSAGES: &str = "collab_storage_messages";
+pub const STORAGE_COUNT_LIMIT: &str = "collab_storage_count_limit";
 /// Tokens reported by producers (docs/contract.md 2c), by agent, model and kind (input, output,
 /// cached_input, reasoning).
 pub const TOKENS: &str = "collab_tokens_total";
@@ -417,6 +422,16 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
         "A stream's size limit (its storage.*_max_bytes setting as the server holds it), by stream; no series for an unlimited stream.",
     ),
     (
+        STORAGE_MESSAGES,
+        Family::Gauge,
+        "Messages a stream of the deployment holds, by stream, sampled every 15 s.",
+    ),
+    (
+        STORAGE_COUNT_LIMIT,
+        Family::Gauge,
+        "A count limit set on a stream by hand, which no setting names, by stream and kind (max_msgs, max_msgs_per_subject): when reached, the stream refuses writes before its size limit. 0 while none is set; `collab-projector provision` takes it away.",
+    ),
+    (
         TOKENS,
         Family::Counter,
         "Tokens producers reported, by agent, model and kind (input, output, cached_input, reasoning); past 256 agent and model pairs a worker counts further ones under other.",
@@ -667,6 +682,10 @@ pub struct StreamFill {
     pub bytes: u64,
     /// Its size limit; `None` when it has none.
     pub limit: Option<u64>,
+    pub messages: u64,
+    /// Count limits set on it that no setting names, as `(kind, limit)`: `max_msgs`, and
+    /// `max_msgs_per_subject` on a stream that is no bucket (a bucket's is its history).
+    pub count_limits: Vec<(String, u64)>,
 }
 
 impl StreamFill {

@@ -220,6 +220,9 @@ pub const PROBE_EVERY: Duration = Duration::from_millis(400);
 /// for it a moment later.
 const RENEWAL_SLACK: Duration = Duration::from_millis(20);
 
+/// How often the lease loop reads the lease bucket's age (see [`LeaseLoop::heed_bucket_age`]).
+const BUCKET_READ_EVERY: Duration = super::storage::SAMPLE_EVERY;
+
 /// The least time between two passes of the lease loop, however late it runs.
 const MIN_PASS_GAP: Duration = Duration::from_millis(20);
 
@@ -495,6 +498,7 @@ pub async fn run(
     )
     .await;
     while !cancel.is_cancelled() {
+        leases.heed_bucket_age().await;
         let renewal_due = leases.check_connection();
         // Owners whose connections closed: free their partitions now rather than at their
         // lease expiry (asked every `PROBE_EVERY`, however often the renewals wake the loop:
@@ -562,7 +566,11 @@ struct LeaseLoop {
     client: async_nats::Client,
     prefix: String,
     partitions: u16,
+    /// The lease TTL in force: `workers.lease_ttl`, or the lease bucket's `max_age` when that is
+    /// shorter (see [`LeaseLoop::heed_bucket_age`]).
     ttl: Duration,
+    /// When the lease bucket's `max_age` was last read; `None`: read it on the next pass.
+    bucket_read: Option<tokio::time::Instant>,
     /// Renewed every sixth of the TTL; a partition works only within a third of the TTL of its
     /// last renewal's start, so a worker cut off from the server stops well before its lease
     /// can be taken.
@@ -614,6 +622,7 @@ impl LeaseLoop {
             prefix: shared.names.prefix.clone(),
             partitions,
             ttl,
+            bucket_read: None,
             every: ttl / 6,
             validity_ms,
             quiet_ms: validity_ms + pull_ms + 2 * skew_ms + 100,
@@ -662,6 +671,51 @@ impl LeaseLoop {
         let reconnected = connected && self.disconnected;
         self.disconnected = !connected;
         reconnected || tokio::time::Instant::now() + RENEWAL_SLACK >= self.renewal_at()
+    }
+
+    /// Read the lease bucket's `max_age` (every [`BUCKET_READ_EVERY`], and at the next pass
+    /// after a lease was lost) and renew as often as the shorter of it and `workers.lease_ttl`
+    /// needs. A bucket whose age was cut on the live server (`nats kv edit`, `nats stream
+    /// edit`) would otherwise drop leases between two renewals, and partitions would change
+    /// hands without a fault; `provision` gives the bucket its age back. The wait before a
+    /// gone worker's leases are taken (`quiet_ms`) stays the configured TTL's, the longest any
+    /// worker may still count on.
+    async fn heed_bucket_age(&mut self) {
+        let now = tokio::time::Instant::now();
+        if self
+            .bucket_read
+            .is_some_and(|at| now < at + BUCKET_READ_EVERY)
+        {
+            return;
+        }
+        self.bucket_read = Some(now);
+        let stream = format!("KV_{}", self.shared.names.leases_bucket);
+        let read = tokio::time::timeout(self.every / 4, self.js.get_stream(&stream)).await;
+        let Ok(Ok(st)) = read else {
+            return;
+        };
+        let max_age = st.cached_info().config.max_age;
+        let configured = self.shared.settings.workers.lease_ttl;
+        let ttl = if max_age.is_zero() {
+            configured
+        } else {
+            configured.min(max_age)
+        };
+        if ttl == self.ttl {
+            return;
+        }
+        if ttl < configured {
+            warn!(
+                bucket_max_age = ?max_age,
+                lease_ttl = ?configured,
+                "the lease bucket keeps entries for less than workers.lease_ttl (its max_age was changed on the server): leases are renewed every sixth of its age until it is given back; run `collab-projector provision` to restore it"
+            );
+        } else {
+            info!(lease_ttl = ?ttl, "the lease bucket keeps entries for workers.lease_ttl again");
+        }
+        self.ttl = ttl;
+        self.every = ttl / 6;
+        self.validity_ms = i64::try_from((ttl / 3).as_millis()).unwrap_or(i64::MAX);
     }
 
     /// When the next renewal is due: `every` after the start of the last one, and no sooner
@@ -826,6 +880,8 @@ impl LeaseLoop {
                     warn!(partition = p, error = ?error, "lease lost; stopping the partition");
                     self.shared.state.count_lease_loss();
                     lost.push(p);
+                    // Lost to an age cut short on the live bucket? Read it on the next pass.
+                    self.bucket_read = None;
                 }
             }
         }

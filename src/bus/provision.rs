@@ -408,22 +408,27 @@ pub fn resumed_consumer_config(
 }
 
 /// An existing bucket or object store: check its retention, give it the size limit of `setting`
-/// (refusing new writes when full), and report it unchanged when it already had both.
+/// (refusing new writes when full), and report it unchanged when it already had both. A bucket
+/// whose entries only live while renewed (`renewed`: the leases) is given its `max_age` back
+/// instead of refused: its age is the lease TTL, not data to keep.
 async fn bound_existing(
     (js, s): (&jetstream::Context, &Settings),
     st: &mut stream::Stream,
-    label: String,
-    setting: &'static str,
+    (label, setting): (String, &'static str),
     (max_age, replicas, max_bytes): (Duration, usize, i64),
+    renewed: bool,
     report: &mut Report,
 ) -> Result<(), ProvisionError> {
-    same_retention(st, &label, max_age, replicas).await?;
+    same_retention(st, &label, (!renewed).then_some(max_age), replicas).await?;
     let discard = stream::DiscardPolicy::New;
     let want = Limits {
         max_bytes,
         discard,
         atomic: false,
         fast: false,
+        // A bucket keeps one value per key (its history) in the per-subject limit.
+        per_subject: false,
+        max_age: renewed.then_some(max_age),
     };
     if !set_limits((js, s), st, &label, setting, want, report).await? {
         report.unchanged.push(label);
@@ -432,13 +437,35 @@ async fn bound_existing(
 }
 
 /// What an existing stream is given when it lacks it: a size limit, a discard policy, and
-/// atomic and fast-ingest batches (`atomic`, `fast`: wanted; never taken away).
+/// atomic and fast-ingest batches (`atomic`, `fast`: wanted; never taken away). A count of
+/// messages no setting names is taken away (`max_msgs`, and `max_msgs_per_subject` where
+/// `per_subject`): set by hand on the live stream, it would make the stream refuse writes
+/// before its size limit. (A largest message, `max_msg_size`, is kept: the workers size their
+/// outputs to it.)
 #[derive(Clone, Copy)]
 struct Limits {
     max_bytes: i64,
     discard: stream::DiscardPolicy,
     atomic: bool,
     fast: bool,
+    per_subject: bool,
+    /// An age to give the stream back (with the duplicate window a bucket of that age is made
+    /// with); `None`: its age is checked, never changed (`same_retention`).
+    max_age: Option<Duration>,
+}
+
+/// No limit, in a stream's configuration.
+const UNLIMITED: i64 = -1;
+
+/// The duplicate window of a bucket that keeps values `max_age`: the client library's for new
+/// buckets (two minutes, or the age when shorter).
+fn bucket_duplicate_window(max_age: Duration) -> Duration {
+    const TWO_MINUTES: Duration = Duration::from_secs(120);
+    if max_age.is_zero() {
+        TWO_MINUTES
+    } else {
+        max_age.min(TWO_MINUTES)
+    }
 }
 
 /// The limits of an existing stream that are not the wanted ones.
@@ -446,6 +473,18 @@ fn limit_differences(have: &stream::Config, want: Limits) -> Vec<String> {
     let mut d = Vec::new();
     differ(&mut d, "max_bytes", have.max_bytes, want.max_bytes);
     differ(&mut d, "discard", have.discard, want.discard);
+    differ(&mut d, "max_msgs", have.max_messages, UNLIMITED);
+    if want.per_subject {
+        differ(
+            &mut d,
+            "max_msgs_per_subject",
+            have.max_messages_per_subject,
+            UNLIMITED,
+        );
+    }
+    if let Some(age) = want.max_age {
+        differ(&mut d, "max_age", have.max_age, age);
+    }
     if want.atomic {
         differ(&mut d, "allow_atomic", have.allow_atomic_publish, true);
     }
@@ -484,6 +523,14 @@ async fn set_limits(
     let mut config = info.config.clone();
     config.max_bytes = want.max_bytes;
     config.discard = want.discard;
+    config.max_messages = UNLIMITED;
+    if want.per_subject {
+        config.max_messages_per_subject = UNLIMITED;
+    }
+    if let Some(age) = want.max_age {
+        config.max_age = age;
+        config.duplicate_window = bucket_duplicate_window(age);
+    }
     config.allow_atomic_publish |= want.atomic;
     config.allow_batch_publish |= want.fast;
     js.update_stream(&config)
@@ -616,6 +663,8 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
                         discard: want.discard,
                         atomic: want.allow_atomic_publish,
                         fast: want.allow_batch_publish,
+                        per_subject: true,
+                        max_age: None,
                     },
                     &mut report,
                 )
@@ -698,7 +747,10 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
             Some(mut st) => {
                 // Buckets refuse writes when full (the client library's policy for new ones).
                 let bound = (want.max_age, want.num_replicas, want.max_bytes);
-                bound_existing((js, s), &mut st, label, setting, bound, &mut report).await?;
+                // Lease entries live while renewed: the bucket's age is `workers.lease_ttl`.
+                let renewed = want.bucket == names.leases_bucket;
+                let at = (label, setting);
+                bound_existing((js, s), &mut st, at, bound, renewed, &mut report).await?;
             }
             None => {
                 let bytes = want.max_bytes;
@@ -723,15 +775,8 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
     match find_stream(js, &format!("OBJ_{blobs}"), &label).await? {
         Some(mut st) => {
             let bound = (want.max_age, want.num_replicas, want.max_bytes);
-            bound_existing(
-                (js, s),
-                &mut st,
-                label,
-                "storage.blobs_max_bytes",
-                bound,
-                &mut report,
-            )
-            .await?;
+            let at = (label, "storage.blobs_max_bytes");
+            bound_existing((js, s), &mut st, at, bound, false, &mut report).await?;
         }
         None => {
             let bytes = want.max_bytes;
@@ -745,16 +790,19 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
 }
 
 /// Check that an existing bucket's stream keeps values as long and on as many replicas as
-/// configured (its other settings, but its size limit, are the client library's).
+/// configured (its other settings, but its size limit, are the client library's); `max_age`
+/// `None`: its age is not checked (it is set back instead, see [`Limits::max_age`]).
 async fn same_retention(
     st: &mut stream::Stream,
     label: &str,
-    max_age: Duration,
+    max_age: Option<Duration>,
     replicas: usize,
 ) -> Result<(), ProvisionError> {
     let info = st.info().await.map_err(|e| api(label, e))?;
     let mut d = Vec::new();
-    differ(&mut d, "max_age", info.config.max_age, max_age);
+    if let Some(max_age) = max_age {
+        differ(&mut d, "max_age", info.config.max_age, max_age);
+    }
     differ(&mut d, "replicas", info.config.num_replicas, replicas);
     if !d.is_empty() {
         return Err(ProvisionError::Differs {

@@ -42,17 +42,48 @@ async fn fill_of(js: &jetstream::Context, stream: &str) -> Option<(StreamFill, D
         stream: stream.to_string(),
         bytes: info.state.bytes,
         limit: u64::try_from(info.config.max_bytes).ok(),
+        messages: info.state.messages,
+        count_limits: count_limits(stream, &info.config),
     };
     Some((fill, info.config.duplicate_window))
 }
+
+/// The count limits of `stream` (named so) that no setting names: `provision` makes none, and
+/// takes them away (see `provision::Limits`).
+pub fn count_limits(stream: &str, config: &jetstream::stream::Config) -> Vec<(String, u64)> {
+    let bucket = stream.starts_with("KV_") || stream.starts_with("OBJ_");
+    let mut limits = Vec::new();
+    if let Ok(max) = u64::try_from(config.max_messages) {
+        limits.push(("max_msgs".to_string(), max));
+    }
+    if let (false, Ok(max)) = (bucket, u64::try_from(config.max_messages_per_subject)) {
+        limits.push(("max_msgs_per_subject".to_string(), max));
+    }
+    limits
+}
+
+/// The kinds of count limit a stream may have (see [`count_limits`]).
+const COUNT_LIMIT_KINDS: [&str; 2] = ["max_msgs", "max_msgs_per_subject"];
 
 /// Set the storage gauges of `fill`'s stream.
 pub fn record(fill: &StreamFill) {
     let label = fill.stream.clone();
     metrics::gauge!(telemetry::STORAGE_BYTES, "stream" => label.clone()).set(fill.bytes as f64);
+    metrics::gauge!(telemetry::STORAGE_MESSAGES, "stream" => label.clone())
+        .set(fill.messages as f64);
     // An unlimited stream has no limit series: the fill alert divides by it and so skips it.
     if let Some(limit) = fill.limit {
-        metrics::gauge!(telemetry::STORAGE_LIMIT, "stream" => label).set(limit as f64);
+        metrics::gauge!(telemetry::STORAGE_LIMIT, "stream" => label.clone()).set(limit as f64);
+    }
+    // 0 while no count limit of that kind is set (the alert fires above it).
+    for kind in COUNT_LIMIT_KINDS {
+        let limit = fill
+            .count_limits
+            .iter()
+            .find(|(k, _)| k == kind)
+            .map_or(0.0, |(_, l)| *l as f64);
+        metrics::gauge!(telemetry::STORAGE_COUNT_LIMIT, "stream" => label.clone(), "kind" => kind)
+            .set(limit);
     }
 }
 
@@ -87,7 +118,7 @@ pub async fn sample(
     stop: CancellationToken,
 ) {
     let streams = bounded_streams(&settings);
-    let mut warned = std::collections::BTreeSet::new();
+    let mut warned = Warned::default();
     loop {
         tokio::select! {
             () = sample_once(&js, &streams, &state, &publisher, &mut warned) => {}
@@ -100,13 +131,34 @@ pub async fn sample(
     }
 }
 
+/// The streams named in the log and not yet back to normal: nearly full, and with a count
+/// limit set.
+#[derive(Default)]
+struct Warned {
+    full: std::collections::BTreeSet<String>,
+    counted: std::collections::BTreeSet<String>,
+}
+
+/// Whether `fill`'s count limits are to be named in the log now (once, until they are gone);
+/// `counted` holds the streams named with a count limit still set.
+pub fn should_warn_of_counts(
+    counted: &mut std::collections::BTreeSet<String>,
+    fill: &StreamFill,
+) -> bool {
+    if fill.count_limits.is_empty() {
+        counted.remove(&fill.stream);
+        return false;
+    }
+    counted.insert(fill.stream.clone())
+}
+
 /// One pass over `streams`.
 async fn sample_once(
     js: &jetstream::Context,
     streams: &[String],
     state: &WorkerState,
     publisher: &Publisher,
-    warned: &mut std::collections::BTreeSet<String>,
+    warned: &mut Warned,
 ) {
     for stream in streams {
         let Some((fill, window)) = fill_of(js, stream).await else {
@@ -115,7 +167,20 @@ async fn sample_once(
         };
         publisher.heed_duplicate_window(stream, window);
         record(&fill);
-        if should_warn(warned, &fill) {
+        if should_warn_of_counts(&mut warned.counted, &fill) {
+            let limits: Vec<String> = fill
+                .count_limits
+                .iter()
+                .map(|(kind, limit)| format!("{kind} {limit}"))
+                .collect();
+            tracing::warn!(
+                stream = %stream,
+                limits = %limits.join(", "),
+                messages = fill.messages,
+                "a count limit no setting names is set on a stream: when it is reached, the stream refuses writes before its size limit (a raw stream refuses producers, any other stops the partitions writing to it); run `collab-projector provision` to take it away (docs/operations.md, \"Storage limits\")"
+            );
+        }
+        if should_warn(&mut warned.full, &fill) {
             tracing::warn!(
                 stream = %stream,
                 bytes = fill.bytes,
@@ -165,6 +230,7 @@ mod tests {
             stream: stream.to_string(),
             bytes,
             limit: Some(100),
+            ..Default::default()
         };
         let raw = |bytes| at("COLLAB_RAW", bytes);
         assert!(!should_warn(&mut warned, &raw(89)));
@@ -182,8 +248,45 @@ mod tests {
             stream: "COLLAB_PROJ".into(),
             bytes: u64::MAX,
             limit: None,
+            ..Default::default()
         };
         assert!(!should_warn(&mut warned, &unlimited));
+    }
+
+    #[test]
+    fn count_limits_are_those_no_setting_makes_and_are_named_once_while_set() {
+        let mut config = jetstream::stream::Config {
+            max_messages: -1,
+            max_messages_per_subject: -1,
+            ..Default::default()
+        };
+        assert!(count_limits("COLLAB_PROJ", &config).is_empty());
+        config.max_messages = 1000;
+        config.max_messages_per_subject = 1;
+        assert_eq!(
+            count_limits("COLLAB_PROJ", &config),
+            [
+                ("max_msgs".to_string(), 1000),
+                ("max_msgs_per_subject".to_string(), 1)
+            ]
+        );
+        // A bucket keeps its history in the per-subject limit.
+        assert_eq!(
+            count_limits("KV_collab_leases", &config),
+            [("max_msgs".to_string(), 1000)]
+        );
+        let mut counted = std::collections::BTreeSet::new();
+        let mut fill = StreamFill {
+            stream: "COLLAB_PROJ".into(),
+            count_limits: count_limits("COLLAB_PROJ", &config),
+            ..Default::default()
+        };
+        assert!(should_warn_of_counts(&mut counted, &fill));
+        assert!(!should_warn_of_counts(&mut counted, &fill));
+        fill.count_limits.clear();
+        assert!(!should_warn_of_counts(&mut counted, &fill));
+        fill.count_limits = count_limits("COLLAB_PROJ", &config);
+        assert!(should_warn_of_counts(&mut counted, &fill));
     }
 
     #[test]
@@ -192,6 +295,7 @@ mod tests {
             stream: "COLLAB_RAW".into(),
             bytes,
             limit,
+            ..Default::default()
         };
         assert_eq!(fill(512, Some(1024)).ratio(), Some(0.5));
         assert_eq!(fill(512, None).ratio(), None);

@@ -643,3 +643,198 @@ async fn leases_renewed_with_their_answers_lost_are_still_handed_back_at_shutdow
         worker.log_text()
     );
 }
+
+/// A lease bucket whose age is cut below the renewal period on the live server (`nats kv edit
+/// --ttl`, `nats stream edit --max-age`) would drop every lease between two renewals, so the
+/// partitions would change hands without a fault. The worker reads the bucket's age and renews
+/// within it, and `provision` gives the bucket its age back. TTL 12 s: a renewal every 2 s,
+/// against an age cut to 1.5 s.
+#[tokio::test]
+async fn a_lease_bucket_whose_age_is_cut_on_the_server_is_renewed_within_it() {
+    let nats = TestNats::start().await;
+    let worker = start_projector(
+        &nats.url(),
+        &MAIN_AGENTS,
+        &[("COLLAB_WORKERS__LEASE_TTL", "12s")],
+    )
+    .await;
+    let addr = worker.http_addr();
+    let metric = |name: &'static str| {
+        let addr = addr.clone();
+        async move { sum(&samples(&get(&addr, "/metrics").await.1), name, &[]) }
+    };
+    wait_until(GUARD, "every partition owned", || async {
+        metric(telemetry::PARTITIONS_OWNED).await == 16.0
+    })
+    .await;
+    let js = nats.jetstream().await;
+    let age = |js: async_nats::jetstream::Context| async move {
+        let mut st = js
+            .get_stream("KV_collab_leases")
+            .await
+            .unwrap_or_else(|e| panic!("{e}"));
+        st.info()
+            .await
+            .unwrap_or_else(|e| panic!("{e}"))
+            .config
+            .clone()
+    };
+    let mut config = age(js.clone()).await;
+    assert_eq!(config.max_age, std::time::Duration::from_secs(12));
+    config.max_age = std::time::Duration::from_millis(1500);
+    config.duplicate_window = config.max_age;
+    js.update_stream(&config)
+        .await
+        .unwrap_or_else(|e| panic!("the bucket's age is cut: {e}"));
+
+    // Twelve renewal rounds of all sixteen leases in a row, none lost.
+    let from = std::cell::Cell::new((
+        metric(telemetry::LEASE_RENEWALS).await,
+        metric(telemetry::LEASE_LOSSES).await,
+    ));
+    wait_until(
+        GUARD,
+        "twelve renewal rounds without a lease lost",
+        || async {
+            let renewals = metric(telemetry::LEASE_RENEWALS).await;
+            let losses = metric(telemetry::LEASE_LOSSES).await;
+            if losses > from.get().1 {
+                from.set((renewals, losses));
+            }
+            renewals - from.get().0 >= 16.0 * 12.0
+        },
+    )
+    .await;
+    let log = worker.log_text();
+    assert!(
+        log.contains("the lease bucket keeps entries for less than workers.lease_ttl"),
+        "{log}"
+    );
+    assert_eq!(metric(telemetry::PARTITIONS_OWNED).await, 16.0, "{log}");
+    // And the partitions work.
+    let (subject, body) = task_update("age-cut", 1);
+    publish(&js, &subject, body).await;
+    wait_settled(&js, 1, 0).await;
+    assert_eq!(count(&js, PROJ).await, 1);
+
+    // `provision` gives the bucket its age back, and the worker goes back to the TTL.
+    let mut settings = collab_projector::config::Settings::default();
+    settings.nats.url = nats.url();
+    settings.workers.lease_ttl = std::time::Duration::from_secs(12);
+    let report = collab_projector::bus::provision::provision(&js, &settings)
+        .await
+        .unwrap_or_else(|e| panic!("provision: {e}"));
+    assert!(
+        report
+            .updated
+            .iter()
+            .any(|u| u.contains("bucket collab_leases") && u.contains("max_age")),
+        "{:?}",
+        report.updated
+    );
+    let config = age(js.clone()).await;
+    assert_eq!(config.max_age, std::time::Duration::from_secs(12));
+    wait_until(GUARD, "the worker goes back to the lease TTL", || async {
+        worker
+            .log_text()
+            .contains("the lease bucket keeps entries for workers.lease_ttl again")
+    })
+    .await;
+}
+
+/// A count limit set by hand on a live stream (`nats stream edit --max-msgs`), which no setting
+/// names, would make it refuse writes before its size limit with nothing to say why: the
+/// workers name it in the log and in `collab_storage_count_limit`, and `provision` takes it away
+/// (a bucket's history, its per-key limit, is left as it is).
+#[tokio::test]
+async fn a_count_limit_set_on_a_live_stream_is_reported_and_taken_away_by_provision() {
+    let nats = TestNats::start().await;
+    let worker = start_projector(&nats.url(), &MAIN_AGENTS, &[]).await;
+    let addr = worker.http_addr();
+    let js = nats.jetstream().await;
+    let config_of = |name: &'static str| {
+        let js = js.clone();
+        async move {
+            let mut st = js.get_stream(name).await.unwrap_or_else(|e| panic!("{e}"));
+            st.info()
+                .await
+                .unwrap_or_else(|e| panic!("{e}"))
+                .config
+                .clone()
+        }
+    };
+    let mut proj = config_of("COLLAB_PROJ").await;
+    proj.max_messages = 5000;
+    proj.max_messages_per_subject = 2000;
+    js.update_stream(&proj)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+    let mut turns = config_of("KV_collab_turns").await;
+    turns.max_messages = 100_000;
+    js.update_stream(&turns)
+        .await
+        .unwrap_or_else(|e| panic!("{e}"));
+
+    let limit = |labels: &'static [&'static str]| {
+        let addr = addr.clone();
+        async move {
+            let s = samples(&get(&addr, "/metrics").await.1);
+            sum(&s, telemetry::STORAGE_COUNT_LIMIT, labels)
+        }
+    };
+    let proj_msgs: &[&str] = &["stream=\"COLLAB_PROJ\"", "kind=\"max_msgs\""];
+    let proj_subject: &[&str] = &["stream=\"COLLAB_PROJ\"", "kind=\"max_msgs_per_subject\""];
+    let turns_msgs: &[&str] = &["stream=\"KV_collab_turns\"", "kind=\"max_msgs\""];
+    let turns_subject: &[&str] = &[
+        "stream=\"KV_collab_turns\"",
+        "kind=\"max_msgs_per_subject\"",
+    ];
+    wait_until(GUARD, "the count limits sampled", || async {
+        limit(proj_msgs).await == 5000.0 && limit(turns_msgs).await == 100_000.0
+    })
+    .await;
+    assert_eq!(limit(proj_subject).await, 2000.0);
+    // A bucket's per-key limit is its history, not a count limit.
+    assert_eq!(limit(turns_subject).await, 0.0);
+    let log = worker.log_text();
+    for stream in ["stream=COLLAB_PROJ", "stream=KV_collab_turns"] {
+        assert!(
+            log.lines()
+                .any(|l| l.contains("a count limit no setting names") && l.contains(stream)),
+            "{stream}: {log}"
+        );
+    }
+
+    let mut settings = collab_projector::config::Settings::default();
+    settings.nats.url = nats.url();
+    let report = collab_projector::bus::provision::provision(&js, &settings)
+        .await
+        .unwrap_or_else(|e| panic!("provision: {e}"));
+    let updated = report.updated.join("\n");
+    assert!(
+        updated.contains(
+            "stream COLLAB_PROJ: max_msgs 5000 (wanted -1); max_msgs_per_subject 2000 (wanted -1)"
+        ),
+        "{updated}"
+    );
+    assert!(
+        updated.contains("bucket collab_turns: max_msgs 100000 (wanted -1)"),
+        "{updated}"
+    );
+    let proj = config_of("COLLAB_PROJ").await;
+    assert_eq!((proj.max_messages, proj.max_messages_per_subject), (-1, -1));
+    let turns = config_of("KV_collab_turns").await;
+    assert_eq!(
+        (turns.max_messages, turns.max_messages_per_subject),
+        (-1, 1)
+    );
+    wait_until(GUARD, "no count limit sampled any more", || async {
+        limit(proj_msgs).await == 0.0 && limit(turns_msgs).await == 0.0
+    })
+    .await;
+    // Provisioning again changes nothing.
+    let again = collab_projector::bus::provision::provision(&js, &settings)
+        .await
+        .unwrap_or_else(|e| panic!("provision again: {e}"));
+    assert!(again.updated.is_empty(), "{:?}", again.updated);
+}

@@ -762,6 +762,27 @@ tests:
         alertname: CollabProjectorStorageFilling
         exp_alerts:
           - exp_labels: {severity: warning, stream: COLLAB_RAW}
+  # A count limit set on the projection stream by hand: one alert, whichever workers report it;
+  # none while every count limit is 0 (unset), and none once it is taken away.
+  - interval: 1m
+    input_series:
+      - series: 'collab_storage_count_limit{instance="a",stream="COLLAB_PROJ",kind="max_msgs"}'
+        values: '0 0 5000x10 0x10'
+      - series: 'collab_storage_count_limit{instance="b",stream="COLLAB_PROJ",kind="max_msgs"}'
+        values: '0 0 5000x10 0x10'
+      - series: 'collab_storage_count_limit{instance="a",stream="COLLAB_RAW",kind="max_msgs_per_subject"}'
+        values: '0x22'
+    alert_rule_test:
+      - eval_time: 4m
+        alertname: CollabProjectorStreamCountLimit
+        exp_alerts: []
+      - eval_time: 9m
+        alertname: CollabProjectorStreamCountLimit
+        exp_alerts:
+          - exp_labels: {severity: warning, stream: COLLAB_PROJ, kind: max_msgs}
+      - eval_time: 20m
+        alertname: CollabProjectorStreamCountLimit
+        exp_alerts: []
 "#;
 
 #[test]
