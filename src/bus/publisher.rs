@@ -45,6 +45,9 @@ pub struct Publisher {
     /// retried publish collapses with a stored copy by its Msg-Id only within the stream's
     /// window. Read at start, at each partition start and with every storage sample.
     stream_windows: [AtomicU64; 2],
+    /// The same streams' `max_age` (ms, 0 for none) as last read, at the same times (see
+    /// [`Publisher::may_have_aged_out`]).
+    stream_ages: [AtomicU64; 2],
     /// Most publishes a reader issues before it hands them to its acker.
     hand_over: usize,
     /// Test hook: fail every Nth publish attempt before it is sent (0 = never).
@@ -170,6 +173,9 @@ impl Publisher {
                     .map_or(settings.projection.duplicate_window, |c| c.duplicate_window);
                 AtomicU64::new(millis(window))
             }),
+            stream_ages: outputs
+                .each_ref()
+                .map(|c| AtomicU64::new(c.as_ref().map_or(0, |c| millis(c.max_age)))),
             hand_over: (settings.consumer.publish_window / (2 * partitions)).clamp(1, 64),
             fail_publish_every,
             publish_attempts: AtomicU64::new(0),
@@ -216,17 +222,15 @@ impl Publisher {
         }
     }
 
-    /// Read the output streams' duplicate windows again (see
-    /// [`Publisher::heed_duplicate_window`]), once each: a partition that starts after a
+    /// Read the output streams' duplicate windows and ages again (see
+    /// [`Publisher::heed_output_stream`]), once each: a partition that starts after a
     /// takeover sends again what its previous owner may have stored, and must know how long the
-    /// Msg-Id holds. A stream that does not answer keeps its last window (the storage sample
-    /// reads it again within 15 s).
-    pub(crate) async fn refresh_duplicate_windows(&self) {
+    /// Msg-Id holds and what may have aged out. A stream that does not answer keeps its last
+    /// values (the storage sample reads them again within 15 s).
+    pub(crate) async fn refresh_output_streams(&self) {
         for name in [&self.names.proj_stream, &self.names.dlq_stream] {
             match self.retry_js.get_stream(name.as_str()).await {
-                Ok(stream) => {
-                    self.heed_duplicate_window(name, stream.cached_info().config.duplicate_window)
-                }
+                Ok(stream) => self.heed_output_stream(name, &stream.cached_info().config),
                 Err(e) => {
                     tracing::debug!(stream = %name, error = %e, "duplicate window not read again")
                 }
@@ -244,9 +248,9 @@ impl Publisher {
         streams.fold(self.duplicate_window, Duration::min)
     }
 
-    /// Take `window`, just read from the output stream `stream`, as that stream's duplicate
-    /// window (other streams are ignored); a change is logged.
-    pub(crate) fn heed_duplicate_window(&self, stream: &str, window: Duration) {
+    /// Take the duplicate window and `max_age` of `config`, just read from the output stream
+    /// `stream`, as that stream's (other streams are ignored); a changed window is logged.
+    pub(crate) fn heed_output_stream(&self, stream: &str, config: &jetstream::stream::Config) {
         let i = if stream == self.names.proj_stream {
             0
         } else if stream == self.names.dlq_stream {
@@ -254,6 +258,8 @@ impl Publisher {
         } else {
             return;
         };
+        self.stream_ages[i].store(millis(config.max_age), Ordering::Relaxed);
+        let window = config.duplicate_window;
         let now = millis(window);
         let was = self.stream_windows[i].swap(now, Ordering::Relaxed);
         if was != now {
@@ -492,34 +498,21 @@ impl Publisher {
     }
 
     /// Whether `out`, stored (if at all) at or after `since`, may have left its stream by age:
-    /// `since` is at least the stream's `max_age` ago, read from the server, so an edit of the
-    /// running stream counts. A look-up that did not find such an output cannot tell "never
-    /// stored" from "stored, and aged out since".
-    pub(crate) async fn may_have_aged_out(
+    /// `since` is at least the stream's `max_age` ago, as read from the server at the
+    /// partition's start and with every 15 s storage sample, so an edit of the running stream
+    /// counts. A look-up that did not find such an output cannot tell "never stored" from
+    /// "stored, and aged out since".
+    pub(crate) fn may_have_aged_out(
         &self,
         out: &Outgoing,
         since: chrono::DateTime<chrono::Utc>,
-    ) -> Result<bool, LookupFailed> {
-        let age = age_since(since);
-        // A stream's duplicate window is never longer than its `max_age` (the server refuses
-        // such a stream): anything younger has not aged out, and needs no question asked.
-        if age < self.duplicate_window() {
-            return Ok(false);
-        }
-        let name = match out.kind {
-            OutKind::Projection(_) => &self.names.proj_stream,
-            OutKind::DeadLetter(_) => &self.names.dlq_stream,
+    ) -> bool {
+        let i = match out.kind {
+            OutKind::Projection(_) => 0,
+            OutKind::DeadLetter(_) => 1,
         };
-        let stream = self
-            .retry_js
-            .get_stream(name)
-            .await
-            .map_err(|e| LookupFailed {
-                subject: out.subject.clone(),
-                what: format!("reading the stream's retention: {e}"),
-            })?;
-        let max_age = stream.cached_info().config.max_age;
-        Ok(!max_age.is_zero() && age >= max_age)
+        let max_age = Duration::from_millis(self.stream_ages[i].load(Ordering::Relaxed));
+        !max_age.is_zero() && age_since(since) >= max_age
     }
 
     /// Whether `out`, an output of the raw input at `seq` (stored at `stored_ms`), is in its

@@ -31,10 +31,13 @@ pub fn bounded_streams(s: &Settings) -> Vec<String> {
         .collect()
 }
 
-/// Read `stream`'s size, and its duplicate window; `None` when the server does not answer or
+/// Read `stream`'s size, and its configuration; `None` when the server does not answer or
 /// the stream is missing (the gauges then keep their last value, and the next sample tries
 /// again).
-async fn fill_of(js: &jetstream::Context, stream: &str) -> Option<(StreamFill, Duration)> {
+async fn fill_of(
+    js: &jetstream::Context,
+    stream: &str,
+) -> Option<(StreamFill, jetstream::stream::Config)> {
     // Looking a stream up reads its info: one request per stream.
     let st = js.get_stream(stream).await.ok()?;
     let info = st.cached_info();
@@ -45,7 +48,7 @@ async fn fill_of(js: &jetstream::Context, stream: &str) -> Option<(StreamFill, D
         messages: info.state.messages,
         count_limits: count_limits(stream, &info.config),
     };
-    Some((fill, info.config.duplicate_window))
+    Some((fill, info.config.clone()))
 }
 
 /// The count limits of `stream` (named so) that no setting names: `provision` makes none, and
@@ -107,8 +110,8 @@ pub fn should_warn(warned: &mut std::collections::BTreeSet<String>, fill: &Strea
 }
 
 /// Sample every bounded stream's size every [`SAMPLE_EVERY`] until `stop`, into the gauges and
-/// `state` (which `status` reports), and the output streams' duplicate windows into
-/// `publisher` (see [`Publisher::heed_duplicate_window`]). A server that does not answer holds
+/// `state` (which `status` reports), and the output streams' duplicate windows and ages into
+/// `publisher` (see [`Publisher::heed_output_stream`]). A server that does not answer holds
 /// a pass up to its request timeout per stream, never the worker's shutdown.
 pub async fn sample(
     js: jetstream::Context,
@@ -161,11 +164,11 @@ async fn sample_once(
     warned: &mut Warned,
 ) {
     for stream in streams {
-        let Some((fill, window)) = fill_of(js, stream).await else {
+        let Some((fill, config)) = fill_of(js, stream).await else {
             tracing::debug!(stream = %stream, "could not read the stream's size");
             continue;
         };
-        publisher.heed_duplicate_window(stream, window);
+        publisher.heed_output_stream(stream, &config);
         record(&fill);
         if should_warn_of_counts(&mut warned.counted, &fill) {
             let limits: Vec<String> = fill

@@ -227,8 +227,9 @@ pub async fn run_partition(
     // An output refused as too large since the last start: what fits is read again first.
     shared.publisher.refresh_out_budget().await;
     // Outputs it sends again are looked up once past the output streams' duplicate windows as
-    // they stand now, which an operator may have shortened.
-    shared.publisher.refresh_duplicate_windows().await;
+    // they stand now, which an operator may have shortened, and decisions older than the
+    // streams keep anything are not published again (their ages, read here too).
+    shared.publisher.refresh_output_streams().await;
     // Everything below stops with `cancel`, or when this set of raw streams is sealed and read
     // to its end (`moved`): the partition then starts again on the next set.
     let moved = CancellationToken::new();
