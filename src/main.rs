@@ -639,13 +639,20 @@ async fn run_demo(args: DemoArgs) -> anyhow::Result<()> {
 async fn provision(conn: &Conn) -> anyhow::Result<()> {
     let settings = conn.settings()?;
     let js = connect_for(&settings, "collab-projector provision").await?;
-    let report = bus::provision::provision(&js, &settings).await?;
+    // Run by hand with the deployment's configuration: a lease bucket whose age was cut (or
+    // that an earlier TTL made) is given `workers.lease_ttl` back.
+    let report =
+        bus::provision::provision_with(&js, &settings, bus::provision::LeaseAge::Restore).await?;
     for r in &report.created {
         telemetry::say(&format!("created   {r}"));
     }
+    for r in &report.updated {
+        telemetry::say(&format!("updated   {r}"));
+    }
     telemetry::say(&format!(
-        "{} created, {} already present and matching",
+        "{} created, {} updated, {} already present and matching",
         report.created.len(),
+        report.updated.len(),
         report.unchanged.len()
     ));
     Ok(())

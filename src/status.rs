@@ -300,7 +300,7 @@ pub fn warnings(workers: &[WorkerStatus], opts: &ViewOptions) -> Vec<String> {
 pub const STORAGE_WARN_AT: f64 = 0.85;
 
 /// A warning per stream holding [`STORAGE_WARN_AT`] of its limit or more, by the fullest any
-/// worker sampled it, in stream order.
+/// worker sampled it, in stream order; then one per stream any worker found a count limit on.
 fn storage_warnings(workers: &[WorkerStatus]) -> Vec<String> {
     let mut fullest: BTreeMap<&str, &crate::telemetry::StreamFill> = BTreeMap::new();
     for fill in workers.iter().flat_map(|w| &w.storage) {
@@ -310,19 +310,29 @@ fn storage_warnings(workers: &[WorkerStatus]) -> Vec<String> {
         }
     }
     let size = |b: u64| crate::bus::provision::Size(b).to_string();
-    let counted = fullest.values().filter_map(|f| {
-        let limits = f
-            .count_limits
-            .iter()
-            .map(|(kind, limit)| format!("{kind} {limit}"))
-            .collect::<Vec<_>>();
-        (!limits.is_empty()).then(|| format!(
-            "stream {} has a count limit no setting names ({}; it holds {} messages): when reached, it refuses writes before its size limit; run `provision` to take it away",
-            f.stream,
-            limits.join(", "),
-            f.messages,
-        ))
-    }).collect::<Vec<_>>();
+    // A count limit as any worker sampled it (the fullest sample may predate it).
+    let mut limited: BTreeMap<&str, &crate::telemetry::StreamFill> = BTreeMap::new();
+    for fill in workers.iter().flat_map(|w| &w.storage) {
+        if !fill.count_limits.is_empty() {
+            limited.entry(fill.stream.as_str()).or_insert(fill);
+        }
+    }
+    let counted = limited
+        .into_values()
+        .map(|f| {
+            let limits = f
+                .count_limits
+                .iter()
+                .map(|(kind, limit)| format!("{kind} {limit}"))
+                .collect::<Vec<_>>();
+            format!(
+                "stream {} has a count limit no setting names ({}; it holds {} messages): once reached, max_msgs refuses writes before the size limit and max_msgs_per_subject drops a subject's oldest messages; run `provision` to take it away",
+                f.stream,
+                limits.join(", "),
+                f.messages,
+            )
+        })
+        .collect::<Vec<_>>();
     let full = fullest
         .into_values()
         .filter_map(|f| {
@@ -853,7 +863,7 @@ TOTAL (2 workers)  0.1.0    2/2    9/9 owned        12    1.5s   100     100    
         });
         assert_eq!(
             warnings(&[a], &opts(1)),
-            ["stream COLLAB_PROJ has a count limit no setting names (max_msgs 1000, max_msgs_per_subject 5; it holds 12 messages): when reached, it refuses writes before its size limit; run `provision` to take it away"]
+            ["stream COLLAB_PROJ has a count limit no setting names (max_msgs 1000, max_msgs_per_subject 5; it holds 12 messages): once reached, max_msgs refuses writes before the size limit and max_msgs_per_subject drops a subject's oldest messages; run `provision` to take it away"]
         );
     }
 

@@ -429,7 +429,7 @@ pub const FAMILIES: &[(&str, Family, &str)] = &[
     (
         STORAGE_COUNT_LIMIT,
         Family::Gauge,
-        "A count limit set on a stream by hand, which no setting names, by stream and kind (max_msgs, max_msgs_per_subject): when reached, the stream refuses writes before its size limit. 0 while none is set; `collab-projector provision` takes it away.",
+        "A count limit set on a stream by hand, which no setting names, by stream and kind (max_msgs, max_msgs_per_subject): once reached, max_msgs makes the stream refuse writes before its size limit and max_msgs_per_subject drops a subject's oldest messages. 0 while none is set; `collab-projector provision` takes it away.",
     ),
     (
         TOKENS,

@@ -223,6 +223,24 @@ const RENEWAL_SLACK: Duration = Duration::from_millis(20);
 /// How often the lease loop reads the lease bucket's age (see [`LeaseLoop::heed_bucket_age`]).
 const BUCKET_READ_EVERY: Duration = super::storage::SAMPLE_EVERY;
 
+/// The shortest lease TTL a bucket whose age was cut brings the workers to (the least
+/// `workers.lease_ttl` allows): below it, renewals would come faster than a pass can go.
+const LEASE_TTL_FLOOR: Duration = Duration::from_secs(1);
+
+/// How long after its owner's last renewal a gone worker's lease may be taken, for leases of
+/// `ttl`: once the owner, were it still running, would have stopped working the partition (a
+/// third of the TTL), and its last pull request would have expired, with both clocks' skew
+/// allowed for.
+fn quiet_ms(settings: &crate::config::Settings, ttl: Duration) -> i64 {
+    let validity_ms = i64::try_from((ttl / 3).as_millis()).unwrap_or(i64::MAX);
+    let skew_ms = i64::try_from(settings.turns.clock_skew.as_millis()).unwrap_or(0);
+    let pull_ms = i64::try_from(super::pull::PULL_EXPIRES.as_millis()).unwrap_or(i64::MAX);
+    validity_ms
+        .saturating_add(pull_ms)
+        .saturating_add(2 * skew_ms)
+        .saturating_add(100)
+}
+
 /// The least time between two passes of the lease loop, however late it runs.
 const MIN_PASS_GAP: Duration = Duration::from_millis(20);
 
@@ -498,7 +516,6 @@ pub async fn run(
     )
     .await;
     while !cancel.is_cancelled() {
-        leases.heed_bucket_age().await;
         let renewal_due = leases.check_connection();
         // Owners whose connections closed: free their partitions now rather than at their
         // lease expiry (asked every `PROBE_EVERY`, however often the renewals wake the loop:
@@ -522,6 +539,8 @@ pub async fn run(
             leases.take(&evicted, target, &cancel).await;
             leases.report_owned();
         }
+        // After the pass's renewal, which it never holds up.
+        leases.heed_bucket_age().await;
         tokio::select! {
             _ = tokio::time::sleep_until(leases.next_wake()) => {}
             _ = cancel.cancelled() => {}
@@ -615,8 +634,6 @@ impl LeaseLoop {
         let partitions = shared.settings.nats.partitions;
         let ttl = shared.settings.workers.lease_ttl;
         let validity_ms = i64::try_from((ttl / 3).as_millis()).unwrap_or(i64::MAX);
-        let skew_ms = i64::try_from(shared.settings.turns.clock_skew.as_millis()).unwrap_or(0);
-        let pull_ms = i64::try_from(super::pull::PULL_EXPIRES.as_millis()).unwrap_or(i64::MAX);
         LeaseLoop {
             client: shared.leases_side.js.client(),
             prefix: shared.names.prefix.clone(),
@@ -625,7 +642,7 @@ impl LeaseLoop {
             bucket_read: None,
             every: ttl / 6,
             validity_ms,
-            quiet_ms: validity_ms + pull_ms + 2 * skew_ms + 100,
+            quiet_ms: quiet_ms(&shared.settings, ttl),
             heartbeat: format!("{HEARTBEAT_PREFIX}{worker_id}"),
             order: probe_order(&worker_id, partitions),
             held: BTreeMap::new(),
@@ -673,34 +690,38 @@ impl LeaseLoop {
         reconnected || tokio::time::Instant::now() + RENEWAL_SLACK >= self.renewal_at()
     }
 
-    /// Read the lease bucket's `max_age` (every [`BUCKET_READ_EVERY`], and at the next pass
-    /// after a lease was lost) and renew as often as the shorter of it and `workers.lease_ttl`
-    /// needs. A bucket whose age was cut on the live server (`nats kv edit`, `nats stream
-    /// edit`) would otherwise drop leases between two renewals, and partitions would change
-    /// hands without a fault; `provision` gives the bucket its age back. The wait before a
-    /// gone worker's leases are taken (`quiet_ms`) stays the configured TTL's, the longest any
-    /// worker may still count on.
+    /// Read the lease bucket's `max_age` (every [`BUCKET_READ_EVERY`], again [`PROBE_EVERY`]
+    /// after a read that failed, and at the next pass after a lease was lost) and renew as often
+    /// as the shorter of it and `workers.lease_ttl` needs (never below [`LEASE_TTL_FLOOR`]). A
+    /// bucket whose age was cut on the live server (`nats kv edit`, `nats stream edit`) would
+    /// otherwise drop leases between two renewals, and partitions would change hands without a
+    /// fault; `collab-projector provision` gives the bucket its age back. The wait before a gone
+    /// worker's leases are taken (`quiet_ms`) follows the longer of the two instead: the
+    /// longest any worker may still count on.
     async fn heed_bucket_age(&mut self) {
         let now = tokio::time::Instant::now();
-        if self
-            .bucket_read
-            .is_some_and(|at| now < at + BUCKET_READ_EVERY)
-        {
+        if self.bucket_read.is_some_and(|at| now < at) {
             return;
         }
-        self.bucket_read = Some(now);
+        let configured = self.shared.settings.workers.lease_ttl;
         let stream = format!("KV_{}", self.shared.names.leases_bucket);
-        let read = tokio::time::timeout(self.every / 4, self.js.get_stream(&stream)).await;
+        // Bounded by the configured TTL's pace, not a shortened one's.
+        let read = tokio::time::timeout(configured / 24, self.js.get_stream(&stream)).await;
         let Ok(Ok(st)) = read else {
+            self.bucket_read = Some(now + PROBE_EVERY);
             return;
         };
+        self.bucket_read = Some(now + BUCKET_READ_EVERY);
         let max_age = st.cached_info().config.max_age;
-        let configured = self.shared.settings.workers.lease_ttl;
-        let ttl = if max_age.is_zero() {
-            configured
+        let (ttl, longest) = if max_age.is_zero() {
+            (configured, configured)
         } else {
-            configured.min(max_age)
+            (
+                configured.min(max_age).max(LEASE_TTL_FLOOR.min(configured)),
+                configured.max(max_age),
+            )
         };
+        self.quiet_ms = quiet_ms(&self.shared.settings, longest);
         if ttl == self.ttl {
             return;
         }
@@ -708,7 +729,8 @@ impl LeaseLoop {
             warn!(
                 bucket_max_age = ?max_age,
                 lease_ttl = ?configured,
-                "the lease bucket keeps entries for less than workers.lease_ttl (its max_age was changed on the server): leases are renewed every sixth of its age until it is given back; run `collab-projector provision` to restore it"
+                renewing_every = ?(ttl / 6),
+                "the lease bucket keeps entries for less than workers.lease_ttl: leases are renewed within its age until it is given back; run `collab-projector provision` with this configuration to restore it"
             );
         } else {
             info!(lease_ttl = ?ttl, "the lease bucket keeps entries for workers.lease_ttl again");

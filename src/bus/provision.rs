@@ -409,14 +409,15 @@ pub fn resumed_consumer_config(
 
 /// An existing bucket or object store: check its retention, give it the size limit of `setting`
 /// (refusing new writes when full), and report it unchanged when it already had both. A bucket
-/// whose entries only live while renewed (`renewed`: the leases) is given its `max_age` back
-/// instead of refused: its age is the lease TTL, not data to keep.
+/// whose entries only live while renewed (`renewed`: the leases, under [`LeaseAge::Restore`]) is given its `max_age` back
+/// instead of refused: its age is the lease TTL, not data to keep. `kv_bucket`: a key-value
+/// bucket (its per-key history is no count limit), not the object store.
 async fn bound_existing(
     (js, s): (&jetstream::Context, &Settings),
     st: &mut stream::Stream,
     (label, setting): (String, &'static str),
     (max_age, replicas, max_bytes): (Duration, usize, i64),
-    renewed: bool,
+    (kv_bucket, renewed): (bool, bool),
     report: &mut Report,
 ) -> Result<(), ProvisionError> {
     same_retention(st, &label, (!renewed).then_some(max_age), replicas).await?;
@@ -426,8 +427,8 @@ async fn bound_existing(
         discard,
         atomic: false,
         fast: false,
-        // A bucket keeps one value per key (its history) in the per-subject limit.
-        per_subject: false,
+        // A key-value bucket keeps its history in the per-subject limit.
+        per_subject: !kv_bucket,
         max_age: renewed.then_some(max_age),
     };
     if !set_limits((js, s), st, &label, setting, want, report).await? {
@@ -438,9 +439,10 @@ async fn bound_existing(
 
 /// What an existing stream is given when it lacks it: a size limit, a discard policy, and
 /// atomic and fast-ingest batches (`atomic`, `fast`: wanted; never taken away). A count of
-/// messages no setting names is taken away (`max_msgs`, and `max_msgs_per_subject` where
-/// `per_subject`): set by hand on the live stream, it would make the stream refuse writes
-/// before its size limit. (A largest message, `max_msg_size`, is kept: the workers size their
+/// messages no setting names is taken away (`max_msgs`, and `max_msgs_per_subject` with its
+/// `discard_new_per_subject` where `per_subject`): set by hand on the live stream, it would
+/// make the stream refuse writes before its size limit or, per subject, drop a subject's
+/// oldest messages. (A largest message, `max_msg_size`, is kept: the workers size their
 /// outputs to it.)
 #[derive(Clone, Copy)]
 struct Limits {
@@ -457,8 +459,8 @@ struct Limits {
 /// No limit, in a stream's configuration.
 const UNLIMITED: i64 = -1;
 
-/// The duplicate window of a bucket that keeps values `max_age`: the client library's for new
-/// buckets (two minutes, or the age when shorter).
+/// The duplicate window of a bucket that keeps values `max_age`: what the server gives a new
+/// one (two minutes, or the age when shorter).
 fn bucket_duplicate_window(max_age: Duration) -> Duration {
     const TWO_MINUTES: Duration = Duration::from_secs(120);
     if max_age.is_zero() {
@@ -480,6 +482,13 @@ fn limit_differences(have: &stream::Config, want: Limits) -> Vec<String> {
             "max_msgs_per_subject",
             have.max_messages_per_subject,
             UNLIMITED,
+        );
+        // Only meaningful with a per-subject limit: the server refuses it without one.
+        differ(
+            &mut d,
+            "discard_new_per_subject",
+            have.discard_new_per_subject,
+            false,
         );
     }
     if let Some(age) = want.max_age {
@@ -526,6 +535,7 @@ async fn set_limits(
     config.max_messages = UNLIMITED;
     if want.per_subject {
         config.max_messages_per_subject = UNLIMITED;
+        config.discard_new_per_subject = false;
     }
     if let Some(age) = want.max_age {
         config.max_age = age;
@@ -628,8 +638,29 @@ pub fn kv_configs(s: &Settings) -> Vec<kv::Config> {
     ]
 }
 
+/// What `provision` does with a lease bucket whose age is not `workers.lease_ttl`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LeaseAge {
+    /// Refuse, naming both (what a starting worker does: another TTL may be the running
+    /// workers', and a worker waits out a gone worker's leases by its own TTL).
+    Check,
+    /// Give the bucket `workers.lease_ttl` as its age (the `provision` command, run with the
+    /// deployment's configuration: after an age cut by hand, or to change the TTL with every
+    /// worker stopped).
+    Restore,
+}
+
 /// Create what is missing, check what exists. Consumers are created for every partition.
 pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, ProvisionError> {
+    provision_with(js, s, LeaseAge::Check).await
+}
+
+/// [`provision`], with the lease bucket's age checked or given back (`lease_age`).
+pub async fn provision_with(
+    js: &jetstream::Context,
+    s: &Settings,
+    lease_age: LeaseAge,
+) -> Result<Report, ProvisionError> {
     let mut settled = s.clone();
     adopt_layout(js, &mut settled).await?;
     let s = &settled;
@@ -736,31 +767,7 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
             Err(e) => return Err(api(&label, e)),
         }
     }
-    let settings = [
-        "storage.turns_max_bytes",
-        "storage.sessions_max_bytes",
-        "storage.leases_max_bytes",
-    ];
-    for (want, setting) in kv_configs(s).into_iter().zip(settings) {
-        let label = format!("bucket {}", want.bucket);
-        match find_stream(js, &format!("KV_{}", want.bucket), &label).await? {
-            Some(mut st) => {
-                // Buckets refuse writes when full (the client library's policy for new ones).
-                let bound = (want.max_age, want.num_replicas, want.max_bytes);
-                // Lease entries live while renewed: the bucket's age is `workers.lease_ttl`.
-                let renewed = want.bucket == names.leases_bucket;
-                let at = (label, setting);
-                bound_existing((js, s), &mut st, at, bound, renewed, &mut report).await?;
-            }
-            None => {
-                let bytes = want.max_bytes;
-                js.create_key_value(want)
-                    .await
-                    .map_err(|e| reserving(&label, setting, bytes, s, e))?;
-                report.created.push(label);
-            }
-        }
-    }
+    provision_buckets((js, s), lease_age, &mut report).await?;
     let blobs = names.blobs_store.clone();
     let label = format!("object store {blobs}");
     // A blob lives as long as the projections that refer to it.
@@ -776,7 +783,7 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
         Some(mut st) => {
             let bound = (want.max_age, want.num_replicas, want.max_bytes);
             let at = (label, "storage.blobs_max_bytes");
-            bound_existing((js, s), &mut st, at, bound, false, &mut report).await?;
+            bound_existing((js, s), &mut st, at, bound, (false, false), &mut report).await?;
         }
         None => {
             let bytes = want.max_bytes;
@@ -787,6 +794,56 @@ pub async fn provision(js: &jetstream::Context, s: &Settings) -> Result<Report, 
         }
     }
     Ok(report)
+}
+
+/// The key-value buckets of [`provision_with`]: made when missing, bounded when they exist.
+async fn provision_buckets(
+    (js, s): (&jetstream::Context, &Settings),
+    lease_age: LeaseAge,
+    report: &mut Report,
+) -> Result<(), ProvisionError> {
+    let names = s.names();
+    let settings = [
+        "storage.turns_max_bytes",
+        "storage.sessions_max_bytes",
+        "storage.leases_max_bytes",
+    ];
+    for (want, setting) in kv_configs(s).into_iter().zip(settings) {
+        let label = format!("bucket {}", want.bucket);
+        match find_stream(js, &format!("KV_{}", want.bucket), &label).await? {
+            Some(mut st) => {
+                // Buckets refuse writes when full (the client library's policy for new ones).
+                let bound = (want.max_age, want.num_replicas, want.max_bytes);
+                // Lease entries live while renewed: the bucket's age is `workers.lease_ttl`.
+                let leases = want.bucket == names.leases_bucket;
+                let renewed = leases && lease_age == LeaseAge::Restore;
+                let at = (label, setting);
+                let kind = (true, renewed);
+                bound_existing((js, s), &mut st, at, bound, kind, report)
+                    .await
+                    .map_err(|e| match e {
+                        ProvisionError::Differs {
+                            resource,
+                            differences,
+                        } if leases => ProvisionError::Differs {
+                            resource,
+                            differences: format!(
+                                "{differences} (its age is the lease TTL: with every worker on this workers.lease_ttl, `collab-projector provision` sets it)"
+                            ),
+                        },
+                        e => e,
+                    })?;
+            }
+            None => {
+                let bytes = want.max_bytes;
+                js.create_key_value(want)
+                    .await
+                    .map_err(|e| reserving(&label, setting, bytes, s, e))?;
+                report.created.push(label);
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Check that an existing bucket's stream keeps values as long and on as many replicas as

@@ -173,9 +173,15 @@ impl Publisher {
                     .map_or(settings.projection.duplicate_window, |c| c.duplicate_window);
                 AtomicU64::new(millis(window))
             }),
-            stream_ages: outputs
-                .each_ref()
-                .map(|c| AtomicU64::new(c.as_ref().map_or(0, |c| millis(c.max_age)))),
+            // Unread, a stream's age is taken as configured (never as "no age", which would
+            // have a decision older than the stream keeps looked up and published again).
+            stream_ages: {
+                let set = [settings.projection.max_age, settings.nats.dlq_max_age];
+                std::array::from_fn(|i| {
+                    let age = outputs[i].as_ref().map_or(set[i], |c| c.max_age);
+                    AtomicU64::new(millis(age))
+                })
+            },
             hand_over: (settings.consumer.publish_window / (2 * partitions)).clamp(1, 64),
             fail_publish_every,
             publish_attempts: AtomicU64::new(0),
@@ -232,7 +238,7 @@ impl Publisher {
             match self.retry_js.get_stream(name.as_str()).await {
                 Ok(stream) => self.heed_output_stream(name, &stream.cached_info().config),
                 Err(e) => {
-                    tracing::debug!(stream = %name, error = %e, "duplicate window not read again")
+                    tracing::debug!(stream = %name, error = %e, "the output stream's duplicate window and age not read again")
                 }
             }
         }
@@ -500,7 +506,7 @@ impl Publisher {
     /// Whether `out`, stored (if at all) at or after `since`, may have left its stream by age:
     /// `since` is at least the stream's `max_age` ago, as read from the server at the
     /// partition's start and with every 15 s storage sample, so an edit of the running stream
-    /// counts. A look-up that did not find such an output cannot tell "never stored" from
+    /// counts within 15 s (at once for a partition that starts after it). A look-up that did not find such an output cannot tell "never stored" from
     /// "stored, and aged out since".
     pub(crate) fn may_have_aged_out(
         &self,

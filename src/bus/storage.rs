@@ -37,6 +37,7 @@ pub fn bounded_streams(s: &Settings) -> Vec<String> {
 async fn fill_of(
     js: &jetstream::Context,
     stream: &str,
+    kv_bucket: bool,
 ) -> Option<(StreamFill, jetstream::stream::Config)> {
     // Looking a stream up reads its info: one request per stream.
     let st = js.get_stream(stream).await.ok()?;
@@ -46,20 +47,20 @@ async fn fill_of(
         bytes: info.state.bytes,
         limit: u64::try_from(info.config.max_bytes).ok(),
         messages: info.state.messages,
-        count_limits: count_limits(stream, &info.config),
+        count_limits: count_limits(&info.config, kv_bucket),
     };
     Some((fill, info.config.clone()))
 }
 
-/// The count limits of `stream` (named so) that no setting names: `provision` makes none, and
-/// takes them away (see `provision::Limits`).
-pub fn count_limits(stream: &str, config: &jetstream::stream::Config) -> Vec<(String, u64)> {
-    let bucket = stream.starts_with("KV_") || stream.starts_with("OBJ_");
+/// The count limits of a stream configured `config` that no setting names: `provision` makes
+/// none, and takes them away (see `provision::Limits`). A key-value bucket's (`kv_bucket`)
+/// per-key limit is its history, no count limit.
+pub fn count_limits(config: &jetstream::stream::Config, kv_bucket: bool) -> Vec<(String, u64)> {
     let mut limits = Vec::new();
     if let Ok(max) = u64::try_from(config.max_messages) {
         limits.push(("max_msgs".to_string(), max));
     }
-    if let (false, Ok(max)) = (bucket, u64::try_from(config.max_messages_per_subject)) {
+    if let (false, Ok(max)) = (kv_bucket, u64::try_from(config.max_messages_per_subject)) {
         limits.push(("max_msgs_per_subject".to_string(), max));
     }
     limits
@@ -120,7 +121,17 @@ pub async fn sample(
     publisher: Arc<Publisher>,
     stop: CancellationToken,
 ) {
-    let streams = bounded_streams(&settings);
+    let buckets: Vec<String> = super::provision::kv_configs(&settings)
+        .into_iter()
+        .map(|c| format!("KV_{}", c.bucket))
+        .collect();
+    let streams: Vec<(String, bool)> = bounded_streams(&settings)
+        .into_iter()
+        .map(|st| {
+            let kv = buckets.contains(&st);
+            (st, kv)
+        })
+        .collect();
     let mut warned = Warned::default();
     loop {
         tokio::select! {
@@ -158,13 +169,13 @@ pub fn should_warn_of_counts(
 /// One pass over `streams`.
 async fn sample_once(
     js: &jetstream::Context,
-    streams: &[String],
+    streams: &[(String, bool)],
     state: &WorkerState,
     publisher: &Publisher,
     warned: &mut Warned,
 ) {
-    for stream in streams {
-        let Some((fill, config)) = fill_of(js, stream).await else {
+    for (stream, kv_bucket) in streams {
+        let Some((fill, config)) = fill_of(js, stream, *kv_bucket).await else {
             tracing::debug!(stream = %stream, "could not read the stream's size");
             continue;
         };
@@ -180,7 +191,7 @@ async fn sample_once(
                 stream = %stream,
                 limits = %limits.join(", "),
                 messages = fill.messages,
-                "a count limit no setting names is set on a stream: when it is reached, the stream refuses writes before its size limit (a raw stream refuses producers, any other stops the partitions writing to it); run `collab-projector provision` to take it away (docs/operations.md, \"Storage limits\")"
+                "a count limit no setting names is set on a stream: once reached, max_msgs makes the stream refuse writes before its size limit (a raw stream refuses producers, any other stops the partitions writing to it), and max_msgs_per_subject drops a subject's oldest messages (unless discard_new_per_subject is set); run `collab-projector provision` to take it away (docs/operations.md, \"Storage limits\")"
             );
         }
         if should_warn(&mut warned.full, &fill) {
@@ -263,32 +274,32 @@ mod tests {
             max_messages_per_subject: -1,
             ..Default::default()
         };
-        assert!(count_limits("COLLAB_PROJ", &config).is_empty());
+        assert!(count_limits(&config, false).is_empty());
         config.max_messages = 1000;
         config.max_messages_per_subject = 1;
         assert_eq!(
-            count_limits("COLLAB_PROJ", &config),
+            count_limits(&config, false),
             [
                 ("max_msgs".to_string(), 1000),
                 ("max_msgs_per_subject".to_string(), 1)
             ]
         );
-        // A bucket keeps its history in the per-subject limit.
+        // A key-value bucket keeps its history in the per-subject limit.
         assert_eq!(
-            count_limits("KV_collab_leases", &config),
+            count_limits(&config, true),
             [("max_msgs".to_string(), 1000)]
         );
         let mut counted = std::collections::BTreeSet::new();
         let mut fill = StreamFill {
             stream: "COLLAB_PROJ".into(),
-            count_limits: count_limits("COLLAB_PROJ", &config),
+            count_limits: count_limits(&config, false),
             ..Default::default()
         };
         assert!(should_warn_of_counts(&mut counted, &fill));
         assert!(!should_warn_of_counts(&mut counted, &fill));
         fill.count_limits.clear();
         assert!(!should_warn_of_counts(&mut counted, &fill));
-        fill.count_limits = count_limits("COLLAB_PROJ", &config);
+        fill.count_limits = count_limits(&config, false);
         assert!(should_warn_of_counts(&mut counted, &fill));
     }
 

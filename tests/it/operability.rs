@@ -647,7 +647,8 @@ async fn leases_renewed_with_their_answers_lost_are_still_handed_back_at_shutdow
 /// A lease bucket whose age is cut below the renewal period on the live server (`nats kv edit
 /// --ttl`, `nats stream edit --max-age`) would drop every lease between two renewals, so the
 /// partitions would change hands without a fault. The worker reads the bucket's age and renews
-/// within it, and `provision` gives the bucket its age back. TTL 12 s: a renewal every 2 s,
+/// within it; a starting worker refuses the cut bucket, and the `provision` command gives the
+/// bucket its age back. TTL 12 s: a renewal every 2 s,
 /// against an age cut to 1.5 s.
 #[tokio::test]
 async fn a_lease_bucket_whose_age_is_cut_on_the_server_is_renewed_within_it() {
@@ -721,7 +722,20 @@ async fn a_lease_bucket_whose_age_is_cut_on_the_server_is_renewed_within_it() {
     let mut settings = collab_projector::config::Settings::default();
     settings.nats.url = nats.url();
     settings.workers.lease_ttl = std::time::Duration::from_secs(12);
-    let report = collab_projector::bus::provision::provision(&js, &settings)
+    // A worker starting with the cut bucket refuses to change it (another TTL may be the
+    // running workers'), and says how to give it back.
+    let refused = collab_projector::bus::provision::provision(&js, &settings)
+        .await
+        .err()
+        .unwrap_or_else(|| panic!("a starting worker must not change the lease bucket's age"));
+    assert!(
+        refused
+            .to_string()
+            .contains("`collab-projector provision` sets it"),
+        "{refused}"
+    );
+    let restore = collab_projector::bus::provision::LeaseAge::Restore;
+    let report = collab_projector::bus::provision::provision_with(&js, &settings, restore)
         .await
         .unwrap_or_else(|e| panic!("provision: {e}"));
     assert!(
@@ -766,6 +780,7 @@ async fn a_count_limit_set_on_a_live_stream_is_reported_and_taken_away_by_provis
     let mut proj = config_of("COLLAB_PROJ").await;
     proj.max_messages = 5000;
     proj.max_messages_per_subject = 2000;
+    proj.discard_new_per_subject = true;
     js.update_stream(&proj)
         .await
         .unwrap_or_else(|e| panic!("{e}"));
@@ -813,7 +828,7 @@ async fn a_count_limit_set_on_a_live_stream_is_reported_and_taken_away_by_provis
     let updated = report.updated.join("\n");
     assert!(
         updated.contains(
-            "stream COLLAB_PROJ: max_msgs 5000 (wanted -1); max_msgs_per_subject 2000 (wanted -1)"
+            "stream COLLAB_PROJ: max_msgs 5000 (wanted -1); max_msgs_per_subject 2000 (wanted -1); discard_new_per_subject true (wanted false)"
         ),
         "{updated}"
     );
@@ -822,7 +837,14 @@ async fn a_count_limit_set_on_a_live_stream_is_reported_and_taken_away_by_provis
         "{updated}"
     );
     let proj = config_of("COLLAB_PROJ").await;
-    assert_eq!((proj.max_messages, proj.max_messages_per_subject), (-1, -1));
+    assert_eq!(
+        (
+            proj.max_messages,
+            proj.max_messages_per_subject,
+            proj.discard_new_per_subject
+        ),
+        (-1, -1, false)
+    );
     let turns = config_of("KV_collab_turns").await;
     assert_eq!(
         (turns.max_messages, turns.max_messages_per_subject),

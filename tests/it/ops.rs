@@ -773,13 +773,13 @@ tests:
       - series: 'collab_storage_count_limit{instance="a",stream="COLLAB_RAW",kind="max_msgs_per_subject"}'
         values: '0x22'
     alert_rule_test:
-      - eval_time: 4m
+      - eval_time: 2m
         alertname: CollabProjectorStreamCountLimit
         exp_alerts: []
       - eval_time: 9m
         alertname: CollabProjectorStreamCountLimit
         exp_alerts:
-          - exp_labels: {severity: warning, stream: COLLAB_PROJ, kind: max_msgs}
+          - exp_labels: {severity: critical, stream: COLLAB_PROJ, kind: max_msgs}
       - eval_time: 20m
         alertname: CollabProjectorStreamCountLimit
         exp_alerts: []
