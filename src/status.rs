@@ -320,15 +320,10 @@ fn storage_warnings(workers: &[WorkerStatus]) -> Vec<String> {
     let counted = limited
         .into_values()
         .map(|f| {
-            let limits = f
-                .count_limits
-                .iter()
-                .map(|(kind, limit)| format!("{kind} {limit}"))
-                .collect::<Vec<_>>();
             format!(
                 "stream {} has a count limit no setting names ({}; it holds {} messages): once reached, max_msgs refuses writes before the size limit and max_msgs_per_subject drops a subject's oldest messages; run `provision` to take it away",
                 f.stream,
-                limits.join(", "),
+                f.count_limits_text(),
                 f.messages,
             )
         })

@@ -689,6 +689,16 @@ pub struct StreamFill {
 }
 
 impl StreamFill {
+    /// Its count limits as people read them: `max_msgs 1000, max_msgs_per_subject 5`.
+    pub fn count_limits_text(&self) -> String {
+        let limits: Vec<String> = self
+            .count_limits
+            .iter()
+            .map(|(kind, limit)| format!("{kind} {limit}"))
+            .collect();
+        limits.join(", ")
+    }
+
     /// The share of its limit the stream holds, when it has one.
     pub fn ratio(&self) -> Option<f64> {
         self.limit

@@ -19,15 +19,24 @@ pub const SAMPLE_EVERY: Duration = Duration::from_secs(15);
 /// those `provision` makes (the raw streams, one per shard, the projection and dead-letter
 /// streams), and the streams behind its buckets and the object store of offloaded fields.
 pub fn bounded_streams(s: &Settings) -> Vec<String> {
+    bounded_streams_kinds(s)
+        .into_iter()
+        .map(|(st, _)| st)
+        .collect()
+}
+
+/// [`bounded_streams`], each with whether it is a key-value bucket's (whose per-key limit is
+/// its history, see [`count_limits`]).
+fn bounded_streams_kinds(s: &Settings) -> Vec<(String, bool)> {
     let streams = super::provision::stream_configs(s)
         .into_iter()
-        .map(|(c, _)| c.name);
+        .map(|(c, _)| (c.name, false));
     let buckets = super::provision::kv_configs(s)
         .into_iter()
-        .map(|c| format!("KV_{}", c.bucket));
+        .map(|c| (format!("KV_{}", c.bucket), true));
     streams
         .chain(buckets)
-        .chain([format!("OBJ_{}", s.names().blobs_store)])
+        .chain([(format!("OBJ_{}", s.names().blobs_store), false)])
         .collect()
 }
 
@@ -121,17 +130,7 @@ pub async fn sample(
     publisher: Arc<Publisher>,
     stop: CancellationToken,
 ) {
-    let buckets: Vec<String> = super::provision::kv_configs(&settings)
-        .into_iter()
-        .map(|c| format!("KV_{}", c.bucket))
-        .collect();
-    let streams: Vec<(String, bool)> = bounded_streams(&settings)
-        .into_iter()
-        .map(|st| {
-            let kv = buckets.contains(&st);
-            (st, kv)
-        })
-        .collect();
+    let streams = bounded_streams_kinds(&settings);
     let mut warned = Warned::default();
     loop {
         tokio::select! {
@@ -182,14 +181,9 @@ async fn sample_once(
         publisher.heed_output_stream(stream, &config);
         record(&fill);
         if should_warn_of_counts(&mut warned.counted, &fill) {
-            let limits: Vec<String> = fill
-                .count_limits
-                .iter()
-                .map(|(kind, limit)| format!("{kind} {limit}"))
-                .collect();
             tracing::warn!(
                 stream = %stream,
-                limits = %limits.join(", "),
+                limits = %fill.count_limits_text(),
                 messages = fill.messages,
                 "a count limit no setting names is set on a stream: once reached, max_msgs makes the stream refuse writes before its size limit (a raw stream refuses producers, any other stops the partitions writing to it), and max_msgs_per_subject drops a subject's oldest messages (unless discard_new_per_subject is set); run `collab-projector provision` to take it away (docs/operations.md, \"Storage limits\")"
             );
