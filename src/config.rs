@@ -141,8 +141,9 @@ impl StorageSettings {
 pub struct WorkerSettings {
     /// This worker's id (default: host name, process id and a random suffix).
     pub id: Option<String>,
-    /// A partition lease lapses this long after its owner's last renewal (renewed every third of
-    /// it). Failover after a crash takes about this long.
+    /// A partition lease lapses this long after its owner's last renewal (renewed every sixth of
+    /// it; an owner cut off from the server stops working its partitions a third of it after its
+    /// last renewal). Failover after a crash takes at most about this long.
     #[serde(with = "humantime_serde")]
     pub lease_ttl: Duration,
     /// How long a stopping worker (SIGTERM, Ctrl-C) waits for its partitions to drain: flush

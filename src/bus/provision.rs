@@ -13,10 +13,18 @@ use tracing::info;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ProvisionError {
-    #[error("{resource} exists with a different configuration: {differences}. collab-projector never changes an existing resource: update it yourself (e.g. `nats stream edit`), delete it if its data may go, or change this configuration to match")]
+    #[error("{resource} exists with a different configuration: {differences}. collab-projector does not change that on an existing resource (only its size and count limits, its batch permissions and the lease bucket's age): update it yourself (e.g. `nats stream edit`), delete it if its data may go, or change this configuration to match")]
     Differs {
         resource: String,
         differences: String,
+    },
+    /// The `provision` command run with another `workers.lease_ttl` than running workers'.
+    #[error("bucket {bucket}: {workers} with another workers.lease_ttl than this configuration's {ttl}. Workers of two lease TTLs wait out each other's leases by their own, so the lease bucket's age is changed only with every worker stopped: stop them, wait until their heartbeats age out of the bucket (within their TTL), and run provision again; or run it with their workers.lease_ttl (docs/operations.md, \"Storage limits\")")]
+    LeaseTtlInUse {
+        bucket: String,
+        /// The workers, each with its TTL (`w1 runs with 30s`).
+        workers: String,
+        ttl: String,
     },
     #[error("{0}")]
     Layout(String),
@@ -817,6 +825,9 @@ async fn provision_buckets(
                 // Lease entries live while renewed: the bucket's age is `workers.lease_ttl`.
                 let leases = want.bucket == names.leases_bucket;
                 let renewed = leases && lease_age == LeaseAge::Restore;
+                if renewed {
+                    refuse_other_lease_ttls(js, &want.bucket, s.workers.lease_ttl).await?;
+                }
                 let at = (label, setting);
                 let kind = (true, renewed);
                 bound_existing((js, s), &mut st, at, bound, kind, report)
@@ -844,6 +855,38 @@ async fn provision_buckets(
         }
     }
     Ok(())
+}
+
+/// Refuse to give the lease bucket `ttl` as its age while workers whose heartbeats are in it
+/// run with another lease TTL.
+async fn refuse_other_lease_ttls(
+    js: &jetstream::Context,
+    bucket: &str,
+    ttl: Duration,
+) -> Result<(), ProvisionError> {
+    let label = format!("bucket {bucket}");
+    let store = js.get_key_value(bucket).await.map_err(|e| api(&label, e))?;
+    let other = super::leases::other_lease_ttls(&store, ttl)
+        .await
+        .map_err(|e| api(&label, e))?;
+    if other.is_empty() {
+        return Ok(());
+    }
+    let workers = other
+        .iter()
+        .map(|(id, theirs)| {
+            format!(
+                "worker {id} runs with {}",
+                humantime::format_duration(*theirs)
+            )
+        })
+        .collect::<Vec<_>>()
+        .join(", ");
+    Err(ProvisionError::LeaseTtlInUse {
+        bucket: bucket.to_string(),
+        workers,
+        ttl: humantime::format_duration(ttl).to_string(),
+    })
 }
 
 /// Check that an existing bucket's stream keeps values as long and on as many replicas as

@@ -648,7 +648,7 @@ async fn leases_renewed_with_their_answers_lost_are_still_handed_back_at_shutdow
 /// --ttl`, `nats stream edit --max-age`) would drop every lease between two renewals, so the
 /// partitions would change hands without a fault. The worker reads the bucket's age and renews
 /// within it; a starting worker refuses the cut bucket, and the `provision` command gives the
-/// bucket its age back. TTL 12 s: a renewal every 2 s,
+/// bucket its age back (and refuses, run with another TTL than the worker's). TTL 12 s: a renewal every 2 s,
 /// against an age cut to 1.5 s.
 #[tokio::test]
 async fn a_lease_bucket_whose_age_is_cut_on_the_server_is_renewed_within_it() {
@@ -656,7 +656,10 @@ async fn a_lease_bucket_whose_age_is_cut_on_the_server_is_renewed_within_it() {
     let worker = start_projector(
         &nats.url(),
         &MAIN_AGENTS,
-        &[("COLLAB_WORKERS__LEASE_TTL", "12s")],
+        &[
+            ("COLLAB_WORKERS__LEASE_TTL", "12s"),
+            ("COLLAB_WORKERS__ID", "aged"),
+        ],
     )
     .await;
     let addr = worker.http_addr();
@@ -735,6 +738,25 @@ async fn a_lease_bucket_whose_age_is_cut_on_the_server_is_renewed_within_it() {
         "{refused}"
     );
     let restore = collab_projector::bus::provision::LeaseAge::Restore;
+    // `provision` with another TTL than the running worker's refuses, naming the worker: workers
+    // of two TTLs would wait out each other's leases by their own.
+    let mut other = settings.clone();
+    other.workers.lease_ttl = std::time::Duration::from_secs(20);
+    let refused = collab_projector::bus::provision::provision_with(&js, &other, restore)
+        .await
+        .err()
+        .unwrap_or_else(|| panic!("provision must not give running workers another lease TTL"));
+    let refused = refused.to_string();
+    assert!(
+        refused.contains("worker aged runs with 12s")
+            && refused.contains("this configuration's 20s"),
+        "{refused}"
+    );
+    assert_eq!(
+        age(js.clone()).await.max_age,
+        std::time::Duration::from_millis(1500),
+        "the refused provision left the bucket's age alone"
+    );
     let report = collab_projector::bus::provision::provision_with(&js, &settings, restore)
         .await
         .unwrap_or_else(|e| panic!("provision: {e}"));

@@ -1377,12 +1377,17 @@ const ACK_WAIT: (&str, &str) = ("COLLAB_CONSUMER__ACK_WAIT", "5s");
 /// update of three and only itself in the others, moving between seven sessions as it goes, so
 /// the work-session fold routes most events through conversation aliases that change.
 fn load(count: usize) -> Vec<(String, Vec<u8>)> {
+    load_named("load", count)
+}
+
+/// [`load`], with its conversations and work sessions named after `name`.
+fn load_named(name: &str, count: usize) -> Vec<(String, Vec<u8>)> {
     (0..count)
         .map(|i| {
-            let key = format!("load-{}", i % 40);
+            let key = format!("{name}-{}", i % 40);
             let mut body = json!({"type": "task.updated", "taskId": key, "conversationId": key, "payload": {"n": i}});
             if i % 3 == 0 {
-                body["workSessionId"] = json!(format!("ws-load-{}", (i / 120 + i % 7) % 7));
+                body["workSessionId"] = json!(format!("ws-{name}-{}", (i / 120 + i % 7) % 7));
             }
             (
                 format!("collab.raw.{key}.task.updated"),
@@ -1836,6 +1841,114 @@ async fn a_deleted_fold_checkpoint_is_folded_again_from_the_stream_start() {
         log.contains("the fold's checkpoint was deleted"),
         "the deleted checkpoint is named:\n{log}"
     );
+}
+
+/// A bucket whose work sessions an older version wrote (from the partitions, counting each
+/// event by its partition's position) and that has no `fold.position`: the fold starts at the
+/// projection stream's end and keeps that start as `fold.origin`. Its checkpoint deleted by hand
+/// later, it folds again from that origin, never from the stream's first message, whose
+/// projections the older version's sessions count already and would count twice.
+#[tokio::test]
+async fn a_deleted_fold_checkpoint_is_folded_again_from_the_fold_origin_not_before() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let mut first = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
+    let kv = js
+        .get_key_value("collab_work_sessions")
+        .await
+        .expect("the sessions bucket");
+    // Conversations and sessions of their own, which the fold after the older version never
+    // touches: nothing but the origin keeps it from counting their events again.
+    let mut published = publish_all(&js, &load_named("old", 300)).await.len();
+    wait_settled(&js, published as u64, 0).await;
+    wait_folded(&js, &kv).await;
+    first.stop_cleanly(GUARD).await;
+    let older = as_written_by_an_older_version(&js, &kv).await;
+    assert!(older > 0, "the load has work sessions");
+
+    // The fold starts after what the older version counted (and after the partitions' first
+    // fence claims, which are no events) and keeps that start.
+    let counted = proj_last_sequence(&js).await;
+    let worker = start_projector(&nats.url(), &MAIN_AGENTS, &[ACK_WAIT]).await;
+    wait_until(GUARD, "the fold keeps where it started", || {
+        let kv = kv.clone();
+        async move {
+            kv.get("fold.origin")
+                .await
+                .ok()
+                .flatten()
+                .and_then(|v| String::from_utf8_lossy(&v).trim().parse::<u64>().ok())
+                .is_some_and(|origin| origin >= counted)
+        }
+    })
+    .await;
+    // A backlog, and the checkpoint deleted while it is projected and folded.
+    let producer = spawn_producer(&js, load(3000));
+    wait_proj_at_least(&js, published as u64 + 300).await;
+    kv.delete("fold.position")
+        .await
+        .expect("the checkpoint is deleted");
+    published += tokio::time::timeout(GUARD, producer)
+        .await
+        .expect("the producer finished")
+        .expect("the producer did not panic")
+        .len();
+    wait_settled(&js, published as u64, 0).await;
+    wait_folded(&js, &kv).await;
+    let log = worker.log_text();
+    assert!(
+        log.contains("the fold's checkpoint was deleted"),
+        "the deleted checkpoint is named:\n{log}"
+    );
+    // Every projection counted once: the first 300 by the older version, the rest by the fold.
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    assert_sessions_count_every_projection(&js, &proj).await;
+}
+
+/// Make the sessions bucket look as an older version left it: each session's events counted
+/// by partition position (what the fold applied moved from its own partition to partition 0's),
+/// and no trace of the fold (`fold.position` and `fold.origin` removed with their history, as
+/// never written). The sessions rewritten.
+async fn as_written_by_an_older_version(
+    js: &Context,
+    kv: &async_nats::jetstream::kv::Store,
+) -> usize {
+    let mut rewritten = 0;
+    for key in bucket_keys(kv).await {
+        if key.contains('.') {
+            continue;
+        }
+        let value = kv
+            .get(&key)
+            .await
+            .expect("a session read")
+            .expect("a session");
+        let mut session: Value = serde_json::from_slice(&value).expect("a stored session");
+        let applied = session["applied"]
+            .as_object_mut()
+            .expect("a session says what it applied");
+        let folded = applied
+            .remove(&u16::MAX.to_string())
+            .expect("the fold applied it");
+        applied.insert("0".to_string(), folded);
+        kv.put(
+            &key,
+            serde_json::to_vec(&session).expect("serialises").into(),
+        )
+        .await
+        .expect("the session rewritten");
+        rewritten += 1;
+    }
+    let stream = js
+        .get_stream("KV_collab_work_sessions")
+        .await
+        .expect("the bucket's stream");
+    stream
+        .purge()
+        .filter("$KV.collab_work_sessions.fold.>")
+        .await
+        .expect("the fold's keys removed");
+    rewritten
 }
 
 /// Every key the bucket holds now.
