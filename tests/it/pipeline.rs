@@ -1818,24 +1818,35 @@ async fn a_deleted_fold_checkpoint_is_folded_again_from_the_stream_start() {
         .get_key_value("collab_work_sessions")
         .await
         .expect("the sessions bucket");
-    let mut published = publish_all(&js, &load(300)).await.len();
+    let published = publish_all(&js, &load(300)).await.len();
     wait_settled(&js, published as u64, 0).await;
     wait_folded(&js, &kv).await;
-    // A backlog, and the checkpoint deleted while it is being projected and folded.
-    let producer = spawn_producer(&js, load(3000));
-    wait_proj_at_least(&js, published as u64 + 300).await;
+    delete_the_fold_checkpoint_under_a_backlog(&js, &kv, &worker, published).await;
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    assert_sessions_count_every_projection(&js, &proj).await;
+}
+
+/// Publish a backlog of 3,000 inputs on top of the `published` ones, delete the fold's
+/// checkpoint while it is projected and folded, and wait until the fold has read it all; the
+/// worker must name the deleted checkpoint.
+async fn delete_the_fold_checkpoint_under_a_backlog(
+    js: &Context,
+    kv: &async_nats::jetstream::kv::Store,
+    worker: &Projector,
+    published: usize,
+) {
+    let producer = spawn_producer(js, load(3000));
+    wait_proj_at_least(js, published as u64 + 300).await;
     kv.delete("fold.position")
         .await
         .expect("the checkpoint is deleted");
-    published += tokio::time::timeout(GUARD, producer)
+    let backlog = tokio::time::timeout(GUARD, producer)
         .await
         .expect("the producer finished")
         .expect("the producer did not panic")
         .len();
-    wait_settled(&js, published as u64, 0).await;
-    wait_folded(&js, &kv).await;
-    let proj = read_all(&js, PROJ, "collab.proj.>").await;
-    assert_sessions_count_every_projection(&js, &proj).await;
+    wait_settled(js, (published + backlog) as u64, 0).await;
+    wait_folded(js, kv).await;
     let log = worker.log_text();
     assert!(
         log.contains("the fold's checkpoint was deleted"),
@@ -1859,7 +1870,7 @@ async fn a_deleted_fold_checkpoint_is_folded_again_from_the_fold_origin_not_befo
         .expect("the sessions bucket");
     // Conversations and sessions of their own, which the fold after the older version never
     // touches: nothing but the origin keeps it from counting their events again.
-    let mut published = publish_all(&js, &load_named("old", 300)).await.len();
+    let published = publish_all(&js, &load_named("old", 300)).await.len();
     wait_settled(&js, published as u64, 0).await;
     wait_folded(&js, &kv).await;
     first.stop_cleanly(GUARD).await;
@@ -1882,24 +1893,7 @@ async fn a_deleted_fold_checkpoint_is_folded_again_from_the_fold_origin_not_befo
         }
     })
     .await;
-    // A backlog, and the checkpoint deleted while it is projected and folded.
-    let producer = spawn_producer(&js, load(3000));
-    wait_proj_at_least(&js, published as u64 + 300).await;
-    kv.delete("fold.position")
-        .await
-        .expect("the checkpoint is deleted");
-    published += tokio::time::timeout(GUARD, producer)
-        .await
-        .expect("the producer finished")
-        .expect("the producer did not panic")
-        .len();
-    wait_settled(&js, published as u64, 0).await;
-    wait_folded(&js, &kv).await;
-    let log = worker.log_text();
-    assert!(
-        log.contains("the fold's checkpoint was deleted"),
-        "the deleted checkpoint is named:\n{log}"
-    );
+    delete_the_fold_checkpoint_under_a_backlog(&js, &kv, &worker, published).await;
     // Every projection counted once: the first 300 by the older version, the rest by the fold.
     let proj = read_all(&js, PROJ, "collab.proj.>").await;
     assert_sessions_count_every_projection(&js, &proj).await;
