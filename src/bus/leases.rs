@@ -30,6 +30,7 @@
 use super::context::WorkerContext;
 use super::error::WorkerError;
 use super::worker;
+use super::{HEARTBEAT_PREFIX, H_LEASE_TTL_MS};
 use async_nats::jetstream::kv;
 use futures::StreamExt;
 use std::collections::BTreeMap;
@@ -207,13 +208,6 @@ fn lease_key(p: u16) -> String {
     format!("{LEASE_PREFIX}{p}")
 }
 
-const HEARTBEAT_PREFIX: &str = "w.";
-
-/// On a worker's heartbeat: the `workers.lease_ttl` it runs with, in milliseconds. The
-/// `provision` command reads it before it gives the lease bucket an age (see
-/// [`other_lease_ttls`]).
-const H_LEASE_TTL_MS: &str = "Collab-Lease-Ttl-Ms";
-
 /// A partition's attempt that lasted this long before it failed does not count toward a streak
 /// of failures: the next attempt starts from the shortest delay.
 const FAILURE_STREAK_GAP: Duration = Duration::from_secs(5);
@@ -384,52 +378,6 @@ async fn live_workers(store: &kv::Store) -> Option<Vec<String>> {
         }
     }
     Some(ids)
-}
-
-/// The workers whose heartbeats are in the lease bucket that run with another
-/// `workers.lease_ttl` than `ttl`, each with its own. (A heartbeat lives as long as the bucket
-/// keeps entries, so a worker stopped within that is still named.) A heartbeat that does not
-/// say its TTL is passed over.
-pub async fn other_lease_ttls(
-    store: &kv::Store,
-    ttl: Duration,
-) -> Result<Vec<(String, Duration)>, String> {
-    let mut ids = Vec::new();
-    let mut keys = store.keys().await.map_err(|e| e.to_string())?;
-    while let Some(k) = keys.next().await {
-        let k = k.map_err(|e| e.to_string())?;
-        if let Some(id) = k.strip_prefix(HEARTBEAT_PREFIX) {
-            ids.push(id.to_string());
-        }
-    }
-    let mut other = Vec::new();
-    for id in ids {
-        let key = format!("{HEARTBEAT_PREFIX}{id}");
-        let Some(entry) = super::leader_entry(store, &key)
-            .await
-            .map_err(|e| format!("heartbeat {key}: {e}"))?
-        else {
-            continue;
-        };
-        if let Some(theirs) = heartbeat_ttl(&entry).filter(|t| *t != ttl) {
-            other.push((id, theirs));
-        }
-    }
-    Ok(other)
-}
-
-/// The lease TTL a heartbeat says its worker runs with.
-fn heartbeat_ttl(entry: &super::LeaderEntry) -> Option<Duration> {
-    if !entry.put {
-        return None;
-    }
-    let ms = entry
-        .headers
-        .get(H_LEASE_TTL_MS)?
-        .as_str()
-        .parse::<u64>()
-        .ok()?;
-    Some(Duration::from_millis(ms))
 }
 
 /// Whether any worker holds a partition lease in the bucket; `None` if it cannot be listed.

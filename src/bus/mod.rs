@@ -459,6 +459,13 @@ pub(crate) mod denied {
     }
 }
 
+/// A worker's heartbeat in the lease bucket: this prefix and the worker's id.
+pub(crate) const HEARTBEAT_PREFIX: &str = "w.";
+
+/// On a worker's heartbeat: the `workers.lease_ttl` it runs with, in milliseconds. The
+/// `provision` command reads it before it gives the lease bucket an age.
+pub(crate) const H_LEASE_TTL_MS: &str = "Collab-Lease-Ttl-Ms";
+
 /// A key's last entry as the stream leader holds it (see [`leader_entry`]).
 pub(crate) struct LeaderEntry {
     pub value: bytes::Bytes,

@@ -866,7 +866,7 @@ async fn refuse_other_lease_ttls(
 ) -> Result<(), ProvisionError> {
     let label = format!("bucket {bucket}");
     let store = js.get_key_value(bucket).await.map_err(|e| api(&label, e))?;
-    let other = super::leases::other_lease_ttls(&store, ttl)
+    let other = other_lease_ttls(&store, ttl)
         .await
         .map_err(|e| api(&label, e))?;
     if other.is_empty() {
@@ -887,6 +887,53 @@ async fn refuse_other_lease_ttls(
         workers,
         ttl: humantime::format_duration(ttl).to_string(),
     })
+}
+
+/// The workers whose heartbeats are in the lease bucket that run with another
+/// `workers.lease_ttl` than `ttl`, each with its own. (A heartbeat lives as long as the bucket
+/// keeps entries, so a worker stopped within that is still named.) A heartbeat that does not
+/// say its TTL is passed over.
+async fn other_lease_ttls(
+    store: &kv::Store,
+    ttl: Duration,
+) -> Result<Vec<(String, Duration)>, String> {
+    use futures::StreamExt;
+    let mut ids = Vec::new();
+    let mut keys = store.keys().await.map_err(|e| e.to_string())?;
+    while let Some(k) = keys.next().await {
+        let k = k.map_err(|e| e.to_string())?;
+        if let Some(id) = k.strip_prefix(super::HEARTBEAT_PREFIX) {
+            ids.push(id.to_string());
+        }
+    }
+    let mut other = Vec::new();
+    for id in ids {
+        let key = format!("{}{id}", super::HEARTBEAT_PREFIX);
+        let Some(entry) = super::leader_entry(store, &key)
+            .await
+            .map_err(|e| format!("heartbeat {key}: {e}"))?
+        else {
+            continue;
+        };
+        if let Some(theirs) = heartbeat_ttl(&entry).filter(|t| *t != ttl) {
+            other.push((id, theirs));
+        }
+    }
+    Ok(other)
+}
+
+/// The lease TTL a heartbeat says its worker runs with.
+fn heartbeat_ttl(entry: &super::LeaderEntry) -> Option<Duration> {
+    if !entry.put {
+        return None;
+    }
+    let ms = entry
+        .headers
+        .get(super::H_LEASE_TTL_MS)?
+        .as_str()
+        .parse::<u64>()
+        .ok()?;
+    Some(Duration::from_millis(ms))
 }
 
 /// Check that an existing bucket's stream keeps values as long and on as many replicas as
