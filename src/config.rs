@@ -1073,6 +1073,14 @@ impl Settings {
                 ));
             }
         }
+        if let Some(id) = &self.workers.id {
+            if !crate::model::is_key_token(id) {
+                return bad(format!(
+                    "workers.id {id:?} must be 1 to {} ASCII letters, digits, '_' or '-': it names the worker's heartbeat key in the lease bucket",
+                    crate::model::MAX_TOKEN_LEN
+                ));
+            }
+        }
         if self.workers.lease_ttl < Duration::from_secs(1) {
             return bad("workers.lease_ttl must be at least 1s".into());
         }
@@ -1677,6 +1685,14 @@ mod tests {
     fn invalid_values_are_explained() {
         let err = Settings::from_toml("[nats]\nprefix = \"a.b\"\n").expect_err("must fail");
         assert!(err.to_string().contains("nats.prefix"), "{err}");
+        // The worker id names a KV key: a dot or a space would make the heartbeat unwritable.
+        for id in ["w.1", "w 1", ""] {
+            let err =
+                Settings::from_toml(&format!("[workers]\nid = \"{id}\"\n")).expect_err("must fail");
+            assert!(err.to_string().contains("workers.id"), "{err}");
+        }
+        let ok = Settings::from_toml("[workers]\nid = \"host-1_a\"\n").expect("loads");
+        assert_eq!(ok.workers.id.as_deref(), Some("host-1_a"));
         let err = Settings::from_toml("[turns]\nearly_hold = \"8d\"\n").expect_err("must fail");
         assert!(err.to_string().contains("turns.early_hold"), "{err}");
         // A retention lowered below the default hold says which setting to change.

@@ -19,7 +19,7 @@ pub enum ProvisionError {
         differences: String,
     },
     /// The `provision` command run with another `workers.lease_ttl` than running workers'.
-    #[error("bucket {bucket}: {workers} with another workers.lease_ttl than this configuration's {ttl}. Workers of two lease TTLs wait out each other's leases by their own, so the lease bucket's age is changed only with every worker stopped: stop them, wait until their heartbeats age out of the bucket (within their TTL), and run provision again; or run it with their workers.lease_ttl (docs/operations.md, \"Storage limits\")")]
+    #[error("bucket {bucket}: {workers} with another workers.lease_ttl than this configuration's {ttl}. Workers of two lease TTLs wait out each other's leases by their own, so the lease bucket's age is changed only with every worker stopped: stop them (a worker stopped cleanly deletes its heartbeat; a crashed one's stays for the bucket's age, or delete its w.<id> key: `nats kv del {bucket} w.<id>`), and run provision again; or run it with their workers.lease_ttl (docs/operations.md, \"Storage limits\")")]
     LeaseTtlInUse {
         bucket: String,
         /// The workers, each with its TTL (`w1 runs with 30s`).
@@ -915,7 +915,8 @@ async fn other_lease_ttls(
         else {
             continue;
         };
-        if let Some(theirs) = heartbeat_ttl(&entry).filter(|t| *t != ttl) {
+        // Compared in whole milliseconds, as the heartbeat writes it.
+        if let Some(theirs) = heartbeat_ttl(&entry).filter(|t| t.as_millis() != ttl.as_millis()) {
             other.push((id, theirs));
         }
     }
