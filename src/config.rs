@@ -139,7 +139,8 @@ impl StorageSettings {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct WorkerSettings {
-    /// This worker's id (default: host name, process id and a random suffix).
+    /// This worker's id (default: host name, process id and a random suffix): ASCII letters,
+    /// digits, `_` and `-`, at most 128; it names the worker's heartbeat key in the lease bucket.
     pub id: Option<String>,
     /// A partition lease lapses this long after its owner's last renewal (renewed every sixth of
     /// it; an owner cut off from the server stops working its partitions a third of it after its
