@@ -139,8 +139,9 @@ impl StorageSettings {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields, default)]
 pub struct WorkerSettings {
-    /// This worker's id (default: host name, process id and a random suffix): ASCII letters,
-    /// digits, `_` and `-`, at most 128; it names the worker's heartbeat key in the lease bucket.
+    /// This worker's id (default: host name, process id and a random suffix): dot-separated
+    /// parts of ASCII letters, digits, `_` and `-` (at most 128 each); it names the worker's
+    /// heartbeat key in the lease bucket.
     pub id: Option<String>,
     /// A partition lease lapses this long after its owner's last renewal (renewed every sixth of
     /// it; an owner cut off from the server stops working its partitions a third of it after its
@@ -1075,9 +1076,9 @@ impl Settings {
             }
         }
         if let Some(id) = &self.workers.id {
-            if !crate::model::is_key_token(id) {
+            if !crate::model::is_key_path(id) {
                 return bad(format!(
-                    "workers.id {id:?} must be 1 to {} ASCII letters, digits, '_' or '-': it names the worker's heartbeat key in the lease bucket",
+                    "workers.id {id:?} must be one or more dot-separated parts of 1 to {} ASCII letters, digits, '_' or '-' (e.g. host-1 or host.eu-1): it names the worker's heartbeat key in the lease bucket",
                     crate::model::MAX_TOKEN_LEN
                 ));
             }
@@ -1686,14 +1687,17 @@ mod tests {
     fn invalid_values_are_explained() {
         let err = Settings::from_toml("[nats]\nprefix = \"a.b\"\n").expect_err("must fail");
         assert!(err.to_string().contains("nats.prefix"), "{err}");
-        // The worker id names a KV key: a dot or a space would make the heartbeat unwritable.
-        for id in ["w.1", "w 1", ""] {
+        // The worker id names a KV key: a space or an empty part would make the heartbeat
+        // unwritable. Dots between parts are fine (ids like host.eu-1 ran before the check).
+        for id in ["w..1", ".w", "w 1", ""] {
             let err =
                 Settings::from_toml(&format!("[workers]\nid = \"{id}\"\n")).expect_err("must fail");
             assert!(err.to_string().contains("workers.id"), "{err}");
         }
-        let ok = Settings::from_toml("[workers]\nid = \"host-1_a\"\n").expect("loads");
-        assert_eq!(ok.workers.id.as_deref(), Some("host-1_a"));
+        for id in ["host-1_a", "w.1", "host.eu-1"] {
+            let ok = Settings::from_toml(&format!("[workers]\nid = \"{id}\"\n")).expect("loads");
+            assert_eq!(ok.workers.id.as_deref(), Some(id));
+        }
         let err = Settings::from_toml("[turns]\nearly_hold = \"8d\"\n").expect_err("must fail");
         assert!(err.to_string().contains("turns.early_hold"), "{err}");
         // A retention lowered below the default hold says which setting to change.

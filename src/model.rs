@@ -288,6 +288,12 @@ pub fn is_key_token(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-')
 }
 
+/// Whether `s` is dot-separated key tokens (`host.eu-1`): usable as the end of a KV key or a
+/// subject as it is.
+pub fn is_key_path(s: &str) -> bool {
+    s.split('.').all(is_key_token)
+}
+
 /// Encode an id as a subject token and KV key segment.
 ///
 /// The rule (documented in the README's producers' guide):
