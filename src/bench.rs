@@ -190,7 +190,7 @@ impl Default for BenchOptions {
             messages: 200_000,
             naive_messages: 20_000,
             latency_rate: 5_000,
-            latency_duration: Duration::from_secs(10),
+            latency_duration: Duration::from_secs(30),
             latency_samples: None,
             open_turns: vec![100_000, 1_000_000],
             lateness_probes: 1_000,

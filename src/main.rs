@@ -317,8 +317,10 @@ struct BenchArgs {
     /// Publish rate of the latency runs (messages per second).
     #[arg(long, default_value_t = 5_000)]
     rate: u32,
-    /// How long each latency run publishes, e.g. 10s.
-    #[arg(long, default_value = "10s", value_parser = humantime::parse_duration)]
+    /// How long each latency run publishes, e.g. 60s. A shorter run's p99 rests on a few
+    /// slow windows (the server's collections come every few seconds) and moves up to 2x
+    /// between runs of one build.
+    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
     latency_duration: Duration,
     /// Write every input a latency run measured (raw sequence, store time, latency in µs,
     /// subject) to PATH.1.csv (passthrough) and PATH.2.csv (pipeline), to see when its tail
