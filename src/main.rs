@@ -320,8 +320,8 @@ struct BenchArgs {
     /// How long each latency run publishes, e.g. 60s. A shorter run's p99 rests on a few
     /// slow windows (the server's collections come every few seconds) and moves up to 2x
     /// between runs of one build.
-    #[arg(long, default_value = "30s", value_parser = humantime::parse_duration)]
-    latency_duration: Duration,
+    #[arg(long, default_value_t = collab_projector::bench::DEFAULT_LATENCY_DURATION.into())]
+    latency_duration: humantime::Duration,
     /// Write every input a latency run measured (raw sequence, store time, latency in µs,
     /// subject) to PATH.1.csv (passthrough) and PATH.2.csv (pipeline), to see when its tail
     /// happened.
@@ -958,7 +958,7 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
         messages: args.messages,
         naive_messages: args.naive_messages,
         latency_rate: args.rate,
-        latency_duration: args.latency_duration,
+        latency_duration: args.latency_duration.into(),
         latency_samples: args.latency_samples,
         open_turns: args.open_turns,
         lateness_probes: args.probes,
