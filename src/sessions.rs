@@ -325,19 +325,29 @@ fn role_mask<'a>(roles: impl IntoIterator<Item = &'a Role>) -> u8 {
 }
 
 /// Retire threads past [`MAX_THREADS`] (oldest activity first, never one with an open turn).
+///
+/// Runs before every new thread while the session holds more than `MAX_THREADS + RETIRE_SLACK`,
+/// which open turns can keep it at for long: so it selects the threads to retire by reference
+/// (a partial selection, not a sort of every candidate) and copies only their ids.
 fn retire_threads(s: &mut WorkSession) {
     if s.threads.len() <= MAX_THREADS + RETIRE_SLACK {
         return;
     }
-    let mut candidates: Vec<(Option<String>, String)> = s
+    let excess = s.threads.len() - MAX_THREADS;
+    // Ordered by last activity, then id: ids are unique, so the order is total and the
+    // `excess` smallest are one set whatever the selection's order.
+    let mut candidates: Vec<(&Option<String>, &String)> = s
         .threads
         .iter()
         .filter(|(_, t)| t.turns.values().all(|m| *m != TurnMark::Open))
-        .map(|(id, t)| (t.last_time.clone(), id.clone()))
+        .map(|(id, t)| (&t.last_time, id))
         .collect();
-    candidates.sort();
-    let excess = s.threads.len() - MAX_THREADS;
-    for (_, id) in candidates.into_iter().take(excess) {
+    if candidates.len() > excess {
+        candidates.select_nth_unstable(excess);
+        candidates.truncate(excess);
+    }
+    let retire: Vec<String> = candidates.into_iter().map(|(_, id)| id.clone()).collect();
+    for id in retire {
         let Some(t) = s.threads.remove(&id) else {
             continue;
         };
@@ -2426,5 +2436,96 @@ mod tests {
         assert!(!fold_into(&mut again, &late, &keys(&late), raw(3, 40)));
         assert!(!fold_into(&mut again, &late, &keys(&late), raw(4, 1)));
         assert_eq!(again, s);
+    }
+
+    /// The selection as first written: every candidate copied and sorted.
+    fn retire_threads_by_sorting(s: &mut WorkSession) {
+        if s.threads.len() <= MAX_THREADS + RETIRE_SLACK {
+            return;
+        }
+        let mut candidates: Vec<(Option<String>, String)> = s
+            .threads
+            .iter()
+            .filter(|(_, t)| t.turns.values().all(|m| *m != TurnMark::Open))
+            .map(|(id, t)| (t.last_time.clone(), id.clone()))
+            .collect();
+        candidates.sort();
+        let excess = s.threads.len() - MAX_THREADS;
+        for (_, id) in candidates.into_iter().take(excess) {
+            let Some(t) = s.threads.remove(&id) else {
+                continue;
+            };
+            let r = s.retired.entry(role_mask(t.counts.keys())).or_default();
+            r.threads += 1;
+            for m in t.turns.values() {
+                match m {
+                    TurnMark::Answered => r.answered_turns += 1,
+                    TurnMark::Blocked => r.blocked_turns += 1,
+                    TurnMark::Open => {}
+                }
+            }
+        }
+    }
+
+    fn session_of(threads: &[(Option<u8>, Vec<u8>, u8)]) -> WorkSession {
+        let mut s = WorkSession::default();
+        for (i, (last, marks, roles)) in threads.iter().enumerate() {
+            let id = format!("c{i:04}");
+            let turns = marks
+                .iter()
+                .enumerate()
+                .map(|(k, m)| {
+                    let mark = match m % 3 {
+                        0 => TurnMark::Open,
+                        1 => TurnMark::Answered,
+                        _ => TurnMark::Blocked,
+                    };
+                    (format!("t{k}"), mark)
+                })
+                .collect();
+            let counts = Role::ALL
+                .iter()
+                .enumerate()
+                .filter(|(b, _)| roles & (1 << b) != 0)
+                .map(|(_, r)| (*r, 1))
+                .collect();
+            // Few distinct times, so many threads share one and the id decides.
+            let last_time = last.map(|t| format!("2026-02-17T12:00:{:02}.000Z", t % 8));
+            s.threads.insert(
+                id.clone(),
+                Thread {
+                    conversation_id: id,
+                    last_time,
+                    counts,
+                    turns,
+                    ..Thread::default()
+                },
+            );
+        }
+        s
+    }
+
+    proptest::proptest! {
+        #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
+
+        /// Selecting the threads to retire by reference retires exactly the threads the full
+        /// sort did, with the same totals.
+        #[test]
+        fn retiring_by_selection_retires_what_sorting_did(
+            threads in proptest::collection::vec(
+                (
+                    proptest::option::weighted(0.9, 0u8..16),
+                    proptest::collection::vec(0u8..3, 0..3),
+                    0u8..16,
+                ),
+                250..420,
+            ),
+        ) {
+            let mut fast = session_of(&threads);
+            let mut sorted = fast.clone();
+            retire_threads(&mut fast);
+            retire_threads_by_sorting(&mut sorted);
+            proptest::prop_assert_eq!(fast, sorted);
+        }
     }
 }

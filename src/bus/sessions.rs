@@ -22,7 +22,7 @@ use super::error::{NoAnswer, Source};
 use super::reconnects::Reconnects;
 use crate::config::Names;
 use crate::model::{encode_id, Envelope};
-use crate::sessions::{self, WorkSession};
+use crate::sessions::{self, SessionKeys, WorkSession};
 pub use crate::sessions::{Identity, Position};
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
@@ -109,7 +109,8 @@ pub fn legacy_alias_key(conversation_id: &str) -> String {
 /// Events to fold, by session id, in processing order. Envelopes are boxed: a round moves each
 /// event a few times (into its group, into the round's merge), and an envelope is over a
 /// kilobyte.
-type Groups = BTreeMap<String, Vec<(Box<Envelope>, Identity)>>;
+/// A round's events by session, each with the keys it was routed by (read once per event).
+type Groups = BTreeMap<String, Vec<(Box<Envelope>, SessionKeys, Identity)>>;
 
 struct Request {
     groups: Groups,
@@ -316,9 +317,9 @@ impl SessionWriter {
             .try_collect::<Vec<()>>()
             .await?;
         let mut groups: Groups = BTreeMap::new();
-        for ((env, ident), session) in events.into_iter().zip(routes) {
+        for (((env, ident), keys), session) in events.into_iter().zip(keys).zip(routes) {
             if let Some(id) = session {
-                groups.entry(id).or_default().push((env, ident));
+                groups.entry(id).or_default().push((env, keys, ident));
             }
         }
         if groups.is_empty() {
@@ -507,7 +508,7 @@ async fn update(
     kv: &kv::Store,
     reconnects: &Reconnects,
     id: &str,
-    events: &[(Box<Envelope>, Identity)],
+    events: &[(Box<Envelope>, SessionKeys, Identity)],
     mut cached: Option<Cached>,
 ) -> Outcome {
     let key = session_key(id);
@@ -538,13 +539,12 @@ async fn update(
         };
         let (mut session, revision) = current;
         let mut changed = false;
-        for (env, ident) in events {
-            let keys = sessions::keys(env);
+        for (env, keys, ident) in events {
             let s = session.get_or_insert_with(|| WorkSession {
                 id: id.to_string(),
                 ..WorkSession::default()
             });
-            changed |= sessions::fold_into(s, env, &keys, *ident);
+            changed |= sessions::fold_into(s, env, keys, *ident);
         }
         let unchanged = |session, revision, written| Outcome {
             kept: Some((session, revision)),
