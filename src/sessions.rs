@@ -269,6 +269,10 @@ pub struct WorkSession {
     /// held (bit `i` is `Role::ALL[i]`), so a view restricted to some roles still counts them.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub retired: BTreeMap<u8, RetiredThreads>,
+    /// Retired threads that still had open turns, by conversation id: what their responses need
+    /// to be counted (at most [`MAX_DORMANT`]; see [`MAX_THREADS`]).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub dormant: BTreeMap<String, Dormant>,
     /// Tokens the session's events reported (docs/contract.md 2c), by the role of the event, the
     /// agent that spent them and the model. Cost is not stored: a view computes it from the
     /// price table it is given, so a changed price applies to the past too.
@@ -297,11 +301,18 @@ pub const MAX_USAGE_AGENTS: usize = 64;
 pub const MAX_USAGE_MODELS: usize = 16;
 
 /// Threads a session keeps one by one. Past `MAX_THREADS + RETIRE_SLACK`, the threads with the
-/// oldest activity and no open turn are summed into [`WorkSession::retired`] until
-/// `MAX_THREADS` remain, so a session's stored value stays bounded however long it runs. A
-/// thread with an open turn is never retired: its response must find it.
+/// oldest activity are summed into [`WorkSession::retired`] until `MAX_THREADS` remain: those
+/// with no open turn first, then, when open turns alone hold the session above the bound, the
+/// oldest of those too. A thread retired with open turns keeps a [`Dormant`] entry (its open
+/// turn ids), so the responses that come later are still counted; any other event of its
+/// conversation takes it back as a thread. So a session's stored value stays bounded however
+/// long it runs and however many turns stay open.
 pub const MAX_THREADS: usize = 256;
 const RETIRE_SLACK: usize = 32;
+/// Conversations retired with open turns that a session remembers; past it the ones with the
+/// oldest activity are forgotten, and a response to one of their turns counts as a thread of its
+/// own.
+pub const MAX_DORMANT: usize = 1024;
 
 /// What retired threads add to a session's totals.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, Default)]
@@ -314,6 +325,20 @@ pub struct RetiredThreads {
     pub blocked_turns: u64,
 }
 
+/// A conversation whose thread was retired while some of its turns were open.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
+#[serde(rename_all = "camelCase")]
+pub struct Dormant {
+    /// The role-set mask the thread was retired under (its [`WorkSession::retired`] entry).
+    pub roles: u8,
+    /// Its turns still open.
+    #[serde(default, skip_serializing_if = "BTreeSet::is_empty")]
+    pub open: BTreeSet<String>,
+    /// Its last activity (event time), which decides what is forgotten first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_time: Option<String>,
+}
+
 /// The role-set bit mask of [`WorkSession::retired`].
 fn role_mask<'a>(roles: impl IntoIterator<Item = &'a Role>) -> u8 {
     roles.into_iter().fold(0u8, |m, r| {
@@ -324,43 +349,125 @@ fn role_mask<'a>(roles: impl IntoIterator<Item = &'a Role>) -> u8 {
     })
 }
 
-/// Retire threads past [`MAX_THREADS`] (oldest activity first, never one with an open turn).
+/// Retire threads past [`MAX_THREADS`]: oldest activity first, those with an open turn only
+/// once no other is left (they stay [`Dormant`]).
 ///
 /// Runs before every new thread while the session holds more than `MAX_THREADS + RETIRE_SLACK`,
-/// which open turns can keep it at for long: so it selects the threads to retire by reference
-/// (a partial selection, not a sort of every candidate) and copies only their ids.
+/// so it selects the threads to retire by reference (a partial selection, not a sort of every
+/// thread) and copies only their ids.
 fn retire_threads(s: &mut WorkSession) {
     if s.threads.len() <= MAX_THREADS + RETIRE_SLACK {
         return;
     }
     let excess = s.threads.len() - MAX_THREADS;
-    // Ordered by last activity, then id: ids are unique, so the order is total and the
-    // `excess` smallest are one set whatever the selection's order.
-    let mut candidates: Vec<(&Option<String>, &String)> = s
+    // Ordered by whether a turn is open, last activity, then id: ids are unique, so the order
+    // is total and the `excess` smallest are one set whatever the selection's order.
+    let mut candidates: Vec<(bool, &Option<String>, &String)> = s
         .threads
         .iter()
-        .filter(|(_, t)| t.turns.values().all(|m| *m != TurnMark::Open))
-        .map(|(id, t)| (&t.last_time, id))
+        .map(|(id, t)| {
+            let open = t.turns.values().any(|m| *m == TurnMark::Open);
+            (open, &t.last_time, id)
+        })
         .collect();
     if candidates.len() > excess {
         candidates.select_nth_unstable(excess);
         candidates.truncate(excess);
     }
-    let retire: Vec<String> = candidates.into_iter().map(|(_, id)| id.clone()).collect();
+    let retire: Vec<String> = candidates
+        .into_iter()
+        .map(|(_, _, id)| id.clone())
+        .collect();
     for id in retire {
         let Some(t) = s.threads.remove(&id) else {
             continue;
         };
-        let r = s.retired.entry(role_mask(t.counts.keys())).or_default();
+        let roles = role_mask(t.counts.keys());
+        let r = s.retired.entry(roles).or_default();
         r.threads += 1;
-        for m in t.turns.values() {
+        let mut open = BTreeSet::new();
+        for (turn, m) in t.turns {
             match m {
                 TurnMark::Answered => r.answered_turns += 1,
                 TurnMark::Blocked => r.blocked_turns += 1,
-                TurnMark::Open => {}
+                TurnMark::Open => {
+                    open.insert(turn);
+                }
             }
         }
+        if !open.is_empty() {
+            let last_time = t.last_time;
+            s.dormant.insert(
+                id,
+                Dormant {
+                    roles,
+                    open,
+                    last_time,
+                },
+            );
+        }
     }
+    forget_dormant(s);
+}
+
+/// Forget the dormant conversations past [`MAX_DORMANT`], oldest activity first.
+fn forget_dormant(s: &mut WorkSession) {
+    let Some(excess) = s.dormant.len().checked_sub(MAX_DORMANT).filter(|e| *e > 0) else {
+        return;
+    };
+    let mut oldest: Vec<(&Option<String>, &String)> =
+        s.dormant.iter().map(|(id, d)| (&d.last_time, id)).collect();
+    if oldest.len() > excess {
+        oldest.select_nth_unstable(excess);
+        oldest.truncate(excess);
+    }
+    let forget: Vec<String> = oldest.into_iter().map(|(_, id)| id.clone()).collect();
+    for id in forget {
+        s.dormant.remove(&id);
+    }
+}
+
+/// An event of a dormant conversation: a response to one of its open turns is counted in the
+/// retired totals; anything else takes the conversation back as a thread (`false`: the caller
+/// goes on as for a conversation it does not hold).
+fn note_dormant(s: &mut WorkSession, conversation: &str, ev: &Folded<'_>) -> bool {
+    let Some(d) = s.dormant.get_mut(conversation) else {
+        return false;
+    };
+    if ev.is_turn_response && d.open.contains(&ev.turn) {
+        d.open.remove(&ev.turn);
+        if let Some(t) = &ev.at {
+            keep_max(&mut d.last_time, t);
+        }
+        let r = s.retired.entry(d.roles).or_default();
+        if is_blocked(ev.env) {
+            r.blocked_turns += 1;
+        } else {
+            r.answered_turns += 1;
+        }
+        if d.open.is_empty() {
+            s.dormant.remove(conversation);
+        }
+        return true;
+    }
+    // Back as a thread: no longer counted among the retired ones, with its open turns.
+    let Some(d) = s.dormant.remove(conversation) else {
+        return false;
+    };
+    if let Some(r) = s.retired.get_mut(&d.roles) {
+        r.threads = r.threads.saturating_sub(1);
+    }
+    retire_threads(s);
+    s.threads.insert(
+        conversation.to_string(),
+        Thread {
+            conversation_id: conversation.to_string(),
+            last_time: d.last_time,
+            turns: d.open.into_iter().map(|t| (t, TurnMark::Open)).collect(),
+            ..Thread::default()
+        },
+    );
+    false
 }
 
 /// The session and conversation an envelope belongs to.
@@ -1045,7 +1152,12 @@ fn keyed<'m, V>(
 /// The conversation's thread: its sides, counts, times and turns.
 fn note_thread(s: &mut WorkSession, conversation: &str, ev: &Folded<'_>) {
     if !s.threads.contains_key(conversation) {
-        retire_threads(s);
+        if note_dormant(s, conversation, ev) {
+            return;
+        }
+        if !s.threads.contains_key(conversation) {
+            retire_threads(s);
+        }
     }
     let Some(th) = keyed(&mut s.threads, conversation, || Thread {
         conversation_id: conversation.to_string(),
@@ -1452,7 +1564,8 @@ impl WorkSession {
             thread_count: threads.len() + retired.threads as usize,
             counts_by_role,
             counts_by_type,
-            open_turns: threads.iter().map(|t| t.open_turns).sum(),
+            open_turns: threads.iter().map(|t| t.open_turns).sum::<u64>()
+                + self.dormant_open_visible(opts.roles),
             blocked_turns: threads.iter().map(|t| t.blocked_turns).sum::<u64>()
                 + retired.blocked_turns,
             answered_turns: threads.iter().map(|t| t.answered_turns).sum::<u64>()
@@ -1545,6 +1658,19 @@ impl WorkSession {
                 }
             })
             .collect()
+    }
+
+    /// Open turns of the dormant conversations that held one of `roles`, when turns are visible.
+    fn dormant_open_visible(&self, roles: &[Role]) -> u64 {
+        if !roles.contains(&Role::ConversationMain) {
+            return 0;
+        }
+        let visible_mask = role_mask(roles);
+        self.dormant
+            .values()
+            .filter(|d| d.roles & visible_mask != 0)
+            .map(|d| d.open.len() as u64)
+            .sum()
     }
 
     /// Retired threads that held one of `roles`; their turns only when turns are visible.
@@ -2438,31 +2564,117 @@ mod tests {
         assert_eq!(again, s);
     }
 
-    /// The selection as first written: every candidate copied and sorted.
+    #[test]
+    fn a_session_held_open_by_unanswered_turns_stays_bounded_and_still_counts_their_responses() {
+        let mut s = WorkSession::default();
+        let mut seq = 0u64;
+        let mut next = || {
+            seq += 1;
+            raw(0, seq)
+        };
+        let at = |i: u64| {
+            format!(
+                "2026-02-17T{:02}:{:02}:{:02}.000Z",
+                i / 3600,
+                i / 60 % 60,
+                i % 60
+            )
+        };
+        // Every conversation opens a turn that no response closes (as when no contract answers).
+        let n = 2000u64;
+        for i in 0..n {
+            let e = in_conversation(send(0, &at(i)), &format!("c{i}"));
+            fold_into(&mut s, &e, &keys(&e), next());
+        }
+        assert!(s.threads.len() <= MAX_THREADS + RETIRE_SLACK);
+        assert_eq!(s.dormant.len(), MAX_DORMANT);
+        let bytes = serde_json::to_vec(&s)
+            .map(|b| b.len())
+            .unwrap_or(usize::MAX);
+        assert!(bytes < 300 * 1024, "session value is {bytes} bytes");
+        let v = s.view(&opts(&Role::ALL)).expect("visible");
+        let kept = s.threads.len() as u64;
+        // The oldest beyond the dormant bound are forgotten; every other open turn is counted.
+        let forgotten = n - kept - MAX_DORMANT as u64;
+        assert_eq!(v.thread_count as u64, n);
+        assert_eq!(v.open_turns, n - forgotten);
+        assert!(s.dormant.contains_key(&format!("c{forgotten}")));
+        assert!(!s.dormant.contains_key(&format!("c{}", forgotten - 1)));
+
+        // A response to a dormant conversation's turn is counted, with no new thread.
+        let c = format!("c{}", forgotten + 10);
+        let reply = in_conversation(response(0, &at(n), json!({})), &c);
+        assert!(fold_into(&mut s, &reply, &keys(&reply), next()));
+        let v = s.view(&opts(&Role::ALL)).expect("visible");
+        assert_eq!(v.thread_count as u64, n);
+        assert_eq!((v.open_turns, v.answered_turns), (n - forgotten - 1, 1));
+        assert!(!s.dormant.contains_key(&c) && !s.threads.contains_key(&c));
+        // So is a blocked outcome.
+        let c = format!("c{}", forgotten + 11);
+        let blocked = json!({"outcome": "blocked", "reason": "timeout"});
+        let reply = in_conversation(response(0, &at(n), blocked), &c);
+        fold_into(&mut s, &reply, &keys(&reply), next());
+        let v = s.view(&opts(&Role::ALL)).expect("visible");
+        assert_eq!((v.open_turns, v.blocked_turns), (n - forgotten - 2, 1));
+
+        // Any other event takes its conversation back as a thread, counted once, turn still open.
+        let c = format!("c{}", forgotten + 12);
+        let again = in_conversation(send(1, &at(n + 1)), &c);
+        fold_into(&mut s, &again, &keys(&again), next());
+        let v = s.view(&opts(&Role::ALL)).expect("visible");
+        assert_eq!(v.thread_count as u64, n);
+        assert_eq!(v.open_turns, n - forgotten - 1);
+        let t = v
+            .threads
+            .iter()
+            .find(|t| t.conversation_id == c)
+            .expect("listed again");
+        assert_eq!(t.open_turns, 2);
+        assert!(s.threads.len() <= MAX_THREADS + RETIRE_SLACK);
+
+        // Turns are not shown to a caller who may not see conversation.main.
+        let obs = s.view(&opts(&[Role::DelegationSubagent]));
+        assert!(obs.is_none_or(|v| v.open_turns == 0));
+    }
+
+    /// The same rule written plainly: every thread copied and sorted.
     fn retire_threads_by_sorting(s: &mut WorkSession) {
         if s.threads.len() <= MAX_THREADS + RETIRE_SLACK {
             return;
         }
-        let mut candidates: Vec<(Option<String>, String)> = s
+        let mut candidates: Vec<(bool, Option<String>, String)> = s
             .threads
             .iter()
-            .filter(|(_, t)| t.turns.values().all(|m| *m != TurnMark::Open))
-            .map(|(id, t)| (t.last_time.clone(), id.clone()))
+            .map(|(id, t)| {
+                let open = t.turns.values().any(|m| *m == TurnMark::Open);
+                (open, t.last_time.clone(), id.clone())
+            })
             .collect();
         candidates.sort();
         let excess = s.threads.len() - MAX_THREADS;
-        for (_, id) in candidates.into_iter().take(excess) {
+        for (_, _, id) in candidates.into_iter().take(excess) {
             let Some(t) = s.threads.remove(&id) else {
                 continue;
             };
-            let r = s.retired.entry(role_mask(t.counts.keys())).or_default();
+            let roles = role_mask(t.counts.keys());
+            let r = s.retired.entry(roles).or_default();
             r.threads += 1;
-            for m in t.turns.values() {
+            let mut d = Dormant {
+                roles,
+                last_time: t.last_time.clone(),
+                ..Dormant::default()
+            };
+            for (turn, m) in &t.turns {
                 match m {
                     TurnMark::Answered => r.answered_turns += 1,
                     TurnMark::Blocked => r.blocked_turns += 1,
-                    TurnMark::Open => {}
+                    TurnMark::Open => {
+                        d.open.insert(turn.clone());
+                    }
                 }
+            }
+            if !d.open.is_empty() {
+                s.dormant.insert(id, d);
             }
         }
     }
@@ -2508,8 +2720,9 @@ mod tests {
     proptest::proptest! {
         #![proptest_config(proptest::prelude::ProptestConfig::with_cases(64))]
 
-        /// Selecting the threads to retire by reference retires exactly the threads the full
-        /// sort did, with the same totals.
+        /// Selecting the threads to retire by reference retires exactly the threads a full
+        /// sort picks, with the same totals and dormant entries; a session held above the
+        /// bound by open turns comes down to it too.
         #[test]
         fn retiring_by_selection_retires_what_sorting_did(
             threads in proptest::collection::vec(
@@ -2525,6 +2738,9 @@ mod tests {
             let mut sorted = fast.clone();
             retire_threads(&mut fast);
             retire_threads_by_sorting(&mut sorted);
+            if threads.len() > MAX_THREADS + RETIRE_SLACK {
+                proptest::prop_assert_eq!(fast.threads.len(), MAX_THREADS);
+            }
             proptest::prop_assert_eq!(fast, sorted);
         }
     }
