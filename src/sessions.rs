@@ -325,6 +325,28 @@ pub struct RetiredThreads {
     pub blocked_turns: u64,
 }
 
+impl RetiredThreads {
+    /// Count a turn's outcome; an open turn adds nothing.
+    fn add(&mut self, mark: TurnMark) {
+        match mark {
+            TurnMark::Answered => self.answered_turns += 1,
+            TurnMark::Blocked => self.blocked_turns += 1,
+            TurnMark::Open => {}
+        }
+    }
+}
+
+/// The ids of the `n` entries with the smallest keys. Keys tied on their first part are told
+/// apart by the id, so the order is total and the set the same whatever the selection's order;
+/// it is a partial selection over references, not a sort, and copies only the ids it returns.
+fn smallest_ids<K: Ord>(mut keyed: Vec<(K, &String)>, n: usize) -> Vec<String> {
+    if keyed.len() > n {
+        keyed.select_nth_unstable(n);
+        keyed.truncate(n);
+    }
+    keyed.into_iter().map(|(_, id)| id.clone()).collect()
+}
+
 /// A conversation whose thread was retired while some of its turns were open.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, Default)]
 #[serde(rename_all = "camelCase")]
@@ -360,25 +382,16 @@ fn retire_threads(s: &mut WorkSession) {
         return;
     }
     let excess = s.threads.len() - MAX_THREADS;
-    // Ordered by whether a turn is open, last activity, then id: ids are unique, so the order
-    // is total and the `excess` smallest are one set whatever the selection's order.
-    let mut candidates: Vec<(bool, &Option<String>, &String)> = s
+    // Threads with no open turn first, then by last activity.
+    let candidates = s
         .threads
         .iter()
         .map(|(id, t)| {
             let open = t.turns.values().any(|m| *m == TurnMark::Open);
-            (open, &t.last_time, id)
+            ((open, &t.last_time), id)
         })
         .collect();
-    if candidates.len() > excess {
-        candidates.select_nth_unstable(excess);
-        candidates.truncate(excess);
-    }
-    let retire: Vec<String> = candidates
-        .into_iter()
-        .map(|(_, _, id)| id.clone())
-        .collect();
-    for id in retire {
+    for id in smallest_ids(candidates, excess) {
         let Some(t) = s.threads.remove(&id) else {
             continue;
         };
@@ -387,12 +400,9 @@ fn retire_threads(s: &mut WorkSession) {
         r.threads += 1;
         let mut open = BTreeSet::new();
         for (turn, m) in t.turns {
-            match m {
-                TurnMark::Answered => r.answered_turns += 1,
-                TurnMark::Blocked => r.blocked_turns += 1,
-                TurnMark::Open => {
-                    open.insert(turn);
-                }
+            r.add(m);
+            if m == TurnMark::Open {
+                open.insert(turn);
             }
         }
         if !open.is_empty() {
@@ -415,59 +425,50 @@ fn forget_dormant(s: &mut WorkSession) {
     let Some(excess) = s.dormant.len().checked_sub(MAX_DORMANT).filter(|e| *e > 0) else {
         return;
     };
-    let mut oldest: Vec<(&Option<String>, &String)> =
-        s.dormant.iter().map(|(id, d)| (&d.last_time, id)).collect();
-    if oldest.len() > excess {
-        oldest.select_nth_unstable(excess);
-        oldest.truncate(excess);
-    }
-    let forget: Vec<String> = oldest.into_iter().map(|(_, id)| id.clone()).collect();
-    for id in forget {
+    let oldest = s.dormant.iter().map(|(id, d)| (&d.last_time, id)).collect();
+    for id in smallest_ids(oldest, excess) {
         s.dormant.remove(&id);
     }
 }
 
-/// An event of a dormant conversation: a response to one of its open turns is counted in the
-/// retired totals; anything else takes the conversation back as a thread (`false`: the caller
-/// goes on as for a conversation it does not hold).
-fn note_dormant(s: &mut WorkSession, conversation: &str, ev: &Folded<'_>) -> bool {
+/// What an event of a conversation the session holds no thread for does with its dormant entry.
+enum Dormancy {
+    /// Not dormant: the conversation starts a thread of its own.
+    No,
+    /// A response to one of its open turns, counted in the retired totals: nothing more to do.
+    Counted,
+    /// Anything else: the conversation comes back as this thread (no longer counted among the
+    /// retired ones), with its open turns.
+    Woken(Thread),
+}
+
+/// An event of a conversation the session holds no thread for, as far as its dormant entry goes.
+fn note_dormant(s: &mut WorkSession, conversation: &str, ev: &Folded<'_>) -> Dormancy {
     let Some(d) = s.dormant.get_mut(conversation) else {
-        return false;
+        return Dormancy::No;
     };
-    if ev.is_turn_response && d.open.contains(&ev.turn) {
-        d.open.remove(&ev.turn);
+    if ev.is_turn_response && d.open.remove(&ev.turn) {
         if let Some(t) = &ev.at {
             keep_max(&mut d.last_time, t);
         }
-        let r = s.retired.entry(d.roles).or_default();
-        if is_blocked(ev.env) {
-            r.blocked_turns += 1;
-        } else {
-            r.answered_turns += 1;
-        }
+        s.retired.entry(d.roles).or_default().add(outcome(ev.env));
         if d.open.is_empty() {
             s.dormant.remove(conversation);
         }
-        return true;
+        return Dormancy::Counted;
     }
-    // Back as a thread: no longer counted among the retired ones, with its open turns.
     let Some(d) = s.dormant.remove(conversation) else {
-        return false;
+        return Dormancy::No;
     };
     if let Some(r) = s.retired.get_mut(&d.roles) {
         r.threads = r.threads.saturating_sub(1);
     }
-    retire_threads(s);
-    s.threads.insert(
-        conversation.to_string(),
-        Thread {
-            conversation_id: conversation.to_string(),
-            last_time: d.last_time,
-            turns: d.open.into_iter().map(|t| (t, TurnMark::Open)).collect(),
-            ..Thread::default()
-        },
-    );
-    false
+    Dormancy::Woken(Thread {
+        conversation_id: conversation.to_string(),
+        last_time: d.last_time,
+        turns: d.open.into_iter().map(|t| (t, TurnMark::Open)).collect(),
+        ..Thread::default()
+    })
 }
 
 /// The session and conversation an envelope belongs to.
@@ -857,8 +858,13 @@ fn message_text(env: &Envelope) -> Option<&str> {
         .or_else(|| field_str(env, "text"))
 }
 
-fn is_blocked(env: &Envelope) -> bool {
-    field_str(env, "outcome") == Some("blocked")
+/// The outcome a turn's response gives it.
+fn outcome(env: &Envelope) -> TurnMark {
+    if field_str(env, "outcome") == Some("blocked") {
+        TurnMark::Blocked
+    } else {
+        TurnMark::Answered
+    }
 }
 
 /// Apply one projected event at a raw position (index 0 of its raw message), processed in
@@ -1152,17 +1158,18 @@ fn keyed<'m, V>(
 /// The conversation's thread: its sides, counts, times and turns.
 fn note_thread(s: &mut WorkSession, conversation: &str, ev: &Folded<'_>) {
     if !s.threads.contains_key(conversation) {
-        if note_dormant(s, conversation, ev) {
-            return;
-        }
-        if !s.threads.contains_key(conversation) {
-            retire_threads(s);
-        }
+        let thread = match note_dormant(s, conversation, ev) {
+            Dormancy::Counted => return,
+            Dormancy::Woken(thread) => thread,
+            Dormancy::No => Thread {
+                conversation_id: conversation.to_string(),
+                ..Thread::default()
+            },
+        };
+        retire_threads(s);
+        s.threads.insert(conversation.to_string(), thread);
     }
-    let Some(th) = keyed(&mut s.threads, conversation, || Thread {
-        conversation_id: conversation.to_string(),
-        ..Thread::default()
-    }) else {
+    let Some(th) = s.threads.get_mut(conversation) else {
         return;
     };
     if ev.from.is_some() || ev.to.is_some() {
@@ -1183,14 +1190,9 @@ fn note_thread(s: &mut WorkSession, conversation: &str, ev: &Folded<'_>) {
     if ev.env.event_type == "a2a.send" {
         th.turns.entry(ev.turn.clone()).or_insert(TurnMark::Open);
     } else if ev.is_turn_response {
-        let mark = if is_blocked(ev.env) {
-            TurnMark::Blocked
-        } else {
-            TurnMark::Answered
-        };
         let slot = th.turns.entry(ev.turn.clone()).or_insert(TurnMark::Open);
         if *slot == TurnMark::Open {
-            *slot = mark;
+            *slot = outcome(ev.env);
         }
     }
 }
