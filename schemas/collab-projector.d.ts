@@ -1115,8 +1115,8 @@ export interface WorkSession {
    */
   participants: Participant[];
   /**
-   * The most recently active conversations (256 or so); older ones without an open turn
-   * count only in the totals.
+   * The most recently active conversations (256 or so), those with an open turn kept first;
+   * older ones count only in the totals.
    */
   threads: Thread[];
   /**

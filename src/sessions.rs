@@ -463,9 +463,18 @@ fn note_dormant(s: &mut WorkSession, conversation: &str, ev: &Folded<'_>) -> Dor
     if let Some(r) = s.retired.get_mut(&d.roles) {
         r.threads = r.threads.saturating_sub(1);
     }
+    // It keeps the roles it was retired under (with no events counted yet), so a caller who
+    // could see it then still sees it, whatever the role of the event that woke it.
+    let counts = Role::ALL
+        .iter()
+        .enumerate()
+        .filter(|(bit, _)| d.roles & (1 << bit) != 0)
+        .map(|(_, r)| (*r, 0))
+        .collect();
     Dormancy::Woken(Thread {
         conversation_id: conversation.to_string(),
         last_time: d.last_time,
+        counts,
         turns: d.open.into_iter().map(|t| (t, TurnMark::Open)).collect(),
         ..Thread::default()
     })
@@ -1400,8 +1409,8 @@ pub struct SessionView {
     pub last_message_timestamp: Option<String>,
     /// Who took part, in the visible roles.
     pub participants: Vec<ParticipantView>,
-    /// The most recently active conversations (256 or so); older ones without an open turn
-    /// count only in the totals.
+    /// The most recently active conversations (256 or so), those with an open turn kept first;
+    /// older ones count only in the totals.
     pub threads: Vec<ThreadView>,
     /// Tokens the visible roles' events reported, per agent and model, with their cost.
     pub usage: Vec<UsageView>,
@@ -2633,6 +2642,25 @@ mod tests {
             .expect("listed again");
         assert_eq!(t.open_turns, 2);
         assert!(s.threads.len() <= MAX_THREADS + RETIRE_SLACK);
+
+        // Woken by an event of another role, a conversation stays where a caller who may see
+        // only conversation.main saw it.
+        let c = format!("c{}", forgotten + 13);
+        let before = s.view(&opts(&[Role::ConversationMain])).expect("visible");
+        let mut other = env(
+            Role::SystemObservability,
+            "health.ping",
+            &at(n + 2),
+            json!({"conversationId": c, "workSessionId": "ws_1"}),
+        );
+        other.conversation_id = Some(json!(c));
+        fold_into(&mut s, &other, &keys(&other), next());
+        assert!(s.threads.contains_key(&c) && !s.dormant.contains_key(&c));
+        let after = s.view(&opts(&[Role::ConversationMain])).expect("visible");
+        assert_eq!(
+            (after.thread_count, after.open_turns),
+            (before.thread_count, before.open_turns)
+        );
 
         // Turns are not shown to a caller who may not see conversation.main.
         let obs = s.view(&opts(&[Role::DelegationSubagent]));
