@@ -637,18 +637,10 @@ impl Publisher {
             },
         };
         let name = format!("lookup-{}", uuid::Uuid::new_v4().simple());
-        let reader = stream
-            .create_consumer(jetstream::consumer::pull::OrderedConfig {
-                name: Some(name.clone()),
-                filter_subject: out.subject.clone(),
-                deliver_policy,
-                // Only the Msg-Ids are read.
-                headers_only: true,
-                ..Default::default()
-            })
+        let reader = lookup_reader(stream, &name, &out.subject, deliver_policy)
             .await
             .map_err(|e| failed("creating the look-up reader", &e))?;
-        let read = read_msg_ids(reader, last.sequence).await;
+        let read = read_msg_ids(reader, deliver_policy, last.sequence).await;
         if let Err(e) = stream.delete_consumer(&name).await {
             debug!(consumer = %name, error = %e, "look-up reader not deleted; it expires by itself");
         }
@@ -1399,14 +1391,59 @@ pub struct LookupFailed {
     what: String,
 }
 
-/// The Msg-Ids of what `reader` (a headers-only reader of one subject) delivers, through
-/// stream sequence `until`, the subject's last message when the look-up began.
+/// A reader of `subject`'s headers (the Msg-Ids are all a look-up reads), named `name`, from
+/// `from` on.
+async fn lookup_reader(
+    stream: &jetstream::stream::Stream,
+    name: &str,
+    subject: &str,
+    from: jetstream::consumer::DeliverPolicy,
+) -> Result<
+    jetstream::consumer::Consumer<jetstream::consumer::pull::OrderedConfig>,
+    jetstream::stream::ConsumerError,
+> {
+    stream
+        .create_consumer(jetstream::consumer::pull::OrderedConfig {
+            name: Some(name.to_string()),
+            filter_subject: subject.to_string(),
+            deliver_policy: from,
+            headers_only: true,
+            ..Default::default()
+        })
+        .await
+}
+
+/// Whether a delivery stored at `seq`, `stored`, comes before where a reader made with `from`
+/// starts: the client library remakes an ordered reader that lost its state on the server
+/// (deleted, a server restart) before its first delivery with "deliver all", from the stream's
+/// start.
+fn before_start(
+    from: jetstream::consumer::DeliverPolicy,
+    seq: u64,
+    stored: chrono::DateTime<chrono::Utc>,
+) -> bool {
+    use jetstream::consumer::DeliverPolicy;
+    match from {
+        DeliverPolicy::ByStartSequence { start_sequence } => seq < start_sequence,
+        DeliverPolicy::ByStartTime { start_time } => stored < start_time,
+        _ => false,
+    }
+}
+
+/// The Msg-Ids of what `reader` (a headers-only reader of one subject, made with `from`)
+/// delivers, through stream sequence `until`, the subject's last message when the look-up
+/// began.
 ///
 /// The reader's own count of what is left says nothing here: it is kept by the replica the
 /// reader was placed on, which may lag behind the leader (a node catching up after a network
 /// partition) and count 0 before the output sought. Only reaching `until` ends the read.
+///
+/// A delivery from before `from` is a reader remade from the stream's start ([`before_start`]):
+/// reading on would go through the subject's whole history, as long as the stream keeps it, so
+/// the look-up fails instead and is asked again with a reader of its own range.
 async fn read_msg_ids(
     reader: jetstream::consumer::Consumer<jetstream::consumer::pull::OrderedConfig>,
+    from: jetstream::consumer::DeliverPolicy,
     until: u64,
 ) -> Result<Vec<String>, String> {
     let mut messages = reader.messages().await.map_err(|e| e.to_string())?;
@@ -1422,10 +1459,16 @@ async fn read_msg_ids(
                 ))
             }
         };
+        let info = m.info().map_err(|e| e.to_string())?;
+        if before_start(from, info.stream_sequence, info.published) {
+            return Err(format!(
+                "the look-up reader was made again from the stream's start (it delivered stream sequence {})",
+                info.stream_sequence
+            ));
+        }
         if let Some(id) = m.headers.as_ref().and_then(|h| h.get("Nats-Msg-Id")) {
             ids.push(id.as_str().to_owned());
         }
-        let info = m.info().map_err(|e| e.to_string())?;
         if info.stream_sequence >= until {
             return Ok(ids);
         }
@@ -1769,6 +1812,79 @@ mod tests {
         assert_eq!(
             seen.ids, 9,
             "nothing new read when the subject's last was read"
+        );
+    }
+
+    #[test]
+    fn a_delivery_before_where_its_reader_starts_is_told_by_sequence_or_store_time() {
+        use jetstream::consumer::DeliverPolicy;
+        let at = |ms: i64| chrono::DateTime::from_timestamp_millis(ms).unwrap_or_default();
+        let by_seq = DeliverPolicy::ByStartSequence { start_sequence: 10 };
+        assert!(before_start(by_seq, 9, at(5_000)));
+        assert!(!before_start(by_seq, 10, at(0)));
+        let by_time = DeliverPolicy::ByStartTime {
+            start_time: at(5_000),
+        };
+        assert!(before_start(by_time, 100, at(4_999)));
+        assert!(!before_start(by_time, 1, at(5_000)));
+        assert!(!before_start(DeliverPolicy::All, 1, at(0)));
+    }
+
+    /// Against a real server: a look-up reader that loses its state on the server before its
+    /// first delivery (deleted here; a server restart does the same) is remade by the client
+    /// library from the stream's start. Its read fails, naming that, instead of going through
+    /// the subject's whole history; the look-up asked again answers.
+    #[cfg(feature = "tools")]
+    #[tokio::test]
+    async fn a_lookup_reader_remade_from_the_streams_start_fails_instead_of_reading_all_history() {
+        let Some((_nats, js, names, publisher)) = provisioned_publisher().await else {
+            return;
+        };
+        let subject = names.proj_subject(crate::model::Role::OrchestrationTask, "h", "task.done");
+        let output = |raw_seq: u64| {
+            projection(
+                crate::model::Role::OrchestrationTask,
+                subject.clone(),
+                format!("{{\"raw\":{raw_seq}}}"),
+                crate::pipeline::input_msg_id(&names.raw_stream, raw_seq, 0),
+            )
+        };
+        // The subject's history, older than what the look-up reads.
+        let mut last = 0;
+        for raw_seq in 1..=5 {
+            last = store_unfenced(&js, &output(raw_seq)).await;
+        }
+        let stream = js.get_stream(&names.proj_stream).await.expect("stream");
+        let from = jetstream::consumer::DeliverPolicy::ByStartSequence {
+            start_sequence: last + 1,
+        };
+        let name = "lookup-remade";
+        let reader = lookup_reader(&stream, name, &subject, from)
+            .await
+            .expect("a reader");
+        let read = tokio::spawn(read_msg_ids(reader, from, last + 1));
+        // Its pull waits for the output not stored yet; the reader goes from the server.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        stream.delete_consumer(name).await.expect("deleted");
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        assert_eq!(store_unfenced(&js, &output(6)).await, last + 1);
+        let read = tokio::time::timeout(Duration::from_secs(20), read)
+            .await
+            .expect("the read ends")
+            .expect("joined");
+        let err = read.expect_err("a reader remade from the stream's start is not read on");
+        assert!(
+            err.contains("made again from the stream's start"),
+            "the failure says why: {err}"
+        );
+        assert!(
+            matches!(
+                publisher
+                    .stored_already(&output(6), 6, crate::bus::now_ms())
+                    .await,
+                Ok(true)
+            ),
+            "asked again, the look-up finds the output"
         );
     }
 
