@@ -640,7 +640,7 @@ impl Publisher {
         let reader = lookup_reader(stream, &name, &out.subject, deliver_policy)
             .await
             .map_err(|e| failed("creating the look-up reader", &e))?;
-        let read = read_msg_ids(reader, deliver_policy, last.sequence).await;
+        let read = read_msg_ids(reader, last.sequence).await;
         if let Err(e) = stream.delete_consumer(&name).await {
             debug!(consumer = %name, error = %e, "look-up reader not deleted; it expires by itself");
         }
@@ -1413,41 +1413,27 @@ async fn lookup_reader(
         .await
 }
 
-/// Whether a delivery stored at `seq`, `stored`, comes before where a reader made with `from`
-/// starts: the client library remakes an ordered reader that lost its state on the server
-/// (deleted, a server restart) before its first delivery with "deliver all", from the stream's
-/// start.
-fn before_start(
-    from: jetstream::consumer::DeliverPolicy,
-    seq: u64,
-    stored: chrono::DateTime<chrono::Utc>,
-) -> bool {
-    use jetstream::consumer::DeliverPolicy;
-    match from {
-        DeliverPolicy::ByStartSequence { start_sequence } => seq < start_sequence,
-        DeliverPolicy::ByStartTime { start_time } => stored < start_time,
-        _ => false,
-    }
-}
-
-/// The Msg-Ids of what `reader` (a headers-only reader of one subject, made with `from`)
-/// delivers, through stream sequence `until`, the subject's last message when the look-up
-/// began.
+/// The Msg-Ids of what `reader` (a headers-only reader of one subject) delivers, through
+/// stream sequence `until`, the subject's last message when the look-up began.
 ///
 /// The reader's own count of what is left says nothing here: it is kept by the replica the
 /// reader was placed on, which may lag behind the leader (a node catching up after a network
 /// partition) and count 0 before the output sought. Only reaching `until` ends the read.
 ///
-/// A delivery from before `from` is a reader remade from the stream's start ([`before_start`]):
-/// reading on would go through the subject's whole history, as long as the stream keeps it, so
-/// the look-up fails instead and is asked again with a reader of its own range.
+/// The client library remakes an ordered reader that lost its state on the server (deleted, a
+/// server restart), under a name of its own; one remade before its first delivery starts from
+/// the stream's start ("deliver all"). Reading on would go through the subject's whole history,
+/// as long as its stream keeps it, so a first delivery from a remade reader fails the look-up
+/// instead (the remade reader is deleted), and the look-up is asked again with a reader of its
+/// own range. One remade later starts after its last delivery, and is read on.
 async fn read_msg_ids(
     reader: jetstream::consumer::Consumer<jetstream::consumer::pull::OrderedConfig>,
-    from: jetstream::consumer::DeliverPolicy,
     until: u64,
 ) -> Result<Vec<String>, String> {
+    let name = reader.cached_info().name.clone();
     let mut messages = reader.messages().await.map_err(|e| e.to_string())?;
     let mut ids = Vec::new();
+    let mut first = true;
     loop {
         let m = match tokio::time::timeout(Duration::from_secs(5), messages.next()).await {
             Ok(Some(Ok(m))) => m,
@@ -1460,9 +1446,17 @@ async fn read_msg_ids(
             }
         };
         let info = m.info().map_err(|e| e.to_string())?;
-        if before_start(from, info.stream_sequence, info.published) {
+        if std::mem::take(&mut first) && info.consumer != name {
+            let remade = info.consumer.to_string();
+            let deleted = m
+                .context
+                .delete_consumer_from_stream(&remade, info.stream)
+                .await;
+            if let Err(e) = deleted {
+                debug!(consumer = %remade, error = %e, "remade look-up reader not deleted; it expires by itself");
+            }
             return Err(format!(
-                "the look-up reader was made again from the stream's start (it delivered stream sequence {})",
+                "the look-up reader was made again from the stream's start as {remade} (its first delivery was stream sequence {})",
                 info.stream_sequence
             ));
         }
@@ -1815,29 +1809,16 @@ mod tests {
         );
     }
 
-    #[test]
-    fn a_delivery_before_where_its_reader_starts_is_told_by_sequence_or_store_time() {
-        use jetstream::consumer::DeliverPolicy;
-        let at = |ms: i64| chrono::DateTime::from_timestamp_millis(ms).unwrap_or_default();
-        let by_seq = DeliverPolicy::ByStartSequence { start_sequence: 10 };
-        assert!(before_start(by_seq, 9, at(5_000)));
-        assert!(!before_start(by_seq, 10, at(0)));
-        let by_time = DeliverPolicy::ByStartTime {
-            start_time: at(5_000),
-        };
-        assert!(before_start(by_time, 100, at(4_999)));
-        assert!(!before_start(by_time, 1, at(5_000)));
-        assert!(!before_start(DeliverPolicy::All, 1, at(0)));
-    }
-
     /// Against a real server: a look-up reader that loses its state on the server before its
     /// first delivery (deleted here; a server restart does the same) is remade by the client
     /// library from the stream's start. Its read fails, naming that, instead of going through
-    /// the subject's whole history; the look-up asked again answers.
+    /// the subject's whole history, and leaves no reader behind; a reader made again reads only
+    /// its own range.
     #[cfg(feature = "tools")]
     #[tokio::test]
     async fn a_lookup_reader_remade_from_the_streams_start_fails_instead_of_reading_all_history() {
-        let Some((_nats, js, names, publisher)) = provisioned_publisher().await else {
+        use futures::TryStreamExt;
+        let Some((_nats, js, names, _publisher)) = provisioned_publisher().await else {
             return;
         };
         let subject = names.proj_subject(crate::model::Role::OrchestrationTask, "h", "task.done");
@@ -1862,7 +1843,7 @@ mod tests {
         let reader = lookup_reader(&stream, name, &subject, from)
             .await
             .expect("a reader");
-        let read = tokio::spawn(read_msg_ids(reader, from, last + 1));
+        let read = tokio::spawn(read_msg_ids(reader, last + 1));
         // Its pull waits for the output not stored yet; the reader goes from the server.
         tokio::time::sleep(Duration::from_millis(300)).await;
         stream.delete_consumer(name).await.expect("deleted");
@@ -1877,15 +1858,21 @@ mod tests {
             err.contains("made again from the stream's start"),
             "the failure says why: {err}"
         );
+        // The remade reader is gone with the failure; a reader made again reads its range.
+        let names_left: Vec<String> = stream
+            .consumer_names()
+            .try_collect()
+            .await
+            .expect("consumer names");
         assert!(
-            matches!(
-                publisher
-                    .stored_already(&output(6), 6, crate::bus::now_ms())
-                    .await,
-                Ok(true)
-            ),
-            "asked again, the look-up finds the output"
+            !names_left.iter().any(|n| n.starts_with(name)),
+            "no look-up reader left behind: {names_left:?}"
         );
+        let again = lookup_reader(&stream, "lookup-again", &subject, from)
+            .await
+            .expect("a reader");
+        let ids = read_msg_ids(again, last + 1).await.expect("read");
+        assert_eq!(ids, vec![output(6).msg_id], "only the reader's own range");
     }
 
     /// Against a real server: a group's projections and dead letters, interleaved as a mix's
