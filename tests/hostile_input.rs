@@ -395,6 +395,17 @@ fn a_wire_task_normalises_the_same_published_under_its_offline_key() {
     }
 }
 
+/// Found by `cargo fuzz` (normalize): an A2A artifact update whose context id is too long, or
+/// has characters, for a subject token, so its key is a hash of it. Published under that key,
+/// it gave other envelopes than offline.
+#[test]
+fn a_wire_artifact_update_with_a_hashed_key_normalises_the_same_published_under_it() {
+    let body = br#"{"jsonrpc":"2.0","id":1,"result":{"taskId":"225d6247-06ba-4cda-a08b-33ae35c:dcfa","contextId":"05WWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWWW217e44-7e9f-473e-ab4f-2c2dd!e50a2b1","artifact":{"artifactId":"9b6934dd-37e3-4eb1-8766-962efaab63a1","parts":[{"kind":"text","text":"<section 1...>"}]},"append":false,"lastChunk":false,"kind":"artifact-update"}}"#;
+    if let Err(broken) = checks::normalize(body) {
+        panic!("{broken}");
+    }
+}
+
 #[test]
 fn every_fixture_input_normalises_within_the_invariants() {
     for event in fixture_events() {

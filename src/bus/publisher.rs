@@ -1554,6 +1554,17 @@ mod tests {
     use super::*;
     use crate::model::DlqReason;
 
+    /// The one output of raw input `raw_seq`, a task event on `subject`.
+    #[cfg(feature = "tools")]
+    fn task_output(names: &Names, subject: &str, raw_seq: u64) -> Outgoing {
+        projection(
+            crate::model::Role::OrchestrationTask,
+            subject.to_string(),
+            format!("{{\"raw\":{raw_seq}}}"),
+            crate::pipeline::input_msg_id(&names.raw_stream, raw_seq, 0),
+        )
+    }
+
     /// A projection of `role` on `subject`, with no headers.
     fn projection(
         role: crate::model::Role,
@@ -1751,14 +1762,7 @@ mod tests {
         };
         let subject =
             names.proj_subject(crate::model::Role::OrchestrationTask, "t", "task.updated");
-        let output = |raw_seq: u64| {
-            projection(
-                crate::model::Role::OrchestrationTask,
-                subject.clone(),
-                format!("{{\"raw\":{raw_seq}}}"),
-                crate::pipeline::input_msg_id(&names.raw_stream, raw_seq, 0),
-            )
-        };
+        let output = |raw_seq: u64| task_output(&names, &subject, raw_seq);
         let store = |raw_seq: u64| {
             let (js, out) = (js.clone(), output(raw_seq));
             async move { store_unfenced(&js, &out).await }
@@ -1822,14 +1826,7 @@ mod tests {
             return;
         };
         let subject = names.proj_subject(crate::model::Role::OrchestrationTask, "h", "task.done");
-        let output = |raw_seq: u64| {
-            projection(
-                crate::model::Role::OrchestrationTask,
-                subject.clone(),
-                format!("{{\"raw\":{raw_seq}}}"),
-                crate::pipeline::input_msg_id(&names.raw_stream, raw_seq, 0),
-            )
-        };
+        let output = |raw_seq: u64| task_output(&names, &subject, raw_seq);
         // The subject's history, older than what the look-up reads.
         let mut last = 0;
         for raw_seq in 1..=5 {
