@@ -19,7 +19,7 @@
 //! the relay's headers) answer no turn: they are projected as task progress.
 
 use super::input::RelayHeaders;
-use crate::model::{decode_id, id_text, key_token, DlqReason, Rejection};
+use crate::model::{decode_id, encode_id, id_text, DlqReason, Rejection};
 use serde_json::{Map, Value};
 
 /// JSON-RPC code of A2A's TaskNotFoundError.
@@ -446,12 +446,12 @@ impl Translation {
 /// was keyed by (a relay keys it by the request's `contextId`, else by an id of its own), as the
 /// id it encodes; a key too long to decode (a hash) stands for itself, since a body of the
 /// exchange that carries no context (an error) can name nothing else. Offline (no subject), the
-/// body's `contextId`, taken as the key it is published under, so a body gives the same
-/// conversation either way.
+/// body's `contextId` encoded as the key it is given offline (`encode_id`, as `ingest` keys it),
+/// then read the same way, so a body gives the same conversation either way.
 fn conversation_of(key: Option<&str>, ev: &Map<String, Value>) -> String {
     let key = key
         .map(str::to_string)
-        .or_else(|| ev.get("contextId").and_then(id_text).map(|c| key_token(&c)));
+        .or_else(|| ev.get("contextId").and_then(id_text).map(|c| encode_id(&c)));
     match key {
         Some(k) => decode_id(&k).unwrap_or(k),
         None => "_".to_string(),
@@ -1021,7 +1021,9 @@ mod tests {
 
     /// A context id too long to encode reversibly is keyed by its hash, and the hash is the
     /// conversation of every body of the exchange, offline as when published: a body that
-    /// carries no context (an error) can name nothing else.
+    /// carries no context (an error) can name nothing else. Whatever the context id (one that
+    /// looks encoded among them), a body offline is the conversation it is published as under
+    /// the key it is given offline.
     #[test]
     fn a_context_keyed_by_its_hash_is_one_conversation_offline_and_published() {
         let relay = RelayHeaders {
@@ -1029,24 +1031,35 @@ mod tests {
             a2a_method: Some("message/stream".into()),
             ..exchange()
         };
-        let long = format!("ctx!{}", "w".repeat(120));
-        let key = crate::model::key_token(&long);
-        assert!(key.starts_with("_h"), "{key}");
-        let update = json!({"jsonrpc":"2.0","id":1,"result":{"kind":"status-update","taskId":"t","contextId":long,"status":{"state":"working"},"final":false}});
-        let error = json!({"jsonrpc":"2.0","id":1,"error":{"code":-32603,"message":"boom"}});
-        let offline = {
-            let obj = update.as_object().cloned().unwrap_or_default();
-            translate(&obj, None, &relay).unwrap_or_else(|e| panic!("{e:?}"))
+        let update = |context: &str| json!({"jsonrpc":"2.0","id":1,"result":{"kind":"status-update","taskId":"t","contextId":context,"status":{"state":"working"},"final":false}});
+        let offline = |body: &Value| {
+            let obj = body.as_object().cloned().unwrap_or_default();
+            let ev = translate(&obj, None, &relay).unwrap_or_else(|e| panic!("{e:?}"));
+            ev.get("conversationId")
+                .and_then(Value::as_str)
+                .map(str::to_string)
         };
-        let conversation =
-            |env: &crate::model::Envelope| crate::sessions::keys(env).conversation_id;
-        assert_eq!(
-            offline.get("conversationId").and_then(Value::as_str),
-            Some(key.as_str())
-        );
-        for body in [update, error] {
-            let env = projected(body, &key, &relay);
-            assert_eq!(conversation(&env).as_deref(), Some(key.as_str()), "{env:?}");
+        let published = |body: Value, key: &str| {
+            crate::sessions::keys(&projected(body, key, &relay)).conversation_id
+        };
+        let long = format!("ctx!{}", "w".repeat(120));
+        let key = crate::model::encode_id(&long);
+        assert!(key.starts_with("_h"), "{key}");
+        assert_eq!(offline(&update(&long)).as_deref(), Some(key.as_str()));
+        let error = json!({"jsonrpc":"2.0","id":1,"error":{"code":-32603,"message":"boom"}});
+        assert_eq!(published(error, &key).as_deref(), Some(key.as_str()));
+        for context in [
+            long.as_str(),
+            "ctx-9",
+            "ctx with spaces",
+            "_bYWJj",
+            "_b",
+            "_h00",
+            "_x",
+        ] {
+            let body = update(context);
+            let key = crate::model::encode_id(context);
+            assert_eq!(offline(&body), published(body.clone(), &key), "{context:?}");
         }
     }
 
