@@ -446,16 +446,19 @@ impl Translation {
 /// was keyed by (a relay keys it by the request's `contextId`, else by an id of its own), as the
 /// id it encodes; a key too long to decode (a hash) stands for itself, since a body of the
 /// exchange that carries no context (an error) can name nothing else. Offline (no subject), the
-/// body's `contextId` encoded as the key it is given offline (`encode_id`, as `ingest` keys it),
-/// then read the same way, so a body gives the same conversation either way.
+/// key is [`offline_key`], read the same way, so a body gives the same conversation either way.
 fn conversation_of(key: Option<&str>, ev: &Map<String, Value>) -> String {
-    let key = key
-        .map(str::to_string)
-        .or_else(|| ev.get("contextId").and_then(id_text).map(|c| encode_id(&c)));
-    match key {
-        Some(k) => decode_id(&k).unwrap_or(k),
-        None => "_".to_string(),
-    }
+    let key = key.map_or_else(|| offline_key(ev), str::to_string);
+    decode_id(&key).unwrap_or(key)
+}
+
+/// The key a translated wire body is given offline (no subject), as a relay keys its exchange:
+/// its `contextId`, encoded as a subject token, else the placeholder `_`. Published under that
+/// key, the body gives the same envelope.
+pub(super) fn offline_key(ev: &Map<String, Value>) -> String {
+    ev.get("contextId")
+        .and_then(id_text)
+        .map_or_else(|| "_".to_string(), |c| encode_id(&c))
 }
 
 /// The text of a Task, Message or update: its own parts, else its status message, else its

@@ -198,16 +198,7 @@ fn from_wire(
         relay: RelayHeaders::default(),
     };
     let mut n = event::from_event(&translated, &offline, settings)?;
-    match (
-        key,
-        translated.get("contextId").and_then(crate::model::id_text),
-    ) {
-        (Some(k), _) => n.key = k,
-        // Offline, a body is keyed as a relay keys its exchange: by its context, else under the
-        // placeholder key; published under that key it gives the same envelope.
-        (None, Some(context)) => n.key = crate::model::encode_id(&context),
-        (None, None) => n.key = "_".into(),
-    }
+    n.key = key.unwrap_or_else(|| a2a_wire::offline_key(&translated));
     if n.conversation_id.is_some() {
         n.source = Some(std::sync::Arc::new(translated));
     }
