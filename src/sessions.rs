@@ -371,6 +371,15 @@ fn role_mask<'a>(roles: impl IntoIterator<Item = &'a Role>) -> u8 {
     })
 }
 
+/// The roles of a [`role_mask`] bit mask.
+fn mask_roles(mask: u8) -> impl Iterator<Item = Role> {
+    Role::ALL
+        .iter()
+        .enumerate()
+        .filter(move |(bit, _)| mask & (1 << bit) != 0)
+        .map(|(_, r)| *r)
+}
+
 /// Retire threads past [`MAX_THREADS`]: oldest activity first, those with an open turn only
 /// once no other is left (they stay [`Dormant`]).
 ///
@@ -465,12 +474,7 @@ fn note_dormant(s: &mut WorkSession, conversation: &str, ev: &Folded<'_>) -> Dor
     }
     // It keeps the roles it was retired under (with no events counted yet), so a caller who
     // could see it then still sees it, whatever the role of the event that woke it.
-    let counts = Role::ALL
-        .iter()
-        .enumerate()
-        .filter(|(bit, _)| d.roles & (1 << bit) != 0)
-        .map(|(_, r)| (*r, 0))
-        .collect();
+    let counts = mask_roles(d.roles).map(|r| (r, 0)).collect();
     Dormancy::Woken(Thread {
         conversation_id: conversation.to_string(),
         last_time: d.last_time,
@@ -2725,12 +2729,7 @@ mod tests {
                     (format!("t{k}"), mark)
                 })
                 .collect();
-            let counts = Role::ALL
-                .iter()
-                .enumerate()
-                .filter(|(b, _)| roles & (1 << b) != 0)
-                .map(|(_, r)| (*r, 1))
-                .collect();
+            let counts = mask_roles(*roles).map(|r| (r, 1)).collect();
             // Few distinct times, so many threads share one and the id decides.
             let last_time = last.map(|t| format!("2026-02-17T12:00:{:02}.000Z", t % 8));
             s.threads.insert(
