@@ -29,6 +29,7 @@ use bytes::Bytes;
 use futures::future::{BoxFuture, FutureExt, Shared as SharedFuture};
 use futures::StreamExt;
 use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
@@ -1078,10 +1079,15 @@ impl PartitionTurns {
         };
         // Decisions, and writes after one of this owner's writes still in flight, go through the
         // partition's writer (see `DecisionWriter`): sent in the order made, without the partition
-        // waiting for an open write's revision.
-        let expected = match (&after, rec.state == TurnState::Decided) {
+        // waiting for an open write's revision. A decision whose revision is known, while the
+        // writer has nothing queued or being sent, is sent from here: every decision made before
+        // it is on its way already, so the order holds without the writer's hop.
+        let decision = rec.state == TurnState::Decided;
+        let expected = match (&after, decision) {
             (None, false) => 0,
             (Some(Rev::Known(rev)), false) => *rev,
+            (None | Some(Rev::Unwritten), true) if self.writer.is_idle() => 0,
+            (Some(Rev::Known(rev)), true) if self.writer.is_idle() => *rev,
             _ => return Ok(self.writer.write(subject, rec.clone(), after)),
         };
         let connects = self.publisher.connects();
@@ -2112,6 +2118,10 @@ async fn store_blobs(
 struct DecisionWriter {
     queue: mpsc::UnboundedSender<QueuedWrite>,
     publisher: Arc<Publisher>,
+    /// Writes queued and not yet handed to the connection. Only the partition queues, and only
+    /// the writer's task takes one off once it is sent, so a zero read by the partition means
+    /// every decision it made is on its way.
+    pending: Arc<AtomicUsize>,
 }
 
 struct QueuedWrite {
@@ -2130,6 +2140,8 @@ impl DecisionWriter {
     fn start(records: Arc<RecordWrites>, publisher: Arc<Publisher>) -> DecisionWriter {
         let sender = publisher.clone();
         let (queue, mut rx) = mpsc::unbounded_channel::<QueuedWrite>();
+        let pending = Arc::new(AtomicUsize::new(0));
+        let sent_off = pending.clone();
         tokio::spawn(async move {
             while let Some(w) = rx.recv().await {
                 let expected = match w.after {
@@ -2145,15 +2157,29 @@ impl DecisionWriter {
                         .map_err(|e| WriteError::Failed(e.into()))?;
                     Ok((ack, at, again))
                 };
-                let _ = w.sent.send(sent.await);
+                let sent = sent.await;
+                // Handed to the connection (or failed): a decision the partition sends itself
+                // from now on follows this one.
+                sent_off.fetch_sub(1, Ordering::Release);
+                let _ = w.sent.send(sent);
             }
         });
-        DecisionWriter { queue, publisher }
+        DecisionWriter {
+            queue,
+            publisher,
+            pending,
+        }
+    }
+
+    /// Whether nothing queued here is still to be sent.
+    fn is_idle(&self) -> bool {
+        self.pending.load(Ordering::Acquire) == 0
     }
 
     /// Queue a compare-and-set write of `rec` after `after` (absent: the key must be absent).
     fn write(&self, subject: String, rec: TurnRecord, after: Option<Rev>) -> KvWrite {
         let (sent, ack) = oneshot::channel();
+        self.pending.fetch_add(1, Ordering::Release);
         let queued = self.queue.send(QueuedWrite {
             subject,
             rec,

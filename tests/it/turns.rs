@@ -1748,6 +1748,97 @@ async fn a_nats_restart_between_decision_and_publish_keeps_exactly_one_response(
     assert!(bed.read(SUPPRESSED).await.is_empty());
 }
 
+/// Decisions reach the turns bucket in the order the partition makes them, so the published
+/// checkpoint (the highest revision whose response is stored) never covers a decision made later
+/// whose response is not stored yet. Two kinds of decision alternate here: one whose open record
+/// was written before its reply (its write waits on the partition's writer for that record's
+/// revision) and, right behind it in the same burst, one for a turn answered at once (sent without
+/// the writer's hop when the writer has nothing queued). Their revisions must follow the raw order
+/// of the replies that decided them.
+#[tokio::test]
+async fn decisions_are_stored_in_the_order_they_are_made() {
+    let bed = Bed::start_with(&[
+        ("COLLAB_NATS__PARTITIONS", "1"),
+        ("COLLAB_TURNS__OPEN_WRITE_DELAY", "2ms"),
+    ])
+    .await;
+    let _worker = bed.projector(&[]);
+    let ask = json!({"message": "look it up", "timeoutMs": 600_000});
+    let answer = json!({"message": "found it"});
+    let mut turns = Vec::new();
+    for i in 0..80 {
+        let (waits, quick) = (format!("c-waits-{i}"), format!("c-quick-{i}"));
+        bed.publish(&send(&waits, ask.clone())).await;
+        // Long enough for the open record to be written before the reply comes.
+        tokio::time::sleep(Duration::from_millis(8)).await;
+        // The reply and the next whole turn in one burst: the partition takes them back to back.
+        let mut acks = Vec::new();
+        for ev in [
+            reply(&waits, answer.clone()),
+            send(&quick, ask.clone()),
+            reply(&quick, answer.clone()),
+        ] {
+            let conv = ev["data"]["conversationId"].as_str().unwrap_or_default();
+            let subject = format!(
+                "collab.raw.{conv}.{}",
+                ev["type"].as_str().unwrap_or_default()
+            );
+            let bytes = serde_json::to_vec(&ev).expect("an event serialises");
+            acks.push(
+                bed.js
+                    .publish(subject, bytes.into())
+                    .await
+                    .expect("raw publish was not sent"),
+            );
+        }
+        for ack in acks {
+            ack.await.expect("raw publish was not acknowledged");
+        }
+        turns.push(key(&waits, "0"));
+        turns.push(key(&quick, "0"));
+    }
+    bed.wait_responses(&turns).await;
+
+    let kv = bed
+        .js
+        .get_key_value("collab_turns")
+        .await
+        .expect("the turns bucket exists");
+    let mut keys = kv.keys().await.expect("the turns bucket lists its keys");
+    let mut decided: Vec<(u64, u64, String)> = Vec::new();
+    while let Some(Ok(k)) = keys.next().await {
+        if !k.starts_with('p') {
+            continue;
+        }
+        let Ok(Some(e)) = kv.entry(&k).await else {
+            continue;
+        };
+        let v: Value = serde_json::from_slice(&e.value).expect("a turn record is JSON");
+        if v["state"] != "decided" {
+            continue;
+        }
+        let winner = v["winner"]["seq"]
+            .as_u64()
+            .unwrap_or_else(|| panic!("decided record {k} names no winner: {v}"));
+        decided.push((winner, e.revision, k));
+    }
+    assert_eq!(decided.len(), turns.len(), "one decided record per turn");
+    decided.sort();
+    for pair in decided.windows(2) {
+        assert!(
+            pair[0].1 < pair[1].1,
+            "the decision by raw seq {} ({}) was stored at revision {}, after the one by raw seq {} ({}) at revision {}",
+            pair[0].0,
+            pair[0].2,
+            pair[0].1,
+            pair[1].0,
+            pair[1].2,
+            pair[1].1
+        );
+    }
+    one_per_turn(&bed.responses().await, &turns);
+}
+
 #[tokio::test]
 async fn a_reply_stored_before_the_deadline_wins_when_processed_after_it() {
     let bed = Bed::start().await;
