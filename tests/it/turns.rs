@@ -1124,8 +1124,21 @@ async fn a_worker_killed_before_its_open_records_are_written_loses_no_turn() {
 
 /// The turn record of `conv`'s first turn in the turns bucket: its key, value and revision.
 async fn turn_record(js: &jetstream::Context, conv: &str) -> Option<(String, Value, u64)> {
-    let kv = js.get_key_value("collab_turns").await.ok()?;
-    let mut keys = kv.keys().await.ok()?;
+    turn_records(js)
+        .await
+        .into_iter()
+        .find(|(_, v, _)| v["conversationId"] == conv)
+}
+
+/// Every turn record readable in the turns bucket: its key, value and revision.
+async fn turn_records(js: &jetstream::Context) -> Vec<(String, Value, u64)> {
+    let mut records = Vec::new();
+    let Ok(kv) = js.get_key_value("collab_turns").await else {
+        return records;
+    };
+    let Ok(mut keys) = kv.keys().await else {
+        return records;
+    };
     while let Some(Ok(k)) = keys.next().await {
         if !k.starts_with('p') {
             continue;
@@ -1133,14 +1146,11 @@ async fn turn_record(js: &jetstream::Context, conv: &str) -> Option<(String, Val
         let Ok(Some(e)) = kv.entry(&k).await else {
             continue;
         };
-        let Ok(v) = serde_json::from_slice::<Value>(&e.value) else {
-            continue;
-        };
-        if v["conversationId"] == conv {
-            return Some((k, v, e.revision));
+        if let Ok(v) = serde_json::from_slice::<Value>(&e.value) {
+            records.push((k, v, e.revision));
         }
     }
-    None
+    records
 }
 
 /// Send turn 0 of `conv` (`ask`: its message and timeout in ms), reply with `answer`, and wait
@@ -1799,29 +1809,17 @@ async fn decisions_are_stored_in_the_order_they_are_made() {
     }
     bed.wait_responses(&turns).await;
 
-    let kv = bed
-        .js
-        .get_key_value("collab_turns")
+    let mut decided: Vec<(u64, u64, String)> = turn_records(&bed.js)
         .await
-        .expect("the turns bucket exists");
-    let mut keys = kv.keys().await.expect("the turns bucket lists its keys");
-    let mut decided: Vec<(u64, u64, String)> = Vec::new();
-    while let Some(Ok(k)) = keys.next().await {
-        if !k.starts_with('p') {
-            continue;
-        }
-        let Ok(Some(e)) = kv.entry(&k).await else {
-            continue;
-        };
-        let v: Value = serde_json::from_slice(&e.value).expect("a turn record is JSON");
-        if v["state"] != "decided" {
-            continue;
-        }
-        let winner = v["winner"]["seq"]
-            .as_u64()
-            .unwrap_or_else(|| panic!("decided record {k} names no winner: {v}"));
-        decided.push((winner, e.revision, k));
-    }
+        .into_iter()
+        .filter(|(_, v, _)| v["state"] == "decided")
+        .map(|(k, v, revision)| {
+            let winner = v["winner"]["seq"]
+                .as_u64()
+                .unwrap_or_else(|| panic!("decided record {k} names no winner: {v}"));
+            (winner, revision, k)
+        })
+        .collect();
     assert_eq!(decided.len(), turns.len(), "one decided record per turn");
     decided.sort();
     for pair in decided.windows(2) {
