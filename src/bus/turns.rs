@@ -1067,8 +1067,9 @@ impl PartitionTurns {
     ) -> Result<KvWrite, TurnIoError> {
         let subject = format!("{}{key}", self.put_prefix);
         self.open.note(key);
+        let decision = rec.state == TurnState::Decided;
         let stamped;
-        let rec = if rec.state == TurnState::Decided {
+        let rec = if decision {
             stamped = TurnRecord {
                 writer: Some(self.term),
                 ..rec.clone()
@@ -1077,18 +1078,20 @@ impl PartitionTurns {
         } else {
             rec
         };
-        // Decisions, and writes after one of this owner's writes still in flight, go through the
+        // Writes after one of this owner's writes still in flight, and decisions, go through the
         // partition's writer (see `DecisionWriter`): sent in the order made, without the partition
-        // waiting for an open write's revision. A decision whose revision is known, while the
-        // writer has nothing queued or being sent, is sent from here: every decision made before
-        // it is on its way already, so the order holds without the writer's hop.
-        let decision = rec.state == TurnState::Decided;
-        let expected = match (&after, decision) {
-            (None, false) => 0,
-            (Some(Rev::Known(rev)), false) => *rev,
-            (None | Some(Rev::Unwritten), true) if self.writer.is_idle() => 0,
-            (Some(Rev::Known(rev)), true) if self.writer.is_idle() => *rev,
-            _ => return Ok(self.writer.write(subject, rec.clone(), after)),
+        // waiting for an open write's revision. A decision whose revision is known is sent from
+        // here when the writer has nothing queued or being sent: every decision made before it
+        // is on its way already, so the order holds without the writer's hop.
+        let known = match &after {
+            None => Some(0),
+            Some(Rev::Known(rev)) => Some(*rev),
+            // A deferred open never written: its decision expects the key absent.
+            Some(Rev::Unwritten) if decision => Some(0),
+            _ => None,
+        };
+        let Some(expected) = known.filter(|_| !decision || self.writer.is_idle()) else {
+            return Ok(self.writer.write(subject, rec.clone(), after));
         };
         let connects = self.publisher.connects();
         let (ack, again) = self
@@ -2179,7 +2182,9 @@ impl DecisionWriter {
     /// Queue a compare-and-set write of `rec` after `after` (absent: the key must be absent).
     fn write(&self, subject: String, rec: TurnRecord, after: Option<Rev>) -> KvWrite {
         let (sent, ack) = oneshot::channel();
-        self.pending.fetch_add(1, Ordering::Release);
+        // Counted up and read by the partition alone: what `is_idle` (Acquire) must see is the
+        // task's count-down (Release) once its send has reached the connection.
+        self.pending.fetch_add(1, Ordering::Relaxed);
         let queued = self.queue.send(QueuedWrite {
             subject,
             rec,

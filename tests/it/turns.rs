@@ -143,6 +143,15 @@ impl Bed {
 
     /// Publish a collab event on `collab.raw.<conversationId>.<type>`; its raw sequence.
     async fn publish(&self, ev: &Value) -> u64 {
+        self.send_raw(ev)
+            .await
+            .await
+            .expect("raw publish was not acknowledged")
+            .sequence
+    }
+
+    /// Send a collab event as [`Bed::publish`] does, without waiting for its acknowledgement.
+    async fn send_raw(&self, ev: &Value) -> jetstream::context::PublishAckFuture {
         let conv = ev["data"]["conversationId"]
             .as_str()
             .expect("test events carry data.conversationId");
@@ -153,9 +162,6 @@ impl Bed {
             .publish(subject, bytes.into())
             .await
             .expect("raw publish was not sent")
-            .await
-            .expect("raw publish was not acknowledged")
-            .sequence
     }
 
     /// Publish a send on `conv` and wait until it is projected (its turn is open); its raw
@@ -1788,18 +1794,7 @@ async fn decisions_are_stored_in_the_order_they_are_made() {
             send(&quick, ask.clone()),
             reply(&quick, answer.clone()),
         ] {
-            let conv = ev["data"]["conversationId"].as_str().unwrap_or_default();
-            let subject = format!(
-                "collab.raw.{conv}.{}",
-                ev["type"].as_str().unwrap_or_default()
-            );
-            let bytes = serde_json::to_vec(&ev).expect("an event serialises");
-            acks.push(
-                bed.js
-                    .publish(subject, bytes.into())
-                    .await
-                    .expect("raw publish was not sent"),
-            );
+            acks.push(bed.send_raw(&ev).await);
         }
         for ack in acks {
             ack.await.expect("raw publish was not acknowledged");
