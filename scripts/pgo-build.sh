@@ -77,10 +77,11 @@ profiles="$target_dir/profiles"
 rm -rf "$profiles"
 mkdir -p "$profiles"
 
+# COLLAB_BUILD_KIND names each build in its `bench` reports (`build=pgo-instrumented`, `build=pgo`).
 # Both builds name --target: RUSTFLAGS then reach the project and its dependencies but not build
 # scripts or procedural macros, which run while compiling and would write profiles of their own.
 echo "1/4 building the instrumented binary (target/pgo/generate)"
-RUSTFLAGS="${RUSTFLAGS:-} -Cprofile-generate=$profiles" \
+RUSTFLAGS="${RUSTFLAGS:-} -Cprofile-generate=$profiles" COLLAB_BUILD_KIND=pgo-instrumented \
   cargo build --release --locked --target "$host" --target-dir "$target_dir/generate"
 
 echo "2/4 training run: collab-projector bench --only baseline,mixed,turns --messages $messages"
@@ -96,7 +97,7 @@ echo "3/4 merging ${#raw[@]} profile(s)"
 "$profdata" merge -o "$profiles/merged.profdata" "${raw[@]}"
 
 echo "4/4 building with the profile (target/pgo/use)"
-RUSTFLAGS="${RUSTFLAGS:-} -Cprofile-use=$profiles/merged.profdata" \
+RUSTFLAGS="${RUSTFLAGS:-} -Cprofile-use=$profiles/merged.profdata" COLLAB_BUILD_KIND=pgo \
   cargo build --release --locked --target "$host" --target-dir "$target_dir/use"
 
 mkdir -p "$(dirname "$out")"

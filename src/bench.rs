@@ -234,6 +234,24 @@ pub struct MachineInfo {
     pub server: String,
     pub partitions: u16,
     pub wall_seconds: f64,
+    /// How the binary that ran was built ([`build_kind`]).
+    pub build: &'static str,
+}
+
+/// How this binary was built, as the bench reports it: `debug` (unoptimised; its figures are
+/// several times a release build's and say nothing about the targets), `release`, or, for a
+/// release build `scripts/pgo-build.sh` made, `pgo` (the profile-guided binary) or
+/// `pgo-instrumented` (its training build, slowed by the counting it does). The script names
+/// those two through `COLLAB_BUILD_KIND` at build time; any other value reads as `release`.
+pub fn build_kind() -> &'static str {
+    if cfg!(debug_assertions) {
+        return "debug";
+    }
+    match option_env!("COLLAB_BUILD_KIND") {
+        Some("pgo") => "pgo",
+        Some("pgo-instrumented") => "pgo-instrumented",
+        _ => "release",
+    }
 }
 
 #[derive(Debug, Clone, Default, Serialize)]
@@ -2284,6 +2302,7 @@ fn empty_report(opts: &BenchOptions, load_start: [f64; 3]) -> BenchReport {
             },
             partitions: opts.partitions,
             wall_seconds: 0.0,
+            build: build_kind(),
         },
         throughput: Vec::new(),
         ratios: Ratios::default(),
@@ -2621,6 +2640,13 @@ fn finish(report: &mut BenchReport) {
         met: rec_1m.map(|v| v <= 10.0),
     });
     report.targets = targets;
+    if report.machine.build == "debug" {
+        report.notes.push(
+            "a debug build: unoptimised, so its rates are a fraction of a release build's; run \
+             `cargo run --release -- bench` (or target/release/collab-projector bench)"
+                .into(),
+        );
+    }
     if report.machine.load_start[0] > 1.5 {
         report.notes.push(format!(
             "load average was {:.2} at the start: other work on the machine affects these figures",
@@ -2670,8 +2696,14 @@ pub fn render(report: &BenchReport) -> String {
 fn render_machine(s: &mut String, m: &MachineInfo) {
     let _ = writeln!(
         s,
-        "collab-projector bench: {} cores, nats-server {}, {} partitions, load {:.2} at start ({:.2} at end), {:.0} s",
-        m.cores, m.server_version, m.partitions, m.load_start[0], m.load_end[0], m.wall_seconds
+        "collab-projector bench: {} cores, nats-server {}, {} partitions, {} build, load {:.2} at start ({:.2} at end), {:.0} s",
+        m.cores,
+        m.server_version,
+        m.partitions,
+        m.build,
+        m.load_start[0],
+        m.load_end[0],
+        m.wall_seconds
     );
     let _ = writeln!(s, "server: {}", m.server);
 }
@@ -2875,7 +2907,8 @@ fn render_targets(s: &mut String, targets: &[TargetResult], notes: &[String]) {
 /// `mixed_ratio`, `turns_ratio` (over the baseline), `p99_ms`, `p99_base_ms`, `p99_ratio` (at the
 /// latency runs' rate), `mixed_wkr_us`, `mixed_srv_us`, `turns_wkr_us`, `turns_srv_us` (CPU per
 /// input), `ceiling_mixed`, `ceiling_turns` (msg/s of scenarios 9 and 10), `ceiling_mixed_ratio`,
-/// `ceiling_turns_ratio` (over the baseline).
+/// `ceiling_turns_ratio` (over the baseline), `build` ([`build_kind`]: `debug`, `release`, `pgo`,
+/// `pgo-instrumented`).
 pub fn summary_line(report: &BenchReport) -> String {
     let num = |v: Option<f64>, digits: usize| {
         v.map_or_else(|| "-".to_string(), |v| format!("{v:.digits$}"))
@@ -2925,6 +2958,7 @@ pub fn summary_line(report: &BenchReport) -> String {
             "ceiling_turns_ratio={}",
             num(r.ceiling_turns_over_baseline, 2)
         ),
+        format!("build={}", report.machine.build),
     ]
     .into_iter()
     .fold("bench-summary".to_string(), |line, field| {
@@ -2936,8 +2970,9 @@ pub fn summary_line(report: &BenchReport) -> String {
 /// key of the first line in its order with the median of its values over the runs that have one
 /// (`-` where none has), printed with as many decimals as the first run gave it. Ratios are the
 /// medians of each run's own ratio, not ratios of medians: each is taken between scenarios run
-/// minutes apart, which is what keeps a slow phase of the host out of it. Lines that are not
-/// summary lines are ignored.
+/// minutes apart, which is what keeps a slow phase of the host out of it. A field that is not a
+/// number (`build`) keeps its value when every run that has it agrees, `mixed` otherwise. Lines
+/// that are not summary lines are ignored.
 pub fn median_line(lines: &[String]) -> String {
     let runs: Vec<Vec<(&str, &str)>> = lines
         .iter()
@@ -2953,6 +2988,15 @@ pub fn median_line(lines: &[String]) -> String {
     };
     let mut line = format!("bench-median runs={}", runs.len());
     for (key, shown) in first {
+        if shown.parse::<f64>().is_err() && *shown != "-" {
+            let all_agree = runs
+                .iter()
+                .filter_map(|r| r.iter().find(|(k, _)| k == key))
+                .all(|(_, v)| v == shown);
+            let shown = if all_agree { shown } else { "mixed" };
+            line.push_str(&format!(" {key}={shown}"));
+            continue;
+        }
         let decimals = shown.split_once('.').map_or(0, |(_, d)| d.len());
         let mut values: Vec<f64> = runs
             .iter()
@@ -3029,6 +3073,7 @@ mod tests {
                 server: "local".into(),
                 partitions: 64,
                 wall_seconds: 42.0,
+                build: "release",
             },
             throughput: [(1u8, 80_000.0), (2, 32_000.0), (3, 30_000.0), (4, 900.0)]
                 .into_iter()
@@ -3103,7 +3148,7 @@ mod tests {
         let text = render(&full_report());
         let mut at = 0;
         for heading in [
-            "collab-projector bench: 2 cores, nats-server 2.11.0, 64 partitions, load 2.50 at start (1.25 at end), 42 s",
+            "collab-projector bench: 2 cores, nats-server 2.11.0, 64 partitions, release build, load 2.50 at start (1.25 at end), 42 s",
             "server: local",
             "Throughput (preloaded",
             "2   scenario 2",
@@ -3125,6 +3170,9 @@ mod tests {
             assert!(found.is_some(), "{heading:?} after byte {at} in\n{text}");
             at += found.unwrap_or_default();
         }
+        // A release build's report says so in its summary and carries no debug-build note.
+        assert!(text.trim_end().ends_with(" build=release"), "{text}");
+        assert!(!text.contains("a debug build"), "{text}");
     }
 
     #[test]
@@ -3143,6 +3191,19 @@ mod tests {
         // Each ratio is the median of the runs' own ratios (0.45), not the median mixed rate over
         // the median baseline (28577 / 68583 = 0.42).
         assert_eq!(median_line(&[]), "bench-median runs=0");
+
+        // A field that is not a number: kept when the runs agree, `mixed` when they do not.
+        let built = |kinds: [&str; 2]| {
+            kinds.map(|k| format!("bench-summary load=1.00 mixed_ratio=0.40 build={k}"))
+        };
+        assert_eq!(
+            median_line(&built(["pgo", "pgo"])),
+            "bench-median runs=2 load=1.00 mixed_ratio=0.40 build=pgo"
+        );
+        assert_eq!(
+            median_line(&built(["pgo", "release"])),
+            "bench-median runs=2 load=1.00 mixed_ratio=0.40 build=mixed"
+        );
     }
 
     #[test]
@@ -3156,6 +3217,7 @@ mod tests {
                 server: String::new(),
                 partitions: 64,
                 wall_seconds: 0.0,
+                build: "debug",
             },
             throughput: Vec::new(),
             ratios: Ratios::default(),
@@ -3174,6 +3236,13 @@ mod tests {
         assert!(
             line.starts_with("bench-summary load=0.00 baseline=- mixed=- turns=-"),
             "{line}"
+        );
+        // A debug build is named in the summary, and a note says what to run instead.
+        assert!(line.ends_with(" build=debug"), "{line}");
+        assert!(
+            render(&r).contains("note: a debug build: unoptimised"),
+            "{}",
+            render(&r)
         );
 
         r.throughput = [(1u8, 80_000.0), (2, 32_000.0)]
@@ -3197,6 +3266,7 @@ mod tests {
         assert_eq!(fields.get("mixed_wkr_us"), Some(&"31.3"), "{line}");
         assert_eq!(fields.get("turns"), Some(&"-"), "{line}");
         assert_eq!(fields.get("ceiling_mixed_ratio"), Some(&"-"), "{line}");
-        assert_eq!(fields.len(), 17, "{line}");
+        assert_eq!(fields.get("build"), Some(&"debug"), "{line}");
+        assert_eq!(fields.len(), 18, "{line}");
     }
 }

@@ -85,4 +85,13 @@ async fn every_scenario_reports_a_throughput_and_the_report_is_json() {
     assert!(back["throughput"].as_array().is_some_and(|a| a.len() == 10));
     assert!(back["targets"].as_array().is_some_and(|a| !a.is_empty()));
     assert!(bench::render(&report).contains("baseline passthrough"));
+    // The report names how the code that ran was built: this test's own profile.
+    let built = if cfg!(debug_assertions) {
+        "debug"
+    } else {
+        "release"
+    };
+    assert_eq!(back["machine"]["build"], built, "{}", back["machine"]);
+    let line = bench::summary_line(&report);
+    assert!(line.ends_with(&format!(" build={built}")), "{line}");
 }
