@@ -238,8 +238,8 @@ pub struct MachineInfo {
     pub build: &'static str,
 }
 
-/// How this binary was built, as the bench reports it: `debug` (unoptimised; its figures are
-/// several times a release build's and say nothing about the targets), `release`, or, for a
+/// How this binary was built, as the bench reports it: `debug` (unoptimised; its rates are a
+/// fraction of a release build's and say nothing about the targets), `release`, or, for a
 /// release build `scripts/pgo-build.sh` made, `pgo` (the profile-guided binary) or
 /// `pgo-instrumented` (its training build, slowed by the counting it does). The script names
 /// those two through `COLLAB_BUILD_KIND` at build time; any other value reads as `release`.
@@ -2970,9 +2970,9 @@ pub fn summary_line(report: &BenchReport) -> String {
 /// key of the first line in its order with the median of its values over the runs that have one
 /// (`-` where none has), printed with as many decimals as the first run gave it. Ratios are the
 /// medians of each run's own ratio, not ratios of medians: each is taken between scenarios run
-/// minutes apart, which is what keeps a slow phase of the host out of it. A field that is not a
-/// number (`build`) keeps its value when every run that has it agrees, `mixed` otherwise. Lines
-/// that are not summary lines are ignored.
+/// minutes apart, which is what keeps a slow phase of the host out of it. A field that some run
+/// gives as text rather than a number or `-` (`build`) keeps its value when every run that has it
+/// agrees, and reads `varied` otherwise. Lines that are not summary lines are ignored.
 pub fn median_line(lines: &[String]) -> String {
     let runs: Vec<Vec<(&str, &str)>> = lines
         .iter()
@@ -2988,12 +2988,17 @@ pub fn median_line(lines: &[String]) -> String {
     };
     let mut line = format!("bench-median runs={}", runs.len());
     for (key, shown) in first {
-        if shown.parse::<f64>().is_err() && *shown != "-" {
-            let all_agree = runs
-                .iter()
-                .filter_map(|r| r.iter().find(|(k, _)| k == key))
-                .all(|(_, v)| v == shown);
-            let shown = if all_agree { shown } else { "mixed" };
+        let given: Vec<&str> = runs
+            .iter()
+            .filter_map(|r| r.iter().find(|(k, _)| k == key))
+            .map(|(_, v)| *v)
+            .collect();
+        if given.iter().any(|v| *v != "-" && v.parse::<f64>().is_err()) {
+            let shown = if given.iter().all(|v| v == shown) {
+                shown
+            } else {
+                "varied"
+            };
             line.push_str(&format!(" {key}={shown}"));
             continue;
         }
@@ -3192,7 +3197,8 @@ mod tests {
         // the median baseline (28577 / 68583 = 0.42).
         assert_eq!(median_line(&[]), "bench-median runs=0");
 
-        // A field that is not a number: kept when the runs agree, `mixed` when they do not.
+        // A field given as text: kept when the runs agree, `varied` when they do not (a run that
+        // gives it as `-` among them).
         let built = |kinds: [&str; 2]| {
             kinds.map(|k| format!("bench-summary load=1.00 mixed_ratio=0.40 build={k}"))
         };
@@ -3202,7 +3208,11 @@ mod tests {
         );
         assert_eq!(
             median_line(&built(["pgo", "release"])),
-            "bench-median runs=2 load=1.00 mixed_ratio=0.40 build=mixed"
+            "bench-median runs=2 load=1.00 mixed_ratio=0.40 build=varied"
+        );
+        assert_eq!(
+            median_line(&built(["-", "pgo"])),
+            "bench-median runs=2 load=1.00 mixed_ratio=0.40 build=varied"
         );
     }
 
