@@ -234,23 +234,52 @@ pub struct MachineInfo {
     pub server: String,
     pub partitions: u16,
     pub wall_seconds: f64,
-    /// How the binary that ran was built ([`build_kind`]).
-    pub build: &'static str,
+    /// How the binary that ran was built.
+    pub build: Build,
 }
 
-/// How this binary was built, as the bench reports it: `debug` (unoptimised; its rates are a
-/// fraction of a release build's and say nothing about the targets), `release`, or, for a
-/// release build `scripts/pgo-build.sh` made, `pgo` (the profile-guided binary) or
-/// `pgo-instrumented` (its training build, slowed by the counting it does). The script names
-/// those two through `COLLAB_BUILD_KIND` at build time; any other value reads as `release`.
-pub fn build_kind() -> &'static str {
-    if cfg!(debug_assertions) {
-        return "debug";
+/// How a binary was built, as the bench reports it (`debug`, `release`, `pgo`,
+/// `pgo-instrumented` in its text and JSON).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Build {
+    /// Unoptimised: its rates are a fraction of a release build's and say nothing about the
+    /// targets.
+    Debug,
+    Release,
+    /// The profile-guided binary `scripts/pgo-build.sh` makes.
+    Pgo,
+    /// The script's training build, slowed by the counting it does.
+    PgoInstrumented,
+}
+
+impl Build {
+    /// This binary's. `scripts/pgo-build.sh` names its two release builds through
+    /// `COLLAB_BUILD_KIND` at build time; any other value reads as a plain release build.
+    pub fn current() -> Build {
+        if cfg!(debug_assertions) {
+            return Build::Debug;
+        }
+        match option_env!("COLLAB_BUILD_KIND") {
+            Some("pgo") => Build::Pgo,
+            Some("pgo-instrumented") => Build::PgoInstrumented,
+            _ => Build::Release,
+        }
     }
-    match option_env!("COLLAB_BUILD_KIND") {
-        Some("pgo") => "pgo",
-        Some("pgo-instrumented") => "pgo-instrumented",
-        _ => "release",
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Build::Debug => "debug",
+            Build::Release => "release",
+            Build::Pgo => "pgo",
+            Build::PgoInstrumented => "pgo-instrumented",
+        }
+    }
+}
+
+impl std::fmt::Display for Build {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
     }
 }
 
@@ -2302,7 +2331,7 @@ fn empty_report(opts: &BenchOptions, load_start: [f64; 3]) -> BenchReport {
             },
             partitions: opts.partitions,
             wall_seconds: 0.0,
-            build: build_kind(),
+            build: Build::current(),
         },
         throughput: Vec::new(),
         ratios: Ratios::default(),
@@ -2640,7 +2669,7 @@ fn finish(report: &mut BenchReport) {
         met: rec_1m.map(|v| v <= 10.0),
     });
     report.targets = targets;
-    if report.machine.build == "debug" {
+    if report.machine.build == Build::Debug {
         report.notes.push(
             "a debug build: unoptimised, so its rates are a fraction of a release build's; run \
              `cargo run --release -- bench` (or target/release/collab-projector bench)"
@@ -2907,7 +2936,7 @@ fn render_targets(s: &mut String, targets: &[TargetResult], notes: &[String]) {
 /// `mixed_ratio`, `turns_ratio` (over the baseline), `p99_ms`, `p99_base_ms`, `p99_ratio` (at the
 /// latency runs' rate), `mixed_wkr_us`, `mixed_srv_us`, `turns_wkr_us`, `turns_srv_us` (CPU per
 /// input), `ceiling_mixed`, `ceiling_turns` (msg/s of scenarios 9 and 10), `ceiling_mixed_ratio`,
-/// `ceiling_turns_ratio` (over the baseline), `build` ([`build_kind`]: `debug`, `release`, `pgo`,
+/// `ceiling_turns_ratio` (over the baseline), `build` ([`Build`]: `debug`, `release`, `pgo`,
 /// `pgo-instrumented`).
 pub fn summary_line(report: &BenchReport) -> String {
     let num = |v: Option<f64>, digits: usize| {
@@ -3003,10 +3032,9 @@ pub fn median_line(lines: &[String]) -> String {
             continue;
         }
         let decimals = shown.split_once('.').map_or(0, |(_, d)| d.len());
-        let mut values: Vec<f64> = runs
+        let mut values: Vec<f64> = given
             .iter()
-            .filter_map(|r| r.iter().find(|(k, _)| k == key))
-            .filter_map(|(_, v)| v.parse::<f64>().ok())
+            .filter_map(|v| v.parse::<f64>().ok())
             .filter(|v| v.is_finite())
             .collect();
         values.sort_by(f64::total_cmp);
@@ -3078,7 +3106,7 @@ mod tests {
                 server: "local".into(),
                 partitions: 64,
                 wall_seconds: 42.0,
-                build: "release",
+                build: Build::Release,
             },
             throughput: [(1u8, 80_000.0), (2, 32_000.0), (3, 30_000.0), (4, 900.0)]
                 .into_iter()
@@ -3227,7 +3255,7 @@ mod tests {
                 server: String::new(),
                 partitions: 64,
                 wall_seconds: 0.0,
-                build: "debug",
+                build: Build::Debug,
             },
             throughput: Vec::new(),
             ratios: Ratios::default(),
