@@ -378,9 +378,25 @@ impl LocalNats {
     pub async fn reconfigure(&mut self, extra: Option<String>) -> Result<(), LocalNatsError> {
         self.extra_config = extra.map(String::into_boxed_str);
         let config_path = self.write_config()?;
+        self.signal_server(
+            "reload",
+            "signal the server to reload its config",
+            config_path,
+        )
+        .await
+    }
+
+    /// Send the running server `nats-server --signal <command>=<pid>`; a refusal is an error
+    /// naming `action` and `path`.
+    async fn signal_server(
+        &self,
+        command: &str,
+        action: &'static str,
+        path: PathBuf,
+    ) -> Result<(), LocalNatsError> {
         let status = tokio::process::Command::new(&self.binary)
             .arg("--signal")
-            .arg(format!("reload={}", self.pid))
+            .arg(format!("{command}={}", self.pid))
             .status()
             .await
             .map_err(|source| LocalNatsError::Spawn {
@@ -389,12 +405,44 @@ impl LocalNats {
             })?;
         if !status.success() {
             return Err(LocalNatsError::Io {
-                action: "signal the server to reload its config",
-                path: config_path,
+                action,
+                path,
                 source: std::io::Error::other(status.to_string()),
             });
         }
         Ok(())
+    }
+
+    /// Retire the server the way an operator does before an upgrade: lame duck mode
+    /// (`nats-server --signal ldm=<pid>`). The server stops taking new clients, hands its
+    /// JetStream leaderships to the other nodes, closes its clients over its
+    /// `lame_duck_duration` (after `lame_duck_grace_period`) and exits. Returns once the process
+    /// has exited; one still running after `within` is killed, and that is an error.
+    pub async fn lame_duck(&mut self, within: Duration) -> Result<(), LocalNatsError> {
+        let log = self.log_path();
+        self.signal_server(
+            "ldm",
+            "signal lame duck mode to the server logging to",
+            log.clone(),
+        )
+        .await?;
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            let Some(child) = self.child.as_mut() else {
+                return Ok(());
+            };
+            if !matches!(child.try_wait(), Ok(None)) {
+                self.child = None;
+                return Ok(());
+            }
+            tokio::time::sleep(POLL_INTERVAL).await;
+        }
+        self.kill_now();
+        Err(LocalNatsError::Io {
+            action: "see the server leave lame duck mode; it was killed instead, see",
+            path: log,
+            source: std::io::Error::other(format!("still running {within:?} after the signal")),
+        })
     }
 
     /// Kill the process at once (SIGKILL), as a crash would, and reap it.

@@ -47,6 +47,10 @@
 //! 3-node R3 cluster; `reshard` and `reshard-cluster` in `chaos_full`) change the number of raw
 //! streams from 2 to 4 under load with `collab-projector reshard`, reload the servers' mapping,
 //! and kill a worker as the partitions move; the checker reads all six streams.
+//! The lame duck scenario (`lame-duck`, in `chaos_full` only: one round takes over 30 s, the
+//! shortest eviction a server accepts) retires the node leading the raw stream of a 3-node R3
+//! cluster the way a rolling upgrade does, `nats-server --signal ldm=<pid>`, under load, and
+//! starts it again once it has exited; its recovery is timed from the exit.
 //! Timing is printed, never asserted.
 
 use std::cmp::Reverse;
@@ -1416,9 +1420,9 @@ impl Bed {
         });
     }
 
-    /// Stop the node that leads the raw stream (over shards, the most raw streams; else node 1)
-    /// for `down`, then start it again.
-    async fn bounce_node(&mut self, down: Duration) {
+    /// The node that leads the raw stream (over shards, the most raw streams; on a tie, the one
+    /// of the lowest shard; else node 1), and what it leads, in words.
+    async fn busiest_node(&self) -> (usize, String) {
         // The leader of each raw stream, in shard order.
         let mut leaders: Vec<String> = Vec::new();
         for stream in self.raw.current() {
@@ -1429,13 +1433,11 @@ impl Bed {
             .await;
             leaders.extend(leader);
         }
-        let elapsed = self.elapsed();
         let shards = self.raw.current().len();
-        let Broker::Cluster(nodes) = &mut self.broker else {
-            return;
+        let Broker::Cluster(nodes) = &self.broker else {
+            return (0, "the only server".to_string());
         };
         let led = |name: &str| leaders.iter().filter(|l| *l == name).count();
-        // The node leading the most raw streams; on a tie, the one of the lowest shard.
         let most = leaders.iter().map(|l| led(l)).max();
         let i = leaders
             .iter()
@@ -1443,15 +1445,25 @@ impl Bed {
             .and_then(|l| nodes.iter().position(|n| n.server_name() == l))
             .unwrap_or(1);
         let leads = led(nodes[i].server_name());
-        let at_ms = now_ms();
-        nodes[i].stop().await;
-        let from_ms = now_ms();
         let role = match (shards, leads) {
             (1, 1) => "raw stream leader".to_string(),
             (1, _) => "not the leader".to_string(),
             (_, 0) => format!("leads none of the {shards} raw streams"),
             (_, n) => format!("leads {n} of the {shards} raw streams"),
         };
+        (i, role)
+    }
+
+    /// Stop the busiest node ([`Bed::busiest_node`]) for `down`, then start it again.
+    async fn bounce_node(&mut self, down: Duration) {
+        let (i, role) = self.busiest_node().await;
+        let elapsed = self.elapsed();
+        let Broker::Cluster(nodes) = &mut self.broker else {
+            return;
+        };
+        let at_ms = now_ms();
+        nodes[i].stop().await;
+        let from_ms = now_ms();
         let what = format!("node {i} ({role}) stopped at {elapsed:.1}s for {down:?}");
         tokio::time::sleep(down).await;
         if let Err(e) = nodes[i].restart().await {
@@ -1460,6 +1472,36 @@ impl Bed {
         self.faults.push(Fault {
             at_ms,
             from_ms,
+            kind: FaultKind::Broker,
+            what,
+            partitions: None,
+        });
+    }
+
+    /// Retire the busiest node ([`Bed::busiest_node`]) through lame duck mode, as an operator
+    /// does before upgrading it ([`LAME_DUCK_CONFIG`]: it closes its clients over 30 s and
+    /// exits), then start it again at once.
+    async fn lame_duck_node(&mut self) {
+        let (i, role) = self.busiest_node().await;
+        let elapsed = self.elapsed();
+        let Broker::Cluster(nodes) = &mut self.broker else {
+            return;
+        };
+        let signalled = Instant::now();
+        if let Err(e) = nodes[i].lame_duck(LAME_DUCK_WITHIN).await {
+            panic!("cluster node {i} in lame duck mode: {e}");
+        }
+        let at_ms = now_ms();
+        let what = format!(
+            "node {i} ({role}) in lame duck mode from {elapsed:.1}s, exited {:.1}s later",
+            signalled.elapsed().as_secs_f64()
+        );
+        if let Err(e) = nodes[i].restart().await {
+            panic!("could not start cluster node {i} again: {e}");
+        }
+        self.faults.push(Fault {
+            at_ms,
+            from_ms: at_ms,
             kind: FaultKind::Broker,
             what,
             partitions: None,
@@ -2692,6 +2734,28 @@ async fn cluster_node(p: &Profile, seed: u64, shards: u16) -> Report {
     bed.finish(writer).await
 }
 
+/// What every node of the lame duck scenario is given: the shortest eviction the server
+/// accepts (30 s), after a 2 s grace.
+const LAME_DUCK_CONFIG: &str = "lame_duck_duration: \"30s\"\nlame_duck_grace_period: \"2s\"\n";
+/// How long a node in lame duck mode may take to exit before the scenario kills it and fails.
+const LAME_DUCK_WITHIN: Duration = Duration::from_secs(60);
+
+/// A rolling restart of a 3-node cluster the way its operators run one: the node leading the
+/// raw stream is put in lame duck mode (it hands its leaderships over, closes its clients over
+/// 30 s and exits) while the load runs, then started again; `p.rounds` times.
+async fn lame_duck(p: &Profile, seed: u64) -> Report {
+    let broker = Broker::Cluster(cluster3_with(Some(LAME_DUCK_CONFIG.to_string())).await);
+    let mut bed = Bed::start_on("lame-duck", p, broker, 1, 3, &[], false, Vec::new()).await;
+    let writer = bed.writer(seed, p.timeout_ms);
+    let gap = p.load / u32::try_from(p.rounds + 1).unwrap_or(2);
+    for _ in 0..p.rounds {
+        tokio::time::sleep(gap).await;
+        bed.lame_duck_node().await;
+    }
+    tokio::time::sleep(gap).await;
+    bed.finish(writer).await
+}
+
 /// 6. A mix of the above, with short turn timeouts that fire while partitions fail over.
 async fn mix(p: &Profile, seed: u64) -> Report {
     let mut bed = Bed::start("mix", p, false, 3).await;
@@ -3420,6 +3484,7 @@ async fn chaos_full() {
         "reshard",
         "reshard-cluster",
         "storage-switch",
+        "lame-duck",
     ]
     .into_iter()
     .enumerate()
@@ -3439,6 +3504,7 @@ async fn chaos_full() {
             "reshard" => reshard(&p, s, false).await,
             "reshard-cluster" => reshard(&p, s, true).await,
             "storage-switch" => storage_switch(&p, s).await,
+            "lame-duck" => lame_duck(&p, s).await,
             "oversize" => oversize(&p, s).await,
             "deleted-consumer" => deleted_consumer(&p, s).await,
             "regressed-consumer" => regressed_consumer(&p, s).await,

@@ -4,7 +4,10 @@ use std::time::Duration;
 
 use async_nats::jetstream::stream::Config as StreamConfig;
 
-use super::{cluster3, cluster_client, cluster_url, local_nats, wait_until, Projector, TestNats};
+use super::{
+    cluster3, cluster_client, cluster_url, local_nats, local_nats_with, wait_until, Projector,
+    TestNats,
+};
 
 async fn create_stream(js: &async_nats::jetstream::Context, name: &str, replicas: usize) {
     js.create_stream(StreamConfig {
@@ -108,6 +111,55 @@ async fn kill_now_then_restart_recovers_the_store() {
             .expect("reconnect to the local server"),
     );
     let mut stream = js.get_stream("CRASHY").await.expect("stream recovered");
+    let info = stream.info().await.expect("stream info");
+    assert_eq!(info.state.messages, 1);
+}
+
+/// The chaos suite's rolling-upgrade step: a server put in lame duck mode tells its clients,
+/// closes them after its grace period, exits, and starts again with its store.
+#[tokio::test]
+async fn lame_duck_tells_the_clients_and_exits_then_restart_recovers_the_store() {
+    let mut server = local_nats_with(
+        "lame_duck_duration: \"30s\"\nlame_duck_grace_period: \"1s\"\n".to_string(),
+    )
+    .await;
+    let (told, mut heard) = tokio::sync::mpsc::unbounded_channel();
+    let client = async_nats::ConnectOptions::new()
+        .event_callback(move |event| {
+            let told = told.clone();
+            async move {
+                if matches!(event, async_nats::Event::LameDuckMode) {
+                    let _ = told.send(());
+                }
+            }
+        })
+        .connect(server.url())
+        .await
+        .expect("connect to the local server");
+    let js = async_nats::jetstream::new(client);
+    create_stream(&js, "RETIRED", 1).await;
+    publish(&js, "retired.a", "stored before lame duck mode").await;
+
+    server
+        .lame_duck(Duration::from_secs(30))
+        .await
+        .expect("the server exits in lame duck mode");
+    assert!(!server.is_running());
+    tokio::time::timeout(Duration::from_secs(5), heard.recv())
+        .await
+        .expect("the client is told of lame duck mode")
+        .expect("the event channel is open");
+
+    server
+        .restart()
+        .await
+        .expect("restart after lame duck mode");
+    let js = async_nats::jetstream::new(
+        async_nats::connect(server.url())
+            .await
+            .expect("reconnect to the local server"),
+    );
+    let mut stream = js.get_stream("RETIRED").await.expect("stream recovered");
     let info = stream.info().await.expect("stream info");
     assert_eq!(info.state.messages, 1);
 }
