@@ -2734,6 +2734,52 @@ async fn cluster_node(p: &Profile, seed: u64, shards: u16) -> Report {
     bed.finish(writer).await
 }
 
+/// Leaders moved by hand under load, on a 3-node R3 cluster with 3 workers: every 1-3 s (0.5-1 s
+/// short) the leader of one of the deployment's streams (raw, projections, dead letters, the
+/// turn, lease and work-session buckets) or of a partition's consumer is asked to step down, as
+/// an operator balancing leaders across nodes does. No node stops; each group elects another
+/// leader while the workers read, write and acknowledge through it.
+async fn step_down(p: &Profile, seed: u64) -> Report {
+    let mut bed = Bed::start("step-down", p, true, 3).await;
+    let writer = bed.writer(seed, p.timeout_ms);
+    let mut rng = fault_rng(seed);
+    let names = collab_projector::config::Settings::default().names();
+    let streams = [
+        RAW.to_string(),
+        PROJ.to_string(),
+        DLQ.to_string(),
+        format!("KV_{}", names.turns_bucket),
+        format!("KV_{}", names.leases_bucket),
+        format!("KV_{}", names.sessions_bucket),
+    ];
+    let every = if p.label == "full" {
+        (1000, 3000)
+    } else {
+        (500, 1000)
+    };
+    let end = Instant::now() + p.load;
+    let (mut asked, mut taken) = (0u32, 0u32);
+    while Instant::now() < end {
+        tokio::time::sleep(Duration::from_millis(rng.random_range(every.0..=every.1))).await;
+        // Half the step-downs move a partition consumer's leader, half a stream's.
+        let stepped = if rng.random_bool(0.5) {
+            let partition = rng.random_range(0..p.partitions);
+            let c = format!("collab-proj-{partition}");
+            bed.step_down(RAW, Some(&c), Some(partition)).await
+        } else {
+            let s = &streams[rng.random_range(0..streams.len())];
+            bed.step_down(s, None, None).await
+        };
+        asked += 1;
+        taken += u32::from(stepped);
+    }
+    bed.notes.push(format!(
+        "{taken} of {asked} leader step-downs taken (a group still electing refuses one)"
+    ));
+    assert!(taken > 0, "step-down: the server took no step-down");
+    bed.finish(writer).await
+}
+
 /// What every node of the lame duck scenario is given: the shortest eviction the server
 /// accepts (30 s), after a 2 s grace.
 const LAME_DUCK_CONFIG: &str = "lame_duck_duration: \"30s\"\nlame_duck_grace_period: \"2s\"\n";
@@ -3123,6 +3169,50 @@ impl Bed {
         });
     }
 
+    /// Ask the leader of a stream, or of one of its consumers, to step down
+    /// (`$JS.API.STREAM.LEADER.STEPDOWN`, `$JS.API.CONSUMER.LEADER.STEPDOWN`), as an operator
+    /// moving load off a node does: another replica is elected, no node stops. Whether the
+    /// server took it is counted (a group in the middle of an election refuses).
+    /// A consumer's step-down is timed on its partition (`partition`), a stream's on every one.
+    async fn step_down(
+        &mut self,
+        stream: &str,
+        consumer: Option<&str>,
+        partition: Option<u16>,
+    ) -> bool {
+        let subject = match consumer {
+            Some(c) => format!("$JS.API.CONSUMER.LEADER.STEPDOWN.{stream}.{c}"),
+            None => format!("$JS.API.STREAM.LEADER.STEPDOWN.{stream}"),
+        };
+        let at_ms = now_ms();
+        let answer = tokio::time::timeout(
+            Duration::from_secs(10),
+            self.js.client().request(subject, Bytes::new()),
+        )
+        .await;
+        let taken = match answer {
+            Ok(Ok(m)) => serde_json::from_slice::<Value>(&m.payload)
+                .ok()
+                .and_then(|v| v.get("success").and_then(Value::as_bool))
+                .unwrap_or(false),
+            _ => false,
+        };
+        if taken {
+            let what = match consumer {
+                Some(c) => format!("consumer {stream} > {c}"),
+                None => format!("stream {stream}"),
+            };
+            self.faults.push(Fault {
+                at_ms,
+                from_ms: at_ms,
+                kind: FaultKind::Broker,
+                what: format!("{what}: leader stepped down at {:.1}s", self.elapsed()),
+                partitions: partition.map(|p| vec![p]),
+            });
+        }
+        taken
+    }
+
     /// Replace partition `partition`'s consumer with one that has its configuration but none of
     /// its state: it delivers the partition from the stream's start again.
     async fn regress_consumer(&mut self, partition: u16) {
@@ -3320,6 +3410,13 @@ async fn chaos_short_cluster_node() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chaos_short_step_down() {
+    step_down(&Profile::short(), seed("step-down"))
+        .await
+        .assert_clean();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chaos_short_cluster_node_sharded() {
     let report = cluster_node(&Profile::short(), seed("cluster-node-sharded"), 4).await;
     report.assert_clean();
@@ -3485,6 +3582,7 @@ async fn chaos_full() {
         "reshard-cluster",
         "storage-switch",
         "lame-duck",
+        "step-down",
     ]
     .into_iter()
     .enumerate()
@@ -3505,6 +3603,7 @@ async fn chaos_full() {
             "reshard-cluster" => reshard(&p, s, true).await,
             "storage-switch" => storage_switch(&p, s).await,
             "lame-duck" => lame_duck(&p, s).await,
+            "step-down" => step_down(&p, s).await,
             "oversize" => oversize(&p, s).await,
             "deleted-consumer" => deleted_consumer(&p, s).await,
             "regressed-consumer" => regressed_consumer(&p, s).await,
