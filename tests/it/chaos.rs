@@ -47,10 +47,12 @@
 //! 3-node R3 cluster; `reshard` and `reshard-cluster` in `chaos_full`) change the number of raw
 //! streams from 2 to 4 under load with `collab-projector reshard`, reload the servers' mapping,
 //! and kill a worker as the partitions move; the checker reads all six streams.
-//! The lame duck scenario (`lame-duck`, in `chaos_full` only: one round takes over 30 s, the
-//! shortest eviction a server accepts) retires the node leading the raw stream of a 3-node R3
+//! The lame duck scenario (`lame-duck`, in `chaos_full` only: a round may take up to the
+//! 30 s eviction, the shortest a server accepts) retires the node leading the raw stream of a 3-node R3
 //! cluster the way a rolling upgrade does, `nats-server --signal ldm=<pid>`, under load, and
-//! starts it again once it has exited; its recovery is timed from the exit.
+//! starts it again once it has exited; its recovery is timed from the exit. `step-down` moves
+//! stream, bucket and partition-consumer leaders by hand under load; `wiped-node` (full only)
+//! starts the raw stream leader again with an empty store.
 //! Timing is printed, never asserted.
 
 use std::cmp::Reverse;
@@ -1454,8 +1456,11 @@ impl Bed {
         (i, role)
     }
 
-    /// Stop the busiest node ([`Bed::busiest_node`]) for `down`, then start it again.
-    async fn bounce_node(&mut self, down: Duration) {
+    /// Stop the busiest node ([`Bed::busiest_node`]) for `down`, then start it again. With
+    /// `wipe`, its JetStream store is removed while it is down, as a node whose disk was lost
+    /// comes back (a cloud volume replaced, a pod rescheduled onto a new one): it starts empty
+    /// under the same name and address, and its replicas are rebuilt from the other two nodes.
+    async fn bounce_node(&mut self, down: Duration, wipe: bool) {
         let (i, role) = self.busiest_node().await;
         let elapsed = self.elapsed();
         let Broker::Cluster(nodes) = &mut self.broker else {
@@ -1463,8 +1468,18 @@ impl Bed {
         };
         let at_ms = now_ms();
         nodes[i].stop().await;
+        if wipe {
+            let store = nodes[i].store_dir().join("jetstream");
+            if let Err(e) = std::fs::remove_dir_all(&store) {
+                panic!("could not remove {}: {e}", store.display());
+            }
+        }
         let from_ms = now_ms();
-        let what = format!("node {i} ({role}) stopped at {elapsed:.1}s for {down:?}");
+        let what = if wipe {
+            format!("node {i} ({role}) stopped at {elapsed:.1}s and started with an empty store")
+        } else {
+            format!("node {i} ({role}) stopped at {elapsed:.1}s for {down:?}")
+        };
         tokio::time::sleep(down).await;
         if let Err(e) = nodes[i].restart().await {
             panic!("could not start cluster node {i} again: {e}");
@@ -2719,19 +2734,47 @@ async fn server_restart(p: &Profile, seed: u64) -> Report {
 ///    stream's leader, and bring it back. With `shards` > 1 raw traffic is spread over that many
 ///    streams (`nats.shards`) and the node stopped is the one leading the most of them.
 async fn cluster_node(p: &Profile, seed: u64, shards: u16) -> Report {
-    let mut bed = if shards > 1 {
+    let bed = if shards > 1 {
         Bed::start_sharded_cluster("cluster-node-sharded", p, shards, 3).await
     } else {
         Bed::start("cluster-node", p, true, 3).await
     };
+    node_rounds(bed, p, seed, NodeFault::Stop(p.node_down)).await
+}
+
+/// What a cluster scenario does to its busiest node ([`Bed::busiest_node`]) in each round.
+#[derive(Clone, Copy)]
+enum NodeFault {
+    /// Stopped for this long, then started again.
+    Stop(Duration),
+    /// Stopped, its store removed, started again at once.
+    Wipe,
+    /// Retired through lame duck mode, started again once it has exited.
+    LameDuck,
+}
+
+/// `p.rounds` of `fault`, spread evenly over the load, then the final drain and check.
+async fn node_rounds(mut bed: Bed, p: &Profile, seed: u64, fault: NodeFault) -> Report {
     let writer = bed.writer(seed, p.timeout_ms);
     let gap = p.load / u32::try_from(p.rounds + 1).unwrap_or(2);
     for _ in 0..p.rounds {
         tokio::time::sleep(gap).await;
-        bed.bounce_node(p.node_down).await;
+        match fault {
+            NodeFault::Stop(down) => bed.bounce_node(down, false).await,
+            NodeFault::Wipe => bed.bounce_node(Duration::ZERO, true).await,
+            NodeFault::LameDuck => bed.lame_duck_node().await,
+        }
     }
     tokio::time::sleep(gap).await;
     bed.finish(writer).await
+}
+
+/// A node's disk lost: the node leading the raw stream of a 3-node R3 cluster (3 workers) is
+/// stopped, its JetStream store removed, and started again empty under the same name while the
+/// load runs; `p.rounds` times, a different node's turn each time the leadership has moved.
+async fn wiped_node(p: &Profile, seed: u64) -> Report {
+    let bed = Bed::start("wiped-node", p, true, 3).await;
+    node_rounds(bed, p, seed, NodeFault::Wipe).await
 }
 
 /// Leaders moved by hand under load, on a 3-node R3 cluster with 3 workers: every 1-3 s (0.5-1 s
@@ -2791,15 +2834,8 @@ const LAME_DUCK_WITHIN: Duration = Duration::from_secs(60);
 /// 30 s and exits) while the load runs, then started again; `p.rounds` times.
 async fn lame_duck(p: &Profile, seed: u64) -> Report {
     let broker = Broker::Cluster(cluster3_with(Some(LAME_DUCK_CONFIG.to_string())).await);
-    let mut bed = Bed::start_on("lame-duck", p, broker, 1, 3, &[], false, Vec::new()).await;
-    let writer = bed.writer(seed, p.timeout_ms);
-    let gap = p.load / u32::try_from(p.rounds + 1).unwrap_or(2);
-    for _ in 0..p.rounds {
-        tokio::time::sleep(gap).await;
-        bed.lame_duck_node().await;
-    }
-    tokio::time::sleep(gap).await;
-    bed.finish(writer).await
+    let bed = Bed::start_on("lame-duck", p, broker, 1, 3, &[], false, Vec::new()).await;
+    node_rounds(bed, p, seed, NodeFault::LameDuck).await
 }
 
 /// 6. A mix of the above, with short turn timeouts that fire while partitions fail over.
@@ -3583,6 +3619,7 @@ async fn chaos_full() {
         "storage-switch",
         "lame-duck",
         "step-down",
+        "wiped-node",
     ]
     .into_iter()
     .enumerate()
@@ -3604,6 +3641,7 @@ async fn chaos_full() {
             "storage-switch" => storage_switch(&p, s).await,
             "lame-duck" => lame_duck(&p, s).await,
             "step-down" => step_down(&p, s).await,
+            "wiped-node" => wiped_node(&p, s).await,
             "oversize" => oversize(&p, s).await,
             "deleted-consumer" => deleted_consumer(&p, s).await,
             "regressed-consumer" => regressed_consumer(&p, s).await,
