@@ -30,11 +30,12 @@
 use super::context::WorkerContext;
 use super::error::WorkerError;
 use super::worker;
+use super::{LeaseAsk, LeaseValidity};
 use super::{HEARTBEAT_PREFIX, H_LEASE_TTL_MS};
 use async_nats::jetstream::kv;
 use futures::StreamExt;
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::task::JoinHandle;
@@ -48,13 +49,13 @@ struct Held {
     /// runs with the worker that took it for a lease TTL first, so a takeover is not followed at
     /// once by a handover (to a newcomer whose own faults would then delay it again).
     keep_until: Option<tokio::time::Instant>,
-    /// Until when (ms since the epoch) the lease is known to hold: the start of its last
-    /// successful renewal plus a third of the TTL.
-    valid_until: Arc<AtomicI64>,
-    /// When (ms since the epoch) the earliest renewal whose outcome is not known was asked: one
-    /// the server may have stored with its answer lost. A renewal found stored later counts
-    /// from here, never from a later ask.
-    unconfirmed_since: Option<i64>,
+    /// Until when the lease is known to hold: the start of its last successful renewal plus a
+    /// third of the TTL.
+    valid_until: Arc<LeaseValidity>,
+    /// When the earliest renewal whose outcome is not known was asked: one the server may have
+    /// stored with its answer lost. A renewal found stored later counts from here, never from
+    /// a later ask.
+    unconfirmed_since: Option<LeaseAsk>,
     cancel: CancellationToken,
     task: JoinHandle<()>,
 }
@@ -263,7 +264,7 @@ fn spawn_partition(
     worker_id: &str,
     p: u16,
     cancel: CancellationToken,
-    valid_until: Arc<AtomicI64>,
+    valid_until: Arc<LeaseValidity>,
 ) -> JoinHandle<()> {
     use tracing::Instrument;
     let rt = shared.partitions_rt.clone();
@@ -680,8 +681,7 @@ impl LeaseLoop {
                 .values()
                 .chain(self.leaving.iter().map(|l| &l.held))
             {
-                // Long past (0 would mean "no lease to check").
-                h.valid_until.store(1, Ordering::Relaxed);
+                h.valid_until.lose();
             }
         }
         let reconnected = connected && self.disconnected;
@@ -846,7 +846,7 @@ impl LeaseLoop {
             let answers = &self.renewal_answers;
             async move {
                 let subject = format!("{}{}", store.prefix, lease_key(p));
-                let asked_at = super::now_ms();
+                let asked_at = LeaseAsk::now();
                 let mut result = publish_renewal(js, &subject, id, instance, revision)
                     .await
                     .map_err(|e| e.to_string());
@@ -879,7 +879,9 @@ impl LeaseLoop {
             let Some(h) = self.held.get_mut(&p) else {
                 continue;
             };
-            let since = h.unconfirmed_since.map_or(asked_at, |s| s.min(asked_at));
+            let since = h
+                .unconfirmed_since
+                .map_or(asked_at, |s| s.earlier(asked_at));
             match back {
                 ReadBack::Renewed(rev) => {
                     // This round's renewal, answered: none of the earlier ones was stored (they
@@ -894,8 +896,7 @@ impl LeaseLoop {
                     };
                     h.revision = rev;
                     h.unconfirmed_since = None;
-                    h.valid_until
-                        .store(from + self.validity_ms, Ordering::Relaxed);
+                    h.valid_until.renew(from, self.validity_ms);
                     self.shared.state.count_lease_renewal();
                 }
                 ReadBack::Unknown => {
@@ -906,7 +907,7 @@ impl LeaseLoop {
                 }
                 ReadBack::Lost => {
                     // Lapsed at once: the partition stops without writing anything more.
-                    h.valid_until.store(1, Ordering::Relaxed);
+                    h.valid_until.lose();
                     warn!(partition = p, error = ?error, "lease lost; stopping the partition");
                     self.shared.state.count_lease_loss();
                     lost.push(p);
@@ -991,7 +992,7 @@ impl LeaseLoop {
             {
                 continue;
             }
-            let asked_at = super::now_ms();
+            let asked_at = LeaseAsk::now();
             let Ok(revision) = self
                 .store
                 .create(lease_key(p), self.worker_id.clone().into())
@@ -1001,7 +1002,7 @@ impl LeaseLoop {
             };
             self.shared.state.count_takeover(evicted.contains(&p));
             let c = cancel.child_token();
-            let valid_until = Arc::new(AtomicI64::new(asked_at + self.validity_ms));
+            let valid_until = Arc::new(LeaseValidity::from_ask(asked_at, self.validity_ms));
             let task = spawn_partition(
                 self.shared.clone(),
                 &self.worker_id,

@@ -384,6 +384,68 @@ async fn check_server(client: &async_nats::Client, url: &str) -> Result<(), Conn
 mod tests {
     use super::*;
 
+    /// An ask made `ago_ms` ago in real time, whose wall clock read `wall_shift_ms` more than
+    /// the real time then (a clock stepped back since reads the ask as in the future).
+    fn ask(ago_ms: i64, wall_shift_ms: i64) -> LeaseAsk {
+        LeaseAsk {
+            wall_ms: now_ms() - ago_ms + wall_shift_ms,
+            mono_ms: monotonic_ms() - ago_ms,
+        }
+    }
+
+    #[test]
+    fn a_lease_holds_for_its_validity_and_not_once_lost() {
+        assert!(
+            !LeaseValidity::default().lapsed(),
+            "no lease: nothing lapses"
+        );
+        let v = LeaseValidity::from_ask(ask(0, 0), 60_000);
+        assert!(!v.lapsed());
+        v.lose();
+        assert!(v.lapsed());
+        v.renew(ask(0, 0), 60_000);
+        assert!(!v.lapsed(), "a renewal after a loss holds again");
+        assert!(LeaseValidity::from_ask(ask(3_000, 0), 2_000).lapsed());
+    }
+
+    #[test]
+    fn a_wall_clock_stepped_back_does_not_lengthen_a_lease() {
+        // Asked 5 s ago, valid 2 s; the wall clock has since been set back 60 s, so it reads
+        // the ask as 55 s ahead. The monotonic clock still counts 5 s.
+        let v = LeaseValidity::from_ask(ask(5_000, 60_000), 2_000);
+        assert!(v.lapsed());
+    }
+
+    #[test]
+    fn a_monotonic_clock_that_stood_still_does_not_lengthen_a_lease() {
+        // Asked 5 s ago by the wall clock, while the monotonic clock stood still (a suspended
+        // machine): it reads the ask as just now.
+        let asked = LeaseAsk {
+            wall_ms: now_ms() - 5_000,
+            mono_ms: monotonic_ms(),
+        };
+        assert!(LeaseValidity::from_ask(asked, 2_000).lapsed());
+    }
+
+    #[test]
+    fn the_earlier_of_two_asks_is_earlier_on_both_clocks() {
+        let a = LeaseAsk {
+            wall_ms: 10,
+            mono_ms: 50,
+        };
+        let b = LeaseAsk {
+            wall_ms: 20,
+            mono_ms: 40,
+        };
+        assert_eq!(
+            a.earlier(b),
+            LeaseAsk {
+                wall_ms: 10,
+                mono_ms: 40
+            }
+        );
+    }
+
     #[test]
     fn versions_compare() {
         assert_eq!(parse_version("2.15.1"), Some((2, 15, 1)));
@@ -520,11 +582,97 @@ pub(crate) fn nth(counter: &std::sync::atomic::AtomicU64, every: u64) -> bool {
     every > 0 && (counter.fetch_add(1, std::sync::atomic::Ordering::Relaxed) + 1) % every == 0
 }
 
-/// Whether a lease known to hold until `valid_until` (ms since the epoch, 0 = no lease) has
-/// lapsed: past it, the holder takes no more work on what the lease covers.
-pub(crate) fn lease_lapsed(valid_until: &std::sync::atomic::AtomicI64) -> bool {
-    let v = valid_until.load(std::sync::atomic::Ordering::Relaxed);
-    v > 0 && now_ms() > v
+/// When a lease renewal (or the first take of a lease) was asked, on both clocks a lease's
+/// validity is kept on.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LeaseAsk {
+    /// Milliseconds since the epoch.
+    wall_ms: i64,
+    /// Milliseconds on this process's monotonic clock ([`monotonic_ms`]).
+    mono_ms: i64,
+}
+
+impl LeaseAsk {
+    pub(crate) fn now() -> LeaseAsk {
+        LeaseAsk {
+            wall_ms: now_ms(),
+            mono_ms: monotonic_ms(),
+        }
+    }
+
+    /// The earlier of two asks, clock by clock.
+    pub(crate) fn earlier(self, other: LeaseAsk) -> LeaseAsk {
+        LeaseAsk {
+            wall_ms: self.wall_ms.min(other.wall_ms),
+            mono_ms: self.mono_ms.min(other.mono_ms),
+        }
+    }
+}
+
+/// Milliseconds on this process's monotonic clock, counted from its first reading.
+fn monotonic_ms() -> i64 {
+    static FIRST: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    let first = *FIRST.get_or_init(std::time::Instant::now);
+    i64::try_from(first.elapsed().as_millis()).unwrap_or(i64::MAX)
+}
+
+/// Until when this worker's lease on a partition is known to hold: a third of the TTL after
+/// its last successful renewal was asked, kept on the wall clock and on the process's
+/// monotonic clock. It lapses as soon as either clock says so. A wall clock stepped back (NTP
+/// correcting a clock that ran fast, a clock set by hand) therefore cannot make a worker go on
+/// past a third of the TTL of real time, and a monotonic clock that stood still while the
+/// machine was suspended cannot either (the wall clock is set forward on resume). Shared by a
+/// partition's task with the lease loop, which renews and loses it.
+#[derive(Debug, Default)]
+pub struct LeaseValidity {
+    /// Milliseconds since the epoch; 0: no lease to check (never lapses), 1: lost.
+    wall_ms: std::sync::atomic::AtomicI64,
+    /// Milliseconds on [`monotonic_ms`]'s clock, set with `wall_ms` (read only while that
+    /// holds a bound).
+    mono_ms: std::sync::atomic::AtomicI64,
+}
+
+impl LeaseValidity {
+    /// Valid for `validity_ms` from `asked`.
+    pub(crate) fn from_ask(asked: LeaseAsk, validity_ms: i64) -> LeaseValidity {
+        let v = LeaseValidity::default();
+        v.renew(asked, validity_ms);
+        v
+    }
+
+    /// A renewal asked at `asked` was stored: valid for `validity_ms` from then.
+    pub(crate) fn renew(&self, asked: LeaseAsk, validity_ms: i64) {
+        use std::sync::atomic::Ordering::{Relaxed, Release};
+        // The monotonic bound first, the wall bound published after it: a check that reads the
+        // new wall bound reads the new monotonic one too.
+        self.mono_ms
+            .store(asked.mono_ms.saturating_add(validity_ms), Relaxed);
+        self.wall_ms
+            .store(asked.wall_ms.saturating_add(validity_ms), Release);
+    }
+
+    /// The lease is lost, or cannot be renewed (its connection is down): lapsed from now on.
+    pub(crate) fn lose(&self) {
+        self.wall_ms.store(1, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Whether the lease has lapsed: past it, the holder takes no more work on what it covers.
+    pub fn lapsed(&self) -> bool {
+        use std::sync::atomic::Ordering::{Acquire, Relaxed};
+        let wall = self.wall_ms.load(Acquire);
+        if wall == 0 {
+            return false;
+        }
+        if now_ms() > wall {
+            return true;
+        }
+        monotonic_ms() > self.mono_ms.load(Relaxed)
+    }
+}
+
+/// Whether `valid_until` has lapsed ([`LeaseValidity::lapsed`]).
+pub(crate) fn lease_lapsed(valid_until: &LeaseValidity) -> bool {
+    valid_until.lapsed()
 }
 
 /// How often a wait on a lapsed lease looks at it again.
@@ -535,7 +683,7 @@ const LEASE_POLL: Duration = Duration::from_millis(20);
 /// passed. The one wait of everything that works only under a valid lease: a partition before
 /// it starts and before each pull or write, and the readers of partition 0's side jobs.
 pub(crate) async fn lease_held_again(
-    valid_until: &std::sync::atomic::AtomicI64,
+    valid_until: &LeaseValidity,
     stop: impl std::future::Future<Output = ()>,
     until: Option<tokio::time::Instant>,
 ) -> bool {

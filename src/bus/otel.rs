@@ -16,7 +16,6 @@ use crate::usage::Prices;
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
 use opentelemetry_sdk::trace::SpanExporter as _;
-use std::sync::atomic::AtomicI64;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -44,7 +43,7 @@ pub struct ExportJob {
 pub async fn run_export(
     job: ExportJob,
     cancel: CancellationToken,
-    lease_valid_until: Arc<AtomicI64>,
+    lease_valid_until: Arc<super::LeaseValidity>,
 ) {
     let mut exporter = match crate::otel::exporter(&job.export) {
         Ok(e) => e,
@@ -107,7 +106,7 @@ async fn export(
     job: &ExportJob,
     exporter: &mut opentelemetry_otlp::SpanExporter,
     cancel: &CancellationToken,
-    lease_valid_until: &AtomicI64,
+    lease_valid_until: &super::LeaseValidity,
 ) -> Result<(), String> {
     let reconnects = std::sync::Arc::new(Reconnects::new(&job.js.client()));
     let from = start(job, &reconnects).await?;

@@ -15,6 +15,7 @@ use super::publisher::Halt;
 use super::pull::PullBatch;
 use super::stats::Outcome;
 use super::turns::{Effects, Flush, PartitionTurns, TurnIoError};
+use super::LeaseValidity;
 use super::{lease_held_again, lease_lapsed};
 use crate::pipeline::{self, RawMessage};
 use crate::telemetry;
@@ -125,7 +126,7 @@ impl Partition<'_> {
     /// a batch held over several waits can outlast `ack_wait`, and its redelivered inputs are
     /// then looked up, as any redelivery is, not stored twice.) `Ok(false)`: the partition was
     /// stopped while waiting (cancelled, or broken by a refused turn-record write).
-    async fn wait_out_lapse(&self, lease_valid_until: &AtomicI64) -> Result<bool, WorkerError> {
+    async fn wait_out_lapse(&self, lease_valid_until: &LeaseValidity) -> Result<bool, WorkerError> {
         if !lease_lapsed(lease_valid_until) {
             return Ok(true);
         }
@@ -156,7 +157,7 @@ impl Partition<'_> {
         &mut self,
         stream: &jetstream::stream::Stream,
         consumer: &mut PullConsumer,
-        lease_valid_until: &AtomicI64,
+        lease_valid_until: &LeaseValidity,
     ) -> Result<(), WorkerError> {
         // Take over what a previous owner left in flight, in order, before anything new.
         let info = consumer
@@ -652,7 +653,7 @@ impl Partition<'_> {
         stream: &jetstream::stream::Stream,
         from: u64,
         to: u64,
-        lease_valid_until: &AtomicI64,
+        lease_valid_until: &LeaseValidity,
     ) -> Result<Flow, WorkerError> {
         if to < from {
             return Ok(Flow::Continue);
@@ -688,7 +689,7 @@ impl Partition<'_> {
         replay: jetstream::consumer::Consumer<jetstream::consumer::pull::OrderedConfig>,
         from: u64,
         to: u64,
-        lease_valid_until: &AtomicI64,
+        lease_valid_until: &LeaseValidity,
     ) -> Result<Flow, WorkerError> {
         let p = self.p;
         let short = |why: &'static str| {

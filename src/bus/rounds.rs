@@ -22,9 +22,9 @@
 //! either being waited out.
 
 use super::reconnects::Reconnects;
+use super::LeaseValidity;
 use async_nats::jetstream::{self, consumer};
 use futures::StreamExt;
-use std::sync::atomic::AtomicI64;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -116,7 +116,7 @@ impl Rounds {
     pub async fn next(
         &mut self,
         cancel: &CancellationToken,
-        lease_valid_until: &AtomicI64,
+        lease_valid_until: &LeaseValidity,
         gather: Duration,
         max: usize,
     ) -> Result<Option<Vec<jetstream::Message>>, String> {

@@ -1089,7 +1089,7 @@ pub async fn run_fold(
     js: jetstream::Context,
     proj_stream: String,
     cancel: tokio_util::sync::CancellationToken,
-    lease_valid_until: std::sync::Arc<std::sync::atomic::AtomicI64>,
+    lease_valid_until: std::sync::Arc<super::LeaseValidity>,
 ) {
     let mut retry = super::Retry::new(Duration::from_millis(200), Duration::from_secs(5));
     // The last projection-stream sequence whose sessions are written, once known.
@@ -1143,7 +1143,7 @@ async fn fold(
     js: &jetstream::Context,
     proj_stream: &str,
     cancel: &tokio_util::sync::CancellationToken,
-    lease_valid_until: &std::sync::atomic::AtomicI64,
+    lease_valid_until: &super::LeaseValidity,
     position: &mut Option<u64>,
 ) -> Result<(), String> {
     let mut proj = js
@@ -1251,7 +1251,7 @@ async fn commit_round(
     events: Vec<(Box<Envelope>, Identity)>,
     mut span: Round,
     checkpoint: u64,
-    lease_valid_until: &std::sync::atomic::AtomicI64,
+    lease_valid_until: &super::LeaseValidity,
 ) -> Result<(), String> {
     let lease_held = || {
         if super::lease_lapsed(lease_valid_until) {

@@ -209,7 +209,7 @@ async fn claim(
 /// Run one partition until `cancel`: finish the batch in hand, acknowledge what was published,
 /// and return.
 ///
-/// `lease_valid_until` (ms since the epoch, 0 = no lease) is how long this worker's lease on the
+/// `lease_valid_until` ([`super::LeaseValidity`]) is how long this worker's lease on the
 /// partition is known to hold: past it (a paused process, a stalled renewal) the partition takes
 /// no work, so a worker that lost its lease without noticing yet does not process next to the
 /// new owner.
@@ -218,7 +218,7 @@ pub async fn run_partition(
     p: u16,
     owner: &str,
     cancel: CancellationToken,
-    lease_valid_until: Arc<AtomicI64>,
+    lease_valid_until: Arc<super::LeaseValidity>,
 ) -> Result<(), WorkerError> {
     let setup = |what: &str, source: Source| WorkerError::setup(p, what, source);
     let Some((stream, raw)) = raw_stream(&shared, p, &cancel).await? else {

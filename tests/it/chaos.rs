@@ -3588,7 +3588,7 @@ async fn chaos_short_cluster_partition() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "the full chaos suite takes about 20 minutes: cargo test --release --test it chaos_full -- --ignored --nocapture"]
+#[ignore = "the full chaos suite takes about 33 minutes: cargo test --release --test it chaos_full -- --ignored --nocapture"]
 async fn chaos_full() {
     let _serial = SERIAL.lock().await;
     let p = Profile::full();

@@ -5,9 +5,9 @@
 use crate::support::local_nats;
 use async_nats::jetstream::{self, stream};
 use collab_projector::bus::rounds::Rounds;
+use collab_projector::bus::LeaseValidity;
 use collab_projector::localnats::LocalNats;
 use futures::TryStreamExt;
-use std::sync::atomic::AtomicI64;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
@@ -46,7 +46,7 @@ async fn publish(js: &jetstream::Context, from: u64, to: u64) {
 
 /// The next round of `rounds`, gathering for `GATHER`, never cancelled.
 async fn next_round(rounds: &mut Rounds, max: usize) -> Vec<jetstream::Message> {
-    let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
+    let (cancel, lease) = (CancellationToken::new(), LeaseValidity::default());
     rounds
         .next(&cancel, &lease, GATHER, max)
         .await
@@ -61,7 +61,7 @@ async fn cancelled_while_waiting(
     max: usize,
     after: Duration,
 ) -> bool {
-    let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
+    let (cancel, lease) = (CancellationToken::new(), LeaseValidity::default());
     let stop = cancel.clone();
     tokio::spawn(async move {
         tokio::time::sleep(after).await;
@@ -132,7 +132,7 @@ async fn a_small_round_fetched_in_paced_chunks_and_a_larger_one_both_come_whole(
 #[tokio::test]
 async fn a_reader_a_whole_round_behind_takes_its_round_without_gathering() {
     let (_nats, js, s) = stream_with(1).await;
-    let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
+    let (cancel, lease) = (CancellationToken::new(), LeaseValidity::default());
     let mut rounds = Rounds::new(&s, 1).await.unwrap();
     publish(&js, 2, 2500).await;
     // A gathering time no test run reaches: only a round that does not gather returns.
@@ -156,7 +156,7 @@ async fn a_reader_a_whole_round_behind_takes_its_round_without_gathering() {
 #[tokio::test]
 async fn a_round_waits_for_its_first_message_and_gathers_what_follows() {
     let (_nats, js, s) = stream_with(3).await;
-    let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
+    let (cancel, lease) = (CancellationToken::new(), LeaseValidity::default());
     // From a start past the first messages: those before it are not read.
     let mut rounds = Rounds::new(&s, 3).await.unwrap();
     assert_eq!(stream_seqs(&next_round(&mut rounds, 100).await), vec![3]);
@@ -189,7 +189,7 @@ async fn a_round_waits_for_its_first_message_and_gathers_what_follows() {
 #[tokio::test]
 async fn a_lost_consumer_is_an_error_that_names_the_stream() {
     let (_nats, js, s) = stream_with(2).await;
-    let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
+    let (cancel, lease) = (CancellationToken::new(), LeaseValidity::default());
     let mut rounds = Rounds::new(&s, 1).await.unwrap();
     assert_eq!(next_round(&mut rounds, 100).await.len(), 2);
     let names: Vec<String> = s.consumer_names().try_collect().await.unwrap();
@@ -228,7 +228,7 @@ async fn a_request_the_server_never_answers_is_an_error_not_a_wait() {
     // finishing its drain.
     let (nats, js, _) = stream_with(3).await;
     let (proxy, mut rounds, gather) = reader_behind_a_held_proxy(&nats).await;
-    let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
+    let (cancel, lease) = (CancellationToken::new(), LeaseValidity::default());
     let held = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_secs(1)).await;
         proxy.hold_up(true);
@@ -257,7 +257,7 @@ async fn a_request_the_server_never_answers_is_an_error_not_a_wait() {
 async fn a_reader_waiting_on_an_unanswered_request_stops_when_cancelled() {
     let (nats, _js, _) = stream_with(3).await;
     let (proxy, mut rounds, gather) = reader_behind_a_held_proxy(&nats).await;
-    let (cancel, lease) = (CancellationToken::new(), AtomicI64::new(0));
+    let (cancel, lease) = (CancellationToken::new(), LeaseValidity::default());
     let stop = cancel.clone();
     let held = tokio::spawn(async move {
         tokio::time::sleep(Duration::from_secs(1)).await;
