@@ -352,18 +352,13 @@ impl LocalNats {
         if let Err(err) = signal(child.id(), Signal::SIGTERM) {
             tracing::warn!(pid = child.id(), %err, "could not send SIGTERM to nats-server");
         }
-        let deadline = Instant::now() + STOP_GRACE;
-        while Instant::now() < deadline {
-            match child.try_wait() {
-                Ok(Some(_)) => return,
-                Ok(None) => tokio::time::sleep(POLL_INTERVAL).await,
-                Err(err) => {
-                    tracing::warn!(pid = child.id(), %err, "could not wait for nats-server");
-                    break;
-                }
+        match wait_for_exit(&mut child, STOP_GRACE).await {
+            Exit::Exited => return,
+            Exit::Running => {
+                tracing::warn!(pid = child.id(), "nats-server ignored SIGTERM; killing it");
             }
+            Exit::Unknown => {}
         }
-        tracing::warn!(pid = child.id(), "nats-server ignored SIGTERM; killing it");
         force_kill(&mut child);
     }
 
@@ -426,18 +421,13 @@ impl LocalNats {
             log.clone(),
         )
         .await?;
-        let deadline = Instant::now() + within;
-        while Instant::now() < deadline {
-            let Some(child) = self.child.as_mut() else {
-                return Ok(());
-            };
-            if !matches!(child.try_wait(), Ok(None)) {
-                self.child = None;
-                return Ok(());
-            }
-            tokio::time::sleep(POLL_INTERVAL).await;
+        let Some(mut child) = self.child.take() else {
+            return Ok(());
+        };
+        if !matches!(wait_for_exit(&mut child, within).await, Exit::Running) {
+            return Ok(());
         }
-        self.kill_now();
+        force_kill(&mut child);
         Err(LocalNatsError::Io {
             action: "see the server leave lame duck mode; it was killed instead, see",
             path: log,
@@ -895,6 +885,31 @@ fn log_tail_from(path: &Path, from: u64) -> String {
 pub fn signal(pid: u32, sig: Signal) -> nix::Result<()> {
     let raw = i32::try_from(pid).map_err(|_| nix::errno::Errno::ESRCH)?;
     kill(Pid::from_raw(raw), sig)
+}
+
+/// How a wait for a server process to exit ended.
+enum Exit {
+    Exited,
+    /// Still running when the wait ran out.
+    Running,
+    /// It could not be waited for (logged).
+    Unknown,
+}
+
+/// Wait up to `within` for `child` to exit.
+async fn wait_for_exit(child: &mut Child, within: Duration) -> Exit {
+    let deadline = Instant::now() + within;
+    while Instant::now() < deadline {
+        match child.try_wait() {
+            Ok(Some(_)) => return Exit::Exited,
+            Ok(None) => tokio::time::sleep(POLL_INTERVAL).await,
+            Err(err) => {
+                tracing::warn!(pid = child.id(), %err, "could not wait for nats-server");
+                return Exit::Unknown;
+            }
+        }
+    }
+    Exit::Running
 }
 
 /// SIGKILL and reap, so no zombie is left and the store is free when this returns.

@@ -670,11 +670,6 @@ impl LeaseValidity {
     }
 }
 
-/// Whether `valid_until` has lapsed ([`LeaseValidity::lapsed`]).
-pub(crate) fn lease_lapsed(valid_until: &LeaseValidity) -> bool {
-    valid_until.lapsed()
-}
-
 /// How often a wait on a lapsed lease looks at it again.
 const LEASE_POLL: Duration = Duration::from_millis(20);
 
@@ -688,7 +683,7 @@ pub(crate) async fn lease_held_again(
     until: Option<tokio::time::Instant>,
 ) -> bool {
     tokio::pin!(stop);
-    while lease_lapsed(valid_until) {
+    while valid_until.lapsed() {
         if until.is_some_and(|u| tokio::time::Instant::now() >= u) {
             return false;
         }

@@ -10,13 +10,13 @@ use super::acker::issue_publishes;
 use super::acker::{is_barrier, Processed};
 use super::context::WorkerContext;
 use super::error::{Source, WorkerError};
+use super::lease_held_again;
 use super::publish::Fence;
 use super::publisher::Halt;
 use super::pull::PullBatch;
 use super::stats::Outcome;
 use super::turns::{Effects, Flush, PartitionTurns, TurnIoError};
 use super::LeaseValidity;
-use super::{lease_held_again, lease_lapsed};
 use crate::pipeline::{self, RawMessage};
 use crate::telemetry;
 use crate::turns::book::Watermark;
@@ -127,7 +127,7 @@ impl Partition<'_> {
     /// then looked up, as any redelivery is, not stored twice.) `Ok(false)`: the partition was
     /// stopped while waiting (cancelled, or broken by a refused turn-record write).
     async fn wait_out_lapse(&self, lease_valid_until: &LeaseValidity) -> Result<bool, WorkerError> {
-        if !lease_lapsed(lease_valid_until) {
+        if !lease_valid_until.lapsed() {
             return Ok(true);
         }
         let settings = &self.shared.settings;

@@ -1254,7 +1254,7 @@ async fn commit_round(
     lease_valid_until: &super::LeaseValidity,
 ) -> Result<(), String> {
     let lease_held = || {
-        if super::lease_lapsed(lease_valid_until) {
+        if lease_valid_until.lapsed() {
             return Err(
                 "partition 0's lease lapsed during the round; starting again from the checkpoint"
                     .to_string(),

@@ -18,7 +18,6 @@
 use super::acker::{ack_stage, Acks, Processed, Stage};
 use super::context::WorkerContext;
 use super::error::{Source, WorkerError};
-use super::lease_lapsed;
 use super::publish::Fence;
 use super::reader::Partition;
 use super::stats::{sample_lag, WorkerState};
@@ -364,7 +363,7 @@ pub async fn run_partition(
         ok = result.is_ok(),
         "partition reader stopped"
     );
-    if result.is_ok() && !broken.is_cancelled() && !lease_lapsed(&lease_valid_until) {
+    if result.is_ok() && !broken.is_cancelled() && !lease_valid_until.lapsed() {
         // Stopping with the lease still valid (a drain, a release for balance): write the open
         // records still deferred, so everything processed can be acknowledged and the next
         // owner has nothing to take over twice. With the lease lost or lapsed (another owner

@@ -125,6 +125,8 @@ struct Profile {
     convs: usize,
     /// Pause between faults (ms).
     fault_every_ms: (u64, u64),
+    /// Pause between leader step-downs (ms), which are lighter and come more often.
+    step_down_every_ms: (u64, u64),
     /// How long a stopped cluster node stays down.
     node_down: Duration,
     /// Rounds of SIGSTOP / server restarts / node stops.
@@ -149,6 +151,7 @@ impl Profile {
             tasks: 64,
             convs: 32,
             fault_every_ms: (1500, 2500),
+            step_down_every_ms: (500, 1000),
             node_down: Duration::from_secs(3),
             rounds: 1,
             // A debug build on a loaded 2-core machine (the suite's other tests, CI) has taken
@@ -175,6 +178,7 @@ impl Profile {
             tasks: 256,
             convs: 128,
             fault_every_ms: (5000, 9000),
+            step_down_every_ms: (1000, 3000),
             node_down: Duration::from_secs(15),
             rounds: 2,
             guard: Duration::from_secs(300),
@@ -2795,15 +2799,11 @@ async fn step_down(p: &Profile, seed: u64) -> Report {
         format!("KV_{}", names.leases_bucket),
         format!("KV_{}", names.sessions_bucket),
     ];
-    let every = if p.label == "full" {
-        (1000, 3000)
-    } else {
-        (500, 1000)
-    };
     let end = Instant::now() + p.load;
     let (mut asked, mut taken) = (0u32, 0u32);
     while Instant::now() < end {
-        tokio::time::sleep(Duration::from_millis(rng.random_range(every.0..=every.1))).await;
+        let (low, high) = p.step_down_every_ms;
+        tokio::time::sleep(Duration::from_millis(rng.random_range(low..=high))).await;
         // Half the step-downs move a partition consumer's leader, half a stream's.
         let stepped = if rng.random_bool(0.5) {
             let partition = rng.random_range(0..p.partitions);

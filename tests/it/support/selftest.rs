@@ -29,6 +29,21 @@ async fn publish(js: &async_nats::jetstream::Context, subject: &str, payload: &'
         .sequence
 }
 
+/// The messages `stream` holds, read over a new connection to `server` (started again).
+async fn stored_after_restart(
+    server: &collab_projector::localnats::LocalNats,
+    stream: &str,
+) -> u64 {
+    let js = async_nats::jetstream::new(
+        async_nats::connect(server.url())
+            .await
+            .expect("reconnect to the local server"),
+    );
+    let mut stream = js.get_stream(stream).await.expect("stream recovered");
+    let info = stream.info().await.expect("stream info");
+    info.state.messages
+}
+
 #[tokio::test]
 async fn restart_keeps_port_and_stored_messages() {
     let mut nats = TestNats::start().await;
@@ -105,14 +120,7 @@ async fn kill_now_then_restart_recovers_the_store() {
     server.restart().await.expect("restart after SIGKILL");
 
     assert_ne!(server.pid(), old_pid);
-    let js = async_nats::jetstream::new(
-        async_nats::connect(server.url())
-            .await
-            .expect("reconnect to the local server"),
-    );
-    let mut stream = js.get_stream("CRASHY").await.expect("stream recovered");
-    let info = stream.info().await.expect("stream info");
-    assert_eq!(info.state.messages, 1);
+    assert_eq!(stored_after_restart(&server, "CRASHY").await, 1);
 }
 
 /// The chaos suite's rolling-upgrade step: a server put in lame duck mode tells its clients,
@@ -154,14 +162,7 @@ async fn lame_duck_tells_the_clients_and_exits_then_restart_recovers_the_store()
         .restart()
         .await
         .expect("restart after lame duck mode");
-    let js = async_nats::jetstream::new(
-        async_nats::connect(server.url())
-            .await
-            .expect("reconnect to the local server"),
-    );
-    let mut stream = js.get_stream("RETIRED").await.expect("stream recovered");
-    let info = stream.info().await.expect("stream info");
-    assert_eq!(info.state.messages, 1);
+    assert_eq!(stored_after_restart(&server, "RETIRED").await, 1);
 }
 
 #[tokio::test]
