@@ -30,8 +30,7 @@
 use super::context::WorkerContext;
 use super::error::WorkerError;
 use super::worker;
-use super::{LeaseAsk, LeaseValidity};
-use super::{HEARTBEAT_PREFIX, H_LEASE_TTL_MS};
+use super::{LeaseAsk, LeaseValidity, HEARTBEAT_PREFIX, H_LEASE_TTL_MS};
 use async_nats::jetstream::kv;
 use futures::StreamExt;
 use std::collections::BTreeMap;
