@@ -47,6 +47,10 @@ const MAX_ATTEMPTS: u32 = 50;
 const ALIAS_CACHE: usize = 10_000;
 /// Decoded sessions the committer keeps between rounds.
 const SESSION_CACHE: usize = 4096;
+/// Session ids the committer remembers having read or written (beyond the decoded ones it
+/// keeps): a session it has never met is written as new without a read first, and one it has
+/// met but no longer keeps is read first.
+const SEEN_SESSIONS: usize = 65_536;
 /// Sessions written at once in a round.
 const CONCURRENT_WRITES: usize = 32;
 /// Conversation aliases read, or written, at once in a round.
@@ -403,6 +407,11 @@ type Cached = (Option<WorkSession>, u64);
 /// session once, answer every request of the round.
 async fn committer(kv: kv::Store, reconnects: Arc<Reconnects>, mut rx: mpsc::Receiver<Request>) {
     let mut cache: HashMap<String, Cached> = HashMap::new();
+    // Sessions read or written by this committer: one it has not met is most likely new (the
+    // sessions of a conversation's first events), so it is written as new and read only if that
+    // write is refused, which saves a read per new session and costs a refused write for a
+    // session written before this committer started (once each).
+    let mut seen: HashSet<String> = HashSet::new();
     // Sessions past MAX_SESSION_BYTES: no longer aggregated (reported once).
     let mut oversized: HashSet<String> = HashSet::new();
     let mut last_round = tokio::time::Instant::now();
@@ -429,12 +438,13 @@ async fn committer(kv: kv::Store, reconnects: Arc<Reconnects>, mut rx: mpsc::Rec
             .into_iter()
             .map(|(id, events)| {
                 let cached = cache.remove(&id);
+                let first_met = cached.is_none() && !seen.contains(&id);
                 async move {
                     // A round never waits on one session for long: every other partition's
                     // acknowledgements wait for the round.
                     let outcome = match tokio::time::timeout(
                         SESSION_WRITE_LIMIT,
-                        update(kv, reconnects, &id, &events, cached),
+                        update(kv, reconnects, &id, &events, cached, first_met),
                     )
                     .await
                     {
@@ -474,6 +484,10 @@ async fn committer(kv: kv::Store, reconnects: Arc<Reconnects>, mut rx: mpsc::Rec
                 continue;
             }
             if let Some(k) = outcome.kept {
+                if seen.len() >= SEEN_SESSIONS {
+                    seen.clear();
+                }
+                seen.insert(id.clone());
                 if cache.len() >= SESSION_CACHE {
                     cache.clear();
                 }
@@ -503,13 +517,16 @@ struct Outcome {
     oversized: Option<usize>,
 }
 
-/// Apply and compare-and-set, re-reading on conflict.
+/// Apply and compare-and-set, re-reading on conflict. `first_met`: the committer has not met
+/// this session, so the first attempt takes it as absent (a write as new, which the bucket
+/// refuses if the key has any entry) instead of reading it.
 async fn update(
     kv: &kv::Store,
     reconnects: &Reconnects,
     id: &str,
     events: &[(Box<Envelope>, SessionKeys, Identity)],
     mut cached: Option<Cached>,
+    first_met: bool,
 ) -> Outcome {
     let key = session_key(id);
     let failed = |key: String, source: Source| Outcome {
@@ -521,8 +538,12 @@ async fn update(
     let mut retry = super::Retry::new(STORE_RETRY_MIN, STORE_RETRY_MAX);
     loop {
         attempt += 1;
+        // Taken as absent without a read: only a write as new, which the bucket refuses if the
+        // key has any entry, confirms it.
+        let guessed = cached.is_none() && first_met && attempt == 1;
         let current = match cached.take() {
             Some(c) => c,
+            None if guessed => (None, 0),
             None => match read(kv, reconnects, &key).await {
                 Ok(Some(c)) => c,
                 // Unreadable: never silently reset a session; it is reported and left alone.
@@ -551,6 +572,10 @@ async fn update(
             written,
             ..Outcome::default_ok()
         };
+        if guessed && (!changed || session.is_none()) {
+            // Nothing to write to a new session, which says nothing of a stored one: read it.
+            continue;
+        }
         if !changed {
             return unchanged(session, revision, written);
         }
@@ -562,6 +587,9 @@ async fn update(
             Err(e) => return failed(key, Box::new(e)),
         };
         written += bytes.len();
+        if bytes.len() > MAX_SESSION_BYTES && guessed {
+            continue;
+        }
         if bytes.len() > MAX_SESSION_BYTES {
             return Outcome {
                 written,

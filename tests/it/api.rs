@@ -1699,19 +1699,7 @@ async fn a_conversation_without_a_session_joins_the_one_it_names_later() {
     let writer = SessionWriter::new(&js, &s.names()).await.expect("writer");
     let ts = now_iso(-10);
     let sub = Role::DelegationSubagent;
-    let bare = |seq: u64, message: &str| {
-        out(
-            sub,
-            "a2a.send",
-            &format!("COLLAB_RAW:{seq}:0"),
-            a2a(
-                sub,
-                "a2a.send",
-                &ts,
-                json!({"fromAgent": "ruda", "toAgent": "ruda-worker", "conversationId": "del-7", "message": message}),
-            ),
-        )
-    };
+    let bare = |seq: u64, message: &str| delegation_send(seq, "del-7", message, &ts);
     let (first, second) = (bare(1, "collect the logs"), bare(2, "and the traces"));
     fold(&writer, 0, &[(1, &first), (2, &second)]).await;
     let own = ok(&app, "/api/work-sessions/del-7").await;
@@ -1741,6 +1729,111 @@ async fn a_conversation_without_a_session_joins_the_one_it_names_later() {
     fold(&fresh, 0, &[(5, &later)]).await;
     let joined = ok(&app, "/api/work-sessions/ws_d").await;
     assert_eq!(joined["session"]["eventCount"], 3, "{joined}");
+}
+
+/// Reads of work-session values that reached the server on `reads` (every request on the
+/// session bucket's direct-get and leader-get subjects, which a core subscription sees too), by
+/// the session key each asked for. Flushed first, so every request sent before is counted.
+async fn session_reads<S>(
+    client: &async_nats::Client,
+    reads: &mut S,
+    bucket_subject: &str,
+) -> Vec<String>
+where
+    S: futures::Stream<Item = async_nats::Message> + Unpin,
+{
+    use futures::StreamExt;
+    client.flush().await.expect("flush");
+    let mut keys = Vec::new();
+    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(200), reads.next()).await {
+        let asked = if m.subject.as_str().contains(".DIRECT.GET.") {
+            m.subject.as_str().to_string()
+        } else {
+            let body: Value = serde_json::from_slice(&m.payload).unwrap_or(Value::Null);
+            body["last_by_subj"]
+                .as_str()
+                .unwrap_or_default()
+                .to_string()
+        };
+        if let Some((_, key)) = asked.split_once(bucket_subject) {
+            keys.push(key.to_string());
+        }
+    }
+    keys
+}
+
+/// A work session the fold's writer has never met is written as new without a read first (the
+/// bucket refuses a write as new where the key has any entry), and a session stored already by
+/// an earlier writer, as after a restart, keeps its events: the refused write is followed by a
+/// read and the events go on top of what is stored.
+#[tokio::test]
+async fn a_new_work_session_is_written_without_a_read_and_a_stored_one_keeps_its_events() {
+    let (nats, js, s) = setup().await;
+    let app = api::router(state(&js, &s));
+    let names = s.names();
+    let client = nats.client().await;
+    let direct_reads = client
+        .subscribe(format!("$JS.API.DIRECT.GET.KV_{}.>", names.sessions_bucket))
+        .await
+        .expect("subscribe");
+    let leader_reads = client
+        .subscribe(format!(
+            "$JS.API.STREAM.MSG.GET.KV_{}",
+            names.sessions_bucket
+        ))
+        .await
+        .expect("subscribe");
+    let mut reads = futures::stream::select(direct_reads, leader_reads);
+    let bucket_subject = format!("$KV.{}.", names.sessions_bucket);
+    let ts = now_iso(-10);
+    let event = |seq: u64, conv: &str| delegation_send(seq, conv, "collect the logs", &ts);
+    let first: Vec<Outgoing> = (0..20u64)
+        .map(|i| event(10 + i, &format!("del-{}", 100 + i)))
+        .collect();
+    let items: Vec<(u64, &Outgoing)> = first
+        .iter()
+        .enumerate()
+        .map(|(i, o)| (10 + i as u64, o))
+        .collect();
+    let writer = SessionWriter::new(&js, &names).await.expect("writer");
+    fold(&writer, 0, &items).await;
+    let read = session_reads(&client, &mut reads, &bucket_subject).await;
+    assert!(
+        !read.iter().any(|k| k.starts_with("del-")),
+        "new sessions were read before their first write: {read:?}"
+    );
+    for i in 0..20 {
+        assert_eq!(event_count(&app, &format!("del-{}", 100 + i)).await, 1);
+    }
+
+    // A writer that starts afresh has met none of them: its write as new is refused, it reads
+    // the stored session and adds the event to it.
+    let fresh = SessionWriter::new(&js, &names).await.expect("writer");
+    let again = event(40, "del-100");
+    fold(&fresh, 0, &[(40, &again)]).await;
+    let read = session_reads(&client, &mut reads, &bucket_subject).await;
+    assert!(
+        read.iter().any(|k| k == "del-100"),
+        "a stored session was not read after its write as new was refused: {read:?}"
+    );
+    assert_eq!(event_count(&app, "del-100").await, 2);
+    assert_eq!(event_count(&app, "del-101").await, 1);
+}
+
+/// A delegation's send of `message` in conversation `conv` at `ts`, naming no work session.
+fn delegation_send(seq: u64, conv: &str, message: &str, ts: &str) -> Outgoing {
+    let sub = Role::DelegationSubagent;
+    out(
+        sub,
+        "a2a.send",
+        &format!("COLLAB_RAW:{seq}:0"),
+        a2a(
+            sub,
+            "a2a.send",
+            ts,
+            json!({"fromAgent": "ruda", "toAgent": "ruda-worker", "conversationId": conv, "message": message}),
+        ),
+    )
 }
 
 /// A delegation event of conversation `del-9`, naming work session `ws` when given.

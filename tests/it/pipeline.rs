@@ -2827,7 +2827,9 @@ fn assert_fold_waited_out_nothing(log: &str, also: &[&str]) {
 /// conversation-alias read and write, a work-session read and write, and the fold's checkpoint
 /// write; then its checkpoint read, made as it starts over (after a cut that catches it in a
 /// fetch, up to six cuts). For each, a producer sends events of conversations and
-/// sessions never seen before (so their aliases and sessions are read and written), and the
+/// sessions never seen before (so their aliases and sessions are read and written; for the
+/// session read, the sessions are stored empty beforehand, since the fold writes a session it
+/// has never met as new without reading it, and reads it when that write is refused), and the
 /// proxy holds what the server sends from the moment the worker sends that request: the request
 /// reaches the server, its answer is held for 200 ms and then dropped with the connection. Each
 /// such request is then given up after the reconnect's grace (asked again, or read back) rather
@@ -2861,6 +2863,18 @@ async fn each_kind_of_fold_request_caught_at_a_cut_is_given_up_without_waiting_o
     let mut published = 0u64;
     // Step `k` sends conversations `cut<k>-*` and sessions `ws-cut<k>-*`, never seen before.
     for (k, (what, pattern)) in steps.iter().enumerate() {
+        if *what == "a work-session read" {
+            for n in 0..5 {
+                let id = format!("ws-cut{k}-{n}");
+                let empty = serde_json::to_vec(&json!({ "id": id })).expect("serialises");
+                kv.put(
+                    collab_projector::bus::sessions::session_key(&id),
+                    empty.into(),
+                )
+                .await
+                .expect("an empty session stored");
+            }
+        }
         let sent = proxy.hold_answers_once_sent(pattern);
         let producer = spawn_producer(&js, fresh_sessions_load(k, 600));
         sent_within_30s(sent, what).await;
