@@ -438,13 +438,13 @@ async fn committer(kv: kv::Store, reconnects: Arc<Reconnects>, mut rx: mpsc::Rec
             .into_iter()
             .map(|(id, events)| {
                 let cached = cache.remove(&id);
-                let first_met = cached.is_none() && !seen.contains(&id);
+                let never_met = cached.is_none() && !seen.contains(&id);
                 async move {
                     // A round never waits on one session for long: every other partition's
                     // acknowledgements wait for the round.
                     let outcome = match tokio::time::timeout(
                         SESSION_WRITE_LIMIT,
-                        update(kv, reconnects, &id, &events, cached, first_met),
+                        update(kv, reconnects, &id, &events, cached, never_met),
                     )
                     .await
                     {
@@ -517,7 +517,7 @@ struct Outcome {
     oversized: Option<usize>,
 }
 
-/// Apply and compare-and-set, re-reading on conflict. `first_met`: the committer has not met
+/// Apply and compare-and-set, re-reading on conflict. `never_met`: the committer has not met
 /// this session, so the first attempt takes it as absent (a write as new, which the bucket
 /// refuses if the key has any entry) instead of reading it.
 async fn update(
@@ -526,7 +526,7 @@ async fn update(
     id: &str,
     events: &[(Box<Envelope>, SessionKeys, Identity)],
     mut cached: Option<Cached>,
-    first_met: bool,
+    never_met: bool,
 ) -> Outcome {
     let key = session_key(id);
     let failed = |key: String, source: Source| Outcome {
@@ -540,7 +540,7 @@ async fn update(
         attempt += 1;
         // Taken as absent without a read: only a write as new, which the bucket refuses if the
         // key has any entry, confirms it.
-        let guessed = cached.is_none() && first_met && attempt == 1;
+        let guessed = cached.is_none() && never_met && attempt == 1;
         let current = match cached.take() {
             Some(c) => c,
             None if guessed => (None, 0),
