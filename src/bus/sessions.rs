@@ -407,10 +407,8 @@ type Cached = (Option<WorkSession>, u64);
 /// session once, answer every request of the round.
 async fn committer(kv: kv::Store, reconnects: Arc<Reconnects>, mut rx: mpsc::Receiver<Request>) {
     let mut cache: HashMap<String, Cached> = HashMap::new();
-    // Sessions read or written by this committer: one it has not met is most likely new (the
-    // sessions of a conversation's first events), so it is written as new and read only if that
-    // write is refused, which saves a read per new session and costs a refused write for a
-    // session written before this committer started (once each).
+    // Sessions read or written by this committer (a superset of `cache`'s): one it has not met
+    // is most likely new, and costs a refused write instead of a read when it is not.
     let mut seen: HashSet<String> = HashSet::new();
     // Sessions past MAX_SESSION_BYTES: no longer aggregated (reported once).
     let mut oversized: HashSet<String> = HashSet::new();
@@ -438,7 +436,7 @@ async fn committer(kv: kv::Store, reconnects: Arc<Reconnects>, mut rx: mpsc::Rec
             .into_iter()
             .map(|(id, events)| {
                 let cached = cache.remove(&id);
-                let never_met = cached.is_none() && !seen.contains(&id);
+                let never_met = !seen.contains(&id);
                 async move {
                     // A round never waits on one session for long: every other partition's
                     // acknowledgements wait for the round.
@@ -517,9 +515,9 @@ struct Outcome {
     oversized: Option<usize>,
 }
 
-/// Apply and compare-and-set, re-reading on conflict. `never_met`: the committer has not met
-/// this session, so the first attempt takes it as absent (a write as new, which the bucket
-/// refuses if the key has any entry) instead of reading it.
+/// Apply and compare-and-set, re-reading on conflict. `never_met` (and nothing `cached`): the
+/// first attempt takes the session as absent (a write as new, which the bucket refuses if the
+/// key has any entry) instead of reading it.
 async fn update(
     kv: &kv::Store,
     reconnects: &Reconnects,
@@ -572,11 +570,11 @@ async fn update(
             written,
             ..Outcome::default_ok()
         };
-        if guessed && (!changed || session.is_none()) {
-            // Nothing to write to a new session, which says nothing of a stored one: read it.
-            continue;
-        }
         if !changed {
+            if guessed {
+                // Nothing to write to a new session, which says nothing of a stored one.
+                continue;
+            }
             return unchanged(session, revision, written);
         }
         let Some(value) = session.as_ref() else {
@@ -587,10 +585,11 @@ async fn update(
             Err(e) => return failed(key, Box::new(e)),
         };
         written += bytes.len();
-        if bytes.len() > MAX_SESSION_BYTES && guessed {
-            continue;
-        }
         if bytes.len() > MAX_SESSION_BYTES {
+            if guessed {
+                // Too large as a new session: the stored one decides.
+                continue;
+            }
             return Outcome {
                 written,
                 oversized: Some(bytes.len()),

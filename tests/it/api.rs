@@ -1783,6 +1783,10 @@ async fn a_new_work_session_is_written_without_a_read_and_a_stored_one_keeps_its
         ))
         .await
         .expect("subscribe");
+    client
+        .flush()
+        .await
+        .expect("the subscriptions are in place");
     let mut reads = futures::stream::select(direct_reads, leader_reads);
     let bucket_subject = format!("$KV.{}.", names.sessions_bucket);
     let ts = now_iso(-10);
