@@ -27,7 +27,9 @@ pub use crate::sessions::{Identity, Position};
 use async_nats::jetstream::{self, kv};
 use bytes::Bytes;
 use futures::{StreamExt, TryStreamExt};
+use lru::LruCache;
 use std::collections::{BTreeMap, HashMap, HashSet};
+use std::num::NonZeroUsize;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
@@ -42,9 +44,16 @@ const STORE_RETRY_MAX: Duration = Duration::from_millis(500);
 /// Attempts per session write or alias read and write (conflicts and transient errors) before a
 /// round gives up.
 const MAX_ATTEMPTS: u32 = 50;
-/// Conversations whose alias (or its absence) is remembered in memory, to skip rewriting and
-/// rereading them.
-const ALIAS_CACHE: usize = 10_000;
+/// Conversations whose alias (or its absence) is remembered in memory, the most recently used
+/// kept, to skip rewriting and rereading them. An event that names a conversation and its work
+/// session after the writer forgot the conversation costs a refused write, a read and a write
+/// (the alias moved by this round, to where it was): a turn's blocked outcome comes its timeout
+/// after the send, and as many conversations may start meanwhile (about 10 s of 10,000 new
+/// conversations a second fit). About 32 MiB when full (131,072 aliases of one move each).
+const ALIAS_CACHE: NonZeroUsize = match NonZeroUsize::new(131_072) {
+    Some(n) => n,
+    None => NonZeroUsize::MIN,
+};
 /// Decoded sessions the committer keeps between rounds.
 const SESSION_CACHE: usize = 4096;
 /// Session ids the committer remembers having read or written (beyond the decoded ones it
@@ -231,7 +240,7 @@ pub struct SessionWriter {
     /// asks again only once one of its events names one, which this writer then writes).
     /// Forgotten when a fold starts: another worker may have folded, and written aliases,
     /// meanwhile.
-    aliases: Mutex<HashMap<String, KnownAlias>>,
+    aliases: Mutex<LruCache<String, KnownAlias>>,
     commits: mpsc::Sender<Request>,
     /// The sessions connection's reconnects: a read or write whose answer went with one is
     /// asked again, or read back, after a short grace rather than waited for until it times out.
@@ -253,7 +262,7 @@ impl SessionWriter {
         Ok(SessionWriter {
             kv,
             legacy: std::sync::atomic::AtomicBool::new(true),
-            aliases: Mutex::new(HashMap::new()),
+            aliases: Mutex::new(LruCache::new(ALIAS_CACHE)),
             commits,
             reconnects,
         })
@@ -825,15 +834,15 @@ impl SessionWriter {
 
     /// What this writer knows of `conv`'s alias (`None`: nothing).
     fn cached(&self, conv: &str) -> Option<KnownAlias> {
-        self.aliases.lock().ok().and_then(|m| m.get(conv).cloned())
+        self.aliases
+            .lock()
+            .ok()
+            .and_then(|mut m| m.get(conv).cloned())
     }
 
     fn cache(&self, conv: &str, alias: KnownAlias) {
         if let Ok(mut m) = self.aliases.lock() {
-            if m.len() >= ALIAS_CACHE {
-                m.clear();
-            }
-            m.insert(conv.to_string(), alias);
+            m.put(conv.to_string(), alias);
         }
     }
 

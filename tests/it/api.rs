@@ -1731,35 +1731,64 @@ async fn a_conversation_without_a_session_joins_the_one_it_names_later() {
     assert_eq!(joined["session"]["eventCount"], 3, "{joined}");
 }
 
-/// Reads of work-session values that reached the server on `reads` (every request on the
-/// session bucket's direct-get and leader-get subjects, which a core subscription sees too), by
-/// the session key each asked for. Flushed first, so every request sent before is counted.
-async fn session_reads<S>(
-    client: &async_nats::Client,
-    reads: &mut S,
-    bucket_subject: &str,
-) -> Vec<String>
-where
-    S: futures::Stream<Item = async_nats::Message> + Unpin,
-{
-    use futures::StreamExt;
-    client.flush().await.expect("flush");
-    let mut keys = Vec::new();
-    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(200), reads.next()).await {
-        let asked = if m.subject.as_str().contains(".DIRECT.GET.") {
-            m.subject.as_str().to_string()
-        } else {
-            let body: Value = serde_json::from_slice(&m.payload).unwrap_or(Value::Null);
-            body["last_by_subj"]
-                .as_str()
-                .unwrap_or_default()
-                .to_string()
-        };
-        if let Some((_, key)) = asked.split_once(bucket_subject) {
-            keys.push(key.to_string());
+/// The reads of the work-session bucket that reach the server (every request on its direct-get
+/// and leader-get subjects, which a core subscription sees too), subscribed before anything is
+/// folded.
+struct BucketReads {
+    client: async_nats::Client,
+    reads: futures::stream::Select<async_nats::Subscriber, async_nats::Subscriber>,
+    bucket_subject: String,
+}
+
+impl BucketReads {
+    async fn watch(nats: &TestNats, names: &collab_projector::config::Names) -> BucketReads {
+        let client = nats.client().await;
+        let direct_reads = client
+            .subscribe(format!("$JS.API.DIRECT.GET.KV_{}.>", names.sessions_bucket))
+            .await
+            .expect("subscribe");
+        let leader_reads = client
+            .subscribe(format!(
+                "$JS.API.STREAM.MSG.GET.KV_{}",
+                names.sessions_bucket
+            ))
+            .await
+            .expect("subscribe");
+        client
+            .flush()
+            .await
+            .expect("the subscriptions are in place");
+        BucketReads {
+            client,
+            reads: futures::stream::select(direct_reads, leader_reads),
+            bucket_subject: format!("$KV.{}.", names.sessions_bucket),
         }
     }
-    keys
+
+    /// The keys read since the last call, in the order asked. Flushed first, so every request
+    /// sent before is counted.
+    async fn keys(&mut self) -> Vec<String> {
+        use futures::StreamExt;
+        self.client.flush().await.expect("flush");
+        let mut keys = Vec::new();
+        while let Ok(Some(m)) =
+            tokio::time::timeout(Duration::from_millis(200), self.reads.next()).await
+        {
+            let asked = if m.subject.as_str().contains(".DIRECT.GET.") {
+                m.subject.as_str().to_string()
+            } else {
+                let body: Value = serde_json::from_slice(&m.payload).unwrap_or(Value::Null);
+                body["last_by_subj"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_string()
+            };
+            if let Some((_, key)) = asked.split_once(self.bucket_subject.as_str()) {
+                keys.push(key.to_string());
+            }
+        }
+        keys
+    }
 }
 
 /// A work session the fold's writer has never met is written as new without a read first (the
@@ -1771,24 +1800,7 @@ async fn a_new_work_session_is_written_without_a_read_and_a_stored_one_keeps_its
     let (nats, js, s) = setup().await;
     let app = api::router(state(&js, &s));
     let names = s.names();
-    let client = nats.client().await;
-    let direct_reads = client
-        .subscribe(format!("$JS.API.DIRECT.GET.KV_{}.>", names.sessions_bucket))
-        .await
-        .expect("subscribe");
-    let leader_reads = client
-        .subscribe(format!(
-            "$JS.API.STREAM.MSG.GET.KV_{}",
-            names.sessions_bucket
-        ))
-        .await
-        .expect("subscribe");
-    client
-        .flush()
-        .await
-        .expect("the subscriptions are in place");
-    let mut reads = futures::stream::select(direct_reads, leader_reads);
-    let bucket_subject = format!("$KV.{}.", names.sessions_bucket);
+    let mut reads = BucketReads::watch(&nats, &names).await;
     let ts = now_iso(-10);
     let event = |seq: u64, conv: &str| delegation_send(seq, conv, "collect the logs", &ts);
     let first: Vec<Outgoing> = (0..20u64)
@@ -1801,7 +1813,7 @@ async fn a_new_work_session_is_written_without_a_read_and_a_stored_one_keeps_its
         .collect();
     let writer = SessionWriter::new(&js, &names).await.expect("writer");
     fold(&writer, 0, &items).await;
-    let read = session_reads(&client, &mut reads, &bucket_subject).await;
+    let read = reads.keys().await;
     assert!(
         !read.iter().any(|k| k.starts_with("del-")),
         "new sessions were read before their first write: {read:?}"
@@ -1815,13 +1827,74 @@ async fn a_new_work_session_is_written_without_a_read_and_a_stored_one_keeps_its
     let fresh = SessionWriter::new(&js, &names).await.expect("writer");
     let again = event(40, "del-100");
     fold(&fresh, 0, &[(40, &again)]).await;
-    let read = session_reads(&client, &mut reads, &bucket_subject).await;
+    let read = reads.keys().await;
     assert!(
         read.iter().any(|k| k == "del-100"),
         "a stored session was not read after its write as new was refused: {read:?}"
     );
     assert_eq!(event_count(&app, "del-100").await, 2);
     assert_eq!(event_count(&app, "del-101").await, 1);
+}
+
+/// The fold's writer remembers a conversation's alias past many other conversations (a turn's
+/// blocked outcome comes its timeout after the send, while as many new conversations start): an
+/// event restating the conversation's work session is routed without a read of the alias or a
+/// write. A writer that starts afresh has forgotten it and reads it (what the count would show
+/// had the first one forgotten it too).
+#[tokio::test]
+async fn a_conversation_alias_is_remembered_past_twelve_thousand_other_conversations() {
+    let (nats, js, s) = setup().await;
+    let app = api::router(state(&js, &s));
+    let names = s.names();
+    let mut reads = BucketReads::watch(&nats, &names).await;
+    let ts = now_iso(-10);
+    let send = |seq: u64, conv: &str, ws: &str| {
+        let main = Role::ConversationMain;
+        out(
+            main,
+            "a2a.send",
+            &format!("COLLAB_RAW:{seq}:0"),
+            a2a(
+                main,
+                "a2a.send",
+                &ts,
+                json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": conv,
+                    "workSessionId": ws, "message": "check the canary"}),
+            ),
+        )
+    };
+    let writer = SessionWriter::new(&js, &names).await.expect("writer");
+    let first = send(1, "conv-kept", "ws_kept");
+    fold(&writer, 0, &[(1, &first)]).await;
+    let others: Vec<Outgoing> = (0..12_000u64)
+        .map(|i| send(2 + i, &format!("conv-{i}"), &format!("ws_{}", i % 100)))
+        .collect();
+    let items: Vec<(u64, &Outgoing)> = others
+        .iter()
+        .enumerate()
+        .map(|(i, o)| (2 + i as u64, o))
+        .collect();
+    fold(&writer, 0, &items).await;
+    let _ = reads.keys().await;
+
+    let again = send(20_000, "conv-kept", "ws_kept");
+    fold(&writer, 0, &[(20_000, &again)]).await;
+    let read = reads.keys().await;
+    assert!(
+        !read.iter().any(|k| k == "alias.conv-kept"),
+        "the alias was read again after 12,000 other conversations: {read:?}"
+    );
+    assert_eq!(event_count(&app, "ws_kept").await, 2);
+
+    let fresh = SessionWriter::new(&js, &names).await.expect("writer");
+    let third = send(20_001, "conv-kept", "ws_kept");
+    fold(&fresh, 0, &[(20_001, &third)]).await;
+    let read = reads.keys().await;
+    assert!(
+        read.iter().any(|k| k == "alias.conv-kept"),
+        "a writer that never met the conversation did not read its alias: {read:?}"
+    );
+    assert_eq!(event_count(&app, "ws_kept").await, 3);
 }
 
 /// A delegation's send of `message` in conversation `conv` at `ts`, naming no work session.
