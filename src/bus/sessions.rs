@@ -49,7 +49,8 @@ const MAX_ATTEMPTS: u32 = 50;
 /// session after the writer forgot the conversation costs a refused write, a read and a write
 /// (the alias moved by this round, to where it was): a turn's blocked outcome comes its timeout
 /// after the send, and as many conversations may start meanwhile (about 10 s of 10,000 new
-/// conversations a second fit). About 32 MiB when full (131,072 aliases of one move each).
+/// conversations a second fit). It grows as conversations come (nothing allocated up front),
+/// to about 32 MiB when full (131,072 aliases of one move each).
 const ALIAS_CACHE: NonZeroUsize = match NonZeroUsize::new(131_072) {
     Some(n) => n,
     None => NonZeroUsize::MIN,
@@ -262,7 +263,7 @@ impl SessionWriter {
         Ok(SessionWriter {
             kv,
             legacy: std::sync::atomic::AtomicBool::new(true),
-            aliases: Mutex::new(LruCache::new(ALIAS_CACHE)),
+            aliases: Mutex::new(LruCache::sparse(ALIAS_CACHE)),
             commits,
             reconnects,
         })
