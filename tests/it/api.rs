@@ -1849,18 +1849,12 @@ async fn a_conversation_alias_is_remembered_past_twelve_thousand_other_conversat
     let mut reads = BucketReads::watch(&nats, &names).await;
     let ts = now_iso(-10);
     let send = |seq: u64, conv: &str, ws: &str| {
-        let main = Role::ConversationMain;
-        out(
-            main,
-            "a2a.send",
-            &format!("COLLAB_RAW:{seq}:0"),
-            a2a(
-                main,
-                "a2a.send",
-                &ts,
-                json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": conv,
-                    "workSessionId": ws, "message": "check the canary"}),
-            ),
+        send_of(
+            Role::ConversationMain,
+            seq,
+            &ts,
+            json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": conv,
+                "workSessionId": ws, "message": "check the canary"}),
         )
     };
     let writer = SessionWriter::new(&js, &names).await.expect("writer");
@@ -1897,35 +1891,33 @@ async fn a_conversation_alias_is_remembered_past_twelve_thousand_other_conversat
     assert_eq!(event_count(&app, "ws_kept").await, 3);
 }
 
-/// A delegation's send of `message` in conversation `conv` at `ts`, naming no work session.
-fn delegation_send(seq: u64, conv: &str, message: &str, ts: &str) -> Outgoing {
-    let sub = Role::DelegationSubagent;
+/// An `a2a.send` of `role` at `ts` with `data`, from raw input `seq`.
+fn send_of(role: Role, seq: u64, ts: &str, data: Value) -> Outgoing {
     out(
-        sub,
+        role,
         "a2a.send",
         &format!("COLLAB_RAW:{seq}:0"),
-        a2a(
-            sub,
-            "a2a.send",
-            ts,
-            json!({"fromAgent": "ruda", "toAgent": "ruda-worker", "conversationId": conv, "message": message}),
-        ),
+        a2a(role, "a2a.send", ts, data),
+    )
+}
+
+/// A delegation's send of `message` in conversation `conv` at `ts`, naming no work session.
+fn delegation_send(seq: u64, conv: &str, message: &str, ts: &str) -> Outgoing {
+    send_of(
+        Role::DelegationSubagent,
+        seq,
+        ts,
+        json!({"fromAgent": "ruda", "toAgent": "ruda-worker", "conversationId": conv, "message": message}),
     )
 }
 
 /// A delegation event of conversation `del-9`, naming work session `ws` when given.
 fn moving(seq: u64, ws: Option<&str>, message: &str) -> Outgoing {
-    let sub = Role::DelegationSubagent;
     let mut payload = json!({"fromAgent": "ruda", "toAgent": "ruda-worker", "conversationId": "del-9", "message": message});
     if let Some(ws) = ws {
         payload["workSessionId"] = json!(ws);
     }
-    out(
-        sub,
-        "a2a.send",
-        &format!("COLLAB_RAW:{seq}:0"),
-        a2a(sub, "a2a.send", &now_iso(-10), payload),
-    )
+    send_of(Role::DelegationSubagent, seq, &now_iso(-10), payload)
 }
 
 /// How many events work session `id` holds, as the API shows it (0 when it does not exist).
