@@ -55,12 +55,20 @@ const ALIAS_CACHE: NonZeroUsize = match NonZeroUsize::new(131_072) {
     Some(n) => n,
     None => NonZeroUsize::MIN,
 };
-/// Decoded sessions the committer keeps between rounds.
-const SESSION_CACHE: usize = 4096;
+/// Decoded sessions the committer keeps between rounds, the most recently written kept: a session
+/// it no longer keeps is read before its next write.
+const SESSION_CACHE: NonZeroUsize = match NonZeroUsize::new(4096) {
+    Some(n) => n,
+    None => NonZeroUsize::MIN,
+};
 /// Session ids the committer remembers having read or written (beyond the decoded ones it
-/// keeps): a session it has never met is written as new without a read first, and one it has
-/// met but no longer keeps is read first.
-const SEEN_SESSIONS: usize = 65_536;
+/// keeps), the most recently met kept: a session it has never met is written as new without a
+/// read first, and one it has met but no longer keeps is read first (one it has forgotten costs
+/// a refused write before the read).
+const SEEN_SESSIONS: NonZeroUsize = match NonZeroUsize::new(65_536) {
+    Some(n) => n,
+    None => NonZeroUsize::MIN,
+};
 /// Sessions written at once in a round.
 const CONCURRENT_WRITES: usize = 32;
 /// Conversation aliases read, or written, at once in a round.
@@ -416,10 +424,11 @@ type Cached = (Option<WorkSession>, u64);
 /// Commit rounds until every writer is gone: take what is queued, merge it by session, write each
 /// session once, answer every request of the round.
 async fn committer(kv: kv::Store, reconnects: Arc<Reconnects>, mut rx: mpsc::Receiver<Request>) {
-    let mut cache: HashMap<String, Cached> = HashMap::new();
+    // Both grow as sessions come, nothing allocated up front.
+    let mut cache: LruCache<String, Cached> = LruCache::sparse(SESSION_CACHE);
     // Sessions read or written by this committer (a superset of `cache`'s): one it has not met
     // is most likely new, and costs a refused write instead of a read when it is not.
-    let mut seen: HashSet<String> = HashSet::new();
+    let mut seen: LruCache<String, ()> = LruCache::sparse(SEEN_SESSIONS);
     // Sessions past MAX_SESSION_BYTES: no longer aggregated (reported once).
     let mut oversized: HashSet<String> = HashSet::new();
     let mut last_round = tokio::time::Instant::now();
@@ -445,8 +454,8 @@ async fn committer(kv: kv::Store, reconnects: Arc<Reconnects>, mut rx: mpsc::Rec
         let jobs: Vec<_> = merged
             .into_iter()
             .map(|(id, events)| {
-                let cached = cache.remove(&id);
-                let never_met = !seen.contains(&id);
+                let cached = cache.pop(&id);
+                let never_met = seen.get(&id).is_none();
                 async move {
                     // A round never waits on one session for long: every other partition's
                     // acknowledgements wait for the round.
@@ -492,14 +501,8 @@ async fn committer(kv: kv::Store, reconnects: Arc<Reconnects>, mut rx: mpsc::Rec
                 continue;
             }
             if let Some(k) = outcome.kept {
-                if seen.len() >= SEEN_SESSIONS {
-                    seen.clear();
-                }
-                seen.insert(id.clone());
-                if cache.len() >= SESSION_CACHE {
-                    cache.clear();
-                }
-                cache.insert(id, k);
+                seen.put(id.clone(), ());
+                cache.put(id, k);
             }
         }
         interval = Duration::from_secs_f64(written as f64 / WRITE_BUDGET_BYTES_PER_S)

@@ -1891,6 +1891,56 @@ async fn a_conversation_alias_is_remembered_past_twelve_thousand_other_conversat
     assert_eq!(event_count(&app, "ws_kept").await, 3);
 }
 
+/// The fold's writer keeps the work sessions it wrote last: a session written again every
+/// thousand other sessions is never read back, however many sessions pass (here 5,000, more than
+/// the 4,096 it keeps decoded), and every one of its events is kept.
+#[tokio::test]
+async fn a_work_session_in_use_is_not_read_again_after_five_thousand_other_sessions() {
+    let (nats, js, s) = setup().await;
+    let app = api::router(state(&js, &s));
+    let names = s.names();
+    let mut reads = BucketReads::watch(&nats, &names).await;
+    let ts = now_iso(-10);
+    let send = |seq: u64, n: u64, ws: &str| {
+        send_of(
+            Role::ConversationMain,
+            seq,
+            &ts,
+            json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": format!("conv-{n}"),
+                "workSessionId": ws, "message": "check the canary"}),
+        )
+    };
+    let writer = SessionWriter::new(&js, &names).await.expect("writer");
+    let mut seq = 1u64;
+    fold(&writer, 0, &[(seq, &send(seq, 0, "ws_hot"))]).await;
+    for block in 0..5u64 {
+        let others: Vec<Outgoing> = (0..1_000u64)
+            .map(|i| {
+                let n = block * 1_000 + i;
+                send(seq + 1 + i, 1 + n, &format!("ws_other_{n}"))
+            })
+            .collect();
+        let items: Vec<(u64, &Outgoing)> = others
+            .iter()
+            .enumerate()
+            .map(|(i, o)| (seq + 1 + i as u64, o))
+            .collect();
+        fold(&writer, 0, &items).await;
+        seq += 1_001;
+        fold(&writer, 0, &[(seq, &send(seq, 0, "ws_hot"))]).await;
+    }
+    let read = reads.keys().await;
+    assert!(
+        !read.iter().any(|k| k == "ws_hot"),
+        "the session in use was read again among 5,000 other sessions: {:?}",
+        read.iter()
+            .filter(|k| k.starts_with("ws_"))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(event_count(&app, "ws_hot").await, 6);
+    assert_eq!(event_count(&app, "ws_other_4999").await, 1);
+}
+
 /// An `a2a.send` of `role` at `ts` with `data`, from raw input `seq`.
 fn send_of(role: Role, seq: u64, ts: &str, data: Value) -> Outgoing {
     out(
