@@ -1848,15 +1848,7 @@ async fn a_conversation_alias_is_remembered_past_twelve_thousand_other_conversat
     let names = s.names();
     let mut reads = BucketReads::watch(&nats, &names).await;
     let ts = now_iso(-10);
-    let send = |seq: u64, conv: &str, ws: &str| {
-        send_of(
-            Role::ConversationMain,
-            seq,
-            &ts,
-            json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": conv,
-                "workSessionId": ws, "message": "check the canary"}),
-        )
-    };
+    let send = |seq: u64, conv: &str, ws: &str| main_send(seq, conv, ws, &ts);
     let writer = SessionWriter::new(&js, &names).await.expect("writer");
     let first = send(1, "conv-kept", "ws_kept");
     fold(&writer, 0, &[(1, &first)]).await;
@@ -1901,15 +1893,7 @@ async fn a_work_session_in_use_is_not_read_again_after_five_thousand_other_sessi
     let names = s.names();
     let mut reads = BucketReads::watch(&nats, &names).await;
     let ts = now_iso(-10);
-    let send = |seq: u64, n: u64, ws: &str| {
-        send_of(
-            Role::ConversationMain,
-            seq,
-            &ts,
-            json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": format!("conv-{n}"),
-                "workSessionId": ws, "message": "check the canary"}),
-        )
-    };
+    let send = |seq: u64, n: u64, ws: &str| main_send(seq, &format!("conv-{n}"), ws, &ts);
     let writer = SessionWriter::new(&js, &names).await.expect("writer");
     let mut seq = 1u64;
     fold(&writer, 0, &[(seq, &send(seq, 0, "ws_hot"))]).await;
@@ -1939,6 +1923,17 @@ async fn a_work_session_in_use_is_not_read_again_after_five_thousand_other_sessi
     );
     assert_eq!(event_count(&app, "ws_hot").await, 6);
     assert_eq!(event_count(&app, "ws_other_4999").await, 1);
+}
+
+/// A main-main `a2a.send` in conversation `conv` of work session `ws` at `ts`, from raw input `seq`.
+fn main_send(seq: u64, conv: &str, ws: &str, ts: &str) -> Outgoing {
+    send_of(
+        Role::ConversationMain,
+        seq,
+        ts,
+        json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": conv,
+            "workSessionId": ws, "message": "check the canary"}),
+    )
 }
 
 /// An `a2a.send` of `role` at `ts` with `data`, from raw input `seq`.

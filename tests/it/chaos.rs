@@ -2056,11 +2056,16 @@ fn pct(samples: &[Sample]) -> String {
         _ => "-".to_string(),
     };
     if let Some(&max) = compound.last() {
-        out.push_str(&format!(
-            "; {} with a second fault, max {}",
+        let twice = format!(
+            "{} with a second fault, max {}",
             compound.len(),
             seconds(max)
-        ));
+        );
+        out = if single.is_empty() {
+            twice
+        } else {
+            format!("{out}; {twice}")
+        };
     }
     out
 }
