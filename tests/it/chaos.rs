@@ -2046,14 +2046,14 @@ fn pct(samples: &[Sample]) -> String {
         .collect();
     single.sort_unstable();
     compound.sort_unstable();
-    let mut out = match (single.first(), single.last()) {
-        (Some(_), Some(&max)) => format!(
+    let mut out = match single.last() {
+        Some(&max) => format!(
             "{} / {} ({})",
             seconds(single[(single.len() - 1) / 2]),
             seconds(max),
             single.len()
         ),
-        _ => "-".to_string(),
+        None => "-".to_string(),
     };
     if let Some(&max) = compound.last() {
         let twice = format!(
