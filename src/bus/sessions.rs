@@ -51,24 +51,22 @@ const MAX_ATTEMPTS: u32 = 50;
 /// after the send, and as many conversations may start meanwhile (about 10 s of 10,000 new
 /// conversations a second fit). It grows as conversations come (nothing allocated up front),
 /// to about 32 MiB when full (131,072 aliases of one move each).
-const ALIAS_CACHE: NonZeroUsize = match NonZeroUsize::new(131_072) {
-    Some(n) => n,
-    None => NonZeroUsize::MIN,
-};
+const ALIAS_CACHE: NonZeroUsize = capacity(131_072);
 /// Decoded sessions the committer keeps between rounds, the most recently written kept: a session
 /// it no longer keeps is read before its next write.
-const SESSION_CACHE: NonZeroUsize = match NonZeroUsize::new(4096) {
-    Some(n) => n,
-    None => NonZeroUsize::MIN,
-};
+const SESSION_CACHE: NonZeroUsize = capacity(4096);
 /// Session ids the committer remembers having read or written (beyond the decoded ones it
 /// keeps), the most recently met kept: a session it has never met is written as new without a
 /// read first, and one it has met but no longer keeps is read first (one it has forgotten costs
 /// a refused write before the read).
-const SEEN_SESSIONS: NonZeroUsize = match NonZeroUsize::new(65_536) {
-    Some(n) => n,
-    None => NonZeroUsize::MIN,
-};
+const SEEN_SESSIONS: NonZeroUsize = capacity(65_536);
+/// A memory's capacity as the `lru` crate takes it (at least one: the crate denies `unwrap`).
+const fn capacity(n: usize) -> NonZeroUsize {
+    match NonZeroUsize::new(n) {
+        Some(n) => n,
+        None => NonZeroUsize::MIN,
+    }
+}
 /// Sessions written at once in a round.
 const CONCURRENT_WRITES: usize = 32;
 /// Conversation aliases read, or written, at once in a round.
@@ -455,7 +453,7 @@ async fn committer(kv: kv::Store, reconnects: Arc<Reconnects>, mut rx: mpsc::Rec
             .into_iter()
             .map(|(id, events)| {
                 let cached = cache.pop(&id);
-                let never_met = seen.get(&id).is_none();
+                let never_met = !seen.contains(&id);
                 async move {
                     // A round never waits on one session for long: every other partition's
                     // acknowledgements wait for the round.

@@ -2034,18 +2034,13 @@ fn seconds(ms: i64) -> String {
 
 /// p50 / max (count) of the single-fault samples, then the samples a second fault lengthened.
 fn pct(samples: &[Sample]) -> String {
-    let mut single: Vec<i64> = samples
-        .iter()
-        .filter(|s| !s.compound)
-        .map(|s| s.ms)
-        .collect();
-    let mut compound: Vec<i64> = samples
-        .iter()
-        .filter(|s| s.compound)
-        .map(|s| s.ms)
-        .collect();
-    single.sort_unstable();
-    compound.sort_unstable();
+    let (compound, single): (Vec<&Sample>, Vec<&Sample>) = samples.iter().partition(|s| s.compound);
+    let sorted = |v: Vec<&Sample>| {
+        let mut ms: Vec<i64> = v.into_iter().map(|s| s.ms).collect();
+        ms.sort_unstable();
+        ms
+    };
+    let (single, compound) = (sorted(single), sorted(compound));
     let mut out = match single.last() {
         Some(&max) => format!(
             "{} / {} ({})",
