@@ -395,6 +395,9 @@ impl Reporter {
             if let Ok(fills) = w.storage.lock() {
                 status.storage = fills.values().cloned().collect();
             }
+            if let Ok(fold) = w.fold.lock() {
+                status.session_fold = *fold;
+            }
         }
         status
     }

@@ -292,8 +292,35 @@ pub fn warnings(workers: &[WorkerStatus], opts: &ViewOptions) -> Vec<String> {
             }
         }
     }
+    for w in workers {
+        if let Some(f) = w.session_fold.filter(|f| f.behind > FOLD_BEHIND_WARN) {
+            out.push(format!(
+                "the work-session fold ({}) is {} projections behind: work sessions lag the projections (which never wait for it) and catch up when the load drops; give this worker a core to spare (docs/operations.md, \"Capacity planning\")",
+                w.worker_id, f.behind
+            ));
+        }
+    }
     out.extend(storage_warnings(workers));
     out
+}
+
+/// Projections the work-session fold may have left to read before `status` warns (the
+/// threshold of `CollabProjectorSessionsBehind`).
+pub const FOLD_BEHIND_WARN: u64 = 100_000;
+
+/// A `work sessions:` line for each worker that reports the fold: one, or two while partition 0
+/// changes hands.
+fn fold_lines(workers: &[WorkerStatus]) -> Vec<String> {
+    workers
+        .iter()
+        .filter_map(|w| {
+            let f = w.session_fold?;
+            Some(format!(
+                "work sessions: folded by {} to projection {}, {} behind\n",
+                w.worker_id, f.position, f.behind
+            ))
+        })
+        .collect()
 }
 
 /// A stream holding this share of its limit is warned of (as `CollabProjectorStorageFilling`).
@@ -335,6 +362,8 @@ fn storage_warnings(workers: &[WorkerStatus]) -> Vec<String> {
             let raw = f.stream.ends_with("_RAW") || f.stream.contains("_RAW_");
             let when_full = if raw {
                 "when full, producers' publishes are refused"
+            } else if f.stream.ends_with("_work_sessions") {
+                "when full, the work-session fold stops and work sessions lag (projections go on)"
             } else {
                 "when full, the partitions writing to it stop until there is room"
             };
@@ -544,8 +573,8 @@ fn table(rows: &[[String; 11]]) -> String {
 }
 
 /// The view of `cur`: a row per worker (rates against `prev` when given, `-` otherwise), the
-/// fleet's totals, `unowned: ...` when some partition has no owner, then one `warning:` line
-/// per warning.
+/// fleet's totals, `unowned: ...` when some partition has no owner, a `work sessions: ...` line
+/// from the worker that runs the work-session fold, then one `warning:` line per warning.
 pub fn render(prev: Option<&Snapshot>, cur: &Snapshot, opts: &ViewOptions) -> String {
     let rates = prev.map(|p| rates(p, cur)).unwrap_or_default();
     let mut rows: Vec<[String; 11]> = cur
@@ -558,6 +587,9 @@ pub fn render(prev: Option<&Snapshot>, cur: &Snapshot, opts: &ViewOptions) -> St
     let free = unowned(&cur.workers, opts.partitions);
     if !free.is_empty() {
         out.push_str(&format!("unowned: {}\n", compact_partitions(free)));
+    }
+    for line in fold_lines(&cur.workers) {
+        out.push_str(&line);
     }
     for w in warnings(&cur.workers, opts) {
         out.push_str(&format!("warning: {w}\n"));
@@ -841,7 +873,7 @@ TOTAL (2 workers)  0.1.0    2/2    9/9 owned        12    1.5s   100     100    
             w,
             [
                 "stream COLLAB_RAW holds 93 % of its limit (1.9 GiB of 2 GiB): when full, producers' publishes are refused; raise its storage.*_max_bytes setting and run `provision`, or make room",
-                "stream KV_collab_work_sessions holds 97 % of its limit (250 MiB of 256 MiB): when full, the partitions writing to it stop until there is room; raise its storage.*_max_bytes setting and run `provision`, or make room",
+                "stream KV_collab_work_sessions holds 97 % of its limit (250 MiB of 256 MiB): when full, the work-session fold stops and work sessions lag (projections go on); raise its storage.*_max_bytes setting and run `provision`, or make room",
             ]
         );
         // Below 85 % nothing is said.
@@ -859,6 +891,51 @@ TOTAL (2 workers)  0.1.0    2/2    9/9 owned        12    1.5s   100     100    
         assert_eq!(
             warnings(&[a], &opts(1)),
             ["stream COLLAB_PROJ has a count limit no setting names (max_msgs 1000, max_msgs_per_subject 5; it holds 12 messages): once reached, max_msgs refuses writes before the size limit and max_msgs_per_subject drops a subject's oldest messages; run `provision` to take it away"]
+        );
+    }
+
+    #[test]
+    fn the_work_session_fold_is_shown_and_warned_of_past_its_threshold() {
+        let mut a = worker("a", &[0]);
+        let b = worker("b", &[1]);
+        let view = |a: &WorkerStatus| {
+            let cur = Snapshot {
+                at_ms: 0,
+                workers: vec![a.clone(), b.clone()],
+            };
+            render(None, &cur, &opts(2))
+        };
+        // No worker reports the fold (older versions, or partition 0 between owners): no line.
+        assert!(!view(&a).contains("work sessions"), "{}", view(&a));
+        a.session_fold = Some(crate::telemetry::FoldStatus {
+            position: 1_200,
+            behind: FOLD_BEHIND_WARN,
+        });
+        let shown = view(&a);
+        assert!(
+            shown.contains("work sessions: folded by a to projection 1200, 100000 behind\n"),
+            "{shown}"
+        );
+        assert!(!shown.contains("warning"), "{shown}");
+        a.session_fold = Some(crate::telemetry::FoldStatus {
+            position: 1_200,
+            behind: FOLD_BEHIND_WARN + 1,
+        });
+        assert_eq!(
+            warnings(&[a.clone(), b.clone()], &opts(2)),
+            ["the work-session fold (a) is 100001 projections behind: work sessions lag the projections (which never wait for it) and catch up when the load drops; give this worker a core to spare (docs/operations.md, \"Capacity planning\")"]
+        );
+        // A worker's reply without the field (an older version) reads as no fold.
+        let mut old = serde_json::to_value(&b).expect("serialises");
+        if let Some(o) = old.as_object_mut() {
+            o.remove("sessionFold");
+        }
+        let parsed: WorkerStatus = serde_json::from_value(old).expect("parses");
+        assert_eq!(parsed.session_fold, None);
+        let with = serde_json::to_value(&a).expect("serialises");
+        assert_eq!(
+            with["sessionFold"],
+            serde_json::json!({"position": 1200, "behind": 100001})
         );
     }
 

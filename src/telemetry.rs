@@ -672,6 +672,19 @@ pub struct WorkerStatus {
     /// How full each stream of the deployment was at this worker's last sample (empty before
     /// the first, and for API-only processes).
     pub storage: Vec<StreamFill>,
+    /// The work-session fold, from the worker that runs it (the owner of partition 0); `None`
+    /// from the others, and from versions that did not report it.
+    pub session_fold: Option<FoldStatus>,
+}
+
+/// The work-session fold in a [`WorkerStatus`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "camelCase", default)]
+pub struct FoldStatus {
+    /// The projection-stream sequence up to which work sessions are written.
+    pub position: u64,
+    /// Projections stored but not yet folded, as the fold last read.
+    pub behind: u64,
 }
 
 /// One stream's size in a [`WorkerStatus`].

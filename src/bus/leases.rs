@@ -282,6 +282,7 @@ fn spawn_partition(
                         shared.names.proj_stream.clone(),
                         cancel.clone(),
                         valid_until.clone(),
+                        shared.state.clone(),
                     ),
                 ))
             });

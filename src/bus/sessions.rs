@@ -1128,6 +1128,7 @@ pub async fn run_fold(
     proj_stream: String,
     cancel: tokio_util::sync::CancellationToken,
     lease_valid_until: std::sync::Arc<super::LeaseValidity>,
+    state: std::sync::Arc<super::stats::WorkerState>,
 ) {
     let mut retry = super::Retry::new(Duration::from_millis(200), Duration::from_secs(5));
     // The last projection-stream sequence whose sessions are written, once known.
@@ -1139,6 +1140,7 @@ pub async fn run_fold(
             &proj_stream,
             &cancel,
             &lease_valid_until,
+            &state,
             &mut position,
         )
         .await
@@ -1150,8 +1152,7 @@ pub async fn run_fold(
                 // still reports what it leaves unfolded.
                 if let Some(at) = position {
                     if let Some(last) = last_sequence(&js, &proj_stream).await {
-                        metrics::gauge!(crate::telemetry::SESSION_FOLD_BEHIND)
-                            .set(last.saturating_sub(at) as f64);
+                        state.fold_behind(last.saturating_sub(at));
                     }
                 }
                 if !retry.wait(&cancel).await {
@@ -1160,8 +1161,7 @@ pub async fn run_fold(
             }
         }
     }
-    // The worker that folds next reports the lag; this one no longer knows it.
-    metrics::gauge!(crate::telemetry::SESSION_FOLD_BEHIND).set(0.0);
+    state.fold_stopped();
 }
 
 /// The projection stream's last sequence, if the server answers within 5 s.
@@ -1182,6 +1182,7 @@ async fn fold(
     proj_stream: &str,
     cancel: &tokio_util::sync::CancellationToken,
     lease_valid_until: &super::LeaseValidity,
+    state: &super::stats::WorkerState,
     position: &mut Option<u64>,
 ) -> Result<(), String> {
     let mut proj = js
@@ -1191,7 +1192,9 @@ async fn fold(
     writer.start_fold().await?;
     let (start, mut checkpoint) = fold_start(&writer.kv, &writer.reconnects, &mut proj).await?;
     *position = Some(start - 1);
-    warn_if_recreated(proj.cached_info().state.last_sequence, start - 1);
+    let stored = proj.cached_info().state.last_sequence;
+    warn_if_recreated(stored, start - 1);
+    state.fold_at(start - 1, stored.saturating_sub(start - 1));
     let mut rounds = super::rounds::Rounds::new(&proj, start)
         .await?
         .watching(writer.reconnects.clone());
@@ -1218,8 +1221,7 @@ async fn fold(
         );
         // What is not folded yet: this round until it is written, and what was stored after it.
         // A round that cannot be written keeps reporting itself, growing as it is read again.
-        metrics::gauge!(crate::telemetry::SESSION_FOLD_BEHIND)
-            .set(round.len() as f64 + pending as f64);
+        state.fold_behind((round.len() as u64).saturating_add(pending));
         let mut unreadable = Unreadable::default();
         let events: Vec<_> = round
             .iter()
@@ -1239,8 +1241,7 @@ async fn fold(
         // Counted once the round is folded, so a round read again does not count its gaps twice.
         report_gaps(&gaps);
         metrics::counter!(crate::telemetry::SESSION_EVENTS_FOLDED).increment(folded as u64);
-        metrics::gauge!(crate::telemetry::SESSION_FOLD_POSITION).set(last as f64);
-        metrics::gauge!(crate::telemetry::SESSION_FOLD_BEHIND).set(pending as f64);
+        state.fold_at(last, pending);
         *position = Some(last);
         from = last + 1;
     }

@@ -33,6 +33,9 @@ pub struct WorkerState {
     pub storage: std::sync::Mutex<std::collections::BTreeMap<String, telemetry::StreamFill>>,
     /// The partitions a shutdown abandoned still draining (`workers.drain_timeout`).
     pub undrained: std::sync::Mutex<Vec<u16>>,
+    /// Where the work-session fold stands while this worker runs it (as the owner of partition
+    /// 0); `None` otherwise.
+    pub fold: std::sync::Mutex<Option<telemetry::FoldStatus>>,
     /// Inputs projected and projections published, by role and type class.
     inputs_projected: telemetry::RoleClassCounters,
     projections: telemetry::RoleClassCounters,
@@ -56,6 +59,7 @@ impl Default for WorkerState {
             partitions: std::sync::Mutex::new(std::collections::BTreeMap::new()),
             storage: std::sync::Mutex::new(std::collections::BTreeMap::new()),
             undrained: std::sync::Mutex::new(Vec::new()),
+            fold: std::sync::Mutex::new(None),
             inputs_projected: telemetry::RoleClassCounters::new(
                 telemetry::INPUTS,
                 &[("outcome", "projected")],
@@ -187,6 +191,36 @@ impl WorkerState {
     /// again from the partition's checkpoint.
     pub(crate) fn count_consumer_recreated(&self) {
         metrics::counter!(telemetry::CONSUMERS_RECREATED).increment(1);
+    }
+
+    /// The work-session fold's sessions are written up to projection `position`, and `behind`
+    /// projections are stored after it.
+    pub(crate) fn fold_at(&self, position: u64, behind: u64) {
+        metrics::gauge!(telemetry::SESSION_FOLD_POSITION).set(position as f64);
+        metrics::gauge!(telemetry::SESSION_FOLD_BEHIND).set(behind as f64);
+        if let Ok(mut f) = self.fold.lock() {
+            *f = Some(telemetry::FoldStatus { position, behind });
+        }
+    }
+
+    /// The work-session fold has `behind` projections left to fold (a round read but not yet
+    /// written counts), its position unchanged.
+    pub(crate) fn fold_behind(&self, behind: u64) {
+        metrics::gauge!(telemetry::SESSION_FOLD_BEHIND).set(behind as f64);
+        if let Ok(mut f) = self.fold.lock() {
+            if let Some(f) = f.as_mut() {
+                f.behind = behind;
+            }
+        }
+    }
+
+    /// The work-session fold stopped on this worker: the worker that folds next reports the
+    /// lag, this one no longer knows it.
+    pub(crate) fn fold_stopped(&self) {
+        metrics::gauge!(telemetry::SESSION_FOLD_BEHIND).set(0.0);
+        if let Ok(mut f) = self.fold.lock() {
+            *f = None;
+        }
     }
 
     /// A partition taken: freed because its owner's connection closed, or free.

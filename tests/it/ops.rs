@@ -236,6 +236,10 @@ async fn status_finds_every_worker_and_their_partitions_cover_the_stream() {
                 settled(&workers, &ids, partitions)
                     && workers.iter().map(|w| w.inputs).sum::<u64>() == 3
                     && workers.iter().all(|w| w.storage.len() == 7)
+                    && workers.iter().any(|w| {
+                        w.session_fold
+                            .is_some_and(|f| f.behind == 0 && f.position >= 3)
+                    })
             }
         },
     )
@@ -243,6 +247,18 @@ async fn status_finds_every_worker_and_their_partitions_cover_the_stream() {
     let workers = status::collect(&client, Duration::from_millis(500))
         .await
         .expect("collecting");
+    // The work-session fold is reported by the owner of partition 0, and by no other worker.
+    let folding: Vec<String> = workers
+        .iter()
+        .filter(|w| w.session_fold.is_some())
+        .map(|w| w.worker_id.clone())
+        .collect();
+    let owner_of_0: Vec<String> = workers
+        .iter()
+        .filter(|w| w.partitions.iter().any(|p| p.partition == 0))
+        .map(|w| w.worker_id.clone())
+        .collect();
+    assert_eq!(folding, owner_of_0, "{workers:?}");
     // Each worker reports every stream of the deployment with the limit the server holds.
     let limits = Settings::default().storage;
     for w in &workers {
@@ -293,6 +309,13 @@ async fn status_finds_every_worker_and_their_partitions_cover_the_stream() {
     }
     assert!(out.contains("TOTAL (2 workers)"), "{out}");
     assert!(!out.contains("unowned"), "{out}");
+    assert!(
+        out.contains(&format!(
+            "work sessions: folded by {} to projection ",
+            owner_of_0[0]
+        )),
+        "{out}"
+    );
     let (ok, out, err) = run_bin(
         &["status", "--once", "--json", "--nats-url", &url],
         &[],
