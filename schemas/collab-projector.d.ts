@@ -1036,6 +1036,17 @@ export interface WorkSessionList {
    * The most sessions listed.
    */
   limit: number;
+  /**
+   * The projection-stream sequence up to which the sessions are written (the work-session
+   * fold's checkpoint, read before the sessions). Left out before a fold has run, or when it
+   * could not be read.
+   */
+  foldedTo?: number;
+  /**
+   * Messages the projection stream holds after `foldedTo` (partition owners' fence claims
+   * among them): how far the sessions lag the projections. Left out with `foldedTo`.
+   */
+  behind?: number;
 }
 /**
  * A work session as the API shows it to a caller who may see `roles`: counts, turns and

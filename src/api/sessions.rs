@@ -55,6 +55,10 @@ pub async fn list(
     // Held until the list is built: a list reads the whole bucket, so how many run at once is
     // capped, in all and per token.
     let _slot = state.list_slots().acquire(caller.name.as_deref())?;
+    // Read before the sessions, which are then written at least this far.
+    let names = state.names();
+    let progress =
+        store::fold_progress(state.js(), &names.sessions_bucket, &names.proj_stream).await;
     let opts = ViewOptions {
         roles: &roles,
         now: Utc::now(),
@@ -103,6 +107,8 @@ pub async fn list(
         types,
         status: statuses,
         limit,
+        folded_to: progress.map(|p| p.0),
+        behind: progress.map(|p| p.1),
     }))
 }
 
@@ -235,6 +241,15 @@ pub struct WorkSessionList {
     /// The most sessions listed.
     #[schemars(range(min = 1))]
     pub limit: usize,
+    /// The projection-stream sequence up to which the sessions are written (the work-session
+    /// fold's checkpoint, read before the sessions). Left out before a fold has run, or when it
+    /// could not be read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub folded_to: Option<u64>,
+    /// Messages the projection stream holds after `foldedTo` (partition owners' fence claims
+    /// among them): how far the sessions lag the projections. Left out with `foldedTo`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub behind: Option<u64>,
 }
 
 /// `/api/work-sessions/{id}`: one work session, seen through `role`.

@@ -875,7 +875,9 @@ async function loadSessions(gen, ctl) {
     return el('li', {}, b);
   });
   list.replaceChildren(...items);
-  $('sessions-note').textContent = `${body.count} of ${body.totalMatched ?? body.count} sessions with ${state.role} events, most recently active first.`;
+  let note = `${body.count} of ${body.totalMatched ?? body.count} sessions with ${state.role} events, most recently active first.`;
+  if (body.behind > 0) note += ` Written up to projection ${body.foldedTo}: ${Number(body.behind).toLocaleString('en')} newer projections are not in them yet.`;
+  $('sessions-note').textContent = note;
 }
 
 // Tokens and cost of a session (the cost comes from the server's price table; models without a

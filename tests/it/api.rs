@@ -18,7 +18,7 @@ use bytes::Bytes;
 use collab_projector::api::{self, ApiState, SseLimits};
 use collab_projector::app::{self, RunOptions};
 use collab_projector::bus::provision;
-use collab_projector::bus::sessions::{Identity, Position, SessionWriter};
+use collab_projector::bus::sessions::{Identity, Position, SessionWriter, FOLD_KEY};
 use collab_projector::config::{Settings, TokenGrant};
 use collab_projector::model::{Envelope, Role};
 use collab_projector::pipeline::{OutKind, Outgoing};
@@ -1021,6 +1021,46 @@ async fn a_slow_event_stream_client_gets_an_error_and_the_stream_closes() {
 // ---------------------------------------------------------------------------------------------
 // /api/work-sessions
 // ---------------------------------------------------------------------------------------------
+
+#[tokio::test]
+async fn the_work_session_list_says_how_far_its_sessions_are_folded() {
+    let (_nats, js, s) = setup().await;
+    let app = api::router(state(&js, &s));
+    // Before any fold has run there is no checkpoint, and the list says nothing of one.
+    let before = ok(&app, "/api/work-sessions").await;
+    assert!(before.get("foldedTo").is_none(), "{before}");
+    assert!(before.get("behind").is_none(), "{before}");
+    let mut last = 0;
+    for n in 0..5 {
+        last = project(
+            &js,
+            "system.observability",
+            &format!("k{n}"),
+            "health.ping",
+            n,
+        )
+        .await;
+    }
+    assert!(last >= 5, "{last}");
+    // A fold's checkpoint two projections before the end.
+    let kv = js
+        .get_key_value(&s.names().sessions_bucket)
+        .await
+        .expect("the work-session bucket");
+    kv.put(FOLD_KEY, (last - 2).to_string().into())
+        .await
+        .expect("checkpoint written");
+    let behind = ok(&app, "/api/work-sessions").await;
+    assert_eq!(behind["foldedTo"], last - 2, "{behind}");
+    assert_eq!(behind["behind"], 2, "{behind}");
+    // Caught up.
+    kv.put(FOLD_KEY, last.to_string().into())
+        .await
+        .expect("checkpoint written");
+    let caught_up = ok(&app, "/api/work-sessions").await;
+    assert_eq!(caught_up["foldedTo"], last, "{caught_up}");
+    assert_eq!(caught_up["behind"], 0, "{caught_up}");
+}
 
 #[tokio::test]
 async fn work_sessions_aggregate_idempotently_and_filter() {
