@@ -395,9 +395,7 @@ impl Reporter {
             if let Ok(fills) = w.storage.lock() {
                 status.storage = fills.values().cloned().collect();
             }
-            if let Ok(fold) = w.fold.lock() {
-                status.session_fold = *fold;
-            }
+            status.session_fold = w.fold_status();
         }
         status
     }

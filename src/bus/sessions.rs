@@ -1130,6 +1130,9 @@ pub async fn run_fold(
     lease_valid_until: std::sync::Arc<super::LeaseValidity>,
     state: std::sync::Arc<super::stats::WorkerState>,
 ) {
+    // However the fold ends (cancelled, or its task aborted with partition 0's), this worker
+    // stops reporting it: the worker that folds next reports the lag.
+    let report = state.fold_report();
     let mut retry = super::Retry::new(Duration::from_millis(200), Duration::from_secs(5));
     // The last projection-stream sequence whose sessions are written, once known.
     let mut position = None;
@@ -1140,7 +1143,7 @@ pub async fn run_fold(
             &proj_stream,
             &cancel,
             &lease_valid_until,
-            &state,
+            &report,
             &mut position,
         )
         .await
@@ -1152,7 +1155,7 @@ pub async fn run_fold(
                 // still reports what it leaves unfolded.
                 if let Some(at) = position {
                     if let Some(last) = last_sequence(&js, &proj_stream).await {
-                        state.fold_behind(last.saturating_sub(at));
+                        report.behind(last.saturating_sub(at));
                     }
                 }
                 if !retry.wait(&cancel).await {
@@ -1161,7 +1164,6 @@ pub async fn run_fold(
             }
         }
     }
-    state.fold_stopped();
 }
 
 /// The projection stream's last sequence, if the server answers within 5 s.
@@ -1182,7 +1184,7 @@ async fn fold(
     proj_stream: &str,
     cancel: &tokio_util::sync::CancellationToken,
     lease_valid_until: &super::LeaseValidity,
-    state: &super::stats::WorkerState,
+    report: &super::stats::FoldReport,
     position: &mut Option<u64>,
 ) -> Result<(), String> {
     let mut proj = js
@@ -1194,7 +1196,7 @@ async fn fold(
     *position = Some(start - 1);
     let stored = proj.cached_info().state.last_sequence;
     warn_if_recreated(stored, start - 1);
-    state.fold_at(start - 1, stored.saturating_sub(start - 1));
+    report.at(start - 1, stored.saturating_sub(start - 1));
     let mut rounds = super::rounds::Rounds::new(&proj, start)
         .await?
         .watching(writer.reconnects.clone());
@@ -1221,7 +1223,7 @@ async fn fold(
         );
         // What is not folded yet: this round until it is written, and what was stored after it.
         // A round that cannot be written keeps reporting itself, growing as it is read again.
-        state.fold_behind((round.len() as u64).saturating_add(pending));
+        report.behind((round.len() as u64).saturating_add(pending));
         let mut unreadable = Unreadable::default();
         let events: Vec<_> = round
             .iter()
@@ -1241,7 +1243,7 @@ async fn fold(
         // Counted once the round is folded, so a round read again does not count its gaps twice.
         report_gaps(&gaps);
         metrics::counter!(crate::telemetry::SESSION_EVENTS_FOLDED).increment(folded as u64);
-        state.fold_at(last, pending);
+        report.at(last, pending);
         *position = Some(last);
         from = last + 1;
     }

@@ -34,8 +34,10 @@ pub struct WorkerState {
     /// The partitions a shutdown abandoned still draining (`workers.drain_timeout`).
     pub undrained: std::sync::Mutex<Vec<u16>>,
     /// Where the work-session fold stands while this worker runs it (as the owner of partition
-    /// 0); `None` otherwise.
-    pub fold: std::sync::Mutex<Option<telemetry::FoldStatus>>,
+    /// 0), with the run that reports it; `None` otherwise.
+    pub fold: std::sync::Mutex<Option<(u64, telemetry::FoldStatus)>>,
+    /// Runs of the work-session fold started on this worker.
+    fold_runs: AtomicU64,
     /// Inputs projected and projections published, by role and type class.
     inputs_projected: telemetry::RoleClassCounters,
     projections: telemetry::RoleClassCounters,
@@ -60,6 +62,7 @@ impl Default for WorkerState {
             storage: std::sync::Mutex::new(std::collections::BTreeMap::new()),
             undrained: std::sync::Mutex::new(Vec::new()),
             fold: std::sync::Mutex::new(None),
+            fold_runs: AtomicU64::new(0),
             inputs_projected: telemetry::RoleClassCounters::new(
                 telemetry::INPUTS,
                 &[("outcome", "projected")],
@@ -193,41 +196,74 @@ impl WorkerState {
         metrics::counter!(telemetry::CONSUMERS_RECREATED).increment(1);
     }
 
-    /// The work-session fold's sessions are written up to projection `position`, and `behind`
-    /// projections are stored after it.
-    pub(crate) fn fold_at(&self, position: u64, behind: u64) {
-        metrics::gauge!(telemetry::SESSION_FOLD_POSITION).set(position as f64);
-        metrics::gauge!(telemetry::SESSION_FOLD_BEHIND).set(behind as f64);
-        if let Ok(mut f) = self.fold.lock() {
-            *f = Some(telemetry::FoldStatus { position, behind });
-        }
-    }
-
-    /// The work-session fold has `behind` projections left to fold (a round read but not yet
-    /// written counts), its position unchanged.
-    pub(crate) fn fold_behind(&self, behind: u64) {
-        metrics::gauge!(telemetry::SESSION_FOLD_BEHIND).set(behind as f64);
-        if let Ok(mut f) = self.fold.lock() {
-            if let Some(f) = f.as_mut() {
-                f.behind = behind;
-            }
-        }
-    }
-
-    /// The work-session fold stopped on this worker: the worker that folds next reports the
-    /// lag, this one no longer knows it.
-    pub(crate) fn fold_stopped(&self) {
-        metrics::gauge!(telemetry::SESSION_FOLD_BEHIND).set(0.0);
-        if let Ok(mut f) = self.fold.lock() {
-            *f = None;
-        }
-    }
-
     /// A partition taken: freed because its owner's connection closed, or free.
     pub(crate) fn count_takeover(&self, owner_gone: bool) {
         self.takeovers.fetch_add(1, Ordering::Relaxed);
         let cause = if owner_gone { "owner_gone" } else { "free" };
         metrics::counter!(telemetry::TAKEOVERS, "cause" => cause).increment(1);
+    }
+}
+
+impl WorkerState {
+    /// A run of the work-session fold starting on this worker: what it reports, until dropped.
+    pub(crate) fn fold_report(self: &Arc<Self>) -> FoldReport {
+        FoldReport {
+            run: self.fold_runs.fetch_add(1, Ordering::Relaxed) + 1,
+            state: self.clone(),
+        }
+    }
+
+    /// Where the work-session fold stands, as the run that reports it last saw it.
+    pub fn fold_status(&self) -> Option<telemetry::FoldStatus> {
+        self.fold
+            .lock()
+            .ok()
+            .and_then(|f| f.map(|(_, status)| status))
+    }
+}
+
+/// One run of the work-session fold, reporting where it stands (the metric gauges and the
+/// worker's status together). Dropped when the run ends, however it ends (cancelled, or its task
+/// aborted with partition 0's): the worker stops reporting it, unless a later run already
+/// reports (a partition 0 lost and taken again, the old run ending after the new one started).
+pub(crate) struct FoldReport {
+    run: u64,
+    state: Arc<WorkerState>,
+}
+
+impl FoldReport {
+    /// Sessions are written up to projection `position`, and `behind` projections are stored
+    /// after it.
+    pub(crate) fn at(&self, position: u64, behind: u64) {
+        metrics::gauge!(telemetry::SESSION_FOLD_POSITION).set(position as f64);
+        metrics::gauge!(telemetry::SESSION_FOLD_BEHIND).set(behind as f64);
+        if let Ok(mut f) = self.state.fold.lock() {
+            *f = Some((self.run, telemetry::FoldStatus { position, behind }));
+        }
+    }
+
+    /// `behind` projections are left to fold (a round read but not yet written counts), the
+    /// position unchanged.
+    pub(crate) fn behind(&self, behind: u64) {
+        metrics::gauge!(telemetry::SESSION_FOLD_BEHIND).set(behind as f64);
+        if let Ok(mut f) = self.state.fold.lock() {
+            if let Some((run, status)) = f.as_mut() {
+                if *run == self.run {
+                    status.behind = behind;
+                }
+            }
+        }
+    }
+}
+
+impl Drop for FoldReport {
+    fn drop(&mut self) {
+        if let Ok(mut f) = self.state.fold.lock() {
+            if f.is_some_and(|(run, _)| run == self.run) {
+                *f = None;
+                metrics::gauge!(telemetry::SESSION_FOLD_BEHIND).set(0.0);
+            }
+        }
     }
 }
 
@@ -329,6 +365,25 @@ pub(crate) enum Outcome {
 #[cfg(test)]
 mod lag_tests {
     use super::*;
+
+    #[test]
+    fn a_fold_run_reports_until_it_ends_and_an_older_run_ending_late_leaves_a_newer_one() {
+        let state = Arc::new(WorkerState::default());
+        let status = |position, behind| Some(telemetry::FoldStatus { position, behind });
+        assert_eq!(state.fold_status(), None);
+        let first = state.fold_report();
+        first.at(10, 5);
+        first.behind(7);
+        assert_eq!(state.fold_status(), status(10, 7));
+        // Partition 0 lost and taken again: the new run reports before the old one has ended.
+        let second = state.fold_report();
+        second.at(12, 3);
+        first.behind(99);
+        drop(first);
+        assert_eq!(state.fold_status(), status(12, 3));
+        drop(second);
+        assert_eq!(state.fold_status(), None);
+    }
 
     #[test]
     pub(crate) fn a_partition_is_stalled_only_with_messages_waiting_and_no_progress() {
