@@ -35,7 +35,7 @@ pub struct WorkerState {
     pub undrained: std::sync::Mutex<Vec<u16>>,
     /// Where the work-session fold stands while this worker runs it (as the owner of partition
     /// 0), with the run that reports it; `None` otherwise.
-    pub fold: std::sync::Mutex<Option<(u64, telemetry::FoldStatus)>>,
+    fold: std::sync::Mutex<Option<(u64, telemetry::FoldStatus)>>,
     /// Runs of the work-session fold started on this worker.
     fold_runs: AtomicU64,
     /// Inputs projected and projections published, by role and type class.
@@ -233,12 +233,14 @@ pub(crate) struct FoldReport {
 
 impl FoldReport {
     /// Sessions are written up to projection `position`, and `behind` projections are stored
-    /// after it.
+    /// after it. A run never takes the report from a newer one.
     pub(crate) fn at(&self, position: u64, behind: u64) {
         metrics::gauge!(telemetry::SESSION_FOLD_POSITION).set(position as f64);
         metrics::gauge!(telemetry::SESSION_FOLD_BEHIND).set(behind as f64);
         if let Ok(mut f) = self.state.fold.lock() {
-            *f = Some((self.run, telemetry::FoldStatus { position, behind }));
+            if f.is_none_or(|(run, _)| run <= self.run) {
+                *f = Some((self.run, telemetry::FoldStatus { position, behind }));
+            }
         }
     }
 
@@ -379,6 +381,8 @@ mod lag_tests {
         let second = state.fold_report();
         second.at(12, 3);
         first.behind(99);
+        first.at(11, 1);
+        assert_eq!(state.fold_status(), status(12, 3));
         drop(first);
         assert_eq!(state.fold_status(), status(12, 3));
         drop(second);
