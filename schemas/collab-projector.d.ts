@@ -1272,4 +1272,15 @@ export interface WorkSessionResponse {
    * The roles it is seen through.
    */
   role: Role[];
+  /**
+   * The projection-stream sequence up to which the session is written (the work-session
+   * fold's checkpoint, read before the session). Left out before a fold has run, or when it
+   * could not be read.
+   */
+  foldedTo?: number;
+  /**
+   * Messages the projection stream holds after `foldedTo` (partition owners' fence claims
+   * among them): how far the session may lag the projections. Left out with `foldedTo`.
+   */
+  behind?: number;
 }

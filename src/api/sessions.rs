@@ -185,6 +185,10 @@ pub async fn one(
     }
     let roles = caller.roles(requested.as_deref())?;
     let missing = || ApiError::not_found(format!("work session `{id}` not found"));
+    // Read before the session, which is then written at least this far.
+    let names = state.names();
+    let progress =
+        store::fold_progress(state.js(), &names.sessions_bucket, &names.proj_stream).await;
     let kv = state.sessions_kv().await?;
     let value = kv
         .get(session_key(&id))
@@ -212,6 +216,8 @@ pub async fn one(
     Ok(Json(WorkSessionResponse {
         session: view,
         role: roles,
+        folded_to: progress.map(|p| p.0),
+        behind: progress.map(|p| p.1),
     })
     .into_response())
 }
@@ -254,12 +260,22 @@ pub struct WorkSessionList {
 
 /// `/api/work-sessions/{id}`: one work session, seen through `role`.
 #[derive(Debug, Clone, PartialEq, Serialize, JsonSchema)]
+#[serde(rename_all = "camelCase")]
 #[schemars(deny_unknown_fields)]
 pub struct WorkSessionResponse {
     /// The session.
     pub session: SessionView,
     /// The roles it is seen through.
     pub role: Vec<Role>,
+    /// The projection-stream sequence up to which the session is written (the work-session
+    /// fold's checkpoint, read before the session). Left out before a fold has run, or when it
+    /// could not be read.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub folded_to: Option<u64>,
+    /// Messages the projection stream holds after `foldedTo` (partition owners' fence claims
+    /// among them): how far the session may lag the projections. Left out with `foldedTo`.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub behind: Option<u64>,
 }
 
 #[cfg(test)]

@@ -1026,10 +1026,28 @@ async fn a_slow_event_stream_client_gets_an_error_and_the_stream_closes() {
 async fn the_work_session_list_says_how_far_its_sessions_are_folded() {
     let (_nats, js, s) = setup().await;
     let app = api::router(state(&js, &s));
-    // Before any fold has run there is no checkpoint, and the list says nothing of one.
+    let writer = SessionWriter::new(&js, &s.names()).await.expect("writer");
+    let main = Role::ConversationMain;
+    let send = out(
+        main,
+        "a2a.send",
+        "COLLAB_RAW:1:0",
+        a2a(
+            main,
+            "a2a.send",
+            &now_iso(-10),
+            json!({"fromAgent": "ruda", "toAgent": "eden", "conversationId": "c1", "workSessionId": "ws_f", "message": "Check the build"}),
+        ),
+    );
+    fold(&writer, 1, &[(1, &send)]).await;
+    // Before any fold has run there is no checkpoint, and neither the list nor a session says
+    // anything of one.
     let before = ok(&app, "/api/work-sessions").await;
+    assert_eq!(before["count"], 1, "{before}");
     assert!(before.get("foldedTo").is_none(), "{before}");
     assert!(before.get("behind").is_none(), "{before}");
+    let one = ok(&app, "/api/work-sessions/ws_f").await;
+    assert!(one.get("foldedTo").is_none(), "{one}");
     let mut last = 0;
     for n in 0..5 {
         last = project(
@@ -1053,6 +1071,9 @@ async fn the_work_session_list_says_how_far_its_sessions_are_folded() {
     let behind = ok(&app, "/api/work-sessions").await;
     assert_eq!(behind["foldedTo"], last - 2, "{behind}");
     assert_eq!(behind["behind"], 2, "{behind}");
+    let one = ok(&app, "/api/work-sessions/ws_f").await;
+    assert_eq!(one["foldedTo"], last - 2, "{one}");
+    assert_eq!(one["behind"], 2, "{one}");
     // Caught up.
     kv.put(FOLD_KEY, last.to_string().into())
         .await
