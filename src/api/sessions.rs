@@ -56,9 +56,7 @@ pub async fn list(
     // capped, in all and per token.
     let _slot = state.list_slots().acquire(caller.name.as_deref())?;
     // Read before the sessions, which are then written at least this far.
-    let names = state.names();
-    let progress =
-        store::fold_progress(state.js(), &names.sessions_bucket, &names.proj_stream).await;
+    let progress = state.fold_progress().await;
     let opts = ViewOptions {
         roles: &roles,
         now: Utc::now(),
@@ -186,9 +184,7 @@ pub async fn one(
     let roles = caller.roles(requested.as_deref())?;
     let missing = || ApiError::not_found(format!("work session `{id}` not found"));
     // Read before the session, which is then written at least this far.
-    let names = state.names();
-    let progress =
-        store::fold_progress(state.js(), &names.sessions_bucket, &names.proj_stream).await;
+    let progress = state.fold_progress().await;
     let kv = state.sessions_kv().await?;
     let value = kv
         .get(session_key(&id))

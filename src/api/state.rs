@@ -187,6 +187,29 @@ impl ApiState {
         .await
     }
 
+    /// How far the work sessions are written: the fold's checkpoint (`fold.position` in the
+    /// work-session bucket) and how many messages the projection stream holds after it. `None`
+    /// when there is no checkpoint (no fold has run) or either is not read within 2 s: a
+    /// response is answered without it rather than failed.
+    pub async fn fold_progress(&self) -> Option<(u64, u64)> {
+        use crate::bus::sessions::{stored, Stored, FOLD_KEY};
+        let read = async {
+            let kv = self.sessions_kv().await.ok()?;
+            let entry = kv.entry(FOLD_KEY).await.ok()?;
+            let Ok(Stored::At { last: position, .. }) = stored(FOLD_KEY, entry) else {
+                return None;
+            };
+            // Read after the checkpoint, so what it counts is never less than what is left.
+            let stream = self.js.get_stream(&self.names().proj_stream).await.ok()?;
+            let last = stream.cached_info().state.last_sequence;
+            Some((position, last.saturating_sub(position)))
+        };
+        tokio::time::timeout(Duration::from_secs(2), read)
+            .await
+            .ok()
+            .flatten()
+    }
+
     /// The served version's object store of offloaded fields, looked up once per version.
     pub async fn blobs_store(&self) -> Result<ObjectStore, ApiError> {
         let name = self.names().blobs_store.clone();

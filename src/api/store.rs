@@ -376,37 +376,6 @@ async fn start_of_last(
     Ok(outer)
 }
 
-/// How far the work sessions are written: the fold's checkpoint (`fold.position` in the
-/// work-session bucket) and how many messages the projection stream holds after it. `None`
-/// when there is no checkpoint (no fold has run) or either is not read within 2 s: a list is
-/// answered without it rather than failed.
-pub async fn fold_progress(
-    js: &jetstream::Context,
-    bucket: &str,
-    proj_stream: &str,
-) -> Option<(u64, u64)> {
-    let read = async {
-        let kv = js.get_key_value(bucket).await.ok()?;
-        let entry = kv.entry(crate::bus::sessions::FOLD_KEY).await.ok()??;
-        if entry.operation != jetstream::kv::Operation::Put {
-            return None;
-        }
-        let position = std::str::from_utf8(&entry.value)
-            .ok()?
-            .trim()
-            .parse::<u64>()
-            .ok()?;
-        // Read after the checkpoint, so what it counts is never less than what is left.
-        let stream = js.get_stream(proj_stream).await.ok()?;
-        let last = stream.cached_info().state.last_sequence;
-        Some((position, last.saturating_sub(position)))
-    };
-    tokio::time::timeout(Duration::from_secs(2), read)
-        .await
-        .ok()
-        .flatten()
-}
-
 /// Hand the latest value of every session key (`$KV.<bucket>.*`; aliases have two tokens and
 /// are left out) to `visit`, skipping deleted ones, one fetched batch in memory at a time (the
 /// bucket may be far larger than a request should hold).

@@ -916,6 +916,11 @@ pub(crate) async fn read_stored(
         .await
         .map_err(|_| "no answer within 10 s".to_string())?
         .map_err(|e| e.to_string())?;
+    stored(key, entry)
+}
+
+/// What the entry read under checkpoint `key` (`None`: there is none) says.
+pub(crate) fn stored(key: &str, entry: Option<kv::Entry>) -> Result<Stored, String> {
     let Some(entry) = entry else {
         return Ok(Stored::Never);
     };
