@@ -569,7 +569,8 @@ pub(crate) async fn leader_entry(
     }
 }
 
-/// Test hooks: `COLLAB_TEST_<name>_EVERY=<n>`, 0 (off) when unset.
+/// Test hooks that take a number (`COLLAB_TEST_<name>_EVERY=<n>` and the like), 0 (off) when
+/// unset.
 pub(crate) fn test_hook_every(var: &str) -> u64 {
     std::env::var(var)
         .ok()

@@ -877,6 +877,15 @@ pub const FOLD_KEY: &str = "fold.position";
 pub const FOLD_ORIGIN_KEY: &str = "fold.origin";
 /// Most projections folded in one round.
 const FOLD_BATCH: usize = 20_000;
+
+/// The most projections a round of the fold holds: [`FOLD_BATCH`], or for tests that need a
+/// backlog of many rounds without tens of thousands of inputs, `COLLAB_TEST_FOLD_ROUND`.
+fn fold_round() -> usize {
+    match super::test_hook_every("COLLAB_TEST_FOLD_ROUND") {
+        0 => FOLD_BATCH,
+        n => usize::try_from(n).unwrap_or(FOLD_BATCH),
+    }
+}
 /// How long a round gathers projections after its first one.
 const FOLD_GATHER: Duration = Duration::from_millis(200);
 
@@ -1126,7 +1135,9 @@ impl Unreadable {
 /// ([`super::rounds::Rounds`]: a round's first projection, then what was stored within
 /// `FOLD_GATHER`, 200 ms, fetched in bursts), applies the round to the sessions it touches,
 /// writes each changed session once, then moves the checkpoint. A crash between the two re-applies the round,
-/// which changes nothing twice.
+/// which changes nothing twice. The next round is read while one is written (at most two rounds
+/// in memory), so a fold behind the partitions does not wait for the server between the two;
+/// the rounds are still written one after the other, in order.
 pub async fn run_fold(
     writer: std::sync::Arc<SessionWriter>,
     js: jetstream::Context,
@@ -1208,11 +1219,12 @@ async fn fold(
     debug!(from = start, "work-session fold started");
     // Where the next round starts: after the checkpoint, then after each round written.
     let mut from = start;
+    let max = fold_round();
+    let mut next = rounds
+        .next(cancel, lease_valid_until, FOLD_GATHER, max)
+        .await?;
     loop {
-        let Some(round) = rounds
-            .next(cancel, lease_valid_until, FOLD_GATHER, FOLD_BATCH)
-            .await?
-        else {
+        let Some(round) = next else {
             return Ok(());
         };
         let (last, pending) = round
@@ -1241,9 +1253,39 @@ async fn fold(
             to: last,
             aliases: Aliases::Positioned,
         };
-        commit_round(writer, &round, events, span, checkpoint, lease_valid_until).await?;
-        checkpoint =
-            move_checkpoint(&writer.kv, &writer.reconnects, last, checkpoint, &gaps).await?;
+        let (read_round, round_gaps, from_checkpoint) = (&round, &gaps, checkpoint);
+        let commit = async move {
+            commit_round(
+                writer,
+                read_round,
+                events,
+                span,
+                from_checkpoint,
+                lease_valid_until,
+            )
+            .await?;
+            move_checkpoint(
+                &writer.kv,
+                &writer.reconnects,
+                last,
+                from_checkpoint,
+                round_gaps,
+            )
+            .await
+        };
+        // The next round is read while this one is written: the rounds are still written one
+        // after the other, in order, each checkpoint after its sessions. A write that fails
+        // drops the read ahead with the fold, which starts again from its checkpoint.
+        let ahead = rounds.next(cancel, lease_valid_until, FOLD_GATHER, max);
+        tokio::pin!(commit, ahead);
+        let mut read = None;
+        let written = loop {
+            tokio::select! {
+                written = &mut commit => break written,
+                r = &mut ahead, if read.is_none() => read = Some(r),
+            }
+        };
+        checkpoint = written?;
         remove_claims_read(&proj, &round);
         // Counted once the round is folded, so a round read again does not count its gaps twice.
         report_gaps(&gaps);
@@ -1251,6 +1293,10 @@ async fn fold(
         report.at(last, pending);
         *position = Some(last);
         from = last + 1;
+        next = match read {
+            Some(r) => r?,
+            None => ahead.await?,
+        };
     }
 }
 

@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use crate::pipeline::{
     count, publish, start_projector, task_update, wait_settled, GUARD, MAIN_AGENTS, PROJ,
 };
-use crate::support::{wait_until, TestNats};
+use crate::support::{fill_bucket, purge_filled, wait_until, TestNats};
 
 async fn get(addr: &str, path: &str) -> (u16, String) {
     let resp = reqwest::get(format!("http://{addr}{path}"))
@@ -400,18 +400,8 @@ async fn the_folds_backlog_is_reported_while_sessions_cannot_be_written_and_unti
         }
     })
     .await;
-    // Fill the bucket until it refuses even a small value, so no session can be written.
-    let mut junk = Vec::new();
-    for size in [100_000usize, 10_000, 1_000, 100] {
-        loop {
-            let key = format!("junk{}", junk.len());
-            match bucket.put(&key, vec![b'x'; size].into()).await {
-                Ok(_) => junk.push(key),
-                Err(_) => break,
-            }
-        }
-    }
-    assert!(junk.len() > 10, "the bucket took {} values", junk.len());
+    // No session can be written.
+    let junk = fill_bucket(&bucket).await;
 
     let behind_and_position = || {
         let addr = addr.clone();
@@ -465,12 +455,7 @@ async fn the_folds_backlog_is_reported_while_sessions_cannot_be_written_and_unti
     assert_eq!(behind_and_position().await, (stored, 0.0));
 
     // Room again: the fold writes the sessions and reports nothing left.
-    for key in &junk {
-        bucket
-            .purge(key)
-            .await
-            .unwrap_or_else(|e| panic!("purging {key}: {e}"));
-    }
+    purge_filled(&bucket, &junk).await;
     wait_until(GUARD, "the fold catches up", || async {
         behind_and_position().await == (0.0, last_projection().await)
     })

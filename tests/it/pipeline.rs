@@ -15,7 +15,7 @@ use futures::{StreamExt, TryStreamExt};
 use serde_json::{json, Value};
 use tokio::io::AsyncWriteExt;
 
-use crate::support::{wait_until, Projector, TestNats};
+use crate::support::{fill_bucket, purge_filled, wait_until, Projector, TestNats};
 
 /// Guards against hangs only; nothing is asserted about how long anything takes.
 pub(crate) const GUARD: Duration = Duration::from_secs(60);
@@ -1756,6 +1756,51 @@ async fn rebuilt_after_emptying(left: Option<(&str, &str)>) {
     wait_settled(&js, (seqs.len() + more.len()) as u64, 0).await;
     let proj = read_all(&js, PROJ, "collab.proj.>").await;
     assert_eq!(proj.len(), 600);
+    assert_sessions_count_every_projection(&js, &proj).await;
+}
+
+/// A fold many rounds behind reads each round while the one before is written (rounds of 25
+/// projections here, `COLLAB_TEST_FOLD_ROUND`, so 300 inputs make a backlog of a dozen). A
+/// round whose writes the bucket refuses (full) fails with the round read ahead of it, and the
+/// fold starts again from its checkpoint; once there is room, every projection is counted once
+/// in the work sessions, and the bucket holds no session the stream does not make.
+#[tokio::test]
+async fn a_fold_rounds_behind_reads_ahead_and_after_refused_writes_counts_every_projection_once() {
+    let nats = TestNats::start().await;
+    let js = nats.jetstream().await;
+    let worker = start_projector(
+        &nats.url(),
+        &MAIN_AGENTS,
+        &[
+            ACK_WAIT,
+            ("COLLAB_TEST_FOLD_ROUND", "25"),
+            ("COLLAB_STORAGE__SESSIONS_MAX_BYTES", "1048576"),
+        ],
+    )
+    .await;
+    let kv = js
+        .get_key_value("collab_work_sessions")
+        .await
+        .expect("the sessions bucket");
+    wait_until(GUARD, "the fold has written where it starts", || {
+        let kv = kv.clone();
+        async move { matches!(kv.get("fold.position").await, Ok(Some(_))) }
+    })
+    .await;
+    // No round can be written.
+    let junk = fill_bucket(&kv).await;
+    let published = publish_all(&js, &load(300)).await.len();
+    wait_settled(&js, published as u64, 0).await;
+    wait_until(GUARD, "a round's writes are refused", || {
+        let failed = worker
+            .log_text()
+            .contains("work-session fold failed; restarting from its checkpoint");
+        async move { failed }
+    })
+    .await;
+    purge_filled(&kv, &junk).await;
+    let proj = read_all(&js, PROJ, "collab.proj.>").await;
+    assert_eq!(proj.len(), published);
     assert_sessions_count_every_projection(&js, &proj).await;
 }
 

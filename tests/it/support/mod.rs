@@ -435,6 +435,33 @@ impl Drop for Projector {
     }
 }
 
+/// Fill `bucket` until it refuses even a small value (its byte limit reached), so nothing more
+/// can be written to it until the keys returned are purged ([`purge_filled`]).
+pub async fn fill_bucket(bucket: &async_nats::jetstream::kv::Store) -> Vec<String> {
+    let mut junk = Vec::new();
+    for size in [100_000usize, 10_000, 1_000, 100] {
+        loop {
+            let key = format!("junk{}", junk.len());
+            match bucket.put(&key, vec![b'x'; size].into()).await {
+                Ok(_) => junk.push(key),
+                Err(_) => break,
+            }
+        }
+    }
+    assert!(junk.len() > 10, "the bucket took {} values", junk.len());
+    junk
+}
+
+/// Give `bucket` its room back: purge the keys [`fill_bucket`] wrote.
+pub async fn purge_filled(bucket: &async_nats::jetstream::kv::Store, junk: &[String]) {
+    for key in junk {
+        bucket
+            .purge(key)
+            .await
+            .unwrap_or_else(|e| panic!("purging {key}: {e}"));
+    }
+}
+
 /// Poll `condition` until it is true; panic naming `what` if `timeout` passes first.
 pub async fn wait_until<F, Fut>(timeout: Duration, what: &str, mut condition: F)
 where
