@@ -877,6 +877,8 @@ pub const FOLD_KEY: &str = "fold.position";
 pub const FOLD_ORIGIN_KEY: &str = "fold.origin";
 /// Most projections folded in one round.
 const FOLD_BATCH: usize = 20_000;
+/// How long a round gathers projections after its first one.
+const FOLD_GATHER: Duration = Duration::from_millis(200);
 
 /// The most projections a round of the fold holds: [`FOLD_BATCH`], or for tests that need a
 /// backlog of many rounds without tens of thousands of inputs, `COLLAB_TEST_FOLD_ROUND`.
@@ -886,8 +888,6 @@ fn fold_round() -> usize {
         n => usize::try_from(n).unwrap_or(FOLD_BATCH),
     }
 }
-/// How long a round gathers projections after its first one.
-const FOLD_GATHER: Duration = Duration::from_millis(200);
 
 /// A checkpoint `key` of the work-session bucket: the last projection-stream sequence a reader
 /// handled under it and the entry's revision (to move it by compare-and-set), or `None` when
