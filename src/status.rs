@@ -305,7 +305,8 @@ pub fn warnings(workers: &[WorkerStatus], opts: &ViewOptions) -> Vec<String> {
 }
 
 /// Projections the work-session fold may have left to read before `status` warns (the
-/// threshold of `CollabProjectorSessionsBehind`).
+/// threshold of `CollabProjectorSessionsBehind` in config/prometheus/collab-projector.rules.yml;
+/// a unit test keeps the two equal).
 pub const FOLD_BEHIND_WARN: u64 = 100_000;
 
 /// A `work sessions:` line for each worker that reports the fold: one, or two while partition 0
@@ -891,6 +892,19 @@ TOTAL (2 workers)  0.1.0    2/2    9/9 owned        12    1.5s   100     100    
         assert_eq!(
             warnings(&[a], &opts(1)),
             ["stream COLLAB_PROJ has a count limit no setting names (max_msgs 1000, max_msgs_per_subject 5; it holds 12 messages): once reached, max_msgs refuses writes before the size limit and max_msgs_per_subject drops a subject's oldest messages; run `provision` to take it away"]
+        );
+    }
+
+    /// `status` warns of the fold at the threshold the shipped alert rule uses: changing one
+    /// without the other fails here.
+    #[test]
+    fn the_fold_warning_and_its_alert_rule_share_their_threshold() {
+        let rules = include_str!("../config/prometheus/collab-projector.rules.yml");
+        let rule = format!("max(collab_session_fold_behind) > {FOLD_BEHIND_WARN}\n");
+        assert!(
+            rules.contains(&rule),
+            "the rules file has no `{}`",
+            rule.trim_end()
         );
     }
 
