@@ -192,7 +192,7 @@ impl ApiState {
     /// when there is no checkpoint (no fold has run) or either is not read within 2 s: a
     /// response is answered without it rather than failed.
     pub async fn fold_progress(&self) -> Option<(u64, u64)> {
-        use crate::bus::sessions::{stored, Stored, FOLD_KEY};
+        use crate::bus::sessions::{last_sequence, stored, Stored, FOLD_KEY};
         let read = async {
             let kv = self.sessions_kv().await.ok()?;
             let entry = kv.entry(FOLD_KEY).await.ok()?;
@@ -200,8 +200,7 @@ impl ApiState {
                 return None;
             };
             // Read after the checkpoint, so what it counts is never less than what is left.
-            let stream = self.js.get_stream(&self.names().proj_stream).await.ok()?;
-            let last = stream.cached_info().state.last_sequence;
+            let last = last_sequence(&self.js, &self.names().proj_stream).await?;
             Some((position, last.saturating_sub(position)))
         };
         tokio::time::timeout(Duration::from_secs(2), read)

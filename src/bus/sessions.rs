@@ -1183,10 +1183,11 @@ pub async fn run_fold(
 }
 
 /// The projection stream's last sequence, if the server answers within 5 s.
-async fn last_sequence(js: &jetstream::Context, proj_stream: &str) -> Option<u64> {
+pub(crate) async fn last_sequence(js: &jetstream::Context, proj_stream: &str) -> Option<u64> {
+    // Looking the stream up reads its info.
     let info = async {
-        let mut s = js.get_stream(proj_stream).await.ok()?;
-        state(&mut s).await.ok().map(|st| st.last_sequence)
+        let s = js.get_stream(proj_stream).await.ok()?;
+        Some(s.cached_info().state.last_sequence)
     };
     tokio::time::timeout(Duration::from_secs(5), info)
         .await
@@ -1253,26 +1254,15 @@ async fn fold(
             to: last,
             aliases: Aliases::Positioned,
         };
-        let (read_round, round_gaps, from_checkpoint) = (&round, &gaps, checkpoint);
-        let commit = async move {
-            commit_round(
-                writer,
-                read_round,
-                events,
-                span,
-                from_checkpoint,
-                lease_valid_until,
-            )
-            .await?;
-            move_checkpoint(
-                &writer.kv,
-                &writer.reconnects,
-                last,
-                from_checkpoint,
-                round_gaps,
-            )
-            .await
-        };
+        let commit = write_round(
+            writer,
+            &round,
+            events,
+            span,
+            checkpoint,
+            lease_valid_until,
+            &gaps,
+        );
         // The next round is read while this one is written: the rounds are still written one
         // after the other, in order, each checkpoint after its sessions. A write that fails
         // drops the read ahead with the fold, which starts again from its checkpoint.
@@ -1298,6 +1288,22 @@ async fn fold(
             None => ahead.await?,
         };
     }
+}
+
+/// Write `round` (its `events`, as `span`), then move the checkpoint from `checkpoint` to the
+/// round's end. Returns the checkpoint's new revision.
+async fn write_round(
+    writer: &SessionWriter,
+    round: &[jetstream::Message],
+    events: Vec<(Box<Envelope>, Identity)>,
+    span: Round,
+    checkpoint: u64,
+    lease_valid_until: &super::LeaseValidity,
+    gaps: &[(u64, u64)],
+) -> Result<u64, String> {
+    let last = span.to;
+    commit_round(writer, round, events, span, checkpoint, lease_valid_until).await?;
+    move_checkpoint(&writer.kv, &writer.reconnects, last, checkpoint, gaps).await
 }
 
 /// The last fence claim `round` read on each fence subject, by sequence.

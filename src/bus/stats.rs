@@ -202,9 +202,7 @@ impl WorkerState {
         let cause = if owner_gone { "owner_gone" } else { "free" };
         metrics::counter!(telemetry::TAKEOVERS, "cause" => cause).increment(1);
     }
-}
 
-impl WorkerState {
     /// A run of the work-session fold starting on this worker: what it reports, until dropped.
     pub(crate) fn fold_report(self: &Arc<Self>) -> FoldReport {
         FoldReport {

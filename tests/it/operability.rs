@@ -445,13 +445,12 @@ async fn the_folds_backlog_is_reported_while_sessions_cannot_be_written_and_unti
         projector.log_text()
     );
     // The round gives up and the fold starts again from its checkpoint, still reporting it all.
-    wait_until(GUARD, "the fold's first round fails", || {
-        let failed = projector
-            .log_text()
-            .contains("work-session fold failed; restarting from its checkpoint");
-        async move { failed }
-    })
-    .await;
+    projector
+        .wait_logged(
+            "work-session fold failed; restarting from its checkpoint",
+            GUARD,
+        )
+        .await;
     assert_eq!(behind_and_position().await, (stored, 0.0));
 
     // Room again: the fold writes the sessions and reports nothing left.

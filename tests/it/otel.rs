@@ -187,7 +187,9 @@ async fn turns_runs_and_tools_reach_phoenix_as_genai_spans_with_parents_usage_an
     );
     // The export starts at the end of the projection stream when it first runs: wait until the
     // worker is up before publishing.
-    wait_for_log(&projector, "exporting turns, runs and tool calls").await;
+    projector
+        .wait_logged("exporting turns, runs and tool calls", WAIT)
+        .await;
 
     let publish = |subject: String, body: Value, run: Option<&'static str>| {
         let js = js.clone();
@@ -403,18 +405,6 @@ fn duration_ms(span: &Value) -> i64 {
     t("end_time") - t("start_time")
 }
 
-async fn wait_for_log(projector: &Projector, line: &str) {
-    let start = Instant::now();
-    while !projector.log_text().contains(line) {
-        assert!(
-            start.elapsed() < WAIT,
-            "the projector never logged {line:?}:\n{}",
-            projector.log_text()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-}
-
 /// An AG-UI run of a real AG-UI SDK server (tests/e2e/agui_server.py) through the relay, exported
 /// to Phoenix: the agent's run with its tool call as a child, the arguments and result as the
 /// SDK streamed them.
@@ -442,7 +432,9 @@ async fn a_run_through_the_relay_reaches_phoenix_with_its_tool_call() {
             ("RUST_LOG", "info,collab_projector=debug"),
         ],
     );
-    wait_for_log(&projector, "exporting turns, runs and tool calls").await;
+    projector
+        .wait_logged("exporting turns, runs and tool calls", WAIT)
+        .await;
     let server = crate::relay::Script::spawn(&sdk_python, "agui_server.py", &["--port", "0"]);
     let upstream = format!("http://127.0.0.1:{}", server.port().await);
     let relay = crate::relay::start_relay("agui", &nats.url(), &upstream, &[]).await;
@@ -532,7 +524,9 @@ async fn an_a2a_sdk_turn_through_the_relay_reaches_phoenix_under_its_context_id(
             ("RUST_LOG", "info,collab_projector=debug"),
         ],
     );
-    wait_for_log(&projector, "exporting turns, runs and tool calls").await;
+    projector
+        .wait_logged("exporting turns, runs and tool calls", WAIT)
+        .await;
     let (relays, _agents) = crate::relay::sdk_agents_behind_relays(
         &sdk_python,
         &nats.url(),
@@ -689,7 +683,9 @@ async fn an_export_restarted_before_its_first_saved_round_skips_nothing() {
     ];
     let args = ["--main-agents", "main,ruda"];
     let mut first = Projector::spawn(&nats.url(), &args, &env);
-    wait_for_log(&first, "exporting turns, runs and tool calls").await;
+    first
+        .wait_logged("exporting turns, runs and tool calls", WAIT)
+        .await;
     let kv = async {
         loop {
             if let Ok(kv) = js.get_key_value("collab_work_sessions").await {
@@ -732,7 +728,7 @@ async fn an_export_restarted_before_its_first_saved_round_skips_nothing() {
     }
 
     let second = Projector::spawn(&nats.url(), &args, &env);
-    wait_for_log(&second, "http listening on").await;
+    second.wait_logged("http listening on", WAIT).await;
     let metrics = format!("http://{}/metrics", second.http_addr());
     let start = Instant::now();
     loop {

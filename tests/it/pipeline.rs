@@ -1791,13 +1791,13 @@ async fn a_fold_rounds_behind_reads_ahead_and_after_refused_writes_counts_every_
     let junk = fill_bucket(&kv).await;
     let published = publish_all(&js, &load(300)).await.len();
     wait_settled(&js, published as u64, 0).await;
-    wait_until(GUARD, "a round's writes are refused", || {
-        let failed = worker
-            .log_text()
-            .contains("work-session fold failed; restarting from its checkpoint");
-        async move { failed }
-    })
-    .await;
+    // A round's writes are refused.
+    worker
+        .wait_logged(
+            "work-session fold failed; restarting from its checkpoint",
+            GUARD,
+        )
+        .await;
     purge_filled(&kv, &junk).await;
     let proj = read_all(&js, PROJ, "collab.proj.>").await;
     assert_eq!(proj.len(), published);

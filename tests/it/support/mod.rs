@@ -395,6 +395,19 @@ impl Projector {
     }
 
     /// Wait up to `timeout` for the process to exit; `None` if it is still running.
+    /// Wait until the process has logged `line`; panic with its log if `timeout` passes first.
+    pub async fn wait_logged(&self, line: &str, timeout: Duration) {
+        let start = Instant::now();
+        while !self.log_text().contains(line) {
+            assert!(
+                start.elapsed() < timeout,
+                "the projector never logged {line:?}:\n{}",
+                self.log_text()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
     pub async fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
         let deadline = Instant::now() + timeout;
         loop {
