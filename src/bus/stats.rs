@@ -232,12 +232,14 @@ pub(crate) struct FoldReport {
 impl FoldReport {
     /// Sessions are written up to projection `position`, and `behind` projections are stored
     /// after it. A run never takes the report from a newer one.
+    /// The gauges follow the same rule as the status: an older run still ending beside a newer
+    /// one changes neither.
     pub(crate) fn at(&self, position: u64, behind: u64) {
-        metrics::gauge!(telemetry::SESSION_FOLD_POSITION).set(position as f64);
-        metrics::gauge!(telemetry::SESSION_FOLD_BEHIND).set(behind as f64);
         if let Ok(mut f) = self.state.fold.lock() {
             if f.is_none_or(|(run, _)| run <= self.run) {
                 *f = Some((self.run, telemetry::FoldStatus { position, behind }));
+                metrics::gauge!(telemetry::SESSION_FOLD_POSITION).set(position as f64);
+                metrics::gauge!(telemetry::SESSION_FOLD_BEHIND).set(behind as f64);
             }
         }
     }
@@ -245,11 +247,11 @@ impl FoldReport {
     /// `behind` projections are left to fold (a round read but not yet written counts), the
     /// position unchanged.
     pub(crate) fn behind(&self, behind: u64) {
-        metrics::gauge!(telemetry::SESSION_FOLD_BEHIND).set(behind as f64);
         if let Ok(mut f) = self.state.fold.lock() {
             if let Some((run, status)) = f.as_mut() {
                 if *run == self.run {
                     status.behind = behind;
+                    metrics::gauge!(telemetry::SESSION_FOLD_BEHIND).set(behind as f64);
                 }
             }
         }
@@ -366,25 +368,51 @@ pub(crate) enum Outcome {
 mod lag_tests {
     use super::*;
 
+    /// The fold gauges' values as the Prometheus text shows them ("absent" before any is set).
+    fn fold_gauges(handle: &metrics_exporter_prometheus::PrometheusHandle) -> (String, String) {
+        let text = handle.render();
+        let value = |name: &str| {
+            text.lines()
+                .find(|l| l.starts_with(&format!("{name} ")))
+                .and_then(|l| l.rsplit(' ').next())
+                .unwrap_or("absent")
+                .to_string()
+        };
+        (
+            value(telemetry::SESSION_FOLD_POSITION),
+            value(telemetry::SESSION_FOLD_BEHIND),
+        )
+    }
+
     #[test]
     fn a_fold_run_reports_until_it_ends_and_an_older_run_ending_late_leaves_a_newer_one() {
+        let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+        let handle = recorder.handle();
+        let gauges = |position: &str, behind: &str| (position.to_string(), behind.to_string());
         let state = Arc::new(WorkerState::default());
         let status = |position, behind| Some(telemetry::FoldStatus { position, behind });
-        assert_eq!(state.fold_status(), None);
-        let first = state.fold_report();
-        first.at(10, 5);
-        first.behind(7);
-        assert_eq!(state.fold_status(), status(10, 7));
-        // Partition 0 lost and taken again: the new run reports before the old one has ended.
-        let second = state.fold_report();
-        second.at(12, 3);
-        first.behind(99);
-        first.at(11, 1);
-        assert_eq!(state.fold_status(), status(12, 3));
-        drop(first);
-        assert_eq!(state.fold_status(), status(12, 3));
-        drop(second);
-        assert_eq!(state.fold_status(), None);
+        metrics::with_local_recorder(&recorder, || {
+            assert_eq!(state.fold_status(), None);
+            let first = state.fold_report();
+            first.at(10, 5);
+            first.behind(7);
+            assert_eq!(state.fold_status(), status(10, 7));
+            assert_eq!(fold_gauges(&handle), gauges("10", "7"));
+            // Partition 0 lost and taken again: the new run reports before the old one has
+            // ended, and the old one's last reports change neither the status nor the gauges.
+            let second = state.fold_report();
+            second.at(12, 3);
+            first.behind(99);
+            first.at(11, 1);
+            assert_eq!(state.fold_status(), status(12, 3));
+            assert_eq!(fold_gauges(&handle), gauges("12", "3"));
+            drop(first);
+            assert_eq!(state.fold_status(), status(12, 3));
+            assert_eq!(fold_gauges(&handle), gauges("12", "3"));
+            drop(second);
+            assert_eq!(state.fold_status(), None);
+            assert_eq!(fold_gauges(&handle).1, "0");
+        });
     }
 
     #[test]
