@@ -16,6 +16,11 @@
 //! delivery would show the gap), a lost consumer or any failure is an error: the reader starts
 //! again from its checkpoint, and applying a round again changes nothing twice.
 //!
+//! A round is bounded by bytes as well as by count ([`ROUND_BYTES`] unless set otherwise): its
+//! requests after the first message ask the server for no more than the bytes left, so a reader
+//! holds at most that much (or one message, when its first is larger), whatever the size of the
+//! projections behind it.
+//!
 //! A request whose deliveries went with a reconnect of the reader's connection is noticed once
 //! the connection is back and a short grace has passed ([`Rounds::watching`]): a wait for a
 //! round's first message is asked again, a fetch of the rest is a failure at once, rather than
@@ -42,6 +47,12 @@ const FETCH_CHUNK: usize = 2_000;
 const PACE_BELOW: u64 = 2_000;
 const PACED_CHUNK: usize = 100;
 const PACE_GAP: Duration = Duration::from_millis(2);
+/// The bytes a round holds at most, by default: its messages as the client counts them
+/// (subject, headers and payload). A round's first message is taken whatever its size.
+pub const ROUND_BYTES: usize = 32 * 1024 * 1024;
+/// The server's status when the next message would take a request past its byte limit: the
+/// request ends there, and the message stays for the next one.
+const OVER_MAX_BYTES: &str = "Message Size Exceeds MaxBytes";
 /// How long the server keeps the reader's consumer after its last request.
 const INACTIVE: Duration = Duration::from_secs(60);
 /// How long a request for the rest of a round may go without a word from the server. It asks
@@ -58,6 +69,8 @@ pub struct Rounds {
     delivered: u64,
     /// The reconnects of the connection the consumer is read on, when watched.
     reconnects: Option<Arc<Reconnects>>,
+    /// The bytes a round holds at most (see [`ROUND_BYTES`]).
+    max_bytes: usize,
 }
 
 impl Rounds {
@@ -82,7 +95,14 @@ impl Rounds {
             stream: name.clone(),
             delivered: 0,
             reconnects: None,
+            max_bytes: ROUND_BYTES,
         })
+    }
+
+    /// Bound each round to `bytes` instead of [`ROUND_BYTES`] (at least one message a round).
+    pub fn max_bytes(mut self, bytes: usize) -> Rounds {
+        self.max_bytes = bytes.max(1);
+        self
     }
 
     /// Watch `reconnects`, those of the connection the stream was opened on: a request whose
@@ -110,9 +130,9 @@ impl Rounds {
     }
 
     /// The next round: its first message, then what was stored within `gather` after it (at most
-    /// `max` in all; without waiting when `max` are stored already), handed over only while the
-    /// lease on partition 0 holds, so a worker that lost it without noticing yet does nothing.
-    /// `Ok(None)`: cancelled.
+    /// `max` messages in all, and at most the reader's byte bound once past the first; without
+    /// waiting when `max` are stored already), handed over only while the lease on partition 0
+    /// holds, so a worker that lost it without noticing yet does nothing. `Ok(None)`: cancelled.
     pub async fn next(
         &mut self,
         cancel: &CancellationToken,
@@ -121,6 +141,8 @@ impl Rounds {
         max: usize,
     ) -> Result<Option<Vec<jetstream::Message>>, String> {
         let mut round = Vec::new();
+        // The round's bytes, as the client counts each message.
+        let mut bytes = 0usize;
         // Messages stored behind the round's first one when it arrived.
         let mut behind = 0u64;
         while round.is_empty() {
@@ -148,6 +170,7 @@ impl Rounds {
                 Some(m) => {
                     let (m, pending) = self.take(m.map_err(|e| self.failed(e))?)?;
                     behind = pending;
+                    bytes = m.message.length;
                     round.push(m);
                 }
                 // Nothing within the wait. A consumer that is gone answers no request, so ask
@@ -170,7 +193,7 @@ impl Rounds {
         let mut paced = stored < max;
         // Messages stored behind the last one taken (unknown until the first fetch).
         let mut left: Option<u64> = None;
-        while round.len() < max {
+        while round.len() < max && bytes < self.max_bytes {
             paced = paced && left.is_none_or(|l| l < PACE_BELOW);
             if paced && left.is_some() {
                 tokio::select! {
@@ -185,24 +208,35 @@ impl Rounds {
                 .consumer
                 .fetch()
                 .max_messages(want)
+                .max_bytes(self.max_bytes - bytes)
                 .messages()
                 .await
                 .map_err(|e| self.failed(e))?;
             let mut got = 0usize;
+            let mut full = false;
             loop {
                 let next = tokio::select! {
                     _ = cancel.cancelled() => return Ok(None),
                     next = self.delivery(&mut rest, connects) => next?,
                 };
-                let Some(m) = next else {
-                    break;
+                let m = match next {
+                    None => break,
+                    Some(Ok(m)) => m,
+                    // The next message would take the round past its bytes: it is the next
+                    // round's (the server delivered nothing of it).
+                    Some(Err(e)) if e.to_string().contains(OVER_MAX_BYTES) => {
+                        full = true;
+                        break;
+                    }
+                    Some(Err(e)) => return Err(self.failed(e)),
                 };
-                let (m, pending) = self.take(m.map_err(|e| self.failed(e))?)?;
+                let (m, pending) = self.take(m)?;
                 left = Some(pending);
+                bytes = bytes.saturating_add(m.message.length);
                 round.push(m);
                 got += 1;
             }
-            if got < want {
+            if full || got < want {
                 break;
             }
         }

@@ -55,6 +55,10 @@ const ALIAS_CACHE: NonZeroUsize = capacity(131_072);
 /// Decoded sessions the committer keeps between rounds, the most recently written kept: a session
 /// it no longer keeps is read before its next write.
 const SESSION_CACHE: NonZeroUsize = capacity(4096);
+/// The stored size of the sessions the committer keeps, at most, all together: past it the least
+/// recently written are let go (read again before their next write), so large sessions bound
+/// the committer's memory by bytes as well as by count.
+const SESSION_CACHE_BYTES: usize = 128 * 1024 * 1024;
 /// Session ids the committer remembers having read or written (beyond the decoded ones it
 /// keeps), the most recently met kept: a session it has never met is written as new without a
 /// read first, and one it has met but no longer keeps is read first (one it has forgotten costs
@@ -416,14 +420,69 @@ fn overtaken(conv: &str, alias: &Alias, from: u64) -> SessionError {
     }
 }
 
-/// A session as last written by this worker, decoded, with its revision.
-type Cached = (Option<WorkSession>, u64);
+/// A session as last written (or read) by this worker, decoded, with its revision and the size of
+/// its stored value.
+struct Cached {
+    session: Option<WorkSession>,
+    revision: u64,
+    bytes: usize,
+}
+
+impl Cached {
+    /// What an absent key (or a deleted session) leaves: no session, at `revision`.
+    fn absent(revision: u64) -> Cached {
+        Cached {
+            session: None,
+            revision,
+            bytes: 0,
+        }
+    }
+}
+
+/// The sessions the committer keeps between rounds: at most [`SESSION_CACHE`] of them and
+/// [`SESSION_CACHE_BYTES`] of stored values, the least recently kept let go first.
+struct SessionCache {
+    kept: LruCache<String, Cached>,
+    bytes: usize,
+    max_bytes: usize,
+}
+
+impl SessionCache {
+    fn new(max_bytes: usize) -> SessionCache {
+        SessionCache {
+            // Grows as sessions come, nothing allocated up front.
+            kept: LruCache::sparse(SESSION_CACHE),
+            bytes: 0,
+            max_bytes,
+        }
+    }
+
+    /// Take session `id` out (it comes back with [`Self::keep`] once written).
+    fn take(&mut self, id: &str) -> Option<Cached> {
+        let c = self.kept.pop(id)?;
+        self.bytes -= c.bytes;
+        Some(c)
+    }
+
+    /// Keep session `id`, letting the least recently kept go while past either bound.
+    fn keep(&mut self, id: String, c: Cached) {
+        self.bytes += c.bytes;
+        if let Some((_, old)) = self.kept.push(id, c) {
+            self.bytes -= old.bytes;
+        }
+        while self.bytes > self.max_bytes {
+            match self.kept.pop_lru() {
+                Some((_, old)) => self.bytes -= old.bytes,
+                None => break,
+            }
+        }
+    }
+}
 
 /// Commit rounds until every writer is gone: take what is queued, merge it by session, write each
 /// session once, answer every request of the round.
 async fn committer(kv: kv::Store, reconnects: Arc<Reconnects>, mut rx: mpsc::Receiver<Request>) {
-    // Both grow as sessions come, nothing allocated up front.
-    let mut cache: LruCache<String, Cached> = LruCache::sparse(SESSION_CACHE);
+    let mut cache = SessionCache::new(SESSION_CACHE_BYTES);
     // Sessions read or written by this committer (a superset of `cache`'s): one it has not met
     // is most likely new, and costs a refused write instead of a read when it is not.
     let mut seen: LruCache<String, ()> = LruCache::sparse(SEEN_SESSIONS);
@@ -452,7 +511,7 @@ async fn committer(kv: kv::Store, reconnects: Arc<Reconnects>, mut rx: mpsc::Rec
         let jobs: Vec<_> = merged
             .into_iter()
             .map(|(id, events)| {
-                let cached = cache.pop(&id);
+                let cached = cache.take(&id);
                 let never_met = !seen.contains(&id);
                 async move {
                     // A round never waits on one session for long: every other partition's
@@ -500,7 +559,7 @@ async fn committer(kv: kv::Store, reconnects: Arc<Reconnects>, mut rx: mpsc::Rec
             }
             if let Some(k) = outcome.kept {
                 seen.put(id.clone(), ());
-                cache.put(id, k);
+                cache.keep(id, k);
             }
         }
         interval = Duration::from_secs_f64(written as f64 / WRITE_BUDGET_BYTES_PER_S)
@@ -552,7 +611,7 @@ async fn update(
         let guessed = cached.is_none() && never_met && attempt == 1;
         let current = match cached.take() {
             Some(c) => c,
-            None if guessed => (None, 0),
+            None if guessed => Cached::absent(0),
             None => match read(kv, reconnects, &key).await {
                 Ok(Some(c)) => c,
                 // Unreadable: never silently reset a session; it is reported and left alone.
@@ -567,7 +626,11 @@ async fn update(
                 }
             },
         };
-        let (mut session, revision) = current;
+        let Cached {
+            mut session,
+            revision,
+            bytes: stored,
+        } = current;
         let mut changed = false;
         for (env, keys, ident) in events {
             let s = session.get_or_insert_with(|| WorkSession {
@@ -576,8 +639,12 @@ async fn update(
             });
             changed |= sessions::fold_into(s, env, keys, *ident);
         }
-        let unchanged = |session, revision, written| Outcome {
-            kept: Some((session, revision)),
+        let unchanged = |session, revision, bytes, written| Outcome {
+            kept: Some(Cached {
+                session,
+                revision,
+                bytes,
+            }),
             written,
             ..Outcome::default_ok()
         };
@@ -586,10 +653,10 @@ async fn update(
                 // Nothing to write to a new session, which says nothing of a stored one.
                 continue;
             }
-            return unchanged(session, revision, written);
+            return unchanged(session, revision, stored, written);
         }
         let Some(value) = session.as_ref() else {
-            return unchanged(session, revision, written);
+            return unchanged(session, revision, stored, written);
         };
         let bytes = match serde_json::to_vec(value) {
             Ok(b) => b,
@@ -607,13 +674,14 @@ async fn update(
                 ..Outcome::default_ok()
             };
         }
+        let size = bytes.len();
         let connects = reconnects.connects();
         let write = kv.update(&key, Bytes::from(bytes), revision);
         match reconnects
             .write("a work-session write", &key, write, connects)
             .await
         {
-            Some(Ok(rev)) => return unchanged(session, rev, written),
+            Some(Ok(rev)) => return unchanged(session, rev, size, written),
             Some(Err(e)) if e.kind() == kv::UpdateErrorKind::WrongLastRevision => {
                 debug!(key = %key, "work session changed meanwhile; re-reading");
             }
@@ -656,15 +724,19 @@ async fn read(
     Ok(match entry {
         Some(e) if e.operation == kv::Operation::Put => {
             match serde_json::from_slice::<WorkSession>(&e.value) {
-                Ok(s) => Some((Some(s), e.revision)),
+                Ok(s) => Some(Cached {
+                    session: Some(s),
+                    revision: e.revision,
+                    bytes: e.value.len(),
+                }),
                 Err(err) => {
                     warn!(key = %key, error = %err, "stored work session is unreadable; not updated");
                     None
                 }
             }
         }
-        Some(e) => Some((None, e.revision)),
-        None => Some((None, 0)),
+        Some(e) => Some(Cached::absent(e.revision)),
+        None => Some(Cached::absent(0)),
     })
 }
 
@@ -1490,6 +1562,39 @@ fn report_gaps(gaps: &[(u64, u64)]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_session_cache_lets_the_least_recently_kept_go_past_its_bytes() {
+        let kept = |bytes| Cached {
+            session: None,
+            revision: 1,
+            bytes,
+        };
+        let mut cache = SessionCache::new(1000);
+        cache.keep("a".into(), kept(400));
+        cache.keep("b".into(), kept(400));
+        assert_eq!(cache.bytes, 800);
+        // Taken out while written, back in after: its size counts once.
+        let a = cache.take("a").map(|c| c.bytes);
+        assert_eq!((a, cache.bytes), (Some(400), 400));
+        cache.keep("a".into(), kept(500));
+        assert_eq!(cache.bytes, 900);
+        // Past the bound: the least recently kept (b) goes, then as many as it takes.
+        cache.keep("c".into(), kept(300));
+        assert!(cache.take("b").is_none());
+        assert_eq!(cache.bytes, 800);
+        cache.keep("d".into(), kept(950));
+        assert!(cache.take("a").is_none() && cache.take("c").is_none());
+        assert_eq!(cache.bytes, 950);
+        // A session larger than the whole bound is not kept at all.
+        cache.keep("e".into(), kept(2000));
+        assert_eq!(cache.bytes, 0);
+        assert!(cache.take("e").is_none() && cache.take("d").is_none());
+        // Kept again under the same id: the older size is replaced, not added.
+        cache.keep("f".into(), kept(100));
+        cache.keep("f".into(), kept(200));
+        assert_eq!(cache.bytes, 200);
+    }
 
     #[test]
     fn what_the_fold_reads_back_is_an_event_a_fence_claim_or_unreadable() {

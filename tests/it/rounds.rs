@@ -114,6 +114,57 @@ async fn rounds_take_every_message_once_in_order_in_bursts_of_at_most_max() {
 }
 
 #[tokio::test]
+async fn rounds_are_bounded_by_bytes_and_still_take_every_message_once_in_order() {
+    let (_nats, js, s) = stream_with(0).await;
+    // 300 messages of about 1 KiB, with one of 40 KiB among them: larger than a round's bound.
+    let mut acks = Vec::new();
+    for i in 1..=300u64 {
+        let pad = if i == 150 { 40 * 1024 } else { 1000 };
+        let body = format!("{i} {}", "x".repeat(pad));
+        acks.push(
+            js.publish(format!("rounds.{}", i % 7), body.into())
+                .await
+                .unwrap(),
+        );
+    }
+    for ack in acks {
+        ack.await.unwrap();
+    }
+    let bound = 16 * 1024;
+    let mut rounds = Rounds::new(&s, 1).await.unwrap().max_bytes(bound);
+    let mut taken = Vec::new();
+    let mut sizes = Vec::new();
+    while taken.len() < 300 {
+        let round = next_round(&mut rounds, 1000).await;
+        let bytes: usize = round.iter().map(|m| m.message.length).sum();
+        // Past the bound only by a round's first message, taken whatever its size.
+        assert!(
+            bytes <= bound || round.len() == 1,
+            "a round of {} messages holds {bytes} bytes, over {bound}",
+            round.len()
+        );
+        sizes.push(round.len());
+        taken.extend(round.iter().map(|m| {
+            let text = std::str::from_utf8(&m.payload).unwrap();
+            text.split(' ').next().unwrap().parse::<u64>().unwrap()
+        }));
+    }
+    assert_eq!(
+        taken,
+        (1..=300).collect::<Vec<_>>(),
+        "every message once, in order"
+    );
+    assert!(
+        sizes.contains(&1),
+        "the large message makes a round of its own: {sizes:?}"
+    );
+    assert!(
+        sizes.iter().all(|&n| n <= 16) && sizes.iter().filter(|&&n| n >= 10).count() > 10,
+        "rounds end at the byte bound, not the count: {sizes:?}"
+    );
+}
+
+#[tokio::test]
 async fn a_small_round_fetched_in_paced_chunks_and_a_larger_one_both_come_whole() {
     let (_nats, js, s) = stream_with(1).await;
     let mut rounds = Rounds::new(&s, 1).await.unwrap();
