@@ -71,6 +71,8 @@ pub struct Rounds {
     reconnects: Option<Arc<Reconnects>>,
     /// The bytes a round holds at most (see [`ROUND_BYTES`]).
     max_bytes: usize,
+    /// The last round ended at its byte bound: more is stored already.
+    cut_by_bytes: bool,
 }
 
 impl Rounds {
@@ -96,6 +98,7 @@ impl Rounds {
             delivered: 0,
             reconnects: None,
             max_bytes: ROUND_BYTES,
+            cut_by_bytes: false,
         })
     }
 
@@ -180,9 +183,13 @@ impl Rounds {
             }
         }
         // Gathering is for a reader that keeps up: one that is a whole round behind has its
-        // round stored already, and waiting would only slow its catching up.
+        // round stored already, and waiting would only slow its catching up. A round's worth of
+        // bytes counts too: the last round ended at its byte bound, or what is stored behind,
+        // at the size of the first message, fills one.
         let stored = usize::try_from(behind).map_or(usize::MAX, |b| b.saturating_add(1));
-        if stored < max {
+        let a_round_behind =
+            stored >= max || self.cut_by_bytes || stored.saturating_mul(bytes) >= self.max_bytes;
+        if !a_round_behind {
             tokio::select! {
                 _ = cancel.cancelled() => return Ok(None),
                 _ = tokio::time::sleep(gather) => {}
@@ -190,9 +197,10 @@ impl Rounds {
         }
         // Paced while the round stays small (see `PACE_BELOW`); once more than that is left to
         // read, the rest comes without pauses.
-        let mut paced = stored < max;
+        let mut paced = !a_round_behind;
         // Messages stored behind the last one taken (unknown until the first fetch).
         let mut left: Option<u64> = None;
+        let mut cut = false;
         while round.len() < max && bytes < self.max_bytes {
             paced = paced && left.is_none_or(|l| l < PACE_BELOW);
             if paced && left.is_some() {
@@ -237,9 +245,11 @@ impl Rounds {
                 got += 1;
             }
             if full || got < want {
+                cut = full;
                 break;
             }
         }
+        self.cut_by_bytes = cut || bytes >= self.max_bytes;
         if !super::lease_held_again(lease_valid_until, cancel.cancelled(), None).await {
             return Ok(None);
         }

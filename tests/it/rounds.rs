@@ -132,10 +132,20 @@ async fn rounds_are_bounded_by_bytes_and_still_take_every_message_once_in_order(
     }
     let bound = 16 * 1024;
     let mut rounds = Rounds::new(&s, 1).await.unwrap().max_bytes(bound);
+    let (cancel, lease) = (CancellationToken::new(), LeaseValidity::default());
+    // A gathering time no test run reaches: a reader a round's bytes behind does not gather.
+    let long = Duration::from_secs(600);
     let mut taken = Vec::new();
     let mut sizes = Vec::new();
     while taken.len() < 300 {
-        let round = next_round(&mut rounds, 1000).await;
+        let round = tokio::time::timeout(
+            Duration::from_secs(60),
+            rounds.next(&cancel, &lease, long, 1000),
+        )
+        .await
+        .expect("a round whose bytes are all stored must not wait the gathering time")
+        .unwrap()
+        .unwrap();
         let bytes: usize = round.iter().map(|m| m.message.length).sum();
         // Past the bound only by a round's first message, taken whatever its size.
         assert!(
