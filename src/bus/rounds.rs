@@ -51,7 +51,8 @@ const PACE_GAP: Duration = Duration::from_millis(2);
 /// (subject, headers and payload). A round's first message is taken whatever its size.
 pub const ROUND_BYTES: usize = 32 * 1024 * 1024;
 /// The server's status when the next message would take a request past its byte limit: the
-/// request ends there, and the message stays for the next one.
+/// request ends there, and the message stays for the next one. The client library hands it on
+/// as an error naming this description (`tests/it/rounds.rs` pins it against the server).
 const OVER_MAX_BYTES: &str = "Message Size Exceeds MaxBytes";
 /// How long the server keeps the reader's consumer after its last request.
 const INACTIVE: Duration = Duration::from_secs(60);
