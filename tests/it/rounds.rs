@@ -54,6 +54,23 @@ async fn next_round(rounds: &mut Rounds, max: usize) -> Vec<jetstream::Message> 
         .unwrap()
 }
 
+/// A gathering time no test run reaches.
+const NEVER: Duration = Duration::from_secs(600);
+
+/// The next round of `rounds` (at most `max`), asked with a gathering time no test run reaches:
+/// it comes only if the round does not gather.
+async fn round_without_gathering(rounds: &mut Rounds, max: usize) -> Vec<jetstream::Message> {
+    let (cancel, lease) = (CancellationToken::new(), LeaseValidity::default());
+    tokio::time::timeout(
+        Duration::from_secs(60),
+        rounds.next(&cancel, &lease, NEVER, max),
+    )
+    .await
+    .expect("a round whose messages are all stored must not wait the gathering time")
+    .unwrap()
+    .unwrap()
+}
+
 /// Whether `rounds.next` gives no round when cancelled `after` into its wait.
 async fn cancelled_while_waiting(
     rounds: &mut Rounds,
@@ -132,20 +149,11 @@ async fn rounds_are_bounded_by_bytes_and_still_take_every_message_once_in_order(
     }
     let bound = 16 * 1024;
     let mut rounds = Rounds::new(&s, 1).await.unwrap().max_bytes(bound);
-    let (cancel, lease) = (CancellationToken::new(), LeaseValidity::default());
-    // A gathering time no test run reaches: a reader a round's bytes behind does not gather.
-    let long = Duration::from_secs(600);
     let mut taken = Vec::new();
     let mut sizes = Vec::new();
     while taken.len() < 300 {
-        let round = tokio::time::timeout(
-            Duration::from_secs(60),
-            rounds.next(&cancel, &lease, long, 1000),
-        )
-        .await
-        .expect("a round whose bytes are all stored must not wait the gathering time")
-        .unwrap()
-        .unwrap();
+        // A reader a round's bytes behind does not gather.
+        let round = round_without_gathering(&mut rounds, 1000).await;
         let bytes: usize = round.iter().map(|m| m.message.length).sum();
         // Past the bound only by a round's first message, taken whatever its size.
         assert!(
@@ -193,25 +201,15 @@ async fn a_small_round_fetched_in_paced_chunks_and_a_larger_one_both_come_whole(
 #[tokio::test]
 async fn a_reader_a_whole_round_behind_takes_its_round_without_gathering() {
     let (_nats, js, s) = stream_with(1).await;
-    let (cancel, lease) = (CancellationToken::new(), LeaseValidity::default());
     let mut rounds = Rounds::new(&s, 1).await.unwrap();
     publish(&js, 2, 2500).await;
-    // A gathering time no test run reaches: only a round that does not gather returns.
-    let long = Duration::from_secs(600);
     // Two rounds with a whole round still stored behind their first message.
     for from in [1u64, 1001] {
-        let round = tokio::time::timeout(
-            Duration::from_secs(60),
-            rounds.next(&cancel, &lease, long, 1000),
-        )
-        .await
-        .expect("a round whose messages are all stored must not wait the gathering time")
-        .unwrap()
-        .unwrap();
+        let round = round_without_gathering(&mut rounds, 1000).await;
         assert_eq!(bodies(&round), (from..from + 1000).collect::<Vec<_>>());
     }
     // Less than a round left: that one gathers (cancelled here while it does).
-    assert!(cancelled_while_waiting(&mut rounds, long, 1000, Duration::from_millis(500)).await);
+    assert!(cancelled_while_waiting(&mut rounds, NEVER, 1000, Duration::from_millis(500)).await);
 }
 
 #[tokio::test]
