@@ -797,6 +797,19 @@ pub fn say(line: &str) {
     let _ = out.flush();
 }
 
+/// The value of `series` (a metric's name, with its labels as rendered) in Prometheus text,
+/// when the text shows it.
+#[cfg(test)]
+pub(crate) fn rendered_value(text: &str, series: &str) -> Option<String> {
+    text.lines()
+        .find(|l| {
+            l.strip_prefix(series)
+                .is_some_and(|rest| rest.starts_with(' '))
+        })
+        .and_then(|l| l.rsplit(' ').next())
+        .map(str::to_string)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -828,12 +841,7 @@ mod tests {
             }
         });
         let text = handle.render();
-        let line = |needle: &str| {
-            text.lines()
-                .find(|l| l.starts_with(needle))
-                .and_then(|l| l.rsplit(' ').next())
-                .map(str::to_string)
-        };
+        let line = |series: &str| rendered_value(&text, series);
         assert_eq!(
             line(r#"collab_tokens_total{agent="ruda",model="m",kind="input"}"#).as_deref(),
             Some("2000")

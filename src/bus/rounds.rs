@@ -201,7 +201,8 @@ impl Rounds {
         let mut paced = !a_round_behind;
         // Messages stored behind the last one taken (unknown until the first fetch).
         let mut left: Option<u64> = None;
-        let mut cut = false;
+        // The server cut a request at the round's byte bound.
+        let mut full = false;
         while round.len() < max && bytes < self.max_bytes {
             paced = paced && left.is_none_or(|l| l < PACE_BELOW);
             if paced && left.is_some() {
@@ -222,7 +223,6 @@ impl Rounds {
                 .await
                 .map_err(|e| self.failed(e))?;
             let mut got = 0usize;
-            let mut full = false;
             loop {
                 let next = tokio::select! {
                     _ = cancel.cancelled() => return Ok(None),
@@ -246,11 +246,10 @@ impl Rounds {
                 got += 1;
             }
             if full || got < want {
-                cut = full;
                 break;
             }
         }
-        self.cut_by_bytes = cut || bytes >= self.max_bytes;
+        self.cut_by_bytes = full || bytes >= self.max_bytes;
         if !super::lease_held_again(lease_valid_until, cancel.cancelled(), None).await {
             return Ok(None);
         }

@@ -371,13 +371,8 @@ mod lag_tests {
     /// The fold gauges' values as the Prometheus text shows them ("absent" before any is set).
     fn fold_gauges(handle: &metrics_exporter_prometheus::PrometheusHandle) -> (String, String) {
         let text = handle.render();
-        let value = |name: &str| {
-            text.lines()
-                .find(|l| l.starts_with(&format!("{name} ")))
-                .and_then(|l| l.rsplit(' ').next())
-                .unwrap_or("absent")
-                .to_string()
-        };
+        let value =
+            |name: &str| telemetry::rendered_value(&text, name).unwrap_or_else(|| "absent".into());
         (
             value(telemetry::SESSION_FOLD_POSITION),
             value(telemetry::SESSION_FOLD_BEHIND),

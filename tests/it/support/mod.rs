@@ -394,7 +394,6 @@ impl Projector {
         self.signal(Signal::SIGCONT);
     }
 
-    /// Wait up to `timeout` for the process to exit; `None` if it is still running.
     /// Wait until the process has logged `line`; panic with its log if `timeout` passes first.
     pub async fn wait_logged(&self, line: &str, timeout: Duration) {
         let start = Instant::now();
@@ -408,6 +407,7 @@ impl Projector {
         }
     }
 
+    /// Wait up to `timeout` for the process to exit; `None` if it is still running.
     pub async fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
         let deadline = Instant::now() + timeout;
         loop {
