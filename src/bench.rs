@@ -236,6 +236,9 @@ pub struct MachineInfo {
     pub wall_seconds: f64,
     /// How the binary that ran was built.
     pub build: Build,
+    /// `workers.fold_niceness` of the workers that ran: how far below the partitions the
+    /// work-session fold's thread was scheduled.
+    pub fold_niceness: u8,
 }
 
 /// How a binary was built, as the bench reports it (`debug`, `release`, `pgo`,
@@ -2294,7 +2297,8 @@ fn stalled<T>(
 }
 
 async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
-    let shards = Settings::load_with(None, |_| {})?.nats.shards;
+    let configured = Settings::load_with(None, |_| {})?;
+    let shards = configured.nats.shards;
     let sharded_parts = [Part::Baseline, Part::Mixed, Part::Turns, Part::Breakdown];
     if shards > 1 && opts.parts.iter().any(|p| !sharded_parts.contains(p)) {
         return Err(BenchError::Setup(format!(
@@ -2303,6 +2307,7 @@ async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
     }
     let wall = Instant::now();
     let mut report = empty_report(&opts, loadavg());
+    report.machine.fold_niceness = configured.workers.fold_niceness;
     // Memory first: a fresh process has no freed memory that would hide the growth.
     let model = measure_in_process(&opts, &mut report).await;
     let mut version = None;
@@ -2332,6 +2337,7 @@ fn empty_report(opts: &BenchOptions, load_start: [f64; 3]) -> BenchReport {
             partitions: opts.partitions,
             wall_seconds: 0.0,
             build: Build::current(),
+            fold_niceness: 0,
         },
         throughput: Vec::new(),
         ratios: Ratios::default(),
@@ -2725,11 +2731,12 @@ pub fn render(report: &BenchReport) -> String {
 fn render_machine(s: &mut String, m: &MachineInfo) {
     let _ = writeln!(
         s,
-        "collab-projector bench: {} cores, nats-server {}, {} partitions, {} build, load {:.2} at start ({:.2} at end), {:.0} s",
+        "collab-projector bench: {} cores, nats-server {}, {} partitions, {} build, fold niceness {}, load {:.2} at start ({:.2} at end), {:.0} s",
         m.cores,
         m.server_version,
         m.partitions,
         m.build,
+        m.fold_niceness,
         m.load_start[0],
         m.load_end[0],
         m.wall_seconds
@@ -3107,6 +3114,7 @@ mod tests {
                 partitions: 64,
                 wall_seconds: 42.0,
                 build: Build::Release,
+                fold_niceness: 19,
             },
             throughput: [(1u8, 80_000.0), (2, 32_000.0), (3, 30_000.0), (4, 900.0)]
                 .into_iter()
@@ -3181,7 +3189,7 @@ mod tests {
         let text = render(&full_report());
         let mut at = 0;
         for heading in [
-            "collab-projector bench: 2 cores, nats-server 2.11.0, 64 partitions, release build, load 2.50 at start (1.25 at end), 42 s",
+            "collab-projector bench: 2 cores, nats-server 2.11.0, 64 partitions, release build, fold niceness 19, load 2.50 at start (1.25 at end), 42 s",
             "server: local",
             "Throughput (preloaded",
             "2   scenario 2",
@@ -3256,6 +3264,7 @@ mod tests {
                 partitions: 64,
                 wall_seconds: 0.0,
                 build: Build::Debug,
+                fold_niceness: 0,
             },
             throughput: Vec::new(),
             ratios: Ratios::default(),

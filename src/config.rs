@@ -157,6 +157,13 @@ pub struct WorkerSettings {
     /// that below the grace period of whatever stops the process (Kubernetes: 30 s).
     #[serde(with = "humantime_serde")]
     pub drain_timeout: Duration,
+    /// How many nice levels (0 to 19) the thread that folds work sessions and exports
+    /// OpenTelemetry spans runs below the rest of the worker (capped at 19, the lowest; Linux
+    /// only, elsewhere ignored with a warning). Under load that thread then takes only the CPU
+    /// the partitions leave: their throughput and latency gain, and work sessions and span
+    /// exports lag further behind the input until the load drops (`collab_session_fold_behind`).
+    /// 0 gives it the partitions' priority.
+    pub fold_niceness: u8,
     /// Run no work-session fold on this worker. Not a setting: `bench --only breakdown` sets it
     /// to measure what the fold costs.
     #[serde(skip)]
@@ -169,6 +176,7 @@ impl Default for WorkerSettings {
             id: None,
             lease_ttl: Duration::from_secs(6),
             drain_timeout: Duration::from_secs(20),
+            fold_niceness: 19,
             without_session_fold: false,
         }
     }
@@ -1089,6 +1097,12 @@ impl Settings {
         if self.workers.drain_timeout < Duration::from_secs(1) {
             return bad("workers.drain_timeout must be at least 1s".into());
         }
+        if self.workers.fold_niceness > 19 {
+            return bad(format!(
+                "workers.fold_niceness = {} is out of range: it must be 0 to 19 (nice levels the work-session thread runs below the partitions; 0 gives it their priority)",
+                self.workers.fold_niceness
+            ));
+        }
         if self.turns.default_timeout.is_zero()
             || self.turns.max_timeout < self.turns.default_timeout
         {
@@ -1734,6 +1748,22 @@ mod tests {
         );
         let ok = Settings::from_toml("[http]\nclient_stall_timeout = \"5m\"\n").expect("loads");
         assert_eq!(ok.http.client_stall_timeout, Duration::from_secs(300));
+        for n in [20, 255] {
+            let err = Settings::from_toml(&format!("[workers]\nfold_niceness = {n}\n"))
+                .expect_err("must fail");
+            assert!(
+                err.to_string().contains("workers.fold_niceness")
+                    && err.to_string().contains("0 to 19"),
+                "{err}"
+            );
+        }
+        let err = Settings::from_toml("[workers]\nfold_niceness = -1\n").expect_err("must fail");
+        assert!(err.to_string().contains("fold_niceness"), "{err}");
+        for n in [0, 19] {
+            let ok =
+                Settings::from_toml(&format!("[workers]\nfold_niceness = {n}\n")).expect("loads");
+            assert_eq!(ok.workers.fold_niceness, n);
+        }
     }
 
     fn nats_error(toml: &str) -> String {

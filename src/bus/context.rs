@@ -63,10 +63,15 @@ impl WorkerContext {
         let prices = settings
             .prices()
             .map_err(|e| WorkerError::setup(0, "settings", e))?;
-        let sessions_side =
-            Side::start(&settings, "collab-sessions", "collab-projector-sessions").await?;
+        let sessions_side = Side::start(
+            &settings,
+            "collab-sessions",
+            "collab-projector-sessions",
+            settings.workers.fold_niceness,
+        )
+        .await?;
         let leases_side =
-            Side::start(&settings, "collab-leases", "collab-projector-leases").await?;
+            Side::start(&settings, "collab-leases", "collab-projector-leases", 0).await?;
         let (writer_js, writer_names) = (sessions_side.js.clone(), names.clone());
         let sessions = sessions_side
             .rt
