@@ -20,12 +20,12 @@ impl ThreadRuntime {
 
     /// Start the thread with its scheduling priority lowered by `by` nice levels below the
     /// calling thread's (capped at 19, the lowest), before it runs anything. Also returns what
-    /// the thread's niceness was and is (`by` 0 touches nothing), or why it could not be
-    /// lowered (the thread then runs at the caller's priority).
+    /// the thread's niceness was and is (`None` for `by` 0, which touches nothing), or why it
+    /// could not be lowered (the thread then runs at the caller's priority).
     pub fn start_lowered(
         name: &str,
         by: u8,
-    ) -> std::io::Result<(ThreadRuntime, std::io::Result<Niceness>)> {
+    ) -> std::io::Result<(ThreadRuntime, std::io::Result<Option<Niceness>>)> {
         let rt = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
@@ -37,9 +37,9 @@ impl ThreadRuntime {
             .name(name.into())
             .spawn(move || {
                 let lowered = if by == 0 {
-                    Ok(Niceness::UNCHANGED)
+                    Ok(None)
                 } else {
-                    lower_priority(by)
+                    lower_priority(by).map(Some)
                 };
                 // The receiver waits for this before `start_lowered` returns.
                 let _ = lowered_tx.send(lowered);
@@ -81,14 +81,6 @@ impl Drop for ThreadRuntime {
 pub struct Niceness {
     pub before: i32,
     pub after: i32,
-}
-
-impl Niceness {
-    /// Nothing asked: neither value was read.
-    const UNCHANGED: Niceness = Niceness {
-        before: 0,
-        after: 0,
-    };
 }
 
 /// Lower the calling thread's priority by `by` nice levels, capped at 19. Linux schedules
@@ -136,8 +128,8 @@ impl Side {
         let (rt, lowered) = ThreadRuntime::start_lowered(thread, niceness)
             .map_err(|e| WorkerError::setup(0, format!("thread {thread}"), e))?;
         match lowered {
-            Ok(_) if niceness == 0 => {}
-            Ok(n) => tracing::info!(
+            Ok(None) => {}
+            Ok(Some(n)) => tracing::info!(
                 thread,
                 niceness = n.after,
                 process_niceness = n.before,
@@ -180,18 +172,21 @@ mod tests {
         };
         let mine = own_niceness();
         let (rt, lowered) = ThreadRuntime::start_lowered("lowered-by-5", 5).expect("starts");
-        let n = lowered.expect("lowering one's own priority needs no privilege");
+        let n = lowered
+            .expect("lowering one's own priority needs no privilege")
+            .expect("asked");
         assert_eq!(n.before, mine);
         assert_eq!(n.after, (mine + 5).min(19));
         assert_eq!(niceness_on(&rt), n.after, "the runtime runs on that thread");
         assert_eq!(own_niceness(), mine, "the caller keeps its priority");
 
         let (capped, lowered) = ThreadRuntime::start_lowered("lowered-by-19", 19).expect("starts");
-        assert_eq!(lowered.expect("lowered").after, 19, "19 is the lowest");
+        let n = lowered.expect("lowered").expect("asked");
+        assert_eq!(n.after, 19, "19 is the lowest");
         assert_eq!(niceness_on(&capped), 19);
 
         let (same, lowered) = ThreadRuntime::start_lowered("not-lowered", 0).expect("starts");
-        assert_eq!(lowered.expect("nothing to do"), Niceness::UNCHANGED);
+        assert_eq!(lowered.expect("nothing to do"), None, "0 reads nothing");
         assert_eq!(niceness_on(&same), mine, "0 leaves the caller's priority");
     }
 }
