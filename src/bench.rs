@@ -2306,8 +2306,7 @@ async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
         )));
     }
     let wall = Instant::now();
-    let mut report = empty_report(&opts, loadavg());
-    report.machine.fold_niceness = configured.workers.fold_niceness;
+    let mut report = empty_report(&opts, loadavg(), configured.workers.fold_niceness);
     // Memory first: a fresh process has no freed memory that would hide the growth.
     let model = measure_in_process(&opts, &mut report).await;
     let mut version = None;
@@ -2323,7 +2322,7 @@ async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
 }
 
 /// A report with the machine described and nothing measured yet.
-fn empty_report(opts: &BenchOptions, load_start: [f64; 3]) -> BenchReport {
+fn empty_report(opts: &BenchOptions, load_start: [f64; 3], fold_niceness: u8) -> BenchReport {
     BenchReport {
         machine: MachineInfo {
             cores: std::thread::available_parallelism().map_or(1, usize::from),
@@ -2337,7 +2336,7 @@ fn empty_report(opts: &BenchOptions, load_start: [f64; 3]) -> BenchReport {
             partitions: opts.partitions,
             wall_seconds: 0.0,
             build: Build::current(),
-            fold_niceness: 0,
+            fold_niceness,
         },
         throughput: Vec::new(),
         ratios: Ratios::default(),
