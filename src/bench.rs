@@ -30,7 +30,7 @@ use crate::bus::turns::{PartitionTurns, Rev, KEPT_OPEN_RECORDS};
 use crate::bus::{self, context::WorkerContext, provision, runtime::ThreadRuntime};
 use crate::config::{Names, Settings};
 use crate::localnats::{LocalNats, LocalNatsError, LocalNatsOptions};
-use crate::pipeline::{self, RawMessage, H_SOURCE_SEQ};
+use crate::pipeline::{self, RawMessage, H_BARRIER, H_SOURCE_SEQ};
 use crate::sim::{Generator, Mix, RawEvent, MAIN_AGENTS};
 use crate::turns::{self, book::OpenTurns, TurnConfig, TurnEventKind, TurnFacts, TurnRecord};
 use async_nats::jetstream::{
@@ -1600,13 +1600,26 @@ async fn throughput_naive(env: &Env, opts: &BenchOptions) -> Result<ThroughputRe
 // ---------------------------------------------------------------------------------------------
 // Latency at a fixed rate.
 
-/// Every message of a stream (headers only) with its sequence, subject, store time (µs) and
-/// source-sequence header.
+/// One stored message as [`read_all`] reads it (headers only).
+struct Stored {
+    seq: u64,
+    subject: String,
+    /// The server's store time, µs since the epoch.
+    at: i64,
+    /// The raw input an output names: its `Collab-Source-Seq`, and the raw stream the
+    /// `Nats-Msg-Id` (`<stream>:<seq>[:<n>]`) starts with, if it has one.
+    source_seq: Option<u64>,
+    source_stream: Option<String>,
+    /// A partition barrier (`Collab-Barrier`), which provisioning writes, not the load.
+    barrier: bool,
+}
+
+/// Every message of a stream (headers only).
 async fn read_all(
     js: &jetstream::Context,
     stream: &str,
     filter: Option<String>,
-) -> Result<Vec<(u64, String, i64, Option<u64>)>, BenchError> {
+) -> Result<Vec<Stored>, BenchError> {
     let mut s = js.get_stream(stream).await.ctx(stream)?;
     let info = s.info().await.ctx(stream)?;
     if info.state.messages == 0 {
@@ -1629,12 +1642,23 @@ async fn read_all(
         let Ok(info) = m.info() else { continue };
         let seq = info.stream_sequence;
         let at = info.published.timestamp_micros();
-        let source = m
-            .headers
-            .as_ref()
-            .and_then(|h| h.get(H_SOURCE_SEQ))
-            .and_then(|v| v.as_str().parse().ok());
-        out.push((seq, m.subject.to_string(), at, source));
+        let header = |name: &str| {
+            m.headers
+                .as_ref()
+                .and_then(|h| h.get(name))
+                .map(|v| v.as_str().to_string())
+        };
+        let source_seq = header(H_SOURCE_SEQ).and_then(|v| v.parse().ok());
+        let source_stream = header("Nats-Msg-Id")
+            .and_then(|id| id.split_once(':').map(|(stream, _)| stream.to_string()));
+        out.push(Stored {
+            seq,
+            subject: m.subject.to_string(),
+            at,
+            source_seq,
+            source_stream,
+            barrier: header(H_BARRIER).is_some(),
+        });
         if seq >= last || info.pending == 0 {
             break;
         }
@@ -1695,6 +1719,12 @@ async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyRe
         }
         failed
     });
+    // What the raw streams held before the load (over shards, provisioning's barriers): the
+    // passthrough copies those too.
+    let mut stored_before = 0;
+    for stream in &env.names().raw_streams {
+        stored_before += env.stream_messages(stream).await;
+    }
     let mut gen = Generator::new(&env.prefix, opts.seed, Mix::REALISTIC);
     let mut queue: VecDeque<RawEvent> = VecDeque::new();
     let mut tick = tokio::time::interval(Duration::from_millis(1));
@@ -1727,7 +1757,9 @@ async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyRe
     let wait_until = Instant::now() + Duration::from_secs(60);
     loop {
         let finished = match &under {
-            UnderTest::Baseline(c) => c.progress.done.load(Ordering::Relaxed) >= sent as u64,
+            UnderTest::Baseline(c) => {
+                c.progress.done.load(Ordering::Relaxed) >= sent as u64 + stored_before
+            }
             UnderTest::Pipeline(_, shared, _) => {
                 shared.state.inputs.load(Ordering::Relaxed) >= sent as u64 && env.drained().await
             }
@@ -1741,24 +1773,15 @@ async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyRe
         UnderTest::Baseline(c) => c.stop().await?,
         UnderTest::Pipeline(running, _, cancel) => stop_app(*running, cancel).await,
     }
-    let names = env.names();
-    let raw_read = read_all(&env.js, &names.raw_stream, None).await?;
-    let raw: HashMap<u64, i64> = raw_read.iter().map(|(seq, _, at, _)| (*seq, *at)).collect();
-    let mut last_out: HashMap<u64, i64> = HashMap::new();
-    for stream in [&names.proj_stream, &names.dlq_stream] {
-        for (_, _, at, source) in read_all(&env.js, stream, None).await? {
-            if let Some(src) = source.filter(|s| raw.contains_key(s)) {
-                let e = last_out.entry(src).or_insert(at);
-                *e = (*e).max(at);
-            }
-        }
-    }
+    let (raw_read, last_out) = inputs_and_outputs(env).await?;
+    let raw: HashMap<(usize, u64), i64> =
+        raw_read.iter().map(|(i, m)| ((*i, m.seq), m.at)).collect();
     if let Some(path) = &opts.latency_samples {
         write_latency_samples(path, id, &raw_read, &last_out)?;
     }
     let mut lat: Vec<f64> = last_out
         .iter()
-        .filter_map(|(seq, out)| raw.get(seq).map(|r| (out - r) as f64 / 1000.0))
+        .filter_map(|(input, out)| raw.get(input).map(|r| (out - r) as f64 / 1000.0))
         .collect();
     lat.sort_by(f64::total_cmp);
     if failed > 0 {
@@ -1778,20 +1801,71 @@ async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyRe
     })
 }
 
+/// Every input of a latency run in store order (its raw stream's index and its sequence there;
+/// barriers left out), and the store time of each one's last output. Over shards every raw
+/// stream numbers its own inputs, so an output names its input by its Msg-Id's stream (a
+/// turn's response, whose Msg-Id is the turn's, by the shard its subject's key hashes to) and its
+/// source sequence.
+async fn inputs_and_outputs(env: &Env) -> Result<InputsAndOutputs, BenchError> {
+    let names = env.names();
+    let mut raw_read: Vec<(usize, Stored)> = Vec::new();
+    for (i, stream) in names.raw_streams.iter().enumerate() {
+        raw_read.extend(
+            read_all(&env.js, stream, None)
+                .await?
+                .into_iter()
+                .filter(|m| !m.barrier)
+                .map(|m| (i, m)),
+        );
+    }
+    raw_read.sort_by_key(|(_, m)| m.at);
+    let raw: HashMap<(usize, u64), i64> =
+        raw_read.iter().map(|(i, m)| ((*i, m.seq), m.at)).collect();
+    let mut last_out: HashMap<(usize, u64), i64> = HashMap::new();
+    let proj_prefix = format!("{}.proj.", names.prefix);
+    for stream in [&names.proj_stream, &names.dlq_stream] {
+        for out in read_all(&env.js, stream, None).await? {
+            let shard = if names.raw_streams.len() == 1 {
+                Some(0)
+            } else {
+                // A Msg-Id that names a raw stream, or else (a turn's response) the key the
+                // projection's subject carries, which the shards are hashed by.
+                out.source_stream
+                    .as_deref()
+                    .and_then(|s| names.raw_streams.iter().position(|n| n == s))
+                    .or_else(|| {
+                        let after = out.subject.strip_prefix(&proj_prefix)?;
+                        let (_, key, _) = crate::config::proj_subject_parts(after)?;
+                        Some(names.shard_of_key(key))
+                    })
+            };
+            let Some(input) = shard.zip(out.source_seq).filter(|k| raw.contains_key(k)) else {
+                continue;
+            };
+            let e = last_out.entry(input).or_insert(out.at);
+            *e = (*e).max(out.at);
+        }
+    }
+    Ok((raw_read, last_out))
+}
+
+/// See [`inputs_and_outputs`].
+type InputsAndOutputs = (Vec<(usize, Stored)>, HashMap<(usize, u64), i64>);
+
 /// One line per measured input of latency run `id`, in raw order: its raw sequence, its raw
 /// store time and its latency (µs), its subject. Read against the server's own events (a garbage
 /// collection, a block written out) it shows when a tail happened and to what.
 fn write_latency_samples(
     path: &std::path::Path,
     id: u8,
-    raw: &[(u64, String, i64, Option<u64>)],
-    last_out: &HashMap<u64, i64>,
+    raw: &[(usize, Stored)],
+    last_out: &HashMap<(usize, u64), i64>,
 ) -> Result<(), BenchError> {
     use std::fmt::Write as _;
     let mut out = String::from("raw_seq,stored_us,latency_us,subject\n");
-    for (seq, subject, at, _) in raw {
-        if let Some(done) = last_out.get(seq) {
-            let _ = writeln!(out, "{seq},{at},{},{subject}", done - at);
+    for (shard, m) in raw {
+        if let Some(done) = last_out.get(&(*shard, m.seq)) {
+            let _ = writeln!(out, "{},{},{},{}", m.seq, m.at, done - m.at, m.subject);
         }
     }
     let mut name = path.as_os_str().to_owned();
@@ -2072,10 +2146,10 @@ async fn turn_book(
         let sends: HashMap<String, i64> = read_all(&env.js, &names.raw_stream, None)
             .await?
             .into_iter()
-            .filter_map(|(_, subject, at, _)| {
-                let published = crate::pipeline::producer_subject(&names, &subject);
+            .filter_map(|m| {
+                let published = crate::pipeline::producer_subject(&names, &m.subject);
                 let key = published.split('.').nth(2)?.to_string();
-                key.starts_with("late-").then_some((key, at))
+                key.starts_with("late-").then_some((key, m.at))
             })
             .collect();
         let responses = read_all(
@@ -2089,11 +2163,11 @@ async fn turn_book(
         .await?;
         let mut late: Vec<f64> = responses
             .into_iter()
-            .filter_map(|(_, subject, at, _)| {
-                let key = subject.split('.').nth(4)?;
+            .filter_map(|m| {
+                let key = m.subject.split('.').nth(4)?;
                 let sent = sends.get(key)?;
                 let deadline_us = sent + i64::try_from(timeout_ms).unwrap_or(0) * 1000;
-                Some((at - deadline_us) as f64 / 1000.0)
+                Some((m.at - deadline_us) as f64 / 1000.0)
             })
             .collect();
         late.sort_by(f64::total_cmp);
@@ -2299,10 +2373,16 @@ fn stalled<T>(
 async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
     let configured = Settings::load_with(None, |_| {})?;
     let shards = configured.nats.shards;
-    let sharded_parts = [Part::Baseline, Part::Mixed, Part::Turns, Part::Breakdown];
+    let sharded_parts = [
+        Part::Baseline,
+        Part::Mixed,
+        Part::Turns,
+        Part::Breakdown,
+        Part::Latency,
+    ];
     if shards > 1 && opts.parts.iter().any(|p| !sharded_parts.contains(p)) {
         return Err(BenchError::Setup(format!(
-            "over {shards} raw streams the bench measures throughput only: run it with --only baseline,mixed,turns (and breakdown)"
+            "over {shards} raw streams the bench measures throughput and latency only: run it with --only baseline,mixed,turns,latency (and breakdown)"
         )));
     }
     let wall = Instant::now();

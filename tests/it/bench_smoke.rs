@@ -95,3 +95,43 @@ async fn every_scenario_reports_a_throughput_and_the_report_is_json() {
     let line = bench::summary_line(&report);
     assert!(line.ends_with(&format!(" build={built}")), "{line}");
 }
+
+/// Over raw shards every stream numbers its own inputs from 1: the latency runs match each
+/// output to its input by stream and sequence (a turn's response by the shard its key hashes
+/// to), and leave out the barriers provisioning writes. Run as a process of its own, since the
+/// shard count is read from the environment.
+#[test]
+fn latency_over_shards_matches_every_input_to_its_output() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_collab-projector"))
+        .args([
+            "bench",
+            "--only",
+            "latency",
+            "--rate",
+            "300",
+            "--latency-duration",
+            "3s",
+            "--partitions",
+            "4",
+            "--quiet",
+            "--json",
+        ])
+        .env("COLLAB_NATS__SHARDS", "4")
+        .env("COLLAB_STORAGE__RAW_MAX_BYTES", "67108864")
+        .output()
+        .expect("the bench runs");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let report: serde_json::Value = serde_json::from_str(&stdout).expect("the report is JSON");
+    let runs = report["latency"].as_array().expect("latency runs");
+    assert_eq!(runs.len(), 2, "{report}");
+    for run in runs {
+        let sent = run["sent"].as_u64().expect("sent");
+        assert!(sent >= 600, "{run}");
+        assert_eq!(run["measured"].as_u64(), Some(sent), "{run}");
+    }
+}
