@@ -1774,14 +1774,15 @@ async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyRe
         UnderTest::Pipeline(running, _, cancel) => stop_app(*running, cancel).await,
     }
     let (raw_read, last_out) = inputs_and_outputs(env).await?;
-    let raw: HashMap<(usize, u64), i64> =
-        raw_read.iter().map(|(i, m)| ((*i, m.seq), m.at)).collect();
     if let Some(path) = &opts.latency_samples {
         write_latency_samples(path, id, &raw_read, &last_out)?;
     }
-    let mut lat: Vec<f64> = last_out
+    let mut lat: Vec<f64> = raw_read
         .iter()
-        .filter_map(|(input, out)| raw.get(input).map(|r| (out - r) as f64 / 1000.0))
+        .filter_map(|(i, m)| {
+            let done = last_out.get(&(*i, m.seq))?;
+            Some((done - m.at) as f64 / 1000.0)
+        })
         .collect();
     lat.sort_by(f64::total_cmp);
     if failed > 0 {
