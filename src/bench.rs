@@ -1853,8 +1853,8 @@ async fn inputs_and_outputs(env: &Env) -> Result<InputsAndOutputs, BenchError> {
 /// See [`inputs_and_outputs`].
 type InputsAndOutputs = (Vec<(usize, Stored)>, HashMap<(usize, u64), i64>);
 
-/// One line per measured input of latency run `id`, in raw order: its raw sequence, its raw
-/// store time and its latency (µs), its subject. Read against the server's own events (a garbage
+/// One line per measured input of latency run `id`, in store order: its raw sequence (in its own
+/// raw stream, over shards), its raw store time and its latency (µs), its subject. Read against the server's own events (a garbage
 /// collection, a block written out) it shows when a tail happened and to what.
 fn write_latency_samples(
     path: &std::path::Path,
