@@ -30,7 +30,7 @@ use crate::bus::turns::{PartitionTurns, Rev, KEPT_OPEN_RECORDS};
 use crate::bus::{self, context::WorkerContext, provision, runtime::ThreadRuntime};
 use crate::config::{Names, Settings};
 use crate::localnats::{LocalNats, LocalNatsError, LocalNatsOptions};
-use crate::pipeline::{self, RawMessage, H_BARRIER, H_SOURCE_SEQ};
+use crate::pipeline::{self, RawMessage, H_SOURCE_SEQ};
 use crate::sim::{Generator, Mix, RawEvent, MAIN_AGENTS};
 use crate::turns::{self, book::OpenTurns, TurnConfig, TurnEventKind, TurnFacts, TurnRecord};
 use async_nats::jetstream::{
@@ -1606,11 +1606,10 @@ struct Stored {
     subject: String,
     /// The server's store time, µs since the epoch.
     at: i64,
-    /// The raw input an output names: its `Collab-Source-Seq`, and the raw stream the
-    /// `Nats-Msg-Id` (`<stream>:<seq>[:<n>]`) starts with, if it has one.
+    /// The sequence of the raw input an output names (`Collab-Source-Seq`).
     source_seq: Option<u64>,
-    source_stream: Option<String>,
-    /// A partition barrier (`Collab-Barrier`), which provisioning writes, not the load.
+    headers: Option<async_nats::HeaderMap>,
+    /// A partition barrier, which provisioning writes, not the load.
     barrier: bool,
 }
 
@@ -1642,22 +1641,18 @@ async fn read_all(
         let Ok(info) = m.info() else { continue };
         let seq = info.stream_sequence;
         let at = info.published.timestamp_micros();
-        let header = |name: &str| {
-            m.headers
-                .as_ref()
-                .and_then(|h| h.get(name))
-                .map(|v| v.as_str().to_string())
-        };
-        let source_seq = header(H_SOURCE_SEQ).and_then(|v| v.parse().ok());
-        let source_stream = header("Nats-Msg-Id")
-            .and_then(|id| id.split_once(':').map(|(stream, _)| stream.to_string()));
+        let source_seq = m
+            .headers
+            .as_ref()
+            .and_then(|h| h.get(H_SOURCE_SEQ))
+            .and_then(|v| v.as_str().parse().ok());
         out.push(Stored {
             seq,
             subject: m.subject.to_string(),
             at,
             source_seq,
-            source_stream,
-            barrier: header(H_BARRIER).is_some(),
+            barrier: crate::bus::acker::is_barrier(&m),
+            headers: m.headers.clone(),
         });
         if seq >= last || info.pending == 0 {
             break;
@@ -1773,7 +1768,7 @@ async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyRe
         UnderTest::Baseline(c) => c.stop().await?,
         UnderTest::Pipeline(running, _, cancel) => stop_app(*running, cancel).await,
     }
-    let (raw_read, last_out) = inputs_and_outputs(env).await?;
+    let (raw_read, last_out) = inputs_and_outputs(env, id == 1).await?;
     if let Some(path) = &opts.latency_samples {
         write_latency_samples(path, id, &raw_read, &last_out)?;
     }
@@ -1804,10 +1799,10 @@ async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyRe
 
 /// Every input of a latency run in store order (its raw stream's index and its sequence there;
 /// barriers left out), and the store time of each one's last output. Over shards every raw
-/// stream numbers its own inputs, so an output names its input by its Msg-Id's stream (a
-/// turn's response, whose Msg-Id is the turn's, by the shard its subject's key hashes to) and its
-/// source sequence.
-async fn inputs_and_outputs(env: &Env) -> Result<InputsAndOutputs, BenchError> {
+/// stream numbers its own inputs, so an output names its input by its source sequence and a raw
+/// stream: the passthrough's by its Msg-Id (`<stream>:<seq>`), the pipeline's as `audit` finds
+/// it (a projection's by its subject's key, a dead letter's by its headers).
+async fn inputs_and_outputs(env: &Env, passthrough: bool) -> Result<InputsAndOutputs, BenchError> {
     let names = env.names();
     let mut raw_read: Vec<(usize, Stored)> = Vec::new();
     for (i, stream) in names.raw_streams.iter().enumerate() {
@@ -1823,24 +1818,27 @@ async fn inputs_and_outputs(env: &Env) -> Result<InputsAndOutputs, BenchError> {
     let raw: HashMap<(usize, u64), i64> =
         raw_read.iter().map(|(i, m)| ((*i, m.seq), m.at)).collect();
     let mut last_out: HashMap<(usize, u64), i64> = HashMap::new();
-    let proj_prefix = format!("{}.proj.", names.prefix);
-    for stream in [&names.proj_stream, &names.dlq_stream] {
+    for (stream, dead_letters) in [(&names.proj_stream, false), (&names.dlq_stream, true)] {
         for out in read_all(&env.js, stream, None).await? {
+            let Some(seq) = out.source_seq else { continue };
             let shard = if names.raw_streams.len() == 1 {
                 Some(0)
             } else {
-                // A Msg-Id that names a raw stream, or else (a turn's response) the key the
-                // projection's subject carries, which the shards are hashed by.
-                out.source_stream
-                    .as_deref()
-                    .and_then(|s| names.raw_streams.iter().position(|n| n == s))
-                    .or_else(|| {
-                        let after = out.subject.strip_prefix(&proj_prefix)?;
-                        let (_, key, _) = crate::config::proj_subject_parts(after)?;
-                        Some(names.shard_of_key(key))
-                    })
+                let input_stream = if passthrough {
+                    out.headers
+                        .as_ref()
+                        .and_then(|h| h.get(async_nats::header::NATS_MESSAGE_ID))
+                        .and_then(|id| id.as_str().split_once(':'))
+                        .map(|(stream, _)| stream.to_string())
+                } else if dead_letters {
+                    crate::ops::dead_letter_stream(&names, out.headers.as_ref())
+                } else {
+                    crate::ops::projection_input_stream(&names, &out.subject, seq)
+                        .map(str::to_string)
+                };
+                input_stream.and_then(|s| names.raw_streams.iter().position(|n| *n == s))
             };
-            let Some(input) = shard.zip(out.source_seq).filter(|k| raw.contains_key(k)) else {
+            let Some(input) = shard.map(|i| (i, seq)).filter(|k| raw.contains_key(k)) else {
                 continue;
             };
             let e = last_out.entry(input).or_insert(out.at);
@@ -1854,8 +1852,9 @@ async fn inputs_and_outputs(env: &Env) -> Result<InputsAndOutputs, BenchError> {
 type InputsAndOutputs = (Vec<(usize, Stored)>, HashMap<(usize, u64), i64>);
 
 /// One line per measured input of latency run `id`, in store order: its raw sequence (in its own
-/// raw stream, over shards), its raw store time and its latency (µs), its subject. Read against the server's own events (a garbage
-/// collection, a block written out) it shows when a tail happened and to what.
+/// raw stream, over shards), its raw store time and its latency (µs), its subject. Read against
+/// the server's own events (a garbage collection, a block written out) it shows when a tail
+/// happened and to what.
 fn write_latency_samples(
     path: &std::path::Path,
     id: u8,

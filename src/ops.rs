@@ -165,26 +165,22 @@ pub async fn audit(
             }
         }
     }
-    // An output's input: its sequence header, in the raw stream that held its key at that
-    // sequence (a projection's subject names the key) or the one a dead letter's Msg-Id names.
-    let stream_of_output = |subject: &str, seq: u64| -> usize {
-        subject
-            .strip_prefix(&format!("{}.proj.", names.prefix))
-            .and_then(crate::config::proj_subject_parts)
-            .and_then(|(_, key, _)| index_of(names.raw_stream_of_key_at(key, seq)))
-            .unwrap_or(0)
-    };
+    // An output's input: its sequence header, in the raw stream `projection_input_stream` or
+    // `dead_letter_stream` names.
     let mut projected = BTreeSet::new();
     for m in read_stream(js, &names.proj_stream, 1, true).await? {
         if let Some(seq) = header_u64(&m, H_SOURCE_SEQ) {
-            projected.insert((stream_of_output(m.subject.as_str(), seq), seq));
+            let shard = projection_input_stream(names, m.subject.as_str(), seq)
+                .and_then(index_of)
+                .unwrap_or(0);
+            projected.insert((shard, seq));
         }
     }
     let mut dead = BTreeSet::new();
     let mut by_reason: BTreeMap<String, usize> = BTreeMap::new();
     for m in read_stream(js, &names.dlq_stream, 1, true).await? {
         if let Some(seq) = header_u64(&m, H_SOURCE_SEQ) {
-            let shard = dead_letter_stream(names, &m)
+            let shard = dead_letter_stream(names, m.headers.as_ref())
                 .and_then(|s| index_of(&s))
                 .unwrap_or(0);
             if raw_seqs.contains(&(shard, seq)) {
@@ -225,9 +221,24 @@ pub async fn audit(
     Ok(a)
 }
 
+/// The raw stream that held the input of the projection on `subject` whose source sequence is
+/// `seq`: the one its subject's key was in at that sequence.
+pub(crate) fn projection_input_stream<'a>(
+    names: &'a Names,
+    subject: &str,
+    seq: u64,
+) -> Option<&'a str> {
+    let after = subject.strip_prefix(&format!("{}.proj.", names.prefix))?;
+    let (_, key, _) = crate::config::proj_subject_parts(after)?;
+    Some(names.raw_stream_of_key_at(key, seq))
+}
+
 /// The raw stream a dead letter's input is in: its source-stream header, else its Msg-Id.
-fn dead_letter_stream(names: &Names, m: &jetstream::Message) -> Option<String> {
-    let headers = m.headers.as_ref()?;
+pub(crate) fn dead_letter_stream(
+    names: &Names,
+    headers: Option<&async_nats::HeaderMap>,
+) -> Option<String> {
+    let headers = headers?;
     if let Some(s) = headers.get(crate::bus::publish::H_SOURCE_STREAM) {
         return Some(s.as_str().to_string());
     }
@@ -246,7 +257,8 @@ async fn original_input(
 ) -> Option<bytes::Bytes> {
     use sha2::Digest;
     let seq = header_u64(dead_letter, H_SOURCE_SEQ)?;
-    let source = dead_letter_stream(names, dead_letter).unwrap_or_else(|| names.raw_stream.clone());
+    let source = dead_letter_stream(names, dead_letter.headers.as_ref())
+        .unwrap_or_else(|| names.raw_stream.clone());
     let stream = js.get_stream(&source).await.ok()?;
     let raw = stream.get_raw_message(seq).await.ok()?;
     let want = dead_letter

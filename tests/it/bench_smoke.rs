@@ -97,8 +97,8 @@ async fn every_scenario_reports_a_throughput_and_the_report_is_json() {
 }
 
 /// Over raw shards every stream numbers its own inputs from 1: the latency runs match each
-/// output to its input by stream and sequence (a turn's response by the shard its key hashes
-/// to), and leave out the barriers provisioning writes. Run as a process of its own, since the
+/// output to its input by stream and sequence (the pipeline's as `audit` does, a turn's
+/// response by its subject's key), and leave out the barriers provisioning writes. Run as a process of its own, since the
 /// shard count is read from the environment.
 #[test]
 fn latency_over_shards_matches_every_input_to_its_output() {
