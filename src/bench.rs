@@ -177,6 +177,9 @@ pub struct BenchOptions {
     pub parts: Vec<Part>,
     /// Seed of the traffic generator.
     pub seed: u64,
+    /// The deadline the generated main-main turns ask for (`timeoutMs`). Inside the clock of
+    /// a run its unanswered turns' blocked outcomes are work the run measures; outside, not.
+    pub turn_timeout: Duration,
     /// Draw progress bars on stderr (hidden anyway when stderr is not a terminal).
     pub progress: bool,
     /// A Prometheus recorder, as `run` installs one (metric updates are part of the hot path).
@@ -202,6 +205,7 @@ impl Default for BenchOptions {
             partitions: Settings::default().nats.partitions,
             parts: Part::ALL.to_vec(),
             seed: 42,
+            turn_timeout: Duration::from_millis(crate::sim::DEFAULT_TURN_TIMEOUT_MS),
             progress: true,
             metrics: None,
         }
@@ -792,6 +796,13 @@ impl Publisher {
     }
 }
 
+/// The traffic generator of a run: the options' seed and turn deadline, the scenario's prefix.
+fn generator(env: &Env, opts: &BenchOptions, mix: Mix) -> Generator {
+    let mut gen = Generator::new(&env.prefix, opts.seed, mix);
+    gen.turn_timeout_ms = u64::try_from(opts.turn_timeout.as_millis()).unwrap_or(u64::MAX);
+    gen
+}
+
 /// Preload `n` raw messages of `mix`; returns the average body size.
 async fn preload(
     env: &Env,
@@ -801,7 +812,7 @@ async fn preload(
     label: &str,
 ) -> Result<f64, BenchError> {
     let pb = bar(opts, n as u64, &format!("{label}: preload"));
-    let mut gen = Generator::new(&env.prefix, opts.seed, mix);
+    let mut gen = generator(env, opts, mix);
     let mut publisher = Publisher::new(1000, false);
     let mut sent = 0usize;
     let mut bytes = 0usize;
@@ -1720,7 +1731,7 @@ async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyRe
     for stream in &env.names().raw_streams {
         stored_before += env.stream_messages(stream).await;
     }
-    let mut gen = Generator::new(&env.prefix, opts.seed, Mix::REALISTIC);
+    let mut gen = generator(env, opts, Mix::REALISTIC);
     let mut queue: VecDeque<RawEvent> = VecDeque::new();
     let mut tick = tokio::time::interval(Duration::from_millis(1));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Burst);

@@ -327,6 +327,11 @@ struct BenchArgs {
     /// happened.
     #[arg(long, value_name = "PATH")]
     latency_samples: Option<std::path::PathBuf>,
+    /// The deadline the generated main-main turns ask for, e.g. 60s. A tenth of them go
+    /// unanswered, and their blocked outcomes are measured work only when they fall inside a
+    /// run's clock: at the default, inside a run of 1,000,000 messages, past one of 200,000.
+    #[arg(long, default_value = "10s")]
+    turn_timeout: humantime::Duration,
     /// Open turns for the turn-book scale runs, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "100000,1000000")]
     open_turns: Vec<usize>,
@@ -962,6 +967,7 @@ async fn bench(args: BenchArgs) -> anyhow::Result<()> {
         latency_samples: args.latency_samples,
         open_turns: args.open_turns,
         lateness_probes: args.probes,
+        turn_timeout: args.turn_timeout.into(),
         parts: if args.only.is_empty() {
             bench::Part::ALL.to_vec()
         } else {

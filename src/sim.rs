@@ -90,7 +90,12 @@ pub struct Generator {
     now_ms: i64,
     /// Share of main-main turns left unanswered (they time out), in percent.
     pub unanswered_percent: u32,
+    /// The deadline a main-main turn asks for (`timeoutMs`).
+    pub turn_timeout_ms: u64,
 }
+
+/// The deadline generated main-main turns ask for unless told otherwise.
+pub const DEFAULT_TURN_TIMEOUT_MS: u64 = 10_000;
 
 impl Generator {
     pub fn new(prefix: &str, seed: u64, mix: Mix) -> Generator {
@@ -101,6 +106,7 @@ impl Generator {
             n: 0,
             now_ms: crate::bus::now_ms(),
             unanswered_percent: 10,
+            turn_timeout_ms: DEFAULT_TURN_TIMEOUT_MS,
         }
     }
 
@@ -186,7 +192,7 @@ impl Generator {
             json!({"type":"a2a.send","agentId":from,"ts":ts,"data":{
                 "fromAgent":from,"toAgent":to,"conversationId":conv,"workSessionId":ws,
                 "runId":format!("run-{}", self.n),"message":format!("Please {topic}."),
-                "goal": topic, "timeoutMs": 10_000,
+                "goal": topic, "timeoutMs": self.turn_timeout_ms,
                 "fromSessionType":"main","toSessionType":"main"}}),
         )];
         let roll = self.rng.random_range(0..100);
@@ -415,5 +421,36 @@ impl Generator {
             }
             _ => vec![self.ev(&key, "x", json!({"type":"bad type with spaces"}))],
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The deadline of every generated main-main turn's send, in order.
+    fn send_deadlines(gen: &mut Generator, scenarios: usize) -> Vec<u64> {
+        (0..scenarios)
+            .flat_map(|_| gen.next_scenario())
+            .filter(|ev| ev.subject.ends_with(".a2a.send"))
+            .filter_map(|ev| {
+                let v: Value = serde_json::from_slice(&ev.body).ok()?;
+                v["data"]["timeoutMs"].as_u64()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn turns_ask_for_the_deadline_they_are_given() {
+        let mut gen = Generator::new("collab", 1, Mix::TURNS_ONLY);
+        let default = send_deadlines(&mut gen, 20);
+        assert_eq!(default.len(), 20);
+        assert!(default.iter().all(|&t| t == DEFAULT_TURN_TIMEOUT_MS));
+
+        let mut gen = Generator::new("collab", 1, Mix::TURNS_ONLY);
+        gen.turn_timeout_ms = 60_000;
+        let longer = send_deadlines(&mut gen, 20);
+        assert_eq!(longer.len(), 20);
+        assert!(longer.iter().all(|&t| t == 60_000));
     }
 }
