@@ -26,7 +26,7 @@
 //!   with N turns open (probe sends with a short deadline: stored response minus deadline).
 
 use crate::app::{self, RunOptions};
-use crate::bus::turns::{PartitionTurns, Rev, KEPT_OPEN_RECORDS};
+use crate::bus::turns::{PartitionTurns, Rev};
 use crate::bus::{self, context::WorkerContext, provision, runtime::ThreadRuntime};
 use crate::config::{Names, Settings};
 use crate::localnats::{LocalNats, LocalNatsError, LocalNatsOptions};
@@ -1956,16 +1956,14 @@ fn open_record(
 
 /// RSS growth per open turn of the partition state, for each size in `sizes` (ascending),
 /// built incrementally on a fresh thread (its own allocator arena) before anything else ran.
-fn memory_model(sizes: &[usize], partitions: u16) -> Vec<(usize, Option<f64>)> {
+fn memory_model(sizes: &[usize], partitions: u16, kept: usize) -> Vec<(usize, Option<f64>)> {
     let mut sorted: Vec<usize> = sizes.to_vec();
     sorted.sort_unstable();
     sorted.dedup();
     let parts = usize::from(partitions.max(1));
     let handle = std::thread::spawn(move || {
         let now = bus::now_ms();
-        let mut model: Vec<OpenTurns<Rev>> = (0..parts)
-            .map(|_| OpenTurns::new(KEPT_OPEN_RECORDS))
-            .collect();
+        let mut model: Vec<OpenTurns<Rev>> = (0..parts).map(|_| OpenTurns::new(kept)).collect();
         let base = rss_bytes();
         let mut out = Vec::new();
         let mut built = 0usize;
@@ -2451,7 +2449,11 @@ async fn measure_in_process(
         say(opts, "turn book: measuring memory per open turn");
         let sizes = opts.open_turns.clone();
         let parts = opts.partitions;
-        let m = tokio::task::spawn_blocking(move || memory_model(&sizes, parts))
+        // As the workers keep them: the configured `turns.kept_records` (environment included).
+        let kept = Settings::load(None).map_or(Settings::default().turns.kept_records, |s| {
+            s.turns.kept_records
+        });
+        let m = tokio::task::spawn_blocking(move || memory_model(&sizes, parts, kept))
             .await
             .unwrap_or_default();
         model.extend(m);

@@ -681,6 +681,10 @@ pub struct TurnSettings {
     /// once, and lets any agent that can guess a turn's id answer it before its send arrives.
     #[serde(with = "humantime_serde")]
     pub early_hold: Duration,
+    /// How many open turns' whole records each partition keeps in memory, the ones opened
+    /// last (a turn gives its place up when it closes): a turn decided by its deadline, or
+    /// answered, whose record is not kept reads it from the turns bucket first. 0 keeps none.
+    pub kept_records: usize,
 }
 
 impl Default for TurnSettings {
@@ -693,6 +697,7 @@ impl Default for TurnSettings {
             clock_skew: Duration::from_millis(100),
             open_write_delay: Duration::from_millis(500),
             early_hold: Duration::from_secs(60),
+            kept_records: 512,
         }
     }
 }

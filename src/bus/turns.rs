@@ -571,9 +571,6 @@ const KV_WRITES_IN_FLIGHT: usize = 1 << 20;
 /// Decided turns kept in memory per partition, for the events that follow a decision (a
 /// complete, a duplicate, a late reply).
 const RECENT_DECIDED: usize = 512;
-/// Open turns whose full record a partition keeps (the ones opened last); deciding an older one
-/// reads its record from KV.
-pub const KEPT_OPEN_RECORDS: usize = 64;
 
 /// The turn state a partition owner keeps: open turns (deadline and KV revision, see
 /// [`OpenTurns`]) and recently decided turns.
@@ -689,7 +686,7 @@ impl PartitionTurns {
                 run_timeout: shared.settings.runs.timeout,
                 early_hold: shared.settings.turns.early_hold,
             },
-            open: OpenTurns::new(KEPT_OPEN_RECORDS)
+            open: OpenTurns::new(shared.settings.turns.kept_records)
                 .forgetting_after(forget_keys_after(shared.settings.turns.retention)),
             runs: OpenRuns::default(),
             recent: HashMap::new(),

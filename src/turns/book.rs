@@ -3,18 +3,22 @@
 //! order; and the partition's event-time watermark.
 
 use super::TurnRecord;
+use lru::LruCache;
 use std::collections::hash_map::RandomState;
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::hash::BuildHasher;
+use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The open turns of one partition, compact enough to hold a million of them.
 ///
 /// Per open turn it keeps the key (once, shared by the map and the deadline order), the
-/// deadline and the revision of the record in KV. The full record is kept only for the
-/// `keep` turns opened last: those are the ones a reply usually comes for, and deciding an older
-/// turn costs one KV read. It also keeps a hash of every record key the partition has (open or
+/// deadline and the revision of the record in KV. The full record is kept for at most `keep`
+/// open turns, the ones opened (or updated) last; a turn that closes gives its place up at once,
+/// so with answered turns closing within moments the places go to the turns still waiting,
+/// which are the ones a deadline decides. Deciding a turn whose record is not kept costs one KV
+/// read. It also keeps a hash of every record key the partition has (open or
 /// decided), so an event of a turn it has never seen needs no KV read to say so. Records expire
 /// from KV after `turns.retention`; with [`OpenTurns::forgetting_after`] the hashes of keys not
 /// noted for that long are let go too (in two generations), so a partition that runs for months
@@ -23,8 +27,8 @@ use std::time::{Duration, Instant};
 pub struct OpenTurns<R> {
     slots: HashMap<Arc<str>, Slot<R>>,
     by_time: BTreeSet<(i64, Arc<str>)>,
-    kept: VecDeque<Arc<str>>,
-    keep: usize,
+    /// The open turns whose record is kept, least recently opened first (`None`: `keep` is 0).
+    kept: Option<LruCache<Arc<str>, ()>>,
     /// Hashes of the keys noted in the current generation, and in the one before it.
     known: HashSet<u64>,
     known_before: HashSet<u64>,
@@ -48,8 +52,7 @@ impl<R: Clone> OpenTurns<R> {
         OpenTurns {
             slots: HashMap::new(),
             by_time: BTreeSet::new(),
-            kept: VecDeque::new(),
-            keep,
+            kept: NonZeroUsize::new(keep).map(LruCache::new),
             known: HashSet::new(),
             known_before: HashSet::new(),
             generation: None,
@@ -73,7 +76,7 @@ impl<R: Clone> OpenTurns<R> {
             Some((k, _)) => k.clone(),
             None => Arc::from(key),
         };
-        let keeping = record.is_some() && self.keep > 0;
+        let keeping = record.is_some() && self.kept.is_some();
         let slot = Slot {
             deadline,
             rev,
@@ -87,16 +90,18 @@ impl<R: Clone> OpenTurns<R> {
         if let Some(d) = deadline {
             self.by_time.insert((d, shared.clone()));
         }
-        if keeping {
-            self.kept.push_back(shared);
-            while self.kept.len() > self.keep {
-                if let Some(old) = self.kept.pop_front() {
-                    if let Some(slot) = self.slots.get_mut(&old) {
-                        // Still kept if it was opened again meanwhile (a later entry).
-                        if !self.kept.contains(&old) {
-                            slot.record = None;
-                        }
-                    }
+        let Some(kept) = self.kept.as_mut() else {
+            return;
+        };
+        if !keeping {
+            kept.pop(&shared);
+            return;
+        }
+        // `push` hands back the turn it let go to make room (or this one's own earlier entry).
+        if let Some((gone, ())) = kept.push(shared.clone(), ()) {
+            if gone != shared {
+                if let Some(slot) = self.slots.get_mut(&gone) {
+                    slot.record = None;
                 }
             }
         }
@@ -124,6 +129,9 @@ impl<R: Clone> OpenTurns<R> {
     pub fn close(&mut self, key: &str) -> bool {
         match self.slots.remove_entry(key) {
             Some((k, slot)) => {
+                if let Some(kept) = self.kept.as_mut() {
+                    kept.pop(&k);
+                }
                 if let Some(d) = slot.deadline {
                     self.by_time.remove(&(d, k));
                 }
@@ -349,6 +357,37 @@ mod tests {
         assert_eq!(o.next_deadline(), None, "an expired turn stays disarmed");
         assert!(o.maybe_known("a") && o.maybe_known("d"));
         assert!(!o.maybe_known("zz"));
+    }
+
+    #[test]
+    fn a_closed_turn_gives_its_place_up_to_the_turns_still_open() {
+        let mut o: OpenTurns<u64> = OpenTurns::new(2);
+        // One turn left waiting, then many opened and answered at once after it.
+        o.open("waiting", Some(10_000), 1, Some(record("waiting")));
+        for i in 0..100 {
+            let key = format!("answered-{i}");
+            o.open(&key, Some(100), 2, Some(record(&key)));
+            assert!(o.close(&key));
+        }
+        o.open("last", Some(200), 3, Some(record("last")));
+        assert!(
+            o.get("waiting").is_some_and(|(r, _, _)| r.is_some()),
+            "the turn still open keeps its record: the answered ones gave their places up"
+        );
+        assert!(o.get("last").is_some_and(|(r, _, _)| r.is_some()));
+        // A third open turn takes the place of the one opened longest ago.
+        o.open("third", Some(300), 4, Some(record("third")));
+        assert!(o.get("waiting").is_some_and(|(r, _, _)| r.is_none()));
+        assert!(o.get("third").is_some_and(|(r, _, _)| r.is_some()));
+        // A turn updated without its record is no longer kept, and its place is free.
+        o.open("last", Some(200), 5, None);
+        o.open("fourth", Some(400), 6, Some(record("fourth")));
+        assert!(o.get("third").is_some_and(|(r, _, _)| r.is_some()));
+        assert!(o.get("fourth").is_some_and(|(r, _, _)| r.is_some()));
+        // Keeping none keeps none.
+        let mut none: OpenTurns<u64> = OpenTurns::new(0);
+        none.open("a", Some(1), 1, Some(record("a")));
+        assert!(none.get("a").is_some_and(|(r, _, _)| r.is_none()));
     }
 
     #[test]

@@ -2637,8 +2637,8 @@ async fn turn_writes_whose_answers_went_with_a_reconnect_are_given_up_without_wa
 /// back and its grace has passed, instead of each being waited for until the request's timeout
 /// stops its partition. The backlog holds 3,000 main-main sends and then their 3,000 responses,
 /// and the cut comes while the responses are being read: with every open record written at once
-/// (`turns.open_write_delay` 0), a partition keeps only the records of the turns it opened last in
-/// memory, so most responses read their turn's record from the bucket, and the cut comes while
+/// (`turns.open_write_delay` 0), a partition keeping only the records of the 64 turns it opened
+/// last in memory (`turns.kept_records`), most responses read their turn's record from the bucket, and the cut comes while
 /// one of those reads is on its way. Every input is projected once
 /// and every turn has exactly one response. (Here the writes lost with the same cut restart the
 /// partitions too, so without the read's own check the run ends the same, only without the
@@ -2653,8 +2653,13 @@ async fn turn_record_reads_whose_answers_went_with_a_reconnect_are_asked_again()
     let record_read = Some("\"last_by_subj\":\"$KV.collab_turns.p");
     // Every open record is written at once: a record still held back (`turns.open_write_delay`)
     // is decided from memory, and on a fast host a partition meets the responses of all its
-    // turns within the default 500 ms.
-    let write_at_once = [("COLLAB_TURNS__OPEN_WRITE_DELAY", "0s")];
+    // turns within the default 500 ms. And each partition keeps the records of only its last 64
+    // open turns (`turns.kept_records`; about 190 of its turns are open at once here), so most
+    // responses read theirs.
+    let write_at_once = [
+        ("COLLAB_TURNS__OPEN_WRITE_DELAY", "0s"),
+        ("COLLAB_TURNS__KEPT_RECORDS", "64"),
+    ];
     let (proj, seqs, log) = cut_a_worker_busy_with(
         "auto",
         &backlog,
