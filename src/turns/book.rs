@@ -7,7 +7,6 @@ use lru::LruCache;
 use std::collections::hash_map::RandomState;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::hash::BuildHasher;
-use std::num::NonZeroUsize;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -27,8 +26,10 @@ use std::time::{Duration, Instant};
 pub struct OpenTurns<R> {
     slots: HashMap<Arc<str>, Slot<R>>,
     by_time: BTreeSet<(i64, Arc<str>)>,
-    /// The open turns whose record is kept, least recently opened first (`None`: `keep` is 0).
-    kept: Option<LruCache<Arc<str>, ()>>,
+    /// The open turns whose record is kept, least recently opened first; at most `keep`.
+    /// Unbounded to the cache itself, so a large `keep` allocates only as turns come.
+    kept: LruCache<Arc<str>, ()>,
+    keep: usize,
     /// Hashes of the keys noted in the current generation, and in the one before it.
     known: HashSet<u64>,
     known_before: HashSet<u64>,
@@ -52,7 +53,8 @@ impl<R: Clone> OpenTurns<R> {
         OpenTurns {
             slots: HashMap::new(),
             by_time: BTreeSet::new(),
-            kept: NonZeroUsize::new(keep).map(LruCache::new),
+            kept: LruCache::unbounded(),
+            keep,
             known: HashSet::new(),
             known_before: HashSet::new(),
             generation: None,
@@ -76,7 +78,7 @@ impl<R: Clone> OpenTurns<R> {
             Some((k, _)) => k.clone(),
             None => Arc::from(key),
         };
-        let keeping = record.is_some() && self.kept.is_some();
+        let keeping = record.is_some() && self.keep > 0;
         let slot = Slot {
             deadline,
             rev,
@@ -90,19 +92,17 @@ impl<R: Clone> OpenTurns<R> {
         if let Some(d) = deadline {
             self.by_time.insert((d, shared.clone()));
         }
-        let Some(kept) = self.kept.as_mut() else {
-            return;
-        };
         if !keeping {
-            kept.pop(&shared);
+            self.kept.pop(&shared);
             return;
         }
-        // `push` hands back the turn it let go to make room (or this one's own earlier entry).
-        if let Some((gone, ())) = kept.push(shared.clone(), ()) {
-            if gone != shared {
-                if let Some(slot) = self.slots.get_mut(&gone) {
-                    slot.record = None;
-                }
+        self.kept.push(shared, ());
+        while self.kept.len() > self.keep {
+            let Some((gone, ())) = self.kept.pop_lru() else {
+                break;
+            };
+            if let Some(slot) = self.slots.get_mut(&gone) {
+                slot.record = None;
             }
         }
     }
@@ -129,9 +129,7 @@ impl<R: Clone> OpenTurns<R> {
     pub fn close(&mut self, key: &str) -> bool {
         match self.slots.remove_entry(key) {
             Some((k, slot)) => {
-                if let Some(kept) = self.kept.as_mut() {
-                    kept.pop(&k);
-                }
+                self.kept.pop(&k);
                 if let Some(d) = slot.deadline {
                     self.by_time.remove(&(d, k));
                 }
