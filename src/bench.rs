@@ -1650,22 +1650,28 @@ async fn read_all(
         let next = tokio::time::timeout(Duration::from_secs(3), messages.next()).await;
         let Ok(Some(Ok(m))) = next else { break };
         let Ok(info) = m.info() else { continue };
-        let seq = info.stream_sequence;
-        let at = info.published.timestamp_micros();
+        let (seq, at, drained) = (
+            info.stream_sequence,
+            info.published.timestamp_micros(),
+            info.pending == 0,
+        );
         let source_seq = m
             .headers
             .as_ref()
             .and_then(|h| h.get(H_SOURCE_SEQ))
             .and_then(|v| v.as_str().parse().ok());
+        let barrier = crate::bus::acker::is_barrier(&m);
+        let subject = m.subject.to_string();
         out.push(Stored {
             seq,
-            subject: m.subject.to_string(),
+            subject,
             at,
             source_seq,
-            barrier: crate::bus::acker::is_barrier(&m),
-            headers: m.headers.clone(),
+            barrier,
+            // Taken, not copied: the message is not used past here.
+            headers: m.message.headers,
         });
-        if seq >= last || info.pending == 0 {
+        if seq >= last || drained {
             break;
         }
     }
@@ -2397,7 +2403,7 @@ async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
     let wall = Instant::now();
     let mut report = empty_report(&opts, loadavg(), configured.workers.fold_niceness);
     // Memory first: a fresh process has no freed memory that would hide the growth.
-    let model = measure_in_process(&opts, &mut report).await;
+    let model = measure_in_process(&opts, configured.turns.kept_records, &mut report).await;
     let mut version = None;
     run_throughput(&opts, &mut report, &mut version).await?;
     run_latency(&opts, &mut report, &mut version).await?;
@@ -2438,10 +2444,12 @@ fn empty_report(opts: &BenchOptions, load_start: [f64; 3], fold_niceness: u8) ->
     }
 }
 
-/// The in-process measurements: memory per open turn (returned, by turn-book size) and the pure
-/// core's cost per input (into the report).
+/// The in-process measurements: memory per open turn (returned, by turn-book size), each
+/// partition keeping `kept_records` whole records as configured (`turns.kept_records`), and the
+/// pure core's cost per input (into the report).
 async fn measure_in_process(
     opts: &BenchOptions,
+    kept_records: usize,
     report: &mut BenchReport,
 ) -> HashMap<usize, Option<f64>> {
     let mut model: HashMap<usize, Option<f64>> = HashMap::new();
@@ -2449,11 +2457,7 @@ async fn measure_in_process(
         say(opts, "turn book: measuring memory per open turn");
         let sizes = opts.open_turns.clone();
         let parts = opts.partitions;
-        // As the workers keep them: the configured `turns.kept_records` (environment included).
-        let kept = Settings::load(None).map_or(Settings::default().turns.kept_records, |s| {
-            s.turns.kept_records
-        });
-        let m = tokio::task::spawn_blocking(move || memory_model(&sizes, parts, kept))
+        let m = tokio::task::spawn_blocking(move || memory_model(&sizes, parts, kept_records))
             .await
             .unwrap_or_default();
         model.extend(m);

@@ -48,7 +48,7 @@ struct Slot<R> {
 }
 
 impl<R: Clone> OpenTurns<R> {
-    /// Keep the full record of the `keep` turns opened last.
+    /// Keep the full record of at most `keep` open turns, the ones opened last.
     pub fn new(keep: usize) -> Self {
         OpenTurns {
             slots: HashMap::new(),
