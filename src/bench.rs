@@ -107,10 +107,13 @@ pub enum Part {
     /// 9 and 10: the ceiling: the passthrough doing the pipeline's pure core on each input and
     /// publishing its projections, with none of its guarantees, on the mix and on turns.
     Ceiling,
+    /// 11: the full pipeline on every input format the demo carries: the realistic mix plus
+    /// A2A wire exchanges (JSON-RPC, answered after a working frame) and AG-UI runs.
+    Protocols,
 }
 
 impl Part {
-    pub const ALL: [Part; 8] = [
+    pub const ALL: [Part; 9] = [
         Part::Baseline,
         Part::Mixed,
         Part::Turns,
@@ -119,6 +122,7 @@ impl Part {
         Part::TurnBook,
         Part::Breakdown,
         Part::Ceiling,
+        Part::Protocols,
     ];
 
     pub fn as_str(self) -> &'static str {
@@ -131,6 +135,7 @@ impl Part {
             Part::TurnBook => "turnbook",
             Part::Breakdown => "breakdown",
             Part::Ceiling => "ceiling",
+            Part::Protocols => "protocols",
         }
     }
 }
@@ -373,6 +378,8 @@ pub struct Ratios {
     /// passthrough's rate on this machine.
     pub ceiling_mixed_over_baseline: Option<f64>,
     pub ceiling_turns_over_baseline: Option<f64>,
+    /// Scenario 11's rate (every input format) over the baseline.
+    pub protocols_over_baseline: Option<f64>,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -2394,6 +2401,7 @@ async fn run_parts(opts: BenchOptions) -> Result<BenchReport, BenchError> {
         Part::Turns,
         Part::Breakdown,
         Part::Latency,
+        Part::Protocols,
     ];
     if shards > 1 && opts.parts.iter().any(|p| !sharded_parts.contains(p)) {
         return Err(BenchError::Setup(format!(
@@ -2601,7 +2609,8 @@ async fn run_turn_books(
 }
 
 /// Scenarios 5 to 8 (`breakdown`: 2 and 3 without the turn contract, then without the
-/// work-session fold) and 9 and 10 (`ceiling`: the passthrough doing the pure core).
+/// work-session fold), 9 and 10 (`ceiling`: the passthrough doing the pure core) and 11
+/// (`protocols`: the full pipeline on every input format).
 async fn run_comparisons(
     opts: &BenchOptions,
     report: &mut BenchReport,
@@ -2650,6 +2659,13 @@ async fn run_comparisons(
             Mix::TURNS_ONLY,
             "ceiling: core only, turns",
             None,
+        ),
+        (
+            Part::Protocols,
+            11,
+            Mix::DEMO,
+            "full pipeline, all formats",
+            Some(Variant::Full),
         ),
     ];
     for (part, id, mix, name, variant) in runs {
@@ -2701,6 +2717,7 @@ fn finish(report: &mut BenchReport) {
         baseline_over_naive: base.zip(naive).map(|(a, b)| a / b),
         ceiling_mixed_over_baseline: rate(9).zip(base).map(|(a, b)| a / b),
         ceiling_turns_over_baseline: rate(10).zip(base).map(|(a, b)| a / b),
+        protocols_over_baseline: rate(11).zip(base).map(|(a, b)| a / b),
     };
     let mut targets = Vec::new();
     let mut ratio_target = |name: &str, v: Option<f64>, min: f64| {
@@ -2916,12 +2933,13 @@ fn render_throughput(s: &mut String, throughput: &[ThroughputResult], r: &Ratios
     }
     let _ = writeln!(
         s,
-        "ratios: 2/1 {}   3/1 {}   1/4 {}   9/1 {}   10/1 {}",
+        "ratios: 2/1 {}   3/1 {}   1/4 {}   9/1 {}   10/1 {}   11/1 {}",
         opt(r.mixed_over_baseline, 2),
         opt(r.turns_over_baseline, 2),
         opt(r.baseline_over_naive, 1),
         opt(r.ceiling_mixed_over_baseline, 2),
-        opt(r.ceiling_turns_over_baseline, 2)
+        opt(r.ceiling_turns_over_baseline, 2),
+        opt(r.protocols_over_baseline, 2)
     );
 }
 
@@ -3040,7 +3058,8 @@ fn render_targets(s: &mut String, targets: &[TargetResult], notes: &[String]) {
 /// latency runs' rate), `mixed_wkr_us`, `mixed_srv_us`, `turns_wkr_us`, `turns_srv_us` (CPU per
 /// input), `ceiling_mixed`, `ceiling_turns` (msg/s of scenarios 9 and 10), `ceiling_mixed_ratio`,
 /// `ceiling_turns_ratio` (over the baseline), `build` ([`Build`]: `debug`, `release`, `pgo`,
-/// `pgo-instrumented`).
+/// `pgo-instrumented`), `protocols`, `protocols_ratio` (scenario 11's msg/s and its ratio over
+/// the baseline).
 pub fn summary_line(report: &BenchReport) -> String {
     let num = |v: Option<f64>, digits: usize| {
         v.map_or_else(|| "-".to_string(), |v| format!("{v:.digits$}"))
@@ -3091,6 +3110,8 @@ pub fn summary_line(report: &BenchReport) -> String {
             num(r.ceiling_turns_over_baseline, 2)
         ),
         format!("build={}", report.machine.build),
+        format!("protocols={}", rate(11)),
+        format!("protocols_ratio={}", num(r.protocols_over_baseline, 2)),
     ]
     .into_iter()
     .fold("bench-summary".to_string(), |line, field| {
@@ -3308,7 +3329,7 @@ mod tests {
             at += found.unwrap_or_default();
         }
         // A release build's report says so in its summary and carries no debug-build note.
-        assert!(text.trim_end().ends_with(" build=release"), "{text}");
+        assert!(text.contains(" build=release "), "{text}");
         assert!(!text.contains("a debug build"), "{text}");
     }
 
@@ -3381,7 +3402,8 @@ mod tests {
             "{line}"
         );
         // A debug build is named in the summary, and a note says what to run instead.
-        assert!(line.ends_with(" build=debug"), "{line}");
+        assert!(line.contains(" build=debug "), "{line}");
+        assert!(line.ends_with(" protocols=- protocols_ratio=-"), "{line}");
         assert!(
             render(&r).contains("note: a debug build: unoptimised"),
             "{}",
@@ -3410,6 +3432,7 @@ mod tests {
         assert_eq!(fields.get("turns"), Some(&"-"), "{line}");
         assert_eq!(fields.get("ceiling_mixed_ratio"), Some(&"-"), "{line}");
         assert_eq!(fields.get("build"), Some(&"debug"), "{line}");
-        assert_eq!(fields.len(), 18, "{line}");
+        assert_eq!(fields.get("protocols_ratio"), Some(&"-"), "{line}");
+        assert_eq!(fields.len(), 20, "{line}");
     }
 }

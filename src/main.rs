@@ -339,7 +339,7 @@ struct BenchArgs {
     #[arg(long, default_value_t = 1_000)]
     probes: usize,
     /// Run only these parts: baseline, mixed, turns, naive, latency, turnbook, breakdown,
-    /// ceiling.
+    /// ceiling, protocols.
     #[arg(long, value_delimiter = ',')]
     only: Vec<collab_projector::bench::Part>,
     /// Partitions of the raw stream (default: the configured `nats.partitions`, which

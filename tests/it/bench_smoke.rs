@@ -27,7 +27,7 @@ async fn every_scenario_reports_a_throughput_and_the_report_is_json() {
     let ids: Vec<u8> = report.throughput.iter().map(|t| t.id).collect();
     assert_eq!(
         ids,
-        vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10],
+        vec![1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11],
         "one row per throughput scenario"
     );
     for t in &report.throughput {
@@ -62,6 +62,10 @@ async fn every_scenario_reports_a_throughput_and_the_report_is_json() {
         assert!(t.outputs >= t.inputs, "{id}: {t:?}");
     }
     assert!(report.ratios.ceiling_mixed_over_baseline.is_some());
+    // Every input format through the full pipeline, with the work-session fold.
+    let all = row(11).expect("the all-formats row");
+    assert!(all.fold_behind.is_some(), "{all:?}");
+    assert!(report.ratios.protocols_over_baseline.is_some());
     assert!(report.ratios.baseline_over_naive.is_some());
     assert_eq!(report.latency.len(), 2);
     for l in &report.latency {
@@ -82,7 +86,7 @@ async fn every_scenario_reports_a_throughput_and_the_report_is_json() {
 
     let json = serde_json::to_string(&report).expect("serialises");
     let back: serde_json::Value = serde_json::from_str(&json).expect("the JSON parses");
-    assert!(back["throughput"].as_array().is_some_and(|a| a.len() == 10));
+    assert!(back["throughput"].as_array().is_some_and(|a| a.len() == 11));
     assert!(back["targets"].as_array().is_some_and(|a| !a.is_empty()));
     assert!(bench::render(&report).contains("baseline passthrough"));
     // The report names how the code that ran was built: this test's own profile.
@@ -93,7 +97,8 @@ async fn every_scenario_reports_a_throughput_and_the_report_is_json() {
     };
     assert_eq!(back["machine"]["build"], built, "{}", back["machine"]);
     let line = bench::summary_line(&report);
-    assert!(line.ends_with(&format!(" build={built}")), "{line}");
+    assert!(line.contains(&format!(" build={built} ")), "{line}");
+    assert!(!line.ends_with(" protocols_ratio=-"), "{line}");
 }
 
 /// Over raw shards every stream numbers its own inputs from 1: the latency runs match each
