@@ -771,16 +771,13 @@ impl Publisher {
         }
     }
 
-    async fn publish(
-        &mut self,
-        js: &jetstream::Context,
-        subject: String,
-        body: bytes::Bytes,
-    ) -> Result<(), BenchError> {
+    /// Publish a generated event as its producer would: with its headers (an A2A relay's
+    /// agents, exchange and method, an AG-UI relay's run id), which its turn or run depends on.
+    async fn publish(&mut self, js: &jetstream::Context, ev: RawEvent) -> Result<(), BenchError> {
         if self.window.len() >= self.limit {
             self.pop().await?;
         }
-        let fut = js.publish(subject, body).await.ctx("publishing")?;
+        let fut = publish_event(js, ev).await?;
         self.window.push_back(fut);
         Ok(())
     }
@@ -810,6 +807,20 @@ fn generator(env: &Env, opts: &BenchOptions, mix: Mix) -> Generator {
     gen
 }
 
+/// Publish one generated event with its headers, if it has any.
+async fn publish_event(
+    js: &jetstream::Context,
+    ev: RawEvent,
+) -> Result<PublishAckFuture, BenchError> {
+    let headers = ev.nats_headers();
+    let body = bytes::Bytes::from(ev.body);
+    match headers {
+        Some(h) => js.publish_with_headers(ev.subject, h, body).await,
+        None => js.publish(ev.subject, body).await,
+    }
+    .ctx("publishing")
+}
+
 /// Preload `n` raw messages of `mix`; returns the average body size.
 async fn preload(
     env: &Env,
@@ -830,9 +841,7 @@ async fn preload(
                 break 'outer;
             }
             bytes += ev.body.len();
-            publisher
-                .publish(&env.js, ev.subject, bytes::Bytes::from(ev.body))
-                .await?;
+            publisher.publish(&env.js, ev).await?;
             sent += 1;
             if sent % 1000 == 0 {
                 pb.set_position(sent as u64);
@@ -1758,11 +1767,7 @@ async fn latency_run(env: &Env, opts: &BenchOptions, id: u8) -> Result<LatencyRe
                 queue.extend(gen.next_scenario());
             }
             let Some(ev) = queue.pop_front() else { break };
-            let fut = env
-                .js
-                .publish(ev.subject, bytes::Bytes::from(ev.body))
-                .await
-                .ctx("publishing")?;
+            let fut = publish_event(&env.js, ev).await?;
             let _ = tx.send(fut).await;
             sent += 1;
         }
@@ -2017,13 +2022,12 @@ async fn write_open_turns(env: &Env, opts: &BenchOptions, n: usize) -> Result<()
     for i in 0..n {
         let (key, rec) = open_record(i, &env.prefix, env.settings.nats.partitions, now, 3_600_000);
         let body = serde_json::to_vec(&rec).unwrap_or_default();
-        publisher
-            .publish(
-                &env.js,
-                format!("$KV.{}.{key}", names.turns_bucket),
-                bytes::Bytes::from(body),
-            )
-            .await?;
+        let ev = RawEvent {
+            subject: format!("$KV.{}.{key}", names.turns_bucket),
+            body,
+            headers: Vec::new(),
+        };
+        publisher.publish(&env.js, ev).await?;
         if i % 1000 == 0 {
             pb.set_position(i as u64);
         }
@@ -2146,13 +2150,12 @@ async fn turn_book(
                 "fromAgent":"ruda","toAgent":"eden","conversationId":conv,"runId":format!("run-late-{i}"),
                 "message":"Please check the flaky integration test.","goal":"check the flaky integration test",
                 "timeoutMs": timeout_ms,"fromSessionType":"main","toSessionType":"main"}});
-            publisher
-                .publish(
-                    &env.js,
-                    format!("{}.raw.{conv}.a2a.send", env.prefix),
-                    bytes::Bytes::from(serde_json::to_vec(&body).unwrap_or_default()),
-                )
-                .await?;
+            let ev = RawEvent {
+                subject: format!("{}.raw.{conv}.a2a.send", env.prefix),
+                body: serde_json::to_vec(&body).unwrap_or_default(),
+                headers: Vec::new(),
+            };
+            publisher.publish(&env.js, ev).await?;
             pb.set_position(i as u64 + 1);
         }
         publisher.flush().await?;

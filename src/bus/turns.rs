@@ -1675,8 +1675,8 @@ impl PartitionTurns {
             .stored_ms
             .saturating_add(i64::try_from(start.timeout_ms).unwrap_or(i64::MAX));
         let mut scan = RunScan::new(&rec.key, &rec.turn);
-        self.scan_raw(shared, key, rec, start.seq, |n, info, header, agent| {
-            if info.published.timestamp_millis() > deadline {
+        self.scan_raw(shared, key, rec, start.seq, |n, raw, header, agent| {
+            if raw.stored_at.timestamp_millis() > deadline {
                 return false;
             }
             scan.observe(&n.envelope, header, agent);
@@ -1702,8 +1702,8 @@ impl PartitionTurns {
             return Ok(Vec::new());
         };
         let mut artifacts = Vec::new();
-        self.scan_raw(shared, key, rec, send.seq, |n, info, _, _| {
-            if info.stream_sequence >= until {
+        self.scan_raw(shared, key, rec, send.seq, |n, raw, _, _| {
+            if raw.seq >= until {
                 return false;
             }
             let env = &n.envelope;
@@ -1730,20 +1730,21 @@ impl PartitionTurns {
     }
 
     /// Read the exchange's key's raw events in this partition from `from` on, normalised as the
-    /// worker did, until `visit` returns false or the messages stored at the start of the read
-    /// are done. `visit` gets each event with its delivery info and the relay's run header.
+    /// worker did, until `visit` returns false or no later event of the key is stored. `visit`
+    /// gets each event with the raw message it came from and the relay's run header.
+    ///
+    /// Each event is one `STREAM.MSG.GET` with `next_by_subj`, answered by the stream's leader
+    /// (never a direct get, which a lagging replica may answer), from the sequence after the last
+    /// one read. No reader is created: a consumer made for the read would have the server count
+    /// every message of the key's filter from `from` to the stream's end before its first
+    /// delivery, which behind a backlog cost the server milliseconds per read.
     async fn scan_raw(
         &self,
         shared: &WorkerContext,
         key: &str,
         rec: &TurnRecord,
         from: u64,
-        mut visit: impl FnMut(
-            &Normalized,
-            &jetstream::message::Info<'_>,
-            Option<&str>,
-            Option<&str>,
-        ) -> bool,
+        mut visit: impl FnMut(&Normalized, &RawMessage<'_>, Option<&str>, Option<&str>) -> bool,
     ) -> Result<(), TurnIoError> {
         let kv_err = |source: Source| TurnIoError::Kv {
             key: format!("{key} (reading the exchange's raw events)"),
@@ -1753,111 +1754,56 @@ impl PartitionTurns {
         // The exchange may span sets of raw streams (a reshard while it was open): each is read
         // from where `from` falls in it, oldest first.
         for (stream_name, start) in self.raw.raw_streams_from(self.partition, from) {
-            let stream = match shared.js.get_stream(stream_name).await {
-                Ok(stream) => stream,
-                // Sealed streams dropped since (`reshard --drop-sealed`): what they held is gone.
-                Err(e) if super::error::stream_not_found(&e) => continue,
-                Err(e) => return Err(kv_err(Box::new(e))),
-            };
-            // Read up to the key's last raw event as the stream's leader has it: a reader's own
-            // count of what is left is kept by the replica it was placed on, which may lag (a
-            // node catching up after a network partition) and end the read short.
-            let until = match super::publish::last_from_leader(&stream, &filter).await {
-                Ok(Some(last)) if last.sequence >= start => last.sequence,
-                Ok(_) => continue,
-                Err(e) => return Err(kv_err(Box::new(e))),
-            };
-            // A named reader, deleted once read: readers left to expire by themselves pile up
-            // under a burst of timed-out runs and streamed exchanges, and nats-server caps a
-            // stream's consumers (1,000 by default), after which every further read is refused.
-            let name = format!("scan-{}", uuid::Uuid::new_v4().simple());
-            let consumer = stream
-                .create_consumer(jetstream::consumer::pull::OrderedConfig {
-                    name: Some(name.clone()),
-                    filter_subject: filter.clone(),
-                    deliver_policy: jetstream::consumer::DeliverPolicy::ByStartSequence {
-                        start_sequence: start.max(1),
-                    },
-                    ..Default::default()
-                })
+            let stream = shared
+                .js
+                .get_stream_no_info(stream_name)
                 .await
                 .map_err(|e| kv_err(Box::new(e)))?;
-            let read = self
-                .read_scan(shared, stream_name, consumer, start..=until, &mut visit)
-                .await;
-            if let Err(e) = stream.delete_consumer(&name).await {
-                tracing::debug!(consumer = %name, error = %e, "scan reader not deleted; it expires by itself");
-            }
-            if !read.map_err(kv_err)? {
-                break;
+            let mut next = start.max(1);
+            loop {
+                let msg = match stream
+                    .raw_message_builder()
+                    .sequence(next)
+                    .next_by_subject(filter.clone())
+                    .send()
+                    .await
+                {
+                    Ok(msg) => msg,
+                    Err(e) => match e.kind() {
+                        // Past the key's last event in this stream: on to the next one.
+                        jetstream::stream::RawMessageErrorKind::NoMessageFound => break,
+                        // Sealed streams dropped since (`reshard --drop-sealed`): what they held is gone.
+                        jetstream::stream::RawMessageErrorKind::JetStream(j)
+                            if j.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND =>
+                        {
+                            break
+                        }
+                        _ => return Err(kv_err(Box::new(e))),
+                    },
+                };
+                next = msg.sequence.saturating_add(1);
+                let raw = RawMessage {
+                    bytes: &msg.payload,
+                    stream: stream_name,
+                    seq: msg.sequence,
+                    stored_subject: msg.subject.as_str(),
+                    stored_at: msg.time,
+                    delivered: 1,
+                    headers: Some(&msg.headers),
+                    producer: Default::default(),
+                };
+                let header = crate::ingest::RelayHeaders::from_nats(&msg.headers).run_id;
+                let agent = raw.publishing_agent(&shared.names);
+                let events = pipeline::normalize_raw(&raw, &shared.names, &shared.ingest, 0)
+                    .unwrap_or_default();
+                for n in &events {
+                    if !visit(n, &raw, header.as_deref(), agent.as_deref()) {
+                        return Ok(());
+                    }
+                }
             }
         }
         Ok(())
-    }
-
-    /// The reading half of [`Self::scan_raw`]: the stream sequences of `range`.
-    /// `Ok(false)` when `visit` asked to stop.
-    async fn read_scan(
-        &self,
-        shared: &WorkerContext,
-        stream_name: &str,
-        consumer: jetstream::consumer::Consumer<jetstream::consumer::pull::OrderedConfig>,
-        range: std::ops::RangeInclusive<u64>,
-        visit: &mut impl FnMut(
-            &Normalized,
-            &jetstream::message::Info<'_>,
-            Option<&str>,
-            Option<&str>,
-        ) -> bool,
-    ) -> Result<bool, Source> {
-        let mut messages = consumer
-            .messages()
-            .await
-            .map_err(|e| Box::new(e) as Source)?;
-        loop {
-            let msg = match tokio::time::timeout(Duration::from_secs(10), messages.next()).await {
-                Ok(Some(Ok(m))) => m,
-                Ok(Some(Err(e))) => return Err(Box::new(e)),
-                Ok(None) | Err(_) => {
-                    return Err(Box::new(NoAnswer::new(
-                        "the raw stream",
-                        Duration::from_secs(10),
-                    )))
-                }
-            };
-            let Ok(info) = msg.info() else { continue };
-            // Below the range only when the client library made the reader again from the
-            // stream's start (it lost its state on the server before its first delivery):
-            // earlier exchanges' events, passed over.
-            if info.stream_sequence < *range.start() {
-                continue;
-            }
-            let raw = RawMessage {
-                bytes: &msg.payload,
-                stream: stream_name,
-                seq: info.stream_sequence,
-                stored_subject: msg.subject.as_str(),
-                stored_at: info.published,
-                delivered: 1,
-                headers: msg.headers.as_ref(),
-                producer: Default::default(),
-            };
-            let header = msg
-                .headers
-                .as_ref()
-                .and_then(|h| crate::ingest::RelayHeaders::from_nats(h).run_id);
-            let agent = raw.publishing_agent(&shared.names);
-            let events =
-                pipeline::normalize_raw(&raw, &shared.names, &shared.ingest, 0).unwrap_or_default();
-            for n in &events {
-                if !visit(n, &info, header.as_deref(), agent.as_deref()) {
-                    return Ok(false);
-                }
-            }
-            if info.stream_sequence >= *range.end() {
-                return Ok(true);
-            }
-        }
     }
 
     /// Publish a decided turn's response found at reload (decided after the last checkpoint, so
