@@ -1188,12 +1188,15 @@ impl Partition<'_> {
             let facts = run.or_else(|| pipeline::turn_facts(n, &raw, &shared.names, enforce));
             match facts {
                 Some(f) => turns.on_event(shared, n, &f, fx).await?,
-                None => fx.outs.push(pipeline::projection(
-                    &shared.names,
-                    n,
-                    raw.seq,
-                    pipeline::input_msg_id(raw.stream, raw.seq, i),
-                )),
+                None => {
+                    turns.saw(n);
+                    fx.outs.push(pipeline::projection(
+                        &shared.names,
+                        n,
+                        raw.seq,
+                        pipeline::input_msg_id(raw.stream, raw.seq, i),
+                    ));
+                }
             }
         }
         let (role, class) = events.first().map_or(

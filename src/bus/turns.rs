@@ -629,6 +629,21 @@ pub struct PartitionTurns {
     /// No deadline after this (ms since the epoch) is decided, whatever the store time of an
     /// event read: the partition read a reshard marker (see `Partition::heed_reshard_marker`).
     deadline_cap: Option<i64>,
+    /// The A2A exchanges this owner opened from their send, by [`exchange_key`], and whether
+    /// it has processed a `task.artifact` of the exchange since. The partition reads its key's
+    /// events in stream order, so `false` means no artifact was streamed between the send and
+    /// any later frame: a streamed answer needs no read of the raw stream for its artifacts.
+    /// An exchange not here (opened by an earlier owner, or before a reload) is read as before.
+    streamed: HashMap<String, bool>,
+}
+
+/// Exchanges remembered in [`PartitionTurns::streamed`] at most; past it the map starts over,
+/// and the exchanges forgotten have their artifacts read from the raw stream.
+const STREAMED_EXCHANGES: usize = 1 << 16;
+
+/// An exchange's entry in [`PartitionTurns::streamed`]: its conversation key and turn id.
+fn exchange_key(key: &str, turn: &str) -> String {
+    format!("{key}\u{1f}{turn}")
 }
 
 impl Drop for PartitionTurns {
@@ -708,6 +723,7 @@ impl PartitionTurns {
             fence,
             raw,
             deadline_cap: None,
+            streamed: HashMap::new(),
         })
     }
 
@@ -811,6 +827,8 @@ impl PartitionTurns {
         shared: &WorkerContext,
         cancel: &CancellationToken,
     ) -> Result<(usize, Checkpoint), TurnIoError> {
+        // What this owner saw of exchanges before the reload may not be what follows it.
+        self.streamed.clear();
         // An ordered consumer over the partition's keys, last value of each: its pending count
         // says exactly how many records to expect, so a slow server delays the reload instead of
         // cutting it short, and a stall is an error (the partition restarts).
@@ -1180,6 +1198,20 @@ impl PartitionTurns {
 
     /// The exchange facts of an AG-UI run event, its run resolved against this partition's open
     /// runs. `None`: it names no run and none of its key is open (projected as it is).
+    /// An event the partition processed that answers no turn: a `task.artifact` of an open A2A
+    /// exchange this owner opened marks the exchange as streamed, so its answer reads them.
+    pub fn saw(&mut self, n: &Normalized) {
+        if self.streamed.is_empty() || n.envelope.event_type != "task.artifact" {
+            return;
+        }
+        let Some(turn) = n.envelope.turn_id.as_ref().and_then(crate::model::id_text) else {
+            return;
+        };
+        if let Some(seen) = self.streamed.get_mut(&exchange_key(&n.key, &turn)) {
+            *seen = true;
+        }
+    }
+
     pub fn run_facts(&self, ev: &RunEvent) -> Option<TurnFacts> {
         ev.facts(&self.runs)
     }
@@ -1243,6 +1275,17 @@ impl PartitionTurns {
         // The rules only echo the revision back in `Expect::Revision`; the shell writes after
         // the revision it holds, which may still be in flight.
         let step = turns::on_event(current.as_ref().map(|(r, _)| (r, 0)), facts, &self.cfg);
+        if let Some((rec, Expect::Absent)) = &step.write {
+            if rec.state == TurnState::Open
+                && rec.send.as_ref().is_some_and(|s| s.a2a_method.is_some())
+            {
+                if self.streamed.len() >= STREAMED_EXCHANGES {
+                    self.streamed.clear();
+                }
+                self.streamed
+                    .insert(exchange_key(&rec.key, &rec.turn), false);
+            }
+        }
         let after = match &step.write {
             Some((rec, Expect::Absent))
                 if rec.state == TurnState::Open && !self.open_write_delay.is_zero() =>
@@ -1514,6 +1557,9 @@ impl PartitionTurns {
             return Box::pin(self.issue_found(shared, a, current, fx)).await;
         }
         let outs = self.response(shared, key, rec, current).await?;
+        if !self.streamed.is_empty() {
+            self.streamed.remove(&exchange_key(&rec.key, &rec.turn));
+        }
         crash_point("after_decide");
         fx.outs.extend(outs);
         fx.marks.push(Mark::Decided {
@@ -1566,7 +1612,9 @@ impl PartitionTurns {
         let a2a_real_reply = rec.winner.as_ref().is_some_and(|w| w.blocked.is_none())
             && rec.send.as_ref().is_some_and(|s| s.a2a_method.is_some());
         if let (true, Some(ws), Some(send)) = (a2a_real_reply, winner_seq, rec.send.as_ref()) {
-            if ws > send.seq + 1 {
+            let none_streamed =
+                self.streamed.get(&exchange_key(&rec.key, &rec.turn)) == Some(&false);
+            if ws > send.seq + 1 && !none_streamed {
                 let artifacts = Box::pin(self.exchange_artifacts(shared, key, rec, ws)).await?;
                 blocked::attach_artifacts(&mut env, artifacts);
             }

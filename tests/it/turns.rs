@@ -2203,6 +2203,80 @@ async fn a2a_stream_frames_before_between_and_after_the_deadline() {
     );
 }
 
+/// A streamed answer's artifacts are read back from the raw stream only when the exchange
+/// streamed some: the partition that processed the send saw every frame after it, so an answer
+/// after a `working` frame alone is published without a read, and one after an artifact carries
+/// it. The reads are counted where they go, on the raw stream's `STREAM.MSG.GET` subject.
+#[tokio::test]
+async fn a_streamed_answer_reads_the_raw_stream_only_when_artifacts_were_streamed() {
+    let bed = Bed::start().await;
+    let client = bed.js.client();
+    let mut gets = client
+        .subscribe("$JS.API.STREAM.MSG.GET.COLLAB_RAW")
+        .await
+        .expect("subscribed to the raw stream's message gets");
+    client.flush().await.expect("the subscription is in place");
+    let _p = bed.projector(&[]);
+    let method = "message/stream";
+    let (plain, with_artifact) = ("ctx-frames-only", "ctx-frames-artifact");
+    for ctx in [plain, with_artifact] {
+        let exchange = format!("ex-{ctx}");
+        bed.publish_wire(
+            ctx,
+            &exchange,
+            method,
+            &Wire::V03.send(ctx, "write the report"),
+        )
+        .await;
+        bed.publish_wire(
+            ctx,
+            &exchange,
+            method,
+            &Wire::V03.status(ctx, "working", "on it"),
+        )
+        .await;
+        if ctx == with_artifact {
+            let frame = json!({"jsonrpc": "2.0", "id": 1, "result": {"kind": "artifact-update",
+                "taskId": "t1", "contextId": ctx, "lastChunk": true,
+                "artifact": {"artifactId": "report", "parts": [{"kind": "text", "text": "the report"}]}}});
+            bed.publish_wire(ctx, &exchange, method, &frame).await;
+        }
+        bed.publish_wire(
+            ctx,
+            &exchange,
+            method,
+            &Wire::V03.status(ctx, "completed", "done"),
+        )
+        .await;
+    }
+    let keys = [
+        key(plain, &format!("ex-{plain}")),
+        key(with_artifact, &format!("ex-{with_artifact}")),
+    ];
+    bed.wait_responses(&keys).await;
+    bed.settle(&[plain, with_artifact]).await;
+
+    let one = one_per_turn(&bed.responses().await, &keys);
+    let artifacts = |k: &TurnKey| one[k].payload()["artifacts"].as_array().map(Vec::len);
+    assert_eq!(artifacts(&keys[0]), None, "{:#}", one[&keys[0]].body);
+    assert_eq!(artifacts(&keys[1]), Some(1), "{:#}", one[&keys[1]].body);
+    for k in &keys {
+        assert_eq!(one[k].str("state"), Some("completed"), "{:#}", one[k].body);
+    }
+    let mut requests = Vec::new();
+    while let Ok(Some(m)) = tokio::time::timeout(Duration::from_millis(200), gets.next()).await {
+        requests.push(String::from_utf8_lossy(&m.payload).into_owned());
+    }
+    let naming = |ctx: &str| {
+        requests
+            .iter()
+            .filter(|r| r.contains(&format!(".{ctx}.")))
+            .count()
+    };
+    assert_eq!(naming(plain), 0, "{requests:#?}");
+    assert!(naming(with_artifact) > 0, "{requests:#?}");
+}
+
 /// A streamed answer whose artifacts together are larger than NATS takes in one message (each
 /// frame well under it): its one response carries them, moved to the object store, instead of
 /// becoming a `too_large` dead letter that leaves the turn without a response.
