@@ -1149,6 +1149,11 @@ impl Partition<'_> {
             &mut self.streams,
         ) {
             Err(rejection) => {
+                if rejection.reason == crate::model::DlqReason::MaxDeliver {
+                    // An event dead-lettered for its deliveries is still read by a streamed
+                    // answer's artifact read, which this owner can no longer tell it need not make.
+                    turns.forget_streamed();
+                }
                 fx.outs
                     .push(pipeline::dead_letter(&shared.names, &raw, &rejection));
                 return Ok(Some(Outcome::DeadLettered(rejection.reason)));

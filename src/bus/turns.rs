@@ -1212,6 +1212,11 @@ impl PartitionTurns {
         }
     }
 
+    /// Forget which exchanges streamed artifacts: their answers read the raw stream for them.
+    pub fn forget_streamed(&mut self) {
+        self.streamed.clear();
+    }
+
     pub fn run_facts(&self, ev: &RunEvent) -> Option<TurnFacts> {
         ev.facts(&self.runs)
     }
