@@ -1196,8 +1196,6 @@ impl PartitionTurns {
         Ok(())
     }
 
-    /// The exchange facts of an AG-UI run event, its run resolved against this partition's open
-    /// runs. `None`: it names no run and none of its key is open (projected as it is).
     /// An event the partition processed that answers no turn: a `task.artifact` of an open A2A
     /// exchange this owner opened marks the exchange as streamed, so its answer reads them.
     pub fn saw(&mut self, n: &Normalized) {
@@ -1217,6 +1215,8 @@ impl PartitionTurns {
         self.streamed.clear();
     }
 
+    /// The exchange facts of an AG-UI run event, its run resolved against this partition's open
+    /// runs. `None`: it names no run and none of its key is open (projected as it is).
     pub fn run_facts(&self, ev: &RunEvent) -> Option<TurnFacts> {
         ev.facts(&self.runs)
     }
