@@ -629,8 +629,8 @@ pub struct PartitionTurns {
     /// No deadline after this (ms since the epoch) is decided, whatever the store time of an
     /// event read: the partition read a reshard marker (see `Partition::heed_reshard_marker`).
     deadline_cap: Option<i64>,
-    /// The A2A exchanges this owner opened from their send, by [`exchange_key`], and whether
-    /// it has processed a `task.artifact` of the exchange since. The partition reads its key's
+    /// The A2A exchanges this owner opened from their send, by record key, and whether it has
+    /// processed a `task.artifact` of the exchange since. The partition reads its key's
     /// events in stream order, so `false` means no artifact was streamed between the send and
     /// any later frame: a streamed answer needs no read of the raw stream for its artifacts.
     /// An exchange not here (opened by an earlier owner, or before a reload) is read as before.
@@ -640,11 +640,6 @@ pub struct PartitionTurns {
 /// Exchanges remembered in [`PartitionTurns::streamed`] at most; past it the map starts over,
 /// and the exchanges forgotten have their artifacts read from the raw stream.
 const STREAMED_EXCHANGES: usize = 1 << 16;
-
-/// An exchange's entry in [`PartitionTurns::streamed`]: its conversation key and turn id.
-fn exchange_key(key: &str, turn: &str) -> String {
-    format!("{key}\u{1f}{turn}")
-}
 
 impl Drop for PartitionTurns {
     fn drop(&mut self) {
@@ -1205,7 +1200,10 @@ impl PartitionTurns {
         let Some(turn) = n.envelope.turn_id.as_ref().and_then(crate::model::id_text) else {
             return;
         };
-        if let Some(seen) = self.streamed.get_mut(&exchange_key(&n.key, &turn)) {
+        if let Some(seen) = self
+            .streamed
+            .get_mut(&turns::record_key(self.partition, &n.key, &turn))
+        {
             *seen = true;
         }
     }
@@ -1287,8 +1285,7 @@ impl PartitionTurns {
                 if self.streamed.len() >= STREAMED_EXCHANGES {
                     self.streamed.clear();
                 }
-                self.streamed
-                    .insert(exchange_key(&rec.key, &rec.turn), false);
+                self.streamed.insert(key.clone(), false);
             }
         }
         let after = match &step.write {
@@ -1562,9 +1559,7 @@ impl PartitionTurns {
             return Box::pin(self.issue_found(shared, a, current, fx)).await;
         }
         let outs = self.response(shared, key, rec, current).await?;
-        if !self.streamed.is_empty() {
-            self.streamed.remove(&exchange_key(&rec.key, &rec.turn));
-        }
+        self.streamed.remove(key);
         crash_point("after_decide");
         fx.outs.extend(outs);
         fx.marks.push(Mark::Decided {
@@ -1617,9 +1612,8 @@ impl PartitionTurns {
         let a2a_real_reply = rec.winner.as_ref().is_some_and(|w| w.blocked.is_none())
             && rec.send.as_ref().is_some_and(|s| s.a2a_method.is_some());
         if let (true, Some(ws), Some(send)) = (a2a_real_reply, winner_seq, rec.send.as_ref()) {
-            let none_streamed =
-                self.streamed.get(&exchange_key(&rec.key, &rec.turn)) == Some(&false);
-            if ws > send.seq + 1 && !none_streamed {
+            let none_streamed = || self.streamed.get(key) == Some(&false);
+            if ws > send.seq + 1 && !none_streamed() {
                 let artifacts = Box::pin(self.exchange_artifacts(shared, key, rec, ws)).await?;
                 blocked::attach_artifacts(&mut env, artifacts);
             }

@@ -2221,33 +2221,19 @@ async fn a_streamed_answer_reads_the_raw_stream_only_when_artifacts_were_streame
     let (plain, with_artifact) = ("ctx-frames-only", "ctx-frames-artifact");
     for ctx in [plain, with_artifact] {
         let exchange = format!("ex-{ctx}");
-        bed.publish_wire(
-            ctx,
-            &exchange,
-            method,
-            &Wire::V03.send(ctx, "write the report"),
-        )
-        .await;
-        bed.publish_wire(
-            ctx,
-            &exchange,
-            method,
-            &Wire::V03.status(ctx, "working", "on it"),
-        )
-        .await;
+        let mut frames = vec![
+            Wire::V03.send(ctx, "write the report"),
+            Wire::V03.status(ctx, "working", "on it"),
+        ];
         if ctx == with_artifact {
-            let frame = json!({"jsonrpc": "2.0", "id": 1, "result": {"kind": "artifact-update",
+            frames.push(json!({"jsonrpc": "2.0", "id": 1, "result": {"kind": "artifact-update",
                 "taskId": "t1", "contextId": ctx, "lastChunk": true,
-                "artifact": {"artifactId": "report", "parts": [{"kind": "text", "text": "the report"}]}}});
-            bed.publish_wire(ctx, &exchange, method, &frame).await;
+                "artifact": {"artifactId": "report", "parts": [{"kind": "text", "text": "the report"}]}}}));
         }
-        bed.publish_wire(
-            ctx,
-            &exchange,
-            method,
-            &Wire::V03.status(ctx, "completed", "done"),
-        )
-        .await;
+        frames.push(Wire::V03.status(ctx, "completed", "done"));
+        for frame in &frames {
+            bed.publish_wire(ctx, &exchange, method, frame).await;
+        }
     }
     let keys = [
         key(plain, &format!("ex-{plain}")),
