@@ -19,7 +19,7 @@ use opentelemetry_sdk::trace::SpanExporter as _;
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 /// The export's checkpoint in the work-session bucket: the last projection-stream sequence
 /// whose spans were handed to the exporter. Two tokens, so it is never taken for a session.
@@ -52,8 +52,6 @@ pub async fn run_export(
             return;
         }
     };
-    info!(protocol = ?job.export.protocol, endpoint = job.export.endpoint.as_deref().unwrap_or("from OTEL_EXPORTER_OTLP_*"),
-        "exporting turns, runs and tool calls as OpenTelemetry spans");
     let mut retry = super::Retry::new(Duration::from_millis(200), Duration::from_secs(5));
     while !cancel.is_cancelled() {
         match export(&job, &mut exporter, &cancel, &lease_valid_until).await {
@@ -118,7 +116,9 @@ async fn export(
     let mut rounds = super::rounds::Rounds::new(&proj, from)
         .await?
         .watching(reconnects);
-    debug!(from, "OpenTelemetry export started");
+    // Logged once the starting position is fixed: everything projected from here on is exported.
+    info!(protocol = ?job.export.protocol, endpoint = job.export.endpoint.as_deref().unwrap_or("from OTEL_EXPORTER_OTLP_*"),
+        from, "exporting turns, runs and tool calls as OpenTelemetry spans");
     let mut assembler = Assembler::new(
         Limits {
             max_open: job.export.max_open,
