@@ -834,7 +834,9 @@ async function loadWaiting(gen, ctl) {
     return;
   }
   if (gen !== state.gen) return;
-  const items = body.waits.map((w) => {
+  const more = body.total > body.count ? ` (the ${body.count} longest of ${body.total})` : '';
+  $('waiting-note').textContent = body.count ? `${body.count} waiting${more}, longest first.` : 'Nothing is waiting.';
+  replaceIfChanged($('waiting'), JSON.stringify(body.waits), () => body.waits.map((w) => {
     const since = new Date(w.since);
     const when = Number.isNaN(since.getTime()) ? w.since : since.toLocaleString();
     const who = `${w.who || 'someone'} waits${w.on ? ` on ${w.on}` : ''} for ${w.for}`;
@@ -843,10 +845,16 @@ async function loadWaiting(gen, ctl) {
       el('span', { class: 'meta' }, `since ${when} · ${w.kind} ${shortId(w.item.slice(w.item.indexOf(':') + 1))} · ${w.key}`),
       w.prompt ? el('span', { class: 'meta' }, short(w.prompt, 160)) : null);
     return el('li', {}, a);
-  });
-  $('waiting').replaceChildren(...items);
-  const more = body.total > body.count ? ` (the ${body.count} longest of ${body.total})` : '';
-  $('waiting-note').textContent = body.count ? `${body.count} waiting${more}, longest first.` : 'Nothing is waiting.';
+  }));
+}
+
+// Replace `list`'s items, built by `items()`, only when what they show (`signature`) changed:
+// the refresh every few seconds then keeps the keyboard focus, and the element a reader is
+// about to click, whenever nothing changed.
+function replaceIfChanged(list, signature, items) {
+  if (list.dataset.signature === signature) return;
+  list.replaceChildren(...items());
+  list.dataset.signature = signature;
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -861,10 +869,10 @@ async function loadSessions(gen, ctl) {
     return;
   }
   if (gen !== state.gen) return;
-  const list = $('sessions');
-  const items = body.sessions.map((s) => {
+  const pressedId = state.session ? state.session.id : null;
+  replaceIfChanged($('sessions'), JSON.stringify([pressedId, body.sessions]), () => body.sessions.map((s) => {
     const who = (s.participants || []).map((p) => p.id).join(', ');
-    const pressed = state.session && state.session.id === s.id;
+    const pressed = pressedId === s.id;
     const b = el('button', { type: 'button', 'aria-pressed': pressed ? 'true' : 'false', 'data-session': s.id },
       el('span', { class: 'title' }, s.title || s.id),
       el('span', { class: 'meta' }, `${s.id} · ${s.status}`),
@@ -873,8 +881,7 @@ async function loadSessions(gen, ctl) {
       who ? el('span', { class: 'meta' }, who) : null);
     b.addEventListener('click', () => pickSession(s));
     return el('li', {}, b);
-  });
-  list.replaceChildren(...items);
+  }));
   let note = `${body.count} of ${body.totalMatched ?? body.count} sessions with ${state.role} events, most recently active first.`;
   if (body.behind > 0) note += ` Written up to projection ${body.foldedTo}: ${Number(body.behind).toLocaleString('en')} newer projections are not in them yet.`;
   $('sessions-note').textContent = note;

@@ -1318,6 +1318,31 @@ async fn the_viewer_shows_a_delegation_tree_what_waits_older_rows_and_token_tota
         .await,
         json!("#thread=browser-wait&item=run%3Arun-w1")
     );
+    // The panel refreshes every 5 s; a refresh that finds the same waits leaves its links in
+    // place (keyboard focus and a click under way are kept).
+    eval(
+        &client,
+        &format!(
+            "document.querySelector({waiting:?}).dataset.mark = 'kept'; window.waitLoads = 0; \
+             const f = window.fetch; window.fetch = (...a) => {{ if (String(a[0]).startsWith('/api/waiting')) window.waitLoads += 1; return f(...a); }}; return true;"
+        ),
+    )
+    .await;
+    wait_for(
+        &client,
+        "two more refreshes of the waiting panel",
+        "return window.waitLoads >= 2;",
+    )
+    .await;
+    assert_eq!(
+        eval(
+            &client,
+            &format!("const a = document.querySelector({waiting:?}); return a.dataset.mark === 'kept' && a.isConnected;")
+        )
+        .await,
+        json!(true),
+        "the waiting panel's link was replaced by a refresh that found nothing new"
+    );
     click(&client, waiting).await;
     wait_for(
         &client,
