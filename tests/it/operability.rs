@@ -439,11 +439,10 @@ async fn the_folds_backlog_is_reported_while_sessions_cannot_be_written_and_unti
         || async { behind_and_position().await == (stored, 0.0) },
     )
     .await;
-    assert!(
-        projector.log_text().contains("maximum bytes exceeded"),
-        "{}",
-        projector.log_text()
-    );
+    // The metrics say the same before the fold's first write is refused (a fold running late
+    // on a busy machine); the refusal itself is what this part waits for.
+    projector.wait_logged("maximum bytes exceeded", GUARD).await;
+    assert_eq!(behind_and_position().await, (stored, 0.0));
     // The round gives up and the fold starts again from its checkpoint, still reporting it all.
     projector
         .wait_logged(
