@@ -1226,8 +1226,8 @@ async fn the_viewer_shows_a_delegation_tree_what_waits_older_rows_and_token_tota
     )
     .await;
     // The snapshot is the newest 200 in stream order, which is not event order across
-    // partitions (a partition that started later projects its share of the older turns after
-    // tree-main): the page shows exactly the 200 the API names as newest, whichever they are.
+    // partitions (each projects its keys' events at its own pace): the page shows exactly the
+    // 200 the API names as newest, whichever they are.
     let newest = api_json(http_port, "/api/events?view=conversations&limit=200").await;
     let mut expected: Vec<String> = newest["events"]
         .as_array()
