@@ -1612,8 +1612,8 @@ impl PartitionTurns {
         let a2a_real_reply = rec.winner.as_ref().is_some_and(|w| w.blocked.is_none())
             && rec.send.as_ref().is_some_and(|s| s.a2a_method.is_some());
         if let (true, Some(ws), Some(send)) = (a2a_real_reply, winner_seq, rec.send.as_ref()) {
-            let none_streamed = || self.streamed.get(key) == Some(&false);
-            if ws > send.seq + 1 && !none_streamed() {
+            // Read only when the exchange may have streamed artifacts (`false`: none did).
+            if ws > send.seq + 1 && self.streamed.get(key) != Some(&false) {
                 let artifacts = Box::pin(self.exchange_artifacts(shared, key, rec, ws)).await?;
                 blocked::attach_artifacts(&mut env, artifacts);
             }

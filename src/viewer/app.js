@@ -850,11 +850,12 @@ async function loadWaiting(gen, ctl) {
 
 // Replace `list`'s items, built by `items()`, only when what they show (`signature`) changed:
 // the refresh every few seconds then keeps the keyboard focus, and the element a reader is
-// about to click, whenever nothing changed.
+// about to click, whenever nothing changed. The signatures are kept here, not in the page.
+const drawnSignatures = new WeakMap();
 function replaceIfChanged(list, signature, items) {
-  if (list.dataset.signature === signature) return;
+  if (drawnSignatures.get(list) === signature) return;
   list.replaceChildren(...items());
-  list.dataset.signature = signature;
+  drawnSignatures.set(list, signature);
 }
 
 // ---------------------------------------------------------------------------------------------
