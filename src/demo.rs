@@ -163,10 +163,15 @@ pub async fn run(
     };
     let proj = subscribe(format!("{prefix}.proj.>")).await?;
     let dlq = subscribe(format!("{prefix}.dlq.>")).await?;
+    // The generated turns ask for the deadline the demo runs with (`--turn-timeout`, 10 s
+    // unless given), so that flag changes when an unanswered one is blocked.
+    let turn_timeout_ms =
+        u64::try_from(settings.turns.default_timeout.as_millis()).unwrap_or(u64::MAX);
     let generator = tokio::spawn(generate(
         running.js.clone(),
         prefix.clone(),
         opts.rate.max(1),
+        turn_timeout_ms,
         cancel.clone(),
     ));
     let mut tally = Tally::new(&prefix, viewer);
@@ -221,9 +226,11 @@ async fn generate(
     js: async_nats::jetstream::Context,
     prefix: String,
     rate: u32,
+    turn_timeout_ms: u64,
     cancel: CancellationToken,
 ) -> u64 {
     let mut generator = Generator::new(&prefix, 7, Mix::DEMO);
+    generator.turn_timeout_ms = turn_timeout_ms;
     let mut tick = tokio::time::interval(Duration::from_millis(1000 / u64::from(rate)));
     let mut published = 0u64;
     loop {

@@ -432,7 +432,7 @@ async fn a_demo_told_to_join_says_so_and_keeps_to_its_own_prefix() {
     let nats = TestNats::start().await;
     let js = nats.jetstream().await;
     let url = nats.url();
-    let (code, text) = demo(&["--nats-url", &url], &[]);
+    let (code, text) = demo(&["--nats-url", &url, "--turn-timeout", "45s"], &[]);
     assert_eq!(code, Some(0), "{text}");
     let first = text.lines().take(3).collect::<Vec<_>>().join("\n");
     assert!(
@@ -457,6 +457,35 @@ async fn a_demo_told_to_join_says_so_and_keeps_to_its_own_prefix() {
         "{text}"
     );
     assert!(!text.contains("()"), "{text}");
+    // The generated main-main turns ask for the deadline `--turn-timeout` gave.
+    let mut raw = js
+        .get_stream("DEMO_RAW")
+        .await
+        .unwrap_or_else(|e| panic!("DEMO_RAW: {e}"));
+    let last = raw
+        .info()
+        .await
+        .unwrap_or_else(|e| panic!("DEMO_RAW info: {e}"))
+        .state
+        .last_sequence;
+    let mut deadlines = Vec::new();
+    for seq in 1..=last.min(5_000) {
+        let Ok(m) = raw.get_raw_message(seq).await else {
+            continue;
+        };
+        let body: serde_json::Value = serde_json::from_slice(&m.payload).unwrap_or_default();
+        if let Some(ms) = body.pointer("/data/timeoutMs") {
+            deadlines.push(ms.clone());
+        }
+    }
+    assert!(
+        !deadlines.is_empty(),
+        "no generated turn in {last} raw messages"
+    );
+    assert!(
+        deadlines.iter().all(|d| *d == serde_json::json!(45_000)),
+        "{deadlines:?}"
+    );
 }
 
 /// A server whose JetStream storage is smaller than the default limits add up to (6.5 GiB):
