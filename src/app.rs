@@ -44,6 +44,9 @@ pub enum AppError {
     /// SIGTERM / Ctrl-C came while waiting for NATS: nothing was started.
     #[error("stopped before NATS answered")]
     Stopped,
+    /// Settings that can be checked before connecting, and are wrong.
+    #[error("{0}")]
+    Settings(String),
 }
 
 /// A refused HTTP address, with the flag that changes it.
@@ -165,6 +168,12 @@ pub async fn start(
         .all(|a| a.trim().is_empty())
     {
         warn!("no main agents configured (roles.main_agents / --main-agents): only events with explicit session types or agent:<id>:main session keys can be conversation.main");
+    }
+    // Settings wrong in a way no server changes stop the process before it connects (the
+    // workers resolve them again when they start).
+    if opts.workers {
+        crate::otel::resolve(&settings.otel, |k| std::env::var(k).ok())
+            .map_err(|e| AppError::Settings(format!("the OpenTelemetry export settings: {e}")))?;
     }
     // Bind first: a taken or refused address stops the process before it connects or takes
     // any partition.

@@ -32,8 +32,22 @@ pub fn resolve(
     env: impl Fn(&str) -> Option<String>,
 ) -> Result<Option<Export>, String> {
     let set = |name: &str| env(name).filter(|v| !v.trim().is_empty());
-    let from_env = set("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT").is_some()
-        || set("OTEL_EXPORTER_OTLP_ENDPOINT").is_some();
+    // The variable the exporter reads (the traces one first), checked as the file's is; its
+    // value is not repeated in the error, as an endpoint may carry credentials.
+    let env_endpoint = [
+        "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        "OTEL_EXPORTER_OTLP_ENDPOINT",
+    ]
+    .into_iter()
+    .find_map(|name| set(name).map(|v| (name, v)));
+    if let Some((name, value)) = &env_endpoint {
+        if !is_http_url(value) {
+            return Err(format!(
+                "{name} is not an http:// or https:// URL (e.g. http://collector:4318)"
+            ));
+        }
+    }
+    let from_env = env_endpoint.is_some();
     let file_endpoint = settings.endpoint.trim();
     if !from_env && file_endpoint.is_empty() {
         return Ok(None);
@@ -60,7 +74,7 @@ pub fn resolve(
         }
     });
     if let Some(e) = &endpoint {
-        if !(e.starts_with("http://") || e.starts_with("https://")) {
+        if !is_http_url(e) {
             return Err(format!(
                 "otel.endpoint {file_endpoint:?} is not an http:// or https:// URL"
             ));
@@ -73,6 +87,11 @@ pub fn resolve(
         timeout: settings.timeout,
         max_open: settings.max_open,
     }))
+}
+
+fn is_http_url(endpoint: &str) -> bool {
+    let e = endpoint.trim();
+    e.starts_with("http://") || e.starts_with("https://")
 }
 
 /// The OTLP exporter for `export`, with the service's resource set.
@@ -226,6 +245,30 @@ mod tests {
             ]),
         );
         assert!(bad.is_err_and(|e| e.contains("http/protobuf")));
+        // A variable's endpoint is checked too, named without its value.
+        for name in [
+            "OTEL_EXPORTER_OTLP_ENDPOINT",
+            "OTEL_EXPORTER_OTLP_TRACES_ENDPOINT",
+        ] {
+            let bad = resolve(
+                &OtelSettings::default(),
+                vars(&[(name, "user:secret@collector:4318")]),
+            );
+            assert!(
+                bad.as_ref()
+                    .is_err_and(|e| e.starts_with(name) && !e.contains("secret")),
+                "{bad:?}"
+            );
+        }
+        // The traces variable is the one the exporter uses when both are set.
+        let both = resolve(
+            &OtelSettings::default(),
+            vars(&[
+                ("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "https://traces:4318"),
+                ("OTEL_EXPORTER_OTLP_ENDPOINT", "collector:4318"),
+            ]),
+        );
+        assert!(both.is_ok_and(|e| e.is_some()));
     }
 
     #[test]

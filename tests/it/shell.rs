@@ -238,6 +238,31 @@ async fn a_second_run_on_a_taken_http_port_names_the_flag_in_one_line() {
     assert!(lease_owners(&js).await.is_empty());
 }
 
+/// An OpenTelemetry endpoint variable that is no URL stops `run` before it connects, in one
+/// line naming the variable and not repeating its value (it may hold credentials).
+#[tokio::test]
+async fn a_bad_otel_endpoint_variable_stops_run_before_it_connects() {
+    let nats = TestNats::start().await;
+    let out = output(
+        &["run", "--nats-url", &nats.url(), "--no-http"],
+        &[
+            ("OTEL_EXPORTER_OTLP_ENDPOINT", "user:hunter2@collector:4318"),
+            ("RUST_LOG", "error"),
+        ],
+    );
+    let err = stderr_of(&out);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert_eq!(err.trim_end().lines().count(), 1, "one line: {err}");
+    assert!(err.starts_with("error: "), "{err}");
+    assert!(err.contains("OTEL_EXPORTER_OTLP_ENDPOINT"), "{err}");
+    assert!(err.contains("http://"), "{err}");
+    assert!(!err.contains("hunter2"), "{err}");
+    // Nothing was provisioned: the check comes before the connection.
+    let js = nats.jetstream().await;
+    let streams = stream_names(&js).await;
+    assert!(streams.is_empty(), "{streams:?}");
+}
+
 #[test]
 fn commands_refuse_flags_they_would_ignore() {
     let commands: [&[&str]; 4] = [
