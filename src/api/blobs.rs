@@ -4,7 +4,7 @@
 
 use super::auth::Caller;
 use super::error::ApiError;
-use super::query::PathParam;
+use super::query::{NoQuery, PathParam};
 use super::state::ApiState;
 use crate::blobs::{self, META_CONTENT_TYPE, META_ROLE, META_SHA256};
 use crate::model::Role;
@@ -29,6 +29,7 @@ pub async fn one(
     State(state): State<ApiState>,
     Extension(caller): Extension<Caller>,
     PathParam(id): PathParam,
+    _: NoQuery,
 ) -> Result<Response, ApiError> {
     if !blobs::is_id(&id) {
         return Err(ApiError::not_found(

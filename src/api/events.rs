@@ -72,6 +72,26 @@ pub fn expired(tag: u16, first: u64) -> ApiError {
     .with_oldest_cursor(encode_cursor(tag, first.saturating_sub(1)))
 }
 
+/// 410 for a cursor past the stream's newest event (`last`): no server issued it for this
+/// stream, so the stream was deleted and made again since (its sequences started over), or the
+/// cursor was made up. Waiting would never reach it; the client starts again.
+pub fn ahead(tag: u16, first: u64, last: u64) -> ApiError {
+    ApiError::new(
+        StatusCode::GONE,
+        "cursor_ahead",
+        format!(
+            "the cursor is past the newest event (sequence {last}): the projection stream was made again since it was issued, or it was never issued here; start again without a cursor, or continue from oldestCursor"
+        ),
+    )
+    .with_oldest_cursor(encode_cursor(tag, first.saturating_sub(1)))
+}
+
+/// Whether a cursor at `seq` can have been issued for a stream whose newest event is `last`:
+/// `next` is at most `last`, `prev` at most one past it.
+pub fn issued_for(seq: u64, last: u64) -> bool {
+    seq <= last.saturating_add(1)
+}
+
 pub async fn list(
     State(state): State<ApiState>,
     Extension(caller): Extension<Caller>,
@@ -94,6 +114,13 @@ pub async fn list(
         .transpose()?;
     let r = resolve(&served, &caller, &params)?;
     let (stream, first, last) = store::bounds(state.js(), &served.names.proj_stream).await?;
+    if [after, before]
+        .into_iter()
+        .flatten()
+        .any(|c| !issued_for(c, last))
+    {
+        return Err(ahead(tag, first, last));
+    }
 
     let (events, next, prev) = match (after, before) {
         (Some(a), before) => {

@@ -2,6 +2,7 @@
 //! what the token allows.
 
 use super::auth::Caller;
+use super::query::NoQuery;
 use super::state::ApiState;
 use crate::model::Role;
 use axum::extract::State;
@@ -22,7 +23,11 @@ pub struct Me {
     pub roles: Vec<Role>,
 }
 
-pub async fn me(State(state): State<ApiState>, Extension(caller): Extension<Caller>) -> Json<Me> {
+pub async fn me(
+    State(state): State<ApiState>,
+    Extension(caller): Extension<Caller>,
+    _: NoQuery,
+) -> Json<Me> {
     Json(Me {
         access_control: state.grants().enabled(),
         grant: caller.name,

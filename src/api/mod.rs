@@ -121,6 +121,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/api/schemas/{name}", get(schemas::one))
         .merge(protected)
         .route("/api", get(not_found))
+        .route("/api/", get(not_found))
         .route("/api/{*rest}", get(not_found))
         .method_not_allowed_fallback(method_not_allowed)
         .layer(middleware::map_response(no_sniff_no_store))

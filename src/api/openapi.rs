@@ -7,6 +7,7 @@ use serde_json::{json, Value};
 
 pub async fn handler(
     axum::extract::State(state): axum::extract::State<super::ApiState>,
+    _: super::query::NoQuery,
 ) -> Json<Value> {
     Json(document_for(state.served().tag))
 }
@@ -251,7 +252,7 @@ fn events(p: &Shared) -> Value {
             param("limit", "Events per page (default 100). One value.", p.limit_schema.clone()),
             param("after", "Cursor: the oldest `limit` events after it (with `before`: between the two). One value.", p.cursor_schema.clone()),
             param("before", "Cursor: the newest `limit` events before it (with `after`: the oldest `limit` between the two). One value.", p.cursor_schema.clone())],
-        "responses": with_ok(common_errors(&[("410", "The cursor is older than the stream's retention (code cursor_expired; the error carries oldestCursor), or a position in a projection version this API no longer serves (code version_switched: start again without a cursor).")]),
+        "responses": with_ok(common_errors(&[("410", "The cursor is older than the stream's retention (code cursor_expired; the error carries oldestCursor), past its newest event (code cursor_ahead: the stream was made again since the cursor was issued; start again), or a position in a projection version this API no longer serves (code version_switched: start again without a cursor).")]),
             json!({"description": "A page of events.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/EventPage"}}}}))
     }})
 }
@@ -264,7 +265,7 @@ fn events_stream(p: &Shared) -> Value {
         "parameters": [p.role.clone(), p.typ.clone(), p.key.clone(), p.view.clone(),
             param("after", "Cursor to start after (Last-Event-ID wins). Default: the next event stored. One value.", p.cursor_schema.clone()),
             {"name": "Last-Event-ID", "in": "header", "required": false, "description": "The `id` of the last event received (a cursor); empty for none.", "schema": p.cursor_schema.clone()}],
-        "responses": with_ok(common_errors(&[("410", "The cursor is older than the stream's retention (code cursor_expired), or a position in a projection version this API no longer serves (code version_switched: reconnect without Last-Event-ID)."), ("429", "The token already has as many event streams open as http.sse_max_streams_per_token allows (code too_many_streams); close one first."), ("503", "The event store (NATS) is unavailable (code unavailable), or the server has as many event streams open as http.sse_max_streams allows (code too_many_streams); retry later.")]),
+        "responses": with_ok(common_errors(&[("410", "The cursor is older than the stream's retention (code cursor_expired), past its newest event (code cursor_ahead: the stream was made again since the cursor was issued; reconnect without Last-Event-ID), or a position in a projection version this API no longer serves (code version_switched: reconnect without Last-Event-ID)."), ("429", "The token already has as many event streams open as http.sse_max_streams_per_token allows (code too_many_streams); close one first."), ("503", "The event store (NATS) is unavailable (code unavailable), or the server has as many event streams open as http.sse_max_streams allows (code too_many_streams); retry later.")]),
             json!({"description": "An event stream; each `data` is an EventItem (#/components/schemas/EventItem, /api/schemas/event-item.schema.json); a final `event: error` carries a StreamError (#/components/schemas/StreamError, /api/schemas/stream-error.schema.json).", "content": {"text/event-stream": {"schema": {
                 "type": "object", "required": ["data"],
                 "properties": {
@@ -379,6 +380,7 @@ fn blob(roles: &Value) -> Value {
                 "text/plain": {"schema": {"type": "string"}},
                 "application/json": {"schema": {}},
                 "application/octet-stream": {"schema": {"type": "string", "contentEncoding": "binary"}}}},
+            "400": error_response("A query parameter was given: this endpoint takes none (code unknown_parameter)."),
             "401": unauthorized_response(),
             "404": error_response("No such blob for this token: never stored, expired with its projections, or of a role outside the token's grant (the same answer, so a token cannot learn that another role holds a given content)."),
             "503": error_response("The event store (NATS) is unavailable.")
@@ -393,6 +395,7 @@ fn me() -> Value {
         "summary": "The caller: whether access control is on, the token's grant, and the roles it may read (a UI shows only those).",
         "responses": {
             "200": {"description": "The caller.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Me"}}}},
+            "400": error_response("A query parameter was given: this endpoint takes none (code unknown_parameter)."),
             "401": error_response("No or an invalid bearer token (when access control is on)."),
             "503": error_response("The event store (NATS) is unavailable.")
         }
@@ -405,7 +408,8 @@ fn schema_index() -> Value {
         "operationId": "listSchemas",
         "summary": "The JSON Schemas (2020-12) of the envelope, the payloads the processor writes and every API body; the same types are this document's components.",
         "security": [],
-        "responses": {"200": {"description": "The index.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SchemaIndex"}}}}}
+        "responses": {"200": {"description": "The index.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SchemaIndex"}}}},
+            "400": error_response("A query parameter was given: this endpoint takes none (code unknown_parameter).")}
     }})
 }
 
@@ -419,6 +423,7 @@ fn schema() -> Value {
             {"name": "name", "in": "path", "required": true, "schema": {"type": "string"}, "description": "The schema's file name, as listed by /api/schemas (`envelope.schema.json`, ...)."}],
         "responses": {
             "200": {"description": "The schema.", "content": {"application/schema+json": {"schema": {"type": "object"}}}},
+            "400": error_response("A query parameter was given: this endpoint takes none (code unknown_parameter)."),
             "404": error_response("No such schema.")
         }
     }})
@@ -430,7 +435,8 @@ fn openapi() -> Value {
         "operationId": "openapi",
         "summary": "This document.",
         "security": [],
-        "responses": {"200": {"description": "OpenAPI 3.1 document.", "content": {"application/json": {"schema": {"type": "object"}}}}}
+        "responses": {"200": {"description": "OpenAPI 3.1 document.", "content": {"application/json": {"schema": {"type": "object"}}}},
+            "400": error_response("A query parameter was given: this endpoint takes none (code unknown_parameter).")}
     }})
 }
 

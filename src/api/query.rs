@@ -23,6 +23,36 @@ impl<S: Send + Sync> FromRequestParts<S> for QueryPairs {
     }
 }
 
+/// The query of an endpoint that takes no parameter: any one given is a `400` that says so, as
+/// an unknown parameter is elsewhere, rather than being ignored.
+pub struct NoQuery;
+
+impl<S: Send + Sync> FromRequestParts<S> for NoQuery {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut Parts, state: &S) -> Result<Self, Self::Rejection> {
+        let QueryPairs(pairs) = QueryPairs::from_request_parts(parts, state).await?;
+        match pairs.first() {
+            None => Ok(NoQuery),
+            Some((name, _)) => Err(ApiError::bad_request(
+                "unknown_parameter",
+                format!(
+                    "unknown query parameter `{}`; this endpoint takes no query parameters",
+                    clip(name)
+                ),
+            )),
+        }
+    }
+}
+
+/// `s` cut to 64 characters for an error message (an ellipsis says it was cut).
+fn clip(s: &str) -> String {
+    match s.char_indices().nth(64) {
+        Some((at, _)) => format!("{}...", &s[..at]),
+        None => s.to_string(),
+    }
+}
+
 /// One path parameter, with a JSON error when it is not URL-encoded UTF-8 (`/api/threads/%FF`).
 pub struct PathParam(pub String);
 

@@ -10,7 +10,7 @@
 use super::error::{ApiError, ErrorBody};
 use super::events::EventPage;
 use super::me::Me;
-use super::query::PathParam;
+use super::query::{NoQuery, PathParam};
 use super::search::SearchPage;
 use super::sessions::{WorkSessionList, WorkSessionResponse};
 use super::store::EventItem;
@@ -266,12 +266,12 @@ pub struct SchemaLink {
 }
 
 /// `GET /api/schemas`.
-pub async fn index() -> Json<SchemaIndex> {
+pub async fn index(_: NoQuery) -> Json<SchemaIndex> {
     Json(served().index.clone())
 }
 
 /// `GET /api/schemas/{name}`.
-pub async fn one(PathParam(name): PathParam) -> Result<Response, ApiError> {
+pub async fn one(PathParam(name): PathParam, _: NoQuery) -> Result<Response, ApiError> {
     let text = served()
         .texts
         .iter()

@@ -128,6 +128,9 @@ pub async fn stream(
     let (stream, first, last) = store::bounds(state.js(), &served.names.proj_stream).await?;
     let start = match resume {
         Some(c) if c.saturating_add(1) < first => return Err(expired(served.tag, first)),
+        Some(c) if !super::events::issued_for(c, last) => {
+            return Err(super::events::ahead(served.tag, first, last))
+        }
         Some(c) => c.saturating_add(1),
         None => last.saturating_add(1),
     };

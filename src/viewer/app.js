@@ -266,7 +266,8 @@ async function follow(gen, ctl, sel, cursor) {
       if (!r.ok) {
         const err = new ApiError(r.status, await r.json().catch(() => null));
         if (r.status === 410) {
-          // Older than retention: start again from a fresh snapshot.
+          // Older than retention, or past the newest event of a stream made again: start again
+          // from a fresh snapshot.
           if (gen === state.gen) loadView();
           return;
         }

@@ -743,6 +743,50 @@ async fn events_reject_bad_parameters_with_json_errors() {
         "cursor_expired",
     )
     .await;
+    // A cursor past the newest event (10) was never issued for this stream (one made again
+    // since, say): 410 with the oldest valid cursor, never a page or a stream that waits for
+    // a sequence that may never come. One past the newest is a `prev` the API hands out.
+    let ahead = api::query::encode_cursor(0, 1_000_000);
+    for uri in [
+        format!("/api/events?after={ahead}"),
+        format!("/api/events?before={ahead}"),
+        format!("/api/events?after={oldest}&before={ahead}"),
+        format!("/api/events/stream?after={ahead}"),
+    ] {
+        let e = err(&app, &uri, None, StatusCode::GONE, "cursor_ahead").await;
+        assert_eq!(e["oldestCursor"].as_str(), Some(oldest.as_str()), "{uri}");
+    }
+    let just_past = api::query::encode_cursor(0, 11);
+    ok(&app, &format!("/api/events?before={just_past}")).await;
+    let newest = ok(&app, "/api/events").await;
+    let next = cursor(&newest, "next").expect("next");
+    assert_eq!(
+        seqs(&ok(&app, &format!("/api/events?after={next}")).await),
+        Vec::<u64>::new()
+    );
+    // Endpoints without parameters refuse one rather than ignore it; `/api/` is no endpoint.
+    for uri in [
+        "/api/me?foo=1",
+        "/api/schemas?foo=1",
+        "/api/schemas/envelope.schema.json?x=1",
+        "/api/openapi.json?foo=1",
+    ] {
+        let e = err(
+            &app,
+            uri,
+            None,
+            StatusCode::BAD_REQUEST,
+            "unknown_parameter",
+        )
+        .await;
+        assert!(
+            e["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("takes no query parameters")),
+            "{uri}: {e}"
+        );
+    }
+    err(&app, "/api/", None, StatusCode::NOT_FOUND, "not_found").await;
 
     // The OpenAPI document describes every route and parameter.
     let doc = ok(&app, "/api/openapi.json").await;

@@ -35,10 +35,20 @@ const REQUEST_TIMEOUT: &str = "10";
 /// ends at its timeout (a refused one is answered in full at once). Half a second reads the
 /// stream's opening; at the default the stream's 150-odd cases took most of the run, and at one
 /// second its coverage phase took 44 s where it takes about 24 at half a second.
+///
+/// A cursor is schema-valid whatever sequence it names, and one past the newest event is
+/// answered `410 cursor_ahead` (documented), as most cursors the fuzzer makes up are: the two
+/// operations that take cursors count a 410 as a valid request refused for the stream's state,
+/// as schemathesis already counts a 404 or a 409. Every other check stays as it is.
 const CONFIG: &str = r#"
 [[operations]]
 include-path = "/api/events/stream"
 request-timeout = 0.5
+checks.positive_data_acceptance.expected-statuses = ["2xx", "3xx", "401", "403", "404", "409", "410", "429", "5xx"]
+
+[[operations]]
+include-path = "/api/events"
+checks.positive_data_acceptance.expected-statuses = ["2xx", "3xx", "401", "403", "404", "409", "410", "429", "5xx"]
 "#;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
