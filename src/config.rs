@@ -13,10 +13,141 @@ use std::time::Duration;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("configuration: {0}")]
-    Load(#[from] config::ConfigError),
+    /// Not the loader's error as a source: its text may repeat a mistyped secret, which
+    /// [`describe_load_error`] leaves out.
+    #[error("configuration: {}", describe_load_error(.0))]
+    Load(config::ConfigError),
     #[error("configuration: {0}")]
     Invalid(String),
+}
+
+impl From<config::ConfigError> for ConfigError {
+    fn from(e: config::ConfigError) -> Self {
+        ConfigError::Load(e)
+    }
+}
+
+/// A loading error as a user reads it: the key path with its dots (`usage.prices[0].input`), an
+/// unknown enum value named as such, and no value of a key that may hold a secret (a token, a
+/// password) repeated, however it was mistyped.
+fn describe_load_error(e: &config::ConfigError) -> String {
+    describe_at(e, None)
+}
+
+/// [`describe_load_error`] for an error found under `outer_key` (the key an `At` wrapping it
+/// names), which decides whether a value may be shown when the error names no key itself.
+fn describe_at(e: &config::ConfigError, outer_key: Option<&str>) -> String {
+    use config::ConfigError as E;
+    let where_ = |key: &Option<String>, origin: &Option<String>| {
+        let mut s = String::new();
+        if let Some(k) = key {
+            s.push_str(&format!(" for key `{}`", dotted_key(k)));
+        }
+        if let Some(o) = origin {
+            s.push_str(&format!(" in {o}"));
+        }
+        s
+    };
+    match e {
+        E::Type {
+            origin,
+            unexpected,
+            expected,
+            key,
+        } => {
+            // The loader's type for what it found is private; its text is `string "<value>"`
+            // for a string.
+            let shown = unexpected.to_string();
+            let secret = key.as_deref().or(outer_key).is_some_and(may_hold_secret);
+            let found = if secret {
+                shown
+                    .split_once(' ')
+                    .map_or(shown.as_str(), |(kind, _)| kind)
+                    .to_string()
+            } else {
+                shown
+            };
+            format!(
+                "invalid type: {found}, expected {expected}{}",
+                where_(key, origin)
+            )
+        }
+        E::At { error, origin, key } => {
+            let inner = match error.as_ref() {
+                E::Message(m) => match m.split_once(" does not have variant constructor ") {
+                    Some((_, value)) if m.starts_with("enum ") => {
+                        let value = if key.as_deref().or(outer_key).is_some_and(may_hold_secret) {
+                            "the value".to_string()
+                        } else {
+                            format!("{value:?}")
+                        };
+                        format!(
+                            "{value} is not one of the accepted values (config/default.toml lists them)"
+                        )
+                    }
+                    _ if key.as_deref().or(outer_key).is_some_and(may_hold_secret) => {
+                        hide_quoted(m)
+                    }
+                    _ => m.clone(),
+                },
+                other => describe_at(other, key.as_deref().or(outer_key)),
+            };
+            format!("{inner}{}", where_(key, origin))
+        }
+        other => other.to_string(),
+    }
+}
+
+/// `m` with every double-quoted value in it (as serde quotes what it found) replaced by
+/// `(hidden)`.
+fn hide_quoted(m: &str) -> String {
+    let mut out = String::with_capacity(m.len());
+    let mut quoted = false;
+    let mut escaped = false;
+    for c in m.chars() {
+        if quoted {
+            match (escaped, c) {
+                (false, '\\') => escaped = true,
+                (false, '"') => {
+                    quoted = false;
+                    out.push_str("(hidden)");
+                }
+                _ => escaped = false,
+            }
+        } else if c == '"' {
+            quoted = true;
+        } else {
+            out.push(c);
+        }
+    }
+    if quoted {
+        out.push_str("(hidden)");
+    }
+    out
+}
+
+/// A key path with a dot after each index (`a[0].b`, where the loader writes `a[0]b`).
+fn dotted_key(key: &str) -> String {
+    let mut out = String::with_capacity(key.len() + 4);
+    let mut after_index = false;
+    for c in key.chars() {
+        if after_index && c != '.' && c != '[' {
+            out.push('.');
+        }
+        after_index = c == ']';
+        out.push(c);
+    }
+    out
+}
+
+/// Whether a setting's value may be a secret, and so never belongs in an error message.
+fn may_hold_secret(key: &str) -> bool {
+    let key = key.to_ascii_lowercase();
+    [
+        "token", "password", "secret", "creds", "nkey", "jwt", "seed", "header",
+    ]
+    .iter()
+    .any(|word| key.contains(word))
 }
 
 /// The whole configuration.
@@ -434,6 +565,9 @@ impl NatsSettings {
 
     fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
+        if self.url.split(',').all(|u| u.trim().is_empty()) {
+            return bad("nats.url is empty: name a server, e.g. nats://127.0.0.1:4222 (--nats-url, NATS_URL or COLLAB_NATS__URL; several separated by commas)".into());
+        }
         for url in self.url.split(',').map(str::trim) {
             let authority = url.split_once("://").map_or(url, |(_, rest)| rest);
             let authority = authority.split(['/', '?', '#']).next().unwrap_or_default();
@@ -1700,6 +1834,51 @@ mod tests {
         assert!(!r.runs.enforce);
         assert_eq!(Settings::default().runs.timeout, Duration::from_secs(600));
         assert!(Settings::from_toml("[runs]\ntimeout = \"0s\"\n").is_err());
+    }
+
+    #[test]
+    fn an_empty_nats_url_is_named() {
+        for url in ["", " ", ","] {
+            let err = Settings::from_toml(&format!("[nats]\nurl = \"{url}\"\n"))
+                .expect_err("must fail")
+                .to_string();
+            assert!(err.contains("nats.url is empty"), "{err}");
+        }
+    }
+
+    #[test]
+    fn load_errors_name_the_key_and_never_repeat_a_secret() {
+        for text in [
+            "[http]\ntokens = \"hunter2\"\n",
+            "[[http.tokens]]\nname = \"a\"\ntoken = [\"hunter2\"]\nroles = [\"conversation.main\"]\n",
+        ] {
+            let e = Settings::from_toml(text).expect_err("must fail");
+            // No source either: a report of the whole chain would repeat the loader's text.
+            assert!(std::error::Error::source(&e).is_none());
+            let err = e.to_string();
+            assert!(err.contains("http.tokens"), "{err}");
+            assert!(!err.contains("hunter2"), "{err}");
+        }
+        // An unknown enum value is named as such, not by the type behind it.
+        let err = Settings::from_toml("[adapter]\nmode = \"strickt\"\n")
+            .expect_err("must fail")
+            .to_string();
+        assert!(
+            err.contains("\"strickt\" is not one of the accepted values"),
+            "{err}"
+        );
+        assert!(err.contains("adapter.mode"), "{err}");
+        assert!(!err.contains("AdapterMode"), "{err}");
+        // An index is followed by a dot in the key path.
+        assert_eq!(
+            dotted_key("usage.prices[0]input_per_mtok"),
+            "usage.prices[0].input_per_mtok"
+        );
+        assert_eq!(dotted_key("a[0][1].b[2]"), "a[0][1].b[2]");
+        assert_eq!(
+            hide_quoted(r#"invalid type: string "a\"b", expected x "y"#),
+            "invalid type: string (hidden), expected x (hidden)"
+        );
     }
 
     #[test]

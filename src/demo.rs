@@ -138,8 +138,11 @@ pub async fn run(
             settings.roles.main_agents.push(agent.to_string());
         }
     }
-    if std::net::TcpListener::bind(&settings.http.addr).is_err() {
-        // Something already listens there (another demo?): take any free loopback port.
+    if std::net::TcpListener::bind(&settings.http.addr)
+        .is_err_and(|e| e.kind() == std::io::ErrorKind::AddrInUse)
+    {
+        // Something already listens there (another demo?): take any free loopback port. An
+        // address that is no address is left for the start to refuse, naming the flag.
         settings.http.addr = "127.0.0.1:0".into();
     }
     let prefix = settings.nats.prefix.clone();
@@ -231,7 +234,10 @@ async fn generate(
 ) -> u64 {
     let mut generator = Generator::new(&prefix, 7, Mix::DEMO);
     generator.turn_timeout_ms = turn_timeout_ms;
-    let mut tick = tokio::time::interval(Duration::from_millis(1000 / u64::from(rate)));
+    // Never a zero period (which the timer refuses), whatever the rate.
+    let period =
+        Duration::from_micros(1_000_000 / u64::from(rate.max(1))).max(Duration::from_micros(1));
+    let mut tick = tokio::time::interval(period);
     let mut published = 0u64;
     loop {
         tokio::select! {

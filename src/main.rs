@@ -202,8 +202,8 @@ struct DemoArgs {
     /// Stop by itself after this long (e.g. 30s); default: until Ctrl-C.
     #[arg(long, value_parser = humantime::parse_duration)]
     duration: Option<Duration>,
-    /// Scenarios published per second.
-    #[arg(long, default_value_t = 20)]
+    /// Scenarios published per second (1 to 1000).
+    #[arg(long, default_value_t = 20, value_parser = clap::value_parser!(u32).range(1..=1000))]
     rate: u32,
     /// JetStream store for a server the demo starts (default: a temporary directory).
     #[arg(long)]
@@ -441,7 +441,9 @@ enum DlqCommand {
         #[command(flatten)]
         conn: Conn,
         /// Only dead letters of this reason (e.g. bad_key).
-        #[arg(long)]
+        #[arg(long, value_parser = clap::builder::PossibleValuesParser::new(
+            collab_projector::model::DlqReason::ALL.map(|r| r.as_str())
+        ))]
         reason: Option<String>,
         /// Count what would be replayed, publish nothing.
         #[arg(long)]
@@ -800,9 +802,21 @@ async fn reproject(args: ReprojectArgs) -> anyhow::Result<()> {
 }
 
 async fn audit(conn: &Conn, from: u64, to: u64) -> anyhow::Result<()> {
+    if to != 0 && from > to {
+        anyhow::bail!(
+            "--from {from} is after --to {to}: give a range with --from at most --to (--to 0, the default, is the last sequence)"
+        );
+    }
     let settings = conn.settings()?;
     let js = connect_for(&settings, "collab-projector audit").await?;
     let a = collab_projector::ops::audit(&js, &settings.names(), from, to).await?;
+    if a.raw == 0 && from > 1 {
+        // Nothing in the range: an audit that checked nothing does not say it holds.
+        anyhow::bail!(
+            "no raw message from sequence {from}{}: nothing to audit (the raw stream may end before it, or retention removed the range); `collab-projector status` shows the streams, and --from 1 audits all that is kept",
+            if to == 0 { String::new() } else { format!(" to {to}") }
+        );
+    }
     telemetry::say(&format!(
         "raw sequences {}..={}: {} messages, {} projected, {} dead-lettered, {} both, {} neither",
         a.from,
@@ -1123,17 +1137,26 @@ fn normalize(
     let ingest_settings = settings.ingest()?;
     let stdin = std::io::stdin().lock();
     let mut out = std::io::BufWriter::new(std::io::stdout().lock());
-    for line in stdin.split(b'\n') {
-        let mut line = line.context("reading stdin")?;
-        if line.last() == Some(&b'\r') {
-            line.pop();
+    let written = (|| -> std::io::Result<()> {
+        for line in stdin.split(b'\n') {
+            let mut line = line?;
+            if line.last() == Some(&b'\r') {
+                line.pop();
+            }
+            let answer = ingest::normalize_line(&line, &ingest_settings);
+            out.write_all(answer.as_bytes())?;
+            out.write_all(b"\n")?;
         }
-        let answer = ingest::normalize_line(&line, &ingest_settings);
-        out.write_all(answer.as_bytes())?;
-        out.write_all(b"\n")?;
+        out.flush()
+    })();
+    match written {
+        Ok(()) => Ok(()),
+        // The reader went away (`normalize < events | head -1`): what it took was written.
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        Err(e) => Err(anyhow::anyhow!(
+            "normalize: reading standard input or writing standard output: {e}"
+        )),
     }
-    out.flush()?;
-    Ok(())
 }
 
 #[cfg(test)]

@@ -263,6 +263,111 @@ async fn a_bad_otel_endpoint_variable_stops_run_before_it_connects() {
     assert!(streams.is_empty(), "{streams:?}");
 }
 
+/// Values no run could use are refused before anything runs, in words that say what to give:
+/// an out-of-range demo rate (which stopped the demo's publisher with a panic), an unknown
+/// dead-letter reason (which replayed nothing and said so as if it had looked), an empty
+/// range to audit (which said the audit held), an empty NATS URL (which was retried as an
+/// address), and a mistyped token, whose value is never repeated.
+#[tokio::test]
+async fn values_no_run_could_use_are_refused_saying_what_to_give() {
+    let nats = TestNats::start().await;
+    let url = nats.url();
+    // Arguments, environment, exit status, words the error must hold.
+    type Case<'a> = (&'a [&'a str], &'a [(&'a str, &'a str)], i32, &'a [&'a str]);
+    let cases: [Case; 6] = [
+        (&["demo", "--rate", "1001"], &[], 2, &["1..=1000"]),
+        (
+            &["dlq", "replay", "--reason", "nope"],
+            &[],
+            2,
+            &["bad_key", "too_large"],
+        ),
+        (
+            &["audit", "--nats-url", &url, "--from", "10", "--to", "5"],
+            &[],
+            1,
+            &["--from 10 is after --to 5"],
+        ),
+        (
+            &["audit", "--nats-url", &url, "--from", "100000"],
+            &[],
+            1,
+            &["nothing to audit"],
+        ),
+        (
+            &["provision", "--nats-url", ""],
+            &[],
+            1,
+            &["nats.url is empty"],
+        ),
+        (
+            &["provision", "--nats-url", &url],
+            &[("COLLAB_HTTP__TOKENS", r#"[{name="a",token="hunter2"}]"#)],
+            1,
+            &["http.tokens"],
+        ),
+    ];
+    // The audit of an empty range needs the streams to exist.
+    let out = output(&["provision", "--nats-url", &url], &[]);
+    assert_eq!(out.status.code(), Some(0), "{}", stderr_of(&out));
+    for (args, envs, code, words) in cases {
+        let mut envs = envs.to_vec();
+        envs.push(("RUST_LOG", "error"));
+        let out = output(args, &envs);
+        let err = stderr_of(&out);
+        assert_eq!(out.status.code(), Some(code), "{args:?}: {err}");
+        assert!(err.starts_with("error: "), "{args:?}: {err}");
+        for w in words {
+            assert!(err.contains(w), "{args:?}: {w:?} missing: {err}");
+        }
+        assert!(!err.contains("hunter2"), "{args:?}: {err}");
+        assert!(!err.contains("panicked"), "{args:?}: {err}");
+        if code == 1 {
+            assert_eq!(
+                err.trim_end().lines().count(),
+                1,
+                "{args:?}: one line: {err}"
+            );
+        }
+    }
+}
+
+/// `normalize` whose reader stops early (`| head -1`) ends quietly with status 0: what the
+/// reader took was written, and a closed pipe is no error of the input's.
+#[test]
+fn normalize_into_a_reader_that_stops_early_ends_quietly() {
+    use std::io::{Read, Write};
+    let mut child = Command::new(BIN)
+        .arg("normalize")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("could not run {BIN}: {e}"));
+    let mut stdout = child.stdout.take().unwrap_or_else(|| panic!("no stdout"));
+    let mut stdin = child.stdin.take().unwrap_or_else(|| panic!("no stdin"));
+    // More lines than the pipe holds, so the writer meets the closed pipe.
+    let feeder = std::thread::spawn(move || {
+        for _ in 0..200_000 {
+            if stdin
+                .write_all(b"{\"type\":\"health.ping\",\"agentId\":\"a\"}\n")
+                .is_err()
+            {
+                break;
+            }
+        }
+    });
+    let mut first = [0u8; 64];
+    let n = stdout.read(&mut first).unwrap_or(0);
+    assert!(n > 0, "no output");
+    drop(stdout);
+    let out = child.wait_with_output().unwrap_or_else(|e| panic!("{e}"));
+    let _ = feeder.join();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{err}");
+    assert!(err.is_empty(), "{err}");
+}
+
 #[test]
 fn commands_refuse_flags_they_would_ignore() {
     let commands: [&[&str]; 4] = [
