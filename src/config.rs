@@ -1146,6 +1146,39 @@ impl Settings {
         Ok(settings)
     }
 
+    /// The ranges the server or the pipeline can use (part of [`Settings::validate`]).
+    fn validate_ranges(&self) -> Result<(), ConfigError> {
+        let bad = |m: String| Err(ConfigError::Invalid(m));
+        if !(1..=5).contains(&self.nats.replicas) {
+            return bad(format!(
+                "nats.replicas is {}: give 1 to 5, JetStream's range (1 on one server, 3 on a 3-node cluster)",
+                self.nats.replicas
+            ));
+        }
+        let window = self.projection.duplicate_window;
+        if window.is_zero() {
+            return bad("projection.duplicate_window must be more than 0s (the server would put its own 2 minutes in its place, and the stream would then differ from the setting); e.g. 2m".into());
+        }
+        if !self.projection.max_age.is_zero() && window > self.projection.max_age {
+            return bad(format!(
+                "projection.duplicate_window ({}) must not be longer than projection.max_age ({}), which the server refuses",
+                humantime::format_duration(window),
+                humantime::format_duration(self.projection.max_age)
+            ));
+        }
+        if self.limits.max_payload_bytes == 0 {
+            return bad("limits.max_payload_bytes must be at least 1 (0 would dead-letter every input as too_large)".into());
+        }
+        if self.http.quiet_after >= self.http.archive_after {
+            return bad(format!(
+                "http.quiet_after ({}) must be shorter than http.archive_after ({}): a session goes quiet before it is archived",
+                humantime::format_duration(self.http.quiet_after),
+                humantime::format_duration(self.http.archive_after)
+            ));
+        }
+        Ok(())
+    }
+
     pub fn validate(&self) -> Result<(), ConfigError> {
         let bad = |m: String| Err(ConfigError::Invalid(m));
         self.nats.validate()?;
@@ -1208,6 +1241,7 @@ impl Settings {
         if self.consumer.batch == 0 {
             return bad("consumer.batch must be at least 1".into());
         }
+        self.validate_ranges()?;
         if self.consumer.max_deliver < 2 {
             return bad("consumer.max_deliver must be at least 2 (the last delivery is used to dead-letter)".into());
         }
@@ -1834,6 +1868,36 @@ mod tests {
         assert!(!r.runs.enforce);
         assert_eq!(Settings::default().runs.timeout, Duration::from_secs(600));
         assert!(Settings::from_toml("[runs]\ntimeout = \"0s\"\n").is_err());
+    }
+
+    #[test]
+    fn values_the_server_or_the_pipeline_cannot_use_are_named() {
+        for (text, words) in [
+            ("[nats]\nreplicas = 0\n", "nats.replicas is 0"),
+            ("[nats]\nreplicas = 9\n", "nats.replicas is 9"),
+            (
+                "[projection]\nduplicate_window = \"0s\"\n",
+                "projection.duplicate_window must be more than 0s",
+            ),
+            (
+                "[projection]\nduplicate_window = \"2h\"\nmax_age = \"1h\"\n",
+                "must not be longer than projection.max_age",
+            ),
+            (
+                "[limits]\nmax_payload_bytes = 0\n",
+                "limits.max_payload_bytes",
+            ),
+            (
+                "[http]\nquiet_after = \"48h\"\n",
+                "http.quiet_after (2days) must be shorter",
+            ),
+        ] {
+            let err = Settings::from_toml(text).expect_err(text).to_string();
+            assert!(err.contains(words), "{text}: {err}");
+        }
+        let ok =
+            Settings::from_toml("[nats]\nreplicas = 3\n[projection]\nduplicate_window = \"1s\"\n");
+        assert!(ok.is_ok(), "{ok:?}");
     }
 
     #[test]
