@@ -38,18 +38,10 @@ impl<S: Send + Sync> FromRequestParts<S> for NoQuery {
                 "unknown_parameter",
                 format!(
                     "unknown query parameter `{}`; this endpoint takes no query parameters",
-                    clip(name)
+                    crate::model::shorten(name, 64)
                 ),
             )),
         }
-    }
-}
-
-/// `s` cut to 64 characters for an error message (an ellipsis says it was cut).
-fn clip(s: &str) -> String {
-    match s.char_indices().nth(64) {
-        Some((at, _)) => format!("{}...", &s[..at]),
-        None => s.to_string(),
     }
 }
 
