@@ -867,6 +867,18 @@ async fn tokens_confine_roles() {
     assert_eq!(seqs(&ui), [conv]);
     let (_, ops) = call(&app, "/api/events", Some("ops-token-2")).await;
     assert_eq!(seqs(&ops), [obs]);
+    // A scan over a grant of several roles asks the server for every role at once and keeps
+    // only the grant's own: the other roles' events never come back.
+    let (st, found) = call(&app, "/api/search?limit=10", Some("ops-token-2")).await;
+    assert_eq!(st, StatusCode::OK, "{found}");
+    assert_eq!(seqs(&found), [obs], "{found}");
+    let (_, after) = call(
+        &app,
+        &format!("/api/events?after={}", api::query::encode_cursor(0, 0)),
+        Some("ops-token-2"),
+    )
+    .await;
+    assert_eq!(seqs(&after), [obs], "{after}");
     // Naming a role outside the grant: 403, also through a preset.
     err(
         &app,
