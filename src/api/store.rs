@@ -549,32 +549,40 @@ mod tests {
             one_filter_over_roles(&typed).as_deref(),
             Some("collab.proj.*.*.*.a2a.response")
         );
-        // Filters that differ in key or type, one filter, and none stay as they are.
-        let keys = [
-            "collab.proj.conversation.main.a.>",
-            "collab.proj.conversation.main.b.>",
-        ]
-        .map(String::from);
-        assert_eq!(one_filter_over_roles(&keys), None);
         assert_eq!(one_filter_over_roles(&roles[..1]), None);
         assert_eq!(one_filter_over_roles(&[]), None);
-        // A prefix of several tokens (a projection version's) moves the role, not the rule.
-        let versioned = [
-            "collab.v.v2.proj.conversation.main.*.>",
-            "collab.v.v2.proj.delegation.subagent.*.>",
-        ]
-        .map(String::from);
-        assert_eq!(
-            one_filter_over_roles(&versioned).as_deref(),
-            Some("collab.v.v2.proj.*.*.*.>")
-        );
-        // Two roles sharing no token but differing in a key too stay as they are.
-        let mixed = [
-            "collab.proj.conversation.main.a.>",
-            "collab.proj.delegation.subagent.b.>",
-        ]
-        .map(String::from);
-        assert_eq!(one_filter_over_roles(&mixed), None);
+        for (pair, merged) in [
+            // Filters that differ in key stay as they are, also across roles.
+            (
+                [
+                    "collab.proj.conversation.main.a.>",
+                    "collab.proj.conversation.main.b.>",
+                ],
+                None,
+            ),
+            (
+                [
+                    "collab.proj.conversation.main.a.>",
+                    "collab.proj.delegation.subagent.b.>",
+                ],
+                None,
+            ),
+            // A prefix of several tokens (a projection version's) moves the role, not the rule.
+            (
+                [
+                    "collab.v.v2.proj.conversation.main.*.>",
+                    "collab.v.v2.proj.delegation.subagent.*.>",
+                ],
+                Some("collab.v.v2.proj.*.*.*.>"),
+            ),
+        ] {
+            let filters = pair.map(String::from);
+            assert_eq!(
+                one_filter_over_roles(&filters).as_deref(),
+                merged,
+                "{pair:?}"
+            );
+        }
         // The matcher: `*` one token, `>` at least one, literals exactly.
         assert!(subject_matches("a.*.c", "a.b.c"));
         assert!(!subject_matches("a.*.c", "a.b.c.d"));
