@@ -2,7 +2,8 @@
 //! included below; docs/fuzzing.md lists them), checked on arbitrary bytes, generated JSON,
 //! TOML and query strings, and mutations of the fixture inputs, in the normal `cargo test`.
 //! Case counts are bounded so the whole file runs in seconds in a debug build; `cargo fuzz`
-//! runs the same checks for as long as one wants.
+//! runs the same checks for as long as one wants, and `PROPTEST_CASES=<n>` sets every property's
+//! case count for a longer search here.
 
 #[path = "../fuzz/src/lib.rs"]
 mod checks;
@@ -14,7 +15,12 @@ use proptest::prelude::*;
 use proptest::test_runner::Config;
 use serde_json::{json, Map, Value};
 
+/// `n` cases, or as many as `PROPTEST_CASES` asks for (a longer search than CI's).
 fn cases(n: u32) -> Config {
+    let n = std::env::var("PROPTEST_CASES")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(n);
     Config {
         cases: n,
         // A failure is reported with its minimal input; no file is written next to the tests.

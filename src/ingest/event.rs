@@ -234,8 +234,12 @@ fn take_body(obj: &mut Map<String, Value>) -> Option<Value> {
     body(take("data"), take("payload"))
 }
 
-/// The payload of an event with these `data` and `payload` members.
+/// The payload of an event with these `data` and `payload` members. A member that is `null`
+/// counts as absent: an envelope's payload is an object, array or scalar, never `null`, so that a
+/// projection reads back as the envelope that was published.
 fn body(data: Option<Value>, payload: Option<Value>) -> Option<Value> {
+    let data = data.filter(|v| !v.is_null());
+    let payload = payload.filter(|v| !v.is_null());
     match (data, payload) {
         (Some(data), None) => Some(data),
         (None, Some(p)) => Some(p),

@@ -634,4 +634,46 @@ mod tests {
             normalize(&input(&inside), &settings).is_err_and(|r| r.reason == DlqReason::BadJson)
         );
     }
+
+    #[test]
+    fn a_null_body_member_counts_as_absent_so_the_envelope_reads_back_the_same() {
+        let settings = crate::config::Settings::default()
+            .ingest()
+            .unwrap_or_else(|e| panic!("default settings: {e}"));
+        let cases = [
+            (
+                json!({"type": "task.updated", "taskId": "t1", "data": null}),
+                None,
+            ),
+            (
+                json!({"type": "task.updated", "taskId": "t1", "payload": null}),
+                None,
+            ),
+            (
+                json!({"type": "task.updated", "taskId": "t1", "data": null, "payload": {"a": 1}}),
+                Some(json!({"a": 1})),
+            ),
+            (
+                json!({"type": "task.updated", "taskId": "t1", "data": [1], "payload": null}),
+                Some(json!([1])),
+            ),
+        ];
+        for (event, want) in cases {
+            let body = serde_json::to_vec(&event).unwrap_or_default();
+            let input = RawInput {
+                bytes: &body,
+                subject: None,
+                raw_ref: None,
+                relay: RelayHeaders::default(),
+            };
+            let projected = normalize(&input, &settings)
+                .unwrap_or_else(|r| panic!("{event} was refused: {}", r.detail));
+            let envelope = &projected[0].envelope;
+            assert_eq!(envelope.payload, want, "{event}");
+            let text = serde_json::to_string(envelope).unwrap_or_default();
+            let back: crate::model::Envelope = serde_json::from_str(&text)
+                .unwrap_or_else(|e| panic!("{text} does not read back: {e}"));
+            assert_eq!(&back, envelope, "{event}");
+        }
+    }
 }
