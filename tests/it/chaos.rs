@@ -5,7 +5,10 @@
 //! - The **writer** publishes numbered inputs (`n`, unique, also the raw Msg-Id `chaos-<n>` so a
 //!   retried publish is stored once): mostly `task.updated` events over many task keys, about 1 %
 //!   of `bad_json` (to be dead-lettered), and main-main turns: an `a2a.send` with its own
-//!   `timeoutMs`, a reply for most (some after the deadline), a duplicate reply for some.
+//!   `timeoutMs`, a reply for most (some after the deadline), a duplicate reply for some; and
+//!   streamed A2A exchanges (JSON-RPC over `collab.raw.<context>.a2a.wire` with the relay's
+//!   headers, v0.3 and v1.0): a send, a working status, up to three artifacts and a final answer
+//!   (some after the deadline, some twice), spread over up to 1.3 times the turn timeout.
 //! - The **checker** reads the raw stream (`COLLAB_RAW`, or every shard's `COLLAB_RAW_<i>OF<k>`
 //!   with `nats.shards`), `COLLAB_PROJ` and `COLLAB_DLQ` in full with ordered consumers. Every
 //!   raw message has exactly one output carrying its sequence in `Collab-Source-Seq` (its
@@ -14,7 +17,8 @@
 //!   `Collab-Source-Stream`), so the checker identifies an input by (shard, sequence). Each
 //!   input is *projected*, *dead-lettered*, *lost* (no output) or *duplicated* (more than one). Every turn must have exactly one `a2a.response`, and the right one: the
 //!   first reply stored by the deadline (send's store time + `timeoutMs`), else a blocked
-//!   timeout.
+//!   timeout. A streamed answer that wins must carry its exchange's artifacts stored before it,
+//!   in order, in state `completed`: the worker deciding it may not be the one that saw them.
 //! - **Failover time**: from the kill (or SIGSTOP) of an owner to the first projection, by
 //!   another worker, of an input of one of its partitions (the owner's partitions come from the
 //!   `collab_leases` bucket just before the fault; an input stored after the fault cannot have
@@ -465,6 +469,19 @@ async fn publish(
     subject: String,
     body: Bytes,
 ) -> bool {
+    publish_with(js, raw, log, n, subject, body, async_nats::HeaderMap::new()).await
+}
+
+/// [`publish`] with headers (an A2A wire frame's, as the relay sets them).
+async fn publish_with(
+    js: &jetstream::Context,
+    raw: &RawStreams,
+    log: &mut WriterLog,
+    n: u64,
+    subject: String,
+    body: Bytes,
+    headers: async_nats::HeaderMap,
+) -> bool {
     let id = format!("chaos-{n}");
     let give_up = Instant::now() + Duration::from_secs(60);
     loop {
@@ -474,6 +491,7 @@ async fn publish(
                     subject.clone(),
                     PublishMessage::build()
                         .payload(body.clone())
+                        .headers(headers.clone())
                         .message_id(id.as_str()),
                 )
                 .await
@@ -551,6 +569,111 @@ async fn publish_reply(
     .await;
 }
 
+/// The deadline of a streamed A2A exchange: the workers' `--turn-timeout` ([`RUN_ARGS`]), as a
+/// wire send names none.
+const WIRE_TIMEOUT_MS: u64 = 2000;
+
+/// One frame of a streamed A2A exchange (ruda asks eden over `message/stream`), in the A2A
+/// version the exchange speaks; the writer's number goes in the frame's `metadata.n`.
+#[derive(Debug, Clone)]
+struct WireFrame {
+    ctx: String,
+    exchange: String,
+    v10: bool,
+    part: WirePart,
+}
+
+#[derive(Debug, Clone)]
+enum WirePart {
+    Send,
+    Working,
+    Artifact { id: String, text: String },
+    Final,
+}
+
+impl WireFrame {
+    fn body(&self, n: u64) -> Value {
+        let (ctx, meta) = (self.ctx.as_str(), json!({"n": n}));
+        let message = |role: &str, text: &str| {
+            if self.v10 {
+                json!({"role": if role == "user" {"ROLE_USER"} else {"ROLE_AGENT"},
+                       "messageId": format!("m-{n}"), "contextId": ctx, "parts": [{"text": text}]})
+            } else {
+                json!({"kind": "message", "role": role, "messageId": format!("m-{n}"),
+                       "contextId": ctx, "parts": [{"kind": "text", "text": text}]})
+            }
+        };
+        let status = |state: &str, text: &str| {
+            if self.v10 {
+                let state = format!("TASK_STATE_{}", state.to_uppercase());
+                json!({"jsonrpc": "2.0", "id": 1, "result": {"statusUpdate": {
+                    "taskId": self.exchange, "contextId": ctx, "metadata": meta,
+                    "status": {"state": state, "message": message("agent", text)}}}})
+            } else {
+                json!({"jsonrpc": "2.0", "id": 1, "result": {"kind": "status-update",
+                    "taskId": self.exchange, "contextId": ctx, "final": state != "working",
+                    "metadata": meta, "status": {"state": state, "message": message("agent", text)}}})
+            }
+        };
+        match &self.part {
+            WirePart::Send => {
+                let method = if self.v10 {
+                    "SendStreamingMessage"
+                } else {
+                    "message/stream"
+                };
+                json!({"jsonrpc": "2.0", "id": 1, "method": method,
+                       "params": {"message": message("user", "write the report"), "metadata": meta}})
+            }
+            WirePart::Working => status("working", "on it"),
+            WirePart::Artifact { id, text } => {
+                let parts = if self.v10 {
+                    json!([{"text": text}])
+                } else {
+                    json!([{"kind": "text", "text": text}])
+                };
+                let update = json!({"taskId": self.exchange, "contextId": ctx, "lastChunk": true,
+                    "metadata": meta, "artifact": {"artifactId": id, "parts": parts}});
+                if self.v10 {
+                    json!({"jsonrpc": "2.0", "id": 1, "result": {"artifactUpdate": update}})
+                } else {
+                    let mut update = update;
+                    update["kind"] = json!("artifact-update");
+                    json!({"jsonrpc": "2.0", "id": 1, "result": update})
+                }
+            }
+            WirePart::Final => status("completed", "here is the report"),
+        }
+    }
+}
+
+/// Publish frame `frame` as input `n`, with the headers the relay sets.
+async fn publish_frame(
+    js: &jetstream::Context,
+    raw: &RawStreams,
+    log: &mut WriterLog,
+    n: u64,
+    frame: &WireFrame,
+) {
+    let mut headers = async_nats::HeaderMap::new();
+    headers.insert("Collab-From-Agent", "ruda");
+    headers.insert("Collab-To-Agent", "eden");
+    headers.insert("Collab-Exchange", frame.exchange.as_str());
+    let method = if frame.v10 {
+        "SendStreamingMessage"
+    } else {
+        "message/stream"
+    };
+    headers.insert("Collab-A2A-Method", method);
+    let body = Bytes::from(serde_json::to_vec(&frame.body(n)).unwrap_or_default());
+    let subject = format!("collab.raw.{}.a2a.wire", frame.ctx);
+    if publish_with(js, raw, log, n, subject, body, headers).await
+        && matches!(frame.part, WirePart::Send)
+    {
+        log.turns += 1;
+    }
+}
+
 /// Publish at `rate` until `stop`, then publish the replies still due, and return the log.
 async fn write(js: jetstream::Context, cfg: WriterCfg, stop: CancellationToken) -> WriterLog {
     let mut rng = StdRng::seed_from_u64(cfg.seed);
@@ -559,6 +682,9 @@ async fn write(js: jetstream::Context, cfg: WriterCfg, stop: CancellationToken) 
     let mut turns = vec![0u32; cfg.convs];
     let mut due: BinaryHeap<DueReply> = BinaryHeap::new();
     let mut sends_due: BinaryHeap<DueSend> = BinaryHeap::new();
+    // Streamed exchanges' frames still to write: (due, tiebreak) -> the frame, in `frames`.
+    let mut frames_due: BinaryHeap<Reverse<(Instant, u64)>> = BinaryHeap::new();
+    let mut frames: HashMap<u64, WireFrame> = HashMap::new();
     let mut tiebreak = 0u64;
     let mut credit = 0.0f64;
     let mut last = Instant::now();
@@ -583,8 +709,18 @@ async fn write(js: jetstream::Context, cfg: WriterCfg, stop: CancellationToken) 
             let conv = format!("conv-early-{k}");
             publish_send(&js, &cfg.raw, &mut log, n, &conv, 1, timeout).await;
         }
+        while let Some(Reverse((at, tb))) = frames_due.peek().copied() {
+            if at > now {
+                break;
+            }
+            frames_due.pop();
+            if let Some(frame) = frames.remove(&tb) {
+                n += 1;
+                publish_frame(&js, &cfg.raw, &mut log, n, &frame).await;
+            }
+        }
         if stop.is_cancelled() {
-            if due.is_empty() && sends_due.is_empty() {
+            if due.is_empty() && sends_due.is_empty() && frames_due.is_empty() {
                 return log;
             }
             continue;
@@ -626,6 +762,51 @@ async fn write(js: jetstream::Context, cfg: WriterCfg, stop: CancellationToken) 
                     n,
                     timeout,
                 )));
+            } else if r < 0.03 {
+                // A streamed A2A exchange: its send now; a working status, up to three
+                // artifacts and the final answer spread before the answer's time (about a
+                // fifth after the deadline); a second final answer for some. The response must
+                // carry the artifacts stored before the answer, whichever worker decides it.
+                let exchange = WireFrame {
+                    ctx: format!("wire-{}", rng.random_range(0..cfg.convs)),
+                    exchange: format!("ex-{n}"),
+                    v10: rng.random_bool(0.5),
+                    part: WirePart::Send,
+                };
+                publish_frame(&js, &cfg.raw, &mut log, n, &exchange).await;
+                let start = Instant::now();
+                let answer_ms = WIRE_TIMEOUT_MS as f64 * rng.random_range(0.05..1.3);
+                let artifacts = rng.random_range(0..=3u32);
+                let mut parts = vec![WirePart::Working];
+                for j in 0..artifacts {
+                    parts.push(WirePart::Artifact {
+                        id: format!("a{j}"),
+                        text: format!("chunk {j} of ex-{n}"),
+                    });
+                }
+                let steps = parts.len() as f64 + 1.0;
+                let mut schedule: Vec<(f64, WirePart)> = parts
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, part)| (answer_ms * (i as f64 + 1.0) / steps, part))
+                    .collect();
+                schedule.push((answer_ms, WirePart::Final));
+                if rng.random_bool(0.15) {
+                    let again = answer_ms + WIRE_TIMEOUT_MS as f64 * rng.random_range(0.0..0.5);
+                    schedule.push((again, WirePart::Final));
+                }
+                for (after_ms, part) in schedule {
+                    tiebreak += 1;
+                    let frame = WireFrame {
+                        part,
+                        ..exchange.clone()
+                    };
+                    frames.insert(tiebreak, frame);
+                    frames_due.push(Reverse((
+                        start + Duration::from_millis(after_ms as u64),
+                        tiebreak,
+                    )));
+                }
             } else if r < 0.11 {
                 let c = rng.random_range(0..cfg.convs);
                 turns[c] += 1;
@@ -954,6 +1135,11 @@ enum Input {
     Reply {
         turn: (String, String),
     },
+    /// A streamed exchange's artifact: the response carries it when the answer wins.
+    Artifact {
+        turn: (String, String),
+        text: String,
+    },
 }
 
 #[derive(Debug, Clone)]
@@ -977,6 +1163,7 @@ fn parse_raw(r: &Rec, partitions: u16) -> Option<RawIn> {
     ))
     .ok()?;
     let (n, input) = match serde_json::from_slice::<Value>(&r.payload) {
+        Ok(v) if kind == "a2a.wire" => parse_frame(&v, key)?,
         Ok(v) => {
             let d = &v["data"];
             let n = d["n"].as_u64()?;
@@ -1009,6 +1196,42 @@ fn parse_raw(r: &Rec, partitions: u16) -> Option<RawIn> {
         stored_ms: r.stored_ms,
         input,
     })
+}
+
+/// A streamed exchange's frame under `key` (its context): the writer's number, and what it is.
+/// A send's deadline is [`WIRE_TIMEOUT_MS`]; a final status is the exchange's reply.
+fn parse_frame(v: &Value, key: &str) -> Option<(u64, Input)> {
+    if let Some(params) = v.get("params") {
+        let n = params["metadata"]["n"].as_u64()?;
+        let turn = (key.to_string(), format!("ex-{n}"));
+        let timeout_ms = i64::try_from(WIRE_TIMEOUT_MS).ok()?;
+        return Some((n, Input::Send { turn, timeout_ms }));
+    }
+    let result = &v["result"];
+    let (item, v10) = match (result.get("statusUpdate"), result.get("artifactUpdate")) {
+        (Some(s), _) => (s, true),
+        (_, Some(a)) => (a, true),
+        _ => (result, false),
+    };
+    let n = item["metadata"]["n"].as_u64()?;
+    let turn = (key.to_string(), item["taskId"].as_str()?.to_string());
+    let input = if let Some(artifact) = item.get("artifact") {
+        let text = artifact["parts"][0]["text"].as_str()?.to_string();
+        Input::Artifact { turn, text }
+    } else {
+        let state = item["status"]["state"].as_str()?;
+        let working = if v10 {
+            state == "TASK_STATE_WORKING"
+        } else {
+            state == "working"
+        };
+        if working {
+            Input::Task
+        } else {
+            Input::Reply { turn }
+        }
+    };
+    Some((n, input))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -2002,6 +2225,10 @@ struct Report {
     turns: usize,
     turns_not_one: usize,
     wrong_winner: usize,
+    /// Streamed A2A answers that won their turn, whose artifacts were checked.
+    streamed: usize,
+    /// Of those, responses without the exchange's artifacts, in order, or not `completed`.
+    wrong_artifacts: usize,
     /// Projections that came after a later input of the same key.
     reordered: usize,
     writer_retries: u64,
@@ -2084,7 +2311,7 @@ fn second_fault<'a>(
 
 impl Report {
     const HEADER: &'static str = "| scenario | inputs | projected | dead-lettered | lost | duplicated | turns | turns without exactly one response | failover (kill -9) p50 / max (samples) | takeover after SIGSTOP p50 / max | takeover after a network partition p50 / max | handover p50 / max | server recovery p50 / max |\n|---|---|---|---|---|---|---|---|---|---|---|---|---|";
-    const HEADER2: &'static str = "| scenario | wrong winner | misrouted | per-key reorders | writer retries | unacked | faults |\n|---|---|---|---|---|---|---|";
+    const HEADER2: &'static str = "| scenario | wrong winner | streamed answers: checked / wrong artifacts | misrouted | per-key reorders | writer retries | unacked | faults |\n|---|---|---|---|---|---|---|---|";
 
     fn row(&self) -> String {
         format!(
@@ -2107,9 +2334,11 @@ impl Report {
 
     fn row2(&self) -> String {
         format!(
-            "| {} | {} | {} | {} | {} | {} | {} |",
+            "| {} | {} | {} / {} | {} | {} | {} | {} | {} |",
             self.scenario,
             self.wrong_winner,
+            self.streamed,
+            self.wrong_artifacts,
             self.misrouted,
             self.reordered,
             self.writer_retries,
@@ -2126,6 +2355,10 @@ impl Report {
             ("misrouted", self.misrouted),
             ("turns without exactly one response", self.turns_not_one),
             ("turns with the wrong winner", self.wrong_winner),
+            (
+                "streamed answers without their artifacts",
+                self.wrong_artifacts,
+            ),
         ] {
             if n > 0 {
                 v.push(format!("{}: {n} {what}", self.scenario));
@@ -2317,12 +2550,18 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
     // Turns.
     let mut sends: BTreeMap<(String, String), &RawIn> = BTreeMap::new();
     let mut replies: BTreeMap<(String, String), Vec<&RawIn>> = BTreeMap::new();
+    // Streamed exchanges' artifacts: (raw sequence, text), in the order stored.
+    let mut artifacts: BTreeMap<(String, String), Vec<(u64, String)>> = BTreeMap::new();
     for i in &inputs {
         match &i.input {
             Input::Send { turn, .. } => {
                 sends.entry(turn.clone()).or_insert(i);
             }
             Input::Reply { turn } => replies.entry(turn.clone()).or_default().push(i),
+            Input::Artifact { turn, text } => artifacts
+                .entry(turn.clone())
+                .or_default()
+                .push((i.seq, text.clone())),
             _ => {}
         }
     }
@@ -2376,6 +2615,7 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
             early_taken + early_alone
         ));
     }
+    let mut streamed_across_fault = 0usize;
     for (k, send) in &sends {
         let got = responses.get(k).map(Vec::as_slice).unwrap_or_default();
         if got.len() != 1 {
@@ -2422,6 +2662,47 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
             Some(seq) => won == seq && body["payload"]["outcome"] != "blocked",
             None => won == 0 && body["payload"]["reason"] == "timeout",
         };
+        // A streamed answer that wins carries the exchange's artifacts stored before it, in
+        // order, whichever worker decided it (it reads them back from the raw stream when it
+        // did not see them itself).
+        if let Some(winner) = expected.filter(|_| ok && k.0.starts_with("wire-")) {
+            let want: Vec<&str> = artifacts
+                .get(k)
+                .map(Vec::as_slice)
+                .unwrap_or_default()
+                .iter()
+                .filter(|(seq, _)| *seq < winner)
+                .map(|(_, text)| text.as_str())
+                .collect();
+            let have: Vec<&str> = body["payload"]["artifacts"]
+                .as_array()
+                .map(Vec::as_slice)
+                .unwrap_or_default()
+                .iter()
+                .filter_map(|a| a["parts"][0]["text"].as_str())
+                .collect();
+            r.streamed += 1;
+            let resp_ms = resp.stored_ms;
+            if bed.faults.iter().any(|f| {
+                f.at_ms > send.stored_ms
+                    && f.at_ms < resp_ms
+                    && f.partitions
+                        .as_ref()
+                        .is_none_or(|ps| ps.contains(&send.partition))
+            }) {
+                streamed_across_fault += 1;
+            }
+            if have != want || body["payload"]["state"] != "completed" {
+                r.wrong_artifacts += 1;
+                details.push(format!(
+                    "streamed turn {k:?} (partition {}, answer raw seq {}): the response (stored at {}) carries artifacts {have:?} in state {}, expected {want:?} in state \"completed\"",
+                    send.partition,
+                    label(winner),
+                    resp.stored_ms,
+                    body["payload"]["state"],
+                ));
+            }
+        }
         if !ok {
             r.wrong_winner += 1;
             details.push(format!(
@@ -2445,6 +2726,20 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
                 got.len()
             ));
         }
+    }
+
+    // The artifact check must have run: about three in four streamed exchanges answer in time.
+    let wire_turns = sends.keys().filter(|k| k.0.starts_with("wire-")).count();
+    if r.streamed > 0 {
+        r.notes.push(format!(
+            "{} streamed answers checked for their artifacts, {streamed_across_fault} of them decided after a fault on their partition struck between their send and their response",
+            r.streamed
+        ));
+    }
+    if wire_turns >= 10 && r.streamed == 0 {
+        details.push(format!(
+            "{wire_turns} streamed exchanges, but no answer won its turn: the artifact check did not run"
+        ));
     }
 
     // Per-key order of the projections.
