@@ -928,6 +928,16 @@ pub struct HttpSettings {
     /// Work-session lists being read at once per bearer token (grant); one more is refused with
     /// 429.
     pub session_lists_per_token: usize,
+    /// Scans of the projection stream (`/api/search`, `/api/tree`, `/api/waiting`,
+    /// `/api/threads`, each reading up to tens of thousands of events) running at once, all
+    /// callers together; one more is refused with 503.
+    pub scans: usize,
+    /// Scans running at once per bearer token (grant); one more is refused with 429.
+    pub scans_per_token: usize,
+    /// How long one scan may run: then it is stopped and answered 503 `scan_timeout`, so no
+    /// request holds the server's reads (and its place) for longer.
+    #[serde(with = "humantime_serde")]
+    pub scan_timeout: Duration,
 }
 
 /// One bearer token and the roles it may read.
@@ -969,6 +979,8 @@ impl HttpSettings {
             ("http.sse_buffer_events", self.sse_buffer_events),
             ("http.session_lists", self.session_lists),
             ("http.session_lists_per_token", self.session_lists_per_token),
+            ("http.scans", self.scans),
+            ("http.scans_per_token", self.scans_per_token),
         ] {
             if n == 0 {
                 return bad(format!("{name} must be at least 1"));
@@ -982,6 +994,9 @@ impl HttpSettings {
         }
         if self.client_stall_timeout < Duration::from_secs(1) {
             return bad("http.client_stall_timeout must be at least 1s (a slow client's window may close for a moment)".into());
+        }
+        if self.scan_timeout < Duration::from_secs(1) {
+            return bad("http.scan_timeout must be at least 1s (a search over a busy stream takes about a second)".into());
         }
         if self.stall_after < Duration::from_secs(10) {
             return bad("http.stall_after must be at least 10s (lag is sampled every 5s)".into());
@@ -1005,6 +1020,9 @@ impl Default for HttpSettings {
             sse_max_streams_per_token: 8,
             session_lists: 8,
             session_lists_per_token: 2,
+            scans: 16,
+            scans_per_token: 4,
+            scan_timeout: Duration::from_secs(30),
             sse_buffer_events: 256,
             sse_buffer_bytes: 1024 * 1024,
             client_stall_timeout: Duration::from_secs(60),

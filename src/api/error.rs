@@ -164,6 +164,16 @@ impl IntoResponse for ApiError {
                 HeaderValue::from_static("Bearer realm=\"collab-projector\""),
             );
         }
+        // A refusal for now (the store unavailable, a cap reached) says when to try again; a
+        // scan stopped at its time limit would only be stopped again.
+        let busy = matches!(
+            self.status,
+            StatusCode::SERVICE_UNAVAILABLE | StatusCode::TOO_MANY_REQUESTS
+        );
+        if busy && self.code != "scan_timeout" {
+            resp.headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
         resp
     }
 }

@@ -17,7 +17,8 @@
 //! Everything is read from JetStream ([`store`]), never from a worker's memory, so any instance
 //! serves any client. Access control ([`auth`]) applies to every route but the OpenAPI document and
 //! the schemas; errors are JSON ([`error`]). What the handlers share is [`state`]; the
-//! router here is the only thing that names the handlers. Event streams are capped per token and in total
+//! router here is the only thing that names the handlers. Event streams, work-session lists and
+//! scans are capped per token and in total, and a scan is stopped at `http.scan_timeout`
 //! ([`slots`]). Every response, errors included, is sent with `X-Content-Type-Options: nosniff`
 //! and `Cache-Control: no-store`: bodies are data for the caller's eyes only, never to be
 //! sniffed into something else or kept by a cache.
@@ -48,7 +49,7 @@ pub use state::{ApiState, ApiStats, SseLimits};
 
 use axum::http::{header, HeaderValue};
 use axum::response::{IntoResponse, Response};
-use axum::routing::get;
+use axum::routing::{get, MethodRouter};
 use axum::{middleware, Router};
 
 async fn not_found() -> ApiError {
@@ -94,6 +95,14 @@ async fn served_version(
 /// The response header that names the projection version served.
 pub const VERSION_HEADER: &str = "collab-projection-version";
 
+/// A route that scans the projection stream: capped and stopped by [`slots::scan_guard`].
+fn scan(route: MethodRouter<ApiState>, state: &ApiState) -> MethodRouter<ApiState> {
+    route.layer(middleware::from_fn_with_state(
+        state.clone(),
+        slots::scan_guard,
+    ))
+}
+
 /// The API routes. Merge into the server's router: `http::router(..).merge(api::router(state))`.
 pub fn router(state: ApiState) -> Router {
     let protected = Router::new()
@@ -101,10 +110,10 @@ pub fn router(state: ApiState) -> Router {
         .route("/api/events/stream", get(stream::stream))
         .route("/api/work-sessions", get(sessions::list))
         .route("/api/work-sessions/{id}", get(sessions::one))
-        .route("/api/threads/{key}", get(threads::one))
-        .route("/api/search", get(search::search))
-        .route("/api/tree/{key}", get(tree::tree))
-        .route("/api/waiting", get(waiting::waiting))
+        .route("/api/threads/{key}", scan(get(threads::one), &state))
+        .route("/api/search", scan(get(search::search), &state))
+        .route("/api/tree/{key}", scan(get(tree::tree), &state))
+        .route("/api/waiting", scan(get(waiting::waiting), &state))
         .route("/api/blobs/{id}", get(blobs::one))
         .route("/api/me", get(me::me))
         .route_layer(middleware::map_response_with_state(

@@ -188,6 +188,15 @@ fn common_errors(extra: &[(&str, &str)]) -> Value {
     Value::Object(m)
 }
 
+/// [`common_errors`] of a route that scans the projection stream, capped and stopped by
+/// `http.scans`, `http.scans_per_token` and `http.scan_timeout`.
+fn scan_errors(extra: &[(&str, &str)]) -> Value {
+    let mut all = extra.to_vec();
+    all.push(("429", "The token already has as many scans running as http.scans_per_token allows (code too_many_scans; Retry-After says when to try again)."));
+    all.push(("503", "The event store (NATS) is unavailable (code unavailable), the server has as many scans running as http.scans allows (code too_many_scans; both with Retry-After), or the scan ran past http.scan_timeout and was stopped (code scan_timeout): narrow it with role, key, type or since."));
+    common_errors(&all)
+}
+
 /// `errors` with `ok` as the 200 response.
 fn with_ok(mut errors: Value, ok: Value) -> Value {
     if let Some(m) = errors.as_object_mut() {
@@ -319,7 +328,7 @@ fn search(p: &Shared) -> Value {
             param("until", "Events before this time (RFC 3339). One value.", time),
             param("limit", "Events per page (default 50, at most 500). One value.", limit),
             param("before", "Cursor (`prev` of a previous page): scan older events than it. One value.", p.cursor_schema.clone())],
-        "responses": with_ok(common_errors(&[("410", "The cursor is a position in a projection version this API no longer serves (code version_switched): start again without a cursor.")]),
+        "responses": with_ok(scan_errors(&[("410", "The cursor is a position in a projection version this API no longer serves (code version_switched): start again without a cursor.")]),
             json!({"description": "Matching events.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/SearchPage"}}}}))
     }})
 }
@@ -332,7 +341,7 @@ fn thread(p: &Shared) -> Value {
         "parameters": [
             {"name": "key", "in": "path", "required": true, "schema": {"type": "string", "pattern": "\\S"}, "description": "The ordering key: a conversation id, AG-UI thread id or session id (as events' `key`). Whitespace around it is ignored; a key of only whitespace is refused (400 invalid_key)."},
             list_param("role", "Roles to read the thread's events from (default: the token's grant), comma-separated or repeated. Naming a role outside the token's grant is a 403.", p.role_item.clone())],
-        "responses": with_ok(common_errors(&[("404", "No events of the key in the roles read.")]),
+        "responses": with_ok(scan_errors(&[("404", "No events of the key in the roles read.")]),
             json!({"description": "The thread (`{thread, role}`).", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/ThreadResponse"}}}}))
     }})
 }
@@ -346,7 +355,7 @@ fn tree(p: &Shared) -> Value {
             {"name": "key", "in": "path", "required": true, "schema": {"type": "string", "pattern": "\\S"}, "description": "The ordering key: a conversation id, AG-UI thread id or session id (as events' `key`). Whitespace around it is ignored; a key of only whitespace is refused (400 invalid_key)."},
             param("item", "Root the tree at one run or turn of the key: `run:<run id>` or `turn:<turn id>` (empty: the whole key). One value.", json!({"type": "string", "pattern": "^(?:(?:run|turn):[\\s\\S]+)?$"})),
             list_param("role", "Roles to read (default: the token's grant), comma-separated or repeated. Naming a role outside the token's grant is a 403.", p.role_item.clone())],
-        "responses": with_ok(common_errors(&[("404", "No events of the key in the roles read, or no such run or turn among its newest events.")]),
+        "responses": with_ok(scan_errors(&[("404", "No events of the key in the roles read, or no such run or turn among its newest events.")]),
             json!({"description": "The tree (`{tree, keys, events, truncated, scanned, scanComplete, role}`).", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/TreeResponse"}}}}))
     }})
 }
@@ -359,7 +368,7 @@ fn waiting(p: &Shared) -> Value {
         "summary": "Every turn and run waiting now, longest waiting first: answers asking for input or credentials (A2A input-required, auth-required), runs ended on an interrupt (AG-UI), and turns still awaiting their reply. Each says who waits, on whom, for what, since when, and the thread (`key`) and `item` to open. A wait ends when a later send resumes the turn's conversation or a later run starts in the run's thread. The newest 10,000 turn and run events (a2a.send, a2a.response, run.started, run.finished, run.failed) are read.",
         "parameters": [p.role.clone(),
             param("limit", "Waits returned (default 100, at most 500). One value.", limit)],
-        "responses": with_ok(common_errors(&[]),
+        "responses": with_ok(scan_errors(&[]),
             json!({"description": "The waits.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/WaitingList"}}}}))
     }})
 }

@@ -1,14 +1,23 @@
 //! Caps on what runs at once, all callers together and per bearer token: the event streams open
 //! (`http.sse_max_streams`, `http.sse_max_streams_per_token`) and the work-session lists being
-//! read (`http.session_lists`, `http.session_lists_per_token`; each reads the whole bucket). A
-//! request takes a [`Slot`] before it reads anything and gives it back when it is dropped (a
+//! read (`http.session_lists`, `http.session_lists_per_token`; each reads the whole bucket) and
+//! the scans of the projection stream (`http.scans`, `http.scans_per_token`; [`scan_guard`] also
+//! stops one at `http.scan_timeout`). A request takes a [`Slot`] before it reads anything and gives it back when it is dropped (a
 //! stream when its response body is dropped, a list when its handler returns), so a place is
 //! freed at once.
 
+use super::auth::Caller;
 use super::error::ApiError;
+use super::state::ApiState;
+use axum::extract::{MatchedPath, Request, State};
 use axum::http::StatusCode;
+use axum::middleware::Next;
+use axum::response::{IntoResponse, Response};
+use axum::Extension;
 use std::collections::HashMap;
+use std::future::Future;
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 /// What a set of slots caps: the settings that bound it, and how a refusal and a freed place
 /// are worded.
@@ -40,6 +49,16 @@ impl Capped {
         what: "work-session lists being read",
         advice: "wait for one to finish",
         freed: "work-session list done",
+    };
+    /// `/api/search`, `/api/tree`, `/api/waiting`, `/api/threads`: each scans the projection
+    /// stream.
+    pub const SCANS: Capped = Capped {
+        total_setting: "http.scans",
+        token_setting: "http.scans_per_token",
+        code: "too_many_scans",
+        what: "scans running",
+        advice: "wait for one to finish",
+        freed: "scan done",
     };
 }
 
@@ -148,6 +167,64 @@ impl Drop for Slot {
     }
 }
 
+/// Around a scanning route: a place among the scans ([`Capped::SCANS`]) for the caller's grant,
+/// and the scan stopped at `http.scan_timeout` (503 `scan_timeout`). A stopped scan's ephemeral
+/// consumers expire on the server by themselves.
+pub async fn scan_guard(
+    State(state): State<ApiState>,
+    Extension(caller): Extension<Caller>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_default();
+    guarded(
+        state.scan_slots(),
+        state.scan_timeout(),
+        caller.name.as_deref(),
+        &route,
+        next.run(request),
+    )
+    .await
+}
+
+/// `scan` run with a place among `slots` for `token`, and stopped after `limit`.
+async fn guarded(
+    slots: &Arc<Slots>,
+    limit: Duration,
+    token: Option<&str>,
+    route: &str,
+    scan: impl Future<Output = Response>,
+) -> Response {
+    let _slot = match slots.acquire(token) {
+        Ok(slot) => slot,
+        Err(e) => return e.into_response(),
+    };
+    match tokio::time::timeout(limit, scan).await {
+        Ok(response) => response,
+        Err(_) => {
+            tracing::warn!(
+                route,
+                caller = token.unwrap_or("-"),
+                limit = %humantime::format_duration(limit),
+                "API scan stopped at http.scan_timeout"
+            );
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "scan_timeout",
+                format!(
+                    "the read was stopped after {} (http.scan_timeout): narrow it with role, key, type or since, or ask an operator to raise the setting",
+                    humantime::format_duration(limit)
+                ),
+            )
+            .into_response()
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -190,6 +267,57 @@ mod tests {
         let _x = slots.acquire(None).unwrap_or_else(|e| panic!("{e:?}"));
         let _y = slots.acquire(None).unwrap_or_else(|e| panic!("{e:?}"));
         assert!(slots.acquire(None).is_err());
+    }
+
+    #[tokio::test]
+    async fn a_scan_is_capped_per_token_and_stopped_at_its_time_limit() {
+        let slots = Arc::new(Slots::new(Capped::SCANS, 8, 1));
+        let limit = Duration::from_millis(50);
+        // A scan holding the token's one place: a second one is refused at once.
+        let held = slots.acquire(Some("a")).unwrap_or_else(|e| panic!("{e:?}"));
+        let refused = guarded(&slots, limit, Some("a"), "/api/search", async {
+            panic!("a refused scan ran")
+        })
+        .await;
+        assert_eq!(refused.status(), StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(
+            refused.headers().get(axum::http::header::RETRY_AFTER),
+            Some(&axum::http::HeaderValue::from_static("1"))
+        );
+        drop(held);
+        // A scan that never ends is stopped and answered 503 scan_timeout, without Retry-After,
+        // and its place is free again.
+        let stopped = guarded(
+            &slots,
+            limit,
+            Some("a"),
+            "/api/search",
+            std::future::pending::<Response>(),
+        )
+        .await;
+        assert_eq!(stopped.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert!(stopped
+            .headers()
+            .get(axum::http::header::RETRY_AFTER)
+            .is_none());
+        let body = axum::body::to_bytes(stopped.into_body(), 1 << 16)
+            .await
+            .unwrap_or_default();
+        let body: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+        assert_eq!(body["error"]["code"], "scan_timeout", "{body}");
+        assert!(
+            body["error"]["message"]
+                .as_str()
+                .is_some_and(|m| m.contains("http.scan_timeout")),
+            "{body}"
+        );
+        assert_eq!(slots.open(), 0);
+        // One that finishes in time is answered as it is.
+        let done = guarded(&slots, limit, Some("a"), "/api/search", async {
+            StatusCode::OK.into_response()
+        })
+        .await;
+        assert_eq!(done.status(), StatusCode::OK);
     }
 
     #[test]

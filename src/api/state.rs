@@ -66,6 +66,8 @@ pub struct ApiState {
     sse: SseLimits,
     slots: Arc<slots::Slots>,
     list_slots: Arc<slots::Slots>,
+    scan_slots: Arc<slots::Slots>,
+    scan_timeout: Duration,
     shutdown: CancellationToken,
     /// The served version's work-session bucket and object store, opened once per version.
     sessions: Arc<Mutex<Option<(String, kv::Store)>>>,
@@ -97,6 +99,12 @@ impl ApiState {
                 http.session_lists,
                 http.session_lists_per_token,
             )),
+            scan_slots: Arc::new(slots::Slots::new(
+                slots::Capped::SCANS,
+                http.scans,
+                http.scans_per_token,
+            )),
+            scan_timeout: http.scan_timeout,
             shutdown: CancellationToken::new(),
             sessions: Arc::new(Mutex::new(None)),
             blobs: Arc::new(Mutex::new(None)),
@@ -167,6 +175,13 @@ impl ApiState {
     /// The places for work-session lists being read (each reads the whole bucket).
     pub fn list_slots(&self) -> &Arc<slots::Slots> {
         &self.list_slots
+    }
+    /// The places for scans of the projection stream, and how long one may run.
+    pub fn scan_slots(&self) -> &Arc<slots::Slots> {
+        &self.scan_slots
+    }
+    pub fn scan_timeout(&self) -> Duration {
+        self.scan_timeout
     }
     pub fn shutdown(&self) -> &CancellationToken {
         &self.shutdown

@@ -14,7 +14,7 @@ use crate::model::{Envelope, Role};
 use async_nats::jetstream::{self, consumer, stream::Stream};
 use bytes::Bytes;
 use chrono::SecondsFormat;
-use futures::StreamExt;
+use futures::{StreamExt, TryStreamExt};
 use schemars::JsonSchema;
 use serde::Serialize;
 use serde_json::Value;
@@ -174,12 +174,50 @@ fn discard(stream: &Stream, c: &consumer::Consumer<consumer::pull::Config>) {
     });
 }
 
-/// Filtered messages at or after `start` (through the current end of the stream).
+/// Filters read or counted one consumer each at most; more go to one consumer of them all.
+const MAX_SPLIT: usize = 32;
+/// Consumers of a split read or count asked for at once.
+const AT_ONCE: usize = 8;
+
+/// Filtered messages at or after `start` (through the current end of the stream). Filters that
+/// no subject matches two of are counted one consumer each and summed: the server counts for a
+/// consumer of several filters many times slower than for several consumers of one.
 pub async fn count_from(stream: &Stream, filters: &[String], start: u64) -> Result<u64, ApiError> {
+    if (2..=MAX_SPLIT).contains(&filters.len()) && pairwise_disjoint(filters) {
+        let counts: Vec<u64> = futures::stream::iter(filters.to_vec())
+            .map(|f| async move { count_one(stream, &[f], start).await })
+            .buffer_unordered(AT_ONCE)
+            .try_collect()
+            .await?;
+        return Ok(counts.iter().sum());
+    }
+    count_one(stream, filters, start).await
+}
+
+async fn count_one(stream: &Stream, filters: &[String], start: u64) -> Result<u64, ApiError> {
     let c = create(stream, consumer_config(filters, start, None)).await?;
     let n = c.cached_info().num_pending;
     discard(stream, &c);
     Ok(n)
+}
+
+/// Whether no subject matches two of `filters` (each pair has a position where both are
+/// literal tokens that differ, or a different number of tokens and no `>`).
+fn pairwise_disjoint(filters: &[String]) -> bool {
+    let split: Vec<Vec<&str>> = filters.iter().map(|f| f.split('.').collect()).collect();
+    split.iter().enumerate().all(|(i, a)| {
+        split[i + 1..].iter().all(|b| {
+            for (x, y) in a.iter().zip(b) {
+                match (*x, *y) {
+                    (">", _) | (_, ">") => return false,
+                    ("*", _) | (_, "*") => {}
+                    (x, y) if x != y => return true,
+                    _ => {}
+                }
+            }
+            a.len() != b.len()
+        })
+    })
 }
 
 /// Read every message a consumer delivers (at most `max`, and none after `until`).
@@ -276,10 +314,36 @@ pub async fn read_range(
     if from > to || max == 0 {
         return Ok(Vec::new());
     }
-    let Some(merged) = one_filter_over_roles(filters) else {
-        return drain(stream, consumer_config(filters, from, None), to, max).await;
-    };
-    let c = create(stream, consumer_config(&[merged], from, None)).await?;
+    if let Some(merged) = one_filter_over_roles(filters) {
+        return read_merged(stream, &merged, filters, from, to, max).await;
+    }
+    let groups = groups_over_roles(filters);
+    if (2..=MAX_SPLIT).contains(&groups.len()) && pairwise_disjoint(&groups) {
+        // Filters that differ in type (or key) as well as role: a consumer of one filter for
+        // each, their messages put back in stream order.
+        let reads: Vec<Vec<StoredEvent>> = futures::stream::iter(groups)
+            .map(|g| async move { read_merged(stream, &g, filters, from, to, max).await })
+            .buffer_unordered(AT_ONCE)
+            .try_collect()
+            .await?;
+        let mut out: Vec<StoredEvent> = reads.into_iter().flatten().collect();
+        out.sort_by_key(|e| e.seq);
+        out.truncate(max);
+        return Ok(out);
+    }
+    drain(stream, consumer_config(filters, from, None), to, max).await
+}
+
+/// Messages of `filter` with `from <= seq <= to` that one of `filters` selects, at most `max`.
+async fn read_merged(
+    stream: &Stream,
+    filter: &str,
+    filters: &[String],
+    from: u64,
+    to: u64,
+    max: usize,
+) -> Result<Vec<StoredEvent>, ApiError> {
+    let c = create(stream, consumer_config(&[filter.to_string()], from, None)).await?;
     let mut out = Vec::new();
     let result = visit_consumer(&c, to, max, |ev| {
         let kept = filters.iter().any(|f| subject_matches(f, &ev.subject));
@@ -291,6 +355,37 @@ pub async fn read_range(
     .await;
     discard(stream, &c);
     result.map(|()| out)
+}
+
+/// `filters` grouped by all but their role ([`one_filter_over_roles`] of each group, or the
+/// filter itself when alone in it), in the order first seen.
+fn groups_over_roles(filters: &[String]) -> Vec<String> {
+    let mut groups: Vec<(String, Vec<String>)> = Vec::new();
+    for f in filters {
+        let tokens: Vec<&str> = f.split('.').collect();
+        let role_at =
+            (1..tokens.len()).find(|&i| tokens[i - 1] == "proj" && is_role_pair(&tokens, i));
+        let shape = match role_at {
+            Some(at) => tokens
+                .iter()
+                .enumerate()
+                .map(|(i, t)| if i == at || i == at + 1 { "*" } else { t })
+                .collect::<Vec<_>>()
+                .join("."),
+            None => f.clone(),
+        };
+        match groups.iter_mut().find(|(s, _)| *s == shape) {
+            Some((_, members)) => members.push(f.clone()),
+            None => groups.push((shape, vec![f.clone()])),
+        }
+    }
+    groups
+        .into_iter()
+        .map(|(shape, members)| match members.as_slice() {
+            [one] => one.clone(),
+            _ => one_filter_over_roles(&members).unwrap_or(shape),
+        })
+        .collect()
 }
 
 /// One filter for `filters` that differ only in their role (the third and fourth tokens of
@@ -509,6 +604,57 @@ pub async fn each_session(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn filters_that_differ_in_type_too_are_read_one_group_per_type_and_counted_apart() {
+        let prefix = "collab.proj";
+        let mut filters = Vec::new();
+        for role in ["conversation.main", "orchestration.task"] {
+            for ty in ["a2a.send", "run.started"] {
+                filters.push(format!("{prefix}.{role}.*.{ty}"));
+            }
+        }
+        assert_eq!(one_filter_over_roles(&filters), None);
+        assert_eq!(
+            groups_over_roles(&filters),
+            [
+                "collab.proj.*.*.*.a2a.send",
+                "collab.proj.*.*.*.run.started"
+            ]
+        );
+        assert!(pairwise_disjoint(&filters));
+        assert!(pairwise_disjoint(&groups_over_roles(&filters)));
+        // One role alone keeps its own filter.
+        let one = vec![
+            "collab.proj.conversation.main.*.a2a.send".to_string(),
+            "collab.proj.conversation.main.*.run.started".to_string(),
+        ];
+        assert_eq!(groups_over_roles(&one), one);
+        // Filters a subject can match two of are not disjoint, so they are never summed.
+        for (a, b) in [
+            (
+                "collab.proj.conversation.main.>",
+                "collab.proj.*.*.c1.a2a.send",
+            ),
+            (
+                "collab.proj.conversation.main.*.a2a.send",
+                "collab.proj.*.main.c1.*.send",
+            ),
+            (
+                "collab.proj.conversation.main.c1",
+                "collab.proj.conversation.main.c1",
+            ),
+        ] {
+            assert!(
+                !pairwise_disjoint(&[a.to_string(), b.to_string()]),
+                "{a} {b}"
+            );
+        }
+        assert!(pairwise_disjoint(&[
+            "collab.proj.conversation.main.c1.a2a.send".to_string(),
+            "collab.proj.conversation.main.c1.a2a".to_string(),
+        ]));
+    }
 
     #[test]
     fn filters_over_several_roles_read_as_one_and_keep_only_their_own() {

@@ -128,6 +128,55 @@ async fn project(js: &Context, role: &str, key: &str, t: &str, n: u64) -> u64 {
     .await
 }
 
+/// Every event of `filter` paged backward from the newest, `limit` a page: their sequences in
+/// order, the newest page and the last (oldest) one.
+async fn page_back(app: &Router, filter: &str, limit: usize) -> (Vec<u64>, Value, Value) {
+    let mut back = Vec::new();
+    let newest = ok(app, &format!("/api/events?{filter}&limit={limit}")).await;
+    let mut page = newest.clone();
+    loop {
+        let mut s = seqs(&page);
+        assert!(s.len() <= limit, "{page}");
+        s.extend(back);
+        back = s;
+        match cursor(&page, "prev") {
+            Some(prev) => {
+                page = ok(
+                    app,
+                    &format!("/api/events?{filter}&limit={limit}&before={prev}"),
+                )
+                .await
+            }
+            None => return (back, newest, page),
+        }
+    }
+}
+
+/// Every event of `filter` paged forward after the cursor `after`, `limit` a page. An empty
+/// page ends it, and moves the cursor to the end of what it scanned, never back.
+async fn page_forward(app: &Router, filter: &str, limit: usize, mut after: String) -> Vec<u64> {
+    let mut fwd = Vec::new();
+    loop {
+        let page = ok(
+            app,
+            &format!("/api/events?{filter}&limit={limit}&after={after}"),
+        )
+        .await;
+        let s = seqs(&page);
+        if s.is_empty() {
+            let next = cursor(&page, "next").expect("a next cursor on an empty page");
+            let (n, a) = (
+                api::query::decode_cursor(0, &next).ok(),
+                api::query::decode_cursor(0, &after).ok(),
+            );
+            assert!(n >= a, "{n:?} < {a:?}");
+            return fwd;
+        }
+        fwd.extend(s);
+        after = cursor(&page, "next").expect("a next cursor");
+    }
+}
+
 fn seqs(page: &Value) -> Vec<u64> {
     page["events"]
         .as_array()
@@ -443,21 +492,8 @@ async fn events_page_forward_and_backward_covering_each_event_once() {
     let filter = "role=conversation.main&type=a2a.response";
 
     // Backward from the newest page.
-    let mut back = Vec::new();
-    let mut page = ok(&app, &format!("/api/events?{filter}&limit=7")).await;
-    let newest_next = cursor(&page, "next");
-    loop {
-        let mut s = seqs(&page);
-        assert!(s.len() <= 7);
-        s.extend(back);
-        back = s;
-        match cursor(&page, "prev") {
-            Some(prev) => {
-                page = ok(&app, &format!("/api/events?{filter}&limit=7&before={prev}")).await
-            }
-            None => break,
-        }
-    }
+    let (back, newest, page) = page_back(&app, filter, 7).await;
+    let newest_next = cursor(&newest, "next");
     assert_eq!(
         back, matching,
         "backward paging covers each event once, in order"
@@ -470,24 +506,7 @@ async fn events_page_forward_and_backward_covering_each_event_once() {
     assert_eq!(before_oldest["prev"], Value::Null);
 
     // Forward from the oldest retained.
-    let mut fwd = Vec::new();
-    let mut after = oldest;
-    loop {
-        let page = ok(&app, &format!("/api/events?{filter}&limit=9&after={after}")).await;
-        let s = seqs(&page);
-        if s.is_empty() {
-            // An empty page moves the cursor to the end of what it scanned, never back.
-            let next = cursor(&page, "next").expect("a next cursor on an empty page");
-            let (n, a) = (
-                api::query::decode_cursor(0, &next).ok(),
-                api::query::decode_cursor(0, &after).ok(),
-            );
-            assert!(n >= a, "{n:?} < {a:?}");
-            break;
-        }
-        fwd.extend(s);
-        after = cursor(&page, "next").expect("a next cursor");
-    }
+    let fwd = page_forward(&app, filter, 9, oldest).await;
     assert_eq!(
         fwd, matching,
         "forward paging covers each event once, in order"
@@ -524,6 +543,47 @@ async fn events_page_forward_and_backward_covering_each_event_once() {
     assert_eq!(
         cursor(&first, "next"),
         Some(api::query::encode_cursor(0, matching[14]))
+    );
+}
+
+/// Filters over several roles and several types (read one consumer per type, counted one
+/// consumer per filter): paging both ways returns exactly the events of the roles and types
+/// asked for, each once, among same-role other-type and same-type other-role events.
+#[tokio::test]
+async fn events_over_several_roles_and_types_page_both_ways_exactly() {
+    let (_nats, js, s) = setup().await;
+    let app = api::router(state(&js, &s));
+    let mut matching = Vec::new();
+    for i in 0..360u64 {
+        let (role, key, t, hit) = match i % 6 {
+            0 => ("conversation.main", "m1", "a2a.response", true),
+            1 => ("orchestration.task", "t1", "task.updated", i < 200),
+            2 => ("conversation.main", "m1", "a2a.send", false),
+            3 => ("system.observability", "m1", "a2a.response", false),
+            4 => ("delegation.subagent", "d1", "task.updated", false),
+            _ => ("orchestration.task", "t1", "task.created", false),
+        };
+        let (role, t) = if i % 6 == 1 && !hit {
+            ("orchestration.task", "task.created")
+        } else {
+            (role, t)
+        };
+        let seq = project(&js, role, key, t, i).await;
+        if hit {
+            matching.push(seq);
+        }
+    }
+    let filter = "role=conversation.main,orchestration.task&type=a2a.response,task.updated";
+    let (back, _, oldest_page) = page_back(&app, filter, 11).await;
+    assert_eq!(
+        back, matching,
+        "backward paging covers each event once, in order"
+    );
+    let oldest = cursor(&oldest_page, "oldest").expect("an oldest cursor");
+    let fwd = page_forward(&app, filter, 13, oldest).await;
+    assert_eq!(
+        fwd, matching,
+        "forward paging covers each event once, in order"
     );
 }
 

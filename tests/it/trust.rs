@@ -291,6 +291,70 @@ async fn work_session_lists_are_capped_per_token_and_in_total() {
     assert_eq!(status, StatusCode::OK, "{body}");
 }
 
+/// The scanning routes (search, tree, waiting, threads) take a place among `http.scans`, per
+/// token and in total, through the real router and access control; other routes do not.
+#[tokio::test]
+async fn scans_are_capped_per_token_and_in_total() {
+    let (_nats, js, s) = provisioned_with_tokens(|s| {
+        s.http.scans = 2;
+        s.http.scans_per_token = 1;
+    })
+    .await;
+    let state = ApiState::new(js.clone(), s.names(), &s.http);
+    let slots = state.scan_slots().clone();
+    let app = api::router(state);
+    let scans = [
+        "/api/search?q=x",
+        "/api/tree/k1",
+        "/api/waiting",
+        "/api/threads/k1",
+    ];
+    for path in scans {
+        let (status, _, body) = get(&app, path, Some(ALL_TOKEN)).await;
+        assert!(
+            status == StatusCode::OK || status == StatusCode::NOT_FOUND,
+            "{path}: {status} {body}"
+        );
+        assert_eq!(slots.open(), 0, "{path}: a finished scan frees its place");
+    }
+    let held = slots
+        .acquire(Some("all"))
+        .unwrap_or_else(|e| panic!("a place for all: {e:?}"));
+    for path in scans {
+        let (status, _, body) = get(&app, path, Some(ALL_TOKEN)).await;
+        assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{path}: {body}");
+        assert_eq!(body["error"]["code"], "too_many_scans", "{body}");
+        let message = body["error"]["message"].as_str().unwrap_or_default();
+        assert!(message.contains("http.scans_per_token = 1"), "{body}");
+    }
+    // What is not a scan is not refused: an event page, the caller's grant.
+    for path in ["/api/events?limit=1", "/api/me"] {
+        let (status, _, body) = get(&app, path, Some(ALL_TOKEN)).await;
+        assert_eq!(status, StatusCode::OK, "{path}: {body}");
+    }
+    let (status, _, body) = get(&app, "/api/waiting", Some(MAIN_TOKEN)).await;
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "another token has its own place: {body}"
+    );
+    let _other = slots
+        .acquire(Some("tasks"))
+        .unwrap_or_else(|e| panic!("a place for tasks: {e:?}"));
+    let (status, _, body) = get(&app, "/api/waiting", Some(MAIN_TOKEN)).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(body["error"]["code"], "too_many_scans", "{body}");
+    assert!(
+        body["error"]["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("http.scans = 2")),
+        "{body}"
+    );
+    drop(held);
+    let (status, _, body) = get(&app, "/api/waiting", Some(ALL_TOKEN)).await;
+    assert_eq!(status, StatusCode::OK, "{body}");
+}
+
 #[tokio::test]
 async fn event_streams_are_capped_per_token_and_in_total_and_a_closed_one_frees_its_place() {
     let (_nats, js, s) = provisioned_with_tokens(|s| {
