@@ -928,9 +928,9 @@ pub struct HttpSettings {
     /// Work-session lists being read at once per bearer token (grant); one more is refused with
     /// 429.
     pub session_lists_per_token: usize,
-    /// Scans of the projection stream (`/api/search`, `/api/tree`, `/api/waiting`,
-    /// `/api/threads`, each reading up to tens of thousands of events) running at once, all
-    /// callers together; one more is refused with 503.
+    /// Reads of the projection stream (`/api/events` pages, `/api/search`, `/api/tree`,
+    /// `/api/waiting`, `/api/threads`; a search, tree or waiting list reads up to tens of
+    /// thousands of events) running at once, all callers together; one more is refused with 503.
     pub scans: usize,
     /// Scans running at once per bearer token (grant); one more is refused with 429.
     pub scans_per_token: usize,
@@ -953,6 +953,66 @@ pub struct TokenGrant {
     #[serde(default)]
     pub token_env: Option<String>,
     pub roles: Vec<Role>,
+}
+
+/// The largest configuration file read: far above any real one, and a bound on a path that is
+/// no file (`--config /dev/zero`).
+const MAX_CONFIG_BYTES: u64 = 4 * 1024 * 1024;
+
+/// The bytes of `path`, or an error when there are more than `max`.
+fn read_capped(path: &Path, max: u64) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(max + 1)
+        .read_to_end(&mut bytes)?;
+    if bytes.len() as u64 > max {
+        return Err(std::io::Error::other(format!(
+            "larger than {max} bytes: is it the configuration file?"
+        )));
+    }
+    Ok(bytes)
+}
+
+/// The sections of the settings (`nats`, `http`, ...).
+const SECTIONS: [&str; 14] = [
+    "nats",
+    "roles",
+    "adapter",
+    "limits",
+    "redaction",
+    "consumer",
+    "turns",
+    "runs",
+    "projection",
+    "http",
+    "workers",
+    "storage",
+    "usage",
+    "otel",
+];
+
+/// What to say of `var` when it reads as a setting's variable with one underscore between the
+/// section and the key (`COLLAB_NATS_URL`: `url` is a key of `nats`), which the settings never
+/// read. A name whose rest is no key of the section (`COLLAB_WORKERS_PASSWORD`, a server's
+/// variable in docs/security.md) is not a setting's, and is left alone.
+fn mistyped_setting(var: &str, defaults: &serde_json::Value) -> Option<String> {
+    let rest = var.strip_prefix("COLLAB_")?;
+    if rest.contains("__") {
+        return None;
+    }
+    let lower = rest.to_ascii_lowercase();
+    let section = SECTIONS.iter().find(|s| {
+        lower
+            .strip_prefix(**s)
+            .and_then(|r| r.strip_prefix('_'))
+            .is_some_and(|key| defaults[**s].get(key).is_some())
+    })?;
+    let key = &rest[section.len() + 1..];
+    Some(format!(
+        "environment variable {var} is not a setting: a setting's variable has two underscores between its section and its key, COLLAB_{}__{key}",
+        section.to_ascii_uppercase()
+    ))
 }
 
 impl HttpSettings {
@@ -1020,8 +1080,8 @@ impl Default for HttpSettings {
             sse_max_streams_per_token: 8,
             session_lists: 8,
             session_lists_per_token: 2,
-            scans: 16,
-            scans_per_token: 4,
+            scans: 32,
+            scans_per_token: 8,
             scan_timeout: Duration::from_secs(30),
             sse_buffer_events: 256,
             sse_buffer_bytes: 1024 * 1024,
@@ -1068,7 +1128,7 @@ impl Settings {
             }
             // The TOML parser's own errors give the line, the column and the text at fault;
             // the config crate's lose them for malformed numbers.
-            let bytes = std::fs::read(path).map_err(|e| {
+            let bytes = read_capped(path, MAX_CONFIG_BYTES).map_err(|e| {
                 ConfigError::Invalid(format!("config file {}: {e}", path.display()))
             })?;
             let text = String::from_utf8(bytes).map_err(|e| {
@@ -1105,7 +1165,18 @@ impl Settings {
         }
         // Only COLLAB_<SECTION>__<KEY> variables are settings; others with the prefix
         // (COLLAB_CONFIG, COLLAB_LOG_FORMAT, test hooks) belong to the command line or the tests.
+        // One that names a section with a single underscore (COLLAB_NATS_URL) is a setting
+        // mistyped: refused, rather than left unread while the default is used.
+        let env: Vec<(String, String)> = env.collect();
+        if env.iter().any(|(k, _)| k.starts_with("COLLAB_")) {
+            let defaults = serde_json::to_value(Settings::default()).unwrap_or_default();
+            let mistyped = env.iter().find_map(|(k, _)| mistyped_setting(k, &defaults));
+            if let Some(what) = mistyped {
+                return Err(ConfigError::Invalid(what));
+            }
+        }
         let mut vars: config::Map<String, String> = env
+            .into_iter()
             .filter(|(k, _)| {
                 k.strip_prefix("COLLAB_")
                     .is_some_and(|rest| rest.contains("__"))
@@ -2162,6 +2233,70 @@ mod tests {
         assert_eq!(s.nats.password.as_ref().map(Secret::expose), Some("0012"));
         assert_eq!(s.nats.partitions, 8);
         assert!(s.nats.tls_required);
+    }
+
+    #[test]
+    fn a_setting_variable_with_one_underscore_is_refused_naming_the_right_one() {
+        let read = |var: &str| {
+            let env = [(var.to_string(), "nats://elsewhere:4222".to_string())];
+            Settings::read_env(None, env.into_iter())
+        };
+        for (var, right) in [
+            ("COLLAB_NATS_URL", "COLLAB_NATS__URL"),
+            ("COLLAB_HTTP_ADDR", "COLLAB_HTTP__ADDR"),
+            ("COLLAB_workers_lease_ttl", "COLLAB_WORKERS__lease_ttl"),
+        ] {
+            match read(var) {
+                Err(ConfigError::Invalid(m)) => {
+                    assert!(m.contains(var) && m.contains(right), "{m}");
+                    assert!(!m.contains("elsewhere"), "the value is not repeated: {m}");
+                }
+                other => panic!("{var} was not refused: {other:?}"),
+            }
+        }
+        // The command line's, the tests' and CI's own variables are no settings, and stay
+        // allowed; so are a section's name alone, and a name whose rest is no key of the section
+        // (a server's variable, as in docs/security.md).
+        for var in [
+            "COLLAB_CONFIG",
+            "COLLAB_LOG_FORMAT",
+            "COLLAB_TEST_CRASH_AT",
+            "COLLAB_ARTIFACTS_DIR",
+            "COLLAB_BENCH_PREFIX",
+            "COLLAB_NATS",
+            "COLLAB_NATS_",
+            "COLLAB_WORKERS_PASSWORD",
+            "COLLAB_AGENT_RUDA_PASSWORD",
+        ] {
+            assert!(read(var).is_ok(), "{var}");
+        }
+    }
+
+    #[test]
+    fn the_sections_named_are_the_settings_sections() {
+        let value = serde_json::to_value(Settings::default()).unwrap_or_default();
+        let mut keys: Vec<&str> = value
+            .as_object()
+            .map(|m| m.keys().map(String::as_str).collect())
+            .unwrap_or_default();
+        keys.sort_unstable();
+        let mut sections = SECTIONS.to_vec();
+        sections.sort_unstable();
+        assert_eq!(keys, sections);
+    }
+
+    #[test]
+    fn a_config_path_that_never_ends_is_refused_at_the_cap() {
+        let e = read_capped(Path::new("/dev/zero"), 1024)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("larger than"), "{e}");
+        let e = Settings::read_env(Some(Path::new("/dev/zero")), std::iter::empty());
+        assert!(
+            matches!(&e, Err(ConfigError::Invalid(m)) if m.contains("/dev/zero") && m.contains("4194304 bytes")),
+            "{e:?}"
+        );
     }
 
     #[test]

@@ -20,6 +20,7 @@ fn cases(n: u32) -> Config {
     let n = std::env::var("PROPTEST_CASES")
         .ok()
         .and_then(|v| v.parse().ok())
+        .filter(|n| *n > 0)
         .unwrap_or(n);
     Config {
         cases: n,

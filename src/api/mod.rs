@@ -95,7 +95,7 @@ async fn served_version(
 /// The response header that names the projection version served.
 pub const VERSION_HEADER: &str = "collab-projection-version";
 
-/// A route that scans the projection stream: capped and stopped by [`slots::scan_guard`].
+/// A route that scans the projection stream (an event page counts and reads a range of it too): capped and stopped by [`slots::scan_guard`].
 fn scan(route: MethodRouter<ApiState>, state: &ApiState) -> MethodRouter<ApiState> {
     route.layer(middleware::from_fn_with_state(
         state.clone(),
@@ -106,7 +106,7 @@ fn scan(route: MethodRouter<ApiState>, state: &ApiState) -> MethodRouter<ApiStat
 /// The API routes. Merge into the server's router: `http::router(..).merge(api::router(state))`.
 pub fn router(state: ApiState) -> Router {
     let protected = Router::new()
-        .route("/api/events", get(events::list))
+        .route("/api/events", scan(get(events::list), &state))
         .route("/api/events/stream", get(stream::stream))
         .route("/api/work-sessions", get(sessions::list))
         .route("/api/work-sessions/{id}", get(sessions::one))

@@ -180,7 +180,7 @@ fn common_errors(extra: &[(&str, &str)]) -> Value {
     );
     m.insert(
         "503".into(),
-        error_response("The event store (NATS) is unavailable."),
+        error_response("The event store (NATS) is unavailable (code unavailable; Retry-After says when to try again)."),
     );
     for (code, d) in extra {
         m.insert((*code).into(), error_response(d));
@@ -261,7 +261,7 @@ fn events(p: &Shared) -> Value {
             param("limit", "Events per page (default 100). One value.", p.limit_schema.clone()),
             param("after", "Cursor: the oldest `limit` events after it (with `before`: between the two). One value.", p.cursor_schema.clone()),
             param("before", "Cursor: the newest `limit` events before it (with `after`: the oldest `limit` between the two). One value.", p.cursor_schema.clone())],
-        "responses": with_ok(common_errors(&[("410", "The cursor is older than the stream's retention (code cursor_expired; the error carries oldestCursor), past its newest event (code cursor_ahead: the stream was made again since the cursor was issued; start again), or a position in a projection version this API no longer serves (code version_switched: start again without a cursor).")]),
+        "responses": with_ok(scan_errors(&[("410", "The cursor is older than the stream's retention (code cursor_expired; the error carries oldestCursor), past its newest event (code cursor_ahead: the stream was made again since the cursor was issued; start again), or a position in a projection version this API no longer serves (code version_switched: start again without a cursor).")]),
             json!({"description": "A page of events.", "content": {"application/json": {"schema": {"$ref": "#/components/schemas/EventPage"}}}}))
     }})
 }

@@ -419,6 +419,18 @@ pub fn bad_cursor() -> ApiError {
     )
 }
 
+/// [`bad_cursor`] naming the value given (shortened), so a caller sees which of its cursors is
+/// at fault.
+fn bad_cursor_given(cursor: &str) -> ApiError {
+    ApiError::bad_request(
+        "bad_cursor",
+        format!(
+            "the cursor {:?} is not one this server issued; use the `next`, `prev` or `oldest` value of a response, or an event's `cursor`",
+            crate::model::shorten(cursor, 40)
+        ),
+    )
+}
+
 /// Most digits of a cursor's sequence: every sequence a stream reaches (below 10^19) fits.
 const MAX_CURSOR_DIGITS: usize = 19;
 
@@ -429,18 +441,18 @@ const MAX_CURSOR_DIGITS: usize = 19;
 pub fn decode_cursor(tag: u16, cursor: &str) -> Result<u64, ApiError> {
     let bytes = base64::engine::general_purpose::URL_SAFE_NO_PAD
         .decode(cursor)
-        .map_err(|_| bad_cursor())?;
+        .map_err(|_| bad_cursor_given(cursor))?;
     if bytes.len() < 4 || !is_cursor_prefix(&bytes[..3]) {
-        return Err(bad_cursor());
+        return Err(bad_cursor_given(cursor));
     }
     let (prefix, digits) = bytes.split_at(3);
     if digits.len() > MAX_CURSOR_DIGITS || !digits.iter().all(u8::is_ascii_digit) {
-        return Err(bad_cursor());
+        return Err(bad_cursor_given(cursor));
     }
     let seq = std::str::from_utf8(digits)
         .ok()
         .and_then(|d| d.parse::<u64>().ok())
-        .ok_or_else(bad_cursor)?;
+        .ok_or_else(|| bad_cursor_given(cursor))?;
     if prefix != cursor_prefix(tag).as_bytes() {
         return Err(version_switched());
     }
@@ -575,6 +587,16 @@ mod tests {
                 Some("bad_cursor".to_string()),
                 "{junk}"
             );
+        }
+        // The refusal names the value at fault, shortened.
+        let long = "x".repeat(500);
+        for (given, named) in [("djE6", "\"djE6\""), (long.as_str(), "\"xxxx")] {
+            let message = decode_cursor(0, given)
+                .err()
+                .map(|e| e.message)
+                .unwrap_or_default();
+            assert!(message.contains(named), "{message}");
+            assert!(message.len() < 250, "{message}");
         }
     }
 

@@ -50,8 +50,8 @@ impl Capped {
         advice: "wait for one to finish",
         freed: "work-session list done",
     };
-    /// `/api/search`, `/api/tree`, `/api/waiting`, `/api/threads`: each scans the projection
-    /// stream.
+    /// `/api/events` pages, `/api/search`, `/api/tree`, `/api/waiting`, `/api/threads`: each
+    /// scans the projection stream.
     pub const SCANS: Capped = Capped {
         total_setting: "http.scans",
         token_setting: "http.scans_per_token",

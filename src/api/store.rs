@@ -394,7 +394,9 @@ fn groups_over_roles(filters: &[String]) -> Vec<String> {
 /// a single filter (a search over 50,000 events with every role's filter took 40-45 s, with one
 /// role's 0.7 s), so a read over several roles asks for every role and drops the other roles'
 /// messages itself ([`subject_matches`] against the filters asked for). At most the four roles'
-/// messages are read; filters that differ in key or type (selective ones) stay as they are.
+/// messages are read. Filters that differ in key or type as well are not merged into one (they
+/// are selective, and one filter over them could read far more): [`read_range`] reads them one
+/// group per key and type ([`groups_over_roles`]) when no subject matches two groups.
 fn one_filter_over_roles(filters: &[String]) -> Option<String> {
     let [first, rest @ ..] = filters else {
         return None;

@@ -291,8 +291,9 @@ async fn work_session_lists_are_capped_per_token_and_in_total() {
     assert_eq!(status, StatusCode::OK, "{body}");
 }
 
-/// The scanning routes (search, tree, waiting, threads) take a place among `http.scans`, per
-/// token and in total, through the real router and access control; other routes do not.
+/// The scanning routes (event pages, search, tree, waiting, threads) take a place among
+/// `http.scans`, per token and in total, through the real router and access control; other
+/// routes do not.
 #[tokio::test]
 async fn scans_are_capped_per_token_and_in_total() {
     let (_nats, js, s) = provisioned_with_tokens(|s| {
@@ -304,6 +305,7 @@ async fn scans_are_capped_per_token_and_in_total() {
     let slots = state.scan_slots().clone();
     let app = api::router(state);
     let scans = [
+        "/api/events?limit=1",
         "/api/search?q=x",
         "/api/tree/k1",
         "/api/waiting",
@@ -327,8 +329,8 @@ async fn scans_are_capped_per_token_and_in_total() {
         let message = body["error"]["message"].as_str().unwrap_or_default();
         assert!(message.contains("http.scans_per_token = 1"), "{body}");
     }
-    // What is not a scan is not refused: an event page, the caller's grant.
-    for path in ["/api/events?limit=1", "/api/me"] {
+    // What is not a scan is not refused: the caller's grant, the session list (capped apart).
+    for path in ["/api/me", "/api/work-sessions"] {
         let (status, _, body) = get(&app, path, Some(ALL_TOKEN)).await;
         assert_eq!(status, StatusCode::OK, "{path}: {body}");
     }
