@@ -47,10 +47,12 @@ pub use error::ApiError;
 pub use query::QueryPairs;
 pub use state::{ApiState, ApiStats, SseLimits};
 
+use axum::extract::{MatchedPath, Request, State};
 use axum::http::{header, HeaderValue};
+use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, MethodRouter};
-use axum::{middleware, Router};
+use axum::{middleware, Extension, Router};
 
 async fn not_found() -> ApiError {
     ApiError::not_found("no such API endpoint; see /api/openapi.json")
@@ -95,12 +97,34 @@ async fn served_version(
 /// The response header that names the projection version served.
 pub const VERSION_HEADER: &str = "collab-projection-version";
 
-/// A route that scans the projection stream (an event page counts and reads a range of it too): capped and stopped by [`slots::scan_guard`].
+/// Around a scanning route: a place among the scans ([`Capped::SCANS`]) for the caller's grant,
+/// and the scan stopped at `http.scan_timeout` (503 `scan_timeout`). A stopped scan's ephemeral
+/// consumers expire on the server by themselves.
+async fn scan_guard(
+    State(state): State<ApiState>,
+    Extension(caller): Extension<Caller>,
+    request: Request,
+    next: Next,
+) -> Response {
+    let route = request
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_string())
+        .unwrap_or_default();
+    slots::guarded(
+        state.scan_slots(),
+        state.scan_timeout(),
+        caller.name.as_deref(),
+        &route,
+        next.run(request),
+    )
+    .await
+}
+
+/// A route that scans the projection stream (an event page counts and reads a range of it
+/// too): capped and stopped by [`scan_guard`].
 fn scan(route: MethodRouter<ApiState>, state: &ApiState) -> MethodRouter<ApiState> {
-    route.layer(middleware::from_fn_with_state(
-        state.clone(),
-        slots::scan_guard,
-    ))
+    route.layer(middleware::from_fn_with_state(state.clone(), scan_guard))
 }
 
 /// The API routes. Merge into the server's router: `http::router(..).merge(api::router(state))`.

@@ -1,19 +1,14 @@
 //! Caps on what runs at once, all callers together and per bearer token: the event streams open
 //! (`http.sse_max_streams`, `http.sse_max_streams_per_token`) and the work-session lists being
 //! read (`http.session_lists`, `http.session_lists_per_token`; each reads the whole bucket) and
-//! the scans of the projection stream (`http.scans`, `http.scans_per_token`; [`scan_guard`] also
-//! stops one at `http.scan_timeout`). A request takes a [`Slot`] before it reads anything and gives it back when it is dropped (a
-//! stream when its response body is dropped, a list when its handler returns), so a place is
-//! freed at once.
+//! the scans of the projection stream (`http.scans`, `http.scans_per_token`; [`guarded`] also
+//! stops one at `http.scan_timeout`). A request takes a [`Slot`] before it reads anything and
+//! gives it back when it is dropped (a stream when its response body is dropped, a list when its
+//! handler returns), so a place is freed at once.
 
-use super::auth::Caller;
 use super::error::ApiError;
-use super::state::ApiState;
-use axum::extract::{MatchedPath, Request, State};
 use axum::http::StatusCode;
-use axum::middleware::Next;
 use axum::response::{IntoResponse, Response};
-use axum::Extension;
 use std::collections::HashMap;
 use std::future::Future;
 use std::sync::{Arc, Mutex};
@@ -167,32 +162,8 @@ impl Drop for Slot {
     }
 }
 
-/// Around a scanning route: a place among the scans ([`Capped::SCANS`]) for the caller's grant,
-/// and the scan stopped at `http.scan_timeout` (503 `scan_timeout`). A stopped scan's ephemeral
-/// consumers expire on the server by themselves.
-pub async fn scan_guard(
-    State(state): State<ApiState>,
-    Extension(caller): Extension<Caller>,
-    request: Request,
-    next: Next,
-) -> Response {
-    let route = request
-        .extensions()
-        .get::<MatchedPath>()
-        .map(|p| p.as_str().to_string())
-        .unwrap_or_default();
-    guarded(
-        state.scan_slots(),
-        state.scan_timeout(),
-        caller.name.as_deref(),
-        &route,
-        next.run(request),
-    )
-    .await
-}
-
 /// `scan` run with a place among `slots` for `token`, and stopped after `limit`.
-async fn guarded(
+pub async fn guarded(
     slots: &Arc<Slots>,
     limit: Duration,
     token: Option<&str>,
