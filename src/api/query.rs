@@ -411,11 +411,15 @@ pub fn version_switched() -> ApiError {
     )
 }
 
+/// What to send instead of a cursor this server never issued.
+const CURSOR_ADVICE: &str =
+    "use the `next`, `prev` or `oldest` value of a response, or an event's `cursor`";
+
 /// The error for a cursor this server never issued.
 pub fn bad_cursor() -> ApiError {
     ApiError::bad_request(
         "bad_cursor",
-        "the cursor is not one this server issued; use the `next`, `prev` or `oldest` value of a response, or an event's `cursor`",
+        format!("the cursor is not one this server issued; {CURSOR_ADVICE}"),
     )
 }
 
@@ -425,7 +429,7 @@ fn bad_cursor_given(cursor: &str) -> ApiError {
     ApiError::bad_request(
         "bad_cursor",
         format!(
-            "the cursor {:?} is not one this server issued; use the `next`, `prev` or `oldest` value of a response, or an event's `cursor`",
+            "the cursor {:?} is not one this server issued; {CURSOR_ADVICE}",
             crate::model::shorten(cursor, 40)
         ),
     )

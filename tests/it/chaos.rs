@@ -2300,8 +2300,14 @@ fn second_fault<'a>(
     partition: u16,
     until: i64,
 ) -> Option<&'a Fault> {
+    fault_between(faults, first.at_ms, until, partition)
+}
+
+/// The first fault strictly between `after` and `until` that struck `partition`: a server fault,
+/// or a worker fault whose worker held the partition.
+fn fault_between(faults: &[Fault], after: i64, until: i64, partition: u16) -> Option<&Fault> {
     faults.iter().find(|g| {
-        g.at_ms > first.at_ms
+        g.at_ms > after
             && g.at_ms < until
             && g.partitions
                 .as_ref()
@@ -2685,14 +2691,8 @@ fn check(bed: &mut Bed, log: &WriterLog, raw: &[Rec], proj: &[Rec], dlq: &[Rec])
             if !want.is_empty() {
                 streamed_with_artifacts += 1;
             }
-            let resp_ms = resp.stored_ms;
-            if bed.faults.iter().any(|f| {
-                f.at_ms > send.stored_ms
-                    && f.at_ms < resp_ms
-                    && f.partitions
-                        .as_ref()
-                        .is_none_or(|ps| ps.contains(&send.partition))
-            }) {
+            if fault_between(&bed.faults, send.stored_ms, resp.stored_ms, send.partition).is_some()
+            {
                 streamed_across_fault += 1;
             }
             if have != want || body["payload"]["state"] != "completed" {
